@@ -1,0 +1,1 @@
+"""Kernels: the pure-torch reference (ground truth, CPU backend), Triton kernels, CUDA kernels."""

@@ -1,0 +1,196 @@
+"""cast / encode / decode: validate, choose a backend (with a stated reason), launch.
+
+Backends: ``"triton"`` (the fused elementwise kernel in ``kernels/triton/cast.py``; on CUDA tensors,
+or anywhere under ``TRITON_INTERPRET=1``) and ``"reference"`` (pure torch, ``kernels/reference.py``;
+every device).  Both compute the same bits, stochastic rounding included.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..formats import ROUNDING_MODES, BlockFormat, FloatFormat, IntFormat, as_format
+from ..kernels import reference as ref
+
+__all__ = ["cast", "encode", "decode", "choose_cast_backend", "code_dtype"]
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_BACKENDS = ("auto", "triton", "reference")
+
+
+def _triton_usable(x: torch.Tensor) -> tuple[bool, str]:
+    try:
+        import triton  # noqa: F401
+    except Exception as e:  # pragma: no cover - triton is a Linux dependency
+        return False, f"triton is not importable ({type(e).__name__}: {e})"
+    if x.is_cuda:
+        return True, "CUDA tensor: fused Triton kernel"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True, "TRITON_INTERPRET=1: Triton kernel in the interpreter"
+    return False, f"tensor on {x.device.type}: Triton needs a CUDA tensor (or TRITON_INTERPRET=1)"
+
+
+def choose_cast_backend(x: torch.Tensor, backend: str = "auto") -> tuple[str, str]:
+    """(backend, reason) for casting ``x``."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got backend={backend!r}")
+    if backend == "reference":
+        return "reference", "asked for the reference backend"
+    ok, why = _triton_usable(x)
+    if backend == "triton":
+        if not ok:
+            raise RuntimeError(f"backend='triton' cannot run: {why}; use backend='reference' or a CUDA tensor")
+        return "triton", why
+    if ok and x.is_cuda:
+        return "triton", why
+    return "reference", f"pure-torch reference: {why}" if not ok else "pure-torch reference on CPU"
+
+
+def code_dtype(fmt) -> torch.dtype:
+    """Storage dtype of codes: uint8 up to 8 bits, int16 up to 16, int32 above (bit patterns)."""
+    bits = fmt.bits
+    return torch.uint8 if bits <= 8 else torch.int16 if bits <= 16 else torch.int32
+
+
+def _check_x(x, fn: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{fn}() expects a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"{fn}() takes a floating tensor of dtype float32, float16, bfloat16 or float64, got dtype={x.dtype}; "
+            "convert with x.float() first"
+        )
+
+
+def _check_rounding(rounding: str) -> None:
+    if rounding not in ROUNDING_MODES:
+        raise ValueError(f"rounding must be one of {ROUNDING_MODES}, got rounding={rounding!r}")
+
+
+def _seed_from(generator: torch.Generator | None, rounding: str) -> int | None:
+    if rounding != "stochastic":
+        return None
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    device = generator.device if generator is not None else "cpu"
+    return int(torch.randint(0, 2**62, (1,), generator=generator, device=device).item())
+
+
+def _compute_dtype(x: torch.Tensor, fmt) -> torch.dtype:
+    """float64 stays float64; the 16-bit types are widened (exactly) to float32."""
+    if x.dtype == torch.float64:
+        return torch.float64
+    if x.dtype in (torch.float16, torch.bfloat16) and isinstance(fmt, FloatFormat):
+        limit = torch.finfo(x.dtype).max
+        if fmt.max > limit:
+            raise ValueError(
+                f"cast of a {x.dtype} tensor to {fmt}: {fmt} reaches {fmt.max:.4g}, beyond {x.dtype}'s max "
+                f"{limit:.4g}, so a result could not be stored in {x.dtype}; cast x.float() instead"
+            )
+    return torch.float32
+
+
+def cast(
+    x: torch.Tensor,
+    fmt,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Round ``x`` to the values of ``fmt`` (one rounding from the float32/float64 bit pattern).
+
+    Returns a tensor of x's dtype whose values are exactly representable in ``fmt``.  Round to
+    nearest-even is bit-exact with ml_dtypes (and gfloat for custom formats).  NaN stays NaN
+    (also for formats that have no NaN code: ``encode`` refuses those); Inf and overflow follow the
+    format's ``specials`` and ``overflow``; -0 is kept where the format has it.
+
+    ``rounding``: ``"nearest"`` (ties to even), ``"nearest_away"``, ``"toward_zero"``, ``"up"``
+    (toward +Inf), ``"down"`` (toward -Inf), ``"stochastic"`` (unbiased; reproducible from
+    ``generator``, or from torch's default generator).
+
+    >>> import torch, tcprec as tp
+    >>> tp.cast(torch.tensor([0.3, 500.0]), "e4m3")
+    tensor([0.3125,    nan])
+    """
+    _check_x(x, "cast")
+    fmt = as_format(fmt)
+    _check_rounding(rounding)
+    if isinstance(fmt, BlockFormat):
+        from .quantize import quantize  # same layer; a block cast is quantize + dequantize
+
+        return quantize(x, fmt, rounding=rounding, generator=generator).dequantize().to(x.dtype)
+    cdt = _compute_dtype(x, fmt)
+    seed = _seed_from(generator, rounding)
+    name, _ = choose_cast_backend(x, backend)
+    xc = x.to(cdt)
+    if name == "triton":
+        from ..kernels.triton import cast as tcast
+
+        y = tcast.cast(xc, fmt, rounding, seed)
+    elif isinstance(fmt, IntFormat):
+        y = ref.cast_int(xc, fmt, rounding, seed)
+    else:
+        y = ref.cast_float(xc, fmt, rounding, seed)
+    return y.to(x.dtype)
+
+
+def encode(
+    x: torch.Tensor,
+    fmt,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Round ``x`` to ``fmt`` and return its codes (bit patterns): uint8 for formats of up to 8 bits,
+    int16 up to 16 bits, int32 above.  Integer formats give the b-bit two's complement pattern
+    (``twos``) or the code index (``unsigned``, ``pm1``: value = 2*code - (2**bits - 1)).
+
+    Raises ``ValueError`` if ``x`` holds NaN and ``fmt`` has no NaN code (integers, fp6, fp4).
+    """
+    _check_x(x, "encode")
+    fmt = as_format(fmt)
+    _check_rounding(rounding)
+    if isinstance(fmt, BlockFormat):
+        raise TypeError(f"encode() takes an element format; for {fmt} use tcprec.quantize(x, {str(fmt)!r})")
+    cdt = _compute_dtype(x, fmt)
+    seed = _seed_from(generator, rounding)
+    name, _ = choose_cast_backend(x, backend)
+    xc = x.to(cdt)
+    if name == "triton":
+        from ..kernels.triton import cast as tcast
+
+        codes = tcast.encode(xc, fmt, rounding, seed)
+    else:
+        fn = ref.encode_int if isinstance(fmt, IntFormat) else ref.encode_float
+        codes = fn(xc, fmt, rounding, seed)
+    if not fmt.has_nan and bool(torch.isnan(x).any()):
+        n = int(torch.isnan(x).sum())
+        raise ValueError(
+            f"x holds {n} NaN value(s) but {fmt} has no NaN code; remove them (torch.nan_to_num) or pick a "
+            "format with NaN (e.g. float8_e4m3fn)"
+        )
+    dt = code_dtype(fmt)
+    if codes.dtype != dt:
+        if dt != torch.uint8:  # keep the bit pattern: wrap into the signed storage type
+            width = torch.iinfo(dt).bits
+            codes = torch.where(codes >= (1 << (width - 1)), codes - (1 << width), codes)
+        codes = codes.to(dt)
+    return codes
+
+
+def decode(codes: torch.Tensor, fmt) -> torch.Tensor:
+    """Codes (as produced by ``encode``) -> float32 values."""
+    fmt = as_format(fmt)
+    if not isinstance(codes, torch.Tensor):
+        raise TypeError(f"decode() expects a torch.Tensor of codes, got {type(codes).__name__}")
+    if codes.dtype.is_floating_point or codes.dtype.is_complex or codes.dtype == torch.bool:
+        raise TypeError(f"decode() takes integer codes, got dtype={codes.dtype}; codes come from tcprec.encode")
+    if isinstance(fmt, BlockFormat):
+        raise TypeError(f"decode() takes an element format; a {fmt} tensor is a QTensor: call .dequantize()")
+    if isinstance(fmt, IntFormat):
+        return ref.decode_int(codes, fmt)
+    return ref.decode_float(codes, fmt)
