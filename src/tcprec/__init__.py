@@ -1,13 +1,21 @@
 """tcprec: arbitrary- and mixed-precision computing on GPU tensor cores.
 
 >>> import torch, tcprec as tp
->>> fmt = tp.format("e4m3")
->>> tp.cast(torch.tensor([1.0, 0.3]), fmt)
+>>> tp.cast(torch.tensor([1.0, 0.3]), "e4m3")
 tensor([1.0000, 0.3125])
+>>> qx = tp.quantize(torch.tensor([[1.0, -2.0], [0.5, 0.25]]), "int4", tp.PerChannel(0))
+>>> qx.dequantize()
+tensor([[ 0.8571, -2.0000],
+        [ 0.5000,  0.2143]])
 """
 
+from . import linalg, metrics
+from .env import device_report
 from .formats import BlockFormat, FloatFormat, IntFormat, ROUNDING_MODES, as_format, format, preset_names, presets
 from .ops.cast import cast, decode, encode
+from .ops.quantize import quantize
+from .packing import K_PAD_BITS, pack_bitplanes, packed_words, plane_popcounts, unpack_bitplanes
+from .qtensor import PerChannel, PerGroup, PerTensor, QTensor
 
 __version__ = "0.1.0"
 
@@ -22,8 +30,23 @@ __all__ = [
     "presets",
     "preset_names",
     "ROUNDING_MODES",
-    # casting
+    # casting and quantization
     "cast",
     "encode",
     "decode",
+    "quantize",
+    "QTensor",
+    "PerTensor",
+    "PerChannel",
+    "PerGroup",
+    # bit planes (the bit-serial GEMM's operand layout)
+    "pack_bitplanes",
+    "unpack_bitplanes",
+    "plane_popcounts",
+    "packed_words",
+    "K_PAD_BITS",
+    # workflows and tools
+    "linalg",
+    "metrics",
+    "device_report",
 ]

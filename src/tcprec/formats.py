@@ -208,6 +208,11 @@ class FloatFormat:
             raise ValueError("specials='fnuz' puts NaN on the sign bit; it needs signed=True")
         if not self.zero and self.subnormals and self.man > 0:
             raise ValueError("zero=False makes exponent code 0 a normal binade; it needs subnormals=False")
+        if self.emin < -126 and self.man > 0:
+            raise ValueError(
+                f"e{self.exp}m{self.man} with bias {bias} and zero={self.zero} has normal numbers below 2**-126, "
+                "where float32 (the cast's source) has fewer bits than the format; use bias <= 127 - int(not zero)"
+            )
         if self.bits > 32:
             raise ValueError(f"a FloatFormat has at most 32 bits, got {self.bits}")
         if not (self.max > 0 and math.isfinite(self.max)):
@@ -410,10 +415,11 @@ class BlockFormat:
 
     @property
     def element_emax(self) -> int:
-        """Exponent of the element format's largest power of two (OCP's emax_elem)."""
+        """OCP's emax_elem: exponent of the largest power of two the element represents, in the
+        element's own units (6 for int8: MXINT8 is int8 * 2**-6 with emax_elem 0, i.e. 64)."""
         if isinstance(self.element, FloatFormat):
             return self.element.emax
-        return int(math.floor(math.log2(max(abs(self.element.min), self.element.max))))
+        return int(math.floor(math.log2(self.element.max))) if self.element.max >= 1 else 0
 
     def __str__(self) -> str:
         for name, fmt in _BLOCK_PRESETS.items():

@@ -26,7 +26,7 @@ Integer cast
 ------------
 The value is mapped to a code index ``u = (x - fmt.offset) / fmt.step`` (step 2 for pm1), rounded
 to an integer with the same modes, and clamped to ``0 .. 2**bits - 1`` (integers saturate).
-``floor`` and ``x - floor(x)`` are exact, so no rounding error creeps in before the one rounding.
+``trunc(x)`` and ``x - trunc(x)`` are exact, so no rounding error creeps in before the one rounding.
 """
 
 from __future__ import annotations
@@ -91,11 +91,15 @@ def _round_float_core(x: torch.Tensor, fmt: FloatFormat, rounding: str, seed: in
     is_inf = a == inf_bits
     E = a >> SM
     sig = torch.where(E > 0, (a & ((1 << SM) - 1)) | (1 << SM), a & ((1 << SM) - 1))
-    Eu = torch.clamp(E, min=1) - SB  # unbiased exponent of the binade (source subnormals: emin)
+    ue = torch.clamp(E, min=1) - SB - SM  # |x| = sig * 2**ue
+    # Eu = floor(log2|x|); for source subnormals sig < 2**SM, so take the true leading bit
+    lead = torch.frexp(sig.to(torch.float64))[1].to(torch.int64) - 1
+    Eu = torch.where(E > 0, E - SB, ue + lead)
     m, emin = fmt.man, fmt.emin
     qe_low = emin - m if fmt.subnormals else emin
     qe = torch.where(Eu >= emin, Eu - m, torch.full_like(Eu, qe_low))
-    shift = qe - (Eu - SM)  # >= 0 because man <= 23 <= SM and emin >= -126
+    qe = torch.maximum(qe, ue)  # a target finer than the source here: nothing to round
+    shift = qe - ue
     shift_c = torch.clamp(shift, max=SM + 2)  # beyond SM + 1 every bit is dropped and rem < half
     kept = sig >> shift_c
     rem = sig & ((1 << shift_c) - 1)
@@ -127,7 +131,7 @@ def _round_float_core(x: torch.Tensor, fmt: FloatFormat, rounding: str, seed: in
         raise ValueError(f"rounding must be one of {ROUNDING_MODES}, got {rounding!r}")
     kept = kept + up.to(torch.int64)
     mag = kept.to(torch.float64) * _pow2(qe)  # exact: kept <= 2**24, qe within float64's range
-    return neg, mag, kept, qe, is_nan, is_inf, a == 0, Eu < emin
+    return neg, mag, kept, qe, is_nan, is_inf, a == 0, (Eu < emin) & (sig != 0)
 
 
 def _specials(fmt: FloatFormat, rounding: str, neg, mag, is_nan, is_inf, is_zero):
@@ -166,7 +170,7 @@ def cast_float(x: torch.Tensor, fmt: FloatFormat, rounding: str = "nearest", see
     mag = torch.where(to_max, torch.full_like(mag, fmt.max), mag)
     mag = torch.where(to_min, torch.full_like(mag, fmt.min_subnormal), mag)
     mag = torch.where(to_over, torch.full_like(mag, float("inf")), mag)
-    keep_sign = (neg == 1) & (fmt.has_negative_zero | (mag != 0)) & fmt.signed
+    keep_sign = (neg == 1) & (fmt.has_negative_zero | (not fmt.zero) | (mag != 0)) & fmt.signed
     out = torch.where(keep_sign, -mag, mag)
     out = torch.where(to_nan, torch.full_like(out, float("nan")), out)
     return out.to(x.dtype)
@@ -192,7 +196,7 @@ def encode_float(x: torch.Tensor, fmt: FloatFormat, rounding: str = "nearest", s
     code = torch.where(to_min, torch.full_like(code, fmt.code_of_min), code)
     if fmt.has_inf:
         code = torch.where(to_over, torch.full_like(code, fmt.code_of_inf), code)
-    keep_sign = (neg == 1) & fmt.signed & (fmt.has_negative_zero | (code != 0))
+    keep_sign = (neg == 1) & fmt.signed & (fmt.has_negative_zero | (not fmt.zero) | (code != 0))
     code = code | torch.where(keep_sign, fmt.sign_bit, 0)
     nan_code = -1 if fmt.code_of_nan is None else fmt.code_of_nan
     if fmt.specials in ("ieee", "fn") and fmt.has_nan:  # NaN keeps its sign
@@ -233,28 +237,34 @@ def decode_float(codes: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
 
 
 def _round_int_core(x: torch.Tensor, fmt: IntFormat, rounding: str, seed: int | None):
-    """Code index u in 0..2**bits-1 (value = offset + step * u) and the NaN mask."""
+    """Code index u in 0..2**bits-1 (value = offset + step * u) and the NaN mask.
+
+    ``x = n + g`` with ``n = trunc(x)`` and ``g = x - n`` is exact (``x - floor(x)`` is not, for
+    tiny negative x).  Then ``(x - offset) / step = (T + G) / step`` with the integer
+    ``T = n - offset - [g < 0]`` and ``G = g + [g < 0]`` in [0, 1); G is never formed, only compared.
+    """
     xd = x.to(torch.float64)  # exact for float32 and smaller
     is_nan = torch.isnan(xd)
     xd = torch.where(is_nan, torch.zeros_like(xd), xd)
     xd = torch.clamp(xd, min=float(fmt.min) - 4.0, max=float(fmt.max) + 4.0)  # saturates Inf too
-    n = torch.floor(xd)
-    f = xd - n  # exact, in [0, 1)
-    t = n.to(torch.int64) - fmt.offset
-    if fmt.step == 2:  # u = t/2 + f/2: the fraction is (t&1)/2 + f/2
-        u_int = t >> 1
-        t_odd = (t & 1) == 1
-        frac_gt_half = t_odd & (f > 0)
-        frac_eq_half = t_odd & (f == 0)
-        frac_nonzero = t_odd | (f > 0)
-        frac_bits31 = (t & 1) << 30  # fraction * 2**31, exact part; f/2 * 2**31 added below
-        frac_bits31 = frac_bits31 + torch.floor(f * 2.0**30).to(torch.int64)
+    n = torch.trunc(xd)
+    g = xd - n  # exact, in (-1, 1), sign of x
+    gneg = g < 0
+    T = n.to(torch.int64) - fmt.offset - gneg.to(torch.int64)
+    gnz = g != 0
+    if fmt.step == 2:  # u = T/2 + G/2
+        u_int = T >> 1
+        odd = (T & 1) == 1
+        frac_gt_half = odd & gnz
+        frac_eq_half = odd & ~gnz
+        frac_nonzero = odd | gnz
+        frac31 = ((T & 1) << 30) + torch.floor(g * 2.0**30).to(torch.int64) + (gneg.to(torch.int64) << 30)
     else:
-        u_int = t
-        frac_gt_half = f > 0.5
-        frac_eq_half = f == 0.5
-        frac_nonzero = f > 0
-        frac_bits31 = torch.floor(f * 2.0**31).to(torch.int64)
+        u_int = T
+        frac_gt_half = (g > 0.5) | (gneg & (g > -0.5))
+        frac_eq_half = g.abs() == 0.5
+        frac_nonzero = gnz
+        frac31 = torch.floor(g * 2.0**31).to(torch.int64) + (gneg.to(torch.int64) << 31)
     neg = xd < 0
     if rounding == "nearest":
         up = frac_gt_half | (frac_eq_half & ((u_int & 1) == 1))
@@ -266,9 +276,9 @@ def _round_int_core(x: torch.Tensor, fmt: IntFormat, rounding: str, seed: int | 
         up = frac_nonzero
     elif rounding == "down":
         up = torch.zeros_like(frac_nonzero)
-    elif rounding == "stochastic":
+    elif rounding == "stochastic":  # P(up) = G, to 2**-31
         r = random31(x.numel(), seed, x.device).view(x.shape)
-        up = r < frac_bits31
+        up = r < frac31
     else:  # pragma: no cover
         raise ValueError(f"rounding must be one of {ROUNDING_MODES}, got {rounding!r}")
     u = torch.clamp(u_int + up.to(torch.int64), 0, fmt.n_codes - 1)

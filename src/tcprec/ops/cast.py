@@ -163,7 +163,7 @@ def encode(
     if name == "triton":
         from ..kernels.triton import cast as tcast
 
-        codes = tcast.encode(xc, fmt, rounding, seed)
+        codes = tcast.encode(xc, fmt, rounding, seed, out_dtype=code_dtype(fmt))
     else:
         fn = ref.encode_int if isinstance(fmt, IntFormat) else ref.encode_float
         codes = fn(xc, fmt, rounding, seed)

@@ -1,0 +1,425 @@
+"""The ``tcprec`` command line (typer + rich).
+
+    tcprec info                 versions, GPU, which tensor-core paths run here and why
+    tcprec formats [NAME ...]   every preset format (or the named ones), properties computed
+    tcprec demo                 cast a real photo and Gaussian data to a dozen formats; error table
+    tcprec bench cast           cast / encode bandwidth against a copy, torch and QPyTorch (GPU)
+
+Every command runs without a GPU except ``bench``, which says so and exits with code 2.
+To add ``tcprec bench gemm``: write ``bench/gemm.py`` with a ``run(...)`` and add a command to
+``bench_app`` below, parsing options with the helpers here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+from enum import Enum
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+import typer
+from rich import box
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+import tcprec as tp
+
+from . import metrics
+from .bench import cast as cast_bench
+from .bench.common import NeedsGPU, write_json
+from .data import astronaut
+from .env import device_report
+from .formats import ROUNDING_MODES, BlockFormat, FloatFormat, IntFormat, preset_names, presets
+from .ops.cast import choose_cast_backend
+
+app = typer.Typer(
+    name="tcprec",
+    help="Arbitrary- and mixed-precision computing on GPU tensor cores.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+)
+bench_app = typer.Typer(
+    help="Benchmarks against the best baseline measured in the same run (needs a CUDA GPU).",
+    no_args_is_help=True,
+)
+app.add_typer(bench_app, name="bench")
+
+DEMO_FORMATS = "tf32,fp16,bf16,e3m4,e4m3,e4m3fnuz,e5m2,e2m3,e3m2,fp4,int8,int4"
+
+
+class Device(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+# ------------------------------------------------------------------------------------------------
+# Option parsing shared by the commands
+# ------------------------------------------------------------------------------------------------
+
+
+def _split(text: str, option: str) -> list[str]:
+    items = [s.strip() for s in text.split(",")]
+    if not text.strip() or any(not s for s in items):
+        raise typer.BadParameter(f"expected a comma-separated list without empty items, got {text!r}",
+                                 param_hint=option)
+    return items
+
+
+def parse_formats(text: str, option: str = "--formats") -> list[tuple[str, object]]:
+    """``"e4m3,fp4"`` -> [(name, format), ...]; an unknown name is a usage error with suggestions."""
+    out = []
+    for name in _split(text, option):
+        try:
+            out.append((name, tp.format(name)))
+        except (ValueError, TypeError) as e:
+            raise typer.BadParameter(str(e), param_hint=option) from None
+    return out
+
+
+def parse_roundings(text: str, option: str = "--rounding") -> list[str]:
+    """``"nearest,stochastic"`` -> ["nearest", "stochastic"], each one of ``ROUNDING_MODES``."""
+    modes = _split(text, option)
+    for mode in modes:
+        if mode not in ROUNDING_MODES:
+            raise typer.BadParameter(f"unknown rounding {mode!r}; choose from {', '.join(ROUNDING_MODES)}",
+                                     param_hint=option)
+    return modes
+
+
+def _num(v) -> str:
+    return str(v) if isinstance(v, int) else f"{v:.6g}"
+
+
+def _pow2(v: float) -> str:
+    """An exact power of two as ``2^k`` (min normal, min subnormal and eps of a float format)."""
+    mantissa, exponent = math.frexp(v)
+    assert mantissa == 0.5, f"{v} is not a power of two"
+    return f"2^{exponent - 1}"
+
+
+# ------------------------------------------------------------------------------------------------
+# tcprec info
+# ------------------------------------------------------------------------------------------------
+
+
+def _pick_device(device: str) -> torch.device:
+    """--device auto|cpu|cuda -> torch.device; cuda without a GPU is a clear error."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise typer.BadParameter(f"{device!r} is not one of auto, cpu, cuda", param_hint="--device")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise typer.BadParameter("cuda asked for, but torch sees no CUDA device; use --device cpu or auto",
+                                 param_hint="--device")
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    return torch.device("cuda" if use_cuda else "cpu")
+
+
+@app.command()
+def info(as_json: bool = typer.Option(False, "--json", help="Print the report as JSON instead of tables.")):
+    """Versions, the GPU, and which tensor-core paths are available here (and why others are not)."""
+    rep = device_report()
+    if as_json:
+        typer.echo(json.dumps(rep, indent=2))
+        return
+    console = Console()
+    t = Table(title="tcprec environment", show_header=False)
+    t.add_column("key", style="bold")
+    t.add_column("value")
+    for key, value in rep.items():
+        if key == "tensor_core_paths":
+            continue
+        if key == "nvrtc":
+            value = f"{'yes' if value['available'] else 'no'} (NVRTC {value['nvrtc']}): {value['reason']}"
+        elif key == "l2_cache_bytes" and value is not None:
+            key, value = "l2_cache", f"{value / 2**20:.0f} MiB"
+        t.add_row(key, "-" if value is None else str(value))
+    console.print(t)
+    p = Table(title="tensor-core paths")
+    for col in ("path", "available", "why"):
+        p.add_column(col)
+    for row in rep["tensor_core_paths"]:
+        p.add_row(row["path"], "[green]yes" if row["available"] else "[red]no", row["reason"])
+    console.print(p)
+
+
+# ------------------------------------------------------------------------------------------------
+# tcprec formats
+# ------------------------------------------------------------------------------------------------
+
+
+_SPECIALS_TEXT = {"ieee": "Inf NaN", "fn": "NaN", "fnuz": "NaN at -0", "none": "none"}
+_OVERFLOW_TEXT = {"inf": "Inf", "nan": "NaN", "saturate": "saturate"}
+_FORMAT_COLUMNS = ("name (aliases)", "bits", "encoding", "bias", "specials", "overflow", "max", "min normal",
+                   "min sub", "eps")
+
+
+def _aliases() -> dict[str, list[str]]:
+    """Canonical name -> the other names that parse to it, computed from the parser itself."""
+    canonical = presets()
+    out: dict[str, list[str]] = {}
+    for name in preset_names():
+        if name not in canonical:
+            out.setdefault(str(tp.format(name)), []).append(name)
+    return out
+
+
+def _format_row(fmt, aliases: dict[str, list[str]]) -> list[str]:
+    """The columns of ``_FORMAT_COLUMNS`` after the name, for one format."""
+    if isinstance(fmt, FloatFormat):
+        layout = f"e{fmt.exp}m{fmt.man}" + ("" if fmt.signed else " unsigned") + ("" if fmt.zero else " no-zero")
+        subnormal = _pow2(fmt.min_subnormal) if fmt.min_subnormal < fmt.min_normal else "-"
+        return [str(fmt.bits), layout, str(fmt.bias), _SPECIALS_TEXT[fmt.specials], _OVERFLOW_TEXT[fmt.overflow],
+                _num(fmt.max), _pow2(fmt.min_normal), subnormal, _pow2(fmt.eps)]
+    if isinstance(fmt, IntFormat):
+        step = "" if fmt.step == 1 else f" step {fmt.step}"
+        return [str(fmt.bits), f"{fmt.encoding} {fmt.min}..{fmt.max}{step}", "-", "none", "saturate",
+                _num(fmt.max), "-", "-", "-"]
+
+    def short(f) -> str:
+        return min([str(f), *aliases.get(str(f), [])], key=len)
+
+    return [f"{fmt.bits:.2f}", f"MX {fmt.block} x {short(fmt.element)}", "-", f"scale {short(fmt.scale)}",
+            "-", "-", "-", "-", "-"]
+
+
+@app.command()
+def formats(
+    names: Optional[List[str]] = typer.Argument(
+        None, help="Formats to describe, e.g. e4m3 e5m7b12_sat int3 mxfp4 (default: every preset)."
+    ),
+):
+    """The number formats: every property computed from the format record, none tabulated."""
+    if names:
+        chosen = parse_formats(",".join(names), "NAMES")
+    else:
+        chosen = list(presets().items())
+    aliases = _aliases()
+    t = Table(title="tcprec formats", caption="overflow: where finite values above max go; min sub: smallest subnormal",
+              box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    for col in _FORMAT_COLUMNS:
+        numeric = col in ("bits", "bias", "max", "min normal", "min sub", "eps")
+        t.add_column(col, justify="right" if numeric else "left", overflow="fold")
+    for _, fmt in chosen:
+        label = str(fmt)
+        if aliases.get(label):
+            label += f"\n[dim]({', '.join(aliases[label])})[/]"
+        t.add_row(label, *_format_row(fmt, aliases))
+    Console().print(t)
+
+
+# ------------------------------------------------------------------------------------------------
+# tcprec demo
+# ------------------------------------------------------------------------------------------------
+
+
+def _center_crop(img: torch.Tensor, max_values: int) -> torch.Tensor:
+    """The central square of an (H, W, C) image holding at most ``max_values`` values (8x8 at least);
+    the whole image when it fits."""
+    h, w, c = img.shape
+    if h * w * c <= max_values:
+        return img
+    side = min(h, w, max(8, math.isqrt(max_values // c)))
+    top, left = (h - side) // 2, (w - side) // 2
+    return img[top:top + side, left:left + side]
+
+
+def _round_trip(x: torch.Tensor, fmt, rounding: str, generator: torch.Generator) -> torch.Tensor:
+    """x rounded to fmt, back in float32: a cast for floats, quantize + dequantize otherwise."""
+    if isinstance(fmt, FloatFormat):
+        return tp.cast(x, fmt, rounding, generator=generator)
+    if isinstance(fmt, IntFormat):
+        return tp.quantize(x, fmt, rounding=rounding, generator=generator).dequantize()
+    # MX blocks run along the flattened data; zero padding leaves every block's scale unchanged.
+    flat = x.reshape(-1)
+    padded = torch.nn.functional.pad(flat, (0, -flat.numel() % fmt.block))
+    y = tp.quantize(padded, fmt, rounding=rounding, generator=generator).dequantize()
+    return y[: flat.numel()].reshape(x.shape)
+
+
+def _scaling(fmt) -> str | None:
+    """How the demo scales a quantized format (None: a plain cast)."""
+    if isinstance(fmt, FloatFormat):
+        return None
+    return "per-tensor scale" if isinstance(fmt, IntFormat) else f"blocks of {fmt.block}"
+
+
+def _demo_table(title: str, rows: list[dict]) -> Table:
+    t = Table(title=title)
+    for col in ("format", "bits", "rounding", "NRMSE", "SQNR dB", "max abs err"):
+        t.add_column(col, justify="left" if col in ("format", "rounding") else "right")
+    for i, r in enumerate(rows):
+        first = i == 0 or rows[i - 1]["format"] != r["format"]
+        last = i == len(rows) - 1 or rows[i + 1]["format"] != r["format"]
+        notes = [n for n in (r["canonical"] if r["canonical"] != r["format"] else None, r["scaling"]) if n]
+        label = f"{r['format']} ({', '.join(notes)})" if notes else r["format"]
+        sqnr = "inf (exact)" if r["sqnr_db"] == float("inf") else f"{r['sqnr_db']:.1f}"
+        t.add_row(label if first else "", str(r["bits"]) if first else "", r["rounding"],
+                  f"{r['nrmse']:.2e}", sqnr, f"{r['max_abs_error']:.3g}", end_section=last)
+    return t
+
+
+@app.command()
+def demo(
+    device: Device = typer.Option(Device.auto, help="Where to run: auto picks cuda when a GPU is present."),
+    size: int = typer.Option(2**20, min=1, help="Values per data set: the Gaussian tensor's size; a larger photo "
+                             "is center-cropped to it."),
+    seed: int = typer.Option(0, help="Seed of the Gaussian data and of stochastic rounding."),
+    formats_: str = typer.Option(DEMO_FORMATS, "--formats", help="Comma-separated format names."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the results to this JSON file."),
+):
+    """Cast a real photo (scikit-image's astronaut) and Gaussian data to a dozen formats, with
+    round-to-nearest and stochastic rounding, and print NRMSE, SQNR and max error."""
+    console = Console()
+    fmts = parse_formats(formats_)
+    dev = _pick_device(device.value)
+
+    photo, source = astronaut()
+    image = _center_crop(photo, size)
+    if image.shape != photo.shape:
+        source += f", central {image.shape[0]}x{image.shape[1]} crop (--size {size})"
+    gaussian = torch.randn(size, generator=torch.Generator().manual_seed(seed))
+    datasets = [("image", f"astronaut photo: {source}", image.to(dev)),
+                ("normal", f"{size:,} samples of N(0, 1), seed {seed}", gaussian.to(dev))]
+    backend, why = choose_cast_backend(datasets[0][2])
+    console.print(f"[bold]device[/] {dev}; [bold]cast backend[/] {backend} ({why})")
+    if not torch.cuda.is_available():
+        console.print("No CUDA GPU here: the reference backend (pure torch) runs everything; "
+                      "the GPU kernels compute bit-identical results.")
+
+    runnable = [(n, f) for n, f in fmts if isinstance(f, FloatFormat) or hasattr(tp, "quantize")]
+    skipped = [n for n, f in fmts if (n, f) not in runnable]
+    if skipped:
+        console.print(f"[yellow]note: {', '.join(skipped)} skipped: integer and block formats go through "
+                      "tcprec.quantize, which this version of tcprec does not have yet")
+
+    rows = []
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("casting", total=len(datasets) * len(runnable) * 2)
+        for data, _, x in datasets:
+            for name, fmt in runnable:
+                for rounding in ("nearest", "stochastic"):
+                    progress.update(task, description=f"{data}: {name} {rounding}")
+                    y = _round_trip(x, fmt, rounding, torch.Generator().manual_seed(seed))
+                    rows.append({
+                        "data": data, "format": name, "canonical": str(fmt), "scaling": _scaling(fmt),
+                        "bits": fmt.bits,
+                        "rounding": rounding, "nrmse": metrics.nrmse(y, x), "sqnr_db": metrics.sqnr_db(y, x),
+                        "max_abs_error": metrics.max_abs_error(y, x),
+                    })
+                    progress.advance(task)
+    for data, title, _ in datasets:
+        console.print(_demo_table(title, [r for r in rows if r["data"] == data]))
+
+    if json_path is not None:
+        command = shlex.join(["tcprec", "demo", "--device", device.value, "--size", str(size),
+                              "--seed", str(seed), "--formats", formats_, "--json", str(json_path)])
+        payload = {"env": device_report(), "command": command, "device": str(dev),
+                   "backend": {"name": backend, "reason": why},
+                   "data": {d: desc for d, desc, _ in datasets}, "skipped": skipped, "rows": rows}
+        console.print(f"wrote {write_json(json_path, payload)}")
+
+
+# ------------------------------------------------------------------------------------------------
+# tcprec bench ...
+# ------------------------------------------------------------------------------------------------
+
+
+@bench_app.command("cast")
+def bench_cast(
+    numel: int = typer.Option(2**28, min=1, help="Elements of the float32 input (2**28 = 1 GiB)."),
+    formats_: str = typer.Option("e4m3,e5m2,bf16,fp6,e3m4", "--formats", help="Comma-separated element formats."),
+    rounding: str = typer.Option("nearest,stochastic", help=f"Comma-separated, from {', '.join(ROUNDING_MODES)}."),
+    out: Path = typer.Option(Path("benchmarks/results/cast.json"), help="JSON output path."),
+    qtorch: bool = typer.Option(True, "--qtorch/--no-qtorch", help="Also time QPyTorch's float_quantize."),
+):
+    """Bandwidth of tcprec.cast / tcprec.encode against a device-to-device copy, torch and QPyTorch."""
+    fmts = parse_formats(formats_)
+    for name, fmt in fmts:
+        if isinstance(fmt, BlockFormat):
+            raise typer.BadParameter(f"{name!r} is a block format; bench cast times element formats "
+                                     f"(use its element, {fmt.element})", param_hint="--formats")
+    roundings = parse_roundings(rounding)
+    command = shlex.join(["tcprec", "bench", "cast", "--numel", str(numel), "--formats", formats_,
+                          "--rounding", rounding, "--out", str(out), "--qtorch" if qtorch else "--no-qtorch"])
+    try:
+        cast_bench.run(numel, [n for n, _ in fmts], roundings, out, use_qtorch=qtorch, console=Console(),
+                       command=command)
+    except NeedsGPU as e:
+        Console(stderr=True).print(f"[red]{e}")
+        raise typer.Exit(code=2) from None
+
+
+def _solve_options(factor: str, refine: str, kind: str):
+    from .linalg import FACTOR_FORMATS, MATRIX_KINDS, REFINE_METHODS
+
+    for value, allowed, hint in ((factor, FACTOR_FORMATS, "--factor"), (refine, REFINE_METHODS, "--refine"),
+                                 (kind, MATRIX_KINDS, "--kind")):
+        for v in _split(value, hint):
+            if v not in allowed:
+                raise typer.BadParameter(f"{v!r} is not one of {', '.join(allowed)}", param_hint=hint)
+
+
+@app.command()
+def solve(
+    n: int = typer.Option(1024, "--n", min=1, help="Matrix size."),
+    factor: str = typer.Option("bf16", help="Format of the LU's trailing-matrix GEMMs."),
+    refine: str = typer.Option("gmres", help="Refinement: gmres or classic."),
+    kind: str = typer.Option("diagdom", help="Test matrix: diagdom (HPL-MxP) or general (prescribed cond)."),
+    cond: float = typer.Option(1e2, help="2-norm condition number for --kind general."),
+    device: Device = typer.Option(Device.auto, help="Where to run: auto picks cuda when a GPU is present."),
+    seed: int = typer.Option(0, help="Seed of the test matrix."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+):
+    """Solve a random dense system to FP64 accuracy from a low-precision LU + iterative refinement,
+    and compare with torch.linalg.solve in fp64 in the same run."""
+    from .linalg import run_solve
+
+    _solve_options(factor, refine, kind)
+    dev = _pick_device(device.value)
+    res = run_solve(n, factor=factor, refine=refine, kind=kind, cond=cond, device=dev, seed=seed)
+    if as_json:
+        print(json.dumps(res, indent=2, default=str))
+        return
+    table = Table(title=f"tcprec solve n={n} factor={factor} refine={refine} kind={kind} on {dev}")
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    for k, v in res.items():
+        table.add_row(str(k), _num(v) if isinstance(v, float) else str(v))
+    Console().print(table)
+    if dev.type != "cuda":
+        Console().print("[yellow]No CUDA device: the LU's low-precision GEMMs are emulated on the CPU; "
+                        "timings are not tensor-core timings.")
+
+
+@bench_app.command("solve")
+def bench_solve_cmd(
+    sizes: str = typer.Option("8192,16384,32768", help="Comma-separated matrix sizes."),
+    factors: str = typer.Option("bf16,fp16,fp8", help="Comma-separated factor formats."),
+    kinds: str = typer.Option("diagdom,general", help="Comma-separated matrix kinds."),
+    out: Path = typer.Option(Path("benchmarks/results/solve.json"), help="JSON output path."),
+):
+    """tcprec.linalg.solve against torch.linalg.solve in fp64, same run: time, speedup, backward error."""
+    from .bench import solve as solve_bench
+
+    _solve_options(factors, "gmres", kinds)
+    try:
+        size_list = [int(v) for v in _split(sizes, "--sizes")]
+    except ValueError:
+        raise typer.BadParameter(f"sizes must be integers, got {sizes!r}", param_hint="--sizes") from None
+    command = shlex.join(["tcprec", "bench", "solve", "--sizes", sizes, "--factors", factors, "--kinds", kinds,
+                          "--out", str(out)])
+    try:
+        solve_bench.run(size_list, _split(factors, "--factors"), _split(kinds, "--kinds"), out=str(out),
+                        console=Console(), command=command)
+    except NeedsGPU as e:
+        Console(stderr=True).print(f"[red]{e}")
+        raise typer.Exit(code=2) from None
+
+
+if __name__ == "__main__":  # python -m tcprec.cli
+    app()

@@ -1,0 +1,258 @@
+"""quantize: float tensor -> QTensor (codes + scales), for integer, float and MX block formats.
+
+Scales (absmax unless ``scale=`` is given), per group of the granularity:
+
+================  ===========================================  ===================================
+format            scale                                        codes
+================  ===========================================  ===================================
+intN (twos)       amax / (2**(N-1) - 1)   (int1, {-1, 0}: amax)  symmetric: -2**(N-1) is reachable
+                                                               only by values at -amax rounding down
+uintN             amax / (2**N - 1)       (data must be >= 0)
+binary (pm1, 1b)  mean(|x|)  (XNOR-Net's alpha)                sign(x) as {-1, +1}
+pmN (pm1, N>1)    amax / (2**N - 1)       (= amax / fmt.max)     odd integers -(2**N-1)..2**N-1
+float formats     amax / fmt.max
+MX (BlockFormat)  2**(floor(log2(amax)) - emax_elem)           OCP MX v1.0 section 6.3, blocks of
+                  clamped to the scale format's range          ``fmt.block`` along the last axis
+================  ===========================================  ===================================
+
+then ``codes = encode(x / scale, element format, rounding, generator)``.
+
+Rules every path keeps
+* A group whose amax is 0 gets scale 1.0 and zero codes (never NaN / Inf).  pm formats have no
+  zero value, so there the scale is 2**-126 and the group dequantizes to +-2**-126.  Non-zero
+  absmax scales are clamped below at float32's smallest normal (2**-126) so ``x / scale`` stays
+  finite.
+* Quantize **saturates**: finite values of ``x / scale`` beyond the element format's range are
+  clamped to +-max before the cast (OCP MX does this for its elements; torchao's float8 quantize
+  too).  ``x / amax * qmax`` can exceed qmax by one float32 ulp, and directed or stochastic
+  rounding would otherwise turn that into NaN (e4m3) or Inf (e5m2).  ``tcprec.cast`` keeps the
+  format's own overflow rule.
+* NaN / Inf input: an error for formats without a NaN code (integers, fp6, fp4, mxfp4, ...).  For
+  formats with NaN (e4m3, e5m2, mxfp8) scales come from the finite values, NaN stays NaN and Inf
+  follows the element format (Inf in e5m2, NaN in e4m3fn).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..formats import ROUNDING_MODES, BlockFormat, FloatFormat, IntFormat, as_format
+from ..qtensor import Granularity, PerGroup, PerTensor, QTensor, check_granularity, group_view, scale_view
+from .cast import encode
+
+__all__ = ["quantize", "absmax_qmax"]
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_TINY = torch.finfo(torch.float32).tiny  # 2**-126
+
+
+def absmax_qmax(fmt: IntFormat | FloatFormat) -> float:
+    """The code value that an absmax scale maps a group's amax onto.
+
+    >>> absmax_qmax(as_format("int4")), absmax_qmax(as_format("uint2")), absmax_qmax(as_format("e4m3"))
+    (7.0, 3.0, 448.0)
+    """
+    if isinstance(fmt, FloatFormat):
+        return float(fmt.max)
+    if fmt.encoding == "twos":
+        return float(max(fmt.max, 1))  # int1 is {-1, 0}: map amax onto 1 (the -1 code)
+    return float(fmt.max)  # unsigned: 2**N - 1; pm1: 2**N - 1, the top odd value
+
+
+def _check_inputs(x, rounding: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"quantize() expects a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"quantize() takes a floating tensor (float32, float16, bfloat16 or float64), got dtype={x.dtype}; "
+            "convert with x.float() first"
+        )
+    if rounding not in ROUNDING_MODES:
+        raise ValueError(f"rounding must be one of {ROUNDING_MODES}, got rounding={rounding!r}")
+
+
+def _check_specials(x: torch.Tensor, elem) -> torch.Tensor:
+    """The finite mask; ValueError if x has NaN/Inf and the element format has no NaN code."""
+    finite = torch.isfinite(x)
+    if not elem.has_nan:
+        n_bad = int((~finite).sum())
+        if n_bad:
+            n_nan = int(torch.isnan(x).sum())
+            raise ValueError(
+                f"x holds {n_bad} non-finite value(s) ({n_nan} NaN, {n_bad - n_nan} Inf) but {elem} has no NaN code; "
+                "remove them (torch.nan_to_num) or pick a format with NaN (e.g. float8_e4m3fn)"
+            )
+    return finite
+
+
+def _check_sign(x: torch.Tensor, elem, finite: torch.Tensor) -> None:
+    unsigned = (isinstance(elem, IntFormat) and elem.encoding == "unsigned") or (
+        isinstance(elem, FloatFormat) and not elem.signed
+    )
+    if unsigned and x.numel():
+        xmin = float(torch.where(finite, x, torch.zeros_like(x)).min())
+        if xmin < 0:
+            signed = f"int{elem.bits}" if isinstance(elem, IntFormat) else "a signed float format"
+            raise ValueError(
+                f"{elem} is unsigned but x has negative values (min {xmin:.6g}); use a signed format such as "
+                f"{signed}, or shift the data (x - x.min())"
+            )
+
+
+def _reduce(a: torch.Tensor, g: Granularity, op: str) -> torch.Tensor:
+    """amax or mean of |x| per group, in the stored scale shape."""
+    ag = group_view(a, g)
+    if isinstance(g, PerGroup):
+        dims = (g.axis + 1,)  # the `size` axis of the grouped view
+    elif isinstance(g, PerTensor):
+        dims = tuple(range(a.dim()))
+    else:
+        dims = tuple(d for d in range(a.dim()) if d != g.axis)
+    if not dims:  # 0-d tensor, or PerChannel of a 1-d tensor: every element is its own group
+        return ag
+    if ag.numel() == 0:
+        out = torch.zeros_like(ag).sum(dim=dims, keepdim=True)
+    else:
+        out = ag.amax(dim=dims, keepdim=True) if op == "amax" else ag.mean(dim=dims, keepdim=True)
+    if isinstance(g, PerGroup):
+        out = out.squeeze(g.axis + 1)  # (..., K/size, ...)
+    return out
+
+
+def _absmax_scale(x_abs: torch.Tensor, elem, g: Granularity) -> torch.Tensor:
+    if isinstance(elem, IntFormat) and elem.encoding == "pm1" and elem.bits == 1:
+        # XNOR-Net: alpha = mean |x| minimises ||x - alpha sign(x)||^2.  Summed in float64 so that
+        # CPU and GPU (different reduction orders) round to the same float32 nearly always.
+        s = _reduce(x_abs.to(torch.float64), g, "mean")
+    else:
+        amax = _reduce(x_abs, g, "amax")
+        # tensor / tensor: CUDA divides by a Python scalar as a multiply by its reciprocal, which is
+        # not correctly rounded; this way the scale is the same bits on every device
+        s = amax / torch.full_like(amax, absmax_qmax(elem))
+    s32 = s.to(torch.float32)
+    if bool(torch.isinf(s32).any()):
+        raise ValueError(
+            f"the absmax scale for {elem} overflows float32 (amax up to {float(x_abs.max()):.4g}); rescale x first"
+        )
+    # pm formats have no zero: an all-zero group dequantizes to +-scale, so make that 2**-126, not 1
+    zero_scale = _TINY if (isinstance(elem, IntFormat) and elem.encoding == "pm1") else 1.0
+    # all-zero group -> zero_scale; tiny groups -> 2**-126 so that x / scale stays finite
+    return torch.where(s32 == 0, torch.full_like(s32, zero_scale), torch.where(s > 0, s32.clamp(min=_TINY), s32))
+
+
+def _given_scale(scale, g: Granularity, shape, device, *, pow2: bool = False) -> torch.Tensor:
+    sshape = g.scale_shape(shape)
+    if isinstance(scale, torch.Tensor):
+        if scale.dtype.is_complex or not (scale.dtype.is_floating_point or scale.dtype in (torch.int32, torch.int64)):
+            raise TypeError(f"scale must be a float or a real tensor, got dtype={scale.dtype}")
+        s = scale.to(device=device, dtype=torch.float32)
+    elif isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        s = torch.tensor(float(scale), dtype=torch.float32, device=device)
+    else:
+        raise TypeError(f"scale must be a float or a torch.Tensor, got {type(scale).__name__}")
+    try:
+        s = torch.broadcast_to(s, sshape).contiguous()  # (scale shape of the granularity) float32
+    except RuntimeError:
+        raise ValueError(
+            f"scale of shape {tuple(s.shape)} does not broadcast to {g}'s scale shape {sshape} for x of shape "
+            f"{tuple(shape)}"
+        ) from None
+    bad = ~(torch.isfinite(s) & (s > 0))
+    if bool(bad.any()):
+        first = float(s[bad].flatten()[0])
+        raise ValueError(f"scale must be finite and > 0, got {int(bad.sum())} bad value(s) (e.g. {first})")
+    if pow2:
+        m, _ = torch.frexp(s)
+        if bool((m != 0.5).any()):
+            raise ValueError("an MX (BlockFormat) scale must be a power of two; round it with 2**torch.floor(torch.log2(s))")
+    return s
+
+
+def _mx_scale(x_abs: torch.Tensor, fmt: BlockFormat, g: PerGroup) -> torch.Tensor:
+    """OCP MX v1.0 section 6.3: X = 2**(floor(log2(amax)) - emax_elem), clamped to the scale format."""
+    amax = _reduce(x_abs, g, "amax").to(torch.float32)  # (..., K/block) float32
+    _, e = torch.frexp(amax)  # amax = m * 2**e, m in [0.5, 1): floor(log2(amax)) = e - 1, exactly
+    sf = fmt.scale
+    lo = int(round(math.log2(sf.min_subnormal)))  # e8m0: -127
+    hi = sf.emax  # e8m0: 127
+    lo, hi = max(lo, -149), min(hi, 127)  # float32 holds 2**-149 .. 2**127
+    xe = (e.to(torch.int32) - 1 - fmt.element_emax).clamp(lo, hi)
+    s = torch.ldexp(torch.ones_like(amax), xe)
+    return torch.where(amax == 0, torch.ones_like(s), s)  # empty / all-zero block -> 1.0
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt,
+    granularity: Granularity | None = None,
+    *,
+    scale=None,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+) -> QTensor:
+    """Quantize ``x`` to ``fmt`` with one scale per group of ``granularity``; returns a QTensor.
+
+    ``fmt``: a format or a name (``"int4"``, ``"uint2"``, ``"binary"``, ``"e4m3"``, ``"mxfp4"``, ...).
+    ``granularity``: ``PerTensor()`` (the default for element formats), ``PerChannel(axis)`` or
+    ``PerGroup(size, axis=-1)``.  MX block formats always use their own blocks along the last axis
+    (``PerGroup(fmt.block, -1)``; None or that granularity are accepted).
+    ``scale``: a float or a tensor broadcastable to the scale shape, used as is (finite, > 0; a
+    power of two for MX).  Default: absmax scales, see the module docstring.
+    ``rounding`` / ``generator``: as in ``tcprec.cast``; stochastic rounding is reproducible from
+    a seeded ``torch.Generator``.
+
+    >>> import torch, tcprec as tp
+    >>> qx = tp.quantize(torch.tensor([[1.0, -0.5], [0.0, 0.0]]), "int4", tp.PerChannel(0))
+    >>> qx.scale.flatten().tolist(), qx.dequantize()[0].tolist()
+    ([0.1428571492433548, 1.0], [1.0, -0.4285714626312256])
+    """
+    _check_inputs(x, rounding)
+    fmt = as_format(fmt)
+    shape = tuple(x.shape)
+    if isinstance(fmt, BlockFormat):
+        if x.dim() == 0:
+            raise ValueError(f"{fmt} quantizes blocks of {fmt.block} along the last axis; x is 0-d")
+        g = PerGroup(fmt.block, x.dim() - 1)
+        if granularity is not None and check_granularity(granularity).normalized(x.dim()) != g:
+            raise ValueError(
+                f"{fmt} has its own granularity, blocks of {fmt.block} along the last axis ({g!r}); got "
+                f"granularity={granularity!r}. Drop granularity= or pick a non-MX format"
+            )
+        k = shape[-1]
+        if k % fmt.block:
+            raise ValueError(
+                f"{fmt} needs the last axis to be a multiple of the block size {fmt.block}, got K={k}; pad it to "
+                f"{k + fmt.block - k % fmt.block} with torch.nn.functional.pad (padding is not done implicitly)"
+            )
+        elem = fmt.element
+    else:
+        g = check_granularity(PerTensor() if granularity is None else granularity).normalized(x.dim())
+        if isinstance(g, PerGroup):
+            g.check_divides(shape)
+        elem = fmt
+
+    finite = _check_specials(x, elem)
+    _check_sign(x, elem, finite)
+    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xc = x.to(cdt)
+    x_abs = torch.where(finite, xc.abs(), torch.zeros_like(xc))  # (*shape) non-finite ignored by scales
+
+    if scale is not None:
+        s = _given_scale(scale, g, shape, x.device, pow2=isinstance(fmt, BlockFormat))
+    elif isinstance(fmt, BlockFormat):
+        s = _mx_scale(x_abs, fmt, g)
+    else:
+        s = _absmax_scale(x_abs, elem, g)
+    # (scale shape) float32
+
+    xs = group_view(xc, g) / scale_view(s, g).to(cdt)  # grouped view of x / scale
+    xs = xs.reshape(shape)  # (*shape)
+    if isinstance(elem, IntFormat):
+        lo, hi = float(elem.min), float(elem.max)
+    else:
+        lo, hi = (-elem.max if elem.signed else 0.0), elem.max
+    xs = torch.where(finite, xs.clamp(lo, hi), xs)  # saturate finite values; NaN / Inf go to encode
+    codes = encode(xs, elem, rounding, generator)
+    return QTensor(codes, s, fmt, g, shape, x.dtype)

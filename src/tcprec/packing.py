@@ -1,0 +1,226 @@
+"""Bit planes: the operand layout of the bit-serial binary tensor-core GEMM.
+
+A p-bit by q-bit integer product is computed as p*q binary GEMMs (APNN-TC)::
+
+    C[m, n] = sum_{i<p, j<q} 2**(i+j) * popc(A_i[m, :] AND W_j[n, :])
+
+with ``mma.sync.m16n8k256.row.col.s32.b1.b1.s32.and.popc``: rows of A and columns of B are both
+strings of K bits packed into 32-bit words.  (Signed and pm1 codes are handled by correction terms
+built from ``plane_popcounts``; the planes themselves always hold unsigned code patterns.)
+
+Layout produced by ``pack_bitplanes(codes, bits)`` for codes of shape ``(*lead, K)``::
+
+    planes: int32 (bits, *lead, Kw),   Kw = ceil(K / K_PAD_BITS) * (K_PAD_BITS / 32)
+    bit j of planes[b, ..., w]  =  bit b of codes[..., 32*w + j]       (LSB-first)
+    elements K .. 32*Kw - 1 are zero (padding)
+
+* Plane-major: plane ``b`` is one ordinary (rows, Kw) binary matrix, so the GEMM's loop over
+  (i, j) plane pairs indexes whole matrices.
+* LSB-first: element ``k`` is bit ``k % 32`` of word ``k // 32``, the order the MMA fragment
+  layout reads (a0 = A[g][t] covers k = 32t .. 32t+31 of a 256-bit k-step).
+* ``K_PAD_BITS = 512``: every row is zero-padded to a multiple of 512 bits = 64 bytes = 16 words.
+  That makes every row start 64-byte aligned (rows can be fetched as 16-byte vectors / cp.async
+  chunks with no misaligned tail), and makes K a whole number of 256-bit MMA k-steps, two per
+  512-bit chunk, so the kernel needs no K-remainder path.  Zero bits add nothing to AND+popc, so
+  padding is exact for any K.  (Padding 512 rather than 256 costs at most 255 extra bits a row
+  and lets a warp move one full 64-byte row segment per step.)
+
+Codes come in as any integer dtype holding unsigned patterns in ``[0, 2**bits)`` -- ``tcprec.encode``
+gives exactly that (two's complement patterns for ``intN``, code indices for ``uintN`` / ``pmN``).
+
+Backends: the Triton kernel in ``kernels/triton/pack.py`` (CUDA tensors; on the CPU only under
+``TRITON_INTERPRET=1``) and the pure-torch ``pack_bitplanes_reference`` (any device).  Both give the
+same bits.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = [
+    "K_PAD_BITS",
+    "packed_words",
+    "pack_bitplanes",
+    "pack_bitplanes_reference",
+    "unpack_bitplanes",
+    "plane_popcounts",
+    "choose_pack_backend",
+]
+
+K_PAD_BITS = 512  # 64 bytes: row alignment for 16-byte loads, and two whole 256-bit MMA k-steps
+WORD_BITS = 32
+_WORDS_PER_PAD = K_PAD_BITS // WORD_BITS  # 16
+_BACKENDS = ("auto", "triton", "reference")
+_M32 = 0xFFFFFFFF
+
+
+def packed_words(K: int) -> int:
+    """Kw, the number of int32 words a row of K codes packs into: ceil(K / 512) * 16.
+
+    >>> packed_words(1), packed_words(512), packed_words(513)
+    (16, 16, 32)
+    """
+    return -(-K // K_PAD_BITS) * _WORDS_PER_PAD
+
+
+# ------------------------------------------------------------------------------------------------
+# Validation
+# ------------------------------------------------------------------------------------------------
+
+
+def _check_bits(bits) -> None:
+    if isinstance(bits, bool) or not isinstance(bits, int):
+        raise TypeError(f"bits must be an int in 1..8, got bits={bits!r}")
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be 1..8 for bit planes, got bits={bits}; wider integers use the int8 GEMM path")
+
+
+def _check_codes(codes, bits: int, validate: bool) -> None:
+    if not isinstance(codes, torch.Tensor):
+        raise TypeError(f"codes must be a torch.Tensor, got {type(codes).__name__}")
+    if codes.dtype.is_floating_point or codes.dtype.is_complex or codes.dtype == torch.bool:
+        raise TypeError(
+            f"codes must be an integer tensor of unsigned code patterns (uint8 from tcprec.encode), got "
+            f"dtype={codes.dtype}; encode floats first (tcprec.encode / tcprec.quantize) or use .to(torch.uint8)"
+        )
+    if codes.dim() == 0:
+        raise ValueError("codes must have at least one dimension (the K axis that is packed); got a 0-d tensor")
+    if validate and codes.numel():
+        lo, hi = int(codes.min()), int(codes.max())
+        if lo < 0 or hi >= (1 << bits):
+            bad = lo if lo < 0 else hi
+            n = int(((codes < 0) | (codes >= (1 << bits))).sum())
+            raise ValueError(
+                f"codes must hold {bits}-bit patterns in 0..{(1 << bits) - 1}, got {n} value(s) outside (e.g. {bad}); "
+                f"signed values need their pattern (codes & {(1 << bits) - 1}), or pass a larger bits="
+            )
+
+
+def _triton_usable(t: torch.Tensor) -> tuple[bool, str]:
+    try:
+        import triton  # noqa: F401
+    except Exception as e:  # pragma: no cover - triton is a Linux dependency
+        return False, f"triton is not importable ({type(e).__name__}: {e})"
+    if t.is_cuda:
+        return True, "CUDA tensor: Triton pack kernel"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True, "TRITON_INTERPRET=1: Triton pack kernel in the interpreter"
+    return False, f"codes on {t.device.type}: the Triton kernel needs a CUDA tensor (or TRITON_INTERPRET=1)"
+
+
+def choose_pack_backend(codes: torch.Tensor, backend: str = "auto") -> tuple[str, str]:
+    """(backend, reason) for packing ``codes``: Triton on CUDA tensors, the reference otherwise."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got backend={backend!r}")
+    if backend == "reference":
+        return "reference", "asked for the reference backend"
+    ok, why = _triton_usable(codes)
+    if backend == "triton":
+        if not ok:
+            raise RuntimeError(f"backend='triton' cannot run: {why}; use backend='reference' or a CUDA tensor")
+        return "triton", why
+    if ok and codes.is_cuda:
+        return "triton", why
+    return "reference", f"pure-torch reference: {why}" if not ok else "pure-torch reference on CPU"
+
+
+# ------------------------------------------------------------------------------------------------
+# Pack / unpack
+# ------------------------------------------------------------------------------------------------
+
+
+def pack_bitplanes_reference(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pure-torch packing (no validation): ``(*lead, K)`` codes -> int32 ``(bits, *lead, Kw)``."""
+    lead, K = tuple(codes.shape[:-1]), codes.shape[-1]
+    Kw = packed_words(K)
+    c = codes.to(torch.int64)
+    c = torch.nn.functional.pad(c, (0, Kw * WORD_BITS - K))  # (*lead, Kw*32), zero padding
+    c = c.reshape(*lead, Kw, WORD_BITS)  # (*lead, Kw, 32): lane j of word w is element 32w + j
+    shifts = torch.arange(bits, device=c.device, dtype=torch.int64).view((bits,) + (1,) * c.dim())
+    planes = (c.unsqueeze(0) >> shifts) & 1  # (bits, *lead, Kw, 32) in {0, 1}
+    lanes = torch.arange(WORD_BITS, device=c.device, dtype=torch.int64)
+    words = (planes << lanes).sum(-1)  # (bits, *lead, Kw) int64 in [0, 2**32): disjoint bits, exact
+    words = words - ((words >> 31) << 32)  # reinterpret as int32 two's complement
+    return words.to(torch.int32)
+
+
+def pack_bitplanes(codes: torch.Tensor, bits: int, *, backend: str = "auto", validate: bool = True) -> torch.Tensor:
+    """Pack ``bits``-bit codes of shape ``(*lead, K)`` into bit planes, int32 ``(bits, *lead, Kw)``.
+
+    Plane ``b`` holds bit ``b`` of every code, K packed LSB-first into 32-bit words and zero-padded
+    to a multiple of ``K_PAD_BITS`` (512), so ``Kw = ceil(K / 512) * 16`` (module docstring).
+    ``backend``: ``"auto"`` (Triton for CUDA tensors, the reference otherwise), ``"triton"`` or
+    ``"reference"``.  ``validate=False`` skips the range check of the codes (it syncs the device,
+    which a CUDA graph capture cannot do).
+
+    >>> import torch
+    >>> pack_bitplanes(torch.tensor([[1, 2, 3]], dtype=torch.uint8), 2)[:, 0, 0].tolist()
+    [5, 6]
+    """
+    _check_bits(bits)
+    _check_codes(codes, bits, validate)
+    name, _ = choose_pack_backend(codes, backend)
+    if name == "reference":
+        return pack_bitplanes_reference(codes, bits)
+    from .kernels.triton import pack as tpack  # imported here: TRITON_INTERPRET is read at import
+
+    lead, K = tuple(codes.shape[:-1]), codes.shape[-1]
+    rows = codes.reshape(-1, K)  # (R, K), R = prod(lead)
+    planes = tpack.pack_bitplanes(rows, bits)  # (bits, R, Kw) int32
+    return planes.reshape((bits,) + lead + (planes.shape[-1],))  # (bits, *lead, Kw) int32
+
+
+def unpack_bitplanes(planes: torch.Tensor, bits: int, K: int) -> torch.Tensor:
+    """Inverse of ``pack_bitplanes``: int32 ``(bits, *lead, Kw)`` -> uint8 codes ``(*lead, K)``.
+
+    >>> import torch
+    >>> codes = torch.tensor([[1, 2, 3]], dtype=torch.uint8)
+    >>> unpack_bitplanes(pack_bitplanes(codes, 2), 2, 3).tolist()
+    [[1, 2, 3]]
+    """
+    _check_bits(bits)
+    _check_planes(planes)
+    if isinstance(K, bool) or not isinstance(K, int) or K < 0:
+        raise ValueError(f"K must be a non-negative int (the number of codes per row), got K={K!r}")
+    Kw = packed_words(K)
+    if planes.dim() < 2 or planes.shape[0] != bits or planes.shape[-1] != Kw:
+        raise ValueError(
+            f"planes for bits={bits}, K={K} must have shape (bits={bits}, *lead, Kw={Kw}), got {tuple(planes.shape)}"
+        )
+    lead = tuple(planes.shape[1:-1])
+    w = planes.to(torch.int64) & _M32  # (bits, *lead, Kw) as unsigned words
+    lanes = torch.arange(WORD_BITS, device=w.device, dtype=torch.int64)
+    bitv = (w.unsqueeze(-1) >> lanes) & 1  # (bits, *lead, Kw, 32)
+    bitv = bitv.reshape((bits,) + lead + (Kw * WORD_BITS,))[..., :K]  # (bits, *lead, K)
+    shifts = torch.arange(bits, device=w.device, dtype=torch.int64).view((bits,) + (1,) * (bitv.dim() - 1))
+    return (bitv << shifts).sum(0).to(torch.uint8)  # (*lead, K) uint8
+
+
+def _check_planes(planes) -> None:
+    if not isinstance(planes, torch.Tensor):
+        raise TypeError(f"planes must be a torch.Tensor, got {type(planes).__name__}")
+    if planes.dtype != torch.int32:
+        raise TypeError(f"planes must be int32 (from pack_bitplanes), got dtype={planes.dtype}")
+
+
+def plane_popcounts(planes: torch.Tensor) -> torch.Tensor:
+    """Number of set bits in each row of each plane: int32 ``(bits, *lead)`` from ``(bits, *lead, Kw)``.
+
+    The GEMM's corrections for signed (two's complement) and pm1 codes need these row sums.
+
+    >>> import torch
+    >>> plane_popcounts(pack_bitplanes(torch.tensor([[1, 2, 3]], dtype=torch.uint8), 2)).tolist()
+    [[2], [2]]
+    """
+    _check_planes(planes)
+    if planes.dim() < 1:
+        raise ValueError("planes must have at least one dimension (the word axis)")
+    x = planes.to(torch.int64) & _M32  # (bits, *lead, Kw) unsigned words
+    # SWAR popcount of 32-bit words (Hacker's Delight 5-2), exact in int64
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    x = ((x * 0x01010101) & _M32) >> 24  # (bits, *lead, Kw) popcount per word, 0..32
+    return x.sum(-1).to(torch.int32)  # (bits, *lead)

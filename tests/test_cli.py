@@ -1,0 +1,189 @@
+"""The command line, through typer's CliRunner (no subprocess; GPU-free paths)."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import tcprec
+from tcprec.bench.common import rotating_buffers, write_json
+from tcprec.cli import app
+from tcprec.data import astronaut, bundled_astronaut
+from tcprec.env import NO_GPU, device_report, tensor_core_paths
+
+# Wide, so rich does not fold names and messages across lines.
+ENV = {"COLUMNS": "200", "TERMINAL_WIDTH": "200"}
+NO_CUDA = not torch.cuda.is_available()
+
+
+@pytest.fixture
+def run():
+    runner = CliRunner()
+    return lambda *args: runner.invoke(app, list(args), env=ENV)
+
+
+def test_help(run):
+    result = run("--help")
+    assert result.exit_code == 0, result.output
+    for command in ("info", "formats", "demo", "bench"):
+        assert command in result.output
+    assert run("bench", "--help").exit_code == 0
+    assert "--numel" in run("bench", "cast", "--help").output
+
+
+def test_info(run):
+    result = run("info")
+    assert result.exit_code == 0, result.output
+    assert torch.__version__ in result.output
+    assert "wgmma" in result.output
+    if NO_CUDA:
+        assert NO_GPU in result.output
+
+
+def test_info_json(run):
+    result = run("info", "--json")
+    assert result.exit_code == 0, result.output
+    rep = json.loads(result.output)
+    assert rep["torch"] == torch.__version__
+    assert rep["cuda_available"] == torch.cuda.is_available()
+
+
+def test_device_report_without_gpu_marks_every_path_unavailable():
+    rep = device_report(probe_nvrtc=False)
+    if NO_CUDA:
+        assert rep["gpu"] is None
+        assert all(not p["available"] and p["reason"] == NO_GPU for p in rep["tensor_core_paths"])
+
+
+def test_tensor_core_paths_by_capability():
+    def available(cc):
+        return {p["path"] for p in tensor_core_paths(cc) if p["available"]}
+
+    hopper, ampere = available((9, 0)), available((8, 0))
+    assert "wgmma (Hopper warpgroup MMA)" in hopper and "fp8 mma e4m3/e5m2 (QGMMA)" in hopper
+    assert "binary mma b1 AND+popc (BMMA)" in ampere and "int8 mma (IMMA)" in ampere
+    assert not any("fp8" in p or "wgmma" in p for p in ampere)
+    assert "wgmma (Hopper warpgroup MMA)" not in available((10, 0))  # Hopper only
+    why = {p["path"]: p["reason"] for p in tensor_core_paths((8, 0))}
+    assert "sm_89" in why["fp8 mma e4m3/e5m2 (QGMMA)"] and "sm_80" in why["fp8 mma e4m3/e5m2 (QGMMA)"]
+
+
+def test_formats_table(run):
+    result = run("formats")
+    assert result.exit_code == 0, result.output
+    assert "float8_e4m3fn" in result.output
+    assert "448" in result.output  # e4m3 max, computed
+    assert "57344" in result.output  # e5m2 max
+    assert "mxfp4" in result.output and "int4" in result.output
+
+
+def test_formats_named_custom(run):
+    result = run("formats", "e5m7b12_sat", "int3")
+    assert result.exit_code == 0, result.output
+    assert "e5m7b12_sat" in result.output
+    assert str(tcprec.format("e5m7b12_sat").max.__int__()) in result.output  # 522240
+    assert "twos -4..3" in result.output
+
+
+def test_formats_unknown_name_suggests(run):
+    result = run("formats", "e4m3x")
+    assert result.exit_code == 2
+    assert "unknown format 'e4m3x'" in result.output and "did you mean" in result.output
+
+
+def test_demo(run, tmp_path):
+    path = tmp_path / "demo.json"
+    result = run("demo", "--size", "4096", "--seed", "1", "--json", str(path))
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "e4m3 (float8_e4m3fn)" in out and "fp4 (float4_e2m1fn)" in out
+    if NO_CUDA:
+        assert "reference" in out and "No CUDA GPU" in out
+    if not hasattr(tcprec, "quantize"):
+        assert "int8, int4 skipped" in out
+    payload = json.loads(path.read_text())
+    assert payload["command"].startswith("tcprec demo")
+    assert payload["env"]["torch"] == torch.__version__
+    for data in ("image", "normal"):
+        nrmse = {r["format"]: r["nrmse"] for r in payload["rows"] if r["data"] == data and r["rounding"] == "nearest"}
+        # more mantissa bits, less error: a property of the formats, not a stored number
+        assert nrmse["bf16"] < nrmse["e4m3"] < nrmse["fp4"], nrmse
+        assert nrmse["fp16"] < nrmse["bf16"]
+        sr = {r["format"]: r["nrmse"] for r in payload["rows"] if r["data"] == data and r["rounding"] == "stochastic"}
+        assert all(sr[f] > nrmse[f] for f in nrmse)  # unbiased, but noisier than nearest
+
+
+def test_demo_integer_and_block_formats_through_quantize(run, tmp_path, monkeypatch):
+    quantize = pytest.importorskip("tcprec.ops.quantize").quantize
+    monkeypatch.setattr(tcprec, "quantize", quantize, raising=False)  # until tcprec exports it
+    path = tmp_path / "demo.json"
+    result = run("demo", "--size", "1000", "--formats", "int8,int4,mxfp4,fp4", "--json", str(path))
+    assert result.exit_code == 0, result.output
+    assert "skipped" not in result.output
+    rows = json.loads(path.read_text())["rows"]
+    for data in ("image", "normal"):
+        nrmse = {r["format"]: r["nrmse"] for r in rows if r["data"] == data and r["rounding"] == "nearest"}
+        assert nrmse["int8"] < nrmse["int4"]
+        assert nrmse["mxfp4"] < 0.1
+
+
+def test_demo_is_reproducible(run, tmp_path):
+    rows = []
+    for name in ("a.json", "b.json"):
+        path = tmp_path / name
+        assert run("demo", "--size", "1000", "--formats", "e5m2,fp4", "--json", str(path)).exit_code == 0
+        rows.append(json.loads(path.read_text())["rows"])
+    assert rows[0] == rows[1]
+
+
+def test_demo_unknown_format_suggests(run):
+    result = run("demo", "--size", "64", "--formats", "e4m3,fp5")
+    assert result.exit_code == 2
+    assert "--formats" in result.output and "unknown format 'fp5'" in result.output
+    assert "did you mean" in result.output
+
+
+def test_demo_bad_options(run):
+    assert run("demo", "--device", "tpu").exit_code == 2
+    assert run("demo", "--size", "0").exit_code == 2
+    assert run("demo", "--formats", "e4m3,,fp4").exit_code == 2
+    if NO_CUDA:
+        result = run("demo", "--device", "cuda")
+        assert result.exit_code == 2 and "no CUDA device" in result.output
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="checks the message shown without a GPU")
+def test_bench_cast_without_gpu_exits_2(run):
+    result = run("bench", "cast", "--numel", "1024")
+    assert result.exit_code == 2
+    assert "tcprec bench cast needs a CUDA GPU;" in result.output
+
+
+def test_bench_json_is_standard_json(tmp_path):
+    path = write_json(tmp_path / "sub" / "r.json", {"rows": [{"sqnr_db": float("inf"), "x": float("nan"), "ms": 0.5}]})
+    assert json.loads(path.read_text()) == {"rows": [{"sqnr_db": "inf", "x": "nan", "ms": 0.5}]}
+
+
+def test_rotating_buffers_exceed_l2():
+    t = torch.zeros(1024)  # 4 KiB
+    bufs = rotating_buffers(t, l2_bytes=64 * 1024)
+    assert bufs[0] is t and sum(b.numel() * 4 for b in bufs) > 4 * 64 * 1024
+    assert len(rotating_buffers(t, l2_bytes=100)) == 1
+
+
+def test_bench_cast_bad_options(run):
+    result = run("bench", "cast", "--formats", "e4m3,bf61")
+    assert result.exit_code == 2 and "unknown format 'bf61'" in result.output
+    result = run("bench", "cast", "--rounding", "nearest,stoch")
+    assert result.exit_code == 2 and "unknown rounding 'stoch'" in result.output
+    result = run("bench", "cast", "--formats", "mxfp8")
+    assert result.exit_code == 2 and "block format" in result.output
+
+
+def test_bundled_image_matches_scikit_image():
+    crop = bundled_astronaut()
+    assert crop.shape == (128, 128, 3) and crop.dtype == torch.float32
+    photo, source = astronaut()
+    if "scikit-image" in source and "bundled" not in source:
+        assert torch.equal(crop, photo[40:168, 170:298])  # lossless PNG of the documented crop
