@@ -491,6 +491,7 @@ _TORCH_NAMES = {
     "torch.float8_e8m0fnu": "float8_e8m0fnu", "torch.int8": "int8", "torch.uint8": "uint8",
 }
 
+_MX = re.compile(r"^mx_(.+?)_b(\d+)(?:_s(.+))?$")
 _CUSTOM = re.compile(r"^e(\d+)m(\d+)(?:b(-?\d+))?((?:_[a-z]+)*)$")
 _SUFFIX = {
     "ieee": ("specials", "ieee"), "fn": ("specials", "fn"), "fnuz": ("specials", "fnuz"),
@@ -564,6 +565,10 @@ def format(name) -> Format:  # noqa: A001 - the public verb is tcprec.format, li
         return _PRESETS[key]
     if key in _BLOCK_PRESETS:
         return _BLOCK_PRESETS[key]
+    mx = _MX.match(key)
+    if mx:  # str() of a custom BlockFormat: mx_<element>_b<block>[_s<scale>]
+        return BlockFormat(format(mx.group(1)), block=int(mx.group(2)),
+                           scale=format(mx.group(3)) if mx.group(3) else None)
     m = _CUSTOM.match(key)
     if m:
         exp, man = int(m.group(1)), int(m.group(2))

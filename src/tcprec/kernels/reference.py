@@ -265,9 +265,11 @@ def _round_int_core(x: torch.Tensor, fmt: IntFormat, rounding: str, seed: int | 
         frac_eq_half = g.abs() == 0.5
         frac_nonzero = gnz
         frac31 = torch.floor(g * 2.0**31).to(torch.int64) + (gneg.to(torch.int64) << 31)
-    neg = xd < 0
+    neg = torch.signbit(xd)  # -0 rounds like a negative value in the directed modes
+    # ties to the even stored code: the value's parity for twos (int1's index parity differs)
+    parity = (u_int + (fmt.offset if fmt.encoding == "twos" else 0)) & 1
     if rounding == "nearest":
-        up = frac_gt_half | (frac_eq_half & ((u_int & 1) == 1))
+        up = frac_gt_half | (frac_eq_half & (parity == 1))
     elif rounding == "nearest_away":  # away from zero in value space
         up = frac_gt_half | (frac_eq_half & ~neg)
     elif rounding == "toward_zero":

@@ -219,6 +219,7 @@ def _float_round_kernel(
 def _int_round_kernel(
     x_ptr, out_ptr, n, seed_mix,
     OFFSET: tl.constexpr, STEP: tl.constexpr, N_CODES: tl.constexpr, TWOS_MASK: tl.constexpr,
+    PARITY_OFFSET: tl.constexpr,
     MODE: tl.constexpr, WRITE_CODES: tl.constexpr, BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
@@ -233,7 +234,7 @@ def _int_round_kernel(
     gneg = g < 0
     gnz = g != 0
     T = n.to(tl.int32) - OFFSET - gneg.to(tl.int32)
-    neg = xc < 0
+    neg = x.to(tl.int32, bitcast=True) < 0  # the sign bit: -0 rounds like a negative value
     if STEP == 2:  # code index u = T/2 + G/2, G = g + [g < 0]
         u = T >> 1
         odd = (T & 1) == 1
@@ -248,8 +249,8 @@ def _int_round_kernel(
         nz = gnz
         fl31 = tl.floor(g * 2147483648.0).to(tl.int32)  # in [-2**31, 2**31)
         frac31 = tl.where(gneg, (fl31 + 2147483647) + 1, fl31)  # floor(G * 2**31), no overflow
-    if MODE == 0:
-        up = gt_half | (eq_half & ((u & 1) == 1))
+    if MODE == 0:  # ties to the even stored code (value parity for twos)
+        up = gt_half | (eq_half & (((u + PARITY_OFFSET) & 1) == 1))
     elif MODE == 1:
         up = gt_half | (eq_half & ~neg)
     elif MODE == 2:
@@ -304,6 +305,7 @@ def _launch(x: torch.Tensor, fmt, rounding: str, seed: int | None, out: torch.Te
         _int_round_kernel[grid](
             xf, out.view(-1), n, mix, OFFSET=fmt.offset, STEP=fmt.step, N_CODES=fmt.n_codes,
             TWOS_MASK=(fmt.n_codes - 1) if fmt.encoding == "twos" else 0,
+            PARITY_OFFSET=(fmt.offset & 1) if fmt.encoding == "twos" else 0,
             MODE=_MODES[rounding], WRITE_CODES=write_codes, BLOCK=BLOCK, num_warps=NUM_WARPS,
         )
     else:

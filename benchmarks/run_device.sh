@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device call: GPU tests, then the benchmarks, logs and JSON under $OUT.
+# Usage (on the GPU machine, repo root): bash benchmarks/run_device.sh [tests|cast|solve-quick|solve ...]
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then  # carried wheels (qtorch for the cast baseline)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH="src:/tmp/site"
+else
+    export PYTHONPATH=src
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+for step in "${@:-tests cast}"; do
+    case "$step" in
+        tests) timeout 300 python3 -m pytest -q -x tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+        cast) timeout 240 python3 -m tcprec.cli bench cast 2>&1 | tee "$OUT/bench_cast.log" | tail -40
+              cp benchmarks/results/cast.json "$OUT/" 2>/dev/null ;;
+        solve-quick) timeout 240 python3 benchmarks/bench_solve_device.py --quick 2>&1 | tee "$OUT/solve_quick.log" | tail -60
+                     cp benchmarks/results/solve_quick.json "$OUT/" 2>/dev/null ;;
+        solve) timeout 480 python3 benchmarks/bench_solve_device.py 2>&1 | tee "$OUT/solve.log" | tail -60
+               cp benchmarks/results/solve.json "$OUT/" 2>/dev/null ;;
+        *) echo "unknown step $step" ;;
+    esac
+done
