@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gfloat
 import ml_dtypes
 import numpy as np
 
@@ -14,12 +13,9 @@ ML_FLOATS = [
     "float6_e3m2fn", "float6_e2m3fn", "float4_e2m1fn", "bfloat16", "float16",
 ]
 
-_RND = {
-    "nearest": gfloat.RoundMode.TiesToEven,
-    "nearest_away": gfloat.RoundMode.TiesToAway,
-    "toward_zero": gfloat.RoundMode.TowardZero,
-    "up": gfloat.RoundMode.TowardPositive,
-    "down": gfloat.RoundMode.TowardNegative,
+_RND = {  # tcprec rounding -> gfloat.RoundMode member (gfloat is imported where it is used)
+    "nearest": "TiesToEven", "nearest_away": "TiesToAway", "toward_zero": "TowardZero",
+    "up": "TowardPositive", "down": "TowardNegative",
 }
 
 
@@ -33,8 +29,10 @@ def ml_codes(x32: np.ndarray, name: str, bits: int) -> np.ndarray:
     return x32.astype(ml_dtype(name)).view(np.uint16 if bits > 8 else np.uint8).astype(np.int64)
 
 
-def gfloat_info(fmt: FloatFormat) -> gfloat.FormatInfo:
+def gfloat_info(fmt: FloatFormat):
     """The gfloat record of an ieee- or fn-style tcprec FloatFormat."""
+    import gfloat
+
     assert fmt.specials in ("ieee", "fn") and fmt.signed and fmt.zero
     ieee = fmt.specials == "ieee"
     return gfloat.FormatInfo(
@@ -47,8 +45,11 @@ def gfloat_info(fmt: FloatFormat) -> gfloat.FormatInfo:
 
 def gfloat_round(fmt: FloatFormat, x: np.ndarray, rounding: str = "nearest") -> np.ndarray:
     """gfloat's rounding of the (exact, float64) values of x, as float64."""
+    import gfloat
+
     sat = fmt.overflow == "saturate"
-    return gfloat.round_ndarray(gfloat_info(fmt), x.astype(np.float64), _RND[rounding], sat=sat)
+    rnd = getattr(gfloat.RoundMode, _RND[rounding])
+    return gfloat.round_ndarray(gfloat_info(fmt), x.astype(np.float64), rnd, sat=sat)
 
 
 def grid_inputs(fmt: FloatFormat) -> np.ndarray:

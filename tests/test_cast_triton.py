@@ -67,3 +67,15 @@ def test_triton_output_dtypes_and_empty():
     assert tcast.encode(x, format("e4m3"), out_dtype=torch.uint8).dtype == torch.uint8
     assert torch.equal(tcast.encode(x, format("bf16"), out_dtype=torch.int16), x.to(torch.bfloat16).view(torch.int16))
     assert tcast.cast(torch.empty(0), format("e4m3")).numel() == 0
+
+
+def test_triton_encode_flags_codeless_nan():
+    """The kernel raises a flag for NaN in formats without a NaN code (no second pass over x)."""
+    import tcprec as tp
+
+    x = torch.tensor([1.0, float("nan"), 2.0])
+    for name in ("fp4", "fp6", "int4", "binary"):
+        with pytest.raises(ValueError, match="has no NaN code"):
+            tp.encode(x, name, backend="triton")
+    assert tp.decode(tp.encode(x, "e4m3", backend="triton"), "e4m3").isnan().tolist() == [False, True, False]
+    assert tp.encode(torch.tensor([1.0, 2.0]), "fp4", backend="triton").tolist() == [2, 4]

@@ -163,11 +163,14 @@ def encode(
     if name == "triton":
         from ..kernels.triton import cast as tcast
 
-        codes = tcast.encode(xc, fmt, rounding, seed, out_dtype=code_dtype(fmt))
+        flag = torch.zeros(1, dtype=torch.int32, device=x.device)
+        codes = tcast.encode(xc, fmt, rounding, seed, out_dtype=code_dtype(fmt), nan_flag=flag)
+        has_codeless_nan = not fmt.has_nan and bool(flag.item())  # set inside the kernel, no extra pass
     else:
         fn = ref.encode_int if isinstance(fmt, IntFormat) else ref.encode_float
         codes = fn(xc, fmt, rounding, seed)
-    if not fmt.has_nan and bool(torch.isnan(x).any()):
+        has_codeless_nan = not fmt.has_nan and bool((codes == -1).any())
+    if has_codeless_nan:
         n = int(torch.isnan(x).sum())
         raise ValueError(
             f"x holds {n} NaN value(s) but {fmt} has no NaN code; remove them (torch.nan_to_num) or pick a "

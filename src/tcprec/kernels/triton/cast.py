@@ -58,6 +58,13 @@ def _random31(offs, seed_mix):
 
 
 @triton.jit
+def _flag_nan(flag_ptr, nan):
+    """flag[0] = 1 if any lane saw a NaN it cannot encode; one atomic per program, only then."""
+    any_nan = tl.max(nan.to(tl.int32), axis=0)
+    tl.atomic_max(flag_ptr, any_nan, mask=any_nan > 0)
+
+
+@triton.jit
 def _pow2_scale(v, E: tl.constexpr):
     """v * 2**E, exact for any E in [-300, 300] as long as the result is representable."""
     if E > 100:
@@ -73,7 +80,7 @@ def _pow2_scale(v, E: tl.constexpr):
 
 @triton.jit
 def _float_round_kernel(
-    x_ptr, out_ptr, n, seed_mix,
+    x_ptr, out_ptr, n, seed_mix, flag_ptr,
     # -- the target format (FloatFormat), folded at compile time --
     MAN: tl.constexpr, BIAS: tl.constexpr, MIN_NORMAL_BITS: tl.constexpr, QE_LOW: tl.constexpr,
     MAX_BITS: tl.constexpr, MIN_BITS: tl.constexpr, SPECIALS: tl.constexpr, OVERFLOW: tl.constexpr,
@@ -203,6 +210,8 @@ def _float_round_kernel(
             nan_code = tl.full(code.shape, CODE_NAN, tl.int32)
         code = tl.where(to_nan, nan_code, code)
         tl.store(out_ptr + offs, code.to(out_ptr.dtype.element_ty), mask=inb)
+        if CODE_NAN < 0:  # no NaN code: raise a flag (the op layer turns it into an error)
+            _flag_nan(flag_ptr, is_nan & inb)
     else:
         mag = tl.where(to_max, MAX_BITS, mag)
         if not ZERO:
@@ -217,7 +226,7 @@ def _float_round_kernel(
 
 @triton.jit
 def _int_round_kernel(
-    x_ptr, out_ptr, n, seed_mix,
+    x_ptr, out_ptr, n, seed_mix, flag_ptr,
     OFFSET: tl.constexpr, STEP: tl.constexpr, N_CODES: tl.constexpr, TWOS_MASK: tl.constexpr,
     PARITY_OFFSET: tl.constexpr,
     MODE: tl.constexpr, WRITE_CODES: tl.constexpr, BLOCK: tl.constexpr,
@@ -267,6 +276,7 @@ def _int_round_kernel(
         if TWOS_MASK != 0:
             u = (u + OFFSET) & TWOS_MASK
         tl.store(out_ptr + offs, u.to(out_ptr.dtype.element_ty), mask=inb)
+        _flag_nan(flag_ptr, is_nan & inb)
     else:
         v = (u * STEP + OFFSET).to(tl.float32)
         v = tl.where(is_nan, float("nan"), v)
@@ -292,7 +302,8 @@ def _float_constexprs(fmt: FloatFormat) -> dict:
     )
 
 
-def _launch(x: torch.Tensor, fmt, rounding: str, seed: int | None, out: torch.Tensor, write_codes: bool):
+def _launch(x: torch.Tensor, fmt, rounding: str, seed: int | None, out: torch.Tensor, write_codes: bool,
+            flag: torch.Tensor | None = None):
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"the Triton cast kernel takes float32/float16/bfloat16, got {x.dtype}")
     xf = x.contiguous().view(-1)
@@ -301,16 +312,18 @@ def _launch(x: torch.Tensor, fmt, rounding: str, seed: int | None, out: torch.Te
         return out
     mix = ref.seed_mix(seed) if seed is not None else 0
     grid = (triton.cdiv(n, BLOCK),)
+    if flag is None:
+        flag = torch.zeros(1, dtype=torch.int32, device=x.device)
     if isinstance(fmt, IntFormat):
         _int_round_kernel[grid](
-            xf, out.view(-1), n, mix, OFFSET=fmt.offset, STEP=fmt.step, N_CODES=fmt.n_codes,
+            xf, out.view(-1), n, mix, flag, OFFSET=fmt.offset, STEP=fmt.step, N_CODES=fmt.n_codes,
             TWOS_MASK=(fmt.n_codes - 1) if fmt.encoding == "twos" else 0,
             PARITY_OFFSET=(fmt.offset & 1) if fmt.encoding == "twos" else 0,
             MODE=_MODES[rounding], WRITE_CODES=write_codes, BLOCK=BLOCK, num_warps=NUM_WARPS,
         )
     else:
         _float_round_kernel[grid](
-            xf, out.view(-1), n, mix, **_float_constexprs(fmt),
+            xf, out.view(-1), n, mix, flag, **_float_constexprs(fmt),
             MODE=_MODES[rounding], WRITE_CODES=write_codes, BLOCK=BLOCK, num_warps=NUM_WARPS,
         )
     return out
@@ -323,7 +336,8 @@ def cast(x: torch.Tensor, fmt, rounding: str = "nearest", seed: int | None = Non
 
 
 def encode(x: torch.Tensor, fmt, rounding: str = "nearest", seed: int | None = None,
-           out_dtype: torch.dtype = torch.int32) -> torch.Tensor:
-    """Codes as bit patterns in ``out_dtype`` (truncated to its width)."""
+           out_dtype: torch.dtype = torch.int32, nan_flag: torch.Tensor | None = None) -> torch.Tensor:
+    """Codes as bit patterns in ``out_dtype`` (truncated to its width).  For formats without a
+    NaN code, ``nan_flag`` (int32, one element, zeroed) is set to 1 if x held a NaN."""
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    return _launch(x, fmt, rounding, seed, out, write_codes=True)
+    return _launch(x, fmt, rounding, seed, out, write_codes=True, flag=nan_flag)
