@@ -107,7 +107,7 @@ def test_compiled_kernel_uses_16_byte_loads():
     fmt = format("e4m3")
     out = torch.empty_like(x)
     k = tcast._float_round_kernel[(triton_cdiv(x.numel(), tcast.BLOCK),)](
-        x, out, x.numel(), 0, **tcast._float_constexprs(fmt), MODE=0, WRITE_CODES=False, BLOCK=tcast.BLOCK,
+        x, out, x.numel(), 0, torch.zeros(1, dtype=torch.int32, device=DEV), **tcast._float_constexprs(fmt), MODE=0, WRITE_CODES=False, BLOCK=tcast.BLOCK,
         num_warps=tcast.NUM_WARPS)
     ptx = k.asm["ptx"]
     assert "ld.global.v4" in ptx and "st.global.v4" in ptx

@@ -56,8 +56,9 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
 
 
 def seed_mix(seed: int) -> int:
-    """Host-side mix of a user seed into the 32-bit key offset both backends use."""
-    return int(hash32(torch.tensor([seed & _M32], dtype=torch.int64)).item())
+    """Host-side mix of a user seed into the key offset both backends use (31 bits, so the
+    kernel argument is always an int32)."""
+    return int(hash32(torch.tensor([seed & _M32], dtype=torch.int64)).item()) >> 1
 
 
 def random31(numel: int, seed: int, device, offset: int = 0) -> torch.Tensor:

@@ -58,9 +58,10 @@ __all__ = [
 
 FACTOR_FORMATS = ("bf16", "fp16", "tf32", "fp8", "fp32")
 PIVOTING_MODES = ("partial", "none")
-PANEL_METHODS = ("auto", "recursive", "getrf")
-TRSV_METHODS = ("auto", "trsm", "blocked")
+PANEL_METHODS = ("auto", "recursive", "getrf", "calu")
+TRSV_METHODS = ("auto", "trsm", "blocked", "graph")
 TRSM_METHODS = ("auto", "trsm", "inverse")
+GETRF_LIBS = ("cusolver", "default")
 
 _FACTOR_ALIASES = {
     "bf16": "bf16", "bfloat16": "bf16",
@@ -365,31 +366,98 @@ def _trailing_update(C: torch.Tensor, L: torch.Tensor, U: torch.Tensor, factor: 
 # --------------------------------------------------------------------------------------------
 
 
-def _solve_lower_unit(L11: torch.Tensor, B: torch.Tensor, method: str, tf32: bool) -> torch.Tensor:
-    """L11^-1 @ B (L11 unit lower; only its strict lower triangle is read)."""
+@contextlib.contextmanager
+def _getrf_lib(device: torch.device, lib: str):
+    """Route torch's LU (getrf) to cuSOLVER for the duration (``lib="cusolver"``).
+
+    torch's default heuristic sends a non-square (tall panel) getrf to MAGMA's *batched* routine
+    even for a batch of one: on an H100 that was 20 ms per 8192 x 1024 panel (and a "batched
+    routines are designed for small sizes" warning per call).  cuSOLVER's getrf is the fast one
+    for a single tall matrix.  ``lib="default"`` leaves torch's choice alone (for comparison)."""
+    if device.type != "cuda" or lib != "cusolver":
+        yield
+        return
+    backend = torch.backends.cuda.preferred_linalg_library
+    try:
+        prev = backend()
+        backend("cusolver")
+    except (RuntimeError, AttributeError, ValueError):  # a build without cuSOLVER: keep torch's choice
+        yield
+        return
+    try:
+        yield
+    finally:
+        backend(prev)
+
+
+def _eye_like(T: torch.Tensor) -> torch.Tensor:
+    return torch.eye(T.shape[-1], dtype=T.dtype, device=T.device).expand(T.shape)
+
+
+def _tri_inv(T: torch.Tensor, upper: bool, unit: bool, leaf: int = 128) -> torch.Tensor:
+    """Inverse of the upper / (unit) lower triangle of T (..., m, m), fp32 IEEE (tf32 off by the
+    caller).  Only that triangle is read, so T may be a packed LU block.
+
+    Recursive on the triangle's 2 x 2 blocks, inv([[A, 0], [C, B]]) = [[A^-1, 0], [-B^-1 C A^-1,
+    B^-1]]: the two diagonal halves are stacked into one batch, so k stacked blocks of order m
+    cost ~log2(m / leaf) levels of batched GEMMs and one batched triangular solve (few launches)."""
+    m = T.shape[-1]
+    if m <= leaf:
+        return torch.linalg.solve_triangular(T, _eye_like(T), upper=upper, unitriangular=unit)
+    h = m // 2
+    if m % 2 == 0:
+        both = _tri_inv(torch.stack([T[..., :h, :h], T[..., h:, h:]]), upper, unit, leaf)
+        a_inv, b_inv = both[0], both[1]
+    else:
+        a_inv = _tri_inv(T[..., :h, :h], upper, unit, leaf)
+        b_inv = _tri_inv(T[..., h:, h:], upper, unit, leaf)
+    out = torch.zeros_like(T)
+    out[..., :h, :h] = a_inv
+    out[..., h:, h:] = b_inv
+    if upper:  # [[A, X], [0, B]]^-1 = [[A^-1, -A^-1 X B^-1], [0, B^-1]]
+        out[..., :h, h:] = -(a_inv @ T[..., :h, h:]) @ b_inv
+    else:
+        out[..., h:, :h] = -(b_inv @ T[..., h:, :h]) @ a_inv
+    return out
+
+
+def _inv_lower_unit(D: torch.Tensor) -> torch.Tensor:
+    """inv(L) for the unit lower triangle of one block D (strict lower part read), fp32."""
+    return torch.linalg.solve_triangular(D, _eye_like(D), upper=False, unitriangular=True)
+
+
+def _inv_upper(D: torch.Tensor) -> torch.Tensor:
+    """inv(U) for the upper triangle of one block D (diagonal and above read), fp32."""
+    return torch.linalg.solve_triangular(D, _eye_like(D), upper=True)
+
+
+def _solve_lower_unit(L11: torch.Tensor, B: torch.Tensor, method: str, tf32: bool, linv=None) -> torch.Tensor:
+    """L11^-1 @ B (L11 unit lower; only its strict lower triangle is read).  ``linv``: inv(L11)
+    if already known (method "inverse")."""
     if method == "inverse":
-        eye = torch.eye(L11.shape[0], dtype=L11.dtype, device=L11.device)
-        linv = torch.linalg.solve_triangular(L11, eye, upper=False, unitriangular=True)
+        if linv is None:
+            linv = _inv_lower_unit(L11)
         with _tf32(tf32 and L11.device.type == "cuda"):
             return linv @ B
     return torch.linalg.solve_triangular(L11, B, upper=False, unitriangular=True)
 
 
-def _solve_upper_right(U11: torch.Tensor, B: torch.Tensor, method: str, tf32: bool) -> torch.Tensor:
+def _solve_upper_right(U11: torch.Tensor, B: torch.Tensor, method: str, tf32: bool, uinv=None) -> torch.Tensor:
     """B @ U11^-1 (U11 upper; only its upper triangle is read)."""
     if method == "inverse":
-        eye = torch.eye(U11.shape[0], dtype=U11.dtype, device=U11.device)
-        uinv = torch.linalg.solve_triangular(U11, eye, upper=True)
+        if uinv is None:
+            uinv = _inv_upper(U11)
         with _tf32(tf32 and U11.device.type == "cuda"):
             return B @ uinv
     return torch.linalg.solve_triangular(U11, B, upper=True, left=False)
 
 
-def _lu_nopivot(D: torch.Tensor) -> torch.Tensor:
+def _lu_nopivot(D: torch.Tensor, lib: str = "cusolver") -> torch.Tensor:
     """LU without pivoting of a small square fp32 block; returns the packed factors (new tensor)."""
     if D.device.type == "cuda":
         try:
-            lu, _, _ = torch.linalg.lu_factor_ex(D, pivot=False)
+            with _getrf_lib(D.device, lib):
+                lu, _, _ = torch.linalg.lu_factor_ex(D, pivot=False)
             return lu
         except (RuntimeError, NotImplementedError):
             pass
@@ -470,19 +538,96 @@ class _Swaps:
         self.pending.clear()
 
 
-def _leaf_getrf(work: torch.Tensor, swaps: _Swaps, k: int, w: int, n: int) -> None:
+def _leaf_getrf(work: torch.Tensor, swaps: _Swaps, k: int, w: int, n: int, cfg: "_Config") -> None:
     """Factor W[k:n, k:k+w] with getrf; apply its interchanges to whole rows of W."""
     panel = work[k:n, k : k + w]
-    lu, piv, _ = torch.linalg.lu_factor_ex(panel)  # (n-k, w) copy, already row-permuted
+    with _getrf_lib(work.device, cfg.getrf_lib):
+        lu, piv, _ = torch.linalg.lu_factor_ex(panel)  # (n-k, w) copy, already row-permuted
     dst, src = swaps_from_pivots(piv, k, scratch=n)
     swaps.apply(dst, src)
     panel.copy_(lu)
 
 
+# --------------------------------------------------------------------------------------------
+# Tournament pivoting (CALU): the tall panel as a few batched getrf calls on small blocks
+# --------------------------------------------------------------------------------------------
+
+
+def _pivot_order(lu: torch.Tensor, piv: torch.Tensor) -> torch.Tensor:
+    """(..., m) int64: row i of getrf's L U is row ``order[..., i]`` of its input (A = P L U)."""
+    P, _, _ = torch.lu_unpack(lu, piv, unpack_data=False, unpack_pivots=True)
+    return P.argmax(dim=-2)
+
+
+def _tournament(P: torch.Tensor, rows: int, row0: int, scratch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tournament pivoting (Grigori, Demmel & Xiang's CALU) on the tall panel P (m, w), whose
+    first row is global row ``row0``.
+
+    The rows are cut into p blocks of ``rows`` rows (zero-padded; padding rows carry the id
+    ``scratch``); one batched getrf picks w candidate rows per block; pairs of candidate sets
+    (2w x w, the *original* rows) are factored again, batched, level by level, until one set is
+    left.  Returns ``sel`` (w,) int64, the global ids of the w pivot rows in the order getrf of
+    the final set puts them, and ``top`` (w, w), that getrf's packed L11\\U11 of those rows (so the
+    panel needs no further pivoting: L21 = A21 U11^-1).  With m <= rows this is exactly partial
+    pivoting.  ~6 launches per tree level, log2(m / rows) levels, no host sync."""
+    m, w = P.shape
+    dev = P.device
+    r = max(rows, w)
+    p = -(-m // r)
+    blocks = P.new_zeros(p * r, w)
+    blocks[:m] = P
+    ids = torch.full((p * r,), scratch, dtype=torch.long, device=dev)
+    ids[:m] = torch.arange(row0, row0 + m, device=dev)
+    cand, cand_ids = blocks.view(p, r, w), ids.view(p, r)
+    while True:
+        lu, piv, _ = torch.linalg.lu_factor_ex(cand)  # (p, rows, w): batched, small blocks
+        pick = _pivot_order(lu, piv)[:, :w]  # (p, w) local rows chosen, in getrf order
+        sel_ids = torch.gather(cand_ids, 1, pick)
+        if p == 1:
+            return sel_ids[0], lu[0, :w, :w]
+        sel = torch.gather(cand, 1, pick.unsqueeze(-1).expand(-1, -1, w))  # original rows
+        if p % 2:
+            sel = torch.cat([sel, sel.new_zeros(1, w, w)])
+            sel_ids = torch.cat([sel_ids, sel_ids.new_full((1, w), scratch)])
+            p += 1
+        p //= 2
+        cand, cand_ids = sel.reshape(p, 2 * w, w), sel_ids.reshape(p, 2 * w)
+
+
+def _selection_swaps(sel: torch.Tensor, k: int, scratch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index vectors ``dst, src`` (2w,) such that ``W[dst] = W[src]`` (all rows gathered before
+    any is written) moves rows ``sel`` (distinct global ids >= k) to rows k..k+w-1 in that order,
+    and the rows they displace there to the slots the selected rows left.  Unused slots pair the
+    ``scratch`` row with itself.  Static shapes, no host sync."""
+    w = sel.shape[0]
+    dev = sel.device
+    top = torch.arange(k, k + w, device=dev)
+    in_top = sel < k + w
+    hit = torch.zeros(w + 1, dtype=torch.bool, device=dev)
+    hit[torch.where(in_top, sel - k, torch.full_like(sel, w))] = True  # top slots that keep a selected row
+    displaced, _ = torch.sort(torch.where(hit[:w], torch.full_like(top, scratch), top))
+    incoming, _ = torch.sort(torch.where(in_top, torch.full_like(sel, scratch), sel))
+    return torch.cat([top, incoming]), torch.cat([sel, displaced])
+
+
+def _leaf_calu(work: torch.Tensor, swaps: _Swaps, k: int, w: int, n: int, cfg: "_Config") -> None:
+    """Factor W[k:n, k:k+w] with tournament pivoting: pick the w pivot rows (``_tournament``),
+    swap them to the top, write their L11\\U11, then L21 = A21 U11^-1 (fp32 TRSM)."""
+    sel, top = _tournament(work[k:n, k : k + w], cfg.calu_rows, k, n)
+    dst, src = _selection_swaps(sel, k, n)
+    swaps.apply(dst, src)
+    work[k : k + w, k : k + w].copy_(top)
+    if k + w < n:
+        a21 = work[k + w : n, k : k + w]
+        a21.copy_(torch.linalg.solve_triangular(top, a21, upper=True, left=False))
+
+
 def _panel_partial(work, swaps: _Swaps, k: int, w: int, n: int, cfg: "_Config") -> None:
-    """Recursive (Toledo) panel LU with partial pivoting of W[k:n, k:k+w]."""
+    """Panel LU of W[k:n, k:k+w] with partial pivoting: one getrf (``panel="getrf"``), or Toledo's
+    recursion down to leaves of ``cfg.leaf`` columns, factored by getrf (``"recursive"``) or by
+    tournament pivoting (``"calu"``)."""
     if cfg.panel == "getrf" or w <= cfg.leaf:
-        _leaf_getrf(work, swaps, k, w, n)
+        (_leaf_calu if cfg.panel == "calu" else _leaf_getrf)(work, swaps, k, w, n, cfg)
         return
     h = w // 2
     _panel_partial(work, swaps, k, h, n, cfg)
@@ -494,13 +639,19 @@ def _panel_partial(work, swaps: _Swaps, k: int, w: int, n: int, cfg: "_Config") 
     _panel_partial(work, swaps, k + h, w - h, n, cfg)
 
 
-def _panel_nopivot(work, k: int, kb: int, n: int, cfg: "_Config") -> None:
-    """LU of the diagonal block without pivoting, then L21 = A21 U11^-1."""
+def _panel_nopivot(work, k: int, kb: int, n: int, cfg: "_Config"):
+    """LU of the diagonal block without pivoting (cuSOLVER getrf), then L21 = A21 U11^-1.
+    Returns (inv(L11), inv(U11)) when ``cfg.trsm == "inverse"`` (both are needed anyway: U11^-1
+    here, L11^-1 for U12, and both again by the blocked triangular solves), else (None, None)."""
     d = work[k : k + kb, k : k + kb]
-    d.copy_(_lu_nopivot(d))
+    d.copy_(_lu_nopivot(d, cfg.getrf_lib))
+    linv = uinv = None
+    if cfg.trsm == "inverse":
+        linv, uinv = _inv_lower_unit(d), _inv_upper(d)
     if k + kb < n:
         a21 = work[k + kb : n, k : k + kb]
-        a21.copy_(_solve_upper_right(d, a21, cfg.trsm, cfg.tri_tf32))
+        a21.copy_(_solve_upper_right(d, a21, cfg.trsm, cfg.tri_tf32, uinv))
+    return linv, uinv
 
 
 # --------------------------------------------------------------------------------------------

@@ -78,7 +78,7 @@ def _pow2_scale(v, E: tl.constexpr):
     return v
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed_mix"])  # a new seed must not mean a new compile
 def _float_round_kernel(
     x_ptr, out_ptr, n, seed_mix, flag_ptr,
     # -- the target format (FloatFormat), folded at compile time --
@@ -224,7 +224,7 @@ def _float_round_kernel(
         tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=inb)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed_mix"])
 def _int_round_kernel(
     x_ptr, out_ptr, n, seed_mix, flag_ptr,
     OFFSET: tl.constexpr, STEP: tl.constexpr, N_CODES: tl.constexpr, TWOS_MASK: tl.constexpr,
