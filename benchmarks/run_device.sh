@@ -14,7 +14,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 for step in "${@:-tests cast}"; do
     case "$step" in
-        tests) timeout 300 python3 -m pytest -q -x tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+        tests) timeout 300 python3 -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+        tests-*) timeout 300 python3 -m pytest -q "tests/gpu/test_${step#tests-}_gpu.py" -p no:cacheprovider --durations=5 2>&1 \
+                 | tee "$OUT/gpu_tests_${step#tests-}.log" | tail -25 ;;
         cast) timeout 240 python3 -m tcprec.cli bench cast 2>&1 | tee "$OUT/bench_cast.log" | tail -40
               cp benchmarks/results/cast.json "$OUT/" 2>/dev/null ;;
         solve-quick) timeout 240 python3 benchmarks/bench_solve_device.py --quick 2>&1 | tee "$OUT/solve_quick.log" | tail -60

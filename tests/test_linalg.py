@@ -14,7 +14,14 @@ import pytest
 import torch
 
 import tcprec.linalg as la
-from tcprec.linalg.lu import _round_tf32, canonical_factor, swaps_from_pivots
+from tcprec.linalg.lu import (
+    _round_tf32,
+    _selection_swaps,
+    _tournament,
+    _tri_inv,
+    canonical_factor,
+    swaps_from_pivots,
+)
 
 N = 256  # order for most solves: several LU blocks at the CPU block width (64)
 
@@ -232,6 +239,129 @@ def test_swaps_from_pivots_matches_sequential_interchanges(seed):
     got = torch.arange(row0 + m + 1)
     got[dst] = got[src].clone()
     assert got[:scratch].tolist() == ref[:scratch]
+
+
+# ---- tournament pivoting (CALU) ----------------------------------------------------------------
+
+
+def test_calu_with_one_block_is_exactly_partial_pivoting():
+    n = 120
+    A = la.random_matrix_with_cond(n, 1e3, seed=21)
+    F = la.lu_factor(A, factor="fp32", pivoting=True, panel="calu", leaf=n, calu_rows=n, block=n)
+    P, _, _ = torch.lu_unpack(*torch.linalg.lu_factor(A))
+    assert torch.equal(F.perm, P.argmax(dim=0))  # the tournament's single game is getrf itself
+    assert _factor_error(A, F) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(leaf=16, calu_rows=40, block=64),  # 3-level trees, odd block counts (padding)
+        dict(leaf=8, calu_rows=8, block=50, lookahead=True),
+        dict(leaf=32, calu_rows=32, block=96, trsm="inverse", trsv="blocked"),
+    ],
+)
+def test_calu_factors_accurately_with_bounded_multipliers(opts):
+    n = 300
+    A = la.random_matrix_with_cond(n, 1e3, seed=7)
+    F = la.lu_factor(A, factor="fp32", pivoting=True, panel="calu", **opts)
+    assert sorted(F.perm.tolist()) == list(range(n))  # a permutation
+    assert _factor_error(A, F) < 1e-5  # reference: P A = L U to fp32 accuracy
+    L = torch.tril(F.lu, -1)
+    assert float(L.abs().max()) < 8.0  # CALU's multipliers may exceed 1, but only mildly
+    ref = la.lu_factor(A, factor="fp32", pivoting=True, panel="recursive", **{k: v for k, v in opts.items() if k != "calu_rows"})
+    assert _factor_error(A, ref) < 1e-5
+    b = la.random_rhs(n)
+    x = F.solve(b)
+    assert float((A @ x - b).abs().max() / x.abs().max()) < 1e-5  # kappa = 1e3: |x| ~ 100
+
+
+@pytest.mark.parametrize("factor", ["bf16", "fp16", "tf32"])
+def test_calu_solves_meet_the_criterion(systems, factor):
+    A, b = systems["general"]
+    x, info = la.solve(A, b, factor=factor, panel="calu", leaf=16, calu_rows=48)
+    assert info.converged and info.path == f"lu-{factor}+gmres", info
+    assert independent_backward_error(A, x, b) <= 16.0
+
+
+def test_tournament_picks_rows_from_the_original_panel():
+    g = torch.Generator().manual_seed(3)
+    P = torch.randn(70, 6, generator=g)
+    P[41] *= 50.0  # an obvious first pivot, in the fourth block of 16 rows
+    sel, top = _tournament(P, rows=16, row0=10, scratch=999)
+    assert sel.shape == (6,) and int(sel[0]) == 10 + 41
+    assert len(set(sel.tolist())) == 6 and all(10 <= i < 80 for i in sel.tolist())
+    # top is the no-pivot LU of the selected rows in that order
+    rows = P[sel - 10]
+    L = torch.tril(top, -1) + torch.eye(6)
+    assert torch.allclose(L @ torch.triu(top), rows, atol=1e-5)
+    assert float(torch.tril(top, -1).abs().max()) <= 1.0 + 1e-6  # the final game is partial pivoting
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_selection_swaps_move_the_selected_rows_to_the_top(seed):
+    g = torch.Generator().manual_seed(seed)
+    n = 40
+    for _ in range(25):
+        k = int(torch.randint(0, 30, (1,), generator=g))
+        w = int(torch.randint(1, n - k + 1, (1,), generator=g))
+        sel = torch.randperm(n - k, generator=g)[:w] + k
+        dst, src = _selection_swaps(sel, k, scratch=n)
+        rows = torch.arange(n + 1)
+        new = rows.clone()
+        new[dst] = rows[src]
+        assert torch.equal(new[k : k + w], sel)
+        assert torch.equal(new[:k], rows[:k]) and sorted(new[:n].tolist()) == list(range(n))
+
+
+def test_calu_on_singular_matrix_reports_singular():
+    A = la.random_matrix_with_cond(96, 10.0, seed=4)
+    A[:, 5] = 0.0
+    with pytest.raises(ValueError, match="A is singular"):
+        la.solve(A, la.random_rhs(96), panel="calu", leaf=8, calu_rows=16)
+
+
+# ---- triangular solves -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("m", [5, 64, 130, 257])
+def test_batched_recursive_triangular_inverse(m):
+    g = torch.Generator().manual_seed(m)
+    T = torch.randn(3, m, m, generator=g) / m**0.5 + 4 * torch.eye(m)
+    for upper, unit in ((True, False), (False, True)):
+        got = _tri_inv(T, upper=upper, unit=unit, leaf=16)
+        tri = torch.triu(T) if upper else torch.tril(T, -1) + torch.eye(m)
+        assert torch.allclose(got @ tri, torch.eye(m).expand(3, m, m), atol=1e-4)
+        assert torch.equal(got, torch.triu(got) if upper else torch.tril(got))
+
+
+@pytest.mark.parametrize("pivoting", [False, True])
+@pytest.mark.parametrize("trsm", ["trsm", "inverse"])
+def test_blocked_and_graph_trsv_match_trsm(pivoting, trsm):
+    n = 230
+    A = la.hpl_mxp_matrix(n, seed=5) if not pivoting else la.random_matrix_with_cond(n, 1e2, seed=5)
+    ref = la.lu_factor(A, factor="bf16", pivoting=pivoting, block=64, trsm=trsm, trsv="trsm")
+    r = torch.randn(n, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    want = ref.solve(r)
+    for trsv in ("blocked", "graph"):  # "graph" is eager off CUDA
+        F = la.lu_factor(A, factor="bf16", pivoting=pivoting, block=64, trsm=trsm, trsv=trsv)
+        assert torch.equal(F.lu, ref.lu)
+        if trsm == "inverse" and not pivoting:  # the factorization kept both inverses of every block
+            assert all(inv is not None and inv[0] is not None and inv[1] is not None for inv in F.diag_inv)
+        for _ in range(2):  # second call reuses the plan and its buffers
+            got = F.solve(r)
+            assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+            got1 = F.solve(r[:, 1])
+            assert got1.shape == (n,) and float((got1 - want[:, 1]).abs().max() / want[:, 1].abs().max()) < 1e-5
+        assert all(inv[0] is not None and inv[1] is not None for inv in F.diag_inv)
+
+
+def test_lu_option_validation():
+    A = la.hpl_mxp_matrix(16, seed=0)
+    with pytest.raises(ValueError, match=r"getrf_lib must be one of \('cusolver', 'default'\)"):
+        la.lu_factor(A, getrf_lib="magma")
+    with pytest.raises(ValueError, match=r"calu_rows must be a positive int"):
+        la.lu_factor(A, panel="calu", calu_rows=0)
 
 
 def test_tf32_rounding_emulation():

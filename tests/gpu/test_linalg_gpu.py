@@ -132,3 +132,65 @@ def test_bench_solve_smoke_on_gpu(tmp_path):
     assert all("error" not in r for r in rows), rows
     assert rows[1]["backward_error"] <= 16 and rows[1]["speedup"] > 0
     assert res["env"]["gpu"]
+
+
+def _lu_error(A, F):
+    n = A.shape[0]
+    L = torch.tril(F.lu.double(), -1) + torch.eye(n, dtype=torch.float64, device=A.device)
+    U = torch.triu(F.lu.double())
+    PA = A if F.perm is None else A[F.perm]
+    return float((PA - L @ U / F.scale).abs().max() / A.abs().max())
+
+
+def test_calu_panel_on_gpu():
+    n = 3072
+    A = la.random_matrix_with_cond(n, 1e2, seed=13, device=DEV)
+    F = la.lu_factor(A, factor="fp32", pivoting=True, panel="calu", leaf=128, calu_rows=512, block=512)
+    assert torch.equal(torch.sort(F.perm).values, torch.arange(n, device=DEV))
+    assert _lu_error(A, F) < 1e-4
+    assert float(torch.tril(F.lu, -1).abs().max()) < 8.0
+    b = la.random_rhs(n, device=DEV)
+    x, info = la.solve(A, b, factor="fp16", panel="calu", leaf=128, calu_rows=512)
+    assert info.converged and backward_error(A, x, b) <= 16.0, info
+
+
+@pytest.mark.parametrize("lib", ["cusolver", "default"])
+@pytest.mark.parametrize("panel", ["getrf", "recursive"])
+def test_getrf_routing_factors_accurately(lib, panel):
+    n = 2560  # panels taller than 2048 rows: torch's default would pick MAGMA batched
+    A = la.random_matrix_with_cond(n, 1e2, seed=14, device=DEV)
+    before = torch.backends.cuda.preferred_linalg_library()
+    F = la.lu_factor(A, factor="fp32", pivoting=True, panel=panel, getrf_lib=lib, block=512)
+    assert torch.backends.cuda.preferred_linalg_library() == before  # restored
+    assert _lu_error(A, F) < 1e-4
+    assert float(torch.tril(F.lu, -1).abs().max()) <= 1.0 + 1e-6  # partial pivoting: |L| <= 1
+
+
+def test_trsv_graph_matches_blocked_and_converges():
+    n = 4096
+    A = la.hpl_mxp_matrix(n, seed=3, device=DEV)
+    Fg = la.lu_factor(A, factor="bf16", pivoting=False, trsv="graph")
+    Fb = la.lu_factor(A, factor="bf16", pivoting=False, trsv="blocked")
+    Ft = la.lu_factor(A, factor="bf16", pivoting=False, trsv="trsm")
+    r = torch.randn(n, dtype=torch.float64, device=DEV)
+    want = Ft.solve(r)
+    for _ in range(3):
+        for F in (Fg, Fb):
+            got = F.solve(r)
+            assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+    assert Fg._graph not in (None, False)  # captured and replayed
+    b = la.random_rhs(n, device=DEV)
+    for trsv in ("graph", "blocked"):
+        x, info = la.solve(A, b, factor="bf16", pivoting=False, trsv=trsv)
+        assert info.converged and backward_error(A, x, b) <= 16.0, info
+
+
+@pytest.mark.parametrize("factor", ["bf16", "fp16", "fp8"])
+def test_nopivot_lookahead_matches_serial_on_gpu(factor):
+    n = 4096
+    A = la.hpl_mxp_matrix(n, seed=5, device=DEV)
+    a = la.lu_factor(A, factor=factor, pivoting=False, block=512, lookahead=False)
+    b = la.lu_factor(A, factor=factor, pivoting=False, block=512, lookahead=True, profile=True)
+    assert float((a.lu - b.lu).abs().max()) < 1e-3 * float(a.lu.abs().max())
+    assert "side" in b.phase_times and "panel" in b.phase_times
+    assert all(inv is not None for inv in b.diag_inv)  # trsm="inverse" keeps both inverses per block

@@ -119,6 +119,9 @@ def bench_solve(
     out: str | None = "benchmarks/results/solve.json",
     lu_options: dict | None = None,
     time_budget_s: float | None = None,
+    skip_slower: tuple = (),
+    optional_factors: tuple = (),
+    optional_budget_s: float | None = None,
     log=print,
 ) -> dict:
     """Benchmark ``solve`` against fp64 ``torch.linalg.solve`` (see the module docstring).
@@ -126,7 +129,12 @@ def bench_solve(
     ``pivoting``: per kind, default ``{"diagdom": False, "general": True}`` (HPL-MxP factors its
     diagonally dominant matrix without pivoting).  ``lu_options``: passed to ``solve`` (block,
     panel, leaf, trsm, trsv, lookahead, ...), or one such dict per kind (``{"general": {...}}``).  ``time_budget_s``: rows that would start after this
-    many seconds are skipped (reported as such).  Every row catches its own exceptions.
+    many seconds are skipped (reported as such).  ``skip_slower``: kinds (e.g. ``("general",)``)
+    whose (kind, factor) row is skipped when the same row at the previous, smaller n was slower
+    than fp64 (the row says so; if every factor of a kind is skipped, so are its matrix and fp64
+    baseline).  ``optional_factors``: run after ``factors`` only while less than
+    ``optional_budget_s`` seconds have passed (e.g. fp8 "if time allows").  Every row catches its
+    own exceptions.
     """
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     piv = {"diagdom": False, "general": True, **(pivoting or {})}
@@ -148,11 +156,27 @@ def bench_solve(
     def over_budget() -> bool:
         return time_budget_s is not None and time.perf_counter() - t_begin > time_budget_s
 
+    last_speedup: dict = {}  # (kind, factor) -> (n, speedup) of the latest row that ran
+
+    def slower_before(kind, f):
+        if kind not in skip_slower or (kind, f) not in last_speedup:
+            return None
+        n0, sp = last_speedup[(kind, f)]
+        return f"skipped: {sp:.2f}x fp64 (slower) at n={n0}" if sp < 1.0 else None
+
+    all_factors = tuple(factors) + tuple(f for f in optional_factors if f not in factors)
     for n in sizes:
         for kind in kinds:
             base = {"n": n, "kind": kind, "cond": cond if kind == "general" else None}
             if over_budget():
                 rows.append({**base, "factor": "fp64", "error": "skipped: time budget"})
+                continue
+            skips = {f: slower_before(kind, f) for f in all_factors}
+            if all(skips.values()):
+                rows.append({**base, "factor": "fp64", "skipped": "skipped: every factor was slower than fp64 "
+                             "at the previous n"})
+                rows += [{**base, "factor": f, "skipped": skips[f]} for f in all_factors]
+                log(f"[bench_solve] n={n} {kind}: skipped (every factor slower than fp64 at the previous n)")
                 continue
             A = b = None
             try:
@@ -177,10 +201,17 @@ def bench_solve(
                 _free(dev)
                 continue
             _free(dev)
-            for f in factors:
+            for f in all_factors:
                 row = {**base, "factor": f, "refine": refine, "pivoting": piv[kind]}
                 if over_budget():
                     rows.append({**row, "error": "skipped: time budget"})
+                    continue
+                if f not in factors and optional_budget_s is not None and time.perf_counter() - t_begin > optional_budget_s:
+                    rows.append({**row, "skipped": f"skipped: optional factor, past {optional_budget_s:.0f} s"})
+                    continue
+                if skips[f]:
+                    rows.append({**row, "skipped": skips[f]})
+                    log(f"[bench_solve] n={n} {kind} {f}: {skips[f]}")
                     continue
                 try:
                     t, ts, (x, info) = _time(
@@ -200,8 +231,10 @@ def bench_solve(
                         lu_options=options_for(kind),
                         fp64_time_s=t64, fp64_backward_error=be64,
                     )
+                    last_speedup[(kind, f)] = (n, t64 / t)
                     log(f"[bench_solve] n={n} {kind} {f}: {t * 1e3:.1f} ms ({t64 / t:.2f}x fp64), "
-                        f"be {info.backward_error:.3g}, {info.path}, it {info.iterations}/{info.inner_iterations}")
+                        f"be {info.backward_error:.3g}, {info.path}, it {info.iterations}/{info.inner_iterations}, "
+                        f"factor {info.factor_time_s * 1e3:.1f} ms, refine {info.refine_time_s * 1e3:.1f} ms")
                 except Exception as e:  # noqa: BLE001
                     row["error"] = f"{type(e).__name__}: {e}"
                     log(f"[bench_solve] n={n} {kind} {f}: FAILED {e!r}")
@@ -216,7 +249,8 @@ def bench_solve(
         "env": env,
         "peak": {"bf16_matmul_8192_tflops": peak},
         "config": {"refine": refine, "cond": cond, "pivoting": piv, "warmup": warmup, "repeats": repeats,
-                   "lu_options": lu_options},
+                   "lu_options": lu_options, "skip_slower": list(skip_slower),
+                   "optional_factors": list(optional_factors), "optional_budget_s": optional_budget_s},
         "rows": rows,
         "elapsed_s": time.perf_counter() - t_begin,
     }
@@ -255,6 +289,9 @@ def format_table(rows: list) -> str:
     head = f"{'n':>6} {'kind':8} {'factor':6} {'ms':>9} {'x fp64':>7} {'bwd err':>9} {'path':22} {'it':>6} {'TF/s':>6} {'%pk':>5}"
     lines = [head, "-" * len(head)]
     for r in rows:
+        if "skipped" in r:
+            lines.append(f"{r['n']:>6} {r['kind']:8} {r['factor']:6} {r['skipped'][:80]}")
+            continue
         if "error" in r:
             lines.append(f"{r['n']:>6} {r['kind']:8} {r['factor']:6} {'ERROR: ' + r['error'][:70]}")
             continue

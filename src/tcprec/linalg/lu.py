@@ -16,19 +16,33 @@ fp32, so this is the same arithmetic up to summation order); ``gemm_backend()`` 
 
 Pivoting:
 
-* ``"partial"`` -- LAPACK's partial pivoting.  The panel is either one cuSOLVER/LAPACK ``getrf``
-  call (``panel="getrf"``) or Toledo's recursive LU (``panel="recursive"``: split the columns in
-  halves, factor the left half, update the right half with a TRSM and a GEMM, recurse; ``getrf``
-  only on leaves of ``leaf`` columns).  Row interchanges are turned into one gather/scatter of at
-  most ``2 * width`` whole rows per leaf, computed on the device (no host sync).
-* ``"none"`` -- no pivoting (what HPL-MxP does on its diagonally dominant matrix): LU of the
-  diagonal block, then ``L21 = A21 U11^-1``.
+* ``"partial"`` -- partial pivoting.  The panel is one ``getrf`` call (``panel="getrf"``, the CUDA
+  default), Toledo's recursive LU (``panel="recursive"``: split the columns in halves, factor the
+  left half, update the right half with a TRSM and a GEMM, recurse; ``getrf`` only on leaves of
+  ``leaf`` columns), or the same recursion with tournament-pivoting leaves (``panel="calu"``: a
+  few batched getrf calls on small row blocks pick the pivot rows, then L21 = A21 U11^-1).  On
+  CUDA every single-matrix getrf is routed to cuSOLVER (``getrf_lib``): torch's default sends a
+  tall panel to MAGMA's batched routine, 20 ms per 8192 x 1024 panel on an H100.  Row
+  interchanges become one gather/scatter of at most ``2 * width`` whole rows per leaf, computed
+  on the device (no host sync).
+* ``"none"`` -- no pivoting (what HPL-MxP does on its diagonally dominant matrix): cuSOLVER getrf
+  of the diagonal block, its two triangular inverses, then ``L21 = A21 U11^-1`` and
+  ``U12 = L11^-1 A12`` as tf32 GEMMs; the inverses are kept for the triangular solves.
+
+Accuracy on general matrices: with partial pivoting on dense random matrices (the "general" test
+kind, kappa_2 = 100) the low-precision updates give ||PA - LU|| / ||A|| ~ 45 u_f n / 1024
+(measured on the CPU emulation: bf16 0.09 at n = 1024, 0.17 at 2048; fp16 and tf32 8x less),
+because ||L|| ||U|| / ||A|| grows ~ n on such matrices.  So ||I - M^-1 A|| reaches ~3 (bf16,
+n = 1024) and ~6 (n = 2048), and GMRES-IR needs tens to hundreds of inner steps at n >= 8192 --
+a property of bf16 GEPP on these matrices, not a bug.  fp16 or tf32 factors converge in a few.
 
 (A random butterfly transform + no pivoting was tried for general matrices and dropped: on dense
 random matrices its growth factor and kappa(L), kappa(U) ~ 1e9 made the bf16 preconditioner useless.)
 
-``LUFactors.solve(r)`` applies ``M^-1 ~ A^-1`` in fp32 (triangular solves on the
-fp32 factors) to an fp64 vector and returns fp64; it is the preconditioner of iterative refinement.
+``LUFactors.solve(r)`` applies ``M^-1 ~ A^-1`` in fp32 (triangular solves on the fp32 factors) to
+an fp64 vector and returns fp64; it is the preconditioner of iterative refinement.  On CUDA the
+solves are blocked (``trsv="blocked"``): inverted diagonal blocks + GEMVs, two cuBLAS calls per
+block on pre-sliced buffers; ``trsv="graph"`` replays that sequence from a CUDA graph.
 """
 
 from __future__ import annotations
@@ -111,7 +125,7 @@ def default_block(n: int, device: torch.device) -> int:
     """Block width: large on a GPU (the trailing GEMM's arithmetic intensity grows with it and the
     fp32 trailing matrix is read and written once per step), small on a CPU."""
     if device.type == "cuda":
-        if n >= 16384:
+        if n >= 8192:  # H100, no pivoting: 1024 beat 512 and 256 at n = 8192 (9.5 vs 10.3 / 12.4 ms)
             return 1024
         if n >= 4096:
             return 512
@@ -710,6 +724,19 @@ class _Config:
     panel_tf32: bool
     tri_tf32: bool
     lookahead: bool
+    getrf_lib: str = "cusolver"
+    calu_rows: int = 1024
+
+
+@dataclass
+class _TrsvPlan:
+    """Buffers and pre-sliced views of one blocked triangular solve with k right-hand sides: the
+    loop then costs two cuBLAS calls per block and no Python slicing."""
+
+    v: torch.Tensor  # (n, k) fp32: input, then the result
+    y: torch.Tensor  # (n, k) fp32: L^-1 v
+    fwd: list  # (inv(L_ii), v_i, y_i, L[b:, a:b] or None, v[b:] or None)
+    bwd: list  # (inv(U_ii), y_i, v_i, U[:a, a:b] or None, y[:a] or None)
 
 
 @dataclass
@@ -718,6 +745,8 @@ class LUFactors:
 
     ``lu`` (n, n) fp32: unit lower L strictly below the diagonal, U on and above.
     ``perm`` (n,) int64 or None (no pivoting): row i of L U is row ``perm[i]`` of ``scale * A``.
+    ``diag_inv``: per diagonal block of width ``block``, (inv(L_ii), inv(U_ii)) fp32 or None where
+    not computed yet (the factorization keeps those it made; the rest are made on first use).
     """
 
     lu: torch.Tensor
@@ -729,8 +758,9 @@ class LUFactors:
     block: int
     trsv: str
     phase_times: dict = field(default_factory=dict)
-    _linv: list | None = None
-    _uinv: list | None = None
+    diag_inv: list | None = None
+    _plans: dict = field(default_factory=dict, repr=False)
+    _graph: object = field(default=None, repr=False)
 
     @property
     def n_work(self) -> int:
@@ -746,55 +776,135 @@ class LUFactors:
         return None
 
     # ---- triangular solves with the fp32 factors ----------------------------------------
-    def _prepare_blocked(self) -> None:
-        if self._linv is not None:
-            return
+    def _blocks(self) -> list:
         nb, nw = self.block, self.n_work
-        self._linv, self._uinv = [], []
-        for a in range(0, nw, nb):
-            b = min(a + nb, nw)
-            blk = self.lu[a:b, a:b]
-            eye = torch.eye(b - a, dtype=blk.dtype, device=blk.device)
-            self._linv.append(torch.linalg.solve_triangular(blk, eye, upper=False, unitriangular=True))
-            self._uinv.append(torch.linalg.solve_triangular(blk, eye, upper=True))
+        return [(a, min(a + nb, nw)) for a in range(0, nw, nb)]
+
+    def _prepare_blocked(self) -> None:
+        """Fill in the missing inverses of the diagonal blocks: all same-size blocks in one
+        batched recursive inversion per triangle (a few launches, not two TRSMs per block)."""
+        blocks = self._blocks()
+        if self.diag_inv is None or len(self.diag_inv) != len(blocks):
+            self.diag_inv = [None] * len(blocks)
+        todo: dict = {}
+        for i, (a, b) in enumerate(blocks):
+            have = self.diag_inv[i] or (None, None)
+            for t, upper in ((0, False), (1, True)):
+                if have[t] is None:
+                    todo.setdefault((b - a, upper), []).append(i)
+        if not todo:
+            return
+        inv = [list(self.diag_inv[i] or (None, None)) for i in range(len(blocks))]
+        with _tf32(False):
+            for (size, upper), idx in todo.items():
+                stack = torch.stack([self.lu[blocks[i][0] : blocks[i][1], blocks[i][0] : blocks[i][1]] for i in idx])
+                res = _tri_inv(stack, upper=upper, unit=not upper)
+                for j, i in enumerate(idx):
+                    inv[i][1 if upper else 0] = res[j]
+        self.diag_inv = [tuple(t) for t in inv]
+
+    def _plan(self, k: int) -> _TrsvPlan:
+        plan = self._plans.get(k)
+        if plan is not None:
+            return plan
+        self._prepare_blocked()
+        lu, nw = self.lu, self.n_work
+        v = torch.empty(nw, k, dtype=lu.dtype, device=lu.device)
+        y = torch.empty_like(v)
+        fwd, bwd = [], []
+        blocks = self._blocks()
+        for i, (a, b) in enumerate(blocks):
+            below = b < nw
+            fwd.append((self.diag_inv[i][0], v[a:b], y[a:b], lu[b:, a:b] if below else None, v[b:] if below else None))
+        for i in reversed(range(len(blocks))):
+            a, b = blocks[i]
+            bwd.append((self.diag_inv[i][1], y[a:b], v[a:b], lu[:a, a:b] if a > 0 else None, y[:a] if a > 0 else None))
+        plan = _TrsvPlan(v, y, fwd, bwd)
+        if len(self._plans) >= 4:  # a few column counts at most (1 for GMRES, k for classic IR)
+            self._plans.clear()
+        self._plans[k] = plan
+        return plan
+
+    @staticmethod
+    def _run_plan(plan: _TrsvPlan) -> torch.Tensor:
+        """U^-1 L^-1 plan.v, in plan.v: forward y_i = inv(L_ii) v_i, v[below] -= L[below, i] y_i;
+        backward x_i = inv(U_ii) y_i, y[above] -= U[above, i] x_i.  fp32 IEEE (tf32 off)."""
+        with _tf32(False):
+            for inv, src, dst, off, rest in plan.fwd:
+                torch.mm(inv, src, out=dst)
+                if off is not None:
+                    rest.addmm_(off, dst, alpha=-1.0)
+            for inv, src, dst, off, rest in plan.bwd:
+                torch.mm(inv, src, out=dst)
+                if off is not None:
+                    rest.addmm_(off, dst, alpha=-1.0)
+        return plan.v
 
     def _tri_solve(self, v: torch.Tensor) -> torch.Tensor:
-        """U^-1 L^-1 v for v (n_work, k) fp32."""
+        """U^-1 L^-1 v for v (n_work, k) fp32 (a new tensor)."""
         if self.trsv == "trsm":
             y = torch.linalg.solve_triangular(self.lu, v, upper=False, unitriangular=True)
             return torch.linalg.solve_triangular(self.lu, y, upper=True)
-        self._prepare_blocked()
-        lu, nb, nw = self.lu, self.block, self.n_work
-        v = v.clone()
-        with _tf32(False):
-            for i, a in enumerate(range(0, nw, nb)):  # forward: v_i <- Linv_i v_i; v_below -= L v_i
-                b = min(a + nb, nw)
-                v[a:b] = self._linv[i] @ v[a:b]
-                if b < nw:
-                    v[b:].addmm_(lu[b:, a:b], v[a:b], alpha=-1.0)
-            starts = list(range(0, nw, nb))
-            for i in reversed(range(len(starts))):  # backward
-                a = starts[i]
-                b = min(a + nb, nw)
-                v[a:b] = self._uinv[i] @ v[a:b]
-                if a > 0:
-                    v[:a].addmm_(lu[:a, a:b], v[a:b], alpha=-1.0)
-        return v
+        plan = self._plan(v.shape[1])
+        plan.v.copy_(v)
+        return self._run_plan(plan).clone()
+
+    def _apply(self, r2: torch.Tensor) -> torch.Tensor:
+        """M^-1 r2 for r2 (n, k) fp64 -> (n, k) fp64, no host sync (capturable)."""
+        s = r2.abs().amax(dim=0).clamp_min(1e-300)  # (k,) column scales keep fp32 in range
+        if self.trsv == "trsm":
+            v = (r2 / s).float()
+            if self.perm is not None:
+                v = v.index_select(0, self.perm)  # L U y = (P b)
+            y = self._tri_solve(v.contiguous())
+        else:
+            plan = self._plan(r2.shape[1])
+            q = r2 / s
+            plan.v.copy_(q.index_select(0, self.perm) if self.perm is not None else q)
+            y = self._run_plan(plan)
+        return y.double() * (s * self.scale)  # A^-1 = scale * (scale A)^-1
+
+    def _build_graph(self):
+        """Capture ``_apply`` for one column in a CUDA graph (the blocked solve is ~4 cuBLAS
+        calls per block: replaying them costs GPU time only, no Python / launch overhead)."""
+        dev = self.lu.device
+        self._plan(1)  # inverses and buffers on the main stream, before any stream switch
+        static_in = torch.zeros(self.n, 1, dtype=torch.float64, device=dev)
+        main = torch.cuda.current_stream(dev)
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):  # warm-up outside the capture (cuBLAS handles, workspaces)
+            self._apply(static_in)
+        main.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = self._apply(static_in)
+        return graph, static_in, static_out
 
     def solve(self, r: torch.Tensor) -> torch.Tensor:
         """Approximate ``A^-1 r`` with the fp32 factors: r (n,) or (n, k) fp64 -> fp64."""
         vec = r.dim() == 1
         r2 = r.unsqueeze(1) if vec else r  # (n, k)
-        s = r2.abs().amax(dim=0).clamp_min(1e-300)  # (k,) column scales keep fp32 in range
-        v = (r2 / s).float()
-        if self.perm is not None:
-            v = v.index_select(0, self.perm)  # L U y = (P b)
-        y = self._tri_solve(v.contiguous())
-        out = y.double() * (s * self.scale)  # A^-1 = scale * (scale A)^-1
+        if r2.dtype != torch.float64:
+            r2 = r2.double()
+        if self.trsv == "graph" and r2.shape[1] == 1 and r2.device.type == "cuda" and self._graph is not False:
+            if self._graph is None:
+                try:
+                    self._graph = self._build_graph()
+                except (RuntimeError, torch.OutOfMemoryError):  # capture unsupported here: eager
+                    self._graph = False
+            if self._graph is not False:
+                graph, static_in, static_out = self._graph
+                static_in.copy_(r2)
+                graph.replay()
+                out = static_out.clone()
+                return out.squeeze(1) if vec else out
+        out = self._apply(r2)
         return out.squeeze(1) if vec else out
 
 
-def _resolve_config(n, device, factor, pivoting, block, panel, leaf, trsm, trsv, panel_tf32, lookahead) -> _Config:
+def _resolve_config(n, device, factor, pivoting, block, panel, leaf, trsm, trsv, panel_tf32, lookahead,
+                    getrf_lib="cusolver", calu_rows=None) -> _Config:
     if block is None:
         block = default_block(n, device)
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
@@ -805,13 +915,19 @@ def _resolve_config(n, device, factor, pivoting, block, panel, leaf, trsm, trsv,
         raise ValueError(f"trsv must be one of {TRSV_METHODS}, got trsv={trsv!r}")
     if trsm not in TRSM_METHODS:
         raise ValueError(f"trsm must be one of {TRSM_METHODS}, got trsm={trsm!r}")
+    if getrf_lib not in GETRF_LIBS:
+        raise ValueError(f"getrf_lib must be one of {GETRF_LIBS}, got getrf_lib={getrf_lib!r}")
     cuda = device.type == "cuda"
-    if panel == "auto":
-        panel = "recursive"
+    if panel == "auto":  # CUDA: one cuSOLVER getrf per block column (fewest launches); CPU: recursive
+        panel = "getrf" if cuda else "recursive"
     if leaf is None:
         leaf = 128 if cuda else 16
     if isinstance(leaf, bool) or not isinstance(leaf, int) or leaf < 1:
         raise ValueError(f"leaf must be a positive int (getrf width of the recursive panel), got leaf={leaf!r}")
+    if calu_rows is None:
+        calu_rows = 1024 if cuda else 64
+    if isinstance(calu_rows, bool) or not isinstance(calu_rows, int) or calu_rows < 1:
+        raise ValueError(f"calu_rows must be a positive int (rows per tournament block), got calu_rows={calu_rows!r}")
     if trsv == "auto":
         trsv = "blocked" if cuda else "trsm"
     if trsm == "auto":  # inv(L11) @ A12 as a tf32 GEMM: tensor cores, error below the low-precision updates
@@ -828,6 +944,8 @@ def _resolve_config(n, device, factor, pivoting, block, panel, leaf, trsm, trsv,
         panel_tf32=bool(panel_tf32 and lowp and cuda),
         tri_tf32=bool(lowp and cuda),
         lookahead=bool(cuda if lookahead is None else lookahead),
+        getrf_lib=getrf_lib,
+        calu_rows=calu_rows,
     )
 
 
@@ -849,62 +967,95 @@ class _Streams:
     def keep(self, *tensors) -> None:
         if self.cuda:  # main-stream allocations used on the side stream must outlive its work
             for t in tensors:
-                t.record_stream(self.side)
+                if t is not None:
+                    t.record_stream(self.side)
 
     def join(self) -> None:
         if self.cuda:
             self.main.wait_stream(self.side)
 
 
-def _factor_inplace(work: torch.Tensor, n: int, cfg: _Config, timer: _PhaseTimer) -> torch.Tensor | None:
-    """Blocked right-looking LU of work[:n] (work has n+1 rows; row n is scratch). Returns perm.
+def _factor_inplace(work: torch.Tensor, n: int, cfg: _Config, timer: _PhaseTimer):
+    """Blocked right-looking LU of work[:n] (work has n+1 rows; row n is scratch).
+    Returns (perm or None, diag_inv) -- diag_inv[i] = (inv(L_ii), inv(U_ii)), entries None where
+    not computed.
 
     With ``cfg.lookahead`` (depth 1) step k updates the next block column first, hands the rest
     of the trailing GEMM to a side stream and factors panel k+1 on the main stream meanwhile, so
     the latency-bound panel hides behind the big GEMM.  Row swaps of panel k+1 reach the columns
-    the side stream is updating only after the join (``_Swaps``)."""
+    the side stream is updating only after the join (``_Swaps``).  Without pivoting the side
+    stream also computes the rest of U12 (L11^-1 A12 beyond the next block column): only the
+    next block column's share stays on the critical path."""
     partial = cfg.pivoting == "partial"
     perm = torch.arange(n + 1, device=work.device) if partial else None
     nb = cfg.block
     steps = [(k, min(nb, n - k)) for k in range(0, n, nb)]
     streams = _Streams(work.device, cfg.lookahead)
+    inv: list = [None] * len(steps)
 
-    def panel(k, kb, cols):
+    def panel(i, cols):
+        k, kb = steps[i]
         with timer("panel"):
             if partial:
                 swaps = _Swaps(work, perm, cols)
                 _panel_partial(work, swaps, k, kb, n, cfg)
                 return swaps
-            _panel_nopivot(work, k, kb, n, cfg)
+            linv, uinv = _panel_nopivot(work, k, kb, n, cfg)
+            inv[i] = (linv, uinv) if linv is not None else None
             return None
 
+    def linv_of(i, k, kb):
+        if cfg.trsm != "inverse":
+            return None
+        if inv[i] is None:
+            inv[i] = (_inv_lower_unit(work[k : k + kb, k : k + kb]), None)
+        return inv[i][0]
+
     with _tf32(False):
-        panel(*steps[0], n)
+        panel(0, n)
         for i, (k, kb) in enumerate(steps[:-1]):
             k1, kb1 = steps[i + 1]  # == k + kb
-            with timer("trsm"):
-                a12 = work[k : k + kb, k1:n]
-                u12 = _solve_lower_unit(work[k : k + kb, k : k + kb], a12, cfg.trsm, cfg.tri_tf32)
-                a12.copy_(u12)
+            l11 = work[k : k + kb, k : k + kb]
+            a12 = work[k : k + kb, k1:n]
             l21 = work[k1:n, k : k + kb]
+            linv = linv_of(i, k, kb)
             if not cfg.lookahead or k1 + kb1 >= n:
+                with timer("trsm"):
+                    a12.copy_(_solve_lower_unit(l11, a12, cfg.trsm, cfg.tri_tf32, linv))
                 with timer("gemm"):
-                    _trailing_update(work[k1:n, k1:n], l21, u12, cfg.factor)
-                panel(k1, kb1, n)
+                    _trailing_update(work[k1:n, k1:n], l21, a12, cfg.factor)
+                panel(i + 1, n)
                 continue
-            with timer("gemm"):  # the next block column first ...
-                scales = _fp16_scales(l21, u12) if cfg.factor == "fp16" else None
-                _run_update(work[k1:n, k1 : k1 + kb1], _prepare_update(l21, u12[:, :kb1], cfg.factor, scales))
-                rest = _prepare_update(l21, u12[:, kb1:], cfg.factor, scales)  # private copies: panel k1
-            streams.keep(*rest.tensors())  # swaps rows of L21 while the side stream multiplies
-            with streams.side_ctx():  # ... the rest on the side stream ...
-                _run_update(work[k1:n, k1 + kb1 : n], rest)
-            del rest
-            swaps = panel(k1, kb1, k1 + kb1)  # ... while the next panel factors here
+            if partial or cfg.factor == "fp16":
+                # all of U12 on the main stream: the side stream must get private copies of L21
+                # (panel k1 swaps its rows) and fp16's scales need all of U12 (one host sync)
+                with timer("trsm"):
+                    u12 = _solve_lower_unit(l11, a12, cfg.trsm, cfg.tri_tf32, linv)
+                    a12.copy_(u12)
+                with timer("gemm"):  # the next block column first ...
+                    scales = _fp16_scales(l21, u12) if cfg.factor == "fp16" else None
+                    _run_update(work[k1:n, k1 : k1 + kb1], _prepare_update(l21, u12[:, :kb1], cfg.factor, scales))
+                    rest = _prepare_update(l21, u12[:, kb1:], cfg.factor, scales)  # private copies
+                del u12
+                streams.keep(*rest.tensors())
+                with streams.side_ctx(), timer("side"):  # ... the rest on the side stream ...
+                    _run_update(work[k1:n, k1 + kb1 : n], rest)
+                del rest
+            else:
+                with timer("trsm"):  # U12 of the next block column only ...
+                    a12[:, :kb1].copy_(_solve_lower_unit(l11, a12[:, :kb1], cfg.trsm, cfg.tri_tf32, linv))
+                with timer("gemm"):
+                    _trailing_update(work[k1:n, k1 : k1 + kb1], l21, a12[:, :kb1], cfg.factor)
+                streams.keep(linv)
+                with streams.side_ctx(), timer("side"):  # ... the rest of U12 and of the GEMM there
+                    a12r = a12[:, kb1:]
+                    a12r.copy_(_solve_lower_unit(l11, a12r, cfg.trsm, cfg.tri_tf32, linv))
+                    _trailing_update(work[k1:n, k1 + kb1 : n], l21, a12r, cfg.factor)
+            swaps = panel(i + 1, k1 + kb1)  # ... while the next panel factors here
             streams.join()
             if swaps is not None:
                 swaps.flush()
-    return perm[:n] if perm is not None else None
+    return (perm[:n] if perm is not None else None), inv
 
 
 def prepare_work(A: torch.Tensor):
@@ -949,6 +1100,8 @@ def lu_factor(
     trsv: str = "auto",
     panel_tf32: bool = False,
     lookahead: bool | None = None,
+    getrf_lib: str = "cusolver",
+    calu_rows: int | None = None,
     profile: bool = False,
     _work=None,
 ) -> LUFactors:
@@ -961,32 +1114,36 @@ def lu_factor(
     >>> bool((A @ x - 1).abs().max() < 1e-2)
     True
 
-    ``panel``: "recursive" (default) or "getrf" (one getrf call per block column);
-    ``leaf``: getrf width at the bottom of the recursive panel; ``trsm``: "trsm" (fp32) or
-    "inverse" (inv(L11) @ A12 as a GEMM, tf32 on CUDA for low-precision factors);
-    ``trsv``: "trsm" (torch.linalg.solve_triangular) or "blocked" (inverted diagonal blocks +
-    GEMVs; default on CUDA) for ``LUFactors.solve``; ``panel_tf32``: let the GEMMs inside the
-    recursive panel use tf32 (only for low-precision factors on CUDA); ``lookahead``: overlap the
-    next panel with the trailing GEMM on a second stream (default on CUDA; on a CPU the same
-    code runs serially); ``profile``: record per-phase
-    GPU time in ``phase_times`` (panel / trsm / gemm).
+    ``panel`` (partial pivoting): "recursive" (Toledo's recursion, getrf on leaves of ``leaf``
+    columns; the CPU default), "getrf" (one getrf per block column; the CUDA default) or "calu" (the recursion with
+    tournament-pivoting leaves: batched getrf on blocks of ``calu_rows`` rows, then a binary
+    reduction tree); ``getrf_lib``: "cusolver" (default: torch's getrf forced onto cuSOLVER, see
+    ``_getrf_lib``) or "default" (torch's own choice); ``trsm``: "trsm" (fp32) or "inverse"
+    (inv(L11) @ A12 as a GEMM, tf32 on CUDA for low-precision factors); ``trsv``: "trsm"
+    (torch.linalg.solve_triangular), "blocked" (inverted diagonal blocks + GEMVs; default on
+    CUDA) or "graph" (the blocked solve of one vector replayed from a CUDA graph) for
+    ``LUFactors.solve``; ``panel_tf32``: let the GEMMs inside the recursive panel use tf32 (only
+    for low-precision factors on CUDA); ``lookahead``: overlap the next panel with the trailing
+    GEMM on a second stream (default on CUDA; on a CPU the same code runs serially);
+    ``profile``: record per-phase GPU time in ``phase_times`` (panel / trsm / gemm / side).
     """
     factor = canonical_factor(factor)
     piv = canonical_pivoting(pivoting)
     if not isinstance(A, torch.Tensor) or A.dim() != 2 or A.shape[0] != A.shape[1] or A.shape[0] == 0:
         raise ValueError(f"lu_factor needs a non-empty square matrix, got {getattr(A, 'shape', type(A))}")
     n = A.shape[0]
-    cfg = _resolve_config(n, A.device, factor, piv, block, panel, leaf, trsm, trsv, panel_tf32, lookahead)
+    cfg = _resolve_config(n, A.device, factor, piv, block, panel, leaf, trsm, trsv, panel_tf32, lookahead,
+                          getrf_lib, calu_rows)
     timer = _PhaseTimer(profile, A.device)
     if _work is None:
         with timer("convert"):
             work, _, scale = prepare_work(A)
     else:
         work, scale = _work
-    perm = _factor_inplace(work, n, cfg, timer)
+    perm, inv = _factor_inplace(work, n, cfg, timer)
     F = LUFactors(
         lu=work[:n], perm=perm, n=n, scale=scale, factor=factor, pivoting=piv,
-        block=cfg.block, trsv=cfg.trsv,
+        block=cfg.block, trsv=cfg.trsv, diag_inv=inv,
     )
     F.phase_times = timer.result()
     return F

@@ -106,11 +106,11 @@ def _gmres(apply_op: Callable, rhs: torch.Tensor, restart: int, rtol: float):
     Arnoldi with classical Gram-Schmidt applied twice (CGS2: two GEMVs per step, GPU-friendly);
     the small Hessenberg least-squares problem is solved on the host with Givens rotations.
     Returns (d, steps)."""
-    amax = float(rhs.abs().max())
-    if amax == 0.0 or not math.isfinite(amax):
+    amax_t = rhs.abs().max()
+    rhs = rhs / amax_t  # the problem is linear: solve for rhs / amax so sum(x^2) cannot underflow
+    amax, beta = torch.stack([amax_t, torch.linalg.vector_norm(rhs)]).tolist()  # one host sync
+    if amax == 0.0 or not math.isfinite(amax) or not math.isfinite(beta):
         return torch.zeros_like(rhs), 0
-    rhs = rhs / amax  # the problem is linear: solve for rhs / amax so sum(x^2) cannot underflow
-    beta = float(torch.linalg.vector_norm(rhs))
     n = rhs.shape[0]
     V = torch.empty(restart + 1, n, dtype=torch.float64, device=rhs.device)  # (m+1, n) Krylov basis
     V[0] = rhs / beta
