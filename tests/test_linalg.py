@@ -524,3 +524,21 @@ def test_bench_solve_smoke_on_cpu(tmp_path):
     saved = json.loads(out.read_text())
     assert saved["env"]["torch"] == torch.__version__ and "bf16_matmul_8192_tflops" in saved["peak"]
     assert "x fp64" in res["table"] and math.isfinite(rows[1]["speedup"])
+
+
+def test_bench_solve_skips_general_rows_slower_than_fp64_and_optional_factors():
+    from tcprec.bench.solve import bench_solve
+
+    res = bench_solve(sizes=(48, 64), factors=("bf16",), optional_factors=("fp8",), optional_budget_s=0.0,
+                      kinds=("diagdom", "general"), skip_slower=("general",), device="cpu", repeats=1,
+                      warmup=0, out=None, log=lambda *_: None)
+    rows = {(r["n"], r["kind"], r["factor"]): r for r in res["rows"]}
+    assert rows[(48, "general", "fp8")]["skipped"].startswith("skipped: optional factor")
+    first = rows[(48, "general", "bf16")]
+    assert "error" not in first and "skipped" not in first
+    later = rows[(64, "general", "bf16")]
+    if first["speedup"] < 1.0:  # tiny n on a CPU: the fp64 LAPACK solve wins, so n=64 is skipped
+        assert "slower" in later["skipped"] and "n=48" in later["skipped"]
+        assert "skipped" in rows[(64, "general", "fp64")]
+        assert "skipped: " in res["table"]
+    assert "skipped" not in rows[(64, "diagdom", "bf16")]  # only the kinds named are skipped

@@ -164,6 +164,11 @@ def bench_solve(
         n0, sp = last_speedup[(kind, f)]
         return f"skipped: {sp:.2f}x fp64 (slower) at n={n0}" if sp < 1.0 else None
 
+    def optional_skip(f):
+        if f in factors or optional_budget_s is None or time.perf_counter() - t_begin <= optional_budget_s:
+            return None
+        return f"skipped: optional factor, past {optional_budget_s:.0f} s"
+
     all_factors = tuple(factors) + tuple(f for f in optional_factors if f not in factors)
     for n in sizes:
         for kind in kinds:
@@ -171,12 +176,12 @@ def bench_solve(
             if over_budget():
                 rows.append({**base, "factor": "fp64", "error": "skipped: time budget"})
                 continue
-            skips = {f: slower_before(kind, f) for f in all_factors}
+            skips = {f: slower_before(kind, f) or optional_skip(f) for f in all_factors}
             if all(skips.values()):
-                rows.append({**base, "factor": "fp64", "skipped": "skipped: every factor was slower than fp64 "
-                             "at the previous n"})
+                rows.append({**base, "factor": "fp64", "skipped": "skipped: no factor left to run (slower than "
+                             "fp64 at the previous n, or optional)"})
                 rows += [{**base, "factor": f, "skipped": skips[f]} for f in all_factors]
-                log(f"[bench_solve] n={n} {kind}: skipped (every factor slower than fp64 at the previous n)")
+                log(f"[bench_solve] n={n} {kind}: skipped (no factor left to run)")
                 continue
             A = b = None
             try:
@@ -206,9 +211,7 @@ def bench_solve(
                 if over_budget():
                     rows.append({**row, "error": "skipped: time budget"})
                     continue
-                if f not in factors and optional_budget_s is not None and time.perf_counter() - t_begin > optional_budget_s:
-                    rows.append({**row, "skipped": f"skipped: optional factor, past {optional_budget_s:.0f} s"})
-                    continue
+                skips[f] = skips[f] or optional_skip(f)
                 if skips[f]:
                     rows.append({**row, "skipped": skips[f]})
                     log(f"[bench_solve] n={n} {kind} {f}: {skips[f]}")

@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -393,15 +394,19 @@ def _getrf_lib(device: torch.device, lib: str):
         return
     backend = torch.backends.cuda.preferred_linalg_library
     try:
-        prev = backend()
-        backend("cusolver")
+        with warnings.catch_warnings():  # torch warns once that the setting is "experimental"
+            warnings.simplefilter("ignore")
+            prev = backend()
+            backend("cusolver")
     except (RuntimeError, AttributeError, ValueError):  # a build without cuSOLVER: keep torch's choice
         yield
         return
     try:
         yield
     finally:
-        backend(prev)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            backend(prev)
 
 
 def _eye_like(T: torch.Tensor) -> torch.Tensor:
