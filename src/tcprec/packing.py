@@ -35,8 +35,6 @@ same bits.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 __all__ = [
@@ -52,7 +50,6 @@ __all__ = [
 K_PAD_BITS = 512  # 64 bytes: row alignment for 16-byte loads, and two whole 256-bit MMA k-steps
 WORD_BITS = 32
 _WORDS_PER_PAD = K_PAD_BITS // WORD_BITS  # 16
-_BACKENDS = ("auto", "triton", "reference")
 _M32 = 0xFFFFFFFF
 
 
@@ -98,32 +95,11 @@ def _check_codes(codes, bits: int, validate: bool) -> None:
             )
 
 
-def _triton_usable(t: torch.Tensor) -> tuple[bool, str]:
-    try:
-        import triton  # noqa: F401
-    except Exception as e:  # pragma: no cover - triton is a Linux dependency
-        return False, f"triton is not importable ({type(e).__name__}: {e})"
-    if t.is_cuda:
-        return True, "CUDA tensor: Triton pack kernel"
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return True, "TRITON_INTERPRET=1: Triton pack kernel in the interpreter"
-    return False, f"codes on {t.device.type}: the Triton kernel needs a CUDA tensor (or TRITON_INTERPRET=1)"
-
-
 def choose_pack_backend(codes: torch.Tensor, backend: str = "auto") -> tuple[str, str]:
     """(backend, reason) for packing ``codes``: Triton on CUDA tensors, the reference otherwise."""
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got backend={backend!r}")
-    if backend == "reference":
-        return "reference", "asked for the reference backend"
-    ok, why = _triton_usable(codes)
-    if backend == "triton":
-        if not ok:
-            raise RuntimeError(f"backend='triton' cannot run: {why}; use backend='reference' or a CUDA tensor")
-        return "triton", why
-    if ok and codes.is_cuda:
-        return "triton", why
-    return "reference", f"pure-torch reference: {why}" if not ok else "pure-torch reference on CPU"
+    from .kernels.triton import choose_backend
+
+    return choose_backend(codes, backend, "Triton pack kernel")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -7,45 +7,20 @@ every device).  Both compute the same bits, stochastic rounding included.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..formats import ROUNDING_MODES, BlockFormat, FloatFormat, IntFormat, as_format
 from ..kernels import reference as ref
+from ..kernels.triton import choose_backend
 
 __all__ = ["cast", "encode", "decode", "choose_cast_backend", "code_dtype"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-_BACKENDS = ("auto", "triton", "reference")
-
-
-def _triton_usable(x: torch.Tensor) -> tuple[bool, str]:
-    try:
-        import triton  # noqa: F401
-    except Exception as e:  # pragma: no cover - triton is a Linux dependency
-        return False, f"triton is not importable ({type(e).__name__}: {e})"
-    if x.is_cuda:
-        return True, "CUDA tensor: fused Triton kernel"
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return True, "TRITON_INTERPRET=1: Triton kernel in the interpreter"
-    return False, f"tensor on {x.device.type}: Triton needs a CUDA tensor (or TRITON_INTERPRET=1)"
 
 
 def choose_cast_backend(x: torch.Tensor, backend: str = "auto") -> tuple[str, str]:
     """(backend, reason) for casting ``x``."""
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got backend={backend!r}")
-    if backend == "reference":
-        return "reference", "asked for the reference backend"
-    ok, why = _triton_usable(x)
-    if backend == "triton":
-        if not ok:
-            raise RuntimeError(f"backend='triton' cannot run: {why}; use backend='reference' or a CUDA tensor")
-        return "triton", why
-    if ok and x.is_cuda:
-        return "triton", why
-    return "reference", f"pure-torch reference: {why}" if not ok else "pure-torch reference on CPU"
+    return choose_backend(x, backend, "fused Triton cast kernel")
 
 
 def code_dtype(fmt) -> torch.dtype:
@@ -54,7 +29,8 @@ def code_dtype(fmt) -> torch.dtype:
     return torch.uint8 if bits <= 8 else torch.int16 if bits <= 16 else torch.int32
 
 
-def _check_x(x, fn: str) -> None:
+def check_float_input(x, fn: str) -> None:
+    """TypeError unless x is a float32/float16/bfloat16/float64 tensor (shared by the ops)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{fn}() expects a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _FLOAT_DTYPES:
@@ -64,7 +40,7 @@ def _check_x(x, fn: str) -> None:
         )
 
 
-def _check_rounding(rounding: str) -> None:
+def check_rounding(rounding: str) -> None:
     if rounding not in ROUNDING_MODES:
         raise ValueError(f"rounding must be one of {ROUNDING_MODES}, got rounding={rounding!r}")
 
@@ -115,9 +91,9 @@ def cast(
     >>> tp.cast(torch.tensor([0.3, 500.0]), "e4m3")
     tensor([0.3125,    nan])
     """
-    _check_x(x, "cast")
+    check_float_input(x, "cast")
     fmt = as_format(fmt)
-    _check_rounding(rounding)
+    check_rounding(rounding)
     if isinstance(fmt, BlockFormat):
         from .quantize import quantize  # same layer; a block cast is quantize + dequantize
 
@@ -151,9 +127,9 @@ def encode(
 
     Raises ``ValueError`` if ``x`` holds NaN and ``fmt`` has no NaN code (integers, fp6, fp4).
     """
-    _check_x(x, "encode")
+    check_float_input(x, "encode")
     fmt = as_format(fmt)
-    _check_rounding(rounding)
+    check_rounding(rounding)
     if isinstance(fmt, BlockFormat):
         raise TypeError(f"encode() takes an element format; for {fmt} use tcprec.quantize(x, {str(fmt)!r})")
     cdt = _compute_dtype(x, fmt)

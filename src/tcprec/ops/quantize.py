@@ -38,13 +38,12 @@ import math
 
 import torch
 
-from ..formats import ROUNDING_MODES, BlockFormat, FloatFormat, IntFormat, as_format
+from ..formats import BlockFormat, FloatFormat, IntFormat, as_format
 from ..qtensor import Granularity, PerGroup, PerTensor, QTensor, check_granularity, group_view, scale_view
-from .cast import encode
+from .cast import check_float_input, check_rounding, encode
 
 __all__ = ["quantize", "absmax_qmax"]
 
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _TINY = torch.finfo(torch.float32).tiny  # 2**-126
 
 
@@ -62,15 +61,8 @@ def absmax_qmax(fmt: IntFormat | FloatFormat) -> float:
 
 
 def _check_inputs(x, rounding: str) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"quantize() expects a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _FLOAT_DTYPES:
-        raise TypeError(
-            f"quantize() takes a floating tensor (float32, float16, bfloat16 or float64), got dtype={x.dtype}; "
-            "convert with x.float() first"
-        )
-    if rounding not in ROUNDING_MODES:
-        raise ValueError(f"rounding must be one of {ROUNDING_MODES}, got rounding={rounding!r}")
+    check_float_input(x, "quantize")
+    check_rounding(rounding)
 
 
 def _check_specials(x: torch.Tensor, elem) -> torch.Tensor:
