@@ -187,3 +187,19 @@ def test_bundled_image_matches_scikit_image():
     photo, source = astronaut()
     if "scikit-image" in source and "bundled" not in source:
         assert torch.equal(crop, photo[40:168, 170:298])  # lossless PNG of the documented crop
+
+
+def test_train_smoke_on_synthetic_data(run, tmp_path):
+    res = run("train", "--data", "synthetic", "--model", "tiny_cnn", "--epochs", "1", "--limit-train", "128",
+              "--limit-test", "64", "--batch-size", "32", "--nodes", "4", "--out", str(tmp_path))
+    assert res.exit_code == 0, res.output
+    assert "test accuracy" in res.output
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert len(metrics["history"]) == 1 and 0.0 <= metrics["final_test_acc"] <= 1.0
+    assert (tmp_path / "curves.png").exists() and (tmp_path / "checkpoint.pt").exists()
+
+
+def test_train_refuses_a_format_too_narrow_for_aps(run, tmp_path):
+    res = run("train", "--data", "synthetic", "--grad-format", "e3m0", "--nodes", "64", "--out", str(tmp_path))
+    assert res.exit_code == 2
+    assert "too few exponent bits" in res.output

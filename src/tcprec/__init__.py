@@ -9,7 +9,7 @@ tensor([[ 0.8571, -2.0000],
         [ 0.5000,  0.2143]])
 """
 
-from . import linalg, metrics
+from . import distributed, emulate, linalg, metrics, nn, train
 from .env import device_report
 from .formats import BlockFormat, FloatFormat, IntFormat, ROUNDING_MODES, as_format, format, preset_names, presets
 from .ops.cast import cast, decode, encode
@@ -46,6 +46,10 @@ __all__ = [
     "packed_words",
     "K_PAD_BITS",
     # workflows and tools
+    "emulate",
+    "nn",
+    "train",
+    "distributed",
     "linalg",
     "metrics",
     "device_report",

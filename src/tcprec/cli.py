@@ -421,5 +421,49 @@ def bench_solve_cmd(
         raise typer.Exit(code=2) from None
 
 
+@app.command()
+def train(
+    model: str = typer.Option("resnet18", help="resnet18 (28x28 input) or tiny_cnn."),
+    data: str = typer.Option("fashion-mnist", help="fashion-mnist (Debian dataset-fashion-mnist) or synthetic."),
+    data_path: Optional[Path] = typer.Option(None, help="Folder with the Fashion-MNIST idx .gz files."),
+    grad_format: str = typer.Option("e4m3", help="Gradient all-reduce format: fp32, e4m3, e5m2 or e3m0."),
+    aps: bool = typer.Option(True, "--aps/--no-aps", help="Auto Precision Scaling of the gradients."),
+    kahan: bool = typer.Option(False, "--kahan", help="Kahan-compensated low-precision summation."),
+    nodes: int = typer.Option(8, min=1, help="Emulated nodes (micro-batches reduced as separate gradients)."),
+    epochs: int = typer.Option(1, min=1),
+    seed: int = typer.Option(0),
+    batch_size: int = typer.Option(256, min=1),
+    lr: float = typer.Option(0.05),
+    transport: str = typer.Option("compressed", help="compressed (codes on the wire) or emulate (fp32 values)."),
+    out: Path = typer.Option(Path("runs/train"), help="Checkpoint, metrics.json and curves.png go here."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from out/checkpoint.pt."),
+    limit_train: Optional[int] = typer.Option(None, min=1, help="Use only the first N training images."),
+    limit_test: Optional[int] = typer.Option(None, min=1, help="Use only the first N test images."),
+    device: Device = typer.Option(Device.auto, help="Where to run: auto picks cuda when a GPU is present."),
+):
+    """Train with gradients all-reduced in a low-precision format across emulated nodes (CPD's APS
+    experiment): per-epoch log, final table, PNG of the accuracy curves, checkpoint and resume."""
+    from .train.cli_impl import train as run_train
+
+    dev = _pick_device(device.value)
+    try:
+        res = run_train(model=model, data=data, data_path=data_path, grad_format=grad_format, aps=aps, kahan=kahan,
+                        nodes=nodes, epochs=epochs, seed=seed, batch_size=batch_size, lr=lr, transport=transport,
+                        out_dir=out, resume=resume, limit_train=limit_train, limit_test=limit_test,
+                        device=dev.type, progress=True)
+    except (ValueError, FileNotFoundError) as e:
+        Console(stderr=True).print(f"[red]{e}")
+        raise typer.Exit(code=2) from None
+    table = Table(title=f"tcprec train {model} on {data}: grads {grad_format}, {'APS' if aps else 'no APS'}, "
+                        f"{nodes} nodes, seed {seed}")
+    for col in ("epoch", "train loss", "test accuracy", "skipped steps", "seconds"):
+        table.add_column(col, justify="right")
+    for h in res["history"]:
+        table.add_row(str(h["epoch"]), f"{h['train_loss']:.4f}", f"{h['test_acc']:.4f}", str(h["skipped_steps"]),
+                      f"{h['seconds']:.1f}")
+    Console().print(table)
+    Console().print(f"metrics: {out / 'metrics.json'}   curves: {out / 'curves.png'}")
+
+
 if __name__ == "__main__":  # python -m tcprec.cli
     app()
