@@ -78,23 +78,16 @@ def _pow2_scale(v, E: tl.constexpr):
     return v
 
 
-@triton.jit(do_not_specialize=["seed_mix"])  # a new seed must not mean a new compile
-def _float_round_kernel(
-    x_ptr, out_ptr, n, seed_mix, flag_ptr,
-    # -- the target format (FloatFormat), folded at compile time --
+@triton.jit
+def _round_float(
+    x, rnd,
     MAN: tl.constexpr, BIAS: tl.constexpr, MIN_NORMAL_BITS: tl.constexpr, QE_LOW: tl.constexpr,
-    MAX_BITS: tl.constexpr, MIN_BITS: tl.constexpr, SPECIALS: tl.constexpr, OVERFLOW: tl.constexpr,
-    SIGNED: tl.constexpr, HAS_NZ: tl.constexpr, ZERO: tl.constexpr, SUBNORMALS: tl.constexpr,
-    CODE_MAX: tl.constexpr, CODE_MIN: tl.constexpr, CODE_INF: tl.constexpr, CODE_NAN: tl.constexpr,
-    SIGN_BIT: tl.constexpr, LOW_BASE: tl.constexpr,
-    # -- what to do --
-    MODE: tl.constexpr, WRITE_CODES: tl.constexpr, BLOCK: tl.constexpr,
+    MAX_BITS: tl.constexpr, OVERFLOW: tl.constexpr, SIGNED: tl.constexpr, HAS_NZ: tl.constexpr,
+    ZERO: tl.constexpr, SUBNORMALS: tl.constexpr, LOW_BASE: tl.constexpr, MODE: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    inb = offs < n
-    x = tl.load(x_ptr + offs, mask=inb, other=0.0).to(tl.float32)
-
+    """Round float32 ``x`` (``rnd``: 31 random bits, MODE 5 only) to the format's grid.  Returns the
+    rounded |x| as float32 bits (``mag``, before specials), the pieces the code path needs, and the
+    special-value masks; ``_finish_value`` / the kernel's code path turn them into outputs."""
     # ---- decompose -------------------------------------------------------------------------
     bits = x.to(tl.int32, bitcast=True)
     neg = bits < 0
@@ -102,8 +95,6 @@ def _float_round_kernel(
     ax = a.to(tl.float32, bitcast=True)
     S: tl.constexpr = 23 - MAN
     MASK: tl.constexpr = (1 << S) - 1
-    if MODE == 5:
-        rnd = _random31(offs, seed_mix)
 
     # ---- normal range of the target: round the bit pattern at bit S ------------------------
     if S == 0:
@@ -188,6 +179,67 @@ def _float_round_kernel(
     if not HAS_NZ and ZERO:  # no -0: a zero result drops the sign
         keep_sign = keep_sign & (mag != 0)
 
+    if ZERO:
+        to_min = is_zero & ~is_zero  # a format with zero has no "round up to min" case
+    return bits, a, neg, mag, kept_low, below, to_max, to_over, to_nan, to_min, keep_sign
+
+
+@triton.jit
+def _finish_value(bits, a, mag, to_max, to_over, to_nan, to_min, keep_sign,
+                  MAX_BITS: tl.constexpr, MIN_BITS: tl.constexpr, SIGNED: tl.constexpr, ZERO: tl.constexpr):
+    """Apply the special-value masks to the rounded magnitude and restore the sign: float32 values."""
+    mag = tl.where(to_max, MAX_BITS, mag)
+    if not ZERO:
+        mag = tl.where(to_min, MIN_BITS, mag)
+    mag = tl.where(to_over, 0x7F800000, mag)
+    if SIGNED:
+        mag = tl.where(keep_sign, mag | (bits ^ a), mag)  # bits ^ a: the sign bit alone
+    mag = tl.where(to_nan, 0x7FC00000, mag)
+    return mag.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_to_format(
+    x,
+    MAN: tl.constexpr, BIAS: tl.constexpr, MIN_NORMAL_BITS: tl.constexpr, QE_LOW: tl.constexpr,
+    MAX_BITS: tl.constexpr, MIN_BITS: tl.constexpr, OVERFLOW: tl.constexpr, SIGNED: tl.constexpr,
+    HAS_NZ: tl.constexpr, ZERO: tl.constexpr, SUBNORMALS: tl.constexpr, LOW_BASE: tl.constexpr,
+    MODE: tl.constexpr,
+):
+    """Device-level cast of a float32 register tensor (deterministic MODEs 0..4), for kernels that
+    round inside a computation (the emulated-accumulator GEMM).  Same code as the cast kernel."""
+    bits, a, neg, mag, kept_low, below, to_max, to_over, to_nan, to_min, keep_sign = _round_float(
+        x, 0, MAN, BIAS, MIN_NORMAL_BITS, QE_LOW, MAX_BITS, OVERFLOW, SIGNED, HAS_NZ, ZERO, SUBNORMALS,
+        LOW_BASE, MODE)
+    return _finish_value(bits, a, mag, to_max, to_over, to_nan, to_min, keep_sign, MAX_BITS, MIN_BITS, SIGNED, ZERO)
+
+
+@triton.jit(do_not_specialize=["seed_mix"])  # a new seed must not mean a new compile
+def _float_round_kernel(
+    x_ptr, out_ptr, n, seed_mix, flag_ptr,
+    # -- the target format (FloatFormat), folded at compile time --
+    MAN: tl.constexpr, BIAS: tl.constexpr, MIN_NORMAL_BITS: tl.constexpr, QE_LOW: tl.constexpr,
+    MAX_BITS: tl.constexpr, MIN_BITS: tl.constexpr, SPECIALS: tl.constexpr, OVERFLOW: tl.constexpr,
+    SIGNED: tl.constexpr, HAS_NZ: tl.constexpr, ZERO: tl.constexpr, SUBNORMALS: tl.constexpr,
+    CODE_MAX: tl.constexpr, CODE_MIN: tl.constexpr, CODE_INF: tl.constexpr, CODE_NAN: tl.constexpr,
+    SIGN_BIT: tl.constexpr, LOW_BASE: tl.constexpr,
+    # -- what to do --
+    MODE: tl.constexpr, WRITE_CODES: tl.constexpr, BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    inb = offs < n
+    x = tl.load(x_ptr + offs, mask=inb, other=0.0).to(tl.float32)
+
+    if MODE == 5:
+        rnd = _random31(offs, seed_mix)
+    else:
+        rnd = 0
+    bits, a, neg, mag, kept_low, below, to_max, to_over, to_nan, to_min, keep_sign = _round_float(
+        x, rnd, MAN, BIAS, MIN_NORMAL_BITS, QE_LOW, MAX_BITS, OVERFLOW, SIGNED, HAS_NZ, ZERO, SUBNORMALS,
+        LOW_BASE, MODE)
+    S: tl.constexpr = 23 - MAN
+
     if WRITE_CODES:
         # code of kept * 2**qe: normal -> exponent/mantissa fields of the f32 result; below -> kept
         code = (((mag >> 23) - (127 - BIAS)) << MAN) | ((mag >> S) & ((1 << MAN) - 1))
@@ -211,16 +263,9 @@ def _float_round_kernel(
         code = tl.where(to_nan, nan_code, code)
         tl.store(out_ptr + offs, code.to(out_ptr.dtype.element_ty), mask=inb)
         if CODE_NAN < 0:  # no NaN code: raise a flag (the op layer turns it into an error)
-            _flag_nan(flag_ptr, is_nan & inb)
+            _flag_nan(flag_ptr, (a > 0x7F800000) & inb)
     else:
-        mag = tl.where(to_max, MAX_BITS, mag)
-        if not ZERO:
-            mag = tl.where(to_min, MIN_BITS, mag)
-        mag = tl.where(to_over, 0x7F800000, mag)
-        if SIGNED:
-            mag = tl.where(keep_sign, mag | (bits ^ a), mag)  # bits ^ a: the sign bit alone
-        mag = tl.where(to_nan, 0x7FC00000, mag)
-        y = mag.to(tl.float32, bitcast=True)
+        y = _finish_value(bits, a, mag, to_max, to_over, to_nan, to_min, keep_sign, MAX_BITS, MIN_BITS, SIGNED, ZERO)
         tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=inb)
 
 
