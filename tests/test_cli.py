@@ -203,3 +203,11 @@ def test_train_refuses_a_format_too_narrow_for_aps(run, tmp_path):
     res = run("train", "--data", "synthetic", "--grad-format", "e3m0", "--nodes", "64", "--out", str(tmp_path))
     assert res.exit_code == 2
     assert "too few exponent bits" in res.output
+
+
+def test_bench_gemm_validates_configs_and_needs_a_gpu(run):
+    bad = run("bench", "gemm", "--large-configs", "w9a1")
+    assert bad.exit_code == 2 and "bits must be 1..8" in bad.output
+    if NO_CUDA:
+        res = run("bench", "gemm")
+        assert res.exit_code == 2 and "needs a CUDA GPU" in res.output

@@ -13,6 +13,7 @@ from . import distributed, emulate, linalg, metrics, nn, train
 from .env import device_report
 from .formats import BlockFormat, FloatFormat, IntFormat, ROUNDING_MODES, as_format, format, preset_names, presets
 from .ops.cast import cast, decode, encode
+from .ops.matmul import explain_matmul, matmul, matmul_packed
 from .ops.quantize import quantize
 from .packing import K_PAD_BITS, pack_bitplanes, packed_words, plane_popcounts, unpack_bitplanes
 from .qtensor import PerChannel, PerGroup, PerTensor, QTensor
@@ -39,6 +40,10 @@ __all__ = [
     "PerTensor",
     "PerChannel",
     "PerGroup",
+    # integer GEMMs on tensor cores (bit-serial binary MMA, or INT8)
+    "matmul",
+    "matmul_packed",
+    "explain_matmul",
     # bit planes (the bit-serial GEMM's operand layout)
     "pack_bitplanes",
     "unpack_bitplanes",

@@ -421,6 +421,35 @@ def bench_solve_cmd(
         raise typer.Exit(code=2) from None
 
 
+@bench_app.command("gemm")
+def bench_gemm_cmd(
+    apnn_configs: str = typer.Option("w1a2,w1a3,w1a4,w2a2", help="wXaY configs for the M=64 APNN-TC table."),
+    apnn_sizes: str = typer.Option("128,256,384,512,640,768,896,1024", help="N=K values (M=64)."),
+    large_configs: str = typer.Option("w1a1,w1a2,w2a2,w1a4,w2a4,w3a3", help="wXaY configs for the M=N=K table."),
+    large_sizes: str = typer.Option("4096,8192,16384", help="M=N=K values."),
+    out: Path = typer.Option(Path("benchmarks/results/gemm.json"), help="JSON output path (PNG beside it)."),
+    plot: bool = typer.Option(True, "--plot/--no-plot", help="Write a PNG of TOPS against size."),
+):
+    """Bit-serial binary tensor-core GEMM against torch fp16 / int8 / fp8, same run."""
+    from .bench import gemm as gemm_bench
+
+    try:
+        for c in _split(apnn_configs, "--apnn-configs") + _split(large_configs, "--large-configs"):
+            gemm_bench.parse_config(c)
+        a_sz = [int(v) for v in _split(apnn_sizes, "--apnn-sizes")]
+        l_sz = [int(v) for v in _split(large_sizes, "--large-sizes")]
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    command = shlex.join(["tcprec", "bench", "gemm", "--apnn-configs", apnn_configs, "--apnn-sizes", apnn_sizes,
+                          "--large-configs", large_configs, "--large-sizes", large_sizes, "--out", str(out)])
+    try:
+        gemm_bench.run(_split(apnn_configs, "--apnn-configs"), a_sz, _split(large_configs, "--large-configs"), l_sz,
+                       out=out, console=Console(), command=command, plot=plot)
+    except NeedsGPU as e:
+        Console(stderr=True).print(f"[red]{e}")
+        raise typer.Exit(code=2) from None
+
+
 @app.command()
 def train(
     model: str = typer.Option("resnet18", help="resnet18 (28x28 input) or tiny_cnn."),

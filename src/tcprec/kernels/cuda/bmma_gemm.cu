@@ -1,0 +1,459 @@
+// Bit-serial integer GEMM on the binary tensor cores (APNN-TC's decomposition, for sm_90a).
+//
+//   C[m, n] = sum_k  a[m, k] * w[n, k]          a: P-bit codes (M, K), w: Q-bit codes (N, K)
+//
+// Both operands arrive as bit planes (tcprec.packing): A planes (P, M, Kw), W planes (Q, N, Kw),
+// int32 words, LSB-first, K zero-padded to a multiple of 512 bits.  Plane i holds bit i of the
+// stored code pattern.  With plane weights  wt_i = 2^i  (and wt_{P-1} = -2^(P-1) for two's
+// complement codes) the weighted code  v = sum_i wt_i * bit_i  is the value for twos / unsigned
+// codes and the code index u for pm1 codes (value = 2u - (2^P - 1)); the affine part of pm1 is
+// the host's row / column correction (ops/matmul.py), added here in the epilogue:
+//
+//   S[m, n]  = sum_{i<P, j<Q} wt_i wt_j popc(A_i[m, :] AND W_j[n, :])      (the MMA part)
+//   C[m, n]  = ss * S[m, n] + row_term[m] + col_term[n]                      (int32, wraps mod 2^32;
+//                                                                              exact when |C| < 2^31)
+//
+// Only  mma.sync.aligned.m16n8k256.row.col.s32.b1.b1.s32.and.popc  (SASS BMMA.168256.AND.POPC,
+// native on Hopper).  Never XOR+popc or INT4 MMA: both are emulated on sm_90 (DESIGN.md section 1).
+//
+// Accumulators.  mma.sync cannot scale its product, so every plane pair needs an accumulator
+// that carries one weight.  Pairs of equal weight (e.g. (0,1) and (1,0), weight 2) share one:
+// a "weight class".  Unsigned codes have P+Q-1 classes (P*Q pairs); two's complement adds a
+// sign to the weight, so a few more.  The epilogue combines the classes with shifts:
+// S = sum_c weight_c * acc_c.  A warp's output tile is MT x NT MMA tiles (16 x 8 each), so the
+// accumulators cost NCLASS * MT * NT * 4 registers; the loader picks MT, NT to keep that <= 128.
+//
+// Pipeline.  A block owns a BM x BN output tile and streams K in BK-bit steps (BK = 512 or 1024:
+// BK/8 bytes a row a plane, BK/256 MMA k-steps): a STAGES-deep cp.async.cg (16 bytes, L2 only)
+// ring in shared memory, one __syncthreads per step.  K is padded to 512 bits only, so with
+// BK = 1024 the last step's missing half is zero-filled (cp.async src-size 0).  Shared rows are
+// BK/8 bytes; chunk c (16 bytes) of row r sits at c ^ ((r >> 1) & 3) (64-byte rows) or c ^ (r & 7)
+// (128-byte rows), so the 8 row addresses of every ldmatrix phase hit 8 different 16-byte bank
+// groups (no conflicts), and the cp.async writes stay conflict-free too.  With FRAG_DB the
+// fragments of k-step kk+1 are loaded before the MMAs of k-step kk are issued.
+// Fragments come from ldmatrix.x4: a b16 8x8 matrix row is 16 bytes = 4 words of K, and lane
+// l receives word l%4 of row l/4, which is exactly the b1 m16n8k256 fragment
+// (a0 = A[g][t], a1 = A[g+8][t], a2 = A[g][t+4], a3 = A[g+8][t+4]; b0 = B[n g][t], b1 = B[n g][t+4]).
+//
+// Epilogues (compile-time EPI):
+//   0  int32 C                              out: int32 (M, ldo)
+//   1  float: y = ((float(C) * row_scale[m]) * col_scale[n]) + bias[n], optional ReLU, stored
+//      as fp32 / fp16 / bf16 (OUT_T 0 / 1 / 2); every scale / bias pointer may be null.  Each step
+//      is one IEEE-rounded op (no FMA contraction), so torch reproduces it bit for bit.
+//   2  packed: y as in 1, then encoded to an OB-bit integer format (OENC: 0 twos, 1 unsigned,
+//      2 pm1) as tcprec.encode(y / out_scale, fmt, "nearest") does, and written as bit planes
+//      (OB, M, ldo) int32 (ldo = packed words of N), ready to be the next layer's A operand.
+//
+// Compile-time parameters (the loader passes them as -D defines; one source serves all variants):
+//   TCP_P, TCP_Q            activation / weight bits (1..8)
+//   TCP_A_TWOS, TCP_W_TWOS  1 if that operand is two's complement (its top plane has weight -2^(b-1))
+//   TCP_BM, TCP_BN          block tile (output rows, output columns)
+//   TCP_WARPS_M, TCP_WARPS_N  warp grid; the warp tile is (BM / WARPS_M) x (BN / WARPS_N)
+//   TCP_STAGES              cp.async pipeline depth
+//   TCP_BK                  K bits per pipeline step (512 or 1024)
+//   TCP_FRAG_DB             1: double-buffer the register fragments across MMA k-steps
+//   TCP_EPI, TCP_OUT_T, TCP_OB, TCP_OENC   epilogue (above)
+
+#ifndef TCP_P
+#define TCP_P 2
+#endif
+#ifndef TCP_Q
+#define TCP_Q 1
+#endif
+#ifndef TCP_A_TWOS
+#define TCP_A_TWOS 0
+#endif
+#ifndef TCP_W_TWOS
+#define TCP_W_TWOS 0
+#endif
+#ifndef TCP_BM
+#define TCP_BM 64
+#endif
+#ifndef TCP_BN
+#define TCP_BN 256
+#endif
+#ifndef TCP_WARPS_M
+#define TCP_WARPS_M 2
+#endif
+#ifndef TCP_WARPS_N
+#define TCP_WARPS_N 4
+#endif
+#ifndef TCP_STAGES
+#define TCP_STAGES 4
+#endif
+#ifndef TCP_BK
+#define TCP_BK 512
+#endif
+#ifndef TCP_FRAG_DB
+#define TCP_FRAG_DB 0
+#endif
+#ifndef TCP_EPI
+#define TCP_EPI 0
+#endif
+#ifndef TCP_OUT_T
+#define TCP_OUT_T 0
+#endif
+#ifndef TCP_OB
+#define TCP_OB 1
+#endif
+#ifndef TCP_OENC
+#define TCP_OENC 1
+#endif
+
+typedef unsigned int u32;
+typedef long long i64;
+
+namespace tcp {
+
+constexpr int P = TCP_P, Q = TCP_Q;
+constexpr bool A_TWOS = TCP_A_TWOS != 0, W_TWOS = TCP_W_TWOS != 0;
+constexpr int BM = TCP_BM, BN = TCP_BN, WARPS_M = TCP_WARPS_M, WARPS_N = TCP_WARPS_N;
+constexpr int STAGES = TCP_STAGES, EPI = TCP_EPI, OUT_T = TCP_OUT_T, OB = TCP_OB, OENC = TCP_OENC;
+constexpr int THREADS = WARPS_M * WARPS_N * 32;
+constexpr int MT = BM / (WARPS_M * 16);  // 16-row MMA tiles per warp
+constexpr int NT = BN / (WARPS_N * 8);   // 8-column MMA tiles per warp
+constexpr int BK = TCP_BK;               // K bits per pipeline step
+constexpr bool FRAG_DB = TCP_FRAG_DB != 0;
+constexpr int KCH = BK / 128;            // 16-byte chunks per row per step
+constexpr int KK = BK / 256;             // MMA k-steps per pipeline step
+constexpr int WPS = BK / 32;             // 32-bit words per row per step
+constexpr int ROW_BYTES = BK / 8;        // one K step of one row of one plane
+constexpr int A_STAGE = P * BM * ROW_BYTES;
+constexpr int W_STAGE = Q * BN * ROW_BYTES;
+constexpr int STAGE_BYTES = A_STAGE + W_STAGE;
+constexpr int A_CHUNKS = P * BM * KCH;   // 16-byte cp.async chunks per stage
+constexpr int W_CHUNKS = Q * BN * KCH;
+constexpr int CODE_LD = BN + 4;          // packed epilogue: bytes per staged row of codes
+
+static_assert(P >= 1 && P <= 8 && Q >= 1 && Q <= 8, "bits must be 1..8");
+static_assert(MT >= 1 && MT * WARPS_M * 16 == BM, "BM must be a multiple of 16 * WARPS_M");
+static_assert(NT >= 2 && NT % 2 == 0 && NT * WARPS_N * 8 == BN, "BN must be a multiple of 16 * WARPS_N");
+static_assert(STAGES >= 2, "the pipeline needs >= 2 stages");
+static_assert(BK == 512 || BK == 1024, "BK must be 512 or 1024 bits");
+static_assert(EPI != 2 || (BN % 32 == 0 && 512 % BN == 0), "packed output needs BN | 512 and 32 | BN");
+
+__host__ __device__ constexpr int plane_weight(int i, int bits, bool twos) {
+    return (twos && i == bits - 1) ? -(1 << i) : (1 << i);
+}
+__host__ __device__ constexpr int pair_weight(int i, int j) {
+    return plane_weight(i, P, A_TWOS) * plane_weight(j, Q, W_TWOS);
+}
+
+// Weight classes: pair (i, j) -> accumulator index; pairs of equal weight share one.
+struct ClassTable {
+    int cls[P * Q];
+    int weight[P * Q];
+    int n;
+    __host__ __device__ constexpr ClassTable() : cls(), weight(), n(0) {
+        for (int p = 0; p < P * Q; ++p) {
+            const int w = pair_weight(p / Q, p % Q);
+            int found = -1;
+            for (int c = 0; c < n; ++c)
+                if (weight[c] == w) found = c;
+            if (found < 0) {
+                weight[n] = w;
+                found = n++;
+            }
+            cls[p] = found;
+        }
+    }
+};
+constexpr int NCLASS = ClassTable().n;
+
+// ---------------------------------------------------------------------------------------------
+// PTX wrappers
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ u32 swz(int row, int chunk) {  // byte offset of (row, 16-byte chunk)
+    const int sw = KCH == 8 ? (row & 7) : ((row >> 1) & 3);
+    return (u32)(row * ROW_BYTES + ((chunk ^ sw) << 4));
+}
+
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
+    const int n = valid ? 16 : 0;  // src-size 0: the 16 bytes are zero-filled, nothing is read
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldmatrix_x4(u32& r0, u32& r1, u32& r2, u32& r3, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+
+__device__ __forceinline__ void bmma_and_popc(int (&c)[4], const u32 (&a)[4], const u32 (&b)[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k256.row.col.s32.b1.b1.s32.and.popc "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ unsigned short f32_to_f16(float x) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
+__device__ __forceinline__ unsigned short f32_to_bf16(float x) {
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
+
+// y -> OB-bit code, as tcprec.encode(y / s, fmt, "nearest") after quantize's saturation.
+__device__ __forceinline__ u32 encode_code(float y, float s) {
+    const float v = __fdiv_rn(y, s);
+    constexpr int NC = 1 << OB;
+    if (OENC == 2) {  // pm1: index u = round_half_even((v + (2^OB - 1)) / 2), exact in double
+        double t = ((double)v + (double)(NC - 1)) * 0.5;
+        t = fmin(fmax(t, -1.0), (double)NC);
+        int u = (int)rint(t);
+        return (u32)min(max(u, 0), NC - 1);
+    }
+    const int lo = OENC == 0 ? -(NC / 2) : 0;
+    const int hi = OENC == 0 ? NC / 2 - 1 : NC - 1;
+    float r = rintf(fminf(fmaxf(v, (float)lo - 4.0f), (float)hi + 4.0f));  // ties to even value
+    int val = min(max((int)r, lo), hi);
+    return (u32)val & (u32)(NC - 1);  // two's complement pattern, or the index
+}
+
+}  // namespace tcp
+
+using namespace tcp;
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+bmma_gemm(const u32* __restrict__ A,            // (P, M, Kw) bit planes of a
+          const u32* __restrict__ W,            // (Q, N, Kw) bit planes of w
+          void* __restrict__ out,               // EPI 0: int32 (M, ldo); 1: float (M, ldo); 2: (OB, M, ldo)
+          const int* __restrict__ row_term,     // (M,) int32 or null
+          const int* __restrict__ col_term,     // (N,) int32 or null
+          const float* __restrict__ row_scale,  // (M,) or null
+          const float* __restrict__ col_scale,  // (N,) or null
+          const float* __restrict__ bias,       // (N,) or null
+          const float* __restrict__ out_scale,  // (1,) packed epilogue's scale
+          int M, int N, int Kw, int ldo, int ss, int relu) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    constexpr ClassTable CT{};
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp / WARPS_N, wn = warp % WARPS_N;
+
+    // ---- which output tile: grouped raster, GROUP_M row tiles share their W tiles in L2 ----
+    constexpr int GROUP_M = 8;
+    const int grid_m = (M + BM - 1) / BM, grid_n = (N + BN - 1) / BN;
+    const int pid = blockIdx.x, in_group = GROUP_M * grid_n;
+    const int first_m = (pid / in_group) * GROUP_M;
+    const int gm = min(grid_m - first_m, GROUP_M);
+    const int pid_m = first_m + (pid % in_group) % gm, pid_n = (pid % in_group) / gm;
+    const int m0 = pid_m * BM, n0 = pid_n * BN;
+
+    const int k_tiles = (Kw + WPS - 1) / WPS;  // BK-bit steps (Kw is a multiple of 16 words)
+    const i64 a_plane = (i64)M * Kw, w_plane = (i64)N * Kw;
+    const u32 smem_base = (u32)__cvta_generic_to_shared(smem);
+
+    // ---- producer: one 512-bit K step of every plane of the A and W tiles into stage `stage` ----
+    auto load_tile = [&](int stage, int kt) {
+        const u32 sA = smem_base + stage * STAGE_BYTES, sW = sA + A_STAGE;
+#pragma unroll
+        for (int idx = tid; idx < A_CHUNKS; idx += THREADS) {
+            const int c = idx % KCH, r = (idx / KCH) % BM, pl = idx / (KCH * BM);
+            const int m = m0 + r, kw = kt * WPS + c * 4;
+            const bool ok = m < M && kw < Kw;
+            const u32* src = A + pl * a_plane + (ok ? (i64)m * Kw + kw : 0);
+            cp_async16(sA + pl * (BM * ROW_BYTES) + swz(r, c), src, ok);
+        }
+#pragma unroll
+        for (int idx = tid; idx < W_CHUNKS; idx += THREADS) {
+            const int c = idx % KCH, r = (idx / KCH) % BN, pl = idx / (KCH * BN);
+            const int n = n0 + r, kw = kt * WPS + c * 4;
+            const bool ok = n < N && kw < Kw;
+            const u32* src = W + pl * w_plane + (ok ? (i64)n * Kw + kw : 0);
+            cp_async16(sW + pl * (BN * ROW_BYTES) + swz(r, c), src, ok);
+        }
+    };
+
+    int acc[NCLASS][MT][NT][4];
+#pragma unroll
+    for (int c = 0; c < NCLASS; ++c)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[c][mt][nt][e] = 0;
+
+    // ---- prologue: STAGES-1 steps in flight ----
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < k_tiles) load_tile(s, s);
+        cp_async_commit();
+    }
+
+    // ---- main loop: wait for step kt, refill the slot step kt-1 used, multiply step kt ----
+    for (int kt = 0; kt < k_tiles; ++kt) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();  // step kt visible to all; every warp is done with step kt-1's slot
+        const int next = kt + STAGES - 1;
+        if (next < k_tiles) load_tile(next % STAGES, next);
+        cp_async_commit();  // (an empty group at the tail keeps wait_group's count aligned)
+
+        const u32 sA = smem_base + (kt % STAGES) * STAGE_BYTES, sW = sA + A_STAGE;
+        // fragments of k-step kk (lane addresses: see the ldmatrix note at the top)
+        auto load_frags = [&](u32 (&a)[P][MT][4], u32 (&b)[Q][NT][2], int kk) {
+#pragma unroll
+            for (int j = 0; j < Q; ++j)
+#pragma unroll
+                for (int np = 0; np < NT / 2; ++np) {
+                    const int row = wn * (NT * 8) + np * 16 + (lane & 7) + ((lane >> 4) << 3);
+                    const int chunk = 2 * kk + ((lane >> 3) & 1);
+                    ldmatrix_x4(b[j][2 * np][0], b[j][2 * np][1], b[j][2 * np + 1][0], b[j][2 * np + 1][1],
+                                sW + j * (BN * ROW_BYTES) + swz(row, chunk));
+                }
+#pragma unroll
+            for (int i = 0; i < P; ++i)
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    const int row = wm * (MT * 16) + mt * 16 + (lane & 15);
+                    const int chunk = 2 * kk + (lane >> 4);
+                    ldmatrix_x4(a[i][mt][0], a[i][mt][1], a[i][mt][2], a[i][mt][3],
+                                sA + i * (BM * ROW_BYTES) + swz(row, chunk));
+                }
+        };
+        auto mma_all = [&](const u32 (&a)[P][MT][4], const u32 (&b)[Q][NT][2]) {
+#pragma unroll
+            for (int i = 0; i < P; ++i)
+#pragma unroll
+                for (int j = 0; j < Q; ++j)
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                        for (int nt = 0; nt < NT; ++nt) bmma_and_popc(acc[CT.cls[i * Q + j]][mt][nt], a[i][mt], b[j][nt]);
+        };
+        if (FRAG_DB) {  // load k-step kk+1 while k-step kk multiplies
+            u32 a[2][P][MT][4], b[2][Q][NT][2];
+            load_frags(a[0], b[0], 0);
+#pragma unroll
+            for (int kk = 0; kk < KK; ++kk) {
+                if (kk + 1 < KK) load_frags(a[(kk + 1) & 1], b[(kk + 1) & 1], kk + 1);
+                mma_all(a[kk & 1], b[kk & 1]);
+            }
+        } else {
+#pragma unroll
+            for (int kk = 0; kk < KK; ++kk) {
+                u32 a[P][MT][4], b[Q][NT][2];
+                load_frags(a, b, kk);
+                mma_all(a, b);
+            }
+        }
+    }
+
+    // ---- epilogue ----
+    if (EPI == 2) {  // the packed epilogue reuses the pipeline's shared memory for its codes
+        cp_async_wait<0>();
+        __syncthreads();
+    }
+    float qscale = 1.0f;
+    if (EPI == 2) qscale = out_scale[0];
+
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int rl = wm * (MT * 16) + mt * 16 + (lane >> 2) + h * 8;  // row in the tile
+                const int cl = wn * (NT * 8) + nt * 8 + (lane & 3) * 2;          // first of 2 columns
+                const int r = m0 + rl, c = n0 + cl;
+                int cv[2];
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    u32 s = 0;  // unsigned: wraps mod 2^32 like the final int32 result
+#pragma unroll
+                    for (int k = 0; k < NCLASS; ++k) s += (u32)acc[k][mt][nt][h * 2 + e] * (u32)CT.weight[k];
+                    s *= (u32)ss;
+                    if (row_term != nullptr && r < M) s += (u32)row_term[r];
+                    if (col_term != nullptr && c + e < N) s += (u32)col_term[c + e];
+                    cv[e] = (int)s;
+                }
+                if (EPI == 0) {
+                    if (r < M) {
+                        int* o = (int*)out + (i64)r * ldo + c;
+                        if (c + 1 < N && (ldo & 1) == 0) {
+                            *reinterpret_cast<int2*>(o) = make_int2(cv[0], cv[1]);
+                        } else {
+                            if (c < N) o[0] = cv[0];
+                            if (c + 1 < N) o[1] = cv[1];
+                        }
+                    }
+                } else {
+                    float y[2];
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        float v = __int2float_rn(cv[e]);
+                        if (row_scale != nullptr && r < M) v = __fmul_rn(v, row_scale[r]);
+                        if (col_scale != nullptr && c + e < N) v = __fmul_rn(v, col_scale[c + e]);
+                        if (bias != nullptr && c + e < N) v = __fadd_rn(v, bias[c + e]);
+                        if (relu && v < 0.0f) v = 0.0f;  // NaN stays NaN, as torch.relu
+                        y[e] = v;
+                    }
+                    if (EPI == 1) {
+                        if (r < M) {
+                            const bool pair = c + 1 < N && (ldo & 1) == 0;
+                            if (OUT_T == 0) {
+                                float* o = (float*)out + (i64)r * ldo + c;
+                                if (pair) {
+                                    *reinterpret_cast<float2*>(o) = make_float2(y[0], y[1]);
+                                } else {
+                                    if (c < N) o[0] = y[0];
+                                    if (c + 1 < N) o[1] = y[1];
+                                }
+                            } else {
+                                unsigned short* o = (unsigned short*)out + (i64)r * ldo + c;
+                                const unsigned short h0 = OUT_T == 1 ? f32_to_f16(y[0]) : f32_to_bf16(y[0]);
+                                const unsigned short h1 = OUT_T == 1 ? f32_to_f16(y[1]) : f32_to_bf16(y[1]);
+                                if (pair) {
+                                    *reinterpret_cast<u32*>(o) = (u32)h0 | ((u32)h1 << 16);
+                                } else {
+                                    if (c < N) o[0] = h0;
+                                    if (c + 1 < N) o[1] = h1;
+                                }
+                            }
+                        }
+                    } else {  // EPI == 2: stage the codes (0 outside M x N: the planes' padding)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const bool inside = r < M && c + e < N;
+                            smem[rl * CODE_LD + cl + e] = inside ? (unsigned char)encode_code(y[e], qscale) : 0;
+                        }
+                    }
+                }
+            }
+
+    if (EPI == 2) {  // codes -> bit planes: one thread per (row, 32-column word)
+        __syncthreads();
+        constexpr int WORDS = BN / 32;
+        const i64 plane = (i64)M * ldo;
+        for (int idx = tid; idx < BM * WORDS; idx += THREADS) {
+            const int rl = idx / WORDS, w = idx % WORDS;
+            const int r = m0 + rl, gw = n0 / 32 + w;
+            if (r >= M || gw >= ldo) continue;
+            const u32* src = reinterpret_cast<const u32*>(smem + rl * CODE_LD + w * 32);
+            u32 bits[OB];
+#pragma unroll
+            for (int b = 0; b < OB; ++b) bits[b] = 0;
+#pragma unroll
+            for (int q = 0; q < 8; ++q) {
+                const u32 four = src[q];  // codes of columns 4q .. 4q+3, one byte each
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const u32 code = (four >> (8 * e)) & 0xFFu;
+#pragma unroll
+                    for (int b = 0; b < OB; ++b) bits[b] |= ((code >> b) & 1u) << (4 * q + e);
+                }
+            }
+#pragma unroll
+            for (int b = 0; b < OB; ++b) ((u32*)out)[b * plane + (i64)r * ldo + gw] = bits[b];
+        }
+    }
+}

@@ -1,0 +1,500 @@
+"""Build, cache, load and launch the bit-serial binary tensor-core GEMM (``bmma_gemm.cu``).
+
+One CUDA source serves every variant: the loader turns a :class:`Variant` (bit widths, two's
+complement flags, tile shape, pipeline depth, epilogue) into ``-D`` defines, compiles it with NVRTC
+through ``cuda.core`` to a cubin (no GPU needed: CI compiles variants for sm_90a), caches the cubin
+on disk, loads it once per device, and launches it on PyTorch's current stream, so it works under
+``torch.cuda.graph`` capture.  ``torch.ops.tcprec.bmma_gemm`` (registered at the bottom) is the
+entry point ``tcprec.ops.matmul`` uses; it has a fake (meta) implementation, so ``torch.compile``
+traces through it.
+
+Cache: ``$TCPREC_CACHE_DIR/cubin`` (default ``~/.cache/tcprec/cubin``), one file per
+``sha256(source, defines, arch, NVRTC and cuda-core versions)``.  Compiling one variant takes
+~1-2 s of CPU; :func:`precompile` compiles many in parallel processes.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import os
+import threading
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Iterable, Optional
+
+import numpy as np
+import torch
+
+__all__ = [
+    "SOURCE_PATH",
+    "EPILOGUES",
+    "OUT_KINDS",
+    "Variant",
+    "Tile",
+    "n_classes",
+    "SMALL_TILE",
+    "pick_tile",
+    "parse_tile",
+    "arch_of",
+    "cuda_core_api",
+    "compile_variant",
+    "precompile",
+    "cubin_path",
+    "get_kernel",
+    "launch_bmma",
+    "can_run",
+]
+
+SOURCE_PATH = Path(__file__).with_name("bmma_gemm.cu")
+EPILOGUES = ("int32", "float", "packed")
+OUT_KINDS = ("int32", "float32", "float16", "bfloat16", "packed")
+_OUT_T = {"float32": 0, "float16": 1, "bfloat16": 2}
+_OENC = {"twos": 0, "unsigned": 1, "pm1": 2}
+_ACC_REG_BUDGET = 128  # int32 accumulator registers a thread may spend (of 255)
+_MAX_SMEM = 227 * 1024  # Hopper's opt-in dynamic shared memory per block
+
+
+# ------------------------------------------------------------------------------------------------
+# Variants
+# ------------------------------------------------------------------------------------------------
+
+
+def _plane_weight(i: int, bits: int, twos: bool) -> int:
+    return -(1 << i) if (twos and i == bits - 1) else (1 << i)
+
+
+def n_classes(p: int, q: int, a_twos: bool = False, w_twos: bool = False) -> int:
+    """Accumulators per output element: distinct weights among the p*q plane pairs (the kernel's
+    ``ClassTable``).  Unsigned codes: p + q - 1.
+
+    >>> n_classes(2, 2), n_classes(2, 2, True, True), n_classes(1, 4)
+    (3, 3, 4)
+    """
+    return len({_plane_weight(i, p, a_twos) * _plane_weight(j, q, w_twos) for i in range(p) for j in range(q)})
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Block tile ``bm x bn`` outputs, ``warps_m x warps_n`` warps, ``stages``-deep cp.async ring
+    of ``bk``-bit K steps (512 or 1024); ``frag_db`` double-buffers the register fragments."""
+
+    bm: int
+    bn: int
+    warps_m: int
+    warps_n: int
+    stages: int = 4
+    bk: int = 512
+    frag_db: bool = False
+
+    def __str__(self) -> str:
+        s = f"{self.bm}x{self.bn}_w{self.warps_m}x{self.warps_n}_s{self.stages}"
+        return s + ("" if self.bk == 512 else f"_k{self.bk}") + ("_db" if self.frag_db else "")
+
+
+def parse_tile(text: str) -> Tile:
+    """``"64x256_w2x4_s4"`` / ``"64x256_w2x4_s3_k1024_db"`` (as ``str(Tile)`` writes it) -> Tile."""
+    try:
+        mn, w, s, *extra = text.split("_")
+        bm, bn = (int(v) for v in mn.split("x"))
+        wm, wn = (int(v) for v in w.removeprefix("w").split("x"))
+        bk, db = 512, False
+        for e in extra:
+            if e == "db":
+                db = True
+            elif e.startswith("k"):
+                bk = int(e[1:])
+            else:
+                raise ValueError(e)
+        return Tile(bm, bn, wm, wn, int(s.removeprefix("s")), bk, db)
+    except ValueError:
+        raise ValueError(f"tile must look like '64x256_w2x4_s4' (BMxBN_wWARPS_MxWARPS_N_sSTAGES[_kBK][_db]), "
+                         f"got {text!r}") from None
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Everything that is compiled into one cubin."""
+
+    p: int  # activation (A) bits
+    q: int  # weight (W) bits
+    a_twos: bool = False
+    w_twos: bool = False
+    tile: Tile = Tile(64, 256, 2, 4, 4)
+    epilogue: str = "int32"  # "int32" | "float" | "packed"
+    out_dtype: str = "float32"  # float epilogue: "float32" | "float16" | "bfloat16"
+    out_bits: int = 1  # packed epilogue: the next layer's format
+    out_encoding: str = "unsigned"
+
+    def __post_init__(self):
+        for name, v in (("p", self.p), ("q", self.q)):
+            if not 1 <= v <= 8:
+                raise ValueError(f"{name} (bits) must be 1..8 for the bit-serial GEMM, got {name}={v}")
+        if self.epilogue not in EPILOGUES:
+            raise ValueError(f"epilogue must be one of {EPILOGUES}, got {self.epilogue!r}")
+        if self.out_dtype not in _OUT_T:
+            raise ValueError(f"out_dtype must be one of {tuple(_OUT_T)}, got {self.out_dtype!r}")
+        if self.out_encoding not in _OENC or not 1 <= self.out_bits <= 8:
+            raise ValueError(f"packed output must be 1..8 bits of {tuple(_OENC)}, got {self.out_bits} {self.out_encoding!r}")
+        t = self.tile
+        if t.bm % (16 * t.warps_m) or t.bn % (16 * t.warps_n) or t.stages < 2 or t.bk not in (512, 1024):
+            raise ValueError(f"tile {t}: bm must be a multiple of 16*warps_m, bn of 16*warps_n, stages >= 2, "
+                             "bk 512 or 1024")
+        if self.epilogue == "packed" and (t.bn % 32 or 512 % t.bn):
+            raise ValueError(f"tile {t}: the packed epilogue needs bn dividing 512 and a multiple of 32")
+        if self.smem_bytes > _MAX_SMEM:
+            raise ValueError(f"tile {t} needs {self.smem_bytes} bytes of shared memory, more than {_MAX_SMEM}")
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.tile.warps_m * self.tile.warps_n
+
+    @property
+    def n_classes(self) -> int:
+        return n_classes(self.p, self.q, self.a_twos, self.w_twos)
+
+    @property
+    def smem_bytes(self) -> int:
+        t = self.tile
+        pipe = t.stages * (self.p * t.bm + self.q * t.bn) * (t.bk // 8)
+        codes = t.bm * (t.bn + 4) if self.epilogue == "packed" else 0
+        return max(pipe, codes)
+
+    def defines(self) -> list[str]:
+        t = self.tile
+        epi = EPILOGUES.index(self.epilogue)
+        return [
+            f"TCP_P={self.p}", f"TCP_Q={self.q}", f"TCP_A_TWOS={int(self.a_twos)}", f"TCP_W_TWOS={int(self.w_twos)}",
+            f"TCP_BM={t.bm}", f"TCP_BN={t.bn}", f"TCP_WARPS_M={t.warps_m}", f"TCP_WARPS_N={t.warps_n}",
+            f"TCP_STAGES={t.stages}", f"TCP_BK={t.bk}", f"TCP_FRAG_DB={int(t.frag_db)}", f"TCP_EPI={epi}", f"TCP_OUT_T={_OUT_T[self.out_dtype]}",
+            f"TCP_OB={self.out_bits}", f"TCP_OENC={_OENC[self.out_encoding]}",
+        ]
+
+    def __str__(self) -> str:
+        sign = ("s" if self.a_twos else "u") + ("s" if self.w_twos else "u")
+        epi = {"int32": "i32", "float": self.out_dtype, "packed": f"{self.out_encoding}{self.out_bits}"}[self.epilogue]
+        return f"a{self.p}w{self.q}{sign}_{self.tile}_{epi}"
+
+
+def _warp_tiles(p: int, q: int, nc: int) -> tuple[int, int]:
+    """(MT, NT): 16-row x 8-column MMA tiles per warp.  Accumulators nc*MT*NT*4 <= budget; among
+    those, fewest shared-memory fragment bytes per MMA ((p*MT*512 + q*NT*256) / (p*q*MT*NT)),
+    then the largest tile."""
+    best = None
+    for mt in (1, 2, 4):
+        for nt in (2, 4, 8):
+            if nc * mt * nt * 4 > _ACC_REG_BUDGET and (mt, nt) != (1, 2):
+                continue
+            cost = (p * mt * 512 + q * nt * 256) / (p * q * mt * nt)
+            key = (cost, -mt * nt)
+            if best is None or key < best[0]:
+                best = (key, (mt, nt))
+    return best[1]
+
+
+# Measured on an H200 (w1a2, fp16 out; benchmarks/bench_gemm_device.py, 2026-11): 8192^3 ran fastest with
+# 4-warp blocks (two blocks an SM: one block's barrier no longer idles the SM), 1024-bit K steps
+# (half the barriers of 512) and 3 stages: 628 us against 828 us for 8 warps / 512 bits / 4 stages.
+# At 64 x 1024 x 1024 the 32 x 32 tile with 1024-bit steps and 2 stages was fastest (3.1 us).
+SMALL_TILE = Tile(32, 32, 2, 2, 2, 1024)
+
+
+def pick_tile(p: int, q: int, a_twos: bool, w_twos: bool, M: int, N: int, sm_count: int = 132) -> Tile:
+    """The default tile for an (M, N) problem: 4 warps (2 x 2) with the register-bounded warp tile
+    of :func:`_warp_tiles`, 1024-bit K steps, 3 stages; when that leaves SMs idle (fewer blocks
+    than SMs), :data:`SMALL_TILE` (32 x 32 outputs a block)."""
+    mt, nt = _warp_tiles(p, q, n_classes(p, q, a_twos, w_twos))
+    big = Tile(mt * 16 * 2, nt * 8 * 2, 2, 2, 3, 1024)
+    blocks = -(-M // big.bm) * -(-N // big.bn)
+    if blocks >= sm_count:
+        return big
+    return SMALL_TILE
+
+
+# ------------------------------------------------------------------------------------------------
+# Compiling (no GPU needed)
+# ------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_core_api():
+    """(Program, ProgramOptions, ObjectCode, Device, LaunchConfig, Stream, launch) from cuda.core 1.x,
+    or from ``cuda.core.experimental`` in older releases."""
+    try:
+        from cuda.core import Device, LaunchConfig, ObjectCode, Program, ProgramOptions, Stream, launch
+    except ImportError:
+        from cuda.core.experimental import (Device, LaunchConfig, ObjectCode, Program, ProgramOptions, Stream,
+                                            launch)
+    return Program, ProgramOptions, ObjectCode, Device, LaunchConfig, Stream, launch
+
+
+def arch_of(capability: tuple[int, int] | None) -> str:
+    """NVRTC target for a compute capability: ``sm_90a`` on Hopper (the arch-specific target), else
+    ``sm_XY``; ``None`` (no GPU, e.g. CI) compiles for sm_90a."""
+    if capability is None:
+        return "sm_90a"
+    major, minor = capability
+    return f"sm_{major}{minor}" + ("a" if major == 9 else "")
+
+
+def _versions() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    parts = []
+    for dist in ("cuda-core", "nvidia-cuda-nvrtc", "nvidia-cuda-nvrtc-cu12", "cuda-bindings"):
+        try:
+            parts.append(f"{dist}={version(dist)}")
+        except PackageNotFoundError:
+            pass
+    return ",".join(parts)
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("TCPREC_CACHE_DIR")
+    if root:
+        return Path(root) / "cubin"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "tcprec" / "cubin"
+
+
+def _options(variant: Variant, arch: str):
+    _, ProgramOptions, *_ = cuda_core_api()
+    return ProgramOptions(arch=arch, std="c++17", define_macro=variant.defines(), ptxas_options=["-v"],
+                          name=f"bmma_gemm_{variant}")
+
+
+def cubin_path(variant: Variant, arch: str = "sm_90a") -> Path:
+    """Where the cubin of ``variant`` for ``arch`` lives in the disk cache."""
+    h = hashlib.sha256()
+    for part in (SOURCE_PATH.read_text(), " ".join(variant.defines()), arch, _versions()):
+        h.update(part.encode())
+        h.update(b"\0")
+    return _cache_dir() / f"{h.hexdigest()[:32]}.cubin"
+
+
+def compile_variant(variant: Variant, arch: str = "sm_90a", *, use_cache: bool = True) -> tuple[bytes, str]:
+    """(cubin bytes, compiler log) for ``variant``; cached on disk.  Raises ``RuntimeError`` with
+    NVRTC's log if the source does not compile."""
+    path = cubin_path(variant, arch)
+    log_path = path.with_suffix(".log")
+    if use_cache and path.exists():
+        return path.read_bytes(), log_path.read_text() if log_path.exists() else ""
+    Program, *_ = cuda_core_api()
+    log = io.StringIO()
+    prog = Program(SOURCE_PATH.read_text(), code_type="c++", options=_options(variant, arch))
+    try:
+        obj = prog.compile("cubin", logs=log)
+    except Exception as e:
+        raise RuntimeError(f"NVRTC could not compile {variant} for {arch}: {e}\n{log.getvalue()}") from e
+    cubin = bytes(obj.code)
+    if use_cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(cubin)
+        os.replace(tmp, path)  # atomic: parallel compiles of one variant never leave half a file
+        log_path.write_text(log.getvalue())
+    return cubin, log.getvalue()
+
+
+def _compile_one(args) -> str:
+    variant, arch = args
+    compile_variant(variant, arch)
+    return str(variant)
+
+
+def precompile(variants: Iterable[Variant], arch: str = "sm_90a", workers: int | None = None) -> int:
+    """Compile every variant not yet in the disk cache, in ``workers`` processes; returns how many
+    were compiled."""
+    todo = sorted({v for v in variants if not cubin_path(v, arch).exists()}, key=str)
+    if not todo:
+        return 0
+    workers = workers or max(1, min(len(todo), os.cpu_count() or 1))
+    if workers == 1:
+        for v in todo:
+            compile_variant(v, arch)
+    else:
+        import multiprocessing as mp
+
+        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+            list(ex.map(_compile_one, [(v, arch) for v in todo]))
+    return len(todo)
+
+
+# ------------------------------------------------------------------------------------------------
+# Loading and launching (GPU)
+# ------------------------------------------------------------------------------------------------
+
+_kernels: dict = {}
+_lock = threading.Lock()
+
+
+def can_run(device: torch.device) -> tuple[bool, str]:
+    """Whether the kernel can run on ``device`` (a reason either way)."""
+    if device.type != "cuda":
+        return False, f"tensors on {device.type}: the binary tensor-core kernel needs CUDA tensors"
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (8, 0):
+        return False, f"b1 mma AND+popc needs sm_80 or newer, this GPU is sm_{cap[0]}{cap[1]}"
+    try:
+        cuda_core_api()
+    except Exception as e:
+        return False, f"cuda.core is not importable ({type(e).__name__}: {e}); pip install cuda-core"
+    return True, f"sm_{cap[0]}{cap[1]} has native BMMA AND.POPC"
+
+
+def _set_max_dynamic_smem(kernel, nbytes: int, device_index: int) -> None:
+    from cuda.bindings import driver
+
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    handle = kernel.handle if hasattr(kernel, "handle") else kernel._handle
+    if type(handle).__name__ == "CUkernel":
+        (err,) = driver.cuKernelSetAttribute(attr, nbytes, handle, driver.CUdevice(device_index))
+    else:
+        (err,) = driver.cuFuncSetAttribute(handle, attr, nbytes)
+    if int(err) != 0:
+        raise RuntimeError(f"could not allow {nbytes} bytes of dynamic shared memory for bmma_gemm: {err}")
+
+
+def get_kernel(variant: Variant, device_index: int):
+    """The loaded ``bmma_gemm`` kernel of ``variant`` on CUDA device ``device_index`` (compiled or
+    read from the disk cache the first time)."""
+    key = (variant, device_index)
+    k = _kernels.get(key)
+    if k is not None:
+        return k
+    with _lock:
+        k = _kernels.get(key)
+        if k is None:
+            _, _, ObjectCode, Device, *_ = cuda_core_api()
+            Device(device_index).set_current()
+            arch = arch_of(torch.cuda.get_device_capability(device_index))
+            cubin, _ = compile_variant(variant, arch)
+            k = ObjectCode.from_cubin(cubin).get_kernel("bmma_gemm")
+            if variant.smem_bytes > 48 * 1024:
+                _set_max_dynamic_smem(k, variant.smem_bytes, device_index)
+            _kernels[key] = k
+    return k
+
+
+_streams: dict = {}
+_cfgs: dict = {}
+
+
+def _stream_for(handle: int):
+    s = _streams.get(handle)
+    if s is None:
+        *_, Stream, _ = cuda_core_api()
+        s = _streams[handle] = Stream.from_handle(handle)
+    return s
+
+
+def _ptr(t: Optional[torch.Tensor]):
+    return np.uint64(0 if t is None else t.data_ptr())
+
+
+def launch_bmma(variant: Variant, a_planes, w_planes, out, M: int, N: int, Kw: int, ldo: int, *, ss: int = 1,
+                relu: bool = False, row_term=None, col_term=None, row_scale=None, col_scale=None, bias=None,
+                out_scale=None) -> None:
+    """Launch ``variant`` on the current stream of ``out``'s device.  Every tensor must already be
+    contiguous, on that device, of the kernel's dtype (see bmma_gemm.cu's parameter list)."""
+    *_, LaunchConfig, _, launch = cuda_core_api()
+    dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
+    kernel = get_kernel(variant, dev)
+    t = variant.tile
+    blocks = -(-M // t.bm) * -(-N // t.bn)
+    cfg = _cfgs.get((variant, blocks))
+    if cfg is None:
+        cfg = _cfgs[(variant, blocks)] = LaunchConfig(grid=(blocks,), block=(variant.threads,),
+                                                      shmem_size=variant.smem_bytes)
+    stream = _stream_for(torch.cuda.current_stream(out.device).cuda_stream)
+    launch(stream, cfg, kernel, _ptr(a_planes), _ptr(w_planes), _ptr(out), _ptr(row_term), _ptr(col_term),
+           _ptr(row_scale), _ptr(col_scale), _ptr(bias), _ptr(out_scale),
+           np.int32(M), np.int32(N), np.int32(Kw), np.int32(ldo), np.int32(ss), np.int32(int(relu)))
+
+
+# ------------------------------------------------------------------------------------------------
+# torch.library custom op: what tcprec.ops.matmul calls on CUDA tensors
+# ------------------------------------------------------------------------------------------------
+
+
+_sms: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    n = _sms.get(idx)
+    if n is None:
+        n = _sms[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return n
+
+
+@functools.lru_cache(maxsize=4096)
+def _variant_for(p, q, a_twos, w_twos, M, N, out_kind, out_bits, out_encoding, tile, sm_count) -> Variant:
+    """The variant one call launches (memoised: the host path stays a few microseconds)."""
+    t = parse_tile(tile) if tile else pick_tile(p, q, a_twos, w_twos, M, N, sm_count)
+    epi = {"int32": "int32", "packed": "packed"}.get(out_kind, "float")
+    if epi == "packed" and (t.bn % 32 or 512 % t.bn):
+        t = replace(t, bn=128 if t.bn > 128 else 32)
+    return Variant(p, q, a_twos, w_twos, t, epi, out_kind if epi == "float" else "float32", out_bits, out_encoding)
+
+
+def _out_shape(a_planes, w_planes, out_kind: str, out_bits: int):
+    from ...packing import packed_words
+
+    M, N = a_planes.shape[1], w_planes.shape[1]
+    if out_kind == "packed":
+        return (out_bits, M, packed_words(N)), torch.int32
+    return (M, N), {"int32": torch.int32, "float32": torch.float32, "float16": torch.float16,
+                    "bfloat16": torch.bfloat16}[out_kind]
+
+
+@torch.library.custom_op("tcprec::bmma_gemm", mutates_args=(), device_types="cuda")
+def bmma_gemm(
+    a_planes: torch.Tensor,  # (p, M, Kw) int32 bit planes
+    w_planes: torch.Tensor,  # (q, N, Kw) int32 bit planes
+    a_twos: bool,
+    w_twos: bool,
+    ss: int,  # step_a * step_w
+    row_term: Optional[torch.Tensor],  # (M,) int32
+    col_term: Optional[torch.Tensor],  # (N,) int32
+    row_scale: Optional[torch.Tensor],  # (M,) float32
+    col_scale: Optional[torch.Tensor],  # (N,) float32
+    bias: Optional[torch.Tensor],  # (N,) float32
+    relu: bool,
+    out_kind: str,  # "int32" | "float32" | "float16" | "bfloat16" | "packed"
+    out_bits: int,  # packed: the output format
+    out_encoding: str,
+    out_scale: Optional[torch.Tensor],  # packed: (1,) float32
+    tile: str,  # "" picks one by shape, else str(Tile)
+) -> torch.Tensor:
+    """C = a @ w.T on the binary tensor cores (see bmma_gemm.cu for the exact contract)."""
+    p, M, Kw = a_planes.shape
+    q, N, Kw_w = w_planes.shape
+    if Kw != Kw_w:
+        raise ValueError(f"a_planes and w_planes pack different K: {Kw} vs {Kw_w} words")
+    if out_kind not in OUT_KINDS:
+        raise ValueError(f"out_kind must be one of {OUT_KINDS}, got {out_kind!r}")
+    shape, dtype = _out_shape(a_planes, w_planes, out_kind, out_bits)
+    if out_kind == "packed":
+        out = torch.zeros(shape, dtype=dtype, device=a_planes.device)  # padding words stay 0
+        ldo = shape[2]
+    else:
+        out = torch.empty(shape, dtype=dtype, device=a_planes.device)
+        ldo = N
+    if M == 0 or N == 0:
+        return out
+    variant = _variant_for(p, q, a_twos, w_twos, M, N, out_kind, out_bits, out_encoding, tile,
+                           _sm_count(a_planes.device))
+    launch_bmma(variant, a_planes.contiguous(), w_planes.contiguous(), out, M, N, Kw, ldo, ss=ss, relu=relu,
+                row_term=row_term, col_term=col_term, row_scale=row_scale, col_scale=col_scale, bias=bias,
+                out_scale=out_scale)
+    return out
+
+
+@bmma_gemm.register_fake
+def _(a_planes, w_planes, a_twos, w_twos, ss, row_term, col_term, row_scale, col_scale, bias, relu, out_kind,
+      out_bits, out_encoding, out_scale, tile):
+    shape, dtype = _out_shape(a_planes, w_planes, out_kind, out_bits)
+    return a_planes.new_empty(shape, dtype=dtype)

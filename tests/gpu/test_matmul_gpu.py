@@ -1,0 +1,222 @@
+"""The bit-serial binary tensor-core GEMM on the GPU: exact for all 64 (p, q) pairs and the three
+encodings on the issue's shapes (with the auto-picked tile and with each pair's large tile), the
+fused float and packed epilogues against the reference, CUDA-graph capture, torch.compile, and
+the SASS (BMMA AND.POPC, no XOR-popc, no IMMA).  Skipped without a CUDA GPU (tests/conftest.py)."""
+
+import itertools
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+import tcprec as tp
+from tcprec.formats import IntFormat
+from tcprec.kernels.cuda import loader
+from tcprec.ops.matmul import explain_matmul, matmul, matmul_packed
+from tcprec.qtensor import PerChannel, PerTensor, QTensor
+
+DEV = "cuda"
+ENCODINGS = ("twos", "unsigned", "pm1")
+MS, KS, NS = (1, 7, 64, 129), (1, 127, 128, 1000, 4096), (1, 8, 255, 1024)
+ALL_SHAPES = list(itertools.product(MS, KS, NS))  # 80 shapes
+PAIRS = [(p, q) for p in range(1, 9) for q in range(1, 9)]
+BIG_SHAPE = (300, 1000, 600)  # (M, K, N): partial tiles in M, N and K with each pair's large tile
+
+
+def _fmt(bits, enc):
+    return IntFormat(bits, encoding=enc)
+
+
+def _qt(shape, fmt, gen, granularity=None, scale=None):
+    codes = torch.randint(0, fmt.n_codes, shape, dtype=torch.uint8, device=DEV, generator=gen)
+    g = granularity or PerTensor()
+    if scale is None:
+        scale = torch.ones(g.scale_shape(shape), device=DEV)
+    return QTensor(codes, scale, fmt, g, shape, torch.float32)
+
+
+def _exact(qa, qw):
+    va = tp.decode(qa.codes, qa.fmt).double()  # (..., K) exact values
+    vw = tp.decode(qw.codes, qw.fmt).double()
+    return (va @ vw.t()).to(torch.int64)  # exact: |C| < 2^31 << 2^53
+
+
+def _big_tile(p, q, at, wt):
+    return loader.pick_tile(p, q, at, wt, 10**6, 10**6)
+
+
+def _case_shapes(idx):
+    """Four shapes for combo number idx, cycling through all 80 so every M, K, N value is covered."""
+    return [ALL_SHAPES[(4 * idx + s) % len(ALL_SHAPES)] for s in range(4)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled():
+    """Compile every variant this module launches, in parallel, before the first test."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    arch = loader.arch_of(torch.cuda.get_device_capability(0))
+    vs = set()
+    for (p, q), enc in itertools.product(PAIRS, ENCODINGS):
+        t = enc == "twos"
+        vs.add(loader.Variant(p, q, t, t, loader.SMALL_TILE, "int32"))
+        vs.add(loader.Variant(p, q, t, t, _big_tile(p, q, t, t), "int32"))
+    # epilogue, packed-output and SASS tests
+    for od in ("float32", "float16", "bfloat16"):
+        for tile in (loader.pick_tile(2, 1, True, False, 300, 600, sms), _big_tile(2, 1, True, False)):
+            vs.add(loader.Variant(2, 1, True, False, tile, "float", od))
+    for name in ("uint2", "int4", "binary", "pm2"):
+        f = tp.format(name)
+        for tile in (loader.pick_tile(2, 1, False, False, 129, 1024, sms), loader.parse_tile("64x256_w2x4_s4"),
+                     loader.parse_tile("64x128_w2x4_s4"), loader.parse_tile("64x128_w2x2_s3_k1024")):
+            vs.add(loader.Variant(2, 1, False, False, tile, "packed", out_bits=f.bits, out_encoding=f.encoding))
+    for p, q, t in ((2, 1, False), (1, 1, False), (2, 2, True), (4, 1, False)):
+        vs.add(loader.Variant(p, q, t, t, _big_tile(p, q, t, t), "float", "float16"))
+    loader.precompile(vs, arch)
+
+
+@pytest.mark.parametrize("enc", ENCODINGS)
+@pytest.mark.parametrize("p,q", PAIRS)
+def test_exact_every_pair_and_encoding(p, q, enc):
+    gen = torch.Generator(DEV).manual_seed(100 * p + 10 * q + ENCODINGS.index(enc))
+    fa, fw = _fmt(p, enc), _fmt(q, enc)
+    idx = (PAIRS.index((p, q)) * 3 + ENCODINGS.index(enc))
+    for M, K, N in _case_shapes(idx):
+        qa, qw = _qt((M, K), fa, gen), _qt((N, K), fw, gen)
+        got = matmul(qa, qw, out_dtype=torch.int32, backend="bitserial")
+        assert torch.equal(got.long(), _exact(qa, qw)), (p, q, enc, M, K, N)
+    # the pair's large tile, partial in every dimension
+    M, K, N = BIG_SHAPE
+    qa, qw = _qt((M, K), fa, gen), _qt((N, K), fw, gen)
+    t = enc == "twos"
+    got = matmul(qa, qw, out_dtype=torch.int32, backend="bitserial", tile=str(_big_tile(p, q, t, t)))
+    assert torch.equal(got.long(), _exact(qa, qw)), (p, q, enc, "big tile")
+
+
+@pytest.mark.parametrize("M,K,N", ALL_SHAPES)
+def test_every_shape_w1a2_mixed_encodings(M, K, N):
+    """All 80 shapes for w1a2 with binary (+-1) weights and int2 / uint2 activations."""
+    gen = torch.Generator(DEV).manual_seed(M * 7 + K * 3 + N)
+    qw = _qt((N, K), _fmt(1, "pm1"), gen)
+    for enc in ("twos", "unsigned"):
+        qa = _qt((M, K), _fmt(2, enc), gen)
+        got = matmul(qa, qw, out_dtype=torch.int32, backend="bitserial")
+        assert torch.equal(got.long(), _exact(qa, qw)), (enc, M, K, N)
+
+
+def test_leading_batch_dims_and_mixed_encodings():
+    gen = torch.Generator(DEV).manual_seed(1)
+    for ea, ew in itertools.product(ENCODINGS, ENCODINGS):
+        qa = _qt((2, 3, 77), _fmt(2, ea), gen)
+        qw = _qt((40, 77), _fmt(3, ew), gen)
+        got = matmul(qa, qw, out_dtype=torch.int32, backend="bitserial")
+        assert got.shape == (2, 3, 40)
+        assert torch.equal(got.long(), _exact(qa, qw)), (ea, ew)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("relu", [False, True])
+def test_float_epilogue_matches_reference_bitwise(out_dtype, relu):
+    gen = torch.Generator(DEV).manual_seed(7)
+    M, K, N = 300, 1000, 600
+    qa = _qt((M, K), _fmt(2, "twos"), gen, PerChannel(0), torch.rand(M, 1, device=DEV, generator=gen) + 0.1)
+    qw = _qt((N, K), _fmt(1, "pm1"), gen, PerChannel(0), torch.rand(N, 1, device=DEV, generator=gen) + 0.1)
+    bias = torch.randn(N, device=DEV, generator=gen)
+    want = matmul(qa, qw, out_dtype=out_dtype, bias=bias, relu=relu, backend="reference")
+    for tile in ("", str(_big_tile(2, 1, True, False))):
+        got = matmul(qa, qw, out_dtype=out_dtype, bias=bias, relu=relu, backend="bitserial", tile=tile)
+        assert got.dtype == out_dtype
+        assert torch.equal(got, want), tile
+    # and against the float math it stands for, to the rounding of the scales
+    deq = qa.dequantize().double() @ qw.dequantize().double().t() + bias.double()
+    if relu:
+        deq = deq.clamp_min(0)
+    torch.testing.assert_close(got.double(), deq.to(out_dtype).double(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("out_name", ["uint2", "int4", "binary", "pm2"])
+def test_packed_epilogue_bit_exact(out_name):
+    gen = torch.Generator(DEV).manual_seed(11)
+    M, K, N = 129, 1000, 1024
+    qa = _qt((M, K), _fmt(2, "unsigned"), gen)
+    qw = _qt((N, K), _fmt(1, "pm1"), gen, PerChannel(0), torch.rand(N, 1, device=DEV, generator=gen) * 0.1)
+    bias = torch.randn(N, device=DEV, generator=gen)
+    scale = 0.37
+    want = matmul_packed(qa, qw, out_name, scale, bias=bias, relu=out_name == "uint2", backend="reference")
+    for tile in ("", "64x256_w2x4_s4", "64x128_w2x4_s4", "64x128_w2x2_s3_k1024"):
+        got = matmul_packed(qa, qw, out_name, scale, bias=bias, relu=out_name == "uint2", backend="bitserial",
+                            tile=tile)
+        assert got.shape == want.shape
+        assert torch.equal(got, want), (out_name, tile)
+
+
+def test_cuda_graph_capture_replays_exactly():
+    gen = torch.Generator(DEV).manual_seed(3)
+    qa, qw = _qt((64, 1024), _fmt(2, "unsigned"), gen), _qt((1024, 1024), _fmt(1, "pm1"), gen)
+    want = _exact(qa, qw)
+    matmul(qa, qw, out_dtype=torch.int32, backend="bitserial")  # compile + load outside the capture
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        matmul(qa, qw, out_dtype=torch.int32, backend="bitserial")
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = matmul(qa, qw, out_dtype=torch.int32, backend="bitserial")
+    out.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.long(), want)
+
+
+def test_torch_compile_sees_the_custom_op():
+    gen = torch.Generator(DEV).manual_seed(4)
+    qa, qw = _qt((64, 512), _fmt(2, "unsigned"), gen), _qt((256, 512), _fmt(1, "pm1"), gen)
+    ap, wp = tp.pack_bitplanes(qa.codes, 2), tp.pack_bitplanes(qw.codes, 1)
+    ss, rt, ct = 2, None, None
+    from tcprec.kernels import reference_gemm as rg
+
+    ss, rt, ct = rg.corrections(ap, wp, 512, qa.fmt, qw.fmt)
+    rt = None if rt is None else rt.int()
+    ct = None if ct is None else ct.int()
+
+    def f(ap):
+        return torch.ops.tcprec.bmma_gemm(ap, wp, False, False, ss, rt, ct, None, None, None, False, "int32", 1,
+                                          "unsigned", None, "") + 1
+
+    got = torch.compile(f, fullgraph=True)(ap)
+    assert torch.equal(got.long() - 1, _exact(qa, qw))
+
+
+def test_auto_backend_choice_and_explanation():
+    gen = torch.Generator(DEV).manual_seed(5)
+    qa, qw = _qt((64, 256), _fmt(2, "unsigned"), gen), _qt((128, 256), _fmt(1, "pm1"), gen)
+    assert explain_matmul(qa, qw).startswith("bitserial:")
+    qa4, qw2 = _qt((64, 256), _fmt(4, "twos"), gen), _qt((128, 256), _fmt(2, "twos"), gen)
+    assert explain_matmul(qa4, qw2).startswith("int8:")
+    assert torch.equal(matmul(qa4, qw2, out_dtype=torch.int32).long(), _exact(qa4, qw2))
+    qa8, qw8 = _qt((5, 300), _fmt(8, "unsigned"), gen), _qt((9, 300), _fmt(8, "pm1"), gen)
+    assert torch.equal(matmul(qa8, qw8, out_dtype=torch.int32).long(), _exact(qa8, qw8))
+
+
+def _sass(variant) -> str:
+    tool = shutil.which("cuobjdump")
+    if tool is None:
+        pytest.skip("cuobjdump not found (it ships with the CUDA toolkit)")
+    cubin, _ = loader.compile_variant(variant, loader.arch_of(torch.cuda.get_device_capability(0)))
+    path = loader.cubin_path(variant, loader.arch_of(torch.cuda.get_device_capability(0)))
+    assert path.exists()
+    return subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.parametrize("p,q,twos", [(2, 1, False), (1, 1, False), (2, 2, True), (4, 1, False)])
+def test_sass_is_bmma_and_popc_only(p, q, twos):
+    v = loader.Variant(p, q, twos, twos, _big_tile(p, q, twos, twos), "float", "float16")
+    sass = _sass(v)
+    bmma = [ln for ln in sass.splitlines() if "BMMA" in ln]
+    assert bmma, "no BMMA instruction: the binary tensor cores are not used"
+    assert all("AND.POPC" in ln for ln in bmma), [ln for ln in bmma if "AND.POPC" not in ln][:3]
+    assert not any("XOR" in ln for ln in bmma), "XOR+popc is emulated on Hopper"
+    assert "IMMA" not in sass, "INT MMA (emulated INT4 on Hopper) must not appear"
+    # p*q binary MMAs per (MT x NT) warp tile per 256-bit k-step, twice per 512-bit step
+    assert len(bmma) >= p * q * 2

@@ -1,0 +1,113 @@
+"""NVRTC compiles the bit-serial GEMM for sm_90a here, without a GPU (DESIGN.md section 3).
+
+One variant takes ~1.5 s of CPU to compile, so CI compiles a representative set (~25 variants,
+two processes): every (p, q) pair that ``tcprec.matmul`` sends to the binary kernel by default
+(p*q < 8, 16 pairs) with its large tile, the small tile, the two's complement flavour, every float
+epilogue dtype, packed outputs, and the 8x8 corner.  tests/gpu/test_matmul_gpu.py compiles (and
+runs) all 64 pairs for every encoding.  The large-tile variants of the default pairs must not spill.
+"""
+
+import time
+
+import pytest
+
+nvrtc_reason = None
+try:
+    from tcprec.env import nvrtc_status
+
+    _st = nvrtc_status(probe=False)
+    if not _st["available"]:
+        nvrtc_reason = _st["reason"]
+except Exception as e:  # pragma: no cover
+    nvrtc_reason = f"{type(e).__name__}: {e}"
+
+pytestmark = pytest.mark.skipif(nvrtc_reason is not None, reason=f"NVRTC not importable: {nvrtc_reason}")
+
+DEFAULT_PAIRS = [(p, q) for p in range(1, 9) for q in range(1, 9) if p * q < 8]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    import os
+
+    d = tmp_path_factory.mktemp("tcprec_cache")
+    old = os.environ.get("TCPREC_CACHE_DIR")
+    os.environ["TCPREC_CACHE_DIR"] = str(d)  # a fresh cache: these tests really compile
+    yield d
+    if old is None:
+        os.environ.pop("TCPREC_CACHE_DIR")
+    else:
+        os.environ["TCPREC_CACHE_DIR"] = old
+
+
+def _variants():
+    from tcprec.kernels.cuda import loader as L
+
+    big = lambda p, q, t=False: L.pick_tile(p, q, t, t, 10**5, 10**5)  # noqa: E731
+    vs = [L.Variant(p, q, False, False, big(p, q), "float", "float16") for p, q in DEFAULT_PAIRS]
+    vs += [
+        L.Variant(2, 1, True, False, L.SMALL_TILE, "int32"),
+        L.Variant(2, 1, False, False, L.parse_tile("64x256_w2x4_s4"), "int32"),
+        L.Variant(2, 2, True, True, big(2, 2, True), "int32"),
+        L.Variant(3, 2, True, True, big(3, 2, True), "float", "bfloat16"),
+        L.Variant(2, 1, False, False, big(2, 1), "float", "float32"),
+        L.Variant(2, 1, False, False, big(2, 1), "packed", out_bits=2, out_encoding="unsigned"),
+        L.Variant(1, 1, False, False, L.SMALL_TILE, "packed", out_bits=1, out_encoding="pm1"),
+        L.Variant(2, 2, False, False, big(2, 2), "packed", out_bits=4, out_encoding="twos"),
+        L.Variant(8, 8, True, True, big(8, 8, True), "int32"),
+    ]
+    return vs
+
+
+def test_every_representative_variant_compiles_for_sm90a(cache):
+    from tcprec.kernels.cuda import loader as L
+
+    vs = _variants()
+    t0 = time.perf_counter()
+    n = L.precompile(vs, "sm_90a", workers=2)
+    elapsed = time.perf_counter() - t0
+    assert n == len(set(vs))
+    for v in vs:
+        path = L.cubin_path(v, "sm_90a")
+        assert path.exists() and path.read_bytes()[:4] == b"\x7fELF", v
+    print(f"compiled {n} variants in {elapsed:.1f} s ({elapsed / n * 2:.2f} s of CPU each)")
+
+
+def test_default_variants_do_not_spill(cache):
+    from tcprec.kernels.cuda import loader as L
+
+    for v in _variants()[: len(DEFAULT_PAIRS)]:
+        _, log = L.compile_variant(v, "sm_90a")  # from the cache filled above (or compiled now)
+        assert "0 bytes spill stores" in log and "0 bytes stack frame" in log, (str(v), log[-400:])
+
+
+def test_cache_is_reused_and_keyed_by_variant(cache):
+    from tcprec.kernels.cuda import loader as L
+
+    v = _variants()[0]
+    L.compile_variant(v, "sm_90a")
+    t0 = time.perf_counter()
+    cubin, _ = L.compile_variant(v, "sm_90a")
+    assert time.perf_counter() - t0 < 0.2 and cubin[:4] == b"\x7fELF"
+    other = L.Variant(v.p, v.q, v.a_twos, v.w_twos, v.tile, "int32")
+    assert L.cubin_path(other) != L.cubin_path(v)
+    assert L.cubin_path(v, "sm_80") != L.cubin_path(v, "sm_90a")
+
+
+def test_compile_error_reports_nvrtc_log(cache, monkeypatch, tmp_path):
+    from tcprec.kernels.cuda import loader as L
+
+    bad = tmp_path / "bad.cu"
+    bad.write_text('extern "C" __global__ void bmma_gemm() { this is not C++; }\n')
+    monkeypatch.setattr(L, "SOURCE_PATH", bad)
+    with pytest.raises(RuntimeError, match="NVRTC could not compile"):
+        L.compile_variant(L.Variant(1, 1), "sm_90a", use_cache=False)
+
+
+def test_one_source_no_per_width_files():
+    from tcprec.kernels.cuda import loader as L
+
+    cu = sorted(p.name for p in L.SOURCE_PATH.parent.glob("*.cu"))
+    assert cu == ["bmma_gemm.cu"]
+    src = L.SOURCE_PATH.read_text()
+    assert "and.popc" in src and "xor.popc" not in src and ".s4" not in src and ".u4" not in src
