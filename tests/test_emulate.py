@@ -241,3 +241,14 @@ def test_round_to_format_equals_reference_cast(name):
         _k[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), **tround.round_constexprs(fmt), MODE=mode, BLOCK=1024)
         want = ref.cast_float(x, fmt, rounding)
         assert _same(y.numpy(), want.numpy()), (name, rounding)
+
+
+def test_fits_16_bit_operand_dtypes():
+    """Which operand formats the chunk kernel may feed to bf16/fp16 tensor cores exactly."""
+    from tcprec.ops.emulate import _fits
+
+    assert _fits(tp.format("e4m3"), torch.bfloat16) and _fits(tp.format("e4m3"), torch.float16)
+    assert _fits(tp.format("e5m2"), torch.float16) and _fits(tp.format("bf16"), torch.bfloat16)
+    assert not _fits(tp.format("fp16"), torch.bfloat16)  # 10 mantissa bits > 7
+    assert not _fits(tp.format("bf16"), torch.float16)  # range
+    assert not _fits(tp.format("int4"), torch.float16)

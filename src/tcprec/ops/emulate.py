@@ -26,8 +26,8 @@ def _fits(fmt, dtype: torch.dtype) -> bool:
     bits, range, and a finest quantum no finer than dtype's smallest subnormal."""
     if not isinstance(fmt, FloatFormat):
         return False
-    fi = torch.finfo(dtype)
-    return fmt.precision <= fi.nmant + 1 and fmt.max <= fi.max and fmt.min_subnormal >= fi.smallest_normal * fi.eps
+    d = as_format(dtype)  # the tcprec preset of float16 / bfloat16
+    return fmt.man <= d.man and fmt.max <= d.max and fmt.min_subnormal >= d.min_subnormal
 
 
 def _check(a, b, acc_fmt, mode, chunk, kahan):
