@@ -211,3 +211,11 @@ def test_bench_gemm_validates_configs_and_needs_a_gpu(run):
     if NO_CUDA:
         res = run("bench", "gemm")
         assert res.exit_code == 2 and "needs a CUDA GPU" in res.output
+
+
+def test_bench_conv_bwd_validates_options(run):
+    bad = run("bench", "conv-bwd", "--precision", "fp12")
+    assert bad.exit_code == 2 and "not one of fp16, bf16, fp8" in bad.output
+    if NO_CUDA:
+        res = run("bench", "conv-bwd")
+        assert res.exit_code == 2 and "needs a CUDA GPU" in res.output

@@ -13,6 +13,7 @@ from . import distributed, emulate, linalg, metrics, nn, train
 from .env import device_report
 from .formats import BlockFormat, FloatFormat, IntFormat, ROUNDING_MODES, as_format, format, preset_names, presets
 from .ops.cast import cast, decode, encode
+from .ops.conv import Fp8Tensor, conv2d_dgrad, conv2d_wgrad, explain_conv2d_dgrad, explain_conv2d_wgrad, to_fp8
 from .ops.matmul import explain_matmul, matmul, matmul_packed
 from .ops.quantize import quantize
 from .packing import K_PAD_BITS, pack_bitplanes, packed_words, plane_popcounts, unpack_bitplanes
@@ -44,6 +45,13 @@ __all__ = [
     "matmul",
     "matmul_packed",
     "explain_matmul",
+    # convolution backward (dgrad / wgrad) at fp16 / bf16 / fp8
+    "conv2d_dgrad",
+    "conv2d_wgrad",
+    "explain_conv2d_dgrad",
+    "explain_conv2d_wgrad",
+    "Fp8Tensor",
+    "to_fp8",
     # bit planes (the bit-serial GEMM's operand layout)
     "pack_bitplanes",
     "unpack_bitplanes",

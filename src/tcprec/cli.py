@@ -450,6 +450,32 @@ def bench_gemm_cmd(
         raise typer.Exit(code=2) from None
 
 
+@bench_app.command("conv-bwd")
+def bench_conv_bwd_cmd(
+    batch: str = typer.Option("8,256", help="Comma-separated batch sizes N."),
+    precision: str = typer.Option("fp16,bf16,fp8", help="Comma-separated: fp16, bf16, fp8."),
+    out: Path = typer.Option(Path("benchmarks/results/conv_bwd.json"), help="JSON output path."),
+):
+    """Conv2d dgrad / wgrad on the 19 ResNet-50 layers against cuDNN fp16 (better of channels_last
+    and NCHW), and cuDNN's forward conv of the same layer, same run."""
+    from .bench import conv_bwd as conv_bench
+
+    try:
+        batches = [int(v) for v in _split(batch, "--batch")]
+    except ValueError:
+        raise typer.BadParameter(f"batch sizes must be integers, got {batch!r}", param_hint="--batch") from None
+    precisions = _split(precision, "--precision")
+    for p in precisions:
+        if p not in ("fp16", "bf16", "fp8"):
+            raise typer.BadParameter(f"{p!r} is not one of fp16, bf16, fp8", param_hint="--precision")
+    command = shlex.join(["tcprec", "bench", "conv-bwd", "--batch", batch, "--precision", precision, "--out", str(out)])
+    try:
+        conv_bench.run(batches=batches, precisions=precisions, out=str(out), console=Console(), command=command)
+    except NeedsGPU as e:
+        Console(stderr=True).print(f"[red]{e}")
+        raise typer.Exit(code=2) from None
+
+
 @app.command()
 def train(
     model: str = typer.Option("resnet18", help="resnet18 (28x28 input) or tiny_cnn."),

@@ -1,0 +1,583 @@
+"""2-D convolution backward in low precision: validate -> choose a backend (with a stated reason) -> launch.
+
+Layouts (NHWC everywhere; see ``kernels/reference_conv.py``):
+
+* activations ``x`` / ``dx``: ``(N, H, W, C)``; output gradient ``dy``: ``(N, P, Q, K)``;
+* weights ``w`` / ``dw``: ``(K, R, S, C)`` -- ``nn.Conv2d``'s ``(K, C, R, S)`` as ``w.permute(0, 2, 3, 1)``.
+
+An NCHW tensor in ``channels_last`` memory format is NHWC after ``t.permute(0, 2, 3, 1)`` at no cost.
+The Triton kernels take any strides (a plain NCHW tensor permuted to NHWC works, only slower:
+loads vectorise along the unit-stride C / K dimension); the GEMM path reshapes, which copies a
+non-contiguous tensor.  Results are freshly allocated, contiguous NHWC / KRSC.
+
+Precisions
+
+* ``"fp16"`` / ``"bf16"``: operands in that type (converted if they are not), fp32 accumulation.
+* ``"fp8"``: e4m3 activations and weights, e5m2 gradients, one float32 scale per tensor
+  (value = code * scale).  Pass :class:`Fp8Tensor` operands (see :func:`to_fp8`,
+  :func:`prepare_fp8_dgrad`, :func:`prepare_fp8_wgrad`), or float tensors that are quantised here
+  with amax scaling.  fp32 accumulation (promoted every 64-128 products on Hopper, see
+  ``kernels/triton/conv_bwd.py``; ``fast_accum=True`` skips the promotion).
+
+Backends (``backend=``)
+
+* ``"auto"``: on CUDA, 1x1 stride-1 unpadded layers are plain GEMMs and go to cuBLAS
+  (``torch.matmul`` / ``torch.mm(out_dtype=)`` / ``torch._scaled_mm`` for fp8) -- the fastest GEMM
+  on the machine, used as is; everything else (and 1x1 layers with a fused activation) runs the
+  Triton implicit-GEMM kernels.  Off CUDA: the reference.
+* ``"triton"``: the Triton kernels for every layer (on the CPU through ``TRITON_INTERPRET=1``).
+* ``"gemm"``: cuBLAS; 1x1 stride-1 unpadded layers only.
+* ``"reference"``: the same math in plain torch (operands rounded to the precision, float32
+  ``torch.nn.grad`` convolutions, TF32 off).
+
+Not supported, with an error that says so: grouped convolutions (use ``torch.nn.grad`` with
+``groups=``), padding modes other than zeros (pad the input first), dilation < 1, stride < 1.
+Dilation > 1 is supported (the stride-phase arithmetic handles it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels import reference_conv as rc
+from ..kernels.reference_conv import ConvGeometry, pair
+from ..kernels.triton import choose_backend
+
+__all__ = [
+    "conv2d_dgrad",
+    "conv2d_wgrad",
+    "explain_conv2d_dgrad",
+    "explain_conv2d_wgrad",
+    "Fp8Tensor",
+    "to_fp8",
+    "prepare_fp8_dgrad",
+    "prepare_fp8_wgrad",
+    "conv_geometry",
+    "PRECISIONS",
+    "BACKENDS",
+]
+
+PRECISIONS = ("fp16", "bf16", "fp8")
+BACKENDS = ("auto", "triton", "gemm", "reference")
+_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
+FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# ------------------------------------------------------------------------------------------------
+# fp8 operands
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fp8Tensor:
+    """An fp8 tensor with one float32 scale: ``value = data.float() * scale``.
+
+    ``data`` is ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` with the logical shape of the
+    tensor it stands for (NHWC / KRSC) and any memory order -- the kernels read it through its
+    strides, so a K-major copy is just a permuted view (:func:`to_fp8` ``memory_order=``).
+    ``scale`` is a float32 scalar tensor on the same device (no host sync to use it).
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+    def __post_init__(self):
+        if not isinstance(self.data, torch.Tensor) or self.data.dtype not in FP8_DTYPES.values():
+            got = self.data.dtype if isinstance(self.data, torch.Tensor) else type(self.data).__name__
+            raise TypeError(f"Fp8Tensor.data must be torch.float8_e4m3fn or torch.float8_e5m2, got {got}")
+        s = self.scale
+        if not isinstance(s, torch.Tensor) or s.numel() != 1 or s.dtype != torch.float32:
+            raise TypeError("Fp8Tensor.scale must be a one-element float32 tensor (value = data * scale)")
+        if s.device != self.data.device:
+            raise ValueError(f"Fp8Tensor.scale is on {s.device} but data is on {self.data.device}")
+        if s.dim() != 0:
+            object.__setattr__(self, "scale", s.reshape(()))
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def fmt(self) -> str:
+        return "e4m3" if self.data.dtype == torch.float8_e4m3fn else "e5m2"
+
+    def dim(self) -> int:
+        return self.data.dim()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.data.to(dtype) * self.scale.to(dtype)
+
+
+def to_fp8(t: torch.Tensor, fmt: str = "e4m3", *, memory_order: tuple[int, ...] | None = None,
+           scale: torch.Tensor | None = None) -> Fp8Tensor:
+    """Quantise ``t`` to ``fmt`` ("e4m3" or "e5m2") with one scale, ``amax(|t|) / max(fmt)`` unless
+    given; round to nearest even, saturating.  ``memory_order`` (a permutation of t's dims, outermost
+    first) chooses the physical layout of ``data``; its logical shape is always t's.
+
+    >>> q = to_fp8(torch.tensor([[1.0, -3.0], [0.5, 2.0]]), "e4m3", memory_order=(1, 0))
+    >>> q.data.shape, q.data.stride(), q.dequantize()[0, 1].item()
+    (torch.Size([2, 2]), (1, 2), -3.0)
+    """
+    if fmt not in FP8_DTYPES:
+        raise ValueError(f"fp8 format must be one of {tuple(FP8_DTYPES)}, got {fmt!r}")
+    if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
+        raise TypeError(f"to_fp8 takes a floating tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+    dt = FP8_DTYPES[fmt]
+    fmax = float(torch.finfo(dt).max)
+    if scale is None:
+        amax = t.abs().amax().float() if t.numel() else torch.zeros((), device=t.device)
+        scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
+    scale = scale.to(device=t.device, dtype=torch.float32).reshape(())
+    order = tuple(range(t.dim())) if memory_order is None else tuple(memory_order)
+    if sorted(order) != list(range(t.dim())):
+        raise ValueError(f"memory_order must be a permutation of range({t.dim()}), got {memory_order!r}")
+    inv = tuple(order.index(d) for d in range(t.dim()))
+    data = torch.empty([t.shape[d] for d in order], dtype=dt, device=t.device).permute(inv)
+    data.copy_((t.float() / scale).clamp_(-fmax, fmax))
+    return Fp8Tensor(data, scale)
+
+
+# Memory orders the kernels read fastest (documented in kernels/triton/conv_bwd.py).
+_NHWC = (0, 1, 2, 3)
+_KMAJOR_W = (1, 2, 3, 0)  # weight (K, R, S, C) stored as (R, S, C, K): K contiguous
+_CFIRST = (3, 0, 1, 2)  # (N, H, W, C) stored as (C, N, H, W): the pixel index contiguous
+
+
+def prepare_fp8_dgrad(grad_out: torch.Tensor, weight: torch.Tensor) -> tuple[Fp8Tensor, Fp8Tensor]:
+    """dy as e5m2 NHWC and w as e4m3 in (R, S, C, K) memory order: both K-major operands of the
+    dgrad GEMM, as wgmma fp8 (and cuBLAS fp8) want them."""
+    return to_fp8(grad_out, "e5m2", memory_order=_NHWC), to_fp8(weight, "e4m3", memory_order=_KMAJOR_W)
+
+
+def prepare_fp8_wgrad(grad_out: torch.Tensor, input: torch.Tensor, weight_shape=None, stride=1, padding=0,
+                      dilation=1, backend: str = "auto") -> tuple[Fp8Tensor, Fp8Tensor]:
+    """dy as e5m2 in (K, N, P, Q) memory order (the reduction index contiguous) and x as e4m3:
+    NHWC for the Triton kernel, (C, N, H, W) order for the cuBLAS GEMM of a 1x1 stride-1 layer
+    (``weight_shape`` etc. decide which path :func:`conv2d_wgrad` will take)."""
+    dyq = to_fp8(grad_out, "e5m2", memory_order=_CFIRST)
+    order = _NHWC
+    if weight_shape is not None:
+        g = conv_geometry(tuple(input.shape), tuple(weight_shape), stride, padding, dilation)
+        path, _ = _choose("wgrad", g, input, "fp8", backend)
+        if path == "gemm":
+            order = _CFIRST
+    return dyq, to_fp8(input, "e4m3", memory_order=order)
+
+
+# ------------------------------------------------------------------------------------------------
+# Validation
+# ------------------------------------------------------------------------------------------------
+
+
+def _ints4(shape, name: str, layout: str) -> tuple[int, int, int, int]:
+    try:
+        vals = tuple(shape)
+    except TypeError:
+        raise TypeError(f"{name} must be 4 ints {layout}, got {shape!r}") from None
+    if len(vals) != 4 or not all(isinstance(v, int) and not isinstance(v, bool) for v in vals):
+        raise ValueError(f"{name} must be 4 ints {layout}, got {shape!r}")
+    if any(v < 0 for v in vals):
+        raise ValueError(f"{name} must be non-negative, got {vals}")
+    return vals
+
+
+def conv_geometry(input_shape, weight_shape, stride=1, padding=0, dilation=1) -> ConvGeometry:
+    """Validated :class:`ConvGeometry` from an NHWC input shape and a KRSC weight shape."""
+    N, H, W, C = _ints4(input_shape, "input_shape", "(N, H, W, C)")
+    K, R, S, Cw = _ints4(weight_shape, "the weight shape", "(K, R, S, C)")
+    st, pd, dl = pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation")
+    if min(st) < 1:
+        raise ValueError(f"stride must be >= 1, got stride={st}")
+    if min(pd) < 0:
+        raise ValueError(f"padding must be >= 0, got padding={pd} (only zero padding; pad the input yourself "
+                         "for other padding modes)")
+    if min(dl) < 1:
+        raise ValueError(f"dilation must be >= 1, got dilation={dl}")
+    if min(R, S) < 1:
+        raise ValueError(f"the filter must be at least 1x1, got R={R}, S={S}")
+    if Cw != C:
+        hint = ""
+        if Cw and C % Cw == 0 and C != Cw:
+            hint = (f"; this looks like a grouped convolution (groups={C // Cw}), which is not supported: the "
+                    "implicit-GEMM kernels are dense -- use torch.nn.grad.conv2d_input/_weight with groups=")
+        raise ValueError(f"channel mismatch: the input has C={C} (dim 3 of (N, H, W, C)) but the weight has "
+                         f"C={Cw} (dim 3 of (K, R, S, C)){hint}. Weights are KRSC: nn.Conv2d's (K, C, R, S) "
+                         "weight is w.permute(0, 2, 3, 1)")
+    g = ConvGeometry(N, H, W, C, K, R, S, st, pd, dl)
+    if g.P < 1 or g.Q < 1:
+        raise ValueError(f"the dilated {R}x{S} filter (dilation {dl}) does not fit the {H}x{W} input padded by {pd}: "
+                         f"output would be {g.P}x{g.Q}")
+    return g
+
+
+def _check_tensor(t, name: str, layout: str, precision: str) -> None:
+    if isinstance(t, Fp8Tensor):
+        if precision != "fp8":
+            raise TypeError(f"{name} is an Fp8Tensor but precision={precision!r}; use precision='fp8'")
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {layout}, got {type(t).__name__}")
+    if t.dtype in FP8_DTYPES.values():
+        raise TypeError(f"{name} is a bare {t.dtype} tensor: wrap it with its scale, Fp8Tensor(data, scale)")
+    if not t.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
+    if t.dim() != 4:
+        raise ValueError(f"{name} must be 4-D {layout}, got shape {tuple(t.shape)}")
+
+
+def _check_grad_out(dy, g: ConvGeometry) -> None:
+    want = g.output_shape
+    got = tuple(dy.shape)
+    if got == want:
+        return
+    hint = ""
+    if got == (g.N, g.K, g.P, g.Q):
+        hint = " -- it looks NCHW; pass grad_out.permute(0, 2, 3, 1) (free for a channels_last tensor)"
+    raise ValueError(f"grad_out must be (N, P, Q, K) = {want} for this input/weight/stride/padding/dilation, "
+                     f"got {got}{hint}")
+
+
+def _check_devices(**ts) -> torch.device:
+    devs = {k: v.device for k, v in ts.items() if v is not None}
+    first = next(iter(devs.values()))
+    for k, d in devs.items():
+        if d != first:
+            raise ValueError(f"all operands must be on one device: {', '.join(f'{n} on {v}' for n, v in devs.items())}")
+    return first
+
+
+def _check_common(precision: str, backend: str, out_dtype) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if out_dtype is not None and out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Backend choice
+# ------------------------------------------------------------------------------------------------
+
+
+def _gemm_ok(op: str, g: ConvGeometry, precision: str) -> tuple[bool, str]:
+    if not g.is_pointwise:
+        return False, (f"the layer is {g.R}x{g.S}, stride {g.stride}, padding {g.padding}: only 1x1 stride-1 "
+                       "unpadded layers are plain GEMMs")
+    if precision == "fp8":
+        if not hasattr(torch, "_scaled_mm"):
+            return False, "this torch has no torch._scaled_mm (cuBLAS fp8 GEMM)"
+        M = g.N * g.H * g.W
+        if M % 16 or g.K % 16 or g.C % 16:
+            return False, f"cuBLAS fp8 needs every GEMM dim divisible by 16, got N*H*W={M}, K={g.K}, C={g.C}"
+    return True, "1x1 stride-1 layer: a plain GEMM"
+
+
+def _choose(op: str, g: ConvGeometry, t, precision: str, backend: str, activation=None) -> tuple[str, str]:
+    """(path, reason): path is "gemm" (cuBLAS), "triton" or "reference"."""
+    ref_t = t.data if isinstance(t, Fp8Tensor) else t
+    if backend == "reference":
+        return "reference", "asked for the reference backend"
+    if backend == "gemm":
+        ok, why = _gemm_ok(op, g, precision)
+        if not ok:
+            raise ValueError(f"backend='gemm' cannot run this {op}: {why}; use backend='triton' or 'auto'")
+        return "gemm", f"asked for cuBLAS ({why})"
+    path, why = choose_backend(ref_t, backend, kernel=f"Triton implicit-GEMM conv {op}")
+    if path == "reference":
+        return path, why
+    if backend == "auto":
+        ok, gwhy = _gemm_ok(op, g, precision)
+        if ok and activation is None:
+            return "gemm", f"{gwhy}: cuBLAS, the fastest GEMM on this machine"
+        if ok:
+            return "triton", f"{gwhy}, but the activation backward fuses into the Triton kernel's epilogue ({why})"
+        return "triton", why
+    return "triton", why
+
+
+# ------------------------------------------------------------------------------------------------
+# Operand preparation
+# ------------------------------------------------------------------------------------------------
+
+
+def _lowp(t, precision: str, fmt: str, order):
+    """t in the compute precision: a tensor of the 16-bit type, or an Fp8Tensor."""
+    if precision == "fp8":
+        return t if isinstance(t, Fp8Tensor) else to_fp8(t, fmt, memory_order=order)
+    return t.to(_DTYPE[precision])
+
+
+def _default_out(precision: str) -> torch.dtype:
+    return _DTYPE.get(precision, torch.bfloat16)
+
+
+def _dequant(t) -> torch.Tensor:
+    return t.dequantize(torch.float32) if isinstance(t, Fp8Tensor) else t.float()
+
+
+def _scales(a, b):
+    if isinstance(a, Fp8Tensor):
+        return a.scale, b.scale
+    return None
+
+
+_MM_OUT_DTYPE: bool | None = None  # does torch.mm(..., out_dtype=float32) run here (CUDA, torch >= 2.8)?
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b (16-bit operands) with fp32 accumulation and fp32 output: cuBLAS through
+    ``torch.mm(out_dtype=torch.float32)`` (torch >= 2.8, CUDA).  Where that overload is missing, cuBLAS
+    with a 16-bit output (fp32 accumulation, reduced-precision split-K reductions off) widened
+    afterwards; on the CPU a float32 GEMM of the exactly widened values."""
+    global _MM_OUT_DTYPE
+    if not a.is_cuda:
+        with _no_tf32():
+            return torch.mm(a.float(), b.float())
+    if _MM_OUT_DTYPE is not False:
+        try:
+            out = torch.mm(a, b, out_dtype=torch.float32)
+            _MM_OUT_DTYPE = True
+            return out
+        except (TypeError, RuntimeError, NotImplementedError):
+            _MM_OUT_DTYPE = False
+    m = torch.backends.cuda.matmul
+    saved = (m.allow_fp16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction)
+    m.allow_fp16_reduced_precision_reduction = m.allow_bf16_reduced_precision_reduction = False
+    try:
+        return torch.mm(a, b).float()
+    finally:
+        m.allow_fp16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction = saved
+
+
+class _no_tf32:
+    """Turn TF32 off for matmul and cuDNN inside the block (the reference and fp32 GEMMs are fp32)."""
+
+    def __enter__(self):
+        self.saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+    def __exit__(self, *exc):
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self.saved
+
+
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _col_major(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(0) == 1 and t.stride(1) == t.shape[0] else t.t().contiguous().t()
+
+
+# ------------------------------------------------------------------------------------------------
+# dgrad
+# ------------------------------------------------------------------------------------------------
+
+
+def conv2d_dgrad(grad_out, weight, input_shape, stride=1, padding=0, dilation=1, *, precision: str = "fp16",
+                 activation=None, act_input: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                 backend: str = "auto", split_k: int | None = None, fast_accum: bool = False,
+                 config: dict | None = None) -> torch.Tensor:
+    """Gradient of a conv2d with respect to its input, NHWC: ``dx`` of shape ``input_shape``.
+
+    ``grad_out`` (N, P, Q, K), ``weight`` (K, R, S, C), ``input_shape`` (N, H, W, C).  With
+    ``activation`` ("relu", "leaky_relu" or ("leaky_relu", slope)) the activation's backward is
+    fused into the epilogue: ``dx * act'(act_input)``, ``act_input`` (N, H, W, C) being the
+    activation's input -- or its output, the conv's own input, which has the same sign when
+    slope >= 0.  ``out_dtype`` defaults to the compute type (bf16 for fp8).  ``split_k`` splits the
+    (tap, K) reduction when pixel tiles alone cannot fill the GPU (None: a heuristic).
+    ``config`` fixes the Triton tile (``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``num_warps``,
+    ``num_stages``) instead of autotuning.
+
+    >>> dy = torch.randn(2, 4, 4, 8); w = torch.randn(8, 3, 3, 5)
+    >>> conv2d_dgrad(dy, w, (2, 8, 8, 5), stride=2, padding=1, backend="reference").shape
+    torch.Size([2, 8, 8, 5])
+    """
+    _check_common(precision, backend, out_dtype)
+    _check_tensor(grad_out, "grad_out", "(N, P, Q, K)", precision)
+    _check_tensor(weight, "weight", "(K, R, S, C)", precision)
+    g = conv_geometry(input_shape, tuple(weight.shape), stride, padding, dilation)
+    _check_grad_out(grad_out, g)
+    mode, slope = rc.parse_activation(activation)
+    if mode != rc.ACT_NONE:
+        if not isinstance(act_input, torch.Tensor):
+            raise ValueError(f"activation={activation!r} needs act_input, the (N, H, W, C) tensor the mask comes from")
+        if tuple(act_input.shape) != g.input_shape:
+            raise ValueError(f"act_input must have the input's shape (N, H, W, C) = {g.input_shape}, "
+                             f"got {tuple(act_input.shape)}")
+    elif act_input is not None:
+        raise ValueError("act_input was given without an activation; pass activation='relu' or ('leaky_relu', slope)")
+    device = _check_devices(grad_out=grad_out, weight=weight,
+                            act_input=act_input if mode != rc.ACT_NONE else None)
+    out_dtype = out_dtype or _default_out(precision)
+    path, _ = _choose("dgrad", g, grad_out, precision, backend, activation if mode else None)
+
+    if min(g.input_shape) == 0 or g.K == 0:  # nothing to sum: dx is all zeros
+        return torch.zeros(g.input_shape, dtype=out_dtype, device=device)
+    dy = _lowp(grad_out, precision, "e5m2", _NHWC)
+    w = _lowp(weight, precision, "e4m3", _KMAJOR_W)
+
+    if path == "reference":
+        with _no_tf32():
+            dx = rc.conv2d_dgrad(_dequant(dy), _dequant(w), g.input_shape, g.stride, g.padding, g.dilation,
+                                 dtype=torch.float32)
+        if mode:
+            dx = rc.activation_backward(dx, act_input, activation)
+        return dx.to(out_dtype).contiguous()
+
+    if path == "gemm":
+        M = g.N * g.H * g.W
+        if precision == "fp8":
+            a = _row_major(dy.data.reshape(M, g.K))  # (M, K) e5m2
+            b = _col_major(w.data.reshape(g.K, g.C))  # (K, C) e4m3, column-major
+            dx = torch._scaled_mm(a, b, scale_a=dy.scale, scale_b=w.scale, out_dtype=out_dtype,
+                                  use_fast_accum=bool(fast_accum))
+        elif out_dtype == dy.dtype:
+            dx = torch.matmul(dy.reshape(M, g.K), w.reshape(g.K, g.C))  # (M, C)
+        else:
+            dx = _mm_f32(dy.reshape(M, g.K), w.reshape(g.K, g.C)).to(out_dtype)
+        dx = dx.view(g.input_shape)
+        if mode:
+            dx = rc.activation_backward(dx, act_input, activation)
+        return dx
+
+    from ..kernels.triton import conv_bwd as kt
+
+    out = torch.empty(g.input_shape, dtype=out_dtype, device=device)
+    split = kt.dgrad_split(g, kt.sm_count(device)) if split_k is None else int(split_k)
+    if split < 1:
+        raise ValueError(f"split_k must be >= 1, got {split_k}")
+    kt.dgrad(dy.data if precision == "fp8" else dy, w.data if precision == "fp8" else w, out, g,
+             act=(mode, slope), act_input=act_input, scales=_scales(dy, w), split_k=split,
+             fast_accum=fast_accum, config=config)
+    return out
+
+
+def explain_conv2d_dgrad(grad_out, weight, input_shape, stride=1, padding=0, dilation=1, *, precision: str = "fp16",
+                         activation=None, backend: str = "auto") -> str:
+    """Which backend :func:`conv2d_dgrad` runs for these arguments, and why (one paragraph)."""
+    _check_common(precision, backend, None)
+    g = conv_geometry(input_shape, tuple(weight.shape), stride, padding, dilation)
+    path, why = _choose("dgrad", g, grad_out, precision, backend, activation)
+    head = _describe(g, precision, "dgrad")
+    if path == "gemm":
+        fn = "torch._scaled_mm (cuBLAS fp8)" if precision == "fp8" else "torch.matmul (cuBLAS)"
+        body = (f"GEMM path: dx (N*H*W, C) = dy (N*P*Q, K) @ w (K, C) with {fn} -- we use the vendor GEMM "
+                "for 1x1 stride-1 layers because it is the fastest GEMM available; no Triton kernel runs")
+    elif path == "triton":
+        phases = []
+        for a in range(g.stride[0]):
+            for b in range(g.stride[1]):
+                nr, ns = g.phase_taps(0, a)[1], g.phase_taps(1, b)[1]
+                phases.append(f"({a},{b}):{nr * ns}")
+        body = (f"Triton implicit GEMM, stride-phase decomposition with no inserted zeros: "
+                f"{len(phases)} phase(s), taps per phase {' '.join(phases)}; fp32 accumulation"
+                + (f"; {activation} backward fused in the epilogue" if activation else ""))
+    else:
+        body = "pure-torch reference: operands rounded to the precision, float32 torch.nn.grad.conv2d_input"
+    return f"{head}: {body}. Reason: {why}."
+
+
+# ------------------------------------------------------------------------------------------------
+# wgrad
+# ------------------------------------------------------------------------------------------------
+
+
+def conv2d_wgrad(grad_out, input, weight_shape, stride=1, padding=0, dilation=1, *, precision: str = "fp16",
+                 split_k: int | None = None, out_dtype: torch.dtype | None = None, backend: str = "auto",
+                 fast_accum: bool = False, config: dict | None = None) -> torch.Tensor:
+    """Gradient of a conv2d with respect to its weight: ``dw`` (K, R, S, C), float32 by default.
+
+    ``grad_out`` (N, P, Q, K), ``input`` (N, H, W, C), ``weight_shape`` (K, R, S, C).  The
+    reduction over L = N*P*Q is split ``split_k`` ways (None: a heuristic from the GPU's SM count);
+    partial sums go to an fp32 workspace and are added in a fixed order, so the result is
+    reproducible bit for bit (no atomics) for a given split and tile.
+
+    >>> dy = torch.randn(2, 4, 4, 8); x = torch.randn(2, 8, 8, 5)
+    >>> conv2d_wgrad(dy, x, (8, 3, 3, 5), stride=2, padding=1, backend="reference").shape
+    torch.Size([8, 3, 3, 5])
+    """
+    _check_common(precision, backend, out_dtype)
+    _check_tensor(grad_out, "grad_out", "(N, P, Q, K)", precision)
+    _check_tensor(input, "input", "(N, H, W, C)", precision)
+    g = conv_geometry(tuple(input.shape), weight_shape, stride, padding, dilation)
+    _check_grad_out(grad_out, g)
+    device = _check_devices(grad_out=grad_out, input=input)
+    out_dtype = out_dtype or torch.float32
+    if split_k is not None and (isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < 1):
+        raise ValueError(f"split_k must be None or an int >= 1, got {split_k!r}")
+    path, _ = _choose("wgrad", g, grad_out, precision, backend)
+    if min(g.weight_shape) == 0 or g.N == 0:  # nothing to sum: dw is all zeros
+        return torch.zeros(g.weight_shape, dtype=out_dtype, device=device)
+    dy = _lowp(grad_out, precision, "e5m2", _CFIRST)
+    x = _lowp(input, precision, "e4m3", _CFIRST if path == "gemm" else _NHWC)
+
+    if path == "reference":
+        with _no_tf32():
+            dw = rc.conv2d_wgrad(_dequant(dy), _dequant(x), g.weight_shape, g.stride, g.padding, g.dilation,
+                                 dtype=torch.float32)
+        return dw.to(out_dtype).contiguous()
+
+    if path == "gemm":
+        M = g.N * g.H * g.W
+        if precision == "fp8":
+            a = _row_major(dy.data.permute(3, 0, 1, 2).reshape(g.K, M))  # (K, M) e5m2
+            b = _col_major(x.data.reshape(M, g.C))  # (M, C) e4m3, column-major
+            dw = torch._scaled_mm(a, b, scale_a=dy.scale, scale_b=x.scale, out_dtype=out_dtype,
+                                  use_fast_accum=bool(fast_accum))
+        elif out_dtype == torch.float32:
+            dw = _mm_f32(dy.reshape(M, g.K).t(), x.reshape(M, g.C))
+        else:
+            dw = torch.matmul(dy.reshape(M, g.K).t(), x.reshape(M, g.C)).to(out_dtype)
+        return dw.view(g.weight_shape)
+
+    from ..kernels.triton import conv_bwd as kt
+
+    out = torch.empty(g.weight_shape, dtype=out_dtype, device=device)
+    kt.wgrad(dy.data if precision == "fp8" else dy, x.data if precision == "fp8" else x, out, g,
+             scales=_scales(dy, x), split_k=split_k, fast_accum=fast_accum, config=config)
+    return out
+
+
+def explain_conv2d_wgrad(grad_out, input, weight_shape, stride=1, padding=0, dilation=1, *, precision: str = "fp16",
+                         split_k: int | None = None, backend: str = "auto") -> str:
+    """Which backend :func:`conv2d_wgrad` runs for these arguments, and why (one paragraph)."""
+    _check_common(precision, backend, None)
+    g = conv_geometry(tuple(input.shape), weight_shape, stride, padding, dilation)
+    path, why = _choose("wgrad", g, grad_out, precision, backend)
+    head = _describe(g, precision, "wgrad")
+    if path == "gemm":
+        fn = ("torch._scaled_mm (cuBLAS fp8)" if precision == "fp8" else
+              "torch.mm (cuBLAS" + (", fp32 output)" if _MM_OUT_DTYPE is not False else
+                                    ", 16-bit output widened to fp32: this torch has no mm(out_dtype=))"))
+        body = (f"GEMM path: dw (K, C) = dy^T (K, N*H*W) @ x (N*H*W, C) with {fn} -- the vendor GEMM, used "
+                "because it is the fastest GEMM available for a 1x1 stride-1 layer")
+    elif path == "triton":
+        from ..kernels.triton import conv_bwd as kt
+
+        dev = grad_out.data.device if isinstance(grad_out, Fp8Tensor) else grad_out.device
+        split = split_k or kt.wgrad_split(g, kt.sm_count(dev), precision == "fp8")
+        body = (f"Triton implicit GEMM over L = N*P*Q = {g.N * g.P * g.Q}, split-K {split} way(s) into an fp32 "
+                "workspace, then a fixed-order sum (deterministic, no atomics); fp32 accumulation")
+    else:
+        body = "pure-torch reference: operands rounded to the precision, float32 torch.nn.grad.conv2d_weight"
+    return f"{head}: {body}. Reason: {why}."
+
+
+def _describe(g: ConvGeometry, precision: str, op: str) -> str:
+    ops = {"fp16": "fp16", "bf16": "bf16", "fp8": "fp8 (e4m3 x/w, e5m2 dy, per-tensor scales)"}[precision]
+    return (f"conv2d {op} {g.H}x{g.W} {g.C}->{g.K} {g.R}x{g.S} stride {g.stride} pad {g.padding} "
+            f"dil {g.dilation} N={g.N}, {ops}")
+

@@ -1,0 +1,230 @@
+"""Conv backward on the GPU: the CPU suite's numerical checks at ResNet-like sizes for every
+precision and backend path, every autotuning config, deterministic split-K, the fused activation,
+the autograd module, and the compiled kernels' tensor-core instructions (wgmma on sm_90, mma.sync
+before)."""
+
+import math
+
+import pytest
+import torch
+
+from tcprec.kernels import reference_conv as rc
+from tcprec.kernels.reference_conv import ConvGeometry
+from tcprec.ops import conv as opc
+
+kt = pytest.importorskip("tcprec.kernels.triton.conv_bwd")
+
+DEV = "cuda"
+U = {"fp16": 2.0**-11, "bf16": 2.0**-8, "e4m3": 2.0**-4, "e5m2": 2.0**-3}
+U_OUT = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 0.0}
+U32 = 2.0**-24
+# Hopper's fp8 wgmma accumulates up to BLOCK_K (<= 128) products in a narrower-than-fp32 register
+# (~13-bit mantissa) before each promotion into fp32
+FP8_ACC = 128 * 2.0**-13
+
+# (N, H, W, C, K, R, S, stride, padding, dilation): ResNet-50 shapes at small batch, and odd ones
+GEOMS = [
+    (4, 28, 28, 128, 128, 3, 3, 1, 1, 1),
+    (4, 56, 56, 64, 64, 3, 3, 1, 1, 1),
+    (4, 28, 28, 512, 256, 1, 1, 2, 0, 1),  # 1x1 stride 2
+    (4, 14, 14, 256, 1024, 1, 1, 1, 0, 1),  # 1x1 stride 1: cuBLAS under "auto"
+    (2, 7, 7, 512, 512, 3, 3, 1, 1, 1),  # small M: dgrad split-K
+    (2, 57, 55, 3, 64, 7, 7, 2, 3, 1),  # stem, odd sizes, C=3
+    (2, 30, 29, 40, 72, 3, 3, 2, 2, 2),  # dilation + stride, channels not multiples of 16
+]
+
+
+def _geom(s) -> ConvGeometry:
+    N, H, W, C, K, R, S, st, pd, dl = s
+    return ConvGeometry(N, H, W, C, K, R, S, (st, st), (pd, pd), (dl, dl))
+
+
+def _data(g, seed=0):
+    gen = torch.Generator(DEV).manual_seed(seed)
+    dy = torch.randn(g.output_shape, generator=gen, device=DEV, dtype=torch.float64)
+    w = torch.randn(g.weight_shape, generator=gen, device=DEV, dtype=torch.float64) / math.sqrt(g.C * g.R * g.S)
+    x = torch.randn(g.input_shape, generator=gen, device=DEV, dtype=torch.float64)
+    return dy, w, x
+
+
+def _fmt_err(t, precision, fmt):
+    if precision == "fp8":
+        dt = opc.FP8_DTYPES[fmt]
+        scale = float(t.abs().max()) / float(torch.finfo(dt).max)
+        return U[fmt], scale * {"e4m3": 2.0**-9, "e5m2": 2.0**-16}[fmt] / 2
+    return U[precision], {"fp16": 2.0**-25, "bf16": 2.0**-134}[precision]
+
+
+def _bound(abs_sum, ref, red, ua, ea, ub, eb, max_a, max_b, out_dtype, fp8):
+    rel = ua + ub + ua * ub + 1.01 * red * U32 + (FP8_ACC if fp8 else 0.0)
+    floor = red * (ea * max_b + eb * max_a) * (1 + ub) + 2.0**-24
+    return (1.01 * rel * abs_sum + floor) * (1 + U_OUT[out_dtype]) + 1.01 * U_OUT[out_dtype] * ref.abs()
+
+
+def check_dgrad(g, precision, dy, w, got, act=None, act_input=None):
+    ref = rc.conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding, g.dilation, activation=act, act_input=act_input)
+    ua, ea = _fmt_err(dy, precision, "e5m2")
+    ub, eb = _fmt_err(w, precision, "e4m3")
+    s = rc.abs_dgrad(dy, w, g.input_shape, g.stride, g.padding, g.dilation)
+    b = _bound(s, ref, g.K * g.R * g.S, ua, ea, ub, eb, float(dy.abs().max()), float(w.abs().max()), got.dtype,
+               precision == "fp8")
+    err = (got.double() - ref).abs()
+    assert (err <= b).all(), f"dgrad {precision} {g}: worst err/bound {float((err / b).max()):.3g}"
+
+
+def check_wgrad(g, precision, dy, x, got):
+    ref = rc.conv2d_wgrad(dy, x, g.weight_shape, g.stride, g.padding, g.dilation)
+    ua, ea = _fmt_err(dy, precision, "e5m2")
+    ub, eb = _fmt_err(x, precision, "e4m3")
+    s = rc.abs_wgrad(dy, x, g.weight_shape, g.stride, g.padding, g.dilation)
+    b = _bound(s, ref, g.N * g.P * g.Q, ua, ea, ub, eb, float(dy.abs().max()), float(x.abs().max()), got.dtype,
+               precision == "fp8")
+    err = (got.double() - ref).abs()
+    assert (err <= b).all(), f"wgrad {precision} {g}: worst err/bound {float((err / b).max()):.3g}"
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "fp8"])
+@pytest.mark.parametrize("spec", GEOMS, ids=lambda s: "x".join(map(str, s[:7])) + f"_s{s[7]}d{s[9]}")
+def test_dgrad_wgrad_vs_fp64(spec, precision, backend):
+    g = _geom(spec)
+    if backend == "auto" and not g.is_pointwise:
+        pytest.skip("auto == triton for this layer")
+    dy, w, x = _data(g, seed=hash(spec) % 1000)
+    dx = opc.conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding, g.dilation, precision=precision, backend=backend)
+    check_dgrad(g, precision, dy, w, dx)
+    dw = opc.conv2d_wgrad(dy, x, g.weight_shape, g.stride, g.padding, g.dilation, precision=precision,
+                          backend=backend)
+    check_wgrad(g, precision, dy, x, dw)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp8"])
+def test_every_autotune_config(precision):
+    """Whatever config the autotuner picks is correct: run each one explicitly."""
+    g = _geom((2, 14, 14, 256, 256, 3, 3, 1, 1, 1))
+    dy, w, x = _data(g, seed=5)
+    if precision == "fp8":
+        dyq, wq = opc.prepare_fp8_dgrad(dy, w)
+        dyk, xq = opc.prepare_fp8_wgrad(dy, x, g.weight_shape, 1, 1, backend="triton")
+    else:
+        dyq, wq, dyk, xq = dy.half(), w.half(), dy.half(), x.half()
+    # the reduction blocks the autotuner may pair with this operand type (fp16 x BLOCK_K=128 would
+    # overflow shared memory in the largest tile; the pruning never offers it)
+    reds = (64, 128) if precision == "fp8" else (64,)
+    for cfg in [c for c in kt.DGRAD_CONFIGS if c.kwargs["BLOCK_K"] in reds]:
+        c = dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        dx = opc.conv2d_dgrad(dyq, wq, g.input_shape, 1, 1, precision=precision, backend="triton", config=c,
+                              split_k=1)
+        check_dgrad(g, precision, dy, w, dx)
+    for cfg in [c for c in kt.WGRAD_CONFIGS if c.kwargs["BLOCK_L"] in reds]:
+        c = dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        dw = opc.conv2d_wgrad(dyk, xq, g.weight_shape, 1, 1, precision=precision, backend="triton", config=c,
+                              split_k=3)
+        check_wgrad(g, precision, dy, x, dw)
+
+
+def test_fused_activation_on_gpu():
+    g = _geom((4, 28, 28, 256, 128, 1, 1, 2, 0, 1))
+    dy, w, x = (t.half() for t in _data(g, seed=7))
+    plain = opc.conv2d_dgrad(dy, w, g.input_shape, 2, 0)
+    relu = opc.conv2d_dgrad(dy, w, g.input_shape, 2, 0, activation="relu", act_input=x)
+    assert torch.equal(relu, torch.where(x > 0, plain, torch.zeros((), dtype=plain.dtype, device=DEV)))
+    f32 = dict(out_dtype=torch.float32)
+    plain32 = opc.conv2d_dgrad(dy, w, g.input_shape, 2, 0, **f32)
+    leaky = opc.conv2d_dgrad(dy, w, g.input_shape, 2, 0, activation=("leaky_relu", 0.1), act_input=x, **f32)
+    assert torch.equal(leaky, torch.where(x > 0, plain32, plain32 * 0.1))
+    # 1x1 stride 1 with an activation runs the Triton kernel (fused), not cuBLAS + a mask pass
+    g1 = _geom((4, 14, 14, 256, 256, 1, 1, 1, 0, 1))
+    dy1, w1, x1 = (t.half() for t in _data(g1, seed=8))
+    assert "epilogue" in opc.explain_conv2d_dgrad(dy1, w1, g1.input_shape, activation="relu")
+    r1 = opc.conv2d_dgrad(dy1, w1, g1.input_shape, activation="relu", act_input=x1)
+    check_dgrad(g1, "fp16", dy1.double(), w1.double(), r1, "relu", x1.double())
+
+
+def test_split_k_deterministic_on_gpu():
+    g = _geom((32, 28, 28, 128, 128, 3, 3, 1, 1, 1))
+    dy, _, x = (t.half() for t in _data(g, seed=9))
+    runs = [opc.conv2d_wgrad(dy, x, g.weight_shape, 1, 1, split_k=16) for _ in range(3)]
+    assert all(torch.equal(runs[0], r) for r in runs[1:]), "split-K wgrad differs between runs"
+    one = opc.conv2d_wgrad(dy, x, g.weight_shape, 1, 1, split_k=1)
+    s = rc.abs_wgrad(dy, x, g.weight_shape, 1, 1)
+    L = g.N * g.P * g.Q
+    assert ((runs[0].double() - one.double()).abs() <= 2 * 1.01 * L * U32 * s).all()
+    auto = [opc.conv2d_wgrad(dy, x, g.weight_shape, 1, 1) for _ in range(2)]  # heuristic split, autotuned tile
+    assert torch.equal(auto[0], auto[1])
+    gs = _geom((2, 7, 7, 512, 512, 3, 3, 1, 1, 1))
+    dy2, w2, _ = (t.half() for t in _data(gs, seed=10))
+    d = [opc.conv2d_dgrad(dy2, w2, gs.input_shape, 1, 1, split_k=4) for _ in range(2)]
+    assert torch.equal(d[0], d[1])
+
+
+def _capability():
+    return torch.cuda.get_device_capability()
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "fp8"])
+def test_compiled_kernels_use_tensor_cores(precision):
+    """The PTX of the kernels that ran has wgmma (sm_90) / mma.sync (sm_80, sm_89) with the operand types
+    we meant; the SASS, when cuobjdump is at hand, has HGMMA / QGMMA / HMMA."""
+    cap = _capability()
+    if precision == "fp8" and cap < (8, 9):
+        pytest.skip(f"fp8 tensor cores need sm_89+, this GPU is sm_{cap[0]}{cap[1]}")
+    g = _geom((8, 28, 28, 128, 128, 3, 3, 1, 1, 1))
+    dy, w, x = _data(g, seed=11)
+    dt = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
+    if dt is None:
+        dyq, wq = opc.prepare_fp8_dgrad(dy, w)
+        dyk, xq = opc.prepare_fp8_wgrad(dy, x, g.weight_shape, 1, 1, backend="triton")
+        dyq, wq, scales_d = dyq.data, wq.data, (dyq.scale, wq.scale)
+        dyk, xq, scales_w = dyk.data, xq.data, (dyk.scale, xq.scale)
+    else:
+        dyq, wq, dyk, xq, scales_d, scales_w = dy.to(dt), w.to(dt), dy.to(dt), x.to(dt), None, None
+    out = torch.empty(g.input_shape, dtype=torch.bfloat16 if dt is None else dt, device=DEV)
+    kd = kt.dgrad(dyq, wq, out, g, scales=scales_d)
+    kw, _ = kt.wgrad(dyk, xq, torch.empty(g.weight_shape, device=DEV), g, scales=scales_w, split_k=2)
+    types = {"fp16": "f16.f16", "bf16": "bf16.bf16"}
+    for k in (kd, kw):
+        ptx = k.asm["ptx"]
+        if cap[0] == 9:
+            want = f"f32.{types[precision]}" if precision in types else ".e5m2.e4m3"
+            assert "wgmma.mma_async" in ptx and want in ptx, "no wgmma with the intended operand types"
+        else:
+            assert "mma.sync" in ptx
+        try:
+            sass = k.asm["sass"]
+        except Exception:  # cuobjdump / nvdisasm missing: the PTX check above is what ran
+            continue
+        want_sass = ("QGMMA" if precision == "fp8" else "HGMMA") if cap[0] == 9 else "HMMA"
+        assert want_sass in sass, f"SASS lacks {want_sass}"
+
+
+def test_autograd_module_on_gpu():
+    """Gradients of a conv stack: near torch's fp32 ones (the precision's own error) and near the same
+    module on the reference backend (the same math; only the accumulation order differs, but a last-bit
+    difference in one layer's dx can flip the next layer's e5m2 rounding -- a 25% step -- so fp8 gets
+    a wider margin)."""
+    from tcprec.nn.conv import Conv2d
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Conv2d(64, 64, 3, padding=1), torch.nn.ReLU(),
+                              torch.nn.Conv2d(64, 128, 1, stride=2), torch.nn.ReLU(),
+                              torch.nn.Conv2d(128, 256, 1)).to(DEV)
+    x = torch.randn(8, 64, 28, 28, device=DEV).contiguous(memory_format=torch.channels_last)
+
+    def grads(model):
+        for p in ref.parameters():
+            p.grad = None
+        (model(x) ** 2).mean().backward()
+        return [p.grad.clone() for p in ref.parameters()]
+
+    g32 = grads(ref)
+    for precision, tol, same_math in (("fp16", 5e-3, 2e-3), ("bf16", 3e-2, 2e-2), ("fp8", 0.25, 0.08)):
+        def build(backend):
+            return torch.nn.Sequential(*[Conv2d.from_module(m, precision=precision, backend=backend)
+                                         if isinstance(m, torch.nn.Conv2d) else m for m in ref])
+        g_auto, g_ref = grads(build("auto")), grads(build("reference"))
+        for (n, _), a, r, f in zip(ref.named_parameters(), g_auto, g_ref, g32):
+            rel32 = float((a - f).norm() / f.norm())
+            rel_same = float((a - r).norm() / r.norm())
+            assert rel32 <= tol, f"{precision} {n}: relative error vs fp32 {rel32:.3g}"
+            assert rel_same <= same_math, f"{precision} {n}: difference vs the reference backend {rel_same:.3g}"

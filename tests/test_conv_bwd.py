@@ -1,0 +1,576 @@
+"""Convolution backward (dgrad / wgrad) in fp16, bf16 and fp8: the Triton kernels (through
+TRITON_INTERPRET=1 on the CPU) against torch.nn.grad in float64, within a bound derived from the
+reduction length and the operand formats; fused activations; deterministic split-K; the autograd
+Conv2d against torch's fp32 conv for a few training steps; bad inputs.  tests/gpu repeats the
+numerical checks at scale and checks the compiled kernels use tensor-core MMA."""
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from tcprec.kernels import reference_conv as rc
+from tcprec.kernels.reference_conv import ConvGeometry
+from tcprec.ops import conv as opc
+
+pytest.importorskip("triton", reason="triton is a Linux dependency of tcprec")
+kt = pytest.importorskip("tcprec.kernels.triton.conv_bwd")
+
+# (N, H, W, C, K, R, S, stride, padding, dilation)
+GEOMS = [
+    (2, 7, 7, 8, 16, 3, 3, 1, 1, 1),  # 3x3 stride 1, padded
+    (2, 9, 8, 5, 12, 3, 3, 2, 1, 1),  # 3x3 stride 2, odd sizes and channel counts
+    (1, 11, 13, 3, 8, 7, 7, 2, 3, 1),  # 7x7 stride 2 pad 3 (a ResNet stem), uneven phases
+    (2, 6, 6, 16, 32, 1, 1, 1, 0, 1),  # 1x1 stride 1: a GEMM (Triton here)
+    (2, 9, 9, 16, 8, 1, 1, 2, 0, 1),  # 1x1 stride 2: three of four phases have no taps
+    (1, 10, 9, 6, 5, 3, 3, 2, 2, 2),  # dilation 2 with stride 2
+    (1, 8, 8, 4, 4, 5, 5, 1, 0, 1),  # 5x5, no padding
+    (1, 9, 7, 4, 6, 3, 1, (2, 1), (1, 0), 1),  # 3x1 filter, stride (2, 1)
+]
+PRECISIONS = ["fp16", "bf16", "fp8"]
+U = {"fp16": 2.0**-11, "bf16": 2.0**-8, "e4m3": 2.0**-4, "e5m2": 2.0**-3}  # unit roundoff
+U_OUT = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 0.0}
+U32 = 2.0**-24
+
+
+def _geom(spec) -> ConvGeometry:
+    N, H, W, C, K, R, S, st, pd, dl = spec
+    return ConvGeometry(N, H, W, C, K, R, S, rc.pair(st, "s"), rc.pair(pd, "p"), rc.pair(dl, "d"))
+
+
+def _data(g: ConvGeometry, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    dy = torch.randn(g.output_shape, generator=gen, dtype=torch.float64)
+    w = torch.randn(g.weight_shape, generator=gen, dtype=torch.float64)
+    x = torch.randn(g.input_shape, generator=gen, dtype=torch.float64)
+    return dy, w, x
+
+
+def _fmt_err(t: torch.Tensor, precision: str, fp8_fmt: str):
+    """(relative rounding bound, absolute underflow bound) of t rounded to the precision."""
+    if precision == "fp8":
+        dt = opc.FP8_DTYPES[fp8_fmt]
+        scale = float(t.abs().max()) / float(torch.finfo(dt).max)
+        min_sub = {"e4m3": 2.0**-9, "e5m2": 2.0**-16}[fp8_fmt]
+        return U[fp8_fmt], scale * min_sub / 2
+    return U[precision], {"fp16": 2.0**-25, "bf16": 2.0**-134}[precision]
+
+
+def _bound(abs_sum, ref, red_len, ua, ea, ub, eb, max_a, max_b, out_dtype):
+    """|computed - exact| for a sum of red_len products of rounded operands, accumulated in fp32 in
+    any order and rounded once to out_dtype (Higham's gamma_n, with slack for the output rounding)."""
+    rel = ua + ub + ua * ub + 1.01 * red_len * U32
+    floor = red_len * (ea * max_b + eb * max_a) * (1 + ub) + 2.0**-24
+    return (1.01 * rel * abs_sum + floor) * (1 + U_OUT[out_dtype]) + U_OUT[out_dtype] * ref.abs() * 1.01
+
+
+def _check_dgrad(g, precision, dy, w, got):
+    ref = rc.conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding, g.dilation)
+    ua, ea = _fmt_err(dy, precision, "e5m2")
+    ub, eb = _fmt_err(w, precision, "e4m3")
+    red = g.K * g.R * g.S
+    bound = _bound(rc.abs_dgrad(dy, w, g.input_shape, g.stride, g.padding, g.dilation), ref, red, ua, ea, ub, eb,
+                   float(dy.abs().max()), float(w.abs().max()), got.dtype)
+    err = (got.double() - ref).abs()
+    assert got.shape == ref.shape
+    assert (err <= bound).all(), f"dgrad {precision} {g}: max err {float(err.max()):.3g}, worst err/bound " \
+                                 f"{float((err / bound).max()):.3g}"
+
+
+def _check_wgrad(g, precision, dy, x, got):
+    ref = rc.conv2d_wgrad(dy, x, g.weight_shape, g.stride, g.padding, g.dilation)
+    ua, ea = _fmt_err(dy, precision, "e5m2")
+    ub, eb = _fmt_err(x, precision, "e4m3")
+    red = g.N * g.P * g.Q
+    bound = _bound(rc.abs_wgrad(dy, x, g.weight_shape, g.stride, g.padding, g.dilation), ref, red, ua, ea, ub, eb,
+                   float(dy.abs().max()), float(x.abs().max()), got.dtype)
+    err = (got.double() - ref).abs()
+    assert got.shape == ref.shape
+    assert (err <= bound).all(), f"wgrad {precision} {g}: max err {float(err.max()):.3g}, worst err/bound " \
+                                 f"{float((err / bound).max()):.3g}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Numerics: Triton kernels (interpreter) vs float64
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("spec", GEOMS, ids=lambda s: "x".join(map(str, s[:7])) + f"_s{s[7]}_p{s[8]}_d{s[9]}")
+def test_dgrad_triton_vs_fp64(spec, precision):
+    g = _geom(spec)
+    dy, w, _ = _data(g)
+    got = opc.conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding, g.dilation, precision=precision,
+                           backend="triton")
+    assert got.dtype == (torch.bfloat16 if precision == "fp8" else opc._DTYPE[precision])
+    _check_dgrad(g, precision, dy, w, got)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("spec", GEOMS, ids=lambda s: "x".join(map(str, s[:7])) + f"_s{s[7]}_p{s[8]}_d{s[9]}")
+def test_wgrad_triton_vs_fp64(spec, precision):
+    g = _geom(spec)
+    dy, _, x = _data(g)
+    got = opc.conv2d_wgrad(dy, x, g.weight_shape, g.stride, g.padding, g.dilation, precision=precision,
+                           backend="triton")
+    assert got.dtype == torch.float32
+    _check_wgrad(g, precision, dy, x, got)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_reference_backend_vs_fp64(precision):
+    g = _geom(GEOMS[1])
+    dy, w, x = _data(g, seed=3)
+    _check_dgrad(g, precision, dy, w, opc.conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding, g.dilation,
+                                                       precision=precision, backend="reference"))
+    _check_wgrad(g, precision, dy, x, opc.conv2d_wgrad(dy, x, g.weight_shape, g.stride, g.padding, g.dilation,
+                                                       precision=precision, backend="reference"))
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "fp8"])
+def test_gemm_path_for_pointwise_layers(precision):
+    """backend='gemm' (torch.matmul / torch.mm / torch._scaled_mm) for 1x1 stride-1 layers."""
+    g = _geom((2, 4, 6, 16, 32, 1, 1, 1, 0, 1))  # N*H*W = 48: every GEMM dim a multiple of 16
+    dy, w, x = _data(g, seed=5)
+    try:
+        dx = opc.conv2d_dgrad(dy, w, g.input_shape, precision=precision, backend="gemm")
+        dw = opc.conv2d_wgrad(dy, x, g.weight_shape, precision=precision, backend="gemm")
+    except (RuntimeError, NotImplementedError) as e:  # torch._scaled_mm has no CPU kernel in this torch
+        if precision == "fp8":
+            pytest.skip(f"torch._scaled_mm does not run on this CPU build: {e}")
+        raise
+    _check_dgrad(g, precision, dy, w, dx)
+    _check_wgrad(g, precision, dy, x, dw)
+
+
+def test_out_dtype_float32_and_strided_views():
+    """fp32 output; operands given as permuted (NCHW-memory) views give the same bits as contiguous NHWC."""
+    g = _geom(GEOMS[1])
+    dy, w, x = (t.half() for t in _data(g, seed=7))
+    want = opc.conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding, precision="fp16", backend="triton",
+                            out_dtype=torch.float32)
+    dy_nchw = dy.permute(0, 3, 1, 2).contiguous()  # NCHW memory
+    w_kcrs = w.permute(0, 3, 1, 2).contiguous()
+    got = opc.conv2d_dgrad(dy_nchw.permute(0, 2, 3, 1), w_kcrs.permute(0, 2, 3, 1), g.input_shape, g.stride,
+                           g.padding, precision="fp16", backend="triton", out_dtype=torch.float32)
+    assert got.dtype == torch.float32 and got.is_contiguous() and torch.equal(got, want)
+    _check_dgrad(g, "fp16", dy.double(), w.double(), got)
+    wa = opc.conv2d_wgrad(dy, x, g.weight_shape, g.stride, g.padding, backend="triton", split_k=1)
+    wb = opc.conv2d_wgrad(dy_nchw.permute(0, 2, 3, 1), x.permute(0, 3, 1, 2).contiguous().permute(0, 2, 3, 1),
+                          g.weight_shape, g.stride, g.padding, backend="triton", split_k=1)
+    assert torch.equal(wa, wb)
+
+
+# ------------------------------------------------------------------------------------------------
+# Fused activation backward
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_fused_relu_equals_dgrad_then_mask(split_k):
+    g = _geom(GEOMS[1])
+    dy, w, x = (t.half() for t in _data(g, seed=11))
+    z = x.clone()
+    z[0, 0, 0, :] = 0.0  # x == 0 is masked (torch's threshold_backward)
+    plain = opc.conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding, backend="triton", split_k=split_k)
+    fused = opc.conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding, backend="triton", split_k=split_k,
+                             activation="relu", act_input=z)
+    assert torch.equal(fused, torch.where(z > 0, plain, torch.zeros((), dtype=plain.dtype)))
+    # the conv's own input (the ReLU's output) gives the same mask as the ReLU's input
+    fused_out = opc.conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding, backend="triton", split_k=split_k,
+                                 activation="relu", act_input=torch.relu(z))
+    assert torch.equal(fused_out, fused)
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_fused_leaky_relu_equals_dgrad_then_scale(split_k):
+    g = _geom(GEOMS[0])
+    dy, w, x = (t.half() for t in _data(g, seed=12))
+    kw = dict(backend="triton", split_k=split_k, out_dtype=torch.float32)
+    plain = opc.conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding, **kw)
+    fused = opc.conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding, activation=("leaky_relu", 0.2),
+                             act_input=x, **kw)
+    assert torch.equal(fused, torch.where(x > 0, plain, plain * 0.2))
+    ref = rc.conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding, activation=("leaky_relu", 0.2), act_input=x)
+    assert torch.allclose(fused.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_activation_matches_reference_backend():
+    g = _geom(GEOMS[4])
+    dy, w, x = (t.half() for t in _data(g, seed=13))
+    for act in ("relu", "leaky_relu"):
+        a = opc.conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding, backend="triton", activation=act,
+                             act_input=x, out_dtype=torch.float32)
+        b = opc.conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding, backend="reference", activation=act,
+                             act_input=x, out_dtype=torch.float32)
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# Split-K: deterministic, and equal to no split within fp32 reassociation
+# ------------------------------------------------------------------------------------------------
+
+
+def test_wgrad_split_k_deterministic():
+    g = _geom((2, 12, 12, 16, 24, 3, 3, 1, 1, 1))  # L = 288 rows: splits of 128
+    dy, _, x = (t.half() for t in _data(g, seed=21))
+    a = opc.conv2d_wgrad(dy, x, g.weight_shape, g.stride, g.padding, backend="triton", split_k=3)
+    b = opc.conv2d_wgrad(dy, x, g.weight_shape, g.stride, g.padding, backend="triton", split_k=3)
+    one = opc.conv2d_wgrad(dy, x, g.weight_shape, g.stride, g.padding, backend="triton", split_k=1)
+    assert torch.equal(a, b), "split-K wgrad is not bit-reproducible"
+    L = g.N * g.P * g.Q
+    s = rc.abs_wgrad(dy, x, g.weight_shape, g.stride, g.padding)
+    assert ((a.double() - one.double()).abs() <= 2 * 1.01 * L * U32 * s).all()
+
+
+def test_dgrad_split_k_deterministic():
+    g = _geom((1, 6, 6, 8, 64, 3, 3, 1, 1, 1))  # 9 taps x 4 K-blocks of 16 = 36 loop iterations
+    dy, w, _ = (t.half() for t in _data(g, seed=22))
+    kw = dict(backend="triton", out_dtype=torch.float32)
+    a = opc.conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding, split_k=4, **kw)
+    b = opc.conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding, split_k=4, **kw)
+    one = opc.conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding, split_k=1, **kw)
+    assert torch.equal(a, b)
+    s = rc.abs_dgrad(dy, w, g.input_shape, g.stride, g.padding)
+    assert ((a.double() - one.double()).abs() <= 2 * 1.01 * g.K * 9 * U32 * s).all()
+
+
+def test_split_heuristics():
+    big = ConvGeometry(256, 56, 56, 64, 64, 3, 3, (1, 1), (1, 1), (1, 1))
+    assert kt.wgrad_split(big, 132) > 1  # 9 output tiles, 800k rows: split
+    small = ConvGeometry(8, 7, 7, 512, 512, 3, 3, (1, 1), (1, 1), (1, 1))
+    assert kt.wgrad_split(small, 132) == 1  # 392 rows: splitting would cost more than it gives
+    assert kt.dgrad_split(big, 132) == 1
+    assert kt.dgrad_split(small, 132) > 1  # 392 pixels x 512 channels: a handful of tiles
+
+
+# ------------------------------------------------------------------------------------------------
+# Stride-phase arithmetic
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("R,stride,pad,dil", [(1, 1, 0, 1), (3, 2, 1, 1), (7, 2, 3, 1), (3, 2, 2, 2), (5, 3, 2, 2),
+                                              (3, 4, 0, 2), (4, 3, 1, 3), (2, 2, 0, 4)])
+def test_phase_taps_match_brute_force(R, stride, pad, dil):
+    g = ConvGeometry(1, 17, 17, 1, 1, R, R, (stride, stride), (pad, pad), (dil, dil))
+    for a in range(stride):
+        r0, n, base = g.phase_taps(0, a)
+        _, step, dp, _ = g.phase_params(0)
+        taps = [r0 + t * step for t in range(n)]
+        want = [r for r in range(R) if (a + pad - r * dil) % stride == 0]
+        assert taps == want, (a, taps, want)
+        for t, r in enumerate(taps):  # dy row of output row h = a + stride*i is i + base - t*dp
+            for i in range(3):
+                assert (a + stride * i + pad - r * dil) // stride == i + base - t * dp
+
+
+# ------------------------------------------------------------------------------------------------
+# fp8 operands
+# ------------------------------------------------------------------------------------------------
+
+
+def test_to_fp8_scale_layout_and_fp8tensor_operands():
+    t = torch.randn(2, 5, 5, 8, dtype=torch.float64)
+    q = opc.to_fp8(t, "e4m3", memory_order=(3, 0, 1, 2))
+    assert q.shape == t.shape and q.data.stride() == (25, 5, 1, 50) and q.data.dtype == torch.float8_e4m3fn
+    assert float(q.data.float().abs().max()) == 448.0
+    assert torch.allclose(q.dequantize().double(), t, rtol=2**-4, atol=float(q.scale) * 2**-10)
+    g = _geom((2, 5, 5, 8, 16, 3, 3, 1, 1, 1))
+    dy, w, x = _data(g, seed=31)
+    dyq, wq = opc.prepare_fp8_dgrad(dy, w)
+    assert wq.data.stride()[0] == 1  # K-major weight
+    a = opc.conv2d_dgrad(dyq, wq, g.input_shape, 1, 1, precision="fp8", backend="triton")
+    b = opc.conv2d_dgrad(dy, w, g.input_shape, 1, 1, precision="fp8", backend="triton")
+    assert torch.equal(a, b)  # same scales, same codes, same kernel
+    dyk, xq = opc.prepare_fp8_wgrad(dy, x, g.weight_shape, 1, 1, backend="triton")
+    assert dyk.data.stride()[3] == g.N * g.P * g.Q  # dy K-major: the reduction index is contiguous
+    _check_wgrad(g, "fp8", dy, x, opc.conv2d_wgrad(dyk, xq, g.weight_shape, 1, 1, precision="fp8",
+                                                  backend="triton"))
+    with pytest.raises(TypeError, match="float8"):
+        opc.Fp8Tensor(torch.zeros(2), torch.ones(()))
+    with pytest.raises(TypeError, match="float32"):
+        opc.Fp8Tensor(torch.zeros(2).to(torch.float8_e5m2), torch.ones((), dtype=torch.float64))
+
+
+# ------------------------------------------------------------------------------------------------
+# Backend choice and explanation
+# ------------------------------------------------------------------------------------------------
+
+
+def test_explain_and_backend_choice():
+    g1 = _geom((2, 4, 4, 16, 32, 1, 1, 1, 0, 1))
+    dy, w, x = _data(g1)
+    s = opc.explain_conv2d_dgrad(dy, w, g1.input_shape, backend="gemm")
+    assert "cuBLAS" in s and "fastest GEMM" in s
+    assert "reference" in opc.explain_conv2d_dgrad(dy, w, g1.input_shape)  # auto on a CPU tensor
+    g2 = _geom(GEOMS[1])
+    dy2, w2, x2 = _data(g2)
+    s = opc.explain_conv2d_dgrad(dy2, w2, g2.input_shape, g2.stride, g2.padding, backend="triton",
+                                 activation="relu")
+    assert "stride-phase" in s and "4 phase(s)" in s and "relu backward fused" in s
+    s = opc.explain_conv2d_wgrad(dy2, x2, g2.weight_shape, g2.stride, g2.padding, backend="triton", split_k=2)
+    assert "split-K 2" in s and "deterministic" in s
+    with pytest.raises(ValueError, match="only 1x1 stride-1"):
+        opc.conv2d_dgrad(dy2, w2, g2.input_shape, g2.stride, g2.padding, backend="gemm")
+
+
+def test_empty_batch():
+    g = _geom((0, 5, 5, 4, 8, 3, 3, 1, 1, 1))
+    dy, w, x = torch.zeros(g.output_shape), torch.randn(g.weight_shape), torch.zeros(g.input_shape)
+    assert opc.conv2d_dgrad(dy, w, g.input_shape, 1, 1, backend="triton").shape == g.input_shape
+    dw = opc.conv2d_wgrad(dy, x, g.weight_shape, 1, 1, backend="triton")
+    assert dw.shape == g.weight_shape and not dw.any()
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad inputs
+# ------------------------------------------------------------------------------------------------
+
+
+def test_bad_inputs():
+    dy, w = torch.randn(2, 4, 4, 8), torch.randn(8, 3, 3, 6)
+    shape = (2, 8, 8, 6)
+    ok = dict(stride=2, padding=1)
+    opc.conv2d_dgrad(dy, w, shape, backend="reference", **ok)  # the valid call
+    with pytest.raises(ValueError, match=r"grad_out must be \(N, P, Q, K\)"):
+        opc.conv2d_dgrad(dy, w, shape, stride=1, padding=1, backend="reference")
+    with pytest.raises(ValueError, match="looks NCHW"):
+        opc.conv2d_dgrad(dy.permute(0, 3, 1, 2), w, shape, backend="reference", **ok)
+    with pytest.raises(ValueError, match="grouped convolution"):
+        opc.conv2d_dgrad(dy, torch.randn(8, 3, 3, 3), shape, backend="reference", **ok)
+    with pytest.raises(ValueError, match="channel mismatch"):
+        opc.conv2d_dgrad(dy, torch.randn(8, 3, 3, 4), shape, backend="reference", **ok)
+    with pytest.raises(ValueError, match="dilation must be >= 1"):
+        opc.conv2d_dgrad(dy, w, shape, 2, 1, 0, backend="reference")
+    with pytest.raises(ValueError, match="stride must be >= 1"):
+        opc.conv2d_dgrad(dy, w, shape, 0, 1, backend="reference")
+    with pytest.raises(ValueError, match="padding must be >= 0"):
+        opc.conv2d_dgrad(dy, w, shape, 2, -1, backend="reference")
+    with pytest.raises(TypeError, match="pair of ints"):
+        opc.conv2d_dgrad(dy, w, shape, (2, 2, 2), 1, backend="reference")
+    with pytest.raises(ValueError, match="does not fit"):
+        opc.conv2d_dgrad(torch.randn(2, 1, 1, 8), torch.randn(8, 9, 9, 6), (2, 3, 3, 6), backend="reference")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        opc.conv2d_dgrad(dy, w, shape, precision="fp4", backend="reference", **ok)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        opc.conv2d_dgrad(dy, w, shape, backend="cudnn", **ok)
+    with pytest.raises(ValueError, match="activation must be"):
+        opc.conv2d_dgrad(dy, w, shape, activation="gelu", act_input=torch.randn(shape), backend="reference", **ok)
+    with pytest.raises(ValueError, match="needs act_input"):
+        opc.conv2d_dgrad(dy, w, shape, activation="relu", backend="reference", **ok)
+    with pytest.raises(ValueError, match="act_input must have the input's shape"):
+        opc.conv2d_dgrad(dy, w, shape, activation="relu", act_input=torch.randn(2, 6, 8, 8), backend="reference",
+                         **ok)
+    with pytest.raises(ValueError, match="without an activation"):
+        opc.conv2d_dgrad(dy, w, shape, act_input=torch.randn(shape), backend="reference", **ok)
+    with pytest.raises(ValueError, match="4-D"):
+        opc.conv2d_dgrad(dy[0], w, shape, backend="reference", **ok)
+    with pytest.raises(TypeError, match="floating"):
+        opc.conv2d_dgrad(dy.long(), w, shape, backend="reference", **ok)
+    with pytest.raises(TypeError, match="Fp8Tensor"):
+        opc.conv2d_dgrad(dy.to(torch.float8_e5m2), w, shape, precision="fp8", backend="reference", **ok)
+    with pytest.raises(TypeError, match="precision='fp8'"):
+        opc.conv2d_dgrad(opc.to_fp8(dy, "e5m2"), w, shape, precision="fp16", backend="reference", **ok)
+    with pytest.raises(ValueError, match="out_dtype"):
+        opc.conv2d_dgrad(dy, w, shape, out_dtype=torch.int8, backend="reference", **ok)
+    with pytest.raises(ValueError, match=r"input_shape must be 4 ints"):
+        opc.conv2d_dgrad(dy, w, (2, 8, 8), backend="reference", **ok)
+    x = torch.randn(shape)
+    with pytest.raises(ValueError, match="split_k"):
+        opc.conv2d_wgrad(dy, x, (8, 3, 3, 6), split_k=0, backend="reference", **ok)
+    with pytest.raises(ValueError, match="channel mismatch"):
+        opc.conv2d_wgrad(dy, x, (8, 3, 3, 5), backend="reference", **ok)
+
+
+def test_triton_backend_without_cuda_or_interpreter_says_why(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="backend='triton' cannot run the Triton implicit-GEMM conv dgrad"):
+        opc.conv2d_dgrad(torch.randn(2, 4, 4, 8), torch.randn(8, 3, 3, 6), (2, 8, 8, 6), 2, 1, backend="triton")
+
+
+def test_module_rejects_unsupported_layers():
+    from tcprec.nn.conv import Conv2d
+
+    with pytest.raises(ValueError, match="groups=2 is not supported"):
+        Conv2d(4, 4, 3, groups=2)
+    with pytest.raises(ValueError, match="padding_mode='reflect'"):
+        Conv2d(4, 4, 3, padding=1, padding_mode="reflect")
+    with pytest.raises(ValueError, match="padding='same'"):
+        Conv2d(4, 4, 3, padding="same")
+    with pytest.raises(ValueError, match="precision"):
+        Conv2d(4, 4, 3, precision="int8")
+
+
+# ------------------------------------------------------------------------------------------------
+# The autograd module trains like torch's fp32 conv
+# ------------------------------------------------------------------------------------------------
+
+
+class _Tiny(torch.nn.Module):
+    """conv 3x3 -> ReLU -> conv 3x3 stride 2 -> ReLU -> conv 1x1 -> mean -> linear."""
+
+    def __init__(self, conv=torch.nn.Conv2d, **kw):
+        super().__init__()
+        self.c1 = conv(3, 8, 3, padding=1, **kw)
+        self.c2 = conv(8, 16, 3, stride=2, padding=1, **kw)
+        self.c3 = conv(16, 16, 1, **kw)
+        self.fc = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        x = torch.relu(self.c1(x))
+        x = torch.relu(self.c2(x))
+        return self.fc(self.c3(x).mean((2, 3)))
+
+
+# (loss, gradient, parameter) relative tolerances against torch's fp32 conv: the precision's own
+# rounding (measured with the reference backend: fp16 ~6e-4 on gradients, bf16 ~8e-2, as ReLU masks
+# flip in a model this small), and against the same model on the reference backend: the kernels'
+# accumulation order only.
+_TOL = {"fp16": (1e-4, 1e-2, 1e-3, 2e-3), "bf16": (1e-3, 0.15, 1e-2, 2e-2)}
+
+
+def _rel(a, b) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_conv2d_module_trains_like_torch_fp32(precision):
+    from tcprec.nn.conv import Conv2d
+
+    loss_tol, grad_tol, param_tol, same_math_tol = _TOL[precision]
+    torch.manual_seed(0)
+    ref = _Tiny()
+    models = [ref, _Tiny(Conv2d, precision=precision, backend="triton"),
+              _Tiny(Conv2d, precision=precision, backend="reference")]
+    for m in models[1:]:
+        m.load_state_dict(ref.state_dict())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x = torch.randn(4, 3, 9, 9, generator=gen, requires_grad=True)
+        y = torch.randint(0, 4, (4,), generator=gen)
+        runs = []
+        for model, opt in zip(models, opts):
+            opt.zero_grad()
+            x.grad = None
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            runs.append((loss.item(), x.grad.clone(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+            opt.step()
+        (l_ref, gx_ref, g_ref), (l_tri, gx_tri, g_tri), (_, gx_emu, g_emu) = runs
+        assert abs(l_tri - l_ref) <= loss_tol * abs(l_ref), f"step {step}: loss"
+        assert _rel(gx_tri, gx_ref) <= grad_tol, f"step {step}: input grad"
+        assert _rel(gx_tri, gx_emu) <= same_math_tol, f"step {step}: input grad vs the reference backend"
+        for n in g_ref:
+            assert g_tri[n].dtype == torch.float32
+            assert _rel(g_tri[n], g_ref[n]) <= grad_tol, f"step {step}: {n} grad"
+            assert _rel(g_tri[n], g_emu[n]) <= same_math_tol, f"step {step}: {n} grad vs the reference backend"
+    for (n, p_ref), p_tri in zip(ref.named_parameters(), models[1].parameters()):
+        assert _rel(p_tri.detach(), p_ref.detach()) <= param_tol, n
+
+
+def test_conv2d_module_fp8_and_fused_relu():
+    from tcprec.nn.conv import Conv2d
+
+    torch.manual_seed(2)
+    ref = torch.nn.Conv2d(8, 16, 3, stride=2, padding=1)
+    x = torch.randn(2, 8, 9, 9, requires_grad=True)
+    (ref(torch.relu(x)) ** 2).sum().backward()
+    gx_r, gw_r = x.grad.clone(), ref.weight.grad.clone()
+    x.grad, ref.weight.grad = None, None
+    for precision, tol in (("fp16", 2e-3), ("fp8", 0.15)):
+        m = Conv2d.from_module(ref, precision=precision, input_activation="relu", backend="triton")
+        (m(x) ** 2).sum().backward()
+        assert float((x.grad - gx_r).norm() / gx_r.norm()) <= tol, precision
+        assert float((ref.weight.grad - gw_r).norm() / gw_r.norm()) <= tol, precision
+        assert "input_activation='relu'" in repr(m)
+        x.grad, ref.weight.grad, ref.bias.grad = None, None, None
+
+
+# ------------------------------------------------------------------------------------------------
+# The kernels compile for sm_90 and lower tl.dot to wgmma (no GPU needed: Triton ships ptxas)
+# ------------------------------------------------------------------------------------------------
+
+
+def _aot_compile(fn_name, consts, num_warps=4, num_stages=3):
+    """Compile a conv_bwd kernel ahead of time for sm_90 with Triton's NVIDIA backend, with the
+    sizes and strides of a 28x28 128->128 3x3 layer at batch 256 (ints equal to 1 specialised and
+    multiples of 16 marked divisible, as Triton's launcher does).  Needs TRITON_INTERPRET unset."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(kt, fn_name)
+    a_ty, b_ty = ("fp8e5", "fp8e4nv") if consts["IS_FP8"] else ("fp16", "fp16")
+    hw = dict(N=256, H=28, W=28, C=128, P=28, Q=28, K=128, R=3, S=3, str_h=1, str_w=1, pad_h=1, pad_w=1,
+              dil_h=1, dil_w=1)
+    if fn_name == "_dgrad_kernel":
+        ptrs = {"dy_ptr": a_ty, "w_ptr": b_ty, "out_ptr": "bf16", "act_ptr": "bf16", "scale_a_ptr": "fp32",
+                "scale_b_ptr": "fp32"}
+        nhwc = (28 * 28 * 128, 28 * 128, 128, 1)
+        vals = dict(hw, **dict(zip(("sdy_n", "sdy_p", "sdy_q", "sdy_k"), nhwc)),
+                    **dict(zip(("sw_k", "sw_r", "sw_s", "sw_c"), (1152, 384, 128, 1))),
+                    **dict(zip(("so_n", "so_h", "so_w", "so_c"), nhwc)),
+                    **dict(zip(("sa_n", "sa_h", "sa_w", "sa_c"), nhwc)),
+                    g_h=1, step_h=1, dp_h=1, inv_h=0, g_w=1, step_w=1, dp_w=1, inv_w=0, M_MAX=256 * 28 * 28, SPLIT=1)
+    else:
+        ptrs = {"dy_ptr": a_ty, "x_ptr": b_ty, "out_ptr": "fp32", "scale_a_ptr": "fp32", "scale_b_ptr": "fp32"}
+        vals = dict(hw, sdy_n=28 * 28, sdy_p=28, sdy_q=1, sdy_k=256 * 28 * 28, sx_n=28 * 28 * 128, sx_h=28 * 128,
+                    sx_w=128, sx_c=1, L=256 * 28 * 28, CHUNK=8192,
+                    **dict(zip(("mag_q", "shift_q", "mag_p", "shift_p"), kt._magic(28) + kt._magic(28))))
+    sig, attrs, cs = {}, {}, dict(consts)
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in ptrs:
+            sig[name], attrs[(i,)] = "*" + ptrs[name], [["tt.divisibility", 16]]
+        elif name == "slope":
+            sig[name] = "fp32"
+        elif vals[name] == 1:
+            sig[name], cs[name] = "constexpr", 1
+        else:
+            sig[name] = "i32"
+            if vals[name] % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn, sig, cs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def _aot_report() -> dict:
+    base = dict(SPLIT_OUT=False, INT64=False, UPCAST=False, FAST_ACCUM=False, BLOCK_M=128, BLOCK_N=128)
+    k16 = _aot_compile("_dgrad_kernel", dict(base, ACT=1, HAS_SCALE=False, IS_FP8=False, BLOCK_K=64, EVEN_K=True),
+                       num_warps=8)
+    k8 = _aot_compile("_wgrad_kernel", dict(base, HAS_SCALE=True, IS_FP8=True, DY_LINEAR=True, BLOCK_L=128,
+                                            SPLIT_OUT=True), num_warps=8)
+    return {"dgrad_fp16": k16.asm["ptx"], "wgrad_fp8": k8.asm["ptx"]}
+
+
+def test_kernels_compile_to_wgmma_for_sm90():
+    """In a subprocess: under TRITON_INTERPRET=1 triton.jit builds interpreter objects, not compilable ones."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = env.get("TRITON_DEFAULT_FP_FUSION", "1")
+    r = subprocess.run([sys.executable, __file__, "--aot"], env=env, capture_output=True, text=True, timeout=120)
+    if r.returncode == 3:
+        pytest.skip(f"Triton's NVIDIA compiler is not usable here: {r.stdout.strip()[-300:]}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    ptx = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16" in ptx["dgrad_fp16"]
+    assert "cp.async" in ptx["dgrad_fp16"]  # operand loads pipelined asynchronously
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e5m2.e4m3" in ptx["wgrad_fp8"]
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--aot"]:
+    try:
+        import triton.backends.nvidia  # noqa: F401
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
+    except ImportError as e:
+        print(f"no NVIDIA backend in this triton: {e}")
+        sys.exit(3)
+    report = _aot_report()
+    print(json.dumps({k: "\n".join(ln for ln in v.splitlines() if "wgmma" in ln or "cp.async" in ln)
+                      for k, v in report.items()}))
