@@ -217,7 +217,12 @@ def test_autograd_module_on_gpu():
         (model(x) ** 2).mean().backward()
         return [p.grad.clone() for p in ref.parameters()]
 
-    g32 = grads(ref)
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False  # the fp32 reference must be fp32, not TF32 (cuDNN's default)
+    try:
+        g32 = grads(ref)
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
     for precision, tol, same_math in (("fp16", 5e-3, 2e-3), ("bf16", 3e-2, 2e-2), ("fp8", 0.25, 0.08)):
         def build(backend):
             return torch.nn.Sequential(*[Conv2d.from_module(m, precision=precision, backend=backend)
