@@ -37,7 +37,15 @@ from rich.table import Table
 
 from ..kernels.reference_conv import ConvGeometry
 from ..ops import conv as opc
-from .common import copies_needed, environment, print_environment, require_cuda, time_median_ms, write_json
+from .common import (
+    copies_needed,
+    environment,
+    print_environment,
+    require_cuda,
+    time_graph_ms,
+    time_median_ms,
+    write_json,
+)
 
 __all__ = ["Layer", "RESNET50_LAYERS", "TARGETS", "NRMSE_LIMITS", "run", "summarize"]
 
@@ -120,34 +128,6 @@ class _Timed:
         return self.ms, other.ms, "events"
 
 
-def _graph_ms(fn: Callable, items: Sequence, calls: int = 32, replays: int = 5) -> float:
-    """ms per call of ``fn`` captured ``calls`` times in one CUDA graph, cycling through ``items``
-    (median of replays).  Excludes host launch overhead -- for ours and cuDNN alike."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for it in items[:2]:
-            fn(it)
-    torch.cuda.current_stream().wait_stream(s)
-    calls = max(calls, min(len(items), 64))
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fn(items[i % len(items)])
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    del g
-    return sorted(times)[len(times) // 2]
-
-
 def _measure(fn: Callable, items: Sequence, warmup_ms: int, rep_ms: int, graph: bool) -> _Timed:
     t = _Timed()
     try:
@@ -157,7 +137,7 @@ def _measure(fn: Callable, items: Sequence, warmup_ms: int, rep_ms: int, graph: 
         return t
     if graph:
         try:
-            t.graph_ms = _graph_ms(fn, items)
+            t.graph_ms = time_graph_ms(fn, items)
         except Exception as e:  # capture failed: events only, and say why
             t.error = f"graph capture: {type(e).__name__}: {e}"[:300]
     return t

@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .common import environment, print_environment, require_cuda, rotating_buffers, time_median_ms, write_json
+from .common import time_graph_ms as common_graph_ms
 
 __all__ = ["APNN_CONFIGS", "LARGE_CONFIGS", "APNN_SIZES", "LARGE_SIZES", "BINARY_PEAK_TOPS", "run", "parse_config",
            "time_graph_ms"]
@@ -63,28 +64,7 @@ def _random_qtensor(shape, fmt, device, gen):
 
 def time_graph_ms(fn, calls: int = GRAPH_CALLS, replays: int = 5) -> float:
     """Mean ms per call of ``fn()`` captured ``calls`` times in one CUDA graph (median of replays)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    del g
-    return sorted(times)[len(times) // 2]
+    return common_graph_ms(fn, None, calls=calls, replays=replays)
 
 
 @dataclass

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ..formats import FloatFormat, as_format
 from ..kernels import reference as ref
 from ..kernels.reference_emulate import add_round_to_odd
-from ..ops.cast import code_dtype, decode, encode
+from ..ops.cast import decode, encode
 
 __all__ = ["aps_top_exponent", "check_aps_format", "allreduce_lowp", "lowp_allreduce_hook", "LowpAllreduceHook",
            "TRANSPORTS"]

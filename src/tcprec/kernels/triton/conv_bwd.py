@@ -287,7 +287,6 @@ def _wgrad_kernel(
     c_ok = offs_c < C
 
     # ---- loop-invariant address parts; x row (n, p, q) -> n*sx_n + p*(sh*sx_h) + q*(sw*sx_w) + tap_off ----
-    PQ = P * Q
     tap_off = (r * dil_h - pad_h) * sx_h + (s * dil_w - pad_w) * sx_w
     x_cols = x_ptr + tap_off + offs_c[None, :] * sx_c  # (1, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_L)
