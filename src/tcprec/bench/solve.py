@@ -30,6 +30,7 @@ import time
 import torch
 
 from ..linalg import gemm_backend, make_matrix, random_rhs, scaled_residual, solve
+from ..linalg.demo import timed
 from .common import environment as _common_environment
 from .common import require_cuda, write_json
 
@@ -42,24 +43,8 @@ def _sync(device: torch.device) -> None:
 
 
 def _time(fn, device, warmup: int, repeats: int, slow_s: float = 5.0):
-    """Median seconds of fn() over ``repeats`` synchronized calls after ``warmup`` calls
-    (a warm-up slower than ``slow_s`` cuts the repeats to one, to stay within a time budget)."""
-    out = None
-    for _ in range(warmup):
-        t0 = time.perf_counter()
-        out = fn()
-        _sync(device)
-        if time.perf_counter() - t0 > slow_s:
-            repeats = 1
-    ts = []
-    for _ in range(max(1, repeats)):
-        _sync(device)
-        t0 = time.perf_counter()
-        out = fn()
-        _sync(device)
-        ts.append(time.perf_counter() - t0)
-    ts.sort()
-    return ts[len(ts) // 2], ts, out
+    """linalg.demo.timed with a 5 s warm-up budget: (median s, sorted times, last result)."""
+    return timed(fn, device, warmup=warmup, repeats=repeats, slow_s=slow_s)
 
 
 def environment(device: torch.device) -> dict:

@@ -21,12 +21,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(fn, device: torch.device, *, warmup: int = 1, repeats: int = 1):
-    """Median wall time of ``fn()`` (synchronized around each call) and its last result."""
+def timed(fn, device: torch.device, *, warmup: int = 1, repeats: int = 1, slow_s: float | None = None):
+    """(median seconds, sorted times, last result) of ``fn()`` over ``repeats`` synchronized calls
+    after ``warmup`` calls; a warm-up call slower than ``slow_s`` cuts the repeats to one (to stay
+    inside a benchmark's time budget)."""
     out = None
     for _ in range(warmup):
+        t0 = time.perf_counter()
         out = fn()
         _sync(device)
+        if slow_s is not None and time.perf_counter() - t0 > slow_s:
+            repeats = 1
     times = []
     for _ in range(max(1, repeats)):
         _sync(device)
@@ -35,7 +40,7 @@ def timed(fn, device: torch.device, *, warmup: int = 1, repeats: int = 1):
         _sync(device)
         times.append(time.perf_counter() - t0)
     times.sort()
-    return times[len(times) // 2], out
+    return times[len(times) // 2], times, out
 
 
 def run_solve(
@@ -76,7 +81,7 @@ def run_solve(
     _sync(dev)
     gen_s = time.perf_counter() - t0
 
-    t, (x, info) = timed(
+    t, _, (x, info) = timed(
         lambda: solve(A, b, factor=factor, refine=refine, pivoting=pivoting, **solve_options),
         dev, warmup=warmup, repeats=repeats,
     )
@@ -93,7 +98,7 @@ def run_solve(
         "history": list(info.history), "generate_s": gen_s,
     }
     if compare_fp64:
-        t64, x64 = timed(lambda: torch.linalg.solve(A, b), dev, warmup=warmup, repeats=repeats)
+        t64, _, x64 = timed(lambda: torch.linalg.solve(A, b), dev, warmup=warmup, repeats=repeats)
         row.update(
             fp64_time_s=t64,
             fp64_backward_error=scaled_residual(A, x64, b),
