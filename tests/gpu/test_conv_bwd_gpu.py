@@ -202,7 +202,16 @@ def test_autograd_module_on_gpu():
     """Gradients of a conv stack: near torch's fp32 ones (the precision's own error) and near the same
     module on the reference backend (the same math; only the accumulation order differs, but a last-bit
     difference in one layer's dx can flip the next layer's e5m2 rounding -- a 25% step -- so fp8 gets
-    a wider margin)."""
+    a wider margin).
+
+    The fp32 bound is derived, not picked: a gradient on this chain passes through at most
+    ``N_ROUND`` = 10 roundings to the precision (forward: x, three weights, three outputs; backward: dy
+    and two dgrad outputs), each a relative error <= u, and its last sum (the wgrad over N*P*Q pixels)
+    amplifies relative errors by kappa = ||sum |dy| |x| || / ||sum dy x||, measured from the fp32 run.
+    The first layer's weight gradient cancels heavily (kappa ~ 13): its fp16 error of ~0.7% is the
+    format's, not the kernels' -- the pure-torch reference backend shows the same.  The loss is scaled
+    by 2**16 as torch.amp.GradScaler does: unscaled, dy ~ 1e-6 sits in fp16's subnormal range, where
+    the absolute spacing 2**-24 is a ~1% relative error no eps-based bound covers."""
     from tcprec.nn.conv import Conv2d
 
     torch.manual_seed(0)
@@ -210,26 +219,43 @@ def test_autograd_module_on_gpu():
                               torch.nn.Conv2d(64, 128, 1, stride=2), torch.nn.ReLU(),
                               torch.nn.Conv2d(128, 256, 1)).to(DEV)
     x = torch.randn(8, 64, 28, 28, device=DEV).contiguous(memory_format=torch.channels_last)
+    loss_scale, n_round = 2.0**16, 10
 
     def grads(model):
         for p in ref.parameters():
             p.grad = None
-        (model(x) ** 2).mean().backward()
+        ((model(x) ** 2).mean() * loss_scale).backward()
         return [p.grad.clone() for p in ref.parameters()]
 
+    convs = [m for m in ref if isinstance(m, torch.nn.Conv2d)]
+    ins, douts = {}, {}
+    hooks = [m.register_forward_hook(lambda mod, i, o: ins.__setitem__(mod, i[0].detach())) for m in convs]
+    hooks += [m.register_full_backward_hook(lambda mod, gi, go: douts.__setitem__(mod, go[0].detach()))
+              for m in convs]
     tf32 = torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = False  # the fp32 reference must be fp32, not TF32 (cuDNN's default)
     try:
         g32 = grads(ref)
+        kappa = []  # per parameter, in ref.parameters() order (weight, bias per conv)
+        for m in convs:
+            aw = torch.nn.grad.conv2d_weight(ins[m].abs(), m.weight.shape, douts[m].abs(), m.stride, m.padding)
+            kappa += [float(aw.norm() / m.weight.grad.norm()),
+                      float(douts[m].abs().sum((0, 2, 3)).norm() / m.bias.grad.norm())]
     finally:
         torch.backends.cudnn.allow_tf32 = tf32
-    for precision, tol, same_math in (("fp16", 5e-3, 2e-3), ("bf16", 3e-2, 2e-2), ("fp8", 0.25, 0.08)):
+        for h in hooks:
+            h.remove()
+    assert max(kappa) > 5, f"the first layer's weight gradient should cancel (kappa {kappa})"
+    # fp8: u(e5m2) = 1/8 makes the first-order bound exceed 1; its tolerance is stated, not derived
+    for precision, u, fixed, same_math in (("fp16", U["fp16"], None, 2e-3), ("bf16", U["bf16"], None, 2e-2),
+                                           ("fp8", None, 0.25, 0.08)):
         def build(backend):
             return torch.nn.Sequential(*[Conv2d.from_module(m, precision=precision, backend=backend)
                                          if isinstance(m, torch.nn.Conv2d) else m for m in ref])
         g_auto, g_ref = grads(build("auto")), grads(build("reference"))
-        for (n, _), a, r, f in zip(ref.named_parameters(), g_auto, g_ref, g32):
+        for (n, _), a, r, f, k in zip(ref.named_parameters(), g_auto, g_ref, g32, kappa):
+            tol = fixed if fixed is not None else n_round * u * k
             rel32 = float((a - f).norm() / f.norm())
             rel_same = float((a - r).norm() / r.norm())
-            assert rel32 <= tol, f"{precision} {n}: relative error vs fp32 {rel32:.3g}"
+            assert rel32 <= tol, f"{precision} {n}: relative error vs fp32 {rel32:.3g} > bound {tol:.3g} (kappa {k:.3g})"
             assert rel_same <= same_math, f"{precision} {n}: difference vs the reference backend {rel_same:.3g}"
