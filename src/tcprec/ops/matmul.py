@@ -30,7 +30,7 @@ from ..kernels import reference_gemm as rg
 from ..packing import pack_bitplanes, packed_words
 from ..qtensor import PerChannel, PerTensor, QTensor
 
-__all__ = ["matmul", "matmul_packed", "explain_matmul", "choose_matmul_backend", "BACKENDS"]
+__all__ = ["matmul", "matmul_packed", "explain_matmul", "choose_matmul_backend", "choose_int_backend", "BACKENDS"]
 
 BACKENDS = ("auto", "bitserial", "int8", "reference")
 _OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32)
@@ -136,9 +136,17 @@ def choose_matmul_backend(a: QTensor, w: QTensor, backend: str = "auto") -> tupl
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got backend={backend!r}")
     fa, fw, M, K, N = _check_operands(a, w)
+    return choose_int_backend(fa, fw, a.device, backend)
+
+
+def choose_int_backend(fa: IntFormat, fw: IntFormat, dev: torch.device, backend: str = "auto") -> tuple[str, str]:
+    """(backend, reason) for an integer product of ``fa`` activations and ``fw`` weights on ``dev``:
+    the one rule of ``matmul`` (and of ``tcprec.ops.qconv.conv2d``): bit-serial while p*q < 8,
+    INT8 tensor cores otherwise, the reference off CUDA."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got backend={backend!r}")
     p, q = fa.bits, fw.bits
     pq = f"{fa} activations x {fw} weights: p*q = {p}*{q} = {p * q} binary GEMMs"
-    dev = a.device
     if backend == "reference":
         return "reference", f"asked for the pure-torch bit-serial reference ({pq}, on {dev})"
     if backend == "int8":

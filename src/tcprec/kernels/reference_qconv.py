@@ -1,0 +1,179 @@
+"""Pure-torch references for the quantized forward convolution (``tcprec.ops.qconv.conv2d``).
+
+Layouts: activations NHWC ``(N, H, W, C)``, weights KRSC ``(K, R, S, C)``, output NHWC
+``(N, P, Q, K)``; geometry from ``kernels/reference_conv.ConvGeometry`` (zero padding)::
+
+    C[n, p, q, k] = sum_{r, s, c} x[n, p*sh - ph + r*dh, q*sw - pw + s*dw, c] * w[k, r, s, c]
+
+on the *decoded integer values* of the codes (the scales come after, in the epilogue).
+
+Three things live here:
+
+* ``conv2d_int``: the ground truth, ``F.conv2d`` on decoded values in float64 (exact: every
+  partial sum is an integer far below 2^53), returned as int64 NHWC.
+* ``im2col_bits``: the word gather of the bit-serial backend, in plain torch (the Triton kernel
+  ``kernels/triton/im2col_bits.py`` must give the same words).  Bit planes of the input are
+  ``(bits, N*H*W, Kw_in)``; output row ``m = (n, p, q)`` holds, for tap ``t = r*S + s``, the
+  ``Cw = ceil(C/32)`` meaningful words of input pixel ``(n, h, w)`` at word offset ``t*Cw``,
+  zeros where ``(h, w)`` falls in the padding, zeros past ``R*S*Cw`` (padded to 16 words).
+  Zero words add nothing to AND+popc, and the weight planes use the same per-tap layout
+  (``pack_weight_planes``), so the binary GEMM over these rows is the convolution.
+* ``bmma_gemm_reference``: the contract of ``torch.ops.tcprec.bmma_gemm`` (int32 / float /
+  packed epilogues) in plain torch, so the whole bit-serial pipeline runs on the CPU in tests.
+  Plus the epilogue pieces shared by every backend (activation, pooling, re-quantize + pack).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..formats import IntFormat
+from ..packing import pack_bitplanes, packed_words
+from . import reference_gemm as rg
+from .reference import encode_int
+from .reference_conv import ConvGeometry
+
+__all__ = [
+    "decode_values",
+    "conv2d_int",
+    "taps_words",
+    "im2col_bits",
+    "pack_weight_planes",
+    "bmma_gemm_reference",
+    "apply_act",
+    "pool_nhwc",
+    "requant_pack",
+]
+
+
+def decode_values(codes: torch.Tensor, fmt: IntFormat) -> torch.Tensor:
+    """Integer codes -> their values as float64 (exact for every <= 8-bit integer format)."""
+    c = codes.to(torch.int64) & (fmt.n_codes - 1)
+    if fmt.encoding == "twos":
+        return (c - ((c >> (fmt.bits - 1)) << fmt.bits)).to(torch.float64)
+    return (c * fmt.step + fmt.offset).to(torch.float64)
+
+
+def conv2d_int(x_codes: torch.Tensor, x_fmt: IntFormat, w_codes: torch.Tensor, w_fmt: IntFormat,
+               g: ConvGeometry) -> torch.Tensor:
+    """The exact integer convolution of decoded codes: int64 NHWC ``(N, P, Q, K)``.
+
+    x_codes ``(N, H, W, C)``, w_codes ``(K, R, S, C)``; float64 ``F.conv2d`` is exact here.
+    """
+    x = decode_values(x_codes, x_fmt).permute(0, 3, 1, 2)  # (N, C, H, W) float64
+    w = decode_values(w_codes, w_fmt).permute(0, 3, 1, 2)  # (K, C, R, S) float64
+    y = F.conv2d(x, w, stride=g.stride, padding=g.padding, dilation=g.dilation)  # (N, K, P, Q)
+    return y.round().to(torch.int64).permute(0, 2, 3, 1).contiguous()  # (N, P, Q, K)
+
+
+def taps_words(g: ConvGeometry) -> tuple[int, int, int]:
+    """(Cw, RSCw, Kw_col): meaningful words a pixel, words of all taps, and that padded to 16."""
+    Cw = -(-g.C // 32)
+    rscw = g.R * g.S * Cw
+    return Cw, rscw, packed_words(rscw * 32)
+
+
+def im2col_bits(planes: torch.Tensor, g: ConvGeometry) -> torch.Tensor:
+    """Word gather over packed planes: ``(bits, N*H*W, Kw_in)`` -> ``(bits, N*P*Q, Kw_col)`` int32."""
+    bits = planes.shape[0]
+    Cw, rscw, kw_col = taps_words(g)
+    dev = planes.device
+    x = planes[:, :, :Cw].reshape(bits, g.N, g.H, g.W, Cw)  # (bits, N, H, W, Cw)
+    ph, pw = g.padding
+    x = F.pad(x, (0, 0, pw, pw, ph, ph))  # (bits, N, H+2ph, W+2pw, Cw), zero words in the padding
+    p = torch.arange(g.P, device=dev) * g.stride[0]
+    q = torch.arange(g.Q, device=dev) * g.stride[1]
+    r = torch.arange(g.R, device=dev) * g.dilation[0]
+    s = torch.arange(g.S, device=dev) * g.dilation[1]
+    hh = (p[:, None] + r[None, :])  # (P, R) padded row index
+    ww = (q[:, None] + s[None, :])  # (Q, S)
+    cols = x[:, :, hh[:, None, :, None], ww[None, :, None, :], :]  # (bits, N, P, Q, R, S, Cw)
+    cols = cols.reshape(bits, g.N * g.P * g.Q, rscw)  # (bits, M, R*S*Cw), tap-major words
+    return F.pad(cols, (0, kw_col - rscw)).contiguous()  # (bits, M, Kw_col)
+
+
+def pack_weight_planes(w_codes: torch.Tensor, bits: int, *, backend: str = "auto") -> torch.Tensor:
+    """KRSC codes -> weight planes in the im2col word layout: int32 ``(bits, K, Kw_col)``.
+
+    Each tap's C codes are padded with zero codes to ``Cw*32`` so that tap ``t`` starts at word
+    ``t*Cw``, as in :func:`im2col_bits`.  (A zero code has all-zero planes: it adds nothing to
+    AND+popc nor to the row sums of the corrections, whatever the format.)
+    """
+    K, R, S, C = w_codes.shape
+    Cw = -(-C // 32)
+    wc = F.pad(w_codes, (0, Cw * 32 - C))  # (K, R, S, Cw*32) zero codes past C
+    return pack_bitplanes(wc.reshape(K, R * S * Cw * 32), bits, backend=backend, validate=False)
+
+
+def _weighted_S(a_planes, w_planes, a_twos: bool, w_twos: bool) -> torch.Tensor:
+    p, q = a_planes.shape[0], w_planes.shape[0]
+    kbits = a_planes.shape[-1] * 32
+    pop = rg.popcount_gemm(a_planes, w_planes, kbits)  # (p, M, q, N) over the whole plane width
+    fa, fw = IntFormat(p, signed=a_twos), IntFormat(q, signed=w_twos)
+    S = torch.zeros(a_planes.shape[1], w_planes.shape[1], dtype=torch.int64, device=a_planes.device)
+    for i, wi in enumerate(rg.plane_weights(fa)):
+        for j, wj in enumerate(rg.plane_weights(fw)):
+            S += (wi * wj) * pop[i, :, j, :]
+    return S
+
+
+def bmma_gemm_reference(a_planes, w_planes, a_twos, w_twos, ss, row_term, col_term, row_scale, col_scale, bias,
+                        relu, out_kind, out_bits, out_encoding, out_scale, tile=""):
+    """``torch.ops.tcprec.bmma_gemm``'s contract in plain torch (same arguments, same result):
+    ``C = ss * S + row_term[m] + col_term[n]`` (int32), then the float or packed epilogue."""
+    C = ss * _weighted_S(a_planes, w_planes, a_twos, w_twos)  # (M, N) int64
+    if row_term is not None:
+        C = C + row_term.to(torch.int64)[:, None]
+    if col_term is not None:
+        C = C + col_term.to(torch.int64)[None, :]
+    if out_kind == "int32":
+        return C.to(torch.int32)
+    y = rg.float_epilogue(C, row_scale, col_scale, bias, relu, torch.float32)
+    if out_kind == "packed":
+        return requant_pack(y, IntFormat(out_bits, encoding=out_encoding), out_scale)
+    return y.to({"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[out_kind])
+
+
+# ------------------------------------------------------------------------------------------------
+# Epilogue pieces after the GEMM (every backend)
+# ------------------------------------------------------------------------------------------------
+
+
+def apply_act(y: torch.Tensor, act) -> torch.Tensor:
+    """None / "relu" / ("leaky", slope) on float32 ``y``: one float32 multiply for leaky."""
+    if act is None:
+        return y
+    if act == "relu":
+        return torch.where(y < 0, torch.zeros_like(y), y)
+    return torch.where(y < 0, y * float(act[1]), y)
+
+
+def pool_nhwc(y: torch.Tensor, pool) -> torch.Tensor:
+    """2x2 pooling of NHWC float ``y``: ("max", 2, 2), ("avg", 2, 2) (floor: an odd last row or
+    column is dropped, as nn.MaxPool2d), or ("max", 2, 1), darknet's size-keeping max-pool that
+    pads right and bottom by one (with -inf, so the border takes the max of what exists)."""
+    if pool is None:
+        return y
+    kind, k, s = pool
+    t = y.permute(0, 3, 1, 2)  # (N, K, P, Q) view of NHWC
+    if kind == "max" and s == 1:
+        t = F.pad(t, (0, 1, 0, 1), value=float("-inf"))
+        t = F.max_pool2d(t, k, 1)
+    elif kind == "max":
+        t = F.max_pool2d(t, k, s)
+    else:
+        t = F.avg_pool2d(t, k, s)
+    return t.permute(0, 2, 3, 1).contiguous()  # (N, P', Q', K)
+
+
+def requant_pack(y: torch.Tensor, fmt: IntFormat, out_scale: torch.Tensor) -> torch.Tensor:
+    """float32 ``(..., K)`` -> planes ``(bits, prod(...), packed_words(K))``: ``y / out_scale``,
+    saturated to the format's range, rounded to nearest (ties to even), packed.  Equal to the
+    bit-serial kernel's packed epilogue and to ``reference_gemm.pack_output``; no host sync, so it
+    runs inside a CUDA graph capture (pack: the Triton kernel on CUDA)."""
+    K = y.shape[-1]
+    v = y.reshape(-1, K).to(torch.float32) / out_scale.to(torch.float32).reshape(())
+    v = torch.clamp(v, float(fmt.min), float(fmt.max))
+    codes = encode_int(v, fmt, "nearest").to(torch.uint8)  # (rows, K) code patterns
+    return pack_bitplanes(codes, fmt.bits, validate=False)
