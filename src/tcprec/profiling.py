@@ -1,0 +1,733 @@
+"""Profile a model or an inference callable: per-layer latency, a time breakdown, every kernel with a
+tensor-core flag, host<->device copies, the dtype trace of the forward pass, Chrome-trace export.
+
+>>> import torch, tcprec as tp
+>>> m = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU())
+>>> rep = tp.profile(m, torch.randn(2, 8), warmup=1, iters=2)
+>>> [l.name for l in rep.layers], rep.dtype_trace
+(['0', '1'], 'fp32 -> 0 -> 1 -> fp32')
+
+How it measures (``torch.profiler``, CPU + CUDA activities):
+
+* ``warmup`` calls run first (the last one is the profiler's own warm-up step, discarded), then
+  ``iters`` profiled calls, each inside a ``tcprec.inference`` scope that ends with a device
+  synchronize, all under ``torch.no_grad()``.  The model runs in whatever mode it is in (call
+  ``.eval()`` first).  Every number is **per inference** (the mean over ``iters``).
+* Layers: forward pre/post hooks open and close a ``tcprec.layer:<name>`` scope around every leaf
+  module -- one with no children, or one that sets ``tcprec_leaf = True`` (its children are then
+  not hooked).  A layer called twice in one forward is one row with ``calls == 2``.
+* Clock (``rep.clock``): ``"cuda"`` when the run launched device work -- a layer's time is then the
+  GPU time of the kernels and copies *launched* inside its scope (matched through CUPTI correlation
+  ids); ``"cpu"`` otherwise -- a layer's time is then its scope's CPU wall time.
+* Opaque callables (not an ``nn.Module``, e.g. an engine replaying a CUDA graph) give kernels,
+  copies and the breakdown but no layers -- unless they follow the **named-layers protocol**:
+  ``callable.named_layers()`` returns ``[(name, fn), ...]`` such that ``y = x; for _, fn in layers:
+  y = fn(y)`` computes the same as ``callable(x)`` (eagerly, one step at a time).  Then a second
+  profiled pass times the steps one by one; an ``fn`` may expose ``tcprec_trace()`` and
+  ``tcprec_kind`` like a module.
+* Kernels are classified by name (:data:`KERNEL_RULES`, first match wins): category ``compute``,
+  ``quantize_pack``, ``type_conversion``, ``memcpy`` or ``other``, and whether it runs on tensor
+  cores.  On the CPU clock the "kernels" are the outermost aten / tcprec ops, never tensor-core.
+* Breakdown: on the cuda clock, device time per category (kernels + memcpy; idle gaps are not in it,
+  ``rep.wall_ms`` is the synchronized wall time); on the cpu clock, op time per category, with the
+  Python time between ops in ``other`` (so it sums to ``rep.wall_ms``).
+* Copies: ``Memcpy HtoD / DtoH / DtoD`` device events per inference (peer ``PtoP`` counts as DtoD).
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import itertools
+import math
+import os
+import re
+import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "CATEGORIES",
+    "KERNEL_RULES",
+    "KernelRecord",
+    "LayerTime",
+    "ProfileReport",
+    "classify_kernel",
+    "describe_value",
+    "is_tensor_core_kernel",
+    "kernel_rule",
+    "profile",
+]
+
+CATEGORIES = ("compute", "quantize_pack", "type_conversion", "memcpy", "other")
+ITER_SCOPE = "tcprec.inference"
+LAYER_SCOPE = "tcprec.layer:"
+
+# ------------------------------------------------------------------------------------------------
+# Kernel classification: one table, first match wins (re.search, case-sensitive unless (?i)).
+# Rows: (pattern, category, tensor_core, why).  Ours first, so a generic vendor rule can never
+# claim one of our kernels; Triton kernels added to src/tcprec/kernels/triton later are found by
+# reading those files (_our_triton_rules), after this explicit block.
+# ------------------------------------------------------------------------------------------------
+KERNEL_RULES: list[tuple[str, str, bool, str]] = [
+    # --- tcprec's own kernels -------------------------------------------------------------------
+    (r"^bmma_\w*", "compute", True, "our NVRTC bit-serial kernel: mma.sync b1 AND+popc (BMMA)"),
+    (r"^_(float|int)_round_kernel$", "quantize_pack", False, "our Triton cast / encode (kernels/triton/cast.py)"),
+    (r"^_pack_bitplanes_kernel$", "quantize_pack", False, "our Triton bit-plane packer (kernels/triton/pack.py)"),
+    (r"^_im2col_bits_kernel$", "quantize_pack", False, "our Triton word gather over packed planes (im2col_bits.py)"),
+    (r"^_(dgrad|wgrad)_kernel$", "compute", True, "our Triton implicit-GEMM conv backward: tl.dot"),
+    (r"^_sum_splits_kernel$", "compute", False, "our Triton split-K reduction (conv_bwd.py), elementwise adds"),
+    (r"^_fma_gemm_kernel$", "compute", False, "our Triton emulated GEMM, one rounded FMA at a time (no tl.dot)"),
+    (r"^_chunk_gemm_kernel$", "compute", True, "our Triton emulated GEMM, tl.dot per k-chunk (fp32 'ieee' skips TCs)"),
+    (r"^tcprec::(cast|encode|quantize|pack\w*|im2col\w*)", "quantize_pack", False, "our torch.library ops (CPU clock)"),
+    (r"^tcprec::\w*(gemm|matmul|conv)", "compute", False, "our torch.library GEMM/conv op as a CPU op"),
+    # --- copies and fills -------------------------------------------------------------------------
+    (r"^Memcpy", "memcpy", False, "CUPTI memcpy activity: 'Memcpy HtoD (Pageable -> Device)'"),
+    (r"^Memset", "other", False, "CUPTI memset activity: a fill, not data movement"),
+    # --- CUDA-core GEMMs that look like GEMMs: before the tensor-core families -------------------
+    (r"simt|ffma|sgemm|dgemm|gemv|gemmSN|gemmk1|xmma_gemm_f32f32_f32f32", "compute", False,
+     "SIMT / FFMA GEMMs (cutlass_80_simt_sgemm, volta_sgemm, implicit_convolve_sgemm, gemv2T)"),
+    (r"splitKreduce|reduce_1Block|cublasLt::epilogue", "compute", False, "cuBLAS split-K reduction / epilogue"),
+    (r"direct_kernel|dgrad2d_grouped_direct|conv_depthwise", "compute", False, "direct / depthwise conv on CUDA cores"),
+    # --- tensor-core families: Hopper first -------------------------------------------------------
+    (r"nvjet", "compute", True, "cuBLAS Hopper GEMMs (nvjet_tst_*, nvjet_hsh_*): wgmma"),
+    (r"sm9\d_xmma|sm1\d\d_xmma|gmma|wgmma|warpgroup", "compute", True, "Hopper/Blackwell xmma: (q|h|i)gmma"),
+    (r"sm[78]\d_xmma|xmma_(gemm|fprop|dgrad|wgrad)|xmma", "compute", True, "Ampere/Turing xmma (cuBLAS, cuDNN)"),
+    (r"tensorop|wmma|hmma|imma|qgmma|h884|s884|h1688|s1688|i8816|16816|16832|161616", "compute", True,
+     "CUTLASS tensorop / legacy cuBLAS names that carry the MMA shape (s16816gemm, i8816, h884)"),
+    (r"cutlass3x_sm9|cutlass3x_sm1", "compute", True, "CUTLASS 3.x Hopper/Blackwell kernels (wgmma/tcgen05)"),
+    (r"implicit_gemm|fprop|dgrad|wgrad", "compute", True, "cuDNN implicit-GEMM conv (SIMT conv matched above)"),
+    (r"flash_fwd|flash_bwd|fmha|sdpa", "compute", True, "flash attention: mma / wgmma"),
+    (r"triton_tem_fused_(mm|bmm|addmm|convolution)", "compute", True, "Inductor GEMM templates: tl.dot"),
+    (r"(?i)(gemm|matmul)\w*(bf16|f16|tf32|fp8|e4m3|e5m2|i8)|_(tn|nt|nn|tt)_align", "compute", True,
+     "other GEMMs named with a tensor-core dtype or a cuBLAS layout suffix"),
+    # --- conversions: before plain copies and elementwise -----------------------------------------
+    (r"nchwToNhwc|nhwcToNchw|nchw2nhwc|nhwc2nchw|transpose|permute", "type_conversion", False,
+     "layout conversions (cuDNN's nchwToNhwcKernel, transposes)"),
+    (r"(?i)(bfloat16|float16|half|float8|fp8)_copy_kernel|to_copy|_to_copy|convert|cast", "type_conversion", False,
+     "dtype conversions: at::native::bfloat16_copy_kernel_cuda, Inductor *_to_copy_*, aten::to"),
+    (r"(?i)quantiz|fp8_quant|_quant_|dequant", "quantize_pack", False, "vendor quantize / dequantize kernels"),
+    (r"^aten::(to|_to_copy|type_as|half|float|bfloat16|_autocast\w*)$", "type_conversion", False, "CPU-clock casts"),
+    (r"CatArrayBatchedCopy|direct_copy|copy_kernel|^aten::(copy_|clone|contiguous|cat)$", "memcpy", False,
+     "device-side copies (direct_copy_kernel_cuda, torch.cat) and CPU-clock copies"),
+    # --- CPU-clock compute ops (the aten op names the profiler shows on CPU) ----------------------
+    (r"^aten::(conv\w*|_convolution|mkldnn\w*|linear|addmm|mm|bmm|matmul|_int_mm|_scaled_mm|baddbmm)$",
+     "compute", False, "CPU-clock GEMM/conv ops"),
+    (r"^aten::(view|reshape|_reshape_alias|flatten|t|transpose|permute|expand|as_strided|unsqueeze|squeeze|"
+     r"empty\w*|detach|alias|select|slice|resize_|unflatten)$", "other", False, "CPU-clock views and allocations"),
+    (r"^aten::", "compute", False, "any other aten op on the CPU clock (elementwise, pooling, norms)"),
+    # --- CUDA-core elementwise / reduction work ---------------------------------------------------
+    (r"(?i)FillFunctor|fill_kernel", "other", False, "fills (torch.zeros on the device)"),
+    (r"(?i)elementwise|vectorized|reduce|softmax|norm|pool|relu|gather|scatter|index|triton_(poi|red|per)_",
+     "compute", False, "elementwise / reduction kernels on CUDA cores (at::native::*, Inductor pointwise)"),
+    (r"(?i)nccl", "other", False, "collectives"),
+]
+
+
+def kernel_rule(name: str) -> tuple[str, bool, str]:
+    """``(category, tensor_core, why)`` for a kernel or op name; ``("other", False, ...)`` if no rule matches."""
+    if not isinstance(name, str):
+        raise TypeError(f"kernel name must be a str, got {type(name).__name__}")
+    for pattern, category, tc, why in _compiled_rules():
+        if pattern.search(name):
+            return category, tc, why
+    return "other", False, "no rule matched"
+
+
+def classify_kernel(name: str) -> str:
+    """The breakdown category of a kernel name: one of :data:`CATEGORIES`.
+
+    >>> classify_kernel("Memcpy HtoD (Pageable -> Device)"), classify_kernel("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT")
+    ('memcpy', 'compute')
+    """
+    return kernel_rule(name)[0]
+
+
+def is_tensor_core_kernel(name: str) -> bool:
+    """Whether a kernel with this name runs on tensor cores (by :data:`KERNEL_RULES`).
+
+    >>> is_tensor_core_kernel("bmma_gemm"), is_tensor_core_kernel("cutlass_80_simt_sgemm_128x32_8x5_tn_align1")
+    (True, False)
+    """
+    return kernel_rule(name)[1]
+
+
+_TRITON_DIR = Path(__file__).with_name("kernels") / "triton"
+_JIT_DEF = re.compile(r"^@triton\.jit[^\n]*\n(?:@[^\n]*\n)*def (\w+)\(", re.M)
+
+
+def _our_triton_rules() -> list[tuple[str, str, bool, str]]:
+    """Rows for every ``@triton.jit`` function in ``kernels/triton/*.py`` (read as text, not imported):
+    a body with ``tl.dot`` is tensor-core compute; a name about packing/rounding is quantize_pack."""
+    rows = []
+    for path in sorted(_TRITON_DIR.glob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        defs = list(_JIT_DEF.finditer(text))
+        for i, m in enumerate(defs):
+            body = text[m.end(): defs[i + 1].start() if i + 1 < len(defs) else len(text)]
+            name = m.group(1)
+            if "tl.dot(" in body:
+                rows.append((rf"^{name}$", "compute", True, f"our Triton kernel in {path.name}: tl.dot"))
+            elif re.search(r"pack|round|cast|quant|encode|im2col", name):
+                rows.append((rf"^{name}$", "quantize_pack", False, f"our Triton kernel in {path.name}"))
+            else:
+                rows.append((rf"^{name}$", "compute", False, f"our Triton kernel in {path.name}, no tl.dot"))
+    return rows
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_rules() -> tuple[tuple[re.Pattern, str, bool, str], ...]:
+    n_ours = next(i for i, row in enumerate(KERNEL_RULES) if row[0] == r"^Memcpy")
+    rows = KERNEL_RULES[:n_ours] + _our_triton_rules() + KERNEL_RULES[n_ours:]
+    return tuple((re.compile(p), c, tc, why) for p, c, tc, why in rows)
+
+
+# ------------------------------------------------------------------------------------------------
+# dtype trace
+# ------------------------------------------------------------------------------------------------
+_DTYPE_SHORT = {
+    torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+    torch.int64: "int64", torch.int32: "int32", torch.int16: "int16", torch.int8: "int8", torch.uint8: "uint8",
+    torch.bool: "bool",
+}
+for _name, _short in [("float8_e4m3fn", "fp8e4m3"), ("float8_e5m2", "fp8e5m2"), ("float8_e4m3fnuz", "fp8e4m3fnuz"),
+                      ("float8_e5m2fnuz", "fp8e5m2fnuz"), ("float8_e8m0fnu", "fp8e8m0"),
+                      ("float4_e2m1fn_x2", "fp4e2m1x2"), ("uint16", "uint16"), ("uint32", "uint32")]:
+    if hasattr(torch, _name):
+        _DTYPE_SHORT[getattr(torch, _name)] = _short
+
+
+def describe_value(v: Any) -> str:
+    """A short name for what flows between layers: a Tensor's dtype (``fp32``, ``int32``,
+    ``fp8e4m3``), ``"<fmt> planes"`` for packed activations (``.fmt`` and ``.planes``),
+    ``"<fmt> codes"`` for a QTensor, the data's dtype for a scaled tensor (``.data`` + ``.scale``),
+    and a tuple of the distinct names for containers.
+
+    >>> describe_value(torch.zeros(2, dtype=torch.bfloat16)), describe_value((torch.zeros(1), torch.zeros(1)))
+    ('bf16', 'fp32')
+    """
+    from .qtensor import QTensor
+
+    if isinstance(v, torch.Tensor):
+        return _DTYPE_SHORT.get(v.dtype, str(v.dtype).removeprefix("torch."))
+    if isinstance(v, QTensor):
+        return f"{v.fmt} codes"
+    if hasattr(v, "fmt") and hasattr(v, "planes"):
+        return f"{v.fmt} planes"
+    if isinstance(getattr(v, "data", None), torch.Tensor) and hasattr(v, "scale"):
+        return describe_value(v.data)
+    if isinstance(v, (tuple, list)):
+        names = list(dict.fromkeys(describe_value(e) for e in v))
+        return names[0] if len(names) == 1 else "(" + ", ".join(names) + ")"
+    if isinstance(v, dict):
+        return describe_value(list(v.values()))
+    return type(v).__name__
+
+
+def _trace_steps(obj) -> list[str]:
+    fn = getattr(obj, "tcprec_trace", None)
+    if fn is None:
+        return []
+    steps = fn() if callable(fn) else fn
+    if isinstance(steps, str) or not isinstance(steps, (list, tuple)):
+        raise TypeError(f"{type(obj).__name__}.tcprec_trace() must return a list of str, got {steps!r}")
+    return [str(s) for s in steps]
+
+
+def _build_dtype_trace(x_desc: str, calls: list[tuple[str, str, list[str], str]], out_desc: str) -> str:
+    """``calls``: ``(layer, input, internal steps, output)`` in call order.  A dtype is written only
+    when it changes (or right after a layer's internal steps); repeated tokens collapse."""
+    tokens = [x_desc]
+    current = x_desc
+    for name, ins, steps, outs in calls:
+        if ins != current:
+            tokens.append(ins)
+        tokens.append(name)
+        tokens.extend(steps)
+        if steps or outs != ins:
+            tokens.append(outs)
+        current = outs
+    tokens.append(out_desc)
+    collapsed = [t for i, t in enumerate(tokens) if i == 0 or t != tokens[i - 1]]
+    return " -> ".join(collapsed)
+
+
+# ------------------------------------------------------------------------------------------------
+# the report
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LayerTime:
+    """One leaf layer: ``ms`` per inference (all its calls), ``share`` of the sum over layers."""
+
+    name: str
+    kind: str
+    ms: float
+    share: float
+    calls: int = 1
+
+
+@dataclass(frozen=True)
+class KernelRecord:
+    """One kernel (or op, on the CPU clock), aggregated by name: ``calls`` and ``total_ms`` per inference."""
+
+    name: str
+    calls: float
+    total_ms: float
+    tensor_core: bool
+    category: str
+
+
+@dataclass
+class ProfileReport:
+    """What :func:`profile` measured; every time is per inference, in milliseconds."""
+
+    layers: list[LayerTime]
+    breakdown: dict[str, float]
+    kernels: list[KernelRecord]
+    copies: dict[str, float]
+    dtype_trace: str
+    clock: str  # "cuda": GPU time of launched kernels/copies; "cpu": CPU wall time
+    wall_ms: float  # synchronized wall time of one call
+    device: str
+    warmup: int
+    iters: int
+    notes: list[str] = field(default_factory=list)
+    _trace_owner: Any = field(default=None, repr=False)
+    _trace_file: str | None = field(default=None, repr=False)
+
+    @property
+    def tensor_core_ms(self) -> float:
+        return sum(k.total_ms for k in self.kernels if k.tensor_core)
+
+    def table(self, top_kernels: int = 10):
+        """A ``rich.table.Table``: one row per layer, then the top kernels; the caption holds the
+        clock, breakdown, copies and dtype trace."""
+        from rich import box
+        from rich.table import Table
+
+        t = Table(title=f"tcprec profile on {self.device} ({self.clock} clock, {self.iters} iters)",
+                  box=box.SIMPLE_HEAVY, caption_justify="left")
+        t.add_column("layer / kernel", overflow="fold", max_width=60)
+        t.add_column("kind")
+        t.add_column("calls", justify="right")
+        t.add_column("ms", justify="right")
+        t.add_column("share", justify="right")
+        for lay in self.layers:
+            t.add_row(lay.name, lay.kind, str(lay.calls), f"{lay.ms:.4f}", f"{100 * lay.share:.1f}%")
+        if not self.layers:
+            t.add_row("(no per-layer times)", "", "", "", "")
+        total = sum(k.total_ms for k in self.kernels) or 1.0
+        t.add_section()
+        for k in self.kernels[:top_kernels]:
+            tag = f"{k.category}{' TC' if k.tensor_core else ''}"
+            t.add_row(_shorten(k.name), tag, f"{k.calls:g}", f"{k.total_ms:.4f}", f"{100 * k.total_ms / total:.1f}%")
+        bd = ", ".join(f"{c} {ms:.3f}" for c, ms in self.breakdown.items())
+        cp = ", ".join(f"{d} {n:g}" for d, n in self.copies.items())
+        lines = [f"wall {self.wall_ms:.3f} ms/inference; breakdown (ms): {bd}", f"copies per inference: {cp}",
+                 f"dtype trace: {self.dtype_trace}", *self.notes]
+        t.caption = "\n".join(lines)
+        return t
+
+    def to_json(self) -> dict:
+        """A JSON-serialisable dict of everything but the trace."""
+        return {
+            "device": self.device,
+            "clock": self.clock,
+            "warmup": self.warmup,
+            "iters": self.iters,
+            "wall_ms": self.wall_ms,
+            "tensor_core_ms": self.tensor_core_ms,
+            "layers": [asdict(lay) for lay in self.layers],
+            "breakdown": dict(self.breakdown),
+            "kernels": [asdict(k) for k in self.kernels],
+            "copies": dict(self.copies),
+            "dtype_trace": self.dtype_trace,
+            "notes": list(self.notes),
+        }
+
+    def save_chrome_trace(self, path: str | os.PathLike) -> Path:
+        """Write the run's Chrome trace (open in chrome://tracing or Perfetto).  The profiler can
+        export once; later calls copy that first file."""
+        path = Path(path)
+        if self._trace_file is not None:
+            if not Path(self._trace_file).is_file():
+                raise RuntimeError(f"the trace was exported to {self._trace_file}, which is gone; "
+                                   "torch.profiler exports a trace only once: profile again")
+            if Path(self._trace_file).resolve() != path.resolve():
+                shutil.copyfile(self._trace_file, path)
+            return path
+        if self._trace_owner is None:
+            raise RuntimeError("this report has no profiler trace (it was built from events, not by tcprec.profile)")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._trace_owner.export_chrome_trace(str(path))
+        self._trace_file = str(path)
+        return path
+
+
+def _shorten(name: str, n: int = 90) -> str:
+    return name if len(name) <= n else name[: n - 3] + "..."
+
+
+# ------------------------------------------------------------------------------------------------
+# events: a small neutral form of the profiler's events, so the analysis is testable without a GPU
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Event:
+    """``kind``: "scope" (our record_function), "op" (CPU op), "runtime" (cudaLaunchKernel & co),
+    "kernel", "memcpy", "memset".  Times in microseconds on one clock; ``corr`` the CUPTI correlation
+    id (runtime and device events), ``linked`` the id of the CPU op a device event belongs to."""
+
+    name: str
+    kind: str
+    start: float
+    end: float
+    corr: int = 0
+    linked: int = 0
+    thread: int = 0
+
+
+def _events_from_profiler(prof) -> list[Event]:
+    out = []
+    for e in prof.events():
+        act = str(getattr(e, "activity_type", "") or "")
+        start, end = float(e.time_range.start), float(e.time_range.end)
+        on_cpu = e.device_type == torch.autograd.DeviceType.CPU
+        if on_cpu:
+            if getattr(e, "is_user_annotation", False) or act == "user_annotation":
+                kind = "scope"
+            elif act in ("cuda_runtime", "cuda_driver") or (not act and e.name.startswith(("cuda", "cu"))):
+                kind = "runtime"
+            elif act in ("cpu_op", "") and not e.is_async:
+                kind = "op"
+            else:
+                continue
+        else:
+            if act == "gpu_user_annotation" or e.name.startswith((ITER_SCOPE, LAYER_SCOPE)):
+                continue
+            kind = ("memcpy" if act == "gpu_memcpy" or e.name.startswith("Memcpy") else
+                    "memset" if act == "gpu_memset" or e.name.startswith("Memset") else "kernel")
+        out.append(Event(e.name, kind, start, end, int(e.id or 0), int(getattr(e, "linked_correlation_id", 0) or 0),
+                         int(e.thread or 0)))
+    return out
+
+
+_COPY_DIR = re.compile(r"Memcpy (HtoD|DtoH|DtoD|PtoP|HtoH)")
+
+
+class _Intervals:
+    """Sorted, possibly nested scopes: ``find(t)`` gives the innermost one containing time ``t``."""
+
+    def __init__(self, scopes: list[Event]):
+        self.scopes = sorted(scopes, key=lambda s: (s.start, -s.end))
+        self.starts = [s.start for s in self.scopes]
+        self.max_end = list(itertools.accumulate((s.end for s in self.scopes), max))
+
+    def find(self, t: float) -> Event | None:
+        # Scopes nest properly, so the innermost one containing t is the latest-starting one that
+        # contains it.  Walk back from the last start <= t; stop once no earlier scope reaches t.
+        i = bisect.bisect_right(self.starts, t) - 1
+        while i >= 0 and self.max_end[i] >= t:
+            if self.scopes[i].end >= t:
+                return self.scopes[i]
+            i -= 1
+        return None
+
+
+def analyze(events: list[Event], layer_kinds: dict[str, str] | None = None,
+            layer_order: list[str] | None = None, layer_calls: dict[str, int] | None = None):
+    """Turn events into ``(layers, breakdown, kernels, copies, clock, wall_ms, n_inferences)``, all
+    per inference (the number of ``tcprec.inference`` scopes found).  ``layer_order`` fixes the
+    layer rows (default: by first scope start); ``layer_calls`` their calls per inference.
+
+    Used by :func:`profile`; public so the analysis can be tested on hand-made GPU-like events."""
+    layer_kinds = layer_kinds or {}
+    iter_scopes = [e for e in events if e.kind == "scope" and e.name == ITER_SCOPE]
+    if not iter_scopes:
+        raise RuntimeError(f"no '{ITER_SCOPE}' scopes among the profiler events: nothing was profiled")
+    iters = len(iter_scopes)
+    iters_iv = _Intervals(iter_scopes)
+    layer_iv = _Intervals([e for e in events if e.kind == "scope" and e.name.startswith(LAYER_SCOPE)
+                           and iters_iv.find(e.start) is not None])
+    wall_ms = sum(s.end - s.start for s in iter_scopes) / 1e3 / iters
+
+    device = [e for e in events if e.kind in ("kernel", "memcpy", "memset")]
+    runtime_start = {e.corr: e.start for e in events if e.kind == "runtime" and e.corr}
+    op_start = {e.corr: e.start for e in events if e.kind == "op" and e.corr}
+    clock = "cuda" if device else "cpu"
+
+    layer_ms: dict[str, float] = {}
+    kern: dict[str, list[float]] = {}  # name -> [calls, total_us]
+    copies = {"HtoD": 0.0, "DtoH": 0.0, "DtoD": 0.0}
+    breakdown = dict.fromkeys(CATEGORIES, 0.0)
+
+    if clock == "cuda":
+        for d in device:
+            # which inference: the device start (each inference ends with a synchronize inside its scope)
+            launch = runtime_start.get(d.corr, op_start.get(d.linked))
+            when = launch if launch is not None else d.start
+            if iters_iv.find(when) is None and iters_iv.find(d.start) is None:
+                continue  # from the profiler's warm-up step or outside our calls
+            dur = d.end - d.start
+            rec = kern.setdefault(d.name, [0.0, 0.0])
+            rec[0] += 1
+            rec[1] += dur
+            if d.kind == "memcpy":
+                m = _COPY_DIR.search(d.name)
+                if m and m.group(1) != "HtoH":
+                    copies["DtoD" if m.group(1) == "PtoP" else m.group(1)] += 1
+            if launch is not None:
+                lay = layer_iv.find(launch)
+                if lay is not None:
+                    key = lay.name[len(LAYER_SCOPE):]
+                    layer_ms[key] = layer_ms.get(key, 0.0) + dur
+    else:
+        for s in layer_iv.scopes:
+            key = s.name[len(LAYER_SCOPE):]
+            layer_ms[key] = layer_ms.get(key, 0.0) + (s.end - s.start)
+        for op in _outermost_ops([e for e in events if e.kind == "op"]):
+            if iters_iv.find(op.start) is None:
+                continue
+            rec = kern.setdefault(op.name, [0.0, 0.0])
+            rec[0] += 1
+            rec[1] += op.end - op.start
+
+    kernels = []
+    for name, (calls, total_us) in kern.items():
+        category, tc, _ = kernel_rule(name)
+        kernels.append(KernelRecord(name, calls / iters, total_us / 1e3 / iters, tc and clock == "cuda", category))
+        breakdown[category] += total_us / 1e3 / iters
+    kernels.sort(key=lambda k: -k.total_ms)
+    if clock == "cpu":
+        breakdown["other"] += max(0.0, wall_ms - sum(breakdown.values()))
+    copies = {k: v / iters for k, v in copies.items()}
+
+    order = list(layer_order) if layer_order is not None else sorted(
+        layer_ms, key=lambda k: min(s.start for s in layer_iv.scopes if s.name == LAYER_SCOPE + k))
+    total = sum(layer_ms.get(k, 0.0) for k in order)
+    layers = []
+    for k in order:
+        ms = layer_ms.get(k, 0.0) / 1e3 / iters
+        share = (layer_ms.get(k, 0.0) / total) if total > 0 else 1.0 / len(order)
+        layers.append(LayerTime(k, layer_kinds.get(k, "layer"), ms, share, (layer_calls or {}).get(k, 1)))
+    return layers, breakdown, kernels, copies, clock, wall_ms, iters
+
+
+def _outermost_ops(ops: list[Event]) -> list[Event]:
+    """Ops not inside another op of the same thread (aten::conv2d, not its aten::mkldnn_convolution)."""
+    out = []
+    by_thread: dict[int, list[Event]] = {}
+    for op in ops:
+        by_thread.setdefault(op.thread, []).append(op)
+    for lst in by_thread.values():
+        lst.sort(key=lambda e: (e.start, -e.end))
+        end = -math.inf
+        for op in lst:
+            if op.start >= end:
+                out.append(op)
+                end = op.end
+            # else: nested inside the current outermost op
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# profile()
+# ------------------------------------------------------------------------------------------------
+def _check_args(model, x, warmup, iters, trace_path, record_shapes):
+    if not callable(model):
+        raise TypeError(f"model must be an nn.Module or a callable, got {type(model).__name__}; "
+                        "pass the model itself (or a lambda x: engine(x))")
+    for name, v, lo in (("iters", iters, 1), ("warmup", warmup, 0)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"{name} must be an int >= {lo}, got {name}={v!r}")
+    if isinstance(x, torch.Tensor):
+        args = (x,)
+    elif isinstance(x, (tuple, list)) and x and all(isinstance(e, torch.Tensor) for e in x):
+        args = tuple(x)
+    else:
+        raise TypeError(f"x must be a torch.Tensor or a non-empty tuple/list of Tensors (passed positionally), "
+                        f"got {type(x).__name__}; convert it with torch.as_tensor(x)")
+    if trace_path is not None and not isinstance(trace_path, (str, os.PathLike)):
+        raise TypeError(f"trace_path must be a path (str or os.PathLike) or None, got {type(trace_path).__name__}")
+    if not isinstance(record_shapes, bool):
+        raise TypeError(f"record_shapes must be True or False, got {record_shapes!r}")
+    return args
+
+
+def _leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Leaf modules in registration order: no children, or ``tcprec_leaf = True`` (children skipped)."""
+    out, skip = [], []
+    for name, mod in model.named_modules():
+        if any(name == p or name.startswith(p + ".") for p in skip):
+            continue
+        if getattr(mod, "tcprec_leaf", False) or not any(True for _ in mod.children()):
+            out.append((name or type(mod).__name__, mod))
+            if any(True for _ in mod.children()):
+                skip.append(name)
+    return out
+
+
+class _Recorder:
+    """Hooks that open/close a scope per leaf call and log the dtype trace of the first call."""
+
+    def __init__(self):
+        self.open: dict[str, list] = {}
+        self.tracing = False
+        self.traced = False
+        self.calls: list[tuple[str, str, list[str], str]] = []
+
+    def enter(self, name: str, inputs) -> None:
+        rf = torch.profiler.record_function(LAYER_SCOPE + name)
+        rf.__enter__()
+        self.open.setdefault(name, []).append((rf, describe_value(inputs[0]) if inputs else "none"))
+
+    def exit(self, name: str, obj, output) -> None:
+        stack = self.open.get(name)
+        if not stack:
+            return
+        rf, ins = stack.pop()
+        rf.__exit__(None, None, None)
+        if self.tracing:
+            self.calls.append((name, ins, _trace_steps(obj), describe_value(output)))
+
+    def call(self, step: Callable[[], Any]):
+        """Run one inference; the very first one is traced."""
+        self.tracing = not self.traced
+        try:
+            return step()
+        finally:
+            self.tracing, self.traced = False, True
+
+
+def _sync():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def _run_profiled(step: Callable[[], Any], warmup: int, iters: int, record_shapes: bool, rec: _Recorder):
+    """``warmup`` calls (the last is the profiler's discarded warm-up step), then ``iters`` profiled ones."""
+    from torch.profiler import ProfilerActivity, schedule
+
+    for _ in range(max(0, warmup - 1)):
+        rec.call(step)
+    _sync()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    prof_warmup = 1 if warmup > 0 else 0
+    sched = schedule(wait=0, warmup=prof_warmup, active=iters, repeat=1)
+    out = None
+    with torch.profiler.profile(activities=acts, schedule=sched, record_shapes=record_shapes) as prof:
+        for _ in range(prof_warmup + iters):
+            with torch.profiler.record_function(ITER_SCOPE):
+                out = rec.call(step)
+                _sync()
+            prof.step()
+    return prof, out
+
+
+def profile(model_or_callable, x, *, warmup: int = 3, iters: int = 10, trace_path: str | os.PathLike | None = None,
+            record_shapes: bool = False) -> ProfileReport:
+    """Profile ``model_or_callable(x)``: per-layer latency, breakdown, kernels, copies, dtype trace.
+
+    ``x`` is a Tensor or a tuple/list of Tensors (passed positionally).  See the module docstring
+    for what is measured and on which clock; ``trace_path`` also writes the Chrome trace.
+
+    >>> import torch, tcprec as tp
+    >>> rep = tp.profile(torch.nn.Sequential(torch.nn.Linear(4, 4)), torch.randn(1, 4), warmup=0, iters=1)
+    >>> sorted(rep.breakdown) == sorted(tp.profiling.CATEGORIES), rep.copies["HtoD"]
+    (True, 0.0)
+    """
+    args = _check_args(model_or_callable, x, warmup, iters, trace_path, record_shapes)
+    x_desc = describe_value(args[0])
+    notes: list[str] = []
+    handles = []
+    kinds: dict[str, str] = {}
+    rec = _Recorder()
+    named = None
+    try:
+        if isinstance(model_or_callable, nn.Module):
+            for name, mod in _leaves(model_or_callable):
+                kinds[name] = type(mod).__name__
+                handles.append(mod.register_forward_pre_hook(lambda m, a, n=name: rec.enter(n, a)))
+                handles.append(mod.register_forward_hook(lambda m, a, o, n=name: rec.exit(n, m, o), always_call=True))
+        elif callable(getattr(model_or_callable, "named_layers", None)):
+            named = _check_named_layers(model_or_callable.named_layers())
+        with torch.no_grad():
+            prof, out = _run_profiled(lambda: model_or_callable(*args), warmup, iters, record_shapes, rec)
+    finally:
+        for h in handles:
+            h.remove()
+
+    events = _events_from_profiler(prof)
+    order, calls = _order_and_calls(rec.calls)
+    layers, breakdown, kernels, copies, clock, wall_ms, n_seen = analyze(events, kinds, order if handles else [], calls)
+    if n_seen != iters:
+        notes.append(f"the profiler returned {n_seen} inference scopes for iters={iters}; numbers are per inference over {n_seen}")
+    calls_trace = rec.calls
+
+    if named is not None:
+        layer_prof, layer_rec, layer_kinds = _profile_named(named, args, warmup, iters, record_shapes)
+        order, calls = _order_and_calls(layer_rec.calls)
+        layers = analyze(_events_from_profiler(layer_prof), layer_kinds, order, calls)[0]
+        calls_trace = layer_rec.calls
+        notes.append("per-layer times come from a separate eager pass over named_layers(); "
+                     "kernels, copies and breakdown from the callable itself")
+    elif not handles:
+        notes.append(f"per-layer times need eager mode: {type(model_or_callable).__name__} is an opaque callable; "
+                     "profile the nn.Module, or give the callable a named_layers() -> [(name, fn), ...] method")
+        calls_trace = [(getattr(model_or_callable, "__name__", type(model_or_callable).__name__), x_desc,
+                        _trace_steps(model_or_callable), describe_value(out))]
+    if clock == "cpu":
+        notes.append("cpu clock: no device work was recorded; times are CPU wall times")
+
+    device = (torch.cuda.get_device_name() if clock == "cuda" else "cpu")
+    rep = ProfileReport(layers, breakdown, kernels, copies, _build_dtype_trace(x_desc, calls_trace, describe_value(out)),
+                        clock, wall_ms, device, warmup, iters, notes, _trace_owner=prof)
+    if trace_path is not None:
+        rep.save_chrome_trace(trace_path)
+    return rep
+
+
+def _order_and_calls(calls) -> tuple[list[str], dict[str, int]]:
+    order: list[str] = []
+    counts: dict[str, int] = {}
+    for name, *_ in calls:
+        if name not in counts:
+            order.append(name)
+        counts[name] = counts.get(name, 0) + 1
+    return order, counts
+
+
+def _check_named_layers(layers) -> list[tuple[str, Callable]]:
+    if not isinstance(layers, Sequence) or isinstance(layers, str):
+        raise TypeError(f"named_layers() must return a list of (name, fn) pairs, got {type(layers).__name__}")
+    out = []
+    for i, item in enumerate(layers):
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and callable(item[1])):
+            raise TypeError(f"named_layers()[{i}] must be a (str, callable) pair, got {item!r}")
+        out.append(item)
+    if len({n for n, _ in out}) != len(out):
+        raise ValueError(f"named_layers() names must be unique, got {[n for n, _ in out]}")
+    return out
+
+
+def _profile_named(named, args, warmup, iters, record_shapes):
+    rec = _Recorder()
+    kinds = {n: getattr(fn, "tcprec_kind", type(fn).__name__) for n, fn in named}
+
+    def step():
+        y = args[0] if len(args) == 1 else args
+        for n, fn in named:
+            rec.enter(n, (y,))
+            try:
+                y = fn(y)
+            finally:
+                rec.exit(n, fn, y)
+        return y
+
+    with torch.no_grad():
+        prof, _ = _run_profiled(step, min(warmup, 1) if warmup else 0, iters, record_shapes, rec)
+    return prof, rec, kinds
