@@ -1,0 +1,168 @@
+"""Pure-torch references for the INT8 / FP8 forward convolution kernels (``kernels/triton/conv_fwd.py``),
+NHWC, any device.
+
+Layouts are those of ``reference_conv.py``: x ``(N, H, W, C)``, w ``(K, R, S, C)``, y ``(N, P, Q, K)``.
+
+The accumulator
+---------------
+* int8: ``acc[n,p,q,k] = sum_{r,s,c} x[n, p*sh - ph + r*dh, q*sw - pw + s*dw, c] * w[k,r,s,c]`` exactly,
+  as int64.  ``F.conv2d`` in float64 on the integer codes is exact here: every product is below 2**14
+  and every partial sum below 2**53 for reductions up to 2**39 terms.
+* fp8: the same sum of the fp8 values, in float64 (the kernel accumulates in fp32).
+
+The epilogue (the kernel computes exactly these float32 operations, in this order, with no fused
+multiply-add, so the int8 path is bit-exact)
+-----------------------------------------------------------------------------------------------
+::
+
+    a  = float32(acc)                               # int32 -> float32, round to nearest even
+    s  = (alpha * sa[k]) * sb[k]                    # alpha: a Python float; sa, sb: per-tensor or per-channel
+    y  = a * s + bias[k]                            # two roundings (a product, then a sum)
+    y  = act(y)                                     # relu: y > 0 ? y : 0;  leaky: y > 0 ? y : y * slope
+    out: y rounded to float16 / float32, or
+         int8: clamp(round_half_even(y / out_scale), -128, 127)   (IEEE float32 division)
+
+int8 convs pass ``scale`` as ``alpha`` (a float) or ``sb`` (a tensor); fp8 convs pass ``x_scale`` and
+``w_scale`` (floats go into ``alpha``, tensors into ``sa`` / ``sb``).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+import torch.nn.functional as F
+
+from .reference_conv import pair
+
+__all__ = [
+    "ACT_NONE",
+    "ACT_RELU",
+    "ACT_LEAKY",
+    "parse_act",
+    "parse_out",
+    "conv_acc",
+    "abs_conv_acc",
+    "epilogue",
+    "conv2d_fwd_int8",
+    "conv2d_fwd_fp8",
+]
+
+ACT_NONE, ACT_RELU, ACT_LEAKY = 0, 1, 2
+_OUT_FLOATS = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def parse_act(act) -> tuple[int, float]:
+    """(mode, slope) from ``None``, ``"relu"``, ``("leaky", slope)`` (also spelled ``"leaky_relu"``;
+    a bare ``"leaky"`` means slope 0.1, YOLO's)."""
+    if act is None:
+        return ACT_NONE, 0.0
+    if isinstance(act, str):
+        if act == "relu":
+            return ACT_RELU, 0.0
+        if act in ("leaky", "leaky_relu"):
+            return ACT_LEAKY, 0.1
+    elif isinstance(act, (tuple, list)) and len(act) == 2 and act[0] in ("leaky", "leaky_relu"):
+        slope = act[1]
+        if isinstance(slope, bool) or not isinstance(slope, numbers.Real) or not math.isfinite(slope):
+            raise ValueError(f"the LeakyReLU slope must be a finite number, got {slope!r}")
+        return ACT_LEAKY, float(slope)
+    raise ValueError(f"act must be None, 'relu', 'leaky' or ('leaky', slope), got {act!r}")
+
+
+def parse_out(out, allowed: tuple[str, ...]) -> tuple[str, float]:
+    """(kind, out_scale) from ``"float16"``, ``"float32"``, ``"bfloat16"``, ``"int32"`` or
+    ``("int8", out_scale)``; ``allowed`` lists the kinds this conv offers."""
+    if isinstance(out, (tuple, list)) and len(out) == 2 and out[0] == "int8" and "int8" in allowed:
+        s = out[1]
+        if isinstance(s, bool) or not isinstance(s, numbers.Real) or not (math.isfinite(s) and s > 0):
+            raise ValueError(f"out=('int8', out_scale) needs a finite out_scale > 0 (a Python number), got {s!r}")
+        return "int8", float(s)
+    if isinstance(out, str) and out in allowed and out != "int8":
+        return out, 1.0
+    shown = [f"('int8', out_scale)" if a == "int8" else repr(a) for a in allowed]
+    raise ValueError(f"out must be one of {', '.join(shown)}, got {out!r}")
+
+
+def _nchw(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float64).permute(0, 3, 1, 2)  # (N, H, W, C) -> (N, C, H, W)
+
+
+def conv_acc(x: torch.Tensor, w: torch.Tensor, stride=1, padding=0, dilation=1) -> torch.Tensor:
+    """The accumulator (N, P, Q, K): int64 for integer codes (exact), float64 for float inputs.
+
+    >>> x = torch.arange(9, dtype=torch.int8).reshape(1, 3, 3, 1)
+    >>> conv_acc(x, torch.ones(1, 2, 2, 1, dtype=torch.int8))[..., 0]
+    tensor([[[ 8, 12],
+             [20, 24]]])
+    """
+    y = F.conv2d(_nchw(x), _nchw(w), None, pair(stride, "stride"), pair(padding, "padding"),
+                 pair(dilation, "dilation"))
+    y = y.permute(0, 2, 3, 1)  # (N, K, P, Q) -> (N, P, Q, K)
+    if not x.dtype.is_floating_point:
+        return torch.round(y).to(torch.int64)
+    return y
+
+
+def abs_conv_acc(x, w, stride=1, padding=0, dilation=1) -> torch.Tensor:
+    """``sum |x| |w|`` over each output's terms (float64): the scale of the fp8 error bound."""
+    return F.conv2d(_nchw(x).abs(), _nchw(w).abs(), None, pair(stride, "stride"), pair(padding, "padding"),
+                    pair(dilation, "dilation")).permute(0, 2, 3, 1)
+
+
+def _f32(v, K: int, device) -> torch.Tensor:
+    """A float32 per-channel vector (K,) from None (1), a number or a tensor of 1 or K elements."""
+    if v is None:
+        return torch.ones(K, dtype=torch.float32, device=device)
+    if isinstance(v, torch.Tensor):
+        return v.reshape(-1).to(device=device, dtype=torch.float32).expand(K)
+    return torch.full((K,), float(v), dtype=torch.float32, device=device)
+
+
+def epilogue(acc: torch.Tensor, *, alpha: float = 1.0, sa=None, sb=None, bias=None, act=None,
+             out="float32") -> torch.Tensor:
+    """The kernels' epilogue on an accumulator (N, P, Q, K), in the kernels' float32 operation order."""
+    mode, slope = parse_act(act)
+    kind, out_scale = parse_out(out, ("float16", "float32", "bfloat16", "int8"))
+    K, dev = acc.shape[-1], acc.device
+    a = acc.to(torch.float32)  # int64 -> float32 rounds to nearest even, as the kernel's int32 -> float32
+    s = (torch.tensor(alpha, dtype=torch.float32, device=dev) * _f32(sa, K, dev)) * _f32(sb, K, dev)
+    y = a * s
+    if bias is not None:
+        y = y + bias.reshape(-1).to(device=dev, dtype=torch.float32)
+    zero = torch.zeros((), dtype=torch.float32, device=dev)
+    if mode == ACT_RELU:
+        y = torch.where(y > 0, y, zero)
+    elif mode == ACT_LEAKY:
+        y = torch.where(y > 0, y, y * torch.tensor(slope, dtype=torch.float32, device=dev))
+    if kind == "int8":
+        q = y / torch.tensor(out_scale, dtype=torch.float32, device=dev)
+        return torch.round(q.clamp(-128.0, 127.0)).to(torch.int8)  # torch.round: half to even
+    return y.to(_OUT_FLOATS[kind])
+
+
+def _split_scale(v) -> tuple[float, torch.Tensor | None]:
+    return (1.0, v) if isinstance(v, torch.Tensor) else (1.0 if v is None else float(v), None)
+
+
+def conv2d_fwd_int8(x, w, *, stride=1, padding=0, dilation=1, scale=None, bias=None, act=None,
+                    out="float16") -> torch.Tensor:
+    """Reference of :func:`tcprec.kernels.triton.conv_fwd.conv2d_fwd_int8` (same arguments)."""
+    kind, _ = parse_out(out, ("float16", "float32", "int32", "int8"))
+    acc = conv_acc(x, w, stride, padding, dilation)
+    if kind == "int32":
+        return acc.to(torch.int32)
+    alpha, sb = _split_scale(scale)
+    return epilogue(acc, alpha=alpha, sb=sb, bias=bias, act=act, out=out)
+
+
+def conv2d_fwd_fp8(x, w, x_scale=1.0, w_scale=1.0, *, stride=1, padding=0, dilation=1, bias=None, act=None,
+                   out="float16") -> torch.Tensor:
+    """Reference of :func:`tcprec.kernels.triton.conv_fwd.conv2d_fwd_fp8`: the float64 sum rounded
+    once to float32 (the kernel's fp32 accumulation differs by rounding), then the epilogue."""
+    acc = conv_acc(x, w, stride, padding, dilation)
+    a1, sa = _split_scale(x_scale)
+    a2, sb = _split_scale(w_scale)
+    alpha = float(torch.tensor(a1, dtype=torch.float32) * torch.tensor(a2, dtype=torch.float32))
+    return epilogue(acc, alpha=alpha, sa=sa, sb=sb, bias=bias, act=act, out=out)

@@ -1,0 +1,409 @@
+"""INT8 and FP8 forward convolution for inference: a Triton implicit GEMM, NHWC, with a fused epilogue.
+
+Layouts and the epilogue's exact float32 operation order are those of ``kernels/reference_conv_fwd.py``:
+x ``(N, H, W, C)`` contiguous, w ``(K, R, S, C)`` contiguous, y ``(N, P, Q, K)`` contiguous.
+
+GEMM: M = output pixels (n, p, q), N = K output channels, reduction = (r, s, c)
+------------------------------------------------------------------------------
+Both operands are *reduction-major* in memory (C is the contiguous dimension of x and of w), which
+is the only layout Hopper's wgmma accepts for 8-bit operands in shared memory: no transposes.
+The output row of pixel m = n*P*Q + p*Q + q is simply ``y + m*K``.
+
+    program -> (BLOCK_M pixels, BLOCK_N output channels)         # channel block fastest: neighbours share x in L2
+    ih0, iw0 = p*sh - ph, q*sw - pw   (per row, once)
+    acc[BLOCK_M, BLOCK_N] = 0   (int32 for int8, fp32 for fp8)
+    TAP mode (C a multiple of BLOCK_K): one flat loop over (r, s, c-block)
+        A = x[n, ih0 + r*dh, iw0 + s*dw, c-block]   rows masked by per-row bit masks of valid r / s
+        B = w[k-block, r, s, c-block]^T
+        acc += A @ B                                 # tl.dot -> wgmma s8 (IGMMA) / e4m3 (QGMMA)
+    FLAT mode (small or odd C: 3, 16, 32, 96): the reduction index t = (r*S + s)*C + c runs in
+        BLOCK_K steps over all of R*S*C; (r, s, c) come from t per column, masks are per element.
+        Nothing is wasted on C = 3 (an 11x11 filter is 363 products, not 121 blocks of 32); with C a
+        multiple of 16 the columns still come in 16-byte runs.
+    epilogue: a = float(acc); y = a * ((alpha * sa[k]) * sb[k]) + bias[k]; act;
+              store fp16 / fp32, or int8 = clamp(rint(y / out_scale)) -- the next layer's input;
+              or (OUT_MODE 0) the raw accumulator.
+
+The kernel is compiled with ``enable_fp_fusion=False`` (the epilogue's mul and add round separately,
+exactly as the reference) and divides with ``div_rn`` (IEEE; Triton's ``/`` is ``div.full``, 2 ulp).
+
+fp8: ``tl.dot`` on float8e4nv lowers to ``wgmma ... e4m3`` (SASS QGMMA).  The Hopper fp8 accumulator is
+narrower than fp32; unless ``fast_accum=True`` we promote it into fp32 every BLOCK_K products
+(``max_num_imprecise_acc=BLOCK_K``), as cuBLAS does by default.
+
+Tiles come from a small table per shape class (:func:`pick_config`); no autotuning at run time.
+Shape scalars are not specialised (no recompile per layer, batch or image size); C and K are, so
+16-byte vector loads are provable when C % 16 == 0.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..reference_conv import ConvGeometry, pair
+from ..reference_conv_fwd import parse_act, parse_out
+
+__all__ = ["conv2d_fwd_int8", "conv2d_fwd_fp8", "pick_config", "geometry", "INTERPRETER_CONFIG", "interpreting"]
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+OUT_RAW, OUT_FLOAT, OUT_INT8 = 0, 1, 2
+_OUT_DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16,
+               "int32": torch.int32, "int8": torch.int8}
+# The interpreter runs one small tile (reduction block 32: the smallest 8-bit wgmma step)
+INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+_NOSPEC = ["N", "H", "W", "P", "Q", "R", "S", "str_h", "str_w", "pad_h", "pad_w", "dil_h", "dil_w", "M",
+           "alpha", "sa_stride", "sb_stride", "bias_stride", "act", "slope", "out_scale"]
+
+
+@triton.jit(do_not_specialize=_NOSPEC)
+def _conv_fwd_kernel(
+    x_ptr, w_ptr, out_ptr, sa_ptr, sb_ptr, bias_ptr,
+    # -- sizes (x, w, out contiguous NHWC / KRSC / NPQK: strides follow from C, W, H, R, S, K) --
+    N, H, W, C, P, Q, K, R, S,
+    str_h, str_w, pad_h, pad_w, dil_h, dil_w,
+    M,  # N*P*Q
+    # -- epilogue (see reference_conv_fwd): scales sa / sb are per-channel (stride 1) or per-tensor (0) --
+    alpha, sa_stride, sb_stride, bias_stride, act, slope, out_scale,
+    # -- what to do --
+    IS_FP8: tl.constexpr, FAST_ACCUM: tl.constexpr, FLAT: tl.constexpr, OUT_MODE: tl.constexpr,
+    EVEN_K: tl.constexpr, INT64: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # ---- which tile: channel block fastest ----
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(K, BLOCK_N)
+    pid_n = pid % num_n
+    pid_m = pid // num_n
+
+    # ---- rows: output pixel m = (n, p, q) and the top-left input pixel of its window ----
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    q = offs_m % Q
+    t = offs_m // Q
+    p = t % P
+    n = t // P
+    if INT64:
+        n = n.to(tl.int64)
+    ih0 = p * str_h - pad_h
+    iw0 = q * str_w - pad_w
+    row_base = n * (H * W * C) + ih0 * (W * C) + iw0 * C  # (BLOCK_M,) may be negative (padding; masked)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < K
+    offs_n_ld = offs_n % K  # weight rows past K read row (k mod K): loads need no mask along N
+    RSC = R * S * C
+    if INT64:
+        w_rows = offs_n_ld.to(tl.int64) * RSC
+    else:
+        w_rows = offs_n_ld * RSC
+
+    if IS_FP8:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+
+    if FLAT:
+        # ---- reduction index t = (r*S + s)*C + c over all of R*S*C, BLOCK_K at a time ----
+        a_rows = x_ptr + row_base[:, None]  # (BLOCK_M, 1)
+        b_cols = w_ptr + w_rows[None, :]  # (1, BLOCK_N)
+        for k0 in range(0, RSC, BLOCK_K):
+            tt = k0 + offs_k
+            c = tt % C
+            rs = tt // C
+            s = rs % S
+            r = rs // S
+            t_ok = tt < RSC
+            ih = ih0[:, None] + (r * dil_h)[None, :]
+            iw = iw0[:, None] + (s * dil_w)[None, :]
+            a_ok = (m_ok[:, None] & t_ok[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W))
+            a_blk = tl.load(a_rows + ((r * dil_h) * (W * C) + (s * dil_w) * C + c)[None, :], mask=a_ok, other=0.0)
+            b_blk = tl.load(b_cols + tt[:, None], mask=t_ok[:, None], other=0.0)  # (BLOCK_K, BLOCK_N)
+            if IS_FP8 and not FAST_ACCUM:
+                acc = tl.dot(a_blk, b_blk, acc, max_num_imprecise_acc=BLOCK_K)
+            else:
+                acc = tl.dot(a_blk, b_blk, acc)
+    else:
+        # ---- bit r of hbits / s of wbits: tap row r / column s reads inside the image ----
+        hbits = tl.zeros((BLOCK_M,), dtype=tl.int32)
+        for rr in range(0, R):
+            hbits |= ((ih0 + rr * dil_h >= 0) & (ih0 + rr * dil_h < H)).to(tl.int32) << rr
+        hbits = tl.where(m_ok, hbits, 0)
+        wbits = tl.zeros((BLOCK_M,), dtype=tl.int32)
+        for ss in range(0, S):
+            wbits |= ((iw0 + ss * dil_w >= 0) & (iw0 + ss * dil_w < W)).to(tl.int32) << ss
+        a_base = x_ptr + row_base[:, None] + offs_k[None, :]  # (BLOCK_M, BLOCK_K), tap (0, 0), c-block 0
+        b_base = w_ptr + w_rows[None, :] + offs_k[:, None]  # (BLOCK_K, BLOCK_N)
+        c_iters = tl.cdiv(C, BLOCK_K)
+        total = R * S * c_iters
+        cb = 0
+        s = 0
+        r = 0
+        for it in range(0, total):  # noqa: B007 (cb, s, r carry the position; no division in the loop)
+            row_ok = ((hbits >> r) & (wbits >> s) & 1) != 0
+            a_ptrs = a_base + (r * (dil_h * W * C) + s * (dil_w * C) + cb * BLOCK_K)
+            b_ptrs = b_base + ((r * S + s) * C + cb * BLOCK_K)
+            if EVEN_K:
+                a_blk = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                b_blk = tl.load(b_ptrs)
+            else:
+                k_ok = cb * BLOCK_K + offs_k < C
+                a_blk = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                b_blk = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+            if IS_FP8 and not FAST_ACCUM:
+                acc = tl.dot(a_blk, b_blk, acc, max_num_imprecise_acc=BLOCK_K)
+            else:
+                acc = tl.dot(a_blk, b_blk, acc)
+            cb += 1
+            wrap = (cb == c_iters).to(tl.int32)
+            cb -= wrap * c_iters
+            s += wrap
+            wrap = (s == S).to(tl.int32)
+            s -= wrap * S
+            r += wrap
+
+    # ---- epilogue: y[m, k] at out + m*K + k ----
+    if INT64:
+        out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * K + offs_n[None, :]
+    else:
+        out_ptrs = out_ptr + offs_m[:, None] * K + offs_n[None, :]
+    mask = m_ok[:, None] & n_ok[None, :]
+    if OUT_MODE == 0:
+        tl.store(out_ptrs, acc, mask=mask)
+    else:
+        sa = tl.load(sa_ptr + offs_n_ld * sa_stride).to(tl.float32)
+        sb = tl.load(sb_ptr + offs_n_ld * sb_stride).to(tl.float32)
+        bias = tl.load(bias_ptr + offs_n_ld * bias_stride).to(tl.float32)
+        scl = (alpha * sa) * sb
+        y = acc.to(tl.float32) * scl[None, :]
+        y = y + bias[None, :]
+        if act == 1:
+            y = tl.where(y > 0, y, 0.0)
+        elif act == 2:
+            y = tl.where(y > 0, y, y * slope)
+        if OUT_MODE == 1:
+            tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            y = tl.math.div_rn(y, out_scale)
+            y = tl.minimum(tl.maximum(y, -128.0), 127.0)
+            y = (y + 12582912.0) - 12582912.0  # round half to even (1.5 * 2**23; |y| <= 128 here)
+            tl.store(out_ptrs, y.to(tl.int8), mask=mask)
+
+
+# ------------------------------------------------------------------------------------------------
+# Tiles: a small table per shape class (measured on H200; benchmarks/bench_conv_fwd_device.py --tune)
+# ------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 132
+
+
+def _flat_block_k(rsc: int) -> int:
+    """The largest reduction block (128, 64, 32) that pads R*S*C by at most 15%."""
+    for bk in (128, 64):
+        if triton.cdiv(rsc, bk) * bk <= 1.15 * rsc:
+            return bk
+    return 32
+
+
+def pick_config(g: ConvGeometry, fp8: bool, device: torch.device | None = None) -> dict:
+    """Tile, warps and stages for one conv (the same table for int8 and fp8: both are 8-bit operands).
+
+    * reduction: TAP mode with BLOCK_K = 128 (or 64) when C is a multiple of it, else FLAT mode;
+    * BLOCK_N: the output channels rounded up to a power of two in [16, 128] (256 for K >= 512 at
+      large M: a 128x256 tile halves the A-tile re-reads);
+    * BLOCK_M 128, or 64 when 128-row tiles would leave most SMs idle (small batch, 7x7 / 13x13 maps).
+    """
+    sms = _sm_count(device if device is not None else torch.device("cuda"))
+    M = g.N * g.P * g.Q
+    if g.C % 128 == 0:
+        flat, bk = False, 128
+    elif g.C % 64 == 0:
+        flat, bk = False, 64
+    else:
+        flat, bk = True, _flat_block_k(g.R * g.S * g.C)
+    bn = min(128, max(16, triton.next_power_of_2(g.K)))
+    bm = 128
+    if g.K >= 512 and M >= 64 * sms * 2:
+        bn = 256
+    if triton.cdiv(M, bm) * triton.cdiv(g.K, bn) < sms:
+        bm = 64
+        if triton.cdiv(M, bm) * triton.cdiv(g.K, bn) < sms and bn > 64:
+            bn = 64
+    warps = 8 if bm * bn >= 128 * 128 else 4
+    stages = 3 if bm * bn >= 128 * 256 else 4
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "FLAT": flat, "num_warps": warps, "num_stages": stages}
+
+
+# ------------------------------------------------------------------------------------------------
+# Wrappers: check, allocate, launch
+# ------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _const(device: torch.device, value: float) -> torch.Tensor:
+    """A float32 scalar per device, bound to absent scale / bias pointers (stride 0): made once, so a
+    call launches nothing but the conv (CUDA-graph friendly)."""
+    return torch.full((1,), value, dtype=torch.float32, device=device)
+
+
+def geometry(x: torch.Tensor, w: torch.Tensor, stride, padding, dilation, op: str) -> ConvGeometry:
+    """Check the layouts and sizes of x (N, H, W, C) and w (K, R, S, C); the ConvGeometry."""
+    for name, t in (("x", x), ("w", w)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{op}: {name} must be 4-D ({'(N, H, W, C)' if name == 'x' else '(K, R, S, C)'}), "
+                             f"got shape {tuple(t.shape)}")
+        if not t.is_contiguous():
+            raise ValueError(f"{op}: {name} must be contiguous "
+                             f"{'NHWC (N, H, W, C)' if name == 'x' else '(K, R, S, C)'}, got strides "
+                             f"{tuple(t.stride())}; pass {name}.contiguous() (from NCHW: "
+                             f"{name}.permute(0, 2, 3, 1).contiguous())")
+    if x.device != w.device:
+        raise ValueError(f"{op}: x is on {x.device} but w is on {w.device}; move both to one device")
+    N, H, W, C = x.shape
+    K, R, S, Cw = w.shape
+    if Cw != C:
+        raise ValueError(f"{op}: x has C={C} channels (NHWC, last dim) but w (K, R, S, C) has C={Cw}; "
+                         "the weight must be (K, R, S, C) -- nn.Conv2d's (K, C, R, S) permuted (0, 2, 3, 1)")
+    st, pd, dl = pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation")
+    if min(st) < 1 or min(dl) < 1 or min(pd) < 0:
+        raise ValueError(f"{op}: stride and dilation must be >= 1 and padding >= 0, got stride={st}, "
+                         f"padding={pd}, dilation={dl}")
+    g = ConvGeometry(N, H, W, C, K, R, S, st, pd, dl)
+    if min(N, C, K, R, S) < 1 or g.P < 1 or g.Q < 1:
+        raise ValueError(f"{op}: empty problem or filter larger than the padded input: x {tuple(x.shape)}, "
+                         f"w {tuple(w.shape)}, stride={st}, padding={pd}, dilation={dl} gives output "
+                         f"{g.P}x{g.Q}")
+    if (R > 31 or S > 31):
+        raise ValueError(f"{op}: filters up to 31x31 are supported (per-row tap bit masks), got {R}x{S}")
+    if not x.is_cuda and not interpreting():
+        raise ValueError(f"{op}: x is on {x.device}: the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1); "
+                         "on the CPU use tcprec.kernels.reference_conv_fwd")
+    return g
+
+
+def _scale_arg(v, name: str, K: int, device, op: str):
+    """(alpha, tensor, stride): a number goes into alpha; a tensor of 1 or K elements is a pointer
+    with stride 0 (per-tensor) or 1 (per-channel)."""
+    if v is None:
+        return 1.0, _const(device, 1.0), 0
+    if isinstance(v, torch.Tensor):
+        if not v.is_floating_point() or v.numel() not in (1, K):
+            raise ValueError(f"{op}: {name} must be a float number or a float tensor of 1 or K={K} elements "
+                             f"(per output channel), got dtype {v.dtype}, shape {tuple(v.shape)}")
+        if v.device != device:
+            raise ValueError(f"{op}: {name} is on {v.device}, the conv runs on {device}; move it there first")
+        return 1.0, v.reshape(-1).contiguous(), (0 if v.numel() == 1 else 1)
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{op}: {name} must be None, a number or a tensor, got {type(v).__name__}")
+    return float(v), _const(device, 1.0), 0
+
+
+def _launch(x, w, g: ConvGeometry, op: str, *, fp8: bool, alpha, sa, sb, bias, act, out, fast_accum, config):
+    kind, out_scale = out
+    mode, slope = parse_act(act)
+    device = x.device
+    if bias is None:
+        bias_t, bias_stride = _const(device, 0.0), 0
+    else:
+        if not isinstance(bias, torch.Tensor) or not bias.is_floating_point() or bias.numel() != g.K:
+            raise ValueError(f"{op}: bias must be a float tensor of K={g.K} elements, got "
+                             f"{type(bias).__name__ if not isinstance(bias, torch.Tensor) else (bias.dtype, tuple(bias.shape))}")
+        if bias.device != device:
+            raise ValueError(f"{op}: bias is on {bias.device}, the conv runs on {device}; move it there first")
+        bias_t, bias_stride = bias.reshape(-1).contiguous(), 1
+    y = torch.empty(g.output_shape, dtype=_OUT_DTYPES[kind], device=device)
+    cfg = dict(INTERPRETER_CONFIG if (config is None and interpreting()) else (config or pick_config(g, fp8, device)))
+    M = g.N * g.P * g.Q
+    flat = cfg.get("FLAT", g.C % cfg["BLOCK_K"] != 0)
+    lim = 2**31 - 1
+    int64 = x.numel() >= lim or y.numel() >= lim or w.numel() >= lim
+    out_mode = OUT_RAW if kind == "int32" else (OUT_INT8 if kind == "int8" else OUT_FLOAT)
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(g.K, cfg["BLOCK_N"]),)
+    kernel = _conv_fwd_kernel[grid](
+        x, w, y, sa[0], sb[0], bias_t,
+        g.N, g.H, g.W, g.C, g.P, g.Q, g.K, g.R, g.S,
+        g.stride[0], g.stride[1], g.padding[0], g.padding[1], g.dilation[0], g.dilation[1], M,
+        float(alpha), sa[1], sb[1], bias_stride, mode, float(slope), float(out_scale),
+        IS_FP8=fp8, FAST_ACCUM=bool(fast_accum), FLAT=bool(flat), OUT_MODE=out_mode,
+        EVEN_K=g.C % cfg["BLOCK_K"] == 0, INT64=int64,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3), enable_fp_fusion=False,
+    )
+    return y, kernel
+
+
+def conv2d_fwd_int8(x: torch.Tensor, w: torch.Tensor, *, stride=1, padding=0, dilation=1, scale=None, bias=None,
+                    act=None, out="float16", config: dict | None = None, return_kernel: bool = False):
+    """Exact int8 convolution (int32 accumulation) with a fused epilogue, NHWC.
+
+    ``x`` (N, H, W, C) and ``w`` (K, R, S, C) int8, contiguous.  ``scale``: None, a number, or a float
+    tensor of 1 or K elements; ``bias``: None or a float tensor of K elements; ``act``: None, "relu",
+    ("leaky", slope); ``out``: "float16", "float32", "int32" (the raw accumulator, no epilogue) or
+    ("int8", out_scale) (``clamp(round_half_even(y / out_scale), -128, 127)``, NHWC: the next int8
+    layer's input).  Returns y (N, P, Q, K) (and the compiled kernel with ``return_kernel=True``).
+
+    >>> x = torch.randint(-128, 128, (8, 56, 56, 64), dtype=torch.int8, device="cuda")  # doctest: +SKIP
+    >>> w = torch.randint(-128, 128, (64, 3, 3, 64), dtype=torch.int8, device="cuda")   # doctest: +SKIP
+    >>> y = conv2d_fwd_int8(x, w, padding=1, scale=1e-4, act="relu", out=("int8", 0.05))  # doctest: +SKIP
+    """
+    op = "conv2d_fwd_int8"
+    g = geometry(x, w, stride, padding, dilation, op)
+    if x.dtype != torch.int8 or w.dtype != torch.int8:
+        raise TypeError(f"{op}: x and w must be int8 codes, got x {x.dtype}, w {w.dtype}; "
+                        "for float8 use conv2d_fwd_fp8, for other formats quantize to int8 first")
+    kind, out_scale = parse_out(out, ("float16", "float32", "int32", "int8"))
+    if kind == "int32" and (scale is not None or bias is not None or act is not None):
+        raise ValueError(f"{op}: out='int32' returns the raw accumulator; scale, bias and act must be None "
+                         f"(got scale={scale!r}, bias={'a tensor' if bias is not None else None}, act={act!r})")
+    alpha, sb_t, sb_stride = _scale_arg(scale, "scale", g.K, x.device, op)
+    one = (_const(x.device, 1.0), 0)
+    y, kernel = _launch(x, w, g, op, fp8=False, alpha=alpha, sa=one, sb=(sb_t, sb_stride), bias=bias, act=act,
+                        out=(kind, out_scale), fast_accum=False, config=config)
+    return (y, kernel) if return_kernel else y
+
+
+def conv2d_fwd_fp8(x: torch.Tensor, w: torch.Tensor, x_scale=1.0, w_scale=1.0, *, stride=1, padding=0, dilation=1,
+                   bias=None, act=None, out="float16", fast_accum: bool = False, config: dict | None = None,
+                   return_kernel: bool = False):
+    """fp8 convolution (fp32 accumulation) with a fused epilogue, NHWC.
+
+    ``x`` (N, H, W, C) and ``w`` (K, R, S, C) float8_e4m3fn (or float8_e5m2), contiguous; the result is
+    ``x_scale * w_scale[k] * conv(x, w)`` (+ bias, act).  Scales: numbers, or float tensors of 1 (either)
+    or K (w_scale, per output channel) elements -- device tensors keep the call free of host syncs.
+    ``out``: "float16", "float32" or ("int8", out_scale).  ``fast_accum=True`` keeps Hopper's narrow fp8
+    accumulator for the whole reduction (faster, less accurate).
+    """
+    op = "conv2d_fwd_fp8"
+    g = geometry(x, w, stride, padding, dilation, op)
+    if x.dtype not in FP8_DTYPES or w.dtype not in FP8_DTYPES:
+        raise TypeError(f"{op}: x and w must be float8_e4m3fn or float8_e5m2, got x {x.dtype}, w {w.dtype}; "
+                        "for int8 codes use conv2d_fwd_int8")
+    kind, out_scale = parse_out(out, ("float16", "float32", "int8"))
+    a1, sa_t, sa_stride = _scale_arg(x_scale, "x_scale", g.K, x.device, op)
+    a2, sb_t, sb_stride = _scale_arg(w_scale, "w_scale", g.K, x.device, op)
+    alpha = float(torch.tensor(a1, dtype=torch.float32) * torch.tensor(a2, dtype=torch.float32))
+    y, kernel = _launch(x, w, g, op, fp8=True, alpha=alpha, sa=(sa_t, sa_stride), sb=(sb_t, sb_stride), bias=bias,
+                        act=act, out=(kind, out_scale), fast_accum=fast_accum, config=config)
+    return (y, kernel) if return_kernel else y
