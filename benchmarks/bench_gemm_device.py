@@ -22,8 +22,11 @@ from tcprec.bench.common import environment, time_median_ms, write_json
 from tcprec.kernels.cuda import loader
 from tcprec.ops.matmul import _planes, matmul
 
-TUNE_TILES = ("64x128_w2x2_s3_k1024", "64x128_w2x2_s3_k1024_db", "64x128_w2x2_s2_k1024", "64x128_w2x2_s4_k1024",
-              "64x256_w2x4_s3_k1024", "64x256_w2x4_s4")
+# the first tile of each list is the exactness reference of the others (int32 outputs compared)
+TUNE_TILES = ("64x128_w2x2_s3_k1024", "128x128_w8x1_s4_k1024_wg", "128x128_w8x1_s3_k1024_wg",
+              "64x128_w4x1_s3_k1024_wg", "128x192_w8x1_s3_k1024_wg", "192x128_w12x1_s3_k1024_wg")
+TUNE_TILES_W2A2 = ("64x64_w2x2_s3_k1024", "128x64_w8x1_s4_k1024_wg", "64x64_w4x1_s3_k1024_wg",
+                   "128x96_w8x1_s4_k1024_wg", "128x32_w8x1_s4_k1024_wg")
 SMALL_TILES = ("32x32_w2x2_s2_k1024", "32x32_w2x2_s4", "16x16_w1x1_s2_k1024")
 
 
@@ -43,7 +46,30 @@ def check_exact(console) -> bool:
             ok &= same
             if not same:
                 console.print(f"[red]{cfg} {M}x{N}x{K}: NOT exact ({int((got != want).sum())} wrong)")
-    console.print(f"exactness check: {'[green]all exact' if ok else '[red]FAILED'}")
+    # the wgmma tiles, forced, on shapes partial in M, N and K, every encoding mix
+    import tcprec as tp
+    from tcprec.formats import IntFormat
+
+    n_wg = 0
+    for (p, q), ea, ew in [((2, 1), "unsigned", "pm1"), ((2, 1), "twos", "pm1"), ((1, 1), "pm1", "pm1"),
+                           ((2, 2), "unsigned", "twos"), ((2, 2), "twos", "twos"), ((1, 4), "unsigned", "twos"),
+                           ((3, 2), "pm1", "unsigned"), ((2, 3), "twos", "unsigned")]:
+        fa, fw = IntFormat(p, encoding=ea), IntFormat(q, encoding=ew)
+        wt = loader.wgmma_tile(p, q, ea == "twos", ew == "twos")
+        if wt is None:
+            continue
+        for M, N, K in ((300, 1000, 600), (129, 255, 4096), (1, 8, 1), (64, 1024, 1000)):
+            qa = bg._random_qtensor((M, K), fa, "cuda", gen)
+            qw = bg._random_qtensor((N, K), fw, "cuda", gen)
+            want = (tp.decode(qa.codes, fa).double() @ tp.decode(qw.codes, fw).double().t()).long()
+            got = matmul(qa, qw, out_dtype=torch.int32, backend="bitserial", tile=str(wt)).long()
+            same = torch.equal(got, want)
+            ok &= same
+            n_wg += 1
+            if not same:
+                console.print(f"[red]wgmma {wt} a{p}{ea} w{q}{ew} {M}x{N}x{K}: NOT exact "
+                              f"({int((got != want).sum())} wrong)")
+    console.print(f"exactness check (+{n_wg} wgmma cases): {'[green]all exact' if ok else '[red]FAILED'}")
     return ok
 
 
@@ -131,7 +157,8 @@ def main():
     console.print(f"[{time.time() - t0:.0f}s] tuning")
     tune_rows = []
     if not args.skip_tune:
-        tune_rows = tune(console) + tune(console, (64, 1024, 1024), "w1a2", SMALL_TILES)
+        tune_rows = (tune(console) + tune(console, (8192, 8192, 8192), "w2a2", TUNE_TILES_W2A2)
+                     + tune(console, (64, 1024, 1024), "w1a2", SMALL_TILES))
     write_json(out / "gemm_tune.json", {"env": environment(), "rows": tune_rows})
     if args.skip_bench:
         return

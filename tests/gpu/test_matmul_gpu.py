@@ -1,7 +1,8 @@
 """The bit-serial binary tensor-core GEMM on the GPU: exact for all 64 (p, q) pairs and the three
-encodings on the issue's shapes (with the auto-picked tile and with each pair's large tile), the
-fused float and packed epilogues against the reference, CUDA-graph capture, torch.compile, and
-the SASS (BMMA AND.POPC, no XOR-popc, no IMMA).  Skipped without a CUDA GPU (tests/conftest.py)."""
+encodings on the issue's shapes (with the auto-picked tile and with each pair's large tile: the
+wgmma tile on sm_90a where one exists, and the mma.sync one), the fused float (ReLU, LeakyReLU)
+and packed epilogues against the reference, CUDA-graph capture, torch.compile, and the SASS
+(BMMA / BGMMA AND.POPC, no XOR-popc, no IMMA).  Skipped without a CUDA GPU (tests/conftest.py)."""
 
 import itertools
 import shutil
@@ -43,7 +44,17 @@ def _exact(qa, qw):
 
 
 def _big_tile(p, q, at, wt):
+    """The large tile this GPU runs (wgmma on sm_90a where the pair has one)."""
     return loader.pick_tile(p, q, at, wt, 10**6, 10**6)
+
+
+def _sync_tile(p, q, at, wt):
+    """The large mma.sync tile (what GPUs without wgmma run; sm_90a's fallback)."""
+    return loader.pick_tile(p, q, at, wt, 10**6, 10**6, arch="sm_80")
+
+
+WG_TILE = "128x128_w8x1_s4_k1024_wg"
+HAS_WGMMA = loader.arch_of(torch.cuda.get_device_capability(0)) == "sm_90a" if torch.cuda.is_available() else False
 
 
 def _case_shapes(idx):
@@ -61,17 +72,22 @@ def compiled():
         t = enc == "twos"
         vs.add(loader.Variant(p, q, t, t, loader.SMALL_TILE, "int32"))
         vs.add(loader.Variant(p, q, t, t, _big_tile(p, q, t, t), "int32"))
+        if p * q < 8 and enc != "pm1":
+            vs.add(loader.Variant(p, q, t, t, _sync_tile(p, q, t, t), "int32"))
     # epilogue, packed-output and SASS tests
     for od in ("float32", "float16", "bfloat16"):
-        for tile in (loader.pick_tile(2, 1, True, False, 300, 600, sms), _big_tile(2, 1, True, False)):
+        for tile in (loader.pick_tile(2, 1, True, False, 300, 600, sms), _big_tile(2, 1, True, False),
+                     _sync_tile(2, 1, True, False)):
             vs.add(loader.Variant(2, 1, True, False, tile, "float", od))
     for name in ("uint2", "int4", "binary", "pm2"):
         f = tp.format(name)
         for tile in (loader.pick_tile(2, 1, False, False, 129, 1024, sms), loader.parse_tile("64x256_w2x4_s4"),
-                     loader.parse_tile("64x128_w2x4_s4"), loader.parse_tile("64x128_w2x2_s3_k1024")):
+                     loader.parse_tile("64x128_w2x4_s4"), loader.parse_tile("64x128_w2x2_s3_k1024")) + (
+                         (loader.parse_tile(WG_TILE),) if HAS_WGMMA else ()):
             vs.add(loader.Variant(2, 1, False, False, tile, "packed", out_bits=f.bits, out_encoding=f.encoding))
     for p, q, t in ((2, 1, False), (1, 1, False), (2, 2, True), (4, 1, False)):
         vs.add(loader.Variant(p, q, t, t, _big_tile(p, q, t, t), "float", "float16"))
+        vs.add(loader.Variant(p, q, t, t, _sync_tile(p, q, t, t), "float", "float16"))
     loader.precompile(vs, arch)
 
 
@@ -89,8 +105,12 @@ def test_exact_every_pair_and_encoding(p, q, enc):
     M, K, N = BIG_SHAPE
     qa, qw = _qt((M, K), fa, gen), _qt((N, K), fw, gen)
     t = enc == "twos"
+    want = _exact(qa, qw)
     got = matmul(qa, qw, out_dtype=torch.int32, backend="bitserial", tile=str(_big_tile(p, q, t, t)))
-    assert torch.equal(got.long(), _exact(qa, qw)), (p, q, enc, "big tile")
+    assert torch.equal(got.long(), want), (p, q, enc, "big tile", str(_big_tile(p, q, t, t)))
+    if p * q < 8 and enc != "pm1":
+        got = matmul(qa, qw, out_dtype=torch.int32, backend="bitserial", tile=str(_sync_tile(p, q, t, t)))
+        assert torch.equal(got.long(), want), (p, q, enc, "mma.sync big tile")
 
 
 @pytest.mark.parametrize("M,K,N", ALL_SHAPES)
@@ -123,7 +143,7 @@ def test_float_epilogue_matches_reference_bitwise(out_dtype, relu):
     qw = _qt((N, K), _fmt(1, "pm1"), gen, PerChannel(0), torch.rand(N, 1, device=DEV, generator=gen) + 0.1)
     bias = torch.randn(N, device=DEV, generator=gen)
     want = matmul(qa, qw, out_dtype=out_dtype, bias=bias, relu=relu, backend="reference")
-    for tile in ("", str(_big_tile(2, 1, True, False))):
+    for tile in ("", str(_big_tile(2, 1, True, False)), str(_sync_tile(2, 1, True, False))):
         got = matmul(qa, qw, out_dtype=out_dtype, bias=bias, relu=relu, backend="bitserial", tile=tile)
         assert got.dtype == out_dtype
         assert torch.equal(got, want), tile
@@ -132,6 +152,28 @@ def test_float_epilogue_matches_reference_bitwise(out_dtype, relu):
     if relu:
         deq = deq.clamp_min(0)
     torch.testing.assert_close(got.double(), deq.to(out_dtype).double(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
+def test_leaky_relu_epilogue_matches_torch(out_dtype):
+    """relu=True with leaky_slope: y < 0 -> slope * y (one fp32 multiply, as F.leaky_relu), then the cast."""
+    from tcprec.ops.matmul import _bitserial, _col_scale, _row_scale
+
+    gen = torch.Generator(DEV).manual_seed(8)
+    M, K, N = 300, 1000, 600
+    qa = _qt((M, K), _fmt(2, "twos"), gen, PerChannel(0), torch.rand(M, 1, device=DEV, generator=gen) + 0.1)
+    qw = _qt((N, K), _fmt(1, "pm1"), gen, PerChannel(0), torch.rand(N, 1, device=DEV, generator=gen) + 0.1)
+    bias = torch.randn(N, device=DEV, generator=gen)
+    y32 = matmul(qa, qw, out_dtype=torch.float32, bias=bias, backend="reference")
+    assert (y32 < 0).any() and (y32 > 0).any()
+    want = torch.nn.functional.leaky_relu(y32, 0.1).to(out_dtype)
+    for tile in ("", str(_big_tile(2, 1, True, False)), str(_sync_tile(2, 1, True, False))):
+        got = _bitserial(qa, qw, M, K, N, qa.fmt, qw.fmt, out_kind={torch.float32: "float32", torch.float16: "float16"}[out_dtype],
+                         row_scale=_row_scale(qa, M), col_scale=_col_scale(qw, N), bias=bias, relu=True,
+                         tile=tile, leaky_slope=0.1)
+        assert torch.equal(got, want), tile
+    with pytest.raises(ValueError, match="leaky_slope"):
+        _bitserial(qa, qw, M, K, N, qa.fmt, qw.fmt, out_kind="float32", relu=False, leaky_slope=0.1)
 
 
 @pytest.mark.parametrize("out_name", ["uint2", "int4", "binary", "pm2"])
@@ -143,7 +185,7 @@ def test_packed_epilogue_bit_exact(out_name):
     bias = torch.randn(N, device=DEV, generator=gen)
     scale = 0.37
     want = matmul_packed(qa, qw, out_name, scale, bias=bias, relu=out_name == "uint2", backend="reference")
-    for tile in ("", "64x256_w2x4_s4", "64x128_w2x4_s4", "64x128_w2x2_s3_k1024"):
+    for tile in ("", "64x256_w2x4_s4", "64x128_w2x4_s4", "64x128_w2x2_s3_k1024") + ((WG_TILE,) if HAS_WGMMA else ()):
         got = matmul_packed(qa, qw, out_name, scale, bias=bias, relu=out_name == "uint2", backend="bitserial",
                             tile=tile)
         assert got.shape == want.shape
@@ -210,8 +252,24 @@ def _sass(variant) -> str:
 
 
 @pytest.mark.parametrize("p,q,twos", [(2, 1, False), (1, 1, False), (2, 2, True), (4, 1, False)])
+def test_sass_wgmma_is_bgmma_and_popc_only(p, q, twos):
+    """The wgmma tile's SASS: BGMMA.64xNx256.AND.POPC (binary warpgroup MMA), nothing else."""
+    t = _big_tile(p, q, twos, twos)
+    if t.mma != "wgmma":
+        pytest.skip(f"this GPU runs mma.sync tiles ({loader.arch_of(torch.cuda.get_device_capability(0))})")
+    sass = _sass(loader.Variant(p, q, twos, twos, t, "float", "float16"))
+    gmma = [ln for ln in sass.splitlines() if "GMMA" in ln]
+    assert gmma and all("BGMMA" in ln and "AND.POPC" in ln for ln in gmma), gmma[:3]
+    assert not any("XOR" in ln for ln in gmma), "XOR+popc is emulated on Hopper"
+    assert "IMMA" not in sass and "BMMA" not in sass.replace("BGMMA", ""), "no mma.sync / INT MMA in the wgmma kernel"
+    assert all(f"x{t.bn // t.warps_n}x256" in ln for ln in gmma), gmma[:3]
+    # p*q warpgroup MMAs per 256-bit k-step, four k-steps per 1024-bit stage
+    assert len(gmma) >= p * q * 4
+
+
+@pytest.mark.parametrize("p,q,twos", [(2, 1, False), (1, 1, False), (2, 2, True), (4, 1, False)])
 def test_sass_is_bmma_and_popc_only(p, q, twos):
-    v = loader.Variant(p, q, twos, twos, _big_tile(p, q, twos, twos), "float", "float16")
+    v = loader.Variant(p, q, twos, twos, _sync_tile(p, q, twos, twos), "float", "float16")
     sass = _sass(v)
     bmma = [ln for ln in sass.splitlines() if "BMMA" in ln]
     assert bmma, "no BMMA instruction: the binary tensor cores are not used"

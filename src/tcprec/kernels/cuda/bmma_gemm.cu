@@ -13,8 +13,11 @@
 //   C[m, n]  = ss * S[m, n] + row_term[m] + col_term[n]                      (int32, wraps mod 2^32;
 //                                                                              exact when |C| < 2^31)
 //
-// Only  mma.sync.aligned.m16n8k256.row.col.s32.b1.b1.s32.and.popc  (SASS BMMA.168256.AND.POPC,
-// native on Hopper).  Never XOR+popc or INT4 MMA: both are emulated on sm_90 (DESIGN.md section 1).
+// Two tensor-core paths, chosen at compile time (TCP_WGMMA), both AND+popc only:
+//   0  mma.sync.aligned.m16n8k256.row.col.s32.b1.b1.s32.and.popc   (SASS BMMA.168256.AND.POPC; sm_80+)
+//   1  wgmma.mma_async.sync.aligned.m64nNk256.s32.b1.b1.and.popc    (Hopper warpgroup MMA; sm_90a only;
+//      ~1.5x mma.sync's peak, DESIGN.md section 1)
+// Never XOR+popc or INT4 MMA: both are emulated on sm_90 (DESIGN.md section 1).
 //
 // Accumulators.  mma.sync cannot scale its product, so every plane pair needs an accumulator
 // that carries one weight.  Pairs of equal weight (e.g. (0,1) and (1,0), weight 2) share one:
@@ -35,9 +38,23 @@
 // l receives word l%4 of row l/4, which is exactly the b1 m16n8k256 fragment
 // (a0 = A[g][t], a1 = A[g+8][t], a2 = A[g][t+4], a3 = A[g+8][t+4]; b0 = B[n g][t], b1 = B[n g][t+4]).
 //
+// wgmma path.  A warpgroup (4 consecutive warps) owns a 64 x WN output slab (WN = BN / WARPS_N; the
+// warps of a block form WARPS_M/4 x WARPS_N warpgroups, BM = 16 * WARPS_M).  Both operands come from
+// shared memory through matrix descriptors: BK = 1024, so a stage row is 128 bytes and the loader's
+// chunk swizzle c ^ (r & 7) is exactly the 128-byte swizzle wgmma reads (K-major, 8-row groups
+// 1024 bytes apart, every plane tile 1024-byte aligned); k-step kk (256 bits = 32 bytes) is the
+// descriptor's start address + 32 kk, as for any K-major 128-byte-swizzled wgmma operand.  The
+// accumulator fragment of m64nN is the mma.sync one stacked per warp (warp w of the group holds rows
+// 16w..16w+15, element [nt][e] at column 8 nt + 2t + (e & 1), row g + 8 (e >> 1)), so the
+// epilogue is shared.  Pipeline: cp.async ring as above, then fence.proxy.async (cp.async writes
+// through the generic proxy, wgmma reads through the async proxy), barrier, issue all wgmmas of
+// the step, commit, and wait until only that group is in flight (wgmma.wait_group 1): the slot
+// refilled at step kt is the one step kt-2 used, so STAGES-2 loads run ahead of the MMAs.
+//
 // Epilogues (compile-time EPI):
 //   0  int32 C                              out: int32 (M, ldo)
-//   1  float: y = ((float(C) * row_scale[m]) * col_scale[n]) + bias[n], optional ReLU, stored
+//   1  float: y = ((float(C) * row_scale[m]) * col_scale[n]) + bias[n], optional ReLU (or LeakyReLU:
+//      y < 0 -> slope * y, as torch.nn.functional.leaky_relu), stored
 //      as fp32 / fp16 / bf16 (OUT_T 0 / 1 / 2); every scale / bias pointer may be null.  Each step
 //      is one IEEE-rounded op (no FMA contraction), so torch reproduces it bit for bit.
 //   2  packed: y as in 1, then encoded to an OB-bit integer format (OENC: 0 twos, 1 unsigned,
@@ -51,7 +68,8 @@
 //   TCP_WARPS_M, TCP_WARPS_N  warp grid; the warp tile is (BM / WARPS_M) x (BN / WARPS_N)
 //   TCP_STAGES              cp.async pipeline depth
 //   TCP_BK                  K bits per pipeline step (512 or 1024)
-//   TCP_FRAG_DB             1: double-buffer the register fragments across MMA k-steps
+//   TCP_FRAG_DB             1: double-buffer the register fragments across MMA k-steps (mma.sync)
+//   TCP_WGMMA               1: the wgmma path (sm_90a; BK = 1024, WARPS_M a multiple of 4)
 //   TCP_EPI, TCP_OUT_T, TCP_OB, TCP_OENC   epilogue (above)
 
 #ifndef TCP_P
@@ -87,6 +105,9 @@
 #ifndef TCP_FRAG_DB
 #define TCP_FRAG_DB 0
 #endif
+#ifndef TCP_WGMMA
+#define TCP_WGMMA 0
+#endif
 #ifndef TCP_EPI
 #define TCP_EPI 0
 #endif
@@ -102,6 +123,7 @@
 
 typedef unsigned int u32;
 typedef long long i64;
+typedef unsigned long long u64;
 
 namespace tcp {
 
@@ -113,7 +135,8 @@ constexpr int THREADS = WARPS_M * WARPS_N * 32;
 constexpr int MT = BM / (WARPS_M * 16);  // 16-row MMA tiles per warp
 constexpr int NT = BN / (WARPS_N * 8);   // 8-column MMA tiles per warp
 constexpr int BK = TCP_BK;               // K bits per pipeline step
-constexpr bool FRAG_DB = TCP_FRAG_DB != 0;
+[[maybe_unused]] constexpr bool FRAG_DB = TCP_FRAG_DB != 0;
+constexpr bool WGMMA = TCP_WGMMA != 0;
 constexpr int KCH = BK / 128;            // 16-byte chunks per row per step
 constexpr int KK = BK / 256;             // MMA k-steps per pipeline step
 constexpr int WPS = BK / 32;             // 32-bit words per row per step
@@ -130,6 +153,11 @@ static_assert(MT >= 1 && MT * WARPS_M * 16 == BM, "BM must be a multiple of 16 *
 static_assert(NT >= 2 && NT % 2 == 0 && NT * WARPS_N * 8 == BN, "BN must be a multiple of 16 * WARPS_N");
 static_assert(STAGES >= 2, "the pipeline needs >= 2 stages");
 static_assert(BK == 512 || BK == 1024, "BK must be 512 or 1024 bits");
+static_assert(!WGMMA || (BK == 1024 && WARPS_M % 4 == 0 && MT == 1),
+              "wgmma: BK = 1024 (128-byte swizzled rows) and BM = 16 * WARPS_M with WARPS_M a multiple of 4");
+static_assert(!WGMMA || STAGES >= 3, "wgmma: >= 3 stages (one slot stays with the wgmmas in flight)");
+static_assert(!WGMMA || NT == 4 || NT == 8 || NT == 12 || NT == 16 || NT == 24 || NT == 32,
+              "wgmma: the warpgroup's N = BN / WARPS_N must be 32, 64, 96, 128, 192 or 256");
 static_assert(EPI != 2 || (BN % 32 == 0 && 512 % BN == 0), "packed output needs BN | 512 and 32 | BN");
 
 __host__ __device__ constexpr int plane_weight(int i, int bits, bool twos) {
@@ -191,6 +219,113 @@ __device__ __forceinline__ void bmma_and_popc(int (&c)[4], const u32 (&a)[4], co
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+#if TCP_WGMMA
+// wgmma (sm_90a): D(64 x 8NT, int32) += popc(A(64 x 256 bits) AND B(8NT x 256 bits)), both from
+// shared memory.  The accumulators are named one by one (the asm needs NT*4 register operands).
+#define TCP_R4(d, i) "+r"(d[i][0]), "+r"(d[i][1]), "+r"(d[i][2]), "+r"(d[i][3])
+#define TCP_A4(d, o) TCP_R4(d, (o)), TCP_R4(d, (o) + 1), TCP_R4(d, (o) + 2), TCP_R4(d, (o) + 3)
+#define TCP_ACC4(d) TCP_A4(d, 0)
+#define TCP_ACC8(d) TCP_ACC4(d), TCP_A4(d, 4)
+#define TCP_ACC12(d) TCP_ACC8(d), TCP_A4(d, 8)
+#define TCP_ACC16(d) TCP_ACC12(d), TCP_A4(d, 12)
+#define TCP_ACC24(d) TCP_ACC16(d), TCP_A4(d, 16), TCP_A4(d, 20)
+#define TCP_ACC32(d) TCP_ACC24(d), TCP_A4(d, 24), TCP_A4(d, 28)
+template <int NT_>
+struct Wgmma;
+template <> struct Wgmma<4> {  // m64n32k256: 16 accumulators a thread
+    static __device__ __forceinline__ void run(int (&d)[4][4], u64 da, u64 db) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n32k256.s32.b1.b1.and.popc {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+                     "}, %16, %17, p;\n}\n"
+                     : TCP_ACC4(d)
+                     : "l"(da), "l"(db), "n"(1));
+    }
+};
+template <> struct Wgmma<8> {  // m64n64k256: 32 accumulators a thread
+    static __device__ __forceinline__ void run(int (&d)[8][4], u64 da, u64 db) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k256.s32.b1.b1.and.popc {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+                     "}, %32, %33, p;\n}\n"
+                     : TCP_ACC8(d)
+                     : "l"(da), "l"(db), "n"(1));
+    }
+};
+template <> struct Wgmma<12> {  // m64n96k256: 48 accumulators a thread
+    static __device__ __forceinline__ void run(int (&d)[12][4], u64 da, u64 db) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %50, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n96k256.s32.b1.b1.and.popc {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
+                     "}, %48, %49, p;\n}\n"
+                     : TCP_ACC12(d)
+                     : "l"(da), "l"(db), "n"(1));
+    }
+};
+template <> struct Wgmma<16> {  // m64n128k256: 64 accumulators a thread
+    static __device__ __forceinline__ void run(int (&d)[16][4], u64 da, u64 db) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k256.s32.b1.b1.and.popc {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+                     "}, %64, %65, p;\n}\n"
+                     : TCP_ACC16(d)
+                     : "l"(da), "l"(db), "n"(1));
+    }
+};
+template <> struct Wgmma<24> {  // m64n192k256: 96 accumulators a thread
+    static __device__ __forceinline__ void run(int (&d)[24][4], u64 da, u64 db) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n192k256.s32.b1.b1.and.popc {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+                     "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+                     "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
+                     "}, %96, %97, p;\n}\n"
+                     : TCP_ACC24(d)
+                     : "l"(da), "l"(db), "n"(1));
+    }
+};
+template <> struct Wgmma<32> {  // m64n256k256: 128 accumulators a thread
+    static __device__ __forceinline__ void run(int (&d)[32][4], u64 da, u64 db) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n256k256.s32.b1.b1.and.popc {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+                     "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+                     "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+                     "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+                     "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+                     "}, %128, %129, p;\n}\n"
+                     : TCP_ACC32(d)
+                     : "l"(da), "l"(db), "n"(1));
+    }
+};
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Shared-memory matrix descriptor, K-major, 128-byte swizzle: start address >> 4 in bits 0-13,
+// leading-dimension offset (unused for swizzled K-major) 1, stride-dimension offset (8 rows of
+// 128 bytes = 1024) >> 4 in bits 32-45, base offset 0 (tiles 1024-byte aligned), swizzle mode 1
+// (128 B) in bits 62-63.
+__device__ __forceinline__ u64 smem_desc(u32 addr) {
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+}
+#endif  // TCP_WGMMA
+
 __device__ __forceinline__ unsigned short f32_to_f16(float x) {
     unsigned short h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
@@ -233,11 +368,15 @@ bmma_gemm(const u32* __restrict__ A,            // (P, M, Kw) bit planes of a
           const float* __restrict__ col_scale,  // (N,) or null
           const float* __restrict__ bias,       // (N,) or null
           const float* __restrict__ out_scale,  // (1,) packed epilogue's scale
-          int M, int N, int Kw, int ldo, int ss, int relu) {
+          int M, int N, int Kw, int ldo, int ss, int relu,
+          float slope) {                        // relu: y < 0 -> slope * y (0: ReLU; else LeakyReLU)
     extern __shared__ __align__(128) unsigned char smem[];
     constexpr ClassTable CT{};
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int wm = warp / WARPS_N, wn = warp % WARPS_N;
+    // warp (wm, wn) owns output rows wm*16*MT.. and columns wn*8*NT.. of the block tile; on the wgmma
+    // path warpgroup (warp / 4) owns a 64-row slab, its warp (warp % 4) the 16-row part of it
+    const int wm = WGMMA ? (warp >> 2) / WARPS_N * 4 + (warp & 3) : warp / WARPS_N;
+    const int wn = WGMMA ? (warp >> 2) % WARPS_N : warp % WARPS_N;
 
     // ---- which output tile: grouped raster, GROUP_M row tiles share their W tiles in L2 ----
     constexpr int GROUP_M = 8;
@@ -250,7 +389,9 @@ bmma_gemm(const u32* __restrict__ A,            // (P, M, Kw) bit planes of a
 
     const int k_tiles = (Kw + WPS - 1) / WPS;  // BK-bit steps (Kw is a multiple of 16 words)
     const i64 a_plane = (i64)M * Kw, w_plane = (i64)N * Kw;
-    const u32 smem_base = (u32)__cvta_generic_to_shared(smem);
+    // wgmma's 128-byte swizzle needs 1024-byte aligned tiles (the loader allocates 1 KB extra)
+    const u32 smem_raw = (u32)__cvta_generic_to_shared(smem);
+    const u32 smem_base = WGMMA ? (smem_raw + 1023u) & ~1023u : smem_raw;
 
     // ---- producer: one 512-bit K step of every plane of the A and W tiles into stage `stage` ----
     auto load_tile = [&](int stage, int kt) {
@@ -283,6 +424,38 @@ bmma_gemm(const u32* __restrict__ A,            // (P, M, Kw) bit planes of a
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc[c][mt][nt][e] = 0;
 
+#if TCP_WGMMA
+    // ---- prologue: STAGES-2 steps in flight (the slot of step kt-1 may still be read by wgmma) ----
+#pragma unroll
+    for (int s = 0; s < STAGES - 2; ++s) {
+        if (s < k_tiles) load_tile(s, s);
+        cp_async_commit();
+    }
+    const int slab = (warp >> 2) / WARPS_N;  // this warpgroup's 64-row slab of A, its N slab is wn
+    for (int kt = 0; kt < k_tiles; ++kt) {
+        cp_async_wait<STAGES - 3>();
+        fence_proxy_async();  // this thread's cp.async data -> visible to the tensor cores' async proxy
+        __syncthreads();      // step kt landed for all; every warpgroup has retired step kt-2's wgmmas
+        const int next = kt + STAGES - 2;
+        if (next < k_tiles) load_tile(next % STAGES, next);
+        cp_async_commit();
+
+        const u32 sA = smem_base + (kt % STAGES) * STAGE_BYTES, sW = sA + A_STAGE;
+        const u64 dA = smem_desc(sA + slab * 64 * ROW_BYTES), dW = smem_desc(sW + wn * (NT * 8) * ROW_BYTES);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < KK; ++kk)
+#pragma unroll
+            for (int i = 0; i < P; ++i)
+#pragma unroll
+                for (int j = 0; j < Q; ++j)  // (descriptor addresses count 16-byte units: 32 bytes = 2)
+                    Wgmma<NT>::run(acc[CT.cls[i * Q + j]][0], dA + (u64)((i * BM * ROW_BYTES + kk * 32) >> 4),
+                                   dW + (u64)((j * BN * ROW_BYTES + kk * 32) >> 4));
+        wgmma_commit();
+        wgmma_wait<1>();  // step kt-1's wgmmas are done: its slot may be refilled after the next barrier
+    }
+    wgmma_wait<0>();
+#else
     // ---- prologue: STAGES-1 steps in flight ----
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
@@ -348,6 +521,8 @@ bmma_gemm(const u32* __restrict__ A,            // (P, M, Kw) bit planes of a
         }
     }
 
+#endif  // TCP_WGMMA
+
     // ---- epilogue ----
     if (EPI == 2) {  // the packed epilogue reuses the pipeline's shared memory for its codes
         cp_async_wait<0>();
@@ -394,7 +569,8 @@ bmma_gemm(const u32* __restrict__ A,            // (P, M, Kw) bit planes of a
                         if (row_scale != nullptr && r < M) v = __fmul_rn(v, row_scale[r]);
                         if (col_scale != nullptr && c + e < N) v = __fmul_rn(v, col_scale[c + e]);
                         if (bias != nullptr && c + e < N) v = __fadd_rn(v, bias[c + e]);
-                        if (relu && v < 0.0f) v = 0.0f;  // NaN stays NaN, as torch.relu
+                        // NaN stays NaN, as torch.relu / leaky_relu; slope * y is one IEEE multiply
+                        if (relu && v < 0.0f) v = slope == 0.0f ? 0.0f : __fmul_rn(v, slope);
                         y[e] = v;
                     }
                     if (EPI == 1) {

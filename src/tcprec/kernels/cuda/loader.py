@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import io
+import math
 import os
 import threading
 from concurrent.futures import ProcessPoolExecutor
@@ -37,6 +38,8 @@ __all__ = [
     "n_classes",
     "SMALL_TILE",
     "pick_tile",
+    "wgmma_tile",
+    "MMAS",
     "parse_tile",
     "arch_of",
     "cuda_core_api",
@@ -55,6 +58,7 @@ _OUT_T = {"float32": 0, "float16": 1, "bfloat16": 2}
 _OENC = {"twos": 0, "unsigned": 1, "pm1": 2}
 _ACC_REG_BUDGET = 128  # int32 accumulator registers a thread may spend (of 255)
 _MAX_SMEM = 227 * 1024  # Hopper's opt-in dynamic shared memory per block
+_WGMMA_N = (32, 64, 96, 128, 192, 256)  # a warpgroup's N in the kernel's wgmma wrappers
 
 
 # ------------------------------------------------------------------------------------------------
@@ -76,10 +80,17 @@ def n_classes(p: int, q: int, a_twos: bool = False, w_twos: bool = False) -> int
     return len({_plane_weight(i, p, a_twos) * _plane_weight(j, q, w_twos) for i in range(p) for j in range(q)})
 
 
+MMAS = ("sync", "wgmma")
+
+
 @dataclass(frozen=True)
 class Tile:
     """Block tile ``bm x bn`` outputs, ``warps_m x warps_n`` warps, ``stages``-deep cp.async ring
-    of ``bk``-bit K steps (512 or 1024); ``frag_db`` double-buffers the register fragments."""
+    of ``bk``-bit K steps (512 or 1024); ``frag_db`` double-buffers the register fragments.
+
+    ``mma="wgmma"``: Hopper's warpgroup MMA (sm_90a) instead of ``mma.sync``; then every 4 warps
+    along M form a warpgroup that owns a 64 x (bn / warps_n) slab (bm = 16 * warps_m, warps_m a
+    multiple of 4), and bk is 1024."""
 
     bm: int
     bn: int
@@ -88,29 +99,34 @@ class Tile:
     stages: int = 4
     bk: int = 512
     frag_db: bool = False
+    mma: str = "sync"
 
     def __str__(self) -> str:
         s = f"{self.bm}x{self.bn}_w{self.warps_m}x{self.warps_n}_s{self.stages}"
-        return s + ("" if self.bk == 512 else f"_k{self.bk}") + ("_db" if self.frag_db else "")
+        return (s + ("" if self.bk == 512 else f"_k{self.bk}") + ("_db" if self.frag_db else "")
+                + ("_wg" if self.mma == "wgmma" else ""))
 
 
 def parse_tile(text: str) -> Tile:
-    """``"64x256_w2x4_s4"`` / ``"64x256_w2x4_s3_k1024_db"`` (as ``str(Tile)`` writes it) -> Tile."""
+    """``"64x256_w2x4_s4"`` / ``"64x256_w2x4_s3_k1024_db"`` / ``"128x128_w8x1_s4_k1024_wg"`` (as
+    ``str(Tile)`` writes it) -> Tile."""
     try:
         mn, w, s, *extra = text.split("_")
         bm, bn = (int(v) for v in mn.split("x"))
         wm, wn = (int(v) for v in w.removeprefix("w").split("x"))
-        bk, db = 512, False
+        bk, db, mma = 512, False, "sync"
         for e in extra:
             if e == "db":
                 db = True
+            elif e == "wg":
+                mma = "wgmma"
             elif e.startswith("k"):
                 bk = int(e[1:])
             else:
                 raise ValueError(e)
-        return Tile(bm, bn, wm, wn, int(s.removeprefix("s")), bk, db)
+        return Tile(bm, bn, wm, wn, int(s.removeprefix("s")), bk, db, mma)
     except ValueError:
-        raise ValueError(f"tile must look like '64x256_w2x4_s4' (BMxBN_wWARPS_MxWARPS_N_sSTAGES[_kBK][_db]), "
+        raise ValueError(f"tile must look like '64x256_w2x4_s4' (BMxBN_wWARPS_MxWARPS_N_sSTAGES[_kBK][_db][_wg]), "
                          f"got {text!r}") from None
 
 
@@ -142,6 +158,15 @@ class Variant:
         if t.bm % (16 * t.warps_m) or t.bn % (16 * t.warps_n) or t.stages < 2 or t.bk not in (512, 1024):
             raise ValueError(f"tile {t}: bm must be a multiple of 16*warps_m, bn of 16*warps_n, stages >= 2, "
                              "bk 512 or 1024")
+        if t.mma not in MMAS:
+            raise ValueError(f"tile {t}: mma must be one of {MMAS}, got {t.mma!r}")
+        if t.mma == "wgmma":
+            wn = t.bn // t.warps_n if t.bn % t.warps_n == 0 else 0
+            if t.bk != 1024 or t.warps_m % 4 or t.bm != 16 * t.warps_m or wn not in _WGMMA_N or t.frag_db \
+                    or t.stages < 3:
+                raise ValueError(f"tile {t}: wgmma needs bk=1024, warps_m a multiple of 4 with bm = 16*warps_m, "
+                                 f"bn / warps_n in {_WGMMA_N}, >= 3 stages and no frag_db "
+                                 "(e.g. '128x128_w8x1_s4_k1024_wg')")
         if self.epilogue == "packed" and (t.bn % 32 or 512 % t.bn):
             raise ValueError(f"tile {t}: the packed epilogue needs bn dividing 512 and a multiple of 32")
         if self.smem_bytes > _MAX_SMEM:
@@ -160,7 +185,8 @@ class Variant:
         t = self.tile
         pipe = t.stages * (self.p * t.bm + self.q * t.bn) * (t.bk // 8)
         codes = t.bm * (t.bn + 4) if self.epilogue == "packed" else 0
-        return max(pipe, codes)
+        align = 1024 if t.mma == "wgmma" else 0  # the kernel aligns its tiles to 1024 bytes
+        return max(pipe, codes) + align
 
     def defines(self) -> list[str]:
         t = self.tile
@@ -168,7 +194,8 @@ class Variant:
         return [
             f"TCP_P={self.p}", f"TCP_Q={self.q}", f"TCP_A_TWOS={int(self.a_twos)}", f"TCP_W_TWOS={int(self.w_twos)}",
             f"TCP_BM={t.bm}", f"TCP_BN={t.bn}", f"TCP_WARPS_M={t.warps_m}", f"TCP_WARPS_N={t.warps_n}",
-            f"TCP_STAGES={t.stages}", f"TCP_BK={t.bk}", f"TCP_FRAG_DB={int(t.frag_db)}", f"TCP_EPI={epi}", f"TCP_OUT_T={_OUT_T[self.out_dtype]}",
+            f"TCP_STAGES={t.stages}", f"TCP_BK={t.bk}", f"TCP_FRAG_DB={int(t.frag_db)}",
+            f"TCP_WGMMA={int(t.mma == 'wgmma')}", f"TCP_EPI={epi}", f"TCP_OUT_T={_OUT_T[self.out_dtype]}",
             f"TCP_OB={self.out_bits}", f"TCP_OENC={_OENC[self.out_encoding]}",
         ]
 
@@ -199,12 +226,40 @@ def _warp_tiles(p: int, q: int, nc: int) -> tuple[int, int]:
 # (half the barriers of 512) and 3 stages: 628 us against 828 us for 8 warps / 512 bits / 4 stages.
 # At 64 x 1024 x 1024 the 32 x 32 tile with 1024-bit steps and 2 stages was fastest (3.1 us).
 SMALL_TILE = Tile(32, 32, 2, 2, 2, 1024)
+_WGMMA_ACC_BUDGET = 128  # int32 accumulator registers a wgmma thread may spend (ptxas adds ~90-100 more)
 
 
-def pick_tile(p: int, q: int, a_twos: bool, w_twos: bool, M: int, N: int, sm_count: int = 132) -> Tile:
-    """The default tile for an (M, N) problem: 4 warps (2 x 2) with the register-bounded warp tile
-    of :func:`_warp_tiles`, 1024-bit K steps, 3 stages; when that leaves SMs idle (fewer blocks
-    than SMs), :data:`SMALL_TILE` (32 x 32 outputs a block)."""
+def _default_arch() -> str:
+    if torch.cuda.is_available():
+        return arch_of(torch.cuda.get_device_capability())
+    return "sm_90a"  # no GPU (CI): the tiles an H100 / H200 would run
+
+
+def wgmma_tile(p: int, q: int, a_twos: bool = False, w_twos: bool = False) -> Optional[Tile]:
+    """The wgmma tile for (p, q): two warpgroups along M (bm = 128), the widest warpgroup N whose
+    accumulators (classes * N / 2 registers a thread) fit the budget, as many stages (3..4) as
+    shared memory holds; None when nothing fits (many classes or planes: use mma.sync)."""
+    nc = n_classes(p, q, a_twos, w_twos)
+    wn = next((n for n in reversed(_WGMMA_N) if nc * n // 2 <= _WGMMA_ACC_BUDGET), None)
+    if wn is None:
+        return None
+    stage = (p * 128 + q * wn) * 128
+    stages = min(4, (_MAX_SMEM - 1024) // stage)
+    return Tile(128, wn, 8, 1, stages, 1024, mma="wgmma") if stages >= 3 else None
+
+
+def pick_tile(p: int, q: int, a_twos: bool, w_twos: bool, M: int, N: int, sm_count: int = 132,
+              arch: Optional[str] = None) -> Tile:
+    """The default tile for an (M, N) problem.  On sm_90a (``arch``; default: the current CUDA
+    device, else sm_90a) the :func:`wgmma_tile` when it exists and gives every SM a block;
+    otherwise mma.sync with 4 warps (2 x 2), the register-bounded warp tile of :func:`_warp_tiles`,
+    1024-bit K steps, 3 stages; when that too leaves SMs idle (fewer blocks than SMs),
+    :data:`SMALL_TILE` (32 x 32 outputs a block)."""
+    arch = arch or _default_arch()
+    if arch.endswith("a") and arch.startswith("sm_9"):
+        wt = wgmma_tile(p, q, a_twos, w_twos)
+        if wt is not None and -(-M // wt.bm) * -(-N // wt.bn) >= sm_count:
+            return wt
     mt, nt = _warp_tiles(p, q, n_classes(p, q, a_twos, w_twos))
     big = Tile(mt * 16 * 2, nt * 8 * 2, 2, 2, 3, 1024)
     blocks = -(-M // big.bm) * -(-N // big.bn)
@@ -396,7 +451,7 @@ def _ptr(t: Optional[torch.Tensor]):
 
 def launch_bmma(variant: Variant, a_planes, w_planes, out, M: int, N: int, Kw: int, ldo: int, *, ss: int = 1,
                 relu: bool = False, row_term=None, col_term=None, row_scale=None, col_scale=None, bias=None,
-                out_scale=None) -> None:
+                out_scale=None, leaky_slope: float = 0.0) -> None:
     """Launch ``variant`` on the current stream of ``out``'s device.  Every tensor must already be
     contiguous, on that device, of the kernel's dtype (see bmma_gemm.cu's parameter list)."""
     *_, LaunchConfig, _, launch = cuda_core_api()
@@ -411,7 +466,8 @@ def launch_bmma(variant: Variant, a_planes, w_planes, out, M: int, N: int, Kw: i
     stream = _stream_for(torch.cuda.current_stream(out.device).cuda_stream)
     launch(stream, cfg, kernel, _ptr(a_planes), _ptr(w_planes), _ptr(out), _ptr(row_term), _ptr(col_term),
            _ptr(row_scale), _ptr(col_scale), _ptr(bias), _ptr(out_scale),
-           np.int32(M), np.int32(N), np.int32(Kw), np.int32(ldo), np.int32(ss), np.int32(int(relu)))
+           np.int32(M), np.int32(N), np.int32(Kw), np.int32(ldo), np.int32(ss), np.int32(int(relu)),
+           np.float32(leaky_slope))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -422,18 +478,20 @@ def launch_bmma(variant: Variant, a_planes, w_planes, out, M: int, N: int, Kw: i
 _sms: dict = {}
 
 
-def _sm_count(device: torch.device) -> int:
+def _sm_count(device: torch.device) -> tuple[int, str]:
+    """(SM count, NVRTC arch) of a CUDA device, memoised."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
     n = _sms.get(idx)
     if n is None:
-        n = _sms[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+        n = _sms[idx] = (torch.cuda.get_device_properties(idx).multi_processor_count,
+                         arch_of(torch.cuda.get_device_capability(idx)))
     return n
 
 
 @functools.lru_cache(maxsize=4096)
-def _variant_for(p, q, a_twos, w_twos, M, N, out_kind, out_bits, out_encoding, tile, sm_count) -> Variant:
+def _variant_for(p, q, a_twos, w_twos, M, N, out_kind, out_bits, out_encoding, tile, sm_count, arch) -> Variant:
     """The variant one call launches (memoised: the host path stays a few microseconds)."""
-    t = parse_tile(tile) if tile else pick_tile(p, q, a_twos, w_twos, M, N, sm_count)
+    t = parse_tile(tile) if tile else pick_tile(p, q, a_twos, w_twos, M, N, sm_count, arch)
     epi = {"int32": "int32", "packed": "packed"}.get(out_kind, "float")
     if epi == "packed" and (t.bn % 32 or 512 % t.bn):
         t = replace(t, bn=128 if t.bn > 128 else 32)
@@ -468,8 +526,14 @@ def bmma_gemm(
     out_encoding: str,
     out_scale: Optional[torch.Tensor],  # packed: (1,) float32
     tile: str,  # "" picks one by shape, else str(Tile)
+    leaky_slope: float = 0.0,  # with relu: y < 0 -> leaky_slope * y (LeakyReLU); 0 is ReLU
 ) -> torch.Tensor:
     """C = a @ w.T on the binary tensor cores (see bmma_gemm.cu for the exact contract)."""
+    if leaky_slope != 0.0 and not relu:
+        raise ValueError(f"leaky_slope={leaky_slope} applies with relu=True only (y < 0 -> leaky_slope * y); "
+                         "pass relu=True or leaky_slope=0.0")
+    if not math.isfinite(leaky_slope):
+        raise ValueError(f"leaky_slope must be finite, got {leaky_slope}")
     p, M, Kw = a_planes.shape
     q, N, Kw_w = w_planes.shape
     if Kw != Kw_w:
@@ -486,15 +550,15 @@ def bmma_gemm(
     if M == 0 or N == 0:
         return out
     variant = _variant_for(p, q, a_twos, w_twos, M, N, out_kind, out_bits, out_encoding, tile,
-                           _sm_count(a_planes.device))
+                           *_sm_count(a_planes.device))
     launch_bmma(variant, a_planes.contiguous(), w_planes.contiguous(), out, M, N, Kw, ldo, ss=ss, relu=relu,
                 row_term=row_term, col_term=col_term, row_scale=row_scale, col_scale=col_scale, bias=bias,
-                out_scale=out_scale)
+                out_scale=out_scale, leaky_slope=leaky_slope)
     return out
 
 
 @bmma_gemm.register_fake
 def _(a_planes, w_planes, a_twos, w_twos, ss, row_term, col_term, row_scale, col_scale, bias, relu, out_kind,
-      out_bits, out_encoding, out_scale, tile):
+      out_bits, out_encoding, out_scale, tile, leaky_slope=0.0):
     shape, dtype = _out_shape(a_planes, w_planes, out_kind, out_bits)
     return a_planes.new_empty(shape, dtype=dtype)
