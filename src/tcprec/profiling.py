@@ -1,9 +1,10 @@
 """Profile a model or an inference callable: per-layer latency, a time breakdown, every kernel with a
 tensor-core flag, host<->device copies, the dtype trace of the forward pass, Chrome-trace export.
 
->>> import torch, tcprec as tp
+>>> import torch
+>>> from tcprec.profiling import profile  # also tcprec.profile
 >>> m = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU())
->>> rep = tp.profile(m, torch.randn(2, 8), warmup=1, iters=2)
+>>> rep = profile(m, torch.randn(2, 8), warmup=1, iters=2)
 >>> [l.name for l in rep.layers], rep.dtype_trace
 (['0', '1'], 'fp32 -> 0 -> 1 -> fp32')
 
@@ -109,8 +110,8 @@ KERNEL_RULES: list[tuple[str, str, bool, str]] = [
     # --- conversions: before plain copies and elementwise -----------------------------------------
     (r"nchwToNhwc|nhwcToNchw|nchw2nhwc|nhwc2nchw|transpose|permute", "type_conversion", False,
      "layout conversions (cuDNN's nchwToNhwcKernel, transposes)"),
-    (r"(?i)(bfloat16|float16|half|float8|fp8)_copy_kernel|to_copy|_to_copy|convert|cast", "type_conversion", False,
-     "dtype conversions: at::native::bfloat16_copy_kernel_cuda, Inductor *_to_copy_*, aten::to"),
+    (r"(?i)(bfloat16|float16|half|float8|fp8)_copy_kernel|to_copy|convert|(?<!no)cast", "type_conversion", False,
+     "dtype conversions: at::native::bfloat16_copy_kernel_cuda, Inductor *_to_copy_*, aten::to ('nocast' is not one)"),
     (r"(?i)quantiz|fp8_quant|_quant_|dequant", "quantize_pack", False, "vendor quantize / dequantize kernels"),
     (r"^aten::(to|_to_copy|type_as|half|float|bfloat16|_autocast\w*)$", "type_conversion", False, "CPU-clock casts"),
     (r"CatArrayBatchedCopy|direct_copy|copy_kernel|^aten::(copy_|clone|contiguous|cat)$", "memcpy", False,
@@ -123,9 +124,9 @@ KERNEL_RULES: list[tuple[str, str, bool, str]] = [
     (r"^aten::", "compute", False, "any other aten op on the CPU clock (elementwise, pooling, norms)"),
     # --- CUDA-core elementwise / reduction work ---------------------------------------------------
     (r"(?i)FillFunctor|fill_kernel", "other", False, "fills (torch.zeros on the device)"),
-    (r"(?i)elementwise|vectorized|reduce|softmax|norm|pool|relu|gather|scatter|index|triton_(poi|red|per)_",
+    (r"(?i)nccl", "other", False, "collectives (before 'reduce' below: ncclDevKernel_AllReduce_*)"),
+    (r"(?i)elementwise|vectorized|reduce|softmax|norm|bn_fw|bn_bw|pool|relu|gather|scatter|index|triton_(poi|red|per)_",
      "compute", False, "elementwise / reduction kernels on CUDA cores (at::native::*, Inductor pointwise)"),
-    (r"(?i)nccl", "other", False, "collectives"),
 ]
 
 
@@ -617,7 +618,7 @@ def _run_profiled(step: Callable[[], Any], warmup: int, iters: int, record_shape
     _sync()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     prof_warmup = 1 if warmup > 0 else 0
-    sched = schedule(wait=0, warmup=prof_warmup, active=iters, repeat=1)
+    sched = schedule(wait=0, warmup=1, active=iters, repeat=1) if prof_warmup else None  # no warm-up: no schedule
     out = None
     with torch.profiler.profile(activities=acts, schedule=sched, record_shapes=record_shapes) as prof:
         for _ in range(prof_warmup + iters):
@@ -635,9 +636,9 @@ def profile(model_or_callable, x, *, warmup: int = 3, iters: int = 10, trace_pat
     ``x`` is a Tensor or a tuple/list of Tensors (passed positionally).  See the module docstring
     for what is measured and on which clock; ``trace_path`` also writes the Chrome trace.
 
-    >>> import torch, tcprec as tp
-    >>> rep = tp.profile(torch.nn.Sequential(torch.nn.Linear(4, 4)), torch.randn(1, 4), warmup=0, iters=1)
-    >>> sorted(rep.breakdown) == sorted(tp.profiling.CATEGORIES), rep.copies["HtoD"]
+    >>> import torch
+    >>> rep = profile(torch.nn.Sequential(torch.nn.Linear(4, 4)), torch.randn(1, 4), warmup=0, iters=1)
+    >>> sorted(rep.breakdown) == sorted(CATEGORIES), rep.copies["HtoD"]
     (True, 0.0)
     """
     args = _check_args(model_or_callable, x, warmup, iters, trace_path, record_shapes)
