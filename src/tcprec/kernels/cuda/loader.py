@@ -235,17 +235,24 @@ def _default_arch() -> str:
     return "sm_90a"  # no GPU (CI): the tiles an H100 / H200 would run
 
 
+# Measured on an H200 (w1a2 8192^3, fp16 out, same run; benchmarks/results/gemm_tune.json): the wgmma
+# kernel is bound by operand traffic, so the largest tile wins: 192 x 128 (3 warpgroups, 3 stages)
+# 520 us, 128 x 192 551 us, 64 x 128 (2 blocks an SM) 557 us, 128 x 128 581 us; mma.sync 678 us.
 def wgmma_tile(p: int, q: int, a_twos: bool = False, w_twos: bool = False) -> Optional[Tile]:
-    """The wgmma tile for (p, q): two warpgroups along M (bm = 128), the widest warpgroup N whose
-    accumulators (classes * N / 2 registers a thread) fit the budget, as many stages (3..4) as
-    shared memory holds; None when nothing fits (many classes or planes: use mma.sync)."""
+    """The wgmma tile for (p, q): three warpgroups along M (bm = 192; two, bm = 128, when three
+    stages of that do not fit shared memory), the widest warpgroup N whose accumulators
+    (classes * N / 2 registers a thread) fit the budget, as many stages (3..4) as shared memory
+    holds; None when nothing fits or N would be < 64 (many classes or planes: use mma.sync)."""
     nc = n_classes(p, q, a_twos, w_twos)
     wn = next((n for n in reversed(_WGMMA_N) if nc * n // 2 <= _WGMMA_ACC_BUDGET), None)
-    if wn is None:
+    if wn is None or wn < 64:  # N = 32: measured slower than mma.sync (w2a2 8192^3: 1462 us vs 1156 us)
         return None
-    stage = (p * 128 + q * wn) * 128
-    stages = min(4, (_MAX_SMEM - 1024) // stage)
-    return Tile(128, wn, 8, 1, stages, 1024, mma="wgmma") if stages >= 3 else None
+    for bm in (192, 128):
+        stage = (p * bm + q * wn) * 128
+        stages = min(4, (_MAX_SMEM - 1024) // stage)
+        if stages >= 3:
+            return Tile(bm, wn, bm // 16, 1, stages, 1024, mma="wgmma")
+    return None
 
 
 def pick_tile(p: int, q: int, a_twos: bool, w_twos: bool, M: int, N: int, sm_count: int = 132,
