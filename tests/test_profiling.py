@@ -393,6 +393,7 @@ REAL_KERNELS = [
     ("_dgrad_kernel", "compute", True),
     ("_wgrad_kernel", "compute", True),
     ("_sum_splits_kernel", "compute", False),
+    ("_conv_fwd_kernel", "compute", True),
     ("_fma_gemm_kernel", "compute", False),
     ("_chunk_gemm_kernel", "compute", True),
     # CPU-clock op names
@@ -438,7 +439,7 @@ def test_every_triton_kernel_of_ours_has_a_rule():
     for name, _ in found:
         assert kernel_rule(name)[2] != "no rule matched", name
     dot = {r[0].strip("^$") for r in P._our_triton_rules() if r[2]}
-    assert {"_dgrad_kernel", "_wgrad_kernel", "_chunk_gemm_kernel"} <= dot
+    assert {"_dgrad_kernel", "_wgrad_kernel", "_chunk_gemm_kernel"} <= dot  # _chunk_gemm_kernel: through a helper
     assert "_pack_bitplanes_kernel" not in dot and "_fma_gemm_kernel" not in dot
 
 
@@ -473,9 +474,9 @@ def _gpu_events():
 
 
 def test_analyze_gpu_events():
-    layers, breakdown, kernels, copies, clock, wall_ms, n = analyze(
-        _gpu_events(), {"quant": "Q", "conv": "QConv2d", "out": "O"}, ["quant", "conv", "out"], {"quant": 1})
-    assert clock == "cuda" and n == 2
+    res = analyze(_gpu_events(), {"quant": "Q", "conv": "QConv2d", "out": "O"}, ["quant", "conv", "out"], {"quant": 1})
+    layers, breakdown, kernels, copies, clock, wall_ms = res[:6]
+    assert clock == "cuda" and res.n_inferences == 2 and res.unattributed_ms == 0
     assert wall_ms == pytest.approx(0.9)
     assert copies == {"HtoD": 1, "DtoH": 1, "DtoD": 1}
     by = {lay.name: lay for lay in layers}
@@ -492,6 +493,15 @@ def test_analyze_gpu_events():
     assert not k["_pack_bitplanes_kernel"].tensor_core
     assert breakdown == pytest.approx({"compute": 0.3, "quantize_pack": 0.02, "type_conversion": 0.0,
                                        "memcpy": (10 + 10 + 4) / 1e3, "other": 0.0})
+
+
+def test_analyze_unattributed_and_linked_scope():
+    ev = [Event(P.ITER_SCOPE, "scope", 0, 100, corr=1), Event(P.LAYER_SCOPE + "a", "scope", 10, 20, corr=2),
+          Event("_pack_bitplanes_kernel", "kernel", 30, 35, corr=50, linked=2),  # launched in scope a, no runtime event
+          Event("glue_elementwise_kernel", "kernel", 40, 48, corr=51, linked=999)]  # launch unknown
+    res = analyze(ev, {}, ["a"], None)
+    assert res.layers[0].ms == pytest.approx(5 / 1e3) and res.unattributed_ms == pytest.approx(8 / 1e3)
+    assert res.breakdown["quantize_pack"] == pytest.approx(5 / 1e3)
 
 
 def test_analyze_needs_inference_scopes():

@@ -47,7 +47,7 @@ import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -82,6 +82,7 @@ KERNEL_RULES: list[tuple[str, str, bool, str]] = [
     (r"^_pack_bitplanes_kernel$", "quantize_pack", False, "our Triton bit-plane packer (kernels/triton/pack.py)"),
     (r"^_im2col_bits_kernel$", "quantize_pack", False, "our Triton word gather over packed planes (im2col_bits.py)"),
     (r"^_(dgrad|wgrad)_kernel$", "compute", True, "our Triton implicit-GEMM conv backward: tl.dot"),
+    (r"^_conv_fwd_kernel$", "compute", True, "our Triton implicit-GEMM conv forward (conv_fwd.py): tl.dot"),
     (r"^_sum_splits_kernel$", "compute", False, "our Triton split-K reduction (conv_bwd.py), elementwise adds"),
     (r"^_fma_gemm_kernel$", "compute", False, "our Triton emulated GEMM, one rounded FMA at a time (no tl.dot)"),
     (r"^_chunk_gemm_kernel$", "compute", True, "our Triton emulated GEMM, tl.dot per k-chunk (fp32 'ieee' skips TCs)"),
@@ -162,17 +163,28 @@ _TRITON_DIR = Path(__file__).with_name("kernels") / "triton"
 _JIT_DEF = re.compile(r"^@triton\.jit[^\n]*\n(?:@[^\n]*\n)*def (\w+)\(", re.M)
 
 
+_TOP_LEVEL = re.compile(r"^(?:@|def |class |[A-Za-z_])", re.M)
+
+
 def _our_triton_rules() -> list[tuple[str, str, bool, str]]:
     """Rows for every ``@triton.jit`` function in ``kernels/triton/*.py`` (read as text, not imported):
-    a body with ``tl.dot`` is tensor-core compute; a name about packing/rounding is quantize_pack."""
+    one whose body calls ``tl.dot`` -- itself or through a jit helper of the same file -- is
+    tensor-core compute; one named for packing/rounding is quantize_pack; the rest is compute."""
     rows = []
     for path in sorted(_TRITON_DIR.glob("*.py")):
         text = path.read_text(encoding="utf-8")
-        defs = list(_JIT_DEF.finditer(text))
-        for i, m in enumerate(defs):
-            body = text[m.end(): defs[i + 1].start() if i + 1 < len(defs) else len(text)]
-            name = m.group(1)
-            if "tl.dot(" in body:
+        bodies = {}
+        for m in _JIT_DEF.finditer(text):
+            nxt = _TOP_LEVEL.search(text, m.end())
+            bodies[m.group(1)] = text[m.end(): nxt.start() if nxt else len(text)]
+        dot = {n for n, b in bodies.items() if "tl.dot(" in b}
+        while True:  # close over calls to jit helpers
+            more = {n for n, b in bodies.items() if n not in dot and any(re.search(rf"\b{h}\(", b) for h in dot)}
+            if not more:
+                break
+            dot |= more
+        for name in bodies:
+            if name in dot:
                 rows.append((rf"^{name}$", "compute", True, f"our Triton kernel in {path.name}: tl.dot"))
             elif re.search(r"pack|round|cast|quant|encode|im2col", name):
                 rows.append((rf"^{name}$", "quantize_pack", False, f"our Triton kernel in {path.name}"))
@@ -439,10 +451,20 @@ class _Intervals:
         return None
 
 
+class Analysis(NamedTuple):
+    layers: list[LayerTime]
+    breakdown: dict[str, float]
+    kernels: list[KernelRecord]
+    copies: dict[str, float]
+    clock: str
+    wall_ms: float
+    n_inferences: int
+    unattributed_ms: float  # cuda clock: device time per inference launched outside every layer scope
+
+
 def analyze(events: list[Event], layer_kinds: dict[str, str] | None = None,
             layer_order: list[str] | None = None, layer_calls: dict[str, int] | None = None):
-    """Turn events into ``(layers, breakdown, kernels, copies, clock, wall_ms, n_inferences)``, all
-    per inference (the number of ``tcprec.inference`` scopes found).  ``layer_order`` fixes the
+    """Turn events into an :class:`Analysis`, all per inference (the number of ``tcprec.inference`` scopes found).  ``layer_order`` fixes the
     layer rows (default: by first scope start); ``layer_calls`` their calls per inference.
 
     Used by :func:`profile`; public so the analysis can be tested on hand-made GPU-like events."""
@@ -458,13 +480,15 @@ def analyze(events: list[Event], layer_kinds: dict[str, str] | None = None,
 
     device = [e for e in events if e.kind in ("kernel", "memcpy", "memset")]
     runtime_start = {e.corr: e.start for e in events if e.kind == "runtime" and e.corr}
-    op_start = {e.corr: e.start for e in events if e.kind == "op" and e.corr}
+    # a device event's linked id names the CPU op -- or our scope, for a Triton launch outside any op
+    op_start = {e.corr: e.start for e in events if e.kind in ("op", "scope") and e.corr}
     clock = "cuda" if device else "cpu"
 
     layer_ms: dict[str, float] = {}
     kern: dict[str, list[float]] = {}  # name -> [calls, total_us]
     copies = {"HtoD": 0.0, "DtoH": 0.0, "DtoD": 0.0}
     breakdown = dict.fromkeys(CATEGORIES, 0.0)
+    unattributed_us = 0.0  # device time launched outside every layer scope (or with no launch found)
 
     if clock == "cuda":
         for d in device:
@@ -481,11 +505,12 @@ def analyze(events: list[Event], layer_kinds: dict[str, str] | None = None,
                 m = _COPY_DIR.search(d.name)
                 if m and m.group(1) != "HtoH":
                     copies["DtoD" if m.group(1) == "PtoP" else m.group(1)] += 1
-            if launch is not None:
-                lay = layer_iv.find(launch)
-                if lay is not None:
-                    key = lay.name[len(LAYER_SCOPE):]
-                    layer_ms[key] = layer_ms.get(key, 0.0) + dur
+            lay = layer_iv.find(launch) if launch is not None else None
+            if lay is not None:
+                key = lay.name[len(LAYER_SCOPE):]
+                layer_ms[key] = layer_ms.get(key, 0.0) + dur
+            else:
+                unattributed_us += dur
     else:
         for s in layer_iv.scopes:
             key = s.name[len(LAYER_SCOPE):]
@@ -515,7 +540,7 @@ def analyze(events: list[Event], layer_kinds: dict[str, str] | None = None,
         ms = layer_ms.get(k, 0.0) / 1e3 / iters
         share = (layer_ms.get(k, 0.0) / total) if total > 0 else 1.0 / len(order)
         layers.append(LayerTime(k, layer_kinds.get(k, "layer"), ms, share, (layer_calls or {}).get(k, 1)))
-    return layers, breakdown, kernels, copies, clock, wall_ms, iters
+    return Analysis(layers, breakdown, kernels, copies, clock, wall_ms, iters, unattributed_us / 1e3 / iters)
 
 
 def _outermost_ops(ops: list[Event]) -> list[Event]:
@@ -664,9 +689,14 @@ def profile(model_or_callable, x, *, warmup: int = 3, iters: int = 10, trace_pat
 
     events = _events_from_profiler(prof)
     order, calls = _order_and_calls(rec.calls)
-    layers, breakdown, kernels, copies, clock, wall_ms, n_seen = analyze(events, kinds, order if handles else [], calls)
-    if n_seen != iters:
-        notes.append(f"the profiler returned {n_seen} inference scopes for iters={iters}; numbers are per inference over {n_seen}")
+    res = analyze(events, kinds, order if handles else [], calls)
+    layers, breakdown, kernels, copies, clock, wall_ms = res[:6]
+    if res.n_inferences != iters:
+        notes.append(f"the profiler returned {res.n_inferences} inference scopes for iters={iters}; "
+                     f"numbers are per inference over {res.n_inferences}")
+    if handles and clock == "cuda" and res.unattributed_ms > 0:
+        notes.append(f"{res.unattributed_ms:.4f} ms/inference of device time was launched outside every leaf layer "
+                     "(glue code between modules); it is in the kernels and breakdown, not in the layers")
     calls_trace = rec.calls
 
     if named is not None:
