@@ -102,7 +102,7 @@ def _im2col_bits_kernel(
 
 
 def im2col_bits(planes: torch.Tensor, geom, *, twos: bool = False, store: bool = True, rowsum: bool = False,
-                row_mul: int = 1, row_add: int = 0, block_m: int = 32, block_w: int = 32):
+                row_mul: int = 1, row_add: int = 0, block_m: int | None = None, block_w: int = 32):
     """Launch: planes int32 ``(bits, N*H*W, Kw_in)`` and a ``ConvGeometry`` -> ``(cols, row_term)``:
     cols int32 ``(bits, N*P*Q, Kw_col)`` (None unless ``store``), row_term int32 ``(N*P*Q,)`` (None
     unless ``rowsum``).  ``tcprec.ops.qconv`` validates; this only allocates and launches."""
@@ -116,6 +116,8 @@ def im2col_bits(planes: torch.Tensor, geom, *, twos: bool = False, store: bool =
     row = torch.empty((M,), dtype=torch.int32, device=dev) if rowsum else None
     if M == 0 or not (store or rowsum):
         return cols, row
+    if block_m is None:  # Triton's CPU interpreter pays per program: few, large ones there
+        block_m = 32 if planes.is_cuda else 256
     dummy = planes  # never written when its flag is off
     grid = (triton.cdiv(M, block_m),)
     _im2col_bits_kernel[grid](

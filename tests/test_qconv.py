@@ -1,0 +1,242 @@
+"""tcprec.ops.qconv.conv2d on the CPU: the integer convolution equals F.conv2d on decoded codes (float64)
+for kernel sizes 1, 3, 5, 7, 11, strides 1, 2, 4, padding, dilation 2, odd sizes and channel counts, a
+spread of (p, q) and the three encodings -- on the reference backend and through the whole bit-serial
+pipeline (the Triton im2col over packed planes under TRITON_INTERPRET=1, then the bmma_gemm contract
+emulated in torch); the INT8 path; the float / packed epilogues, activations and pooling; packed
+chaining; bad input."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tcprec as tp
+from tcprec.formats import IntFormat
+from tcprec.kernels import reference_gemm as rg
+from tcprec.kernels import reference_qconv as rq
+from tcprec.kernels.reference_conv import ConvGeometry
+from tcprec.ops import qconv
+from tcprec.ops.qconv import PackedActivation, conv2d, explain_conv2d, pack_activation, pack_conv_weight
+from tcprec.qtensor import PerChannel, PerGroup, PerTensor, QTensor
+
+pytest.importorskip("triton", reason="triton is a Linux dependency of tcprec")
+ENC = ("twos", "unsigned", "pm1")
+
+# (R, stride, padding, dilation, N, H, W, C, K, p, enc_a, q, enc_w): every kernel size, stride, odd sizes
+CASES = [
+    (1, 1, 0, 1, 2, 5, 7, 3, 4, 2, "unsigned", 1, "pm1"),  # pointwise: no im2col
+    (1, 2, 0, 1, 1, 9, 7, 33, 5, 1, "pm1", 2, "twos"),  # ResNet downsample 1x1 s2, pm1 activations
+    (3, 1, 1, 1, 1, 7, 9, 5, 6, 2, "unsigned", 1, "pm1"),  # VGG / YOLO 3x3
+    (3, 2, 1, 1, 2, 9, 9, 17, 3, 3, "twos", 2, "unsigned"),
+    (3, 1, 2, 2, 1, 11, 7, 7, 5, 2, "twos", 2, "pm1"),  # dilation 2
+    (5, 1, 2, 1, 1, 9, 11, 31, 4, 4, "unsigned", 1, "twos"),
+    (5, 2, 0, 1, 1, 13, 9, 3, 7, 1, "pm1", 1, "pm1"),  # pm1 x pm1, no padding
+    (7, 4, 3, 1, 1, 17, 19, 3, 5, 2, "unsigned", 2, "twos"),  # ResNet stem 7x7 s4
+    (7, 2, 0, 2, 1, 19, 17, 6, 3, 5, "twos", 3, "pm1"),
+    (11, 4, 2, 1, 1, 23, 27, 3, 4, 8, "unsigned", 1, "pm1"),  # AlexNet stem 11x11 s4
+    (11, 4, 0, 1, 1, 15, 15, 65, 2, 1, "twos", 8, "twos"),
+    (3, (2, 1), (0, 1), (1, 2), 1, 8, 9, 40, 3, 6, "unsigned", 7, "unsigned"),  # pairs
+]
+
+
+def _qt(shape, fmt, gen, granularity=None):
+    codes = torch.randint(0, fmt.n_codes, shape, dtype=torch.uint8, generator=gen)
+    g = granularity or PerTensor()
+    scale = (torch.rand(g.scale_shape(shape), generator=gen) + 0.5).to(torch.float32)
+    return QTensor(codes, scale, fmt, g, shape, torch.float32)
+
+
+def _exact(qx, qw, stride=1, padding=0, dilation=1):
+    """F.conv2d on the decoded codes in float64 (tcprec.decode: independent of reference_qconv)."""
+    x = tp.decode(qx.codes, qx.fmt).double().permute(0, 3, 1, 2)
+    w = tp.decode(qw.codes, qw.fmt).double().permute(0, 3, 1, 2)
+    return F.conv2d(x, w, stride=stride, padding=padding, dilation=dilation).permute(0, 2, 3, 1).round().long()
+
+
+def _case(i):
+    R, st, pd, dl, N, H, W, C, K, p, ea, q, ew = CASES[i]
+    gen = torch.Generator().manual_seed(1000 + i)
+    qx = _qt((N, H, W, C), IntFormat(p, encoding=ea), gen)
+    qw = _qt((K, R, R, C), IntFormat(q, encoding=ew), gen, PerChannel(0))
+    return qx, qw, dict(stride=st, padding=pd, dilation=dl)
+
+
+@pytest.mark.parametrize("i", range(len(CASES)))
+def test_integer_conv_exact_reference_and_bitserial_pipeline(i):
+    qx, qw, geo = _case(i)
+    want = _exact(qx, qw, **geo)
+    ref = conv2d(qx, qw, out_dtype=torch.int32, **geo)
+    assert ref.dtype == torch.int32 and ref.shape == want.shape
+    assert torch.equal(ref.long(), want)
+    bs = qconv._conv2d_impl(qx, qw, out_dtype=torch.int32, _gemm=rq.bmma_gemm_reference, **geo)
+    assert torch.equal(bs.long(), want)
+
+
+@pytest.mark.parametrize("i", [0, 2, 4, 7])
+def test_int8_path_exact(i):
+    qx, qw, geo = _case(i)
+    got = conv2d(qx, qw, out_dtype=torch.int32, backend="int8", **geo)
+    assert torch.equal(got.long(), _exact(qx, qw, **geo))
+
+
+@pytest.mark.parametrize("enc", ENC)
+@pytest.mark.parametrize("p,q", [(1, 1), (1, 2), (2, 1), (2, 2), (3, 4), (8, 8)])
+def test_every_encoding_and_width(p, q, enc):
+    """Both operands of one encoding (pm1 activations unpadded), 3x3 stride 2 on odd sizes."""
+    gen = torch.Generator().manual_seed(7 * p + q)
+    qx = _qt((1, 7, 5, 35), IntFormat(p, encoding=enc), gen)
+    qw = _qt((3, 3, 3, 35), IntFormat(q, encoding=enc), gen)
+    geo = dict(stride=2, padding=0 if enc == "pm1" else 1)
+    want = _exact(qx, qw, **geo)
+    assert torch.equal(conv2d(qx, qw, out_dtype=torch.int32, **geo).long(), want)
+    assert torch.equal(qconv._conv2d_impl(qx, qw, out_dtype=torch.int32, _gemm=rq.bmma_gemm_reference, **geo).long(),
+                       want)
+
+
+def test_triton_im2col_equals_reference_and_row_correction():
+    """The word gather and the fused pm1 row correction, against the torch gather + reference_gemm.corrections."""
+    from tcprec.kernels.triton.im2col_bits import im2col_bits
+
+    gen = torch.Generator().manual_seed(3)
+    for fa, (R, st, pd, dl, C) in [(IntFormat(2, signed=True), (3, 2, 1, 2, 45)),
+                                   (IntFormat(3, signed=False), (5, 1, 2, 1, 3)),
+                                   (IntFormat(1, encoding="pm1"), (3, 1, 0, 1, 70))]:
+        N, H, W, K = 2, 9, 7, 3
+        codes = torch.randint(0, fa.n_codes, (N, H, W, C), dtype=torch.uint8, generator=gen)
+        g = ConvGeometry(N, H, W, C, K, R, R, (st, st), (pd, pd), (dl, dl))
+        planes = tp.pack_bitplanes(codes.reshape(N * H * W, C), fa.bits)
+        fw = IntFormat(1, encoding="pm1")
+        oa, sa = rg.affine(fa)
+        ow, sw = rg.affine(fw)
+        Kt = R * R * C
+        cols, row = im2col_bits(planes, g, twos=fa.encoding == "twos", rowsum=True, row_mul=sa * ow,
+                                row_add=Kt * oa * ow)
+        ref = rq.im2col_bits(planes, g)
+        assert torch.equal(cols, ref)
+        w_planes = torch.zeros(1, 1, ref.shape[-1], dtype=torch.int32)
+        _, row_ref, _ = rg.corrections(ref, w_planes, Kt, fa, fw)
+        assert torch.equal(row.long(), row_ref)
+
+
+def test_float_epilogue_scale_bias_acts():
+    qx, qw, geo = _case(2)
+    gen = torch.Generator().manual_seed(5)
+    scale, bias = torch.rand(6, generator=gen) + 0.5, torch.randn(6, generator=gen)
+    C = _exact(qx, qw, **geo)
+    col = (qx.scale.reshape(1) * qw.scale.reshape(-1)) * scale  # float32, the documented order
+    y = C.to(torch.float32) * col + bias
+    for act, want in [(None, y), ("relu", torch.clamp(y, min=0)), (("leaky", 0.1), torch.where(y < 0, y * 0.1, y))]:
+        for impl in (conv2d, lambda *a, **k: qconv._conv2d_impl(*a, _gemm=rq.bmma_gemm_reference, **k)):
+            got = impl(qx, qw, scale=scale, bias=bias, act=act, **geo)
+            assert got.dtype == torch.float32 and torch.equal(got, want), act
+    h = conv2d(qx, qw, scale=scale, bias=bias, act="relu", out_dtype=torch.float16, **geo)
+    assert torch.equal(h, torch.clamp(y, min=0).half())
+
+
+@pytest.mark.parametrize("pool", [("max", 2, 2), ("avg", 2, 2), ("max", 2, 1)])
+def test_pooling_vs_torch(pool):
+    qx, qw, geo = _case(3)  # output 5x5: odd, so 2x2/2 drops a row and a column
+    bias = torch.randn(3, generator=torch.Generator().manual_seed(1))
+    y = conv2d(qx, qw, bias=bias, act="relu", **geo).permute(0, 3, 1, 2)  # (N, K, P, Q)
+    if pool == ("max", 2, 1):  # darknet: replicate the last row / column, then 2x2 stride 1 keeps the size
+        want = F.max_pool2d(F.pad(y, (0, 1, 0, 1), mode="replicate"), 2, 1)
+        assert want.shape[-2:] == y.shape[-2:]
+    elif pool[0] == "max":
+        want = F.max_pool2d(y, 2, 2)
+    else:
+        want = F.avg_pool2d(y, 2, 2)
+    want = want.permute(0, 2, 3, 1)
+    got = conv2d(qx, qw, bias=bias, act="relu", pool=pool, **geo)
+    assert torch.equal(got, want)
+    bs = qconv._conv2d_impl(qx, qw, bias=bias, act="relu", pool=pool, _gemm=rq.bmma_gemm_reference, **geo)
+    assert torch.equal(bs, want)
+
+
+@pytest.mark.parametrize("out", ["uint2", "int3", "pm2"])
+def test_packed_output_bit_exact_and_chaining(out):
+    qx, qw, geo = _case(2)
+    ofmt = tp.format(out)
+    bias = torch.randn(6, generator=torch.Generator().manual_seed(2))
+    for act, pool in [("relu", None), (("leaky", 0.1), ("max", 2, 2)), ("relu", ("max", 2, 1))]:
+        y = conv2d(qx, qw, bias=bias, act=act, pool=pool, **geo)  # float32 NHWC
+        v = torch.clamp(y / 0.75, ofmt.min, ofmt.max)
+        codes = tp.encode(v, ofmt)  # the library's one rounding rule
+        want = tp.pack_bitplanes(codes.reshape(-1, y.shape[-1]), ofmt.bits)
+        for impl in (conv2d, lambda *a, **k: qconv._conv2d_impl(*a, _gemm=rq.bmma_gemm_reference, **k)):
+            pa = impl(qx, qw, bias=bias, act=act, pool=pool, out_fmt=out, out_scale=0.75, **geo)
+            assert isinstance(pa, PackedActivation) and pa.shape == tuple(y.shape) and pa.fmt == ofmt
+            assert torch.equal(pa.planes, want), (act, pool)
+            assert torch.equal(pa.dequantize(), tp.decode(codes, ofmt) * 0.75)
+    # chaining: the packed output is the next layer's input, equal to feeding its codes as a QTensor
+    pa = conv2d(qx, qw, bias=bias, act="relu", out_fmt=out, out_scale=0.75, **geo)
+    gen = torch.Generator().manual_seed(9)
+    qw2 = _qt((4, 3, 3, 6), IntFormat(1, encoding="pm1"), gen, PerChannel(0))
+    pad = 0 if ofmt.encoding == "pm1" else 1
+    want2 = _exact(pa.to_qtensor(), qw2, 1, pad, 1)
+    got2 = qconv._conv2d_impl(pa, qw2, padding=pad, out_dtype=torch.int32, _gemm=rq.bmma_gemm_reference)
+    assert torch.equal(got2.long(), want2)
+    assert torch.equal(conv2d(pa, qw2, padding=pad, out_dtype=torch.int32).long(), want2)
+    f2 = conv2d(pa, pack_conv_weight(qw2), padding=pad)  # pre-packed weight, float out with both scales
+    assert torch.equal(f2, want2.float() * (pa.scale * qw2.scale.reshape(-1)))
+
+
+def test_pack_activation_roundtrip():
+    x = torch.rand(2, 3, 5, 37)
+    pa = pack_activation(x, "uint4", 1 / 15)
+    qx = tp.quantize(x, "uint4", PerTensor(), scale=1 / 15)
+    assert torch.equal(pa.codes(), qx.codes)
+    assert torch.equal(pa.dequantize(), qx.dequantize())
+    assert pa.planes.shape == (4, 30, 16)
+
+
+def test_explain_names_passes():
+    qx, qw, geo = _case(2)
+    s = explain_conv2d(qx, qw, act=("leaky", 0.1), pool=("max", 2, 2), **geo)
+    assert s.startswith("reference:") and "F.conv2d" in s and "M=63 N=6 K=45" in s
+    assert qconv.choose_conv2d_backend(qx, qw, **geo)[0] == "reference"
+    assert explain_conv2d(qx, qw, backend="int8", **geo).startswith("int8:")
+
+
+def test_bad_input():
+    qx, qw, geo = _case(2)
+    with pytest.raises(ValueError, match="NHWC"):
+        conv2d(tp.quantize(torch.rand(7, 9, 5), "uint2"), qw)
+    with pytest.raises(ValueError, match="KRSC"):
+        conv2d(qx, tp.quantize(torch.randn(6, 45), "binary"))
+    with pytest.raises(ValueError, match="C mismatch.*C=5.*C=4"):
+        conv2d(qx, tp.quantize(torch.randn(6, 3, 3, 4), "binary"))
+    with pytest.raises(ValueError, match="pm1.*padding"):
+        conv2d(tp.quantize(torch.randn(1, 7, 9, 5), "binary"), qw, padding=1)
+    with pytest.raises(TypeError, match="integer format"):
+        conv2d(tp.quantize(torch.rand(1, 7, 9, 5), "e4m3"), qw)
+    with pytest.raises(TypeError, match="integer format"):
+        conv2d(qx, tp.quantize(torch.randn(6, 3, 3, 5), "e4m3"))
+    with pytest.raises(TypeError, match="QTensor"):
+        conv2d(torch.rand(1, 7, 9, 5), qw)
+    with pytest.raises(ValueError, match="pool must be one of"):
+        conv2d(qx, qw, pool=("max", 3, 2))
+    with pytest.raises(ValueError, match="act must be"):
+        conv2d(qx, qw, act="gelu")
+    with pytest.raises(ValueError, match="stride and dilation"):
+        conv2d(qx, qw, stride=0)
+    with pytest.raises(ValueError, match="does not fit"):
+        conv2d(qx, qw, dilation=5)
+    with pytest.raises(ValueError, match="out_scale"):
+        conv2d(qx, qw, out_fmt="uint2")
+    with pytest.raises(ValueError, match="out_scale must be"):
+        conv2d(qx, qw, out_fmt="uint2", out_scale=-1.0)
+    with pytest.raises(ValueError, match="raw integer"):
+        conv2d(qx, qw, out_dtype=torch.int32, act="relu")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        conv2d(qx, qw, backend="cudnn")
+    with pytest.raises(RuntimeError, match="bitserial"):
+        conv2d(qx, qw, backend="bitserial")
+    with pytest.raises(ValueError, match=r"bias must have shape \(6,\)"):
+        conv2d(qx, qw, bias=torch.zeros(5))
+    with pytest.raises(ValueError, match="PerTensor"):
+        conv2d(tp.quantize(torch.rand(1, 7, 9, 5), "uint2", PerChannel(3)), qw)
+    with pytest.raises(ValueError, match="PerChannel\\(0\\)"):
+        conv2d(qx, tp.quantize(torch.randn(6, 3, 3, 5), "binary", PerChannel(3)))
+    with pytest.raises(ValueError, match="planes"):
+        PackedActivation(torch.zeros(2, 10, 16, dtype=torch.int32), "uint2", 1.0, (1, 3, 3, 5))
+    with pytest.raises(ValueError, match="2\\^31"):
+        conv2d(tp.quantize(torch.rand(1, 11, 11, 2048), "uint8"), tp.quantize(torch.randn(1, 11, 11, 2048), "int8"))
