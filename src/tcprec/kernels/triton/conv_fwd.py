@@ -56,7 +56,7 @@ OUT_RAW, OUT_FLOAT, OUT_INT8 = 0, 1, 2
 _OUT_DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16,
                "int32": torch.int32, "int8": torch.int8}
 # The interpreter runs one small tile (reduction block 32: the smallest 8-bit wgmma step)
-INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
+INTERPRETER_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
 
 
 def interpreting() -> bool:
@@ -211,10 +211,12 @@ def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
+def _sm_count(device: torch.device | None) -> int:
+    if device is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device is not None and device.type == "cuda":
         return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return 132
+    return 132  # no GPU (the interpreter, or planning on the CPU): an H100 / H200
 
 
 def _flat_block_k(rsc: int) -> int:
@@ -233,7 +235,7 @@ def pick_config(g: ConvGeometry, fp8: bool, device: torch.device | None = None) 
       large M: a 128x256 tile halves the A-tile re-reads);
     * BLOCK_M 128, or 64 when 128-row tiles would leave most SMs idle (small batch, 7x7 / 13x13 maps).
     """
-    sms = _sm_count(device if device is not None else torch.device("cuda"))
+    sms = _sm_count(device)
     M = g.N * g.P * g.Q
     if g.C % 128 == 0:
         flat, bk = False, 128

@@ -1,0 +1,330 @@
+"""INT8 / FP8 forward convolution (kernels/triton/conv_fwd.py) through TRITON_INTERPRET=1 on tiny
+shapes: the int32 accumulator bit-exact against the reference for kernel sizes 1-11, strides 1, 2, 4,
+padding, dilation and odd sizes, in both reduction modes (flat and per-tap); the fused epilogue in the
+reference's float32 operation order; the int8 re-quantised output bit-exact; fp8 within a bound from
+the reduction length; bad input; and an ahead-of-time sm_90 compile that lowers to wgmma s8 / e4m3.
+tests/gpu/test_conv_fwd_gpu.py repeats the checks on the four networks' layer shapes."""
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from tcprec.kernels import reference_conv_fwd as rf
+
+pytest.importorskip("triton", reason="triton is a Linux dependency of tcprec")
+cf = pytest.importorskip("tcprec.kernels.triton.conv_fwd")
+
+# (N, H, W, C, K, R, S, stride, padding, dilation)
+GEOMS = [
+    (2, 5, 7, 5, 6, 1, 1, 1, 0, 1),  # 1x1
+    (1, 7, 6, 3, 5, 1, 1, 2, 0, 1),  # 1x1 stride 2
+    (2, 7, 9, 5, 12, 3, 3, 1, 1, 1),  # 3x3 padded, odd sizes
+    (1, 9, 8, 7, 9, 3, 3, 2, 0, 1),  # 3x3 stride 2, no padding
+    (1, 9, 10, 4, 6, 3, 3, 1, 2, 2),  # dilation 2
+    (1, 9, 9, 3, 8, 5, 5, 1, 2, 1),  # 5x5
+    (1, 13, 11, 3, 8, 7, 7, 4, 3, 1),  # 7x7 stride 4 (the ResNet stem of issue 4)
+    (1, 15, 13, 3, 7, 11, 11, 4, 2, 1),  # 11x11 stride 4 (AlexNet conv1)
+    (1, 6, 7, 64, 20, 3, 3, 1, 1, 1),  # C a multiple of the reduction block
+    (1, 7, 6, 40, 16, 3, 1, (2, 1), (1, 0), 1),  # C not a multiple of the block, 3x1 filter, stride (2, 1)
+]
+TAP = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 32, "FLAT": False, "num_warps": 4, "num_stages": 1}
+FLAT = dict(TAP, FLAT=True)
+
+
+def _unpack(spec):
+    return spec
+
+
+def _int8(spec, seed=0):
+    N, H, W, C, K, R, S, st, pd, dl = _unpack(spec)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(-128, 128, (N, H, W, C), generator=gen, dtype=torch.int8)
+    w = torch.randint(-128, 128, (K, R, S, C), generator=gen, dtype=torch.int8)
+    return x, w, dict(stride=st, padding=pd, dilation=dl)
+
+
+def _id(spec):
+    N, H, W, C, K, R, S, st, pd, dl = _unpack(spec)
+    return f"{R}x{S}_s{st}_p{pd}_d{dl}_C{C}"
+
+
+@pytest.mark.parametrize("config", [None, TAP], ids=["flat", "tap"])
+@pytest.mark.parametrize("spec", GEOMS, ids=_id)
+def test_int8_accumulator_bit_exact(spec, config):
+    if config is TAP and spec[3] < 32 and spec[5] in (7, 11):
+        pytest.skip("the per-tap mode on C=3 with a large filter is slow in the interpreter and covered by 3x3/5x5")
+    x, w, geo = _int8(spec)
+    y = cf.conv2d_fwd_int8(x, w, **geo, out="int32", config=config)
+    ref = rf.conv2d_fwd_int8(x, w, **geo, out="int32")
+    assert y.dtype == torch.int32 and y.shape == ref.shape
+    assert torch.equal(y, ref)
+
+
+def test_int8_extreme_codes_exact():
+    """All -128: the largest products (2**14) summed over R*S*C, no overflow, exact."""
+    x = torch.full((1, 6, 6, 64), -128, dtype=torch.int8)
+    w = torch.full((8, 3, 3, 64), -128, dtype=torch.int8)
+    y = cf.conv2d_fwd_int8(x, w, padding=1, out="int32", config=TAP)
+    assert int(y.max()) == 9 * 64 * 2**14 and torch.equal(y, rf.conv2d_fwd_int8(x, w, padding=1, out="int32"))
+
+
+def _epilogue_args(K, kind, gen):
+    scale = {"channel": torch.rand(K, generator=gen) * 1e-3 + 1e-4, "tensor": torch.tensor([3e-4]),
+             "float": 2.5e-4, "none": None}[kind]
+    return scale, torch.randn(K, generator=gen)
+
+
+@pytest.mark.parametrize("scale_kind, act, out", [
+    ("channel", None, "float32"), ("tensor", "relu", "float32"), ("float", ("leaky", 0.1), "float32"),
+    ("channel", ("leaky", 0.1), "float16"), ("none", "relu", "float32")])
+def test_int8_epilogue_float_out(scale_kind, act, out):
+    x, w, geo = _int8(GEOMS[2], seed=1)
+    gen = torch.Generator().manual_seed(2)
+    scale, bias = _epilogue_args(w.shape[0], scale_kind, gen)
+    y = cf.conv2d_fwd_int8(x, w, **geo, scale=scale, bias=bias, act=act, out=out)
+    ref = rf.conv2d_fwd_int8(x, w, **geo, scale=scale, bias=bias, act=act, out=out)
+    assert y.dtype == ref.dtype == getattr(torch, out)
+    ulp = 2.0**-23 if out == "float32" else 2.0**-10
+    torch.testing.assert_close(y.float(), ref.float(), rtol=ulp, atol=ulp * 1e-3)
+    if act == "relu":
+        assert (y >= 0).all()
+
+
+@pytest.mark.parametrize("act, config", [(None, None), ("relu", TAP), (("leaky", 0.1), None), (("leaky", 0.1), TAP)],
+                         ids=["none-flat", "relu-tap", "leaky-flat", "leaky-tap"])
+def test_int8_requantized_out_bit_exact(act, config):
+    """out=("int8", s): round-half-even(y / s) clamped to [-128, 127], as the reference rounds; the
+    scale is picked so most codes are in range and some saturate."""
+    x, w, geo = _int8(GEOMS[8], seed=3)
+    gen = torch.Generator().manual_seed(4)
+    scale, bias = _epilogue_args(w.shape[0], "channel", gen)
+    y_fp = rf.conv2d_fwd_int8(x, w, **geo, scale=scale, bias=bias, act=act, out="float32")
+    out_scale = float(y_fp.abs().max()) / 100
+    y = cf.conv2d_fwd_int8(x, w, **geo, scale=scale, bias=bias, act=act, out=("int8", out_scale), config=config)
+    ref = rf.conv2d_fwd_int8(x, w, **geo, scale=scale, bias=bias, act=act, out=("int8", out_scale))
+    assert y.dtype == torch.int8 and y.is_contiguous()
+    assert torch.equal(y, ref)
+    assert len(torch.unique(ref)) > 50  # the test exercises many codes, not just saturation
+
+
+def test_int8_out_ties_round_half_even():
+    """A 1x1 conv with unit weights and scale 1: y = x exactly, and out_scale 2 makes every odd code a
+    tie (x / 2 = k + 1/2), which must go to the even neighbour."""
+    x = torch.arange(-128, 128, dtype=torch.int8).reshape(1, 16, 16, 1)
+    w = torch.ones(1, 1, 1, 1, dtype=torch.int8)
+    y = cf.conv2d_fwd_int8(x, w, out=("int8", 2.0))
+    want = torch.round(x.float() / 2).to(torch.int8)  # torch.round is half-to-even: 1.5 -> 2, 2.5 -> 2
+    assert torch.equal(y, want) and int(y.flatten()[128 + 5]) == 2 and int(y.flatten()[128 + 3]) == 2
+
+
+def test_int8_layers_chain():
+    """Two int8 layers back to back with no float tensor in between equal the reference chain."""
+    x, w1, geo = _int8((1, 8, 8, 16, 32, 3, 3, 1, 1, 1), seed=5)
+    w2 = torch.randint(-128, 128, (8, 3, 3, 32), generator=torch.Generator().manual_seed(6), dtype=torch.int8)
+    s1 = float(rf.conv2d_fwd_int8(x, w1, **geo, out="float32").abs().max()) / 127
+    h = cf.conv2d_fwd_int8(x, w1, **geo, act="relu", out=("int8", s1))
+    y = cf.conv2d_fwd_int8(h, w2, stride=2, padding=1, out="int32")
+    h_ref = rf.conv2d_fwd_int8(x, w1, **geo, act="relu", out=("int8", s1))
+    assert torch.equal(h, h_ref)
+    assert torch.equal(y, rf.conv2d_fwd_int8(h_ref, w2, stride=2, padding=1, out="int32"))
+
+
+# ------------------------------------------------------------------------------------------------
+# fp8
+# ------------------------------------------------------------------------------------------------
+
+U32 = 2.0**-24
+
+
+def _fp8(spec, seed=0, dtype=torch.float8_e4m3fn):
+    N, H, W, C, K, R, S, st, pd, dl = _unpack(spec)
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(N, H, W, C, generator=gen) * 4).to(dtype)
+    w = torch.randn(K, R, S, C, generator=gen).to(dtype)
+    return x, w, dict(stride=st, padding=pd, dilation=dl)
+
+
+@pytest.mark.parametrize("config", [None, TAP], ids=["flat", "tap"])
+@pytest.mark.parametrize("spec", [GEOMS[i] for i in (0, 2, 4, 6, 8, 9)], ids=_id)
+def test_fp8_accumulator_within_bound(spec, config):
+    """|fp32 sum - exact| <= 1.01 * (R*S*C) * u32 * sum |x||w| (any summation order; products are exact)."""
+    x, w, geo = _fp8(spec)
+    y = cf.conv2d_fwd_fp8(x, w, **geo, out="float32", config=config)
+    ref = rf.conv_acc(x, w, **geo)
+    red = w.shape[1] * w.shape[2] * w.shape[3]
+    bound = 1.01 * red * U32 * rf.abs_conv_acc(x, w, **geo) + 1e-30
+    err = (y.double() - ref).abs()
+    assert y.dtype == torch.float32 and (err <= bound).all(), float((err / bound).max())
+
+
+@pytest.mark.parametrize("out", ["float16", ("int8", 0.5)], ids=["fp16", "int8"])
+def test_fp8_epilogue(out):
+    """Per-tensor x scale (device tensor), per-channel w scale, bias, leaky: the reference's epilogue on
+    the exact sum; fp16 within 2 ulp + accumulation error, int8 codes within one step (a rounding
+    boundary can fall between the fp32 and the exact sum)."""
+    x, w, geo = _fp8(GEOMS[8], seed=7, dtype=torch.float8_e4m3fn)
+    gen = torch.Generator().manual_seed(8)
+    xs, ws, bias = torch.tensor([0.25]), torch.rand(w.shape[0], generator=gen) + 0.5, torch.randn(w.shape[0],
+                                                                                                  generator=gen)
+    y = cf.conv2d_fwd_fp8(x, w, xs, ws, **geo, bias=bias, act=("leaky", 0.1), out=out)
+    ref = rf.conv2d_fwd_fp8(x, w, xs, ws, **geo, bias=bias, act=("leaky", 0.1), out=out)
+    if out == "float16":
+        torch.testing.assert_close(y.float(), ref.float(), rtol=2.0**-9, atol=1e-3)
+    else:
+        assert y.dtype == torch.int8 and (y.int() - ref.int()).abs().max() <= 1
+        assert (y != ref).float().mean() < 0.01
+
+
+def test_fp8_e5m2_and_float_scales():
+    x, w, geo = _fp8(GEOMS[2], seed=9, dtype=torch.float8_e5m2)
+    y = cf.conv2d_fwd_fp8(x, w, 0.5, 2.0, **geo, out="float32")
+    ref = rf.conv2d_fwd_fp8(x, w, 0.5, 2.0, **geo, out="float32")
+    red = w.shape[1] * w.shape[2] * w.shape[3]
+    bound = 1.01 * red * U32 * rf.abs_conv_acc(x, w, **geo).float() + 1e-30
+    assert ((y - ref).abs() <= bound).all()
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input
+# ------------------------------------------------------------------------------------------------
+
+
+def _small():
+    return torch.zeros(1, 5, 5, 8, dtype=torch.int8), torch.zeros(4, 3, 3, 8, dtype=torch.int8)
+
+
+@pytest.mark.parametrize("case, exc, match", [
+    ("float_x", TypeError, "must be int8 codes"),
+    ("nchw", ValueError, "must be contiguous NHWC"),
+    ("c_mismatch", ValueError, "x has C=8 channels"),
+    ("bad_act", ValueError, "act must be None, 'relu'"),
+    ("bad_slope", ValueError, "slope must be a finite number"),
+    ("bad_out", ValueError, "out must be one of"),
+    ("bad_out_scale", ValueError, "finite out_scale > 0"),
+    ("int32_with_epilogue", ValueError, "raw accumulator"),
+    ("scale_len", ValueError, "1 or K=4 elements"),
+    ("bias_len", ValueError, "bias must be a float tensor of K=4"),
+    ("3d", ValueError, "must be 4-D"),
+    ("too_big_filter", ValueError, "larger than the padded input"),
+    ("neg_pad", ValueError, "padding >= 0"),
+])
+def test_bad_input_int8(case, exc, match):
+    x, w = _small()
+    kw = {}
+    if case == "float_x":
+        x = x.float()
+    elif case == "nchw":
+        x = x.permute(0, 3, 1, 2).contiguous().permute(0, 2, 3, 1)  # NHWC shape, NCHW memory
+    elif case == "c_mismatch":
+        w = torch.zeros(4, 3, 3, 7, dtype=torch.int8)
+    elif case == "bad_act":
+        kw["act"] = "gelu"
+    elif case == "bad_slope":
+        kw["act"] = ("leaky", float("nan"))
+    elif case == "bad_out":
+        kw["out"] = "int16"
+    elif case == "bad_out_scale":
+        kw["out"] = ("int8", 0.0)
+    elif case == "int32_with_epilogue":
+        kw.update(out="int32", act="relu")
+    elif case == "scale_len":
+        kw["scale"] = torch.ones(3)
+    elif case == "bias_len":
+        kw["bias"] = torch.ones(5)
+    elif case == "3d":
+        x = x[0]
+    elif case == "too_big_filter":
+        w = torch.zeros(4, 7, 7, 8, dtype=torch.int8)
+    elif case == "neg_pad":
+        kw["padding"] = -1
+    with pytest.raises(exc, match=match):
+        cf.conv2d_fwd_int8(x, w, **kw)
+
+
+def test_bad_input_fp8():
+    x, w = _small()
+    with pytest.raises(TypeError, match="float8_e4m3fn or float8_e5m2"):
+        cf.conv2d_fwd_fp8(x, w, 1.0, 1.0)
+    xf, wf = x.to(torch.float32).to(torch.float8_e4m3fn), w.to(torch.float32).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="out must be one of"):
+        cf.conv2d_fwd_fp8(xf, wf, 1.0, 1.0, out="int32")
+    with pytest.raises(TypeError, match="must be None, a number or a tensor"):
+        cf.conv2d_fwd_fp8(xf, wf, "1.0", 1.0)
+
+
+def test_pick_config_table():
+    from tcprec.kernels.reference_conv import ConvGeometry as G
+
+    cfg = cf.pick_config(G(256, 56, 56, 256, 256, 3, 3, (1, 1), (1, 1), (1, 1)), fp8=False)
+    assert cfg["BLOCK_K"] == 128 and not cfg["FLAT"] and cfg["BLOCK_M"] == 128
+    cfg = cf.pick_config(G(256, 224, 224, 3, 64, 11, 11, (4, 4), (2, 2), (1, 1)), fp8=False)
+    assert cfg["FLAT"] and cfg["BLOCK_K"] == 128 and cfg["BLOCK_N"] == 64  # 363 -> 384: 6% padding
+    cfg = cf.pick_config(G(8, 7, 7, 512, 512, 3, 3, (1, 1), (1, 1), (1, 1)), fp8=True)
+    assert cfg["BLOCK_M"] == 64  # 392 rows: 128-row tiles would leave most SMs idle
+
+
+# ------------------------------------------------------------------------------------------------
+# The kernel compiles for sm_90 and lowers tl.dot to wgmma s8 / e4m3 (no GPU needed)
+# ------------------------------------------------------------------------------------------------
+
+
+def _aot_compile(fp8: bool, flat: bool, out_mode: int, C: int, K: int):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = cf._conv_fwd_kernel
+    xt = "fp8e4nv" if fp8 else "i8"
+    ptrs = {"x_ptr": xt, "w_ptr": xt, "out_ptr": {0: "i32", 1: "fp16", 2: "i8"}[out_mode], "sa_ptr": "fp32",
+            "sb_ptr": "fp32", "bias_ptr": "fp32"}
+    consts = dict(IS_FP8=fp8, FAST_ACCUM=False, FLAT=flat, OUT_MODE=out_mode, EVEN_K=C % 128 == 0, INT64=False,
+                  BLOCK_M=128, BLOCK_N=128, BLOCK_K=128)
+    sig, attrs, cs = {}, {}, dict(consts)
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in ptrs:
+            sig[name], attrs[(i,)] = "*" + ptrs[name], [["tt.divisibility", 16]]
+        elif name in ("alpha", "slope", "out_scale"):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            if name in ("C", "K") and {"C": C, "K": K}[name] % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn, sig, cs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=8, num_stages=4, enable_fp_fusion=False))
+
+
+@pytest.mark.slow
+def test_kernels_compile_to_wgmma_for_sm90():
+    """In a subprocess (TRITON_INTERPRET=1 builds interpreter objects, not compilable ones)."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, __file__, "--aot"], env=env, capture_output=True, text=True, timeout=300)
+    if r.returncode == 3:
+        pytest.skip(f"Triton's NVIDIA compiler is not usable here: {r.stdout.strip()[-300:]}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    ptx = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8" in ptx["int8_tap"]
+    assert "0x10" in ptx["int8_tap"]  # 16-byte cp.async operand loads
+    assert "div.rn.f32" in ptx["int8_tap"]  # IEEE division for the re-quantisation
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx["fp8_flat"]
+    assert "0x10" in ptx["fp8_flat"]  # C = 96 (flat mode): still 16-byte runs
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--aot"]:
+    try:
+        import triton.backends.nvidia  # noqa: F401
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
+    except ImportError as e:
+        print(f"no NVIDIA backend in this triton: {e}")
+        sys.exit(3)
+    report = {"int8_tap": _aot_compile(False, False, 2, 256, 256).asm["ptx"],
+              "fp8_flat": _aot_compile(True, True, 1, 96, 256).asm["ptx"]}
+    print(json.dumps({k: "\n".join(ln for ln in v.splitlines() if "wgmma" in ln or "cp.async.c" in ln
+                                   or "div.rn" in ln) for k, v in report.items()}))
