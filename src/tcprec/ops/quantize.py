@@ -42,7 +42,7 @@ from ..formats import BlockFormat, FloatFormat, IntFormat, as_format
 from ..qtensor import Granularity, PerGroup, PerTensor, QTensor, check_granularity, group_view, scale_view
 from .cast import check_float_input, check_rounding, encode
 
-__all__ = ["quantize", "absmax_qmax"]
+__all__ = ["quantize", "absmax_qmax", "quantize_pack", "quantize_static"]
 
 _TINY = torch.finfo(torch.float32).tiny  # 2**-126
 
@@ -248,3 +248,89 @@ def quantize(
     xs = torch.where(finite, xs.clamp(lo, hi), xs)  # saturate finite values; NaN / Inf go to encode
     codes = encode(xs, elem, rounding, generator)
     return QTensor(codes, s, fmt, g, shape, x.dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# Static-scale quantize straight into bit planes (activations at inference time)
+# ------------------------------------------------------------------------------------------------
+
+
+def _qp_params(fmt: IntFormat) -> tuple[int, int, int, int]:
+    """(lo, hi, offset, shift) of the fused kernel: shift 0 -> code = value & mask; shift 1 (pm) ->
+    value = 2 * code + offset."""
+    if fmt.encoding == "pm1":
+        return fmt.min, fmt.max, fmt.offset, 1
+    return fmt.min, fmt.max, 0, 0
+
+
+def _static_codes(x: torch.Tensor, fmt: IntFormat, scale: torch.Tensor) -> torch.Tensor:
+    """int64 code patterns of ``x / scale`` (round half even, saturating, NaN -> the code of 0), with
+    torch ops only (no sync); the fused kernel computes the same."""
+    lo, hi, offset, shift = _qp_params(fmt)
+    v = x.to(torch.float32) / scale.reshape(())  # (*lead, K) IEEE quotient, as quantize() divides
+    v = torch.nan_to_num(v, nan=0.0).clamp(lo, hi)
+    if shift:  # pm: c = rne((v - offset) / 2), exactly (see the kernel)
+        t = torch.floor(v)
+        n = t.to(torch.int64) - offset
+        half = n >> 1
+        return half + ((n & 1) & (((v - t) > 0).to(torch.int64) | (half & 1)))
+    return torch.round(v).to(torch.int64) & ((1 << fmt.bits) - 1)  # round half even; twos pattern
+
+
+def _check_static(x, fmt, scale, fn: str) -> IntFormat:
+    check_float_input(x, fn)
+    fmt = as_format(fmt)
+    if not isinstance(fmt, IntFormat):
+        raise TypeError(f"{fn}() quantizes to integer codes; {fmt} is not an integer format "
+                        "(use intN, uintN, binary, pmN)")
+    if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or scale.dtype != torch.float32:
+        raise TypeError(f"scale must be a one-element float32 tensor (a calibrated per-tensor scale), got {scale!r}")
+    if scale.device != x.device:
+        raise ValueError(f"scale is on {scale.device} but x is on {x.device}; keep the scale with the activations")
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension (its last is K), got a 0-d tensor")
+    return fmt
+
+
+def quantize_static(x: torch.Tensor, fmt, scale: torch.Tensor) -> QTensor:
+    """``quantize(x, fmt, PerTensor(), scale=scale)`` for integer formats without any host
+    synchronisation (capturable in a CUDA graph): the same codes for finite input; NaN becomes the
+    code of 0 instead of raising (raising needs a sync).
+
+    >>> import torch
+    >>> quantize_static(torch.tensor([0.4, 0.6, 9.0]), "uint2", torch.tensor([1.0])).codes.tolist()
+    [0, 1, 3]
+    """
+    fmt = _check_static(x, fmt, scale, "quantize_static")
+    codes = _static_codes(x, fmt, scale).to(torch.uint8)
+    return QTensor(codes, scale.reshape((1,) * x.dim()), fmt, PerTensor(), tuple(x.shape), x.dtype)
+
+
+def quantize_pack(x: torch.Tensor, fmt, scale: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """Quantize ``x`` with a fixed per-tensor ``scale`` to an integer format and return its bit planes
+    int32 ``(bits, *lead, packed_words(K))`` -- one fused pass, no host synchronisation, so it runs
+    inside CUDA-graph capture (the activation quantizer of a compiled network).
+
+    The codes equal ``quantize(x, fmt, PerTensor(), scale=scale).codes`` (round half to even,
+    saturating) for every finite input; NaN has no integer code and becomes the code of 0 here (as
+    the hardware conversion ``cvt.rni`` does) instead of raising, because raising needs a sync.
+    ``x``: ``(*lead, K)`` float, last dim contiguous or strided; ``scale``: a one-element float32 tensor.
+
+    >>> import torch
+    >>> quantize_pack(torch.tensor([[0.0, 1.0, 2.0, 9.0]]), "uint2", torch.tensor([1.0]))[:, 0, 0].tolist()
+    [10, 12]
+    """
+    fmt = _check_static(x, fmt, scale, "quantize_pack")
+    from ..kernels.triton import choose_backend
+
+    name, _ = choose_backend(x, backend, "Triton quantize+pack kernel")
+    if name == "reference":
+        from ..packing import pack_bitplanes_reference
+
+        return pack_bitplanes_reference(_static_codes(x, fmt, scale), fmt.bits)
+    from ..kernels.triton import pack as tpack  # imported here: TRITON_INTERPRET is read at import
+
+    lead, K = tuple(x.shape[:-1]), x.shape[-1]
+    rows = x.reshape(-1, K)  # (R, K): a view when the leading dims collapse
+    planes = tpack.quantize_pack(rows, scale, fmt.bits, *_qp_params(fmt))  # (bits, R, Kw)
+    return planes.reshape((fmt.bits,) + lead + (planes.shape[-1],))

@@ -10,6 +10,13 @@ of codes, lane axis last.  It loads the tile once (zeros past K: that is the pad
 plane extracts bit b, shifts it to its lane position and sums over the lane axis.  The 32 terms
 have disjoint bits, so the int32 sum is exact (lane 31 contributes -2**31, the sign bit).  BITS is a
 constexpr, so one source serves every width 1..8 and the plane loop unrolls.
+
+``quantize_pack`` fuses the activation quantizer in front of the same packing: float ``x`` -> code
+``c = encode(clamp(rne(x / scale), lo, hi))`` -> planes, one read of x and one write of the planes,
+no host synchronisation (so it runs inside CUDA-graph capture).  ``x / scale`` is the IEEE quotient
+(``div_rn``) and rne is round-half-even, as ``tcprec.quantize`` computes them, so the codes are the
+same.  NaN has no integer code: it becomes the code of 0 (what the hardware's cvt.rni.s32.f32 does),
+documented at ``tcprec.ops.quantize.quantize_pack``.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import triton.language as tl
 
 from ...packing import packed_words
 
-__all__ = ["pack_bitplanes"]
+__all__ = ["pack_bitplanes", "quantize_pack"]
 
 
 @triton.jit
@@ -50,14 +57,67 @@ def _pack_bitplanes_kernel(
     mask = (r3 < R) & (k3 < K)
     codes = tl.load(codes_ptr + r3 * stride_cr + k3 * stride_ck, mask=mask, other=0).to(tl.int32)
 
-    # -- one plane at a time: bit b of each code, moved to its lane, summed into words -----------
-    lane_shift = lanes[None, None, :]
+    _store_planes(codes, planes_ptr, offs_r, offs_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS)
+
+
+@triton.jit
+def _store_planes(codes, planes_ptr, offs_r, offs_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS: tl.constexpr):
+    """codes (BLOCK_R, BLOCK_W, 32) int32 -> BITS plane tiles: bit b of each code, moved to its lane,
+    summed into words."""
+    lane_shift = tl.arange(0, 32)[None, None, :]
     out_mask = (offs_r[:, None] < R) & (offs_w[None, :] < Kw)
     out_ptrs = planes_ptr + offs_r[:, None] * stride_pr + offs_w[None, :] * stride_pw
     for b in tl.static_range(BITS):
         bit = (codes >> b) & 1  # (BLOCK_R, BLOCK_W, 32) in {0, 1}
         words = tl.sum(bit << lane_shift, axis=2)  # (BLOCK_R, BLOCK_W) int32, disjoint bits: exact
         tl.store(out_ptrs + b * stride_pb, words.to(tl.int32), mask=out_mask)
+
+
+@triton.jit
+def _quantize_pack_kernel(
+    # pointers
+    x_ptr, scale_ptr, planes_ptr,
+    # sizes
+    R, K, Kw,
+    # strides (in elements)
+    stride_xr, stride_xk,
+    stride_pb, stride_pr, stride_pw,
+    # format: values LO..HI; SHIFT 0: code = value & mask (unsigned / twos pattern), OFFSET 0;
+    #         SHIFT 1 (pm): value = 2 * code + OFFSET
+    LO: tl.constexpr, HI: tl.constexpr, OFFSET: tl.constexpr, SHIFT: tl.constexpr,
+    # meta
+    BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    pid_r = tl.program_id(0)
+    pid_w = tl.program_id(1)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
+    offs_k = offs_w[:, None] * 32 + tl.arange(0, 32)[None, :]  # (BLOCK_W, 32)
+    r3 = offs_r[:, None, None]
+    k3 = offs_k[None, :, :]
+    mask = (r3 < R) & (k3 < K)
+
+    # -- quantize: v = clamp(rne(x / scale)) as an integer value, NaN -> 0 -------------------------
+    x = tl.load(x_ptr + r3 * stride_xr + k3 * stride_xk, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr)
+    v = tl.math.div_rn(x, scale)
+    v = tl.where(v == v, v, 0.0)  # NaN -> 0
+    v = tl.minimum(tl.maximum(v, LO * 1.0), HI * 1.0)  # saturate; |v| <= 255 from here
+    if SHIFT == 1:
+        # pm codes: value = 2c + OFFSET, c = rne((v - OFFSET) / 2) computed exactly on the integer part
+        # t = floor(v) and the fraction f = v - t: with n = t - OFFSET, (n + f) / 2 rounds to n // 2,
+        # plus one when n is odd and (f > 0, or f == 0 and n // 2 is odd: the tie goes to even)
+        t = tl.floor(v)
+        f = v - t
+        n = t.to(tl.int32) - OFFSET
+        half = n >> 1
+        up = (n & 1) & ((f > 0).to(tl.int32) | (half & 1))
+        c = half + up
+    else:
+        v = (v + 12582912.0) - 12582912.0  # round half to even (1.5 * 2**23 trick, exact for |v| < 2**22)
+        c = (v.to(tl.int32) - OFFSET) & ((1 << BITS) - 1)  # unsigned: the value; twos: the bit pattern
+    codes = tl.where(mask, c, 0)  # the padding stays zero
+    _store_planes(codes, planes_ptr, offs_r, offs_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS)
 
 
 def pack_bitplanes(codes: torch.Tensor, bits: int, *, block_r: int = 16, block_w: int = 16) -> torch.Tensor:
@@ -75,6 +135,29 @@ def pack_bitplanes(codes: torch.Tensor, bits: int, *, block_r: int = 16, block_w
         R, K, Kw,
         codes.stride(0), codes.stride(1),
         planes.stride(0), planes.stride(1), planes.stride(2),
+        BITS=bits, BLOCK_R=block_r, BLOCK_W=block_w,
+    )
+    return planes
+
+
+def quantize_pack(x: torch.Tensor, scale: torch.Tensor, bits: int, lo: int, hi: int, offset: int, shift: int,
+                  *, block_r: int = 16, block_w: int = 16) -> torch.Tensor:
+    """Launch: x (R, K) float (any row stride), scale a 1-element float32 tensor -> planes int32
+    (bits, R, Kw).  ``tcprec.ops.quantize.quantize_pack`` is the public entry point (it derives lo,
+    hi, offset, shift from the format)."""
+    assert x.dim() == 2, "pass a (R, K) view"
+    R, K = x.shape
+    Kw = packed_words(K)
+    planes = torch.empty((bits, R, Kw), dtype=torch.int32, device=x.device)  # (bits, R, Kw)
+    if planes.numel() == 0:
+        return planes
+    grid = (triton.cdiv(R, block_r), triton.cdiv(Kw, block_w))
+    _quantize_pack_kernel[grid](
+        x, scale, planes,
+        R, K, Kw,
+        x.stride(0), x.stride(1),
+        planes.stride(0), planes.stride(1), planes.stride(2),
+        LO=lo, HI=hi, OFFSET=offset, SHIFT=shift,
         BITS=bits, BLOCK_R=block_r, BLOCK_W=block_w,
     )
     return planes

@@ -1,0 +1,356 @@
+"""``quantize_model``: float network -> quantized inference network (APNN-TC style, torchao's one verb).
+
+What it does, in order:
+
+1. ``torch.fx``-traces a copy of the model (modules that cannot be traced keep working through a
+   plain module swap: see step 5).
+2. Calibrates: runs the calibration batches and records, for every ``nn.Conv2d`` / ``nn.Linear``,
+   the largest |input| and whether any input was negative -> a per-tensor activation scale
+   (absmax / qmax) and the activation encoding (``uintN`` after a ReLU, ``intN`` otherwise).
+3. Chooses each layer's precision: the config's (``"w1a2"``...), except the first conv and the last
+   layer (``first_last``, 8 bits by default, as APNN-TC and every BNN paper keep them) and per-layer
+   ``overrides`` by module name (``"float"`` keeps a layer in floating point).
+4. Fuses, on the graph: conv -> BatchNorm2d (folded into a per-channel scale and bias) -> ReLU /
+   LeakyReLU -> 2x2 max/avg pool become one ``QConv2d``; linear -> ReLU one ``QLinear``.
+5. Chains: a ``QConv2d`` whose only consumer is another bit-serial ``QConv2d`` re-quantizes and packs
+   its output for it in the GEMM epilogue (``PackedActivation``), so no float tensor exists between
+   them.
+6. Reports: ``model.tcprec_summary`` (a ``QuantSummary``) says, per layer, the precision, formats,
+   backend and what was fused; layers with no quantized path stay in float and are listed in a
+   warning, never silently.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops.matmul import choose_int_backend
+from .qmodules import LayerPrecision, QConv2d, QLinear, parse_precision
+
+__all__ = ["QuantConfig", "QuantSummary", "LayerRecord", "quantize_model"]
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How to quantize a model.
+
+    precision   the default for every conv / linear: ``"w1a2"``, ``"w2a2"``, ``"w4a4"``, ``"int8"``, ...
+    first_last  precision of the first conv and the last layer (``"int8"``; ``"float"`` keeps them in
+                floating point; ``None`` treats them like the rest)
+    overrides   module name -> precision (or ``"float"``), e.g. ``{"features.3": "w2a2"}``
+    backend     ``"auto"`` | ``"bitserial"`` | ``"int8"`` | ``"reference"`` for every quantized layer
+    fuse, chain steps 4 and 5 of the module docstring (on by default)
+    """
+
+    precision: str = "w1a2"
+    first_last: str | None = "int8"
+    overrides: Mapping[str, str] = field(default_factory=dict)
+    backend: str = "auto"
+    fuse: bool = True
+    chain: bool = True
+
+    def __post_init__(self):
+        parse_precision(self.precision)
+        if self.first_last is not None:
+            parse_precision(self.first_last)
+        for k, v in dict(self.overrides).items():
+            if not isinstance(k, str):
+                raise TypeError(f"overrides keys are module names (str), got {k!r}")
+            parse_precision(v)
+        from ..ops.matmul import BACKENDS
+
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+
+
+@dataclass
+class LayerRecord:
+    name: str
+    kind: str  # "conv" | "linear"
+    precision: str  # "w1a2" ... or "float"
+    backend: str  # the op's backend, or why it stays float
+    fused: tuple = ()
+    out: str = ""
+
+
+@dataclass
+class QuantSummary:
+    layers: list[LayerRecord]
+    traced: bool
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def float_layers(self) -> list[LayerRecord]:
+        return [r for r in self.layers if r.precision == "float"]
+
+    def __str__(self) -> str:
+        lines = [f"{'layer':28} {'kind':6} {'precision':9} {'backend':10} {'fused':22} out"]
+        for r in self.layers:
+            lines.append(f"{r.name:28} {r.kind:6} {r.precision:9} {r.backend[:10]:10} {'+'.join(r.fused):22} {r.out}")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def table(self):
+        from rich.table import Table
+
+        t = Table(title="quantized layers")
+        for c in ("layer", "kind", "precision", "backend", "fused", "out"):
+            t.add_column(c)
+        for r in self.layers:
+            t.add_row(r.name, r.kind, r.precision, r.backend, "+".join(r.fused), r.out)
+        return t
+
+
+class _Tracer(fx.Tracer):
+    """torch.nn modules and tcprec pool modules (``tcprec_pool``) stay leaves."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return hasattr(m, "tcprec_pool") or super().is_leaf_module(m, qualname)
+
+
+def _batches(calibration) -> list[torch.Tensor]:
+    if calibration is None:
+        raise ValueError("quantize_model needs calibration data for the activation scales: pass calibration=x "
+                         "(a sample batch) or a list of batches")
+    if isinstance(calibration, torch.Tensor):
+        return [calibration]
+    if isinstance(calibration, (list, tuple)) or isinstance(calibration, Iterable):
+        out = [b[0] if isinstance(b, (list, tuple)) else b for b in calibration]
+        if not out or not all(isinstance(b, torch.Tensor) for b in out):
+            raise TypeError("calibration must be a tensor or a non-empty list of tensors (or (x, y) pairs)")
+        return out
+    raise TypeError(f"calibration must be a tensor or a list of tensors, got {type(calibration).__name__}")
+
+
+@torch.no_grad()
+def _calibrate(model: nn.Module, names: list[str], batches) -> dict[str, tuple[float, bool]]:
+    """name -> (max |input|, saw a negative input) over the calibration batches."""
+    stats: dict[str, list] = {n: [0.0, False] for n in names}
+    hooks = []
+    mods = dict(model.named_modules())
+    for n in names:
+        def pre(mod, args, n=n):
+            x = args[0]
+            if isinstance(x, torch.Tensor) and x.numel():
+                xf = x.detach().float()
+                stats[n][0] = max(stats[n][0], float(xf.abs().max()))
+                stats[n][1] = stats[n][1] or bool((xf < 0).any())
+        hooks.append(mods[n].register_forward_pre_hook(pre))
+    try:
+        dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+        dt = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        for b in batches:
+            model(b.to(device=dev, dtype=dt))
+    finally:
+        for h in hooks:
+            h.remove()
+    return {n: (v[0], v[1]) for n, v in stats.items()}
+
+
+def _unsupported(m: nn.Module) -> str | None:
+    if isinstance(m, nn.Conv2d):
+        if m.groups != 1:
+            return f"groups={m.groups} (the integer conv supports groups=1)"
+        if isinstance(m.padding, str) or m.padding_mode != "zeros":
+            return f"padding={m.padding!r}, padding_mode={m.padding_mode!r} (needs numeric zero padding)"
+    return None
+
+
+def _act_of(node: fx.Node, mods) -> object | None:
+    """'relu', ('leaky', slope) or None for an activation node."""
+    if node.op == "call_module":
+        m = mods[node.target]
+        if type(m) is nn.ReLU:
+            return "relu"
+        if type(m) is nn.LeakyReLU:
+            return ("leaky", float(m.negative_slope))
+    elif node.op == "call_function" and node.target in (F.relu, torch.relu, torch.relu_):
+        return "relu"
+    elif node.op == "call_function" and node.target is F.leaky_relu:
+        slope = node.args[1] if len(node.args) > 1 else node.kwargs.get("negative_slope", 0.01)
+        return ("leaky", float(slope)) if isinstance(slope, (int, float)) else None
+    elif node.op == "call_method" and node.target in ("relu", "relu_"):
+        return "relu"
+    return None
+
+
+def _pool_of(node: fx.Node, mods) -> tuple | None:
+    if node.op != "call_module":
+        return None
+    m = mods[node.target]
+    if hasattr(m, "tcprec_pool"):
+        return tuple(m.tcprec_pool)
+    two = lambda v: v in (2, (2, 2))  # noqa: E731
+    if type(m) is nn.MaxPool2d and two(m.kernel_size) and two(m.stride) and m.padding in (0, (0, 0)) \
+            and m.dilation in (1, (1, 1)) and not m.ceil_mode and not m.return_indices:
+        return ("max", 2, 2)
+    if type(m) is nn.AvgPool2d and two(m.kernel_size) and two(m.stride) and m.padding in (0, (0, 0)) \
+            and not m.ceil_mode:
+        return ("avg", 2, 2)
+    return None
+
+
+def _sole_user(node: fx.Node) -> fx.Node | None:
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def _set_module(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, leaf, new)
+
+
+def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, calibration=None,
+                   inplace: bool = False, warn: bool = True) -> nn.Module:
+    """A quantized copy of ``model`` for inference (``torch.fx.GraphModule`` when the model traces).
+
+    ``config``: a :class:`QuantConfig` or a precision string (``"w1a2"``, ``"w2a2"``, ``"int8"``, ``"fp8"``...).
+    ``calibration``: a sample batch (or a list of batches) on the model's device.
+
+    >>> import torch
+    >>> m = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
+    ...                         torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.ReLU(),
+    ...                         torch.nn.Flatten(), torch.nn.Linear(8 * 4 * 4, 10))
+    >>> q = quantize_model(m, "w2a2", calibration=torch.randn(2, 3, 4, 4))
+    >>> [(r.name, r.precision) for r in q.tcprec_summary.layers]
+    [('0', 'int8'), ('2', 'w2a2'), ('5', 'int8')]
+    """
+    cfg = QuantConfig(precision=config) if isinstance(config, str) else config
+    if not isinstance(cfg, QuantConfig):
+        raise TypeError(f"config must be a QuantConfig or a precision string like 'w1a2', got {type(config).__name__}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    batches = _batches(calibration)
+    model = model if inplace else copy.deepcopy(model)
+    model.eval()
+    notes: list[str] = []
+    try:
+        graph = _Tracer().trace(model)
+        gm: nn.Module = fx.GraphModule(model, graph, model.__class__.__name__)
+        traced = True
+    except Exception as e:  # noqa: BLE001 - any tracing failure: fall back to the module swap, and say so
+        gm, traced = model, False
+        notes.append(f"torch.fx could not trace the model ({type(e).__name__}: {str(e)[:120]}); layers were swapped "
+                     "one by one with float input and output, without fusion or chaining")
+    mods = dict(gm.named_modules())
+    unknown = [k for k in cfg.overrides if k not in mods]
+    if unknown:
+        raise ValueError(f"overrides name no module of the model: {unknown}; names look like {list(mods)[1:6]}")
+
+    # -- candidate layers, in execution order ------------------------------------------------------
+    if traced:
+        order = [n.target for n in gm.graph.nodes if n.op == "call_module"
+                 and type(mods[n.target]) in (nn.Conv2d, nn.Linear)]
+        order = list(dict.fromkeys(order))
+    else:
+        order = [n for n, m in model.named_modules() if type(m) in (nn.Conv2d, nn.Linear)]
+    stats = _calibrate(gm, order, batches)
+    first_conv = next((n for n in order if isinstance(mods[n], nn.Conv2d)), None)
+    last = order[-1] if order else None
+    dev = next((p.device for p in gm.parameters()), torch.device("cpu"))
+
+    def precision_of(name: str) -> LayerPrecision | None:
+        if name in cfg.overrides:
+            return parse_precision(cfg.overrides[name])
+        if cfg.first_last is not None and name in (first_conv, last):
+            return parse_precision(cfg.first_last)
+        return parse_precision(cfg.precision)
+
+    records: dict[str, LayerRecord] = {}
+    new_mods: dict[str, nn.Module] = {}
+
+    def make(name: str, bn=None, act=None, pool=None) -> nn.Module | None:
+        m = mods[name]
+        kind = "conv" if isinstance(m, nn.Conv2d) else "linear"
+        prec = precision_of(name)
+        why = _unsupported(m)
+        absmax, neg = stats.get(name, (0.0, False))
+        if prec is None or why:
+            records[name] = LayerRecord(name, kind, "float", why or "kept in float (config)")
+            return None
+        if kind == "conv":
+            q = QConv2d.from_float(m, prec, in_absmax=absmax, signed_input=neg, bn=bn, act=act, pool=pool,
+                                   backend=cfg.backend)
+        else:
+            q = QLinear.from_float(m, prec, in_absmax=absmax, signed_input=neg, act=act, backend=cfg.backend)
+        backend = "fp8" if prec.fp8 else choose_int_backend(q.a_fmt, q.w_fmt, dev, cfg.backend)[0]
+        fused = tuple(x for x in (bn is not None and "bn", act and (act if isinstance(act, str) else "leaky"),
+                                  pool and f"{pool[0]}pool") if x)
+        records[name] = LayerRecord(name, kind, str(prec), backend, fused, str(q.out_dtype).replace("torch.", ""))
+        new_mods[name] = q
+        return q
+
+    if traced:
+        g = gm.graph
+        for node in list(g.nodes):
+            if node.op != "call_module" or node.target not in order or node.target in records:
+                continue
+            m = mods[node.target]
+            absorbed: list[fx.Node] = []
+            bn = act = pool = None
+            cur = node
+            if cfg.fuse and precision_of(node.target) is not None and not _unsupported(m):
+                u = _sole_user(cur)
+                if isinstance(m, nn.Conv2d) and u is not None and u.op == "call_module" \
+                        and type(mods[u.target]) is nn.BatchNorm2d and mods[u.target].track_running_stats:
+                    bn, cur = mods[u.target], u
+                    absorbed.append(u)
+                    u = _sole_user(cur)
+                if u is not None and _act_of(u, mods) is not None and (isinstance(m, nn.Conv2d)
+                                                                       or _act_of(u, mods) == "relu"):
+                    act, cur = _act_of(u, mods), u
+                    absorbed.append(u)
+                    u = _sole_user(cur)
+                if isinstance(m, nn.Conv2d) and u is not None and _pool_of(u, mods) is not None:
+                    pool, cur = _pool_of(u, mods), u
+                    absorbed.append(u)
+            q = make(node.target, bn, act, pool)
+            if q is None:
+                continue
+            _set_module(gm, node.target, q)
+            if absorbed:
+                absorbed[-1].replace_all_uses_with(node)
+                for a in reversed(absorbed):
+                    g.erase_node(a)
+        # -- chaining: a conv feeding only a bit-serial conv hands it packed planes -------------------
+        if cfg.chain:
+            qmods = dict(gm.named_modules())
+            for node in g.nodes:
+                if node.op != "call_module" or not isinstance(qmods.get(node.target), QConv2d):
+                    continue
+                u = _sole_user(node)
+                if u is None or u.op != "call_module" or not isinstance(qmods.get(u.target), QConv2d) \
+                        or u.args[0] is not node:
+                    continue
+                a, b = qmods[node.target], qmods[u.target]
+                if a.precision.fp8 or b.precision.fp8:
+                    continue
+                if choose_int_backend(b.a_fmt, b.w_fmt, dev, cfg.backend)[0] != "bitserial":
+                    continue
+                a.chain_to(b)
+                records[node.target].out = f"packed {b.a_fmt} -> {u.target}"
+        gm.graph.lint()
+        gm.delete_all_unused_submodules()
+        gm.recompile()
+    else:
+        for name in order:
+            q = make(name)
+            if q is not None:
+                _set_module(gm, name, q)
+
+    summary = QuantSummary([records[n] for n in order if n in records], traced, notes)
+    gm.tcprec_summary = summary
+    if warn and (summary.float_layers or notes):
+        kept = ", ".join(f"{r.name} ({r.backend})" for r in summary.float_layers)
+        msg = (f"{len(summary.float_layers)} layer(s) stay in floating point: {kept}. " if kept else "") + " ".join(notes)
+        warnings.warn(msg.strip(), stacklevel=2)
+    return gm
+

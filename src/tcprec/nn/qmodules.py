@@ -1,0 +1,242 @@
+"""Quantized inference modules: ``QConv2d`` and ``QLinear``.
+
+Each holds its weight already quantized (and, for the bit-serial backend, already packed into bit
+planes: ``ops.qconv.pack_conv_weight``), a calibrated per-tensor activation scale, and the float
+epilogue folded from the layers it absorbed (batch-norm -> per-channel scale and bias, ReLU /
+LeakyReLU, 2x2 pooling).  Float tensors in, float tensors out (NCHW, channels_last memory), so a
+module drops into any network; when ``quantize_model`` finds that a conv feeds only another
+quantized conv, it sets ``out_fmt`` / ``out_scale`` and the pair exchanges packed activations
+(``ops.qconv.PackedActivation``) instead, never materialising a float tensor between them.
+
+Precision of a layer: weights and activations are integer formats of 1..8 bits (``binary`` = pm1
+weights for 1 bit, two's complement ``intN`` otherwise; activations ``uintN`` when calibration saw no
+negative input, ``intN`` otherwise), or ``e4m3`` for both (the FP8 path).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..formats import FloatFormat, IntFormat, as_format
+from ..ops import qconv as qc
+from ..ops.matmul import choose_int_backend
+from ..ops.quantize import absmax_qmax, quantize, quantize_pack, quantize_static
+from ..qtensor import PerChannel
+
+__all__ = ["LayerPrecision", "parse_precision", "QConv2d", "QLinear", "weight_format", "activation_format"]
+
+_ACTS = (None, "relu", "leaky")
+
+
+@dataclass(frozen=True)
+class LayerPrecision:
+    """Bit widths of one layer: ``w_bits`` / ``a_bits`` in 1..8 (integer), or ``fp8`` for e4m3 both."""
+
+    w_bits: int = 8
+    a_bits: int = 8
+    fp8: bool = False
+
+    def __post_init__(self):
+        if not self.fp8:
+            for name, b in (("w_bits", self.w_bits), ("a_bits", self.a_bits)):
+                if not (isinstance(b, int) and 1 <= b <= 8):
+                    raise ValueError(f"{name} must be 1..8 for an integer layer, got {b!r}")
+
+    def __str__(self) -> str:
+        return "fp8" if self.fp8 else f"w{self.w_bits}a{self.a_bits}"
+
+
+def parse_precision(text) -> LayerPrecision | None:
+    """``"w1a2"`` / ``"w4a4"`` / ``"int8"`` (= w8a8) / ``"fp8"`` -> LayerPrecision; ``"float"`` / None -> None."""
+    if text is None or isinstance(text, LayerPrecision):
+        return text
+    t = str(text).strip().lower()
+    if t in ("float", "fp32", "fp16", "bf16", "none"):
+        return None
+    if t == "int8":
+        return LayerPrecision(8, 8)
+    if t == "fp8":
+        return LayerPrecision(fp8=True)
+    import re
+
+    m = re.fullmatch(r"w(\d)a(\d)", t)
+    if m and 1 <= int(m[1]) <= 8 and 1 <= int(m[2]) <= 8:
+        return LayerPrecision(int(m[1]), int(m[2]))
+    raise ValueError(
+        f"unknown precision {text!r}; use 'wXaY' with X, Y in 1..8 (e.g. 'w1a2', 'w2a2', 'w4a4'), 'int8', 'fp8' "
+        "or 'float' (keep the layer in floating point)"
+    )
+
+
+def weight_format(p: LayerPrecision):
+    if p.fp8:
+        return as_format("e4m3")
+    return as_format("binary") if p.w_bits == 1 else as_format(f"int{p.w_bits}")
+
+
+def activation_format(p: LayerPrecision, signed: bool):
+    if p.fp8:
+        return as_format("e4m3")
+    return as_format(f"int{p.a_bits}" if signed else f"uint{p.a_bits}")
+
+
+def _quantize_weight(w: torch.Tensor, fmt):
+    """Per-output-channel scales along axis 0: absmax for multi-bit codes; mean |w| for binary (the
+    L2-optimal scale of sign(w), XNOR-Net) -- absmax would map every weight to +-max|w|."""
+    w = w.detach().float()
+    if isinstance(fmt, IntFormat) and fmt.encoding == "pm1":
+        s = w.abs().flatten(1).mean(1).clamp_min(torch.finfo(torch.float32).tiny)
+        return quantize(w, fmt, PerChannel(0), scale=s.view(-1, *([1] * (w.dim() - 1))))
+    return quantize(w, fmt, PerChannel(0))
+
+
+def _fold_bn(out_ch: int, bias: torch.Tensor | None, bn: nn.BatchNorm2d | None, device):
+    """Per-channel (scale, bias) of bn(conv + bias) = conv * scale + bias'."""
+    b = torch.zeros(out_ch, device=device) if bias is None else bias.detach().float()
+    if bn is None:
+        return None, (None if bias is None else b)
+    inv = (bn.running_var.float() + bn.eps).rsqrt()
+    g = bn.weight.detach().float() if bn.weight is not None else torch.ones_like(inv)
+    beta = bn.bias.detach().float() if bn.bias is not None else torch.zeros_like(inv)
+    scale = g * inv
+    return scale, (b - bn.running_mean.float()) * scale + beta
+
+
+def _prepare(qw):
+    """Pack the weight once (bit planes in the im2col word layout; the int8 path reads its codes)."""
+    return qc.pack_conv_weight(qw)
+
+
+def _quantize_input(x_nhwc: torch.Tensor, m: "_QBase"):
+    """Float NHWC -> the op's activation operand with the calibrated scale, sync-free (capturable):
+    bit planes in one fused kernel for the bit-serial backend, uint8 codes for the others."""
+    name, _ = choose_int_backend(m.a_fmt, m.w_fmt, x_nhwc.device, m.backend)
+    if name == "bitserial":
+        N, H, W, C = x_nhwc.shape
+        planes = quantize_pack(x_nhwc.reshape(N * H * W, C), m.a_fmt, m.in_scale)  # (bits, NHW, Kw)
+        return qc.PackedActivation(planes, m.a_fmt, m.in_scale, (N, H, W, C))
+    return quantize_static(x_nhwc, m.a_fmt, m.in_scale)  # QTensor (N, H, W, C) codes
+
+
+class _QBase(nn.Module):
+    tcprec_leaf = True  # profiling: one layer, however many kernels it launches
+
+    def _init_common(self, prec: LayerPrecision, in_absmax: float, signed_input: bool, out_dtype, backend: str):
+        self.precision = prec
+        self.a_fmt = activation_format(prec, signed_input)
+        self.w_fmt = weight_format(prec)
+        qmax = absmax_qmax(self.a_fmt)
+        s = max(float(in_absmax), 1e-8) / qmax
+        self.register_buffer("in_scale", torch.tensor([s], dtype=torch.float32))
+        self.out_dtype = out_dtype
+        self.backend = backend
+        self.out_fmt = None  # set by quantize_model when the output feeds another quantized conv
+        self.register_buffer("out_scale", None)
+
+    def chain_to(self, nxt: "QConv2d") -> None:
+        """Emit ``nxt``'s packed input directly (the fused re-quantize + pack epilogue)."""
+        self.out_fmt = nxt.a_fmt
+        self.out_scale = nxt.in_scale
+
+    def tcprec_trace(self) -> list[str]:
+        out = f"{self.out_fmt} planes" if self.out_fmt is not None else _short(self.out_dtype)
+        return [f"{self.w_fmt} x {self.a_fmt}", "int32" if not self.precision.fp8 else "fp32", "scale/bias/act", out]
+
+
+def _short(dt: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dt, str(dt))
+
+
+class QConv2d(_QBase):
+    """A conv (+ folded BN, activation, pooling) at integer or FP8 precision, NHWC inside.
+
+    Build with ``QConv2d.from_float(conv, precision, in_absmax=..., signed_input=..., bn=, act=, pool=)``
+    or through ``tcprec.quantize_model``.
+    """
+
+    @classmethod
+    def from_float(cls, conv: nn.Conv2d, precision, *, in_absmax: float, signed_input: bool, bn=None,
+                   act=None, pool=None, backend: str = "auto", out_dtype=None) -> "QConv2d":
+        m = cls()
+        prec = parse_precision(precision)
+        if prec is None:
+            raise ValueError("QConv2d needs a quantized precision ('w1a2', 'int8', 'fp8', ...), got 'float'")
+        if conv.groups != 1:
+            raise ValueError(f"QConv2d supports groups=1 only, got groups={conv.groups} (keep this layer in float)")
+        if isinstance(conv.padding, str) or conv.padding_mode != "zeros":
+            raise ValueError(f"QConv2d needs numeric zero padding, got padding={conv.padding!r} "
+                             f"padding_mode={conv.padding_mode!r}")
+        if act is not None and not (act == "relu" or (isinstance(act, tuple) and act[0] == "leaky")):
+            raise ValueError(f"act must be None, 'relu' or ('leaky', slope), got {act!r}")
+        m._init_common(prec, in_absmax, signed_input, out_dtype or conv.weight.dtype, backend)
+        m.stride, m.padding, m.dilation = tuple(conv.stride), tuple(conv.padding), tuple(conv.dilation)
+        m.in_channels, m.out_channels, m.kernel_size = conv.in_channels, conv.out_channels, tuple(conv.kernel_size)
+        m.act, m.pool = act, pool
+        w = conv.weight.detach().permute(0, 2, 3, 1).contiguous()  # (K, R, S, C): NHWC filters
+        m.weight = _prepare(_quantize_weight(w, m.w_fmt))
+        scale, bias = _fold_bn(conv.out_channels, conv.bias, bn, w.device)
+        m.register_buffer("ch_scale", scale)
+        m.register_buffer("ch_bias", bias)
+        return m
+
+    def _apply(self, fn, *args, **kwargs):  # .to(device) / .cuda() move the packed weight too
+        super()._apply(fn, *args, **kwargs)
+        if getattr(self, "weight", None) is not None:
+            qw = self.weight.qw
+            dev = fn(torch.empty(0, device=qw.device)).device  # where fn sends tensors
+            if dev != qw.device:
+                self.weight = _prepare(qw.to(dev))
+        return self
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+                f"padding={self.padding}, {self.precision} ({self.w_fmt} x {self.a_fmt}), act={self.act}, "
+                f"pool={self.pool}, out={'packed ' + str(self.out_fmt) if self.out_fmt is not None else _short(self.out_dtype)}")
+
+    def forward(self, x):
+        if isinstance(x, torch.Tensor):
+            if x.dim() != 4 or x.shape[1] != self.in_channels:
+                raise ValueError(f"QConv2d expects (N, {self.in_channels}, H, W), got {tuple(x.shape)}")
+            x = _quantize_input(x.permute(0, 2, 3, 1), self)  # NHWC (a view for channels_last input)
+        y = qc.conv2d(x, self.weight, stride=self.stride, padding=self.padding, dilation=self.dilation,
+                      scale=self.ch_scale, bias=self.ch_bias, act=self.act, pool=self.pool,
+                      out_dtype=self.out_dtype, out_fmt=self.out_fmt, out_scale=self.out_scale,
+                      backend=self.backend)
+        return y.permute(0, 3, 1, 2) if isinstance(y, torch.Tensor) else y  # NCHW view, channels_last memory
+
+
+class QLinear(_QBase):
+    """A Linear (+ ReLU) at integer or FP8 precision; float in, float out."""
+
+    @classmethod
+    def from_float(cls, lin: nn.Linear, precision, *, in_absmax: float, signed_input: bool, act=None,
+                   backend: str = "auto", out_dtype=None) -> "QLinear":
+        m = cls()
+        prec = parse_precision(precision)
+        if prec is None:
+            raise ValueError("QLinear needs a quantized precision ('w1a2', 'int8', 'fp8', ...), got 'float'")
+        if act not in (None, "relu"):
+            raise ValueError(f"QLinear fuses act=None or 'relu', got {act!r}")
+        m._init_common(prec, in_absmax, signed_input, out_dtype or lin.weight.dtype, backend)
+        m.in_features, m.out_features, m.act = lin.in_features, lin.out_features, act
+        w = lin.weight.detach()[:, None, None, :]  # (N_out, 1, 1, K): a 1x1 conv over one pixel
+        m.weight = _prepare(_quantize_weight(w, m.w_fmt))
+        m.register_buffer("bias", None if lin.bias is None else lin.bias.detach().float())
+        return m
+
+    _apply = QConv2d._apply
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, {self.precision} ({self.w_fmt} x {self.a_fmt}), act={self.act}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or x.shape[-1] != self.in_features:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"QLinear expects (..., {self.in_features}), got {got}")
+        lead = x.shape[:-1]
+        xa = _quantize_input(x.reshape(-1, 1, 1, self.in_features), self)  # (B, 1, 1, K) NHWC
+        y = qc.conv2d(xa, self.weight, bias=self.bias, act=self.act, out_dtype=self.out_dtype, backend=self.backend)
+        return y.reshape(*lead, self.out_features)

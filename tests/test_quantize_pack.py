@@ -1,0 +1,80 @@
+"""quantize_pack: static-scale quantize straight into bit planes (the compiled networks' activation
+quantizer) -- the same codes as quantize(), the Triton kernel (interpreter) equal to the reference."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import tcprec as tp  # noqa: E402
+from tcprec.ops.quantize import quantize_pack, quantize_static  # noqa: E402
+
+FORMATS = ["uint1", "uint2", "uint4", "uint8", "int2", "int3", "int8", "binary", "pm2", "pm3"]
+
+
+def _inputs(fmt, shape=(5, 1000), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    f = tp.format(fmt)
+    x = torch.randn(shape, generator=g) * (abs(f.max) + 1)  # spills over both ends: saturation
+    # exact ties and boundaries: integers, half-integers (and odd-integer ties for pm), tiny values
+    x[0, :64] = torch.arange(-16, 16, 0.5)
+    x[1, :3] = torch.tensor([1e30, -1e30, 1e-30])
+    return x.abs() if f.min >= 0 else x
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_reference_equals_quantize_codes(fmt):
+    x = _inputs(fmt)
+    scale = torch.tensor([0.5])
+    got = quantize_pack(x, fmt, scale, backend="reference")
+    want = tp.quantize(x, fmt, tp.PerTensor(), scale=0.5).to_bitplanes(backend="reference")
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantize_static_equals_quantize(fmt):
+    x = _inputs(fmt, seed=3)
+    got = quantize_static(x, fmt, torch.tensor([0.7]))
+    want = tp.quantize(x, fmt, tp.PerTensor(), scale=0.7)
+    assert torch.equal(got.codes, want.codes) and torch.equal(got.dequantize(), want.dequantize())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_triton_equals_reference(fmt):
+    x = _inputs(fmt, shape=(7, 600), seed=1).to(torch.float16).float()
+    x[2, 5] = float("nan")
+    scale = torch.tensor([0.37])
+    got = quantize_pack(x, fmt, scale, backend="triton")
+    want = quantize_pack(x, fmt, scale, backend="reference")
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_nan_to_code_of_zero_and_inf_saturates(backend):
+    x = torch.tensor([[float("nan"), 1.0, float("inf"), -float("inf")]])
+    planes = quantize_pack(x, "int2", torch.tensor([1.0]), backend=backend)
+    codes = tp.unpack_bitplanes(planes, 2, 4)
+    assert codes.tolist() == [[0, 1, 1, 2]]  # int2 patterns: 0, 1, max 1, min -2 = 0b10
+
+
+def test_strided_rows_and_fp16_input():
+    x = _inputs("uint2", shape=(6, 64)).half()
+    view = x[:, :40]  # row stride 64, K = 40
+    scale = torch.tensor([0.25])
+    assert torch.equal(quantize_pack(view, "uint2", scale, backend="triton"),
+                       quantize_pack(view.contiguous(), "uint2", scale, backend="reference"))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(fmt="e4m3"), "not an integer format"),
+    (dict(scale=0.5), "one-element float32 tensor"),
+    (dict(scale=torch.tensor([1.0, 2.0])), "one-element float32 tensor"),
+    (dict(x=torch.ones(4, dtype=torch.int32)), "float"),
+])
+def test_bad_input(bad, match):
+    args = dict(x=torch.ones(2, 4), fmt="uint2", scale=torch.tensor([1.0]))
+    args.update(bad)
+    with pytest.raises((TypeError, ValueError), match=match):
+        quantize_pack(args["x"], args["fmt"], args["scale"])
