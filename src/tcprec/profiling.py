@@ -53,11 +53,14 @@ import torch
 from torch import nn
 
 __all__ = [
+    "Analysis",
     "CATEGORIES",
+    "Event",
     "KERNEL_RULES",
     "KernelRecord",
     "LayerTime",
     "ProfileReport",
+    "analyze",
     "classify_kernel",
     "describe_value",
     "is_tensor_core_kernel",
@@ -144,7 +147,7 @@ def kernel_rule(name: str) -> tuple[str, bool, str]:
 def classify_kernel(name: str) -> str:
     """The breakdown category of a kernel name: one of :data:`CATEGORIES`.
 
-    >>> classify_kernel("Memcpy HtoD (Pageable -> Device)"), classify_kernel("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT")
+    >>> classify_kernel("Memcpy HtoD (Pageable -> Device)"), classify_kernel("nvjet_tst_128x256_64x4_1x2_h_bz_TNT")
     ('memcpy', 'compute')
     """
     return kernel_rule(name)[0]
@@ -464,8 +467,9 @@ class Analysis(NamedTuple):
 
 def analyze(events: list[Event], layer_kinds: dict[str, str] | None = None,
             layer_order: list[str] | None = None, layer_calls: dict[str, int] | None = None):
-    """Turn events into an :class:`Analysis`, all per inference (the number of ``tcprec.inference`` scopes found).  ``layer_order`` fixes the
-    layer rows (default: by first scope start); ``layer_calls`` their calls per inference.
+    """Turn events into an :class:`Analysis`, all per inference (over the ``tcprec.inference``
+    scopes found).  ``layer_order`` fixes the layer rows (default: by first scope start);
+    ``layer_calls`` gives their calls per inference.
 
     Used by :func:`profile`; public so the analysis can be tested on hand-made GPU-like events."""
     layer_kinds = layer_kinds or {}
@@ -715,8 +719,9 @@ def profile(model_or_callable, x, *, warmup: int = 3, iters: int = 10, trace_pat
         notes.append("cpu clock: no device work was recorded; times are CPU wall times")
 
     device = (torch.cuda.get_device_name() if clock == "cuda" else "cpu")
-    rep = ProfileReport(layers, breakdown, kernels, copies, _build_dtype_trace(x_desc, calls_trace, describe_value(out)),
-                        clock, wall_ms, device, warmup, iters, notes, _trace_owner=prof)
+    trace = _build_dtype_trace(x_desc, calls_trace, describe_value(out))
+    rep = ProfileReport(layers, breakdown, kernels, copies, trace, clock, wall_ms, device, warmup, iters, notes,
+                        _trace_owner=prof)
     if trace_path is not None:
         rep.save_chrome_trace(trace_path)
     return rep
