@@ -111,7 +111,7 @@ def quick_check(console, precisions) -> bool:
         ref_dw = rc.conv2d_wgrad(dy, x, g.weight_shape, g.stride, g.padding)
         for p in precisions:
             for backend in ("auto", "triton"):
-                if backend == "auto" and not g.is_pointwise:
+                if backend == "auto" and not g.is_gemm_1x1:
                     continue
                 try:
                     dx = opc.conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding, precision=p, backend=backend)

@@ -145,6 +145,51 @@ def test_gemm_path_for_pointwise_layers(precision):
     _check_wgrad(g, precision, dy, x, dw)
 
 
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "fp8"])
+@pytest.mark.parametrize("spec", [(2, 9, 9, 16, 32, 1, 1, 2, 0, 1), (1, 7, 10, 32, 16, 1, 1, (3, 2), 0, 1),
+                                  (1, 5, 5, 16, 16, 1, 1, 1, 0, 1)],
+                         ids=["s2_odd", "s3x2", "s1_M25"])
+def test_gemm_path_for_strided_1x1_layers(spec, precision):
+    """Unpadded 1x1 layers at any stride are GEMMs over the N*P*Q touched pixels: dgrad scatters the
+    rows into dx with zeros elsewhere (Triton pass, here in the interpreter), wgrad reduces over the
+    strided slice of x; fp8 zero-pads a pixel count that is no multiple of 16 (M = 25 here)."""
+    g = _geom(spec)
+    dy, w, x = _data(g, seed=6)
+    assert "GEMM path" in opc.explain_conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding, backend="gemm")
+    try:
+        dx = opc.conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding, precision=precision, backend="gemm")
+        dw = opc.conv2d_wgrad(dy, x, g.weight_shape, g.stride, g.padding, precision=precision, backend="gemm")
+    except (RuntimeError, NotImplementedError) as e:  # torch._scaled_mm has no CPU kernel in this torch
+        if precision == "fp8":
+            pytest.skip(f"torch._scaled_mm does not run on this CPU build: {e}")
+        raise
+    _check_dgrad(g, precision, dy, w, dx)
+    _check_wgrad(g, precision, dy, x, dw)
+    if g.stride != (1, 1):  # the pixels no tap reaches are exactly zero
+        hit = torch.zeros(g.input_shape[1:3], dtype=torch.bool)
+        hit[::g.stride[0], ::g.stride[1]] = True
+        assert (dx[:, ~hit] == 0).all() and (dx[:, hit] != 0).any()
+
+
+@pytest.mark.parametrize("scatter", ["triton", "torch"])
+def test_strided_1x1_gemm_fused_activation_equals_dgrad_then_mask(scatter, monkeypatch):
+    g = _geom((2, 9, 9, 16, 32, 1, 1, 2, 0, 1))
+    dy, w, x = (t.half() for t in _data(g, seed=14))
+    x[0, 0, 0, :] = 0.0
+    if scatter == "torch":  # the non-CUDA, non-interpreter fall-back of the scatter pass
+        monkeypatch.setattr(kt, "interpreting", lambda: False)
+    kw = dict(backend="gemm", out_dtype=torch.float32)
+    plain = opc.conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding, **kw)
+    relu = opc.conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding, activation="relu", act_input=x, **kw)
+    assert torch.equal(relu, torch.where(x > 0, plain, torch.zeros((), dtype=plain.dtype)))
+    leaky = opc.conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding, activation=("leaky_relu", 0.1),
+                             act_input=x, **kw)
+    assert torch.equal(leaky, torch.where(x > 0, plain, plain * 0.1))
+    tri = opc.conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding, activation="relu", act_input=x,
+                           backend="triton", out_dtype=torch.float32)
+    assert torch.allclose(tri, relu, rtol=1e-5, atol=1e-6)
+
+
 def test_out_dtype_float32_and_strided_views():
     """fp32 output; operands given as permuted (NCHW-memory) views give the same bits as contiguous NHWC."""
     g = _geom(GEOMS[1])
@@ -242,6 +287,8 @@ def test_split_heuristics():
     assert kt.wgrad_split(big, 132) > 1  # 9 output tiles, 800k rows: split
     small = ConvGeometry(8, 7, 7, 512, 512, 3, 3, (1, 1), (1, 1), (1, 1))
     assert kt.wgrad_split(small, 132) == 1  # 392 rows: splitting would cost more than it gives
+    # batch 8, 9 output tiles, 6272 rows: one program a tile would leave 123 of 132 SMs idle
+    assert kt.wgrad_split(ConvGeometry(8, 28, 28, 128, 128, 3, 3, (1, 1), (1, 1), (1, 1)), 132) >= 8
     assert kt.dgrad_split(big, 132) == 1
     assert kt.dgrad_split(small, 132) > 1  # 392 pixels x 512 channels: a handful of tiles
 
@@ -312,7 +359,7 @@ def test_explain_and_backend_choice():
     assert "stride-phase" in s and "4 phase(s)" in s and "relu backward fused" in s
     s = opc.explain_conv2d_wgrad(dy2, x2, g2.weight_shape, g2.stride, g2.padding, backend="triton", split_k=2)
     assert "split-K 2" in s and "deterministic" in s
-    with pytest.raises(ValueError, match="only 1x1 stride-1"):
+    with pytest.raises(ValueError, match="only unpadded 1x1"):
         opc.conv2d_dgrad(dy2, w2, g2.input_shape, g2.stride, g2.padding, backend="gemm")
 
 
@@ -542,9 +589,10 @@ def _aot_report() -> dict:
     base = dict(SPLIT_OUT=False, INT64=False, UPCAST=False, FAST_ACCUM=False, BLOCK_M=128, BLOCK_N=128)
     k16 = _aot_compile("_dgrad_kernel", dict(base, ACT=1, HAS_SCALE=False, IS_FP8=False, BLOCK_K=64, EVEN_K=True),
                        num_warps=8)
-    k8 = _aot_compile("_wgrad_kernel", dict(base, HAS_SCALE=True, IS_FP8=True, DY_LINEAR=True, BLOCK_L=128,
-                                            SPLIT_OUT=True), num_warps=8)
-    return {"dgrad_fp16": k16.asm["ptx"], "wgrad_fp8": k8.asm["ptx"]}
+    w8 = dict(base, HAS_SCALE=True, IS_FP8=True, DY_LINEAR=True, BLOCK_L=128, SPLIT_OUT=True)
+    k8 = _aot_compile("_wgrad_kernel", dict(w8, DOT_F16=False), num_warps=8)
+    k8h = _aot_compile("_wgrad_kernel", dict(w8, DOT_F16=True), num_warps=8)  # the default for fp8 wgrad
+    return {"dgrad_fp16": k16.asm["ptx"], "wgrad_fp8": k8.asm["ptx"], "wgrad_fp8_dot_f16": k8h.asm["ptx"]}
 
 
 def test_kernels_compile_to_wgmma_for_sm90():
@@ -561,6 +609,9 @@ def test_kernels_compile_to_wgmma_for_sm90():
     assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16" in ptx["dgrad_fp16"]
     assert "cp.async" in ptx["dgrad_fp16"]  # operand loads pipelined asynchronously
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e5m2.e4m3" in ptx["wgrad_fp8"]
+    # fp8 wgrad's default: fp8 tiles loaded asynchronously, widened to fp16, 16-bit wgmma
+    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16" in ptx["wgrad_fp8_dot_f16"]
+    assert "cp.async" in ptx["wgrad_fp8_dot_f16"]
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--aot"]:

@@ -88,7 +88,7 @@ def check_wgrad(g, precision, dy, x, got):
 @pytest.mark.parametrize("spec", GEOMS, ids=lambda s: "x".join(map(str, s[:7])) + f"_s{s[7]}d{s[9]}")
 def test_dgrad_wgrad_vs_fp64(spec, precision, backend):
     g = _geom(spec)
-    if backend == "auto" and not g.is_pointwise:
+    if backend == "auto" and not g.is_gemm_1x1:
         pytest.skip("auto == triton for this layer")
     dy, w, x = _data(g, seed=hash(spec) % 1000)
     dx = opc.conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding, g.dilation, precision=precision, backend=backend)
@@ -183,18 +183,25 @@ def test_compiled_kernels_use_tensor_cores(precision):
     kd = kt.dgrad(dyq, wq, out, g, scales=scales_d)
     kw, _ = kt.wgrad(dyk, xq, torch.empty(g.weight_shape, device=DEV), g, scales=scales_w, split_k=2)
     types = {"fp16": "f16.f16", "bf16": "bf16.bf16"}
-    for k in (kd, kw):
+    # (kernel, operand types, SASS op): fp8 wgrad widens its fp8 tiles to fp16 by default (16-bit wgmma);
+    # dot_f16=False keeps the fp8 wgmma variant
+    cases = [(kd, types.get(precision, "e5m2.e4m3"), "QGMMA" if precision == "fp8" else "HGMMA"),
+             (kw, types.get(precision, "f16.f16"), "HGMMA")]
+    if precision == "fp8":
+        kw8, _ = kt.wgrad(dyk, xq, torch.empty(g.weight_shape, device=DEV), g, scales=scales_w, split_k=2,
+                          dot_f16=False)
+        cases.append((kw8, "e5m2.e4m3", "QGMMA"))
+    for k, want, want_sass in cases:
         ptx = k.asm["ptx"]
         if cap[0] == 9:
-            want = f"f32.{types[precision]}" if precision in types else ".e5m2.e4m3"
-            assert "wgmma.mma_async" in ptx and want in ptx, "no wgmma with the intended operand types"
+            assert "wgmma.mma_async" in ptx and f"f32.{want}" in ptx, f"no wgmma with operand types {want}"
         else:
             assert "mma.sync" in ptx
         try:
             sass = k.asm["sass"]
         except Exception:  # cuobjdump / nvdisasm missing: the PTX check above is what ran
             continue
-        want_sass = ("QGMMA" if precision == "fp8" else "HGMMA") if cap[0] == 9 else "HMMA"
+        want_sass = want_sass if cap[0] == 9 else "HMMA"
         assert want_sass in sass, f"SASS lacks {want_sass}"
 
 

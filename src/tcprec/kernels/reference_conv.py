@@ -110,6 +110,12 @@ class ConvGeometry:
         """1x1, stride 1, no padding: every conv-backward is a plain GEMM."""
         return (self.R, self.S) == (1, 1) and self.stride == (1, 1) and self.padding == (0, 0)
 
+    @property
+    def is_gemm_1x1(self) -> bool:
+        """1x1 and unpadded (any stride): dgrad and wgrad are GEMMs over the pixels the filter touches,
+        ``(n, p*sh, q*sw)`` -- for stride 1 all of them."""
+        return (self.R, self.S) == (1, 1) and self.padding == (0, 0)
+
     def phase_params(self, axis: int) -> tuple[int, int, int, int]:
         """(g, step, dp, inv) of the stride-phase decomposition along ``axis`` (0: H, 1: W)."""
         s, d = self.stride[axis], self.dilation[axis]

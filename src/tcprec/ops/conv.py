@@ -21,12 +21,15 @@ Precisions
 
 Backends (``backend=``)
 
-* ``"auto"``: on CUDA, 1x1 stride-1 unpadded layers are plain GEMMs and go to cuBLAS
-  (``torch.matmul`` / ``torch.mm(out_dtype=)`` / ``torch._scaled_mm`` for fp8) -- the fastest GEMM
-  on the machine, used as is; everything else (and 1x1 layers with a fused activation) runs the
-  Triton implicit-GEMM kernels.  Off CUDA: the reference.
+* ``"auto"``: on CUDA, unpadded 1x1 layers are GEMMs and go to cuBLAS (``torch.matmul`` /
+  ``torch.mm(out_dtype=)`` / ``torch._scaled_mm`` for fp8) -- the fastest GEMM on the machine.  At
+  stride s > 1 the GEMM runs over the N*P*Q pixels the filter touches: dgrad's rows are then
+  scattered into dx by one Triton pass that writes the zeros (and applies a fused activation
+  backward); wgrad copies x's strided slice into the GEMM's layout first.  Everything else (and
+  stride-1 1x1 layers with a fused activation) runs the Triton implicit-GEMM kernels.  Off CUDA:
+  the reference.
 * ``"triton"``: the Triton kernels for every layer (on the CPU through ``TRITON_INTERPRET=1``).
-* ``"gemm"``: cuBLAS; 1x1 stride-1 unpadded layers only.
+* ``"gemm"``: cuBLAS; unpadded 1x1 layers only.
 * ``"reference"``: the same math in plain torch (operands rounded to the precision, float32
   ``torch.nn.grad`` convolutions, TF32 off).
 
@@ -272,16 +275,18 @@ def _check_common(precision: str, backend: str, out_dtype) -> None:
 
 
 def _gemm_ok(op: str, g: ConvGeometry, precision: str) -> tuple[bool, str]:
-    if not g.is_pointwise:
-        return False, (f"the layer is {g.R}x{g.S}, stride {g.stride}, padding {g.padding}: only 1x1 stride-1 "
-                       "unpadded layers are plain GEMMs")
+    if not g.is_gemm_1x1:
+        return False, (f"the layer is {g.R}x{g.S}, stride {g.stride}, padding {g.padding}: only unpadded 1x1 "
+                       "layers are plain GEMMs")
     if precision == "fp8":
         if not hasattr(torch, "_scaled_mm"):
             return False, "this torch has no torch._scaled_mm (cuBLAS fp8 GEMM)"
-        M = g.N * g.H * g.W
-        if M % 16 or g.K % 16 or g.C % 16:
-            return False, f"cuBLAS fp8 needs every GEMM dim divisible by 16, got N*H*W={M}, K={g.K}, C={g.C}"
-    return True, "1x1 stride-1 layer: a plain GEMM"
+        if g.K % 16 or g.C % 16:  # the pixel dim is zero-padded to a multiple of 16 when it is not one
+            return False, f"cuBLAS fp8 needs K and C divisible by 16, got K={g.K}, C={g.C}"
+    if g.stride == (1, 1):
+        return True, "1x1 stride-1 layer: a plain GEMM"
+    return True, (f"1x1 stride-{g.stride} layer: a GEMM over the N*P*Q pixels the filter touches "
+                  "(dgrad: scattered into dx, the other pixels zero; wgrad: over the strided slice of x)")
 
 
 def _choose(op: str, g: ConvGeometry, t, precision: str, backend: str, activation=None) -> tuple[str, str]:
@@ -299,7 +304,7 @@ def _choose(op: str, g: ConvGeometry, t, precision: str, backend: str, activatio
         return path, why
     if backend == "auto":
         ok, gwhy = _gemm_ok(op, g, precision)
-        if ok and activation is None:
+        if ok and (activation is None or g.stride != (1, 1)):  # strided: the activation rides the scatter pass
             return "gemm", f"{gwhy}: cuBLAS, the fastest GEMM on this machine"
         if ok:
             return "triton", f"{gwhy}, but the activation backward fuses into the Triton kernel's epilogue ({why})"
@@ -438,20 +443,32 @@ def conv2d_dgrad(grad_out, weight, input_shape, stride=1, padding=0, dilation=1,
         return dx.to(out_dtype).contiguous()
 
     if path == "gemm":
-        M = g.N * g.H * g.W
+        M = g.N * g.P * g.Q  # the pixels the 1x1 filter reaches: all of them at stride 1
         if precision == "fp8":
             a = _row_major(dy.data.reshape(M, g.K))  # (M, K) e5m2
             b = _col_major(w.data.reshape(g.K, g.C))  # (K, C) e4m3, column-major
+            m16 = -(-M // 16) * 16  # cuBLAS fp8 wants every dim a multiple of 16: zero rows, sliced off
+            a = a if m16 == M else torch.nn.functional.pad(a, (0, 0, 0, m16 - M))
             dx = torch._scaled_mm(a, b, scale_a=dy.scale, scale_b=w.scale, out_dtype=out_dtype,
-                                  use_fast_accum=bool(fast_accum))
+                                  use_fast_accum=bool(fast_accum))[:M]
         elif out_dtype == dy.dtype:
             dx = torch.matmul(dy.reshape(M, g.K), w.reshape(g.K, g.C))  # (M, C)
         else:
             dx = _mm_f32(dy.reshape(M, g.K), w.reshape(g.K, g.C)).to(out_dtype)
-        dx = dx.view(g.input_shape)
-        if mode:
-            dx = rc.activation_backward(dx, act_input, activation)
-        return dx
+        if g.stride == (1, 1):
+            dx = dx.view(g.input_shape)
+            if mode:
+                dx = rc.activation_backward(dx, act_input, activation)
+            return dx
+        out = torch.empty(g.input_shape, dtype=out_dtype, device=device)
+        from ..kernels.triton import conv_bwd as kt
+
+        if out.is_cuda or kt.interpreting():  # one pass writes dx: the GEMM rows at (n, p*sh, q*sw), zeros
+            kt.phase_scatter(dx, out, g, act=(mode, slope), act_input=act_input)
+            return out
+        out.zero_()
+        out[:, ::g.stride[0], ::g.stride[1], :] = dx.view(g.N, g.P, g.Q, g.C)
+        return rc.activation_backward(out, act_input, activation).to(out_dtype) if mode else out
 
     from ..kernels.triton import conv_bwd as kt
 
@@ -474,8 +491,14 @@ def explain_conv2d_dgrad(grad_out, weight, input_shape, stride=1, padding=0, dil
     head = _describe(g, precision, "dgrad")
     if path == "gemm":
         fn = "torch._scaled_mm (cuBLAS fp8)" if precision == "fp8" else "torch.matmul (cuBLAS)"
-        body = (f"GEMM path: dx (N*H*W, C) = dy (N*P*Q, K) @ w (K, C) with {fn} -- we use the vendor GEMM "
-                "for 1x1 stride-1 layers because it is the fastest GEMM available; no Triton kernel runs")
+        if g.stride == (1, 1):
+            body = (f"GEMM path: dx (N*H*W, C) = dy (N*P*Q, K) @ w (K, C) with {fn} -- we use the vendor GEMM "
+                    "for 1x1 layers because it is the fastest GEMM available; no Triton kernel runs")
+        else:
+            body = (f"GEMM path: rows (N*P*Q, C) = dy (N*P*Q, K) @ w (K, C) with {fn} -- the vendor GEMM, the "
+                    f"fastest available -- then one Triton pass writes dx: those rows at pixels (n, p*{g.stride[0]}, "
+                    f"q*{g.stride[1]}), zeros at the pixels no tap reaches"
+                    + (f", the {activation} backward applied in the same pass" if activation else ""))
     elif path == "triton":
         phases = []
         for a in range(g.stride[0]):
@@ -531,16 +554,25 @@ def conv2d_wgrad(grad_out, input, weight_shape, stride=1, padding=0, dilation=1,
         return dw.to(out_dtype).contiguous()
 
     if path == "gemm":
-        M = g.N * g.H * g.W
+        M = g.N * g.P * g.Q  # the reduction: the pixels the 1x1 filter reaches
+        sh, sw = g.stride
         if precision == "fp8":
             a = _row_major(dy.data.permute(3, 0, 1, 2).reshape(g.K, M))  # (K, M) e5m2
-            b = _col_major(x.data.reshape(M, g.C))  # (M, C) e4m3, column-major
-            dw = torch._scaled_mm(a, b, scale_a=dy.scale, scale_b=x.scale, out_dtype=out_dtype,
+            # (C, M) e4m3 row-major = (M, C) column-major; strided: the slice x[:, ::sh, ::sw] copied once
+            # into that layout (from (C, N, H, W) memory order it is a plain strided copy)
+            b = _row_major(x.data.permute(3, 0, 1, 2)[:, :, ::sh, ::sw].reshape(g.C, M))
+            m16 = -(-M // 16) * 16  # cuBLAS fp8 wants every dim a multiple of 16: zero-pad the reduction
+            if m16 != M:
+                a = torch.nn.functional.pad(a, (0, m16 - M))
+                b = torch.nn.functional.pad(b, (0, m16 - M))
+            dw = torch._scaled_mm(a, b.t(), scale_a=dy.scale, scale_b=x.scale, out_dtype=out_dtype,
                                   use_fast_accum=bool(fast_accum))
-        elif out_dtype == torch.float32:
-            dw = _mm_f32(dy.reshape(M, g.K).t(), x.reshape(M, g.C))
         else:
-            dw = torch.matmul(dy.reshape(M, g.K).t(), x.reshape(M, g.C)).to(out_dtype)
+            xs = x if (sh, sw) == (1, 1) else x[:, ::sh, ::sw, :]  # (N, P, Q, C): copied by the reshape
+            if out_dtype == torch.float32:
+                dw = _mm_f32(dy.reshape(M, g.K).t(), xs.reshape(M, g.C))
+            else:
+                dw = torch.matmul(dy.reshape(M, g.K).t(), xs.reshape(M, g.C)).to(out_dtype)
         return dw.view(g.weight_shape)
 
     from ..kernels.triton import conv_bwd as kt
@@ -562,15 +594,19 @@ def explain_conv2d_wgrad(grad_out, input, weight_shape, stride=1, padding=0, dil
         fn = ("torch._scaled_mm (cuBLAS fp8)" if precision == "fp8" else
               "torch.mm (cuBLAS" + (", fp32 output)" if _MM_OUT_DTYPE is not False else
                                     ", 16-bit output widened to fp32: this torch has no mm(out_dtype=))"))
-        body = (f"GEMM path: dw (K, C) = dy^T (K, N*H*W) @ x (N*H*W, C) with {fn} -- the vendor GEMM, used "
-                "because it is the fastest GEMM available for a 1x1 stride-1 layer")
+        body = (f"GEMM path: dw (K, C) = dy^T (K, N*P*Q) @ x (N*P*Q, C) with {fn} -- the vendor GEMM, used "
+                "because it is the fastest GEMM available for a 1x1 layer"
+                + ("" if g.stride == (1, 1) else f"; x's strided slice x[:, ::{g.stride[0]}, ::{g.stride[1]}] is "
+                   "copied once into the GEMM's layout (part of the op's time)"))
     elif path == "triton":
         from ..kernels.triton import conv_bwd as kt
 
         dev = grad_out.data.device if isinstance(grad_out, Fp8Tensor) else grad_out.device
         split = split_k or kt.wgrad_split(g, kt.sm_count(dev), precision == "fp8")
         body = (f"Triton implicit GEMM over L = N*P*Q = {g.N * g.P * g.Q}, split-K {split} way(s) into an fp32 "
-                "workspace, then a fixed-order sum (deterministic, no atomics); fp32 accumulation")
+                "workspace, then a fixed-order sum (deterministic, no atomics); fp32 accumulation"
+                + ("; the fp8 tiles are widened exactly to fp16 in registers and multiplied on the 16-bit tensor "
+                   "cores (fp8 wgmma would need x transposed through registers)" if precision == "fp8" else ""))
     else:
         body = "pure-torch reference: operands rounded to the precision, float32 torch.nn.grad.conv2d_weight"
     return f"{head}: {body}. Reason: {why}."

@@ -70,7 +70,7 @@ import triton.language as tl
 
 from ..reference_conv import ACT_NONE, ConvGeometry
 
-__all__ = ["dgrad", "wgrad", "dgrad_split", "wgrad_split", "sm_count", "DGRAD_CONFIGS", "WGRAD_CONFIGS",
+__all__ = ["dgrad", "wgrad", "phase_scatter", "dgrad_split", "wgrad_split", "sm_count", "DGRAD_CONFIGS", "WGRAD_CONFIGS",
            "INTERPRETER_CONFIG", "interpreting"]
 
 # Tiles for Hopper/Ampere: (BLOCK_M, BLOCK_N, num_warps, num_stages); the reduction block is 64
@@ -268,7 +268,7 @@ def _wgrad_kernel(
     mag_q, shift_q, mag_p, shift_p,  # l // Q and (l // Q) // P by multiply-high (see _magic)
     # -- what to do --
     HAS_SCALE: tl.constexpr, IS_FP8: tl.constexpr, FAST_ACCUM: tl.constexpr, DY_LINEAR: tl.constexpr,
-    SPLIT_OUT: tl.constexpr, INT64: tl.constexpr, UPCAST: tl.constexpr,
+    SPLIT_OUT: tl.constexpr, INT64: tl.constexpr, UPCAST: tl.constexpr, DOT_F16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
 ):
     # ---- which tile: c-block fastest, then tap, then k-block; the split is grid axis 1 ----
@@ -328,7 +328,10 @@ def _wgrad_kernel(
         if UPCAST:
             a_blk = a_blk.to(tl.float32)
             b_blk = b_blk.to(tl.float32)
-        if IS_FP8 and not FAST_ACCUM:
+        elif DOT_F16:  # fp8 codes widened exactly to fp16: 16-bit wgmma reads the MN-major x tile as is
+            a_blk = a_blk.to(tl.float16)
+            b_blk = b_blk.to(tl.float16)
+        if IS_FP8 and not FAST_ACCUM and not DOT_F16:
             acc = tl.dot(tl.trans(a_blk), b_blk, acc, max_num_imprecise_acc=BLOCK_L)
         else:
             acc = tl.dot(tl.trans(a_blk), b_blk, acc)
@@ -376,6 +379,62 @@ def _sum_splits_kernel(
         else:
             acc = tl.where(z > 0, acc, acc * slope)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# ------------------------------------------------------------------------------------------------
+# Strided 1x1 dgrad: the GEMM result (one row per pixel the filter touches) scattered into dx
+# ------------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["NPIX", "H", "W", "P", "Q", "str_h", "str_w"])
+def _phase_scatter_kernel(
+    src_ptr, out_ptr, act_ptr, NPIX, H, W, C, P, Q, str_h, str_w,
+    sa_n, sa_h, sa_w, sa_c, slope,
+    ACT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """out (N, H, W, C) contiguous: pixel (n, p*sh, q*sw) <- src row (n, p, q) (contiguous (N*P*Q, C)),
+    every other pixel 0 (no filter tap reaches it); then the activation backward.  One pass that
+    writes dx once -- it is the memory-bound part of a strided 1x1 dgrad."""
+    pix = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    pix_ok = pix < NPIX
+    c_ok = offs_c < C
+    w = pix % W
+    t = pix // W
+    h = t % H
+    n = t // H
+    hit = pix_ok & (h % str_h == 0) & (w % str_w == 0)
+    row = (n * P + h // str_h) * Q + w // str_w
+    v = tl.load(src_ptr + row[:, None] * C + offs_c[None, :], mask=hit[:, None] & c_ok[None, :], other=0.0)
+    mask = pix_ok[:, None] & c_ok[None, :]
+    if ACT != 0:
+        v = v.to(tl.float32)
+        z = tl.load(act_ptr + (n * sa_n + h * sa_h + w * sa_w)[:, None] + offs_c[None, :] * sa_c, mask=mask,
+                    other=0.0)
+        if ACT == 1:
+            v = tl.where(z > 0, v, 0.0)
+        else:
+            v = tl.where(z > 0, v, v * slope)
+    tl.store(out_ptr + pix[:, None] * C + offs_c[None, :], v.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def phase_scatter(src: torch.Tensor, out: torch.Tensor, g: ConvGeometry, *, act: tuple[int, float] = (0, 0.0),
+                  act_input: torch.Tensor | None = None) -> None:
+    """dx of an unpadded 1x1 layer from its GEMM result: ``out`` (N, H, W, C), contiguous, gets
+    ``src`` (N*P*Q, C) (contiguous, out's dtype) at the pixels (n, p*sh, q*sw) and zeros elsewhere,
+    times act'(act_input) when an activation is given."""
+    mode, slope = act
+    if not (g.R == g.S == 1 and g.padding == (0, 0)):
+        raise ValueError(f"phase_scatter is for unpadded 1x1 layers, got {g.R}x{g.S} padding {g.padding}")
+    if not (src.is_contiguous() and out.is_contiguous()):
+        raise ValueError("phase_scatter needs contiguous src (N*P*Q, C) and out (N, H, W, C)")
+    npix = g.N * g.H * g.W
+    act_t = act_input if (act_input is not None and mode) else out
+    bc = min(128, max(16, _npow2(g.C)))
+    bp = max(1, 8192 // bc) if not interpreting() else 16
+    grid = (triton.cdiv(npix, bp), triton.cdiv(g.C, bc))
+    _phase_scatter_kernel[grid](src, out, act_t, npix, g.H, g.W, g.C, g.P, g.Q, g.stride[0], g.stride[1],
+                                *_strides(act_t), float(slope), ACT=mode, BLOCK_P=bp, BLOCK_C=bc, num_warps=4)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -457,15 +516,36 @@ def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+# A cost model for the wgrad split (H100 / H200 class): sustained tensor-core rate of one SM on a
+# 128x128 tile (~55% of the wgmma peak a SM), the bandwidth the fp32 partials move at, and the
+# launch of the fixed-order sum.  Fitted to nothing but these round numbers; it reproduces the first
+# H200 run's 7x7 512->512 3x3 N=256 wgrad (split 1: 206 us modelled, 205 us measured).
+_SM_FLOPS = 4.0e12
+_WS_BYTES_PER_S = 3.0e12
+_SUM_LAUNCH_S = 2e-6
+
+
 def wgrad_split(g: ConvGeometry, sms: int, fp8: bool = False) -> int:
-    """Chunks of the L = N*P*Q reduction: enough programs for ~2 waves, but each split's fp32
-    partial (written and read once) must stay cheap next to its GEMM work: split <= L / 8192
-    keeps that traffic under ~10% of the time at Hopper's flop:byte ratio."""
+    """Chunks of the L = N*P*Q reduction, from a cost model: waves of (tiles x split) programs over
+    the SMs, each doing 1/split of its tile's work, plus writing and re-reading split fp32 partials
+    and the sum's launch; the smallest split within 3% of the best.  Small batches split a lot (few
+    output tiles, nothing else to fill the GPU), big output tiles counts do not.  (fp8 runs the same
+    16-bit MMA as fp16 here, see ``wgrad(dot_f16=)``; the argument is kept for callers.)"""
     L = g.N * g.P * g.Q
-    tiles = triton.cdiv(g.K, 128) * g.R * g.S * triton.cdiv(g.C, 128)
-    want = triton.cdiv(2 * sms, tiles)
-    cap = max(1, L // (16384 if fp8 else 8192))
-    return max(1, min(want, cap, 128))
+    bm = min(128, max(64, _npow2(g.K)))  # the tiles the autotuner's pruning allows
+    bn = min(128, max(64, _npow2(g.C)))
+    tiles = triton.cdiv(g.K, bm) * g.R * g.S * triton.cdiv(g.C, bn)
+    tile_s = 2.0 * bm * bn * L / _SM_FLOPS  # one tile's whole reduction on one SM
+    part_s = 2.0 * g.K * g.R * g.S * g.C * 4 / _WS_BYTES_PER_S  # one split's partial: written + read
+
+    def cost(split: int) -> float:
+        t = triton.cdiv(tiles * split, max(1, sms)) * tile_s / split
+        return t + (split * part_s + _SUM_LAUNCH_S if split > 1 else 0.0)
+
+    cands = range(1, max(1, min(128, triton.cdiv(L, CHUNK_ALIGN))) + 1)
+    costs = {s_: cost(s_) for s_ in cands}
+    best = min(costs.values())
+    return min(s_ for s_, c in costs.items() if c <= 1.03 * best)
 
 
 def dgrad_split(g: ConvGeometry, sms: int) -> int:
@@ -571,9 +651,14 @@ def dgrad(dy: torch.Tensor, w: torch.Tensor, out: torch.Tensor, g: ConvGeometry,
 
 
 def wgrad(dy: torch.Tensor, x: torch.Tensor, out: torch.Tensor, g: ConvGeometry, *, scales=None,
-          split_k: int | None = None, fast_accum: bool = False, config: dict | None = None):
+          split_k: int | None = None, fast_accum: bool = False, config: dict | None = None,
+          dot_f16: bool | None = None):
     """Write wgrad into ``out`` (K, R, S, C) (contiguous, any float dtype).  ``split_k=None`` picks
-    the split with :func:`wgrad_split`.  Returns (compiled main kernel, split used)."""
+    the split with :func:`wgrad_split`.  ``dot_f16`` (fp8 operands; default True) widens the fp8
+    tiles to fp16 in registers and multiplies on the 16-bit tensor cores: exact (every e4m3 / e5m2
+    value is an fp16 value), fp32-accumulated, and free of the register transpose that fp8 wgmma
+    needs for the MN-major x tile (``dot_f16=False``: fp8 wgmma, ~4x slower on H200 in the first
+    measurements).  Returns (compiled main kernel, split used)."""
     L = g.N * g.P * g.Q
     if L >= 2**31 - 2 * CHUNK_ALIGN:  # the (n, p, q) decomposition divides int32 row indices
         raise ValueError(f"N*P*Q = {L} rows is beyond the wgrad kernel's int32 row index; split the batch")
@@ -596,8 +681,10 @@ def wgrad(dy: torch.Tensor, x: torch.Tensor, out: torch.Tensor, g: ConvGeometry,
             *sdy, *_strides(x),
             g.stride[0], g.stride[1], g.padding[0], g.padding[1], g.dilation[0], g.dilation[1],
             L, chunk, *_magic(max(1, g.Q)), *_magic(max(1, g.P)))
-    flags = dict(HAS_SCALE=has_scale and split == 1, IS_FP8=_is_fp8(dy), FAST_ACCUM=bool(fast_accum),
-                 DY_LINEAR=bool(dy_linear), SPLIT_OUT=split > 1, INT64=int64, UPCAST=_upcast(dy))
+    fp8 = _is_fp8(dy)
+    flags = dict(HAS_SCALE=has_scale and split == 1, IS_FP8=fp8, FAST_ACCUM=bool(fast_accum),
+                 DY_LINEAR=bool(dy_linear), SPLIT_OUT=split > 1, INT64=int64, UPCAST=_upcast(dy),
+                 DOT_F16=fp8 and (dot_f16 is None or bool(dot_f16)))
 
     def grid(meta):
         return (triton.cdiv(g.K, meta["BLOCK_M"]) * g.R * g.S * triton.cdiv(g.C, meta["BLOCK_N"]), split)
