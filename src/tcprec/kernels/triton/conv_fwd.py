@@ -49,7 +49,8 @@ import triton.language as tl
 from ..reference_conv import ConvGeometry, pair
 from ..reference_conv_fwd import parse_act, parse_out
 
-__all__ = ["conv2d_fwd_int8", "conv2d_fwd_fp8", "pick_config", "geometry", "INTERPRETER_CONFIG", "interpreting"]
+__all__ = ["conv2d_fwd_int8", "conv2d_fwd_fp8", "pick_config", "compile_key", "geometry", "NETWORK_LAYERS",
+           "INTERPRETER_CONFIG", "interpreting"]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 OUT_RAW, OUT_FLOAT, OUT_INT8 = 0, 1, 2
@@ -201,6 +202,28 @@ def _conv_fwd_kernel(
             tl.store(out_ptrs, y.to(tl.int8), mask=mask)
 
 
+# The conv layers of issue 4's networks that the tile table was tuned on (batch is a separate axis):
+# name -> (H, W, C, K, R, S, stride, padding)
+NETWORK_LAYERS = {
+    "alexnet.conv1": (224, 224, 3, 64, 11, 11, 4, 2), "alexnet.conv2": (27, 27, 64, 192, 5, 5, 1, 2),
+    "alexnet.conv3": (13, 13, 192, 384, 3, 3, 1, 1), "alexnet.conv4": (13, 13, 384, 256, 3, 3, 1, 1),
+    "alexnet.conv5": (13, 13, 256, 256, 3, 3, 1, 1),
+    "vgg.conv1": (224, 224, 3, 96, 3, 3, 2, 1), "vgg.conv2": (56, 56, 96, 256, 3, 3, 1, 1),
+    "vgg.conv3": (56, 56, 256, 256, 3, 3, 1, 1), "vgg.conv5": (28, 28, 256, 512, 3, 3, 1, 1),
+    "vgg.conv6": (28, 28, 512, 512, 3, 3, 1, 1), "vgg.conv8": (14, 14, 512, 512, 3, 3, 1, 1),
+    "resnet18.conv1": (224, 224, 3, 64, 7, 7, 4, 3), "resnet18.l1": (56, 56, 64, 64, 3, 3, 1, 1),
+    "resnet18.l2a": (56, 56, 64, 128, 3, 3, 2, 1), "resnet18.l2": (28, 28, 128, 128, 3, 3, 1, 1),
+    "resnet18.l2ds": (56, 56, 64, 128, 1, 1, 2, 0), "resnet18.l3a": (28, 28, 128, 256, 3, 3, 2, 1),
+    "resnet18.l3": (14, 14, 256, 256, 3, 3, 1, 1), "resnet18.l4a": (14, 14, 256, 512, 3, 3, 2, 1),
+    "resnet18.l4": (7, 7, 512, 512, 3, 3, 1, 1), "resnet18.l4ds": (14, 14, 256, 512, 1, 1, 2, 0),
+    "yolo.conv1": (416, 416, 3, 16, 3, 3, 1, 1), "yolo.conv2": (208, 208, 16, 32, 3, 3, 1, 1),
+    "yolo.conv3": (104, 104, 32, 64, 3, 3, 1, 1), "yolo.conv4": (52, 52, 64, 128, 3, 3, 1, 1),
+    "yolo.conv5": (26, 26, 128, 256, 3, 3, 1, 1), "yolo.conv6": (13, 13, 256, 512, 3, 3, 1, 1),
+    "yolo.conv7": (13, 13, 512, 1024, 3, 3, 1, 1), "yolo.conv8": (13, 13, 1024, 1024, 3, 3, 1, 1),
+    "yolo.conv9": (13, 13, 1024, 125, 1, 1, 1, 0),
+}
+
+
 # ------------------------------------------------------------------------------------------------
 # Tiles: a small table per shape class (measured on H200; benchmarks/bench_conv_fwd_device.py --tune)
 # ------------------------------------------------------------------------------------------------
@@ -254,6 +277,14 @@ def pick_config(g: ConvGeometry, fp8: bool, device: torch.device | None = None) 
     warps = 8 if bm * bn >= 128 * 128 else 4
     stages = 3 if bm * bn >= 128 * 256 else 4
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "FLAT": flat, "num_warps": warps, "num_stages": stages}
+
+
+def compile_key(g: ConvGeometry, cfg: dict, fp8: bool, out_kind: str) -> tuple:
+    """What decides which compiled variant a launch uses (C and K are specialised on divisibility by
+    16; every other shape scalar is not): launches with equal keys share one compiled kernel."""
+    flat = cfg.get("FLAT", g.C % cfg["BLOCK_K"] != 0)
+    return (fp8, out_kind, g.C % 16 == 0, g.C == 1, g.K % 16 == 0, g.K == 1, flat, g.C % cfg["BLOCK_K"] == 0,
+            cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg.get("num_warps", 4), cfg.get("num_stages", 3))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,108 @@
+"""INT8 / FP8 forward convolution on the GPU, on every conv layer of issue 4's networks (AlexNet, VGG-variant,
+ResNet-18, YOLOv2-tiny at 416x416) at batch 1 with the tiles of batch 8: the int32 accumulator and the
+re-quantised int8 output bit-exact against the float64 reference, fp8 within a bound from the reduction
+length, and the compiled kernels' tensor-core instructions (wgmma s8 -> IGMMA, e4m3 -> QGMMA)."""
+
+import math
+import zlib
+
+import pytest
+import torch
+
+from tcprec.kernels import reference_conv_fwd as rf
+from tcprec.kernels.reference_conv import ConvGeometry
+
+cf = pytest.importorskip("tcprec.kernels.triton.conv_fwd")
+
+DEV = "cuda"
+U32 = 2.0**-24
+# Hopper's fp8 wgmma accumulates up to BLOCK_K (<= 128) products in a register narrower than fp32
+# (~13-bit mantissa) before each promotion into fp32 (max_num_imprecise_acc = BLOCK_K)
+FP8_ACC = 128 * 2.0**-13
+LAYERS = list(cf.NETWORK_LAYERS)
+
+
+def _geom(name, N=1):
+    H, W, C, K, R, S, st, pd = cf.NETWORK_LAYERS[name]
+    return ConvGeometry(N, H, W, C, K, R, S, (st, st), (pd, pd), (1, 1))
+
+
+def _cfg(name):
+    """The batch-8 tiles (what the benchmark runs), so the test exercises the timed kernels."""
+    return cf.pick_config(_geom(name, 8), fp8=False, device=torch.device(DEV))
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_int8_layer_exact(name):
+    g = _geom(name)
+    gen = torch.Generator(DEV).manual_seed(zlib.crc32(name.encode()))
+    x = torch.randint(-128, 128, g.input_shape, device=DEV, dtype=torch.int8, generator=gen)
+    w = torch.randint(-128, 128, g.weight_shape, device=DEV, dtype=torch.int8, generator=gen)
+    geo = dict(stride=g.stride, padding=g.padding)
+    acc = cf.conv2d_fwd_int8(x, w, **geo, out="int32", config=_cfg(name))
+    ref = rf.conv2d_fwd_int8(x, w, **geo, out="int32")
+    assert torch.equal(acc, ref), f"{name}: {int((acc != ref).sum())} of {acc.numel()} accumulators differ"
+    # the chained-layer epilogue: per-channel scale, bias, activation, int8 out -- bit-exact
+    scale = torch.rand(g.K, device=DEV, generator=gen) * 1e-3 + 1e-4
+    bias = torch.randn(g.K, device=DEV, generator=gen)
+    act = ("leaky", 0.1) if name.startswith("yolo") else "relu"
+    y_fp = rf.conv2d_fwd_int8(x, w, **geo, scale=scale, bias=bias, act=act, out="float32")
+    s = float(y_fp.abs().max()) / 120
+    y = cf.conv2d_fwd_int8(x, w, **geo, scale=scale, bias=bias, act=act, out=("int8", s), config=_cfg(name))
+    y_ref = rf.conv2d_fwd_int8(x, w, **geo, scale=scale, bias=bias, act=act, out=("int8", s))
+    assert torch.equal(y, y_ref), f"{name}: {int((y != y_ref).sum())} int8 outputs differ"
+
+
+def test_int8_odd_shape_exact():
+    """Odd sizes, channels not multiples of 16, dilation 2 with stride 2, batch 2 (the table's own tiles)."""
+    gen = torch.Generator(DEV).manual_seed(3)
+    x = torch.randint(-128, 128, (2, 57, 55, 40), device=DEV, dtype=torch.int8, generator=gen)
+    w = torch.randint(-128, 128, (72, 3, 3, 40), device=DEV, dtype=torch.int8, generator=gen)
+    geo = dict(stride=2, padding=2, dilation=2)
+    assert torch.equal(cf.conv2d_fwd_int8(x, w, **geo, out="int32"), rf.conv2d_fwd_int8(x, w, **geo, out="int32"))
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_fp8_layer_within_bound(name):
+    g = _geom(name)
+    gen = torch.Generator(DEV).manual_seed(zlib.crc32(name.encode()) + 1)
+    xf = torch.randn(g.input_shape, device=DEV, generator=gen)
+    wf = torch.randn(g.weight_shape, device=DEV, generator=gen) / math.sqrt(g.R * g.S * g.C)
+    xs, ws = (xf.abs().amax() / 448).reshape(1), wf.abs().amax(dim=(1, 2, 3)) / 448  # per-tensor, per-channel
+    xq, wq = (xf / xs).to(torch.float8_e4m3fn), (wf / ws[:, None, None, None]).to(torch.float8_e4m3fn)
+    bias = torch.randn(g.K, device=DEV, generator=gen) * 0.1
+    geo = dict(stride=g.stride, padding=g.padding)
+    y = cf.conv2d_fwd_fp8(xq, wq, xs, ws, **geo, bias=bias, act="relu", out="float16", config=_cfg(name))
+    acc = rf.conv_acc(xq, wq, **geo)  # exact (float64)
+    s = (xs.double() * ws.double())
+    exact = torch.relu(acc * s + bias.double())
+    red = g.R * g.S * g.C
+    bound = ((1.01 * red * U32 + FP8_ACC) * rf.abs_conv_acc(xq, wq, **geo) * s + 2.0**-11 * exact.abs() * 1.01
+             + 8 * U32 * (acc.abs() * s + bias.double().abs()) + 2.0**-24)
+    err = (y.double() - exact).abs()
+    assert y.dtype == torch.float16 and (err <= bound).all(), f"{name}: worst err/bound {float((err / bound).max()):.3g}"
+    assert float(err.norm() / exact.norm()) < 5e-3
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_compiled_kernel_uses_wgmma(precision):
+    """The PTX has wgmma with 8-bit operands; the SASS (cuobjdump) has IGMMA (s8) / QGMMA (e4m3) on sm_90."""
+    cap = torch.cuda.get_device_capability()
+    if cap < (9, 0):
+        pytest.skip(f"wgmma needs sm_90, this GPU is sm_{cap[0]}{cap[1]}")
+    name = "vgg.conv6"
+    g = _geom(name)
+    x = torch.randint(-8, 8, g.input_shape, device=DEV, dtype=torch.int8)
+    w = torch.randint(-8, 8, g.weight_shape, device=DEV, dtype=torch.int8)
+    geo = dict(stride=g.stride, padding=g.padding, config=_cfg(name), return_kernel=True)
+    if precision == "int8":
+        _, k = cf.conv2d_fwd_int8(x, w, out=("int8", 1.0), **geo)
+        want_ptx, want_sass = ".s32.s8.s8", "IGMMA"
+    else:
+        _, k = cf.conv2d_fwd_fp8(x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn), 1.0, 1.0, out="float16", **geo)
+        want_ptx, want_sass = ".f32.e4m3.e4m3", "QGMMA"
+    ptx = k.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and want_ptx in ptx
+    sass = k.asm["sass"]
+    assert want_sass in sass, f"SASS lacks {want_sass}"
+    assert "HGMMA" not in sass and "HMMA" not in sass
