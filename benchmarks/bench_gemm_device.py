@@ -128,6 +128,35 @@ def tune(console, shape=(8192, 8192, 8192), config: str = "w1a2", tiles=TUNE_TIL
     return rows
 
 
+def timing_check(console, config: str = "w1a2", n: int = 8192) -> list[dict]:
+    """The default kernel at n^3 timed as the tile sweep times it (one input buffer, no scales) and
+    as ``tcprec bench gemm`` does (scales, inputs rotated beyond L2), in one process, to tell the
+    two figures apart."""
+    from tcprec.bench.common import rotating_buffers
+    from tcprec.ops.matmul import _col_scale, _row_scale, _terms32
+
+    a_fmt, w_fmt = bg.parse_config(config)
+    at, wt = a_fmt.encoding == "twos", w_fmt.encoding == "twos"
+    gen = torch.Generator("cuda").manual_seed(2)
+    qa = bg._random_qtensor((n, n), a_fmt, "cuda", gen)
+    qw = bg._random_qtensor((n, n), w_fmt, "cuda", gen)
+    ap, wp = _planes(qa, n, n), _planes(qw, n, n)
+    ss, rt, ct = _terms32(ap, wp, n, a_fmt, w_fmt)
+    rs, cs = _row_scale(qa, n), _col_scale(qw, n)
+    l2 = environment()["l2_cache_bytes"]
+    rows = []
+    for name, scales, rot in (("plain", False, False), ("scales", True, False), ("scales+rotating", True, True)):
+        fn = lambda x, s=scales: torch.ops.tcprec.bmma_gemm(  # noqa: E731
+            x, wp, at, wt, ss, rt, ct, rs if s else None, cs if s else None, None, False, "float16", 1, "unsigned",
+            None, "")
+        ins = rotating_buffers(ap, l2) if rot else [ap]
+        ms = time_median_ms(fn, ins)
+        gms = bg.time_graph_ms(lambda: fn(ap))
+        rows.append({"case": name, "config": config, "n": n, "ms": ms, "graph_ms": gms})
+        console.print(f"timing check {config} {n}^3 default tile, {name}: {ms * 1e3:.1f} us (graph {gms * 1e3:.1f})")
+    return rows
+
+
 def ncu_one(config: str = "w1a2", n: int = 8192, tile: str = "") -> None:
     """One kernel launch to profile: ncu -k bmma_gemm -c 1 python3 benchmarks/bench_gemm_device.py --ncu-one"""
     a_fmt, w_fmt = bg.parse_config(config)
@@ -144,6 +173,7 @@ def main():
     ap.add_argument("--out-dir", default="benchmarks/results")
     ap.add_argument("--skip-tune", action="store_true")
     ap.add_argument("--skip-bench", action="store_true")
+    ap.add_argument("--timing-check", action="store_true", help="time the default kernel as the sweep and the bench do")
     ap.add_argument("--ncu-one", default=None, help="launch one kernel of this tile (or 'auto') and exit")
     args = ap.parse_args()
     if args.ncu_one is not None:
@@ -158,6 +188,8 @@ def main():
     if not args.skip_tune:
         tune_rows = (tune(console) + tune(console, (8192, 8192, 8192), "w2a2", TUNE_TILES_W2A2)
                      + tune(console, (64, 1024, 1024), "w1a2", SMALL_TILES))
+    if args.timing_check:
+        timing_check(console)
     write_json(out / "gemm_tune.json", {"env": environment(), "rows": tune_rows})
     if args.skip_bench:
         return
