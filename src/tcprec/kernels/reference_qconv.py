@@ -119,7 +119,7 @@ def _weighted_S(a_planes, w_planes, a_twos: bool, w_twos: bool) -> torch.Tensor:
 
 
 def bmma_gemm_reference(a_planes, w_planes, a_twos, w_twos, ss, row_term, col_term, row_scale, col_scale, bias,
-                        relu, out_kind, out_bits, out_encoding, out_scale, tile=""):
+                        relu, out_kind, out_bits, out_encoding, out_scale, tile="", leaky_slope=0.0):
     """``torch.ops.tcprec.bmma_gemm``'s contract in plain torch (same arguments, same result):
     ``C = ss * S + row_term[m] + col_term[n]`` (int32), then the float or packed epilogue."""
     C = ss * _weighted_S(a_planes, w_planes, a_twos, w_twos)  # (M, N) int64
@@ -129,7 +129,9 @@ def bmma_gemm_reference(a_planes, w_planes, a_twos, w_twos, ss, row_term, col_te
         C = C + col_term.to(torch.int64)[None, :]
     if out_kind == "int32":
         return C.to(torch.int32)
-    y = rg.float_epilogue(C, row_scale, col_scale, bias, relu, torch.float32)
+    y = rg.float_epilogue(C, row_scale, col_scale, bias, False, torch.float32)
+    if relu:  # y < 0 -> leaky_slope * y (0: ReLU), one float32 multiply, as the kernel
+        y = apply_act(y, ("leaky", leaky_slope) if leaky_slope else "relu")
     if out_kind == "packed":
         return requant_pack(y, IntFormat(out_bits, encoding=out_encoding), out_scale)
     return y.to({"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[out_kind])

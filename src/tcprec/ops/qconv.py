@@ -25,10 +25,10 @@ Backends (one rule with ``tcprec.matmul``: bit-serial while p*q < 8, INT8 otherw
   gather: each output pixel's row gets, per tap (r, s), the ceil(C/32) meaningful words of its input
   pixel, zeros in the padding) that also computes the pm1 row correction, then the binary
   tensor-core GEMM (``torch.ops.tcprec.bmma_gemm``) with the true K = R*S*C in its corrections and
-  its fused epilogue (scale, bias, ReLU, the output dtype or the packed next-layer planes).  A 1x1
-  stride-1 unpadded convolution needs no im2col: the input planes are the operand.  LeakyReLU and
-  pooling are separate float32 passes after the GEMM (the kernel's epilogue has ReLU only), then
-  the re-quantize + pack pass; ``explain_conv2d`` says which passes run.
+  its fused epilogue (scale, bias, ReLU / LeakyReLU, the output dtype or the packed next-layer
+  planes).  A 1x1 stride-1 unpadded convolution needs no im2col: the input planes are the operand.
+  Pooling is a separate float32 pass after the GEMM (then the cast or the re-quantize + pack pass);
+  ``explain_conv2d`` says which passes run.
 * ``"int8"``: im2col on the codes + ``torch._int_mm`` through matmul's INT8 path (exact).
 * ``"reference"``: ``F.conv2d`` on the decoded codes in float64 (exact), any device; the default
   off CUDA and the ground truth of the tests.
@@ -338,8 +338,9 @@ class _Plan:
 
     @property
     def fused(self) -> bool:
-        """Whether the bit-serial kernel's epilogue does all of act / pool / output."""
-        return self.pool is None and self.act in (None, "relu")
+        """Whether the bit-serial kernel's epilogue does everything (it has scale, bias, ReLU /
+        LeakyReLU and the output dtype or packed planes; pooling is a separate pass)."""
+        return self.pool is None
 
 
 def _plan(x, w, stride, padding, dilation, act, out_dtype, out_fmt, pool, backend, scale, bias, out_scale,
@@ -448,23 +449,25 @@ def _bitserial(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, out_scale, 
         a_planes, row_term = im2col_bits(planes, g, twos=fa.encoding == "twos", store=True, rowsum=need_row,
                                          row_mul=sa * ow, row_add=K_true * oa * ow)  # (p, M, Kw_col), (M,)
     col_term = (oa * sw * pw.rowsum).contiguous() if oa != 0 else None  # (K,) int32
-    kind, relu, ofmt = _bitserial_kind(plan)
+    kind, relu, slope, ofmt = _bitserial_kind(plan)
     return gemm(a_planes, pw.planes, fa.encoding == "twos", fw.encoding == "twos", sa * sw, row_term, col_term,
                 None, col if kind != "int32" else None, bias if kind != "int32" else None, relu, kind,
                 ofmt.bits if ofmt is not None else 1, ofmt.encoding if ofmt is not None else "unsigned",
-                out_scale if kind == "packed" else None, "")
+                out_scale if kind == "packed" else None, "", slope)
 
 
 def _bitserial_kind(plan: _Plan):
-    """(out_kind, relu in the kernel, packed format) of the GEMM call."""
+    """(out_kind, relu, leaky slope, packed format) of the GEMM call: the kernel's epilogue applies
+    the activation always, and writes the final dtype / packed planes unless a pooling pass follows."""
     if plan.out_dtype == torch.int32 and plan.out_fmt is None:
-        return "int32", False, None
-    relu = plan.act == "relu"
+        return "int32", False, 0.0, None
+    relu = plan.act is not None
+    slope = plan.act[1] if isinstance(plan.act, tuple) else 0.0
     if not plan.fused:
-        return "float32", relu, None
+        return "float32", relu, slope, None
     if plan.out_fmt is not None:
-        return "packed", relu, plan.out_fmt
-    return _KIND[plan.out_dtype], relu, None
+        return "packed", relu, slope, plan.out_fmt
+    return _KIND[plan.out_dtype], relu, slope, None
 
 
 def _finish_float(plan: _Plan, y: torch.Tensor, out_scale, act_done: bool):
@@ -503,14 +506,14 @@ def _conv2d_impl(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None
             _gemm = torch.ops.tcprec.bmma_gemm
         pw = pw if pw is not None else pack_conv_weight(qw)
         res = _bitserial(plan, xs, pw, col, bias, s_out, _gemm)
-        kind, relu, _ = _bitserial_kind(plan)
+        kind = _bitserial_kind(plan)[0]
         if kind == "int32":
             return res.reshape(g.N, g.P, g.Q, K)
         if kind == "packed":
             return _packed_result(res, plan, s_out, (g.N, g.P, g.Q, K))
         if plan.fused:
             return res.reshape(g.N, g.P, g.Q, K)
-        return _finish_float(plan, res, s_out, act_done=plan.act in (None, "relu"))
+        return _finish_float(plan, res, s_out, act_done=True)
 
     C = _int_product(plan, xs, qw)  # (M, K)
     if plan.out_dtype == torch.int32 and plan.out_fmt is None:
@@ -574,14 +577,11 @@ def explain_conv2d(x, w, **kw) -> str:
         steps = ["no im2col (1x1 stride 1: the input planes are the operand)" if g.is_pointwise else
                  f"Triton im2col over packed planes ({g.R * g.S} taps x {Cw} words a pixel, "
                  f"{rq.taps_words(g)[2]} words a row, {plan.fa.bits} planes)"]
-        kind, relu, _ = _bitserial_kind(plan)
-        fused = ["scale", "bias"] + (["ReLU"] if relu else []) + [out]
-        steps.append(f"bmma_gemm with fused epilogue ({', '.join(fused if kind != 'int32' else ['int32'])})"
-                     if kind != "float32" or plan.fused else
-                     f"bmma_gemm with fused epilogue (scale, bias{', ReLU' if relu else ''}, float32)")
+        kind, relu, slope, _ = _bitserial_kind(plan)
+        act = [f"LeakyReLU({slope})" if slope else "ReLU"] if relu else []
+        fused = ["scale", "bias"] + act + ([out] if plan.fused else ["float32"])
+        steps.append(f"bmma_gemm with fused epilogue ({', '.join(fused if kind != 'int32' else ['int32'])})")
         if not plan.fused:
-            if isinstance(plan.act, tuple):
-                steps.append(f"separate pass: LeakyReLU({plan.act[1]}) in float32 (the kernel epilogue has ReLU only)")
             if plan.pool is not None:
                 steps.append(f"separate pass: {plan.pool[0]}-pool {plan.pool[1]}x{plan.pool[1]} stride {plan.pool[2]} "
                              "(torch, float32)")
