@@ -131,10 +131,12 @@ def _conv_fwd_kernel(
             a_ok = (m_ok[:, None] & t_ok[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W))
             a_blk = tl.load(a_rows + ((r * dil_h) * (W * C) + (s * dil_w) * C + c)[None, :], mask=a_ok, other=0.0)
             b_blk = tl.load(b_cols + tt[:, None], mask=t_ok[:, None], other=0.0)  # (BLOCK_K, BLOCK_N)
-            if IS_FP8 and not FAST_ACCUM:
-                acc = tl.dot(a_blk, b_blk, acc, max_num_imprecise_acc=BLOCK_K)
+            if not IS_FP8:  # out_dtype: triton 3.6 defaults to float32 for every input type
+                acc = tl.dot(a_blk, b_blk, acc, out_dtype=tl.int32)
+            elif FAST_ACCUM:
+                acc = tl.dot(a_blk, b_blk, acc, out_dtype=tl.float32)
             else:
-                acc = tl.dot(a_blk, b_blk, acc)
+                acc = tl.dot(a_blk, b_blk, acc, max_num_imprecise_acc=BLOCK_K, out_dtype=tl.float32)
     else:
         # ---- bit r of hbits / s of wbits: tap row r / column s reads inside the image ----
         hbits = tl.zeros((BLOCK_M,), dtype=tl.int32)
@@ -162,10 +164,12 @@ def _conv_fwd_kernel(
                 k_ok = cb * BLOCK_K + offs_k < C
                 a_blk = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 b_blk = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-            if IS_FP8 and not FAST_ACCUM:
-                acc = tl.dot(a_blk, b_blk, acc, max_num_imprecise_acc=BLOCK_K)
+            if not IS_FP8:  # out_dtype: triton 3.6 defaults to float32 for every input type
+                acc = tl.dot(a_blk, b_blk, acc, out_dtype=tl.int32)
+            elif FAST_ACCUM:
+                acc = tl.dot(a_blk, b_blk, acc, out_dtype=tl.float32)
             else:
-                acc = tl.dot(a_blk, b_blk, acc)
+                acc = tl.dot(a_blk, b_blk, acc, max_num_imprecise_acc=BLOCK_K, out_dtype=tl.float32)
             cb += 1
             wrap = (cb == c_iters).to(tl.int32)
             cb -= wrap * c_iters
