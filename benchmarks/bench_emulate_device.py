@@ -32,29 +32,73 @@ def env() -> dict:
                 driver=torch.version.cuda, host=platform.node())
 
 
+def _time(fn, slow=False):
+    if slow:  # one warm-up call (compiles), then the median of a few
+        return do_bench(fn, return_mode="median", warmup=1, rep=1)
+    return do_bench(fn, return_mode="median", warmup=25, rep=100)
+
+
 def bench_gemm(n: int, quick: bool) -> list[dict]:
+    """fma: e4m3 operands (products exact and on the acc grid), fast path vs the generic loop;
+    chunk: bf16 tensor cores for chunk = 32..256 against torch bf16, all timed in this run."""
     rows = []
-    a = torch.randn(n, n, device="cuda")
-    b = torch.randn(n, n, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(n, n, device="cuda", generator=g)
+    b = torch.randn(n, n, device="cuda", generator=g)
     a8, b8 = tp.cast(a, "e4m3"), tp.cast(b, "e4m3")
     flops = 2 * n**3
     ab, bb = a.bfloat16(), b.bfloat16()
-    t_bf16 = do_bench(lambda: ab @ bb, return_mode="median")
+    t_bf16 = _time(lambda: ab @ bb)
     rows.append(dict(case=f"torch_bf16_{n}", ms=t_bf16, tflops=flops / t_bf16 / 1e9))
+    print(rows[-1], flush=True)
+    fma_cfgs = ((128, 64, 4), (128, 128, 8), (64, 128, 4), (128, 128, 4)) if not quick else ((128, 64, 4),)
     for acc in ("e5m10", "e8m7"):
+        fmt = tp.format(acc)
         for kahan in (False, True):
-            for bm, bn, nw in ((32, 32, 4), (64, 64, 4), (64, 64, 8), (128, 64, 8)) if not quick else ((64, 64, 8),):
-                fn = lambda: tk.matmul(a8, b8, tp.format(acc), "fma", kahan=kahan, exact_product=True,  # noqa: E731
-                                       block_m=bm, block_n=bn, num_warps=nw)
-                t = do_bench(fn, return_mode="median", warmup=5, rep=20)
+            ref = None
+            for bm, bn, nw in fma_cfgs:
+                fn = lambda: tk.matmul(a8, b8, fmt, "fma", kahan=kahan, exact_product=True,  # noqa: E731
+                                       product_on_acc_grid=True, block_m=bm, block_n=bn, num_warps=nw)
+                out = fn()
+                ref = out if ref is None else ref
+                t = _time(fn, slow=True)
                 rows.append(dict(case=f"fma_{acc}{'_kahan' if kahan else ''}_{n}_b{bm}x{bn}w{nw}", ms=t,
-                                 tflops=flops / t / 1e9, target_tflops=4.0))
-            a16, b16 = a8.bfloat16(), b8.bfloat16()
-            fn = lambda: tk.matmul(a16, b16, tp.format(acc), "chunk", chunk=32, kahan=kahan,  # noqa: E731
-                                   block_m=128, block_n=128, num_warps=8)
-            t = do_bench(fn, return_mode="median")
-            rows.append(dict(case=f"chunk32_{acc}{'_kahan' if kahan else ''}_{n}", ms=t, tflops=flops / t / 1e9,
-                             ratio_to_bf16=t_bf16 / t, target_ratio=0.5))
+                                 tflops=flops / t / 1e9, target_tflops=4.0, same_bits_as_first=bool(torch.equal(out, ref))))
+                print(rows[-1], flush=True)
+        if acc == "e5m10":  # before/after in the same run: the generic loop, and fp32 operands
+            fn = lambda: tk.matmul(a8, b8, fmt, "fma", exact_product=True, block_m=64, block_n=64, fast=False)  # noqa
+            slow = fn()
+            t = _time(fn, slow=True)
+            rows.append(dict(case=f"fma_{acc}_{n}_generic_loop_b64x64w4", ms=t, tflops=flops / t / 1e9,
+                             same_bits_as_fast=bool(torch.equal(slow, ref))))
+            print(rows[-1], flush=True)
+            fn = lambda: tk.matmul(a, b, fmt, "fma", block_m=128, block_n=64, num_warps=4)  # noqa: E731
+            t = _time(fn, slow=True)
+            rows.append(dict(case=f"fma_{acc}_fp32_operands_{n}_b128x64w4", ms=t, tflops=flops / t / 1e9,
+                             target_tflops=4.0))
+            print(rows[-1], flush=True)
+    a16, b16 = a8.bfloat16(), b8.bfloat16()
+    chunk_cfgs = [(32, 32, 128, 128, 8, 4), (32, 32, 128, 256, 8, 3), (64, 64, 128, 128, 8, 3), (64, 64, 128, 256, 8, 3),
+                  (128, 64, 128, 128, 8, 3), (128, 64, 128, 256, 8, 3), (256, 64, 128, 128, 8, 3),
+                  (256, 64, 128, 256, 8, 3), (256, 128, 128, 128, 8, 3)]
+    for acc in ("e5m10", "e8m7"):
+        fmt = tp.format(acc)
+        for kahan in (False, True):
+            for chunk, bk, bm, bn, nw, ns in chunk_cfgs:
+                if (kahan or acc != "e5m10") and (bn != 256 or chunk == 32 and kahan):
+                    continue
+                fn = lambda: tk.matmul(a16, b16, fmt, "chunk", chunk=chunk, kahan=kahan, block_m=bm,  # noqa: E731
+                                       block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+                try:
+                    out = fn()
+                    t = _time(fn)
+                except Exception as e:  # e.g. out of shared memory for a config: recorded, not hidden
+                    rows.append(dict(case=f"chunk{chunk}_{acc}_cfg{bm}x{bn}x{bk}", error=str(e)[:200]))
+                    print(rows[-1], flush=True)
+                    continue
+                rows.append(dict(case=f"chunk{chunk}_{acc}{'_kahan' if kahan else ''}_{n}_b{bm}x{bn}x{bk}w{nw}s{ns}",
+                                 ms=t, tflops=flops / t / 1e9, ratio_to_bf16=t_bf16 / t, target_ratio=0.5))
+                print(rows[-1], flush=True)
     return rows
 
 

@@ -29,12 +29,50 @@ def test_fma_kernel_equals_reference(acc, kahan):
         assert torch.equal(_bits(got), _bits(want)), (acc, rounding, kahan)
 
 
-def test_fma_kernel_narrow_operands_exact_product_path():
+@pytest.mark.parametrize("acc", ["e5m10", "e8m7", "e6m9"])
+@pytest.mark.parametrize("kahan", [False, True])
+def test_fma_kernel_narrow_operands_exact_product_path(acc, kahan):
+    # e4m3 x e4m3 products are exact and on the acc grid: the fast loop does not round them
     a = torch.randn(128, 256, device="cuda") * 8
-    b = torch.randn(256, 64, device="cuda")
-    want = emulate.matmul(a, b, a_fmt="e4m3", b_fmt="e4m3", acc_fmt="e5m10", backend="reference")
-    got = emulate.matmul(a, b, a_fmt="e4m3", b_fmt="e4m3", acc_fmt="e5m10", backend="triton")
-    assert torch.equal(_bits(got), _bits(want))
+    b = torch.randn(256, 64, device="cuda") * torch.logspace(-4, 1, 256, device="cuda")[:, None]
+    for rounding in MODES:
+        want = emulate.matmul(a, b, a_fmt="e4m3", b_fmt="e4m3", acc_fmt=acc, kahan=kahan, rounding=rounding,
+                              backend="reference")
+        got = emulate.matmul(a, b, a_fmt="e4m3", b_fmt="e4m3", acc_fmt=acc, kahan=kahan, rounding=rounding,
+                             backend="triton")
+        assert torch.equal(_bits(got), _bits(want)), (acc, rounding, kahan)
+
+
+@pytest.mark.parametrize("kahan", [False, True])
+def test_fma_fast_path_falls_back_on_overflow(kahan):
+    # some 64 x 64 tiles overflow e5m10 (Inf, NaN from Inf - Inf), the others stay on the fast loop
+    a = torch.randn(128, 64, device="cuda")
+    b = torch.randn(64, 128, device="cuda")
+    a[:64] *= 300.0
+    b[:, :64] *= 300.0
+    for rounding in MODES:
+        want = emulate.matmul(a, b, acc_fmt="e5m10", kahan=kahan, rounding=rounding, backend="reference")
+        got = emulate.matmul(a, b, acc_fmt="e5m10", kahan=kahan, rounding=rounding, backend="triton")
+        assert not torch.isfinite(want[:64, :64]).all() and torch.isfinite(want[64:, 64:]).all()
+        assert torch.equal(_bits(got), _bits(want)), (rounding, kahan)
+
+
+@pytest.mark.parametrize("acc", ["e5m10", "e8m7"])
+@pytest.mark.parametrize("kahan", [False, True])
+def test_chunk_fast_update_equals_generic_update(acc, kahan):
+    # any bf16 data (inexact fp32 partial sums, values down in the subnormal range): the fast per-chunk
+    # rounding and the generic one see the same partial sums, so their bits must agree
+    from tcprec.kernels.triton import emulate_gemm as tk
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    a = (torch.randn(256, 512, device="cuda", generator=g) * torch.logspace(-6, 0, 512, device="cuda")).bfloat16()
+    b = torch.randn(512, 256, device="cuda", generator=g).bfloat16()
+    fmt = tp.format(acc)
+    for rounding in MODES:
+        for chunk in (32, 128):
+            fast = tk.matmul(a, b, fmt, "chunk", chunk=chunk, kahan=kahan, rounding=rounding)
+            slow = tk.matmul(a, b, fmt, "chunk", chunk=chunk, kahan=kahan, rounding=rounding, fast=False)
+            assert torch.equal(_bits(fast), _bits(slow)), (acc, rounding, chunk, kahan)
 
 
 @pytest.mark.parametrize("kahan", [False, True])
@@ -42,10 +80,11 @@ def test_chunk_kernel_bf16_tensor_cores(kahan):
     a = torch.randint(-8, 8, (256, 512), device="cuda").float()
     b = torch.randint(-8, 8, (512, 128), device="cuda").float()
     for acc in ("e4m3", "e5m10", "e8m7"):
-        want = ref_em.matmul_chunk(a, b, tp.format(acc), 32, "nearest", kahan)
-        got = emulate.matmul(a, b, a_fmt="e4m3", b_fmt="e4m3", acc_fmt=acc, mode="chunk", chunk=32, kahan=kahan,
-                             backend="triton")
-        assert torch.equal(_bits(got), _bits(want)), acc
+        for chunk in (32, 64, 256):
+            want = ref_em.matmul_chunk(a, b, tp.format(acc), chunk, "nearest", kahan)
+            got = emulate.matmul(a, b, a_fmt="e4m3", b_fmt="e4m3", acc_fmt=acc, mode="chunk", chunk=chunk,
+                                 kahan=kahan, backend="triton")
+            assert torch.equal(_bits(got), _bits(want)), (acc, chunk)
 
 
 def test_allreduce_on_cuda_tensors():

@@ -126,7 +126,8 @@ def matmul(
             a_eff = as_format(a_fmt) if a_fmt is not None else None
             b_eff = as_format(b_fmt) if b_fmt is not None else None
             out = tk.matmul(a2.contiguous(), b2.contiguous(), acc_fmt, "fma", kahan=kahan, rounding=rounding,
-                            exact_product=tk.product_is_exact(a_eff, b_eff))
+                            exact_product=tk.product_is_exact(a_eff, b_eff),
+                            product_on_acc_grid=tk.product_on_grid(a_eff, b_eff, acc_fmt))
         else:
             dt = torch.float32
             for cand in (torch.bfloat16, torch.float16):  # exact 16-bit copies run on tensor cores
