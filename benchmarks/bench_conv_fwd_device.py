@@ -153,7 +153,7 @@ def tune(warmup, rep):
             rows.append({"layer": name, "config": cfg, "ms": ms, "tops": tops})
         best = min(line, key=lambda t: t[0] if t[0] == t[0] else 1e9)
         print(f"tune {name:16s} " + "  ".join(f"{c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}s{c['num_stages']}:"
-                                             f"{g.flops / m / 1e12:.0f}T" for m, c in line)
+                                             f"{g.flops / m / 1e9:.0f}T" for m, c in line)
               + f"  -> best {best[1]['BLOCK_M']}x{best[1]['BLOCK_N']}w{best[1]['num_warps']}s{best[1]['num_stages']}",
               flush=True)
     return rows
