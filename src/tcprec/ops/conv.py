@@ -289,6 +289,20 @@ def _gemm_ok(op: str, g: ConvGeometry, precision: str) -> tuple[bool, str]:
                   "(dgrad: scattered into dx, the other pixels zero; wgrad: over the strided slice of x)")
 
 
+# fp16 / bf16 wgrad of a strided 1x1 layer: cuBLAS needs x's strided slice copied first; the Triton
+# kernel reads those pixels in place.  On H200 (first measurements) the copy + GEMM won only from
+# C = 512 channels up (28x28 512->256 s2, N=256: 99 vs 115 us) and lost below (56x56 256->128 s2: 178 vs
+# 98 us).  fp8 always takes the GEMM (its Triton kernel is slower still).
+_STRIDED_WGRAD_GEMM_MIN_C = 512
+
+
+def _auto_prefers_triton(op: str, g: ConvGeometry, precision: str) -> str | None:
+    if (op == "wgrad" and precision != "fp8" and g.stride != (1, 1) and g.C < _STRIDED_WGRAD_GEMM_MIN_C):
+        return (f"a strided 1x1 {precision} wgrad with C={g.C} < {_STRIDED_WGRAD_GEMM_MIN_C}: the Triton kernel reads "
+                "x's strided pixels in place, which measured faster than cuBLAS after copying the slice")
+    return None
+
+
 def _choose(op: str, g: ConvGeometry, t, precision: str, backend: str, activation=None) -> tuple[str, str]:
     """(path, reason): path is "gemm" (cuBLAS), "triton" or "reference"."""
     ref_t = t.data if isinstance(t, Fp8Tensor) else t
@@ -304,6 +318,9 @@ def _choose(op: str, g: ConvGeometry, t, precision: str, backend: str, activatio
         return path, why
     if backend == "auto":
         ok, gwhy = _gemm_ok(op, g, precision)
+        pref = _auto_prefers_triton(op, g, precision) if ok else None
+        if pref:
+            return "triton", f"{pref} ({why})"
         if ok and (activation is None or g.stride != (1, 1)):  # strided: the activation rides the scatter pass
             return "gemm", f"{gwhy}: cuBLAS, the fastest GEMM on this machine"
         if ok:
@@ -578,8 +595,15 @@ def conv2d_wgrad(grad_out, input, weight_shape, stride=1, padding=0, dilation=1,
     from ..kernels.triton import conv_bwd as kt
 
     out = torch.empty(g.weight_shape, dtype=out_dtype, device=device)
-    kt.wgrad(dy.data if precision == "fp8" else dy, x.data if precision == "fp8" else x, out, g,
-             scales=_scales(dy, x), split_k=split_k, fast_accum=fast_accum, config=config)
+    if precision == "fp8":
+        # fp8 wgmma wants both operands K-major (L contiguous): x's taps cannot be, so Triton would transpose
+        # every x tile through registers (measured 4-9x slower than fp16 on H200).  Widen the codes to fp16
+        # once instead (exact: every e4m3 / e5m2 value is an fp16 value; same memory order) and run the
+        # 16-bit kernel, scales in its epilogue.  The widening passes are part of this op's time.
+        kt.wgrad(dy.data.to(torch.float16), x.data.to(torch.float16), out, g, scales=_scales(dy, x),
+                 split_k=split_k, config=config)
+    else:
+        kt.wgrad(dy, x, out, g, split_k=split_k, fast_accum=fast_accum, config=config)
     return out
 
 
@@ -602,11 +626,12 @@ def explain_conv2d_wgrad(grad_out, input, weight_shape, stride=1, padding=0, dil
         from ..kernels.triton import conv_bwd as kt
 
         dev = grad_out.data.device if isinstance(grad_out, Fp8Tensor) else grad_out.device
-        split = split_k or kt.wgrad_split(g, kt.sm_count(dev), precision == "fp8")
+        split = split_k or kt.wgrad_split(g, kt.sm_count(dev))  # fp8 runs the 16-bit kernel
         body = (f"Triton implicit GEMM over L = N*P*Q = {g.N * g.P * g.Q}, split-K {split} way(s) into an fp32 "
                 "workspace, then a fixed-order sum (deterministic, no atomics); fp32 accumulation"
-                + ("; the fp8 tiles are widened exactly to fp16 in registers and multiplied on the 16-bit tensor "
-                   "cores (fp8 wgmma would need x transposed through registers)" if precision == "fp8" else ""))
+                + ("; the fp8 operands are first widened exactly to fp16 (one pass each) and multiplied on the "
+                   "16-bit tensor cores (fp8 wgmma would need x transposed through registers)"
+                   if precision == "fp8" else ""))
     else:
         body = "pure-torch reference: operands rounded to the precision, float32 torch.nn.grad.conv2d_weight"
     return f"{head}: {body}. Reason: {why}."

@@ -386,36 +386,37 @@ def _sum_splits_kernel(
 # ------------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["NPIX", "H", "W", "P", "Q", "str_h", "str_w"])
+@triton.jit(do_not_specialize=["H", "W", "P", "Q"])
 def _phase_scatter_kernel(
-    src_ptr, out_ptr, act_ptr, NPIX, H, W, C, P, Q, str_h, str_w,
+    src_ptr, out_ptr, act_ptr, H, W, C, P, Q,
     sa_n, sa_h, sa_w, sa_c, slope,
-    ACT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+    STR_H: tl.constexpr, STR_W: tl.constexpr, ACT: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """out (N, H, W, C) contiguous: pixel (n, p*sh, q*sw) <- src row (n, p, q) (contiguous (N*P*Q, C)),
-    every other pixel 0 (no filter tap reaches it); then the activation backward.  One pass that
-    writes dx once -- it is the memory-bound part of a strided 1x1 dgrad."""
-    pix = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
-    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    pix_ok = pix < NPIX
+    every other pixel 0 (no filter tap reaches it); then the activation backward.  One program per
+    (image row, w-block, c-block): the row's (n, h) is one scalar division, the stride tests are
+    constexpr, so the pass runs at copy speed -- it is the memory-bound part of a strided 1x1 dgrad."""
+    row = tl.program_id(0)  # n * H + h
+    h = row % H
+    n = row // H
+    offs_w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    w_ok = offs_w < W
     c_ok = offs_c < C
-    w = pix % W
-    t = pix // W
-    h = t % H
-    n = t // H
-    hit = pix_ok & (h % str_h == 0) & (w % str_w == 0)
-    row = (n * P + h // str_h) * Q + w // str_w
-    v = tl.load(src_ptr + row[:, None] * C + offs_c[None, :], mask=hit[:, None] & c_ok[None, :], other=0.0)
-    mask = pix_ok[:, None] & c_ok[None, :]
+    hit = w_ok & (offs_w % STR_W == 0) & ((offs_w * 0 + h % STR_H) == 0)  # (a tensor: the interpreter's masks)
+    src_row = (n * P + h // STR_H).to(tl.int64) * Q + offs_w // STR_W
+    v = tl.load(src_ptr + src_row[:, None] * C + offs_c[None, :], mask=hit[:, None] & c_ok[None, :], other=0.0)
+    mask = w_ok[:, None] & c_ok[None, :]
     if ACT != 0:
         v = v.to(tl.float32)
-        z = tl.load(act_ptr + (n * sa_n + h * sa_h + w * sa_w)[:, None] + offs_c[None, :] * sa_c, mask=mask,
-                    other=0.0)
+        z = tl.load(act_ptr + (n.to(tl.int64) * sa_n + h * sa_h + offs_w * sa_w)[:, None] + offs_c[None, :] * sa_c,
+                    mask=mask, other=0.0)
         if ACT == 1:
             v = tl.where(z > 0, v, 0.0)
         else:
             v = tl.where(z > 0, v, v * slope)
-    tl.store(out_ptr + pix[:, None] * C + offs_c[None, :], v.to(out_ptr.dtype.element_ty), mask=mask)
+    out_off = (row.to(tl.int64) * W + offs_w) * C
+    tl.store(out_ptr + out_off[:, None] + offs_c[None, :], v.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def phase_scatter(src: torch.Tensor, out: torch.Tensor, g: ConvGeometry, *, act: tuple[int, float] = (0, 0.0),
@@ -428,13 +429,13 @@ def phase_scatter(src: torch.Tensor, out: torch.Tensor, g: ConvGeometry, *, act:
         raise ValueError(f"phase_scatter is for unpadded 1x1 layers, got {g.R}x{g.S} padding {g.padding}")
     if not (src.is_contiguous() and out.is_contiguous()):
         raise ValueError("phase_scatter needs contiguous src (N*P*Q, C) and out (N, H, W, C)")
-    npix = g.N * g.H * g.W
     act_t = act_input if (act_input is not None and mode) else out
-    bc = min(128, max(16, _npow2(g.C)))
-    bp = max(1, 8192 // bc) if not interpreting() else 16
-    grid = (triton.cdiv(npix, bp), triton.cdiv(g.C, bc))
-    _phase_scatter_kernel[grid](src, out, act_t, npix, g.H, g.W, g.C, g.P, g.Q, g.stride[0], g.stride[1],
-                                *_strides(act_t), float(slope), ACT=mode, BLOCK_P=bp, BLOCK_C=bc, num_warps=4)
+    bw = min(64, _npow2(g.W)) if not interpreting() else min(8, _npow2(g.W))
+    bc = min(_npow2(g.C), max(16, 8192 // bw)) if not interpreting() else min(16, _npow2(g.C))
+    grid = (g.N * g.H, triton.cdiv(g.W, bw), triton.cdiv(g.C, bc))
+    _phase_scatter_kernel[grid](src, out, act_t, g.H, g.W, g.C, g.P, g.Q, *_strides(act_t), float(slope),
+                                STR_H=g.stride[0], STR_W=g.stride[1], ACT=mode, BLOCK_W=bw, BLOCK_C=bc,
+                                num_warps=4)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -523,10 +524,14 @@ def _cuda_sm_count(index: int) -> int:
 _SM_FLOPS = 4.0e12
 _WS_BYTES_PER_S = 3.0e12
 _SUM_LAUNCH_S = 2e-6
+# Above this many rows the first rule (about two waves of programs, split <= L / 8192) measured
+# faster on H200 (28x28 128->128 3x3 N=256: 166 us vs 228 us with the model's split); below it the
+# model's larger splits fill the GPU (N=8: 56x56 64->64 3x3 43 -> 17 us, 28x28 128->128 31 -> 16 us).
+_MODEL_MAX_ROWS = 65536
 
 
 def wgrad_split(g: ConvGeometry, sms: int, fp8: bool = False) -> int:
-    """Chunks of the L = N*P*Q reduction, from a cost model: waves of (tiles x split) programs over
+    """Chunks of the L = N*P*Q reduction.  Below ``_MODEL_MAX_ROWS`` rows from a cost model: waves of (tiles x split) programs over
     the SMs, each doing 1/split of its tile's work, plus writing and re-reading split fp32 partials
     and the sum's launch; the smallest split within 3% of the best.  Small batches split a lot (few
     output tiles, nothing else to fill the GPU), big output tiles counts do not.  (fp8 runs the same
@@ -542,6 +547,8 @@ def wgrad_split(g: ConvGeometry, sms: int, fp8: bool = False) -> int:
         t = triton.cdiv(tiles * split, max(1, sms)) * tile_s / split
         return t + (split * part_s + _SUM_LAUNCH_S if split > 1 else 0.0)
 
+    if L >= _MODEL_MAX_ROWS:  # long reductions: ~2 waves, partial traffic <= ~10% (measured better there)
+        return max(1, min(triton.cdiv(2 * sms, tiles), L // (16384 if fp8 else 8192), 128))
     cands = range(1, max(1, min(128, triton.cdiv(L, CHUNK_ALIGN))) + 1)
     costs = {s_: cost(s_) for s_ in cands}
     best = min(costs.values())
