@@ -79,21 +79,23 @@ _INT32_LIMIT = 1 << 31
 
 def _scale_tensor(scale, device, what: str) -> torch.Tensor:
     """A per-tensor scale as float32 (1,) on ``device``; checked for finite > 0 unless capturing."""
-    bad = ValueError(f"{what} must be one finite positive number (a float or a one-element tensor), got {scale!r}")
+    def bad():  # built only on failure: printing a CUDA tensor syncs, which a graph capture forbids
+        return ValueError(f"{what} must be one finite positive number (a float or a one-element tensor), got {scale!r}")
+
     if isinstance(scale, torch.Tensor):
         s = scale.to(device=device, dtype=torch.float32).reshape(-1)
         if s.numel() != 1:
-            raise bad
+            raise bad()
         if not (s.is_cuda and torch.cuda.is_current_stream_capturing()):  # no sync inside a graph capture
             if not bool(torch.isfinite(s).all() and (s > 0).all()):
-                raise bad
+                raise bad()
         return s
     try:
         v = float(scale)
     except (TypeError, ValueError):
-        raise bad from None
+        raise bad() from None
     if not (math.isfinite(v) and v > 0):
-        raise bad
+        raise bad()
     return torch.full((1,), v, dtype=torch.float32, device=device)  # a fill, no host copy
 
 
