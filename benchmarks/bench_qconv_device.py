@@ -150,11 +150,31 @@ def bench_layer(name, n, H, C, K, gen, l2_bytes):
     }
 
 
+def sweep_im2col():
+    """Block sizes of the im2col kernel on the largest layer (56x56x256, batch 256, 3x3)."""
+    from tcprec.kernels.triton.im2col_bits import im2col_bits
+
+    g = ConvGeometry(256, 56, 56, 256, 256, 3, 3, (1, 1), (1, 1), (1, 1))
+    gen = torch.Generator(DEV).manual_seed(1)
+    planes = tp.pack_bitplanes(_random_codes((256 * 56 * 56, 256), tp.format("uint2"), gen), 2, validate=False)
+    want, _ = im2col_bits(planes, g, rowsum=True, row_mul=-1, row_add=0)
+    for bm in (32, 64, 128):
+        for bw in (16, 32):
+            for nw in (4, 8):
+                f = lambda: im2col_bits(planes, g, rowsum=True, row_mul=-1, row_add=0, block_m=bm, block_w=bw,
+                                        num_warps=nw)
+                same = torch.equal(f()[0], want)
+                print(f"im2col bm={bm} bw={bw} warps={nw}: {time_graph_ms(f, calls=8):.4f} ms same={same}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep-im2col", action="store_true")
     ap.add_argument("--prewarm-only", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/qconv.json")
     args = ap.parse_args()
+    if args.sweep_im2col:
+        return sweep_im2col()
     prewarm()
     if args.prewarm_only:
         return

@@ -102,7 +102,8 @@ def _im2col_bits_kernel(
 
 
 def im2col_bits(planes: torch.Tensor, geom, *, twos: bool = False, store: bool = True, rowsum: bool = False,
-                row_mul: int = 1, row_add: int = 0, block_m: int | None = None, block_w: int = 32):
+                row_mul: int = 1, row_add: int = 0, block_m: int | None = None, block_w: int = 32,
+                num_warps: int = 4):
     """Launch: planes int32 ``(bits, N*H*W, Kw_in)`` and a ``ConvGeometry`` -> ``(cols, row_term)``:
     cols int32 ``(bits, N*P*Q, Kw_col)`` (None unless ``store``), row_term int32 ``(N*P*Q,)`` (None
     unless ``rowsum``).  ``tcprec.ops.qconv`` validates; this only allocates and launches."""
@@ -128,6 +129,6 @@ def im2col_bits(planes: torch.Tensor, geom, *, twos: bool = False, store: bool =
         cols.stride(0) if store else 0, cols.stride(1) if store else 0,
         int(row_mul), int(row_add),
         BITS=bits, TWOS=bool(twos), STORE=bool(store), ROWSUM=bool(rowsum),
-        BLOCK_M=block_m, BLOCK_W=block_w,
+        BLOCK_M=block_m, BLOCK_W=block_w, num_warps=num_warps,
     )
     return cols, row
