@@ -271,7 +271,7 @@ def test_pick_config_table():
 # ------------------------------------------------------------------------------------------------
 
 
-def _aot_compile(fp8: bool, flat: bool, out_mode: int, C: int, K: int):
+def _aot_compile(fp8: bool, flat: bool, out_mode: int, C: int, K: int, has_add: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -279,8 +279,9 @@ def _aot_compile(fp8: bool, flat: bool, out_mode: int, C: int, K: int):
     fn = cf._conv_fwd_kernel
     xt = "fp8e4nv" if fp8 else "i8"
     ptrs = {"x_ptr": xt, "w_ptr": xt, "out_ptr": {0: "i32", 1: "fp16", 2: "i8"}[out_mode], "sa_ptr": "fp32",
-            "sb_ptr": "fp32", "bias_ptr": "fp32"}
-    consts = dict(IS_FP8=fp8, FAST_ACCUM=False, FLAT=flat, OUT_MODE=out_mode, EVEN_K=C % 128 == 0, INT64=False,
+            "sb_ptr": "fp32", "bias_ptr": "fp32", "add_ptr": "i32" if has_add else "fp32"}
+    consts = dict(IS_FP8=fp8, FAST_ACCUM=False, FLAT=flat, OUT_MODE=out_mode, HAS_ADD=has_add, EVEN_K=C % 128 == 0,
+                  INT64=False,
                   BLOCK_M=128, BLOCK_N=128, BLOCK_K=128)
     sig, attrs, cs = {}, {}, dict(consts)
     for i, name in enumerate(fn.arg_names):
@@ -314,6 +315,7 @@ def test_kernels_compile_to_wgmma_for_sm90():
     assert "div.rn.f32" in ptx["int8_tap"]  # IEEE division for the re-quantisation
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx["fp8_flat"]
     assert "0x10" in ptx["fp8_flat"]  # C = 96 (flat mode): still 16-byte runs
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8" in ptx["int8_shifted"]  # the uint8 correction
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--aot"]:
@@ -325,6 +327,7 @@ if __name__ == "__main__" and sys.argv[1:] == ["--aot"]:
         print(f"no NVIDIA backend in this triton: {e}")
         sys.exit(3)
     report = {"int8_tap": _aot_compile(False, False, 2, 256, 256).asm["ptx"],
-              "fp8_flat": _aot_compile(True, True, 1, 96, 256).asm["ptx"]}
+              "fp8_flat": _aot_compile(True, True, 1, 96, 256).asm["ptx"],
+              "int8_shifted": _aot_compile(False, False, 1, 256, 256, has_add=True).asm["ptx"]}
     print(json.dumps({k: "\n".join(ln for ln in v.splitlines() if "wgmma" in ln or "cp.async.c" in ln
                                    or "div.rn" in ln) for k, v in report.items()}))

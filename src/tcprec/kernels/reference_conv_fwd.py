@@ -147,10 +147,13 @@ def _split_scale(v) -> tuple[float, torch.Tensor | None]:
 
 
 def conv2d_fwd_int8(x, w, *, stride=1, padding=0, dilation=1, scale=None, bias=None, act=None,
-                    out="float16") -> torch.Tensor:
-    """Reference of :func:`tcprec.kernels.triton.conv_fwd.conv2d_fwd_int8` (same arguments)."""
-    kind, _ = parse_out(out, ("float16", "float32", "int32", "int8"))
+                    out="float16", acc_mul: int = 1, acc_add: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference of :func:`tcprec.kernels.triton.conv_fwd.conv2d_fwd_int8` (same arguments): with
+    ``acc_add`` (int32 (K,) or (P, Q, K)) the accumulator is ``acc * acc_mul + acc_add`` in int64."""
+    kind, _ = parse_out(out, ("float16", "float32", "bfloat16", "int32", "int8"))
     acc = conv_acc(x, w, stride, padding, dilation)
+    if acc_add is not None:
+        acc = acc * int(acc_mul) + acc_add.to(device=acc.device, dtype=torch.int64)  # (N, P, Q, K) + (P, Q, K) / (K,)
     if kind == "int32":
         return acc.to(torch.int32)
     alpha, sb = _split_scale(scale)

@@ -29,9 +29,23 @@ Backends (one rule with ``tcprec.matmul``: bit-serial while p*q < 8, INT8 otherw
   planes).  A 1x1 stride-1 unpadded convolution needs no im2col: the input planes are the operand.
   Pooling is a separate float32 pass after the GEMM (then the cast or the re-quantize + pack pass);
   ``explain_conv2d`` says which passes run.
-* ``"int8"``: im2col on the codes + ``torch._int_mm`` through matmul's INT8 path (exact).
-* ``"reference"``: ``F.conv2d`` on the decoded codes in float64 (exact), any device; the default
-  off CUDA and the ground truth of the tests.
+* ``"int8"``: on CUDA (and under ``TRITON_INTERPRET=1``) the Triton implicit-GEMM INT8 conv
+  (``kernels/triton/conv_fwd.py``: no im2col buffer, scale / bias / activation fused).  Every <= 8-bit
+  integer fits int8 after an affine shift (the rule of ``ops/matmul.py``): two's complement as is,
+  unsigned and pm1 of <= 7 bits as their values, uint8 / pm8 stored as ``code - 128`` with
+  ``value = offset + step * x8``.  Zero padding must stay value 0, and the kernel pads the *stored*
+  int8 with 0, so a shifted activation (uint8: offset 128) is corrected over the taps that lie inside
+  the image only: ``C = step * acc + offset * sum_{taps inside} w[k]``, an int32 table (P, Q, K) (one
+  vector (K,) without padding) that depends on the weight and the geometry, not on the batch; it is
+  computed once (one int8 conv of a ones image) and cached in the :class:`PackedConvWeight`.  Shifted
+  *weights* (uint8 / pm8) would need a per-pixel window sum of x; they keep the im2col path, as does
+  the CPU without the interpreter: im2col on the codes + ``torch._int_mm`` (exact).
+* ``"fp8"``: float8 operands (``e4m3`` / ``e5m2`` QTensors, e.g. from :func:`quantize_fp8_static`, and
+  a weight packed by :func:`pack_conv_weight`): the Triton implicit-GEMM FP8 conv with x's per-tensor
+  and w's per-channel scales folded into the fused epilogue's column scale.  ``fp8_fast_accum=True``
+  (the default) keeps Hopper's narrow fp8 accumulator over the whole reduction.
+* ``"reference"``: ``F.conv2d`` on the decoded codes (fp8: the decoded values) in float64 (exact), any
+  device; the default off CUDA and the ground truth of the tests.
 
 pm1 activations (``binary``, ``pmN``) have no zero, so they cannot stand for the zeros of spatial
 padding: the bit-serial kernel's pm1 correction assumes every one of the K terms is present.
@@ -42,11 +56,11 @@ a ReLU ``uint2``); pm1 *weights* are fine with any padding.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from ..formats import IntFormat, as_format
+from ..formats import FloatFormat, IntFormat, as_format
 from ..kernels import reference_gemm as rg
 from ..kernels import reference_qconv as rq
 from ..kernels.reference_conv import ConvGeometry, pair
@@ -59,6 +73,7 @@ __all__ = [
     "PackedConvWeight",
     "pack_activation",
     "pack_conv_weight",
+    "quantize_fp8_static",
     "conv2d",
     "explain_conv2d",
     "choose_conv2d_backend",
@@ -67,9 +82,22 @@ __all__ = [
 ]
 
 POOLS = (None, ("max", 2, 2), ("avg", 2, 2), ("max", 2, 1))
+BACKENDS = BACKENDS + ("fp8",)  # matmul's, and the float8 tensor cores
 _OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32)
 _KIND = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _INT32_LIMIT = 1 << 31
+_FP8 = {as_format("float8_e4m3fn"): torch.float8_e4m3fn, as_format("float8_e5m2"): torch.float8_e5m2}
+
+
+def _fp8_dtype(fmt) -> torch.dtype | None:
+    """The torch float8 dtype whose bit patterns are ``fmt``'s codes, or None."""
+    return _FP8.get(fmt) if isinstance(fmt, FloatFormat) else None
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -180,22 +208,34 @@ def pack_activation(x: torch.Tensor, fmt, scale) -> PackedActivation:
 
 @dataclass(frozen=True, eq=False)
 class PackedConvWeight:
-    """A KRSC integer weight packed once (BitBLAS's transform_weight): ``qw`` the QTensor ``(K, R, S, C)``,
-    ``planes`` int32 ``(q, K, Kw_col)`` in the im2col word layout (each tap padded to a whole number of
-    words), ``w_scale`` float32 ``(K,)``, ``rowsum`` int32 ``(K,)`` = sum of the weighted codes of each
-    filter (the correction term when the activations are pm1)."""
+    """A KRSC weight prepared once (BitBLAS's transform_weight): ``qw`` the QTensor ``(K, R, S, C)``,
+    ``w_scale`` float32 ``(K,)``, and per backend:
+
+    * bit-serial (integer formats): ``planes`` int32 ``(q, K, Kw_col)`` in the im2col word layout (each
+      tap padded to a whole number of words), ``rowsum`` int32 ``(K,)`` = sum of the weighted codes of
+      each filter (the correction term when the activations are pm1);
+    * INT8 / FP8 kernels: ``w8`` ``(K, R, S, C)`` contiguous, int8 with ``value = w_off + w_step * w8``
+      (integer formats) or the float8 view of the codes (``e4m3`` / ``e5m2``: ``w_off = 0, w_step = 1``);
+    * ``corr``: the INT8 kernel's cached corrections for shifted activations (see ``_int8_correction``).
+
+    fp8 weights have no planes (``planes`` and ``rowsum`` are None).
+    """
 
     qw: QTensor
-    planes: torch.Tensor
+    planes: torch.Tensor | None
     w_scale: torch.Tensor
-    rowsum: torch.Tensor
+    rowsum: torch.Tensor | None
+    w8: torch.Tensor | None = None
+    w_off: int = 0
+    w_step: int = 1
+    corr: dict = field(default_factory=dict, repr=False)
 
     @property
     def shape(self) -> tuple:
         return self.qw.shape
 
     @property
-    def fmt(self) -> IntFormat:
+    def fmt(self) -> IntFormat | FloatFormat:
         return self.qw.fmt
 
     @property
@@ -207,8 +247,9 @@ def _check_weight_qtensor(w) -> QTensor:
     if not isinstance(w, QTensor):
         raise TypeError(f"w must be a QTensor of codes (K, R, S, C) (tcprec.quantize(w_krsc, 'binary', PerChannel(0))) "
                         f"or a PackedConvWeight, got {type(w).__name__}")
-    if not isinstance(w.fmt, IntFormat):
-        raise TypeError(f"w must be of an integer format (binary, intN, uintN, pmN), got {w.fmt}; quantize it to one")
+    if not isinstance(w.fmt, IntFormat) and _fp8_dtype(w.fmt) is None:
+        raise TypeError(f"w must be of an integer format (binary, intN, uintN, pmN) or e4m3 / e5m2, got {w.fmt}; "
+                        "quantize it to one")
     if w.ndim != 4:
         raise ValueError(f"w must be KRSC (K, R, S, C), got shape {w.shape}; an nn.Conv2d weight (K, C, R, S) is "
                          "w.permute(0, 2, 3, 1)")
@@ -229,10 +270,63 @@ def pack_conv_weight(w: QTensor) -> PackedConvWeight:
     """
     w = _check_weight_qtensor(w)
     K = w.shape[0]
-    planes = rq.pack_weight_planes(w.codes, w.fmt.bits)  # (q, K, Kw_col)
     w_scale = w.scale.reshape(-1).expand(K).to(torch.float32).contiguous()  # (K,)
+    f8 = _fp8_dtype(w.fmt)
+    if f8 is not None:
+        return PackedConvWeight(w, None, w_scale, None, w.codes.contiguous().view(f8))  # (K, R, S, C) float8
+    planes = rq.pack_weight_planes(w.codes, w.fmt.bits)  # (q, K, Kw_col)
     rowsum = rg.weighted_rowsums(planes, w.fmt).to(torch.int32)  # (K,): the pm1-activation correction (cheap)
-    return PackedConvWeight(w, planes, w_scale, rowsum)
+    w8, w_off, w_step = _int8_codes(w.codes, w.fmt)  # (K, R, S, C) int8
+    return PackedConvWeight(w, planes, w_scale, rowsum, w8, w_off, w_step)
+
+
+def _int8_codes(codes: torch.Tensor, fmt: IntFormat) -> tuple[torch.Tensor, int, int]:
+    """(x8 int8 of codes' shape, offset, step) with value = offset + step * x8: the rule of
+    ``ops/matmul.py::_int8_operand``, shape-preserving; a view (no copy) where the pattern is the value."""
+    b = fmt.bits
+    if fmt.encoding == "twos":
+        if b == 8:
+            return codes.contiguous().view(torch.int8), 0, 1
+        c = codes.to(torch.int16)
+        return (c - ((c >> (b - 1)) << b)).to(torch.int8), 0, 1
+    if b <= 7:  # unsigned 0..127, pm1 -127..127: the values fit int8 as they are
+        if fmt.encoding == "unsigned":
+            return codes.contiguous().view(torch.int8), 0, 1
+        return (2 * codes.to(torch.int16) - ((1 << b) - 1)).to(torch.int8), 0, 1
+    # 8 bits: store u - 128; uint8 = 128 + x8, pm8 = 2u - 255 = 1 + 2 * x8
+    off, step = (128, 1) if fmt.encoding == "unsigned" else (1, 2)
+    return (codes.to(torch.int16) - 128).to(torch.int8), off, step
+
+
+def quantize_fp8_static(x: torch.Tensor, scale: torch.Tensor, fmt="e4m3") -> QTensor:
+    """Float ``x`` -> a float8 ``QTensor`` (``value = decode(codes) * scale``) with a fixed per-tensor
+    ``scale`` (a one-element float32 tensor on x's device), in torch ops only: no host sync, so it runs
+    inside a CUDA-graph capture (the activation quantizer of an FP8 layer).  ``x / scale`` is saturated
+    to +-max (448 for e4m3) and rounded to nearest even by ``.to(torch.float8_e4m3fn)``; NaN stays NaN.
+    The codes are the uint8 view of the float8 tensor (no copy); ``conv2d`` views them back.
+
+    >>> import torch
+    >>> quantize_fp8_static(torch.tensor([1.0, 3.0, 1e6]), torch.tensor([0.5])).dequantize().tolist()
+    [1.0, 3.0, 224.0]
+    """
+    fmt = as_format(fmt)
+    f8 = _fp8_dtype(fmt)
+    if f8 is None:
+        raise TypeError(f"quantize_fp8_static quantizes to float8_e4m3fn ('e4m3') or float8_e5m2 ('e5m2'), got {fmt}; "
+                        "for integer formats use tcprec.ops.quantize.quantize_static")
+    if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
+        raise TypeError(f"x must be a floating torch.Tensor, got {type(x).__name__}"
+                        + (f" of dtype {x.dtype}" if isinstance(x, torch.Tensor) else ""))
+    if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or scale.dtype != torch.float32:
+        raise TypeError("scale must be a one-element float32 tensor (a calibrated per-tensor scale), got "
+                        + (f"{scale.dtype} of shape {tuple(scale.shape)}" if isinstance(scale, torch.Tensor)
+                           else type(scale).__name__))
+    if scale.device != x.device:
+        raise ValueError(f"scale is on {scale.device} but x is on {x.device}; keep the scale with the activations")
+    m = float(torch.finfo(f8).max)
+    v = torch.clamp(x.to(torch.float32) / scale.reshape(()), -m, m)  # saturate: .to(float8) overflows to NaN
+    codes = v.to(f8).view(torch.uint8)  # bit patterns = tcprec's codes of the format
+    return QTensor(codes, scale.reshape((1,) * x.dim()), fmt, PerTensor(), tuple(x.shape), x.dtype)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -242,7 +336,7 @@ def pack_conv_weight(w: QTensor) -> PackedConvWeight:
 
 @dataclass(frozen=True)
 class _X:
-    fmt: IntFormat
+    fmt: IntFormat | FloatFormat
     scale: torch.Tensor  # (1,) float32
     shape: tuple  # (N, H, W, C)
     device: torch.device
@@ -265,8 +359,9 @@ def _check_x(x) -> _X:
     if not isinstance(x, QTensor):
         raise TypeError(f"x must be a QTensor of NHWC codes (tcprec.quantize(x_nhwc, 'uint2')) or a PackedActivation, "
                         f"got {type(x).__name__}")
-    if not isinstance(x.fmt, IntFormat):
-        raise TypeError(f"x must be of an integer format (uintN, intN, binary, pmN), got {x.fmt}; quantize it to one")
+    if not isinstance(x.fmt, IntFormat) and _fp8_dtype(x.fmt) is None:
+        raise TypeError(f"x must be of an integer format (uintN, intN, binary, pmN) or e4m3 / e5m2 "
+                        f"(quantize_fp8_static), got {x.fmt}; quantize it to one")
     if x.ndim != 4:
         raise ValueError(f"x must be NHWC (N, H, W, C), got shape {x.shape}; an NCHW tensor is x.permute(0, 2, 3, 1)")
     if not isinstance(x.granularity, PerTensor):
@@ -336,7 +431,8 @@ class _Plan:
     act: object
     pool: object
     out_dtype: torch.dtype
-    out_fmt: IntFormat | None
+    out_fmt: IntFormat | FloatFormat | None
+    route: str = ""  # int8 backend: "kernel" (Triton implicit GEMM) or "im2col" (+ torch._int_mm)
 
     @property
     def fused(self) -> bool:
@@ -356,7 +452,12 @@ def _plan(x, w, stride, padding, dilation, act, out_dtype, out_fmt, pool, backen
         raise ValueError(f"x is on {xs.device} but w is on {qw.device}; move both to one device")
     g = _geometry(xs, qw.shape, stride, padding, dilation)
     fa, fw = xs.fmt, qw.fmt
-    if fa.encoding == "pm1" and max(g.padding) > 0:
+    fp8 = _fp8_dtype(fa) is not None
+    if fp8 != (_fp8_dtype(fw) is not None):
+        raise TypeError(f"x is {fa} but w is {fw}: conv2d multiplies two integer formats or two float8 formats; "
+                        "quantize both to integers or both to e4m3 (quantize_fp8_static, tcprec.quantize(w, 'e4m3', "
+                        "PerChannel(0)))")
+    if not fp8 and fa.encoding == "pm1" and max(g.padding) > 0:
         raise ValueError(
             f"x is {fa} (pm1: values +-1, +-3, ...; no zero) but padding={g.padding}: spatial padding adds zeros, which "
             "a pm1 code cannot hold, and the bit-serial kernel's pm1 correction counts every one of the K terms. Use "
@@ -365,8 +466,9 @@ def _plan(x, w, stride, padding, dilation, act, out_dtype, out_fmt, pool, backen
     act, pool = _check_act(act), _check_pool(pool)
     if out_fmt is not None:
         out_fmt = as_format(out_fmt)
-        if not isinstance(out_fmt, IntFormat):
-            raise TypeError(f"out_fmt must be an integer format (the next layer's activations), got {out_fmt}")
+        if not isinstance(out_fmt, IntFormat) and _fp8_dtype(out_fmt) is None:
+            raise TypeError(f"out_fmt must be an integer format or e4m3 / e5m2 (the next layer's activations), "
+                            f"got {out_fmt}")
         if out_scale is None:
             raise ValueError("out_fmt needs out_scale (one positive float: the next layer's activation scale)")
         if out_dtype == torch.int32:
@@ -376,6 +478,16 @@ def _plan(x, w, stride, padding, dilation, act, out_dtype, out_fmt, pool, backen
     if out_dtype == torch.int32 and (scale is not None or bias is not None or act is not None or pool is not None):
         raise ValueError("scale, bias, act and pool apply to the scaled float result; out_dtype=torch.int32 returns the "
                          "raw integer convolution, so pass a float out_dtype (or out_fmt) to use them")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got backend={backend!r}")
+    if fp8:
+        if out_dtype == torch.int32 and out_fmt is None:
+            raise ValueError("float8 operands accumulate in float32: out_dtype=torch.int32 (the raw integer "
+                             "convolution) is for integer formats; pass a float out_dtype")
+        name, why = _choose_fp8_backend(fa, fw, xs.device, backend)
+        return xs, qw, g, _Plan(name, why, g, fa, fw, act, pool, out_dtype, out_fmt)
+    if backend == "fp8":
+        raise ValueError(f"backend='fp8' needs float8 operands (e4m3 / e5m2), got {fa} x {fw}; use 'int8' or 'auto'")
     K_true = g.R * g.S * g.C
     bound = K_true * max(abs(fa.min), abs(fa.max)) * max(abs(fw.min), abs(fw.max))
     if bound >= _INT32_LIMIT:
@@ -389,7 +501,38 @@ def _plan(x, w, stride, padding, dilation, act, out_dtype, out_fmt, pool, backen
         name, why = choose_int_backend(fa, fw, xs.device, backend)
         if name == "reference":
             why = why.replace("pure-torch bit-serial reference", "float64 F.conv2d on the decoded codes")
-    return xs, qw, g, _Plan(name, why, g, fa, fw, act, pool, out_dtype, out_fmt)
+    route = ""
+    if name == "int8":
+        route, how = _int8_route(fa, fw, xs.device)
+        if route == "kernel":
+            why = why.replace("torch._int_mm", "the Triton INT8 conv")
+        why = f"{why}; {how}"
+    return xs, qw, g, _Plan(name, why, g, fa, fw, act, pool, out_dtype, out_fmt, route)
+
+
+def _choose_fp8_backend(fa, fw, dev: torch.device, backend: str) -> tuple[str, str]:
+    pair_ = f"{fa} activations x {fw} weights"
+    if backend in ("bitserial", "int8"):
+        raise ValueError(f"backend={backend!r} multiplies integer formats; {pair_} run on backend='fp8' "
+                         "(FP8 tensor cores), 'reference' or 'auto'")
+    if backend == "reference":
+        return "reference", f"asked for the float64 F.conv2d on the decoded fp8 values ({pair_}, on {dev})"
+    if dev.type == "cuda" or (backend == "fp8" and _interpreting()):
+        how = "asked for" if backend == "fp8" else f"{pair_}:"
+        return "fp8", f"{how} the FP8 tensor cores (Triton implicit-GEMM conv, wgmma e4m3/e5m2)"
+    if backend == "fp8":
+        raise RuntimeError(f"backend='fp8' needs CUDA tensors (or TRITON_INTERPRET=1), got {dev}; use 'reference'")
+    return "reference", f"tensors on {dev.type}: float64 F.conv2d on the decoded fp8 values ({pair_})"
+
+
+def _int8_route(fa: IntFormat, fw: IntFormat, dev: torch.device) -> tuple[str, str]:
+    """("kernel" | "im2col", why) for the int8 backend."""
+    if not (dev.type == "cuda" or _interpreting()):
+        return "im2col", f"on {dev.type} without the Triton interpreter: im2col on the codes + torch._int_mm"
+    if fw.bits == 8 and fw.encoding != "twos":
+        return "im2col", (f"{fw} weights are stored shifted (code - 128), whose correction needs each window's sum of "
+                          "x: im2col on the codes + torch._int_mm")
+    return "kernel", "Triton implicit-GEMM INT8 conv (no im2col buffer)"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -430,6 +573,75 @@ def _int_product(plan: _Plan, xs: _X, qw: QTensor) -> torch.Tensor:
     qa = QTensor(cols, one, plan.fa, PerTensor(), (M, Kt), torch.float32)
     qwm = QTensor(qw.codes.reshape(g.K, Kt), one, plan.fw, PerTensor(), (g.K, Kt), torch.float32)
     return matmul(qa, qwm, out_dtype=torch.int32, backend="int8")  # (M, K) exact
+
+
+def _kernel_out(plan: _Plan) -> str:
+    """What the INT8 / FP8 kernel writes: the raw accumulator, the final float dtype, or float32 for a
+    pass that follows (pooling, re-quantization)."""
+    if plan.out_dtype == torch.int32 and plan.out_fmt is None:
+        return "int32"
+    return _KIND[plan.out_dtype] if plan.fused and plan.out_fmt is None else "float32"
+
+
+def _int8_correction(pw: PackedConvWeight, g: ConvGeometry, off: int) -> torch.Tensor:
+    """int32 ``off * sum_{taps (r, s) inside the image} sum_c w8[k, r, s, c]``: (K,) without padding (every
+    tap of every window is inside), else (P, Q, K) from one int8 conv of an all-ones image (exact, on
+    the weight's device; the same for every image of the batch).  Cached in ``pw.corr`` per geometry,
+    except when first computed inside a CUDA-graph capture (its kernels run only on replay)."""
+    from ..kernels.triton.conv_fwd import conv2d_fwd_int8  # TRITON_INTERPRET is read at import
+
+    padded = max(g.padding) > 0
+    key = (off, g.H, g.W, g.stride, g.padding, g.dilation) if padded else (off,)
+    t = pw.corr.get(key)
+    if t is not None:
+        return t
+    w8 = pw.w8
+    if padded:
+        ones = torch.ones((1, g.H, g.W, g.C), dtype=torch.int8, device=w8.device)
+        wsum = conv2d_fwd_int8(ones, w8, stride=g.stride, padding=g.padding, dilation=g.dilation, out="int32")
+        t = (wsum[0] * off).contiguous()  # (P, Q, K)
+    else:
+        t = (w8.sum((1, 2, 3), dtype=torch.int32) * off).contiguous()  # (K,)
+    if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+        pw.corr[key] = t
+    return t
+
+
+def _int8_kernel(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias) -> torch.Tensor:
+    """The Triton implicit-GEMM INT8 conv with the fused epilogue; (N, P, Q, K) in ``_kernel_out``."""
+    from ..kernels.triton.conv_fwd import conv2d_fwd_int8
+
+    g = plan.g
+    x8, oa, sa = _int8_codes(xs.codes(), plan.fa)  # (N, H, W, C) int8, value = oa + sa * x8
+    acc_mul, acc_add = 1, None
+    if oa:  # C = sa*sw * acc + oa*sw * (sum of w over the taps inside the image); w unshifted (route rule)
+        acc_mul, acc_add = sa * pw.w_step, _int8_correction(pw, g, oa * pw.w_step)
+    kind = _kernel_out(plan)
+    float_out = kind != "int32"
+    return conv2d_fwd_int8(x8, pw.w8, stride=g.stride, padding=g.padding, dilation=g.dilation,
+                           scale=col if float_out else None, bias=bias if float_out else None,
+                           act=plan.act if float_out else None, out=kind, acc_mul=acc_mul, acc_add=acc_add)
+
+
+def _fp8_kernel(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, fast_accum: bool) -> torch.Tensor:
+    """The Triton implicit-GEMM FP8 conv; col = x_scale * w_scale[k] (* scale[k]) is its x_scale
+    operand (per channel), so the kernel's column scale is exactly the reference's."""
+    from ..kernels.triton.conv_fwd import conv2d_fwd_fp8
+
+    g = plan.g
+    x8 = xs.codes().contiguous().view(_fp8_dtype(plan.fa))  # (N, H, W, C) float8, no copy
+    return conv2d_fwd_fp8(x8, pw.w8, col, None, stride=g.stride, padding=g.padding, dilation=g.dilation, bias=bias,
+                          act=plan.act, out=_kernel_out(plan), fast_accum=fast_accum)
+
+
+def _fp8_reference(plan: _Plan, xs: _X, qw: QTensor) -> torch.Tensor:
+    """float64 (M, K): F.conv2d on the decoded fp8 values (every product and partial sum exact)."""
+    from ..kernels.reference_conv_fwd import conv_acc
+
+    g = plan.g
+    x = xs.codes().contiguous().view(_fp8_dtype(plan.fa))
+    w = qw.codes.contiguous().view(_fp8_dtype(plan.fw))
+    return conv_acc(x, w, g.stride, g.padding, g.dilation).reshape(-1, g.K)
 
 
 def _bitserial(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, out_scale, gemm):
@@ -478,6 +690,8 @@ def _finish_float(plan: _Plan, y: torch.Tensor, out_scale, act_done: bool):
     if not act_done:
         y = rq.apply_act(y, plan.act)
     y = rq.pool_nhwc(y.reshape(g.N, g.P, g.Q, g.K), plan.pool)  # (N, P', Q', K)
+    if isinstance(plan.out_fmt, FloatFormat):
+        return quantize_fp8_static(y, out_scale, plan.out_fmt)  # (N, P', Q', K) float8 codes
     if plan.out_fmt is not None:
         return _packed_result(rq.requant_pack(y, plan.out_fmt, out_scale), plan, out_scale, y.shape)
     return y.to(plan.out_dtype)
@@ -490,7 +704,7 @@ def _packed_result(planes, plan: _Plan, out_scale, shape) -> PackedActivation:
 
 
 def _conv2d_impl(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None, act=None, out_dtype=torch.float32,
-                 out_fmt=None, out_scale=None, pool=None, backend="auto", _gemm=None):
+                 out_fmt=None, out_scale=None, pool=None, backend="auto", fp8_fast_accum=True, _gemm=None):
     xs, qw, g, plan = _plan(x, w, stride, padding, dilation, act, out_dtype, out_fmt, pool, backend, scale, bias,
                             out_scale, force_bitserial=_gemm is not None)
     K = g.K
@@ -517,6 +731,19 @@ def _conv2d_impl(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None
             return res.reshape(g.N, g.P, g.Q, K)
         return _finish_float(plan, res, s_out, act_done=True)
 
+    if plan.name == "fp8" or (plan.name == "int8" and plan.route == "kernel"):
+        pw = pw if pw is not None else pack_conv_weight(qw)
+        if plan.name == "fp8":
+            y = _fp8_kernel(plan, xs, pw, col, bias, bool(fp8_fast_accum))
+        else:
+            y = _int8_kernel(plan, xs, pw, col, bias)  # (N, P, Q, K)
+        if _kernel_out(plan) != "float32" or (plan.fused and plan.out_fmt is None):
+            return y
+        return _finish_float(plan, y.reshape(-1, K), s_out, act_done=True)
+
+    if plan.name == "reference" and _fp8_dtype(plan.fa) is not None:
+        y = rg.float_epilogue(_fp8_reference(plan, xs, qw), None, col, bias, False, torch.float32)
+        return _finish_float(plan, y, s_out, act_done=False)
     C = _int_product(plan, xs, qw)  # (M, K)
     if plan.out_dtype == torch.int32 and plan.out_fmt is None:
         return C.to(torch.int32).reshape(g.N, g.P, g.Q, K)
@@ -530,13 +757,21 @@ def _conv2d_impl(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None
 
 
 def conv2d(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None, act=None, out_dtype=torch.float32,
-           out_fmt=None, out_scale=None, pool=None, backend="auto"):
+           out_fmt=None, out_scale=None, pool=None, backend="auto", fp8_fast_accum=True):
     """Quantized 2-D convolution, NHWC, integer part exact (module docstring for the full contract).
 
-    x: ``QTensor`` codes ``(N, H, W, C)`` (PerTensor scale) or :class:`PackedActivation`.
+    x: ``QTensor`` codes ``(N, H, W, C)`` (PerTensor scale) or :class:`PackedActivation`; or a float8
+    ``QTensor`` (``e4m3`` / ``e5m2``, e.g. from :func:`quantize_fp8_static`).
     w: ``QTensor`` codes ``(K, R, S, C)`` (PerTensor / PerChannel(0)) or :class:`PackedConvWeight`.
     Returns float NHWC ``(N, P, Q, K)`` in ``out_dtype``; int32 raw ``C`` for ``out_dtype=torch.int32``;
-    a :class:`PackedActivation` of ``out_fmt`` when ``out_fmt`` (and ``out_scale``) are given.
+    a :class:`PackedActivation` of ``out_fmt`` when ``out_fmt`` (and ``out_scale``) are given, or a
+    float8 ``QTensor`` (N, P, Q, K) when ``out_fmt`` is e4m3 / e5m2 (the next FP8 layer's input).
+
+    ``fp8_fast_accum`` (float8 operands on the GPU): True keeps Hopper's narrow fp8 accumulator for the
+    whole reduction; False promotes it into fp32 every BLOCK_K products (as cuBLAS does by default).
+    True is the default for inference: on the H200 it ran the networks' layers at 0.95x cuDNN fp16
+    (geomean, batch 256) against 0.71x promoted (benchmarks/results/conv_fwd.json), and the extra
+    accumulation error stays far below e4m3's own rounding (2^-4 relative per operand).
 
     >>> import torch, tcprec as tp
     >>> from tcprec.ops.qconv import conv2d
@@ -546,7 +781,8 @@ def conv2d(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None, act=
     [[8, 12, 8], [12, 18, 12], [8, 12, 8]]
     """
     return _conv2d_impl(x, w, stride=stride, padding=padding, dilation=dilation, bias=bias, scale=scale, act=act,
-                        out_dtype=out_dtype, out_fmt=out_fmt, out_scale=out_scale, pool=pool, backend=backend)
+                        out_dtype=out_dtype, out_fmt=out_fmt, out_scale=out_scale, pool=pool, backend=backend,
+                        fp8_fast_accum=fp8_fast_accum)
 
 
 def choose_conv2d_backend(x, w, backend: str = "auto", **kw) -> tuple[str, str]:
@@ -573,6 +809,7 @@ def explain_conv2d(x, w, **kw) -> str:
     head = (f"{plan.name}: {plan.why}; conv {g.N}x{g.H}x{g.W}x{g.C} * {g.K}x{g.R}x{g.S}x{g.C}, stride {g.stride}, "
             f"padding {g.padding}, dilation {g.dilation} -> {g.N}x{g.P}x{g.Q}x{g.K}; GEMM M={M} N={g.K} K={Kt}")
     out = ("int32" if plan.out_dtype == torch.int32 and plan.out_fmt is None else
+           f"{plan.out_fmt} QTensor" if isinstance(plan.out_fmt, FloatFormat) else
            f"packed {plan.out_fmt} planes" if plan.out_fmt is not None else str(plan.out_dtype).removeprefix("torch."))
     if plan.name == "bitserial":
         Cw = -(-g.C // 32)
@@ -588,6 +825,24 @@ def explain_conv2d(x, w, **kw) -> str:
                 steps.append(f"separate pass: {plan.pool[0]}-pool {plan.pool[1]}x{plan.pool[1]} stride {plan.pool[2]} "
                              "(torch, float32)")
             steps.append(f"separate pass: {'re-quantize + pack' if plan.out_fmt is not None else 'cast to ' + out}")
+    elif plan.name == "fp8" or plan.route == "kernel":
+        kind = _kernel_out(plan)
+        fast = kw.get("fp8_fast_accum", True)
+        if plan.name == "fp8":
+            steps = [f"Triton implicit-GEMM FP8 conv conv2d_fwd_fp8 ({'fast_accum' if fast else 'fp32 promotion every BLOCK_K'}) "
+                     f"with fused epilogue (scale, bias, act={plan.act}) -> {kind}"]
+        else:
+            oa = _int8_codes(torch.zeros(0, dtype=torch.uint8), plan.fa)[1]
+            shift = ([f"x stored as code - 128 (torch pass), exact correction for the taps inside the image "
+                      f"({'(P, Q, K) table' if max(g.padding) > 0 else '(K,) vector'}, cached)"] if oa else [])
+            steps = shift + [f"Triton implicit-GEMM INT8 conv conv2d_fwd_int8 "
+                             f"with fused epilogue (scale, bias, act={plan.act}) -> {kind}" if kind != "int32" else
+                             "Triton implicit-GEMM INT8 conv conv2d_fwd_int8 -> int32"]
+        if kind == "float32" and not (plan.fused and plan.out_fmt is None):
+            if plan.pool is not None:
+                steps.append(f"separate pass: {plan.pool[0]}-pool {plan.pool[1]}x{plan.pool[1]} stride {plan.pool[2]} "
+                             "(torch, float32)")
+            steps.append(f"separate pass: {'re-quantize' if plan.out_fmt is not None else 'cast to ' + out}")
     else:
         steps = [("float64 F.conv2d on decoded codes" if plan.name == "reference" else
                   "im2col on codes (torch gather) + torch._int_mm (INT8 tensor cores)"),

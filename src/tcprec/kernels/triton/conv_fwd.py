@@ -20,6 +20,8 @@ The output row of pixel m = n*P*Q + p*Q + q is simply ``y + m*K``.
         BLOCK_K steps over all of R*S*C; (r, s, c) come from t per column, masks are per element.
         Nothing is wasted on C = 3 (an 11x11 filter is 363 products, not 121 blocks of 32); with C a
         multiple of 16 the columns still come in 16-byte runs.
+    int8 operands shifted by an offset (uint8 / pm8 codes stored as code - 128, ops/qconv.py):
+              acc = acc * acc_mul + add[(p, q), k]   the exact integer correction, before any rounding
     epilogue: a = float(acc); y = a * ((alpha * sa[k]) * sb[k]) + bias[k]; act;
               store fp16 / fp32, or int8 = clamp(rint(y / out_scale)) -- the next layer's input;
               or (OUT_MODE 0) the raw accumulator.
@@ -65,20 +67,22 @@ def interpreting() -> bool:
 
 
 _NOSPEC = ["N", "H", "W", "P", "Q", "R", "S", "str_h", "str_w", "pad_h", "pad_w", "dil_h", "dil_w", "M",
-           "alpha", "sa_stride", "sb_stride", "bias_stride", "act", "slope", "out_scale"]
+           "alpha", "sa_stride", "sb_stride", "bias_stride", "act", "slope", "out_scale", "PQ", "acc_mul", "add_stride"]
 
 
 @triton.jit(do_not_specialize=_NOSPEC)
 def _conv_fwd_kernel(
-    x_ptr, w_ptr, out_ptr, sa_ptr, sb_ptr, bias_ptr,
+    x_ptr, w_ptr, out_ptr, sa_ptr, sb_ptr, bias_ptr, add_ptr,
     # -- sizes (x, w, out contiguous NHWC / KRSC / NPQK: strides follow from C, W, H, R, S, K) --
     N, H, W, C, P, Q, K, R, S,
     str_h, str_w, pad_h, pad_w, dil_h, dil_w,
     M,  # N*P*Q
     # -- epilogue (see reference_conv_fwd): scales sa / sb are per-channel (stride 1) or per-tensor (0) --
     alpha, sa_stride, sb_stride, bias_stride, act, slope, out_scale,
+    # -- int8 with affine-shifted operands: acc = acc * acc_mul + add[(p, q), k] (add_stride K, or 0: per k) --
+    PQ, acc_mul, add_stride,
     # -- what to do --
-    IS_FP8: tl.constexpr, FAST_ACCUM: tl.constexpr, FLAT: tl.constexpr, OUT_MODE: tl.constexpr,
+    IS_FP8: tl.constexpr, FAST_ACCUM: tl.constexpr, FLAT: tl.constexpr, OUT_MODE: tl.constexpr, HAS_ADD: tl.constexpr,
     EVEN_K: tl.constexpr, INT64: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -184,6 +188,9 @@ def _conv_fwd_kernel(
     else:
         out_ptrs = out_ptr + offs_m[:, None] * K + offs_n[None, :]
     mask = m_ok[:, None] & n_ok[None, :]
+    if HAS_ADD:  # int32 wrap-around is harmless: the true sum fits int32 (checked by the caller)
+        add = tl.load(add_ptr + (offs_m % PQ)[:, None] * add_stride + offs_n_ld[None, :])
+        acc = acc * acc_mul + add
     if OUT_MODE == 0:
         tl.store(out_ptrs, acc, mask=mask)
     else:
@@ -254,40 +261,53 @@ def _flat_block_k(rsc: int) -> int:
     return 32
 
 
+# Tile table, measured on the H200 at batch 256 (int8; benchmarks/results/conv_fwd.json, "tune"):
+# shape class -> (BLOCK_M, largest BLOCK_N, num_warps, num_stages).
+#   tap   C a multiple of 64 / 128.  128x128 with 4 warps, 3 stages beat the old 8-warp rows everywhere:
+#         vgg.conv3 506 T/s (128x128 w8 s4: 390; 128x256 w8: 455), vgg.conv6 744 (664 for 128x256 /
+#         256x128 w8), yolo.conv8 950 (813-817); resnet18.l1 (K=64 -> 128x64) 225 with w4 s3 or s4.
+#   flat  C >= 16 not a multiple of 64 (yolo.conv2, C=16): w4 s3 70 T/s vs 54-63 with 8 warps.
+#   thin  C < 16, the stems (alexnet.conv1, C=3): the per-element tap decode wants 8 warps, 22 T/s vs 9.
+_TILES = {
+    "tap": (128, 128, 4, 3),
+    "flat": (128, 128, 4, 3),
+    "thin": (128, 128, 8, 4),
+}
+_SMALL_M_WARPS = 4  # 64-row tiles (too few 128-row tiles to fill the SMs): one warpgroup
+
+
 def pick_config(g: ConvGeometry, fp8: bool, device: torch.device | None = None) -> dict:
     """Tile, warps and stages for one conv (the same table for int8 and fp8: both are 8-bit operands).
 
-    * reduction: TAP mode with BLOCK_K = 128 (or 64) when C is a multiple of it, else FLAT mode;
-    * BLOCK_N: the output channels rounded up to a power of two in [16, 128] (256 for K >= 512 at
-      large M: a 128x256 tile halves the A-tile re-reads);
-    * BLOCK_M 128, or 64 when 128-row tiles would leave most SMs idle (small batch, 7x7 / 13x13 maps).
+    * reduction: TAP mode with BLOCK_K = 128 (or 64) when C is a multiple of it, else FLAT mode with
+      the largest BLOCK_K that pads R*S*C by at most 15%;
+    * the shape class ("tap", "flat", "thin" for C < 16) picks BLOCK_M, the BLOCK_N cap, warps and
+      stages from ``_TILES``; BLOCK_N is the output channels rounded up to a power of two in [16, cap];
+    * BLOCK_M 64 (and BLOCK_N <= 64), 4 warps, when 128-row tiles would leave most SMs idle (small
+      batch, 7x7 / 13x13 maps).
     """
     sms = _sm_count(device)
     M = g.N * g.P * g.Q
     if g.C % 128 == 0:
-        flat, bk = False, 128
+        flat, bk, cls = False, 128, "tap"
     elif g.C % 64 == 0:
-        flat, bk = False, 64
+        flat, bk, cls = False, 64, "tap"
     else:
-        flat, bk = True, _flat_block_k(g.R * g.S * g.C)
-    bn = min(128, max(16, triton.next_power_of_2(g.K)))
-    bm = 128
-    if g.K >= 512 and M >= 64 * sms * 2:
-        bn = 256
+        flat, bk, cls = True, _flat_block_k(g.R * g.S * g.C), ("thin" if g.C < 16 else "flat")
+    bm, bn_cap, warps, stages = _TILES[cls]
+    bn = min(bn_cap, max(16, triton.next_power_of_2(g.K)))
     if triton.cdiv(M, bm) * triton.cdiv(g.K, bn) < sms:
-        bm = 64
+        bm, warps = 64, _SMALL_M_WARPS
         if triton.cdiv(M, bm) * triton.cdiv(g.K, bn) < sms and bn > 64:
             bn = 64
-    warps = 8 if bm * bn >= 128 * 128 else 4
-    stages = 3 if bm * bn >= 128 * 256 else 4
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "FLAT": flat, "num_warps": warps, "num_stages": stages}
 
 
-def compile_key(g: ConvGeometry, cfg: dict, fp8: bool, out_kind: str) -> tuple:
+def compile_key(g: ConvGeometry, cfg: dict, fp8: bool, out_kind: str, has_add: bool = False) -> tuple:
     """What decides which compiled variant a launch uses (C and K are specialised on divisibility by
     16; every other shape scalar is not): launches with equal keys share one compiled kernel."""
     flat = cfg.get("FLAT", g.C % cfg["BLOCK_K"] != 0)
-    return (fp8, out_kind, g.C % 16 == 0, g.C == 1, g.K % 16 == 0, g.K == 1, flat, g.C % cfg["BLOCK_K"] == 0,
+    return (fp8, out_kind, has_add, g.C % 16 == 0, g.C == 1, g.K % 16 == 0, g.K == 1, flat, g.C % cfg["BLOCK_K"] == 0,
             cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg.get("num_warps", 4), cfg.get("num_stages", 3))
 
 
@@ -296,11 +316,20 @@ def compile_key(g: ConvGeometry, cfg: dict, fp8: bool, out_kind: str) -> tuple:
 # ------------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+_CONSTS: dict = {}
+
+
 def _const(device: torch.device, value: float) -> torch.Tensor:
     """A float32 scalar per device, bound to absent scale / bias pointers (stride 0): made once, so a
-    call launches nothing but the conv (CUDA-graph friendly)."""
-    return torch.full((1,), value, dtype=torch.float32, device=device)
+    call launches nothing but the conv (CUDA-graph friendly).  One first made inside a CUDA-graph
+    capture is not kept: its fill runs only when the graph replays, so eager calls must not see it."""
+    key = (device, value)
+    t = _CONSTS.get(key)
+    if t is None:
+        t = torch.full((1,), value, dtype=torch.float32, device=device)
+        if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _CONSTS[key] = t
+    return t
 
 
 def geometry(x: torch.Tensor, w: torch.Tensor, stride, padding, dilation, op: str) -> ConvGeometry:
@@ -357,7 +386,25 @@ def _scale_arg(v, name: str, K: int, device, op: str):
     return float(v), _const(device, 1.0), 0
 
 
-def _launch(x, w, g: ConvGeometry, op: str, *, fp8: bool, alpha, sa, sb, bias, act, out, fast_accum, config):
+def _check_add(acc_mul, acc_add, g: ConvGeometry, device, op: str):
+    if isinstance(acc_mul, bool) or not isinstance(acc_mul, numbers.Integral) or not 1 <= acc_mul <= 4:
+        raise ValueError(f"{op}: acc_mul must be an int in 1..4 (the product of the operands' steps), got {acc_mul!r}")
+    if acc_add is None:
+        if acc_mul != 1:
+            raise ValueError(f"{op}: acc_mul={acc_mul} needs acc_add (pass zeros of shape (K,) if there is no offset)")
+        return None
+    if not isinstance(acc_add, torch.Tensor) or acc_add.dtype != torch.int32 or \
+            tuple(acc_add.shape) not in ((g.K,), (g.P, g.Q, g.K)):
+        got = (acc_add.dtype, tuple(acc_add.shape)) if isinstance(acc_add, torch.Tensor) else type(acc_add).__name__
+        raise ValueError(f"{op}: acc_add must be an int32 tensor of shape (K,) = ({g.K},) or (P, Q, K) = "
+                         f"({g.P}, {g.Q}, {g.K}), got {got}")
+    if acc_add.device != device:
+        raise ValueError(f"{op}: acc_add is on {acc_add.device}, the conv runs on {device}; move it there first")
+    return acc_add.contiguous()
+
+
+def _launch(x, w, g: ConvGeometry, op: str, *, fp8: bool, alpha, sa, sb, bias, act, out, fast_accum, config,
+            add=None, acc_mul: int = 1):
     kind, out_scale = out
     mode, slope = parse_act(act)
     device = x.device
@@ -378,12 +425,14 @@ def _launch(x, w, g: ConvGeometry, op: str, *, fp8: bool, alpha, sa, sb, bias, a
     int64 = x.numel() >= lim or y.numel() >= lim or w.numel() >= lim
     out_mode = OUT_RAW if kind == "int32" else (OUT_INT8 if kind == "int8" else OUT_FLOAT)
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(g.K, cfg["BLOCK_N"]),)
+    add_t, add_stride = (_const(device, 0.0), 0) if add is None else (add, g.K if add.dim() == 3 else 0)
     kernel = _conv_fwd_kernel[grid](
-        x, w, y, sa[0], sb[0], bias_t,
+        x, w, y, sa[0], sb[0], bias_t, add_t,
         g.N, g.H, g.W, g.C, g.P, g.Q, g.K, g.R, g.S,
         g.stride[0], g.stride[1], g.padding[0], g.padding[1], g.dilation[0], g.dilation[1], M,
         float(alpha), sa[1], sb[1], bias_stride, mode, float(slope), float(out_scale),
-        IS_FP8=fp8, FAST_ACCUM=bool(fast_accum), FLAT=bool(flat), OUT_MODE=out_mode,
+        g.P * g.Q, int(acc_mul), add_stride,
+        IS_FP8=fp8, FAST_ACCUM=bool(fast_accum), FLAT=bool(flat), OUT_MODE=out_mode, HAS_ADD=add is not None,
         EVEN_K=g.C % cfg["BLOCK_K"] == 0, INT64=int64,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3), enable_fp_fusion=False,
@@ -392,14 +441,20 @@ def _launch(x, w, g: ConvGeometry, op: str, *, fp8: bool, alpha, sa, sb, bias, a
 
 
 def conv2d_fwd_int8(x: torch.Tensor, w: torch.Tensor, *, stride=1, padding=0, dilation=1, scale=None, bias=None,
-                    act=None, out="float16", config: dict | None = None, return_kernel: bool = False):
+                    act=None, out="float16", acc_mul: int = 1, acc_add: torch.Tensor | None = None,
+                    config: dict | None = None, return_kernel: bool = False):
     """Exact int8 convolution (int32 accumulation) with a fused epilogue, NHWC.
 
     ``x`` (N, H, W, C) and ``w`` (K, R, S, C) int8, contiguous.  ``scale``: None, a number, or a float
     tensor of 1 or K elements; ``bias``: None or a float tensor of K elements; ``act``: None, "relu",
     ("leaky", slope); ``out``: "float16", "float32", "int32" (the raw accumulator, no epilogue) or
     ("int8", out_scale) (``clamp(round_half_even(y / out_scale), -128, 127)``, NHWC: the next int8
-    layer's input).  Returns y (N, P, Q, K) (and the compiled kernel with ``return_kernel=True``).
+    layer's input), or "bfloat16".  Returns y (N, P, Q, K) (and the compiled kernel with ``return_kernel=True``).
+
+    Operands stored with an offset (uint8 codes as ``code - 128``: ``tcprec.ops.qconv``) are corrected
+    exactly before the epilogue: ``acc = acc * acc_mul + acc_add[p, q, k]`` with ``acc_add`` int32 of
+    shape (K,) (the same for every pixel) or (P, Q, K) (per output position, e.g. a padded border), on
+    x's device; the caller guarantees that the corrected sum fits int32.
 
     >>> x = torch.randint(-128, 128, (8, 56, 56, 64), dtype=torch.int8, device="cuda")  # doctest: +SKIP
     >>> w = torch.randint(-128, 128, (64, 3, 3, 64), dtype=torch.int8, device="cuda")   # doctest: +SKIP
@@ -410,14 +465,15 @@ def conv2d_fwd_int8(x: torch.Tensor, w: torch.Tensor, *, stride=1, padding=0, di
     if x.dtype != torch.int8 or w.dtype != torch.int8:
         raise TypeError(f"{op}: x and w must be int8 codes, got x {x.dtype}, w {w.dtype}; "
                         "for float8 use conv2d_fwd_fp8, for other formats quantize to int8 first")
-    kind, out_scale = parse_out(out, ("float16", "float32", "int32", "int8"))
+    kind, out_scale = parse_out(out, ("float16", "float32", "bfloat16", "int32", "int8"))
+    add = _check_add(acc_mul, acc_add, g, x.device, op)
     if kind == "int32" and (scale is not None or bias is not None or act is not None):
         raise ValueError(f"{op}: out='int32' returns the raw accumulator; scale, bias and act must be None "
                          f"(got scale={scale!r}, bias={'a tensor' if bias is not None else None}, act={act!r})")
     alpha, sb_t, sb_stride = _scale_arg(scale, "scale", g.K, x.device, op)
     one = (_const(x.device, 1.0), 0)
     y, kernel = _launch(x, w, g, op, fp8=False, alpha=alpha, sa=one, sb=(sb_t, sb_stride), bias=bias, act=act,
-                        out=(kind, out_scale), fast_accum=False, config=config)
+                        out=(kind, out_scale), fast_accum=False, config=config, add=add, acc_mul=acc_mul)
     return (y, kernel) if return_kernel else y
 
 
@@ -437,7 +493,7 @@ def conv2d_fwd_fp8(x: torch.Tensor, w: torch.Tensor, x_scale=1.0, w_scale=1.0, *
     if x.dtype not in FP8_DTYPES or w.dtype not in FP8_DTYPES:
         raise TypeError(f"{op}: x and w must be float8_e4m3fn or float8_e5m2, got x {x.dtype}, w {w.dtype}; "
                         "for int8 codes use conv2d_fwd_int8")
-    kind, out_scale = parse_out(out, ("float16", "float32", "int8"))
+    kind, out_scale = parse_out(out, ("float16", "float32", "bfloat16", "int8"))
     a1, sa_t, sa_stride = _scale_arg(x_scale, "x_scale", g.K, x.device, op)
     a2, sb_t, sb_stride = _scale_arg(w_scale, "w_scale", g.K, x.device, op)
     alpha = float(torch.tensor(a1, dtype=torch.float32) * torch.tensor(a2, dtype=torch.float32))
