@@ -240,3 +240,188 @@ def test_bad_input():
         PackedActivation(torch.zeros(2, 10, 16, dtype=torch.int32), "uint2", 1.0, (1, 3, 3, 5))
     with pytest.raises(ValueError, match="2\\^31"):
         conv2d(tp.quantize(torch.rand(1, 11, 11, 2048), "uint8"), tp.quantize(torch.randn(1, 11, 11, 2048), "int8"))
+
+
+# ------------------------------------------------------------------------------------------------
+# INT8 backend on the Triton implicit-GEMM conv (interpreter here), FP8 operands
+# ------------------------------------------------------------------------------------------------
+
+# (fa, fw, N, H, W, C, K, R, stride, padding, dilation): every affine rule of the int8 operand
+INT8_KERNEL_CASES = [
+    ("uint8", "int8", 2, 7, 9, 5, 6, 3, 2, 1, 1),  # shifted activations (code - 128), padded border
+    ("uint8", "int3", 1, 9, 8, 7, 5, 3, 1, 2, 2),  # padding 2, dilation 2: the border table, not a vector
+    ("uint8", "pm3", 1, 6, 7, 40, 3, 5, 1, 2, 1),  # 5x5 border, pm weights as values
+    ("pm8", "int8", 1, 7, 9, 5, 6, 3, 1, 0, 1),  # pm8 = 1 + 2 * x8: acc_mul 2, per-channel vector
+    ("uint8", "int8", 1, 8, 7, 3, 4, 1, 2, 0, 1),  # 1x1 stride 2: the vector again
+    ("int4", "pm4", 2, 7, 9, 5, 6, 3, 1, 1, 1),  # twos sign-extended, pm values: no correction
+    ("uint5", "int8", 1, 9, 7, 6, 3, 7, 4, 3, 1),  # unsigned <= 7 bits as is; 7x7 s4
+    ("int8", "int8", 1, 5, 6, 17, 4, 3, 1, 1, 1),  # int8 codes viewed as int8 (no copy)
+]
+
+
+def _int8_case(i, seed=0):
+    fa, fw, N, H, W, C, K, R, st, pd, dl = INT8_KERNEL_CASES[i]
+    gen = torch.Generator().manual_seed(seed + i)
+    qx = _qt((N, H, W, C), tp.format(fa), gen)
+    qw = _qt((K, R, R, C), tp.format(fw), gen, PerChannel(0))
+    qx.codes[0, 0, 0, :] = qx.fmt.n_codes - 1  # the extreme code at a padded corner
+    return qx, qw, dict(stride=st, padding=pd, dilation=dl)
+
+
+@pytest.mark.parametrize("i", range(len(INT8_KERNEL_CASES)), ids=[f"{c[0]}x{c[1]}" for c in INT8_KERNEL_CASES])
+def test_int8_kernel_route_exact(i):
+    """The Triton INT8 conv (shift + in-image correction) equals F.conv2d on the decoded codes, raw and
+    through the fused epilogue (bit-exact against the reference backend's float32 epilogue)."""
+    qx, qw, geo = _int8_case(i)
+    pw = pack_conv_weight(qw)
+    s = explain_conv2d(qx, pw, backend="int8", **geo)
+    assert s.startswith("int8:") and "Triton implicit-GEMM INT8 conv" in s and "_int_mm" not in s.split("passes:")[1]
+    want = _exact(qx, qw, **geo)
+    got = conv2d(qx, pw, out_dtype=torch.int32, backend="int8", **geo)
+    assert got.dtype == torch.int32 and torch.equal(got.long(), want)
+    assert torch.equal(conv2d(qx, pw, out_dtype=torch.int32, backend="int8", **geo), got)  # cached correction
+    K = qw.shape[0]
+    gen = torch.Generator().manual_seed(11)
+    scale, bias = (torch.rand(K, generator=gen) + 0.5) * 1e-3, torch.randn(K, generator=gen)  # |y| < 65504
+    for act, dt in [("relu", torch.float32), (("leaky", 0.1), torch.float16), (None, torch.float32)]:
+        kw = dict(scale=scale, bias=bias, act=act, out_dtype=dt, **geo)
+        assert torch.equal(conv2d(qx, pw, backend="int8", **kw), conv2d(qx, qw, backend="reference", **kw)), act
+    # bfloat16: the interpreter's fp32 -> bf16 cast is not round-to-nearest-even (the GPU's is: tests/gpu)
+    kw = dict(scale=scale, bias=bias, out_dtype=torch.bfloat16, **geo)
+    a, b = conv2d(qx, pw, backend="int8", **kw).float(), conv2d(qx, qw, backend="reference", **kw).float()
+    assert ((a - b).abs() <= 2.0**-7 * b.abs()).all()
+
+
+def test_int8_kernel_route_uint8_edge_values():
+    """uint8 activations of all 255 / all 0 with padding: the padding stays value 0 (not 128)."""
+    gen = torch.Generator().manual_seed(4)
+    qw = _qt((5, 3, 3, 9), tp.format("int8"), gen, PerChannel(0))
+    for code in (0, 128, 255):
+        qx = QTensor(torch.full((1, 4, 5, 9), code, dtype=torch.uint8), torch.ones(1, 1, 1, 1), "uint8", PerTensor(),
+                     (1, 4, 5, 9), torch.float32)
+        for geo in (dict(padding=1), dict(padding=(2, 0), stride=(1, 2))):
+            got = conv2d(qx, pack_conv_weight(qw), out_dtype=torch.int32, backend="int8", **geo)
+            assert torch.equal(got.long(), _exact(qx, qw, **geo)), (code, geo)
+
+
+def test_int8_kernel_route_pool_and_packed_out():
+    qx, qw, geo = _int8_case(0, seed=3)
+    pw = pack_conv_weight(qw)
+    bias = torch.randn(qw.shape[0], generator=torch.Generator().manual_seed(1)) * 100
+    for pool in (("max", 2, 2), ("avg", 2, 2), ("max", 2, 1)):
+        kw = dict(bias=bias, act="relu", pool=pool, **geo)
+        assert torch.equal(conv2d(qx, pw, backend="int8", **kw), conv2d(qx, qw, backend="reference", **kw))
+        a = conv2d(qx, pw, backend="int8", out_fmt="uint3", out_scale=40.0, **kw)
+        b = conv2d(qx, qw, backend="reference", out_fmt="uint3", out_scale=40.0, **kw)
+        assert isinstance(a, PackedActivation) and torch.equal(a.planes, b.planes)
+    assert "separate pass" in explain_conv2d(qx, pw, backend="int8", pool=("max", 2, 2), **geo)
+
+
+def test_int8_shifted_weights_keep_im2col():
+    gen = torch.Generator().manual_seed(6)
+    qx = _qt((1, 6, 7, 5), tp.format("uint4"), gen)
+    qw = _qt((3, 3, 3, 5), tp.format("uint8"), gen)
+    assert "im2col on codes" in explain_conv2d(qx, qw, backend="int8", padding=1)
+    assert torch.equal(conv2d(qx, qw, backend="int8", padding=1, out_dtype=torch.int32).long(),
+                       _exact(qx, qw, padding=1))
+
+
+def test_int8_operand_rule_matches_matmul():
+    """qconv's shape-keeping int8 form equals ops.matmul's (the one affine rule)."""
+    from tcprec.ops.matmul import _int8_operand
+
+    for name in ("int2", "int8", "uint7", "uint8", "pm1", "pm5", "pm8"):
+        fmt = tp.format(name)
+        codes = torch.arange(fmt.n_codes, dtype=torch.uint8).reshape(1, -1)
+        qt = QTensor(codes, torch.ones(1, 1), fmt, PerTensor(), tuple(codes.shape), torch.float32)
+        a = qconv._int8_codes(codes, fmt)
+        b = _int8_operand(qt, 1, fmt.n_codes)
+        assert torch.equal(a[0], b[0]) and a[1:] == b[1:], name
+        assert torch.equal(a[1] + a[2] * a[0].long(), tp.decode(codes, fmt).long()), name
+
+
+U32 = 2.0**-24
+
+
+def _fp8_case(seed=0, C=20, padding=1, stride=2):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 7, 9, C, generator=gen) * 3
+    w = torch.randn(6, 3, 3, C, generator=gen)
+    qx = qconv.quantize_fp8_static(x, torch.tensor([0.05]))
+    qw = tp.quantize(w, "e4m3", PerChannel(0))
+    return qx, qw, dict(stride=stride, padding=padding)
+
+
+def test_quantize_fp8_static_equals_quantize():
+    x = torch.randn(4, 33, generator=torch.Generator().manual_seed(2)) * 100
+    x[0, :4] = torch.tensor([1e9, -1e9, 449.0 * 0.5, 0.0])
+    s = torch.tensor([0.5])
+    q = qconv.quantize_fp8_static(x, s)
+    assert torch.equal(q.codes, tp.quantize(x, "e4m3", scale=0.5).codes)
+    assert q.fmt == tp.format("e4m3") and torch.equal(q.dequantize(), tp.quantize(x, "e4m3", scale=0.5).dequantize())
+    assert torch.isnan(qconv.quantize_fp8_static(torch.tensor([float("nan")]), s).dequantize()).all()
+    q5 = qconv.quantize_fp8_static(x, s, "e5m2")
+    assert torch.equal(q5.codes, tp.quantize(x, "e5m2", scale=0.5).codes)
+    with pytest.raises(TypeError, match="float8"):
+        qconv.quantize_fp8_static(x, s, "int8")
+    with pytest.raises(TypeError, match="one-element float32"):
+        qconv.quantize_fp8_static(x, 0.5)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_fp8_route_within_bound(fast):
+    """fp8 kernel (interpreter) vs float64 F.conv2d on the decoded values: |err| <= the fp32 summation
+    bound of tests/test_conv_fwd.py, scaled by the epilogue's column scale, plus its roundings."""
+    from tcprec.kernels import reference_conv_fwd as rf
+
+    qx, qw, geo = _fp8_case()
+    pw = pack_conv_weight(qw)
+    assert pw.planes is None and pw.w8.dtype == torch.float8_e4m3fn
+    K = qw.shape[0]
+    gen = torch.Generator().manual_seed(3)
+    scale, bias = torch.rand(K, generator=gen) + 0.5, torch.randn(K, generator=gen)
+    s = explain_conv2d(qx, pw, backend="fp8", fp8_fast_accum=fast, **geo)
+    assert s.startswith("fp8:") and "conv2d_fwd_fp8" in s and ("fast_accum" in s) == fast
+    y = conv2d(qx, pw, scale=scale, bias=bias, act=("leaky", 0.1), backend="fp8", fp8_fast_accum=fast, **geo)
+    x8, w8 = qx.codes.view(torch.float8_e4m3fn), pw.w8
+    col = ((qx.scale.reshape(1) * pw.w_scale) * scale).double()
+    exact = rf.conv_acc(x8, w8, **geo) * col + bias.double()
+    exact = torch.where(exact < 0, exact * 0.1, exact)
+    red = 3 * 3 * qw.shape[3]
+    absacc = rf.abs_conv_acc(x8, w8, **geo) * col
+    bound = 1.01 * red * U32 * absacc + 4 * U32 * (absacc + bias.double().abs()) + 1e-30
+    err = (y.double() - exact).abs()
+    assert y.dtype == torch.float32 and y.shape == exact.shape and (err <= bound).all(), float((err / bound).max())
+    yr = conv2d(qx, qw, scale=scale, bias=bias, act=("leaky", 0.1), backend="reference", **geo)
+    assert ((yr.double() - exact).abs() <= bound).all()
+    assert explain_conv2d(qx, qw, **geo).startswith("reference:")  # auto off CUDA
+
+
+def test_fp8_route_pool_and_fp8_out_chain():
+    qx, qw, geo = _fp8_case(seed=5, padding=1, stride=1)
+    pw = pack_conv_weight(qw)
+    o = torch.tensor([0.25])
+    a = conv2d(qx, pw, act="relu", pool=("max", 2, 2), out_fmt="e4m3", out_scale=o, backend="fp8", **geo)
+    b = conv2d(qx, pw, act="relu", pool=("max", 2, 2), out_fmt="e4m3", out_scale=o, backend="reference", **geo)
+    assert isinstance(a, QTensor) and a.fmt == tp.format("e4m3") and a.shape == (2, 3, 4, 6)
+    d = (a.dequantize() - b.dequantize()).abs()
+    assert (d <= 2.0**-3 * b.dequantize().abs() + 1e-6).all()  # at most one e4m3 step where the sums straddle a tie
+    qw2 = tp.quantize(torch.randn(4, 3, 3, 6, generator=torch.Generator().manual_seed(1)), "e4m3", PerChannel(0))
+    y = conv2d(b, pack_conv_weight(qw2), padding=1, out_dtype=torch.float16, backend="fp8")
+    y_ref = conv2d(b, qw2, padding=1, out_dtype=torch.float16, backend="reference")
+    assert y.dtype == torch.float16 and torch.allclose(y.float(), y_ref.float(), rtol=2e-3, atol=1e-3)
+
+
+def test_fp8_bad_input():
+    qx, qw, geo = _fp8_case()
+    qi = tp.quantize(torch.rand(2, 7, 9, 20), "uint8")
+    with pytest.raises(TypeError, match="two float8 formats"):
+        conv2d(qi, qw)
+    with pytest.raises(ValueError, match="integer formats"):
+        conv2d(qx, qw, backend="int8")
+    with pytest.raises(ValueError, match="float8 operands"):
+        conv2d(qi, tp.quantize(torch.randn(6, 3, 3, 20), "int8"), backend="fp8")
+    with pytest.raises(ValueError, match="int32"):
+        conv2d(qx, qw, out_dtype=torch.int32)
+    with pytest.raises(TypeError, match="e4m3"):
+        conv2d(qx, tp.quantize(torch.randn(6, 3, 3, 20), "fp16"))
