@@ -106,3 +106,27 @@ def test_compiled_kernel_uses_wgmma(precision):
     sass = k.asm["sass"]
     assert want_sass in sass, f"SASS lacks {want_sass}"
     assert "HGMMA" not in sass and "HMMA" not in sass
+
+
+@pytest.mark.parametrize("name", ["alexnet.conv2", "vgg.conv6", "yolo.conv2", "resnet18.l4ds"])
+def test_int8_acc_add_exact_and_capturable(name):
+    """acc * acc_mul + acc_add (the shifted-uint8 correction of ops/qconv.py), per (p, q, k) table and per k,
+    bit-exact against the reference, eagerly and replayed from a CUDA graph."""
+    g = _geom(name, 2)
+    gen = torch.Generator(DEV).manual_seed(zlib.crc32(name.encode()) + 2)
+    x = torch.randint(-128, 128, g.input_shape, device=DEV, dtype=torch.int8, generator=gen)
+    w = torch.randint(-128, 128, g.weight_shape, device=DEV, dtype=torch.int8, generator=gen)
+    geo = dict(stride=g.stride, padding=g.padding)
+    for add in (torch.randint(-2**20, 2**20, (g.P, g.Q, g.K), device=DEV, dtype=torch.int32, generator=gen),
+                torch.randint(-2**20, 2**20, (g.K,), device=DEV, dtype=torch.int32, generator=gen)):
+        kw = dict(geo, acc_mul=2, acc_add=add)
+        want = rf.conv2d_fwd_int8(x, w, out="int32", **kw)
+        assert torch.equal(cf.conv2d_fwd_int8(x, w, out="int32", **kw), want)
+        y_want = rf.conv2d_fwd_int8(x, w, scale=1e-5, act="relu", out="float32", **kw)
+        graph = torch.cuda.CUDAGraph()
+        cf.conv2d_fwd_int8(x, w, scale=1e-5, act="relu", out="float32", **kw)  # compile outside the capture
+        with torch.cuda.graph(graph):
+            y = cf.conv2d_fwd_int8(x, w, scale=1e-5, act="relu", out="float32", **kw)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, y_want)

@@ -2,13 +2,15 @@
 the binary tensor-core GEMM) and the INT8 backend equal the float64 reference bit for bit on a spread
 of shapes including the four models' layer shapes (AlexNet 11x11 s4 / 5x5, VGG 3x3, ResNet 7x7 s4 /
 1x1 s2 / 3x3 s2, YOLOv2-tiny 3x3 and 1x1) at small batch; fused float / packed epilogues, LeakyReLU,
-pooling; chaining; CUDA-graph capture.  Skipped without a CUDA GPU (tests/conftest.py)."""
+pooling; chaining; CUDA-graph capture.  The INT8 backend's Triton implicit-GEMM route (uint8 shifted and
+corrected) bit-exact, the FP8 route within the summation bound, both inside a CUDA graph.  Skipped without a CUDA GPU (tests/conftest.py)."""
 
 import pytest
 import torch
 
 import tcprec as tp
 from tcprec.formats import IntFormat
+from tcprec.ops import qconv
 from tcprec.ops.qconv import PackedActivation, conv2d, explain_conv2d, pack_conv_weight
 from tcprec.qtensor import PerChannel, PerTensor, QTensor
 
@@ -129,3 +131,109 @@ def test_cuda_graph_capture():
     ref = conv2d(h, qw, bias=bias, act=("leaky", 0.1), pool=("max", 2, 1), out_dtype=torch.float16,
                  backend="reference", **geo)
     assert torch.equal(out, ref)
+
+
+# ------------------------------------------------------------------------------------------------
+# INT8 backend on the Triton implicit-GEMM conv; FP8 operands
+# ------------------------------------------------------------------------------------------------
+
+INT8_PAIRS = [("uint8", "int8"), ("int8", "int8"), ("uint8", "int4"), ("uint4", "int4"), ("pm8", "int8")]
+
+
+@pytest.mark.parametrize("i", range(len(MODEL_LAYERS)), ids=[m[0] for m in MODEL_LAYERS])
+def test_int8_kernel_route_equals_reference_on_model_layers(i):
+    """uint8 (shifted, corrected over the in-image taps) and the other int8 forms, raw and fused."""
+    fa, fw = INT8_PAIRS[i % len(INT8_PAIRS)]
+    qx, qw, geo = _layer(i, fa, fw, seed=50)
+    if fa == "pm8":
+        geo = dict(geo, padding=0)  # pm activations have no zero for padding
+    pw = pack_conv_weight(qw)
+    assert "Triton implicit-GEMM INT8 conv" in explain_conv2d(qx, pw, backend="int8", **geo)
+    want = conv2d(qx, qw, out_dtype=torch.int32, backend="reference", **geo)
+    got = conv2d(qx, pw, out_dtype=torch.int32, backend="int8", **geo)
+    assert torch.equal(got, want), f"{MODEL_LAYERS[i][0]} {fa}x{fw}: {int((got != want).sum())} wrong"
+    K = qw.shape[0]
+    gen = torch.Generator(DEV).manual_seed(9)
+    scale = (torch.rand(K, device=DEV, generator=gen) + 0.5) * 1e-4
+    bias = torch.randn(K, device=DEV, generator=gen)
+    for act, dt in ((None, torch.float32), ("relu", torch.float16), (("leaky", 0.1), torch.bfloat16)):
+        kw = dict(scale=scale, bias=bias, act=act, out_dtype=dt, **geo)
+        assert torch.equal(conv2d(qx, pw, backend="int8", **kw), conv2d(qx, qw, backend="reference", **kw)), (act, dt)
+
+
+def _fp8_layer(i, seed=0):
+    name, xs, (K, R, S), st, pd = MODEL_LAYERS[i]
+    gen = torch.Generator(DEV).manual_seed(seed + i)
+    x = torch.randn(xs, device=DEV, generator=gen)
+    w = torch.randn((K, R, S, xs[3]), device=DEV, generator=gen) / (R * S * xs[3]) ** 0.5
+    qx = qconv.quantize_fp8_static(x, (x.abs().amax() / 448).reshape(1))
+    qw = tp.quantize(w, "e4m3", PerChannel(0))
+    return qx, qw, dict(stride=st, padding=pd)
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast_accum", "promoted"])
+@pytest.mark.parametrize("i", [0, 1, 4, 6, 8, 10, 12], ids=[MODEL_LAYERS[j][0] for j in (0, 1, 4, 6, 8, 10, 12)])
+def test_fp8_route_within_bound_on_model_layers(i, fast):
+    """|y - exact| within the summation bound: u = 2^-24 per add promoted; Hopper's fast fp8 accumulator
+    keeps fewer bits (~2^-13 per add taken here, a loose bound), plus the float32 epilogue roundings."""
+    from tcprec.kernels import reference_conv_fwd as rf
+
+    qx, qw, geo = _fp8_layer(i)
+    pw = pack_conv_weight(qw)
+    K = qw.shape[0]
+    bias = torch.randn(K, device=DEV, generator=torch.Generator(DEV).manual_seed(1)) * 0.1
+    assert explain_conv2d(qx, pw, **geo).startswith("fp8:")
+    y = conv2d(qx, pw, bias=bias, act="relu", fp8_fast_accum=fast, **geo)
+    x8, w8 = qx.codes.view(torch.float8_e4m3fn), pw.w8
+    col = (qx.scale.reshape(1) * pw.w_scale).double()
+    acc = rf.conv_acc(x8, w8, **geo)
+    exact = torch.relu(acc * col + bias.double())
+    red = qw.shape[1] * qw.shape[2] * qw.shape[3]
+    # promoted: fp32 adds, plus the narrow accumulator within each BLOCK_K <= 128 chunk (test_conv_fwd_gpu.py)
+    u = 1.01 * red * 2.0**-13 if fast else 1.01 * red * 2.0**-24 + 128 * 2.0**-13
+    absacc = rf.abs_conv_acc(x8, w8, **geo) * col
+    bound = u * absacc + 4 * 2.0**-24 * (absacc + bias.double().abs()) + 1e-30
+    err = (y.double() - exact).abs()
+    assert (err <= bound).all(), f"worst err/bound {float((err / bound).max()):.3g}"
+    assert float(err.norm() / exact.norm()) < (1e-2 if fast else 5e-3)
+
+
+def test_int8_and_fp8_routes_in_cuda_graph():
+    """uint8 (padded: the cached correction table) and fp8 layers, chained, captured and replayed."""
+    qx, qw, geo = _layer(4, "uint8", "int8", seed=21)  # vgg14: 3x3 padded
+    pw = pack_conv_weight(qw)
+    K = qw.shape[0]
+    bias = torch.randn(K, device=DEV)
+    scale = torch.full((K,), 1e-4, device=DEV)
+    qf = tp.quantize(torch.randn(K, 3, 3, K, device=DEV) / 48, "e4m3", PerChannel(0))
+    pf = pack_conv_weight(qf)
+    s_mid = torch.tensor([0.05], device=DEV)
+
+    def step():
+        h = conv2d(qx, pw, scale=scale, bias=bias, act="relu", out_fmt="e4m3", out_scale=s_mid, backend="int8", **geo)
+        return conv2d(h, pf, act=("leaky", 0.1), pool=("max", 2, 2), out_dtype=torch.float16, **geo), h
+
+    want, h_want = step()
+    st = torch.cuda.Stream()
+    st.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(st):
+        step()
+    torch.cuda.current_stream().wait_stream(st)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out, h = step()
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want) and torch.equal(h.codes, h_want.codes)
+    h_ref = conv2d(qx, qw, scale=scale, bias=bias, act="relu", out_fmt="e4m3", out_scale=s_mid, backend="reference",
+                   **geo)
+    assert torch.equal(h.codes, h_ref.codes)  # int8 part exact, the same float32 epilogue and fp8 rounding
+    # a fresh weight whose correction is first computed inside the capture is not cached
+    pw2 = pack_conv_weight(qw)
+    g2 = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g2):
+        out2 = conv2d(qx, pw2, out_dtype=torch.int32, backend="int8", **geo)
+    g2.replay()
+    torch.cuda.synchronize()
+    assert not pw2.corr
+    assert torch.equal(out2, conv2d(qx, qw, out_dtype=torch.int32, backend="reference", **geo))
