@@ -9,13 +9,16 @@ tensor([[ 0.8571, -2.0000],
         [ 0.5000,  0.2143]])
 """
 
-from . import distributed, emulate, linalg, metrics, nn, train
+from . import distributed, emulate, linalg, metrics, nn, profiling, runtime, train
 from .env import device_report
 from .formats import BlockFormat, FloatFormat, IntFormat, ROUNDING_MODES, as_format, format, preset_names, presets
 from .ops.cast import cast, decode, encode
 from .ops.conv import Fp8Tensor, conv2d_dgrad, conv2d_wgrad, explain_conv2d_dgrad, explain_conv2d_wgrad, to_fp8
 from .ops.matmul import explain_matmul, matmul, matmul_packed
 from .ops.quantize import quantize
+from .nn.convert import QuantConfig, quantize_model
+from .profiling import profile
+from .runtime import Engine, compile  # noqa: A004
 from .packing import K_PAD_BITS, pack_bitplanes, packed_words, plane_popcounts, unpack_bitplanes
 from .qtensor import PerChannel, PerGroup, PerTensor, QTensor
 
@@ -58,6 +61,12 @@ __all__ = [
     "plane_popcounts",
     "packed_words",
     "K_PAD_BITS",
+    # whole networks: quantize, compile (CUDA graph, two copies per call), profile
+    "QuantConfig",
+    "quantize_model",
+    "compile",
+    "Engine",
+    "profile",
     # workflows and tools
     "emulate",
     "nn",
@@ -65,5 +74,7 @@ __all__ = [
     "distributed",
     "linalg",
     "metrics",
+    "profiling",
+    "runtime",
     "device_report",
 ]

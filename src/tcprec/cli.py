@@ -4,6 +4,9 @@
     tcprec formats [NAME ...]   every preset format (or the named ones), properties computed
     tcprec demo                 cast a real photo and Gaussian data to a dozen formats; error table
     tcprec bench cast           cast / encode bandwidth against a copy, torch and QPyTorch (GPU)
+    tcprec bench gemm|conv-bwd|solve|net   kernels, solves and whole networks against cuBLAS/cuDNN (GPU)
+    tcprec run / profile        one photo through a network at a precision; per-layer profile
+    tcprec solve / train        mixed-precision linear solves; low-precision gradient all-reduce training
 
 Every command runs without a GPU except ``bench``, which says so and exits with code 2.
 To add ``tcprec bench gemm``: write ``bench/gemm.py`` with a ``run(...)`` and add a command to
@@ -15,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import shlex
+from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
 from typing import List, Optional
@@ -61,6 +65,16 @@ class Device(str, Enum):
 # ------------------------------------------------------------------------------------------------
 # Option parsing shared by the commands
 # ------------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def _needs_gpu():
+    """Benchmarks raise ``NeedsGPU`` off a GPU: print why and exit with code 2."""
+    try:
+        yield
+    except NeedsGPU as e:
+        Console(stderr=True).print(f"[red]{e}")
+        raise typer.Exit(code=2) from None
 
 
 def _split(text: str, option: str) -> list[str]:
@@ -346,12 +360,9 @@ def bench_cast(
     roundings = parse_roundings(rounding)
     command = shlex.join(["tcprec", "bench", "cast", "--numel", str(numel), "--formats", formats_,
                           "--rounding", rounding, "--out", str(out), "--qtorch" if qtorch else "--no-qtorch"])
-    try:
+    with _needs_gpu():
         cast_bench.run(numel, [n for n, _ in fmts], roundings, out, use_qtorch=qtorch, console=Console(),
                        command=command)
-    except NeedsGPU as e:
-        Console(stderr=True).print(f"[red]{e}")
-        raise typer.Exit(code=2) from None
 
 
 def _solve_options(factor: str, refine: str, kind: str):
@@ -413,12 +424,9 @@ def bench_solve_cmd(
         raise typer.BadParameter(f"sizes must be integers, got {sizes!r}", param_hint="--sizes") from None
     command = shlex.join(["tcprec", "bench", "solve", "--sizes", sizes, "--factors", factors, "--kinds", kinds,
                           "--out", str(out)])
-    try:
+    with _needs_gpu():
         solve_bench.run(size_list, _split(factors, "--factors"), _split(kinds, "--kinds"), out=str(out),
                         console=Console(), command=command)
-    except NeedsGPU as e:
-        Console(stderr=True).print(f"[red]{e}")
-        raise typer.Exit(code=2) from None
 
 
 @bench_app.command("gemm")
@@ -442,12 +450,9 @@ def bench_gemm_cmd(
         raise typer.BadParameter(str(e)) from None
     command = shlex.join(["tcprec", "bench", "gemm", "--apnn-configs", apnn_configs, "--apnn-sizes", apnn_sizes,
                           "--large-configs", large_configs, "--large-sizes", large_sizes, "--out", str(out)])
-    try:
+    with _needs_gpu():
         gemm_bench.run(_split(apnn_configs, "--apnn-configs"), a_sz, _split(large_configs, "--large-configs"), l_sz,
                        out=out, console=Console(), command=command, plot=plot)
-    except NeedsGPU as e:
-        Console(stderr=True).print(f"[red]{e}")
-        raise typer.Exit(code=2) from None
 
 
 @bench_app.command("conv-bwd")
@@ -469,11 +474,139 @@ def bench_conv_bwd_cmd(
         if p not in ("fp16", "bf16", "fp8"):
             raise typer.BadParameter(f"{p!r} is not one of fp16, bf16, fp8", param_hint="--precision")
     command = shlex.join(["tcprec", "bench", "conv-bwd", "--batch", batch, "--precision", precision, "--out", str(out)])
-    try:
+    with _needs_gpu():
         conv_bench.run(batches=batches, precisions=precisions, out=str(out), console=Console(), command=command)
-    except NeedsGPU as e:
-        Console(stderr=True).print(f"[red]{e}")
-        raise typer.Exit(code=2) from None
+
+
+@bench_app.command("net")
+def bench_net_cmd(
+    model: str = typer.Option("alexnet,vgg,resnet18,yolov2-tiny", help="Comma-separated: alexnet, vgg, resnet18, yolov2-tiny."),
+    precision: str = typer.Option("fp32,fp16,int8,fp8,w2a2,w1a2", help="Comma-separated precisions."),
+    batch: str = typer.Option("8,256", help="Comma-separated batch sizes."),
+    out: Path = typer.Option(Path("benchmarks/results/net.json"), help="JSON output path."),
+    plot: Optional[Path] = typer.Option(Path("benchmarks/results/net.png"), help="PNG of error against speed."),
+    breakdown: bool = typer.Option(True, "--breakdown/--no-breakdown", help="Print a per-layer profile of each variant."),
+):
+    """Whole networks at fp32 / fp16 / int8 / fp8 / wXaY: latency (CUDA graphs on every side, cuDNN
+    channels_last baselines), speedup vs fp32 and fp16, NRMSE against fp32, per-layer breakdown."""
+    from .bench import net as net_bench
+    from .nn.models import MODELS
+
+    models = _split(model, "--model")
+    for m in models:
+        if m not in MODELS:
+            raise typer.BadParameter(f"{m!r} is not one of {', '.join(MODELS)}", param_hint="--model")
+    precisions = _split(precision, "--precision")
+    for p in precisions:
+        if p not in net_bench.PRECISIONS:
+            raise typer.BadParameter(f"{p!r} is not one of {', '.join(net_bench.PRECISIONS)}", param_hint="--precision")
+    try:
+        batches = [int(v) for v in _split(batch, "--batch")]
+    except ValueError:
+        raise typer.BadParameter(f"batch sizes must be integers, got {batch!r}", param_hint="--batch") from None
+    command = shlex.join(["tcprec", "bench", "net", "--model", model, "--precision", precision, "--batch", batch,
+                          "--out", str(out)])
+    with _needs_gpu():
+        net_bench.run(models, precisions, batches, out=str(out), plot=str(plot) if plot else None, console=Console(),
+                      command=command, breakdown=breakdown)
+
+
+def _load_image(image: str, size: int) -> tuple[torch.Tensor, str]:
+    """(1, 3, size, size) float in [0, 1] from a file or a scikit-image sample name."""
+    import numpy as np
+
+    samples = ("astronaut", "chelsea", "coffee", "rocket")
+    if image in samples:
+        from skimage import data as skdata
+
+        arr, source = getattr(skdata, image)(), f"scikit-image sample '{image}'"
+    else:
+        path = Path(image)
+        if not path.is_file():
+            raise typer.BadParameter(f"{image!r} is neither a file nor one of {', '.join(samples)}", param_hint="--image")
+        from skimage import io as skio
+
+        arr, source = skio.imread(str(path)), str(path)
+    arr = np.asarray(arr)
+    if arr.ndim == 2:
+        arr = np.stack([arr] * 3, -1)
+    x = torch.from_numpy(np.ascontiguousarray(arr[..., :3])).permute(2, 0, 1).float()[None] / 255.0
+    x = torch.nn.functional.interpolate(x, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
+    return x.clamp(0, 1), f"{source}, resized to {size}x{size}"
+
+
+@app.command("run")
+def run_cmd(
+    model: str = typer.Option("yolov2-tiny", help="alexnet, vgg, resnet18 or yolov2-tiny (seeded weights)."),
+    precision: str = typer.Option("int8", help="fp32, fp16, int8, fp8, w2a2 or w1a2."),
+    image: str = typer.Option("astronaut", help="A photo file, or a scikit-image sample: astronaut, chelsea, coffee, rocket."),
+    out: Path = typer.Option(Path("output.npy"), help="Where to save the output tensor (.npy)."),
+    device: Device = typer.Option(Device.auto, help="auto picks cuda when a GPU is present."),
+    trace: Optional[Path] = typer.Option(None, help="Also write a Chrome trace of one inference here."),
+):
+    """Run one photo through a network at a precision: compiled engine on the GPU (one CUDA graph, two
+    copies), output saved as .npy, per-layer breakdown, copy count and NRMSE against fp32."""
+    import numpy as np
+
+    from .bench.net import PRECISIONS, build_variant, nrmse
+    from .nn import models as zoo
+
+    if model not in zoo.MODELS:
+        raise typer.BadParameter(f"{model!r} is not one of {', '.join(zoo.MODELS)}", param_hint="--model")
+    if precision not in PRECISIONS:
+        raise typer.BadParameter(f"{precision!r} is not one of {', '.join(PRECISIONS)}", param_hint="--precision")
+    console = Console()
+    dev = _pick_device(device.value)
+    size = zoo.INPUT_SHAPES[model][1]
+    x, source = _load_image(image, size)
+    fp32 = zoo.build(model, device=dev)
+    with torch.no_grad():
+        ref = fp32(x.to(dev)).float().cpu()
+    if dev.type == "cpu" and precision in ("fp16", "fp8"):
+        raise typer.BadParameter(f"{precision} needs a CUDA GPU (no {precision} convolution on this CPU build); "
+                                 "use fp32 / int8 / w2a2 / w1a2 here", param_hint="--precision")
+    net, dt = build_variant(fp32, precision, x.to(dev))
+    engine = tp.compile(net, x.to(dt), device=dev)
+    y = engine(x.to(dt)).float()
+    np.save(out, y.numpy())
+    rep = tp.profile(net, x.to(dev, dt), warmup=1, iters=3, trace_path=str(trace) if trace else None)
+    copies = tp.profile(engine, x.to(dt), warmup=1, iters=3).copies if engine.mode == "cuda-graph" else None
+    console.print(f"[bold]{model}[/] at [bold]{precision}[/] on {dev} ({engine.mode}); input: {source}")
+    if hasattr(net, "tcprec_summary"):
+        console.print(net.tcprec_summary.table())
+    console.print(rep.table())
+    cp = "n/a (no GPU: eager on the CPU)" if copies is None else ", ".join(f"{k} {v:g}" for k, v in copies.items())
+    console.print(f"host<->device copies per compiled inference: {cp}")
+    console.print(f"output {tuple(y.shape)} saved to {out}; NRMSE against fp32: {nrmse(y, ref):.4g}")
+
+
+@app.command("profile")
+def profile_cmd(
+    model: str = typer.Option("resnet18", help="alexnet, vgg, resnet18 or yolov2-tiny (seeded weights)."),
+    precision: str = typer.Option("w1a2", help="fp32, fp16, int8, fp8, w2a2 or w1a2."),
+    batch: int = typer.Option(8, min=1),
+    device: Device = typer.Option(Device.auto, help="auto picks cuda when a GPU is present."),
+    trace: Optional[Path] = typer.Option(None, help="Write a Chrome trace here."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON here."),
+):
+    """Per-layer latency, the breakdown (quantize/pack, conversion, memcpy, compute), every kernel with
+    a tensor-core flag, and the dtype trace of one forward pass."""
+    from .bench.net import PRECISIONS, build_variant
+    from .nn import models as zoo
+
+    if model not in zoo.MODELS:
+        raise typer.BadParameter(f"{model!r} is not one of {', '.join(zoo.MODELS)}", param_hint="--model")
+    if precision not in PRECISIONS:
+        raise typer.BadParameter(f"{precision!r} is not one of {', '.join(PRECISIONS)}", param_hint="--precision")
+    dev = _pick_device(device.value)
+    if dev.type == "cpu" and precision in ("fp16", "fp8"):
+        raise typer.BadParameter(f"{precision} needs a CUDA GPU", param_hint="--precision")
+    x = torch.randn((batch, *zoo.INPUT_SHAPES[model]), generator=torch.Generator().manual_seed(0)).to(dev)
+    net, dt = build_variant(zoo.build(model, device=dev), precision, x[:8])
+    rep = tp.profile(net, x.to(dt), warmup=2, iters=5, trace_path=str(trace) if trace else None)
+    Console().print(rep.table())
+    if json_path is not None:
+        Console().print(f"wrote {write_json(json_path, rep.to_json())}")
 
 
 @app.command()

@@ -39,24 +39,31 @@ def nrmse(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def build_variant(model_fp32: torch.nn.Module, precision: str, calibration: torch.Tensor):
-    """(model, input dtype) for one precision, on the model's device."""
+    """(model, input dtype) for one precision, on the model's device.  Quantized variants are built
+    from the fp16 model on a GPU (their float glue -- residual adds, flatten -- runs in fp16), from
+    the fp32 model on the CPU."""
     from ..nn.convert import QuantConfig, quantize_model
 
     if precision == "fp32":
         return model_fp32, torch.float32
     import copy
 
-    half = copy.deepcopy(model_fp32).half().to(memory_format=torch.channels_last)
+    on_gpu = next(model_fp32.parameters()).is_cuda
+    base = copy.deepcopy(model_fp32).to(memory_format=torch.channels_last)
+    if on_gpu or precision == "fp16":
+        base = base.half()
+    dt = next(base.parameters()).dtype
     if precision == "fp16":
-        return half, torch.float16
+        return base, dt
     first_last = None if precision in ("int8", "fp8") else "int8"
     cfg = QuantConfig(precision=precision, first_last=first_last)
-    return quantize_model(half, cfg, calibration=calibration.half(), warn=False), torch.float16
+    return quantize_model(base, cfg, calibration=calibration.to(dt), warn=False), dt
 
 
 def run(models: Sequence[str] = ("alexnet", "vgg", "resnet18", "yolov2-tiny"), precisions: Sequence[str] = PRECISIONS,
         batches: Sequence[int] = (8, 256), out="benchmarks/results/net.json", plot: str | None = "benchmarks/results/net.png",
-        console: Console | None = None, command: str = "tcprec bench net", seed: int = 0) -> dict:
+        console: Console | None = None, command: str = "tcprec bench net", seed: int = 0,
+        breakdown: bool = True) -> dict:
     from ..nn import models as zoo
 
     console = console or Console()
@@ -94,6 +101,14 @@ def run(models: Sequence[str] = ("alexnet", "vgg", "resnet18", "yolov2-tiny"), p
                     row.update(ms=ms, nrmse=nrmse(y, ref), images_per_s=batch / ms * 1e3)
                     if hasattr(net, "tcprec_summary"):
                         row["layers"] = [vars(r) for r in net.tcprec_summary.layers]
+                    if breakdown:
+                        from ..profiling import profile
+
+                        rep = profile(net, xin, warmup=1, iters=2)
+                        console.print(rep.table(top_kernels=6))
+                        prof = rep.to_json()
+                        row["profile"] = {k: prof[k] for k in ("layers", "breakdown", "copies", "dtype_trace",
+                                                                "tensor_core_ms", "wall_ms")}
                     base[prec] = ms
                     del net
                 except Exception as e:  # noqa: BLE001 - one failing variant must not hide the others' numbers

@@ -14,7 +14,7 @@ What it does, in order:
    LeakyReLU -> 2x2 max/avg pool become one ``QConv2d``; linear -> ReLU one ``QLinear``.
 5. Chains: a ``QConv2d`` whose only consumer is another bit-serial ``QConv2d`` re-quantizes and packs
    its output for it in the GEMM epilogue (``PackedActivation``), so no float tensor exists between
-   them.
+   them; FP8 layers hand each other e4m3 codes the same way.
 6. Reports: ``model.tcprec_summary`` (a ``QuantSummary``) says, per layer, the precision, formats,
    backend and what was fused; layers with no quantized path stay in float and are listed in a
    warning, never silently.
@@ -221,7 +221,7 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
     ...                         torch.nn.Flatten(), torch.nn.Linear(8 * 4 * 4, 10))
     >>> q = quantize_model(m, "w2a2", calibration=torch.randn(2, 3, 4, 4))
     >>> [(r.name, r.precision) for r in q.tcprec_summary.layers]
-    [('0', 'int8'), ('2', 'w2a2'), ('5', 'int8')]
+    [('0', 'w8a8'), ('2', 'w2a2'), ('5', 'w8a8')]
     """
     cfg = QuantConfig(precision=config) if isinstance(config, str) else config
     if not isinstance(cfg, QuantConfig):
@@ -331,10 +331,10 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
                         or u.args[0] is not node:
                     continue
                 a, b = qmods[node.target], qmods[u.target]
-                if a.precision.fp8 or b.precision.fp8:
+                if a.precision.fp8 != b.precision.fp8:
                     continue
-                if choose_int_backend(b.a_fmt, b.w_fmt, dev, cfg.backend)[0] != "bitserial":
-                    continue
+                if not b.precision.fp8 and choose_int_backend(b.a_fmt, b.w_fmt, dev, cfg.backend)[0] != "bitserial":
+                    continue  # the INT8 kernel reads codes, not planes: hand it a float tensor
                 a.chain_to(b)
                 records[node.target].out = f"packed {b.a_fmt} -> {u.target}"
         gm.graph.lint()

@@ -112,7 +112,9 @@ def _prepare(qw):
 
 def _quantize_input(x_nhwc: torch.Tensor, m: "_QBase"):
     """Float NHWC -> the op's activation operand with the calibrated scale, sync-free (capturable):
-    bit planes in one fused kernel for the bit-serial backend, uint8 codes for the others."""
+    bit planes in one fused kernel for the bit-serial backend, e4m3 codes for FP8, uint8 codes otherwise."""
+    if m.precision.fp8:
+        return qc.quantize_fp8_static(x_nhwc, m.in_scale)  # QTensor of e4m3 codes (N, H, W, C)
     name, _ = choose_int_backend(m.a_fmt, m.w_fmt, x_nhwc.device, m.backend)
     if name == "bitserial":
         N, H, W, C = x_nhwc.shape
@@ -142,8 +144,18 @@ class _QBase(nn.Module):
         self.out_scale = nxt.in_scale
 
     def tcprec_trace(self) -> list[str]:
-        out = f"{self.out_fmt} planes" if self.out_fmt is not None else _short(self.out_dtype)
-        return [f"{self.w_fmt} x {self.a_fmt}", "int32" if not self.precision.fp8 else "fp32", "scale/bias/act", out]
+        """The steps inside this layer, for ``tcprec.profile``'s dtype trace."""
+        if self.out_fmt is None:
+            out = _short(self.out_dtype)
+        else:
+            out = f"{self.out_fmt} codes" if self.precision.fp8 else f"{self.out_fmt} planes"
+        acc = "fp32" if self.precision.fp8 else "int32"
+        epi = "+".join(x for x in ("scale/bias", self._act_name(), getattr(self, "pool", None) and "pool") if x)
+        return [f"{self.a_fmt} x {self.w_fmt} weights", acc, epi, out]
+
+    def _act_name(self) -> str | None:
+        act = getattr(self, "act", None)
+        return act if isinstance(act, str) or act is None else f"leaky({act[1]:g})"
 
 
 def _short(dt: torch.dtype) -> str:

@@ -1,0 +1,273 @@
+"""Whole quantized networks on the CPU: the model zoo, QConv2d / QLinear, quantize_model (fusion,
+calibration, chaining rules, summary, warnings), the engine's eager mode and its input checks, and
+the CLI commands that need no GPU."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import warnings  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
+
+import tcprec as tp  # noqa: E402
+from tcprec.nn import models as zoo  # noqa: E402
+from tcprec.nn.qmodules import LayerPrecision, QConv2d, QLinear, parse_precision  # noqa: E402
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2, 2),
+        nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.LeakyReLU(0.1),
+        nn.Conv2d(16, 16, 1), nn.ReLU(),
+        nn.Flatten(), nn.Linear(16 * 4 * 4, 32), nn.ReLU(), nn.Linear(32, 10),
+    )
+
+
+def _calibrated(net, x):
+    for m in net.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.2, 0.2)
+            m.running_var.uniform_(0.5, 2.0)
+            m.weight.data.uniform_(0.5, 1.5)
+            m.bias.data.uniform_(-0.1, 0.1)
+    return net.eval()
+
+
+def _nrmse(y, ref):
+    return float((y.double() - ref.double()).norm() / ref.double().norm())
+
+
+# -- precision strings -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, want", [("w1a2", LayerPrecision(1, 2)), ("W4A8", LayerPrecision(4, 8)),
+                                        ("int8", LayerPrecision(8, 8)), ("fp8", LayerPrecision(fp8=True)),
+                                        ("float", None)])
+def test_parse_precision(text, want):
+    assert parse_precision(text) == want
+
+
+@pytest.mark.parametrize("bad", ["w0a2", "w9a9", "w1", "int4x", "e4m3"])
+def test_parse_precision_rejects(bad):
+    with pytest.raises(ValueError, match="unknown precision"):
+        parse_precision(bad)
+
+
+# -- modules ----------------------------------------------------------------------------------------
+
+
+def test_qconv2d_equals_fake_quant_simulation():
+    """A QConv2d computes act(bn(conv(dequant(q(x)), dequant(q(w))))) exactly up to float32 rounding."""
+    torch.manual_seed(1)
+    conv = nn.Conv2d(6, 10, 3, stride=2, padding=1, bias=True)
+    bn = _calibrated(nn.Sequential(nn.BatchNorm2d(10)), None)[0]
+    x = torch.relu(torch.randn(2, 6, 9, 11))
+    m = QConv2d.from_float(conv, "w3a4", in_absmax=float(x.max()), signed_input=False, bn=bn, act="relu",
+                           backend="reference")
+    y = m(x)
+    xq = tp.quantize(x, "uint4", scale=m.in_scale.reshape(1, 1, 1, 1)).dequantize()
+    wq = m.weight.qw.dequantize().permute(0, 3, 1, 2)  # KRSC -> KCRS
+    ref = torch.relu(bn(F.conv2d(xq.double(), wq.double(), conv.bias.double(), 2, 1).float()))
+    assert y.shape == ref.shape and y.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_qlinear_equals_fake_quant_simulation():
+    torch.manual_seed(2)
+    lin = nn.Linear(40, 7)
+    x = torch.randn(5, 40)
+    m = QLinear.from_float(lin, "w2a3", in_absmax=float(x.abs().max()), signed_input=True, act="relu")
+    xq = tp.quantize(x, "int3", scale=m.in_scale.reshape(1, 1)).dequantize()
+    wq = m.weight.qw.dequantize().reshape(7, 40)
+    ref = torch.relu(xq.double() @ wq.double().T + lin.bias.double()).float()
+    torch.testing.assert_close(m(x), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_binary_weights_use_mean_abs_scale():
+    conv = nn.Conv2d(4, 3, 3, bias=False)
+    m = QConv2d.from_float(conv, "w1a2", in_absmax=1.0, signed_input=False)
+    want = conv.weight.detach().abs().flatten(1).mean(1)
+    torch.testing.assert_close(m.weight.qw.scale.flatten(), want)
+    assert str(m.w_fmt) == "binary" and str(m.a_fmt) == "uint2"
+
+
+def test_qconv2d_rejects_groups_and_bad_input():
+    with pytest.raises(ValueError, match="groups=1"):
+        QConv2d.from_float(nn.Conv2d(4, 4, 3, groups=2), "w2a2", in_absmax=1.0, signed_input=False)
+    m = QConv2d.from_float(nn.Conv2d(4, 4, 3), "w2a2", in_absmax=1.0, signed_input=False)
+    with pytest.raises(ValueError, match=r"expects \(N, 4, H, W\)"):
+        m(torch.randn(1, 3, 8, 8))
+
+
+# -- quantize_model ------------------------------------------------------------------------------------
+
+
+def test_quantize_model_fuses_and_reports():
+    x = torch.randn(4, 3, 8, 8)
+    net = _calibrated(_net(), x)
+    q = tp.quantize_model(net, "w2a2", calibration=x)
+    s = q.tcprec_summary
+    assert s.traced
+    assert [r.name for r in s.layers] == ["0", "4", "7", "10", "12"]
+    assert [r.precision for r in s.layers] == ["w8a8", "w2a2", "w2a2", "w2a2", "w8a8"]  # first / last at 8 bits
+    assert s.layers[0].fused == ("bn", "relu", "maxpool") and s.layers[1].fused == ("bn", "leaky")
+    assert s.layers[3].fused == ("relu",)
+    kinds = [type(m).__name__ for m in q.modules()]
+    assert "BatchNorm2d" not in kinds and "MaxPool2d" not in kinds  # folded away
+    assert kinds.count("QConv2d") == 3 and kinds.count("QLinear") == 2
+    # the leaky layer's input can be negative after a LeakyReLU -> signed activations next
+    assert str(dict(q.named_modules())["7"].a_fmt) == "int2"
+    with torch.no_grad():
+        y, ref = q(x), net(x)
+    assert y.shape == ref.shape and _nrmse(y, ref) < 1.0
+    assert "w2a2" in str(s)
+
+
+def test_int8_model_is_close_to_float():
+    x = torch.randn(4, 3, 8, 8)
+    net = _calibrated(_net(), x)
+    q = tp.quantize_model(net, "int8", calibration=x)
+    with torch.no_grad():
+        assert _nrmse(q(x), net(x)) < 0.05
+
+
+def test_quantize_model_overrides_and_float_warning():
+    x = torch.randn(2, 3, 8, 8)
+    net = _calibrated(_net(), x)
+    net[7] = nn.Conv2d(16, 16, 1, groups=4)  # no integer path for grouped convs
+    with pytest.warns(UserWarning, match=r"stay in floating point: .*7 \(groups=4"):
+        q = tp.quantize_model(net, tp.QuantConfig("w4a4", overrides={"4": "float"}), calibration=x)
+    prec = {r.name: r.precision for r in q.tcprec_summary.layers}
+    assert prec["4"] == "float" and prec["7"] == "float" and prec["10"] == "w4a4"
+    assert isinstance(dict(q.named_modules())["4"], nn.Conv2d)
+    with torch.no_grad():
+        q(x)  # float and quantized layers interoperate (NCHW float between them)
+
+
+def test_quantize_model_does_not_touch_the_original():
+    x = torch.randn(2, 3, 8, 8)
+    net = _calibrated(_net(), x)
+    before = [type(m) for m in net.modules()]
+    tp.quantize_model(net, "w1a2", calibration=x)
+    assert [type(m) for m in net.modules()] == before
+
+
+class _Untraceable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.fc = nn.Linear(4 * 6 * 6, 5)
+
+    def forward(self, x):
+        if x.sum() > 1e9:  # data-dependent control flow: torch.fx cannot trace this
+            x = x * 0
+        return self.fc(torch.relu(self.conv(x)).flatten(1))
+
+
+def test_untraceable_model_falls_back_to_module_swap_and_says_so():
+    x = torch.randn(2, 3, 6, 6)
+    with pytest.warns(UserWarning, match="torch.fx could not trace"):
+        q = tp.quantize_model(_Untraceable(), tp.QuantConfig("w2a2", first_last=None), calibration=x)
+    assert not q.tcprec_summary.traced
+    assert isinstance(q.conv, QConv2d) and isinstance(q.fc, QLinear)
+    with torch.no_grad():
+        assert q(x).shape == (2, 5)
+
+
+@pytest.mark.parametrize("kwargs, err, match", [
+    (dict(), ValueError, "needs calibration data"),
+    (dict(calibration="x"), TypeError, "calibration must be"),
+    (dict(calibration=torch.zeros(1, 3, 8, 8), config="w9a9"), ValueError, "unknown precision"),
+    (dict(calibration=torch.zeros(1, 3, 8, 8), config=tp.QuantConfig(overrides={"nope": "w2a2"})), ValueError,
+     "overrides name no module"),
+])
+def test_quantize_model_bad_input(kwargs, err, match):
+    args = dict(config="w2a2")
+    args.update(kwargs)
+    with pytest.raises(err, match=match):
+        tp.quantize_model(_net(), args.pop("config"), **args)
+
+
+# -- model zoo ------------------------------------------------------------------------------------------
+
+
+def test_models_build_and_run():
+    assert sorted(zoo.MODELS) == ["alexnet", "resnet18", "vgg", "yolov2-tiny"]
+    y = zoo.build("yolov2-tiny")(torch.randn(1, 3, 64, 64))
+    assert y.shape == (1, 125, 2, 2)
+    r = zoo.build("resnet18")
+    with torch.no_grad():
+        assert r(torch.randn(1, 3, 224, 224)).shape == (1, 1000)
+    with pytest.raises(ValueError, match="unknown model"):
+        zoo.build("lenet")
+
+
+def test_yolo_quantized_fuses_the_stride1_pool():
+    m = zoo.build("yolov2-tiny")
+    x = torch.randn(1, 3, 64, 64)
+    q = tp.quantize_model(m, "int8", calibration=x)
+    fused = {r.name: r.fused for r in q.tcprec_summary.layers}
+    assert fused["features.20"] == ("bn", "leaky", "maxpool")  # the 2x2 stride-1 'same' pool
+    with torch.no_grad():
+        assert _nrmse(q(x), m(x)) < 0.1
+
+
+# -- engine ---------------------------------------------------------------------------------------------
+
+
+def test_engine_eager_on_cpu_and_input_checks():
+    x = torch.randn(2, 3, 8, 8)
+    net = _calibrated(_net(), x)
+    eng = tp.compile(net, x, device="cpu")
+    assert eng.mode == "eager" and eng.copies_per_call == 2
+    torch.testing.assert_close(eng(x), net(x))
+    with pytest.raises(ValueError, match=r"compiled for \(2, 3, 8, 8\)"):
+        eng(torch.randn(3, 3, 8, 8))
+    with pytest.raises(ValueError, match="float tensor"):
+        eng(torch.zeros(2, 3, 8, 8, dtype=torch.int64))
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        eng([1, 2])
+
+
+# -- CLI ------------------------------------------------------------------------------------------------
+
+
+def test_cli_bench_net_needs_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the command would run the benchmark")
+    from tcprec.cli import app
+
+    res = CliRunner().invoke(app, ["bench", "net", "--model", "resnet18", "--batch", "8"])
+    assert res.exit_code == 2 and "needs a CUDA GPU" in res.output
+
+
+@pytest.mark.parametrize("args, match", [
+    (["bench", "net", "--model", "lenet"], "not one of"),
+    (["bench", "net", "--precision", "w9a9"], "not one of"),
+    (["run", "--precision", "int3"], "not one of"),
+    (["run", "--image", "/no/such/photo.jpg"], "neither a file"),
+])
+def test_cli_bad_options(args, match):
+    from tcprec.cli import app
+
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2 and match in res.output
+
+
+def test_cli_run_on_cpu(tmp_path):
+    from tcprec.cli import app
+    import numpy as np
+
+    out = tmp_path / "y.npy"
+    res = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["run", "--model", "yolov2-tiny", "--precision", "int8", "--image", "chelsea",
+                                   "--out", str(out), "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    y = np.load(out)
+    assert y.shape == (1, 125, 13, 13)
+    assert "NRMSE against fp32" in res.output and "features.0" in res.output
