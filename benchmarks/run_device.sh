@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks, logs and JSON under $OUT.
-# Usage (on the GPU machine, repo root): bash benchmarks/run_device.sh [tests|cast|solve-quick|solve ...]
+# Usage (on the GPU machine, repo root): bash benchmarks/run_device.sh [tests|tests-NAME|cast|solve-quick|solve|net|emulate|cpd ...]
+# (net: NET_ARGS for tcprec bench net; emulate: EMU_ARGS; cpd: CPD_ARGS, needs .carry/fashion-mnist carried)
 set -uo pipefail
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 TCPREC_CACHE_DIR="${TCPREC_CACHE_DIR:-/tmp/tcache}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then  # carried wheels (qtorch for the cast baseline)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -23,6 +24,14 @@ for step in "${@:-tests cast}"; do
                      cp benchmarks/results/solve_quick.json "$OUT/" 2>/dev/null ;;
         solve) timeout 480 python3 benchmarks/bench_solve_device.py 2>&1 | tee "$OUT/solve.log" | tail -60
                cp benchmarks/results/solve.json "$OUT/" 2>/dev/null ;;
+        net) timeout 560 python3 -m tcprec.cli bench net ${NET_ARGS:-} 2>&1 | tee "$OUT/bench_net.log" | tail -120
+             cp benchmarks/results/net.json benchmarks/results/net.png "$OUT/" 2>/dev/null ;;
+        emulate) timeout "${EMU_TIMEOUT:-200}" python3 benchmarks/bench_emulate_device.py --n 4096 ${EMU_ARGS:-} 2>&1 \
+                 | tee "$OUT/bench_emulate.log" | tail -40
+                 cp benchmarks/results/emulate_gemm.json "$OUT/" 2>/dev/null ;;
+        cpd) timeout "${CPD_TIMEOUT:-400}" python3 benchmarks/bench_cpd_device.py --data-path .carry/fashion-mnist \
+                 ${CPD_ARGS:-} 2>&1 | tee "$OUT/cpd.log" | tail -30
+             cp benchmarks/results/cpd.json "$OUT/" 2>/dev/null ;;
         *) echo "unknown step $step" ;;
     esac
 done
