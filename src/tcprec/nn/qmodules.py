@@ -126,17 +126,27 @@ def _quantize_input(x_nhwc: torch.Tensor, m: "_QBase"):
 class _QBase(nn.Module):
     tcprec_leaf = True  # profiling: one layer, however many kernels it launches
 
-    def _init_common(self, prec: LayerPrecision, in_absmax: float, signed_input: bool, out_dtype, backend: str):
+    def _init_common(self, prec: LayerPrecision, in_absmax: float, signed_input: bool, out_dtype, backend: str,
+                     device):
         self.precision = prec
         self.a_fmt = activation_format(prec, signed_input)
         self.w_fmt = weight_format(prec)
         qmax = absmax_qmax(self.a_fmt)
         s = max(float(in_absmax), 1e-8) / qmax
-        self.register_buffer("in_scale", torch.tensor([s], dtype=torch.float32))
+        self.register_buffer("in_scale", torch.tensor([s], dtype=torch.float32, device=device))  # with the weights
         self.out_dtype = out_dtype
         self.backend = backend
         self.out_fmt = None  # set by quantize_model when the output feeds another quantized conv
         self.register_buffer("out_scale", None)
+
+    def _apply(self, fn, *args, **kwargs):  # .to(device) / .cuda() move the packed weight too
+        super()._apply(fn, *args, **kwargs)
+        if getattr(self, "weight", None) is not None:
+            qw = self.weight.qw
+            dev = fn(torch.empty(0, device=qw.device)).device  # where fn sends tensors
+            if dev != qw.device:
+                self.weight = _prepare(qw.to(dev))
+        return self
 
     def chain_to(self, nxt: "QConv2d") -> None:
         """Emit ``nxt``'s packed input directly (the fused re-quantize + pack epilogue)."""
@@ -183,7 +193,7 @@ class QConv2d(_QBase):
                              f"padding_mode={conv.padding_mode!r}")
         if act is not None and not (act == "relu" or (isinstance(act, tuple) and act[0] == "leaky")):
             raise ValueError(f"act must be None, 'relu' or ('leaky', slope), got {act!r}")
-        m._init_common(prec, in_absmax, signed_input, out_dtype or conv.weight.dtype, backend)
+        m._init_common(prec, in_absmax, signed_input, out_dtype or conv.weight.dtype, backend, conv.weight.device)
         m.stride, m.padding, m.dilation = tuple(conv.stride), tuple(conv.padding), tuple(conv.dilation)
         m.in_channels, m.out_channels, m.kernel_size = conv.in_channels, conv.out_channels, tuple(conv.kernel_size)
         m.act, m.pool = act, pool
@@ -193,15 +203,6 @@ class QConv2d(_QBase):
         m.register_buffer("ch_scale", scale)
         m.register_buffer("ch_bias", bias)
         return m
-
-    def _apply(self, fn, *args, **kwargs):  # .to(device) / .cuda() move the packed weight too
-        super()._apply(fn, *args, **kwargs)
-        if getattr(self, "weight", None) is not None:
-            qw = self.weight.qw
-            dev = fn(torch.empty(0, device=qw.device)).device  # where fn sends tensors
-            if dev != qw.device:
-                self.weight = _prepare(qw.to(dev))
-        return self
 
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
@@ -232,14 +233,12 @@ class QLinear(_QBase):
             raise ValueError("QLinear needs a quantized precision ('w1a2', 'int8', 'fp8', ...), got 'float'")
         if act not in (None, "relu"):
             raise ValueError(f"QLinear fuses act=None or 'relu', got {act!r}")
-        m._init_common(prec, in_absmax, signed_input, out_dtype or lin.weight.dtype, backend)
+        m._init_common(prec, in_absmax, signed_input, out_dtype or lin.weight.dtype, backend, lin.weight.device)
         m.in_features, m.out_features, m.act = lin.in_features, lin.out_features, act
         w = lin.weight.detach()[:, None, None, :]  # (N_out, 1, 1, K): a 1x1 conv over one pixel
         m.weight = _prepare(_quantize_weight(w, m.w_fmt))
         m.register_buffer("bias", None if lin.bias is None else lin.bias.detach().float())
         return m
-
-    _apply = QConv2d._apply
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, {self.precision} ({self.w_fmt} x {self.a_fmt}), act={self.act}"
