@@ -329,13 +329,48 @@ def demo(
     for data, title, _ in datasets:
         console.print(_demo_table(title, [r for r in rows if r["data"] == data]))
 
+    net_rows = _demo_network(console, dev)
+
     if json_path is not None:
         command = shlex.join(["tcprec", "demo", "--device", device.value, "--size", str(size),
                               "--seed", str(seed), "--formats", formats_, "--json", str(json_path)])
         payload = {"env": device_report(), "command": command, "device": str(dev),
                    "backend": {"name": backend, "reason": why},
-                   "data": {d: desc for d, desc, _ in datasets}, "skipped": skipped, "rows": rows}
+                   "data": {d: desc for d, desc, _ in datasets}, "skipped": skipped, "rows": rows,
+                   "network": net_rows}
         console.print(f"wrote {write_json(json_path, payload)}")
+
+
+def _demo_network(console: Console, dev: torch.device) -> list[dict]:
+    """A small network (ResNet-18, batch 8) at several precisions, compiled, on the GPU when there is one."""
+    if dev.type != "cuda":
+        console.print("[dim]network demo (ResNet-18 at fp16 / int8 / w2a2 / w1a2, compiled into CUDA graphs) skipped: "
+                      "it needs a CUDA GPU; `tcprec run --device cpu` runs a network on the reference backend[/]")
+        return []
+    from .bench.common import time_graph_ms
+    from .bench.net import build_variant, nrmse
+    from .nn import models as zoo
+
+    model = zoo.build("resnet18", device=dev).to(memory_format=torch.channels_last)
+    x = torch.randn(8, 3, 224, 224, device=dev, generator=torch.Generator(device=dev).manual_seed(0))
+    with torch.no_grad():
+        ref = model(x).float()
+    rows = []
+    table = Table(title="ResNet-18 (seeded weights), batch 8, one CUDA graph per precision", box=box.SIMPLE)
+    for c in ("precision", "ms", "x fp16", "NRMSE vs fp32"):
+        table.add_column(c, justify="right")
+    for prec in ("fp16", "int8", "w2a2", "w1a2"):
+        net, dt = build_variant(model, prec, x)
+        xin = x.to(dt)
+        with torch.no_grad():
+            y = net(xin).float()
+            ms = time_graph_ms(lambda: net(xin), None, calls=8, replays=3)
+        rows.append({"precision": prec, "ms": ms, "nrmse": nrmse(y, ref)})
+    base = rows[0]["ms"]
+    for r in rows:
+        table.add_row(r["precision"], f"{r['ms']:.3f}", f"{base / r['ms']:.2f}", f"{r['nrmse']:.3g}")
+    console.print(table)
+    return rows
 
 
 # ------------------------------------------------------------------------------------------------
