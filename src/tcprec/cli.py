@@ -344,7 +344,7 @@ def demo(
 def _demo_network(console: Console, dev: torch.device) -> list[dict]:
     """A small network (ResNet-18, batch 8) at several precisions, compiled, on the GPU when there is one."""
     if dev.type != "cuda":
-        console.print("[dim]network demo (ResNet-18 at fp16 / int8 / w2a2 / w1a2, compiled into CUDA graphs) skipped: "
+        console.print("[dim]network demo (ResNet-18 at fp16 / int8 / w2a2 / w1a2, compiled into CUDA graphs) not run: "
                       "it needs a CUDA GPU; `tcprec run --device cpu` runs a network on the reference backend[/]")
         return []
     from .bench.common import time_graph_ms
