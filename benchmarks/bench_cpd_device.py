@@ -5,6 +5,9 @@ Runs ``tcprec train`` once per (format, APS, seed), several processes at a time 
 small: micro-batches of batch/8), then writes ``benchmarks/results/cpd.json`` and prints a Markdown table.
 
     PYTHONPATH=src python3 benchmarks/bench_cpd_device.py --data-path .carry/fashion-mnist --epochs 2 --seeds 0,1,2
+
+(on the GPU machine; copy the data first, here: `mkdir -p .carry && cp -r /usr/share/datasets/fashion-mnist .carry/`,
+and name `.carry` in the device call's carry list)
 """
 
 from __future__ import annotations
