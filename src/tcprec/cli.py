@@ -85,6 +85,27 @@ def _split(text: str, option: str) -> list[str]:
     return items
 
 
+def _ints(text: str, option: str) -> list[int]:
+    """Comma-separated integers, or a usage error naming the option."""
+    try:
+        return [int(v) for v in _split(text, option)]
+    except ValueError:
+        raise typer.BadParameter(f"{option.lstrip('-')} must be comma-separated integers, got {text!r}",
+                                 param_hint=option) from None
+
+
+def _choice(value: str, allowed, option: str) -> str:
+    """``value`` if it is one of ``allowed``, else a usage error naming the allowed set."""
+    if value not in allowed:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(allowed)}", param_hint=option)
+    return value
+
+
+def _choices(text: str, allowed, option: str) -> list[str]:
+    """Comma-separated values, each one of ``allowed``."""
+    return [_choice(v, allowed, option) for v in _split(text, option)]
+
+
 def parse_formats(text: str, option: str = "--formats") -> list[tuple[str, object]]:
     """``"e4m3,fp4"`` -> [(name, format), ...]; an unknown name is a usage error with suggestions."""
     out = []
@@ -405,9 +426,7 @@ def _solve_options(factor: str, refine: str, kind: str):
 
     for value, allowed, hint in ((factor, FACTOR_FORMATS, "--factor"), (refine, REFINE_METHODS, "--refine"),
                                  (kind, MATRIX_KINDS, "--kind")):
-        for v in _split(value, hint):
-            if v not in allowed:
-                raise typer.BadParameter(f"{v!r} is not one of {', '.join(allowed)}", param_hint=hint)
+        _choices(value, allowed, hint)
 
 
 @app.command()
@@ -453,10 +472,7 @@ def bench_solve_cmd(
     from .bench import solve as solve_bench
 
     _solve_options(factors, "gmres", kinds)
-    try:
-        size_list = [int(v) for v in _split(sizes, "--sizes")]
-    except ValueError:
-        raise typer.BadParameter(f"sizes must be integers, got {sizes!r}", param_hint="--sizes") from None
+    size_list = _ints(sizes, "--sizes")
     command = shlex.join(["tcprec", "bench", "solve", "--sizes", sizes, "--factors", factors, "--kinds", kinds,
                           "--out", str(out)])
     with _needs_gpu():
@@ -479,10 +495,9 @@ def bench_gemm_cmd(
     try:
         for c in _split(apnn_configs, "--apnn-configs") + _split(large_configs, "--large-configs"):
             gemm_bench.parse_config(c)
-        a_sz = [int(v) for v in _split(apnn_sizes, "--apnn-sizes")]
-        l_sz = [int(v) for v in _split(large_sizes, "--large-sizes")]
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
+    a_sz, l_sz = _ints(apnn_sizes, "--apnn-sizes"), _ints(large_sizes, "--large-sizes")
     command = shlex.join(["tcprec", "bench", "gemm", "--apnn-configs", apnn_configs, "--apnn-sizes", apnn_sizes,
                           "--large-configs", large_configs, "--large-sizes", large_sizes, "--out", str(out)])
     with _needs_gpu():
@@ -500,14 +515,8 @@ def bench_conv_bwd_cmd(
     and NCHW), and cuDNN's forward conv of the same layer, same run."""
     from .bench import conv_bwd as conv_bench
 
-    try:
-        batches = [int(v) for v in _split(batch, "--batch")]
-    except ValueError:
-        raise typer.BadParameter(f"batch sizes must be integers, got {batch!r}", param_hint="--batch") from None
-    precisions = _split(precision, "--precision")
-    for p in precisions:
-        if p not in ("fp16", "bf16", "fp8"):
-            raise typer.BadParameter(f"{p!r} is not one of fp16, bf16, fp8", param_hint="--precision")
+    batches = _ints(batch, "--batch")
+    precisions = _choices(precision, ("fp16", "bf16", "fp8"), "--precision")
     command = shlex.join(["tcprec", "bench", "conv-bwd", "--batch", batch, "--precision", precision, "--out", str(out)])
     with _needs_gpu():
         conv_bench.run(batches=batches, precisions=precisions, out=str(out), console=Console(), command=command)
@@ -527,18 +536,9 @@ def bench_net_cmd(
     from .bench import net as net_bench
     from .nn.models import MODELS
 
-    models = _split(model, "--model")
-    for m in models:
-        if m not in MODELS:
-            raise typer.BadParameter(f"{m!r} is not one of {', '.join(MODELS)}", param_hint="--model")
-    precisions = _split(precision, "--precision")
-    for p in precisions:
-        if p not in net_bench.PRECISIONS:
-            raise typer.BadParameter(f"{p!r} is not one of {', '.join(net_bench.PRECISIONS)}", param_hint="--precision")
-    try:
-        batches = [int(v) for v in _split(batch, "--batch")]
-    except ValueError:
-        raise typer.BadParameter(f"batch sizes must be integers, got {batch!r}", param_hint="--batch") from None
+    models = _choices(model, tuple(MODELS), "--model")
+    precisions = _choices(precision, net_bench.PRECISIONS, "--precision")
+    batches = _ints(batch, "--batch")
     command = shlex.join(["tcprec", "bench", "net", "--model", model, "--precision", precision, "--batch", batch,
                           "--out", str(out)])
     with _needs_gpu():
@@ -586,10 +586,8 @@ def run_cmd(
     from .bench.net import PRECISIONS, build_variant, nrmse
     from .nn import models as zoo
 
-    if model not in zoo.MODELS:
-        raise typer.BadParameter(f"{model!r} is not one of {', '.join(zoo.MODELS)}", param_hint="--model")
-    if precision not in PRECISIONS:
-        raise typer.BadParameter(f"{precision!r} is not one of {', '.join(PRECISIONS)}", param_hint="--precision")
+    _choice(model, tuple(zoo.MODELS), "--model")
+    _choice(precision, PRECISIONS, "--precision")
     console = Console()
     dev = _pick_device(device.value)
     size = zoo.INPUT_SHAPES[model][1]
@@ -629,10 +627,8 @@ def profile_cmd(
     from .bench.net import PRECISIONS, build_variant
     from .nn import models as zoo
 
-    if model not in zoo.MODELS:
-        raise typer.BadParameter(f"{model!r} is not one of {', '.join(zoo.MODELS)}", param_hint="--model")
-    if precision not in PRECISIONS:
-        raise typer.BadParameter(f"{precision!r} is not one of {', '.join(PRECISIONS)}", param_hint="--precision")
+    _choice(model, tuple(zoo.MODELS), "--model")
+    _choice(precision, PRECISIONS, "--precision")
     dev = _pick_device(device.value)
     if dev.type == "cpu" and precision in ("fp16", "fp8"):
         raise typer.BadParameter(f"{precision} needs a CUDA GPU", param_hint="--precision")
