@@ -120,16 +120,22 @@ def _quantize_pack_kernel(
     _store_planes(codes, planes_ptr, offs_r, offs_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS)
 
 
+def _planes_and_grid(R: int, K: int, bits: int, device, block_r: int, block_w: int):
+    """The output planes int32 (bits, R, Kw) and the launch grid over (row tiles, word tiles)."""
+    Kw = packed_words(K)
+    planes = torch.empty((bits, R, Kw), dtype=torch.int32, device=device)  # (bits, R, Kw)
+    return planes, (triton.cdiv(R, block_r), triton.cdiv(Kw, block_w))
+
+
 def pack_bitplanes(codes: torch.Tensor, bits: int, *, block_r: int = 16, block_w: int = 16) -> torch.Tensor:
     """Launch: codes (R, K) of an integer dtype, values < 2**bits (checked by the caller)
     -> planes int32 (bits, R, Kw).  ``tcprec.packing.pack_bitplanes`` is the public entry point."""
     assert codes.dim() == 2, "pass a (R, K) view; tcprec.packing.pack_bitplanes reshapes for you"
     R, K = codes.shape
-    Kw = packed_words(K)
-    planes = torch.empty((bits, R, Kw), dtype=torch.int32, device=codes.device)  # (bits, R, Kw)
+    planes, grid = _planes_and_grid(R, K, bits, codes.device, block_r, block_w)
     if planes.numel() == 0:
         return planes
-    grid = (triton.cdiv(R, block_r), triton.cdiv(Kw, block_w))
+    Kw = planes.shape[2]
     _pack_bitplanes_kernel[grid](
         codes, planes,
         R, K, Kw,
@@ -147,11 +153,10 @@ def quantize_pack(x: torch.Tensor, scale: torch.Tensor, bits: int, lo: int, hi: 
     hi, offset, shift from the format)."""
     assert x.dim() == 2, "pass a (R, K) view"
     R, K = x.shape
-    Kw = packed_words(K)
-    planes = torch.empty((bits, R, Kw), dtype=torch.int32, device=x.device)  # (bits, R, Kw)
+    planes, grid = _planes_and_grid(R, K, bits, x.device, block_r, block_w)
     if planes.numel() == 0:
         return planes
-    grid = (triton.cdiv(R, block_r), triton.cdiv(Kw, block_w))
+    Kw = planes.shape[2]
     _quantize_pack_kernel[grid](
         x, scale, planes,
         R, K, Kw,
