@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
@@ -168,7 +169,7 @@ def main():
     quick_check(console, precisions)
     console.print(f"[{time.time() - t0:.0f}s] benchmark")
     out = Path(args.out_dir) / ("conv_bwd_quick.json" if args.quick else "conv_bwd.json")
-    cmd = "python3 benchmarks/bench_conv_bwd_device.py" + (" --quick" if args.quick else "")
+    cmd = " ".join(["python3 benchmarks/bench_conv_bwd_device.py", *sys.argv[1:]])
     payload = bc.run(batches=batches, precisions=precisions, out=out, console=console, command=cmd, layers=layers,
                      warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
     console.print(f"[{time.time() - t0:.0f}s] done")

@@ -363,6 +363,51 @@ def test_explain_and_backend_choice():
         opc.conv2d_dgrad(dy2, w2, g2.input_shape, g2.stride, g2.padding, backend="gemm")
 
 
+@pytest.mark.parametrize("spec", [(2, 9, 7, 5, 6, 3, 3, 1, 1), (2, 11, 10, 3, 4, 5, 3, (2, 1), 1),
+                                  (1, 12, 12, 4, 4, 3, 3, 2, 2), (1, 7, 7, 3, 5, 7, 7, 3, 1), (1, 6, 6, 2, 3, 3, 3, 0, 1)])
+def test_dgrad_as_rotated_forward_conv(spec):
+    """The "fprop" path's identity: a stride-1 dgrad is the forward conv of dy with the filter rotated
+    by 180 degrees and its channels swapped, padding d*(R-1) - pad (checked in float64 on the CPU;
+    on CUDA the same function runs cuDNN)."""
+    N, H, W, C, K, R, S, pad, dil = spec
+    g = opc.conv_geometry((N, H, W, C), (K, R, S, C), 1, pad, dil)
+    gen = torch.Generator().manual_seed(3)
+    dy = torch.randn(g.output_shape, generator=gen, dtype=torch.float64)
+    w = torch.randn(g.weight_shape, generator=gen, dtype=torch.float64)
+    want = rc.conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding, g.dilation, dtype=torch.float64)
+    got = opc._dgrad_fprop(dy, w, g)
+    assert got.shape == g.input_shape and got.is_contiguous()
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(6, 3, 3, 5), (70, 3, 3, 33), (4, 7, 7, 3), (16, 1, 1, 80)])
+def test_rotate_filter_kernel(shape):
+    """kernels.triton.conv_bwd.rotate_filter (the fprop path's one-pass filter copy), through the
+    interpreter: out[c, r, s, k] = w[k, R-1-r, S-1-s, c]."""
+    from tcprec.kernels.triton import conv_bwd as kt
+
+    w = torch.randn(shape).half()
+    got = kt.rotate_filter(w)
+    assert torch.equal(got, w.flip(1, 2).permute(3, 1, 2, 0).contiguous())
+
+
+def test_fprop_backend_errors():
+    g = opc.conv_geometry((2, 8, 8, 4), (6, 3, 3, 4), 1, 1)
+    dy, w = torch.randn(g.output_shape).half(), torch.randn(g.weight_shape).half()
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        opc.conv2d_dgrad(dy, w, g.input_shape, 1, 1, backend="fprop")
+    with pytest.raises(ValueError, match="transposed conv"):
+        g2 = opc.conv_geometry((2, 8, 8, 4), (6, 3, 3, 4), 2, 1)
+        opc.conv2d_dgrad(torch.randn(g2.output_shape).half(), w, g2.input_shape, 2, 1, backend="fprop")
+    with pytest.raises(ValueError, match="fp8 convolution"):
+        opc.conv2d_dgrad(dy, w, g.input_shape, 1, 1, precision="fp8", backend="fprop")
+    with pytest.raises(ValueError, match="would crop"):
+        g3 = opc.conv_geometry((2, 8, 8, 4), (6, 3, 3, 4), 1, 3)
+        opc.conv2d_dgrad(torch.randn(g3.output_shape).half(), w, g3.input_shape, 1, 3, backend="fprop")
+    with pytest.raises(ValueError, match="only dgrad"):
+        opc.conv2d_wgrad(dy, torch.randn(g.input_shape).half(), g.weight_shape, 1, 1, backend="fprop")
+
+
 def test_empty_batch():
     g = _geom((0, 5, 5, 4, 8, 3, 3, 1, 1, 1))
     dy, w, x = torch.zeros(g.output_shape), torch.randn(g.weight_shape), torch.zeros(g.input_shape)

@@ -7,12 +7,13 @@ cuDNN picks its fastest algorithm), taking the faster; next to it cuDNN's forwar
 layer (same FLOPs; the better of the two layouts), which shows what a good dgrad could reach.
 
 Ours: ``tcprec.ops.conv2d_dgrad`` / ``conv2d_wgrad`` with ``backend="auto"`` on NHWC views of the
-channels_last tensors: cuBLAS for the 1x1 stride-1 layers (plain GEMMs), the Triton implicit-GEMM
-kernels for the others.  fp16 and bf16 take 16-bit operands; fp8 takes operands already quantised
+channels_last tensors: cuBLAS for the 1x1 layers (plain GEMMs), cuDNN's *forward* conv with the
+rotated filter for stride-1 3x3 fp16/bf16 dgrad (``"fprop"``), the Triton implicit-GEMM kernels for
+the others.  fp16 and bf16 take 16-bit operands; fp8 takes operands already quantised
 (e5m2 dy, e4m3 x / w, per-tensor scales) in the layouts the kernels read best, as a training
 framework's fused cast would hand them over -- the quantisation from fp16 is timed separately
-(``quant_ms``).  With ``alt_triton`` the Triton kernel is also timed on the 1x1 stride-1 layers, to
-keep the cuBLAS-or-Triton choice honest.
+(``quant_ms``).  With ``alt_triton`` the Triton kernel is also timed where cuBLAS or cuDNN fprop
+runs, to keep the vendor-or-Triton choice honest.
 
 Every time is a ``do_bench`` median (CUDA events, L2 flushed) over rotating input copies larger
 than 4x L2.  Before timing, each result is compared with an fp32 cuDNN computation (TF32 off) from
@@ -233,7 +234,8 @@ def _workload(layer: Layer, N: int, device, l2_bytes, precisions, warmup_ms, rep
                                                    g.weight_shape, st, pd, precision=precision)
             row = {"op": op, "batch": N, "layer": layer.name, "H": g.H, "C": g.C, "K": g.K, "R": g.R,
                    "stride": layer.stride, "precision": precision, "flops": g.flops,
-                   "path": "gemm" if "GEMM path" in explain else ("triton" if "Triton" in explain else "reference"),
+                   "path": ("gemm" if "GEMM path" in explain else "fprop" if "cuDNN forward conv" in explain
+                            else "triton" if "Triton" in explain else "reference"),
                    "explain": explain, "error": None}
             try:  # correctness first (this also compiles / autotunes the kernel)
                 got = call(ops_items[0])
@@ -247,7 +249,7 @@ def _workload(layer: Layer, N: int, device, l2_bytes, precisions, warmup_ms, rep
             ours = _Timed(error=row["error"]) if row["error"] else _measure(call, ops_items, warmup_ms, rep_ms, graph)
             row["error"] = ours.error
             alt = None
-            if alt_triton and precision in alt_triton and row["path"] == "gemm" and ours.ms is not None:
+            if alt_triton and precision in alt_triton and row["path"] in ("gemm", "fprop") and ours.ms is not None:
                 alt = _measure(lambda o: call(o, "triton"), ops_items, warmup_ms, rep_ms, graph)
             base, b_lay = best(op)
             fwd, f_lay = best("fwd")

@@ -30,6 +30,8 @@ Backends (``backend=``)
   the reference.
 * ``"triton"``: the Triton kernels for every layer (on the CPU through ``TRITON_INTERPRET=1``).
 * ``"gemm"``: cuBLAS; unpadded 1x1 layers only.
+* ``"fprop"`` (dgrad only): cuDNN's forward convolution with the rotated filter; stride 1, fp16 /
+  bf16, ``padding <= dilation * (R - 1)``, output in the compute type, no fused activation.
 * ``"reference"``: the same math in plain torch (operands rounded to the precision, float32
   ``torch.nn.grad`` convolutions, TF32 off).
 
@@ -63,7 +65,7 @@ __all__ = [
 ]
 
 PRECISIONS = ("fp16", "bf16", "fp8")
-BACKENDS = ("auto", "triton", "gemm", "reference")
+BACKENDS = ("auto", "triton", "gemm", "fprop", "reference")
 _DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -303,11 +305,39 @@ def _auto_prefers_triton(op: str, g: ConvGeometry, precision: str) -> str | None
     return None
 
 
-def _choose(op: str, g: ConvGeometry, t, precision: str, backend: str, activation=None) -> tuple[str, str]:
-    """(path, reason): path is "gemm" (cuBLAS), "triton" or "reference"."""
+def _fprop_ok(op: str, g: ConvGeometry, precision: str, activation, out_dtype) -> tuple[bool, str]:
+    """Can this dgrad run as cuDNN's forward conv of dy with the rotated filter (see the module doc)?"""
+    if op != "dgrad":
+        return False, "only dgrad is a forward convolution (wgrad reduces over pixels)"
+    if precision == "fp8":
+        return False, "torch has no cuDNN fp8 convolution"
+    if g.stride != (1, 1):
+        return False, f"stride {g.stride}: a strided dgrad is a transposed conv, not a forward one"
+    for axis, (k, p, d) in enumerate(zip((g.R, g.S), g.padding, g.dilation)):
+        if p > d * (k - 1):
+            return False, f"padding {p} > dilation*(filter-1) = {d * (k - 1)} on axis {axis}: the rotated conv would crop"
+    if activation is not None:
+        return False, "a fused activation backward needs the Triton kernel's epilogue"
+    if out_dtype is not None and out_dtype != _DTYPE[precision]:
+        return False, f"out_dtype={out_dtype} but cuDNN writes {_DTYPE[precision]} (fp32 accumulation, rounded once)"
+    return True, (f"stride-1 {g.R}x{g.S} dgrad = forward conv of dy with the 180-degree-rotated filter: cuDNN's "
+                  "forward kernels (fp32 accumulation), faster than its dgrad and our Triton kernel on these layers")
+
+
+def _choose(op: str, g: ConvGeometry, t, precision: str, backend: str, activation=None,
+            out_dtype=None) -> tuple[str, str]:
+    """(path, reason): path is "gemm" (cuBLAS), "fprop" (cuDNN forward conv), "triton" or "reference"."""
     ref_t = t.data if isinstance(t, Fp8Tensor) else t
     if backend == "reference":
         return "reference", "asked for the reference backend"
+    if backend == "fprop":
+        ok, why = _fprop_ok(op, g, precision, activation, out_dtype)
+        if not ok:
+            raise ValueError(f"backend='fprop' cannot run this {op}: {why}; use backend='triton' or 'auto'")
+        if not ref_t.is_cuda:
+            raise ValueError(f"backend='fprop' runs cuDNN and needs CUDA tensors, got device {ref_t.device}; "
+                             "use backend='reference' on the CPU")
+        return "fprop", f"asked for cuDNN's forward conv ({why})"
     if backend == "gemm":
         ok, why = _gemm_ok(op, g, precision)
         if not ok:
@@ -325,6 +355,9 @@ def _choose(op: str, g: ConvGeometry, t, precision: str, backend: str, activatio
             return "gemm", f"{gwhy}: cuBLAS, the fastest GEMM on this machine"
         if ok:
             return "triton", f"{gwhy}, but the activation backward fuses into the Triton kernel's epilogue ({why})"
+        fok, fwhy = _fprop_ok(op, g, precision, activation, out_dtype)
+        if fok and ref_t.is_cuda and torch.backends.cudnn.is_available():
+            return "fprop", fwhy
         return "triton", why
     return "triton", why
 
@@ -444,7 +477,7 @@ def conv2d_dgrad(grad_out, weight, input_shape, stride=1, padding=0, dilation=1,
     device = _check_devices(grad_out=grad_out, weight=weight,
                             act_input=act_input if mode != rc.ACT_NONE else None)
     out_dtype = out_dtype or _default_out(precision)
-    path, _ = _choose("dgrad", g, grad_out, precision, backend, activation if mode else None)
+    path, _ = _choose("dgrad", g, grad_out, precision, backend, activation if mode else None, out_dtype)
 
     if min(g.input_shape) == 0 or g.K == 0:  # nothing to sum: dx is all zeros
         return torch.zeros(g.input_shape, dtype=out_dtype, device=device)
@@ -458,6 +491,9 @@ def conv2d_dgrad(grad_out, weight, input_shape, stride=1, padding=0, dilation=1,
         if mode:
             dx = rc.activation_backward(dx, act_input, activation)
         return dx.to(out_dtype).contiguous()
+
+    if path == "fprop":
+        return _dgrad_fprop(dy, w, g)
 
     if path == "gemm":
         M = g.N * g.P * g.Q  # the pixels the 1x1 filter reaches: all of them at stride 1
@@ -480,6 +516,9 @@ def conv2d_dgrad(grad_out, weight, input_shape, stride=1, padding=0, dilation=1,
         out = torch.empty(g.input_shape, dtype=out_dtype, device=device)
         from ..kernels.triton import conv_bwd as kt
 
+        # Tried and dropped (H200, 2026-11-21): a batched cuBLAS GEMM over the (n, p) rows writing dx's strided
+        # pixels in place + zero fills -- 1.6-7x slower at N=256 (Q-row batches, strided stores) and slower
+        # under graph replay at N=8 too.
         if out.is_cuda or kt.interpreting():  # one pass writes dx: the GEMM rows at (n, p*sh, q*sw), zeros
             kt.phase_scatter(dx, out, g, act=(mode, slope), act_input=act_input)
             return out
@@ -499,14 +538,32 @@ def conv2d_dgrad(grad_out, weight, input_shape, stride=1, padding=0, dilation=1,
     return out
 
 
+def _dgrad_fprop(dy: torch.Tensor, w: torch.Tensor, g: ConvGeometry) -> torch.Tensor:
+    """Stride-1 dgrad as cuDNN's forward conv: dx = conv2d(dy, w') with w'[c, k, r, s] = w[k, R-1-r, S-1-s, c],
+    padding d*(R-1) - pad, same dilation.  NHWC views in, an NHWC (channels_last) tensor out."""
+    if w.is_cuda:
+        from ..kernels.triton import conv_bwd as kt
+
+        w_rot = kt.rotate_filter(w).permute(0, 3, 1, 2)  # (C, K, R, S) in channels_last memory: one pass
+    else:
+        w_rot = w.flip(1, 2).permute(3, 0, 1, 2).contiguous(memory_format=torch.channels_last)
+    pad = tuple(d * (k - 1) - p for k, p, d in zip((g.R, g.S), g.padding, g.dilation))
+    dx = torch.nn.functional.conv2d(dy.permute(0, 3, 1, 2), w_rot, stride=1, padding=pad, dilation=g.dilation)
+    dx = dx.permute(0, 2, 3, 1)  # (N, H, W, C)
+    return dx if dx.is_contiguous() else dx.contiguous()
+
+
 def explain_conv2d_dgrad(grad_out, weight, input_shape, stride=1, padding=0, dilation=1, *, precision: str = "fp16",
-                         activation=None, backend: str = "auto") -> str:
+                         activation=None, backend: str = "auto", out_dtype: torch.dtype | None = None) -> str:
     """Which backend :func:`conv2d_dgrad` runs for these arguments, and why (one paragraph)."""
     _check_common(precision, backend, None)
     g = conv_geometry(input_shape, tuple(weight.shape), stride, padding, dilation)
-    path, why = _choose("dgrad", g, grad_out, precision, backend, activation)
+    path, why = _choose("dgrad", g, grad_out, precision, backend, activation, out_dtype)
     head = _describe(g, precision, "dgrad")
-    if path == "gemm":
+    if path == "fprop":
+        body = ("cuDNN forward conv (torch.nn.functional.conv2d, channels_last) of dy with the 180-degree-rotated, "
+                "channel-swapped filter, padding d*(R-1)-pad: no Triton kernel runs")
+    elif path == "gemm":
         fn = "torch._scaled_mm (cuBLAS fp8)" if precision == "fp8" else "torch.matmul (cuBLAS)"
         if g.stride == (1, 1):
             body = (f"GEMM path: dx (N*H*W, C) = dy (N*P*Q, K) @ w (K, C) with {fn} -- we use the vendor GEMM "

@@ -438,6 +438,32 @@ def phase_scatter(src: torch.Tensor, out: torch.Tensor, g: ConvGeometry, *, act:
                                 num_warps=4)
 
 
+@triton.jit
+def _rotate_filter_kernel(w_ptr, out_ptr, K, C, RS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr):
+    """out[c, RS-1-t, k] = w[k, t, c] for one tap t: a tiled transpose (loads along C, stores along K)."""
+    t = tl.program_id(0)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (offs_k[:, None] < K) & (offs_c[None, :] < C)
+    v = tl.load(w_ptr + (offs_k[:, None] * RS + t) * C + offs_c[None, :], mask=mask)  # (BLOCK_K, BLOCK_C)
+    tl.store(out_ptr + (offs_c[None, :] * RS + (RS - 1 - t)) * K + offs_k[:, None], v, mask=mask)
+
+
+def rotate_filter(w: torch.Tensor) -> torch.Tensor:
+    """The filter of a stride-1 dgrad as a forward conv: ``w`` (K, R, S, C) -> (C, R, S, K) contiguous with
+    ``out[c, r, s, k] = w[k, R-1-r, S-1-s, c]`` (rotated by 180 degrees, channels swapped), in one pass
+    (torch's flip + permuted copy take two slow strided passes)."""
+    K, R, S, C = w.shape
+    w = w.contiguous()
+    out = torch.empty((C, R, S, K), dtype=w.dtype, device=w.device)
+    if w.numel() == 0:
+        return out
+    bk = bc = 16 if interpreting() else 64
+    grid = (R * S, triton.cdiv(K, bk), triton.cdiv(C, bc))
+    _rotate_filter_kernel[grid](w, out, K, C, RS=R * S, BLOCK_K=bk, BLOCK_C=bc, num_warps=4)
+    return out
+
+
 # ------------------------------------------------------------------------------------------------
 # Autotuning (GPU only) and the configs it may pick
 # ------------------------------------------------------------------------------------------------
