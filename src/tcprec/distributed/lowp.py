@@ -18,10 +18,21 @@ Transports (bit-identical; only the bytes on the wire differ):
 Both run a reduce-scatter (``all_to_all_single``: node values of shard j go to rank j, which sums
 them in node order) and an all-gather of the reduced shards.  Node order is global: node
 ``rank * n_local + i``, so 4 processes x 1 node and 1 process x 4 emulated nodes give the same bits.
+
+Two implementations, same bits (tests/test_allreduce_fused.py, tests/gpu/test_allreduce_gpu.py):
+* CUDA tensors: the fused Triton kernels of kernels/triton/allreduce.py (four or five launches
+  around two or three collectives, no host sync; the flags in ``AllreduceInfo`` are read from the
+  device only when asked for).  Where it moves no more bytes (one process, or two processes with
+  one node each) every rank all-gathers every node's codes and reduces the whole vector itself,
+  in node order as the reduce-scatter does: one collective and one kernel fewer, the same bits.
+  Formats or modes those kernels cannot do exactly (``can_implement`` says why: stochastic
+  rounding, formats of more than 16 bits) run the reference, with a warning.
+* everything else (CPU): the pure-torch float64 reference below, the ground truth.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -32,7 +43,8 @@ import torch.distributed as dist
 from ..formats import FloatFormat, as_format
 from ..kernels import reference as ref
 from ..kernels.reference_emulate import add_round_to_odd
-from ..ops.cast import decode, encode
+from ..kernels.triton import BACKENDS, choose_backend
+from ..ops.cast import code_dtype, decode, encode
 
 __all__ = ["aps_top_exponent", "check_aps_format", "allreduce_lowp", "lowp_allreduce_hook", "LowpAllreduceHook",
            "TRANSPORTS"]
@@ -95,21 +107,56 @@ def _reduce_in_order(vals: torch.Tensor, fmt, rounding: str, kahan: bool) -> tor
     return s
 
 
-@dataclass
 class AllreduceInfo:
-    nonfinite_input: bool = False
-    nonfinite_output: bool = False
-    shifts: torch.Tensor | None = None  # per tensor s (int64)
+    """What one all-reduce saw.  ``nonfinite_input``: a gradient on some node was NaN/Inf (the mean is
+    all NaN: skip the step).  ``nonfinite_output``: the low-precision sum overflowed.  ``shifts``: the
+    APS shift s of each tensor (int64; undefined after a non-finite input).  ``backend``: which
+    implementation ran, and why.  The fused CUDA path leaves the flags on the device: the first read
+    of each is one host sync, so a caller that never reads them never waits."""
+
+    def __init__(self, nonfinite_input=False, nonfinite_output=False, shifts=None, backend: str = ""):
+        self._input, self._output, self._shifts, self.backend = nonfinite_input, nonfinite_output, shifts, backend
+
+    @staticmethod
+    def _read(v):
+        return bool(v) if isinstance(v, torch.Tensor) else v
+
+    @property
+    def nonfinite_input(self) -> bool:
+        self._input = self._read(self._input)
+        return self._input
+
+    @property
+    def nonfinite_output(self) -> bool:
+        self._output = self._read(self._output)
+        return self._output
+
+    @property
+    def shifts(self) -> torch.Tensor | None:
+        if callable(self._shifts):
+            self._shifts = self._shifts()
+        return self._shifts
+
+    def __repr__(self) -> str:
+        return (f"AllreduceInfo(nonfinite_input={self.nonfinite_input}, nonfinite_output={self.nonfinite_output}, "
+                f"backend={self.backend!r})")
 
 
 def allreduce_lowp(grads: torch.Tensor, sizes: list[int], fmt, *, aps: bool = True, kahan: bool = False,
-                   transport: str = "compressed", rounding: str = "nearest", group=None) -> tuple[torch.Tensor, AllreduceInfo]:
+                   transport: str = "compressed", rounding: str = "nearest", group=None,
+                   backend: str = "auto") -> tuple[torch.Tensor, AllreduceInfo]:
     """The mean over all nodes of flat gradients ``grads`` (n_local, numel), reduced in ``fmt``.
 
     ``sizes``: the lengths of the tensors packed in a row (APS scales each one separately).
     Works without an initialised process group (one process: its n_local emulated nodes).
     Returns (mean (numel,) float32, info); on a non-finite input anywhere the mean is all NaN and
     ``info.nonfinite_input`` is True (the caller skips the step).
+    ``backend``: ``"auto"`` (fused Triton kernels on CUDA, the reference elsewhere), ``"triton"``
+    (also under TRITON_INTERPRET=1 on the CPU; raises where the kernels cannot run) or ``"reference"``.
+
+    >>> mean, info = allreduce_lowp(torch.randn(4, 10), [3, 7], "e4m3")   # 4 emulated nodes
+    >>> mean.shape, info.nonfinite_input
+    (torch.Size([10]), False)
     """
     fmt = as_format(fmt)
     if transport not in TRANSPORTS:
@@ -121,9 +168,127 @@ def allreduce_lowp(grads: torch.Tensor, sizes: list[int], fmt, *, aps: bool = Tr
     n_local, numel = grads.shape
     n = world * n_local
     check_aps_format(fmt, n) if aps else None
+    path, why = _choose_path(grads, fmt, rounding, backend)
+    if path == "triton":
+        return _allreduce_fused(grads.float().contiguous(), sizes, fmt, aps, kahan, transport, rounding, group,
+                                use_dist and world > 1, world, why)
+    return _allreduce_reference(grads.float(), sizes, fmt, aps, kahan, transport, rounding, group,
+                                use_dist and world > 1, world, why)
+
+
+_WARNED: set = set()
+
+
+def _choose_path(grads: torch.Tensor, fmt, rounding: str, backend: str) -> tuple[str, str]:
+    """("triton" | "reference", why).  A CUDA tensor whose format or mode the fused kernels cannot do
+    exactly runs the reference, and says so (once per reason); asking for "triton" then raises."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got backend={backend!r}")
+    name, why = choose_backend(grads, backend, "fused all-reduce kernels")
+    if name == "reference":
+        return name, why
+    from ..kernels.triton import allreduce as ka
+
+    reason = ka.can_implement(fmt, rounding)
+    if reason is None:
+        return "triton", why
+    if backend == "triton":
+        raise ValueError(f"backend='triton' cannot run this all-reduce: {reason}; use backend='reference'")
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        log.warning("allreduce_lowp: the fused kernels cannot run this all-reduce (%s): using the pure-torch "
+                    "reference (float64, much slower)", reason)
+    return "reference", f"pure-torch reference: {reason}"
+
+
+_CACHE: dict = {}
+
+
+def _cached(key, make):
+    """Per-(sizes, device) tensor starts and per-(format, device) decode tables, made once."""
+    v = _CACHE.get(key)
+    if v is None:
+        if len(_CACHE) >= 256:
+            _CACHE.clear()
+        v = _CACHE[key] = make()
+    return v
+
+
+def _wire_shape(numel: int, world: int) -> int:
+    return -(-numel // (4 * world)) * 4  # shard: a multiple of 4, so codes travel as int32 words (_words)
+
+
+def _gathers(world: int, n_local: int) -> bool:
+    """The all-gather exchange (every rank gets every node's codes and reduces the whole vector)
+    moves (world - 1) * n_local values per rank; reduce-scatter + all-gather move (world - 1) / world
+    * (n_local + 1).  All-gather is no more bytes for one process, or two with one node each, and
+    it is one collective and one kernel fewer."""
+    return world == 1 or (world == 2 and n_local == 1)
+
+
+def _allreduce_fused(grads, sizes, fmt, aps, kahan, transport, rounding, group, use_dist, world, why):
+    """The same algorithm as _allreduce_reference, in the kernels of kernels/triton/allreduce.py."""
+    from ..kernels.triton import allreduce as ka
+
+    n_local, numel = grads.shape
+    n = world * n_local
     dev = grads.device
-    grads = grads.float()
-    info = AllreduceInfo()
+    T = len(sizes)
+    top = aps_top_exponent(fmt)
+    if numel == 0:
+        return torch.zeros(0, device=dev), AllreduceInfo(shifts=torch.zeros(T, dtype=torch.int64, device=dev),
+                                                         backend=why)
+    starts = _cached(("starts", tuple(sizes), dev), lambda: torch.tensor(
+        [0] + list(itertools.accumulate(sizes))[:-1], dtype=torch.int64, device=dev))  # (T,) first index of each
+    lut = _cached(("lut", fmt, dev), lambda: decode(torch.arange(fmt.n_codes), fmt).to(dev))  # (2**bits,) f32
+
+    # ---- 1. per-tensor exponents and the non-finite flag: one MAX all-reduce ------------------------
+    flags = torch.zeros(T + 1, dtype=torch.int32, device=dev)  # (T,) max |g| bits, then the output flag
+    msg = torch.empty(T + 1, dtype=torch.int64, device=dev)  # (T,) e, then the non-finite-input flag
+    ka.amax_exponents(grads, starts, n, flags, msg)
+    if use_dist:
+        dist.all_reduce(msg, op=dist.ReduceOp.MAX, group=group)
+
+    # ---- 2. scale, round once, lay out for the exchange (compressed: codes; emulate: float32) -------
+    wdt = torch.float32 if transport == "emulate" else code_dtype(fmt)  # uint8 up to 8 bits, int16 up to 16
+    out = torch.empty(numel, dtype=torch.float32, device=dev)
+    if _gathers(world, n_local):
+        # ---- 3a. all-gather every node's codes; sum in node order and take the mean in one kernel ----
+        row = _wire_shape(numel, 1)
+        send = torch.empty(1, n_local, row, dtype=wdt, device=dev)  # (1, n_local, row)
+        ka.encode(grads, starts, msg, send, fmt, rounding, aps, top)
+        if use_dist:
+            everyone = torch.empty(world * n_local * row, dtype=wdt, device=dev)  # (world, n_local, row)
+            _all_gather_single(_words(everyone), _words(send), group=group)
+        else:
+            everyone = send
+        ka.reduce_finish(everyone.view(n, row), out, lut, starts, msg, flags[T:], fmt, rounding, kahan, aps, top)
+        how = "all-gather"
+    else:
+        # ---- 3b. reduce-scatter in node order (all_to_all), all-gather, then the mean ------------------
+        shard = _wire_shape(numel, world)
+        send = torch.empty(world, n_local, shard, dtype=wdt, device=dev)  # (world, n_local, shard)
+        ka.encode(grads, starts, msg, send, fmt, rounding, aps, top)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(_words(recv), _words(send), group=group)
+        mine = torch.empty(shard, dtype=wdt, device=dev)
+        ka.reduce(recv.view(n, shard), mine, lut, fmt, rounding, kahan, aps)  # rows: node r * n_local + i
+        everyone = torch.empty(world * shard, dtype=wdt, device=dev)
+        _all_gather_single(_words(everyone), _words(mine), group=group)
+        ka.finish(everyone, out, lut, starts, msg, flags[T:], fmt, n, aps, top)
+        how = "reduce-scatter"
+    e = msg[:T]
+    shifts = (lambda: torch.where(e > _ZERO_E, top - e, 0)) if aps else (lambda: torch.zeros_like(e))
+    return out, AllreduceInfo(nonfinite_input=msg[T], nonfinite_output=flags[T], shifts=shifts,
+                              backend=f"{why}, {how} exchange")
+
+
+def _allreduce_reference(grads, sizes, fmt, aps, kahan, transport, rounding, group, use_dist, world, why):
+    """The ground truth: float64 tensors, every rounding by kernels/reference.py."""
+    n_local, numel = grads.shape
+    n = world * n_local
+    dev = grads.device
+    info = AllreduceInfo(backend=why)
 
     # ---- 1. per-tensor exponents and the non-finite flag: one MAX all-reduce ------------------------
     seg = torch.repeat_interleave(torch.arange(len(sizes), device=dev), torch.tensor(sizes, device=dev))  # (numel,)
@@ -132,14 +297,14 @@ def allreduce_lowp(grads: torch.Tensor, sizes: list[int], fmt, *, aps: bool = Tr
     e = torch.where(amax > 0, _ceil_log2(torch.where(amax > 0, amax, 1.0), n), _ZERO_E)  # (T,) int64
     e = torch.where(torch.isfinite(amax), e, _ZERO_E)
     msg = torch.cat([e, bad.long().view(1)])
-    if use_dist and world > 1:
+    if use_dist:
         dist.all_reduce(msg, op=dist.ReduceOp.MAX, group=group)
     if bool(msg[-1]):
-        info.nonfinite_input = True
+        info._input = True
         return torch.full((numel,), float("nan"), device=dev), info
     e = msg[:-1]
     shift = torch.where(e > _ZERO_E, aps_top_exponent(fmt) - e, 0) if aps else torch.zeros_like(e)
-    info.shifts = shift
+    info._shifts = shift
     scale = torch.ldexp(torch.ones(len(sizes), dtype=torch.float64, device=dev), shift.double())[seg]  # exact 2**s
 
     # ---- 2. scale and round once to fmt ---------------------------------------------------------------
@@ -148,12 +313,12 @@ def allreduce_lowp(grads: torch.Tensor, sizes: list[int], fmt, *, aps: bool = Tr
         q = torch.nan_to_num(q, nan=float("inf"), posinf=float("inf"), neginf=float("-inf"))
 
     # ---- 3. reduce-scatter in node order (all_to_all), then all-gather --------------------------------
-    shard = -(-numel // (4 * world)) * 4  # a multiple of 4: codes travel as int32 words (see _words)
+    shard = _wire_shape(numel, world)
     pad = shard * world - numel
     qp = torch.nn.functional.pad(q, (0, pad))  # (n_local, world * shard)
     send = qp.view(n_local, world, shard).transpose(0, 1).contiguous()  # (world, n_local, shard)
     wire = _to_wire(send, fmt, transport)
-    if use_dist and world > 1:
+    if use_dist:
         recv = torch.empty_like(wire)
         dist.all_to_all_single(_words(recv), _words(wire), group=group)  # equal splits: world blocks
     else:
@@ -163,7 +328,7 @@ def allreduce_lowp(grads: torch.Tensor, sizes: list[int], fmt, *, aps: bool = Tr
     if not fmt.has_nan:
         s = torch.nan_to_num(s, nan=float("inf"), posinf=float("inf"), neginf=float("-inf"))
     mine = _to_wire(s, fmt, transport)
-    if use_dist and world > 1:
+    if use_dist:
         everyone = torch.empty(world * shard, dtype=mine.dtype, device=dev)
         _all_gather_single(_words(everyone), _words(mine), group=group)
     else:
@@ -176,7 +341,7 @@ def allreduce_lowp(grads: torch.Tensor, sizes: list[int], fmt, *, aps: bool = Tr
     # range although the exact mean cannot: clamp finite results (Inf from an overflow stays Inf)
     fmax = torch.finfo(torch.float32).max
     out = torch.where(torch.isfinite(out), out.clamp(-fmax, fmax), out).float()
-    info.nonfinite_output = not bool(torch.isfinite(out).all())
+    info._output = not bool(torch.isfinite(out).all())
     return out, info
 
 

@@ -1,0 +1,146 @@
+"""On CUDA: the fused all-reduce kernels (the default for CUDA tensors) equal the float64 reference
+bit for bit (NaN compared as NaN), for emulated nodes on one GPU and, with two GPUs, through NCCL."""
+
+import itertools
+import os
+import socket
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tcprec.distributed import allreduce_lowp
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+FMAX = torch.finfo(torch.float32).max
+
+# ResNet-18-like shapes (conv weights, BN vectors, fc), 50 tensors, 2.9M values: blocks inside one
+# tensor and blocks straddling small tensors
+SIZES = ([64 * 3 * 49, 64, 64] + [64 * 64 * 9, 64, 64] * 4 + [128 * 64 * 9, 128, 128, 128 * 128 * 9, 128, 128,
+         128 * 64, 128, 128] + [128 * 128 * 9, 128, 128] * 2 + [256 * 128 * 9, 256, 256, 256 * 256 * 9, 256, 256,
+         256 * 128, 256, 256] + [256 * 256 * 9, 256, 256] * 2 + [512 * 256 * 9 // 8, 512, 512] + [512 * 10, 10])
+
+
+def node_grads(node: int, device="cuda") -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(100 + node)
+    parts = []
+    for i, n in enumerate(SIZES):
+        t = torch.randn(n, device=device, generator=g) * 10.0 ** ((i % 13) - 8)
+        if i == 5:
+            t.zero_()  # an all-zero tensor
+        elif i == 7:
+            t = (torch.rand(n, device=device, generator=g) * 2 - 1) * FMAX  # up to the float32 max: s < 0
+            t[:3] = torch.tensor([FMAX, 1e-30, -1e-40], device=device)
+        elif i == 9:
+            t = t * 1e-30  # tiny: s > 127
+            t[:2] = torch.tensor([2.0**-149, -(2.0**-148)], device=device)
+        parts.append(t)
+    return torch.cat(parts)
+
+
+def _bad(a, b) -> torch.Tensor:
+    a, b = a.cpu(), b.cpu()
+    return ~((a.view(torch.int32) == b.view(torch.int32)) | (torch.isnan(a) & torch.isnan(b)))
+
+
+def _same(a, b) -> bool:
+    return not bool(_bad(a, b).any())
+
+
+def _explain(flat, got, want, ig, iw, kw, fmt) -> str:
+    """Where fused and reference differ: tensors, shifts, values, and the CPU reference there."""
+    bad = _bad(got, want)
+    idx = bad.nonzero().flatten()
+    starts = torch.tensor([0] + list(itertools.accumulate(SIZES))[:-1])
+    segs = torch.searchsorted(starts, idx, right=True) - 1
+    cpu, _ = allreduce_lowp(flat.cpu(), SIZES, fmt, backend="reference", **kw)
+    first = idx[:6]
+    return (f"{int(bad.sum())} differ, tensors {sorted(set(segs.tolist()))[:12]}, shifts fused "
+            f"{ig.shifts.cpu()[segs.unique()].tolist()[:12]} reference {iw.shifts.cpu()[segs.unique()].tolist()[:12]}; "
+            f"at {first.tolist()}: fused {got.cpu()[first].tolist()} reference {want.cpu()[first].tolist()} "
+            f"cpu reference {cpu[first].tolist()} inputs {flat.cpu()[:, first].tolist()}")
+
+
+# (fmt, aps, kahan, rounding, local node counts): few variants, since each compiles its kernels
+CASES = [("e4m3", True, False, "nearest", (1, 3, 8)), ("e5m2", True, True, "down", (3,)),
+         ("e3m0", True, False, "up", (8,)), ("bf16", False, True, "toward_zero", (3,)),
+         ("e4m3", False, False, "nearest", (3,))]
+
+
+@pytest.mark.parametrize("fmt,aps,kahan,rounding,n_locals", CASES)
+def test_fused_equals_reference_cuda(fmt, aps, kahan, rounding, n_locals):
+    for n_local in n_locals:
+        flat = torch.stack([node_grads(i) for i in range(n_local)])
+        for transport in ("compressed", "emulate"):
+            kw = dict(aps=aps, kahan=kahan, transport=transport, rounding=rounding)
+            want, iw = allreduce_lowp(flat, SIZES, fmt, backend="reference", **kw)
+            got, ig = allreduce_lowp(flat, SIZES, fmt, **kw)  # auto: the fused kernels on CUDA
+            tag = (fmt, aps, kahan, rounding, transport, n_local)
+            assert "fused" in ig.backend, (tag, ig.backend)
+            assert _same(got, want), (tag, _explain(flat, got, want, ig, iw, kw, fmt))
+            assert (ig.nonfinite_input, ig.nonfinite_output) == (iw.nonfinite_input, iw.nonfinite_output), tag
+            assert torch.equal(ig.shifts, iw.shifts), tag
+
+
+def test_nonfinite_input_cuda():
+    flat = torch.stack([node_grads(i) for i in range(2)])
+    flat[1, 12345] = float("nan")
+    got, info = allreduce_lowp(flat, SIZES, "e4m3")
+    assert info.nonfinite_input and torch.isnan(got).all()
+
+
+def test_stochastic_rounding_says_it_runs_the_reference(caplog):
+    flat = torch.stack([node_grads(i) for i in range(2)])[:, :1000]
+    with caplog.at_level("WARNING", logger="tcprec.distributed"):
+        _, info = allreduce_lowp(flat, [1000], "e4m3", rounding="stochastic")
+    assert "reference" in info.backend
+
+
+# ---- two GPUs, NCCL ------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+NCCL_CASES = [c[:4] for c in CASES[:2]]  # the kernels compiled above serve these too
+
+
+def _nccl_worker(rank, world, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    try:
+        res = {}
+        for n_local in (1, 2):  # 1: the all-gather exchange; 2: reduce-scatter
+            mine = torch.stack([node_grads(rank * n_local + i) for i in range(n_local)])  # node order: rank-major
+            for fmt, aps, kahan, rounding in NCCL_CASES:
+                for transport in ("compressed", "emulate"):
+                    out, info = allreduce_lowp(mine, SIZES, fmt, aps=aps, kahan=kahan, transport=transport,
+                                               rounding=rounding)
+                    res[(n_local, fmt, transport)] = (out.cpu(), info.backend)
+        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_nccl_two_gpus_equal_reference_nodes():
+    world = 2
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_nccl_worker, args=(world, _free_port(), d), nprocs=world, join=True)
+        res = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(world)]
+    for n_local, exchange in ((1, "all-gather"), (2, "reduce-scatter")):
+        flat = torch.stack([node_grads(i) for i in range(n_local * world)])
+        for fmt, aps, kahan, rounding in NCCL_CASES:
+            want, _ = allreduce_lowp(flat, SIZES, fmt, aps=aps, kahan=kahan, transport="emulate", rounding=rounding,
+                                     backend="reference")
+            for r in range(world):
+                for transport in ("compressed", "emulate"):
+                    got, backend = res[r][(n_local, fmt, transport)]
+                    assert "fused" in backend and exchange in backend, backend
+                    assert _same(got, want), (n_local, fmt, transport, r, int(_bad(got, want).sum()))
