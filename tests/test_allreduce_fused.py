@@ -86,6 +86,14 @@ def test_one_and_eight_nodes(fmt, kahan, n_local):
         _check(flat, fmt, False, kahan, "nearest")
 
 
+def test_exact_ties_after_scaling():
+    # values that APS scales onto exact midpoints of e4m3's grid (23 * 2**-21 -> 23, between 22 and 24)
+    m = torch.arange(17, 32, 2, dtype=torch.float32)  # odd: every one a tie in [16, 32)
+    g = torch.cat([m, -m, torch.tensor([2.0**7 - 1])]) * 2.0**-21  # max 127 * 2**-21: e = -14, s = 21
+    for n_local in (1, 3):
+        _check(torch.stack([g] * n_local), "e4m3", True, False, "nearest", sizes=[g.numel()])
+
+
 @pytest.mark.parametrize("rounding", ["nearest_away", "toward_zero", "down"])
 def test_other_directed_modes(rounding):
     flat = torch.stack([node_grads(i) for i in range(3)])

@@ -84,6 +84,17 @@ def test_fused_equals_reference_cuda(fmt, aps, kahan, rounding, n_locals):
             assert torch.equal(ig.shifts, iw.shifts), tag
 
 
+def test_exact_ties_after_scaling_cuda():
+    """APS scales these onto exact e4m3 midpoints (23 * 2**-21 -> 23): fused, the reference on CUDA
+    and the reference on the CPU agree (the CUDA reference once took 2**s from torch.ldexp)."""
+    m = torch.arange(17, 32, 2, dtype=torch.float32)
+    g = (torch.cat([m, -m, torch.tensor([127.0])]) * 2.0**-21).view(1, -1)
+    want, _ = allreduce_lowp(g, [g.numel()], "e4m3")  # CPU: the reference
+    for backend in ("auto", "reference"):
+        got, _ = allreduce_lowp(g.cuda(), [g.numel()], "e4m3", backend=backend)
+        assert _same(got, want), (backend, got.cpu().tolist(), want.tolist())
+
+
 def test_nonfinite_input_cuda():
     flat = torch.stack([node_grads(i) for i in range(2)])
     flat[1, 12345] = float("nan")

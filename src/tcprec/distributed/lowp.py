@@ -305,7 +305,9 @@ def _allreduce_reference(grads, sizes, fmt, aps, kahan, transport, rounding, gro
     e = msg[:-1]
     shift = torch.where(e > _ZERO_E, aps_top_exponent(fmt) - e, 0) if aps else torch.zeros_like(e)
     info._shifts = shift
-    scale = torch.ldexp(torch.ones(len(sizes), dtype=torch.float64, device=dev), shift.double())[seg]  # exact 2**s
+    # exact 2**s from the exponent bits: torch.ldexp is x * pow(2, s), and CUDA's pow is not specified
+    # to be exact (on an H200 this path rounded the exact e4m3 tie -23 to -22 where the CPU gives -24)
+    scale = ((shift + 1023) << 52).view(torch.float64)[seg]
 
     # ---- 2. scale and round once to fmt ---------------------------------------------------------------
     q = _round(grads.double() * scale, fmt, rounding)  # (n_local, numel) float64 values of fmt
