@@ -135,8 +135,11 @@ def test_fast_path_availability_is_stated():
     assert ka.can_implement(format("e4m3"), "nearest") is None
     assert "stochastic" in ka.can_implement(format("e4m3"), "stochastic")
     assert "16 bits" in ka.can_implement(FloatFormat(exp=8, man=10), "nearest")
-    with pytest.raises(ValueError, match="cannot run this all-reduce.*stochastic"):
-        allreduce_lowp(torch.ones(2, 4), [4], "e4m3", rounding="stochastic", backend="triton")
+    for backend in ("triton", "reference", "auto"):  # the all-reduce refuses it up front, on every path
+        with pytest.raises(ValueError, match="rounding must be one of.*stochastic rounding inside the all-reduce"):
+            allreduce_lowp(torch.ones(2, 4), [4], "e4m3", rounding="stochastic", backend=backend)
+    with pytest.raises(ValueError, match="rounding must be one of"):
+        allreduce_lowp(torch.ones(2, 4), [4], "e4m3", rounding="nearest_even")
     _, info = allreduce_lowp(torch.ones(2, 4), [4], "e4m3")  # a CPU tensor: the reference, and it says so
     assert "reference" in info.backend
 

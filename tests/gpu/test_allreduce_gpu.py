@@ -102,11 +102,10 @@ def test_nonfinite_input_cuda():
     assert info.nonfinite_input and torch.isnan(got).all()
 
 
-def test_stochastic_rounding_says_it_runs_the_reference(caplog):
+def test_stochastic_rounding_is_refused():
     flat = torch.stack([node_grads(i) for i in range(2)])[:, :1000]
-    with caplog.at_level("WARNING", logger="tcprec.distributed"):
-        _, info = allreduce_lowp(flat, [1000], "e4m3", rounding="stochastic")
-    assert "reference" in info.backend
+    with pytest.raises(ValueError, match="rounding must be one of.*stochastic rounding inside the all-reduce"):
+        allreduce_lowp(flat, [1000], "e4m3", rounding="stochastic")
 
 
 # ---- two GPUs, NCCL ------------------------------------------------------------------------------------

@@ -161,6 +161,12 @@ def allreduce_lowp(grads: torch.Tensor, sizes: list[int], fmt, *, aps: bool = Tr
     fmt = as_format(fmt)
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got transport={transport!r}")
+    if rounding not in ROUNDINGS:
+        raise ValueError(
+            f"rounding must be one of {ROUNDINGS}, got rounding={rounding!r}"
+            + ("; stochastic rounding inside the all-reduce would need random bits that every rank draws "
+               "identically for the same element and node, which is not implemented: use a deterministic mode"
+               if rounding == "stochastic" else ""))
     if grads.dim() != 2 or sum(sizes) != grads.shape[1]:
         raise ValueError(f"grads must be (n_local, numel) with numel = sum(sizes) = {sum(sizes)}, got {tuple(grads.shape)}")
     use_dist = dist.is_available() and dist.is_initialized()
@@ -176,6 +182,8 @@ def allreduce_lowp(grads: torch.Tensor, sizes: list[int], fmt, *, aps: bool = Tr
                                 use_dist and world > 1, world, why)
 
 
+# the deterministic modes: every rank must compute the same bits for the same sums
+ROUNDINGS = ("nearest", "nearest_away", "toward_zero", "up", "down")
 _WARNED: set = set()
 
 
