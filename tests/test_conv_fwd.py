@@ -51,11 +51,14 @@ def _id(spec):
     return f"{R}x{S}_s{st}_p{pd}_d{dl}_C{C}"
 
 
-@pytest.mark.parametrize("config", [None, TAP], ids=["flat", "tap"])
-@pytest.mark.parametrize("spec", GEOMS, ids=_id)
+# the per-tap mode on C < 32 with a 7x7 / 11x11 filter is slow in the interpreter and covered by 3x3 / 5x5:
+# those pairs are left out of the parameters rather than skipped
+_CASES = [(spec, cfg) for spec in GEOMS for cfg in (None, TAP)
+          if not (cfg is TAP and spec[3] < 32 and spec[5] in (7, 11))]
+
+
+@pytest.mark.parametrize("spec,config", _CASES, ids=[f"{_id(s)}-{'tap' if c else 'flat'}" for s, c in _CASES])
 def test_int8_accumulator_bit_exact(spec, config):
-    if config is TAP and spec[3] < 32 and spec[5] in (7, 11):
-        pytest.skip("the per-tap mode on C=3 with a large filter is slow in the interpreter and covered by 3x3/5x5")
     x, w, geo = _int8(spec)
     y = cf.conv2d_fwd_int8(x, w, **geo, out="int32", config=config)
     ref = rf.conv2d_fwd_int8(x, w, **geo, out="int32")
