@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from ...formats import FloatFormat
-from .cast import _finish_value, _float_constexprs, _round_float, round_to_format
+from .cast import _finish_value, _finite_code, _float_constexprs, _round_float, round_to_format
 from .round import MODES, add_round_to_odd
 
 __all__ = ["can_implement", "amax_exponents", "encode", "reduce", "finish", "reduce_finish", "ZERO_E", "BLOCK"]
@@ -165,21 +165,8 @@ def _round_value_code(
     if WANT_CODE:
         # as in cast._float_round_kernel; the value is a positive NaN (or, without NaN, +Inf, whose
         # nearest code in a format without Inf is the largest finite one: overflow must saturate)
-        S: tl.constexpr = 23 - MAN
-        code = (((mag >> 23) - (127 - BIAS)) << MAN) | ((mag >> S) & ((1 << MAN) - 1))
-        if SUBNORMALS:
-            code_low = LOW_BASE + kept_low
-        else:
-            code_low = LOW_BASE + (kept_low << MAN)
-        code = tl.where(below, code_low, code)
-        code = tl.where(mag == 0, 0, code)
-        code = tl.where(to_max, CODE_MAX, code)
-        if not ZERO:
-            code = tl.where(to_min, CODE_MIN, code)
-        if SPECIALS == 0:
-            code = tl.where(to_over & (OVERFLOW == 1), CODE_INF, code)
-        if SIGNED:
-            code = tl.where(keep_sign, code | SIGN_BIT, code)
+        code = _finite_code(mag, kept_low, below, to_max, to_over, to_min, keep_sign, MAN, BIAS, SPECIALS,
+                            OVERFLOW, SIGNED, ZERO, SUBNORMALS, CODE_MAX, CODE_MIN, CODE_INF, SIGN_BIT, LOW_BASE)
         if CODE_NAN < 0:
             code = tl.where(to_nan, CODE_MAX, code)
         else:

@@ -199,6 +199,31 @@ def _finish_value(bits, a, mag, to_max, to_over, to_nan, to_min, keep_sign,
 
 
 @triton.jit
+def _finite_code(mag, kept_low, below, to_max, to_over, to_min, keep_sign,
+                 MAN: tl.constexpr, BIAS: tl.constexpr, SPECIALS: tl.constexpr, OVERFLOW: tl.constexpr,
+                 SIGNED: tl.constexpr, ZERO: tl.constexpr, SUBNORMALS: tl.constexpr, CODE_MAX: tl.constexpr,
+                 CODE_MIN: tl.constexpr, CODE_INF: tl.constexpr, SIGN_BIT: tl.constexpr, LOW_BASE: tl.constexpr):
+    """The code of a rounded value (``_round_float``'s outputs), NaN excepted (callers differ there):
+    normal -> exponent/mantissa fields of the f32 result; below min normal -> kept; saturation, Inf, sign."""
+    S: tl.constexpr = 23 - MAN
+    code = (((mag >> 23) - (127 - BIAS)) << MAN) | ((mag >> S) & ((1 << MAN) - 1))
+    if SUBNORMALS:
+        code_low = LOW_BASE + kept_low
+    else:
+        code_low = LOW_BASE + (kept_low << MAN)
+    code = tl.where(below, code_low, code)
+    code = tl.where(mag == 0, 0, code)
+    code = tl.where(to_max, CODE_MAX, code)
+    if not ZERO:
+        code = tl.where(to_min, CODE_MIN, code)
+    if SPECIALS == 0:
+        code = tl.where(to_over & (OVERFLOW == 1), CODE_INF, code)
+    if SIGNED:
+        code = tl.where(keep_sign, code | SIGN_BIT, code)
+    return code
+
+
+@triton.jit
 def round_to_format(
     x,
     MAN: tl.constexpr, BIAS: tl.constexpr, MIN_NORMAL_BITS: tl.constexpr, QE_LOW: tl.constexpr,
@@ -238,24 +263,10 @@ def _float_round_kernel(
     bits, a, neg, mag, kept_low, below, to_max, to_over, to_nan, to_min, keep_sign = _round_float(
         x, rnd, MAN, BIAS, MIN_NORMAL_BITS, QE_LOW, MAX_BITS, OVERFLOW, SIGNED, HAS_NZ, ZERO, SUBNORMALS,
         LOW_BASE, MODE)
-    S: tl.constexpr = 23 - MAN
 
     if WRITE_CODES:
-        # code of kept * 2**qe: normal -> exponent/mantissa fields of the f32 result; below -> kept
-        code = (((mag >> 23) - (127 - BIAS)) << MAN) | ((mag >> S) & ((1 << MAN) - 1))
-        if SUBNORMALS:
-            code_low = LOW_BASE + kept_low
-        else:
-            code_low = LOW_BASE + (kept_low << MAN)
-        code = tl.where(below, code_low, code)
-        code = tl.where(mag == 0, 0, code)
-        code = tl.where(to_max, CODE_MAX, code)
-        if not ZERO:
-            code = tl.where(to_min, CODE_MIN, code)
-        if SPECIALS == 0:
-            code = tl.where(to_over & (OVERFLOW == 1), CODE_INF, code)
-        if SIGNED:
-            code = tl.where(keep_sign, code | SIGN_BIT, code)
+        code = _finite_code(mag, kept_low, below, to_max, to_over, to_min, keep_sign, MAN, BIAS, SPECIALS,
+                            OVERFLOW, SIGNED, ZERO, SUBNORMALS, CODE_MAX, CODE_MIN, CODE_INF, SIGN_BIT, LOW_BASE)
         if SPECIALS <= 1:  # ieee / fn: NaN keeps its sign
             nan_code = tl.where(neg & SIGNED, CODE_NAN | SIGN_BIT, CODE_NAN)
         else:
