@@ -346,7 +346,9 @@ def _allreduce_reference(grads, sizes, fmt, aps, kahan, transport, rounding, gro
     total = _from_wire(everyone, fmt, transport).reshape(-1)[:numel]  # (numel,) float64
 
     # ---- 4. undo the shift, take the mean -------------------------------------------------------------
-    out = total / scale / n
+    # one division by the exact scale * n (a tensor: CUDA divides by a Python-number divisor as a
+    # multiply by its rounded reciprocal, which is not the correctly rounded quotient)
+    out = total / (scale * n)
     # rounding a value near float32's max up to the next power of two in fmt can step past float32's
     # range although the exact mean cannot: clamp finite results (Inf from an overflow stays Inf)
     fmax = torch.finfo(torch.float32).max

@@ -68,6 +68,7 @@ NUM_WARPS = 8
 HW_FP8_ROUNDING = True  # R by cvt.rn to fp8 where exact (module doc); tests and benchmarks may switch it off
 _FMAX = tl.constexpr(3.4028234663852886e38)  # float32 max
 _FMAX_BITS = tl.constexpr(0x7F7FFFFF)
+_SIGN_BIT = tl.constexpr(-(1 << 31))  # 0x80000000 as an int32
 
 # decode by bit cast: 1 e4m3fn, 2 e5m2, 3 fp16, 4 bf16 (0: through the 2**bits-entry table)
 _BITCAST_FORMATS = {FloatFormat(4, 3, specials="fn"): 1, FloatFormat(5, 2): 2, FloatFormat(5, 10): 3,
@@ -134,6 +135,14 @@ def _scale_round_to_odd(g, s):
     fix = (d != 0.0) & ((pb & 1) == 0)
     step = tl.where((d < 0.0) == (pb < 0), 1, -1)
     return tl.where(fix, pb + step, pb).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _neg(x):
+    """-x for float32 by flipping the sign bit.  Not the unary minus: Triton up to 3.6 compiles a
+    float ``-x`` as ``0 - x``, which turns -(+0) into +0 (a Kahan sum of -0's then ended +0 on the
+    GPU while the reference, and Triton's interpreter, give -0)."""
+    return (x.to(tl.int32, bitcast=True) ^ _SIGN_BIT).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -230,13 +239,13 @@ def _sum_rows(
         ptrs += stride  # 64-bit pointer arithmetic
         q = _load_values(ptrs, m, lut_ptr, CODES, N_CODES, DEC)
         if KAHAN:  # y = R(q - c); t = R(s + y); c = R(R(t - s) - y); s = t
-            yk = round_to_format(_add_rto(q, -c), MAN, BIAS, MIN_NORMAL_BITS, QE_LOW, MAX_BITS, MIN_BITS, OVERFLOW,
+            yk = round_to_format(_add_rto(q, _neg(c)), MAN, BIAS, MIN_NORMAL_BITS, QE_LOW, MAX_BITS, MIN_BITS, OVERFLOW,
                                  SIGNED, HAS_NZ, ZERO, SUBNORMALS, LOW_BASE, MODE)
             t = round_to_format(_add_rto(s, yk), MAN, BIAS, MIN_NORMAL_BITS, QE_LOW, MAX_BITS, MIN_BITS, OVERFLOW,
                                 SIGNED, HAS_NZ, ZERO, SUBNORMALS, LOW_BASE, MODE)
-            ts = round_to_format(_add_rto(t, -s), MAN, BIAS, MIN_NORMAL_BITS, QE_LOW, MAX_BITS, MIN_BITS, OVERFLOW,
+            ts = round_to_format(_add_rto(t, _neg(s)), MAN, BIAS, MIN_NORMAL_BITS, QE_LOW, MAX_BITS, MIN_BITS, OVERFLOW,
                                  SIGNED, HAS_NZ, ZERO, SUBNORMALS, LOW_BASE, MODE)
-            c = round_to_format(_add_rto(ts, -yk), MAN, BIAS, MIN_NORMAL_BITS, QE_LOW, MAX_BITS, MIN_BITS, OVERFLOW,
+            c = round_to_format(_add_rto(ts, _neg(yk)), MAN, BIAS, MIN_NORMAL_BITS, QE_LOW, MAX_BITS, MIN_BITS, OVERFLOW,
                                 SIGNED, HAS_NZ, ZERO, SUBNORMALS, LOW_BASE, MODE)
             s = t
         elif HW != 0:  # a round-to-odd sum, then the hardware's round to nearest (module doc)
