@@ -148,6 +148,17 @@ def test_single_tensor_and_uneven_shapes():
         flat = torch.randn(3, numel, generator=g) * 1e-2
         _check(flat, "e4m3", True, True, "nearest", sizes=[numel])
         _check(flat, "e5m2", True, False, "up", sizes=[1] * numel)
+    # empty tensors among the sizes (equal starts: the per-block tensor table must agree with the
+    # device's search, the largest t whose start is <= the index)
+    flat = torch.stack([node_grads(i) for i in range(3)])
+    _check(flat, "e4m3", True, False, "nearest", sizes=[0, 70, 0, 0, 200, 1, 0, 205, 0])
+
+
+def test_graph_needs_the_fused_cuda_path():
+    with pytest.raises(ValueError, match="graph=True needs CUDA tensors"):
+        allreduce_lowp(torch.ones(2, 4), [4], "e4m3", graph=True)
+    with pytest.raises(ValueError, match="graph=True needs CUDA tensors"):
+        allreduce_lowp(torch.ones(2, 4), [4], "e4m3", graph=True, backend="triton")
 
 
 def test_fast_path_availability_is_stated():
@@ -283,19 +294,18 @@ def _aot_main():
 
     fmt = format("e4m3")
     fc = _float_constexprs(fmt)
-    aps = dict(APS=True, TOP=7, ZERO_E_=ka.ZERO_E, LOG_T=6)
-    comp(ka._amax_kernel, dict(g_ptr="*fp32", starts_ptr="*i64", amax_ptr="*i32", n_local="i32", numel="i32",
-                               T="i32"), dict(LOG_T=6, BLOCK=2048), div=("numel",))
-    comp(ka._exponents_kernel, dict(amax_ptr="*i32", msg_ptr="*i64", T="i32", n="i32"),
-         dict(ZERO_E_=ka.ZERO_E, BLOCK=256))
+    aps = dict(APS=True, TOP=7)
+    comp(ka._amax_kernel, dict(g_ptr="*fp32", state_ptr="*i32", blk_ptr="*i32", starts_ptr="*i64", n_local="i32",
+                               numel="i32", T="i32"), dict(BLOCK=2048), div=("numel",))
     for codes, hw in ((True, 1), (False, 0)):
-        comp(ka._encode_kernel, dict(g_ptr="*fp32", send_ptr="*u8" if codes else "*fp32", starts_ptr="*i64",
-                                     msg_ptr="*i64", n_local="i32", numel="i32", shard="i32", T="i32"),
+        comp(ka._encode_kernel, dict(g_ptr="*fp32", send_ptr="*u8" if codes else "*fp32", state_ptr="*i32",
+                                     blk_ptr="*i32", starts_ptr="*i64", n_local="i32", numel="i32", shard="i32",
+                                     T="i32", n="i32"),
              dict(**aps, **fc, MODE=0, CODES=codes, HW=hw, BLOCK=2048), div=("numel", "shard"))
     comp(ka._reduce_kernel, dict(recv_ptr="*u8", out_ptr="*u8", lut_ptr="*fp32", n="i32", shard="i32"),
          dict(**fc, MODE=3, KAHAN=True, CODES=True, N_CODES=256, DEC=1, HW=0, BLOCK=2048), div=("shard",))
-    mean = dict(wire_ptr="*u8", out_ptr="*fp32", lut_ptr="*fp32", starts_ptr="*i64", msg_ptr="*i64",
-                flag_ptr="*i32", numel="i32", T="i32", inv_n="fp32", n="i32")
+    mean = dict(wire_ptr="*u8", out_ptr="*fp32", lut_ptr="*fp32", state_ptr="*i32", blk_ptr="*i32",
+                starts_ptr="*i64", numel="i32", T="i32", inv_n="fp32", n="i32")
     ptx = comp(ka._finish_kernel, mean, dict(**aps, N_POW2=False, LOG2N=0, CODES=True, N_CODES=256, DEC=0,
                                              BLOCK=2048), div=("numel",))
     comp(ka._finish_kernel, dict(mean, wire_ptr="*fp32"), dict(**aps, N_POW2=True, LOG2N=1, CODES=False,

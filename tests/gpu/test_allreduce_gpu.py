@@ -95,6 +95,24 @@ def test_exact_ties_after_scaling_cuda():
         assert _same(got, want), (backend, got.cpu().tolist(), want.tolist())
 
 
+def test_graph_replays_equal_the_reference_cuda():
+    """graph=True: captured once per buffer, replayed after; each replay sees the buffer's current
+    values (the second call below changes them in place) and reports its own flags."""
+    for n_local in (1, 3):
+        flat = torch.stack([node_grads(i) for i in range(n_local)])
+        for fmt, kw in (("e4m3", dict()), ("e5m2", dict(kahan=True, rounding="down", transport="emulate"))):
+            for step in range(3):
+                if step == 2:
+                    flat.mul_(-0.5)
+                want, iw = allreduce_lowp(flat, SIZES, fmt, backend="reference", **kw)
+                got, ig = allreduce_lowp(flat, SIZES, fmt, graph=True, **kw)
+                assert _same(got, want), (n_local, fmt, step, int(_bad(got, want).sum()))
+                assert torch.equal(ig.shifts, iw.shifts) and not ig.nonfinite_input
+        flat[0, 7] = float("nan")
+        got, ig = allreduce_lowp(flat, SIZES, "e4m3", graph=True)
+        assert ig.nonfinite_input and torch.isnan(got).all()
+
+
 def test_nonfinite_input_cuda():
     flat = torch.stack([node_grads(i) for i in range(2)])
     flat[1, 12345] = float("nan")
@@ -133,6 +151,9 @@ def _nccl_worker(rank, world, port, out_dir):
                     out, info = allreduce_lowp(mine, SIZES, fmt, aps=aps, kahan=kahan, transport=transport,
                                                rounding=rounding)
                     res[(n_local, fmt, transport)] = (out.cpu(), info.backend)
+            for step in range(2):  # the CUDA graph path: NCCL collectives captured with the kernels
+                out, info = allreduce_lowp(mine, SIZES, "e4m3", graph=True)
+                res[(n_local, "e4m3", f"graph{step}")] = (out.cpu(), info.backend)
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -150,7 +171,7 @@ def test_nccl_two_gpus_equal_reference_nodes():
             want, _ = allreduce_lowp(flat, SIZES, fmt, aps=aps, kahan=kahan, transport="emulate", rounding=rounding,
                                      backend="reference")
             for r in range(world):
-                for transport in ("compressed", "emulate"):
+                for transport in ("compressed", "emulate") + (("graph0", "graph1") if fmt == "e4m3" else ()):
                     got, backend = res[r][(n_local, fmt, transport)]
                     assert "fused" in backend and exchange in backend, backend
                     assert _same(got, want), (n_local, fmt, transport, r, int(_bad(got, want).sum()))

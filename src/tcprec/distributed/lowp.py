@@ -20,9 +20,10 @@ them in node order) and an all-gather of the reduced shards.  Node order is glob
 ``rank * n_local + i``, so 4 processes x 1 node and 1 process x 4 emulated nodes give the same bits.
 
 Two implementations, same bits (tests/test_allreduce_fused.py, tests/gpu/test_allreduce_gpu.py):
-* CUDA tensors: the fused Triton kernels of kernels/triton/allreduce.py (four or five launches
-  around two or three collectives, no host sync; the flags in ``AllreduceInfo`` are read from the
-  device only when asked for).  Where it moves no more bytes (one process, or two processes with
+* CUDA tensors: the fused Triton kernels of kernels/triton/allreduce.py (three or four launches
+  and a zero fill around two or three collectives, no host sync; the flags in ``AllreduceInfo``
+  are read from the device only when asked for; ``graph=True`` replays the whole call as one CUDA
+  graph).  Where it moves no more bytes (one process, or two processes with
   one node each) every rank all-gathers every node's codes and reduces the whole vector itself,
   in node order as the reduce-scatter does: one collective and one kernel fewer, the same bits.
   Formats or modes those kernels cannot do exactly (``can_implement`` says why: stochastic
@@ -32,7 +33,6 @@ Two implementations, same bits (tests/test_allreduce_fused.py, tests/gpu/test_al
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -119,6 +119,7 @@ class AllreduceInfo:
 
     @staticmethod
     def _read(v):
+        v = v() if callable(v) else v
         return bool(v) if isinstance(v, torch.Tensor) else v
 
     @property
@@ -144,7 +145,7 @@ class AllreduceInfo:
 
 def allreduce_lowp(grads: torch.Tensor, sizes: list[int], fmt, *, aps: bool = True, kahan: bool = False,
                    transport: str = "compressed", rounding: str = "nearest", group=None,
-                   backend: str = "auto") -> tuple[torch.Tensor, AllreduceInfo]:
+                   backend: str = "auto", graph: bool = False) -> tuple[torch.Tensor, AllreduceInfo]:
     """The mean over all nodes of flat gradients ``grads`` (n_local, numel), reduced in ``fmt``.
 
     ``sizes``: the lengths of the tensors packed in a row (APS scales each one separately).
@@ -153,6 +154,10 @@ def allreduce_lowp(grads: torch.Tensor, sizes: list[int], fmt, *, aps: bool = Tr
     ``info.nonfinite_input`` is True (the caller skips the step).
     ``backend``: ``"auto"`` (fused Triton kernels on CUDA, the reference elsewhere), ``"triton"``
     (also under TRITON_INTERPRET=1 on the CPU; raises where the kernels cannot run) or ``"reference"``.
+    ``graph=True`` (CUDA tensors, fused kernels): the call is captured once per input buffer and
+    layout as a CUDA graph, kernels and collectives together, and replayed after, so its host cost
+    is one graph launch; every rank must make the same calls.  The returned mean is then the
+    graph's own buffer, overwritten by the next call on the same buffer: copy it out before then.
 
     >>> mean, info = allreduce_lowp(torch.randn(4, 10), [3, 7], "e4m3")   # 4 emulated nodes
     >>> mean.shape, info.nonfinite_input
@@ -175,9 +180,23 @@ def allreduce_lowp(grads: torch.Tensor, sizes: list[int], fmt, *, aps: bool = Tr
     n = world * n_local
     check_aps_format(fmt, n) if aps else None
     path, why = _choose_path(grads, fmt, rounding, backend)
+    if graph and not (path == "triton" and grads.is_cuda):
+        raise ValueError(f"graph=True needs CUDA tensors on the fused kernels' path; this call runs {why} on "
+                         f"{grads.device}: use graph=False")
+    if graph and not (grads.dtype == torch.float32 and grads.is_contiguous()):
+        raise ValueError(f"graph=True replays reads of the input buffer itself: it must be float32 and contiguous, "
+                         f"got {grads.dtype}{'' if grads.is_contiguous() else ', not contiguous'}")
     if path == "triton":
-        return _allreduce_fused(grads.float().contiguous(), sizes, fmt, aps, kahan, transport, rounding, group,
-                                use_dist and world > 1, world, why)
+        g32 = grads.float().contiguous()
+        run = lambda: _allreduce_fused(g32, sizes, fmt, aps, kahan, transport, rounding, group,  # noqa: E731
+                                       use_dist and world > 1, world, why)
+        if graph:
+            from ..kernels.triton import allreduce as ka
+
+            key = (g32.data_ptr(), g32.shape, g32.device, tuple(sizes), fmt, aps, kahan, transport, rounding, group,
+                   world, ka.BLOCK, ka.HW_FP8_ROUNDING)
+            return _allreduce_graphed(key, run, why)
+        return run()
     return _allreduce_reference(grads.float(), sizes, fmt, aps, kahan, transport, rounding, group,
                                 use_dist and world > 1, world, why)
 
@@ -223,7 +242,8 @@ def _cached(key, make):
 
 
 def _wire_shape(numel: int, world: int) -> int:
-    return -(-numel // (4 * world)) * 4  # shard: a multiple of 4, so codes travel as int32 words (_words)
+    # shard: a multiple of 16, so codes travel as int32 words (_words) and every row starts 16-byte aligned
+    return -(-numel // (16 * world)) * 16
 
 
 def _gathers(world: int, n_local: int) -> bool:
@@ -246,49 +266,88 @@ def _allreduce_fused(grads, sizes, fmt, aps, kahan, transport, rounding, group, 
     if numel == 0:
         return torch.zeros(0, device=dev), AllreduceInfo(shifts=torch.zeros(T, dtype=torch.int64, device=dev),
                                                          backend=why)
-    starts = _cached(("starts", tuple(sizes), dev), lambda: torch.tensor(
-        [0] + list(itertools.accumulate(sizes))[:-1], dtype=torch.int64, device=dev))  # (T,) first index of each
+    gathers = _gathers(world, n_local)
+    shard = _wire_shape(numel, 1 if gathers else world)
+    lay = ka.layout(sizes, numel, 1 if gathers else world, shard, dev)  # cached: tensor starts, block tables
     lut = _cached(("lut", fmt, dev), lambda: decode(torch.arange(fmt.n_codes), fmt).to(dev))  # (2**bits,) f32
 
-    # ---- 1. per-tensor exponents and the non-finite flag: one MAX all-reduce ------------------------
-    flags = torch.zeros(T + 1, dtype=torch.int32, device=dev)  # (T,) max |g| bits, then the output flag
-    msg = torch.empty(T + 1, dtype=torch.int64, device=dev)  # (T,) e, then the non-finite-input flag
-    ka.amax_exponents(grads, starts, n, flags, msg)
+    # ---- 1. per-tensor max |g| and the non-finite flag: one MAX all-reduce ---------------------------
+    state = ka.state_buffer(T, dev)  # (T + 2,) int32: max |g| bits, non-finite input, overflow (0 here)
+    ka.amax(grads, lay, state)
     if use_dist:
-        dist.all_reduce(msg, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(state, op=dist.ReduceOp.MAX, group=group)
 
     # ---- 2. scale, round once, lay out for the exchange (compressed: codes; emulate: float32) -------
     wdt = torch.float32 if transport == "emulate" else code_dtype(fmt)  # uint8 up to 8 bits, int16 up to 16
     out = torch.empty(numel, dtype=torch.float32, device=dev)
-    if _gathers(world, n_local):
+    if gathers:
         # ---- 3a. all-gather every node's codes; sum in node order and take the mean in one kernel ----
-        row = _wire_shape(numel, 1)
-        send = torch.empty(1, n_local, row, dtype=wdt, device=dev)  # (1, n_local, row)
-        ka.encode(grads, starts, msg, send, fmt, rounding, aps, top)
+        send = torch.empty(1, n_local, shard, dtype=wdt, device=dev)  # (1, n_local, row)
+        ka.encode(grads, lay, state, send, fmt, rounding, aps, top, n)
         if use_dist:
-            everyone = torch.empty(world * n_local * row, dtype=wdt, device=dev)  # (world, n_local, row)
+            everyone = torch.empty(world * n_local * shard, dtype=wdt, device=dev)  # (world, n_local, row)
             _all_gather_single(_words(everyone), _words(send), group=group)
         else:
             everyone = send
-        ka.reduce_finish(everyone.view(n, row), out, lut, starts, msg, flags[T:], fmt, rounding, kahan, aps, top)
+        ka.reduce_finish(everyone.view(n, shard), out, lut, lay, state, fmt, rounding, kahan, aps, top)
         how = "all-gather"
     else:
         # ---- 3b. reduce-scatter in node order (all_to_all), all-gather, then the mean ------------------
-        shard = _wire_shape(numel, world)
         send = torch.empty(world, n_local, shard, dtype=wdt, device=dev)  # (world, n_local, shard)
-        ka.encode(grads, starts, msg, send, fmt, rounding, aps, top)
+        ka.encode(grads, lay, state, send, fmt, rounding, aps, top, n)
         recv = torch.empty_like(send)
         dist.all_to_all_single(_words(recv), _words(send), group=group)
         mine = torch.empty(shard, dtype=wdt, device=dev)
         ka.reduce(recv.view(n, shard), mine, lut, fmt, rounding, kahan, aps)  # rows: node r * n_local + i
         everyone = torch.empty(world * shard, dtype=wdt, device=dev)
         _all_gather_single(_words(everyone), _words(mine), group=group)
-        ka.finish(everyone, out, lut, starts, msg, flags[T:], fmt, n, aps, top)
+        ka.finish(everyone, out, lut, lay, state, fmt, n, aps, top)
         how = "reduce-scatter"
-    e = msg[:T]
-    shifts = (lambda: torch.where(e > _ZERO_E, top - e, 0)) if aps else (lambda: torch.zeros_like(e))
-    return out, AllreduceInfo(nonfinite_input=msg[T], nonfinite_output=flags[T], shifts=shifts,
-                              backend=f"{why}, {how} exchange")
+    return out, _fused_info(state, T, n, top, aps, f"{why}, {how} exchange")
+
+
+def _fused_info(state: torch.Tensor, T: int, n: int, top: int, aps: bool, backend: str) -> AllreduceInfo:
+    """AllreduceInfo over the fused path's device state; each flag is read (one sync) when asked."""
+
+    def shifts():
+        amax = state[:T].view(torch.float32)  # the all-reduced max |g| of each tensor
+        ok = (amax > 0) & torch.isfinite(amax)
+        e = torch.where(ok, _ceil_log2(torch.where(ok, amax, 1.0), n), _ZERO_E)
+        return torch.where(e > _ZERO_E, top - e, 0) if aps else torch.zeros_like(e)
+
+    return AllreduceInfo(nonfinite_input=lambda: state[T], nonfinite_output=lambda: state[T + 1], shifts=shifts,
+                         backend=backend)
+
+
+_GRAPHS: dict = {}  # (input address, layout, options) -> (CUDA graph, its output, info maker)
+_NO_GRAPH: dict = {}  # the same keys, where capture failed: why
+
+
+def _allreduce_graphed(key, run, why):
+    """Replay a CUDA graph of the fused path for this input buffer and layout (captured on the
+    first call, after two eager warm-up calls that compile the kernels and set up the
+    communicator); where capture fails, say so once and run eagerly."""
+    hit = _GRAPHS.get(key)
+    if hit is None:
+        if key in _NO_GRAPH:
+            return run()
+        run()
+        run()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                out, info = run()
+        except Exception as e:  # noqa: BLE001  (reported, then the eager path: no silent fall-back)
+            _NO_GRAPH[key] = f"{type(e).__name__}: {e}"
+            log.warning("allreduce_lowp(graph=True): CUDA graph capture failed (%s); running eagerly", _NO_GRAPH[key])
+            return run()
+        if len(_GRAPHS) >= 16:
+            _GRAPHS.pop(next(iter(_GRAPHS)))
+        hit = _GRAPHS[key] = (graph, out, info)
+    graph, out, info = hit
+    graph.replay()
+    fresh = AllreduceInfo(info._input, info._output, info._shifts, info.backend)  # flags read anew
+    return out, fresh
 
 
 def _allreduce_reference(grads, sizes, fmt, aps, kahan, transport, rounding, group, use_dist, world, why):
@@ -399,9 +458,11 @@ class LowpAllreduceHook:
     by :func:`allreduce_lowp` (per-parameter APS).  Non-finite gradients: logged, ``stats`` updated,
     and the bucket returned as NaN so that a finiteness check (``LossScaler``) skips the step."""
 
-    def __init__(self, fmt, aps=True, kahan=False, transport="compressed", rounding="nearest", group=None):
+    def __init__(self, fmt, aps=True, kahan=False, transport="compressed", rounding="nearest", group=None,
+                 graph=False):
         self.fmt = as_format(fmt)
         self.aps, self.kahan, self.transport, self.rounding, self.group = aps, kahan, transport, rounding, group
+        self.graph = graph  # CUDA-graph replay per bucket buffer (allreduce_lowp(graph=True))
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got transport={transport!r}")
         if dist.is_available() and dist.is_initialized() and aps:
@@ -415,7 +476,8 @@ class LowpAllreduceHook:
         if sum(sizes) != buf.numel():  # gradients as views may not tile the buffer: treat it as one tensor
             sizes = [buf.numel()]
         out, info = allreduce_lowp(buf.view(1, -1), sizes, self.fmt, aps=self.aps, kahan=self.kahan,
-                                   transport=self.transport, rounding=self.rounding, group=self.group)
+                                   transport=self.transport, rounding=self.rounding, group=self.group,
+                                   graph=self.graph)
         self._record(info, bucket.index())
         buf.copy_(out.view_as(buf))
         fut = torch.futures.Future()
@@ -438,10 +500,10 @@ LowpAllreduceHook.__call__.__annotations__["return"] = torch.futures.Future[torc
 
 
 def lowp_allreduce_hook(fmt, aps: bool = True, kahan: bool = False, transport: str = "compressed",
-                        rounding: str = "nearest", group=None) -> LowpAllreduceHook:
+                        rounding: str = "nearest", group=None, graph: bool = False) -> LowpAllreduceHook:
     """A DDP comm hook that all-reduces gradients in ``fmt`` with APS.
 
     >>> # ddp = DistributedDataParallel(model)
     >>> # ddp.register_comm_hook(None, lowp_allreduce_hook("e4m3", aps=True))
     """
-    return LowpAllreduceHook(fmt, aps, kahan, transport, rounding, group)
+    return LowpAllreduceHook(fmt, aps, kahan, transport, rounding, group, graph)

@@ -2,20 +2,21 @@
 reference: distributed/lowp.py).  They compute the reference's bits with float32/float64 device
 arithmetic instead of float64 tensors::
 
-    amax       grads (n_local, numel) f32 -> per tensor max |g| as f32 bits (relaxed atomic max;
-               NaN/Inf bits sort above every finite value)
-    exponents  -> msg (T + 1,) int64: e_t = ceil(log2(amax_t * n)) exactly (integer arithmetic),
-               msg[T] = 1 if any gradient is not finite
-    --- MAX all-reduce of msg ---
-    encode     grads, msg -> send (world, n_local, shard): q = R(g * 2**s), s = top - e_t, written
-               in the collective's layout (codes, or float32 values for transport="emulate")
+    amax       grads (n_local, numel) f32 -> state (T + 2,) int32: state[t] = max |g| of tensor t as
+               f32 bits (relaxed atomic max; NaN/Inf bits sort above every finite value),
+               state[T] = 1 if any gradient is not finite
+    --- MAX all-reduce of state (the max of the bits is the bits of the max) ---
+    encode     grads, state -> send (world, n_local, shard): q = R(g * 2**s), s = top - e_t with
+               e_t = ceil(log2(amax_t * n)) computed exactly where it is needed (integer arithmetic),
+               written in the collective's layout (codes, or float32 values for transport="emulate")
     then one of two exchanges (distributed/lowp.py picks the one that moves fewer bytes):
     * reduce-scatter: all_to_all (rank j gets shard j of every node) -> reduce: S = R(..R(R(q_0 +
       q_1) + q_2).. + q_{n-1}) node by node (Kahan optional) -> all_gather -> finish: S * 2**-s / n
     * all-gather: every rank gets every node's codes -> reduce_finish: the same sum over the whole
       vector, the wire round trip of S, and the mean, in one kernel
     The mean is float64 like the reference (float32 where that is exact), finite results clamped
-    to the float32 range, all NaN if msg[T] (a non-finite gradient somewhere).
+    to the float32 range, all NaN if state[T] (a non-finite gradient somewhere); state[T + 1] = 1
+    if a mean overflowed.
 
 Why float32 is exact here (formats accepted by ``can_implement``: <= 16 bits, quantum >= 2**-147,
 <= 21 mantissa bits):
@@ -36,9 +37,13 @@ Why float32 is exact here (formats accepted by ``can_implement``: <= 16 bits, qu
   |value| <= 2**top / n, far below the format's max, so saturation never acts).  Decoding e4m3fn,
   e5m2, fp16 and bf16 codes is a bit cast (exact anywhere); other formats decode by a table.
 
-Segment (tensor) lookup: per block, a scalar binary search gives the tensors of its first and last
-element; a block inside one tensor uses that tensor's shift as a scalar, only blocks that straddle
-tensors search per element.
+Segment (tensor) lookup: a per-layout table (``Layout``, made once per shape) gives the tensors of
+each block's first and last element; a block inside one tensor uses that tensor's shift as a
+scalar, only blocks that straddle tensors binary-search per element.  (A per-block binary search
+was a chain of dependent loads in every block: latency, not bytes.)
+
+Negation is a sign-bit flip (``_neg``), never the unary minus: Triton up to 3.6 compiles a float
+``-x`` as ``0 - x``, which gives +0 for x = +0 and changed the sign of zero sums under Kahan.
 
 Launch cost: ``fn[grid](...)`` re-binds ~30 arguments and rebuilds the specialization key on every
 call (~0.1 ms of host time per launch on the H200 host, more than these kernels run); ``_Launcher``
@@ -47,6 +52,7 @@ compiles each specialization once through Triton and launches the compiled kerne
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 
@@ -58,11 +64,11 @@ from ...formats import FloatFormat
 from .cast import _finish_value, _finite_code, _float_constexprs, _round_float, round_to_format
 from .round import MODES, add_round_to_odd
 
-__all__ = ["can_implement", "amax_exponents", "encode", "reduce", "finish", "reduce_finish", "ZERO_E", "BLOCK"]
+__all__ = ["can_implement", "layout", "Layout", "state_buffer", "amax", "encode", "reduce", "finish",
+           "reduce_finish", "BLOCK"]
 
 log = logging.getLogger("tcprec.kernels")
 
-ZERO_E = -(1 << 40)  # exponent of an all-zero tensor (distributed/lowp.py uses the same value)
 BLOCK = 2048  # elements per program (read at launch time: tests shrink it to cover block boundaries)
 NUM_WARPS = 8
 HW_FP8_ROUNDING = True  # R by cvt.rn to fp8 where exact (module doc); tests and benchmarks may switch it off
@@ -102,21 +108,28 @@ def can_implement(fmt, rounding: str) -> str | None:
 
 
 @triton.jit
-def _seg_of(i, starts_ptr, T, LOG_T: tl.constexpr):
-    """The tensor holding flat index ``i`` (scalar or block): the largest t with starts[t] <= i
-    (binary lifting over the T tensor starts; 2**LOG_T >= T)."""
-    seg = i * 0
-    for k in tl.static_range(LOG_T):
-        cand = seg + (1 << (LOG_T - 1 - k))
-        st = tl.load(starts_ptr + cand, mask=cand < T, other=0)
-        seg = tl.where((cand < T) & (st <= i), cand, seg)
+def _seg_in_block(offs, starts_ptr, seg_lo, seg_hi):
+    """The tensor of each flat index ``offs`` of a block whose first and last elements lie in
+    tensors seg_lo and seg_hi: the largest t with starts[t] <= index, counted over the block's few
+    tensor starts (starts is non-decreasing; a loop, not an unrolled search: few registers)."""
+    seg = tl.zeros(offs.shape, tl.int32) + seg_lo
+    for t in range(seg_lo + 1, seg_hi + 1):
+        seg += (offs >= tl.load(starts_ptr + t)).to(tl.int32)
     return seg
 
 
 @triton.jit
-def _shift_of(e, TOP: tl.constexpr, ZERO_E_: tl.constexpr):
-    """APS shift of a tensor from its (all-reduced) exponent: top - e, 0 for an all-zero tensor."""
-    return tl.where(e > ZERO_E_, TOP - e, 0)
+def _shift_of(a, n, TOP: tl.constexpr):
+    """APS shift of a tensor from its (all-reduced) max |g| as float32 bits ``a`` (int32 >= 0):
+    TOP - e with e = ceil(log2(amax * n)) exactly (integer arithmetic); 0 for an all-zero tensor
+    (and for a non-finite one, whose mean is all NaN anyway).  int64."""
+    ex = a >> 23
+    sig = tl.where(ex == 0, a & 0x7FFFFF, (a & 0x7FFFFF) | 0x800000)  # amax = sig * 2**(max(ex,1) - 150)
+    prod = sig.to(tl.float64) * n  # exact: < 2**24 * 2**29
+    pb = prod.to(tl.int64, bitcast=True)
+    ceil_log2 = (pb >> 52) - 1023 + ((pb & 0xFFFFFFFFFFFFF) != 0).to(tl.int64)  # of the integer sig * n
+    e = ceil_log2 + (tl.maximum(ex, 1) - 150).to(tl.int64)
+    return tl.where((a == 0) | (a >= 0x7F800000), 0, TOP - e)
 
 
 @triton.jit
@@ -283,17 +296,15 @@ def _mean_f32(total, k):
 
 @triton.jit
 def _mean_store(
-    total, offs, inb, out_ptr, starts_ptr, msg_ptr, flag_ptr, lo, hi, numel, T, inv_n, n,
-    APS: tl.constexpr, TOP: tl.constexpr, ZERO_E_: tl.constexpr, LOG_T: tl.constexpr, N_POW2: tl.constexpr,
-    LOG2N: tl.constexpr, BLOCK: tl.constexpr,
+    total, offs, inb, out_ptr, state_ptr, starts_ptr, seg_lo, seg_hi, T, inv_n, n,
+    APS: tl.constexpr, TOP: tl.constexpr, N_POW2: tl.constexpr, LOG2N: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    """out[offs] = total * 2**-s / n (all NaN after a non-finite input); flag if a mean overflowed.
-    [lo, hi]: the block's first and last index."""
+    """out[offs] = total * 2**-s / n (all NaN after a non-finite input); state[T + 1] = 1 if a mean
+    is not finite.  [seg_lo, seg_hi]: the tensors of the block's first and last element."""
     if APS:
-        seg_lo = _seg_of(lo, starts_ptr, T, LOG_T)
-        seg_hi = _seg_of(hi, starts_ptr, T, LOG_T)
         if seg_lo == seg_hi:
-            s_blk = _shift_of(tl.load(msg_ptr + seg_lo), TOP, ZERO_E_)
+            s_blk = _shift_of(tl.load(state_ptr + seg_lo), n, TOP)
             k = -s_blk - LOG2N
             if N_POW2:
                 if (k >= -126) & (k <= 127):
@@ -302,22 +313,27 @@ def _mean_store(
                     y = _mean_f64(total, s_blk, inv_n, n, N_POW2)
             else:
                 y = _mean_f64(total, s_blk, inv_n, n, N_POW2)
-        else:
-            seg = _seg_of(offs, starts_ptr, T, LOG_T)
-            s_vec = _shift_of(tl.load(msg_ptr + seg, mask=inb, other=ZERO_E_), TOP, ZERO_E_)
+        else:  # the block straddles tensors: look each element's up
+            seg = _seg_in_block(offs, starts_ptr, seg_lo, seg_hi)
+            s_vec = _shift_of(tl.load(state_ptr + seg, mask=inb, other=0), n, TOP)
             y = _mean_f64(total, s_vec, inv_n, n, N_POW2)
     elif N_POW2:
         y = _mean_f32(total, tl.zeros([BLOCK], tl.int32) - LOG2N)
     else:
         y = _mean_f64(total, tl.zeros([BLOCK], tl.int64), inv_n, n, N_POW2)
-    bad = tl.load(msg_ptr + T)
+    bad = tl.load(state_ptr + T)
     if bad != 0:  # a non-finite gradient somewhere: the mean is all NaN (the step is skipped)
         y = tl.full([BLOCK], float("nan"), tl.float32)
-    else:
+    else:  # only lanes holding an overflow write the flag (no block-wide reduction)
         nonfin = inb & ~(tl.abs(y) < float("inf"))
-        any_nonfin = tl.max(nonfin.to(tl.int32), axis=0)
-        tl.atomic_max(flag_ptr, any_nonfin, mask=any_nonfin > 0, sem="relaxed")
+        tl.atomic_max(state_ptr + (T + 1) + tl.zeros([BLOCK], tl.int32), 1, mask=nonfin, sem="relaxed")
     tl.store(out_ptr + offs, y, mask=inb)
+
+
+@triton.jit
+def _block_tensors(blk_ptr, b):
+    """The tensors of block b's first and last element, from the per-layout table (int32 pairs)."""
+    return tl.load(blk_ptr + 2 * b), tl.load(blk_ptr + 2 * b + 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -326,54 +342,36 @@ def _mean_store(
 
 
 @triton.jit(do_not_specialize=["n_local", "T"])  # loop bounds: a new value needs no new compile
-def _amax_kernel(g_ptr, starts_ptr, amax_ptr, n_local, numel, T, LOG_T: tl.constexpr, BLOCK: tl.constexpr):
+def _amax_kernel(g_ptr, state_ptr, blk_ptr, starts_ptr, n_local, numel, T, BLOCK: tl.constexpr):
+    """state[t] = max |g| over tensor t as float32 bits (relaxed atomic max; NaN/Inf bits sort above
+    every finite value); state[T] = 1 if any gradient is not finite.  state must be zero."""
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     inb = offs < numel
+    seg_lo, seg_hi = _block_tensors(blk_ptr, pid)  # issued before the gradient loads they do not need
     a = tl.zeros([BLOCK], tl.int32)
     ptrs = g_ptr + offs
     for r in range(n_local):  # max |g| over the local nodes, as float32 bits (NaN bits sort highest)
         g = tl.load(ptrs, mask=inb, other=0.0)
         a = tl.maximum(a, g.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
         ptrs += numel  # next node's row (64-bit pointer arithmetic)
-    seg_lo = _seg_of(pid * BLOCK, starts_ptr, T, LOG_T)
-    seg_hi = _seg_of(tl.minimum(pid * BLOCK + BLOCK, numel) - 1, starts_ptr, T, LOG_T)
-    # relaxed: nothing in this kernel reads the maxima; the exponents kernel runs after it
+    # relaxed: nothing in this kernel reads the maxima; the next kernel runs after it
     if seg_lo == seg_hi:  # the block lies in one tensor
-        tl.atomic_max(amax_ptr + seg_lo, tl.max(a, axis=0), sem="relaxed")
+        m = tl.max(a, axis=0)
+        tl.atomic_max(state_ptr + seg_lo, m, mask=m > 0, sem="relaxed")
     else:
-        seg = _seg_of(offs, starts_ptr, T, LOG_T)
+        seg = _seg_in_block(offs, starts_ptr, seg_lo, seg_hi)
+        m = tl.max(a, axis=0)
         for t in range(seg_lo, seg_hi + 1):
-            tl.atomic_max(amax_ptr + t, tl.max(tl.where(inb & (seg == t), a, 0), axis=0), sem="relaxed")
+            tl.atomic_max(state_ptr + t, tl.max(tl.where(inb & (seg == t), a, 0), axis=0), sem="relaxed")
+    tl.atomic_max(state_ptr + T, 1, mask=m >= 0x7F800000, sem="relaxed")
 
 
-@triton.jit(do_not_specialize=["T", "n"])
-def _exponents_kernel(amax_ptr, msg_ptr, T, n, ZERO_E_: tl.constexpr, BLOCK: tl.constexpr):
-    """One program: msg[t] = ceil(log2(amax_t * n)) (ZERO_E for zero / non-finite), msg[T] = bad."""
-    bad_any = tl.zeros([BLOCK], tl.int64)
-    for k0 in range(0, T, BLOCK):
-        k = k0 + tl.arange(0, BLOCK)
-        m = k < T
-        a = tl.load(amax_ptr + k, mask=m, other=0)
-        bad = a >= 0x7F800000
-        ex = a >> 23
-        sig = tl.where(ex == 0, a & 0x7FFFFF, (a & 0x7FFFFF) | 0x800000)  # amax = sig * 2**(max(ex,1) - 150)
-        ex = tl.maximum(ex, 1)
-        prod = sig.to(tl.float64) * n  # exact: < 2**24 * 2**29
-        pb = prod.to(tl.int64, bitcast=True)
-        ceil_log2 = (pb >> 52) - 1023 + ((pb & 0xFFFFFFFFFFFFF) != 0).to(tl.int64)  # of the integer sig * n
-        e = ceil_log2 + (ex - 150).to(tl.int64)
-        e = tl.where((a == 0) | bad, ZERO_E_, e)
-        tl.store(msg_ptr + k, e, mask=m)
-        bad_any = tl.maximum(bad_any, bad.to(tl.int64))
-    tl.store(msg_ptr + T, tl.max(bad_any, axis=0))
-
-
-@triton.jit(do_not_specialize=["n_local", "T"])
+@triton.jit(do_not_specialize=["n_local", "T", "n"])
 def _encode_kernel(
-    g_ptr, send_ptr, starts_ptr, msg_ptr, n_local, numel, shard, T,
+    g_ptr, send_ptr, state_ptr, blk_ptr, starts_ptr, n_local, numel, shard, T, n,
     # -- APS --
-    APS: tl.constexpr, TOP: tl.constexpr, ZERO_E_: tl.constexpr, LOG_T: tl.constexpr,
+    APS: tl.constexpr, TOP: tl.constexpr,
     # -- the format (cast._float_constexprs) --
     MAN: tl.constexpr, BIAS: tl.constexpr, MIN_NORMAL_BITS: tl.constexpr, QE_LOW: tl.constexpr,
     MAX_BITS: tl.constexpr, MIN_BITS: tl.constexpr, SPECIALS: tl.constexpr, OVERFLOW: tl.constexpr,
@@ -391,23 +389,21 @@ def _encode_kernel(
     j = w * shard + p  # flat gradient index
     col = p < shard
     inb = col & (j < numel)  # the rest is padding: value 0
+    if APS:
+        seg_lo, seg_hi = _block_tensors(blk_ptr, w * tl.num_programs(0) + pid)
     g = tl.load(g_ptr + r * numel + j, mask=inb, other=0.0)
 
     # ---- scale by 2**s exactly (rounded to odd where float32 cannot hold the product) ------------
     if APS:
-        j0 = tl.minimum(w * shard + pid * BLOCK, numel - 1)
-        j1 = tl.minimum(tl.minimum(w * shard + pid * BLOCK + BLOCK, w * shard + shard), numel) - 1
-        seg_lo = _seg_of(j0, starts_ptr, T, LOG_T)
-        seg_hi = _seg_of(j1, starts_ptr, T, LOG_T)
         if seg_lo == seg_hi:
-            s_blk = _shift_of(tl.load(msg_ptr + seg_lo), TOP, ZERO_E_)
+            s_blk = _shift_of(tl.load(state_ptr + seg_lo), n, TOP)
             if (s_blk >= 0) & (s_blk <= 127):  # one float32 multiply is exact: scaling up, |x| <= 2**top / n
                 x = g * ((s_blk.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
             else:
                 x = _scale_round_to_odd(g, tl.zeros([BLOCK], tl.int64) + s_blk)
         else:
-            seg = _seg_of(j, starts_ptr, T, LOG_T)
-            s_vec = _shift_of(tl.load(msg_ptr + seg, mask=inb, other=ZERO_E_), TOP, ZERO_E_)
+            seg = _seg_in_block(j, starts_ptr, seg_lo, seg_hi)
+            s_vec = _shift_of(tl.load(state_ptr + seg, mask=inb, other=0), n, TOP)
             x = _scale_round_to_odd(g, s_vec)
     else:
         x = g
@@ -455,30 +451,29 @@ def _reduce_kernel(
 
 @triton.jit(do_not_specialize=["T", "n"])
 def _finish_kernel(
-    wire_ptr, out_ptr, lut_ptr, starts_ptr, msg_ptr, flag_ptr, numel, T, inv_n, n,
-    APS: tl.constexpr, TOP: tl.constexpr, ZERO_E_: tl.constexpr, LOG_T: tl.constexpr, N_POW2: tl.constexpr,
-    LOG2N: tl.constexpr, CODES: tl.constexpr, N_CODES: tl.constexpr, DEC: tl.constexpr, BLOCK: tl.constexpr,
+    wire_ptr, out_ptr, lut_ptr, state_ptr, blk_ptr, starts_ptr, numel, T, inv_n, n,
+    APS: tl.constexpr, TOP: tl.constexpr, N_POW2: tl.constexpr, LOG2N: tl.constexpr,
+    CODES: tl.constexpr, N_CODES: tl.constexpr, DEC: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Reduce-scatter exchange: gathered (>= numel,) reduced shards -> the mean (numel,) f32."""
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     inb = offs < numel
+    seg_lo, seg_hi = _block_tensors(blk_ptr, pid)
     total = _load_values(wire_ptr + offs, inb, lut_ptr, CODES, N_CODES, DEC)
-    _mean_store(total, offs, inb, out_ptr, starts_ptr, msg_ptr, flag_ptr, pid * BLOCK,
-                tl.minimum(pid * BLOCK + BLOCK, numel) - 1, numel, T, inv_n, n, APS, TOP, ZERO_E_, LOG_T, N_POW2,
+    _mean_store(total, offs, inb, out_ptr, state_ptr, starts_ptr, seg_lo, seg_hi, T, inv_n, n, APS, TOP, N_POW2,
                 LOG2N, BLOCK)
 
 
 @triton.jit(do_not_specialize=["T", "n"])
 def _reduce_finish_kernel(
-    wire_ptr, out_ptr, lut_ptr, starts_ptr, msg_ptr, flag_ptr, numel, row, T, inv_n, n,
+    wire_ptr, out_ptr, lut_ptr, state_ptr, blk_ptr, starts_ptr, numel, row, T, inv_n, n,
     MAN: tl.constexpr, BIAS: tl.constexpr, MIN_NORMAL_BITS: tl.constexpr, QE_LOW: tl.constexpr,
     MAX_BITS: tl.constexpr, MIN_BITS: tl.constexpr, SPECIALS: tl.constexpr, OVERFLOW: tl.constexpr,
     SIGNED: tl.constexpr, HAS_NZ: tl.constexpr, ZERO: tl.constexpr, SUBNORMALS: tl.constexpr,
     CODE_MAX: tl.constexpr, CODE_MIN: tl.constexpr, CODE_INF: tl.constexpr, CODE_NAN: tl.constexpr,
     SIGN_BIT: tl.constexpr, LOW_BASE: tl.constexpr,
-    APS: tl.constexpr, TOP: tl.constexpr, ZERO_E_: tl.constexpr, LOG_T: tl.constexpr, N_POW2: tl.constexpr,
-    LOG2N: tl.constexpr,
+    APS: tl.constexpr, TOP: tl.constexpr, N_POW2: tl.constexpr, LOG2N: tl.constexpr,
     MODE: tl.constexpr, KAHAN: tl.constexpr, CODES: tl.constexpr, N_CODES: tl.constexpr, DEC: tl.constexpr,
     HW: tl.constexpr, BLOCK: tl.constexpr,
 ):
@@ -486,20 +481,21 @@ def _reduce_finish_kernel(
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     inb = offs < numel
+    seg_lo, seg_hi = _block_tensors(blk_ptr, pid)
     s = _sum_rows(wire_ptr + offs, row, n, inb, lut_ptr, MAN, BIAS, MIN_NORMAL_BITS, QE_LOW, MAX_BITS, MIN_BITS,
                   OVERFLOW, SIGNED, HAS_NZ, ZERO, SUBNORMALS, LOW_BASE, CODE_NAN, MODE, KAHAN, CODES, N_CODES, DEC,
                   HW, BLOCK)
-    if CODES:
-        # the reference sends S as its nearest code and decodes it: the identity on values of fmt and
-        # NaN; +-Inf may come back as NaN (no Inf code) or +-max (saturating), so only blocks holding
-        # an Inf take the round trip
+    # the reference sends S as its nearest code and decodes it: the identity on values of fmt and
+    # NaN; +-Inf may come back as NaN (no Inf code) or +-max (saturating), so only blocks holding an
+    # Inf take the round trip.  S can hold an Inf only in a format with Inf, or one without NaN
+    # (NaN sums become +Inf): for the others (e4m3fn) the check is left out at compile time.
+    if CODES and ((SPECIALS == 0) or (CODE_NAN < 0)):
         if tl.max((tl.abs(s) == float("inf")).to(tl.int32), axis=0) > 0:
             _, code = _round_value_code(s, True, 0, MAN, BIAS, MIN_NORMAL_BITS, QE_LOW, MAX_BITS, MIN_BITS,
                                         SPECIALS, OVERFLOW, SIGNED, HAS_NZ, ZERO, SUBNORMALS, CODE_MAX, CODE_MIN,
                                         CODE_INF, CODE_NAN, SIGN_BIT, LOW_BASE)
             s = _decode(code, inb, lut_ptr, N_CODES, DEC)
-    _mean_store(s, offs, inb, out_ptr, starts_ptr, msg_ptr, flag_ptr, pid * BLOCK,
-                tl.minimum(pid * BLOCK + BLOCK, numel) - 1, numel, T, inv_n, n, APS, TOP, ZERO_E_, LOG_T, N_POW2,
+    _mean_store(s, offs, inb, out_ptr, state_ptr, starts_ptr, seg_lo, seg_hi, T, inv_n, n, APS, TOP, N_POW2,
                 LOG2N, BLOCK)
 
 
@@ -537,7 +533,7 @@ class _Launcher:
 
     def __call__(self, grid, args: tuple, consts: dict, ckey) -> None:
         grid = tuple(grid) + (1,) * (3 - len(grid))  # a compiled kernel's launcher takes all three
-        key = (ckey, tuple(_spec(a) for a in args))
+        key = (ckey, NUM_WARPS, tuple(_spec(a) for a in args))
         hit = self.cache.get(key) if _Launcher.direct else None
         if hit is not None:
             ck, template, pos, verified = hit
@@ -563,18 +559,63 @@ class _Launcher:
                 self.cache[key] = (ck, template, pos, False)
 
 
-_L = {name: _Launcher(fn) for name, fn in (("amax", _amax_kernel), ("exponents", _exponents_kernel),
-                                              ("encode", _encode_kernel), ("reduce", _reduce_kernel),
-                                              ("finish", _finish_kernel), ("reduce_finish", _reduce_finish_kernel))}
+_L = {name: _Launcher(fn) for name, fn in (("amax", _amax_kernel), ("encode", _encode_kernel),
+                                              ("reduce", _reduce_kernel), ("finish", _finish_kernel),
+                                              ("reduce_finish", _reduce_finish_kernel))}
+
+
+# ----------------------------------------------------------------------------------------------
+# Layouts: what depends only on the tensor sizes and the exchange, made once
+# ----------------------------------------------------------------------------------------------
+
+
+def _block_table(starts: torch.Tensor, first: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """(n_blocks, 2) int32: the tensor of each block's first and last element (the largest t with
+    starts[t] <= index, as _seg_in_block counts it on the device)."""
+    lo = torch.searchsorted(starts, first, right=True) - 1
+    hi = torch.searchsorted(starts, last, right=True) - 1
+    return torch.stack([lo, hi], 1).to(torch.int32).contiguous()
+
+
+class Layout:
+    """The per-layout constants of one all-reduce shape, made once (``layout`` caches them):
+    ``starts`` (T,) int64, the first index of each tensor; ``blocks`` (cdiv(numel, block), 2) int32,
+    the tensors of each block over the flat vector (amax, finish, reduce_finish); ``send_blocks``
+    (world * cdiv(shard, block), 2) int32, the same for the encoder's blocks, which walk each
+    destination rank's shard.  A block whose two tensors agree uses one shift for all its
+    elements; only blocks that straddle tensors look elements up (binary search over starts)."""
+
+    def __init__(self, sizes: tuple, numel: int, world: int, shard: int, block: int, device):
+        starts = torch.tensor([0] + list(itertools.accumulate(sizes))[:-1], dtype=torch.int64)
+        self.T, self.numel, self.world, self.shard, self.block = len(sizes), numel, world, shard, block
+        first = torch.arange(0, numel, block, dtype=torch.int64)
+        self.blocks = _block_table(starts, first, torch.clamp(first + block, max=numel) - 1).to(device)
+        base = (torch.arange(world, dtype=torch.int64)[:, None] * shard
+                + torch.arange(0, shard, block, dtype=torch.int64)[None, :])  # (world, cdiv(shard, block))
+        end = torch.minimum(base + block, (base // shard + 1) * shard)  # a block ends with its shard
+        last = torch.minimum(end, torch.full_like(base, numel)) - 1  # j0 = j1 = numel - 1 for padding only
+        self.send_blocks = _block_table(starts, torch.clamp(base, max=numel - 1).reshape(-1),
+                                        last.reshape(-1)).to(device)
+        self.starts = starts.to(device)
+
+
+_LAYOUTS: dict = {}
+
+
+def layout(sizes, numel: int, world: int, shard: int, device, block: int | None = None) -> Layout:
+    block = block or BLOCK
+    key = (tuple(sizes), numel, world, shard, block, device)
+    lay = _LAYOUTS.get(key)
+    if lay is None:
+        if len(_LAYOUTS) >= 64:
+            _LAYOUTS.clear()
+        lay = _LAYOUTS[key] = Layout(tuple(sizes), numel, world, shard, block, device)
+    return lay
 
 
 # ----------------------------------------------------------------------------------------------
 # Wrappers: check, allocate, launch
 # ----------------------------------------------------------------------------------------------
-
-
-def _log_t(T: int) -> int:
-    return max(T - 1, 0).bit_length()  # 2**LOG_T > T - 1
 
 
 _FMT_CACHE: dict = {}
@@ -595,34 +636,33 @@ def _hw_round(fmt, rounding: str, aps: bool, kahan: bool, t: torch.Tensor) -> in
     return kind if ok else 0
 
 
-def amax_exponents(grads: torch.Tensor, starts: torch.Tensor, n: int, amax: torch.Tensor, msg: torch.Tensor,
-                   block: int | None = None) -> None:
-    """grads (n_local, numel) f32 contiguous, starts (T,) int64 -> msg (T + 1,) int64 (module doc).
-    ``amax`` (>= T,) int32 must be zero."""
-    block = block or BLOCK
+def state_buffer(T: int, device) -> torch.Tensor:
+    """(T + 2,) int32 zeros: per tensor max |g| bits, the non-finite-input flag, the overflow flag."""
+    return torch.zeros(T + 2, dtype=torch.int32, device=device)
+
+
+def amax(grads: torch.Tensor, lay: Layout, state: torch.Tensor) -> None:
+    """grads (n_local, numel) f32 contiguous -> state[:T] = max |g| bits per tensor, state[T] = 1
+    if a gradient is not finite (module doc).  ``state`` (T + 2,) int32 must be zero."""
     n_local, numel = grads.shape
-    T = starts.numel()
-    if n >= 1 << 29:
-        raise ValueError(f"n = {n} nodes: the exact exponent needs n < 2**29")
     if numel:
-        _L["amax"]((triton.cdiv(numel, block),), (grads, starts, amax, n_local, numel, T),
-                   dict(LOG_T=_log_t(T), BLOCK=block), (_log_t(T), block, grads.device.index))
-    _L["exponents"]((1,), (amax, msg, T, n), dict(ZERO_E_=ZERO_E, BLOCK=256), (grads.device.index,))
+        _L["amax"]((lay.blocks.shape[0],), (grads, state, lay.blocks, lay.starts, n_local, numel, lay.T),
+                   dict(BLOCK=lay.block), (lay.block, grads.device.index))
 
 
-def encode(grads: torch.Tensor, starts: torch.Tensor, msg: torch.Tensor, send: torch.Tensor, fmt, rounding: str,
-           aps: bool, top: int, block: int | None = None) -> None:
-    """grads (n_local, numel) -> send (world, n_local, shard): codes (integer dtype) or f32 values."""
-    block = block or BLOCK
+def encode(grads: torch.Tensor, lay: Layout, state: torch.Tensor, send: torch.Tensor, fmt, rounding: str,
+           aps: bool, top: int, n: int) -> None:
+    """grads (n_local, numel) -> send (world, n_local, shard): codes (integer dtype) or f32 values,
+    scaled by the APS shift of the all-reduced ``state`` over ``n`` nodes."""
     world, n_local, shard = send.shape
     numel = grads.shape[1]
-    T = starts.numel()
     codes = not send.dtype.is_floating_point
     hw = _hw_round(fmt, rounding, aps, False, grads)
-    consts = dict(APS=aps, TOP=top, ZERO_E_=ZERO_E, LOG_T=_log_t(T), **_fmt_consts(fmt), MODE=MODES[rounding],
-                  CODES=codes, HW=hw, BLOCK=block)
-    _L["encode"]((triton.cdiv(shard, block), world, n_local), (grads, send, starts, msg, n_local, numel, shard, T),
-                 consts, (fmt, aps, top, consts["LOG_T"], rounding, codes, hw, block, grads.device.index))
+    consts = dict(APS=aps, TOP=top, **_fmt_consts(fmt), MODE=MODES[rounding], CODES=codes, HW=hw,
+                  BLOCK=lay.block)
+    _L["encode"]((triton.cdiv(shard, lay.block), world, n_local),
+                 (grads, send, state, lay.send_blocks, lay.starts, n_local, numel, shard, lay.T, n),
+                 consts, (fmt, aps, top, rounding, codes, hw, lay.block, grads.device.index))
 
 
 def _sum_consts(fmt, rounding: str, kahan: bool, codes: bool, t: torch.Tensor, aps: bool) -> dict:
@@ -641,40 +681,36 @@ def reduce(recv: torch.Tensor, out: torch.Tensor, lut: torch.Tensor, fmt, roundi
                  (fmt, rounding, kahan, codes, consts["HW"], block, recv.device.index))
 
 
-def _mean_consts(n: int, aps: bool, top: int, T: int) -> dict:
+def _mean_consts(n: int, aps: bool, top: int, lay: Layout) -> dict:
     pow2 = n & (n - 1) == 0
-    return dict(APS=aps, TOP=top, ZERO_E_=ZERO_E, LOG_T=_log_t(T), N_POW2=pow2,
-                LOG2N=n.bit_length() - 1 if pow2 else 0)
+    return dict(APS=aps, TOP=top, N_POW2=pow2, LOG2N=n.bit_length() - 1 if pow2 else 0)
 
 
-def finish(wire: torch.Tensor, out: torch.Tensor, lut: torch.Tensor, starts: torch.Tensor, msg: torch.Tensor,
-           flag: torch.Tensor, fmt, n: int, aps: bool, top: int, block: int | None = None) -> None:
-    """wire (>= numel,) gathered codes or f32 values -> out (numel,) f32 mean; flag[0] = 1 if a mean
-    is not finite (and the input was)."""
-    block = block or BLOCK
+def finish(wire: torch.Tensor, out: torch.Tensor, lut: torch.Tensor, lay: Layout, state: torch.Tensor, fmt, n: int,
+           aps: bool, top: int) -> None:
+    """wire (>= numel,) gathered codes or f32 values -> out (numel,) f32 mean; state[T + 1] = 1 if a
+    mean is not finite (and the input was)."""
     numel = out.numel()
-    T = starts.numel()
     if numel == 0:
         return
     codes = not wire.dtype.is_floating_point
-    consts = dict(_mean_consts(n, aps, top, T), CODES=codes, N_CODES=fmt.n_codes, DEC=_BITCAST_FORMATS.get(fmt, 0),
-                  BLOCK=block)
-    _L["finish"]((triton.cdiv(numel, block),), (wire, out, lut, starts, msg, flag, numel, T, 1.0 / n, n), consts,
-                 (fmt, n, aps, top, consts["LOG_T"], codes, block, wire.device.index))
+    consts = dict(_mean_consts(n, aps, top, lay), CODES=codes, N_CODES=fmt.n_codes, DEC=_BITCAST_FORMATS.get(fmt, 0),
+                  BLOCK=lay.block)
+    _L["finish"]((lay.blocks.shape[0],), (wire, out, lut, state, lay.blocks, lay.starts, numel, lay.T, 1.0 / n, n),
+                 consts, (fmt, n, aps, top, codes, lay.block, wire.device.index))
 
 
-def reduce_finish(wire: torch.Tensor, out: torch.Tensor, lut: torch.Tensor, starts: torch.Tensor, msg: torch.Tensor,
-                  flag: torch.Tensor, fmt, rounding: str, kahan: bool, aps: bool, top: int,
-                  block: int | None = None) -> None:
+def reduce_finish(wire: torch.Tensor, out: torch.Tensor, lut: torch.Tensor, lay: Layout, state: torch.Tensor, fmt,
+                  rounding: str, kahan: bool, aps: bool, top: int) -> None:
     """wire (n, row >= numel) every node's codes or f32 values, node order -> out (numel,) f32 mean."""
-    block = block or BLOCK
     n, row = wire.shape
     numel = out.numel()
-    T = starts.numel()
     if numel == 0:
         return
     codes = not wire.dtype.is_floating_point
-    consts = dict(_sum_consts(fmt, rounding, kahan, codes, wire, aps), **_mean_consts(n, aps, top, T), BLOCK=block)
-    _L["reduce_finish"]((triton.cdiv(numel, block),), (wire, out, lut, starts, msg, flag, numel, row, T, 1.0 / n, n),
-                        consts, (fmt, rounding, kahan, n, aps, top, consts["LOG_T"], codes, consts["HW"], block,
+    consts = dict(_sum_consts(fmt, rounding, kahan, codes, wire, aps), **_mean_consts(n, aps, top, lay),
+                  BLOCK=lay.block)
+    _L["reduce_finish"]((lay.blocks.shape[0],),
+                        (wire, out, lut, state, lay.blocks, lay.starts, numel, row, lay.T, 1.0 / n, n),
+                        consts, (fmt, rounding, kahan, n, aps, top, codes, consts["HW"], lay.block,
                                  wire.device.index))
