@@ -144,7 +144,7 @@ def bench_allreduce(numel: int = 11_700_000) -> None:
     import pstats
 
     from tcprec.distributed import allreduce_lowp
-    from tcprec.distributed.lowp import _all_gather_single, _wire_shape, _words, aps_top_exponent
+    from tcprec.distributed.lowp import _all_gather_single, _wire_shape, _words, aps_top_exponent, release_graphs
     from tcprec.kernels.triton import allreduce as ka
     from tcprec.ops.cast import decode
 
@@ -255,6 +255,7 @@ def bench_allreduce(numel: int = 11_700_000) -> None:
         add(dict(case="nccl_equals_emulated_nodes", equal=all(same(v) for v in got.values()),
                  **{f"nccl_{k}": same(v) for k, v in got.items()}, one_process_fused=same(fused_nodes),
                  against="float64 reference path, one process, world nodes"))
+    release_graphs()  # the captured graphs hold NCCL kernels: free them before the communicator
     dist.barrier()
     dist.destroy_process_group()
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tcprec.distributed import allreduce_lowp
+from tcprec.distributed.lowp import release_graphs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 FMAX = torch.finfo(torch.float32).max
@@ -156,6 +157,7 @@ def _nccl_worker(rank, world, port, out_dir):
                 res[(n_local, "e4m3", f"graph{step}")] = (out.cpu(), info.backend)
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
+        release_graphs()  # before the communicator goes (a live graph holding NCCL kernels hung teardown)
         dist.destroy_process_group()
 
 

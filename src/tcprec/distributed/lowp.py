@@ -47,7 +47,7 @@ from ..kernels.triton import BACKENDS, choose_backend
 from ..ops.cast import code_dtype, decode, encode
 
 __all__ = ["aps_top_exponent", "check_aps_format", "allreduce_lowp", "lowp_allreduce_hook", "LowpAllreduceHook",
-           "TRANSPORTS"]
+           "release_graphs", "TRANSPORTS"]
 
 log = logging.getLogger("tcprec.distributed")
 TRANSPORTS = ("emulate", "compressed")
@@ -157,7 +157,8 @@ def allreduce_lowp(grads: torch.Tensor, sizes: list[int], fmt, *, aps: bool = Tr
     ``graph=True`` (CUDA tensors, fused kernels): the call is captured once per input buffer and
     layout as a CUDA graph, kernels and collectives together, and replayed after, so its host cost
     is one graph launch; every rank must make the same calls.  The returned mean is then the
-    graph's own buffer, overwritten by the next call on the same buffer: copy it out before then.
+    graph's own buffer, overwritten by the next call on the same buffer: copy it out before then;
+    call :func:`release_graphs` before destroying the process group.
 
     >>> mean, info = allreduce_lowp(torch.randn(4, 10), [3, 7], "e4m3")   # 4 emulated nodes
     >>> mean.shape, info.nonfinite_input
@@ -321,6 +322,16 @@ def _fused_info(state: torch.Tensor, T: int, n: int, top: int, aps: bool, backen
 
 _GRAPHS: dict = {}  # (input address, layout, options) -> (CUDA graph, its output, info maker)
 _NO_GRAPH: dict = {}  # the same keys, where capture failed: why
+
+
+def release_graphs() -> None:
+    """Free the CUDA graphs that ``graph=True`` captured.  Call it before
+    ``dist.destroy_process_group()``: a graph holding NCCL kernels keeps its communicator alive,
+    and tearing the process group down under a live graph hung (H200 x2, torch 2.11)."""
+    if _GRAPHS and torch.cuda.is_available():
+        torch.cuda.synchronize()
+    _GRAPHS.clear()
+    _NO_GRAPH.clear()
 
 
 def _allreduce_graphed(key, run, why):
