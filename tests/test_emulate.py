@@ -200,6 +200,24 @@ def test_triton_chunk_equals_reference(kahan):
         assert _same(got.numpy(), want.numpy()), acc
 
 
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # Inf - Inf in the interpreter's numpy
+@pytest.mark.parametrize("kahan", [False, True])
+def test_triton_chunk_overflow_tiles_fall_back(kahan):
+    # rows 0..15 overflow e5m10 (sums up to ~2.3e6 > 65504): their tiles are poisoned in the fast
+    # update and recomputed by the generic loop; rows 16.. stay on the fast path; every mode equals
+    # the model (Inf for nearest, saturation at max for the directed modes that round inward)
+    g = torch.Generator().manual_seed(8)
+    a = torch.randint(-8, 8, (24, 70), generator=g).float()
+    b = torch.randint(-8, 8, (70, 12), generator=g).float()
+    a[:16] *= 512.0
+    fmt = tp.format("e5m10")
+    for rounding in DET_MODES:
+        want = ref_em.matmul_chunk(a, b, fmt, 16, rounding, kahan)
+        assert (want[:16].abs() >= 65504).any() and (want[16:].abs() < 16384).all()
+        got = triton_gemm.matmul(a, b, fmt, "chunk", chunk=16, kahan=kahan, rounding=rounding, block_m=16, block_n=16)
+        assert _same(got.numpy(), want.numpy()), (rounding, kahan)
+
+
 def test_triton_can_implement_reasons():
     assert "21" in triton_gemm.can_implement(tp.format("fp32"), "nearest", "fma")
     assert "stochastic" in triton_gemm.can_implement(tp.format("fp16"), "stochastic", "fma")

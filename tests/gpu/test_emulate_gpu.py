@@ -76,6 +76,28 @@ def test_chunk_fast_update_equals_generic_update(acc, kahan):
             assert torch.equal(_bits(fast), _bits(slow)), (acc, rounding, chunk, kahan)
 
 
+@pytest.mark.parametrize("mode", ["fma", "chunk"])
+def test_fast_paths_keep_float32_subnormals(mode):
+    # e8m7 (bf16) accumulators reach float32's subnormal range (< 2**-126): the fast paths' directed
+    # adds / multiplies must not flush them to zero (libdevice's __nv_fadd_rd is FTZ under Triton)
+    from tcprec.kernels.triton import emulate_gemm as tk
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    a = (torch.randn(64, 128, device="cuda", generator=g) * 2.0**-64).bfloat16()
+    b = (torch.randn(128, 64, device="cuda", generator=g) * 2.0**-64).bfloat16()
+    fmt = tp.format("e8m7")
+    for rounding in MODES:
+        if mode == "fma":
+            want = emulate.matmul(a.float(), b.float(), acc_fmt=fmt, rounding=rounding, backend="reference")
+            got = emulate.matmul(a.float(), b.float(), acc_fmt=fmt, rounding=rounding, backend="triton")
+        else:
+            want = tk.matmul(a, b, fmt, "chunk", chunk=32, rounding=rounding, fast=False)
+            got = tk.matmul(a, b, fmt, "chunk", chunk=32, rounding=rounding)
+        sub = (want != 0) & (want.abs() < 2.0**-126)
+        assert sub.sum() > 10, "the data must put results in float32's subnormal range"
+        assert torch.equal(_bits(got), _bits(want)), (mode, rounding)
+
+
 @pytest.mark.parametrize("kahan", [False, True])
 def test_chunk_kernel_bf16_tensor_cores(kahan):
     a = torch.randint(-8, 8, (256, 512), device="cuda").float()

@@ -63,6 +63,7 @@ import triton.language as tl
 from ...formats import FloatFormat
 from .cast import _finish_value, _finite_code, _float_constexprs, _round_float, round_to_format
 from .round import MODES, add_round_to_odd
+from .round import neg as _neg
 
 __all__ = ["can_implement", "layout", "Layout", "state_buffer", "amax", "encode", "reduce", "finish",
            "reduce_finish", "BLOCK"]
@@ -148,14 +149,6 @@ def _scale_round_to_odd(g, s):
     fix = (d != 0.0) & ((pb & 1) == 0)
     step = tl.where((d < 0.0) == (pb < 0), 1, -1)
     return tl.where(fix, pb + step, pb).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _neg(x):
-    """-x for float32 by flipping the sign bit.  Not the unary minus: Triton up to 3.6 compiles a
-    float ``-x`` as ``0 - x``, which turns -(+0) into +0 (a Kahan sum of -0's then ended +0 on the
-    GPU while the reference, and Triton's interpreter, give -0)."""
-    return (x.to(tl.int32, bitcast=True) ^ _SIGN_BIT).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -37,10 +37,24 @@ one rounding of the exact result; the fast loop gets there with a few float32 in
 
 ``chunk`` mode runs ``tl.dot`` (tensor cores) over the K-chunk in BLOCK_K steps into a fresh fp32
 partial sum, and rounds the running sum once per chunk: ``s = R(RO(s + p))`` with the round-to-odd
-sum from ``add.rm``/``add.rp`` and the fast nearest-even rounding with its subnormal fix-up (other
-modes: the generic rounding), with the same overflow tracking and fallback.
+sum from ``add.rm``/``add.rp`` (the odd one of the two).  R is the hardware ``cvt.rn`` when the acc
+format *is* fp16 or bf16 and the mode is nearest (s is then held in that type: half the registers),
+else the fast nearest-even rounding with its subnormal fix-up (other modes: the generic rounding).
+Cost model per accumulator element and chunk: the MMA work is 2C flops at ~4096 flops/clock/SM
+(dense bf16), C/2048 SM-clocks; the rounding is ~7 SASS instructions (FADD.RM, LOP3, @P FADD.RP,
+F2FP, HADD2.F32, moves) at 128 lanes/clock, 7/128 SM-clocks: rounding/MMA = 112/C (3.5 at C = 32,
+0.44 at C = 256) unless another CTA's MMAs overlap it, which bounds small chunks.
+Overflow: without cvt, a sum at or past 2**(emax-1) poisons s with NaN (no per-element max tile);
+with cvt, Inf/NaN arise by themselves.  A tile that ends non-finite sets a flag, and a second launch
+recomputes just the flagged tiles with the generic update (a separate kernel: the generic rounding's
+~220 registers would otherwise cap the fast loop's occupancy).
 
-Under ``TRITON_INTERPRET=1`` (CPU tests) the directed float32 adds/multiplies of libdevice are not
+Kahan negations are sign-bit flips (round.neg), as in the all-reduce kernels: Triton up to 3.6
+compiles a float ``-x`` as ``0 - x`` (+0 for x = +0).  Directed float32 operations are inline PTX (``add.rm.f32`` ...), not libdevice: Triton links
+libdevice with __CUDA_FTZ=1, so ``__nv_fadd_rd`` compiles to FADD.FTZ.RM and flushes float32
+subnormals (bf16 accumulators reach them) to zero.
+
+Under ``TRITON_INTERPRET=1`` (CPU tests) the directed float32 adds/multiplies (inline PTX) are not
 available (``HW=False``): the kernels use the TwoSum / float64 round-to-odd forms instead, which
 give the same R(.) by the round-to-odd theorem.
 """
@@ -52,10 +66,9 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from ...formats import FloatFormat
-from .round import MODES, add_round_to_odd, mul_round_to_odd, round_constexprs, round_to_format
+from .round import MODES, add_round_to_odd, mul_round_to_odd, neg, round_constexprs, round_to_format
 
 
 # ----------------------------------------------------------------------------------------------
@@ -64,11 +77,27 @@ from .round import MODES, add_round_to_odd, mul_round_to_odd, round_constexprs, 
 
 
 @triton.jit
+def _dir_add(a, b, RND: tl.constexpr):
+    """a + b in float32 rounded in direction RND ("rm", "rp", "rz"), subnormals kept.  Inline PTX,
+    not libdevice: Triton links libdevice with __CUDA_FTZ=1, and its __nv_fadd_rd compiles to
+    FADD.FTZ.RM, which flushes subnormal operands and results to zero."""
+    return tl.inline_asm_elementwise(f"add.{RND}.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _dir_mul(a, b, RND: tl.constexpr):
+    """a * b in float32 rounded in direction RND, subnormals kept (see _dir_add)."""
+    return tl.inline_asm_elementwise(f"mul.{RND}.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
 def _ro_add(a, b, HW: tl.constexpr):
     """a + b rounded to odd in float32.  HW: the odd one of add.rm / add.rp (equal when exact)."""
     if HW:
-        lo = libdevice.add_rd(a, b)
-        hi = libdevice.add_ru(a, b)
+        lo = _dir_add(a, b, "rm")
+        hi = _dir_add(a, b, "rp")
         return tl.where((lo.to(tl.int32, bitcast=True) & 1) != 0, lo, hi)
     else:
         return add_round_to_odd(a, b)
@@ -78,8 +107,8 @@ def _ro_add(a, b, HW: tl.constexpr):
 def _ro_mul(a, b, HW: tl.constexpr):
     """a * b rounded to odd in float32 (HW: mul.rm / mul.rp pair; else the float64 product)."""
     if HW:
-        lo = libdevice.mul_rd(a, b)
-        hi = libdevice.mul_ru(a, b)
+        lo = _dir_mul(a, b, "rm")
+        hi = _dir_mul(a, b, "rp")
         return tl.where((lo.to(tl.int32, bitcast=True) & 1) != 0, lo, hi)
     else:
         return mul_round_to_odd(a, b, False)
@@ -95,11 +124,11 @@ def _sum_fast(a, b, MODE: tl.constexpr, SUM_RN: tl.constexpr, HW: tl.constexpr):
             x = _ro_add(a, b, HW)
     elif HW:
         if MODE == 2:
-            x = libdevice.add_rz(a, b)
+            x = _dir_add(a, b, "rz")
         elif MODE == 3:
-            x = libdevice.add_ru(a, b)
+            x = _dir_add(a, b, "rp")
         else:
-            x = libdevice.add_rd(a, b)
+            x = _dir_add(a, b, "rm")
     else:
         x = add_round_to_odd(a, b)
     return x
@@ -152,13 +181,13 @@ def _acc_update(s, c, p,
                 MODE: tl.constexpr, KAHAN: tl.constexpr):
     """Generic s <- R(s + p) (KAHAN: the compensated update, every operation rounded); (s, c)."""
     if KAHAN:
-        y = round_to_format(add_round_to_odd(p, -c), MAN, BIAS, MIN_NORMAL_BITS, QE_LOW, MAX_BITS, MIN_BITS,
+        y = round_to_format(add_round_to_odd(p, neg(c)), MAN, BIAS, MIN_NORMAL_BITS, QE_LOW, MAX_BITS, MIN_BITS,
                             OVERFLOW, SIGNED, HAS_NZ, ZERO, SUBNORMALS, LOW_BASE, MODE)
         t = round_to_format(add_round_to_odd(s, y), MAN, BIAS, MIN_NORMAL_BITS, QE_LOW, MAX_BITS, MIN_BITS,
                             OVERFLOW, SIGNED, HAS_NZ, ZERO, SUBNORMALS, LOW_BASE, MODE)
-        d = round_to_format(add_round_to_odd(t, -s), MAN, BIAS, MIN_NORMAL_BITS, QE_LOW, MAX_BITS, MIN_BITS,
+        d = round_to_format(add_round_to_odd(t, neg(s)), MAN, BIAS, MIN_NORMAL_BITS, QE_LOW, MAX_BITS, MIN_BITS,
                             OVERFLOW, SIGNED, HAS_NZ, ZERO, SUBNORMALS, LOW_BASE, MODE)
-        c = round_to_format(add_round_to_odd(d, -y), MAN, BIAS, MIN_NORMAL_BITS, QE_LOW, MAX_BITS, MIN_BITS,
+        c = round_to_format(add_round_to_odd(d, neg(y)), MAN, BIAS, MIN_NORMAL_BITS, QE_LOW, MAX_BITS, MIN_BITS,
                             OVERFLOW, SIGNED, HAS_NZ, ZERO, SUBNORMALS, LOW_BASE, MODE)
         s = t
     else:
@@ -172,12 +201,12 @@ def _acc_update_fast(s, c, m, p, MODE: tl.constexpr, S: tl.constexpr, VELT: tl.c
                      SUM_RN: tl.constexpr, HW: tl.constexpr, KAHAN: tl.constexpr):
     """Fast s <- R(s + p) for acc-grid s, p, c; m tracks max |x| of the sums that could overflow."""
     if KAHAN:
-        x1 = _sum_fast(p, -c, MODE, SUM_RN, HW)
+        x1 = _sum_fast(p, neg(c), MODE, SUM_RN, HW)
         y = _round_fast(x1, MODE, S, VELT)
         x2 = _sum_fast(s, y, MODE, SUM_RN, HW)
         t = _round_fast(x2, MODE, S, VELT)
-        d = _round_fast(_sum_fast(t, -s, MODE, SUM_RN, HW), MODE, S, VELT)
-        c = _round_fast(_sum_fast(d, -y, MODE, SUM_RN, HW), MODE, S, VELT)
+        d = _round_fast(_sum_fast(t, neg(s), MODE, SUM_RN, HW), MODE, S, VELT)
+        c = _round_fast(_sum_fast(d, neg(y), MODE, SUM_RN, HW), MODE, S, VELT)
         m = tl.maximum(m, tl.abs(x1), propagate_nan=tl.PropagateNan.ALL)
         m = tl.maximum(m, tl.abs(x2), propagate_nan=tl.PropagateNan.ALL)
         s = t
@@ -269,43 +298,92 @@ def _fma_gemm_kernel(
 
 
 @triton.jit
-def _chunk_update(s, c, m, p, FASTUPD: tl.constexpr, S: tl.constexpr, VELT: tl.constexpr, M_LOW: tl.constexpr,
-                  MIN_NORMAL: tl.constexpr, HW: tl.constexpr,
+def _round_cvt(x, HWCVT: tl.constexpr):
+    """R(x) to nearest-even by the hardware conversion (cvt.rn: F2FP + HADD2.F32 back) when the acc
+    format *is* IEEE fp16 (HWCVT 1) or bfloat16 (HWCVT 2): subnormals, overflow to Inf and NaN
+    exactly as the model.  (Packing two values per cvt through inline asm cost more in shuffles.)"""
+    if HWCVT == 1:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x.to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
+def _narrow(x, HWCVT: tl.constexpr):
+    """x rounded to nearest-even into the acc type (cvt.rn), kept in that type."""
+    if HWCVT == 1:
+        return x.to(tl.float16)
+    else:
+        return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _chunk_round(x, HWCVT: tl.constexpr, MODE: tl.constexpr, S: tl.constexpr, VELT: tl.constexpr,
+                 M_LOW: tl.constexpr, MIN_NORMAL: tl.constexpr, LIM: tl.constexpr,
+                 MAN: tl.constexpr, BIAS: tl.constexpr, MIN_NORMAL_BITS: tl.constexpr, QE_LOW: tl.constexpr,
+                 MAX_BITS: tl.constexpr, MIN_BITS: tl.constexpr, OVERFLOW: tl.constexpr, SIGNED: tl.constexpr,
+                 HAS_NZ: tl.constexpr, ZERO: tl.constexpr, SUBNORMALS: tl.constexpr, LOW_BASE: tl.constexpr):
+    """R(x) of a round-to-odd sum in the fast chunk update.  Without HWCVT, x at or past LIM (where
+    the fast rounding stops being exact) or NaN gives NaN: the poison survives every later update
+    (each re-checks its own sum), so a non-finite tile at the end sends it to the generic loop.  With
+    HWCVT the conversion itself is exact everywhere and Inf/NaN reach the end check on their own."""
+    if HWCVT != 0:
+        r = _round_cvt(x, HWCVT)
+    else:
+        r = _round_any(x, MODE, S, VELT, M_LOW, MIN_NORMAL, MAN, BIAS, MIN_NORMAL_BITS, QE_LOW, MAX_BITS,
+                       MIN_BITS, OVERFLOW, SIGNED, HAS_NZ, ZERO, SUBNORMALS, LOW_BASE)
+        r = tl.where(tl.abs(x) < LIM, r, float("nan"))
+    return r
+
+
+@triton.jit
+def _chunk_update(s, c, p, FASTUPD: tl.constexpr, HWCVT: tl.constexpr, S: tl.constexpr, VELT: tl.constexpr,
+                  M_LOW: tl.constexpr, MIN_NORMAL: tl.constexpr, LIM: tl.constexpr, HW: tl.constexpr,
                   MAN: tl.constexpr, BIAS: tl.constexpr, MIN_NORMAL_BITS: tl.constexpr, QE_LOW: tl.constexpr,
                   MAX_BITS: tl.constexpr, MIN_BITS: tl.constexpr, OVERFLOW: tl.constexpr, SIGNED: tl.constexpr,
                   HAS_NZ: tl.constexpr, ZERO: tl.constexpr, SUBNORMALS: tl.constexpr, LOW_BASE: tl.constexpr,
                   MODE: tl.constexpr, KAHAN: tl.constexpr):
-    """s <- R(s + p) once per chunk (p: the chunk's fp32 partial sum, any value)."""
-    if FASTUPD:
+    """s <- R(s + p) once per chunk (p: the chunk's fp32 partial sum, any value).  With FASTUPD and
+    HWCVT, s and c are held in the acc type itself (fp16/bf16: half the registers of float32)."""
+    if FASTUPD and HWCVT != 0:
+        sf = s.to(tl.float32)
         if KAHAN:
-            x1 = _ro_add(p, -c, HW)
-            y = _round_any(x1, MODE, S, VELT, M_LOW, MIN_NORMAL, MAN, BIAS, MIN_NORMAL_BITS, QE_LOW, MAX_BITS,
-                           MIN_BITS, OVERFLOW, SIGNED, HAS_NZ, ZERO, SUBNORMALS, LOW_BASE)
-            x2 = _ro_add(s, y, HW)
-            t = _round_any(x2, MODE, S, VELT, M_LOW, MIN_NORMAL, MAN, BIAS, MIN_NORMAL_BITS, QE_LOW, MAX_BITS,
-                           MIN_BITS, OVERFLOW, SIGNED, HAS_NZ, ZERO, SUBNORMALS, LOW_BASE)
-            d = _round_any(_ro_add(t, -s, HW), MODE, S, VELT, M_LOW, MIN_NORMAL, MAN, BIAS, MIN_NORMAL_BITS,
-                           QE_LOW, MAX_BITS, MIN_BITS, OVERFLOW, SIGNED, HAS_NZ, ZERO, SUBNORMALS, LOW_BASE)
-            c = _round_any(_ro_add(d, -y, HW), MODE, S, VELT, M_LOW, MIN_NORMAL, MAN, BIAS, MIN_NORMAL_BITS,
-                           QE_LOW, MAX_BITS, MIN_BITS, OVERFLOW, SIGNED, HAS_NZ, ZERO, SUBNORMALS, LOW_BASE)
-            m = tl.maximum(m, tl.abs(x1), propagate_nan=tl.PropagateNan.ALL)
-            m = tl.maximum(m, tl.abs(x2), propagate_nan=tl.PropagateNan.ALL)
+            y = _round_cvt(_ro_add(p, neg(c.to(tl.float32)), HW), HWCVT)
+            t = _round_cvt(_ro_add(sf, y, HW), HWCVT)
+            d = _round_cvt(_ro_add(t, neg(sf), HW), HWCVT)
+            c = _narrow(_ro_add(d, neg(y), HW), HWCVT)
+            s = _narrow(t, HWCVT)
+        else:
+            s = _narrow(_ro_add(sf, p, HW), HWCVT)
+    elif FASTUPD:
+        if KAHAN:
+            y = _chunk_round(_ro_add(p, neg(c), HW), HWCVT, MODE, S, VELT, M_LOW, MIN_NORMAL, LIM, MAN, BIAS,
+                             MIN_NORMAL_BITS, QE_LOW, MAX_BITS, MIN_BITS, OVERFLOW, SIGNED, HAS_NZ, ZERO,
+                             SUBNORMALS, LOW_BASE)
+            t = _chunk_round(_ro_add(s, y, HW), HWCVT, MODE, S, VELT, M_LOW, MIN_NORMAL, LIM, MAN, BIAS,
+                             MIN_NORMAL_BITS, QE_LOW, MAX_BITS, MIN_BITS, OVERFLOW, SIGNED, HAS_NZ, ZERO,
+                             SUBNORMALS, LOW_BASE)
+            d = _chunk_round(_ro_add(t, neg(s), HW), HWCVT, MODE, S, VELT, M_LOW, MIN_NORMAL, LIM, MAN, BIAS,
+                             MIN_NORMAL_BITS, QE_LOW, MAX_BITS, MIN_BITS, OVERFLOW, SIGNED, HAS_NZ, ZERO,
+                             SUBNORMALS, LOW_BASE)
+            c = _chunk_round(_ro_add(d, neg(y), HW), HWCVT, MODE, S, VELT, M_LOW, MIN_NORMAL, LIM, MAN, BIAS,
+                             MIN_NORMAL_BITS, QE_LOW, MAX_BITS, MIN_BITS, OVERFLOW, SIGNED, HAS_NZ, ZERO,
+                             SUBNORMALS, LOW_BASE)
             s = t
         else:
-            x = _ro_add(s, p, HW)
-            m = tl.maximum(m, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
-            s = _round_any(x, MODE, S, VELT, M_LOW, MIN_NORMAL, MAN, BIAS, MIN_NORMAL_BITS, QE_LOW, MAX_BITS,
-                           MIN_BITS, OVERFLOW, SIGNED, HAS_NZ, ZERO, SUBNORMALS, LOW_BASE)
+            s = _chunk_round(_ro_add(s, p, HW), HWCVT, MODE, S, VELT, M_LOW, MIN_NORMAL, LIM, MAN, BIAS,
+                             MIN_NORMAL_BITS, QE_LOW, MAX_BITS, MIN_BITS, OVERFLOW, SIGNED, HAS_NZ, ZERO,
+                             SUBNORMALS, LOW_BASE)
     else:
         s, c = _acc_update(s, c, p, MAN, BIAS, MIN_NORMAL_BITS, QE_LOW, MAX_BITS, MIN_BITS,
                            OVERFLOW, SIGNED, HAS_NZ, ZERO, SUBNORMALS, LOW_BASE, MODE, KAHAN)
-    return s, c, m
+    return s, c
 
 
 @triton.jit
 def _chunk_loop(a_ptr, b_ptr, offs_m, offs_n, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                FASTUPD: tl.constexpr, S: tl.constexpr, VELT: tl.constexpr, M_LOW: tl.constexpr,
-                MIN_NORMAL: tl.constexpr, HW: tl.constexpr,
+                FASTUPD: tl.constexpr, HWCVT: tl.constexpr, S: tl.constexpr, VELT: tl.constexpr,
+                M_LOW: tl.constexpr, MIN_NORMAL: tl.constexpr, LIM: tl.constexpr, HW: tl.constexpr,
                 MAN: tl.constexpr, BIAS: tl.constexpr, MIN_NORMAL_BITS: tl.constexpr, QE_LOW: tl.constexpr,
                 MAX_BITS: tl.constexpr, MIN_BITS: tl.constexpr, OVERFLOW: tl.constexpr, SIGNED: tl.constexpr,
                 HAS_NZ: tl.constexpr, ZERO: tl.constexpr, SUBNORMALS: tl.constexpr, LOW_BASE: tl.constexpr,
@@ -317,9 +395,15 @@ def _chunk_loop(a_ptr, b_ptr, offs_m, offs_n, M, N, K, stride_am, stride_ak, str
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak  # (BLOCK_M, BLOCK_K)
     b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn  # (BLOCK_K, BLOCK_N)
-    s = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    c = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    m = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if FASTUPD and HWCVT == 1:  # the running sum (and Kahan term) in the acc type itself
+        s = tl.zeros((BLOCK_M, BLOCK_N), tl.float16)
+        c = tl.zeros((BLOCK_M, BLOCK_N), tl.float16)
+    elif FASTUPD and HWCVT == 2:
+        s = tl.zeros((BLOCK_M, BLOCK_N), tl.bfloat16)
+        c = tl.zeros((BLOCK_M, BLOCK_N), tl.bfloat16)
+    else:
+        s = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        c = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     p = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kmask = (k0 + offs_k) < K
@@ -329,36 +413,43 @@ def _chunk_loop(a_ptr, b_ptr, offs_m, offs_n, M, N, K, stride_am, stride_ak, str
             p = tl.dot(a, b, p, input_precision="ieee")
         else:  # fp16 / bf16 operands (exact copies of the values): tensor cores, fp32 accumulate
             p = tl.dot(a, b, p)
-        if CHUNK == BLOCK_K:
-            s, c, m = _chunk_update(s, c, m, p, FASTUPD, S, VELT, M_LOW, MIN_NORMAL, HW, MAN, BIAS,
-                                    MIN_NORMAL_BITS, QE_LOW, MAX_BITS, MIN_BITS, OVERFLOW, SIGNED, HAS_NZ, ZERO,
-                                    SUBNORMALS, LOW_BASE, MODE, KAHAN)
+        if CHUNK == BLOCK_K:  # every step ends a chunk: no branch in the loop
+            s, c = _chunk_update(s, c, p, FASTUPD, HWCVT, S, VELT, M_LOW, MIN_NORMAL, LIM, HW, MAN, BIAS,
+                                 MIN_NORMAL_BITS, QE_LOW, MAX_BITS, MIN_BITS, OVERFLOW, SIGNED, HAS_NZ, ZERO,
+                                 SUBNORMALS, LOW_BASE, MODE, KAHAN)
             p = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         elif ((k0 + BLOCK_K) % CHUNK == 0) | (k0 + BLOCK_K >= K):
-            s, c, m = _chunk_update(s, c, m, p, FASTUPD, S, VELT, M_LOW, MIN_NORMAL, HW, MAN, BIAS,
-                                    MIN_NORMAL_BITS, QE_LOW, MAX_BITS, MIN_BITS, OVERFLOW, SIGNED, HAS_NZ, ZERO,
-                                    SUBNORMALS, LOW_BASE, MODE, KAHAN)
+            s, c = _chunk_update(s, c, p, FASTUPD, HWCVT, S, VELT, M_LOW, MIN_NORMAL, LIM, HW, MAN, BIAS,
+                                 MIN_NORMAL_BITS, QE_LOW, MAX_BITS, MIN_BITS, OVERFLOW, SIGNED, HAS_NZ, ZERO,
+                                 SUBNORMALS, LOW_BASE, MODE, KAHAN)
             p = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
-    return s, c, m
+    return s.to(tl.float32), c.to(tl.float32)
 
 
 @triton.jit
 def _chunk_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, M, N, K,
+    a_ptr, b_ptr, c_ptr, flag_ptr, M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     MAN: tl.constexpr, BIAS: tl.constexpr, MIN_NORMAL_BITS: tl.constexpr, QE_LOW: tl.constexpr,
     MAX_BITS: tl.constexpr, MIN_BITS: tl.constexpr, OVERFLOW: tl.constexpr, SIGNED: tl.constexpr,
     HAS_NZ: tl.constexpr, ZERO: tl.constexpr, SUBNORMALS: tl.constexpr, LOW_BASE: tl.constexpr,
     FAST: tl.constexpr, S: tl.constexpr, VELT: tl.constexpr, M_LOW: tl.constexpr, MIN_NORMAL: tl.constexpr,
-    LIM: tl.constexpr, SUM_RN: tl.constexpr, HW: tl.constexpr,
+    LIM: tl.constexpr, SUM_RN: tl.constexpr, HW: tl.constexpr, HWCVT: tl.constexpr,
     MODE: tl.constexpr, KAHAN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
-    GROUP_M: tl.constexpr, IEEE_DOT: tl.constexpr,
+    GROUP_M: tl.constexpr, IEEE_DOT: tl.constexpr, ROLE: tl.constexpr,
 ):
+    """ROLE 0: the fast update; a tile that ends non-finite (poisoned or overflowed) sets its flag.
+    ROLE 1: a second launch that recomputes only the flagged tiles with the generic update (a
+    separate kernel, so the generic rounding's registers do not cap the fast loop's occupancy).
+    ROLE 2: the generic update for every tile."""
     # grouped tile order: GROUP_M row-tiles share their B columns in L2
     pid = tl.program_id(0)
+    if ROLE == 1:
+        if tl.load(flag_ptr + pid) == 0:
+            return
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     group = pid // (GROUP_M * num_n)
@@ -368,17 +459,13 @@ def _chunk_gemm_kernel(
     pid_n = (pid % (GROUP_M * num_n)) // size_m
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    s, c, m = _chunk_loop(a_ptr, b_ptr, offs_m, offs_n, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                          FAST, S, VELT, M_LOW, MIN_NORMAL, HW, MAN, BIAS, MIN_NORMAL_BITS, QE_LOW, MAX_BITS,
-                          MIN_BITS, OVERFLOW, SIGNED, HAS_NZ, ZERO, SUBNORMALS, LOW_BASE, MODE, KAHAN,
-                          BLOCK_M, BLOCK_N, BLOCK_K, CHUNK, IEEE_DOT)
-    if FAST:
-        bad = ~(m < LIM) | ~(tl.abs(s) < float("inf")) | ~(tl.abs(c) < float("inf"))
-        if tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0) > 0:  # rare: the tile overflowed, redo it exactly
-            s, c, m = _chunk_loop(a_ptr, b_ptr, offs_m, offs_n, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                                  False, S, VELT, M_LOW, MIN_NORMAL, HW, MAN, BIAS, MIN_NORMAL_BITS, QE_LOW, MAX_BITS,
-                                  MIN_BITS, OVERFLOW, SIGNED, HAS_NZ, ZERO, SUBNORMALS, LOW_BASE, MODE, KAHAN,
-                                  BLOCK_M, BLOCK_N, BLOCK_K, CHUNK, IEEE_DOT)
+    s, c = _chunk_loop(a_ptr, b_ptr, offs_m, offs_n, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                       ROLE == 0, HWCVT, S, VELT, M_LOW, MIN_NORMAL, LIM, HW, MAN, BIAS, MIN_NORMAL_BITS, QE_LOW,
+                       MAX_BITS, MIN_BITS, OVERFLOW, SIGNED, HAS_NZ, ZERO, SUBNORMALS, LOW_BASE, MODE, KAHAN,
+                       BLOCK_M, BLOCK_N, BLOCK_K, CHUNK, IEEE_DOT)
+    if ROLE == 0:
+        bad = ~(tl.abs(s) < float("inf")) | ~(tl.abs(c) < float("inf"))
+        tl.store(flag_ptr + pid, tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0))
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, s, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
@@ -386,6 +473,10 @@ def _chunk_gemm_kernel(
 # ----------------------------------------------------------------------------------------------
 # Wrappers: check, allocate, launch
 # ----------------------------------------------------------------------------------------------
+
+
+# acc formats that *are* a hardware type: the chunk update rounds to nearest by cvt.rn (CUDA only)
+_HWCVT = {FloatFormat(5, 10): 1, FloatFormat(8, 7): 2}
 
 
 def can_implement(acc_fmt, rounding: str, mode: str, chunk: int = 32) -> str | None:
@@ -440,11 +531,14 @@ def matmul(a: torch.Tensor, b: torch.Tensor, acc_fmt: FloatFormat, mode: str = "
            kahan: bool = False, rounding: str = "nearest", exact_product: bool = False,
            product_on_acc_grid: bool = False, block_m: int | None = None, block_n: int | None = None,
            block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-           fast: bool = True) -> torch.Tensor:
+           fast: bool = True, hw_convert: bool = True, max_registers: int | None = None) -> torch.Tensor:
     """(M, K) @ (K, N) -> float32 (M, N); the op layer validates and explains.  fma mode takes float32
     operands; chunk mode takes float32, or float16/bfloat16 holding the values exactly (tensor cores).
     ``exact_product``: every a*b is exact in float32; ``product_on_acc_grid``: and a value of acc_fmt
-    (see product_on_grid).  ``fast=False`` forces the generic loop (for tests and comparisons)."""
+    (see product_on_grid).  ``fast=False`` forces the generic loop and ``hw_convert=False`` the
+    Veltkamp rounding instead of cvt.rn in chunk mode (for tests and comparisons).  ``max_registers``
+    caps the fast chunk kernel's registers per thread (more CTAs per SM overlap one CTA's rounding
+    with another's tensor-core work)."""
     why = can_implement(acc_fmt, rounding, mode, chunk)
     if why is not None:
         raise ValueError(why)
@@ -456,6 +550,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, acc_fmt: FloatFormat, mode: str = "
     fc = fast_constexprs(acc_fmt, hw=a.is_cuda)
     fc["FAST"] = fc["FAST"] and fast
     common = dict(**round_constexprs(acc_fmt), **fc, MODE=MODES[rounding], KAHAN=kahan)
+    hwcvt = _HWCVT.get(acc_fmt, 0) if (fc["HW"] and rounding == "nearest" and hw_convert) else 0
     args = (a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
     if mode == "fma":
         bm, bn = block_m or 64, block_n or 64
@@ -466,12 +561,22 @@ def matmul(a: torch.Tensor, b: torch.Tensor, acc_fmt: FloatFormat, mode: str = "
     else:
         if mode != "chunk":
             raise ValueError(f"mode must be 'fma' or 'chunk', got {mode!r}")
-        bm, bn = block_m or 128, block_n or 128
+        # tiles from benchmarks/bench_emulate_chunk_device.py (H200, 4096^3): with s held in fp16/bf16
+        # (cvt) and no Kahan, 128x256 x 8 warps from chunk 128 on; else 64x128 x 4 warps (2-3 CTAs
+        # per SM: one CTA's rounding overlaps another's MMAs)
+        big = hwcvt != 0 and not kahan and chunk >= 128 and a.dtype != torch.float32
+        bm, bn = block_m or (128 if big else 64), block_n or (256 if big else 128)
+        num_warps, num_stages = num_warps or (8 if big else 4), num_stages or (3 if big else 4)
         bk = block_k or min(chunk, 64)
         if chunk % bk:
             raise ValueError(f"block_k={bk} must divide chunk={chunk}")
         grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
-        _chunk_gemm_kernel[grid](*args, CHUNK=chunk, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-                                 IEEE_DOT=a.dtype == torch.float32, **common,
-                                 num_warps=num_warps or 8, num_stages=num_stages or 3, enable_fp_fusion=False)
+        flags = torch.empty(grid[0], dtype=torch.int32, device=a.device)
+        launch = dict(HWCVT=hwcvt, CHUNK=chunk, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+                      IEEE_DOT=a.dtype == torch.float32, **common, num_warps=num_warps,
+                      num_stages=num_stages, enable_fp_fusion=False)
+        fast_tiles = launch.pop("FAST")
+        for role in ((0, 1) if fast_tiles else (2,)):  # 1: redo the flagged tiles (no host sync)
+            cap = dict(maxnreg=max_registers) if (max_registers and role == 0) else {}
+            _chunk_gemm_kernel[grid](a, b, c, flags, *args[3:], FAST=fast_tiles, ROLE=role, **launch, **cap)
     return c

@@ -21,6 +21,17 @@ from .cast import _float_constexprs, round_to_format  # noqa: F401  (round_to_fo
 MODES = {"nearest": 0, "nearest_away": 1, "toward_zero": 2, "up": 3, "down": 4}
 
 
+_SIGN_BIT = tl.constexpr(-(1 << 31))  # 0x80000000 as an int32
+
+
+@triton.jit
+def neg(x):
+    """-x for float32 by flipping the sign bit.  Not the unary minus: Triton up to 3.6 compiles a
+    float ``-x`` as ``0 - x``, which turns -(+0) into +0 (a Kahan sum of -0's then ends +0 on the
+    GPU while the reference, and Triton 3.9's interpreter, give -0)."""
+    return (x.to(tl.int32, bitcast=True) ^ _SIGN_BIT).to(tl.float32, bitcast=True)
+
+
 @triton.jit
 def add_round_to_odd(a, b):
     """a + b in float32, rounded to odd (TwoSum: the exact error decides the sticky last bit)."""
