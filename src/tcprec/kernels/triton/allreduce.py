@@ -42,7 +42,7 @@ each block's first and last element; a block inside one tensor uses that tensor'
 scalar, only blocks that straddle tensors binary-search per element.  (A per-block binary search
 was a chain of dependent loads in every block: latency, not bytes.)
 
-Negation is a sign-bit flip (``_neg``), never the unary minus: Triton up to 3.6 compiles a float
+Negation is a sign-bit flip (``_neg`` = round.neg), never the unary minus: Triton up to 3.6 compiles a float
 ``-x`` as ``0 - x``, which gives +0 for x = +0 and changed the sign of zero sums under Kahan.
 
 Launch cost: ``fn[grid](...)`` re-binds ~30 arguments and rebuilds the specialization key on every
@@ -75,7 +75,6 @@ NUM_WARPS = 8
 HW_FP8_ROUNDING = True  # R by cvt.rn to fp8 where exact (module doc); tests and benchmarks may switch it off
 _FMAX = tl.constexpr(3.4028234663852886e38)  # float32 max
 _FMAX_BITS = tl.constexpr(0x7F7FFFFF)
-_SIGN_BIT = tl.constexpr(-(1 << 31))  # 0x80000000 as an int32
 
 # decode by bit cast: 1 e4m3fn, 2 e5m2, 3 fp16, 4 bf16 (0: through the 2**bits-entry table)
 _BITCAST_FORMATS = {FloatFormat(4, 3, specials="fn"): 1, FloatFormat(5, 2): 2, FloatFormat(5, 10): 3,
