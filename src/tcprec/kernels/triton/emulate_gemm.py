@@ -435,7 +435,7 @@ def _chunk_gemm_kernel(
     MAN: tl.constexpr, BIAS: tl.constexpr, MIN_NORMAL_BITS: tl.constexpr, QE_LOW: tl.constexpr,
     MAX_BITS: tl.constexpr, MIN_BITS: tl.constexpr, OVERFLOW: tl.constexpr, SIGNED: tl.constexpr,
     HAS_NZ: tl.constexpr, ZERO: tl.constexpr, SUBNORMALS: tl.constexpr, LOW_BASE: tl.constexpr,
-    FAST: tl.constexpr, S: tl.constexpr, VELT: tl.constexpr, M_LOW: tl.constexpr, MIN_NORMAL: tl.constexpr,
+    S: tl.constexpr, VELT: tl.constexpr, M_LOW: tl.constexpr, MIN_NORMAL: tl.constexpr,
     LIM: tl.constexpr, SUM_RN: tl.constexpr, HW: tl.constexpr, HWCVT: tl.constexpr,
     MODE: tl.constexpr, KAHAN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
@@ -575,8 +575,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, acc_fmt: FloatFormat, mode: str = "
         launch = dict(HWCVT=hwcvt, CHUNK=chunk, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
                       IEEE_DOT=a.dtype == torch.float32, **common, num_warps=num_warps,
                       num_stages=num_stages, enable_fp_fusion=False)
-        fast_tiles = launch.pop("FAST")
+        fast_tiles = launch.pop("FAST")  # picks the roles; the kernel itself only sees ROLE
         for role in ((0, 1) if fast_tiles else (2,)):  # 1: redo the flagged tiles (no host sync)
             cap = dict(maxnreg=max_registers) if (max_registers and role == 0) else {}
-            _chunk_gemm_kernel[grid](a, b, c, flags, *args[3:], FAST=fast_tiles, ROLE=role, **launch, **cap)
+            _chunk_gemm_kernel[grid](a, b, c, flags, *args[3:], ROLE=role, **launch, **cap)
     return c
