@@ -171,6 +171,18 @@ def test_gemm_path_for_strided_1x1_layers(spec, precision):
         assert (dx[:, ~hit] == 0).all() and (dx[:, hit] != 0).any()
 
 
+def _check_fused_activations(g, dy, w, x, **kw):
+    """dgrad with a fused ReLU / LeakyReLU(0.1) backward equals the plain dgrad masked afterwards; returns
+    the ReLU result."""
+    plain = opc.conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding, **kw)
+    relu = opc.conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding, activation="relu", act_input=x, **kw)
+    assert torch.equal(relu, torch.where(x > 0, plain, torch.zeros((), dtype=plain.dtype)))
+    leaky = opc.conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding, activation=("leaky_relu", 0.1),
+                             act_input=x, **kw)
+    assert torch.equal(leaky, torch.where(x > 0, plain, plain * 0.1))
+    return relu
+
+
 @pytest.mark.parametrize("scatter", ["triton", "torch"])
 def test_strided_1x1_gemm_fused_activation_equals_dgrad_then_mask(scatter, monkeypatch):
     g = _geom((2, 9, 9, 16, 32, 1, 1, 2, 0, 1))
@@ -178,16 +190,43 @@ def test_strided_1x1_gemm_fused_activation_equals_dgrad_then_mask(scatter, monke
     x[0, 0, 0, :] = 0.0
     if scatter == "torch":  # the non-CUDA, non-interpreter fall-back of the scatter pass
         monkeypatch.setattr(kt, "interpreting", lambda: False)
-    kw = dict(backend="gemm", out_dtype=torch.float32)
-    plain = opc.conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding, **kw)
-    relu = opc.conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding, activation="relu", act_input=x, **kw)
-    assert torch.equal(relu, torch.where(x > 0, plain, torch.zeros((), dtype=plain.dtype)))
-    leaky = opc.conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding, activation=("leaky_relu", 0.1),
-                             act_input=x, **kw)
-    assert torch.equal(leaky, torch.where(x > 0, plain, plain * 0.1))
+    relu = _check_fused_activations(g, dy, w, x, backend="gemm", out_dtype=torch.float32)
     tri = opc.conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding, activation="relu", act_input=x,
                            backend="triton", out_dtype=torch.float32)
     assert torch.allclose(tri, relu, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("spec", [(2, 9, 9, 16, 16, 1, 1, 2, 0, 1), (1, 7, 10, 32, 48, 1, 1, (3, 2), 0, 1),
+                                  (2, 5, 6, 16, 16, 1, 1, 1, 0, 1)], ids=["s2_odd", "s3x2", "s1"])
+def test_tma_gemm_scatter_dgrad(spec, precision):
+    """backend='tma': one TMA GEMM whose epilogue writes every pixel of dx (the GEMM rows at the strided
+    pixels, zeros elsewhere, odd sizes included); the fused ReLU / LeakyReLU equal masking afterwards."""
+    g = _geom(spec)
+    dy, w, x = _data(g, seed=21)
+    assert "TMA GEMM path" in opc.explain_conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding,
+                                                       precision=precision, backend="tma")
+    dx = opc.conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding, precision=precision, backend="tma")
+    _check_dgrad(g, precision, dy, w, dx)
+    hit = torch.zeros(g.input_shape[1:3], dtype=torch.bool)
+    hit[::g.stride[0], ::g.stride[1]] = True
+    assert (dx[:, ~hit] == 0).all() and (dx[:, hit] != 0).any()
+    _check_fused_activations(g, dy, w, x, precision=precision, backend="tma", out_dtype=torch.float32)
+
+
+def test_tma_backend_rejects_what_it_cannot_run():
+    g = _geom(GEOMS[1])  # 3x3
+    dy, w, x = _data(g)
+    with pytest.raises(ValueError, match="backend='tma'.*not an unpadded 1x1 layer"):
+        opc.conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding, backend="tma")
+    g = _geom((1, 8, 8, 12, 16, 1, 1, 2, 0, 1))  # C = 12: 24-byte fp16 rows
+    dy, w, x = _data(g)
+    with pytest.raises(ValueError, match="multiples of 8.*C=12"):
+        opc.conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding, backend="tma")
+    with pytest.raises(ValueError, match="multiples of 16.*C=12"):
+        opc.conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding, precision="fp8", backend="tma")
+    with pytest.raises(ValueError, match="dgrad kernel"):
+        opc.conv2d_wgrad(dy, x, g.weight_shape, g.stride, g.padding, backend="tma")
 
 
 def test_out_dtype_float32_and_strided_views():
@@ -630,6 +669,39 @@ def _aot_compile(fn_name, consts, num_warps=4, num_stages=3):
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
+def _aot_gemm_scatter(fp8: bool, bm=128, bn=256, bk=64):
+    """The TMA GEMM + scatter dgrad kernel (kernels/triton/gemm_scatter.py) for sm_90: descriptors of the
+    tile shapes the wrapper builds, B K-major for fp8."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tcprec.kernels.triton import gemm_scatter as gs
+
+    fn = gs._gemm_scatter_kernel
+    a_ty, b_ty, bk = ("fp8e5", "fp8e4nv", 2 * bk) if fp8 else ("fp16", "fp16", bk)
+    consts = dict(STR_H=2, STR_W=2, ACT=1, HAS_SCALE=fp8, IS_FP8=fp8, FAST_ACCUM=False, B_KMAJOR=fp8, UPCAST=False,
+                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8)
+    sig, attrs, cs = {}, {}, dict(consts)
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name == "a_desc":
+            sig[name] = f"tensordesc<{a_ty}[{bm}, {bk}]>"
+        elif name == "b_desc":
+            sig[name] = f"tensordesc<{b_ty}[{bn}, {bk}]>" if fp8 else f"tensordesc<{b_ty}[{bk}, {bn}]>"
+        elif name.endswith("_ptr"):
+            sig[name], attrs[(i,)] = ("*bf16" if name in ("out_ptr", "act_ptr") else "*fp32"), [["tt.divisibility", 16]]
+        elif name == "slope":
+            sig[name] = "fp32"
+        elif name == "sa_c":
+            sig[name], cs[name] = "constexpr", 1
+        else:
+            sig[name], attrs[(i,)] = "i32", [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn, sig, cs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=8, num_stages=3))
+
+
 def _aot_report() -> dict:
     base = dict(SPLIT_OUT=False, INT64=False, UPCAST=False, FAST_ACCUM=False, BLOCK_M=128, BLOCK_N=128)
     k16 = _aot_compile("_dgrad_kernel", dict(base, ACT=1, HAS_SCALE=False, IS_FP8=False, BLOCK_K=64, EVEN_K=True),
@@ -637,7 +709,8 @@ def _aot_report() -> dict:
     w8 = dict(base, HAS_SCALE=True, IS_FP8=True, DY_LINEAR=True, BLOCK_L=128, SPLIT_OUT=True)
     k8 = _aot_compile("_wgrad_kernel", dict(w8, DOT_F16=False), num_warps=8)
     k8h = _aot_compile("_wgrad_kernel", dict(w8, DOT_F16=True), num_warps=8)  # the default for fp8 wgrad
-    return {"dgrad_fp16": k16.asm["ptx"], "wgrad_fp8": k8.asm["ptx"], "wgrad_fp8_dot_f16": k8h.asm["ptx"]}
+    return {"dgrad_fp16": k16.asm["ptx"], "wgrad_fp8": k8.asm["ptx"], "wgrad_fp8_dot_f16": k8h.asm["ptx"],
+            "tma_dgrad_fp16": _aot_gemm_scatter(False).asm["ptx"], "tma_dgrad_fp8": _aot_gemm_scatter(True).asm["ptx"]}
 
 
 def test_kernels_compile_to_wgmma_for_sm90():
@@ -657,6 +730,10 @@ def test_kernels_compile_to_wgmma_for_sm90():
     # fp8 wgrad's default: fp8 tiles loaded asynchronously, widened to fp16, 16-bit wgmma
     assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16" in ptx["wgrad_fp8_dot_f16"]
     assert "cp.async" in ptx["wgrad_fp8_dot_f16"]
+    # the strided 1x1 dgrad: TMA tile loads, 128x256 wgmma (fp8: both operands K-major, no transpose)
+    assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16" in ptx["tma_dgrad_fp16"]
+    assert "wgmma.mma_async.sync.aligned.m64n256k32.f32.e5m2.e4m3" in ptx["tma_dgrad_fp8"]
+    assert "cp.async.bulk.tensor" in ptx["tma_dgrad_fp16"] and "cp.async.bulk.tensor" in ptx["tma_dgrad_fp8"]
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--aot"]:

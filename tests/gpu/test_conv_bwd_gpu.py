@@ -36,7 +36,7 @@ GEOMS = [
 
 def _geom(s) -> ConvGeometry:
     N, H, W, C, K, R, S, st, pd, dl = s
-    return ConvGeometry(N, H, W, C, K, R, S, (st, st), (pd, pd), (dl, dl))
+    return ConvGeometry(N, H, W, C, K, R, S, *(v if isinstance(v, tuple) else (v, v) for v in (st, pd, dl)))
 
 
 def _data(g, seed=0):
@@ -129,6 +129,57 @@ def test_dgrad_fprop_refuses_what_it_cannot_do():
     # auto with a fused activation or an fp32 output goes to the Triton kernel, and says why not cuDNN
     assert "Triton" in opc.explain_conv2d_dgrad(dy, w, g.input_shape, 1, 1, activation="relu")
     assert "Triton" in opc.explain_conv2d_dgrad(dy, w, g.input_shape, 1, 1, out_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "fp8"])
+def test_tma_dgrad_on_gpu(precision):
+    """The TMA GEMM + scatter dgrad (auto's path for strided 1x1 layers on sm_90): within the fp64 bound,
+    zeros where no tap reaches, the fused ReLU equal to masking; its PTX loads by TMA and multiplies by wgmma."""
+    from tcprec.kernels.triton import gemm_scatter as gs
+
+    if _capability()[0] < 9:
+        pytest.skip(f"TMA needs sm_90, this GPU is sm_{_capability()[0]}{_capability()[1]}")
+    for spec in [(4, 56, 56, 256, 512, 1, 1, 2, 0, 1), (3, 15, 13, 64, 48, 1, 1, 2, 0, 1),
+                 (2, 14, 14, 1024, 256, 1, 1, (2, 1), 0, 1)]:
+        g = _geom(spec)
+        dy, w, x = _data(g, seed=5)
+        if precision == "fp8":
+            dyq, wq = opc.prepare_fp8_dgrad(dy, w)
+        else:
+            dyq, wq = dy.to(opc._DTYPE[precision]), w.to(opc._DTYPE[precision])
+        assert "TMA GEMM path" in opc.explain_conv2d_dgrad(dyq, wq, g.input_shape, g.stride, precision=precision,
+                                                           backend="tma")
+        dx = opc.conv2d_dgrad(dyq, wq, g.input_shape, g.stride, precision=precision, backend="tma")
+        check_dgrad(g, precision, dy, w, dx)
+        hit = torch.zeros(g.input_shape[1:3], dtype=torch.bool, device=DEV)
+        hit[::g.stride[0], ::g.stride[1]] = True
+        assert (dx[:, ~hit] == 0).all() and (dx[:, hit] != 0).any()
+        kw = dict(precision=precision, backend="tma", out_dtype=torch.float32)
+        plain = opc.conv2d_dgrad(dyq, wq, g.input_shape, g.stride, **kw)
+        relu = opc.conv2d_dgrad(dyq, wq, g.input_shape, g.stride, activation="relu", act_input=x, **kw)
+        assert torch.equal(relu, torch.where(x > 0, plain, torch.zeros((), dtype=plain.dtype, device=DEV)))
+        if precision != "fp8":  # (fp8 wgmma accumulates BLOCK_K products narrower than fp32: only the bound)
+            ref = opc.conv2d_dgrad(dyq, wq, g.input_shape, g.stride, precision=precision, backend="gemm",
+                                   out_dtype=torch.float32)
+            assert torch.allclose(plain, ref, rtol=1e-5, atol=1e-4 * float(ref.abs().max()))
+    # auto takes it from N*P*Q >= 32768 rows (below, cuBLAS + the scatter pass measured as fast)
+    big, small = _geom((48, 56, 56, 256, 512, 1, 1, 2, 0, 1)), _geom((8, 56, 56, 256, 512, 1, 1, 2, 0, 1))
+    for gg, want in ((big, "TMA GEMM path"), (small, "torch")):
+        e = torch.empty(gg.output_shape, device=DEV, dtype=torch.float16)
+        assert want in opc.explain_conv2d_dgrad(e, torch.empty(gg.weight_shape, device=DEV, dtype=torch.float16),
+                                                gg.input_shape, gg.stride)
+    M = g.N * g.P * g.Q
+    out = torch.empty(g.input_shape, dtype=torch.float32, device=DEV)
+    if precision == "fp8":
+        k = gs.dgrad_1x1_strided(dyq.data.reshape(M, g.K), wq.data.reshape(g.K, g.C).t().contiguous(), out, g,
+                                 b_kmajor=True, scales=(dyq.scale, wq.scale), config=gs.CONFIGS[1])
+    else:
+        k = gs.dgrad_1x1_strided(dyq.reshape(M, g.K), wq.reshape(g.K, g.C), out, g, b_kmajor=False,
+                                 config=gs.CONFIGS[1])
+    ptx = k.asm["ptx"]
+    want = {"fp16": "f16.f16", "bf16": "bf16.bf16"}.get(precision, "e5m2.e4m3")
+    assert "cp.async.bulk.tensor" in ptx, "operands are not loaded by TMA"
+    assert "wgmma.mma_async" in ptx and f"f32.{want}" in ptx, f"no wgmma with operand types {want}"
 
 
 @pytest.mark.parametrize("precision", ["fp16", "fp8"])

@@ -234,7 +234,8 @@ def _workload(layer: Layer, N: int, device, l2_bytes, precisions, warmup_ms, rep
                                                    g.weight_shape, st, pd, precision=precision)
             row = {"op": op, "batch": N, "layer": layer.name, "H": g.H, "C": g.C, "K": g.K, "R": g.R,
                    "stride": layer.stride, "precision": precision, "flops": g.flops,
-                   "path": ("gemm" if "GEMM path" in explain else "fprop" if "cuDNN forward conv" in explain
+                   "path": ("tma" if "TMA GEMM path" in explain else "gemm" if "GEMM path" in explain
+                            else "fprop" if "cuDNN forward conv" in explain
                             else "triton" if "Triton" in explain else "reference"),
                    "explain": explain, "error": None}
             try:  # correctness first (this also compiles / autotunes the kernel)
@@ -248,9 +249,11 @@ def _workload(layer: Layer, N: int, device, l2_bytes, precisions, warmup_ms, rep
             row["ok"] = row["nrmse"] is not None and row["nrmse"] <= NRMSE_LIMITS[precision]
             ours = _Timed(error=row["error"]) if row["error"] else _measure(call, ops_items, warmup_ms, rep_ms, graph)
             row["error"] = ours.error
-            alt = None
+            alt = alt_gemm = None
             if alt_triton and precision in alt_triton and row["path"] in ("gemm", "fprop") and ours.ms is not None:
                 alt = _measure(lambda o: call(o, "triton"), ops_items, warmup_ms, rep_ms, graph)
+            if row["path"] == "tma" and ours.ms is not None:  # the path it replaced: cuBLAS + the scatter pass
+                alt_gemm = _measure(lambda o: call(o, "gemm"), ops_items, warmup_ms, rep_ms, graph)
             base, b_lay = best(op)
             fwd, f_lay = best("fwd")
             ms, b_ms, basis = ours.best_basis(base)
@@ -260,6 +263,8 @@ def _workload(layer: Layer, N: int, device, l2_bytes, precisions, warmup_ms, rep
                 "ours_ms": ours.ms, "ours_graph_ms": ours.graph_ms,
                 "alt_triton_ms": None if alt is None else alt.ms,
                 "alt_triton_graph_ms": None if alt is None else alt.graph_ms,
+                "alt_gemm_ms": None if alt_gemm is None else alt_gemm.ms,
+                "alt_gemm_graph_ms": None if alt_gemm is None else alt_gemm.graph_ms,
                 "cudnn_nchw_ms": cudnn[(op, "nchw")].ms, "cudnn_nhwc_ms": cudnn[(op, "nhwc")].ms,
                 "cudnn_nchw_graph_ms": cudnn[(op, "nchw")].graph_ms,
                 "cudnn_nhwc_graph_ms": cudnn[(op, "nhwc")].graph_ms,

@@ -22,14 +22,18 @@ Precisions
 Backends (``backend=``)
 
 * ``"auto"``: on CUDA, unpadded 1x1 layers are GEMMs and go to cuBLAS (``torch.matmul`` /
-  ``torch.mm(out_dtype=)`` / ``torch._scaled_mm`` for fp8) -- the fastest GEMM on the machine.  At
-  stride s > 1 the GEMM runs over the N*P*Q pixels the filter touches: dgrad's rows are then
-  scattered into dx by one Triton pass that writes the zeros (and applies a fused activation
-  backward); wgrad copies x's strided slice into the GEMM's layout first.  Everything else (and
-  stride-1 1x1 layers with a fused activation) runs the Triton implicit-GEMM kernels.  Off CUDA:
-  the reference.
+  ``torch.mm(out_dtype=)`` / ``torch._scaled_mm`` for fp8) -- the fastest GEMM on the machine --
+  except dgrad at stride s > 1 (or with a fused activation) on sm_90 with N*P*Q >= 32768 rows: there
+  only the N*P*Q pixels the filter touches get GEMM rows and the rest of dx is zeros, so the ``"tma"`` kernel (a Triton TMA
+  GEMM whose epilogue writes all of dx: the rows at (n, p*sh, q*sw), the zeros around them, the
+  activation backward) saves cuBLAS's round trip of the rows through memory.  wgrad at stride s > 1
+  copies x's strided slice into the GEMM's layout first.  Everything else runs the Triton
+  implicit-GEMM kernels.  Off CUDA: the reference.
 * ``"triton"``: the Triton kernels for every layer (on the CPU through ``TRITON_INTERPRET=1``).
-* ``"gemm"``: cuBLAS; unpadded 1x1 layers only.
+* ``"tma"`` (dgrad only): ``kernels/triton/gemm_scatter.py``; unpadded 1x1 layers, K and C multiples
+  of 8 (16 for fp8).
+* ``"gemm"``: cuBLAS; unpadded 1x1 layers only (strided dgrad: the rows, then one Triton pass that
+  scatters them into dx with the zeros).
 * ``"fprop"`` (dgrad only): cuDNN's forward convolution with the rotated filter; stride 1, fp16 /
   bf16, ``padding <= dilation * (R - 1)``, output in the compute type, no fused activation.
 * ``"reference"``: the same math in plain torch (operands rounded to the precision, float32
@@ -65,7 +69,7 @@ __all__ = [
 ]
 
 PRECISIONS = ("fp16", "bf16", "fp8")
-BACKENDS = ("auto", "triton", "gemm", "fprop", "reference")
+BACKENDS = ("auto", "triton", "tma", "gemm", "fprop", "reference")
 _DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -324,12 +328,35 @@ def _fprop_ok(op: str, g: ConvGeometry, precision: str, activation, out_dtype) -
                   "forward kernels (fp32 accumulation), faster than its dgrad and our Triton kernel on these layers")
 
 
+def _tma_ok(op: str, g: ConvGeometry, precision: str) -> tuple[bool, str]:
+    """Can this dgrad run as the TMA GEMM with dx written by its epilogue (kernels/triton/gemm_scatter.py)?"""
+    from ..kernels.triton import gemm_scatter as gs
+
+    if op != "dgrad":
+        return False, "the TMA GEMM + scatter kernel is a dgrad kernel (wgrad reduces over pixels)"
+    return gs.supported(g, precision == "fp8")
+
+
+_TMA_MIN_ROWS = 32768  # = kernels.triton.gemm_scatter.MIN_ROWS_AUTO (kept here: no Triton import on the CPU path)
+
+
+def _is_sm90(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9
+
+
 def _choose(op: str, g: ConvGeometry, t, precision: str, backend: str, activation=None,
             out_dtype=None) -> tuple[str, str]:
-    """(path, reason): path is "gemm" (cuBLAS), "fprop" (cuDNN forward conv), "triton" or "reference"."""
+    """(path, reason): path is "gemm" (cuBLAS), "tma" (Triton TMA GEMM writing dx), "fprop" (cuDNN forward
+    conv), "triton" or "reference"."""
     ref_t = t.data if isinstance(t, Fp8Tensor) else t
     if backend == "reference":
         return "reference", "asked for the reference backend"
+    if backend == "tma":
+        ok, why = _tma_ok(op, g, precision)
+        if not ok:
+            raise ValueError(f"backend='tma' cannot run this {op}: {why}; use backend='triton' or 'auto'")
+        choose_backend(ref_t, "triton", kernel="Triton TMA GEMM + scatter dgrad")  # raises where it cannot run
+        return "tma", f"asked for the TMA GEMM ({why})"
     if backend == "fprop":
         ok, why = _fprop_ok(op, g, precision, activation, out_dtype)
         if not ok:
@@ -351,6 +378,14 @@ def _choose(op: str, g: ConvGeometry, t, precision: str, backend: str, activatio
         pref = _auto_prefers_triton(op, g, precision) if ok else None
         if pref:
             return "triton", f"{pref} ({why})"
+        tok, _ = _tma_ok(op, g, precision)
+        big = g.N * g.P * g.Q >= _TMA_MIN_ROWS
+        if ok and tok and big and (g.stride != (1, 1) or activation is not None) and _is_sm90(ref_t):
+            return "tma", (f"{gwhy}; dx is mostly {'zeros' if g.stride != (1, 1) else 'the GEMM rows'}: one Triton "
+                           "TMA GEMM whose epilogue writes every pixel of dx"
+                           + (" and applies the activation backward" if activation is not None else "")
+                           + " moves fewer bytes than cuBLAS + a scatter pass (memory-bound layers, "
+                           f"N*P*Q >= {_TMA_MIN_ROWS} rows)")
         if ok and (activation is None or g.stride != (1, 1)):  # strided: the activation rides the scatter pass
             return "gemm", f"{gwhy}: cuBLAS, the fastest GEMM on this machine"
         if ok:
@@ -495,6 +530,21 @@ def conv2d_dgrad(grad_out, weight, input_shape, stride=1, padding=0, dilation=1,
     if path == "fprop":
         return _dgrad_fprop(dy, w, g)
 
+    if path == "tma":
+        from ..kernels.triton import gemm_scatter as gs
+
+        M = g.N * g.P * g.Q
+        out = torch.empty(g.input_shape, dtype=out_dtype, device=device)
+        if precision == "fp8":  # both operands K-major: dy (M, K) rows, w as (C, K) rows
+            a = _row_major(dy.data.reshape(M, g.K))
+            b = _row_major(w.data.reshape(g.K, g.C).t())
+        else:
+            a = _row_major(dy.reshape(M, g.K))
+            b = _row_major(w.reshape(g.K, g.C))
+        gs.dgrad_1x1_strided(a, b, out, g, b_kmajor=precision == "fp8", act=(mode, slope), act_input=act_input,
+                             scales=_scales(dy, w), fast_accum=fast_accum, config=config)
+        return out
+
     if path == "gemm":
         M = g.N * g.P * g.Q  # the pixels the 1x1 filter reaches: all of them at stride 1
         if precision == "fp8":
@@ -563,6 +613,11 @@ def explain_conv2d_dgrad(grad_out, weight, input_shape, stride=1, padding=0, dil
     if path == "fprop":
         body = ("cuDNN forward conv (torch.nn.functional.conv2d, channels_last) of dy with the 180-degree-rotated, "
                 "channel-swapped filter, padding d*(R-1)-pad: no Triton kernel runs")
+    elif path == "tma":
+        body = (f"TMA GEMM path: one Triton kernel (kernels/triton/gemm_scatter.py), dy (N*P*Q, K) @ w (K, C) on "
+                f"tensor cores with fp32 accumulation, its epilogue writing dx: the rows at pixels (n, p*{g.stride[0]}, "
+                f"q*{g.stride[1]}) and zeros at the pixels no tap reaches"
+                + (f", the {activation} backward applied there" if activation else ""))
     elif path == "gemm":
         fn = "torch._scaled_mm (cuBLAS fp8)" if precision == "fp8" else "torch.matmul (cuBLAS)"
         if g.stride == (1, 1):

@@ -1,0 +1,177 @@
+"""dgrad of a strided, unpadded 1x1 convolution as one TMA GEMM whose epilogue writes all of dx.
+
+For a 1x1 filter with stride (sh, sw) and no padding, ``dx[n, p*sh, q*sw, :] = dy[n, p, q, :] @ w``
+and every other pixel of dx is zero (no tap reaches it).  cuBLAS can do the GEMM, but its (N*P*Q, C)
+result then has to be written, read back and scattered into dx with the zeros: at N = 256 on the
+56x56 256->512 s2 ResNet-50 layer that is 205 MB (dy) + 2 x 103 MB (GEMM result) + 411 MB (dx)
+= 822 MB, against 616 MB when the GEMM's epilogue writes dx itself.  The layers are memory-bound
+(K = 256..2048 reduction against sh*sw*C output values a row), so bytes are time.
+
+    program -> tile (BLOCK_M rows m = (n, p, q) of dy, BLOCK_N channels c), grouped along m for L2
+    for k-block:   A = dy[m-block, k-block]     (TMA, (M, K) row-major: K-major)
+                   B = w[k-block, c-block]      (TMA; fp8 reads w^T (C, K) K-major, see conv_bwd.py)
+                   acc += A @ B                 (wgmma, fp32 accumulation; fp8 promoted every BLOCK_K)
+    epilogue:      acc * scales, activation backward from act_input, cast
+                   store at dx[n, p*sh, q*sw, c], zeros at dx[n, p*sh + a, q*sw + b, c] (a, b) != (0, 0)
+                   (masked where p*sh + a >= H or q*sw + b >= W: every pixel of dx is written once)
+
+TMA needs 16-byte aligned rows: K and C multiples of 8 (fp16/bf16) or 16 (fp8); the caller checks
+(:func:`supported`).  Out-of-range rows / reduction columns are zero-filled by the TMA unit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..reference_conv import ConvGeometry
+
+__all__ = ["dgrad_1x1_strided", "supported", "CONFIGS", "MIN_ROWS_AUTO"]
+
+# (BLOCK_M, BLOCK_N, BLOCK_K (16-bit; fp8 doubles it), num_warps, num_stages)
+_TILES = ((128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (256, 128, 64, 8, 3))
+CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s) for bm, bn, bk, w, s in _TILES]
+_INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=1)
+
+
+@triton.jit(do_not_specialize=["M", "H", "W", "P", "Q"])
+def _gemm_scatter_kernel(
+    a_desc, b_desc, out_ptr, act_ptr, scale_a_ptr, scale_b_ptr,
+    M, H, W, P, Q, C, K,
+    sa_n, sa_h, sa_w, sa_c, slope,
+    STR_H: tl.constexpr, STR_W: tl.constexpr, ACT: tl.constexpr, HAS_SCALE: tl.constexpr,
+    IS_FP8: tl.constexpr, FAST_ACCUM: tl.constexpr, B_KMAJOR: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(C, BLOCK_N)
+    group = GROUP_M * num_n
+    first_m = (pid // group) * GROUP_M
+    rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % rows
+    pid_n = (pid % group) // rows
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        a = a_desc.load([off_m, kb * BLOCK_K])
+        if B_KMAJOR:
+            b = b_desc.load([off_n, kb * BLOCK_K]).T
+        else:
+            b = b_desc.load([kb * BLOCK_K, off_n])
+        if UPCAST:  # the interpreter multiplies bfloat16 as raw uint16 bits: widen (exactly) first
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if IS_FP8 and not FAST_ACCUM:
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+        else:
+            acc = tl.dot(a, b, acc)
+
+    # ---- epilogue: row m = (n, p, q) -> dx pixel (n, p*sh, q*sw); the other sh*sw - 1 pixels get zeros ----
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_c = off_n + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    c_ok = offs_c < C
+    q = offs_m % Q
+    t = offs_m // Q
+    p = t % P
+    n = (t // P).to(tl.int64)
+    h = p * STR_H
+    w = q * STR_W
+    if HAS_SCALE:
+        acc = acc * (tl.load(scale_a_ptr) * tl.load(scale_b_ptr))
+    if ACT != 0:
+        z = tl.load(act_ptr + (n * sa_n + h * sa_h + w * sa_w)[:, None] + offs_c[None, :] * sa_c,
+                    mask=m_ok[:, None] & c_ok[None, :], other=0.0)
+        if ACT == 1:
+            acc = tl.where(z > 0, acc, 0.0)
+        else:
+            acc = tl.where(z > 0, acc, acc * slope)
+    val = acc.to(out_ptr.dtype.element_ty)
+    zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty)
+    for da in tl.static_range(STR_H):
+        for db in tl.static_range(STR_W):
+            hh = h + da
+            ww = w + db
+            ok = m_ok & (hh < H) & (ww < W)
+            ptrs = out_ptr + (((n * H + hh) * W + ww) * C)[:, None] + offs_c[None, :]
+            if da == 0 and db == 0:
+                tl.store(ptrs, val, mask=ok[:, None] & c_ok[None, :])
+            else:
+                tl.store(ptrs, zero, mask=ok[:, None] & c_ok[None, :])
+
+
+def supported(g: ConvGeometry, fp8: bool) -> tuple[bool, str]:
+    """Can :func:`dgrad_1x1_strided` run this layer (and why not)?"""
+    if not (g.R == g.S == 1 and g.padding == (0, 0)):
+        return False, f"the layer is {g.R}x{g.S} with padding {g.padding}, not an unpadded 1x1 layer"
+    align = 16 if fp8 else 8
+    if g.K % align or g.C % align:
+        return False, (f"TMA loads need 16-byte rows: K and C multiples of {align} for "
+                       f"{'fp8' if fp8 else '16-bit'} operands, got K={g.K}, C={g.C}")
+    return True, "unpadded 1x1 layer with 16-byte aligned rows"
+
+
+# Measured on H200 (benchmarks/tune_dgrad_tma_device.py, N = 256, best of CONFIGS per layer): the tile that
+# wins depends on the reduction length K and the operand width; the worst tile is up to 1.4x slower.
+# An autotuner was tried and dropped: its per-call host work (~tens of us) made the 14x14 layers host-bound.
+def _pick(g: ConvGeometry, fp8: bool) -> dict:
+    """The tile for this layer: short reductions take 64x128 x 4 warps (several CTAs per SM overlap one
+    tile's loads with another's stores), long ones 128x256 x 8 warps."""
+    small = CONFIGS[3]  # 64x128 w4 s4
+    if fp8:
+        return dict(small if g.K <= 256 else CONFIGS[2] if g.K <= 512 else CONFIGS[1])
+    return dict(small if g.K <= 128 else CONFIGS[1])
+
+
+# Below this many GEMM rows (N*P*Q) the kernel's GPU time is near its launch cost and cuBLAS + the scatter
+# pass measured as fast or faster (14x14 layers at N = 256: M = 12544), so ops.conv's auto path keeps those.
+MIN_ROWS_AUTO = 32768
+
+
+def dgrad_1x1_strided(dy2: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, g: ConvGeometry, *,
+                      b_kmajor: bool, act: tuple[int, float] = (0, 0.0), act_input: torch.Tensor | None = None,
+                      scales=None, fast_accum: bool = False, config: dict | None = None):
+    """``out`` (N, H, W, C) contiguous <- dx of an unpadded 1x1 layer: ``dy2`` (N*P*Q, K) row-major,
+    ``w2`` (K, C) row-major, or (C, K) row-major with ``b_kmajor`` (fp8 operands need that); ``config``
+    (a dict of :data:`CONFIGS`; fp8 doubles its BLOCK_K) fixes the tile, None takes :func:`_pick`'s.  ``act``
+    is (mode, slope) as in ``conv_bwd.dgrad``; ``scales`` (scale_a, scale_b) device scalars or None.
+    Returns the launched compiled kernel (its ``asm`` for inspection)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from .conv_bwd import _one, _strides, interpreting
+
+    ok, why = supported(g, dy2.dtype in (torch.float8_e4m3fn, torch.float8_e5m2))
+    if not ok:
+        raise ValueError(f"dgrad_1x1_strided cannot run this layer: {why}")
+    M = g.N * g.P * g.Q
+    if tuple(dy2.shape) != (M, g.K) or not dy2.is_contiguous():
+        raise ValueError(f"dy2 must be a contiguous (N*P*Q, K) = {(M, g.K)} matrix, got {tuple(dy2.shape)} "
+                         f"with strides {dy2.stride()}")
+    want_b = (g.C, g.K) if b_kmajor else (g.K, g.C)
+    if tuple(w2.shape) != want_b or not w2.is_contiguous():
+        raise ValueError(f"w2 must be a contiguous {want_b} matrix, got {tuple(w2.shape)} with strides {w2.stride()}")
+    if tuple(out.shape) != g.input_shape or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous (N, H, W, C) = {g.input_shape} tensor")
+    fp8 = dy2.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    cfg = dict(config if config is not None else _INTERPRETER_CONFIG if interpreting() else _pick(g, fp8))
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    if fp8 and not interpreting():
+        bk *= 2  # 128 bytes of reduction a row either way
+    a_desc = TensorDescriptor(dy2, [M, g.K], [g.K, 1], [bm, bk])
+    b_desc = (TensorDescriptor(w2, [g.C, g.K], [g.K, 1], [bn, bk]) if b_kmajor
+              else TensorDescriptor(w2, [g.K, g.C], [g.C, 1], [bk, bn]))
+    mode, slope = act
+    act_t = act_input if (act_input is not None and mode) else out
+    has_scale = scales is not None
+    sa, sb = scales if has_scale else (_one(out.device), _one(out.device))
+    args = (a_desc, b_desc, out, act_t, sa, sb, M, g.H, g.W, g.P, g.Q, g.C, g.K, *_strides(act_t), float(slope))
+    flags = dict(STR_H=g.stride[0], STR_W=g.stride[1], ACT=mode, HAS_SCALE=has_scale, IS_FP8=fp8,
+                 FAST_ACCUM=bool(fast_accum), B_KMAJOR=bool(b_kmajor),
+                 UPCAST=interpreting() and dy2.dtype == torch.bfloat16, GROUP_M=8)
+    grid = (triton.cdiv(M, bm) * triton.cdiv(g.C, bn),)
+    return _gemm_scatter_kernel[grid](*args, **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                                      num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
