@@ -33,7 +33,7 @@ def main() -> None:
                 a, b = opc.prepare_fp8_dgrad(dy, w) if precision == "fp8" else (dy, w)
                 kw = dict(precision=precision)
                 base = do_bench(lambda: opc.conv2d_dgrad(a, b, g.input_shape, 2, backend="gemm", **kw))
-                for cfg in gs.CONFIGS + [None]:  # None: the autotuner's pick
+                for cfg in gs.CONFIGS + gs.VARIANT_CONFIGS + [None]:  # None: the default pick
                     try:
                         t = do_bench(lambda: opc.conv2d_dgrad(a, b, g.input_shape, 2, backend="tma", config=cfg, **kw))
                         err = None

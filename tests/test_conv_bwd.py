@@ -214,6 +214,21 @@ def test_tma_gemm_scatter_dgrad(spec, precision):
     _check_fused_activations(g, dy, w, x, precision=precision, backend="tma", out_dtype=torch.float32)
 
 
+@pytest.mark.parametrize("variant", [dict(persistent=True, ctas_per_sm=1), dict(zeros_first=True)],
+                         ids=["persistent", "zeros_first"])
+def test_tma_dgrad_variants_equal_the_plain_kernel(variant):
+    """The persistent (grid-stride over tiles; 4 'SMs' in the interpreter, 18 tiles here) and zeros-first
+    variants write the same dx bits as the one-tile-per-program kernel."""
+    g = _geom((2, 13, 11, 32, 16, 1, 1, 2, 0, 1))
+    dy, w, x = (t.half() for t in _data(g, seed=23))
+    base = dict(kt.INTERPRETER_CONFIG, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)
+    kw = dict(backend="tma", activation="relu", act_input=x)
+    plain = opc.conv2d_dgrad(dy, w, g.input_shape, g.stride, config=base, **kw)
+    other = opc.conv2d_dgrad(dy, w, g.input_shape, g.stride, config=dict(base, **variant), **kw)
+    assert torch.equal(plain.view(torch.int16), other.view(torch.int16))
+    assert (plain != 0).any()
+
+
 def test_tma_backend_rejects_what_it_cannot_run():
     g = _geom(GEOMS[1])  # 3x3
     dy, w, x = _data(g)
@@ -669,7 +684,7 @@ def _aot_compile(fn_name, consts, num_warps=4, num_stages=3):
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
-def _aot_gemm_scatter(fp8: bool, bm=128, bn=256, bk=64):
+def _aot_gemm_scatter(fp8: bool, bm=128, bn=256, bk=64, persistent=False):
     """The TMA GEMM + scatter dgrad kernel (kernels/triton/gemm_scatter.py) for sm_90: descriptors of the
     tile shapes the wrapper builds, B K-major for fp8."""
     import triton
@@ -681,7 +696,7 @@ def _aot_gemm_scatter(fp8: bool, bm=128, bn=256, bk=64):
     fn = gs._gemm_scatter_kernel
     a_ty, b_ty, bk = ("fp8e5", "fp8e4nv", 2 * bk) if fp8 else ("fp16", "fp16", bk)
     consts = dict(STR_H=2, STR_W=2, ACT=1, HAS_SCALE=fp8, IS_FP8=fp8, FAST_ACCUM=False, B_KMAJOR=fp8, UPCAST=False,
-                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8)
+                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FLATTEN=persistent, ZEROS_FIRST=False)
     sig, attrs, cs = {}, {}, dict(consts)
     for i, name in enumerate(fn.arg_names):
         if name in consts:
@@ -710,7 +725,8 @@ def _aot_report() -> dict:
     k8 = _aot_compile("_wgrad_kernel", dict(w8, DOT_F16=False), num_warps=8)
     k8h = _aot_compile("_wgrad_kernel", dict(w8, DOT_F16=True), num_warps=8)  # the default for fp8 wgrad
     return {"dgrad_fp16": k16.asm["ptx"], "wgrad_fp8": k8.asm["ptx"], "wgrad_fp8_dot_f16": k8h.asm["ptx"],
-            "tma_dgrad_fp16": _aot_gemm_scatter(False).asm["ptx"], "tma_dgrad_fp8": _aot_gemm_scatter(True).asm["ptx"]}
+            "tma_dgrad_fp16": _aot_gemm_scatter(False).asm["ptx"], "tma_dgrad_fp8": _aot_gemm_scatter(True).asm["ptx"],
+            "tma_dgrad_fp16_persistent": _aot_gemm_scatter(False, persistent=True).asm["ptx"]}
 
 
 def test_kernels_compile_to_wgmma_for_sm90():
@@ -734,6 +750,8 @@ def test_kernels_compile_to_wgmma_for_sm90():
     assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16" in ptx["tma_dgrad_fp16"]
     assert "wgmma.mma_async.sync.aligned.m64n256k32.f32.e5m2.e4m3" in ptx["tma_dgrad_fp8"]
     assert "cp.async.bulk.tensor" in ptx["tma_dgrad_fp16"] and "cp.async.bulk.tensor" in ptx["tma_dgrad_fp8"]
+    assert "cp.async.bulk.tensor" in ptx["tma_dgrad_fp16_persistent"]
+    assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16" in ptx["tma_dgrad_fp16_persistent"]
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--aot"]:

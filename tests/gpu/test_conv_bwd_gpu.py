@@ -162,6 +162,21 @@ def test_tma_dgrad_on_gpu(precision):
             ref = opc.conv2d_dgrad(dyq, wq, g.input_shape, g.stride, precision=precision, backend="gemm",
                                    out_dtype=torch.float32)
             assert torch.allclose(plain, ref, rtol=1e-5, atol=1e-4 * float(ref.abs().max()))
+    # every tile agrees with the default pick; the variants (persistent, zeros-first) bit for bit with their tile
+    g0 = _geom((4, 56, 56, 256, 512, 1, 1, 2, 0, 1))
+    dy0, w0, _ = _data(g0, seed=9)
+    a0, b0 = opc.prepare_fp8_dgrad(dy0, w0) if precision == "fp8" else (dy0.to(opc._DTYPE[precision]),
+                                                                        w0.to(opc._DTYPE[precision]))
+    def run(cfg):
+        return opc.conv2d_dgrad(a0, b0, g0.input_shape, 2, precision=precision, backend="tma", config=cfg)
+
+    want = run(None)
+    tiles = {tuple(sorted(c.items())): run(c) for c in gs.CONFIGS}
+    for got in tiles.values():  # other tiles: the same sums, at most the output rounding apart
+        assert torch.allclose(got.float(), want.float(), rtol=2.0**-7, atol=1e-3 * float(want.float().abs().max()))
+    for cfg in gs.VARIANT_CONFIGS:  # the same tile, scheduled differently: the same bits
+        base = {k: v for k, v in cfg.items() if k not in ("persistent", "ctas_per_sm", "zeros_first")}
+        assert torch.equal(run(cfg), tiles[tuple(sorted(base.items()))]), cfg
     # auto takes it from N*P*Q >= 32768 rows (below, cuBLAS + the scatter pass measured as fast)
     big, small = _geom((48, 56, 56, 256, 512, 1, 1, 2, 0, 1)), _geom((8, 56, 56, 256, 512, 1, 1, 2, 0, 1))
     for gg, want in ((big, "TMA GEMM path"), (small, "torch")):

@@ -8,12 +8,14 @@ result then has to be written, read back and scattered into dx with the zeros: a
 (K = 256..2048 reduction against sh*sw*C output values a row), so bytes are time.
 
     program -> tile (BLOCK_M rows m = (n, p, q) of dy, BLOCK_N channels c), grouped along m for L2
+               (or, persistent: a loop over tiles, flattened so the next tile's loads overlap this epilogue)
+    first:         zeros at dx[n, p*sh + a, q*sw + b, c], (a, b) != (0, 0): they depend on nothing, so
+                   their writes overlap the main loop (masked where p*sh + a >= H or q*sw + b >= W)
     for k-block:   A = dy[m-block, k-block]     (TMA, (M, K) row-major: K-major)
                    B = w[k-block, c-block]      (TMA; fp8 reads w^T (C, K) K-major, see conv_bwd.py)
                    acc += A @ B                 (wgmma, fp32 accumulation; fp8 promoted every BLOCK_K)
-    epilogue:      acc * scales, activation backward from act_input, cast
-                   store at dx[n, p*sh, q*sw, c], zeros at dx[n, p*sh + a, q*sw + b, c] (a, b) != (0, 0)
-                   (masked where p*sh + a >= H or q*sw + b >= W: every pixel of dx is written once)
+    epilogue:      acc * scales, activation backward from act_input, cast, store at dx[n, p*sh, q*sw, c]
+                   (every pixel of dx is written exactly once)
 
 TMA needs 16-byte aligned rows: K and C multiples of 8 (fp16/bf16) or 16 (fp8); the caller checks
 (:func:`supported`).  Out-of-range rows / reduction columns are zero-filled by the TMA unit.
@@ -27,33 +29,63 @@ import triton.language as tl
 
 from ..reference_conv import ConvGeometry
 
-__all__ = ["dgrad_1x1_strided", "supported", "CONFIGS", "MIN_ROWS_AUTO"]
+__all__ = ["dgrad_1x1_strided", "supported", "CONFIGS", "VARIANT_CONFIGS", "MIN_ROWS_AUTO"]
 
 # (BLOCK_M, BLOCK_N, BLOCK_K (16-bit; fp8 doubles it), num_warps, num_stages)
 _TILES = ((128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (256, 128, 64, 8, 3))
 CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s) for bm, bn, bk, w, s in _TILES]
+# Variants not measured yet (see BENCHMARKS.md): persistent (1-2 CTAs per SM loop over tiles, the loop nest
+# flattened so the next tile's loads overlap this tile's stores) and zeros-first.  Without spills on sm_90
+# under Triton 3.6 except 128x256 persistent with fp8 operands (48 bytes of stack).
+VARIANT_CONFIGS = ([dict(c, persistent=True, ctas_per_sm=k) for c, k in ((CONFIGS[0], 1), (CONFIGS[1], 1),
+                                                                         (CONFIGS[3], 2), (CONFIGS[2], 2))]
+                   + [dict(c, zeros_first=True) for c in (CONFIGS[3], CONFIGS[0])])
 _INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=1)
 
 
-@triton.jit(do_not_specialize=["M", "H", "W", "P", "Q"])
-def _gemm_scatter_kernel(
-    a_desc, b_desc, out_ptr, act_ptr, scale_a_ptr, scale_b_ptr,
-    M, H, W, P, Q, C, K,
-    sa_n, sa_h, sa_w, sa_c, slope,
-    STR_H: tl.constexpr, STR_W: tl.constexpr, ACT: tl.constexpr, HAS_SCALE: tl.constexpr,
-    IS_FP8: tl.constexpr, FAST_ACCUM: tl.constexpr, B_KMAJOR: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    pid = tl.program_id(0)
+@triton.jit
+def _rows(off_m, M, P, Q, STR_H: tl.constexpr, STR_W: tl.constexpr, BLOCK_M: tl.constexpr):
+    """GEMM rows m = (n, p, q) of the tile -> (n, h = p*sh, w = q*sw, row mask)."""
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    q = offs_m % Q
+    t = offs_m // Q
+    return (t // P).to(tl.int64), (t % P) * STR_H, q * STR_W, offs_m < M
+
+
+@triton.jit
+def _store_zeros(out_ptr, off_m, off_n, M, H, W, P, Q, C, STR_H: tl.constexpr, STR_W: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Zeros at dx[n, h + a, w + b, c] for the (a, b) != (0, 0) of the stride: the pixels no tap reaches."""
+    n, h, w, m_ok = _rows(off_m, M, P, Q, STR_H, STR_W, BLOCK_M)
+    offs_c = off_n + tl.arange(0, BLOCK_N)
+    c_ok = offs_c < C
+    zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty)
+    for da in tl.static_range(STR_H):
+        for db in tl.static_range(STR_W):
+            if da + db > 0:
+                ok = m_ok & (h + da < H) & (w + db < W)
+                ptrs = out_ptr + (((n * H + h + da) * W + w + db) * C)[:, None] + offs_c[None, :]
+                tl.store(ptrs, zero, mask=ok[:, None] & c_ok[None, :])
+
+
+@triton.jit
+def _tile(tile, a_desc, b_desc, out_ptr, act_ptr, scale_a_ptr, scale_b_ptr, M, H, W, P, Q, C, K,
+          sa_n, sa_h, sa_w, sa_c, slope,
+          STR_H: tl.constexpr, STR_W: tl.constexpr, ACT: tl.constexpr, HAS_SCALE: tl.constexpr,
+          IS_FP8: tl.constexpr, FAST_ACCUM: tl.constexpr, B_KMAJOR: tl.constexpr, UPCAST: tl.constexpr,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+          ZEROS_FIRST: tl.constexpr):
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(C, BLOCK_N)
     group = GROUP_M * num_n
-    first_m = (pid // group) * GROUP_M
+    first_m = (tile // group) * GROUP_M
     rows = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % rows
-    pid_n = (pid % group) // rows
-    off_m = pid_m * BLOCK_M
-    off_n = pid_n * BLOCK_N
+    off_m = (first_m + (tile % group) % rows) * BLOCK_M
+    off_n = ((tile % group) // rows) * BLOCK_N
+    # The zeros depend on nothing: ZEROS_FIRST stores them before the main loop, so their writes overlap its
+    # loads and MMAs, at the price of registers live across the loop (check the spills per tile).
+    if ZEROS_FIRST:
+        _store_zeros(out_ptr, off_m, off_n, M, H, W, P, Q, C, STR_H, STR_W, BLOCK_M, BLOCK_N)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
@@ -70,38 +102,45 @@ def _gemm_scatter_kernel(
         else:
             acc = tl.dot(a, b, acc)
 
-    # ---- epilogue: row m = (n, p, q) -> dx pixel (n, p*sh, q*sw); the other sh*sw - 1 pixels get zeros ----
-    offs_m = off_m + tl.arange(0, BLOCK_M)
+    # ---- epilogue: scales, activation backward, the value pixel dx[n, p*sh, q*sw, c] ----
+    n, h, w, m_ok = _rows(off_m, M, P, Q, STR_H, STR_W, BLOCK_M)
     offs_c = off_n + tl.arange(0, BLOCK_N)
-    m_ok = offs_m < M
-    c_ok = offs_c < C
-    q = offs_m % Q
-    t = offs_m // Q
-    p = t % P
-    n = (t // P).to(tl.int64)
-    h = p * STR_H
-    w = q * STR_W
+    mask = m_ok[:, None] & (offs_c < C)[None, :]
     if HAS_SCALE:
         acc = acc * (tl.load(scale_a_ptr) * tl.load(scale_b_ptr))
     if ACT != 0:
-        z = tl.load(act_ptr + (n * sa_n + h * sa_h + w * sa_w)[:, None] + offs_c[None, :] * sa_c,
-                    mask=m_ok[:, None] & c_ok[None, :], other=0.0)
+        z = tl.load(act_ptr + (n * sa_n + h * sa_h + w * sa_w)[:, None] + offs_c[None, :] * sa_c, mask=mask, other=0.0)
         if ACT == 1:
             acc = tl.where(z > 0, acc, 0.0)
         else:
             acc = tl.where(z > 0, acc, acc * slope)
-    val = acc.to(out_ptr.dtype.element_ty)
-    zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty)
-    for da in tl.static_range(STR_H):
-        for db in tl.static_range(STR_W):
-            hh = h + da
-            ww = w + db
-            ok = m_ok & (hh < H) & (ww < W)
-            ptrs = out_ptr + (((n * H + hh) * W + ww) * C)[:, None] + offs_c[None, :]
-            if da == 0 and db == 0:
-                tl.store(ptrs, val, mask=ok[:, None] & c_ok[None, :])
-            else:
-                tl.store(ptrs, zero, mask=ok[:, None] & c_ok[None, :])
+    ptrs = out_ptr + (((n * H + h) * W + w) * C)[:, None] + offs_c[None, :]
+    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if not ZEROS_FIRST:
+        _store_zeros(out_ptr, off_m, off_n, M, H, W, P, Q, C, STR_H, STR_W, BLOCK_M, BLOCK_N)
+
+
+@triton.jit(do_not_specialize=["M", "H", "W", "P", "Q", "NUM_PROGS"])
+def _gemm_scatter_kernel(
+    a_desc, b_desc, out_ptr, act_ptr, scale_a_ptr, scale_b_ptr,
+    M, H, W, P, Q, C, K,
+    sa_n, sa_h, sa_w, sa_c, slope,
+    STR_H: tl.constexpr, STR_W: tl.constexpr, ACT: tl.constexpr, HAS_SCALE: tl.constexpr,
+    IS_FP8: tl.constexpr, FAST_ACCUM: tl.constexpr, B_KMAJOR: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_PROGS, FLATTEN: tl.constexpr, ZEROS_FIRST: tl.constexpr,
+):
+    # One tile per program (grid = tiles), or persistent (FLATTEN: grid = NUM_PROGS < tiles): the flattened
+    # loop nest lets the software pipeline issue the next tile's TMA loads during this tile's epilogue.
+    if FLATTEN:
+        for tile in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(C, BLOCK_N), NUM_PROGS, flatten=True):
+            _tile(tile, a_desc, b_desc, out_ptr, act_ptr, scale_a_ptr, scale_b_ptr, M, H, W, P, Q, C, K,
+                  sa_n, sa_h, sa_w, sa_c, slope, STR_H, STR_W, ACT, HAS_SCALE, IS_FP8, FAST_ACCUM, B_KMAJOR, UPCAST,
+                  BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ZEROS_FIRST)
+    else:
+        _tile(tl.program_id(0), a_desc, b_desc, out_ptr, act_ptr, scale_a_ptr, scale_b_ptr, M, H, W, P, Q, C, K,
+              sa_n, sa_h, sa_w, sa_c, slope, STR_H, STR_W, ACT, HAS_SCALE, IS_FP8, FAST_ACCUM, B_KMAJOR, UPCAST,
+              BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ZEROS_FIRST)
 
 
 def supported(g: ConvGeometry, fp8: bool) -> tuple[bool, str]:
@@ -142,7 +181,7 @@ def dgrad_1x1_strided(dy2: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, g:
     Returns the launched compiled kernel (its ``asm`` for inspection)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from .conv_bwd import _one, _strides, interpreting
+    from .conv_bwd import _one, _strides, interpreting, sm_count
 
     ok, why = supported(g, dy2.dtype in (torch.float8_e4m3fn, torch.float8_e5m2))
     if not ok:
@@ -172,6 +211,10 @@ def dgrad_1x1_strided(dy2: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, g:
     flags = dict(STR_H=g.stride[0], STR_W=g.stride[1], ACT=mode, HAS_SCALE=has_scale, IS_FP8=fp8,
                  FAST_ACCUM=bool(fast_accum), B_KMAJOR=bool(b_kmajor),
                  UPCAST=interpreting() and dy2.dtype == torch.bfloat16, GROUP_M=8)
-    grid = (triton.cdiv(M, bm) * triton.cdiv(g.C, bn),)
-    return _gemm_scatter_kernel[grid](*args, **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                      num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
+    tiles = triton.cdiv(M, bm) * triton.cdiv(g.C, bn)
+    persistent = bool(cfg.get("persistent", False))
+    progs = min(tiles, cfg.get("ctas_per_sm", 1) * sm_count(out.device)) if persistent else tiles
+    return _gemm_scatter_kernel[(progs,)](*args, **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_PROGS=progs,
+                                          FLATTEN=persistent, ZEROS_FIRST=bool(cfg.get("zeros_first", False)),
+                                          num_warps=cfg.get("num_warps", 4),
+                                          num_stages=cfg.get("num_stages", 3))
