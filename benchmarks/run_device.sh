@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks, logs and JSON under $OUT.
-# Usage (on the GPU machine, repo root): bash benchmarks/run_device.sh [tests|tests-NAME|cast|solve-quick|solve|net|emulate|chunk|convbwd|tune-tma|cpd ...]
-# (net: NET_ARGS for tcprec bench net; emulate: EMU_ARGS; cpd: CPD_ARGS, needs .carry/fashion-mnist carried)
+# Usage (on the GPU machine, repo root): bash benchmarks/run_device.sh [tests|tests-NAME|cast|solve-quick|solve|net|emulate|chunk|convbwd|tune-tma|tune-wgrad|cpd ...]
+# (net: NET_ARGS for tcprec bench net; emulate: EMU_ARGS; cpd: CPD_ARGS, needs .carry/fashion-mnist carried;
+#  tune-wgrad: TUNE_ARGS for benchmarks/tune_wgrad_tma_device.py, e.g. "--layers 2,6")
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TCPREC_CACHE_DIR="${TCPREC_CACHE_DIR:-/tmp/tcache}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -31,9 +32,11 @@ for step in "${@:-tests cast}"; do
                  cp benchmarks/results/emulate_gemm.json "$OUT/" 2>/dev/null ;;
         chunk) TRITON_CACHE_DIR=/tmp/tc timeout "${EMU_TIMEOUT:-400}" python3 benchmarks/bench_emulate_chunk_device.py \
                  2>&1 | tee "$OUT/bench_chunk.log" | grep -v '"diag"' | tail -40 ;;
-        convbwd) timeout "${CONV_TIMEOUT:-400}" python3 benchmarks/bench_conv_bwd_device.py --precisions fp16,fp8 --batches 256,8 \
+        convbwd) timeout "${CONV_TIMEOUT:-540}" python3 benchmarks/bench_conv_bwd_device.py --precisions fp16,fp8 --batches 256,8 \
                  --rep-ms 40 --out-dir "$OUT" 2>&1 | tee "$OUT/conv_bwd.log" | tail -14 ;;
         tune-tma) timeout 330 python3 benchmarks/tune_dgrad_tma_device.py 2>&1 | tee "$OUT/tune_tma.log" | tail -5 ;;
+        tune-wgrad) timeout "${TUNE_TIMEOUT:-540}" python3 benchmarks/tune_wgrad_tma_device.py ${TUNE_ARGS:-} 2>&1 \
+                    | tee "$OUT/tune_wgrad.log" | grep -v '^{"N"' | tail -16 ;;
         cpd) timeout "${CPD_TIMEOUT:-400}" python3 benchmarks/bench_cpd_device.py --data-path .carry/fashion-mnist \
                  ${CPD_ARGS:-} 2>&1 | tee "$OUT/cpd.log" | tail -30
              cp benchmarks/results/cpd.json "$OUT/" 2>/dev/null ;;

@@ -13,7 +13,9 @@ the others.  fp16 and bf16 take 16-bit operands; fp8 takes operands already quan
 (e5m2 dy, e4m3 x / w, per-tensor scales) in the layouts the kernels read best, as a training
 framework's fused cast would hand them over -- the quantisation from fp16 is timed separately
 (``quant_ms``).  With ``alt_triton`` the Triton kernel is also timed where cuBLAS or cuDNN fprop
-runs, to keep the vendor-or-Triton choice honest.
+runs, to keep the vendor-or-Triton choice honest.  With ``alt_tma`` (on sm_90) the TMA-box wgrad kernel
+(``backend="tma"``, ``kernels/triton/wgrad_tma.py``; not an ``auto`` choice yet) is checked and timed on
+every wgrad row it supports (``alt_tma_*`` columns), next to our current path and cuDNN in the same run.
 
 Every time is a ``do_bench`` median (CUDA events, L2 flushed) over rotating input copies larger
 than 4x L2.  Before timing, each result is compared with an fp32 cuDNN computation (TF32 off) from
@@ -156,7 +158,7 @@ def _nhwc(t: torch.Tensor) -> torch.Tensor:
 
 
 def _workload(layer: Layer, N: int, device, l2_bytes, precisions, warmup_ms, rep_ms, alt_triton, seed,
-              cudnn_benchmark: bool = True) -> list[dict]:
+              cudnn_benchmark: bool = True, alt_tma: Sequence[str] = ()) -> list[dict]:
     g = layer.geometry(N)
     st, pd = layer.stride, layer.padding
     graph = N <= GRAPH_MAX_BATCH
@@ -254,6 +256,7 @@ def _workload(layer: Layer, N: int, device, l2_bytes, precisions, warmup_ms, rep
                 alt = _measure(lambda o: call(o, "triton"), ops_items, warmup_ms, rep_ms, graph)
             if row["path"] == "tma" and ours.ms is not None:  # the path it replaced: cuBLAS + the scatter pass
                 alt_gemm = _measure(lambda o: call(o, "gemm"), ops_items, warmup_ms, rep_ms, graph)
+            tma = _alt_tma(op, g, precision, alt_tma, call, ops_items, ref_dw, warmup_ms, rep_ms, graph)
             base, b_lay = best(op)
             fwd, f_lay = best("fwd")
             ms, b_ms, basis = ours.best_basis(base)
@@ -265,6 +268,7 @@ def _workload(layer: Layer, N: int, device, l2_bytes, precisions, warmup_ms, rep
                 "alt_triton_graph_ms": None if alt is None else alt.graph_ms,
                 "alt_gemm_ms": None if alt_gemm is None else alt_gemm.ms,
                 "alt_gemm_graph_ms": None if alt_gemm is None else alt_gemm.graph_ms,
+                **tma.fields(base, ours),
                 "cudnn_nchw_ms": cudnn[(op, "nchw")].ms, "cudnn_nhwc_ms": cudnn[(op, "nhwc")].ms,
                 "cudnn_nchw_graph_ms": cudnn[(op, "nchw")].graph_ms,
                 "cudnn_nhwc_graph_ms": cudnn[(op, "nhwc")].graph_ms,
@@ -285,6 +289,53 @@ def _workload(layer: Layer, N: int, device, l2_bytes, precisions, warmup_ms, rep
             rows.append(row)
         del ops_items
     return rows
+
+
+@dataclass
+class _AltTma:
+    """The TMA-box wgrad kernel timed next to our path on one row (None fields where it did not run)."""
+
+    timed: _Timed | None = None
+    nrmse: float | None = None
+    error: str | None = None
+    explain: str | None = None
+
+    def fields(self, base: _Timed, ours: _Timed) -> dict:
+        t = self.timed
+        ms, b_ms, basis = t.best_basis(base) if t is not None else (None, None, None)
+        a_ms, o_ms, _ = t.best_basis(ours) if t is not None else (None, None, None)
+        return {"alt_tma_ms": None if t is None else t.ms, "alt_tma_graph_ms": None if t is None else t.graph_ms,
+                "alt_tma_time_ms": ms, "alt_tma_timing": basis, "alt_tma_nrmse": self.nrmse,
+                "alt_tma_error": self.error, "alt_tma_explain": self.explain,
+                "alt_tma_speedup": None if None in (ms, b_ms) else b_ms / ms,
+                "alt_tma_vs_ours": None if None in (a_ms, o_ms) else o_ms / a_ms}
+
+
+def _alt_tma(op, g: ConvGeometry, precision, alt_tma, call, ops_items, ref, warmup_ms, rep_ms, graph) -> _AltTma:
+    """wgrad rows on sm_90 that the TMA kernel supports: its NRMSE against fp32 (it has never been checked on a
+    GPU before this benchmark, so a wrong result is reported, not timed) and its time."""
+    dy = ops_items[0]["wgrad"][0]
+    dy = dy.data if isinstance(dy, opc.Fp8Tensor) else dy
+    if op != "wgrad" or precision not in alt_tma or not opc._is_sm90(dy) or not opc._tma_ok(op, g, precision)[0]:
+        return _AltTma()
+    out = _AltTma()
+    try:
+        o = ops_items[0]["wgrad"]
+        out.explain = opc.explain_conv2d_wgrad(o[0], o[1], g.weight_shape, g.stride, g.padding, precision=precision,
+                                               backend="tma")
+        got = call(ops_items[0], "tma")
+        torch.cuda.synchronize()
+        out.nrmse = _nrmse(got.permute(0, 3, 1, 2), ref)
+        del got
+    except Exception as e:  # reported in the row, the benchmark goes on
+        out.error = f"{type(e).__name__}: {e}"[:300]
+        return out
+    if not out.nrmse <= NRMSE_LIMITS[precision]:
+        out.error = f"NRMSE {out.nrmse:.3g} above the {precision} limit {NRMSE_LIMITS[precision]}: not timed"
+        return out
+    out.timed = _measure(lambda o: call(o, "tma"), ops_items, warmup_ms, rep_ms, graph)
+    out.error = out.timed.error
+    return out
 
 
 def _geomean(vals) -> float | None:
@@ -312,6 +363,13 @@ def summarize(rows: list[dict]) -> list[dict]:
             "cudnn_best_total_ms": sum(r["cudnn_best_time_ms"] or 0 for r in rs),
             "cudnn_fwd_total_ms": sum(r["cudnn_fwd_time_ms"] or 0 for r in rs),
             "max_nrmse": max((r["nrmse"] for r in rs if r["nrmse"] is not None), default=None),
+            # the TMA-box wgrad kernel (not an auto choice yet): on the rows it ran, and what taking the faster
+            # of it and our path per row would give over all rows
+            "alt_tma_rows": sum(r.get("alt_tma_speedup") is not None for r in rs),
+            "alt_tma_geomean_speedup": _geomean([r.get("alt_tma_speedup") for r in rs]),
+            "alt_tma_wins_vs_ours": sum((r.get("alt_tma_vs_ours") or 0) > 1.0 for r in rs),
+            "geomean_speedup_best_with_tma": (_geomean([max(r["speedup"], r.get("alt_tma_speedup") or 0)
+                                                        for r in rs]) if complete else None),
             "all_ok": all(r["ok"] for r in rs),
             "target": TARGETS.get((op, prec, N)),
             "complete": complete,
@@ -325,11 +383,13 @@ def summarize(rows: list[dict]) -> list[dict]:
 def run(batches: Sequence[int] = (8, 256), precisions: Sequence[str] = ("fp16", "bf16", "fp8"),
         out="benchmarks/results/conv_bwd.json", console: Console | None = None, command: str = "tcprec bench conv-bwd",
         layers: Sequence[int] | None = None, warmup_ms: int = 25, rep_ms: int = 100,
-        alt_triton: Sequence[str] = ("fp16",), seed: int = 0, cudnn_benchmark: bool = True) -> dict:
+        alt_triton: Sequence[str] = ("fp16",), seed: int = 0, cudnn_benchmark: bool = True,
+        alt_tma: Sequence[str] = ("fp16", "bf16", "fp8")) -> dict:
     """Run the conv-backward benchmark on the current CUDA device, print the tables, write JSON to
     ``out`` and return ``{"env", "command", "rows", "summary", ...}``.  ``layers`` selects workloads
     by index into :data:`RESNET50_LAYERS` (default: all 19).  ``cudnn_benchmark`` lets cuDNN time its
-    algorithms and keep the fastest (the fair baseline; slower to start).  Raises ``NeedsGPU`` without CUDA."""
+    algorithms and keep the fastest (the fair baseline; slower to start).  ``alt_tma``: the precisions whose
+    wgrad rows also run the TMA-box kernel (sm_90 only).  Raises ``NeedsGPU`` without CUDA."""
     console = console or Console()
     device = require_cuda("tcprec bench conv-bwd")
     for p in precisions:
@@ -347,7 +407,7 @@ def run(batches: Sequence[int] = (8, 256), precisions: Sequence[str] = ("fp16", 
     rows = []
     payload = {"env": env, "command": command, "batches": list(batches), "precisions": list(precisions),
                "layers": [RESNET50_LAYERS[i].name for i in chosen], "warmup_ms": warmup_ms, "rep_ms": rep_ms,
-               "cudnn_benchmark": cudnn_benchmark,
+               "cudnn_benchmark": cudnn_benchmark, "alt_tma": list(alt_tma),
                "targets": {f"{k[0]} {k[1]} N={k[2]}": v for k, v in TARGETS.items()},
                "rows": rows, "summary": [], "complete": False}
     for N in batches:
@@ -355,7 +415,7 @@ def run(batches: Sequence[int] = (8, 256), precisions: Sequence[str] = ("fp16", 
             layer = RESNET50_LAYERS[i]
             console.print(f"[dim]N={N} {layer.name}[/]", end=" ")
             new = _workload(layer, N, device, env["l2_cache_bytes"], precisions, warmup_ms, rep_ms, alt_triton,
-                            seed + 1000 * N + i, cudnn_benchmark)
+                            seed + 1000 * N + i, cudnn_benchmark, alt_tma)
             rows.extend(new)
             console.print(" ".join(f"{r['op']}/{r['precision']} {_fmt(r['speedup'], '.2f')}x" for r in new))
             torch.cuda.empty_cache()
@@ -382,7 +442,7 @@ def workload_table(rows: list[dict], N: int) -> Table:
     t = Table(title=f"conv2d backward, ResNet-50 layers, N={N}: ms ({'/'.join(basis)}) and speedup vs the better "
                     "cuDNN fp16 layout")
     for col in ("op", "layer", "path", "cuDNN nchw", "cuDNN nhwc", "cuDNN fwd", *[f"{p} ms (x)" for p in precs],
-                "fp16 TFLOP/s", "fp8 nrmse"):
+                "fp16 TFLOP/s", "fp16 tma ms (x)", "fp8 nrmse"):
         t.add_column(col, justify="left" if col in ("op", "layer", "path") else "right")
 
     def on_basis(r, key):
@@ -401,9 +461,15 @@ def workload_table(rows: list[dict], N: int) -> Table:
                     color = "green" if r["win"] else "red"
                     cells.append(f"{r['ours_time_ms']:.4f} ([{color}]{r['speedup']:.2f}[/])")
             f16, f8 = rs.get("fp16"), rs.get("fp8")
+            tma = "-"
+            if f16 is not None and f16.get("alt_tma_time_ms") is not None:
+                color = "green" if f16["alt_tma_speedup"] > 1.0 else "red"
+                tma = f"{f16['alt_tma_time_ms']:.4f} ([{color}]{f16['alt_tma_speedup']:.2f}[/])"
+            elif f16 is not None and f16.get("alt_tma_error"):
+                tma = "[red]error"
             t.add_row(op, layer, any_r["path"], _fmt(on_basis(any_r, "cudnn_nchw_ms"), ".4f"),
                       _fmt(on_basis(any_r, "cudnn_nhwc_ms"), ".4f"), _fmt(any_r["cudnn_fwd_time_ms"], ".4f"), *cells,
-                      _fmt(f16["ours_tflops"] if f16 else None, ".0f"), _fmt(f8["nrmse"] if f8 else None, ".2e"))
+                      _fmt(f16["ours_tflops"] if f16 else None, ".0f"), tma, _fmt(f8["nrmse"] if f8 else None, ".2e"))
     return t
 
 
@@ -411,7 +477,7 @@ def summary_table(summary: list[dict]) -> Table:
     t = Table(title="conv2d backward vs cuDNN fp16 (better layout): geomean of per-workload speedups "
                     "(graph replay at N <= 32, do_bench events above; 'events' column: events everywhere)")
     for col in ("op", "prec", "N", "geomean", "target", "events", "wins", "ours total ms", "cuDNN total ms",
-                "cuDNN fwd ms", "vs fwd", "incl. quant", "max nrmse"):
+                "cuDNN fwd ms", "vs fwd", "incl. quant", "max nrmse", "tma rows", "tma geomean", "best w/ tma"):
         t.add_column(col, justify="left" if col in ("op", "prec") else "right")
     for s in summary:
         verdict = "" if s["passed"] is None else (" [green]pass" if s["passed"] else " [red]FAIL")
@@ -421,5 +487,7 @@ def summary_table(summary: list[dict]) -> Table:
                   f"{s['wins']}/{s['workloads']}", _fmt(s["ours_total_ms"], ".3f"),
                   _fmt(s["cudnn_best_total_ms"], ".3f"),
                   _fmt(s["cudnn_fwd_total_ms"], ".3f"), _fmt(s["geomean_vs_cudnn_fwd"], ".2f"),
-                  _fmt(s["geomean_speedup_incl_quant"], ".2f"), _fmt(s["max_nrmse"], ".2e"))
+                  _fmt(s["geomean_speedup_incl_quant"], ".2f"), _fmt(s["max_nrmse"], ".2e"),
+                  str(s.get("alt_tma_rows", 0)), _fmt(s.get("alt_tma_geomean_speedup"), ".2f"),
+                  _fmt(s.get("geomean_speedup_best_with_tma"), ".2f"))
     return t

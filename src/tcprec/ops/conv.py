@@ -30,8 +30,11 @@ Backends (``backend=``)
   copies x's strided slice into the GEMM's layout first.  Everything else runs the Triton
   implicit-GEMM kernels.  Off CUDA: the reference.
 * ``"triton"``: the Triton kernels for every layer (on the CPU through ``TRITON_INTERPRET=1``).
-* ``"tma"`` (dgrad only): ``kernels/triton/gemm_scatter.py``; unpadded 1x1 layers, K and C multiples
-  of 8 (16 for fp8).
+* ``"tma"``: dgrad -- ``kernels/triton/gemm_scatter.py``; unpadded 1x1 layers, K and C multiples of 8 (16
+  for fp8).  wgrad -- ``kernels/triton/wgrad_tma.py``, an implicit GEMM whose dy and x tiles are 4-D TMA
+  boxes (the padding is TMA's zero fill; strided layers read one descriptor per stride phase of x);
+  any filter, stride and dilation, K and C multiples of 8, fp8 widened exactly to fp16 first.  Only
+  when asked for: ``"auto"`` does not take it for wgrad (no GPU measurement yet).
 * ``"gemm"``: cuBLAS; unpadded 1x1 layers only (strided dgrad: the rows, then one Triton pass that
   scatters them into dx with the zeros).
 * ``"fprop"`` (dgrad only): cuDNN's forward convolution with the rotated filter; stride 1, fp16 /
@@ -329,12 +332,19 @@ def _fprop_ok(op: str, g: ConvGeometry, precision: str, activation, out_dtype) -
 
 
 def _tma_ok(op: str, g: ConvGeometry, precision: str) -> tuple[bool, str]:
-    """Can this dgrad run as the TMA GEMM with dx written by its epilogue (kernels/triton/gemm_scatter.py)?"""
+    """Can this layer run on the TMA kernel of its op: dgrad as the TMA GEMM with dx written by its epilogue
+    (kernels/triton/gemm_scatter.py), wgrad as the TMA-box implicit GEMM (kernels/triton/wgrad_tma.py; fp8
+    operands are widened to fp16 for it, so the 16-bit rules apply)?"""
+    if op == "wgrad":
+        from ..kernels.triton import wgrad_tma as wt
+
+        return wt.supported(g)
     from ..kernels.triton import gemm_scatter as gs
 
-    if op != "dgrad":
-        return False, "the TMA GEMM + scatter kernel is a dgrad kernel (wgrad reduces over pixels)"
     return gs.supported(g, precision == "fp8")
+
+
+_TMA_KERNEL = {"dgrad": "Triton TMA GEMM + scatter dgrad", "wgrad": "Triton TMA-box implicit-GEMM wgrad"}
 
 
 _TMA_MIN_ROWS = 32768  # = kernels.triton.gemm_scatter.MIN_ROWS_AUTO (kept here: no Triton import on the CPU path)
@@ -346,8 +356,8 @@ def _is_sm90(t: torch.Tensor) -> bool:
 
 def _choose(op: str, g: ConvGeometry, t, precision: str, backend: str, activation=None,
             out_dtype=None) -> tuple[str, str]:
-    """(path, reason): path is "gemm" (cuBLAS), "tma" (Triton TMA GEMM writing dx), "fprop" (cuDNN forward
-    conv), "triton" or "reference"."""
+    """(path, reason): path is "gemm" (cuBLAS), "tma" (dgrad: the Triton TMA GEMM writing dx; wgrad: the
+    TMA-box implicit GEMM, only when asked for), "fprop" (cuDNN forward conv), "triton" or "reference"."""
     ref_t = t.data if isinstance(t, Fp8Tensor) else t
     if backend == "reference":
         return "reference", "asked for the reference backend"
@@ -355,8 +365,8 @@ def _choose(op: str, g: ConvGeometry, t, precision: str, backend: str, activatio
         ok, why = _tma_ok(op, g, precision)
         if not ok:
             raise ValueError(f"backend='tma' cannot run this {op}: {why}; use backend='triton' or 'auto'")
-        choose_backend(ref_t, "triton", kernel="Triton TMA GEMM + scatter dgrad")  # raises where it cannot run
-        return "tma", f"asked for the TMA GEMM ({why})"
+        choose_backend(ref_t, "triton", kernel=_TMA_KERNEL[op])  # raises where it cannot run
+        return "tma", f"asked for the {_TMA_KERNEL[op]} ({why})"
     if backend == "fprop":
         ok, why = _fprop_ok(op, g, precision, activation, out_dtype)
         if not ok:
@@ -378,7 +388,8 @@ def _choose(op: str, g: ConvGeometry, t, precision: str, backend: str, activatio
         pref = _auto_prefers_triton(op, g, precision) if ok else None
         if pref:
             return "triton", f"{pref} ({why})"
-        tok, _ = _tma_ok(op, g, precision)
+        # wgrad's TMA kernel is never auto's pick: it has no GPU measurement yet (backend="tma" runs it)
+        tok = op == "dgrad" and _tma_ok(op, g, precision)[0]
         big = g.N * g.P * g.Q >= _TMA_MIN_ROWS
         if ok and tok and big and (g.stride != (1, 1) or activation is not None) and _is_sm90(ref_t):
             return "tma", (f"{gwhy}; dx is mostly {'zeros' if g.stride != (1, 1) else 'the GEMM rows'}: one Triton "
@@ -461,6 +472,15 @@ class _no_tf32:
 
     def __exit__(self, *exc):
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self.saved
+
+
+def _tma_rows(t: torch.Tensor) -> torch.Tensor:
+    """t itself when a TMA descriptor can read it (unit last stride, 16-byte strides and base), else a
+    contiguous copy (e.g. an NCHW-contiguous tensor permuted to NHWC)."""
+    es = t.element_size()
+    if t.stride(-1) == 1 and not any((st * es) % 16 for st in t.stride()[:-1]) and t.data_ptr() % 16 == 0:
+        return t
+    return t.contiguous()
 
 
 def _row_major(t: torch.Tensor) -> torch.Tensor:
@@ -704,6 +724,20 @@ def conv2d_wgrad(grad_out, input, weight_shape, stride=1, padding=0, dilation=1,
                 dw = torch.matmul(dy.reshape(M, g.K).t(), xs.reshape(M, g.C)).to(out_dtype)
         return dw.view(g.weight_shape)
 
+    if path == "tma":
+        from ..kernels.triton import wgrad_tma as wt
+
+        out = torch.empty(g.weight_shape, dtype=out_dtype, device=device)
+        if precision == "fp8":
+            # wgmma reads fp8 only K-major; both wgrad tiles are channel-major.  Widen the codes exactly to fp16
+            # in NHWC order (one pass each, inside the op's time) and apply the scales in the epilogue.
+            dy16 = torch.empty(g.output_shape, dtype=torch.float16, device=device).copy_(dy.data)
+            x16 = torch.empty(g.input_shape, dtype=torch.float16, device=device).copy_(x.data)
+            wt.wgrad_tma(dy16, x16, out, g, scales=_scales(dy, x), split_k=split_k, config=config)
+        else:
+            wt.wgrad_tma(_tma_rows(dy), _tma_rows(x), out, g, split_k=split_k, config=config)
+        return out
+
     from ..kernels.triton import conv_bwd as kt
 
     out = torch.empty(g.weight_shape, dtype=out_dtype, device=device)
@@ -744,6 +778,24 @@ def explain_conv2d_wgrad(grad_out, input, weight_shape, stride=1, padding=0, dil
                 + ("; the fp8 operands are first widened exactly to fp16 (one pass each) and multiplied on the "
                    "16-bit tensor cores (fp8 wgmma would need x transposed through registers)"
                    if precision == "fp8" else ""))
+    elif path == "tma":
+        from ..kernels.triton import conv_bwd as kt
+        from ..kernels.triton import wgrad_tma as wt
+
+        dev = grad_out.data.device if isinstance(grad_out, Fp8Tensor) else grad_out.device
+        cfg = wt.config_for(g, None)
+        pl = wt.plan(g, cfg, split_k, kt.sm_count(dev))
+        box, split = pl["box"], pl["split"]
+        phases = len([p for p in wt.phase_launches(g) if not p["empty"]])
+        body = (f"Triton TMA-box implicit GEMM (kernels/triton/wgrad_tma.py): dy and x tiles are 4-D TMA boxes of "
+                f"{box[0]} image(s) x {box[1]} row(s) x {box[2]} column(s) of output pixels, the padding is TMA's "
+                f"zero fill, {phases} launch(es) (one per stride phase of x), {cfg['BLOCK_M']}x{cfg['BLOCK_N']} "
+                "tiles, "
+                + (f"split-K {split} ways into an fp32 workspace, then a fixed-order sum (deterministic, no atomics)"
+                   if split > 1 else "no split-K (one program reduces all N*P*Q rows of its tile)")
+                + "; fp32 accumulation"
+                + ("; the fp8 operands are first widened exactly to fp16 (one pass each): wgmma reads fp8 only "
+                   "K-major" if precision == "fp8" else ""))
     else:
         body = "pure-torch reference: operands rounded to the precision, float32 torch.nn.grad.conv2d_weight"
     return f"{head}: {body}. Reason: {why}."
