@@ -11,6 +11,14 @@
 Everything is timed against fp64 torch.linalg.solve in the same process.  Each step catches its own
 exceptions and the script goes on; a compact summary is printed last (the tool returns the tail).
 JSON: benchmarks/results/solve.json (full), benchmarks/results/solve_quick.json (--quick).
+
+    PYTHONPATH=src python benchmarks/bench_solve_device.py --refine-ab   # ~3 min: general matrices
+        # (kappa 1e2, partial pivoting) at 8192 / 16384 / 32768, fp16 (+ bf16 at 8192): refine
+        # gmres vs fgmres, U12 GEMM tf32 (default) vs fp32 (trsm_tf32=False), each against fp64
+        # in the same run -> benchmarks/results/solve_refine_ab.json
+    PYTHONPATH=src python benchmarks/bench_solve_device.py --cpu-iterations 4096   # no GPU: the same
+        # A/B's refinement counts from the CPU emulation in the CUDA configuration (block 1024, one
+        # getrf per panel, U12 as a tf32 GEMM emulated in software); n = 8192 takes ~5 min
 """
 
 from __future__ import annotations
@@ -329,6 +337,74 @@ def solve_vs_fp64(dev, n, best, factors=("bf16", "fp16"), kinds=("diagdom", "gen
     return slow
 
 
+# The LU options the last full run picked for general matrices on the H200 (BENCHMARKS.md).
+AB_LU = {"block": 1024, "panel": "getrf", "trsv": "graph"}
+
+
+@guarded("refine A/B")
+def refine_ab(dev, sizes=(8192, 16384, 32768), out="benchmarks/results/solve_refine_ab.json"):
+    """General matrices: GMRES-IR vs flexible GMRES-IR, tf32 vs fp32 U12 GEMM (same run, same A).
+    CPU emulation predicted (n = 8192, fp16): gmres 3/23 -> fgmres 1/12 inner steps; with an fp32
+    U12 GEMM fewer still (n = 4096: 10 -> 7)."""
+    note("-- refine A/B on general matrices (kappa 1e2, partial pivoting), same A per n")
+    rows = []
+    cases = [("fp16", "gmres", None), ("fp16", "fgmres", None), ("fp16", "fgmres", False), ("fp16", "gmres", False)]
+    for n in sizes:
+        A = la.make_matrix("general", n, cond=1e2, device=dev)
+        b = la.random_rhs(n, device=dev)
+        t64, x64 = timeit(lambda: torch.linalg.solve(A, b), warmup=1, repeats=2)
+        del x64
+        note(f"n={n} fp64 torch.linalg.solve {t64 * 1e3:.1f} ms")
+        rows.append({"n": n, "factor": "fp64", "time_s": t64})
+        todo = cases + ([("bf16", "gmres", None), ("bf16", "fgmres", None)] if n <= 8192 else [])
+        for f, refine, tf32 in todo:
+            kw = dict(AB_LU, factor=f, refine=refine, pivoting=True)
+            if tf32 is not None:
+                kw["trsm_tf32"] = tf32
+            try:
+                t, (x, info) = timeit(lambda: la.solve(A, b, **kw), warmup=1, repeats=2)
+                _, info_p = la.solve(A, b, profile=True, **kw)
+                row = {"n": n, "factor": f, "refine": refine, "trsm_tf32": tf32, "time_s": t, "speedup": t64 / t,
+                       "path": info.path, "backward_error": info.backward_error, "iterations": info.iterations,
+                       "inner_iterations": info.inner_iterations, "factor_time_s": info.factor_time_s,
+                       "refine_time_s": info.refine_time_s, "history": list(info.history),
+                       "phase_times": info_p.phase_times, "reason": info.reason}
+                rows.append(row)
+                note(f"n={n} {f} {refine:6} trsm_tf32={str(tf32):5}: {t * 1e3:7.1f} ms = {t64 / t:.2f}x fp64, "
+                     f"{info.path} it {info.iterations}/{info.inner_iterations} be {info.backward_error:.3g} "
+                     f"factor {info.factor_time_s * 1e3:.1f} refine {info.refine_time_s * 1e3:.1f} ms "
+                     f"[{fmt_prof(info_p.phase_times)}] {info.reason[:60]}")
+            except Exception as e:  # noqa: BLE001
+                note(f"n={n} {f} {refine} trsm_tf32={tf32}: FAILED {type(e).__name__}: {str(e)[:200]}")
+            free()
+        del A, b
+        free()
+    if out:
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with open(out, "w") as fh:
+            json.dump({"env": environment(dev), "lu_options": AB_LU, "rows": rows, "lines": SUMMARY}, fh, indent=1,
+                      default=str)
+    return rows
+
+
+def cpu_iterations(n: int):
+    """Refinement counts of the A/B cases, emulated on the CPU in the CUDA configuration (block
+    1024, getrf panels, U12 = inv(L11) @ A12 with tf32-rounded operands, blocked trsv).  Counts,
+    not times: at n = 8192 this reproduced the H200's GMRES-IR counts (fp16 3/23, bf16 6/180)."""
+    dev = torch.device("cpu")
+    A = la.make_matrix("general", n, cond=1e2, device=dev)
+    b = la.random_rhs(n, device=dev)
+    gpu_like = dict(block=min(1024, n), panel="getrf", trsm="inverse", trsv="blocked", pivoting=True)
+    for f, refine, tf32 in (("fp16", "gmres", True), ("fp16", "fgmres", True), ("fp16", "fgmres", False),
+                            ("bf16", "gmres", True), ("bf16", "fgmres", True)):
+        t0 = time.perf_counter()
+        _, info = la.solve(A, b, factor=f, refine=refine, trsm_tf32=tf32, **gpu_like)
+        note(f"n={n} {f} {refine:6} U12 {'tf32' if tf32 else 'fp32'}: {info.path} it {info.iterations}/"
+             f"{info.inner_iterations} be {info.backward_error:.3g} history "
+             f"{[float(f'{h:.2g}') for h in info.history]} ({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -341,9 +417,15 @@ def main():
     ap.add_argument("--optional-budget", type=float, default=200.0,
                     help="optional factors (fp8) only while bench_solve has run less than this many seconds")
     ap.add_argument("--cpu-smoke", action="store_true", help="run the script's logic on a CPU at tiny n")
+    ap.add_argument("--cpu-iterations", type=int, default=0, metavar="N",
+                    help="no GPU needed: refinement counts of the A/B cases from the CPU emulation at order N")
+    ap.add_argument("--refine-ab", action="store_true",
+                    help="only the general-matrix A/B: gmres vs fgmres, tf32 vs fp32 U12 GEMM (~3 min)")
     args = ap.parse_args()
     if args.cpu_smoke:
         return cpu_smoke()
+    if args.cpu_iterations:
+        return cpu_iterations(args.cpu_iterations)
     if not torch.cuda.is_available():
         print("no CUDA device: this script is for the GPU machine (--cpu-smoke checks its logic)", file=sys.stderr)
         return 2
@@ -353,7 +435,9 @@ def main():
     peak = measure_bf16_peak(dev)
     note(f"bf16 matmul 8192^3 peak: {peak:.0f} TFLOP/s")
     capabilities(dev)
-    if args.quick:
+    if args.refine_ab:
+        refine_ab(dev, sizes=tuple(int(s) for s in args.sizes.split(",")))
+    elif args.quick:
         correctness(dev)
         panel_pieces(dev)
         best = variants(dev) or {}
@@ -404,6 +488,7 @@ def cpu_smoke():
     panel_pieces(dev, n=512)
     best = variants(dev, n=256) or {}
     refinement_kernels(dev, n=256)
+    refine_ab(dev, sizes=(256,), out=None)
     slow = solve_vs_fp64(dev, 256, best)
     solve_vs_fp64(dev, 320, best, slow=slow)
     res = bench_solve(sizes=(96, 128), factors=("bf16",), optional_factors=("fp8",), optional_budget_s=1e9,

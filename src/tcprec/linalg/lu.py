@@ -29,12 +29,20 @@ Pivoting:
   of the diagonal block, its two triangular inverses, then ``L21 = A21 U11^-1`` and
   ``U12 = L11^-1 A12`` as tf32 GEMMs; the inverses are kept for the triangular solves.
 
-Accuracy on general matrices: with partial pivoting on dense random matrices (the "general" test
-kind, kappa_2 = 100) the low-precision updates give ||PA - LU|| / ||A|| ~ 45 u_f n / 1024
-(measured on the CPU emulation: bf16 0.09 at n = 1024, 0.17 at 2048; fp16 and tf32 8x less),
-because ||L|| ||U|| / ||A|| grows ~ n on such matrices.  So ||I - M^-1 A|| reaches ~3 (bf16,
-n = 1024) and ~6 (n = 2048), and GMRES-IR needs tens to hundreds of inner steps at n >= 8192 --
-a property of bf16 GEPP on these matrices, not a bug.  fp16 or tf32 factors converge in a few.
+Accuracy on general matrices (dense random, kappa_2 = 100, partial pivoting; CPU emulation, which
+reproduces the H200's refinement counts at n = 8192: GMRES-IR 3/23 fp16, 6/180 bf16).  The error is
+operand rounding of L21 and U12 (each about half, adding in quadrature; the fp32 trailing matrix,
+the fp32 panels and fp16's power-of-two scales add nothing measurable: fp16 factors are bit-identical
+to tf32's), amplified by || |L| |U| || / ||A||, which grows faster than n (480 at n = 1024, 1250 at
+2048, 8300 at 8192) while the growth factor stays ~15-60.  So ||PA - LU||_F / ||A||_F grows ~n:
+bf16 0.06 / 0.11 / 0.20 at n = 1024 / 2048 / 4096 (CPU defaults), fp16 and tf32 8x less.  The
+eigenvalues of M^-1 A cluster around 1 within a radius of 0.02 (fp16) / 0.17 (bf16) at n = 1024 and
+0.03 / 0.32 at 2048 (||I - M^-1 A||_2 is far larger, 0.3-0.7 / 3-6: non-normal), and the inner
+GMRES steps follow that radius: bf16's extrapolates to ~1 by n ~ 8192, where no 30-step Krylov space helps
+(restarted GMRES gains ~25x per 30 steps) and larger n falls back.  On CUDA U12 = inv(L11) @ A12 is
+a tf32 GEMM (``trsm_tf32``); that rounding doubles fp16's ||PA - LU|| at n = 4096 (inner steps
+7 -> 10) and floors any more accurate update (bf16x3 hi/lo splits: 3 steps with an fp32 U12, 10
+with the tf32 one, n = 8192).  ``refine="fgmres"`` removes the restarts between corrections.
 
 (A random butterfly transform + no pivoting was tried for general matrices and dropped: on dense
 random matrices its growth factor and kappa(L), kappa(U) ~ 1e9 made the bf16 preconditioner useless.)
@@ -450,14 +458,23 @@ def _inv_upper(D: torch.Tensor) -> torch.Tensor:
     return torch.linalg.solve_triangular(D, _eye_like(D), upper=True)
 
 
+def _mm_maybe_tf32(a: torch.Tensor, b: torch.Tensor, tf32: bool) -> torch.Tensor:
+    """a @ b in fp32, or as a tf32 GEMM when ``tf32``: tensor cores on CUDA; on a CPU the operands
+    are rounded to tf32 in software (nearest-even; cuBLAS may break ties differently), so the CPU
+    emulation sees the same ~2^-11 operand error as the GPU."""
+    if tf32 and a.device.type != "cuda":
+        return _round_tf32(a) @ _round_tf32(b)
+    with _tf32(tf32 and a.device.type == "cuda"):
+        return a @ b
+
+
 def _solve_lower_unit(L11: torch.Tensor, B: torch.Tensor, method: str, tf32: bool, linv=None) -> torch.Tensor:
     """L11^-1 @ B (L11 unit lower; only its strict lower triangle is read).  ``linv``: inv(L11)
     if already known (method "inverse")."""
     if method == "inverse":
         if linv is None:
             linv = _inv_lower_unit(L11)
-        with _tf32(tf32 and L11.device.type == "cuda"):
-            return linv @ B
+        return _mm_maybe_tf32(linv, B, tf32)
     return torch.linalg.solve_triangular(L11, B, upper=False, unitriangular=True)
 
 
@@ -466,8 +483,7 @@ def _solve_upper_right(U11: torch.Tensor, B: torch.Tensor, method: str, tf32: bo
     if method == "inverse":
         if uinv is None:
             uinv = _inv_upper(U11)
-        with _tf32(tf32 and U11.device.type == "cuda"):
-            return B @ uinv
+        return _mm_maybe_tf32(B, uinv, tf32)
     return torch.linalg.solve_triangular(U11, B, upper=True, left=False)
 
 
@@ -909,7 +925,7 @@ class LUFactors:
 
 
 def _resolve_config(n, device, factor, pivoting, block, panel, leaf, trsm, trsv, panel_tf32, lookahead,
-                    getrf_lib="cusolver", calu_rows=None) -> _Config:
+                    getrf_lib="cusolver", calu_rows=None, trsm_tf32=None) -> _Config:
     if block is None:
         block = default_block(n, device)
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
@@ -937,6 +953,9 @@ def _resolve_config(n, device, factor, pivoting, block, panel, leaf, trsm, trsv,
         trsv = "blocked" if cuda else "trsm"
     if trsm == "auto":  # inv(L11) @ A12 as a tf32 GEMM: tensor cores, error below the low-precision updates
         trsm = "inverse" if cuda and factor not in ("fp32",) else "trsm"
+    if trsm_tf32 is not None and not isinstance(trsm_tf32, bool):
+        raise ValueError(f"trsm_tf32 must be None (auto: tf32 on CUDA for low-precision factors), True or "
+                         f"False, got trsm_tf32={trsm_tf32!r}")
     lowp = factor != "fp32"
     return _Config(
         factor=factor,
@@ -947,7 +966,7 @@ def _resolve_config(n, device, factor, pivoting, block, panel, leaf, trsm, trsv,
         trsm=trsm,
         trsv=trsv,
         panel_tf32=bool(panel_tf32 and lowp and cuda),
-        tri_tf32=bool(lowp and cuda),
+        tri_tf32=bool(lowp and cuda) if trsm_tf32 is None else trsm_tf32,
         lookahead=bool(cuda if lookahead is None else lookahead),
         getrf_lib=getrf_lib,
         calu_rows=calu_rows,
@@ -1107,6 +1126,7 @@ def lu_factor(
     lookahead: bool | None = None,
     getrf_lib: str = "cusolver",
     calu_rows: int | None = None,
+    trsm_tf32: bool | None = None,
     profile: bool = False,
     _work=None,
 ) -> LUFactors:
@@ -1124,7 +1144,11 @@ def lu_factor(
     tournament-pivoting leaves: batched getrf on blocks of ``calu_rows`` rows, then a binary
     reduction tree); ``getrf_lib``: "cusolver" (default: torch's getrf forced onto cuSOLVER, see
     ``_getrf_lib``) or "default" (torch's own choice); ``trsm``: "trsm" (fp32) or "inverse"
-    (inv(L11) @ A12 as a GEMM, tf32 on CUDA for low-precision factors); ``trsv``: "trsm"
+    (inv(L11) @ A12 as a GEMM, tf32 on CUDA for low-precision factors); ``trsm_tf32``: whether
+    that GEMM (and L21 = A21 inv(U11) without pivoting) runs in tf32 -- None: on CUDA for
+    low-precision factors (the default); False: fp32 (U12 is a stored factor: with partial
+    pivoting its tf32 rounding doubles ||PA - LU|| of fp16 factors at n = 4096); True on a CPU:
+    emulates the GPU's tf32 GEMM by rounding its operands in software; ``trsv``: "trsm"
     (torch.linalg.solve_triangular), "blocked" (inverted diagonal blocks + GEMVs; default on
     CUDA) or "graph" (the blocked solve of one vector replayed from a CUDA graph) for
     ``LUFactors.solve``; ``panel_tf32``: let the GEMMs inside the recursive panel use tf32 (only
@@ -1138,7 +1162,7 @@ def lu_factor(
         raise ValueError(f"lu_factor needs a non-empty square matrix, got {getattr(A, 'shape', type(A))}")
     n = A.shape[0]
     cfg = _resolve_config(n, A.device, factor, piv, block, panel, leaf, trsm, trsv, panel_tf32, lookahead,
-                          getrf_lib, calu_rows)
+                          getrf_lib, calu_rows, trsm_tf32)
     timer = _PhaseTimer(profile, A.device)
     if _work is None:
         with timer("convert"):

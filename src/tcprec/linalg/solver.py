@@ -17,12 +17,13 @@ import numpy as np
 import torch
 
 from .lu import LUBreakdown, canonical_factor, canonical_pivoting, gemm_backend, lu_factor, prepare_work
-from .refine import HPL_THRESHOLD, classic_ir, gmres_ir, scaled_residual
+from .refine import HPL_THRESHOLD, classic_ir, fgmres_ir, gmres_ir, scaled_residual
 
 __all__ = ["solve", "SolveInfo", "REFINE_METHODS"]
 
-REFINE_METHODS = ("gmres", "classic")
-_DEFAULT_MAX_ITER = {"classic": 50, "gmres": 10}
+REFINE_METHODS = ("gmres", "fgmres", "classic")
+_DEFAULT_MAX_ITER = {"classic": 50, "gmres": 10, "fgmres": 10}
+_REFINERS = {"gmres": gmres_ir, "fgmres": fgmres_ir, "classic": classic_ir}
 
 
 @dataclass(frozen=True)
@@ -31,8 +32,8 @@ class SolveInfo:
 
     ``backward_error`` is the HPL-MxP scaled residual of the returned x
     (``||Ax-b||_inf / ((||A||_inf ||x||_inf + ||b||_inf) n eps64)``, max over columns of b);
-    ``path`` is ``"lu-{factor}+{refine}"`` when refinement converged, ``"fp64-fallback"`` when x
-    came from ``torch.linalg.solve`` in fp64 (``reason`` says why).
+    ``path`` is ``"lu-{factor}+{refine}"`` (gmres / fgmres / classic) when refinement converged,
+    ``"fp64-fallback"`` when x came from ``torch.linalg.solve`` in fp64 (``reason`` says why).
     """
 
     path: str
@@ -129,8 +130,8 @@ def _validate(A, b):
 def _check_options(factor, refine, tol, max_iter, restart):
     factor = canonical_factor(factor)
     if refine not in REFINE_METHODS:
-        raise ValueError(f"refine must be one of {REFINE_METHODS} (GMRES-IR or classic iterative "
-                         f"refinement), got refine={refine!r}")
+        raise ValueError(f"refine must be one of {REFINE_METHODS} (GMRES-IR, flexible GMRES-IR or classic "
+                         f"iterative refinement), got refine={refine!r}")
     if tol is None:
         tol = HPL_THRESHOLD
     if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not (0 < tol < math.inf):
@@ -189,13 +190,16 @@ def solve(
         b: (n,) or (n, k).
         factor: precision of the LU's trailing-matrix GEMMs: "bf16", "fp16", "tf32", "fp8"
             (e4m3) or "fp32".  Factors are stored and applied in fp32.
-        refine: "gmres" (GMRES-IR, default) or "classic" iterative refinement.
+        refine: "gmres" (GMRES-IR, left-preconditioned: default), "fgmres" (flexible
+            right-preconditioned GMRES-IR: its inner residual is the true fp64 one, so one
+            correction usually suffices -- fewer inner steps on general matrices) or "classic"
+            iterative refinement.
         tol: target HPL-MxP scaled residual (default 16, HPL's criterion).
         max_iter: outer refinement steps (default 10 for gmres, 50 for classic).
         pivoting: True/"partial" (partial pivoting), False/"none" (only for matrices that need
             none, e.g. diagonally dominant: HPL-MxP's).
         block: LU block width (default: 64 on CPU, 256-1024 on GPU by size).
-        restart: GMRES steps per outer iteration.
+        restart: GMRES steps per outer iteration (gmres and fgmres).
         fallback: if False, raise instead of falling back to fp64 (for experiments).
         **lu_options: advanced knobs of ``lu_factor`` (panel, leaf, trsm, trsv, panel_tf32,
             profile).
@@ -239,8 +243,8 @@ def solve(
 
         # ---- refine --------------------------------------------------------------------
         if not reason:
-            run = gmres_ir if refine == "gmres" else classic_ir
-            kwargs = {"restart": restart} if refine == "gmres" else {}
+            run = _REFINERS[refine]
+            kwargs = {"restart": restart} if refine != "classic" else {}
             try:
                 res = run(A64, b64, F.solve, anorm=anorm, tol=tol, max_iter=max_iter, **kwargs)
                 if not res.converged:
