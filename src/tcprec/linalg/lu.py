@@ -34,8 +34,8 @@ reproduces the H200's refinement counts at n = 8192: GMRES-IR 3/23 fp16, 6/180 b
 operand rounding of L21 and U12 (each about half, adding in quadrature; the fp32 trailing matrix,
 the fp32 panels and fp16's power-of-two scales add nothing measurable: fp16 factors are bit-identical
 to tf32's), amplified by || |L| |U| || / ||A||, which grows faster than n (480 at n = 1024, 1250 at
-2048, 8300 at 8192) while the growth factor stays ~15-60.  So ||PA - LU||_F / ||A||_F grows ~n:
-bf16 0.06 / 0.11 / 0.20 at n = 1024 / 2048 / 4096 (CPU defaults), fp16 and tf32 8x less.  The
+2048, 8300 at 8192) while the growth factor stays ~15-60.  So ||PA - LU||_inf / ||A||_inf grows ~n:
+bf16 0.061 / 0.112 / 0.202 at n = 1024 / 2048 / 4096 (CPU defaults), fp16 and tf32 8x less.  The
 eigenvalues of M^-1 A cluster around 1 within a radius of 0.02 (fp16) / 0.17 (bf16) at n = 1024 and
 0.03 / 0.32 at 2048 (||I - M^-1 A||_2 is far larger, 0.3-0.7 / 3-6: non-normal), and the inner
 GMRES steps follow that radius: bf16's extrapolates to ~1 by n ~ 8192, where no 30-step Krylov space helps
