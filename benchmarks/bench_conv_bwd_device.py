@@ -150,6 +150,8 @@ def main():
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 4))
     ap.add_argument("--warmup-ms", type=int, default=10)
     ap.add_argument("--rep-ms", type=int, default=50)
+    ap.add_argument("--passes", type=int, default=1,
+                    help="measure each workload this many times; keep per row the least disturbed pass")
     args = ap.parse_args()
 
     from tcprec.bench import conv_bwd as bc
@@ -171,7 +173,7 @@ def main():
     out = Path(args.out_dir) / ("conv_bwd_quick.json" if args.quick else "conv_bwd.json")
     cmd = " ".join(["python3 benchmarks/bench_conv_bwd_device.py", *sys.argv[1:]])
     payload = bc.run(batches=batches, precisions=precisions, out=out, console=console, command=cmd, layers=layers,
-                     warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+                     warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, passes=args.passes)
     console.print(f"[{time.time() - t0:.0f}s] done")
     console.print(bc.summary_table(payload["summary"]))
 

@@ -33,7 +33,7 @@ for step in "${@:-tests cast}"; do
         chunk) TRITON_CACHE_DIR=/tmp/tc timeout "${EMU_TIMEOUT:-400}" python3 benchmarks/bench_emulate_chunk_device.py \
                  2>&1 | tee "$OUT/bench_chunk.log" | grep -v '"diag"' | tail -40 ;;
         convbwd) timeout "${CONV_TIMEOUT:-540}" python3 benchmarks/bench_conv_bwd_device.py --precisions fp16,fp8 --batches 256,8 \
-                 --rep-ms 40 --out-dir "$OUT" 2>&1 | tee "$OUT/conv_bwd.log" | tail -14 ;;
+                 --rep-ms 40 --passes "${CONV_PASSES:-2}" --out-dir "$OUT" 2>&1 | tee "$OUT/conv_bwd.log" | tail -14 ;;
         tune-tma) timeout 330 python3 benchmarks/tune_dgrad_tma_device.py 2>&1 | tee "$OUT/tune_tma.log" | tail -5 ;;
         tune-wgrad) timeout "${TUNE_TIMEOUT:-540}" python3 benchmarks/tune_wgrad_tma_device.py ${TUNE_ARGS:-} 2>&1 \
                     | tee "$OUT/tune_wgrad.log" | grep -v '^{"N"' | tail -16 ;;

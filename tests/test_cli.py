@@ -216,6 +216,8 @@ def test_bench_gemm_validates_configs_and_needs_a_gpu(run):
 def test_bench_conv_bwd_validates_options(run):
     bad = run("bench", "conv-bwd", "--precision", "fp12")
     assert bad.exit_code == 2 and "not one of fp16, bf16, fp8" in bad.output
+    bad = run("bench", "conv-bwd", "--passes", "0")
+    assert bad.exit_code == 2 and "--passes must be >= 1, got 0" in bad.output
     if NO_CUDA:
         res = run("bench", "conv-bwd")
         assert res.exit_code == 2 and "needs a CUDA GPU" in res.output

@@ -229,6 +229,25 @@ def test_tma_dgrad_variants_equal_the_plain_kernel(variant):
     assert (plain != 0).any()
 
 
+def test_bench_keeps_the_least_disturbed_pass_per_row():
+    """bench.conv_bwd.least_disturbed: per row, the pass with the smallest ours + cuDNN time, both sides from
+    that pass; every pass's speedup kept; passes that list different rows are an error."""
+    from tcprec.bench import conv_bwd as bc
+
+    def row(layer, ours, base):
+        return dict(op="dgrad", precision="fp16", batch=256, layer=layer, ours_time_ms=ours, cudnn_best_time_ms=base,
+                    speedup=None if ours is None else base / ours)
+
+    p1 = [row("a", 1.0, 2.0), row("b", 3.0, 2.0), row("c", None, 1.0)]
+    p2 = [row("a", 2.0, 4.0), row("b", 1.0, 1.5), row("c", 0.5, 1.0)]
+    got = bc.least_disturbed([p1, p2])
+    assert [(r["ours_time_ms"], r["cudnn_best_time_ms"]) for r in got] == [(1.0, 2.0), (1.0, 1.5), (0.5, 1.0)]
+    assert got[1]["pass_speedups"] == [2.0 / 3.0, 1.5] and got[2]["pass_speedups"] == [None, 2.0]
+    assert bc.least_disturbed([p1]) == [dict(r, pass_speedups=[r["speedup"]]) for r in p1]
+    with pytest.raises(RuntimeError, match="row order"):
+        bc.least_disturbed([p1, p2[::-1]])
+
+
 def test_tma_backend_rejects_what_it_cannot_run():
     g = _geom(GEOMS[1])  # 3x3
     dy, w, x = _data(g)

@@ -510,6 +510,8 @@ def bench_conv_bwd_cmd(
     batch: str = typer.Option("8,256", help="Comma-separated batch sizes N."),
     precision: str = typer.Option("fp16,bf16,fp8", help="Comma-separated: fp16, bf16, fp8."),
     out: Path = typer.Option(Path("benchmarks/results/conv_bwd.json"), help="JSON output path."),
+    passes: int = typer.Option(1, help="Measure each workload this many times; keep per row the pass with the "
+                                       "smallest ours + cuDNN time (robust to transient GPU slowdowns)."),
 ):
     """Conv2d dgrad / wgrad on the 19 ResNet-50 layers against cuDNN fp16 (better of channels_last
     and NCHW), and cuDNN's forward conv of the same layer, same run."""
@@ -517,9 +519,13 @@ def bench_conv_bwd_cmd(
 
     batches = _ints(batch, "--batch")
     precisions = _choices(precision, ("fp16", "bf16", "fp8"), "--precision")
-    command = shlex.join(["tcprec", "bench", "conv-bwd", "--batch", batch, "--precision", precision, "--out", str(out)])
+    if passes < 1:
+        raise typer.BadParameter(f"--passes must be >= 1, got {passes}", param_hint="--passes")
+    command = shlex.join(["tcprec", "bench", "conv-bwd", "--batch", batch, "--precision", precision, "--out", str(out),
+                          "--passes", str(passes)])
     with _needs_gpu():
-        conv_bench.run(batches=batches, precisions=precisions, out=str(out), console=Console(), command=command)
+        conv_bench.run(batches=batches, precisions=precisions, out=str(out), console=Console(), command=command,
+                       passes=passes)
 
 
 @bench_app.command("net")
