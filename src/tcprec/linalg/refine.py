@@ -176,15 +176,14 @@ def _gmres(apply_op: Callable, rhs: torch.Tensor, restart: int, rtol: float, pre
     return (basis.T @ yt) * amax, steps, abs(g[steps]) / beta
 
 
-def gmres_ir(
-    A, b, M: Callable, *, anorm: float, tol: float, max_iter: int, restart: int = 30
-) -> RefineResult:
-    """GMRES-IR: outer fp64 residuals, inner left-preconditioned GMRES (restart ``restart``) on
-    ``M^-1 A d = M^-1 r``.  ``max_iter`` bounds the outer corrections."""
+def _krylov_ir(A, b, M: Callable, *, anorm: float, tol: float, max_iter: int, restart: int, name: str,
+               correct: Callable) -> RefineResult:
+    """The outer loop shared by GMRES-IR and FGMRES-IR: x0 = M^-1 b, fp64 residuals, stop at ``tol``, give
+    up on a non-finite residual, on stagnation (< 10% gain per correction) or after ``max_iter``
+    corrections.  ``correct(x, r, eta) -> (d, inner steps)`` is the inner solve."""
     x = M(b)
     hist: list = []
     inner = 0
-    k = b.shape[1]
     for it in range(max_iter + 1):
         r = _residual(A, x, b)
         eta = _scaled(r, x, b, anorm)
@@ -198,19 +197,35 @@ def gmres_ir(
         if it > 0 and eta > 0.9 * hist[-2]:
             return RefineResult(
                 x, hist, it, inner, False,
-                f"GMRES-IR stagnated at backward error {eta:.3g} > {tol:g} (A too ill-conditioned for "
+                f"{name} stagnated at backward error {eta:.3g} > {tol:g} (A too ill-conditioned for "
                 f"a {restart}-step Krylov space with this factor precision)",
             )
+        d, steps = correct(x, r, eta)
+        inner += steps
+        x = x + d
+    return RefineResult(x, hist, max_iter, inner, False, f"{name} reached max_iter={max_iter} at "
+                        f"backward error {hist[-1]:.3g} > {tol:g}")
+
+
+def gmres_ir(
+    A, b, M: Callable, *, anorm: float, tol: float, max_iter: int, restart: int = 30
+) -> RefineResult:
+    """GMRES-IR: outer fp64 residuals, inner left-preconditioned GMRES (restart ``restart``) on
+    ``M^-1 A d = M^-1 r``.  ``max_iter`` bounds the outer corrections."""
+
+    def correct(x, r, eta):
         # ask the inner solve for the reduction still needed, with a 10x margin
         rtol = min(0.1, max(1e-14, 0.1 * tol / eta))
         d = torch.empty_like(x)
-        for c in range(k):
+        steps = 0
+        for c in range(x.shape[1]):
             op = lambda v: M(A @ v)  # noqa: E731  (M^-1 A v: fp64 matvec, fp32 preconditioner)
-            d[:, c], steps, _ = _gmres(op, M(r[:, c]), restart, rtol)
-            inner += steps
-        x = x + d
-    return RefineResult(x, hist, max_iter, inner, False, f"GMRES-IR reached max_iter={max_iter} at "
-                        f"backward error {hist[-1]:.3g} > {tol:g}")
+            d[:, c], st, _ = _gmres(op, M(r[:, c]), restart, rtol)
+            steps += st
+        return d, steps
+
+    return _krylov_ir(A, b, M, anorm=anorm, tol=tol, max_iter=max_iter, restart=restart, name="GMRES-IR",
+                      correct=correct)
 
 
 # The 2-norm reduction an FGMRES correction is asked for is FGMRES_MARGIN * tol / eta: FGMRES
@@ -227,37 +242,21 @@ def fgmres_ir(
     ``restart``) on ``A d = r`` with z_j = M^-1 v_j.  The inner least-squares residual is the true
     fp64 residual of the correction, so one correction usually reaches ``tol``; ``max_iter``
     bounds the outer corrections.  Same stopping and give-up rules as :func:`gmres_ir`."""
-    x = M(b)
-    hist: list = []
-    inner = 0
-    k = b.shape[1]
     n = b.shape[0]
-    for it in range(max_iter + 1):
-        r = _residual(A, x, b)
-        eta = _scaled(r, x, b, anorm)
-        hist.append(eta)
-        if not math.isfinite(eta):
-            return RefineResult(x, hist, it, inner, False, "non-finite residual (LU factors overflowed)")
-        if eta <= tol:
-            return RefineResult(x, hist, it, inner, True, "")
-        if it == max_iter:
-            break
-        if it > 0 and eta > 0.9 * hist[-2]:
-            return RefineResult(
-                x, hist, it, inner, False,
-                f"FGMRES-IR stagnated at backward error {eta:.3g} > {tol:g} (A too ill-conditioned for "
-                f"a {restart}-step Krylov space with this factor precision)",
-            )
+
+    def correct(x, r, eta):
         # per column: the reduction its own backward error still needs (1 for columns already done)
         den = (anorm * x.abs().amax(dim=0) + b.abs().amax(dim=0)) * (n * EPS64)  # (k,)
         need = (tol * den / r.abs().amax(dim=0).clamp_min(1e-300)).tolist()
         d = torch.zeros_like(x)
-        for c in range(k):
+        steps = 0
+        for c in range(x.shape[1]):
             if need[c] >= 1.0:
                 continue  # this column already meets tol
             rtol = min(0.5, FGMRES_MARGIN * need[c])
-            d[:, c], steps, _ = _gmres(lambda z: A @ z, r[:, c], restart, max(rtol, 1e-15), precond=M)
-            inner += steps
-        x = x + d
-    return RefineResult(x, hist, max_iter, inner, False, f"FGMRES-IR reached max_iter={max_iter} at "
-                        f"backward error {hist[-1]:.3g} > {tol:g}")
+            d[:, c], st, _ = _gmres(lambda z: A @ z, r[:, c], restart, max(rtol, 1e-15), precond=M)
+            steps += st
+        return d, steps
+
+    return _krylov_ir(A, b, M, anorm=anorm, tol=tol, max_iter=max_iter, restart=restart, name="FGMRES-IR",
+                      correct=correct)
