@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 from tcprec.distributed import allreduce_lowp
 from tcprec.formats import FloatFormat, format
 
+from _aot import require_nvidia_backend, run_aot
 from _oracles import same_float
 
 ka = pytest.importorskip("tcprec.kernels.triton.allreduce", reason="triton is a Linux dependency of tcprec")
@@ -259,25 +260,16 @@ def test_gloo_two_processes_fused_equal_reference_nodes():
 def test_kernels_compile_for_sm90():
     """In a subprocess without TRITON_INTERPRET: Triton's NVIDIA backend builds every kernel (the
     float64 mean divides with div.rn.f64, the correctly rounded division the reference does)."""
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, __file__, "--aot"], env=env, capture_output=True, text=True, timeout=300)
-    if r.returncode == 3:
-        pytest.skip(f"Triton's NVIDIA compiler is not usable here: {r.stdout.strip()[-300:]}")
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "div.rn.f64" in r.stdout and "OK" in r.stdout
+    out = run_aot(__file__, timeout=300)
+    assert "div.rn.f64" in out and "OK" in out
 
 
 def _aot_main():
-    try:
-        import triton
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-    except ImportError as e:
-        print(f"no NVIDIA backend in this triton: {e}")
-        raise SystemExit(3)
+    require_nvidia_backend()
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
     from tcprec.kernels.triton.cast import _float_constexprs
 
     def comp(fn, types, consts, div=()):

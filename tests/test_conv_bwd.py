@@ -5,11 +5,11 @@ Conv2d against torch's fp32 conv for a few training steps; bad inputs.  tests/gp
 numerical checks at scale and checks the compiled kernels use tensor-core MMA."""
 
 import json
-import os
 import sys
 
 import pytest
 import torch
+from _aot import require_nvidia_backend, run_aot
 
 from tcprec.kernels import reference_conv as rc
 from tcprec.kernels.reference_conv import ConvGeometry
@@ -751,15 +751,7 @@ def _aot_report() -> dict:
 
 def test_kernels_compile_to_wgmma_for_sm90():
     """In a subprocess: under TRITON_INTERPRET=1 triton.jit builds interpreter objects, not compilable ones."""
-    import subprocess
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = env.get("TRITON_DEFAULT_FP_FUSION", "1")
-    r = subprocess.run([sys.executable, __file__, "--aot"], env=env, capture_output=True, text=True, timeout=120)
-    if r.returncode == 3:
-        pytest.skip(f"Triton's NVIDIA compiler is not usable here: {r.stdout.strip()[-300:]}")
-    assert r.returncode == 0, r.stderr[-2000:]
-    ptx = json.loads(r.stdout.strip().splitlines()[-1])
+    ptx = json.loads(run_aot(__file__, timeout=120).strip().splitlines()[-1])
     assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16" in ptx["dgrad_fp16"]
     assert "cp.async" in ptx["dgrad_fp16"]  # operand loads pipelined asynchronously
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e5m2.e4m3" in ptx["wgrad_fp8"]
@@ -775,13 +767,7 @@ def test_kernels_compile_to_wgmma_for_sm90():
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--aot"]:
-    try:
-        import triton.backends.nvidia  # noqa: F401
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.compiler import ASTSource  # noqa: F401
-    except ImportError as e:
-        print(f"no NVIDIA backend in this triton: {e}")
-        sys.exit(3)
+    require_nvidia_backend()
     report = _aot_report()
     print(json.dumps({k: "\n".join(ln for ln in v.splitlines() if "wgmma" in ln or "cp.async" in ln)
                       for k, v in report.items()}))

@@ -6,11 +6,11 @@ the reduction length; bad input; and an ahead-of-time sm_90 compile that lowers 
 tests/gpu/test_conv_fwd_gpu.py repeats the checks on the four networks' layer shapes."""
 
 import json
-import os
 import sys
 
 import pytest
 import torch
+from _aot import require_nvidia_backend, run_aot
 
 from tcprec.kernels import reference_conv_fwd as rf
 
@@ -313,14 +313,7 @@ def _aot_compile(fp8: bool, flat: bool, out_mode: int, C: int, K: int, has_add: 
 @pytest.mark.slow
 def test_kernels_compile_to_wgmma_for_sm90():
     """In a subprocess (TRITON_INTERPRET=1 builds interpreter objects, not compilable ones)."""
-    import subprocess
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, __file__, "--aot"], env=env, capture_output=True, text=True, timeout=300)
-    if r.returncode == 3:
-        pytest.skip(f"Triton's NVIDIA compiler is not usable here: {r.stdout.strip()[-300:]}")
-    assert r.returncode == 0, r.stderr[-2000:]
-    ptx = json.loads(r.stdout.strip().splitlines()[-1])
+    ptx = json.loads(run_aot(__file__, timeout=300).strip().splitlines()[-1])
     assert "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8" in ptx["int8_tap"]
     assert "0x10" in ptx["int8_tap"]  # 16-byte cp.async operand loads
     assert "div.rn.f32" in ptx["int8_tap"]  # IEEE division for the re-quantisation
@@ -330,13 +323,7 @@ def test_kernels_compile_to_wgmma_for_sm90():
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--aot"]:
-    try:
-        import triton.backends.nvidia  # noqa: F401
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.compiler import ASTSource  # noqa: F401
-    except ImportError as e:
-        print(f"no NVIDIA backend in this triton: {e}")
-        sys.exit(3)
+    require_nvidia_backend()
     report = {"int8_tap": _aot_compile(False, False, 2, 256, 256).asm["ptx"],
               "fp8_flat": _aot_compile(True, True, 1, 96, 256).asm["ptx"],
               "int8_shifted": _aot_compile(False, False, 1, 256, 256, has_add=True).asm["ptx"]}

@@ -7,11 +7,11 @@ tests/gpu/test_wgrad_tma_gpu.py repeats the numerical checks at ResNet-50 sizes.
 
 import io
 import json
-import os
 import sys
 
 import pytest
 import torch
+from _aot import require_nvidia_backend, run_aot
 
 from tcprec.kernels import reference_conv as rc
 from tcprec.kernels.reference_conv import ConvGeometry
@@ -345,15 +345,7 @@ def _aot_report() -> dict:
 
 def test_kernel_compiles_to_tma_and_wgmma_for_sm90():
     """In a subprocess: under TRITON_INTERPRET=1 triton.jit builds interpreter objects, not compilable ones."""
-    import subprocess
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = env.get("TRITON_DEFAULT_FP_FUSION", "1")
-    r = subprocess.run([sys.executable, __file__, "--aot"], env=env, capture_output=True, text=True, timeout=240)
-    if r.returncode == 3:
-        pytest.skip(f"Triton's NVIDIA compiler is not usable here: {r.stdout.strip()[-300:]}")
-    assert r.returncode == 0, r.stderr[-2000:]
-    rep = json.loads(r.stdout.strip().splitlines()[-1])
+    rep = json.loads(run_aot(__file__, timeout=240).strip().splitlines()[-1])
     for name, want in (("row_fp16_128x128x64", "m64n128k16.f32.f16.f16"),
                        ("row_bf16_64x64x16", "m64n64k16.f32.bf16.bf16"),
                        ("box_fp16_128x128x64", "m64n128k16.f32.f16.f16")):
@@ -366,11 +358,5 @@ def test_kernel_compiles_to_tma_and_wgmma_for_sm90():
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--aot"]:
-    try:
-        import triton.backends.nvidia  # noqa: F401
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.compiler import ASTSource  # noqa: F401
-    except ImportError as e:
-        print(f"no NVIDIA backend in this triton: {e}")
-        sys.exit(3)
+    require_nvidia_backend()
     print(json.dumps(_aot_report()))
