@@ -108,6 +108,31 @@ def _fastdiv(x, m, s):
     return ((tl.umulhi(xu, m) + xu) >> s).to(tl.int32, bitcast=True)
 
 
+@triton.jit
+def _mma(a, b, acc, IS_FP8: tl.constexpr, FAST_ACCUM: tl.constexpr, UPCAST: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + a @ b with fp32 accumulation: fp8 products promoted into fp32 every BLOCK_K (unless FAST_ACCUM);
+    UPCAST widens the tiles first (the interpreter multiplies bfloat16 as raw uint16 bits)."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IS_FP8 and not FAST_ACCUM:
+        return tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _store_dw(out_ptr, acc, offs, mask, split, K, RSC, scale_a_ptr, scale_b_ptr, SPLIT_OUT: tl.constexpr,
+              HAS_SCALE: tl.constexpr):
+    """wgrad epilogue: this split's fp32 partial into the (SPLIT, K, R, S, C) workspace, or dw itself
+    (times the fp8 scales, cast); ``offs`` are the tile's offsets k*R*S*C + tap*C + c."""
+    if SPLIT_OUT:
+        tl.store(out_ptr + split.to(tl.int64) * K * RSC + offs, acc, mask=mask)
+    else:
+        if HAS_SCALE:
+            acc = acc * (tl.load(scale_a_ptr) * tl.load(scale_b_ptr))
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 # ------------------------------------------------------------------------------------------------
 # dgrad
 # ------------------------------------------------------------------------------------------------
@@ -214,13 +239,7 @@ def _dgrad_kernel(
             k_ok = kb * BLOCK_K + offs_k < K
             a_blk = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b_blk = tl.load(b_ptrs, mask=k_ok[:, None] & c_ok[None, :], other=0.0)
-        if UPCAST:  # the interpreter multiplies bfloat16 as raw uint16 bits: widen (exactly) first
-            a_blk = a_blk.to(tl.float32)
-            b_blk = b_blk.to(tl.float32)
-        if IS_FP8 and not FAST_ACCUM:
-            acc = tl.dot(a_blk, b_blk, acc, max_num_imprecise_acc=BLOCK_K)
-        else:
-            acc = tl.dot(a_blk, b_blk, acc)
+        acc = _mma(a_blk, b_blk, acc, IS_FP8, FAST_ACCUM, UPCAST, BLOCK_K)
         kb += 1
         wrap = (kb == k_iters).to(tl.int32)
         kb -= wrap * k_iters
@@ -339,13 +358,8 @@ def _wgrad_kernel(
     # ---- epilogue: dw[k, r, s, c] (contiguous), or this split's partial ----
     RSC = R * S * C
     offs = offs_k[:, None] * RSC + tap * C + offs_c[None, :]
-    mask = k_ok[:, None] & c_ok[None, :]
-    if SPLIT_OUT:
-        tl.store(out_ptr + split.to(tl.int64) * K * RSC + offs, acc, mask=mask)
-    else:
-        if HAS_SCALE:
-            acc = acc * (tl.load(scale_a_ptr) * tl.load(scale_b_ptr))
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_dw(out_ptr, acc, offs, k_ok[:, None] & c_ok[None, :], split, K, RSC, scale_a_ptr, scale_b_ptr, SPLIT_OUT,
+              HAS_SCALE)
 
 
 # ------------------------------------------------------------------------------------------------

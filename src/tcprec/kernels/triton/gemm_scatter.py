@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ..reference_conv import ConvGeometry
+from .conv_bwd import _mma
 
 __all__ = ["dgrad_1x1_strided", "supported", "CONFIGS", "VARIANT_CONFIGS", "MIN_ROWS_AUTO"]
 
@@ -94,13 +95,7 @@ def _tile(tile, a_desc, b_desc, out_ptr, act_ptr, scale_a_ptr, scale_b_ptr, M, H
             b = b_desc.load([off_n, kb * BLOCK_K]).T
         else:
             b = b_desc.load([kb * BLOCK_K, off_n])
-        if UPCAST:  # the interpreter multiplies bfloat16 as raw uint16 bits: widen (exactly) first
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        if IS_FP8 and not FAST_ACCUM:
-            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
-        else:
-            acc = tl.dot(a, b, acc)
+        acc = _mma(a, b, acc, IS_FP8, FAST_ACCUM, UPCAST, BLOCK_K)
 
     # ---- epilogue: scales, activation backward, the value pixel dx[n, p*sh, q*sw, c] ----
     n, h, w, m_ok = _rows(off_m, M, P, Q, STR_H, STR_W, BLOCK_M)

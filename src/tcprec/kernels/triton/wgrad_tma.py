@@ -69,7 +69,7 @@ import triton
 import triton.language as tl
 
 from ..reference_conv import ACT_NONE, ConvGeometry
-from .conv_bwd import _one, _sum_splits, interpreting, sm_count
+from .conv_bwd import _one, _store_dw, _sum_splits, interpreting, sm_count
 
 __all__ = ["wgrad_tma", "supported", "choose_box", "pick", "split_for", "plan", "config_for", "phase_launches",
            "CONFIGS", "INTERPRETER_CONFIG"]
@@ -154,14 +154,9 @@ def _wgrad_tma_kernel(
     # ---- epilogue: dw[k, r, s, c] (contiguous), or this split's fp32 partial ----
     offs_k = k0 + tl.arange(0, BLOCK_M)
     offs_c = c0 + tl.arange(0, BLOCK_N)
-    mask = (offs_k < K)[:, None] & (offs_c < C)[None, :]
     offs = offs_k[:, None] * RSC + (r * S + s) * C + offs_c[None, :]
-    if SPLIT_OUT:
-        tl.store(out_ptr + split.to(tl.int64) * K * RSC + offs, acc, mask=mask)
-    else:
-        if HAS_SCALE:
-            acc = acc * (tl.load(scale_a_ptr) * tl.load(scale_b_ptr))
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_dw(out_ptr, acc, offs, (offs_k < K)[:, None] & (offs_c < C)[None, :], split, K, RSC, scale_a_ptr,
+              scale_b_ptr, SPLIT_OUT, HAS_SCALE)
 
 
 # ------------------------------------------------------------------------------------------------
