@@ -5,19 +5,17 @@ inside one tensor (one float32 multiply, or the float64 round-to-odd path when s
 a block straddling tensors (per-element lookup), padding of the last shard."""
 
 import os
-import socket
-import tempfile
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tcprec.distributed import allreduce_lowp
 from tcprec.formats import FloatFormat, format
 
 from _aot import require_nvidia_backend, run_aot
+from _dist import run_ranks, save_rank
 from _oracles import same_float
 
 ka = pytest.importorskip("tcprec.kernels.triton.allreduce", reason="triton is a Linux dependency of tcprec")
@@ -209,12 +207,6 @@ def test_launcher_reuses_the_compiled_kernel(monkeypatch):
 # ---- two processes (gloo): the fused path with real collectives -------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 CONFIGS = [("e4m3", True, False, "nearest"), ("e5m2", True, True, "up"), ("e3m0", True, False, "nearest"),
            ("e5m10", False, False, "down")]
 
@@ -232,16 +224,14 @@ def _worker(rank, world, port, out_dir):
                     out, info = allreduce_lowp(mine, SIZES, fmt, aps=aps, kahan=kahan, transport=transport,
                                                rounding=rounding, backend="triton")
                     res[(n_local, fmt, aps, kahan, rounding, transport)] = (out, info.backend)
-        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+        save_rank(res, out_dir, rank)
     finally:
         dist.destroy_process_group()
 
 
 def test_gloo_two_processes_fused_equal_reference_nodes():
     world = 2
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(world, _free_port(), d), nprocs=world, join=True)
-        res = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(world)]
+    res = run_ranks(_worker, world)
     for n_local, exchange in ((1, "all-gather"), (2, "reduce-scatter")):
         flat = torch.stack([node_grads(i) for i in range(n_local * world)])
         for fmt, aps, kahan, rounding in CONFIGS:

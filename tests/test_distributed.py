@@ -3,17 +3,16 @@ multi-process runs with gloo (2 and 4 processes, spawned) that must give the sam
 
 import logging
 import os
-import socket
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import tcprec as tp
 from tcprec.distributed import EmulatedNodes, allreduce_lowp, check_aps_format, lowp_allreduce_hook
 from tcprec.train import LossScaler
+
+from _dist import run_ranks, save_rank
 
 SIZES = [7, 100, 1, 33, 16]  # tensor 3 (33 values) is all zero on every node
 CONFIGS = [("e4m3", True, False), ("e5m2", True, True), ("e3m0", True, False), ("e4m3", False, False),
@@ -96,12 +95,6 @@ def test_nonfinite_gradient_detected_and_logged(caplog):
 # ---- multiple processes (gloo) -----------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
@@ -141,16 +134,14 @@ def _worker(rank, world, port, out_dir):
         EmulatedNodes(m2, n_local=2, fmt="e5m2").backward(_loss, x.chunk(world)[rank].repeat(2, 1),
                                                           y.chunk(world)[rank].repeat(2, 1))
         res["nodes2"] = [p.grad.clone() for p in m2.parameters()]
-        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+        save_rank(res, out_dir, rank)
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_gloo_processes_equal_emulated_nodes(world):
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(world, _free_port(), d), nprocs=world, join=True)
-        res = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(world)]
+    res = run_ranks(_worker, world)
     flat = torch.stack([node_grads(i) for i in range(world)])
     for fmt, aps, kahan in CONFIGS:
         want, _ = allreduce_lowp(flat, SIZES, fmt, aps=aps, kahan=kahan, transport="emulate")  # one process

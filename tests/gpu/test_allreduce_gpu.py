@@ -3,16 +3,15 @@ bit for bit (NaN compared as NaN), for emulated nodes on one GPU and, with two G
 
 import itertools
 import os
-import socket
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tcprec.distributed import allreduce_lowp
 from tcprec.distributed.lowp import release_graphs
+
+from _dist import run_ranks, save_rank
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 FMAX = torch.finfo(torch.float32).max
@@ -130,12 +129,6 @@ def test_stochastic_rounding_is_refused():
 # ---- two GPUs, NCCL ------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 NCCL_CASES = [c[:4] for c in CASES[:2]]  # the kernels compiled above serve these too
 
 
@@ -155,7 +148,7 @@ def _nccl_worker(rank, world, port, out_dir):
             for step in range(2):  # the CUDA graph path: NCCL collectives captured with the kernels
                 out, info = allreduce_lowp(mine, SIZES, "e4m3", graph=True)
                 res[(n_local, "e4m3", f"graph{step}")] = (out.cpu(), info.backend)
-        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+        save_rank(res, out_dir, rank)
     finally:
         release_graphs()  # before the communicator goes (a live graph holding NCCL kernels hung teardown)
         dist.destroy_process_group()
@@ -164,9 +157,7 @@ def _nccl_worker(rank, world, port, out_dir):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_nccl_two_gpus_equal_reference_nodes():
     world = 2
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_nccl_worker, args=(world, _free_port(), d), nprocs=world, join=True)
-        res = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(world)]
+    res = run_ranks(_nccl_worker, world)
     for n_local, exchange in ((1, "all-gather"), (2, "reduce-scatter")):
         flat = torch.stack([node_grads(i) for i in range(n_local * world)])
         for fmt, aps, kahan, rounding in NCCL_CASES:

@@ -1,0 +1,29 @@
+"""Multi-process tests: spawn one process per rank, each saving its results; collect them in rank order."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def save_rank(res, out_dir: str, rank: int) -> None:
+    """In a worker: this rank's results, for :func:`run_ranks` to collect."""
+    torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def run_ranks(worker, world: int) -> list:
+    """``worker(rank, world, port, out_dir)`` in ``world`` processes (it calls :func:`save_rank`); the saved
+    results, rank 0 first."""
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(worker, args=(world, free_port(), d), nprocs=world, join=True)
+        return [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(world)]
