@@ -8,8 +8,10 @@ not run on TMA hardware before this script.
 Per layer: every config of ``wgrad_tma.CONFIGS`` whose tile fits the channels, with the box policies "auto"
 (row boxes: both operands from shared memory) and "min" (least padding; several rows or images a box: dy's
 tile through registers), each at the heuristic split; then the best config at half, double and one split.
-Kernel variants are compiled first by parallel worker processes (Triton's disk cache), then timed by
-``triton.testing.do_bench`` (CUDA events, L2 flushed, median).  Prints JSON lines, a table, and writes
+Kernel variants are compiled first by parallel worker processes (Triton's disk cache), then timed by CUDA-graph
+replay (``tcprec.bench.common.time_graph_ms``: 20 calls a graph, median of 5 replays by CUDA events), cuDNN
+alike: an eager call of these paths costs 100-360 us of host time on the H200 machine, more than most of the
+kernels, so events around eager calls (``do_bench``, this script's first version) timed the host.  Prints JSON lines, a table, and writes
 ``$OUT/wgrad_tma_tune.json``.
 
     PYTHONPATH=src python3 benchmarks/tune_wgrad_tma_device.py [--batch 256] [--layers 2,6,11,16]
@@ -82,9 +84,14 @@ def _compile_task(layer: int, N: int, cfg: dict, split: int) -> tuple[str, float
         return f"{layer} {cfg}", time.time() - t0, f"{type(e).__name__}: {e}"[:300]
 
 
-def main() -> None:
-    from triton.testing import do_bench
+def do_bench(fn) -> float:
+    """ms per call by CUDA-graph replay (no host launch time in it)."""
+    from tcprec.bench.common import time_graph_ms
 
+    return time_graph_ms(fn, calls=20, replays=5)
+
+
+def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--layers", default=None, help="comma-separated indices into RESNET50_LAYERS")
@@ -106,7 +113,7 @@ def main() -> None:
         tasks = [(i, c, s) for i in layers for c, s in plans[i]]
         errors = []
         with ProcessPoolExecutor(max_workers=args.workers, mp_context=get_context("spawn")) as pool:
-            futs = [pool.submit(_compile_task, *t) for t in tasks]
+            futs = [pool.submit(_compile_task, i, N, c, s) for i, c, s in tasks]
             for f in as_completed(futs):
                 name, _, err = f.result()
                 if err:

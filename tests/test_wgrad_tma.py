@@ -360,3 +360,13 @@ def test_kernel_compiles_to_tma_and_wgmma_for_sm90():
 if __name__ == "__main__" and sys.argv[1:] == ["--aot"]:
     require_nvidia_backend()
     print(json.dumps(_aot_report()))
+
+
+def test_config_refuses_the_tile_measured_wrong():
+    """128 x 256 x BLOCK_L 64 gave NRMSE ~1e-2 on the H200: refused with the fix, and absent from CONFIGS."""
+    g = _geom((2, 8, 8, 256, 128, 3, 3, 1, 1, 1))
+    bad = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_L=64, num_warps=8, num_stages=3)
+    with pytest.raises(ValueError, match=r"\(128, 256, 64\) gave wrong results.*BLOCK_L = 32 or 16"):
+        wt.config_for(g, bad)
+    assert all((c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_L"]) != (128, 256, 64) for c in wt.CONFIGS)
+    assert wt.config_for(g, dict(bad, BLOCK_L=32))["BLOCK_L"] == 32

@@ -433,7 +433,7 @@ def _solve_options(factor: str, refine: str, kind: str):
 def solve(
     n: int = typer.Option(1024, "--n", min=1, help="Matrix size."),
     factor: str = typer.Option("bf16", help="Format of the LU's trailing-matrix GEMMs."),
-    refine: str = typer.Option("gmres", help="Refinement: gmres or classic."),
+    refine: str = typer.Option("fgmres", help="Refinement: fgmres (flexible GMRES-IR), gmres or classic."),
     kind: str = typer.Option("diagdom", help="Test matrix: diagdom (HPL-MxP) or general (prescribed cond)."),
     cond: float = typer.Option(1e2, help="2-norm condition number for --kind general."),
     device: Device = typer.Option(Device.auto, help="Where to run: auto picks cuda when a GPU is present."),
@@ -471,7 +471,7 @@ def bench_solve_cmd(
     """tcprec.linalg.solve against torch.linalg.solve in fp64, same run: time, speedup, backward error."""
     from .bench import solve as solve_bench
 
-    _solve_options(factors, "gmres", kinds)
+    _solve_options(factors, "fgmres", kinds)
     size_list = _ints(sizes, "--sizes")
     command = shlex.join(["tcprec", "bench", "solve", "--sizes", sizes, "--factors", factors, "--kinds", kinds,
                           "--out", str(out)])

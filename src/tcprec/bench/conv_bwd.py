@@ -115,7 +115,11 @@ class _cudnn_benchmark:
         torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32 = self.saved
 
 
-GRAPH_MAX_BATCH = 32  # at small batch, host launch overhead can exceed the kernels: time graph replays too
+# Graph replay at every batch by default: on the H200 machine an eager call of a Triton path costs 100-360 us of
+# host time (200 back-to-back calls, benchmarks/profile_host_device.py; cuDNN's 40-70 us), more than the kernels
+# of most of the 19 layers even at N = 256, so CUDA events around eager calls time the host, not the kernels.
+# The events times are still recorded (the summary's 'events' column).  graph_max_batch=32 gives the old rule.
+GRAPH_MAX_BATCH = None
 
 
 @dataclass
@@ -158,10 +162,11 @@ def _nhwc(t: torch.Tensor) -> torch.Tensor:
 
 
 def _workload(layer: Layer, N: int, device, l2_bytes, precisions, warmup_ms, rep_ms, alt_triton, seed,
-              cudnn_benchmark: bool = True, alt_tma: Sequence[str] = ()) -> list[dict]:
+              cudnn_benchmark: bool = True, alt_tma: Sequence[str] = (),
+              graph_max_batch: int | None = GRAPH_MAX_BATCH) -> list[dict]:
     g = layer.geometry(N)
     st, pd = layer.stride, layer.padding
-    graph = N <= GRAPH_MAX_BATCH
+    graph = graph_max_batch is None or N <= graph_max_batch
     gen = torch.Generator(device).manual_seed(seed)
     x32 = torch.randn(N, g.C, g.H, g.W, device=device, generator=gen)
     w32 = torch.randn(g.K, g.C, g.R, g.S, device=device, generator=gen) / math.sqrt(g.C * g.R * g.S)
@@ -384,7 +389,8 @@ def run(batches: Sequence[int] = (8, 256), precisions: Sequence[str] = ("fp16", 
         out="benchmarks/results/conv_bwd.json", console: Console | None = None, command: str = "tcprec bench conv-bwd",
         layers: Sequence[int] | None = None, warmup_ms: int = 25, rep_ms: int = 100,
         alt_triton: Sequence[str] = ("fp16",), seed: int = 0, cudnn_benchmark: bool = True,
-        alt_tma: Sequence[str] = ("fp16", "bf16", "fp8"), passes: int = 1) -> dict:
+        alt_tma: Sequence[str] = ("fp16", "bf16", "fp8"), passes: int = 1,
+        graph_max_batch: int | None = GRAPH_MAX_BATCH) -> dict:
     """Run the conv-backward benchmark on the current CUDA device, print the tables, write JSON to
     ``out`` and return ``{"env", "command", "rows", "summary", ...}``.  ``layers`` selects workloads
     by index into :data:`RESNET50_LAYERS` (default: all 19).  ``cudnn_benchmark`` lets cuDNN time its
@@ -392,7 +398,9 @@ def run(batches: Sequence[int] = (8, 256), precisions: Sequence[str] = ("fp16", 
     wgrad rows also run the TMA-box kernel (sm_90 only).  ``passes`` > 1 measures each workload that many
     times back to back and keeps, per row, the pass with the smallest ours + cuDNN time (both sides always from
     the same pass; every pass's speedup is kept in ``pass_speedups``): robust to transient slowdowns of the
-    GPU, which hit whichever side happens to be running.  Raises ``NeedsGPU`` without CUDA."""
+    GPU, which hit whichever side happens to be running.  ``graph_max_batch``: the largest batch whose speedups
+    compare CUDA-graph replays (None: every batch; above it, do_bench events around eager calls, which include
+    host launch time).  Raises ``NeedsGPU`` without CUDA."""
     console = console or Console()
     device = require_cuda("tcprec bench conv-bwd")
     for p in precisions:
@@ -403,6 +411,9 @@ def run(batches: Sequence[int] = (8, 256), precisions: Sequence[str] = ("fp16", 
             raise ValueError(f"batch sizes must be positive ints, got {b!r}")
     if not isinstance(passes, int) or passes < 1:
         raise ValueError(f"passes must be a positive int, got {passes!r}")
+    if graph_max_batch is not None and (isinstance(graph_max_batch, bool) or not isinstance(graph_max_batch, int)
+                                        or graph_max_batch < 0):
+        raise ValueError(f"graph_max_batch must be None (every batch) or an int >= 0, got {graph_max_batch!r}")
     env = environment()
     env["cudnn"] = torch.backends.cudnn.version()
     print_environment(console, env)
@@ -413,6 +424,7 @@ def run(batches: Sequence[int] = (8, 256), precisions: Sequence[str] = ("fp16", 
     payload = {"env": env, "command": command, "batches": list(batches), "precisions": list(precisions),
                "layers": [RESNET50_LAYERS[i].name for i in chosen], "warmup_ms": warmup_ms, "rep_ms": rep_ms,
                "cudnn_benchmark": cudnn_benchmark, "alt_tma": list(alt_tma), "passes": passes,
+               "graph_max_batch": graph_max_batch,
                "targets": {f"{k[0]} {k[1]} N={k[2]}": v for k, v in TARGETS.items()},
                "rows": rows, "summary": [], "complete": False}
     for N in batches:
@@ -420,7 +432,7 @@ def run(batches: Sequence[int] = (8, 256), precisions: Sequence[str] = ("fp16", 
             layer = RESNET50_LAYERS[i]
             console.print(f"[dim]N={N} {layer.name}[/]", end=" ")
             new = least_disturbed([_workload(layer, N, device, env["l2_cache_bytes"], precisions, warmup_ms, rep_ms,
-                                             alt_triton, seed + 1000 * N + i, cudnn_benchmark, alt_tma)
+                                             alt_triton, seed + 1000 * N + i, cudnn_benchmark, alt_tma, graph_max_batch)
                                    for _ in range(passes)])
             rows.extend(new)
             console.print(" ".join(f"{r['op']}/{r['precision']} {_fmt(r['speedup'], '.2f')}x" for r in new))
@@ -461,7 +473,7 @@ def _fmt(v, spec) -> str:
 
 def workload_table(rows: list[dict], N: int) -> Table:
     """Per-workload times at batch N: cuDNN (both layouts, forward) and ours per precision, on the
-    timing basis the speedups use (CUDA-graph replay at small batch, do_bench events otherwise)."""
+    timing basis the speedups use (CUDA-graph replay, or do_bench events above ``graph_max_batch``)."""
     precs = [p for p in ("fp16", "bf16", "fp8") if any(r["precision"] == p for r in rows)]
     basis = sorted({r["timing"] for r in rows if r["batch"] == N})
     t = Table(title=f"conv2d backward, ResNet-50 layers, N={N}: ms ({'/'.join(basis)}) and speedup vs the better "
@@ -500,7 +512,8 @@ def workload_table(rows: list[dict], N: int) -> Table:
 
 def summary_table(summary: list[dict]) -> Table:
     t = Table(title="conv2d backward vs cuDNN fp16 (better layout): geomean of per-workload speedups "
-                    "(graph replay at N <= 32, do_bench events above; 'events' column: events everywhere)")
+                    "(CUDA-graph replay unless the row says events; 'events' column: do_bench events around eager "
+                    "calls, host launch time included)")
     for col in ("op", "prec", "N", "geomean", "target", "events", "wins", "ours total ms", "cuDNN total ms",
                 "cuDNN fwd ms", "vs fwd", "incl. quant", "max nrmse", "tma rows", "tma geomean", "best w/ tma"):
         t.add_column(col, justify="left" if col in ("op", "prec") else "right")

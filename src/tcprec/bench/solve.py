@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from ..linalg import gemm_backend, make_matrix, random_rhs, scaled_residual, solve
+from ..linalg import DEFAULT_REFINE, gemm_backend, make_matrix, random_rhs, scaled_residual, solve
 from ..linalg.demo import timed
 from .common import environment as _common_environment
 from .common import require_cuda, write_json
@@ -95,7 +95,7 @@ def bench_solve(
     factors=("bf16", "fp16", "fp8"),
     kinds=("diagdom", "general"),
     *,
-    refine: str = "gmres",
+    refine: str = DEFAULT_REFINE,
     cond: float = 1e2,
     pivoting: dict | None = None,
     warmup: int = 1,

@@ -22,7 +22,7 @@ from .lu import (
 )
 from .matrices import MATRIX_KINDS, hpl_mxp_matrix, make_matrix, random_matrix_with_cond, random_rhs
 from .refine import HPL_THRESHOLD, scaled_residual
-from .solver import REFINE_METHODS, SolveInfo, solve
+from .solver import DEFAULT_REFINE, REFINE_METHODS, SolveInfo, solve
 
 __all__ = [
     "solve",
@@ -39,6 +39,7 @@ __all__ = [
     "run_solve",
     "FACTOR_FORMATS",
     "REFINE_METHODS",
+    "DEFAULT_REFINE",
     "PIVOTING_MODES",
     "MATRIX_KINDS",
     "HPL_THRESHOLD",

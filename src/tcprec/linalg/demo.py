@@ -11,7 +11,7 @@ import torch
 from .lu import canonical_factor, gemm_backend
 from .matrices import make_matrix, random_rhs
 from .refine import scaled_residual
-from .solver import solve
+from .solver import DEFAULT_REFINE, solve
 
 __all__ = ["run_solve", "timed"]
 
@@ -47,7 +47,7 @@ def run_solve(
     n: int = 1024,
     *,
     factor: str = "bf16",
-    refine: str = "gmres",
+    refine: str = DEFAULT_REFINE,
     kind: str = "diagdom",
     cond: float = 1e2,
     pivoting=None,

@@ -87,8 +87,14 @@ def _stages(bm: int, bn: int, bl: int, warps: int) -> int:
     return max(3, min(8, budget // ((bm + bn) * bl * 2)))
 
 
+# Measured WRONG on the H200 (triton 3.6): the 128 x 256 tile with BLOCK_L = 64 (8 warps, 3 stages) returned
+# results with NRMSE ~1e-2 against cuDNN on all 10 layers tried, N = 8 and 256, with every box it ran with
+# (all multi-row boxes; benchmarks/results/wgrad_tma_tune.json), while the same tile with BLOCK_L = 32 or 16
+# (row boxes and multi-row ones) and every other tile were exact to ~1e-6.  Cause not found (no GPU debugging time yet); the combination is
+# refused by config_for and left out of CONFIGS.
+_BAD_TILES = ((128, 256, 64),)
 CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_L=bl, num_warps=w, num_stages=_stages(bm, bn, bl, w))
-           for bm, bn, w in _TILES for bl in _BLOCK_LS]
+           for bm, bn, w in _TILES for bl in _BLOCK_LS if (bm, bn, bl) not in _BAD_TILES]
 INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_L=16, num_warps=4, num_stages=1)
 _MAX_BOX = 256  # TMA box dims are at most 256 elements
 
@@ -296,6 +302,10 @@ def config_for(g: ConvGeometry, config: dict | None) -> dict:
         v = cfg[name]
         if isinstance(v, bool) or not isinstance(v, int) or v < 16 or v & (v - 1):
             raise ValueError(f"{name} must be a power of two >= 16 (wgmma's smallest reduction step), got {v!r}")
+    tile = (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_L"])
+    if tile in _BAD_TILES:
+        raise ValueError(f"BLOCK_M x BLOCK_N x BLOCK_L = {tile} gave wrong results on the H200 (NRMSE ~1e-2); use "
+                         "BLOCK_L = 32 or 16 with this tile, or another config of wgrad_tma.CONFIGS")
     return cfg
 
 
