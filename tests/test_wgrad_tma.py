@@ -172,15 +172,26 @@ def test_choose_box():
 def test_pick_and_split_on_resnet50_layers():
     from tcprec.bench.conv_bwd import RESNET50_LAYERS
 
-    for layer in RESNET50_LAYERS:
-        g = layer.geometry(256)
-        cfg = wt.pick(g)
-        assert cfg in wt.CONFIGS
-        box = wt.choose_box(g.N, g.P, g.Q, cfg["BLOCK_L"])
-        padded = box[0] * -(-g.N // box[0]) * box[1] * -(-g.P // box[1]) * box[2] * -(-g.Q // box[2])
-        assert padded <= 1.15 * g.N * g.P * g.Q, (layer.name, box)  # at most ~12.5% padding
-        assert (box[0], box[1]) == (1, 1) or g.Q <= 8  # row boxes except the 7x7 layers
-        assert 1 <= wt.split_for(g, cfg, box, 132) <= 256
+    for N in (8, 256):
+        for layer in RESNET50_LAYERS:
+            g = layer.geometry(N)
+            cfg = wt.pick(g)
+            assert cfg["BOX"] == "min" and {k: v for k, v in cfg.items() if k != "BOX"} in wt.CONFIGS
+            box = wt.plan(g, cfg, None, 132)["box"]
+            assert box == wt.choose_box(g.N, g.P, g.Q, cfg["BLOCK_L"], "min")
+            padded = box[0] * -(-g.N // box[0]) * box[1] * -(-g.P // box[1]) * box[2] * -(-g.Q // box[2])
+            assert padded <= 1.15 * g.N * g.P * g.Q, (layer.name, box)  # at most ~12.5% padding
+            assert 1 <= wt.split_for(g, cfg, box, 132) <= 256
+    # the tiles that won the H200 graph-replay tune (results/wgrad_tma_tune.json)
+    tile = {(la.name, N): (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_L"])
+            for N in (8, 256) for la in RESNET50_LAYERS for c in [wt.pick(la.geometry(N))]}
+    assert tile[("56x56 64->64 3x3 s1", 256)] == (64, 64, 64)
+    assert tile[("28x28 128->128 3x3 s1", 256)] == (64, 128, 64)
+    assert tile[("14x14 256->256 3x3 s1", 256)] == (128, 128, 64)
+    assert tile[("7x7 512->512 3x3 s1", 256)] == (128, 256, 32)
+    assert tile[("56x56 64->64 3x3 s1", 8)] == (64, 64, 64)
+    assert tile[("7x7 512->512 3x3 s1", 8)] == (64, 128, 64)
+    assert wt.choose_box(256, 56, 56, 64, "min") == (1, 8, 8)  # no padding; the row box pads 56 -> 64
     # 9 output tiles (56x56 64->64 3x3) over 12544 boxes: split to fill 132 SMs; N = 8, 7x7 512->512: 144 tiles
     g = RESNET50_LAYERS[2].geometry(256)
     assert wt.split_for(g, wt.pick(g), (1, 1, 64), 132) >= 8

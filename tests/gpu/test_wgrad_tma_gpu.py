@@ -106,12 +106,21 @@ def test_compiled_kernel_uses_tma_and_wgmma():
                 assert "tnspA" in sass, "the row box's dy tile did not reach wgmma from shared memory"
 
 
-def test_auto_does_not_pick_tma_for_wgrad():
-    """Not measured yet: auto keeps its wgrad choices (cuBLAS for 1x1, the Triton kernel otherwise)."""
-    for spec in ((64, 28, 28, 512, 256, 1, 1, 2, 0, 1), (64, 28, 28, 128, 128, 3, 3, 1, 1, 1)):
+def test_auto_picks_tma_for_16_bit_3x3_and_strided_wgrad():
+    """auto runs 16-bit 3x3 and strided wgrads on the TMA-box kernel on sm_90 (the graph-replay tune), keeps cuBLAS
+    for stride-1 1x1 layers and the widening Triton path for fp8."""
+    for spec, want in (((64, 28, 28, 512, 256, 1, 1, 2, 0, 1), True), ((8, 28, 28, 128, 128, 3, 3, 1, 1, 1), True),
+                       ((8, 14, 14, 256, 1024, 1, 1, 1, 0, 1), False)):
         g = _geom(spec)
-        dy = torch.empty(g.output_shape, device=DEV, dtype=torch.float16)
-        x = torch.empty(g.input_shape, device=DEV, dtype=torch.float16)
-        s = opc.explain_conv2d_wgrad(dy, x, g.weight_shape, g.stride, g.padding)
-        assert "TMA-box" not in s
-        assert "TMA-box" in opc.explain_conv2d_wgrad(dy, x, g.weight_shape, g.stride, g.padding, backend="tma")
+        for dt in (torch.float16, torch.bfloat16):
+            dy = torch.empty(g.output_shape, device=DEV, dtype=dt)
+            x = torch.empty(g.input_shape, device=DEV, dtype=dt)
+            prec = "fp16" if dt == torch.float16 else "bf16"
+            s = opc.explain_conv2d_wgrad(dy, x, g.weight_shape, g.stride, g.padding, precision=prec)
+            assert ("TMA-box" in s) == want, (spec, s)
+        s8 = opc.explain_conv2d_wgrad(dy.half(), x.half(), g.weight_shape, g.stride, g.padding, precision="fp8")
+        assert "TMA-box" not in s8
+    g = _geom((4, 28, 28, 128, 128, 3, 3, 1, 1, 1))
+    dy, _, x = _data(g, seed=5)
+    got = opc.conv2d_wgrad(dy.half(), x.half(), g.weight_shape, 1, 1)  # auto: the TMA kernel at its pick
+    check_wgrad(g, "fp16", dy, x, got)

@@ -312,6 +312,21 @@ def _auto_prefers_triton(op: str, g: ConvGeometry, precision: str) -> str | None
     return None
 
 
+def _auto_wgrad_tma(g: ConvGeometry, precision: str, ref_t) -> str | None:
+    """Why auto runs this 16-bit wgrad on the TMA-box kernel (None: it does not).  Every layer but a stride-1
+    unpadded 1x1 (a plain GEMM: cuBLAS) on sm_90: graph-replay tune on the H200 (benchmarks/results/
+    wgrad_tma_tune.json), the kernel at its pick beat the Triton implicit GEMM / cuBLAS-after-copy paths on the
+    ten 3x3 and strided 1x1 ResNet-50 layers at N = 8 and 256 (fp8 stays on the widening Triton path: its
+    operands would need a transposing copy first)."""
+    if not (ref_t.is_cuda and _is_sm90(ref_t)) or not _tma_ok("wgrad", g, precision)[0]:
+        return None
+    if (g.R, g.S) == (1, 1) and g.stride == (1, 1) and g.padding == (0, 0):
+        return None
+    return ("a 3x3 or strided layer on sm_90: the TMA-box implicit GEMM (4-D TMA boxes of dy and x, the zero fill "
+            "as padding, deterministic split-K), measured faster than the Triton implicit GEMM and than cuBLAS after "
+            "copying the strided slice")
+
+
 def _fprop_ok(op: str, g: ConvGeometry, precision: str, activation, out_dtype) -> tuple[bool, str]:
     """Can this dgrad run as cuDNN's forward conv of dy with the rotated filter (see the module doc)?"""
     if op != "dgrad":
@@ -347,7 +362,9 @@ def _tma_ok(op: str, g: ConvGeometry, precision: str) -> tuple[bool, str]:
 _TMA_KERNEL = {"dgrad": "Triton TMA GEMM + scatter dgrad", "wgrad": "Triton TMA-box implicit-GEMM wgrad"}
 
 
-_TMA_MIN_ROWS = 32768  # = kernels.triton.gemm_scatter.MIN_ROWS_AUTO (kept here: no Triton import on the CPU path)
+# = kernels.triton.gemm_scatter.MIN_ROWS_AUTO (kept here: no Triton import on the CPU path), by fp8-ness
+_TMA_MIN_ROWS = {False: 1024, True: 0}
+_TMA_MIN_ROWS_UNSTRIDED = 32768  # stride-1 1x1 with a fused activation: the old events-based floor (not re-tuned)
 
 
 def _is_sm90(t: torch.Tensor) -> bool:
@@ -388,15 +405,19 @@ def _choose(op: str, g: ConvGeometry, t, precision: str, backend: str, activatio
         pref = _auto_prefers_triton(op, g, precision) if ok else None
         if pref:
             return "triton", f"{pref} ({why})"
-        # wgrad's TMA kernel is never auto's pick: it has no GPU measurement yet (backend="tma" runs it)
+        if op == "wgrad" and precision != "fp8":
+            wtma = _auto_wgrad_tma(g, precision, ref_t)
+            if wtma:
+                return "tma", f"{wtma} ({why})"
         tok = op == "dgrad" and _tma_ok(op, g, precision)[0]
-        big = g.N * g.P * g.Q >= _TMA_MIN_ROWS
+        floor = _TMA_MIN_ROWS[precision == "fp8"] if g.stride != (1, 1) else _TMA_MIN_ROWS_UNSTRIDED
+        big = g.N * g.P * g.Q >= floor
         if ok and tok and big and (g.stride != (1, 1) or activation is not None) and _is_sm90(ref_t):
             return "tma", (f"{gwhy}; dx is mostly {'zeros' if g.stride != (1, 1) else 'the GEMM rows'}: one Triton "
                            "TMA GEMM whose epilogue writes every pixel of dx"
                            + (" and applies the activation backward" if activation is not None else "")
                            + " moves fewer bytes than cuBLAS + a scatter pass (memory-bound layers, "
-                           f"N*P*Q >= {_TMA_MIN_ROWS} rows)")
+                           f"N*P*Q >= {floor} rows)")
         if ok and (activation is None or g.stride != (1, 1)):  # strided: the activation rides the scatter pass
             return "gemm", f"{gwhy}: cuBLAS, the fastest GEMM on this machine"
         if ok:

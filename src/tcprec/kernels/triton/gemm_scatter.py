@@ -149,21 +149,26 @@ def supported(g: ConvGeometry, fp8: bool) -> tuple[bool, str]:
     return True, "unpadded 1x1 layer with 16-byte aligned rows"
 
 
-# Measured on H200 (benchmarks/tune_dgrad_tma_device.py, N = 256, best of CONFIGS per layer): the tile that
-# wins depends on the reduction length K and the operand width; the worst tile is up to 1.4x slower.
-# An autotuner was tried and dropped: its per-call host work (~tens of us) made the 14x14 layers host-bound.
+# Measured on the H200 by CUDA-graph replay (benchmarks/tune_dgrad_tma_device.py -> results/dgrad_tma_tune.json,
+# the six strided 1x1 ResNet-50 layers, N = 8 and 256, every config of CONFIGS + VARIANT_CONFIGS): from 8192
+# GEMM rows the persistent variants win on every layer -- 16-bit operands 128x256 one CTA a SM (0.86-0.93x the
+# old pick's time), fp8 64x128 two CTAs a SM (0.73-0.99x) -- and below it (N = 8) the plain 64x128 x 4 warps
+# tile is the best or within 10% of it.  An autotuner was tried and dropped: its per-call host work.
+LARGE_ROWS = 8192
+
+
 def _pick(g: ConvGeometry, fp8: bool) -> dict:
-    """The tile for this layer: short reductions take 64x128 x 4 warps (several CTAs per SM overlap one
-    tile's loads with another's stores), long ones 128x256 x 8 warps."""
-    small = CONFIGS[3]  # 64x128 w4 s4
-    if fp8:
-        return dict(small if g.K <= 256 else CONFIGS[2] if g.K <= 512 else CONFIGS[1])
-    return dict(small if g.K <= 128 else CONFIGS[1])
+    """The tile for this layer (see above): persistent from LARGE_ROWS GEMM rows, else 64x128 x 4 warps."""
+    if g.N * g.P * g.Q >= LARGE_ROWS:
+        return dict(VARIANT_CONFIGS[2] if fp8 else VARIANT_CONFIGS[1])  # 64x128 x2 CTAs / 128x256 x1
+    return dict(CONFIGS[3])
 
 
-# Below this many GEMM rows (N*P*Q) the kernel's GPU time is near its launch cost and cuBLAS + the scatter
-# pass measured as fast or faster (14x14 layers at N = 256: M = 12544), so ops.conv's auto path keeps those.
-MIN_ROWS_AUTO = 32768
+# ops.conv's auto path takes this kernel from this many GEMM rows (N*P*Q), by fp8-ness.  Graph-replay times
+# (same tune): fp8 beat cuBLAS + the scatter pass on all 12 layer x batch cases; 16-bit on 11 of 12, the loss
+# 14x14 1024->2048 at N = 8 (M = 392: 9.8 vs 8.3 us), hence the 16-bit floor.  (An earlier floor of 32768 came
+# from CUDA events around eager calls, which on this machine time the host's 100-160 us a call.)
+MIN_ROWS_AUTO = {False: 1024, True: 0}
 
 
 def dgrad_1x1_strided(dy2: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, g: ConvGeometry, *,

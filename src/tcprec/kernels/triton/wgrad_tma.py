@@ -231,13 +231,36 @@ def choose_box(N: int, P: int, Q: int, block_l: int, policy: str = "auto") -> tu
     return best[1]
 
 
+# pick()'s rule, from the graph-replay tune on the H200 (benchmarks/tune_wgrad_tma_device.py -> results/
+# wgrad_tma_tune.json: the four 3x3 and six strided 1x1 ResNet-50 layers, N = 8 and 256, every config of CONFIGS
+# x box policy).  Small problems (N = 8: ~1e9 multiply-adds) want many CTAs: 64 x 64 tiles, 64 x 128 once the
+# 64 x 64 tiles alone would fill ~3 waves of SMs.  Large ones (N = 256: ~3e10) want the largest tile K fills.
+# BLOCK_L = 64 (32 with the 128 x 256 tile: its 64 is refused above), and the least-padding box: on 56x56 the
+# (1, 8, 8) box ran 1.4x faster than the (1, 1, 64) row box.
+_SMALL_MACS = 4e9
+_MANY_TILES = 384
+
+
 def pick(g: ConvGeometry) -> dict:
-    """The tile for this layer (a first guess, not yet measured): 128 x 128 (halved where K or C is 64) and
-    BLOCK_L = the row box that pads Q to a power of two (56 -> 64, 28 -> 32, 14 -> 16; both operands from
-    shared memory), or a 64-row least-padding box where Q <= 8 (the 7x7 layers: 64 images x 1 pixel)."""
-    bl = 64 if g.Q <= 8 else min(64, max(16, _npow2(g.Q)))
-    bm, bn, w = _TILES[3] if g.K <= 64 and g.C <= 64 else _TILES[2] if g.K <= 64 else _TILES[0]
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_L=bl, num_warps=w, num_stages=_stages(bm, bn, bl, w))
+    """The config for this layer (rule above): tile, BLOCK_L, stages and the least-padding box."""
+    macs = g.K * g.C * g.R * g.S * g.N * g.P * g.Q
+    if macs < _SMALL_MACS:
+        tiles64 = triton.cdiv(g.K, 64) * triton.cdiv(g.C, 64) * g.R * g.S
+        bm, bn, w = (64, 128, 4) if tiles64 >= _MANY_TILES else (64, 64, 4)
+    elif g.K >= 512:
+        bm, bn, w = 128, 256, 8
+    elif g.K >= 256:
+        bm, bn, w = 128, 128, 8
+    elif g.K >= 128:
+        bm, bn, w = 64, 128, 4
+    else:
+        bm, bn, w = 64, 64, 4
+    if g.C <= 64:  # no wider than the channels need (and still a tile of CONFIGS)
+        bm, bn, w = 64, 64, 4
+    elif g.C <= 128 and bn == 256:
+        bn = 128
+    bl = 32 if (bm, bn, 64) in _BAD_TILES else 64
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_L=bl, num_warps=w, num_stages=_stages(bm, bn, bl, w), BOX="min")
 
 
 # Split cost model (H100 / H200 class; round numbers, not fitted to this kernel): a SM's sustained rate on one
