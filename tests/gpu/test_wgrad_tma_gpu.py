@@ -91,8 +91,8 @@ def test_compiled_kernel_uses_tma_and_wgmma():
         for spec, row in (((4, 28, 28, 128, 128, 3, 3, 1, 1, 1), True), ((4, 7, 7, 512, 512, 3, 3, 1, 1, 1), False)):
             g = _geom(spec)
             dy, _, x = (t.to(dt) for t in _data(g, seed=5))
-            cfg = wt.pick(g)
-            assert (wt.choose_box(g.N, g.P, g.Q, cfg["BLOCK_L"])[:2] == (1, 1)) == row
+            cfg = dict(wt.pick(g), BOX="row" if row else "min")
+            assert (wt.plan(g, cfg, None, 132)["box"][:2] == (1, 1)) == row
             k, _ = wt.wgrad_tma(dy, x, torch.empty(g.weight_shape, device=DEV), g, config=cfg)
             ptx = k.asm["ptx"]
             assert "cp.async.bulk.tensor.4d" in ptx, "operands are not loaded by 4-D TMA"

@@ -402,13 +402,12 @@ def _choose(op: str, g: ConvGeometry, t, precision: str, backend: str, activatio
         return path, why
     if backend == "auto":
         ok, gwhy = _gemm_ok(op, g, precision)
+        wtma = _auto_wgrad_tma(g, precision, ref_t) if op == "wgrad" and precision != "fp8" else None
+        if wtma:
+            return "tma", f"{wtma} ({why})"
         pref = _auto_prefers_triton(op, g, precision) if ok else None
         if pref:
             return "triton", f"{pref} ({why})"
-        if op == "wgrad" and precision != "fp8":
-            wtma = _auto_wgrad_tma(g, precision, ref_t)
-            if wtma:
-                return "tma", f"{wtma} ({why})"
         tok = op == "dgrad" and _tma_ok(op, g, precision)[0]
         floor = _TMA_MIN_ROWS[precision == "fp8"] if g.stride != (1, 1) else _TMA_MIN_ROWS_UNSTRIDED
         big = g.N * g.P * g.Q >= floor
