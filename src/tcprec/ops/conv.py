@@ -23,18 +23,20 @@ Backends (``backend=``)
 
 * ``"auto"``: on CUDA, unpadded 1x1 layers are GEMMs and go to cuBLAS (``torch.matmul`` /
   ``torch.mm(out_dtype=)`` / ``torch._scaled_mm`` for fp8) -- the fastest GEMM on the machine --
-  except dgrad at stride s > 1 (or with a fused activation) on sm_90 with N*P*Q >= 32768 rows: there
-  only the N*P*Q pixels the filter touches get GEMM rows and the rest of dx is zeros, so the ``"tma"`` kernel (a Triton TMA
-  GEMM whose epilogue writes all of dx: the rows at (n, p*sh, q*sw), the zeros around them, the
-  activation backward) saves cuBLAS's round trip of the rows through memory.  wgrad at stride s > 1
-  copies x's strided slice into the GEMM's layout first.  Everything else runs the Triton
-  implicit-GEMM kernels.  Off CUDA: the reference.
+  except dgrad at stride s > 1 on sm_90 (from N*P*Q >= 1024 rows with 16-bit operands, always with fp8;
+  with a fused activation at stride 1 from 32768 rows): there only the N*P*Q pixels the filter touches
+  get GEMM rows and the rest of dx is zeros, so the ``"tma"`` kernel (a Triton TMA GEMM whose epilogue
+  writes all of dx: the rows at (n, p*sh, q*sw), the zeros around them, the activation backward) saves
+  cuBLAS's round trip of the rows through memory.  16-bit wgrad of every layer but an unpadded stride-1
+  1x1 runs the ``"tma"`` wgrad kernel on sm_90 (measured faster than the Triton implicit GEMM and than
+  cuBLAS after copying a strided slice: BENCHMARKS.md).  Everything else runs the Triton implicit-GEMM
+  kernels.  Off CUDA: the reference.
 * ``"triton"``: the Triton kernels for every layer (on the CPU through ``TRITON_INTERPRET=1``).
 * ``"tma"``: dgrad -- ``kernels/triton/gemm_scatter.py``; unpadded 1x1 layers, K and C multiples of 8 (16
   for fp8).  wgrad -- ``kernels/triton/wgrad_tma.py``, an implicit GEMM whose dy and x tiles are 4-D TMA
   boxes (the padding is TMA's zero fill; strided layers read one descriptor per stride phase of x);
-  any filter, stride and dilation, K and C multiples of 8, fp8 widened exactly to fp16 first.  Only
-  when asked for: ``"auto"`` does not take it for wgrad (no GPU measurement yet).
+  any filter, stride and dilation, K and C multiples of 8, fp8 widened exactly to fp16 first (slow:
+  ``"auto"`` keeps fp8 wgrad on the Triton path).
 * ``"gemm"``: cuBLAS; unpadded 1x1 layers only (strided dgrad: the rows, then one Triton pass that
   scatters them into dx with the zeros).
 * ``"fprop"`` (dgrad only): cuDNN's forward convolution with the rotated filter; stride 1, fp16 /

@@ -35,7 +35,7 @@ __all__ = ["dgrad_1x1_strided", "supported", "CONFIGS", "VARIANT_CONFIGS", "MIN_
 # (BLOCK_M, BLOCK_N, BLOCK_K (16-bit; fp8 doubles it), num_warps, num_stages)
 _TILES = ((128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (256, 128, 64, 8, 3))
 CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s) for bm, bn, bk, w, s in _TILES]
-# Variants not measured yet (see BENCHMARKS.md): persistent (1-2 CTAs per SM loop over tiles, the loop nest
+# Variants (measured: see _pick): persistent (1-2 CTAs per SM loop over tiles, the loop nest
 # flattened so the next tile's loads overlap this tile's stores) and zeros-first.  Without spills on sm_90
 # under Triton 3.6 except 128x256 persistent with fp8 operands (48 bytes of stack).
 VARIANT_CONFIGS = ([dict(c, persistent=True, ctas_per_sm=k) for c, k in ((CONFIGS[0], 1), (CONFIGS[1], 1),
