@@ -51,6 +51,7 @@ Dilation > 1 is supported (the stride-phase arithmetic handles it).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -370,7 +371,12 @@ _TMA_MIN_ROWS_UNSTRIDED = 32768  # stride-1 1x1 with a fused activation: the old
 
 
 def _is_sm90(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9
+    return t.is_cuda and _cc_major(t.device.index if t.device.index is not None else torch.cuda.current_device()) >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _cc_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def _choose(op: str, g: ConvGeometry, t, precision: str, backend: str, activation=None,

@@ -61,6 +61,7 @@ import triton
 import triton.language as tl
 
 from ...formats import FloatFormat
+from ._host import cdiv
 from .cast import _finish_value, _finite_code, _float_constexprs, _round_float, round_to_format
 from .round import MODES, add_round_to_odd
 from .round import neg as _neg
@@ -652,7 +653,7 @@ def encode(grads: torch.Tensor, lay: Layout, state: torch.Tensor, send: torch.Te
     hw = _hw_round(fmt, rounding, aps, False, grads)
     consts = dict(APS=aps, TOP=top, **_fmt_consts(fmt), MODE=MODES[rounding], CODES=codes, HW=hw,
                   BLOCK=lay.block)
-    _L["encode"]((triton.cdiv(shard, lay.block), world, n_local),
+    _L["encode"]((cdiv(shard, lay.block), world, n_local),
                  (grads, send, state, lay.send_blocks, lay.starts, n_local, numel, shard, lay.T, n),
                  consts, (fmt, aps, top, rounding, codes, hw, lay.block, grads.device.index))
 
@@ -669,7 +670,7 @@ def reduce(recv: torch.Tensor, out: torch.Tensor, lut: torch.Tensor, fmt, roundi
     n, shard = recv.shape
     codes = not recv.dtype.is_floating_point
     consts = dict(_sum_consts(fmt, rounding, kahan, codes, recv, aps), BLOCK=block)
-    _L["reduce"]((triton.cdiv(shard, block),), (recv, out, lut, n, shard), consts,
+    _L["reduce"]((cdiv(shard, block),), (recv, out, lut, n, shard), consts,
                  (fmt, rounding, kahan, codes, consts["HW"], block, recv.device.index))
 
 

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from ...formats import FloatFormat, IntFormat
 from .. import reference as ref
+from ._host import cdiv
 
 _MODES = {"nearest": 0, "nearest_away": 1, "toward_zero": 2, "up": 3, "down": 4, "stochastic": 5}
 _OVF = {"saturate": 0, "inf": 1, "nan": 2}
@@ -367,7 +368,7 @@ def _launch(x: torch.Tensor, fmt, rounding: str, seed: int | None, out: torch.Te
     if n == 0:
         return out
     mix = ref.seed_mix(seed) if seed is not None else 0
-    grid = (triton.cdiv(n, BLOCK),)
+    grid = (cdiv(n, BLOCK),)
     if flag is None:
         flag = torch.zeros(1, dtype=torch.int32, device=x.device)
     if isinstance(fmt, IntFormat):

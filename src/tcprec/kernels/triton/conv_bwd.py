@@ -69,6 +69,7 @@ import triton
 import triton.language as tl
 
 from ..reference_conv import ACT_NONE, ConvGeometry
+from ._host import cdiv
 
 __all__ = ["dgrad", "wgrad", "phase_scatter", "dgrad_split", "wgrad_split", "sm_count", "DGRAD_CONFIGS", "WGRAD_CONFIGS",
            "INTERPRETER_CONFIG", "interpreting"]
@@ -446,7 +447,7 @@ def phase_scatter(src: torch.Tensor, out: torch.Tensor, g: ConvGeometry, *, act:
     act_t = act_input if (act_input is not None and mode) else out
     bw = min(64, _npow2(g.W)) if not interpreting() else min(8, _npow2(g.W))
     bc = min(_npow2(g.C), max(16, 8192 // bw)) if not interpreting() else min(16, _npow2(g.C))
-    grid = (g.N * g.H, triton.cdiv(g.W, bw), triton.cdiv(g.C, bc))
+    grid = (g.N * g.H, cdiv(g.W, bw), cdiv(g.C, bc))
     _phase_scatter_kernel[grid](src, out, act_t, g.H, g.W, g.C, g.P, g.Q, *_strides(act_t), float(slope),
                                 STR_H=g.stride[0], STR_W=g.stride[1], ACT=mode, BLOCK_W=bw, BLOCK_C=bc,
                                 num_warps=4)
@@ -473,7 +474,7 @@ def rotate_filter(w: torch.Tensor) -> torch.Tensor:
     if w.numel() == 0:
         return out
     bk = bc = 16 if interpreting() else 64
-    grid = (R * S, triton.cdiv(K, bk), triton.cdiv(C, bc))
+    grid = (R * S, cdiv(K, bk), cdiv(C, bc))
     _rotate_filter_kernel[grid](w, out, K, C, RS=R * S, BLOCK_K=bk, BLOCK_C=bc, num_warps=4)
     return out
 
@@ -570,41 +571,44 @@ _SUM_LAUNCH_S = 2e-6
 _MODEL_MAX_ROWS = 65536
 
 
+@functools.lru_cache(maxsize=4096)
 def wgrad_split(g: ConvGeometry, sms: int, fp8: bool = False) -> int:
     """Chunks of the L = N*P*Q reduction.  Below ``_MODEL_MAX_ROWS`` rows from a cost model: waves of (tiles x split) programs over
     the SMs, each doing 1/split of its tile's work, plus writing and re-reading split fp32 partials
     and the sum's launch; the smallest split within 3% of the best.  Small batches split a lot (few
     output tiles, nothing else to fill the GPU), big output tiles counts do not.  (fp8 runs the same
-    16-bit MMA as fp16 here, see ``wgrad(dot_f16=)``; the argument is kept for callers.)"""
+    16-bit MMA as fp16 here, see ``wgrad(dot_f16=)``; the argument is kept for callers.)  Memoised: the
+    model loops over up to 128 splits in Python (~100-175 us a call on the CPUs measured)."""
     L = g.N * g.P * g.Q
     bm = min(128, max(64, _npow2(g.K)))  # the tiles the autotuner's pruning allows
     bn = min(128, max(64, _npow2(g.C)))
-    tiles = triton.cdiv(g.K, bm) * g.R * g.S * triton.cdiv(g.C, bn)
+    tiles = cdiv(g.K, bm) * g.R * g.S * cdiv(g.C, bn)
     tile_s = 2.0 * bm * bn * L / _SM_FLOPS  # one tile's whole reduction on one SM
     part_s = 2.0 * g.K * g.R * g.S * g.C * 4 / _WS_BYTES_PER_S  # one split's partial: written + read
 
     def cost(split: int) -> float:
-        t = triton.cdiv(tiles * split, max(1, sms)) * tile_s / split
+        t = cdiv(tiles * split, max(1, sms)) * tile_s / split
         return t + (split * part_s + _SUM_LAUNCH_S if split > 1 else 0.0)
 
     if L >= _MODEL_MAX_ROWS:  # long reductions: ~2 waves, partial traffic <= ~10% (measured better there)
-        return max(1, min(triton.cdiv(2 * sms, tiles), L // (16384 if fp8 else 8192), 128))
-    cands = range(1, max(1, min(128, triton.cdiv(L, CHUNK_ALIGN))) + 1)
+        return max(1, min(cdiv(2 * sms, tiles), L // (16384 if fp8 else 8192), 128))
+    cands = range(1, max(1, min(128, cdiv(L, CHUNK_ALIGN))) + 1)
     costs = {s_: cost(s_) for s_ in cands}
     best = min(costs.values())
     return min(s_ for s_, c in costs.items() if c <= 1.03 * best)
 
 
+@functools.lru_cache(maxsize=4096)
 def dgrad_split(g: ConvGeometry, sms: int) -> int:
     """dgrad splits its (tap, K) loop only when the pixel tiles cannot fill the GPU (small batch,
     7x7 / 14x14 layers): up to 4 ways, keeping >= 8 loop iterations a split."""
-    m_phase = g.N * triton.cdiv(g.H, g.stride[0]) * triton.cdiv(g.W, g.stride[1])
-    programs = g.stride[0] * g.stride[1] * triton.cdiv(m_phase, 128) * triton.cdiv(g.C, 64)
+    m_phase = g.N * cdiv(g.H, g.stride[0]) * cdiv(g.W, g.stride[1])
+    programs = g.stride[0] * g.stride[1] * cdiv(m_phase, 128) * cdiv(g.C, 64)
     if 2 * programs > sms:
         return 1
     _, step_h, _, _ = g.phase_params(0)
     _, step_w, _, _ = g.phase_params(1)
-    iters = triton.cdiv(g.R, step_h) * triton.cdiv(g.S, step_w) * triton.cdiv(g.K, 64)
+    iters = cdiv(g.R, step_h) * cdiv(g.S, step_w) * cdiv(g.K, 64)
     return max(1, min(4, sms // programs, iters // 8))
 
 
@@ -661,10 +665,10 @@ def dgrad(dy: torch.Tensor, w: torch.Tensor, out: torch.Tensor, g: ConvGeometry,
     has_scale, sa, sb = _scales(scales, dy.device)
     g_h, step_h, dp_h, inv_h = g.phase_params(0)
     g_w, step_w, dp_w, inv_w = g.phase_params(1)
-    if triton.cdiv(g.R, step_h) > 31 or triton.cdiv(g.S, step_w) > 31:  # tap validity is a 31-bit mask a row
+    if cdiv(g.R, step_h) > 31 or cdiv(g.S, step_w) > 31:  # tap validity is a 31-bit mask a row
         raise ValueError(f"a {g.R}x{g.S} filter has more than 31 taps per stride phase along one axis; the Triton "
                          "dgrad kernel supports up to 31 (use backend='reference')")
-    m_max = g.N * triton.cdiv(g.H, g.stride[0]) * triton.cdiv(g.W, g.stride[1])
+    m_max = g.N * cdiv(g.H, g.stride[0]) * cdiv(g.W, g.stride[1])
     n_phase = g.stride[0] * g.stride[1]
     int64 = _needs_int64(dy, w, out, act_input)
     if split > 1:
@@ -685,7 +689,7 @@ def dgrad(dy: torch.Tensor, w: torch.Tensor, out: torch.Tensor, g: ConvGeometry,
                  UPCAST=_upcast(dy))
 
     def grid(meta):
-        return (triton.cdiv(m_max, meta["BLOCK_M"]) * n_phase * triton.cdiv(g.C, meta["BLOCK_N"]), split)
+        return (cdiv(m_max, meta["BLOCK_M"]) * n_phase * cdiv(g.C, meta["BLOCK_N"]), split)
 
     meta = _meta(config, ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
     if meta is None:
@@ -711,9 +715,9 @@ def wgrad(dy: torch.Tensor, x: torch.Tensor, out: torch.Tensor, g: ConvGeometry,
         raise ValueError(f"N*P*Q = {L} rows is beyond the wgrad kernel's int32 row index; split the batch")
     if split_k is None:
         split_k = wgrad_split(g, sm_count(dy.device), _is_fp8(dy))
-    split = max(1, min(int(split_k), triton.cdiv(L, CHUNK_ALIGN)))
-    chunk = triton.cdiv(triton.cdiv(L, split), CHUNK_ALIGN) * CHUNK_ALIGN
-    split = triton.cdiv(L, chunk)  # every split non-empty
+    split = max(1, min(int(split_k), cdiv(L, CHUNK_ALIGN)))
+    chunk = cdiv(cdiv(L, split), CHUNK_ALIGN) * CHUNK_ALIGN
+    split = cdiv(L, chunk)  # every split non-empty
     has_scale, sa, sb = _scales(scales, dy.device)
     if split > 1:
         target = torch.empty((split, *out.shape), dtype=torch.float32, device=dy.device)
@@ -734,7 +738,7 @@ def wgrad(dy: torch.Tensor, x: torch.Tensor, out: torch.Tensor, g: ConvGeometry,
                  DOT_F16=fp8 and (dot_f16 is None or bool(dot_f16)))
 
     def grid(meta):
-        return (triton.cdiv(g.K, meta["BLOCK_M"]) * g.R * g.S * triton.cdiv(g.C, meta["BLOCK_N"]), split)
+        return (cdiv(g.K, meta["BLOCK_M"]) * g.R * g.S * cdiv(g.C, meta["BLOCK_N"]), split)
 
     meta = _meta(config, ("BLOCK_M", "BLOCK_N", "BLOCK_L"))
     if meta is None:
@@ -751,7 +755,7 @@ def _sum_splits(ws, out, mode, slope, act_input, has_scale, sa, sb, g: ConvGeome
     act_t = act_input if (act_input is not None and mode) else out
     H, W, C = (g.H, g.W, g.C) if g is not None else (1, 1, 1)
     sa_ = _strides(act_t) if act_t.dim() == 4 else (0, 0, 0, 0)
-    _sum_splits_kernel[(triton.cdiv(numel, _SUM_BLOCK),)](
+    _sum_splits_kernel[(cdiv(numel, _SUM_BLOCK),)](
         ws, out, act_t, sa, sb, numel, ws.shape[0], H, W, C, *sa_, float(slope),
         ACT=mode, HAS_SCALE=has_scale, BLOCK=_SUM_BLOCK, num_warps=4,
     )

@@ -50,6 +50,7 @@ import triton.language as tl
 
 from ..reference_conv import ConvGeometry, pair
 from ..reference_conv_fwd import parse_act, parse_out
+from ._host import cdiv, next_power_of_2
 
 __all__ = ["conv2d_fwd_int8", "conv2d_fwd_fp8", "pick_config", "compile_key", "geometry", "NETWORK_LAYERS",
            "INTERPRETER_CONFIG", "interpreting"]
@@ -256,7 +257,7 @@ def _sm_count(device: torch.device | None) -> int:
 def _flat_block_k(rsc: int) -> int:
     """The largest reduction block (128, 64, 32) that pads R*S*C by at most 15%."""
     for bk in (128, 64):
-        if triton.cdiv(rsc, bk) * bk <= 1.15 * rsc:
+        if cdiv(rsc, bk) * bk <= 1.15 * rsc:
             return bk
     return 32
 
@@ -295,10 +296,10 @@ def pick_config(g: ConvGeometry, fp8: bool, device: torch.device | None = None) 
     else:
         flat, bk, cls = True, _flat_block_k(g.R * g.S * g.C), ("thin" if g.C < 16 else "flat")
     bm, bn_cap, warps, stages = _TILES[cls]
-    bn = min(bn_cap, max(16, triton.next_power_of_2(g.K)))
-    if triton.cdiv(M, bm) * triton.cdiv(g.K, bn) < sms:
+    bn = min(bn_cap, max(16, next_power_of_2(g.K)))
+    if cdiv(M, bm) * cdiv(g.K, bn) < sms:
         bm, warps = 64, _SMALL_M_WARPS
-        if triton.cdiv(M, bm) * triton.cdiv(g.K, bn) < sms and bn > 64:
+        if cdiv(M, bm) * cdiv(g.K, bn) < sms and bn > 64:
             bn = 64
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "FLAT": flat, "num_warps": warps, "num_stages": stages}
 
@@ -424,7 +425,7 @@ def _launch(x, w, g: ConvGeometry, op: str, *, fp8: bool, alpha, sa, sb, bias, a
     lim = 2**31 - 1
     int64 = x.numel() >= lim or y.numel() >= lim or w.numel() >= lim
     out_mode = OUT_RAW if kind == "int32" else (OUT_INT8 if kind == "int8" else OUT_FLOAT)
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(g.K, cfg["BLOCK_N"]),)
+    grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(g.K, cfg["BLOCK_N"]),)
     add_t, add_stride = (_const(device, 0.0), 0) if add is None else (add, g.K if add.dim() == 3 else 0)
     kernel = _conv_fwd_kernel[grid](
         x, w, y, sa[0], sb[0], bias_t, add_t,

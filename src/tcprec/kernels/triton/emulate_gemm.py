@@ -68,6 +68,7 @@ import triton
 import triton.language as tl
 
 from ...formats import FloatFormat
+from ._host import cdiv
 from .round import MODES, add_round_to_odd, mul_round_to_odd, neg, round_constexprs, round_to_format
 
 
@@ -555,7 +556,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, acc_fmt: FloatFormat, mode: str = "
     if mode == "fma":
         bm, bn = block_m or 64, block_n or 64
         prod = 0 if (product_on_acc_grid and exact_product) else 1 if exact_product else 2
-        grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
+        grid = (cdiv(M, bm), cdiv(N, bn))
         _fma_gemm_kernel[grid](*args, PROD=prod, BLOCK_M=bm, BLOCK_N=bn, **common,
                                num_warps=num_warps or 4, num_stages=num_stages or 1, enable_fp_fusion=False)
     else:
@@ -570,7 +571,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, acc_fmt: FloatFormat, mode: str = "
         bk = block_k or min(chunk, 64)
         if chunk % bk:
             raise ValueError(f"block_k={bk} must divide chunk={chunk}")
-        grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+        grid = (cdiv(M, bm) * cdiv(N, bn),)
         flags = torch.empty(grid[0], dtype=torch.int32, device=a.device)
         launch = dict(HWCVT=hwcvt, CHUNK=chunk, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
                       IEEE_DOT=a.dtype == torch.float32, **common, num_warps=num_warps,

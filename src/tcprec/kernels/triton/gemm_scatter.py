@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ..reference_conv import ConvGeometry
+from ._host import cdiv
 from .conv_bwd import _mma
 
 __all__ = ["dgrad_1x1_strided", "supported", "CONFIGS", "VARIANT_CONFIGS", "MIN_ROWS_AUTO"]
@@ -211,7 +212,7 @@ def dgrad_1x1_strided(dy2: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, g:
     flags = dict(STR_H=g.stride[0], STR_W=g.stride[1], ACT=mode, HAS_SCALE=has_scale, IS_FP8=fp8,
                  FAST_ACCUM=bool(fast_accum), B_KMAJOR=bool(b_kmajor),
                  UPCAST=interpreting() and dy2.dtype == torch.bfloat16, GROUP_M=8)
-    tiles = triton.cdiv(M, bm) * triton.cdiv(g.C, bn)
+    tiles = cdiv(M, bm) * cdiv(g.C, bn)
     persistent = bool(cfg.get("persistent", False))
     progs = min(tiles, cfg.get("ctas_per_sm", 1) * sm_count(out.device)) if persistent else tiles
     return _gemm_scatter_kernel[(progs,)](*args, **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_PROGS=progs,

@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._host import cdiv
+
 __all__ = ["im2col_bits"]
 
 
@@ -120,7 +122,7 @@ def im2col_bits(planes: torch.Tensor, geom, *, twos: bool = False, store: bool =
     if block_m is None:  # Triton's CPU interpreter pays per program: few, large ones there
         block_m = 32 if planes.is_cuda else 256
     dummy = planes  # never written when its flag is off
-    grid = (triton.cdiv(M, block_m),)
+    grid = (cdiv(M, block_m),)
     _im2col_bits_kernel[grid](
         planes, cols if store else dummy, row if rowsum else dummy,
         M, geom.H, geom.W, geom.P, geom.Q, geom.S, Cw, rscw, kw_col,

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ...packing import packed_words
+from ._host import cdiv
 
 __all__ = ["pack_bitplanes", "quantize_pack"]
 
@@ -124,7 +125,7 @@ def _planes_and_grid(R: int, K: int, bits: int, device, block_r: int, block_w: i
     """The output planes int32 (bits, R, Kw) and the launch grid over (row tiles, word tiles)."""
     Kw = packed_words(K)
     planes = torch.empty((bits, R, Kw), dtype=torch.int32, device=device)  # (bits, R, Kw)
-    return planes, (triton.cdiv(R, block_r), triton.cdiv(Kw, block_w))
+    return planes, (cdiv(R, block_r), cdiv(Kw, block_w))
 
 
 def pack_bitplanes(codes: torch.Tensor, bits: int, *, block_r: int = 16, block_w: int = 16) -> torch.Tensor:

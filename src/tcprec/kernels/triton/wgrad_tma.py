@@ -62,6 +62,7 @@ has no such product.  Finite inputs are exact.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -69,6 +70,7 @@ import triton
 import triton.language as tl
 
 from ..reference_conv import ACT_NONE, ConvGeometry
+from ._host import cdiv
 from .conv_bwd import _one, _store_dw, _sum_splits, interpreting, sm_count
 
 __all__ = ["wgrad_tma", "supported", "choose_box", "pick", "split_for", "plan", "config_for", "phase_launches",
@@ -188,7 +190,13 @@ def _axis_phases(R: int, stride: int, pad: int, dil: int, extent: int) -> list[t
 
 def phase_launches(g: ConvGeometry) -> list[dict]:
     """One launch per stride phase (a, b) of x that some tap reads: the phase, its taps and the row / column
-    offsets of its tap (i, j) in the phase view ``x[:, a::sh, b::sw, :]``.  Stride 1: one launch, all taps."""
+    offsets of its tap (i, j) in the phase view ``x[:, a::sh, b::sw, :]``.  Stride 1: one launch, all taps.
+    (Memoised per geometry; treat the dicts as read-only.)"""
+    return list(_phase_launches(g))
+
+
+@functools.lru_cache(maxsize=1024)
+def _phase_launches(g: ConvGeometry) -> tuple:
     hs = _axis_phases(g.R, g.stride[0], g.padding[0], g.dilation[0], g.H)
     ws = _axis_phases(g.S, g.stride[1], g.padding[1], g.dilation[1], g.W)
     launches = []
@@ -196,7 +204,7 @@ def phase_launches(g: ConvGeometry) -> list[dict]:
         for b, st, col0, col_step, wb in ws:
             launches.append(dict(a=a, b=b, taps_r=rt, taps_s=st, row0=row0, row_step=row_step, col0=col0,
                                  col_step=col_step, empty=ha == 0 or wb == 0))
-    return launches
+    return tuple(launches)
 
 
 def _npow2(v: int) -> int:
@@ -224,7 +232,7 @@ def choose_box(N: int, P: int, Q: int, block_l: int, policy: str = "auto") -> tu
         for ep in range(block_l.bit_length() - eq):
             bp = 1 << ep
             bn = block_l // (bq * bp)
-            rows = triton.cdiv(N, bn) * bn * triton.cdiv(P, bp) * bp * triton.cdiv(Q, bq) * bq
+            rows = cdiv(N, bn) * bn * cdiv(P, bp) * bp * cdiv(Q, bq) * bq
             key = (rows, not (bn == 1 and bp == 1), -bq, -bp)
             if best is None or key < best[0]:
                 best = (key, (bn, bp, bq))
@@ -245,7 +253,7 @@ def pick(g: ConvGeometry) -> dict:
     """The config for this layer (rule above): tile, BLOCK_L, stages and the least-padding box."""
     macs = g.K * g.C * g.R * g.S * g.N * g.P * g.Q
     if macs < _SMALL_MACS:
-        tiles64 = triton.cdiv(g.K, 64) * triton.cdiv(g.C, 64) * g.R * g.S
+        tiles64 = cdiv(g.K, 64) * cdiv(g.C, 64) * g.R * g.S
         bm, bn, w = (64, 128, 4) if tiles64 >= _MANY_TILES else (64, 64, 4)
     elif g.K >= 512:
         bm, bn, w = 128, 256, 8
@@ -275,11 +283,16 @@ _MAX_SPLIT = 256
 def split_for(g: ConvGeometry, cfg: dict, box: tuple[int, int, int], sms: int) -> int:
     """Ways to split the reduction: waves of (output tiles x split) programs over the SMs (several CTAs a SM
     when their shared memory fits), each doing 1/split of its tile's boxes, plus writing and re-reading split
-    fp32 partials and the sum's launch; the smallest split within 3% of the best."""
-    bm, bn, bl = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_L"]
-    tiles = triton.cdiv(g.K, bm) * g.R * g.S * triton.cdiv(g.C, bn)
+    fp32 partials and the sum's launch; the smallest split within 3% of the best.  Memoised: the model is
+    pure Python over up to 256 splits (~300 us a call, more than most of the kernels it sizes)."""
+    return _split_for(g, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_L"], cfg.get("num_stages", 3), tuple(box), sms)
+
+
+@functools.lru_cache(maxsize=4096)
+def _split_for(g: ConvGeometry, bm: int, bn: int, bl: int, stages: int, box: tuple[int, int, int], sms: int) -> int:
+    tiles = cdiv(g.K, bm) * g.R * g.S * cdiv(g.C, bn)
     boxes = _box_count(g, box)
-    smem = (bm + bn) * bl * 2 * cfg.get("num_stages", 3)
+    smem = (bm + bn) * bl * 2 * stages
     per_sm = max(1, min(4, _SMEM_PER_SM // max(1, smem)))
     slots = max(1, sms) * per_sm
     box_s = 2.0 * bm * bn * bl / _SM_FLOPS * per_sm  # one box on one of per_sm CTAs sharing a SM
@@ -296,7 +309,7 @@ def split_for(g: ConvGeometry, cfg: dict, box: tuple[int, int, int], sms: int) -
 
 def _box_count(g: ConvGeometry, box: tuple[int, int, int]) -> int:
     bn, bp, bq = box
-    return triton.cdiv(g.N, bn) * triton.cdiv(g.P, bp) * triton.cdiv(g.Q, bq)
+    return cdiv(g.N, bn) * cdiv(g.P, bp) * cdiv(g.Q, bq)
 
 
 def plan(g: ConvGeometry, cfg: dict, split_k: int | None, sms: int) -> dict:
@@ -309,9 +322,9 @@ def plan(g: ConvGeometry, cfg: dict, split_k: int | None, sms: int) -> dict:
         raise ValueError(f"BOX must be three powers of two <= {_MAX_BOX} whose product is BLOCK_L={bl}, got {box}")
     tiles = _box_count(g, box)
     split = split_for(g, cfg, box, sms) if split_k is None else split_k
-    per_split = max(1, triton.cdiv(tiles, max(1, min(split, tiles))))
-    return dict(box=box, tp=triton.cdiv(g.P, box[1]), tq=triton.cdiv(g.Q, box[2]), tiles=tiles,
-                per_split=per_split, split=max(1, triton.cdiv(tiles, per_split)))
+    per_split = max(1, cdiv(tiles, max(1, min(split, tiles))))
+    return dict(box=box, tp=cdiv(g.P, box[1]), tq=cdiv(g.Q, box[2]), tiles=tiles,
+                per_split=per_split, split=max(1, cdiv(tiles, per_split)))
 
 
 def config_for(g: ConvGeometry, config: dict | None) -> dict:
@@ -428,7 +441,7 @@ def wgrad_tma(dy: torch.Tensor, x: torch.Tensor, out: torch.Tensor, g: ConvGeome
         x_desc = TensorDescriptor(xv, list(xv.shape), list(xv.stride()), [*box, bn])
         rt, st = ph["taps_r"], ph["taps_s"]
         n_taps = len(rt) * len(st)
-        grid = (triton.cdiv(g.K, bm) * n_taps * triton.cdiv(g.C, bn), split)
+        grid = (cdiv(g.K, bm) * n_taps * cdiv(g.C, bn), split)
         kernel = _wgrad_tma_kernel[grid](
             dy_desc, x_desc, target, sa, sb,
             g.P, g.Q, pl["tp"], pl["tq"], pl["tiles"], pl["per_split"],
