@@ -199,7 +199,7 @@ def solve(
             steps on general matrices), "gmres" (GMRES-IR, left-preconditioned) or "classic"
             iterative refinement.
         tol: target HPL-MxP scaled residual (default 16, HPL's criterion).
-        max_iter: outer refinement steps (default 10 for gmres, 50 for classic).
+        max_iter: outer refinement steps (default 10 for fgmres and gmres, 50 for classic).
         pivoting: True/"partial" (partial pivoting), False/"none" (only for matrices that need
             none, e.g. diagonally dominant: HPL-MxP's).
         block: LU block width (default: 64 on CPU, 256-1024 on GPU by size).
