@@ -276,6 +276,8 @@ def test_int8_kernel_route_exact(i):
     pw = pack_conv_weight(qw)
     s = explain_conv2d(qx, pw, backend="int8", **geo)
     assert s.startswith("int8:") and "Triton implicit-GEMM INT8 conv" in s and "_int_mm" not in s.split("passes:")[1]
+    g = qconv._geometry(qconv._check_x(qx), qw.shape, **geo)
+    assert ("thin layer" in s) == (g.C < qconv.THIN_C and g.R * g.S > 1)  # C < 16 stems: gathered, then 1x1
     want = _exact(qx, qw, **geo)
     got = conv2d(qx, pw, out_dtype=torch.int32, backend="int8", **geo)
     assert got.dtype == torch.int32 and torch.equal(got.long(), want)
@@ -368,13 +370,15 @@ def test_quantize_fp8_static_equals_quantize():
         qconv.quantize_fp8_static(x, 0.5)
 
 
-@pytest.mark.parametrize("fast", [True, False])
-def test_fp8_route_within_bound(fast):
+@pytest.mark.parametrize("fast,C", [(True, 20), (False, 20), (True, 3), (False, 5)])
+def test_fp8_route_within_bound(fast, C):
     """fp8 kernel (interpreter) vs float64 F.conv2d on the decoded values: |err| <= the fp32 summation
-    bound of tests/test_conv_fwd.py, scaled by the epilogue's column scale, plus its roundings."""
+    bound of tests/test_conv_fwd.py, scaled by the epilogue's column scale, plus its roundings.  C = 3 / 5:
+    the thin-stem route (gathered windows, run as a 1x1 conv)."""
     from tcprec.kernels import reference_conv_fwd as rf
 
-    qx, qw, geo = _fp8_case()
+    qx, qw, geo = _fp8_case(C=C)
+    assert ("thin layer" in explain_conv2d(qx, qw, backend="fp8", **geo)) == (C < qconv.THIN_C)
     pw = pack_conv_weight(qw)
     assert pw.planes is None and pw.w8.dtype == torch.float8_e4m3fn
     K = qw.shape[0]

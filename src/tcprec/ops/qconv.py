@@ -607,6 +607,59 @@ def _int8_correction(pw: PackedConvWeight, g: ConvGeometry, off: int) -> torch.T
     return t
 
 
+# Thin layers (the C = 3 stems): the implicit GEMM's FLAT mode decodes (r, s, c) per element and ran them
+# at 9-22 T op/s on the H200 (benchmarks/results/conv_fwd.json; the VGG stem took 12.9 of ~34 ms of the w1a2
+# network at batch 256).  For C < THIN_C with a spatial filter the 8-bit codes are gathered once into
+# (N, P, Q, Kp), Kp = R*S*C rounded up to 64 (zeros in the padding and the tail), and the same kernel runs
+# it as a 1x1 convolution in TAP mode (contiguous 64-byte reduction blocks, the fused epilogue unchanged).
+# The sums are the same integers (exact); the cost is the gather pass and Kp / (R*S*C) more MMA work.
+THIN_C = 16
+_STEM_KP = 64
+
+
+def _thin_stem(g: ConvGeometry) -> bool:
+    return g.C < THIN_C and g.R * g.S > 1
+
+
+def _stem_cols(x8: torch.Tensor, g: ConvGeometry, kp: int) -> torch.Tensor:
+    """(N, H, W, C) 8-bit codes (any 1-byte dtype) -> (N, P, Q, kp) of the same dtype: output pixel (n, p, q)'s
+    window in (r, s, c) order -- the (K, R, S, C) weight's -- then zeros; padded taps read stored code 0."""
+    b = x8.view(torch.uint8) if x8.dtype != torch.uint8 else x8  # gather on bytes (float8 has no pad kernel)
+    ph, pw_ = g.padding
+    xp = torch.nn.functional.pad(b, (0, 0, pw_, pw_, ph, ph)) if ph or pw_ else b
+    dev = x8.device
+    hh = (torch.arange(g.P, device=dev) * g.stride[0])[:, None] + (torch.arange(g.R, device=dev) * g.dilation[0])[None]
+    ww = (torch.arange(g.Q, device=dev) * g.stride[1])[:, None] + (torch.arange(g.S, device=dev) * g.dilation[1])[None]
+    rsc = g.R * g.S * g.C
+    out = torch.zeros((g.N, g.P, g.Q, kp), dtype=torch.uint8, device=dev)
+    out[..., :rsc] = xp[:, hh[:, None, :, None], ww[None, :, None, :], :].reshape(g.N, g.P, g.Q, rsc)
+    return out.view(x8.dtype)
+
+
+def _stem_weight(pw: PackedConvWeight, g: ConvGeometry, kp: int) -> torch.Tensor:
+    """The 8-bit weight (K, R, S, C) as a 1x1 filter (K, 1, 1, kp), zero tail; cached in ``pw.corr``."""
+    key = ("stem_w", kp)
+    w = pw.corr.get(key)
+    if w is None:
+        rsc = g.R * g.S * g.C
+        b = pw.w8.view(torch.uint8).reshape(g.K, rsc)
+        w = torch.zeros((g.K, 1, 1, kp), dtype=torch.uint8, device=b.device)
+        w[:, 0, 0, :rsc] = b
+        w = w.view(pw.w8.dtype)
+        if not (w.is_cuda and torch.cuda.is_current_stream_capturing()):
+            pw.corr[key] = w
+    return w
+
+
+def _conv_operands(x8: torch.Tensor, pw: PackedConvWeight, g: ConvGeometry):
+    """(x, w, stride, padding, dilation) the 8-bit kernel runs: the layer itself, or for a thin stem its
+    gathered columns as a 1x1 convolution."""
+    if _thin_stem(g):
+        kp = -(-(g.R * g.S * g.C) // _STEM_KP) * _STEM_KP
+        return _stem_cols(x8, g, kp), _stem_weight(pw, g, kp), 1, 0, 1
+    return x8, pw.w8, g.stride, g.padding, g.dilation
+
+
 def _int8_kernel(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias) -> torch.Tensor:
     """The Triton implicit-GEMM INT8 conv with the fused epilogue; (N, P, Q, K) in ``_kernel_out``."""
     from ..kernels.triton.conv_fwd import conv2d_fwd_int8
@@ -618,7 +671,8 @@ def _int8_kernel(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias) -> torch.
         acc_mul, acc_add = sa * pw.w_step, _int8_correction(pw, g, oa * pw.w_step)
     kind = _kernel_out(plan)
     float_out = kind != "int32"
-    return conv2d_fwd_int8(x8, pw.w8, stride=g.stride, padding=g.padding, dilation=g.dilation,
+    x, w, st, pd, dl = _conv_operands(x8, pw, g)
+    return conv2d_fwd_int8(x, w, stride=st, padding=pd, dilation=dl,
                            scale=col if float_out else None, bias=bias if float_out else None,
                            act=plan.act if float_out else None, out=kind, acc_mul=acc_mul, acc_add=acc_add)
 
@@ -630,7 +684,8 @@ def _fp8_kernel(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, fast_accum
 
     g = plan.g
     x8 = xs.codes().contiguous().view(_fp8_dtype(plan.fa))  # (N, H, W, C) float8, no copy
-    return conv2d_fwd_fp8(x8, pw.w8, col, None, stride=g.stride, padding=g.padding, dilation=g.dilation, bias=bias,
+    x, w, st, pd, dl = _conv_operands(x8, pw, g)  # fp8 code 0 is value 0: padded taps need no correction
+    return conv2d_fwd_fp8(x, w, col, None, stride=st, padding=pd, dilation=dl, bias=bias,
                           act=plan.act, out=_kernel_out(plan), fast_accum=fast_accum)
 
 
@@ -828,14 +883,17 @@ def explain_conv2d(x, w, **kw) -> str:
     elif plan.name == "fp8" or plan.route == "kernel":
         kind = _kernel_out(plan)
         fast = kw.get("fp8_fast_accum", True)
+        stem = ([f"thin layer (C = {g.C} < {THIN_C}): its {g.R}x{g.S}x{g.C} windows gathered into "
+                 f"{-(-(g.R * g.S * g.C) // _STEM_KP) * _STEM_KP}-byte rows (torch pass), run as a 1x1 conv"]
+                if _thin_stem(g) else [])
         if plan.name == "fp8":
-            steps = [f"Triton implicit-GEMM FP8 conv conv2d_fwd_fp8 ({'fast_accum' if fast else 'fp32 promotion every BLOCK_K'}) "
+            steps = stem + [f"Triton implicit-GEMM FP8 conv conv2d_fwd_fp8 ({'fast_accum' if fast else 'fp32 promotion every BLOCK_K'}) "
                      f"with fused epilogue (scale, bias, act={plan.act}) -> {kind}"]
         else:
             oa = _int8_codes(torch.zeros(0, dtype=torch.uint8), plan.fa)[1]
             shift = ([f"x stored as code - 128 (torch pass), exact correction for the taps inside the image "
                       f"({'(P, Q, K) table' if max(g.padding) > 0 else '(K,) vector'}, cached)"] if oa else [])
-            steps = shift + [f"Triton implicit-GEMM INT8 conv conv2d_fwd_int8 "
+            steps = shift + stem + [f"Triton implicit-GEMM INT8 conv conv2d_fwd_int8 "
                              f"with fused epilogue (scale, bias, act={plan.act}) -> {kind}" if kind != "int32" else
                              "Triton implicit-GEMM INT8 conv conv2d_fwd_int8 -> int32"]
         if kind == "float32" and not (plan.fused and plan.out_fmt is None):
