@@ -78,3 +78,24 @@ def test_bad_input(bad, match):
     args.update(bad)
     with pytest.raises((TypeError, ValueError), match=match):
         quantize_pack(args["x"], args["fmt"], args["scale"])
+
+
+@pytest.mark.parametrize("fmt", ["uint2", "int3", "pm2", "binary", "uint8"])
+@pytest.mark.parametrize("pool", [("max", 2, 2), ("max", 2, 1)])
+def test_pool_quantize_pack_equals_pool_then_reference(fmt, pool):
+    """The conv epilogue's fused pass (kernels/triton/pack.py pool_quantize_pack: 2x2 max-pool, then the
+    quantizer, one read) equals reference_qconv.pool_nhwc followed by the reference quantize_pack, on odd
+    sizes (stride 2 drops the last row / column, stride 1 clips the window) with ties and saturation."""
+    from tcprec.kernels import reference_qconv as rq
+    from tcprec.kernels.triton import pack as tpack
+    from tcprec.ops.quantize import _qp_params
+
+    f = tp.format(fmt)
+    x = _inputs(fmt, shape=(2 * 7 * 9, 70), seed=5).reshape(2, 7, 9, 70)  # N, P, Q, K (K: 3 words, ragged)
+    scale = torch.tensor([0.5])
+    pooled = rq.pool_nhwc(x, pool)
+    want = quantize_pack(pooled.reshape(-1, 70), fmt, scale, backend="reference")
+    got = tpack.pool_quantize_pack(x, scale, pool[2], f.bits, *_qp_params(f))
+    assert got.shape == want.shape and torch.equal(got, want)
+    xs = x.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)  # same values, other strides
+    assert torch.equal(tpack.pool_quantize_pack(xs, scale, pool[2], f.bits, *_qp_params(f)), want)

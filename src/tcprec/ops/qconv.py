@@ -739,11 +739,48 @@ def _bitserial_kind(plan: _Plan):
     return _KIND[plan.out_dtype], relu, slope, None
 
 
+# Max-pools the re-quantize + pack kernel does in front of its quantizer (one read of y): pool -> stride.
+_FUSED_POOLS = {("max", 2, 2): 2, ("max", 2, 1): 1}
+
+
+def _fused_pack(plan: _Plan, device: torch.device) -> bool:
+    """Whether the float result goes to packed planes in one Triton pass (max-pool + quantize + pack)."""
+    return (isinstance(plan.out_fmt, IntFormat) and plan.name != "reference"
+            and (device.type == "cuda" or _interpreting())
+            and (plan.pool is None or tuple(plan.pool) in _FUSED_POOLS))
+
+
+def _after_gemm(plan: _Plan, device: torch.device, out: str, requant: str) -> list[str]:
+    """explain_conv2d's passes after a GEMM that wrote float32 (pool, re-quantize / cast)."""
+    pool = (f"{plan.pool[0]}-pool {plan.pool[1]}x{plan.pool[1]} stride {plan.pool[2]}"
+            if plan.pool is not None else None)
+    if _fused_pack(plan, device):
+        return [f"separate pass: {pool + ' + ' if pool else ''}re-quantize + pack (one Triton kernel)"]
+    steps = [f"separate pass: {pool} (torch, float32)"] if pool else []
+    return steps + [f"separate pass: {requant if plan.out_fmt is not None else 'cast to ' + out}"]
+
+
 def _finish_float(plan: _Plan, y: torch.Tensor, out_scale, act_done: bool):
-    """float32 y (M, K) -> act (unless done) -> pool -> out dtype or packed."""
+    """float32 y (M, K) -> act (unless done) -> pool -> out dtype or packed.  To packed integer planes from a
+    kernel backend on CUDA (and under the interpreter): one Triton pass, max-pool + quantize + pack
+    (``kernels/triton/pack.py``; the same codes as the reference's torch passes for finite y)."""
     g = plan.g
     if not act_done:
         y = rq.apply_act(y, plan.act)
+    fmt = plan.out_fmt
+    if _fused_pack(plan, y.device):
+        from ..kernels.triton import pack as tpack  # TRITON_INTERPRET is read at import
+        from .quantize import _qp_params
+
+        s = out_scale.to(torch.float32).reshape(1)
+        y4 = y.reshape(g.N, g.P, g.Q, g.K)
+        if plan.pool is None:
+            planes, shape = tpack.quantize_pack(y4.reshape(-1, g.K), s, fmt.bits, *_qp_params(fmt)), y4.shape
+        else:
+            st = _FUSED_POOLS[tuple(plan.pool)]
+            planes = tpack.pool_quantize_pack(y4, s, st, fmt.bits, *_qp_params(fmt))
+            shape = (g.N, g.P // 2, g.Q // 2, g.K) if st == 2 else tuple(y4.shape)
+        return _packed_result(planes, plan, out_scale, shape)
     y = rq.pool_nhwc(y.reshape(g.N, g.P, g.Q, g.K), plan.pool)  # (N, P', Q', K)
     if isinstance(plan.out_fmt, FloatFormat):
         return quantize_fp8_static(y, out_scale, plan.out_fmt)  # (N, P', Q', K) float8 codes
@@ -857,9 +894,9 @@ def explain_conv2d(x, w, **kw) -> str:
     >>> explain_conv2d(qx, qw, padding=1).split(":")[0]
     'reference'
     """
-    _, _, g, plan = _plan(x, w, kw.get("stride", 1), kw.get("padding", 0), kw.get("dilation", 1), kw.get("act"),
-                          kw.get("out_dtype", torch.float32), kw.get("out_fmt"), kw.get("pool"),
-                          kw.get("backend", "auto"), kw.get("scale"), kw.get("bias"), kw.get("out_scale"))
+    xs, _, g, plan = _plan(x, w, kw.get("stride", 1), kw.get("padding", 0), kw.get("dilation", 1), kw.get("act"),
+                           kw.get("out_dtype", torch.float32), kw.get("out_fmt"), kw.get("pool"),
+                           kw.get("backend", "auto"), kw.get("scale"), kw.get("bias"), kw.get("out_scale"))
     M, Kt = g.N * g.P * g.Q, g.R * g.S * g.C
     head = (f"{plan.name}: {plan.why}; conv {g.N}x{g.H}x{g.W}x{g.C} * {g.K}x{g.R}x{g.S}x{g.C}, stride {g.stride}, "
             f"padding {g.padding}, dilation {g.dilation} -> {g.N}x{g.P}x{g.Q}x{g.K}; GEMM M={M} N={g.K} K={Kt}")
@@ -876,10 +913,7 @@ def explain_conv2d(x, w, **kw) -> str:
         fused = ["scale", "bias"] + act + ([out] if plan.fused else ["float32"])
         steps.append(f"bmma_gemm with fused epilogue ({', '.join(fused if kind != 'int32' else ['int32'])})")
         if not plan.fused:
-            if plan.pool is not None:
-                steps.append(f"separate pass: {plan.pool[0]}-pool {plan.pool[1]}x{plan.pool[1]} stride {plan.pool[2]} "
-                             "(torch, float32)")
-            steps.append(f"separate pass: {'re-quantize + pack' if plan.out_fmt is not None else 'cast to ' + out}")
+            steps += _after_gemm(plan, xs.device, out, "re-quantize + pack")
     elif plan.name == "fp8" or plan.route == "kernel":
         kind = _kernel_out(plan)
         fast = kw.get("fp8_fast_accum", True)
@@ -897,10 +931,7 @@ def explain_conv2d(x, w, **kw) -> str:
                              f"with fused epilogue (scale, bias, act={plan.act}) -> {kind}" if kind != "int32" else
                              "Triton implicit-GEMM INT8 conv conv2d_fwd_int8 -> int32"]
         if kind == "float32" and not (plan.fused and plan.out_fmt is None):
-            if plan.pool is not None:
-                steps.append(f"separate pass: {plan.pool[0]}-pool {plan.pool[1]}x{plan.pool[1]} stride {plan.pool[2]} "
-                             "(torch, float32)")
-            steps.append(f"separate pass: {'re-quantize' if plan.out_fmt is not None else 'cast to ' + out}")
+            steps += _after_gemm(plan, xs.device, out, "re-quantize")
     else:
         steps = [("float64 F.conv2d on decoded codes" if plan.name == "reference" else
                   "im2col on codes (torch gather) + torch._int_mm (INT8 tensor cores)"),

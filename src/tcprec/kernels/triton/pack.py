@@ -28,7 +28,7 @@ import triton.language as tl
 from ...packing import packed_words
 from ._host import cdiv
 
-__all__ = ["pack_bitplanes", "quantize_pack"]
+__all__ = ["pack_bitplanes", "quantize_pack", "pool_quantize_pack"]
 
 
 @triton.jit
@@ -98,9 +98,54 @@ def _quantize_pack_kernel(
     k3 = offs_k[None, :, :]
     mask = (r3 < R) & (k3 < K)
 
-    # -- quantize: v = clamp(rne(x / scale)) as an integer value, NaN -> 0 -------------------------
     x = tl.load(x_ptr + r3 * stride_xr + k3 * stride_xk, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.load(scale_ptr)
+    c = _quantize_codes(x, tl.load(scale_ptr), LO, HI, OFFSET, SHIFT, BITS)
+    codes = tl.where(mask, c, 0)  # the padding stays zero
+    _store_planes(codes, planes_ptr, offs_r, offs_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS)
+
+
+@triton.jit
+def _pool_quantize_pack_kernel(
+    x_ptr, scale_ptr, planes_ptr,
+    # sizes: R = N * PO * QO pooled rows, x (N, P, Q, K)
+    R, K, Kw, P, Q, PO, QO,
+    stride_xn, stride_xh, stride_xw, stride_xk,
+    stride_pb, stride_pr, stride_pw,
+    LO: tl.constexpr, HI: tl.constexpr, OFFSET: tl.constexpr, SHIFT: tl.constexpr,
+    POOL_S: tl.constexpr, BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    """2x2 max-pool (stride POOL_S: 2, or 1 with the window clipped at the right / bottom edge, darknet's
+    size-keeping pool) in front of the same quantize + pack: pooled row r = (n, po, qo)."""
+    pid_r = tl.program_id(0)
+    pid_w = tl.program_id(1)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
+    offs_k = offs_w[:, None] * 32 + tl.arange(0, 32)[None, :]  # (BLOCK_W, 32)
+    qo = offs_r % QO
+    t = offs_r // QO
+    po = t % PO
+    n = (t // PO).to(tl.int64)
+    r3 = offs_r[:, None, None]
+    k3 = offs_k[None, :, :]
+    mask = (r3 < R) & (k3 < K)
+    m = tl.full((BLOCK_R, BLOCK_W, 32), float("-inf"), tl.float32)
+    for i in tl.static_range(2):
+        for j in tl.static_range(2):
+            h = po * POOL_S + i
+            w = qo * POOL_S + j
+            ok = mask & ((h < P) & (w < Q))[:, None, None]
+            base = n * stride_xn + h * stride_xh + w * stride_xw
+            v = tl.load(x_ptr + base[:, None, None] + k3 * stride_xk, mask=ok, other=float("-inf"))
+            m = tl.maximum(m, v.to(tl.float32))
+    c = _quantize_codes(m, tl.load(scale_ptr), LO, HI, OFFSET, SHIFT, BITS)
+    codes = tl.where(mask, c, 0)
+    _store_planes(codes, planes_ptr, offs_r, offs_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS)
+
+
+@triton.jit
+def _quantize_codes(x, scale, LO: tl.constexpr, HI: tl.constexpr, OFFSET: tl.constexpr, SHIFT: tl.constexpr,
+                    BITS: tl.constexpr):
+    """float32 x -> int32 code patterns: v = clamp(rne(x / scale)) as an integer value, NaN -> 0."""
     v = tl.math.div_rn(x, scale)
     v = tl.where(v == v, v, 0.0)  # NaN -> 0
     v = tl.minimum(tl.maximum(v, LO * 1.0), HI * 1.0)  # saturate; |v| <= 255 from here
@@ -117,8 +162,7 @@ def _quantize_pack_kernel(
     else:
         v = (v + 12582912.0) - 12582912.0  # round half to even (1.5 * 2**23 trick, exact for |v| < 2**22)
         c = (v.to(tl.int32) - OFFSET) & ((1 << BITS) - 1)  # unsigned: the value; twos: the bit pattern
-    codes = tl.where(mask, c, 0)  # the padding stays zero
-    _store_planes(codes, planes_ptr, offs_r, offs_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS)
+    return c
 
 
 def _planes_and_grid(R: int, K: int, bits: int, device, block_r: int, block_w: int):
@@ -164,6 +208,29 @@ def quantize_pack(x: torch.Tensor, scale: torch.Tensor, bits: int, lo: int, hi: 
         x.stride(0), x.stride(1),
         planes.stride(0), planes.stride(1), planes.stride(2),
         LO=lo, HI=hi, OFFSET=offset, SHIFT=shift,
+        BITS=bits, BLOCK_R=block_r, BLOCK_W=block_w,
+    )
+    return planes
+
+
+def pool_quantize_pack(y: torch.Tensor, scale: torch.Tensor, pool_stride: int, bits: int, lo: int, hi: int,
+                       offset: int, shift: int, *, block_r: int = 16, block_w: int = 16) -> torch.Tensor:
+    """Launch: y (N, P, Q, K) float, 2x2 max-pool with stride ``pool_stride`` (2: floor, an odd last row /
+    column dropped, as nn.MaxPool2d; 1: darknet's size-keeping pool, the window clipped at the edge),
+    then ``quantize_pack`` -> planes int32 (bits, N*P'*Q', Kw).  One read of y."""
+    assert y.dim() == 4 and pool_stride in (1, 2)
+    N, P, Q, K = y.shape
+    PO, QO = (P // 2, Q // 2) if pool_stride == 2 else (P, Q)
+    R = N * PO * QO
+    planes, grid = _planes_and_grid(R, K, bits, y.device, block_r, block_w)
+    if planes.numel() == 0:
+        return planes
+    _pool_quantize_pack_kernel[grid](
+        y, scale, planes,
+        R, K, planes.shape[2], P, Q, PO, QO,
+        *y.stride(),
+        planes.stride(0), planes.stride(1), planes.stride(2),
+        LO=lo, HI=hi, OFFSET=offset, SHIFT=shift, POOL_S=pool_stride,
         BITS=bits, BLOCK_R=block_r, BLOCK_W=block_w,
     )
     return planes
