@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks, logs and JSON under $OUT.
-# Usage (on the GPU machine, repo root): bash benchmarks/run_device.sh [tests|tests-NAME|cast|solve-quick|solve|net|emulate|chunk|convbwd|host|tune-tma|tune-wgrad|cpd ...]
+# Usage (on the GPU machine, repo root): bash benchmarks/run_device.sh [tests|tests-all|tests-NAME|cast|solve-quick|solve|net|emulate|chunk|convbwd|host|tune-tma|tune-wgrad|cpd ...]
 # (net: NET_ARGS for tcprec bench net; emulate: EMU_ARGS; cpd: CPD_ARGS, needs .carry/fashion-mnist carried;
 #  tune-wgrad: TUNE_ARGS for benchmarks/tune_wgrad_tma_device.py, e.g. "--layers 2,6")
 set -uo pipefail
@@ -17,6 +17,13 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for step in "${@:-tests cast}"; do
     case "$step" in
         tests) timeout 300 python3 -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+        tests-all)  # every GPU test file alone, 3 xdist workers (needs .carry/whl: pytest-xdist), per-file time limit
+            python3 -m pip install -q --no-deps --no-index .carry/whl/*.whl 2>/dev/null
+            for f in tests/gpu/test_*_gpu.py; do  # one log file (the device returns at most 8 files)
+                timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q "$f" -p no:cacheprovider -n 3 > /tmp/t.log 2>&1
+                echo "$(basename "$f" .py) rc=$?: $(tail -1 /tmp/t.log)" | tee -a "$OUT/gpu_tests_all.log"
+                grep -E "^(FAILED|ERROR)" /tmp/t.log | tee -a "$OUT/gpu_tests_all.log" | head -10
+            done ;;
         tests-*) timeout 300 python3 -m pytest -q "tests/gpu/test_${step#tests-}_gpu.py" -p no:cacheprovider --durations=5 2>&1 \
                  | tee "$OUT/gpu_tests_${step#tests-}.log" | tail -25 ;;
         cast) timeout 240 python3 -m tcprec.cli bench cast 2>&1 | tee "$OUT/bench_cast.log" | tail -40
