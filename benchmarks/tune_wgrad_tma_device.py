@@ -31,15 +31,12 @@ from multiprocessing import get_context
 import torch
 
 from tcprec.bench.conv_bwd import NRMSE_LIMITS, RESNET50_LAYERS, _nrmse
+from tcprec.kernels.triton._host import next_power_of_2
 from tcprec.kernels.triton import wgrad_tma as wt
 from tcprec.ops import conv as opc
 
 # the 3x3 layers and the strided 1x1 layers (indices into RESNET50_LAYERS)
 LAYERS = [i for i, la in enumerate(RESNET50_LAYERS) if la.R == 3 or la.stride == 2]
-
-
-def _npow2(v: int) -> int:
-    return 1 << max(0, v - 1).bit_length()
 
 
 def candidates(g) -> list[dict]:
@@ -48,7 +45,7 @@ def candidates(g) -> list[dict]:
     out, seen = [], set()
     pick = wt.pick(g)
     for cfg in [pick] + wt.CONFIGS:
-        if cfg["BLOCK_M"] > max(64, _npow2(g.K)) or cfg["BLOCK_N"] > max(64, _npow2(g.C)):
+        if cfg["BLOCK_M"] > max(64, next_power_of_2(g.K)) or cfg["BLOCK_N"] > max(64, next_power_of_2(g.C)):
             continue
         for policy in ("auto", "min"):
             box = wt.choose_box(g.N, g.P, g.Q, cfg["BLOCK_L"], policy)

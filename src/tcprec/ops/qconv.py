@@ -621,18 +621,18 @@ def _thin_stem(g: ConvGeometry) -> bool:
     return g.C < THIN_C and g.R * g.S > 1
 
 
+def _stem_kp(g: ConvGeometry) -> int:
+    """A thin stem's gathered row length: R*S*C rounded up to a whole reduction block."""
+    return -(-(g.R * g.S * g.C) // _STEM_KP) * _STEM_KP
+
+
 def _stem_cols(x8: torch.Tensor, g: ConvGeometry, kp: int) -> torch.Tensor:
     """(N, H, W, C) 8-bit codes (any 1-byte dtype) -> (N, P, Q, kp) of the same dtype: output pixel (n, p, q)'s
     window in (r, s, c) order -- the (K, R, S, C) weight's -- then zeros; padded taps read stored code 0."""
     b = x8.view(torch.uint8) if x8.dtype != torch.uint8 else x8  # gather on bytes (float8 has no pad kernel)
-    ph, pw_ = g.padding
-    xp = torch.nn.functional.pad(b, (0, 0, pw_, pw_, ph, ph)) if ph or pw_ else b
-    dev = x8.device
-    hh = (torch.arange(g.P, device=dev) * g.stride[0])[:, None] + (torch.arange(g.R, device=dev) * g.dilation[0])[None]
-    ww = (torch.arange(g.Q, device=dev) * g.stride[1])[:, None] + (torch.arange(g.S, device=dev) * g.dilation[1])[None]
     rsc = g.R * g.S * g.C
-    out = torch.zeros((g.N, g.P, g.Q, kp), dtype=torch.uint8, device=dev)
-    out[..., :rsc] = xp[:, hh[:, None, :, None], ww[None, :, None, :], :].reshape(g.N, g.P, g.Q, rsc)
+    out = torch.zeros((g.N, g.P, g.Q, kp), dtype=torch.uint8, device=x8.device)
+    out[..., :rsc] = _im2col_codes(b, g).view(g.N, g.P, g.Q, rsc)
     return out.view(x8.dtype)
 
 
@@ -655,7 +655,7 @@ def _conv_operands(x8: torch.Tensor, pw: PackedConvWeight, g: ConvGeometry):
     """(x, w, stride, padding, dilation) the 8-bit kernel runs: the layer itself, or for a thin stem its
     gathered columns as a 1x1 convolution."""
     if _thin_stem(g):
-        kp = -(-(g.R * g.S * g.C) // _STEM_KP) * _STEM_KP
+        kp = _stem_kp(g)
         return _stem_cols(x8, g, kp), _stem_weight(pw, g, kp), 1, 0, 1
     return x8, pw.w8, g.stride, g.padding, g.dilation
 
@@ -918,7 +918,7 @@ def explain_conv2d(x, w, **kw) -> str:
         kind = _kernel_out(plan)
         fast = kw.get("fp8_fast_accum", True)
         stem = ([f"thin layer (C = {g.C} < {THIN_C}): its {g.R}x{g.S}x{g.C} windows gathered into "
-                 f"{-(-(g.R * g.S * g.C) // _STEM_KP) * _STEM_KP}-byte rows (torch pass), run as a 1x1 conv"]
+                 f"{_stem_kp(g)}-byte rows (torch pass), run as a 1x1 conv"]
                 if _thin_stem(g) else [])
         if plan.name == "fp8":
             steps = stem + [f"Triton implicit-GEMM FP8 conv conv2d_fwd_fp8 ({'fast_accum' if fast else 'fp32 promotion every BLOCK_K'}) "

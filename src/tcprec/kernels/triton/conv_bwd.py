@@ -69,7 +69,7 @@ import triton
 import triton.language as tl
 
 from ..reference_conv import ACT_NONE, ConvGeometry
-from ._host import cdiv
+from ._host import cdiv, next_power_of_2
 
 __all__ = ["dgrad", "wgrad", "phase_scatter", "dgrad_split", "wgrad_split", "sm_count", "DGRAD_CONFIGS", "WGRAD_CONFIGS",
            "INTERPRETER_CONFIG", "interpreting"]
@@ -445,8 +445,8 @@ def phase_scatter(src: torch.Tensor, out: torch.Tensor, g: ConvGeometry, *, act:
     if not (src.is_contiguous() and out.is_contiguous()):
         raise ValueError("phase_scatter needs contiguous src (N*P*Q, C) and out (N, H, W, C)")
     act_t = act_input if (act_input is not None and mode) else out
-    bw = min(64, _npow2(g.W)) if not interpreting() else min(8, _npow2(g.W))
-    bc = min(_npow2(g.C), max(16, 8192 // bw)) if not interpreting() else min(16, _npow2(g.C))
+    bw = min(64, next_power_of_2(g.W)) if not interpreting() else min(8, next_power_of_2(g.W))
+    bc = min(next_power_of_2(g.C), max(16, 8192 // bw)) if not interpreting() else min(16, next_power_of_2(g.C))
     grid = (g.N * g.H, cdiv(g.W, bw), cdiv(g.C, bc))
     _phase_scatter_kernel[grid](src, out, act_t, g.H, g.W, g.C, g.P, g.Q, *_strides(act_t), float(slope),
                                 STR_H=g.stride[0], STR_W=g.stride[1], ACT=mode, BLOCK_W=bw, BLOCK_C=bc,
@@ -484,10 +484,6 @@ def rotate_filter(w: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 
 
-def _npow2(v: int) -> int:
-    return 1 << max(0, int(v) - 1).bit_length()
-
-
 def _is_fp8(t: torch.Tensor) -> bool:
     return t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -499,8 +495,8 @@ def _prune(configs, nargs, red_name: str, red_size: str, m_size: str, n_size: st
     fp8 = _is_fp8(nargs["dy_ptr"])
     red = nargs[red_size]
     want_red = 128 if fp8 and red >= 128 else 64
-    m_cap = max(64, _npow2(nargs[m_size]))
-    n_cap = max(64, _npow2(nargs[n_size]))
+    m_cap = max(64, next_power_of_2(nargs[m_size]))
+    n_cap = max(64, next_power_of_2(nargs[n_size]))
     kept = [c for c in configs if c.kwargs[red_name] == want_red
             and c.kwargs["BLOCK_M"] <= m_cap and c.kwargs["BLOCK_N"] <= n_cap]
     if not kept:  # never empty: the smallest tile always fits
@@ -580,8 +576,8 @@ def wgrad_split(g: ConvGeometry, sms: int, fp8: bool = False) -> int:
     16-bit MMA as fp16 here, see ``wgrad(dot_f16=)``; the argument is kept for callers.)  Memoised: the
     model loops over up to 128 splits in Python (~100-175 us a call on the CPUs measured)."""
     L = g.N * g.P * g.Q
-    bm = min(128, max(64, _npow2(g.K)))  # the tiles the autotuner's pruning allows
-    bn = min(128, max(64, _npow2(g.C)))
+    bm = min(128, max(64, next_power_of_2(g.K)))  # the tiles the autotuner's pruning allows
+    bn = min(128, max(64, next_power_of_2(g.C)))
     tiles = cdiv(g.K, bm) * g.R * g.S * cdiv(g.C, bn)
     tile_s = 2.0 * bm * bn * L / _SM_FLOPS  # one tile's whole reduction on one SM
     part_s = 2.0 * g.K * g.R * g.S * g.C * 4 / _WS_BYTES_PER_S  # one split's partial: written + read

@@ -70,7 +70,7 @@ import triton
 import triton.language as tl
 
 from ..reference_conv import ACT_NONE, ConvGeometry
-from ._host import cdiv
+from ._host import cdiv, next_power_of_2
 from .conv_bwd import _one, _store_dw, _sum_splits, interpreting, sm_count
 
 __all__ = ["wgrad_tma", "supported", "choose_box", "pick", "split_for", "plan", "config_for", "phase_launches",
@@ -92,8 +92,8 @@ def _stages(bm: int, bn: int, bl: int, warps: int) -> int:
 # Measured WRONG on the H200 (triton 3.6): the 128 x 256 tile with BLOCK_L = 64 (8 warps, 3 stages) returned
 # results with NRMSE ~1e-2 against cuDNN on all 10 layers tried, N = 8 and 256, with every box it ran with
 # (all multi-row boxes; benchmarks/results/wgrad_tma_tune.json), while the same tile with BLOCK_L = 32 or 16
-# (row boxes and multi-row ones) and every other tile were exact to ~1e-6.  Cause not found (no GPU debugging time yet); the combination is
-# refused by config_for and left out of CONFIGS.
+# (row boxes and multi-row ones) and every other tile were exact to ~1e-6.  Cause not found (no GPU debugging
+# time yet); the combination is refused by config_for and left out of CONFIGS.
 _BAD_TILES = ((128, 256, 64),)
 CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_L=bl, num_warps=w, num_stages=_stages(bm, bn, bl, w))
            for bm, bn, w in _TILES for bl in _BLOCK_LS if (bm, bn, bl) not in _BAD_TILES]
@@ -207,10 +207,6 @@ def _phase_launches(g: ConvGeometry) -> tuple:
     return tuple(launches)
 
 
-def _npow2(v: int) -> int:
-    return 1 << max(0, int(v) - 1).bit_length()
-
-
 def choose_box(N: int, P: int, Q: int, block_l: int, policy: str = "auto") -> tuple[int, int, int]:
     """(BOX_N, BOX_P, BOX_Q), powers of two with product ``block_l``.
 
@@ -224,7 +220,7 @@ def choose_box(N: int, P: int, Q: int, block_l: int, policy: str = "auto") -> tu
         raise ValueError(f"BLOCK_L must be a power of two <= {_MAX_BOX}, got {block_l}")
     if policy not in ("auto", "min", "row"):
         raise ValueError(f"box policy must be 'auto', 'min' or 'row', got {policy!r}")
-    if policy == "row" or (policy == "auto" and block_l <= max(16, _npow2(Q))):
+    if policy == "row" or (policy == "auto" and block_l <= max(16, next_power_of_2(Q))):
         return 1, 1, block_l
     best = None
     for eq in range(block_l.bit_length()):
