@@ -239,8 +239,9 @@ def test_bad_inputs():
 
 
 def test_backend_choice_and_explain(monkeypatch):
-    """backend='tma' runs the wgrad kernel and says so; 'auto' never takes it for wgrad (not measured yet),
-    while dgrad's auto choice is unchanged (its TMA kernel on sm_90 for big strided 1x1 layers)."""
+    """backend='tma' runs the wgrad kernel and says so; on sm_90 'auto' takes it for 16-bit 3x3 and strided wgrads
+    (the graph-replay tune), not for fp8 ones nor stride-1 1x1 layers; dgrad's auto choice is its TMA kernel for
+    big strided 1x1 layers."""
     g = _geom((2, 9, 9, 16, 8, 3, 3, 2, 1, 1))
     dy, _, x = _data(g)
     s = opc.explain_conv2d_wgrad(dy, x, g.weight_shape, g.stride, g.padding, backend="tma", split_k=2)
@@ -253,10 +254,13 @@ def test_backend_choice_and_explain(monkeypatch):
     big = _geom((256, 28, 28, 512, 256, 1, 1, 2, 0, 1))
     t = torch.empty(0)
     for prec in ("fp16", "bf16", "fp8"):
-        assert opc._choose("wgrad", big, t, prec, "auto")[0] in ("gemm", "triton")
+        assert opc._choose("wgrad", big, t, prec, "auto")[0] == ("tma" if prec != "fp8" else "gemm")
         assert opc._choose("dgrad", big, t, prec, "auto")[0] == "tma"
         assert opc._choose("wgrad", big, t, prec, "tma")[0] == "tma"
-    assert opc._choose("wgrad", _geom((256, 28, 28, 128, 128, 3, 3, 1, 1, 1)), t, "fp16", "auto")[0] == "triton"
+    g33 = _geom((256, 28, 28, 128, 128, 3, 3, 1, 1, 1))
+    assert opc._choose("wgrad", g33, t, "fp16", "auto")[0] == "tma"
+    assert opc._choose("wgrad", g33, t, "fp8", "auto")[0] == "triton"
+    assert opc._choose("wgrad", _geom((256, 14, 14, 256, 1024, 1, 1, 1, 0, 1)), t, "fp16", "auto")[0] == "gemm"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -321,7 +321,7 @@ def _auto_wgrad_tma(g: ConvGeometry, precision: str, ref_t) -> str | None:
     wgrad_tma_tune.json), the kernel at its pick beat the Triton implicit GEMM / cuBLAS-after-copy paths on the
     ten 3x3 and strided 1x1 ResNet-50 layers at N = 8 and 256 (fp8 stays on the widening Triton path: its
     operands would need a transposing copy first)."""
-    if not (ref_t.is_cuda and _is_sm90(ref_t)) or not _tma_ok("wgrad", g, precision)[0]:
+    if not _is_sm90(ref_t) or not _tma_ok("wgrad", g, precision)[0]:
         return None
     if (g.R, g.S) == (1, 1) and g.stride == (1, 1) and g.padding == (0, 0):
         return None
