@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks, logs and JSON under $OUT.
-# Usage (on the GPU machine, repo root): bash benchmarks/run_device.sh [tests|tests-all|tests-NAME|cast|solve-quick|solve|net|emulate|chunk|convbwd|host|tune-tma|tune-wgrad|cpd ...]
+# Usage (on the GPU machine, repo root): bash benchmarks/run_device.sh [tests|tests-all|tests-NAME|cast|solve-quick|solve|net|emulate|chunk|convbwd|quant|host|tune-tma|tune-wgrad|cpd ...]
 # (net: NET_ARGS for tcprec bench net; emulate: EMU_ARGS; cpd: CPD_ARGS, needs .carry/fashion-mnist carried;
 #  tune-wgrad: TUNE_ARGS for benchmarks/tune_wgrad_tma_device.py, e.g. "--layers 2,6")
 set -uo pipefail
@@ -41,6 +41,8 @@ for step in "${@:-tests cast}"; do
                  2>&1 | tee "$OUT/bench_chunk.log" | grep -v '"diag"' | tail -40 ;;
         convbwd) timeout "${CONV_TIMEOUT:-540}" python3 benchmarks/bench_conv_bwd_device.py --precisions fp16,fp8 --batches 256,8 \
                  --rep-ms 40 --passes "${CONV_PASSES:-2}" --out-dir "$OUT" 2>&1 | tee "$OUT/conv_bwd.log" | tail -14 ;;
+        quant) timeout 240 python3 benchmarks/bench_quant_passes_device.py --out "$OUT/quant_passes.json" 2>&1 \
+               | tee "$OUT/quant_passes.log" | tail -12 ;;
         host) timeout 240 python3 benchmarks/profile_host_device.py 2>&1 | tee "$OUT/host.log" | tail -80 ;;
         tune-tma) timeout 330 python3 benchmarks/tune_dgrad_tma_device.py 2>&1 | tee "$OUT/tune_tma.log" | tail -5 ;;
         tune-wgrad) timeout "${TUNE_TIMEOUT:-540}" python3 benchmarks/tune_wgrad_tma_device.py ${TUNE_ARGS:-} 2>&1 \

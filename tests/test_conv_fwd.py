@@ -113,6 +113,27 @@ def test_int8_requantized_out_bit_exact(act, config):
     assert len(torch.unique(ref)) > 50  # the test exercises many codes, not just saturation
 
 
+@pytest.mark.parametrize("codes", [(0, 255, 128), (0, 15, 0), (-8, 7, 0)], ids=["uint8-shifted", "uint4", "int4"])
+def test_int8_out_code_range_and_device_scale(codes):
+    """out=("int8", s_tensor, (lo, hi, offset)): stored clamp(rne(y / s), lo, hi) - offset, the next layer's
+    operand in its own format (uint8 stored shifted by 128); the scale is a one-element tensor (no sync)."""
+    x, w, geo = _int8(GEOMS[2], seed=7)
+    gen = torch.Generator().manual_seed(8)
+    scale, bias = _epilogue_args(w.shape[0], "channel", gen)
+    y_fp = rf.conv2d_fwd_int8(x, w, **geo, scale=scale, bias=bias, out="float32")
+    s = torch.tensor([float(y_fp.max()) / (codes[1] * 1.25)])  # the largest values saturate
+    out = ("int8", s, codes)
+    y = cf.conv2d_fwd_int8(x, w, **geo, scale=scale, bias=bias, act="relu", out=out)
+    ref = rf.conv2d_fwd_int8(x, w, **geo, scale=scale, bias=bias, act="relu", out=out)
+    assert torch.equal(y, ref)
+    lo, hi, off = codes
+    v = y.to(torch.int32) + off  # the code values
+    assert int(v.min()) >= max(lo, 0) and int(v.max()) == hi  # relu: no negatives; some saturate
+    # independent of the reference: codes from the float result
+    want = torch.round(torch.clamp(y_fp.clamp_min(0) / s, lo, hi)).to(torch.int32)
+    assert (v - want).abs().max() <= 1 and (v == want).float().mean() > 0.95  # fp32 rounding ties only
+
+
 def test_int8_out_ties_round_half_even():
     """A 1x1 conv with unit weights and scale 1: y = x exactly, and out_scale 2 makes every odd code a
     tie (x / 2 = k + 1/2), which must go to the even neighbour."""
@@ -207,6 +228,8 @@ def _small():
     ("bad_slope", ValueError, "slope must be a finite number"),
     ("bad_out", ValueError, "out must be one of"),
     ("bad_out_scale", ValueError, "finite out_scale > 0"),
+    ("bad_out_scale_tensor", ValueError, "one float32 element"),
+    ("bad_out_codes", ValueError, "stored = code - offset is an int8"),
     ("int32_with_epilogue", ValueError, "raw accumulator"),
     ("scale_len", ValueError, "1 or K=4 elements"),
     ("bias_len", ValueError, "bias must be a float tensor of K=4"),
@@ -231,6 +254,10 @@ def test_bad_input_int8(case, exc, match):
         kw["out"] = "int16"
     elif case == "bad_out_scale":
         kw["out"] = ("int8", 0.0)
+    elif case == "bad_out_scale_tensor":
+        kw["out"] = ("int8", torch.ones(2))
+    elif case == "bad_out_codes":
+        kw["out"] = ("int8", 1.0, (0, 255, 0))
     elif case == "int32_with_epilogue":
         kw.update(out="int32", act="relu")
     elif case == "scale_len":
@@ -282,7 +309,8 @@ def test_pick_config_table():
 # ------------------------------------------------------------------------------------------------
 
 
-def _aot_compile(fp8: bool, flat: bool, out_mode: int, C: int, K: int, has_add: bool = False):
+def _aot_compile(fp8: bool, flat: bool, out_mode: int, C: int, K: int, has_add: bool = False,
+                 out_codes=(-128, 127, 0)):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -290,9 +318,9 @@ def _aot_compile(fp8: bool, flat: bool, out_mode: int, C: int, K: int, has_add: 
     fn = cf._conv_fwd_kernel
     xt = "fp8e4nv" if fp8 else "i8"
     ptrs = {"x_ptr": xt, "w_ptr": xt, "out_ptr": {0: "i32", 1: "fp16", 2: "i8"}[out_mode], "sa_ptr": "fp32",
-            "sb_ptr": "fp32", "bias_ptr": "fp32", "add_ptr": "i32" if has_add else "fp32"}
+            "sb_ptr": "fp32", "bias_ptr": "fp32", "add_ptr": "i32" if has_add else "fp32", "oscale_ptr": "fp32"}
     consts = dict(IS_FP8=fp8, FAST_ACCUM=False, FLAT=flat, OUT_MODE=out_mode, HAS_ADD=has_add, EVEN_K=C % 128 == 0,
-                  INT64=False,
+                  INT64=False, OUT_LO=out_codes[0], OUT_HI=out_codes[1], OUT_OFF=out_codes[2],
                   BLOCK_M=128, BLOCK_N=128, BLOCK_K=128)
     sig, attrs, cs = {}, {}, dict(consts)
     for i, name in enumerate(fn.arg_names):
@@ -300,7 +328,7 @@ def _aot_compile(fp8: bool, flat: bool, out_mode: int, C: int, K: int, has_add: 
             sig[name] = "constexpr"
         elif name in ptrs:
             sig[name], attrs[(i,)] = "*" + ptrs[name], [["tt.divisibility", 16]]
-        elif name in ("alpha", "slope", "out_scale"):
+        elif name in ("alpha", "slope"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
@@ -320,12 +348,13 @@ def test_kernels_compile_to_wgmma_for_sm90():
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx["fp8_flat"]
     assert "0x10" in ptx["fp8_flat"]  # C = 96 (flat mode): still 16-byte runs
     assert "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8" in ptx["int8_shifted"]  # the uint8 correction
+    assert "div.rn.f32" in ptx["int8_shifted"]  # and the uint8-code output (stored shifted) re-quantizes
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--aot"]:
     require_nvidia_backend()
     report = {"int8_tap": _aot_compile(False, False, 2, 256, 256).asm["ptx"],
               "fp8_flat": _aot_compile(True, True, 1, 96, 256).asm["ptx"],
-              "int8_shifted": _aot_compile(False, False, 1, 256, 256, has_add=True).asm["ptx"]}
+              "int8_shifted": _aot_compile(False, False, 2, 256, 256, has_add=True, out_codes=(0, 255, 128)).asm["ptx"]}
     print(json.dumps({k: "\n".join(ln for ln in v.splitlines() if "wgmma" in ln or "cp.async.c" in ln
                                    or "div.rn" in ln) for k, v in report.items()}))

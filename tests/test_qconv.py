@@ -15,6 +15,7 @@ from tcprec.kernels import reference_gemm as rg
 from tcprec.kernels import reference_qconv as rq
 from tcprec.kernels.reference_conv import ConvGeometry
 from tcprec.ops import qconv
+from tcprec.ops.quantize import quantize_static
 from tcprec.ops.qconv import PackedActivation, conv2d, explain_conv2d, pack_activation, pack_conv_weight
 from tcprec.qtensor import PerChannel, PerGroup, PerTensor, QTensor
 
@@ -317,6 +318,104 @@ def test_int8_kernel_route_pool_and_packed_out():
         b = conv2d(qx, qw, backend="reference", out_fmt="uint3", out_scale=40.0, **kw)
         assert isinstance(a, PackedActivation) and torch.equal(a.planes, b.planes)
     assert "separate pass" in explain_conv2d(qx, pw, backend="int8", pool=("max", 2, 2), **geo)
+
+
+# -- the INT8 layers' own operand: Int8Activation (quantizer, conv input, epilogue output) ----------------
+
+INT8_ACT_FMTS = ("uint8", "uint4", "uint2", "int8", "int5", "int2", "pm3")
+
+
+@pytest.mark.parametrize("fmt", INT8_ACT_FMTS)
+@pytest.mark.parametrize("pool", [None, ("max", 2, 2), ("max", 2, 1), ("avg", 2, 2)])
+def test_quantize_int8_static_equals_reference(fmt, pool):
+    """The one-pass Triton quantizer (interpreter) = the torch path = quantize_static's codes, for every
+    encoding, with the fused max-pools; odd sizes, ties, saturation, a strided (NCHW-memory) input, NaN -> 0."""
+    gen = torch.Generator().manual_seed(21)
+    f = tp.format(fmt)
+    x = (torch.randn(2, 7, 5, 3, 6, generator=gen) * 3).round() / 2  # many ties at .5
+    x = x.permute(0, 4, 1, 2, 3).reshape(2, 6, 7, 15).permute(0, 2, 3, 1)  # (N, H, W, C) view, C strided
+    x[0, 0, 0, 0] = float("nan")
+    x[1, 2, 3, 4] = 1e9  # saturates
+    s = torch.tensor([0.5])
+    a = qconv.quantize_int8_static(x, f, s, pool)
+    b = qconv.quantize_int8_static(x, f, s, pool, backend="reference")
+    y = rq.pool_nhwc(torch.nan_to_num(x, nan=0.0), pool) if pool else torch.nan_to_num(x, nan=0.0)
+    want = quantize_static(y.contiguous(), f, s).codes
+    keep = torch.ones_like(want, dtype=torch.bool)
+    if pool is not None and pool[0] == "max":  # a NaN in a max-pool window: the kernel's max skips it
+        keep[0, 0, 0, 0] = False
+    assert a.x8.dtype == torch.int8 and a.x8.is_contiguous()
+    assert torch.equal(a.x8[keep], b.x8[keep]) and torch.equal(a.codes()[keep], want[keep])
+    assert len(torch.unique(want)) >= min(f.n_codes, 4)  # many codes, not only saturation
+    assert float(tp.decode(a.codes(), f).max()) == f.max  # 1e9 saturates to the top value
+    off, step = a.affine()
+    assert torch.equal(a.dequantize(), tp.decode(a.codes(), f).float() * 0.5)
+    assert (off, step) == qconv._int8_codes(want, f)[1:]
+
+
+def test_int8_activation_in_and_out():
+    """A conv reads an Int8Activation exactly like the QTensor of the same codes, and with
+    out_layout="int8" writes the next layer's codes: from the INT8 kernel's epilogue (no pool), after a
+    pooling pass, and from a bit-serial layer -- all equal to the reference backend's."""
+    qx, qw, geo = _int8_case(0, seed=5)
+    pw = pack_conv_weight(qw)
+    xi = qconv.Int8Activation(qconv._int8_codes(qx.codes, qx.fmt)[0].contiguous(), qx.fmt, qx.scale.reshape(1))
+    assert torch.equal(xi.codes(), qx.codes)
+    assert torch.equal(conv2d(xi, pw, out_dtype=torch.int32, backend="int8", **geo),
+                       conv2d(qx, pw, out_dtype=torch.int32, backend="int8", **geo))
+    bias = torch.randn(qw.shape[0], generator=torch.Generator().manual_seed(2)) * 100
+    for fmt in ("uint8", "int8", "uint4"):
+        for pool in (None, ("max", 2, 2), ("avg", 2, 2)):
+            kw = dict(bias=bias, act="relu", pool=pool, out_fmt=fmt, out_scale=40.0, out_layout="int8", **geo)
+            a = conv2d(xi, pw, backend="int8", **kw)
+            b = conv2d(qx, qw, backend="reference", **kw)
+            assert isinstance(a, qconv.Int8Activation) and a.fmt == tp.format(fmt)
+            assert torch.equal(a.x8, b.x8), (fmt, pool)
+            assert int(a.codes().max()) > 0 and torch.equal(a.codes(), b.codes())
+            want = conv2d(qx, qw, backend="reference", **dict(kw, out_layout="planes"))  # the same codes as planes
+            assert torch.equal(a.codes(), want.codes())
+    s = explain_conv2d(xi, pw, backend="int8", out_fmt="uint8", out_scale=4.0, out_layout="int8", **geo)
+    assert "Int8Activation" in s and "separate pass" not in s
+    # a bit-serial producer: its float result goes through the one-pass quantizer
+    qb, wb, gb = _case(2)
+    a = qconv._conv2d_impl(qb, wb, out_fmt="uint8", out_scale=0.25, out_layout="int8", act="relu", _gemm=rq.bmma_gemm_reference,
+                           **gb)
+    b = conv2d(qb, wb, out_fmt="uint8", out_scale=0.25, out_layout="int8", act="relu", backend="reference", **gb)
+    assert isinstance(a, qconv.Int8Activation) and torch.equal(a.x8, b.x8) and int(a.codes().max()) > 0
+
+
+def test_int8_layout_bad_input():
+    qx, qw, geo = _int8_case(0, seed=5)
+    with pytest.raises(ValueError, match="out_layout must be one of"):
+        conv2d(qx, qw, out_fmt="uint8", out_scale=1.0, out_layout="bytes", **geo)
+    with pytest.raises(ValueError, match="needs an integer out_fmt"):
+        conv2d(qx, qw, out_layout="int8", **geo)
+    with pytest.raises(TypeError, match="contiguous int8 NHWC"):
+        qconv.Int8Activation(torch.zeros(1, 2, 2, 3, dtype=torch.uint8), "uint8", 1.0)
+    with pytest.raises(TypeError, match="integer format"):
+        qconv.Int8Activation(torch.zeros(1, 2, 2, 3, dtype=torch.int8), "e4m3", 1.0)
+    with pytest.raises(ValueError, match="NHWC"):
+        qconv.quantize_int8_static(torch.zeros(3, 4), "uint8", torch.ones(1))
+    with pytest.raises(ValueError, match="pool must be one of"):
+        qconv.quantize_int8_static(torch.zeros(1, 2, 2, 3), "uint8", torch.ones(1), ("max", 3, 3))
+
+
+@pytest.mark.parametrize("geo", [(1, 9, 11, 3, 3, 3, (2, 2), (1, 1), (1, 1)), (2, 13, 12, 3, 7, 7, (4, 4), (3, 3), (1, 1)),
+                                 (1, 15, 13, 5, 5, 5, (2, 1), (2, 0), (2, 1))], ids=["vgg", "resnet", "dilated"])
+def test_thin_stem_gather_kernel_equals_torch(geo):
+    """The Triton window gather (interpreter) = the torch gather: window in (r, s, c) order, 0 in the padding
+    and the tail."""
+    from tcprec.kernels.triton.quant_bytes import im2col_rows
+
+    N, H, W, C, R, S, st, pd, dl = geo
+    g = ConvGeometry(N, H, W, C, 4, R, S, st, pd, dl)
+    x8 = torch.randint(-128, 128, (N, H, W, C), dtype=torch.int8, generator=torch.Generator().manual_seed(3))
+    kp = qconv._stem_kp(g)
+    got = im2col_rows(x8, R, S, st, pd, dl, g.P, g.Q, kp)
+    rsc = R * S * C
+    want = torch.zeros((N, g.P, g.Q, kp), dtype=torch.int8)
+    want[..., :rsc] = qconv._im2col_codes(x8.view(torch.uint8), g).view(torch.int8).view(N, g.P, g.Q, rsc)
+    assert torch.equal(got, want)
 
 
 def test_int8_shifted_weights_keep_im2col():

@@ -10,7 +10,7 @@ import torch
 import tcprec as tp
 from tcprec.nn import models as zoo
 from tcprec.nn.qmodules import QConv2d, QLinear
-from tcprec.ops.qconv import PackedActivation
+from tcprec.ops.qconv import Int8Activation, PackedActivation
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (tests/gpu)")
 
@@ -45,11 +45,13 @@ def test_engine_makes_exactly_two_copies_per_inference():
     assert rep.copies["HtoD"] == 1 and rep.copies["DtoH"] == 1 and rep.copies["DtoD"] == 0, rep.copies
 
 
+@pytest.mark.parametrize("precision", ["w1a2", "int8"])
 @pytest.mark.parametrize("name, size", [("resnet18", None), ("vgg", None), ("yolov2-tiny", 128)])
-def test_engine_equals_reference_backend(name, size):
-    """Integer layers bit-exact: every packed activation handed between chained layers is identical to the
-    reference backend's; the float output agrees to float32 rounding."""
-    _, q, x = _quantized(name, "w1a2", size=size)
+def test_engine_equals_reference_backend(name, size, precision):
+    """Integer layers bit-exact: every activation handed between chained layers (bit planes into bit-serial
+    layers, int8 codes into INT8 ones) is identical to the reference backend's; the float output agrees to
+    float32 rounding."""
+    _, q, x = _quantized(name, precision, size=size)
     ref = _as_reference(q)
     got_planes, want_planes = [], []
 
@@ -57,6 +59,8 @@ def test_engine_equals_reference_backend(name, size):
         def hook(mod, args, out):
             if isinstance(out, PackedActivation):
                 store.append(out.planes.clone())
+            elif isinstance(out, Int8Activation):
+                store.append(out.x8.clone())
         return hook
 
     hooks = [m.register_forward_hook(grab(got_planes)) for m in q.modules() if isinstance(m, QConv2d)]

@@ -20,7 +20,8 @@ multiply-add, so the int8 path is bit-exact)
     y  = a * s + bias[k]                            # two roundings (a product, then a sum)
     y  = act(y)                                     # relu: y > 0 ? y : 0;  leaky: y > 0 ? y : y * slope
     out: y rounded to float16 / float32, or
-         int8: clamp(round_half_even(y / out_scale), -128, 127)   (IEEE float32 division)
+         int8: clamp(round_half_even(y / out_scale), lo, hi) - offset   (IEEE float32 division; NaN -> 0;
+               (lo, hi, offset) = (-128, 127, 0) unless given: Int8Out)
 
 int8 convs pass ``scale`` as ``alpha`` (a float) or ``sb`` (a tensor); fp8 convs pass ``x_scale`` and
 ``w_scale`` (floats go into ``alpha``, tensors into ``sa`` / ``sb``).
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +44,7 @@ __all__ = [
     "ACT_LEAKY",
     "parse_act",
     "parse_out",
+    "Int8Out",
     "conv_acc",
     "abs_conv_acc",
     "epilogue",
@@ -71,17 +74,49 @@ def parse_act(act) -> tuple[int, float]:
     raise ValueError(f"act must be None, 'relu', 'leaky' or ('leaky', slope), got {act!r}")
 
 
-def parse_out(out, allowed: tuple[str, ...]) -> tuple[str, float]:
-    """(kind, out_scale) from ``"float16"``, ``"float32"``, ``"bfloat16"``, ``"int32"`` or
-    ``("int8", out_scale)``; ``allowed`` lists the kinds this conv offers."""
-    if isinstance(out, (tuple, list)) and len(out) == 2 and out[0] == "int8" and "int8" in allowed:
-        s = out[1]
-        if isinstance(s, bool) or not isinstance(s, numbers.Real) or not (math.isfinite(s) and s > 0):
-            raise ValueError(f"out=('int8', out_scale) needs a finite out_scale > 0 (a Python number), got {s!r}")
-        return "int8", float(s)
+class Int8Out(NamedTuple):
+    """The int8 output of a conv epilogue: stored ``clamp(round_half_even(y / scale), lo, hi) - offset``.
+    ``scale`` is a Python float or a one-element float32 tensor on the conv's device (no host sync: CUDA-graph
+    capturable); (lo, hi, offset) = (-128, 127, 0) is plain int8, (0, 255, 128) a uint8 code stored shifted
+    (the INT8 conv's operand for the next layer, ``tcprec.ops.qconv``), (0, 2**b - 1, 0) a uintb code."""
+
+    scale: object
+    lo: int = -128
+    hi: int = 127
+    offset: int = 0
+
+
+def _check_int8_out(out) -> Int8Out:
+    s = out[1]
+    if isinstance(s, torch.Tensor):
+        if s.numel() != 1 or s.dtype != torch.float32:
+            raise ValueError(f"out=('int8', out_scale): a tensor out_scale must be one float32 element, got "
+                             f"{s.dtype} of shape {tuple(s.shape)}")
+    elif isinstance(s, bool) or not isinstance(s, numbers.Real) or not (math.isfinite(s) and s > 0):
+        raise ValueError(f"out=('int8', out_scale) needs a finite out_scale > 0 (a Python number or a one-element "
+                         f"float32 tensor), got {s!r}")
+    else:
+        s = float(s)
+    if len(out) == 2:
+        return Int8Out(s)
+    rng = out[2]
+    ok = (isinstance(rng, (tuple, list)) and len(rng) == 3 and all(isinstance(v, int) and not isinstance(v, bool)
+                                                                    for v in rng))
+    if not ok or not (rng[0] < rng[1] and -128 <= rng[0] - rng[2] and rng[1] - rng[2] <= 127):
+        raise ValueError(f"out=('int8', out_scale, (lo, hi, offset)) needs integers lo < hi with lo - offset >= -128 "
+                         f"and hi - offset <= 127 (stored = code - offset is an int8), got {rng!r}")
+    return Int8Out(s, *rng)
+
+
+def parse_out(out, allowed: tuple[str, ...]) -> tuple[str, object]:
+    """(kind, spec) from ``"float16"``, ``"float32"``, ``"bfloat16"``, ``"int32"`` (spec 1.0) or
+    ``("int8", out_scale)`` / ``("int8", out_scale, (lo, hi, offset))`` (spec an :class:`Int8Out`);
+    ``allowed`` lists the kinds this conv offers."""
+    if isinstance(out, (tuple, list)) and len(out) in (2, 3) and out[0] == "int8" and "int8" in allowed:
+        return "int8", _check_int8_out(out)
     if isinstance(out, str) and out in allowed and out != "int8":
         return out, 1.0
-    shown = [f"('int8', out_scale)" if a == "int8" else repr(a) for a in allowed]
+    shown = [f"('int8', out_scale[, (lo, hi, offset)])" if a == "int8" else repr(a) for a in allowed]
     raise ValueError(f"out must be one of {', '.join(shown)}, got {out!r}")
 
 
@@ -137,8 +172,11 @@ def epilogue(acc: torch.Tensor, *, alpha: float = 1.0, sa=None, sb=None, bias=No
     elif mode == ACT_LEAKY:
         y = torch.where(y > 0, y, y * torch.tensor(slope, dtype=torch.float32, device=dev))
     if kind == "int8":
-        q = y / torch.tensor(out_scale, dtype=torch.float32, device=dev)
-        return torch.round(q.clamp(-128.0, 127.0)).to(torch.int8)  # torch.round: half to even
+        o = out_scale
+        s_out = o.scale.reshape(()) if isinstance(o.scale, torch.Tensor) else torch.tensor(o.scale, dtype=torch.float32,
+                                                                                          device=dev)
+        q = torch.nan_to_num(y / s_out, nan=0.0)  # NaN -> 0, as the kernel
+        return (torch.round(q.clamp(float(o.lo), float(o.hi))) - o.offset).to(torch.int8)  # round: half to even
     return y.to(_OUT_FLOATS[kind])
 
 

@@ -14,7 +14,8 @@ What it does, in order:
    LeakyReLU -> 2x2 max/avg pool become one ``QConv2d``; linear -> ReLU one ``QLinear``.
 5. Chains: a ``QConv2d`` whose only consumer is another bit-serial ``QConv2d`` re-quantizes and packs
    its output for it in the GEMM epilogue (``PackedActivation``), so no float tensor exists between
-   them; FP8 layers hand each other e4m3 codes the same way.
+   them; a consumer on the INT8 kernel gets its int8 operand (``Int8Activation``, written by the
+   producer's epilogue); FP8 layers hand each other e4m3 codes.
 6. Reports: ``model.tcprec_summary`` (a ``QuantSummary``) says, per layer, the precision, formats,
    backend and what was fused; layers with no quantized path stay in float and are listed in a
    warning, never silently.
@@ -333,10 +334,13 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
                 a, b = qmods[node.target], qmods[u.target]
                 if a.precision.fp8 != b.precision.fp8:
                     continue
-                if not b.precision.fp8 and choose_int_backend(b.a_fmt, b.w_fmt, dev, cfg.backend)[0] != "bitserial":
-                    continue  # the INT8 kernel reads codes, not planes: hand it a float tensor
-                a.chain_to(b)
-                records[node.target].out = f"packed {b.a_fmt} -> {u.target}"
+                kind = "fp8" if b.precision.fp8 else choose_int_backend(b.a_fmt, b.w_fmt, dev, cfg.backend)[0]
+                if kind not in ("bitserial", "int8", "fp8"):
+                    continue  # the reference backend: float in, float out
+                layout = "int8" if kind == "int8" else "planes"  # the INT8 kernel reads int8 codes, not planes
+                a.chain_to(b, layout)
+                what = {"bitserial": "packed", "int8": "int8 codes", "fp8": "packed"}[kind]
+                records[node.target].out = f"{what} {b.a_fmt} -> {u.target}"
         gm.graph.lint()
         gm.delete_all_unused_submodules()
         gm.recompile()

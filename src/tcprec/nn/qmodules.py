@@ -112,7 +112,8 @@ def _prepare(qw):
 
 def _quantize_input(x_nhwc: torch.Tensor, m: "_QBase"):
     """Float NHWC -> the op's activation operand with the calibrated scale, sync-free (capturable):
-    bit planes in one fused kernel for the bit-serial backend, e4m3 codes for FP8, uint8 codes otherwise."""
+    bit planes in one fused kernel for the bit-serial backend, e4m3 codes for FP8, the INT8 conv's int8
+    operand (``Int8Activation``, one fused kernel on CUDA) for the int8 backend, uint8 codes otherwise."""
     if m.precision.fp8:
         return qc.quantize_fp8_static(x_nhwc, m.in_scale)  # QTensor of e4m3 codes (N, H, W, C)
     name, _ = choose_int_backend(m.a_fmt, m.w_fmt, x_nhwc.device, m.backend)
@@ -120,6 +121,8 @@ def _quantize_input(x_nhwc: torch.Tensor, m: "_QBase"):
         N, H, W, C = x_nhwc.shape
         planes = quantize_pack(x_nhwc.reshape(N * H * W, C), m.a_fmt, m.in_scale)  # (bits, NHW, Kw)
         return qc.PackedActivation(planes, m.a_fmt, m.in_scale, (N, H, W, C))
+    if name == "int8":
+        return qc.quantize_int8_static(x_nhwc, m.a_fmt, m.in_scale)  # (N, H, W, C) int8 operand
     return quantize_static(x_nhwc, m.a_fmt, m.in_scale)  # QTensor (N, H, W, C) codes
 
 
@@ -137,6 +140,7 @@ class _QBase(nn.Module):
         self.out_dtype = out_dtype
         self.backend = backend
         self.out_fmt = None  # set by quantize_model when the output feeds another quantized conv
+        self.out_layout = "planes"  # ... as bit planes (a bit-serial consumer) or int8 codes (an INT8 one)
         self.register_buffer("out_scale", None)
 
     def _apply(self, fn, *args, **kwargs):  # .to(device) / .cuda() move the packed weight too
@@ -148,17 +152,22 @@ class _QBase(nn.Module):
                 self.weight = _prepare(qw.to(dev))
         return self
 
-    def chain_to(self, nxt: "QConv2d") -> None:
-        """Emit ``nxt``'s packed input directly (the fused re-quantize + pack epilogue)."""
+    def chain_to(self, nxt: "QConv2d", layout: str = "planes") -> None:
+        """Emit ``nxt``'s input directly: bit planes for a bit-serial ``nxt`` (the fused re-quantize + pack
+        epilogue), int8 codes (``Int8Activation``) for an INT8 one."""
+        if layout not in qc.OUT_LAYOUTS:
+            raise ValueError(f"layout must be one of {qc.OUT_LAYOUTS}, got {layout!r}")
         self.out_fmt = nxt.a_fmt
         self.out_scale = nxt.in_scale
+        self.out_layout = layout
 
     def tcprec_trace(self) -> list[str]:
         """The steps inside this layer, for ``tcprec.profile``'s dtype trace."""
         if self.out_fmt is None:
             out = _short(self.out_dtype)
         else:
-            out = f"{self.out_fmt} codes" if self.precision.fp8 else f"{self.out_fmt} planes"
+            out = (f"{self.out_fmt} codes" if self.precision.fp8 else
+                   f"{self.out_fmt} int8 codes" if self.out_layout == "int8" else f"{self.out_fmt} planes")
         acc = "fp32" if self.precision.fp8 else "int32"
         epi = "+".join(x for x in ("scale/bias", self._act_name(), getattr(self, "pool", None) and "pool") if x)
         return [f"{self.a_fmt} x {self.w_fmt} weights", acc, epi, out]
@@ -217,7 +226,7 @@ class QConv2d(_QBase):
         y = qc.conv2d(x, self.weight, stride=self.stride, padding=self.padding, dilation=self.dilation,
                       scale=self.ch_scale, bias=self.ch_bias, act=self.act, pool=self.pool,
                       out_dtype=self.out_dtype, out_fmt=self.out_fmt, out_scale=self.out_scale,
-                      backend=self.backend)
+                      out_layout=self.out_layout, backend=self.backend)
         return y.permute(0, 3, 1, 2) if isinstance(y, torch.Tensor) else y  # NCHW view, channels_last memory
 
 

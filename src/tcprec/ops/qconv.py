@@ -70,7 +70,9 @@ from .matmul import BACKENDS, choose_int_backend
 
 __all__ = [
     "PackedActivation",
+    "Int8Activation",
     "PackedConvWeight",
+    "quantize_int8_static",
     "pack_activation",
     "pack_conv_weight",
     "quantize_fp8_static",
@@ -204,6 +206,101 @@ def pack_activation(x: torch.Tensor, fmt, scale) -> PackedActivation:
     N, H, W, C = x.shape
     planes = pack_bitplanes(qx.codes.reshape(N * H * W, C), fmt.bits, validate=False)  # (bits, NHW, Kw)
     return PackedActivation(planes, fmt, s, (N, H, W, C))
+
+
+@dataclass(frozen=True, eq=False)
+class Int8Activation:
+    """NHWC activations as the INT8 conv's operand: one int8 ``x8`` per element, ``decode(code) = offset +
+    step * x8`` (the rule of :func:`_int8_codes`: two's complement, and unsigned / pm of <= 7 bits, as the
+    value; uint8 / pm8 stored as ``code - 128``) and ``value = decode(code) * scale``.
+
+    What :func:`quantize_int8_static` and ``conv2d(..., out_fmt=, out_layout="int8")`` return: chained INT8
+    layers hand it to each other, so no float tensor and no shift pass sits between them.
+
+    >>> import torch
+    >>> xa = quantize_int8_static(torch.tensor([0.0, 1.0, 300.0]).reshape(1, 1, 1, 3), "uint8", torch.tensor([1.0]))
+    >>> xa.x8.flatten().tolist(), xa.codes().flatten().tolist()
+    ([-128, -127, 127], [0, 1, 255])
+    """
+
+    x8: torch.Tensor
+    fmt: IntFormat
+    scale: torch.Tensor
+
+    def __post_init__(self):
+        fmt = as_format(self.fmt)
+        if not isinstance(fmt, IntFormat):
+            raise TypeError(f"Int8Activation holds integer codes, got fmt={fmt}; use an integer format (e.g. 'uint8')")
+        object.__setattr__(self, "fmt", fmt)
+        x8 = self.x8
+        if not isinstance(x8, torch.Tensor) or x8.dtype != torch.int8 or x8.dim() != 4 or not x8.is_contiguous():
+            got = f"{x8.dtype} {tuple(x8.shape)}" if isinstance(x8, torch.Tensor) else type(x8).__name__
+            raise TypeError(f"x8 must be a contiguous int8 NHWC tensor (N, H, W, C), got {got}")
+        object.__setattr__(self, "scale", _scale_tensor(self.scale, x8.device, "scale"))
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.x8.shape)
+
+    @property
+    def device(self) -> torch.device:
+        return self.x8.device
+
+    def affine(self) -> tuple[int, int]:
+        """(offset, step): ``decode(code) = offset + step * x8``."""
+        return _int8_affine(self.fmt)
+
+    def codes(self) -> torch.Tensor:
+        """The codes, uint8 ``(N, H, W, C)``."""
+        off, step = self.affine()
+        v = off + step * self.x8.to(torch.int16)  # the decoded integer value
+        b = self.fmt.bits
+        if self.fmt.encoding == "twos":
+            c = v & ((1 << b) - 1)
+        elif self.fmt.encoding == "unsigned":
+            c = v
+        else:  # pm: value = 2c - (2^b - 1)
+            c = (v + ((1 << b) - 1)) // 2
+        return c.to(torch.uint8)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        off, step = self.affine()
+        return ((off + step * self.x8.to(torch.float32)) * self.scale.reshape(())).to(dtype)
+
+
+def _int8_affine(fmt: IntFormat) -> tuple[int, int]:
+    return _int8_codes(torch.zeros(0, dtype=torch.uint8), fmt)[1:]
+
+
+# The fused max-pools of the one-pass re-quantize kernels (bit planes and int8): pool -> stride.
+_FUSED_POOLS = {("max", 2, 2): 2, ("max", 2, 1): 1}
+
+
+def quantize_int8_static(x: torch.Tensor, fmt, scale: torch.Tensor, pool=None, *, backend: str = "auto"
+                         ) -> Int8Activation:
+    """Float NHWC ``x`` -> (optional 2x2 max-pool ->) the :class:`Int8Activation` of integer format ``fmt``
+    with a fixed per-tensor ``scale`` (a one-element float32 tensor on x's device): the codes of
+    ``tcprec.ops.quantize.quantize_static`` (round half to even, saturating; NaN -> the code of 0), no host
+    sync (capturable).  On CUDA (and under ``TRITON_INTERPRET=1``) one Triton pass
+    (``kernels/triton/quant_bytes.py``); elsewhere torch ops.  ``pool``: None, ("max", 2, 2), ("max", 2, 1)
+    in the same pass, ("avg", 2, 2) as a torch pass first.  ``backend="reference"``: torch ops everywhere."""
+    from .quantize import _check_static, _qp_params, _static_codes
+
+    fmt = _check_static(x, fmt, scale, "quantize_int8_static")
+    if x.dim() != 4:
+        raise ValueError(f"x must be a float NHWC tensor (N, H, W, C), got shape {tuple(x.shape)}")
+    pool = _check_pool(pool)
+    if backend not in ("auto", "reference"):
+        raise ValueError(f"backend must be 'auto' or 'reference', got {backend!r}")
+    if backend == "auto" and (x.is_cuda or _interpreting()) and (pool is None or pool in _FUSED_POOLS):
+        from ..kernels.triton import quant_bytes as qb  # TRITON_INTERPRET is read at import
+
+        enc = {"unsigned": qb.ENC_UNSIGNED, "twos": qb.ENC_TWOS}.get(fmt.encoding, qb.ENC_PM)
+        x8 = qb.pool_quantize_int8(x, scale.reshape(1), _FUSED_POOLS.get(pool, 0), fmt.bits, *_qp_params(fmt), enc)
+        return Int8Activation(x8, fmt, scale)
+    y = rq.pool_nhwc(x, pool)
+    codes = _static_codes(y, fmt, scale).to(torch.uint8)
+    return Int8Activation(_int8_codes(codes, fmt)[0].contiguous(), fmt, scale)
 
 
 @dataclass(frozen=True, eq=False)
@@ -342,23 +439,33 @@ class _X:
     device: torch.device
     qt: QTensor | None
     packed: PackedActivation | None
+    i8: Int8Activation | None = None
 
     def codes(self) -> torch.Tensor:  # (N, H, W, C) uint8
-        return self.qt.codes if self.qt is not None else self.packed.codes()
+        if self.qt is not None:
+            return self.qt.codes
+        return self.packed.codes() if self.packed is not None else self.i8.codes()
 
     def planes(self) -> torch.Tensor:  # (bits, N*H*W, Kw)
         if self.packed is not None:
             return self.packed.planes
         N, H, W, C = self.shape
-        return pack_bitplanes(self.qt.codes.reshape(N * H * W, C), self.fmt.bits, validate=False)
+        return pack_bitplanes(self.codes().reshape(N * H * W, C), self.fmt.bits, validate=False)
+
+    def int8(self) -> tuple[torch.Tensor, int, int]:  # (x8 (N, H, W, C) int8, offset, step)
+        if self.i8 is not None:
+            return (self.i8.x8, *self.i8.affine())
+        return _int8_codes(self.codes(), self.fmt)
 
 
 def _check_x(x) -> _X:
     if isinstance(x, PackedActivation):
         return _X(x.fmt, x.scale, x.shape, x.device, None, x)
+    if isinstance(x, Int8Activation):
+        return _X(x.fmt, x.scale, x.shape, x.device, None, None, x)
     if not isinstance(x, QTensor):
-        raise TypeError(f"x must be a QTensor of NHWC codes (tcprec.quantize(x_nhwc, 'uint2')) or a PackedActivation, "
-                        f"got {type(x).__name__}")
+        raise TypeError(f"x must be a QTensor of NHWC codes (tcprec.quantize(x_nhwc, 'uint2')), a PackedActivation or "
+                        f"an Int8Activation, got {type(x).__name__}")
     if not isinstance(x.fmt, IntFormat) and _fp8_dtype(x.fmt) is None:
         raise TypeError(f"x must be of an integer format (uintN, intN, binary, pmN) or e4m3 / e5m2 "
                         f"(quantize_fp8_static), got {x.fmt}; quantize it to one")
@@ -433,6 +540,7 @@ class _Plan:
     out_dtype: torch.dtype
     out_fmt: IntFormat | FloatFormat | None
     route: str = ""  # int8 backend: "kernel" (Triton implicit GEMM) or "im2col" (+ torch._int_mm)
+    out_layout: str = "planes"  # an integer out_fmt as bit planes or as an Int8Activation
 
     @property
     def fused(self) -> bool:
@@ -441,8 +549,11 @@ class _Plan:
         return self.pool is None
 
 
+OUT_LAYOUTS = ("planes", "int8")
+
+
 def _plan(x, w, stride, padding, dilation, act, out_dtype, out_fmt, pool, backend, scale, bias, out_scale,
-          force_bitserial=False):
+          force_bitserial=False, out_layout="planes"):
     xs = _check_x(x)
     if isinstance(w, PackedConvWeight):
         qw = w.qw
@@ -473,6 +584,12 @@ def _plan(x, w, stride, padding, dilation, act, out_dtype, out_fmt, pool, backen
             raise ValueError("out_fmt needs out_scale (one positive float: the next layer's activation scale)")
         if out_dtype == torch.int32:
             raise ValueError("out_fmt re-quantizes the float result; leave out_dtype at its default with out_fmt")
+    if out_layout not in OUT_LAYOUTS:
+        raise ValueError(f"out_layout must be one of {OUT_LAYOUTS} (an integer out_fmt as bit planes for a bit-serial "
+                         f"layer, or one int8 per element for an INT8 layer), got {out_layout!r}")
+    if out_layout == "int8" and not isinstance(out_fmt, IntFormat):
+        raise ValueError(f"out_layout='int8' writes integer codes for the next INT8 layer: it needs an integer out_fmt "
+                         f"(e.g. 'uint8'), got out_fmt={out_fmt}")
     elif out_dtype not in _OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of {[str(d) for d in _OUT_DTYPES]}, got {out_dtype}")
     if out_dtype == torch.int32 and (scale is not None or bias is not None or act is not None or pool is not None):
@@ -485,7 +602,7 @@ def _plan(x, w, stride, padding, dilation, act, out_dtype, out_fmt, pool, backen
             raise ValueError("float8 operands accumulate in float32: out_dtype=torch.int32 (the raw integer "
                              "convolution) is for integer formats; pass a float out_dtype")
         name, why = _choose_fp8_backend(fa, fw, xs.device, backend)
-        return xs, qw, g, _Plan(name, why, g, fa, fw, act, pool, out_dtype, out_fmt)
+        return xs, qw, g, _Plan(name, why, g, fa, fw, act, pool, out_dtype, out_fmt, "", out_layout)
     if backend == "fp8":
         raise ValueError(f"backend='fp8' needs float8 operands (e4m3 / e5m2), got {fa} x {fw}; use 'int8' or 'auto'")
     K_true = g.R * g.S * g.C
@@ -507,7 +624,7 @@ def _plan(x, w, stride, padding, dilation, act, out_dtype, out_fmt, pool, backen
         if route == "kernel":
             why = why.replace("torch._int_mm", "the Triton INT8 conv")
         why = f"{why}; {how}"
-    return xs, qw, g, _Plan(name, why, g, fa, fw, act, pool, out_dtype, out_fmt, route)
+    return xs, qw, g, _Plan(name, why, g, fa, fw, act, pool, out_dtype, out_fmt, route, out_layout)
 
 
 def _choose_fp8_backend(fa, fw, dev: torch.device, backend: str) -> tuple[str, str]:
@@ -575,11 +692,18 @@ def _int_product(plan: _Plan, xs: _X, qw: QTensor) -> torch.Tensor:
     return matmul(qa, qwm, out_dtype=torch.int32, backend="int8")  # (M, K) exact
 
 
+def _int8_out(plan: _Plan) -> bool:
+    """Whether the INT8 / FP8 kernel's epilogue writes the next layer's Int8Activation itself."""
+    return plan.out_layout == "int8" and plan.pool is None
+
+
 def _kernel_out(plan: _Plan) -> str:
-    """What the INT8 / FP8 kernel writes: the raw accumulator, the final float dtype, or float32 for a
-    pass that follows (pooling, re-quantization)."""
+    """What the INT8 / FP8 kernel writes: the raw accumulator, the final float dtype, the next INT8 layer's
+    int8 codes, or float32 for a pass that follows (pooling, re-quantization)."""
     if plan.out_dtype == torch.int32 and plan.out_fmt is None:
         return "int32"
+    if _int8_out(plan):
+        return "int8"
     return _KIND[plan.out_dtype] if plan.fused and plan.out_fmt is None else "float32"
 
 
@@ -628,7 +752,12 @@ def _stem_kp(g: ConvGeometry) -> int:
 
 def _stem_cols(x8: torch.Tensor, g: ConvGeometry, kp: int) -> torch.Tensor:
     """(N, H, W, C) 8-bit codes (any 1-byte dtype) -> (N, P, Q, kp) of the same dtype: output pixel (n, p, q)'s
-    window in (r, s, c) order -- the (K, R, S, C) weight's -- then zeros; padded taps read stored code 0."""
+    window in (r, s, c) order -- the (K, R, S, C) weight's -- then zeros; padded taps read stored code 0.
+    One Triton pass on CUDA / under the interpreter (``quant_bytes.im2col_rows``), torch ops elsewhere."""
+    if x8.is_cuda or _interpreting():
+        from ..kernels.triton.quant_bytes import im2col_rows  # TRITON_INTERPRET is read at import
+
+        return im2col_rows(x8.contiguous(), g.R, g.S, g.stride, g.padding, g.dilation, g.P, g.Q, kp)
     b = x8.view(torch.uint8) if x8.dtype != torch.uint8 else x8  # gather on bytes (float8 has no pad kernel)
     rsc = g.R * g.S * g.C
     out = torch.zeros((g.N, g.P, g.Q, kp), dtype=torch.uint8, device=x8.device)
@@ -660,24 +789,35 @@ def _conv_operands(x8: torch.Tensor, pw: PackedConvWeight, g: ConvGeometry):
     return x8, pw.w8, g.stride, g.padding, g.dilation
 
 
-def _int8_kernel(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias) -> torch.Tensor:
+def _out_spec(plan: _Plan, s_out):
+    """The kernels' ``out`` argument: a kind, or the next INT8 layer's codes ("int8", scale, (lo, hi, offset))."""
+    kind = _kernel_out(plan)
+    if kind != "int8":
+        return kind
+    from .quantize import _qp_params
+
+    lo, hi, _, _ = _qp_params(plan.out_fmt)
+    return "int8", s_out, (lo, hi, _int8_affine(plan.out_fmt)[0])
+
+
+def _int8_kernel(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, s_out) -> torch.Tensor:
     """The Triton implicit-GEMM INT8 conv with the fused epilogue; (N, P, Q, K) in ``_kernel_out``."""
     from ..kernels.triton.conv_fwd import conv2d_fwd_int8
 
     g = plan.g
-    x8, oa, sa = _int8_codes(xs.codes(), plan.fa)  # (N, H, W, C) int8, value = oa + sa * x8
+    x8, oa, sa = xs.int8()  # (N, H, W, C) int8, value = oa + sa * x8
     acc_mul, acc_add = 1, None
     if oa:  # C = sa*sw * acc + oa*sw * (sum of w over the taps inside the image); w unshifted (route rule)
         acc_mul, acc_add = sa * pw.w_step, _int8_correction(pw, g, oa * pw.w_step)
-    kind = _kernel_out(plan)
-    float_out = kind != "int32"
+    out = _out_spec(plan, s_out)
+    float_out = out != "int32"
     x, w, st, pd, dl = _conv_operands(x8, pw, g)
     return conv2d_fwd_int8(x, w, stride=st, padding=pd, dilation=dl,
                            scale=col if float_out else None, bias=bias if float_out else None,
-                           act=plan.act if float_out else None, out=kind, acc_mul=acc_mul, acc_add=acc_add)
+                           act=plan.act if float_out else None, out=out, acc_mul=acc_mul, acc_add=acc_add)
 
 
-def _fp8_kernel(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, fast_accum: bool) -> torch.Tensor:
+def _fp8_kernel(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, fast_accum: bool, s_out) -> torch.Tensor:
     """The Triton implicit-GEMM FP8 conv; col = x_scale * w_scale[k] (* scale[k]) is its x_scale
     operand (per channel), so the kernel's column scale is exactly the reference's."""
     from ..kernels.triton.conv_fwd import conv2d_fwd_fp8
@@ -686,7 +826,7 @@ def _fp8_kernel(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, fast_accum
     x8 = xs.codes().contiguous().view(_fp8_dtype(plan.fa))  # (N, H, W, C) float8, no copy
     x, w, st, pd, dl = _conv_operands(x8, pw, g)  # fp8 code 0 is value 0: padded taps need no correction
     return conv2d_fwd_fp8(x, w, col, None, stride=st, padding=pd, dilation=dl, bias=bias,
-                          act=plan.act, out=_kernel_out(plan), fast_accum=fast_accum)
+                          act=plan.act, out=_out_spec(plan, s_out), fast_accum=fast_accum)
 
 
 def _fp8_reference(plan: _Plan, xs: _X, qw: QTensor) -> torch.Tensor:
@@ -732,19 +872,16 @@ def _bitserial_kind(plan: _Plan):
         return "int32", False, 0.0, None
     relu = plan.act is not None
     slope = plan.act[1] if isinstance(plan.act, tuple) else 0.0
-    if not plan.fused:
+    if not plan.fused or plan.out_layout == "int8":  # int8 codes: the one-pass quantizer follows
         return "float32", relu, slope, None
     if plan.out_fmt is not None:
         return "packed", relu, slope, plan.out_fmt
     return _KIND[plan.out_dtype], relu, slope, None
 
 
-# Max-pools the re-quantize + pack kernel does in front of its quantizer (one read of y): pool -> stride.
-_FUSED_POOLS = {("max", 2, 2): 2, ("max", 2, 1): 1}
-
-
 def _fused_pack(plan: _Plan, device: torch.device) -> bool:
-    """Whether the float result goes to packed planes in one Triton pass (max-pool + quantize + pack)."""
+    """Whether the float result goes to packed planes / int8 codes in one Triton pass (max-pool + quantize
+    (+ pack))."""
     return (isinstance(plan.out_fmt, IntFormat) and plan.name != "reference"
             and (device.type == "cuda" or _interpreting())
             and (plan.pool is None or tuple(plan.pool) in _FUSED_POOLS))
@@ -755,7 +892,8 @@ def _after_gemm(plan: _Plan, device: torch.device, out: str, requant: str) -> li
     pool = (f"{plan.pool[0]}-pool {plan.pool[1]}x{plan.pool[1]} stride {plan.pool[2]}"
             if plan.pool is not None else None)
     if _fused_pack(plan, device):
-        return [f"separate pass: {pool + ' + ' if pool else ''}re-quantize + pack (one Triton kernel)"]
+        what = "re-quantize to int8 codes" if plan.out_layout == "int8" else "re-quantize + pack"
+        return [f"separate pass: {pool + ' + ' if pool else ''}{what} (one Triton kernel)"]
     steps = [f"separate pass: {pool} (torch, float32)"] if pool else []
     return steps + [f"separate pass: {requant if plan.out_fmt is not None else 'cast to ' + out}"]
 
@@ -768,6 +906,10 @@ def _finish_float(plan: _Plan, y: torch.Tensor, out_scale, act_done: bool):
     if not act_done:
         y = rq.apply_act(y, plan.act)
     fmt = plan.out_fmt
+    if plan.out_layout == "int8":  # the next INT8 layer's codes: one Triton pass on CUDA (torch elsewhere)
+        s = out_scale.to(torch.float32).reshape(1)
+        y4 = y.reshape(g.N, g.P, g.Q, g.K)
+        return quantize_int8_static(y4, fmt, s, plan.pool, backend="reference" if plan.name == "reference" else "auto")
     if _fused_pack(plan, y.device):
         from ..kernels.triton import pack as tpack  # TRITON_INTERPRET is read at import
         from .quantize import _qp_params
@@ -796,9 +938,10 @@ def _packed_result(planes, plan: _Plan, out_scale, shape) -> PackedActivation:
 
 
 def _conv2d_impl(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None, act=None, out_dtype=torch.float32,
-                 out_fmt=None, out_scale=None, pool=None, backend="auto", fp8_fast_accum=True, _gemm=None):
+                 out_fmt=None, out_scale=None, pool=None, backend="auto", fp8_fast_accum=True, out_layout="planes",
+                 _gemm=None):
     xs, qw, g, plan = _plan(x, w, stride, padding, dilation, act, out_dtype, out_fmt, pool, backend, scale, bias,
-                            out_scale, force_bitserial=_gemm is not None)
+                            out_scale, force_bitserial=_gemm is not None, out_layout=out_layout)
     K = g.K
     pw = w if isinstance(w, PackedConvWeight) else None
     w_scale = pw.w_scale if pw is not None else qw.scale.reshape(-1).expand(K).to(torch.float32)
@@ -819,16 +962,18 @@ def _conv2d_impl(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None
             return res.reshape(g.N, g.P, g.Q, K)
         if kind == "packed":
             return _packed_result(res, plan, s_out, (g.N, g.P, g.Q, K))
-        if plan.fused:
+        if plan.fused and plan.out_fmt is None:
             return res.reshape(g.N, g.P, g.Q, K)
         return _finish_float(plan, res, s_out, act_done=True)
 
     if plan.name == "fp8" or (plan.name == "int8" and plan.route == "kernel"):
         pw = pw if pw is not None else pack_conv_weight(qw)
         if plan.name == "fp8":
-            y = _fp8_kernel(plan, xs, pw, col, bias, bool(fp8_fast_accum))
+            y = _fp8_kernel(plan, xs, pw, col, bias, bool(fp8_fast_accum), s_out)
         else:
-            y = _int8_kernel(plan, xs, pw, col, bias)  # (N, P, Q, K)
+            y = _int8_kernel(plan, xs, pw, col, bias, s_out)  # (N, P, Q, K)
+        if _kernel_out(plan) == "int8":
+            return Int8Activation(y, plan.out_fmt, s_out)
         if _kernel_out(plan) != "float32" or (plan.fused and plan.out_fmt is None):
             return y
         return _finish_float(plan, y.reshape(-1, K), s_out, act_done=True)
@@ -849,15 +994,18 @@ def _conv2d_impl(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None
 
 
 def conv2d(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None, act=None, out_dtype=torch.float32,
-           out_fmt=None, out_scale=None, pool=None, backend="auto", fp8_fast_accum=True):
+           out_fmt=None, out_scale=None, pool=None, backend="auto", fp8_fast_accum=True, out_layout="planes"):
     """Quantized 2-D convolution, NHWC, integer part exact (module docstring for the full contract).
 
-    x: ``QTensor`` codes ``(N, H, W, C)`` (PerTensor scale) or :class:`PackedActivation`; or a float8
-    ``QTensor`` (``e4m3`` / ``e5m2``, e.g. from :func:`quantize_fp8_static`).
+    x: ``QTensor`` codes ``(N, H, W, C)`` (PerTensor scale), :class:`PackedActivation` or
+    :class:`Int8Activation`; or a float8 ``QTensor`` (``e4m3`` / ``e5m2``, e.g. from :func:`quantize_fp8_static`).
     w: ``QTensor`` codes ``(K, R, S, C)`` (PerTensor / PerChannel(0)) or :class:`PackedConvWeight`.
     Returns float NHWC ``(N, P, Q, K)`` in ``out_dtype``; int32 raw ``C`` for ``out_dtype=torch.int32``;
     a :class:`PackedActivation` of ``out_fmt`` when ``out_fmt`` (and ``out_scale``) are given, or a
     float8 ``QTensor`` (N, P, Q, K) when ``out_fmt`` is e4m3 / e5m2 (the next FP8 layer's input).
+    ``out_layout="int8"`` (integer ``out_fmt``): an :class:`Int8Activation` instead of bit planes, the next
+    INT8 layer's operand -- written by the INT8 / FP8 kernel's epilogue itself when there is no pooling,
+    else by one Triton pass (max-pool + re-quantize) after it.
 
     ``fp8_fast_accum`` (float8 operands on the GPU): True keeps Hopper's narrow fp8 accumulator for the
     whole reduction; False promotes it into fp32 every BLOCK_K products (as cuBLAS does by default).
@@ -874,14 +1022,14 @@ def conv2d(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None, act=
     """
     return _conv2d_impl(x, w, stride=stride, padding=padding, dilation=dilation, bias=bias, scale=scale, act=act,
                         out_dtype=out_dtype, out_fmt=out_fmt, out_scale=out_scale, pool=pool, backend=backend,
-                        fp8_fast_accum=fp8_fast_accum)
+                        fp8_fast_accum=fp8_fast_accum, out_layout=out_layout)
 
 
 def choose_conv2d_backend(x, w, backend: str = "auto", **kw) -> tuple[str, str]:
     """(backend, reason) for ``conv2d(x, w, **kw)``."""
     _, _, _, plan = _plan(x, w, kw.get("stride", 1), kw.get("padding", 0), kw.get("dilation", 1), kw.get("act"),
                           kw.get("out_dtype", torch.float32), kw.get("out_fmt"), kw.get("pool"), backend,
-                          kw.get("scale"), kw.get("bias"), kw.get("out_scale"))
+                          kw.get("scale"), kw.get("bias"), kw.get("out_scale"), out_layout=kw.get("out_layout", "planes"))
     return plan.name, plan.why
 
 
@@ -896,12 +1044,14 @@ def explain_conv2d(x, w, **kw) -> str:
     """
     xs, _, g, plan = _plan(x, w, kw.get("stride", 1), kw.get("padding", 0), kw.get("dilation", 1), kw.get("act"),
                            kw.get("out_dtype", torch.float32), kw.get("out_fmt"), kw.get("pool"),
-                           kw.get("backend", "auto"), kw.get("scale"), kw.get("bias"), kw.get("out_scale"))
+                           kw.get("backend", "auto"), kw.get("scale"), kw.get("bias"), kw.get("out_scale"),
+                           out_layout=kw.get("out_layout", "planes"))
     M, Kt = g.N * g.P * g.Q, g.R * g.S * g.C
     head = (f"{plan.name}: {plan.why}; conv {g.N}x{g.H}x{g.W}x{g.C} * {g.K}x{g.R}x{g.S}x{g.C}, stride {g.stride}, "
             f"padding {g.padding}, dilation {g.dilation} -> {g.N}x{g.P}x{g.Q}x{g.K}; GEMM M={M} N={g.K} K={Kt}")
     out = ("int32" if plan.out_dtype == torch.int32 and plan.out_fmt is None else
            f"{plan.out_fmt} QTensor" if isinstance(plan.out_fmt, FloatFormat) else
+           f"{plan.out_fmt} Int8Activation" if plan.out_layout == "int8" else
            f"packed {plan.out_fmt} planes" if plan.out_fmt is not None else str(plan.out_dtype).removeprefix("torch."))
     if plan.name == "bitserial":
         Cw = -(-g.C // 32)
@@ -910,22 +1060,24 @@ def explain_conv2d(x, w, **kw) -> str:
                  f"{rq.taps_words(g)[2]} words a row, {plan.fa.bits} planes)"]
         kind, relu, slope, _ = _bitserial_kind(plan)
         act = [f"LeakyReLU({slope})" if slope else "ReLU"] if relu else []
-        fused = ["scale", "bias"] + act + ([out] if plan.fused else ["float32"])
+        fused = ["scale", "bias"] + act + ([out] if plan.fused and plan.out_layout != "int8" else ["float32"])
         steps.append(f"bmma_gemm with fused epilogue ({', '.join(fused if kind != 'int32' else ['int32'])})")
-        if not plan.fused:
+        if not plan.fused or plan.out_layout == "int8":
             steps += _after_gemm(plan, xs.device, out, "re-quantize + pack")
     elif plan.name == "fp8" or plan.route == "kernel":
         kind = _kernel_out(plan)
         fast = kw.get("fp8_fast_accum", True)
+        gather = "one Triton pass" if xs.device.type == "cuda" or _interpreting() else "torch passes"
         stem = ([f"thin layer (C = {g.C} < {THIN_C}): its {g.R}x{g.S}x{g.C} windows gathered into "
-                 f"{_stem_kp(g)}-byte rows (torch pass), run as a 1x1 conv"]
+                 f"{_stem_kp(g)}-byte rows ({gather}), run as a 1x1 conv"]
                 if _thin_stem(g) else [])
         if plan.name == "fp8":
             steps = stem + [f"Triton implicit-GEMM FP8 conv conv2d_fwd_fp8 ({'fast_accum' if fast else 'fp32 promotion every BLOCK_K'}) "
                      f"with fused epilogue (scale, bias, act={plan.act}) -> {kind}"]
         else:
-            oa = _int8_codes(torch.zeros(0, dtype=torch.uint8), plan.fa)[1]
-            shift = ([f"x stored as code - 128 (torch pass), exact correction for the taps inside the image "
+            oa = _int8_affine(plan.fa)[0]
+            how = "as given: Int8Activation" if xs.i8 is not None else "torch pass"
+            shift = ([f"x stored as code - 128 ({how}), exact correction for the taps inside the image "
                       f"({'(P, Q, K) table' if max(g.padding) > 0 else '(K,) vector'}, cached)"] if oa else [])
             steps = shift + stem + [f"Triton implicit-GEMM INT8 conv conv2d_fwd_int8 "
                              f"with fused epilogue (scale, bias, act={plan.act}) -> {kind}" if kind != "int32" else

@@ -23,7 +23,8 @@ The output row of pixel m = n*P*Q + p*Q + q is simply ``y + m*K``.
     int8 operands shifted by an offset (uint8 / pm8 codes stored as code - 128, ops/qconv.py):
               acc = acc * acc_mul + add[(p, q), k]   the exact integer correction, before any rounding
     epilogue: a = float(acc); y = a * ((alpha * sa[k]) * sb[k]) + bias[k]; act;
-              store fp16 / fp32, or int8 = clamp(rint(y / out_scale)) -- the next layer's input;
+              store fp16 / fp32, or int8 = clamp(rint(y / out_scale), lo, hi) - offset -- the next layer's
+              input (plain int8, or a uint8 code stored shifted: reference_conv_fwd.Int8Out);
               or (OUT_MODE 0) the raw accumulator.
 
 The kernel is compiled with ``enable_fp_fusion=False`` (the epilogue's mul and add round separately,
@@ -68,23 +69,25 @@ def interpreting() -> bool:
 
 
 _NOSPEC = ["N", "H", "W", "P", "Q", "R", "S", "str_h", "str_w", "pad_h", "pad_w", "dil_h", "dil_w", "M",
-           "alpha", "sa_stride", "sb_stride", "bias_stride", "act", "slope", "out_scale", "PQ", "acc_mul", "add_stride"]
+           "alpha", "sa_stride", "sb_stride", "bias_stride", "act", "slope", "PQ", "acc_mul", "add_stride"]
 
 
 @triton.jit(do_not_specialize=_NOSPEC)
 def _conv_fwd_kernel(
-    x_ptr, w_ptr, out_ptr, sa_ptr, sb_ptr, bias_ptr, add_ptr,
+    x_ptr, w_ptr, out_ptr, sa_ptr, sb_ptr, bias_ptr, add_ptr, oscale_ptr,
     # -- sizes (x, w, out contiguous NHWC / KRSC / NPQK: strides follow from C, W, H, R, S, K) --
     N, H, W, C, P, Q, K, R, S,
     str_h, str_w, pad_h, pad_w, dil_h, dil_w,
     M,  # N*P*Q
     # -- epilogue (see reference_conv_fwd): scales sa / sb are per-channel (stride 1) or per-tensor (0) --
-    alpha, sa_stride, sb_stride, bias_stride, act, slope, out_scale,
+    alpha, sa_stride, sb_stride, bias_stride, act, slope,
     # -- int8 with affine-shifted operands: acc = acc * acc_mul + add[(p, q), k] (add_stride K, or 0: per k) --
     PQ, acc_mul, add_stride,
     # -- what to do --
     IS_FP8: tl.constexpr, FAST_ACCUM: tl.constexpr, FLAT: tl.constexpr, OUT_MODE: tl.constexpr, HAS_ADD: tl.constexpr,
     EVEN_K: tl.constexpr, INT64: tl.constexpr,
+    # -- int8 output (OUT_MODE 2): stored clamp(rne(y / out_scale), OUT_LO, OUT_HI) - OUT_OFF --
+    OUT_LO: tl.constexpr, OUT_HI: tl.constexpr, OUT_OFF: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # ---- which tile: channel block fastest ----
@@ -208,10 +211,11 @@ def _conv_fwd_kernel(
         if OUT_MODE == 1:
             tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
         else:
-            y = tl.math.div_rn(y, out_scale)
-            y = tl.minimum(tl.maximum(y, -128.0), 127.0)
-            y = (y + 12582912.0) - 12582912.0  # round half to even (1.5 * 2**23; |y| <= 128 here)
-            tl.store(out_ptrs, y.to(tl.int8), mask=mask)
+            y = tl.math.div_rn(y, tl.load(oscale_ptr))
+            y = tl.where(y == y, y, 0.0)  # NaN -> 0
+            y = tl.minimum(tl.maximum(y, OUT_LO * 1.0), OUT_HI * 1.0)
+            y = (y + 12582912.0) - 12582912.0  # round half to even (1.5 * 2**23; |y| <= 255 here)
+            tl.store(out_ptrs, (y.to(tl.int32) - OUT_OFF).to(tl.int8), mask=mask)
 
 
 # The conv layers of issue 4's networks that the tile table was tuned on (batch is a separate axis):
@@ -406,9 +410,16 @@ def _check_add(acc_mul, acc_add, g: ConvGeometry, device, op: str):
 
 def _launch(x, w, g: ConvGeometry, op: str, *, fp8: bool, alpha, sa, sb, bias, act, out, fast_accum, config,
             add=None, acc_mul: int = 1):
-    kind, out_scale = out
+    kind, spec = out
     mode, slope = parse_act(act)
     device = x.device
+    if kind == "int8":
+        oscale = spec.scale if isinstance(spec.scale, torch.Tensor) else _const(device, spec.scale)
+        if oscale.device != device:
+            raise ValueError(f"{op}: out_scale is on {oscale.device}, the conv runs on {device}; move it there first")
+        o_lo, o_hi, o_off = spec.lo, spec.hi, spec.offset
+    else:
+        oscale, o_lo, o_hi, o_off = _const(device, 1.0), -128, 127, 0
     if bias is None:
         bias_t, bias_stride = _const(device, 0.0), 0
     else:
@@ -428,13 +439,13 @@ def _launch(x, w, g: ConvGeometry, op: str, *, fp8: bool, alpha, sa, sb, bias, a
     grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(g.K, cfg["BLOCK_N"]),)
     add_t, add_stride = (_const(device, 0.0), 0) if add is None else (add, g.K if add.dim() == 3 else 0)
     kernel = _conv_fwd_kernel[grid](
-        x, w, y, sa[0], sb[0], bias_t, add_t,
+        x, w, y, sa[0], sb[0], bias_t, add_t, oscale,
         g.N, g.H, g.W, g.C, g.P, g.Q, g.K, g.R, g.S,
         g.stride[0], g.stride[1], g.padding[0], g.padding[1], g.dilation[0], g.dilation[1], M,
-        float(alpha), sa[1], sb[1], bias_stride, mode, float(slope), float(out_scale),
+        float(alpha), sa[1], sb[1], bias_stride, mode, float(slope),
         g.P * g.Q, int(acc_mul), add_stride,
         IS_FP8=fp8, FAST_ACCUM=bool(fast_accum), FLAT=bool(flat), OUT_MODE=out_mode, HAS_ADD=add is not None,
-        EVEN_K=g.C % cfg["BLOCK_K"] == 0, INT64=int64,
+        EVEN_K=g.C % cfg["BLOCK_K"] == 0, INT64=int64, OUT_LO=o_lo, OUT_HI=o_hi, OUT_OFF=o_off,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3), enable_fp_fusion=False,
     )

@@ -1,0 +1,151 @@
+"""Triton kernels: float activations -> the INT8 conv's one-byte operand, and the thin-stem gather.
+
+``pool_quantize_int8``: y ``(N, P, Q, K)`` float (any strides) -> optional 2x2 max-pool (stride 2, or 1
+with the window clipped at the bottom / right edge: darknet's size-keeping pool) -> integer code of the
+format -> the stored int8 ``x8`` with ``value = off + step * x8`` (``tcprec.ops.qconv._int8_codes``'s rule:
+two's complement and unsigned <= 7 bits as the value, uint8 as ``code - 128``, pm as ``(value - off) / step``)
+-> ``(N, P', Q', K)`` int8 contiguous.  One read of y, one byte written per element; the codes are those
+of ``tcprec.ops.quantize.quantize_static`` (IEEE ``x / scale``, round half to even, saturating; NaN -> the
+code of 0), computed by the same ``_quantize_codes`` as the bit-plane packer.
+
+``im2col_rows``: the thin-stem operand (an im2col on bytes) (``ops/qconv.py``): x8 ``(N, H, W, C)`` one-byte codes -> rows
+``(N, P, Q, KP)``, row (n, p, q) = the window of output pixel (n, p, q) in (r, s, c) order, stored 0 in
+the padding and past R*S*C.  One pass (the torch version padded, gathered with advanced indexing and
+copied into a zeroed buffer: four passes and an index tensor).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._host import cdiv, next_power_of_2
+from .pack import _quantize_codes
+
+__all__ = ["pool_quantize_int8", "im2col_rows", "ENC_UNSIGNED", "ENC_TWOS", "ENC_PM"]
+
+ENC_UNSIGNED, ENC_TWOS, ENC_PM = 0, 1, 2
+_TILE = 4096  # elements per program
+
+
+@triton.jit
+def _code_to_x8(c, ENC: tl.constexpr, BITS: tl.constexpr):
+    """int32 code pattern -> the stored int8 value (``_int8_codes``)."""
+    if ENC == 1:  # two's complement: sign-extend the BITS-bit pattern
+        v = c - ((c >> (BITS - 1)) << BITS)
+    elif ENC == 0:
+        if BITS == 8:
+            v = c - 128
+        else:
+            v = c
+    else:  # pm: value = 2c - (2^BITS - 1); 8 bits: stored c - 128 (value = 1 + 2 * x8)
+        if BITS == 8:
+            v = c - 128
+        else:
+            v = 2 * c - ((1 << BITS) - 1)
+    return v.to(tl.int8)
+
+
+@triton.jit(do_not_specialize=["R", "P", "Q", "PO", "QO"])
+def _pool_quantize_int8_kernel(
+    x_ptr, scale_ptr, out_ptr,
+    R, K, P, Q, PO, QO,  # R = N * PO * QO output rows
+    stride_xn, stride_xh, stride_xw, stride_xk,
+    LO: tl.constexpr, HI: tl.constexpr, OFFSET: tl.constexpr, SHIFT: tl.constexpr, ENC: tl.constexpr,
+    BITS: tl.constexpr, POOL_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_r = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    qo = offs_r % QO
+    t = offs_r // QO
+    po = t % PO
+    n = (t // PO).to(tl.int64)
+    mask = (offs_r < R)[:, None] & (offs_k < K)[None, :]
+    kk = offs_k[None, :] * stride_xk
+    if POOL_S == 0:
+        base = n * stride_xn + po * stride_xh + qo * stride_xw
+        v = tl.load(x_ptr + base[:, None] + kk, mask=mask, other=0.0).to(tl.float32)
+    else:
+        v = tl.full((BLOCK_R, BLOCK_K), float("-inf"), tl.float32)
+        for i in tl.static_range(2):
+            for j in tl.static_range(2):
+                h = po * POOL_S + i
+                w = qo * POOL_S + j
+                ok = mask & ((h < P) & (w < Q))[:, None]
+                base = n * stride_xn + h * stride_xh + w * stride_xw
+                v = tl.maximum(v, tl.load(x_ptr + base[:, None] + kk, mask=ok, other=float("-inf")).to(tl.float32))
+    c = _quantize_codes(v, tl.load(scale_ptr), LO, HI, OFFSET, SHIFT, BITS)
+    out = out_ptr + offs_r.to(tl.int64)[:, None] * K + offs_k[None, :]
+    tl.store(out, _code_to_x8(c, ENC, BITS), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M", "H", "W", "P", "Q", "str_h", "str_w", "pad_h", "pad_w", "dil_h", "dil_w"])
+def _im2col_rows_kernel(
+    x_ptr, out_ptr,
+    M, H, W, C, P, Q, R, S, KP,
+    str_h, str_w, pad_h, pad_w, dil_h, dil_w,
+    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    tt = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    q = offs_m % Q
+    t = offs_m // Q
+    p = t % P
+    n = (t // P).to(tl.int64)
+    c = tt % C
+    rs = tt // C
+    s = rs % S
+    r = rs // S
+    ih = (p * str_h - pad_h)[:, None] + (r * dil_h)[None, :]
+    iw = (q * str_w - pad_w)[:, None] + (s * dil_w)[None, :]
+    m_ok = offs_m < M
+    ok = m_ok[:, None] & (tt < R * S * C)[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+    src = x_ptr + (n[:, None] * H + ih) * (W * C) + iw * C + c[None, :]
+    v = tl.load(src, mask=ok, other=0)
+    out = out_ptr + offs_m.to(tl.int64)[:, None] * KP + tt[None, :]
+    tl.store(out, v, mask=m_ok[:, None] & (tt < KP)[None, :])
+
+
+def pool_quantize_int8(y: torch.Tensor, scale: torch.Tensor, pool_stride: int, bits: int, lo: int, hi: int,
+                       offset: int, shift: int, enc: int) -> torch.Tensor:
+    """Launch: y (N, P, Q, K) float, pool_stride 0 (no pool), 1 or 2 -> x8 (N, P', Q', K) int8.  The public
+    entry point is ``tcprec.ops.qconv.quantize_int8_static`` (it derives the format's parameters)."""
+    assert y.dim() == 4 and pool_stride in (0, 1, 2)
+    N, P, Q, K = y.shape
+    PO, QO = (P // 2, Q // 2) if pool_stride == 2 else (P, Q)
+    out = torch.empty((N, PO, QO, K), dtype=torch.int8, device=y.device)
+    R = N * PO * QO
+    if out.numel() == 0:
+        return out
+    bk = min(next_power_of_2(K), 128)
+    br = max(1, _TILE // bk)
+    _pool_quantize_int8_kernel[(cdiv(R, br), cdiv(K, bk))](
+        y, scale, out, R, K, P, Q, PO, QO, *y.stride(),
+        LO=lo, HI=hi, OFFSET=offset, SHIFT=shift, ENC=enc, BITS=bits, POOL_S=pool_stride,
+        BLOCK_R=br, BLOCK_K=bk,
+    )
+    return out
+
+
+def im2col_rows(x8: torch.Tensor, R: int, S: int, stride, padding, dilation, P: int, Q: int, kp: int) -> torch.Tensor:
+    """Launch: x8 (N, H, W, C) contiguous, any one-byte dtype -> (N, P, Q, kp) of the same dtype (see the
+    module docstring); the caller checks kp >= R*S*C and the geometry."""
+    N, H, W, C = x8.shape
+    b = x8.view(torch.uint8)
+    out = torch.empty((N, P, Q, kp), dtype=torch.uint8, device=x8.device)
+    M = N * P * Q
+    if M == 0:
+        return out.view(x8.dtype)
+    bt = min(next_power_of_2(kp), 64)
+    bm = max(1, _TILE // bt)
+    _im2col_rows_kernel[(cdiv(M, bm), cdiv(kp, bt))](
+        b, out, M, H, W, C, P, Q, R, S, kp,
+        stride[0], stride[1], padding[0], padding[1], dilation[0], dilation[1],
+        BLOCK_M=bm, BLOCK_T=bt,
+    )
+    return out.view(x8.dtype)
