@@ -70,19 +70,27 @@ def main(argv=None) -> int:
         x = torch.randn(N, H, W, C, device="cuda", dtype=torch.float16)
         rows2 = x.reshape(-1, C)
         nb_in, nb_planes, nb_i8 = x.numel() * 2, 2 * N * H * W * (-(-C // 32)) * 4, x.numel()
-        old = _graph_ms(lambda: tpack.quantize_pack(rows2, s, 2, *_qp_params(u2), block_r=16, block_w=16))
-        new = _graph_ms(lambda: tpack.quantize_pack(rows2, s, 2, *_qp_params(u2)))
+        old = _graph_ms(lambda: tpack.quantize_pack(rows2, s, 2, *_qp_params(u2), block_r=16, block_w=16,
+                                                    lane_loop=False))
+        new = _graph_ms(lambda: tpack.quantize_pack(rows2, s, 2, *_qp_params(u2), lane_loop=False))
+        lane = _graph_ms(lambda: tpack.quantize_pack(rows2, s, 2, *_qp_params(u2), lane_loop=True))
+        assert torch.equal(tpack.quantize_pack(rows2, s, 2, *_qp_params(u2), lane_loop=True),
+                           tpack.quantize_pack(rows2, s, 2, *_qp_params(u2), lane_loop=False))
         xf = x.float()
-        pool = _graph_ms(lambda: tpack.pool_quantize_pack(xf, s, 2, 2, *_qp_params(u2)))
-        pool_old = _graph_ms(lambda: tpack.pool_quantize_pack(xf, s, 2, 2, *_qp_params(u2), block_r=16, block_w=16))
+        pool = _graph_ms(lambda: tpack.pool_quantize_pack(xf, s, 2, 2, *_qp_params(u2), lane_loop=False))
+        pool_lane = _graph_ms(lambda: tpack.pool_quantize_pack(xf, s, 2, 2, *_qp_params(u2), lane_loop=True))
+        pool_old = _graph_ms(lambda: tpack.pool_quantize_pack(xf, s, 2, 2, *_qp_params(u2), block_r=16, block_w=16,
+                                                            lane_loop=False))
         q8 = _graph_ms(lambda: qconv.quantize_int8_static(x, u8, s))
         q8_torch = _graph_ms(lambda: qconv.quantize_int8_static(x, u8, s, backend="reference"))
         cp = _copy_ms(nb_in, nb_planes)
         cp8 = _copy_ms(nb_in, nb_i8)
         cpf = _copy_ms(xf.numel() * 4, nb_planes // 4)
         rows.append(dict(op="activation", layer=name, shape=[N, H, W, C],
-                         quantize_pack_ms={"tile16x16": old, "pack_tile": new, "copy_same_bytes": cp},
-                         pool_quantize_pack_fp32_ms={"tile16x16": pool_old, "pack_tile": pool, "copy_same_bytes": cpf},
+                         quantize_pack_ms={"tile16x16": old, "pack_tile": new, "pack_tile_lane_loop": lane,
+                                           "copy_same_bytes": cp},
+                         pool_quantize_pack_fp32_ms={"tile16x16": pool_old, "pack_tile": pool,
+                                                     "pack_tile_lane_loop": pool_lane, "copy_same_bytes": cpf},
                          quantize_int8_ms={"triton": q8, "torch": q8_torch, "copy_same_bytes": cp8}))
         print(json.dumps(rows[-1]), flush=True)
     # thin stems: quantize (fp16 image) then the window gather, Triton vs the torch passes

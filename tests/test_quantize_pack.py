@@ -51,6 +51,29 @@ def test_triton_equals_reference(fmt):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("fmt", ["uint2", "int3", "pm2", "uint8", "binary"])
+@pytest.mark.parametrize("lane_loop", [False, True])
+@pytest.mark.parametrize("tile", [None, (4, 1), (16, 16)])
+def test_kernel_variants_and_tiles_equal_reference(fmt, lane_loop, tile):
+    """Both inner structures of the fused packer (lane-axis sum / per-lane loop) and any tile give the
+    reference's planes: ragged K (600 = 18.75 words), rows not a multiple of the tile, NaN."""
+    from tcprec.kernels.triton import pack as tpack
+    from tcprec.ops.quantize import _qp_params
+
+    f = tp.format(fmt)
+    x = _inputs(fmt, shape=(7, 600), seed=2)
+    x[3, 7] = float("nan")
+    scale = torch.tensor([0.37])
+    br, bw = tile or (None, None)
+    got = tpack.quantize_pack(x, scale, f.bits, *_qp_params(f), block_r=br, block_w=bw, lane_loop=lane_loop)
+    assert torch.equal(got, quantize_pack(x, fmt, scale, backend="reference"))
+    xp = x[:6, :70].reshape(1, 2, 3, 70)
+    xp = xp.nan_to_num(-1e9)  # (a NaN in a max window: skipped by the kernel, propagated by amax)
+    pooled = quantize_pack(xp[:, :, :2].amax((1, 2)).reshape(1, 70), fmt, scale, backend="reference")  # col 2 dropped
+    got = tpack.pool_quantize_pack(xp, scale, 2, f.bits, *_qp_params(f), block_r=br, block_w=bw, lane_loop=lane_loop)
+    assert torch.equal(got, pooled)
+
+
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_nan_to_code_of_zero_and_inf_saturates(backend):
     x = torch.tensor([[float("nan"), 1.0, float("inf"), -float("inf")]])
