@@ -1,6 +1,5 @@
-"""The networks' activation passes on the GPU, one run: bit-plane quantize+pack (the old fixed 16 x 16-word
-tile against ``pack_tile``'s), pool+quantize+pack, the INT8 layers' one-pass quantizer, and the thin-stem
-window gather (Triton against the torch passes it replaced) -- each against a device copy of the same bytes
+"""The networks' activation passes on the GPU, one run: bit-plane quantize+pack, pool+quantize+pack, the
+INT8 layers' one-pass quantizer, and the thin-stem window gather (Triton against the torch passes it replaced) -- each against a device copy of the same bytes
 (read + write), the memory roofline this machine reaches.  Kernel time by CUDA-graph replay.
 
     PYTHONPATH=src python3 benchmarks/bench_quant_passes_device.py [--out benchmarks/results/quant_passes.json]
@@ -58,6 +57,8 @@ def main(argv=None) -> int:
     from tcprec.ops import qconv
     from tcprec.ops.quantize import _qp_params
     from tcprec.formats import as_format
+    from tcprec.ops.quantize import quantize_pack
+    from tcprec.packing import packed_words
 
     dev = torch.cuda.get_device_name()
     rows = []
@@ -69,28 +70,21 @@ def main(argv=None) -> int:
     for name, N, H, W, C in acts:
         x = torch.randn(N, H, W, C, device="cuda", dtype=torch.float16)
         rows2 = x.reshape(-1, C)
-        nb_in, nb_planes, nb_i8 = x.numel() * 2, 2 * N * H * W * (-(-C // 32)) * 4, x.numel()
-        old = _graph_ms(lambda: tpack.quantize_pack(rows2, s, 2, *_qp_params(u2), block_r=16, block_w=16,
-                                                    lane_loop=False))
-        new = _graph_ms(lambda: tpack.quantize_pack(rows2, s, 2, *_qp_params(u2), lane_loop=False))
-        lane = _graph_ms(lambda: tpack.quantize_pack(rows2, s, 2, *_qp_params(u2), lane_loop=True))
-        assert torch.equal(tpack.quantize_pack(rows2, s, 2, *_qp_params(u2), lane_loop=True),
-                           tpack.quantize_pack(rows2, s, 2, *_qp_params(u2), lane_loop=False))
+        nb_in, nb_planes, nb_i8 = x.numel() * 2, 2 * N * H * W * packed_words(C) * 4, x.numel()  # planes: 512-bit rows
+        new = _graph_ms(lambda: tpack.quantize_pack(rows2, s, 2, *_qp_params(u2)))
+        head = rows2[:4099]
+        assert torch.equal(tpack.quantize_pack(head, s, 2, *_qp_params(u2)).cpu(),
+                           quantize_pack(head.cpu(), u2, s.cpu(), backend="reference"))
         xf = x.float()
-        pool = _graph_ms(lambda: tpack.pool_quantize_pack(xf, s, 2, 2, *_qp_params(u2), lane_loop=False))
-        pool_lane = _graph_ms(lambda: tpack.pool_quantize_pack(xf, s, 2, 2, *_qp_params(u2), lane_loop=True))
-        pool_old = _graph_ms(lambda: tpack.pool_quantize_pack(xf, s, 2, 2, *_qp_params(u2), block_r=16, block_w=16,
-                                                            lane_loop=False))
+        pool = _graph_ms(lambda: tpack.pool_quantize_pack(xf, s, 2, 2, *_qp_params(u2)))
         q8 = _graph_ms(lambda: qconv.quantize_int8_static(x, u8, s))
         q8_torch = _graph_ms(lambda: qconv.quantize_int8_static(x, u8, s, backend="reference"))
         cp = _copy_ms(nb_in, nb_planes)
         cp8 = _copy_ms(nb_in, nb_i8)
         cpf = _copy_ms(xf.numel() * 4, nb_planes // 4)
         rows.append(dict(op="activation", layer=name, shape=[N, H, W, C],
-                         quantize_pack_ms={"tile16x16": old, "pack_tile": new, "pack_tile_lane_loop": lane,
-                                           "copy_same_bytes": cp},
-                         pool_quantize_pack_fp32_ms={"tile16x16": pool_old, "pack_tile": pool,
-                                                     "pack_tile_lane_loop": pool_lane, "copy_same_bytes": cpf},
+                         quantize_pack_ms={"triton": new, "copy_same_bytes": cp},
+                         pool_quantize_pack_fp32_ms={"triton": pool, "copy_same_bytes": cpf},
                          quantize_int8_ms={"triton": q8, "torch": q8_torch, "copy_same_bytes": cp8}))
         print(json.dumps(rows[-1]), flush=True)
     # thin stems: quantize (fp16 image) then the window gather, Triton vs the torch passes

@@ -21,8 +21,6 @@ documented at ``tcprec.ops.quantize.quantize_pack``.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -58,9 +56,11 @@ def _pack_bitplanes_kernel(
     r3 = offs_r[:, None, None]
     k3 = offs_k[None, :, :]
     mask = (r3 < R) & (k3 < K)
-    codes = tl.load(codes_ptr + r3 * stride_cr + k3 * stride_ck, mask=mask, other=0).to(tl.int32)
-
-    _store_planes(codes, planes_ptr, offs_r, offs_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS)
+    if pid_w * (BLOCK_W * 32) < K:
+        codes = tl.load(codes_ptr + r3 * stride_cr + k3 * stride_ck, mask=mask, other=0).to(tl.int32)
+        _store_planes(codes, planes_ptr, offs_r, offs_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS)
+    else:  # the row padding past K (to 512 bits): zeros, nothing to read
+        _store_zero_planes(planes_ptr, offs_r, offs_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS)
 
 
 @triton.jit
@@ -77,46 +77,12 @@ def _store_planes(codes, planes_ptr, offs_r, offs_w, R, Kw, stride_pb, stride_pr
 
 
 @triton.jit
-def _or_lane(w0, w1, w2, w3, w4, w5, w6, w7, c, j, BITS: tl.constexpr):
-    """Lane j of the words: bit b of code c into plane b's word (planes past BITS stay untouched)."""
-    w0 |= (c & 1) << j
-    if BITS > 1:
-        w1 |= ((c >> 1) & 1) << j
-    if BITS > 2:
-        w2 |= ((c >> 2) & 1) << j
-    if BITS > 3:
-        w3 |= ((c >> 3) & 1) << j
-    if BITS > 4:
-        w4 |= ((c >> 4) & 1) << j
-    if BITS > 5:
-        w5 |= ((c >> 5) & 1) << j
-    if BITS > 6:
-        w6 |= ((c >> 6) & 1) << j
-    if BITS > 7:
-        w7 |= ((c >> 7) & 1) << j
-    return w0, w1, w2, w3, w4, w5, w6, w7
-
-
-@triton.jit
-def _store_words(w0, w1, w2, w3, w4, w5, w6, w7, planes_ptr, offs_r, offs_w, R, Kw, stride_pb, stride_pr, stride_pw,
-                 BITS: tl.constexpr):
+def _store_zero_planes(planes_ptr, offs_r, offs_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS: tl.constexpr):
     out_mask = (offs_r[:, None] < R) & (offs_w[None, :] < Kw)
-    out = planes_ptr + offs_r[:, None] * stride_pr + offs_w[None, :] * stride_pw
-    tl.store(out, w0, mask=out_mask)
-    if BITS > 1:
-        tl.store(out + stride_pb, w1, mask=out_mask)
-    if BITS > 2:
-        tl.store(out + 2 * stride_pb, w2, mask=out_mask)
-    if BITS > 3:
-        tl.store(out + 3 * stride_pb, w3, mask=out_mask)
-    if BITS > 4:
-        tl.store(out + 4 * stride_pb, w4, mask=out_mask)
-    if BITS > 5:
-        tl.store(out + 5 * stride_pb, w5, mask=out_mask)
-    if BITS > 6:
-        tl.store(out + 6 * stride_pb, w6, mask=out_mask)
-    if BITS > 7:
-        tl.store(out + 7 * stride_pb, w7, mask=out_mask)
+    out_ptrs = planes_ptr + offs_r[:, None] * stride_pr + offs_w[None, :] * stride_pw
+    zero = tl.zeros((offs_r.shape[0], offs_w.shape[0]), tl.int32)
+    for b in tl.static_range(BITS):
+        tl.store(out_ptrs + b * stride_pb, zero, mask=out_mask)
 
 
 @triton.jit
@@ -132,42 +98,23 @@ def _quantize_pack_kernel(
     #         SHIFT 1 (pm): value = 2 * code + OFFSET
     LO: tl.constexpr, HI: tl.constexpr, OFFSET: tl.constexpr, SHIFT: tl.constexpr,
     # meta
-    BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, LANE_LOOP: tl.constexpr,
+    BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     pid_r = tl.program_id(0)
     pid_w = tl.program_id(1)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
-    if LANE_LOOP:  # a (BLOCK_R, BLOCK_W) tile of words, the 32 lanes one load at a time: no cross-thread sum
-        scale = tl.load(scale_ptr)
-        rw_ok = (offs_r < R)[:, None] & (offs_w < Kw)[None, :]
-        rows = x_ptr + offs_r.to(tl.int64)[:, None] * stride_xr
-        w0 = tl.zeros((BLOCK_R, BLOCK_W), tl.int32)
-        w1 = w0
-        w2 = w0
-        w3 = w0
-        w4 = w0
-        w5 = w0
-        w6 = w0
-        w7 = w0
-        for j in tl.static_range(32):
-            k = offs_w * 32 + j
-            ok = rw_ok & (k < K)[None, :]
-            x = tl.load(rows + (k * stride_xk)[None, :], mask=ok, other=0.0).to(tl.float32)
-            c = tl.where(ok, _quantize_codes(x, scale, LO, HI, OFFSET, SHIFT, BITS), 0)
-            w0, w1, w2, w3, w4, w5, w6, w7 = _or_lane(w0, w1, w2, w3, w4, w5, w6, w7, c, j, BITS)
-        _store_words(w0, w1, w2, w3, w4, w5, w6, w7, planes_ptr, offs_r, offs_w, R, Kw, stride_pb, stride_pr,
-                     stride_pw, BITS)
-        return
     offs_k = offs_w[:, None] * 32 + tl.arange(0, 32)[None, :]  # (BLOCK_W, 32)
     r3 = offs_r[:, None, None]
     k3 = offs_k[None, :, :]
     mask = (r3 < R) & (k3 < K)
-
-    x = tl.load(x_ptr + r3 * stride_xr + k3 * stride_xk, mask=mask, other=0.0).to(tl.float32)
-    c = _quantize_codes(x, tl.load(scale_ptr), LO, HI, OFFSET, SHIFT, BITS)
-    codes = tl.where(mask, c, 0)  # the padding stays zero
-    _store_planes(codes, planes_ptr, offs_r, offs_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS)
+    if pid_w * (BLOCK_W * 32) < K:
+        x = tl.load(x_ptr + r3 * stride_xr + k3 * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        c = _quantize_codes(x, tl.load(scale_ptr), LO, HI, OFFSET, SHIFT, BITS)
+        codes = tl.where(mask, c, 0)  # the padding stays zero
+        _store_planes(codes, planes_ptr, offs_r, offs_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS)
+    else:  # the row padding past K (to 512 bits): zeros, nothing to read or quantize
+        _store_zero_planes(planes_ptr, offs_r, offs_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS)
 
 
 @triton.jit
@@ -178,7 +125,7 @@ def _pool_quantize_pack_kernel(
     stride_xn, stride_xh, stride_xw, stride_xk,
     stride_pb, stride_pr, stride_pw,
     LO: tl.constexpr, HI: tl.constexpr, OFFSET: tl.constexpr, SHIFT: tl.constexpr,
-    POOL_S: tl.constexpr, BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, LANE_LOOP: tl.constexpr,
+    POOL_S: tl.constexpr, BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     """2x2 max-pool (stride POOL_S: 2, or 1 with the window clipped at the right / bottom edge, darknet's
     size-keeping pool) in front of the same quantize + pack: pooled row r = (n, po, qo)."""
@@ -191,49 +138,24 @@ def _pool_quantize_pack_kernel(
     t = offs_r // QO
     po = t % PO
     n = (t // PO).to(tl.int64)
-    if LANE_LOOP:  # as in _quantize_pack_kernel
-        scale = tl.load(scale_ptr)
-        rw_ok = (offs_r < R)[:, None] & (offs_w < Kw)[None, :]
-        w0 = tl.zeros((BLOCK_R, BLOCK_W), tl.int32)
-        w1 = w0
-        w2 = w0
-        w3 = w0
-        w4 = w0
-        w5 = w0
-        w6 = w0
-        w7 = w0
-        for j in tl.static_range(32):
-            k = offs_w * 32 + j
-            ok = rw_ok & (k < K)[None, :]
-            m = tl.full((BLOCK_R, BLOCK_W), float("-inf"), tl.float32)
-            for i in tl.static_range(2):
-                for jj in tl.static_range(2):
-                    h = po * POOL_S + i
-                    w = qo * POOL_S + jj
-                    okp = ok & ((h < P) & (w < Q))[:, None]
-                    base = n * stride_xn + h * stride_xh + w * stride_xw
-                    v = tl.load(x_ptr + base[:, None] + (k * stride_xk)[None, :], mask=okp, other=float("-inf"))
-                    m = tl.maximum(m, v.to(tl.float32))
-            c = tl.where(ok, _quantize_codes(m, scale, LO, HI, OFFSET, SHIFT, BITS), 0)
-            w0, w1, w2, w3, w4, w5, w6, w7 = _or_lane(w0, w1, w2, w3, w4, w5, w6, w7, c, j, BITS)
-        _store_words(w0, w1, w2, w3, w4, w5, w6, w7, planes_ptr, offs_r, offs_w, R, Kw, stride_pb, stride_pr,
-                     stride_pw, BITS)
-        return
     r3 = offs_r[:, None, None]
     k3 = offs_k[None, :, :]
     mask = (r3 < R) & (k3 < K)
-    m = tl.full((BLOCK_R, BLOCK_W, 32), float("-inf"), tl.float32)
-    for i in tl.static_range(2):
-        for j in tl.static_range(2):
-            h = po * POOL_S + i
-            w = qo * POOL_S + j
-            ok = mask & ((h < P) & (w < Q))[:, None, None]
-            base = n * stride_xn + h * stride_xh + w * stride_xw
-            v = tl.load(x_ptr + base[:, None, None] + k3 * stride_xk, mask=ok, other=float("-inf"))
-            m = tl.maximum(m, v.to(tl.float32))
-    c = _quantize_codes(m, tl.load(scale_ptr), LO, HI, OFFSET, SHIFT, BITS)
-    codes = tl.where(mask, c, 0)
-    _store_planes(codes, planes_ptr, offs_r, offs_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS)
+    if pid_w * (BLOCK_W * 32) < K:
+        m = tl.full((BLOCK_R, BLOCK_W, 32), float("-inf"), tl.float32)
+        for i in tl.static_range(2):
+            for j in tl.static_range(2):
+                h = po * POOL_S + i
+                w = qo * POOL_S + j
+                ok = mask & ((h < P) & (w < Q))[:, None, None]
+                base = n * stride_xn + h * stride_xh + w * stride_xw
+                v = tl.load(x_ptr + base[:, None, None] + k3 * stride_xk, mask=ok, other=float("-inf"))
+                m = tl.maximum(m, v.to(tl.float32))
+        c = _quantize_codes(m, tl.load(scale_ptr), LO, HI, OFFSET, SHIFT, BITS)
+        codes = tl.where(mask, c, 0)
+        _store_planes(codes, planes_ptr, offs_r, offs_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS)
+    else:
+        _store_zero_planes(planes_ptr, offs_r, offs_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS)
 
 
 @triton.jit
@@ -259,30 +181,29 @@ def _quantize_codes(x, scale, LO: tl.constexpr, HI: tl.constexpr, OFFSET: tl.con
     return c
 
 
-# Tile: TILE_CODES codes per program, BLOCK_W words wide (at most MAX_BLOCK_W, never wider than a row).
-# A fixed 16 x 16-word tile (the first version) left 14 of 16 words masked on a 64-channel row (Kw = 2):
-# 8x the work per byte, and 71 GB/s on the H200 for ResNet-18's 56x56x64 activations.
+# Tile: TILE_CODES codes per program, BLOCK_W words wide (at most MAX_BLOCK_W, never wider than the row's
+# ceil(K / 32) real words).  A row of planes is padded to 512 bits (packed_words: 16 words for K = 64); a
+# program whose words all lie in that padding stores zeros without reading or quantizing anything.  The
+# first version quantized and summed all 16 words of a 64-channel row (14 of them padding): compute-bound
+# (ncu: SM 83%, DRAM 4.5%), 0.89 ms for ResNet-18's 256x56x56x64 activations, 18x a copy of the bytes.
 TILE_CODES = 4096
 MAX_BLOCK_W = 8
-# The fused quantizers' inner structure: True -> each thread builds whole words, one lane load at a time
-# (no cross-thread sum); False -> a (BLOCK_R, BLOCK_W, 32) tile summed over its lane axis.  The
-# environment variable TCPREC_PACK_LANE_LOOP=0/1 overrides it (benchmarks/bench_quant_passes_device.py).
-LANE_LOOP = os.environ.get("TCPREC_PACK_LANE_LOOP", "0") == "1"
 
 
 def pack_tile(Kw: int, block_r: int | None = None, block_w: int | None = None) -> tuple[int, int]:
-    """(BLOCK_R, BLOCK_W) for rows of Kw words: BLOCK_W = min(next_pow2(Kw), MAX_BLOCK_W), BLOCK_R filling
-    TILE_CODES codes; either can be forced."""
+    """(BLOCK_R, BLOCK_W) for rows of Kw real words (ceil(K / 32)): BLOCK_W = min(next_pow2(Kw), MAX_BLOCK_W),
+    BLOCK_R filling TILE_CODES codes; either can be forced."""
     bw = block_w or min(next_power_of_2(max(Kw, 1)), MAX_BLOCK_W)
     br = block_r or max(1, TILE_CODES // (32 * bw))
     return br, bw
 
 
 def _planes_and_grid(R: int, K: int, bits: int, device, block_r: int | None, block_w: int | None):
-    """The output planes int32 (bits, R, Kw), the tile (BLOCK_R, BLOCK_W) and the launch grid."""
+    """The output planes int32 (bits, R, Kw), the tile (BLOCK_R, BLOCK_W) and the launch grid (over all Kw
+    words: the padding's programs store zeros)."""
     Kw = packed_words(K)
     planes = torch.empty((bits, R, Kw), dtype=torch.int32, device=device)  # (bits, R, Kw)
-    br, bw = pack_tile(Kw, block_r, block_w)
+    br, bw = pack_tile(cdiv(K, 32), block_r, block_w)
     return planes, br, bw, (cdiv(R, br), cdiv(Kw, bw))
 
 
@@ -307,8 +228,7 @@ def pack_bitplanes(codes: torch.Tensor, bits: int, *, block_r: int | None = None
 
 
 def quantize_pack(x: torch.Tensor, scale: torch.Tensor, bits: int, lo: int, hi: int, offset: int, shift: int,
-                  *, block_r: int | None = None, block_w: int | None = None, lane_loop: bool | None = None
-                  ) -> torch.Tensor:
+                  *, block_r: int | None = None, block_w: int | None = None) -> torch.Tensor:
     """Launch: x (R, K) float (any row stride), scale a 1-element float32 tensor -> planes int32
     (bits, R, Kw).  ``tcprec.ops.quantize.quantize_pack`` is the public entry point (it derives lo,
     hi, offset, shift from the format)."""
@@ -324,14 +244,14 @@ def quantize_pack(x: torch.Tensor, scale: torch.Tensor, bits: int, lo: int, hi: 
         x.stride(0), x.stride(1),
         planes.stride(0), planes.stride(1), planes.stride(2),
         LO=lo, HI=hi, OFFSET=offset, SHIFT=shift,
-        BITS=bits, BLOCK_R=block_r, BLOCK_W=block_w, LANE_LOOP=LANE_LOOP if lane_loop is None else lane_loop,
+        BITS=bits, BLOCK_R=block_r, BLOCK_W=block_w,
     )
     return planes
 
 
 def pool_quantize_pack(y: torch.Tensor, scale: torch.Tensor, pool_stride: int, bits: int, lo: int, hi: int,
                        offset: int, shift: int, *, block_r: int | None = None,
-                       block_w: int | None = None, lane_loop: bool | None = None) -> torch.Tensor:
+                       block_w: int | None = None) -> torch.Tensor:
     """Launch: y (N, P, Q, K) float, 2x2 max-pool with stride ``pool_stride`` (2: floor, an odd last row /
     column dropped, as nn.MaxPool2d; 1: darknet's size-keeping pool, the window clipped at the edge),
     then ``quantize_pack`` -> planes int32 (bits, N*P'*Q', Kw).  One read of y."""
@@ -348,6 +268,6 @@ def pool_quantize_pack(y: torch.Tensor, scale: torch.Tensor, pool_stride: int, b
         *y.stride(),
         planes.stride(0), planes.stride(1), planes.stride(2),
         LO=lo, HI=hi, OFFSET=offset, SHIFT=shift, POOL_S=pool_stride,
-        BITS=bits, BLOCK_R=block_r, BLOCK_W=block_w, LANE_LOOP=LANE_LOOP if lane_loop is None else lane_loop,
+        BITS=bits, BLOCK_R=block_r, BLOCK_W=block_w,
     )
     return planes
