@@ -269,7 +269,11 @@ class Int8Activation:
 
 
 def _int8_affine(fmt: IntFormat) -> tuple[int, int]:
-    return _int8_codes(torch.zeros(0, dtype=torch.uint8), fmt)[1:]
+    """(offset, step) of ``_int8_codes``'s rule: ``decode(code) = offset + step * x8``.  Only 8-bit unsigned /
+    pm codes are stored shifted (uint8 = 128 + x8, pm8 = 1 + 2 * x8); every other format as its value."""
+    if fmt.bits == 8 and fmt.encoding != "twos":
+        return (128, 1) if fmt.encoding == "unsigned" else (1, 2)
+    return 0, 1
 
 
 # The fused max-pools of the one-pass re-quantize kernels (bit planes and int8): pool -> stride.
@@ -391,8 +395,7 @@ def _int8_codes(codes: torch.Tensor, fmt: IntFormat) -> tuple[torch.Tensor, int,
             return codes.contiguous().view(torch.int8), 0, 1
         return (2 * codes.to(torch.int16) - ((1 << b) - 1)).to(torch.int8), 0, 1
     # 8 bits: store u - 128; uint8 = 128 + x8, pm8 = 2u - 255 = 1 + 2 * x8
-    off, step = (128, 1) if fmt.encoding == "unsigned" else (1, 2)
-    return (codes.to(torch.int16) - 128).to(torch.int8), off, step
+    return (codes.to(torch.int16) - 128).to(torch.int8), *_int8_affine(fmt)
 
 
 def quantize_fp8_static(x: torch.Tensor, scale: torch.Tensor, fmt="e4m3") -> QTensor:
@@ -906,16 +909,14 @@ def _finish_float(plan: _Plan, y: torch.Tensor, out_scale, act_done: bool):
     if not act_done:
         y = rq.apply_act(y, plan.act)
     fmt = plan.out_fmt
+    y4 = y.reshape(g.N, g.P, g.Q, g.K)
+    s = out_scale.to(torch.float32).reshape(1) if out_scale is not None else None
     if plan.out_layout == "int8":  # the next INT8 layer's codes: one Triton pass on CUDA (torch elsewhere)
-        s = out_scale.to(torch.float32).reshape(1)
-        y4 = y.reshape(g.N, g.P, g.Q, g.K)
         return quantize_int8_static(y4, fmt, s, plan.pool, backend="reference" if plan.name == "reference" else "auto")
     if _fused_pack(plan, y.device):
         from ..kernels.triton import pack as tpack  # TRITON_INTERPRET is read at import
         from .quantize import _qp_params
 
-        s = out_scale.to(torch.float32).reshape(1)
-        y4 = y.reshape(g.N, g.P, g.Q, g.K)
         if plan.pool is None:
             planes, shape = tpack.quantize_pack(y4.reshape(-1, g.K), s, fmt.bits, *_qp_params(fmt)), y4.shape
         else:
@@ -923,7 +924,7 @@ def _finish_float(plan: _Plan, y: torch.Tensor, out_scale, act_done: bool):
             planes = tpack.pool_quantize_pack(y4, s, st, fmt.bits, *_qp_params(fmt))
             shape = (g.N, g.P // 2, g.Q // 2, g.K) if st == 2 else tuple(y4.shape)
         return _packed_result(planes, plan, out_scale, shape)
-    y = rq.pool_nhwc(y.reshape(g.N, g.P, g.Q, g.K), plan.pool)  # (N, P', Q', K)
+    y = rq.pool_nhwc(y4, plan.pool)  # (N, P', Q', K)
     if isinstance(plan.out_fmt, FloatFormat):
         return quantize_fp8_static(y, out_scale, plan.out_fmt)  # (N, P', Q', K) float8 codes
     if plan.out_fmt is not None:
