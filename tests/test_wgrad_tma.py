@@ -51,11 +51,15 @@ def test_fp16_vs_fp64(spec):
     _check_wgrad(g, "fp16", dy, x, got)
 
 
+FP8_GEOMS = [(2, 7, 7, 16, 16, 3, 3, 1, 1, 1), (2, 9, 8, 16, 32, 3, 3, 2, 1, 1)]  # fp8: C, K multiples of 16
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
-@pytest.mark.parametrize("spec", [GEOMS[0], GEOMS[3]], ids=_id)
+@pytest.mark.parametrize("spec", FP8_GEOMS, ids=_id)
 def test_bf16_and_fp8_vs_fp64(spec, precision):
-    """bf16 (widened to fp32 in the interpreter, exactly), and fp8: the codes widened exactly to fp16 by
-    ops.conv, the two scales applied in the kernel's epilogue (split 1) or in the split sum."""
+    """bf16 (widened to fp32 in the interpreter, exactly), and fp8: the kernel reads the fp8 codes by TMA and
+    widens each tile exactly to fp16 (WIDEN; the interpreter widens to fp32), the two scales applied in the
+    kernel's epilogue (split 1) or in the split sum."""
     g = _geom(spec)
     dy, _, x = _data(g, seed=1)
     for split in (1, 2):
@@ -212,11 +216,13 @@ def test_bad_inputs():
     g = _geom((2, 8, 8, 16, 16, 3, 3, 1, 1, 1))
     dy, _, x = (t.half() for t in _data(g))
     out = torch.empty(g.weight_shape)
-    with pytest.raises(ValueError, match="K-major"):
-        wt.wgrad_tma(dy.to(torch.float8_e5m2), x.to(torch.float8_e4m3fn), out, g)
-    with pytest.raises(ValueError, match="float16 or bfloat16"):
+    g8 = _geom((2, 8, 8, 8, 16, 3, 3, 1, 1, 1))  # C = 8: 8-byte fp8 rows
+    dy8, _, x8 = _data(g8)
+    with pytest.raises(ValueError, match=r"multiples of 16 for fp8 operands.*C=8"):
+        wt.wgrad_tma(dy8.to(torch.float8_e5m2), x8.to(torch.float8_e4m3fn), torch.empty(g8.weight_shape), g8)
+    with pytest.raises(ValueError, match="float16, bfloat16 or fp8"):
         wt.wgrad_tma(dy.float(), x.float(), out, g)
-    with pytest.raises(ValueError, match="one dtype"):
+    with pytest.raises(ValueError, match="one 16-bit dtype or both be fp8"):
         wt.wgrad_tma(dy, x.bfloat16(), out, g)
     with pytest.raises(ValueError, match=r"dy must be \(N, P, Q, K\)"):
         wt.wgrad_tma(dy[:1], x, out, g)
@@ -239,27 +245,31 @@ def test_bad_inputs():
 
 
 def test_backend_choice_and_explain(monkeypatch):
-    """backend='tma' runs the wgrad kernel and says so; on sm_90 'auto' takes it for 16-bit 3x3 and strided wgrads
-    (the graph-replay tune), not for fp8 ones nor stride-1 1x1 layers; dgrad's auto choice is its TMA kernel for
-    big strided 1x1 layers."""
+    """backend='tma' runs the wgrad kernel and says so; on sm_90 'auto' takes it for 3x3 wgrads (any precision) and
+    16-bit strided 1x1 ones (the graph-replay tunes), not for stride-1 1x1 layers; fp8 strided 1x1 wgrads take the
+    flat kernel; dgrad's auto choice is its TMA kernel for big strided 1x1 layers."""
     g = _geom((2, 9, 9, 16, 8, 3, 3, 2, 1, 1))
     dy, _, x = _data(g)
     s = opc.explain_conv2d_wgrad(dy, x, g.weight_shape, g.stride, g.padding, backend="tma", split_k=2)
     assert "TMA-box implicit GEMM" in s and "4 launch(es)" in s and "split-K 2 ways" in s and "deterministic" in s
-    assert "widened exactly to fp16" in opc.explain_conv2d_wgrad(dy, x, g.weight_shape, g.stride, g.padding,
-                                                                 precision="fp8", backend="tma")
+    g16 = _geom((2, 9, 9, 16, 16, 3, 3, 2, 1, 1))  # fp8 TMA rows: K, C multiples of 16
+    dy16, _, x16 = _data(g16)
+    assert "widened exactly to fp16 in registers" in opc.explain_conv2d_wgrad(
+        dy16, x16, g16.weight_shape, g16.stride, g16.padding, precision="fp8", backend="tma")
+    with pytest.raises(ValueError, match=r"backend='tma' cannot run this wgrad.*multiples of 16 for fp8.*K=8"):
+        opc.explain_conv2d_wgrad(dy, x, g.weight_shape, g.stride, g.padding, precision="fp8", backend="tma")
     # pretend to be on an sm_90 GPU: auto's choice for a big strided 1x1 layer
     monkeypatch.setattr(opc, "choose_backend", lambda t, backend, kernel: ("triton", "pretend CUDA"))
     monkeypatch.setattr(opc, "_is_sm90", lambda t: True)
     big = _geom((256, 28, 28, 512, 256, 1, 1, 2, 0, 1))
     t = torch.empty(0)
     for prec in ("fp16", "bf16", "fp8"):
-        assert opc._choose("wgrad", big, t, prec, "auto")[0] == ("tma" if prec != "fp8" else "gemm")
+        assert opc._choose("wgrad", big, t, prec, "auto")[0] == ("tma" if prec != "fp8" else "flat")
         assert opc._choose("dgrad", big, t, prec, "auto")[0] == "tma"
         assert opc._choose("wgrad", big, t, prec, "tma")[0] == "tma"
     g33 = _geom((256, 28, 28, 128, 128, 3, 3, 1, 1, 1))
     assert opc._choose("wgrad", g33, t, "fp16", "auto")[0] == "tma"
-    assert opc._choose("wgrad", g33, t, "fp8", "auto")[0] == "triton"
+    assert opc._choose("wgrad", g33, t, "fp8", "auto")[0] == "tma"
     assert opc._choose("wgrad", _geom((256, 14, 14, 256, 1024, 1, 1, 1, 0, 1)), t, "fp16", "auto")[0] == "gemm"
 
 
@@ -325,7 +335,7 @@ def _aot_wgrad_tma(dtype: str, bm: int, bn: int, box: tuple[int, int, int], num_
     from triton.compiler import ASTSource
 
     fn = wt._wgrad_tma_kernel
-    consts = dict(HAS_SCALE=False, SPLIT_OUT=True, UPCAST=False, BLOCK_M=bm, BLOCK_N=bn, BOX_N=box[0], BOX_P=box[1],
+    consts = dict(HAS_SCALE=False, SPLIT_OUT=True, UPCAST=False, WIDEN=dtype.startswith("fp8"), BLOCK_M=bm, BLOCK_N=bn, BOX_N=box[0], BOX_P=box[1],
                   BOX_Q=box[2])
     vals = dict(K=128, C=128, RSC=9 * 128)
     nospec = set(fn.do_not_specialize) | {fn.arg_names[i] for i in fn.do_not_specialize if isinstance(i, int)}
@@ -348,7 +358,8 @@ def _aot_wgrad_tma(dtype: str, bm: int, bn: int, box: tuple[int, int, int], num_
 def _aot_report() -> dict:
     cases = {"row_fp16_128x128x64": ("fp16", 128, 128, (1, 1, 64), 8, 4),  # 56x56's pick: a row box
              "row_bf16_64x64x16": ("bf16", 64, 64, (1, 1, 16), 4, 8),  # 14x14's BLOCK_L (64-channel tile)
-             "box_fp16_128x128x64": ("fp16", 128, 128, (8, 1, 8), 8, 4)}  # 7x7's pick: a several-image box
+             "box_fp16_128x128x64": ("fp16", 128, 128, (8, 1, 8), 8, 4),  # 7x7's pick: a several-image box
+             "row_fp8_128x128x64": ("fp8e4nv", 128, 128, (1, 1, 64), 8, 4)}  # fp8 tiles widened in registers
     out = {}
     for name, args in cases.items():
         k = _aot_wgrad_tma(*args)
@@ -363,7 +374,8 @@ def test_kernel_compiles_to_tma_and_wgmma_for_sm90():
     rep = json.loads(run_aot(__file__, timeout=240).strip().splitlines()[-1])
     for name, want in (("row_fp16_128x128x64", "m64n128k16.f32.f16.f16"),
                        ("row_bf16_64x64x16", "m64n64k16.f32.bf16.bf16"),
-                       ("box_fp16_128x128x64", "m64n128k16.f32.f16.f16")):
+                       ("box_fp16_128x128x64", "m64n128k16.f32.f16.f16"),
+                       ("row_fp8_128x128x64", "m64n128k16.f32.f16.f16")):
         ptx = rep[name]["ptx"]
         assert "cp.async.bulk.tensor.4d" in ptx, f"{name}: operands are not loaded by 4-D TMA"
         assert f"wgmma.mma_async.sync.aligned.{want}" in ptx, f"{name}: no wgmma {want}"

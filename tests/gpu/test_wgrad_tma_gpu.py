@@ -39,8 +39,12 @@ def _wgrad(dy, x, g, **kw):
     return opc.conv2d_wgrad(dy, x, g.weight_shape, g.stride, g.padding, g.dilation, backend="tma", **kw)
 
 
-@pytest.mark.parametrize("precision", ["fp16", "bf16", "fp8"])
-@pytest.mark.parametrize("spec", GEOMS, ids=lambda s: "x".join(map(str, s[:7])) + f"_s{s[7]}p{s[8]}d{s[9]}")
+# fp8 rows need 16 bytes: K and C multiples of 16 (the two geometries that are not are refused: test_fp8_refusal)
+CASES = [(s, p) for s in GEOMS for p in ("fp16", "bf16", "fp8") if p != "fp8" or (s[3] % 16 == 0 and s[4] % 16 == 0)]
+
+
+@pytest.mark.parametrize("spec,precision", CASES,
+                         ids=lambda v: v if isinstance(v, str) else "x".join(map(str, v[:7])) + f"_s{v[7]}p{v[8]}d{v[9]}")
 def test_vs_fp64(spec, precision):
     g = _geom(spec)
     dy, _, x = _data(g, seed=hash(spec) % 1000)
@@ -107,8 +111,8 @@ def test_compiled_kernel_uses_tma_and_wgmma():
 
 
 def test_auto_picks_tma_for_16_bit_3x3_and_strided_wgrad():
-    """auto runs 16-bit 3x3 and strided wgrads on the TMA-box kernel on sm_90 (the graph-replay tune), keeps cuBLAS
-    for stride-1 1x1 layers and the widening Triton path for fp8."""
+    """auto runs 16-bit 3x3 and strided wgrads on the TMA-box kernel on sm_90 (the graph-replay tune) and keeps
+    cuBLAS for stride-1 1x1 layers; fp8 3x3 wgrads take it too (fp8 1x1: tests/gpu/test_wgrad_flat_gpu.py)."""
     for spec, want in (((64, 28, 28, 512, 256, 1, 1, 2, 0, 1), True), ((8, 28, 28, 128, 128, 3, 3, 1, 1, 1), True),
                        ((8, 14, 14, 256, 1024, 1, 1, 1, 0, 1), False)):
         g = _geom(spec)
@@ -119,8 +123,16 @@ def test_auto_picks_tma_for_16_bit_3x3_and_strided_wgrad():
             s = opc.explain_conv2d_wgrad(dy, x, g.weight_shape, g.stride, g.padding, precision=prec)
             assert ("TMA-box" in s) == want, (spec, s)
         s8 = opc.explain_conv2d_wgrad(dy.half(), x.half(), g.weight_shape, g.stride, g.padding, precision="fp8")
-        assert "TMA-box" not in s8
+        assert ("TMA-box" in s8) == (g.R == 3), s8  # fp8: 3x3 on the TMA-box kernel, 1x1 on GEMMs
     g = _geom((4, 28, 28, 128, 128, 3, 3, 1, 1, 1))
     dy, _, x = _data(g, seed=5)
     got = opc.conv2d_wgrad(dy.half(), x.half(), g.weight_shape, 1, 1)  # auto: the TMA kernel at its pick
     check_wgrad(g, "fp16", dy, x, got)
+
+
+def test_fp8_refusal():
+    """fp8 with C or K not a multiple of 16 (8-byte or 40-byte rows): refused with the rule, not run wrong."""
+    g = _geom(GEOMS[-1])
+    dy, _, x = _data(g)
+    with pytest.raises(ValueError, match="multiples of 16 for fp8 operands"):
+        _wgrad(dy, x, g, precision="fp8")

@@ -241,7 +241,8 @@ def _workload(layer: Layer, N: int, device, l2_bytes, precisions, warmup_ms, rep
                                                    g.weight_shape, st, pd, precision=precision)
             row = {"op": op, "batch": N, "layer": layer.name, "H": g.H, "C": g.C, "K": g.K, "R": g.R,
                    "stride": layer.stride, "precision": precision, "flops": g.flops,
-                   "path": ("tma" if "TMA GEMM path" in explain or "TMA-box" in explain
+                   "path": ("flat" if "flat-shift" in explain
+                            else "tma" if "TMA GEMM path" in explain or "TMA-box" in explain
                             else "gemm" if "GEMM path" in explain
                             else "fprop" if "cuDNN forward conv" in explain
                             else "triton" if "Triton" in explain else "reference"),

@@ -35,8 +35,12 @@ Backends (``backend=``)
 * ``"tma"``: dgrad -- ``kernels/triton/gemm_scatter.py``; unpadded 1x1 layers, K and C multiples of 8 (16
   for fp8).  wgrad -- ``kernels/triton/wgrad_tma.py``, an implicit GEMM whose dy and x tiles are 4-D TMA
   boxes (the padding is TMA's zero fill; strided layers read one descriptor per stride phase of x);
-  any filter, stride and dilation, K and C multiples of 8, fp8 widened exactly to fp16 first (slow:
-  ``"auto"`` keeps fp8 wgrad on the Triton path).
+  any filter, stride and dilation, K and C multiples of 8 (16 for fp8, whose tiles it widens exactly to fp16
+  in registers); ``"auto"`` runs fp8 3x3 wgrads here too.
+* ``"flat"`` (wgrad only): ``kernels/triton/wgrad_flat.py``, one GEMM over the flat pixel index.  fp8: 1x1
+  unpadded layers, both operands K-major (a strided layer's pixels gathered first); ``"auto"`` takes it for
+  strided fp8 1x1 layers and stride-1 ones with 2**15 <= N*P*Q < 2**19 (measured faster than cuBLAS there).
+  16-bit: stride-1 "same" layers, NHWC, wrapped taps masked (measured slower than ``"tma"``: never auto).
 * ``"gemm"``: cuBLAS; unpadded 1x1 layers only (strided dgrad: the rows, then one Triton pass that
   scatters them into dx with the zeros).
 * ``"fprop"`` (dgrad only): cuDNN's forward convolution with the rotated filter; stride 1, fp16 /
@@ -75,7 +79,7 @@ __all__ = [
 ]
 
 PRECISIONS = ("fp16", "bf16", "fp8")
-BACKENDS = ("auto", "triton", "tma", "gemm", "fprop", "reference")
+BACKENDS = ("auto", "triton", "tma", "flat", "gemm", "fprop", "reference")
 _DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -180,14 +184,23 @@ def prepare_fp8_wgrad(grad_out: torch.Tensor, input: torch.Tensor, weight_shape=
     """dy as e5m2 in (K, N, P, Q) memory order (the reduction index contiguous) and x as e4m3:
     NHWC for the Triton kernel, (C, N, H, W) order for the cuBLAS GEMM of a 1x1 stride-1 layer
     (``weight_shape`` etc. decide which path :func:`conv2d_wgrad` will take)."""
-    dyq = to_fp8(grad_out, "e5m2", memory_order=_CFIRST)
-    order = _NHWC
+    dy_order, x_order = _CFIRST, _NHWC
     if weight_shape is not None:
         g = conv_geometry(tuple(input.shape), tuple(weight_shape), stride, padding, dilation)
         path, _ = _choose("wgrad", g, input, "fp8", backend)
-        if path == "gemm":
-            order = _CFIRST
-    return dyq, to_fp8(input, "e4m3", memory_order=order)
+        dy_order, x_order = _wgrad_orders(path, g)
+    return to_fp8(grad_out, "e5m2", memory_order=dy_order), to_fp8(input, "e4m3", memory_order=x_order)
+
+
+def _wgrad_orders(path: str, g: ConvGeometry) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The memory orders of fp8 dy and x each wgrad path reads without a copy: K-major (pixel index
+    contiguous) for the cuBLAS and flat GEMMs (x NHWC when strided: the flat path gathers its pixels from
+    channel-contiguous rows), NHWC for the TMA-box kernel (its boxes are channel-contiguous)."""
+    if path == "tma":
+        return _NHWC, _NHWC
+    if path == "gemm" or (path == "flat" and g.stride == (1, 1)):
+        return _CFIRST, _CFIRST
+    return _CFIRST, _NHWC
 
 
 # ------------------------------------------------------------------------------------------------
@@ -320,14 +333,48 @@ def _auto_wgrad_tma(g: ConvGeometry, precision: str, ref_t) -> str | None:
     unpadded 1x1 (a plain GEMM: cuBLAS) on sm_90: graph-replay tune on the H200 (benchmarks/results/
     wgrad_tma_tune.json), the kernel at its pick beat the Triton implicit GEMM / cuBLAS-after-copy paths on the
     ten 3x3 and strided 1x1 ResNet-50 layers at N = 8 and 256 (fp8 stays on the widening Triton path: its
-    operands would need a transposing copy first)."""
+    operands would need a transposing copy first).  fp8: the kernel widens its fp8 tiles to fp16 in registers
+    (WIDEN); it runs the non-1x1 layers (1x1 ones are GEMMs: the flat kernel or cuBLAS, _auto_wgrad_flat)."""
     if not _is_sm90(ref_t) or not _tma_ok("wgrad", g, precision)[0]:
         return None
-    if (g.R, g.S) == (1, 1) and g.stride == (1, 1) and g.padding == (0, 0):
+    if (g.R, g.S) == (1, 1) and g.padding == (0, 0) and (g.stride == (1, 1) or precision == "fp8"):
         return None
     return ("a 3x3 or strided layer on sm_90: the TMA-box implicit GEMM (4-D TMA boxes of dy and x, the zero fill "
             "as padding, deterministic split-K), measured faster than the Triton implicit GEMM and than cuBLAS after "
             "copying the strided slice")
+
+
+def _flat_ok(op: str, g: ConvGeometry, precision: str) -> tuple[bool, str]:
+    """Can this wgrad run on the flat-shift kernel (kernels/triton/wgrad_flat.py)?  fp8: 1x1 unpadded layers, any
+    stride (one GEMM over the filter's pixels, both operands K-major); 16-bit: stride-1 "same" layers (NHWC)."""
+    if op != "wgrad":
+        return False, "the flat-shift kernel computes wgrad only"
+    from ..kernels.triton import wgrad_flat as wf
+
+    if precision == "fp8":
+        return wf.supported(wf.flat_geometry(g), FP8_DTYPES["e4m3"], True)
+    return wf.supported(g, _DTYPE[precision], False)
+
+
+# fp8 1x1 wgrad on sm_90, graph-replay tune on the H200 (benchmarks/tune_wgrad_flat_device.py, results/
+# wgrad_flat_tune_256.json): the flat kernel beat cuBLAS's _scaled_mm on the 28x28 and 14x14 stride-1 layers
+# (L = N*P*Q = 200704 / 50176: 47 vs 57 us, 34 vs 46 us) and lost on 56x56 (L = 802816: 73 vs 66 us) and 7x7
+# (L = 12544: 27 vs 24 us); strided layers always take it (cuBLAS needs x's strided slice copied first).
+_FLAT_MIN_L, _FLAT_MAX_L = 1 << 15, 1 << 19
+
+
+def _auto_wgrad_flat(g: ConvGeometry, precision: str, ref_t) -> str | None:
+    """Why auto runs this fp8 wgrad on the flat kernel (None: it does not)."""
+    if precision != "fp8" or not _is_sm90(ref_t) or not _flat_ok("wgrad", g, precision)[0]:
+        return None
+    L = g.N * g.P * g.Q
+    if g.stride != (1, 1):
+        return ("a strided 1x1 fp8 layer on sm_90: one pass gathers x's strided pixels K-major, then the flat-shift "
+                "kernel's fp8 wgmma GEMM (measured faster than cuBLAS after torch's strided copy)")
+    if _FLAT_MIN_L <= L < _FLAT_MAX_L:
+        return (f"a 1x1 fp8 layer with L = N*P*Q = {L} in [{_FLAT_MIN_L}, {_FLAT_MAX_L}) on sm_90: the flat-shift "
+                "kernel (fp8 wgmma, split-K) measured faster than cuBLAS's _scaled_mm there")
+    return None
 
 
 def _fprop_ok(op: str, g: ConvGeometry, precision: str, activation, out_dtype) -> tuple[bool, str]:
@@ -356,7 +403,7 @@ def _tma_ok(op: str, g: ConvGeometry, precision: str) -> tuple[bool, str]:
     if op == "wgrad":
         from ..kernels.triton import wgrad_tma as wt
 
-        return wt.supported(g)
+        return wt.supported(g, FP8_DTYPES["e4m3"] if precision == "fp8" else None)
     from ..kernels.triton import gemm_scatter as gs
 
     return gs.supported(g, precision == "fp8")
@@ -400,6 +447,12 @@ def _choose(op: str, g: ConvGeometry, t, precision: str, backend: str, activatio
             raise ValueError(f"backend='fprop' runs cuDNN and needs CUDA tensors, got device {ref_t.device}; "
                              "use backend='reference' on the CPU")
         return "fprop", f"asked for cuDNN's forward conv ({why})"
+    if backend == "flat":
+        ok, why = _flat_ok(op, g, precision)
+        if not ok:
+            raise ValueError(f"backend='flat' cannot run this {op}: {why}; use backend='tma', 'triton' or 'auto'")
+        choose_backend(ref_t, "triton", kernel="Triton flat-shift wgrad")  # raises where it cannot run
+        return "flat", f"asked for the flat-shift wgrad kernel ({why})"
     if backend == "gemm":
         ok, why = _gemm_ok(op, g, precision)
         if not ok:
@@ -410,7 +463,10 @@ def _choose(op: str, g: ConvGeometry, t, precision: str, backend: str, activatio
         return path, why
     if backend == "auto":
         ok, gwhy = _gemm_ok(op, g, precision)
-        wtma = _auto_wgrad_tma(g, precision, ref_t) if op == "wgrad" and precision != "fp8" else None
+        wflat = _auto_wgrad_flat(g, precision, ref_t) if op == "wgrad" else None
+        if wflat:
+            return "flat", f"{wflat} ({why})"
+        wtma = _auto_wgrad_tma(g, precision, ref_t) if op == "wgrad" else None
         if wtma:
             return "tma", f"{wtma} ({why})"
         pref = _auto_prefers_triton(op, g, precision) if ok else None
@@ -721,8 +777,9 @@ def conv2d_wgrad(grad_out, input, weight_shape, stride=1, padding=0, dilation=1,
     path, _ = _choose("wgrad", g, grad_out, precision, backend)
     if min(g.weight_shape) == 0 or g.N == 0:  # nothing to sum: dw is all zeros
         return torch.zeros(g.weight_shape, dtype=out_dtype, device=device)
-    dy = _lowp(grad_out, precision, "e5m2", _CFIRST)
-    x = _lowp(input, precision, "e4m3", _CFIRST if path == "gemm" else _NHWC)
+    dy_order, x_order = _wgrad_orders(path, g)
+    dy = _lowp(grad_out, precision, "e5m2", dy_order)
+    x = _lowp(input, precision, "e4m3", x_order)
 
     if path == "reference":
         with _no_tf32():
@@ -752,16 +809,28 @@ def conv2d_wgrad(grad_out, input, weight_shape, stride=1, padding=0, dilation=1,
                 dw = torch.matmul(dy.reshape(M, g.K).t(), xs.reshape(M, g.C)).to(out_dtype)
         return dw.view(g.weight_shape)
 
+    if path == "flat":
+        from ..kernels.triton import wgrad_flat as wf
+
+        out = torch.empty(g.weight_shape, dtype=out_dtype, device=device)
+        if precision == "fp8":  # one GEMM over the pixels the 1x1 filter reads, both operands K-major
+            dy_m = wf.kmajor_rows(dy.data.permute(3, 0, 1, 2).reshape(g.K, g.N * g.P * g.Q))
+            x_m = wf.kmajor_pixels(x.data, g.stride)
+            wf.wgrad_flat(dy_m, x_m, out, wf.flat_geometry(g), scales=_scales(dy, x), split_k=split_k, config=config)
+        else:
+            wf.wgrad_flat(_tma_rows(dy), _tma_rows(x), out, g, split_k=split_k, config=config)
+        return out
+
     if path == "tma":
         from ..kernels.triton import wgrad_tma as wt
 
         out = torch.empty(g.weight_shape, dtype=out_dtype, device=device)
         if precision == "fp8":
-            # wgmma reads fp8 only K-major; both wgrad tiles are channel-major.  Widen the codes exactly to fp16
-            # in NHWC order (one pass each, inside the op's time) and apply the scales in the epilogue.
-            dy16 = torch.empty(g.output_shape, dtype=torch.float16, device=device).copy_(dy.data)
-            x16 = torch.empty(g.input_shape, dtype=torch.float16, device=device).copy_(x.data)
-            wt.wgrad_tma(dy16, x16, out, g, scales=_scales(dy, x), split_k=split_k, config=config)
+            # wgmma reads fp8 only K-major and both wgrad tiles are channel-major: the kernel widens each fp8 tile
+            # exactly to fp16 in registers (WIDEN) and applies the scales in its epilogue.  Its TMA boxes need
+            # NHWC-contiguous codes (prepare_fp8_wgrad makes them; another order costs one copy here).
+            wt.wgrad_tma(_tma_rows(dy.data), _tma_rows(x.data), out, g, scales=_scales(dy, x), split_k=split_k,
+                         config=config)
         else:
             wt.wgrad_tma(_tma_rows(dy), _tma_rows(x), out, g, split_k=split_k, config=config)
         return out
@@ -806,6 +875,24 @@ def explain_conv2d_wgrad(grad_out, input, weight_shape, stride=1, padding=0, dil
                 + ("; the fp8 operands are first widened exactly to fp16 (one pass each) and multiplied on the "
                    "16-bit tensor cores (fp8 wgmma would need x transposed through registers)"
                    if precision == "fp8" else ""))
+    elif path == "flat":
+        from ..kernels.triton import conv_bwd as kt
+        from ..kernels.triton import wgrad_flat as wf
+
+        dev = grad_out.data.device if isinstance(grad_out, Fp8Tensor) else grad_out.device
+        gf = wf.flat_geometry(g) if precision == "fp8" else g
+        cfg = wf.config_for(gf, None, 1 if precision == "fp8" else 2)
+        split = split_k or wf.split_for(gf, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_L"], kt.sm_count(dev))
+        body = (("Triton flat-shift kernel (kernels/triton/wgrad_flat.py), K-major fp8: one fp8 wgmma GEMM "
+                 f"dw (K, C) = dy^T (K, L) @ x (L, C) over the L = {gf.N * gf.P * gf.Q} pixels the 1x1 filter reads"
+                 + ("" if g.stride == (1, 1) else f" (x's strided pixels x[:, ::{g.stride[0]}, ::{g.stride[1]}] "
+                    "gathered K-major by one Triton pass first, part of the op's time)")
+                 if precision == "fp8" else
+                 "Triton flat-shift kernel (kernels/triton/wgrad_flat.py), NHWC: each tap's x rows are dy's rows "
+                 "shifted by a constant, wrapped pixels masked (dy's tile through registers)")
+                + f", {cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_L']} tiles, "
+                + (f"split-K {split} ways into an fp32 workspace, then a fixed-order sum (deterministic, no atomics)"
+                   if split > 1 else "no split-K") + "; fp32 accumulation")
     elif path == "tma":
         from ..kernels.triton import conv_bwd as kt
         from ..kernels.triton import wgrad_tma as wt
@@ -822,8 +909,8 @@ def explain_conv2d_wgrad(grad_out, input, weight_shape, stride=1, padding=0, dil
                 + (f"split-K {split} ways into an fp32 workspace, then a fixed-order sum (deterministic, no atomics)"
                    if split > 1 else "no split-K (one program reduces all N*P*Q rows of its tile)")
                 + "; fp32 accumulation"
-                + ("; the fp8 operands are first widened exactly to fp16 (one pass each): wgmma reads fp8 only "
-                   "K-major" if precision == "fp8" else ""))
+                + ("; the fp8 tiles are widened exactly to fp16 in registers (wgmma reads fp8 only K-major)"
+                   if precision == "fp8" else ""))
     else:
         body = "pure-torch reference: operands rounded to the precision, float32 torch.nn.grad.conv2d_weight"
     return f"{head}: {body}. Reason: {why}."
