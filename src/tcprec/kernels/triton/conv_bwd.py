@@ -110,6 +110,16 @@ def _fastdiv(x, m, s):
 
 
 @triton.jit
+def _wgrad_tile(C, N_TAPS, BLOCK_N: tl.constexpr):
+    """The wgrad kernels' grid: axis 0 enumerates (k-block, tap, c-block) tiles, c-block fastest, then tap (so
+    neighbours share dy's tile in L2), then k-block; axis 1 is the split.  Returns (pid_k, tap, pid_c, split)."""
+    pid = tl.program_id(0)
+    num_c = tl.cdiv(C, BLOCK_N)
+    rest = pid // num_c
+    return rest // N_TAPS, rest % N_TAPS, pid % num_c, tl.program_id(1)
+
+
+@triton.jit
 def _mma(a, b, acc, IS_FP8: tl.constexpr, FAST_ACCUM: tl.constexpr, UPCAST: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc + a @ b with fp32 accumulation: fp8 products promoted into fp32 every BLOCK_K (unless FAST_ACCUM);
     UPCAST widens the tiles first (the interpreter multiplies bfloat16 as raw uint16 bits)."""
@@ -292,13 +302,7 @@ def _wgrad_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
 ):
     # ---- which tile: c-block fastest, then tap, then k-block; the split is grid axis 1 ----
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
-    num_c = tl.cdiv(C, BLOCK_N)
-    pid_c = pid % num_c
-    rest = pid // num_c
-    tap = rest % (R * S)
-    pid_k = rest // (R * S)
+    pid_k, tap, pid_c, split = _wgrad_tile(C, R * S, BLOCK_N)
     r = tap // S
     s = tap % S
     offs_k = pid_k * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -42,7 +42,7 @@ import triton.language as tl
 
 from ..reference_conv import ACT_NONE, ConvGeometry
 from ._host import cdiv
-from .conv_bwd import _fastdiv, _magic, _one, _store_dw, _sum_splits, interpreting, sm_count
+from .conv_bwd import _fastdiv, _magic, _one, _store_dw, _sum_splits, _wgrad_tile, interpreting, sm_count
 
 __all__ = ["wgrad_flat", "supported", "geometry_ok", "pick", "split_for", "config_for", "CONFIGS",
            "INTERPRETER_CONFIG", "ALIGN"]
@@ -79,14 +79,7 @@ def _wgrad_flat_kernel(
     KMAJOR: tl.constexpr, MASK: tl.constexpr, HAS_SCALE: tl.constexpr, SPLIT_OUT: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
 ):
-    # ---- which tile: c-block fastest, then tap, then k-block (neighbours share dy's tile in L2) ----
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
-    num_c = tl.cdiv(C, BLOCK_N)
-    pid_c = pid % num_c
-    rest = pid // num_c
-    tap = rest % N_TAPS
-    pid_k = rest // N_TAPS
+    pid_k, tap, pid_c, split = _wgrad_tile(C, N_TAPS, BLOCK_N)
     r = tap // S
     s = tap % S
     dr = r * dh - ph

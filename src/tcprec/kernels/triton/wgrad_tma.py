@@ -73,7 +73,7 @@ import triton.language as tl
 
 from ..reference_conv import ACT_NONE, ConvGeometry
 from ._host import cdiv, next_power_of_2
-from .conv_bwd import _one, _store_dw, _sum_splits, interpreting, sm_count
+from .conv_bwd import _one, _store_dw, _sum_splits, _wgrad_tile, interpreting, sm_count
 
 __all__ = ["wgrad_tma", "supported", "choose_box", "pick", "split_for", "plan", "config_for", "phase_launches",
            "CONFIGS", "INTERPRETER_CONFIG"]
@@ -120,14 +120,8 @@ def _wgrad_tma_kernel(
 ):
     BLOCK_L: tl.constexpr = BOX_N * BOX_P * BOX_Q
 
-    # ---- which tile: c-block fastest, then tap, then k-block (neighbours share dy and overlapping x in L2) ----
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
-    num_c = tl.cdiv(C, BLOCK_N)
-    pid_c = pid % num_c
-    rest = pid // num_c
-    tap = rest % N_TAPS
-    pid_k = rest // N_TAPS
+    # ---- which tile (conv_bwd._wgrad_tile: neighbours share dy and overlapping x in L2) ----
+    pid_k, tap, pid_c, split = _wgrad_tile(C, N_TAPS, BLOCK_N)
     i = tap // N_TW
     j = tap % N_TW
     r = r0 + i * r_step
