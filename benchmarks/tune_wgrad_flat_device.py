@@ -9,7 +9,10 @@ Strided 1x1 layers run the kernel on x[:, ::s, ::s] (a stride-1 1x1 layer); the 
 by CUDA-graph replay (``tcprec.bench.common.time_graph_ms``), cuDNN alike.  Prints JSON lines and a table and
 writes ``$OUT/wgrad_flat_tune.json``.
 
-    PYTHONPATH=src python3 benchmarks/tune_wgrad_flat_device.py [--batch 256] [--layers 2,6,11,16] [--fp16]
+``--batch-inner``: every layer (3x3 and strided ones included) in fp8 with batch-inner operands (dy stored
+(K, P, Q, N), x (C, H, W, N): ``ops.conv.prepare_fp8_wgrad``'s layout when N is a multiple of 16), no subsample pass.
+
+    PYTHONPATH=src python3 benchmarks/tune_wgrad_flat_device.py [--batch 256] [--layers 2,6,11,16] [--batch-inner]
 """
 
 from __future__ import annotations
@@ -31,16 +34,20 @@ from tcprec.kernels.triton import wgrad_flat as wf
 from tcprec.ops import conv as opc
 
 
+BATCH_INNER = False  # set by --batch-inner (module-level: the compile workers read it from their arguments)
+_BI = (3, 1, 2, 0)
+
+
 def flat_geometry(g: ConvGeometry) -> ConvGeometry:
-    """The stride-1 geometry the kernel runs: a strided 1x1 layer on its subsampled input."""
-    if g.stride != (1, 1) and g.R == g.S == 1 and g.padding == (0, 0):
+    """The stride-1 geometry the kernel runs: a strided 1x1 layer on its subsampled input (batch-inner: itself)."""
+    if not BATCH_INNER and g.stride != (1, 1) and g.R == g.S == 1 and g.padding == (0, 0):
         return ConvGeometry(g.N, g.P, g.Q, g.C, g.K, 1, 1, (1, 1), (0, 0), (1, 1))
     return g
 
 
 def candidates(g: ConvGeometry, fp16: bool) -> list[dict]:
     """pick()'s config first, then every config of CONFIGS (CONFIGS16) whose tile the channels fill."""
-    pick = wf.pick(g, 2 if fp16 else 1)
+    pick = wf.pick(g, 2 if fp16 else 1, BATCH_INNER)
     out = [dict(pick, pick=True)]
     for c in (wf.CONFIGS16 if fp16 else wf.CONFIGS):
         if c["BLOCK_M"] <= max(64, g.K) and c["BLOCK_N"] <= max(64, g.C) and c != pick:
@@ -62,8 +69,9 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _fp16_mode(g: ConvGeometry) -> bool:
-    """3x3 (any non-1x1) layers: fp16 NHWC flat shift vs the TMA-box kernel; 1x1 layers: fp8 K-major vs cuBLAS."""
-    return (g.R, g.S) != (1, 1)
+    """3x3 (any non-1x1) layers: fp16 NHWC flat shift vs the TMA-box kernel; 1x1 layers: fp8 K-major vs cuBLAS
+    (batch-inner: fp8 everywhere)."""
+    return (g.R, g.S) != (1, 1) and not BATCH_INNER
 
 
 def _operands(g: ConvGeometry, gf: ConvGeometry, seed: int):
@@ -73,13 +81,18 @@ def _operands(g: ConvGeometry, gf: ConvGeometry, seed: int):
     dy = torch.randn(g.N, g.P, g.Q, g.K, device="cuda", generator=gen)
     if _fp16_mode(g):
         return x, dy, (dy.half(), x.half()), None
+    if BATCH_INNER:
+        dyq, xq = opc.to_fp8(dy, "e5m2", memory_order=_BI), opc.to_fp8(x, "e4m3", memory_order=_BI)
+        return x, dy, (dyq.data, xq.data), (dyq.scale, xq.scale)
     dyq, xq = opc.to_fp8(dy, "e5m2"), opc.to_fp8(x, "e4m3")
     xs = xq.data if gf is g else xq.data[:, ::g.stride[0], ::g.stride[1], :]
     ops = (_rows(dyq.data.permute(3, 0, 1, 2).reshape(g.K, -1)), _rows(xs.permute(3, 0, 1, 2).reshape(g.C, -1)))
     return x, dy, ops, (dyq.scale, xq.scale)
 
 
-def _compile_task(layer: int, N: int, cfg: dict, split: int) -> tuple[str, float, str | None]:
+def _compile_task(layer: int, N: int, cfg: dict, split: int, batch_inner: bool) -> tuple[str, float, str | None]:
+    global BATCH_INNER
+    BATCH_INNER = batch_inner
     t0 = time.time()
     try:
         g = RESNET50_LAYERS[layer].geometry(N)
@@ -102,7 +115,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--layers", default=None)
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 4))
+    ap.add_argument("--batch-inner", action="store_true")
     args = ap.parse_args()
+    global BATCH_INNER
+    BATCH_INNER = args.batch_inner
     import triton
 
     N = args.batch
@@ -116,13 +132,13 @@ def main() -> None:
     for i in layers:
         g = RESNET50_LAYERS[i].geometry(N)
         gf = flat_geometry(g)
-        plans[i] = [(c, wf.split_for(gf, c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_L"], sms))
+        plans[i] = [(c, wf.split_for(gf, c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_L"], sms, BATCH_INNER, c["num_stages"]))
                     for c in candidates(gf, _fp16_mode(g))]
     tasks = [(i, _kcfg(c), s) for i in layers for c, s in plans[i]]
-    tasks += [(i, _kcfg(c), s * 2) for i in layers for c, s in plans[i][:1]]
+    tasks += [(i, _kcfg(c), m) for i in layers for c, s in plans[i][:1] for m in (s * 2, max(1, s // 2))]
     errors = []
     with ProcessPoolExecutor(max_workers=args.workers, mp_context=get_context("spawn")) as pool:
-        for f in as_completed([pool.submit(_compile_task, i, N, c, s) for i, c, s in tasks]):
+        for f in as_completed([pool.submit(_compile_task, i, N, c, s, BATCH_INNER) for i, c, s in tasks]):
             name, _, err = f.result()
             if err:
                 errors.append(f"{name}: {err}")
@@ -197,6 +213,8 @@ def main() -> None:
 
         lr = [run(c, s, "config") for c, s in plans[i]]
         lr.append(run(plans[i][0][0], plans[i][0][1] * 2, "split2x"))
+        if plans[i][0][1] > 1:
+            lr.append(run(plans[i][0][0], plans[i][0][1] // 2, "split/2"))
         timed = [r for r in lr if r["ms"] is not None]
         best = min(timed, key=lambda r: r["ms"]) if timed else None
         pick = lr[0]
@@ -225,7 +243,7 @@ def main() -> None:
     tot["seconds"] = round(time.time() - t0)
     print(json.dumps(tot), flush=True)
     out = os.environ.get("OUT", "/tmp")
-    with open(os.path.join(out, f"wgrad_flat_tune_{N}.json"), "w") as fh:
+    with open(os.path.join(out, f"wgrad_flat_tune_{'bi_' if BATCH_INNER else ''}{N}.json"), "w") as fh:
         json.dump(dict(env=env, rows=rows, summary=summary, totals=tot), fh, indent=1)
 
 

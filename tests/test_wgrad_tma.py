@@ -245,9 +245,10 @@ def test_bad_inputs():
 
 
 def test_backend_choice_and_explain(monkeypatch):
-    """backend='tma' runs the wgrad kernel and says so; on sm_90 'auto' takes it for 3x3 wgrads (any precision) and
-    16-bit strided 1x1 ones (the graph-replay tunes), not for stride-1 1x1 layers; fp8 strided 1x1 wgrads take the
-    flat kernel; dgrad's auto choice is its TMA kernel for big strided 1x1 layers."""
+    """backend='tma' runs the wgrad kernel and says so; on sm_90 'auto' takes it for 16-bit 3x3 and strided 1x1
+    wgrads (the graph-replay tunes) and fp8 3x3 ones with N not a multiple of 16, not for stride-1 1x1 layers; fp8
+    strided 1x1 wgrads and fp8 3x3 ones with N a multiple of 16 take the flat kernel; dgrad's auto choice is its
+    TMA kernel for big strided 1x1 layers."""
     g = _geom((2, 9, 9, 16, 8, 3, 3, 2, 1, 1))
     dy, _, x = _data(g)
     s = opc.explain_conv2d_wgrad(dy, x, g.weight_shape, g.stride, g.padding, backend="tma", split_k=2)
@@ -269,7 +270,8 @@ def test_backend_choice_and_explain(monkeypatch):
         assert opc._choose("wgrad", big, t, prec, "tma")[0] == "tma"
     g33 = _geom((256, 28, 28, 128, 128, 3, 3, 1, 1, 1))
     assert opc._choose("wgrad", g33, t, "fp16", "auto")[0] == "tma"
-    assert opc._choose("wgrad", g33, t, "fp8", "auto")[0] == "tma"
+    assert opc._choose("wgrad", g33, t, "fp8", "auto")[0] == "flat"  # N a multiple of 16: batch-inner operands
+    assert opc._choose("wgrad", _geom((8, 28, 28, 128, 128, 3, 3, 1, 1, 1)), t, "fp8", "auto")[0] == "tma"
     assert opc._choose("wgrad", _geom((256, 14, 14, 256, 1024, 1, 1, 1, 0, 1)), t, "fp16", "auto")[0] == "gemm"
 
 

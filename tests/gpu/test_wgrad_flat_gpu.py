@@ -86,3 +86,65 @@ def test_compiled_kernel_uses_tma_and_fp8_wgmma_from_shared_memory():
         return
     ops = sorted({ln.split("\t")[-1].split()[0] for ln in sass.splitlines() if "\t" in ln and ln.split("\t")[-1]})
     assert "QGMMA" in sass and "UTMALDG" in sass, [o for o in ops if o.startswith(("U", "Q", "H"))]  # fp8 GMMA: QGMMA
+
+
+# ------------------------------------------------------------------------------------------------
+# Batch-inner fp8 operands (N a multiple of 16): any filter, stride, padding, dilation
+# ------------------------------------------------------------------------------------------------
+
+BATCH_GEOMS = [
+    (32, 28, 28, 128, 128, 3, 3, 1, 1, 1),  # 3x3 "same": taps off the image are TMA zero fill
+    (16, 56, 56, 64, 64, 3, 3, 1, 1, 1),  # N = 16 < BLOCK_L: one partial image box a pixel (4-D dy box)
+    (32, 56, 56, 256, 512, 1, 1, 2, 0, 1),  # strided 1x1: strided pixels read in place
+    (48, 15, 13, 48, 80, 3, 3, (2, 1), (1, 2), (1, 2)),  # odd sizes, mixed stride / padding / dilation
+    (32, 7, 7, 512, 512, 3, 3, 1, 1, 1),
+    (16, 11, 11, 16, 64, 7, 7, 2, 3, 1),  # a 7x7 stem-like layer
+]
+
+
+@pytest.mark.parametrize("spec", BATCH_GEOMS, ids=lambda s: "x".join(map(str, s[:7])) + f"_s{s[7]}")
+def test_fp8_batch_inner_vs_fp64(spec):
+    g = _geom(spec)
+    dy, _, x = _data(g, seed=hash(spec) % 1000)
+    dyq, xq = opc.prepare_fp8_wgrad(dy, x, g.weight_shape, g.stride, g.padding, g.dilation, backend="flat")
+    assert wf.layout_of(dyq.data, xq.data) == "batch"
+    for split in (None, 1, 5):
+        check_wgrad(g, "fp8", dy, x, _wgrad(dyq, xq, g, precision="fp8", split_k=split))
+    assert torch.equal(_wgrad(dyq, xq, g, precision="fp8", split_k=3), _wgrad(dy, x, g, precision="fp8", split_k=3))
+
+
+def test_every_fp8_config_batch_inner_and_determinism():
+    """Every tile of CONFIGS on batch-inner operands, with BLOCK_L dividing N (2-D dy boxes) and not (N = 48)."""
+    for spec in ((128, 14, 14, 256, 256, 3, 3, 1, 1, 1), (48, 14, 14, 256, 256, 3, 3, 1, 1, 1)):
+        g = _geom(spec)
+        dy, _, x = _data(g, seed=10)
+        dyq, xq = opc.prepare_fp8_wgrad(dy, x, g.weight_shape, g.stride, g.padding, backend="flat")
+        for cfg in wf.CONFIGS:
+            check_wgrad(g, "fp8", dy, x, _wgrad(dyq, xq, g, precision="fp8", config=cfg))
+        a = _wgrad(dyq, xq, g, precision="fp8", split_k=6)
+        assert torch.equal(a, _wgrad(dyq, xq, g, precision="fp8", split_k=6)), "batch-inner split-K not reproducible"
+
+
+def test_auto_takes_batch_inner_flat_for_fp8_when_n_is_a_multiple_of_16():
+    for n, want in ((32, "batch-inner"), (8, "TMA-box")):
+        g = _geom((n, 28, 28, 128, 128, 3, 3, 1, 1, 1))
+        dy = torch.empty(g.output_shape, device=DEV)
+        x = torch.empty(g.input_shape, device=DEV)
+        assert want in opc.explain_conv2d_wgrad(dy, x, g.weight_shape, 1, 1, precision="fp8")
+
+
+def test_compiled_batch_inner_kernel_uses_4d_tma_and_fp8_wgmma_from_shared_memory():
+    g = _geom((128, 14, 14, 256, 256, 3, 3, 1, 1, 1))
+    dy, _, x = _data(g, seed=11)
+    dyq, xq = opc.prepare_fp8_wgrad(dy, x, g.weight_shape, 1, 1, backend="flat")
+    k, _ = wf.wgrad_flat(dyq.data, xq.data, torch.empty(g.weight_shape, device=DEV), g,
+                         config=dict(BLOCK_M=128, BLOCK_N=128, BLOCK_L=128, num_warps=8, num_stages=4), split_k=2)
+    ptx = k.asm["ptx"]
+    assert "cp.async.bulk.tensor.4d" in ptx and "cp.async.bulk.tensor.2d" in ptx and "e5m2.e4m3" in ptx
+    wg = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
+    assert wg and all(ln.split("}")[-1].count("%rd") == 2 for ln in wg), "an fp8 operand left shared memory"
+    try:
+        sass = k.asm["sass"]
+    except Exception:  # cuobjdump / nvdisasm missing: the PTX checks above are what ran
+        return
+    assert "QGMMA" in sass and "UTMALDG.4D" in sass

@@ -37,10 +37,14 @@ Backends (``backend=``)
   boxes (the padding is TMA's zero fill; strided layers read one descriptor per stride phase of x);
   any filter, stride and dilation, K and C multiples of 8 (16 for fp8, whose tiles it widens exactly to fp16
   in registers); ``"auto"`` runs fp8 3x3 wgrads here too.
-* ``"flat"`` (wgrad only): ``kernels/triton/wgrad_flat.py``, one GEMM over the flat pixel index.  fp8: 1x1
-  unpadded layers, both operands K-major (a strided layer's pixels gathered first); ``"auto"`` takes it for
-  strided fp8 1x1 layers and stride-1 ones with 2**15 <= N*P*Q < 2**19 (measured faster than cuBLAS there).
-  16-bit: stride-1 "same" layers, NHWC, wrapped taps masked (measured slower than ``"tma"``: never auto).
+* ``"flat"`` (wgrad only): ``kernels/triton/wgrad_flat.py``, one GEMM over the flat pixel index.  fp8 with N
+  a multiple of 16: any layer, operands *batch-inner* (dy stored (K, P, Q, N), x (C, H, W, N): the image index
+  contiguous, so a tap or a stride moves TMA boxes along H and W only and every box start stays 16-byte
+  aligned); ``"auto"`` takes it for every fp8 layer on sm_90 but the stride-1 1x1 ones outside
+  2**15 <= N*P*Q < 2**19 (cuBLAS, reading the same batch-inner memory as plain matrices).  fp8 with other N:
+  1x1 unpadded layers, both operands K-major (a strided layer's pixels gathered first), auto for the strided
+  ones and that L range.  16-bit: stride-1 "same" layers, NHWC, wrapped taps masked (measured slower than
+  ``"tma"``: never auto).
 * ``"gemm"``: cuBLAS; unpadded 1x1 layers only (strided dgrad: the rows, then one Triton pass that
   scatters them into dx with the zeros).
 * ``"fprop"`` (dgrad only): cuDNN's forward convolution with the rotated filter; stride 1, fp16 /
@@ -171,6 +175,7 @@ def to_fp8(t: torch.Tensor, fmt: str = "e4m3", *, memory_order: tuple[int, ...] 
 _NHWC = (0, 1, 2, 3)
 _KMAJOR_W = (1, 2, 3, 0)  # weight (K, R, S, C) stored as (R, S, C, K): K contiguous
 _CFIRST = (3, 0, 1, 2)  # (N, H, W, C) stored as (C, N, H, W): the pixel index contiguous
+_BATCH = (3, 1, 2, 0)  # (N, H, W, C) stored as (C, H, W, N): the image index contiguous ("batch-inner")
 
 
 def prepare_fp8_dgrad(grad_out: torch.Tensor, weight: torch.Tensor) -> tuple[Fp8Tensor, Fp8Tensor]:
@@ -181,9 +186,10 @@ def prepare_fp8_dgrad(grad_out: torch.Tensor, weight: torch.Tensor) -> tuple[Fp8
 
 def prepare_fp8_wgrad(grad_out: torch.Tensor, input: torch.Tensor, weight_shape=None, stride=1, padding=0,
                       dilation=1, backend: str = "auto") -> tuple[Fp8Tensor, Fp8Tensor]:
-    """dy as e5m2 in (K, N, P, Q) memory order (the reduction index contiguous) and x as e4m3:
-    NHWC for the Triton kernel, (C, N, H, W) order for the cuBLAS GEMM of a 1x1 stride-1 layer
-    (``weight_shape`` etc. decide which path :func:`conv2d_wgrad` will take)."""
+    """dy as e5m2 and x as e4m3 in the memory orders the wgrad path reads without a copy (``weight_shape`` etc.
+    decide which path :func:`conv2d_wgrad` will take; :func:`_wgrad_orders`): batch-inner ((K, P, Q, N) and
+    (C, H, W, N)) for the flat kernel and cuBLAS when N is a multiple of 16, else dy (K, N, P, Q) with x (C, N, H, W)
+    for the cuBLAS GEMM of a 1x1 stride-1 layer or NHWC for the Triton kernels; the logical shapes stay NHWC."""
     dy_order, x_order = _CFIRST, _NHWC
     if weight_shape is not None:
         g = conv_geometry(tuple(input.shape), tuple(weight_shape), stride, padding, dilation)
@@ -192,12 +198,22 @@ def prepare_fp8_wgrad(grad_out: torch.Tensor, input: torch.Tensor, weight_shape=
     return to_fp8(grad_out, "e5m2", memory_order=dy_order), to_fp8(input, "e4m3", memory_order=x_order)
 
 
+def _batch_inner_ok(g: ConvGeometry) -> bool:
+    """fp8 wgrad operands go batch-inner (stored (K, P, Q, N) / (C, H, W, N)) when the batch fills TMA's 16-byte
+    rows: then every layer is a TMA GEMM with aligned box starts (kernels/triton/wgrad_flat.py)."""
+    return g.N % 16 == 0
+
+
 def _wgrad_orders(path: str, g: ConvGeometry) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The memory orders of fp8 dy and x each wgrad path reads without a copy: K-major (pixel index
-    contiguous) for the cuBLAS and flat GEMMs (x NHWC when strided: the flat path gathers its pixels from
-    channel-contiguous rows), NHWC for the TMA-box kernel (its boxes are channel-contiguous)."""
+    """The memory orders of fp8 dy and x each wgrad path reads without a copy: batch-inner for the flat kernel
+    and cuBLAS when N is a multiple of 16 (a stride-1 1x1 layer's (K, L) and (C, L) matrices are then views, L
+    ordered (p, q, n)); else K-major (pixel index contiguous) for the cuBLAS and flat GEMMs (x NHWC when strided:
+    the flat path gathers its pixels from channel-contiguous rows); NHWC for the TMA-box kernel (its boxes are
+    channel-contiguous)."""
     if path == "tma":
         return _NHWC, _NHWC
+    if path in ("flat", "gemm") and _batch_inner_ok(g):
+        return _BATCH, _BATCH
     if path == "gemm" or (path == "flat" and g.stride == (1, 1)):
         return _CFIRST, _CFIRST
     return _CFIRST, _NHWC
@@ -345,15 +361,18 @@ def _auto_wgrad_tma(g: ConvGeometry, precision: str, ref_t) -> str | None:
 
 
 def _flat_ok(op: str, g: ConvGeometry, precision: str) -> tuple[bool, str]:
-    """Can this wgrad run on the flat-shift kernel (kernels/triton/wgrad_flat.py)?  fp8: 1x1 unpadded layers, any
-    stride (one GEMM over the filter's pixels, both operands K-major); 16-bit: stride-1 "same" layers (NHWC)."""
+    """Can this wgrad run on the flat-shift kernel (kernels/triton/wgrad_flat.py)?  fp8: any layer with batch-inner
+    operands (N a multiple of 16), else 1x1 unpadded layers, any stride (one GEMM over the filter's pixels, both
+    operands K-major); 16-bit: stride-1 "same" layers (NHWC)."""
     if op != "wgrad":
         return False, "the flat-shift kernel computes wgrad only"
     from ..kernels.triton import wgrad_flat as wf
 
     if precision == "fp8":
-        return wf.supported(wf.flat_geometry(g), FP8_DTYPES["e4m3"], True)
-    return wf.supported(g, _DTYPE[precision], False)
+        if _batch_inner_ok(g):
+            return wf.supported(g, FP8_DTYPES["e4m3"], "batch")
+        return wf.supported(wf.flat_geometry(g), FP8_DTYPES["e4m3"], "kmajor")
+    return wf.supported(g, _DTYPE[precision], "nhwc")
 
 
 # fp8 1x1 wgrad on sm_90, graph-replay tune on the H200 (benchmarks/tune_wgrad_flat_device.py, results/
@@ -368,6 +387,13 @@ def _auto_wgrad_flat(g: ConvGeometry, precision: str, ref_t) -> str | None:
     if precision != "fp8" or not _is_sm90(ref_t) or not _flat_ok("wgrad", g, precision)[0]:
         return None
     L = g.N * g.P * g.Q
+    if _batch_inner_ok(g) and not g.is_gemm_1x1:
+        return (f"a {g.R}x{g.S} stride-{g.stride} fp8 layer with N = {g.N} (a multiple of 16) on sm_90: batch-inner "
+                "operands, each tap a TMA box start along H and W, one fp8 wgmma GEMM (measured 1.1-1.7x cuDNN's fp16 "
+                "wgrad on the ResNet-50 3x3 and strided layers at N = 256, results/wgrad_flat_tune_bi_256.json)")
+    if g.stride != (1, 1) and _batch_inner_ok(g):
+        return ("a strided 1x1 fp8 layer with N a multiple of 16 on sm_90: batch-inner operands, the strided pixels "
+                "read in place by TMA boxes, one fp8 wgmma GEMM (no gather; measured 1.5-1.7x cuDNN's fp16 wgrad)")
     if g.stride != (1, 1):
         return ("a strided 1x1 fp8 layer on sm_90: one pass gathers x's strided pixels K-major, then the flat-shift "
                 "kernel's fp8 wgmma GEMM (measured faster than cuBLAS after torch's strided copy)")
@@ -556,6 +582,22 @@ class _no_tf32:
 
     def __exit__(self, *exc):
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self.saved
+
+
+_BATCH_PIXELS = _BATCH  # (N, P, Q, C) -> (C, P, Q, N): channels by pixels ordered (p, q, n)
+
+
+def _batch_inner(t: torch.Tensor) -> bool:
+    """Is the (N, H, W, C)-shaped ``t`` stored (C, H, W, N): its (C, H*W*N) matrix a view?"""
+    v = t.permute(_BATCH_PIXELS)
+    return t.shape[0] > 1 and v.is_contiguous()
+
+
+def _to_batch_inner(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when stored (C, H, W, N) with 16-byte aligned strides and base (TMA), else a copy in that order."""
+    if _batch_inner(t) and t.data_ptr() % 16 == 0:
+        return t
+    return t.permute(_BATCH_PIXELS).contiguous().permute(_BATCH_PIXELS)  # the permutation is its own inverse
 
 
 def _tma_rows(t: torch.Tensor) -> torch.Tensor:
@@ -791,10 +833,13 @@ def conv2d_wgrad(grad_out, input, weight_shape, stride=1, padding=0, dilation=1,
         M = g.N * g.P * g.Q  # the reduction: the pixels the 1x1 filter reaches
         sh, sw = g.stride
         if precision == "fp8":
-            a = _row_major(dy.data.permute(3, 0, 1, 2).reshape(g.K, M))  # (K, M) e5m2
-            # (C, M) e4m3 row-major = (M, C) column-major; strided: the slice x[:, ::sh, ::sw] copied once
-            # into that layout (from (C, N, H, W) memory order it is a plain strided copy)
-            b = _row_major(x.data.permute(3, 0, 1, 2)[:, :, ::sh, ::sw].reshape(g.C, M))
+            # (K, M) e5m2 and (C, M) e4m3 row-major (= (M, C) column-major), the pixels in one order for both:
+            # (p, q, n) when dy is batch-inner, else (n, p, q) -- views for prepare_fp8_wgrad's layouts; strided:
+            # the slice x[:, ::sh, ::sw] copied once into that layout (a plain strided copy from those orders)
+            perm = _BATCH_PIXELS if _batch_inner(dy.data) else (3, 0, 1, 2)
+            a = _row_major(dy.data.permute(perm).reshape(g.K, M))
+            xs = x.data[:, ::sh, ::sw, :]
+            b = _row_major(xs.permute(perm).reshape(g.C, M))
             m16 = -(-M // 16) * 16  # cuBLAS fp8 wants every dim a multiple of 16: zero-pad the reduction
             if m16 != M:
                 a = torch.nn.functional.pad(a, (0, m16 - M))
@@ -813,7 +858,10 @@ def conv2d_wgrad(grad_out, input, weight_shape, stride=1, padding=0, dilation=1,
         from ..kernels.triton import wgrad_flat as wf
 
         out = torch.empty(g.weight_shape, dtype=out_dtype, device=device)
-        if precision == "fp8":  # one GEMM over the pixels the 1x1 filter reads, both operands K-major
+        if precision == "fp8" and _batch_inner_ok(g):  # batch-inner operands (copied into that order if not)
+            wf.wgrad_flat(_to_batch_inner(dy.data), _to_batch_inner(x.data), out, g, scales=_scales(dy, x),
+                          split_k=split_k, config=config)
+        elif precision == "fp8":  # one GEMM over the pixels the 1x1 filter reads, both operands K-major
             dy_m = wf.kmajor_rows(dy.data.permute(3, 0, 1, 2).reshape(g.K, g.N * g.P * g.Q))
             x_m = wf.kmajor_pixels(x.data, g.stride)
             wf.wgrad_flat(dy_m, x_m, out, wf.flat_geometry(g), scales=_scales(dy, x), split_k=split_k, config=config)
@@ -880,10 +928,17 @@ def explain_conv2d_wgrad(grad_out, input, weight_shape, stride=1, padding=0, dil
         from ..kernels.triton import wgrad_flat as wf
 
         dev = grad_out.data.device if isinstance(grad_out, Fp8Tensor) else grad_out.device
-        gf = wf.flat_geometry(g) if precision == "fp8" else g
-        cfg = wf.config_for(gf, None, 1 if precision == "fp8" else 2)
-        split = split_k or wf.split_for(gf, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_L"], kt.sm_count(dev))
-        body = (("Triton flat-shift kernel (kernels/triton/wgrad_flat.py), K-major fp8: one fp8 wgmma GEMM "
+        batch = precision == "fp8" and _batch_inner_ok(g)
+        gf = wf.flat_geometry(g) if precision == "fp8" and not batch else g
+        cfg = wf.config_for(gf, None, 1 if precision == "fp8" else 2, batch)
+        split = split_k or wf.split_for(gf, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_L"], kt.sm_count(dev), batch,
+                                        cfg["num_stages"], 1 if precision == "fp8" else 2)
+        body = (("Triton flat-shift kernel (kernels/triton/wgrad_flat.py), batch-inner fp8 (dy stored (K, P, Q, N), x "
+                 "(C, H, W, N); prepare_fp8_wgrad makes them, another order costs one copy each): per tap one fp8 "
+                 f"wgmma GEMM over the {g.N * g.P * g.Q} output pixels, a reduction step = {cfg['BLOCK_L']} images "
+                 "of one pixel, the tap's input pixel a TMA box start along H and W (zero fill = padding)"
+                 if batch else
+                 "Triton flat-shift kernel (kernels/triton/wgrad_flat.py), K-major fp8: one fp8 wgmma GEMM "
                  f"dw (K, C) = dy^T (K, L) @ x (L, C) over the L = {gf.N * gf.P * gf.Q} pixels the 1x1 filter reads"
                  + ("" if g.stride == (1, 1) else f" (x's strided pixels x[:, ::{g.stride[0]}, ::{g.stride[1]}] "
                     "gathered K-major by one Triton pass first, part of the op's time)")
