@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks, logs and JSON under $OUT.
-# Usage (on the GPU machine, repo root): bash benchmarks/run_device.sh [tests|tests-all|tests-NAME|cast|solve-quick|solve|net|emulate|chunk|convbwd|quant|host|tune-tma|tune-wgrad|tune-flat|cpd ...]
+# Usage (on the GPU machine, repo root): bash benchmarks/run_device.sh [tests|tests-all|tests-NAME|cast|solve-quick|solve|net|emulate|chunk|convbwd|quant|host|tune-tma|tune-wgrad|tune-flat|fp8quant|cpd ...]
 # (net: NET_ARGS for tcprec bench net; emulate: EMU_ARGS; cpd: CPD_ARGS, needs .carry/fashion-mnist carried;
 #  tune-wgrad / tune-flat: TUNE_ARGS for benchmarks/tune_wgrad_{tma,flat}_device.py, e.g. "--layers 2,6")
 set -uo pipefail
@@ -47,6 +47,7 @@ for step in "${@:-tests cast}"; do
         tune-tma) timeout 330 python3 benchmarks/tune_dgrad_tma_device.py 2>&1 | tee "$OUT/tune_tma.log" | tail -5 ;;
         tune-wgrad) timeout "${TUNE_TIMEOUT:-540}" python3 benchmarks/tune_wgrad_tma_device.py ${TUNE_ARGS:-} 2>&1 \
                     | tee "$OUT/tune_wgrad.log" | grep -v '^{"N"' | tail -16 ;;
+        fp8quant) timeout 200 python3 benchmarks/bench_fp8_quant_device.py 2>&1 | tee "$OUT/fp8_quant.log" | tail -8 ;;
         tune-flat) timeout "${TUNE_TIMEOUT:-540}" python3 benchmarks/tune_wgrad_flat_device.py ${TUNE_ARGS:-} 2>&1 \
                    | tee "$OUT/tune_flat.log" | grep -v '^{"N"\|^{"layer"' | tail -30 ;;
         cpd) timeout "${CPD_TIMEOUT:-400}" python3 benchmarks/bench_cpd_device.py --data-path .carry/fashion-mnist \

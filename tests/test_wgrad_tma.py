@@ -70,14 +70,17 @@ def test_bf16_and_fp8_vs_fp64(spec, precision):
                                                                                   split_k=2))
 
 
-@pytest.mark.parametrize("box", ["row", "min", (1, 2, 8), (2, 2, 4), (4, 1, 4)])
+@pytest.mark.parametrize("box", ["row", "min", (1, 2, 8), (2, 2, 4), (4, 1, 4), (16, 1, 1)])
 def test_box_shapes(box):
     """Any box (row box: BOX_N = BOX_P = 1; or several rows / images a box, reshaped to BLOCK_L rows) gives
-    the same sums within the bound; boxes overhang P, Q and N (TMA zero fill)."""
-    g = _geom((3, 9, 7, 8, 16, 3, 3, 1, 1, 1))
-    dy, _, x = _data(g, seed=2)
-    cfg = dict(wt.INTERPRETER_CONFIG, BOX=box)
-    _check_wgrad(g, "fp16", dy, x, _wgrad(dy, x, g, config=cfg, split_k=2))
+    the same sums within the bound; boxes overhang P, Q and N (TMA zero fill).  An image box (BOX_N, 1, 1) reads dy
+    as the (N, P*Q*K) matrix (DY_2D; K = 24 is not a multiple of BLOCK_M = 16: its last tile reads the next
+    pixel's channels into rows of dw that are never stored), strided and not."""
+    for spec in ((3, 9, 7, 8, 16, 3, 3, 1, 1, 1), (20, 5, 6, 8, 24, 3, 3, 2, 1, 1)):
+        g = _geom(spec)
+        dy, _, x = _data(g, seed=2)
+        cfg = dict(wt.INTERPRETER_CONFIG, BOX=box)
+        _check_wgrad(g, "fp16", dy, x, _wgrad(dy, x, g, config=cfg, split_k=2))
 
 
 def test_out_dtype_and_strided_views():
@@ -328,7 +331,8 @@ def test_benchmark_tma_column(monkeypatch):
 # ------------------------------------------------------------------------------------------------
 
 
-def _aot_wgrad_tma(dtype: str, bm: int, bn: int, box: tuple[int, int, int], num_warps: int, num_stages: int):
+def _aot_wgrad_tma(dtype: str, bm: int, bn: int, box: tuple[int, int, int], num_warps: int, num_stages: int,
+                   dy_2d: bool = False):
     """``_wgrad_tma_kernel`` for sm_90 with the descriptors the wrapper builds (blocks [*box, BLOCK_M] over dy
     and [*box, BLOCK_N] over x) and the scalars of a 28x28 128->128 3x3 layer at N = 256 (the launcher's
     specialisation: multiples of 16 marked divisible, do_not_specialize args left plain)."""
@@ -337,14 +341,16 @@ def _aot_wgrad_tma(dtype: str, bm: int, bn: int, box: tuple[int, int, int], num_
     from triton.compiler import ASTSource
 
     fn = wt._wgrad_tma_kernel
-    consts = dict(HAS_SCALE=False, SPLIT_OUT=True, UPCAST=False, WIDEN=dtype.startswith("fp8"), BLOCK_M=bm, BLOCK_N=bn, BOX_N=box[0], BOX_P=box[1],
-                  BOX_Q=box[2])
+    consts = dict(HAS_SCALE=False, SPLIT_OUT=True, UPCAST=False, WIDEN=dtype.startswith("fp8"), DY_2D=dy_2d,
+                  BLOCK_M=bm, BLOCK_N=bn, BOX_N=box[0], BOX_P=box[1], BOX_Q=box[2])
     vals = dict(K=128, C=128, RSC=9 * 128)
     nospec = set(fn.do_not_specialize) | {fn.arg_names[i] for i in fn.do_not_specialize if isinstance(i, int)}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
             sig[name] = "constexpr"
+        elif name == "dy_desc" and dy_2d:  # the (N, P*Q*K) matrix, box (BOX_N, BLOCK_M)
+            sig[name] = f"tensordesc<{dtype}[{box[0]}, {bm}]>"
         elif name in ("dy_desc", "x_desc"):
             sig[name] = f"tensordesc<{dtype}[{box[0]}, {box[1]}, {box[2]}, {bm if name == 'dy_desc' else bn}]>"
         elif name.endswith("_ptr"):
@@ -361,7 +367,8 @@ def _aot_report() -> dict:
     cases = {"row_fp16_128x128x64": ("fp16", 128, 128, (1, 1, 64), 8, 4),  # 56x56's pick: a row box
              "row_bf16_64x64x16": ("bf16", 64, 64, (1, 1, 16), 4, 8),  # 14x14's BLOCK_L (64-channel tile)
              "box_fp16_128x128x64": ("fp16", 128, 128, (8, 1, 8), 8, 4),  # 7x7's pick: a several-image box
-             "row_fp8_128x128x64": ("fp8e4nv", 128, 128, (1, 1, 64), 8, 4)}  # fp8 tiles widened in registers
+             "row_fp8_128x128x64": ("fp8e4nv", 128, 128, (1, 1, 64), 8, 4),  # fp8 tiles widened in registers
+             "image_fp16_128x128x64": ("fp16", 128, 128, (64, 1, 1), 8, 4, True)}  # 7x7: 64 images, dy 2-D
     out = {}
     for name, args in cases.items():
         k = _aot_wgrad_tma(*args)
@@ -377,13 +384,18 @@ def test_kernel_compiles_to_tma_and_wgmma_for_sm90():
     for name, want in (("row_fp16_128x128x64", "m64n128k16.f32.f16.f16"),
                        ("row_bf16_64x64x16", "m64n64k16.f32.bf16.bf16"),
                        ("box_fp16_128x128x64", "m64n128k16.f32.f16.f16"),
-                       ("row_fp8_128x128x64", "m64n128k16.f32.f16.f16")):
+                       ("row_fp8_128x128x64", "m64n128k16.f32.f16.f16"),
+                       ("image_fp16_128x128x64", "m64n128k16.f32.f16.f16")):
         ptx = rep[name]["ptx"]
         assert "cp.async.bulk.tensor.4d" in ptx, f"{name}: operands are not loaded by 4-D TMA"
         assert f"wgmma.mma_async.sync.aligned.{want}" in ptx, f"{name}: no wgmma {want}"
         assert 0 < rep[name]["shared"] <= 227 * 1024
-    # a row box feeds wgmma from shared memory only (no ldmatrix: dy's tile is never read into registers)
-    assert "ldmatrix" not in rep["row_fp16_128x128x64"]["ptx"] and "ldmatrix" not in rep["row_bf16_64x64x16"]["ptx"]
+    assert "cp.async.bulk.tensor.2d" in rep["image_fp16_128x128x64"]["ptx"]  # dy as the (N, P*Q*K) matrix
+    # a row box, and an image box with dy as a 2-D matrix, feed wgmma from shared memory only (no ldmatrix: dy's
+    # tile is never read into registers); a several-image 4-D box goes through registers
+    for name in ("row_fp16_128x128x64", "row_bf16_64x64x16", "image_fp16_128x128x64"):
+        assert "ldmatrix" not in rep[name]["ptx"], name
+    assert "ldmatrix" in rep["box_fp16_128x128x64"]["ptx"]
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--aot"]:

@@ -158,8 +158,8 @@ def to_fp8(t: torch.Tensor, fmt: str = "e4m3", *, memory_order: tuple[int, ...] 
         raise TypeError(f"to_fp8 takes a floating tensor, got {getattr(t, 'dtype', type(t).__name__)}")
     dt = FP8_DTYPES[fmt]
     fmax = float(torch.finfo(dt).max)
-    if scale is None:
-        amax = t.abs().amax().float() if t.numel() else torch.zeros((), device=t.device)
+    if scale is None:  # max |t| without an |t| temporary
+        amax = torch.linalg.vector_norm(t, float("inf")).float() if t.numel() else torch.zeros((), device=t.device)
         scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
     scale = scale.to(device=t.device, dtype=torch.float32).reshape(())
     order = tuple(range(t.dim())) if memory_order is None else tuple(memory_order)
@@ -167,7 +167,12 @@ def to_fp8(t: torch.Tensor, fmt: str = "e4m3", *, memory_order: tuple[int, ...] 
         raise ValueError(f"memory_order must be a permutation of range({t.dim()}), got {memory_order!r}")
     inv = tuple(order.index(d) for d in range(t.dim()))
     data = torch.empty([t.shape[d] for d in order], dtype=dt, device=t.device).permute(inv)
-    data.copy_((t.float() / scale).clamp_(-fmax, fmax))
+    if t.is_cuda and 1 <= t.dim() <= 4:  # one Triton pass: divide, clamp, round, write in the order (same bits)
+        from ..kernels.triton.fp8_quant import quantize_fp8
+
+        quantize_fp8(t, scale, data)
+    else:
+        data.copy_((t.float() / scale).clamp_(-fmax, fmax))
     return Fp8Tensor(data, scale)
 
 

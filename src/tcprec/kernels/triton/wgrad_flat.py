@@ -1,7 +1,18 @@
 """Convolution wgrad as one GEMM over the flat pixel index, for fp8 with both operands K-major, by flat shifts.
 
-``dw[k, r, s, c] = sum over output pixels l = (n, p, q) of dy[l, k] * x[n, p + dr, q + ds, c]`` with
-dr = r*dh - ph, ds = s*dw - pw.  Two layouts:
+``dw[k, r, s, c] = sum over output pixels l = (n, p, q) of dy[l, k] * x[n, p*sh + dr, q*sw + ds, c]`` with
+dr = r*dh - ph, ds = s*dw - pw.  Three layouts:
+
+* **batch-inner** (fp8, or 16-bit; the fp8 path ``ops.conv`` takes when N is a multiple of 16): dy stored
+  (K, P, Q, N) and x (C, H, W, N), the *image* index contiguous.  A reduction step is BLOCK_L images of one output
+  pixel (p, q): dy's tile is a 2-D box of the (K, P*Q*N) matrix, x's a 4-D box [BLOCK_N, 1, 1, BLOCK_L] at
+  (c0, p*sh + dr, q*sw + ds, n0).  A tap, a stride or a dilation moves x's box along H and W only -- outer TMA
+  axes, where any start is allowed and negative / past-the-edge coordinates are zero-filled (the padding) -- while
+  the innermost start n0 stays a multiple of BLOCK_L: every box is 16-byte aligned, so any layer is an fp8 wgmma
+  GEMM with both operands K-major in shared memory (SASS QGMMA + UTMALDG), no gather, no padded copy.  Measured
+  on the H200 at N = 256: 3x3 layers 1.3-2.1x and strided 1x1 layers 1.2-1.9x cuDNN's fp16 wgrad (graph replay,
+  ``benchmarks/results/conv_bwd.json``).  (A dy box [BLOCK_M, 1, 1, BLOCK_L] reshaped to 2-D reaches wgmma
+  through registers -- ldmatrix, A from registers -- hence the 2-D dy box when BLOCK_L divides N.)
 
 * **K-major** (fp8, or 16-bit): dy as the (K, L) matrix and x as the (C, L) matrix, L = N*P*Q contiguous --
   what fp8 wgmma needs (it reads fp8 only K-major).  1x1 unpadded stride-1 layers only: one GEMM.  A strided
@@ -20,7 +31,7 @@ dr = r*dh - ph, ds = s*dw - pw.  Two layouts:
   (``benchmarks/results/wgrad_flat_tune_256.json``).
 
     program -> (k-block, tap, c-block), split
-    for l0 in this split's share of range(0, L, BLOCK_L):
+    for l0 in this split's share of range(0, L, BLOCK_L):          [batch-inner: (p, q, n0) steps]
         A = dy tile (BLOCK_M, BLOCK_L)  [TMA; NHWC: transposed, masked where the tap wrapped]
         B = x tile (BLOCK_N, BLOCK_L)   [TMA; NHWC: rows shifted by dr*W + ds, zero fill outside the tensor]
         acc += A @ B^T                                   # wgmma, fp32 accumulation
