@@ -223,9 +223,9 @@ def _workload(layer: Layer, N: int, device, l2_bytes, precisions, warmup_ms, rep
                 ops_items.append({"dgrad": (dy, w), "wgrad": (dy, x)})
         if precision == "fp8":
             quant["dgrad"] = _measure(lambda it: opc.prepare_fp8_dgrad(_nhwc(it.dy), _nhwc(it.w)), its, warmup_ms,
-                                      rep_ms, False).ms
+                                      rep_ms, graph)
             quant["wgrad"] = _measure(lambda it: opc.prepare_fp8_wgrad(_nhwc(it.dy), _nhwc(it.x), g.weight_shape, st,
-                                                                       pd), its, warmup_ms, rep_ms, False).ms
+                                                                       pd), its, warmup_ms, rep_ms, graph)
         for op in ("dgrad", "wgrad"):
             if op == "dgrad":
                 def call(o, backend="auto"):
@@ -268,7 +268,9 @@ def _workload(layer: Layer, N: int, device, l2_bytes, precisions, warmup_ms, rep
             fwd, f_lay = best("fwd")
             ms, b_ms, basis = ours.best_basis(base)
             _, f_ms, _ = ours.best_basis(fwd)
-            q = quant.get(op)
+            qt = quant.get(op)
+            q = None if qt is None else qt.ms
+            q_basis = None if qt is None else (qt.graph_ms if basis == "graph" else qt.ms)  # the speedup's basis
             row.update({
                 "ours_ms": ours.ms, "ours_graph_ms": ours.graph_ms,
                 "alt_triton_ms": None if alt is None else alt.ms,
@@ -282,14 +284,15 @@ def _workload(layer: Layer, N: int, device, l2_bytes, precisions, warmup_ms, rep
                 "cudnn_best_layout": b_lay, "cudnn_fwd_layout": f_lay,
                 "cudnn_best_ms": base.ms, "cudnn_fwd_ms": fwd.ms,
                 "cudnn_errors": {f"{o} {lay}": t.error for (o, lay), t in cudnn.items() if t.error} or None,
-                "quant_ms": q,
+                "quant_ms": q, "quant_graph_ms": None if qt is None else qt.graph_ms,
+                "quant_error": None if qt is None else qt.error,
                 "timing": basis,  # what the speedups below compare: CUDA-graph replays, or do_bench events
                 "ours_time_ms": ms, "cudnn_best_time_ms": b_ms, "cudnn_fwd_time_ms": f_ms,
                 "ours_tflops": None if ms is None else g.flops / (ms * 1e-3) / 1e12,
                 "cudnn_tflops": None if b_ms is None else g.flops / (b_ms * 1e-3) / 1e12,
                 "speedup": None if None in (ms, b_ms) else b_ms / ms,
                 "speedup_events": None if None in (ours.ms, base.ms) else base.ms / ours.ms,
-                "speedup_incl_quant": None if None in (ours.ms, base.ms, q) else base.ms / (ours.ms + q),
+                "speedup_incl_quant": None if None in (ms, b_ms, q_basis) else b_ms / (ms + q_basis),
                 "vs_cudnn_fwd": None if None in (ms, f_ms) else f_ms / ms,
             })
             row["win"] = row["speedup"] is not None and row["speedup"] > 1.0
