@@ -51,14 +51,18 @@ def test_nhwc_3x3_vs_fp64(precision):
         check_wgrad(g, precision, dy, x, _wgrad(dy, x, g, precision=precision))
 
 
-def test_every_fp8_config_and_split_determinism():
-    g = _geom((8, 28, 28, 512, 256, 1, 1, 2, 0, 1))
+@pytest.mark.parametrize("spec", [(8, 28, 28, 512, 256, 1, 1, 2, 0, 1),  # K-major (N = 8)
+                                  (128, 14, 14, 256, 256, 3, 3, 1, 1, 1),  # batch-inner, BLOCK_L divides N: 2-D dy
+                                  (48, 14, 14, 256, 256, 3, 3, 1, 1, 1)],  # batch-inner, partial image boxes
+                         ids=lambda s: "x".join(map(str, s[:7])))
+def test_every_fp8_config_and_split_determinism(spec):
+    g = _geom(spec)
     dy, _, x = _data(g, seed=8)
     dyq, xq = opc.prepare_fp8_wgrad(dy, x, g.weight_shape, g.stride, g.padding, backend="flat")
     for cfg in wf.CONFIGS:
         check_wgrad(g, "fp8", dy, x, _wgrad(dyq, xq, g, precision="fp8", config=cfg))
     a = _wgrad(dyq, xq, g, precision="fp8", split_k=7)
-    assert torch.equal(a, _wgrad(dyq, xq, g, precision="fp8", split_k=7)), "split-K flat wgrad is not reproducible"
+    assert torch.equal(a, _wgrad(dyq, xq, g, precision="fp8", split_k=7)), f"split-K flat wgrad not reproducible: {g}"
 
 
 def test_auto_takes_flat_for_fp8_strided_1x1():
@@ -111,18 +115,6 @@ def test_fp8_batch_inner_vs_fp64(spec):
     for split in (None, 1, 5):
         check_wgrad(g, "fp8", dy, x, _wgrad(dyq, xq, g, precision="fp8", split_k=split))
     assert torch.equal(_wgrad(dyq, xq, g, precision="fp8", split_k=3), _wgrad(dy, x, g, precision="fp8", split_k=3))
-
-
-def test_every_fp8_config_batch_inner_and_determinism():
-    """Every tile of CONFIGS on batch-inner operands, with BLOCK_L dividing N (2-D dy boxes) and not (N = 48)."""
-    for spec in ((128, 14, 14, 256, 256, 3, 3, 1, 1, 1), (48, 14, 14, 256, 256, 3, 3, 1, 1, 1)):
-        g = _geom(spec)
-        dy, _, x = _data(g, seed=10)
-        dyq, xq = opc.prepare_fp8_wgrad(dy, x, g.weight_shape, g.stride, g.padding, backend="flat")
-        for cfg in wf.CONFIGS:
-            check_wgrad(g, "fp8", dy, x, _wgrad(dyq, xq, g, precision="fp8", config=cfg))
-        a = _wgrad(dyq, xq, g, precision="fp8", split_k=6)
-        assert torch.equal(a, _wgrad(dyq, xq, g, precision="fp8", split_k=6)), "batch-inner split-K not reproducible"
 
 
 def test_auto_takes_batch_inner_flat_for_fp8_when_n_is_a_multiple_of_16():

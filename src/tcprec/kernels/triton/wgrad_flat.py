@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 from ..reference_conv import ACT_NONE, ConvGeometry
-from ._host import cdiv
+from ._host import cdiv, next_power_of_2
 from .conv_bwd import _fastdiv, _magic, _one, _store_dw, _sum_splits, _wgrad_tile, interpreting, sm_count
 
 __all__ = ["wgrad_flat", "supported", "geometry_ok", "layout_of", "LAYOUTS", "pick", "split_for", "config_for",
@@ -260,7 +260,7 @@ def pick(g: ConvGeometry, esize: int = 1, batch: bool = False) -> dict:
             bm, bn, w = (128, 256, 8) if g.C >= 256 else (128, 128, 8)
         else:  # 1x1: memory-bound GEMMs, more CTAs (31 vs 36 us on 14x14 256->1024, 44 vs 57 on 14x14 1024->2048 s2)
             bm, bn, w = 64, 128, 4
-        bl = min(128 // esize, max(32 // esize, triton.next_power_of_2(max(1, g.N))))
+        bl = min(128 // esize, max(32 // esize, next_power_of_2(max(1, g.N))))
         return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_L=bl, num_warps=w, num_stages=_stages(bm, bn, bl, w, esize))
     macs = g.K * g.C * g.R * g.S * g.N * g.P * g.Q
     if g.K >= 128 and g.C >= 256 and macs >= 4e9:
