@@ -121,6 +121,27 @@ def test_wgmma_variants_use_warpgroup_mma_in_ptx():
         L.Variant(2, 1, tile=L.parse_tile("128x128_w8x1_s4_wg"))
 
 
+def test_folded_tiles():
+    """w1a2 / w2a1 with unsigned codes fold their two accumulators into one (3 wgmmas instead of 2) on a tile
+    twice as large; two's complement (a negative weight) and configs where folding would multiply the MMAs by
+    more than 1.5 do not; a folded tile with two's complement codes is refused; the kernel repeats each pair's
+    wgmma by its weight and keeps one accumulator (read off the compiled variant's defines)."""
+    from tcprec.kernels.cuda import loader as L
+
+    t = L.wgmma_tile(2, 1)
+    assert t.fold and (t.bm, t.bn, t.warps_m, t.warps_n) == (128, 256, 8, 2) and L.parse_tile(str(t)) == t
+    assert str(t).endswith("_wg_f") and L.wgmma_tile(1, 2).fold
+    assert not L.wgmma_tile(2, 1, True, False).fold and not L.wgmma_tile(2, 2).fold and not L.wgmma_tile(1, 1).fold
+    assert L.Variant(2, 1, tile=t).n_classes == 1 and L.Variant(2, 1).n_classes == 2
+    assert "TCP_FOLD=1" in L.Variant(2, 1, tile=t).defines()
+    with pytest.raises(ValueError, match="folded tile.*unsigned codes"):
+        L.Variant(2, 1, True, False, tile=t)
+    with pytest.raises(ValueError, match="folded tile.*wgmma path"):
+        L.Variant(2, 1, tile=L.parse_tile("64x128_w2x2_s3_k1024_f"))
+    src = L.SOURCE_PATH.read_text()
+    assert "for (int rep = 0; rep < pair_weight(i, j); ++rep) Wgmma<NT>::run(acc[0][0], da, dw);" in src
+
+
 def test_cache_is_reused_and_keyed_by_variant(cache):
     from tcprec.kernels.cuda import loader as L
 

@@ -25,6 +25,11 @@
 // sign to the weight, so a few more.  The epilogue combines the classes with shifts:
 // S = sum_c weight_c * acc_c.  A warp's output tile is MT x NT MMA tiles (16 x 8 each), so the
 // accumulators cost NCLASS * MT * NT * 4 registers; the loader picks MT, NT to keep that <= 128.
+// Folded (TCP_FOLD, wgmma path, every pair weight positive): one accumulator, and pair (i, j) of
+// weight w issues its wgmma w times into it (w1a2: 3 wgmmas instead of 2 into 2 accumulators).  More
+// MMAs, half the accumulator registers: the block tile can double (a 128 x 256 tile of 2 x 2
+// warpgroups fits the 128 registers a thread of 512 has), which cuts the operand traffic from L2
+// per output -- what bounds this kernel (8192^3 w1a2: ~1.4 GB of L2 reads with 192 x 128 tiles).
 //
 // Pipeline.  A block owns a BM x BN output tile and streams K in BK-bit steps (BK = 512 or 1024:
 // BK/8 bytes a row a plane, BK/256 MMA k-steps): a STAGES-deep cp.async.cg (16 bytes, L2 only)
@@ -70,6 +75,7 @@
 //   TCP_BK                  K bits per pipeline step (512 or 1024)
 //   TCP_FRAG_DB             1: double-buffer the register fragments across MMA k-steps (mma.sync)
 //   TCP_WGMMA               1: the wgmma path (sm_90a; BK = 1024, WARPS_M a multiple of 4)
+//   TCP_FOLD                1: one accumulator, each pair's wgmma repeated `weight` times (wgmma only)
 //   TCP_EPI, TCP_OUT_T, TCP_OB, TCP_OENC   epilogue (above)
 
 #ifndef TCP_P
@@ -107,6 +113,9 @@
 #endif
 #ifndef TCP_WGMMA
 #define TCP_WGMMA 0
+#endif
+#ifndef TCP_FOLD
+#define TCP_FOLD 0
 #endif
 #ifndef TCP_EPI
 #define TCP_EPI 0
@@ -186,7 +195,16 @@ struct ClassTable {
         }
     }
 };
-constexpr int NCLASS = ClassTable().n;
+constexpr bool FOLD = TCP_FOLD != 0;
+constexpr int NCLASS = FOLD ? 1 : ClassTable().n;  // accumulators an output element keeps
+
+__host__ __device__ constexpr bool all_weights_positive() {
+    for (int p = 0; p < P * Q; ++p)
+        if (pair_weight(p / Q, p % Q) <= 0) return false;
+    return true;
+}
+static_assert(!FOLD || (WGMMA && all_weights_positive()),
+              "TCP_FOLD needs the wgmma path and positive pair weights (unsigned codes)");
 
 // ---------------------------------------------------------------------------------------------
 // PTX wrappers
@@ -448,9 +466,16 @@ bmma_gemm(const u32* __restrict__ A,            // (P, M, Kw) bit planes of a
 #pragma unroll
             for (int i = 0; i < P; ++i)
 #pragma unroll
-                for (int j = 0; j < Q; ++j)  // (descriptor addresses count 16-byte units: 32 bytes = 2)
-                    Wgmma<NT>::run(acc[CT.cls[i * Q + j]][0], dA + (u64)((i * BM * ROW_BYTES + kk * 32) >> 4),
-                                   dW + (u64)((j * BN * ROW_BYTES + kk * 32) >> 4));
+                for (int j = 0; j < Q; ++j) {  // (descriptor addresses count 16-byte units: 32 bytes = 2)
+                    const u64 da = dA + (u64)((i * BM * ROW_BYTES + kk * 32) >> 4);
+                    const u64 dw = dW + (u64)((j * BN * ROW_BYTES + kk * 32) >> 4);
+                    if (FOLD) {
+#pragma unroll
+                        for (int rep = 0; rep < pair_weight(i, j); ++rep) Wgmma<NT>::run(acc[0][0], da, dw);
+                    } else {
+                        Wgmma<NT>::run(acc[CT.cls[i * Q + j]][0], da, dw);
+                    }
+                }
         wgmma_commit();
         wgmma_wait<1>();  // step kt-1's wgmmas are done: its slot may be refilled after the next barrier
     }
@@ -545,7 +570,7 @@ bmma_gemm(const u32* __restrict__ A,            // (P, M, Kw) bit planes of a
                 for (int e = 0; e < 2; ++e) {
                     u32 s = 0;  // unsigned: wraps mod 2^32 like the final int32 result
 #pragma unroll
-                    for (int k = 0; k < NCLASS; ++k) s += (u32)acc[k][mt][nt][h * 2 + e] * (u32)CT.weight[k];
+                    for (int k = 0; k < NCLASS; ++k) s += (u32)acc[k][mt][nt][h * 2 + e] * (FOLD ? 1u : (u32)CT.weight[k]);
                     s *= (u32)ss;
                     if (row_term != nullptr && r < M) s += (u32)row_term[r];
                     if (col_term != nullptr && c + e < N) s += (u32)col_term[c + e];

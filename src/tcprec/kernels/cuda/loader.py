@@ -90,7 +90,8 @@ class Tile:
 
     ``mma="wgmma"``: Hopper's warpgroup MMA (sm_90a) instead of ``mma.sync``; then every 4 warps
     along M form a warpgroup that owns a 64 x (bn / warps_n) slab (bm = 16 * warps_m, warps_m a
-    multiple of 4), and bk is 1024."""
+    multiple of 4), and bk is 1024.  ``fold`` (wgmma, unsigned codes): one accumulator, each plane
+    pair's wgmma issued ``weight`` times (see bmma_gemm.cu)."""
 
     bm: int
     bn: int
@@ -100,33 +101,36 @@ class Tile:
     bk: int = 512
     frag_db: bool = False
     mma: str = "sync"
+    fold: bool = False
 
     def __str__(self) -> str:
         s = f"{self.bm}x{self.bn}_w{self.warps_m}x{self.warps_n}_s{self.stages}"
         return (s + ("" if self.bk == 512 else f"_k{self.bk}") + ("_db" if self.frag_db else "")
-                + ("_wg" if self.mma == "wgmma" else ""))
+                + ("_wg" if self.mma == "wgmma" else "") + ("_f" if self.fold else ""))
 
 
 def parse_tile(text: str) -> Tile:
-    """``"64x256_w2x4_s4"`` / ``"64x256_w2x4_s3_k1024_db"`` / ``"128x128_w8x1_s4_k1024_wg"`` (as
-    ``str(Tile)`` writes it) -> Tile."""
+    """``"64x256_w2x4_s4"`` / ``"64x256_w2x4_s3_k1024_db"`` / ``"128x128_w8x1_s4_k1024_wg"`` /
+    ``"128x256_w8x2_s3_k1024_wg_f"`` (as ``str(Tile)`` writes it) -> Tile."""
     try:
         mn, w, s, *extra = text.split("_")
         bm, bn = (int(v) for v in mn.split("x"))
         wm, wn = (int(v) for v in w.removeprefix("w").split("x"))
-        bk, db, mma = 512, False, "sync"
+        bk, db, mma, fold = 512, False, "sync", False
         for e in extra:
             if e == "db":
                 db = True
             elif e == "wg":
                 mma = "wgmma"
+            elif e == "f":
+                fold = True
             elif e.startswith("k"):
                 bk = int(e[1:])
             else:
                 raise ValueError(e)
-        return Tile(bm, bn, wm, wn, int(s.removeprefix("s")), bk, db, mma)
+        return Tile(bm, bn, wm, wn, int(s.removeprefix("s")), bk, db, mma, fold)
     except ValueError:
-        raise ValueError(f"tile must look like '64x256_w2x4_s4' (BMxBN_wWARPS_MxWARPS_N_sSTAGES[_kBK][_db][_wg]), "
+        raise ValueError(f"tile must look like '64x256_w2x4_s4' (BMxBN_wWARPS_MxWARPS_N_sSTAGES[_kBK][_db][_wg][_f]), "
                          f"got {text!r}") from None
 
 
@@ -167,6 +171,9 @@ class Variant:
                 raise ValueError(f"tile {t}: wgmma needs bk=1024, warps_m a multiple of 4 with bm = 16*warps_m, "
                                  f"bn / warps_n in {_WGMMA_N}, >= 3 stages and no frag_db "
                                  "(e.g. '128x128_w8x1_s4_k1024_wg')")
+        if t.fold and (t.mma != "wgmma" or self.a_twos or self.w_twos):
+            raise ValueError(f"tile {t}: a folded tile (one accumulator, each plane pair's wgmma repeated by its "
+                             "weight) needs the wgmma path and unsigned codes (two's complement has negative weights)")
         if self.epilogue == "packed" and (t.bn % 32 or 512 % t.bn):
             raise ValueError(f"tile {t}: the packed epilogue needs bn dividing 512 and a multiple of 32")
         if self.smem_bytes > _MAX_SMEM:
@@ -178,7 +185,8 @@ class Variant:
 
     @property
     def n_classes(self) -> int:
-        return n_classes(self.p, self.q, self.a_twos, self.w_twos)
+        """Accumulators an output element keeps: one when folded."""
+        return 1 if self.tile.fold else n_classes(self.p, self.q, self.a_twos, self.w_twos)
 
     @property
     def smem_bytes(self) -> int:
@@ -195,7 +203,7 @@ class Variant:
             f"TCP_P={self.p}", f"TCP_Q={self.q}", f"TCP_A_TWOS={int(self.a_twos)}", f"TCP_W_TWOS={int(self.w_twos)}",
             f"TCP_BM={t.bm}", f"TCP_BN={t.bn}", f"TCP_WARPS_M={t.warps_m}", f"TCP_WARPS_N={t.warps_n}",
             f"TCP_STAGES={t.stages}", f"TCP_BK={t.bk}", f"TCP_FRAG_DB={int(t.frag_db)}",
-            f"TCP_WGMMA={int(t.mma == 'wgmma')}", f"TCP_EPI={epi}", f"TCP_OUT_T={_OUT_T[self.out_dtype]}",
+            f"TCP_WGMMA={int(t.mma == 'wgmma')}", f"TCP_FOLD={int(t.fold)}", f"TCP_EPI={epi}", f"TCP_OUT_T={_OUT_T[self.out_dtype]}",
             f"TCP_OB={self.out_bits}", f"TCP_OENC={_OENC[self.out_encoding]}",
         ]
 
@@ -238,11 +246,35 @@ def _default_arch() -> str:
 # Measured on an H200 (w1a2 8192^3, fp16 out, same run; benchmarks/results/gemm_tune.json): the wgmma
 # kernel is bound by operand traffic, so the largest tile wins: 192 x 128 (3 warpgroups, 3 stages)
 # 520 us, 128 x 192 551 us, 64 x 128 (2 blocks an SM) 557 us, 128 x 128 581 us; mma.sync 678 us.
+# Folding (one accumulator, each plane pair's wgmma repeated by its weight) pays where it adds few MMAs:
+# w1a2 / w2a1 unsigned (3 wgmmas instead of 2) on a 128 x 256 tile of 2 x 2 warpgroups -- twice the tile
+# area the two-accumulator registers allow, so 25% less operand traffic from L2, which bounds the kernel.
+# Measured on an H200 (w1a2 8192^3, fp16 out, same run; benchmarks/results/gemm_tune.json): 481 us against
+# 526 us for the unfolded 192 x 128 tile (exact).
+_FOLD_MAX_MMA_RATIO = 1.5  # folded wgmmas / plane pairs
+
+
+def _folded_tile(p: int, q: int, a_twos: bool, w_twos: bool) -> Optional[Tile]:
+    if a_twos or w_twos or n_classes(p, q) == 1:
+        return None
+    if sum(_plane_weight(i, p, False) * _plane_weight(j, q, False) for i in range(p) for j in range(q)) \
+            > _FOLD_MAX_MMA_RATIO * p * q:
+        return None
+    for bm, bn, wm, wn in ((128, 256, 8, 2), (256, 128, 16, 1)):  # the wider side for the fewer planes
+        if 3 * (p * bm + q * bn) * 128 + 1024 <= _MAX_SMEM:
+            return Tile(bm, bn, wm, wn, 3, 1024, mma="wgmma", fold=True)
+    return None
+
+
 def wgmma_tile(p: int, q: int, a_twos: bool = False, w_twos: bool = False) -> Optional[Tile]:
-    """The wgmma tile for (p, q): three warpgroups along M (bm = 192; two, bm = 128, when three
+    """The wgmma tile for (p, q): a folded 128 x 256 (or 256 x 128) tile where folding adds at most 1.5x
+    the MMAs (w1a2 / w2a1 unsigned); else three warpgroups along M (bm = 192; two, bm = 128, when three
     stages of that do not fit shared memory), the widest warpgroup N whose accumulators
     (classes * N / 2 registers a thread) fit the budget, as many stages (3..4) as shared memory
     holds; None when nothing fits or N would be < 64 (many classes or planes: use mma.sync)."""
+    folded = _folded_tile(p, q, a_twos, w_twos)
+    if folded is not None:
+        return folded
     nc = n_classes(p, q, a_twos, w_twos)
     wn = next((n for n in reversed(_WGMMA_N) if nc * n // 2 <= _WGMMA_ACC_BUDGET), None)
     if wn is None or wn < 64:  # N = 32: measured slower than mma.sync (w2a2 8192^3: 1462 us vs 1156 us)
