@@ -156,6 +156,13 @@ constexpr int STAGE_BYTES = A_STAGE + W_STAGE;
 constexpr int A_CHUNKS = P * BM * KCH;   // 16-byte cp.async chunks per stage
 constexpr int W_CHUNKS = Q * BN * KCH;
 constexpr int CODE_LD = BN + 4;          // packed epilogue: bytes per staged row of codes
+// The block's per-row / per-column epilogue vectors (row term, row scale; column term, scale, bias) are
+// staged in shared memory past the pipeline (and the packed codes) at the start of the kernel: read in the
+// epilogue straight from global memory they cost 12% of w1a2 8192^3 (latency-bound loads, one per element).
+constexpr int PIPE_BYTES = STAGES * STAGE_BYTES;
+constexpr int CODE_BYTES = EPI == 2 ? BM * CODE_LD : 0;
+constexpr int VEC_OFF = (WGMMA ? 1024 : 0) + ((PIPE_BYTES > CODE_BYTES ? PIPE_BYTES : CODE_BYTES) + 15) / 16 * 16;
+constexpr int VEC_BYTES = (2 * BM + 3 * BN) * 4;
 
 static_assert(P >= 1 && P <= 8 && Q >= 1 && Q <= 8, "bits must be 1..8");
 static_assert(MT >= 1 && MT * WARPS_M * 16 == BM, "BM must be a multiple of 16 * WARPS_M");
@@ -410,6 +417,25 @@ bmma_gemm(const u32* __restrict__ A,            // (P, M, Kw) bit planes of a
     // wgmma's 128-byte swizzle needs 1024-byte aligned tiles (the loader allocates 1 KB extra)
     const u32 smem_raw = (u32)__cvta_generic_to_shared(smem);
     const u32 smem_base = WGMMA ? (smem_raw + 1023u) & ~1023u : smem_raw;
+    {  // the block's epilogue vectors -> shared memory (visible after the main loop's first barrier)
+        float* rs = reinterpret_cast<float*>(smem + VEC_OFF);
+        int* rt = reinterpret_cast<int*>(rs + BM);
+        float* cs = reinterpret_cast<float*>(rt + BM);
+        float* bs = cs + BN;
+        int* ct = reinterpret_cast<int*>(bs + BN);
+        for (int i = tid; i < BM; i += THREADS) {
+            const int r = m0 + i;
+            rs[i] = row_scale != nullptr && r < M ? row_scale[r] : 1.0f;
+            rt[i] = row_term != nullptr && r < M ? row_term[r] : 0;
+        }
+        for (int i = tid; i < BN; i += THREADS) {
+            const int c = n0 + i;
+            cs[i] = col_scale != nullptr && c < N ? col_scale[c] : 1.0f;
+            bs[i] = bias != nullptr && c < N ? bias[c] : 0.0f;
+            ct[i] = col_term != nullptr && c < N ? col_term[c] : 0;
+        }
+        __syncthreads();
+    }
 
     // ---- producer: one 512-bit K step of every plane of the A and W tiles into stage `stage` ----
     auto load_tile = [&](int stage, int kt) {
@@ -549,6 +575,11 @@ bmma_gemm(const u32* __restrict__ A,            // (P, M, Kw) bit planes of a
 #endif  // TCP_WGMMA
 
     // ---- epilogue ----
+    const float* s_rs = reinterpret_cast<const float*>(smem + VEC_OFF);  // staged at the start (see VEC_OFF)
+    const int* s_rt = reinterpret_cast<const int*>(s_rs + BM);
+    const float* s_cs = reinterpret_cast<const float*>(s_rt + BM);
+    const float* s_bias = s_cs + BN;
+    const int* s_ct = reinterpret_cast<const int*>(s_bias + BN);
     if (EPI == 2) {  // the packed epilogue reuses the pipeline's shared memory for its codes
         cp_async_wait<0>();
         __syncthreads();
@@ -572,8 +603,8 @@ bmma_gemm(const u32* __restrict__ A,            // (P, M, Kw) bit planes of a
 #pragma unroll
                     for (int k = 0; k < NCLASS; ++k) s += (u32)acc[k][mt][nt][h * 2 + e] * (FOLD ? 1u : (u32)CT.weight[k]);
                     s *= (u32)ss;
-                    if (row_term != nullptr && r < M) s += (u32)row_term[r];
-                    if (col_term != nullptr && c + e < N) s += (u32)col_term[c + e];
+                    if (row_term != nullptr && r < M) s += (u32)s_rt[rl];
+                    if (col_term != nullptr && c + e < N) s += (u32)s_ct[cl + e];
                     cv[e] = (int)s;
                 }
                 if (EPI == 0) {
@@ -591,9 +622,9 @@ bmma_gemm(const u32* __restrict__ A,            // (P, M, Kw) bit planes of a
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         float v = __int2float_rn(cv[e]);
-                        if (row_scale != nullptr && r < M) v = __fmul_rn(v, row_scale[r]);
-                        if (col_scale != nullptr && c + e < N) v = __fmul_rn(v, col_scale[c + e]);
-                        if (bias != nullptr && c + e < N) v = __fadd_rn(v, bias[c + e]);
+                        if (row_scale != nullptr && r < M) v = __fmul_rn(v, s_rs[rl]);
+                        if (col_scale != nullptr && c + e < N) v = __fmul_rn(v, s_cs[cl + e]);
+                        if (bias != nullptr && c + e < N) v = __fadd_rn(v, s_bias[cl + e]);
                         // NaN stays NaN, as torch.relu / leaky_relu; slope * y is one IEEE multiply
                         if (relu && v < 0.0f) v = slope == 0.0f ? 0.0f : __fmul_rn(v, slope);
                         y[e] = v;

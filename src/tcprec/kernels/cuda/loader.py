@@ -194,7 +194,8 @@ class Variant:
         pipe = t.stages * (self.p * t.bm + self.q * t.bn) * (t.bk // 8)
         codes = t.bm * (t.bn + 4) if self.epilogue == "packed" else 0
         align = 1024 if t.mma == "wgmma" else 0  # the kernel aligns its tiles to 1024 bytes
-        return max(pipe, codes) + align
+        vectors = (2 * t.bm + 3 * t.bn) * 4  # the epilogue's row / column vectors (bmma_gemm.cu VEC_OFF)
+        return -(-max(pipe, codes) // 16) * 16 + align + vectors
 
     def defines(self) -> list[str]:
         t = self.tile
@@ -261,7 +262,7 @@ def _folded_tile(p: int, q: int, a_twos: bool, w_twos: bool) -> Optional[Tile]:
             > _FOLD_MAX_MMA_RATIO * p * q:
         return None
     for bm, bn, wm, wn in ((128, 256, 8, 2), (256, 128, 16, 1)):  # the wider side for the fewer planes
-        if 3 * (p * bm + q * bn) * 128 + 1024 <= _MAX_SMEM:
+        if 3 * (p * bm + q * bn) * 128 + 1024 + (2 * bm + 3 * bn) * 4 <= _MAX_SMEM:
             return Tile(bm, bn, wm, wn, 3, 1024, mma="wgmma", fold=True)
     return None
 
@@ -281,7 +282,7 @@ def wgmma_tile(p: int, q: int, a_twos: bool = False, w_twos: bool = False) -> Op
         return None
     for bm in (192, 128):
         stage = (p * bm + q * wn) * 128
-        stages = min(4, (_MAX_SMEM - 1024) // stage)
+        stages = min(4, (_MAX_SMEM - 1024 - (2 * bm + 3 * wn) * 4) // stage)
         if stages >= 3:
             return Tile(bm, wn, bm // 16, 1, stages, 1024, mma="wgmma")
     return None
