@@ -192,7 +192,8 @@ def main():
                      + tune(console, (64, 1024, 1024), "w1a2", SMALL_TILES))
     if args.timing_check:
         timing_check(console)
-    write_json(out / "gemm_tune.json", {"env": environment(), "rows": tune_rows})
+    if tune_rows:  # (--skip-tune must not replace the last sweep with an empty file)
+        write_json(out / "gemm_tune.json", {"env": environment(), "rows": tune_rows})
     if args.skip_bench:
         return
     console.print(f"[{time.time() - t0:.0f}s] benchmark")
