@@ -25,9 +25,8 @@ from tcprec.ops.matmul import _planes, matmul
 # the first tile of each list is the exactness reference of the others (int32 outputs compared)
 TUNE_TILES = ("64x128_w2x2_s3_k1024", "192x128_w12x1_s3_k1024_wg", "192x96_w12x1_s3_k1024_wg",
               "128x192_w8x1_s3_k1024_wg", "128x128_w8x1_s3_k1024_wg", "128x256_w8x2_s3_k1024_wg_f",
-              "192x128_w12x1_s3_k1024_wg_f", "128x192_w8x1_s3_k1024_wg_f", "64x256_w4x1_s3_k1024_wg_f")
-TUNE_TILES_W2A2 = ("64x64_w2x2_s3_k1024", "192x64_w12x1_s3_k1024_wg", "128x96_w8x1_s4_k1024_wg",
-                   "128x128_w8x1_s3_k1024_wg_f")
+              "192x128_w12x1_s3_k1024_wg_f")
+TUNE_TILES_W2A2 = ("64x64_w2x2_s3_k1024", "192x64_w12x1_s3_k1024_wg", "128x96_w8x1_s4_k1024_wg")
 SMALL_TILES = ("32x32_w2x2_s2_k1024", "32x32_w2x2_s4", "16x16_w1x1_s2_k1024")
 
 
