@@ -80,8 +80,14 @@ def test_compiled_kernel_uses_tma_and_fp8_wgmma_from_shared_memory():
     dy_m = wf.kmajor_rows(dyq.data.permute(3, 0, 1, 2).reshape(g.K, -1))
     x_m = wf.kmajor_pixels(xq.data)
     k, _ = wf.wgrad_flat(dy_m, x_m, torch.empty(g.weight_shape, device=DEV), g, config=wf.CONFIGS[0], split_k=2)
+    _check_tma_fp8_wgmma(k, ("cp.async.bulk.tensor.2d",), "UTMALDG")
+
+
+def _check_tma_fp8_wgmma(k, ptx_loads, sass_load):
+    """The compiled kernel loads by TMA and runs fp8 wgmma (SASS QGMMA) with both operands in shared memory (every
+    wgmma names two matrix descriptors, %rd, none a register A)."""
     ptx = k.asm["ptx"]
-    assert "cp.async.bulk.tensor.2d" in ptx and "e5m2.e4m3" in ptx
+    assert all(ld in ptx for ld in ptx_loads) and "e5m2.e4m3" in ptx
     wg = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
     assert wg and all(ln.split("}")[-1].count("%rd") == 2 for ln in wg), "an fp8 operand left shared memory"
     try:
@@ -89,7 +95,7 @@ def test_compiled_kernel_uses_tma_and_fp8_wgmma_from_shared_memory():
     except Exception:  # cuobjdump / nvdisasm missing: the PTX checks above are what ran
         return
     ops = sorted({ln.split("\t")[-1].split()[0] for ln in sass.splitlines() if "\t" in ln and ln.split("\t")[-1]})
-    assert "QGMMA" in sass and "UTMALDG" in sass, [o for o in ops if o.startswith(("U", "Q", "H"))]  # fp8 GMMA: QGMMA
+    assert "QGMMA" in sass and sass_load in sass, [o for o in ops if o.startswith(("U", "Q", "H"))]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -131,12 +137,4 @@ def test_compiled_batch_inner_kernel_uses_4d_tma_and_fp8_wgmma_from_shared_memor
     dyq, xq = opc.prepare_fp8_wgrad(dy, x, g.weight_shape, 1, 1, backend="flat")
     k, _ = wf.wgrad_flat(dyq.data, xq.data, torch.empty(g.weight_shape, device=DEV), g,
                          config=dict(BLOCK_M=128, BLOCK_N=128, BLOCK_L=128, num_warps=8, num_stages=4), split_k=2)
-    ptx = k.asm["ptx"]
-    assert "cp.async.bulk.tensor.4d" in ptx and "cp.async.bulk.tensor.2d" in ptx and "e5m2.e4m3" in ptx
-    wg = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
-    assert wg and all(ln.split("}")[-1].count("%rd") == 2 for ln in wg), "an fp8 operand left shared memory"
-    try:
-        sass = k.asm["sass"]
-    except Exception:  # cuobjdump / nvdisasm missing: the PTX checks above are what ran
-        return
-    assert "QGMMA" in sass and "UTMALDG.4D" in sass
+    _check_tma_fp8_wgmma(k, ("cp.async.bulk.tensor.4d", "cp.async.bulk.tensor.2d"), "UTMALDG.4D")

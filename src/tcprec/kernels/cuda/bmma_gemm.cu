@@ -601,7 +601,8 @@ bmma_gemm(const u32* __restrict__ A,            // (P, M, Kw) bit planes of a
                 for (int e = 0; e < 2; ++e) {
                     u32 s = 0;  // unsigned: wraps mod 2^32 like the final int32 result
 #pragma unroll
-                    for (int k = 0; k < NCLASS; ++k) s += (u32)acc[k][mt][nt][h * 2 + e] * (FOLD ? 1u : (u32)CT.weight[k]);
+                    for (int k = 0; k < NCLASS; ++k)
+                        s += (u32)acc[k][mt][nt][h * 2 + e] * (FOLD ? 1u : (u32)CT.weight[k]);
                     s *= (u32)ss;
                     if (row_term != nullptr && r < M) s += (u32)s_rt[rl];
                     if (col_term != nullptr && c + e < N) s += (u32)s_ct[cl + e];

@@ -204,7 +204,8 @@ class Variant:
             f"TCP_P={self.p}", f"TCP_Q={self.q}", f"TCP_A_TWOS={int(self.a_twos)}", f"TCP_W_TWOS={int(self.w_twos)}",
             f"TCP_BM={t.bm}", f"TCP_BN={t.bn}", f"TCP_WARPS_M={t.warps_m}", f"TCP_WARPS_N={t.warps_n}",
             f"TCP_STAGES={t.stages}", f"TCP_BK={t.bk}", f"TCP_FRAG_DB={int(t.frag_db)}",
-            f"TCP_WGMMA={int(t.mma == 'wgmma')}", f"TCP_FOLD={int(t.fold)}", f"TCP_EPI={epi}", f"TCP_OUT_T={_OUT_T[self.out_dtype]}",
+            f"TCP_WGMMA={int(t.mma == 'wgmma')}", f"TCP_FOLD={int(t.fold)}", f"TCP_EPI={epi}",
+            f"TCP_OUT_T={_OUT_T[self.out_dtype]}",
             f"TCP_OB={self.out_bits}", f"TCP_OENC={_OENC[self.out_encoding]}",
         ]
 

@@ -144,6 +144,18 @@ def _store_dw(out_ptr, acc, offs, mask, split, K, RSC, scale_a_ptr, scale_b_ptr,
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _store_dw_tile(out_ptr, acc, k0, c0, tap, K, C, RSC, split, scale_a_ptr, scale_b_ptr, SPLIT_OUT: tl.constexpr,
+                   HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The TMA wgrad kernels' epilogue: the (BLOCK_M output channels from k0) x (BLOCK_N input channels from c0)
+    tile of tap ``tap`` = r * S + s into dw[k, r, s, c] (contiguous), or this split's fp32 partial (_store_dw)."""
+    offs_k = k0 + tl.arange(0, BLOCK_M)
+    offs_c = c0 + tl.arange(0, BLOCK_N)
+    offs = offs_k[:, None] * RSC + tap * C + offs_c[None, :]
+    _store_dw(out_ptr, acc, offs, (offs_k < K)[:, None] & (offs_c < C)[None, :], split, K, RSC, scale_a_ptr,
+              scale_b_ptr, SPLIT_OUT, HAS_SCALE)
+
+
 # ------------------------------------------------------------------------------------------------
 # dgrad
 # ------------------------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ import triton.language as tl
 
 from ..reference_conv import ACT_NONE, ConvGeometry
 from ._host import cdiv, next_power_of_2
-from .conv_bwd import _fastdiv, _magic, _one, _store_dw, _sum_splits, _wgrad_tile, interpreting, sm_count
+from .conv_bwd import _fastdiv, _magic, _one, _store_dw_tile, _sum_splits, _wgrad_tile, interpreting, sm_count
 
 __all__ = ["wgrad_flat", "supported", "geometry_ok", "layout_of", "LAYOUTS", "pick", "split_for", "config_for",
            "CONFIGS", "INTERPRETER_CONFIG", "ALIGN"]
@@ -125,11 +125,8 @@ def _wgrad_flat_kernel(
         acc = tl.dot(a, b.T, acc)
 
     # ---- epilogue: dw[k, r, s, c] (contiguous), or this split's fp32 partial ----
-    offs_k = k0 + tl.arange(0, BLOCK_M)
-    offs_c = c0 + tl.arange(0, BLOCK_N)
-    offs = offs_k[:, None] * RSC + tap * C + offs_c[None, :]
-    _store_dw(out_ptr, acc, offs, (offs_k < K)[:, None] & (offs_c < C)[None, :], split, K, RSC, scale_a_ptr,
-              scale_b_ptr, SPLIT_OUT, HAS_SCALE)
+    _store_dw_tile(out_ptr, acc, k0, c0, tap, K, C, RSC, split, scale_a_ptr, scale_b_ptr, SPLIT_OUT, HAS_SCALE,
+                   BLOCK_M, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=["P", "Q", "NB", "TILES", "PER_SPLIT", "S", "N_TAPS", "sh", "sw", "ph", "pw", "dh",
@@ -186,11 +183,8 @@ def _wgrad_batch_kernel(
         q -= wrap * Q
         p += wrap
 
-    offs_k = k0 + tl.arange(0, BLOCK_M)
-    offs_c = c0 + tl.arange(0, BLOCK_N)
-    offs = offs_k[:, None] * RSC + tap * C + offs_c[None, :]
-    _store_dw(out_ptr, acc, offs, (offs_k < K)[:, None] & (offs_c < C)[None, :], split, K, RSC, scale_a_ptr,
-              scale_b_ptr, SPLIT_OUT, HAS_SCALE)
+    _store_dw_tile(out_ptr, acc, k0, c0, tap, K, C, RSC, split, scale_a_ptr, scale_b_ptr, SPLIT_OUT, HAS_SCALE,
+                   BLOCK_M, BLOCK_N)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -231,7 +225,8 @@ def supported(g: ConvGeometry, dtype: torch.dtype, layout: str) -> tuple[bool, s
     if dtype not in _FP8 + _16BIT:
         return False, f"operands must be fp8 (e4m3 / e5m2), float16 or bfloat16, got {dtype}"
     if dtype in _FP8 and layout == "nhwc":
-        return False, "fp8 operands must be K-major or batch-inner (reduction index contiguous): wgmma reads fp8 only K-major"
+        return False, ("fp8 operands must be K-major or batch-inner (reduction index contiguous): wgmma reads fp8 "
+                       "only K-major")
     ok, why = geometry_ok(g, layout)
     if not ok:
         return ok, why

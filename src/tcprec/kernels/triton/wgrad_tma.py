@@ -79,7 +79,7 @@ import triton.language as tl
 
 from ..reference_conv import ACT_NONE, ConvGeometry
 from ._host import cdiv, next_power_of_2
-from .conv_bwd import _one, _store_dw, _sum_splits, _wgrad_tile, interpreting, sm_count
+from .conv_bwd import _one, _store_dw_tile, _sum_splits, _wgrad_tile, interpreting, sm_count
 
 __all__ = ["wgrad_tma", "supported", "choose_box", "pick", "split_for", "plan", "config_for", "phase_launches",
            "CONFIGS", "INTERPRETER_CONFIG"]
@@ -168,11 +168,8 @@ def _wgrad_tma_kernel(
         n0 += wrap * BOX_N
 
     # ---- epilogue: dw[k, r, s, c] (contiguous), or this split's fp32 partial ----
-    offs_k = k0 + tl.arange(0, BLOCK_M)
-    offs_c = c0 + tl.arange(0, BLOCK_N)
-    offs = offs_k[:, None] * RSC + (r * S + s) * C + offs_c[None, :]
-    _store_dw(out_ptr, acc, offs, (offs_k < K)[:, None] & (offs_c < C)[None, :], split, K, RSC, scale_a_ptr,
-              scale_b_ptr, SPLIT_OUT, HAS_SCALE)
+    _store_dw_tile(out_ptr, acc, k0, c0, r * S + s, K, C, RSC, split, scale_a_ptr, scale_b_ptr, SPLIT_OUT, HAS_SCALE,
+                   BLOCK_M, BLOCK_N)
 
 
 # ------------------------------------------------------------------------------------------------
