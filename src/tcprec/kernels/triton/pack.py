@@ -142,20 +142,30 @@ def _pool_quantize_pack_kernel(
     k3 = offs_k[None, :, :]
     mask = (r3 < R) & (k3 < K)
     if pid_w * (BLOCK_W * 32) < K:
-        m = tl.full((BLOCK_R, BLOCK_W, 32), float("-inf"), tl.float32)
-        for i in tl.static_range(2):
-            for j in tl.static_range(2):
-                h = po * POOL_S + i
-                w = qo * POOL_S + j
-                ok = mask & ((h < P) & (w < Q))[:, None, None]
-                base = n * stride_xn + h * stride_xh + w * stride_xw
-                v = tl.load(x_ptr + base[:, None, None] + k3 * stride_xk, mask=ok, other=float("-inf"))
-                m = tl.maximum(m, v.to(tl.float32))
+        m = _max_pool_2x2(x_ptr, n[:, None, None], po[:, None, None], qo[:, None, None], k3 * stride_xk, mask, P, Q,
+                          stride_xn, stride_xh, stride_xw, POOL_S, tl.full((BLOCK_R, BLOCK_W, 32), float("-inf"),
+                                                                           tl.float32))
         c = _quantize_codes(m, tl.load(scale_ptr), LO, HI, OFFSET, SHIFT, BITS)
         codes = tl.where(mask, c, 0)
         _store_planes(codes, planes_ptr, offs_r, offs_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS)
     else:
         _store_zero_planes(planes_ptr, offs_r, offs_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS)
+
+
+@triton.jit
+def _max_pool_2x2(x_ptr, n, po, qo, koff, mask, P, Q, stride_xn, stride_xh, stride_xw, POOL_S: tl.constexpr, init):
+    """max(init, the 2x2 window at input (po * POOL_S, qo * POOL_S) of image n), float32; n, po, qo arrive
+    broadcastable against the channel offsets ``koff`` (any tile rank), window pixels past P / Q skipped (darknet's
+    clipped size-keeping pool at POOL_S = 1)."""
+    m = init
+    for i in tl.static_range(2):
+        for j in tl.static_range(2):
+            h = po * POOL_S + i
+            w = qo * POOL_S + j
+            ok = mask & (h < P) & (w < Q)
+            v = tl.load(x_ptr + n * stride_xn + h * stride_xh + w * stride_xw + koff, mask=ok, other=float("-inf"))
+            m = tl.maximum(m, v.to(tl.float32))
+    return m
 
 
 @triton.jit

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ._host import cdiv, next_power_of_2
-from .pack import _quantize_codes
+from .pack import _max_pool_2x2, _quantize_codes
 
 __all__ = ["pool_quantize_int8", "im2col_rows", "ENC_UNSIGNED", "ENC_TWOS", "ENC_PM"]
 
@@ -69,14 +69,8 @@ def _pool_quantize_int8_kernel(
         base = n * stride_xn + po * stride_xh + qo * stride_xw
         v = tl.load(x_ptr + base[:, None] + kk, mask=mask, other=0.0).to(tl.float32)
     else:
-        v = tl.full((BLOCK_R, BLOCK_K), float("-inf"), tl.float32)
-        for i in tl.static_range(2):
-            for j in tl.static_range(2):
-                h = po * POOL_S + i
-                w = qo * POOL_S + j
-                ok = mask & ((h < P) & (w < Q))[:, None]
-                base = n * stride_xn + h * stride_xh + w * stride_xw
-                v = tl.maximum(v, tl.load(x_ptr + base[:, None] + kk, mask=ok, other=float("-inf")).to(tl.float32))
+        v = _max_pool_2x2(x_ptr, n[:, None], po[:, None], qo[:, None], kk, mask, P, Q, stride_xn, stride_xh, stride_xw,
+                          POOL_S, tl.full((BLOCK_R, BLOCK_K), float("-inf"), tl.float32))
     c = _quantize_codes(v, tl.load(scale_ptr), LO, HI, OFFSET, SHIFT, BITS)
     out = out_ptr + offs_r.to(tl.int64)[:, None] * K + offs_k[None, :]
     tl.store(out, _code_to_x8(c, ENC, BITS), mask=mask)
