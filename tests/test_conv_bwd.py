@@ -66,30 +66,32 @@ def _bound(abs_sum, ref, red_len, ua, ea, ub, eb, max_a, max_b, out_dtype):
     return (1.01 * rel * abs_sum + floor) * (1 + U_OUT[out_dtype]) + U_OUT[out_dtype] * ref.abs() * 1.01
 
 
-def _check_dgrad(g, precision, dy, w, got):
-    ref = rc.conv2d_dgrad(dy, w, g.input_shape, g.stride, g.padding, g.dilation)
+def _check(op, g, precision, dy, b, got):
+    """got (dgrad: from dy and the weight b; wgrad: from dy and the input b) against the fp64 reference, within the
+    bound of the two operands' rounding to the precision and the fp32 sum over the reduction."""
+    if op == "dgrad":
+        ref = rc.conv2d_dgrad(dy, b, g.input_shape, g.stride, g.padding, g.dilation)
+        abs_sum = rc.abs_dgrad(dy, b, g.input_shape, g.stride, g.padding, g.dilation)
+        red = g.K * g.R * g.S
+    else:
+        ref = rc.conv2d_wgrad(dy, b, g.weight_shape, g.stride, g.padding, g.dilation)
+        abs_sum = rc.abs_wgrad(dy, b, g.weight_shape, g.stride, g.padding, g.dilation)
+        red = g.N * g.P * g.Q
     ua, ea = _fmt_err(dy, precision, "e5m2")
-    ub, eb = _fmt_err(w, precision, "e4m3")
-    red = g.K * g.R * g.S
-    bound = _bound(rc.abs_dgrad(dy, w, g.input_shape, g.stride, g.padding, g.dilation), ref, red, ua, ea, ub, eb,
-                   float(dy.abs().max()), float(w.abs().max()), got.dtype)
+    ub, eb = _fmt_err(b, precision, "e4m3")
+    bound = _bound(abs_sum, ref, red, ua, ea, ub, eb, float(dy.abs().max()), float(b.abs().max()), got.dtype)
     err = (got.double() - ref).abs()
     assert got.shape == ref.shape
-    assert (err <= bound).all(), f"dgrad {precision} {g}: max err {float(err.max()):.3g}, worst err/bound " \
+    assert (err <= bound).all(), f"{op} {precision} {g}: max err {float(err.max()):.3g}, worst err/bound " \
                                  f"{float((err / bound).max()):.3g}"
+
+
+def _check_dgrad(g, precision, dy, w, got):
+    _check("dgrad", g, precision, dy, w, got)
 
 
 def _check_wgrad(g, precision, dy, x, got):
-    ref = rc.conv2d_wgrad(dy, x, g.weight_shape, g.stride, g.padding, g.dilation)
-    ua, ea = _fmt_err(dy, precision, "e5m2")
-    ub, eb = _fmt_err(x, precision, "e4m3")
-    red = g.N * g.P * g.Q
-    bound = _bound(rc.abs_wgrad(dy, x, g.weight_shape, g.stride, g.padding, g.dilation), ref, red, ua, ea, ub, eb,
-                   float(dy.abs().max()), float(x.abs().max()), got.dtype)
-    err = (got.double() - ref).abs()
-    assert got.shape == ref.shape
-    assert (err <= bound).all(), f"wgrad {precision} {g}: max err {float(err.max()):.3g}, worst err/bound " \
-                                 f"{float((err / bound).max()):.3g}"
+    _check("wgrad", g, precision, dy, x, got)
 
 
 # ------------------------------------------------------------------------------------------------
