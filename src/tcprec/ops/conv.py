@@ -146,7 +146,9 @@ def to_fp8(t: torch.Tensor, fmt: str = "e4m3", *, memory_order: tuple[int, ...] 
            scale: torch.Tensor | None = None) -> Fp8Tensor:
     """Quantise ``t`` to ``fmt`` ("e4m3" or "e5m2") with one scale, ``amax(|t|) / max(fmt)`` unless
     given; round to nearest even, saturating.  ``memory_order`` (a permutation of t's dims, outermost
-    first) chooses the physical layout of ``data``; its logical shape is always t's.
+    first) chooses the physical layout of ``data``; its logical shape is always t's.  On CUDA (1 to 4 dims)
+    the division, clamp, rounding and the layout change are one Triton pass (``kernels/triton/fp8_quant.py``,
+    the same bits as the torch formula used elsewhere).
 
     >>> q = to_fp8(torch.tensor([[1.0, -3.0], [0.5, 2.0]]), "e4m3", memory_order=(1, 0))
     >>> q.data.shape, q.data.stride(), q.dequantize()[0, 1].item()
