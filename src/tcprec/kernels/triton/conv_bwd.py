@@ -144,6 +144,18 @@ def _store_dw(out_ptr, acc, offs, mask, split, K, RSC, scale_a_ptr, scale_b_ptr,
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def check_wgmma_blocks(cfg: dict) -> None:
+    """A TMA wgrad kernel's config names BLOCK_M, BLOCK_N and BLOCK_L, each a power of two >= 16 (wgmma's smallest
+    reduction step); raise a ValueError naming the value otherwise."""
+    missing = {"BLOCK_M", "BLOCK_N", "BLOCK_L"} - set(cfg)
+    if missing:
+        raise ValueError(f"config needs BLOCK_M, BLOCK_N and BLOCK_L, missing {sorted(missing)}")
+    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_L"):
+        v = cfg[name]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 16 or v & (v - 1):
+            raise ValueError(f"{name} must be a power of two >= 16 (wgmma's smallest reduction step), got {v!r}")
+
+
 @triton.jit
 def _store_dw_tile(out_ptr, acc, k0, c0, tap, K, C, RSC, split, scale_a_ptr, scale_b_ptr, SPLIT_OUT: tl.constexpr,
                    HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):

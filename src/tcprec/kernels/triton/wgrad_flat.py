@@ -53,7 +53,8 @@ import triton.language as tl
 
 from ..reference_conv import ACT_NONE, ConvGeometry
 from ._host import cdiv, next_power_of_2
-from .conv_bwd import _fastdiv, _magic, _one, _store_dw_tile, _sum_splits, _wgrad_tile, interpreting, sm_count
+from .conv_bwd import (_fastdiv, _magic, _one, _store_dw_tile, _sum_splits, _wgrad_tile, check_wgmma_blocks,
+                       interpreting, sm_count)
 
 __all__ = ["wgrad_flat", "supported", "geometry_ok", "layout_of", "LAYOUTS", "pick", "split_for", "config_for",
            "CONFIGS", "INTERPRETER_CONFIG", "ALIGN"]
@@ -319,13 +320,7 @@ def split_for(g: ConvGeometry, bm: int, bn: int, bl: int, sms: int, batch: bool 
 
 def config_for(g: ConvGeometry, config: dict | None, esize: int = 1, batch: bool = False) -> dict:
     cfg = dict(config if config is not None else INTERPRETER_CONFIG if interpreting() else pick(g, esize, batch))
-    missing = {"BLOCK_M", "BLOCK_N", "BLOCK_L"} - set(cfg)
-    if missing:
-        raise ValueError(f"config needs BLOCK_M, BLOCK_N and BLOCK_L, missing {sorted(missing)}")
-    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_L"):
-        v = cfg[name]
-        if isinstance(v, bool) or not isinstance(v, int) or v < 16 or v & (v - 1):
-            raise ValueError(f"{name} must be a power of two >= 16, got {v!r}")
+    check_wgmma_blocks(cfg)
     if cfg["BLOCK_L"] < 32 and esize == 1:
         raise ValueError(f"BLOCK_L must be >= 32 for fp8 operands (wgmma's fp8 reduction step), got {cfg['BLOCK_L']}")
     return cfg

@@ -79,7 +79,7 @@ import triton.language as tl
 
 from ..reference_conv import ACT_NONE, ConvGeometry
 from ._host import cdiv, next_power_of_2
-from .conv_bwd import _one, _store_dw_tile, _sum_splits, _wgrad_tile, interpreting, sm_count
+from .conv_bwd import _one, _store_dw_tile, _sum_splits, _wgrad_tile, check_wgmma_blocks, interpreting, sm_count
 
 __all__ = ["wgrad_tma", "supported", "choose_box", "pick", "split_for", "plan", "config_for", "phase_launches",
            "CONFIGS", "INTERPRETER_CONFIG"]
@@ -332,13 +332,7 @@ def config_for(g: ConvGeometry, config: dict | None) -> dict:
     """The config a call with ``config`` runs: it, or :data:`INTERPRETER_CONFIG` under the interpreter, or
     :func:`pick`'s, checked."""
     cfg = dict(config if config is not None else INTERPRETER_CONFIG if interpreting() else pick(g))
-    missing = {"BLOCK_M", "BLOCK_N", "BLOCK_L"} - set(cfg)
-    if missing:
-        raise ValueError(f"config needs BLOCK_M, BLOCK_N and BLOCK_L, missing {sorted(missing)}")
-    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_L"):
-        v = cfg[name]
-        if isinstance(v, bool) or not isinstance(v, int) or v < 16 or v & (v - 1):
-            raise ValueError(f"{name} must be a power of two >= 16 (wgmma's smallest reduction step), got {v!r}")
+    check_wgmma_blocks(cfg)
     tile = (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_L"])
     if tile in _BAD_TILES:
         raise ValueError(f"BLOCK_M x BLOCK_N x BLOCK_L = {tile} gave wrong results on the H200 (NRMSE ~1e-2); use "
