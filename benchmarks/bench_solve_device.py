@@ -387,6 +387,106 @@ def refine_ab(dev, sizes=(8192, 16384, 32768), out="benchmarks/results/solve_ref
     return rows
 
 
+def _event_ms(fn, repeats=10):
+    """Mean GPU ms of fn() over ``repeats`` back-to-back calls (CUDA events), after one warm-up."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+@guarded("panel A/B")
+def panel_ab(dev, sizes=(8192, 16384, 32768), out="benchmarks/results/solve_panel_ab.json"):
+    """Partially pivoted panels: cuSOLVER getrf per 1024-column block vs Toledo's recursion with
+    tournament-pivoting leaves (one panel_lu.cu launch a leaf), same A per n; then full fp16 solves
+    with each against fp64 torch.linalg.solve in the same run."""
+    from tcprec.kernels.cuda import panel_lu as PL
+
+    rows = []
+    note("-- one leaf alone (GPU ms a launch, CUDA events) vs cuSOLVER getrf of the same panel")
+    for m in (32768, 16384, 4096):
+        G = la.make_matrix("general", m, cond=1e2, device=dev).float()
+        for w in (32, 64):
+            work = torch.empty(m + 1, m, device=dev)
+            work[:m].copy_(G)
+            work[m].zero_()
+            perm = torch.arange(m + 1, device=dev)
+            scratch = PL.PanelScratch.allocate(m, m, work.device)
+            t_leaf = _event_ms(lambda: PL.panel_calu(work, perm, 0, w, m, w, scratch))
+            t_cols = _event_ms(lambda: PL.panel_calu(work, perm, 0, w, m, m, scratch), repeats=5)
+            P = G[:, :w].clone()
+            with _getrf_lib(dev, "cusolver"):
+                t_getrf = _event_ms(lambda: torch.linalg.lu_factor_ex(P), repeats=5)
+            note(f"m={m} w={w}: panel_calu {t_leaf:.3f} ms (swaps on all {m} columns: {t_cols:.3f} ms), "
+                 f"cuSOLVER getrf {t_getrf:.3f} ms = {t_getrf / t_leaf:.1f}x")
+            rows.append({"kind": "leaf", "m": m, "w": w, "panel_calu_ms": t_leaf, "panel_calu_all_cols_ms": t_cols,
+                         "getrf_ms": t_getrf})
+            del work, perm, scratch, P
+        P = G[:, :1024].clone()
+        with _getrf_lib(dev, "cusolver"):
+            t_getrf = _event_ms(lambda: torch.linalg.lu_factor_ex(P), repeats=3)
+        note(f"m={m} w=1024: cuSOLVER getrf {t_getrf:.3f} ms")
+        rows.append({"kind": "leaf", "m": m, "w": 1024, "getrf_ms": t_getrf})
+        del G, P
+        free()
+    variants_ = [dict(panel="getrf"), dict(panel="calu", leaf=32), dict(panel="calu", leaf=64)]
+    for n in sizes:
+        A = la.make_matrix("general", n, cond=1e2, device=dev)
+        b = la.random_rhs(n, device=dev)
+        t64, x64 = timeit(lambda: torch.linalg.solve(A, b), warmup=1, repeats=2)
+        del x64
+        note(f"n={n} fp64 torch.linalg.solve {t64 * 1e3:.1f} ms")
+        rows.append({"kind": "solve", "n": n, "factor": "fp64", "time_s": t64})
+        best = None
+        for v in variants_:
+            kw = dict(AB_LU, **v)
+            try:
+                t, F, prof = _lu_time(A, factor="fp16", **kw)
+                err = None
+                if n <= 16384:
+                    Ld = torch.tril(F.lu.double(), -1)
+                    Ld.diagonal().fill_(1.0)
+                    err = float((A[F.perm] * F.scale - Ld @ torch.triu(F.lu.double())).abs().max()
+                                / (A.abs().max() * F.scale))
+                    del Ld
+                note(f"n={n} lu fp16 {v}: {t * 1e3:7.1f} ms [{fmt_prof(prof)}] max|PA-LU|/max|A| {err}")
+                rows.append({"kind": "lu", "n": n, "factor": "fp16", "options": kw, "time_s": t, "phase_times": prof,
+                             "lu_rel_err": err})
+                if best is None or t < best[0]:
+                    best = (t, kw)
+                del F
+            except Exception as e:  # noqa: BLE001
+                note(f"n={n} lu {v}: FAILED {type(e).__name__}: {str(e)[:300]}")
+            free()
+        for v in variants_:
+            kw = dict(AB_LU, **v)
+            try:
+                t, (x, info) = timeit(lambda: la.solve(A, b, factor="fp16", pivoting=True, **kw), warmup=1,
+                                      repeats=2)
+                rows.append({"kind": "solve", "n": n, "factor": "fp16", "options": kw, "time_s": t,
+                             "speedup": t64 / t, "path": info.path, "backward_error": info.backward_error,
+                             "iterations": info.iterations, "inner_iterations": info.inner_iterations,
+                             "factor_time_s": info.factor_time_s, "refine_time_s": info.refine_time_s})
+                note(f"n={n} solve fp16 {v}: {t * 1e3:7.1f} ms = {t64 / t:.2f}x fp64, {info.path} it "
+                     f"{info.iterations}/{info.inner_iterations} be {info.backward_error:.3g} factor "
+                     f"{info.factor_time_s * 1e3:.1f} refine {info.refine_time_s * 1e3:.1f} ms")
+            except Exception as e:  # noqa: BLE001
+                note(f"n={n} solve {v}: FAILED {type(e).__name__}: {str(e)[:300]}")
+            free()
+        del A, b
+        free()
+    if out:
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with open(out, "w") as fh:
+            json.dump({"env": environment(dev), "command": "PYTHONPATH=src python3 benchmarks/bench_solve_device.py "
+                       "--panel-ab", "rows": rows, "lines": SUMMARY}, fh, indent=1, default=str)
+    return rows
+
+
 def cpu_iterations(n: int):
     """Refinement counts of the A/B cases, emulated on the CPU in the CUDA configuration (block
     1024, getrf panels, U12 = inv(L11) @ A12 with tf32-rounded operands, blocked trsv).  Counts,
@@ -419,6 +519,8 @@ def main():
     ap.add_argument("--cpu-smoke", action="store_true", help="run the script's logic on a CPU at tiny n")
     ap.add_argument("--cpu-iterations", type=int, default=0, metavar="N",
                     help="no GPU needed: refinement counts of the A/B cases from the CPU emulation at order N")
+    ap.add_argument("--panel-ab", action="store_true",
+                    help="only the panel A/B: getrf vs CALU leaf kernel, one leaf alone, LU and fp16 solves")
     ap.add_argument("--refine-ab", action="store_true",
                     help="only the general-matrix A/B: gmres vs fgmres, tf32 vs fp32 U12 GEMM (~3 min)")
     args = ap.parse_args()
@@ -435,7 +537,9 @@ def main():
     peak = measure_bf16_peak(dev)
     note(f"bf16 matmul 8192^3 peak: {peak:.0f} TFLOP/s")
     capabilities(dev)
-    if args.refine_ab:
+    if args.panel_ab:
+        panel_ab(dev, sizes=tuple(int(s) for s in args.sizes.split(",")))
+    elif args.refine_ab:
         refine_ab(dev, sizes=tuple(int(s) for s in args.sizes.split(",")))
     elif args.quick:
         correctness(dev)

@@ -169,6 +169,24 @@ def test_one_source_no_per_width_files():
     from tcprec.kernels.cuda import loader as L
 
     cu = sorted(p.name for p in L.SOURCE_PATH.parent.glob("*.cu"))
-    assert cu == ["bmma_gemm.cu"]
+    assert cu == ["bmma_gemm.cu", "panel_lu.cu"]  # every bit width from one GEMM source; the LU panel leaf
     src = L.SOURCE_PATH.read_text()
     assert "and.popc" in src and "xor.popc" not in src and ".s4" not in src and ".u4" not in src
+
+
+def test_panel_lu_variants_compile_without_spills(cache):
+    """panel_lu.cu (the CALU leaf of tcprec.linalg): the default variant of each leaf width and the
+    other block sizes compile for sm_90a; none spills (a row lives in registers) and the default
+    w32 variant's step loop is unrolled (its stack frame stays 0 bytes)."""
+    from tcprec.kernels.cuda import panel_lu as P
+
+    for v in {P.default_variant(32), P.default_variant(64), P.PanelVariant(32, 1024), P.PanelVariant(32, 128)}:
+        cubin, log = P.compile_panel(v, "sm_90a")
+        assert cubin[:4] == b"\x7fELF", v
+        if v.threads <= 512:
+            assert "0 bytes spill stores" in log and "0 bytes stack frame" in log, (str(v), log[-300:])
+    assert P.default_variant(17) == P.PanelVariant(32, 256, True) and P.default_variant(33).width == 64
+    with pytest.raises(ValueError, match=r"at most 64 columns, got 65"):
+        P.default_variant(65)
+    with pytest.raises(ValueError, match=r"threads must be one of \(128, 256, 512, 1024\) and >= 2 \* width"):
+        P.PanelVariant(64, 64)

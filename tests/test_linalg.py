@@ -351,6 +351,31 @@ def test_tournament_picks_rows_from_the_original_panel():
     assert float(torch.tril(top, -1).abs().max()) <= 1.0 + 1e-6  # the final game is partial pivoting
 
 
+@pytest.mark.parametrize("fan_in", [2, 4, 8])
+def test_tournament_tree_fan_in(fan_in):
+    """The F-ary tree panel_lu.cu reduces (groups of fan_in candidate sets, padded with empty sets):
+    w distinct rows of the panel, the obvious pivot first, top = the no-pivot LU of the selection with
+    multipliers <= 1 (the final game is partial pivoting); with one block it is partial pivoting."""
+    g = torch.Generator().manual_seed(fan_in)
+    P = torch.randn(300, 8, generator=g)
+    P[211] *= 40.0
+    sel, top = _tournament(P, rows=16, row0=5, scratch=999, fan_in=fan_in)  # 19 blocks: padded levels
+    assert int(sel[0]) == 5 + 211 and len(set(sel.tolist())) == 8 and all(5 <= i < 305 for i in sel.tolist())
+    L = torch.tril(top, -1) + torch.eye(8)
+    assert torch.allclose(L @ torch.triu(top), P[sel - 5], atol=1e-5)
+    assert float(torch.tril(top, -1).abs().max()) <= 1.0 + 1e-6
+    one, _ = _tournament(P, rows=512, row0=0, scratch=999, fan_in=fan_in)
+    _, piv = torch.linalg.lu_factor(P)
+    assert torch.equal(one, _pivot_order_of(piv, 300)[:8])
+
+
+def _pivot_order_of(piv, m):
+    order = list(range(m))
+    for j, p in enumerate((piv - 1).tolist()):
+        order[j], order[p] = order[p], order[j]
+    return torch.tensor(order)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_selection_swaps_move_the_selected_rows_to_the_top(seed):
     g = torch.Generator().manual_seed(seed)
@@ -415,6 +440,10 @@ def test_lu_option_validation():
         la.lu_factor(A, getrf_lib="magma")
     with pytest.raises(ValueError, match=r"calu_rows must be a positive int"):
         la.lu_factor(A, panel="calu", calu_rows=0)
+    with pytest.raises(ValueError, match=r"calu_kernel=True .* needs panel='calu' and CUDA tensors; got panel='calu' on cpu"):
+        la.lu_factor(A, panel="calu", calu_kernel=True)
+    with pytest.raises(ValueError, match=r"calu_kernel must be None \(auto: on CUDA\), True or False, got calu_kernel='yes'"):
+        la.lu_factor(A, panel="calu", calu_kernel="yes")
 
 
 def test_trsm_tf32_emulates_the_gpu_u12_gemm_on_cpu():

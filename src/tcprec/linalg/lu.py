@@ -20,7 +20,8 @@ Pivoting:
   default), Toledo's recursive LU (``panel="recursive"``: split the columns in halves, factor the
   left half, update the right half with a TRSM and a GEMM, recurse; ``getrf`` only on leaves of
   ``leaf`` columns), or the same recursion with tournament-pivoting leaves (``panel="calu"``: a
-  few batched getrf calls on small row blocks pick the pivot rows, then L21 = A21 U11^-1).  On
+  few batched getrf calls on small row blocks pick the pivot rows, then L21 = A21 U11^-1; on CUDA
+  each leaf of <= 64 columns is instead one launch of kernels/cuda/panel_lu.cu).  On
   CUDA every single-matrix getrf is routed to cuSOLVER (``getrf_lib``): torch's default sends a
   tall panel to MAGMA's batched routine, 20 ms per 8192 x 1024 panel on an H100.  Row
   interchanges become one gather/scatter of at most ``2 * width`` whole rows per leaf, computed
@@ -555,8 +556,9 @@ class _Swaps:
     ``perm``); with look-ahead the columns [cols, n) are still being updated on the side stream,
     so their swaps are queued, in order, and applied after the join (``flush``)."""
 
-    def __init__(self, work: torch.Tensor, perm: torch.Tensor, cols: int):
+    def __init__(self, work: torch.Tensor, perm: torch.Tensor, cols: int, scratch=None):
         self.work, self.perm, self.cols = work, perm, cols
+        self.scratch = scratch  # the CALU leaf kernel's buffers (panel_lu.PanelScratch) or None
         self.pending: list = []
 
     def apply(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -571,6 +573,18 @@ class _Swaps:
         for dst, src in self.pending:
             right.index_copy_(0, dst, right.index_select(0, src))
         self.pending.clear()
+
+
+_CALU_KERNEL_MAX_LEAF = 64
+_CALU_KERNEL_ROWS = 256  # the kernel's block (first-level tournament rows) by default
+_CALU_KERNEL_BLOCKS = (128, 256, 512, 1024)
+
+
+def _panel_kernels():
+    """kernels/cuda/panel_lu.py, imported on first use (it needs cuda.core; CPU runs never do)."""
+    from ..kernels.cuda import panel_lu
+
+    return panel_lu
 
 
 def _leaf_getrf(work: torch.Tensor, swaps: _Swaps, k: int, w: int, n: int, cfg: "_Config") -> None:
@@ -594,17 +608,20 @@ def _pivot_order(lu: torch.Tensor, piv: torch.Tensor) -> torch.Tensor:
     return P.argmax(dim=-2)
 
 
-def _tournament(P: torch.Tensor, rows: int, row0: int, scratch: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _tournament(P: torch.Tensor, rows: int, row0: int, scratch: int,
+                fan_in: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     """Tournament pivoting (Grigori, Demmel & Xiang's CALU) on the tall panel P (m, w), whose
     first row is global row ``row0``.
 
     The rows are cut into p blocks of ``rows`` rows (zero-padded; padding rows carry the id
-    ``scratch``); one batched getrf picks w candidate rows per block; pairs of candidate sets
-    (2w x w, the *original* rows) are factored again, batched, level by level, until one set is
-    left.  Returns ``sel`` (w,) int64, the global ids of the w pivot rows in the order getrf of
-    the final set puts them, and ``top`` (w, w), that getrf's packed L11\\U11 of those rows (so the
-    panel needs no further pivoting: L21 = A21 U11^-1).  With m <= rows this is exactly partial
-    pivoting.  ~6 launches per tree level, log2(m / rows) levels, no host sync."""
+    ``scratch``); one batched getrf picks w candidate rows per block; groups of ``fan_in``
+    candidate sets (fan_in * w x w, the *original* rows) are factored again, batched, level by
+    level, until one set is left.  Returns ``sel`` (w,) int64, the global ids of the w pivot rows
+    in the order getrf of the final set puts them, and ``top`` (w, w), that getrf's packed
+    L11\\U11 of those rows (so the panel needs no further pivoting: L21 = A21 U11^-1).  With
+    m <= rows this is exactly partial pivoting.  ``rows=1024, fan_in=32`` (w = 32) and
+    ``rows=512, fan_in=8`` (w = 64) is the tree panel_lu.cu reduces.  ~6 launches per tree level,
+    no host sync."""
     m, w = P.shape
     dev = P.device
     r = max(rows, w)
@@ -621,12 +638,12 @@ def _tournament(P: torch.Tensor, rows: int, row0: int, scratch: int) -> tuple[to
         if p == 1:
             return sel_ids[0], lu[0, :w, :w]
         sel = torch.gather(cand, 1, pick.unsqueeze(-1).expand(-1, -1, w))  # original rows
-        if p % 2:
-            sel = torch.cat([sel, sel.new_zeros(1, w, w)])
-            sel_ids = torch.cat([sel_ids, sel_ids.new_full((1, w), scratch)])
-            p += 1
-        p //= 2
-        cand, cand_ids = sel.reshape(p, 2 * w, w), sel_ids.reshape(p, 2 * w)
+        pad = -p % fan_in
+        if pad:
+            sel = torch.cat([sel, sel.new_zeros(pad, w, w)])
+            sel_ids = torch.cat([sel_ids, sel_ids.new_full((pad, w), scratch)])
+        p = (p + pad) // fan_in
+        cand, cand_ids = sel.reshape(p, fan_in * w, w), sel_ids.reshape(p, fan_in * w)
 
 
 def _selection_swaps(sel: torch.Tensor, k: int, scratch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -647,7 +664,16 @@ def _selection_swaps(sel: torch.Tensor, k: int, scratch: int) -> tuple[torch.Ten
 
 def _leaf_calu(work: torch.Tensor, swaps: _Swaps, k: int, w: int, n: int, cfg: "_Config") -> None:
     """Factor W[k:n, k:k+w] with tournament pivoting: pick the w pivot rows (``_tournament``),
-    swap them to the top, write their L11\\U11, then L21 = A21 U11^-1 (fp32 TRSM)."""
+    swap them to the top, write their L11\\U11, then L21 = A21 U11^-1 (fp32 TRSM).  With
+    ``cfg.calu_kernel`` all of it is one launch of panel_lu.cu (tournament blocks of 1024 / 512
+    rows, fan-in 32 / 8, L21 by substitution in fp32)."""
+    if cfg.calu_kernel:
+        pk = _panel_kernels()
+        variant = pk.PanelVariant(32 if cfg.leaf <= 32 else 64, cfg.calu_rows)
+        dst, src = pk.panel_calu(work, swaps.perm, k, w, n, swaps.cols, swaps.scratch, variant)
+        if swaps.cols < work.shape[1]:
+            swaps.pending.append((dst, src))
+        return
     sel, top = _tournament(work[k:n, k : k + w], cfg.calu_rows, k, n)
     dst, src = _selection_swaps(sel, k, n)
     swaps.apply(dst, src)
@@ -747,6 +773,7 @@ class _Config:
     lookahead: bool
     getrf_lib: str = "cusolver"
     calu_rows: int = 1024
+    calu_kernel: bool = False
 
 
 @dataclass
@@ -925,7 +952,7 @@ class LUFactors:
 
 
 def _resolve_config(n, device, factor, pivoting, block, panel, leaf, trsm, trsv, panel_tf32, lookahead,
-                    getrf_lib="cusolver", calu_rows=None, trsm_tf32=None) -> _Config:
+                    getrf_lib="cusolver", calu_rows=None, trsm_tf32=None, calu_kernel=None) -> _Config:
     if block is None:
         block = default_block(n, device)
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
@@ -941,14 +968,30 @@ def _resolve_config(n, device, factor, pivoting, block, panel, leaf, trsm, trsv,
     cuda = device.type == "cuda"
     if panel == "auto":  # CUDA: one cuSOLVER getrf per block column (fewest launches); CPU: recursive
         panel = "getrf" if cuda else "recursive"
+    if calu_kernel is not None and not isinstance(calu_kernel, bool):
+        raise ValueError(f"calu_kernel must be None (auto: on CUDA), True or False, got calu_kernel={calu_kernel!r}")
+    if calu_kernel is None:  # auto: the kernel where it can factor the leaves the options ask for
+        calu_kernel = cuda and panel == "calu" and (leaf is None or leaf <= _CALU_KERNEL_MAX_LEAF) and (
+            calu_rows is None or calu_rows in _CALU_KERNEL_BLOCKS)
+    if calu_kernel and (not cuda or panel != "calu"):
+        raise ValueError(f"calu_kernel=True runs the tournament-pivoting leaf kernel (panel_lu.cu), which needs "
+                         f"panel='calu' and CUDA tensors; got panel={panel!r} on {device.type}: pass "
+                         "calu_kernel=None (auto)")
     if leaf is None:
-        leaf = 128 if cuda else 16
+        leaf = (32 if calu_kernel else 128) if cuda else 16
     if isinstance(leaf, bool) or not isinstance(leaf, int) or leaf < 1:
         raise ValueError(f"leaf must be a positive int (getrf width of the recursive panel), got leaf={leaf!r}")
+    if calu_kernel and leaf > _CALU_KERNEL_MAX_LEAF:
+        raise ValueError(f"the CALU leaf kernel factors leaves of at most {_CALU_KERNEL_MAX_LEAF} columns, got "
+                         f"leaf={leaf}: pass leaf=32 or leaf=64 (or calu_kernel=False for the batched-getrf "
+                         "tournament)")
     if calu_rows is None:
-        calu_rows = 1024 if cuda else 64
+        calu_rows = (_CALU_KERNEL_ROWS if calu_kernel else 1024) if cuda else 64
     if isinstance(calu_rows, bool) or not isinstance(calu_rows, int) or calu_rows < 1:
         raise ValueError(f"calu_rows must be a positive int (rows per tournament block), got calu_rows={calu_rows!r}")
+    if calu_kernel and (calu_rows not in _CALU_KERNEL_BLOCKS or calu_rows < 2 * leaf):
+        raise ValueError(f"with the CALU leaf kernel calu_rows is its block size: one of {_CALU_KERNEL_BLOCKS} and at "
+                         f"least 2 * leaf = {2 * leaf}, got calu_rows={calu_rows}")
     if trsv == "auto":
         trsv = "blocked" if cuda else "trsm"
     if trsm == "auto":  # inv(L11) @ A12 as a tf32 GEMM: tensor cores, error below the low-precision updates
@@ -970,6 +1013,7 @@ def _resolve_config(n, device, factor, pivoting, block, panel, leaf, trsm, trsv,
         lookahead=bool(cuda if lookahead is None else lookahead),
         getrf_lib=getrf_lib,
         calu_rows=calu_rows,
+        calu_kernel=calu_kernel,
     )
 
 
@@ -1012,6 +1056,7 @@ def _factor_inplace(work: torch.Tensor, n: int, cfg: _Config, timer: _PhaseTimer
     next block column's share stays on the critical path."""
     partial = cfg.pivoting == "partial"
     perm = torch.arange(n + 1, device=work.device) if partial else None
+    scratch = _panel_kernels().PanelScratch.allocate(n, work.shape[1], work.device) if cfg.calu_kernel else None
     nb = cfg.block
     steps = [(k, min(nb, n - k)) for k in range(0, n, nb)]
     streams = _Streams(work.device, cfg.lookahead)
@@ -1021,7 +1066,7 @@ def _factor_inplace(work: torch.Tensor, n: int, cfg: _Config, timer: _PhaseTimer
         k, kb = steps[i]
         with timer("panel"):
             if partial:
-                swaps = _Swaps(work, perm, cols)
+                swaps = _Swaps(work, perm, cols, scratch)
                 _panel_partial(work, swaps, k, kb, n, cfg)
                 return swaps
             linv, uinv = _panel_nopivot(work, k, kb, n, cfg)
@@ -1127,6 +1172,7 @@ def lu_factor(
     getrf_lib: str = "cusolver",
     calu_rows: int | None = None,
     trsm_tf32: bool | None = None,
+    calu_kernel: bool | None = None,
     profile: bool = False,
     _work=None,
 ) -> LUFactors:
@@ -1142,7 +1188,10 @@ def lu_factor(
     ``panel`` (partial pivoting): "recursive" (Toledo's recursion, getrf on leaves of ``leaf``
     columns; the CPU default), "getrf" (one getrf per block column; the CUDA default) or "calu" (the recursion with
     tournament-pivoting leaves: batched getrf on blocks of ``calu_rows`` rows, then a binary
-    reduction tree); ``getrf_lib``: "cusolver" (default: torch's getrf forced onto cuSOLVER, see
+    reduction tree; ``calu_kernel``: each leaf one launch of kernels/cuda/panel_lu.cu instead -- None
+    (auto) picks it on CUDA when ``leaf`` <= 64 and ``calu_rows`` (then its block size) is one of
+    128 / 256 / 512 / 1024, with defaults leaf 32, calu_rows 256; measured slower than "getrf" in the
+    whole LU, see BENCHMARKS.md); ``getrf_lib``: "cusolver" (default: torch's getrf forced onto cuSOLVER, see
     ``_getrf_lib``) or "default" (torch's own choice); ``trsm``: "trsm" (fp32) or "inverse"
     (inv(L11) @ A12 as a GEMM, tf32 on CUDA for low-precision factors); ``trsm_tf32``: whether
     that GEMM (and L21 = A21 inv(U11) without pivoting) runs in tf32 -- None: on CUDA for
@@ -1162,7 +1211,7 @@ def lu_factor(
         raise ValueError(f"lu_factor needs a non-empty square matrix, got {getattr(A, 'shape', type(A))}")
     n = A.shape[0]
     cfg = _resolve_config(n, A.device, factor, piv, block, panel, leaf, trsm, trsv, panel_tf32, lookahead,
-                          getrf_lib, calu_rows, trsm_tf32)
+                          getrf_lib, calu_rows, trsm_tf32, calu_kernel)
     timer = _PhaseTimer(profile, A.device)
     if _work is None:
         with timer("convert"):

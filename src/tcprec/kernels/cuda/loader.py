@@ -46,6 +46,8 @@ __all__ = [
     "compile_variant",
     "precompile",
     "cubin_path",
+    "compile_source",
+    "source_cubin_path",
     "get_kernel",
     "launch_bmma",
     "can_run",
@@ -355,35 +357,33 @@ def _cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "tcprec" / "cubin"
 
 
-def _options(variant: Variant, arch: str):
-    _, ProgramOptions, *_ = cuda_core_api()
-    return ProgramOptions(arch=arch, std="c++17", define_macro=variant.defines(), ptxas_options=["-v"],
-                          name=f"bmma_gemm_{variant}")
-
-
-def cubin_path(variant: Variant, arch: str = "sm_90a") -> Path:
-    """Where the cubin of ``variant`` for ``arch`` lives in the disk cache."""
+def source_cubin_path(source: Path, defines: list[str], arch: str = "sm_90a") -> Path:
+    """Where the cubin of ``source`` compiled with ``defines`` for ``arch`` lives in the disk cache."""
     h = hashlib.sha256()
-    for part in (SOURCE_PATH.read_text(), " ".join(variant.defines()), arch, _versions()):
+    for part in (source.read_text(), " ".join(defines), arch, _versions()):
         h.update(part.encode())
         h.update(b"\0")
     return _cache_dir() / f"{h.hexdigest()[:32]}.cubin"
 
 
-def compile_variant(variant: Variant, arch: str = "sm_90a", *, use_cache: bool = True) -> tuple[bytes, str]:
-    """(cubin bytes, compiler log) for ``variant``; cached on disk.  Raises ``RuntimeError`` with
-    NVRTC's log if the source does not compile."""
-    path = cubin_path(variant, arch)
+def compile_source(source: Path, defines: list[str], arch: str, name: str, *,
+                   use_cache: bool = True) -> tuple[bytes, str]:
+    """(cubin bytes, compiler log) of the CUDA C++ file ``source`` with ``-D defines`` for ``arch``,
+    through NVRTC (``ptxas -v``: the log reports registers, spills and stack frame); cached on disk.
+    Raises ``RuntimeError`` with NVRTC's log if the source does not compile.  Every ``.cu`` file of
+    tcprec is built here."""
+    path = source_cubin_path(source, defines, arch)
     log_path = path.with_suffix(".log")
     if use_cache and path.exists():
         return path.read_bytes(), log_path.read_text() if log_path.exists() else ""
-    Program, *_ = cuda_core_api()
+    Program, ProgramOptions, *_ = cuda_core_api()
     log = io.StringIO()
-    prog = Program(SOURCE_PATH.read_text(), code_type="c++", options=_options(variant, arch))
+    options = ProgramOptions(arch=arch, std="c++17", define_macro=list(defines), ptxas_options=["-v"], name=name)
+    prog = Program(source.read_text(), code_type="c++", options=options)
     try:
         obj = prog.compile("cubin", logs=log)
     except Exception as e:
-        raise RuntimeError(f"NVRTC could not compile {variant} for {arch}: {e}\n{log.getvalue()}") from e
+        raise RuntimeError(f"NVRTC could not compile {name} for {arch}: {e}\n{log.getvalue()}") from e
     cubin = bytes(obj.code)
     if use_cache:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -392,6 +392,17 @@ def compile_variant(variant: Variant, arch: str = "sm_90a", *, use_cache: bool =
         os.replace(tmp, path)  # atomic: parallel compiles of one variant never leave half a file
         log_path.write_text(log.getvalue())
     return cubin, log.getvalue()
+
+
+def cubin_path(variant: Variant, arch: str = "sm_90a") -> Path:
+    """Where the cubin of ``variant`` for ``arch`` lives in the disk cache."""
+    return source_cubin_path(SOURCE_PATH, variant.defines(), arch)
+
+
+def compile_variant(variant: Variant, arch: str = "sm_90a", *, use_cache: bool = True) -> tuple[bytes, str]:
+    """(cubin bytes, compiler log) for ``variant``; cached on disk.  Raises ``RuntimeError`` with
+    NVRTC's log if the source does not compile."""
+    return compile_source(SOURCE_PATH, variant.defines(), arch, f"bmma_gemm_{variant}", use_cache=use_cache)
 
 
 def _compile_one(args) -> str:
