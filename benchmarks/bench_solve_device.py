@@ -337,6 +337,26 @@ def solve_vs_fp64(dev, n, best, factors=("bf16", "fp16"), kinds=("diagdom", "gen
     return slow
 
 
+def _solve_fields(t, t64, info) -> dict:
+    """A solve's time against fp64 and its SolveInfo, as a results row's fields."""
+    return {"time_s": t, "speedup": t64 / t, "path": info.path, "backward_error": info.backward_error,
+            "iterations": info.iterations, "inner_iterations": info.inner_iterations,
+            "factor_time_s": info.factor_time_s, "refine_time_s": info.refine_time_s}
+
+
+def _solve_line(t, t64, info) -> str:
+    return (f"{t * 1e3:7.1f} ms = {t64 / t:.2f}x fp64, {info.path} it {info.iterations}/{info.inner_iterations} "
+            f"be {info.backward_error:.3g} factor {info.factor_time_s * 1e3:.1f} refine "
+            f"{info.refine_time_s * 1e3:.1f} ms")
+
+
+def _write_json(out, payload) -> None:
+    if out:
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with open(out, "w") as fh:
+            json.dump(payload, fh, indent=1, default=str)
+
+
 # The LU options the last full run picked for general matrices on the H200 (BENCHMARKS.md).
 AB_LU = {"block": 1024, "panel": "getrf", "trsv": "graph"}
 
@@ -364,26 +384,16 @@ def refine_ab(dev, sizes=(8192, 16384, 32768), out="benchmarks/results/solve_ref
             try:
                 t, (x, info) = timeit(lambda: la.solve(A, b, **kw), warmup=1, repeats=2)
                 _, info_p = la.solve(A, b, profile=True, **kw)
-                row = {"n": n, "factor": f, "refine": refine, "trsm_tf32": tf32, "time_s": t, "speedup": t64 / t,
-                       "path": info.path, "backward_error": info.backward_error, "iterations": info.iterations,
-                       "inner_iterations": info.inner_iterations, "factor_time_s": info.factor_time_s,
-                       "refine_time_s": info.refine_time_s, "history": list(info.history),
-                       "phase_times": info_p.phase_times, "reason": info.reason}
-                rows.append(row)
-                note(f"n={n} {f} {refine:6} trsm_tf32={str(tf32):5}: {t * 1e3:7.1f} ms = {t64 / t:.2f}x fp64, "
-                     f"{info.path} it {info.iterations}/{info.inner_iterations} be {info.backward_error:.3g} "
-                     f"factor {info.factor_time_s * 1e3:.1f} refine {info.refine_time_s * 1e3:.1f} ms "
+                rows.append({"n": n, "factor": f, "refine": refine, "trsm_tf32": tf32, **_solve_fields(t, t64, info),
+                             "history": list(info.history), "phase_times": info_p.phase_times, "reason": info.reason})
+                note(f"n={n} {f} {refine:6} trsm_tf32={str(tf32):5}: {_solve_line(t, t64, info)} "
                      f"[{fmt_prof(info_p.phase_times)}] {info.reason[:60]}")
             except Exception as e:  # noqa: BLE001
                 note(f"n={n} {f} {refine} trsm_tf32={tf32}: FAILED {type(e).__name__}: {str(e)[:200]}")
             free()
         del A, b
         free()
-    if out:
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        with open(out, "w") as fh:
-            json.dump({"env": environment(dev), "lu_options": AB_LU, "rows": rows, "lines": SUMMARY}, fh, indent=1,
-                      default=str)
+    _write_json(out, {"env": environment(dev), "lu_options": AB_LU, "rows": rows, "lines": SUMMARY})
     return rows
 
 
@@ -467,23 +477,15 @@ def panel_ab(dev, sizes=(8192, 16384, 32768), out="benchmarks/results/solve_pane
             try:
                 t, (x, info) = timeit(lambda: la.solve(A, b, factor="fp16", pivoting=True, **kw), warmup=1,
                                       repeats=2)
-                rows.append({"kind": "solve", "n": n, "factor": "fp16", "options": kw, "time_s": t,
-                             "speedup": t64 / t, "path": info.path, "backward_error": info.backward_error,
-                             "iterations": info.iterations, "inner_iterations": info.inner_iterations,
-                             "factor_time_s": info.factor_time_s, "refine_time_s": info.refine_time_s})
-                note(f"n={n} solve fp16 {v}: {t * 1e3:7.1f} ms = {t64 / t:.2f}x fp64, {info.path} it "
-                     f"{info.iterations}/{info.inner_iterations} be {info.backward_error:.3g} factor "
-                     f"{info.factor_time_s * 1e3:.1f} refine {info.refine_time_s * 1e3:.1f} ms")
+                rows.append({"kind": "solve", "n": n, "factor": "fp16", "options": kw, **_solve_fields(t, t64, info)})
+                note(f"n={n} solve fp16 {v}: {_solve_line(t, t64, info)}")
             except Exception as e:  # noqa: BLE001
                 note(f"n={n} solve {v}: FAILED {type(e).__name__}: {str(e)[:300]}")
             free()
         del A, b
         free()
-    if out:
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        with open(out, "w") as fh:
-            json.dump({"env": environment(dev), "command": "PYTHONPATH=src python3 benchmarks/bench_solve_device.py "
-                       "--panel-ab", "rows": rows, "lines": SUMMARY}, fh, indent=1, default=str)
+    _write_json(out, {"env": environment(dev), "command": "PYTHONPATH=src python3 benchmarks/bench_solve_device.py "
+                      "--panel-ab", "rows": rows, "lines": SUMMARY})
     return rows
 
 

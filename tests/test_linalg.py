@@ -17,6 +17,7 @@ import tcprec.linalg as la
 from tcprec.linalg.refine import _gmres
 from tcprec.linalg.lu import (
     _inv_lower_unit,
+    _pivot_order,
     _round_tf32,
     _selection_swaps,
     _tournament,
@@ -365,15 +366,8 @@ def test_tournament_tree_fan_in(fan_in):
     assert torch.allclose(L @ torch.triu(top), P[sel - 5], atol=1e-5)
     assert float(torch.tril(top, -1).abs().max()) <= 1.0 + 1e-6
     one, _ = _tournament(P, rows=512, row0=0, scratch=999, fan_in=fan_in)
-    _, piv = torch.linalg.lu_factor(P)
-    assert torch.equal(one, _pivot_order_of(piv, 300)[:8])
-
-
-def _pivot_order_of(piv, m):
-    order = list(range(m))
-    for j, p in enumerate((piv - 1).tolist()):
-        order[j], order[p] = order[p], order[j]
-    return torch.tensor(order)
+    lu, piv = torch.linalg.lu_factor(P)
+    assert torch.equal(one, _pivot_order(lu, piv)[:8])
 
 
 @pytest.mark.parametrize("seed", range(4))

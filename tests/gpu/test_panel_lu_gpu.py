@@ -72,19 +72,20 @@ def test_scratch_counters_reset_between_launches():
     assert int(scratch.cnt.abs().sum()) == 0
 
 
+def _lu_error(A, F):
+    """max |P A - L U| / max |A| of packed factors (A's scale is 1 here)."""
+    L = torch.tril(F.lu.double(), -1) + torch.eye(A.shape[0], device=DEV, dtype=torch.float64)
+    return float((A[F.perm] - L @ torch.triu(F.lu.double())).abs().max() / A.abs().max())
+
+
 @pytest.mark.parametrize("n,leaf", [(2048, 32), (2500, 64), (3000, 32)])
 def test_lu_with_calu_kernel(n, leaf):
     """P A = L U to fp32-LU accuracy (tf32 trailing updates off: factor fp32); the default lookahead
     queues interchanges for the side stream's columns (dst / src); a bf16 solve converges."""
     A = la.make_matrix("general", n, cond=1e2, seed=n, device=DEV)
     F = la.lu_factor(A, factor="fp32", panel="calu", leaf=leaf)
-    assert F.check() is None
-    L = torch.tril(F.lu.double(), -1) + torch.eye(n, device=DEV, dtype=torch.float64)
-    U = torch.triu(F.lu.double())
-    err = float((A[F.perm] - L @ U).abs().max() / A.abs().max())
-    G = la.lu_factor(A, factor="fp32", panel="getrf")
-    L_g = torch.tril(G.lu.double(), -1) + torch.eye(n, device=DEV, dtype=torch.float64)
-    ref = float((A[G.perm] - L_g @ torch.triu(G.lu.double())).abs().max() / A.abs().max())
+    assert F.check() is None and F.perm is not None
+    err, ref = _lu_error(A, F), _lu_error(A, la.lu_factor(A, factor="fp32", panel="getrf"))
     assert err <= 20 * ref + 1e-6, (err, ref)
     b = la.random_rhs(n, seed=1, device=DEV)
     x, info = la.solve(A, b, factor="bf16", panel="calu", leaf=leaf)

@@ -575,13 +575,13 @@ class _Swaps:
         self.pending.clear()
 
 
-_CALU_KERNEL_MAX_LEAF = 64
-_CALU_KERNEL_ROWS = 256  # the kernel's block (first-level tournament rows) by default
-_CALU_KERNEL_BLOCKS = (128, 256, 512, 1024)
+_CALU_KERNEL_LEAF = 32  # the kernel's defaults: leaf width and block (first-level tournament rows);
+_CALU_KERNEL_ROWS = 256  # measured on an H200, benchmarks/results/solve_panel_ab.json
 
 
 def _panel_kernels():
-    """kernels/cuda/panel_lu.py, imported on first use (it needs cuda.core; CPU runs never do)."""
+    """kernels/cuda/panel_lu.py, imported on first use (its loader registers the bmma custom op, which
+    ``import tcprec`` never does)."""
     from ..kernels.cuda import panel_lu
 
     return panel_lu
@@ -665,12 +665,11 @@ def _selection_swaps(sel: torch.Tensor, k: int, scratch: int) -> tuple[torch.Ten
 def _leaf_calu(work: torch.Tensor, swaps: _Swaps, k: int, w: int, n: int, cfg: "_Config") -> None:
     """Factor W[k:n, k:k+w] with tournament pivoting: pick the w pivot rows (``_tournament``),
     swap them to the top, write their L11\\U11, then L21 = A21 U11^-1 (fp32 TRSM).  With
-    ``cfg.calu_kernel`` all of it is one launch of panel_lu.cu (tournament blocks of 1024 / 512
-    rows, fan-in 32 / 8, L21 by substitution in fp32)."""
-    if cfg.calu_kernel:
-        pk = _panel_kernels()
-        variant = pk.PanelVariant(32 if cfg.leaf <= 32 else 64, cfg.calu_rows)
-        dst, src = pk.panel_calu(work, swaps.perm, k, w, n, swaps.cols, swaps.scratch, variant)
+    ``cfg.calu_variant`` all of it is one launch of panel_lu.cu (first-level blocks of
+    ``calu_rows`` rows, fan-in calu_rows / width, L21 by substitution in fp32)."""
+    if cfg.calu_variant is not None:
+        dst, src = _panel_kernels().panel_calu(work, swaps.perm, k, w, n, swaps.cols, swaps.scratch,
+                                               cfg.calu_variant)
         if swaps.cols < work.shape[1]:
             swaps.pending.append((dst, src))
         return
@@ -773,7 +772,7 @@ class _Config:
     lookahead: bool
     getrf_lib: str = "cusolver"
     calu_rows: int = 1024
-    calu_kernel: bool = False
+    calu_variant: object = None  # panel_lu.PanelVariant: each CALU leaf one launch of panel_lu.cu
 
 
 @dataclass
@@ -970,28 +969,31 @@ def _resolve_config(n, device, factor, pivoting, block, panel, leaf, trsm, trsv,
         panel = "getrf" if cuda else "recursive"
     if calu_kernel is not None and not isinstance(calu_kernel, bool):
         raise ValueError(f"calu_kernel must be None (auto: on CUDA), True or False, got calu_kernel={calu_kernel!r}")
-    if calu_kernel is None:  # auto: the kernel where it can factor the leaves the options ask for
-        calu_kernel = cuda and panel == "calu" and (leaf is None or leaf <= _CALU_KERNEL_MAX_LEAF) and (
-            calu_rows is None or calu_rows in _CALU_KERNEL_BLOCKS)
     if calu_kernel and (not cuda or panel != "calu"):
         raise ValueError(f"calu_kernel=True runs the tournament-pivoting leaf kernel (panel_lu.cu), which needs "
                          f"panel='calu' and CUDA tensors; got panel={panel!r} on {device.type}: pass "
                          "calu_kernel=None (auto)")
+    for name, v, what in (("leaf", leaf, "getrf width of the recursive panel"),
+                          ("calu_rows", calu_rows, "rows per tournament block")):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{name} must be a positive int ({what}), got {name}={v!r}")
+    variant = None
+    if cuda and panel == "calu" and calu_kernel is not False:
+        pk = _panel_kernels()
+        fits = (leaf is None or leaf <= pk.WIDTHS[-1]) and (calu_rows is None or calu_rows in pk.THREADS)
+        if fits or calu_kernel:  # auto: the kernel where it can factor the leaves the options ask for
+            leaf = _CALU_KERNEL_LEAF if leaf is None else leaf
+            calu_rows = _CALU_KERNEL_ROWS if calu_rows is None else calu_rows
+            try:
+                variant = pk.default_variant(leaf, calu_rows)
+            except ValueError as e:
+                raise ValueError(f"the CALU leaf kernel (calu_kernel=True) factors leaves of `leaf` columns in blocks "
+                                 f"of `calu_rows` threads: {e} (or pass calu_kernel=False for the batched-getrf "
+                                 "tournament)") from None
     if leaf is None:
-        leaf = (32 if calu_kernel else 128) if cuda else 16
-    if isinstance(leaf, bool) or not isinstance(leaf, int) or leaf < 1:
-        raise ValueError(f"leaf must be a positive int (getrf width of the recursive panel), got leaf={leaf!r}")
-    if calu_kernel and leaf > _CALU_KERNEL_MAX_LEAF:
-        raise ValueError(f"the CALU leaf kernel factors leaves of at most {_CALU_KERNEL_MAX_LEAF} columns, got "
-                         f"leaf={leaf}: pass leaf=32 or leaf=64 (or calu_kernel=False for the batched-getrf "
-                         "tournament)")
+        leaf = 128 if cuda else 16
     if calu_rows is None:
-        calu_rows = (_CALU_KERNEL_ROWS if calu_kernel else 1024) if cuda else 64
-    if isinstance(calu_rows, bool) or not isinstance(calu_rows, int) or calu_rows < 1:
-        raise ValueError(f"calu_rows must be a positive int (rows per tournament block), got calu_rows={calu_rows!r}")
-    if calu_kernel and (calu_rows not in _CALU_KERNEL_BLOCKS or calu_rows < 2 * leaf):
-        raise ValueError(f"with the CALU leaf kernel calu_rows is its block size: one of {_CALU_KERNEL_BLOCKS} and at "
-                         f"least 2 * leaf = {2 * leaf}, got calu_rows={calu_rows}")
+        calu_rows = 1024 if cuda else 64
     if trsv == "auto":
         trsv = "blocked" if cuda else "trsm"
     if trsm == "auto":  # inv(L11) @ A12 as a tf32 GEMM: tensor cores, error below the low-precision updates
@@ -1013,7 +1015,7 @@ def _resolve_config(n, device, factor, pivoting, block, panel, leaf, trsm, trsv,
         lookahead=bool(cuda if lookahead is None else lookahead),
         getrf_lib=getrf_lib,
         calu_rows=calu_rows,
-        calu_kernel=calu_kernel,
+        calu_variant=variant,
     )
 
 
@@ -1056,7 +1058,9 @@ def _factor_inplace(work: torch.Tensor, n: int, cfg: _Config, timer: _PhaseTimer
     next block column's share stays on the critical path."""
     partial = cfg.pivoting == "partial"
     perm = torch.arange(n + 1, device=work.device) if partial else None
-    scratch = _panel_kernels().PanelScratch.allocate(n, work.shape[1], work.device) if cfg.calu_kernel else None
+    scratch = None
+    if cfg.calu_variant is not None:
+        scratch = _panel_kernels().PanelScratch.allocate(n, work.shape[1], work.device)
     nb = cfg.block
     steps = [(k, min(nb, n - k)) for k in range(0, n, nb)]
     streams = _Streams(work.device, cfg.lookahead)

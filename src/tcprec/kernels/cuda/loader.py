@@ -49,6 +49,7 @@ __all__ = [
     "compile_source",
     "source_cubin_path",
     "get_kernel",
+    "load_kernel",
     "launch_bmma",
     "can_run",
 ]
@@ -464,13 +465,35 @@ def _set_max_dynamic_smem(kernel, nbytes: int, device_index: int) -> None:
         raise RuntimeError(f"could not allow {nbytes} bytes of dynamic shared memory for bmma_gemm: {err}")
 
 
-def get_kernel(variant: Variant, device_index: int):
-    """The loaded ``bmma_gemm`` kernel of ``variant`` on CUDA device ``device_index`` (compiled or
-    read from the disk cache the first time)."""
-    key = (variant, device_index)
+def load_kernel(key, source: Path, defines: list[str], name: str, entry: str, device_index: int,
+                smem_bytes: int = 0):
+    """The kernel ``entry`` of ``source`` built with ``defines`` (:func:`compile_source`) and loaded on
+    CUDA device ``device_index``, memoised under ``key``; allows ``smem_bytes`` of dynamic shared
+    memory when that is above the 48 KB default."""
     k = _kernels.get(key)
     if k is not None:
         return k
+    with _lock:
+        k = _kernels.get(key)
+        if k is None:
+            _, _, ObjectCode, Device, *_ = cuda_core_api()
+            Device(device_index).set_current()
+            cubin, _ = compile_source(source, defines, arch_of(torch.cuda.get_device_capability(device_index)), name)
+            k = ObjectCode.from_cubin(cubin).get_kernel(entry)
+            if smem_bytes > 48 * 1024:
+                _set_max_dynamic_smem(k, smem_bytes, device_index)
+            _kernels[key] = k
+    return k
+
+
+def get_kernel(variant: Variant, device_index: int):
+    """The loaded ``bmma_gemm`` kernel of ``variant`` on CUDA device ``device_index`` (compiled or
+    read from the disk cache the first time)."""
+    k = _kernels.get((variant, device_index))
+    if k is not None:
+        return k
+    return load_kernel((variant, device_index), SOURCE_PATH, variant.defines(), f"bmma_gemm_{variant}", "bmma_gemm",
+                       device_index, variant.smem_bytes)
     with _lock:
         k = _kernels.get(key)
         if k is None:

@@ -14,14 +14,13 @@ vectors, already applied to columns [0, cols) of the working matrix and to ``per
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .loader import _stream_for, arch_of, compile_source, cuda_core_api
+from .loader import _sm_count, _stream_for, compile_source, cuda_core_api, load_kernel
 
 __all__ = ["SOURCE_PATH", "WIDTHS", "THREADS", "PanelVariant", "default_variant", "compile_panel", "PanelScratch",
            "panel_calu"]
@@ -57,11 +56,13 @@ class PanelVariant:
         return f"w{self.width}_t{self.threads}" + ("_u" if self.unroll else "")
 
 
-def default_variant(w: int) -> PanelVariant:
-    """The variant a leaf of ``w`` columns runs by default."""
+def default_variant(w: int, threads: int = 256) -> PanelVariant:
+    """The variant a leaf of ``w`` columns runs in blocks of ``threads``: the narrowest width that
+    holds it, the step loop unrolled for width 32 (measured faster on an H200 at 128 and 256
+    threads; 64 columns unrolled gains nothing and doubles the code)."""
     for width in WIDTHS:
         if w <= width:
-            return PanelVariant(width, 256, width == 32)
+            return PanelVariant(width, threads, width == 32)
     raise ValueError(f"a CALU leaf must have at most {WIDTHS[-1]} columns, got {w}; use leaf <= {WIDTHS[-1]}")
 
 
@@ -81,24 +82,12 @@ def _levels(m: int, variant: PanelVariant) -> list[int]:
     return out
 
 
-_kernels: dict = {}
-_lock = threading.Lock()
-_sms: dict = {}
 _cfgs: dict = {}
 
 
 def _kernel(variant: PanelVariant, device_index: int):
-    key = (variant, device_index)
-    k = _kernels.get(key)
-    if k is None:
-        with _lock:
-            k = _kernels.get(key)
-            if k is None:
-                _, _, ObjectCode, Device, *_ = cuda_core_api()
-                Device(device_index).set_current()
-                cubin, _ = compile_panel(variant, arch_of(torch.cuda.get_device_capability(device_index)))
-                k = _kernels[key] = ObjectCode.from_cubin(cubin).get_kernel("panel_calu")
-    return k
+    return load_kernel(("panel_lu", variant, device_index), SOURCE_PATH, variant.defines(), f"panel_lu_{variant}",
+                       "panel_calu", device_index)
 
 
 @dataclass
@@ -136,8 +125,9 @@ def panel_calu(work: torch.Tensor, perm: torch.Tensor, k: int, w: int, n: int, c
                scratch: PanelScratch, variant: PanelVariant | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Factor the leaf ``work[k:n, k:k+w]`` (fp32, row-major, ``n + 1`` rows, row n scratch) in place
     with tournament pivoting, on the current stream; apply its row interchanges to columns [0, cols)
-    of ``work`` and to ``perm`` (int64, n + 1).  ``variant``: None picks :func:`default_variant`.  Returns ``(dst, src)`` (int64, 2 * 32 or 2 * 64 each): the same
-    interchanges as ``work[dst] = work[src]`` (gathered before written), for the other columns."""
+    of ``work`` and to ``perm`` (int64, n + 1).  ``variant``: None picks :func:`default_variant`.
+    Returns ``(dst, src)`` (int64, 2 * variant.width each): the same interchanges as
+    ``work[dst] = work[src]`` (gathered before written), for the other columns."""
     if work.dtype != torch.float32 or work.dim() != 2 or work.stride(1) != 1 or work.shape[0] < n + 1:
         raise ValueError(f"panel_calu needs a row-major fp32 working matrix with n + 1 = {n + 1} rows, got "
                          f"{work.dtype} {tuple(work.shape)} strides {work.stride()}")
@@ -152,10 +142,7 @@ def panel_calu(work: torch.Tensor, perm: torch.Tensor, k: int, w: int, n: int, c
     width = variant.width
     dev = work.device
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
-    sms = _sms.get(idx)
-    if sms is None:
-        sms = _sms[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    grid = max(1, min(sms, _levels(n - k, variant)[0]))
+    grid = max(1, min(_sm_count(dev)[0], _levels(n - k, variant)[0]))
     *_, LaunchConfig, _, launch = cuda_core_api()
     swaps = torch.empty(2, 2 * width, dtype=torch.int64, device=dev)
     stream = _stream_for(torch.cuda.current_stream(dev).cuda_stream)
