@@ -8,6 +8,7 @@ epilogue dtype, packed outputs, and the 8x8 corner.  tests/gpu/test_matmul_gpu.p
 runs) all 64 pairs for every encoding.  The large-tile variants of the default pairs must not spill.
 """
 
+import dataclasses
 import time
 
 import pytest
@@ -44,7 +45,7 @@ def cache(tmp_path_factory):
 def _variants():
     from tcprec.kernels.cuda import loader as L
 
-    big = lambda p, q, t=False: L.pick_tile(p, q, t, t, 10**5, 10**5, arch="sm_90a")  # noqa: E731
+    big = lambda p, q, t=False, e="float": L.pick_tile(p, q, t, t, 10**5, 10**5, arch="sm_90a", epilogue=e)  # noqa: E731
     vs = [L.Variant(p, q, False, False, big(p, q), "float", "float16") for p, q in DEFAULT_PAIRS]
     vs += [
         L.Variant(2, 1, True, False, L.SMALL_TILE, "int32"),
@@ -52,10 +53,14 @@ def _variants():
         L.Variant(2, 2, True, True, big(2, 2, True), "int32"),
         L.Variant(3, 2, True, True, big(3, 2, True), "float", "bfloat16"),
         L.Variant(2, 1, False, False, big(2, 1), "float", "float32"),
-        L.Variant(2, 1, False, False, big(2, 1), "packed", out_bits=2, out_encoding="unsigned"),
+        L.Variant(2, 1, False, False, big(2, 1, e="packed"), "packed", out_bits=2, out_encoding="unsigned"),
         L.Variant(1, 1, False, False, L.SMALL_TILE, "packed", out_bits=1, out_encoding="pm1"),
-        L.Variant(2, 2, False, False, big(2, 2), "packed", out_bits=4, out_encoding="twos"),
+        L.Variant(2, 2, False, False, big(2, 2, e="packed"), "packed", out_bits=4, out_encoding="twos"),
         L.Variant(8, 8, True, True, big(8, 8, True), "int32"),
+        # TMA options the defaults do not take: clusters (multicast) and a folded tile
+        L.Variant(2, 1, False, False, L.parse_tile("128x128_w8x1_s4_k1024_wg_tma_c2x1"), "float", "float16"),
+        L.Variant(1, 1, False, True, L.parse_tile("128x256_w8x1_s4_k1024_wg_tma_c2x2"), "int32"),
+        L.Variant(2, 1, False, False, L.parse_tile("128x128_w8x1_s4_k1024_wg_f_tma_c1x2"), "packed", out_bits=1),
     ]
     return vs
 
@@ -91,20 +96,16 @@ def _spill_bytes(log: str) -> int:
 
 
 def test_default_variants_do_not_spill(cache):
-    """mma.sync defaults: no spills.  wgmma defaults (3 warpgroups, 168 registers a thread) may
-    spill a few loader addresses (<= 128 bytes): measured on an H200 that beats the spill-free
-    two-warpgroup tiles (w1a2 8192^3: 521 us for 192x128 with 88 bytes of spills, 550 us for 128x192)."""
+    """No default tile spills: mma.sync, and the TMA wgmma tiles (168 registers a thread, accumulators
+    <= 128 of them) -- the cluster variants too."""
     from tcprec.kernels.cuda import loader as L
 
-    seen_wgmma = 0
-    for v in _variants()[: len(DEFAULT_PAIRS)] + _sync_defaults():
+    seen_tma = 0
+    for v in _variants()[: len(DEFAULT_PAIRS)] + _variants()[-3:] + _sync_defaults():
         _, log = L.compile_variant(v, "sm_90a")  # from the cache filled above (or compiled now)
-        if v.tile.mma == "wgmma":
-            seen_wgmma += 1
-            assert _spill_bytes(log) <= 128, (str(v), log[-400:])
-        else:
-            assert "0 bytes spill stores" in log and "0 bytes stack frame" in log, (str(v), log[-400:])
-    assert seen_wgmma >= 3  # w1a1, w1a2, w2a1, w2a2 ... run on wgmma tiles on sm_90a
+        seen_tma += v.tile.tma
+        assert _spill_bytes(log) == 0 and "0 bytes stack frame" in log, (str(v), log[-400:])
+    assert seen_tma >= 10  # w1a1, w1a2, w2a1, w2a2, w1a4 ... run on TMA wgmma tiles on sm_90a
 
 
 def test_wgmma_variants_use_warpgroup_mma_in_ptx():
@@ -121,17 +122,55 @@ def test_wgmma_variants_use_warpgroup_mma_in_ptx():
         L.Variant(2, 1, tile=L.parse_tile("128x128_w8x1_s4_wg"))
 
 
-def test_folded_tiles():
-    """w1a2 / w2a1 with unsigned codes fold their two accumulators into one (3 wgmmas instead of 2) on a tile
-    twice as large; two's complement (a negative weight) and configs where folding would multiply the MMAs by
-    more than 1.5 do not; a folded tile with two's complement codes is refused; the kernel repeats each pair's
-    wgmma by its weight and keeps one accumulator (read off the compiled variant's defines)."""
+def test_tma_tiles():
+    """The sm_90a defaults are TMA tiles: two MMA warpgroups (bm = 128) plus a producer warpgroup, the widest
+    warpgroup N whose accumulators fit 128 registers, as many stages (<= 8) as shared memory holds (the packed
+    epilogue's codes included); none for five or more weight classes.  Tiles round-trip through their names,
+    clusters are 1..2 x 1..2 blocks of the TMA kernel only, and a launch rounds its grid up to whole clusters."""
     from tcprec.kernels.cuda import loader as L
 
     t = L.wgmma_tile(2, 1)
-    assert t.fold and (t.bm, t.bn, t.warps_m, t.warps_n) == (128, 256, 8, 2) and L.parse_tile(str(t)) == t
-    assert str(t).endswith("_wg_f") and L.wgmma_tile(1, 2).fold
-    assert not L.wgmma_tile(2, 1, True, False).fold and not L.wgmma_tile(2, 2).fold and not L.wgmma_tile(1, 1).fold
+    assert (t.bm, t.bn, t.warps_m, t.warps_n, t.tma, t.fold, t.cluster) == (128, 128, 8, 1, True, False, (1, 1))
+    assert str(t) == "128x128_w8x1_s4_k1024_wg_tma" and L.parse_tile(str(t)) == t
+    assert L.wgmma_tile(1, 1).bn == 256 and L.wgmma_tile(2, 2).bn == 64 and L.wgmma_tile(1, 4).bn == 64
+    assert L.wgmma_tile(5, 1) is None and L.wgmma_tile(3, 3) is None  # 5 classes: N would be 32
+    for p, q in DEFAULT_PAIRS:
+        wt = L.wgmma_tile(p, q)
+        if wt is not None:
+            v = L.Variant(p, q, tile=wt)
+            assert v.smem_bytes <= L._MAX_SMEM and v.threads == 384 and "TCP_TMA=1" in v.defines()
+            bigger = dataclasses.replace(wt, stages=wt.stages + 1)
+            if wt.stages < 8:
+                with pytest.raises(ValueError, match="shared memory"):
+                    L.Variant(p, q, tile=bigger)
+    packed = L.wgmma_tile(1, 1, epilogue="packed")
+    assert packed.stages < L.wgmma_tile(1, 1).stages  # the codes take shared memory
+    L.Variant(1, 1, tile=packed, epilogue="packed")
+    c = L.parse_tile("128x256_w8x1_s4_k1024_wg_tma_c2x1")
+    assert c.cluster == (2, 1) and c.cluster_size == 2 and str(c).endswith("_tma_c2x1")
+    assert "TCP_CM=2" in L.Variant(1, 1, tile=c).defines() and "TCP_CN=1" in L.Variant(1, 1, tile=c).defines()
+    assert L.grid_blocks(c, 300, 1000) == 16  # 3 row tiles round up to 2 clusters of 2 blocks, x 4 column tiles
+    assert L.grid_blocks(L.parse_tile("128x64_w8x1_s4_k1024_wg_tma_c2x2"), 129, 65) == 4
+    with pytest.raises(ValueError, match="clusters need the TMA pipeline"):
+        L.Variant(1, 1, tile=L.parse_tile("128x128_w8x1_s4_k1024_wg_c2x1"))
+    with pytest.raises(ValueError, match="TMA needs the wgmma path with warps_n = 1"):
+        L.Variant(1, 1, tile=L.parse_tile("128x128_w8x2_s4_k1024_wg_tma"))
+    with pytest.raises(ValueError, match="TMA needs the wgmma path"):
+        L.Variant(1, 1, tile=L.parse_tile("128x128_w8x1_s4_k1024_tma"))
+    with pytest.raises(ValueError, match="cluster of 1..2 x 1..2"):
+        L.Variant(1, 1, tile=L.parse_tile("128x128_w8x1_s4_k1024_wg_tma_c4x1"))
+    with pytest.raises(ValueError, match="tile must look like"):
+        L.parse_tile("128x128_w8x1_s4_k1024_wg_tma_cx")
+
+
+def test_folded_tiles():
+    """A folded tile (an option no default takes since the TMA kernel: measured slower) keeps one accumulator
+    and repeats each plane pair's wgmma by its weight; two's complement (a negative weight) and mma.sync tiles
+    are refused."""
+    from tcprec.kernels.cuda import loader as L
+
+    t = L.parse_tile("128x128_w8x1_s4_k1024_wg_f_tma")
+    assert t.fold and t.tma and L.parse_tile(str(t)) == t and not L.wgmma_tile(2, 1).fold
     assert L.Variant(2, 1, tile=t).n_classes == 1 and L.Variant(2, 1).n_classes == 2
     assert "TCP_FOLD=1" in L.Variant(2, 1, tile=t).defines()
     with pytest.raises(ValueError, match="folded tile.*unsigned codes"):

@@ -53,7 +53,8 @@ def _sync_tile(p, q, at, wt):
     return loader.pick_tile(p, q, at, wt, 10**6, 10**6, arch="sm_80")
 
 
-WG_TILE = "128x128_w8x1_s4_k1024_wg"
+WG_TILE = "128x128_w8x1_s4_k1024_wg"  # the cp.async wgmma kernel (no longer a default)
+TMA_TILE = "128x128_w8x1_s3_k1024_wg_tma"  # the persistent TMA kernel (the sm_90a defaults)
 HAS_WGMMA = loader.arch_of(torch.cuda.get_device_capability(0)) == "sm_90a" if torch.cuda.is_available() else False
 
 
@@ -185,7 +186,8 @@ def test_packed_epilogue_bit_exact(out_name):
     bias = torch.randn(N, device=DEV, generator=gen)
     scale = 0.37
     want = matmul_packed(qa, qw, out_name, scale, bias=bias, relu=out_name == "uint2", backend="reference")
-    for tile in ("", "64x256_w2x4_s4", "64x128_w2x4_s4", "64x128_w2x2_s3_k1024") + ((WG_TILE,) if HAS_WGMMA else ()):
+    for tile in ("", "64x256_w2x4_s4", "64x128_w2x4_s4", "64x128_w2x2_s3_k1024") + (
+            (WG_TILE, TMA_TILE, "128x128_w8x1_s3_k1024_wg_tma_c2x2") if HAS_WGMMA else ()):
         got = matmul_packed(qa, qw, out_name, scale, bias=bias, relu=out_name == "uint2", backend="bitserial",
                             tile=tile)
         assert got.shape == want.shape
@@ -209,6 +211,59 @@ def test_cuda_graph_capture_replays_exactly():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out.long(), want)
+
+
+@pytest.mark.skipif(not HAS_WGMMA, reason="the TMA wgmma kernel needs sm_90a")
+@pytest.mark.parametrize("tile", ["128x128_w8x1_s4_k1024_wg_tma_c2x1", "128x128_w8x1_s4_k1024_wg_tma_c1x2",
+                                  "128x64_w8x1_s4_k1024_wg_tma_c2x2", "128x128_w8x1_s4_k1024_wg_f_tma"])
+def test_tma_cluster_and_folded_tiles_exact(tile):
+    """Clusters multicast a shared tile to 2-4 blocks and overhang the grid (partner blocks past M or N load
+    zeros and store nothing); every shape is partial in M, N and K, K from one word to several tiles."""
+    gen = torch.Generator(DEV).manual_seed(21)
+    for (M, K, N), (ea, ew) in zip([(300, 1000, 600), (129, 4096, 255), (1, 1, 8), (1000, 3000, 2000), (64, 127, 1)],
+                                   [("unsigned", "unsigned"), ("unsigned", "pm1"), ("twos", "unsigned"),
+                                    ("unsigned", "unsigned"), ("pm1", "unsigned")]):
+        if tile.split("_")[-2:] == ["f", "tma"] and "unsigned" != ea:
+            ea = "unsigned"  # a folded tile needs positive plane weights: unsigned activations
+        qa, qw = _qt((M, K), _fmt(2, ea), gen), _qt((N, K), _fmt(1, ew), gen)
+        got = matmul(qa, qw, out_dtype=torch.int32, backend="bitserial", tile=tile)
+        assert torch.equal(got.long(), _exact(qa, qw)), (tile, M, K, N, ea, ew)
+    bias = torch.randn(600, device=DEV, generator=gen)
+    qa, qw = _qt((300, 1000), _fmt(2, "unsigned"), gen), _qt((600, 1000), _fmt(1, "pm1"), gen)
+    want = matmul(qa, qw, out_dtype=torch.float16, bias=bias, relu=True, backend="reference")
+    got = matmul(qa, qw, out_dtype=torch.float16, bias=bias, relu=True, backend="bitserial", tile=tile)
+    assert torch.equal(got, want), tile
+
+
+@pytest.mark.skipif(not HAS_WGMMA, reason="the TMA wgmma kernel needs sm_90a")
+def test_tma_default_tile_in_cuda_graph_reads_new_data():
+    """The default sm_90a tile at 2048 x 2048 (the persistent TMA kernel, tensor maps memoised by address)
+    captured in a CUDA graph: replays read what the captured buffers hold now."""
+    gen = torch.Generator(DEV).manual_seed(22)
+    # unsigned codes: no row / column correction terms, which would belong to the old data
+    qa, qw = _qt((2048, 4096), _fmt(2, "unsigned"), gen), _qt((2048, 4096), _fmt(1, "unsigned"), gen)
+    assert loader.pick_tile(2, 1, False, False, 2048, 2048).tma
+    ap, wp = tp.pack_bitplanes(qa.codes, 2), tp.pack_bitplanes(qw.codes, 1)
+    from tcprec.kernels import reference_gemm as rg
+
+    ss, rt, ct = rg.corrections(ap, wp, 4096, qa.fmt, qw.fmt)
+    assert rt is None and ct is None
+
+    def f():
+        return torch.ops.tcprec.bmma_gemm(ap, wp, False, False, ss, rt, ct, None, None, None, False, "int32", 1,
+                                          "unsigned", None, "")
+
+    f()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = f()
+    qa2 = _qt((2048, 4096), _fmt(2, "unsigned"), gen)
+    ap.copy_(tp.pack_bitplanes(qa2.codes, 2))
+    out.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.long(), _exact(qa2, qw))
 
 
 def test_torch_compile_sees_the_custom_op():
@@ -263,6 +318,8 @@ def test_sass_wgmma_is_bgmma_and_popc_only(p, q, twos):
     assert not any("XOR" in ln for ln in gmma), "XOR+popc is emulated on Hopper"
     assert "IMMA" not in sass and "BMMA" not in sass.replace("BGMMA", ""), "no mma.sync / INT MMA in the wgmma kernel"
     assert all(f"x{t.bn // t.warps_n}x256" in ln for ln in gmma), gmma[:3]
+    if t.tma:  # the operands come in by the bulk tensor copy engine, not cp.async
+        assert "UTMALDG" in sass and "LDGSTS" not in sass
     # p*q warpgroup MMAs per 256-bit k-step, four k-steps per 1024-bit stage
     assert len(gmma) >= p * q * 4
 

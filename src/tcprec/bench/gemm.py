@@ -15,7 +15,8 @@ kernel), and ``tcprec.matmul`` from QTensors (packing the activations included).
 Times: CUDA events through ``triton.testing.do_bench`` (median, warm-up, L2 flushed, inputs rotated
 beyond L2), and CUDA-graph replay (``GRAPH_CALLS`` calls captured in one graph, mean per call).
 TOPS = 2*M*N*K / t; the bit-serial kernel does p*q binary GEMMs, so its binary rate is
-p*q*2*M*N*K / t, reported as a fraction of the measured mma.sync b1 peak (DESIGN.md section 1).
+p*q*2*M*N*K / t, reported as a fraction of the measured b1 peak of the instruction the picked tile
+issues: wgmma (15,500 T op/s) or mma.sync (10,250) (DESIGN.md section 1).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from rich.table import Table
 from .common import environment, print_environment, require_cuda, rotating_buffers, time_median_ms, write_json
 from .common import time_graph_ms as common_graph_ms
 
-__all__ = ["APNN_CONFIGS", "LARGE_CONFIGS", "APNN_SIZES", "LARGE_SIZES", "BINARY_PEAK_TOPS", "run", "parse_config",
+__all__ = ["APNN_CONFIGS", "LARGE_CONFIGS", "APNN_SIZES", "LARGE_SIZES", "BINARY_PEAK_TOPS", "WGMMA_BINARY_PEAK_TOPS", "run", "parse_config",
            "time_graph_ms"]
 
 APNN_CONFIGS = ("w1a2", "w1a3", "w1a4", "w2a2")
@@ -38,6 +39,7 @@ LARGE_CONFIGS = ("w1a1", "w1a2", "w2a2", "w1a4", "w2a4", "w3a3")
 APNN_SIZES = tuple(range(128, 1025, 128))
 LARGE_SIZES = (4096, 8192, 16384)
 BINARY_PEAK_TOPS = 10_250.0  # mma.sync m16n8k256 b1 AND+popc, measured (DESIGN.md section 1)
+WGMMA_BINARY_PEAK_TOPS = 15_500.0  # wgmma m64nNk256 b1 AND+popc, measured (DESIGN.md section 1)
 GRAPH_CALLS = 20
 
 
@@ -189,8 +191,12 @@ def run(
                 "ms": t.ms, "graph_ms": t.graph_ms, "tops": tops, "error": t.error,
             }
             if name.startswith("tcprec") and t.ms is not None:
-                row["binary_tops"] = pq * tops
-                row["fraction_of_binary_peak"] = pq * tops / BINARY_PEAK_TOPS
+                # against the peak of the instruction the picked tile issues (wgmma or mma.sync)
+                tile = loader.pick_tile(a_fmt.bits, w_fmt.bits, a_fmt.encoding == "twos", w_fmt.encoding == "twos",
+                                        M, N, sms, arch)
+                peak = WGMMA_BINARY_PEAK_TOPS if tile.mma == "wgmma" else BINARY_PEAK_TOPS
+                row.update(tile=str(tile), instruction=tile.mma, binary_tops=pq * tops, binary_peak_tops=peak,
+                           fraction_of_binary_peak=pq * tops / peak)
                 for bname, b in base.items():
                     if b.ms is not None:
                         row[f"speedup_vs_{bname.split()[1]}"] = b.ms / t.ms
@@ -201,7 +207,8 @@ def run(
         console.print(f"{config} {M}x{N}x{K}: kernel {tk.ms if tk.ms is None else round(tk.ms * 1e3, 1)} us"
                       + (f" [red]{tk.error}" if tk.error else ""))
 
-    payload = {"env": env, "command": command, "binary_peak_tops": BINARY_PEAK_TOPS, "rows": rows}
+    payload = {"env": env, "command": command, "binary_peak_tops": {"mma.sync": BINARY_PEAK_TOPS,
+                                                                     "wgmma": WGMMA_BINARY_PEAK_TOPS}, "rows": rows}
     path = write_json(out, payload)
     for table in ("apnn", "large"):
         console.print(_table([r for r in rows if r["table"] == table], table))

@@ -76,6 +76,10 @@
 //   TCP_FRAG_DB             1: double-buffer the register fragments across MMA k-steps (mma.sync)
 //   TCP_WGMMA               1: the wgmma path (sm_90a; BK = 1024, WARPS_M a multiple of 4)
 //   TCP_FOLD                1: one accumulator, each pair's wgmma repeated `weight` times (wgmma only)
+//   TCP_TMA                 1: the warp-specialised TMA pipeline (wgmma only; WARPS_N = 1; one producer
+//                           warpgroup after the WARPS_M / 4 consumer warpgroups)
+//   TCP_CM, TCP_CN          TMA: cluster of CM x CN blocks (CM blocks along M share, by multicast, the W
+//                           tile; CN along N the A tile)
 //   TCP_EPI, TCP_OUT_T, TCP_OB, TCP_OENC   epilogue (above)
 
 #ifndef TCP_P
@@ -117,6 +121,15 @@
 #ifndef TCP_FOLD
 #define TCP_FOLD 0
 #endif
+#ifndef TCP_TMA
+#define TCP_TMA 0
+#endif
+#ifndef TCP_CM
+#define TCP_CM 1
+#endif
+#ifndef TCP_CN
+#define TCP_CN 1
+#endif
 #ifndef TCP_EPI
 #define TCP_EPI 0
 #endif
@@ -140,7 +153,10 @@ constexpr int P = TCP_P, Q = TCP_Q;
 constexpr bool A_TWOS = TCP_A_TWOS != 0, W_TWOS = TCP_W_TWOS != 0;
 constexpr int BM = TCP_BM, BN = TCP_BN, WARPS_M = TCP_WARPS_M, WARPS_N = TCP_WARPS_N;
 constexpr int STAGES = TCP_STAGES, EPI = TCP_EPI, OUT_T = TCP_OUT_T, OB = TCP_OB, OENC = TCP_OENC;
-constexpr int THREADS = WARPS_M * WARPS_N * 32;
+constexpr bool TMA = TCP_TMA != 0;
+constexpr int CM = TCP_CM, CN = TCP_CN, CS = CM * CN;  // TMA cluster shape / size
+constexpr int MMA_THREADS = WARPS_M * WARPS_N * 32;    // threads that multiply and store
+constexpr int THREADS = MMA_THREADS + (TMA ? 128 : 0); // + the TMA producer warpgroup
 constexpr int MT = BM / (WARPS_M * 16);  // 16-row MMA tiles per warp
 constexpr int NT = BN / (WARPS_N * 8);   // 8-column MMA tiles per warp
 constexpr int BK = TCP_BK;               // K bits per pipeline step
@@ -153,16 +169,22 @@ constexpr int ROW_BYTES = BK / 8;        // one K step of one row of one plane
 constexpr int A_STAGE = P * BM * ROW_BYTES;
 constexpr int W_STAGE = Q * BN * ROW_BYTES;
 constexpr int STAGE_BYTES = A_STAGE + W_STAGE;
-constexpr int A_CHUNKS = P * BM * KCH;   // 16-byte cp.async chunks per stage
-constexpr int W_CHUNKS = Q * BN * KCH;
+[[maybe_unused]] constexpr int A_CHUNKS = P * BM * KCH;   // 16-byte cp.async chunks per stage
+[[maybe_unused]] constexpr int W_CHUNKS = Q * BN * KCH;
 constexpr int CODE_LD = BN + 4;          // packed epilogue: bytes per staged row of codes
 // The block's per-row / per-column epilogue vectors (row term, row scale; column term, scale, bias) are
 // staged in shared memory past the pipeline (and the packed codes) at the start of the kernel: read in the
 // epilogue straight from global memory they cost 12% of w1a2 8192^3 (latency-bound loads, one per element).
 constexpr int PIPE_BYTES = STAGES * STAGE_BYTES;
 constexpr int CODE_BYTES = EPI == 2 ? BM * CODE_LD : 0;
-constexpr int VEC_OFF = (WGMMA ? 1024 : 0) + ((PIPE_BYTES > CODE_BYTES ? PIPE_BYTES : CODE_BYTES) + 15) / 16 * 16;
-constexpr int VEC_BYTES = (2 * BM + 3 * BN) * 4;
+// Without TMA the packed epilogue's codes reuse the pipeline's shared memory (offset 0); the persistent TMA
+// kernel keeps loading the next tile while it stores this one, so there they follow the pipeline.
+constexpr int CODE_OFF = TMA ? 1024 + PIPE_BYTES : 0;
+constexpr int VEC_OFF = TMA ? CODE_OFF + (CODE_BYTES + 15) / 16 * 16
+                            : (WGMMA ? 1024 : 0) + ((PIPE_BYTES > CODE_BYTES ? PIPE_BYTES : CODE_BYTES) + 15) / 16 * 16;
+constexpr int VEC_N = 2 * BM + 3 * BN;
+constexpr int VEC_BYTES = VEC_N * 4;
+[[maybe_unused]] constexpr int BAR_OFF = (VEC_OFF + VEC_BYTES + 7) / 8 * 8;  // TMA: STAGES "full" then STAGES "empty" mbarriers
 
 static_assert(P >= 1 && P <= 8 && Q >= 1 && Q <= 8, "bits must be 1..8");
 static_assert(MT >= 1 && MT * WARPS_M * 16 == BM, "BM must be a multiple of 16 * WARPS_M");
@@ -175,6 +197,9 @@ static_assert(!WGMMA || STAGES >= 3, "wgmma: >= 3 stages (one slot stays with th
 static_assert(!WGMMA || NT == 4 || NT == 8 || NT == 12 || NT == 16 || NT == 24 || NT == 32,
               "wgmma: the warpgroup's N = BN / WARPS_N must be 32, 64, 96, 128, 192 or 256");
 static_assert(EPI != 2 || (BN % 32 == 0 && 512 % BN == 0), "packed output needs BN | 512 and 32 | BN");
+static_assert(!TMA || (WGMMA && WARPS_N == 1), "TMA: the wgmma path with one warpgroup per 64 rows (WARPS_N = 1)");
+static_assert(!TMA || (CM >= 1 && CM <= 2 && CN >= 1 && CN <= 2 && (BM / CN) % 8 == 0 && (BN / CM) % 8 == 0),
+              "TMA: clusters of 1..2 x 1..2 blocks; each block's slice of a shared tile a multiple of 8 rows");
 
 __host__ __device__ constexpr int plane_weight(int i, int bits, bool twos) {
     return (twos && i == bits - 1) ? -(1 << i) : (1 << i);
@@ -220,6 +245,22 @@ static_assert(!FOLD || (WGMMA && all_weights_positive()),
 __device__ __forceinline__ u32 swz(int row, int chunk) {  // byte offset of (row, 16-byte chunk)
     const int sw = KCH == 8 ? (row & 7) : ((row >> 1) & 3);
     return (u32)(row * ROW_BYTES + ((chunk ^ sw) << 4));
+}
+
+__device__ __forceinline__ u32 cluster_rank_() {  // this block's rank in its cluster (0 without clusters)
+    u32 r = 0;
+    if (CS > 1) asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+
+// a barrier among the threads that multiply and store (all threads without TMA; named barrier 1, the MMA
+// warpgroups only, with TMA, where the producer warpgroup does not take part)
+__device__ __forceinline__ void mma_sync_all() {
+    if (TMA) {
+        asm volatile("bar.sync 1, %0;\n" ::"n"(MMA_THREADS) : "memory");
+    } else {
+        __syncthreads();
+    }
 }
 
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
@@ -351,6 +392,84 @@ __device__ __forceinline__ u64 smem_desc(u32 addr) {
 }
 #endif  // TCP_WGMMA
 
+#if TCP_TMA
+// A CUtensorMap (cuda.h's opaque 128-byte, 64-byte aligned struct), passed by value as a __grid_constant__
+// kernel parameter: NVRTC has no cuda.h, and only its size and alignment matter here.
+struct __align__(64) TensorMap {
+    u64 opaque[16];
+};
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+// this thread's arrival, after raising the phase's expected transaction bytes by `bytes`
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// spin until the phase of parity `parity` of the barrier has completed
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n"
+        "}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+// one arrival on the barrier at the same offset in cluster block `cta` (this block's own when CS = 1)
+__device__ __forceinline__ void mbar_arrive_cta(u32 bar, u32 cta) {
+    if (CS == 1) {
+        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+    } else {
+        asm volatile(
+            "{\n"
+            ".reg .b32 remote;\n"
+            "mapa.shared::cluster.u32 remote, %0, %1;\n"
+            "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n"
+            "}\n" ::"r"(bar),
+            "r"(cta)
+            : "memory");
+    }
+}
+__device__ __forceinline__ void cluster_sync() {  // every thread of every block of the cluster
+    if (CS > 1) {
+        asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+    } else {
+        __syncthreads();
+    }
+}
+// box (c0 words of K, c1 rows, c2 plane) of a (planes, rows, Kw) tensor -> shared memory at `dst`,
+// completing `bytes` on `bar`; with mask != 0 the box lands at the same offset (and completes on the
+// barrier at the same offset) in every cluster block of the mask
+__device__ __forceinline__ void tma_load(u32 dst, const TensorMap& map, int c0, int c1, int c2, u32 bar,
+                                         unsigned short mask) {
+    const u64 m = reinterpret_cast<u64>(&map);
+    if (mask == 0) {
+        asm volatile(
+            "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+            " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+            "l"(m), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+            : "memory");
+    } else {
+        asm volatile(
+            "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+            " [%0], [%1, {%2, %3, %4}], [%5], %6;\n" ::"r"(dst),
+            "l"(m), "r"(c0), "r"(c1), "r"(c2), "r"(bar), "h"(mask)
+            : "memory");
+    }
+}
+template <int R>
+__device__ __forceinline__ void set_max_regs() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R));
+}
+template <int R>
+__device__ __forceinline__ void shrink_regs() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R));
+}
+#endif  // TCP_TMA
+
 __device__ __forceinline__ unsigned short f32_to_f16(float x) {
     unsigned short h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
@@ -383,8 +502,23 @@ __device__ __forceinline__ u32 encode_code(float y, float s) {
 
 using namespace tcp;
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-bmma_gemm(const u32* __restrict__ A,            // (P, M, Kw) bit planes of a
+#if TCP_TMA
+// registers a thread after setmaxnreg: the producer keeps 40, the MMA warpgroups share the rest (<= 232)
+constexpr int PRODUCER_REGS = 40;
+constexpr int MMA_REGS_ = (65536 - PRODUCER_REGS * 128) / MMA_THREADS / 8 * 8;
+constexpr int MMA_REGS = MMA_REGS_ > 232 ? 232 : MMA_REGS_;
+#define TCP_CLUSTER __cluster_dims__(CS, 1, 1)
+#else
+#define TCP_CLUSTER
+#endif
+
+extern "C" __global__ void TCP_CLUSTER __launch_bounds__(THREADS, 1)
+bmma_gemm(
+#if TCP_TMA
+          const __grid_constant__ TensorMap tmA,  // (P, M, Kw) int32 planes of a, box (1, BM / CN, 32), 128 B swizzle
+          const __grid_constant__ TensorMap tmW,  // (Q, N, Kw) int32 planes of w, box (1, BN / CM, 32)
+#endif
+          const u32* __restrict__ A,            // (P, M, Kw) bit planes of a
           const u32* __restrict__ W,            // (Q, N, Kw) bit planes of w
           void* __restrict__ out,               // EPI 0: int32 (M, ldo); 1: float (M, ldo); 2: (OB, M, ldo)
           const int* __restrict__ row_term,     // (M,) int32 or null
@@ -403,41 +537,296 @@ bmma_gemm(const u32* __restrict__ A,            // (P, M, Kw) bit planes of a
     const int wm = WGMMA ? (warp >> 2) / WARPS_N * 4 + (warp & 3) : warp / WARPS_N;
     const int wn = WGMMA ? (warp >> 2) % WARPS_N : warp % WARPS_N;
 
-    // ---- which output tile: grouped raster, GROUP_M row tiles share their W tiles in L2 ----
-    constexpr int GROUP_M = 8;
-    const int grid_m = (M + BM - 1) / BM, grid_n = (N + BN - 1) / BN;
-    const int pid = blockIdx.x, in_group = GROUP_M * grid_n;
-    const int first_m = (pid / in_group) * GROUP_M;
-    const int gm = min(grid_m - first_m, GROUP_M);
-    const int pid_m = first_m + (pid % in_group) % gm, pid_n = (pid % in_group) / gm;
-    const int m0 = pid_m * BM, n0 = pid_n * BN;
+    // ---- which output tile: grouped raster, GROUP_M row tiles share their W tiles in L2.  With TMA
+    // clusters the raster walks clusters (CM x CN tiles); block `rank` of a cluster takes tile
+    // (rank % CM, rank / CM) of it.  A cluster may overhang the grid: its blocks past M or N load zeros
+    // (TMA fills out-of-bounds boxes with zeros), still feed their partners, and store nothing.  The TMA
+    // kernel is persistent: cluster c of the grid takes tiles c, c + clusters, ... ----
+    constexpr int GROUP_M = (8 + CM - 1) / CM;
+    const int rank = TMA ? (int)cluster_rank_() : 0, rm = rank % CM, rn = rank / CM;
+    const int grid_m = ((M + BM - 1) / BM + CM - 1) / CM, grid_n = ((N + BN - 1) / BN + CN - 1) / CN;
+    const int in_group = GROUP_M * grid_n;
+    auto tile_origin = [&](int pid, int& m0, int& n0) {  // cluster tile pid -> this block's output origin
+        const int first_m = (pid / in_group) * GROUP_M;
+        const int gm = min(grid_m - first_m, GROUP_M);
+        m0 = ((first_m + (pid % in_group) % gm) * CM + rm) * BM;
+        n0 = (((pid % in_group) / gm) * CN + rn) * BN;
+    };
 
     const int k_tiles = (Kw + WPS - 1) / WPS;  // BK-bit steps (Kw is a multiple of 16 words)
-    const i64 a_plane = (i64)M * Kw, w_plane = (i64)N * Kw;
     // wgmma's 128-byte swizzle needs 1024-byte aligned tiles (the loader allocates 1 KB extra)
     const u32 smem_raw = (u32)__cvta_generic_to_shared(smem);
     const u32 smem_base = WGMMA ? (smem_raw + 1023u) & ~1023u : smem_raw;
-    {  // the block's epilogue vectors -> shared memory (visible after the main loop's first barrier)
-        float* rs = reinterpret_cast<float*>(smem + VEC_OFF);
-        int* rt = reinterpret_cast<int*>(rs + BM);
-        float* cs = reinterpret_cast<float*>(rt + BM);
-        float* bs = cs + BN;
-        int* ct = reinterpret_cast<int*>(bs + BN);
-        for (int i = tid; i < BM; i += THREADS) {
-            const int r = m0 + i;
-            rs[i] = row_scale != nullptr && r < M ? row_scale[r] : 1.0f;
-            rt[i] = row_term != nullptr && r < M ? row_term[r] : 0;
-        }
-        for (int i = tid; i < BN; i += THREADS) {
-            const int c = n0 + i;
-            cs[i] = col_scale != nullptr && c < N ? col_scale[c] : 1.0f;
-            bs[i] = bias != nullptr && c < N ? bias[c] : 0.0f;
-            ct[i] = col_term != nullptr && c < N ? col_term[c] : 0;
-        }
-        __syncthreads();
-    }
 
-    // ---- producer: one 512-bit K step of every plane of the A and W tiles into stage `stage` ----
+    // The epilogue's per-row / per-column vectors, VEC_N values staged in shared memory at VEC_OFF: row scale,
+    // row term (BM each), column scale, bias, column term (BN each).  Rows / columns past M / N and null
+    // pointers read as neutral values (scale 1, bias 0, term 0), so the epilogue's arithmetic needs no bounds
+    // checks: x * 1.0f and integer + 0 are exact.
+    auto vec_value = [&](int i, int m0, int n0) -> u32 {
+        if (i < BM) return __float_as_uint(row_scale != nullptr && m0 + i < M ? row_scale[m0 + i] : 1.0f);
+        i -= BM;
+        if (i < BM) return (u32)(row_term != nullptr && m0 + i < M ? row_term[m0 + i] : 0);
+        i -= BM;
+        if (i < BN) return __float_as_uint(col_scale != nullptr && n0 + i < N ? col_scale[n0 + i] : 1.0f);
+        i -= BN;
+        if (i < BN) return __float_as_uint(bias != nullptr && n0 + i < N ? bias[n0 + i] : 0.0f);
+        i -= BN;
+        return (u32)(col_term != nullptr && n0 + i < N ? col_term[n0 + i] : 0);
+    };
+    u32* const s_vec = reinterpret_cast<u32*>(smem + VEC_OFF);
+
+    int acc[NCLASS][MT][NT][4];
+    auto zero_acc = [&]() {
+#pragma unroll
+        for (int c = 0; c < NCLASS; ++c)
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[c][mt][nt][e] = 0;
+    };
+
+    // ---- epilogue of the tile at (m0, n0), by the MMA threads (tid < MMA_THREADS), vectors staged ----
+    const bool has_bias = bias != nullptr;
+    auto epilogue = [&](int m0, int n0) {
+        const float* s_rs = reinterpret_cast<const float*>(s_vec);
+        const int* s_rt = reinterpret_cast<const int*>(s_rs + BM);
+        const float* s_cs = reinterpret_cast<const float*>(s_rt + BM);
+        const float* s_bias = s_cs + BN;
+        const int* s_ct = reinterpret_cast<const int*>(s_bias + BN);
+        unsigned char* const codes = smem + CODE_OFF;
+        if (EPI == 2) {  // without TMA the codes reuse the pipeline's shared memory
+            if (!TMA) cp_async_wait<0>();
+            mma_sync_all();
+        }
+        const float qscale = EPI == 2 ? out_scale[0] : 1.0f;
+        // a tile inside M x N (with an even row pitch for the paired stores) stores without bounds checks
+        const bool interior = m0 + BM <= M && n0 + BN <= N && (ldo & 1) == 0;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int rl = wm * (MT * 16) + mt * 16 + (lane >> 2) + h * 8;  // row in the tile
+                    const int cl = wn * (NT * 8) + nt * 8 + (lane & 3) * 2;          // first of 2 columns
+                    const int r = m0 + rl, c = n0 + cl;
+                    int cv[2];
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        u32 v = 0;  // unsigned: wraps mod 2^32 like the final int32 result
+#pragma unroll
+                        for (int k = 0; k < NCLASS; ++k)
+                            v += (u32)acc[k][mt][nt][h * 2 + e] * (FOLD ? 1u : (u32)CT.weight[k]);
+                        cv[e] = (int)(v * (u32)ss + (u32)s_rt[rl] + (u32)s_ct[cl + e]);
+                    }
+                    if (EPI == 0) {
+                        int* o = (int*)out + (i64)r * ldo + c;
+                        if (interior) {
+                            *reinterpret_cast<int2*>(o) = make_int2(cv[0], cv[1]);
+                        } else if (r < M) {
+                            if (c + 1 < N && (ldo & 1) == 0) {
+                                *reinterpret_cast<int2*>(o) = make_int2(cv[0], cv[1]);
+                            } else {
+                                if (c < N) o[0] = cv[0];
+                                if (c + 1 < N) o[1] = cv[1];
+                            }
+                        }
+                    } else {
+                        float y[2];
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {  // ((float(C) * row_scale) * col_scale) + bias, one rounding each
+                            float v = __fmul_rn(__fmul_rn(__int2float_rn(cv[e]), s_rs[rl]), s_cs[cl + e]);
+                            if (has_bias) v = __fadd_rn(v, s_bias[cl + e]);
+                            // NaN stays NaN, as torch.relu / leaky_relu; slope * y is one IEEE multiply
+                            if (relu && v < 0.0f) v = slope == 0.0f ? 0.0f : __fmul_rn(v, slope);
+                            y[e] = v;
+                        }
+                        if (EPI == 1) {
+                            if (OUT_T == 0) {
+                                float* o = (float*)out + (i64)r * ldo + c;
+                                if (interior) {
+                                    *reinterpret_cast<float2*>(o) = make_float2(y[0], y[1]);
+                                } else if (r < M) {
+                                    if (c + 1 < N && (ldo & 1) == 0) {
+                                        *reinterpret_cast<float2*>(o) = make_float2(y[0], y[1]);
+                                    } else {
+                                        if (c < N) o[0] = y[0];
+                                        if (c + 1 < N) o[1] = y[1];
+                                    }
+                                }
+                            } else {
+                                unsigned short* o = (unsigned short*)out + (i64)r * ldo + c;
+                                const unsigned short h0 = OUT_T == 1 ? f32_to_f16(y[0]) : f32_to_bf16(y[0]);
+                                const unsigned short h1 = OUT_T == 1 ? f32_to_f16(y[1]) : f32_to_bf16(y[1]);
+                                if (interior) {
+                                    *reinterpret_cast<u32*>(o) = (u32)h0 | ((u32)h1 << 16);
+                                } else if (r < M) {
+                                    if (c + 1 < N && (ldo & 1) == 0) {
+                                        *reinterpret_cast<u32*>(o) = (u32)h0 | ((u32)h1 << 16);
+                                    } else {
+                                        if (c < N) o[0] = h0;
+                                        if (c + 1 < N) o[1] = h1;
+                                    }
+                                }
+                            }
+                        } else {  // EPI == 2: stage the codes (0 outside M x N: the planes' padding)
+#pragma unroll
+                            for (int e = 0; e < 2; ++e) {
+                                const bool inside = r < M && c + e < N;
+                                codes[rl * CODE_LD + cl + e] = inside ? (unsigned char)encode_code(y[e], qscale) : 0;
+                            }
+                        }
+                    }
+                }
+
+        if (EPI == 2) {  // codes -> bit planes: one thread per (row, 32-column word)
+            mma_sync_all();
+            constexpr int WORDS = BN / 32;
+            const i64 plane = (i64)M * ldo;
+            for (int idx = tid; idx < BM * WORDS; idx += MMA_THREADS) {
+                const int rl = idx / WORDS, w = idx % WORDS;
+                const int r = m0 + rl, gw = n0 / 32 + w;
+                if (r >= M || gw >= ldo) continue;
+                const u32* src = reinterpret_cast<const u32*>(codes + rl * CODE_LD + w * 32);
+                u32 bits[OB];
+#pragma unroll
+                for (int b = 0; b < OB; ++b) bits[b] = 0;
+#pragma unroll
+                for (int q = 0; q < 8; ++q) {
+                    const u32 four = src[q];  // codes of columns 4q .. 4q+3, one byte each
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const u32 code = (four >> (8 * e)) & 0xFFu;
+#pragma unroll
+                        for (int b = 0; b < OB; ++b) bits[b] |= ((code >> b) & 1u) << (4 * q + e);
+                    }
+                }
+#pragma unroll
+                for (int b = 0; b < OB; ++b) ((u32*)out)[b * plane + (i64)r * ldo + gw] = bits[b];
+            }
+        }
+    };
+
+#if TCP_TMA
+    // ---- warp-specialised, persistent TMA pipeline.  Stage s has a "full" barrier (1 arrival, the local
+    // producer's, plus STAGE_BYTES of TMA transactions, some of them multicast by partner blocks) and an
+    // "empty" one (an arrival from every MMA warp of every block of the cluster: a block may refill stage s
+    // only when all the blocks it multicasts into have finished reading it).  Steps are counted across the
+    // block's tiles (g), so the producer runs ahead into the next tile while the MMA warps store this one;
+    // phase n of a barrier has parity n & 1. ----
+    const u32 full0 = (u32)__cvta_generic_to_shared(smem + BAR_OFF), empty0 = full0 + 8 * STAGES;
+    const int tiles = grid_m * grid_n, stride = gridDim.x / CS;
+    if (tid == 0) {
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full0 + 8 * s, 1);
+            mbar_init(empty0 + 8 * s, (MMA_THREADS / 32) * CS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    cluster_sync();  // barriers initialised in every block before any multicast or remote arrival
+
+    if (warp >= MMA_THREADS / 32) {  // ---- producer warpgroup: one thread issues every TMA load ----
+        shrink_regs<PRODUCER_REGS>();
+        if (warp == MMA_THREADS / 32 && lane == 0) {
+            // this block loads rows [a_r0, a_r0 + BM / CN) of the A tile for the CN blocks of its cluster row
+            // (same m0) and rows [w_r0, w_r0 + BN / CM) of the W tile for the CM blocks of its cluster column
+            const int a_r0 = rn * (BM / CN), w_r0 = rm * (BN / CM);
+            unsigned short a_mask = 0, w_mask = 0;
+            if (CN > 1)
+                for (int j = 0; j < CN; ++j) a_mask |= (unsigned short)(1u << (rm + CM * j));
+            if (CM > 1)
+                for (int i = 0; i < CM; ++i) w_mask |= (unsigned short)(1u << (i + CM * rn));
+            int g = 0;
+            for (int pid = blockIdx.x / CS; pid < tiles; pid += stride) {
+                int m0, n0;
+                tile_origin(pid, m0, n0);
+                for (int kt = 0; kt < k_tiles; ++kt, ++g) {
+                    const int s = g % STAGES;
+                    if (g >= STAGES) mbar_wait(empty0 + 8 * s, ((g / STAGES) + 1) & 1);
+                    mbar_arrive_expect_tx(full0 + 8 * s, STAGE_BYTES);
+                    const u32 sA = smem_base + s * STAGE_BYTES, sW = sA + A_STAGE;
+#pragma unroll
+                    for (int pl = 0; pl < P; ++pl)
+                        tma_load(sA + (pl * BM + a_r0) * ROW_BYTES, tmA, kt * WPS, m0 + a_r0, pl, full0 + 8 * s,
+                                 a_mask);
+#pragma unroll
+                    for (int pl = 0; pl < Q; ++pl)
+                        tma_load(sW + (pl * BN + w_r0) * ROW_BYTES, tmW, kt * WPS, n0 + w_r0, pl, full0 + 8 * s,
+                                 w_mask);
+                }
+            }
+        }
+    } else {  // ---- MMA warpgroups: warpgroup g multiplies rows 64 g .. 64 g + 63 by the whole W tile ----
+        set_max_regs<MMA_REGS>();
+        const int slab = warp >> 2;
+        auto release = [&](int g) {  // one arrival per warp on stage g's "empty" barrier in every cluster block
+            if (lane == 0) {
+                const u32 e = empty0 + 8 * (g % STAGES);
+#pragma unroll
+                for (int c = 0; c < CS; ++c) mbar_arrive_cta(e, (u32)c);
+            }
+        };
+        constexpr int VPT = (VEC_N + MMA_THREADS - 1) / MMA_THREADS;
+        int g = 0;
+        for (int pid = blockIdx.x / CS; pid < tiles; pid += stride) {
+            int m0, n0;
+            tile_origin(pid, m0, n0);
+            u32 vec[VPT];  // this tile's epilogue vectors, loaded now, stored to shared memory after the MMAs
+#pragma unroll
+            for (int j = 0; j < VPT; ++j) {
+                const int i = tid + j * MMA_THREADS;
+                vec[j] = i < VEC_N ? vec_value(i, m0, n0) : 0u;
+            }
+            zero_acc();
+            for (int kt = 0; kt < k_tiles; ++kt, ++g) {
+                const int s = g % STAGES;
+                mbar_wait(full0 + 8 * s, (g / STAGES) & 1);
+                const u32 sA = smem_base + s * STAGE_BYTES, sW = sA + A_STAGE;
+                const u64 dA = smem_desc(sA + slab * 64 * ROW_BYTES), dW = smem_desc(sW);
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < KK; ++kk)
+#pragma unroll
+                    for (int i = 0; i < P; ++i)
+#pragma unroll
+                        for (int j = 0; j < Q; ++j) {
+                            const u64 da = dA + (u64)((i * BM * ROW_BYTES + kk * 32) >> 4);
+                            const u64 dw = dW + (u64)((j * BN * ROW_BYTES + kk * 32) >> 4);
+                            if (FOLD) {
+#pragma unroll
+                                for (int rep = 0; rep < pair_weight(i, j); ++rep) Wgmma<NT>::run(acc[0][0], da, dw);
+                            } else {
+                                Wgmma<NT>::run(acc[CT.cls[i * Q + j]][0], da, dw);
+                            }
+                        }
+                wgmma_commit();
+                wgmma_wait<1>();  // step g-1's wgmmas are done: release its stage in every block that fills it
+                if (kt > 0) release(g - 1);
+            }
+            wgmma_wait<0>();
+            release(g - 1);
+            mma_sync_all();  // every MMA thread is past the previous tile's epilogue: restage the vectors
+#pragma unroll
+            for (int j = 0; j < VPT; ++j) {
+                const int i = tid + j * MMA_THREADS;
+                if (i < VEC_N) s_vec[i] = vec[j];
+            }
+            mma_sync_all();
+            epilogue(m0, n0);
+        }
+    }
+    cluster_sync();  // no block leaves while a partner may still arrive on its barriers
+#else
+    int m0, n0;
+    tile_origin(blockIdx.x, m0, n0);
+    for (int i = tid; i < VEC_N; i += THREADS) s_vec[i] = vec_value(i, m0, n0);  // visible after the first barrier
+    zero_acc();
+    const i64 a_plane = (i64)M * Kw, w_plane = (i64)N * Kw;
+
+    // ---- producer: one BK-bit K step of every plane of the A and W tiles into stage `stage` ----
     auto load_tile = [&](int stage, int kt) {
         const u32 sA = smem_base + stage * STAGE_BYTES, sW = sA + A_STAGE;
 #pragma unroll
@@ -457,16 +846,6 @@ bmma_gemm(const u32* __restrict__ A,            // (P, M, Kw) bit planes of a
             cp_async16(sW + pl * (BN * ROW_BYTES) + swz(r, c), src, ok);
         }
     };
-
-    int acc[NCLASS][MT][NT][4];
-#pragma unroll
-    for (int c = 0; c < NCLASS; ++c)
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc[c][mt][nt][e] = 0;
 
 #if TCP_WGMMA
     // ---- prologue: STAGES-2 steps in flight (the slot of step kt-1 may still be read by wgmma) ----
@@ -573,120 +952,6 @@ bmma_gemm(const u32* __restrict__ A,            // (P, M, Kw) bit planes of a
     }
 
 #endif  // TCP_WGMMA
-
-    // ---- epilogue ----
-    const float* s_rs = reinterpret_cast<const float*>(smem + VEC_OFF);  // staged at the start (see VEC_OFF)
-    const int* s_rt = reinterpret_cast<const int*>(s_rs + BM);
-    const float* s_cs = reinterpret_cast<const float*>(s_rt + BM);
-    const float* s_bias = s_cs + BN;
-    const int* s_ct = reinterpret_cast<const int*>(s_bias + BN);
-    if (EPI == 2) {  // the packed epilogue reuses the pipeline's shared memory for its codes
-        cp_async_wait<0>();
-        __syncthreads();
-    }
-    float qscale = 1.0f;
-    if (EPI == 2) qscale = out_scale[0];
-
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int rl = wm * (MT * 16) + mt * 16 + (lane >> 2) + h * 8;  // row in the tile
-                const int cl = wn * (NT * 8) + nt * 8 + (lane & 3) * 2;          // first of 2 columns
-                const int r = m0 + rl, c = n0 + cl;
-                int cv[2];
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    u32 s = 0;  // unsigned: wraps mod 2^32 like the final int32 result
-#pragma unroll
-                    for (int k = 0; k < NCLASS; ++k)
-                        s += (u32)acc[k][mt][nt][h * 2 + e] * (FOLD ? 1u : (u32)CT.weight[k]);
-                    s *= (u32)ss;
-                    if (row_term != nullptr && r < M) s += (u32)s_rt[rl];
-                    if (col_term != nullptr && c + e < N) s += (u32)s_ct[cl + e];
-                    cv[e] = (int)s;
-                }
-                if (EPI == 0) {
-                    if (r < M) {
-                        int* o = (int*)out + (i64)r * ldo + c;
-                        if (c + 1 < N && (ldo & 1) == 0) {
-                            *reinterpret_cast<int2*>(o) = make_int2(cv[0], cv[1]);
-                        } else {
-                            if (c < N) o[0] = cv[0];
-                            if (c + 1 < N) o[1] = cv[1];
-                        }
-                    }
-                } else {
-                    float y[2];
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        float v = __int2float_rn(cv[e]);
-                        if (row_scale != nullptr && r < M) v = __fmul_rn(v, s_rs[rl]);
-                        if (col_scale != nullptr && c + e < N) v = __fmul_rn(v, s_cs[cl + e]);
-                        if (bias != nullptr && c + e < N) v = __fadd_rn(v, s_bias[cl + e]);
-                        // NaN stays NaN, as torch.relu / leaky_relu; slope * y is one IEEE multiply
-                        if (relu && v < 0.0f) v = slope == 0.0f ? 0.0f : __fmul_rn(v, slope);
-                        y[e] = v;
-                    }
-                    if (EPI == 1) {
-                        if (r < M) {
-                            const bool pair = c + 1 < N && (ldo & 1) == 0;
-                            if (OUT_T == 0) {
-                                float* o = (float*)out + (i64)r * ldo + c;
-                                if (pair) {
-                                    *reinterpret_cast<float2*>(o) = make_float2(y[0], y[1]);
-                                } else {
-                                    if (c < N) o[0] = y[0];
-                                    if (c + 1 < N) o[1] = y[1];
-                                }
-                            } else {
-                                unsigned short* o = (unsigned short*)out + (i64)r * ldo + c;
-                                const unsigned short h0 = OUT_T == 1 ? f32_to_f16(y[0]) : f32_to_bf16(y[0]);
-                                const unsigned short h1 = OUT_T == 1 ? f32_to_f16(y[1]) : f32_to_bf16(y[1]);
-                                if (pair) {
-                                    *reinterpret_cast<u32*>(o) = (u32)h0 | ((u32)h1 << 16);
-                                } else {
-                                    if (c < N) o[0] = h0;
-                                    if (c + 1 < N) o[1] = h1;
-                                }
-                            }
-                        }
-                    } else {  // EPI == 2: stage the codes (0 outside M x N: the planes' padding)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const bool inside = r < M && c + e < N;
-                            smem[rl * CODE_LD + cl + e] = inside ? (unsigned char)encode_code(y[e], qscale) : 0;
-                        }
-                    }
-                }
-            }
-
-    if (EPI == 2) {  // codes -> bit planes: one thread per (row, 32-column word)
-        __syncthreads();
-        constexpr int WORDS = BN / 32;
-        const i64 plane = (i64)M * ldo;
-        for (int idx = tid; idx < BM * WORDS; idx += THREADS) {
-            const int rl = idx / WORDS, w = idx % WORDS;
-            const int r = m0 + rl, gw = n0 / 32 + w;
-            if (r >= M || gw >= ldo) continue;
-            const u32* src = reinterpret_cast<const u32*>(smem + rl * CODE_LD + w * 32);
-            u32 bits[OB];
-#pragma unroll
-            for (int b = 0; b < OB; ++b) bits[b] = 0;
-#pragma unroll
-            for (int q = 0; q < 8; ++q) {
-                const u32 four = src[q];  // codes of columns 4q .. 4q+3, one byte each
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const u32 code = (four >> (8 * e)) & 0xFFu;
-#pragma unroll
-                    for (int b = 0; b < OB; ++b) bits[b] |= ((code >> b) & 1u) << (4 * q + e);
-                }
-            }
-#pragma unroll
-            for (int b = 0; b < OB; ++b) ((u32*)out)[b * plane + (i64)r * ldo + gw] = bits[b];
-        }
-    }
+    epilogue(m0, n0);
+#endif  // TCP_TMA
 }

@@ -94,7 +94,12 @@ class Tile:
     ``mma="wgmma"``: Hopper's warpgroup MMA (sm_90a) instead of ``mma.sync``; then every 4 warps
     along M form a warpgroup that owns a 64 x (bn / warps_n) slab (bm = 16 * warps_m, warps_m a
     multiple of 4), and bk is 1024.  ``fold`` (wgmma, unsigned codes): one accumulator, each plane
-    pair's wgmma issued ``weight`` times (see bmma_gemm.cu)."""
+    pair's wgmma issued ``weight`` times (see bmma_gemm.cu).
+
+    ``tma`` (wgmma): a warp-specialised pipeline -- one producer warpgroup loads the stages with TMA
+    (mbarrier-completed, 128-byte swizzle) while the ``warps_m / 4`` MMA warpgroups (``warps_n`` = 1)
+    multiply; ``cluster = (cm, cn)`` groups cm x cn blocks whose shared A / W tiles are loaded once and
+    multicast to all of them."""
 
     bm: int
     bn: int
@@ -105,21 +110,30 @@ class Tile:
     frag_db: bool = False
     mma: str = "sync"
     fold: bool = False
+    tma: bool = False
+    cluster: tuple[int, int] = (1, 1)
 
     def __str__(self) -> str:
         s = f"{self.bm}x{self.bn}_w{self.warps_m}x{self.warps_n}_s{self.stages}"
         return (s + ("" if self.bk == 512 else f"_k{self.bk}") + ("_db" if self.frag_db else "")
-                + ("_wg" if self.mma == "wgmma" else "") + ("_f" if self.fold else ""))
+                + ("_wg" if self.mma == "wgmma" else "") + ("_f" if self.fold else "")
+                + ("_tma" if self.tma else "")
+                + ("" if self.cluster == (1, 1) else f"_c{self.cluster[0]}x{self.cluster[1]}"))
+
+    @property
+    def cluster_size(self) -> int:
+        return self.cluster[0] * self.cluster[1]
 
 
 def parse_tile(text: str) -> Tile:
     """``"64x256_w2x4_s4"`` / ``"64x256_w2x4_s3_k1024_db"`` / ``"128x128_w8x1_s4_k1024_wg"`` /
-    ``"128x256_w8x2_s3_k1024_wg_f"`` (as ``str(Tile)`` writes it) -> Tile."""
+    ``"128x256_w8x2_s3_k1024_wg_f"`` / ``"128x256_w8x1_s3_k1024_wg_f_tma_c2x1"`` (as ``str(Tile)`` writes
+    it) -> Tile."""
     try:
         mn, w, s, *extra = text.split("_")
         bm, bn = (int(v) for v in mn.split("x"))
         wm, wn = (int(v) for v in w.removeprefix("w").split("x"))
-        bk, db, mma, fold = 512, False, "sync", False
+        bk, db, mma, fold, tma, cluster = 512, False, "sync", False, False, (1, 1)
         for e in extra:
             if e == "db":
                 db = True
@@ -127,14 +141,19 @@ def parse_tile(text: str) -> Tile:
                 mma = "wgmma"
             elif e == "f":
                 fold = True
+            elif e == "tma":
+                tma = True
+            elif e.startswith("c") and "x" in e:
+                cm, cn = (int(v) for v in e[1:].split("x"))
+                cluster = (cm, cn)
             elif e.startswith("k"):
                 bk = int(e[1:])
             else:
                 raise ValueError(e)
-        return Tile(bm, bn, wm, wn, int(s.removeprefix("s")), bk, db, mma, fold)
+        return Tile(bm, bn, wm, wn, int(s.removeprefix("s")), bk, db, mma, fold, tma, cluster)
     except ValueError:
-        raise ValueError(f"tile must look like '64x256_w2x4_s4' (BMxBN_wWARPS_MxWARPS_N_sSTAGES[_kBK][_db][_wg][_f]), "
-                         f"got {text!r}") from None
+        raise ValueError(f"tile must look like '64x256_w2x4_s4' "
+                         f"(BMxBN_wWARPS_MxWARPS_N_sSTAGES[_kBK][_db][_wg][_f][_tma][_cCMxCN]), got {text!r}") from None
 
 
 @dataclass(frozen=True)
@@ -177,6 +196,15 @@ class Variant:
         if t.fold and (t.mma != "wgmma" or self.a_twos or self.w_twos):
             raise ValueError(f"tile {t}: a folded tile (one accumulator, each plane pair's wgmma repeated by its "
                              "weight) needs the wgmma path and unsigned codes (two's complement has negative weights)")
+        if t.tma:
+            cm, cn = t.cluster
+            if t.mma != "wgmma" or t.warps_n != 1 or cm not in (1, 2) or cn not in (1, 2) \
+                    or (t.bm // cn) % 8 or (t.bn // cm) % 8:
+                raise ValueError(f"tile {t}: TMA needs the wgmma path with warps_n = 1 (one MMA warpgroup per 64 "
+                                 "rows) and a cluster of 1..2 x 1..2 blocks whose tile slices are multiples of 8 "
+                                 "rows (e.g. '128x256_w8x1_s3_k1024_wg_f_tma_c2x1')")
+        elif t.cluster != (1, 1):
+            raise ValueError(f"tile {t}: clusters need the TMA pipeline (add '_tma')")
         if self.epilogue == "packed" and (t.bn % 32 or 512 % t.bn):
             raise ValueError(f"tile {t}: the packed epilogue needs bn dividing 512 and a multiple of 32")
         if self.smem_bytes > _MAX_SMEM:
@@ -184,7 +212,8 @@ class Variant:
 
     @property
     def threads(self) -> int:
-        return 32 * self.tile.warps_m * self.tile.warps_n
+        """Threads a block: the MMA warps, plus the producer warpgroup with TMA."""
+        return 32 * self.tile.warps_m * self.tile.warps_n + (128 if self.tile.tma else 0)
 
     @property
     def n_classes(self) -> int:
@@ -198,6 +227,8 @@ class Variant:
         codes = t.bm * (t.bn + 4) if self.epilogue == "packed" else 0
         align = 1024 if t.mma == "wgmma" else 0  # the kernel aligns its tiles to 1024 bytes
         vectors = (2 * t.bm + 3 * t.bn) * 4  # the epilogue's row / column vectors (bmma_gemm.cu VEC_OFF)
+        if t.tma:  # codes after the pipeline (CODE_OFF), then the vectors and the 2 x stages mbarriers (BAR_OFF)
+            return align + pipe + -(-codes // 16) * 16 + -(-vectors // 8) * 8 + 2 * t.stages * 8
         return -(-max(pipe, codes) // 16) * 16 + align + vectors
 
     def defines(self) -> list[str]:
@@ -207,7 +238,8 @@ class Variant:
             f"TCP_P={self.p}", f"TCP_Q={self.q}", f"TCP_A_TWOS={int(self.a_twos)}", f"TCP_W_TWOS={int(self.w_twos)}",
             f"TCP_BM={t.bm}", f"TCP_BN={t.bn}", f"TCP_WARPS_M={t.warps_m}", f"TCP_WARPS_N={t.warps_n}",
             f"TCP_STAGES={t.stages}", f"TCP_BK={t.bk}", f"TCP_FRAG_DB={int(t.frag_db)}",
-            f"TCP_WGMMA={int(t.mma == 'wgmma')}", f"TCP_FOLD={int(t.fold)}", f"TCP_EPI={epi}",
+            f"TCP_WGMMA={int(t.mma == 'wgmma')}", f"TCP_FOLD={int(t.fold)}", f"TCP_TMA={int(t.tma)}",
+            f"TCP_CM={t.cluster[0]}", f"TCP_CN={t.cluster[1]}", f"TCP_EPI={epi}",
             f"TCP_OUT_T={_OUT_T[self.out_dtype]}",
             f"TCP_OB={self.out_bits}", f"TCP_OENC={_OENC[self.out_encoding]}",
         ]
@@ -248,60 +280,51 @@ def _default_arch() -> str:
     return "sm_90a"  # no GPU (CI): the tiles an H100 / H200 would run
 
 
-# Measured on an H200 (w1a2 8192^3, fp16 out, same run; benchmarks/results/gemm_tune.json): the wgmma
-# kernel is bound by operand traffic, so the largest tile wins: 192 x 128 (3 warpgroups, 3 stages)
-# 520 us, 128 x 192 551 us, 64 x 128 (2 blocks an SM) 557 us, 128 x 128 581 us; mma.sync 678 us.
-# Folding (one accumulator, each plane pair's wgmma repeated by its weight) pays where it adds few MMAs:
-# w1a2 / w2a1 unsigned (3 wgmmas instead of 2) on a 128 x 256 tile of 2 x 2 warpgroups -- twice the tile
-# area the two-accumulator registers allow, so 25% less operand traffic from L2, which bounds the kernel.
-# Measured on an H200 (w1a2 8192^3, fp16 out, same run; benchmarks/results/gemm_tune.json): 481 us against
-# 526 us for the unfolded 192 x 128 tile (exact).
-_FOLD_MAX_MMA_RATIO = 1.5  # folded wgmmas / plane pairs
+# The wgmma tiles run the persistent TMA pipeline (bmma_gemm.cu, TCP_TMA): two MMA warpgroups of 64 rows
+# (bm = 128) and one producer warpgroup.  Measured on an H200 (8192^3, fp16 out, one run,
+# benchmarks/results/gemm_tune.json), against the cp.async wgmma tiles they replace: w1a2 on 128 x 128
+# 268 us (the folded cp.async 128 x 256: 456 us), w1a1 on 128 x 256 196 us (192 x 128: 308 us), w2a2 on
+# 128 x 64 468 us (192 x 64: 951 us), w1a4 on 128 x 64 541 us.  What had bounded the cp.async kernel was not
+# L2 traffic but the float epilogue: a block spent ~45% of its time storing (branchy per-element code that
+# nothing overlapped); the persistent kernel's producer loads the next tile meanwhile, and the epilogue has
+# no bounds checks inside M x N.  Folding (each plane pair's wgmma repeated by its weight) no longer pays:
+# w1a2 folded 128 x 128 335 us against 268 us unfolded.  Clusters with TMA multicast halve one operand's L2
+# reads but were slower everywhere (w1a2 2 x 1: 352 us against 344 us; w1a1 249 us against 194 us): the
+# blocks of a cluster wait for each other's stages.
+_TMA_BM = 128  # two MMA warpgroups
+_TMA_MAX_STAGES = 8
 
 
-def _folded_tile(p: int, q: int, a_twos: bool, w_twos: bool) -> Optional[Tile]:
-    if a_twos or w_twos or n_classes(p, q) == 1:
-        return None
-    if sum(_plane_weight(i, p, False) * _plane_weight(j, q, False) for i in range(p) for j in range(q)) \
-            > _FOLD_MAX_MMA_RATIO * p * q:
-        return None
-    for bm, bn, wm, wn in ((128, 256, 8, 2), (256, 128, 16, 1)):  # the wider side for the fewer planes
-        if 3 * (p * bm + q * bn) * 128 + 1024 + (2 * bm + 3 * bn) * 4 <= _MAX_SMEM:
-            return Tile(bm, bn, wm, wn, 3, 1024, mma="wgmma", fold=True)
-    return None
-
-
-def wgmma_tile(p: int, q: int, a_twos: bool = False, w_twos: bool = False) -> Optional[Tile]:
-    """The wgmma tile for (p, q): a folded 128 x 256 (or 256 x 128) tile where folding adds at most 1.5x
-    the MMAs (w1a2 / w2a1 unsigned); else three warpgroups along M (bm = 192; two, bm = 128, when three
-    stages of that do not fit shared memory), the widest warpgroup N whose accumulators
-    (classes * N / 2 registers a thread) fit the budget, as many stages (3..4) as shared memory
-    holds; None when nothing fits or N would be < 64 (many classes or planes: use mma.sync)."""
-    folded = _folded_tile(p, q, a_twos, w_twos)
-    if folded is not None:
-        return folded
+def wgmma_tile(p: int, q: int, a_twos: bool = False, w_twos: bool = False, epilogue: str = "float") -> Optional[Tile]:
+    """The wgmma tile for (p, q): the persistent TMA kernel with bm = 128 (two MMA warpgroups), the widest
+    warpgroup N whose accumulators (classes * N / 2 registers a thread) fit the 128-register budget, and as
+    many stages (3..8) as shared memory holds for ``epilogue`` ("packed" keeps its codes there too, and
+    needs N dividing 512); None when nothing fits or N would be < 64 (five or more weight classes: mma.sync)."""
     nc = n_classes(p, q, a_twos, w_twos)
-    wn = next((n for n in reversed(_WGMMA_N) if nc * n // 2 <= _WGMMA_ACC_BUDGET), None)
+    wn = next((n for n in reversed(_WGMMA_N) if nc * n // 2 <= _WGMMA_ACC_BUDGET
+               and (epilogue != "packed" or (n % 32 == 0 and 512 % n == 0))), None)
     if wn is None or wn < 64:  # N = 32: measured slower than mma.sync (w2a2 8192^3: 1462 us vs 1156 us)
         return None
-    for bm in (192, 128):
-        stage = (p * bm + q * wn) * 128
-        stages = min(4, (_MAX_SMEM - 1024 - (2 * bm + 3 * wn) * 4) // stage)
-        if stages >= 3:
-            return Tile(bm, wn, bm // 16, 1, stages, 1024, mma="wgmma")
+    for stages in range(_TMA_MAX_STAGES, 2, -1):
+        t = Tile(_TMA_BM, wn, _TMA_BM // 16, 1, stages, 1024, mma="wgmma", tma=True)
+        try:
+            Variant(p, q, a_twos, w_twos, t, "packed" if epilogue == "packed" else "float")
+            return t
+        except ValueError:  # more shared memory than a block may have
+            continue
     return None
 
 
 def pick_tile(p: int, q: int, a_twos: bool, w_twos: bool, M: int, N: int, sm_count: int = 132,
-              arch: Optional[str] = None) -> Tile:
+              arch: Optional[str] = None, epilogue: str = "float") -> Tile:
     """The default tile for an (M, N) problem.  On sm_90a (``arch``; default: the current CUDA
-    device, else sm_90a) the :func:`wgmma_tile` when it exists and gives every SM a block;
-    otherwise mma.sync with 4 warps (2 x 2), the register-bounded warp tile of :func:`_warp_tiles`,
-    1024-bit K steps, 3 stages; when that too leaves SMs idle (fewer blocks than SMs),
-    :data:`SMALL_TILE` (32 x 32 outputs a block)."""
+    device, else sm_90a) the :func:`wgmma_tile` (for ``epilogue``) when it exists and gives every SM
+    a block; otherwise mma.sync with 4 warps (2 x 2), the register-bounded warp tile of
+    :func:`_warp_tiles`, 1024-bit K steps, 3 stages; when that too leaves SMs idle (fewer blocks than
+    SMs), :data:`SMALL_TILE` (32 x 32 outputs a block)."""
     arch = arch or _default_arch()
     if arch.endswith("a") and arch.startswith("sm_9"):
-        wt = wgmma_tile(p, q, a_twos, w_twos)
+        wt = wgmma_tile(p, q, a_twos, w_twos, epilogue)
         if wt is not None and -(-M // wt.bm) * -(-N // wt.bn) >= sm_count:
             return wt
     mt, nt = _warp_tiles(p, q, n_classes(p, q, a_twos, w_twos))
@@ -494,18 +517,6 @@ def get_kernel(variant: Variant, device_index: int):
         return k
     return load_kernel((variant, device_index), SOURCE_PATH, variant.defines(), f"bmma_gemm_{variant}", "bmma_gemm",
                        device_index, variant.smem_bytes)
-    with _lock:
-        k = _kernels.get(key)
-        if k is None:
-            _, _, ObjectCode, Device, *_ = cuda_core_api()
-            Device(device_index).set_current()
-            arch = arch_of(torch.cuda.get_device_capability(device_index))
-            cubin, _ = compile_variant(variant, arch)
-            k = ObjectCode.from_cubin(cubin).get_kernel("bmma_gemm")
-            if variant.smem_bytes > 48 * 1024:
-                _set_max_dynamic_smem(k, variant.smem_bytes, device_index)
-            _kernels[key] = k
-    return k
 
 
 _streams: dict = {}
@@ -524,6 +535,41 @@ def _ptr(t: Optional[torch.Tensor]):
     return np.uint64(0 if t is None else t.data_ptr())
 
 
+_tmaps: dict = {}
+_TMAP_CACHE = 4096  # tensor maps kept (a map holds only an address, shape, strides and box: reuse is exact)
+
+
+def _swizzle_128b():
+    import cuda.core as cc
+
+    enum = getattr(cc, "TensorMapSwizzle", None) or cc._tensor_map.TensorMapSwizzle  # not re-exported in 1.2
+    return enum.SWIZZLE_128B
+
+
+def tensor_map(planes: torch.Tensor, box_rows: int):
+    """The TMA descriptor of a contiguous ``(planes, rows, Kw)`` int32 bit-plane tensor with a box of one
+    plane x ``box_rows`` rows x 32 words (128 bytes: one K step of the wgmma kernel), 128-byte swizzled as
+    wgmma reads it; out-of-bounds boxes read zeros.  Memoised on (address, shape, box): under a CUDA graph
+    the same buffers come back, and a map describes nothing but those."""
+    key = (planes.data_ptr(), tuple(planes.shape), box_rows, planes.device.index)
+    m = _tmaps.get(key)
+    if m is None:
+        from cuda.core.utils import StridedMemoryView
+
+        view = StridedMemoryView.from_dlpack(planes, stream_ptr=-1)
+        m = view.as_tensor_map(box_dim=(1, box_rows, 32), swizzle=_swizzle_128b())
+        if len(_tmaps) >= _TMAP_CACHE:
+            _tmaps.clear()
+        _tmaps[key] = m
+    return m
+
+
+def grid_blocks(tile: Tile, M: int, N: int) -> int:
+    """Blocks of one launch: one per output tile, rounded up to whole clusters along M and N."""
+    cm, cn = tile.cluster
+    return -(-(-(-M // tile.bm)) // cm) * -(-(-(-N // tile.bn)) // cn) * cm * cn
+
+
 def launch_bmma(variant: Variant, a_planes, w_planes, out, M: int, N: int, Kw: int, ldo: int, *, ss: int = 1,
                 relu: bool = False, row_term=None, col_term=None, row_scale=None, col_scale=None, bias=None,
                 out_scale=None, leaky_slope: float = 0.0) -> None:
@@ -533,13 +579,18 @@ def launch_bmma(variant: Variant, a_planes, w_planes, out, M: int, N: int, Kw: i
     dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
     kernel = get_kernel(variant, dev)
     t = variant.tile
-    blocks = -(-M // t.bm) * -(-N // t.bn)
+    blocks = grid_blocks(t, M, N)
+    if t.tma:  # persistent: at most one block an SM (whole clusters), each walks its share of the tiles
+        cs = t.cluster_size
+        blocks = min(blocks, _sm_count(out.device)[0] // cs * cs)
     cfg = _cfgs.get((variant, blocks))
     if cfg is None:
         cfg = _cfgs[(variant, blocks)] = LaunchConfig(grid=(blocks,), block=(variant.threads,),
                                                       shmem_size=variant.smem_bytes)
     stream = _stream_for(torch.cuda.current_stream(out.device).cuda_stream)
-    launch(stream, cfg, kernel, _ptr(a_planes), _ptr(w_planes), _ptr(out), _ptr(row_term), _ptr(col_term),
+    maps = ((tensor_map(a_planes, t.bm // t.cluster[1]), tensor_map(w_planes, t.bn // t.cluster[0]))
+            if t.tma else ())
+    launch(stream, cfg, kernel, *maps, _ptr(a_planes), _ptr(w_planes), _ptr(out), _ptr(row_term), _ptr(col_term),
            _ptr(row_scale), _ptr(col_scale), _ptr(bias), _ptr(out_scale),
            np.int32(M), np.int32(N), np.int32(Kw), np.int32(ldo), np.int32(ss), np.int32(int(relu)),
            np.float32(leaky_slope))
@@ -566,8 +617,8 @@ def _sm_count(device: torch.device) -> tuple[int, str]:
 @functools.lru_cache(maxsize=4096)
 def _variant_for(p, q, a_twos, w_twos, M, N, out_kind, out_bits, out_encoding, tile, sm_count, arch) -> Variant:
     """The variant one call launches (memoised: the host path stays a few microseconds)."""
-    t = parse_tile(tile) if tile else pick_tile(p, q, a_twos, w_twos, M, N, sm_count, arch)
     epi = {"int32": "int32", "packed": "packed"}.get(out_kind, "float")
+    t = parse_tile(tile) if tile else pick_tile(p, q, a_twos, w_twos, M, N, sm_count, arch, epi)
     if epi == "packed" and (t.bn % 32 or 512 % t.bn):
         t = replace(t, bn=128 if t.bn > 128 else 32)
     return Variant(p, q, a_twos, w_twos, t, epi, out_kind if epi == "float" else "float32", out_bits, out_encoding)
