@@ -27,9 +27,8 @@
 // accumulators cost NCLASS * MT * NT * 4 registers; the loader picks MT, NT to keep that <= 128.
 // Folded (TCP_FOLD, wgmma path, every pair weight positive): one accumulator, and pair (i, j) of
 // weight w issues its wgmma w times into it (w1a2: 3 wgmmas instead of 2 into 2 accumulators).  More
-// MMAs, half the accumulator registers: the block tile can double (a 128 x 256 tile of 2 x 2
-// warpgroups fits the 128 registers a thread of 512 has), which cuts the operand traffic from L2
-// per output -- what bounds this kernel (8192^3 w1a2: ~1.4 GB of L2 reads with 192 x 128 tiles).
+// MMAs, half the accumulator registers, so a larger block tile.  It paid on the cp.async wgmma kernel;
+// on the TMA kernel it is slower than the unfolded tile (w1a2 8192^3: 337 vs 266 us) and is an option only.
 //
 // Pipeline.  A block owns a BM x BN output tile and streams K in BK-bit steps (BK = 512 or 1024:
 // BK/8 bytes a row a plane, BK/256 MMA k-steps): a STAGES-deep cp.async.cg (16 bytes, L2 only)
@@ -55,6 +54,17 @@
 // through the generic proxy, wgmma reads through the async proxy), barrier, issue all wgmmas of
 // the step, commit, and wait until only that group is in flight (wgmma.wait_group 1): the slot
 // refilled at step kt is the one step kt-2 used, so STAGES-2 loads run ahead of the MMAs.
+//
+// TMA path (TCP_TMA, sm_90a; what the loader picks for large shapes).  Persistent and warp-specialised:
+// warpgroups 0 .. WARPS_M/4 - 1 multiply (warpgroup g: rows 64 g.., all BN columns), the last one is the
+// producer, whose one elected thread loads every stage with cp.async.bulk.tensor (one box of BM or BN rows
+// x 128 bytes per plane, 128-byte swizzled exactly as above, out-of-bounds rows and words read as zeros)
+// onto a "full" mbarrier; the MMA warps arrive on an "empty" mbarrier once their wgmmas on a stage are
+// done.  Steps are counted across the tiles a block walks, so the producer loads the next tile while the
+// MMA warps run this one's epilogue.  Optional clusters (TCP_CM x TCP_CN blocks) load a tile shared along
+// M or N once and multicast it (every block's consumers then release the stage in every partner block).
+// The descriptors arrive as __grid_constant__ parameters.  Measured on an H200 (BENCHMARKS.md): 1.9x the
+// cp.async wgmma kernel at 8192^3; clusters and folding made it slower, so no default uses them.
 //
 // Epilogues (compile-time EPI):
 //   0  int32 C                              out: int32 (M, ldo)
