@@ -491,6 +491,21 @@ __device__ __forceinline__ unsigned short f32_to_bf16(float x) {
     return h;
 }
 
+// Outputs (r, c) and (r, c + 1) of a row-major (M, ldo) matrix: one paired store where both lie inside M x N
+// and an even pitch keeps the pair aligned (always so in an interior tile), else each store checked.
+__device__ __forceinline__ int2 pair_of(int a, int b) { return make_int2(a, b); }
+__device__ __forceinline__ float2 pair_of(float a, float b) { return make_float2(a, b); }
+__device__ __forceinline__ u32 pair_of(unsigned short a, unsigned short b) { return (u32)a | ((u32)b << 16); }
+template <typename T>
+__device__ __forceinline__ void store_pair(T* o, T v0, T v1, bool interior, int r, int c, int M, int N, int ldo) {
+    if (interior || (r < M && c + 1 < N && (ldo & 1) == 0)) {
+        *reinterpret_cast<decltype(pair_of(v0, v1))*>(o) = pair_of(v0, v1);
+    } else if (r < M) {
+        if (c < N) o[0] = v0;
+        if (c + 1 < N) o[1] = v1;
+    }
+}
+
 // y -> OB-bit code, as tcprec.encode(y / s, fmt, "nearest") after quantize's saturation.
 __device__ __forceinline__ u32 encode_code(float y, float s) {
     const float v = __fdiv_rn(y, s);
@@ -632,17 +647,7 @@ bmma_gemm(
                         cv[e] = (int)(v * (u32)ss + (u32)s_rt[rl] + (u32)s_ct[cl + e]);
                     }
                     if (EPI == 0) {
-                        int* o = (int*)out + (i64)r * ldo + c;
-                        if (interior) {
-                            *reinterpret_cast<int2*>(o) = make_int2(cv[0], cv[1]);
-                        } else if (r < M) {
-                            if (c + 1 < N && (ldo & 1) == 0) {
-                                *reinterpret_cast<int2*>(o) = make_int2(cv[0], cv[1]);
-                            } else {
-                                if (c < N) o[0] = cv[0];
-                                if (c + 1 < N) o[1] = cv[1];
-                            }
-                        }
+                        store_pair((int*)out + (i64)r * ldo + c, cv[0], cv[1], interior, r, c, M, N, ldo);
                     } else {
                         float y[2];
 #pragma unroll
@@ -655,31 +660,11 @@ bmma_gemm(
                         }
                         if (EPI == 1) {
                             if (OUT_T == 0) {
-                                float* o = (float*)out + (i64)r * ldo + c;
-                                if (interior) {
-                                    *reinterpret_cast<float2*>(o) = make_float2(y[0], y[1]);
-                                } else if (r < M) {
-                                    if (c + 1 < N && (ldo & 1) == 0) {
-                                        *reinterpret_cast<float2*>(o) = make_float2(y[0], y[1]);
-                                    } else {
-                                        if (c < N) o[0] = y[0];
-                                        if (c + 1 < N) o[1] = y[1];
-                                    }
-                                }
+                                store_pair((float*)out + (i64)r * ldo + c, y[0], y[1], interior, r, c, M, N, ldo);
                             } else {
-                                unsigned short* o = (unsigned short*)out + (i64)r * ldo + c;
                                 const unsigned short h0 = OUT_T == 1 ? f32_to_f16(y[0]) : f32_to_bf16(y[0]);
                                 const unsigned short h1 = OUT_T == 1 ? f32_to_f16(y[1]) : f32_to_bf16(y[1]);
-                                if (interior) {
-                                    *reinterpret_cast<u32*>(o) = (u32)h0 | ((u32)h1 << 16);
-                                } else if (r < M) {
-                                    if (c + 1 < N && (ldo & 1) == 0) {
-                                        *reinterpret_cast<u32*>(o) = (u32)h0 | ((u32)h1 << 16);
-                                    } else {
-                                        if (c < N) o[0] = h0;
-                                        if (c + 1 < N) o[1] = h1;
-                                    }
-                                }
+                                store_pair((unsigned short*)out + (i64)r * ldo + c, h0, h1, interior, r, c, M, N, ldo);
                             }
                         } else {  // EPI == 2: stage the codes (0 outside M x N: the planes' padding)
 #pragma unroll
