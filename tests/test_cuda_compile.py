@@ -54,7 +54,7 @@ def _variants():
         L.Variant(3, 2, True, True, big(3, 2, True), "float", "bfloat16"),
         L.Variant(2, 1, False, False, big(2, 1), "float", "float32"),
         L.Variant(2, 1, False, False, big(2, 1, e="packed"), "packed", out_bits=2, out_encoding="unsigned"),
-        L.Variant(1, 1, False, False, L.SMALL_TILE, "packed", out_bits=1, out_encoding="pm1"),
+        L.Variant(1, 1, False, False, L.Tile(32, 32, 2, 1, 2, 1024), "packed", out_bits=1, out_encoding="pm1"),
         L.Variant(2, 2, False, False, big(2, 2, e="packed"), "packed", out_bits=4, out_encoding="twos"),
         L.Variant(8, 8, True, True, big(8, 8, True), "int32"),
         # TMA options the defaults do not take: clusters (multicast) and a folded tile
@@ -144,8 +144,14 @@ def test_tma_tiles():
                 with pytest.raises(ValueError, match="shared memory"):
                     L.Variant(p, q, tile=bigger)
     packed = L.wgmma_tile(1, 1, epilogue="packed")
-    assert packed.stages < L.wgmma_tile(1, 1).stages  # the codes take shared memory
-    L.Variant(1, 1, tile=packed, epilogue="packed")
+    assert packed.bn == 256 and 512 % packed.bn == 0  # the packed epilogue stores whole words from registers
+    assert L.Variant(1, 1, tile=packed, epilogue="packed", out_bits=8).smem_bytes \
+        == L.Variant(1, 1, tile=packed).smem_bytes + 4 * 256  # + its 2^8 code thresholds
+    with pytest.raises(ValueError, match="whole 32-column words a warp"):  # SMALL_TILE's warps own 16 columns
+        L.Variant(1, 1, tile=L.SMALL_TILE, epilogue="packed")
+    assert L.packed_tile(L.SMALL_TILE) == L.Tile(32, 32, 2, 1, 2, 1024)  # a picked tile is adjusted, not refused
+    assert L._variant_for(2, 1, False, False, 64, 32, "packed", 2, "unsigned", "64x96_w2x2_s3", 132,
+                          "sm_90a").tile == L.Tile(64, 32, 2, 1, 3)
     c = L.parse_tile("128x256_w8x1_s4_k1024_wg_tma_c2x1")
     assert c.cluster == (2, 1) and c.cluster_size == 2 and str(c).endswith("_tma_c2x1")
     assert "TCP_CM=2" in L.Variant(1, 1, tile=c).defines() and "TCP_CN=1" in L.Variant(1, 1, tile=c).defines()

@@ -85,7 +85,8 @@ def compiled():
         for tile in (loader.pick_tile(2, 1, False, False, 129, 1024, sms), loader.parse_tile("64x256_w2x4_s4"),
                      loader.parse_tile("64x128_w2x4_s4"), loader.parse_tile("64x128_w2x2_s3_k1024")) + (
                          (loader.parse_tile(WG_TILE),) if HAS_WGMMA else ()):
-            vs.add(loader.Variant(2, 1, False, False, tile, "packed", out_bits=f.bits, out_encoding=f.encoding))
+            vs.add(loader.Variant(2, 1, False, False, loader.packed_tile(tile), "packed", out_bits=f.bits,
+                                  out_encoding=f.encoding))
     for p, q, t in ((2, 1, False), (1, 1, False), (2, 2, True), (4, 1, False)):
         vs.add(loader.Variant(p, q, t, t, _big_tile(p, q, t, t), "float", "float16"))
         vs.add(loader.Variant(p, q, t, t, _sync_tile(p, q, t, t), "float", "float16"))
@@ -192,6 +193,33 @@ def test_packed_epilogue_bit_exact(out_name):
                             tile=tile)
         assert got.shape == want.shape
         assert torch.equal(got, want), (out_name, tile)
+
+
+@pytest.mark.parametrize("bits,enc", [(1, "pm1"), (2, "unsigned"), (3, "twos"), (4, "pm1"), (5, "unsigned"),
+                                      (8, "twos")])
+def test_packed_epilogue_ties_saturation_and_padding(bits, enc):
+    """The packed epilogue counts per-block thresholds of y instead of dividing y by the scale: outputs on
+    and a few ulps either side of the rounding ties of y / out_scale, far past the format's range and +-inf
+    equal the reference bit for bit; the kernel writes every word of the padded rows (the
+    output is not zeroed first: stale allocator memory must not show through)."""
+    gen = torch.Generator(DEV).manual_seed(31 + bits)
+    M, K, N = 300, 96, 160  # partial tiles in M and N; ldo = 16 words, 11 of them padding
+    out_fmt, s = _fmt(bits, enc), 0.37
+    half = torch.tensor(s / 2, dtype=torch.float32)
+    ulps = torch.arange(-3, 4, dtype=torch.int32)  # y / s lands on, and next to, the half-integers
+    cs = (half.view(torch.int32) + ulps).view(torch.float32).repeat(N // 7 + 1)[:N].clone()
+    cs[5], cs[6], cs[7] = 3e38, 1e-30, 4.0 * s  # +-inf products, ~0, saturation
+    qa = _qt((M, K), _fmt(2, "unsigned"), gen)
+    qw = _qt((N, K), _fmt(1, "pm1"), gen, PerChannel(0), cs.to(DEV).reshape(N, 1))
+    bias = torch.zeros(N, device=DEV)
+    bias[6], bias[7] = float("inf"), -1.5 * s
+    for relu in (False, True):
+        want = matmul_packed(qa, qw, out_fmt, s, bias=bias, relu=relu, backend="reference")
+        for tile in ("", "64x128_w2x4_s4", "32x32_w2x1_s2_k1024") + ((TMA_TILE,) if HAS_WGMMA else ()):
+            junk = torch.full(want.shape, -1, dtype=torch.int32, device=DEV)  # the next empty() reuses it
+            del junk
+            got = matmul_packed(qa, qw, out_fmt, s, bias=bias, relu=relu, backend="bitserial", tile=tile)
+            assert torch.equal(got, want), (bits, enc, relu, tile, (got != want).nonzero()[:5].tolist())
 
 
 def test_cuda_graph_capture_replays_exactly():

@@ -74,7 +74,9 @@
 //      is one IEEE-rounded op (no FMA contraction), so torch reproduces it bit for bit.
 //   2  packed: y as in 1, then encoded to an OB-bit integer format (OENC: 0 twos, 1 unsigned,
 //      2 pm1) as tcprec.encode(y / out_scale, fmt, "nearest") does, and written as bit planes
-//      (OB, M, ldo) int32 (ldo = packed words of N), ready to be the next layer's A operand.
+//      (OB, M, ldo) int32 (ldo = packed words of N), ready to be the next layer's A operand.  Every
+//      word is written, the padding past N included (the output needs no zeroing).  Without a division:
+//      the code is a count of precomputed thresholds (code_threshold), the planes are built in registers.
 //
 // Compile-time parameters (the loader passes them as -D defines; one source serves all variants):
 //   TCP_P, TCP_Q            activation / weight bits (1..8)
@@ -181,19 +183,16 @@ constexpr int W_STAGE = Q * BN * ROW_BYTES;
 constexpr int STAGE_BYTES = A_STAGE + W_STAGE;
 [[maybe_unused]] constexpr int A_CHUNKS = P * BM * KCH;   // 16-byte cp.async chunks per stage
 [[maybe_unused]] constexpr int W_CHUNKS = Q * BN * KCH;
-constexpr int CODE_LD = BN + 4;          // packed epilogue: bytes per staged row of codes
 // The block's per-row / per-column epilogue vectors (row term, row scale; column term, scale, bias) are
-// staged in shared memory past the pipeline (and the packed codes) at the start of the kernel: read in the
-// epilogue straight from global memory they cost 12% of w1a2 8192^3 (latency-bound loads, one per element).
+// staged in shared memory past the pipeline at the start of the kernel: read in the epilogue straight from
+// global memory they cost 12% of w1a2 8192^3 (latency-bound loads, one per element).  The packed epilogue
+// adds its 2^OB code thresholds (code_threshold) after them.
 constexpr int PIPE_BYTES = STAGES * STAGE_BYTES;
-constexpr int CODE_BYTES = EPI == 2 ? BM * CODE_LD : 0;
-// Without TMA the packed epilogue's codes reuse the pipeline's shared memory (offset 0); the persistent TMA
-// kernel keeps loading the next tile while it stores this one, so there they follow the pipeline.
-constexpr int CODE_OFF = TMA ? 1024 + PIPE_BYTES : 0;
-constexpr int VEC_OFF = TMA ? CODE_OFF + (CODE_BYTES + 15) / 16 * 16
-                            : (WGMMA ? 1024 : 0) + ((PIPE_BYTES > CODE_BYTES ? PIPE_BYTES : CODE_BYTES) + 15) / 16 * 16;
+constexpr int VEC_OFF = (WGMMA ? 1024 : 0) + (PIPE_BYTES + 15) / 16 * 16;
 constexpr int VEC_N = 2 * BM + 3 * BN;
-constexpr int VEC_BYTES = VEC_N * 4;
+constexpr int NCODE = 1 << OB;                 // packed epilogue: codes of the output format
+constexpr int THR_N = EPI == 2 ? NCODE : 0;    // its thresholds, staged after the vectors
+constexpr int VEC_BYTES = (VEC_N + THR_N) * 4;
 [[maybe_unused]] constexpr int BAR_OFF = (VEC_OFF + VEC_BYTES + 7) / 8 * 8;  // TMA: STAGES "full" then STAGES "empty" mbarriers
 
 static_assert(P >= 1 && P <= 8 && Q >= 1 && Q <= 8, "bits must be 1..8");
@@ -206,7 +205,8 @@ static_assert(!WGMMA || (BK == 1024 && WARPS_M % 4 == 0 && MT == 1),
 static_assert(!WGMMA || STAGES >= 3, "wgmma: >= 3 stages (one slot stays with the wgmmas in flight)");
 static_assert(!WGMMA || NT == 4 || NT == 8 || NT == 12 || NT == 16 || NT == 24 || NT == 32,
               "wgmma: the warpgroup's N = BN / WARPS_N must be 32, 64, 96, 128, 192 or 256");
-static_assert(EPI != 2 || (BN % 32 == 0 && 512 % BN == 0), "packed output needs BN | 512 and 32 | BN");
+static_assert(EPI != 2 || (BN % 32 == 0 && 512 % BN == 0 && NT % 4 == 0),
+              "packed output needs BN | 512, 32 | BN and whole 32-column words a warp (NT a multiple of 4)");
 static_assert(!TMA || (WGMMA && WARPS_N == 1), "TMA: the wgmma path with one warpgroup per 64 rows (WARPS_N = 1)");
 static_assert(!TMA || (CM >= 1 && CM <= 2 && CN >= 1 && CN <= 2 && (BM / CN) % 8 == 0 && (BN / CM) % 8 == 0),
               "TMA: clusters of 1..2 x 1..2 blocks; each block's slice of a shared tile a multiple of 8 rows");
@@ -523,6 +523,33 @@ __device__ __forceinline__ u32 encode_code(float y, float s) {
     return (u32)val & (u32)(NC - 1);  // two's complement pattern, or the index
 }
 
+// The packed epilogue does not divide.  encode_code's index (its code, with two's complement's sign bit
+// flipped: 0 .. 2^OB - 1) is a non-decreasing step function of y -- correctly rounded division by s > 0,
+// clamping and rounding to an integer are all monotone -- so  index(y) = #{i >= 1 : y >= T_i}  with
+// T_i the least float whose index is >= i (NaN compares false: index 0, as encode_code gives it).  Each
+// T_i is found once a block by bisection over the floats in order (32 steps of encode_code itself), so the
+// comparison is bit-exact with the division it replaces.
+__device__ __forceinline__ u32 code_index(float y, float s) {
+    const u32 c = encode_code(y, s);
+    return OENC == 0 ? c ^ (u32)(NCODE / 2) : c;
+}
+__device__ __forceinline__ i64 float_key(float f) {  // the floats (no NaN) -> integers, order kept
+    const int b = __float_as_int(f);
+    return b >= 0 ? b : (b ^ 0x7FFFFFFF);
+}
+__device__ __forceinline__ float key_float(i64 k) {
+    const int b = (int)k;
+    return __int_as_float(b >= 0 ? b : (b ^ 0x7FFFFFFF));
+}
+__device__ float code_threshold(int i, float s) {  // T_i, 1 <= i < 2^OB
+    i64 lo = float_key(-__int_as_float(0x7F800000)), hi = float_key(__int_as_float(0x7F800000));  // index(-inf) = 0 < i <= 2^OB - 1 = index(inf)
+    while (hi - lo > 1) {
+        const i64 mid = lo + (hi - lo) / 2;
+        if ((int)code_index(key_float(mid), s) >= i) hi = mid; else lo = mid;
+    }
+    return key_float(hi);
+}
+
 }  // namespace tcp
 
 using namespace tcp;
@@ -614,92 +641,148 @@ bmma_gemm(
 
     // ---- epilogue of the tile at (m0, n0), by the MMA threads (tid < MMA_THREADS), vectors staged ----
     const bool has_bias = bias != nullptr;
+    float* const s_thr = reinterpret_cast<float*>(s_vec + VEC_N);  // packed: T_1 .. T_{2^OB - 1} at [1..]
     auto epilogue = [&](int m0, int n0) {
         const float* s_rs = reinterpret_cast<const float*>(s_vec);
         const int* s_rt = reinterpret_cast<const int*>(s_rs + BM);
         const float* s_cs = reinterpret_cast<const float*>(s_rt + BM);
         const float* s_bias = s_cs + BN;
         const int* s_ct = reinterpret_cast<const int*>(s_bias + BN);
-        unsigned char* const codes = smem + CODE_OFF;
-        if (EPI == 2) {  // without TMA the codes reuse the pipeline's shared memory
-            if (!TMA) cp_async_wait<0>();
-            mma_sync_all();
-        }
-        const float qscale = EPI == 2 ? out_scale[0] : 1.0f;
+        // C of accumulator element [mt][nt][e4] with its row and column terms (unsigned: wraps mod 2^32 like int32)
+        auto c_value = [&](int mt, int nt, int e4, int rt, int ct) -> int {
+            u32 v = 0;
+#pragma unroll
+            for (int k = 0; k < NCLASS; ++k) v += (u32)acc[k][mt][nt][e4] * (FOLD ? 1u : (u32)CT.weight[k]);
+            return (int)(v * (u32)ss + (u32)rt + (u32)ct);
+        };
+        // ((float(C) * row_scale) * col_scale) + bias, one rounding each, then the activation (NaN stays NaN,
+        // as torch.relu / leaky_relu; slope * y is one IEEE multiply).  Selects, no branches.
+        auto y_value = [&](int cv, float rs, float cs, float bi) -> float {
+            float v = __fmul_rn(__fmul_rn(__int2float_rn(cv), rs), cs);
+            v = has_bias ? __fadd_rn(v, bi) : v;  // (not + 0.0f: -0.0 must stay -0.0)
+            const float neg = slope == 0.0f ? 0.0f : __fmul_rn(v, slope);
+            return relu && v < 0.0f ? neg : v;
+        };
         // a tile inside M x N (with an even row pitch for the paired stores) stores without bounds checks
         const bool interior = m0 + BM <= M && n0 + BN <= N && (ldo & 1) == 0;
+        if (EPI != 2) {
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
+                for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int rl = wm * (MT * 16) + mt * 16 + (lane >> 2) + h * 8;  // row in the tile
-                    const int cl = wn * (NT * 8) + nt * 8 + (lane & 3) * 2;          // first of 2 columns
-                    const int r = m0 + rl, c = n0 + cl;
-                    int cv[2];
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        u32 v = 0;  // unsigned: wraps mod 2^32 like the final int32 result
-#pragma unroll
-                        for (int k = 0; k < NCLASS; ++k)
-                            v += (u32)acc[k][mt][nt][h * 2 + e] * (FOLD ? 1u : (u32)CT.weight[k]);
-                        cv[e] = (int)(v * (u32)ss + (u32)s_rt[rl] + (u32)s_ct[cl + e]);
-                    }
-                    if (EPI == 0) {
-                        store_pair((int*)out + (i64)r * ldo + c, cv[0], cv[1], interior, r, c, M, N, ldo);
-                    } else {
-                        float y[2];
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {  // ((float(C) * row_scale) * col_scale) + bias, one rounding each
-                            float v = __fmul_rn(__fmul_rn(__int2float_rn(cv[e]), s_rs[rl]), s_cs[cl + e]);
-                            if (has_bias) v = __fadd_rn(v, s_bias[cl + e]);
-                            // NaN stays NaN, as torch.relu / leaky_relu; slope * y is one IEEE multiply
-                            if (relu && v < 0.0f) v = slope == 0.0f ? 0.0f : __fmul_rn(v, slope);
-                            y[e] = v;
-                        }
-                        if (EPI == 1) {
+                    for (int h = 0; h < 2; ++h) {
+                        const int rl = wm * (MT * 16) + mt * 16 + (lane >> 2) + h * 8;  // row in the tile
+                        const int cl = wn * (NT * 8) + nt * 8 + (lane & 3) * 2;          // first of 2 columns
+                        const int r = m0 + rl, c = n0 + cl;
+                        const int c0 = c_value(mt, nt, 2 * h, s_rt[rl], s_ct[cl]);
+                        const int c1 = c_value(mt, nt, 2 * h + 1, s_rt[rl], s_ct[cl + 1]);
+                        if (EPI == 0) {
+                            store_pair((int*)out + (i64)r * ldo + c, c0, c1, interior, r, c, M, N, ldo);
+                        } else {
+                            const float y0 = y_value(c0, s_rs[rl], s_cs[cl], s_bias[cl]);
+                            const float y1 = y_value(c1, s_rs[rl], s_cs[cl + 1], s_bias[cl + 1]);
                             if (OUT_T == 0) {
-                                store_pair((float*)out + (i64)r * ldo + c, y[0], y[1], interior, r, c, M, N, ldo);
+                                store_pair((float*)out + (i64)r * ldo + c, y0, y1, interior, r, c, M, N, ldo);
                             } else {
-                                const unsigned short h0 = OUT_T == 1 ? f32_to_f16(y[0]) : f32_to_bf16(y[0]);
-                                const unsigned short h1 = OUT_T == 1 ? f32_to_f16(y[1]) : f32_to_bf16(y[1]);
+                                const unsigned short h0 = OUT_T == 1 ? f32_to_f16(y0) : f32_to_bf16(y0);
+                                const unsigned short h1 = OUT_T == 1 ? f32_to_f16(y1) : f32_to_bf16(y1);
                                 store_pair((unsigned short*)out + (i64)r * ldo + c, h0, h1, interior, r, c, M, N, ldo);
                             }
-                        } else {  // EPI == 2: stage the codes (0 outside M x N: the planes' padding)
-#pragma unroll
-                            for (int e = 0; e < 2; ++e) {
-                                const bool inside = r < M && c + e < N;
-                                codes[rl * CODE_LD + cl + e] = inside ? (unsigned char)encode_code(y[e], qscale) : 0;
-                            }
                         }
                     }
+            return;
+        }
+        // EPI == 2: codes straight from the accumulator registers into bit-plane words.  A 32-column word of
+        // a row is 4 MMA tiles (nt) of one warp: lane t of the row's quad holds its columns 8 j + 2 t + e,
+        // so each lane sets its 8 bits, two xor-shuffles OR the quad's together, and the quad's lanes take
+        // turns storing the row's words (no shared memory, no barrier).  Columns past N get code 0.
+        float thr[NCODE > 8 ? 1 : NCODE];  // OB <= 3: the thresholds in registers, else bisect in shared memory
+        if (NCODE <= 8) {
+#pragma unroll
+            for (int i = 1; i < NCODE; ++i) thr[i] = s_thr[i];
+        }
+        // bit b of the stored pattern of y.  OB <= 3: bit b of the index (a count of monotone comparisons) is the
+        // parity of the thresholds T_{m 2^b} that y reaches, so the bits come from comparisons alone.
+        auto code_bits = [&](float y, bool (&bit)[OB]) {
+            if (NCODE <= 8) {
+                bool ge[NCODE <= 8 ? NCODE : 1];
+#pragma unroll
+                for (int i = 1; i < (NCODE <= 8 ? NCODE : 1); ++i) ge[i] = y >= thr[i];
+#pragma unroll
+                for (int b = 0; b < OB; ++b) {
+                    bool v = false;
+#pragma unroll
+                    for (int m = 1; (m << b) < (NCODE <= 8 ? NCODE : 1); ++m) v ^= ge[m << b];
+                    bit[b] = v;
                 }
-
-        if (EPI == 2) {  // codes -> bit planes: one thread per (row, 32-column word)
-            mma_sync_all();
-            constexpr int WORDS = BN / 32;
-            const i64 plane = (i64)M * ldo;
-            for (int idx = tid; idx < BM * WORDS; idx += MMA_THREADS) {
-                const int rl = idx / WORDS, w = idx % WORDS;
-                const int r = m0 + rl, gw = n0 / 32 + w;
-                if (r >= M || gw >= ldo) continue;
-                const u32* src = reinterpret_cast<const u32*>(codes + rl * CODE_LD + w * 32);
-                u32 bits[OB];
+            } else {
+                u32 idx = 0;
 #pragma unroll
-                for (int b = 0; b < OB; ++b) bits[b] = 0;
+                for (int b = OB - 1; b >= 0; --b) {
+                    const u32 cand = idx | (1u << b);
+                    idx = y >= s_thr[cand] ? cand : idx;
+                }
 #pragma unroll
-                for (int q = 0; q < 8; ++q) {
-                    const u32 four = src[q];  // codes of columns 4q .. 4q+3, one byte each
+                for (int b = 0; b < OB; ++b) bit[b] = (idx >> b) & 1u;
+            }
+            if (OENC == 0) bit[OB - 1] = !bit[OB - 1];  // two's complement: the index with its sign bit flipped
+        };
+        const int t = lane & 3;
+        const i64 plane = (i64)M * ldo;
+        u32* const o = (u32*)out;
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const u32 code = (four >> (8 * e)) & 0xFFu;
+        for (int mt = 0; mt < MT; ++mt) {
+            int rl[2], rt[2];
+            float rs[2];
 #pragma unroll
-                        for (int b = 0; b < OB; ++b) bits[b] |= ((code >> b) & 1u) << (4 * q + e);
+            for (int h = 0; h < 2; ++h) {
+                rl[h] = wm * (MT * 16) + mt * 16 + (lane >> 2) + h * 8;
+                rt[h] = s_rt[rl[h]];
+                rs[h] = s_rs[rl[h]];
+            }
+#pragma unroll
+            for (int wg = 0; wg < NT / 4; ++wg) {
+                u32 word[2][OB];
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int b = 0; b < OB; ++b) word[h][b] = 0;
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int nt = 4 * wg + j, cl = wn * (NT * 8) + nt * 8 + 2 * t + e;
+                        const float cs = s_cs[cl], bi = s_bias[cl];
+                        const int ct = s_ct[cl];
+                        const bool inside = interior || n0 + cl < N;
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            bool bit[OB];
+                            code_bits(y_value(c_value(mt, nt, 2 * h + e, rt[h], ct), rs[h], cs, bi), bit);
+#pragma unroll
+                            for (int b = 0; b < OB; ++b) word[h][b] |= bit[b] && inside ? 1u << (8 * j + e) : 0u;
+                        }
+                    }
+                const int gw = (n0 + wn * (NT * 8)) / 32 + wg;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int r = m0 + rl[h];
+#pragma unroll
+                    for (int b = 0; b < OB; ++b) {
+                        u32 v = word[h][b] << (2 * t);  // this lane's columns 8 j + 2 t + e
+                        v |= __shfl_xor_sync(0xffffffffu, v, 1);
+                        v |= __shfl_xor_sync(0xffffffffu, v, 2);
+                        if (((wg * OB + b) & 3) == t && r < M && gw < ldo) o[b * plane + (i64)r * ldo + gw] = v;
                     }
                 }
-#pragma unroll
-                for (int b = 0; b < OB; ++b) ((u32*)out)[b * plane + (i64)r * ldo + gw] = bits[b];
+            }
+        }
+        if (n0 + BN >= N) {  // the last column tile also zeroes the row's padding words (ldo is 16-word padded)
+            const int first = (n0 + BN) / 32, pad = ldo - first;
+            for (int idx = tid; idx < OB * BM * pad; idx += MMA_THREADS) {
+                const int w = idx % pad, rl = (idx / pad) % BM, b = idx / (pad * BM);
+                if (m0 + rl < M) o[b * plane + (i64)(m0 + rl) * ldo + first + w] = 0u;
             }
         }
     };
@@ -756,6 +839,8 @@ bmma_gemm(
         }
     } else {  // ---- MMA warpgroups: warpgroup g multiplies rows 64 g .. 64 g + 63 by the whole W tile ----
         set_max_regs<MMA_REGS>();
+        if (EPI == 2)  // the code thresholds, visible after the first tile's barrier
+            for (int i = tid + 1; i < NCODE; i += MMA_THREADS) s_thr[i] = code_threshold(i, out_scale[0]);
         const int slab = warp >> 2;
         auto release = [&](int g) {  // one arrival per warp on stage g's "empty" barrier in every cluster block
             if (lane == 0) {
@@ -818,6 +903,8 @@ bmma_gemm(
     int m0, n0;
     tile_origin(blockIdx.x, m0, n0);
     for (int i = tid; i < VEC_N; i += THREADS) s_vec[i] = vec_value(i, m0, n0);  // visible after the first barrier
+    if (EPI == 2)
+        for (int i = tid + 1; i < NCODE; i += THREADS) s_thr[i] = code_threshold(i, out_scale[0]);
     zero_acc();
     const i64 a_plane = (i64)M * Kw, w_plane = (i64)N * Kw;
 

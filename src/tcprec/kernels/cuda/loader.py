@@ -205,8 +205,9 @@ class Variant:
                                  "rows (e.g. '128x256_w8x1_s3_k1024_wg_f_tma_c2x1')")
         elif t.cluster != (1, 1):
             raise ValueError(f"tile {t}: clusters need the TMA pipeline (add '_tma')")
-        if self.epilogue == "packed" and (t.bn % 32 or 512 % t.bn):
-            raise ValueError(f"tile {t}: the packed epilogue needs bn dividing 512 and a multiple of 32")
+        if self.epilogue == "packed" and (t.bn % 32 or 512 % t.bn or (t.bn // t.warps_n) % 32):
+            raise ValueError(f"tile {t}: the packed epilogue needs bn dividing 512 and a multiple of 32, and whole "
+                             "32-column words a warp (bn / warps_n a multiple of 32)")
         if self.smem_bytes > _MAX_SMEM:
             raise ValueError(f"tile {t} needs {self.smem_bytes} bytes of shared memory, more than {_MAX_SMEM}")
 
@@ -224,12 +225,11 @@ class Variant:
     def smem_bytes(self) -> int:
         t = self.tile
         pipe = t.stages * (self.p * t.bm + self.q * t.bn) * (t.bk // 8)
-        codes = t.bm * (t.bn + 4) if self.epilogue == "packed" else 0
         align = 1024 if t.mma == "wgmma" else 0  # the kernel aligns its tiles to 1024 bytes
-        vectors = (2 * t.bm + 3 * t.bn) * 4  # the epilogue's row / column vectors (bmma_gemm.cu VEC_OFF)
-        if t.tma:  # codes after the pipeline (CODE_OFF), then the vectors and the 2 x stages mbarriers (BAR_OFF)
-            return align + pipe + -(-codes // 16) * 16 + -(-vectors // 8) * 8 + 2 * t.stages * 8
-        return -(-max(pipe, codes) // 16) * 16 + align + vectors
+        # the epilogue's row / column vectors (bmma_gemm.cu VEC_OFF), and the packed epilogue's code thresholds
+        vectors = (2 * t.bm + 3 * t.bn + ((1 << self.out_bits) if self.epilogue == "packed" else 0)) * 4
+        barriers = 2 * t.stages * 8 if t.tma else 0  # TMA: the "full" and "empty" mbarriers (BAR_OFF)
+        return align + -(-pipe // 16) * 16 + -(-vectors // 8) * 8 + barriers
 
     def defines(self) -> list[str]:
         t = self.tile
@@ -614,13 +614,23 @@ def _sm_count(device: torch.device) -> tuple[int, str]:
     return n
 
 
+def packed_tile(t: Tile) -> Tile:
+    """``t`` made fit for the packed epilogue: bn a multiple of 32 dividing 512 (else 128 or 32), and whole
+    32-column words a warp (fewer, wider warps along N)."""
+    if t.bn % 32 or 512 % t.bn:
+        t = replace(t, bn=128 if t.bn > 128 else 32)
+    while (t.bn // t.warps_n) % 32:
+        t = replace(t, warps_n=t.warps_n // 2)
+    return t
+
+
 @functools.lru_cache(maxsize=4096)
 def _variant_for(p, q, a_twos, w_twos, M, N, out_kind, out_bits, out_encoding, tile, sm_count, arch) -> Variant:
     """The variant one call launches (memoised: the host path stays a few microseconds)."""
     epi = {"int32": "int32", "packed": "packed"}.get(out_kind, "float")
     t = parse_tile(tile) if tile else pick_tile(p, q, a_twos, w_twos, M, N, sm_count, arch, epi)
-    if epi == "packed" and (t.bn % 32 or 512 % t.bn):
-        t = replace(t, bn=128 if t.bn > 128 else 32)
+    if epi == "packed":
+        t = packed_tile(t)
     return Variant(p, q, a_twos, w_twos, t, epi, out_kind if epi == "float" else "float32", out_bits, out_encoding)
 
 
@@ -668,7 +678,7 @@ def bmma_gemm(
         raise ValueError(f"out_kind must be one of {OUT_KINDS}, got {out_kind!r}")
     shape, dtype = _out_shape(a_planes, w_planes, out_kind, out_bits)
     if out_kind == "packed":
-        out = torch.zeros(shape, dtype=dtype, device=a_planes.device)  # padding words stay 0
+        out = torch.empty(shape, dtype=dtype, device=a_planes.device)  # the kernel writes every word
         ldo = shape[2]
     else:
         out = torch.empty(shape, dtype=dtype, device=a_planes.device)
