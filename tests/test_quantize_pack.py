@@ -2,13 +2,17 @@
 quantizer) -- the same codes as quantize(), the Triton kernel (interpreter) equal to the reference."""
 
 import os
+import sys
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+if sys.argv[1:] != ["--aot"]:  # the --aot subprocess compiles for sm_90 instead of interpreting
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from _aot import require_nvidia_backend, run_aot  # noqa: E402
 
 import tcprec as tp  # noqa: E402
+from tcprec.formats import IntFormat  # noqa: E402
 from tcprec.ops.quantize import quantize_pack, quantize_static  # noqa: E402
 
 FORMATS = ["uint1", "uint2", "uint4", "uint8", "int2", "int3", "int8", "binary", "pm2", "pm3"]
@@ -123,3 +127,59 @@ def test_pool_quantize_pack_equals_pool_then_reference(fmt, pool):
     assert got.shape == want.shape and torch.equal(got, want)
     xs = x.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)  # same values, other strides
     assert torch.equal(tpack.pool_quantize_pack(xs, scale, pool[2], f.bits, *_qp_params(f)), want)
+
+
+@pytest.mark.parametrize("bits,enc", [(1, "pm1"), (2, "unsigned"), (3, "twos"), (4, "twos"), (8, "unsigned")])
+@pytest.mark.parametrize("stride", [2, 1])
+def test_pool_planes_equals_pooling_then_quantizing(bits, enc, stride):
+    """The bit-plane max-pool (Triton, interpreted) equals the torch reference and pooling the values before
+    quantizing: odd sizes (stride 2 drops the last row / column, stride 1 clips the window), K past one word,
+    padding words zero."""
+    from tcprec.kernels import reference_qconv as rq
+    from tcprec.kernels.triton import pack as tpack
+
+    fmt = IntFormat(bits, encoding=enc)
+    gen = torch.Generator().manual_seed(bits * 10 + stride)
+    N, P, Q, K = 2, 5, 7, 45
+    y = torch.randn(N, P, Q, K, generator=gen) * 2 ** (bits - 1)
+    s = torch.tensor([0.5])
+    planes = rq.requant_pack(y, fmt, s)  # (bits, N*P*Q, Kw): quantize first
+    pool = ("max", 2, stride)
+    want = rq.requant_pack(rq.pool_nhwc(y, pool), fmt, s)  # pool the floats first
+    got = tpack.pool_planes(planes, (N, P, Q, K), stride, bits, enc == "twos")
+    assert torch.equal(got, want)
+    assert torch.equal(rq.pool_planes(planes, (N, P, Q, K), pool, fmt), want)
+
+
+def test_pack_kernels_compile_for_sm90():
+    """In a subprocess without TRITON_INTERPRET: Triton's NVIDIA backend builds the pack, quantize + pack,
+    pool + quantize + pack and bit-plane pool kernels (the interpreter accepts code the compiler refuses,
+    e.g. a global that is not a tl.constexpr instance)."""
+    out = run_aot(__file__, timeout=300)
+    assert out.split()[-1] == "OK" and "st.global" in out
+
+
+def _aot_main():
+    require_nvidia_backend()
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tcprec.kernels.triton import pack as P
+
+    def comp(fn, types, consts):
+        sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
+        return triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+
+    ptrs = dict(codes_ptr="*u8", planes_ptr="*i32", x_ptr="*fp16", scale_ptr="*fp32", src_ptr="*i32", dst_ptr="*i32")
+    fmt = dict(LO=0, HI=3, OFFSET=0, SHIFT=0, BITS=2)
+    ptx = comp(P._pack_bitplanes_kernel, ptrs, dict(BITS=2, BLOCK_R=64, BLOCK_W=2))
+    comp(P._quantize_pack_kernel, ptrs, dict(fmt, BLOCK_R=64, BLOCK_W=2))
+    comp(P._pool_quantize_pack_kernel, ptrs, dict(fmt, POOL_S=2, BLOCK_R=16, BLOCK_W=8))
+    comp(P._pool_planes_kernel, ptrs, dict(POOL_S=1, TWOS=True, BITS=3, BLOCK_R=16, BLOCK_W=8))
+    print("st.global" if "st.global" in ptx else "no st.global", "OK")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--aot"]:
+        _aot_main()

@@ -169,6 +169,19 @@ def pool_nhwc(y: torch.Tensor, pool) -> torch.Tensor:
     return t.permute(0, 2, 3, 1).contiguous()  # (N, P', Q', K)
 
 
+def pool_planes(planes: torch.Tensor, shape: tuple, pool, fmt: IntFormat) -> torch.Tensor:
+    """A max ``pool`` (as :func:`pool_nhwc`) of packed codes ``planes`` (bits, N*P*Q, Kw) of NHWC ``shape``,
+    in the order of the values (two's complement patterns compared with the sign bit flipped) -> planes of the
+    pooled activation.  Quantizing is monotone, so this equals pooling the floats, then quantizing."""
+    from ..packing import unpack_bitplanes
+
+    N, P, Q, K = shape
+    flip = 1 << (fmt.bits - 1) if fmt.encoding == "twos" else 0
+    idx = (unpack_bitplanes(planes, fmt.bits, K).reshape(N, P, Q, K).to(torch.int64) ^ flip).to(torch.float64)
+    pooled = pool_nhwc(idx, pool).to(torch.int64) ^ flip  # indices < 256: exact in float64, -inf pads lose
+    return pack_bitplanes(pooled.reshape(-1, K).to(torch.uint8), fmt.bits, backend="reference", validate=False)
+
+
 def requant_pack(y: torch.Tensor, fmt: IntFormat, out_scale: torch.Tensor) -> torch.Tensor:
     """float32 ``(..., K)`` -> planes ``(bits, prod(...), packed_words(K))``: ``y / out_scale``,
     saturated to the format's range, rounded to nearest (ties to even), packed.  Equal to the

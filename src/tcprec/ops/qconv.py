@@ -27,7 +27,9 @@ Backends (one rule with ``tcprec.matmul``: bit-serial while p*q < 8, INT8 otherw
   tensor-core GEMM (``torch.ops.tcprec.bmma_gemm``) with the true K = R*S*C in its corrections and
   its fused epilogue (scale, bias, ReLU / LeakyReLU, the output dtype or the packed next-layer
   planes).  A 1x1 stride-1 unpadded convolution needs no im2col: the input planes are the operand.
-  Pooling is a separate float32 pass after the GEMM (then the cast or the re-quantize + pack pass);
+  A max-pool in front of packed output runs on the codes (the epilogue packs at full size, one bit-plane
+  pass pools: quantizing is monotone, so it equals pooling first); other pooling is a separate float32
+  pass after the GEMM (then the cast or the re-quantize + pack pass);
   ``explain_conv2d`` says which passes run.
 * ``"int8"``: on CUDA (and under ``TRITON_INTERPRET=1``) the Triton implicit-GEMM INT8 conv
   (``kernels/triton/conv_fwd.py``: no im2col buffer, scale / bias / activation fused).  Every <= 8-bit
@@ -551,6 +553,14 @@ class _Plan:
         LeakyReLU and the output dtype or packed planes; pooling is a separate pass)."""
         return self.pool is None
 
+    @property
+    def pool_codes(self) -> bool:
+        """A max-pool whose result is re-quantized to packed planes pools the codes instead: quantizing is
+        monotone, so max then quantize = quantize then max (the bit-serial epilogue packs at full size, a
+        bit-plane pass pools; no float tensor)."""
+        return (self.pool is not None and tuple(self.pool) in _FUSED_POOLS and isinstance(self.out_fmt, IntFormat)
+                and self.out_layout == "planes")
+
 
 OUT_LAYOUTS = ("planes", "int8")
 
@@ -875,7 +885,7 @@ def _bitserial_kind(plan: _Plan):
         return "int32", False, 0.0, None
     relu = plan.act is not None
     slope = plan.act[1] if isinstance(plan.act, tuple) else 0.0
-    if not plan.fused or plan.out_layout == "int8":  # int8 codes: the one-pass quantizer follows
+    if (not plan.fused and not plan.pool_codes) or plan.out_layout == "int8":  # int8: the one-pass quantizer follows
         return "float32", relu, slope, None
     if plan.out_fmt is not None:
         return "packed", relu, slope, plan.out_fmt
@@ -961,6 +971,15 @@ def _conv2d_impl(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None
         kind = _bitserial_kind(plan)[0]
         if kind == "int32":
             return res.reshape(g.N, g.P, g.Q, K)
+        if kind == "packed" and plan.pool is not None:  # max-pool on the codes (plan.pool_codes)
+            st, full = _FUSED_POOLS[tuple(plan.pool)], (g.N, g.P, g.Q, K)
+            if res.is_cuda or _interpreting():
+                from ..kernels.triton import pack as tpack  # TRITON_INTERPRET is read at import
+
+                res = tpack.pool_planes(res, full, st, plan.out_fmt.bits, plan.out_fmt.encoding == "twos")
+            else:
+                res = rq.pool_planes(res, full, plan.pool, plan.out_fmt)
+            return _packed_result(res, plan, s_out, (g.N, g.P // 2, g.Q // 2, K) if st == 2 else full)
         if kind == "packed":
             return _packed_result(res, plan, s_out, (g.N, g.P, g.Q, K))
         if plan.fused and plan.out_fmt is None:
@@ -1061,9 +1080,12 @@ def explain_conv2d(x, w, **kw) -> str:
                  f"{rq.taps_words(g)[2]} words a row, {plan.fa.bits} planes)"]
         kind, relu, slope, _ = _bitserial_kind(plan)
         act = [f"LeakyReLU({slope})" if slope else "ReLU"] if relu else []
-        fused = ["scale", "bias"] + act + ([out] if plan.fused and plan.out_layout != "int8" else ["float32"])
+        fused = ["scale", "bias"] + act + ([out] if kind == "packed" or (plan.fused and plan.out_layout != "int8")
+                                           else ["float32"])
         steps.append(f"bmma_gemm with fused epilogue ({', '.join(fused if kind != 'int32' else ['int32'])})")
-        if not plan.fused or plan.out_layout == "int8":
+        if kind == "packed" and plan.pool is not None:
+            steps.append(f"separate pass: max-pool 2x2 stride {plan.pool[2]} on the packed codes (one Triton kernel)")
+        elif not plan.fused or plan.out_layout == "int8":
             steps += _after_gemm(plan, xs.device, out, "re-quantize + pack")
     elif plan.name == "fp8" or plan.route == "kernel":
         kind = _kernel_out(plan)

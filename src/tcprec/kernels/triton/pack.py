@@ -28,7 +28,9 @@ import triton.language as tl
 from ...packing import packed_words
 from ._host import cdiv, next_power_of_2
 
-__all__ = ["pack_bitplanes", "quantize_pack", "pool_quantize_pack", "pack_tile"]
+__all__ = ["pack_bitplanes", "quantize_pack", "pool_quantize_pack", "pool_planes", "pack_tile"]
+
+PAD_W = tl.constexpr(16)  # padding words a row may have past its last tile (< 16: packed_words pads to 16)
 
 
 @triton.jit
@@ -56,11 +58,9 @@ def _pack_bitplanes_kernel(
     r3 = offs_r[:, None, None]
     k3 = offs_k[None, :, :]
     mask = (r3 < R) & (k3 < K)
-    if pid_w * (BLOCK_W * 32) < K:
-        codes = tl.load(codes_ptr + r3 * stride_cr + k3 * stride_ck, mask=mask, other=0).to(tl.int32)
-        _store_planes(codes, planes_ptr, offs_r, offs_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS)
-    else:  # the row padding past K (to 512 bits): zeros, nothing to read
-        _store_zero_planes(planes_ptr, offs_r, offs_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS)
+    codes = tl.load(codes_ptr + r3 * stride_cr + k3 * stride_ck, mask=mask, other=0).to(tl.int32)
+    _store_planes(codes, planes_ptr, offs_r, offs_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS)
+    _store_padding(planes_ptr, offs_r, pid_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS, BLOCK_W)
 
 
 @triton.jit
@@ -77,12 +77,17 @@ def _store_planes(codes, planes_ptr, offs_r, offs_w, R, Kw, stride_pb, stride_pr
 
 
 @triton.jit
-def _store_zero_planes(planes_ptr, offs_r, offs_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS: tl.constexpr):
-    out_mask = (offs_r[:, None] < R) & (offs_w[None, :] < Kw)
-    out_ptrs = planes_ptr + offs_r[:, None] * stride_pr + offs_w[None, :] * stride_pw
-    zero = tl.zeros((offs_r.shape[0], offs_w.shape[0]), tl.int32)
-    for b in tl.static_range(BITS):
-        tl.store(out_ptrs + b * stride_pb, zero, mask=out_mask)
+def _store_padding(planes_ptr, offs_r, pid_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS: tl.constexpr,
+                   BLOCK_W: tl.constexpr):
+    """The last word-program of a row block also stores the zero words past its tile up to Kw (a row is padded
+    to 512 bits: packed_words), so no program exists only to write padding."""
+    if pid_w == tl.num_programs(1) - 1:
+        offs_w = (pid_w + 1) * BLOCK_W + tl.arange(0, PAD_W)
+        out_mask = (offs_r[:, None] < R) & (offs_w[None, :] < Kw)
+        out_ptrs = planes_ptr + offs_r[:, None] * stride_pr + offs_w[None, :] * stride_pw
+        zero = tl.zeros((offs_r.shape[0], PAD_W), tl.int32)
+        for b in tl.static_range(BITS):
+            tl.store(out_ptrs + b * stride_pb, zero, mask=out_mask)
 
 
 @triton.jit
@@ -108,13 +113,11 @@ def _quantize_pack_kernel(
     r3 = offs_r[:, None, None]
     k3 = offs_k[None, :, :]
     mask = (r3 < R) & (k3 < K)
-    if pid_w * (BLOCK_W * 32) < K:
-        x = tl.load(x_ptr + r3 * stride_xr + k3 * stride_xk, mask=mask, other=0.0).to(tl.float32)
-        c = _quantize_codes(x, tl.load(scale_ptr), LO, HI, OFFSET, SHIFT, BITS)
-        codes = tl.where(mask, c, 0)  # the padding stays zero
-        _store_planes(codes, planes_ptr, offs_r, offs_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS)
-    else:  # the row padding past K (to 512 bits): zeros, nothing to read or quantize
-        _store_zero_planes(planes_ptr, offs_r, offs_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS)
+    x = tl.load(x_ptr + r3 * stride_xr + k3 * stride_xk, mask=mask, other=0.0).to(tl.float32)
+    c = _quantize_codes(x, tl.load(scale_ptr), LO, HI, OFFSET, SHIFT, BITS)
+    codes = tl.where(mask, c, 0)  # the padding stays zero
+    _store_planes(codes, planes_ptr, offs_r, offs_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS)
+    _store_padding(planes_ptr, offs_r, pid_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS, BLOCK_W)
 
 
 @triton.jit
@@ -141,15 +144,52 @@ def _pool_quantize_pack_kernel(
     r3 = offs_r[:, None, None]
     k3 = offs_k[None, :, :]
     mask = (r3 < R) & (k3 < K)
-    if pid_w * (BLOCK_W * 32) < K:
-        m = _max_pool_2x2(x_ptr, n[:, None, None], po[:, None, None], qo[:, None, None], k3 * stride_xk, mask, P, Q,
-                          stride_xn, stride_xh, stride_xw, POOL_S, tl.full((BLOCK_R, BLOCK_W, 32), float("-inf"),
-                                                                           tl.float32))
-        c = _quantize_codes(m, tl.load(scale_ptr), LO, HI, OFFSET, SHIFT, BITS)
-        codes = tl.where(mask, c, 0)
-        _store_planes(codes, planes_ptr, offs_r, offs_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS)
-    else:
-        _store_zero_planes(planes_ptr, offs_r, offs_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS)
+    m = _max_pool_2x2(x_ptr, n[:, None, None], po[:, None, None], qo[:, None, None], k3 * stride_xk, mask, P, Q,
+                      stride_xn, stride_xh, stride_xw, POOL_S, tl.full((BLOCK_R, BLOCK_W, 32), float("-inf"),
+                                                                       tl.float32))
+    c = _quantize_codes(m, tl.load(scale_ptr), LO, HI, OFFSET, SHIFT, BITS)
+    codes = tl.where(mask, c, 0)
+    _store_planes(codes, planes_ptr, offs_r, offs_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS)
+    _store_padding(planes_ptr, offs_r, pid_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS, BLOCK_W)
+
+
+@triton.jit
+def _pool_planes_kernel(
+    src_ptr, dst_ptr,
+    # sizes: R = N * PO * QO pooled rows of Kw words, the source (BITS, N * P * Q, Kw)
+    R, Kw, P, Q, PO, QO,
+    stride_sb, stride_sr, stride_db, stride_dr,
+    POOL_S: tl.constexpr, TWOS: tl.constexpr, BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    """2x2 max-pool of packed codes (stride POOL_S, window clipped at the edge as in _pool_quantize_pack_kernel):
+    each window pixel's words are unpacked to codes, compared as indices (two's complement patterns with the
+    sign bit flipped, so the order of the values), and the maximum packed again.  Padding words are zero codes
+    in every pixel, so they pool to zero."""
+    pid_r = tl.program_id(0)
+    pid_w = tl.program_id(1)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
+    lanes = tl.arange(0, 32)[None, None, :]
+    qo = offs_r % QO
+    t = offs_r // QO
+    po = t % PO
+    n = (t // PO).to(tl.int64)
+    flip = (1 << (BITS - 1)) if TWOS else 0
+    best = tl.full((BLOCK_R, BLOCK_W, 32), -1, tl.int32)
+    for i in tl.static_range(2):
+        for j in tl.static_range(2):
+            h = po * POOL_S + i
+            w = qo * POOL_S + j
+            ok = (offs_r < R) & (h < P) & (w < Q)
+            src = src_ptr + ((n * P + h) * Q + w)[:, None] * stride_sr + offs_w[None, :]
+            m2 = ok[:, None] & (offs_w[None, :] < Kw)
+            code = tl.zeros((BLOCK_R, BLOCK_W, 32), tl.int32)
+            for b in tl.static_range(BITS):
+                word = tl.load(src + b * stride_sb, mask=m2, other=0)
+                code = code | (((word[:, :, None] >> lanes) & 1) << b)
+            idx = tl.where(ok[:, None, None], code ^ flip, -1)
+            best = tl.maximum(best, idx)
+    _store_planes(best ^ flip, dst_ptr, offs_r, offs_w, R, Kw, stride_db, stride_dr, 1, BITS)
 
 
 @triton.jit
@@ -209,12 +249,12 @@ def pack_tile(Kw: int, block_r: int | None = None, block_w: int | None = None) -
 
 
 def _planes_and_grid(R: int, K: int, bits: int, device, block_r: int | None, block_w: int | None):
-    """The output planes int32 (bits, R, Kw), the tile (BLOCK_R, BLOCK_W) and the launch grid (over all Kw
-    words: the padding's programs store zeros)."""
+    """The output planes int32 (bits, R, Kw), the tile (BLOCK_R, BLOCK_W) and the launch grid (over the
+    ceil(K / 32) real words; each row block's last program also zeroes the padding words)."""
     Kw = packed_words(K)
     planes = torch.empty((bits, R, Kw), dtype=torch.int32, device=device)  # (bits, R, Kw)
     br, bw = pack_tile(cdiv(K, 32), block_r, block_w)
-    return planes, br, bw, (cdiv(R, br), cdiv(Kw, bw))
+    return planes, br, bw, (cdiv(R, br), cdiv(cdiv(K, 32), bw))
 
 
 def pack_bitplanes(codes: torch.Tensor, bits: int, *, block_r: int | None = None,
@@ -281,3 +321,25 @@ def pool_quantize_pack(y: torch.Tensor, scale: torch.Tensor, pool_stride: int, b
         BITS=bits, BLOCK_R=block_r, BLOCK_W=block_w,
     )
     return planes
+
+
+def pool_planes(planes: torch.Tensor, shape: tuple, pool_stride: int, bits: int, twos: bool) -> torch.Tensor:
+    """Launch: packed codes ``planes`` int32 (bits, N*P*Q, Kw) of an NHWC activation ``shape`` (N, P, Q, K),
+    2x2 max-pool with stride ``pool_stride`` (as :func:`pool_quantize_pack`) on the code order -> planes
+    (bits, N*P'*Q', Kw).  Quantizing is monotone, so this equals pooling the floats, then quantizing."""
+    assert planes.dim() == 3 and pool_stride in (1, 2)
+    N, P, Q, K = shape
+    Kw = planes.shape[2]
+    PO, QO = (P // 2, Q // 2) if pool_stride == 2 else (P, Q)
+    R = N * PO * QO
+    out = torch.empty((bits, R, Kw), dtype=torch.int32, device=planes.device)
+    if out.numel() == 0:
+        return out
+    bw = min(Kw, MAX_BLOCK_W)
+    br = max(1, TILE_CODES // (32 * bw))
+    _pool_planes_kernel[(cdiv(R, br), cdiv(Kw, bw))](
+        planes, out, R, Kw, P, Q, PO, QO,
+        planes.stride(0), planes.stride(1), out.stride(0), out.stride(1),
+        POOL_S=pool_stride, TWOS=bool(twos), BITS=bits, BLOCK_R=br, BLOCK_W=bw,
+    )
+    return out
