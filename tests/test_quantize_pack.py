@@ -129,7 +129,8 @@ def test_pool_quantize_pack_equals_pool_then_reference(fmt, pool):
     assert torch.equal(tpack.pool_quantize_pack(xs, scale, pool[2], f.bits, *_qp_params(f)), want)
 
 
-@pytest.mark.parametrize("bits,enc", [(1, "pm1"), (2, "unsigned"), (3, "twos"), (4, "twos"), (8, "unsigned")])
+@pytest.mark.parametrize("bits,enc", [(1, "pm1"), (1, "unsigned"), (2, "unsigned"), (2, "twos"), (3, "twos"),
+                                      (4, "twos"), (8, "unsigned")])
 @pytest.mark.parametrize("stride", [2, 1])
 def test_pool_planes_equals_pooling_then_quantizing(bits, enc, stride):
     """The bit-plane max-pool (Triton, interpreted) equals the torch reference and pooling the values before
@@ -176,7 +177,8 @@ def _aot_main():
     ptx = comp(P._pack_bitplanes_kernel, ptrs, dict(BITS=2, BLOCK_R=64, BLOCK_W=2))
     comp(P._quantize_pack_kernel, ptrs, dict(fmt, BLOCK_R=64, BLOCK_W=2))
     comp(P._pool_quantize_pack_kernel, ptrs, dict(fmt, POOL_S=2, BLOCK_R=16, BLOCK_W=8))
-    comp(P._pool_planes_kernel, ptrs, dict(POOL_S=1, TWOS=True, BITS=3, BLOCK_R=16, BLOCK_W=8))
+    for bits in (1, 2, 3):  # bit-sliced (1, 2) and unpacked (3+)
+        comp(P._pool_planes_kernel, ptrs, dict(POOL_S=1, TWOS=True, BITS=bits, BLOCK_R=16, BLOCK_W=8))
     print("st.global" if "st.global" in ptx else "no st.global", "OK")
 
 

@@ -161,35 +161,62 @@ def _pool_planes_kernel(
     stride_sb, stride_sr, stride_db, stride_dr,
     POOL_S: tl.constexpr, TWOS: tl.constexpr, BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
-    """2x2 max-pool of packed codes (stride POOL_S, window clipped at the edge as in _pool_quantize_pack_kernel):
-    each window pixel's words are unpacked to codes, compared as indices (two's complement patterns with the
-    sign bit flipped, so the order of the values), and the maximum packed again.  Padding words are zero codes
-    in every pixel, so they pool to zero."""
+    """2x2 max-pool of packed codes (stride POOL_S, window clipped at the edge as in _pool_quantize_pack_kernel),
+    in the order of the values (two's complement patterns compared with the sign bit flipped).  1- and 2-bit
+    codes (the binary networks' activations) are compared bit-sliced, 32 at a time: max(hi, lo) of two is
+    hi = hi1 | hi2, lo = lo1 & (hi1 | ~hi2) | lo2 & (hi2 | ~hi1).  Wider codes are unpacked to one code a lane,
+    compared, and packed again.  Padding words are zero codes in every pixel, so they pool to zero."""
     pid_r = tl.program_id(0)
     pid_w = tl.program_id(1)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
-    lanes = tl.arange(0, 32)[None, None, :]
     qo = offs_r % QO
     t = offs_r // QO
     po = t % PO
     n = (t // PO).to(tl.int64)
-    flip = (1 << (BITS - 1)) if TWOS else 0
-    best = tl.full((BLOCK_R, BLOCK_W, 32), -1, tl.int32)
-    for i in tl.static_range(2):
-        for j in tl.static_range(2):
-            h = po * POOL_S + i
-            w = qo * POOL_S + j
-            ok = (offs_r < R) & (h < P) & (w < Q)
-            src = src_ptr + ((n * P + h) * Q + w)[:, None] * stride_sr + offs_w[None, :]
-            m2 = ok[:, None] & (offs_w[None, :] < Kw)
-            code = tl.zeros((BLOCK_R, BLOCK_W, 32), tl.int32)
-            for b in tl.static_range(BITS):
-                word = tl.load(src + b * stride_sb, mask=m2, other=0)
-                code = code | (((word[:, :, None] >> lanes) & 1) << b)
-            idx = tl.where(ok[:, None, None], code ^ flip, -1)
-            best = tl.maximum(best, idx)
-    _store_planes(best ^ flip, dst_ptr, offs_r, offs_w, R, Kw, stride_db, stride_dr, 1, BITS)
+    top = -1 if TWOS else 0  # xor with the top plane: two's complement's sign bit flipped (value order)
+    out_mask = (offs_r[:, None] < R) & (offs_w[None, :] < Kw)
+    dst = dst_ptr + offs_r[:, None] * stride_dr + offs_w[None, :]
+    if BITS <= 2:
+        hi = tl.zeros((BLOCK_R, BLOCK_W), tl.int32)  # the top plane (the only one at BITS = 1)
+        lo = tl.zeros((BLOCK_R, BLOCK_W), tl.int32)
+        for i in tl.static_range(2):
+            for j in tl.static_range(2):
+                h = po * POOL_S + i
+                w = qo * POOL_S + j
+                ok = (offs_r < R) & (h < P) & (w < Q)
+                src = src_ptr + ((n * P + h) * Q + w)[:, None] * stride_sr + offs_w[None, :]
+                m2 = ok[:, None] & (offs_w[None, :] < Kw)
+                h2 = tl.load(src + (BITS - 1) * stride_sb, mask=m2, other=0) ^ top
+                l2 = tl.load(src, mask=m2, other=0) if BITS == 2 else h2
+                if i + j == 0:  # pixel (0, 0) is inside every window
+                    hi, lo = h2, l2
+                else:  # a clipped pixel (stride 1, at the edge) takes part as a copy of the window's first
+                    h2 = tl.where(m2, h2, hi)
+                    l2 = tl.where(m2, l2, lo)
+                    lo = (lo & (hi | ~h2)) | (l2 & (h2 | ~hi))
+                    hi = hi | h2
+        tl.store(dst + (BITS - 1) * stride_db, hi ^ top, mask=out_mask)
+        if BITS == 2:
+            tl.store(dst, lo, mask=out_mask)
+    else:
+        lanes = tl.arange(0, 32)[None, None, :]
+        flip = (1 << (BITS - 1)) if TWOS else 0
+        best = tl.full((BLOCK_R, BLOCK_W, 32), -1, tl.int32)
+        for i in tl.static_range(2):
+            for j in tl.static_range(2):
+                h = po * POOL_S + i
+                w = qo * POOL_S + j
+                ok = (offs_r < R) & (h < P) & (w < Q)
+                src = src_ptr + ((n * P + h) * Q + w)[:, None] * stride_sr + offs_w[None, :]
+                m2 = ok[:, None] & (offs_w[None, :] < Kw)
+                code = tl.zeros((BLOCK_R, BLOCK_W, 32), tl.int32)
+                for b in tl.static_range(BITS):
+                    word = tl.load(src + b * stride_sb, mask=m2, other=0)
+                    code = code | (((word[:, :, None] >> lanes) & 1) << b)
+                idx = tl.where(ok[:, None, None], code ^ flip, -1)
+                best = tl.maximum(best, idx)
+        _store_planes(best ^ flip, dst_ptr, offs_r, offs_w, R, Kw, stride_db, stride_dr, 1, BITS)
 
 
 @triton.jit
@@ -335,8 +362,9 @@ def pool_planes(planes: torch.Tensor, shape: tuple, pool_stride: int, bits: int,
     out = torch.empty((bits, R, Kw), dtype=torch.int32, device=planes.device)
     if out.numel() == 0:
         return out
-    bw = min(Kw, MAX_BLOCK_W)
-    br = max(1, TILE_CODES // (32 * bw))
+    sliced = bits <= 2  # bit-sliced words (4096 a program), else one code a lane (TILE_CODES a program)
+    bw = min(Kw, 16 if sliced else MAX_BLOCK_W)
+    br = 4096 // bw if sliced else max(1, TILE_CODES // (32 * bw))
     _pool_planes_kernel[(cdiv(R, br), cdiv(Kw, bw))](
         planes, out, R, Kw, P, Q, PO, QO,
         planes.stride(0), planes.stride(1), out.stride(0), out.stride(1),
