@@ -154,6 +154,15 @@ def _pool_quantize_pack_kernel(
 
 
 @triton.jit
+def _window_words(src_ptr, n, h, w, offs_r, offs_w, R, Kw, P, Q, stride_sr):
+    """Pointers to plane 0's words of input pixel (n, h, w) for each pooled row, whether the pixel exists (a
+    clipped window at the edge has fewer), and the load mask over (rows, words)."""
+    ok = (offs_r < R) & (h < P) & (w < Q)
+    src = src_ptr + ((n * P + h) * Q + w)[:, None] * stride_sr + offs_w[None, :]
+    return src, ok, ok[:, None] & (offs_w[None, :] < Kw)
+
+
+@triton.jit
 def _pool_planes_kernel(
     src_ptr, dst_ptr,
     # sizes: R = N * PO * QO pooled rows of Kw words, the source (BITS, N * P * Q, Kw)
@@ -182,11 +191,8 @@ def _pool_planes_kernel(
         lo = tl.zeros((BLOCK_R, BLOCK_W), tl.int32)
         for i in tl.static_range(2):
             for j in tl.static_range(2):
-                h = po * POOL_S + i
-                w = qo * POOL_S + j
-                ok = (offs_r < R) & (h < P) & (w < Q)
-                src = src_ptr + ((n * P + h) * Q + w)[:, None] * stride_sr + offs_w[None, :]
-                m2 = ok[:, None] & (offs_w[None, :] < Kw)
+                src, ok, m2 = _window_words(src_ptr, n, po * POOL_S + i, qo * POOL_S + j, offs_r, offs_w, R, Kw, P, Q,
+                                            stride_sr)
                 h2 = tl.load(src + (BITS - 1) * stride_sb, mask=m2, other=0) ^ top
                 l2 = tl.load(src, mask=m2, other=0) if BITS == 2 else h2
                 if i + j == 0:  # pixel (0, 0) is inside every window
@@ -205,11 +211,8 @@ def _pool_planes_kernel(
         best = tl.full((BLOCK_R, BLOCK_W, 32), -1, tl.int32)
         for i in tl.static_range(2):
             for j in tl.static_range(2):
-                h = po * POOL_S + i
-                w = qo * POOL_S + j
-                ok = (offs_r < R) & (h < P) & (w < Q)
-                src = src_ptr + ((n * P + h) * Q + w)[:, None] * stride_sr + offs_w[None, :]
-                m2 = ok[:, None] & (offs_w[None, :] < Kw)
+                src, ok, m2 = _window_words(src_ptr, n, po * POOL_S + i, qo * POOL_S + j, offs_r, offs_w, R, Kw, P, Q,
+                                            stride_sr)
                 code = tl.zeros((BLOCK_R, BLOCK_W, 32), tl.int32)
                 for b in tl.static_range(BITS):
                     word = tl.load(src + b * stride_sb, mask=m2, other=0)
