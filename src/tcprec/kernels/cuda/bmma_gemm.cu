@@ -787,6 +787,30 @@ bmma_gemm(
         }
     };
 
+#if TCP_WGMMA
+    // ---- one pipeline stage on the tensor cores (both wgmma pipelines): every plane pair's wgmmas over the
+    // stage's KK k-steps from the A / W descriptors dA, dW (the warpgroup's slabs), committed as one group ----
+    auto mma_stage = [&](u64 dA, u64 dW) {
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < KK; ++kk)
+#pragma unroll
+            for (int i = 0; i < P; ++i)
+#pragma unroll
+                for (int j = 0; j < Q; ++j) {  // (descriptor addresses count 16-byte units: 32 bytes = 2)
+                    const u64 da = dA + (u64)((i * BM * ROW_BYTES + kk * 32) >> 4);
+                    const u64 dw = dW + (u64)((j * BN * ROW_BYTES + kk * 32) >> 4);
+                    if (FOLD) {
+#pragma unroll
+                        for (int rep = 0; rep < pair_weight(i, j); ++rep) Wgmma<NT>::run(acc[0][0], da, dw);
+                    } else {
+                        Wgmma<NT>::run(acc[CT.cls[i * Q + j]][0], da, dw);
+                    }
+                }
+        wgmma_commit();
+    };
+#endif
+
 #if TCP_TMA
     // ---- warp-specialised, persistent TMA pipeline.  Stage s has a "full" barrier (1 arrival, the local
     // producer's, plus STAGE_BYTES of TMA transactions, some of them multicast by partner blocks) and an
@@ -866,23 +890,7 @@ bmma_gemm(
                 mbar_wait(full0 + 8 * s, (g / STAGES) & 1);
                 const u32 sA = smem_base + s * STAGE_BYTES, sW = sA + A_STAGE;
                 const u64 dA = smem_desc(sA + slab * 64 * ROW_BYTES), dW = smem_desc(sW);
-                wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < KK; ++kk)
-#pragma unroll
-                    for (int i = 0; i < P; ++i)
-#pragma unroll
-                        for (int j = 0; j < Q; ++j) {
-                            const u64 da = dA + (u64)((i * BM * ROW_BYTES + kk * 32) >> 4);
-                            const u64 dw = dW + (u64)((j * BN * ROW_BYTES + kk * 32) >> 4);
-                            if (FOLD) {
-#pragma unroll
-                                for (int rep = 0; rep < pair_weight(i, j); ++rep) Wgmma<NT>::run(acc[0][0], da, dw);
-                            } else {
-                                Wgmma<NT>::run(acc[CT.cls[i * Q + j]][0], da, dw);
-                            }
-                        }
-                wgmma_commit();
+                mma_stage(dA, dW);
                 wgmma_wait<1>();  // step g-1's wgmmas are done: release its stage in every block that fills it
                 if (kt > 0) release(g - 1);
             }
@@ -947,23 +955,7 @@ bmma_gemm(
 
         const u32 sA = smem_base + (kt % STAGES) * STAGE_BYTES, sW = sA + A_STAGE;
         const u64 dA = smem_desc(sA + slab * 64 * ROW_BYTES), dW = smem_desc(sW + wn * (NT * 8) * ROW_BYTES);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < KK; ++kk)
-#pragma unroll
-            for (int i = 0; i < P; ++i)
-#pragma unroll
-                for (int j = 0; j < Q; ++j) {  // (descriptor addresses count 16-byte units: 32 bytes = 2)
-                    const u64 da = dA + (u64)((i * BM * ROW_BYTES + kk * 32) >> 4);
-                    const u64 dw = dW + (u64)((j * BN * ROW_BYTES + kk * 32) >> 4);
-                    if (FOLD) {
-#pragma unroll
-                        for (int rep = 0; rep < pair_weight(i, j); ++rep) Wgmma<NT>::run(acc[0][0], da, dw);
-                    } else {
-                        Wgmma<NT>::run(acc[CT.cls[i * Q + j]][0], da, dw);
-                    }
-                }
-        wgmma_commit();
+        mma_stage(dA, dW);
         wgmma_wait<1>();  // step kt-1's wgmmas are done: its slot may be refilled after the next barrier
     }
     wgmma_wait<0>();

@@ -137,10 +137,7 @@ def _pool_quantize_pack_kernel(
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
     offs_k = offs_w[:, None] * 32 + tl.arange(0, 32)[None, :]  # (BLOCK_W, 32)
-    qo = offs_r % QO
-    t = offs_r // QO
-    po = t % PO
-    n = (t // PO).to(tl.int64)
+    n, po, qo = _pooled_rows(offs_r, PO, QO)
     r3 = offs_r[:, None, None]
     k3 = offs_k[None, :, :]
     mask = (r3 < R) & (k3 < K)
@@ -179,10 +176,7 @@ def _pool_planes_kernel(
     pid_w = tl.program_id(1)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
-    qo = offs_r % QO
-    t = offs_r // QO
-    po = t % PO
-    n = (t // PO).to(tl.int64)
+    n, po, qo = _pooled_rows(offs_r, PO, QO)
     top = -1 if TWOS else 0  # xor with the top plane: two's complement's sign bit flipped (value order)
     out_mask = (offs_r[:, None] < R) & (offs_w[None, :] < Kw)
     dst = dst_ptr + offs_r[:, None] * stride_dr + offs_w[None, :]
@@ -220,6 +214,14 @@ def _pool_planes_kernel(
                 idx = tl.where(ok[:, None, None], code ^ flip, -1)
                 best = tl.maximum(best, idx)
         _store_planes(best ^ flip, dst_ptr, offs_r, offs_w, R, Kw, stride_db, stride_dr, 1, BITS)
+
+
+@triton.jit
+def _pooled_rows(offs_r, PO, QO):
+    """Pooled NHWC row index r -> (image n as int64, row po, column qo) of a (N, PO, QO) output."""
+    qo = offs_r % QO
+    t = offs_r // QO
+    return (t // PO).to(tl.int64), t % PO, qo
 
 
 @triton.jit

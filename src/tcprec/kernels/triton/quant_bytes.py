@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ._host import cdiv, next_power_of_2
-from .pack import _max_pool_2x2, _quantize_codes
+from .pack import _max_pool_2x2, _pooled_rows, _quantize_codes
 
 __all__ = ["pool_quantize_int8", "im2col_rows", "ENC_UNSIGNED", "ENC_TWOS", "ENC_PM"]
 
@@ -59,10 +59,7 @@ def _pool_quantize_int8_kernel(
     pid_k = tl.program_id(1)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    qo = offs_r % QO
-    t = offs_r // QO
-    po = t % PO
-    n = (t // PO).to(tl.int64)
+    n, po, qo = _pooled_rows(offs_r, PO, QO)
     mask = (offs_r < R)[:, None] & (offs_k < K)[None, :]
     kk = offs_k[None, :] * stride_xk
     if POOL_S == 0:
