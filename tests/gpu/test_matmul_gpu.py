@@ -55,6 +55,7 @@ def _sync_tile(p, q, at, wt):
 
 WG_TILE = "128x128_w8x1_s4_k1024_wg"  # the cp.async wgmma kernel (no longer a default)
 TMA_TILE = "128x128_w8x1_s3_k1024_wg_tma"  # the persistent TMA kernel (the sm_90a defaults)
+PP_TILE = "64x128_w4x1_s6_k1024_wg_tma_pp"  # two consumer groups on alternate tiles (ping-pong)
 HAS_WGMMA = loader.arch_of(torch.cuda.get_device_capability(0)) == "sm_90a" if torch.cuda.is_available() else False
 
 
@@ -222,6 +223,95 @@ def test_packed_epilogue_ties_saturation_and_padding(bits, enc):
             assert torch.equal(got, want), (bits, enc, relu, tile, (got != want).nonzero()[:5].tolist())
 
 
+def _edge_columns(N, gen):
+    """Column scales and biases that test the integer-threshold epilogue's conditions: ordinary positive and
+    negative scales (a non-increasing column), +-0, tiny and huge scales, +-inf and NaN scales and biases."""
+    cs = (torch.rand(N, device=DEV, generator=gen) + 0.05) * 0.2
+    cs[1::3] = -cs[1::3]
+    bias = torch.randn(N, device=DEV, generator=gen)
+    edge = [(0.0, 0.3), (-0.0, -0.2), (1e-30, 0.0), (-1e-30, 1.0), (3e38, 0.0), (-3e38, 0.5), (float("inf"), 0.0),
+            (float("-inf"), 0.0), (float("nan"), 0.0), (0.1, float("inf")), (0.1, float("-inf")), (-0.1, float("nan")),
+            (2e-9, -1e3)]
+    for i, (c, b) in enumerate(edge):
+        cs[7 * i + 3], bias[7 * i + 3] = c, b
+    return cs, bias
+
+
+@pytest.mark.parametrize("bits,enc", [(1, "pm1"), (1, "unsigned"), (2, "unsigned"), (2, "twos"), (2, "pm1"),
+                                      (3, "twos"), (3, "unsigned"), (4, "unsigned")])
+def test_packed_epilogue_integer_thresholds_exact(bits, enc, monkeypatch):
+    """The packed epilogue without a row scale (what convolutions run) compares the int32 value with per-column
+    integer thresholds (bmma_code_thresholds) where y is monotone in it, and takes the float path for a warp's
+    word that holds a column that is not: it equals the float reference bit for bit, with int32 values near both
+    ends of the range (row / column terms that wrap), every edge scale and bias, ReLU, LeakyReLU and a negative
+    slope, partial tiles, on the TMA, cp.async wgmma and mma.sync kernels; and so does the float path that small
+    problems take (loader.INT_THRESHOLD_TILES_PER_SM: forced both ways here)."""
+    from tcprec.kernels import reference_gemm as rg
+    from tcprec.packing import pack_bitplanes
+
+    gen = torch.Generator(DEV).manual_seed(97 + bits)
+    M, K, N = 300, 96, 160
+    fa, fw, out_fmt = _fmt(2, "unsigned"), _fmt(1, "pm1"), _fmt(bits, enc)
+    qa, qw = _qt((M, K), fa, gen), _qt((N, K), fw, gen)
+    a_planes = pack_bitplanes(qa.codes, 2, backend="reference")
+    w_planes = pack_bitplanes(qw.codes, 1, backend="reference")
+    big = 2**31 - 200
+    row_term = torch.randint(-300, 300, (M,), dtype=torch.int32, device=DEV, generator=gen)
+    row_term[::5] += big  # C near INT32_MAX and, past it, wrapped to near INT32_MIN
+    row_term[1::5] -= big
+    col_term = torch.randint(-50, 50, (N,), dtype=torch.int32, device=DEV, generator=gen)
+    cs, bias = _edge_columns(N, gen)
+    s = torch.tensor([0.37], device=DEV)
+    S = torch.ops.tcprec.bmma_gemm(a_planes, w_planes, False, False, 1, None, None, None, None, None, False, "int32",
+                                   1, "unsigned", None, "", 0.0).long()
+    C = ((3 * S + row_term.long()[:, None] + col_term.long()[None, :] + 2**31) % 2**32 - 2**31).to(torch.int32)
+    tiles = ("", "64x128_w2x4_s4", "32x32_w2x1_s2_k1024") + ((WG_TILE, TMA_TILE, PP_TILE) if HAS_WGMMA else ())
+    for relu, slope in ((False, 0.0), (True, 0.0), (True, 0.1), (True, -0.25)):
+        y = rg.float_epilogue(C, None, cs, bias, False, torch.float32)
+        if relu:
+            y = torch.where(y < 0, y * slope if slope != 0.0 else torch.zeros_like(y), y)
+        y = torch.where(torch.isnan(y), float("-inf"), y)  # NaN takes index 0, as -inf does (bmma_gemm.cu)
+        want = rg.pack_output(y, out_fmt, s)
+        for tile, per_sm in [(t, 0) for t in tiles] + [("", 10**9)]:
+            monkeypatch.setattr(loader, "INT_THRESHOLD_TILES_PER_SM", per_sm)
+            got = torch.ops.tcprec.bmma_gemm(a_planes, w_planes, False, False, 3, row_term, col_term, None, cs, bias,
+                                             relu, "packed", bits, enc, s, tile, slope)
+            assert torch.equal(got, want), (bits, enc, relu, slope, tile, per_sm, (got != want).nonzero()[:5].tolist())
+
+
+def test_code_threshold_words_mark_only_non_monotone_columns():
+    """bmma_code_thresholds: an ordinary column gets f = 0 (scale > 0) or -1 (scale < 0, ~C reverses the order)
+    and thresholds whose count is the float path's code at sampled int32 values; a column with a zero, inf or
+    NaN scale, an infinite bias, or under a negative LeakyReLU slope is marked (word 0 = 1)."""
+    from tcprec.kernels import reference_gemm as rg
+
+    gen = torch.Generator(DEV).manual_seed(5)
+    N = 160
+    cs, bias = _edge_columns(N, gen)
+    s = torch.tensor([0.37], device=DEV)
+    v = loader.Variant(2, 1, tile=loader.Tile(64, 128, 2, 4, 4), epilogue="packed", out_bits=2,
+                       out_encoding="unsigned")
+    thr = loader.code_thresholds(v, cs, bias, s, True, 0.0, N)
+    f = thr[:, 0]
+    bad = ~torch.isfinite(cs) | ~torch.isfinite(bias) | (cs == 0)
+    assert bool((f[bad] == 1).all()), f[bad]
+    edge = torch.zeros(N, dtype=torch.bool, device=DEV)
+    edge[3:7 * 13:7] = True
+    assert bool((f[~edge] != 1).all())  # every ordinary column takes the integer path
+    use = f != 1
+    plain = ~edge  # (an edge column may be constant: f = 0 whatever the sign)
+    assert torch.equal(f[plain], torch.where(cs[plain] > 0, 0, -1).to(torch.int32)), (f[plain], cs[plain])
+    Cs = torch.cat([torch.tensor([-2**31, -2**31 + 1, -1, 0, 1, 2**31 - 2, 2**31 - 1]),
+                    torch.randint(-2**31, 2**31 - 1, (2000,)), torch.randint(-200, 200, (2000,))]).to(torch.int32)
+    Cs = Cs.to(DEV)
+    y = rg.float_epilogue(Cs[:, None].expand(-1, N), None, cs, bias, True, torch.float32)
+    want = torch.clamp(torch.round(y / s), 0, 3)  # uint2 code; round half to even as encode does
+    got = ((Cs[:, None] ^ f[None, :])[:, :, None] >= thr[None, :, 1:]).sum(-1)
+    assert torch.equal(got[:, use].float(), want[:, use]), (got[:, use] != want[:, use]).nonzero()[:5]
+    neg = loader.code_thresholds(v, cs, bias, s, True, -0.25, N)
+    assert bool((neg[:, 0] == 1).all())
+
+
 def test_cuda_graph_capture_replays_exactly():
     gen = torch.Generator(DEV).manual_seed(3)
     qa, qw = _qt((64, 1024), _fmt(2, "unsigned"), gen), _qt((1024, 1024), _fmt(1, "pm1"), gen)
@@ -243,7 +333,8 @@ def test_cuda_graph_capture_replays_exactly():
 
 @pytest.mark.skipif(not HAS_WGMMA, reason="the TMA wgmma kernel needs sm_90a")
 @pytest.mark.parametrize("tile", ["128x128_w8x1_s4_k1024_wg_tma_c2x1", "128x128_w8x1_s4_k1024_wg_tma_c1x2",
-                                  "128x64_w8x1_s4_k1024_wg_tma_c2x2", "128x128_w8x1_s4_k1024_wg_f_tma"])
+                                  "128x64_w8x1_s4_k1024_wg_tma_c2x2", "128x128_w8x1_s4_k1024_wg_f_tma", PP_TILE,
+                                  "64x64_w4x1_s8_k1024_wg_tma_pp"])
 def test_tma_cluster_and_folded_tiles_exact(tile):
     """Clusters multicast a shared tile to 2-4 blocks and overhang the grid (partner blocks past M or N load
     zeros and store nothing); every shape is partial in M, N and K, K from one word to several tiles."""

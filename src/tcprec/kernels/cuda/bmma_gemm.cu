@@ -65,6 +65,10 @@
 // M or N once and multicast it (every block's consumers then release the stage in every partner block).
 // The descriptors arrive as __grid_constant__ parameters.  Measured on an H200 (BENCHMARKS.md): 1.9x the
 // cp.async wgmma kernel at 8192^3; clusters and folding made it slower, so no default uses them.
+// With TCP_CONS = 2 (ping-pong) two consumer groups of WARPS_M / 4 warpgroups each take every other tile of the
+// block's, each with its own half of the stages (so neither waits on a barrier phase two ahead), and one group's
+// epilogue runs while the other's wgmmas do.  Measured (conv_gemm.json): 5% faster at 8192^3 with fp16 output,
+// 5-15% slower on the short-K conv GEMMs, so it is an option (tile suffix _pp), not a default.
 //
 // Epilogues (compile-time EPI):
 //   0  int32 C                              out: int32 (M, ldo)
@@ -77,6 +81,8 @@
 //      (OB, M, ldo) int32 (ldo = packed words of N), ready to be the next layer's A operand.  Every
 //      word is written, the padding past N included (the output needs no zeroing).  Without a division:
 //      the code is a count of precomputed thresholds (code_threshold), the planes are built in registers.
+//      With OB <= 3 and no row scale (convolutions) the thresholds are integers, one set a column
+//      (bmma_code_thresholds, launched first; col_thr), compared with C itself: no float arithmetic.
 //
 // Compile-time parameters (the loader passes them as -D defines; one source serves all variants):
 //   TCP_P, TCP_Q            activation / weight bits (1..8)
@@ -92,6 +98,7 @@
 //                           warpgroup after the WARPS_M / 4 consumer warpgroups)
 //   TCP_CM, TCP_CN          TMA: cluster of CM x CN blocks (CM blocks along M share, by multicast, the W
 //                           tile; CN along N the A tile)
+//   TCP_CONS                TMA: consumer groups (1, or 2 for ping-pong: an even number of stages, no cluster)
 //   TCP_EPI, TCP_OUT_T, TCP_OB, TCP_OENC   epilogue (above)
 
 #ifndef TCP_P
@@ -142,6 +149,9 @@
 #ifndef TCP_CN
 #define TCP_CN 1
 #endif
+#ifndef TCP_CONS
+#define TCP_CONS 1
+#endif
 #ifndef TCP_EPI
 #define TCP_EPI 0
 #endif
@@ -167,8 +177,10 @@ constexpr int BM = TCP_BM, BN = TCP_BN, WARPS_M = TCP_WARPS_M, WARPS_N = TCP_WAR
 constexpr int STAGES = TCP_STAGES, EPI = TCP_EPI, OUT_T = TCP_OUT_T, OB = TCP_OB, OENC = TCP_OENC;
 constexpr bool TMA = TCP_TMA != 0;
 constexpr int CM = TCP_CM, CN = TCP_CN, CS = CM * CN;  // TMA cluster shape / size
-constexpr int MMA_THREADS = WARPS_M * WARPS_N * 32;    // threads that multiply and store
-constexpr int THREADS = MMA_THREADS + (TMA ? 128 : 0); // + the TMA producer warpgroup
+constexpr int CONS = TCP_CONS;                        // TMA: consumer groups, each on its own tiles
+constexpr int MMA_THREADS = WARPS_M * WARPS_N * 32;    // threads that multiply and store one tile
+constexpr int CONS_THREADS = CONS * MMA_THREADS;       // all consumer groups
+constexpr int THREADS = CONS_THREADS + (TMA ? 128 : 0); // + the TMA producer warpgroup
 constexpr int MT = BM / (WARPS_M * 16);  // 16-row MMA tiles per warp
 constexpr int NT = BN / (WARPS_N * 8);   // 8-column MMA tiles per warp
 constexpr int BK = TCP_BK;               // K bits per pipeline step
@@ -189,10 +201,14 @@ constexpr int STAGE_BYTES = A_STAGE + W_STAGE;
 // adds its 2^OB code thresholds (code_threshold) after them.
 constexpr int PIPE_BYTES = STAGES * STAGE_BYTES;
 constexpr int VEC_OFF = (WGMMA ? 1024 : 0) + (PIPE_BYTES + 15) / 16 * 16;
-constexpr int VEC_N = 2 * BM + 3 * BN;
 constexpr int NCODE = 1 << OB;                 // packed epilogue: codes of the output format
+// packed epilogue with OB <= 3: a column's integer code thresholds (bmma_code_thresholds), staged after the vectors
+constexpr int ITHR = (EPI == 2 && NCODE <= 8) ? NCODE : 0;
+constexpr int VEC_N = 2 * BM + 3 * BN + ITHR * BN;
 constexpr int THR_N = EPI == 2 ? NCODE : 0;    // its thresholds, staged after the vectors
-constexpr int VEC_BYTES = (VEC_N + THR_N) * 4;
+// one copy of the vectors (and thresholds) a consumer group; the copies 16-byte aligned for the int4 loads
+constexpr int VEC_STRIDE = CONS > 1 ? (VEC_N + THR_N + 3) / 4 * 4 : VEC_N + THR_N;
+constexpr int VEC_BYTES = CONS * VEC_STRIDE * 4;
 [[maybe_unused]] constexpr int BAR_OFF = (VEC_OFF + VEC_BYTES + 7) / 8 * 8;  // TMA: STAGES "full" then STAGES "empty" mbarriers
 
 static_assert(P >= 1 && P <= 8 && Q >= 1 && Q <= 8, "bits must be 1..8");
@@ -208,6 +224,9 @@ static_assert(!WGMMA || NT == 4 || NT == 8 || NT == 12 || NT == 16 || NT == 24 |
 static_assert(EPI != 2 || (BN % 32 == 0 && 512 % BN == 0 && NT % 4 == 0),
               "packed output needs BN | 512, 32 | BN and whole 32-column words a warp (NT a multiple of 4)");
 static_assert(!TMA || (WGMMA && WARPS_N == 1), "TMA: the wgmma path with one warpgroup per 64 rows (WARPS_N = 1)");
+static_assert(CONS == 1 || (TMA && CONS == 2 && CM * CN == 1 && STAGES % 2 == 0 && STAGES >= 4),
+              "two consumer groups: the TMA kernel without clusters, an even number (>= 4) of stages");
+constexpr int RING = STAGES / CONS;  // TMA: each consumer group's own ring of stages
 static_assert(!TMA || (CM >= 1 && CM <= 2 && CN >= 1 && CN <= 2 && (BM / CN) % 8 == 0 && (BN / CM) % 8 == 0),
               "TMA: clusters of 1..2 x 1..2 blocks; each block's slice of a shared tile a multiple of 8 rows");
 
@@ -263,11 +282,11 @@ __device__ __forceinline__ u32 cluster_rank_() {  // this block's rank in its cl
     return r;
 }
 
-// a barrier among the threads that multiply and store (all threads without TMA; named barrier 1, the MMA
-// warpgroups only, with TMA, where the producer warpgroup does not take part)
-__device__ __forceinline__ void mma_sync_all() {
+// a barrier among the threads that multiply and store one tile (all threads without TMA; with TMA named
+// barrier 1 + grp, consumer group grp's warps only, where the producer warpgroup does not take part)
+__device__ __forceinline__ void mma_sync_all(int grp = 0) {
     if (TMA) {
-        asm volatile("bar.sync 1, %0;\n" ::"n"(MMA_THREADS) : "memory");
+        asm volatile("bar.sync %0, %1;\n" ::"r"(1 + grp), "n"(MMA_THREADS) : "memory");
     } else {
         __syncthreads();
     }
@@ -510,10 +529,14 @@ __device__ __forceinline__ void store_pair(T* o, T v0, T v1, bool interior, int 
 __device__ __forceinline__ u32 encode_code(float y, float s) {
     const float v = __fdiv_rn(y, s);
     constexpr int NC = 1 << OB;
-    if (OENC == 2) {  // pm1: index u = round_half_even((v + (2^OB - 1)) / 2), exact in double
-        double t = ((double)v + (double)(NC - 1)) * 0.5;
-        t = fmin(fmax(t, -1.0), (double)NC);
-        int u = (int)rint(t);
+    if (OENC == 2) {  // pm1: index u = round_half_even((v + (2^OB - 1)) / 2), exactly as kernels/reference.py:
+        // v = n + g (n = trunc(v), g = v - n exact), T = n + 2^OB - 1 - [g < 0], u = T / 2 + (T odd and (g != 0
+        // or T / 2 odd)).  (Adding 2^OB - 1 to v in floating point would lose a tiny v that decides a tie.)
+        const float c = fminf(fmaxf(v, -(float)(NC + 3)), (float)(NC + 3));  // saturates; NaN -> the low end
+        const float n = truncf(c), g = c - n;
+        const int T = (int)n + (NC - 1) - (g < 0.0f ? 1 : 0);
+        const int h = T >> 1;
+        const int u = h + ((T & 1) && (g != 0.0f || (h & 1)) ? 1 : 0);
         return (u32)min(max(u, 0), NC - 1);
     }
     const int lo = OENC == 0 ? -(NC / 2) : 0;
@@ -550,6 +573,30 @@ __device__ float code_threshold(int i, float s) {  // T_i, 1 <= i < 2^OB
     return key_float(hi);
 }
 
+// y of an output whose int32 value is C: ((float(C) * rs) * cs) + bias, one IEEE rounding each (no FMA
+// contraction), then ReLU or LeakyReLU (y < 0 -> slope * y, one multiply; NaN stays NaN, as torch).
+__device__ __forceinline__ float y_of(int cv, float rs, float cs, float bi, bool has_bias, bool relu, float slope) {
+    float v = __fmul_rn(__fmul_rn(__int2float_rn(cv), rs), cs);
+    v = has_bias ? __fadd_rn(v, bi) : v;  // (not + 0.0f: -0.0 must stay -0.0)
+    const float neg = slope == 0.0f ? 0.0f : __fmul_rn(v, slope);
+    return relu && v < 0.0f ? neg : v;
+}
+
+// Integer code thresholds (packed epilogue, OB <= 3, no row scale: rs = 1).  With a finite column scale cs and
+// bias and a slope >= 0, y(C) is monotone in the int32 C -- non-decreasing for cs >= 0, non-increasing below --
+// and so is index(y) = #{i : y >= T_i}.  With f = -1 for a non-increasing column (else 0), index is
+// non-decreasing in C' = C ^ f (~C reverses the int32 order), so  index = #{i : C' >= t_i}  where t_i is the
+// least int32 C' whose index is >= i (INT_MIN when every C' reaches it).  The epilogue then spends one xor and
+// 2^OB - 1 integer compares on a value instead of the float arithmetic and float compares.  A column that breaks
+// the conditions, or whose index never reaches 2^OB - 1 (a t_i that no int32 reaches), gets word 0 = 1: its
+// warp's words take the float path.  bmma_code_thresholds computes the words, (f, t_1 .. t_{2^OB - 1}) a column.
+__device__ __forceinline__ int index_of_y(float y, const float* T) {
+    int k = 0;
+#pragma unroll
+    for (int i = 1; i < NCODE; ++i) k += y >= T[i] ? 1 : 0;
+    return k;
+}
+
 }  // namespace tcp
 
 using namespace tcp;
@@ -557,7 +604,7 @@ using namespace tcp;
 #if TCP_TMA
 // registers a thread after setmaxnreg: the producer keeps 40, the MMA warpgroups share the rest (<= 232)
 constexpr int PRODUCER_REGS = 40;
-constexpr int MMA_REGS_ = (65536 - PRODUCER_REGS * 128) / MMA_THREADS / 8 * 8;
+constexpr int MMA_REGS_ = (65536 - PRODUCER_REGS * 128) / CONS_THREADS / 8 * 8;
 constexpr int MMA_REGS = MMA_REGS_ > 232 ? 232 : MMA_REGS_;
 #define TCP_CLUSTER __cluster_dims__(CS, 1, 1)
 #else
@@ -579,15 +626,20 @@ bmma_gemm(
           const float* __restrict__ col_scale,  // (N,) or null
           const float* __restrict__ bias,       // (N,) or null
           const float* __restrict__ out_scale,  // (1,) packed epilogue's scale
+          const int* __restrict__ col_thr,      // packed, OB <= 3: (N, 2^OB) integer threshold words, or null
           int M, int N, int Kw, int ldo, int ss, int relu,
           float slope) {                        // relu: y < 0 -> slope * y (0: ReLU; else LeakyReLU)
     extern __shared__ __align__(128) unsigned char smem[];
     constexpr ClassTable CT{};
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    // With TMA and CONS = 2, consumer group grp (tid, warp within it: ctid, cwarp) multiplies and stores every
+    // other tile of the block's: one group's epilogue runs while the other's wgmmas do (and vice versa).
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int grp = CONS > 1 && warp < CONS_THREADS / 32 ? warp / (MMA_THREADS / 32) : 0;
+    const int tid = threadIdx.x, ctid = tid - grp * MMA_THREADS, cwarp = ctid >> 5;
     // warp (wm, wn) owns output rows wm*16*MT.. and columns wn*8*NT.. of the block tile; on the wgmma
-    // path warpgroup (warp / 4) owns a 64-row slab, its warp (warp % 4) the 16-row part of it
-    const int wm = WGMMA ? (warp >> 2) / WARPS_N * 4 + (warp & 3) : warp / WARPS_N;
-    const int wn = WGMMA ? (warp >> 2) % WARPS_N : warp % WARPS_N;
+    // path warpgroup (cwarp / 4) owns a 64-row slab, its warp (cwarp % 4) the 16-row part of it
+    const int wm = WGMMA ? (cwarp >> 2) / WARPS_N * 4 + (cwarp & 3) : cwarp / WARPS_N;
+    const int wn = WGMMA ? (cwarp >> 2) % WARPS_N : cwarp % WARPS_N;
 
     // ---- which output tile: grouped raster, GROUP_M row tiles share their W tiles in L2.  With TMA
     // clusters the raster walks clusters (CM x CN tiles); block `rank` of a cluster takes tile
@@ -623,9 +675,13 @@ bmma_gemm(
         i -= BN;
         if (i < BN) return __float_as_uint(bias != nullptr && n0 + i < N ? bias[n0 + i] : 0.0f);
         i -= BN;
-        return (u32)(col_term != nullptr && n0 + i < N ? col_term[n0 + i] : 0);
+        if (i < BN) return (u32)(col_term != nullptr && n0 + i < N ? col_term[n0 + i] : 0);
+        i -= BN;  // packed, OB <= 3: the columns' integer threshold words (f, t_1 ..), ITHR a column; zeros past N
+        constexpr int IT = ITHR > 0 ? ITHR : 1;
+        const int c = i / IT;
+        return (u32)(col_thr != nullptr && n0 + c < N ? col_thr[(i64)(n0 + c) * IT + i % IT] : 0);
     };
-    u32* const s_vec = reinterpret_cast<u32*>(smem + VEC_OFF);
+    u32* const s_vec = reinterpret_cast<u32*>(smem + VEC_OFF) + grp * VEC_STRIDE;  // this group's copy
 
     int acc[NCLASS][MT][NT][4];
     auto zero_acc = [&]() {
@@ -655,13 +711,8 @@ bmma_gemm(
             for (int k = 0; k < NCLASS; ++k) v += (u32)acc[k][mt][nt][e4] * (FOLD ? 1u : (u32)CT.weight[k]);
             return (int)(v * (u32)ss + (u32)rt + (u32)ct);
         };
-        // ((float(C) * row_scale) * col_scale) + bias, one rounding each, then the activation (NaN stays NaN,
-        // as torch.relu / leaky_relu; slope * y is one IEEE multiply).  Selects, no branches.
         auto y_value = [&](int cv, float rs, float cs, float bi) -> float {
-            float v = __fmul_rn(__fmul_rn(__int2float_rn(cv), rs), cs);
-            v = has_bias ? __fadd_rn(v, bi) : v;  // (not + 0.0f: -0.0 must stay -0.0)
-            const float neg = slope == 0.0f ? 0.0f : __fmul_rn(v, slope);
-            return relu && v < 0.0f ? neg : v;
+            return y_of(cv, rs, cs, bi, has_bias, relu != 0, slope);
         };
         // a tile inside M x N (with an even row pitch for the paired stores) stores without bounds checks
         const bool interior = m0 + BM <= M && n0 + BN <= N && (ldo & 1) == 0;
@@ -702,20 +753,26 @@ bmma_gemm(
 #pragma unroll
             for (int i = 1; i < NCODE; ++i) thr[i] = s_thr[i];
         }
-        // bit b of the stored pattern of y.  OB <= 3: bit b of the index (a count of monotone comparisons) is the
-        // parity of the thresholds T_{m 2^b} that y reaches, so the bits come from comparisons alone.
+        // the stored pattern's bits from the index's comparisons ge[i] = (index >= i), 1 <= i < 2^OB <= 8: bit b of
+        // a count of monotone comparisons is the parity of those at i = m 2^b, so the bits need no count
+        constexpr int NGE = NCODE <= 8 ? NCODE : 1;
+        auto bits_of = [&](const bool (&ge)[NGE], bool (&bit)[OB]) {
+#pragma unroll
+            for (int b = 0; b < OB; ++b) {
+                bool v = false;
+#pragma unroll
+                for (int m = 1; (m << b) < NGE; ++m) v ^= ge[m << b];
+                bit[b] = v;
+            }
+            if (OENC == 0) bit[OB - 1] = !bit[OB - 1];  // two's complement: the index with its sign bit flipped
+        };
+        // bit b of the stored pattern of y (the float path): OB <= 3 by comparisons, else a binary search
         auto code_bits = [&](float y, bool (&bit)[OB]) {
             if (NCODE <= 8) {
-                bool ge[NCODE <= 8 ? NCODE : 1];
+                bool ge[NGE];
 #pragma unroll
-                for (int i = 1; i < (NCODE <= 8 ? NCODE : 1); ++i) ge[i] = y >= thr[i];
-#pragma unroll
-                for (int b = 0; b < OB; ++b) {
-                    bool v = false;
-#pragma unroll
-                    for (int m = 1; (m << b) < (NCODE <= 8 ? NCODE : 1); ++m) v ^= ge[m << b];
-                    bit[b] = v;
-                }
+                for (int i = 1; i < NGE; ++i) ge[i] = y >= thr[i];
+                bits_of(ge, bit);
             } else {
                 u32 idx = 0;
 #pragma unroll
@@ -725,9 +782,10 @@ bmma_gemm(
                 }
 #pragma unroll
                 for (int b = 0; b < OB; ++b) bit[b] = (idx >> b) & 1u;
+                if (OENC == 0) bit[OB - 1] = !bit[OB - 1];
             }
-            if (OENC == 0) bit[OB - 1] = !bit[OB - 1];  // two's complement: the index with its sign bit flipped
         };
+        const int* const s_ith = reinterpret_cast<const int*>(s_ct + BN);  // (BN, ITHR) integer threshold words
         const int t = lane & 3;
         const i64 plane = (i64)M * ldo;
         u32* const o = (u32*)out;
@@ -748,22 +806,63 @@ bmma_gemm(
                 for (int h = 0; h < 2; ++h)
 #pragma unroll
                     for (int b = 0; b < OB; ++b) word[h][b] = 0;
+                // this lane's 8 columns of the word: integer thresholds unless one of the warp's is marked
+                bool use_int = false;
+                if (ITHR > 0 && col_thr != nullptr) {
+                    bool marked = false;
 #pragma unroll
-                for (int j = 0; j < 4; ++j)
+                    for (int j = 0; j < 4; ++j)
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int nt = 4 * wg + j, cl = wn * (NT * 8) + nt * 8 + 2 * t + e;
-                        const float cs = s_cs[cl], bi = s_bias[cl];
-                        const int ct = s_ct[cl];
-                        const bool inside = interior || n0 + cl < N;
+                        for (int e = 0; e < 2; ++e) marked |= s_ith[(wn * (NT * 8) + (4 * wg + j) * 8 + 2 * t + e) * ITHR] == 1;
+                    use_int = !__any_sync(0xffffffffu, marked);
+                }
+                // column (j, e) of the word into both rows' words, by the integer thresholds or the float path
+                auto column = [&](int j, int e, bool int_path) {
+                    const int nt = 4 * wg + j, cl = wn * (NT * 8) + nt * 8 + 2 * t + e;
+                    const int ct = s_ct[cl];
+                    const bool inside = interior || n0 + cl < N;
+                    bool bit[2][OB];
+                    if (int_path) {
+                        int it[NGE];  // f, t_1 .. t_{2^OB - 1}
+                        if (NGE % 4 == 0) {
+#pragma unroll
+                            for (int q4 = 0; q4 < NGE / 4; ++q4) {
+                                const int4 v4 = reinterpret_cast<const int4*>(s_ith + cl * NGE)[q4];
+                                it[4 * q4] = v4.x, it[4 * q4 + 1] = v4.y, it[4 * q4 + 2] = v4.z, it[4 * q4 + 3] = v4.w;
+                            }
+                        } else {
+                            const int2 v2 = *reinterpret_cast<const int2*>(s_ith + cl * NGE);
+                            it[0] = v2.x, it[NGE > 1 ? 1 : 0] = v2.y;
+                        }
 #pragma unroll
                         for (int h = 0; h < 2; ++h) {
-                            bool bit[OB];
-                            code_bits(y_value(c_value(mt, nt, 2 * h + e, rt[h], ct), rs[h], cs, bi), bit);
+                            const int cv = c_value(mt, nt, 2 * h + e, rt[h], ct) ^ it[0];
+                            bool ge[NGE];
 #pragma unroll
-                            for (int b = 0; b < OB; ++b) word[h][b] |= bit[b] && inside ? 1u << (8 * j + e) : 0u;
+                            for (int i = 1; i < NGE; ++i) ge[i] = cv >= it[i];
+                            bits_of(ge, bit[h]);
                         }
+                    } else {
+                        const float cs = s_cs[cl], bi = s_bias[cl];
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) code_bits(y_value(c_value(mt, nt, 2 * h + e, rt[h], ct), rs[h], cs, bi), bit[h]);
                     }
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+#pragma unroll
+                        for (int b = 0; b < OB; ++b) word[h][b] |= bit[h][b] && inside ? 1u << (8 * j + e) : 0u;
+                };
+                if (ITHR > 0 && use_int) {
+#pragma unroll
+                    for (int j = 0; j < 4; ++j)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) column(j, e, true);
+                } else {
+#pragma unroll
+                    for (int j = 0; j < 4; ++j)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) column(j, e, false);
+                }
                 const int gw = (n0 + wn * (NT * 8)) / 32 + wg;
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
@@ -780,7 +879,7 @@ bmma_gemm(
         }
         if (n0 + BN >= N) {  // the last column tile also zeroes the row's padding words (ldo is 16-word padded)
             const int first = (n0 + BN) / 32, pad = ldo - first;
-            for (int idx = tid; idx < OB * BM * pad; idx += MMA_THREADS) {
+            for (int idx = ctid; idx < OB * BM * pad; idx += MMA_THREADS) {
                 const int w = idx % pad, rl = (idx / pad) % BM, b = idx / (pad * BM);
                 if (m0 + rl < M) o[b * plane + (i64)(m0 + rl) * ldo + first + w] = 0u;
             }
@@ -830,9 +929,9 @@ bmma_gemm(
     }
     cluster_sync();  // barriers initialised in every block before any multicast or remote arrival
 
-    if (warp >= MMA_THREADS / 32) {  // ---- producer warpgroup: one thread issues every TMA load ----
+    if (warp >= CONS_THREADS / 32) {  // ---- producer warpgroup: one thread issues every TMA load ----
         shrink_regs<PRODUCER_REGS>();
-        if (warp == MMA_THREADS / 32 && lane == 0) {
+        if (warp == CONS_THREADS / 32 && lane == 0) {
             // this block loads rows [a_r0, a_r0 + BM / CN) of the A tile for the CN blocks of its cluster row
             // (same m0) and rows [w_r0, w_r0 + BN / CM) of the W tile for the CM blocks of its cluster column
             const int a_r0 = rn * (BM / CN), w_r0 = rm * (BN / CM);
@@ -841,13 +940,14 @@ bmma_gemm(
                 for (int j = 0; j < CN; ++j) a_mask |= (unsigned short)(1u << (rm + CM * j));
             if (CM > 1)
                 for (int i = 0; i < CM; ++i) w_mask |= (unsigned short)(1u << (i + CM * rn));
-            int g = 0;
-            for (int pid = blockIdx.x / CS; pid < tiles; pid += stride) {
+            int step0 = 0, step1 = 0;  // steps loaded into each group's ring
+            for (int pid = blockIdx.x / CS, t = 0; pid < tiles; pid += stride, ++t) {
                 int m0, n0;
                 tile_origin(pid, m0, n0);
-                for (int kt = 0; kt < k_tiles; ++kt, ++g) {
-                    const int s = g % STAGES;
-                    if (g >= STAGES) mbar_wait(empty0 + 8 * s, ((g / STAGES) + 1) & 1);
+                const int c = t % CONS;  // tile t is consumer group c's
+                for (int kt = 0; kt < k_tiles; ++kt) {
+                    const int g = c == 0 ? step0++ : step1++, s = c * RING + g % RING;
+                    if (g >= RING) mbar_wait(empty0 + 8 * s, ((g / RING) + 1) & 1);
                     mbar_arrive_expect_tx(full0 + 8 * s, STAGE_BYTES);
                     const u32 sA = smem_base + s * STAGE_BYTES, sW = sA + A_STAGE;
 #pragma unroll
@@ -861,33 +961,35 @@ bmma_gemm(
                 }
             }
         }
-    } else {  // ---- MMA warpgroups: warpgroup g multiplies rows 64 g .. 64 g + 63 by the whole W tile ----
+    } else {  // ---- MMA warpgroups: warpgroup g of a group multiplies rows 64 g .. 64 g + 63 by the W tile ----
         set_max_regs<MMA_REGS>();
         if (EPI == 2)  // the code thresholds, visible after the first tile's barrier
-            for (int i = tid + 1; i < NCODE; i += MMA_THREADS) s_thr[i] = code_threshold(i, out_scale[0]);
-        const int slab = warp >> 2;
-        auto release = [&](int g) {  // one arrival per warp on stage g's "empty" barrier in every cluster block
+            for (int i = ctid + 1; i < NCODE; i += MMA_THREADS) s_thr[i] = code_threshold(i, out_scale[0]);
+        const int slab = cwarp >> 2;
+        auto release = [&](int g) {  // one arrival per warp on step g's "empty" barrier in every cluster block
             if (lane == 0) {
-                const u32 e = empty0 + 8 * (g % STAGES);
+                const u32 e = empty0 + 8 * (grp * RING + g % RING);
 #pragma unroll
                 for (int c = 0; c < CS; ++c) mbar_arrive_cta(e, (u32)c);
             }
         };
         constexpr int VPT = (VEC_N + MMA_THREADS - 1) / MMA_THREADS;
+        // the block's tiles are pid = blockIdx.x / CS + t * stride, t = 0, 1, ..; group grp takes t = grp (mod CONS),
+        // and counts its steps g across them in its own ring of RING stages (a group never waits two phases ahead)
         int g = 0;
-        for (int pid = blockIdx.x / CS; pid < tiles; pid += stride) {
+        for (int pid = blockIdx.x / CS + grp * stride; pid < tiles; pid += CONS * stride) {
             int m0, n0;
             tile_origin(pid, m0, n0);
             u32 vec[VPT];  // this tile's epilogue vectors, loaded now, stored to shared memory after the MMAs
 #pragma unroll
             for (int j = 0; j < VPT; ++j) {
-                const int i = tid + j * MMA_THREADS;
+                const int i = ctid + j * MMA_THREADS;
                 vec[j] = i < VEC_N ? vec_value(i, m0, n0) : 0u;
             }
             zero_acc();
             for (int kt = 0; kt < k_tiles; ++kt, ++g) {
-                const int s = g % STAGES;
-                mbar_wait(full0 + 8 * s, (g / STAGES) & 1);
+                const int s = grp * RING + g % RING;
+                mbar_wait(full0 + 8 * s, (g / RING) & 1);
                 const u32 sA = smem_base + s * STAGE_BYTES, sW = sA + A_STAGE;
                 const u64 dA = smem_desc(sA + slab * 64 * ROW_BYTES), dW = smem_desc(sW);
                 mma_stage(dA, dW);
@@ -896,13 +998,13 @@ bmma_gemm(
             }
             wgmma_wait<0>();
             release(g - 1);
-            mma_sync_all();  // every MMA thread is past the previous tile's epilogue: restage the vectors
+            mma_sync_all(grp);  // every thread of the group is past its previous tile's epilogue: restage
 #pragma unroll
             for (int j = 0; j < VPT; ++j) {
-                const int i = tid + j * MMA_THREADS;
+                const int i = ctid + j * MMA_THREADS;
                 if (i < VEC_N) s_vec[i] = vec[j];
             }
-            mma_sync_all();
+            mma_sync_all(grp);
             epilogue(m0, n0);
         }
     }
@@ -1029,3 +1131,43 @@ bmma_gemm(
     epilogue(m0, n0);
 #endif  // TCP_TMA
 }
+
+#if TCP_EPI == 2 && TCP_OB <= 3
+// The packed epilogue's integer threshold words (see index_of_y): thr[n, 0] = f (0 or -1; 1 marks the column for
+// the float path), thr[n, i] = t_i for 1 <= i < 2^OB.  One thread a word, by bisection over the int32 values of
+// C' with the epilogue's own y_of (rs = 1) and float thresholds T_i, so the words give the float path's codes.
+extern "C" __global__ void __launch_bounds__(128)
+bmma_code_thresholds(const float* __restrict__ col_scale,  // (N,) or null
+                     const float* __restrict__ bias,       // (N,) or null
+                     const float* __restrict__ out_scale,  // (1,)
+                     int relu, float slope, int N,
+                     int* __restrict__ thr) {              // (N, 2^OB)
+    constexpr int I32_MIN = (int)0x80000000, I32_MAX = 0x7FFFFFFF;
+    __shared__ float T[NCODE];
+    if (threadIdx.x >= 1 && threadIdx.x < NCODE) T[threadIdx.x] = code_threshold(threadIdx.x, out_scale[0]);
+    __syncthreads();
+    const int idx = blockIdx.x * blockDim.x + threadIdx.x, n = idx / NCODE, i = idx % NCODE;
+    if (n >= N) return;
+    const float cs = col_scale != nullptr ? col_scale[n] : 1.0f, bi = bias != nullptr ? bias[n] : 0.0f;
+    auto index_of = [&](int c) { return index_of_y(y_of(c, 1.0f, cs, bi, bias != nullptr, relu != 0, slope), T); };
+    const int at_min = index_of(I32_MIN), at_max = index_of(I32_MAX);
+    const int f = at_min > at_max ? -1 : 0, lo_index = min(at_min, at_max), hi_index = max(at_min, at_max);
+    if (i == 0) {
+        const bool ok = isfinite(cs) && isfinite(bi) && (relu == 0 || slope >= 0.0f) && hi_index == NCODE - 1;
+        thr[idx] = ok ? f : 1;
+        return;
+    }
+    int t = I32_MAX;  // (hi_index < i: the column is marked)
+    if (lo_index >= i) {
+        t = I32_MIN;
+    } else if (hi_index >= i) {  // index(C' = lo ^ f) < i <= index(C' = hi ^ f), index non-decreasing in C'
+        i64 lo = I32_MIN, hi = I32_MAX;
+        while (hi - lo > 1) {
+            const i64 mid = lo + (hi - lo) / 2;
+            if (index_of((int)mid ^ f) >= i) hi = mid; else lo = mid;
+        }
+        t = (int)hi;
+    }
+    thr[idx] = t;
+}
+#endif

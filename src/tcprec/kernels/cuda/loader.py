@@ -99,7 +99,8 @@ class Tile:
     ``tma`` (wgmma): a warp-specialised pipeline -- one producer warpgroup loads the stages with TMA
     (mbarrier-completed, 128-byte swizzle) while the ``warps_m / 4`` MMA warpgroups (``warps_n`` = 1)
     multiply; ``cluster = (cm, cn)`` groups cm x cn blocks whose shared A / W tiles are loaded once and
-    multicast to all of them."""
+    multicast to all of them.  ``cons = 2`` (TMA, no cluster; ``_pp``): two such consumer groups, each on
+    every other tile of the block's, so one group's epilogue overlaps the other's MMAs (ping-pong)."""
 
     bm: int
     bn: int
@@ -112,13 +113,15 @@ class Tile:
     fold: bool = False
     tma: bool = False
     cluster: tuple[int, int] = (1, 1)
+    cons: int = 1
 
     def __str__(self) -> str:
         s = f"{self.bm}x{self.bn}_w{self.warps_m}x{self.warps_n}_s{self.stages}"
         return (s + ("" if self.bk == 512 else f"_k{self.bk}") + ("_db" if self.frag_db else "")
                 + ("_wg" if self.mma == "wgmma" else "") + ("_f" if self.fold else "")
                 + ("_tma" if self.tma else "")
-                + ("" if self.cluster == (1, 1) else f"_c{self.cluster[0]}x{self.cluster[1]}"))
+                + ("" if self.cluster == (1, 1) else f"_c{self.cluster[0]}x{self.cluster[1]}")
+                + ("_pp" if self.cons == 2 else ""))
 
     @property
     def cluster_size(self) -> int:
@@ -127,15 +130,17 @@ class Tile:
 
 def parse_tile(text: str) -> Tile:
     """``"64x256_w2x4_s4"`` / ``"64x256_w2x4_s3_k1024_db"`` / ``"128x128_w8x1_s4_k1024_wg"`` /
-    ``"128x256_w8x2_s3_k1024_wg_f"`` / ``"128x256_w8x1_s3_k1024_wg_f_tma_c2x1"`` (as ``str(Tile)`` writes
-    it) -> Tile."""
+    ``"128x256_w8x2_s3_k1024_wg_f"`` / ``"128x256_w8x1_s3_k1024_wg_f_tma_c2x1"`` /
+    ``"64x128_w4x1_s6_k1024_wg_tma_pp"`` (as ``str(Tile)`` writes it) -> Tile."""
     try:
         mn, w, s, *extra = text.split("_")
         bm, bn = (int(v) for v in mn.split("x"))
         wm, wn = (int(v) for v in w.removeprefix("w").split("x"))
-        bk, db, mma, fold, tma, cluster = 512, False, "sync", False, False, (1, 1)
+        bk, db, mma, fold, tma, cluster, cons = 512, False, "sync", False, False, (1, 1), 1
         for e in extra:
-            if e == "db":
+            if e == "pp":
+                cons = 2
+            elif e == "db":
                 db = True
             elif e == "wg":
                 mma = "wgmma"
@@ -150,10 +155,10 @@ def parse_tile(text: str) -> Tile:
                 bk = int(e[1:])
             else:
                 raise ValueError(e)
-        return Tile(bm, bn, wm, wn, int(s.removeprefix("s")), bk, db, mma, fold, tma, cluster)
+        return Tile(bm, bn, wm, wn, int(s.removeprefix("s")), bk, db, mma, fold, tma, cluster, cons)
     except ValueError:
         raise ValueError(f"tile must look like '64x256_w2x4_s4' "
-                         f"(BMxBN_wWARPS_MxWARPS_N_sSTAGES[_kBK][_db][_wg][_f][_tma][_cCMxCN]), got {text!r}") from None
+                         f"(BMxBN_wWARPS_MxWARPS_N_sSTAGES[_kBK][_db][_wg][_f][_tma][_cCMxCN][_pp]), got {text!r}") from None
 
 
 @dataclass(frozen=True)
@@ -205,6 +210,10 @@ class Variant:
                                  "rows (e.g. '128x256_w8x1_s3_k1024_wg_f_tma_c2x1')")
         elif t.cluster != (1, 1):
             raise ValueError(f"tile {t}: clusters need the TMA pipeline (add '_tma')")
+        if t.cons not in (1, 2) or (t.cons == 2 and (not t.tma or t.cluster != (1, 1) or t.stages % 2
+                                                       or t.stages < 4)):
+            raise ValueError(f"tile {t}: two consumer groups (_pp) need the TMA pipeline without a cluster and an "
+                             "even number (>= 4) of stages, half a group (e.g. '64x128_w4x1_s6_k1024_wg_tma_pp')")
         if self.epilogue == "packed" and (t.bn % 32 or 512 % t.bn or (t.bn // t.warps_n) % 32):
             raise ValueError(f"tile {t}: the packed epilogue needs bn dividing 512 and a multiple of 32, and whole "
                              "32-column words a warp (bn / warps_n a multiple of 32)")
@@ -214,7 +223,7 @@ class Variant:
     @property
     def threads(self) -> int:
         """Threads a block: the MMA warps, plus the producer warpgroup with TMA."""
-        return 32 * self.tile.warps_m * self.tile.warps_n + (128 if self.tile.tma else 0)
+        return 32 * self.tile.warps_m * self.tile.warps_n * self.tile.cons + (128 if self.tile.tma else 0)
 
     @property
     def n_classes(self) -> int:
@@ -222,12 +231,20 @@ class Variant:
         return 1 if self.tile.fold else n_classes(self.p, self.q, self.a_twos, self.w_twos)
 
     @property
+    def int_thresholds(self) -> bool:
+        """Whether the packed epilogue takes integer threshold words (bmma_code_thresholds): OB <= 3."""
+        return self.epilogue == "packed" and self.out_bits <= 3
+
+    @property
     def smem_bytes(self) -> int:
         t = self.tile
         pipe = t.stages * (self.p * t.bm + self.q * t.bn) * (t.bk // 8)
         align = 1024 if t.mma == "wgmma" else 0  # the kernel aligns its tiles to 1024 bytes
         # the epilogue's row / column vectors (bmma_gemm.cu VEC_OFF), and the packed epilogue's code thresholds
-        vectors = (2 * t.bm + 3 * t.bn + ((1 << self.out_bits) if self.epilogue == "packed" else 0)) * 4
+        # (+ the integer threshold words of OB <= 3: 2^OB a column)
+        codes = (1 << self.out_bits) if self.epilogue == "packed" else 0
+        per = 2 * t.bm + 3 * t.bn + codes + (codes * t.bn if self.int_thresholds else 0)
+        vectors = t.cons * (-(-per // 4) * 4 if t.cons > 1 else per) * 4  # a copy a consumer group (VEC_STRIDE)
         barriers = 2 * t.stages * 8 if t.tma else 0  # TMA: the "full" and "empty" mbarriers (BAR_OFF)
         return align + -(-pipe // 16) * 16 + -(-vectors // 8) * 8 + barriers
 
@@ -239,7 +256,7 @@ class Variant:
             f"TCP_BM={t.bm}", f"TCP_BN={t.bn}", f"TCP_WARPS_M={t.warps_m}", f"TCP_WARPS_N={t.warps_n}",
             f"TCP_STAGES={t.stages}", f"TCP_BK={t.bk}", f"TCP_FRAG_DB={int(t.frag_db)}",
             f"TCP_WGMMA={int(t.mma == 'wgmma')}", f"TCP_FOLD={int(t.fold)}", f"TCP_TMA={int(t.tma)}",
-            f"TCP_CM={t.cluster[0]}", f"TCP_CN={t.cluster[1]}", f"TCP_EPI={epi}",
+            f"TCP_CM={t.cluster[0]}", f"TCP_CN={t.cluster[1]}", f"TCP_CONS={t.cons}", f"TCP_EPI={epi}",
             f"TCP_OUT_T={_OUT_T[self.out_dtype]}",
             f"TCP_OB={self.out_bits}", f"TCP_OENC={_OENC[self.out_encoding]}",
         ]
@@ -570,14 +587,43 @@ def grid_blocks(tile: Tile, M: int, N: int) -> int:
     return -(-(-(-M // tile.bm)) // cm) * -(-(-(-N // tile.bn)) // cn) * cm * cn
 
 
+# The integer thresholds cost a launch (~4 us in a graph: two serial bisections); they save ~1.5 us of epilogue a
+# tile an SM.  Measured on an H200 (benchmarks/results/net.json, session 13): always on, VGG w1a2 at batch 256 went
+# 6.77 -> 6.34 ms but batch 8 (~3 tiles an SM) 0.503 -> 0.542 ms.  So only where every SM stores >= 8 tiles.
+INT_THRESHOLD_TILES_PER_SM = 8
+
+
+def code_thresholds(variant: Variant, col_scale, bias, out_scale, relu: bool, leaky_slope: float, N: int):
+    """The packed epilogue's integer threshold words, (N, 2^OB) int32 (bmma_gemm.cu, bmma_code_thresholds),
+    computed on the current stream of ``out_scale``'s device: what ``launch_bmma`` takes as ``col_thr``."""
+    *_, LaunchConfig, _, launch = cuda_core_api()
+    dev = out_scale.device.index if out_scale.device.index is not None else torch.cuda.current_device()
+    codes = 1 << variant.out_bits
+    thr = torch.empty((N, codes), dtype=torch.int32, device=out_scale.device)
+    kernel = load_kernel((variant, dev, "thresholds"), SOURCE_PATH, variant.defines(), f"bmma_gemm_{variant}",
+                         "bmma_code_thresholds", dev)
+    cfg = LaunchConfig(grid=(-(-N * codes // 128),), block=(128,))
+    stream = _stream_for(torch.cuda.current_stream(out_scale.device).cuda_stream)
+    launch(stream, cfg, kernel, _ptr(col_scale), _ptr(bias), _ptr(out_scale), np.int32(int(relu)),
+           np.float32(leaky_slope), np.int32(N), _ptr(thr))
+    return thr
+
+
 def launch_bmma(variant: Variant, a_planes, w_planes, out, M: int, N: int, Kw: int, ldo: int, *, ss: int = 1,
                 relu: bool = False, row_term=None, col_term=None, row_scale=None, col_scale=None, bias=None,
                 out_scale=None, leaky_slope: float = 0.0) -> None:
     """Launch ``variant`` on the current stream of ``out``'s device.  Every tensor must already be
-    contiguous, on that device, of the kernel's dtype (see bmma_gemm.cu's parameter list)."""
+    contiguous, on that device, of the kernel's dtype (see bmma_gemm.cu's parameter list).  The packed
+    epilogue of OB <= 3 bits without a row scale first computes its integer threshold words
+    (:func:`code_thresholds`) when the problem has :data:`INT_THRESHOLD_TILES_PER_SM` tiles an SM; else (and
+    with a row scale) it keeps the float path."""
     *_, LaunchConfig, _, launch = cuda_core_api()
     dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
     kernel = get_kernel(variant, dev)
+    col_thr = None
+    if variant.int_thresholds and row_scale is None and \
+            grid_blocks(variant.tile, M, N) >= INT_THRESHOLD_TILES_PER_SM * _sm_count(out.device)[0]:
+        col_thr = code_thresholds(variant, col_scale, bias, out_scale, relu, leaky_slope, N)
     t = variant.tile
     blocks = grid_blocks(t, M, N)
     if t.tma:  # persistent: at most one block an SM (whole clusters), each walks its share of the tiles
@@ -591,7 +637,7 @@ def launch_bmma(variant: Variant, a_planes, w_planes, out, M: int, N: int, Kw: i
     maps = ((tensor_map(a_planes, t.bm // t.cluster[1]), tensor_map(w_planes, t.bn // t.cluster[0]))
             if t.tma else ())
     launch(stream, cfg, kernel, *maps, _ptr(a_planes), _ptr(w_planes), _ptr(out), _ptr(row_term), _ptr(col_term),
-           _ptr(row_scale), _ptr(col_scale), _ptr(bias), _ptr(out_scale),
+           _ptr(row_scale), _ptr(col_scale), _ptr(bias), _ptr(out_scale), _ptr(col_thr),
            np.int32(M), np.int32(N), np.int32(Kw), np.int32(ldo), np.int32(ss), np.int32(int(relu)),
            np.float32(leaky_slope))
 
