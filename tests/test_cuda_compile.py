@@ -61,6 +61,9 @@ def _variants():
         L.Variant(2, 1, False, False, L.parse_tile("128x128_w8x1_s4_k1024_wg_tma_c2x1"), "float", "float16"),
         L.Variant(1, 1, False, True, L.parse_tile("128x256_w8x1_s4_k1024_wg_tma_c2x2"), "int32"),
         L.Variant(2, 1, False, False, L.parse_tile("128x128_w8x1_s4_k1024_wg_f_tma_c1x2"), "packed", out_bits=1),
+        # ping-pong: two consumer groups on alternate tiles
+        L.Variant(2, 1, False, False, L.parse_tile("64x128_w4x1_s6_k1024_wg_tma_pp"), "packed", out_bits=2),
+        L.Variant(2, 1, False, False, L.parse_tile("64x128_w4x1_s6_k1024_wg_tma_pp"), "float", "float16"),
     ]
     return vs
 
@@ -101,7 +104,7 @@ def test_default_variants_do_not_spill(cache):
     from tcprec.kernels.cuda import loader as L
 
     seen_tma = 0
-    for v in _variants()[: len(DEFAULT_PAIRS)] + _variants()[-3:] + _sync_defaults():
+    for v in _variants()[: len(DEFAULT_PAIRS)] + _variants()[-5:] + _sync_defaults():
         _, log = L.compile_variant(v, "sm_90a")  # from the cache filled above (or compiled now)
         seen_tma += v.tile.tma
         assert _spill_bytes(log) == 0 and "0 bytes stack frame" in log, (str(v), log[-400:])
@@ -167,6 +170,37 @@ def test_tma_tiles():
         L.Variant(1, 1, tile=L.parse_tile("128x128_w8x1_s4_k1024_wg_tma_c4x1"))
     with pytest.raises(ValueError, match="tile must look like"):
         L.parse_tile("128x128_w8x1_s4_k1024_wg_tma_cx")
+
+
+def test_packed_variants_carry_the_threshold_kernel(cache):
+    """Packed variants of <= 3 output bits hold a second entry, bmma_code_thresholds (the integer thresholds
+    the epilogue compares C with), and stage 2^b threshold words a column; wider outputs keep the float path."""
+    from tcprec.kernels.cuda import loader as L
+
+    t = L.parse_tile("128x128_w8x1_s4_k1024_wg_tma")
+    for bits, enc in ((1, "pm1"), (2, "unsigned"), (3, "twos"), (4, "unsigned")):
+        v = L.Variant(2, 1, tile=t, epilogue="packed", out_bits=bits, out_encoding=enc)
+        cubin, _ = L.compile_variant(v, "sm_90a")
+        assert (b"bmma_code_thresholds" in cubin) == (bits <= 3) == v.int_thresholds, (bits, enc)
+        words = (1 << bits) * t.bn if bits <= 3 else 0
+        assert v.smem_bytes == L.Variant(2, 1, tile=t).smem_bytes + 4 * ((1 << bits) + words)
+    assert b"bmma_code_thresholds" not in L.compile_variant(L.Variant(2, 1, tile=t, epilogue="float"), "sm_90a")[0]
+
+
+def test_ping_pong_tiles():
+    from tcprec.kernels.cuda import loader as L
+
+    pp = L.parse_tile("64x128_w4x1_s6_k1024_wg_tma_pp")
+    assert pp.cons == 2 and str(pp) == "64x128_w4x1_s6_k1024_wg_tma_pp"
+    v = L.Variant(2, 1, tile=pp, epilogue="packed", out_bits=2)
+    assert v.threads == 2 * 128 + 128 and "TCP_CONS=2" in v.defines()
+    # a copy of the vectors (and thresholds) a group, each 16-byte aligned
+    per = 2 * 64 + 3 * 128 + 4 + 4 * 128
+    assert v.smem_bytes - L.Variant(2, 1, tile=pp.__class__(**{**pp.__dict__, "cons": 1})).smem_bytes == \
+        2 * per * 4 - (2 * 64 + 3 * 128) * 4
+    for bad in ("64x128_w4x1_s5_k1024_wg_tma_pp", "64x128_w4x1_s6_k1024_wg_pp", "64x128_w4x1_s6_k1024_wg_tma_c2x1_pp"):
+        with pytest.raises(ValueError, match="two consumer groups"):
+            L.Variant(2, 1, tile=L.parse_tile(bad))
 
 
 def test_folded_tiles():
