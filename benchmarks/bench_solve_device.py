@@ -302,6 +302,15 @@ def refinement_kernels(dev, n=8192, block=None):
 
 
 @guarded("solve vs fp64")
+def _system_and_fp64(kind, n, dev):
+    """(A, b, seconds of fp64 torch.linalg.solve) for a kappa = 1e2 ``kind`` matrix of order n: the baseline every
+    A/B of this script times its solves against, on the same A."""
+    A = la.make_matrix(kind, n, cond=1e2, device=dev)
+    b = la.random_rhs(n, device=dev)
+    t64, _ = timeit(lambda: torch.linalg.solve(A, b), warmup=1, repeats=2)
+    return A, b, t64
+
+
 def solve_vs_fp64(dev, n, best, factors=("bf16", "fp16"), kinds=("diagdom", "general"), slow=None):
     """Solve rows at n; ``slow`` (dict) remembers (kind, factor) slower than fp64 to skip later."""
     note(f"-- solve vs fp64 n={n} (best LU variants)")
@@ -315,11 +324,8 @@ def solve_vs_fp64(dev, n, best, factors=("bf16", "fp16"), kinds=("diagdom", "gen
             continue
         kw = dict(best.get(kind, {}))
         kw.setdefault("pivoting", kind == "general")
-        A = la.make_matrix(kind, n, cond=1e2, device=dev)
-        b = la.random_rhs(n, device=dev)
-        t64, x64 = timeit(lambda: torch.linalg.solve(A, b), warmup=1, repeats=2)
+        A, b, t64 = _system_and_fp64(kind, n, dev)
         note(f"{kind} fp64 {t64 * 1e3:.1f} ms")
-        del x64
         for f in todo:
             try:
                 t, (x, info) = timeit(lambda: la.solve(A, b, factor=f, **kw), warmup=1, repeats=2)
@@ -370,10 +376,7 @@ def refine_ab(dev, sizes=(8192, 16384, 32768), out="benchmarks/results/solve_ref
     rows = []
     cases = [("fp16", "gmres", None), ("fp16", "fgmres", None), ("fp16", "fgmres", False), ("fp16", "gmres", False)]
     for n in sizes:
-        A = la.make_matrix("general", n, cond=1e2, device=dev)
-        b = la.random_rhs(n, device=dev)
-        t64, x64 = timeit(lambda: torch.linalg.solve(A, b), warmup=1, repeats=2)
-        del x64
+        A, b, t64 = _system_and_fp64("general", n, dev)
         note(f"n={n} fp64 torch.linalg.solve {t64 * 1e3:.1f} ms")
         rows.append({"n": n, "factor": "fp64", "time_s": t64})
         todo = cases + ([("bf16", "gmres", None), ("bf16", "fgmres", None)] if n <= 8192 else [])
@@ -445,10 +448,7 @@ def panel_ab(dev, sizes=(8192, 16384, 32768), out="benchmarks/results/solve_pane
         free()
     variants_ = [dict(panel="getrf"), dict(panel="calu", leaf=32), dict(panel="calu", leaf=64)]
     for n in sizes:
-        A = la.make_matrix("general", n, cond=1e2, device=dev)
-        b = la.random_rhs(n, device=dev)
-        t64, x64 = timeit(lambda: torch.linalg.solve(A, b), warmup=1, repeats=2)
-        del x64
+        A, b, t64 = _system_and_fp64("general", n, dev)
         note(f"n={n} fp64 torch.linalg.solve {t64 * 1e3:.1f} ms")
         rows.append({"kind": "solve", "n": n, "factor": "fp64", "time_s": t64})
         best = None

@@ -602,7 +602,10 @@ def code_thresholds(variant: Variant, col_scale, bias, out_scale, relu: bool, le
     thr = torch.empty((N, codes), dtype=torch.int32, device=out_scale.device)
     kernel = load_kernel((variant, dev, "thresholds"), SOURCE_PATH, variant.defines(), f"bmma_gemm_{variant}",
                          "bmma_code_thresholds", dev)
-    cfg = LaunchConfig(grid=(-(-N * codes // 128),), block=(128,))
+    blocks = -(-N * codes // 128)
+    cfg = _cfgs.get(("thresholds", blocks))
+    if cfg is None:
+        cfg = _cfgs[("thresholds", blocks)] = LaunchConfig(grid=(blocks,), block=(128,))
     stream = _stream_for(torch.cuda.current_stream(out_scale.device).cuda_stream)
     launch(stream, cfg, kernel, _ptr(col_scale), _ptr(bias), _ptr(out_scale), np.int32(int(relu)),
            np.float32(leaky_slope), np.int32(N), _ptr(thr))
