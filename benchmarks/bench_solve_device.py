@@ -46,6 +46,7 @@ from tcprec.linalg.lu import (
     _tournament,
     _tri_inv,
     gemm_backend,
+    swaps_from_pivots,
 )
 
 T0 = time.perf_counter()
@@ -489,6 +490,77 @@ def panel_ab(dev, sizes=(8192, 16384, 32768), out="benchmarks/results/solve_pane
     return rows
 
 
+@guarded("fused panel A/B")
+def fused_ab(dev, sizes=(8192, 16384, 32768), out="benchmarks/results/solve_fused_ab.json"):
+    """Partially pivoted panels: cuSOLVER getrf vs the fused panel kernel (panel_pivot.cu), first one
+    panel alone (same m x nb panel, GPU ms by CUDA events, interchanges on 2 nb columns for both), then
+    the whole LU and fp16 solve on the same general A per n, against fp64 torch.linalg.solve."""
+    from tcprec.kernels.cuda import panel_pivot as PP
+
+    rows = []
+    note("-- one panel alone: fused kernel vs cuSOLVER getrf + interchanges (GPU ms, CUDA events)")
+    for m in (32768, 16384, 8192):
+        G = la.make_matrix("general", m, cond=1e2, device=dev).float()
+        for nb in (256, 1024):
+            base = torch.empty(m + 1, m, device=dev)
+            base[:m].copy_(G)
+            base[m].zero_()
+            work = base.clone()
+            perm = torch.arange(m + 1, device=dev)
+            scratch = PP.PivotScratch.allocate(nb, work.device)
+            cols = min(m, 2 * nb)
+
+            def fused():
+                work.copy_(base)
+                PP.panel_pivot(work, perm, 0, nb, m, cols, scratch)
+
+            def getrf():
+                work.copy_(base)
+                with _getrf_lib(dev, "cusolver"):
+                    lu, piv, _ = torch.linalg.lu_factor_ex(work[:m, :nb])
+                dst, src = swaps_from_pivots(piv, 0, scratch=m)
+                left = work[:, :cols]
+                left.index_copy_(0, dst, left.index_select(0, src))
+                work[:m, :nb].copy_(lu)
+
+            t_copy = _event_ms(lambda: work.copy_(base), repeats=5)
+            t_f = _event_ms(fused, repeats=5) - t_copy
+            t_g = _event_ms(getrf, repeats=5) - t_copy
+            note(f"m={m} nb={nb}: fused {t_f:.3f} ms ({t_f * 1e3 / nb:.2f} us a column), cuSOLVER getrf "
+                 f"{t_g:.3f} ms = {t_g / t_f:.2f}x")
+            rows.append({"kind": "panel", "m": m, "nb": nb, "fused_ms": t_f, "getrf_ms": t_g})
+            del base, work, perm, scratch
+            free()
+        del G
+        free()
+    variants_ = [dict(panel="getrf"), dict(panel="fused", leaf=256), dict(panel="fused", leaf=512),
+                 dict(panel="fused", leaf=256, lookahead=True)]
+    for n in sizes:
+        A, b, t64 = _system_and_fp64("general", n, dev)
+        note(f"n={n} fp64 torch.linalg.solve {t64 * 1e3:.1f} ms")
+        rows.append({"kind": "solve", "n": n, "factor": "fp64", "time_s": t64})
+        for v in variants_:
+            kw = {"block": 1024, "trsv": "graph", **v}
+            try:
+                t, F, prof = _lu_time(A, factor="fp16", **kw)
+                note(f"n={n} lu fp16 {v}: {t * 1e3:7.1f} ms [{fmt_prof(prof)}]")
+                rows.append({"kind": "lu", "n": n, "factor": "fp16", "options": kw, "time_s": t, "phase_times": prof})
+                del F
+                free()
+                t, (x, info) = timeit(lambda: la.solve(A, b, factor="fp16", pivoting=True, **kw), warmup=1,
+                                      repeats=2)
+                rows.append({"kind": "solve", "n": n, "factor": "fp16", "options": kw, **_solve_fields(t, t64, info)})
+                note(f"n={n} solve fp16 {v}: {_solve_line(t, t64, info)}")
+            except Exception as e:  # noqa: BLE001
+                note(f"n={n} {v}: FAILED {type(e).__name__}: {str(e)[:300]}")
+            free()
+        del A, b
+        free()
+    _write_json(out, {"env": environment(dev), "command": "PYTHONPATH=src python3 benchmarks/bench_solve_device.py "
+                      "--fused-ab", "rows": rows, "lines": SUMMARY})
+    return rows
+
+
 def cpu_iterations(n: int):
     """Refinement counts of the A/B cases, emulated on the CPU in the CUDA configuration (block
     1024, getrf panels, U12 = inv(L11) @ A12 with tf32-rounded operands, blocked trsv).  Counts,
@@ -523,6 +595,8 @@ def main():
                     help="no GPU needed: refinement counts of the A/B cases from the CPU emulation at order N")
     ap.add_argument("--panel-ab", action="store_true",
                     help="only the panel A/B: getrf vs CALU leaf kernel, one leaf alone, LU and fp16 solves")
+    ap.add_argument("--fused-ab", action="store_true",
+                    help="only the fused-panel A/B: panel_pivot.cu vs cuSOLVER getrf, one panel, LU and fp16 solves")
     ap.add_argument("--refine-ab", action="store_true",
                     help="only the general-matrix A/B: gmres vs fgmres, tf32 vs fp32 U12 GEMM (~3 min)")
     args = ap.parse_args()
@@ -541,6 +615,8 @@ def main():
     capabilities(dev)
     if args.panel_ab:
         panel_ab(dev, sizes=tuple(int(s) for s in args.sizes.split(",")))
+    elif args.fused_ab:
+        fused_ab(dev, sizes=tuple(int(s) for s in args.sizes.split(",")))
     elif args.refine_ab:
         refine_ab(dev, sizes=tuple(int(s) for s in args.sizes.split(",")))
     elif args.quick:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks, logs and JSON under $OUT.
-# Usage (on the GPU machine, repo root): bash benchmarks/run_device.sh [tests|tests-all|tests-NAME|cast|solve-quick|solve-panel|solve|net|emulate|chunk|convbwd|quant|host|tune-tma|tune-wgrad|tune-flat|fp8quant|cpd ...]
+# Usage (on the GPU machine, repo root): bash benchmarks/run_device.sh [tests|tests-all|tests-NAME|cast|solve-quick|solve-panel|solve-fused|solve|net|emulate|chunk|convbwd|quant|host|tune-tma|tune-wgrad|tune-flat|fp8quant|cpd ...]
 # (net: NET_ARGS for tcprec bench net; emulate: EMU_ARGS; cpd: CPD_ARGS, needs .carry/fashion-mnist carried;
 #  tune-wgrad / tune-flat: TUNE_ARGS for benchmarks/tune_wgrad_{tma,flat}_device.py, e.g. "--layers 2,6")
 set -uo pipefail
@@ -32,6 +32,8 @@ for step in "${@:-tests cast}"; do
                      cp benchmarks/results/solve_quick.json "$OUT/" 2>/dev/null ;;
         solve-panel) timeout 420 python3 benchmarks/bench_solve_device.py --panel-ab 2>&1 | tee "$OUT/solve_panel.log" | tail -40
                      cp benchmarks/results/solve_panel_ab.json "$OUT/" 2>/dev/null ;;
+        solve-fused) timeout 480 python3 benchmarks/bench_solve_device.py --fused-ab 2>&1 | tee "$OUT/solve_fused.log" | tail -40
+                     cp benchmarks/results/solve_fused_ab.json "$OUT/" 2>/dev/null ;;
         solve) timeout 480 python3 benchmarks/bench_solve_device.py 2>&1 | tee "$OUT/solve.log" | tail -60
                cp benchmarks/results/solve.json "$OUT/" 2>/dev/null ;;
         net) timeout 560 python3 -m tcprec.cli bench net ${NET_ARGS:-} 2>&1 | tee "$OUT/bench_net.log" | tail -120

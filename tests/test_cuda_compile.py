@@ -248,7 +248,8 @@ def test_one_source_no_per_width_files():
     from tcprec.kernels.cuda import loader as L
 
     cu = sorted(p.name for p in L.SOURCE_PATH.parent.glob("*.cu"))
-    assert cu == ["bmma_gemm.cu", "panel_lu.cu"]  # every bit width from one GEMM source; the LU panel leaf
+    # every bit width from one GEMM source; the LU's CALU leaf; the LU's partially pivoted panel
+    assert cu == ["bmma_gemm.cu", "panel_lu.cu", "panel_pivot.cu"]
     src = L.SOURCE_PATH.read_text()
     assert "and.popc" in src and "xor.popc" not in src and ".s4" not in src and ".u4" not in src
 
@@ -269,3 +270,40 @@ def test_panel_lu_variants_compile_without_spills(cache):
         P.default_variant(65)
     with pytest.raises(ValueError, match=r"threads must be one of \(128, 256, 512, 1024\) and >= 2 \* width"):
         P.PanelVariant(64, 64)
+
+
+def test_panel_pivot_variants_compile_without_spills(cache):
+    """panel_pivot.cu (the fused partially pivoted LU panel): every leaf width x rows-a-thread variant
+    compiles for sm_90a without spills or a stack frame (the leaf lives in shared memory, the
+    interchange gathers 2 W values a thread in registers), and fits one block an SM."""
+    from tcprec.kernels.cuda import panel_pivot as P
+
+    for w in P.WIDTHS:
+        for r in P.ROWS:
+            v = P.PivotVariant(w, r)
+            cubin, log = P.compile_panel_pivot(v, "sm_90a")
+            assert cubin[:4] == b"\x7fELF", v
+            assert "0 bytes spill stores" in log and "0 bytes stack frame" in log, (str(v), log[-300:])
+            assert v.smem_bytes <= 200 * 1024, v
+
+
+def test_panel_pivot_variant_choice_and_bad_input():
+    """The fewest rows a thread that fit one block an SM; panels too tall, bad widths and thread counts
+    are refused with the allowed values."""
+    from tcprec.kernels.cuda import panel_pivot as P
+
+    v, grid, rb = P.pick_variant(32768, 132)
+    assert (v.rows, grid, rb) == (1, 128, 256)
+    v, grid, rb = P.pick_variant(40000, 132)
+    assert (v.rows, grid) == (2, 79) and grid * rb >= 40000 and rb <= v.threads * v.rows
+    v, grid, rb = P.pick_variant(3000, 132, max_blocks=3)
+    assert (v.rows, grid) == (4, 3) and rb == 1000
+    assert P.pick_variant(100, 132)[1:] == (1, 100)
+    with pytest.raises(ValueError, match=r"panel of 140000 rows does not fit 132 blocks .* use panel='getrf'"):
+        P.pick_variant(140000, 132)
+    with pytest.raises(ValueError, match=r"leaf widths \(16, 32\), got width=64"):
+        P.PivotVariant(64)
+    with pytest.raises(ValueError, match=r"\(1, 2, 4\) rows a thread, got rows=3"):
+        P.PivotVariant(32, 3)
+    with pytest.raises(ValueError, match=r"threads must be whole warps in \[160, 1024\], got threads=128"):
+        P.PivotVariant(32, 1, 128)

@@ -436,6 +436,9 @@ def test_lu_option_validation():
         la.lu_factor(A, panel="calu", calu_rows=0)
     with pytest.raises(ValueError, match=r"calu_kernel=True .* needs panel='calu' and CUDA tensors; got panel='calu' on cpu"):
         la.lu_factor(A, panel="calu", calu_kernel=True)
+    with pytest.raises(ValueError, match=r"panel='fused' runs the LU panel kernel .* needs CUDA tensors, got A on cpu: "
+                                         r"use panel='recursive'"):
+        la.lu_factor(A, panel="fused")
     with pytest.raises(ValueError, match=r"calu_kernel must be None \(auto: on CUDA\), True or False, got calu_kernel='yes'"):
         la.lu_factor(A, panel="calu", calu_kernel="yes")
 

@@ -26,6 +26,9 @@ Pivoting:
   tall panel to MAGMA's batched routine, 20 ms per 8192 x 1024 panel on an H100.  Row
   interchanges become one gather/scatter of at most ``2 * width`` whole rows per leaf, computed
   on the device (no host sync).
+  ``panel="fused"`` runs each leaf of the same recursion as one launch of
+  kernels/cuda/panel_pivot.cu (a persistent kernel: exact partial pivoting with the rows resident in
+  the blocks that own them; interchanges and the leaf's U12 applied in the kernel).
 * ``"none"`` -- no pivoting (what HPL-MxP does on its diagonally dominant matrix): cuSOLVER getrf
   of the diagonal block, its two triangular inverses, then ``L21 = A21 U11^-1`` and
   ``U12 = L11^-1 A12`` as tf32 GEMMs; the inverses are kept for the triangular solves.
@@ -82,7 +85,7 @@ __all__ = [
 
 FACTOR_FORMATS = ("bf16", "fp16", "tf32", "fp8", "fp32")
 PIVOTING_MODES = ("partial", "none")
-PANEL_METHODS = ("auto", "recursive", "getrf", "calu")
+PANEL_METHODS = ("auto", "recursive", "getrf", "calu", "fused")
 TRSV_METHODS = ("auto", "trsm", "blocked", "graph")
 TRSM_METHODS = ("auto", "trsm", "inverse")
 GETRF_LIBS = ("cusolver", "default")
@@ -575,6 +578,9 @@ class _Swaps:
         self.pending.clear()
 
 
+_FUSED_LEAF = 512  # panel="fused": columns one launch of panel_pivot.cu factors (its in-kernel updates re-read
+# the panel every 32 columns; the recursion above does the wider ones as cuBLAS GEMMs).  H200, fp16 LU
+# without look-ahead, n = 8192 / 16384 / 32768: leaf 512 34.7 / 84.8 / 258 ms, 256 43.7 / 93.8 / 269 ms
 _CALU_KERNEL_LEAF = 32  # the kernel's defaults: leaf width and block (first-level tournament rows);
 _CALU_KERNEL_ROWS = 256  # measured on an H200, benchmarks/results/solve_panel_ab.json
 
@@ -585,6 +591,22 @@ def _panel_kernels():
     from ..kernels.cuda import panel_lu
 
     return panel_lu
+
+
+def _pivot_kernels():
+    """kernels/cuda/panel_pivot.py, imported on first use."""
+    from ..kernels.cuda import panel_pivot
+
+    return panel_pivot
+
+
+def _leaf_fused(work: torch.Tensor, swaps: _Swaps, k: int, w: int, n: int, cfg: "_Config") -> None:
+    """W[k:n, k:k+w] in one launch of kernels/cuda/panel_pivot.cu (partial pivoting; interchanges
+    applied to columns [0, swaps.cols) and perm by the kernel); the rest of the columns get them after
+    the look-ahead join, from the kernel's pivots."""
+    ipiv = _pivot_kernels().panel_pivot(work, swaps.perm, k, w, n, swaps.cols, swaps.scratch)
+    if swaps.cols < work.shape[1]:
+        swaps.pending.append(swaps_from_pivots(ipiv + 1, k, scratch=n))
 
 
 def _leaf_getrf(work: torch.Tensor, swaps: _Swaps, k: int, w: int, n: int, cfg: "_Config") -> None:
@@ -967,6 +989,14 @@ def _resolve_config(n, device, factor, pivoting, block, panel, leaf, trsm, trsv,
     cuda = device.type == "cuda"
     if panel == "auto":  # CUDA: one cuSOLVER getrf per block column (fewest launches); CPU: recursive
         panel = "getrf" if cuda else "recursive"
+    if panel == "fused":
+        if not cuda:
+            raise ValueError(f"panel='fused' runs the LU panel kernel (kernels/cuda/panel_pivot.cu) and needs CUDA "
+                             f"tensors, got A on {device.type}: use panel='recursive' (or 'auto') on a CPU")
+        tall = _pivot_kernels().max_rows(device)
+        if n > tall:
+            raise ValueError(f"panel='fused' factors panels of at most {tall} rows on this GPU, got n={n}: use "
+                             f"panel='getrf' (cuSOLVER) for larger matrices")
     if calu_kernel is not None and not isinstance(calu_kernel, bool):
         raise ValueError(f"calu_kernel must be None (auto: on CUDA), True or False, got calu_kernel={calu_kernel!r}")
     if calu_kernel and (not cuda or panel != "calu"):
@@ -991,7 +1021,7 @@ def _resolve_config(n, device, factor, pivoting, block, panel, leaf, trsm, trsv,
                                  f"of `calu_rows` threads: {e} (or pass calu_kernel=False for the batched-getrf "
                                  "tournament)") from None
     if leaf is None:
-        leaf = 128 if cuda else 16
+        leaf = _FUSED_LEAF if panel == "fused" else 128 if cuda else 16
     if calu_rows is None:
         calu_rows = 1024 if cuda else 64
     if trsv == "auto":
@@ -1012,7 +1042,10 @@ def _resolve_config(n, device, factor, pivoting, block, panel, leaf, trsm, trsv,
         trsv=trsv,
         panel_tf32=bool(panel_tf32 and lowp and cuda),
         tri_tf32=bool(lowp and cuda) if trsm_tf32 is None else trsm_tf32,
-        lookahead=bool(cuda if lookahead is None else lookahead),
+        # the fused panel kernel is bound by the latency of its exchanges through L2: overlapped with the
+        # look-ahead GEMM it slows by about the GEMM's time (n = 32768: panel phase 175 -> 220 ms, also
+        # with the panel launched first on half the SMs), so it runs without look-ahead by default
+        lookahead=bool(cuda and panel != "fused" if lookahead is None else lookahead),
         getrf_lib=getrf_lib,
         calu_rows=calu_rows,
         calu_variant=variant,
@@ -1061,6 +1094,8 @@ def _factor_inplace(work: torch.Tensor, n: int, cfg: _Config, timer: _PhaseTimer
     scratch = None
     if cfg.calu_variant is not None:
         scratch = _panel_kernels().PanelScratch.allocate(n, work.shape[1], work.device)
+    elif partial and cfg.panel == "fused":
+        scratch = _pivot_kernels().PivotScratch.allocate(cfg.block, work.device)
     nb = cfg.block
     steps = [(k, min(nb, n - k)) for k in range(0, n, nb)]
     streams = _Streams(work.device, cfg.lookahead)
@@ -1195,7 +1230,11 @@ def lu_factor(
     reduction tree; ``calu_kernel``: each leaf one launch of kernels/cuda/panel_lu.cu instead -- None
     (auto) picks it on CUDA when ``leaf`` <= 64 and ``calu_rows`` (then its block size) is one of
     128 / 256 / 512 / 1024, with defaults leaf 32, calu_rows 256; measured slower than "getrf" in the
-    whole LU, see BENCHMARKS.md); ``getrf_lib``: "cusolver" (default: torch's getrf forced onto cuSOLVER, see
+    whole LU, see BENCHMARKS.md) or "fused" (CUDA: the recursion down to ``leaf`` = 512 columns, each
+    leaf one launch of kernels/cuda/panel_pivot.cu -- exact partial pivoting, the rows held by the
+    blocks that own them, two round trips through L2 a column; look-ahead off unless asked for; 1.6x
+    faster than cuSOLVER on a 32768 x 256 panel, level with "getrf" in the whole LU, see
+    BENCHMARKS.md); ``getrf_lib``: "cusolver" (default: torch's getrf forced onto cuSOLVER, see
     ``_getrf_lib``) or "default" (torch's own choice); ``trsm``: "trsm" (fp32) or "inverse"
     (inv(L11) @ A12 as a GEMM, tf32 on CUDA for low-precision factors); ``trsm_tf32``: whether
     that GEMM (and L21 = A21 inv(U11) without pivoting) runs in tf32 -- None: on CUDA for
