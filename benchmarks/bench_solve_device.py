@@ -401,6 +401,14 @@ def refine_ab(dev, sizes=(8192, 16384, 32768), out="benchmarks/results/solve_ref
     return rows
 
 
+def _fp16_solve_row(rows, A, b, t64, n, kw, label) -> None:
+    """Time an fp16 solve with LU options ``kw`` (partial pivoting) against the fp64 baseline ``t64``;
+    append its row and summary line."""
+    t, (x, info) = timeit(lambda: la.solve(A, b, factor="fp16", pivoting=True, **kw), warmup=1, repeats=2)
+    rows.append({"kind": "solve", "n": n, "factor": "fp16", "options": kw, **_solve_fields(t, t64, info)})
+    note(f"n={n} solve fp16 {label}: {_solve_line(t, t64, info)}")
+
+
 def _event_ms(fn, repeats=10):
     """Mean GPU ms of fn() over ``repeats`` back-to-back calls (CUDA events), after one warm-up."""
     fn()
@@ -476,10 +484,7 @@ def panel_ab(dev, sizes=(8192, 16384, 32768), out="benchmarks/results/solve_pane
         for v in variants_:
             kw = dict(AB_LU, **v)
             try:
-                t, (x, info) = timeit(lambda: la.solve(A, b, factor="fp16", pivoting=True, **kw), warmup=1,
-                                      repeats=2)
-                rows.append({"kind": "solve", "n": n, "factor": "fp16", "options": kw, **_solve_fields(t, t64, info)})
-                note(f"n={n} solve fp16 {v}: {_solve_line(t, t64, info)}")
+                _fp16_solve_row(rows, A, b, t64, n, kw, v)
             except Exception as e:  # noqa: BLE001
                 note(f"n={n} solve {v}: FAILED {type(e).__name__}: {str(e)[:300]}")
             free()
@@ -547,10 +552,7 @@ def fused_ab(dev, sizes=(8192, 16384, 32768), out="benchmarks/results/solve_fuse
                 rows.append({"kind": "lu", "n": n, "factor": "fp16", "options": kw, "time_s": t, "phase_times": prof})
                 del F
                 free()
-                t, (x, info) = timeit(lambda: la.solve(A, b, factor="fp16", pivoting=True, **kw), warmup=1,
-                                      repeats=2)
-                rows.append({"kind": "solve", "n": n, "factor": "fp16", "options": kw, **_solve_fields(t, t64, info)})
-                note(f"n={n} solve fp16 {v}: {_solve_line(t, t64, info)}")
+                _fp16_solve_row(rows, A, b, t64, n, kw, v)
             except Exception as e:  # noqa: BLE001
                 note(f"n={n} {v}: FAILED {type(e).__name__}: {str(e)[:300]}")
             free()

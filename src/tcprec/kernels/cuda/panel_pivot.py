@@ -61,7 +61,7 @@ class PivotVariant:
         return f"w{self.width}_t{self.threads}_r{self.rows}"
 
 
-def max_rows(device: torch.device, width: int = 32) -> int:
+def max_rows(device: torch.device) -> int:
     """The tallest panel one launch factors on ``device``."""
     return _sm_count(device)[0] * THREADS * ROWS[-1]
 
@@ -130,7 +130,8 @@ def panel_pivot(work: torch.Tensor, perm: torch.Tensor, k: int, nb: int, n: int,
     """Factor the block column ``work[k:n, k:k+nb]`` (fp32, row-major) in place with partial pivoting,
     on the current stream; apply its row interchanges to columns [0, cols) of ``work`` and to ``perm``
     (int64).  Returns the pivots (int32 (nb,), 0-based positions in the panel, LAPACK's order: column
-    j swapped panel rows j and ipiv[j]), for the caller to apply to columns [cols, ...).  ``prof``: an
+    j swapped panel rows j and ipiv[j]), for the caller to apply to columns [cols, ...): a view of
+    ``scratch.ipiv``, valid until the next launch on the same scratch.  ``prof``: an
     int64 (grid, 12) tensor (grid: at most the SM count) that gets each block's clock cycles a phase
     (load, publish, candidates, rows, the rest of the step, write back, barrier, interchanges, barrier, update,
     swap, eliminate)."""
