@@ -237,7 +237,8 @@ def test_bad_input():
         conv2d(tp.quantize(torch.rand(1, 7, 9, 5), "uint2", PerChannel(3)), qw)
     with pytest.raises(ValueError, match="PerChannel\\(0\\)"):
         conv2d(qx, tp.quantize(torch.randn(6, 3, 3, 5), "binary", PerChannel(3)))
-    with pytest.raises(ValueError, match="planes"):
+    with pytest.raises(ValueError, match=r"planes .* must be \(bits, N\*H\*W, packed_words\(C\)\) = \(2, 9, 16\) or "
+                                         r"compact \(bits, N\*H\*W, ceil\(C / 32\)\) = \(2, 9, 1\), got \(2, 10, 16\)"):
         PackedActivation(torch.zeros(2, 10, 16, dtype=torch.int32), "uint2", 1.0, (1, 3, 3, 5))
     with pytest.raises(ValueError, match="2\\^31"):
         conv2d(tp.quantize(torch.rand(1, 11, 11, 2048), "uint8"), tp.quantize(torch.randn(1, 11, 11, 2048), "int8"))
@@ -528,3 +529,24 @@ def test_fp8_bad_input():
         conv2d(qx, qw, out_dtype=torch.int32)
     with pytest.raises(TypeError, match="e4m3"):
         conv2d(qx, tp.quantize(torch.randn(6, 3, 3, 20), "fp16"))
+
+
+@pytest.mark.parametrize("C", [5, 64, 70])
+def test_compact_activation_equals_padded(C):
+    """A compact PackedActivation (rows without their padding words, what QConv2d hands a layer that reads its
+    input through an im2col) gives the same codes and the same convolution -- 3x3, and 1x1 pointwise (which
+    pads it back for the GEMM) -- as the padded one."""
+    from tcprec.ops.quantize import quantize_pack
+
+    g = torch.Generator().manual_seed(C)
+    x = torch.rand(2, 6, 7, C, generator=g)
+    s = torch.tensor([1 / 3])
+    full = PackedActivation(quantize_pack(x.reshape(-1, C), "uint2", s), "uint2", s, (2, 6, 7, C))
+    comp = PackedActivation(quantize_pack(x.reshape(-1, C), "uint2", s, compact=True), "uint2", s, (2, 6, 7, C))
+    assert comp.compact and not full.compact and comp.planes.shape[2] == -(-C // 32)
+    assert torch.equal(comp.padded_planes(), full.planes) and torch.equal(comp.codes(), full.codes())
+    for ksize, pad in ((3, 1), (1, 0)):
+        qw = _qt((4, ksize, ksize, C), IntFormat(1, encoding="pm1"), g, PerChannel(0))
+        for impl in (conv2d, lambda *a, **k: qconv._conv2d_impl(*a, _gemm=rq.bmma_gemm_reference, **k)):
+            want = impl(full, qw, padding=pad, out_dtype=torch.int32)
+            assert torch.equal(impl(comp, qw, padding=pad, out_dtype=torch.int32), want), (ksize, C)

@@ -185,3 +185,17 @@ def _aot_main():
 if __name__ == "__main__":
     if sys.argv[1:] == ["--aot"]:
         _aot_main()
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("K", [64, 100, 512, 600])
+def test_compact_planes_are_the_real_words(backend, K):
+    """compact=True: (bits, R, ceil(K / 32)) -- exactly the padded planes without the zero words past the
+    last real word (for K = 64: 2 words a row instead of 16)."""
+    x = _inputs("uint2", shape=(7, K), seed=K)
+    s = torch.tensor([0.25])
+    full = quantize_pack(x, "uint2", s, backend=backend)
+    compact = quantize_pack(x, "uint2", s, backend=backend, compact=True)
+    assert compact.shape == (2, 7, -(-K // 32)) and compact.is_contiguous()
+    assert torch.equal(compact, full[..., : -(-K // 32)])
+    assert not full[..., -(-K // 32):].any()

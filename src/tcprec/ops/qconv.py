@@ -136,7 +136,10 @@ class PackedActivation:
     """NHWC activations as bit planes: ``value = decode(codes) * scale``.
 
     planes  int32 ``(bits, N*H*W, packed_words(C))``: one row per pixel, the C channel codes packed
-            LSB-first (``tcprec.packing``); the bits past C must be zero (packing guarantees it).
+            LSB-first (``tcprec.packing``); the bits past C must be zero (packing guarantees it).  Or
+            *compact*, ``(bits, N*H*W, ceil(C / 32))``: the same words without the zero words that pad
+            a row to 512 bits -- what a layer that reads its input through an im2col is given
+            (``quantize_pack(..., compact=True)``); ``padded_planes()`` restores the full rows.
     fmt     the integer format of the codes; scale float32 ``(1,)`` (per tensor); shape ``(N, H, W, C)``.
 
     >>> import torch, tcprec as tp
@@ -164,18 +167,30 @@ class PackedActivation:
         want = (fmt.bits, N * H * W, packed_words(C))
         if not isinstance(self.planes, torch.Tensor) or self.planes.dtype != torch.int32:
             raise TypeError("planes must be an int32 tensor (bits, N*H*W, packed_words(C))")
-        if tuple(self.planes.shape) != want:
+        if tuple(self.planes.shape) not in (want, want[:2] + (-(-C // 32),)):
             raise ValueError(f"planes of a {fmt} activation of shape {shape} must be (bits, N*H*W, packed_words(C)) "
-                             f"= {want}, got {tuple(self.planes.shape)}")
+                             f"= {want} or compact (bits, N*H*W, ceil(C / 32)) = {want[:2] + (-(-C // 32),)}, got "
+                             f"{tuple(self.planes.shape)}")
         object.__setattr__(self, "scale", _scale_tensor(self.scale, self.planes.device, "scale"))
 
     @property
     def device(self) -> torch.device:
         return self.planes.device
 
+    @property
+    def compact(self) -> bool:
+        """Rows without their padding words (see the class docstring)."""
+        return self.planes.shape[2] != packed_words(self.shape[3])
+
+    def padded_planes(self) -> torch.Tensor:
+        """``planes`` with full rows ``(bits, N*H*W, packed_words(C))`` (a padded copy when compact)."""
+        if not self.compact:
+            return self.planes
+        return torch.nn.functional.pad(self.planes, (0, packed_words(self.shape[3]) - self.planes.shape[2]))
+
     def codes(self) -> torch.Tensor:
         """The codes, uint8 ``(N, H, W, C)``."""
-        return unpack_bitplanes(self.planes, self.fmt.bits, self.shape[3]).reshape(self.shape)
+        return unpack_bitplanes(self.padded_planes(), self.fmt.bits, self.shape[3]).reshape(self.shape)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Float NHWC ``(N, H, W, C)``: ``decode(codes) * scale``."""
@@ -861,9 +876,11 @@ def _bitserial(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, out_scale, 
     oa, sa = rg.affine(fa)
     ow, sw = rg.affine(fw)
     K_true = g.R * g.S * g.C
-    planes = xs.planes()  # (p, N*H*W, packed_words(C))
+    planes = xs.planes()  # (p, N*H*W, packed_words(C)), or compact (p, N*H*W, ceil(C / 32)): fine for the im2col
     need_row = ow != 0
     if g.is_pointwise:
+        if xs.packed is not None and xs.packed.compact:  # the GEMM operand needs whole 512-bit rows
+            planes = xs.packed.padded_planes()
         a_planes = planes  # the input planes are the GEMM operand (Kw_col = packed_words(C))
         _, row_term = im2col_bits(planes, g, twos=fa.encoding == "twos", store=False, rowsum=need_row,
                                   row_mul=sa * ow, row_add=K_true * oa * ow)

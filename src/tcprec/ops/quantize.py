@@ -306,10 +306,13 @@ def quantize_static(x: torch.Tensor, fmt, scale: torch.Tensor) -> QTensor:
     return QTensor(codes, scale.reshape((1,) * x.dim()), fmt, PerTensor(), tuple(x.shape), x.dtype)
 
 
-def quantize_pack(x: torch.Tensor, fmt, scale: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+def quantize_pack(x: torch.Tensor, fmt, scale: torch.Tensor, *, backend: str = "auto",
+                  compact: bool = False) -> torch.Tensor:
     """Quantize ``x`` with a fixed per-tensor ``scale`` to an integer format and return its bit planes
     int32 ``(bits, *lead, packed_words(K))`` -- one fused pass, no host synchronisation, so it runs
-    inside CUDA-graph capture (the activation quantizer of a compiled network).
+    inside CUDA-graph capture (the activation quantizer of a compiled network).  ``compact=True``:
+    ``(bits, *lead, ceil(K / 32))``, without the zero words that pad a row to 512 bits (an im2col
+    reads only the real words; for K = 64 that is 2 words instead of 16).
 
     The codes equal ``quantize(x, fmt, PerTensor(), scale=scale).codes`` (round half to even,
     saturating) for every finite input; NaN has no integer code and becomes the code of 0 here (as
@@ -327,10 +330,11 @@ def quantize_pack(x: torch.Tensor, fmt, scale: torch.Tensor, *, backend: str = "
     if name == "reference":
         from ..packing import pack_bitplanes_reference
 
-        return pack_bitplanes_reference(_static_codes(x, fmt, scale), fmt.bits)
+        planes = pack_bitplanes_reference(_static_codes(x, fmt, scale), fmt.bits)
+        return planes[..., : -(-x.shape[-1] // 32)].contiguous() if compact else planes
     from ..kernels.triton import pack as tpack  # imported here: TRITON_INTERPRET is read at import
 
     lead, K = tuple(x.shape[:-1]), x.shape[-1]
     rows = x.reshape(-1, K)  # (R, K): a view when the leading dims collapse
-    planes = tpack.quantize_pack(rows, scale, fmt.bits, *_qp_params(fmt))  # (bits, R, Kw)
+    planes = tpack.quantize_pack(rows, scale, fmt.bits, *_qp_params(fmt), compact=compact)  # (bits, R, Kw)
     return planes.reshape((fmt.bits,) + lead + (planes.shape[-1],))

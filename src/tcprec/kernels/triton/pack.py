@@ -280,10 +280,12 @@ def pack_tile(Kw: int, block_r: int | None = None, block_w: int | None = None) -
     return br, bw
 
 
-def _planes_and_grid(R: int, K: int, bits: int, device, block_r: int | None, block_w: int | None):
+def _planes_and_grid(R: int, K: int, bits: int, device, block_r: int | None, block_w: int | None,
+                     compact: bool = False):
     """The output planes int32 (bits, R, Kw), the tile (BLOCK_R, BLOCK_W) and the launch grid (over the
-    ceil(K / 32) real words; each row block's last program also zeroes the padding words)."""
-    Kw = packed_words(K)
+    ceil(K / 32) real words; each row block's last program also zeroes the padding words).  ``compact``:
+    Kw = ceil(K / 32), no padding words (for planes only an im2col reads)."""
+    Kw = cdiv(K, 32) if compact else packed_words(K)
     planes = torch.empty((bits, R, Kw), dtype=torch.int32, device=device)  # (bits, R, Kw)
     br, bw = pack_tile(cdiv(K, 32), block_r, block_w)
     return planes, br, bw, (cdiv(R, br), cdiv(cdiv(K, 32), bw))
@@ -310,13 +312,14 @@ def pack_bitplanes(codes: torch.Tensor, bits: int, *, block_r: int | None = None
 
 
 def quantize_pack(x: torch.Tensor, scale: torch.Tensor, bits: int, lo: int, hi: int, offset: int, shift: int,
-                  *, block_r: int | None = None, block_w: int | None = None) -> torch.Tensor:
+                  *, block_r: int | None = None, block_w: int | None = None, compact: bool = False) -> torch.Tensor:
     """Launch: x (R, K) float (any row stride), scale a 1-element float32 tensor -> planes int32
-    (bits, R, Kw).  ``tcprec.ops.quantize.quantize_pack`` is the public entry point (it derives lo,
-    hi, offset, shift from the format)."""
+    (bits, R, Kw), Kw = packed_words(K), or ceil(K / 32) with ``compact``.
+    ``tcprec.ops.quantize.quantize_pack`` is the public entry point (it derives lo, hi, offset, shift
+    from the format)."""
     assert x.dim() == 2, "pass a (R, K) view"
     R, K = x.shape
-    planes, block_r, block_w, grid = _planes_and_grid(R, K, bits, x.device, block_r, block_w)
+    planes, block_r, block_w, grid = _planes_and_grid(R, K, bits, x.device, block_r, block_w, compact)
     if planes.numel() == 0:
         return planes
     Kw = planes.shape[2]
