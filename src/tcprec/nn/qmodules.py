@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..formats import FloatFormat, IntFormat, as_format
+from ..kernels.reference_conv import ConvGeometry
 from ..ops import qconv as qc
 from ..ops.matmul import choose_int_backend
 from ..ops.quantize import absmax_qmax, quantize, quantize_pack, quantize_static
@@ -110,19 +111,16 @@ def _prepare(qw):
     return qc.pack_conv_weight(qw)
 
 
-def _quantize_input(x_nhwc: torch.Tensor, m: "_QBase"):
+def _quantize_input(x_nhwc: torch.Tensor, m: "_QBase", compact: bool = False):
     """Float NHWC -> the op's activation operand with the calibrated scale, sync-free (capturable):
-    bit planes in one fused kernel for the bit-serial backend, e4m3 codes for FP8, the INT8 conv's int8
-    operand (``Int8Activation``, one fused kernel on CUDA) for the int8 backend, uint8 codes otherwise."""
+    bit planes in one fused kernel for the bit-serial backend (``compact``: rows without their padding
+    words, for a convolution that reads its input through an im2col), e4m3 codes for FP8, the INT8 conv's
+    int8 operand (``Int8Activation``, one fused kernel on CUDA) for the int8 backend, uint8 codes otherwise."""
     if m.precision.fp8:
         return qc.quantize_fp8_static(x_nhwc, m.in_scale)  # QTensor of e4m3 codes (N, H, W, C)
     name, _ = choose_int_backend(m.a_fmt, m.w_fmt, x_nhwc.device, m.backend)
     if name == "bitserial":
         N, H, W, C = x_nhwc.shape
-        # a convolution that reads its input through an im2col gets the rows without their padding words
-        # (ResNet-18's 64-channel layers: 2 words a pixel instead of 16, half the bytes of this pass)
-        compact = getattr(m, "kernel_size", (1, 1)) != (1, 1) or tuple(getattr(m, "stride", (1, 1))) != (1, 1) \
-            or tuple(getattr(m, "padding", (0, 0))) != (0, 0)
         planes = quantize_pack(x_nhwc.reshape(N * H * W, C), m.a_fmt, m.in_scale, compact=compact)  # (bits, NHW, Kw)
         return qc.PackedActivation(planes, m.a_fmt, m.in_scale, (N, H, W, C))
     if name == "int8":
@@ -226,7 +224,13 @@ class QConv2d(_QBase):
         if isinstance(x, torch.Tensor):
             if x.dim() != 4 or x.shape[1] != self.in_channels:
                 raise ValueError(f"QConv2d expects (N, {self.in_channels}, H, W), got {tuple(x.shape)}")
-            x = _quantize_input(x.permute(0, 2, 3, 1), self)  # NHWC (a view for channels_last input)
+            xn = x.permute(0, 2, 3, 1)  # NHWC (a view for channels_last input)
+            N, H, W, C = xn.shape
+            g = ConvGeometry(N, H, W, C, self.out_channels, *self.kernel_size, self.stride, self.padding,
+                             self.dilation)
+            # only a pointwise convolution multiplies its input planes themselves; the others read them
+            # through an im2col, which needs no padding words (ResNet-18's 64 channels: 2 words a pixel, not 16)
+            x = _quantize_input(xn, self, compact=not g.is_pointwise)
         y = qc.conv2d(x, self.weight, stride=self.stride, padding=self.padding, dilation=self.dilation,
                       scale=self.ch_scale, bias=self.ch_bias, act=self.act, pool=self.pool,
                       out_dtype=self.out_dtype, out_fmt=self.out_fmt, out_scale=self.out_scale,
