@@ -32,7 +32,7 @@ def main():
             for tile in tiles:
                 try:
                     f = lambda: G(a, w, False, False, 1, None, None, None, cs, b, True, kind, 2, "unsigned", osc if kind == "packed" else None, tile, 0.0)
-                    v = loader._variant_for(2, 1, False, False, M, N, kind, 2, "unsigned", tile, *loader._sm_count(a.device))
+                    v = loader._variant_for(2, 1, False, False, M, N, kind, 2, "unsigned", tile, *loader._sm_count(a.device), Kw)
                     ms = time_graph_ms(f, calls=8)
                 except Exception as e:
                     print(label, kind, tile, "ERR", str(e)[:200]); continue

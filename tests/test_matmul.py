@@ -246,6 +246,12 @@ def test_kernel_tile_choice_bounds_registers():
         mt, nt = tile.bm // (16 * tile.warps_m), tile.bn // (8 * tile.warps_n)
         assert v.n_classes * mt * nt * 4 <= 128 or (mt, nt) == (1, 2)
     assert loader.pick_tile(2, 1, False, False, 64, 1024) == loader.SMALL_TILE  # small: more blocks
+    # one 512-bit step when the whole packed K is one (K <= 512 bits), on mma.sync tiles only
+    assert loader.pick_tile(2, 1, False, False, 64, 1024, kw=32) == loader.SMALL_TILE
+    assert loader.pick_tile(2, 1, False, False, 64, 128, kw=16).bk == 512
+    assert loader.pick_tile(4, 4, False, False, 10**5, 10**5, arch="sm_90a", kw=16).bk == 512  # mma.sync big tile
+    assert loader.pick_tile(2, 1, False, False, 10**5, 10**5, arch="sm_90a", kw=16).bk == 1024  # wgmma: 1024 only
+    assert loader._variant_for(2, 1, False, False, 64, 128, "float16", 1, "unsigned", "", 132, "sm_90a", 16).tile.bk == 512
     assert loader.n_classes(2, 2) == 3 and loader.n_classes(1, 7) == 7
     with pytest.raises(ValueError, match="tile"):
         loader.Variant(2, 1, tile=loader.Tile(40, 256, 2, 4))

@@ -385,6 +385,69 @@ def test_tma_default_tile_in_cuda_graph_reads_new_data():
     assert torch.equal(out.long(), _exact(qa2, qw))
 
 
+@pytest.mark.parametrize("M,K,N1,N2", [(64, 256, 128, 96), (3000, 1024, 512, 200), (20000, 2048, 512, 256)])
+def test_chained_gemms_in_a_cuda_graph_with_programmatic_dependent_launch(M, K, N1, N2):
+    """The loader launches with programmatic stream serialization on sm_90+: a kernel may start while the previous
+    one runs.  A chain x -> GEMM (packed uint2 planes) -> GEMM (int32), four times in one CUDA graph with new inputs
+    copied in by torch between the links, so that each GEMM reads what the kernel before it wrote (RAW) and the
+    graph's allocator hands a freed output back to the next link while its last reader was the kernel before
+    (WAR): the replay must equal the same chain run eagerly with PDL off, and the integer reference."""
+    from tcprec.packing import packed_words
+
+    gen = torch.Generator(DEV).manual_seed(23)
+    words = lambda *shape: torch.randint(-2**31, 2**31 - 1, shape, dtype=torch.int32, device=DEV, generator=gen)  # noqa: E731
+    kw1, kw2 = packed_words(K), packed_words(N1)
+    w1 = words(1, N1, kw1)
+    w1[..., K // 32:] = 0  # K is a multiple of 32: the padding words are zero
+    w2 = words(1, N2, kw2)
+    w2[..., N1 // 32:] = 0
+    cs, bias, osc = torch.rand(N1, device=DEV, generator=gen) + 0.5, torch.randn(N1, device=DEV, generator=gen), \
+        torch.tensor([64.0], device=DEV)
+    srcs = [words(2, M, kw1) for _ in range(4)]
+    for x in srcs:
+        x[..., K // 32:] = 0
+    G = torch.ops.tcprec.bmma_gemm
+
+    def link(a):
+        h = G(a, w1, False, False, 1, None, None, None, cs, bias, True, "packed", 2, "unsigned", osc, "", 0.0)
+        return G(h, w2, False, False, 1, None, None, None, None, None, False, "int32", 1, "unsigned", None, "", 0.0)
+
+    def chain(buf):
+        outs = []
+        for x in srcs:
+            buf.copy_(x)
+            outs.append(link(buf))
+        return outs
+
+    was = loader.USE_PDL
+    try:
+        loader.USE_PDL, loader._cfgs = False, {}
+        want = [link(x.clone()) for x in srcs]
+        loader.USE_PDL, loader._cfgs = True, {}
+        assert not torch.cuda.get_device_capability(0) >= (9, 0) or loader._pdl(0)
+        buf = torch.empty_like(srcs[0])
+        chain(buf)  # compile + load outside the capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            outs = chain(buf)
+        for _ in range(3):
+            for o in outs:
+                o.fill_(-1)
+            g.replay()
+            torch.cuda.synchronize()
+            for i, (o, w) in enumerate(zip(outs, want)):
+                assert torch.equal(o, w), (i, (o != w).sum().item())
+    finally:
+        loader.USE_PDL, loader._cfgs = was, {}
+    # the second link against the integer reference: its A planes are the first link's packed codes
+    from tcprec.kernels import reference_gemm as rg
+
+    h = G(srcs[0], w1, False, False, 1, None, None, None, cs, bias, True, "packed", 2, "unsigned", osc, "", 0.0)
+    ref = rg.bitserial_matmul(h, w2, N1, IntFormat(2, encoding="unsigned"), IntFormat(1, encoding="unsigned"))
+    assert torch.equal(want[0].long(), ref.long())
+
+
 def test_torch_compile_sees_the_custom_op():
     gen = torch.Generator(DEV).manual_seed(4)
     qa, qw = _qt((64, 512), _fmt(2, "unsigned"), gen), _qt((256, 512), _fmt(1, "pm1"), gen)

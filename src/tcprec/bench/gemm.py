@@ -130,13 +130,15 @@ def _tcprec_case(config: str, M, N, K, device, l2, gen, tile: str = "") -> dict[
 def variants_for(configs: Sequence[str], shapes: Sequence[tuple[int, int, int]], sm_count: int, tile: str = ""):
     """The kernel variants a benchmark run needs (to compile them in parallel up front)."""
     from ..kernels.cuda.loader import Variant, parse_tile, pick_tile
+    from ..packing import packed_words
 
     out = set()
     for c in configs:
         a_fmt, w_fmt = parse_config(c)
         at, wt = a_fmt.encoding == "twos", w_fmt.encoding == "twos"
         for M, N, K in shapes:
-            t = parse_tile(tile) if tile else pick_tile(a_fmt.bits, w_fmt.bits, at, wt, M, N, sm_count)
+            t = parse_tile(tile) if tile else pick_tile(a_fmt.bits, w_fmt.bits, at, wt, M, N, sm_count,
+                                                             kw=packed_words(K))
             out.add(Variant(a_fmt.bits, w_fmt.bits, at, wt, t, "float", "float16"))
     return out
 
@@ -168,6 +170,7 @@ def run(
     groups = [("apnn", c, (64, n, n)) for c in apnn_configs for n in apnn_sizes]
     groups += [("large", c, (n, n, n)) for c in large_configs for n in large_sizes]
     from ..kernels.cuda import loader
+    from ..packing import packed_words
 
     arch = loader.arch_of(torch.cuda.get_device_capability(device))
     n_new = loader.precompile(variants_for([c for _, c, _ in groups], [s for _, _, s in groups], sms), arch)
@@ -193,7 +196,7 @@ def run(
             if name.startswith("tcprec") and t.ms is not None:
                 # against the peak of the instruction the picked tile issues (wgmma or mma.sync)
                 tile = loader.pick_tile(a_fmt.bits, w_fmt.bits, a_fmt.encoding == "twos", w_fmt.encoding == "twos",
-                                        M, N, sms, arch)
+                                        M, N, sms, arch, kw=packed_words(K))
                 peak = WGMMA_BINARY_PEAK_TOPS if tile.mma == "wgmma" else BINARY_PEAK_TOPS
                 row.update(tile=str(tile), instruction=tile.mma, binary_tops=pq * tops, binary_peak_tops=peak,
                            fraction_of_binary_peak=pq * tops / peak)

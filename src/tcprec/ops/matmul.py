@@ -189,7 +189,8 @@ def explain_matmul(a: QTensor, w: QTensor, *, backend: str = "auto") -> str:
         from ..kernels.cuda import loader
 
         sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-        tile = loader.pick_tile(fa.bits, fw.bits, fa.encoding == "twos", fw.encoding == "twos", M, N, sms)
+        tile = loader.pick_tile(fa.bits, fw.bits, fa.encoding == "twos", fw.encoding == "twos", M, N, sms,
+                                kw=packed_words(K))
         detail = f"; tile {tile}"
     return f"{name}: {why}; M={M} N={N} K={K}{detail}"
 

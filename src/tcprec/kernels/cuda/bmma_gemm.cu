@@ -292,6 +292,19 @@ __device__ __forceinline__ void mma_sync_all(int grp = 0) {
     }
 }
 
+// Programmatic dependent launch (sm_90+; the loader launches with programmatic stream serialization): a grid
+// may start while the previous kernel of the stream is still running, so every kernel here first waits for that
+// grid to complete and flush (griddepcontrol.wait, before any global memory access: reads of its outputs and
+// writes to buffers it may still read), then at once lets the next such grid be scheduled.  What overlaps is
+// the launch and block scheduling latency (~1 us a kernel in a CUDA graph).  Both are no-ops for a launch
+// without the attribute.
+__device__ __forceinline__ void grid_dependency_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
     const int n = valid ? 16 : 0;  // src-size 0: the 16 bytes are zero-filled, nothing is read
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
@@ -645,6 +658,7 @@ bmma_gemm(
           int M, int N, int Kw, int ldo, int ss, int relu,
           float slope) {                        // relu: y < 0 -> slope * y (0: ReLU; else LeakyReLU)
     extern __shared__ __align__(128) unsigned char smem[];
+    grid_dependency_sync();
     constexpr ClassTable CT{};
     // With TMA and CONS = 2, consumer group grp (tid, warp within it: ctid, cwarp) multiplies and stores every
     // other tile of the block's: one group's epilogue runs while the other's wgmmas do (and vice versa).
@@ -1059,9 +1073,24 @@ bmma_gemm(
 #else
     int m0, n0;
     tile_origin(blockIdx.x, m0, n0);
-    for (int i = tid; i < VEC_N; i += THREADS) s_vec[i] = vec_value(i, m0, n0);  // visible after the first barrier
-    if (EPI == 2)
-        for (int i = tid + 1; i < NCODE; i += THREADS) s_thr[i] = code_threshold(i, out_scale[0]);
+    // The epilogue vectors: loaded into registers now, stored to shared memory (visible after the first
+    // barrier) only once the prologue's cp.asyncs are issued, so the operand loads do not queue behind them.
+    constexpr int VPB = (VEC_N + THREADS - 1) / THREADS;
+    u32 vec[VPB];
+#pragma unroll
+    for (int j = 0; j < VPB; ++j) {
+        const int i = tid + j * THREADS;
+        vec[j] = i < VEC_N ? vec_value(i, m0, n0) : 0u;
+    }
+    auto stage_vectors = [&]() {
+#pragma unroll
+        for (int j = 0; j < VPB; ++j) {
+            const int i = tid + j * THREADS;
+            if (i < VEC_N) s_vec[i] = vec[j];
+        }
+        if (EPI == 2)
+            for (int i = tid + 1; i < NCODE; i += THREADS) s_thr[i] = code_threshold(i, out_scale[0]);
+    };
     zero_acc();
     const i64 a_plane = (i64)M * Kw, w_plane = (i64)N * Kw;
 
@@ -1093,6 +1122,7 @@ bmma_gemm(
         if (s < k_tiles) load_tile(s, s);
         cp_async_commit();
     }
+    stage_vectors();
     const int slab = (warp >> 2) / WARPS_N;  // this warpgroup's 64-row slab of A, its N slab is wn
     for (int kt = 0; kt < k_tiles; ++kt) {
         cp_async_wait<STAGES - 3>();
@@ -1115,6 +1145,7 @@ bmma_gemm(
         if (s < k_tiles) load_tile(s, s);
         cp_async_commit();
     }
+    stage_vectors();
 
     // ---- main loop: wait for step kt, refill the slot step kt-1 used, multiply step kt ----
     for (int kt = 0; kt < k_tiles; ++kt) {
@@ -1190,6 +1221,7 @@ bmma_code_thresholds(const float* __restrict__ col_scale,  // (N,) or null
                      int relu, float slope, int N,
                      int* __restrict__ thr) {              // (N, 2^OB)
     constexpr int I32_MIN = (int)0x80000000, I32_MAX = 0x7FFFFFFF;
+    grid_dependency_sync();
     __shared__ float T[NCODE];
     if (threadIdx.x >= 1 && threadIdx.x < NCODE) T[threadIdx.x] = code_threshold(threadIdx.x, out_scale[0]);
     __syncthreads();
