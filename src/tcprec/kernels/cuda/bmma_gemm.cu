@@ -295,12 +295,17 @@ __device__ __forceinline__ void mma_sync_all(int grp = 0) {
 // Programmatic dependent launch (sm_90+; the loader launches with programmatic stream serialization): a grid
 // may start while the previous kernel of the stream is still running, so every kernel here first waits for that
 // grid to complete and flush (griddepcontrol.wait, before any global memory access: reads of its outputs and
-// writes to buffers it may still read), then at once lets the next such grid be scheduled.  What overlaps is
-// the launch and block scheduling latency (~1 us a kernel in a CUDA graph).  Both are no-ops for a launch
-// without the attribute.
-__device__ __forceinline__ void grid_dependency_sync() {
+// writes to buffers it may still read).  A non-persistent GEMM lets the next such grid be scheduled once its
+// own main loop is done (griddepcontrol.launch_dependents, before the epilogue); the persistent TMA kernel only
+// at its exit (implicitly).  What overlaps is the next kernel's launch and block scheduling (~0.4 us a call of
+// a small GEMM in a CUDA graph).  Both are no-ops for a launch without the attribute.
+__device__ __forceinline__ void grid_dependency_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_dependents_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
@@ -658,7 +663,7 @@ bmma_gemm(
           int M, int N, int Kw, int ldo, int ss, int relu,
           float slope) {                        // relu: y < 0 -> slope * y (0: ReLU; else LeakyReLU)
     extern __shared__ __align__(128) unsigned char smem[];
-    grid_dependency_sync();
+    grid_dependency_wait();
     constexpr ClassTable CT{};
     // With TMA and CONS = 2, consumer group grp (tid, warp within it: ctid, cwarp) multiplies and stores every
     // other tile of the block's: one group's epilogue runs while the other's wgmmas do (and vice versa).
@@ -1206,6 +1211,7 @@ bmma_gemm(
     }
 
 #endif  // TCP_WGMMA
+    grid_dependents_launch();
     epilogue(m0, n0);
 #endif  // TCP_TMA
 }
@@ -1221,7 +1227,8 @@ bmma_code_thresholds(const float* __restrict__ col_scale,  // (N,) or null
                      int relu, float slope, int N,
                      int* __restrict__ thr) {              // (N, 2^OB)
     constexpr int I32_MIN = (int)0x80000000, I32_MAX = 0x7FFFFFFF;
-    grid_dependency_sync();
+    grid_dependency_wait();
+    grid_dependents_launch();
     __shared__ float T[NCODE];
     if (threadIdx.x >= 1 && threadIdx.x < NCODE) T[threadIdx.x] = code_threshold(threadIdx.x, out_scale[0]);
     __syncthreads();

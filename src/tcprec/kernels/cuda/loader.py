@@ -599,16 +599,19 @@ INT_THRESHOLD_TILES_PER_SM = 8
 USE_PDL = True  # programmatic dependent launch on sm_90+ (False: plain stream order; clear _cfgs after changing)
 
 
-def _pdl(device_index: int) -> dict:
-    """LaunchConfig options for programmatic dependent launch on sm_90+ (bmma_gemm.cu, grid_dependency_sync):
-    the kernel may be scheduled while the previous kernel of the stream runs, and waits for it before touching
-    memory.  Measured on an H200 in CUDA graphs (session 15, same process): 64 x 128 x 128 w1a2 2.36 -> 1.96 us
-    a call, ~0.4 us on every small shape; 8192^3 unchanged."""
-    return {"programmatic_stream_serialization": True} if USE_PDL and \
+def _pdl(device_index: int, want: bool = True) -> dict:
+    """LaunchConfig options for programmatic dependent launch on sm_90+ (bmma_gemm.cu, grid_dependency_wait): the
+    kernel may be scheduled while the previous kernel of the stream runs, and waits for it before touching memory.
+    Measured on an H200 in CUDA graphs (session 15, same process): a small GEMM after a GEMM gains ~0.4 us a call
+    (64 x 128 x 128 w1a2 2.35 -> 1.90 us; 8192^3 unchanged), but whole w1a2 networks at batch 8, where every
+    GEMM follows a Triton pass that never triggers, lost 1-1.5% (VGG 0.510 -> 0.516 ms, ResNet-18 0.567 ->
+    0.575): so the convolution pipeline launches without it (``pdl=False``)."""
+    return {"programmatic_stream_serialization": True} if want and USE_PDL and \
         torch.cuda.get_device_capability(device_index) >= (9, 0) else {}
 
 
-def code_thresholds(variant: Variant, col_scale, bias, out_scale, relu: bool, leaky_slope: float, N: int):
+def code_thresholds(variant: Variant, col_scale, bias, out_scale, relu: bool, leaky_slope: float, N: int,
+                    pdl: bool = True):
     """The packed epilogue's integer threshold words, (N, 2^OB) int32 (bmma_gemm.cu, bmma_code_thresholds),
     computed on the current stream of ``out_scale``'s device: what ``launch_bmma`` takes as ``col_thr``."""
     *_, LaunchConfig, _, launch = cuda_core_api()
@@ -618,9 +621,9 @@ def code_thresholds(variant: Variant, col_scale, bias, out_scale, relu: bool, le
     kernel = load_kernel((variant, dev, "thresholds"), SOURCE_PATH, variant.defines(), f"bmma_gemm_{variant}",
                          "bmma_code_thresholds", dev)
     blocks = -(-N * codes // 128)
-    cfg = _cfgs.get(("thresholds", blocks))
+    cfg = _cfgs.get(("thresholds", blocks, pdl))
     if cfg is None:
-        cfg = _cfgs[("thresholds", blocks)] = LaunchConfig(grid=(blocks,), block=(128,), **_pdl(dev))
+        cfg = _cfgs[("thresholds", blocks, pdl)] = LaunchConfig(grid=(blocks,), block=(128,), **_pdl(dev, pdl))
     stream = _stream_for(torch.cuda.current_stream(out_scale.device).cuda_stream)
     launch(stream, cfg, kernel, _ptr(col_scale), _ptr(bias), _ptr(out_scale), np.int32(int(relu)),
            np.float32(leaky_slope), np.int32(N), _ptr(thr))
@@ -629,27 +632,28 @@ def code_thresholds(variant: Variant, col_scale, bias, out_scale, relu: bool, le
 
 def launch_bmma(variant: Variant, a_planes, w_planes, out, M: int, N: int, Kw: int, ldo: int, *, ss: int = 1,
                 relu: bool = False, row_term=None, col_term=None, row_scale=None, col_scale=None, bias=None,
-                out_scale=None, leaky_slope: float = 0.0) -> None:
+                out_scale=None, leaky_slope: float = 0.0, pdl: bool = True) -> None:
     """Launch ``variant`` on the current stream of ``out``'s device.  Every tensor must already be
     contiguous, on that device, of the kernel's dtype (see bmma_gemm.cu's parameter list).  The packed
     epilogue of OB <= 3 bits without a row scale first computes its integer threshold words
     (:func:`code_thresholds`) when the problem has :data:`INT_THRESHOLD_TILES_PER_SM` tiles an SM; else (and
-    with a row scale) it keeps the float path."""
+    with a row scale) it keeps the float path.  ``pdl`` (with :data:`USE_PDL`, sm_90+): launch with programmatic
+    stream serialization (see :func:`_pdl`)."""
     *_, LaunchConfig, _, launch = cuda_core_api()
     dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
     kernel = get_kernel(variant, dev)
     col_thr = None
     if variant.int_thresholds and row_scale is None and \
             grid_blocks(variant.tile, M, N) >= INT_THRESHOLD_TILES_PER_SM * _sm_count(out.device)[0]:
-        col_thr = code_thresholds(variant, col_scale, bias, out_scale, relu, leaky_slope, N)
+        col_thr = code_thresholds(variant, col_scale, bias, out_scale, relu, leaky_slope, N, pdl)
     t = variant.tile
     blocks = grid_blocks(t, M, N)
     if t.tma:  # persistent: at most one block an SM (whole clusters), each walks its share of the tiles
         cs = t.cluster_size
         blocks = min(blocks, _sm_count(out.device)[0] // cs * cs)
-    cfg = _cfgs.get((variant, blocks))
+    cfg = _cfgs.get((variant, blocks, pdl))
     if cfg is None:
-        cfg = _cfgs[(variant, blocks)] = LaunchConfig(grid=(blocks,), block=(variant.threads,), **_pdl(dev),
+        cfg = _cfgs[(variant, blocks, pdl)] = LaunchConfig(grid=(blocks,), block=(variant.threads,), **_pdl(dev, pdl),
                                                       shmem_size=variant.smem_bytes)
     stream = _stream_for(torch.cuda.current_stream(out.device).cuda_stream)
     maps = ((tensor_map(a_planes, t.bm // t.cluster[1]), tensor_map(w_planes, t.bn // t.cluster[0]))
@@ -728,6 +732,7 @@ def bmma_gemm(
     out_scale: Optional[torch.Tensor],  # packed: (1,) float32
     tile: str,  # "" picks one by shape, else str(Tile)
     leaky_slope: float = 0.0,  # with relu: y < 0 -> leaky_slope * y (LeakyReLU); 0 is ReLU
+    pdl: bool = True,  # sm_90+: programmatic dependent launch (loader._pdl)
 ) -> torch.Tensor:
     """C = a @ w.T on the binary tensor cores (see bmma_gemm.cu for the exact contract)."""
     if leaky_slope != 0.0 and not relu:
@@ -754,12 +759,12 @@ def bmma_gemm(
                            *_sm_count(a_planes.device), Kw)
     launch_bmma(variant, a_planes.contiguous(), w_planes.contiguous(), out, M, N, Kw, ldo, ss=ss, relu=relu,
                 row_term=row_term, col_term=col_term, row_scale=row_scale, col_scale=col_scale, bias=bias,
-                out_scale=out_scale, leaky_slope=leaky_slope)
+                out_scale=out_scale, leaky_slope=leaky_slope, pdl=pdl)
     return out
 
 
 @bmma_gemm.register_fake
 def _(a_planes, w_planes, a_twos, w_twos, ss, row_term, col_term, row_scale, col_scale, bias, relu, out_kind,
-      out_bits, out_encoding, out_scale, tile, leaky_slope=0.0):
+      out_bits, out_encoding, out_scale, tile, leaky_slope=0.0, pdl=True):
     shape, dtype = _out_shape(a_planes, w_planes, out_kind, out_bits)
     return a_planes.new_empty(shape, dtype=dtype)
