@@ -9,7 +9,8 @@ Cases (``wXaY`` = X-bit weights, Y-bit activations; activations ``uintY``, weigh
 
 For each shape the baselines -- ``torch.matmul`` fp16, ``torch._int_mm`` int8 and
 ``torch._scaled_mm`` fp8 e4m3 (fp16 out) -- are timed in the same run.  The tcprec row times
-``torch.ops.tcprec.bmma_gemm`` on pre-packed bit planes with a per-tensor-scaled fp16 output (the
+the bit-serial GEMM (``loader.gemm_entry()``: the implementation behind ``torch.ops.tcprec.bmma_gemm``, which
+``tcprec.matmul`` calls in eager mode) on pre-packed bit planes with a per-tensor-scaled fp16 output (the
 kernel), and ``tcprec.matmul`` from QTensors (packing the activations included).
 
 Times: CUDA events through ``triton.testing.do_bench`` (median, warm-up, L2 flushed, inputs rotated
@@ -117,9 +118,12 @@ def _tcprec_case(config: str, M, N, K, device, l2, gen, tile: str = "") -> dict[
     rs, cs = _row_scale(qa, M), _col_scale(qw, N)
     at, wt = a_fmt.encoding == "twos", w_fmt.encoding == "twos"
 
+    from ..kernels.cuda import loader
+
+    gemm = loader.gemm_entry()  # what tcprec.matmul calls in eager mode (the op without the dispatcher's host cost)
+
     def kernel(ap):
-        return torch.ops.tcprec.bmma_gemm(ap, w_planes, at, wt, ss, rt, ct, rs, cs, None, False, "float16", 1,
-                                          "unsigned", None, tile)
+        return gemm(ap, w_planes, at, wt, ss, rt, ct, rs, cs, None, False, "float16", 1, "unsigned", None, tile)
 
     out = {"tcprec kernel": _time(kernel, rotating_buffers(a_planes, l2))}
     out["tcprec.matmul"] = _time(lambda x: matmul(x, qw, out_dtype=torch.float16, backend="bitserial", tile=tile),

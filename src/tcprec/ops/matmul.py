@@ -248,11 +248,11 @@ def _reference_product(a: QTensor, w: QTensor, M: int, K: int, N: int, fa, fw) -
 def _bitserial(a: QTensor, w: QTensor, M, K, N, fa, fw, *, out_kind, row_scale=None, col_scale=None, bias=None,
                relu=False, out_fmt: IntFormat | None = None, out_scale=None, tile: str = "", leaky_slope: float = 0.0):
     # leaky_slope (with relu=True): y < 0 -> leaky_slope * y in the fused epilogue (LeakyReLU); 0 is ReLU
-    from ..kernels.cuda import loader  # noqa: F401  (registers torch.ops.tcprec.bmma_gemm)
+    from ..kernels.cuda import loader  # (registers torch.ops.tcprec.bmma_gemm)
 
     a_planes, w_planes = _planes(a, M, K), _planes(w, N, K)
     ss, row_term, col_term = _terms32(a_planes, w_planes, K, fa, fw)
-    return torch.ops.tcprec.bmma_gemm(
+    return loader.gemm_entry()(
         a_planes, w_planes, fa.encoding == "twos", fw.encoding == "twos", ss, row_term, col_term,
         row_scale, col_scale, bias, bool(relu), out_kind,
         out_fmt.bits if out_fmt is not None else 1, out_fmt.encoding if out_fmt is not None else "unsigned",

@@ -982,11 +982,11 @@ def _conv2d_impl(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None
 
     if plan.name == "bitserial":
         if _gemm is None:
-            from ..kernels.cuda import loader  # noqa: F401  (registers torch.ops.tcprec.bmma_gemm)
+            from ..kernels.cuda import loader  # (registers torch.ops.tcprec.bmma_gemm)
 
             # pdl=False: the GEMM follows its own im2col / quantize pass, which never triggers a programmatic launch,
             # and with it whole networks ran 1-1.5% slower (loader._pdl)
-            _gemm = functools.partial(torch.ops.tcprec.bmma_gemm, pdl=False)
+            _gemm = functools.partial(loader.gemm_entry(), pdl=False)
         pw = pw if pw is not None else pack_conv_weight(qw)
         res = _bitserial(plan, xs, pw, col, bias, s_out, _gemm)
         kind = _bitserial_kind(plan)[0]

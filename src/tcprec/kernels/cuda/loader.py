@@ -24,7 +24,7 @@ import threading
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import numpy as np
 import torch
@@ -38,6 +38,7 @@ __all__ = [
     "n_classes",
     "SMALL_TILE",
     "pick_tile",
+    "gemm_entry",
     "wgmma_tile",
     "MMAS",
     "parse_tile",
@@ -713,8 +714,7 @@ def _out_shape(a_planes, w_planes, out_kind: str, out_bits: int):
                     "bfloat16": torch.bfloat16}[out_kind]
 
 
-@torch.library.custom_op("tcprec::bmma_gemm", mutates_args=(), device_types="cuda")
-def bmma_gemm(
+def _bmma_gemm(
     a_planes: torch.Tensor,  # (p, M, Kw) int32 bit planes
     w_planes: torch.Tensor,  # (q, N, Kw) int32 bit planes
     a_twos: bool,
@@ -734,7 +734,11 @@ def bmma_gemm(
     leaky_slope: float = 0.0,  # with relu: y < 0 -> leaky_slope * y (LeakyReLU); 0 is ReLU
     pdl: bool = True,  # sm_90+: programmatic dependent launch (loader._pdl)
 ) -> torch.Tensor:
-    """C = a @ w.T on the binary tensor cores (see bmma_gemm.cu for the exact contract)."""
+    """C = a @ w.T on the binary tensor cores (see bmma_gemm.cu for the exact contract).  Registered as the
+    custom op ``torch.ops.tcprec.bmma_gemm``; :func:`gemm_entry` gives eager callers this function itself."""
+    if a_planes.device.type != "cuda" or w_planes.device.type != "cuda":
+        raise ValueError(f"bmma_gemm runs on CUDA tensors, got a_planes on {a_planes.device} and w_planes on "
+                         f"{w_planes.device}; move both to the GPU or use the reference backend")
     if leaky_slope != 0.0 and not relu:
         raise ValueError(f"leaky_slope={leaky_slope} applies with relu=True only (y < 0 -> leaky_slope * y); "
                          "pass relu=True or leaky_slope=0.0")
@@ -761,6 +765,17 @@ def bmma_gemm(
                 row_term=row_term, col_term=col_term, row_scale=row_scale, col_scale=col_scale, bias=bias,
                 out_scale=out_scale, leaky_slope=leaky_slope, pdl=pdl)
     return out
+
+
+bmma_gemm = torch.library.custom_op("tcprec::bmma_gemm", _bmma_gemm, mutates_args=(), device_types="cuda")
+
+
+def gemm_entry() -> Callable:
+    """What a call of the bit-serial GEMM should go through: ``torch.ops.tcprec.bmma_gemm`` while torch.compile
+    traces (so the graph holds the custom op), else the implementation itself -- the custom-op dispatcher costs
+    10-25 us of host time a call, several times the kernel's ~2 us on small shapes (same arguments, same
+    result; CUDA-graph capture records the same launch either way)."""
+    return torch.ops.tcprec.bmma_gemm if torch.compiler.is_compiling() else _bmma_gemm
 
 
 @bmma_gemm.register_fake
