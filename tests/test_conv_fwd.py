@@ -344,11 +344,14 @@ def test_kernels_compile_to_wgmma_for_sm90():
     ptx = json.loads(run_aot(__file__, timeout=300).strip().splitlines()[-1])
     assert "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8" in ptx["int8_tap"]
     assert "0x10" in ptx["int8_tap"]  # 16-byte cp.async operand loads
-    assert "div.rn.f32" in ptx["int8_tap"]  # IEEE division for the re-quantisation
+    # the re-quantisation's IEEE division by the out scale: one div.rn.f64 reciprocal and float64 products rounded
+    # to float32 (kernels/triton/round.div_by_scalar), never the approximate float32 division
+    assert "div.rn.f64" in ptx["int8_tap"] and "cvt.rn.f32.f64" in ptx["int8_tap"]
+    assert "div.full" not in ptx["int8_tap"] and "div.approx" not in ptx["int8_tap"]
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx["fp8_flat"]
     assert "0x10" in ptx["fp8_flat"]  # C = 96 (flat mode): still 16-byte runs
     assert "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8" in ptx["int8_shifted"]  # the uint8 correction
-    assert "div.rn.f32" in ptx["int8_shifted"]  # and the uint8-code output (stored shifted) re-quantizes
+    assert "div.rn.f64" in ptx["int8_shifted"]  # and the uint8-code output (stored shifted) re-quantizes
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--aot"]:
@@ -357,4 +360,4 @@ if __name__ == "__main__" and sys.argv[1:] == ["--aot"]:
               "fp8_flat": _aot_compile(True, True, 1, 96, 256).asm["ptx"],
               "int8_shifted": _aot_compile(False, False, 2, 256, 256, has_add=True, out_codes=(0, 255, 128)).asm["ptx"]}
     print(json.dumps({k: "\n".join(ln for ln in v.splitlines() if "wgmma" in ln or "cp.async.c" in ln
-                                   or "div.rn" in ln) for k, v in report.items()}))
+                                   or "div." in ln or "cvt.rn.f32.f64" in ln) for k, v in report.items()}))

@@ -28,7 +28,8 @@ The output row of pixel m = n*P*Q + p*Q + q is simply ``y + m*K``.
               or (OUT_MODE 0) the raw accumulator.
 
 The kernel is compiled with ``enable_fp_fusion=False`` (the epilogue's mul and add round separately,
-exactly as the reference) and divides with ``div_rn`` (IEEE; Triton's ``/`` is ``div.full``, 2 ulp).
+exactly as the reference) and divides as IEEE division does (``round.div_by_scalar``; Triton's ``/`` is
+``div.full``, 2 ulp).
 
 fp8: ``tl.dot`` on float8e4nv lowers to ``wgmma ... e4m3`` (SASS QGMMA).  The Hopper fp8 accumulator is
 narrower than fp32; unless ``fast_accum=True`` we promote it into fp32 every BLOCK_K products
@@ -52,6 +53,7 @@ import triton.language as tl
 from ..reference_conv import ConvGeometry, pair
 from ..reference_conv_fwd import parse_act, parse_out
 from ._host import cdiv, next_power_of_2
+from .round import div_by_scalar
 
 __all__ = ["conv2d_fwd_int8", "conv2d_fwd_fp8", "pick_config", "compile_key", "geometry", "NETWORK_LAYERS",
            "INTERPRETER_CONFIG", "interpreting"]
@@ -211,7 +213,7 @@ def _conv_fwd_kernel(
         if OUT_MODE == 1:
             tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
         else:
-            y = tl.math.div_rn(y, tl.load(oscale_ptr))
+            y = div_by_scalar(y, tl.load(oscale_ptr))
             y = tl.where(y == y, y, 0.0)  # NaN -> 0
             y = tl.minimum(tl.maximum(y, OUT_LO * 1.0), OUT_HI * 1.0)
             y = (y + 12582912.0) - 12582912.0  # round half to even (1.5 * 2**23; |y| <= 255 here)

@@ -2,8 +2,8 @@
 memory order (a transposing copy when the orders differ, e.g. NHWC activations into the batch-inner (C, H, W, N)
 order of ``ops.conv.prepare_fp8_wgrad``).
 
-The same bits as ``ops.conv.to_fp8``'s torch path: the division is IEEE (``div_rn``; Triton's ``/`` is
-``div.full``, 2 ulp), the clamp keeps NaN (compares, not min/max), and the conversion rounds to nearest even
+The same bits as ``ops.conv.to_fp8``'s torch path: the division is IEEE (``round.div_by_scalar``; Triton's
+``/`` is ``div.full``, 2 ulp), the clamp keeps NaN (compares, not min/max), and the conversion rounds to nearest even
 (``cvt.rn.satfinite`` on sm_90: within the clamp it is torch's rounding).  The torch path it replaces took
 several full-size float32 temporaries and a strided copy: 7.4 ms for a 256x56x56x256 fp16 tensor into the
 batch-inner order on the H200, this pass 0.32-0.40 ms (1.5-1.9 TB/s; results/fp8_quant.json).
@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from ._host import cdiv
+from .round import div_by_scalar
 
 __all__ = ["quantize_fp8"]
 
@@ -45,7 +46,7 @@ def _quant_kernel(x_ptr, out_ptr, scale_ptr, S1, SA, SB, TB, s0, s1, sa, sb, d0,
     mask = (offs_a < SA)[:, None] & (offs_b < SB)[None, :]
     src = i0.to(tl.int64) * s0 + i1.to(tl.int64) * s1 + offs_a[:, None] * sa + offs_b[None, :] * sb
     dst = i0.to(tl.int64) * d0 + i1.to(tl.int64) * d1 + offs_a[:, None] * da + offs_b[None, :] * db
-    y = tl.math.div_rn(tl.load(x_ptr + src, mask=mask).to(tl.float32), tl.load(scale_ptr))
+    y = div_by_scalar(tl.load(x_ptr + src, mask=mask).to(tl.float32), tl.load(scale_ptr))
     y = tl.where(y > FMAX, FMAX, tl.where(y < -FMAX, -FMAX, y))  # NaN stays NaN (no min / max)
     if FMT == 1:
         q = y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
