@@ -237,6 +237,19 @@ def test_explain_matmul_on_cpu():
     assert choose_matmul_backend(qa, qw, "reference")[0] == "reference"
 
 
+def test_eager_gemm_entry_refuses_cpu_tensors():
+    """The eager entry (loader.gemm_entry(): the op's implementation without the dispatcher) names the device
+    problem instead of failing inside the launch."""
+    from tcprec.kernels.cuda import loader
+
+    if not torch.compiler.is_compiling():
+        assert loader.gemm_entry() is loader._bmma_gemm
+    a, w = torch.zeros(2, 4, 16, dtype=torch.int32), torch.zeros(1, 8, 16, dtype=torch.int32)
+    with pytest.raises(ValueError, match="CUDA tensors.*reference backend"):
+        loader.gemm_entry()(a, w, False, False, 1, None, None, None, None, None, False, "int32", 1, "unsigned",
+                            None, "")
+
+
 def test_kernel_tile_choice_bounds_registers():
     from tcprec.kernels.cuda import loader
 
