@@ -119,9 +119,10 @@ def _weighted_S(a_planes, w_planes, a_twos: bool, w_twos: bool) -> torch.Tensor:
 
 
 def bmma_gemm_reference(a_planes, w_planes, a_twos, w_twos, ss, row_term, col_term, row_scale, col_scale, bias,
-                        relu, out_kind, out_bits, out_encoding, out_scale, tile="", leaky_slope=0.0):
+                        relu, out_kind, out_bits, out_encoding, out_scale, tile="", leaky_slope=0.0, pdl=True):
     """``torch.ops.tcprec.bmma_gemm``'s contract in plain torch (same arguments, same result):
-    ``C = ss * S + row_term[m] + col_term[n]`` (int32), then the float or packed epilogue."""
+    ``C = ss * S + row_term[m] + col_term[n]`` (int32), then the float or packed epilogue.  ``tile`` and ``pdl``
+    (how the kernel launches) do not change the result and are ignored."""
     C = ss * _weighted_S(a_planes, w_planes, a_twos, w_twos)  # (M, N) int64
     if row_term is not None:
         C = C + row_term.to(torch.int64)[:, None]
