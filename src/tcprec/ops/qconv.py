@@ -58,7 +58,6 @@ a ReLU ``uint2``); pm1 *weights* are fine with any padding.
 from __future__ import annotations
 
 import functools
-
 import math
 from dataclasses import dataclass, field
 

@@ -597,7 +597,7 @@ def grid_blocks(tile: Tile, M: int, N: int) -> int:
 INT_THRESHOLD_TILES_PER_SM = 8
 
 
-USE_PDL = True  # programmatic dependent launch on sm_90+ (False: plain stream order; clear _cfgs after changing)
+USE_PDL = True  # programmatic dependent launch on sm_90+ (False: plain stream order, read at every launch)
 
 
 def _pdl(device_index: int, want: bool = True) -> dict:
@@ -607,7 +607,7 @@ def _pdl(device_index: int, want: bool = True) -> dict:
     (64 x 128 x 128 w1a2 2.35 -> 1.90 us; 8192^3 unchanged), but whole w1a2 networks at batch 8, where every
     GEMM follows a Triton pass that never triggers, lost 1-1.5% (VGG 0.510 -> 0.516 ms, ResNet-18 0.567 ->
     0.575): so the convolution pipeline launches without it (``pdl=False``)."""
-    return {"programmatic_stream_serialization": True} if want and USE_PDL and \
+    return {"programmatic_stream_serialization": True} if want and \
         torch.cuda.get_device_capability(device_index) >= (9, 0) else {}
 
 
@@ -622,6 +622,7 @@ def code_thresholds(variant: Variant, col_scale, bias, out_scale, relu: bool, le
     kernel = load_kernel((variant, dev, "thresholds"), SOURCE_PATH, variant.defines(), f"bmma_gemm_{variant}",
                          "bmma_code_thresholds", dev)
     blocks = -(-N * codes // 128)
+    pdl = pdl and USE_PDL
     cfg = _cfgs.get(("thresholds", blocks, pdl))
     if cfg is None:
         cfg = _cfgs[("thresholds", blocks, pdl)] = LaunchConfig(grid=(blocks,), block=(128,), **_pdl(dev, pdl))
@@ -652,10 +653,11 @@ def launch_bmma(variant: Variant, a_planes, w_planes, out, M: int, N: int, Kw: i
     if t.tma:  # persistent: at most one block an SM (whole clusters), each walks its share of the tiles
         cs = t.cluster_size
         blocks = min(blocks, _sm_count(out.device)[0] // cs * cs)
+    pdl = pdl and USE_PDL
     cfg = _cfgs.get((variant, blocks, pdl))
     if cfg is None:
-        cfg = _cfgs[(variant, blocks, pdl)] = LaunchConfig(grid=(blocks,), block=(variant.threads,), **_pdl(dev, pdl),
-                                                      shmem_size=variant.smem_bytes)
+        cfg = _cfgs[(variant, blocks, pdl)] = LaunchConfig(grid=(blocks,), block=(variant.threads,),
+                                                           shmem_size=variant.smem_bytes, **_pdl(dev, pdl))
     stream = _stream_for(torch.cuda.current_stream(out.device).cuda_stream)
     maps = ((tensor_map(a_planes, t.bm // t.cluster[1]), tensor_map(w_planes, t.bn // t.cluster[0]))
             if t.tma else ())
