@@ -161,6 +161,23 @@ def test_int8_kernel_route_equals_reference_on_model_layers(i):
         assert torch.equal(conv2d(qx, pw, backend="int8", **kw), conv2d(qx, qw, backend="reference", **kw)), (act, dt)
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_quantize_fp8_static_triton_pass_equals_torch_ops(fmt):
+    """On CUDA the FP8 activation quantizer is one Triton pass; its codes equal the torch ops it replaced (run on
+    the CPU copy): saturation to +-max, round to nearest even, NaN stays NaN, an fp16 NHWC view of channels_last."""
+    gen = torch.Generator(DEV).manual_seed(5)
+    x = (torch.randn(4, 16, 9, 7, device=DEV, generator=gen) * 300).to(torch.float16)
+    x.view(-1)[:6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 65504.0, -0.0, 1e-7], device=DEV)
+    xn = x.to(memory_format=torch.channels_last).permute(0, 2, 3, 1)  # the NHWC view QConv2d passes
+    scale = torch.tensor([0.37], device=DEV)
+    got = qconv.quantize_fp8_static(xn, scale, fmt)
+    want = qconv.quantize_fp8_static(xn.cpu(), scale.cpu(), fmt)
+    f8 = torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2
+    g, w = got.codes.cpu().view(f8).float(), want.codes.view(f8).float()
+    assert torch.equal(g.isnan(), w.isnan())
+    assert torch.equal(got.codes.cpu()[~w.isnan()], want.codes[~w.isnan()])
+
+
 def _fp8_layer(i, seed=0):
     name, xs, (K, R, S), st, pd = MODEL_LAYERS[i]
     gen = torch.Generator(DEV).manual_seed(seed + i)

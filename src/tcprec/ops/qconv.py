@@ -418,9 +418,9 @@ def _int8_codes(codes: torch.Tensor, fmt: IntFormat) -> tuple[torch.Tensor, int,
 
 def quantize_fp8_static(x: torch.Tensor, scale: torch.Tensor, fmt="e4m3") -> QTensor:
     """Float ``x`` -> a float8 ``QTensor`` (``value = decode(codes) * scale``) with a fixed per-tensor
-    ``scale`` (a one-element float32 tensor on x's device), in torch ops only: no host sync, so it runs
-    inside a CUDA-graph capture (the activation quantizer of an FP8 layer).  ``x / scale`` is saturated
-    to +-max (448 for e4m3) and rounded to nearest even by ``.to(torch.float8_e4m3fn)``; NaN stays NaN.
+    ``scale`` (a one-element float32 tensor on x's device), with no host sync, so it runs inside a CUDA-graph
+    capture (the activation quantizer of an FP8 layer): one Triton pass on CUDA, torch ops elsewhere.
+    ``x / scale`` is saturated to +-max (448 for e4m3) and rounded to nearest even by ``.to(torch.float8_e4m3fn)``; NaN stays NaN.
     The codes are the uint8 view of the float8 tensor (no copy); ``conv2d`` views them back.
 
     >>> import torch
@@ -442,8 +442,15 @@ def quantize_fp8_static(x: torch.Tensor, scale: torch.Tensor, fmt="e4m3") -> QTe
     if scale.device != x.device:
         raise ValueError(f"scale is on {scale.device} but x is on {x.device}; keep the scale with the activations")
     m = float(torch.finfo(f8).max)
-    v = torch.clamp(x.to(torch.float32) / scale.reshape(()), -m, m)  # saturate: .to(float8) overflows to NaN
-    codes = v.to(f8).view(torch.uint8)  # bit patterns = tcprec's codes of the format
+    if x.is_cuda and 1 <= x.dim() <= 4 and not _interpreting():
+        # one Triton pass (divide, clamp, round, write; the same bits as the torch ops below, kernels/triton/
+        # fp8_quant.py) instead of four full-size passes with a float32 temporary
+        from ..kernels.triton.fp8_quant import quantize_fp8
+
+        codes = quantize_fp8(x, scale, torch.empty(x.shape, dtype=f8, device=x.device)).view(torch.uint8)
+    else:
+        v = torch.clamp(x.to(torch.float32) / scale.reshape(()), -m, m)  # saturate: .to(float8) overflows to NaN
+        codes = v.to(f8).view(torch.uint8)  # bit patterns = tcprec's codes of the format
     return QTensor(codes, scale.reshape((1,) * x.dim()), fmt, PerTensor(), tuple(x.shape), x.dtype)
 
 
