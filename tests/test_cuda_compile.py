@@ -149,7 +149,7 @@ def test_tma_tiles():
     packed = L.wgmma_tile(1, 1, epilogue="packed")
     assert packed.bn == 256 and 512 % packed.bn == 0  # the packed epilogue stores whole words from registers
     assert L.Variant(1, 1, tile=packed, epilogue="packed", out_bits=8).smem_bytes \
-        == L.Variant(1, 1, tile=packed).smem_bytes + 4 * 256  # + its 2^8 code thresholds
+        == L.Variant(1, 1, tile=packed).smem_bytes + 2 * 4 * 256  # + its 2^8 code thresholds in each warpgroup's copy
     with pytest.raises(ValueError, match="whole 32-column words a warp"):  # SMALL_TILE's warps own 16 columns
         L.Variant(1, 1, tile=L.SMALL_TILE, epilogue="packed")
     assert L.packed_tile(L.SMALL_TILE) == L.Tile(32, 32, 2, 1, 2, 1024)  # a picked tile is adjusted, not refused
@@ -183,7 +183,8 @@ def test_packed_variants_carry_the_threshold_kernel(cache):
         cubin, _ = L.compile_variant(v, "sm_90a")
         assert (b"bmma_code_thresholds" in cubin) == (bits <= 3) == v.int_thresholds, (bits, enc)
         words = (1 << bits) * t.bn if bits <= 3 else 0
-        assert v.smem_bytes == L.Variant(2, 1, tile=t).smem_bytes + 4 * ((1 << bits) + words)
+        per = 2 * t.bm + 3 * t.bn  # the vectors of one copy (a copy each MMA warpgroup, 4-word aligned)
+        assert v.smem_bytes == L.Variant(2, 1, tile=t).smem_bytes + 2 * 4 * (-(-(per + (1 << bits) + words) // 4) * 4 - per)
     assert b"bmma_code_thresholds" not in L.compile_variant(L.Variant(2, 1, tile=t, epilogue="float"), "sm_90a")[0]
 
 

@@ -100,6 +100,7 @@
 //                           tile; CN along N the A tile)
 //   TCP_CONS                TMA: consumer groups (1, or 2 for ping-pong: an even number of stages, no cluster)
 //   TCP_EPI, TCP_OUT_T, TCP_OB, TCP_OENC   epilogue (above)
+//   TCP_SMEM                the dynamic shared memory the host allocates (checked against the layout)
 
 #ifndef TCP_P
 #define TCP_P 2
@@ -207,9 +208,23 @@ constexpr int ITHR = (EPI == 2 && NCODE <= 8) ? NCODE : 0;
 constexpr int VEC_N = 2 * BM + 3 * BN + ITHR * BN;
 constexpr int THR_N = EPI == 2 ? NCODE : 0;    // its thresholds, staged after the vectors
 // one copy of the vectors (and thresholds) a consumer group; the copies 16-byte aligned for the int4 loads
-constexpr int VEC_STRIDE = CONS > 1 ? (VEC_N + THR_N + 3) / 4 * 4 : VEC_N + THR_N;
-constexpr int VEC_BYTES = CONS * VEC_STRIDE * 4;
+// TMA (WG_VEC): each MMA warpgroup stages its own copy and syncs only with itself (named barrier 1 + its copy), so
+// the warpgroups of a block are not held together at every tile: one's epilogue runs while the other multiplies
+// (as far as the ring of stages lets them drift apart).  Measured on an H200 (session 16, same process against
+// one copy a group): w1a2 8192^3 238 -> 225 us, w2a2 449 -> 407 us.  Taken where the copies fit in shared memory
+// (loader.Variant.smem_bytes makes the same choice), else one copy a consumer group synced group-wide.
+constexpr int SMEM_LIMIT = 232448;  // 227 KB: the most dynamic shared memory a block of sm_90 may have
+constexpr int VEC_ROUNDED = (VEC_N + THR_N + 3) / 4 * 4;
+constexpr bool WG_VEC = TMA && WARPS_M / 4 > 1 &&
+                        (VEC_OFF + CONS * (WARPS_M / 4) * VEC_ROUNDED * 4 + 7) / 8 * 8 + 2 * STAGES * 8 <= SMEM_LIMIT;
+constexpr int NWG = WG_VEC ? WARPS_M / 4 : 1;  // copies a consumer group
+constexpr int VEC_COPIES = CONS * NWG;
+constexpr int VEC_STRIDE = VEC_COPIES > 1 ? VEC_ROUNDED : VEC_N + THR_N;
+constexpr int VEC_BYTES = VEC_COPIES * VEC_STRIDE * 4;
 [[maybe_unused]] constexpr int BAR_OFF = (VEC_OFF + VEC_BYTES + 7) / 8 * 8;  // TMA: STAGES "full" then STAGES "empty" mbarriers
+#ifdef TCP_SMEM  // the dynamic shared memory the host allocates (loader.Variant.smem_bytes) holds this layout
+static_assert(BAR_OFF + (TMA ? 16 * STAGES : 0) <= TCP_SMEM, "loader.Variant.smem_bytes disagrees with the layout");
+#endif
 
 static_assert(P >= 1 && P <= 8 && Q >= 1 && Q <= 8, "bits must be 1..8");
 static_assert(MT >= 1 && MT * WARPS_M * 16 == BM, "BM must be a multiple of 16 * WARPS_M");
@@ -715,7 +730,8 @@ bmma_gemm(
         const int c = i / IT;
         return (u32)(col_thr != nullptr && n0 + c < N ? col_thr[(i64)(n0 + c) * IT + i % IT] : 0);
     };
-    u32* const s_vec = reinterpret_cast<u32*>(smem + VEC_OFF) + grp * VEC_STRIDE;  // this group's copy
+    const int vcopy = grp * NWG + (WG_VEC ? cwarp >> 2 : 0);  // this thread's copy of the vectors
+    u32* const s_vec = reinterpret_cast<u32*>(smem + VEC_OFF) + vcopy * VEC_STRIDE;
 
     int acc[NCLASS][MT][NT][4];
     auto zero_acc = [&]() {
@@ -1029,8 +1045,18 @@ bmma_gemm(
         }
     } else {  // ---- MMA warpgroups: warpgroup g of a group multiplies rows 64 g .. 64 g + 63 by the W tile ----
         set_max_regs<MMA_REGS>();
+        // the threads that stage one copy of the vectors and sync on it: a warpgroup (WG_VEC) or the group
+        constexpr int STAGERS = WG_VEC ? 128 : MMA_THREADS;
+        const int wtid = WG_VEC ? ctid & 127 : ctid;
+        auto wg_sync = [&]() {
+            if (WG_VEC) {
+                asm volatile("bar.sync %0, 128;\n" ::"r"(1 + vcopy) : "memory");
+            } else {
+                mma_sync_all(grp);
+            }
+        };
         if (EPI == 2)  // the code thresholds, visible after the first tile's barrier
-            for (int i = ctid + 1; i < NCODE; i += MMA_THREADS) s_thr[i] = code_threshold(i, out_scale[0]);
+            for (int i = wtid + 1; i < NCODE; i += STAGERS) s_thr[i] = code_threshold(i, out_scale[0]);
         const int slab = cwarp >> 2;
         auto release = [&](int g) {  // one arrival per warp on step g's "empty" barrier in every cluster block
             if (lane == 0) {
@@ -1039,7 +1065,7 @@ bmma_gemm(
                 for (int c = 0; c < CS; ++c) mbar_arrive_cta(e, (u32)c);
             }
         };
-        constexpr int VPT = (VEC_N + MMA_THREADS - 1) / MMA_THREADS;
+        constexpr int VPT = (VEC_N + STAGERS - 1) / STAGERS;
         // the block's tiles are pid = blockIdx.x / CS + t * stride, t = 0, 1, ..; group grp takes t = grp (mod CONS),
         // and counts its steps g across them in its own ring of RING stages (a group never waits two phases ahead)
         int g = 0;
@@ -1049,7 +1075,7 @@ bmma_gemm(
             u32 vec[VPT];  // this tile's epilogue vectors, loaded now, stored to shared memory after the MMAs
 #pragma unroll
             for (int j = 0; j < VPT; ++j) {
-                const int i = ctid + j * MMA_THREADS;
+                const int i = wtid + j * STAGERS;
                 vec[j] = i < VEC_N ? vec_value(i, m0, n0) : 0u;
             }
             zero_acc();
@@ -1064,13 +1090,13 @@ bmma_gemm(
             }
             wgmma_wait<0>();
             release(g - 1);
-            mma_sync_all(grp);  // every thread of the group is past its previous tile's epilogue: restage
+            wg_sync();  // every thread of the warpgroup is past its previous tile's epilogue: restage
 #pragma unroll
             for (int j = 0; j < VPT; ++j) {
-                const int i = ctid + j * MMA_THREADS;
+                const int i = wtid + j * STAGERS;
                 if (i < VEC_N) s_vec[i] = vec[j];
             }
-            mma_sync_all(grp);
+            wg_sync();
             epilogue(m0, n0);
         }
     }

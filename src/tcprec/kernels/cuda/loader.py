@@ -245,9 +245,14 @@ class Variant:
         # (+ the integer threshold words of OB <= 3: 2^OB a column)
         codes = (1 << self.out_bits) if self.epilogue == "packed" else 0
         per = 2 * t.bm + 3 * t.bn + codes + (codes * t.bn if self.int_thresholds else 0)
-        vectors = t.cons * (-(-per // 4) * 4 if t.cons > 1 else per) * 4  # a copy a consumer group (VEC_STRIDE)
         barriers = 2 * t.stages * 8 if t.tma else 0  # TMA: the "full" and "empty" mbarriers (BAR_OFF)
-        return align + -(-pipe // 16) * 16 + -(-vectors // 8) * 8 + barriers
+        base = align + -(-pipe // 16) * 16
+        # a copy a consumer group (VEC_STRIDE); with TMA a copy a warpgroup where those fit (bmma_gemm.cu, WG_VEC)
+        wg = t.warps_m // 4
+        if t.tma and wg > 1 and base + -(-(t.cons * wg * -(-per // 4) * 4 * 4) // 8) * 8 + barriers <= _MAX_SMEM:
+            return base + -(-(t.cons * wg * -(-per // 4) * 4 * 4) // 8) * 8 + barriers
+        vectors = t.cons * (-(-per // 4) * 4 if t.cons > 1 else per) * 4
+        return base + -(-vectors // 8) * 8 + barriers
 
     def defines(self) -> list[str]:
         t = self.tile
@@ -259,7 +264,7 @@ class Variant:
             f"TCP_WGMMA={int(t.mma == 'wgmma')}", f"TCP_FOLD={int(t.fold)}", f"TCP_TMA={int(t.tma)}",
             f"TCP_CM={t.cluster[0]}", f"TCP_CN={t.cluster[1]}", f"TCP_CONS={t.cons}", f"TCP_EPI={epi}",
             f"TCP_OUT_T={_OUT_T[self.out_dtype]}",
-            f"TCP_OB={self.out_bits}", f"TCP_OENC={_OENC[self.out_encoding]}",
+            f"TCP_OB={self.out_bits}", f"TCP_OENC={_OENC[self.out_encoding]}", f"TCP_SMEM={self.smem_bytes}",
         ]
 
     def __str__(self) -> str:
