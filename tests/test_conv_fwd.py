@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from _aot import require_nvidia_backend, run_aot
 
 from tcprec.kernels import reference_conv_fwd as rf
@@ -154,6 +155,114 @@ def test_int8_layers_chain():
     h_ref = rf.conv2d_fwd_int8(x, w1, **geo, act="relu", out=("int8", s1))
     assert torch.equal(h, h_ref)
     assert torch.equal(y, rf.conv2d_fwd_int8(h_ref, w2, stride=2, padding=1, out="int32"))
+
+
+# ------------------------------------------------------------------------------------------------
+# Residual + dual output: a ResNet block's relu(conv_bn(x) + shortcut) and the next layers' operands
+# ------------------------------------------------------------------------------------------------
+
+
+def _residual(shape, dtype, seed, scale=3.0):
+    return (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+
+
+# (geometry, config): padded 3x3 with M = 126 and K = 12 (partial tiles in both directions, flat mode), and
+# C = 64 in per-tap mode (K = 20)
+_RES_GEOMS = [(GEOMS[2], None), (GEOMS[8], TAP)]
+
+
+@pytest.mark.parametrize("geo_cfg", _RES_GEOMS, ids=["3x3pad-flat", "C64-tap"])
+@pytest.mark.parametrize("scale_kind, act, rdt", [
+    ("channel", "relu", torch.float16), ("tensor", None, torch.float32), ("float", ("leaky", 0.1), torch.float16),
+    ("channel", "relu", torch.float32)])
+def test_int8_residual_epilogue_bit_exact(geo_cfg, scale_kind, act, rdt):
+    """act(y + residual) with y the branch rounded to the residual's dtype: float out, int8 out and the dual
+    output all bit-exact against the reference; the float part equals the unfused graph (the conv's own
+    output in that dtype, one float32 add, act) and the codes are those of the stored float."""
+    spec, config = geo_cfg
+    x, w, geo = _int8(spec, seed=21)
+    K = w.shape[0]
+    scale, bias = _epilogue_args(K, scale_kind, torch.Generator().manual_seed(22))
+    y_fp = rf.conv2d_fwd_int8(x, w, **geo, scale=scale, bias=bias, out="float32")
+    res = _residual(y_fp.shape, rdt, 23, scale=float(y_fp.abs().max()))
+    kind = str(rdt).removeprefix("torch.")
+    kw = dict(**geo, scale=scale, bias=bias, act=act, residual=res)
+    y = cf.conv2d_fwd_int8(x, w, **kw, out=kind, config=config)
+    assert y.dtype == rdt and torch.equal(y, rf.conv2d_fwd_int8(x, w, **kw, out=kind))
+    # the unfused graph: the conv (no act) in the residual's dtype, then torch's add and activation
+    branch = cf.conv2d_fwd_int8(x, w, **geo, scale=scale, bias=bias, out=kind, config=config)
+    s = branch + res  # torch: the float32 sum stored in rdt
+    want = torch.relu(s) if act == "relu" else F.leaky_relu(s, 0.1) if act else s
+    assert torch.equal(y, want)
+    assert not torch.equal(y, cf.conv2d_fwd_int8(x, w, **geo, scale=scale, bias=bias, act=act, out=kind))
+    # int8 alone, and beside the float: uint8 codes stored shifted, an out scale that saturates the top ~5%
+    s_out = torch.tensor([float(y.float().abs().quantile(0.95)) / 255 * (2 if act is None else 1)])
+    codes = (0, 255, 128) if act == "relu" else (-128, 127, 0)
+    o8 = ("int8", s_out, codes)
+    y8 = cf.conv2d_fwd_int8(x, w, **kw, out=o8, config=config)
+    assert torch.equal(y8, rf.conv2d_fwd_int8(x, w, **kw, out=o8))
+    yd, yd8 = cf.conv2d_fwd_int8(x, w, **kw, out=kind, out_int8=o8, config=config)
+    rd, rd8 = rf.conv2d_fwd_int8(x, w, **kw, out=kind, out_int8=o8)
+    assert torch.equal(yd, y) and torch.equal(rd, y) and torch.equal(yd8, rd8) and torch.equal(yd8, y8)
+    lo, hi, off = codes
+    from_float = torch.round(torch.clamp(y.float() / s_out, lo, hi)) - off  # IEEE division, half to even
+    assert torch.equal(yd8, from_float.to(torch.int8))
+    v = yd8.to(torch.int32) + off
+    assert int(v.max()) == hi and len(torch.unique(v)) > 40  # saturation and many codes
+    if act is None:
+        assert int(v.min()) == lo  # the bottom saturates too
+
+
+def test_int8_residual_special_values_and_fp16_rounding():
+    """Residuals of +-inf, NaN and +-65504: codes saturate (NaN -> 0), the float output follows IEEE; the
+    branch is rounded to fp16 before the add, so a residual that cancels it leaves exactly 0."""
+    x, w, geo = _int8(GEOMS[0], seed=31)
+    scale = torch.rand(w.shape[0], generator=torch.Generator().manual_seed(32)) * 1e-3
+    branch = cf.conv2d_fwd_int8(x, w, **geo, scale=scale, out="float16")
+    res = -branch  # exact cancellation only if the kernel adds the fp16-rounded branch
+    flat = res.view(-1)
+    flat[:5] = torch.tensor([float("inf"), -float("inf"), float("nan"), 65504.0, -65504.0], dtype=torch.float16)
+    o8 = ("int8", 0.5, (-128, 127, 0))
+    y, y8 = cf.conv2d_fwd_int8(x, w, **geo, scale=scale, residual=res, out="float16", out_int8=o8)
+    ry, ry8 = rf.conv2d_fwd_int8(x, w, **geo, scale=scale, residual=res, out="float16", out_int8=o8)
+    torch.testing.assert_close(y, ry, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(y8, ry8)
+    assert torch.equal(y8.view(-1)[:5], torch.tensor([127, -128, 0, 127, -128], dtype=torch.int8))
+    assert (y.view(-1)[5:] == 0).all() and (y8.view(-1)[5:] == 0).all()
+    yr = cf.conv2d_fwd_int8(x, w, **geo, scale=scale, residual=res, act="relu", out="float32", config=TAP)
+    assert torch.equal(yr, rf.conv2d_fwd_int8(x, w, **geo, scale=scale, residual=res, act="relu", out="float32"))
+    assert float(yr.view(-1)[0]) == float("inf") and (yr.view(-1)[1:3] == 0).all()  # relu(-inf) = relu(NaN) = 0
+
+
+def test_fp8_residual_and_dual_output():
+    """The FP8 kernel shares the epilogue: its fused result equals its own unfused conv + add + act exactly."""
+    x, w, geo = _fp8(GEOMS[2], seed=41)
+    xs, ws = torch.tensor([0.25]), torch.rand(w.shape[0], generator=torch.Generator().manual_seed(42)) + 0.5
+    branch = cf.conv2d_fwd_fp8(x, w, xs, ws, **geo, out="float16")
+    res = _residual(branch.shape, torch.float16, 43, scale=float(branch.abs().max()))
+    y, y8 = cf.conv2d_fwd_fp8(x, w, xs, ws, **geo, act="relu", residual=res, out="float16",
+                              out_int8=("int8", 0.05, (0, 255, 128)))
+    assert torch.equal(y, torch.relu(branch.float() + res.float()).half())
+    assert torch.equal(y8, (torch.round(torch.clamp(y.float() / 0.05, 0, 255)) - 128).to(torch.int8))
+
+
+def test_residual_bad_input():
+    x, w = _small()
+    res = torch.zeros(1, 3, 3, 4, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"residual must have the output's shape \(N, P, Q, K\) = \(1, 3, 3, 4\)"):
+        cf.conv2d_fwd_int8(x, w, residual=torch.zeros(1, 4, 3, 3, dtype=torch.float16))
+    with pytest.raises(ValueError, match="residual must be float16, float32 or bfloat16, got torch.int32"):
+        cf.conv2d_fwd_int8(x, w, residual=res.int())
+    with pytest.raises(ValueError, match=r"must be contiguous NHWC.*residual.contiguous\(\)"):
+        cf.conv2d_fwd_int8(x, w, residual=torch.zeros(1, 4, 3, 3, dtype=torch.float16).permute(0, 2, 3, 1))
+    with pytest.raises(ValueError, match="out='int32' returns the raw accumulator"):
+        cf.conv2d_fwd_int8(x, w, residual=res, out="int32")
+    with pytest.raises(TypeError, match="residual must be a torch.Tensor"):
+        cf.conv2d_fwd_int8(x, w, residual=1.0)
+    with pytest.raises(ValueError, match="out must be 'float16', 'float32' or 'bfloat16' with it"):
+        cf.conv2d_fwd_int8(x, w, out=("int8", 1.0), out_int8=("int8", 1.0))
+    with pytest.raises(ValueError, match="finite out_scale > 0"):
+        cf.conv2d_fwd_int8(x, w, out="float16", out_int8=("int8", -1.0))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -310,17 +419,18 @@ def test_pick_config_table():
 
 
 def _aot_compile(fp8: bool, flat: bool, out_mode: int, C: int, K: int, has_add: bool = False,
-                 out_codes=(-128, 127, 0)):
+                 out_codes=(-128, 127, 0), has_res: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     fn = cf._conv_fwd_kernel
     xt = "fp8e4nv" if fp8 else "i8"
-    ptrs = {"x_ptr": xt, "w_ptr": xt, "out_ptr": {0: "i32", 1: "fp16", 2: "i8"}[out_mode], "sa_ptr": "fp32",
-            "sb_ptr": "fp32", "bias_ptr": "fp32", "add_ptr": "i32" if has_add else "fp32", "oscale_ptr": "fp32"}
+    ptrs = {"x_ptr": xt, "w_ptr": xt, "out_ptr": {0: "i32", 1: "fp16", 2: "i8", 3: "fp16"}[out_mode], "sa_ptr": "fp32",
+            "sb_ptr": "fp32", "bias_ptr": "fp32", "add_ptr": "i32" if has_add else "fp32", "oscale_ptr": "fp32",
+            "res_ptr": "fp16" if has_res else "fp32", "out8_ptr": "i8"}
     consts = dict(IS_FP8=fp8, FAST_ACCUM=False, FLAT=flat, OUT_MODE=out_mode, HAS_ADD=has_add, EVEN_K=C % 128 == 0,
-                  INT64=False, OUT_LO=out_codes[0], OUT_HI=out_codes[1], OUT_OFF=out_codes[2],
+                  INT64=False, HAS_RES=has_res, OUT_LO=out_codes[0], OUT_HI=out_codes[1], OUT_OFF=out_codes[2],
                   BLOCK_M=128, BLOCK_N=128, BLOCK_K=128)
     sig, attrs, cs = {}, {}, dict(consts)
     for i, name in enumerate(fn.arg_names):
@@ -352,12 +462,18 @@ def test_kernels_compile_to_wgmma_for_sm90():
     assert "0x10" in ptx["fp8_flat"]  # C = 96 (flat mode): still 16-byte runs
     assert "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8" in ptx["int8_shifted"]  # the uint8 correction
     assert "div.rn.f64" in ptx["int8_shifted"]  # and the uint8-code output (stored shifted) re-quantizes
+    # a ResNet block's fused conv: residual add + fp16 and uint8 outputs, still wgmma s8, IEEE division, no FMA
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8" in ptx["int8_residual_dual"]
+    assert "div.rn.f64" in ptx["int8_residual_dual"] and "fma.rn.f32" not in ptx["int8_residual_dual"]
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--aot"]:
     require_nvidia_backend()
     report = {"int8_tap": _aot_compile(False, False, 2, 256, 256).asm["ptx"],
               "fp8_flat": _aot_compile(True, True, 1, 96, 256).asm["ptx"],
-              "int8_shifted": _aot_compile(False, False, 2, 256, 256, has_add=True, out_codes=(0, 255, 128)).asm["ptx"]}
+              "int8_shifted": _aot_compile(False, False, 2, 256, 256, has_add=True, out_codes=(0, 255, 128)).asm["ptx"],
+              "int8_residual_dual": _aot_compile(False, False, 3, 256, 256, has_add=True, out_codes=(0, 255, 128),
+                                                 has_res=True).asm["ptx"]}
     print(json.dumps({k: "\n".join(ln for ln in v.splitlines() if "wgmma" in ln or "cp.async.c" in ln
-                                   or "div." in ln or "cvt.rn.f32.f64" in ln) for k, v in report.items()}))
+                                   or "div." in ln or "cvt.rn.f32.f64" in ln or "fma." in ln)
+                      for k, v in report.items()}))

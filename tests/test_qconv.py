@@ -550,3 +550,108 @@ def test_compact_activation_equals_padded(C):
         for impl in (conv2d, lambda *a, **k: qconv._conv2d_impl(*a, _gemm=rq.bmma_gemm_reference, **k)):
             want = impl(full, qw, padding=pad, out_dtype=torch.int32)
             assert torch.equal(impl(comp, qw, padding=pad, out_dtype=torch.int32), want), (ksize, C)
+
+
+# ------------------------------------------------------------------------------------------------
+# Residual blocks: act(conv(x) + residual) in the epilogue, and the dual (float + int8 codes) output
+# ------------------------------------------------------------------------------------------------
+
+
+def _unfused(qx, qw, res, act, geo, **kw):
+    """The unfused graph: the conv in the residual's dtype, then torch's add and activation."""
+    y = conv2d(qx, qw, backend="reference", out_dtype=res.dtype, **kw, **geo)
+    s = y + res  # the network's dtype, as nn.Module code adds
+    return torch.relu(s) if act == "relu" else F.leaky_relu(s, 0.1) if act else s
+
+
+@pytest.mark.parametrize("i", [0, 4, 7], ids=["uint8-padded", "1x1-s2", "int8-C17"])
+@pytest.mark.parametrize("dt", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_residual_and_dual_output_bit_exact(i, dt):
+    """INT8 kernel (interpreter) = reference = the unfused graph, for the float output, the int8 codes and the
+    dual output (the codes of the float it returns, as quantize_int8_static gives them)."""
+    qx, qw, geo = _int8_case(i, seed=60)
+    pw = pack_conv_weight(qw)
+    K = qw.shape[0]
+    gen = torch.Generator().manual_seed(61)
+    scale, bias = (torch.rand(K, generator=gen) + 0.5) * 1e-3, torch.randn(K, generator=gen)
+    y0 = conv2d(qx, qw, backend="reference", scale=scale, bias=bias, **geo)
+    res = (torch.randn(y0.shape, generator=gen) * y0.abs().max()).to(dt)
+    act = "relu" if i != 4 else ("leaky", 0.1)
+    kw = dict(scale=scale, bias=bias, act=act, out_dtype=dt, residual=res, **geo)
+    want = _unfused(qx, qw, res, act, geo, scale=scale, bias=bias)
+    for backend, w in (("int8", pw), ("reference", qw)):
+        assert torch.equal(conv2d(qx, w, backend=backend, **kw), want), backend
+    fmt = "uint8" if act == "relu" else "int8"
+    s_out = (want.float().abs().max() / (tp.format(fmt).max * 1.25)).reshape(1)  # values above 80% of max saturate
+    codes = qconv.quantize_int8_static(want, fmt, s_out)
+    for backend, w in (("int8", pw), ("reference", qw)):
+        a = conv2d(qx, w, backend=backend, out_fmt=fmt, out_scale=s_out, out_layout="int8", **kw)
+        assert isinstance(a, qconv.Int8Activation) and a.hp is None and torch.equal(a.x8, codes.x8), backend
+        d = conv2d(qx, w, backend=backend, out_fmt=fmt, out_scale=s_out, out_layout="int8+float", **kw)
+        assert d.hp.dtype == dt and d.hp.shape == d.x8.shape and torch.equal(d.hp, want), backend
+        assert torch.equal(d.x8, codes.x8) and torch.equal(d.scale, s_out), backend
+    assert int(codes.x8.max()) == 127 and len(torch.unique(codes.x8)) > 10  # the top code (uint8: 255 - 128)
+    s = explain_conv2d(qx, pw, backend="int8", out_fmt=fmt, out_scale=s_out, out_layout="int8+float", **kw)
+    assert f"fused epilogue (scale, bias, residual, act={act})" in s and "Int8Activation with hp" in s
+    assert "separate pass" not in s
+    # the dual output is a conv's input (its codes) like any Int8Activation
+    nxt = _qt((5, 1, 1, K), tp.format("int8"), gen, PerChannel(0))
+    assert torch.equal(conv2d(d, nxt, out_dtype=torch.int32, backend="int8"),
+                       conv2d(codes, nxt, out_dtype=torch.int32, backend="int8"))
+
+
+def test_residual_on_the_torch_epilogues():
+    """The INT8 im2col route (uint8 weights) and float8 operands (kernel and reference) take a residual too."""
+    gen = torch.Generator().manual_seed(62)
+    qx = _qt((1, 6, 7, 5), tp.format("uint4"), gen)
+    qw = _qt((3, 3, 3, 5), tp.format("uint8"), gen)
+    res = torch.randn(1, 6, 7, 3, generator=gen).half() * 50
+    kw = dict(padding=1, act="relu", out_dtype=torch.float16, residual=res)
+    assert "im2col on codes" in explain_conv2d(qx, qw, backend="int8", **kw)
+    assert "residual" in explain_conv2d(qx, qw, backend="int8", **kw)
+    assert torch.equal(conv2d(qx, qw, backend="int8", **kw), _unfused(qx, qw, res, "relu", dict(padding=1)))
+    fx, fw, geo = _fp8_case(seed=63)
+    pf = pack_conv_weight(fw)
+    for backend, w in (("fp8", pf), ("reference", fw)):
+        y = conv2d(fx, w, backend=backend, out_dtype=torch.float16, **geo)
+        r = torch.randn(y.shape, generator=gen).half() * y.abs().max()
+        got = conv2d(fx, w, backend=backend, out_dtype=torch.float16, act="relu", residual=r, **geo)
+        assert torch.equal(got, torch.relu(y + r)), backend
+
+
+def test_residual_bad_input():
+    qx, qw, geo = _int8_case(0, seed=64)
+    y = conv2d(qx, qw, backend="reference", **geo)  # (N, P, Q, K) float32
+    N, P, Q, K = y.shape
+    cases = [
+        (dict(residual=y.permute(0, 3, 1, 2)), ValueError,
+         rf"residual must have the output's NHWC shape \(N, P, Q, K\) = \({N}, {P}, {Q}, {K}\), got \({N}, {K}, {P}, "
+         rf"{Q}\); an NCHW tensor is residual.permute\(0, 2, 3, 1\)"),
+        (dict(residual=y.half()), ValueError,
+         r"residual must have the output's dtype out_dtype=torch.float32 .*got residual.dtype=torch.float16; pass "
+         r"residual.to\(torch.float32\) or out_dtype=torch.float16"),
+        (dict(residual=torch.empty(y.shape, device="meta")), ValueError,
+         r"residual is on meta but the operands are on cpu; move it there"),
+        (dict(residual=y.numpy()), TypeError, "residual must be a float NHWC torch.Tensor"),
+        (dict(residual=y.int(), out_dtype=torch.int32), ValueError,
+         r"residual is added in the float epilogue: out_dtype must be one of"),
+        (dict(residual=y, pool=("max", 2, 2)), ValueError, r"residual= cannot be combined with pool"),
+        (dict(residual=y, out_fmt="uint4", out_scale=1.0), ValueError,
+         r"out_fmt=uint4 with out_layout='planes' is not one of them; .*out_layout in \('int8', 'int8\+float'\)"),
+        (dict(out_fmt="uint8", out_scale=1.0, out_layout="int8+float", pool=("max", 2, 2)), ValueError,
+         r"out_layout='int8\+float' cannot be combined with pool"),
+        (dict(out_layout="int8+float"), ValueError, r"out_layout='int8\+float' .* needs an integer out_fmt"),
+    ]
+    for kw, exc, match in cases:
+        for backend in ("int8", "reference"):
+            with pytest.raises(exc, match=match):
+                conv2d(qx, qw, backend=backend, **dict(geo, **kw))
+    # the bit-serial GEMM cannot fuse either: an error naming the backends that can, never a silent fallback
+    qb, wb, gb = _case(2)
+    yb = conv2d(qb, wb, backend="reference", **gb)
+    for kw in (dict(residual=yb), dict(out_fmt="uint8", out_scale=1.0, out_layout="int8+float")):
+        with pytest.raises(ValueError, match=r"backend 'bitserial' .* cannot fuse it into its epilogue; backends that "
+                                             r"can: 'int8', 'fp8', 'reference'"):
+            qconv._conv2d_impl(qb, wb, _gemm=rq.bmma_gemm_reference, **dict(gb, **kw))
+    with pytest.raises(TypeError, match=r"hp must be None or a float NHWC tensor of x8's shape \(1, 2, 2, 3\)"):
+        qconv.Int8Activation(torch.zeros(1, 2, 2, 3, dtype=torch.int8), "uint8", 1.0, hp=torch.zeros(1, 3, 2, 2))

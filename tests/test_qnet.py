@@ -6,6 +6,8 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import dataclasses  # noqa: E402
+import operator  # noqa: E402
 import warnings  # noqa: E402
 
 import pytest  # noqa: E402
@@ -192,6 +194,112 @@ def test_quantize_model_bad_input(kwargs, err, match):
     args.update(kwargs)
     with pytest.raises(err, match=match):
         tp.quantize_model(_net(), args.pop("config"), **args)
+
+
+# -- residual blocks -------------------------------------------------------------------------------------
+
+
+class _FunctionalBlock(nn.Module):
+    """relu(torch.add(x, branch(x))): the identity first, a functional ReLU (the other spelling of a block)."""
+
+    def __init__(self, c: int):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return F.relu(torch.add(x, self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x)))))))
+
+
+class _ToyResNet(nn.Module):
+    """A stem, an identity block, a stride-2 block with a 1x1 shortcut conv, an identity block written
+    functionally: every way a block's output is read (residual, conv1, shortcut conv)."""
+
+    def __init__(self):
+        super().__init__()
+        from tcprec.nn.models._blocks import conv_bn_act
+        from tcprec.nn.models.resnet import BasicBlock
+
+        self.stem = nn.Sequential(*conv_bn_act(3, 16, 3))
+        self.stages = nn.Sequential(BasicBlock(16, 16, 1), BasicBlock(16, 32, 2), _FunctionalBlock(32))
+        self.fc = nn.Linear(32 * 4 * 4, 10)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.stages(self.stem(x)), 1))
+
+
+def _adds_and_relus(gm):
+    return [n for n in gm.graph.nodes if n.target in (operator.add, torch.add, F.relu)
+            or (n.op == "call_module" and isinstance(gm.get_submodule(n.target), nn.ReLU))]
+
+
+@pytest.mark.parametrize("backend, dtype", [("reference", torch.float32), ("reference", torch.float16),
+                                            ("int8", torch.float16), ("int8", torch.float32)])
+def test_residual_fusion_is_bit_identical(backend, dtype):
+    """quantize_model fuses relu(conv_bn(x) + residual) into the conv (the graph keeps no add / ReLU), and the
+    output equals the unfused network's bit for bit; with backend 'int8' (the Triton kernel, interpreter)
+    block outputs are written once as the next convs' int8 codes, with the float when a residual reads it."""
+    torch.manual_seed(3)
+    x = torch.randn(2, 3, 8, 8)
+    net = _calibrated(_ToyResNet(), x).to(dtype=dtype, memory_format=torch.channels_last)
+    x = x.to(dtype)
+    cfg = tp.QuantConfig("int8", backend=backend)
+    qf = tp.quantize_model(net, cfg, calibration=x)
+    qu = tp.quantize_model(net, dataclasses.replace(cfg, fuse_residual=False), calibration=x)
+    with torch.no_grad():
+        yf, yu, ref = qf(x), qu(x), net.float()(x.float())
+    assert yf.dtype == dtype and torch.equal(yf, yu)
+    assert _nrmse(yf.float(), ref) < 0.1
+    fused = {r.name: r.fused for r in qf.tcprec_summary.layers}
+    blocks_end = ["stages.0.branch.3", "stages.1.branch.3", "stages.2.conv2"]
+    assert [fused[n] for n in blocks_end] == [("bn", "residual", "relu")] * 3
+    assert "residual" not in "".join("".join(r.fused) for r in qu.tcprec_summary.layers)
+    assert _adds_and_relus(qf) == [] and len(_adds_and_relus(qu)) == 6  # 3 adds + 3 ReLUs stay unfused
+    mods = dict(qf.named_modules())
+    assert all(mods[n].has_residual and "residual" in mods[n].tcprec_trace()[2] for n in blocks_end)
+    out = {r.name: r.out for r in qf.tcprec_summary.layers}
+    if backend == "int8":  # the stem and the block outputs: one pass for every reader
+        dt = str(dtype).removeprefix("torch.")
+        assert out["stem.0"] == f"{dt} + int8 codes uint8 -> stages.0.branch.0"
+        assert out["stages.0.branch.3"] == "int8 codes uint8 -> stages.1.branch.0, stages.1.shortcut.0"
+        assert out["stages.1.branch.3"] == f"{dt} + int8 codes uint8 -> stages.2.conv1"
+        assert out["stages.2.conv2"] == dt  # read by flatten: float only
+        assert mods["stem.0"].out_layout == "int8+float" and mods["stages.0.branch.3"].out_layout == "int8"
+    else:  # reference layers exchange float tensors
+        assert all(m.out_fmt is None for m in mods.values() if isinstance(m, QConv2d))
+
+
+def test_residual_fusion_leaves_other_adds_alone():
+    """An add whose operands differ in shape (broadcast), a conv with an activation before the add, or a conv
+    read twice keep the float add; the fused conv refuses a call without its residual."""
+
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Conv2d(4, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+            self.c = nn.Conv2d(4, 4, 1)
+            self.bias = nn.Parameter(torch.randn(1, 4, 1, 1))
+
+        def forward(self, x):
+            y = torch.relu(self.a(x) + self.bias)  # broadcast: not a residual
+            z = torch.relu(torch.relu(self.b(y)) + y)  # the conv has its own activation first
+            c = self.c(z)
+            return torch.relu(c + z) + c  # c is read twice
+
+    x = torch.randn(2, 4, 6, 6)
+    net = Odd().eval()
+    q = tp.quantize_model(net, tp.QuantConfig("int8", backend="reference"), calibration=x)
+    assert all("residual" not in r.fused for r in q.tcprec_summary.layers)
+    with torch.no_grad():
+        torch.testing.assert_close(q(x), net(x), rtol=0.05, atol=0.05)
+    m = QConv2d.from_float(nn.Conv2d(4, 4, 3, padding=1), "int8", in_absmax=1.0, signed_input=True)
+    m.has_residual = True
+    with pytest.raises(ValueError, match=r"was fused with a residual add \(has_residual=True\): call it as "
+                                         r"m\(x, residual\)"):
+        m(x)
+    with pytest.raises(ValueError, match=r"residual must have the output's NCHW shape \(2, 4, 6, 6\), got "
+                                         r"\(2, 6, 6, 4\)"):
+        m(x, x.permute(0, 2, 3, 1))
 
 
 # -- model zoo ------------------------------------------------------------------------------------------

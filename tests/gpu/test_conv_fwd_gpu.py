@@ -130,3 +130,42 @@ def test_int8_acc_add_exact_and_capturable(name):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(y, y_want)
+
+
+@pytest.mark.parametrize("name", ["resnet18.l1", "resnet18.l2", "resnet18.l2ds", "resnet18.l3", "resnet18.l4",
+                                  "resnet18.l4ds"])
+def test_int8_residual_dual_output_exact_and_capturable(name):
+    """A ResNet block's fused last conv on the batch-8 tiles: relu(conv * scale + bias + residual) in fp16 / bf16
+    beside the next layer's uint8 codes (stored shifted by 128; the input's uint8 correction too), bit-exact
+    against the reference and the unfused conv + torch add + ReLU, the codes those of the stored float; eager and
+    replayed from a CUDA graph; still wgmma s8 (IGMMA on sm_90)."""
+    g = _geom(name, 2)
+    gen = torch.Generator(DEV).manual_seed(zlib.crc32(name.encode()) + 3)
+    x = torch.randint(-128, 128, g.input_shape, device=DEV, dtype=torch.int8, generator=gen)
+    w = torch.randint(-128, 128, g.weight_shape, device=DEV, dtype=torch.int8, generator=gen)
+    add = torch.randint(-2**20, 2**20, (g.K,), device=DEV, dtype=torch.int32, generator=gen)
+    scale = torch.rand(g.K, device=DEV, generator=gen) * 1e-4 + 1e-5
+    bias = torch.randn(g.K, device=DEV, generator=gen)
+    geo = dict(stride=g.stride, padding=g.padding, acc_mul=1, acc_add=add, scale=scale, bias=bias)
+    for rdt in (torch.float16, torch.bfloat16):
+        kind = str(rdt).removeprefix("torch.")
+        branch = cf.conv2d_fwd_int8(x, w, **geo, out=kind, config=_cfg(name))
+        assert torch.equal(branch, rf.conv2d_fwd_int8(x, w, **geo, out=kind))
+        res = (torch.randn(branch.shape, device=DEV, generator=gen) * branch.float().abs().amax()).to(rdt)
+        s_out = (torch.relu(branch.float() + res.float()).amax() / 300).reshape(1)  # the top 15% saturate
+        kw = dict(geo, act="relu", residual=res, out=kind, out_int8=("int8", s_out, (0, 255, 128)))
+        (y, y8), k = cf.conv2d_fwd_int8(x, w, **kw, config=_cfg(name), return_kernel=True)
+        ry, ry8 = rf.conv2d_fwd_int8(x, w, **kw)
+        assert torch.equal(y, ry) and torch.equal(y8, ry8), f"{name} {kind}: {int((y8 != ry8).sum())} codes differ"
+        assert torch.equal(y, torch.relu(branch + res))  # the unfused graph, in the network's dtype
+        assert torch.equal(y8, (torch.round(torch.clamp(y.float() / s_out, 0, 255)) - 128).to(torch.int8))
+        assert int(y8.max()) == 127 and len(torch.unique(y8)) > 150  # code 255 (stored 127) and many others
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            gy, gy8 = cf.conv2d_fwd_int8(x, w, **kw, config=_cfg(name))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(gy, y) and torch.equal(gy8, y8)
+        assert ".s32.s8.s8" in k.asm["ptx"]
+        if torch.cuda.get_device_capability() >= (9, 0):
+            assert "IGMMA" in k.asm["sass"]

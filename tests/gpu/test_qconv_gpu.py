@@ -254,3 +254,41 @@ def test_int8_and_fp8_routes_in_cuda_graph():
     torch.cuda.synchronize()
     assert not pw2.corr
     assert torch.equal(out2, conv2d(qx, qw, out_dtype=torch.int32, backend="reference", **geo))
+
+
+@pytest.mark.parametrize("i", [6, 7, 8], ids=[MODEL_LAYERS[j][0] for j in (6, 7, 8)])
+def test_int8_residual_and_dual_output_equal_reference(i):
+    """A ResNet block's last conv with its shortcut add and ReLU fused (ops.qconv.conv2d(residual=)): the INT8
+    kernel route equals the reference backend bit for bit -- fp16 / bf16 float output, the next layer's uint8
+    codes, and both at once (Int8Activation.hp) -- and equals the unfused conv + torch add + ReLU; in a CUDA graph."""
+    qx, qw, geo = _layer(i, "uint8", "int8", seed=70)
+    pw = pack_conv_weight(qw)
+    K = qw.shape[0]
+    gen = torch.Generator(DEV).manual_seed(71)
+    scale = (torch.rand(K, device=DEV, generator=gen) + 0.5) * 1e-4
+    bias = torch.randn(K, device=DEV, generator=gen)
+    for dt in (torch.float16, torch.bfloat16):
+        y0 = conv2d(qx, qw, scale=scale, bias=bias, out_dtype=dt, backend="reference", **geo)
+        res = (torch.randn(y0.shape, device=DEV, generator=gen) * y0.float().abs().amax()).to(dt)
+        unfused = torch.relu(y0 + res)
+        s_out = (unfused.float().amax() / 300).reshape(1)  # the top 15% saturate at code 255
+        kw = dict(scale=scale, bias=bias, act="relu", out_dtype=dt, residual=res, **geo)
+        assert "residual" in explain_conv2d(qx, pw, backend="int8", **kw)
+        assert torch.equal(conv2d(qx, pw, backend="int8", **kw), unfused)
+        assert torch.equal(conv2d(qx, qw, backend="reference", **kw), unfused)
+        want = qconv.quantize_int8_static(unfused, "uint8", s_out)
+        for layout in ("int8", "int8+float"):
+            okw = dict(kw, out_fmt="uint8", out_scale=s_out, out_layout=layout)
+            a, b = conv2d(qx, pw, backend="int8", **okw), conv2d(qx, qw, backend="reference", **okw)
+            assert torch.equal(a.x8, want.x8) and torch.equal(b.x8, want.x8), (dt, layout)
+            assert int(a.x8.max()) == 127  # code 255, stored shifted
+            if layout == "int8+float":
+                assert torch.equal(a.hp, unfused) and torch.equal(b.hp, unfused)
+    okw = dict(kw, out_fmt="uint8", out_scale=s_out, out_layout="int8+float")
+    d = conv2d(qx, pw, backend="int8", **okw)  # compiled and the correction cached outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g = conv2d(qx, pw, backend="int8", **okw)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(g.x8, d.x8) and torch.equal(g.hp, d.hp)

@@ -94,6 +94,43 @@ def test_models_run_compiled_at_every_precision(name, precision, bound):
         assert _nrmse(y, ref) < bound
 
 
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_resnet18_residual_fusion_is_bit_identical(precision):
+    """ResNet-18 in fp16 as ``tcprec bench net`` builds it: every block's add + ReLU is fused into its last conv
+    (no add node left), block outputs are written once for every reader (int8: the float beside the codes where
+    a residual reads it, codes only at a stage's entry), and the output equals the unfused network's bit for bit,
+    eagerly and from the compiled CUDA graph."""
+    m = zoo.build("resnet18", device="cuda").to(dtype=torch.float16, memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 224, 224, device="cuda", generator=torch.Generator("cuda").manual_seed(0)).half()
+    cfg = tp.QuantConfig(precision=precision, first_last=None)
+    qf = tp.quantize_model(m, cfg, calibration=x, warn=False)
+    qu = tp.quantize_model(m, tp.QuantConfig(precision=precision, first_last=None, fuse_residual=False),
+                           calibration=x, warn=False)
+    fused = [r.name for r in qf.tcprec_summary.layers if "residual" in r.fused]
+    assert fused == [f"stages.{i}.branch.3" for i in range(8)]
+    assert not any("add" in str(n.target) for n in qf.graph.nodes)
+    assert sum("add" in str(n.target) for n in qu.graph.nodes) == 8
+    if precision == "int8":
+        outs = [r.out for r in qf.tcprec_summary.layers]
+        assert sum(o.startswith("float16 + int8 codes uint8") for o in outs) == 5  # the stem, blocks 0, 2, 4, 6
+        assert sum(o.startswith("int8 codes uint8 -> stages.") and ".shortcut.0" in o for o in outs) == 3
+    with torch.no_grad():
+        yf, yu = qf(x), qu(x)
+    assert torch.isfinite(yf).all() and torch.equal(yf, yu)
+    eng = tp.compile(qf, x)
+    torch.testing.assert_close(eng(x.cpu()), yf.cpu(), rtol=0, atol=0)
+
+
+def test_bitserial_blocks_keep_the_add():
+    """w1a2 blocks run on the binary GEMM, whose epilogue cannot take a residual: the adds stay (no error)."""
+    _, q, x = _quantized("resnet18", "w1a2")
+    assert [r.backend for r in q.tcprec_summary.layers if r.name == "stages.0.branch.3"] == ["bitserial"]
+    assert not any("residual" in r.fused for r in q.tcprec_summary.layers)
+    assert sum("add" in str(n.target) for n in q.graph.nodes) == 8
+    with torch.no_grad():
+        assert torch.isfinite(q(x)).all()
+
+
 def test_engine_rejects_wrong_shape_before_launching():
     _, q, x = _quantized("resnet18", "w2a2")
     eng = tp.compile(q, x)

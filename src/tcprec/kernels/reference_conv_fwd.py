@@ -18,10 +18,14 @@ multiply-add, so the int8 path is bit-exact)
     a  = float32(acc)                               # int32 -> float32, round to nearest even
     s  = (alpha * sa[k]) * sb[k]                    # alpha: a Python float; sa, sb: per-tensor or per-channel
     y  = a * s + bias[k]                            # two roundings (a product, then a sum)
+    y  = float32(dt(float32(dt(y)) + float32(res))) # with a residual of dtype dt (a ResNet block's shortcut):
+                                                    # the unfused graph's conv output in dt, one add, stored in dt
     y  = act(y)                                     # relu: y > 0 ? y : 0;  leaky: y > 0 ? y : y * slope
     out: y rounded to float16 / float32, or
-         int8: clamp(round_half_even(y / out_scale), lo, hi) - offset   (IEEE float32 division; NaN -> 0;
-               (lo, hi, offset) = (-128, 127, 0) unless given: Int8Out)
+         int8: clamp(round_half_even(q / out_scale), lo, hi) - offset   (IEEE float32 division; NaN -> 0;
+               (lo, hi, offset) = (-128, 127, 0) unless given: Int8Out); q = y, or float32(dt(y)) with a
+               residual (the sum in the network's dtype, as the unfused graph quantizes it), or
+         both (out_int8): y rounded to the float dtype, and the int8 codes of that rounded value (q = it)
 
 int8 convs pass ``scale`` as ``alpha`` (a float) or ``sb`` (a tensor); fp8 convs pass ``x_scale`` and
 ``w_scale`` (floats go into ``alpha``, tensors into ``sa`` / ``sb``).
@@ -155,29 +159,43 @@ def _f32(v, K: int, device) -> torch.Tensor:
     return torch.full((K,), float(v), dtype=torch.float32, device=device)
 
 
+def _int8_codes(y: torch.Tensor, o: Int8Out) -> torch.Tensor:
+    """float32 y -> stored int8 ``clamp(round_half_even(y / scale), lo, hi) - offset`` (NaN -> 0)."""
+    dev = y.device
+    s_out = o.scale.reshape(()) if isinstance(o.scale, torch.Tensor) else torch.tensor(o.scale, dtype=torch.float32,
+                                                                                      device=dev)
+    q = torch.nan_to_num(y / s_out, nan=0.0)  # NaN -> 0, as the kernel
+    return (torch.round(q.clamp(float(o.lo), float(o.hi))) - o.offset).to(torch.int8)  # round: half to even
+
+
 def epilogue(acc: torch.Tensor, *, alpha: float = 1.0, sa=None, sb=None, bias=None, act=None,
-             out="float32") -> torch.Tensor:
-    """The kernels' epilogue on an accumulator (N, P, Q, K), in the kernels' float32 operation order."""
+             out="float32", residual: torch.Tensor | None = None, out_int8=None):
+    """The kernels' epilogue on an accumulator (N, P, Q, K), in the kernels' float32 operation order
+    (module docstring); ``(y, y8)`` with ``out_int8`` (the dual output)."""
     mode, slope = parse_act(act)
     kind, out_scale = parse_out(out, ("float16", "float32", "bfloat16", "int8"))
+    o8 = None if out_int8 is None else parse_out(out_int8, ("int8",))[1]
+    if o8 is not None and kind == "int8":
+        raise ValueError(f"out_int8 writes int8 codes beside a float output; out must be a float kind, got {out!r}")
     K, dev = acc.shape[-1], acc.device
     a = acc.to(torch.float32)  # int64 -> float32 rounds to nearest even, as the kernel's int32 -> float32
     s = (torch.tensor(alpha, dtype=torch.float32, device=dev) * _f32(sa, K, dev)) * _f32(sb, K, dev)
     y = a * s
     if bias is not None:
         y = y + bias.reshape(-1).to(device=dev, dtype=torch.float32)
+    if residual is not None:  # the branch in the residual's dtype, one float32 add, the sum in that dtype
+        y = y.to(residual.dtype).to(torch.float32) + residual.to(device=dev, dtype=torch.float32)
+        y = y.to(residual.dtype).to(torch.float32)  # the sum as the unfused add stores it
     zero = torch.zeros((), dtype=torch.float32, device=dev)
     if mode == ACT_RELU:
         y = torch.where(y > 0, y, zero)
     elif mode == ACT_LEAKY:
         y = torch.where(y > 0, y, y * torch.tensor(slope, dtype=torch.float32, device=dev))
     if kind == "int8":
-        o = out_scale
-        s_out = o.scale.reshape(()) if isinstance(o.scale, torch.Tensor) else torch.tensor(o.scale, dtype=torch.float32,
-                                                                                          device=dev)
-        q = torch.nan_to_num(y / s_out, nan=0.0)  # NaN -> 0, as the kernel
-        return (torch.round(q.clamp(float(o.lo), float(o.hi))) - o.offset).to(torch.int8)  # round: half to even
-    return y.to(_OUT_FLOATS[kind])
+        q = y if residual is None else y.to(residual.dtype).to(torch.float32)
+        return _int8_codes(q, out_scale)
+    y_out = y.to(_OUT_FLOATS[kind])
+    return y_out if o8 is None else (y_out, _int8_codes(y_out.to(torch.float32), o8))
 
 
 def _split_scale(v) -> tuple[float, torch.Tensor | None]:
@@ -185,25 +203,29 @@ def _split_scale(v) -> tuple[float, torch.Tensor | None]:
 
 
 def conv2d_fwd_int8(x, w, *, stride=1, padding=0, dilation=1, scale=None, bias=None, act=None,
-                    out="float16", acc_mul: int = 1, acc_add: torch.Tensor | None = None) -> torch.Tensor:
+                    out="float16", acc_mul: int = 1, acc_add: torch.Tensor | None = None,
+                    residual: torch.Tensor | None = None, out_int8=None):
     """Reference of :func:`tcprec.kernels.triton.conv_fwd.conv2d_fwd_int8` (same arguments): with
-    ``acc_add`` (int32 (K,) or (P, Q, K)) the accumulator is ``acc * acc_mul + acc_add`` in int64."""
+    ``acc_add`` (int32 (K,) or (P, Q, K)) the accumulator is ``acc * acc_mul + acc_add`` in int64;
+    ``residual`` / ``out_int8`` as :func:`epilogue`."""
     kind, _ = parse_out(out, ("float16", "float32", "bfloat16", "int32", "int8"))
     acc = conv_acc(x, w, stride, padding, dilation)
     if acc_add is not None:
         acc = acc * int(acc_mul) + acc_add.to(device=acc.device, dtype=torch.int64)  # (N, P, Q, K) + (P, Q, K) / (K,)
     if kind == "int32":
+        if residual is not None or out_int8 is not None:
+            raise ValueError("residual and out_int8 need the float epilogue; out='int32' returns the raw accumulator")
         return acc.to(torch.int32)
     alpha, sb = _split_scale(scale)
-    return epilogue(acc, alpha=alpha, sb=sb, bias=bias, act=act, out=out)
+    return epilogue(acc, alpha=alpha, sb=sb, bias=bias, act=act, out=out, residual=residual, out_int8=out_int8)
 
 
 def conv2d_fwd_fp8(x, w, x_scale=1.0, w_scale=1.0, *, stride=1, padding=0, dilation=1, bias=None, act=None,
-                   out="float16") -> torch.Tensor:
+                   out="float16", residual: torch.Tensor | None = None, out_int8=None):
     """Reference of :func:`tcprec.kernels.triton.conv_fwd.conv2d_fwd_fp8`: the float64 sum rounded
     once to float32 (the kernel's fp32 accumulation differs by rounding), then the epilogue."""
     acc = conv_acc(x, w, stride, padding, dilation)
     a1, sa = _split_scale(x_scale)
     a2, sb = _split_scale(w_scale)
     alpha = float(torch.tensor(a1, dtype=torch.float32) * torch.tensor(a2, dtype=torch.float32))
-    return epilogue(acc, alpha=alpha, sa=sa, sb=sb, bias=bias, act=act, out=out)
+    return epilogue(acc, alpha=alpha, sa=sa, sb=sb, bias=bias, act=act, out=out, residual=residual, out_int8=out_int8)

@@ -11,11 +11,17 @@ What it does, in order:
    layer (``first_last``, 8 bits by default, as APNN-TC and every BNN paper keep them) and per-layer
    ``overrides`` by module name (``"float"`` keeps a layer in floating point).
 4. Fuses, on the graph: conv -> BatchNorm2d (folded into a per-channel scale and bias) -> ReLU /
-   LeakyReLU -> 2x2 max/avg pool become one ``QConv2d``; linear -> ReLU one ``QLinear``.
+   LeakyReLU -> 2x2 max/avg pool become one ``QConv2d``; linear -> ReLU one ``QLinear``.  Residual
+   blocks: a conv(+BN) whose only user is an add (``+``, ``torch.add``, ``Tensor.add``; either operand
+   order) of a tensor of its own shape and dtype, followed by a ReLU / LeakyReLU (or nothing), become one
+   ``QConv2d`` called as ``conv(x, residual)`` at the add's place in the graph (``fuse_residual``; the INT8 /
+   FP8 kernels and the reference backend; bit-serial layers keep the add).
 5. Chains: a ``QConv2d`` whose only consumer is another bit-serial ``QConv2d`` re-quantizes and packs
    its output for it in the GEMM epilogue (``PackedActivation``), so no float tensor exists between
    them; a consumer on the INT8 kernel gets its int8 operand (``Int8Activation``, written by the
-   producer's epilogue); FP8 layers hand each other e4m3 codes.
+   producer's epilogue); FP8 layers hand each other e4m3 codes.  An output read by several INT8 convs
+   (a ResNet stage's conv1 and 1x1 shortcut: one calibrated scale) is written once as their codes, and
+   when residual adds read it too, as the codes with the float attached (``Int8Activation.hp``).
 6. Reports: ``model.tcprec_summary`` (a ``QuantSummary``) says, per layer, the precision, formats,
    backend and what was fused; layers with no quantized path stay in float and are listed in a
    warning, never silently.
@@ -24,6 +30,7 @@ What it does, in order:
 from __future__ import annotations
 
 import copy
+import operator
 import warnings
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
@@ -32,6 +39,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
+from torch.fx.passes.shape_prop import ShapeProp
 
 from ..ops.matmul import choose_int_backend
 from .qmodules import LayerPrecision, QConv2d, QLinear, parse_precision
@@ -49,6 +57,8 @@ class QuantConfig:
     overrides   module name -> precision (or ``"float"``), e.g. ``{"features.3": "w2a2"}``
     backend     ``"auto"`` | ``"bitserial"`` | ``"int8"`` | ``"reference"`` for every quantized layer
     fuse, chain steps 4 and 5 of the module docstring (on by default)
+    fuse_residual  step 4's residual blocks (with ``fuse``): ``act(conv_bn(x) + residual)`` in one conv;
+                False keeps the add and the activation as float ops (the same numbers, more passes)
     """
 
     precision: str = "w1a2"
@@ -57,6 +67,7 @@ class QuantConfig:
     backend: str = "auto"
     fuse: bool = True
     chain: bool = True
+    fuse_residual: bool = True
 
     def __post_init__(self):
         parse_precision(self.precision)
@@ -132,8 +143,12 @@ def _batches(calibration) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def _calibrate(model: nn.Module, names: list[str], batches) -> dict[str, tuple[float, bool]]:
-    """name -> (max |input|, saw a negative input) over the calibration batches."""
+def _calibrate(model: nn.Module, names: list[str], batches, shapes: bool = False,
+               notes: list[str] | None = None) -> dict[str, tuple[float, bool]]:
+    """name -> (max |input|, saw a negative input) over the calibration batches.  ``shapes`` (a traced
+    model): the first batch runs through ``ShapeProp``, which records every node's output shape and dtype
+    (``node.meta["tensor_meta"]``) for the residual fusion; where it fails, a plain forward runs instead
+    and ``notes`` says that no residual add was fused."""
     stats: dict[str, list] = {n: [0.0, False] for n in names}
     hooks = []
     mods = dict(model.named_modules())
@@ -148,8 +163,19 @@ def _calibrate(model: nn.Module, names: list[str], batches) -> dict[str, tuple[f
     try:
         dev = next((p.device for p in model.parameters()), torch.device("cpu"))
         dt = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-        for b in batches:
-            model(b.to(device=dev, dtype=dt))
+        for i, b in enumerate(batches):
+            x = b.to(device=dev, dtype=dt)
+            if shapes and i == 0:
+                try:
+                    ShapeProp(model).propagate(x)
+                    continue
+                except Exception as e:  # noqa: BLE001 - any failure: calibrate without shapes, and say so
+                    for n in model.graph.nodes:
+                        n.meta.pop("tensor_meta", None)
+                    if notes is not None:
+                        notes.append(f"shape propagation failed ({type(e).__name__}: {str(e)[:120]}); "
+                                     "residual adds were left unfused")
+            model(x)
     finally:
         for h in hooks:
             h.remove()
@@ -204,6 +230,68 @@ def _sole_user(node: fx.Node) -> fx.Node | None:
     return users[0] if len(users) == 1 else None
 
 
+_ADDS = (operator.add, torch.add)
+
+
+def _add_operands(node: fx.Node) -> tuple | None:
+    """(a, b) of a plain two-tensor add node (``a + b``, ``torch.add(a, b)``, ``a.add(b)``; no alpha), else None."""
+    is_add = ((node.op == "call_function" and node.target in _ADDS) or
+              (node.op == "call_method" and node.target == "add"))
+    if not is_add or node.kwargs or len(node.args) != 2:
+        return None
+    a, b = node.args
+    return (a, b) if isinstance(a, fx.Node) and isinstance(b, fx.Node) and a is not b else None
+
+
+def _same_tensor_meta(*nodes: fx.Node) -> bool:
+    """Whether ShapeProp saw tensors of one shape and dtype at every node (no broadcasting add)."""
+    metas = [n.meta.get("tensor_meta") for n in nodes]
+    if any(m is None or not hasattr(m, "shape") for m in metas):
+        return False
+    return all(m.shape == metas[0].shape and m.dtype == metas[0].dtype for m in metas)
+
+
+def _fuse_residuals(gm: fx.GraphModule, records: dict, residual_ok) -> None:
+    """``act(conv(x) + r)`` -> ``conv(x, r)`` with the add and act in the conv's epilogue (module docstring,
+    step 4).  The fused call takes the add's place: ``r`` (e.g. a shortcut conv) may come after the conv."""
+    g = gm.graph
+    mods = dict(gm.named_modules())
+    for n in list(g.nodes):  # an identity shortcut (nn.Identity) is the block input itself: its consumers see that
+        if n.op == "call_module" and type(mods.get(n.target)) is nn.Identity and len(n.args) == 1 and not n.kwargs:
+            n.replace_all_uses_with(n.args[0])
+            g.erase_node(n)
+    calls: dict[str, int] = {}
+    for n in g.nodes:
+        if n.op == "call_module":
+            calls[n.target] = calls.get(n.target, 0) + 1
+    for add in list(g.nodes):
+        ops = _add_operands(add)
+        if ops is None or not _same_tensor_meta(add, *ops):
+            continue
+        for conv, res in (ops, ops[::-1]):  # the left operand first (a ResNet's branch + shortcut)
+            q = mods.get(conv.target) if conv.op == "call_module" else None
+            if (isinstance(q, QConv2d) and calls[conv.target] == 1 and len(conv.users) == 1 and len(conv.args) == 1
+                    and not conv.kwargs and q.act is None and q.pool is None and not q.has_residual
+                    and q.out_dtype == add.meta["tensor_meta"].dtype and residual_ok(q)):
+                break
+        else:
+            continue
+        u = _sole_user(add)
+        act = _act_of(u, mods) if u is not None else None
+        with g.inserting_before(add):
+            fused = g.call_module(conv.target, (conv.args[0], res))
+        fused.meta = dict(add.meta)
+        last = u if act is not None else add
+        last.replace_all_uses_with(fused)
+        if act is not None:
+            g.erase_node(u)
+        g.erase_node(add)
+        g.erase_node(conv)
+        q.act, q.has_residual = act, True
+        rec = records[conv.target]
+        rec.fused = rec.fused + ("residual",) + ((act if isinstance(act, str) else "leaky",) if act else ())
+
+
 def _set_module(root: nn.Module, name: str, new: nn.Module) -> None:
     parent, _, leaf = name.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, leaf, new)
@@ -253,7 +341,7 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
         order = list(dict.fromkeys(order))
     else:
         order = [n for n, m in model.named_modules() if type(m) in (nn.Conv2d, nn.Linear)]
-    stats = _calibrate(gm, order, batches)
+    stats = _calibrate(gm, order, batches, shapes=traced, notes=notes)
     first_conv = next((n for n in order if isinstance(mods[n], nn.Conv2d)), None)
     last = order[-1] if order else None
     dev = next((p.device for p in gm.parameters()), torch.device("cpu"))
@@ -321,26 +409,53 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
                 absorbed[-1].replace_all_uses_with(node)
                 for a in reversed(absorbed):
                     g.erase_node(a)
+        if cfg.fuse and cfg.fuse_residual:
+            def residual_ok(q: QConv2d) -> bool:  # the epilogues that take a residual (not the bit-serial GEMM's)
+                return q.precision.fp8 or choose_int_backend(q.a_fmt, q.w_fmt, dev, cfg.backend)[0] != "bitserial"
+
+            _fuse_residuals(gm, records, residual_ok)
         # -- chaining: a conv feeding only a bit-serial conv hands it packed planes -------------------
         if cfg.chain:
             qmods = dict(gm.named_modules())
+
+            def kind_of(m: QConv2d) -> str:
+                return "fp8" if m.precision.fp8 else choose_int_backend(m.a_fmt, m.w_fmt, dev, cfg.backend)[0]
+
+            def is_qconv(n: fx.Node) -> bool:
+                return n.op == "call_module" and isinstance(qmods.get(n.target), QConv2d)
+
             for node in g.nodes:
-                if node.op != "call_module" or not isinstance(qmods.get(node.target), QConv2d):
+                if not is_qconv(node):
                     continue
-                u = _sole_user(node)
-                if u is None or u.op != "call_module" or not isinstance(qmods.get(u.target), QConv2d) \
-                        or u.args[0] is not node:
-                    continue
-                a, b = qmods[node.target], qmods[u.target]
+                users = list(node.users)
+                x_users = [u for u in users if is_qconv(u) and u.args[0] is node and node not in u.args[1:]]
+                r_users = [u for u in users if is_qconv(u) and node in u.args[1:] and u.args[0] is not node]
+                if not x_users or len(x_users) + len(r_users) != len(users):
+                    continue  # some consumer needs the float tensor
+                a, b = qmods[node.target], qmods[x_users[0].target]
                 if a.precision.fp8 != b.precision.fp8:
                     continue
-                kind = "fp8" if b.precision.fp8 else choose_int_backend(b.a_fmt, b.w_fmt, dev, cfg.backend)[0]
+                kind = kind_of(b)
                 if kind not in ("bitserial", "int8", "fp8"):
                     continue  # the reference backend: float in, float out
-                layout = "int8" if kind == "int8" else "planes"  # the INT8 kernel reads int8 codes, not planes
-                a.chain_to(b, layout)
-                what = {"bitserial": "packed", "int8": "int8 codes", "fp8": "packed"}[kind]
-                records[node.target].out = f"{what} {b.a_fmt} -> {u.target}"
+                if len(users) == 1 and not (a.has_residual and kind != "int8"):
+                    layout = "int8" if kind == "int8" else "planes"  # the INT8 kernel reads int8 codes, not planes
+                    a.chain_to(b, layout)
+                    what = {"bitserial": "packed", "int8": "int8 codes", "fp8": "packed"}[kind]
+                    records[node.target].out = f"{what} {b.a_fmt} -> {x_users[0].target}"
+                    continue
+                # several INT8 consumers of one tensor (a ResNet stage's conv1 and 1x1 shortcut; residual adds):
+                # one set of codes when they agree on the calibrated format and scale, plus the float for the adds
+                others = [qmods[u.target] for u in x_users[1:]]
+                if kind != "int8" or any(kind_of(o) != "int8" or o.a_fmt != b.a_fmt
+                                         or not torch.equal(o.in_scale, b.in_scale) for o in others):
+                    continue
+                if r_users and kind_of(a) == "bitserial":
+                    continue  # the dual output needs a float epilogue the binary GEMM does not have
+                a.chain_to(b, "int8+float" if r_users else "int8")
+                to = ", ".join(u.target for u in x_users)
+                dual = f"{str(a.out_dtype).removeprefix('torch.')} + " if r_users else ""
+                records[node.target].out = f"{dual}int8 codes {b.a_fmt} -> {to}"
         gm.graph.lint()
         gm.delete_all_unused_submodules()
         gm.recompile()

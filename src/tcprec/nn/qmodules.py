@@ -8,6 +8,11 @@ module drops into any network; when ``quantize_model`` finds that a conv feeds o
 quantized conv, it sets ``out_fmt`` / ``out_scale`` and the pair exchanges packed activations
 (``ops.qconv.PackedActivation``) instead, never materialising a float tensor between them.
 
+A ``QConv2d`` fused with a residual block's add (``has_residual``, set by ``quantize_model``) is called as
+``m(x, residual)`` and computes ``act(conv_bn(x) + residual)`` in its epilogue; a conv whose output is both
+a residual and the input of INT8 convs returns an ``ops.qconv.Int8Activation`` carrying the float too
+(``hp``): its consumers take the codes as ``x`` and the float as ``residual``.
+
 Precision of a layer: weights and activations are integer formats of 1..8 bits (``binary`` = pm1
 weights for 1 bit, two's complement ``intN`` otherwise; activations ``uintN`` when calibration saw no
 negative input, ``intN`` otherwise), or ``e4m3`` for both (the FP8 path).
@@ -142,8 +147,9 @@ class _QBase(nn.Module):
         self.out_dtype = out_dtype
         self.backend = backend
         self.out_fmt = None  # set by quantize_model when the output feeds another quantized conv
-        self.out_layout = "planes"  # ... as bit planes (a bit-serial consumer) or int8 codes (an INT8 one)
+        self.out_layout = "planes"  # ... as bit planes (a bit-serial consumer), int8 codes (INT8 ones), or both
         self.register_buffer("out_scale", None)
+        self.has_residual = False  # set by quantize_model: forward(x, residual) adds it before the activation
 
     def _apply(self, fn, *args, **kwargs):  # .to(device) / .cuda() move the packed weight too
         super()._apply(fn, *args, **kwargs)
@@ -156,7 +162,8 @@ class _QBase(nn.Module):
 
     def chain_to(self, nxt: "QConv2d", layout: str = "planes") -> None:
         """Emit ``nxt``'s input directly: bit planes for a bit-serial ``nxt`` (the fused re-quantize + pack
-        epilogue), int8 codes (``Int8Activation``) for an INT8 one."""
+        epilogue), int8 codes (``Int8Activation``) for an INT8 one; ``"int8+float"``: the codes with the float
+        output attached (``Int8Activation.hp``), for an output that is also a residual block's shortcut."""
         if layout not in qc.OUT_LAYOUTS:
             raise ValueError(f"layout must be one of {qc.OUT_LAYOUTS}, got {layout!r}")
         self.out_fmt = nxt.a_fmt
@@ -169,9 +176,12 @@ class _QBase(nn.Module):
             out = _short(self.out_dtype)
         else:
             out = (f"{self.out_fmt} codes" if self.precision.fp8 else
-                   f"{self.out_fmt} int8 codes" if self.out_layout == "int8" else f"{self.out_fmt} planes")
+                   f"{self.out_fmt} int8 codes" if self.out_layout == "int8" else
+                   f"{_short(self.out_dtype)} + {self.out_fmt} int8 codes" if self.out_layout == "int8+float" else
+                   f"{self.out_fmt} planes")
         acc = "fp32" if self.precision.fp8 else "int32"
-        epi = "+".join(x for x in ("scale/bias", self._act_name(), getattr(self, "pool", None) and "pool") if x)
+        epi = "+".join(x for x in ("scale/bias", getattr(self, "has_residual", False) and "residual", self._act_name(),
+                                   getattr(self, "pool", None) and "pool") if x)
         return [f"{self.a_fmt} x {self.w_fmt} weights", acc, epi, out]
 
     def _act_name(self) -> str | None:
@@ -218,9 +228,17 @@ class QConv2d(_QBase):
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
                 f"padding={self.padding}, {self.precision} ({self.w_fmt} x {self.a_fmt}), act={self.act}, "
-                f"pool={self.pool}, out={'packed ' + str(self.out_fmt) if self.out_fmt is not None else _short(self.out_dtype)}")
+                f"pool={self.pool}, out={'packed ' + str(self.out_fmt) if self.out_fmt is not None else _short(self.out_dtype)}"
+                + (", residual" if self.has_residual else ""))
 
-    def forward(self, x):
+    def forward(self, x, residual=None):
+        """``x``: float NCHW, or the operand a chained producer emitted (packed planes, int8 codes);
+        ``residual`` (a layer fused with its block's add, ``has_residual``): float NCHW of the output's
+        shape, or the producer's ``Int8Activation`` carrying the float (``hp``)."""
+        if self.has_residual != (residual is not None):
+            raise ValueError(f"this QConv2d {'was' if self.has_residual else 'was not'} fused with a residual add "
+                             f"(has_residual={self.has_residual}): call it as "
+                             f"{'m(x, residual)' if self.has_residual else 'm(x)'}")
         if isinstance(x, torch.Tensor):
             if x.dim() != 4 or x.shape[1] != self.in_channels:
                 raise ValueError(f"QConv2d expects (N, {self.in_channels}, H, W), got {tuple(x.shape)}")
@@ -231,11 +249,31 @@ class QConv2d(_QBase):
             # only a pointwise convolution multiplies its input planes themselves; the others read them
             # through an im2col, which needs no padding words (ResNet-18's 64 channels: 2 words a pixel, not 16)
             x = _quantize_input(xn, self, compact=not g.is_pointwise)
+        res = None if residual is None else self._residual_nhwc(residual, x.shape)
         y = qc.conv2d(x, self.weight, stride=self.stride, padding=self.padding, dilation=self.dilation,
                       scale=self.ch_scale, bias=self.ch_bias, act=self.act, pool=self.pool,
                       out_dtype=self.out_dtype, out_fmt=self.out_fmt, out_scale=self.out_scale,
-                      out_layout=self.out_layout, backend=self.backend)
+                      out_layout=self.out_layout, backend=self.backend, residual=res)
         return y.permute(0, 3, 1, 2) if isinstance(y, torch.Tensor) else y  # NCHW view, channels_last memory
+
+    def _residual_nhwc(self, residual, x_nhwc: tuple) -> torch.Tensor:
+        """The residual as NHWC (N, P, Q, K): the float an Int8Activation carries, or an NCHW tensor permuted
+        (a view for channels_last memory)."""
+        if isinstance(residual, qc.Int8Activation):
+            if residual.hp is None:
+                raise ValueError("the residual is an Int8Activation without its float (hp): the producer must write "
+                                 "both (out_layout='int8+float')")
+            return residual.hp
+        if not isinstance(residual, torch.Tensor):
+            raise TypeError(f"residual must be a float NCHW tensor or an Int8Activation with hp, got "
+                            f"{type(residual).__name__}")
+        N, H, W, _ = x_nhwc
+        g = ConvGeometry(N, H, W, self.in_channels, self.out_channels, *self.kernel_size, self.stride, self.padding,
+                         self.dilation)
+        want = (N, self.out_channels, g.P, g.Q)
+        if tuple(residual.shape) != want:
+            raise ValueError(f"residual must have the output's NCHW shape {want}, got {tuple(residual.shape)}")
+        return residual.permute(0, 2, 3, 1)
 
 
 class QLinear(_QBase):

@@ -49,6 +49,19 @@ Backends (one rule with ``tcprec.matmul``: bit-serial while p*q < 8, INT8 otherw
 * ``"reference"``: ``F.conv2d`` on the decoded codes (fp8: the decoded values) in float64 (exact), any
   device; the default off CUDA and the ground truth of the tests.
 
+Residual blocks (``residual=``, a float NHWC ``(N, P, Q, K)`` tensor of ``out_dtype``): ResNet's
+``act(conv_bn(x) + shortcut)`` in the conv's epilogue, with the unfused graph's roundings, so a fused network
+is bit-identical to the unfused one::
+
+    y = act(rd(float32(rd(float32(C) * col[k] + bias[k])) + float32(residual)))   rd: round to out_dtype
+
+on the INT8 and FP8 kernels (one IEEE add in the Triton epilogue) and on the torch epilogues (``reference``,
+the INT8 im2col route); the bit-serial backend cannot fuse it and raises.  ``out_layout="int8+float"``
+(integer ``out_fmt``): the *dual* output, an :class:`Int8Activation` whose ``hp`` is the float result in
+``out_dtype`` and whose codes are that float's (what :func:`quantize_int8_static` would give from it) -- a
+block output feeding both the next residual add and the next INT8 convs, from one pass.  With a residual,
+``out_layout="int8"`` quantizes the sum rounded to ``out_dtype`` as well.
+
 pm1 activations (``binary``, ``pmN``) have no zero, so they cannot stand for the zeros of spatial
 padding: the bit-serial kernel's pm1 correction assumes every one of the K terms is present.
 ``padding > 0`` with pm1 activations raises (use unsigned / two's complement activations, e.g. after
@@ -235,6 +248,10 @@ class Int8Activation:
     What :func:`quantize_int8_static` and ``conv2d(..., out_fmt=, out_layout="int8")`` return: chained INT8
     layers hand it to each other, so no float tensor and no shift pass sits between them.
 
+    ``hp`` (optional): the float NHWC tensor of the same shape that the codes were quantized from, when one
+    conv wrote both (``out_layout="int8+float"``: a residual block's output is the next block's shortcut in
+    float and the next INT8 convs' operand as codes).  ``conv2d(x=...)`` reads the codes; ``residual=`` the float.
+
     >>> import torch
     >>> xa = quantize_int8_static(torch.tensor([0.0, 1.0, 300.0]).reshape(1, 1, 1, 3), "uint8", torch.tensor([1.0]))
     >>> xa.x8.flatten().tolist(), xa.codes().flatten().tolist()
@@ -244,6 +261,7 @@ class Int8Activation:
     x8: torch.Tensor
     fmt: IntFormat
     scale: torch.Tensor
+    hp: torch.Tensor | None = None
 
     def __post_init__(self):
         fmt = as_format(self.fmt)
@@ -254,6 +272,12 @@ class Int8Activation:
         if not isinstance(x8, torch.Tensor) or x8.dtype != torch.int8 or x8.dim() != 4 or not x8.is_contiguous():
             got = f"{x8.dtype} {tuple(x8.shape)}" if isinstance(x8, torch.Tensor) else type(x8).__name__
             raise TypeError(f"x8 must be a contiguous int8 NHWC tensor (N, H, W, C), got {got}")
+        hp = self.hp
+        if hp is not None and (not isinstance(hp, torch.Tensor) or not hp.is_floating_point()
+                               or hp.shape != x8.shape or hp.device != x8.device):
+            got = f"{hp.dtype} {tuple(hp.shape)} on {hp.device}" if isinstance(hp, torch.Tensor) else type(hp).__name__
+            raise TypeError(f"hp must be None or a float NHWC tensor of x8's shape {tuple(x8.shape)} on {x8.device}, "
+                            f"got {got}")
         object.__setattr__(self, "scale", _scale_tensor(self.scale, x8.device, "scale"))
 
     @property
@@ -568,7 +592,13 @@ class _Plan:
     out_dtype: torch.dtype
     out_fmt: IntFormat | FloatFormat | None
     route: str = ""  # int8 backend: "kernel" (Triton implicit GEMM) or "im2col" (+ torch._int_mm)
-    out_layout: str = "planes"  # an integer out_fmt as bit planes or as an Int8Activation
+    out_layout: str = "planes"  # an integer out_fmt as bit planes, an Int8Activation, or one with the float too
+    has_res: bool = False  # a residual added in the epilogue, before the activation
+
+    @property
+    def dual(self) -> bool:
+        """The float result and its int8 codes (``out_layout="int8+float"``)."""
+        return self.out_layout == "int8+float"
 
     @property
     def fused(self) -> bool:
@@ -585,11 +615,55 @@ class _Plan:
                 and self.out_layout == "planes")
 
 
-OUT_LAYOUTS = ("planes", "int8")
+OUT_LAYOUTS = ("planes", "int8", "int8+float")
+_INT8_LAYOUTS = ("int8", "int8+float")
+
+
+def _check_residual(residual, g: ConvGeometry, out_dtype, device) -> None:
+    """A residual is a float NHWC tensor of the conv's output shape, in ``out_dtype``, on the operands' device."""
+    if residual is None:
+        return
+    if not isinstance(residual, torch.Tensor):
+        raise TypeError(f"residual must be a float NHWC torch.Tensor (N, P, Q, K) = {g.output_shape}, got "
+                        f"{type(residual).__name__}")
+    if out_dtype not in _KIND:
+        raise ValueError(f"residual is added in the float epilogue: out_dtype must be one of "
+                         f"{[str(d) for d in _KIND]}, got {out_dtype}; pass the network's float dtype")
+    if residual.dtype != out_dtype:
+        raise ValueError(f"residual must have the output's dtype out_dtype={out_dtype} (the unfused graph adds two "
+                         f"tensors of the network's dtype), got residual.dtype={residual.dtype}; pass "
+                         f"residual.to({out_dtype}) or out_dtype={residual.dtype}")
+    if tuple(residual.shape) != g.output_shape:
+        raise ValueError(f"residual must have the output's NHWC shape (N, P, Q, K) = {g.output_shape}, got "
+                         f"{tuple(residual.shape)}; an NCHW tensor is residual.permute(0, 2, 3, 1)")
+    if residual.device != device:
+        raise ValueError(f"residual is on {residual.device} but the operands are on {device}; move it there "
+                         f"(residual.to('{device}'))")
+
+
+def _check_fusion(plan: "_Plan") -> "_Plan":
+    """The residual and the dual output: which epilogues take them (the INT8 / FP8 kernels' and the torch
+    ones); the bit-serial GEMM's cannot, and says so rather than falling back to separate passes."""
+    what = [w for w, on in (("residual=", plan.has_res), ("out_layout='int8+float'", plan.dual)) if on]
+    if not what:
+        return plan
+    what = " and ".join(what)
+    if plan.pool is not None:
+        raise ValueError(f"{what} cannot be combined with pool={plan.pool} (the block output is not pooled); pass "
+                         "pool=None and pool in a separate layer")
+    if plan.has_res and plan.out_fmt is not None and plan.out_layout not in _INT8_LAYOUTS:
+        raise ValueError(f"residual= writes a float output or INT8 codes: out_fmt={plan.out_fmt} with "
+                         f"out_layout={plan.out_layout!r} is not one of them; use out_fmt=None, or an integer out_fmt "
+                         "with out_layout in ('int8', 'int8+float')")
+    if plan.name == "bitserial":
+        raise ValueError(f"{what}: backend 'bitserial' (the binary tensor-core GEMM) cannot fuse it into its "
+                         "epilogue; backends that can: 'int8', 'fp8', 'reference'. Use one of them, or add the "
+                         "residual / quantize after the conv yourself")
+    return plan
 
 
 def _plan(x, w, stride, padding, dilation, act, out_dtype, out_fmt, pool, backend, scale, bias, out_scale,
-          force_bitserial=False, out_layout="planes"):
+          force_bitserial=False, out_layout="planes", residual=None):
     xs = _check_x(x)
     if isinstance(w, PackedConvWeight):
         qw = w.qw
@@ -623,11 +697,13 @@ def _plan(x, w, stride, padding, dilation, act, out_dtype, out_fmt, pool, backen
     if out_layout not in OUT_LAYOUTS:
         raise ValueError(f"out_layout must be one of {OUT_LAYOUTS} (an integer out_fmt as bit planes for a bit-serial "
                          f"layer, or one int8 per element for an INT8 layer), got {out_layout!r}")
-    if out_layout == "int8" and not isinstance(out_fmt, IntFormat):
-        raise ValueError(f"out_layout='int8' writes integer codes for the next INT8 layer: it needs an integer out_fmt "
-                         f"(e.g. 'uint8'), got out_fmt={out_fmt}")
+    if out_layout in _INT8_LAYOUTS and not isinstance(out_fmt, IntFormat):
+        raise ValueError(f"out_layout={out_layout!r} writes integer codes for the next INT8 layer: it needs an integer "
+                         f"out_fmt (e.g. 'uint8'), got out_fmt={out_fmt}")
     elif out_dtype not in _OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of {[str(d) for d in _OUT_DTYPES]}, got {out_dtype}")
+    _check_residual(residual, g, out_dtype, xs.device)
+    has_res = residual is not None
     if out_dtype == torch.int32 and (scale is not None or bias is not None or act is not None or pool is not None):
         raise ValueError("scale, bias, act and pool apply to the scaled float result; out_dtype=torch.int32 returns the "
                          "raw integer convolution, so pass a float out_dtype (or out_fmt) to use them")
@@ -638,7 +714,8 @@ def _plan(x, w, stride, padding, dilation, act, out_dtype, out_fmt, pool, backen
             raise ValueError("float8 operands accumulate in float32: out_dtype=torch.int32 (the raw integer "
                              "convolution) is for integer formats; pass a float out_dtype")
         name, why = _choose_fp8_backend(fa, fw, xs.device, backend)
-        return xs, qw, g, _Plan(name, why, g, fa, fw, act, pool, out_dtype, out_fmt, "", out_layout)
+        return xs, qw, g, _check_fusion(_Plan(name, why, g, fa, fw, act, pool, out_dtype, out_fmt, "", out_layout,
+                                              has_res))
     if backend == "fp8":
         raise ValueError(f"backend='fp8' needs float8 operands (e4m3 / e5m2), got {fa} x {fw}; use 'int8' or 'auto'")
     K_true = g.R * g.S * g.C
@@ -660,7 +737,8 @@ def _plan(x, w, stride, padding, dilation, act, out_dtype, out_fmt, pool, backen
         if route == "kernel":
             why = why.replace("torch._int_mm", "the Triton INT8 conv")
         why = f"{why}; {how}"
-    return xs, qw, g, _Plan(name, why, g, fa, fw, act, pool, out_dtype, out_fmt, route, out_layout)
+    return xs, qw, g, _check_fusion(_Plan(name, why, g, fa, fw, act, pool, out_dtype, out_fmt, route, out_layout,
+                                          has_res))
 
 
 def _choose_fp8_backend(fa, fw, dev: torch.device, backend: str) -> tuple[str, str]:
@@ -735,11 +813,14 @@ def _int8_out(plan: _Plan) -> bool:
 
 def _kernel_out(plan: _Plan) -> str:
     """What the INT8 / FP8 kernel writes: the raw accumulator, the final float dtype, the next INT8 layer's
-    int8 codes, or float32 for a pass that follows (pooling, re-quantization)."""
+    int8 codes, both ("dual": the float dtype and its codes), or float32 for a pass that follows (pooling,
+    re-quantization)."""
     if plan.out_dtype == torch.int32 and plan.out_fmt is None:
         return "int32"
     if _int8_out(plan):
         return "int8"
+    if plan.dual:  # no pool (_check_fusion)
+        return "dual"
     return _KIND[plan.out_dtype] if plan.fused and plan.out_fmt is None else "float32"
 
 
@@ -826,18 +907,21 @@ def _conv_operands(x8: torch.Tensor, pw: PackedConvWeight, g: ConvGeometry):
 
 
 def _out_spec(plan: _Plan, s_out):
-    """The kernels' ``out`` argument: a kind, or the next INT8 layer's codes ("int8", scale, (lo, hi, offset))."""
+    """The kernels' ``(out, out_int8)`` arguments: a kind, or the next INT8 layer's codes ("int8", scale,
+    (lo, hi, offset)), or for the dual output the float kind and those codes."""
     kind = _kernel_out(plan)
-    if kind != "int8":
-        return kind
+    if kind not in ("int8", "dual"):
+        return kind, None
     from .quantize import _qp_params
 
     lo, hi, _, _ = _qp_params(plan.out_fmt)
-    return "int8", s_out, (lo, hi, _int8_affine(plan.out_fmt)[0])
+    codes = ("int8", s_out, (lo, hi, _int8_affine(plan.out_fmt)[0]))
+    return (codes, None) if kind == "int8" else (_KIND[plan.out_dtype], codes)
 
 
-def _int8_kernel(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, s_out) -> torch.Tensor:
-    """The Triton implicit-GEMM INT8 conv with the fused epilogue; (N, P, Q, K) in ``_kernel_out``."""
+def _int8_kernel(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, s_out, residual=None):
+    """The Triton implicit-GEMM INT8 conv with the fused epilogue; (N, P, Q, K) in ``_kernel_out`` (a pair
+    (float, int8) for the dual output)."""
     from ..kernels.triton.conv_fwd import conv2d_fwd_int8
 
     g = plan.g
@@ -845,15 +929,16 @@ def _int8_kernel(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, s_out) ->
     acc_mul, acc_add = 1, None
     if oa:  # C = sa*sw * acc + oa*sw * (sum of w over the taps inside the image); w unshifted (route rule)
         acc_mul, acc_add = sa * pw.w_step, _int8_correction(pw, g, oa * pw.w_step)
-    out = _out_spec(plan, s_out)
+    out, out_int8 = _out_spec(plan, s_out)
     float_out = out != "int32"
     x, w, st, pd, dl = _conv_operands(x8, pw, g)
     return conv2d_fwd_int8(x, w, stride=st, padding=pd, dilation=dl,
                            scale=col if float_out else None, bias=bias if float_out else None,
-                           act=plan.act if float_out else None, out=out, acc_mul=acc_mul, acc_add=acc_add)
+                           act=plan.act if float_out else None, out=out, acc_mul=acc_mul, acc_add=acc_add,
+                           residual=residual, out_int8=out_int8)
 
 
-def _fp8_kernel(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, fast_accum: bool, s_out) -> torch.Tensor:
+def _fp8_kernel(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, fast_accum: bool, s_out, residual=None):
     """The Triton implicit-GEMM FP8 conv; col = x_scale * w_scale[k] (* scale[k]) is its x_scale
     operand (per channel), so the kernel's column scale is exactly the reference's."""
     from ..kernels.triton.conv_fwd import conv2d_fwd_fp8
@@ -861,8 +946,9 @@ def _fp8_kernel(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, fast_accum
     g = plan.g
     x8 = xs.codes().contiguous().view(_fp8_dtype(plan.fa))  # (N, H, W, C) float8, no copy
     x, w, st, pd, dl = _conv_operands(x8, pw, g)  # fp8 code 0 is value 0: padded taps need no correction
+    out, out_int8 = _out_spec(plan, s_out)
     return conv2d_fwd_fp8(x, w, col, None, stride=st, padding=pd, dilation=dl, bias=bias,
-                          act=plan.act, out=_out_spec(plan, s_out), fast_accum=fast_accum)
+                          act=plan.act, out=out, fast_accum=fast_accum, residual=residual, out_int8=out_int8)
 
 
 def _fp8_reference(plan: _Plan, xs: _X, qw: QTensor) -> torch.Tensor:
@@ -936,18 +1022,27 @@ def _after_gemm(plan: _Plan, device: torch.device, out: str, requant: str) -> li
     return steps + [f"separate pass: {requant if plan.out_fmt is not None else 'cast to ' + out}"]
 
 
-def _finish_float(plan: _Plan, y: torch.Tensor, out_scale, act_done: bool):
-    """float32 y (M, K) -> act (unless done) -> pool -> out dtype or packed.  To packed integer planes from a
-    kernel backend on CUDA (and under the interpreter): one Triton pass, max-pool + quantize + pack
+def _finish_float(plan: _Plan, y: torch.Tensor, out_scale, act_done: bool, residual=None):
+    """float32 y (M, K) -> (+ residual) -> act (unless done) -> pool -> out dtype or packed.  To packed integer
+    planes from a kernel backend on CUDA (and under the interpreter): one Triton pass, max-pool + quantize + pack
     (``kernels/triton/pack.py``; the same codes as the reference's torch passes for finite y)."""
     g = plan.g
+    if residual is not None:  # the kernels' order: the branch in the residual's dtype, one add, the sum in it, act
+        y = y.to(residual.dtype).to(torch.float32) + residual.reshape(-1, g.K).to(torch.float32)
+        y = y.to(residual.dtype).to(torch.float32)  # the sum as the unfused add stores it
     if not act_done:
         y = rq.apply_act(y, plan.act)
     fmt = plan.out_fmt
     y4 = y.reshape(g.N, g.P, g.Q, g.K)
     s = out_scale.to(torch.float32).reshape(1) if out_scale is not None else None
+    how = "reference" if plan.name == "reference" else "auto"
+    if plan.dual:  # the float result, and the codes of that float as the next INT8 layers' operand
+        y_hp = y4.to(plan.out_dtype)
+        return Int8Activation(quantize_int8_static(y_hp, fmt, s, backend=how).x8, fmt, s, hp=y_hp)
     if plan.out_layout == "int8":  # the next INT8 layer's codes: one Triton pass on CUDA (torch elsewhere)
-        return quantize_int8_static(y4, fmt, s, plan.pool, backend="reference" if plan.name == "reference" else "auto")
+        if residual is not None:  # the codes of the sum in the network's dtype (the unfused graph quantizes that)
+            y4 = y4.to(residual.dtype)
+        return quantize_int8_static(y4, fmt, s, plan.pool, backend=how)
     if _fused_pack(plan, y.device):
         from ..kernels.triton import pack as tpack  # TRITON_INTERPRET is read at import
         from .quantize import _qp_params
@@ -975,9 +1070,11 @@ def _packed_result(planes, plan: _Plan, out_scale, shape) -> PackedActivation:
 
 def _conv2d_impl(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None, act=None, out_dtype=torch.float32,
                  out_fmt=None, out_scale=None, pool=None, backend="auto", fp8_fast_accum=True, out_layout="planes",
-                 _gemm=None):
+                 residual=None, _gemm=None):
     xs, qw, g, plan = _plan(x, w, stride, padding, dilation, act, out_dtype, out_fmt, pool, backend, scale, bias,
-                            out_scale, force_bitserial=_gemm is not None, out_layout=out_layout)
+                            out_scale, force_bitserial=_gemm is not None, out_layout=out_layout, residual=residual)
+    if residual is not None:
+        residual = residual.contiguous()  # (N, P, Q, K); a no-op for the NHWC view of a channels_last tensor
     K = g.K
     pw = w if isinstance(w, PackedConvWeight) else None
     w_scale = pw.w_scale if pw is not None else qw.scale.reshape(-1).expand(K).to(torch.float32)
@@ -1016,23 +1113,25 @@ def _conv2d_impl(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None
     if plan.name == "fp8" or (plan.name == "int8" and plan.route == "kernel"):
         pw = pw if pw is not None else pack_conv_weight(qw)
         if plan.name == "fp8":
-            y = _fp8_kernel(plan, xs, pw, col, bias, bool(fp8_fast_accum), s_out)
+            y = _fp8_kernel(plan, xs, pw, col, bias, bool(fp8_fast_accum), s_out, residual)
         else:
-            y = _int8_kernel(plan, xs, pw, col, bias, s_out)  # (N, P, Q, K)
+            y = _int8_kernel(plan, xs, pw, col, bias, s_out, residual)  # (N, P, Q, K)
         if _kernel_out(plan) == "int8":
             return Int8Activation(y, plan.out_fmt, s_out)
+        if _kernel_out(plan) == "dual":
+            return Int8Activation(y[1], plan.out_fmt, s_out, hp=y[0])
         if _kernel_out(plan) != "float32" or (plan.fused and plan.out_fmt is None):
             return y
         return _finish_float(plan, y.reshape(-1, K), s_out, act_done=True)
 
     if plan.name == "reference" and _fp8_dtype(plan.fa) is not None:
         y = rg.float_epilogue(_fp8_reference(plan, xs, qw), None, col, bias, False, torch.float32)
-        return _finish_float(plan, y, s_out, act_done=False)
+        return _finish_float(plan, y, s_out, act_done=False, residual=residual)
     C = _int_product(plan, xs, qw)  # (M, K)
     if plan.out_dtype == torch.int32 and plan.out_fmt is None:
         return C.to(torch.int32).reshape(g.N, g.P, g.Q, K)
     y = rg.float_epilogue(C, None, col, bias, False, torch.float32)  # (M, K) float32
-    return _finish_float(plan, y, s_out, act_done=False)
+    return _finish_float(plan, y, s_out, act_done=False, residual=residual)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1041,7 +1140,8 @@ def _conv2d_impl(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None
 
 
 def conv2d(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None, act=None, out_dtype=torch.float32,
-           out_fmt=None, out_scale=None, pool=None, backend="auto", fp8_fast_accum=True, out_layout="planes"):
+           out_fmt=None, out_scale=None, pool=None, backend="auto", fp8_fast_accum=True, out_layout="planes",
+           residual=None):
     """Quantized 2-D convolution, NHWC, integer part exact (module docstring for the full contract).
 
     x: ``QTensor`` codes ``(N, H, W, C)`` (PerTensor scale), :class:`PackedActivation` or
@@ -1052,7 +1152,12 @@ def conv2d(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None, act=
     float8 ``QTensor`` (N, P, Q, K) when ``out_fmt`` is e4m3 / e5m2 (the next FP8 layer's input).
     ``out_layout="int8"`` (integer ``out_fmt``): an :class:`Int8Activation` instead of bit planes, the next
     INT8 layer's operand -- written by the INT8 / FP8 kernel's epilogue itself when there is no pooling,
-    else by one Triton pass (max-pool + re-quantize) after it.
+    else by one Triton pass (max-pool + re-quantize) after it.  ``out_layout="int8+float"``: that
+    :class:`Int8Activation` with ``hp`` = the float result in ``out_dtype`` (its codes are that float's).
+
+    ``residual``: float NHWC ``(N, P, Q, K)`` in ``out_dtype`` on x's device, added before ``act`` as the
+    unfused ``act(conv(...) + residual)`` adds it (module docstring): a ResNet block's last conv, its shortcut
+    add and ReLU in one kernel on the INT8 / FP8 backends (torch ops on ``reference``); ``bitserial`` raises.
 
     ``fp8_fast_accum`` (float8 operands on the GPU): True keeps Hopper's narrow fp8 accumulator for the
     whole reduction; False promotes it into fp32 every BLOCK_K products (as cuBLAS does by default).
@@ -1066,17 +1171,20 @@ def conv2d(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None, act=
     >>> qw = tp.quantize(torch.ones(1, 3, 3, 2), "binary", scale=1.0)
     >>> conv2d(qx, qw, padding=1, out_dtype=torch.int32)[0, :, :, 0].tolist()
     [[8, 12, 8], [12, 18, 12], [8, 12, 8]]
+    >>> conv2d(qx, qw, padding=1, act="relu", residual=torch.full((1, 3, 3, 1), -10.0))[0, :, :, 0].tolist()
+    [[0.0, 2.0, 0.0], [2.0, 8.0, 2.0], [0.0, 2.0, 0.0]]
     """
     return _conv2d_impl(x, w, stride=stride, padding=padding, dilation=dilation, bias=bias, scale=scale, act=act,
                         out_dtype=out_dtype, out_fmt=out_fmt, out_scale=out_scale, pool=pool, backend=backend,
-                        fp8_fast_accum=fp8_fast_accum, out_layout=out_layout)
+                        fp8_fast_accum=fp8_fast_accum, out_layout=out_layout, residual=residual)
 
 
 def choose_conv2d_backend(x, w, backend: str = "auto", **kw) -> tuple[str, str]:
     """(backend, reason) for ``conv2d(x, w, **kw)``."""
     _, _, _, plan = _plan(x, w, kw.get("stride", 1), kw.get("padding", 0), kw.get("dilation", 1), kw.get("act"),
                           kw.get("out_dtype", torch.float32), kw.get("out_fmt"), kw.get("pool"), backend,
-                          kw.get("scale"), kw.get("bias"), kw.get("out_scale"), out_layout=kw.get("out_layout", "planes"))
+                          kw.get("scale"), kw.get("bias"), kw.get("out_scale"),
+                          out_layout=kw.get("out_layout", "planes"), residual=kw.get("residual"))
     return plan.name, plan.why
 
 
@@ -1092,14 +1200,16 @@ def explain_conv2d(x, w, **kw) -> str:
     xs, _, g, plan = _plan(x, w, kw.get("stride", 1), kw.get("padding", 0), kw.get("dilation", 1), kw.get("act"),
                            kw.get("out_dtype", torch.float32), kw.get("out_fmt"), kw.get("pool"),
                            kw.get("backend", "auto"), kw.get("scale"), kw.get("bias"), kw.get("out_scale"),
-                           out_layout=kw.get("out_layout", "planes"))
+                           out_layout=kw.get("out_layout", "planes"), residual=kw.get("residual"))
     M, Kt = g.N * g.P * g.Q, g.R * g.S * g.C
     head = (f"{plan.name}: {plan.why}; conv {g.N}x{g.H}x{g.W}x{g.C} * {g.K}x{g.R}x{g.S}x{g.C}, stride {g.stride}, "
             f"padding {g.padding}, dilation {g.dilation} -> {g.N}x{g.P}x{g.Q}x{g.K}; GEMM M={M} N={g.K} K={Kt}")
     out = ("int32" if plan.out_dtype == torch.int32 and plan.out_fmt is None else
            f"{plan.out_fmt} QTensor" if isinstance(plan.out_fmt, FloatFormat) else
            f"{plan.out_fmt} Int8Activation" if plan.out_layout == "int8" else
+           f"{_KIND[plan.out_dtype]} + {plan.out_fmt} codes (Int8Activation with hp)" if plan.dual else
            f"packed {plan.out_fmt} planes" if plan.out_fmt is not None else str(plan.out_dtype).removeprefix("torch."))
+    res = ", residual" if plan.has_res else ""
     if plan.name == "bitserial":
         Cw = -(-g.C // 32)
         steps = ["no im2col (1x1 stride 1: the input planes are the operand)" if g.is_pointwise else
@@ -1123,19 +1233,20 @@ def explain_conv2d(x, w, **kw) -> str:
                 if _thin_stem(g) else [])
         if plan.name == "fp8":
             steps = stem + [f"Triton implicit-GEMM FP8 conv conv2d_fwd_fp8 ({'fast_accum' if fast else 'fp32 promotion every BLOCK_K'}) "
-                     f"with fused epilogue (scale, bias, act={plan.act}) -> {kind}"]
+                     f"with fused epilogue (scale, bias{res}, act={plan.act}) -> {out if kind == 'dual' else kind}"]
         else:
             oa = _int8_affine(plan.fa)[0]
             how = "as given: Int8Activation" if xs.i8 is not None else "torch pass"
             shift = ([f"x stored as code - 128 ({how}), exact correction for the taps inside the image "
                       f"({'(P, Q, K) table' if max(g.padding) > 0 else '(K,) vector'}, cached)"] if oa else [])
             steps = shift + stem + [f"Triton implicit-GEMM INT8 conv conv2d_fwd_int8 "
-                             f"with fused epilogue (scale, bias, act={plan.act}) -> {kind}" if kind != "int32" else
+                             f"with fused epilogue (scale, bias{res}, act={plan.act}) -> "
+                             f"{out if kind == 'dual' else kind}" if kind != "int32" else
                              "Triton implicit-GEMM INT8 conv conv2d_fwd_int8 -> int32"]
         if kind == "float32" and not (plan.fused and plan.out_fmt is None):
             steps += _after_gemm(plan, xs.device, out, "re-quantize")
     else:
         steps = [("float64 F.conv2d on decoded codes" if plan.name == "reference" else
                   "im2col on codes (torch gather) + torch._int_mm (INT8 tensor cores)"),
-                 f"epilogue in torch (scale, bias, act={plan.act}, pool={plan.pool}) -> {out}"]
+                 f"epilogue in torch (scale, bias{res}, act={plan.act}, pool={plan.pool}) -> {out}"]
     return head + "; passes: " + " -> ".join(steps)

@@ -22,9 +22,15 @@ The output row of pixel m = n*P*Q + p*Q + q is simply ``y + m*K``.
         multiple of 16 the columns still come in 16-byte runs.
     int8 operands shifted by an offset (uint8 / pm8 codes stored as code - 128, ops/qconv.py):
               acc = acc * acc_mul + add[(p, q), k]   the exact integer correction, before any rounding
-    epilogue: a = float(acc); y = a * ((alpha * sa[k]) * sb[k]) + bias[k]; act;
+    epilogue: a = float(acc); y = a * ((alpha * sa[k]) * sb[k]) + bias[k];
+              residual (HAS_RES): y = rd(float32(rd(y)) + float32(res[m, k])), rd = round to the residual's
+                        dtype (a ResNet block's relu(branch + shortcut) exactly as the unfused graph computes it:
+                        the conv's stored output, one IEEE float32 add, the sum stored);  act;
               store fp16 / fp32, or int8 = clamp(rint(y / out_scale), lo, hi) - offset -- the next layer's
-              input (plain int8, or a uint8 code stored shifted: reference_conv_fwd.Int8Out);
+              input (plain int8, or a uint8 code stored shifted: reference_conv_fwd.Int8Out; with a residual,
+              of y rounded to the residual's dtype, as the unfused graph quantizes it);
+              or both (OUT_MODE 3): the float y and the int8 codes of that float (rounded to its dtype),
+              bit-identical to quantizing the stored float in a separate pass;
               or (OUT_MODE 0) the raw accumulator.
 
 The kernel is compiled with ``enable_fp_fusion=False`` (the epilogue's mul and add round separately,
@@ -59,7 +65,7 @@ __all__ = ["conv2d_fwd_int8", "conv2d_fwd_fp8", "pick_config", "compile_key", "g
            "INTERPRETER_CONFIG", "interpreting"]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-OUT_RAW, OUT_FLOAT, OUT_INT8 = 0, 1, 2
+OUT_RAW, OUT_FLOAT, OUT_INT8, OUT_DUAL = 0, 1, 2, 3
 _OUT_DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16,
                "int32": torch.int32, "int8": torch.int8}
 # The interpreter runs one small tile (reduction block 32: the smallest 8-bit wgmma step)
@@ -76,7 +82,7 @@ _NOSPEC = ["N", "H", "W", "P", "Q", "R", "S", "str_h", "str_w", "pad_h", "pad_w"
 
 @triton.jit(do_not_specialize=_NOSPEC)
 def _conv_fwd_kernel(
-    x_ptr, w_ptr, out_ptr, sa_ptr, sb_ptr, bias_ptr, add_ptr, oscale_ptr,
+    x_ptr, w_ptr, out_ptr, sa_ptr, sb_ptr, bias_ptr, add_ptr, oscale_ptr, res_ptr, out8_ptr,
     # -- sizes (x, w, out contiguous NHWC / KRSC / NPQK: strides follow from C, W, H, R, S, K) --
     N, H, W, C, P, Q, K, R, S,
     str_h, str_w, pad_h, pad_w, dil_h, dil_w,
@@ -88,7 +94,9 @@ def _conv_fwd_kernel(
     # -- what to do --
     IS_FP8: tl.constexpr, FAST_ACCUM: tl.constexpr, FLAT: tl.constexpr, OUT_MODE: tl.constexpr, HAS_ADD: tl.constexpr,
     EVEN_K: tl.constexpr, INT64: tl.constexpr,
-    # -- int8 output (OUT_MODE 2): stored clamp(rne(y / out_scale), OUT_LO, OUT_HI) - OUT_OFF --
+    # -- residual: res (N, P, Q, K) float, contiguous like out, added after the bias, before the activation --
+    HAS_RES: tl.constexpr,
+    # -- int8 output (OUT_MODE 2 at out, 3 at out8): stored clamp(rne(y / out_scale), OUT_LO, OUT_HI) - OUT_OFF --
     OUT_LO: tl.constexpr, OUT_HI: tl.constexpr, OUT_OFF: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -190,9 +198,10 @@ def _conv_fwd_kernel(
 
     # ---- epilogue: y[m, k] at out + m*K + k ----
     if INT64:
-        out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * K + offs_n[None, :]
+        offs_out = offs_m.to(tl.int64)[:, None] * K + offs_n[None, :]
     else:
-        out_ptrs = out_ptr + offs_m[:, None] * K + offs_n[None, :]
+        offs_out = offs_m[:, None] * K + offs_n[None, :]
+    out_ptrs = out_ptr + offs_out
     mask = m_ok[:, None] & n_ok[None, :]
     if HAS_ADD:  # int32 wrap-around is harmless: the true sum fits int32 (checked by the caller)
         add = tl.load(add_ptr + (offs_m % PQ)[:, None] * add_stride + offs_n_ld[None, :])
@@ -206,18 +215,30 @@ def _conv_fwd_kernel(
         scl = (alpha * sa) * sb
         y = acc.to(tl.float32) * scl[None, :]
         y = y + bias[None, :]
+        if HAS_RES:  # the unfused graph: the branch stored in the residual's dtype, then one float32 add
+            res = tl.load(res_ptr + offs_out, mask=mask, other=0.0)
+            y = y.to(res_ptr.dtype.element_ty).to(tl.float32) + res.to(tl.float32)  # (no-op roundings for fp32)
+            y = y.to(res_ptr.dtype.element_ty).to(tl.float32)  # the sum as the add stores it: any act sees that
         if act == 1:
             y = tl.where(y > 0, y, 0.0)
         elif act == 2:
             y = tl.where(y > 0, y, y * slope)
-        if OUT_MODE == 1:
-            tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
-        else:
+        if OUT_MODE == 1 or OUT_MODE == 3:
+            y_out = y.to(out_ptr.dtype.element_ty)
+            tl.store(out_ptrs, y_out, mask=mask)
+            if OUT_MODE == 3:  # the codes of the stored float, as a separate quantize pass would read it
+                y = y_out.to(tl.float32)
+        elif HAS_RES:  # int8 only: the codes of the value in the residual's (the network's) float dtype
+            y = y.to(res_ptr.dtype.element_ty).to(tl.float32)
+        if OUT_MODE == 2 or OUT_MODE == 3:
             y = div_by_scalar(y, tl.load(oscale_ptr))
             y = tl.where(y == y, y, 0.0)  # NaN -> 0
             y = tl.minimum(tl.maximum(y, OUT_LO * 1.0), OUT_HI * 1.0)
             y = (y + 12582912.0) - 12582912.0  # round half to even (1.5 * 2**23; |y| <= 255 here)
-            tl.store(out_ptrs, (y.to(tl.int32) - OUT_OFF).to(tl.int8), mask=mask)
+            if OUT_MODE == 2:
+                tl.store(out_ptrs, (y.to(tl.int32) - OUT_OFF).to(tl.int8), mask=mask)
+            else:
+                tl.store(out8_ptr + offs_out, (y.to(tl.int32) - OUT_OFF).to(tl.int8), mask=mask)
 
 
 # The conv layers of issue 4's networks that the tile table was tuned on (batch is a separate axis):
@@ -310,12 +331,15 @@ def pick_config(g: ConvGeometry, fp8: bool, device: torch.device | None = None) 
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "FLAT": flat, "num_warps": warps, "num_stages": stages}
 
 
-def compile_key(g: ConvGeometry, cfg: dict, fp8: bool, out_kind: str, has_add: bool = False) -> tuple:
+def compile_key(g: ConvGeometry, cfg: dict, fp8: bool, out_kind: str, has_add: bool = False,
+                has_res: bool = False) -> tuple:
     """What decides which compiled variant a launch uses (C and K are specialised on divisibility by
-    16; every other shape scalar is not): launches with equal keys share one compiled kernel."""
+    16; every other shape scalar is not): launches with equal keys share one compiled kernel.  ``out_kind``
+    names the output (a float dtype with ``+int8`` for the dual output); ``has_res``: a residual input."""
     flat = cfg.get("FLAT", g.C % cfg["BLOCK_K"] != 0)
-    return (fp8, out_kind, has_add, g.C % 16 == 0, g.C == 1, g.K % 16 == 0, g.K == 1, flat, g.C % cfg["BLOCK_K"] == 0,
-            cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg.get("num_warps", 4), cfg.get("num_stages", 3))
+    key = (fp8, out_kind, has_add, g.C % 16 == 0, g.C == 1, g.K % 16 == 0, g.K == 1, flat, g.C % cfg["BLOCK_K"] == 0,
+           cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg.get("num_warps", 4), cfg.get("num_stages", 3))
+    return key + (("residual",) if has_res else ())  # unchanged keys for launches without one
 
 
 # ------------------------------------------------------------------------------------------------
@@ -410,16 +434,45 @@ def _check_add(acc_mul, acc_add, g: ConvGeometry, device, op: str):
     return acc_add.contiguous()
 
 
+def _check_residual(residual, g: ConvGeometry, device, kind: str, op: str):
+    """The residual: a float tensor of the output's shape (N, P, Q, K), contiguous, on x's device; it needs the
+    float epilogue (not the raw int32 accumulator)."""
+    if residual is None:
+        return None
+    if kind == "int32":
+        raise ValueError(f"{op}: residual is added in the float epilogue; out='int32' returns the raw accumulator. "
+                         "Pass a float out (e.g. 'float16') or ('int8', out_scale)")
+    if not isinstance(residual, torch.Tensor):
+        raise TypeError(f"{op}: residual must be a torch.Tensor (N, P, Q, K), got {type(residual).__name__}")
+    if residual.dtype not in (torch.float16, torch.float32, torch.bfloat16):
+        raise ValueError(f"{op}: residual must be float16, float32 or bfloat16, got {residual.dtype}; "
+                         "pass residual.to(torch.float16) (the network's float dtype)")
+    if tuple(residual.shape) != g.output_shape:
+        raise ValueError(f"{op}: residual must have the output's shape (N, P, Q, K) = {g.output_shape}, got "
+                         f"{tuple(residual.shape)}")
+    if residual.device != device:
+        raise ValueError(f"{op}: residual is on {residual.device}, the conv runs on {device}; move it there first")
+    if not residual.is_contiguous():
+        raise ValueError(f"{op}: residual must be contiguous NHWC (N, P, Q, K), got strides "
+                         f"{tuple(residual.stride())}; pass residual.contiguous()")
+    return residual
+
+
+def _oscale(spec, device, op: str):
+    oscale = spec.scale if isinstance(spec.scale, torch.Tensor) else _const(device, spec.scale)
+    if oscale.device != device:
+        raise ValueError(f"{op}: out_scale is on {oscale.device}, the conv runs on {device}; move it there first")
+    return oscale
+
+
 def _launch(x, w, g: ConvGeometry, op: str, *, fp8: bool, alpha, sa, sb, bias, act, out, fast_accum, config,
-            add=None, acc_mul: int = 1):
+            add=None, acc_mul: int = 1, res=None, out8=None):
     kind, spec = out
     mode, slope = parse_act(act)
     device = x.device
-    if kind == "int8":
-        oscale = spec.scale if isinstance(spec.scale, torch.Tensor) else _const(device, spec.scale)
-        if oscale.device != device:
-            raise ValueError(f"{op}: out_scale is on {oscale.device}, the conv runs on {device}; move it there first")
-        o_lo, o_hi, o_off = spec.lo, spec.hi, spec.offset
+    if kind == "int8" or out8 is not None:  # the int8 codes at out (OUT_MODE 2) or beside the float out (3)
+        spec8 = spec if kind == "int8" else out8
+        oscale, o_lo, o_hi, o_off = _oscale(spec8, device, op), spec8.lo, spec8.hi, spec8.offset
     else:
         oscale, o_lo, o_hi, o_off = _const(device, 1.0), -128, 127, 0
     if bias is None:
@@ -437,26 +490,40 @@ def _launch(x, w, g: ConvGeometry, op: str, *, fp8: bool, alpha, sa, sb, bias, a
     flat = cfg.get("FLAT", g.C % cfg["BLOCK_K"] != 0)
     lim = 2**31 - 1
     int64 = x.numel() >= lim or y.numel() >= lim or w.numel() >= lim
-    out_mode = OUT_RAW if kind == "int32" else (OUT_INT8 if kind == "int8" else OUT_FLOAT)
+    out_mode = (OUT_RAW if kind == "int32" else OUT_INT8 if kind == "int8" else OUT_DUAL if out8 is not None
+                else OUT_FLOAT)
+    y8 = torch.empty(g.output_shape, dtype=torch.int8, device=device) if out_mode == OUT_DUAL else y
     grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(g.K, cfg["BLOCK_N"]),)
     add_t, add_stride = (_const(device, 0.0), 0) if add is None else (add, g.K if add.dim() == 3 else 0)
     kernel = _conv_fwd_kernel[grid](
-        x, w, y, sa[0], sb[0], bias_t, add_t, oscale,
+        x, w, y, sa[0], sb[0], bias_t, add_t, oscale, _const(device, 0.0) if res is None else res, y8,
         g.N, g.H, g.W, g.C, g.P, g.Q, g.K, g.R, g.S,
         g.stride[0], g.stride[1], g.padding[0], g.padding[1], g.dilation[0], g.dilation[1], M,
         float(alpha), sa[1], sb[1], bias_stride, mode, float(slope),
         g.P * g.Q, int(acc_mul), add_stride,
         IS_FP8=fp8, FAST_ACCUM=bool(fast_accum), FLAT=bool(flat), OUT_MODE=out_mode, HAS_ADD=add is not None,
-        EVEN_K=g.C % cfg["BLOCK_K"] == 0, INT64=int64, OUT_LO=o_lo, OUT_HI=o_hi, OUT_OFF=o_off,
+        EVEN_K=g.C % cfg["BLOCK_K"] == 0, INT64=int64, HAS_RES=res is not None, OUT_LO=o_lo, OUT_HI=o_hi, OUT_OFF=o_off,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3), enable_fp_fusion=False,
     )
-    return y, kernel
+    return ((y, y8) if out_mode == OUT_DUAL else y), kernel
+
+
+def _parse_outs(out, out_int8, allowed: tuple[str, ...], op: str):
+    """(kind, spec, Int8Out or None): ``out`` and, for the dual output, ``out_int8`` (the int8 form of ``out``)."""
+    kind, spec = parse_out(out, allowed)
+    if out_int8 is None:
+        return kind, spec, None
+    if kind not in ("float16", "float32", "bfloat16"):
+        raise ValueError(f"{op}: out_int8 writes int8 codes beside a float output; out must be 'float16', 'float32' "
+                         f"or 'bfloat16' with it, got out={out!r}")
+    return kind, spec, parse_out(out_int8, ("int8",))[1]
 
 
 def conv2d_fwd_int8(x: torch.Tensor, w: torch.Tensor, *, stride=1, padding=0, dilation=1, scale=None, bias=None,
                     act=None, out="float16", acc_mul: int = 1, acc_add: torch.Tensor | None = None,
-                    config: dict | None = None, return_kernel: bool = False):
+                    residual: torch.Tensor | None = None, out_int8=None, config: dict | None = None,
+                    return_kernel: bool = False):
     """Exact int8 convolution (int32 accumulation) with a fused epilogue, NHWC.
 
     ``x`` (N, H, W, C) and ``w`` (K, R, S, C) int8, contiguous.  ``scale``: None, a number, or a float
@@ -470,16 +537,28 @@ def conv2d_fwd_int8(x: torch.Tensor, w: torch.Tensor, *, stride=1, padding=0, di
     shape (K,) (the same for every pixel) or (P, Q, K) (per output position, e.g. a padded border), on
     x's device; the caller guarantees that the corrected sum fits int32.
 
+    ``residual`` (float16 / float32 / bfloat16 (N, P, Q, K), contiguous): a ResNet block's shortcut, added
+    after the bias and before ``act`` as the unfused graph adds it -- the branch rounded to the residual's
+    dtype, one float32 add, the sum rounded to that dtype (an int8 ``out`` then quantizes ``act`` of it
+    rounded to that dtype).
+    ``out_int8=("int8", out_scale[, (lo, hi, offset)])`` with a float ``out``: the dual output, returns
+    ``(y, y8)``: the float result and the int8 codes of that float (as ``out=("int8", ...)`` would compute them
+    from it), so a block's output feeds both the next residual and the next INT8 layer from one pass.
+
     >>> x = torch.randint(-128, 128, (8, 56, 56, 64), dtype=torch.int8, device="cuda")  # doctest: +SKIP
     >>> w = torch.randint(-128, 128, (64, 3, 3, 64), dtype=torch.int8, device="cuda")   # doctest: +SKIP
     >>> y = conv2d_fwd_int8(x, w, padding=1, scale=1e-4, act="relu", out=("int8", 0.05))  # doctest: +SKIP
+    >>> r = torch.randn(8, 56, 56, 64, dtype=torch.float16, device="cuda")                # doctest: +SKIP
+    >>> y, y8 = conv2d_fwd_int8(x, w, padding=1, scale=1e-4, act="relu", residual=r,
+    ...                         out="float16", out_int8=("int8", 0.05))                  # doctest: +SKIP
     """
     op = "conv2d_fwd_int8"
     g = geometry(x, w, stride, padding, dilation, op)
     if x.dtype != torch.int8 or w.dtype != torch.int8:
         raise TypeError(f"{op}: x and w must be int8 codes, got x {x.dtype}, w {w.dtype}; "
                         "for float8 use conv2d_fwd_fp8, for other formats quantize to int8 first")
-    kind, out_scale = parse_out(out, ("float16", "float32", "bfloat16", "int32", "int8"))
+    kind, out_scale, out8 = _parse_outs(out, out_int8, ("float16", "float32", "bfloat16", "int32", "int8"), op)
+    res = _check_residual(residual, g, x.device, kind, op)
     add = _check_add(acc_mul, acc_add, g, x.device, op)
     if kind == "int32" and (scale is not None or bias is not None or act is not None):
         raise ValueError(f"{op}: out='int32' returns the raw accumulator; scale, bias and act must be None "
@@ -487,30 +566,33 @@ def conv2d_fwd_int8(x: torch.Tensor, w: torch.Tensor, *, stride=1, padding=0, di
     alpha, sb_t, sb_stride = _scale_arg(scale, "scale", g.K, x.device, op)
     one = (_const(x.device, 1.0), 0)
     y, kernel = _launch(x, w, g, op, fp8=False, alpha=alpha, sa=one, sb=(sb_t, sb_stride), bias=bias, act=act,
-                        out=(kind, out_scale), fast_accum=False, config=config, add=add, acc_mul=acc_mul)
+                        out=(kind, out_scale), fast_accum=False, config=config, add=add, acc_mul=acc_mul, res=res,
+                        out8=out8)
     return (y, kernel) if return_kernel else y
 
 
 def conv2d_fwd_fp8(x: torch.Tensor, w: torch.Tensor, x_scale=1.0, w_scale=1.0, *, stride=1, padding=0, dilation=1,
-                   bias=None, act=None, out="float16", fast_accum: bool = False, config: dict | None = None,
-                   return_kernel: bool = False):
+                   bias=None, act=None, out="float16", fast_accum: bool = False, residual: torch.Tensor | None = None,
+                   out_int8=None, config: dict | None = None, return_kernel: bool = False):
     """fp8 convolution (fp32 accumulation) with a fused epilogue, NHWC.
 
     ``x`` (N, H, W, C) and ``w`` (K, R, S, C) float8_e4m3fn (or float8_e5m2), contiguous; the result is
     ``x_scale * w_scale[k] * conv(x, w)`` (+ bias, act).  Scales: numbers, or float tensors of 1 (either)
     or K (w_scale, per output channel) elements -- device tensors keep the call free of host syncs.
     ``out``: "float16", "float32" or ("int8", out_scale).  ``fast_accum=True`` keeps Hopper's narrow fp8
-    accumulator for the whole reduction (faster, less accurate).
+    accumulator for the whole reduction (faster, less accurate).  ``residual`` and ``out_int8``: as
+    :func:`conv2d_fwd_int8`'s (the same epilogue).
     """
     op = "conv2d_fwd_fp8"
     g = geometry(x, w, stride, padding, dilation, op)
     if x.dtype not in FP8_DTYPES or w.dtype not in FP8_DTYPES:
         raise TypeError(f"{op}: x and w must be float8_e4m3fn or float8_e5m2, got x {x.dtype}, w {w.dtype}; "
                         "for int8 codes use conv2d_fwd_int8")
-    kind, out_scale = parse_out(out, ("float16", "float32", "bfloat16", "int8"))
+    kind, out_scale, out8 = _parse_outs(out, out_int8, ("float16", "float32", "bfloat16", "int8"), op)
+    res = _check_residual(residual, g, x.device, kind, op)
     a1, sa_t, sa_stride = _scale_arg(x_scale, "x_scale", g.K, x.device, op)
     a2, sb_t, sb_stride = _scale_arg(w_scale, "w_scale", g.K, x.device, op)
     alpha = float(torch.tensor(a1, dtype=torch.float32) * torch.tensor(a2, dtype=torch.float32))
     y, kernel = _launch(x, w, g, op, fp8=True, alpha=alpha, sa=(sa_t, sa_stride), sb=(sb_t, sb_stride), bias=bias,
-                        act=act, out=(kind, out_scale), fast_accum=fast_accum, config=config)
+                        act=act, out=(kind, out_scale), fast_accum=fast_accum, config=config, res=res, out8=out8)
     return (y, kernel) if return_kernel else y
