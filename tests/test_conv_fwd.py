@@ -424,14 +424,17 @@ def _aot_compile(fp8: bool, flat: bool, out_mode: int, C: int, K: int, has_add: 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from tcprec.kernels.triton.round import fp8_constexprs
+
     fn = cf._conv_fwd_kernel
     xt = "fp8e4nv" if fp8 else "i8"
-    ptrs = {"x_ptr": xt, "w_ptr": xt, "out_ptr": {0: "i32", 1: "fp16", 2: "i8", 3: "fp16"}[out_mode], "sa_ptr": "fp32",
+    ptrs = {"x_ptr": xt, "w_ptr": xt, "out_ptr": {0: "i32", 1: "fp16", 2: "i8", 3: "fp16", 4: "u8"}[out_mode],
+            "sa_ptr": "fp32",
             "sb_ptr": "fp32", "bias_ptr": "fp32", "add_ptr": "i32" if has_add else "fp32", "oscale_ptr": "fp32",
             "res_ptr": "fp16" if has_res else "fp32", "out8_ptr": "i8"}
     consts = dict(IS_FP8=fp8, FAST_ACCUM=False, FLAT=flat, OUT_MODE=out_mode, HAS_ADD=has_add, EVEN_K=C % 128 == 0,
                   INT64=False, HAS_RES=has_res, OUT_LO=out_codes[0], OUT_HI=out_codes[1], OUT_OFF=out_codes[2],
-                  BLOCK_M=128, BLOCK_N=128, BLOCK_K=128)
+                  BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, **fp8_constexprs(torch.float8_e4m3fn))
     sig, attrs, cs = {}, {}, dict(consts)
     for i, name in enumerate(fn.arg_names):
         if name in consts:
@@ -465,6 +468,10 @@ def test_kernels_compile_to_wgmma_for_sm90():
     # a ResNet block's fused conv: residual add + fp16 and uint8 outputs, still wgmma s8, IEEE division, no FMA
     assert "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8" in ptx["int8_residual_dual"]
     assert "div.rn.f64" in ptx["int8_residual_dual"] and "fma.rn.f32" not in ptx["int8_residual_dual"]
+    # an FP8 layer writing the next FP8 layer's e4m3 codes from its epilogue (OUT_MODE 4): still wgmma e4m3, the
+    # IEEE division, and no float8 conversion instruction (the codes are integer arithmetic, round.fp8_code)
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx["fp8_fp8out"]
+    assert "div.rn.f64" in ptx["fp8_fp8out"] and "cvt.rn.satfinite" not in ptx["fp8_fp8out"]
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--aot"]:
@@ -473,7 +480,8 @@ if __name__ == "__main__" and sys.argv[1:] == ["--aot"]:
               "fp8_flat": _aot_compile(True, True, 1, 96, 256).asm["ptx"],
               "int8_shifted": _aot_compile(False, False, 2, 256, 256, has_add=True, out_codes=(0, 255, 128)).asm["ptx"],
               "int8_residual_dual": _aot_compile(False, False, 3, 256, 256, has_add=True, out_codes=(0, 255, 128),
-                                                 has_res=True).asm["ptx"]}
+                                                 has_res=True).asm["ptx"],
+              "fp8_fp8out": _aot_compile(True, False, 4, 256, 256).asm["ptx"]}
     print(json.dumps({k: "\n".join(ln for ln in v.splitlines() if "wgmma" in ln or "cp.async.c" in ln
-                                   or "div." in ln or "cvt.rn.f32.f64" in ln or "fma." in ln)
+                                   or "div." in ln or "cvt.rn.f32.f64" in ln or "fma." in ln or "satfinite" in ln)
                       for k, v in report.items()}))

@@ -25,6 +25,8 @@ multiply-add, so the int8 path is bit-exact)
          int8: clamp(round_half_even(q / out_scale), lo, hi) - offset   (IEEE float32 division; NaN -> 0;
                (lo, hi, offset) = (-128, 127, 0) unless given: Int8Out); q = y, or float32(dt(y)) with a
                residual (the sum in the network's dtype, as the unfused graph quantizes it), or
+         fp8 ("e4m3" / "e5m2"): float8(clamp(q / out_scale, -max, max)), rounded to nearest even (IEEE float32
+               division; NaN stays NaN: quantize_fp8_static's codes), q as for int8 -- the next FP8 layer's input, or
          both (out_int8): y rounded to the float dtype, and the int8 codes of that rounded value (q = it)
 
 int8 convs pass ``scale`` as ``alpha`` (a float) or ``sb`` (a tensor); fp8 convs pass ``x_scale`` and
@@ -49,6 +51,8 @@ __all__ = [
     "parse_act",
     "parse_out",
     "Int8Out",
+    "Fp8Out",
+    "FP8_KINDS",
     "conv_acc",
     "abs_conv_acc",
     "epilogue",
@@ -58,6 +62,7 @@ __all__ = [
 
 ACT_NONE, ACT_RELU, ACT_LEAKY = 0, 1, 2
 _OUT_FLOATS = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}
+FP8_KINDS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}  # out=(kind, out_scale): float8 codes
 
 
 def parse_act(act) -> tuple[int, float]:
@@ -90,17 +95,31 @@ class Int8Out(NamedTuple):
     offset: int = 0
 
 
-def _check_int8_out(out) -> Int8Out:
-    s = out[1]
+class Fp8Out(NamedTuple):
+    """The float8 output of a conv epilogue (``out=("e4m3", out_scale)`` or ``("e5m2", out_scale)``): stored
+    ``float8(clamp(y / scale, -max, max))``, round to nearest even, NaN stays NaN -- ``quantize_fp8_static``'s codes,
+    the next FP8 layer's input.  ``scale`` as :class:`Int8Out`'s; ``dtype`` the torch float8 dtype."""
+
+    scale: object
+    dtype: torch.dtype
+
+
+def _check_out_scale(out):
+    """out[1] of ``(kind, out_scale, ...)``: a finite number > 0 (as a float) or a one-element float32 tensor."""
+    s, kind = out[1], out[0]
     if isinstance(s, torch.Tensor):
         if s.numel() != 1 or s.dtype != torch.float32:
-            raise ValueError(f"out=('int8', out_scale): a tensor out_scale must be one float32 element, got "
+            raise ValueError(f"out=({kind!r}, out_scale): a tensor out_scale must be one float32 element, got "
                              f"{s.dtype} of shape {tuple(s.shape)}")
-    elif isinstance(s, bool) or not isinstance(s, numbers.Real) or not (math.isfinite(s) and s > 0):
-        raise ValueError(f"out=('int8', out_scale) needs a finite out_scale > 0 (a Python number or a one-element "
+        return s
+    if isinstance(s, bool) or not isinstance(s, numbers.Real) or not (math.isfinite(s) and s > 0):
+        raise ValueError(f"out=({kind!r}, out_scale) needs a finite out_scale > 0 (a Python number or a one-element "
                          f"float32 tensor), got {s!r}")
-    else:
-        s = float(s)
+    return float(s)
+
+
+def _check_int8_out(out) -> Int8Out:
+    s = _check_out_scale(out)
     if len(out) == 2:
         return Int8Out(s)
     rng = out[2]
@@ -115,12 +134,16 @@ def _check_int8_out(out) -> Int8Out:
 def parse_out(out, allowed: tuple[str, ...]) -> tuple[str, object]:
     """(kind, spec) from ``"float16"``, ``"float32"``, ``"bfloat16"``, ``"int32"`` (spec 1.0) or
     ``("int8", out_scale)`` / ``("int8", out_scale, (lo, hi, offset))`` (spec an :class:`Int8Out`);
-    ``allowed`` lists the kinds this conv offers."""
+    ``("e4m3", out_scale)`` / ``("e5m2", out_scale)`` (spec an :class:`Fp8Out`); ``allowed`` lists the kinds this
+    conv offers."""
     if isinstance(out, (tuple, list)) and len(out) in (2, 3) and out[0] == "int8" and "int8" in allowed:
         return "int8", _check_int8_out(out)
-    if isinstance(out, str) and out in allowed and out != "int8":
+    if isinstance(out, (tuple, list)) and len(out) == 2 and out[0] in FP8_KINDS and out[0] in allowed:
+        return out[0], Fp8Out(_check_out_scale(out), FP8_KINDS[out[0]])
+    if isinstance(out, str) and out in allowed and out != "int8" and out not in FP8_KINDS:
         return out, 1.0
-    shown = [f"('int8', out_scale[, (lo, hi, offset)])" if a == "int8" else repr(a) for a in allowed]
+    shown = [f"('int8', out_scale[, (lo, hi, offset)])" if a == "int8" else f"({a!r}, out_scale)" if a in FP8_KINDS
+             else repr(a) for a in allowed]
     raise ValueError(f"out must be one of {', '.join(shown)}, got {out!r}")
 
 
@@ -168,14 +191,22 @@ def _int8_codes(y: torch.Tensor, o: Int8Out) -> torch.Tensor:
     return (torch.round(q.clamp(float(o.lo), float(o.hi))) - o.offset).to(torch.int8)  # round: half to even
 
 
+def _fp8_codes(y: torch.Tensor, o: Fp8Out) -> torch.Tensor:
+    """float32 y -> float8 ``clamp(y / scale, -max, max)`` rounded to nearest even (NaN stays NaN)."""
+    s_out = o.scale.reshape(()) if isinstance(o.scale, torch.Tensor) else torch.tensor(o.scale, dtype=torch.float32,
+                                                                                      device=y.device)
+    m = float(torch.finfo(o.dtype).max)
+    return torch.clamp(y / s_out.to(y.device), -m, m).to(o.dtype)  # saturate first: .to(float8) overflows to NaN
+
+
 def epilogue(acc: torch.Tensor, *, alpha: float = 1.0, sa=None, sb=None, bias=None, act=None,
              out="float32", residual: torch.Tensor | None = None, out_int8=None):
     """The kernels' epilogue on an accumulator (N, P, Q, K), in the kernels' float32 operation order
     (module docstring); ``(y, y8)`` with ``out_int8`` (the dual output)."""
     mode, slope = parse_act(act)
-    kind, out_scale = parse_out(out, ("float16", "float32", "bfloat16", "int8"))
+    kind, out_scale = parse_out(out, ("float16", "float32", "bfloat16", "int8", *FP8_KINDS))
     o8 = None if out_int8 is None else parse_out(out_int8, ("int8",))[1]
-    if o8 is not None and kind == "int8":
+    if o8 is not None and kind not in _OUT_FLOATS:
         raise ValueError(f"out_int8 writes int8 codes beside a float output; out must be a float kind, got {out!r}")
     K, dev = acc.shape[-1], acc.device
     a = acc.to(torch.float32)  # int64 -> float32 rounds to nearest even, as the kernel's int32 -> float32
@@ -191,9 +222,9 @@ def epilogue(acc: torch.Tensor, *, alpha: float = 1.0, sa=None, sb=None, bias=No
         y = torch.where(y > 0, y, zero)
     elif mode == ACT_LEAKY:
         y = torch.where(y > 0, y, y * torch.tensor(slope, dtype=torch.float32, device=dev))
-    if kind == "int8":
+    if kind == "int8" or kind in FP8_KINDS:
         q = y if residual is None else y.to(residual.dtype).to(torch.float32)
-        return _int8_codes(q, out_scale)
+        return _int8_codes(q, out_scale) if kind == "int8" else _fp8_codes(q, out_scale)
     y_out = y.to(_OUT_FLOATS[kind])
     return y_out if o8 is None else (y_out, _int8_codes(y_out.to(torch.float32), o8))
 
@@ -208,7 +239,7 @@ def conv2d_fwd_int8(x, w, *, stride=1, padding=0, dilation=1, scale=None, bias=N
     """Reference of :func:`tcprec.kernels.triton.conv_fwd.conv2d_fwd_int8` (same arguments): with
     ``acc_add`` (int32 (K,) or (P, Q, K)) the accumulator is ``acc * acc_mul + acc_add`` in int64;
     ``residual`` / ``out_int8`` as :func:`epilogue`."""
-    kind, _ = parse_out(out, ("float16", "float32", "bfloat16", "int32", "int8"))
+    kind, _ = parse_out(out, ("float16", "float32", "bfloat16", "int32", "int8", *FP8_KINDS))
     acc = conv_acc(x, w, stride, padding, dilation)
     if acc_add is not None:
         acc = acc * int(acc_mul) + acc_add.to(device=acc.device, dtype=torch.int64)  # (N, P, Q, K) + (P, Q, K) / (K,)

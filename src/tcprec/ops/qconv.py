@@ -45,7 +45,10 @@ Backends (one rule with ``tcprec.matmul``: bit-serial while p*q < 8, INT8 otherw
 * ``"fp8"``: float8 operands (``e4m3`` / ``e5m2`` QTensors, e.g. from :func:`quantize_fp8_static`, and
   a weight packed by :func:`pack_conv_weight`): the Triton implicit-GEMM FP8 conv with x's per-tensor
   and w's per-channel scales folded into the fused epilogue's column scale.  ``fp8_fast_accum=True``
-  (the default) keeps Hopper's narrow fp8 accumulator over the whole reduction.
+  (the default) keeps Hopper's narrow fp8 accumulator over the whole reduction.  An e4m3 / e5m2 ``out_fmt`` (FP8
+  layers handing each other codes): the epilogue writes the float8 codes itself when there is no pooling
+  (``conv_fwd`` OUT_MODE 4), else one Triton pass max-pools and quantizes the float32 output
+  (``fp8_quant.pool_quantize_fp8``); both give :func:`quantize_fp8_static`'s codes bit for bit.
 * ``"reference"``: ``F.conv2d`` on the decoded codes (fp8: the decoded values) in float64 (exact), any
   device; the default off CUDA and the ground truth of the tests.
 
@@ -105,6 +108,7 @@ _OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32)
 _KIND = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _INT32_LIMIT = 1 << 31
 _FP8 = {as_format("float8_e4m3fn"): torch.float8_e4m3fn, as_format("float8_e5m2"): torch.float8_e5m2}
+_FP8_KIND = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}  # the conv kernels' out=(kind, out_scale)
 
 
 def _fp8_dtype(fmt) -> torch.dtype | None:
@@ -811,14 +815,21 @@ def _int8_out(plan: _Plan) -> bool:
     return plan.out_layout == "int8" and plan.pool is None
 
 
+def _fp8_out(plan: _Plan) -> bool:
+    """Whether the INT8 / FP8 kernel's epilogue writes the next FP8 layer's float8 codes itself (no pool)."""
+    return isinstance(plan.out_fmt, FloatFormat) and plan.pool is None
+
+
 def _kernel_out(plan: _Plan) -> str:
     """What the INT8 / FP8 kernel writes: the raw accumulator, the final float dtype, the next INT8 layer's
-    int8 codes, both ("dual": the float dtype and its codes), or float32 for a pass that follows (pooling,
-    re-quantization)."""
+    int8 codes, the next FP8 layer's float8 codes ("e4m3" / "e5m2"), both ("dual": the float dtype and its
+    codes), or float32 for a pass that follows (pooling, re-quantization)."""
     if plan.out_dtype == torch.int32 and plan.out_fmt is None:
         return "int32"
     if _int8_out(plan):
         return "int8"
+    if _fp8_out(plan):
+        return _FP8_KIND[_fp8_dtype(plan.out_fmt)]
     if plan.dual:  # no pool (_check_fusion)
         return "dual"
     return _KIND[plan.out_dtype] if plan.fused and plan.out_fmt is None else "float32"
@@ -910,6 +921,8 @@ def _out_spec(plan: _Plan, s_out):
     """The kernels' ``(out, out_int8)`` arguments: a kind, or the next INT8 layer's codes ("int8", scale,
     (lo, hi, offset)), or for the dual output the float kind and those codes."""
     kind = _kernel_out(plan)
+    if kind in _FP8_KIND.values():  # the next FP8 layer's codes
+        return (kind, s_out), None
     if kind not in ("int8", "dual"):
         return kind, None
     from .quantize import _qp_params
@@ -1011,12 +1024,22 @@ def _fused_pack(plan: _Plan, device: torch.device) -> bool:
             and (plan.pool is None or tuple(plan.pool) in _FUSED_POOLS))
 
 
+def _fused_fp8(plan: _Plan, device: torch.device) -> bool:
+    """Whether the float result goes to the next FP8 layer's codes in one Triton pass (max-pool + quantize,
+    ``kernels/triton/fp8_quant.py``; the codes of ``quantize_fp8_static``); the reference backend and the CPU
+    without the interpreter keep torch's passes."""
+    return (isinstance(plan.out_fmt, FloatFormat) and plan.name != "reference"
+            and (device.type == "cuda" or _interpreting())
+            and (plan.pool is None or tuple(plan.pool) in _FUSED_POOLS))
+
+
 def _after_gemm(plan: _Plan, device: torch.device, out: str, requant: str) -> list[str]:
     """explain_conv2d's passes after a GEMM that wrote float32 (pool, re-quantize / cast)."""
     pool = (f"{plan.pool[0]}-pool {plan.pool[1]}x{plan.pool[1]} stride {plan.pool[2]}"
             if plan.pool is not None else None)
-    if _fused_pack(plan, device):
-        what = "re-quantize to int8 codes" if plan.out_layout == "int8" else "re-quantize + pack"
+    if _fused_pack(plan, device) or _fused_fp8(plan, device):
+        what = ("re-quantize to int8 codes" if plan.out_layout == "int8" else
+                f"quantize to {plan.out_fmt} codes" if _fused_fp8(plan, device) else "re-quantize + pack")
         return [f"separate pass: {pool + ' + ' if pool else ''}{what} (one Triton kernel)"]
     steps = [f"separate pass: {pool} (torch, float32)"] if pool else []
     return steps + [f"separate pass: {requant if plan.out_fmt is not None else 'cast to ' + out}"]
@@ -1054,6 +1077,11 @@ def _finish_float(plan: _Plan, y: torch.Tensor, out_scale, act_done: bool, resid
             planes = tpack.pool_quantize_pack(y4, s, st, fmt.bits, *_qp_params(fmt))
             shape = (g.N, g.P // 2, g.Q // 2, g.K) if st == 2 else tuple(y4.shape)
         return _packed_result(planes, plan, out_scale, shape)
+    if _fused_fp8(plan, y.device):  # the next FP8 layer's codes: max-pool + quantize in one Triton pass
+        from ..kernels.triton.fp8_quant import pool_quantize_fp8  # TRITON_INTERPRET is read at import
+
+        f8 = pool_quantize_fp8(y4, s, _FUSED_POOLS.get(plan.pool, 0), _fp8_dtype(fmt))  # (N, P', Q', K)
+        return QTensor(f8.view(torch.uint8), s.reshape(1, 1, 1, 1), fmt, PerTensor(), tuple(f8.shape), torch.float32)
     y = rq.pool_nhwc(y4, plan.pool)  # (N, P', Q', K)
     if isinstance(plan.out_fmt, FloatFormat):
         return quantize_fp8_static(y, out_scale, plan.out_fmt)  # (N, P', Q', K) float8 codes
@@ -1118,6 +1146,9 @@ def _conv2d_impl(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None
             y = _int8_kernel(plan, xs, pw, col, bias, s_out, residual)  # (N, P, Q, K)
         if _kernel_out(plan) == "int8":
             return Int8Activation(y, plan.out_fmt, s_out)
+        if _fp8_out(plan):  # (N, P, Q, K) float8 from the epilogue: quantize_fp8_static's QTensor
+            return QTensor(y.view(torch.uint8), s_out.reshape(1, 1, 1, 1), plan.out_fmt, PerTensor(), tuple(y.shape),
+                           torch.float32)
         if _kernel_out(plan) == "dual":
             return Int8Activation(y[1], plan.out_fmt, s_out, hp=y[0])
         if _kernel_out(plan) != "float32" or (plan.fused and plan.out_fmt is None):
@@ -1226,6 +1257,7 @@ def explain_conv2d(x, w, **kw) -> str:
             steps += _after_gemm(plan, xs.device, out, "re-quantize + pack")
     elif plan.name == "fp8" or plan.route == "kernel":
         kind = _kernel_out(plan)
+        shown = out if kind == "dual" or kind in _FP8_KIND.values() else kind  # what the epilogue writes
         fast = kw.get("fp8_fast_accum", True)
         gather = "one Triton pass" if xs.device.type == "cuda" or _interpreting() else "torch passes"
         stem = ([f"thin layer (C = {g.C} < {THIN_C}): its {g.R}x{g.S}x{g.C} windows gathered into "
@@ -1233,7 +1265,7 @@ def explain_conv2d(x, w, **kw) -> str:
                 if _thin_stem(g) else [])
         if plan.name == "fp8":
             steps = stem + [f"Triton implicit-GEMM FP8 conv conv2d_fwd_fp8 ({'fast_accum' if fast else 'fp32 promotion every BLOCK_K'}) "
-                     f"with fused epilogue (scale, bias{res}, act={plan.act}) -> {out if kind == 'dual' else kind}"]
+                     f"with fused epilogue (scale, bias{res}, act={plan.act}) -> {shown}"]
         else:
             oa = _int8_affine(plan.fa)[0]
             how = "as given: Int8Activation" if xs.i8 is not None else "torch pass"
@@ -1241,7 +1273,7 @@ def explain_conv2d(x, w, **kw) -> str:
                       f"({'(P, Q, K) table' if max(g.padding) > 0 else '(K,) vector'}, cached)"] if oa else [])
             steps = shift + stem + [f"Triton implicit-GEMM INT8 conv conv2d_fwd_int8 "
                              f"with fused epilogue (scale, bias{res}, act={plan.act}) -> "
-                             f"{out if kind == 'dual' else kind}" if kind != "int32" else
+                             f"{shown}" if kind != "int32" else
                              "Triton implicit-GEMM INT8 conv conv2d_fwd_int8 -> int32"]
         if kind == "float32" and not (plan.fused and plan.out_fmt is None):
             steps += _after_gemm(plan, xs.device, out, "re-quantize")

@@ -31,6 +31,9 @@ The output row of pixel m = n*P*Q + p*Q + q is simply ``y + m*K``.
               of y rounded to the residual's dtype, as the unfused graph quantizes it);
               or both (OUT_MODE 3): the float y and the int8 codes of that float (rounded to its dtype),
               bit-identical to quantizing the stored float in a separate pass;
+              or (OUT_MODE 4) float8 codes fp8(clamp(y / out_scale, -max, max)), round to nearest even, NaN stays
+              NaN (``round.fp8_code``: quantize_fp8_static's codes) -- the next FP8 layer's input, with a residual
+              of y rounded to its dtype as for int8;
               or (OUT_MODE 0) the raw accumulator.
 
 The kernel is compiled with ``enable_fp_fusion=False`` (the epilogue's mul and add round separately,
@@ -57,17 +60,17 @@ import triton
 import triton.language as tl
 
 from ..reference_conv import ConvGeometry, pair
-from ..reference_conv_fwd import parse_act, parse_out
+from ..reference_conv_fwd import FP8_KINDS, parse_act, parse_out
 from ._host import cdiv, next_power_of_2
-from .round import div_by_scalar
+from .round import div_by_scalar, fp8_code, fp8_constexprs
 
 __all__ = ["conv2d_fwd_int8", "conv2d_fwd_fp8", "pick_config", "compile_key", "geometry", "NETWORK_LAYERS",
            "INTERPRETER_CONFIG", "interpreting"]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-OUT_RAW, OUT_FLOAT, OUT_INT8, OUT_DUAL = 0, 1, 2, 3
+OUT_RAW, OUT_FLOAT, OUT_INT8, OUT_DUAL, OUT_FP8 = 0, 1, 2, 3, 4
 _OUT_DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16,
-               "int32": torch.int32, "int8": torch.int8}
+               "int32": torch.int32, "int8": torch.int8, **FP8_KINDS}
 # The interpreter runs one small tile (reduction block 32: the smallest 8-bit wgmma step)
 INTERPRETER_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
 
@@ -98,6 +101,9 @@ def _conv_fwd_kernel(
     HAS_RES: tl.constexpr,
     # -- int8 output (OUT_MODE 2 at out, 3 at out8): stored clamp(rne(y / out_scale), OUT_LO, OUT_HI) - OUT_OFF --
     OUT_LO: tl.constexpr, OUT_HI: tl.constexpr, OUT_OFF: tl.constexpr,
+    # -- float8 output (OUT_MODE 4, out the uint8 view): round.fp8_code's constants of the format --
+    F8_MAN: tl.constexpr, F8_BIAS: tl.constexpr, F8_MAX_BITS: tl.constexpr, F8_MIN_NORMAL_BITS: tl.constexpr,
+    F8_SUB_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # ---- which tile: channel block fastest ----
@@ -228,8 +234,12 @@ def _conv_fwd_kernel(
             tl.store(out_ptrs, y_out, mask=mask)
             if OUT_MODE == 3:  # the codes of the stored float, as a separate quantize pass would read it
                 y = y_out.to(tl.float32)
-        elif HAS_RES:  # int8 only: the codes of the value in the residual's (the network's) float dtype
+        elif HAS_RES:  # int8 / fp8 codes: of the value in the residual's (the network's) float dtype
             y = y.to(res_ptr.dtype.element_ty).to(tl.float32)
+        if OUT_MODE == 4:  # the next FP8 layer's codes (uint8 patterns of the float8 tensor)
+            y = div_by_scalar(y, tl.load(oscale_ptr))
+            c = fp8_code(y, F8_MAN, F8_BIAS, F8_MAX_BITS, F8_MIN_NORMAL_BITS, F8_SUB_SCALE)
+            tl.store(out_ptrs, c.to(tl.uint8), mask=mask)
         if OUT_MODE == 2 or OUT_MODE == 3:
             y = div_by_scalar(y, tl.load(oscale_ptr))
             y = tl.where(y == y, y, 0.0)  # NaN -> 0
@@ -473,6 +483,8 @@ def _launch(x, w, g: ConvGeometry, op: str, *, fp8: bool, alpha, sa, sb, bias, a
     if kind == "int8" or out8 is not None:  # the int8 codes at out (OUT_MODE 2) or beside the float out (3)
         spec8 = spec if kind == "int8" else out8
         oscale, o_lo, o_hi, o_off = _oscale(spec8, device, op), spec8.lo, spec8.hi, spec8.offset
+    elif kind in FP8_KINDS:  # float8 codes at out (OUT_MODE 4)
+        oscale, o_lo, o_hi, o_off = _oscale(spec, device, op), -128, 127, 0
     else:
         oscale, o_lo, o_hi, o_off = _const(device, 1.0), -128, 127, 0
     if bias is None:
@@ -490,19 +502,22 @@ def _launch(x, w, g: ConvGeometry, op: str, *, fp8: bool, alpha, sa, sb, bias, a
     flat = cfg.get("FLAT", g.C % cfg["BLOCK_K"] != 0)
     lim = 2**31 - 1
     int64 = x.numel() >= lim or y.numel() >= lim or w.numel() >= lim
-    out_mode = (OUT_RAW if kind == "int32" else OUT_INT8 if kind == "int8" else OUT_DUAL if out8 is not None
-                else OUT_FLOAT)
+    out_mode = (OUT_RAW if kind == "int32" else OUT_INT8 if kind == "int8" else OUT_FP8 if kind in FP8_KINDS
+                else OUT_DUAL if out8 is not None else OUT_FLOAT)
+    f8 = fp8_constexprs(_OUT_DTYPES[kind] if kind in FP8_KINDS else torch.float8_e4m3fn)
     y8 = torch.empty(g.output_shape, dtype=torch.int8, device=device) if out_mode == OUT_DUAL else y
     grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(g.K, cfg["BLOCK_N"]),)
     add_t, add_stride = (_const(device, 0.0), 0) if add is None else (add, g.K if add.dim() == 3 else 0)
     kernel = _conv_fwd_kernel[grid](
-        x, w, y, sa[0], sb[0], bias_t, add_t, oscale, _const(device, 0.0) if res is None else res, y8,
+        x, w, y.view(torch.uint8) if out_mode == OUT_FP8 else y, sa[0], sb[0], bias_t, add_t, oscale,
+        _const(device, 0.0) if res is None else res, y8,
         g.N, g.H, g.W, g.C, g.P, g.Q, g.K, g.R, g.S,
         g.stride[0], g.stride[1], g.padding[0], g.padding[1], g.dilation[0], g.dilation[1], M,
         float(alpha), sa[1], sb[1], bias_stride, mode, float(slope),
         g.P * g.Q, int(acc_mul), add_stride,
         IS_FP8=fp8, FAST_ACCUM=bool(fast_accum), FLAT=bool(flat), OUT_MODE=out_mode, HAS_ADD=add is not None,
         EVEN_K=g.C % cfg["BLOCK_K"] == 0, INT64=int64, HAS_RES=res is not None, OUT_LO=o_lo, OUT_HI=o_hi, OUT_OFF=o_off,
+        **f8,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3), enable_fp_fusion=False,
     )
@@ -530,7 +545,9 @@ def conv2d_fwd_int8(x: torch.Tensor, w: torch.Tensor, *, stride=1, padding=0, di
     tensor of 1 or K elements; ``bias``: None or a float tensor of K elements; ``act``: None, "relu",
     ("leaky", slope); ``out``: "float16", "float32", "int32" (the raw accumulator, no epilogue) or
     ("int8", out_scale) (``clamp(round_half_even(y / out_scale), -128, 127)``, NHWC: the next int8
-    layer's input), or "bfloat16".  Returns y (N, P, Q, K) (and the compiled kernel with ``return_kernel=True``).
+    layer's input), or "bfloat16", or ("e4m3", out_scale) / ("e5m2", out_scale): float8 codes of ``y / out_scale``
+    (saturated, round to nearest even, NaN kept: ``quantize_fp8_static``'s), the next FP8 layer's input.
+    Returns y (N, P, Q, K) (and the compiled kernel with ``return_kernel=True``).
 
     Operands stored with an offset (uint8 codes as ``code - 128``: ``tcprec.ops.qconv``) are corrected
     exactly before the epilogue: ``acc = acc * acc_mul + acc_add[p, q, k]`` with ``acc_add`` int32 of
@@ -557,7 +574,8 @@ def conv2d_fwd_int8(x: torch.Tensor, w: torch.Tensor, *, stride=1, padding=0, di
     if x.dtype != torch.int8 or w.dtype != torch.int8:
         raise TypeError(f"{op}: x and w must be int8 codes, got x {x.dtype}, w {w.dtype}; "
                         "for float8 use conv2d_fwd_fp8, for other formats quantize to int8 first")
-    kind, out_scale, out8 = _parse_outs(out, out_int8, ("float16", "float32", "bfloat16", "int32", "int8"), op)
+    kind, out_scale, out8 = _parse_outs(out, out_int8, ("float16", "float32", "bfloat16", "int32", "int8",
+                                                         *FP8_KINDS), op)
     res = _check_residual(residual, g, x.device, kind, op)
     add = _check_add(acc_mul, acc_add, g, x.device, op)
     if kind == "int32" and (scale is not None or bias is not None or act is not None):
@@ -579,7 +597,8 @@ def conv2d_fwd_fp8(x: torch.Tensor, w: torch.Tensor, x_scale=1.0, w_scale=1.0, *
     ``x`` (N, H, W, C) and ``w`` (K, R, S, C) float8_e4m3fn (or float8_e5m2), contiguous; the result is
     ``x_scale * w_scale[k] * conv(x, w)`` (+ bias, act).  Scales: numbers, or float tensors of 1 (either)
     or K (w_scale, per output channel) elements -- device tensors keep the call free of host syncs.
-    ``out``: "float16", "float32" or ("int8", out_scale).  ``fast_accum=True`` keeps Hopper's narrow fp8
+    ``out``: "float16", "float32", "bfloat16", ("int8", out_scale) or ("e4m3" | "e5m2", out_scale) (float8
+    codes).  ``fast_accum=True`` keeps Hopper's narrow fp8
     accumulator for the whole reduction (faster, less accurate).  ``residual`` and ``out_int8``: as
     :func:`conv2d_fwd_int8`'s (the same epilogue).
     """
@@ -588,7 +607,7 @@ def conv2d_fwd_fp8(x: torch.Tensor, w: torch.Tensor, x_scale=1.0, w_scale=1.0, *
     if x.dtype not in FP8_DTYPES or w.dtype not in FP8_DTYPES:
         raise TypeError(f"{op}: x and w must be float8_e4m3fn or float8_e5m2, got x {x.dtype}, w {w.dtype}; "
                         "for int8 codes use conv2d_fwd_int8")
-    kind, out_scale, out8 = _parse_outs(out, out_int8, ("float16", "float32", "bfloat16", "int8"), op)
+    kind, out_scale, out8 = _parse_outs(out, out_int8, ("float16", "float32", "bfloat16", "int8", *FP8_KINDS), op)
     res = _check_residual(residual, g, x.device, kind, op)
     a1, sa_t, sa_stride = _scale_arg(x_scale, "x_scale", g.K, x.device, op)
     a2, sb_t, sb_stride = _scale_arg(w_scale, "w_scale", g.K, x.device, op)

@@ -11,6 +11,16 @@ batch-inner order on the H200, this pass 0.32-0.40 ms (1.5-1.9 TB/s; results/fp8
     program -> a (BLOCK_A x BLOCK_B) tile of (the source's contiguous dim a) x (the destination's contiguous dim
     b) at one index of the two other dims: loads coalesce along a, stores along b (Triton moves the tile through
     shared memory between the two layouts)
+
+``pool_quantize_fp8``: a conv's float output y ``(N, P, Q, K)`` (any strides) -> optional 2x2 max-pool (stride 2,
+or 1 with the window clipped at the bottom / right edge: darknet's size-keeping pool; ``reference_qconv.pool_nhwc``'s
+comparisons, so NaN propagates and of +-0 the first wins, as torch's max-pool) -> ``fp8(clamp(y / scale))`` ->
+``(N, P', Q', K)`` float8 contiguous: the next FP8 layer's operand in one read of y, one byte written an element
+(``ops.qconv`` ran a torch max-pool on float32 and then the quantiser: 2.8 GB of float32 written and read again at
+YOLOv2-tiny's first layer, batch 256).  The codes are :func:`round.fp8_code`'s: bit-identical to
+``quantize_fp8_static`` (torch's path) on the CPU interpreter and on the GPU.
+
+    program -> (BLOCK_R pooled pixels, BLOCK_K channels): max over the window, divide, encode, store
 """
 
 from __future__ import annotations
@@ -19,10 +29,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import cdiv
-from .round import div_by_scalar
+from ._host import cdiv, next_power_of_2
+from .pack import _pooled_rows
+from .round import div_by_scalar, fp8_code, fp8_constexprs
 
-__all__ = ["quantize_fp8"]
+__all__ = ["quantize_fp8", "pool_quantize_fp8"]
 
 _FP8 = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 BLOCK_A, BLOCK_B, NUM_WARPS = 64, 64, 4
@@ -107,3 +118,96 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, *, blo
                         FMT=_FP8[out.dtype], FMAX=float(torch.finfo(out.dtype).max), BLOCK_A=ba, BLOCK_B=bb,
                         num_warps=warps)
     return result
+
+
+# ------------------------------------------------------------------------------------------------
+# max-pool + quantize to fp8 in one pass
+# ------------------------------------------------------------------------------------------------
+
+_POOL_TILE = 4096  # elements a program
+
+
+@triton.jit
+def _max_pool_2x2_nan(x_ptr, n, po, qo, koff, mask, P, Q, stride_xn, stride_xh, stride_xw, POOL_S: tl.constexpr,
+                      init):
+    """max over the 2x2 window at input (po * POOL_S, qo * POOL_S) of image n with torch's max-pool rule, window
+    pixel by pixel in row-major order: ``m = v if v > m or v is NaN`` (NaN propagates; of -0 and +0 the first
+    stays), pixels past P / Q skipped (the -inf padding of the size-keeping pool never wins)."""
+    m = init
+    for i in tl.static_range(2):
+        for j in tl.static_range(2):
+            h = po * POOL_S + i
+            w = qo * POOL_S + j
+            ok = mask & (h < P) & (w < Q)
+            v = tl.load(x_ptr + n * stride_xn + h * stride_xh + w * stride_xw + koff, mask=ok, other=float("-inf"))
+            v = v.to(tl.float32)
+            m = tl.where((v > m) | (v != v), v, m)
+    return m
+
+
+@triton.jit(do_not_specialize=["R", "P", "Q", "PO", "QO"])
+def _pool_quantize_fp8_kernel(
+    x_ptr, scale_ptr, out_ptr,  # out: the uint8 view of the float8 result (N, PO, QO, K) contiguous
+    R, K, P, Q, PO, QO,  # R = N * PO * QO output rows
+    stride_xn, stride_xh, stride_xw, stride_xk,
+    F8_MAN: tl.constexpr, F8_BIAS: tl.constexpr, F8_MAX_BITS: tl.constexpr, F8_MIN_NORMAL_BITS: tl.constexpr,
+    F8_SUB_SCALE: tl.constexpr,
+    POOL_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_r = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    n, po, qo = _pooled_rows(offs_r, PO, QO)
+    mask = (offs_r < R)[:, None] & (offs_k < K)[None, :]
+    kk = offs_k[None, :] * stride_xk
+    if POOL_S == 0:
+        base = n * stride_xn + po * stride_xh + qo * stride_xw
+        v = tl.load(x_ptr + base[:, None] + kk, mask=mask, other=0.0).to(tl.float32)
+    else:
+        v = _max_pool_2x2_nan(x_ptr, n[:, None], po[:, None], qo[:, None], kk, mask, P, Q, stride_xn, stride_xh,
+                              stride_xw, POOL_S, tl.full((BLOCK_R, BLOCK_K), float("-inf"), tl.float32))
+    c = fp8_code(div_by_scalar(v, tl.load(scale_ptr)), F8_MAN, F8_BIAS, F8_MAX_BITS, F8_MIN_NORMAL_BITS,
+                 F8_SUB_SCALE)
+    out = out_ptr + offs_r.to(tl.int64)[:, None] * K + offs_k[None, :]
+    tl.store(out, c.to(tl.uint8), mask=mask)
+
+
+def pool_quantize_fp8(y: torch.Tensor, scale: torch.Tensor, pool_stride: int, dtype=torch.float8_e4m3fn
+                      ) -> torch.Tensor:
+    """y (N, P, Q, K) float16 / bfloat16 / float32 (any strides), ``scale`` a one-element float32 tensor on y's
+    device, ``pool_stride`` 0 (no pool), 1 (2x2 window, stride 1, clipped at the edge: the size is kept) or 2
+    (2x2, stride 2, floor) -> ``fp8(clamp(pool(y) / scale, -max, max))`` (N, P', Q', K) of ``dtype``
+    (float8_e4m3fn or float8_e5m2), contiguous.  One Triton pass; the public entry is ``tcprec.ops.qconv.conv2d``
+    (an FP8 layer chained to an FP8 layer).
+
+    >>> y = torch.tensor([1.0, 3.0, 1e6, 104.0]).reshape(1, 2, 2, 1)          # doctest: +SKIP
+    >>> pool_quantize_fp8(y.cuda(), torch.tensor([1.0]).cuda(), 2).float()    # doctest: +SKIP
+    """
+    if dtype not in _FP8:
+        raise ValueError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+    if not isinstance(y, torch.Tensor) or y.dim() != 4 or y.dtype not in (torch.float16, torch.bfloat16,
+                                                                          torch.float32):
+        got = (f"{y.dtype} of shape {tuple(y.shape)}" if isinstance(y, torch.Tensor) else type(y).__name__)
+        raise ValueError(f"y must be a float16 / bfloat16 / float32 NHWC tensor (N, P, Q, K), got {got}")
+    if pool_stride not in (0, 1, 2):
+        raise ValueError(f"pool_stride must be 0 (no pool), 1 (2x2 size-keeping) or 2 (2x2 stride 2), got "
+                         f"{pool_stride!r}")
+    if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or scale.dtype != torch.float32 \
+            or scale.device != y.device:
+        raise ValueError("scale must be a one-element float32 tensor on y's device (the next layer's activation "
+                         "scale), got " + (f"{scale.dtype} of shape {tuple(scale.shape)} on {scale.device}"
+                                           if isinstance(scale, torch.Tensor) else type(scale).__name__))
+    N, P, Q, K = y.shape
+    PO, QO = (P // 2, Q // 2) if pool_stride == 2 else (P, Q)
+    out = torch.empty((N, PO, QO, K), dtype=dtype, device=y.device)
+    R = N * PO * QO
+    if out.numel() == 0:
+        return out
+    bk = min(next_power_of_2(K), 128)
+    br = max(1, _POOL_TILE // bk)
+    _pool_quantize_fp8_kernel[(cdiv(R, br), cdiv(K, bk))](
+        y, scale.reshape(1), out.view(torch.uint8), R, K, P, Q, PO, QO, *y.stride(),
+        **fp8_constexprs(dtype), POOL_S=pool_stride, BLOCK_R=br, BLOCK_K=bk,
+    )
+    return out

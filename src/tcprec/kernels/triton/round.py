@@ -85,3 +85,46 @@ def div_by_scalar(x, s):
     of the same construction on 4.9 x 10^8 values found no difference)."""
     inv = 1.0 / s.to(tl.float64)  # float64 '/' is div.rn.f64 (only float32 '/' is approximate in Triton)
     return (x.to(tl.float64) * inv).to(tl.float32)
+
+
+def fp8_constexprs(dtype) -> dict:
+    """The constexprs of :func:`fp8_code` for ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``, computed from the
+    format (mantissa bits, bias, the float32 bit patterns of its largest finite value and its smallest normal)."""
+    import struct
+
+    import torch
+
+    man, bias = {torch.float8_e4m3fn: (3, 7), torch.float8_e5m2: (2, 15)}[dtype]
+
+    def f32_bits(v: float) -> int:
+        return struct.unpack("<i", struct.pack("<f", v))[0]
+
+    return {"F8_MAN": man, "F8_BIAS": bias, "F8_MAX_BITS": f32_bits(float(torch.finfo(dtype).max)),
+            "F8_MIN_NORMAL_BITS": f32_bits(2.0 ** (1 - bias)), "F8_SUB_SCALE": 2.0 ** (bias + man - 1)}
+
+
+@triton.jit
+def fp8_code(y, F8_MAN: tl.constexpr, F8_BIAS: tl.constexpr, F8_MAX_BITS: tl.constexpr,
+             F8_MIN_NORMAL_BITS: tl.constexpr, F8_SUB_SCALE: tl.constexpr):
+    """float32 ``y`` -> the int32 code (0..255) that torch's ``y.clamp(-max, max).to(float8)`` stores
+    (``ops.qconv.quantize_fp8_static``'s semantics): saturate to +-max (+-Inf too), round to nearest even
+    (subnormals included), -0 kept, NaN -> sign | 0x7F (a NaN in both e4m3fn and e5m2).
+
+    Integer arithmetic on the float32 pattern, not ``.to(tl.float8e4nv)``: Triton's interpreter rounds that
+    conversion its own way (100 -> 104 in e4m3, NaN -> 384), so only this form is testable bit for bit on the
+    CPU; on the GPU it is a dozen integer ops an element, in kernels bound by memory."""
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF  # |y|'s pattern: ordered as the magnitudes
+    nan = a > 0x7F800000
+    a = tl.minimum(a, F8_MAX_BITS)  # saturate (NaN is handled apart)
+    # normal: keep F8_MAN significand bits, ties to even (add half - 1 + the kept lsb), rebias the exponent
+    sh = 23 - F8_MAN
+    normal = ((a + ((1 << (sh - 1)) - 1) + ((a >> sh) & 1)) >> sh) - ((127 - F8_BIAS) << F8_MAN)
+    # subnormal: |y| / (the subnormal step 2^(1 - bias - man)) is exact in float32; rounded to an integer
+    # (ties to even: the 1.5 * 2^23 trick, exact below 2^22); 2^MAN is the smallest normal's code.  The min keeps
+    # the unused lanes (normal values) small too, so their float -> int conversion stays in range
+    t = tl.minimum(a, F8_MIN_NORMAL_BITS).to(tl.float32, bitcast=True) * F8_SUB_SCALE
+    sub = ((t + 12582912.0) - 12582912.0).to(tl.int32)
+    mag = tl.where(a < F8_MIN_NORMAL_BITS, sub, normal)
+    return tl.where(nan, sign | 0x7F, sign | mag)
