@@ -110,5 +110,60 @@ def test_bad_fp8_out(out, match):
 
 def test_fp8_out_not_beside_dual():
     x, w, geo = _int8_case()
-    with pytest.raises(ValueError, match="out_int8 writes int8 codes beside a float output"):
+    with pytest.raises(ValueError, match="out_int8 writes int8 / float8 codes beside a float output"):
         cf.conv2d_fwd_int8(x, w, **geo, out=("e4m3", 1.0), out_int8=("int8", 1.0))
+    with pytest.raises(ValueError, match="out_int8 writes int8 / float8 codes beside a float output"):
+        cf.conv2d_fwd_fp8(x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn), **geo, out=("e4m3", 1.0),
+                          out_int8=("e4m3", 1.0))
+    with pytest.raises(ValueError, match=r"out=\('e4m3', out_scale\) needs a finite out_scale > 0"):
+        cf.conv2d_fwd_int8(x, w, **geo, out="float16", out_int8=("e4m3", 0.0))
+    with pytest.raises(ValueError, match=r"out must be one of .*\('e5m2', out_scale\).*got \('e4m4', 1.0\)"):
+        cf.conv2d_fwd_int8(x, w, **geo, out="float16", out_int8=("e4m4", 1.0))
+
+
+# -- the dual float + float8 output (OUT_MODE 5): a ResNet block's output for the next residual and FP8 convs --
+
+
+@pytest.mark.parametrize("kind", list(F8))
+@pytest.mark.parametrize("rdt, config", [(torch.float16, None), (torch.float32, "tap")])
+def test_int8_kernel_dual_fp8_bit_exact(kind, rdt, config):
+    """The float output (with a residual, act) equals the float-only output, and the codes are those of that
+    stored float through torch's quantizer; the reference epilogue agrees bit for bit; NaN / +-Inf channels."""
+    C = 64 if config else 5
+    x, w, geo = _int8_case(C=C, seed=6, small=False)
+    K = w.shape[0]
+    scale = torch.rand(K, generator=torch.Generator().manual_seed(7)) * 1e-3
+    bias = torch.zeros(K)
+    bias[:3] = torch.tensor([float("inf"), -float("inf"), float("nan")])
+    cfg = TAP if config else None
+    branch = cf.conv2d_fwd_int8(x, w, **geo, scale=scale, out="float32", config=cfg)
+    res = (torch.randn(branch.shape, generator=torch.Generator().manual_seed(8)) * 0.3).to(rdt)
+    dt = str(rdt).removeprefix("torch.")
+    kw = dict(**geo, scale=scale, bias=bias, act="relu", residual=res, out=dt)
+    y_only = cf.conv2d_fwd_int8(x, w, **kw, config=cfg)
+    for s in (0.01, 0.0005):  # the second saturates most values
+        y, y8 = cf.conv2d_fwd_int8(x, w, **kw, out_int8=(kind, torch.tensor([s])), config=cfg)
+        ry, ry8 = rf.conv2d_fwd_int8(x, w, **kw, out_int8=(kind, torch.tensor([s])))
+        assert y.dtype == rdt and y8.dtype == F8[kind] and ry8.dtype == F8[kind]
+        torch.testing.assert_close(y, y_only, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(y, ry, rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(y8.view(torch.uint8), ry8.view(torch.uint8))
+        assert torch.equal(y8.view(torch.uint8), _torch_fp8(y, s, kind))
+        # the codes of the fused residual alone (OUT_MODE 4) are the same: both quantize the sum in rdt
+        c4 = cf.conv2d_fwd_int8(x, w, **{**kw, "out": (kind, s)}, config=cfg)
+        assert torch.equal(c4.view(torch.uint8), y8.view(torch.uint8))
+
+
+@pytest.mark.parametrize("C, config", [(20, None), (64, TAP)])
+def test_fp8_kernel_dual_fp8_equals_float_then_quantize(C, config):
+    gen = torch.Generator().manual_seed(9)
+    x = (torch.randn(2, 7, 9, C, generator=gen) * 4).to(torch.float8_e4m3fn)
+    w = torch.randn(6, 3, 3, C, generator=gen).to(torch.float8_e4m3fn)
+    ws = torch.rand(6, generator=gen) + 0.5
+    geo = dict(stride=1, padding=1, bias=torch.randn(6, generator=gen), config=config)
+    branch = cf.conv2d_fwd_fp8(x, w, 0.25, ws, **geo, out="float16")
+    res = (torch.randn(branch.shape, generator=gen) * float(branch.abs().max())).half()
+    y, y8 = cf.conv2d_fwd_fp8(x, w, 0.25, ws, **geo, act="relu", residual=res, out="float16",
+                              out_int8=("e4m3", 0.02))
+    assert torch.equal(y, torch.relu(branch.float() + res.float()).half())
+    assert y8.dtype == torch.float8_e4m3fn and torch.equal(y8.view(torch.uint8), _torch_fp8(y, 0.02, "e4m3"))

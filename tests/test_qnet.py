@@ -269,6 +269,108 @@ def test_residual_fusion_is_bit_identical(backend, dtype):
         assert all(m.out_fmt is None for m in mods.values() if isinstance(m, QConv2d))
 
 
+def _int8_kernel_layers(monkeypatch):
+    """Chaining decisions as on a GPU: quantize_model sees the integer layers on the INT8 kernel (on the CPU they
+    run the reference backend, which takes and writes the same operands: Int8Activation, float8 QTensors)."""
+    from tcprec.nn import convert
+
+    monkeypatch.setattr(convert, "choose_int_backend", lambda fa, fw, dev, backend="auto": ("int8", "test: GPU rule"))
+
+
+@pytest.mark.parametrize("first_last", [None, "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp8_resnet_chains_codes_and_float(monkeypatch, dtype, first_last):
+    """FP8 blocks: a block output read by the next conv1 (and the 1x1 shortcut) and by the next residual add is
+    written once as the float and its e4m3 codes (out_layout "fp8+float", an Fp8Activation), codes only at a
+    stage's entry; with the int8 stem (first_last) the stem writes the float and the first FP8 layer's codes.
+    Bit-identical to the network with unfused residual adds (whose block outputs are float tensors that the next
+    layers quantize), and in float32 to the unchained network (in float16 a chained non-residual link quantizes the
+    float32 result, not its float16 rounding: the chaining rule of every kind)."""
+    _int8_kernel_layers(monkeypatch)
+    torch.manual_seed(5)
+    x = torch.randn(2, 3, 8, 8)
+    net = _calibrated(_ToyResNet(), x).to(dtype=dtype, memory_format=torch.channels_last)
+    x = x.to(dtype)
+    cfg = tp.QuantConfig("fp8", first_last=first_last)
+    qc_, qr, qu = (tp.quantize_model(net, dataclasses.replace(cfg, **kw), calibration=x, warn=False)
+                   for kw in ({}, {"fuse_residual": False}, {"chain": False}))
+    with torch.no_grad():
+        yc, yr, yu = qc_(x), qr(x), qu(x)
+    assert yc.dtype == dtype and torch.equal(yc, yr)
+    assert torch.equal(yc, yu) or dtype != torch.float32
+    assert all(getattr(m, "out_layout", "") != "fp8+float" for m in qr.modules())  # no block output to fuse
+    assert _nrmse(yc.float(), net.float()(x.float())) < 0.1
+    out = {r.name: r.out for r in qc_.tcprec_summary.layers}
+    dt = str(dtype).removeprefix("torch.")
+    assert out["stem.0"] == f"{dt} + codes float8_e4m3fn -> stages.0.branch.0"
+    assert out["stages.0.branch.3"] == "codes float8_e4m3fn -> stages.1.branch.0, stages.1.shortcut.0"
+    assert out["stages.1.branch.3"] == f"{dt} + codes float8_e4m3fn -> stages.2.conv1"
+    assert out["stages.0.branch.0"] == "codes float8_e4m3fn -> stages.0.branch.3"
+    assert out["stages.2.conv2"] == dt  # read by flatten
+    mods = dict(qc_.named_modules())
+    assert mods["stages.1.branch.3"].out_layout == "fp8+float"
+    assert mods["stages.1.branch.3"].tcprec_trace()[-1] == f"{_short(dtype)} + float8_e4m3fn codes"
+    assert all(m.out_fmt is None for m in dict(qu.named_modules()).values() if isinstance(m, QConv2d))
+
+
+def _short(dt):
+    return {torch.float32: "fp32", torch.float16: "fp16"}[dt]
+
+
+class _TinyYolo(nn.Module):
+    """YOLOv2-tiny's shape: an int8 stem with a 2x2 pool, FP8 convs (pools, the stride-1 'same' pool), an int8 1x1
+    head conv (the last layer under first_last)."""
+
+    def __init__(self):
+        super().__init__()
+        from tcprec.nn.models._blocks import conv_bn_act
+        from tcprec.nn.models.yolo import MaxPoolSame
+
+        self.features = nn.Sequential(
+            *conv_bn_act(3, 8, 3, act="leaky", pool=nn.MaxPool2d(2, 2)),
+            *conv_bn_act(8, 16, 3, act="leaky", pool=MaxPoolSame()),
+            *conv_bn_act(16, 16, 3, act="leaky"),
+            nn.Conv2d(16, 10, 1, bias=True))
+
+    def forward(self, x):
+        return self.features(x)
+
+
+def test_fp8_cross_kind_chain_yolo_like(monkeypatch):
+    """The int8 stem (+ pool) hands the first FP8 layer its e4m3 codes; the last FP8 layer hands the int8 head its
+    int8 codes; bit-identical to the unchained network; the summary says so."""
+    _int8_kernel_layers(monkeypatch)
+    torch.manual_seed(6)
+    x = torch.randn(2, 3, 12, 12)
+    net = _calibrated(_TinyYolo(), x)
+    qc_, qu = (tp.quantize_model(net, tp.QuantConfig("fp8", chain=c), calibration=x, warn=False) for c in (True, False))
+    with torch.no_grad():
+        yc, yu = qc_(x), qu(x)
+    assert torch.equal(yc, yu) and _nrmse(yc, net(x)) < 0.1
+    rec = {r.name: r for r in qc_.tcprec_summary.layers}
+    assert [rec[n].precision for n in ("features.0", "features.4", "features.8", "features.11")] == \
+        ["w8a8", "fp8", "fp8", "w8a8"]
+    assert rec["features.0"].out == "codes float8_e4m3fn -> features.4"
+    assert rec["features.4"].out == "codes float8_e4m3fn -> features.8"
+    assert rec["features.8"].out.startswith("int8 codes ") and rec["features.8"].out.endswith(" -> features.11")
+    mods = dict(qc_.named_modules())
+    assert mods["features.8"].out_layout == "int8" and mods["features.0"].tcprec_trace()[-1] == "float8_e4m3fn codes"
+
+
+def test_no_cross_kind_chain_from_a_binary_layer(monkeypatch):
+    """A bit-serial layer cannot write float8 codes (its epilogue packs integer planes): it hands an FP8 layer
+    the float."""
+    from tcprec.nn import convert
+
+    monkeypatch.setattr(convert, "choose_int_backend",
+                        lambda fa, fw, dev, backend="auto": ("bitserial", "test") if fa.bits < 8 else ("int8", "t"))
+    x = torch.randn(2, 3, 12, 12)
+    q = tp.quantize_model(_calibrated(_TinyYolo(), x), tp.QuantConfig("fp8", first_last="w2a2"), calibration=x,
+                          warn=False)
+    rec = {r.name: r.out for r in q.tcprec_summary.layers}
+    assert rec["features.0"] == "float32" and rec["features.8"] == "float32"
+
+
 def test_residual_fusion_leaves_other_adds_alone():
     """An add whose operands differ in shape (broadcast), a conv with an activation before the add, or a conv
     read twice keep the float add; the fused conv refuses a call without its residual."""

@@ -12,7 +12,7 @@ import tcprec as tp
 from tcprec.kernels import reference_conv_fwd as rf
 from tcprec.kernels import reference_qconv as rq
 from tcprec.nn import models as zoo
-from tcprec.nn.qmodules import QConv2d
+from tcprec.nn.qmodules import QConv2d, _quantize_input
 from tcprec.ops import qconv as qc
 from tcprec.qtensor import PerChannel, QTensor
 
@@ -120,15 +120,20 @@ def test_fp8_networks_chain_equals_unfused_path(name, size):
     checked = []
 
     def hook(mod, args, out):
-        if not isinstance(out, QTensor):
+        if not isinstance(out, (QTensor, qc.Fp8Activation)):
             return
         xin = args[0]
-        if isinstance(xin, torch.Tensor):  # the layer quantizes its float input itself
-            xin = qc.quantize_fp8_static(xin.permute(0, 2, 3, 1), mod.in_scale)
-        y32 = qc.conv2d(xin, mod.weight, stride=mod.stride, padding=mod.padding, dilation=mod.dilation,
-                        scale=mod.ch_scale, bias=mod.ch_bias, act=mod.act, backend=mod.backend,
-                        residual=None if len(args) < 2 or args[1] is None else mod._residual_nhwc(args[1], xin.shape))
-        want = qc.quantize_fp8_static(rq.pool_nhwc(y32, mod.pool), mod.out_scale, mod.out_fmt)
+        if isinstance(xin, torch.Tensor):  # the layer quantizes its float input itself (fp8, or the int8 stem)
+            xin = _quantize_input(xin.permute(0, 2, 3, 1), mod)
+        res = None if len(args) < 2 or args[1] is None else mod._residual_nhwc(args[1], xin.shape)
+        # with a residual the codes are of the sum in the network's dtype (the unfused graph quantizes that)
+        y = qc.conv2d(xin, mod.weight, stride=mod.stride, padding=mod.padding, dilation=mod.dilation,
+                      scale=mod.ch_scale, bias=mod.ch_bias, act=mod.act, backend=mod.backend, residual=res,
+                      out_dtype=torch.float32 if res is None else res.dtype)
+        if isinstance(out, qc.Fp8Activation):  # the dual output: the float as the unchained layer writes it
+            assert torch.equal(out.hp, y.to(mod.out_dtype)), mod
+            y, out = out.hp, out.qt
+        want = qc.quantize_fp8_static(rq.pool_nhwc(y, mod.pool), mod.out_scale, mod.out_fmt)
         assert torch.equal(out.codes, want.codes), mod
         checked.append(mod.pool)
 

@@ -27,7 +27,8 @@ multiply-add, so the int8 path is bit-exact)
                residual (the sum in the network's dtype, as the unfused graph quantizes it), or
          fp8 ("e4m3" / "e5m2"): float8(clamp(q / out_scale, -max, max)), rounded to nearest even (IEEE float32
                division; NaN stays NaN: quantize_fp8_static's codes), q as for int8 -- the next FP8 layer's input, or
-         both (out_int8): y rounded to the float dtype, and the int8 codes of that rounded value (q = it)
+         both (out_int8): y rounded to the float dtype, and the int8 (or, with ("e4m3" | "e5m2", out_scale), the
+               float8) codes of that rounded value (q = it)
 
 int8 convs pass ``scale`` as ``alpha`` (a float) or ``sb`` (a tensor); fp8 convs pass ``x_scale`` and
 ``w_scale`` (floats go into ``alpha``, tensors into ``sa`` / ``sb``).
@@ -205,9 +206,9 @@ def epilogue(acc: torch.Tensor, *, alpha: float = 1.0, sa=None, sb=None, bias=No
     (module docstring); ``(y, y8)`` with ``out_int8`` (the dual output)."""
     mode, slope = parse_act(act)
     kind, out_scale = parse_out(out, ("float16", "float32", "bfloat16", "int8", *FP8_KINDS))
-    o8 = None if out_int8 is None else parse_out(out_int8, ("int8",))[1]
+    o8 = None if out_int8 is None else parse_out(out_int8, ("int8", *FP8_KINDS))[1]
     if o8 is not None and kind not in _OUT_FLOATS:
-        raise ValueError(f"out_int8 writes int8 codes beside a float output; out must be a float kind, got {out!r}")
+        raise ValueError(f"out_int8 writes int8 / float8 codes beside a float output; out must be a float kind, got {out!r}")
     K, dev = acc.shape[-1], acc.device
     a = acc.to(torch.float32)  # int64 -> float32 rounds to nearest even, as the kernel's int32 -> float32
     s = (torch.tensor(alpha, dtype=torch.float32, device=dev) * _f32(sa, K, dev)) * _f32(sb, K, dev)
@@ -226,7 +227,10 @@ def epilogue(acc: torch.Tensor, *, alpha: float = 1.0, sa=None, sb=None, bias=No
         q = y if residual is None else y.to(residual.dtype).to(torch.float32)
         return _int8_codes(q, out_scale) if kind == "int8" else _fp8_codes(q, out_scale)
     y_out = y.to(_OUT_FLOATS[kind])
-    return y_out if o8 is None else (y_out, _int8_codes(y_out.to(torch.float32), o8))
+    if o8 is None:
+        return y_out
+    q = y_out.to(torch.float32)
+    return y_out, (_fp8_codes(q, o8) if isinstance(o8, Fp8Out) else _int8_codes(q, o8))
 
 
 def _split_scale(v) -> tuple[float, torch.Tensor | None]:

@@ -19,9 +19,11 @@ What it does, in order:
 5. Chains: a ``QConv2d`` whose only consumer is another bit-serial ``QConv2d`` re-quantizes and packs
    its output for it in the GEMM epilogue (``PackedActivation``), so no float tensor exists between
    them; a consumer on the INT8 kernel gets its int8 operand (``Int8Activation``, written by the
-   producer's epilogue); FP8 layers hand each other e4m3 codes.  An output read by several INT8 convs
-   (a ResNet stage's conv1 and 1x1 shortcut: one calibrated scale) is written once as their codes, and
-   when residual adds read it too, as the codes with the float attached (``Int8Activation.hp``).
+   producer's epilogue); FP8 layers hand each other e4m3 codes.  Across kinds (the "fp8" precision keeps the
+   first conv and the last layer at int8) an INT8-kernel layer hands an FP8 layer e4m3 codes and an FP8 layer
+   hands an INT8-kernel layer int8 codes.  An output read by several INT8 (or FP8) convs (a ResNet stage's
+   conv1 and 1x1 shortcut: one calibrated scale) is written once as their codes, and when residual adds read
+   it too, as the codes with the float attached (``Int8Activation.hp`` / ``Fp8Activation.hp``).
 6. Reports: ``model.tcprec_summary`` (a ``QuantSummary``) says, per layer, the precision, formats,
    backend and what was fused; layers with no quantized path stay in float and are listed in a
    warning, never silently.
@@ -433,29 +435,37 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
                 if not x_users or len(x_users) + len(r_users) != len(users):
                     continue  # some consumer needs the float tensor
                 a, b = qmods[node.target], qmods[x_users[0].target]
-                if a.precision.fp8 != b.precision.fp8:
-                    continue
                 kind = kind_of(b)
                 if kind not in ("bitserial", "int8", "fp8"):
                     continue  # the reference backend: float in, float out
-                if len(users) == 1 and not (a.has_residual and kind != "int8"):
+                if a.precision.fp8 != b.precision.fp8 and {kind_of(a), kind} != {"int8", "fp8"}:
+                    # across kinds only between the 8-bit kernels, which share the epilogue: an INT8 layer writes
+                    # e4m3 codes (OUT_MODE 4 / the pool + fp8 pass), an FP8 layer int8 codes (OUT_MODE 2); the
+                    # binary GEMM's epilogue packs integer planes only
+                    continue
+                if len(users) == 1 and not (a.has_residual and kind == "bitserial"):
                     layout = "int8" if kind == "int8" else "planes"  # the INT8 kernel reads int8 codes, not planes
                     a.chain_to(b, layout)
-                    what = {"bitserial": "packed", "int8": "int8 codes", "fp8": "packed"}[kind]
+                    what = {"bitserial": "packed", "int8": "int8 codes", "fp8": "codes"}[kind]
                     records[node.target].out = f"{what} {b.a_fmt} -> {x_users[0].target}"
                     continue
-                # several INT8 consumers of one tensor (a ResNet stage's conv1 and 1x1 shortcut; residual adds):
-                # one set of codes when they agree on the calibrated format and scale, plus the float for the adds
+                # several INT8 / FP8 consumers of one tensor (a ResNet stage's conv1 and 1x1 shortcut; residual
+                # adds): one set of codes when they agree on the calibrated format and scale, plus the float for
+                # the adds (the dual output: Int8Activation.hp / Fp8Activation.hp)
                 others = [qmods[u.target] for u in x_users[1:]]
-                if kind != "int8" or any(kind_of(o) != "int8" or o.a_fmt != b.a_fmt
-                                         or not torch.equal(o.in_scale, b.in_scale) for o in others):
+                if kind not in ("int8", "fp8") or any(kind_of(o) != kind or o.a_fmt != b.a_fmt
+                                                      or not torch.equal(o.in_scale, b.in_scale) for o in others):
                     continue
                 if r_users and kind_of(a) == "bitserial":
                     continue  # the dual output needs a float epilogue the binary GEMM does not have
-                a.chain_to(b, "int8+float" if r_users else "int8")
+                if kind == "int8":
+                    a.chain_to(b, "int8+float" if r_users else "int8")
+                else:  # float8 codes are a plain QTensor, which any number of FP8 convs read
+                    a.chain_to(b, "fp8+float" if r_users else "planes")
                 to = ", ".join(u.target for u in x_users)
                 dual = f"{str(a.out_dtype).removeprefix('torch.')} + " if r_users else ""
-                records[node.target].out = f"{dual}int8 codes {b.a_fmt} -> {to}"
+                what = "int8 codes" if kind == "int8" else "codes"
+                records[node.target].out = f"{dual}{what} {b.a_fmt} -> {to}"
         gm.graph.lint()
         gm.delete_all_unused_submodules()
         gm.recompile()

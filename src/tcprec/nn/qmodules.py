@@ -11,7 +11,8 @@ quantized conv, it sets ``out_fmt`` / ``out_scale`` and the pair exchanges packe
 A ``QConv2d`` fused with a residual block's add (``has_residual``, set by ``quantize_model``) is called as
 ``m(x, residual)`` and computes ``act(conv_bn(x) + residual)`` in its epilogue; a conv whose output is both
 a residual and the input of INT8 convs returns an ``ops.qconv.Int8Activation`` carrying the float too
-(``hp``): its consumers take the codes as ``x`` and the float as ``residual``.
+(``hp``), of FP8 convs an ``ops.qconv.Fp8Activation`` (the e4m3 QTensor and ``hp``): its consumers take the
+codes as ``x`` and the float as ``residual``.
 
 Precision of a layer: weights and activations are integer formats of 1..8 bits (``binary`` = pm1
 weights for 1 bit, two's complement ``intN`` otherwise; activations ``uintN`` when calibration saw no
@@ -162,8 +163,9 @@ class _QBase(nn.Module):
 
     def chain_to(self, nxt: "QConv2d", layout: str = "planes") -> None:
         """Emit ``nxt``'s input directly: bit planes for a bit-serial ``nxt`` (the fused re-quantize + pack
-        epilogue), int8 codes (``Int8Activation``) for an INT8 one; ``"int8+float"``: the codes with the float
-        output attached (``Int8Activation.hp``), for an output that is also a residual block's shortcut."""
+        epilogue), int8 codes (``Int8Activation``) for an INT8 one, e4m3 codes (a QTensor) for an FP8 one;
+        ``"int8+float"`` / ``"fp8+float"``: the codes with the float output attached (``Int8Activation.hp`` /
+        ``Fp8Activation.hp``), for an output that is also a residual block's shortcut."""
         if layout not in qc.OUT_LAYOUTS:
             raise ValueError(f"layout must be one of {qc.OUT_LAYOUTS}, got {layout!r}")
         self.out_fmt = nxt.a_fmt
@@ -175,7 +177,8 @@ class _QBase(nn.Module):
         if self.out_fmt is None:
             out = _short(self.out_dtype)
         else:
-            out = (f"{self.out_fmt} codes" if self.precision.fp8 else
+            out = (f"{_short(self.out_dtype)} + {self.out_fmt} codes" if self.out_layout == "fp8+float" else
+                   f"{self.out_fmt} codes" if isinstance(self.out_fmt, FloatFormat) else
                    f"{self.out_fmt} int8 codes" if self.out_layout == "int8" else
                    f"{_short(self.out_dtype)} + {self.out_fmt} int8 codes" if self.out_layout == "int8+float" else
                    f"{self.out_fmt} planes")
@@ -234,7 +237,7 @@ class QConv2d(_QBase):
     def forward(self, x, residual=None):
         """``x``: float NCHW, or the operand a chained producer emitted (packed planes, int8 codes);
         ``residual`` (a layer fused with its block's add, ``has_residual``): float NCHW of the output's
-        shape, or the producer's ``Int8Activation`` carrying the float (``hp``)."""
+        shape, or the producer's ``Int8Activation`` / ``Fp8Activation`` carrying the float (``hp``)."""
         if self.has_residual != (residual is not None):
             raise ValueError(f"this QConv2d {'was' if self.has_residual else 'was not'} fused with a residual add "
                              f"(has_residual={self.has_residual}): call it as "
@@ -259,14 +262,16 @@ class QConv2d(_QBase):
     def _residual_nhwc(self, residual, x_nhwc: tuple) -> torch.Tensor:
         """The residual as NHWC (N, P, Q, K): the float an Int8Activation carries, or an NCHW tensor permuted
         (a view for channels_last memory)."""
+        if isinstance(residual, qc.Fp8Activation):
+            return residual.hp
         if isinstance(residual, qc.Int8Activation):
             if residual.hp is None:
                 raise ValueError("the residual is an Int8Activation without its float (hp): the producer must write "
                                  "both (out_layout='int8+float')")
             return residual.hp
         if not isinstance(residual, torch.Tensor):
-            raise TypeError(f"residual must be a float NCHW tensor or an Int8Activation with hp, got "
-                            f"{type(residual).__name__}")
+            raise TypeError(f"residual must be a float NCHW tensor, an Int8Activation with hp or an Fp8Activation, "
+                            f"got {type(residual).__name__}")
         N, H, W, _ = x_nhwc
         g = ConvGeometry(N, H, W, self.in_channels, self.out_channels, *self.kernel_size, self.stride, self.padding,
                          self.dilation)

@@ -63,7 +63,9 @@ the INT8 im2col route); the bit-serial backend cannot fuse it and raises.  ``out
 (integer ``out_fmt``): the *dual* output, an :class:`Int8Activation` whose ``hp`` is the float result in
 ``out_dtype`` and whose codes are that float's (what :func:`quantize_int8_static` would give from it) -- a
 block output feeding both the next residual add and the next INT8 convs, from one pass.  With a residual,
-``out_layout="int8"`` quantizes the sum rounded to ``out_dtype`` as well.
+``out_layout="int8"`` quantizes the sum rounded to ``out_dtype`` as well.  ``out_layout="fp8+float"`` (e4m3 / e5m2
+``out_fmt``): the FP8 twin, an :class:`Fp8Activation` (the float8 ``QTensor`` of the next FP8 convs and the float
+``hp``; ``conv_fwd`` OUT_MODE 5 on the INT8 and FP8 kernels).
 
 pm1 activations (``binary``, ``pmN``) have no zero, so they cannot stand for the zeros of spatial
 padding: the bit-serial kernel's pm1 correction assumes every one of the K terms is present.
@@ -90,6 +92,7 @@ from .matmul import BACKENDS, choose_int_backend
 __all__ = [
     "PackedActivation",
     "Int8Activation",
+    "Fp8Activation",
     "PackedConvWeight",
     "quantize_int8_static",
     "pack_activation",
@@ -314,6 +317,58 @@ class Int8Activation:
         return ((off + step * self.x8.to(torch.float32)) * self.scale.reshape(())).to(dtype)
 
 
+@dataclass(frozen=True, eq=False)
+class Fp8Activation:
+    """A float8 activation with the float it was quantized from: ``qt`` the next FP8 convs' operand (an e4m3 /
+    e5m2 ``QTensor`` of codes ``(N, H, W, C)``, PerTensor scale: what :func:`quantize_fp8_static` gives from
+    ``hp``) and ``hp`` the float NHWC tensor of the same shape -- what ``conv2d(..., out_fmt="e4m3",
+    out_layout="fp8+float")`` returns for a ResNet block's output, read by the next block's convs (``x=``: the
+    codes) and by its residual add (``residual=``: the float), written in one epilogue pass.
+
+    >>> import torch
+    >>> hp = torch.tensor([1.0, 3.0]).reshape(1, 1, 1, 2)
+    >>> a = Fp8Activation(quantize_fp8_static(hp, torch.tensor([0.5])), hp)
+    >>> a.shape, a.dequantize().flatten().tolist()
+    ((1, 1, 1, 2), [1.0, 3.0])
+    """
+
+    qt: QTensor
+    hp: torch.Tensor
+
+    def __post_init__(self):
+        qt, hp = self.qt, self.hp
+        if not isinstance(qt, QTensor) or _fp8_dtype(qt.fmt) is None or qt.ndim != 4 \
+                or not isinstance(qt.granularity, PerTensor):
+            got = f"a {qt.fmt} QTensor of shape {qt.shape}" if isinstance(qt, QTensor) else type(qt).__name__
+            raise TypeError(f"qt must be an e4m3 / e5m2 QTensor of NHWC codes (N, H, W, C) with one scale "
+                            f"(quantize_fp8_static), got {got}")
+        if not isinstance(hp, torch.Tensor) or not hp.dtype.is_floating_point or tuple(hp.shape) != tuple(qt.shape) \
+                or hp.device != qt.device:
+            got = f"{hp.dtype} {tuple(hp.shape)} on {hp.device}" if isinstance(hp, torch.Tensor) else type(hp).__name__
+            raise TypeError(f"hp must be a float NHWC tensor of the codes' shape {tuple(qt.shape)} on {qt.device}, "
+                            f"got {got}")
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.qt.shape)
+
+    @property
+    def device(self) -> torch.device:
+        return self.qt.device
+
+    @property
+    def fmt(self) -> FloatFormat:
+        return self.qt.fmt
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self.qt.scale.reshape(1)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The codes' values (not ``hp``): ``decode(codes) * scale``, float NHWC."""
+        return self.qt.dequantize().to(dtype)
+
+
 def _int8_affine(fmt: IntFormat) -> tuple[int, int]:
     """(offset, step) of ``_int8_codes``'s rule: ``decode(code) = offset + step * x8``.  Only 8-bit unsigned /
     pm codes are stored shifted (uint8 = 128 + x8, pm8 = 1 + 2 * x8); every other format as its value."""
@@ -515,13 +570,15 @@ class _X:
 
 
 def _check_x(x) -> _X:
+    if isinstance(x, Fp8Activation):  # a dual output: the convs read its codes
+        x = x.qt
     if isinstance(x, PackedActivation):
         return _X(x.fmt, x.scale, x.shape, x.device, None, x)
     if isinstance(x, Int8Activation):
         return _X(x.fmt, x.scale, x.shape, x.device, None, None, x)
     if not isinstance(x, QTensor):
-        raise TypeError(f"x must be a QTensor of NHWC codes (tcprec.quantize(x_nhwc, 'uint2')), a PackedActivation or "
-                        f"an Int8Activation, got {type(x).__name__}")
+        raise TypeError(f"x must be a QTensor of NHWC codes (tcprec.quantize(x_nhwc, 'uint2')), a PackedActivation, "
+                        f"an Int8Activation or an Fp8Activation, got {type(x).__name__}")
     if not isinstance(x.fmt, IntFormat) and _fp8_dtype(x.fmt) is None:
         raise TypeError(f"x must be of an integer format (uintN, intN, binary, pmN) or e4m3 / e5m2 "
                         f"(quantize_fp8_static), got {x.fmt}; quantize it to one")
@@ -601,8 +658,8 @@ class _Plan:
 
     @property
     def dual(self) -> bool:
-        """The float result and its int8 codes (``out_layout="int8+float"``)."""
-        return self.out_layout == "int8+float"
+        """The float result and its int8 / float8 codes (``out_layout="int8+float"`` / ``"fp8+float"``)."""
+        return self.out_layout in _DUAL_LAYOUTS
 
     @property
     def fused(self) -> bool:
@@ -619,8 +676,9 @@ class _Plan:
                 and self.out_layout == "planes")
 
 
-OUT_LAYOUTS = ("planes", "int8", "int8+float")
+OUT_LAYOUTS = ("planes", "int8", "int8+float", "fp8+float")
 _INT8_LAYOUTS = ("int8", "int8+float")
+_DUAL_LAYOUTS = ("int8+float", "fp8+float")
 
 
 def _check_residual(residual, g: ConvGeometry, out_dtype, device) -> None:
@@ -648,17 +706,17 @@ def _check_residual(residual, g: ConvGeometry, out_dtype, device) -> None:
 def _check_fusion(plan: "_Plan") -> "_Plan":
     """The residual and the dual output: which epilogues take them (the INT8 / FP8 kernels' and the torch
     ones); the bit-serial GEMM's cannot, and says so rather than falling back to separate passes."""
-    what = [w for w, on in (("residual=", plan.has_res), ("out_layout='int8+float'", plan.dual)) if on]
+    what = [w for w, on in (("residual=", plan.has_res), (f"out_layout={plan.out_layout!r}", plan.dual)) if on]
     if not what:
         return plan
     what = " and ".join(what)
     if plan.pool is not None:
         raise ValueError(f"{what} cannot be combined with pool={plan.pool} (the block output is not pooled); pass "
                          "pool=None and pool in a separate layer")
-    if plan.has_res and plan.out_fmt is not None and plan.out_layout not in _INT8_LAYOUTS:
-        raise ValueError(f"residual= writes a float output or INT8 codes: out_fmt={plan.out_fmt} with "
-                         f"out_layout={plan.out_layout!r} is not one of them; use out_fmt=None, or an integer out_fmt "
-                         "with out_layout in ('int8', 'int8+float')")
+    if plan.has_res and isinstance(plan.out_fmt, IntFormat) and plan.out_layout not in _INT8_LAYOUTS:
+        raise ValueError(f"residual= writes a float output, INT8 codes or float8 codes: out_fmt={plan.out_fmt} with "
+                         f"out_layout={plan.out_layout!r} is not one of them; use out_fmt=None, an integer out_fmt "
+                         "with out_layout in ('int8', 'int8+float'), or out_fmt e4m3 / e5m2")
     if plan.name == "bitserial":
         raise ValueError(f"{what}: backend 'bitserial' (the binary tensor-core GEMM) cannot fuse it into its "
                          "epilogue; backends that can: 'int8', 'fp8', 'reference'. Use one of them, or add the "
@@ -704,6 +762,9 @@ def _plan(x, w, stride, padding, dilation, act, out_dtype, out_fmt, pool, backen
     if out_layout in _INT8_LAYOUTS and not isinstance(out_fmt, IntFormat):
         raise ValueError(f"out_layout={out_layout!r} writes integer codes for the next INT8 layer: it needs an integer "
                          f"out_fmt (e.g. 'uint8'), got out_fmt={out_fmt}")
+    if out_layout == "fp8+float" and not isinstance(out_fmt, FloatFormat):
+        raise ValueError(f"out_layout='fp8+float' writes the float output and the next FP8 layer's codes: it needs "
+                         f"out_fmt='e4m3' or 'e5m2', got out_fmt={out_fmt}")
     elif out_dtype not in _OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of {[str(d) for d in _OUT_DTYPES]}, got {out_dtype}")
     _check_residual(residual, g, out_dtype, xs.device)
@@ -816,14 +877,14 @@ def _int8_out(plan: _Plan) -> bool:
 
 
 def _fp8_out(plan: _Plan) -> bool:
-    """Whether the INT8 / FP8 kernel's epilogue writes the next FP8 layer's float8 codes itself (no pool)."""
-    return isinstance(plan.out_fmt, FloatFormat) and plan.pool is None
+    """Whether the INT8 / FP8 kernel's epilogue writes the next FP8 layer's float8 codes itself (no pool), alone."""
+    return isinstance(plan.out_fmt, FloatFormat) and plan.pool is None and not plan.dual
 
 
 def _kernel_out(plan: _Plan) -> str:
     """What the INT8 / FP8 kernel writes: the raw accumulator, the final float dtype, the next INT8 layer's
     int8 codes, the next FP8 layer's float8 codes ("e4m3" / "e5m2"), both ("dual": the float dtype and its
-    codes), or float32 for a pass that follows (pooling, re-quantization)."""
+    int8 / float8 codes), or float32 for a pass that follows (pooling, re-quantization)."""
     if plan.out_dtype == torch.int32 and plan.out_fmt is None:
         return "int32"
     if _int8_out(plan):
@@ -927,6 +988,8 @@ def _out_spec(plan: _Plan, s_out):
         return (kind, s_out), None
     if kind not in ("int8", "dual"):
         return kind, None
+    if isinstance(plan.out_fmt, FloatFormat):  # the float and the next FP8 layers' codes (OUT_MODE 5)
+        return _KIND[plan.out_dtype], (_FP8_KIND[_fp8_dtype(plan.out_fmt)], s_out)
     from .quantize import _qp_params
 
     lo, hi, _, _ = _qp_params(plan.out_fmt)
@@ -1058,9 +1121,15 @@ def _finish_float(plan: _Plan, y: torch.Tensor, out_scale, act_done: bool, resid
     if not act_done:
         y = rq.apply_act(y, plan.act)
     fmt = plan.out_fmt
+    if residual is not None and isinstance(fmt, FloatFormat) and not plan.dual:
+        y = y.to(residual.dtype).to(torch.float32)  # the codes of the sum in the network's dtype, as the kernels
     y4 = y.reshape(g.N, g.P, g.Q, g.K)
     s = out_scale.to(torch.float32).reshape(1) if out_scale is not None else None
     how = "reference" if plan.name == "reference" else "auto"
+    if plan.dual and isinstance(fmt, FloatFormat):  # the float result, and its codes for the next FP8 layers
+        y_hp = y4.to(plan.out_dtype)
+        qt = quantize_fp8_static(y_hp, s, fmt)
+        return Fp8Activation(QTensor(qt.codes, qt.scale, fmt, PerTensor(), qt.shape, torch.float32), y_hp)
     if plan.dual:  # the float result, and the codes of that float as the next INT8 layers' operand
         y_hp = y4.to(plan.out_dtype)
         return Int8Activation(quantize_int8_static(y_hp, fmt, s, backend=how).x8, fmt, s, hp=y_hp)
@@ -1151,6 +1220,10 @@ def _conv2d_impl(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None
         if _fp8_out(plan):  # (N, P, Q, K) float8 from the epilogue: quantize_fp8_static's QTensor
             return QTensor(y.view(torch.uint8), s_out.reshape(1, 1, 1, 1), plan.out_fmt, PerTensor(), tuple(y.shape),
                            torch.float32)
+        if _kernel_out(plan) == "dual" and isinstance(plan.out_fmt, FloatFormat):  # (N, P, Q, K) float and float8
+            qt = QTensor(y[1].view(torch.uint8), s_out.reshape(1, 1, 1, 1), plan.out_fmt, PerTensor(),
+                         tuple(y[1].shape), torch.float32)
+            return Fp8Activation(qt, y[0])
         if _kernel_out(plan) == "dual":
             return Int8Activation(y[1], plan.out_fmt, s_out, hp=y[0])
         if _kernel_out(plan) != "float32" or (plan.fused and plan.out_fmt is None):
@@ -1187,6 +1260,8 @@ def conv2d(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None, act=
     INT8 layer's operand -- written by the INT8 / FP8 kernel's epilogue itself when there is no pooling,
     else by one Triton pass (max-pool + re-quantize) after it.  ``out_layout="int8+float"``: that
     :class:`Int8Activation` with ``hp`` = the float result in ``out_dtype`` (its codes are that float's).
+    ``out_layout="fp8+float"`` (e4m3 / e5m2 ``out_fmt``, INT8 / FP8 kernels or reference): an
+    :class:`Fp8Activation`, the float result and the next FP8 layers' codes of it, from one epilogue.
 
     ``residual``: float NHWC ``(N, P, Q, K)`` in ``out_dtype`` on x's device, added before ``act`` as the
     unfused ``act(conv(...) + residual)`` adds it (module docstring): a ResNet block's last conv, its shortcut
@@ -1238,6 +1313,8 @@ def explain_conv2d(x, w, **kw) -> str:
     head = (f"{plan.name}: {plan.why}; conv {g.N}x{g.H}x{g.W}x{g.C} * {g.K}x{g.R}x{g.S}x{g.C}, stride {g.stride}, "
             f"padding {g.padding}, dilation {g.dilation} -> {g.N}x{g.P}x{g.Q}x{g.K}; GEMM M={M} N={g.K} K={Kt}")
     out = ("int32" if plan.out_dtype == torch.int32 and plan.out_fmt is None else
+           f"{_KIND[plan.out_dtype]} + {plan.out_fmt} codes (Fp8Activation)" if plan.dual
+           and isinstance(plan.out_fmt, FloatFormat) else
            f"{plan.out_fmt} QTensor" if isinstance(plan.out_fmt, FloatFormat) else
            f"{plan.out_fmt} Int8Activation" if plan.out_layout == "int8" else
            f"{_KIND[plan.out_dtype]} + {plan.out_fmt} codes (Int8Activation with hp)" if plan.dual else

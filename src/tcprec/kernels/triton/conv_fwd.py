@@ -34,6 +34,8 @@ The output row of pixel m = n*P*Q + p*Q + q is simply ``y + m*K``.
               or (OUT_MODE 4) float8 codes fp8(clamp(y / out_scale, -max, max)), round to nearest even, NaN stays
               NaN (``round.fp8_code``: quantize_fp8_static's codes) -- the next FP8 layer's input, with a residual
               of y rounded to its dtype as for int8;
+              or both (OUT_MODE 5): the float y and the float8 codes of that float (rounded to its dtype), the FP8
+              twin of OUT_MODE 3 (a ResNet block's output: the next residual and the next FP8 convs' operand);
               or (OUT_MODE 0) the raw accumulator.
 
 The kernel is compiled with ``enable_fp_fusion=False`` (the epilogue's mul and add round separately,
@@ -60,7 +62,7 @@ import triton
 import triton.language as tl
 
 from ..reference_conv import ConvGeometry, pair
-from ..reference_conv_fwd import FP8_KINDS, parse_act, parse_out
+from ..reference_conv_fwd import FP8_KINDS, Fp8Out, Int8Out, parse_act, parse_out
 from ._host import cdiv, next_power_of_2
 from .round import div_by_scalar, fp8_code, fp8_constexprs
 
@@ -68,7 +70,7 @@ __all__ = ["conv2d_fwd_int8", "conv2d_fwd_fp8", "pick_config", "compile_key", "g
            "INTERPRETER_CONFIG", "interpreting"]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-OUT_RAW, OUT_FLOAT, OUT_INT8, OUT_DUAL, OUT_FP8 = 0, 1, 2, 3, 4
+OUT_RAW, OUT_FLOAT, OUT_INT8, OUT_DUAL, OUT_FP8, OUT_DUAL_FP8 = 0, 1, 2, 3, 4, 5
 _OUT_DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16,
                "int32": torch.int32, "int8": torch.int8, **FP8_KINDS}
 # The interpreter runs one small tile (reduction block 32: the smallest 8-bit wgmma step)
@@ -101,7 +103,7 @@ def _conv_fwd_kernel(
     HAS_RES: tl.constexpr,
     # -- int8 output (OUT_MODE 2 at out, 3 at out8): stored clamp(rne(y / out_scale), OUT_LO, OUT_HI) - OUT_OFF --
     OUT_LO: tl.constexpr, OUT_HI: tl.constexpr, OUT_OFF: tl.constexpr,
-    # -- float8 output (OUT_MODE 4, out the uint8 view): round.fp8_code's constants of the format --
+    # -- float8 output (OUT_MODE 4 at out, 5 at out8; uint8 views): round.fp8_code's constants of the format --
     F8_MAN: tl.constexpr, F8_BIAS: tl.constexpr, F8_MAX_BITS: tl.constexpr, F8_MIN_NORMAL_BITS: tl.constexpr,
     F8_SUB_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -229,17 +231,20 @@ def _conv_fwd_kernel(
             y = tl.where(y > 0, y, 0.0)
         elif act == 2:
             y = tl.where(y > 0, y, y * slope)
-        if OUT_MODE == 1 or OUT_MODE == 3:
+        if OUT_MODE == 1 or OUT_MODE == 3 or OUT_MODE == 5:
             y_out = y.to(out_ptr.dtype.element_ty)
             tl.store(out_ptrs, y_out, mask=mask)
-            if OUT_MODE == 3:  # the codes of the stored float, as a separate quantize pass would read it
+            if OUT_MODE != 1:  # the codes of the stored float, as a separate quantize pass would read it
                 y = y_out.to(tl.float32)
         elif HAS_RES:  # int8 / fp8 codes: of the value in the residual's (the network's) float dtype
             y = y.to(res_ptr.dtype.element_ty).to(tl.float32)
-        if OUT_MODE == 4:  # the next FP8 layer's codes (uint8 patterns of the float8 tensor)
+        if OUT_MODE == 4 or OUT_MODE == 5:  # the next FP8 layer's codes (uint8 patterns of the float8 tensor)
             y = div_by_scalar(y, tl.load(oscale_ptr))
             c = fp8_code(y, F8_MAN, F8_BIAS, F8_MAX_BITS, F8_MIN_NORMAL_BITS, F8_SUB_SCALE)
-            tl.store(out_ptrs, c.to(tl.uint8), mask=mask)
+            if OUT_MODE == 4:
+                tl.store(out_ptrs, c.to(tl.uint8), mask=mask)
+            else:
+                tl.store(out8_ptr + offs_out, c.to(tl.uint8), mask=mask)
         if OUT_MODE == 2 or OUT_MODE == 3:
             y = div_by_scalar(y, tl.load(oscale_ptr))
             y = tl.where(y == y, y, 0.0)  # NaN -> 0
@@ -480,11 +485,12 @@ def _launch(x, w, g: ConvGeometry, op: str, *, fp8: bool, alpha, sa, sb, bias, a
     kind, spec = out
     mode, slope = parse_act(act)
     device = x.device
-    if kind == "int8" or out8 is not None:  # the int8 codes at out (OUT_MODE 2) or beside the float out (3)
+    f8_out = out8 if isinstance(out8, Fp8Out) else spec if kind in FP8_KINDS else None  # float8 codes (4, 5)
+    if kind == "int8" or isinstance(out8, Int8Out):  # the int8 codes at out (OUT_MODE 2) or beside the float (3)
         spec8 = spec if kind == "int8" else out8
         oscale, o_lo, o_hi, o_off = _oscale(spec8, device, op), spec8.lo, spec8.hi, spec8.offset
-    elif kind in FP8_KINDS:  # float8 codes at out (OUT_MODE 4)
-        oscale, o_lo, o_hi, o_off = _oscale(spec, device, op), -128, 127, 0
+    elif f8_out is not None:  # float8 codes at out (OUT_MODE 4) or beside the float out (5)
+        oscale, o_lo, o_hi, o_off = _oscale(f8_out, device, op), -128, 127, 0
     else:
         oscale, o_lo, o_hi, o_off = _const(device, 1.0), -128, 127, 0
     if bias is None:
@@ -503,14 +509,17 @@ def _launch(x, w, g: ConvGeometry, op: str, *, fp8: bool, alpha, sa, sb, bias, a
     lim = 2**31 - 1
     int64 = x.numel() >= lim or y.numel() >= lim or w.numel() >= lim
     out_mode = (OUT_RAW if kind == "int32" else OUT_INT8 if kind == "int8" else OUT_FP8 if kind in FP8_KINDS
-                else OUT_DUAL if out8 is not None else OUT_FLOAT)
-    f8 = fp8_constexprs(_OUT_DTYPES[kind] if kind in FP8_KINDS else torch.float8_e4m3fn)
-    y8 = torch.empty(g.output_shape, dtype=torch.int8, device=device) if out_mode == OUT_DUAL else y
+                else OUT_DUAL_FP8 if f8_out is not None else OUT_DUAL if out8 is not None else OUT_FLOAT)
+    f8 = fp8_constexprs(f8_out.dtype if f8_out is not None else torch.float8_e4m3fn)
+    if out_mode in (OUT_DUAL, OUT_DUAL_FP8):
+        y8 = torch.empty(g.output_shape, dtype=torch.int8 if out_mode == OUT_DUAL else f8_out.dtype, device=device)
+    else:
+        y8 = y
     grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(g.K, cfg["BLOCK_N"]),)
     add_t, add_stride = (_const(device, 0.0), 0) if add is None else (add, g.K if add.dim() == 3 else 0)
     kernel = _conv_fwd_kernel[grid](
         x, w, y.view(torch.uint8) if out_mode == OUT_FP8 else y, sa[0], sb[0], bias_t, add_t, oscale,
-        _const(device, 0.0) if res is None else res, y8,
+        _const(device, 0.0) if res is None else res, y8.view(torch.uint8) if out_mode == OUT_DUAL_FP8 else y8,
         g.N, g.H, g.W, g.C, g.P, g.Q, g.K, g.R, g.S,
         g.stride[0], g.stride[1], g.padding[0], g.padding[1], g.dilation[0], g.dilation[1], M,
         float(alpha), sa[1], sb[1], bias_stride, mode, float(slope),
@@ -521,18 +530,19 @@ def _launch(x, w, g: ConvGeometry, op: str, *, fp8: bool, alpha, sa, sb, bias, a
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3), enable_fp_fusion=False,
     )
-    return ((y, y8) if out_mode == OUT_DUAL else y), kernel
+    return ((y, y8) if out_mode in (OUT_DUAL, OUT_DUAL_FP8) else y), kernel
 
 
 def _parse_outs(out, out_int8, allowed: tuple[str, ...], op: str):
-    """(kind, spec, Int8Out or None): ``out`` and, for the dual output, ``out_int8`` (the int8 form of ``out``)."""
+    """(kind, spec, Int8Out / Fp8Out or None): ``out`` and, for the dual output, ``out_int8`` (the codes of ``out``:
+    int8, or float8 with ``("e4m3" | "e5m2", out_scale)``)."""
     kind, spec = parse_out(out, allowed)
     if out_int8 is None:
         return kind, spec, None
     if kind not in ("float16", "float32", "bfloat16"):
-        raise ValueError(f"{op}: out_int8 writes int8 codes beside a float output; out must be 'float16', 'float32' "
-                         f"or 'bfloat16' with it, got out={out!r}")
-    return kind, spec, parse_out(out_int8, ("int8",))[1]
+        raise ValueError(f"{op}: out_int8 writes int8 / float8 codes beside a float output; out must be 'float16', "
+                         f"'float32' or 'bfloat16' with it, got out={out!r}")
+    return kind, spec, parse_out(out_int8, ("int8", *FP8_KINDS))[1]
 
 
 def conv2d_fwd_int8(x: torch.Tensor, w: torch.Tensor, *, stride=1, padding=0, dilation=1, scale=None, bias=None,
@@ -560,7 +570,8 @@ def conv2d_fwd_int8(x: torch.Tensor, w: torch.Tensor, *, stride=1, padding=0, di
     rounded to that dtype).
     ``out_int8=("int8", out_scale[, (lo, hi, offset)])`` with a float ``out``: the dual output, returns
     ``(y, y8)``: the float result and the int8 codes of that float (as ``out=("int8", ...)`` would compute them
-    from it), so a block's output feeds both the next residual and the next INT8 layer from one pass.
+    from it), so a block's output feeds both the next residual and the next INT8 layer from one pass;
+    ``out_int8=("e4m3" | "e5m2", out_scale)``: the same with the float8 codes of that float (the next FP8 layer's).
 
     >>> x = torch.randint(-128, 128, (8, 56, 56, 64), dtype=torch.int8, device="cuda")  # doctest: +SKIP
     >>> w = torch.randint(-128, 128, (64, 3, 3, 64), dtype=torch.int8, device="cuda")   # doctest: +SKIP
