@@ -162,16 +162,20 @@ def test_int8_kernel_route_equals_reference_on_model_layers(i):
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-def test_quantize_fp8_static_triton_pass_equals_torch_ops(fmt):
+@pytest.mark.parametrize("shape, dtype", [((4, 16, 9, 7), torch.float16), ((2, 3, 11, 13), torch.float16),
+                                          ((3, 5, 6, 4), torch.float32), ((37, 5), torch.bfloat16)])
+def test_quantize_fp8_static_triton_pass_equals_torch_ops(fmt, shape, dtype):
     """On CUDA the FP8 activation quantizer is one Triton pass; its codes equal the torch ops it replaced (run on
-    the CPU copy): saturation to +-max, round to nearest even, NaN stays NaN, an fp16 NHWC view of channels_last."""
+    the CPU copy): saturation to +-max, round to nearest even, NaN stays NaN; the fp16 NHWC view of a channels_last
+    tensor QConv2d passes (3 channels: a network's input), float32, a 2-D bfloat16 tensor."""
     gen = torch.Generator(DEV).manual_seed(5)
-    x = (torch.randn(4, 16, 9, 7, device=DEV, generator=gen) * 300).to(torch.float16)
+    x = (torch.randn(*shape, device=DEV, generator=gen) * 300).to(dtype)
     x.view(-1)[:6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 65504.0, -0.0, 1e-7], device=DEV)
-    xn = x.to(memory_format=torch.channels_last).permute(0, 2, 3, 1)  # the NHWC view QConv2d passes
+    xn = x.to(memory_format=torch.channels_last).permute(0, 2, 3, 1) if x.dim() == 4 else x
     scale = torch.tensor([0.37], device=DEV)
     got = qconv.quantize_fp8_static(xn, scale, fmt)
     want = qconv.quantize_fp8_static(xn.cpu(), scale.cpu(), fmt)
+    assert got.codes.shape == want.codes.shape == xn.shape
     f8 = torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2
     g, w = got.codes.cpu().view(f8).float(), want.codes.view(f8).float()
     assert torch.equal(g.isnan(), w.isnan())
