@@ -655,3 +655,25 @@ def test_residual_bad_input():
             qconv._conv2d_impl(qb, wb, _gemm=rq.bmma_gemm_reference, **dict(gb, **kw))
     with pytest.raises(TypeError, match=r"hp must be None or a float NHWC tensor of x8's shape \(1, 2, 2, 3\)"):
         qconv.Int8Activation(torch.zeros(1, 2, 2, 3, dtype=torch.int8), "uint8", 1.0, hp=torch.zeros(1, 3, 2, 2))
+
+
+def test_scale_tensor_is_checked_once_per_version(monkeypatch):
+    """A calibrated scale buffer is read back (a host sync on CUDA) once, not on every call; an in-place change
+    is checked again, and a bad scale is never remembered as checked."""
+    calls = []
+    real = torch.isfinite
+    monkeypatch.setattr(torch, "isfinite", lambda t: calls.append(1) or real(t))
+    s = torch.tensor([0.5])
+    for _ in range(3):
+        assert qconv._scale_tensor(s, s.device, "scale").item() == 0.5
+    assert len(calls) == 1
+    assert qconv._scale_checked(s)
+    s.fill_(float("nan"))  # in place: the version moves on
+    assert not qconv._scale_checked(s)
+    with pytest.raises(ValueError, match="finite positive"):
+        qconv._scale_tensor(s, s.device, "scale")
+    t = torch.tensor([-1.0])
+    for _ in range(2):
+        with pytest.raises(ValueError, match="finite positive"):
+            qconv._scale_tensor(t, t.device, "scale")
+    assert not qconv._scale_checked(t) and not qconv._scale_checked(s)

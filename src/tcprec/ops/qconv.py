@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -130,8 +131,22 @@ def _interpreting() -> bool:
 # ------------------------------------------------------------------------------------------------
 
 
+# Scale tensors already checked (id -> (weak reference, the tensor's version counter then)): checking a CUDA
+# scale reads it back (a host sync), and an eager forward of a quantized network passes the same calibrated scale
+# buffers on every call -- 35 syncs an eager ResNet-18 forward (session 16 profile).  An in-place change bumps
+# the version, so a changed scale is checked again.
+_CHECKED_SCALES: dict = {}
+_CHECKED_MAX = 4096
+
+
+def _scale_checked(scale: torch.Tensor) -> bool:
+    entry = _CHECKED_SCALES.get(id(scale))
+    return entry is not None and entry[0]() is scale and entry[1] == scale._version
+
+
 def _scale_tensor(scale, device, what: str) -> torch.Tensor:
-    """A per-tensor scale as float32 (1,) on ``device``; checked for finite > 0 unless capturing."""
+    """A per-tensor scale as float32 (1,) on ``device``; checked for finite > 0 unless capturing (a tensor once a
+    version: see ``_CHECKED_SCALES``)."""
     def bad():  # built only on failure: printing a CUDA tensor syncs, which a graph capture forbids
         return ValueError(f"{what} must be one finite positive number (a float or a one-element tensor), got {scale!r}")
 
@@ -139,9 +154,12 @@ def _scale_tensor(scale, device, what: str) -> torch.Tensor:
         s = scale.to(device=device, dtype=torch.float32).reshape(-1)
         if s.numel() != 1:
             raise bad()
-        if not (s.is_cuda and torch.cuda.is_current_stream_capturing()):  # no sync inside a graph capture
-            if not bool(torch.isfinite(s).all() and (s > 0).all()):
+        if not (s.is_cuda and torch.cuda.is_current_stream_capturing()) and not _scale_checked(scale):
+            if not bool(torch.isfinite(s).all() and (s > 0).all()):  # no sync inside a graph capture
                 raise bad()
+            if len(_CHECKED_SCALES) >= _CHECKED_MAX:
+                _CHECKED_SCALES.clear()
+            _CHECKED_SCALES[id(scale)] = (weakref.ref(scale), scale._version)
         return s
     try:
         v = float(scale)
