@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ._host import cdiv, next_power_of_2
-from .pack import _pooled_rows
+from .pack import _pooled_tile
 from .round import div_by_scalar, fp8_code, fp8_constexprs
 
 __all__ = ["quantize_fp8", "pool_quantize_fp8"]
@@ -127,24 +127,6 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, *, blo
 _POOL_TILE = 4096  # elements a program
 
 
-@triton.jit
-def _max_pool_2x2_nan(x_ptr, n, po, qo, koff, mask, P, Q, stride_xn, stride_xh, stride_xw, POOL_S: tl.constexpr,
-                      init):
-    """max over the 2x2 window at input (po * POOL_S, qo * POOL_S) of image n with torch's max-pool rule, window
-    pixel by pixel in row-major order: ``m = v if v > m or v is NaN`` (NaN propagates; of -0 and +0 the first
-    stays), pixels past P / Q skipped (the -inf padding of the size-keeping pool never wins)."""
-    m = init
-    for i in tl.static_range(2):
-        for j in tl.static_range(2):
-            h = po * POOL_S + i
-            w = qo * POOL_S + j
-            ok = mask & (h < P) & (w < Q)
-            v = tl.load(x_ptr + n * stride_xn + h * stride_xh + w * stride_xw + koff, mask=ok, other=float("-inf"))
-            v = v.to(tl.float32)
-            m = tl.where((v > m) | (v != v), v, m)
-    return m
-
-
 @triton.jit(do_not_specialize=["R", "P", "Q", "PO", "QO"])
 def _pool_quantize_fp8_kernel(
     x_ptr, scale_ptr, out_ptr,  # out: the uint8 view of the float8 result (N, PO, QO, K) contiguous
@@ -154,23 +136,12 @@ def _pool_quantize_fp8_kernel(
     F8_SUB_SCALE: tl.constexpr,
     POOL_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    pid_r = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    n, po, qo = _pooled_rows(offs_r, PO, QO)
-    mask = (offs_r < R)[:, None] & (offs_k < K)[None, :]
-    kk = offs_k[None, :] * stride_xk
-    if POOL_S == 0:
-        base = n * stride_xn + po * stride_xh + qo * stride_xw
-        v = tl.load(x_ptr + base[:, None] + kk, mask=mask, other=0.0).to(tl.float32)
-    else:
-        v = _max_pool_2x2_nan(x_ptr, n[:, None], po[:, None], qo[:, None], kk, mask, P, Q, stride_xn, stride_xh,
-                              stride_xw, POOL_S, tl.full((BLOCK_R, BLOCK_K), float("-inf"), tl.float32))
+    # torch's max-pool rule (NaN propagates): the codes of what torch's pool + quantize_fp8_static give
+    v, mask, offs_out = _pooled_tile(x_ptr, R, K, P, Q, PO, QO, stride_xn, stride_xh, stride_xw, stride_xk, POOL_S,
+                                     True, BLOCK_R, BLOCK_K)
     c = fp8_code(div_by_scalar(v, tl.load(scale_ptr)), F8_MAN, F8_BIAS, F8_MAX_BITS, F8_MIN_NORMAL_BITS,
                  F8_SUB_SCALE)
-    out = out_ptr + offs_r.to(tl.int64)[:, None] * K + offs_k[None, :]
-    tl.store(out, c.to(tl.uint8), mask=mask)
+    tl.store(out_ptr + offs_out, c.to(tl.uint8), mask=mask)
 
 
 def pool_quantize_fp8(y: torch.Tensor, scale: torch.Tensor, pool_stride: int, dtype=torch.float8_e4m3fn

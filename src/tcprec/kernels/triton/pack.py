@@ -144,7 +144,7 @@ def _pool_quantize_pack_kernel(
     mask = (r3 < R) & (k3 < K)
     m = _max_pool_2x2(x_ptr, n[:, None, None], po[:, None, None], qo[:, None, None], k3 * stride_xk, mask, P, Q,
                       stride_xn, stride_xh, stride_xw, POOL_S, tl.full((BLOCK_R, BLOCK_W, 32), float("-inf"),
-                                                                       tl.float32))
+                                                                       tl.float32), False)
     c = _quantize_codes(m, tl.load(scale_ptr), LO, HI, OFFSET, SHIFT, BITS)
     codes = tl.where(mask, c, 0)
     _store_planes(codes, planes_ptr, offs_r, offs_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS)
@@ -226,10 +226,12 @@ def _pooled_rows(offs_r, PO, QO):
 
 
 @triton.jit
-def _max_pool_2x2(x_ptr, n, po, qo, koff, mask, P, Q, stride_xn, stride_xh, stride_xw, POOL_S: tl.constexpr, init):
+def _max_pool_2x2(x_ptr, n, po, qo, koff, mask, P, Q, stride_xn, stride_xh, stride_xw, POOL_S: tl.constexpr, init,
+                  NAN_MAX: tl.constexpr):
     """max(init, the 2x2 window at input (po * POOL_S, qo * POOL_S) of image n), float32; n, po, qo arrive
     broadcastable against the channel offsets ``koff`` (any tile rank), window pixels past P / Q skipped (darknet's
-    clipped size-keeping pool at POOL_S = 1)."""
+    clipped size-keeping pool at POOL_S = 1).  ``NAN_MAX``: torch's max-pool rule instead of ``tl.maximum``, pixel by
+    pixel in row-major order ``m = v if v > m or v is NaN`` (NaN propagates; of -0 and +0 the first stays)."""
     m = init
     for i in tl.static_range(2):
         for j in tl.static_range(2):
@@ -237,8 +239,32 @@ def _max_pool_2x2(x_ptr, n, po, qo, koff, mask, P, Q, stride_xn, stride_xh, stri
             w = qo * POOL_S + j
             ok = mask & (h < P) & (w < Q)
             v = tl.load(x_ptr + n * stride_xn + h * stride_xh + w * stride_xw + koff, mask=ok, other=float("-inf"))
-            m = tl.maximum(m, v.to(tl.float32))
+            v = v.to(tl.float32)
+            if NAN_MAX:
+                m = tl.where((v > m) | (v != v), v, m)
+            else:
+                m = tl.maximum(m, v)
     return m
+
+
+@triton.jit
+def _pooled_tile(x_ptr, R, K, P, Q, PO, QO, stride_xn, stride_xh, stride_xw, stride_xk, POOL_S: tl.constexpr,
+                 NAN_MAX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's (BLOCK_R pooled pixels x BLOCK_K channels) tile of y (N, P, Q, K) (any strides) after the
+    optional 2x2 max-pool (POOL_S 0: none), float32, with its mask and its offsets in a contiguous (N, PO, QO, K)
+    output (int64): the front end of the pool + quantize passes (quant_bytes, fp8_quant)."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    n, po, qo = _pooled_rows(offs_r, PO, QO)
+    mask = (offs_r < R)[:, None] & (offs_k < K)[None, :]
+    kk = offs_k[None, :] * stride_xk
+    if POOL_S == 0:
+        base = n * stride_xn + po * stride_xh + qo * stride_xw
+        v = tl.load(x_ptr + base[:, None] + kk, mask=mask, other=0.0).to(tl.float32)
+    else:
+        v = _max_pool_2x2(x_ptr, n[:, None], po[:, None], qo[:, None], kk, mask, P, Q, stride_xn, stride_xh,
+                          stride_xw, POOL_S, tl.full((BLOCK_R, BLOCK_K), float("-inf"), tl.float32), NAN_MAX)
+    return v, mask, offs_r.to(tl.int64)[:, None] * K + offs_k[None, :]
 
 
 @triton.jit

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ._host import cdiv, next_power_of_2
-from .pack import _max_pool_2x2, _pooled_rows, _quantize_codes
+from .pack import _pooled_tile, _quantize_codes
 
 __all__ = ["pool_quantize_int8", "im2col_rows", "ENC_UNSIGNED", "ENC_TWOS", "ENC_PM"]
 
@@ -55,22 +55,10 @@ def _pool_quantize_int8_kernel(
     LO: tl.constexpr, HI: tl.constexpr, OFFSET: tl.constexpr, SHIFT: tl.constexpr, ENC: tl.constexpr,
     BITS: tl.constexpr, POOL_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    pid_r = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    n, po, qo = _pooled_rows(offs_r, PO, QO)
-    mask = (offs_r < R)[:, None] & (offs_k < K)[None, :]
-    kk = offs_k[None, :] * stride_xk
-    if POOL_S == 0:
-        base = n * stride_xn + po * stride_xh + qo * stride_xw
-        v = tl.load(x_ptr + base[:, None] + kk, mask=mask, other=0.0).to(tl.float32)
-    else:
-        v = _max_pool_2x2(x_ptr, n[:, None], po[:, None], qo[:, None], kk, mask, P, Q, stride_xn, stride_xh, stride_xw,
-                          POOL_S, tl.full((BLOCK_R, BLOCK_K), float("-inf"), tl.float32))
+    v, mask, offs_out = _pooled_tile(x_ptr, R, K, P, Q, PO, QO, stride_xn, stride_xh, stride_xw, stride_xk, POOL_S,
+                                     False, BLOCK_R, BLOCK_K)
     c = _quantize_codes(v, tl.load(scale_ptr), LO, HI, OFFSET, SHIFT, BITS)
-    out = out_ptr + offs_r.to(tl.int64)[:, None] * K + offs_k[None, :]
-    tl.store(out, _code_to_x8(c, ENC, BITS), mask=mask)
+    tl.store(out_ptr + offs_out, _code_to_x8(c, ENC, BITS), mask=mask)
 
 
 # The geometry is compile-time (a network has one or two thin stems): the (r, s, c) decomposition of the column
