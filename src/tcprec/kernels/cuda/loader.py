@@ -249,8 +249,9 @@ class Variant:
         base = align + -(-pipe // 16) * 16
         # a copy a consumer group (VEC_STRIDE); with TMA a copy a warpgroup where those fit (bmma_gemm.cu, WG_VEC)
         wg = t.warps_m // 4
-        if t.tma and wg > 1 and base + -(-(t.cons * wg * -(-per // 4) * 4 * 4) // 8) * 8 + barriers <= _MAX_SMEM:
-            return base + -(-(t.cons * wg * -(-per // 4) * 4 * 4) // 8) * 8 + barriers
+        per_wg = base + -(-(t.cons * wg * -(-per // 4) * 4 * 4) // 8) * 8 + barriers
+        if t.tma and wg > 1 and per_wg <= _MAX_SMEM:
+            return per_wg
         vectors = t.cons * (-(-per // 4) * 4 if t.cons > 1 else per) * 4
         return base + -(-vectors // 8) * 8 + barriers
 
