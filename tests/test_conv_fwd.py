@@ -432,7 +432,8 @@ def _aot_compile(fp8: bool, flat: bool, out_mode: int, C: int, K: int, has_add: 
             "sa_ptr": "fp32",
             "sb_ptr": "fp32", "bias_ptr": "fp32", "add_ptr": "i32" if has_add else "fp32", "oscale_ptr": "fp32",
             "res_ptr": "fp16" if has_res else "fp32", "out8_ptr": "i8"}
-    consts = dict(IS_FP8=fp8, FAST_ACCUM=False, FLAT=flat, OUT_MODE=out_mode, HAS_ADD=has_add, EVEN_K=C % 128 == 0,
+    consts = dict(IS_FP8=fp8, FAST_ACCUM=False, FLAT=flat, OUT_MODE=out_mode, HAS_ADD=has_add, ADD_PIX=has_add,
+                  EVEN_K=C % 128 == 0,
                   INT64=False, HAS_RES=has_res, OUT_LO=out_codes[0], OUT_HI=out_codes[1], OUT_OFF=out_codes[2],
                   BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, **fp8_constexprs(torch.float8_e4m3fn))
     sig, attrs, cs = {}, {}, dict(consts)
@@ -485,3 +486,20 @@ if __name__ == "__main__" and sys.argv[1:] == ["--aot"]:
     print(json.dumps({k: "\n".join(ln for ln in v.splitlines() if "wgmma" in ln or "cp.async.c" in ln
                                    or "div." in ln or "cvt.rn.f32.f64" in ln or "fma." in ln or "satfinite" in ln)
                       for k, v in report.items()}))
+
+
+@pytest.mark.parametrize("spec", [GEOMS[2], GEOMS[4], GEOMS[5], GEOMS[9]], ids=_id)
+@pytest.mark.parametrize("cfg", [None, TAP, FLAT], ids=["auto", "tap", "flat"])
+def test_interior_add_reads_one_row_and_gathers_the_border(spec, cfg):
+    """acc_add_interior: with the in-image correction of a shifted operand (equal at every interior position) the
+    kernel's interior rows read one entry a channel and border rows gather theirs -- the same result as the
+    gather everywhere and as the reference."""
+    x, w, kw = _int8(spec, seed=6)
+    N, H, W, C, K, R, S, st, pd, dl = spec
+    ones = torch.ones((1, H, W, C), dtype=torch.int8)
+    table = (128 * rf.conv_acc(ones, w, **kw)[0]).to(torch.int32).contiguous()  # (P, Q, K)
+    want = rf.conv2d_fwd_int8(x, w, out="int32", acc_mul=3, acc_add=table, **kw)
+    for interior in (False, True):
+        got = cf.conv2d_fwd_int8(x, w, out="int32", acc_mul=3, acc_add=table, acc_add_interior=interior,
+                                 config=cfg, **kw)
+        assert torch.equal(got, want), interior

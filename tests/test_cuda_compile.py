@@ -65,7 +65,25 @@ def _variants():
         L.Variant(2, 1, False, False, L.parse_tile("64x128_w4x1_s6_k1024_wg_tma_pp"), "packed", out_bits=2),
         L.Variant(2, 1, False, False, L.parse_tile("64x128_w4x1_s6_k1024_wg_tma_pp"), "float", "float16"),
     ]
-    return vs
+    return vs + _conv_variants()
+
+
+def _conv_variants():
+    """Implicit-GEMM convolutions (TCP_CONV): the w1a2 / w2a2 tiles the networks' binary convs take -- TMA with the
+    gathering producer warpgroup, packed and float epilogues, and the mma.sync / small tiles of small batches."""
+    from tcprec.kernels.cuda import loader as L
+
+    big = lambda p, q, e: L.packed_tile(L.pick_tile(p, q, False, False, 10**5, 512, arch="sm_90a", epilogue=e)) \
+        if e == "packed" else L.pick_tile(p, q, False, False, 10**5, 512, arch="sm_90a", epilogue=e)  # noqa: E731
+    return [
+        L.Variant(2, 1, False, False, big(2, 1, "packed"), "packed", out_bits=2, conv=True),
+        L.Variant(2, 1, False, False, big(2, 1, "float"), "float", "float16", conv=True),
+        L.Variant(2, 2, False, False, big(2, 2, "packed"), "packed", out_bits=2, conv=True),
+        L.Variant(2, 1, False, False, L.packed_tile(L.pick_tile(2, 1, False, False, 6272, 512, arch="sm_90a")),
+                  "packed", out_bits=2, conv=True),
+        L.Variant(2, 1, False, False, L.packed_tile(L.SMALL_TILE), "packed", out_bits=2, conv=True),
+        L.Variant(8, 1, False, False, L.SMALL_TILE, "int32", conv=True),
+    ]
 
 
 def _sync_defaults():
@@ -104,7 +122,7 @@ def test_default_variants_do_not_spill(cache):
     from tcprec.kernels.cuda import loader as L
 
     seen_tma = 0
-    for v in _variants()[: len(DEFAULT_PAIRS)] + _variants()[-5:] + _sync_defaults():
+    for v in _variants()[: len(DEFAULT_PAIRS)] + _variants()[-11:] + _sync_defaults():
         _, log = L.compile_variant(v, "sm_90a")  # from the cache filled above (or compiled now)
         seen_tma += v.tile.tma
         assert _spill_bytes(log) == 0 and "0 bytes stack frame" in log, (str(v), log[-400:])

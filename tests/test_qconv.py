@@ -14,6 +14,7 @@ from tcprec.formats import IntFormat
 from tcprec.kernels import reference_gemm as rg
 from tcprec.kernels import reference_qconv as rq
 from tcprec.kernels.reference_conv import ConvGeometry
+from tcprec.packing import pack_bitplanes
 from tcprec.ops import qconv
 from tcprec.ops.quantize import quantize_static
 from tcprec.ops.qconv import PackedActivation, conv2d, explain_conv2d, pack_activation, pack_conv_weight
@@ -677,3 +678,78 @@ def test_scale_tensor_is_checked_once_per_version(monkeypatch):
         with pytest.raises(ValueError, match="finite positive"):
             qconv._scale_tensor(t, t.device, "scale")
     assert not qconv._scale_checked(t) and not qconv._scale_checked(s)
+
+
+# ---- the implicit-GEMM route (bmma_gemm with conv=): its torch statement, the route choice, bad input ----
+
+
+def test_implicit_conv_rows_are_the_im2col_rows_when_taps_are_whole_chunks():
+    """With ceil(C / 32) a multiple of 4 the implicit GEMM's K layout is the im2col layout itself, so the same
+    weight planes serve both; otherwise each tap is padded to 4 words (zeros) and the products agree."""
+    gen = torch.Generator().manual_seed(3)
+    for C, K in ((128, 5), (37, 6)):
+        g = ConvGeometry(2, 7, 6, C, K, 3, 2, (2, 1), (1, 1), (1, 2))
+        x = torch.randint(0, 4, (g.N * g.H * g.W, C), generator=gen)
+        w = torch.randint(0, 2, (K, g.R, g.S, C), generator=gen)
+        a = pack_bitplanes(x, 2, validate=False)
+        cwt = rq.conv_tap_words(C)
+        wp = rq.pack_weight_planes(w, 1, tap_words=cwt)
+        conv = [g.H, g.W, g.P, g.Q, g.R, g.S, *g.stride, *g.padding, *g.dilation, cwt]
+        rows = rq.implicit_conv_rows(a, wp, conv)
+        assert rows.shape == (2, g.N * g.P * g.Q, wp.shape[2])
+        cols, w_old = rq.im2col_bits(a, g), rq.pack_weight_planes(w, 1)
+        if C == 128:
+            assert cwt == 4 and torch.equal(wp, w_old) and torch.equal(rows, cols)
+        else:
+            assert cwt == 4 and wp.shape[2] > w_old.shape[2]
+        args = (False, False, 1, None, None, None, None, None, False, "int32", 1, "unsigned", None)
+        assert torch.equal(rq.bmma_gemm_reference(a, wp, *args, conv=conv), rq.bmma_gemm_reference(cols, w_old, *args))
+
+
+def test_implicit_conv_route_choice_and_bad_geometry(monkeypatch):
+    from tcprec.kernels.cuda import loader as L
+
+    g = ConvGeometry(1, 8, 8, 64, 8, 3, 3, (1, 1), (1, 1), (1, 1))
+    assert not qconv.BITSERIAL_IMPLICIT and not qconv.implicit_conv(g, 16)  # opt-in (slower so far)
+    assert qconv.compact_planes_ok(64)  # the im2col route takes compact rows
+    monkeypatch.setattr(qconv, "BITSERIAL_IMPLICIT", True)
+    assert qconv.implicit_conv(g, 16)  # padded rows of 64 channels
+    assert not qconv.implicit_conv(g, 2)  # compact rows: 2 words a pixel, not whole 16-byte taps
+    assert not qconv.implicit_conv(ConvGeometry(1, 8, 8, 64, 8, 1, 1, (1, 1), (0, 0), (1, 1)), 16)  # pointwise
+    assert qconv.compact_planes_ok(256) and not qconv.compact_planes_ok(64) and not qconv.compact_planes_ok(96)
+    a = torch.zeros(2, 64, 16, dtype=torch.int32)
+    w = torch.zeros(1, 8, 48, dtype=torch.int32)
+    conv = [8, 8, 8, 8, 3, 3, 1, 1, 1, 1, 1, 1, 4]
+    L.check_conv(a, w, conv)  # fine
+    with pytest.raises(ValueError, match="Kin"):
+        L.check_conv(a[..., :2], w, conv)
+    with pytest.raises(ValueError, match="R\\*S\\*CWT"):
+        L.check_conv(a, w[..., :16], conv)
+    with pytest.raises(ValueError, match="whole H x W"):
+        L.check_conv(a[:, :60], w, conv)
+    with pytest.raises(ValueError, match="conv must be"):
+        L.check_conv(a, w, conv[:4])
+    with pytest.raises(ValueError, match="no cluster"):
+        L.Variant(2, 1, tile=L.parse_tile("128x128_w8x1_s4_k1024_wg_tma_c2x1"), epilogue="int32", conv=True)
+    assert str(L.Variant(2, 1, conv=True)).endswith("_conv") and "TCP_CONV=1" in L.Variant(2, 1, conv=True).defines()
+
+
+@pytest.mark.parametrize("geo", [dict(stride=1, padding=1), dict(stride=2, padding=2, dilation=2),
+                                 dict(stride=(2, 1), padding=(0, 1))])
+@pytest.mark.parametrize("C", [64, 128, 37])
+def test_bitserial_implicit_route_equals_im2col_route(monkeypatch, geo, C):
+    """With qconv.BITSERIAL_IMPLICIT the bit-serial convolution hands the GEMM its input planes and the geometry
+    (conv=) instead of im2col'd rows; the reference GEMM gathers them explicitly: both routes give the same int32
+    product as the integer reference (pm1 weights: the row correction comes from the rowsum-only pass)."""
+    gen = torch.Generator().manual_seed(C)
+    qx = _qt((2, 9, 8, C), tp.format("uint2"), gen)
+    qw = _qt((7, 3, 3, C), tp.format("binary"), gen)
+    routes = {}
+    for on in (False, True):
+        monkeypatch.setattr(qconv, "BITSERIAL_IMPLICIT", on)
+        seen = []
+        gemm = lambda *a, **k: seen.append("conv" in k) or rq.bmma_gemm_reference(*a, **k)  # noqa: E731
+        routes[on] = qconv._conv2d_impl(qx, qw, out_dtype=torch.int32, _gemm=gemm, **geo)
+        assert seen == [on]
+    assert torch.equal(routes[False], routes[True])
+    assert torch.equal(routes[True].long(), _exact(qx, qw, **geo).long())

@@ -239,7 +239,7 @@ def _split_scale(v) -> tuple[float, torch.Tensor | None]:
 
 def conv2d_fwd_int8(x, w, *, stride=1, padding=0, dilation=1, scale=None, bias=None, act=None,
                     out="float16", acc_mul: int = 1, acc_add: torch.Tensor | None = None,
-                    residual: torch.Tensor | None = None, out_int8=None):
+                    residual: torch.Tensor | None = None, out_int8=None, acc_add_interior: bool = False):
     """Reference of :func:`tcprec.kernels.triton.conv_fwd.conv2d_fwd_int8` (same arguments): with
     ``acc_add`` (int32 (K,) or (P, Q, K)) the accumulator is ``acc * acc_mul + acc_add`` in int64;
     ``residual`` / ``out_int8`` as :func:`epilogue`."""

@@ -93,15 +93,23 @@ def im2col_bits(planes: torch.Tensor, g: ConvGeometry) -> torch.Tensor:
     return F.pad(cols, (0, kw_col - rscw)).contiguous()  # (bits, M, Kw_col)
 
 
-def pack_weight_planes(w_codes: torch.Tensor, bits: int, *, backend: str = "auto") -> torch.Tensor:
+def conv_tap_words(C: int) -> int:
+    """Words a tap takes in the implicit-GEMM convolution's K layout: ceil(C / 32) rounded up to 4 (whole 16-byte
+    chunks: the kernel gathers a tap with cp.async of 16 bytes)."""
+    return -(-C // 128) * 4
+
+
+def pack_weight_planes(w_codes: torch.Tensor, bits: int, *, backend: str = "auto",
+                       tap_words: int | None = None) -> torch.Tensor:
     """KRSC codes -> weight planes in the im2col word layout: int32 ``(bits, K, Kw_col)``.
 
     Each tap's C codes are padded with zero codes to ``Cw*32`` so that tap ``t`` starts at word
-    ``t*Cw``, as in :func:`im2col_bits`.  (A zero code has all-zero planes: it adds nothing to
+    ``t*Cw``, as in :func:`im2col_bits`; ``tap_words`` (>= Cw) pads each tap to that many words instead (the
+    implicit-GEMM layout, :func:`conv_tap_words`).  (A zero code has all-zero planes: it adds nothing to
     AND+popc nor to the row sums of the corrections, whatever the format.)
     """
     K, R, S, C = w_codes.shape
-    Cw = -(-C // 32)
+    Cw = tap_words or -(-C // 32)
     wc = F.pad(w_codes, (0, Cw * 32 - C))  # (K, R, S, Cw*32) zero codes past C
     return pack_bitplanes(wc.reshape(K, R * S * Cw * 32), bits, backend=backend, validate=False)
 
@@ -118,11 +126,26 @@ def _weighted_S(a_planes, w_planes, a_twos: bool, w_twos: bool) -> torch.Tensor:
     return S
 
 
+def implicit_conv_rows(a_planes: torch.Tensor, w_planes: torch.Tensor, conv) -> torch.Tensor:
+    """The implicit-GEMM convolution's A operand (``torch.ops.tcprec.bmma_gemm`` with ``conv``), gathered
+    explicitly: row (n, p, q), word ``t * CWT + i`` = word i of input pixel (n, p*sh - ph + r*dh, q*sw - pw + s*dw)
+    for tap t = r*S + s, zero outside the image and past the R*S taps; as wide as ``w_planes``' rows."""
+    H, W, P, Q, R, S, sh, sw, ph, pw, dh, dw, cwt = conv
+    bits, rows, _ = a_planes.shape
+    g = ConvGeometry(rows // (H * W), H, W, cwt * 32, w_planes.shape[1], R, S, (sh, sw), (ph, pw), (dh, dw))
+    a = im2col_bits(a_planes[:, :, :cwt].contiguous(), g)[..., : R * S * cwt]  # taps of cwt words
+    return F.pad(a, (0, w_planes.shape[2] - R * S * cwt))
+
+
 def bmma_gemm_reference(a_planes, w_planes, a_twos, w_twos, ss, row_term, col_term, row_scale, col_scale, bias,
-                        relu, out_kind, out_bits, out_encoding, out_scale, tile="", leaky_slope=0.0, pdl=True):
+                        relu, out_kind, out_bits, out_encoding, out_scale, tile="", leaky_slope=0.0, pdl=True,
+                        conv=None):
     """``torch.ops.tcprec.bmma_gemm``'s contract in plain torch (same arguments, same result):
     ``C = ss * S + row_term[m] + col_term[n]`` (int32), then the float or packed epilogue.  ``tile`` and ``pdl``
-    (how the kernel launches) do not change the result and are ignored."""
+    (how the kernel launches) do not change the result and are ignored.  With ``conv`` the A operand is
+    :func:`implicit_conv_rows` of the input planes."""
+    if conv is not None:
+        a_planes = implicit_conv_rows(a_planes, w_planes, conv)
     C = ss * _weighted_S(a_planes, w_planes, a_twos, w_twos)  # (M, N) int64
     if row_term is not None:
         C = C + row_term.to(torch.int64)[:, None]

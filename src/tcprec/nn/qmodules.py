@@ -249,9 +249,9 @@ class QConv2d(_QBase):
             N, H, W, C = xn.shape
             g = ConvGeometry(N, H, W, C, self.out_channels, *self.kernel_size, self.stride, self.padding,
                              self.dilation)
-            # only a pointwise convolution multiplies its input planes themselves; the others read them
-            # through an im2col, which needs no padding words (ResNet-18's 64 channels: 2 words a pixel, not 16)
-            x = _quantize_input(xn, self, compact=not g.is_pointwise)
+            # only a pointwise convolution multiplies its input planes themselves (whole 512-bit rows); the others
+            # gather windows (implicit GEMM), which need no padding words where a pixel is whole 16-byte chunks
+            x = _quantize_input(xn, self, compact=not g.is_pointwise and qc.compact_planes_ok(g.C))
         res = None if residual is None else self._residual_nhwc(residual, x.shape)
         y = qc.conv2d(x, self.weight, stride=self.stride, padding=self.padding, dilation=self.dilation,
                       scale=self.ch_scale, bias=self.ch_bias, act=self.act, pool=self.pool,

@@ -27,6 +27,10 @@ Backends (one rule with ``tcprec.matmul``: bit-serial while p*q < 8, INT8 otherw
   tensor-core GEMM (``torch.ops.tcprec.bmma_gemm``) with the true K = R*S*C in its corrections and
   its fused epilogue (scale, bias, ReLU / LeakyReLU, the output dtype or the packed next-layer
   planes).  A 1x1 stride-1 unpadded convolution needs no im2col: the input planes are the operand.
+  With :data:`BITSERIAL_IMPLICIT` (opt-in; measured slower, see there) it is an implicit GEMM instead
+  (``bmma_gemm`` with ``conv=``): the kernel gathers each window from the packed input planes as it
+  loads (per tap the ceil(C/32) words rounded up to 4, zeros in the padding; any kernel size, stride,
+  padding and dilation), and pm1 weights' row correction is that Triton kernel without its store.
   A max-pool in front of packed output runs on the codes (the epilogue packs at full size, one bit-plane
   pass pools: quantizing is monotone, so it equals pooling first); other pooling is a separate float32
   pass after the GEMM (then the cast or the re-quantize + pack pass);
@@ -433,7 +437,9 @@ class PackedConvWeight:
 
     * bit-serial (integer formats): ``planes`` int32 ``(q, K, Kw_col)`` in the im2col word layout (each
       tap padded to a whole number of words), ``rowsum`` int32 ``(K,)`` = sum of the weighted codes of
-      each filter (the correction term when the activations are pm1);
+      each filter (the correction term when the activations are pm1), and ``conv_planes``, the same weights in
+      the implicit-GEMM layout (each tap padded to a multiple of 4 words: ``reference_qconv.conv_tap_words``;
+      ``planes`` itself where that is already so);
     * INT8 / FP8 kernels: ``w8`` ``(K, R, S, C)`` contiguous, int8 with ``value = w_off + w_step * w8``
       (integer formats) or the float8 view of the codes (``e4m3`` / ``e5m2``: ``w_off = 0, w_step = 1``);
     * ``corr``: the INT8 kernel's cached corrections for shifted activations (see ``_int8_correction``).
@@ -449,6 +455,7 @@ class PackedConvWeight:
     w_off: int = 0
     w_step: int = 1
     corr: dict = field(default_factory=dict, repr=False)
+    conv_planes: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple:
@@ -497,7 +504,10 @@ def pack_conv_weight(w: QTensor) -> PackedConvWeight:
     planes = rq.pack_weight_planes(w.codes, w.fmt.bits)  # (q, K, Kw_col)
     rowsum = rg.weighted_rowsums(planes, w.fmt).to(torch.int32)  # (K,): the pm1-activation correction (cheap)
     w8, w_off, w_step = _int8_codes(w.codes, w.fmt)  # (K, R, S, C) int8
-    return PackedConvWeight(w, planes, w_scale, rowsum, w8, w_off, w_step)
+    C = w.shape[3]
+    cwt = rq.conv_tap_words(C)
+    conv_planes = planes if cwt == -(-C // 32) else rq.pack_weight_planes(w.codes, w.fmt.bits, tap_words=cwt)
+    return PackedConvWeight(w, planes, w_scale, rowsum, w8, w_off, w_step, conv_planes=conv_planes)
 
 
 def _int8_codes(codes: torch.Tensor, fmt: IntFormat) -> tuple[torch.Tensor, int, int]:
@@ -1040,7 +1050,8 @@ def _int8_kernel(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, s_out, re
     return conv2d_fwd_int8(x, w, stride=st, padding=pd, dilation=dl,
                            scale=col if float_out else None, bias=bias if float_out else None,
                            act=plan.act if float_out else None, out=out, acc_mul=acc_mul, acc_add=acc_add,
-                           residual=residual, out_int8=out_int8)
+                           residual=residual, out_int8=out_int8,
+                           acc_add_interior=not _thin_stem(g))  # a thin stem's table is the original conv's
 
 
 def _fp8_kernel(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, fast_accum: bool, s_out, residual=None):
@@ -1077,7 +1088,18 @@ def _bitserial(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, out_scale, 
     K_true = g.R * g.S * g.C
     planes = xs.planes()  # (p, N*H*W, packed_words(C)), or compact (p, N*H*W, ceil(C / 32)): fine for the im2col
     need_row = ow != 0
-    if g.is_pointwise:
+    conv, w_planes = None, pw.planes
+    if implicit_conv(g, planes.shape[2]) and pw.conv_planes is not None:
+        # implicit GEMM: the kernel gathers the windows from the input planes; only the row sums (pm1 weights) take
+        # a pass over them
+        cwt = rq.conv_tap_words(g.C)
+        conv = [g.H, g.W, g.P, g.Q, g.R, g.S, *g.stride, *g.padding, *g.dilation, cwt]
+        a_planes, w_planes = planes, pw.conv_planes
+        row_term = None
+        if need_row:
+            _, row_term = im2col_bits(planes, g, twos=fa.encoding == "twos", store=False, rowsum=True,
+                                      row_mul=sa * ow, row_add=K_true * oa * ow)
+    elif g.is_pointwise:
         if xs.packed is not None and xs.packed.compact:  # the GEMM operand needs whole 512-bit rows
             planes = xs.packed.padded_planes()
         a_planes = planes  # the input planes are the GEMM operand (Kw_col = packed_words(C))
@@ -1088,10 +1110,37 @@ def _bitserial(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, out_scale, 
                                          row_mul=sa * ow, row_add=K_true * oa * ow)  # (p, M, Kw_col), (M,)
     col_term = (oa * sw * pw.rowsum).contiguous() if oa != 0 else None  # (K,) int32
     kind, relu, slope, ofmt = _bitserial_kind(plan)
-    return gemm(a_planes, pw.planes, fa.encoding == "twos", fw.encoding == "twos", sa * sw, row_term, col_term,
+    extra = {} if conv is None else {"conv": conv}
+    return gemm(a_planes, w_planes, fa.encoding == "twos", fw.encoding == "twos", sa * sw, row_term, col_term,
                 None, col if kind != "int32" else None, bias if kind != "int32" else None, relu, kind,
                 ofmt.bits if ofmt is not None else 1, ofmt.encoding if ofmt is not None else "unsigned",
-                out_scale if kind == "packed" else None, "", slope)
+                out_scale if kind == "packed" else None, "", slope, **extra)
+
+
+# The implicit-GEMM route of the bit-serial convolution (bmma_gemm with conv=) is correct (bit-exact against the
+# reference, tests/gpu/test_conv_implicit_gpu.py) but measured slower than the explicit im2col route on the networks'
+# layers (session 17, H200, BENCHMARKS.md): its pm1 row sums still take a pass over the planes as long as the im2col
+# itself, and the gathering producer feeds the wgmmas slower than TMA.  So it is opt-in until the row sums move into
+# the kernel: set True to route every eligible convolution through it.
+BITSERIAL_IMPLICIT = False
+
+
+def implicit_conv(g: ConvGeometry, kin: int) -> bool:
+    """Whether a bit-serial convolution over input planes with ``kin``-word rows runs as an implicit GEMM
+    (``bmma_gemm`` with ``conv``: no im2col buffer): with :data:`BITSERIAL_IMPLICIT`, not a 1x1 stride-1 one (its
+    planes are the operand as they are), and rows that hold whole 16-byte taps (``kin`` a multiple of 4, at least
+    the tap's words) -- padded planes always do; compact ones when ceil(C / 32) is a multiple of 4
+    (:func:`compact_planes_ok`)."""
+    cwt = rq.conv_tap_words(g.C)
+    return (BITSERIAL_IMPLICIT and not g.is_pointwise and kin % 4 == 0 and kin >= cwt and max(g.H, g.W) <= 32767
+            and max(g.padding) <= 16383)
+
+
+def compact_planes_ok(C: int) -> bool:
+    """Whether a convolution's input of C channels is packed compact (rows of ceil(C / 32) words, without the
+    padding to 512 bits): always for the im2col route; with :data:`BITSERIAL_IMPLICIT` only where the implicit GEMM
+    can still gather them (ceil(C / 32) a multiple of 4, :func:`implicit_conv`)."""
+    return not BITSERIAL_IMPLICIT or (-(-C // 32)) % 4 == 0
 
 
 def _bitserial_kind(plan: _Plan):
@@ -1349,9 +1398,18 @@ def explain_conv2d(x, w, **kw) -> str:
     res = ", residual" if plan.has_res else ""
     if plan.name == "bitserial":
         Cw = -(-g.C // 32)
-        steps = ["no im2col (1x1 stride 1: the input planes are the operand)" if g.is_pointwise else
-                 f"Triton im2col over packed planes ({g.R * g.S} taps x {Cw} words a pixel, "
-                 f"{rq.taps_words(g)[2]} words a row, {plan.fa.bits} planes)"]
+        cwt = rq.conv_tap_words(g.C)
+        if g.is_pointwise:
+            steps = ["no im2col (1x1 stride 1: the input planes are the operand)"]
+        elif BITSERIAL_IMPLICIT:
+            steps = [f"implicit GEMM: the kernel gathers {g.R * g.S} taps x {cwt} words a pixel from the packed planes "
+                     f"({plan.fa.bits} planes; padded rows, or compact ones when ceil(C / 32) = {Cw} is a multiple of "
+                     f"4, else the Triton im2col below)"]
+            if rg.affine(plan.fw)[0] != 0:
+                steps.append("Triton pass: each window's activation sum (the pm1 weights' row correction)")
+        else:
+            steps = [f"Triton im2col over packed planes ({g.R * g.S} taps x {Cw} words a pixel, "
+                     f"{rq.taps_words(g)[2]} words a row, {plan.fa.bits} planes)"]
         kind, relu, slope, _ = _bitserial_kind(plan)
         act = [f"LeakyReLU({slope})" if slope else "ReLU"] if relu else []
         fused = ["scale", "bias"] + act + ([out] if kind == "packed" or (plan.fused and plan.out_layout != "int8")

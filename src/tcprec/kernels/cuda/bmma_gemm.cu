@@ -101,6 +101,21 @@
 //   TCP_CONS                TMA: consumer groups (1, or 2 for ping-pong: an even number of stages, no cluster)
 //   TCP_EPI, TCP_OUT_T, TCP_OB, TCP_OENC   epilogue (above)
 //   TCP_SMEM                the dynamic shared memory the host allocates (checked against the layout)
+//   TCP_CONV                1: implicit-GEMM convolution (below)
+//
+// Implicit-GEMM convolution (TCP_CONV = 1).  A is not a matrix but the NHWC input planes (P, N*H*W, Kin) of a
+// convolution, gathered as the loads go: GEMM row m = (n, p, q) is output pixel m, and K word kw = tap * CWT + wi
+// (tap = r * S + s, CWT = the tap's words, a multiple of 4) is word wi of input pixel (n, p*sh - ph + r*dh,
+// q*sw - pw + s*dw), or zero when that pixel lies outside the image or tap >= R*S (the weight planes use the same
+// K layout, zero past R*S*CWT).  Kin is a multiple of 4 words >= CWT, and the words of a pixel past its C
+// channels are zero, so a tap is whole 16-byte chunks: every chunk is one cp.async (zero-filled when outside).
+// The mma.sync / cp.async wgmma paths gather in their load loop; the TMA path's producer warpgroup gathers A with
+// cp.async (each thread waits for its own copies RING - 2 steps later, fences them for the tensor cores' async
+// proxy and arrives on the stage's "full" barrier) while one thread still loads W by TMA.  No cluster, one consumer
+// group.  No im2col buffer: the gathered rows are read from L2, and the loads never leave the 512-bit word grid.
+// Measured (session 17, H200, w1a2 packed, batch 256; BENCHMARKS.md): the gathering producer feeds the wgmmas slower
+// than TMA boxes of an im2col'd operand (VGG 256x256@56: 681 vs 527 us for the GEMM alone; the im2col pass it saves
+// costs 261 us), so ops/qconv takes this route only on request (qconv.BITSERIAL_IMPLICIT).
 
 #ifndef TCP_P
 #define TCP_P 2
@@ -165,6 +180,12 @@
 #ifndef TCP_OENC
 #define TCP_OENC 1
 #endif
+#ifndef TCP_CONV
+#define TCP_CONV 0
+#endif
+#ifndef TCP_CONV_NOINC
+#define TCP_CONV_NOINC 0
+#endif
 
 typedef unsigned int u32;
 typedef long long i64;
@@ -177,6 +198,12 @@ constexpr bool A_TWOS = TCP_A_TWOS != 0, W_TWOS = TCP_W_TWOS != 0;
 constexpr int BM = TCP_BM, BN = TCP_BN, WARPS_M = TCP_WARPS_M, WARPS_N = TCP_WARPS_N;
 constexpr int STAGES = TCP_STAGES, EPI = TCP_EPI, OUT_T = TCP_OUT_T, OB = TCP_OB, OENC = TCP_OENC;
 constexpr bool TMA = TCP_TMA != 0;
+constexpr bool CONV = TCP_CONV != 0;  // implicit-GEMM convolution: A gathered from NHWC planes
+// conv on TMA: (0, the default) each gathering thread waits for its copies RING - 2 steps later, fences them for the
+// async proxy and arrives on the "full" barrier; (1) the copies arrive by themselves (cp.async.mbarrier.arrive.noinc)
+// and the MMA warps fence after their wait.  Measured on an H200 (session 17, w1a2 conv GEMMs at batch 256): 1 is
+// 3-8% faster on 56x56 layers but 1.8x slower on 28x28x512 (881 vs 479 us), so 0 stays the default.
+constexpr bool CONV_NOINC = TCP_CONV_NOINC != 0;
 constexpr int CM = TCP_CM, CN = TCP_CN, CS = CM * CN;  // TMA cluster shape / size
 constexpr int CONS = TCP_CONS;                        // TMA: consumer groups, each on its own tiles
 constexpr int MMA_THREADS = WARPS_M * WARPS_N * 32;    // threads that multiply and store one tile
@@ -241,6 +268,8 @@ static_assert(EPI != 2 || (BN % 32 == 0 && 512 % BN == 0 && NT % 4 == 0),
 static_assert(!TMA || (WGMMA && WARPS_N == 1), "TMA: the wgmma path with one warpgroup per 64 rows (WARPS_N = 1)");
 static_assert(CONS == 1 || (TMA && CONS == 2 && CM * CN == 1 && STAGES % 2 == 0 && STAGES >= 4),
               "two consumer groups: the TMA kernel without clusters, an even number (>= 4) of stages");
+static_assert(!CONV || !TMA || (CS == 1 && CONS == 1 && STAGES >= 3),
+              "implicit conv on TMA: no cluster, one consumer group, >= 3 stages");
 constexpr int RING = STAGES / CONS;  // TMA: each consumer group's own ring of stages
 static_assert(!TMA || (CM >= 1 && CM <= 2 && CN >= 1 && CN <= 2 && (BM / CN) % 8 == 0 && (BN / CM) % 8 == 0),
               "TMA: clusters of 1..2 x 1..2 blocks; each block's slice of a shared tile a multiple of 8 rows");
@@ -645,14 +674,76 @@ __device__ __forceinline__ int index_of_y(float y, const float* T) {
     return k;
 }
 
+// ---- implicit-GEMM convolution (TCP_CONV): the geometry, a row's window origin, a chunk's source ----
+struct ConvGeo {
+    int H, W, Kin, CWT, S, RS, sh, sw, ph, pw, dh, dw, PQ, Q;
+    i64 plane;  // words of one input plane (N*H*W*Kin)
+};
+// output row m -> pix = n*H*W and its window origin (ih0, iw0) packed as two int16 in hw (rows past M: never inside)
+__device__ __forceinline__ void conv_row(const ConvGeo& g, int m, int M, int& pix, int& hw) {
+    if (m >= M) {
+        pix = 0;
+        hw = (int)0x80008000u;  // ih0 = iw0 = -32768
+        return;
+    }
+    const int n = m / g.PQ, pq = m - n * g.PQ, p = pq / g.Q, q = pq - p * g.Q;
+    pix = n * g.H * g.W;
+    hw = (int)(((u32)(p * g.sh - g.ph) << 16) | ((u32)(q * g.sw - g.pw) & 0xffffu));
+}
+// K word kw -> (r * dh, s * dw, wi); ok = false past the R*S taps
+struct ConvTap {
+    int dr, ds, wi;
+    bool ok;
+};
+__device__ __forceinline__ ConvTap conv_tap(const ConvGeo& g, int kw) {
+    const int t = kw / g.CWT, r = t / g.S;
+    return {r * g.dh, (t - r * g.S) * g.dw, kw - t * g.CWT, t < g.RS};
+}
+// word offset (in one plane) of the chunk of row (pix, hw) at tap k, and whether it lies inside the image
+__device__ __forceinline__ bool conv_src(const ConvGeo& g, int pix, int hw, const ConvTap& k, i64& off) {
+    const int ih = (hw >> 16) + k.dr, iw = (int)(short)(hw & 0xffff) + k.ds;
+    const bool ok = k.ok && (unsigned)ih < (unsigned)g.H && (unsigned)iw < (unsigned)g.W;
+    off = ok ? (i64)(pix + ih * g.W + iw) * g.Kin + k.wi : 0;
+    return ok;
+}
+// A chunks of one BM-row plane tile that thread ptid of NTHR loaders issues: RI of them, at rows conv_rows gives
+template <int NTHR>
+struct ConvLoader {
+    static constexpr int RI = (BM * KCH + NTHR - 1) / NTHR;
+    static_assert(NTHR % KCH == 0, "a loader thread keeps one chunk column");
+    int pix[RI], hw[RI];
+    __device__ __forceinline__ void rows(const ConvGeo& g, int m0, int M, int ptid) {
+#pragma unroll
+        for (int j = 0; j < RI; ++j) conv_row(g, m0 + (ptid + j * NTHR) / KCH, M, pix[j], hw[j]);
+    }
+    // the P planes' chunks of K step kt into the stage at sA (128-byte rows swizzled as swz)
+    __device__ __forceinline__ void load(const ConvGeo& g, const u32* A, u32 sA, int kt, int ptid) const {
+        const int c = ptid % KCH;
+        const ConvTap k = conv_tap(g, kt * WPS + c * 4);
+#pragma unroll
+        for (int j = 0; j < RI; ++j) {
+            const int r = (ptid + j * NTHR) / KCH;
+            if (RI * NTHR > BM * KCH && r >= BM) break;
+            i64 off;
+            const bool ok = conv_src(g, pix[j], hw[j], k, off);
+#pragma unroll
+            for (int pl = 0; pl < P; ++pl)
+                cp_async16(sA + pl * (BM * ROW_BYTES) + swz(r, c), A + (ok ? pl * g.plane + off : 0), ok);
+        }
+    }
+};
+
 }  // namespace tcp
 
 using namespace tcp;
 
 #if TCP_TMA
 // registers a thread after setmaxnreg: the producer keeps 40, the MMA warpgroups share the rest (<= 232)
-constexpr int PRODUCER_REGS = 40;
-constexpr int MMA_REGS_ = (65536 - PRODUCER_REGS * 128) / CONS_THREADS / 8 * 8;
+constexpr int PRODUCER_REGS = CONV ? 64 : 40;  // conv: 128 gathering threads keep their rows' window origins
+// setmaxnreg moves registers within what the block was launched with: THREADS x (65536 / THREADS rounded down to
+// 8), not the SM's 65536 (asking for more waits forever)
+constexpr int REG_POOL = 65536 / THREADS / 8 * 8 * THREADS;
+constexpr int MMA_REGS_ = (REG_POOL - PRODUCER_REGS * 128) / CONS_THREADS / 8 * 8;
 constexpr int MMA_REGS = MMA_REGS_ > 232 ? 232 : MMA_REGS_;
 #define TCP_CLUSTER __cluster_dims__(CS, 1, 1)
 #else
@@ -676,8 +767,13 @@ bmma_gemm(
           const float* __restrict__ out_scale,  // (1,) packed epilogue's scale
           const int* __restrict__ col_thr,      // packed, OB <= 3: (N, 2^OB) integer threshold words, or null
           int M, int N, int Kw, int ldo, int ss, int relu,
-          float slope) {                        // relu: y < 0 -> slope * y (0: ReLU; else LeakyReLU)
+          float slope,                          // relu: y < 0 -> slope * y (0: ReLU; else LeakyReLU)
+          // TCP_CONV: the convolution (ConvGeo; A is then the (P, N*H*W, Kin) input planes); ignored otherwise
+          int cv_H, int cv_W, int cv_Kin, int cv_CWT, int cv_S, int cv_RS, int cv_sh, int cv_sw, int cv_ph,
+          int cv_pw, int cv_dh, int cv_dw, int cv_PQ, int cv_Q, long long cv_plane) {
     extern __shared__ __align__(128) unsigned char smem[];
+    [[maybe_unused]] const ConvGeo geo{cv_H, cv_W, cv_Kin, cv_CWT, cv_S, cv_RS, cv_sh, cv_sw, cv_ph, cv_pw,
+                                       cv_dh, cv_dw, cv_PQ, cv_Q, cv_plane};
     grid_dependency_wait();
     constexpr ClassTable CT{};
     // With TMA and CONS = 2, consumer group grp (tid, warp within it: ctid, cwarp) multiplies and stores every
@@ -1004,14 +1100,58 @@ bmma_gemm(
     if (tid == 0) {
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full0 + 8 * s, 1);
+            mbar_init(full0 + 8 * s, CONV ? 1 + 128 : 1);  // conv: + every producer thread's A arrival
             mbar_init(empty0 + 8 * s, (MMA_THREADS / 32) * CS);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     cluster_sync();  // barriers initialised in every block before any multicast or remote arrival
 
-    if (warp >= CONS_THREADS / 32) {  // ---- producer warpgroup: one thread issues every TMA load ----
+    if (CONV && warp >= CONS_THREADS / 32) {  // ---- producer warpgroup, conv: 128 threads gather A, one loads W ----
+        shrink_regs<PRODUCER_REGS>();
+        const int ptid = tid - CONS_THREADS;
+        ConvLoader<128> ld;
+        // step g's A copies are this thread's cp.async group g; it waits for them LAG steps later (so LAG steps of
+        // gathers stay in flight), fences them for the async proxy and arrives on step g's "full" barrier.
+        // LAG = RING - 2: before refilling step g's slot the producer waits for the MMA warps to release step
+        // g - RING, which they do once step g - RING + 1 is full (they keep one step's wgmmas in flight), and the
+        // producer arrived for that step one iteration earlier (with LAG = RING - 1 it would wait forever).
+        constexpr int LAG = RING - 2;
+        static_assert(LAG >= 1, "conv on TMA: >= 3 stages");
+        int g = 0;
+        for (int pid = blockIdx.x; pid < tiles; pid += stride) {
+            int m0, n0;
+            tile_origin(pid, m0, n0);
+            ld.rows(geo, m0, M, ptid);
+            for (int kt = 0; kt < k_tiles; ++kt, ++g) {
+                const int s = g % RING;
+                if (g >= RING) mbar_wait(empty0 + 8 * s, ((g / RING) + 1) & 1);
+                const u32 sA = smem_base + s * STAGE_BYTES, sW = sA + A_STAGE;
+                if (ptid == 0) {
+                    mbar_arrive_expect_tx(full0 + 8 * s, W_STAGE);
+#pragma unroll
+                    for (int pl = 0; pl < Q; ++pl)
+                        tma_load(sW + pl * BN * ROW_BYTES, tmW, kt * WPS, n0, pl, full0 + 8 * s, 0);
+                }
+                ld.load(geo, A, sA, kt, ptid);
+                if (CONV_NOINC) {
+                    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full0 + 8 * s) : "memory");
+                    continue;
+                }
+                cp_async_commit();
+                if (g >= LAG) {
+                    cp_async_wait<LAG>();
+                    fence_proxy_async();
+                    mbar_arrive_cta(full0 + 8 * ((g - LAG) % RING), 0);
+                }
+            }
+        }
+        if (!CONV_NOINC) {
+            cp_async_wait<0>();
+            fence_proxy_async();
+            for (int d = g - LAG < 0 ? 0 : g - LAG; d < g; ++d) mbar_arrive_cta(full0 + 8 * (d % RING), 0);
+        }
+    } else if (warp >= CONS_THREADS / 32) {  // ---- producer warpgroup: one thread issues every TMA load ----
         shrink_regs<PRODUCER_REGS>();
         if (warp == CONS_THREADS / 32 && lane == 0) {
             // this block loads rows [a_r0, a_r0 + BM / CN) of the A tile for the CN blocks of its cluster row
@@ -1082,6 +1222,7 @@ bmma_gemm(
             for (int kt = 0; kt < k_tiles; ++kt, ++g) {
                 const int s = grp * RING + g % RING;
                 mbar_wait(full0 + 8 * s, (g / RING) & 1);
+                if (CONV && CONV_NOINC) fence_proxy_async();  // the gathered A (generic proxy) -> the wgmmas
                 const u32 sA = smem_base + s * STAGE_BYTES, sW = sA + A_STAGE;
                 const u64 dA = smem_desc(sA + slab * 64 * ROW_BYTES), dW = smem_desc(sW);
                 mma_stage(dA, dW);
@@ -1126,10 +1267,13 @@ bmma_gemm(
     const i64 a_plane = (i64)M * Kw, w_plane = (i64)N * Kw;
 
     // ---- producer: one BK-bit K step of every plane of the A and W tiles into stage `stage` ----
+    [[maybe_unused]] ConvLoader<THREADS> ld;
+    if (CONV) ld.rows(geo, m0, M, tid);
     auto load_tile = [&](int stage, int kt) {
         const u32 sA = smem_base + stage * STAGE_BYTES, sW = sA + A_STAGE;
+        if (CONV) ld.load(geo, A, sA, kt, tid);
 #pragma unroll
-        for (int idx = tid; idx < A_CHUNKS; idx += THREADS) {
+        for (int idx = tid; idx < (CONV ? 0 : A_CHUNKS); idx += THREADS) {
             const int c = idx % KCH, r = (idx / KCH) % BM, pl = idx / (KCH * BM);
             const int m = m0 + r, kw = kt * WPS + c * 4;
             const bool ok = m < M && kw < Kw;

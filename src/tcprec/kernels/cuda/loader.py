@@ -175,6 +175,7 @@ class Variant:
     out_dtype: str = "float32"  # float epilogue: "float32" | "float16" | "bfloat16"
     out_bits: int = 1  # packed epilogue: the next layer's format
     out_encoding: str = "unsigned"
+    conv: bool = False  # implicit-GEMM convolution: A gathered from NHWC input planes (bmma_gemm.cu, TCP_CONV)
 
     def __post_init__(self):
         for name, v in (("p", self.p), ("q", self.q)):
@@ -215,6 +216,9 @@ class Variant:
                                                        or t.stages < 4)):
             raise ValueError(f"tile {t}: two consumer groups (_pp) need the TMA pipeline without a cluster and an "
                              "even number (>= 4) of stages, half a group (e.g. '64x128_w4x1_s6_k1024_wg_tma_pp')")
+        if self.conv and t.tma and (t.cluster != (1, 1) or t.cons != 1 or t.stages < 3):
+            raise ValueError(f"tile {t}: the implicit-GEMM convolution on the TMA pipeline needs no cluster, one "
+                             "consumer group and >= 3 stages (e.g. '128x256_w8x1_s4_k1024_wg_tma')")
         if self.epilogue == "packed" and (t.bn % 32 or 512 % t.bn or (t.bn // t.warps_n) % 32):
             raise ValueError(f"tile {t}: the packed epilogue needs bn dividing 512 and a multiple of 32, and whole "
                              "32-column words a warp (bn / warps_n a multiple of 32)")
@@ -266,12 +270,13 @@ class Variant:
             f"TCP_CM={t.cluster[0]}", f"TCP_CN={t.cluster[1]}", f"TCP_CONS={t.cons}", f"TCP_EPI={epi}",
             f"TCP_OUT_T={_OUT_T[self.out_dtype]}",
             f"TCP_OB={self.out_bits}", f"TCP_OENC={_OENC[self.out_encoding]}", f"TCP_SMEM={self.smem_bytes}",
+            f"TCP_CONV={int(self.conv)}",
         ]
 
     def __str__(self) -> str:
         sign = ("s" if self.a_twos else "u") + ("s" if self.w_twos else "u")
         epi = {"int32": "i32", "float": self.out_dtype, "packed": f"{self.out_encoding}{self.out_bits}"}[self.epilogue]
-        return f"a{self.p}w{self.q}{sign}_{self.tile}_{epi}"
+        return f"a{self.p}w{self.q}{sign}_{self.tile}_{epi}" + ("_conv" if self.conv else "")
 
 
 def _warp_tiles(p: int, q: int, nc: int) -> tuple[int, int]:
@@ -638,9 +643,23 @@ def code_thresholds(variant: Variant, col_scale, bias, out_scale, relu: bool, le
     return thr
 
 
+_NO_CONV = (0,) * 14
+
+
+def conv_args(conv, a_planes) -> tuple:
+    """The kernel's 15 convolution arguments (bmma_gemm.cu ConvGeo) of ``conv`` = (H, W, P, Q, R, S, sh, sw, ph, pw,
+    dh, dw, CWT) over input planes ``a_planes`` (p, N*H*W, Kin); zeros without a convolution."""
+    if conv is None:
+        return tuple(np.int32(v) for v in _NO_CONV) + (np.int64(0),)
+    H, W, P, Q, R, S, sh, sw, ph, pw, dh, dw, cwt = conv
+    _, rows, kin = a_planes.shape
+    vals = (H, W, kin, cwt, S, R * S, sh, sw, ph, pw, dh, dw, P * Q, Q)
+    return tuple(np.int32(v) for v in vals) + (np.int64(rows * kin),)
+
+
 def launch_bmma(variant: Variant, a_planes, w_planes, out, M: int, N: int, Kw: int, ldo: int, *, ss: int = 1,
                 relu: bool = False, row_term=None, col_term=None, row_scale=None, col_scale=None, bias=None,
-                out_scale=None, leaky_slope: float = 0.0, pdl: bool = True) -> None:
+                out_scale=None, leaky_slope: float = 0.0, pdl: bool = True, conv=None) -> None:
     """Launch ``variant`` on the current stream of ``out``'s device.  Every tensor must already be
     contiguous, on that device, of the kernel's dtype (see bmma_gemm.cu's parameter list).  The packed
     epilogue of OB <= 3 bits without a row scale first computes its integer threshold words
@@ -665,12 +684,16 @@ def launch_bmma(variant: Variant, a_planes, w_planes, out, M: int, N: int, Kw: i
         cfg = _cfgs[(variant, blocks, pdl)] = LaunchConfig(grid=(blocks,), block=(variant.threads,),
                                                            shmem_size=variant.smem_bytes, **_pdl(dev, pdl))
     stream = _stream_for(torch.cuda.current_stream(out.device).cuda_stream)
-    maps = ((tensor_map(a_planes, t.bm // t.cluster[1]), tensor_map(w_planes, t.bn // t.cluster[0]))
-            if t.tma else ())
+    if variant.conv != (conv is not None):
+        raise ValueError(f"variant {variant} {'needs' if variant.conv else 'takes no'} convolution geometry (conv=)")
+    maps = ()
+    if t.tma:  # the implicit convolution gathers A itself: W's map stands in for A's
+        w_map = tensor_map(w_planes, t.bn // t.cluster[0])
+        maps = (w_map if conv is not None else tensor_map(a_planes, t.bm // t.cluster[1]), w_map)
     launch(stream, cfg, kernel, *maps, _ptr(a_planes), _ptr(w_planes), _ptr(out), _ptr(row_term), _ptr(col_term),
            _ptr(row_scale), _ptr(col_scale), _ptr(bias), _ptr(out_scale), _ptr(col_thr),
            np.int32(M), np.int32(N), np.int32(Kw), np.int32(ldo), np.int32(ss), np.int32(int(relu)),
-           np.float32(leaky_slope))
+           np.float32(leaky_slope), *conv_args(conv, a_planes))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -703,19 +726,28 @@ def packed_tile(t: Tile) -> Tile:
 
 @functools.lru_cache(maxsize=4096)
 def _variant_for(p, q, a_twos, w_twos, M, N, out_kind, out_bits, out_encoding, tile, sm_count, arch,
-                 kw: Optional[int] = None) -> Variant:
+                 kw: Optional[int] = None, conv: bool = False) -> Variant:
     """The variant one call launches (memoised: the host path stays a few microseconds)."""
     epi = {"int32": "int32", "packed": "packed"}.get(out_kind, "float")
     t = parse_tile(tile) if tile else pick_tile(p, q, a_twos, w_twos, M, N, sm_count, arch, epi, kw)
     if epi == "packed":
         t = packed_tile(t)
-    return Variant(p, q, a_twos, w_twos, t, epi, out_kind if epi == "float" else "float32", out_bits, out_encoding)
+    return Variant(p, q, a_twos, w_twos, t, epi, out_kind if epi == "float" else "float32", out_bits, out_encoding,
+                   conv)
 
 
-def _out_shape(a_planes, w_planes, out_kind: str, out_bits: int):
+def conv_rows(a_planes, conv) -> int:
+    """GEMM rows M: the output pixels N*P*Q of the convolution ``conv`` (see :func:`conv_args`), else A's rows."""
+    if conv is None:
+        return a_planes.shape[1]
+    H, W, P, Q = conv[:4]
+    return a_planes.shape[1] // (H * W) * P * Q
+
+
+def _out_shape(a_planes, w_planes, out_kind: str, out_bits: int, conv=None):
     from ...packing import packed_words
 
-    M, N = a_planes.shape[1], w_planes.shape[1]
+    M, N = conv_rows(a_planes, conv), w_planes.shape[1]
     if out_kind == "packed":
         return (out_bits, M, packed_words(N)), torch.int32
     return (M, N), {"int32": torch.int32, "float32": torch.float32, "float16": torch.float16,
@@ -741,9 +773,15 @@ def _bmma_gemm(
     tile: str,  # "" picks one by shape, else str(Tile)
     leaky_slope: float = 0.0,  # with relu: y < 0 -> leaky_slope * y (LeakyReLU); 0 is ReLU
     pdl: bool = True,  # sm_90+: programmatic dependent launch (loader._pdl)
+    conv: Optional[list[int]] = None,  # implicit-GEMM convolution: (H, W, P, Q, R, S, sh, sw, ph, pw, dh, dw, CWT)
 ) -> torch.Tensor:
     """C = a @ w.T on the binary tensor cores (see bmma_gemm.cu for the exact contract).  Registered as the
-    custom op ``torch.ops.tcprec.bmma_gemm``; :func:`gemm_entry` gives eager callers this function itself."""
+    custom op ``torch.ops.tcprec.bmma_gemm``; :func:`gemm_entry` gives eager callers this function itself.
+
+    With ``conv``, ``a_planes`` are a convolution's NHWC input planes (p, N*H*W, Kin) and ``w_planes`` its
+    weights in the tap layout (q, K, Kw): word ``t * CWT + i`` is word i of tap t = r * S + s (CWT a multiple of
+    4, Kin a multiple of 4 and >= CWT, the words of a pixel past its channels zero); C has N*P*Q rows, the
+    convolution's output pixels (``kernels/reference_qconv.implicit_conv_rows`` states its A in torch)."""
     if a_planes.device.type != "cuda" or w_planes.device.type != "cuda":
         raise ValueError(f"bmma_gemm runs on CUDA tensors, got a_planes on {a_planes.device} and w_planes on "
                          f"{w_planes.device}; move both to the GPU or use the reference backend")
@@ -754,11 +792,14 @@ def _bmma_gemm(
         raise ValueError(f"leaky_slope must be finite, got {leaky_slope}")
     p, M, Kw = a_planes.shape
     q, N, Kw_w = w_planes.shape
-    if Kw != Kw_w:
+    if conv is not None:
+        check_conv(a_planes, w_planes, conv)
+        M, Kw = conv_rows(a_planes, conv), Kw_w
+    elif Kw != Kw_w:
         raise ValueError(f"a_planes and w_planes pack different K: {Kw} vs {Kw_w} words")
     if out_kind not in OUT_KINDS:
         raise ValueError(f"out_kind must be one of {OUT_KINDS}, got {out_kind!r}")
-    shape, dtype = _out_shape(a_planes, w_planes, out_kind, out_bits)
+    shape, dtype = _out_shape(a_planes, w_planes, out_kind, out_bits, conv)
     if out_kind == "packed":
         out = torch.empty(shape, dtype=dtype, device=a_planes.device)  # the kernel writes every word
         ldo = shape[2]
@@ -768,11 +809,28 @@ def _bmma_gemm(
     if M == 0 or N == 0:
         return out
     variant = _variant_for(p, q, a_twos, w_twos, M, N, out_kind, out_bits, out_encoding, tile,
-                           *_sm_count(a_planes.device), Kw)
+                           *_sm_count(a_planes.device), Kw, conv is not None)
     launch_bmma(variant, a_planes.contiguous(), w_planes.contiguous(), out, M, N, Kw, ldo, ss=ss, relu=relu,
                 row_term=row_term, col_term=col_term, row_scale=row_scale, col_scale=col_scale, bias=bias,
-                out_scale=out_scale, leaky_slope=leaky_slope, pdl=pdl)
+                out_scale=out_scale, leaky_slope=leaky_slope, pdl=pdl, conv=conv)
     return out
+
+
+def check_conv(a_planes, w_planes, conv) -> None:
+    """Raise ValueError unless ``conv`` (see :func:`_bmma_gemm`) describes ``a_planes`` / ``w_planes``."""
+    if len(conv) != 13:
+        raise ValueError(f"conv must be (H, W, P, Q, R, S, sh, sw, ph, pw, dh, dw, CWT), got {tuple(conv)}")
+    H, W, P, Q, R, S, sh, sw, ph, pw, dh, dw, cwt = conv
+    _, rows, kin = a_planes.shape
+    kw = w_planes.shape[2]
+    if min(H, W, P, Q, R, S, sh, sw, dh, dw, cwt) < 1 or min(ph, pw) < 0 or rows % (H * W):
+        raise ValueError(f"conv {tuple(conv)}: sizes, strides, dilations and CWT must be >= 1, padding >= 0, and the "
+                         f"input planes' {rows} rows whole H x W = {H} x {W} images")
+    if cwt % 4 or kin % 4 or kin < cwt or kw < R * S * cwt or max(H, W) > 32767 or max(ph, pw) > 16383:
+        raise ValueError(f"conv {tuple(conv)}: the tap words CWT = {cwt} and the input's row words Kin = {kin} must be "
+                         f"multiples of 4 with Kin >= CWT (16-byte gathers), the weights' {kw} words hold R*S*CWT = "
+                         f"{R * S * cwt}, H, W <= 32767 and padding <= 16383 (the kernel keeps window origins as int16); "
+                         "pass padded input planes (packed_words rows) or use the im2col route")
 
 
 bmma_gemm = torch.library.custom_op("tcprec::bmma_gemm", _bmma_gemm, mutates_args=(), device_types="cuda")
@@ -788,6 +846,6 @@ def gemm_entry() -> Callable:
 
 @bmma_gemm.register_fake
 def _(a_planes, w_planes, a_twos, w_twos, ss, row_term, col_term, row_scale, col_scale, bias, relu, out_kind,
-      out_bits, out_encoding, out_scale, tile, leaky_slope=0.0, pdl=True):
-    shape, dtype = _out_shape(a_planes, w_planes, out_kind, out_bits)
+      out_bits, out_encoding, out_scale, tile, leaky_slope=0.0, pdl=True, conv=None):
+    shape, dtype = _out_shape(a_planes, w_planes, out_kind, out_bits, conv)
     return a_planes.new_empty(shape, dtype=dtype)

@@ -1,0 +1,163 @@
+"""The bit-serial GEMM's implicit-GEMM convolution (``torch.ops.tcprec.bmma_gemm`` with ``conv=``, bmma_gemm.cu
+TCP_CONV) equals its torch statement (``reference_qconv.bmma_gemm_reference`` with ``conv=``: the windows gathered
+explicitly) bit for bit: kernel sizes 1..7, strides 1..4, padding, dilation, odd sizes and channel counts, padded
+and compact input rows, every tile family (TMA with the gathering producer warpgroup, cp.async wgmma, mma.sync,
+the small tile), int32 / float16 / packed epilogues, two's complement operands.  Skipped without a CUDA GPU."""
+
+import pytest
+import torch
+
+from tcprec.kernels import reference_qconv as rq
+from tcprec.kernels.cuda import loader as L
+from tcprec.packing import pack_bitplanes
+
+DEV = "cuda"
+
+# (N, H, W, C), (K, R, S), stride, padding, dilation
+GEOMS = [
+    ((2, 9, 11, 64), (64, 3, 3), 1, 1, 1),
+    ((3, 17, 13, 37), (29, 5, 3), (2, 1), (1, 2), 1),
+    ((2, 14, 14, 256), (128, 3, 3), 1, 1, 1),
+    ((2, 27, 27, 64), (192, 5, 5), 1, 2, 1),
+    ((1, 20, 20, 96), (64, 3, 3), 1, 2, 2),
+    ((2, 28, 28, 64), (128, 3, 3), 2, 1, 1),
+    ((1, 15, 15, 130), (40, 7, 7), 4, 3, 1),
+    ((2, 8, 8, 512), (256, 3, 3), 1, 1, 1),
+    ((1, 6, 7, 200), (48, 1, 1), 2, 0, 1),
+]
+TILES = ["", "128x128_w8x1_s4_k1024_wg_tma", "128x64_w8x1_s3_k1024_wg_tma", "128x128_w8x1_s4_k1024_wg",
+         "64x64_w2x2_s3_k1024", "32x32_w2x2_s2_k1024", "64x128_w2x2_s3"]
+
+
+def _case(geom, p, q, a_twos, w_twos, compact=False, seed=0):
+    (N, H, W, C), (K, R, S), st, pd, dl = geom
+    pair = lambda v: (v, v) if isinstance(v, int) else v  # noqa: E731
+    (sh, sw), (ph, pw), (dh, dw) = pair(st), pair(pd), pair(dl)
+    P = (H + 2 * ph - dh * (R - 1) - 1) // sh + 1
+    Q = (W + 2 * pw - dw * (S - 1) - 1) // sw + 1
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randint(0, 1 << p, (N * H * W, C), device=DEV, generator=gen, dtype=torch.int32)
+    w = torch.randint(0, 1 << q, (K, R, S, C), device=DEV, generator=gen, dtype=torch.int32)
+    a = pack_bitplanes(x, p, validate=False)  # (p, NHW, packed_words(C)), zero words past C
+    if compact:
+        a = a[..., : -(-C // 32)].contiguous()
+    cwt = rq.conv_tap_words(C)
+    wp = rq.pack_weight_planes(w, q, tap_words=cwt)
+    conv = [H, W, P, Q, R, S, sh, sw, ph, pw, dh, dw, cwt]
+    return a, wp, conv, N * P * Q, K
+
+
+def _both(a, wp, conv, M, K, a_twos, w_twos, out_kind, tile, out_bits=2):
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    row_term = torch.randint(-50, 50, (M,), device=DEV, generator=gen, dtype=torch.int32)
+    col_term = torch.randint(-50, 50, (K,), device=DEV, generator=gen, dtype=torch.int32)
+    col_scale = torch.rand(K, device=DEV, generator=gen) * 0.05 + 0.01
+    bias = torch.randn(K, device=DEV, generator=gen)
+    out_scale = torch.tensor([0.7], device=DEV)
+    args = (a, wp, a_twos, w_twos, 3, row_term, col_term, None, col_scale if out_kind != "int32" else None,
+            bias if out_kind != "int32" else None, out_kind != "int32", out_kind, out_bits, "unsigned",
+            out_scale if out_kind == "packed" else None, tile)
+    got = L._bmma_gemm(*args, conv=conv)
+    want = rq.bmma_gemm_reference(*args, conv=conv)
+    return got, want
+
+
+@pytest.mark.parametrize("gi", range(len(GEOMS)))
+@pytest.mark.parametrize("tile", TILES, ids=[t or "default" for t in TILES])
+def test_implicit_conv_int32_equals_reference(gi, tile):
+    a, wp, conv, M, K = _case(GEOMS[gi], 2, 1, False, False, seed=gi)
+    got, want = _both(a, wp, conv, M, K, False, False, "int32", tile)
+    assert got.shape == (M, K)
+    assert torch.equal(got, want), (GEOMS[gi], tile, (got != want).sum().item())
+
+
+@pytest.mark.parametrize("gi", [0, 2, 3, 4, 7])
+@pytest.mark.parametrize("out_kind", ["packed", "float16"])
+@pytest.mark.parametrize("tile", ["", "128x128_w8x1_s4_k1024_wg_tma", "64x64_w2x2_s3_k1024"])
+def test_implicit_conv_epilogues_equal_reference(gi, out_kind, tile):
+    a, wp, conv, M, K = _case(GEOMS[gi], 2, 1, False, False, seed=10 + gi)
+    got, want = _both(a, wp, conv, M, K, False, False, out_kind, tile)
+    assert torch.equal(got, want), (GEOMS[gi], tile, out_kind)
+
+
+@pytest.mark.parametrize("p, q, a_twos, w_twos", [(1, 1, False, False), (2, 2, True, True), (3, 2, False, True),
+                                                  (4, 1, True, False), (8, 1, False, False)])
+def test_implicit_conv_widths_and_signs(p, q, a_twos, w_twos):
+    for gi in (1, 2, 6):
+        a, wp, conv, M, K = _case(GEOMS[gi], p, q, a_twos, w_twos, seed=20 + gi)
+        got, want = _both(a, wp, conv, M, K, a_twos, w_twos, "int32", "")
+        assert torch.equal(got, want), (GEOMS[gi], p, q)
+
+
+def test_implicit_conv_compact_rows_and_large_batch():
+    """Compact rows (C = 256: 8 words a pixel, a multiple of 4) equal padded ones; a batch large enough for the
+    persistent TMA tile walks several tiles a block (the producer's LAG flush across tiles)."""
+    geom = ((16, 28, 28, 256), (256, 3, 3), 1, 1, 1)
+    a, wp, conv, M, K = _case(geom, 2, 1, False, False, seed=5)
+    ac, *_ = _case(geom, 2, 1, False, False, compact=True, seed=5)
+    assert ac.shape[2] == 8
+    got, want = _both(a, wp, conv, M, K, False, False, "packed", "")
+    got_c, _ = _both(ac, wp, conv, M, K, False, False, "packed", "")
+    assert L._variant_for(2, 1, False, False, M, K, "packed", 2, "unsigned", "", *L._sm_count(a.device), wp.shape[2],
+                          True).tile.tma
+    assert torch.equal(got, want) and torch.equal(got_c, want)
+
+
+def test_implicit_conv_in_cuda_graph():
+    a, wp, conv, M, K = _case(GEOMS[3], 2, 1, False, False, seed=3)
+    _, want = _both(a, wp, conv, M, K, False, False, "int32", "")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        _both(a, wp, conv, M, K, False, False, "int32", "")  # compile + warm up outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = L._bmma_gemm(a, wp, False, False, 3, None, None, None, None, None, False, "int32", 2, "unsigned", None,
+                           "", conv=conv)
+    g.replay()
+    torch.cuda.synchronize()
+    ref = rq.bmma_gemm_reference(a, wp, False, False, 3, None, None, None, None, None, False, "int32", 2, "unsigned",
+                                 None, "", conv=conv)
+    assert torch.equal(got, ref)
+    assert want.shape == got.shape
+
+
+def test_implicit_conv_bad_geometry_raises():
+    a, wp, conv, M, K = _case(GEOMS[0], 2, 1, False, False)
+    with pytest.raises(ValueError, match="Kin"):
+        L._bmma_gemm(a[..., :2].contiguous(), wp, False, False, 1, None, None, None, None, None, False, "int32", 2,
+                     "unsigned", None, "", conv=conv)
+    with pytest.raises(ValueError, match="conv must be"):
+        L._bmma_gemm(a, wp, False, False, 1, None, None, None, None, None, False, "int32", 2, "unsigned", None, "",
+                     conv=conv[:5])
+    with pytest.raises(ValueError, match="no cluster"):
+        L._bmma_gemm(a, wp, False, False, 1, None, None, None, None, None, False, "int32", 2, "unsigned", None,
+                     "128x128_w8x1_s4_k1024_wg_tma_c2x1", conv=conv)
+
+
+@pytest.mark.parametrize("layer", [((2, 56, 56, 96), (256, 3, 3), 1, 1), ((2, 27, 27, 64), (192, 5, 5), 1, 2),
+                                   ((2, 56, 56, 64), (128, 3, 3), 2, 1), ((3, 17, 13, 37), (29, 5, 3), (2, 1), (1, 2))],
+                         ids=["vgg56", "alexnet2", "resnet_s2", "odd"])
+def test_qconv_implicit_route_equals_im2col_route(monkeypatch, layer):
+    """qconv.conv2d with BITSERIAL_IMPLICIT (the kernel gathers the windows) equals the default im2col route bit for
+    bit: w1a2 (pm1 weights: the rowsum-only pass), packed and float16 outputs."""
+    import tcprec as tp
+    from tcprec.ops import qconv
+    from tcprec.qtensor import PerChannel, PerTensor, QTensor
+
+    (N, H, W, C), (K, R, S), st, pd = layer
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    fa, fw = tp.format("uint2"), tp.format("binary")
+    qx = QTensor(torch.randint(0, 4, (N, H, W, C), dtype=torch.uint8, device=DEV, generator=gen),
+                 torch.full((1, 1, 1, 1), 0.5, device=DEV), fa, PerTensor(), (N, H, W, C), torch.float32)
+    qw = QTensor(torch.randint(0, 2, (K, R, S, C), dtype=torch.uint8, device=DEV, generator=gen),
+                 torch.rand(K, 1, 1, 1, device=DEV, generator=gen) + 0.5, fw, PerChannel(0), (K, R, S, C), torch.float32)
+    bias = torch.randn(K, device=DEV, generator=gen)
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(qconv, "BITSERIAL_IMPLICIT", on)
+        y16 = qconv.conv2d(qx, qw, stride=st, padding=pd, bias=bias, act="relu", out_dtype=torch.float16)
+        yp = qconv.conv2d(qx, qw, stride=st, padding=pd, bias=bias, act="relu", out_fmt="uint2", out_scale=0.25)
+        outs[on] = (y16, yp.planes)
+    assert torch.equal(outs[False][0], outs[True][0]) and torch.equal(outs[False][1], outs[True][1])
