@@ -99,6 +99,13 @@ def conv_tap_words(C: int) -> int:
     return -(-C // 128) * 4
 
 
+def implicit_conv_fits(kin: int, cwt: int, H: int, W: int, ph: int, pw: int) -> bool:
+    """Whether input planes with ``kin``-word rows can be gathered by the implicit-GEMM convolution with taps of
+    ``cwt`` words: whole 16-byte chunks (both multiples of 4, ``kin >= cwt``), and window origins that fit the
+    kernel's int16 halves (H, W <= 32767, padding <= 16383)."""
+    return cwt % 4 == 0 and kin % 4 == 0 and kin >= cwt and max(H, W) <= 32767 and max(ph, pw) <= 16383
+
+
 def pack_weight_planes(w_codes: torch.Tensor, bits: int, *, backend: str = "auto",
                        tap_words: int | None = None) -> torch.Tensor:
     """KRSC codes -> weight planes in the im2col word layout: int32 ``(bits, K, Kw_col)``.

@@ -301,12 +301,8 @@ class Int8Activation:
         if not isinstance(x8, torch.Tensor) or x8.dtype != torch.int8 or x8.dim() != 4 or not x8.is_contiguous():
             got = f"{x8.dtype} {tuple(x8.shape)}" if isinstance(x8, torch.Tensor) else type(x8).__name__
             raise TypeError(f"x8 must be a contiguous int8 NHWC tensor (N, H, W, C), got {got}")
-        hp = self.hp
-        if hp is not None and (not isinstance(hp, torch.Tensor) or not hp.is_floating_point()
-                               or hp.shape != x8.shape or hp.device != x8.device):
-            got = f"{hp.dtype} {tuple(hp.shape)} on {hp.device}" if isinstance(hp, torch.Tensor) else type(hp).__name__
-            raise TypeError(f"hp must be None or a float NHWC tensor of x8's shape {tuple(x8.shape)} on {x8.device}, "
-                            f"got {got}")
+        if self.hp is not None:
+            _check_hp(self.hp, x8.shape, x8.device, "None or a float NHWC tensor of x8's shape")
         object.__setattr__(self, "scale", _scale_tensor(self.scale, x8.device, "scale"))
 
     @property
@@ -339,6 +335,14 @@ class Int8Activation:
         return ((off + step * self.x8.to(torch.float32)) * self.scale.reshape(())).to(dtype)
 
 
+def _check_hp(hp, shape, device, what: str) -> None:
+    """A dual-output activation's float ``hp`` must be a floating tensor of ``shape`` on ``device`` (TypeError)."""
+    if not isinstance(hp, torch.Tensor) or not hp.is_floating_point() or tuple(hp.shape) != tuple(shape) \
+            or hp.device != device:
+        got = f"{hp.dtype} {tuple(hp.shape)} on {hp.device}" if isinstance(hp, torch.Tensor) else type(hp).__name__
+        raise TypeError(f"hp must be {what} {tuple(shape)} on {device}, got {got}")
+
+
 @dataclass(frozen=True, eq=False)
 class Fp8Activation:
     """A float8 activation with the float it was quantized from: ``qt`` the next FP8 convs' operand (an e4m3 /
@@ -364,11 +368,7 @@ class Fp8Activation:
             got = f"a {qt.fmt} QTensor of shape {qt.shape}" if isinstance(qt, QTensor) else type(qt).__name__
             raise TypeError(f"qt must be an e4m3 / e5m2 QTensor of NHWC codes (N, H, W, C) with one scale "
                             f"(quantize_fp8_static), got {got}")
-        if not isinstance(hp, torch.Tensor) or not hp.dtype.is_floating_point or tuple(hp.shape) != tuple(qt.shape) \
-                or hp.device != qt.device:
-            got = f"{hp.dtype} {tuple(hp.shape)} on {hp.device}" if isinstance(hp, torch.Tensor) else type(hp).__name__
-            raise TypeError(f"hp must be a float NHWC tensor of the codes' shape {tuple(qt.shape)} on {qt.device}, "
-                            f"got {got}")
+        _check_hp(hp, qt.shape, qt.device, "a float NHWC tensor of the codes' shape")
 
     @property
     def shape(self) -> tuple:
@@ -1131,9 +1131,8 @@ def implicit_conv(g: ConvGeometry, kin: int) -> bool:
     planes are the operand as they are), and rows that hold whole 16-byte taps (``kin`` a multiple of 4, at least
     the tap's words) -- padded planes always do; compact ones when ceil(C / 32) is a multiple of 4
     (:func:`compact_planes_ok`)."""
-    cwt = rq.conv_tap_words(g.C)
-    return (BITSERIAL_IMPLICIT and not g.is_pointwise and kin % 4 == 0 and kin >= cwt and max(g.H, g.W) <= 32767
-            and max(g.padding) <= 16383)
+    return (BITSERIAL_IMPLICIT and not g.is_pointwise
+            and rq.implicit_conv_fits(kin, rq.conv_tap_words(g.C), g.H, g.W, *g.padding))
 
 
 def compact_planes_ok(C: int) -> bool:

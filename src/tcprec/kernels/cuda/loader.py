@@ -29,6 +29,8 @@ from typing import Callable, Iterable, Optional
 import numpy as np
 import torch
 
+from ..reference_qconv import implicit_conv_fits
+
 __all__ = [
     "SOURCE_PATH",
     "EPILOGUES",
@@ -826,7 +828,7 @@ def check_conv(a_planes, w_planes, conv) -> None:
     if min(H, W, P, Q, R, S, sh, sw, dh, dw, cwt) < 1 or min(ph, pw) < 0 or rows % (H * W):
         raise ValueError(f"conv {tuple(conv)}: sizes, strides, dilations and CWT must be >= 1, padding >= 0, and the "
                          f"input planes' {rows} rows whole H x W = {H} x {W} images")
-    if cwt % 4 or kin % 4 or kin < cwt or kw < R * S * cwt or max(H, W) > 32767 or max(ph, pw) > 16383:
+    if not implicit_conv_fits(kin, cwt, H, W, ph, pw) or kw < R * S * cwt:
         raise ValueError(f"conv {tuple(conv)}: the tap words CWT = {cwt} and the input's row words Kin = {kin} must be "
                          f"multiples of 4 with Kin >= CWT (16-byte gathers), the weights' {kw} words hold R*S*CWT = "
                          f"{R * S * cwt}, H, W <= 32767 and padding <= 16383 (the kernel keeps window origins as int16); "

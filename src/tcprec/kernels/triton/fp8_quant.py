@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import cdiv, next_power_of_2
-from .pack import _pooled_tile
+from ._host import cdiv
+from .pack import _pooled_tile, pooled_output
 from .round import div_by_scalar, fp8_code, fp8_constexprs
 
 __all__ = ["quantize_fp8", "pool_quantize_fp8"]
@@ -169,16 +169,11 @@ def pool_quantize_fp8(y: torch.Tensor, scale: torch.Tensor, pool_stride: int, dt
         raise ValueError("scale must be a one-element float32 tensor on y's device (the next layer's activation "
                          "scale), got " + (f"{scale.dtype} of shape {tuple(scale.shape)} on {scale.device}"
                                            if isinstance(scale, torch.Tensor) else type(scale).__name__))
-    N, P, Q, K = y.shape
-    PO, QO = (P // 2, Q // 2) if pool_stride == 2 else (P, Q)
-    out = torch.empty((N, PO, QO, K), dtype=dtype, device=y.device)
-    R = N * PO * QO
+    out, R, (PO, QO), grid, (br, bk) = pooled_output(y, pool_stride, dtype, _POOL_TILE)
     if out.numel() == 0:
         return out
-    bk = min(next_power_of_2(K), 128)
-    br = max(1, _POOL_TILE // bk)
-    _pool_quantize_fp8_kernel[(cdiv(R, br), cdiv(K, bk))](
-        y, scale.reshape(1), out.view(torch.uint8), R, K, P, Q, PO, QO, *y.stride(),
+    _pool_quantize_fp8_kernel[grid](
+        y, scale.reshape(1), out.view(torch.uint8), R, y.shape[3], y.shape[1], y.shape[2], PO, QO, *y.stride(),
         **fp8_constexprs(dtype), POOL_S=pool_stride, BLOCK_R=br, BLOCK_K=bk,
     )
     return out

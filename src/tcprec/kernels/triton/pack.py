@@ -299,6 +299,19 @@ TILE_CODES = 4096
 MAX_BLOCK_W = 8
 
 
+def pooled_output(y: torch.Tensor, pool_stride: int, dtype: torch.dtype, tile: int):
+    """The host half of :func:`_pooled_tile`: for NHWC ``y`` and ``pool_stride`` 0 (no pool), 1 (2x2 size-keeping) or
+    2 (2x2 stride 2, floor), the (N, P', Q', K) output of ``dtype`` to fill, its rows R = N*P'*Q', (P', Q'), and the
+    grid and block (BLOCK_R, BLOCK_K) of programs of about ``tile`` elements."""
+    N, P, Q, K = y.shape
+    PO, QO = (P // 2, Q // 2) if pool_stride == 2 else (P, Q)
+    out = torch.empty((N, PO, QO, K), dtype=dtype, device=y.device)
+    R = N * PO * QO
+    bk = min(next_power_of_2(K), 128)
+    br = max(1, tile // bk)
+    return out, R, (PO, QO), (cdiv(R, br), cdiv(K, bk)), (br, bk)
+
+
 def pack_tile(Kw: int, block_r: int | None = None, block_w: int | None = None) -> tuple[int, int]:
     """(BLOCK_R, BLOCK_W) for rows of Kw real words (ceil(K / 32)): BLOCK_W = min(next_pow2(Kw), MAX_BLOCK_W),
     BLOCK_R filling TILE_CODES codes; either can be forced."""

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ._host import cdiv, next_power_of_2
-from .pack import _pooled_tile, _quantize_codes
+from .pack import _pooled_tile, _quantize_codes, pooled_output
 
 __all__ = ["pool_quantize_int8", "im2col_rows", "ENC_UNSIGNED", "ENC_TWOS", "ENC_PM"]
 
@@ -106,16 +106,11 @@ def pool_quantize_int8(y: torch.Tensor, scale: torch.Tensor, pool_stride: int, b
     """Launch: y (N, P, Q, K) float, pool_stride 0 (no pool), 1 or 2 -> x8 (N, P', Q', K) int8.  The public
     entry point is ``tcprec.ops.qconv.quantize_int8_static`` (it derives the format's parameters)."""
     assert y.dim() == 4 and pool_stride in (0, 1, 2)
-    N, P, Q, K = y.shape
-    PO, QO = (P // 2, Q // 2) if pool_stride == 2 else (P, Q)
-    out = torch.empty((N, PO, QO, K), dtype=torch.int8, device=y.device)
-    R = N * PO * QO
+    out, R, (PO, QO), grid, (br, bk) = pooled_output(y, pool_stride, torch.int8, _TILE)
     if out.numel() == 0:
         return out
-    bk = min(next_power_of_2(K), 128)
-    br = max(1, _TILE // bk)
-    _pool_quantize_int8_kernel[(cdiv(R, br), cdiv(K, bk))](
-        y, scale, out, R, K, P, Q, PO, QO, *y.stride(),
+    _pool_quantize_int8_kernel[grid](
+        y, scale, out, R, y.shape[3], y.shape[1], y.shape[2], PO, QO, *y.stride(),
         LO=lo, HI=hi, OFFSET=offset, SHIFT=shift, ENC=enc, BITS=bits, POOL_S=pool_stride,
         BLOCK_R=br, BLOCK_K=bk,
     )
