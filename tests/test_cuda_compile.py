@@ -83,6 +83,14 @@ def _conv_variants():
                   "packed", out_bits=2, conv=True),
         L.Variant(2, 1, False, False, L.packed_tile(L.SMALL_TILE), "packed", out_bits=2, conv=True),
         L.Variant(8, 1, False, False, L.SMALL_TILE, "int32", conv=True),
+        # ResNet blocks' residual add in the float epilogue (TCP_RES): 64- and 128-wide TMA tiles, the implicit conv,
+        # bf16, and float32 / fp16 on the mma.sync tiles
+        L.Variant(2, 1, False, False, L.pick_tile(2, 1, False, False, 10**5, 64, arch="sm_90a"), "float", "float16",
+                  res=True),
+        L.Variant(2, 1, False, False, big(2, 1, "float"), "float", "bfloat16", conv=True, res=True),
+        L.Variant(2, 1, False, False, L.SMALL_TILE, "float", "float32", res=True),
+        L.Variant(2, 1, False, False, L.pick_tile(2, 1, False, False, 10**5, 10**5, arch="sm_80"), "float",
+                  "float16", conv=True, res=True),
     ]
 
 
@@ -122,7 +130,7 @@ def test_default_variants_do_not_spill(cache):
     from tcprec.kernels.cuda import loader as L
 
     seen_tma = 0
-    for v in _variants()[: len(DEFAULT_PAIRS)] + _variants()[-11:] + _sync_defaults():
+    for v in _variants()[: len(DEFAULT_PAIRS)] + _variants()[-15:] + _sync_defaults():
         _, log = L.compile_variant(v, "sm_90a")  # from the cache filled above (or compiled now)
         seen_tma += v.tile.tma
         assert _spill_bytes(log) == 0 and "0 bytes stack frame" in log, (str(v), log[-400:])

@@ -119,6 +119,30 @@ def test_triton_im2col_equals_reference_and_row_correction():
         assert torch.equal(row.long(), row_ref)
 
 
+@pytest.mark.parametrize("bits,enc,R,S,st,pd,dl,C,Kw_pad", [
+    (2, "unsigned", 3, 3, (1, 1), (1, 1), (1, 1), 64, 0), (2, "twos", 3, 3, (2, 2), (1, 1), (2, 2), 45, 16),
+    (3, "unsigned", 5, 5, (1, 1), (2, 2), (1, 1), 3, 0), (1, "pm1", 3, 3, (1, 1), (0, 0), (1, 1), 70, 0),
+    (4, "twos", 1, 1, (2, 2), (0, 0), (1, 1), 33, 0), (2, "unsigned", 7, 3, (4, 1), (3, 0), (1, 2), 130, 0),
+    (8, "unsigned", 11, 11, (4, 4), (2, 2), (1, 1), 3, 16)])
+def test_window_rowsums_equal_the_im2col_row_correction(bits, enc, R, S, st, pd, dl, C, Kw_pad):
+    """window_rowsums (pixel sums, then each window's) gives im2col_bits' fused row term bit for bit: kernel
+    sizes 1-11, strides 1-4, padding, dilation, two's complement, compact and 512-bit padded planes."""
+    from tcprec.kernels.triton.im2col_bits import im2col_bits, window_rowsums
+
+    gen = torch.Generator().manual_seed(bits * 100 + R * 10 + C)
+    fa = IntFormat(bits, encoding=enc)
+    N, H, W = 2, 13, 11
+    codes = torch.randint(0, fa.n_codes, (N * H * W, C), dtype=torch.uint8, generator=gen)
+    planes = tp.pack_bitplanes(codes, bits)
+    if not Kw_pad:
+        planes = planes[..., : -(-C // 32)].contiguous()
+    g = ConvGeometry(N, H, W, C, 5, R, S, st, pd, dl)
+    for mul, add in ((1, 0), (-3, 17)):
+        _, want = im2col_bits(planes, g, twos=enc == "twos", store=False, rowsum=True, row_mul=mul, row_add=add)
+        got = window_rowsums(planes, g, twos=enc == "twos", row_mul=mul, row_add=add)
+        assert got.shape == (N * g.P * g.Q,) and torch.equal(got, want)
+
+
 def test_float_epilogue_scale_bias_acts():
     qx, qw, geo = _case(2)
     gen = torch.Generator().manual_seed(5)
@@ -620,6 +644,25 @@ def test_residual_on_the_torch_epilogues():
         assert torch.equal(got, torch.relu(y + r)), backend
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("act", [None, "relu", ("leaky", 0.1)])
+def test_bitserial_residual_equals_the_unfused_add(dtype, act):
+    """The bit-serial route adds a residual in its float epilogue with the unfused graph's roundings:
+    act(rd(rd(conv) + r)) equals conv, then the add in ``dtype``, then the activation -- through the reference
+    GEMM (the kernel's contract; tests/gpu runs the kernel against it)."""
+    qx, qw, geo = _case(2)
+    gen = torch.Generator().manual_seed(11)
+    impl = lambda **k: qconv._conv2d_impl(qx, qw, _gemm=rq.bmma_gemm_reference, out_dtype=dtype,  # noqa: E731
+                                          **dict(geo, **k))
+    y = impl()
+    r = (torch.randn(y.shape, generator=gen) * y.float().abs().max()).to(dtype)
+    s = (y.float() + r.float()).to(dtype).float()
+    want = rq.apply_act(s, act).to(dtype)
+    got = impl(act=act, residual=r)
+    assert got.dtype == dtype and torch.equal(got, want)
+    assert torch.equal(got, conv2d(qx, qw, backend="reference", out_dtype=dtype, act=act, residual=r, **geo))
+
+
 def test_residual_bad_input():
     qx, qw, geo = _int8_case(0, seed=64)
     y = conv2d(qx, qw, backend="reference", **geo)  # (N, P, Q, K) float32
@@ -647,12 +690,15 @@ def test_residual_bad_input():
         for backend in ("int8", "reference"):
             with pytest.raises(exc, match=match):
                 conv2d(qx, qw, backend=backend, **dict(geo, **kw))
-    # the bit-serial GEMM cannot fuse either: an error naming the backends that can, never a silent fallback
+    # the bit-serial GEMM adds a residual into a float output only: codes with it (or the dual output) raise,
+    # naming the backends that write them, never a silent fallback
     qb, wb, gb = _case(2)
     yb = conv2d(qb, wb, backend="reference", **gb)
-    for kw in (dict(residual=yb), dict(out_fmt="uint8", out_scale=1.0, out_layout="int8+float")):
-        with pytest.raises(ValueError, match=r"backend 'bitserial' .* cannot fuse it into its epilogue; backends that "
-                                             r"can: 'int8', 'fp8', 'reference'"):
+    for kw in (dict(residual=yb, out_fmt="uint8", out_scale=1.0, out_layout="int8"),
+               dict(out_fmt="uint8", out_scale=1.0, out_layout="int8+float")):
+        with pytest.raises(ValueError, match=r"backend 'bitserial' .* adds a residual into a float output only "
+                                             r"\(out_fmt=None\), not out_fmt=uint8 .* backends that write codes with "
+                                             r"it: 'int8', 'fp8', 'reference'"):
             qconv._conv2d_impl(qb, wb, _gemm=rq.bmma_gemm_reference, **dict(gb, **kw))
     with pytest.raises(TypeError, match=r"hp must be None or a float NHWC tensor of x8's shape \(1, 2, 2, 3\)"):
         qconv.Int8Activation(torch.zeros(1, 2, 2, 3, dtype=torch.int8), "uint8", 1.0, hp=torch.zeros(1, 3, 2, 2))
@@ -710,8 +756,20 @@ def test_implicit_conv_route_choice_and_bad_geometry(monkeypatch):
     from tcprec.kernels.cuda import loader as L
 
     g = ConvGeometry(1, 8, 8, 64, 8, 3, 3, (1, 1), (1, 1), (1, 1))
-    assert not qconv.BITSERIAL_IMPLICIT and not qconv.implicit_conv(g, 16)  # opt-in (slower so far)
-    assert qconv.compact_planes_ok(64)  # the im2col route takes compact rows
+    # "auto": only taps without padding words (ceil(C / 32) % 4 == 0) and at most two column tiles (w1a2: 128 wide)
+    assert qconv.BITSERIAL_IMPLICIT == "auto" and not qconv.implicit_conv(g, 16)  # C = 64: taps padded 2 -> 4 words
+    geo = lambda C, K, R=3, N=256, H=14: ConvGeometry(N, H, H, C, K, R, R, (1, 1), (R // 2,) * 2, (1, 1))  # noqa: E731
+    assert qconv.implicit_conv(geo(256, 256), 8) and qconv.implicit_conv(geo(128, 100, H=28), 4)
+    assert qconv.implicit_conv(geo(384, 256, 5), 12)
+    assert not qconv.implicit_conv(geo(256, 384), 8) and not qconv.implicit_conv(geo(512, 512), 16)  # 3, 4 tiles
+    assert not qconv.implicit_conv(geo(96, 256), 16) and not qconv.implicit_conv(geo(256, 256, 1), 8)  # pad; 1x1
+    assert not qconv.implicit_conv(geo(256, 256), 8, 2, 2)  # w2a2: 64-wide tiles, 4 of them
+    # >= 4 tiles an SM: 256 x 14 x 14 rows = 392 x 2 tiles on 132 SMs (5.9 each), not at batch 8 (13 x 2)
+    assert not qconv.implicit_conv(geo(256, 256, N=8), 8) and qconv.implicit_conv(geo(256, 256), 8, sm_count=132)
+    assert not qconv.implicit_conv(geo(256, 256), 8, sm_count=264)
+    assert qconv.compact_planes_ok(64) and qconv.compact_planes_ok(96)  # compact rows serve both routes
+    monkeypatch.setattr(qconv, "BITSERIAL_IMPLICIT", False)
+    assert not qconv.implicit_conv(geo(256, 256), 8) and qconv.compact_planes_ok(64)
     monkeypatch.setattr(qconv, "BITSERIAL_IMPLICIT", True)
     assert qconv.implicit_conv(g, 16)  # padded rows of 64 channels
     assert not qconv.implicit_conv(g, 2)  # compact rows: 2 words a pixel, not whole 16-byte taps

@@ -121,14 +121,17 @@ def test_resnet18_residual_fusion_is_bit_identical(precision):
     torch.testing.assert_close(eng(x.cpu()), yf.cpu(), rtol=0, atol=0)
 
 
-def test_bitserial_blocks_keep_the_add():
-    """w1a2 blocks run on the binary GEMM, whose epilogue cannot take a residual: the adds stay (no error)."""
-    _, q, x = _quantized("resnet18", "w1a2")
+def test_bitserial_blocks_fuse_the_add():
+    """w1a2 blocks run on the binary GEMM, whose float epilogue takes the residual and the ReLU (TCP_RES): no add
+    is left in the graph, and the fused network equals the unfused one bit for bit (the same roundings)."""
+    m, q, x = _quantized("resnet18", "w1a2")
     assert [r.backend for r in q.tcprec_summary.layers if r.name == "stages.0.branch.3"] == ["bitserial"]
-    assert not any("residual" in r.fused for r in q.tcprec_summary.layers)
-    assert sum("add" in str(n.target) for n in q.graph.nodes) == 8
+    assert sum("residual" in r.fused for r in q.tcprec_summary.layers) == 8
+    assert sum("add" in str(n.target) for n in q.graph.nodes) == 0
+    qu = tp.quantize_model(m, tp.QuantConfig(precision="w1a2", fuse_residual=False), calibration=x, warn=False)
     with torch.no_grad():
-        assert torch.isfinite(q(x)).all()
+        y, yu = q(x), qu(x)
+    assert torch.isfinite(y).all() and torch.equal(y, yu)
 
 
 def test_engine_rejects_wrong_shape_before_launching():

@@ -146,11 +146,12 @@ def implicit_conv_rows(a_planes: torch.Tensor, w_planes: torch.Tensor, conv) -> 
 
 def bmma_gemm_reference(a_planes, w_planes, a_twos, w_twos, ss, row_term, col_term, row_scale, col_scale, bias,
                         relu, out_kind, out_bits, out_encoding, out_scale, tile="", leaky_slope=0.0, pdl=True,
-                        conv=None):
+                        conv=None, residual=None):
     """``torch.ops.tcprec.bmma_gemm``'s contract in plain torch (same arguments, same result):
     ``C = ss * S + row_term[m] + col_term[n]`` (int32), then the float or packed epilogue.  ``tile`` and ``pdl``
     (how the kernel launches) do not change the result and are ignored.  With ``conv`` the A operand is
-    :func:`implicit_conv_rows` of the input planes."""
+    :func:`implicit_conv_rows` of the input planes; with ``residual`` (float out_kind) ``act(rd(rd(y) + residual))``,
+    rd the rounding to the output dtype."""
     if conv is not None:
         a_planes = implicit_conv_rows(a_planes, w_planes, conv)
     C = ss * _weighted_S(a_planes, w_planes, a_twos, w_twos)  # (M, N) int64
@@ -161,6 +162,12 @@ def bmma_gemm_reference(a_planes, w_planes, a_twos, w_twos, ss, row_term, col_te
     if out_kind == "int32":
         return C.to(torch.int32)
     y = rg.float_epilogue(C, row_scale, col_scale, bias, False, torch.float32)
+    if residual is not None:
+        if out_kind not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"residual is added by the float epilogue: out_kind must be float32, float16 or "
+                             f"bfloat16, got {out_kind!r}")
+        od = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[out_kind]
+        y = (y.to(od).to(torch.float32) + residual.to(torch.float32)).to(od).to(torch.float32)
     if relu:  # y < 0 -> leaky_slope * y (0: ReLU), one float32 multiply, as the kernel
         y = apply_act(y, ("leaky", leaky_slope) if leaky_slope else "relu")
     if out_kind == "packed":

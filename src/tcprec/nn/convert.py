@@ -15,7 +15,7 @@ What it does, in order:
    blocks: a conv(+BN) whose only user is an add (``+``, ``torch.add``, ``Tensor.add``; either operand
    order) of a tensor of its own shape and dtype, followed by a ReLU / LeakyReLU (or nothing), become one
    ``QConv2d`` called as ``conv(x, residual)`` at the add's place in the graph (``fuse_residual``; the INT8 /
-   FP8 kernels and the reference backend; bit-serial layers keep the add).
+   FP8 kernels, the bit-serial GEMM's float epilogue and the reference backend).
 5. Chains: a ``QConv2d`` whose only consumer is another bit-serial ``QConv2d`` re-quantizes and packs
    its output for it in the GEMM epilogue (``PackedActivation``), so no float tensor exists between
    them; a consumer on the INT8 kernel gets its int8 operand (``Int8Activation``, written by the
@@ -253,7 +253,7 @@ def _same_tensor_meta(*nodes: fx.Node) -> bool:
     return all(m.shape == metas[0].shape and m.dtype == metas[0].dtype for m in metas)
 
 
-def _fuse_residuals(gm: fx.GraphModule, records: dict, residual_ok) -> None:
+def _fuse_residuals(gm: fx.GraphModule, records: dict) -> None:
     """``act(conv(x) + r)`` -> ``conv(x, r)`` with the add and act in the conv's epilogue (module docstring,
     step 4).  The fused call takes the add's place: ``r`` (e.g. a shortcut conv) may come after the conv."""
     g = gm.graph
@@ -274,7 +274,7 @@ def _fuse_residuals(gm: fx.GraphModule, records: dict, residual_ok) -> None:
             q = mods.get(conv.target) if conv.op == "call_module" else None
             if (isinstance(q, QConv2d) and calls[conv.target] == 1 and len(conv.users) == 1 and len(conv.args) == 1
                     and not conv.kwargs and q.act is None and q.pool is None and not q.has_residual
-                    and q.out_dtype == add.meta["tensor_meta"].dtype and residual_ok(q)):
+                    and q.out_dtype == add.meta["tensor_meta"].dtype):
                 break
         else:
             continue
@@ -412,10 +412,7 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
                 for a in reversed(absorbed):
                     g.erase_node(a)
         if cfg.fuse and cfg.fuse_residual:
-            def residual_ok(q: QConv2d) -> bool:  # the epilogues that take a residual (not the bit-serial GEMM's)
-                return q.precision.fp8 or choose_int_backend(q.a_fmt, q.w_fmt, dev, cfg.backend)[0] != "bitserial"
-
-            _fuse_residuals(gm, records, residual_ok)
+            _fuse_residuals(gm, records)
         # -- chaining: a conv feeding only a bit-serial conv hands it packed planes -------------------
         if cfg.chain:
             qmods = dict(gm.named_modules())
@@ -443,7 +440,8 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
                     # e4m3 codes (OUT_MODE 4 / the pool + fp8 pass), an FP8 layer int8 codes (OUT_MODE 2); the
                     # binary GEMM's epilogue packs integer planes only
                     continue
-                if len(users) == 1 and not (a.has_residual and kind == "bitserial"):
+                if len(users) == 1 and not (a.has_residual and "bitserial" in (kind, kind_of(a))):
+                    # (a bit-serial conv adds a residual into a float output only)
                     layout = "int8" if kind == "int8" else "planes"  # the INT8 kernel reads int8 codes, not planes
                     a.chain_to(b, layout)
                     what = {"bitserial": "packed", "int8": "int8 codes", "fp8": "codes"}[kind]

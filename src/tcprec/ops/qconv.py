@@ -27,10 +27,11 @@ Backends (one rule with ``tcprec.matmul``: bit-serial while p*q < 8, INT8 otherw
   tensor-core GEMM (``torch.ops.tcprec.bmma_gemm``) with the true K = R*S*C in its corrections and
   its fused epilogue (scale, bias, ReLU / LeakyReLU, the output dtype or the packed next-layer
   planes).  A 1x1 stride-1 unpadded convolution needs no im2col: the input planes are the operand.
-  With :data:`BITSERIAL_IMPLICIT` (opt-in; measured slower, see there) it is an implicit GEMM instead
-  (``bmma_gemm`` with ``conv=``): the kernel gathers each window from the packed input planes as it
-  loads (per tap the ceil(C/32) words rounded up to 4, zeros in the padding; any kernel size, stride,
-  padding and dilation), and pm1 weights' row correction is that Triton kernel without its store.
+  Where it measured faster (:data:`BITSERIAL_IMPLICIT`, "auto": taps of whole 4-word chunks, at most two
+  column tiles) it is an implicit GEMM instead (``bmma_gemm`` with ``conv=``): the kernel gathers each
+  window from the packed input planes as it loads (per tap the ceil(C/32) words rounded up to 4, zeros in
+  the padding; any kernel size, stride, padding and dilation), and pm1 weights' row correction takes two
+  small Triton passes (each pixel's activation sum, then each window's: ``window_rowsums``).
   A max-pool in front of packed output runs on the codes (the epilogue packs at full size, one bit-plane
   pass pools: quantizing is monotone, so it equals pooling first); other pooling is a separate float32
   pass after the GEMM (then the cast or the re-quantize + pack pass);
@@ -62,8 +63,9 @@ is bit-identical to the unfused one::
 
     y = act(rd(float32(rd(float32(C) * col[k] + bias[k])) + float32(residual)))   rd: round to out_dtype
 
-on the INT8 and FP8 kernels (one IEEE add in the Triton epilogue) and on the torch epilogues (``reference``,
-the INT8 im2col route); the bit-serial backend cannot fuse it and raises.  ``out_layout="int8+float"``
+on the INT8 and FP8 kernels (one IEEE add in the Triton epilogue), on the bit-serial GEMM's float epilogue (float
+output: ``bmma_gemm.cu`` TCP_RES; a packed or dual output raises) and on the torch epilogues (``reference``, the INT8
+im2col route).  ``out_layout="int8+float"``
 (integer ``out_fmt``): the *dual* output, an :class:`Int8Activation` whose ``hp`` is the float result in
 ``out_dtype`` and whose codes are that float's (what :func:`quantize_int8_static` would give from it) -- a
 block output feeding both the next residual add and the next INT8 convs, from one pass.  With a residual,
@@ -742,7 +744,8 @@ def _check_residual(residual, g: ConvGeometry, out_dtype, device) -> None:
 
 def _check_fusion(plan: "_Plan") -> "_Plan":
     """The residual and the dual output: which epilogues take them (the INT8 / FP8 kernels' and the torch
-    ones); the bit-serial GEMM's cannot, and says so rather than falling back to separate passes."""
+    ones; the bit-serial GEMM's takes a residual into a float output only), and says so rather than falling back
+    to separate passes."""
     what = [w for w, on in (("residual=", plan.has_res), (f"out_layout={plan.out_layout!r}", plan.dual)) if on]
     if not what:
         return plan
@@ -754,10 +757,11 @@ def _check_fusion(plan: "_Plan") -> "_Plan":
         raise ValueError(f"residual= writes a float output, INT8 codes or float8 codes: out_fmt={plan.out_fmt} with "
                          f"out_layout={plan.out_layout!r} is not one of them; use out_fmt=None, an integer out_fmt "
                          "with out_layout in ('int8', 'int8+float'), or out_fmt e4m3 / e5m2")
-    if plan.name == "bitserial":
-        raise ValueError(f"{what}: backend 'bitserial' (the binary tensor-core GEMM) cannot fuse it into its "
-                         "epilogue; backends that can: 'int8', 'fp8', 'reference'. Use one of them, or add the "
-                         "residual / quantize after the conv yourself")
+    if plan.name == "bitserial" and (plan.dual or plan.out_fmt is not None):
+        raise ValueError(f"{what}: backend 'bitserial' (the binary tensor-core GEMM) adds a residual into a float "
+                         f"output only (out_fmt=None), not out_fmt={plan.out_fmt} with out_layout={plan.out_layout!r}; "
+                         "backends that write codes with it: 'int8', 'fp8', 'reference'. Use one of them, or "
+                         "quantize after the conv yourself")
     return plan
 
 
@@ -1077,10 +1081,10 @@ def _fp8_reference(plan: _Plan, xs: _X, qw: QTensor) -> torch.Tensor:
     return conv_acc(x, w, g.stride, g.padding, g.dilation).reshape(-1, g.K)
 
 
-def _bitserial(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, out_scale, gemm):
-    """The binary tensor-core pipeline: (im2col over planes) -> bmma_gemm with the fused epilogue.
-    Returns (M, K) int32 / float, or planes, per ``_bitserial_kind``."""
-    from ..kernels.triton.im2col_bits import im2col_bits  # TRITON_INTERPRET is read at import
+def _bitserial(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, out_scale, gemm, residual=None):
+    """The binary tensor-core pipeline: (im2col over planes) -> bmma_gemm with the fused epilogue (and a float
+    output's residual add).  Returns (M, K) int32 / float, or planes, per ``_bitserial_kind``."""
+    from ..kernels.triton.im2col_bits import im2col_bits, window_rowsums  # TRITON_INTERPRET is read at import
 
     g, fa, fw = plan.g, plan.fa, plan.fw
     oa, sa = rg.affine(fa)
@@ -1089,16 +1093,23 @@ def _bitserial(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, out_scale, 
     planes = xs.planes()  # (p, N*H*W, packed_words(C)), or compact (p, N*H*W, ceil(C / 32)): fine for the im2col
     need_row = ow != 0
     conv, w_planes = None, pw.planes
-    if implicit_conv(g, planes.shape[2]) and pw.conv_planes is not None:
+    if planes.is_cuda:
+        from ..kernels.cuda.loader import _sm_count
+
+        sms = _sm_count(planes.device)[0]
+    else:
+        sms = 132  # the reference GEMM / interpreter: decide as on an H100 / H200
+    if implicit_conv(g, planes.shape[2], fa.bits, fw.bits, fa.encoding == "twos", fw.encoding == "twos", sms) \
+            and pw.conv_planes is not None:
         # implicit GEMM: the kernel gathers the windows from the input planes; only the row sums (pm1 weights) take
-        # a pass over them
+        # a pass over them (pixel sums once, then each window's)
         cwt = rq.conv_tap_words(g.C)
         conv = [g.H, g.W, g.P, g.Q, g.R, g.S, *g.stride, *g.padding, *g.dilation, cwt]
         a_planes, w_planes = planes, pw.conv_planes
         row_term = None
         if need_row:
-            _, row_term = im2col_bits(planes, g, twos=fa.encoding == "twos", store=False, rowsum=True,
-                                      row_mul=sa * ow, row_add=K_true * oa * ow)
+            row_term = window_rowsums(planes, g, twos=fa.encoding == "twos", row_mul=sa * ow,
+                                      row_add=K_true * oa * ow)
     elif g.is_pointwise:
         if xs.packed is not None and xs.packed.compact:  # the GEMM operand needs whole 512-bit rows
             planes = xs.packed.padded_planes()
@@ -1111,35 +1122,61 @@ def _bitserial(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, out_scale, 
     col_term = (oa * sw * pw.rowsum).contiguous() if oa != 0 else None  # (K,) int32
     kind, relu, slope, ofmt = _bitserial_kind(plan)
     extra = {} if conv is None else {"conv": conv}
+    if residual is not None:  # a float output (_check_fusion): the epilogue adds it before the activation
+        extra["residual"] = residual.reshape(-1, g.K)
     return gemm(a_planes, w_planes, fa.encoding == "twos", fw.encoding == "twos", sa * sw, row_term, col_term,
                 None, col if kind != "int32" else None, bias if kind != "int32" else None, relu, kind,
                 ofmt.bits if ofmt is not None else 1, ofmt.encoding if ofmt is not None else "unsigned",
                 out_scale if kind == "packed" else None, "", slope, **extra)
 
 
-# The implicit-GEMM route of the bit-serial convolution (bmma_gemm with conv=) is correct (bit-exact against the
-# reference, tests/gpu/test_conv_implicit_gpu.py) but measured slower than the explicit im2col route on the networks'
-# layers (session 17, H200, BENCHMARKS.md): its pm1 row sums still take a pass over the planes as long as the im2col
-# itself, and the gathering producer feeds the wgmmas slower than TMA.  So it is opt-in until the row sums move into
-# the kernel: set True to route every eligible convolution through it.
-BITSERIAL_IMPLICIT = False
+# The implicit-GEMM route of the bit-serial convolution (bmma_gemm with conv=): bit-exact against the reference
+# (tests/gpu/test_conv_implicit_gpu.py), and per layer faster or slower than the explicit im2col route.  Measured
+# (session 18, H200, w1a2, one process, per-layer GPU time with each route, benchmarks/results/net_routes.json):
+# it wins where no tap is padded (ceil(C / 32) a multiple of 4 words) and the output has at most two column tiles
+# -- VGG 256 -> 256 @ 56 at batch 256 885 -> 766 us, AlexNet 384 -> 256 @ 13 118 -> 94, ResNet-18 128 -> 128 @ 28
+# 110 -> 87 -- and loses where C = 64 / 96 / 192 pad their taps to 4 words (K doubled for 64: ResNet-18 stage 0
+# 226 -> 294 us) or N >= 384 makes every column tile gather the windows again (VGG 512 @ 28 400 -> 503), since the
+# producer's cp.async gather feeds the tensor cores slower than TMA boxes of im2col'd rows.  At batch 8 (3 tiles an
+# SM or fewer) its two row-sum launches against the im2col's one cost more than it saves (whole networks, graph
+# replay: ResNet-18 0.449 -> 0.461 ms, VGG 0.456 -> 0.459).  "auto" takes it exactly where it won: taps without
+# padding words, <= 2 column tiles, >= IMPLICIT_TILES_PER_SM tiles an SM; True wherever the layout allows, False never.
+BITSERIAL_IMPLICIT: bool | str = "auto"
+IMPLICIT_TILES_PER_SM = 4
 
 
-def implicit_conv(g: ConvGeometry, kin: int) -> bool:
+def implicit_conv(g: ConvGeometry, kin: int, p: int = 2, q: int = 1, a_twos: bool = False,
+                  w_twos: bool = False, sm_count: int = 132) -> bool:
     """Whether a bit-serial convolution over input planes with ``kin``-word rows runs as an implicit GEMM
-    (``bmma_gemm`` with ``conv``: no im2col buffer): with :data:`BITSERIAL_IMPLICIT`, not a 1x1 stride-1 one (its
-    planes are the operand as they are), and rows that hold whole 16-byte taps (``kin`` a multiple of 4, at least
-    the tap's words) -- padded planes always do; compact ones when ceil(C / 32) is a multiple of 4
-    (:func:`compact_planes_ok`)."""
-    return (BITSERIAL_IMPLICIT and not g.is_pointwise
-            and rq.implicit_conv_fits(kin, rq.conv_tap_words(g.C), g.H, g.W, *g.padding))
+    (``bmma_gemm`` with ``conv``: no im2col buffer), for p-bit activations and q-bit weights.  Never a 1x1
+    stride-1 one (its planes are the operand as they are); only rows that hold whole 16-byte taps (``kin`` a
+    multiple of 4, at least the tap's words) -- padded planes always do, compact ones when ceil(C / 32) is a
+    multiple of 4.  Then per :data:`BITSERIAL_IMPLICIT`: True always, False never, "auto" where it measured
+    faster -- taps without padding words (ceil(C / 32) a multiple of 4), at most two column tiles of the wgmma
+    tile the GEMM picks (``loader.wgmma_tile``; none on this format pair: no) and at least
+    :data:`IMPLICIT_TILES_PER_SM` output tiles for each of the ``sm_count`` SMs."""
+    if BITSERIAL_IMPLICIT is False or g.is_pointwise:
+        return False
+    cwt = rq.conv_tap_words(g.C)
+    if not rq.implicit_conv_fits(kin, cwt, g.H, g.W, *g.padding):
+        return False
+    if BITSERIAL_IMPLICIT is True:
+        return True
+    from ..kernels.cuda.loader import wgmma_tile
+
+    t = wgmma_tile(p, q, a_twos, w_twos, N=g.K)
+    if cwt != -(-g.C // 32) or t is None:
+        return False
+    col_tiles = -(-g.K // t.bn)
+    return col_tiles <= 2 and -(-(g.N * g.P * g.Q) // t.bm) * col_tiles >= IMPLICIT_TILES_PER_SM * sm_count
 
 
 def compact_planes_ok(C: int) -> bool:
     """Whether a convolution's input of C channels is packed compact (rows of ceil(C / 32) words, without the
-    padding to 512 bits): always for the im2col route; with :data:`BITSERIAL_IMPLICIT` only where the implicit GEMM
-    can still gather them (ceil(C / 32) a multiple of 4, :func:`implicit_conv`)."""
-    return not BITSERIAL_IMPLICIT or (-(-C // 32)) % 4 == 0
+    padding to 512 bits): always for the im2col route, and for "auto" (it takes the implicit GEMM only where
+    ceil(C / 32) is a multiple of 4, which compact rows hold); with :data:`BITSERIAL_IMPLICIT` True only where
+    the implicit GEMM can still gather them (ceil(C / 32) a multiple of 4, :func:`implicit_conv`)."""
+    return BITSERIAL_IMPLICIT is not True or (-(-C // 32)) % 4 == 0
 
 
 def _bitserial_kind(plan: _Plan):
@@ -1265,7 +1302,7 @@ def _conv2d_impl(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None
             # and with it whole networks ran 1-1.5% slower (loader._pdl)
             _gemm = functools.partial(loader.gemm_entry(), pdl=False)
         pw = pw if pw is not None else pack_conv_weight(qw)
-        res = _bitserial(plan, xs, pw, col, bias, s_out, _gemm)
+        res = _bitserial(plan, xs, pw, col, bias, s_out, _gemm, residual)
         kind = _bitserial_kind(plan)[0]
         if kind == "int32":
             return res.reshape(g.N, g.P, g.Q, K)
@@ -1400,12 +1437,14 @@ def explain_conv2d(x, w, **kw) -> str:
         cwt = rq.conv_tap_words(g.C)
         if g.is_pointwise:
             steps = ["no im2col (1x1 stride 1: the input planes are the operand)"]
-        elif BITSERIAL_IMPLICIT:
+        elif implicit_conv(g, Cw if compact_planes_ok(g.C) else -(-Cw // 16) * 16, plan.fa.bits, plan.fw.bits, plan.fa.encoding == "twos",
+                           plan.fw.encoding == "twos"):
             steps = [f"implicit GEMM: the kernel gathers {g.R * g.S} taps x {cwt} words a pixel from the packed planes "
                      f"({plan.fa.bits} planes; padded rows, or compact ones when ceil(C / 32) = {Cw} is a multiple of "
                      f"4, else the Triton im2col below)"]
             if rg.affine(plan.fw)[0] != 0:
-                steps.append("Triton pass: each window's activation sum (the pm1 weights' row correction)")
+                steps.append("Triton passes: each pixel's activation sum, then each window's (the pm1 weights' row "
+                             "correction)")
         else:
             steps = [f"Triton im2col over packed planes ({g.R * g.S} taps x {Cw} words a pixel, "
                      f"{rq.taps_words(g)[2]} words a row, {plan.fa.bits} planes)"]

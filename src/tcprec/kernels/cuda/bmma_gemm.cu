@@ -76,6 +76,10 @@
 //      y < 0 -> slope * y, as torch.nn.functional.leaky_relu), stored
 //      as fp32 / fp16 / bf16 (OUT_T 0 / 1 / 2); every scale / bias pointer may be null.  Each step
 //      is one IEEE-rounded op (no FMA contraction), so torch reproduces it bit for bit.
+//      With TCP_RES (a ResNet block's add fused): residual (M, ldo) of the output dtype, and
+//      y = act(rd(float(rd(y0)) + float(residual[m, n])))  with y0 the value above before the activation
+//      and rd the rounding to the output dtype -- the unfused graph's roundings (branch, sum), then the
+//      activation on the sum (its one multiply for LeakyReLU rounded by the store).
 //   2  packed: y as in 1, then encoded to an OB-bit integer format (OENC: 0 twos, 1 unsigned,
 //      2 pm1) as tcprec.encode(y / out_scale, fmt, "nearest") does, and written as bit planes
 //      (OB, M, ldo) int32 (ldo = packed words of N), ready to be the next layer's A operand.  Every
@@ -102,6 +106,7 @@
 //   TCP_EPI, TCP_OUT_T, TCP_OB, TCP_OENC   epilogue (above)
 //   TCP_SMEM                the dynamic shared memory the host allocates (checked against the layout)
 //   TCP_CONV                1: implicit-GEMM convolution (below)
+//   TCP_RES                 1: the float epilogue adds a residual before the activation (above)
 //
 // Implicit-GEMM convolution (TCP_CONV = 1).  A is not a matrix but the NHWC input planes (P, N*H*W, Kin) of a
 // convolution, gathered as the loads go: GEMM row m = (n, p, q) is output pixel m, and K word kw = tap * CWT + wi
@@ -115,7 +120,9 @@
 // group.  No im2col buffer: the gathered rows are read from L2, and the loads never leave the 512-bit word grid.
 // Measured (session 17, H200, w1a2 packed, batch 256; BENCHMARKS.md): the gathering producer feeds the wgmmas slower
 // than TMA boxes of an im2col'd operand (VGG 256x256@56: 681 vs 527 us for the GEMM alone; the im2col pass it saves
-// costs 261 us), so ops/qconv takes this route only on request (qconv.BITSERIAL_IMPLICIT).
+// costs 261 us); with the row sums from two small passes (window_rowsums) it wins where the taps need no padding
+// words, the output has <= 2 column tiles and the GEMM >= 4 tiles an SM (VGG 256x256@56 885 -> 766 us a layer), and
+// ops/qconv takes it exactly there (qconv.BITSERIAL_IMPLICIT = "auto").
 
 #ifndef TCP_P
 #define TCP_P 2
@@ -168,6 +175,9 @@
 #ifndef TCP_CONS
 #define TCP_CONS 1
 #endif
+#ifndef TCP_RES
+#define TCP_RES 0
+#endif
 #ifndef TCP_EPI
 #define TCP_EPI 0
 #endif
@@ -197,6 +207,8 @@ constexpr int P = TCP_P, Q = TCP_Q;
 constexpr bool A_TWOS = TCP_A_TWOS != 0, W_TWOS = TCP_W_TWOS != 0;
 constexpr int BM = TCP_BM, BN = TCP_BN, WARPS_M = TCP_WARPS_M, WARPS_N = TCP_WARPS_N;
 constexpr int STAGES = TCP_STAGES, EPI = TCP_EPI, OUT_T = TCP_OUT_T, OB = TCP_OB, OENC = TCP_OENC;
+constexpr bool RES = TCP_RES != 0;
+static_assert(!RES || EPI == 1, "a residual is added by the float epilogue only");
 constexpr bool TMA = TCP_TMA != 0;
 constexpr bool CONV = TCP_CONV != 0;  // implicit-GEMM convolution: A gathered from NHWC planes
 // conv on TMA: (0, the default) each gathering thread waits for its copies RING - 2 steps later, fences them for the
@@ -572,6 +584,23 @@ __device__ __forceinline__ unsigned short f32_to_bf16(float x) {
     return h;
 }
 
+__device__ __forceinline__ float f16_to_f32(unsigned short h) {
+    float x;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(x) : "h"(h));
+    return x;
+}
+__device__ __forceinline__ float bf16_to_f32(unsigned short h) { return __uint_as_float((u32)h << 16); }
+// rd: a float32 rounded to the output dtype and back (OUT_T 0: itself); its 16-bit pattern (OUT_T 1 / 2)
+__device__ __forceinline__ unsigned short out_bits16(float x) { return OUT_T == 1 ? f32_to_f16(x) : f32_to_bf16(x); }
+__device__ __forceinline__ float out_of16(unsigned short h) { return OUT_T == 1 ? f16_to_f32(h) : bf16_to_f32(h); }
+__device__ __forceinline__ float rd_out(float x) { return OUT_T == 0 ? x : out_of16(out_bits16(x)); }
+// TCP_RES: the sum of the branch y0 (before its activation) and the residual r, both as the output dtype stores them,
+// rounded to it, then the activation (y < 0 -> slope * y, or 0; NaN stays NaN, as torch)
+__device__ __forceinline__ float residual_sum(float y0, float r, bool relu, float slope) {
+    const float v = rd_out(__fadd_rn(rd_out(y0), r));
+    return relu && v < 0.0f ? (slope == 0.0f ? 0.0f : __fmul_rn(v, slope)) : v;
+}
+
 // 4 x 4 transpose of u32s across a quad (lane t = lane & 3): afterwards x[s] is what lane s held in x[t].  Two
 // butterfly stages (lane bit 0, then bit 1), each swapping the off-diagonal halves of 2 x 2 blocks: 4 shuffles.
 __device__ __forceinline__ void quad_transpose(u32 (&x)[4], int t) {
@@ -766,6 +795,7 @@ bmma_gemm(
           const float* __restrict__ bias,       // (N,) or null
           const float* __restrict__ out_scale,  // (1,) packed epilogue's scale
           const int* __restrict__ col_thr,      // packed, OB <= 3: (N, 2^OB) integer threshold words, or null
+          const void* __restrict__ residual,    // TCP_RES: (M, ldo) of the output dtype, added before the activation
           int M, int N, int Kw, int ldo, int ss, int relu,
           float slope,                          // relu: y < 0 -> slope * y (0: ReLU; else LeakyReLU)
           // TCP_CONV: the convolution (ConvGeo; A is then the (P, N*H*W, Kin) input planes); ignored otherwise
@@ -857,8 +887,8 @@ bmma_gemm(
             for (int k = 0; k < NCLASS; ++k) v += (u32)acc[k][mt][nt][e4] * (FOLD ? 1u : (u32)CT.weight[k]);
             return (int)(v * (u32)ss + (u32)rt + (u32)ct);
         };
-        auto y_value = [&](int cv, float rs, float cs, float bi) -> float {
-            return y_of(cv, rs, cs, bi, has_bias, relu != 0, slope);
+        auto y_value = [&](int cv, float rs, float cs, float bi) -> float {  // RES: the activation after the sum
+            return y_of(cv, rs, cs, bi, has_bias, !RES && relu != 0, slope);
         };
         // a tile inside M x N (with an even row pitch for the paired stores) stores without bounds checks
         const bool interior = m0 + BM <= M && n0 + BN <= N && (ldo & 1) == 0;
@@ -889,6 +919,19 @@ bmma_gemm(
                                             OUT_T == 1 ? f32_to_f16(y1) : f32_to_bf16(y1));
                         }
                         quad_transpose(pk, t);
+                        if (RES) {  // this lane's 8 columns of the row: one 16-byte read of the residual
+                            const uint4 rv = *reinterpret_cast<const uint4*>(
+                                (const unsigned short*)residual + (orow - (unsigned short*)out) + (4 * q + t) * 8);
+                            const u32 rw[4] = {rv.x, rv.y, rv.z, rv.w};
+#pragma unroll
+                            for (int j = 0; j < 4; ++j) {
+                                const float a = residual_sum(out_of16((unsigned short)(pk[j] & 0xffffu)),
+                                                             out_of16((unsigned short)(rw[j] & 0xffffu)), relu != 0, slope);
+                                const float b = residual_sum(out_of16((unsigned short)(pk[j] >> 16)),
+                                                             out_of16((unsigned short)(rw[j] >> 16)), relu != 0, slope);
+                                pk[j] = pair_of(out_bits16(a), out_bits16(b));
+                            }
+                        }
                         *reinterpret_cast<uint4*>(orow + (4 * q + t) * 8) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
                     }
                 }
@@ -909,8 +952,17 @@ bmma_gemm(
                         if (EPI == 0) {
                             store_pair((int*)out + (i64)r * ldo + c, c0, c1, interior, r, c, M, N, ldo);
                         } else {
-                            const float y0 = y_value(c0, s_rs[rl], s_cs[cl], s_bias[cl]);
-                            const float y1 = y_value(c1, s_rs[rl], s_cs[cl + 1], s_bias[cl + 1]);
+                            float y0 = y_value(c0, s_rs[rl], s_cs[cl], s_bias[cl]);
+                            float y1 = y_value(c1, s_rs[rl], s_cs[cl + 1], s_bias[cl + 1]);
+                            if (RES) {  // the residual of the outputs inside M x N (the others are not stored)
+                                const i64 o = (i64)r * ldo + c;
+                                auto res_at = [&](i64 i) -> float {
+                                    return OUT_T == 0 ? ((const float*)residual)[i]
+                                                      : out_of16(((const unsigned short*)residual)[i]);
+                                };
+                                if (r < M && c < N) y0 = residual_sum(y0, res_at(o), relu != 0, slope);
+                                if (r < M && c + 1 < N) y1 = residual_sum(y1, res_at(o + 1), relu != 0, slope);
+                            }
                             if (OUT_T == 0) {
                                 store_pair((float*)out + (i64)r * ldo + c, y0, y1, interior, r, c, M, N, ldo);
                             } else {

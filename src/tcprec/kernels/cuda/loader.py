@@ -178,6 +178,7 @@ class Variant:
     out_bits: int = 1  # packed epilogue: the next layer's format
     out_encoding: str = "unsigned"
     conv: bool = False  # implicit-GEMM convolution: A gathered from NHWC input planes (bmma_gemm.cu, TCP_CONV)
+    res: bool = False  # the float epilogue adds a residual before the activation (bmma_gemm.cu, TCP_RES)
 
     def __post_init__(self):
         for name, v in (("p", self.p), ("q", self.q)):
@@ -224,6 +225,8 @@ class Variant:
         if self.epilogue == "packed" and (t.bn % 32 or 512 % t.bn or (t.bn // t.warps_n) % 32):
             raise ValueError(f"tile {t}: the packed epilogue needs bn dividing 512 and a multiple of 32, and whole "
                              "32-column words a warp (bn / warps_n a multiple of 32)")
+        if self.res and self.epilogue != "float":
+            raise ValueError(f"a residual is added by the float epilogue only, not epilogue={self.epilogue!r}")
         if self.smem_bytes > _MAX_SMEM:
             raise ValueError(f"tile {t} needs {self.smem_bytes} bytes of shared memory, more than {_MAX_SMEM}")
 
@@ -272,13 +275,13 @@ class Variant:
             f"TCP_CM={t.cluster[0]}", f"TCP_CN={t.cluster[1]}", f"TCP_CONS={t.cons}", f"TCP_EPI={epi}",
             f"TCP_OUT_T={_OUT_T[self.out_dtype]}",
             f"TCP_OB={self.out_bits}", f"TCP_OENC={_OENC[self.out_encoding]}", f"TCP_SMEM={self.smem_bytes}",
-            f"TCP_CONV={int(self.conv)}",
+            f"TCP_CONV={int(self.conv)}", f"TCP_RES={int(self.res)}",
         ]
 
     def __str__(self) -> str:
         sign = ("s" if self.a_twos else "u") + ("s" if self.w_twos else "u")
         epi = {"int32": "i32", "float": self.out_dtype, "packed": f"{self.out_encoding}{self.out_bits}"}[self.epilogue]
-        return f"a{self.p}w{self.q}{sign}_{self.tile}_{epi}" + ("_conv" if self.conv else "")
+        return f"a{self.p}w{self.q}{sign}_{self.tile}_{epi}" + ("_conv" if self.conv else "") + ("_res" if self.res else "")
 
 
 def _warp_tiles(p: int, q: int, nc: int) -> tuple[int, int]:
@@ -329,16 +332,20 @@ _TMA_BM = 128  # two MMA warpgroups
 _TMA_MAX_STAGES = 8
 
 
-def wgmma_tile(p: int, q: int, a_twos: bool = False, w_twos: bool = False, epilogue: str = "float") -> Optional[Tile]:
+def wgmma_tile(p: int, q: int, a_twos: bool = False, w_twos: bool = False, epilogue: str = "float",
+               N: Optional[int] = None) -> Optional[Tile]:
     """The wgmma tile for (p, q): the persistent TMA kernel with bm = 128 (two MMA warpgroups), the widest
-    warpgroup N whose accumulators (classes * N / 2 registers a thread) fit the 128-register budget, and as
-    many stages (3..8) as shared memory holds for ``epilogue`` ("packed" keeps its codes there too, and
-    needs N dividing 512); None when nothing fits or N would be < 64 (five or more weight classes: mma.sync)."""
+    warpgroup N whose accumulators (classes * N / 2 registers a thread) fit the 128-register budget -- or, for
+    a problem of ``N`` columns narrower than that, the narrowest such width >= N (one column tile either way, so
+    the same A traffic, without multiplying and storing columns past N) -- and as many stages (3..8) as shared
+    memory holds for ``epilogue`` ("packed" keeps its codes there too, and needs N dividing 512); None when
+    nothing fits or N would be < 64 (five or more weight classes: mma.sync)."""
     nc = n_classes(p, q, a_twos, w_twos)
-    wn = next((n for n in reversed(_WGMMA_N) if nc * n // 2 <= _WGMMA_ACC_BUDGET
-               and (epilogue != "packed" or (n % 32 == 0 and 512 % n == 0))), None)
-    if wn is None or wn < 64:  # N = 32: measured slower than mma.sync (w2a2 8192^3: 1462 us vs 1156 us)
+    fits = [n for n in _WGMMA_N if n >= 64 and nc * n // 2 <= _WGMMA_ACC_BUDGET
+            and (epilogue != "packed" or (n % 32 == 0 and 512 % n == 0))]
+    if not fits:  # N = 32: measured slower than mma.sync (w2a2 8192^3: 1462 us vs 1156 us)
         return None
+    wn = next((n for n in fits if N is not None and n >= N), fits[-1])
     for stages in range(_TMA_MAX_STAGES, 2, -1):
         t = Tile(_TMA_BM, wn, _TMA_BM // 16, 1, stages, 1024, mma="wgmma", tma=True)
         try:
@@ -359,7 +366,7 @@ def pick_tile(p: int, q: int, a_twos: bool, w_twos: bool, M: int, N: int, sm_cou
     is one (``kw`` <= 16): a 1024-bit step would load and multiply as many zero words again."""
     arch = arch or _default_arch()
     if arch.endswith("a") and arch.startswith("sm_9"):
-        wt = wgmma_tile(p, q, a_twos, w_twos, epilogue)
+        wt = wgmma_tile(p, q, a_twos, w_twos, epilogue, N)
         if wt is not None and -(-M // wt.bm) * -(-N // wt.bn) >= sm_count:
             return wt
     mt, nt = _warp_tiles(p, q, n_classes(p, q, a_twos, w_twos))
@@ -580,6 +587,14 @@ def _swizzle_128b():
     return enum.SWIZZLE_128B
 
 
+class _Address:
+    """A contiguous int32 CUDA tensor's address, shape and dtype (``__cuda_array_interface__``) without the tensor."""
+
+    def __init__(self, t: torch.Tensor):
+        self.__cuda_array_interface__ = {"shape": tuple(t.shape), "typestr": "<i4", "data": (t.data_ptr(), False),
+                                         "strides": None, "version": 3}
+
+
 def tensor_map(planes: torch.Tensor, box_rows: int):
     """The TMA descriptor of a contiguous ``(planes, rows, Kw)`` int32 bit-plane tensor with a box of one
     plane x ``box_rows`` rows x 32 words (128 bytes: one K step of the wgmma kernel), 128-byte swizzled as
@@ -590,7 +605,9 @@ def tensor_map(planes: torch.Tensor, box_rows: int):
     if m is None:
         from cuda.core.utils import StridedMemoryView
 
-        view = StridedMemoryView.from_dlpack(planes, stream_ptr=-1)
+        # described by address, not through DLPack: a view of the tensor itself keeps it alive for as long as the
+        # cached map lives (session 18: eager w1a2 networks at batch 256 kept every im2col buffer, ~10 GB a call)
+        view = StridedMemoryView.from_cuda_array_interface(_Address(planes), stream_ptr=-1)
         m = view.as_tensor_map(box_dim=(1, box_rows, 32), swizzle=_swizzle_128b())
         if len(_tmaps) >= _TMAP_CACHE:
             _tmaps.clear()
@@ -661,7 +678,7 @@ def conv_args(conv, a_planes) -> tuple:
 
 def launch_bmma(variant: Variant, a_planes, w_planes, out, M: int, N: int, Kw: int, ldo: int, *, ss: int = 1,
                 relu: bool = False, row_term=None, col_term=None, row_scale=None, col_scale=None, bias=None,
-                out_scale=None, leaky_slope: float = 0.0, pdl: bool = True, conv=None) -> None:
+                out_scale=None, leaky_slope: float = 0.0, pdl: bool = True, conv=None, residual=None) -> None:
     """Launch ``variant`` on the current stream of ``out``'s device.  Every tensor must already be
     contiguous, on that device, of the kernel's dtype (see bmma_gemm.cu's parameter list).  The packed
     epilogue of OB <= 3 bits without a row scale first computes its integer threshold words
@@ -688,12 +705,14 @@ def launch_bmma(variant: Variant, a_planes, w_planes, out, M: int, N: int, Kw: i
     stream = _stream_for(torch.cuda.current_stream(out.device).cuda_stream)
     if variant.conv != (conv is not None):
         raise ValueError(f"variant {variant} {'needs' if variant.conv else 'takes no'} convolution geometry (conv=)")
+    if variant.res != (residual is not None):
+        raise ValueError(f"variant {variant} {'needs' if variant.res else 'takes no'} residual (residual=)")
     maps = ()
     if t.tma:  # the implicit convolution gathers A itself: W's map stands in for A's
         w_map = tensor_map(w_planes, t.bn // t.cluster[0])
         maps = (w_map if conv is not None else tensor_map(a_planes, t.bm // t.cluster[1]), w_map)
     launch(stream, cfg, kernel, *maps, _ptr(a_planes), _ptr(w_planes), _ptr(out), _ptr(row_term), _ptr(col_term),
-           _ptr(row_scale), _ptr(col_scale), _ptr(bias), _ptr(out_scale), _ptr(col_thr),
+           _ptr(row_scale), _ptr(col_scale), _ptr(bias), _ptr(out_scale), _ptr(col_thr), _ptr(residual),
            np.int32(M), np.int32(N), np.int32(Kw), np.int32(ldo), np.int32(ss), np.int32(int(relu)),
            np.float32(leaky_slope), *conv_args(conv, a_planes))
 
@@ -728,14 +747,14 @@ def packed_tile(t: Tile) -> Tile:
 
 @functools.lru_cache(maxsize=4096)
 def _variant_for(p, q, a_twos, w_twos, M, N, out_kind, out_bits, out_encoding, tile, sm_count, arch,
-                 kw: Optional[int] = None, conv: bool = False) -> Variant:
+                 kw: Optional[int] = None, conv: bool = False, res: bool = False) -> Variant:
     """The variant one call launches (memoised: the host path stays a few microseconds)."""
     epi = {"int32": "int32", "packed": "packed"}.get(out_kind, "float")
     t = parse_tile(tile) if tile else pick_tile(p, q, a_twos, w_twos, M, N, sm_count, arch, epi, kw)
     if epi == "packed":
         t = packed_tile(t)
     return Variant(p, q, a_twos, w_twos, t, epi, out_kind if epi == "float" else "float32", out_bits, out_encoding,
-                   conv)
+                   conv, res)
 
 
 def conv_rows(a_planes, conv) -> int:
@@ -776,6 +795,7 @@ def _bmma_gemm(
     leaky_slope: float = 0.0,  # with relu: y < 0 -> leaky_slope * y (LeakyReLU); 0 is ReLU
     pdl: bool = True,  # sm_90+: programmatic dependent launch (loader._pdl)
     conv: Optional[list[int]] = None,  # implicit-GEMM convolution: (H, W, P, Q, R, S, sh, sw, ph, pw, dh, dw, CWT)
+    residual: Optional[torch.Tensor] = None,  # float epilogue: (M, N) of the output dtype, added before the act
 ) -> torch.Tensor:
     """C = a @ w.T on the binary tensor cores (see bmma_gemm.cu for the exact contract).  Registered as the
     custom op ``torch.ops.tcprec.bmma_gemm``; :func:`gemm_entry` gives eager callers this function itself.
@@ -783,7 +803,11 @@ def _bmma_gemm(
     With ``conv``, ``a_planes`` are a convolution's NHWC input planes (p, N*H*W, Kin) and ``w_planes`` its
     weights in the tap layout (q, K, Kw): word ``t * CWT + i`` is word i of tap t = r * S + s (CWT a multiple of
     4, Kin a multiple of 4 and >= CWT, the words of a pixel past its channels zero); C has N*P*Q rows, the
-    convolution's output pixels (``kernels/reference_qconv.implicit_conv_rows`` states its A in torch)."""
+    convolution's output pixels (``kernels/reference_qconv.implicit_conv_rows`` states its A in torch).
+
+    With ``residual`` (a float out_kind): ``y = act(rd(rd(y0) + residual))``, y0 the epilogue's value before the
+    activation and rd the rounding to the output dtype -- the unfused ``act(branch + residual)`` of a ResNet block,
+    bit for bit (bmma_gemm.cu, TCP_RES)."""
     if a_planes.device.type != "cuda" or w_planes.device.type != "cuda":
         raise ValueError(f"bmma_gemm runs on CUDA tensors, got a_planes on {a_planes.device} and w_planes on "
                          f"{w_planes.device}; move both to the GPU or use the reference backend")
@@ -802,6 +826,8 @@ def _bmma_gemm(
     if out_kind not in OUT_KINDS:
         raise ValueError(f"out_kind must be one of {OUT_KINDS}, got {out_kind!r}")
     shape, dtype = _out_shape(a_planes, w_planes, out_kind, out_bits, conv)
+    if residual is not None:
+        residual = _check_residual(residual, shape, dtype, out_kind, a_planes.device)
     if out_kind == "packed":
         out = torch.empty(shape, dtype=dtype, device=a_planes.device)  # the kernel writes every word
         ldo = shape[2]
@@ -811,11 +837,28 @@ def _bmma_gemm(
     if M == 0 or N == 0:
         return out
     variant = _variant_for(p, q, a_twos, w_twos, M, N, out_kind, out_bits, out_encoding, tile,
-                           *_sm_count(a_planes.device), Kw, conv is not None)
+                           *_sm_count(a_planes.device), Kw, conv is not None, residual is not None)
     launch_bmma(variant, a_planes.contiguous(), w_planes.contiguous(), out, M, N, Kw, ldo, ss=ss, relu=relu,
                 row_term=row_term, col_term=col_term, row_scale=row_scale, col_scale=col_scale, bias=bias,
-                out_scale=out_scale, leaky_slope=leaky_slope, pdl=pdl, conv=conv)
+                out_scale=out_scale, leaky_slope=leaky_slope, pdl=pdl, conv=conv, residual=residual)
     return out
+
+
+def _check_residual(residual: torch.Tensor, shape: tuple, dtype: torch.dtype, out_kind: str,
+                    device: torch.device) -> torch.Tensor:
+    """The residual as the kernel reads it: (M, N) of the output dtype, contiguous and 16-byte aligned (the fp16 /
+    bf16 epilogue reads 8 values at once); a misaligned or strided one is copied once."""
+    if out_kind not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"residual is added by the float epilogue: out_kind must be float32, float16 or bfloat16, "
+                         f"got {out_kind!r}; quantize the sum in a separate pass")
+    if not isinstance(residual, torch.Tensor) or tuple(residual.shape) != tuple(shape) or residual.dtype != dtype:
+        got = (tuple(residual.shape), residual.dtype) if isinstance(residual, torch.Tensor) else type(residual).__name__
+        raise ValueError(f"residual must be a {dtype} tensor of the output's shape {tuple(shape)}, got {got}")
+    if residual.device != device:
+        raise ValueError(f"residual is on {residual.device} but the operands are on {device}; move it there")
+    if not residual.is_contiguous() or residual.data_ptr() % 16:
+        residual = residual.clone(memory_format=torch.contiguous_format)
+    return residual
 
 
 def check_conv(a_planes, w_planes, conv) -> None:
@@ -848,6 +891,6 @@ def gemm_entry() -> Callable:
 
 @bmma_gemm.register_fake
 def _(a_planes, w_planes, a_twos, w_twos, ss, row_term, col_term, row_scale, col_scale, bias, relu, out_kind,
-      out_bits, out_encoding, out_scale, tile, leaky_slope=0.0, pdl=True, conv=None):
+      out_bits, out_encoding, out_scale, tile, leaky_slope=0.0, pdl=True, conv=None, residual=None):
     shape, dtype = _out_shape(a_planes, w_planes, out_kind, out_bits, conv)
     return a_planes.new_empty(shape, dtype=dtype)
