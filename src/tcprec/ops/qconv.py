@@ -28,10 +28,10 @@ Backends (one rule with ``tcprec.matmul``: bit-serial while p*q < 8, INT8 otherw
   its fused epilogue (scale, bias, ReLU / LeakyReLU, the output dtype or the packed next-layer
   planes).  A 1x1 stride-1 unpadded convolution needs no im2col: the input planes are the operand.
   Where it measured faster (:data:`BITSERIAL_IMPLICIT`, "auto": taps of whole 4-word chunks, at most two
-  column tiles) it is an implicit GEMM instead (``bmma_gemm`` with ``conv=``): the kernel gathers each
-  window from the packed input planes as it loads (per tap the ceil(C/32) words rounded up to 4, zeros in
-  the padding; any kernel size, stride, padding and dilation), and pm1 weights' row correction takes two
-  small Triton passes (each pixel's activation sum, then each window's: ``window_rowsums``).
+  column tiles, at least four tiles an SM) it is an implicit GEMM instead (``bmma_gemm`` with ``conv=``): the
+  kernel gathers each window from the packed input planes as it loads (per tap the ceil(C/32) words rounded
+  up to 4, zeros in the padding; any kernel size, stride, padding and dilation), and pm1 weights' row
+  correction takes two small Triton passes (each pixel's activation sum, then each window's: ``window_rowsums``).
   A max-pool in front of packed output runs on the codes (the epilogue packs at full size, one bit-plane
   pass pools: quantizing is monotone, so it equals pooling first); other pooling is a separate float32
   pass after the GEMM (then the cast or the re-quantize + pack pass);
@@ -1093,14 +1093,7 @@ def _bitserial(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, out_scale, 
     planes = xs.planes()  # (p, N*H*W, packed_words(C)), or compact (p, N*H*W, ceil(C / 32)): fine for the im2col
     need_row = ow != 0
     conv, w_planes = None, pw.planes
-    if planes.is_cuda:
-        from ..kernels.cuda.loader import _sm_count
-
-        sms = _sm_count(planes.device)[0]
-    else:
-        sms = 132  # the reference GEMM / interpreter: decide as on an H100 / H200
-    if implicit_conv(g, planes.shape[2], fa.bits, fw.bits, fa.encoding == "twos", fw.encoding == "twos", sms) \
-            and pw.conv_planes is not None:
+    if _implicit_route(plan, planes.shape[2], planes.device) and pw.conv_planes is not None:
         # implicit GEMM: the kernel gathers the windows from the input planes; only the row sums (pm1 weights) take
         # a pass over them (pixel sums once, then each window's)
         cwt = rq.conv_tap_words(g.C)
@@ -1169,6 +1162,18 @@ def implicit_conv(g: ConvGeometry, kin: int, p: int = 2, q: int = 1, a_twos: boo
         return False
     col_tiles = -(-g.K // t.bn)
     return col_tiles <= 2 and -(-(g.N * g.P * g.Q) // t.bm) * col_tiles >= IMPLICIT_TILES_PER_SM * sm_count
+
+
+def _implicit_route(plan: _Plan, kin: int, device: torch.device) -> bool:
+    """:func:`implicit_conv` for a plan's formats on ``device`` (its SM count; off CUDA, 132 as on an H100 / H200)."""
+    if device.type == "cuda":
+        from ..kernels.cuda.loader import _sm_count
+
+        sms = _sm_count(device)[0]
+    else:
+        sms = 132  # the reference GEMM / interpreter decide as on the GPUs the rule was measured on
+    return implicit_conv(plan.g, kin, plan.fa.bits, plan.fw.bits, plan.fa.encoding == "twos",
+                         plan.fw.encoding == "twos", sms)
 
 
 def compact_planes_ok(C: int) -> bool:
@@ -1437,8 +1442,7 @@ def explain_conv2d(x, w, **kw) -> str:
         cwt = rq.conv_tap_words(g.C)
         if g.is_pointwise:
             steps = ["no im2col (1x1 stride 1: the input planes are the operand)"]
-        elif implicit_conv(g, Cw if compact_planes_ok(g.C) else -(-Cw // 16) * 16, plan.fa.bits, plan.fw.bits, plan.fa.encoding == "twos",
-                           plan.fw.encoding == "twos"):
+        elif _implicit_route(plan, Cw if compact_planes_ok(g.C) else -(-Cw // 16) * 16, xs.device):
             steps = [f"implicit GEMM: the kernel gathers {g.R * g.S} taps x {cwt} words a pixel from the packed planes "
                      f"({plan.fa.bits} planes; padded rows, or compact ones when ceil(C / 32) = {Cw} is a multiple of "
                      f"4, else the Triton im2col below)"]

@@ -281,7 +281,7 @@ class Variant:
     def __str__(self) -> str:
         sign = ("s" if self.a_twos else "u") + ("s" if self.w_twos else "u")
         epi = {"int32": "i32", "float": self.out_dtype, "packed": f"{self.out_encoding}{self.out_bits}"}[self.epilogue]
-        return f"a{self.p}w{self.q}{sign}_{self.tile}_{epi}" + ("_conv" if self.conv else "") + ("_res" if self.res else "")
+        return f"a{self.p}w{self.q}{sign}_{self.tile}_{epi}" + "_conv" * self.conv + "_res" * self.res
 
 
 def _warp_tiles(p: int, q: int, nc: int) -> tuple[int, int]:
