@@ -177,6 +177,63 @@ def test_pooling_vs_torch(pool):
     assert torch.equal(bs, want)
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shapes and dtypes, NaN where the other has NaN, every other element bit for bit (so -0 != +0)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    na, nb = torch.isnan(a), torch.isnan(b)
+    iv = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    return torch.equal(na, nb) and torch.equal(a[~na].view(iv), b[~nb].view(iv))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("stride", [2, 1])
+def test_pool_cast_equals_torch_pool(dtype, stride):
+    """pack.pool_cast (the max-pool of a float output in its own dtype) equals torch's pool of the float32 values
+    rounded to the dtype: odd sizes, NaN, +-inf, -0 / +0 ties, a strided (NCHW-memory) input."""
+    from tcprec.kernels.triton.pack import pool_cast
+
+    g = torch.Generator().manual_seed(stride)
+    y = torch.randn(2, 9, 7, 5, generator=g) * 3
+    y[0, 0, 0, 0], y[1, 3, 4, 2], y[0, 5, 5, 1] = float("nan"), float("inf"), float("-inf")
+    y[0, 2:4, 2:4, 3] = torch.tensor([[0.0, -0.0], [-0.0, 0.0]])  # a window of zeros: the first one stays
+    y[1, 6:8, 0:2, 4] = torch.tensor([[-0.0, 0.0], [0.0, -0.0]])
+    yd = y.to(dtype)
+    want = rq.pool_nhwc(yd.float(), ("max", 2, stride)).to(dtype)
+    assert _same_bits(pool_cast(yd, stride), want)
+    nchw = yd.permute(0, 3, 1, 2).contiguous().permute(0, 2, 3, 1)  # NHWC view of NCHW memory
+    assert _same_bits(pool_cast(nchw, stride), want)
+    with pytest.raises(ValueError, match="pool_stride must be 1"):
+        pool_cast(yd, 3)
+    with pytest.raises(ValueError, match="float16 / bfloat16 / float32 NHWC"):
+        pool_cast(yd.to(torch.int32), 2)
+
+
+@pytest.mark.parametrize("backend", ["bitserial", "int8"])
+def test_pooled_float_output_in_its_dtype(backend):
+    """A max-pooled float output: the kernel writes fp16 / bf16 at full size and one pass pools it -- equal, bit for
+    bit, to the reference backend's float32 pool and cast; avg-pool keeps the float32 path."""
+    if backend == "bitserial":
+        qx, qw, geo = _case(3)
+        run = lambda **k: qconv._conv2d_impl(qx, qw, _gemm=rq.bmma_gemm_reference, **k)  # noqa: E731
+    else:
+        qx, qw, geo = _int8_case(0, seed=3)
+        pw = pack_conv_weight(qw)
+        run = lambda **k: conv2d(qx, pw, backend="int8", **k)  # noqa: E731
+    bias = torch.randn(qw.shape[0], generator=torch.Generator().manual_seed(1))
+    # (Triton's interpreter casts float32 to bfloat16 by truncation, so the INT8 kernel's bf16 output is checked on
+    # the GPU: tests/gpu/test_qconv_gpu.py)
+    for dt in (torch.float16, torch.bfloat16) if backend == "bitserial" else (torch.float16,):
+        for pool in (("max", 2, 2), ("max", 2, 1), ("avg", 2, 2)):
+            kw = dict(bias=bias, act=("leaky", 0.1), pool=pool, out_dtype=dt, **geo)
+            want = conv2d(qx, qw, backend="reference", **kw)
+            got = run(**kw)
+            assert got.dtype == dt and _same_bits(got, want), (dt, pool)
+    if backend == "int8":  # (explain plans the bit-serial backend on CUDA tensors only)
+        s = explain_conv2d(qx, pw, backend="int8", pool=("max", 2, 2), out_dtype=torch.float16, **geo)
+        assert "max-pool 2x2 stride 2 on the float16 output (one Triton kernel)" in s, s
+
+
 @pytest.mark.parametrize("out", ["uint2", "int3", "pm2"])
 def test_packed_output_bit_exact_and_chaining(out):
     qx, qw, geo = _case(2)
@@ -349,6 +406,35 @@ def test_int8_kernel_route_pool_and_packed_out():
 # -- the INT8 layers' own operand: Int8Activation (quantizer, conv input, epilogue output) ----------------
 
 INT8_ACT_FMTS = ("uint8", "uint4", "uint2", "int8", "int5", "int2", "pm3")
+
+
+@pytest.mark.parametrize("shape", [(2, 8, 8, 3), (2, 7, 5, 3), (1, 3, 3, 1), (3, 5, 5, 15)])
+def test_thin_contiguous_inputs_quantize_as_flat_rows(shape):
+    """A contiguous input with few channels (a network's RGB image) is quantized as wide flat rows (the pass is
+    elementwise): the same int8 and float8 codes as the reference, for sizes that give rows of 128, 2 and 1."""
+    from tcprec.kernels.triton.fp8_quant import pool_quantize_fp8
+    from tcprec.kernels.triton.quant_bytes import flat_rows
+
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(*shape, generator=gen) * 3).round() / 2  # ties at .5
+    x.view(-1)[0], x.view(-1)[-1] = float("nan"), 1e9
+    flat = flat_rows(x, 0)
+    n = x.numel()
+    if 1 < shape[3] < 16:
+        assert flat is not None and flat.shape[3] == {384: 128, 210: 2, 1125: 1}[n] and flat.data_ptr() == x.data_ptr()
+    else:
+        assert flat is None
+    assert flat_rows(x, 2) is None and flat_rows(x.permute(0, 2, 1, 3), 0) is None  # pooled / strided: tiled as is
+    s = torch.tensor([0.5])
+    for fmt in ("uint8", "int8", "int3"):
+        a = qconv.quantize_int8_static(x, tp.format(fmt), s)
+        b = qconv.quantize_int8_static(x, tp.format(fmt), s, backend="reference")
+        assert a.x8.shape == x.shape and torch.equal(a.x8, b.x8), fmt
+    for dt in (torch.float8_e4m3fn, torch.float8_e5m2):
+        want = torch.clamp(x / 0.5, -torch.finfo(dt).max, torch.finfo(dt).max).to(dt).view(torch.uint8)
+        got = pool_quantize_fp8(x, s, 0, dt).view(torch.uint8)
+        nan = torch.isnan(x)
+        assert got.shape == x.shape and torch.equal(got[~nan], want[~nan]) and bool((got[nan] & 0x7F == 0x7F).all())
 
 
 @pytest.mark.parametrize("fmt", INT8_ACT_FMTS)

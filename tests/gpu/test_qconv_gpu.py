@@ -72,7 +72,7 @@ def test_w1a2_fused_epilogues_equal_reference(i):
     for act in (None, "relu", ("leaky", 0.1)):
         for pool in (None, ("max", 2, 2), ("avg", 2, 2), ("max", 2, 1)):
             kw = dict(scale=scale, bias=bias, act=act, pool=pool, **geo)
-            for dt in (torch.float32, torch.float16):
+            for dt in (torch.float32, torch.float16, torch.bfloat16):  # (a max-pool pools the output dtype)
                 want = conv2d(qx, qw, out_dtype=dt, backend="reference", **kw)
                 got = conv2d(qx, qw, out_dtype=dt, backend="bitserial", **kw)
                 assert torch.equal(got, want), (act, pool, dt)
@@ -159,6 +159,11 @@ def test_int8_kernel_route_equals_reference_on_model_layers(i):
     for act, dt in ((None, torch.float32), ("relu", torch.float16), (("leaky", 0.1), torch.bfloat16)):
         kw = dict(scale=scale, bias=bias, act=act, out_dtype=dt, **geo)
         assert torch.equal(conv2d(qx, pw, backend="int8", **kw), conv2d(qx, qw, backend="reference", **kw)), (act, dt)
+        if dt != torch.float32:  # a max-pooled half output: the kernel writes dt at full size, one pass pools it
+            for pool in (("max", 2, 2), ("max", 2, 1)):
+                kp = dict(kw, pool=pool)
+                assert torch.equal(conv2d(qx, pw, backend="int8", **kp),
+                                   conv2d(qx, qw, backend="reference", **kp)), (act, dt, pool)
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])

@@ -707,6 +707,14 @@ class _Plan:
         return self.pool is None
 
     @property
+    def pool_float(self) -> bool:
+        """A max-pool of a float output pools the output dtype: rounding is monotone, so the pool of the rounded
+        values is the rounding of the float32 pool, bit for bit (the kernel writes its final dtype at full size and
+        ``pack.pool_cast`` pools it: half the bytes of float32, no torch pool and cast)."""
+        return (self.pool is not None and tuple(self.pool) in _FUSED_POOLS and self.out_fmt is None
+                and self.out_dtype in _KIND and not self.dual and not self.has_res)
+
+    @property
     def pool_codes(self) -> bool:
         """A max-pool whose result is re-quantized to packed planes pools the codes instead: quantizing is
         monotone, so max then quantize = quantize then max (the bit-serial epilogue packs at full size, a
@@ -934,7 +942,19 @@ def _kernel_out(plan: _Plan) -> str:
         return _FP8_KIND[_fp8_dtype(plan.out_fmt)]
     if plan.dual:  # no pool (_check_fusion)
         return "dual"
-    return _KIND[plan.out_dtype] if plan.fused and plan.out_fmt is None else "float32"
+    return _KIND[plan.out_dtype] if (plan.fused or plan.pool_float) and plan.out_fmt is None else "float32"
+
+
+def _pool_float(plan: _Plan, y: torch.Tensor) -> torch.Tensor:
+    """The max-pool of a float output the kernel wrote at full size in its final dtype (``plan.pool_float``):
+    one Triton pass on CUDA and under the interpreter (``pack.pool_cast``), torch's pool elsewhere -> (N, P', Q', K)."""
+    g = plan.g
+    y4 = y.reshape(g.N, g.P, g.Q, g.K)
+    if y4.is_cuda or _interpreting():
+        from ..kernels.triton import pack as tpack  # TRITON_INTERPRET is read at import
+
+        return tpack.pool_cast(y4, _FUSED_POOLS[tuple(plan.pool)])
+    return rq.pool_nhwc(y4.float(), plan.pool).to(y4.dtype)
 
 
 def _int8_correction(pw: PackedConvWeight, g: ConvGeometry, off: int) -> torch.Tensor:
@@ -1191,6 +1211,8 @@ def _bitserial_kind(plan: _Plan):
         return "int32", False, 0.0, None
     relu = plan.act is not None
     slope = plan.act[1] if isinstance(plan.act, tuple) else 0.0
+    if plan.pool_float:  # the final dtype at full size, then one max-pool pass (_pool_float)
+        return _KIND[plan.out_dtype], relu, slope, None
     if (not plan.fused and not plan.pool_codes) or plan.out_layout == "int8":  # int8: the one-pass quantizer follows
         return "float32", relu, slope, None
     if plan.out_fmt is not None:
@@ -1213,6 +1235,12 @@ def _fused_fp8(plan: _Plan, device: torch.device) -> bool:
     return (isinstance(plan.out_fmt, FloatFormat) and plan.name != "reference"
             and (device.type == "cuda" or _interpreting())
             and (plan.pool is None or tuple(plan.pool) in _FUSED_POOLS))
+
+
+def _pool_float_step(plan: _Plan, device: torch.device, out: str) -> str:
+    """explain_conv2d's pass after a GEMM that wrote a float output at full size (``plan.pool_float``)."""
+    how = "one Triton kernel" if device.type == "cuda" or _interpreting() else "torch"
+    return f"separate pass: max-pool 2x2 stride {plan.pool[2]} on the {out} output ({how})"
 
 
 def _after_gemm(plan: _Plan, device: torch.device, out: str, requant: str) -> list[str]:
@@ -1322,6 +1350,8 @@ def _conv2d_impl(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None
             return _packed_result(res, plan, s_out, (g.N, g.P // 2, g.Q // 2, K) if st == 2 else full)
         if kind == "packed":
             return _packed_result(res, plan, s_out, (g.N, g.P, g.Q, K))
+        if plan.pool_float:
+            return _pool_float(plan, res)
         if plan.fused and plan.out_fmt is None:
             return res.reshape(g.N, g.P, g.Q, K)
         return _finish_float(plan, res, s_out, act_done=True)
@@ -1343,6 +1373,8 @@ def _conv2d_impl(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None
             return Fp8Activation(qt, y[0])
         if _kernel_out(plan) == "dual":
             return Int8Activation(y[1], plan.out_fmt, s_out, hp=y[0])
+        if plan.pool_float:
+            return _pool_float(plan, y)
         if _kernel_out(plan) != "float32" or (plan.fused and plan.out_fmt is None):
             return y
         return _finish_float(plan, y.reshape(-1, K), s_out, act_done=True)
@@ -1454,11 +1486,13 @@ def explain_conv2d(x, w, **kw) -> str:
                      f"{rq.taps_words(g)[2]} words a row, {plan.fa.bits} planes)"]
         kind, relu, slope, _ = _bitserial_kind(plan)
         act = [f"LeakyReLU({slope})" if slope else "ReLU"] if relu else []
-        fused = ["scale", "bias"] + act + ([out] if kind == "packed" or (plan.fused and plan.out_layout != "int8")
-                                           else ["float32"])
+        fused = ["scale", "bias"] + act + ([out] if kind == "packed" or plan.pool_float
+                                           or (plan.fused and plan.out_layout != "int8") else ["float32"])
         steps.append(f"bmma_gemm with fused epilogue ({', '.join(fused if kind != 'int32' else ['int32'])})")
         if kind == "packed" and plan.pool is not None:
             steps.append(f"separate pass: max-pool 2x2 stride {plan.pool[2]} on the packed codes (one Triton kernel)")
+        elif plan.pool_float:
+            steps.append(_pool_float_step(plan, xs.device, out))
         elif not plan.fused or plan.out_layout == "int8":
             steps += _after_gemm(plan, xs.device, out, "re-quantize + pack")
     elif plan.name == "fp8" or plan.route == "kernel":
@@ -1481,7 +1515,9 @@ def explain_conv2d(x, w, **kw) -> str:
                              f"with fused epilogue (scale, bias{res}, act={plan.act}) -> "
                              f"{shown}" if kind != "int32" else
                              "Triton implicit-GEMM INT8 conv conv2d_fwd_int8 -> int32"]
-        if kind == "float32" and not (plan.fused and plan.out_fmt is None):
+        if plan.pool_float:
+            steps.append(_pool_float_step(plan, xs.device, out))
+        elif kind == "float32" and not (plan.fused and plan.out_fmt is None):
             steps += _after_gemm(plan, xs.device, out, "re-quantize")
     else:
         steps = [("float64 F.conv2d on decoded codes" if plan.name == "reference" else

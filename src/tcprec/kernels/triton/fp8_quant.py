@@ -31,6 +31,7 @@ import triton.language as tl
 
 from ._host import cdiv
 from .pack import _pooled_tile, pooled_output
+from .quant_bytes import flat_rows
 from .round import div_by_scalar, fp8_code, fp8_constexprs
 
 __all__ = ["quantize_fp8", "pool_quantize_fp8"]
@@ -169,6 +170,9 @@ def pool_quantize_fp8(y: torch.Tensor, scale: torch.Tensor, pool_stride: int, dt
         raise ValueError("scale must be a one-element float32 tensor on y's device (the next layer's activation "
                          "scale), got " + (f"{scale.dtype} of shape {tuple(scale.shape)} on {scale.device}"
                                            if isinstance(scale, torch.Tensor) else type(scale).__name__))
+    flat = flat_rows(y, pool_stride)  # (a thin contiguous input: wide flat rows)
+    if flat is not None:
+        return pool_quantize_fp8(flat, scale, 0, dtype).view(y.shape)
     out, R, (PO, QO), grid, (br, bk) = pooled_output(y, pool_stride, dtype, _POOL_TILE)
     if out.numel() == 0:
         return out

@@ -27,6 +27,22 @@ __all__ = ["pool_quantize_int8", "im2col_rows", "ENC_UNSIGNED", "ENC_TWOS", "ENC
 
 ENC_UNSIGNED, ENC_TWOS, ENC_PM = 0, 1, 2
 _TILE = 4096  # elements per program
+FLAT_BELOW_C = 16  # an unpooled contiguous activation with fewer channels is quantized as flat 128-element rows
+
+
+def flat_rows(y: torch.Tensor, pool_stride: int) -> torch.Tensor | None:
+    """An elementwise pass (no pool) over a contiguous NHWC ``y`` with fewer than FLAT_BELOW_C channels, as rows of
+    the widest power of two <= 128 elements that divides y's size, (1, 1, rows, width): the pass is the same
+    on any layout of the same memory, and wide rows load whole 16-byte vectors.  A network's 3-channel input tiled
+    by channels (1024 pixels x 4 lanes, 3 of them used) read at ~0.4 TB/s: 152 us for 256 x 224 x 224 x 3 fp16 on
+    the H200.  None where that does not apply."""
+    if pool_stride != 0 or not 1 < y.shape[3] < FLAT_BELOW_C or not y.is_contiguous():
+        return None
+    n = y.numel()
+    width = next(w for w in (128, 64, 32, 16, 8, 4, 2, 1) if n % w == 0)
+    if width == y.shape[3]:  # already rows of that width (so also: never twice)
+        return None
+    return y.view(1, 1, n // width, width)
 
 
 @triton.jit
@@ -106,6 +122,9 @@ def pool_quantize_int8(y: torch.Tensor, scale: torch.Tensor, pool_stride: int, b
     """Launch: y (N, P, Q, K) float, pool_stride 0 (no pool), 1 or 2 -> x8 (N, P', Q', K) int8.  The public
     entry point is ``tcprec.ops.qconv.quantize_int8_static`` (it derives the format's parameters)."""
     assert y.dim() == 4 and pool_stride in (0, 1, 2)
+    flat = flat_rows(y, pool_stride)
+    if flat is not None:
+        return pool_quantize_int8(flat, scale, 0, bits, lo, hi, offset, shift, enc).view(y.shape)
     out, R, (PO, QO), grid, (br, bk) = pooled_output(y, pool_stride, torch.int8, _TILE)
     if out.numel() == 0:
         return out
