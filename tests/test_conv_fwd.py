@@ -403,6 +403,9 @@ def test_pick_config_table():
     assert cfg["FLAT"] and cfg["BLOCK_K"] == 128 and cfg["BLOCK_N"] == 64  # 363 -> 384: 6% padding
     cfg = cf.pick_config(G(8, 7, 7, 512, 512, 3, 3, (1, 1), (1, 1), (1, 1)), fp8=True)
     assert cfg["BLOCK_M"] == 64 and cfg["num_warps"] == 4  # 392 rows: 128-row tiles would leave most SMs idle
+    assert cfg["BLOCK_N"] == 64  # (7 row tiles: narrower columns would re-read the rows)
+    cfg = cf.pick_config(G(8, 1, 1, 4096, 1000, 1, 1, (1, 1), (0, 0), (1, 1)), fp8=False)
+    assert (cfg["BLOCK_M"], cfg["BLOCK_N"]) == (64, 16)  # a linear layer at batch 8: 63 column tiles, not 16
     # the H200 sweep at batch 256 (benchmarks/results/conv_fwd.json "tune"): 128x128, 4 warps, 3 stages on
     # wide layers (vgg.conv6: no 128x256); 8 warps for the C < 16 flat stems (alexnet.conv1 22 vs 9 T/s)
     cfg = cf.pick_config(G(256, 28, 28, 512, 512, 3, 3, (1, 1), (1, 1), (1, 1)), fp8=False)

@@ -262,6 +262,29 @@ def test_packed_output_bit_exact_and_chaining(out):
     assert torch.equal(f2, want2.float() * (pa.scale * qw2.scale.reshape(-1)))
 
 
+@pytest.mark.parametrize("K", [6, 96])
+def test_compact_packed_output(K):
+    """out_layout="compact": the epilogue's planes without the padding words (rows of ceil(K / 32)), the same codes
+    as the padded ones, also after a max-pool on the codes; a gathering conv reads them as it reads padded planes."""
+    gen = torch.Generator().manual_seed(K)
+    qx = _qt((2, 7, 6, 5), IntFormat(2), gen)
+    qw = _qt((K, 3, 3, 5), IntFormat(1, encoding="pm1"), gen, PerChannel(0))
+    bias = torch.randn(K, generator=gen)
+    impl = lambda **k: qconv._conv2d_impl(qx, qw, padding=1, bias=bias, act="relu", out_fmt="uint2",  # noqa: E731
+                                          out_scale=0.75, _gemm=rq.bmma_gemm_reference, **k)
+    for pool in (None, ("max", 2, 2), ("max", 2, 1)):
+        full, comp = impl(pool=pool), impl(pool=pool, out_layout="compact")
+        assert not full.compact and comp.compact and comp.planes.shape[2] == -(-K // 32), pool
+        assert comp.shape == full.shape and torch.equal(comp.codes(), full.codes()), pool
+        assert torch.equal(comp.padded_planes(), full.planes), pool
+    qw2 = _qt((4, 3, 3, K), IntFormat(1, encoding="pm1"), gen, PerChannel(0))
+    want = qconv._conv2d_impl(full, qw2, padding=1, out_dtype=torch.int32, _gemm=rq.bmma_gemm_reference)
+    got = qconv._conv2d_impl(comp, qw2, padding=1, out_dtype=torch.int32, _gemm=rq.bmma_gemm_reference)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="out_layout must be one of"):
+        impl(out_layout="packed")
+
+
 def test_pack_activation_roundtrip():
     x = torch.rand(2, 3, 5, 37)
     pa = pack_activation(x, "uint4", 1 / 15)

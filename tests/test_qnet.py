@@ -371,6 +371,22 @@ def test_no_cross_kind_chain_from_a_binary_layer(monkeypatch):
     assert rec["features.0"] == "float32" and rec["features.8"] == "float32"
 
 
+def test_bitserial_chain_hands_gathering_convs_compact_planes(monkeypatch):
+    """A bit-serial consumer that gathers windows (3x3) gets compact planes (out_layout "compact": no padding words
+    to store), a 1x1 stride-1 one the padded rows its GEMM reads as they are."""
+    from tcprec.nn import convert
+
+    monkeypatch.setattr(convert, "choose_int_backend",
+                        lambda fa, fw, dev, backend="auto": ("bitserial", "test") if fa.bits < 8 else ("int8", "t"))
+    x = torch.randn(4, 3, 8, 8)
+    q = tp.quantize_model(_calibrated(_net(), x), "w2a2", calibration=x, warn=False)
+    mods = dict(q.named_modules())
+    assert mods["0"].out_layout == "compact"  # -> layer 4, a 3x3 conv
+    assert mods["4"].out_layout == "planes"  # -> layer 7, a 1x1 stride-1 conv
+    rec = {r.name: r.out for r in q.tcprec_summary.layers}
+    assert rec["0"].startswith("packed ") and rec["4"].startswith("packed ")
+
+
 def test_residual_fusion_leaves_other_adds_alone():
     """An add whose operands differ in shape (broadcast), a conv with an activation before the add, or a conv
     read twice keep the float add; the fused conv refuses a call without its residual."""

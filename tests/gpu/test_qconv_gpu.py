@@ -79,6 +79,12 @@ def test_w1a2_fused_epilogues_equal_reference(i):
             want = conv2d(qx, qw, out_fmt="uint2", out_scale=0.8, backend="reference", **kw)
             got = conv2d(qx, qw, out_fmt="uint2", out_scale=0.8, backend="bitserial", **kw)
             assert torch.equal(got.planes, want.planes), (act, pool, "packed")
+            # compact rows (ceil(K / 32) words) where the epilogue writes the planes (no pool, or a max-pool on the
+            # codes); after an avg-pool pass, padded rows (either is a valid input)
+            got = conv2d(qx, qw, out_fmt="uint2", out_scale=0.8, backend="bitserial", out_layout="compact", **kw)
+            if pool is None or pool[0] == "max":
+                assert got.planes.shape[2] == -(-K // 32), (act, pool)
+            assert torch.equal(got.padded_planes(), want.planes), (act, pool, "compact")
 
 
 def test_pm1_activations_and_chaining():

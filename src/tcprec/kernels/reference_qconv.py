@@ -146,12 +146,12 @@ def implicit_conv_rows(a_planes: torch.Tensor, w_planes: torch.Tensor, conv) -> 
 
 def bmma_gemm_reference(a_planes, w_planes, a_twos, w_twos, ss, row_term, col_term, row_scale, col_scale, bias,
                         relu, out_kind, out_bits, out_encoding, out_scale, tile="", leaky_slope=0.0, pdl=True,
-                        conv=None, residual=None):
+                        conv=None, residual=None, out_compact=False):
     """``torch.ops.tcprec.bmma_gemm``'s contract in plain torch (same arguments, same result):
     ``C = ss * S + row_term[m] + col_term[n]`` (int32), then the float or packed epilogue.  ``tile`` and ``pdl``
     (how the kernel launches) do not change the result and are ignored.  With ``conv`` the A operand is
     :func:`implicit_conv_rows` of the input planes; with ``residual`` (float out_kind) ``act(rd(rd(y) + residual))``,
-    rd the rounding to the output dtype."""
+    rd the rounding to the output dtype; ``out_compact`` (packed): rows of ceil(N / 32) words, unpadded."""
     if conv is not None:
         a_planes = implicit_conv_rows(a_planes, w_planes, conv)
     C = ss * _weighted_S(a_planes, w_planes, a_twos, w_twos)  # (M, N) int64
@@ -171,7 +171,8 @@ def bmma_gemm_reference(a_planes, w_planes, a_twos, w_twos, ss, row_term, col_te
     if relu:  # y < 0 -> leaky_slope * y (0: ReLU), one float32 multiply, as the kernel
         y = apply_act(y, ("leaky", leaky_slope) if leaky_slope else "relu")
     if out_kind == "packed":
-        return requant_pack(y, IntFormat(out_bits, encoding=out_encoding), out_scale)
+        planes = requant_pack(y, IntFormat(out_bits, encoding=out_encoding), out_scale)
+        return planes[:, :, :-(-y.shape[1] // 32)].contiguous() if out_compact else planes
     return y.to({"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[out_kind])
 
 

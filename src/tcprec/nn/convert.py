@@ -294,6 +294,15 @@ def _fuse_residuals(gm: fx.GraphModule, records: dict) -> None:
         rec.fused = rec.fused + ("residual",) + ((act if isinstance(act, str) else "leaky",) if act else ())
 
 
+def _gathers(m: QConv2d) -> bool:
+    """Whether a bit-serial ``m`` reads its input planes through a window gather that takes compact rows (every conv
+    but a 1x1 stride-1 unpadded one, whose planes are the GEMM operand: ``ops.qconv.compact_planes_ok``)."""
+    from ..ops.qconv import compact_planes_ok
+
+    pointwise = m.kernel_size == (1, 1) and m.stride == (1, 1) and m.padding == (0, 0)
+    return not pointwise and compact_planes_ok(m.in_channels)
+
+
 def _set_module(root: nn.Module, name: str, new: nn.Module) -> None:
     parent, _, leaf = name.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, leaf, new)
@@ -442,7 +451,9 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
                     continue
                 if len(users) == 1 and not (a.has_residual and "bitserial" in (kind, kind_of(a))):
                     # (a bit-serial conv adds a residual into a float output only)
-                    layout = "int8" if kind == "int8" else "planes"  # the INT8 kernel reads int8 codes, not planes
+                    # the INT8 kernel reads int8 codes, not planes; a bit-serial conv that gathers windows reads
+                    # compact rows (no padding words: for 64 channels the epilogue stores 2 words a row, not 16)
+                    layout = "int8" if kind == "int8" else "compact" if kind == "bitserial" and _gathers(b) else "planes"
                     a.chain_to(b, layout)
                     what = {"bitserial": "packed", "int8": "int8 codes", "fp8": "codes"}[kind]
                     records[node.target].out = f"{what} {b.a_fmt} -> {x_users[0].target}"

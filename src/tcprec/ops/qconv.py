@@ -720,10 +720,11 @@ class _Plan:
         monotone, so max then quantize = quantize then max (the bit-serial epilogue packs at full size, a
         bit-plane pass pools; no float tensor)."""
         return (self.pool is not None and tuple(self.pool) in _FUSED_POOLS and isinstance(self.out_fmt, IntFormat)
-                and self.out_layout == "planes")
+                and self.out_layout in _PLANE_LAYOUTS)
 
 
-OUT_LAYOUTS = ("planes", "int8", "int8+float", "fp8+float")
+OUT_LAYOUTS = ("planes", "compact", "int8", "int8+float", "fp8+float")
+_PLANE_LAYOUTS = ("planes", "compact")
 _INT8_LAYOUTS = ("int8", "int8+float")
 _DUAL_LAYOUTS = ("int8+float", "fp8+float")
 
@@ -807,7 +808,8 @@ def _plan(x, w, stride, padding, dilation, act, out_dtype, out_fmt, pool, backen
             raise ValueError("out_fmt re-quantizes the float result; leave out_dtype at its default with out_fmt")
     if out_layout not in OUT_LAYOUTS:
         raise ValueError(f"out_layout must be one of {OUT_LAYOUTS} (an integer out_fmt as bit planes for a bit-serial "
-                         f"layer, or one int8 per element for an INT8 layer), got {out_layout!r}")
+                         f"layer -- 'compact': without the padding words, for one that gathers windows -- or one "
+                         f"int8 per element for an INT8 layer), got {out_layout!r}")
     if out_layout in _INT8_LAYOUTS and not isinstance(out_fmt, IntFormat):
         raise ValueError(f"out_layout={out_layout!r} writes integer codes for the next INT8 layer: it needs an integer "
                          f"out_fmt (e.g. 'uint8'), got out_fmt={out_fmt}")
@@ -1135,6 +1137,8 @@ def _bitserial(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, out_scale, 
     col_term = (oa * sw * pw.rowsum).contiguous() if oa != 0 else None  # (K,) int32
     kind, relu, slope, ofmt = _bitserial_kind(plan)
     extra = {} if conv is None else {"conv": conv}
+    if kind == "packed" and plan.out_layout == "compact":  # rows of ceil(K / 32) words for a gathering consumer
+        extra["out_compact"] = True
     if residual is not None:  # a float output (_check_fusion): the epilogue adds it before the activation
         extra["residual"] = residual.reshape(-1, g.K)
     return gemm(a_planes, w_planes, fa.encoding == "twos", fw.encoding == "twos", sa * sw, row_term, col_term,
@@ -1307,8 +1311,9 @@ def _finish_float(plan: _Plan, y: torch.Tensor, out_scale, act_done: bool, resid
 
 
 def _packed_result(planes, plan: _Plan, out_scale, shape) -> PackedActivation:
+    """Planes (bits, ..., words) of an NHWC ``shape`` -> PackedActivation (padded or compact rows, as written)."""
     N, P, Q, K = shape
-    return PackedActivation(planes.reshape(plan.out_fmt.bits, N * P * Q, packed_words(K)), plan.out_fmt, out_scale,
+    return PackedActivation(planes.reshape(plan.out_fmt.bits, N * P * Q, planes.shape[-1]), plan.out_fmt, out_scale,
                             (N, P, Q, K))
 
 
@@ -1405,6 +1410,9 @@ def conv2d(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None, act=
     Returns float NHWC ``(N, P, Q, K)`` in ``out_dtype``; int32 raw ``C`` for ``out_dtype=torch.int32``;
     a :class:`PackedActivation` of ``out_fmt`` when ``out_fmt`` (and ``out_scale``) are given, or a
     float8 ``QTensor`` (N, P, Q, K) when ``out_fmt`` is e4m3 / e5m2 (the next FP8 layer's input).
+    ``out_layout="compact"``: the bit-serial epilogue writes those planes without their padding words (rows of
+    ceil(K / 32) words, what a next conv that gathers windows reads; 64 channels: 2 words a row stored, not 16);
+    planes another pass writes (an avg-pool) stay padded -- either is a valid input.
     ``out_layout="int8"`` (integer ``out_fmt``): an :class:`Int8Activation` instead of bit planes, the next
     INT8 layer's operand -- written by the INT8 / FP8 kernel's epilogue itself when there is no pooling,
     else by one Triton pass (max-pool + re-quantize) after it.  ``out_layout="int8+float"``: that

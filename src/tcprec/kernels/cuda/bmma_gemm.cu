@@ -82,8 +82,9 @@
 //      activation on the sum (its one multiply for LeakyReLU rounded by the store).
 //   2  packed: y as in 1, then encoded to an OB-bit integer format (OENC: 0 twos, 1 unsigned,
 //      2 pm1) as tcprec.encode(y / out_scale, fmt, "nearest") does, and written as bit planes
-//      (OB, M, ldo) int32 (ldo = packed words of N), ready to be the next layer's A operand.  Every
-//      word is written, the padding past N included (the output needs no zeroing).  Without a division:
+//      (OB, M, ldo) int32 (ldo = packed words of N, or ceil(N / 32) for the compact rows a gathering consumer reads),
+//      ready to be the next layer's A operand.  Every word is written, the padding past N included (the output needs
+//      no zeroing).  Without a division:
 //      the code is a count of precomputed thresholds (code_threshold), the planes are built in registers.
 //      With OB <= 3 and no row scale (convolutions) the thresholds are integers, one set a column
 //      (bmma_code_thresholds, launched first; col_thr), compared with C itself: no float arithmetic.
@@ -898,6 +899,11 @@ bmma_gemm(
             // so that lane t stores tile 4 q + t's 8 columns of the row with one 16-byte store.  (Extending it
             // to tiles that N cuts, with a checked path for the cut group, measured 10-15% slower everywhere.)
             const int t = lane & 3;
+            // TCP_RES: the residual's 16-byte reads of PF_H rows (both halves of an MMA row tile when NT <= 16) are
+            // issued together before any is used, so their latencies overlap (one after another, the reads of a
+            // 128 x 64 tile cost more than its MMAs: ResNet stage 0 at batch 256, 113 -> 209 us with the add)
+            constexpr int PF_H = NT <= 16 ? 2 : 1;
+            [[maybe_unused]] uint4 rpre[PF_H][NT >= 4 ? NT / 4 : 1];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -906,6 +912,15 @@ bmma_gemm(
                     const int rt = s_rt[rl];
                     const float rs = s_rs[rl];
                     unsigned short* const orow = (unsigned short*)out + (i64)(m0 + rl) * ldo + n0 + wn * (NT * 8);
+                    if (RES && h % PF_H == 0) {
+#pragma unroll
+                        for (int hh = 0; hh < PF_H; ++hh)
+#pragma unroll
+                            for (int q = 0; q < NT / 4; ++q)
+                                rpre[hh][q] = *reinterpret_cast<const uint4*>(
+                                    (const unsigned short*)residual + (i64)(m0 + rl + hh * 8) * ldo + n0 + wn * (NT * 8)
+                                    + (4 * q + t) * 8);
+                    }
 #pragma unroll
                     for (int q = 0; q < NT / 4; ++q) {
                         u32 pk[4];
@@ -920,8 +935,7 @@ bmma_gemm(
                         }
                         quad_transpose(pk, t);
                         if (RES) {  // this lane's 8 columns of the row: one 16-byte read of the residual
-                            const uint4 rv = *reinterpret_cast<const uint4*>(
-                                (const unsigned short*)residual + (orow - (unsigned short*)out) + (4 * q + t) * 8);
+                            const uint4 rv = rpre[h % PF_H][q];
                             const u32 rw[4] = {rv.x, rv.y, rv.z, rv.w};
 #pragma unroll
                             for (int j = 0; j < 4; ++j) {
@@ -1107,7 +1121,7 @@ bmma_gemm(
                 }
             }
         }
-        if (n0 + BN >= N) {  // the last column tile also zeroes the row's padding words (ldo is 16-word padded)
+        if (n0 + BN >= N) {  // the last column tile also zeroes the row's padding words (none in compact rows)
             const int first = (n0 + BN) / 32, pad = ldo - first;
             for (int idx = ctid; idx < OB * BM * pad; idx += MMA_THREADS) {
                 const int w = idx % pad, rl = (idx / pad) % BM, b = idx / (pad * BM);

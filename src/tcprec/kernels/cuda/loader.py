@@ -765,12 +765,12 @@ def conv_rows(a_planes, conv) -> int:
     return a_planes.shape[1] // (H * W) * P * Q
 
 
-def _out_shape(a_planes, w_planes, out_kind: str, out_bits: int, conv=None):
+def _out_shape(a_planes, w_planes, out_kind: str, out_bits: int, conv=None, out_compact: bool = False):
     from ...packing import packed_words
 
     M, N = conv_rows(a_planes, conv), w_planes.shape[1]
     if out_kind == "packed":
-        return (out_bits, M, packed_words(N)), torch.int32
+        return (out_bits, M, -(-N // 32) if out_compact else packed_words(N)), torch.int32
     return (M, N), {"int32": torch.int32, "float32": torch.float32, "float16": torch.float16,
                     "bfloat16": torch.bfloat16}[out_kind]
 
@@ -796,6 +796,7 @@ def _bmma_gemm(
     pdl: bool = True,  # sm_90+: programmatic dependent launch (loader._pdl)
     conv: Optional[list[int]] = None,  # implicit-GEMM convolution: (H, W, P, Q, R, S, sh, sw, ph, pw, dh, dw, CWT)
     residual: Optional[torch.Tensor] = None,  # float epilogue: (M, N) of the output dtype, added before the act
+    out_compact: bool = False,  # packed: rows of ceil(N / 32) words, without the padding to 512 bits
 ) -> torch.Tensor:
     """C = a @ w.T on the binary tensor cores (see bmma_gemm.cu for the exact contract).  Registered as the
     custom op ``torch.ops.tcprec.bmma_gemm``; :func:`gemm_entry` gives eager callers this function itself.
@@ -807,7 +808,11 @@ def _bmma_gemm(
 
     With ``residual`` (a float out_kind): ``y = act(rd(rd(y0) + residual))``, y0 the epilogue's value before the
     activation and rd the rounding to the output dtype -- the unfused ``act(branch + residual)`` of a ResNet block,
-    bit for bit (bmma_gemm.cu, TCP_RES)."""
+    bit for bit (bmma_gemm.cu, TCP_RES).
+
+    With ``out_compact`` (out_kind "packed") the planes' rows are ceil(N / 32) words, not padded to 512 bits: what a
+    convolution that gathers its input windows (im2col, implicit GEMM) reads, for a fraction of the stores (N = 64:
+    2 words a row instead of 16, 14 of them zeros)."""
     if a_planes.device.type != "cuda" or w_planes.device.type != "cuda":
         raise ValueError(f"bmma_gemm runs on CUDA tensors, got a_planes on {a_planes.device} and w_planes on "
                          f"{w_planes.device}; move both to the GPU or use the reference backend")
@@ -825,7 +830,9 @@ def _bmma_gemm(
         raise ValueError(f"a_planes and w_planes pack different K: {Kw} vs {Kw_w} words")
     if out_kind not in OUT_KINDS:
         raise ValueError(f"out_kind must be one of {OUT_KINDS}, got {out_kind!r}")
-    shape, dtype = _out_shape(a_planes, w_planes, out_kind, out_bits, conv)
+    if out_compact and out_kind != "packed":
+        raise ValueError(f"out_compact=True shapes packed planes: out_kind must be 'packed', got {out_kind!r}")
+    shape, dtype = _out_shape(a_planes, w_planes, out_kind, out_bits, conv, out_compact)
     if residual is not None:
         residual = _check_residual(residual, shape, dtype, out_kind, a_planes.device)
     if out_kind == "packed":
@@ -891,6 +898,6 @@ def gemm_entry() -> Callable:
 
 @bmma_gemm.register_fake
 def _(a_planes, w_planes, a_twos, w_twos, ss, row_term, col_term, row_scale, col_scale, bias, relu, out_kind,
-      out_bits, out_encoding, out_scale, tile, leaky_slope=0.0, pdl=True, conv=None, residual=None):
-    shape, dtype = _out_shape(a_planes, w_planes, out_kind, out_bits, conv)
+      out_bits, out_encoding, out_scale, tile, leaky_slope=0.0, pdl=True, conv=None, residual=None, out_compact=False):
+    shape, dtype = _out_shape(a_planes, w_planes, out_kind, out_bits, conv, out_compact)
     return a_planes.new_empty(shape, dtype=dtype)

@@ -445,7 +445,7 @@ def pool_planes(planes: torch.Tensor, shape: tuple, pool_stride: int, bits: int,
     if out.numel() == 0:
         return out
     sliced = bits <= 2  # bit-sliced words (4096 a program), else one code a lane (TILE_CODES a program)
-    bw = min(Kw, 16 if sliced else MAX_BLOCK_W)
+    bw = min(next_power_of_2(Kw), 16 if sliced else MAX_BLOCK_W)  # (compact rows: any Kw)
     br = 4096 // bw if sliced else max(1, TILE_CODES // (32 * bw))
     _pool_planes_kernel[(cdiv(R, br), cdiv(Kw, bw))](
         planes, out, R, Kw, P, Q, PO, QO,
