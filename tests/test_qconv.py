@@ -285,6 +285,29 @@ def test_compact_packed_output(K):
         impl(out_layout="packed")
 
 
+@pytest.mark.parametrize("dt", [torch.float16, torch.bfloat16])
+def test_planes_plus_float_output(dt):
+    """out_layout="planes+float": the float output and its planes (a PackedActivation with hp) from one epilogue --
+    the float equals the float-only call, the planes are the float's codes (what the next layer's quantize_pack of
+    it gives), with and without the residual; the reference backend writes the same codes."""
+    gen = torch.Generator().manual_seed(11)
+    qx = _qt((2, 7, 6, 5), IntFormat(2), gen)
+    qw = _qt((40, 3, 3, 5), IntFormat(1, encoding="pm1"), gen, PerChannel(0))
+    bias = torch.randn(40, generator=gen)
+    res = (torch.randn(2, 7, 6, 40, generator=gen) * 2).to(dt)
+    for r in (None, res):
+        kw = dict(padding=1, bias=bias, act="relu", out_dtype=dt, residual=r)
+        y = qconv._conv2d_impl(qx, qw, _gemm=rq.bmma_gemm_reference, **kw)
+        pa = qconv._conv2d_impl(qx, qw, out_fmt="uint2", out_scale=0.6, out_layout="planes+float",
+                                _gemm=rq.bmma_gemm_reference, **kw)
+        assert isinstance(pa, PackedActivation) and pa.hp is not None and torch.equal(pa.hp, y)
+        assert pa.compact and pa.shape == tuple(y.shape) and pa.fmt == tp.format("uint2")
+        want = tp.quantize(y.float(), "uint2", scale=0.6).codes
+        assert torch.equal(pa.codes(), want)
+        ref = conv2d(qx, qw, backend="reference", out_fmt="uint2", out_scale=0.6, out_layout="planes+float", **kw)
+        assert torch.equal(ref.hp, y) and torch.equal(ref.codes(), want)
+
+
 def test_pack_activation_roundtrip():
     x = torch.rand(2, 3, 5, 37)
     pa = pack_activation(x, "uint4", 1 / 15)
@@ -790,7 +813,10 @@ def test_residual_bad_input():
          r"residual is added in the float epilogue: out_dtype must be one of"),
         (dict(residual=y, pool=("max", 2, 2)), ValueError, r"residual= cannot be combined with pool"),
         (dict(residual=y, out_fmt="uint4", out_scale=1.0), ValueError,
-         r"out_fmt=uint4 with out_layout='planes' is not one of them; .*out_layout in \('int8', 'int8\+float'\)"),
+         r"out_fmt=uint4 with out_layout='planes' is not one of them; .*out_layout in \('int8', 'int8\+float', "
+         r"'planes\+float'\)"),
+        (dict(out_fmt="e4m3", out_scale=1.0, out_layout="planes+float"), ValueError,
+         r"out_layout='planes\+float' .* needs an integer out_fmt"),
         (dict(out_fmt="uint8", out_scale=1.0, out_layout="int8+float", pool=("max", 2, 2)), ValueError,
          r"out_layout='int8\+float' cannot be combined with pool"),
         (dict(out_layout="int8+float"), ValueError, r"out_layout='int8\+float' .* needs an integer out_fmt"),
@@ -804,11 +830,22 @@ def test_residual_bad_input():
     qb, wb, gb = _case(2)
     yb = conv2d(qb, wb, backend="reference", **gb)
     for kw in (dict(residual=yb, out_fmt="uint8", out_scale=1.0, out_layout="int8"),
-               dict(out_fmt="uint8", out_scale=1.0, out_layout="int8+float")):
-        with pytest.raises(ValueError, match=r"backend 'bitserial' .* adds a residual into a float output only "
-                                             r"\(out_fmt=None\), not out_fmt=uint8 .* backends that write codes with "
-                                             r"it: 'int8', 'fp8', 'reference'"):
+               dict(out_fmt="uint8", out_scale=1.0, out_layout="int8+float"),
+               dict(out_fmt="uint8", out_scale=1.0, out_layout="planes+float", out_dtype=torch.float16),
+               dict(out_fmt="uint2", out_scale=1.0, out_layout="planes+float")):  # (float32 out)
+        with pytest.raises(ValueError, match=r"backend 'bitserial' .* adds a residual into a float output "
+                                             r"\(out_fmt=None\), or writes it with its planes \(out_layout="
+                                             r"'planes\+float', out_fmt of <= 3 bits, out_dtype float16 / bfloat16\), "
+                                             r"not out_fmt=uint.* backends that write other codes with it: 'int8', "
+                                             r"'fp8', 'reference'"):
             qconv._conv2d_impl(qb, wb, _gemm=rq.bmma_gemm_reference, **dict(gb, **kw))
+    with pytest.raises(ValueError, match=r"out_layout='planes\+float' .* is written by the 'bitserial' and "
+                                         r"'reference' backends, not 'int8'; an INT8 layer writes its float and int8 "
+                                         r"codes with out_layout='int8\+float'"):
+        conv2d(qx, qw, backend="int8", out_fmt="uint2", out_scale=1.0, out_layout="planes+float", **geo)
+    with pytest.raises(TypeError, match=r"hp must be None or a float NHWC tensor of the activation's shape"):
+        PackedActivation(torch.zeros(2, 4, 16, dtype=torch.int32), "uint2", 1.0, (1, 2, 2, 3),
+                         hp=torch.zeros(1, 3, 2, 2))
     with pytest.raises(TypeError, match=r"hp must be None or a float NHWC tensor of x8's shape \(1, 2, 2, 3\)"):
         qconv.Int8Activation(torch.zeros(1, 2, 2, 3, dtype=torch.int8), "uint8", 1.0, hp=torch.zeros(1, 3, 2, 2))
 

@@ -269,6 +269,27 @@ def test_residual_fusion_is_bit_identical(backend, dtype):
         assert all(m.out_fmt is None for m in mods.values() if isinstance(m, QConv2d))
 
 
+def test_bitserial_resnet_block_outputs_are_float_and_planes(monkeypatch):
+    """On the bit-serial kernel a block's output (its last conv fused with the add) is written once as the float
+    and its planes ("planes+float", a PackedActivation with hp) for every reader: the next block's conv1, its 1x1
+    shortcut conv and its residual add; the first conv (int8) and the last block (read by flatten) are not."""
+    from tcprec.nn import convert
+
+    monkeypatch.setattr(convert, "choose_int_backend",
+                        lambda fa, fw, dev, backend="auto": ("bitserial", "test") if fa.bits < 8 else ("int8", "t"))
+    x = torch.randn(2, 3, 8, 8)
+    net = _calibrated(_ToyResNet(), x).half().to(memory_format=torch.channels_last)
+    q = tp.quantize_model(net, tp.QuantConfig("w1a2", first_last="int8"), calibration=x.half(), warn=False)
+    mods = dict(q.named_modules())
+    out = {r.name: r.out for r in q.tcprec_summary.layers}
+    assert mods["stages.0.branch.3"].out_layout == "planes+float"
+    assert out["stages.0.branch.3"] == "float16 + packed uint2 -> stages.1.branch.0, stages.1.shortcut.0"
+    assert out["stages.1.branch.3"] == "float16 + packed uint2 -> stages.2.conv1"
+    assert mods["stages.0.branch.0"].out_layout == "compact" and mods["stages.2.conv2"].out_fmt is None
+    assert mods["stem.0"].out_fmt is None  # an int8 conv whose output a residual reads: float
+    assert mods["stages.1.branch.3"].tcprec_trace()[-1] == "fp16 + uint2 planes"
+
+
 def _int8_kernel_layers(monkeypatch):
     """Chaining decisions as on a GPU: quantize_model sees the integer layers on the INT8 kernel (on the CPU they
     run the reference backend, which takes and writes the same operands: Int8Activation, float8 QTensors)."""

@@ -85,3 +85,64 @@ def test_residual_views_and_bad_input():
         L._bmma_gemm(*packed, "", residual=r)
     with pytest.raises(ValueError, match="residual is on cpu but the operands are on cuda"):
         L._bmma_gemm(*args, "", residual=r.cpu())
+
+
+# -- the dual output: the 16-bit float and its bit planes from one epilogue (bmma_gemm.cu TCP_DUAL) ---------------
+
+DUAL_TILES = ["", "128x64_w8x1_s5_k1024_wg_tma", "128x128_w8x1_s4_k1024_wg_tma", "64x64_w2x2_s3_k1024",
+              "32x32_w2x1_s2_k1024"]
+
+
+@pytest.mark.parametrize("tile", DUAL_TILES, ids=[t or "default" for t in DUAL_TILES])
+@pytest.mark.parametrize("out_kind", ["float16", "bfloat16"])
+@pytest.mark.parametrize("fmt", [(2, "unsigned"), (1, "unsigned"), (3, "twos"), (2, "pm1")])
+def test_dual_output_equals_quantize_pack_of_the_float(tile, out_kind, fmt):
+    """With dual_out the epilogue also writes the planes of the stored float values (compact rows), equal to
+    packing the float output with the planes' format and scale -- with and without the residual, tiles cut by M and
+    N (the recomputing path) and whole ones (the 16-byte path)."""
+    bits, enc = fmt
+    scale = torch.tensor([0.37], device=DEV)
+    for seed, (M, N, Kbits) in enumerate([(1000, 64, 576), (777, 200, 1100), (4096, 128, 2304)]):
+        args = list(_args(M, N, Kbits, out_kind, True, seed))
+        args[12], args[13], args[14] = bits, enc, scale
+        for r in (None, _residual(M, N, out_kind, seed)):
+            planes = torch.full((bits, M, -(-N // 32)), -1, dtype=torch.int32, device=DEV)  # every word written
+            got = L._bmma_gemm(*args, tile, 0.0, residual=r, dual_out=planes)
+            want = rq.bmma_gemm_reference(*args, tile, 0.0, residual=r)
+            assert torch.equal(got, want), (tile, M, N, r is None)
+            from tcprec.formats import IntFormat
+            full = rq.requant_pack(want.float(), IntFormat(bits, encoding=enc), scale)
+            assert torch.equal(planes, full[:, :, :planes.shape[2]]), (tile, out_kind, fmt, M, N, r is None)
+
+
+def test_dual_output_bad_input():
+    args = list(_args(300, 64, 512, "float16", True, 0))
+    args[14] = torch.tensor([0.5], device=DEV)
+    good = torch.empty((1, 300, 2), dtype=torch.int32, device=DEV)
+    for bad, match in ((torch.empty((1, 300, 16), dtype=torch.int32, device=DEV), r"dual_out must be a contiguous "
+                        r"int32 tensor \(out_bits, M, ceil\(N / 32\)\) = \(1, 300, 2\)"),
+                       (good.float(), "dual_out must be a contiguous int32"),
+                       (torch.empty((1, 2, 300), dtype=torch.int32, device=DEV).transpose(1, 2), "contiguous")):
+        with pytest.raises(ValueError, match=match):
+            L._bmma_gemm(*args, "", dual_out=bad)
+    args32 = list(args)
+    args32[11] = "float32"
+    with pytest.raises(ValueError, match=r"dual_out .* needs out_kind 'float16' or 'bfloat16' and out_bits 1..3"):
+        L._bmma_gemm(*args32, "", dual_out=good)
+    args[14] = None
+    with pytest.raises(ValueError, match=r"dual_out needs out_scale"):
+        L._bmma_gemm(*args, "", dual_out=good)
+
+
+def test_dual_custom_op_returns_the_planes():
+    """torch.ops.tcprec.bmma_gemm_dual (what torch.compile records for a call with dual_out) returns the output and
+    the planes the eager call writes into dual_out; torch.ops.tcprec.bmma_gemm takes no dual_out."""
+    args = list(_args(777, 200, 1100, "float16", True, 5))
+    args[12], args[13], args[14] = 2, "unsigned", torch.tensor([0.4], device=DEV)
+    r = _residual(777, 200, "float16", 5)
+    planes = torch.empty((2, 777, 7), dtype=torch.int32, device=DEV)
+    want = L._bmma_gemm(*args, "", 0.0, residual=r, dual_out=planes)
+    got, got_planes = torch.ops.tcprec.bmma_gemm_dual(*args, "", 0.0, residual=r)
+    assert torch.equal(got, want) and torch.equal(got_planes, planes)
+    with pytest.raises(Exception):
+        torch.ops.tcprec.bmma_gemm(*args, "", 0.0, residual=r, dual_out=planes)

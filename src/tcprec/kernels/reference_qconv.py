@@ -146,12 +146,13 @@ def implicit_conv_rows(a_planes: torch.Tensor, w_planes: torch.Tensor, conv) -> 
 
 def bmma_gemm_reference(a_planes, w_planes, a_twos, w_twos, ss, row_term, col_term, row_scale, col_scale, bias,
                         relu, out_kind, out_bits, out_encoding, out_scale, tile="", leaky_slope=0.0, pdl=True,
-                        conv=None, residual=None, out_compact=False):
+                        conv=None, residual=None, out_compact=False, dual_out=None):
     """``torch.ops.tcprec.bmma_gemm``'s contract in plain torch (same arguments, same result):
     ``C = ss * S + row_term[m] + col_term[n]`` (int32), then the float or packed epilogue.  ``tile`` and ``pdl``
     (how the kernel launches) do not change the result and are ignored.  With ``conv`` the A operand is
     :func:`implicit_conv_rows` of the input planes; with ``residual`` (float out_kind) ``act(rd(rd(y) + residual))``,
-    rd the rounding to the output dtype; ``out_compact`` (packed): rows of ceil(N / 32) words, unpadded."""
+    rd the rounding to the output dtype; ``out_compact`` (packed): rows of ceil(N / 32) words, unpadded;
+    ``dual_out`` (16-bit float out_kind): also filled with the compact planes of the output's codes."""
     if conv is not None:
         a_planes = implicit_conv_rows(a_planes, w_planes, conv)
     C = ss * _weighted_S(a_planes, w_planes, a_twos, w_twos)  # (M, N) int64
@@ -173,7 +174,11 @@ def bmma_gemm_reference(a_planes, w_planes, a_twos, w_twos, ss, row_term, col_te
     if out_kind == "packed":
         planes = requant_pack(y, IntFormat(out_bits, encoding=out_encoding), out_scale)
         return planes[:, :, :-(-y.shape[1] // 32)].contiguous() if out_compact else planes
-    return y.to({"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[out_kind])
+    out = y.to({"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[out_kind])
+    if dual_out is not None:  # the stored values' codes (what quantize_pack of the output gives)
+        planes = requant_pack(out.to(torch.float32), IntFormat(out_bits, encoding=out_encoding), out_scale)
+        dual_out.copy_(planes[:, :, :dual_out.shape[2]])
+    return out
 
 
 # ------------------------------------------------------------------------------------------------

@@ -16,9 +16,11 @@ What it does, in order:
    order) of a tensor of its own shape and dtype, followed by a ReLU / LeakyReLU (or nothing), become one
    ``QConv2d`` called as ``conv(x, residual)`` at the add's place in the graph (``fuse_residual``; the INT8 /
    FP8 kernels, the bit-serial GEMM's float epilogue and the reference backend).
-5. Chains: a ``QConv2d`` whose only consumer is another bit-serial ``QConv2d`` re-quantizes and packs
-   its output for it in the GEMM epilogue (``PackedActivation``), so no float tensor exists between
-   them; a consumer on the INT8 kernel gets its int8 operand (``Int8Activation``, written by the
+5. Chains: a ``QConv2d`` whose consumers are bit-serial ``QConv2d`` s (one calibrated format and scale)
+   re-quantizes and packs its output for them in the GEMM epilogue (``PackedActivation``; compact rows for
+   convs that gather windows), so no float tensor exists between them; a ResNet block's output (a bit-serial
+   conv with the block's add) is written as the float and its planes from one epilogue (``"planes+float"``:
+   ``PackedActivation.hp``) for the next block's add and convs; a consumer on the INT8 kernel gets its int8 operand (``Int8Activation``, written by the
    producer's epilogue); FP8 layers hand each other e4m3 codes.  Across kinds (the "fp8" precision keeps the
    first conv and the last layer at int8) an INT8-kernel layer hands an FP8 layer e4m3 codes and an FP8 layer
    hands an INT8-kernel layer int8 codes.  An output read by several INT8 (or FP8) convs (a ResNet stage's
@@ -390,6 +392,11 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
 
     if traced:
         g = gm.graph
+        for node in list(g.nodes):  # nn.Identity (a block's identity shortcut) is its input: its readers read that
+            if node.op == "call_module" and type(gm.get_submodule(node.target)) is nn.Identity and len(node.args) == 1 \
+                    and not node.kwargs:
+                node.replace_all_uses_with(node.args[0])
+                g.erase_node(node)
         for node in list(g.nodes):
             if node.op != "call_module" or node.target not in order or node.target in records:
                 continue
@@ -449,29 +456,43 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
                     # e4m3 codes (OUT_MODE 4 / the pool + fp8 pass), an FP8 layer int8 codes (OUT_MODE 2); the
                     # binary GEMM's epilogue packs integer planes only
                     continue
-                if len(users) == 1 and not (a.has_residual and "bitserial" in (kind, kind_of(a))):
-                    # (a bit-serial conv adds a residual into a float output only)
-                    # the INT8 kernel reads int8 codes, not planes; a bit-serial conv that gathers windows reads
-                    # compact rows (no padding words: for 64 channels the epilogue stores 2 words a row, not 16)
-                    layout = "int8" if kind == "int8" else "compact" if kind == "bitserial" and _gathers(b) else "planes"
-                    a.chain_to(b, layout)
-                    what = {"bitserial": "packed", "int8": "int8 codes", "fp8": "codes"}[kind]
+                others = [qmods[u.target] for u in x_users[1:]]
+                to = ", ".join(u.target for u in x_users)
+                if kind == "bitserial":  # bit planes for every consumer, when they agree on format and scale
+                    if any(kind_of(o) != kind or o.a_fmt != b.a_fmt or not torch.equal(o.in_scale, b.in_scale)
+                           for o in others):
+                        continue
+                    gather = all(_gathers(o) for o in [b] + others)
+                    if a.has_residual or r_users:
+                        # the float too (a residual add reads it), or a block's add in the producer: the binary GEMM's
+                        # epilogue writes the float output and its compact planes ("planes+float", <= 3 bits)
+                        if kind_of(a) != "bitserial" or not gather or b.a_fmt.bits > 3 \
+                                or a.out_dtype not in (torch.float16, torch.bfloat16):
+                            continue
+                        a.chain_to(b, "planes+float")
+                        records[node.target].out = f"{str(a.out_dtype).removeprefix('torch.')} + packed {b.a_fmt} -> {to}"
+                    else:
+                        a.chain_to(b, "compact" if gather else "planes")
+                        records[node.target].out = f"packed {b.a_fmt} -> {to}"
+                    continue
+                if len(users) == 1 and not (a.has_residual and kind_of(a) == "bitserial"):
+                    # (a bit-serial conv with a residual writes a float output, and its planes only)
+                    a.chain_to(b, "int8" if kind == "int8" else "planes")  # the INT8 kernel reads int8 codes
+                    what = {"int8": "int8 codes", "fp8": "codes"}[kind]
                     records[node.target].out = f"{what} {b.a_fmt} -> {x_users[0].target}"
                     continue
                 # several INT8 / FP8 consumers of one tensor (a ResNet stage's conv1 and 1x1 shortcut; residual
                 # adds): one set of codes when they agree on the calibrated format and scale, plus the float for
                 # the adds (the dual output: Int8Activation.hp / Fp8Activation.hp)
-                others = [qmods[u.target] for u in x_users[1:]]
-                if kind not in ("int8", "fp8") or any(kind_of(o) != kind or o.a_fmt != b.a_fmt
-                                                      or not torch.equal(o.in_scale, b.in_scale) for o in others):
+                if any(kind_of(o) != kind or o.a_fmt != b.a_fmt or not torch.equal(o.in_scale, b.in_scale)
+                       for o in others):
                     continue
                 if r_users and kind_of(a) == "bitserial":
-                    continue  # the dual output needs a float epilogue the binary GEMM does not have
+                    continue  # (the binary GEMM's dual output writes planes, not int8 / float8 codes)
                 if kind == "int8":
                     a.chain_to(b, "int8+float" if r_users else "int8")
                 else:  # float8 codes are a plain QTensor, which any number of FP8 convs read
                     a.chain_to(b, "fp8+float" if r_users else "planes")
-                to = ", ".join(u.target for u in x_users)
                 dual = f"{str(a.out_dtype).removeprefix('torch.')} + " if r_users else ""
                 what = "int8 codes" if kind == "int8" else "codes"
                 records[node.target].out = f"{dual}{what} {b.a_fmt} -> {to}"

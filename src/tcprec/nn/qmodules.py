@@ -164,8 +164,9 @@ class _QBase(nn.Module):
     def chain_to(self, nxt: "QConv2d", layout: str = "planes") -> None:
         """Emit ``nxt``'s input directly: bit planes for a bit-serial ``nxt`` (the fused re-quantize + pack
         epilogue), int8 codes (``Int8Activation``) for an INT8 one, e4m3 codes (a QTensor) for an FP8 one;
-        ``"int8+float"`` / ``"fp8+float"``: the codes with the float output attached (``Int8Activation.hp`` /
-        ``Fp8Activation.hp``), for an output that is also a residual block's shortcut."""
+        ``"int8+float"`` / ``"fp8+float"`` / ``"planes+float"``: the codes with the float output attached
+        (``Int8Activation.hp`` / ``Fp8Activation.hp`` / ``PackedActivation.hp``), for an output that is also a residual
+        block's shortcut; ``"compact"``: planes without padding words, for a consumer that gathers windows."""
         if layout not in qc.OUT_LAYOUTS:
             raise ValueError(f"layout must be one of {qc.OUT_LAYOUTS}, got {layout!r}")
         self.out_fmt = nxt.a_fmt
@@ -181,6 +182,7 @@ class _QBase(nn.Module):
                    f"{self.out_fmt} codes" if isinstance(self.out_fmt, FloatFormat) else
                    f"{self.out_fmt} int8 codes" if self.out_layout == "int8" else
                    f"{_short(self.out_dtype)} + {self.out_fmt} int8 codes" if self.out_layout == "int8+float" else
+                   f"{_short(self.out_dtype)} + {self.out_fmt} planes" if self.out_layout == "planes+float" else
                    f"{self.out_fmt} planes")
         acc = "fp32" if self.precision.fp8 else "int32"
         epi = "+".join(x for x in ("scale/bias", getattr(self, "has_residual", False) and "residual", self._act_name(),
@@ -237,7 +239,8 @@ class QConv2d(_QBase):
     def forward(self, x, residual=None):
         """``x``: float NCHW, or the operand a chained producer emitted (packed planes, int8 codes);
         ``residual`` (a layer fused with its block's add, ``has_residual``): float NCHW of the output's
-        shape, or the producer's ``Int8Activation`` / ``Fp8Activation`` carrying the float (``hp``)."""
+        shape, or the producer's ``Int8Activation`` / ``Fp8Activation`` / ``PackedActivation`` carrying the float
+        (``hp``)."""
         if self.has_residual != (residual is not None):
             raise ValueError(f"this QConv2d {'was' if self.has_residual else 'was not'} fused with a residual add "
                              f"(has_residual={self.has_residual}): call it as "
@@ -264,13 +267,15 @@ class QConv2d(_QBase):
         (a view for channels_last memory)."""
         if isinstance(residual, qc.Fp8Activation):
             return residual.hp
-        if isinstance(residual, qc.Int8Activation):
+        if isinstance(residual, (qc.Int8Activation, qc.PackedActivation)):
             if residual.hp is None:
-                raise ValueError("the residual is an Int8Activation without its float (hp): the producer must write "
-                                 "both (out_layout='int8+float')")
+                both = "'int8+float'" if isinstance(residual, qc.Int8Activation) else "'planes+float'"
+                raise ValueError(f"the residual is a {type(residual).__name__} without its float (hp): the producer "
+                                 f"must write both (out_layout={both})")
             return residual.hp
         if not isinstance(residual, torch.Tensor):
-            raise TypeError(f"residual must be a float NCHW tensor, an Int8Activation with hp or an Fp8Activation, "
+            raise TypeError(f"residual must be a float NCHW tensor, or an Int8Activation / PackedActivation with hp or "
+                            f"an Fp8Activation, "
                             f"got {type(residual).__name__}")
         N, H, W, _ = x_nhwc
         g = ConvGeometry(N, H, W, self.in_channels, self.out_channels, *self.kernel_size, self.stride, self.padding,

@@ -186,6 +186,9 @@ class PackedActivation:
             a row to 512 bits -- what a layer that reads its input through an im2col is given
             (``quantize_pack(..., compact=True)``); ``padded_planes()`` restores the full rows.
     fmt     the integer format of the codes; scale float32 ``(1,)`` (per tensor); shape ``(N, H, W, C)``.
+    hp      (optional) the float NHWC tensor of ``shape`` the codes were quantized from, when a conv wrote both
+            (``out_layout="planes+float"``: a ResNet block's output, its float for the next block's add and its
+            planes for the next block's convolutions).
 
     >>> import torch, tcprec as tp
     >>> from tcprec.ops.qconv import pack_activation
@@ -198,6 +201,7 @@ class PackedActivation:
     fmt: IntFormat
     scale: torch.Tensor
     shape: tuple
+    hp: torch.Tensor | None = None
 
     def __post_init__(self):
         fmt = as_format(self.fmt)
@@ -217,6 +221,8 @@ class PackedActivation:
                              f"= {want} or compact (bits, N*H*W, ceil(C / 32)) = {want[:2] + (-(-C // 32),)}, got "
                              f"{tuple(self.planes.shape)}")
         object.__setattr__(self, "scale", _scale_tensor(self.scale, self.planes.device, "scale"))
+        if self.hp is not None:
+            _check_hp(self.hp, shape, self.planes.device, "None or a float NHWC tensor of the activation's shape")
 
     @property
     def device(self) -> torch.device:
@@ -697,7 +703,8 @@ class _Plan:
 
     @property
     def dual(self) -> bool:
-        """The float result and its int8 / float8 codes (``out_layout="int8+float"`` / ``"fp8+float"``)."""
+        """The float result and its int8 / float8 codes or bit planes (``out_layout="int8+float"`` / ``"fp8+float"`` /
+        ``"planes+float"``)."""
         return self.out_layout in _DUAL_LAYOUTS
 
     @property
@@ -723,10 +730,10 @@ class _Plan:
                 and self.out_layout in _PLANE_LAYOUTS)
 
 
-OUT_LAYOUTS = ("planes", "compact", "int8", "int8+float", "fp8+float")
+OUT_LAYOUTS = ("planes", "compact", "int8", "int8+float", "fp8+float", "planes+float")
 _PLANE_LAYOUTS = ("planes", "compact")
 _INT8_LAYOUTS = ("int8", "int8+float")
-_DUAL_LAYOUTS = ("int8+float", "fp8+float")
+_DUAL_LAYOUTS = ("int8+float", "fp8+float", "planes+float")
 
 
 def _check_residual(residual, g: ConvGeometry, out_dtype, device) -> None:
@@ -762,16 +769,26 @@ def _check_fusion(plan: "_Plan") -> "_Plan":
     if plan.pool is not None:
         raise ValueError(f"{what} cannot be combined with pool={plan.pool} (the block output is not pooled); pass "
                          "pool=None and pool in a separate layer")
-    if plan.has_res and isinstance(plan.out_fmt, IntFormat) and plan.out_layout not in _INT8_LAYOUTS:
-        raise ValueError(f"residual= writes a float output, INT8 codes or float8 codes: out_fmt={plan.out_fmt} with "
-                         f"out_layout={plan.out_layout!r} is not one of them; use out_fmt=None, an integer out_fmt "
-                         "with out_layout in ('int8', 'int8+float'), or out_fmt e4m3 / e5m2")
-    if plan.name == "bitserial" and (plan.dual or plan.out_fmt is not None):
-        raise ValueError(f"{what}: backend 'bitserial' (the binary tensor-core GEMM) adds a residual into a float "
-                         f"output only (out_fmt=None), not out_fmt={plan.out_fmt} with out_layout={plan.out_layout!r}; "
-                         "backends that write codes with it: 'int8', 'fp8', 'reference'. Use one of them, or "
-                         "quantize after the conv yourself")
+    if plan.has_res and isinstance(plan.out_fmt, IntFormat) and plan.out_layout not in _INT8_LAYOUTS + ("planes+float",):
+        raise ValueError(f"residual= writes a float output, INT8 codes, float8 codes or the float and its planes: "
+                         f"out_fmt={plan.out_fmt} with out_layout={plan.out_layout!r} is not one of them; use "
+                         "out_fmt=None, an integer out_fmt with out_layout in ('int8', 'int8+float', 'planes+float'), "
+                         "or out_fmt e4m3 / e5m2")
+    if plan.out_layout == "planes+float" and plan.name not in ("bitserial", "reference"):
+        raise ValueError(f"out_layout='planes+float' (the float output and its bit planes) is written by the "
+                         f"'bitserial' and 'reference' backends, not {plan.name!r}; an INT8 layer writes its float and "
+                         "int8 codes with out_layout='int8+float'")
+    if plan.name == "bitserial" and plan.out_fmt is not None and (
+            plan.out_layout != "planes+float" or plan.out_fmt.bits > 3 or plan.out_dtype not in _DUAL_DTYPES):
+        raise ValueError(f"{what}: backend 'bitserial' (the binary tensor-core GEMM) adds a residual into a float output "
+                         f"(out_fmt=None), or writes it with its planes (out_layout='planes+float', out_fmt of <= 3 bits, "
+                         f"out_dtype float16 / bfloat16), not out_fmt={plan.out_fmt} with out_layout="
+                         f"{plan.out_layout!r} and out_dtype={plan.out_dtype}; backends that write other codes with it: "
+                         "'int8', 'fp8', 'reference'")
     return plan
+
+
+_DUAL_DTYPES = (torch.float16, torch.bfloat16)  # the bit-serial epilogue's float output next to its planes
 
 
 def _plan(x, w, stride, padding, dilation, act, out_dtype, out_fmt, pool, backend, scale, bias, out_scale,
@@ -813,6 +830,9 @@ def _plan(x, w, stride, padding, dilation, act, out_dtype, out_fmt, pool, backen
     if out_layout in _INT8_LAYOUTS and not isinstance(out_fmt, IntFormat):
         raise ValueError(f"out_layout={out_layout!r} writes integer codes for the next INT8 layer: it needs an integer "
                          f"out_fmt (e.g. 'uint8'), got out_fmt={out_fmt}")
+    if out_layout == "planes+float" and not isinstance(out_fmt, IntFormat):
+        raise ValueError(f"out_layout='planes+float' writes the float output and its bit planes for the next bit-serial "
+                         f"layers: it needs an integer out_fmt (e.g. 'uint2'), got out_fmt={out_fmt}")
     if out_layout == "fp8+float" and not isinstance(out_fmt, FloatFormat):
         raise ValueError(f"out_layout='fp8+float' writes the float output and the next FP8 layer's codes: it needs "
                          f"out_fmt='e4m3' or 'e5m2', got out_fmt={out_fmt}")
@@ -1139,12 +1159,16 @@ def _bitserial(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, out_scale, 
     extra = {} if conv is None else {"conv": conv}
     if kind == "packed" and plan.out_layout == "compact":  # rows of ceil(K / 32) words for a gathering consumer
         extra["out_compact"] = True
+    if plan.dual:  # "planes+float": the output's planes (compact rows) from the same epilogue
+        extra["dual_out"] = torch.empty((ofmt.bits, g.N * g.P * g.Q, -(-g.K // 32)), dtype=torch.int32,
+                                        device=planes.device)
     if residual is not None:  # a float output (_check_fusion): the epilogue adds it before the activation
         extra["residual"] = residual.reshape(-1, g.K)
-    return gemm(a_planes, w_planes, fa.encoding == "twos", fw.encoding == "twos", sa * sw, row_term, col_term,
-                None, col if kind != "int32" else None, bias if kind != "int32" else None, relu, kind,
-                ofmt.bits if ofmt is not None else 1, ofmt.encoding if ofmt is not None else "unsigned",
-                out_scale if kind == "packed" else None, "", slope, **extra)
+    y = gemm(a_planes, w_planes, fa.encoding == "twos", fw.encoding == "twos", sa * sw, row_term, col_term,
+             None, col if kind != "int32" else None, bias if kind != "int32" else None, relu, kind,
+             ofmt.bits if ofmt is not None else 1, ofmt.encoding if ofmt is not None else "unsigned",
+             out_scale if kind == "packed" or plan.dual else None, "", slope, **extra)
+    return (y, extra["dual_out"]) if plan.dual else y
 
 
 # The implicit-GEMM route of the bit-serial convolution (bmma_gemm with conv=): bit-exact against the reference
@@ -1217,6 +1241,8 @@ def _bitserial_kind(plan: _Plan):
     slope = plan.act[1] if isinstance(plan.act, tuple) else 0.0
     if plan.pool_float:  # the final dtype at full size, then one max-pool pass (_pool_float)
         return _KIND[plan.out_dtype], relu, slope, None
+    if plan.dual:  # "planes+float": the float output, and its planes written by the same epilogue (dual_out)
+        return _KIND[plan.out_dtype], relu, slope, plan.out_fmt
     if (not plan.fused and not plan.pool_codes) or plan.out_layout == "int8":  # int8: the one-pass quantizer follows
         return "float32", relu, slope, None
     if plan.out_fmt is not None:
@@ -1279,6 +1305,9 @@ def _finish_float(plan: _Plan, y: torch.Tensor, out_scale, act_done: bool, resid
         y_hp = y4.to(plan.out_dtype)
         qt = quantize_fp8_static(y_hp, s, fmt)
         return Fp8Activation(QTensor(qt.codes, qt.scale, fmt, PerTensor(), qt.shape, torch.float32), y_hp)
+    if plan.dual and plan.out_layout == "planes+float":  # the float result, and its planes for bit-serial layers
+        y_hp = y4.to(plan.out_dtype)
+        return PackedActivation(rq.requant_pack(y_hp.to(torch.float32), fmt, s), fmt, s, tuple(y4.shape), hp=y_hp)
     if plan.dual:  # the float result, and the codes of that float as the next INT8 layers' operand
         y_hp = y4.to(plan.out_dtype)
         return Int8Activation(quantize_int8_static(y_hp, fmt, s, backend=how).x8, fmt, s, hp=y_hp)
@@ -1341,6 +1370,9 @@ def _conv2d_impl(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None
             _gemm = functools.partial(loader.gemm_entry(), pdl=False)
         pw = pw if pw is not None else pack_conv_weight(qw)
         res = _bitserial(plan, xs, pw, col, bias, s_out, _gemm, residual)
+        if plan.dual:  # the float output and its compact planes
+            y, planes = res
+            return PackedActivation(planes, plan.out_fmt, s_out, (g.N, g.P, g.Q, K), hp=y.reshape(g.N, g.P, g.Q, K))
         kind = _bitserial_kind(plan)[0]
         if kind == "int32":
             return res.reshape(g.N, g.P, g.Q, K)

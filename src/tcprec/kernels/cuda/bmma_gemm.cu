@@ -194,6 +194,9 @@
 #ifndef TCP_CONV
 #define TCP_CONV 0
 #endif
+#ifndef TCP_DUAL
+#define TCP_DUAL 0
+#endif
 #ifndef TCP_CONV_NOINC
 #define TCP_CONV_NOINC 0
 #endif
@@ -210,6 +213,7 @@ constexpr int BM = TCP_BM, BN = TCP_BN, WARPS_M = TCP_WARPS_M, WARPS_N = TCP_WAR
 constexpr int STAGES = TCP_STAGES, EPI = TCP_EPI, OUT_T = TCP_OUT_T, OB = TCP_OB, OENC = TCP_OENC;
 constexpr bool RES = TCP_RES != 0;
 static_assert(!RES || EPI == 1, "a residual is added by the float epilogue only");
+constexpr bool DUAL = TCP_DUAL != 0;  // the 16-bit float output and, of the same values, OB-bit planes (compact rows)
 constexpr bool TMA = TCP_TMA != 0;
 constexpr bool CONV = TCP_CONV != 0;  // implicit-GEMM convolution: A gathered from NHWC planes
 // conv on TMA: (0, the default) each gathering thread waits for its copies RING - 2 steps later, fences them for the
@@ -246,7 +250,7 @@ constexpr int NCODE = 1 << OB;                 // packed epilogue: codes of the 
 // packed epilogue with OB <= 3: a column's integer code thresholds (bmma_code_thresholds), staged after the vectors
 constexpr int ITHR = (EPI == 2 && NCODE <= 8) ? NCODE : 0;
 constexpr int VEC_N = 2 * BM + 3 * BN + ITHR * BN;
-constexpr int THR_N = EPI == 2 ? NCODE : 0;    // its thresholds, staged after the vectors
+constexpr int THR_N = EPI == 2 || DUAL ? NCODE : 0;  // its (or the dual planes') thresholds, after the vectors
 // one copy of the vectors (and thresholds) a consumer group; the copies 16-byte aligned for the int4 loads
 // TMA (WG_VEC): each MMA warpgroup stages its own copy and syncs only with itself (named barrier 1 + its copy), so
 // the warpgroups of a block are not held together at every tile: one's epilogue runs while the other multiplies
@@ -279,6 +283,8 @@ static_assert(!WGMMA || NT == 4 || NT == 8 || NT == 12 || NT == 16 || NT == 24 |
 static_assert(EPI != 2 || (BN % 32 == 0 && 512 % BN == 0 && NT % 4 == 0),
               "packed output needs BN | 512, 32 | BN and whole 32-column words a warp (NT a multiple of 4)");
 static_assert(!TMA || (WGMMA && WARPS_N == 1), "TMA: the wgmma path with one warpgroup per 64 rows (WARPS_N = 1)");
+static_assert(!DUAL || (EPI == 1 && OUT_T != 0 && NCODE <= 8 && BN % 32 == 0 && NT % 4 == 0),
+              "dual output: the fp16 / bf16 epilogue, OB <= 3, whole 32-column words a warp");
 static_assert(CONS == 1 || (TMA && CONS == 2 && CM * CN == 1 && STAGES % 2 == 0 && STAGES >= 4),
               "two consumer groups: the TMA kernel without clusters, an even number (>= 4) of stages");
 static_assert(!CONV || !TMA || (CS == 1 && CONS == 1 && STAGES >= 3),
@@ -680,6 +686,15 @@ __device__ float code_threshold(int i, float s) {  // T_i, 1 <= i < 2^OB
     return key_float(hi);
 }
 
+// The stored code pattern of y from the float thresholds T_1 .. T_{2^OB - 1} (code_threshold): its index is the count
+// of thresholds y reaches (NaN none), two's complement flips the index's top bit (code_index inverted).
+__device__ __forceinline__ u32 code_pattern(float y, const float* T) {
+    u32 idx = 0;
+#pragma unroll
+    for (int i = 1; i < NCODE; ++i) idx += y >= T[i] ? 1u : 0u;
+    return OENC == 0 ? idx ^ (u32)(NCODE / 2) : idx;
+}
+
 // y of an output whose int32 value is C: ((float(C) * rs) * cs) + bias, one IEEE rounding each (no FMA
 // contraction), then ReLU or LeakyReLU (y < 0 -> slope * y, one multiply; NaN stays NaN, as torch).
 __device__ __forceinline__ float y_of(int cv, float rs, float cs, float bi, bool has_bias, bool relu, float slope) {
@@ -801,7 +816,9 @@ bmma_gemm(
           float slope,                          // relu: y < 0 -> slope * y (0: ReLU; else LeakyReLU)
           // TCP_CONV: the convolution (ConvGeo; A is then the (P, N*H*W, Kin) input planes); ignored otherwise
           int cv_H, int cv_W, int cv_Kin, int cv_CWT, int cv_S, int cv_RS, int cv_sh, int cv_sw, int cv_ph,
-          int cv_pw, int cv_dh, int cv_dw, int cv_PQ, int cv_Q, long long cv_plane) {
+          int cv_pw, int cv_dh, int cv_dw, int cv_PQ, int cv_Q, long long cv_plane,
+          u32* __restrict__ dual_out,  // TCP_DUAL: (OB, M, ldp) planes of the stored float output (out_scale, OENC)
+          int ldp) {
     extern __shared__ __align__(128) unsigned char smem[];
     [[maybe_unused]] const ConvGeo geo{cv_H, cv_W, cv_Kin, cv_CWT, cv_S, cv_RS, cv_sh, cv_sw, cv_ph, cv_pw,
                                        cv_dh, cv_dw, cv_PQ, cv_Q, cv_plane};
@@ -893,6 +910,11 @@ bmma_gemm(
         };
         // a tile inside M x N (with an even row pitch for the paired stores) stores without bounds checks
         const bool interior = m0 + BM <= M && n0 + BN <= N && (ldo & 1) == 0;
+        [[maybe_unused]] float dthr[DUAL ? NCODE : 1];  // TCP_DUAL: the planes' thresholds in registers
+        if (DUAL) {
+#pragma unroll
+            for (int i = 1; i < NCODE; ++i) dthr[i] = s_thr[i];
+        }
         if (EPI == 1 && OUT_T != 0 && NT % 4 == 0 && interior && (ldo & 7) == 0) {
             // 16-bit output inside M x N: a lane's fragment pair is 4 bytes, half a 32-byte sector, and the
             // fp16 epilogue was bound by L2 store transactions.  The quad transposes its pairs of 4 MMA tiles
@@ -947,6 +969,27 @@ bmma_gemm(
                             }
                         }
                         *reinterpret_cast<uint4*>(orow + (4 * q + t) * 8) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
+                        if (DUAL) {  // lane t has columns 8 t .. 8 t + 7 of the quad's 32: one word a plane
+                            u32 bits[OB];
+#pragma unroll
+                            for (int b = 0; b < OB; ++b) bits[b] = 0;
+#pragma unroll
+                            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                                for (int e = 0; e < 2; ++e) {
+                                    const u32 c = code_pattern(out_of16((unsigned short)(pk[j] >> (16 * e))), dthr);
+#pragma unroll
+                                    for (int b = 0; b < OB; ++b) bits[b] |= ((c >> b) & 1u) << (2 * j + e);  // constant
+                                }
+                            const int gw = (n0 + wn * (NT * 8)) / 32 + q;
+#pragma unroll
+                            for (int b = 0; b < OB; ++b) {
+                                bits[b] <<= 8 * t;  // the lane's byte of the word
+                                u32 v = bits[b] | __shfl_xor_sync(0xffffffffu, bits[b], 1);
+                                v |= __shfl_xor_sync(0xffffffffu, v, 2);
+                                if (t == b % 4 && gw < ldp) dual_out[(i64)b * M * ldp + (i64)(m0 + rl) * ldp + gw] = v;
+                            }
+                        }
                     }
                 }
             return;
@@ -986,6 +1029,44 @@ bmma_gemm(
                             }
                         }
                     }
+            if (DUAL) {  // (a tile N or M cuts) the planes of the stored values, recomputed: the packed epilogue's words
+                const int t = lane & 3;
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int rl = wm * (MT * 16) + mt * 16 + (lane >> 2) + h * 8, r = m0 + rl;
+#pragma unroll
+                        for (int wg = 0; wg < NT / 4; ++wg) {
+                            u32 bits[OB];
+#pragma unroll
+                            for (int b = 0; b < OB; ++b) bits[b] = 0;
+#pragma unroll
+                            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                                for (int e = 0; e < 2; ++e) {
+                                    const int nt = 4 * wg + j, cl = wn * (NT * 8) + nt * 8 + 2 * t + e, c = n0 + cl;
+                                    if (r >= M || c >= N) continue;
+                                    float y = y_value(c_value(mt, nt, 2 * h + e, s_rt[rl], s_ct[cl]), s_rs[rl], s_cs[cl],
+                                                      s_bias[cl]);
+                                    if (RES) {
+                                        const float rv = out_of16(((const unsigned short*)residual)[(i64)r * ldo + c]);
+                                        y = residual_sum(y, rv, relu != 0, slope);
+                                    }
+                                    const u32 code = code_pattern(rd_out(y), dthr);
+#pragma unroll
+                                    for (int b = 0; b < OB; ++b) bits[b] |= ((code >> b) & 1u) << (8 * j + 2 * t + e);
+                                }
+                            const int gw = (n0 + wn * (NT * 8)) / 32 + wg;
+#pragma unroll
+                            for (int b = 0; b < OB; ++b) {
+                                u32 v = bits[b] | __shfl_xor_sync(0xffffffffu, bits[b], 1);
+                                v |= __shfl_xor_sync(0xffffffffu, v, 2);
+                                if (t == b % 4 && r < M && gw < ldp) dual_out[(i64)b * M * ldp + (i64)r * ldp + gw] = v;
+                            }
+                        }
+                    }
+            }
             return;
         }
         // EPI == 2: codes straight from the accumulator registers into bit-plane words.  A 32-column word of
@@ -1261,7 +1342,7 @@ bmma_gemm(
                 mma_sync_all(grp);
             }
         };
-        if (EPI == 2)  // the code thresholds, visible after the first tile's barrier
+        if (EPI == 2 || DUAL)  // the code thresholds, visible after the first tile's barrier
             for (int i = wtid + 1; i < NCODE; i += STAGERS) s_thr[i] = code_threshold(i, out_scale[0]);
         const int slab = cwarp >> 2;
         auto release = [&](int g) {  // one arrival per warp on step g's "empty" barrier in every cluster block
@@ -1326,7 +1407,7 @@ bmma_gemm(
             const int i = tid + j * THREADS;
             if (i < VEC_N) s_vec[i] = vec[j];
         }
-        if (EPI == 2)
+        if (EPI == 2 || DUAL)
             for (int i = tid + 1; i < NCODE; i += THREADS) s_thr[i] = code_threshold(i, out_scale[0]);
     };
     zero_acc();

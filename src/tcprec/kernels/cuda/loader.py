@@ -179,6 +179,7 @@ class Variant:
     out_encoding: str = "unsigned"
     conv: bool = False  # implicit-GEMM convolution: A gathered from NHWC input planes (bmma_gemm.cu, TCP_CONV)
     res: bool = False  # the float epilogue adds a residual before the activation (bmma_gemm.cu, TCP_RES)
+    dual: bool = False  # the 16-bit float output and its out_bits planes, compact rows (bmma_gemm.cu, TCP_DUAL)
 
     def __post_init__(self):
         for name, v in (("p", self.p), ("q", self.q)):
@@ -227,6 +228,12 @@ class Variant:
                              "32-column words a warp (bn / warps_n a multiple of 32)")
         if self.res and self.epilogue != "float":
             raise ValueError(f"a residual is added by the float epilogue only, not epilogue={self.epilogue!r}")
+        if self.dual and (self.epilogue != "float" or self.out_dtype == "float32" or self.out_bits > 3
+                          or t.bn % 32 or (t.bn // t.warps_n) % 32):
+            raise ValueError(f"tile {t}: the dual output (a float16 / bfloat16 output and its planes) needs the float "
+                             f"epilogue of a 16-bit dtype, planes of <= 3 bits, and whole 32-column words a warp "
+                             f"(bn / warps_n a multiple of 32), got epilogue={self.epilogue!r} "
+                             f"out_dtype={self.out_dtype!r} out_bits={self.out_bits}")
         if self.smem_bytes > _MAX_SMEM:
             raise ValueError(f"tile {t} needs {self.smem_bytes} bytes of shared memory, more than {_MAX_SMEM}")
 
@@ -252,7 +259,7 @@ class Variant:
         align = 1024 if t.mma == "wgmma" else 0  # the kernel aligns its tiles to 1024 bytes
         # the epilogue's row / column vectors (bmma_gemm.cu VEC_OFF), and the packed epilogue's code thresholds
         # (+ the integer threshold words of OB <= 3: 2^OB a column)
-        codes = (1 << self.out_bits) if self.epilogue == "packed" else 0
+        codes = (1 << self.out_bits) if self.epilogue == "packed" or self.dual else 0
         per = 2 * t.bm + 3 * t.bn + codes + (codes * t.bn if self.int_thresholds else 0)
         barriers = 2 * t.stages * 8 if t.tma else 0  # TMA: the "full" and "empty" mbarriers (BAR_OFF)
         base = align + -(-pipe // 16) * 16
@@ -275,13 +282,14 @@ class Variant:
             f"TCP_CM={t.cluster[0]}", f"TCP_CN={t.cluster[1]}", f"TCP_CONS={t.cons}", f"TCP_EPI={epi}",
             f"TCP_OUT_T={_OUT_T[self.out_dtype]}",
             f"TCP_OB={self.out_bits}", f"TCP_OENC={_OENC[self.out_encoding]}", f"TCP_SMEM={self.smem_bytes}",
-            f"TCP_CONV={int(self.conv)}", f"TCP_RES={int(self.res)}",
+            f"TCP_CONV={int(self.conv)}", f"TCP_RES={int(self.res)}", f"TCP_DUAL={int(self.dual)}",
         ]
 
     def __str__(self) -> str:
         sign = ("s" if self.a_twos else "u") + ("s" if self.w_twos else "u")
         epi = {"int32": "i32", "float": self.out_dtype, "packed": f"{self.out_encoding}{self.out_bits}"}[self.epilogue]
-        return f"a{self.p}w{self.q}{sign}_{self.tile}_{epi}" + "_conv" * self.conv + "_res" * self.res
+        return (f"a{self.p}w{self.q}{sign}_{self.tile}_{epi}" + "_conv" * self.conv + "_res" * self.res
+                + f"_dual{self.out_encoding}{self.out_bits}" * self.dual)
 
 
 def _warp_tiles(p: int, q: int, nc: int) -> tuple[int, int]:
@@ -678,7 +686,8 @@ def conv_args(conv, a_planes) -> tuple:
 
 def launch_bmma(variant: Variant, a_planes, w_planes, out, M: int, N: int, Kw: int, ldo: int, *, ss: int = 1,
                 relu: bool = False, row_term=None, col_term=None, row_scale=None, col_scale=None, bias=None,
-                out_scale=None, leaky_slope: float = 0.0, pdl: bool = True, conv=None, residual=None) -> None:
+                out_scale=None, leaky_slope: float = 0.0, pdl: bool = True, conv=None, residual=None,
+                dual_out=None) -> None:
     """Launch ``variant`` on the current stream of ``out``'s device.  Every tensor must already be
     contiguous, on that device, of the kernel's dtype (see bmma_gemm.cu's parameter list).  The packed
     epilogue of OB <= 3 bits without a row scale first computes its integer threshold words
@@ -707,6 +716,8 @@ def launch_bmma(variant: Variant, a_planes, w_planes, out, M: int, N: int, Kw: i
         raise ValueError(f"variant {variant} {'needs' if variant.conv else 'takes no'} convolution geometry (conv=)")
     if variant.res != (residual is not None):
         raise ValueError(f"variant {variant} {'needs' if variant.res else 'takes no'} residual (residual=)")
+    if variant.dual != (dual_out is not None):
+        raise ValueError(f"variant {variant} {'needs' if variant.dual else 'takes no'} planes (dual_out=)")
     maps = ()
     if t.tma:  # the implicit convolution gathers A itself: W's map stands in for A's
         w_map = tensor_map(w_planes, t.bn // t.cluster[0])
@@ -714,7 +725,8 @@ def launch_bmma(variant: Variant, a_planes, w_planes, out, M: int, N: int, Kw: i
     launch(stream, cfg, kernel, *maps, _ptr(a_planes), _ptr(w_planes), _ptr(out), _ptr(row_term), _ptr(col_term),
            _ptr(row_scale), _ptr(col_scale), _ptr(bias), _ptr(out_scale), _ptr(col_thr), _ptr(residual),
            np.int32(M), np.int32(N), np.int32(Kw), np.int32(ldo), np.int32(ss), np.int32(int(relu)),
-           np.float32(leaky_slope), *conv_args(conv, a_planes))
+           np.float32(leaky_slope), *conv_args(conv, a_planes), _ptr(dual_out),
+           np.int32(dual_out.shape[2] if dual_out is not None else 0))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -747,14 +759,14 @@ def packed_tile(t: Tile) -> Tile:
 
 @functools.lru_cache(maxsize=4096)
 def _variant_for(p, q, a_twos, w_twos, M, N, out_kind, out_bits, out_encoding, tile, sm_count, arch,
-                 kw: Optional[int] = None, conv: bool = False, res: bool = False) -> Variant:
+                 kw: Optional[int] = None, conv: bool = False, res: bool = False, dual: bool = False) -> Variant:
     """The variant one call launches (memoised: the host path stays a few microseconds)."""
     epi = {"int32": "int32", "packed": "packed"}.get(out_kind, "float")
     t = parse_tile(tile) if tile else pick_tile(p, q, a_twos, w_twos, M, N, sm_count, arch, epi, kw)
-    if epi == "packed":
+    if epi == "packed" or dual:
         t = packed_tile(t)
     return Variant(p, q, a_twos, w_twos, t, epi, out_kind if epi == "float" else "float32", out_bits, out_encoding,
-                   conv, res)
+                   conv, res, dual)
 
 
 def conv_rows(a_planes, conv) -> int:
@@ -797,6 +809,7 @@ def _bmma_gemm(
     conv: Optional[list[int]] = None,  # implicit-GEMM convolution: (H, W, P, Q, R, S, sh, sw, ph, pw, dh, dw, CWT)
     residual: Optional[torch.Tensor] = None,  # float epilogue: (M, N) of the output dtype, added before the act
     out_compact: bool = False,  # packed: rows of ceil(N / 32) words, without the padding to 512 bits
+    dual_out: Optional[torch.Tensor] = None,  # float16 / bfloat16: also (out_bits, M, ceil(N / 32)) int32 planes
 ) -> torch.Tensor:
     """C = a @ w.T on the binary tensor cores (see bmma_gemm.cu for the exact contract).  Registered as the
     custom op ``torch.ops.tcprec.bmma_gemm``; :func:`gemm_entry` gives eager callers this function itself.
@@ -812,7 +825,12 @@ def _bmma_gemm(
 
     With ``out_compact`` (out_kind "packed") the planes' rows are ceil(N / 32) words, not padded to 512 bits: what a
     convolution that gathers its input windows (im2col, implicit GEMM) reads, for a fraction of the stores (N = 64:
-    2 words a row instead of 16, 14 of them zeros)."""
+    2 words a row instead of 16, 14 of them zeros).
+
+    With ``dual_out`` (out_kind float16 / bfloat16, ``out_bits`` <= 3): the epilogue also writes the stored values'
+    codes of ``out_bits`` / ``out_encoding`` / ``out_scale`` into ``dual_out``, planes ``(out_bits, M, ceil(N / 32))``
+    int32 in compact rows -- ``quantize_pack`` of the output, bit for bit, without reading it again (a ResNet block's
+    output: the float for the next block's add, the planes for its convolutions)."""
     if a_planes.device.type != "cuda" or w_planes.device.type != "cuda":
         raise ValueError(f"bmma_gemm runs on CUDA tensors, got a_planes on {a_planes.device} and w_planes on "
                          f"{w_planes.device}; move both to the GPU or use the reference backend")
@@ -832,6 +850,8 @@ def _bmma_gemm(
         raise ValueError(f"out_kind must be one of {OUT_KINDS}, got {out_kind!r}")
     if out_compact and out_kind != "packed":
         raise ValueError(f"out_compact=True shapes packed planes: out_kind must be 'packed', got {out_kind!r}")
+    if dual_out is not None:
+        _check_dual(dual_out, out_kind, out_bits, out_scale, conv_rows(a_planes, conv), N, a_planes.device)
     shape, dtype = _out_shape(a_planes, w_planes, out_kind, out_bits, conv, out_compact)
     if residual is not None:
         residual = _check_residual(residual, shape, dtype, out_kind, a_planes.device)
@@ -844,11 +864,29 @@ def _bmma_gemm(
     if M == 0 or N == 0:
         return out
     variant = _variant_for(p, q, a_twos, w_twos, M, N, out_kind, out_bits, out_encoding, tile,
-                           *_sm_count(a_planes.device), Kw, conv is not None, residual is not None)
+                           *_sm_count(a_planes.device), Kw, conv is not None, residual is not None, dual_out is not None)
     launch_bmma(variant, a_planes.contiguous(), w_planes.contiguous(), out, M, N, Kw, ldo, ss=ss, relu=relu,
                 row_term=row_term, col_term=col_term, row_scale=row_scale, col_scale=col_scale, bias=bias,
-                out_scale=out_scale, leaky_slope=leaky_slope, pdl=pdl, conv=conv, residual=residual)
+                out_scale=out_scale, leaky_slope=leaky_slope, pdl=pdl, conv=conv, residual=residual,
+                dual_out=dual_out)
     return out
+
+
+def _check_dual(dual_out, out_kind: str, out_bits: int, out_scale, M: int, N: int, device) -> None:
+    """The dual output's planes: int32 (out_bits, M, ceil(N / 32)) contiguous on the operands' device, next to a
+    16-bit float output, with the planes' scale."""
+    want = (out_bits, M, -(-N // 32))
+    if out_kind not in ("float16", "bfloat16") or not 1 <= out_bits <= 3:
+        raise ValueError(f"dual_out (the output's planes next to it) needs out_kind 'float16' or 'bfloat16' and "
+                         f"out_bits 1..3, got out_kind={out_kind!r} out_bits={out_bits}")
+    if not isinstance(dual_out, torch.Tensor) or dual_out.dtype != torch.int32 or tuple(dual_out.shape) != want \
+            or not dual_out.is_contiguous() or dual_out.device != device:
+        got = (f"{dual_out.dtype} {tuple(dual_out.shape)} on {dual_out.device}" if isinstance(dual_out, torch.Tensor)
+               else type(dual_out).__name__)
+        raise ValueError(f"dual_out must be a contiguous int32 tensor (out_bits, M, ceil(N / 32)) = {want} on {device}, "
+                         f"got {got}")
+    if out_scale is None:
+        raise ValueError("dual_out needs out_scale (the planes' scale: the next layer's activation scale)")
 
 
 def _check_residual(residual: torch.Tensor, shape: tuple, dtype: torch.dtype, out_kind: str,
@@ -885,15 +923,53 @@ def check_conv(a_planes, w_planes, conv) -> None:
                          "pass padded input planes (packed_words rows) or use the im2col route")
 
 
-bmma_gemm = torch.library.custom_op("tcprec::bmma_gemm", _bmma_gemm, mutates_args=(), device_types="cuda")
+def _signature(fn, drop: tuple, returns: str):
+    """``fn``'s signature without the parameters ``drop``, returning ``returns`` (a custom op's schema)."""
+    import inspect
+
+    sig = inspect.signature(fn)
+    return sig.replace(parameters=[p for p in sig.parameters.values() if p.name not in drop], return_annotation=returns)
+
+
+def _bmma_gemm_op(*args, **kwargs) -> torch.Tensor:
+    return _bmma_gemm(*args, **kwargs)
+
+
+def _bmma_gemm_dual_op(*args, **kwargs) -> tuple:
+    """(out, planes): :func:`_bmma_gemm` with ``dual_out`` allocated, (out_bits, M, ceil(N / 32)) int32."""
+    planes = _dual_planes(*args, **kwargs)
+    return _bmma_gemm(*args, dual_out=planes, **kwargs), planes
+
+
+def _dual_planes(a_planes, w_planes, *args, conv=None, **kwargs) -> torch.Tensor:
+    bits = args[10] if len(args) > 10 else kwargs["out_bits"]
+    return a_planes.new_empty((bits, conv_rows(a_planes, conv), -(-w_planes.shape[1] // 32)), dtype=torch.int32)
+
+
+# the custom ops (what torch.compile records): the schema is _bmma_gemm's without dual_out, an output written in place,
+# which the dual op returns instead
+_bmma_gemm_op.__signature__ = _signature(_bmma_gemm, ("dual_out",), "torch.Tensor")
+_bmma_gemm_dual_op.__signature__ = _signature(_bmma_gemm, ("dual_out", "out_compact"), "tuple[torch.Tensor, torch.Tensor]")
+bmma_gemm = torch.library.custom_op("tcprec::bmma_gemm", _bmma_gemm_op, mutates_args=(), device_types="cuda")
+bmma_gemm_dual = torch.library.custom_op("tcprec::bmma_gemm_dual", _bmma_gemm_dual_op, mutates_args=(),
+                                         device_types="cuda")
+
+
+def _dual_through_op(*args, dual_out=None, **kwargs) -> torch.Tensor:
+    """torch.compile's spelling of a call with ``dual_out``: the dual op, its planes copied into ``dual_out``."""
+    if dual_out is None:
+        return torch.ops.tcprec.bmma_gemm(*args, **kwargs)
+    out, planes = torch.ops.tcprec.bmma_gemm_dual(*args, **kwargs)
+    dual_out.copy_(planes)
+    return out
 
 
 def gemm_entry() -> Callable:
-    """What a call of the bit-serial GEMM should go through: ``torch.ops.tcprec.bmma_gemm`` while torch.compile
-    traces (so the graph holds the custom op), else the implementation itself -- the custom-op dispatcher costs
-    10-25 us of host time a call, several times the kernel's ~2 us on small shapes (same arguments, same
-    result; CUDA-graph capture records the same launch either way)."""
-    return torch.ops.tcprec.bmma_gemm if torch.compiler.is_compiling() else _bmma_gemm
+    """What a call of the bit-serial GEMM should go through: the custom ops ``torch.ops.tcprec.bmma_gemm`` (and
+    ``bmma_gemm_dual`` for a call with ``dual_out``) while torch.compile traces (so the graph holds them), else the
+    implementation itself -- the custom-op dispatcher costs 10-25 us of host time a call, several times the kernel's
+    ~2 us on small shapes (same arguments, same result; CUDA-graph capture records the same launch either way)."""
+    return _dual_through_op if torch.compiler.is_compiling() else _bmma_gemm
 
 
 @bmma_gemm.register_fake
@@ -901,3 +977,11 @@ def _(a_planes, w_planes, a_twos, w_twos, ss, row_term, col_term, row_scale, col
       out_bits, out_encoding, out_scale, tile, leaky_slope=0.0, pdl=True, conv=None, residual=None, out_compact=False):
     shape, dtype = _out_shape(a_planes, w_planes, out_kind, out_bits, conv, out_compact)
     return a_planes.new_empty(shape, dtype=dtype)
+
+
+@bmma_gemm_dual.register_fake
+def _(a_planes, w_planes, a_twos, w_twos, ss, row_term, col_term, row_scale, col_scale, bias, relu, out_kind,
+      out_bits, out_encoding, out_scale, tile, leaky_slope=0.0, pdl=True, conv=None, residual=None):
+    shape, dtype = _out_shape(a_planes, w_planes, out_kind, out_bits, conv)
+    return (a_planes.new_empty(shape, dtype=dtype),
+            a_planes.new_empty((out_bits, shape[0], -(-w_planes.shape[1] // 32)), dtype=torch.int32))
