@@ -296,6 +296,14 @@ def _fuse_residuals(gm: fx.GraphModule, records: dict) -> None:
         rec.fused = rec.fused + ("residual",) + ((act if isinstance(act, str) else "leaky",) if act else ())
 
 
+# A bit-serial ResNet block's output as the float and its planes from one epilogue ("planes+float") instead of the
+# float and a quantize_pack pass in each reader (False).  Measured on an H200 (session 19, w1a2 ResNet-18, same
+# process, benchmarks/results/net_dual_ab.json): batch 256 2.706 -> 2.667 ms, batch 8 0.399 -> 0.400 (even); alone the
+# dual epilogue costs about what the pass it saves does (benchmarks/results/net_passes.json: stage 0 at batch 256
+# 214.8 us against 147 + 55 us), so the gain is the launch and the second read of the float.
+BITSERIAL_DUAL = True
+
+
 def _gathers(m: QConv2d) -> bool:
     """Whether a bit-serial ``m`` reads its input planes through a window gather that takes compact rows (every conv
     but a 1x1 stride-1 unpadded one, whose planes are the GEMM operand: ``ops.qconv.compact_planes_ok``)."""
@@ -466,7 +474,7 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
                     if a.has_residual or r_users:
                         # the float too (a residual add reads it), or a block's add in the producer: the binary GEMM's
                         # epilogue writes the float output and its compact planes ("planes+float", <= 3 bits)
-                        if kind_of(a) != "bitserial" or not gather or b.a_fmt.bits > 3 \
+                        if not BITSERIAL_DUAL or kind_of(a) != "bitserial" or not gather or b.a_fmt.bits > 3 \
                                 or a.out_dtype not in (torch.float16, torch.bfloat16):
                             continue
                         a.chain_to(b, "planes+float")
