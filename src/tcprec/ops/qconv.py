@@ -64,14 +64,17 @@ is bit-identical to the unfused one::
     y = act(rd(float32(rd(float32(C) * col[k] + bias[k])) + float32(residual)))   rd: round to out_dtype
 
 on the INT8 and FP8 kernels (one IEEE add in the Triton epilogue), on the bit-serial GEMM's float epilogue (float
-output: ``bmma_gemm.cu`` TCP_RES; a packed or dual output raises) and on the torch epilogues (``reference``, the INT8
-im2col route).  ``out_layout="int8+float"``
+output: ``bmma_gemm.cu`` TCP_RES, also with its planes as below; a packed-only output raises) and on the torch
+epilogues (``reference``, the INT8 im2col route).  ``out_layout="int8+float"``
 (integer ``out_fmt``): the *dual* output, an :class:`Int8Activation` whose ``hp`` is the float result in
 ``out_dtype`` and whose codes are that float's (what :func:`quantize_int8_static` would give from it) -- a
 block output feeding both the next residual add and the next INT8 convs, from one pass.  With a residual,
 ``out_layout="int8"`` quantizes the sum rounded to ``out_dtype`` as well.  ``out_layout="fp8+float"`` (e4m3 / e5m2
 ``out_fmt``): the FP8 twin, an :class:`Fp8Activation` (the float8 ``QTensor`` of the next FP8 convs and the float
-``hp``; ``conv_fwd`` OUT_MODE 5 on the INT8 and FP8 kernels).
+``hp``; ``conv_fwd`` OUT_MODE 5 on the INT8 and FP8 kernels).  ``out_layout="planes+float"`` (integer ``out_fmt``
+of <= 3 bits, float16 / bfloat16 ``out_dtype``): the bit-serial twin, a :class:`PackedActivation` (compact planes of
+the stored float's codes, for the next bit-serial convs) with ``hp`` (the float, for the next block's add), from one
+epilogue (``bmma_gemm.cu`` TCP_DUAL; the ``reference`` backend writes the same codes).
 
 pm1 activations (``binary``, ``pmN``) have no zero, so they cannot stand for the zeros of spatial
 padding: the bit-serial kernel's pm1 correction assumes every one of the K terms is present.
@@ -1451,10 +1454,12 @@ def conv2d(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None, act=
     :class:`Int8Activation` with ``hp`` = the float result in ``out_dtype`` (its codes are that float's).
     ``out_layout="fp8+float"`` (e4m3 / e5m2 ``out_fmt``, INT8 / FP8 kernels or reference): an
     :class:`Fp8Activation`, the float result and the next FP8 layers' codes of it, from one epilogue.
+    ``out_layout="planes+float"`` (integer ``out_fmt``, bit-serial or reference): a :class:`PackedActivation` with
+    ``hp``, the float result and the next bit-serial layers' planes of it, from one epilogue.
 
     ``residual``: float NHWC ``(N, P, Q, K)`` in ``out_dtype`` on x's device, added before ``act`` as the
     unfused ``act(conv(...) + residual)`` adds it (module docstring): a ResNet block's last conv, its shortcut
-    add and ReLU in one kernel on the INT8 / FP8 backends (torch ops on ``reference``); ``bitserial`` raises.
+    add and ReLU in one kernel on the INT8 / FP8 / bit-serial backends (torch ops on ``reference``).
 
     ``fp8_fast_accum`` (float8 operands on the GPU): True keeps Hopper's narrow fp8 accumulator for the
     whole reduction; False promotes it into fp32 every BLOCK_K products (as cuBLAS does by default).
