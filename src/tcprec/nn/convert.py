@@ -304,15 +304,6 @@ def _fuse_residuals(gm: fx.GraphModule, records: dict) -> None:
 BITSERIAL_DUAL = True
 
 
-def _gathers(m: QConv2d) -> bool:
-    """Whether a bit-serial ``m`` reads its input planes through a window gather that takes compact rows (every conv
-    but a 1x1 stride-1 unpadded one, whose planes are the GEMM operand: ``ops.qconv.compact_planes_ok``)."""
-    from ..ops.qconv import compact_planes_ok
-
-    pointwise = m.kernel_size == (1, 1) and m.stride == (1, 1) and m.padding == (0, 0)
-    return not pointwise and compact_planes_ok(m.in_channels)
-
-
 def _set_module(root: nn.Module, name: str, new: nn.Module) -> None:
     parent, _, leaf = name.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, leaf, new)
@@ -470,7 +461,7 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
                     if any(kind_of(o) != kind or o.a_fmt != b.a_fmt or not torch.equal(o.in_scale, b.in_scale)
                            for o in others):
                         continue
-                    gather = all(_gathers(o) for o in [b] + others)
+                    gather = all(o.reads_compact for o in [b] + others)
                     if a.has_residual or r_users:
                         # the float too (a residual add reads it), or a block's add in the producer: the binary GEMM's
                         # epilogue writes the float output and its compact planes ("planes+float", <= 3 bits)

@@ -249,18 +249,21 @@ class QConv2d(_QBase):
             if x.dim() != 4 or x.shape[1] != self.in_channels:
                 raise ValueError(f"QConv2d expects (N, {self.in_channels}, H, W), got {tuple(x.shape)}")
             xn = x.permute(0, 2, 3, 1)  # NHWC (a view for channels_last input)
-            N, H, W, C = xn.shape
-            g = ConvGeometry(N, H, W, C, self.out_channels, *self.kernel_size, self.stride, self.padding,
-                             self.dilation)
-            # only a pointwise convolution multiplies its input planes themselves (whole 512-bit rows); the others
-            # gather windows (implicit GEMM), which need no padding words where a pixel is whole 16-byte chunks
-            x = _quantize_input(xn, self, compact=not g.is_pointwise and qc.compact_planes_ok(g.C))
+            x = _quantize_input(xn, self, compact=self.reads_compact)
         res = None if residual is None else self._residual_nhwc(residual, x.shape)
         y = qc.conv2d(x, self.weight, stride=self.stride, padding=self.padding, dilation=self.dilation,
                       scale=self.ch_scale, bias=self.ch_bias, act=self.act, pool=self.pool,
                       out_dtype=self.out_dtype, out_fmt=self.out_fmt, out_scale=self.out_scale,
                       out_layout=self.out_layout, backend=self.backend, residual=res)
         return y.permute(0, 3, 1, 2) if isinstance(y, torch.Tensor) else y  # NCHW view, channels_last memory
+
+    @property
+    def reads_compact(self) -> bool:
+        """Whether this conv takes bit-plane input in compact rows (no padding words): it gathers windows (im2col or
+        implicit GEMM) -- every conv but a 1x1 stride-1 unpadded one, whose planes are the GEMM operand as they are --
+        and ``ops.qconv.compact_planes_ok`` holds for its channels.  What its quantizer and a chained producer write."""
+        pointwise = self.kernel_size == (1, 1) and self.stride == (1, 1) and self.padding == (0, 0)
+        return not pointwise and qc.compact_planes_ok(self.in_channels)
 
     def _residual_nhwc(self, residual, x_nhwc: tuple) -> torch.Tensor:
         """The residual as NHWC (N, P, Q, K): the float an Int8Activation carries, or an NCHW tensor permuted
