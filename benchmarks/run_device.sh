@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks, logs and JSON under $OUT.
-# Usage (on the GPU machine, repo root): bash benchmarks/run_device.sh [tests|tests-all|tests-NAME|cast|solve-quick|solve-panel|solve-fused|solve|net|passes|emulate|chunk|convbwd|quant|host|tune-tma|tune-wgrad|tune-flat|fp8quant|cpd ...]
-# (net: NET_ARGS for tcprec bench net; emulate: EMU_ARGS; cpd: CPD_ARGS, needs .carry/fashion-mnist carried;
+# Usage (on the GPU machine, repo root): bash benchmarks/run_device.sh [tests|tests-all|tests-NAME|cast|solve-quick|solve-panel|solve-fused|solve|net|passes|layers|dual-ab|emulate|chunk|convbwd|quant|host|tune-tma|tune-wgrad|tune-flat|fp8quant|cpd ...]
+# (net: NET_ARGS for tcprec bench net; layers: PROF_ARGS for benchmarks/profile_net_layers_device.py; emulate: EMU_ARGS; cpd: CPD_ARGS, needs .carry/fashion-mnist carried;
 #  tune-wgrad / tune-flat: TUNE_ARGS for benchmarks/tune_wgrad_{tma,flat}_device.py, e.g. "--layers 2,6")
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TCPREC_CACHE_DIR="${TCPREC_CACHE_DIR:-/tmp/tcache}"
@@ -45,6 +45,8 @@ for step in "${@:-tests cast}"; do
                  2>&1 | tee "$OUT/bench_chunk.log" | grep -v '"diag"' | tail -40 ;;
         convbwd) timeout "${CONV_TIMEOUT:-540}" python3 benchmarks/bench_conv_bwd_device.py --precisions fp16,fp8 --batches 256,8 \
                  --rep-ms 40 --passes "${CONV_PASSES:-2}" --out-dir "$OUT" 2>&1 | tee "$OUT/conv_bwd.log" | tail -14 ;;
+        layers) timeout 400 python3 benchmarks/profile_net_layers_device.py ${PROF_ARGS:-} 2>&1 | tee "$OUT/net_layers.log" | tail -60 ;;
+        dual-ab) timeout 300 python3 benchmarks/bench_net_dual_ab_device.py --out "$OUT/net_dual_ab.json" 2>&1 | tail -4 ;;
         passes) timeout 240 python3 benchmarks/bench_net_passes_device.py --out "$OUT/net_passes.json" 2>&1 \
                 | tee "$OUT/net_passes.log" | tail -16 ;;
         quant) timeout 240 python3 benchmarks/bench_quant_passes_device.py --out "$OUT/quant_passes.json" 2>&1 \
