@@ -851,7 +851,7 @@ def _bmma_gemm(
     if out_compact and out_kind != "packed":
         raise ValueError(f"out_compact=True shapes packed planes: out_kind must be 'packed', got {out_kind!r}")
     if dual_out is not None:
-        _check_dual(dual_out, out_kind, out_bits, out_scale, conv_rows(a_planes, conv), N, a_planes.device)
+        _check_dual(dual_out, out_kind, out_bits, out_scale, M, N, a_planes.device)
     shape, dtype = _out_shape(a_planes, w_planes, out_kind, out_bits, conv, out_compact)
     if residual is not None:
         residual = _check_residual(residual, shape, dtype, out_kind, a_planes.device)
