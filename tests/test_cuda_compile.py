@@ -91,6 +91,15 @@ def _conv_variants():
         L.Variant(2, 1, False, False, L.SMALL_TILE, "float", "float32", res=True),
         L.Variant(2, 1, False, False, L.pick_tile(2, 1, False, False, 10**5, 10**5, arch="sm_80"), "float",
                   "float16", conv=True, res=True),
+        # the dual output (TCP_DUAL: the 16-bit float and its planes): a ResNet block's TMA tile with the residual, the
+        # small tile, a 128-wide TMA tile with pm1 planes in bf16, three-bit two's complement planes on mma.sync
+        L.Variant(2, 1, False, False, L.pick_tile(2, 1, False, False, 10**5, 64, arch="sm_90a"), "float", "float16", 2,
+                  res=True, dual=True),
+        L.Variant(2, 1, False, False, L.packed_tile(L.SMALL_TILE), "float", "float16", 2, res=True, dual=True),
+        L.Variant(2, 1, False, False, L.packed_tile(L.pick_tile(2, 1, False, False, 6272, 512, arch="sm_90a")), "float",
+                  "bfloat16", 2, "pm1", dual=True),
+        L.Variant(2, 1, False, False, L.packed_tile(L.pick_tile(2, 1, False, False, 10**5, 10**5, arch="sm_80")),
+                  "float", "float16", 3, "twos", res=True, dual=True),
     ]
 
 
@@ -130,7 +139,7 @@ def test_default_variants_do_not_spill(cache):
     from tcprec.kernels.cuda import loader as L
 
     seen_tma = 0
-    for v in _variants()[: len(DEFAULT_PAIRS)] + _variants()[-15:] + _sync_defaults():
+    for v in _variants()[: len(DEFAULT_PAIRS)] + _variants()[-19:] + _sync_defaults():
         _, log = L.compile_variant(v, "sm_90a")  # from the cache filled above (or compiled now)
         seen_tma += v.tile.tma
         assert _spill_bytes(log) == 0 and "0 bytes stack frame" in log, (str(v), log[-400:])
@@ -334,3 +343,27 @@ def test_panel_pivot_variant_choice_and_bad_input():
         P.PivotVariant(32, 3)
     with pytest.raises(ValueError, match=r"threads must be whole warps in \[160, 1024\], got threads=128"):
         P.PivotVariant(32, 1, 128)
+
+
+def test_dual_variants_and_custom_op_schemas():
+    """The dual output's variant rules (a 16-bit float epilogue, planes of <= 3 bits, whole 32-column words a warp),
+    its name, and the custom ops: tcprec::bmma_gemm takes no dual_out (an argument written in place), which
+    tcprec::bmma_gemm_dual returns instead."""
+    import torch
+
+    from tcprec.kernels.cuda import loader as L
+
+    t = L.packed_tile(L.SMALL_TILE)
+    v = L.Variant(2, 1, False, False, t, "float", "float16", 2, res=True, dual=True)
+    assert str(v).endswith("_res_dualunsigned2") and "TCP_DUAL=1" in v.defines()
+    for kw, bad in ((dict(epilogue="float", out_dtype="float32", out_bits=2), "float32"),
+                    (dict(epilogue="float", out_dtype="float16", out_bits=4), "out_bits=4"),
+                    (dict(epilogue="packed", out_dtype="float32", out_bits=2), "epilogue='packed'")):
+        with pytest.raises(ValueError, match=rf"the dual output .* needs the float epilogue of a 16-bit dtype.*{bad}"):
+            L.Variant(2, 1, False, False, t, dual=True, **kw)
+    with pytest.raises(ValueError, match=r"whole 32-column words a warp"):
+        L.Variant(2, 1, False, False, L.SMALL_TILE, "float", "float16", 2, dual=True)  # 16 columns a warp
+    main = str(torch.ops.tcprec.bmma_gemm.default._schema)
+    dual = str(torch.ops.tcprec.bmma_gemm_dual.default._schema)
+    assert "dual_out" not in main and "!" not in main and "out_compact" in main
+    assert "dual_out" not in dual and dual.endswith("-> (Tensor, Tensor)")
