@@ -915,6 +915,16 @@ bmma_gemm(
 #pragma unroll
             for (int i = 1; i < NCODE; ++i) dthr[i] = s_thr[i];
         }
+        // TCP_DUAL: the quad ORs its lanes' bits of one 32-column word of row r per plane (every lane takes part
+        // in the shuffles); lane b % 4 stores plane b's word
+        [[maybe_unused]] auto store_dual_word = [&](const u32* bits, int r, int gw) {
+#pragma unroll
+            for (int b = 0; b < OB; ++b) {
+                u32 v = bits[b] | __shfl_xor_sync(0xffffffffu, bits[b], 1);
+                v |= __shfl_xor_sync(0xffffffffu, v, 2);
+                if ((lane & 3) == b % 4 && r < M && gw < ldp) dual_out[(i64)b * M * ldp + (i64)r * ldp + gw] = v;
+            }
+        };
         if (EPI == 1 && OUT_T != 0 && NT % 4 == 0 && interior && (ldo & 7) == 0) {
             // 16-bit output inside M x N: a lane's fragment pair is 4 bytes, half a 32-byte sector, and the
             // fp16 epilogue was bound by L2 store transactions.  The quad transposes its pairs of 4 MMA tiles
@@ -981,14 +991,9 @@ bmma_gemm(
 #pragma unroll
                                     for (int b = 0; b < OB; ++b) bits[b] |= ((c >> b) & 1u) << (2 * j + e);  // constant
                                 }
-                            const int gw = (n0 + wn * (NT * 8)) / 32 + q;
 #pragma unroll
-                            for (int b = 0; b < OB; ++b) {
-                                bits[b] <<= 8 * t;  // the lane's byte of the word
-                                u32 v = bits[b] | __shfl_xor_sync(0xffffffffu, bits[b], 1);
-                                v |= __shfl_xor_sync(0xffffffffu, v, 2);
-                                if (t == b % 4 && gw < ldp) dual_out[(i64)b * M * ldp + (i64)(m0 + rl) * ldp + gw] = v;
-                            }
+                            for (int b = 0; b < OB; ++b) bits[b] <<= 8 * t;  // the lane's byte of the word
+                            store_dual_word(bits, m0 + rl, (n0 + wn * (NT * 8)) / 32 + q);
                         }
                     }
                 }
@@ -1057,13 +1062,7 @@ bmma_gemm(
 #pragma unroll
                                     for (int b = 0; b < OB; ++b) bits[b] |= ((code >> b) & 1u) << (8 * j + 2 * t + e);
                                 }
-                            const int gw = (n0 + wn * (NT * 8)) / 32 + wg;
-#pragma unroll
-                            for (int b = 0; b < OB; ++b) {
-                                u32 v = bits[b] | __shfl_xor_sync(0xffffffffu, bits[b], 1);
-                                v |= __shfl_xor_sync(0xffffffffu, v, 2);
-                                if (t == b % 4 && r < M && gw < ldp) dual_out[(i64)b * M * ldp + (i64)r * ldp + gw] = v;
-                            }
+                            store_dual_word(bits, r, (n0 + wn * (NT * 8)) / 32 + wg);
                         }
                     }
             }

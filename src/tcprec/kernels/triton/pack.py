@@ -296,6 +296,8 @@ def _quantize_codes(x, scale, LO: tl.constexpr, HI: tl.constexpr, OFFSET: tl.con
 # first version quantized and summed all 16 words of a 64-channel row (14 of them padding): compute-bound
 # (ncu: SM 83%, DRAM 4.5%), 0.89 ms for ResNet-18's 256x56x56x64 activations, 18x a copy of the bytes.
 TILE_CODES = 4096
+POOL_PROGRAMS = 512  # pool_planes: the programs to aim for on a small map (a few per SM) ...
+POOL_MIN_ROWS = 16  # ... with row blocks no smaller than this
 MAX_BLOCK_W = 8
 
 
@@ -444,9 +446,12 @@ def pool_planes(planes: torch.Tensor, shape: tuple, pool_stride: int, bits: int,
     out = torch.empty((bits, R, Kw), dtype=torch.int32, device=planes.device)
     if out.numel() == 0:
         return out
-    sliced = bits <= 2  # bit-sliced words (4096 a program), else one code a lane (TILE_CODES a program)
+    sliced = bits <= 2  # bit-sliced words (up to 4096 a program), else one code a lane (TILE_CODES a program)
     bw = min(next_power_of_2(Kw), 16 if sliced else MAX_BLOCK_W)  # (compact rows: any Kw)
     br = 4096 // bw if sliced else max(1, TILE_CODES // (32 * bw))
+    # small maps get smaller row blocks, down to POOL_MIN_ROWS, so that there are POOL_PROGRAMS programs: a batch-8
+    # AlexNet / VGG pool ran on 3 / 13 programs and took 26 / 31 us for 1-2 KB of output (H200, session 20)
+    br = max(min(br, POOL_MIN_ROWS), min(br, next_power_of_2(cdiv(R, POOL_PROGRAMS))))
     _pool_planes_kernel[(cdiv(R, br), cdiv(Kw, bw))](
         planes, out, R, Kw, P, Q, PO, QO,
         planes.stride(0), planes.stride(1), out.stride(0), out.stride(1),
