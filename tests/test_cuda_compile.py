@@ -64,6 +64,16 @@ def _variants():
         # ping-pong: two consumer groups on alternate tiles
         L.Variant(2, 1, False, False, L.parse_tile("64x128_w4x1_s6_k1024_wg_tma_pp"), "packed", out_bits=2),
         L.Variant(2, 1, False, False, L.parse_tile("64x128_w4x1_s6_k1024_wg_tma_pp"), "float", "float16"),
+        # split-K (TCP_SPLIT) as pick_tile takes it for a linear layer at batch 8, with the residual and dual planes,
+        # on a cp.async wgmma tile; the small packed tile of batch-8 convolutions
+        L.Variant(2, 1, False, False, L.pick_tile(2, 1, False, False, 8, 4096, arch="sm_90a", kw=784), "float",
+                  "float16"),
+        L.Variant(2, 1, False, False, L.parse_tile("32x32_w2x1_s2_k1024_sk4"), "float", "float16", 2, res=True,
+                  dual=True),
+        L.Variant(2, 2, True, True, L.parse_tile("128x64_w8x1_s3_k1024_wg_sk2"), "packed", out_bits=2,
+                  out_encoding="twos"),
+        L.Variant(2, 1, False, False, L.pick_tile(2, 1, False, False, 6272, 128, arch="sm_90a", epilogue="packed",
+                                                  kw=48), "packed", out_bits=2),
     ]
     return vs + _conv_variants()
 
@@ -237,6 +247,30 @@ def test_ping_pong_tiles():
     for bad in ("64x128_w4x1_s5_k1024_wg_tma_pp", "64x128_w4x1_s6_k1024_wg_pp", "64x128_w4x1_s6_k1024_wg_tma_c2x1_pp"):
         with pytest.raises(ValueError, match="two consumer groups"):
             L.Variant(2, 1, tile=L.parse_tile(bad))
+
+
+def test_split_k_tiles_and_choice():
+    from tcprec.kernels.cuda import loader as L
+
+    t = L.parse_tile("32x32_w2x2_s2_k1024_sk4")
+    assert t.split == 4 and str(t) == "32x32_w2x2_s2_k1024_sk4" and L.parse_tile(str(t)) == t
+    v = L.Variant(2, 1, tile=t, epilogue="float", out_dtype="float16")
+    assert "TCP_SPLIT=1" in v.defines() and "TCP_SPLIT=0" in L.Variant(2, 1, tile=L.SMALL_TILE).defines()
+    for bad, kw in (("128x128_w8x1_s4_k1024_wg_tma_sk2", {}), ("32x32_w2x2_s2_k1024_sk2", {"conv": True}),
+                    ("32x32_w2x2_s2_k1024_sk0", {})):
+        with pytest.raises(ValueError, match="split-K"):
+            L.Variant(2, 1, tile=L.parse_tile(bad), **kw)
+    # a linear layer at batch 8 (one row tile) with a long K splits; short K, more row tiles, or a conv do not
+    pick = lambda M, N, kw, e="float": L.pick_tile(2, 1, False, False, M, N, 132, "sm_90a", e, kw)  # noqa: E731
+    assert pick(8, 4096, 784).split == L.SPLIT_MAX and pick(8, 512, 784).split == L.SPLIT_MAX
+    assert pick(8, 4096, 128).split == 1 and pick(8, 4096, 392).split == 1  # 4 and 13 K steps
+    assert pick(392, 512, 144).split == 1
+    assert L._variant_for(2, 1, False, False, 8, 4096, "float16", 2, "unsigned", "", 132, "sm_90a", 784,
+                          True).tile.split == 1
+    # batch-8 convolutions' packed output: the 32 x 64 small tile; one row tile or float output keep 32 x 32
+    assert pick(6272, 128, 48, "packed") == L.SMALL_PACKED_TILE and pick(8, 128, 48, "packed").bn == 32
+    assert pick(6272, 128, 48) == L.SMALL_TILE
+    assert L.pick_tile(8, 8, False, False, 6272, 128, 132, "sm_90a", "packed", 48).bn == 32  # 15 classes: registers
 
 
 def test_folded_tiles():

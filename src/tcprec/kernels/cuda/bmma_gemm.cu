@@ -108,6 +108,7 @@
 //   TCP_SMEM                the dynamic shared memory the host allocates (checked against the layout)
 //   TCP_CONV                1: implicit-GEMM convolution (below)
 //   TCP_RES                 1: the float epilogue adds a residual before the activation (above)
+//   TCP_SPLIT               1: split-K (cp.async paths, no TCP_CONV; below)
 //
 // Implicit-GEMM convolution (TCP_CONV = 1).  A is not a matrix but the NHWC input planes (P, N*H*W, Kin) of a
 // convolution, gathered as the loads go: GEMM row m = (n, p, q) is output pixel m, and K word kw = tap * CWT + wi
@@ -124,6 +125,17 @@
 // costs 261 us); with the row sums from two small passes (window_rowsums) it wins where the taps need no padding
 // words, the output has <= 2 column tiles and the GEMM >= 4 tiles an SM (VGG 256x256@56 885 -> 766 us a layer), and
 // ops/qconv takes it exactly there (qconv.BITSERIAL_IMPLICIT = "auto").
+
+// Split-K (TCP_SPLIT = 1; the cp.async paths without TCP_CONV).  For problems of few tiles and a long K (a linear layer
+// at batch 8: 128 tiles of 32 x 32 walking 25 1024-bit steps each, one after another, bound by each step's load
+// latency), `splits` blocks share a tile, block b of the grid taking tile b % tiles and the (b / tiles)-th run of K
+// steps.  Each adds its weighted sum S (before ss, the row / column terms and the epilogue) into the int32 workspace
+// split_ws (SPLIT_COUNTERS arrival counters, one a tile, then M x N sums; all zero on entry) with atomicAdd and counts
+// its arrival; the block that arrives last (threadfence-reduction pattern) reads the totals from L2, zeroes them and
+// its counter for the next launch, and runs the epilogue.  Integer sums are exact in any order, so the result is the
+// unsplit kernel's bit for bit.  Measured (session 20, H200): scattered 4-byte atomics cost ~15 us per million, so
+// split-K pays only for small outputs (the loader splits one-row-tile GEMMs); per-run slices that the last block adds
+// up were slower there (its dependent reads: VGG's 25088 -> 4096 at batch 8, 4 runs, 17.9 us against 13.7).
 
 #ifndef TCP_P
 #define TCP_P 2
@@ -197,6 +209,12 @@
 #ifndef TCP_DUAL
 #define TCP_DUAL 0
 #endif
+#ifndef TCP_SPLIT
+#define TCP_SPLIT 0
+#endif
+#ifndef TCP_SPLIT_COUNTERS
+#define TCP_SPLIT_COUNTERS 4096
+#endif
 #ifndef TCP_CONV_NOINC
 #define TCP_CONV_NOINC 0
 #endif
@@ -213,7 +231,10 @@ constexpr int BM = TCP_BM, BN = TCP_BN, WARPS_M = TCP_WARPS_M, WARPS_N = TCP_WAR
 constexpr int STAGES = TCP_STAGES, EPI = TCP_EPI, OUT_T = TCP_OUT_T, OB = TCP_OB, OENC = TCP_OENC;
 constexpr bool RES = TCP_RES != 0;
 static_assert(!RES || EPI == 1, "a residual is added by the float epilogue only");
+static_assert(!(TCP_SPLIT != 0 && (TCP_TMA != 0 || TCP_CONV != 0)), "split-K: the cp.async paths without TCP_CONV");
 constexpr bool DUAL = TCP_DUAL != 0;  // the 16-bit float output and, of the same values, OB-bit planes (compact rows)
+constexpr bool SPLIT = TCP_SPLIT != 0;  // split-K: `splits` blocks a tile, int32 partial sums added in split_ws
+constexpr int SPLIT_COUNTERS = TCP_SPLIT_COUNTERS;  // split-K: the arrival counters (one a tile) before the sums
 constexpr bool TMA = TCP_TMA != 0;
 constexpr bool CONV = TCP_CONV != 0;  // implicit-GEMM convolution: A gathered from NHWC planes
 // conv on TMA: (0, the default) each gathering thread waits for its copies RING - 2 steps later, fences them for the
@@ -818,7 +839,9 @@ bmma_gemm(
           int cv_H, int cv_W, int cv_Kin, int cv_CWT, int cv_S, int cv_RS, int cv_sh, int cv_sw, int cv_ph,
           int cv_pw, int cv_dh, int cv_dw, int cv_PQ, int cv_Q, long long cv_plane,
           u32* __restrict__ dual_out,  // TCP_DUAL: (OB, M, ldp) planes of the stored float output (out_scale, OENC)
-          int ldp) {
+          int ldp,
+          int* __restrict__ split_ws,  // TCP_SPLIT: a counter a tile, then M x N sums (all zero on entry and exit)
+          int splits) {                // TCP_SPLIT: blocks a tile (K runs)
     extern __shared__ __align__(128) unsigned char smem[];
     [[maybe_unused]] const ConvGeo geo{cv_H, cv_W, cv_Kin, cv_CWT, cv_S, cv_RS, cv_sh, cv_sw, cv_ph, cv_pw,
                                        cv_dh, cv_dw, cv_PQ, cv_Q, cv_plane};
@@ -901,8 +924,12 @@ bmma_gemm(
         // C of accumulator element [mt][nt][e4] with its row and column terms (unsigned: wraps mod 2^32 like int32)
         auto c_value = [&](int mt, int nt, int e4, int rt, int ct) -> int {
             u32 v = 0;
+            if (SPLIT) {  // the whole sum S, read back from the workspace into class 0
+                v = (u32)acc[0][mt][nt][e4];
+            } else {
 #pragma unroll
-            for (int k = 0; k < NCLASS; ++k) v += (u32)acc[k][mt][nt][e4] * (FOLD ? 1u : (u32)CT.weight[k]);
+                for (int k = 0; k < NCLASS; ++k) v += (u32)acc[k][mt][nt][e4] * (FOLD ? 1u : (u32)CT.weight[k]);
+            }
             return (int)(v * (u32)ss + (u32)rt + (u32)ct);
         };
         auto y_value = [&](int cv, float rs, float cs, float bi) -> float {  // RES: the activation after the sum
@@ -1389,8 +1416,17 @@ bmma_gemm(
     }
     cluster_sync();  // no block leaves while a partner may still arrive on its barriers
 #else
+    // split-K: block b takes tile b % tiles and the (b / tiles)-th run of K steps, [kt0, kt1)
+    const int n_tiles = grid_m * grid_n;
+    const int pid = SPLIT ? (int)blockIdx.x % n_tiles : (int)blockIdx.x;
+    int kt0 = 0, kt1 = k_tiles;
+    if (SPLIT) {
+        const int per = (k_tiles + splits - 1) / splits;
+        kt0 = min(k_tiles, (int)blockIdx.x / n_tiles * per);
+        kt1 = min(k_tiles, kt0 + per);
+    }
     int m0, n0;
-    tile_origin(blockIdx.x, m0, n0);
+    tile_origin(pid, m0, n0);
     // The epilogue vectors: loaded into registers now, stored to shared memory (visible after the first
     // barrier) only once the prologue's cp.asyncs are issued, so the operand loads do not queue behind them.
     constexpr int VPB = (VEC_N + THREADS - 1) / THREADS;
@@ -1440,17 +1476,17 @@ bmma_gemm(
     // ---- prologue: STAGES-2 steps in flight (the slot of step kt-1 may still be read by wgmma) ----
 #pragma unroll
     for (int s = 0; s < STAGES - 2; ++s) {
-        if (s < k_tiles) load_tile(s, s);
+        if (kt0 + s < kt1) load_tile((kt0 + s) % STAGES, kt0 + s);
         cp_async_commit();
     }
     stage_vectors();
     const int slab = (warp >> 2) / WARPS_N;  // this warpgroup's 64-row slab of A, its N slab is wn
-    for (int kt = 0; kt < k_tiles; ++kt) {
+    for (int kt = kt0; kt < kt1; ++kt) {
         cp_async_wait<STAGES - 3>();
         fence_proxy_async();  // this thread's cp.async data -> visible to the tensor cores' async proxy
         __syncthreads();      // step kt landed for all; every warpgroup has retired step kt-2's wgmmas
         const int next = kt + STAGES - 2;
-        if (next < k_tiles) load_tile(next % STAGES, next);
+        if (next < kt1) load_tile(next % STAGES, next);
         cp_async_commit();
 
         const u32 sA = smem_base + (kt % STAGES) * STAGE_BYTES, sW = sA + A_STAGE;
@@ -1463,17 +1499,17 @@ bmma_gemm(
     // ---- prologue: STAGES-1 steps in flight ----
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < k_tiles) load_tile(s, s);
+        if (kt0 + s < kt1) load_tile((kt0 + s) % STAGES, kt0 + s);
         cp_async_commit();
     }
     stage_vectors();
 
     // ---- main loop: wait for step kt, refill the slot step kt-1 used, multiply step kt ----
-    for (int kt = 0; kt < k_tiles; ++kt) {
+    for (int kt = kt0; kt < kt1; ++kt) {
         cp_async_wait<STAGES - 2>();
         __syncthreads();  // step kt visible to all; every warp is done with step kt-1's slot
         const int next = kt + STAGES - 1;
-        if (next < k_tiles) load_tile(next % STAGES, next);
+        if (next < kt1) load_tile(next % STAGES, next);
         cp_async_commit();  // (an empty group at the tail keeps wait_group's count aligned)
 
         const u32 sA = smem_base + (kt % STAGES) * STAGE_BYTES, sW = sA + A_STAGE;
@@ -1528,6 +1564,50 @@ bmma_gemm(
 
 #endif  // TCP_WGMMA
     grid_dependents_launch();
+    if constexpr (SPLIT) {  // add this K run's sums; the tile's last block reads the totals into class 0 (see the top)
+        __shared__ int s_last;
+        int* const counter = split_ws + pid;
+        int* const sums = split_ws + SPLIT_COUNTERS;
+        // output (mt, nt, e4) of this thread -> its index in M x N, or -1 outside
+        auto out_index = [&](int mt, int nt, int e4) -> i64 {
+            const int r = m0 + wm * (MT * 16) + mt * 16 + (lane >> 2) + (e4 >> 1) * 8;
+            const int c = n0 + wn * (NT * 8) + nt * 8 + 2 * (lane & 3) + (e4 & 1);
+            return r < M && c < N ? (i64)r * N + c : (i64)-1;
+        };
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e4 = 0; e4 < 4; ++e4) {
+                    u32 v = 0;
+#pragma unroll
+                    for (int k = 0; k < NCLASS; ++k) v += (u32)acc[k][mt][nt][e4] * (FOLD ? 1u : (u32)CT.weight[k]);
+                    const i64 o = out_index(mt, nt, e4);
+                    if (o >= 0) atomicAdd(sums + o, (int)v);
+                }
+        __threadfence();  // this block's sums are in L2 before its arrival is counted
+        __syncthreads();
+        if (tid == 0) s_last = atomicAdd(counter, 1) == splits - 1;
+        __syncthreads();
+        if (!s_last) return;
+        __threadfence();
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e4 = 0; e4 < 4; ++e4) {
+                    const i64 o = out_index(mt, nt, e4);
+                    int v = 0;
+                    if (o >= 0) {
+                        v = __ldcg(sums + o);  // from L2, where the atomics landed
+                        sums[o] = 0;           // zero again for the next launch
+                    }
+                    acc[0][mt][nt][e4] = v;
+                }
+        if (tid == 0) *counter = 0;
+    }
     epilogue(m0, n0);
 #endif  // TCP_TMA
 }

@@ -103,7 +103,10 @@ class Tile:
     (mbarrier-completed, 128-byte swizzle) while the ``warps_m / 4`` MMA warpgroups (``warps_n`` = 1)
     multiply; ``cluster = (cm, cn)`` groups cm x cn blocks whose shared A / W tiles are loaded once and
     multicast to all of them.  ``cons = 2`` (TMA, no cluster; ``_pp``): two such consumer groups, each on
-    every other tile of the block's, so one group's epilogue overlaps the other's MMAs (ping-pong)."""
+    every other tile of the block's, so one group's epilogue overlaps the other's MMAs (ping-pong).
+
+    ``split = s`` > 1 (``_sk<s>``; the cp.async paths, not TMA, no implicit convolution): split-K, s blocks a tile,
+    each on a run of the K steps, their int32 sums added in a workspace (bmma_gemm.cu, TCP_SPLIT): exact."""
 
     bm: int
     bn: int
@@ -117,6 +120,7 @@ class Tile:
     tma: bool = False
     cluster: tuple[int, int] = (1, 1)
     cons: int = 1
+    split: int = 1
 
     def __str__(self) -> str:
         s = f"{self.bm}x{self.bn}_w{self.warps_m}x{self.warps_n}_s{self.stages}"
@@ -124,7 +128,7 @@ class Tile:
                 + ("_wg" if self.mma == "wgmma" else "") + ("_f" if self.fold else "")
                 + ("_tma" if self.tma else "")
                 + ("" if self.cluster == (1, 1) else f"_c{self.cluster[0]}x{self.cluster[1]}")
-                + ("_pp" if self.cons == 2 else ""))
+                + ("_pp" if self.cons == 2 else "") + (f"_sk{self.split}" if self.split > 1 else ""))
 
     @property
     def cluster_size(self) -> int:
@@ -139,9 +143,11 @@ def parse_tile(text: str) -> Tile:
         mn, w, s, *extra = text.split("_")
         bm, bn = (int(v) for v in mn.split("x"))
         wm, wn = (int(v) for v in w.removeprefix("w").split("x"))
-        bk, db, mma, fold, tma, cluster, cons = 512, False, "sync", False, False, (1, 1), 1
+        bk, db, mma, fold, tma, cluster, cons, split = 512, False, "sync", False, False, (1, 1), 1, 1
         for e in extra:
-            if e == "pp":
+            if e.startswith("sk"):
+                split = int(e[2:])
+            elif e == "pp":
                 cons = 2
             elif e == "db":
                 db = True
@@ -158,10 +164,11 @@ def parse_tile(text: str) -> Tile:
                 bk = int(e[1:])
             else:
                 raise ValueError(e)
-        return Tile(bm, bn, wm, wn, int(s.removeprefix("s")), bk, db, mma, fold, tma, cluster, cons)
+        return Tile(bm, bn, wm, wn, int(s.removeprefix("s")), bk, db, mma, fold, tma, cluster, cons, split)
     except ValueError:
         raise ValueError(f"tile must look like '64x256_w2x4_s4' "
-                         f"(BMxBN_wWARPS_MxWARPS_N_sSTAGES[_kBK][_db][_wg][_f][_tma][_cCMxCN][_pp]), got {text!r}") from None
+                         f"(BMxBN_wWARPS_MxWARPS_N_sSTAGES[_kBK][_db][_wg][_f][_tma][_cCMxCN][_pp][_skS]), "
+                         f"got {text!r}") from None
 
 
 @dataclass(frozen=True)
@@ -220,6 +227,9 @@ class Variant:
                                                        or t.stages < 4)):
             raise ValueError(f"tile {t}: two consumer groups (_pp) need the TMA pipeline without a cluster and an "
                              "even number (>= 4) of stages, half a group (e.g. '64x128_w4x1_s6_k1024_wg_tma_pp')")
+        if t.split < 1 or (t.split > 1 and (t.tma or self.conv)):
+            raise ValueError(f"tile {t}: split-K (_sk<s>) needs s >= 1 and the cp.async pipeline (no _tma) of a plain "
+                             "GEMM (no implicit convolution), e.g. '32x32_w2x2_s2_k1024_sk4'")
         if self.conv and t.tma and (t.cluster != (1, 1) or t.cons != 1 or t.stages < 3):
             raise ValueError(f"tile {t}: the implicit-GEMM convolution on the TMA pipeline needs no cluster, one "
                              "consumer group and >= 3 stages (e.g. '128x256_w8x1_s4_k1024_wg_tma')")
@@ -283,6 +293,7 @@ class Variant:
             f"TCP_OUT_T={_OUT_T[self.out_dtype]}",
             f"TCP_OB={self.out_bits}", f"TCP_OENC={_OENC[self.out_encoding]}", f"TCP_SMEM={self.smem_bytes}",
             f"TCP_CONV={int(self.conv)}", f"TCP_RES={int(self.res)}", f"TCP_DUAL={int(self.dual)}",
+            f"TCP_SPLIT={int(t.split > 1)}", f"TCP_SPLIT_COUNTERS={SPLIT_COUNTERS}",
         ]
 
     def __str__(self) -> str:
@@ -313,9 +324,20 @@ def _warp_tiles(p: int, q: int, nc: int) -> tuple[int, int]:
 # (half the barriers of 512) and 3 stages: 628 us against 828 us for 8 warps / 512 bits / 4 stages.
 # At 64 x 1024 x 1024 the 32 x 32 tile with 1024-bit steps and 2 stages was fastest (3.1 us).
 SMALL_TILE = Tile(32, 32, 2, 2, 2, 1024)
+# ... and for packed output (the convolutions of a batch-8 network), 32 x 64 with 3 stages: faster on all five layers
+# of more than one row tile in the session-20 sweep (benchmarks/tune_splitk_device.py, H200, w1a2): ResNet-18 128@28
+# 9.8 -> 8.7 us, 256@14 9.2 -> 8.7, 512@7 10.0 -> 9.8, VGG 512@14 14.4 -> 12.3, AlexNet 384 -> 256@13 10.1 -> 9.6
+SMALL_PACKED_TILE = Tile(32, 64, 2, 2, 3, 1024)
 # Session 15, same H200 run (64 x N x K, K <= 512 bits, graph replay): one 512-bit step instead of a 1024-bit
 # step half zero-filled saves 0.1-0.25 us a call (w1a4 64x128x128 2.71 -> 2.45 us).
 _WORDS_PER_STEP_512 = 16
+# Split-K (Tile.split) for one row tile and >= SPLIT_MIN_STEPS K steps: SPLIT_STEPS or more steps a run, at most
+# SPLIT_MAX runs.  Measured on an H200 (session 20, benchmarks/tune_splitk_device.py, batch 8 w1a2, 32 x 32 tiles):
+# VGG's 25088 -> 4096 23.3 -> 13.7 us (4 runs), ResNet-18's 25088 -> 512 14.8 -> 7.8 us; 12544 -> 4096 (13 steps)
+# and 4096 -> 4096 (4) only slower (8.9 -> 9.5, 4.2 -> 7.0), and every convolution of more than one row tile too.
+SPLIT_MIN_STEPS = 16
+SPLIT_STEPS = 6
+SPLIT_MAX = 4
 _WGMMA_ACC_BUDGET = 128  # int32 accumulator registers a wgmma thread may spend (ptxas adds ~90-100 more)
 
 
@@ -370,8 +392,10 @@ def pick_tile(p: int, q: int, a_twos: bool, w_twos: bool, M: int, N: int, sm_cou
     (``arch``; default: the current CUDA device, else sm_90a) the :func:`wgmma_tile` (for ``epilogue``) when
     it exists and gives every SM a block; otherwise mma.sync with 4 warps (2 x 2), the register-bounded warp
     tile of :func:`_warp_tiles`, 1024-bit K steps, 3 stages; when that too leaves SMs idle (fewer blocks than
-    SMs), :data:`SMALL_TILE` (32 x 32 outputs a block).  An mma.sync tile takes 512-bit steps when the whole K
-    is one (``kw`` <= 16): a 1024-bit step would load and multiply as many zero words again."""
+    SMs), :data:`SMALL_TILE` (32 x 32 outputs a block; :data:`SMALL_PACKED_TILE` for packed output of more than one
+    row tile).  An mma.sync tile takes 512-bit steps when the whole K is one (``kw`` <= 16): a 1024-bit step would
+    load and multiply as many zero words again.  One row tile and a long K (>= :data:`SPLIT_MIN_STEPS` steps: a
+    linear layer at a small batch) is split along K (``Tile.split``)."""
     arch = arch or _default_arch()
     if arch.endswith("a") and arch.startswith("sm_9"):
         wt = wgmma_tile(p, q, a_twos, w_twos, epilogue, N)
@@ -380,8 +404,14 @@ def pick_tile(p: int, q: int, a_twos: bool, w_twos: bool, M: int, N: int, sm_cou
     mt, nt = _warp_tiles(p, q, n_classes(p, q, a_twos, w_twos))
     big = Tile(mt * 16 * 2, nt * 8 * 2, 2, 2, 3, 1024)
     blocks = -(-M // big.bm) * -(-N // big.bn)
-    t = big if blocks >= sm_count else SMALL_TILE
-    return replace(t, bk=512) if kw is not None and kw <= _WORDS_PER_STEP_512 else t
+    wide = epilogue == "packed" and M > SMALL_TILE.bm and n_classes(p, q, a_twos, w_twos) * 16 <= _ACC_REG_BUDGET
+    t = big if blocks >= sm_count else SMALL_PACKED_TILE if wide else SMALL_TILE
+    if kw is not None and kw <= _WORDS_PER_STEP_512:
+        return replace(t, bk=512)
+    steps = -(-kw // (t.bk // 32)) if kw is not None else 0
+    if M <= t.bm and steps >= SPLIT_MIN_STEPS:  # one row tile (a linear layer at a small batch) and a long K
+        t = replace(t, split=min(SPLIT_MAX, steps // SPLIT_STEPS))
+    return t
 
 
 # ------------------------------------------------------------------------------------------------
@@ -706,6 +736,16 @@ def launch_bmma(variant: Variant, a_planes, w_planes, out, M: int, N: int, Kw: i
     if t.tma:  # persistent: at most one block an SM (whole clusters), each walks its share of the tiles
         cs = t.cluster_size
         blocks = min(blocks, _sm_count(out.device)[0] // cs * cs)
+    splits, ws = 1, None
+    if t.split > 1:  # split-K: t.split runs of K steps (fewer when K has fewer steps), blocks a tile
+        steps = -(-Kw // (t.bk // 32))
+        per = -(-steps // min(t.split, steps))
+        splits = -(-steps // per)  # every run non-empty
+        if blocks > SPLIT_COUNTERS:
+            raise ValueError(f"tile {t}: split-K takes at most {SPLIT_COUNTERS} tiles, got {blocks} for {M} x {N}; "
+                             "use a larger tile or no split")
+        ws = split_workspace(out.device, SPLIT_COUNTERS + M * N)
+        blocks *= splits
     pdl = pdl and USE_PDL
     cfg = _cfgs.get((variant, blocks, pdl))
     if cfg is None:
@@ -726,7 +766,25 @@ def launch_bmma(variant: Variant, a_planes, w_planes, out, M: int, N: int, Kw: i
            _ptr(row_scale), _ptr(col_scale), _ptr(bias), _ptr(out_scale), _ptr(col_thr), _ptr(residual),
            np.int32(M), np.int32(N), np.int32(Kw), np.int32(ldo), np.int32(ss), np.int32(int(relu)),
            np.float32(leaky_slope), *conv_args(conv, a_planes), _ptr(dual_out),
-           np.int32(dual_out.shape[2] if dual_out is not None else 0))
+           np.int32(dual_out.shape[2] if dual_out is not None else 0), _ptr(ws), np.int32(splits))
+
+
+_split_ws: dict = {}
+SPLIT_COUNTERS = 4096  # split-K: the arrival counters at the workspace's start, one a tile (bmma_gemm.cu, TCP_SPLIT)
+
+
+def split_workspace(device: torch.device, words: int) -> torch.Tensor:
+    """A zeroed int32 workspace of >= ``words`` for split-K launches on ``device``'s current stream (bmma_gemm.cu,
+    TCP_SPLIT): the kernel leaves it zero again, so one serves every launch of a stream.  Per stream, since two
+    streams' launches could overlap; never freed (a CUDA graph captured with one keeps using it), a larger one is
+    made when a launch needs more (sizes rounded up to powers of two)."""
+    stream = torch.cuda.current_stream(device)
+    key = (device.index if device.index is not None else torch.cuda.current_device(), stream.cuda_stream)
+    have = _split_ws.get(key)
+    if have is None or have[-1].numel() < words:
+        size = 1 << max(16, (words - 1).bit_length())
+        _split_ws.setdefault(key, []).append(torch.zeros(size, dtype=torch.int32, device=device))
+    return _split_ws[key][-1]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -763,6 +821,8 @@ def _variant_for(p, q, a_twos, w_twos, M, N, out_kind, out_bits, out_encoding, t
     """The variant one call launches (memoised: the host path stays a few microseconds)."""
     epi = {"int32": "int32", "packed": "packed"}.get(out_kind, "float")
     t = parse_tile(tile) if tile else pick_tile(p, q, a_twos, w_twos, M, N, sm_count, arch, epi, kw)
+    if conv and not tile:  # split-K is for plain GEMMs
+        t = replace(t, split=1)
     if epi == "packed" or dual:
         t = packed_tile(t)
     return Variant(p, q, a_twos, w_twos, t, epi, out_kind if epi == "float" else "float32", out_bits, out_encoding,
