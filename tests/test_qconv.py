@@ -872,6 +872,42 @@ def test_scale_tensor_is_checked_once_per_version(monkeypatch):
     assert not qconv._scale_checked(t) and not qconv._scale_checked(s)
 
 
+def test_column_scale_is_computed_once_per_version_of_its_buffers():
+    """x_scale * w_scale * scale (two kernel launches a layer on CUDA) is made once for the same calibrated buffers and
+    again after an in-place change of any of them; a view of a buffer shares its entry; new tensors get new values;
+    inference tensors and tensors that need grad are never remembered."""
+    xs_scale, w_scale, ch = torch.tensor([0.5]), torch.tensor([1.0, 2.0, 4.0]), torch.tensor([3.0, 1.0, 0.5])
+    xs = qconv._X(IntFormat(2, encoding="unsigned"), xs_scale, (1, 1, 1, 3), xs_scale.device, None, None)
+    col = qconv._col_scale(xs, w_scale, ch)
+    assert col.tolist() == [1.5, 1.0, 1.0]
+    assert qconv._col_scale(xs, w_scale, ch) is col
+    xv = qconv._X(xs.fmt, xs_scale.reshape(1, 1).reshape(1), xs.shape, xs.device, None, None)  # a view of x's scale
+    assert qconv._col_scale(xv, w_scale, ch) is col
+    ch.mul_(2)  # in place (e.g. load_state_dict): computed again
+    again = qconv._col_scale(xs, w_scale, ch)
+    assert again is not col and again.tolist() == [3.0, 2.0, 2.0]
+    xs_scale.fill_(1.0)
+    assert qconv._col_scale(xs, w_scale, ch).tolist() == [6.0, 4.0, 4.0]
+    for k in range(3):  # a fresh tensor a call (maybe at a freed one's address): its own values
+        assert qconv._col_scale(xs, w_scale, torch.full((3,), float(k))).tolist() == [0.0 * k + w * k for w in
+                                                                                       (1.0, 2.0, 4.0)]
+    with torch.inference_mode():
+        s_inf = torch.tensor([2.0, 2.0, 2.0])
+        assert qconv._col_scale(xs, w_scale, s_inf).tolist() == [2.0, 4.0, 8.0]
+    g = torch.ones(3, requires_grad=True)
+    y = qconv._col_scale(xs, w_scale, g)
+    assert y.requires_grad and qconv._col_scale(xs, w_scale, g) is not y
+    # end to end: a QConv2d whose folded scale changes in place gives the new result
+    conv = torch.nn.Conv2d(4, 3, 1, bias=False)
+    bn = torch.nn.BatchNorm2d(3).eval()
+    m = tp.nn.QConv2d.from_float(conv, "w1a2", in_absmax=1.0, signed_input=False, bn=bn, backend="reference")
+    x = torch.rand(1, 4, 2, 2)
+    y1 = m(x).clone()
+    m.ch_bias.zero_()
+    m.ch_scale.mul_(2)
+    assert torch.allclose(m(x), 2 * y1)
+
+
 # ---- the implicit-GEMM route (bmma_gemm with conv=): its torch statement, the route choice, bad input ----
 
 
