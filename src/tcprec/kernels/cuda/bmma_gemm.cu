@@ -911,6 +911,13 @@ bmma_gemm(
 #pragma unroll
                     for (int e = 0; e < 4; ++e) acc[c][mt][nt][e] = 0;
     };
+    // S of accumulator element [mt][nt][e4]: the weight classes combined (unsigned: wraps mod 2^32 like int32)
+    auto class_sum = [&](int mt, int nt, int e4) -> u32 {
+        u32 v = 0;
+#pragma unroll
+        for (int k = 0; k < NCLASS; ++k) v += (u32)acc[k][mt][nt][e4] * (FOLD ? 1u : (u32)CT.weight[k]);
+        return v;
+    };
 
     // ---- epilogue of the tile at (m0, n0), by the MMA threads (tid < MMA_THREADS), vectors staged ----
     const bool has_bias = bias != nullptr;
@@ -923,13 +930,7 @@ bmma_gemm(
         const int* s_ct = reinterpret_cast<const int*>(s_bias + BN);
         // C of accumulator element [mt][nt][e4] with its row and column terms (unsigned: wraps mod 2^32 like int32)
         auto c_value = [&](int mt, int nt, int e4, int rt, int ct) -> int {
-            u32 v = 0;
-            if (SPLIT) {  // the whole sum S, read back from the workspace into class 0
-                v = (u32)acc[0][mt][nt][e4];
-            } else {
-#pragma unroll
-                for (int k = 0; k < NCLASS; ++k) v += (u32)acc[k][mt][nt][e4] * (FOLD ? 1u : (u32)CT.weight[k]);
-            }
+            const u32 v = SPLIT ? (u32)acc[0][mt][nt][e4] : class_sum(mt, nt, e4);  // split: S read back into class 0
             return (int)(v * (u32)ss + (u32)rt + (u32)ct);
         };
         auto y_value = [&](int cv, float rs, float cs, float bi) -> float {  // RES: the activation after the sum
@@ -1580,11 +1581,8 @@ bmma_gemm(
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                 for (int e4 = 0; e4 < 4; ++e4) {
-                    u32 v = 0;
-#pragma unroll
-                    for (int k = 0; k < NCLASS; ++k) v += (u32)acc[k][mt][nt][e4] * (FOLD ? 1u : (u32)CT.weight[k]);
                     const i64 o = out_index(mt, nt, e4);
-                    if (o >= 0) atomicAdd(sums + o, (int)v);
+                    if (o >= 0) atomicAdd(sums + o, (int)class_sum(mt, nt, e4));
                 }
         __threadfence();  // this block's sums are in L2 before its arrival is counted
         __syncthreads();
