@@ -140,17 +140,41 @@ def _interpreting() -> bool:
 # ------------------------------------------------------------------------------------------------
 
 
-# Scale tensors already checked (id -> (weak reference, the tensor's version counter then)): checking a CUDA
-# scale reads it back (a host sync), and an eager forward of a quantized network passes the same calibrated scale
-# buffers on every call -- 35 syncs an eager ResNet-18 forward (session 16 profile).  An in-place change bumps
-# the version, so a changed scale is checked again.
+# Values derived from tensors that come back unchanged on every call (a quantized network's calibrated buffers),
+# remembered by the source tensors' storage -- each one's base tensor (checked alive through a weak reference), view
+# and version counter -- so an in-place change (load_state_dict, fill_) derives the value again.
+_MEMO_MAX = 4096  # entries a memo keeps before it starts over
+
+
+def _base_of(t: torch.Tensor) -> torch.Tensor:
+    return t._base if t._base is not None else t
+
+
+def _memo_key(srcs: tuple) -> tuple:
+    return tuple((id(_base_of(t)), t._version, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+                 for t in srcs)
+
+
+def _memo_get(memo: dict, srcs: tuple):
+    """The value remembered for ``srcs`` in ``memo``, or None."""
+    hit = memo.get(_memo_key(srcs))
+    return hit[1] if hit is not None and all(r() is _base_of(t) for r, t in zip(hit[0], srcs)) else None
+
+
+def _memo_put(memo: dict, srcs: tuple, value) -> None:
+    if len(memo) >= _MEMO_MAX:
+        memo.clear()
+    memo[_memo_key(srcs)] = (tuple(weakref.ref(_base_of(t)) for t in srcs), value)
+
+
+# Scale tensors already checked: checking a CUDA scale reads it back (a host sync), and an eager forward of a
+# quantized network passes the same calibrated scale buffers on every call -- 35 syncs an eager ResNet-18 forward
+# (session 16 profile).  An in-place change bumps the version, so a changed scale is checked again.
 _CHECKED_SCALES: dict = {}
-_CHECKED_MAX = 4096
 
 
 def _scale_checked(scale: torch.Tensor) -> bool:
-    entry = _CHECKED_SCALES.get(id(scale))
-    return entry is not None and entry[0]() is scale and entry[1] == scale._version
+    return _memo_get(_CHECKED_SCALES, (scale,)) is not None
 
 
 def _scale_tensor(scale, device, what: str) -> torch.Tensor:
@@ -166,9 +190,7 @@ def _scale_tensor(scale, device, what: str) -> torch.Tensor:
         if not (s.is_cuda and torch.cuda.is_current_stream_capturing()) and not _scale_checked(scale):
             if not bool(torch.isfinite(s).all() and (s > 0).all()):  # no sync inside a graph capture
                 raise bad()
-            if len(_CHECKED_SCALES) >= _CHECKED_MAX:
-                _CHECKED_SCALES.clear()
-            _CHECKED_SCALES[id(scale)] = (weakref.ref(scale), scale._version)
+            _memo_put(_CHECKED_SCALES, (scale,), True)
         return s
     try:
         v = float(scale)
@@ -912,35 +934,25 @@ def _int8_route(fa: IntFormat, fw: IntFormat, dev: torch.device) -> tuple[str, s
 
 # Column scales already multiplied out (x_scale * w_scale[k] * scale[k]).  A quantized network passes the same
 # calibrated buffers on every call, and the two multiplies were two kernel launches a layer: ~2 us each in a batch-8
-# CUDA graph, about a sixth of ResNet-18's w1a2 forward (session 20 profile).  Keyed like _CHECKED_SCALES: each source
-# tensor's storage (its base tensor, checked alive through a weak reference), view and version counter, so an
-# in-place change (load_state_dict, fill_) computes it again.  Not stored while a graph is being captured (the
-# values would exist only after a replay), nor for inference tensors (no version counter) or under torch.compile.
+# CUDA graph, about a sixth of ResNet-18's w1a2 forward (session 20 profile).  A memo like _CHECKED_SCALES (_memo_get),
+# so an in-place change of a buffer computes it again.  Not stored while a graph is being captured (the values would
+# exist only after a replay), nor for inference tensors (no version counter) or under torch.compile.
 _COL_SCALES: dict = {}
-_COL_MAX = 4096
-
-
-def _memo_key(t: torch.Tensor) -> tuple:
-    base = t._base if t._base is not None else t
-    return (id(base), base._version, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
 
 
 def _col_scale(xs: _X, w_scale: torch.Tensor, scale) -> torch.Tensor:
     srcs = (xs.scale, w_scale) if scale is None else (xs.scale, w_scale, scale)
     memo = not (torch.compiler.is_compiling() or any(t.is_inference() or t.requires_grad for t in srcs))
     if memo:
-        key = tuple(_memo_key(t) for t in srcs)
-        hit = _COL_SCALES.get(key)
-        if hit is not None and all(r() is (t._base if t._base is not None else t) for r, t in zip(hit[0], srcs)):
-            return hit[1]
+        hit = _memo_get(_COL_SCALES, srcs)
+        if hit is not None:
+            return hit
     col = xs.scale * w_scale  # (K,) float32: x_scale * w_scale[k]
     if scale is not None:
         col = col * scale
     col = col.contiguous()
     if memo and not (col.is_cuda and torch.cuda.is_current_stream_capturing()):
-        if len(_COL_SCALES) >= _COL_MAX:
-            _COL_SCALES.clear()
-        _COL_SCALES[key] = (tuple(weakref.ref(t._base if t._base is not None else t) for t in srcs), col)
+        _memo_put(_COL_SCALES, srcs, col)
     return col
 
 

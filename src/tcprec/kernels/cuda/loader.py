@@ -408,10 +408,15 @@ def pick_tile(p: int, q: int, a_twos: bool, w_twos: bool, M: int, N: int, sm_cou
     t = big if blocks >= sm_count else SMALL_PACKED_TILE if wide else SMALL_TILE
     if kw is not None and kw <= _WORDS_PER_STEP_512:
         return replace(t, bk=512)
-    steps = -(-kw // (t.bk // 32)) if kw is not None else 0
+    steps = k_steps(t, kw) if kw is not None else 0
     if M <= t.bm and steps >= SPLIT_MIN_STEPS:  # one row tile (a linear layer at a small batch) and a long K
         t = replace(t, split=min(SPLIT_MAX, steps // SPLIT_STEPS))
     return t
+
+
+def k_steps(t: Tile, kw: int) -> int:
+    """The pipeline's K steps over rows of ``kw`` words: bk bits each (the last one zero-filled past K)."""
+    return -(-kw // (t.bk // 32))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -738,7 +743,7 @@ def launch_bmma(variant: Variant, a_planes, w_planes, out, M: int, N: int, Kw: i
         blocks = min(blocks, _sm_count(out.device)[0] // cs * cs)
     splits, ws = 1, None
     if t.split > 1:  # split-K: t.split runs of K steps (fewer when K has fewer steps), blocks a tile
-        steps = -(-Kw // (t.bk // 32))
+        steps = k_steps(t, Kw)
         per = -(-steps // min(t.split, steps))
         splits = -(-steps // per)  # every run non-empty
         if blocks > SPLIT_COUNTERS:
