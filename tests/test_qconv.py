@@ -870,6 +870,9 @@ def test_scale_tensor_is_checked_once_per_version(monkeypatch):
         with pytest.raises(ValueError, match="finite positive"):
             qconv._scale_tensor(t, t.device, "scale")
     assert not qconv._scale_checked(t) and not qconv._scale_checked(s)
+    with torch.inference_mode():  # no version counter: checked every time, never remembered (once crashed here)
+        u = torch.tensor([0.25])
+        assert qconv._scale_tensor(u, u.device, "scale").item() == 0.25 and not qconv._scale_checked(u)
 
 
 def test_column_scale_is_computed_once_per_version_of_its_buffers():

@@ -142,7 +142,8 @@ def _interpreting() -> bool:
 
 # Values derived from tensors that come back unchanged on every call (a quantized network's calibrated buffers),
 # remembered by the source tensors' storage -- each one's base tensor (checked alive through a weak reference), view
-# and version counter -- so an in-place change (load_state_dict, fill_) derives the value again.
+# and version counter -- so an in-place change (load_state_dict, fill_) derives the value again.  Inference tensors
+# have no version counter and are never remembered.
 _MEMO_MAX = 4096  # entries a memo keeps before it starts over
 
 
@@ -157,11 +158,15 @@ def _memo_key(srcs: tuple) -> tuple:
 
 def _memo_get(memo: dict, srcs: tuple):
     """The value remembered for ``srcs`` in ``memo``, or None."""
+    if any(t.is_inference() for t in srcs):
+        return None
     hit = memo.get(_memo_key(srcs))
     return hit[1] if hit is not None and all(r() is _base_of(t) for r, t in zip(hit[0], srcs)) else None
 
 
 def _memo_put(memo: dict, srcs: tuple, value) -> None:
+    if any(t.is_inference() for t in srcs):
+        return
     if len(memo) >= _MEMO_MAX:
         memo.clear()
     memo[_memo_key(srcs)] = (tuple(weakref.ref(_base_of(t)) for t in srcs), value)
@@ -936,13 +941,13 @@ def _int8_route(fa: IntFormat, fw: IntFormat, dev: torch.device) -> tuple[str, s
 # calibrated buffers on every call, and the two multiplies were two kernel launches a layer: ~2 us each in a batch-8
 # CUDA graph, about a sixth of ResNet-18's w1a2 forward (session 20 profile).  A memo like _CHECKED_SCALES (_memo_get),
 # so an in-place change of a buffer computes it again.  Not stored while a graph is being captured (the values would
-# exist only after a replay), nor for inference tensors (no version counter) or under torch.compile.
+# exist only after a replay), nor for tensors that need grad or under torch.compile.
 _COL_SCALES: dict = {}
 
 
 def _col_scale(xs: _X, w_scale: torch.Tensor, scale) -> torch.Tensor:
     srcs = (xs.scale, w_scale) if scale is None else (xs.scale, w_scale, scale)
-    memo = not (torch.compiler.is_compiling() or any(t.is_inference() or t.requires_grad for t in srcs))
+    memo = not (torch.compiler.is_compiling() or any(t.requires_grad for t in srcs))
     if memo:
         hit = _memo_get(_COL_SCALES, srcs)
         if hit is not None:
