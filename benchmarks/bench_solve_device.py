@@ -563,6 +563,37 @@ def fused_ab(dev, sizes=(8192, 16384, 32768), out="benchmarks/results/solve_fuse
     return rows
 
 
+@guarded("cluster panel A/B")
+def cluster_ab(dev, sizes=(8192, 16384, 32768), out="benchmarks/results/solve_cluster_ab.json", variants_=None):
+    """Partially pivoted panels: cuSOLVER getrf vs Toledo's recursion with panel_cluster.cu leaves (one
+    thread-block cluster a leaf), with and without look-ahead: the whole LU (phase times) and the fp16
+    solve on the same general A per n, against fp64 torch.linalg.solve in the same run."""
+    rows = []
+    variants_ = variants_ or [dict(panel="getrf"), dict(panel="cluster"), dict(panel="cluster", lookahead=False),
+                              dict(panel="cluster", panel_tf32=True)]
+    for n in sizes:
+        A, b, t64 = _system_and_fp64("general", n, dev)
+        note(f"n={n} fp64 torch.linalg.solve {t64 * 1e3:.1f} ms")
+        rows.append({"kind": "solve", "n": n, "factor": "fp64", "time_s": t64})
+        for v in variants_:
+            kw = {"block": 1024, "trsv": "graph", **v}
+            try:
+                t, F, prof = _lu_time(A, factor="fp16", **kw)
+                note(f"n={n} lu fp16 {v}: {t * 1e3:7.1f} ms [{fmt_prof(prof)}]")
+                rows.append({"kind": "lu", "n": n, "factor": "fp16", "options": kw, "time_s": t, "phase_times": prof})
+                del F
+                free()
+                _fp16_solve_row(rows, A, b, t64, n, kw, v)
+            except Exception as e:  # noqa: BLE001
+                note(f"n={n} {v}: FAILED {type(e).__name__}: {str(e)[:300]}")
+            free()
+        del A, b
+        free()
+    _write_json(out, {"env": environment(dev), "command": "PYTHONPATH=src python3 benchmarks/bench_solve_device.py "
+                      "--cluster-ab", "rows": rows, "lines": SUMMARY})
+    return rows
+
+
 def cpu_iterations(n: int):
     """Refinement counts of the A/B cases, emulated on the CPU in the CUDA configuration (block
     1024, getrf panels, U12 = inv(L11) @ A12 with tf32-rounded operands, blocked trsv).  Counts,
@@ -599,6 +630,8 @@ def main():
                     help="only the panel A/B: getrf vs CALU leaf kernel, one leaf alone, LU and fp16 solves")
     ap.add_argument("--fused-ab", action="store_true",
                     help="only the fused-panel A/B: panel_pivot.cu vs cuSOLVER getrf, one panel, LU and fp16 solves")
+    ap.add_argument("--cluster-ab", action="store_true",
+                    help="only the cluster-panel A/B: panel_cluster.cu leaves vs cuSOLVER getrf, LU and fp16 solves")
     ap.add_argument("--refine-ab", action="store_true",
                     help="only the general-matrix A/B: gmres vs fgmres, tf32 vs fp32 U12 GEMM (~3 min)")
     args = ap.parse_args()
@@ -619,6 +652,8 @@ def main():
         panel_ab(dev, sizes=tuple(int(s) for s in args.sizes.split(",")))
     elif args.fused_ab:
         fused_ab(dev, sizes=tuple(int(s) for s in args.sizes.split(",")))
+    elif args.cluster_ab:
+        cluster_ab(dev, sizes=tuple(int(s) for s in args.sizes.split(",")))
     elif args.refine_ab:
         refine_ab(dev, sizes=tuple(int(s) for s in args.sizes.split(",")))
     elif args.quick:

@@ -318,8 +318,8 @@ def test_one_source_no_per_width_files():
     from tcprec.kernels.cuda import loader as L
 
     cu = sorted(p.name for p in L.SOURCE_PATH.parent.glob("*.cu"))
-    # every bit width from one GEMM source; the LU's CALU leaf; the LU's partially pivoted panel
-    assert cu == ["bmma_gemm.cu", "panel_lu.cu", "panel_pivot.cu"]
+    # every bit width from one GEMM source; the LU's CALU leaf; its one-cluster leaf; its partially pivoted panel
+    assert cu == ["bmma_gemm.cu", "panel_cluster.cu", "panel_lu.cu", "panel_pivot.cu"]
     src = L.SOURCE_PATH.read_text()
     assert "and.popc" in src and "xor.popc" not in src and ".s4" not in src and ".u4" not in src
 
@@ -355,6 +355,40 @@ def test_panel_pivot_variants_compile_without_spills(cache):
             assert cubin[:4] == b"\x7fELF", v
             assert "0 bytes spill stores" in log and "0 bytes stack frame" in log, (str(v), log[-300:])
             assert v.smem_bytes <= 200 * 1024, v
+
+
+def test_panel_cluster_variants_compile_without_spills(cache):
+    """panel_cluster.cu (the LU leaf one thread-block cluster factors): every width x rows-a-thread x cluster
+    variant compiles for sm_90a without spills or a stack frame (the rows live in registers, the elimination
+    is specialised per column so every register index is static) and uses the cluster instructions."""
+    from tcprec.kernels.cuda import panel_cluster as P
+
+    vs = P.all_variants()
+    assert len(vs) == 15 and {v.rows * v.width for v in vs} <= {16, 32, 64}
+    for v in vs:
+        cubin, log = P.compile_panel_cluster(v, "sm_90a")
+        assert cubin[:4] == b"\x7fELF", v
+        assert "0 bytes spill stores" in log and "0 bytes stack frame" in log, (str(v), log[-300:])
+    src = P.SOURCE_PATH.read_text()
+    assert "barrier.cluster.arrive.release" in src and "st.shared::cluster" in src and "mapa.shared::cluster" in src
+
+
+def test_panel_cluster_variant_choice_and_bad_input():
+    """The fewest rows a thread that hold the leaf (16 blocks unless asked), 32 columns up to 16384 rows
+    and 16 up to 32768; what does not fit is refused with the limit and the fix."""
+    from tcprec.kernels.cuda import panel_cluster as P
+
+    assert str(P.pick_variant(32768, 16)) == "w16_r4_c16" and str(P.pick_variant(16384, 32)) == "w32_r2_c16"
+    assert str(P.pick_variant(8192, 20)) == "w32_r1_c16" and str(P.pick_variant(3000, 16, cluster=4)) == "w16_r2_c4"
+    assert P.max_rows(16) == 32768 and P.max_rows(32) == 16384
+    with pytest.raises(ValueError, match=r"16385 rows x 32 columns does not fit .*at most 16384 rows"):
+        P.pick_variant(16385, 32)
+    with pytest.raises(ValueError, match=r"1..32 columns, got width=33"):
+        P.pick_variant(100, 33)
+    with pytest.raises(ValueError, match=r"at most 64 values"):
+        P.ClusterVariant(32, 4, 16)
+    with pytest.raises(ValueError, match=r"clusters of \(4, 8, 16\) blocks, got cluster=2"):
+        P.ClusterVariant(16, 1, 2)
 
 
 def test_panel_pivot_variant_choice_and_bad_input():

@@ -439,6 +439,11 @@ def test_lu_option_validation():
     with pytest.raises(ValueError, match=r"panel='fused' runs the LU panel kernel .* needs CUDA tensors, got A on cpu: "
                                          r"use panel='recursive'"):
         la.lu_factor(A, panel="fused")
+    with pytest.raises(ValueError, match=r"panel='cluster' runs the LU leaf kernel .* needs CUDA tensors, got A on cpu: "
+                                         r"use panel='recursive'"):
+        la.lu_factor(A, panel="cluster")
+    with pytest.raises(ValueError, match=r"panel must be one of \('auto', 'recursive', 'getrf', 'calu', 'fused', 'cluster'\)"):
+        la.lu_factor(A, panel="tournament")
     with pytest.raises(ValueError, match=r"calu_kernel must be None \(auto: on CUDA\), True or False, got calu_kernel='yes'"):
         la.lu_factor(A, panel="calu", calu_kernel="yes")
 

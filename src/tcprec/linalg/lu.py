@@ -85,7 +85,7 @@ __all__ = [
 
 FACTOR_FORMATS = ("bf16", "fp16", "tf32", "fp8", "fp32")
 PIVOTING_MODES = ("partial", "none")
-PANEL_METHODS = ("auto", "recursive", "getrf", "calu", "fused")
+PANEL_METHODS = ("auto", "recursive", "getrf", "calu", "fused", "cluster")
 TRSV_METHODS = ("auto", "trsm", "blocked", "graph")
 TRSM_METHODS = ("auto", "trsm", "inverse")
 GETRF_LIBS = ("cusolver", "default")
@@ -564,9 +564,14 @@ class _Swaps:
         self.scratch = scratch  # the CALU leaf kernel's buffers (panel_lu.PanelScratch) or None
         self.pending: list = []
 
-    def apply(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        left = self.work[:, : self.cols] if self.cols < self.work.shape[1] else self.work
-        left.index_copy_(0, dst, left.index_select(0, src))  # (2w, cols) gathered before any write
+    def apply(self, dst: torch.Tensor, src: torch.Tensor, skip: tuple[int, int] | None = None) -> None:
+        """``skip = (a, b)``: columns [a, b) already have these interchanges (panel="cluster")."""
+        if skip is None:
+            parts = [self.work[:, : self.cols] if self.cols < self.work.shape[1] else self.work]
+        else:
+            parts = [self.work[:, a:b] for a, b in ((0, skip[0]), (skip[1], self.cols)) if b > a]
+        for part in parts:
+            part.index_copy_(0, dst, part.index_select(0, src))  # (2w, cols) gathered before any write
         self.perm.index_copy_(0, dst, self.perm.index_select(0, src))
         if self.cols < self.work.shape[1]:
             self.pending.append((dst, src))
@@ -581,6 +586,7 @@ class _Swaps:
 _FUSED_LEAF = 512  # panel="fused": columns one launch of panel_pivot.cu factors (its in-kernel updates re-read
 # the panel every 32 columns; the recursion above does the wider ones as cuBLAS GEMMs).  H200, fp16 LU
 # without look-ahead, n = 8192 / 16384 / 32768: leaf 512 34.7 / 84.8 / 258 ms, 256 43.7 / 93.8 / 269 ms
+_CLUSTER_LEAF = 32  # panel="cluster": widest leaf a launch of panel_cluster.cu factors (16 where the rows need it)
 _CALU_KERNEL_LEAF = 32  # the kernel's defaults: leaf width and block (first-level tournament rows);
 _CALU_KERNEL_ROWS = 256  # measured on an H200, benchmarks/results/solve_panel_ab.json
 
@@ -598,6 +604,50 @@ def _pivot_kernels():
     from ..kernels.cuda import panel_pivot
 
     return panel_pivot
+
+
+def _cluster_kernels():
+    """kernels/cuda/panel_cluster.py, imported on first use."""
+    from ..kernels.cuda import panel_cluster
+
+    return panel_cluster
+
+
+def _cluster_leaf_width(m: int, leaf: int) -> int:
+    """Widest leaf (<= ``leaf``) whose ``m`` rows fit the shared memory of one cluster (panel="cluster")."""
+    ck = _cluster_kernels()
+    for w in sorted(ck.WIDTHS, reverse=True):
+        if w <= leaf and m <= ck.max_rows(w):
+            return w
+    return min(leaf, ck.WIDTHS[0])
+
+
+def _panel_cluster(work: torch.Tensor, swaps: _Swaps, k: int, kb: int, n: int, cfg: "_Config") -> None:
+    """Panel LU of W[k:n, k:k+kb] with partial pivoting: Toledo's recursion down to leaves of <= cfg.leaf
+    columns, each one launch of kernels/cuda/panel_cluster.cu, which also applies the leaf's interchanges to
+    the panel's other columns; the panel's interchanges reach the columns outside it (and perm) at the end,
+    at once, from the pivots the leaves wrote."""
+    ck = _cluster_kernels()
+    ipiv = torch.empty(kb, dtype=torch.int32, device=work.device)
+
+    def rec(j: int, w: int) -> None:  # panel columns [j, j + w), global column / row k + j
+        kj = k + j
+        lw = _cluster_leaf_width(n - kj, cfg.leaf)
+        if w <= lw:
+            ck.panel_cluster(work, kj, kj, n, w, n, ipiv[j:], cols=(k, k + kb))
+            return
+        h = w // 2
+        rec(j, h)
+        l11 = work[kj : kj + h, kj : kj + h]
+        a12 = work[kj : kj + h, kj + h : kj + w]
+        a12.copy_(torch.linalg.solve_triangular(l11, a12, upper=False, unitriangular=True))
+        with _tf32(cfg.panel_tf32):
+            work[kj + h : n, kj + h : kj + w].addmm_(work[kj + h : n, kj : kj + h], a12, alpha=-1.0)
+        rec(j + h, w - h)
+
+    rec(0, kb)
+    dst, src = swaps_from_pivots(ipiv.long() - (k - 1), k, scratch=n)
+    swaps.apply(dst, src, skip=(k, k + kb))
 
 
 def _leaf_fused(work: torch.Tensor, swaps: _Swaps, k: int, w: int, n: int, cfg: "_Config") -> None:
@@ -708,6 +758,9 @@ def _panel_partial(work, swaps: _Swaps, k: int, w: int, n: int, cfg: "_Config") 
     """Panel LU of W[k:n, k:k+w] with partial pivoting: one getrf (``panel="getrf"``), or Toledo's
     recursion down to leaves of ``cfg.leaf`` columns, factored by getrf (``"recursive"``) or by
     tournament pivoting (``"calu"``)."""
+    if cfg.panel == "cluster":
+        _panel_cluster(work, swaps, k, w, n, cfg)
+        return
     if cfg.panel == "getrf" or w <= cfg.leaf:
         (_leaf_calu if cfg.panel == "calu" else _leaf_getrf)(work, swaps, k, w, n, cfg)
         return
@@ -997,6 +1050,14 @@ def _resolve_config(n, device, factor, pivoting, block, panel, leaf, trsm, trsv,
         if n > tall:
             raise ValueError(f"panel='fused' factors panels of at most {tall} rows on this GPU, got n={n}: use "
                              f"panel='getrf' (cuSOLVER) for larger matrices")
+    if panel == "cluster":
+        if not cuda:
+            raise ValueError(f"panel='cluster' runs the LU leaf kernel (kernels/cuda/panel_cluster.cu) and needs CUDA "
+                             f"tensors, got A on {device.type}: use panel='recursive' (or 'auto') on a CPU")
+        tall = _cluster_kernels().max_rows(_cluster_kernels().WIDTHS[0])
+        if n > tall:
+            raise ValueError(f"panel='cluster' holds leaves of at most {tall} rows in one cluster's shared memory, "
+                             f"got n={n}: use panel='getrf' (cuSOLVER) for larger matrices")
     if calu_kernel is not None and not isinstance(calu_kernel, bool):
         raise ValueError(f"calu_kernel must be None (auto: on CUDA), True or False, got calu_kernel={calu_kernel!r}")
     if calu_kernel and (not cuda or panel != "calu"):
@@ -1021,7 +1082,7 @@ def _resolve_config(n, device, factor, pivoting, block, panel, leaf, trsm, trsv,
                                  f"of `calu_rows` threads: {e} (or pass calu_kernel=False for the batched-getrf "
                                  "tournament)") from None
     if leaf is None:
-        leaf = _FUSED_LEAF if panel == "fused" else 128 if cuda else 16
+        leaf = _FUSED_LEAF if panel == "fused" else _CLUSTER_LEAF if panel == "cluster" else 128 if cuda else 16
     if calu_rows is None:
         calu_rows = 1024 if cuda else 64
     if trsv == "auto":
@@ -1234,7 +1295,11 @@ def lu_factor(
     leaf one launch of kernels/cuda/panel_pivot.cu -- exact partial pivoting, the rows held by the
     blocks that own them, two round trips through L2 a column; look-ahead off unless asked for; 1.6x
     faster than cuSOLVER on a 32768 x 256 panel, level with "getrf" in the whole LU, see
-    BENCHMARKS.md); ``getrf_lib``: "cusolver" (default: torch's getrf forced onto cuSOLVER, see
+    BENCHMARKS.md) or "cluster" (CUDA, n <= 32768: the recursion down to leaves of <= ``leaf`` = 32 columns
+    (16 above 16384 rows), each one launch of kernels/cuda/panel_cluster.cu -- exact partial pivoting, the
+    rows in the registers of one thread-block cluster, one cluster barrier a column; 1.5-2x faster than
+    cuSOLVER on the same leaf, slower than "getrf" in the whole LU (thousands of leaves and recursion
+    launches), see BENCHMARKS.md); ``getrf_lib``: "cusolver" (default: torch's getrf forced onto cuSOLVER, see
     ``_getrf_lib``) or "default" (torch's own choice); ``trsm``: "trsm" (fp32) or "inverse"
     (inv(L11) @ A12 as a GEMM, tf32 on CUDA for low-precision factors); ``trsm_tf32``: whether
     that GEMM (and L21 = A21 inv(U11) without pivoting) runs in tf32 -- None: on CUDA for

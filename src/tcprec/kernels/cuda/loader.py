@@ -559,24 +559,26 @@ def can_run(device: torch.device) -> tuple[bool, str]:
     return True, f"sm_{cap[0]}{cap[1]} has native BMMA AND.POPC"
 
 
-def _set_max_dynamic_smem(kernel, nbytes: int, device_index: int) -> None:
+def set_kernel_attribute(kernel, attr: str, value: int, device_index: int) -> None:
+    """Set the CUfunction attribute ``CU_FUNC_ATTRIBUTE_<attr>`` of a loaded kernel to ``value``."""
     from cuda.bindings import driver
 
-    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    a = getattr(driver.CUfunction_attribute, f"CU_FUNC_ATTRIBUTE_{attr}")
     handle = kernel.handle if hasattr(kernel, "handle") else kernel._handle
     if type(handle).__name__ == "CUkernel":
-        (err,) = driver.cuKernelSetAttribute(attr, nbytes, handle, driver.CUdevice(device_index))
+        (err,) = driver.cuKernelSetAttribute(a, value, handle, driver.CUdevice(device_index))
     else:
-        (err,) = driver.cuFuncSetAttribute(handle, attr, nbytes)
+        (err,) = driver.cuFuncSetAttribute(handle, a, value)
     if int(err) != 0:
-        raise RuntimeError(f"could not allow {nbytes} bytes of dynamic shared memory for bmma_gemm: {err}")
+        raise RuntimeError(f"could not set the kernel attribute {attr} = {value}: {err}")
 
 
 def load_kernel(key, source: Path, defines: list[str], name: str, entry: str, device_index: int,
-                smem_bytes: int = 0):
+                smem_bytes: int = 0, attrs: Optional[dict] = None):
     """The kernel ``entry`` of ``source`` built with ``defines`` (:func:`compile_source`) and loaded on
     CUDA device ``device_index``, memoised under ``key``; allows ``smem_bytes`` of dynamic shared
-    memory when that is above the 48 KB default."""
+    memory when that is above the 48 KB default, and sets the further CUfunction ``attrs``
+    (``{"NON_PORTABLE_CLUSTER_SIZE_ALLOWED": 1}``: the names without ``CU_FUNC_ATTRIBUTE_``)."""
     k = _kernels.get(key)
     if k is not None:
         return k
@@ -588,7 +590,9 @@ def load_kernel(key, source: Path, defines: list[str], name: str, entry: str, de
             cubin, _ = compile_source(source, defines, arch_of(torch.cuda.get_device_capability(device_index)), name)
             k = ObjectCode.from_cubin(cubin).get_kernel(entry)
             if smem_bytes > 48 * 1024:
-                _set_max_dynamic_smem(k, smem_bytes, device_index)
+                set_kernel_attribute(k, "MAX_DYNAMIC_SHARED_SIZE_BYTES", smem_bytes, device_index)
+            for attr, value in (attrs or {}).items():
+                set_kernel_attribute(k, attr, value, device_index)
             _kernels[key] = k
     return k
 
