@@ -1,7 +1,8 @@
 """Device benchmark of panel_cluster.cu (issue 6): one partially pivoted LU leaf per launch of one cluster,
 against cuSOLVER's getrf on the same leaf, in the same run: GPU time a launch from a CUDA graph of 20 x
 (restore the leaf, factor it), minus a graph of the 20 restores alone (CUDA events, median of 5 replays).
-Block 0's in-kernel cycle counters split one launch into phases (us a column at the SM clock).
+Block 0's in-kernel cycle counters split one launch into phases (us a column at the SM clock).  Last, the latency
+floor of the exchange alone (block barrier, candidates through distributed shared memory, cluster barrier) a step.
 
     PYTHONPATH=src python3 benchmarks/bench_panel_cluster_device.py [--out benchmarks/results/panel_cluster.json]
 
@@ -15,6 +16,7 @@ import argparse
 import json
 import statistics
 
+import numpy as np
 import torch
 
 from tcprec.bench.solve import environment
@@ -61,14 +63,70 @@ def _time(fn, reset) -> float:
     return _graph_us(body) - _graph_us(reset)
 
 
+# The latency floor of the kernel's exchange: `steps` iterations of (block barrier, every block's candidate -- 4 + 16
+# words -- stored into every block's shared memory, cluster barrier, a read of the slots), nothing else.
+_FLOOR_SRC = r"""
+extern "C" __global__ void floor_kernel(int steps, unsigned* out) {
+    __shared__ unsigned slot[2][16][20];
+    unsigned rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    unsigned nblk;
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(nblk));
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+    unsigned acc = 0;
+    for (int j = 0; j < steps; ++j) {
+        __syncthreads();
+        if (warp < (int)nblk && lane < 20) {
+            unsigned a = (unsigned)__cvta_generic_to_shared(&slot[j & 1][rank][lane]), r;
+            asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"((unsigned)warp));
+            asm volatile("st.shared::cluster.u32 [%0], %1;" ::"r"(r), "r"(acc + j) : "memory");
+        }
+        asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+        acc += slot[j & 1][lane & 15][0];
+    }
+    if (threadIdx.x == 0) out[rank] = acc;
+}
+"""
+
+
+def barrier_floor(dev) -> list:
+    """us a step of the bare exchange (no search, no elimination) for each cluster size, 512 threads a block."""
+    from tcprec.kernels.cuda.loader import _stream_for, cuda_core_api, set_kernel_attribute
+
+    Program, ProgramOptions, ObjectCode, Device, LaunchConfig, _, launch = cuda_core_api()
+    Device(dev.index or 0).set_current()
+    obj = Program(_FLOOR_SRC, code_type="c++", options=ProgramOptions(arch="sm_90a", std="c++17")).compile("cubin")
+    k = ObjectCode.from_cubin(bytes(obj.code)).get_kernel("floor_kernel")
+    set_kernel_attribute(k, "NON_PORTABLE_CLUSTER_SIZE_ALLOWED", 1, dev.index or 0)
+    out = torch.zeros(16, dtype=torch.int32, device=dev)
+    stream = _stream_for(torch.cuda.current_stream(dev).cuda_stream)
+    rows = []
+    for c in P.CLUSTERS:
+        cfg = LaunchConfig(grid=(1,), cluster=(c,), block=(512,))
+        per = {}
+        for steps in (16, 100016):  # one launch each, CUDA events: the difference is 100000 steps
+            launch(stream, cfg, k, np.int32(steps), np.uint64(out.data_ptr()))
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            launch(stream, cfg, k, np.int32(steps), np.uint64(out.data_ptr()))
+            b.record()
+            b.synchronize()
+            per[steps] = a.elapsed_time(b) * 1e3
+        us = (per[100016] - per[16]) / 100000
+        rows.append({"cluster": c, "us_per_step": round(us, 3)})
+        print(f"bare exchange, cluster {c:2d}: {us:.3f} us a step", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results/panel_cluster.json")
-    ap.add_argument("--sizes", default="32768,16384,8192,4096,2048")
+    ap.add_argument("--sizes", default="32768,16384,8192,4096,2048", help="leaf heights; '' for the floor only")
     args = ap.parse_args()
     dev = torch.device("cuda")
     rows = []
-    for m in (int(s) for s in args.sizes.split(",")):
+    for m in (int(s) for s in args.sizes.split(",") if s):
         for w in P.WIDTHS:
             A = torch.randn(m + 1, w, device=dev)
             A[m] = 0
@@ -96,9 +154,10 @@ def main() -> None:
                              "getrf_us": round(t_getrf, 2), "block0_us_per_column_by_phase": dict(zip(PHASES, phases))})
                 print(f"m={m:6d} w={w:2d} {str(v):14s} {us:8.1f} us  {us / w:6.3f} us/col   getrf {t_getrf:8.1f} us  "
                       f"block 0 us/col: " + " ".join(f"{k}={x}" for k, x in zip(PHASES, phases)), flush=True)
+    floor = barrier_floor(dev)
     with open(args.out, "w") as f:
         json.dump({"environment": environment(dev), "command": "PYTHONPATH=src python3 "
-                   "benchmarks/bench_panel_cluster_device.py", "rows": rows}, f, indent=1)
+                   "benchmarks/bench_panel_cluster_device.py", "rows": rows, "exchange_floor": floor}, f, indent=1)
 
 
 if __name__ == "__main__":
