@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import numpy as np
 import torch
 
+from tcprec.bench.common import time_graph_ms
 from tcprec.bench.solve import environment
 from tcprec.kernels.cuda import panel_cluster as P
 from tcprec.linalg.lu import _getrf_lib
@@ -35,32 +35,12 @@ def _clock_ghz() -> float:
         return 1.98
 
 
-def _graph_us(body, repeats=20) -> float:
-    """GPU us of one ``body()`` from a CUDA graph of ``repeats`` calls (median of 5 replays)."""
-    body()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(repeats):
-            body()
-    g.replay()
-    ts = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / repeats)
-    return statistics.median(ts)
-
-
 def _time(fn, reset) -> float:
     def body():
         reset()
         fn()
 
-    return _graph_us(body) - _graph_us(reset)
+    return (time_graph_ms(body, calls=20) - time_graph_ms(reset, calls=20)) * 1e3
 
 
 # The latency floor of the kernel's exchange: `steps` iterations of (block barrier, every block's candidate -- 4 + 16

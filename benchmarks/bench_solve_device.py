@@ -495,6 +495,29 @@ def panel_ab(dev, sizes=(8192, 16384, 32768), out="benchmarks/results/solve_pane
     return rows
 
 
+def _panel_variant_rows(dev, sizes, variants_, rows) -> None:
+    """For each n: fp64 torch.linalg.solve on a general kappa = 1e2 A, then per panel variant (LU options on
+    top of block 1024 and the graph trsv) the fp16 LU's time and phases and the fp16 solve; rows appended."""
+    for n in sizes:
+        A, b, t64 = _system_and_fp64("general", n, dev)
+        note(f"n={n} fp64 torch.linalg.solve {t64 * 1e3:.1f} ms")
+        rows.append({"kind": "solve", "n": n, "factor": "fp64", "time_s": t64})
+        for v in variants_:
+            kw = {"block": 1024, "trsv": "graph", **v}
+            try:
+                t, F, prof = _lu_time(A, factor="fp16", **kw)
+                note(f"n={n} lu fp16 {v}: {t * 1e3:7.1f} ms [{fmt_prof(prof)}]")
+                rows.append({"kind": "lu", "n": n, "factor": "fp16", "options": kw, "time_s": t, "phase_times": prof})
+                del F
+                free()
+                _fp16_solve_row(rows, A, b, t64, n, kw, v)
+            except Exception as e:  # noqa: BLE001
+                note(f"n={n} {v}: FAILED {type(e).__name__}: {str(e)[:300]}")
+            free()
+        del A, b
+        free()
+
+
 @guarded("fused panel A/B")
 def fused_ab(dev, sizes=(8192, 16384, 32768), out="benchmarks/results/solve_fused_ab.json"):
     """Partially pivoted panels: cuSOLVER getrf vs the fused panel kernel (panel_pivot.cu), first one
@@ -540,24 +563,7 @@ def fused_ab(dev, sizes=(8192, 16384, 32768), out="benchmarks/results/solve_fuse
         free()
     variants_ = [dict(panel="getrf"), dict(panel="fused", leaf=256), dict(panel="fused", leaf=512),
                  dict(panel="fused", leaf=256, lookahead=True)]
-    for n in sizes:
-        A, b, t64 = _system_and_fp64("general", n, dev)
-        note(f"n={n} fp64 torch.linalg.solve {t64 * 1e3:.1f} ms")
-        rows.append({"kind": "solve", "n": n, "factor": "fp64", "time_s": t64})
-        for v in variants_:
-            kw = {"block": 1024, "trsv": "graph", **v}
-            try:
-                t, F, prof = _lu_time(A, factor="fp16", **kw)
-                note(f"n={n} lu fp16 {v}: {t * 1e3:7.1f} ms [{fmt_prof(prof)}]")
-                rows.append({"kind": "lu", "n": n, "factor": "fp16", "options": kw, "time_s": t, "phase_times": prof})
-                del F
-                free()
-                _fp16_solve_row(rows, A, b, t64, n, kw, v)
-            except Exception as e:  # noqa: BLE001
-                note(f"n={n} {v}: FAILED {type(e).__name__}: {str(e)[:300]}")
-            free()
-        del A, b
-        free()
+    _panel_variant_rows(dev, sizes, variants_, rows)
     _write_json(out, {"env": environment(dev), "command": "PYTHONPATH=src python3 benchmarks/bench_solve_device.py "
                       "--fused-ab", "rows": rows, "lines": SUMMARY})
     return rows
@@ -571,24 +577,7 @@ def cluster_ab(dev, sizes=(8192, 16384, 32768), out="benchmarks/results/solve_cl
     rows = []
     variants_ = variants_ or [dict(panel="getrf"), dict(panel="cluster"), dict(panel="cluster", lookahead=False),
                               dict(panel="cluster", panel_tf32=True)]
-    for n in sizes:
-        A, b, t64 = _system_and_fp64("general", n, dev)
-        note(f"n={n} fp64 torch.linalg.solve {t64 * 1e3:.1f} ms")
-        rows.append({"kind": "solve", "n": n, "factor": "fp64", "time_s": t64})
-        for v in variants_:
-            kw = {"block": 1024, "trsv": "graph", **v}
-            try:
-                t, F, prof = _lu_time(A, factor="fp16", **kw)
-                note(f"n={n} lu fp16 {v}: {t * 1e3:7.1f} ms [{fmt_prof(prof)}]")
-                rows.append({"kind": "lu", "n": n, "factor": "fp16", "options": kw, "time_s": t, "phase_times": prof})
-                del F
-                free()
-                _fp16_solve_row(rows, A, b, t64, n, kw, v)
-            except Exception as e:  # noqa: BLE001
-                note(f"n={n} {v}: FAILED {type(e).__name__}: {str(e)[:300]}")
-            free()
-        del A, b
-        free()
+    _panel_variant_rows(dev, sizes, variants_, rows)
     _write_json(out, {"env": environment(dev), "command": "PYTHONPATH=src python3 benchmarks/bench_solve_device.py "
                       "--cluster-ab", "rows": rows, "lines": SUMMARY})
     return rows

@@ -149,7 +149,7 @@ def panel_cluster(work: torch.Tensor, r0: int, c0: int, n: int, w: int, scratch:
         raise ValueError(f"ipiv must be int32 with >= {w} entries and idx contiguous int64 (2, {2 * w}); got "
                          f"{ipiv.dtype} {ipiv.numel()} and {None if idx is None else (idx.dtype, tuple(idx.shape))}")
     v = variant or pick_variant(m, w)
-    if w > v.width or not v.fits(m) or m > 65535:
+    if w > v.width or not v.fits(m):
         raise ValueError(f"variant {v} cannot hold a leaf of {m} x {w}")
     if prof is not None and (prof.dtype != torch.int64 or prof.numel() < 8 * v.cluster):
         raise ValueError(f"prof must be int64 with >= {8 * v.cluster} entries")
