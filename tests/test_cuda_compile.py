@@ -110,7 +110,22 @@ def _conv_variants():
                   "bfloat16", 2, "pm1", dual=True),
         L.Variant(2, 1, False, False, L.packed_tile(L.pick_tile(2, 1, False, False, 10**5, 10**5, arch="sm_80")),
                   "float", "float16", 3, "twos", res=True, dual=True),
+        # in-kernel row sums (TCP_ROWSUM): the w1a2 convs' tiles as the loader picks them with row_affine -- TMA
+        # (ones tile in shared memory) packed / dual, the cp.async wgmma tile, mma.sync and the small packed tile
+        *_rowsum_variants(),
     ]
+
+
+def _rowsum_variants():
+    from tcprec.kernels.cuda import loader as L
+
+    pick = lambda M, N, kind, dual=False: L._variant_for(2, 1, False, False, M, N, kind, 2, "unsigned", "", 132,  # noqa: E731
+                                                         "sm_90a", 36, True, False, dual, True)
+    return [pick(802816, 64, "packed"), pick(25088, 64, "float16", True), pick(200704, 128, "packed"),
+            pick(6272, 128, "packed"), pick(392, 512, "float16"),
+            L.Variant(3, 1, True, False, L.parse_tile("64x64_w4x1_s4_k1024_wg"), "int32", conv=True, rowsum=True),
+            L.Variant(2, 1, False, False, L.parse_tile("64x64_w2x2_s3_k1024"), "float", "float16", conv=True,
+                      res=True, rowsum=True)]
 
 
 def _sync_defaults():
@@ -149,7 +164,7 @@ def test_default_variants_do_not_spill(cache):
     from tcprec.kernels.cuda import loader as L
 
     seen_tma = 0
-    for v in _variants()[: len(DEFAULT_PAIRS)] + _variants()[-19:] + _sync_defaults():
+    for v in _variants()[: len(DEFAULT_PAIRS)] + _variants()[-26:] + _sync_defaults():
         _, log = L.compile_variant(v, "sm_90a")  # from the cache filled above (or compiled now)
         seen_tma += v.tile.tma
         assert _spill_bytes(log) == 0 and "0 bytes stack frame" in log, (str(v), log[-400:])

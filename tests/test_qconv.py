@@ -915,10 +915,10 @@ def test_column_scale_is_computed_once_per_version_of_its_buffers():
 
 
 def test_implicit_conv_rows_are_the_im2col_rows_when_taps_are_whole_chunks():
-    """With ceil(C / 32) a multiple of 4 the implicit GEMM's K layout is the im2col layout itself, so the same
-    weight planes serve both; otherwise each tap is padded to 4 words (zeros) and the products agree."""
+    """With ceil(C / 32) even the implicit GEMM's K layout is the im2col layout itself, so the same weight planes
+    serve both; otherwise each tap is padded to an even number of words (zeros) and the products agree."""
     gen = torch.Generator().manual_seed(3)
-    for C, K in ((128, 5), (37, 6)):
+    for C, K in ((128, 5), (64, 3), (37, 6), (96, 4)):
         g = ConvGeometry(2, 7, 6, C, K, 3, 2, (2, 1), (1, 1), (1, 2))
         x = torch.randint(0, 4, (g.N * g.H * g.W, C), generator=gen)
         w = torch.randint(0, 2, (K, g.R, g.S, C), generator=gen)
@@ -929,10 +929,10 @@ def test_implicit_conv_rows_are_the_im2col_rows_when_taps_are_whole_chunks():
         rows = rq.implicit_conv_rows(a, wp, conv)
         assert rows.shape == (2, g.N * g.P * g.Q, wp.shape[2])
         cols, w_old = rq.im2col_bits(a, g), rq.pack_weight_planes(w, 1)
-        if C == 128:
-            assert cwt == 4 and torch.equal(wp, w_old) and torch.equal(rows, cols)
-        else:
-            assert cwt == 4 and wp.shape[2] > w_old.shape[2]
+        if C in (128, 64, 37):
+            assert cwt == -(-C // 32) + (-(-C // 32)) % 2 and torch.equal(wp, w_old) and torch.equal(rows, cols)
+        else:  # 3 words a tap padded to 4
+            assert cwt == 4 and not torch.equal(wp, w_old)
         args = (False, False, 1, None, None, None, None, None, False, "int32", 1, "unsigned", None)
         assert torch.equal(rq.bmma_gemm_reference(a, wp, *args, conv=conv), rq.bmma_gemm_reference(cols, w_old, *args))
 
@@ -941,31 +941,34 @@ def test_implicit_conv_route_choice_and_bad_geometry(monkeypatch):
     from tcprec.kernels.cuda import loader as L
 
     g = ConvGeometry(1, 8, 8, 64, 8, 3, 3, (1, 1), (1, 1), (1, 1))
-    # "auto": only taps without padding words (ceil(C / 32) % 4 == 0) and at most two column tiles (w1a2: 128 wide)
-    assert qconv.BITSERIAL_IMPLICIT == "auto" and not qconv.implicit_conv(g, 16)  # C = 64: taps padded 2 -> 4 words
+    # "auto": only taps without padding words (ceil(C / 32) even) and, where the GEMM runs the large wgmma tiles (as
+    # many as the SMs), at most two column tiles of them (w1a2: 128 wide)
+    assert qconv.BITSERIAL_IMPLICIT == "auto" and qconv.implicit_conv(g, 16) and qconv.implicit_conv(g, 2)  # C = 64
     geo = lambda C, K, R=3, N=256, H=14: ConvGeometry(N, H, H, C, K, R, R, (1, 1), (R // 2,) * 2, (1, 1))  # noqa: E731
     assert qconv.implicit_conv(geo(256, 256), 8) and qconv.implicit_conv(geo(128, 100, H=28), 4)
-    assert qconv.implicit_conv(geo(384, 256, 5), 12)
+    assert qconv.implicit_conv(geo(384, 256, 5), 12) and qconv.implicit_conv(geo(192, 384, N=8), 6)
     assert not qconv.implicit_conv(geo(256, 384), 8) and not qconv.implicit_conv(geo(512, 512), 16)  # 3, 4 tiles
     assert not qconv.implicit_conv(geo(96, 256), 16) and not qconv.implicit_conv(geo(256, 256, 1), 8)  # pad; 1x1
+    assert not qconv.implicit_conv(geo(96, 256), 3)  # compact rows of 3 words: not whole 8-byte taps
     assert not qconv.implicit_conv(geo(256, 256), 8, 2, 2)  # w2a2: 64-wide tiles, 4 of them
-    # >= 4 tiles an SM: 256 x 14 x 14 rows = 392 x 2 tiles on 132 SMs (5.9 each), not at batch 8 (13 x 2)
-    assert not qconv.implicit_conv(geo(256, 256, N=8), 8) and qconv.implicit_conv(geo(256, 256), 8, sm_count=132)
-    assert not qconv.implicit_conv(geo(256, 256), 8, sm_count=264)
+    # fewer wgmma tiles than SMs (mma.sync tiles): any number of column tiles -- 8 x 14 x 14 rows = 13 x 4 tiles
+    assert qconv.implicit_conv(geo(512, 512, N=8), 16) and not qconv.implicit_conv(geo(512, 512, N=8), 16, sm_count=50)
     assert qconv.compact_planes_ok(64) and qconv.compact_planes_ok(96)  # compact rows serve both routes
     monkeypatch.setattr(qconv, "BITSERIAL_IMPLICIT", False)
     assert not qconv.implicit_conv(geo(256, 256), 8) and qconv.compact_planes_ok(64)
     monkeypatch.setattr(qconv, "BITSERIAL_IMPLICIT", True)
-    assert qconv.implicit_conv(g, 16)  # padded rows of 64 channels
-    assert not qconv.implicit_conv(g, 2)  # compact rows: 2 words a pixel, not whole 16-byte taps
+    assert qconv.implicit_conv(g, 16) and qconv.implicit_conv(g, 2)  # padded / compact rows of 64 channels
+    assert not qconv.implicit_conv(geo(96, 64), 3)  # compact rows: 3 words a pixel, not whole 8-byte taps
     assert not qconv.implicit_conv(ConvGeometry(1, 8, 8, 64, 8, 1, 1, (1, 1), (0, 0), (1, 1)), 16)  # pointwise
-    assert qconv.compact_planes_ok(256) and not qconv.compact_planes_ok(64) and not qconv.compact_planes_ok(96)
+    assert qconv.compact_planes_ok(256) and qconv.compact_planes_ok(64) and not qconv.compact_planes_ok(96)
     a = torch.zeros(2, 64, 16, dtype=torch.int32)
     w = torch.zeros(1, 8, 48, dtype=torch.int32)
     conv = [8, 8, 8, 8, 3, 3, 1, 1, 1, 1, 1, 1, 4]
     L.check_conv(a, w, conv)  # fine
     with pytest.raises(ValueError, match="Kin"):
-        L.check_conv(a[..., :2], w, conv)
+        L.check_conv(a[..., :2], w, conv)  # rows of 2 words, taps of 4
+    with pytest.raises(ValueError, match="Kin"):
+        L.check_conv(a[..., :3], w, conv[:-1] + [2])  # rows of 3 words: not whole 8-byte copies
     with pytest.raises(ValueError, match="R\\*S\\*CWT"):
         L.check_conv(a, w[..., :16], conv)
     with pytest.raises(ValueError, match="whole H x W"):

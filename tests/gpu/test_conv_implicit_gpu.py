@@ -125,8 +125,8 @@ def test_implicit_conv_in_cuda_graph():
 
 def test_implicit_conv_bad_geometry_raises():
     a, wp, conv, M, K = _case(GEOMS[0], 2, 1, False, False)
-    with pytest.raises(ValueError, match="Kin"):
-        L._bmma_gemm(a[..., :2].contiguous(), wp, False, False, 1, None, None, None, None, None, False, "int32", 2,
+    with pytest.raises(ValueError, match="Kin"):  # rows of 3 words: not whole 8-byte copies
+        L._bmma_gemm(a[..., :3].contiguous(), wp, False, False, 1, None, None, None, None, None, False, "int32", 2,
                      "unsigned", None, "", conv=conv)
     with pytest.raises(ValueError, match="conv must be"):
         L._bmma_gemm(a, wp, False, False, 1, None, None, None, None, None, False, "int32", 2, "unsigned", None, "",
@@ -161,3 +161,107 @@ def test_qconv_implicit_route_equals_im2col_route(monkeypatch, layer):
         yp = qconv.conv2d(qx, qw, stride=st, padding=pd, bias=bias, act="relu", out_fmt="uint2", out_scale=0.25)
         outs[on] = (y16, yp.planes)
     assert torch.equal(outs[False][0], outs[True][0]) and torch.equal(outs[False][1], outs[True][1])
+
+
+def _row_affine_pair(a, wp, conv, M, K, a_twos, w_twos, out_kind, tile, row_affine, residual=None, dual=False):
+    """(kernel with the row term from in-kernel row sums, reference with it) of one call."""
+    gen = torch.Generator(device=DEV).manual_seed(2)
+    col_term = torch.randint(-50, 50, (K,), device=DEV, generator=gen, dtype=torch.int32)
+    col_scale = torch.rand(K, device=DEV, generator=gen) * 0.05 + 0.01
+    bias = torch.randn(K, device=DEV, generator=gen)
+    out_scale = torch.tensor([0.7], device=DEV)
+    fl = out_kind != "int32"
+    args = (a, wp, a_twos, w_twos, 2, None, col_term, None, col_scale if fl else None, bias if fl else None, fl,
+            out_kind, 2, "unsigned", out_scale if out_kind == "packed" or dual else None, tile)
+    kw = dict(conv=conv, row_affine=row_affine, residual=residual)
+    if dual:
+        outs = []
+        for f in (L._bmma_gemm, rq.bmma_gemm_reference):
+            d = torch.empty((2, M, -(-K // 32)), dtype=torch.int32, device=DEV)
+            outs.append((f(*args, dual_out=d, **kw), d))
+        return outs
+    return L._bmma_gemm(*args, **kw), rq.bmma_gemm_reference(*args, **kw)
+
+
+ROWSUM_TILES = ["", "128x128_w8x1_s4_k1024_wg_tma", "128x64_w8x1_s3_k1024_wg_tma", "128x128_w8x1_s4_k1024_wg",
+                "64x128_w4x1_s4_k1024_wg", "64x64_w2x2_s3_k1024", "32x64_w2x2_s3_k1024", "32x32_w2x2_s2_k1024",
+                "64x128_w2x2_s3"]
+
+
+@pytest.mark.parametrize("gi", [0, 1, 2, 4, 6])
+@pytest.mark.parametrize("tile", ROWSUM_TILES, ids=[t or "default" for t in ROWSUM_TILES])
+def test_in_kernel_row_sums_equal_reference(gi, tile):
+    """row_affine=(row_mul, row_add): the row term from the tensor cores' row sums of the gathered windows (padding
+    taps add nothing) equals the reference's explicit one, int32 epilogue, every tile family."""
+    a, wp, conv, M, K = _case(GEOMS[gi], 2, 1, False, False, seed=30 + gi)
+    got, want = _row_affine_pair(a, wp, conv, M, K, False, False, "int32", tile, (-3, 11 * gi - 7))
+    assert torch.equal(got, want), (GEOMS[gi], tile, (got != want).sum().item())
+
+
+@pytest.mark.parametrize("out_kind", ["packed", "float16"])
+@pytest.mark.parametrize("tile", ["", "128x128_w8x1_s4_k1024_wg_tma", "32x64_w2x2_s3_k1024", "64x64_w2x2_s3_k1024"])
+def test_in_kernel_row_sums_epilogues(out_kind, tile):
+    a, wp, conv, M, K = _case(GEOMS[2], 2, 1, False, False, seed=40)
+    got, want = _row_affine_pair(a, wp, conv, M, K, False, False, out_kind, tile, (-1, 4608))
+    assert torch.equal(got, want), (tile, out_kind)
+
+
+@pytest.mark.parametrize("p, q, a_twos, w_twos", [(1, 1, False, False), (3, 2, True, False), (4, 1, True, True),
+                                                  (8, 1, False, False)])
+def test_in_kernel_row_sums_widths_and_signs(p, q, a_twos, w_twos):
+    """Plane weights of the row sums: unsigned 2^i, two's complement's negative top plane."""
+    for gi in (1, 2):
+        a, wp, conv, M, K = _case(GEOMS[gi], p, q, a_twos, w_twos, seed=50 + gi)
+        for tile in ("", "32x32_w2x2_s2_k1024"):
+            got, want = _row_affine_pair(a, wp, conv, M, K, a_twos, w_twos, "int32", tile, (-(2**q - 1), 5))
+            assert torch.equal(got, want), (GEOMS[gi], p, q, a_twos, tile)
+
+
+def test_in_kernel_row_sums_plain_gemm_residual_and_dual():
+    """Without a convolution (a 1x1 layer's planes as A), with a fused residual, and with the dual planes output."""
+    gen = torch.Generator(device=DEV).manual_seed(9)
+    M, K, C = 300, 128, 200
+    a = pack_bitplanes(torch.randint(0, 4, (M, C), device=DEV, generator=gen, dtype=torch.int32), 2, validate=False)
+    wp = pack_bitplanes(torch.randint(0, 2, (K, C), device=DEV, generator=gen, dtype=torch.int32), 1, validate=False)
+    for tile in ("", "128x128_w8x1_s4_k1024_wg_tma", "32x64_w2x2_s3_k1024"):
+        got, want = _row_affine_pair(a, wp, None, M, K, False, False, "int32", tile, (-1, 0))
+        assert torch.equal(got, want), tile
+        res = torch.randn(M, K, device=DEV, generator=gen).half()
+        got, want = _row_affine_pair(a, wp, None, M, K, False, False, "float16", tile, (-1, 0), residual=res)
+        assert torch.equal(got, want), tile
+        (g16, gp), (w16, wpl) = _row_affine_pair(a, wp, None, M, K, False, False, "float16", tile, (-1, 0), dual=True)
+        assert torch.equal(g16, w16) and torch.equal(gp, wpl), tile
+
+
+def test_in_kernel_row_sums_bad_input():
+    a, wp, conv, M, K = _case(GEOMS[0], 2, 1, False, False)
+    rt = torch.zeros(M, dtype=torch.int32, device=DEV)
+    base = (a, wp, False, False, 2)
+    rest = (None, None, None, None, False, "int32", 2, "unsigned", None, "")
+    with pytest.raises(ValueError, match="not both"):
+        L._bmma_gemm(*base, rt, *rest, conv=conv, row_affine=(1, 0))
+    with pytest.raises(ValueError, match="two int32 integers"):
+        L._bmma_gemm(*base, None, *rest, conv=conv, row_affine=(1,))
+    with pytest.raises(ValueError, match="two int32 integers"):
+        L._bmma_gemm(*base, None, *rest, conv=conv, row_affine=(2**31, 0))
+    plain_a = pack_bitplanes(torch.ones(64, 2048, dtype=torch.int32, device=DEV), 2, validate=False)
+    plain_w = pack_bitplanes(torch.ones(32, 2048, dtype=torch.int32, device=DEV), 1, validate=False)
+    with pytest.raises(ValueError, match="split-K"):
+        L._bmma_gemm(plain_a, plain_w, False, False, 2, None, None, None, None, None, False, "int32", 2, "unsigned",
+                     None, "32x32_w2x2_s2_k1024_sk2", row_affine=(1, 0))
+
+
+@pytest.mark.parametrize("geom", [GEOMS[0], GEOMS[3], GEOMS[5], ((2, 13, 13, 192), (96, 3, 3), 1, 1, 1),
+                                  ((1, 9, 10, 37), (16, 3, 3), 2, 1, 1)], ids=["c64", "c64k5", "c64s2", "c192", "c37"])
+@pytest.mark.parametrize("tile", ["", "128x64_w8x1_s3_k1024_wg_tma", "128x128_w8x1_s4_k1024_wg", "32x64_w2x2_s3_k1024"])
+def test_implicit_conv_8_byte_taps_on_compact_rows(geom, tile):
+    """Taps of 2 mod 4 words (C = 64: 2, C = 192: 6) are gathered with 8-byte copies, from compact rows (2 / 6 words
+    a pixel) as from padded ones, with the row sums in the kernel: equal to the reference."""
+    C = geom[0][3]
+    a, wp, conv, M, K = _case(geom, 2, 1, False, False, compact=True, seed=60 + C)
+    assert a.shape[2] == -(-C // 32) and conv[-1] == -(-C // 64) * 2
+    ap, *_ = _case(geom, 2, 1, False, False, seed=60 + C)
+    for out_kind in ("int32", "packed"):
+        got, want = _row_affine_pair(a, wp, conv, M, K, False, False, out_kind, tile, (-1, 9 * C))
+        got_p, _ = _row_affine_pair(ap, wp, conv, M, K, False, False, out_kind, tile, (-1, 9 * C))
+        assert torch.equal(got, want) and torch.equal(got_p, want), (geom, tile, out_kind)

@@ -94,16 +94,17 @@ def im2col_bits(planes: torch.Tensor, g: ConvGeometry) -> torch.Tensor:
 
 
 def conv_tap_words(C: int) -> int:
-    """Words a tap takes in the implicit-GEMM convolution's K layout: ceil(C / 32) rounded up to 4 (whole 16-byte
-    chunks: the kernel gathers a tap with cp.async of 16 bytes)."""
-    return -(-C // 128) * 4
+    """Words a tap takes in the implicit-GEMM convolution's K layout: ceil(C / 32) rounded up to an even number
+    (whole 8-byte halves of 16-byte chunks: the kernel gathers a tap with cp.async of 16 bytes, or of 8 where the
+    tap or the row is not whole 16-byte chunks -- C = 64: 2 words a tap, and compact rows of 2 words serve)."""
+    return -(-C // 64) * 2
 
 
 def implicit_conv_fits(kin: int, cwt: int, H: int, W: int, ph: int, pw: int) -> bool:
     """Whether input planes with ``kin``-word rows can be gathered by the implicit-GEMM convolution with taps of
-    ``cwt`` words: whole 16-byte chunks (both multiples of 4, ``kin >= cwt``), and window origins that fit the
-    kernel's int16 halves (H, W <= 32767, padding <= 16383)."""
-    return cwt % 4 == 0 and kin % 4 == 0 and kin >= cwt and max(H, W) <= 32767 and max(ph, pw) <= 16383
+    ``cwt`` words: whole 8-byte copies (both even, ``kin >= cwt``), and window origins that fit the kernel's int16
+    halves (H, W <= 32767, padding <= 16383)."""
+    return cwt % 2 == 0 and kin % 2 == 0 and kin >= cwt and max(H, W) <= 32767 and max(ph, pw) <= 16383
 
 
 def pack_weight_planes(w_codes: torch.Tensor, bits: int, *, backend: str = "auto",
@@ -144,17 +145,30 @@ def implicit_conv_rows(a_planes: torch.Tensor, w_planes: torch.Tensor, conv) -> 
     return F.pad(a, (0, w_planes.shape[2] - R * S * cwt))
 
 
+def _wrap32(v: torch.Tensor) -> torch.Tensor:
+    """int64 -> the int32 value it wraps to (mod 2^32), as int64."""
+    return ((v + 2**31) % 2**32) - 2**31
+
+
 def bmma_gemm_reference(a_planes, w_planes, a_twos, w_twos, ss, row_term, col_term, row_scale, col_scale, bias,
                         relu, out_kind, out_bits, out_encoding, out_scale, tile="", leaky_slope=0.0, pdl=True,
-                        conv=None, residual=None, out_compact=False, dual_out=None):
+                        conv=None, residual=None, out_compact=False, dual_out=None, row_affine=None):
     """``torch.ops.tcprec.bmma_gemm``'s contract in plain torch (same arguments, same result):
     ``C = ss * S + row_term[m] + col_term[n]`` (int32), then the float or packed epilogue.  ``tile`` and ``pdl``
     (how the kernel launches) do not change the result and are ignored.  With ``conv`` the A operand is
     :func:`implicit_conv_rows` of the input planes; with ``residual`` (float out_kind) ``act(rd(rd(y) + residual))``,
     rd the rounding to the output dtype; ``out_compact`` (packed): rows of ceil(N / 32) words, unpadded;
-    ``dual_out`` (16-bit float out_kind): also filled with the compact planes of the output's codes."""
+    ``dual_out`` (16-bit float out_kind): also filled with the compact planes of the output's codes;
+    ``row_affine = (row_mul, row_add)`` instead of ``row_term``: ``row_term = row_mul * R + row_add`` with R the
+    weighted popcount of A's rows as multiplied (int32, wrapping like the kernel's)."""
     if conv is not None:
         a_planes = implicit_conv_rows(a_planes, w_planes, conv)
+    if row_affine is not None:
+        if row_term is not None:
+            raise ValueError("pass row_term or row_affine=(row_mul, row_add), not both")
+        fa = IntFormat(a_planes.shape[0], signed=a_twos)
+        R = rg.weighted_rowsums(a_planes, fa).to(torch.int64)
+        row_term = _wrap32(int(row_affine[0]) * R + int(row_affine[1]))
     C = ss * _weighted_S(a_planes, w_planes, a_twos, w_twos)  # (M, N) int64
     if row_term is not None:
         C = C + row_term.to(torch.int64)[:, None]

@@ -27,11 +27,11 @@ Backends (one rule with ``tcprec.matmul``: bit-serial while p*q < 8, INT8 otherw
   tensor-core GEMM (``torch.ops.tcprec.bmma_gemm``) with the true K = R*S*C in its corrections and
   its fused epilogue (scale, bias, ReLU / LeakyReLU, the output dtype or the packed next-layer
   planes).  A 1x1 stride-1 unpadded convolution needs no im2col: the input planes are the operand.
-  Where it measured faster (:data:`BITSERIAL_IMPLICIT`, "auto": taps of whole 4-word chunks, at most two
-  column tiles, at least four tiles an SM) it is an implicit GEMM instead (``bmma_gemm`` with ``conv=``): the
-  kernel gathers each window from the packed input planes as it loads (per tap the ceil(C/32) words rounded
-  up to 4, zeros in the padding; any kernel size, stride, padding and dilation), and pm1 weights' row
-  correction takes two small Triton passes (each pixel's activation sum, then each window's: ``window_rowsums``).
+  Where it measured faster (:data:`BITSERIAL_IMPLICIT`, "auto": taps without padding words, and at most two
+  column tiles when the GEMM runs the large wgmma tiles) it is an implicit GEMM instead (``bmma_gemm`` with
+  ``conv=``): the kernel gathers each window from the packed input planes as it loads (per tap the ceil(C/32)
+  words rounded up to an even number, zeros in the padding; any kernel size, stride, padding and dilation), and
+  sums the gathered rows on the tensor cores for pm1 weights' row correction (``row_affine``): one launch.
   A max-pool in front of packed output runs on the codes (the epilogue packs at full size, one bit-plane
   pass pools: quantizing is monotone, so it equals pooling first); other pooling is a separate float32
   pass after the GEMM (then the cast or the re-quantize + pack pass);
@@ -476,7 +476,7 @@ class PackedConvWeight:
     * bit-serial (integer formats): ``planes`` int32 ``(q, K, Kw_col)`` in the im2col word layout (each
       tap padded to a whole number of words), ``rowsum`` int32 ``(K,)`` = sum of the weighted codes of
       each filter (the correction term when the activations are pm1), and ``conv_planes``, the same weights in
-      the implicit-GEMM layout (each tap padded to a multiple of 4 words: ``reference_qconv.conv_tap_words``;
+      the implicit-GEMM layout (each tap padded to an even number of words: ``reference_qconv.conv_tap_words``;
       ``planes`` itself where that is already so);
     * INT8 / FP8 kernels: ``w8`` ``(K, R, S, C)`` contiguous, int8 with ``value = w_off + w_step * w8``
       (integer formats) or the float8 view of the codes (``e4m3`` / ``e5m2``: ``w_off = 0, w_step = 1``);
@@ -1173,7 +1173,7 @@ def _fp8_reference(plan: _Plan, xs: _X, qw: QTensor) -> torch.Tensor:
 def _bitserial(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, out_scale, gemm, residual=None):
     """The binary tensor-core pipeline: (im2col over planes) -> bmma_gemm with the fused epilogue (and a float
     output's residual add).  Returns (M, K) int32 / float, or planes, per ``_bitserial_kind``."""
-    from ..kernels.triton.im2col_bits import im2col_bits, window_rowsums  # TRITON_INTERPRET is read at import
+    from ..kernels.triton.im2col_bits import im2col_bits  # TRITON_INTERPRET is read at import
 
     g, fa, fw = plan.g, plan.fa, plan.fw
     oa, sa = rg.affine(fa)
@@ -1182,28 +1182,27 @@ def _bitserial(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, out_scale, 
     planes = xs.planes()  # (p, N*H*W, packed_words(C)), or compact (p, N*H*W, ceil(C / 32)): fine for the im2col
     need_row = ow != 0
     conv, w_planes = None, pw.planes
+    row_term, extra = None, {}
+    row_affine = [sa * ow, K_true * oa * ow] if need_row else None  # the pm1 row term, from in-kernel row sums
     if _implicit_route(plan, planes.shape[2], planes.device) and pw.conv_planes is not None:
-        # implicit GEMM: the kernel gathers the windows from the input planes; only the row sums (pm1 weights) take
-        # a pass over them (pixel sums once, then each window's)
+        # implicit GEMM: the kernel gathers the windows from the input planes, and (pm1 weights) sums their rows on
+        # the tensor cores -- one launch, no pass over A before it
         cwt = rq.conv_tap_words(g.C)
         conv = [g.H, g.W, g.P, g.Q, g.R, g.S, *g.stride, *g.padding, *g.dilation, cwt]
         a_planes, w_planes = planes, pw.conv_planes
-        row_term = None
-        if need_row:
-            row_term = window_rowsums(planes, g, twos=fa.encoding == "twos", row_mul=sa * ow,
-                                      row_add=K_true * oa * ow)
+        extra["row_affine"] = row_affine
     elif g.is_pointwise:
         if xs.packed is not None and xs.packed.compact:  # the GEMM operand needs whole 512-bit rows
             planes = xs.packed.padded_planes()
-        a_planes = planes  # the input planes are the GEMM operand (Kw_col = packed_words(C))
-        _, row_term = im2col_bits(planes, g, twos=fa.encoding == "twos", store=False, rowsum=need_row,
-                                  row_mul=sa * ow, row_add=K_true * oa * ow)
+        a_planes = planes  # the input planes are the GEMM operand (Kw_col = packed_words(C)); row sums in the kernel
+        extra["row_affine"] = row_affine
     else:
         a_planes, row_term = im2col_bits(planes, g, twos=fa.encoding == "twos", store=True, rowsum=need_row,
                                          row_mul=sa * ow, row_add=K_true * oa * ow)  # (p, M, Kw_col), (M,)
     col_term = (oa * sw * pw.rowsum).contiguous() if oa != 0 else None  # (K,) int32
     kind, relu, slope, ofmt = _bitserial_kind(plan)
-    extra = {} if conv is None else {"conv": conv}
+    if conv is not None:
+        extra["conv"] = conv
     if kind == "packed" and plan.out_layout == "compact":  # rows of ceil(K / 32) words for a gathering consumer
         extra["out_compact"] = True
     if plan.dual:  # "planes+float": the output's planes (compact rows) from the same epilogue
@@ -1220,29 +1219,29 @@ def _bitserial(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, out_scale, 
 
 # The implicit-GEMM route of the bit-serial convolution (bmma_gemm with conv=): bit-exact against the reference
 # (tests/gpu/test_conv_implicit_gpu.py), and per layer faster or slower than the explicit im2col route.  Measured
-# (session 18, H200, w1a2, one process, per-layer GPU time with each route, benchmarks/results/net_routes.json):
-# it wins where no tap is padded (ceil(C / 32) a multiple of 4 words) and the output has at most two column tiles
-# -- VGG 256 -> 256 @ 56 at batch 256 885 -> 766 us, AlexNet 384 -> 256 @ 13 118 -> 94, ResNet-18 128 -> 128 @ 28
-# 110 -> 87 -- and loses where C = 64 / 96 / 192 pad their taps to 4 words (K doubled for 64: ResNet-18 stage 0
-# 226 -> 294 us) or N >= 384 makes every column tile gather the windows again (VGG 512 @ 28 400 -> 503), since the
-# producer's cp.async gather feeds the tensor cores slower than TMA boxes of im2col'd rows.  At batch 8 (3 tiles an
-# SM or fewer) its two row-sum launches against the im2col's one cost more than it saves (whole networks, graph
-# replay: ResNet-18 0.449 -> 0.461 ms, VGG 0.456 -> 0.459).  "auto" takes it exactly where it won: taps without
-# padding words, <= 2 column tiles, >= IMPLICIT_TILES_PER_SM tiles an SM; True wherever the layout allows, False never.
+# (H200, w1a2 networks, one process, per-layer GPU time of each route: benchmarks/bench_net_routes_device.py ->
+# benchmarks/results/net_routes.json).  Session 18, with the pm1 row sums from two Triton passes: it won where no tap
+# is padded and the output has at most two column tiles (VGG 256 -> 256 @ 56 at batch 256 885 -> 766 us), lost
+# where N >= 384 makes every column tile of the large wgmma tiles gather the windows again (VGG 512 @ 28 400 -> 503:
+# the producer's cp.async gather feeds the tensor cores slower than TMA boxes of im2col'd rows), and at batch 8 its
+# two row-sum launches cost more than the im2col launch they replace.  Session 22, with the row sums on the tensor
+# cores (one launch): at batch 8 it wins on every layer of unpadded taps that runs the small mma.sync tiles
+# (ResNet-18 w1a2 0.341 -> 0.285 ms with it everywhere), still loses on the large tiles with > 2 column tiles (VGG
+# 512 @ 28, batch 8 and 256), and with taps of 2 words gathered by 8-byte copies C = 64 needs no padding words.
+# "auto": taps without padding words (cwt == ceil(C / 32)), and at most two column tiles wherever the GEMM runs the
+# large wgmma tiles (as many as the SMs); True wherever the layout allows, False never.
 BITSERIAL_IMPLICIT: bool | str = "auto"
-IMPLICIT_TILES_PER_SM = 4
 
 
 def implicit_conv(g: ConvGeometry, kin: int, p: int = 2, q: int = 1, a_twos: bool = False,
                   w_twos: bool = False, sm_count: int = 132) -> bool:
     """Whether a bit-serial convolution over input planes with ``kin``-word rows runs as an implicit GEMM
     (``bmma_gemm`` with ``conv``: no im2col buffer), for p-bit activations and q-bit weights.  Never a 1x1
-    stride-1 one (its planes are the operand as they are); only rows that hold whole 16-byte taps (``kin`` a
-    multiple of 4, at least the tap's words) -- padded planes always do, compact ones when ceil(C / 32) is a
-    multiple of 4.  Then per :data:`BITSERIAL_IMPLICIT`: True always, False never, "auto" where it measured
-    faster -- taps without padding words (ceil(C / 32) a multiple of 4), at most two column tiles of the wgmma
-    tile the GEMM picks (``loader.wgmma_tile``; none on this format pair: no) and at least
-    :data:`IMPLICIT_TILES_PER_SM` output tiles for each of the ``sm_count`` SMs."""
+    stride-1 one (its planes are the operand as they are); only rows that hold whole 8-byte taps (``kin`` even, at
+    least the tap's words) -- padded planes always do, compact ones when ceil(C / 32) is even.  Then per
+    :data:`BITSERIAL_IMPLICIT`: True always, False never, "auto" where it measured faster -- taps without padding
+    words (ceil(C / 32) even), and where the GEMM runs the wgmma tile (``loader.wgmma_tile``: when it gives the
+    ``sm_count`` SMs a tile each) at most two column tiles of it; none on this format pair: no."""
     if BITSERIAL_IMPLICIT is False or g.is_pointwise:
         return False
     cwt = rq.conv_tap_words(g.C)
@@ -1256,7 +1255,7 @@ def implicit_conv(g: ConvGeometry, kin: int, p: int = 2, q: int = 1, a_twos: boo
     if cwt != -(-g.C // 32) or t is None:
         return False
     col_tiles = -(-g.K // t.bn)
-    return col_tiles <= 2 and -(-(g.N * g.P * g.Q) // t.bm) * col_tiles >= IMPLICIT_TILES_PER_SM * sm_count
+    return col_tiles <= 2 or -(-(g.N * g.P * g.Q) // t.bm) * col_tiles < sm_count  # (fewer: mma.sync tiles)
 
 
 def _implicit_route(plan: _Plan, kin: int, device: torch.device) -> bool:
@@ -1274,9 +1273,9 @@ def _implicit_route(plan: _Plan, kin: int, device: torch.device) -> bool:
 def compact_planes_ok(C: int) -> bool:
     """Whether a convolution's input of C channels is packed compact (rows of ceil(C / 32) words, without the
     padding to 512 bits): always for the im2col route, and for "auto" (it takes the implicit GEMM only where
-    ceil(C / 32) is a multiple of 4, which compact rows hold); with :data:`BITSERIAL_IMPLICIT` True only where
-    the implicit GEMM can still gather them (ceil(C / 32) a multiple of 4, :func:`implicit_conv`)."""
-    return BITSERIAL_IMPLICIT is not True or (-(-C // 32)) % 4 == 0
+    ceil(C / 32) is even, which compact rows hold); with :data:`BITSERIAL_IMPLICIT` True only where the implicit
+    GEMM can still gather them (ceil(C / 32) even, :func:`implicit_conv`)."""
+    return BITSERIAL_IMPLICIT is not True or (-(-C // 32)) % 2 == 0
 
 
 def _bitserial_kind(plan: _Plan):
@@ -1565,11 +1564,10 @@ def explain_conv2d(x, w, **kw) -> str:
             steps = ["no im2col (1x1 stride 1: the input planes are the operand)"]
         elif _implicit_route(plan, Cw if compact_planes_ok(g.C) else -(-Cw // 16) * 16, xs.device):
             steps = [f"implicit GEMM: the kernel gathers {g.R * g.S} taps x {cwt} words a pixel from the packed planes "
-                     f"({plan.fa.bits} planes; padded rows, or compact ones when ceil(C / 32) = {Cw} is a multiple of "
-                     f"4, else the Triton im2col below)"]
+                     f"({plan.fa.bits} planes; padded rows, or compact ones when ceil(C / 32) = {Cw} is even)"]
             if rg.affine(plan.fw)[0] != 0:
-                steps.append("Triton passes: each pixel's activation sum, then each window's (the pm1 weights' row "
-                             "correction)")
+                steps.append("the pm1 weights' row correction from the gathered rows' sums on the tensor cores (in "
+                             "the GEMM)")
         else:
             steps = [f"Triton im2col over packed planes ({g.R * g.S} taps x {Cw} words a pixel, "
                      f"{rq.taps_words(g)[2]} words a row, {plan.fa.bits} planes)"]

@@ -109,13 +109,15 @@
 //   TCP_CONV                1: implicit-GEMM convolution (below)
 //   TCP_RES                 1: the float epilogue adds a residual before the activation (above)
 //   TCP_SPLIT               1: split-K (cp.async paths, no TCP_CONV; below)
+//   TCP_ROWSUM              1: the row term computed in the kernel (below), not read from row_term
 //
 // Implicit-GEMM convolution (TCP_CONV = 1).  A is not a matrix but the NHWC input planes (P, N*H*W, Kin) of a
 // convolution, gathered as the loads go: GEMM row m = (n, p, q) is output pixel m, and K word kw = tap * CWT + wi
-// (tap = r * S + s, CWT = the tap's words, a multiple of 4) is word wi of input pixel (n, p*sh - ph + r*dh,
+// (tap = r * S + s, CWT = the tap's words, even) is word wi of input pixel (n, p*sh - ph + r*dh,
 // q*sw - pw + s*dw), or zero when that pixel lies outside the image or tap >= R*S (the weight planes use the same
-// K layout, zero past R*S*CWT).  Kin is a multiple of 4 words >= CWT, and the words of a pixel past its C
-// channels are zero, so a tap is whole 16-byte chunks: every chunk is one cp.async (zero-filled when outside).
+// K layout, zero past R*S*CWT).  Kin is an even number of words >= CWT, and the words of a pixel past its C
+// channels are zero, so a tap is whole 8-byte halves of 16-byte chunks: a chunk is one cp.async of 16 bytes where
+// CWT and Kin are multiples of 4, else two of 8 (zero-filled when outside).
 // The mma.sync / cp.async wgmma paths gather in their load loop; the TMA path's producer warpgroup gathers A with
 // cp.async (each thread waits for its own copies RING - 2 steps later, fences them for the tensor cores' async
 // proxy and arrives on the stage's "full" barrier) while one thread still loads W by TMA.  No cluster, one consumer
@@ -125,6 +127,15 @@
 // costs 261 us); with the row sums from two small passes (window_rowsums) it wins where the taps need no padding
 // words, the output has <= 2 column tiles and the GEMM >= 4 tiles an SM (VGG 256x256@56 885 -> 766 us a layer), and
 // ops/qconv takes it exactly there (qconv.BITSERIAL_IMPLICIT = "auto").
+
+// In-kernel row sums (TCP_ROWSUM = 1; not with split-K).  The pm1 correction's row term
+//   row_term[m] = row_mul * R[m] + row_add,   R[m] = sum_i wt_i popc(A_i[m, :])
+// comes from the tensor cores instead of a pass over A before the GEMM (for an implicit convolution, two passes:
+// window_rowsums): each plane's A fragments are also multiplied against an all-ones B -- a constant register pair on
+// mma.sync, one m64n8k256 wgmma against a 1 KB tile of ones in shared memory on the wgmma paths -- whose int32
+// result in every column is popc(A_i[m, :]) over the K steps.  Zero words (padding, taps outside the image) add
+// nothing, so R is the sum over the row as gathered.  Cost: P MMAs of n8 a k-step next to the P*Q*NT of the tile,
+// and P x 4 registers a thread.
 
 // Split-K (TCP_SPLIT = 1; the cp.async paths without TCP_CONV).  For problems of few tiles and a long K (a linear layer
 // at batch 8: 128 tiles of 32 x 32 walking 25 1024-bit steps each, one after another, bound by each step's load
@@ -218,6 +229,9 @@
 #ifndef TCP_CONV_NOINC
 #define TCP_CONV_NOINC 0
 #endif
+#ifndef TCP_ROWSUM
+#define TCP_ROWSUM 0
+#endif
 
 typedef unsigned int u32;
 typedef long long i64;
@@ -236,6 +250,8 @@ constexpr bool DUAL = TCP_DUAL != 0;  // the 16-bit float output and, of the sam
 constexpr bool SPLIT = TCP_SPLIT != 0;  // split-K: `splits` blocks a tile, int32 partial sums added in split_ws
 constexpr int SPLIT_COUNTERS = TCP_SPLIT_COUNTERS;  // split-K: the arrival counters (one a tile) before the sums
 constexpr bool TMA = TCP_TMA != 0;
+constexpr bool ROWSUM = TCP_ROWSUM != 0;  // the row term from the tensor cores (A against all-ones B), not row_term
+static_assert(!(ROWSUM && SPLIT), "in-kernel row sums: not with split-K");
 constexpr bool CONV = TCP_CONV != 0;  // implicit-GEMM convolution: A gathered from NHWC planes
 // conv on TMA: (0, the default) each gathering thread waits for its copies RING - 2 steps later, fences them for the
 // async proxy and arrives on the "full" barrier; (1) the copies arrive by themselves (cp.async.mbarrier.arrive.noinc)
@@ -265,7 +281,10 @@ constexpr int STAGE_BYTES = A_STAGE + W_STAGE;
 // staged in shared memory past the pipeline at the start of the kernel: read in the epilogue straight from
 // global memory they cost 12% of w1a2 8192^3 (latency-bound loads, one per element).  The packed epilogue
 // adds its 2^OB code thresholds (code_threshold) after them.
-constexpr int PIPE_BYTES = STAGES * STAGE_BYTES;
+constexpr int PIPE_RAW = STAGES * STAGE_BYTES;
+// wgmma with in-kernel row sums: the all-ones B tile (8 rows x 128 bytes, 1024-byte aligned) after the stages
+[[maybe_unused]] constexpr int ONES_OFF = (PIPE_RAW + 1023) / 1024 * 1024;
+constexpr int PIPE_BYTES = ROWSUM && WGMMA ? ONES_OFF + 1024 : PIPE_RAW;
 constexpr int VEC_OFF = (WGMMA ? 1024 : 0) + (PIPE_BYTES + 15) / 16 * 16;
 constexpr int NCODE = 1 << OB;                 // packed epilogue: codes of the output format
 // packed epilogue with OB <= 3: a column's integer code thresholds (bmma_code_thresholds), staged after the vectors
@@ -398,6 +417,10 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid)
     const int n = valid ? 16 : 0;  // src-size 0: the 16 bytes are zero-filled, nothing is read
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
 }
+// 8 bytes (the implicit conv's taps of 2 mod 4 words); .ca, the only cp.async form below 16 bytes
+__device__ __forceinline__ void cp_async8(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 8 : 0));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
@@ -429,6 +452,13 @@ __device__ __forceinline__ void bmma_and_popc(int (&c)[4], const u32 (&a)[4], co
 #define TCP_ACC32(d) TCP_ACC24(d), TCP_A4(d, 24), TCP_A4(d, 28)
 template <int NT_>
 struct Wgmma;
+// m64n8k256 (4 accumulators a thread): the row sums of A against the all-ones tile (TCP_ROWSUM)
+__device__ __forceinline__ void wgmma_rowsum(int (&d)[4], u64 da, u64 db) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n8k256.s32.b1.b1.and.popc {%0, %1, %2, %3}, %4, %5, p;\n}\n"
+                 : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+                 : "l"(da), "l"(db), "n"(1));
+}
 template <> struct Wgmma<4> {  // m64n32k256: 16 accumulators a thread
     static __device__ __forceinline__ void run(int (&d)[4][4], u64 da, u64 db) {
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
@@ -782,9 +812,28 @@ struct ConvLoader {
 #pragma unroll
         for (int j = 0; j < RI; ++j) conv_row(g, m0 + (ptid + j * NTHR) / KCH, M, pix[j], hw[j]);
     }
-    // the P planes' chunks of K step kt into the stage at sA (128-byte rows swizzled as swz)
+    // the P planes' chunks of K step kt into the stage at sA (128-byte rows swizzled as swz): one 16-byte cp.async a
+    // chunk where taps and rows are whole chunks (CWT and Kin multiples of 4 words), else two 8-byte halves, each
+    // within one tap (CWT and Kin even: C = 64 is 2 words a tap, compact rows of 2 words a pixel)
     __device__ __forceinline__ void load(const ConvGeo& g, const u32* A, u32 sA, int kt, int ptid) const {
         const int c = ptid % KCH;
+        if (((g.CWT | g.Kin) & 3) != 0) {
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const ConvTap k = conv_tap(g, kt * WPS + c * 4 + 2 * hf);
+#pragma unroll
+                for (int j = 0; j < RI; ++j) {
+                    const int r = (ptid + j * NTHR) / KCH;
+                    if (RI * NTHR > BM * KCH && r >= BM) break;
+                    i64 off;
+                    const bool ok = conv_src(g, pix[j], hw[j], k, off);
+#pragma unroll
+                    for (int pl = 0; pl < P; ++pl)
+                        cp_async8(sA + pl * (BM * ROW_BYTES) + swz(r, c) + 8 * hf, A + (ok ? pl * g.plane + off : 0), ok);
+                }
+            }
+            return;
+        }
         const ConvTap k = conv_tap(g, kt * WPS + c * 4);
 #pragma unroll
         for (int j = 0; j < RI; ++j) {
@@ -841,7 +890,8 @@ bmma_gemm(
           u32* __restrict__ dual_out,  // TCP_DUAL: (OB, M, ldp) planes of the stored float output (out_scale, OENC)
           int ldp,
           int* __restrict__ split_ws,  // TCP_SPLIT: a counter a tile, then M x N sums (all zero on entry and exit)
-          int splits) {                // TCP_SPLIT: blocks a tile (K runs)
+          int splits,                  // TCP_SPLIT: blocks a tile (K runs)
+          int row_mul, int row_add) {  // TCP_ROWSUM: row term = row_mul * R[m] + row_add (int32, wrapping)
     extern __shared__ __align__(128) unsigned char smem[];
     [[maybe_unused]] const ConvGeo geo{cv_H, cv_W, cv_Kin, cv_CWT, cv_S, cv_RS, cv_sh, cv_sw, cv_ph, cv_pw,
                                        cv_dh, cv_dw, cv_PQ, cv_Q, cv_plane};
@@ -877,6 +927,14 @@ bmma_gemm(
     // wgmma's 128-byte swizzle needs 1024-byte aligned tiles (the loader allocates 1 KB extra)
     const u32 smem_raw = (u32)__cvta_generic_to_shared(smem);
     const u32 smem_base = WGMMA ? (smem_raw + 1023u) & ~1023u : smem_raw;
+#if TCP_WGMMA
+    if (ROWSUM) {  // the all-ones B tile: written through the generic proxy, fenced for the wgmmas' async proxy
+        // before the first barrier (cluster_sync on TMA, the main loop's first __syncthreads otherwise)
+        u32* const ones = reinterpret_cast<u32*>(smem + (smem_base - smem_raw) + ONES_OFF);
+        for (int i = threadIdx.x; i < 256; i += THREADS) ones[i] = 0xffffffffu;
+        fence_proxy_async();
+    }
+#endif
 
     // The epilogue's per-row / per-column vectors, VEC_N values staged in shared memory at VEC_OFF: row scale,
     // row term (BM each), column scale, bias, column term (BN each).  Rows / columns past M / N and null
@@ -901,7 +959,14 @@ bmma_gemm(
     u32* const s_vec = reinterpret_cast<u32*>(smem + VEC_OFF) + vcopy * VEC_STRIDE;
 
     int acc[NCLASS][MT][NT][4];
+    [[maybe_unused]] int rsa[ROWSUM ? P : 1][MT][4];  // TCP_ROWSUM: popc of each plane's rows, every column alike
     auto zero_acc = [&]() {
+#pragma unroll
+        for (int i = 0; i < (ROWSUM ? P : 0); ++i)
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) rsa[i][mt][e] = 0;
 #pragma unroll
         for (int c = 0; c < NCLASS; ++c)
 #pragma unroll
@@ -928,6 +993,17 @@ bmma_gemm(
         const float* s_cs = reinterpret_cast<const float*>(s_rt + BM);
         const float* s_bias = s_cs + BN;
         const int* s_ct = reinterpret_cast<const int*>(s_bias + BN);
+        // the row term of row rl (= row g + 8 h of MMA row tile mt): staged, or from the row sums (TCP_ROWSUM)
+        auto row_t = [&](int mt, int h, int rl) -> int {
+            if constexpr (ROWSUM) {
+                u32 r = 0;
+#pragma unroll
+                for (int i = 0; i < P; ++i) r += (u32)rsa[i][mt][2 * h] * (u32)plane_weight(i, P, A_TWOS);
+                return (int)(r * (u32)row_mul + (u32)row_add);
+            } else {
+                return s_rt[rl];
+            }
+        };
         // C of accumulator element [mt][nt][e4] with its row and column terms (unsigned: wraps mod 2^32 like int32)
         auto c_value = [&](int mt, int nt, int e4, int rt, int ct) -> int {
             const u32 v = SPLIT ? (u32)acc[0][mt][nt][e4] : class_sum(mt, nt, e4);  // split: S read back into class 0
@@ -969,7 +1045,7 @@ bmma_gemm(
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int rl = wm * (MT * 16) + mt * 16 + (lane >> 2) + h * 8;
-                    const int rt = s_rt[rl];
+                    const int rt = row_t(mt, h, rl);
                     const float rs = s_rs[rl];
                     unsigned short* const orow = (unsigned short*)out + (i64)(m0 + rl) * ldo + n0 + wn * (NT * 8);
                     if (RES && h % PF_H == 0) {
@@ -1036,9 +1112,9 @@ bmma_gemm(
                     for (int h = 0; h < 2; ++h) {
                         const int rl = wm * (MT * 16) + mt * 16 + (lane >> 2) + h * 8;  // row in the tile
                         const int cl = wn * (NT * 8) + nt * 8 + (lane & 3) * 2;          // first of 2 columns
-                        const int r = m0 + rl, c = n0 + cl;
-                        const int c0 = c_value(mt, nt, 2 * h, s_rt[rl], s_ct[cl]);
-                        const int c1 = c_value(mt, nt, 2 * h + 1, s_rt[rl], s_ct[cl + 1]);
+                        const int r = m0 + rl, c = n0 + cl, rt = row_t(mt, h, rl);
+                        const int c0 = c_value(mt, nt, 2 * h, rt, s_ct[cl]);
+                        const int c1 = c_value(mt, nt, 2 * h + 1, rt, s_ct[cl + 1]);
                         if (EPI == 0) {
                             store_pair((int*)out + (i64)r * ldo + c, c0, c1, interior, r, c, M, N, ldo);
                         } else {
@@ -1080,7 +1156,7 @@ bmma_gemm(
                                 for (int e = 0; e < 2; ++e) {
                                     const int nt = 4 * wg + j, cl = wn * (NT * 8) + nt * 8 + 2 * t + e, c = n0 + cl;
                                     if (r >= M || c >= N) continue;
-                                    float y = y_value(c_value(mt, nt, 2 * h + e, s_rt[rl], s_ct[cl]), s_rs[rl], s_cs[cl],
+                                    float y = y_value(c_value(mt, nt, 2 * h + e, row_t(mt, h, rl), s_ct[cl]), s_rs[rl], s_cs[cl],
                                                       s_bias[cl]);
                                     if (RES) {
                                         const float rv = out_of16(((const unsigned short*)residual)[(i64)r * ldo + c]);
@@ -1148,7 +1224,7 @@ bmma_gemm(
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 rl[h] = wm * (MT * 16) + mt * 16 + (lane >> 2) + h * 8;
-                rt[h] = s_rt[rl[h]];
+                rt[h] = row_t(mt, h, rl[h]);
                 rs[h] = s_rs[rl[h]];
             }
 #pragma unroll
@@ -1241,6 +1317,7 @@ bmma_gemm(
 #if TCP_WGMMA
     // ---- one pipeline stage on the tensor cores (both wgmma pipelines): every plane pair's wgmmas over the
     // stage's KK k-steps from the A / W descriptors dA, dW (the warpgroup's slabs), committed as one group ----
+    [[maybe_unused]] const u64 d_ones = smem_desc(smem_base + ONES_OFF);  // TCP_ROWSUM: the all-ones B tile
     auto mma_stage = [&](u64 dA, u64 dW) {
         wgmma_fence();
 #pragma unroll
@@ -1250,6 +1327,7 @@ bmma_gemm(
 #pragma unroll
                 for (int j = 0; j < Q; ++j) {  // (descriptor addresses count 16-byte units: 32 bytes = 2)
                     const u64 da = dA + (u64)((i * BM * ROW_BYTES + kk * 32) >> 4);
+                    if (ROWSUM && j == 0) wgmma_rowsum(rsa[ROWSUM ? i : 0][0], da, d_ones);  // every 256-bit slice of it is ones
                     const u64 dw = dW + (u64)((j * BN * ROW_BYTES + kk * 32) >> 4);
                     if (FOLD) {
 #pragma unroll
@@ -1536,6 +1614,13 @@ bmma_gemm(
                 }
         };
         auto mma_all = [&](const u32 (&a)[P][MT][4], const u32 (&b)[Q][NT][2]) {
+            if (ROWSUM) {  // each plane's rows against all-ones B (a constant fragment): the row sums
+                const u32 ones[2] = {0xffffffffu, 0xffffffffu};
+#pragma unroll
+                for (int i = 0; i < P; ++i)
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) bmma_and_popc(rsa[ROWSUM ? i : 0][mt], a[i][mt], ones);
+            }
 #pragma unroll
             for (int i = 0; i < P; ++i)
 #pragma unroll

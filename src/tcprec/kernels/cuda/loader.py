@@ -187,6 +187,7 @@ class Variant:
     conv: bool = False  # implicit-GEMM convolution: A gathered from NHWC input planes (bmma_gemm.cu, TCP_CONV)
     res: bool = False  # the float epilogue adds a residual before the activation (bmma_gemm.cu, TCP_RES)
     dual: bool = False  # the 16-bit float output and its out_bits planes, compact rows (bmma_gemm.cu, TCP_DUAL)
+    rowsum: bool = False  # the row term from in-kernel row sums of A (bmma_gemm.cu, TCP_ROWSUM), not a row_term
 
     def __post_init__(self):
         for name, v in (("p", self.p), ("q", self.q)):
@@ -227,6 +228,9 @@ class Variant:
                                                        or t.stages < 4)):
             raise ValueError(f"tile {t}: two consumer groups (_pp) need the TMA pipeline without a cluster and an "
                              "even number (>= 4) of stages, half a group (e.g. '64x128_w4x1_s6_k1024_wg_tma_pp')")
+        if self.rowsum and t.split > 1:
+            raise ValueError(f"tile {t}: in-kernel row sums (rowsum) are not computed by split-K tiles (_sk<s>); "
+                             "use an unsplit tile or pass row_term")
         if t.split < 1 or (t.split > 1 and (t.tma or self.conv)):
             raise ValueError(f"tile {t}: split-K (_sk<s>) needs s >= 1 and the cp.async pipeline (no _tma) of a plain "
                              "GEMM (no implicit convolution), e.g. '32x32_w2x2_s2_k1024_sk4'")
@@ -267,6 +271,8 @@ class Variant:
         t = self.tile
         pipe = t.stages * (self.p * t.bm + self.q * t.bn) * (t.bk // 8)
         align = 1024 if t.mma == "wgmma" else 0  # the kernel aligns its tiles to 1024 bytes
+        if self.rowsum and align:  # the all-ones B tile of the row sums, 1 KB aligned after the stages (ONES_OFF)
+            pipe = -(-pipe // 1024) * 1024 + 1024
         # the epilogue's row / column vectors (bmma_gemm.cu VEC_OFF), and the packed epilogue's code thresholds
         # (+ the integer threshold words of OB <= 3: 2^OB a column)
         codes = (1 << self.out_bits) if self.epilogue == "packed" or self.dual else 0
@@ -293,6 +299,7 @@ class Variant:
             f"TCP_OUT_T={_OUT_T[self.out_dtype]}",
             f"TCP_OB={self.out_bits}", f"TCP_OENC={_OENC[self.out_encoding]}", f"TCP_SMEM={self.smem_bytes}",
             f"TCP_CONV={int(self.conv)}", f"TCP_RES={int(self.res)}", f"TCP_DUAL={int(self.dual)}",
+            f"TCP_ROWSUM={int(self.rowsum)}",
             f"TCP_SPLIT={int(t.split > 1)}", f"TCP_SPLIT_COUNTERS={SPLIT_COUNTERS}",
         ]
 
@@ -300,7 +307,7 @@ class Variant:
         sign = ("s" if self.a_twos else "u") + ("s" if self.w_twos else "u")
         epi = {"int32": "i32", "float": self.out_dtype, "packed": f"{self.out_encoding}{self.out_bits}"}[self.epilogue]
         return (f"a{self.p}w{self.q}{sign}_{self.tile}_{epi}" + "_conv" * self.conv + "_res" * self.res
-                + f"_dual{self.out_encoding}{self.out_bits}" * self.dual)
+                + f"_dual{self.out_encoding}{self.out_bits}" * self.dual + "_rs" * self.rowsum)
 
 
 def _warp_tiles(p: int, q: int, nc: int) -> tuple[int, int]:
@@ -726,7 +733,7 @@ def conv_args(conv, a_planes) -> tuple:
 def launch_bmma(variant: Variant, a_planes, w_planes, out, M: int, N: int, Kw: int, ldo: int, *, ss: int = 1,
                 relu: bool = False, row_term=None, col_term=None, row_scale=None, col_scale=None, bias=None,
                 out_scale=None, leaky_slope: float = 0.0, pdl: bool = True, conv=None, residual=None,
-                dual_out=None) -> None:
+                dual_out=None, row_affine=None) -> None:
     """Launch ``variant`` on the current stream of ``out``'s device.  Every tensor must already be
     contiguous, on that device, of the kernel's dtype (see bmma_gemm.cu's parameter list).  The packed
     epilogue of OB <= 3 bits without a row scale first computes its integer threshold words
@@ -767,6 +774,10 @@ def launch_bmma(variant: Variant, a_planes, w_planes, out, M: int, N: int, Kw: i
         raise ValueError(f"variant {variant} {'needs' if variant.res else 'takes no'} residual (residual=)")
     if variant.dual != (dual_out is not None):
         raise ValueError(f"variant {variant} {'needs' if variant.dual else 'takes no'} planes (dual_out=)")
+    if variant.rowsum != (row_affine is not None) or (row_affine is not None and row_term is not None):
+        raise ValueError(f"variant {variant} {'needs' if variant.rowsum else 'takes no'} row_affine=(row_mul, "
+                         "row_add), and row_affine replaces row_term (pass one of them)")
+    row_mul, row_add = row_affine if row_affine is not None else (0, 0)
     maps = ()
     if t.tma:  # the implicit convolution gathers A itself: W's map stands in for A's
         w_map = tensor_map(w_planes, t.bn // t.cluster[0])
@@ -775,7 +786,8 @@ def launch_bmma(variant: Variant, a_planes, w_planes, out, M: int, N: int, Kw: i
            _ptr(row_scale), _ptr(col_scale), _ptr(bias), _ptr(out_scale), _ptr(col_thr), _ptr(residual),
            np.int32(M), np.int32(N), np.int32(Kw), np.int32(ldo), np.int32(ss), np.int32(int(relu)),
            np.float32(leaky_slope), *conv_args(conv, a_planes), _ptr(dual_out),
-           np.int32(dual_out.shape[2] if dual_out is not None else 0), _ptr(ws), np.int32(splits))
+           np.int32(dual_out.shape[2] if dual_out is not None else 0), _ptr(ws), np.int32(splits),
+           np.int32(row_mul), np.int32(row_add))
 
 
 _split_ws: dict = {}
@@ -826,16 +838,23 @@ def packed_tile(t: Tile) -> Tile:
 
 @functools.lru_cache(maxsize=4096)
 def _variant_for(p, q, a_twos, w_twos, M, N, out_kind, out_bits, out_encoding, tile, sm_count, arch,
-                 kw: Optional[int] = None, conv: bool = False, res: bool = False, dual: bool = False) -> Variant:
+                 kw: Optional[int] = None, conv: bool = False, res: bool = False, dual: bool = False,
+                 rowsum: bool = False) -> Variant:
     """The variant one call launches (memoised: the host path stays a few microseconds)."""
     epi = {"int32": "int32", "packed": "packed"}.get(out_kind, "float")
     t = parse_tile(tile) if tile else pick_tile(p, q, a_twos, w_twos, M, N, sm_count, arch, epi, kw)
-    if conv and not tile:  # split-K is for plain GEMMs
+    if (conv or rowsum) and not tile:  # split-K is for plain GEMMs with their row term given
         t = replace(t, split=1)
     if epi == "packed" or dual:
         t = packed_tile(t)
-    return Variant(p, q, a_twos, w_twos, t, epi, out_kind if epi == "float" else "float32", out_bits, out_encoding,
-                   conv, res, dual)
+    while True:
+        try:
+            return Variant(p, q, a_twos, w_twos, t, epi, out_kind if epi == "float" else "float32", out_bits,
+                           out_encoding, conv, res, dual, rowsum)
+        except ValueError:  # a picked tile whose stages left no room for the row sums' 1 KB of ones: one stage less
+            if tile or not rowsum or t.stages <= 3 or replace(t, stages=t.stages - 1) == t:
+                raise
+            t = replace(t, stages=t.stages - 1)
 
 
 def conv_rows(a_planes, conv) -> int:
@@ -879,6 +898,7 @@ def _bmma_gemm(
     residual: Optional[torch.Tensor] = None,  # float epilogue: (M, N) of the output dtype, added before the act
     out_compact: bool = False,  # packed: rows of ceil(N / 32) words, without the padding to 512 bits
     dual_out: Optional[torch.Tensor] = None,  # float16 / bfloat16: also (out_bits, M, ceil(N / 32)) int32 planes
+    row_affine: Optional[list[int]] = None,  # (row_mul, row_add): row term from in-kernel row sums (no row_term)
 ) -> torch.Tensor:
     """C = a @ w.T on the binary tensor cores (see bmma_gemm.cu for the exact contract).  Registered as the
     custom op ``torch.ops.tcprec.bmma_gemm``; :func:`gemm_entry` gives eager callers this function itself.
@@ -899,7 +919,12 @@ def _bmma_gemm(
     With ``dual_out`` (out_kind float16 / bfloat16, ``out_bits`` <= 3): the epilogue also writes the stored values'
     codes of ``out_bits`` / ``out_encoding`` / ``out_scale`` into ``dual_out``, planes ``(out_bits, M, ceil(N / 32))``
     int32 in compact rows -- ``quantize_pack`` of the output, bit for bit, without reading it again (a ResNet block's
-    output: the float for the next block's add, the planes for its convolutions)."""
+    output: the float for the next block's add, the planes for its convolutions).
+
+    With ``row_affine = (row_mul, row_add)`` (instead of ``row_term``) the kernel computes the row term itself:
+    ``row_term[m] = row_mul * sum_i wt_i popc(A_i[m, :]) + row_add`` over A's rows as multiplied (an implicit
+    convolution's gathered windows), the pm1 correction, from the tensor cores (A against all-ones B; bmma_gemm.cu,
+    TCP_ROWSUM) -- no pass over A before the GEMM."""
     if a_planes.device.type != "cuda" or w_planes.device.type != "cuda":
         raise ValueError(f"bmma_gemm runs on CUDA tensors, got a_planes on {a_planes.device} and w_planes on "
                          f"{w_planes.device}; move both to the GPU or use the reference backend")
@@ -930,15 +955,29 @@ def _bmma_gemm(
     else:
         out = torch.empty(shape, dtype=dtype, device=a_planes.device)
         ldo = N
+    if row_affine is not None:
+        row_affine = _check_row_affine(row_affine, row_term)
     if M == 0 or N == 0:
         return out
     variant = _variant_for(p, q, a_twos, w_twos, M, N, out_kind, out_bits, out_encoding, tile,
-                           *_sm_count(a_planes.device), Kw, conv is not None, residual is not None, dual_out is not None)
+                           *_sm_count(a_planes.device), Kw, conv is not None, residual is not None, dual_out is not None,
+                           row_affine is not None)
     launch_bmma(variant, a_planes.contiguous(), w_planes.contiguous(), out, M, N, Kw, ldo, ss=ss, relu=relu,
                 row_term=row_term, col_term=col_term, row_scale=row_scale, col_scale=col_scale, bias=bias,
                 out_scale=out_scale, leaky_slope=leaky_slope, pdl=pdl, conv=conv, residual=residual,
-                dual_out=dual_out)
+                dual_out=dual_out, row_affine=row_affine)
     return out
+
+
+def _check_row_affine(row_affine, row_term) -> tuple[int, int]:
+    """(row_mul, row_add) as two int32 values; row_affine and row_term are alternatives."""
+    if row_term is not None:
+        raise ValueError("pass row_term (a precomputed (M,) int32 row term) or row_affine=(row_mul, row_add) (the "
+                         "kernel computes it from A's row sums), not both")
+    vals = tuple(row_affine) if isinstance(row_affine, (tuple, list)) else ()
+    if len(vals) != 2 or not all(isinstance(v, int) and -2**31 <= v < 2**31 for v in vals):
+        raise ValueError(f"row_affine must be (row_mul, row_add), two int32 integers, got {row_affine!r}")
+    return vals
 
 
 def _check_dual(dual_out, out_kind: str, out_bits: int, out_scale, M: int, N: int, device) -> None:
@@ -987,7 +1026,7 @@ def check_conv(a_planes, w_planes, conv) -> None:
                          f"input planes' {rows} rows whole H x W = {H} x {W} images")
     if not implicit_conv_fits(kin, cwt, H, W, ph, pw) or kw < R * S * cwt:
         raise ValueError(f"conv {tuple(conv)}: the tap words CWT = {cwt} and the input's row words Kin = {kin} must be "
-                         f"multiples of 4 with Kin >= CWT (16-byte gathers), the weights' {kw} words hold R*S*CWT = "
+                         f"even with Kin >= CWT (8- / 16-byte gathers), the weights' {kw} words hold R*S*CWT = "
                          f"{R * S * cwt}, H, W <= 32767 and padding <= 16383 (the kernel keeps window origins as int16); "
                          "pass padded input planes (packed_words rows) or use the im2col route")
 
@@ -1043,14 +1082,15 @@ def gemm_entry() -> Callable:
 
 @bmma_gemm.register_fake
 def _(a_planes, w_planes, a_twos, w_twos, ss, row_term, col_term, row_scale, col_scale, bias, relu, out_kind,
-      out_bits, out_encoding, out_scale, tile, leaky_slope=0.0, pdl=True, conv=None, residual=None, out_compact=False):
+      out_bits, out_encoding, out_scale, tile, leaky_slope=0.0, pdl=True, conv=None, residual=None, out_compact=False,
+      row_affine=None):
     shape, dtype = _out_shape(a_planes, w_planes, out_kind, out_bits, conv, out_compact)
     return a_planes.new_empty(shape, dtype=dtype)
 
 
 @bmma_gemm_dual.register_fake
 def _(a_planes, w_planes, a_twos, w_twos, ss, row_term, col_term, row_scale, col_scale, bias, relu, out_kind,
-      out_bits, out_encoding, out_scale, tile, leaky_slope=0.0, pdl=True, conv=None, residual=None):
+      out_bits, out_encoding, out_scale, tile, leaky_slope=0.0, pdl=True, conv=None, residual=None, row_affine=None):
     shape, dtype = _out_shape(a_planes, w_planes, out_kind, out_bits, conv)
     return (a_planes.new_empty(shape, dtype=dtype),
             a_planes.new_empty((out_bits, shape[0], -(-w_planes.shape[1] // 32)), dtype=torch.int32))
