@@ -119,30 +119,6 @@ def test_triton_im2col_equals_reference_and_row_correction():
         assert torch.equal(row.long(), row_ref)
 
 
-@pytest.mark.parametrize("bits,enc,R,S,st,pd,dl,C,Kw_pad", [
-    (2, "unsigned", 3, 3, (1, 1), (1, 1), (1, 1), 64, 0), (2, "twos", 3, 3, (2, 2), (1, 1), (2, 2), 45, 16),
-    (3, "unsigned", 5, 5, (1, 1), (2, 2), (1, 1), 3, 0), (1, "pm1", 3, 3, (1, 1), (0, 0), (1, 1), 70, 0),
-    (4, "twos", 1, 1, (2, 2), (0, 0), (1, 1), 33, 0), (2, "unsigned", 7, 3, (4, 1), (3, 0), (1, 2), 130, 0),
-    (8, "unsigned", 11, 11, (4, 4), (2, 2), (1, 1), 3, 16)])
-def test_window_rowsums_equal_the_im2col_row_correction(bits, enc, R, S, st, pd, dl, C, Kw_pad):
-    """window_rowsums (pixel sums, then each window's) gives im2col_bits' fused row term bit for bit: kernel
-    sizes 1-11, strides 1-4, padding, dilation, two's complement, compact and 512-bit padded planes."""
-    from tcprec.kernels.triton.im2col_bits import im2col_bits, window_rowsums
-
-    gen = torch.Generator().manual_seed(bits * 100 + R * 10 + C)
-    fa = IntFormat(bits, encoding=enc)
-    N, H, W = 2, 13, 11
-    codes = torch.randint(0, fa.n_codes, (N * H * W, C), dtype=torch.uint8, generator=gen)
-    planes = tp.pack_bitplanes(codes, bits)
-    if not Kw_pad:
-        planes = planes[..., : -(-C // 32)].contiguous()
-    g = ConvGeometry(N, H, W, C, 5, R, S, st, pd, dl)
-    for mul, add in ((1, 0), (-3, 17)):
-        _, want = im2col_bits(planes, g, twos=enc == "twos", store=False, rowsum=True, row_mul=mul, row_add=add)
-        got = window_rowsums(planes, g, twos=enc == "twos", row_mul=mul, row_add=add)
-        assert got.shape == (N * g.P * g.Q,) and torch.equal(got, want)
-
-
 def test_float_epilogue_scale_bias_acts():
     qx, qw, geo = _case(2)
     gen = torch.Generator().manual_seed(5)

@@ -124,14 +124,14 @@
 // group.  No im2col buffer: the gathered rows are read from L2, and the loads never leave the 512-bit word grid.
 // Measured (session 17, H200, w1a2 packed, batch 256; BENCHMARKS.md): the gathering producer feeds the wgmmas slower
 // than TMA boxes of an im2col'd operand (VGG 256x256@56: 681 vs 527 us for the GEMM alone; the im2col pass it saves
-// costs 261 us); with the row sums from two small passes (window_rowsums) it wins where the taps need no padding
-// words, the output has <= 2 column tiles and the GEMM >= 4 tiles an SM (VGG 256x256@56 885 -> 766 us a layer), and
-// ops/qconv takes it exactly there (qconv.BITSERIAL_IMPLICIT = "auto").
+// costs 261 us).  With the pm1 row sums in the kernel (TCP_ROWSUM, below; session 22) it is one launch and wins on
+// every layer of unpadded taps except those of > 2 column tiles on the large TMA tiles (each column tile gathers the
+// windows again): ops/qconv takes it there (qconv.BITSERIAL_IMPLICIT = "auto"; benchmarks/results/net_routes.json).
 
 // In-kernel row sums (TCP_ROWSUM = 1; not with split-K).  The pm1 correction's row term
 //   row_term[m] = row_mul * R[m] + row_add,   R[m] = sum_i wt_i popc(A_i[m, :])
-// comes from the tensor cores instead of a pass over A before the GEMM (for an implicit convolution, two passes:
-// window_rowsums): each plane's A fragments are also multiplied against an all-ones B -- a constant register pair on
+// comes from the tensor cores instead of a pass over A before the GEMM (for an implicit convolution it took two: the
+// pixels' sums, then the windows'): each plane's A fragments are also multiplied against an all-ones B -- a constant register pair on
 // mma.sync, one m64n8k256 wgmma against a 1 KB tile of ones in shared memory on the wgmma paths -- whose int32
 // result in every column is popc(A_i[m, :]) over the K steps.  Zero words (padding, taps outside the image) add
 // nothing, so R is the sum over the row as gathered.  Cost: P MMAs of n8 a k-step next to the P*Q*NT of the tile,

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from ._host import cdiv, next_power_of_2
 
-__all__ = ["im2col_bits", "window_rowsums"]
+__all__ = ["im2col_bits"]
 
 ROWSUM_BLOCK_W, ROWSUM_TILE = 1024, 8192  # the row-sums-only tile: words a row, words a program
 
@@ -139,65 +139,3 @@ def im2col_bits(planes: torch.Tensor, geom, *, twos: bool = False, store: bool =
         BLOCK_M=block_m, BLOCK_W=block_w, num_warps=num_warps,
     )
     return cols, row
-
-
-@triton.jit
-def _pixel_sums_kernel(x_ptr, out_ptr, NPIX, Kw, stride_xb, stride_xr,
-                       BITS: tl.constexpr, TWOS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_W: tl.constexpr):
-    """out[i] = sum_b wt_b * popc(x[b, i, :]) for BLOCK_P pixels (rows) a program."""
-    offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
-    p_ok = offs_p < NPIX
-    acc = tl.zeros((BLOCK_P,), dtype=tl.int32)
-    for j0 in range(0, Kw, BLOCK_W):
-        offs_j = j0 + tl.arange(0, BLOCK_W)
-        ok = p_ok[:, None] & (offs_j < Kw)[None, :]
-        src = offs_p[:, None] * stride_xr + offs_j[None, :]
-        for b in tl.static_range(BITS):
-            pc = tl.sum(_popc32(tl.load(x_ptr + b * stride_xb + src, mask=ok, other=0)), axis=1)
-            if TWOS and b == BITS - 1:
-                acc -= pc << b
-            else:
-                acc += pc << b
-    tl.store(out_ptr + offs_p, acc, mask=p_ok)
-
-
-@triton.jit
-def _window_sums_kernel(pix_ptr, row_ptr, M, H, W, P, Q, RS, S,
-                        stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, row_mul, row_add,
-                        BLOCK_M: tl.constexpr):
-    """row_term[m] = row_mul * (sum of the pixel sums in output row m's window, inside the image) + row_add."""
-    offs_m, m_ok, n_i, h0, w0 = _window_origins(M, P, Q, stride_h, stride_w, pad_h, pad_w, BLOCK_M)
-    acc = tl.zeros((BLOCK_M,), dtype=tl.int32)
-    for t in range(0, RS):
-        r = t // S
-        h = h0 + r * dil_h
-        w = w0 + (t - r * S) * dil_w
-        ok = m_ok & (h >= 0) & (h < H) & (w >= 0) & (w < W)
-        acc += tl.load(pix_ptr + (n_i * H + h) * W + w, mask=ok, other=0)
-    tl.store(row_ptr + offs_m, acc * row_mul + row_add, mask=m_ok)
-
-
-def window_rowsums(planes: torch.Tensor, geom, *, twos: bool = False, row_mul: int = 1, row_add: int = 0,
-                   block_m: int | None = None) -> torch.Tensor:
-    """Launch: planes int32 ``(bits, N*H*W, Kw_in)`` and a ``ConvGeometry`` -> ``row_term`` int32 ``(N*P*Q,)``,
-    equal to ``im2col_bits(planes, geom, twos=twos, store=False, rowsum=True, row_mul=row_mul,
-    row_add=row_add)[1]`` (module docstring), in two passes that read the planes once."""
-    bits, npix, kw = planes.shape
-    M = geom.N * geom.P * geom.Q
-    dev = planes.device
-    row = torch.empty((M,), dtype=torch.int32, device=dev)
-    if M == 0:
-        return row
-    pix = torch.empty((npix,), dtype=torch.int32, device=dev)
-    if block_m is None:  # Triton's CPU interpreter pays per program: few, large ones there
-        block_m = 256 if planes.is_cuda else 1024
-    block_w = min(32, next_power_of_2(max(kw, 1)))
-    block_p = max(16, 2048 // block_w) if planes.is_cuda else 1024
-    _pixel_sums_kernel[(cdiv(npix, block_p),)](planes, pix, npix, kw, planes.stride(0), planes.stride(1),
-                                               BITS=bits, TWOS=bool(twos), BLOCK_P=block_p, BLOCK_W=block_w,
-                                               num_warps=4)
-    _window_sums_kernel[(cdiv(M, block_m),)](pix, row, M, geom.H, geom.W, geom.P, geom.Q, geom.R * geom.S, geom.S,
-                                             geom.stride[0], geom.stride[1], geom.padding[0], geom.padding[1],
-                                             geom.dilation[0], geom.dilation[1], int(row_mul), int(row_add),
-                                             BLOCK_M=block_m, num_warps=4)
-    return row
