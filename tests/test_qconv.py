@@ -962,7 +962,8 @@ def test_implicit_conv_route_choice_and_bad_geometry(monkeypatch):
 def test_bitserial_implicit_route_equals_im2col_route(monkeypatch, geo, C):
     """With qconv.BITSERIAL_IMPLICIT the bit-serial convolution hands the GEMM its input planes and the geometry
     (conv=) instead of im2col'd rows; the reference GEMM gathers them explicitly: both routes give the same int32
-    product as the integer reference (pm1 weights: the row correction comes from the rowsum-only pass)."""
+    product as the integer reference (pm1 weights: the implicit route's row correction is row_affine, the sums of
+    the gathered rows, computed by the GEMM itself; no row_term is passed)."""
     gen = torch.Generator().manual_seed(C)
     qx = _qt((2, 9, 8, C), tp.format("uint2"), gen)
     qw = _qt((7, 3, 3, C), tp.format("binary"), gen)
@@ -970,8 +971,9 @@ def test_bitserial_implicit_route_equals_im2col_route(monkeypatch, geo, C):
     for on in (False, True):
         monkeypatch.setattr(qconv, "BITSERIAL_IMPLICIT", on)
         seen = []
-        gemm = lambda *a, **k: seen.append("conv" in k) or rq.bmma_gemm_reference(*a, **k)  # noqa: E731
+        gemm = lambda *a, **k: seen.append(("conv" in k, k.get("row_affine") is not None, a[5] is None)) \
+            or rq.bmma_gemm_reference(*a, **k)  # noqa: E731
         routes[on] = qconv._conv2d_impl(qx, qw, out_dtype=torch.int32, _gemm=gemm, **geo)
-        assert seen == [on]
+        assert seen == [(on, on, on)]
     assert torch.equal(routes[False], routes[True])
     assert torch.equal(routes[True].long(), _exact(qx, qw, **geo).long())

@@ -1561,7 +1561,9 @@ def explain_conv2d(x, w, **kw) -> str:
         Cw = -(-g.C // 32)
         cwt = rq.conv_tap_words(g.C)
         if g.is_pointwise:
-            steps = ["no im2col (1x1 stride 1: the input planes are the operand)"]
+            steps = ["no im2col (1x1 stride 1: the input planes are the operand"
+                     + ("; the pm1 weights' row correction from their row sums on the tensor cores, in the GEMM)"
+                        if rg.affine(plan.fw)[0] != 0 else ")")]
         elif _implicit_route(plan, Cw if compact_planes_ok(g.C) else -(-Cw // 16) * 16, xs.device):
             steps = [f"implicit GEMM: the kernel gathers {g.R * g.S} taps x {cwt} words a pixel from the packed planes "
                      f"({plan.fa.bits} planes; padded rows, or compact ones when ceil(C / 32) = {Cw} is even)"]
