@@ -816,25 +816,19 @@ struct ConvLoader {
     // chunk where taps and rows are whole chunks (CWT and Kin multiples of 4 words), else two 8-byte halves, each
     // within one tap (CWT and Kin even: C = 64 is 2 words a tap, compact rows of 2 words a pixel)
     __device__ __forceinline__ void load(const ConvGeo& g, const u32* A, u32 sA, int kt, int ptid) const {
-        const int c = ptid % KCH;
+        const int c = ptid % KCH, kw = kt * WPS + c * 4;
         if (((g.CWT | g.Kin) & 3) != 0) {
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                const ConvTap k = conv_tap(g, kt * WPS + c * 4 + 2 * hf);
-#pragma unroll
-                for (int j = 0; j < RI; ++j) {
-                    const int r = (ptid + j * NTHR) / KCH;
-                    if (RI * NTHR > BM * KCH && r >= BM) break;
-                    i64 off;
-                    const bool ok = conv_src(g, pix[j], hw[j], k, off);
-#pragma unroll
-                    for (int pl = 0; pl < P; ++pl)
-                        cp_async8(sA + pl * (BM * ROW_BYTES) + swz(r, c) + 8 * hf, A + (ok ? pl * g.plane + off : 0), ok);
-                }
-            }
-            return;
+            copies<8>(g, A, sA, kw, c, 0, ptid);
+            copies<8>(g, A, sA, kw + 2, c, 8, ptid);
+        } else {
+            copies<16>(g, A, sA, kw, c, 0, ptid);
         }
-        const ConvTap k = conv_tap(g, kt * WPS + c * 4);
+    }
+    // BYTES-byte copies of K word kw (chunk column c, byte0 into the chunk) of this thread's rows, every plane
+    template <int BYTES>
+    __device__ __forceinline__ void copies(const ConvGeo& g, const u32* A, u32 sA, int kw, int c, u32 byte0,
+                                           int ptid) const {
+        const ConvTap k = conv_tap(g, kw);
 #pragma unroll
         for (int j = 0; j < RI; ++j) {
             const int r = (ptid + j * NTHR) / KCH;
@@ -842,8 +836,11 @@ struct ConvLoader {
             i64 off;
             const bool ok = conv_src(g, pix[j], hw[j], k, off);
 #pragma unroll
-            for (int pl = 0; pl < P; ++pl)
-                cp_async16(sA + pl * (BM * ROW_BYTES) + swz(r, c), A + (ok ? pl * g.plane + off : 0), ok);
+            for (int pl = 0; pl < P; ++pl) {
+                const u32 dst = sA + pl * (BM * ROW_BYTES) + swz(r, c) + byte0;
+                const u32* src = A + (ok ? pl * g.plane + off : 0);
+                if (BYTES == 16) cp_async16(dst, src, ok); else cp_async8(dst, src, ok);
+            }
         }
     }
 };
