@@ -1183,7 +1183,8 @@ def _bitserial(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, out_scale, 
     need_row = ow != 0
     conv, w_planes = None, pw.planes
     row_term, extra = None, {}
-    row_affine = [sa * ow, K_true * oa * ow] if need_row else None  # the pm1 row term, from in-kernel row sums
+    row_mul, row_add = sa * ow, K_true * oa * ow  # the pm1 row term: row_mul * (row sum of A) + row_add
+    row_affine = [row_mul, row_add] if need_row else None  # (the implicit / 1x1 routes: row sums in the kernel)
     if _implicit_route(plan, planes.shape[2], planes.device) and pw.conv_planes is not None:
         # implicit GEMM: the kernel gathers the windows from the input planes, and (pm1 weights) sums their rows on
         # the tensor cores -- one launch, no pass over A before it
@@ -1198,7 +1199,7 @@ def _bitserial(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, out_scale, 
         extra["row_affine"] = row_affine
     else:
         a_planes, row_term = im2col_bits(planes, g, twos=fa.encoding == "twos", store=True, rowsum=need_row,
-                                         row_mul=sa * ow, row_add=K_true * oa * ow)  # (p, M, Kw_col), (M,)
+                                         row_mul=row_mul, row_add=row_add)  # (p, M, Kw_col), (M,)
     col_term = (oa * sw * pw.rowsum).contiguous() if oa != 0 else None  # (K,) int32
     kind, relu, slope, ofmt = _bitserial_kind(plan)
     if conv is not None:
