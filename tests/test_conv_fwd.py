@@ -329,6 +329,69 @@ def _small():
     return torch.zeros(1, 5, 5, 8, dtype=torch.int8), torch.zeros(4, 3, 3, 8, dtype=torch.int8)
 
 
+# (N, H, W, C, K, R, S, stride, padding, dilation) of the planes tests: a thin stem gathered as a 1x1 conv over
+# 32-byte rows (C = 32, flat), a VGG-like 3x3 stride-2 stem on C = 3 (odd output for the floor pool), C = 64 (tap)
+_PLANE_GEOMS = [(2, 6, 5, 32, 96, 1, 1, 1, 0, 1), (1, 13, 11, 3, 40, 3, 3, 2, 1, 1), (1, 6, 7, 64, 33, 3, 3, 1, 1, 1)]
+
+
+@pytest.mark.parametrize("spec", _PLANE_GEOMS, ids=_id)
+@pytest.mark.parametrize("pool", [0, 2])
+@pytest.mark.parametrize("fmt", ["uint2", "pm1", "int3"])
+@pytest.mark.parametrize("compact", [False, True], ids=["padded", "compact"])
+def test_int8_planes_out_equals_the_quantize_pass(spec, pool, fmt, compact):
+    """out=PlanesOut(...): the epilogue's (pooled,) quantized, packed planes equal the float32 output run through
+    the one-pass quantizers (pack.pool_quantize_pack / quantize_pack) that it replaces, word for word; and the
+    codes unpacked from them equal the reference's float result pooled and quantized by torch."""
+    from tcprec.formats import as_format
+    from tcprec.kernels.triton import pack as tpack
+    from tcprec.ops.quantize import _qp_params, _static_codes
+    from tcprec.packing import packed_words, unpack_bitplanes
+
+    x, w, geo = _int8(spec, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    scale, bias = _epilogue_args(w.shape[0], "channel", gen)
+    scale = scale * (torch.randint(0, 2, scale.shape, generator=gen) * 2 - 1)  # negative scales: the window's min
+    f = as_format(fmt)
+    act = None if fmt == "int3" else ("leaky", 0.1)  # (a signed format: negative codes too)
+    y = cf.conv2d_fwd_int8(x, w, **geo, scale=scale, bias=bias, act=act, out="float32")
+    s = torch.tensor([float(y.abs().max()) / (max(f.max, -f.min) + 1.5)])  # the whole range, some saturated
+    qp = _qp_params(f)
+    got = cf.conv2d_fwd_int8(x, w, **geo, scale=scale, bias=bias, act=act,
+                             out=cf.PlanesOut(s, f.bits, *qp, pool=pool, compact=compact))
+    N, P, Q, K = y.shape
+    want = (tpack.pool_quantize_pack(y, s, 2, f.bits, *qp) if pool else
+            tpack.quantize_pack(y.reshape(-1, K), s, f.bits, *qp))
+    kw = -(-K // 32) if compact else packed_words(K)
+    assert got.dtype == torch.int32 and tuple(got.shape) == (f.bits, want.shape[1], kw)
+    assert torch.equal(got, want[:, :, :kw])
+    if not compact:
+        assert not got[:, :, -(-K // 32):].any()  # the words past the channels are zero
+    # independently: torch's pool of the reference float result, torch's quantizer
+    ref = rf.conv2d_fwd_int8(x, w, **geo, scale=scale, bias=bias, act=act, out="float32")
+    if pool:
+        ref = F.max_pool2d(ref.permute(0, 3, 1, 2), 2, 2).permute(0, 2, 3, 1)
+    codes = _static_codes(ref.reshape(-1, K), f, s)
+    full = torch.nn.functional.pad(got, (0, packed_words(K) - kw))  # (compact rows: the padding words back)
+    assert torch.equal(unpack_bitplanes(full, f.bits, K).to(torch.int64), codes)
+    assert len(torch.unique(codes)) >= min(4, 2 ** f.bits)  # not one saturated code
+
+
+def test_int8_planes_out_bad_input():
+    x, w = _small()
+    s = torch.ones(1)
+    for spec, match in [(cf.PlanesOut(s, 9, 0, 3), "bits must be an int in 1..8"),
+                        (cf.PlanesOut(s, 2, 0, 3, pool=1), "pool must be 0"),
+                        (cf.PlanesOut(s, 2, 0, 3, shift=2), "shift 0 or 1")]:
+        with pytest.raises(ValueError, match=match):
+            cf.conv2d_fwd_int8(x, w, out=spec)
+    with pytest.raises(ValueError, match="writes only the planes"):
+        cf.conv2d_fwd_int8(x, w, out=cf.PlanesOut(s, 2, 0, 3), out_int8=("int8", 1.0))
+    with pytest.raises(ValueError, match="slope >= 0"):
+        cf.conv2d_fwd_int8(x, w, act=("leaky", -0.5), out=cf.PlanesOut(s, 2, 0, 3, pool=2))
+    with pytest.raises(ValueError, match="at least 2 x 2"):
+        cf.conv2d_fwd_int8(x[:, :1].contiguous(), w[:, :1, :1].contiguous(), out=cf.PlanesOut(s, 2, 0, 3, pool=2))
+
+
 @pytest.mark.parametrize("case, exc, match", [
     ("float_x", TypeError, "must be int8 codes"),
     ("nchw", ValueError, "must be contiguous NHWC"),
@@ -414,6 +477,15 @@ def test_pick_config_table():
     assert (cfg["BLOCK_M"], cfg["num_warps"]) == (128, 8)
     cfg = cf.pick_config(G(256, 208, 208, 16, 32, 3, 3, (1, 1), (1, 1), (1, 1)), fp8=False)
     assert cfg["FLAT"] and (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]) == (128, 32, 4, 3)
+    # a pooled planes epilogue: 64 pooled rows and 2 stages where the reduction is one step (the VGG stem's gathered
+    # 32-byte rows), the table's tile where it has several (AlexNet's 384-byte rows) or the tiles would not fill the SMs
+    vgg_stem = G(256, 112, 112, 32, 96, 1, 1, (1, 1), (0, 0), (1, 1))
+    cfg = cf.pick_config(vgg_stem, fp8=False, pooled=True)
+    assert (cfg["BLOCK_M"], cfg["num_stages"]) == (64, 2) and cf.pick_config(vgg_stem, fp8=False)["BLOCK_M"] == 128
+    cfg = cf.pick_config(G(256, 55, 55, 384, 64, 1, 1, (1, 1), (0, 0), (1, 1)), fp8=False, pooled=True)
+    assert (cfg["BLOCK_M"], cfg["num_stages"]) == (128, 3)
+    cfg = cf.pick_config(G(1, 16, 16, 32, 96, 1, 1, (1, 1), (0, 0), (1, 1)), fp8=False, pooled=True)
+    assert cfg["num_stages"] == 3
 
 
 # ------------------------------------------------------------------------------------------------
@@ -422,7 +494,7 @@ def test_pick_config_table():
 
 
 def _aot_compile(fp8: bool, flat: bool, out_mode: int, C: int, K: int, has_add: bool = False,
-                 out_codes=(-128, 127, 0), has_res: bool = False):
+                 out_codes=(-128, 127, 0), has_res: bool = False, pool: int = 0):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -431,13 +503,14 @@ def _aot_compile(fp8: bool, flat: bool, out_mode: int, C: int, K: int, has_add: 
 
     fn = cf._conv_fwd_kernel
     xt = "fp8e4nv" if fp8 else "i8"
-    ptrs = {"x_ptr": xt, "w_ptr": xt, "out_ptr": {0: "i32", 1: "fp16", 2: "i8", 3: "fp16", 4: "u8"}[out_mode],
+    ptrs = {"x_ptr": xt, "w_ptr": xt, "out_ptr": {0: "i32", 1: "fp16", 2: "i8", 3: "fp16", 4: "u8", 6: "i32"}[out_mode],
             "sa_ptr": "fp32",
             "sb_ptr": "fp32", "bias_ptr": "fp32", "add_ptr": "i32" if has_add else "fp32", "oscale_ptr": "fp32",
             "res_ptr": "fp16" if has_res else "fp32", "out8_ptr": "i8"}
     consts = dict(IS_FP8=fp8, FAST_ACCUM=False, FLAT=flat, OUT_MODE=out_mode, HAS_ADD=has_add, ADD_PIX=has_add,
                   EVEN_K=C % 128 == 0,
                   INT64=False, HAS_RES=has_res, OUT_LO=out_codes[0], OUT_HI=out_codes[1], OUT_OFF=out_codes[2],
+                  Q_BITS=2, Q_SHIFT=0, POOL=pool,
                   BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, **fp8_constexprs(torch.float8_e4m3fn))
     sig, attrs, cs = {}, {}, dict(consts)
     for i, name in enumerate(fn.arg_names):
@@ -476,6 +549,9 @@ def test_kernels_compile_to_wgmma_for_sm90():
     # IEEE division, and no float8 conversion instruction (the codes are integer arithmetic, round.fp8_code)
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx["fp8_fp8out"]
     assert "div.rn.f64" in ptx["fp8_fp8out"] and "cvt.rn.satfinite" not in ptx["fp8_fp8out"]
+    # a binary network's stem writing the next layer's 2-bit planes, max-pooled, from its epilogue (OUT_MODE 6)
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8" in ptx["int8_planes_pool"]
+    assert "div.rn.f64" in ptx["int8_planes_pool"] and "fma.rn.f32" not in ptx["int8_planes_pool"]
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--aot"]:
@@ -485,7 +561,8 @@ if __name__ == "__main__" and sys.argv[1:] == ["--aot"]:
               "int8_shifted": _aot_compile(False, False, 2, 256, 256, has_add=True, out_codes=(0, 255, 128)).asm["ptx"],
               "int8_residual_dual": _aot_compile(False, False, 3, 256, 256, has_add=True, out_codes=(0, 255, 128),
                                                  has_res=True).asm["ptx"],
-              "fp8_fp8out": _aot_compile(True, False, 4, 256, 256).asm["ptx"]}
+              "fp8_fp8out": _aot_compile(True, False, 4, 256, 256).asm["ptx"],
+              "int8_planes_pool": _aot_compile(False, True, 6, 32, 96, pool=2).asm["ptx"]}
     print(json.dumps({k: "\n".join(ln for ln in v.splitlines() if "wgmma" in ln or "cp.async.c" in ln
                                    or "div." in ln or "cvt.rn.f32.f64" in ln or "fma." in ln or "satfinite" in ln)
                       for k, v in report.items()}))

@@ -423,6 +423,38 @@ def test_int8_kernel_route_pool_and_packed_out():
         b = conv2d(qx, qw, backend="reference", out_fmt="uint3", out_scale=40.0, **kw)
         assert isinstance(a, PackedActivation) and torch.equal(a.planes, b.planes)
     assert "separate pass" in explain_conv2d(qx, pw, backend="int8", pool=("max", 2, 2), **geo)
+    # packed planes, no pool or a 2x2 stride-2 max-pool: the kernel's epilogue writes them (no float32, no pass)
+    for pool in (None, ("max", 2, 2)):
+        s = explain_conv2d(qx, pw, backend="int8", out_fmt="uint3", out_scale=40.0, pool=pool, **geo)
+        assert "quantize + pack -> uint3 bit planes (no float output)" in s and "separate pass" not in s, s
+        assert ("max-pool 2x2 stride 2 + quantize" in s) == (pool is not None), s
+    s = explain_conv2d(qx, pw, backend="int8", out_fmt="uint3", out_scale=40.0, pool=("max", 2, 1), **geo)
+    assert "separate pass: max-pool 2x2 stride 1 + re-quantize + pack (one Triton kernel)" in s, s
+
+
+@pytest.mark.parametrize("layout", ["planes", "compact"])
+@pytest.mark.parametrize("out_fmt, x_fmt", [("uint2", "int8"), ("pm1", "uint8")])
+def test_int8_thin_stem_writes_pooled_planes(layout, out_fmt, x_fmt):
+    """A binary network's stem (C = 3, 3x3 stride 2, ReLU, 2x2 max-pool, 2-bit / pm1 planes for the next layer, odd
+    output for the floor pool; a uint8 input stored shifted: the border's per-pixel correction; per-channel scales
+    of both signs): the INT8 kernel's epilogue pools, quantizes and packs; the planes equal the reference backend's,
+    compact rows as the padded rows' first ceil(K / 32) words."""
+    gen = torch.Generator().manual_seed(21)
+    qx = _qt((2, 15, 13, 3), tp.format(x_fmt), gen)
+    qw = _qt((40, 3, 3, 3), tp.format("int8"), gen, PerChannel(0))
+    pw = pack_conv_weight(qw)
+    bias = torch.randn(40, generator=gen) * 300
+    scale = torch.rand(40, generator=gen) + 0.5
+    scale[::3] *= -1
+    kw = dict(stride=2, padding=1, bias=bias, scale=scale, act="relu", pool=("max", 2, 2), out_fmt=out_fmt,
+              out_scale=900.0)
+    a = conv2d(qx, pw, backend="int8", out_layout=layout, **kw)
+    b = conv2d(qx, qw, backend="reference", **kw)
+    assert isinstance(a, PackedActivation) and a.shape == b.shape == (2, 4, 3, 40)
+    assert a.compact == (layout == "compact")
+    assert torch.equal(a.planes, b.planes[..., :a.planes.shape[-1]]) and torch.equal(a.codes(), b.codes())
+    assert len(torch.unique(b.codes())) == 2 ** b.fmt.bits
+    assert "thin layer (C = 3 < 16)" in explain_conv2d(qx, pw, backend="int8", out_layout=layout, **kw)
 
 
 # -- the INT8 layers' own operand: Int8Activation (quantizer, conv input, epilogue output) ----------------

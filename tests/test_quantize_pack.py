@@ -150,6 +150,9 @@ def test_pool_planes_equals_pooling_then_quantizing(bits, enc, stride):
     got = tpack.pool_planes(planes, (N, P, Q, K), stride, bits, enc == "twos")
     assert torch.equal(got, want)
     assert torch.equal(rq.pool_planes(planes, (N, P, Q, K), pool, fmt), want)
+    junk = planes.clone()
+    junk[..., 2:] = -1  # the padding words past ceil(K / 32) are not read: their output is zero whatever they hold
+    assert torch.equal(tpack.pool_planes(junk, (N, P, Q, K), stride, bits, enc == "twos"), want)
 
 
 def test_pack_kernels_compile_for_sm90():

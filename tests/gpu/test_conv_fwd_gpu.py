@@ -169,3 +169,35 @@ def test_int8_residual_dual_output_exact_and_capturable(name):
         assert ".s32.s8.s8" in k.asm["ptx"]
         if torch.cuda.get_device_capability() >= (9, 0):
             assert "IGMMA" in k.asm["sass"]
+
+
+@pytest.mark.parametrize("name", ["vgg.conv1", "alexnet.conv1", "yolo.conv1", "resnet18.conv1", "alexnet.conv2"])
+@pytest.mark.parametrize("pool", [0, 2])
+def test_int8_planes_out_equals_the_quantize_pass(name, pool):
+    """out=PlanesOut: the binary networks' stems (and a C = 64 layer, tap mode) writing the next layer's 2-bit planes
+    from the epilogue, (2x2 max-pooled,) equal the float32 output run through the one-pass quantizer it replaces,
+    at batch 2 with the batch-256 tiles (what the benchmark's batch-256 rows run) and under CUDA-graph replay."""
+    from tcprec.kernels.triton import pack as tpack
+
+    g = _geom(name, 2)
+    gen = torch.Generator(DEV).manual_seed(zlib.crc32(name.encode()) + pool)
+    x = torch.randint(-128, 128, g.input_shape, device=DEV, dtype=torch.int8, generator=gen)
+    w = torch.randint(-128, 128, g.weight_shape, device=DEV, dtype=torch.int8, generator=gen)
+    scale = torch.rand(g.K, device=DEV, generator=gen) * 1e-3 + 1e-4
+    bias = torch.randn(g.K, device=DEV, generator=gen)
+    geo = dict(stride=g.stride, padding=g.padding)
+    cfg = cf.pick_config(_geom(name, 256), fp8=False, device=torch.device(DEV))
+    y = cf.conv2d_fwd_int8(x, w, **geo, scale=scale, bias=bias, act="relu", out="float32", config=cfg)
+    s = (y.abs().amax() / 3.5).reshape(1)
+    want = (tpack.pool_quantize_pack(y, s, 2, 2, 0, 3, 0, 0) if pool else
+            tpack.quantize_pack(y.reshape(-1, g.K), s, 2, 0, 3, 0, 0))
+    spec = cf.PlanesOut(s, 2, 0, 3, pool=pool)
+    got = cf.conv2d_fwd_int8(x, w, **geo, scale=scale, bias=bias, act="relu", out=spec, config=cfg)
+    assert torch.equal(got, want), f"{name}: {int((got != want).sum())} of {got.numel()} words differ"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cf.conv2d_fwd_int8(x, w, **geo, scale=scale, bias=bias, act="relu", out=spec, config=cfg)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)

@@ -46,7 +46,10 @@ Backends (one rule with ``tcprec.matmul``: bit-serial while p*q < 8, INT8 otherw
   vector (K,) without padding) that depends on the weight and the geometry, not on the batch; it is
   computed once (one int8 conv of a ones image) and cached in the :class:`PackedConvWeight`.  Shifted
   *weights* (uint8 / pm8) would need a per-pixel window sum of x; they keep the im2col path, as does
-  the CPU without the interpreter: im2col on the codes + ``torch._int_mm`` (exact).
+  the CPU without the interpreter: im2col on the codes + ``torch._int_mm`` (exact).  An 8-bit layer in front of
+  bit-serial ones (an integer ``out_fmt`` as planes, no pool or a 2x2 stride-2 max-pool: the binary networks' stems)
+  has the kernel's epilogue max-pool, quantize and pack the planes itself (``conv_fwd.PlanesOut``): no float32
+  output and no pass over it; the same planes as the one-pass quantizer's.
 * ``"fp8"``: float8 operands (``e4m3`` / ``e5m2`` QTensors, e.g. from :func:`quantize_fp8_static`, and
   a weight packed by :func:`pack_conv_weight`): the Triton implicit-GEMM FP8 conv with x's per-tensor
   and w's per-channel scales folded into the fused epilogue's column scale.  ``fp8_fast_accum=True``
@@ -999,12 +1002,27 @@ def _fp8_out(plan: _Plan) -> bool:
     return isinstance(plan.out_fmt, FloatFormat) and plan.pool is None and not plan.dual
 
 
+def _planes_out(plan: _Plan) -> bool:
+    """Whether the INT8 kernel's epilogue writes the next bit-serial layer's planes itself ((2x2 stride-2 max-pool
+    ->) quantize -> pack, ``conv_fwd.PlanesOut``): an 8-bit stem in front of binary layers.  Other pools (and a
+    pool behind a negative LeakyReLU slope: the kernel pools accumulators), and the FP8 kernel, write float32 for the
+    one-pass quantizer."""
+    from ..kernels.reference_conv_fwd import parse_act
+
+    return (plan.name == "int8" and plan.route == "kernel" and isinstance(plan.out_fmt, IntFormat)
+            and plan.out_layout in _PLANE_LAYOUTS
+            and (plan.pool is None or (tuple(plan.pool) == ("max", 2, 2) and parse_act(plan.act)[1] >= 0)))
+
+
 def _kernel_out(plan: _Plan) -> str:
     """What the INT8 / FP8 kernel writes: the raw accumulator, the final float dtype, the next INT8 layer's
     int8 codes, the next FP8 layer's float8 codes ("e4m3" / "e5m2"), both ("dual": the float dtype and its
-    int8 / float8 codes), or float32 for a pass that follows (pooling, re-quantization)."""
+    int8 / float8 codes), the next bit-serial layer's planes ("planes"), or float32 for a pass that follows
+    (pooling, re-quantization)."""
     if plan.out_dtype == torch.int32 and plan.out_fmt is None:
         return "int32"
+    if _planes_out(plan):
+        return "planes"
     if _int8_out(plan):
         return "int8"
     if _fp8_out(plan):
@@ -1116,6 +1134,12 @@ def _out_spec(plan: _Plan, s_out):
     kind = _kernel_out(plan)
     if kind in _FP8_KIND.values():  # the next FP8 layer's codes
         return (kind, s_out), None
+    if kind == "planes":
+        from ..kernels.triton.conv_fwd import PlanesOut
+        from .quantize import _qp_params
+
+        return PlanesOut(s_out, plan.out_fmt.bits, *_qp_params(plan.out_fmt), pool=2 if plan.pool else 0,
+                         compact=plan.out_layout == "compact"), None
     if kind not in ("int8", "dual"):
         return kind, None
     if isinstance(plan.out_fmt, FloatFormat):  # the float and the next FP8 layers' codes (OUT_MODE 5)
@@ -1446,6 +1470,8 @@ def _conv2d_impl(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None
             y = _fp8_kernel(plan, xs, pw, col, bias, bool(fp8_fast_accum), s_out, residual)
         else:
             y = _int8_kernel(plan, xs, pw, col, bias, s_out, residual)  # (N, P, Q, K)
+        if _kernel_out(plan) == "planes":  # (bits, N*P'*Q', Kw): pooled in the epilogue when plan.pool
+            return _packed_result(y, plan, s_out, (g.N, g.P // 2, g.Q // 2, K) if plan.pool else (g.N, g.P, g.Q, K))
         if _kernel_out(plan) == "int8":
             return Int8Activation(y, plan.out_fmt, s_out)
         if _fp8_out(plan):  # (N, P, Q, K) float8 from the epilogue: quantize_fp8_static's QTensor
@@ -1588,6 +1614,9 @@ def explain_conv2d(x, w, **kw) -> str:
     elif plan.name == "fp8" or plan.route == "kernel":
         kind = _kernel_out(plan)
         shown = out if kind == "dual" or kind in _FP8_KIND.values() else kind  # what the epilogue writes
+        if kind == "planes":
+            shown = (f"{'max-pool 2x2 stride 2 + ' if plan.pool else ''}quantize + pack -> {plan.out_fmt} "
+                     f"{'compact ' if plan.out_layout == 'compact' else ''}bit planes (no float output)")
         fast = kw.get("fp8_fast_accum", True)
         gather = "one Triton pass" if xs.device.type == "cuda" or _interpreting() else "torch passes"
         stem = ([f"thin layer (C = {g.C} < {THIN_C}): its {g.R}x{g.S}x{g.C} windows gathered into "

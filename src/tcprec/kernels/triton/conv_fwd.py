@@ -36,6 +36,11 @@ The output row of pixel m = n*P*Q + p*Q + q is simply ``y + m*K``.
               of y rounded to its dtype as for int8;
               or both (OUT_MODE 5): the float y and the float8 codes of that float (rounded to its dtype), the FP8
               twin of OUT_MODE 3 (a ResNet block's output: the next residual and the next FP8 convs' operand);
+              or (OUT_MODE 6) the next bit-serial layer's packed planes (``PlanesOut``): codes =
+              pack._quantize_codes(y / out_scale) (quantize_pack's), optionally after a 2x2 stride-2 max-pool of
+              the tile's rows (POOL = 2: the program's BLOCK_M rows are BLOCK_M / 4 pooled pixels x the 4 pixels of
+              each window, window-minor, so the pool is a max over groups of 4 rows), packed 32 channels a word
+              (pack._store_planes); pack.pool_quantize_pack's planes bit for bit, without the float32 output;
               or (OUT_MODE 0) the raw accumulator.
 
 The kernel is compiled with ``enable_fp_fusion=False`` (the epilogue's mul and add round separately,
@@ -56,6 +61,7 @@ from __future__ import annotations
 import functools
 import numbers
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -63,14 +69,16 @@ import triton.language as tl
 
 from ..reference_conv import ConvGeometry, pair
 from ..reference_conv_fwd import FP8_KINDS, Fp8Out, Int8Out, parse_act, parse_out
+from ...packing import packed_words
 from ._host import cdiv, next_power_of_2
+from .pack import PAD_W, _quantize_codes, _store_planes
 from .round import div_by_scalar, fp8_code, fp8_constexprs
 
 __all__ = ["conv2d_fwd_int8", "conv2d_fwd_fp8", "pick_config", "compile_key", "geometry", "NETWORK_LAYERS",
-           "INTERPRETER_CONFIG", "interpreting"]
+           "INTERPRETER_CONFIG", "interpreting", "PlanesOut"]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-OUT_RAW, OUT_FLOAT, OUT_INT8, OUT_DUAL, OUT_FP8, OUT_DUAL_FP8 = 0, 1, 2, 3, 4, 5
+OUT_RAW, OUT_FLOAT, OUT_INT8, OUT_DUAL, OUT_FP8, OUT_DUAL_FP8, OUT_PLANES = 0, 1, 2, 3, 4, 5, 6
 _OUT_DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16,
                "int32": torch.int32, "int8": torch.int8, **FP8_KINDS}
 # The interpreter runs one small tile (reduction block 32: the smallest 8-bit wgmma step)
@@ -82,61 +90,38 @@ def interpreting() -> bool:
 
 
 _NOSPEC = ["N", "H", "W", "P", "Q", "R", "S", "str_h", "str_w", "pad_h", "pad_w", "dil_h", "dil_w", "M",
-           "alpha", "sa_stride", "sb_stride", "bias_stride", "act", "slope", "PQ", "acc_mul", "int_pq"]
+           "alpha", "sa_stride", "sb_stride", "bias_stride", "act", "slope", "acc_mul", "int_pq", "planes_kw"]
 
 
-@triton.jit(do_not_specialize=_NOSPEC)
-def _conv_fwd_kernel(
-    x_ptr, w_ptr, out_ptr, sa_ptr, sb_ptr, bias_ptr, add_ptr, oscale_ptr, res_ptr, out8_ptr,
-    # -- sizes (x, w, out contiguous NHWC / KRSC / NPQK: strides follow from C, W, H, R, S, K) --
-    N, H, W, C, P, Q, K, R, S,
-    str_h, str_w, pad_h, pad_w, dil_h, dil_w,
-    M,  # N*P*Q
-    # -- epilogue (see reference_conv_fwd): scales sa / sb are per-channel (stride 1) or per-tensor (0) --
-    alpha, sa_stride, sb_stride, bias_stride, act, slope,
-    # -- int8 with affine-shifted operands: acc = acc * acc_mul + add[(p, q), k] (ADD_PIX), or add[k]; int_pq: an
-    #    output position whose window lies inside the image (its entry is every interior pixel's), or -1 --
-    PQ, acc_mul, int_pq,
-    # -- what to do --
-    IS_FP8: tl.constexpr, FAST_ACCUM: tl.constexpr, FLAT: tl.constexpr, OUT_MODE: tl.constexpr, HAS_ADD: tl.constexpr,
-    ADD_PIX: tl.constexpr, EVEN_K: tl.constexpr, INT64: tl.constexpr,
-    # -- residual: res (N, P, Q, K) float, contiguous like out, added after the bias, before the activation --
-    HAS_RES: tl.constexpr,
-    # -- int8 output (OUT_MODE 2 at out, 3 at out8): stored clamp(rne(y / out_scale), OUT_LO, OUT_HI) - OUT_OFF --
-    OUT_LO: tl.constexpr, OUT_HI: tl.constexpr, OUT_OFF: tl.constexpr,
-    # -- float8 output (OUT_MODE 4 at out, 5 at out8; uint8 views): round.fp8_code's constants of the format --
-    F8_MAN: tl.constexpr, F8_BIAS: tl.constexpr, F8_MAX_BITS: tl.constexpr, F8_MIN_NORMAL_BITS: tl.constexpr,
-    F8_SUB_SCALE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    # ---- which tile: channel block fastest ----
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(K, BLOCK_N)
-    pid_n = pid % num_n
-    pid_m = pid // num_n
+class PlanesOut(NamedTuple):
+    """``out=`` of :func:`conv2d_fwd_int8` for the next bit-serial layer: the epilogue quantizes ``y / scale`` to
+    ``bits``-bit codes (``lo``, ``hi``, ``offset``, ``shift``: ``ops.quantize._qp_params`` of the format), optionally
+    after a 2x2 stride-2 max-pool (``pool=2``; the floor pool of nn.MaxPool2d(2, 2)), and writes them as bit planes
+    int32 (bits, N * P' * Q', Kw): rows of ``packing.packed_words(K)`` words, or ``ceil(K / 32)`` with
+    ``compact=True`` -- what ``pack.pool_quantize_pack`` / ``quantize_pack`` write from the float32 output."""
 
-    # ---- rows: output pixel m = (n, p, q) and the top-left input pixel of its window ----
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < M
-    q = offs_m % Q
-    t = offs_m // Q
-    p = t % P
-    n = t // P
-    if INT64:
-        n = n.to(tl.int64)
-    ih0 = p * str_h - pad_h
+    scale: object
+    bits: int
+    lo: int
+    hi: int
+    offset: int = 0
+    shift: int = 0
+    pool: int = 0
+    compact: bool = False
+
+
+@triton.jit
+def _conv_acc(x_ptr, w_ptr, add_ptr, n, p, q, m_ok, w_rows, offs_n_ld, H, W, C, P, Q, K, R, S, str_h, str_w, pad_h,
+              pad_w, dil_h, dil_w, acc_mul, int_pq, IS_FP8: tl.constexpr, FAST_ACCUM: tl.constexpr,
+              FLAT: tl.constexpr, HAS_ADD: tl.constexpr, ADD_PIX: tl.constexpr, EVEN_K: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The (BLOCK_M, BLOCK_N) accumulator of output pixels (n, p, q) (rows, ``m_ok``) and the channels whose weight
+    rows start at ``w_rows``: int32 (corrected by ``acc * acc_mul + add`` for shifted int8 operands) or float32."""
+    ih0 = p * str_h - pad_h  # the top-left input pixel of each window
     iw0 = q * str_w - pad_w
     row_base = n * (H * W * C) + ih0 * (W * C) + iw0 * C  # (BLOCK_M,) may be negative (padding; masked)
     offs_k = tl.arange(0, BLOCK_K)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < K
-    offs_n_ld = offs_n % K  # weight rows past K read row (k mod K): loads need no mask along N
     RSC = R * S * C
-    if INT64:
-        w_rows = offs_n_ld.to(tl.int64) * RSC
-    else:
-        w_rows = offs_n_ld * RSC
-
     if IS_FP8:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
@@ -205,31 +190,115 @@ def _conv_fwd_kernel(
             s -= wrap * S
             r += wrap
 
-    # ---- epilogue: y[m, k] at out + m*K + k ----
+    if HAS_ADD:  # int32 wrap-around is harmless: the true sum fits int32 (checked by the caller)
+        if ADD_PIX:  # interior rows share one entry a channel (a 1-D load); only border rows gather theirs
+            row_in = ((ih0 >= 0) & (ih0 + (R - 1) * dil_h < H) & (iw0 >= 0) & (iw0 + (S - 1) * dil_w < W)
+                      & (int_pq >= 0))
+            add_in = tl.load(add_ptr + tl.maximum(int_pq, 0) * K + offs_n_ld)
+            add_b = tl.load(add_ptr + (p * Q + q)[:, None] * K + offs_n_ld[None, :], mask=(row_in == 0)[:, None],
+                            other=0)
+            add = tl.where(row_in[:, None], add_in[None, :], add_b)
+        else:
+            add = tl.load(add_ptr + offs_n_ld)[None, :]
+        acc = acc * acc_mul + add
+    return acc
+
+
+@triton.jit(do_not_specialize=_NOSPEC)
+def _conv_fwd_kernel(
+    x_ptr, w_ptr, out_ptr, sa_ptr, sb_ptr, bias_ptr, add_ptr, oscale_ptr, res_ptr, out8_ptr,
+    # -- sizes (x, w, out contiguous NHWC / KRSC / NPQK: strides follow from C, W, H, R, S, K) --
+    N, H, W, C, P, Q, K, R, S,
+    str_h, str_w, pad_h, pad_w, dil_h, dil_w,
+    M,  # N*P*Q
+    # -- epilogue (see reference_conv_fwd): scales sa / sb are per-channel (stride 1) or per-tensor (0) --
+    alpha, sa_stride, sb_stride, bias_stride, act, slope,
+    # -- int8 with affine-shifted operands: acc = acc * acc_mul + add[(p, q), k] (ADD_PIX), or add[k]; int_pq: an
+    #    output position whose window lies inside the image (its entry is every interior pixel's), or -1 --
+    acc_mul, int_pq,
+    # -- packed planes (OUT_MODE 6): rows of planes_kw words; POOL 2: a 2x2 stride-2 max-pool first, M pooled rows --
+    planes_kw,
+    # -- what to do --
+    IS_FP8: tl.constexpr, FAST_ACCUM: tl.constexpr, FLAT: tl.constexpr, OUT_MODE: tl.constexpr, HAS_ADD: tl.constexpr,
+    ADD_PIX: tl.constexpr, EVEN_K: tl.constexpr, INT64: tl.constexpr,
+    # -- residual: res (N, P, Q, K) float, contiguous like out, added after the bias, before the activation --
+    HAS_RES: tl.constexpr,
+    # -- int8 output (OUT_MODE 2 at out, 3 at out8): stored clamp(rne(y / out_scale), OUT_LO, OUT_HI) - OUT_OFF --
+    OUT_LO: tl.constexpr, OUT_HI: tl.constexpr, OUT_OFF: tl.constexpr,
+    # -- float8 output (OUT_MODE 4 at out, 5 at out8; uint8 views): round.fp8_code's constants of the format --
+    F8_MAN: tl.constexpr, F8_BIAS: tl.constexpr, F8_MAX_BITS: tl.constexpr, F8_MIN_NORMAL_BITS: tl.constexpr,
+    F8_SUB_SCALE: tl.constexpr,
+    # -- planes (OUT_MODE 6): pack._quantize_codes' format constants (with OUT_LO, OUT_HI, OUT_OFF) --
+    Q_BITS: tl.constexpr, Q_SHIFT: tl.constexpr, POOL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # ---- which tile: channel block fastest ----
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(K, BLOCK_N)
+    pid_n = pid % num_n
+    pid_m = pid // num_n
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < K
+    offs_n_ld = offs_n % K  # weight rows past K read row (k mod K): loads need no mask along N
+    if INT64:
+        w_rows = offs_n_ld.to(tl.int64) * (R * S * C)
+    else:
+        w_rows = offs_n_ld * (R * S * C)
+    if OUT_MODE != 0:
+        sa = tl.load(sa_ptr + offs_n_ld * sa_stride).to(tl.float32)
+        sb = tl.load(sb_ptr + offs_n_ld * sb_stride).to(tl.float32)
+        scl = (alpha * sa) * sb
+
+    # ---- rows: output pixel m = (n, p, q) ----
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    if POOL == 2:  # M pooled pixels (n, po, qo): the 4 pixels of each window, one after another
+        qo = offs_m % (Q // 2)
+        t = offs_m // (Q // 2)
+        po = t % (P // 2)
+        n = t // (P // 2)
+        if INT64:
+            n = n.to(tl.int64)
+        pos = (scl >= 0)[None, :]
+        for quad in tl.static_range(4):
+            p = po * 2 + quad // 2
+            q = qo * 2 + quad % 2
+            acc = _conv_acc(x_ptr, w_ptr, add_ptr, n, p, q, m_ok, w_rows, offs_n_ld, H, W, C, P, Q, K, R, S,
+                            str_h, str_w, pad_h, pad_w, dil_h, dil_w, acc_mul, int_pq, IS_FP8, FAST_ACCUM, FLAT,
+                            HAS_ADD, ADD_PIX, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
+            # the epilogue (y = act(float(acc) * scl + bias), each step rounding monotonically) is non-decreasing
+            # in acc where scl >= 0 and non-increasing where scl < 0 (the caller refuses a negative LeakyReLU
+            # slope): the window's max of y is y of its largest accumulator, or of its smallest -- the largest of
+            # the negated ones (|acc| < 2^31: exact), bit for bit
+            acc = tl.where(pos, acc, -acc)
+            if quad == 0:
+                best = acc
+            else:
+                best = tl.maximum(best, acc)
+        acc = tl.where(pos, best, -best)
+    else:
+        q = offs_m % Q
+        t = offs_m // Q
+        p = t % P
+        n = t // P
+        if INT64:
+            n = n.to(tl.int64)
+        acc = _conv_acc(x_ptr, w_ptr, add_ptr, n, p, q, m_ok, w_rows, offs_n_ld, H, W, C, P, Q, K, R, S,
+                        str_h, str_w, pad_h, pad_w, dil_h, dil_w, acc_mul, int_pq, IS_FP8, FAST_ACCUM, FLAT,
+                        HAS_ADD, ADD_PIX, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
+
+    # ---- epilogue: y[m, k] at out + m*K + k (OUT_MODE 6: planes row m) ----
     if INT64:
         offs_out = offs_m.to(tl.int64)[:, None] * K + offs_n[None, :]
     else:
         offs_out = offs_m[:, None] * K + offs_n[None, :]
     out_ptrs = out_ptr + offs_out
     mask = m_ok[:, None] & n_ok[None, :]
-    if HAS_ADD:  # int32 wrap-around is harmless: the true sum fits int32 (checked by the caller)
-        if ADD_PIX:  # interior rows share one entry a channel (a 1-D load); only border rows gather theirs
-            row_in = ((ih0 >= 0) & (ih0 + (R - 1) * dil_h < H) & (iw0 >= 0) & (iw0 + (S - 1) * dil_w < W)
-                      & (int_pq >= 0))
-            add_in = tl.load(add_ptr + tl.maximum(int_pq, 0) * K + offs_n_ld)
-            add_b = tl.load(add_ptr + (offs_m % PQ)[:, None] * K + offs_n_ld[None, :], mask=(row_in == 0)[:, None],
-                            other=0)
-            add = tl.where(row_in[:, None], add_in[None, :], add_b)
-        else:
-            add = tl.load(add_ptr + offs_n_ld)[None, :]
-        acc = acc * acc_mul + add
     if OUT_MODE == 0:
         tl.store(out_ptrs, acc, mask=mask)
     else:
-        sa = tl.load(sa_ptr + offs_n_ld * sa_stride).to(tl.float32)
-        sb = tl.load(sb_ptr + offs_n_ld * sb_stride).to(tl.float32)
         bias = tl.load(bias_ptr + offs_n_ld * bias_stride).to(tl.float32)
-        scl = (alpha * sa) * sb
         y = acc.to(tl.float32) * scl[None, :]
         y = y + bias[None, :]
         if HAS_RES:  # the unfused graph: the branch stored in the residual's dtype, then one float32 add
@@ -240,7 +309,22 @@ def _conv_fwd_kernel(
             y = tl.where(y > 0, y, 0.0)
         elif act == 2:
             y = tl.where(y > 0, y, y * slope)
-        if OUT_MODE == 1 or OUT_MODE == 3 or OUT_MODE == 5:
+        if OUT_MODE == 6:  # the next bit-serial layer's planes: quantize -> pack (pooled above)
+            offs_p = offs_m
+            if INT64:
+                offs_p = offs_p.to(tl.int64)
+            c = _quantize_codes(y, tl.load(oscale_ptr), OUT_LO, OUT_HI, OUT_OFF, Q_SHIFT, Q_BITS)
+            c = tl.where(n_ok[None, :], c, 0)  # channels past K: the zero bits of the row's last word
+            offs_w = pid_n * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)
+            _store_planes(tl.reshape(c, (offs_p.shape[0], BLOCK_N // 32, 32)), out_ptr, offs_p, offs_w, M,
+                          planes_kw, M * planes_kw, planes_kw, 1, Q_BITS)
+            if pid_n == num_n - 1:  # the zero words past the last channel block (rows padded to 512 bits)
+                offs_z = (pid_n + 1) * (BLOCK_N // 32) + tl.arange(0, PAD_W)
+                z_ptrs = out_ptr + offs_p[:, None] * planes_kw + offs_z[None, :]
+                z_mask = (offs_p[:, None] < M) & (offs_z[None, :] < planes_kw)
+                for b in tl.static_range(Q_BITS):
+                    tl.store(z_ptrs + b * (M * planes_kw), tl.zeros((offs_p.shape[0], PAD_W), tl.int32), mask=z_mask)
+        elif OUT_MODE == 1 or OUT_MODE == 3 or OUT_MODE == 5:
             y_out = y.to(out_ptr.dtype.element_ty)
             tl.store(out_ptrs, y_out, mask=mask)
             if OUT_MODE != 1:  # the codes of the stored float, as a separate quantize pass would read it
@@ -328,7 +412,14 @@ _TILES = {
 _SMALL_M_WARPS = 4  # 64-row tiles (too few 128-row tiles to fill the SMs): one warpgroup
 
 
-def pick_config(g: ConvGeometry, fp8: bool, device: torch.device | None = None) -> dict:
+# A pooled planes epilogue (PlanesOut pool=2) runs 4 accumulations a program (one per window pixel), each a reduction
+# loop of its own.  With a single reduction step there is nothing to pipeline within them: 64-row tiles and 2 stages
+# (more programs resident) measured fastest -- the VGG stem gathered to 32-byte rows at batch 256, H200: 383 us against
+# 491 with the table's 128 / 3 (AlexNet's stem, 3 steps of 128: the table's 124 us against 190).
+_POOLED_ONE_STEP = {"BLOCK_M": 64, "num_stages": 2}
+
+
+def pick_config(g: ConvGeometry, fp8: bool, device: torch.device | None = None, pooled: bool = False) -> dict:
     """Tile, warps and stages for one conv (the same table for int8 and fp8: both are 8-bit operands).
 
     * reduction: TAP mode with BLOCK_K = 128 (or 64) when C is a multiple of it, else FLAT mode with
@@ -338,6 +429,8 @@ def pick_config(g: ConvGeometry, fp8: bool, device: torch.device | None = None) 
     * BLOCK_M 64 (and BLOCK_N <= 64), 4 warps, when 128-row tiles would leave most SMs idle (small batch, 7x7 /
       13x13 maps); with one row tile (a linear layer at batch 8) BLOCK_N halved down to 16 while the tiles still
       leave SMs idle (4096 -> 1000 int8 at M = 8 ran on 16 programs: 17.6 us on the H200 for 4 MB of weights).
+    ``pooled``: for a ``PlanesOut(pool=2)`` epilogue (BLOCK_M counts pooled pixels): :data:`_POOLED_ONE_STEP` where
+    the reduction is one BLOCK_K step and there are enough pooled tiles.
     """
     sms = _sm_count(device)
     M = g.N * g.P * g.Q
@@ -355,7 +448,11 @@ def pick_config(g: ConvGeometry, fp8: bool, device: torch.device | None = None) 
             bn = 64
         while M <= bm and cdiv(g.K, bn) < sms and bn > 16:  # one row tile (a linear layer at batch 8): W on more SMs
             bn //= 2
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "FLAT": flat, "num_warps": warps, "num_stages": stages}
+    cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "FLAT": flat, "num_warps": warps, "num_stages": stages}
+    one_step = cdiv(g.R * g.S * g.C if flat else g.C, bk) * (1 if flat else g.R * g.S) == 1
+    if pooled and one_step and cdiv(M // 4, _POOLED_ONE_STEP["BLOCK_M"]) * cdiv(g.K, bn) >= sms:
+        cfg.update(_POOLED_ONE_STEP)
+    return cfg
 
 
 def compile_key(g: ConvGeometry, cfg: dict, fp8: bool, out_kind: str, has_add: bool = False,
@@ -509,7 +606,10 @@ def _launch(x, w, g: ConvGeometry, op: str, *, fp8: bool, alpha, sa, sb, bias, a
     mode, slope = parse_act(act)
     device = x.device
     f8_out = out8 if isinstance(out8, Fp8Out) else spec if kind in FP8_KINDS else None  # float8 codes (4, 5)
-    if kind == "int8" or isinstance(out8, Int8Out):  # the int8 codes at out (OUT_MODE 2) or beside the float (3)
+    planes = spec if kind == "planes" else None  # the next bit-serial layer's planes (6)
+    if planes is not None:
+        oscale, o_lo, o_hi, o_off = _oscale(planes, device, op), planes.lo, planes.hi, planes.offset
+    elif kind == "int8" or isinstance(out8, Int8Out):  # the int8 codes at out (OUT_MODE 2) or beside the float (3)
         spec8 = spec if kind == "int8" else out8
         oscale, o_lo, o_hi, o_off = _oscale(spec8, device, op), spec8.lo, spec8.hi, spec8.offset
     elif f8_out is not None:  # float8 codes at out (OUT_MODE 4) or beside the float out (5)
@@ -525,14 +625,23 @@ def _launch(x, w, g: ConvGeometry, op: str, *, fp8: bool, alpha, sa, sb, bias, a
         if bias.device != device:
             raise ValueError(f"{op}: bias is on {bias.device}, the conv runs on {device}; move it there first")
         bias_t, bias_stride = bias.reshape(-1).contiguous(), 1
-    y = torch.empty(g.output_shape, dtype=_OUT_DTYPES[kind], device=device)
-    cfg = dict(INTERPRETER_CONFIG if (config is None and interpreting()) else (config or pick_config(g, fp8, device)))
-    M = g.N * g.P * g.Q
+    cfg = dict(INTERPRETER_CONFIG if (config is None and interpreting()) else
+               (config or pick_config(g, fp8, device, pooled=planes is not None and planes.pool == 2)))
+    M, kw = g.N * g.P * g.Q, 0
+    if planes is not None:  # (bits, rows, Kw) int32; a program packs whole words: BLOCK_N >= 32
+        if planes.pool:  # BLOCK_M pooled pixels a program (4 accumulators of BLOCK_M rows, one a window pixel)
+            M = g.N * (g.P // 2) * (g.Q // 2)
+        kw = cdiv(g.K, 32) if planes.compact else packed_words(g.K)
+        cfg["BLOCK_N"] = max(cfg["BLOCK_N"], 32)
+        y = torch.empty((planes.bits, M, kw), dtype=torch.int32, device=device)
+    else:
+        y = torch.empty(g.output_shape, dtype=_OUT_DTYPES[kind], device=device)
     flat = cfg.get("FLAT", g.C % cfg["BLOCK_K"] != 0)
     lim = 2**31 - 1
     int64 = x.numel() >= lim or y.numel() >= lim or w.numel() >= lim
     out_mode = (OUT_RAW if kind == "int32" else OUT_INT8 if kind == "int8" else OUT_FP8 if kind in FP8_KINDS
-                else OUT_DUAL_FP8 if f8_out is not None else OUT_DUAL if out8 is not None else OUT_FLOAT)
+                else OUT_PLANES if planes is not None else OUT_DUAL_FP8 if f8_out is not None
+                else OUT_DUAL if out8 is not None else OUT_FLOAT)
     f8 = fp8_constexprs(f8_out.dtype if f8_out is not None else torch.float8_e4m3fn)
     if out_mode in (OUT_DUAL, OUT_DUAL_FP8):
         y8 = torch.empty(g.output_shape, dtype=torch.int8 if out_mode == OUT_DUAL else f8_out.dtype, device=device)
@@ -546,11 +655,12 @@ def _launch(x, w, g: ConvGeometry, op: str, *, fp8: bool, alpha, sa, sb, bias, a
         g.N, g.H, g.W, g.C, g.P, g.Q, g.K, g.R, g.S,
         g.stride[0], g.stride[1], g.padding[0], g.padding[1], g.dilation[0], g.dilation[1], M,
         float(alpha), sa[1], sb[1], bias_stride, mode, float(slope),
-        g.P * g.Q, int(acc_mul), _interior_position(g) if add_interior else -1,
+        int(acc_mul), _interior_position(g) if add_interior else -1, kw,
         IS_FP8=fp8, FAST_ACCUM=bool(fast_accum), FLAT=bool(flat), OUT_MODE=out_mode, HAS_ADD=add is not None,
         ADD_PIX=add is not None and add.dim() == 3,
         EVEN_K=g.C % cfg["BLOCK_K"] == 0, INT64=int64, HAS_RES=res is not None, OUT_LO=o_lo, OUT_HI=o_hi, OUT_OFF=o_off,
-        **f8,
+        **f8, Q_BITS=planes.bits if planes is not None else 1, Q_SHIFT=planes.shift if planes is not None else 0,
+        POOL=planes.pool if planes is not None else 0,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3), enable_fp_fusion=False,
     )
@@ -567,6 +677,28 @@ def _parse_outs(out, out_int8, allowed: tuple[str, ...], op: str):
         raise ValueError(f"{op}: out_int8 writes int8 / float8 codes beside a float output; out must be 'float16', "
                          f"'float32' or 'bfloat16' with it, got out={out!r}")
     return kind, spec, parse_out(out_int8, ("int8", *FP8_KINDS))[1]
+
+
+def _check_planes_out(spec: PlanesOut, g: ConvGeometry, act, residual, out_int8, op: str) -> PlanesOut:
+    """A :class:`PlanesOut`: 1..8 bits, pool 0 or 2 (a 2x2 stride-2 pool needs an output of at least 2 x 2, and an
+    epilogue monotone in the accumulator: no negative LeakyReLU slope), the codes' range inside the bits, no residual
+    or dual output beside it."""
+    if isinstance(spec.bits, bool) or spec.bits not in range(1, 9):
+        raise ValueError(f"{op}: PlanesOut.bits must be an int in 1..8, got {spec.bits!r}")
+    if spec.pool not in (0, 2):
+        raise ValueError(f"{op}: PlanesOut.pool must be 0 (none) or 2 (2x2 max-pool, stride 2), got {spec.pool!r}; "
+                         "other pools run as a separate pass (pack.pool_planes)")
+    if spec.pool and min(g.P, g.Q) < 2:
+        raise ValueError(f"{op}: PlanesOut(pool=2) needs an output of at least 2 x 2, got {g.P} x {g.Q}")
+    if spec.pool and parse_act(act)[1] < 0:
+        raise ValueError(f"{op}: PlanesOut(pool=2) pools the accumulators (the epilogue must be monotone in them): a "
+                         f"LeakyReLU slope >= 0, got act={act!r}; pool the float output instead (pack.pool_quantize_pack)")
+    if spec.shift not in (0, 1) or not -255 <= spec.lo <= spec.hi <= 255:
+        raise ValueError(f"{op}: PlanesOut needs lo <= hi within +-255 and shift 0 or 1 (ops.quantize._qp_params of "
+                         f"the format), got lo={spec.lo}, hi={spec.hi}, shift={spec.shift}")
+    if residual is not None or out_int8 is not None:
+        raise ValueError(f"{op}: out=PlanesOut(...) writes only the planes; residual and out_int8 need a float out")
+    return spec
 
 
 def conv2d_fwd_int8(x: torch.Tensor, w: torch.Tensor, *, stride=1, padding=0, dilation=1, scale=None, bias=None,
@@ -599,6 +731,8 @@ def conv2d_fwd_int8(x: torch.Tensor, w: torch.Tensor, *, stride=1, padding=0, di
     ``(y, y8)``: the float result and the int8 codes of that float (as ``out=("int8", ...)`` would compute them
     from it), so a block's output feeds both the next residual and the next INT8 layer from one pass;
     ``out_int8=("e4m3" | "e5m2", out_scale)``: the same with the float8 codes of that float (the next FP8 layer's).
+    ``out=PlanesOut(out_scale, bits, lo, hi, offset, shift, pool, compact)``: the next bit-serial layer's packed
+    planes int32 (bits, N * P' * Q', Kw) -- (2x2 max-pool ->) quantize -> pack in the epilogue, no float output.
 
     >>> x = torch.randint(-128, 128, (8, 56, 56, 64), dtype=torch.int8, device="cuda")  # doctest: +SKIP
     >>> w = torch.randint(-128, 128, (64, 3, 3, 64), dtype=torch.int8, device="cuda")   # doctest: +SKIP
@@ -612,8 +746,11 @@ def conv2d_fwd_int8(x: torch.Tensor, w: torch.Tensor, *, stride=1, padding=0, di
     if x.dtype != torch.int8 or w.dtype != torch.int8:
         raise TypeError(f"{op}: x and w must be int8 codes, got x {x.dtype}, w {w.dtype}; "
                         "for float8 use conv2d_fwd_fp8, for other formats quantize to int8 first")
-    kind, out_scale, out8 = _parse_outs(out, out_int8, ("float16", "float32", "bfloat16", "int32", "int8",
-                                                         *FP8_KINDS), op)
+    if isinstance(out, PlanesOut):
+        kind, out_scale, out8 = "planes", _check_planes_out(out, g, act, residual, out_int8, op), None
+    else:
+        kind, out_scale, out8 = _parse_outs(out, out_int8, ("float16", "float32", "bfloat16", "int32", "int8",
+                                                             *FP8_KINDS), op)
     res = _check_residual(residual, g, x.device, kind, op)
     add = _check_add(acc_mul, acc_add, g, x.device, op)
     if kind == "int32" and (scale is not None or bias is not None or act is not None):

@@ -163,8 +163,8 @@ def _window_words(src_ptr, n, h, w, offs_r, offs_w, R, Kw, P, Q, stride_sr):
 @triton.jit
 def _pool_planes_kernel(
     src_ptr, dst_ptr,
-    # sizes: R = N * PO * QO pooled rows of Kw words, the source (BITS, N * P * Q, Kw)
-    R, Kw, P, Q, PO, QO,
+    # sizes: R = N * PO * QO pooled rows of Kw words (KR of them holding channels), the source (BITS, N * P * Q, Kw)
+    R, Kw, KR, P, Q, PO, QO,
     stride_sb, stride_sr, stride_db, stride_dr,
     POOL_S: tl.constexpr, TWOS: tl.constexpr, BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
@@ -172,7 +172,8 @@ def _pool_planes_kernel(
     in the order of the values (two's complement patterns compared with the sign bit flipped).  1- and 2-bit
     codes (the binary networks' activations) are compared bit-sliced, 32 at a time: max(hi, lo) of two is
     hi = hi1 | hi2, lo = lo1 & (hi1 | ~hi2) | lo2 & (hi2 | ~hi1).  Wider codes are unpacked to one code a lane,
-    compared, and packed again.  Padding words are zero codes in every pixel, so they pool to zero."""
+    compared, and packed again.  Padding words (past KR) are zero codes in every pixel, so they pool to zero: they are
+    not read (half the bytes of a 256-channel row), only stored."""
     pid_r = tl.program_id(0)
     pid_w = tl.program_id(1)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -186,7 +187,7 @@ def _pool_planes_kernel(
         lo = tl.zeros((BLOCK_R, BLOCK_W), tl.int32)
         for i in tl.static_range(2):
             for j in tl.static_range(2):
-                src, ok, m2 = _window_words(src_ptr, n, po * POOL_S + i, qo * POOL_S + j, offs_r, offs_w, R, Kw, P, Q,
+                src, ok, m2 = _window_words(src_ptr, n, po * POOL_S + i, qo * POOL_S + j, offs_r, offs_w, R, KR, P, Q,
                                             stride_sr)
                 h2 = tl.load(src + (BITS - 1) * stride_sb, mask=m2, other=0) ^ top
                 l2 = tl.load(src, mask=m2, other=0) if BITS == 2 else h2
@@ -206,7 +207,7 @@ def _pool_planes_kernel(
         best = tl.full((BLOCK_R, BLOCK_W, 32), -1, tl.int32)
         for i in tl.static_range(2):
             for j in tl.static_range(2):
-                src, ok, m2 = _window_words(src_ptr, n, po * POOL_S + i, qo * POOL_S + j, offs_r, offs_w, R, Kw, P, Q,
+                src, ok, m2 = _window_words(src_ptr, n, po * POOL_S + i, qo * POOL_S + j, offs_r, offs_w, R, KR, P, Q,
                                             stride_sr)
                 code = tl.zeros((BLOCK_R, BLOCK_W, 32), tl.int32)
                 for b in tl.static_range(BITS):
@@ -299,6 +300,10 @@ TILE_CODES = 4096
 POOL_PROGRAMS = 512  # pool_planes: the programs to aim for on a small map (a few per SM) ...
 POOL_MIN_ROWS = 16  # ... with row blocks no smaller than this
 MAX_BLOCK_W = 8
+# pool_planes' bit-sliced programs: words a program.  4096 (512 rows of a 256-channel compact row) held 4 pixels x 2
+# planes x 32 words a thread and ran VGG's 256 x 56 x 56 x 256 pool in 109 us; 512 words: 18 us (H200, session 23:
+# 16-64 rows of 8 words 17-18 us, of 16 words 32-35 us)
+POOL_SLICED_WORDS = 512
 
 
 def pooled_output(y: torch.Tensor, pool_stride: int, dtype: torch.dtype, tile: int):
@@ -446,14 +451,14 @@ def pool_planes(planes: torch.Tensor, shape: tuple, pool_stride: int, bits: int,
     out = torch.empty((bits, R, Kw), dtype=torch.int32, device=planes.device)
     if out.numel() == 0:
         return out
-    sliced = bits <= 2  # bit-sliced words (up to 4096 a program), else one code a lane (TILE_CODES a program)
+    sliced = bits <= 2  # bit-sliced words (POOL_SLICED_WORDS a program), else one code a lane (TILE_CODES a program)
     bw = min(next_power_of_2(Kw), 16 if sliced else MAX_BLOCK_W)  # (compact rows: any Kw)
-    br = 4096 // bw if sliced else max(1, TILE_CODES // (32 * bw))
+    br = POOL_SLICED_WORDS // bw if sliced else max(1, TILE_CODES // (32 * bw))
     # small maps get smaller row blocks, down to POOL_MIN_ROWS, so that there are POOL_PROGRAMS programs: a batch-8
     # AlexNet / VGG pool ran on 3 / 13 programs and took 26 / 31 us for 1-2 KB of output (H200, session 20)
     br = max(min(br, POOL_MIN_ROWS), min(br, next_power_of_2(cdiv(R, POOL_PROGRAMS))))
     _pool_planes_kernel[(cdiv(R, br), cdiv(Kw, bw))](
-        planes, out, R, Kw, P, Q, PO, QO,
+        planes, out, R, Kw, min(Kw, cdiv(K, 32)), P, Q, PO, QO,
         planes.stride(0), planes.stride(1), out.stride(0), out.stride(1),
         POOL_S=pool_stride, TWOS=bool(twos), BITS=bits, BLOCK_R=br, BLOCK_W=bw,
     )
