@@ -37,10 +37,12 @@ The output row of pixel m = n*P*Q + p*Q + q is simply ``y + m*K``.
               or both (OUT_MODE 5): the float y and the float8 codes of that float (rounded to its dtype), the FP8
               twin of OUT_MODE 3 (a ResNet block's output: the next residual and the next FP8 convs' operand);
               or (OUT_MODE 6) the next bit-serial layer's packed planes (``PlanesOut``): codes =
-              pack._quantize_codes(y / out_scale) (quantize_pack's), optionally after a 2x2 stride-2 max-pool of
-              the tile's rows (POOL = 2: the program's BLOCK_M rows are BLOCK_M / 4 pooled pixels x the 4 pixels of
-              each window, window-minor, so the pool is a max over groups of 4 rows), packed 32 channels a word
-              (pack._store_planes); pack.pool_quantize_pack's planes bit for bit, without the float32 output;
+              pack._quantize_codes(y / out_scale) (quantize_pack's), packed 32 channels a word
+              (pack._store_planes), optionally after a 2x2 stride-2 max-pool (POOL = 2: the program's BLOCK_M rows
+              are pooled pixels, the reduction runs once per window pixel and keeps the running max of the
+              accumulators -- of their negations in columns of negative scale: y is monotone in acc -- so the
+              epilogue runs on the pooled tile only); pack.pool_quantize_pack's planes bit for bit, without the
+              float32 output;
               or (OUT_MODE 0) the raw accumulator.
 
 The kernel is compiled with ``enable_fp_fusion=False`` (the epilogue's mul and add round separately,
