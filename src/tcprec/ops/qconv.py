@@ -1391,12 +1391,10 @@ def _finish_float(plan: _Plan, y: torch.Tensor, out_scale, act_done: bool, resid
         from .quantize import _qp_params
 
         if plan.pool is None:
-            planes, shape = tpack.quantize_pack(y4.reshape(-1, g.K), s, fmt.bits, *_qp_params(fmt)), y4.shape
+            planes = tpack.quantize_pack(y4.reshape(-1, g.K), s, fmt.bits, *_qp_params(fmt))
         else:
-            st = _FUSED_POOLS[tuple(plan.pool)]
-            planes = tpack.pool_quantize_pack(y4, s, st, fmt.bits, *_qp_params(fmt))
-            shape = (g.N, g.P // 2, g.Q // 2, g.K) if st == 2 else tuple(y4.shape)
-        return _packed_result(planes, plan, out_scale, shape)
+            planes = tpack.pool_quantize_pack(y4, s, _FUSED_POOLS[tuple(plan.pool)], fmt.bits, *_qp_params(fmt))
+        return _packed_result(planes, plan, out_scale, _pooled_shape(g, plan.pool))
     if _fused_fp8(plan, y.device):  # the next FP8 layer's codes: max-pool + quantize in one Triton pass
         from ..kernels.triton.fp8_quant import pool_quantize_fp8  # TRITON_INTERPRET is read at import
 
@@ -1408,6 +1406,14 @@ def _finish_float(plan: _Plan, y: torch.Tensor, out_scale, act_done: bool, resid
     if plan.out_fmt is not None:
         return _packed_result(rq.requant_pack(y, plan.out_fmt, out_scale), plan, out_scale, y.shape)
     return y.to(plan.out_dtype)
+
+
+def _pooled_shape(g: ConvGeometry, pool) -> tuple:
+    """The NHWC shape after a fused max-pool (:data:`_FUSED_POOLS`: stride 2 floors the map, the size-keeping stride 1
+    keeps it), or the conv's output shape without one."""
+    if pool is not None and _FUSED_POOLS[tuple(pool)] == 2:
+        return (g.N, g.P // 2, g.Q // 2, g.K)
+    return (g.N, g.P, g.Q, g.K)
 
 
 def _packed_result(planes, plan: _Plan, out_scale, shape) -> PackedActivation:
@@ -1455,7 +1461,7 @@ def _conv2d_impl(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None
                 res = tpack.pool_planes(res, full, st, plan.out_fmt.bits, plan.out_fmt.encoding == "twos")
             else:
                 res = rq.pool_planes(res, full, plan.pool, plan.out_fmt)
-            return _packed_result(res, plan, s_out, (g.N, g.P // 2, g.Q // 2, K) if st == 2 else full)
+            return _packed_result(res, plan, s_out, _pooled_shape(g, plan.pool))
         if kind == "packed":
             return _packed_result(res, plan, s_out, (g.N, g.P, g.Q, K))
         if plan.pool_float:
@@ -1471,7 +1477,7 @@ def _conv2d_impl(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None
         else:
             y = _int8_kernel(plan, xs, pw, col, bias, s_out, residual)  # (N, P, Q, K)
         if _kernel_out(plan) == "planes":  # (bits, N*P'*Q', Kw): pooled in the epilogue when plan.pool
-            return _packed_result(y, plan, s_out, (g.N, g.P // 2, g.Q // 2, K) if plan.pool else (g.N, g.P, g.Q, K))
+            return _packed_result(y, plan, s_out, _pooled_shape(g, plan.pool))
         if _kernel_out(plan) == "int8":
             return Int8Activation(y, plan.out_fmt, s_out)
         if _fp8_out(plan):  # (N, P, Q, K) float8 from the epilogue: quantize_fp8_static's QTensor

@@ -451,8 +451,8 @@ def pick_config(g: ConvGeometry, fp8: bool, device: torch.device | None = None, 
         while M <= bm and cdiv(g.K, bn) < sms and bn > 16:  # one row tile (a linear layer at batch 8): W on more SMs
             bn //= 2
     cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "FLAT": flat, "num_warps": warps, "num_stages": stages}
-    one_step = cdiv(g.R * g.S * g.C if flat else g.C, bk) * (1 if flat else g.R * g.S) == 1
-    if pooled and one_step and cdiv(M // 4, _POOLED_ONE_STEP["BLOCK_M"]) * cdiv(g.K, bn) >= sms:
+    steps = cdiv(g.R * g.S * g.C, bk) if flat else g.R * g.S * cdiv(g.C, bk)  # of the reduction loop
+    if pooled and steps == 1 and cdiv(M // 4, _POOLED_ONE_STEP["BLOCK_M"]) * cdiv(g.K, bn) >= sms:
         cfg.update(_POOLED_ONE_STEP)
     return cfg
 
