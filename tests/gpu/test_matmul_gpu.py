@@ -244,13 +244,14 @@ def test_packed_epilogue_integer_thresholds_exact(bits, enc, monkeypatch):
     integer thresholds (bmma_code_thresholds) where y is monotone in it, and takes the float path for a warp's
     word that holds a column that is not: it equals the float reference bit for bit, with int32 values near both
     ends of the range (row / column terms that wrap), every edge scale and bias, ReLU, LeakyReLU and a negative
-    slope, partial tiles, on the TMA, cp.async wgmma and mma.sync kernels; and so does the float path that small
-    problems take (loader.INT_THRESHOLD_TILES_PER_SM: forced both ways here)."""
+    slope, partial tiles and tiles inside M x N, on the TMA, cp.async wgmma and mma.sync kernels; and so does the float
+    path that small problems take (loader.INT_THRESHOLD_TILES_PER_SM: forced both ways here)."""
     from tcprec.kernels import reference_gemm as rg
     from tcprec.packing import pack_bitplanes
 
     gen = torch.Generator(DEV).manual_seed(97 + bits)
-    M, K, N = 300, 96, 160
+    M, K, N = 300, 96, 288  # the edge columns lie in the first 128: 128 x 128 tiles of rows 0..255, columns 128..255
+    # are inside M x N with every column on the integer path (the epilogue's one-vote-a-tile fast path)
     fa, fw, out_fmt = _fmt(2, "unsigned"), _fmt(1, "pm1"), _fmt(bits, enc)
     qa, qw = _qt((M, K), fa, gen), _qt((N, K), fw, gen)
     a_planes = pack_bitplanes(qa.codes, 2, backend="reference")

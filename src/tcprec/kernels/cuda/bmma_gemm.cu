@@ -1214,6 +1214,97 @@ bmma_gemm(
         const int t = lane & 3;
         const i64 plane = (i64)M * ldo;
         u32* const o = (u32*)out;
+        // word group wg (32 columns) of MMA row tile mt: this lane's 8 columns of both its rows, by the integer thresholds
+        // (int_path) or the float path, OR-ed across the quad and stored.  `checked`: columns past N get code 0, rows
+        // past M and words past ldo are not stored (a tile that M or N cuts); inside M x N no check is compiled in.
+        auto words = [&](int mt, int wg, const int (&rl)[2], const int (&rt)[2], const float (&rs)[2], bool int_path,
+                         bool checked) {
+            u32 word[2][OB];
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int b = 0; b < OB; ++b) word[h][b] = 0;
+            // column (j, e) of the word into both rows' words
+            auto column = [&](int j, int e, bool ip) {
+                const int nt = 4 * wg + j, cl = wn * (NT * 8) + nt * 8 + 2 * t + e;
+                const int ct = s_ct[cl];
+                const bool inside = !checked || n0 + cl < N;
+                bool bit[2][OB];
+                if (ip) {
+                    int it[NGE];  // f, t_1 .. t_{2^OB - 1}
+                    if (NGE % 4 == 0) {
+#pragma unroll
+                        for (int q4 = 0; q4 < NGE / 4; ++q4) {
+                            const int4 v4 = reinterpret_cast<const int4*>(s_ith + cl * NGE)[q4];
+                            it[4 * q4] = v4.x, it[4 * q4 + 1] = v4.y, it[4 * q4 + 2] = v4.z, it[4 * q4 + 3] = v4.w;
+                        }
+                    } else {
+                        const int2 v2 = *reinterpret_cast<const int2*>(s_ith + cl * NGE);
+                        it[0] = v2.x, it[NGE > 1 ? 1 : 0] = v2.y;
+                    }
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int cv = c_value(mt, nt, 2 * h + e, rt[h], ct) ^ it[0];
+                        bool ge[NGE];
+#pragma unroll
+                        for (int i = 1; i < NGE; ++i) ge[i] = cv >= it[i];
+                        bits_of(ge, bit[h]);
+                    }
+                } else {
+                    const float cs = s_cs[cl], bi = s_bias[cl];
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) code_bits(y_value(c_value(mt, nt, 2 * h + e, rt[h], ct), rs[h], cs, bi), bit[h]);
+                }
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int b = 0; b < OB; ++b) word[h][b] |= bit[h][b] && inside ? 1u << (8 * j + e) : 0u;
+            };
+            if (ITHR > 0 && int_path) {
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) column(j, e, true);
+            } else {
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) column(j, e, false);
+            }
+            const int gw = (n0 + wn * (NT * 8)) / 32 + wg;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = m0 + rl[h];
+#pragma unroll
+                for (int b = 0; b < OB; ++b) {
+                    u32 v = word[h][b] << (2 * t);  // this lane's columns 8 j + 2 t + e
+                    v |= __shfl_xor_sync(0xffffffffu, v, 1);
+                    v |= __shfl_xor_sync(0xffffffffu, v, 2);
+                    if (((wg * OB + b) & 3) == t && (!checked || (r < M && gw < ldo))) o[b * plane + (i64)r * ldo + gw] = v;
+                }
+            }
+        };
+        // whether one of this lane's columns of word group wg is marked (word 0 = 1: its warp's words take the float path)
+        auto marked = [&](int wg) {
+            bool m = false;
+            if (ITHR > 0) {
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) m |= s_ith[(wn * (NT * 8) + (4 * wg + j) * 8 + 2 * t + e) * ITHR] == 1;
+            }
+            return m;
+        };
+        // The common case -- integer thresholds for every column of the warp and a tile inside M x N -- is decided once
+        // a tile (one vote), so the words of all groups are one branch-free block the compiler interleaves (a vote and a
+        // branch a word group had serialised them); other tiles decide a word group at a time, with the checks.
+        bool fast = false;
+        if (ITHR > 0 && col_thr != nullptr && interior) {
+            bool m = false;
+#pragma unroll
+            for (int wg = 0; wg < NT / 4; ++wg) m |= marked(wg);
+            fast = !__any_sync(0xffffffffu, m);
+        }
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             int rl[2], rt[2];
@@ -1224,89 +1315,27 @@ bmma_gemm(
                 rt[h] = row_t(mt, h, rl[h]);
                 rs[h] = s_rs[rl[h]];
             }
+            if (fast) {
 #pragma unroll
-            for (int wg = 0; wg < NT / 4; ++wg) {
-                u32 word[2][OB];
+                for (int wg = 0; wg < NT / 4; ++wg) words(mt, wg, rl, rt, rs, true, false);
+            } else {
 #pragma unroll
-                for (int h = 0; h < 2; ++h)
-#pragma unroll
-                    for (int b = 0; b < OB; ++b) word[h][b] = 0;
-                // this lane's 8 columns of the word: integer thresholds unless one of the warp's is marked
-                bool use_int = false;
-                if (ITHR > 0 && col_thr != nullptr) {
-                    bool marked = false;
-#pragma unroll
-                    for (int j = 0; j < 4; ++j)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) marked |= s_ith[(wn * (NT * 8) + (4 * wg + j) * 8 + 2 * t + e) * ITHR] == 1;
-                    use_int = !__any_sync(0xffffffffu, marked);
-                }
-                // column (j, e) of the word into both rows' words, by the integer thresholds or the float path
-                auto column = [&](int j, int e, bool int_path) {
-                    const int nt = 4 * wg + j, cl = wn * (NT * 8) + nt * 8 + 2 * t + e;
-                    const int ct = s_ct[cl];
-                    const bool inside = interior || n0 + cl < N;
-                    bool bit[2][OB];
-                    if (int_path) {
-                        int it[NGE];  // f, t_1 .. t_{2^OB - 1}
-                        if (NGE % 4 == 0) {
-#pragma unroll
-                            for (int q4 = 0; q4 < NGE / 4; ++q4) {
-                                const int4 v4 = reinterpret_cast<const int4*>(s_ith + cl * NGE)[q4];
-                                it[4 * q4] = v4.x, it[4 * q4 + 1] = v4.y, it[4 * q4 + 2] = v4.z, it[4 * q4 + 3] = v4.w;
-                            }
-                        } else {
-                            const int2 v2 = *reinterpret_cast<const int2*>(s_ith + cl * NGE);
-                            it[0] = v2.x, it[NGE > 1 ? 1 : 0] = v2.y;
-                        }
-#pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            const int cv = c_value(mt, nt, 2 * h + e, rt[h], ct) ^ it[0];
-                            bool ge[NGE];
-#pragma unroll
-                            for (int i = 1; i < NGE; ++i) ge[i] = cv >= it[i];
-                            bits_of(ge, bit[h]);
-                        }
-                    } else {
-                        const float cs = s_cs[cl], bi = s_bias[cl];
-#pragma unroll
-                        for (int h = 0; h < 2; ++h) code_bits(y_value(c_value(mt, nt, 2 * h + e, rt[h], ct), rs[h], cs, bi), bit[h]);
-                    }
-#pragma unroll
-                    for (int h = 0; h < 2; ++h)
-#pragma unroll
-                        for (int b = 0; b < OB; ++b) word[h][b] |= bit[h][b] && inside ? 1u << (8 * j + e) : 0u;
-                };
-                if (ITHR > 0 && use_int) {
-#pragma unroll
-                    for (int j = 0; j < 4; ++j)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) column(j, e, true);
-                } else {
-#pragma unroll
-                    for (int j = 0; j < 4; ++j)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) column(j, e, false);
-                }
-                const int gw = (n0 + wn * (NT * 8)) / 32 + wg;
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int r = m0 + rl[h];
-#pragma unroll
-                    for (int b = 0; b < OB; ++b) {
-                        u32 v = word[h][b] << (2 * t);  // this lane's columns 8 j + 2 t + e
-                        v |= __shfl_xor_sync(0xffffffffu, v, 1);
-                        v |= __shfl_xor_sync(0xffffffffu, v, 2);
-                        if (((wg * OB + b) & 3) == t && r < M && gw < ldo) o[b * plane + (i64)r * ldo + gw] = v;
-                    }
+                for (int wg = 0; wg < NT / 4; ++wg) {
+                    const bool use_int = ITHR > 0 && col_thr != nullptr && !__any_sync(0xffffffffu, marked(wg));
+                    words(mt, wg, rl, rt, rs, use_int, true);
                 }
             }
         }
         if (n0 + BN >= N) {  // the last column tile also zeroes the row's padding words (none in compact rows)
             const int first = (n0 + BN) / 32, pad = ldo - first;
-            for (int idx = ctid; idx < OB * BM * pad; idx += MMA_THREADS) {
-                const int w = idx % pad, rl = (idx / pad) % BM, b = idx / (pad * BM);
-                if (m0 + rl < M) o[b * plane + (i64)(m0 + rl) * ldo + first + w] = 0u;
+            if (pad > 0) {  // a thread a (plane, row): its padding words in a row (no division by pad a word)
+                for (int br = ctid; br < OB * BM; br += MMA_THREADS) {
+                    const int rl = br % BM, b = br / BM;
+                    if (m0 + rl < M) {
+                        u32* const row = o + b * plane + (i64)(m0 + rl) * ldo + first;
+                        for (int w = 0; w < pad; ++w) row[w] = 0u;
+                    }
+                }
             }
         }
     };
