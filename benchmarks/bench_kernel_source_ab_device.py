@@ -1,0 +1,74 @@
+"""A/B of two versions of the bit-serial GEMM's source (bmma_gemm.cu) under whole quantized networks, same process,
+same inputs (GPU machine).  The networks are built once per side with ``loader.SOURCE_PATH`` pointing at that side's
+source (memoised variants and kernels cleared), timed by CUDA-graph replay, alternating A, B, A, B; the outputs of
+both sides are compared (a kernel change must not change them), and the per-layer kernel times of one eager forward
+of each side are recorded.  The other source comes from git, e.g.
+
+    git show 7eba2c4:src/tcprec/kernels/cuda/bmma_gemm.cu > .carry/old_bmma.cu
+    PYTHONPATH=src python3 benchmarks/bench_kernel_source_ab_device.py .carry/old_bmma.cu \\
+        --models vgg,resnet18 --out benchmarks/results/epilogue_ab.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from profile_net_layers_device import layer_kernels  # noqa: E402
+
+from tcprec.bench.common import time_graph_ms  # noqa: E402
+from tcprec.bench.net import build_variant  # noqa: E402
+from tcprec.kernels.cuda import loader  # noqa: E402
+from tcprec.nn.models import INPUT_SHAPES, build  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("other", help="the other bmma_gemm.cu (side A); side B is the tree's")
+    ap.add_argument("--models", default="vgg")
+    ap.add_argument("--precision", default="w1a2")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", default="/tmp/kernel_source_ab.json")
+    args = ap.parse_args()
+    sides = {"A (" + args.other + ")": Path(args.other).resolve(), "B (tree)": loader.SOURCE_PATH}
+    torch.manual_seed(0)
+    rows = []
+    for name in args.models.split(","):
+        m32 = build(name, device="cuda").eval()
+        x32 = torch.randn(args.batch, *INPUT_SHAPES[name], device="cuda")
+        ref, times, layers = None, {k: [] for k in sides}, {}
+        for rnd in range(args.rounds):
+            for side, src in sides.items():
+                loader.SOURCE_PATH = src
+                loader._variant_for.cache_clear()
+                loader._kernels.clear()
+                with torch.no_grad():
+                    model, dt = build_variant(m32, args.precision, x32[:4])
+                    x = x32.to(dt).contiguous(memory_format=torch.channels_last)
+                    y = model(x).float()
+                    if ref is None:
+                        ref = y
+                    elif not torch.equal(y, ref):
+                        raise SystemExit(f"{name}: the outputs of the two sources differ")
+                    times[side].append(min(time_graph_ms(model, [x]) for _ in range(3)))
+                    if rnd == 0:
+                        layers[side] = {layer: {k: round(v, 1) for k, v in kern.items() if v >= 1}
+                                        for layer, kern in layer_kernels(model, x).items() if sum(kern.values()) >= 20}
+                del model
+                torch.cuda.empty_cache()
+                print(f"{name} b{args.batch} {args.precision} {side}: {times[side][-1]:.3f} ms", flush=True)
+        rows.append(dict(model=name, batch=args.batch, precision=args.precision, outputs_equal=True,
+                         ms={k: min(v) for k, v in times.items()}, ms_all=times, layers_us=layers))
+    loader.SOURCE_PATH = sides["B (tree)"]
+    out = dict(command=" ".join(sys.argv), gpu=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
