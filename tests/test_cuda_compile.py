@@ -334,7 +334,8 @@ def test_one_source_no_per_width_files():
 
     cu = sorted(p.name for p in L.SOURCE_PATH.parent.glob("*.cu"))
     # every bit width from one GEMM source; the LU's CALU leaf; its one-cluster leaf; its partially pivoted panel
-    assert cu == ["bmma_gemm.cu", "panel_cluster.cu", "panel_lu.cu", "panel_pivot.cu"]
+    # and the thin-input INT8 stem conv
+    assert cu == ["bmma_gemm.cu", "panel_cluster.cu", "panel_lu.cu", "panel_pivot.cu", "stem_conv.cu"]
     src = L.SOURCE_PATH.read_text()
     assert "and.popc" in src and "xor.popc" not in src and ".s4" not in src and ".u4" not in src
 
@@ -450,3 +451,81 @@ def test_dual_variants_and_custom_op_schemas():
     dual = str(torch.ops.tcprec.bmma_gemm_dual.default._schema)
     assert "dual_out" not in main and "!" not in main and "out_compact" in main
     assert "dual_out" not in dual and dual.endswith("-> (Tensor, Tensor)")
+
+
+def test_stem_conv_variants_compile_without_spills(cache):
+    """stem_conv.cu (the thin-input INT8 stem with the planes epilogue): every output format x pool variant compiles for sm_90a with both entries (the conv and its threshold words), without spills or a stack
+    frame, on int8 tensor-core MMAs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tcprec.kernels.cuda import stem_conv as P
+
+    vs = P.all_variants()
+    assert len(vs) == 18 and len({str(v) for v in vs}) == 18
+    P.cuda_core_api()  # (imported once before the threads)
+    with ThreadPoolExecutor(4) as ex:
+        logs = list(ex.map(lambda v: P.compile_stem(v, "sm_90a"), vs))
+    for v, (cubin, log) in zip(vs, logs):
+        assert cubin[:4] == b"\x7fELF", v
+        assert b"stem_conv" in cubin and b"stem_code_thresholds" in cubin, v
+        assert "spill" in log and _spill_bytes(log) == 0 and "bytes stack frame" in log, (str(v), log[-400:])
+    src = P.SOURCE_PATH.read_text()
+    assert "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32" in src and '#include "codes.cuh"' in src
+
+
+def test_shared_header_is_expanded_and_keys_the_cache(tmp_path, monkeypatch):
+    """``#include "name"`` lines are replaced by the file beside the source (what NVRTC compiles and what the cache key
+    hashes), so editing codes.cuh rebuilds both kernels; a missing header is named."""
+    from tcprec.kernels.cuda import loader as L
+
+    monkeypatch.setenv("TCPREC_CACHE_DIR", str(tmp_path / "cache"))
+    text = L.source_text(L.SOURCE_PATH)
+    assert "#include \"codes.cuh\"" not in text and "__device__ int threshold_word(" in text
+    (tmp_path / "h.cuh").write_text("#define ANSWER 42\n")
+    src = tmp_path / "k.cu"
+    src.write_text('#include "h.cuh"\nextern "C" __global__ void k(int* o) { *o = ANSWER; }\n')
+    assert L.source_text(src).startswith("#define ANSWER 42")
+    before = L.source_cubin_path(src, [], "sm_90a")
+    (tmp_path / "h.cuh").write_text("#define ANSWER 43\n")
+    assert L.source_cubin_path(src, [], "sm_90a") != before
+    src.write_text('#include "missing.cuh"\n')
+    with pytest.raises(FileNotFoundError, match=r"k.cu includes 'missing.cuh'"):
+        L.source_text(src)
+
+
+def test_stem_weight_words_tiles_and_bad_input():
+    """The weight words (a tap's C bytes in one word, taps rounded up to a k-step of 8, rows to the channel block),
+    the tile choice (whole units, equal shares for the 4 warps, a patch that fits), and refused variants / inputs."""
+    import torch
+
+    from tcprec.kernels.cuda import stem_conv as P
+
+    w8 = torch.randint(-128, 128, (40, 3, 3, 3), dtype=torch.int8)
+    wq = P.stem_weight_words(w8)
+    assert wq.shape == (64, 16) and wq.dtype == torch.int32
+    b = wq.view(torch.uint8).reshape(64, 16, 4)
+    assert torch.equal(b[:40, :9, :3].view(torch.int8), w8.reshape(40, 9, 3))
+    assert int(b[:40, :9, 3].abs().sum()) == 0 and int(b[:, 9:].sum()) == 0 and int(b[40:].sum()) == 0
+    v = P.StemVariant(2, "unsigned", 2)
+    t = P.pick_tile(v, 56, 56, 3, 3, (2, 2), (1, 1))  # VGG: 7 units a row, 4 rows -> 7 units a warp
+    assert (t.tpo, t.tqo) == (4, 56)
+    t = P.pick_tile(P.StemVariant(2, "unsigned", 1), 56, 56, 7, 7, (4, 4), (1, 1))  # ResNet: 32-pixel units
+    assert t.tqo == 64 and (t.tpo * 2) % 4 == 0
+    t = P.pick_tile(v, 208, 208, 3, 3, (1, 1), (1, 1))  # YOLOv2-tiny
+    assert t.tqo == 56 and 4 * t.tqo >= 208
+    t = P.pick_tile(v, 56, 56, 3, 3, (2, 2), (1, 1), N=8)  # batch 8: one row a block, 448 blocks
+    assert (t.tpo, t.tqo) == (1, 56)
+    assert P.smem_bytes(v, P.pick_tile(v, 27, 27, 11, 11, (4, 4), (1, 1)), 11, 11, (4, 4), (1, 1)) <= 227 * 1024
+    with pytest.raises(ValueError, match=r"needs \d+ bytes of shared memory for one row of 56 outputs"):
+        P.pick_tile(v, 200, 200, 60, 60, (8, 8), (2, 2))
+    with pytest.raises(ValueError, match=r"1..3-bit codes, got out_bits=4"):
+        P.StemVariant(4)
+    with pytest.raises(ValueError, match=r"pool is 1 \(none\) or 2 \(2x2 stride 2\), got pool=0"):
+        P.StemVariant(2, "unsigned", 0)
+    with pytest.raises(ValueError, match=r"at most 4 input channels, got C=5"):
+        P.stem_weight_words(torch.zeros((8, 3, 3, 5), dtype=torch.int8))
+    with pytest.raises(ValueError, match=r"contiguous int8 \(N, H, W, C <= 4\) codes"):
+        P.conv_planes(torch.zeros((1, 8, 8, 3)), wq, 40, 3, 3, col_scale=None, bias=None, out_scale=None)
+    with pytest.raises(ValueError, match=r"pool is 0 \(none\) or 2"):
+        P.conv_planes(torch.zeros((1, 8, 8, 3), dtype=torch.int8), wq, 40, 3, 3, pool=1, col_scale=None, bias=None,
+                      out_scale=None)

@@ -387,6 +387,8 @@ REAL_KERNELS = [
     ("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<(unsigned long)4096>)", "other", False),
     # ours
     ("bmma_gemm", "compute", True),
+    ("stem_conv", "compute", True),
+    ("stem_code_thresholds", "quantize_pack", False),
     ("_float_round_kernel", "quantize_pack", False),
     ("_int_round_kernel", "quantize_pack", False),
     ("_pack_bitplanes_kernel", "quantize_pack", False),

@@ -81,6 +81,8 @@ LAYER_SCOPE = "tcprec.layer:"
 KERNEL_RULES: list[tuple[str, str, bool, str]] = [
     # --- tcprec's own kernels -------------------------------------------------------------------
     (r"^bmma_\w*", "compute", True, "our NVRTC bit-serial kernel: mma.sync b1 AND+popc (BMMA)"),
+    (r"^stem_conv$", "compute", True, "our NVRTC thin-input INT8 stem conv: mma.sync m16n8k32 s8 (IMMA)"),
+    (r"^stem_code_thresholds$", "quantize_pack", False, "our NVRTC stem conv's threshold words (bisection)"),
     (r"^_(float|int)_round_kernel$", "quantize_pack", False, "our Triton cast / encode (kernels/triton/cast.py)"),
     (r"^_pack_bitplanes_kernel$", "quantize_pack", False, "our Triton bit-plane packer (kernels/triton/pack.py)"),
     (r"^_im2col_bits_kernel$", "quantize_pack", False, "our Triton word gather over packed planes (im2col_bits.py)"),

@@ -89,7 +89,6 @@ from __future__ import annotations
 
 import functools
 import math
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -99,6 +98,7 @@ from ..kernels import reference_gemm as rg
 from ..kernels import reference_qconv as rq
 from ..kernels.reference_conv import ConvGeometry, pair
 from ..packing import pack_bitplanes, packed_words, unpack_bitplanes
+from ..memo import memo_get, memo_put
 from ..qtensor import PerChannel, PerTensor, QTensor
 from .matmul import BACKENDS, choose_int_backend
 
@@ -143,38 +143,6 @@ def _interpreting() -> bool:
 # ------------------------------------------------------------------------------------------------
 
 
-# Values derived from tensors that come back unchanged on every call (a quantized network's calibrated buffers),
-# remembered by the source tensors' storage -- each one's base tensor (checked alive through a weak reference), view
-# and version counter -- so an in-place change (load_state_dict, fill_) derives the value again.  Inference tensors
-# have no version counter and are never remembered.
-_MEMO_MAX = 4096  # entries a memo keeps before it starts over
-
-
-def _base_of(t: torch.Tensor) -> torch.Tensor:
-    return t._base if t._base is not None else t
-
-
-def _memo_key(srcs: tuple) -> tuple:
-    return tuple((id(_base_of(t)), t._version, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
-                 for t in srcs)
-
-
-def _memo_get(memo: dict, srcs: tuple):
-    """The value remembered for ``srcs`` in ``memo``, or None."""
-    if any(t.is_inference() for t in srcs):
-        return None
-    hit = memo.get(_memo_key(srcs))
-    return hit[1] if hit is not None and all(r() is _base_of(t) for r, t in zip(hit[0], srcs)) else None
-
-
-def _memo_put(memo: dict, srcs: tuple, value) -> None:
-    if any(t.is_inference() for t in srcs):
-        return
-    if len(memo) >= _MEMO_MAX:
-        memo.clear()
-    memo[_memo_key(srcs)] = (tuple(weakref.ref(_base_of(t)) for t in srcs), value)
-
-
 # Scale tensors already checked: checking a CUDA scale reads it back (a host sync), and an eager forward of a
 # quantized network passes the same calibrated scale buffers on every call -- 35 syncs an eager ResNet-18 forward
 # (session 16 profile).  An in-place change bumps the version, so a changed scale is checked again.
@@ -182,7 +150,7 @@ _CHECKED_SCALES: dict = {}
 
 
 def _scale_checked(scale: torch.Tensor) -> bool:
-    return _memo_get(_CHECKED_SCALES, (scale,)) is not None
+    return memo_get(_CHECKED_SCALES, (scale,)) is not None
 
 
 def _scale_tensor(scale, device, what: str) -> torch.Tensor:
@@ -198,7 +166,7 @@ def _scale_tensor(scale, device, what: str) -> torch.Tensor:
         if not (s.is_cuda and torch.cuda.is_current_stream_capturing()) and not _scale_checked(scale):
             if not bool(torch.isfinite(s).all() and (s > 0).all()):  # no sync inside a graph capture
                 raise bad()
-            _memo_put(_CHECKED_SCALES, (scale,), True)
+            memo_put(_CHECKED_SCALES, (scale,), True)
         return s
     try:
         v = float(scale)
@@ -942,7 +910,7 @@ def _int8_route(fa: IntFormat, fw: IntFormat, dev: torch.device) -> tuple[str, s
 
 # Column scales already multiplied out (x_scale * w_scale[k] * scale[k]).  A quantized network passes the same
 # calibrated buffers on every call, and the two multiplies were two kernel launches a layer: ~2 us each in a batch-8
-# CUDA graph, about a sixth of ResNet-18's w1a2 forward (session 20 profile).  A memo like _CHECKED_SCALES (_memo_get),
+# CUDA graph, about a sixth of ResNet-18's w1a2 forward (session 20 profile).  A memo like _CHECKED_SCALES (memo_get),
 # so an in-place change of a buffer computes it again.  Not stored while a graph is being captured (the values would
 # exist only after a replay), nor for tensors that need grad or under torch.compile.
 _COL_SCALES: dict = {}
@@ -952,7 +920,7 @@ def _col_scale(xs: _X, w_scale: torch.Tensor, scale) -> torch.Tensor:
     srcs = (xs.scale, w_scale) if scale is None else (xs.scale, w_scale, scale)
     memo = not (torch.compiler.is_compiling() or any(t.requires_grad for t in srcs))
     if memo:
-        hit = _memo_get(_COL_SCALES, srcs)
+        hit = memo_get(_COL_SCALES, srcs)
         if hit is not None:
             return hit
     col = xs.scale * w_scale  # (K,) float32: x_scale * w_scale[k]
@@ -960,7 +928,7 @@ def _col_scale(xs: _X, w_scale: torch.Tensor, scale) -> torch.Tensor:
         col = col * scale
     col = col.contiguous()
     if memo and not (col.is_cuda and torch.cuda.is_current_stream_capturing()):
-        _memo_put(_COL_SCALES, srcs, col)
+        memo_put(_COL_SCALES, srcs, col)
     return col
 
 
@@ -1044,14 +1012,15 @@ def _pool_float(plan: _Plan, y: torch.Tensor) -> torch.Tensor:
     return rq.pool_nhwc(y4.float(), plan.pool).to(y4.dtype)
 
 
-def _int8_correction(pw: PackedConvWeight, g: ConvGeometry, off: int) -> torch.Tensor:
+def _int8_correction(pw: PackedConvWeight, g: ConvGeometry, off: int, padded: bool | None = None) -> torch.Tensor:
     """int32 ``off * sum_{taps (r, s) inside the image} sum_c w8[k, r, s, c]``: (K,) without padding (every
-    tap of every window is inside), else (P, Q, K) from one int8 conv of an all-ones image (exact, on
+    tap of every window is inside; ``padded=False``: over every tap, for a kernel whose padded taps hold the code
+    of value 0), else (P, Q, K) from one int8 conv of an all-ones image (exact, on
     the weight's device; the same for every image of the batch).  Cached in ``pw.corr`` per geometry,
     except when first computed inside a CUDA-graph capture (its kernels run only on replay)."""
     from ..kernels.triton.conv_fwd import conv2d_fwd_int8  # TRITON_INTERPRET is read at import
 
-    padded = max(g.padding) > 0
+    padded = max(g.padding) > 0 if padded is None else padded
     key = (off, g.H, g.W, g.stride, g.padding, g.dilation) if padded else (off,)
     t = pw.corr.get(key)
     if t is not None:
@@ -1151,12 +1120,74 @@ def _out_spec(plan: _Plan, s_out):
     return (codes, None) if kind == "int8" else (_KIND[plan.out_dtype], codes)
 
 
+# Thin stems that write bit planes (VGG / AlexNet / YOLOv2-tiny in front of binary layers) run the CUDA kernel
+# kernels/cuda/stem_conv.cu on sm_90: it reads the int8 image once into shared memory a tile and fuses the pool,
+# quantize and pack, with no window gather pass (VGG's stem at batch 256 on an H200: see BENCHMARKS, issue 4).  The
+# same integers and epilogue as the Triton route (tests/gpu/test_stem_conv_gpu.py compares the planes bit for bit).
+STEM_CUDA = True
+
+
+def _stem_pad(plan: _Plan) -> int | None:
+    """The int8 code whose value is 0 (what a padded tap holds in stem_conv), or None when no code is or the sum
+    needs a multiplier (stem_conv adds a per-channel correction only: codes of unit step, weights unshifted)."""
+    oa, sa = _int8_affine(plan.fa)
+    if (oa and sa != 1) or _int8_affine(plan.fw) != (0, 1):
+        return None
+    return -oa if -128 <= -oa <= 127 else None
+
+
+def _stem_cuda(plan: _Plan, device: torch.device) -> bool:
+    """Whether this INT8 conv runs kernels/cuda/stem_conv.cu: a thin stem (C <= 4 channels, a spatial filter) that
+    writes <= 3-bit planes, on a GPU that runs the CUDA kernels, with a code for value 0 and a patch that fits."""
+    from ..kernels.cuda import stem_conv as sc
+
+    g = plan.g
+    if not (STEM_CUDA and _planes_out(plan) and device.type == "cuda" and _thin_stem(g) and g.C <= sc.MAX_C
+            and plan.out_fmt.bits <= 3 and plan.out_fmt.encoding in sc.ENCODINGS and _stem_pad(plan) is not None):
+        return False
+    from ..kernels.cuda import loader
+
+    if not loader.can_run(device)[0] or torch.cuda.get_device_capability(device) < (9, 0):
+        return False
+    pool = 2 if plan.pool else 1
+    PO, QO = (g.P // 2, g.Q // 2) if plan.pool else (g.P, g.Q)
+    try:
+        sc.pick_tile(sc.StemVariant(plan.out_fmt.bits, plan.out_fmt.encoding, pool), PO, QO, g.R, g.S, g.stride,
+                     g.dilation)
+    except ValueError:  # the input patch of one row of outputs does not fit in shared memory
+        return False
+    return True
+
+
+def _stem_kernel(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, s_out) -> torch.Tensor:
+    """kernels/cuda/stem_conv.cu: planes (bits, N * P' * Q', Kw) of the thin stem, as the Triton route's."""
+    from ..kernels.cuda import stem_conv as sc
+
+    g = plan.g
+    x8, oa, _ = xs.int8()  # (N, H, W, C) int8, value = oa + sa * x8
+    # padded taps hold the code of value 0 (_stem_pad: unit steps), so the correction is the same for every pixel: (K,)
+    acc_add = _int8_correction(pw, g, oa, padded=False) if oa else None
+    key = ("stem_words",)
+    wq = pw.corr.get(key)
+    if wq is None:
+        wq = sc.stem_weight_words(pw.w8)
+        if not (wq.is_cuda and torch.cuda.is_current_stream_capturing()):
+            pw.corr[key] = wq
+    ldo = -(-g.K // 32) if plan.out_layout == "compact" else packed_words(g.K)
+    return sc.conv_planes(x8.contiguous(), wq, g.K, g.R, g.S, stride=g.stride, padding=g.padding,
+                          dilation=g.dilation, col_scale=col, bias=bias, out_scale=s_out, act=plan.act,
+                          acc_add=acc_add, pad=_stem_pad(plan), out_bits=plan.out_fmt.bits,
+                          out_encoding=plan.out_fmt.encoding, pool=2 if plan.pool else 0, ldo=ldo)
+
+
 def _int8_kernel(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, s_out, residual=None):
     """The Triton implicit-GEMM INT8 conv with the fused epilogue; (N, P, Q, K) in ``_kernel_out`` (a pair
-    (float, int8) for the dual output)."""
+    (float, int8) for the dual output).  A thin stem that writes planes: kernels/cuda/stem_conv.cu (_stem_cuda)."""
     from ..kernels.triton.conv_fwd import conv2d_fwd_int8
 
     g = plan.g
+    if _stem_cuda(plan, xs.device):
+        return _stem_kernel(plan, xs, pw, col, bias, s_out)
     x8, oa, sa = xs.int8()  # (N, H, W, C) int8, value = oa + sa * x8
     acc_mul, acc_add = 1, None
     if oa:  # C = sa*sw * acc + oa*sw * (sum of w over the taps inside the image); w unshifted (route rule)
@@ -1636,7 +1667,14 @@ def explain_conv2d(x, w, **kw) -> str:
             how = "as given: Int8Activation" if xs.i8 is not None else "torch pass"
             shift = ([f"x stored as code - 128 ({how}), exact correction for the taps inside the image "
                       f"({'(P, Q, K) table' if max(g.padding) > 0 else '(K,) vector'}, cached)"] if oa else [])
-            steps = shift + stem + [f"Triton implicit-GEMM INT8 conv conv2d_fwd_int8 "
+            if _stem_cuda(plan, xs.device):
+                pad = _stem_pad(plan)
+                shift = ([f"x stored as code - 128 ({how}), padded taps hold code {pad} (value 0): exact (K,) "
+                          "correction, cached"] if oa else [])
+                stem = [f"CUDA stem_conv.cu (C = {g.C}): each block copies its input patch to shared memory once, "
+                        f"{g.R}x{g.S} taps x one {g.C}-byte pixel word on mma.m16n8k32.s8, no gather pass"]
+            steps = shift + stem + [f"{'CUDA direct' if _stem_cuda(plan, xs.device) else 'Triton implicit-GEMM'} "
+                                    f"INT8 conv {'stem_conv' if _stem_cuda(plan, xs.device) else 'conv2d_fwd_int8'} "
                              f"with fused epilogue (scale, bias{res}, act={plan.act}) -> "
                              f"{shown}" if kind != "int32" else
                              "Triton implicit-GEMM INT8 conv conv2d_fwd_int8 -> int32"]

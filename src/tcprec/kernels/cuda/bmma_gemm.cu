@@ -689,86 +689,7 @@ __device__ __forceinline__ void store_pair(T* o, T v0, T v1, bool interior, int 
     }
 }
 
-// y -> OB-bit code, as tcprec.encode(y / s, fmt, "nearest") after quantize's saturation.
-__device__ __forceinline__ u32 encode_code(float y, float s) {
-    const float v = __fdiv_rn(y, s);
-    constexpr int NC = 1 << OB;
-    if (OENC == 2) {  // pm1: index u = round_half_even((v + (2^OB - 1)) / 2), exactly as kernels/reference.py:
-        // v = n + g (n = trunc(v), g = v - n exact), T = n + 2^OB - 1 - [g < 0], u = T / 2 + (T odd and (g != 0
-        // or T / 2 odd)).  (Adding 2^OB - 1 to v in floating point would lose a tiny v that decides a tie.)
-        const float c = fminf(fmaxf(v, -(float)(NC + 3)), (float)(NC + 3));  // saturates; NaN -> the low end
-        const float n = truncf(c), g = c - n;
-        const int T = (int)n + (NC - 1) - (g < 0.0f ? 1 : 0);
-        const int h = T >> 1;
-        const int u = h + ((T & 1) && (g != 0.0f || (h & 1)) ? 1 : 0);
-        return (u32)min(max(u, 0), NC - 1);
-    }
-    const int lo = OENC == 0 ? -(NC / 2) : 0;
-    const int hi = OENC == 0 ? NC / 2 - 1 : NC - 1;
-    float r = rintf(fminf(fmaxf(v, (float)lo - 4.0f), (float)hi + 4.0f));  // ties to even value
-    int val = min(max((int)r, lo), hi);
-    return (u32)val & (u32)(NC - 1);  // two's complement pattern, or the index
-}
-
-// The packed epilogue does not divide.  encode_code's index (its code, with two's complement's sign bit
-// flipped: 0 .. 2^OB - 1) is a non-decreasing step function of y -- correctly rounded division by s > 0,
-// clamping and rounding to an integer are all monotone -- so  index(y) = #{i >= 1 : y >= T_i}  with
-// T_i the least float whose index is >= i (NaN compares false: index 0, as encode_code gives it).  Each
-// T_i is found once a block by bisection over the floats in order (32 steps of encode_code itself), so the
-// comparison is bit-exact with the division it replaces.
-__device__ __forceinline__ u32 code_index(float y, float s) {
-    const u32 c = encode_code(y, s);
-    return OENC == 0 ? c ^ (u32)(NCODE / 2) : c;
-}
-__device__ __forceinline__ i64 float_key(float f) {  // the floats (no NaN) -> integers, order kept
-    const int b = __float_as_int(f);
-    return b >= 0 ? b : (b ^ 0x7FFFFFFF);
-}
-__device__ __forceinline__ float key_float(i64 k) {
-    const int b = (int)k;
-    return __int_as_float(b >= 0 ? b : (b ^ 0x7FFFFFFF));
-}
-__device__ float code_threshold(int i, float s) {  // T_i, 1 <= i < 2^OB
-    i64 lo = float_key(-__int_as_float(0x7F800000)), hi = float_key(__int_as_float(0x7F800000));  // index(-inf) = 0 < i <= 2^OB - 1 = index(inf)
-    while (hi - lo > 1) {
-        const i64 mid = lo + (hi - lo) / 2;
-        if ((int)code_index(key_float(mid), s) >= i) hi = mid; else lo = mid;
-    }
-    return key_float(hi);
-}
-
-// The stored code pattern of y from the float thresholds T_1 .. T_{2^OB - 1} (code_threshold): its index is the count
-// of thresholds y reaches (NaN none), two's complement flips the index's top bit (code_index inverted).
-__device__ __forceinline__ u32 code_pattern(float y, const float* T) {
-    u32 idx = 0;
-#pragma unroll
-    for (int i = 1; i < NCODE; ++i) idx += y >= T[i] ? 1u : 0u;
-    return OENC == 0 ? idx ^ (u32)(NCODE / 2) : idx;
-}
-
-// y of an output whose int32 value is C: ((float(C) * rs) * cs) + bias, one IEEE rounding each (no FMA
-// contraction), then ReLU or LeakyReLU (y < 0 -> slope * y, one multiply; NaN stays NaN, as torch).
-__device__ __forceinline__ float y_of(int cv, float rs, float cs, float bi, bool has_bias, bool relu, float slope) {
-    float v = __fmul_rn(__fmul_rn(__int2float_rn(cv), rs), cs);
-    v = has_bias ? __fadd_rn(v, bi) : v;  // (not + 0.0f: -0.0 must stay -0.0)
-    const float neg = slope == 0.0f ? 0.0f : __fmul_rn(v, slope);
-    return relu && v < 0.0f ? neg : v;
-}
-
-// Integer code thresholds (packed epilogue, OB <= 3, no row scale: rs = 1).  With a finite column scale cs and
-// bias and a slope >= 0, y(C) is monotone in the int32 C -- non-decreasing for cs >= 0, non-increasing below --
-// and so is index(y) = #{i : y >= T_i}.  With f = -1 for a non-increasing column (else 0), index is
-// non-decreasing in C' = C ^ f (~C reverses the int32 order), so  index = #{i : C' >= t_i}  where t_i is the
-// least int32 C' whose index is >= i (INT_MIN when every C' reaches it).  The epilogue then spends one xor and
-// 2^OB - 1 integer compares on a value instead of the float arithmetic and float compares.  A column that breaks
-// the conditions, or whose index never reaches 2^OB - 1 (a t_i that no int32 reaches), gets word 0 = 1: its
-// warp's words take the float path.  bmma_code_thresholds computes the words, (f, t_1 .. t_{2^OB - 1}) a column.
-__device__ __forceinline__ int index_of_y(float y, const float* T) {
-    int k = 0;
-#pragma unroll
-    for (int i = 1; i < NCODE; ++i) k += y >= T[i] ? 1 : 0;
-    return k;
-}
+#include "codes.cuh"
 
 // ---- implicit-GEMM convolution (TCP_CONV): the geometry, a row's window origin, a chunk's source ----
 struct ConvGeo {
@@ -1722,16 +1643,13 @@ bmma_gemm(
 }
 
 #if TCP_EPI == 2 && TCP_OB <= 3
-// The packed epilogue's integer threshold words (see index_of_y): thr[n, 0] = f (0 or -1; 1 marks the column for
-// the float path), thr[n, i] = t_i for 1 <= i < 2^OB.  One thread a word, by bisection over the int32 values of
-// C' with the epilogue's own y_of (rs = 1) and float thresholds T_i, so the words give the float path's codes.
+// The packed epilogue's integer threshold words (codes.cuh, threshold_word), (N, 2^OB) int32: one thread a word.
 extern "C" __global__ void __launch_bounds__(128)
 bmma_code_thresholds(const float* __restrict__ col_scale,  // (N,) or null
                      const float* __restrict__ bias,       // (N,) or null
                      const float* __restrict__ out_scale,  // (1,)
                      int relu, float slope, int N,
                      int* __restrict__ thr) {              // (N, 2^OB)
-    constexpr int I32_MIN = (int)0x80000000, I32_MAX = 0x7FFFFFFF;
     grid_dependency_wait();
     grid_dependents_launch();
     __shared__ float T[NCODE];
@@ -1740,25 +1658,6 @@ bmma_code_thresholds(const float* __restrict__ col_scale,  // (N,) or null
     const int idx = blockIdx.x * blockDim.x + threadIdx.x, n = idx / NCODE, i = idx % NCODE;
     if (n >= N) return;
     const float cs = col_scale != nullptr ? col_scale[n] : 1.0f, bi = bias != nullptr ? bias[n] : 0.0f;
-    auto index_of = [&](int c) { return index_of_y(y_of(c, 1.0f, cs, bi, bias != nullptr, relu != 0, slope), T); };
-    const int at_min = index_of(I32_MIN), at_max = index_of(I32_MAX);
-    const int f = at_min > at_max ? -1 : 0, lo_index = min(at_min, at_max), hi_index = max(at_min, at_max);
-    if (i == 0) {
-        const bool ok = isfinite(cs) && isfinite(bi) && (relu == 0 || slope >= 0.0f) && hi_index == NCODE - 1;
-        thr[idx] = ok ? f : 1;
-        return;
-    }
-    int t = I32_MAX;  // (hi_index < i: the column is marked)
-    if (lo_index >= i) {
-        t = I32_MIN;
-    } else if (hi_index >= i) {  // index(C' = lo ^ f) < i <= index(C' = hi ^ f), index non-decreasing in C'
-        i64 lo = I32_MIN, hi = I32_MAX;
-        while (hi - lo > 1) {
-            const i64 mid = lo + (hi - lo) / 2;
-            if (index_of((int)mid ^ f) >= i) hi = mid; else lo = mid;
-        }
-        t = (int)hi;
-    }
-    thr[idx] = t;
+    thr[idx] = threshold_word(cs, bi, bias != nullptr, relu != 0, slope, i, T);
 }
 #endif

@@ -20,6 +20,7 @@ import hashlib
 import io
 import math
 import os
+import re
 import threading
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
@@ -29,6 +30,7 @@ from typing import Callable, Iterable, Optional
 import numpy as np
 import torch
 
+from ...memo import memo_get, memo_put
 from ..reference_qconv import implicit_conv_fits
 
 __all__ = [
@@ -472,10 +474,25 @@ def _cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "tcprec" / "cubin"
 
 
+_INCLUDE = re.compile(r'^#include "([A-Za-z0-9_.]+)"[ \t]*$', re.M)
+
+
+def source_text(source: Path) -> str:
+    """The text NVRTC compiles for ``source``: each ``#include "name"`` line replaced by the file ``name`` beside it
+    (once: the shared headers, e.g. ``codes.cuh``, include nothing), so the cubin cache key covers the headers too."""
+    def sub(m):
+        inc = source.with_name(m.group(1))
+        if not inc.exists():
+            raise FileNotFoundError(f"{source.name} includes {m.group(1)!r}, which is not in {source.parent}")
+        return inc.read_text()
+
+    return _INCLUDE.sub(sub, source.read_text())
+
+
 def source_cubin_path(source: Path, defines: list[str], arch: str = "sm_90a") -> Path:
     """Where the cubin of ``source`` compiled with ``defines`` for ``arch`` lives in the disk cache."""
     h = hashlib.sha256()
-    for part in (source.read_text(), " ".join(defines), arch, _versions()):
+    for part in (source_text(source), " ".join(defines), arch, _versions()):
         h.update(part.encode())
         h.update(b"\0")
     return _cache_dir() / f"{h.hexdigest()[:32]}.cubin"
@@ -494,7 +511,7 @@ def compile_source(source: Path, defines: list[str], arch: str, name: str, *,
     Program, ProgramOptions, *_ = cuda_core_api()
     log = io.StringIO()
     options = ProgramOptions(arch=arch, std="c++17", define_macro=list(defines), ptxas_options=["-v"], name=name)
-    prog = Program(source.read_text(), code_type="c++", options=options)
+    prog = Program(source_text(source), code_type="c++", options=options)
     try:
         obj = prog.compile("cubin", logs=log)
     except Exception as e:
@@ -695,10 +712,34 @@ def _pdl(device_index: int, want: bool = True) -> dict:
         torch.cuda.get_device_capability(device_index) >= (9, 0) else {}
 
 
+# The threshold words of calibrated scale / bias buffers, remembered (tcprec.memo) so a network's forward does not
+# recompute them: the launch (32 bisection steps a word) took 6.3 us a layer, 63 us of VGG's w1a2 forward at batch
+# 256 (H200, session 24 profile).  Not stored while a graph is being captured (the words would exist only after a
+# replay), nor for tensors that need grad or under torch.compile.
+_THRESHOLDS: dict = {}
+
+
 def code_thresholds(variant: Variant, col_scale, bias, out_scale, relu: bool, leaky_slope: float, N: int,
                     pdl: bool = True):
     """The packed epilogue's integer threshold words, (N, 2^OB) int32 (bmma_gemm.cu, bmma_code_thresholds),
-    computed on the current stream of ``out_scale``'s device: what ``launch_bmma`` takes as ``col_thr``."""
+    computed on the current stream of ``out_scale``'s device: what ``launch_bmma`` takes as ``col_thr``.
+    Remembered for the same ``col_scale`` / ``bias`` / ``out_scale`` tensors (unchanged in place) and format."""
+    srcs = tuple(t for t in (col_scale, bias, out_scale) if t is not None)
+    extra = (variant.out_bits, variant.out_encoding, bool(relu), float(leaky_slope), int(N),
+             col_scale is not None, bias is not None)
+    memo = not (torch.compiler.is_compiling() or any(t.requires_grad for t in srcs))
+    if memo:
+        hit = memo_get(_THRESHOLDS, srcs, extra)
+        if hit is not None:
+            return hit
+    thr = _code_thresholds(variant, col_scale, bias, out_scale, relu, leaky_slope, N, pdl)
+    if memo and not torch.cuda.is_current_stream_capturing():
+        memo_put(_THRESHOLDS, srcs, thr, extra)
+    return thr
+
+
+def _code_thresholds(variant: Variant, col_scale, bias, out_scale, relu: bool, leaky_slope: float, N: int,
+                     pdl: bool):
     *_, LaunchConfig, _, launch = cuda_core_api()
     dev = out_scale.device.index if out_scale.device.index is not None else torch.cuda.current_device()
     codes = 1 << variant.out_bits

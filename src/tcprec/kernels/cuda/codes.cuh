@@ -1,0 +1,111 @@
+// Output codes of the packed epilogues (bmma_gemm.cu, stem_conv.cu): y -> the stored OB-bit code pattern, the float
+// thresholds T_i that replace the division, and the integer threshold words that replace the float arithmetic.
+// Included (textually, by loader.compile_source) inside a namespace that defines OB, OENC, NCODE = 1 << OB and the
+// types u32 / i64.
+
+// y -> OB-bit code, as tcprec.encode(y / s, fmt, "nearest") after quantize's saturation.
+__device__ __forceinline__ u32 encode_code(float y, float s) {
+    const float v = __fdiv_rn(y, s);
+    constexpr int NC = 1 << OB;
+    if (OENC == 2) {  // pm1: index u = round_half_even((v + (2^OB - 1)) / 2), exactly as kernels/reference.py:
+        // v = n + g (n = trunc(v), g = v - n exact), T = n + 2^OB - 1 - [g < 0], u = T / 2 + (T odd and (g != 0
+        // or T / 2 odd)).  (Adding 2^OB - 1 to v in floating point would lose a tiny v that decides a tie.)
+        const float c = fminf(fmaxf(v, -(float)(NC + 3)), (float)(NC + 3));  // saturates; NaN -> the low end
+        const float n = truncf(c), g = c - n;
+        const int T = (int)n + (NC - 1) - (g < 0.0f ? 1 : 0);
+        const int h = T >> 1;
+        const int u = h + ((T & 1) && (g != 0.0f || (h & 1)) ? 1 : 0);
+        return (u32)min(max(u, 0), NC - 1);
+    }
+    const int lo = OENC == 0 ? -(NC / 2) : 0;
+    const int hi = OENC == 0 ? NC / 2 - 1 : NC - 1;
+    float r = rintf(fminf(fmaxf(v, (float)lo - 4.0f), (float)hi + 4.0f));  // ties to even value
+    int val = min(max((int)r, lo), hi);
+    return (u32)val & (u32)(NC - 1);  // two's complement pattern, or the index
+}
+
+// The packed epilogue does not divide.  encode_code's index (its code, with two's complement's sign bit
+// flipped: 0 .. 2^OB - 1) is a non-decreasing step function of y -- correctly rounded division by s > 0,
+// clamping and rounding to an integer are all monotone -- so  index(y) = #{i >= 1 : y >= T_i}  with
+// T_i the least float whose index is >= i (NaN compares false: index 0, as encode_code gives it).  Each
+// T_i is found once a block by bisection over the floats in order (32 steps of encode_code itself), so the
+// comparison is bit-exact with the division it replaces.
+__device__ __forceinline__ u32 code_index(float y, float s) {
+    const u32 c = encode_code(y, s);
+    return OENC == 0 ? c ^ (u32)(NCODE / 2) : c;
+}
+__device__ __forceinline__ i64 float_key(float f) {  // the floats (no NaN) -> integers, order kept
+    const int b = __float_as_int(f);
+    return b >= 0 ? b : (b ^ 0x7FFFFFFF);
+}
+__device__ __forceinline__ float key_float(i64 k) {
+    const int b = (int)k;
+    return __int_as_float(b >= 0 ? b : (b ^ 0x7FFFFFFF));
+}
+__device__ float code_threshold(int i, float s) {  // T_i, 1 <= i < 2^OB
+    i64 lo = float_key(-__int_as_float(0x7F800000)), hi = float_key(__int_as_float(0x7F800000));  // index(-inf) = 0 < i <= 2^OB - 1 = index(inf)
+    while (hi - lo > 1) {
+        const i64 mid = lo + (hi - lo) / 2;
+        if ((int)code_index(key_float(mid), s) >= i) hi = mid; else lo = mid;
+    }
+    return key_float(hi);
+}
+
+// The stored code pattern of y from the float thresholds T_1 .. T_{2^OB - 1} (code_threshold): its index is the count
+// of thresholds y reaches (NaN none), two's complement flips the index's top bit (code_index inverted).
+__device__ __forceinline__ u32 code_pattern(float y, const float* T) {
+    u32 idx = 0;
+#pragma unroll
+    for (int i = 1; i < NCODE; ++i) idx += y >= T[i] ? 1u : 0u;
+    return OENC == 0 ? idx ^ (u32)(NCODE / 2) : idx;
+}
+
+// y of an output whose int32 value is C: ((float(C) * rs) * cs) + bias, one IEEE rounding each (no FMA
+// contraction), then ReLU or LeakyReLU (y < 0 -> slope * y, one multiply; NaN stays NaN, as torch).
+__device__ __forceinline__ float y_of(int cv, float rs, float cs, float bi, bool has_bias, bool relu, float slope) {
+    float v = __fmul_rn(__fmul_rn(__int2float_rn(cv), rs), cs);
+    v = has_bias ? __fadd_rn(v, bi) : v;  // (not + 0.0f: -0.0 must stay -0.0)
+    const float neg = slope == 0.0f ? 0.0f : __fmul_rn(v, slope);
+    return relu && v < 0.0f ? neg : v;
+}
+
+// Integer code thresholds (packed epilogue, OB <= 3, no row scale: rs = 1).  With a finite column scale cs and
+// bias and a slope >= 0, y(C) is monotone in the int32 C -- non-decreasing for cs >= 0, non-increasing below --
+// and so is index(y) = #{i : y >= T_i}.  With f = -1 for a non-increasing column (else 0), index is
+// non-decreasing in C' = C ^ f (~C reverses the int32 order), so  index = #{i : C' >= t_i}  where t_i is the
+// least int32 C' whose index is >= i (INT_MIN when every C' reaches it).  The epilogue then spends one xor and
+// 2^OB - 1 integer compares on a value instead of the float arithmetic and float compares.  A column that breaks
+// the conditions, or whose index never reaches 2^OB - 1 (a t_i that no int32 reaches), gets word 0 = 1: its
+// warp's words take the float path.  bmma_code_thresholds computes the words, (f, t_1 .. t_{2^OB - 1}) a column.
+__device__ __forceinline__ int index_of_y(float y, const float* T) {
+    int k = 0;
+#pragma unroll
+    for (int i = 1; i < NCODE; ++i) k += y >= T[i] ? 1 : 0;
+    return k;
+}
+
+// A column's integer threshold word i (see index_of_y): i = 0 -> f (0 or -1; 1 marks the column for the float path),
+// 1 <= i < 2^OB -> t_i, by bisection over the int32 values of C' with y_of (rs = 1) and the float thresholds T_i, so
+// the words give the float path's codes.
+__device__ int threshold_word(float cs, float bi, bool has_bias, bool relu, float slope, int i, const float* T) {
+    constexpr int I32_MIN = (int)0x80000000, I32_MAX = 0x7FFFFFFF;
+    auto index_of = [&](int c) { return index_of_y(y_of(c, 1.0f, cs, bi, has_bias, relu, slope), T); };
+    const int at_min = index_of(I32_MIN), at_max = index_of(I32_MAX);
+    const int f = at_min > at_max ? -1 : 0, lo_index = min(at_min, at_max), hi_index = max(at_min, at_max);
+    if (i == 0) {
+        const bool ok = isfinite(cs) && isfinite(bi) && (!relu || slope >= 0.0f) && hi_index == NCODE - 1;
+        return ok ? f : 1;
+    }
+    int t = I32_MAX;  // (hi_index < i: the column is marked)
+    if (lo_index >= i) {
+        t = I32_MIN;
+    } else if (hi_index >= i) {  // index(C' = lo ^ f) < i <= index(C' = hi ^ f), index non-decreasing in C'
+        i64 lo = I32_MIN, hi = I32_MAX;
+        while (hi - lo > 1) {
+            const i64 mid = lo + (hi - lo) / 2;
+            if (index_of((int)mid ^ f) >= i) hi = mid; else lo = mid;
+        }
+        t = (int)hi;
+    }
+    return t;
+}

@@ -1,0 +1,381 @@
+// Direct INT8 convolution of a thin input (C <= 4 channels: a network's RGB stem) on the tensor cores, with the
+// next bit-serial layer's epilogue fused: (2x2 stride-2 max-pool of the accumulators ->) codes -> bit planes.
+//
+// Why a kernel of its own: a C = 3 stem reduces over only R*S*3 bytes a window (27 for a 3x3), too little for an
+// implicit GEMM's K tiles.  The Triton route gathers every window into a 32-byte row first (a pass writing 3.2 M
+// rows for VGG at batch 256), then runs four dependent one-step accumulations a pooled pixel: 0.50 of VGG w1a2's
+// 3.6 ms at batch 256 (H200, session 24).  Here a block copies the input patch its tile of outputs reads into
+// shared memory once, a pixel a 32-bit word (its C <= 4 channel bytes, zeros above C), so the window of an output
+// pixel is R*S words at fixed offsets from its corner: the A fragments of mma.m16n8k32.s8 are single 32-bit shared
+// loads (K = the window's taps, 8 a k-step; taps past R*S read any word, their weights are zero).
+//
+// Layout of a warp's unit (32 rows of two m16 tiles, mt = 0, 1; MMA row g + 8 h of tile mt):
+//   TCP_POOL 2: 8 pooled pixels (g) of one pooled row, each window's 4 pixels at (mt, h) = (dy, dx), so a
+//               thread holds all four and pools in registers;
+//   TCP_POOL 1: 32 output pixels of one row, pixel mt * 16 + h * 8 + g.
+// A block's tile is TPO pooled rows x TQO pooled columns of one image (TQO a multiple of the unit's width);
+// its warps take the units in turn, and a unit's 32-channel words one after another (the accumulators of one word
+// live at a time).  Blocks along grid.y take the output channels NBW words (<= 4) at a time.
+//
+// Exactness: the integer sum C = acc + acc_add[k] is the Triton route's (padded taps hold the code of
+// value 0, `pad`, so the correction is one number a channel), and the epilogue is the same function of it:
+// y = act(float(C) * col_scale[k] + bias[k]), one rounding each; the pool takes the window's largest C' = C ^ f
+// (f = -1 where the epilogue is non-increasing in C); the code is the count of integer thresholds C' reaches
+// (codes.cuh: threshold_word, computed by stem_code_thresholds).  A block with a column the thresholds mark (a
+// non-finite scale or bias, or a column that never reaches the top code) takes the float path for all its columns:
+// y as the Triton conv computes it, NaN -> 0, then the float thresholds T_i.
+
+#ifndef TCP_OB
+#define TCP_OB 2
+#endif
+#ifndef TCP_OENC
+#define TCP_OENC 1
+#endif
+#ifndef TCP_POOL
+#define TCP_POOL 2
+#endif
+#ifndef TCP_WARPS
+#define TCP_WARPS 4
+#endif
+
+typedef unsigned int u32;
+typedef long long i64;
+
+namespace tcp {
+
+constexpr int OB = TCP_OB, OENC = TCP_OENC, NCODE = 1 << OB;
+static_assert(OB >= 1 && OB <= 3, "stem_conv: 1..3-bit output codes (integer thresholds)");
+static_assert(OENC >= 0 && OENC <= 2, "stem_conv: OENC 0 (twos), 1 (unsigned), 2 (pm1)");
+
+#include "codes.cuh"
+
+}  // namespace tcp
+
+using namespace tcp;
+
+constexpr int PF = TCP_POOL;        // 2: 2x2 stride-2 max-pool, 1: none
+constexpr int WARPS = TCP_WARPS;
+constexpr int THREADS = WARPS * 32;
+constexpr int UW = PF == 2 ? 8 : 32;  // output columns a unit
+// blocks an SM the registers must allow (a warp's accumulators are one 32-channel word of 32 rows: 32 registers);
+// 3 for four rows' 3-bit codes (ptxas spilled at 4 blocks' 128 registers)
+constexpr int MIN_BLOCKS = PF == 1 && OB == 3 ? 3 : 4;
+constexpr i64 SAT = 1 << 30;  // saturated thresholds: the sums are < 2^24 in magnitude (<= 484 int8 x int8 products)
+static_assert(PF == 1 || PF == 2, "stem_conv: TCP_POOL 1 (none) or 2");
+
+struct StemGeo {
+    int N, H, W, C, R, S, sh, sw, ph, pw, dh, dw;
+    int PO, QO;    // output rows / columns (pooled for PF = 2)
+    int K;         // output channels
+    int TPO, TQO;  // a block's tile of outputs
+    int TP, TQ;    // tiles along rows / columns of an image
+    int PH, PWD;   // the input patch of a tile (words)
+    int KW;        // weight words a channel (taps rounded up to a k-step of 8)
+};
+
+__device__ __forceinline__ void mma_s8(int (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// y of an output whose integer sum is C, as the Triton conv's epilogue computes it: float(C) * scale, + bias
+// (each rounded), ReLU (y > 0 ? y : 0) or LeakyReLU (y > 0 ? y : y * slope); then NaN -> 0 as the quantizer does.
+__device__ __forceinline__ float stem_y(int c, float cs, float bi, bool has_bias, int act, float slope) {
+    float y = __fmul_rn(__int2float_rn(c), cs);
+    if (has_bias) y = __fadd_rn(y, bi);
+    if (act == 1) y = y > 0.0f ? y : 0.0f;
+    else if (act == 2) y = y > 0.0f ? y : __fmul_rn(y, slope);
+    return y == y ? y : 0.0f;
+}
+
+// The threshold words of the kernel's codes: (K, 2^OB) int32, one thread a word (codes.cuh, threshold_word).
+extern "C" __global__ void __launch_bounds__(128)
+stem_code_thresholds(const float* __restrict__ col_scale, const float* __restrict__ bias,
+                     const float* __restrict__ out_scale, int relu, float slope, int K, int* __restrict__ thr) {
+    __shared__ float T[NCODE];
+    if (threadIdx.x >= 1 && threadIdx.x < NCODE) T[threadIdx.x] = code_threshold(threadIdx.x, out_scale[0]);
+    __syncthreads();
+    const int idx = blockIdx.x * blockDim.x + threadIdx.x, n = idx / NCODE, i = idx % NCODE;
+    if (n >= K) return;
+    const float bi = bias != nullptr ? bias[n] : 0.0f;
+    thr[idx] = threshold_word(col_scale[n], bi, bias != nullptr, relu != 0, slope, i, T);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
+stem_conv(const signed char* __restrict__ x,  // (N, H, W, C) int8 codes
+          const int* __restrict__ wq,         // (ceil(K / 32) 32, KW) weight words: tap j's C bytes, zeros past C / R*S / K
+          const int* __restrict__ thr,        // (K, 2^OB) threshold words
+          const float* __restrict__ col_scale,  // (K,)
+          const float* __restrict__ bias,       // (K,) or null
+          const float* __restrict__ out_scale,  // (1,)
+          int act, float slope,               // 0 none, 1 ReLU, 2 LeakyReLU(slope >= 0)
+          const int* __restrict__ acc_add, int pad,  // C = acc + acc_add[k] (or null); padded taps hold code pad
+          u32* __restrict__ out, int ldo,     // planes (OB, N * PO * QO, ldo) int32
+          int NBW,                            // 32-channel words a block (grid.y: ceil(K / (32 NBW)))
+          int N, int H, int W, int C, int R, int S, int sh, int sw, int ph, int pw, int dh, int dw, int PO, int QO,
+          int K, int TPO, int TQO, int TP, int TQ, int PH, int PWD, int KW) {
+    const StemGeo g{N, H, W, C, R, S, sh, sw, ph, pw, dh, dw, PO, QO, K, TPO, TQO, TP, TQ, PH, PWD, KW};
+    extern __shared__ __align__(16) int smem[];
+    const int NB = 32 * NBW;  // output channels a block
+    const int WST = g.KW + 4;  // a channel's weight words in shared memory (a stride = 4 mod 8: conflict-free B loads)
+    int* s_w = smem;                                   // NB x WST
+    int* s_thr = s_w + NB * WST;                        // NB x NCODE
+    float* s_cs = reinterpret_cast<float*>(s_thr + NB * NCODE);  // NB
+    float* s_bias = s_cs + NB;                          // NB
+    int* s_add = reinterpret_cast<int*>(s_bias + NB);  // NB
+    float* s_T = reinterpret_cast<float*>(s_add + NB);  // NCODE (float path)
+    int* s_tap = reinterpret_cast<int*>(s_T + NCODE);   // KW: tap j -> word offset in the patch
+    int* s_patch = s_tap + g.KW;                        // PH x PWD
+    __shared__ int s_float;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gq = lane >> 2, t = lane & 3;
+    const int k0 = blockIdx.y * NB;
+    int tile = blockIdx.x;
+    const int tq = tile % g.TQ;
+    tile /= g.TQ;
+    const int tp = tile % g.TP;
+    const int n = tile / g.TP;
+    const int po0 = tp * g.TPO, qo0 = tq * g.TQO;
+
+    // ---- stage: weights, epilogue vectors, tap offsets, the input patch ----
+    if (tid == 0) s_float = 0;
+    {  // 16-byte copies (KW and WST are multiples of 4 words), LU a thread in flight
+        constexpr int LU = 4;
+        const int kq = g.KW / 4, total = min(NB, (g.K + 31) / 32 * 32 - k0) * kq;
+        const int4* src = reinterpret_cast<const int4*>(wq + (i64)k0 * g.KW);
+        for (int base = tid; base < total; base += THREADS * LU) {
+            int4 v[LU];
+#pragma unroll
+            for (int u = 0; u < LU; ++u) {
+                const int i = base + u * THREADS;
+                if (i < total) v[u] = src[i];
+            }
+#pragma unroll
+            for (int u = 0; u < LU; ++u) {
+                const int i = base + u * THREADS, c = i / kq, j = i - c * kq;
+                if (i < total) *reinterpret_cast<int4*>(s_w + c * WST + 4 * j) = v[u];
+            }
+        }
+    }
+    __syncthreads();  // s_float
+    // the integer path's words a column: u[0] = f, u[i] = t_i - 1 - (f ? -add : add) saturated to +-2^30, so that with
+    // c = max over the window of acc ^ f (|acc| < 2^24) the sign bit of u[i] - c is [C' >= t_i]; channels past K get
+    // the words of code pattern 0
+    for (int c = tid; c < NB; c += THREADS) {
+        const int k = k0 + c;
+        const bool in = k < g.K;
+        const int add = in && acc_add != nullptr ? acc_add[k] : 0;
+        const int f = in ? thr[(i64)k * NCODE] : 0;
+        s_thr[c * NCODE] = f == 1 ? 0 : f;
+#pragma unroll
+        for (int i = 1; i < NCODE; ++i) {
+            i64 u = in ? (i64)thr[(i64)k * NCODE + i] - 1 - (f == -1 ? -(i64)add : (i64)add)
+                       : (OENC == 0 && i <= NCODE / 2 ? -SAT : SAT);
+            s_thr[c * NCODE + i] = (int)(u < -SAT ? -SAT : u > SAT ? SAT : u);
+        }
+        s_cs[c] = in ? col_scale[k] : 0.0f;
+        s_bias[c] = in && bias != nullptr ? bias[k] : 0.0f;
+        s_add[c] = add;
+        if (in && f == 1) s_float = 1;
+    }
+    for (int j = tid; j < g.KW; j += THREADS) {
+        const int r = j / g.S, s = j - r * g.S;
+        s_tap[j] = j < g.R * g.S ? r * g.dh * g.PWD + s * g.dw : 0;  // past R*S: any word (its weights are zero)
+    }
+    {
+        const int ih0 = po0 * PF * g.sh - g.ph, iw0 = qo0 * PF * g.sw - g.pw;
+        u32 padw = 0;
+        for (int c = 0; c < g.C; ++c) padw |= ((u32)pad & 0xFFu) << (8 * c);
+        const signed char* xn = x + (i64)n * g.H * g.W * g.C;
+        // a warp a patch row at a time, its lanes LU pixels each in flight: every load of a round is issued before the
+        // first store (the copy was latency-bound with one pixel a round; 16 chunks of flat (row, column) indices a
+        // warp measured slower: VGG 227 -> 294 us)
+        constexpr int LU = 8;
+        for (int pr = warp; pr < g.PH; pr += WARPS) {
+            const int ih = ih0 + pr;
+            const bool row_in = ih >= 0 && ih < g.H;
+            const signed char* xr = xn + (i64)ih * g.W * g.C;
+            for (int base = lane; base < g.PWD; base += 32 * LU) {
+                u32 v[LU];
+#pragma unroll
+                for (int u = 0; u < LU; ++u) {
+                    const int pc = base + 32 * u, iw = iw0 + pc;
+                    const bool in = row_in && iw >= 0 && iw < g.W;
+                    const signed char* px = xr + iw * g.C;
+                    u32 w = in ? 0u : padw;
+#pragma unroll
+                    for (int c = 0; c < 4; ++c)
+                        if (in && c < g.C) w |= ((u32)(unsigned char)__ldg(px + c)) << (8 * c);
+                    v[u] = w;
+                }
+#pragma unroll
+                for (int u = 0; u < LU; ++u)
+                    if (base + 32 * u < g.PWD) s_patch[pr * g.PWD + base + 32 * u] = (int)v[u];
+            }
+        }
+    }
+    __syncthreads();
+    const bool float_path = s_float != 0;
+    if (float_path && tid >= 1 && tid < NCODE) s_T[tid] = code_threshold(tid, out_scale[0]);
+    if (float_path) __syncthreads();
+    const bool has_bias = bias != nullptr;
+
+    const i64 rows = (i64)g.N * g.PO * g.QO;
+    const i64 plane = rows * ldo;
+    const int ksteps = g.KW / 8;
+    const int upr = g.TQO / UW;          // units a row of the tile
+    const int units = g.TPO * upr;
+
+    for (int u = warp; u < units; u += WARPS) {
+        const int pol = u / upr, qb = (u - pol * upr) * UW;  // the unit's output row and first column in the tile
+        // this thread's four conv pixels (rows g + 8 h of tiles mt): their patch words
+        int pb[2][2];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int pl = PF == 2 ? 2 * pol + mt : pol;
+                const int ql = PF == 2 ? 2 * (qb + gq) + h : qb + mt * 16 + h * 8 + gq;
+                pb[mt][h] = pl * g.sh * g.PWD + ql * g.sw;
+            }
+        // the output rows of this thread's values: PF 2 one (its window), PF 1 four (mt, h)
+        constexpr int NR = PF == 2 ? 1 : 4;
+        i64 orow[NR];
+        bool ok[NR];
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+            const int po = po0 + pol;
+            const int qo = qo0 + (PF == 2 ? qb + gq : qb + (r >> 1) * 16 + (r & 1) * 8 + gq);
+            ok[r] = po < g.PO && qo < g.QO;
+            orow[r] = ((i64)n * g.PO + po) * g.QO + qo;
+        }
+#pragma unroll 1
+        for (int w = 0; w < NBW; ++w) {  // the unit's 32-channel words: MMAs, then the word's epilogue
+            int acc[2][4][4];
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[mt][j][e] = 0;
+            for (int ks = 0; ks < ksteps; ++ks) {
+                const int o0 = s_tap[ks * 8 + t], o1 = s_tap[ks * 8 + 4 + t];
+                u32 a[2][4];
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt) {
+                    a[mt][0] = (u32)s_patch[pb[mt][0] + o0];
+                    a[mt][1] = (u32)s_patch[pb[mt][1] + o0];
+                    a[mt][2] = (u32)s_patch[pb[mt][0] + o1];
+                    a[mt][3] = (u32)s_patch[pb[mt][1] + o1];
+                }
+                const int* wb = s_w + (32 * w + gq) * WST + ks * 8 + t;
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const u32 b0 = (u32)wb[j * 8 * WST], b1 = (u32)wb[j * 8 * WST + 4];
+                    mma_s8(acc[0][j], a[0], b0, b1);
+                    mma_s8(acc[1][j], a[1], b0, b1);
+                }
+            }
+            // ---- the word's epilogue: C, (pool,) code bits, the quad's words ----
+            // sg[r][b][j][e]: bit b of the code of row r, column (j, e) of the word, in its sign bit (integer path)
+            // or as 0 / 1 (float path)
+            u32 sg[NR][OB][4][2];
+            if (!float_path) {
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int nt = 4 * w + j, cl = nt * 8 + 2 * t + e;
+                        int th[NCODE];  // f, u_1 .. u_{2^OB - 1}
+                        if constexpr (NCODE == 2) {
+                            const int2 v = *reinterpret_cast<const int2*>(s_thr + cl * NCODE);
+                            th[0] = v.x, th[1] = v.y;
+                        } else {
+#pragma unroll
+                            for (int q = 0; q < NCODE / 4; ++q) {
+                                const int4 v = reinterpret_cast<const int4*>(s_thr + cl * NCODE)[q];
+                                th[4 * q] = v.x, th[4 * q + 1] = v.y, th[4 * q + 2] = v.z, th[4 * q + 3] = v.w;
+                            }
+                        }
+                        const int f = th[0];
+                        int c[NR];
+                        if constexpr (PF == 2) {
+                            c[0] = max(max(acc[0][j][e] ^ f, acc[0][j][2 + e] ^ f),
+                                       max(acc[1][j][e] ^ f, acc[1][j][2 + e] ^ f));
+                        } else {
+#pragma unroll
+                            for (int r = 0; r < NR; ++r) c[r] = acc[r >> 1][j][2 * (r & 1) + e] ^ f;
+                        }
+#pragma unroll
+                        for (int r = 0; r < NR; ++r) {
+                            u32 x[NCODE];  // sign bit: c reaches threshold i
+#pragma unroll
+                            for (int i = 1; i < NCODE; ++i) x[i] = (u32)(th[i] - c[r]);
+#pragma unroll
+                            for (int b = 0; b < OB; ++b) {  // bit b of the index: the parity of its compares at m 2^b
+                                u32 v = 0;
+#pragma unroll
+                                for (int m = 1; (m << b) < NCODE; ++m) v ^= x[m << b];
+                                sg[r][b][j][e] = OENC == 0 && b == OB - 1 ? ~v : v;
+                            }
+                        }
+                    }
+            } else {
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int nt = 4 * w + j, cl = nt * 8 + 2 * t + e;
+                        const bool inside = k0 + cl < g.K;
+                        const float cs = s_cs[cl];
+                        const int f = cs >= 0.0f ? 0 : -1, add = s_add[cl];  // as the Triton conv pools: by the scale's sign
+                        int c[NR];
+                        if constexpr (PF == 2) {
+                            c[0] = max(max(acc[0][j][e] ^ f, acc[0][j][2 + e] ^ f),
+                                       max(acc[1][j][e] ^ f, acc[1][j][2 + e] ^ f)) ^ f;
+                        } else {
+#pragma unroll
+                            for (int r = 0; r < NR; ++r) c[r] = acc[r >> 1][j][2 * (r & 1) + e];
+                        }
+#pragma unroll
+                        for (int r = 0; r < NR; ++r) {
+                            const u32 pat = inside ? code_pattern(stem_y((int)((u32)c[r] + (u32)add), cs, s_bias[cl],
+                                                                         has_bias, act, slope), s_T) : 0u;
+#pragma unroll
+                            for (int b = 0; b < OB; ++b) sg[r][b][j][e] = ((pat >> b) & 1u) << 31;
+                        }
+                    }
+            }
+            const int gw = blockIdx.y * NBW + w;
+#pragma unroll
+            for (int r = 0; r < NR; ++r)
+#pragma unroll
+                for (int b = 0; b < OB; ++b) {
+                    // the sign bits of the 8 columns to bits 8 j + e: the top bytes gathered by byte permutes, then
+                    // bit 7 of byte j moved to bit e
+                    u32 v = 0;
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const u32 lo = __byte_perm(sg[r][b][0][e], sg[r][b][1][e], 0x0073);
+                        const u32 hi = __byte_perm(sg[r][b][2][e], sg[r][b][3][e], 0x7300);
+                        v |= (__byte_perm(lo, hi, 0x7610) >> (7 - e)) & (0x01010101u << e);
+                    }
+                    v <<= 2 * t;  // this lane's columns 8 j + 2 t + e
+                    v |= __shfl_xor_sync(0xffffffffu, v, 1);
+                    v |= __shfl_xor_sync(0xffffffffu, v, 2);
+                    if (((w * OB + b) & 3) == t && ok[r] && gw < ldo) out[b * plane + orow[r] * ldo + gw] = v;
+                }
+        }
+        // the row's padding words past the channels (rows of packed_words(K) words), by the last channel block
+        if (blockIdx.y == gridDim.y - 1) {
+            const int first = (g.K + 31) / 32;
+#pragma unroll
+            for (int r = 0; r < NR; ++r)
+                if (ok[r] && t == 0)
+                    for (int b = 0; b < OB; ++b)
+                        for (int wd = first; wd < ldo; ++wd) out[b * plane + orow[r] * ldo + wd] = 0u;
+        }
+    }
+}

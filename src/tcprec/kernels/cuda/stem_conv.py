@@ -1,0 +1,241 @@
+"""Build and launch ``stem_conv.cu``: the INT8 convolution of a thin input (C <= 4 channels, a network's RGB stem)
+with the next bit-serial layer's epilogue fused -- optional 2x2 stride-2 max-pool, quantize to 1..3-bit codes, pack
+into bit planes -- in one launch that reads the int8 image once (no window gather pass).
+
+:func:`conv_planes` computes exactly what ``kernels.triton.conv_fwd.conv2d_fwd_int8(..., out=PlanesOut(...))`` computes
+for the same integer sums (the GPU tests compare them bit for bit): ``tcprec.ops.qconv`` routes a thin 8-bit stem
+that writes bit planes here on sm_90.  A :class:`StemVariant` fixes what one cubin is compiled for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ...memo import memo_get, memo_put
+from .loader import _ptr, _stream_for, compile_source, cuda_core_api, load_kernel
+
+__all__ = ["SOURCE_PATH", "MAX_C", "MAX_WORDS", "ENCODINGS", "StemVariant", "all_variants", "stem_weight_words",
+           "stem_thresholds", "conv_planes", "pick_tile", "StemTile"]
+
+SOURCE_PATH = Path(__file__).with_name("stem_conv.cu")
+MAX_C = 4  # input channels (a pixel is one 32-bit word)
+MAX_WORDS = 4  # 32-channel output words a block (more channels: more blocks along grid.y)
+ENCODINGS = {"twos": 0, "unsigned": 1, "pm1": 2}  # output code encodings (TCP_OENC), as bmma_gemm's
+WARPS = 4
+_MAX_SMEM = 227 * 1024
+
+
+@dataclass(frozen=True)
+class StemVariant:
+    """What one cubin of stem_conv.cu is compiled for: output code bits and encoding, pool (2: 2x2 stride-2
+    max-pool, 1: none)."""
+
+    out_bits: int = 2
+    out_encoding: str = "unsigned"
+    pool: int = 2
+
+    def __post_init__(self):
+        if self.out_bits not in (1, 2, 3):
+            raise ValueError(f"stem_conv writes 1..3-bit codes, got out_bits={self.out_bits!r}")
+        if self.out_encoding not in ENCODINGS:
+            raise ValueError(f"stem_conv encodings are {tuple(ENCODINGS)}, got out_encoding={self.out_encoding!r}")
+        if self.pool not in (1, 2):
+            raise ValueError(f"stem_conv pool is 1 (none) or 2 (2x2 stride 2), got pool={self.pool!r}")
+
+    def defines(self) -> list[str]:
+        return [f"TCP_OB={self.out_bits}", f"TCP_OENC={ENCODINGS[self.out_encoding]}", f"TCP_POOL={self.pool}",
+                f"TCP_WARPS={WARPS}"]
+
+    def __str__(self) -> str:
+        return f"o{self.out_bits}{self.out_encoding[0]}_p{self.pool}"
+
+
+def all_variants() -> list[StemVariant]:
+    """Every variant the kernel is built for."""
+    return [StemVariant(b, e, p) for b in (1, 2, 3) for e in ENCODINGS for p in (1, 2)]
+
+
+def compile_stem(variant: StemVariant, arch: str = "sm_90a", *, use_cache: bool = True) -> tuple[bytes, str]:
+    """(cubin, ptxas log) of ``variant``."""
+    return compile_source(SOURCE_PATH, variant.defines(), arch, f"stem_conv_{variant}", use_cache=use_cache)
+
+
+def _kernel(variant: StemVariant, entry: str, device_index: int, smem: int = 0):
+    k = load_kernel(("stem_conv", variant, entry, device_index), SOURCE_PATH, variant.defines(),
+                    f"stem_conv_{variant}", entry, device_index, 0)
+    if smem > 48 * 1024:  # (load_kernel memoises the kernel: the attribute is set for the largest size asked)
+        key = ("stem_conv_smem", variant, device_index)
+        if _smem_set.get(key, 0) < smem:
+            from .loader import set_kernel_attribute
+
+            set_kernel_attribute(k, "MAX_DYNAMIC_SHARED_SIZE_BYTES", smem, device_index)
+            _smem_set[key] = smem
+    return k
+
+
+_smem_set: dict = {}
+_cfgs: dict = {}
+
+
+def stem_weight_words(w8: torch.Tensor) -> torch.Tensor:
+    """(K, R, S, C) int8 -> (ceil(K / 32) 32, KW) int32: channel k's taps in (r, s) order, a tap's C bytes in one word
+    (byte c = channel c, zeros above C), KW = R*S rounded up to a multiple of 8 (zero taps), zero rows past K."""
+    K, R, S, C = w8.shape
+    if C > MAX_C:
+        raise ValueError(f"stem_conv takes at most {MAX_C} input channels, got C={C}")
+    kw = -(-(R * S) // 8) * 8
+    b = torch.zeros((-(-K // 32) * 32, kw, 4), dtype=torch.uint8, device=w8.device)
+    b[:K, :R * S, :C] = w8.reshape(K, R * S, C).view(torch.uint8)
+    return b.view(torch.int32).reshape(b.shape[0], kw).contiguous()
+
+
+# The threshold words of calibrated scale / bias buffers, remembered (tcprec.memo) like loader.code_thresholds'.
+_THRESHOLDS: dict = {}
+
+
+def stem_thresholds(variant: StemVariant, col_scale: torch.Tensor, bias, out_scale: torch.Tensor, relu: bool,
+                    slope: float, K: int) -> torch.Tensor:
+    """The kernel's integer threshold words (K, 2^OB) int32 (stem_code_thresholds), on the current stream."""
+    srcs = tuple(t for t in (col_scale, bias, out_scale) if t is not None)
+    extra = (variant.out_bits, variant.out_encoding, bool(relu), float(slope), int(K), bias is not None)
+    memo = not (torch.compiler.is_compiling() or any(t.requires_grad for t in srcs))
+    if memo:
+        hit = memo_get(_THRESHOLDS, srcs, extra)
+        if hit is not None:
+            return hit
+    *_, LaunchConfig, _, launch = cuda_core_api()
+    dev = out_scale.device.index if out_scale.device.index is not None else torch.cuda.current_device()
+    codes = 1 << variant.out_bits
+    thr = torch.empty((K, codes), dtype=torch.int32, device=out_scale.device)
+    blocks = -(-K * codes // 128)
+    cfg = _cfgs.get(("thr", blocks))
+    if cfg is None:
+        cfg = _cfgs[("thr", blocks)] = LaunchConfig(grid=(blocks,), block=(128,))
+    stream = _stream_for(torch.cuda.current_stream(out_scale.device).cuda_stream)
+    launch(stream, cfg, _kernel(variant, "stem_code_thresholds", dev), _ptr(col_scale), _ptr(bias), _ptr(out_scale),
+           np.int32(int(relu)), np.float32(slope), np.int32(K), _ptr(thr))
+    if memo and not torch.cuda.is_current_stream_capturing():
+        memo_put(_THRESHOLDS, srcs, thr, extra)
+    return thr
+
+
+@dataclass(frozen=True)
+class StemTile:
+    """A block's outputs: ``tpo`` rows x ``tqo`` columns (pooled for pool 2) of one image."""
+
+    tpo: int
+    tqo: int
+
+
+def _patch(tile: StemTile, pool: int, R: int, S: int, stride, dilation) -> tuple[int, int]:
+    ph = (tile.tpo * pool - 1) * stride[0] + (R - 1) * dilation[0] + 1
+    pw = (tile.tqo * pool - 1) * stride[1] + (S - 1) * dilation[1] + 1
+    return ph, pw
+
+
+def smem_bytes(variant: StemVariant, tile: StemTile, R: int, S: int, stride, dilation, words: int = MAX_WORDS) -> int:
+    """Dynamic shared memory of a block of ``words`` 32-channel output words: weights, epilogue vectors, taps, patch."""
+    kw = -(-(R * S) // 8) * 8
+    ph, pw = _patch(tile, variant.pool, R, S, stride, dilation)
+    codes, nb = 1 << variant.out_bits, 32 * words
+    return 4 * (nb * (kw + 4) + nb * codes + 3 * nb + codes + kw + ph * pw)
+
+
+BLOCKS_PER_SM = 4  # pick_tile: the fewest blocks an SM a launch should have before tiles get their full height
+
+
+def pick_tile(variant: StemVariant, PO: int, QO: int, R: int, S: int, stride, dilation, N: int = 256,
+              sm_count: int = 132) -> StemTile:
+    """Columns: the output row in as few tiles of at most 64 as evenly as the unit width (8 windows, or 32 pixels
+    without a pool) allows; rows: enough for ~4 units a warp, rounded so the warps get equal shares -- fewer where
+    the launch would have under BLOCKS_PER_SM blocks an SM (small batches), or while the input patch does not fit
+    in shared memory."""
+    uw = 8 if variant.pool == 2 else 32
+    per = -(-QO // -(-QO // 64))
+    tqo = -(-per // uw) * uw
+    upr = tqo // uw
+    tpo = max(1, min(PO, -(-4 * WARPS // upr)))
+    while tpo < PO and (tpo * upr) % WARPS:
+        tpo += 1
+    while tpo > 1 and N * -(-PO // tpo) * -(-QO // tqo) < BLOCKS_PER_SM * sm_count:
+        tpo -= 1
+    tile = StemTile(tpo, tqo)
+    while tile.tpo > 1 and smem_bytes(variant, tile, R, S, stride, dilation) > _MAX_SMEM:
+        tile = StemTile(tile.tpo - 1, tile.tqo)
+    if smem_bytes(variant, tile, R, S, stride, dilation) > _MAX_SMEM:
+        raise ValueError(f"stem_conv: a {R}x{S} filter with stride {stride} needs {smem_bytes(variant, tile, R, S, stride, dilation)} "
+                         f"bytes of shared memory for one row of {tile.tqo} outputs, more than {_MAX_SMEM}")
+    return tile
+
+
+def conv_planes(x8: torch.Tensor, wq: torch.Tensor, K: int, R: int, S: int, *, stride=(1, 1), padding=(0, 0),
+                dilation=(1, 1), col_scale: torch.Tensor, bias, out_scale: torch.Tensor, act=None,
+                acc_add: torch.Tensor | None = None, pad: int = 0, out_bits: int = 2, out_encoding: str = "unsigned",
+                pool: int = 0, ldo: int | None = None, tile: StemTile | None = None) -> torch.Tensor:
+    """Planes (out_bits, N * P' * Q', ldo) int32 of ``y = act(float(C) * col_scale[k] + bias[k])`` ((2x2 stride-2
+    max-pool ->) quantize to ``out_bits``-bit codes of ``y / out_scale`` -> pack), C = conv(x8, w) + acc_add[k]
+    over the int8 codes ``x8`` (N, H, W, C <= 4) with padded taps holding code ``pad``; ``wq`` from
+    :func:`stem_weight_words`.  ``act``: None, "relu" or ("leaky", slope >= 0);
+    ``ldo``: words a row (default ceil(K / 32)); words past ceil(K / 32) are zeroed."""
+    N, H, W, C = x8.shape
+    sh, sw = stride
+    ph, pw = padding
+    dh, dw = dilation
+    P = (H + 2 * ph - dh * (R - 1) - 1) // sh + 1
+    Q = (W + 2 * pw - dw * (S - 1) - 1) // sw + 1
+    if x8.dtype != torch.int8 or not x8.is_contiguous() or C > MAX_C:
+        raise ValueError(f"stem_conv needs contiguous int8 (N, H, W, C <= {MAX_C}) codes, got {x8.dtype} "
+                         f"{tuple(x8.shape)}")
+    if pool not in (0, 2):
+        raise ValueError(f"stem_conv pool is 0 (none) or 2 (2x2 stride 2), got {pool!r}")
+    if P < 1 or Q < 1 or (pool == 2 and (P < 2 or Q < 2)):
+        raise ValueError(f"stem_conv: output {P} x {Q} is too small" + (" for a 2x2 pool" if pool else ""))
+    relu, slope, a = _act(act)
+    if not -128 <= pad <= 127:
+        raise ValueError(f"stem_conv: the padding code must be an int8, got {pad}")
+    variant = StemVariant(out_bits, out_encoding, 2 if pool == 2 else 1)
+    want = (-(-K // 32) * 32, -(-(R * S) // 8) * 8)
+    if tuple(wq.shape) != want or wq.dtype != torch.int32:
+        raise ValueError(f"stem_conv: wq must be stem_weight_words(w8) of shape {want} int32, got {tuple(wq.shape)} "
+                         f"{wq.dtype}")
+    words = min(-(-K // 32), MAX_WORDS)
+    PO, QO = (P // 2, Q // 2) if pool == 2 else (P, Q)
+    ldo = -(-K // 32) if ldo is None else ldo
+    if ldo < -(-K // 32):
+        raise ValueError(f"stem_conv: ldo={ldo} is less than the {-(-K // 32)} words of {K} channels")
+    tile = tile or pick_tile(variant, PO, QO, R, S, stride, dilation, N,
+                             torch.cuda.get_device_properties(x8.device).multi_processor_count)
+    tp, tq = -(-PO // tile.tpo), -(-QO // tile.tqo)
+    phh, pww = _patch(tile, variant.pool, R, S, stride, dilation)
+    smem = smem_bytes(variant, tile, R, S, stride, dilation, words)
+    dev = x8.device.index if x8.device.index is not None else torch.cuda.current_device()
+    thr = stem_thresholds(variant, col_scale, bias, out_scale, relu, slope, K)
+    out = torch.empty((out_bits, N * PO * QO, ldo), dtype=torch.int32, device=x8.device)
+    *_, LaunchConfig, _, launch = cuda_core_api()
+    grid = (N * tp * tq, -(-K // (32 * words)))
+    key = ("conv", grid, smem)
+    cfg = _cfgs.get(key)
+    if cfg is None:
+        cfg = _cfgs[key] = LaunchConfig(grid=grid, block=(32 * WARPS,), shmem_size=smem)
+    geo = np.array([N, H, W, C, R, S, sh, sw, ph, pw, dh, dw, PO, QO, K, tile.tpo, tile.tqo, tp, tq, phh, pww,
+                    -(-(R * S) // 8) * 8], dtype=np.int32)
+    stream = _stream_for(torch.cuda.current_stream(x8.device).cuda_stream)
+    launch(stream, cfg, _kernel(variant, "stem_conv", dev, smem), _ptr(x8), _ptr(wq), _ptr(thr), _ptr(col_scale),
+           _ptr(bias), _ptr(out_scale), np.int32(a), np.float32(slope), _ptr(acc_add),
+           np.int32(pad), _ptr(out), np.int32(ldo), np.int32(words), *[np.int32(v) for v in geo])
+    return out
+
+
+def _act(act) -> tuple[bool, float, int]:
+    """(relu for the thresholds, slope, the kernel's act code)."""
+    if act is None:
+        return False, 0.0, 0
+    if act == "relu":
+        return True, 0.0, 1
+    if isinstance(act, tuple) and len(act) == 2 and act[0] == "leaky" and float(act[1]) >= 0:
+        return True, float(act[1]), 2
+    raise ValueError(f"stem_conv act must be None, 'relu' or ('leaky', slope >= 0), got {act!r}")
