@@ -39,14 +39,14 @@ CONFIGS = ("before", "memo", "stem_cuda")
 
 @contextmanager
 def config(c: str):
-    keep_stem, keep_get = qconv.STEM_CUDA, loader.memo_get
+    keep_stem, keep_memo = qconv.STEM_CUDA, loader.remembered
     qconv.STEM_CUDA = c == "stem_cuda"
-    if c == "before":
-        loader.memo_get = lambda *a, **k: None  # every call launches bmma_code_thresholds again
+    if c == "before":  # every call launches bmma_code_thresholds again
+        loader.remembered = lambda memo, srcs, compute, extra=(): compute()
     try:
         yield
     finally:
-        qconv.STEM_CUDA, loader.memo_get = keep_stem, keep_get
+        qconv.STEM_CUDA, loader.remembered = keep_stem, keep_memo
 
 
 def main() -> None:

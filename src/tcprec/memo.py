@@ -10,7 +10,7 @@ import weakref
 
 import torch
 
-__all__ = ["memo_get", "memo_put", "MEMO_MAX"]
+__all__ = ["memo_get", "memo_put", "remembered", "MEMO_MAX"]
 
 MEMO_MAX = 4096  # entries a memo keeps before it starts over
 
@@ -38,3 +38,18 @@ def memo_put(memo: dict, srcs: tuple, value, extra=()) -> None:
     if len(memo) >= MEMO_MAX:
         memo.clear()
     memo[(_memo_key(srcs), extra)] = (tuple(weakref.ref(_base_of(t)) for t in srcs), value)
+
+
+def remembered(memo: dict, srcs: tuple, compute, extra=()):
+    """``compute()`` for the tensors ``srcs`` (and the hashable ``extra``), remembered in ``memo``: recomputed after an
+    in-place change of a source; not stored for sources that need grad, under torch.compile, or when the value is a
+    CUDA tensor made while a graph is being captured (it would exist only after a replay)."""
+    ok = not (torch.compiler.is_compiling() or any(t.requires_grad for t in srcs))
+    if ok:
+        hit = memo_get(memo, srcs, extra)
+        if hit is not None:
+            return hit
+    value = compute()
+    if ok and not (value.is_cuda and torch.cuda.is_current_stream_capturing()):
+        memo_put(memo, srcs, value, extra)
+    return value

@@ -98,7 +98,7 @@ from ..kernels import reference_gemm as rg
 from ..kernels import reference_qconv as rq
 from ..kernels.reference_conv import ConvGeometry, pair
 from ..packing import pack_bitplanes, packed_words, unpack_bitplanes
-from ..memo import memo_get, memo_put
+from ..memo import memo_get, memo_put, remembered
 from ..qtensor import PerChannel, PerTensor, QTensor
 from .matmul import BACKENDS, choose_int_backend
 
@@ -910,7 +910,7 @@ def _int8_route(fa: IntFormat, fw: IntFormat, dev: torch.device) -> tuple[str, s
 
 # Column scales already multiplied out (x_scale * w_scale[k] * scale[k]).  A quantized network passes the same
 # calibrated buffers on every call, and the two multiplies were two kernel launches a layer: ~2 us each in a batch-8
-# CUDA graph, about a sixth of ResNet-18's w1a2 forward (session 20 profile).  A memo like _CHECKED_SCALES (memo_get),
+# CUDA graph, about a sixth of ResNet-18's w1a2 forward (session 20 profile).  A memo like _CHECKED_SCALES (tcprec.memo),
 # so an in-place change of a buffer computes it again.  Not stored while a graph is being captured (the values would
 # exist only after a replay), nor for tensors that need grad or under torch.compile.
 _COL_SCALES: dict = {}
@@ -918,18 +918,12 @@ _COL_SCALES: dict = {}
 
 def _col_scale(xs: _X, w_scale: torch.Tensor, scale) -> torch.Tensor:
     srcs = (xs.scale, w_scale) if scale is None else (xs.scale, w_scale, scale)
-    memo = not (torch.compiler.is_compiling() or any(t.requires_grad for t in srcs))
-    if memo:
-        hit = memo_get(_COL_SCALES, srcs)
-        if hit is not None:
-            return hit
-    col = xs.scale * w_scale  # (K,) float32: x_scale * w_scale[k]
-    if scale is not None:
-        col = col * scale
-    col = col.contiguous()
-    if memo and not (col.is_cuda and torch.cuda.is_current_stream_capturing()):
-        memo_put(_COL_SCALES, srcs, col)
-    return col
+
+    def compute():
+        col = xs.scale * w_scale  # (K,) float32: x_scale * w_scale[k]
+        return (col if scale is None else col * scale).contiguous()
+
+    return remembered(_COL_SCALES, srcs, compute)
 
 
 def _im2col_codes(codes: torch.Tensor, g: ConvGeometry) -> torch.Tensor:
@@ -1667,14 +1661,15 @@ def explain_conv2d(x, w, **kw) -> str:
             how = "as given: Int8Activation" if xs.i8 is not None else "torch pass"
             shift = ([f"x stored as code - 128 ({how}), exact correction for the taps inside the image "
                       f"({'(P, Q, K) table' if max(g.padding) > 0 else '(K,) vector'}, cached)"] if oa else [])
-            if _stem_cuda(plan, xs.device):
+            cuda_stem = _stem_cuda(plan, xs.device)
+            if cuda_stem:
                 pad = _stem_pad(plan)
                 shift = ([f"x stored as code - 128 ({how}), padded taps hold code {pad} (value 0): exact (K,) "
                           "correction, cached"] if oa else [])
                 stem = [f"CUDA stem_conv.cu (C = {g.C}): each block copies its input patch to shared memory once, "
                         f"{g.R}x{g.S} taps x one {g.C}-byte pixel word on mma.m16n8k32.s8, no gather pass"]
-            steps = shift + stem + [f"{'CUDA direct' if _stem_cuda(plan, xs.device) else 'Triton implicit-GEMM'} "
-                                    f"INT8 conv {'stem_conv' if _stem_cuda(plan, xs.device) else 'conv2d_fwd_int8'} "
+            steps = shift + stem + [f"{'CUDA direct' if cuda_stem else 'Triton implicit-GEMM'} "
+                                    f"INT8 conv {'stem_conv' if cuda_stem else 'conv2d_fwd_int8'} "
                              f"with fused epilogue (scale, bias{res}, act={plan.act}) -> "
                              f"{shown}" if kind != "int32" else
                              "Triton implicit-GEMM INT8 conv conv2d_fwd_int8 -> int32"]

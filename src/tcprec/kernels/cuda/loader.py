@@ -30,7 +30,7 @@ from typing import Callable, Iterable, Optional
 import numpy as np
 import torch
 
-from ...memo import memo_get, memo_put
+from ...memo import remembered
 from ..reference_qconv import implicit_conv_fits
 
 __all__ = [
@@ -712,10 +712,9 @@ def _pdl(device_index: int, want: bool = True) -> dict:
         torch.cuda.get_device_capability(device_index) >= (9, 0) else {}
 
 
-# The threshold words of calibrated scale / bias buffers, remembered (tcprec.memo) so a network's forward does not
-# recompute them: the launch (32 bisection steps a word) took 6.3 us a layer, 63 us of VGG's w1a2 forward at batch
-# 256 (H200, session 24 profile).  Not stored while a graph is being captured (the words would exist only after a
-# replay), nor for tensors that need grad or under torch.compile.
+# The threshold words of calibrated scale / bias buffers, remembered (tcprec.memo.remembered) so a network's forward
+# does not recompute them: the launch (32 bisection steps a word) took 6.3 us a layer, 63 us of VGG's w1a2 forward at batch
+# 256 (H200, session 24 profile).
 _THRESHOLDS: dict = {}
 
 
@@ -727,15 +726,8 @@ def code_thresholds(variant: Variant, col_scale, bias, out_scale, relu: bool, le
     srcs = tuple(t for t in (col_scale, bias, out_scale) if t is not None)
     extra = (variant.out_bits, variant.out_encoding, bool(relu), float(leaky_slope), int(N),
              col_scale is not None, bias is not None)
-    memo = not (torch.compiler.is_compiling() or any(t.requires_grad for t in srcs))
-    if memo:
-        hit = memo_get(_THRESHOLDS, srcs, extra)
-        if hit is not None:
-            return hit
-    thr = _code_thresholds(variant, col_scale, bias, out_scale, relu, leaky_slope, N, pdl)
-    if memo and not torch.cuda.is_current_stream_capturing():
-        memo_put(_THRESHOLDS, srcs, thr, extra)
-    return thr
+    return remembered(_THRESHOLDS, srcs,
+                      lambda: _code_thresholds(variant, col_scale, bias, out_scale, relu, leaky_slope, N, pdl), extra)
 
 
 def _code_thresholds(variant: Variant, col_scale, bias, out_scale, relu: bool, leaky_slope: float, N: int,

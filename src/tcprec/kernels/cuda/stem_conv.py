@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ...memo import memo_get, memo_put
+from ...memo import remembered
 from .loader import _ptr, _stream_for, compile_source, cuda_core_api, load_kernel
 
 __all__ = ["SOURCE_PATH", "MAX_C", "MAX_WORDS", "ENCODINGS", "StemVariant", "all_variants", "stem_weight_words",
@@ -93,7 +93,7 @@ def stem_weight_words(w8: torch.Tensor) -> torch.Tensor:
     return b.view(torch.int32).reshape(b.shape[0], kw).contiguous()
 
 
-# The threshold words of calibrated scale / bias buffers, remembered (tcprec.memo) like loader.code_thresholds'.
+# The threshold words of calibrated scale / bias buffers, remembered like loader.code_thresholds'.
 _THRESHOLDS: dict = {}
 
 
@@ -102,25 +102,22 @@ def stem_thresholds(variant: StemVariant, col_scale: torch.Tensor, bias, out_sca
     """The kernel's integer threshold words (K, 2^OB) int32 (stem_code_thresholds), on the current stream."""
     srcs = tuple(t for t in (col_scale, bias, out_scale) if t is not None)
     extra = (variant.out_bits, variant.out_encoding, bool(relu), float(slope), int(K), bias is not None)
-    memo = not (torch.compiler.is_compiling() or any(t.requires_grad for t in srcs))
-    if memo:
-        hit = memo_get(_THRESHOLDS, srcs, extra)
-        if hit is not None:
-            return hit
-    *_, LaunchConfig, _, launch = cuda_core_api()
-    dev = out_scale.device.index if out_scale.device.index is not None else torch.cuda.current_device()
-    codes = 1 << variant.out_bits
-    thr = torch.empty((K, codes), dtype=torch.int32, device=out_scale.device)
-    blocks = -(-K * codes // 128)
-    cfg = _cfgs.get(("thr", blocks))
-    if cfg is None:
-        cfg = _cfgs[("thr", blocks)] = LaunchConfig(grid=(blocks,), block=(128,))
-    stream = _stream_for(torch.cuda.current_stream(out_scale.device).cuda_stream)
-    launch(stream, cfg, _kernel(variant, "stem_code_thresholds", dev), _ptr(col_scale), _ptr(bias), _ptr(out_scale),
-           np.int32(int(relu)), np.float32(slope), np.int32(K), _ptr(thr))
-    if memo and not torch.cuda.is_current_stream_capturing():
-        memo_put(_THRESHOLDS, srcs, thr, extra)
-    return thr
+
+    def compute():
+        *_, LaunchConfig, _, launch = cuda_core_api()
+        dev = out_scale.device.index if out_scale.device.index is not None else torch.cuda.current_device()
+        codes = 1 << variant.out_bits
+        thr = torch.empty((K, codes), dtype=torch.int32, device=out_scale.device)
+        blocks = -(-K * codes // 128)
+        cfg = _cfgs.get(("thr", blocks))
+        if cfg is None:
+            cfg = _cfgs[("thr", blocks)] = LaunchConfig(grid=(blocks,), block=(128,))
+        stream = _stream_for(torch.cuda.current_stream(out_scale.device).cuda_stream)
+        launch(stream, cfg, _kernel(variant, "stem_code_thresholds", dev), _ptr(col_scale), _ptr(bias),
+               _ptr(out_scale), np.int32(int(relu)), np.float32(slope), np.int32(K), _ptr(thr))
+        return thr
+
+    return remembered(_THRESHOLDS, srcs, compute, extra)
 
 
 @dataclass(frozen=True)
