@@ -692,10 +692,31 @@ __device__ __forceinline__ void store_pair(T* o, T v0, T v1, bool interior, int 
 #include "codes.cuh"
 
 // ---- implicit-GEMM convolution (TCP_CONV): the geometry, a row's window origin, a chunk's source ----
+// n / d for 0 <= n < 2^31 and a runtime d >= 1 without a division instruction: q = (n * mul) >> sh, sh = 31 +
+// ceil(log2 d), mul = ceil(2^sh / d) < 2^32 (Granlund-Montgomery: mul * d - 2^sh = e < d <= 2^(sh - 31), so
+// n e < 2^sh and the error term stays below 1 / d).  Set up once a kernel (one 64-bit division a divisor); a quotient
+// is then one wide multiply and a shift where the generic int division was ~25 instructions.  The gathering
+// producer did 20 of those a tile (a row's n, p and a K word's tap, r): 40% of its instructions (ncu, session 26).
+struct FastDiv {
+    u32 mul;
+    int sh;
+    __device__ __forceinline__ int div(int n) const { return (int)(((unsigned long long)(u32)n * mul) >> sh); }
+};
+__device__ __forceinline__ FastDiv fast_div(int d) {
+    const int sh = 31 + (d > 1 ? 32 - __clz(d - 1) : 0);
+    return {(u32)(((1ull << sh) + (unsigned long long)d - 1ull) / (unsigned long long)d), sh};
+}
 struct ConvGeo {
     int H, W, Kin, CWT, S, RS, sh, sw, ph, pw, dh, dw, PQ, Q;
     i64 plane;  // words of one input plane (N*H*W*Kin)
+    FastDiv by_PQ, by_Q, by_CWT, by_S;  // (conv_geo sets them up)
 };
+__device__ __forceinline__ ConvGeo conv_geo(int H, int W, int Kin, int CWT, int S, int RS, int sh, int sw, int ph,
+                                            int pw, int dh, int dw, int PQ, int Q, i64 plane) {
+    ConvGeo g{H, W, Kin, CWT, S, RS, sh, sw, ph, pw, dh, dw, PQ, Q, plane, {}, {}, {}, {}};
+    if (CONV) g.by_PQ = fast_div(PQ), g.by_Q = fast_div(Q), g.by_CWT = fast_div(CWT), g.by_S = fast_div(S);
+    return g;
+}
 // output row m -> pix = n*H*W and its window origin (ih0, iw0) packed as two int16 in hw (rows past M: never inside)
 __device__ __forceinline__ void conv_row(const ConvGeo& g, int m, int M, int& pix, int& hw) {
     if (m >= M) {
@@ -703,7 +724,7 @@ __device__ __forceinline__ void conv_row(const ConvGeo& g, int m, int M, int& pi
         hw = (int)0x80008000u;  // ih0 = iw0 = -32768
         return;
     }
-    const int n = m / g.PQ, pq = m - n * g.PQ, p = pq / g.Q, q = pq - p * g.Q;
+    const int n = g.by_PQ.div(m), pq = m - n * g.PQ, p = g.by_Q.div(pq), q = pq - p * g.Q;
     pix = n * g.H * g.W;
     hw = (int)(((u32)(p * g.sh - g.ph) << 16) | ((u32)(q * g.sw - g.pw) & 0xffffu));
 }
@@ -713,14 +734,18 @@ struct ConvTap {
     bool ok;
 };
 __device__ __forceinline__ ConvTap conv_tap(const ConvGeo& g, int kw) {
-    const int t = kw / g.CWT, r = t / g.S;
+    const int t = g.by_CWT.div(kw), r = g.by_S.div(t);
     return {r * g.dh, (t - r * g.S) * g.dw, kw - t * g.CWT, t < g.RS};
 }
-// word offset (in one plane) of the chunk of row (pix, hw) at tap k, and whether it lies inside the image
-__device__ __forceinline__ bool conv_src(const ConvGeo& g, int pix, int hw, const ConvTap& k, i64& off) {
+// byte offset (in one plane) of the chunk of row (pix, hw) at tap k, and whether it lies inside the image (outside:
+// word wi of pixel 0, which the zero-filling copy does not read).  One wide multiply-add: the pixel index is 32-bit
+// (N*H*W < 2^31 pixels), only the byte offset 64-bit.
+__device__ __forceinline__ bool conv_src(const ConvGeo& g, int pix, int hw, const ConvTap& k,
+                                         unsigned long long& off) {
     const int ih = (hw >> 16) + k.dr, iw = (int)(short)(hw & 0xffff) + k.ds;
     const bool ok = k.ok && (unsigned)ih < (unsigned)g.H && (unsigned)iw < (unsigned)g.W;
-    off = ok ? (i64)(pix + ih * g.W + iw) * g.Kin + k.wi : 0;
+    const u32 px = ok ? (u32)(pix + ih * g.W + iw) : 0u;
+    off = (unsigned long long)px * (u32)(4 * g.Kin) + (u32)(4 * k.wi);
     return ok;
 }
 // A chunks of one BM-row plane tile that thread ptid of NTHR loaders issues: RI of them, at rows conv_rows gives
@@ -729,9 +754,23 @@ struct ConvLoader {
     static constexpr int RI = (BM * KCH + NTHR - 1) / NTHR;
     static_assert(NTHR % KCH == 0, "a loader thread keeps one chunk column");
     int pix[RI], hw[RI];
+    // thread ptid's rows are ptid / KCH + j NTHR / KCH: the KCH lanes of a chunk row share them, so where a warp's rows
+    // number <= 32 each lane finds one and the others read it by shuffle (KCH times fewer conv_row a tile)
+    static constexpr int RPW = 32 / KCH;  // a warp's rows per j
     __device__ __forceinline__ void rows(const ConvGeo& g, int m0, int M, int ptid) {
+        if constexpr (NTHR % 32 == 0 && 32 % KCH == 0 && RPW * RI <= 32 && RI * NTHR == BM * KCH) {
+            const int lane = ptid & 31, first = (ptid - lane) / KCH;  // the warp's first row
+            int p0 = 0, h0 = (int)0x80008000u;
+            if (lane < RPW * RI) conv_row(g, m0 + first + lane % RPW + (lane / RPW) * (NTHR / KCH), M, p0, h0);
 #pragma unroll
-        for (int j = 0; j < RI; ++j) conv_row(g, m0 + (ptid + j * NTHR) / KCH, M, pix[j], hw[j]);
+            for (int j = 0; j < RI; ++j) {
+                pix[j] = __shfl_sync(0xffffffffu, p0, j * RPW + lane / KCH);
+                hw[j] = __shfl_sync(0xffffffffu, h0, j * RPW + lane / KCH);
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < RI; ++j) conv_row(g, m0 + (ptid + j * NTHR) / KCH, M, pix[j], hw[j]);
+        }
     }
     // the P planes' chunks of K step kt into the stage at sA (128-byte rows swizzled as swz): one 16-byte cp.async a
     // chunk where taps and rows are whole chunks (CWT and Kin multiples of 4 words), else two 8-byte halves, each
@@ -750,16 +789,22 @@ struct ConvLoader {
     __device__ __forceinline__ void copies(const ConvGeo& g, const u32* A, u32 sA, int kw, int c, u32 byte0,
                                            int ptid) const {
         const ConvTap k = conv_tap(g, kw);
+        // the rows of thread ptid step by NTHR / KCH; a multiple of the swizzle's 8-row period keeps the chunk's swizzled
+        // position, so every destination is one base plus a constant
+        constexpr bool STEP_KEEPS_SWZ = (NTHR / KCH) % 8 == 0;
+        const int r0 = ptid / KCH;
+        const u32 base = sA + swz(r0, c) + byte0;
 #pragma unroll
         for (int j = 0; j < RI; ++j) {
-            const int r = (ptid + j * NTHR) / KCH;
+            const int r = r0 + j * (NTHR / KCH);
             if (RI * NTHR > BM * KCH && r >= BM) break;
-            i64 off;
+            unsigned long long off;
             const bool ok = conv_src(g, pix[j], hw[j], k, off);
 #pragma unroll
             for (int pl = 0; pl < P; ++pl) {
-                const u32 dst = sA + pl * (BM * ROW_BYTES) + swz(r, c) + byte0;
-                const u32* src = A + (ok ? pl * g.plane + off : 0);
+                const u32 dst = STEP_KEEPS_SWZ ? base + (u32)((pl * BM + j * (NTHR / KCH)) * ROW_BYTES)
+                                               : sA + pl * (BM * ROW_BYTES) + swz(r, c) + byte0;
+                const void* src = (const char*)(A + pl * g.plane) + off;
                 if (BYTES == 16) cp_async16(dst, src, ok); else cp_async8(dst, src, ok);
             }
         }
@@ -811,8 +856,8 @@ bmma_gemm(
           int splits,                  // TCP_SPLIT: blocks a tile (K runs)
           int row_mul, int row_add) {  // TCP_ROWSUM: row term = row_mul * R[m] + row_add (int32, wrapping)
     extern __shared__ __align__(128) unsigned char smem[];
-    [[maybe_unused]] const ConvGeo geo{cv_H, cv_W, cv_Kin, cv_CWT, cv_S, cv_RS, cv_sh, cv_sw, cv_ph, cv_pw,
-                                       cv_dh, cv_dw, cv_PQ, cv_Q, cv_plane};
+    [[maybe_unused]] const ConvGeo geo = conv_geo(cv_H, cv_W, cv_Kin, cv_CWT, cv_S, cv_RS, cv_sh, cv_sw, cv_ph, cv_pw,
+                                                  cv_dh, cv_dw, cv_PQ, cv_Q, cv_plane);
     grid_dependency_wait();
     constexpr ClassTable CT{};
     // With TMA and CONS = 2, consumer group grp (tid, warp within it: ctid, cwarp) multiplies and stores every
@@ -834,11 +879,14 @@ bmma_gemm(
     const int rank = TMA ? (int)cluster_rank_() : 0, rm = rank % CM, rn = rank / CM;
     const int grid_m = ((M + BM - 1) / BM + CM - 1) / CM, grid_n = ((N + BN - 1) / BN + CN - 1) / CN;
     const int in_group = GROUP_M * grid_n;
+    // the persistent (TMA) kernel finds an origin a tile: its division by in_group without a division instruction
+    [[maybe_unused]] const FastDiv by_group = TMA ? fast_div(in_group) : FastDiv{};
     auto tile_origin = [&](int pid, int& m0, int& n0) {  // cluster tile pid -> this block's output origin
-        const int first_m = (pid / in_group) * GROUP_M;
+        const int gi = TMA ? by_group.div(pid) : pid / in_group, in = pid - gi * in_group, first_m = gi * GROUP_M;
         const int gm = min(grid_m - first_m, GROUP_M);
-        m0 = ((first_m + (pid % in_group) % gm) * CM + rm) * BM;
-        n0 = (((pid % in_group) / gm) * CN + rn) * BN;
+        const bool full = gm == GROUP_M;  // (all groups but the last: a constant divisor)
+        m0 = ((first_m + (full ? in % GROUP_M : in % gm)) * CM + rm) * BM;
+        n0 = ((full ? in / GROUP_M : in / gm) * CN + rn) * BN;
     };
 
     const int k_tiles = (Kw + WPS - 1) / WPS;  // BK-bit steps (Kw is a multiple of 16 words)
