@@ -171,6 +171,28 @@ def test_default_variants_do_not_spill(cache):
     assert seen_tma >= 10  # w1a1, w1a2, w2a1, w2a2, w1a4 ... run on TMA wgmma tiles on sm_90a
 
 
+def test_conv_wide_tile_rule_and_no_spills(cache):
+    """Implicit convolutions of w1a2 on 64 columns with >= 2 tiles an SM take three MMA warpgroups (bm = 192, 3
+    stages); wider N, more weight classes or a small M keep the picked tile; the wide variants compile without
+    spills (512 threads: ptxas caps them at 128 registers)."""
+    from tcprec.kernels.cuda import loader as L
+
+    def pick(p, q, M, N, out="packed", res=False, dual=False):
+        return L._variant_for(p, q, False, False, M, N, out, 2, "unsigned", None, 132, "sm_90a", 18, True, res, dual,
+                              True)
+
+    wide = [pick(2, 1, 802816, 64), pick(2, 1, 802816, 64, "float16", True, True), pick(1, 1, 802816, 128)]
+    assert [(v.tile.bm, v.tile.warps_m, v.tile.stages, v.tile.tma) for v in wide[:2]] == [(192, 12, 3, True)] * 2
+    assert wide[2].tile.bm == 192  # w1a1: one class, 128 columns
+    for v in (pick(2, 1, 8 * 56 * 56, 64), pick(2, 1, 200704, 128), pick(2, 2, 802816, 64)):
+        assert v.tile.bm != 192, str(v)
+    plain = L._variant_for(2, 1, False, False, 802816, 64, "packed", 2, "unsigned", None, 132, "sm_90a", 18)
+    assert plain.tile.bm == 128  # plain GEMMs keep the two-warpgroup tile
+    for v in wide:
+        _, log = L.compile_variant(v, "sm_90a")
+        assert _spill_bytes(log) == 0 and "0 bytes stack frame" in log, (str(v), log[-400:])
+
+
 def test_wgmma_variants_use_warpgroup_mma_in_ptx():
     """The wgmma tile's source path emits wgmma b1 AND+popc (the SASS check is in tests/gpu)."""
     from tcprec.kernels.cuda import loader as L

@@ -25,7 +25,8 @@ GEOMS = [
     ((2, 8, 8, 512), (256, 3, 3), 1, 1, 1),
     ((1, 6, 7, 200), (48, 1, 1), 2, 0, 1),
 ]
-TILES = ["", "128x128_w8x1_s4_k1024_wg_tma", "128x64_w8x1_s3_k1024_wg_tma", "128x128_w8x1_s4_k1024_wg",
+TILES = ["", "128x128_w8x1_s4_k1024_wg_tma", "128x64_w8x1_s3_k1024_wg_tma", "192x64_w12x1_s3_k1024_wg_tma",
+         "128x128_w8x1_s4_k1024_wg",
          "64x64_w2x2_s3_k1024", "32x32_w2x2_s2_k1024", "64x128_w2x2_s3"]
 
 
@@ -183,7 +184,8 @@ def _row_affine_pair(a, wp, conv, M, K, a_twos, w_twos, out_kind, tile, row_affi
     return L._bmma_gemm(*args, **kw), rq.bmma_gemm_reference(*args, **kw)
 
 
-ROWSUM_TILES = ["", "128x128_w8x1_s4_k1024_wg_tma", "128x64_w8x1_s3_k1024_wg_tma", "128x128_w8x1_s4_k1024_wg",
+ROWSUM_TILES = ["", "128x128_w8x1_s4_k1024_wg_tma", "128x64_w8x1_s3_k1024_wg_tma", "192x64_w12x1_s3_k1024_wg_tma",
+         "128x128_w8x1_s4_k1024_wg",
                 "64x128_w4x1_s4_k1024_wg", "64x64_w2x2_s3_k1024", "32x64_w2x2_s3_k1024", "32x32_w2x2_s2_k1024",
                 "64x128_w2x2_s3"]
 
@@ -253,7 +255,8 @@ def test_in_kernel_row_sums_bad_input():
 
 @pytest.mark.parametrize("geom", [GEOMS[0], GEOMS[3], GEOMS[5], ((2, 13, 13, 192), (96, 3, 3), 1, 1, 1),
                                   ((1, 9, 10, 37), (16, 3, 3), 2, 1, 1)], ids=["c64", "c64k5", "c64s2", "c192", "c37"])
-@pytest.mark.parametrize("tile", ["", "128x64_w8x1_s3_k1024_wg_tma", "128x128_w8x1_s4_k1024_wg", "32x64_w2x2_s3_k1024"])
+@pytest.mark.parametrize("tile", ["", "128x64_w8x1_s3_k1024_wg_tma", "192x64_w12x1_s3_k1024_wg_tma",
+                                  "128x128_w8x1_s4_k1024_wg", "32x64_w2x2_s3_k1024"])
 def test_implicit_conv_8_byte_taps_on_compact_rows(geom, tile):
     """Taps of 2 mod 4 words (C = 64: 2, C = 192: 6) are gathered with 8-byte copies, from compact rows (2 / 6 words
     a pixel) as from padded ones, with the row sums in the kernel: equal to the reference."""
@@ -265,3 +268,25 @@ def test_implicit_conv_8_byte_taps_on_compact_rows(geom, tile):
         got, want = _row_affine_pair(a, wp, conv, M, K, False, False, out_kind, tile, (-1, 9 * C))
         got_p, _ = _row_affine_pair(ap, wp, conv, M, K, False, False, out_kind, tile, (-1, 9 * C))
         assert torch.equal(got, want) and torch.equal(got_p, want), (geom, tile, out_kind)
+
+
+def test_three_warpgroup_tile_is_the_default_for_wide_64_column_convs():
+    """A 64 -> 64 3x3 conv with >= 2 tiles an SM at bm = 192 (ResNet-18's stage 0 at a large batch) runs three MMA
+    warpgroups by default (loader.conv_wgmma_tile), with the row sums, a fused residual and both outputs, several
+    tiles a block: equal to the reference.  A smaller batch keeps the two-warpgroup tile."""
+    sms = L._sm_count(torch.device(DEV))[0]
+    n = -(-(2 * sms * 192) // (56 * 56))  # images of 56 x 56 for 2 tiles an SM
+    geom = ((n, 56, 56, 64), (64, 3, 3), 1, 1, 1)
+    a, wp, conv, M, K = _case(geom, 2, 1, False, False, compact=True, seed=77)
+    v = L._variant_for(2, 1, False, False, M, K, "packed", 2, "unsigned", "", *L._sm_count(a.device), wp.shape[2],
+                       True, False, False, True)
+    assert (v.tile.bm, v.tile.tma) == (192, True), str(v)
+    small = L._variant_for(2, 1, False, False, 8 * 56 * 56, K, "packed", 2, "unsigned", "", *L._sm_count(a.device),
+                           wp.shape[2], True, False, False, True)
+    assert small.tile.bm == 128, str(small)
+    got, want = _row_affine_pair(a, wp, conv, M, K, False, False, "packed", "", (-1, 576))
+    assert torch.equal(got, want)
+    res = torch.randn(M, K, device=DEV, generator=torch.Generator(device=DEV).manual_seed(3)).half()
+    (g16, gp), (w16, wpl) = _row_affine_pair(a, wp, conv, M, K, False, False, "float16", "", (-1, 576),
+                                             residual=res, dual=True)
+    assert torch.equal(g16, w16) and torch.equal(gp, wpl)

@@ -369,6 +369,33 @@ def _default_arch() -> str:
 # blocks of a cluster wait for each other's stages.
 _TMA_BM = 128  # two MMA warpgroups
 _TMA_MAX_STAGES = 8
+# Implicit convolutions (the producer gathers A; a tile is one or two K steps) whose warpgroup N leaves the
+# accumulators half the budget -- w1a2 on 64 columns, ResNet-18's stages 0 / 1 -- take three MMA warpgroups (bm = 192,
+# 3 stages; 512 threads cap ptxas at 128 registers, so only half the accumulators fit): the per-tile work of a consumer
+# (barriers, epilogue set-up, the wgmma issue) spreads over 1.5x the rows and a scheduler keeps 4 warps instead of 3.
+# Measured on an H200 (session 26, same process, outputs equal, .carry probe): ResNet-18 w1a2 batch 256 2.17 -> 2.08 ms
+# (stage-0 64->64@56 with the residual and both outputs 251 -> 210 us).  192 x 128 spills 1.9 KB: not taken.
+_CONV_BM = 192
+_CONV_MIN_TILES = 2  # ... a problem of >= 2 tiles an SM at bm = 192 (at batch 8 the 128-row tile keeps every SM busy)
+
+
+def conv_wgmma_tile(t: Tile, p: int, q: int, a_twos: bool, w_twos: bool, epilogue: str, M: int, N: int,
+                    sm_count: int) -> Tile:
+    """The tile an implicit convolution runs in place of the picked TMA tile ``t``: three MMA warpgroups (bm =
+    :data:`_CONV_BM`) with as many stages (>= 3) as fit, where the accumulators fit half the budget and the problem
+    has :data:`_CONV_MIN_TILES` tiles an SM; else ``t``."""
+    nc = n_classes(p, q, a_twos, w_twos)
+    if not t.tma or nc * t.bn // 2 > _WGMMA_ACC_BUDGET // 2 or \
+            -(-M // _CONV_BM) * -(-N // t.bn) < _CONV_MIN_TILES * sm_count:
+        return t
+    for stages in range(_TMA_MAX_STAGES, 2, -1):
+        c = replace(t, bm=_CONV_BM, warps_m=_CONV_BM // 16, stages=stages)
+        try:
+            Variant(p, q, a_twos, w_twos, c, epilogue)
+            return c
+        except ValueError:  # more shared memory than a block may have
+            continue
+    return t
 
 
 def wgmma_tile(p: int, q: int, a_twos: bool = False, w_twos: bool = False, epilogue: str = "float",
@@ -880,10 +907,18 @@ def _variant_for(p, q, a_twos, w_twos, M, N, out_kind, out_bits, out_encoding, t
         t = replace(t, split=1)
     if epi == "packed" or dual:
         t = packed_tile(t)
+    make = lambda t: Variant(p, q, a_twos, w_twos, t, epi, out_kind if epi == "float" else "float32",  # noqa: E731
+                             out_bits, out_encoding, conv, res, dual, rowsum)
+    if conv and not tile:
+        wide = conv_wgmma_tile(t, p, q, a_twos, w_twos, epi, M, N, sm_count)
+        if wide != t:
+            try:
+                return make(wide)
+            except ValueError:  # the row sums' ones or the dual thresholds left too little shared memory
+                pass
     while True:
         try:
-            return Variant(p, q, a_twos, w_twos, t, epi, out_kind if epi == "float" else "float32", out_bits,
-                           out_encoding, conv, res, dual, rowsum)
+            return make(t)
         except ValueError:  # a picked tile whose stages left no room for the row sums' 1 KB of ones: one stage less
             if tile or not rowsum or t.stages <= 3 or replace(t, stages=t.stages - 1) == t:
                 raise
