@@ -7,6 +7,11 @@ of each side are recorded.  The other source comes from git, e.g.
     git show 7eba2c4:src/tcprec/kernels/cuda/bmma_gemm.cu > .carry/old_bmma.cu
     PYTHONPATH=src python3 benchmarks/bench_kernel_source_ab_device.py .carry/old_bmma.cu \\
         --models vgg,resnet18 --out benchmarks/results/epilogue_ab.json
+
+or, with one source, side A with loader settings changed (a tile rule off), e.g.
+
+    PYTHONPATH=src python3 benchmarks/bench_kernel_source_ab_device.py --a-loader _CONV_MIN_TILES=1000000000 \\
+        --models resnet18 --out benchmarks/results/conv_tile_ab.json
 """
 from __future__ import annotations
 
@@ -28,14 +33,19 @@ from tcprec.nn.models import INPUT_SHAPES, build  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("other", help="the other bmma_gemm.cu (side A); side B is the tree's")
+    ap.add_argument("other", nargs="?", default=None, help="the other bmma_gemm.cu (side A); side B is the tree's")
+    ap.add_argument("--a-loader", action="append", default=[], metavar="NAME=INT",
+                    help="side A: set tcprec.kernels.cuda.loader.NAME to INT (repeatable)")
     ap.add_argument("--models", default="vgg")
     ap.add_argument("--precision", default="w1a2")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default="/tmp/kernel_source_ab.json")
     args = ap.parse_args()
-    sides = {"A (" + args.other + ")": Path(args.other).resolve(), "B (tree)": loader.SOURCE_PATH}
+    a_attrs = {k: int(v) for k, v in (kv.split("=", 1) for kv in args.a_loader)}
+    a_name = "A (" + ", ".join([args.other] * bool(args.other) + args.a_loader) + ")"
+    sides = {a_name: Path(args.other).resolve() if args.other else loader.SOURCE_PATH, "B (tree)": loader.SOURCE_PATH}
+    b_attrs = {k: getattr(loader, k) for k in a_attrs}
     torch.manual_seed(0)
     rows = []
     for name in args.models.split(","):
@@ -45,6 +55,8 @@ def main() -> None:
         for rnd in range(args.rounds):
             for side, src in sides.items():
                 loader.SOURCE_PATH = src
+                for k, v in (a_attrs if side == a_name else b_attrs).items():
+                    setattr(loader, k, v)
                 loader._variant_for.cache_clear()
                 loader._kernels.clear()
                 with torch.no_grad():
@@ -65,6 +77,8 @@ def main() -> None:
         rows.append(dict(model=name, batch=args.batch, precision=args.precision, outputs_equal=True,
                          ms={k: min(v) for k, v in times.items()}, ms_all=times, layers_us=layers))
     loader.SOURCE_PATH = sides["B (tree)"]
+    for k, v in b_attrs.items():
+        setattr(loader, k, v)
     out = dict(command=" ".join(sys.argv), gpu=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows)
     Path(args.out).write_text(json.dumps(out, indent=1))
     print("wrote", args.out)
