@@ -26,8 +26,7 @@ GEOMS = [
     ((1, 6, 7, 200), (48, 1, 1), 2, 0, 1),
 ]
 TILES = ["", "128x128_w8x1_s4_k1024_wg_tma", "128x64_w8x1_s3_k1024_wg_tma", "192x64_w12x1_s3_k1024_wg_tma",
-         "128x128_w8x1_s4_k1024_wg",
-         "64x64_w2x2_s3_k1024", "32x32_w2x2_s2_k1024", "64x128_w2x2_s3"]
+         "128x128_w8x1_s4_k1024_wg", "64x64_w2x2_s3_k1024", "32x32_w2x2_s2_k1024", "64x128_w2x2_s3"]
 
 
 def _case(geom, p, q, a_twos, w_twos, compact=False, seed=0):
@@ -185,8 +184,7 @@ def _row_affine_pair(a, wp, conv, M, K, a_twos, w_twos, out_kind, tile, row_affi
 
 
 ROWSUM_TILES = ["", "128x128_w8x1_s4_k1024_wg_tma", "128x64_w8x1_s3_k1024_wg_tma", "192x64_w12x1_s3_k1024_wg_tma",
-         "128x128_w8x1_s4_k1024_wg",
-                "64x128_w4x1_s4_k1024_wg", "64x64_w2x2_s3_k1024", "32x64_w2x2_s3_k1024", "32x32_w2x2_s2_k1024",
+                "128x128_w8x1_s4_k1024_wg", "64x128_w4x1_s4_k1024_wg", "64x64_w2x2_s3_k1024", "32x64_w2x2_s3_k1024", "32x32_w2x2_s2_k1024",
                 "64x128_w2x2_s3"]
 
 

@@ -373,10 +373,24 @@ _TMA_MAX_STAGES = 8
 # accumulators half the budget -- w1a2 on 64 columns, ResNet-18's stages 0 / 1 -- take three MMA warpgroups (bm = 192,
 # 3 stages; 512 threads cap ptxas at 128 registers, so only half the accumulators fit): the per-tile work of a consumer
 # (barriers, epilogue set-up, the wgmma issue) spreads over 1.5x the rows and a scheduler keeps 4 warps instead of 3.
-# Measured on an H200 (session 26, same process, outputs equal, .carry probe): ResNet-18 w1a2 batch 256 2.17 -> 2.08 ms
-# (stage-0 64->64@56 with the residual and both outputs 251 -> 210 us).  192 x 128 spills 1.9 KB: not taken.
+# Measured on an H200 (session 26, same process, outputs equal; benchmarks/results/conv_tile_ab.json): ResNet-18 w1a2
+# batch 256 2.152 -> 2.050 ms (stage-0 64->64@56 with the residual and both outputs ~251 -> ~200 us).  192 x 128 spills
+# 1.9 KB: not taken.
 _CONV_BM = 192
 _CONV_MIN_TILES = 2  # ... a problem of >= 2 tiles an SM at bm = 192 (at batch 8 the 128-row tile keeps every SM busy)
+
+
+def _deepest_tma_tile(p: int, q: int, a_twos: bool, w_twos: bool, bm: int, bn: int, epilogue: str) -> Optional[Tile]:
+    """The TMA wgmma tile bm x bn (bm / 16 warps along M) with as many stages (3 .. :data:`_TMA_MAX_STAGES`) as
+    shared memory holds for ``epilogue`` ("packed" or else "float"); None when not even 3 fit."""
+    for stages in range(_TMA_MAX_STAGES, 2, -1):
+        t = Tile(bm, bn, bm // 16, 1, stages, 1024, mma="wgmma", tma=True)
+        try:
+            Variant(p, q, a_twos, w_twos, t, "packed" if epilogue == "packed" else "float")
+            return t
+        except ValueError:  # more shared memory than a block may have
+            continue
+    return None
 
 
 def conv_wgmma_tile(t: Tile, p: int, q: int, a_twos: bool, w_twos: bool, epilogue: str, M: int, N: int,
@@ -388,14 +402,7 @@ def conv_wgmma_tile(t: Tile, p: int, q: int, a_twos: bool, w_twos: bool, epilogu
     if not t.tma or nc * t.bn // 2 > _WGMMA_ACC_BUDGET // 2 or \
             -(-M // _CONV_BM) * -(-N // t.bn) < _CONV_MIN_TILES * sm_count:
         return t
-    for stages in range(_TMA_MAX_STAGES, 2, -1):
-        c = replace(t, bm=_CONV_BM, warps_m=_CONV_BM // 16, stages=stages)
-        try:
-            Variant(p, q, a_twos, w_twos, c, epilogue)
-            return c
-        except ValueError:  # more shared memory than a block may have
-            continue
-    return t
+    return _deepest_tma_tile(p, q, a_twos, w_twos, _CONV_BM, t.bn, epilogue) or t
 
 
 def wgmma_tile(p: int, q: int, a_twos: bool = False, w_twos: bool = False, epilogue: str = "float",
@@ -412,14 +419,7 @@ def wgmma_tile(p: int, q: int, a_twos: bool = False, w_twos: bool = False, epilo
     if not fits:  # N = 32: measured slower than mma.sync (w2a2 8192^3: 1462 us vs 1156 us)
         return None
     wn = next((n for n in fits if N is not None and n >= N), fits[-1])
-    for stages in range(_TMA_MAX_STAGES, 2, -1):
-        t = Tile(_TMA_BM, wn, _TMA_BM // 16, 1, stages, 1024, mma="wgmma", tma=True)
-        try:
-            Variant(p, q, a_twos, w_twos, t, "packed" if epilogue == "packed" else "float")
-            return t
-        except ValueError:  # more shared memory than a block may have
-            continue
-    return None
+    return _deepest_tma_tile(p, q, a_twos, w_twos, _TMA_BM, wn, epilogue)
 
 
 def pick_tile(p: int, q: int, a_twos: bool, w_twos: bool, M: int, N: int, sm_count: int = 132,
