@@ -8,6 +8,13 @@ of each side are recorded.  The other source comes from git, e.g.
     PYTHONPATH=src python3 benchmarks/bench_kernel_source_ab_device.py .carry/old_bmma.cu \\
         --models vgg,resnet18 --out benchmarks/results/epilogue_ab.json
 
+``--kernel stem_conv`` swaps the thin-stem kernel's source (kernels/cuda/stem_conv.cu) instead, e.g.
+
+    git show HEAD:src/tcprec/kernels/cuda/stem_conv.cu > .carry/old_stem.cu
+    git show HEAD:src/tcprec/kernels/cuda/codes.cuh > .carry/codes.cuh   # (included from beside the source)
+    PYTHONPATH=src python3 benchmarks/bench_kernel_source_ab_device.py .carry/old_stem.cu --kernel stem_conv \\
+        --models vgg,alexnet,yolov2-tiny
+
 or, with one source, side A with loader settings changed (a tile rule off), e.g.
 
     PYTHONPATH=src python3 benchmarks/bench_kernel_source_ab_device.py --a-loader _CONV_MIN_TILES=1000000000 \\
@@ -27,13 +34,15 @@ from profile_net_layers_device import layer_kernels  # noqa: E402
 
 from tcprec.bench.common import time_graph_ms  # noqa: E402
 from tcprec.bench.net import build_variant  # noqa: E402
-from tcprec.kernels.cuda import loader  # noqa: E402
+from tcprec.kernels.cuda import loader, stem_conv  # noqa: E402
 from tcprec.nn.models import INPUT_SHAPES, build  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("other", nargs="?", default=None, help="the other bmma_gemm.cu (side A); side B is the tree's")
+    ap.add_argument("other", nargs="?", default=None, help="the other kernel source (side A); side B is the tree's")
+    ap.add_argument("--kernel", choices=("bmma_gemm", "stem_conv"), default="bmma_gemm",
+                    help="whose source `other` replaces: the bit-serial GEMM's or the thin stem's")
     ap.add_argument("--a-loader", action="append", default=[], metavar="NAME=INT",
                     help="side A: set tcprec.kernels.cuda.loader.NAME to INT (repeatable)")
     ap.add_argument("--models", default="vgg")
@@ -44,7 +53,8 @@ def main() -> None:
     args = ap.parse_args()
     a_attrs = {k: int(v) for k, v in (kv.split("=", 1) for kv in args.a_loader)}
     a_name = "A (" + ", ".join([args.other] * bool(args.other) + args.a_loader) + ")"
-    sides = {a_name: Path(args.other).resolve() if args.other else loader.SOURCE_PATH, "B (tree)": loader.SOURCE_PATH}
+    mod = loader if args.kernel == "bmma_gemm" else stem_conv
+    sides = {a_name: Path(args.other).resolve() if args.other else mod.SOURCE_PATH, "B (tree)": mod.SOURCE_PATH}
     b_attrs = {k: getattr(loader, k) for k in a_attrs}
     torch.manual_seed(0)
     rows = []
@@ -54,11 +64,13 @@ def main() -> None:
         ref, times, layers = None, {k: [] for k in sides}, {}
         for rnd in range(args.rounds):
             for side, src in sides.items():
-                loader.SOURCE_PATH = src
+                mod.SOURCE_PATH = src
                 for k, v in (a_attrs if side == a_name else b_attrs).items():
                     setattr(loader, k, v)
                 loader._variant_for.cache_clear()
                 loader._kernels.clear()
+                stem_conv._smem_set.clear()  # (a reloaded kernel needs its shared-memory attribute set again)
+                stem_conv._THRESHOLDS.clear()
                 with torch.no_grad():
                     model, dt = build_variant(m32, args.precision, x32[:4])
                     x = x32.to(dt).contiguous(memory_format=torch.channels_last)
@@ -76,7 +88,7 @@ def main() -> None:
                 print(f"{name} b{args.batch} {args.precision} {side}: {times[side][-1]:.3f} ms", flush=True)
         rows.append(dict(model=name, batch=args.batch, precision=args.precision, outputs_equal=True,
                          ms={k: min(v) for k, v in times.items()}, ms_all=times, layers_us=layers))
-    loader.SOURCE_PATH = sides["B (tree)"]
+    mod.SOURCE_PATH = sides["B (tree)"]
     for k, v in b_attrs.items():
         setattr(loader, k, v)
     out = dict(command=" ".join(sys.argv), gpu=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows)

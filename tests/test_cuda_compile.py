@@ -476,14 +476,18 @@ def test_dual_variants_and_custom_op_schemas():
 
 
 def test_stem_conv_variants_compile_without_spills(cache):
-    """stem_conv.cu (the thin-input INT8 stem with the planes epilogue): every output format x pool variant compiles for sm_90a with both entries (the conv and its threshold words), without spills or a stack
-    frame, on int8 tensor-core MMAs."""
+    """stem_conv.cu (the thin-input INT8 stem with the planes epilogue): every output format x pool variant, the
+    float16 / bfloat16 output with the planes of every format and alone, compiles for sm_90a with both entries (the conv
+    and its threshold words), without spills or a stack frame, on int8 tensor-core MMAs."""
     from concurrent.futures import ThreadPoolExecutor
+
+    import torch
 
     from tcprec.kernels.cuda import stem_conv as P
 
     vs = P.all_variants()
-    assert len(vs) == 18 and len({str(v) for v in vs}) == 18
+    assert len(vs) == 18 + 18 + 2 and len({str(v) for v in vs}) == len(vs)
+    assert {v.fout for v in vs} == {None, torch.float16, torch.bfloat16} and sum(not v.planes for v in vs) == 2
     P.cuda_core_api()  # (imported once before the threads)
     with ThreadPoolExecutor(4) as ex:
         logs = list(ex.map(lambda v: P.compile_stem(v, "sm_90a"), vs))
@@ -531,8 +535,13 @@ def test_stem_weight_words_tiles_and_bad_input():
     v = P.StemVariant(2, "unsigned", 2)
     t = P.pick_tile(v, 56, 56, 3, 3, (2, 2), (1, 1))  # VGG: 7 units a row, 4 rows -> 7 units a warp
     assert (t.tpo, t.tqo) == (4, 56)
-    t = P.pick_tile(P.StemVariant(2, "unsigned", 1), 56, 56, 7, 7, (4, 4), (1, 1))  # ResNet: 32-pixel units
-    assert t.tqo == 64 and (t.tpo * 2) % 4 == 0
+    res = P.StemVariant(2, "unsigned", 1, torch.float16)  # ResNet-18's (the float and its planes): 32-pixel units
+    t = P.pick_tile(res, 56, 56, 7, 7, (4, 4), (1, 1), words=2, c=3)
+    assert (t.tpo, t.tqo) == (4, 64)  # 8 rows would keep the SM below its 4 blocks (shared memory)
+    assert P.smem_bytes(res, t, 7, 7, (4, 4), (1, 1), 2, 3) <= 228 * 1024 // 4 - 1024
+    assert P.smem_bytes(res, P.StemTile(8, 64), 7, 7, (4, 4), (1, 1), 2, 3) > 228 * 1024 // 4 - 1024
+    # with 4 words of channels and 4-byte pixels (the defaults: the largest block) one row of units fits the share
+    assert P.pick_tile(res, 56, 56, 7, 7, (4, 4), (1, 1)) == P.StemTile(1, 64)
     t = P.pick_tile(v, 208, 208, 3, 3, (1, 1), (1, 1))  # YOLOv2-tiny
     assert t.tqo == 56 and 4 * t.tqo >= 208
     t = P.pick_tile(v, 56, 56, 3, 3, (2, 2), (1, 1), N=8)  # batch 8: one row a block, 448 blocks
@@ -544,6 +553,15 @@ def test_stem_weight_words_tiles_and_bad_input():
         P.StemVariant(4)
     with pytest.raises(ValueError, match=r"pool is 1 \(none\) or 2 \(2x2 stride 2\), got pool=0"):
         P.StemVariant(2, "unsigned", 0)
+    with pytest.raises(ValueError, match=r"float output without a pool: pool=1 with fout=torch.float16, got pool=2"):
+        P.StemVariant(2, "unsigned", 2, torch.float16)
+    with pytest.raises(ValueError, match=r"float output is one of \['torch.float16', 'torch.bfloat16'\] or None, "
+                                         r"got fout=torch.float32"):
+        P.StemVariant(2, "unsigned", 1, torch.float32)
+    with pytest.raises(ValueError, match=r"without planes writes the float alone: pass fout="):
+        P.StemVariant(3, "unsigned", 1, torch.float16, planes=False)
+    assert str(P.StemVariant(2, "twos", 1, torch.bfloat16)) == "o2t_p1_bfloat16"
+    assert "TCP_FOUT=1" in P.StemVariant(pool=1, fout=torch.float16, planes=False).defines()
     with pytest.raises(ValueError, match=r"at most 4 input channels, got C=5"):
         P.stem_weight_words(torch.zeros((8, 3, 3, 5), dtype=torch.int8))
     with pytest.raises(ValueError, match=r"contiguous int8 \(N, H, W, C <= 4\) codes"):

@@ -272,7 +272,7 @@ def test_residual_fusion_is_bit_identical(backend, dtype):
 def test_bitserial_resnet_block_outputs_are_float_and_planes(monkeypatch):
     """On the bit-serial kernel a block's output (its last conv fused with the add) is written once as the float
     and its planes ("planes+float", a PackedActivation with hp) for every reader: the next block's conv1, its 1x1
-    shortcut conv and its residual add; the first conv (int8) and the last block (read by flatten) are not."""
+    shortcut conv and its residual add; so is the first conv's (int8); the last block's (read by flatten) is not."""
     from tcprec.nn import convert
 
     monkeypatch.setattr(convert, "choose_int_backend",
@@ -286,7 +286,8 @@ def test_bitserial_resnet_block_outputs_are_float_and_planes(monkeypatch):
     assert out["stages.0.branch.3"] == "float16 + packed uint2 -> stages.1.branch.0, stages.1.shortcut.0"
     assert out["stages.1.branch.3"] == "float16 + packed uint2 -> stages.2.conv1"
     assert mods["stages.0.branch.0"].out_layout == "compact" and mods["stages.2.conv2"].out_fmt is None
-    assert mods["stem.0"].out_fmt is None  # an int8 conv whose output a residual reads: float
+    # the int8 stem, read by the first block's conv and its add: the float and its planes too
+    assert mods["stem.0"].out_layout == "planes+float" and out["stem.0"].startswith("float16 + packed uint2 -> ")
     assert mods["stages.1.branch.3"].tcprec_trace()[-1] == "fp16 + uint2 planes"
 
 

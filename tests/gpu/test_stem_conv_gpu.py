@@ -1,5 +1,6 @@
 """kernels/cuda/stem_conv.cu through tcprec.ops.qconv.conv2d on the GPU: a thin 8-bit stem (C <= 4) that writes the
-next bit-serial layer's planes equals the float64 reference's planes bit for bit -- the four networks' stems, odd
+next bit-serial layer's planes equals the float64 reference's planes bit for bit, and one that writes its 16-bit float
+(and the planes of it) the Triton route's float bit for bit -- the four networks' stems, odd
 sizes, dilation, C = 1 and 4, K > 128 (two channel blocks), int8 and uint8 (shifted) inputs, 1..3-bit outputs of
 every encoding, none / ReLU / LeakyReLU, negative and zero column scales (the float path), with and without the
 2x2 pool, padded and compact rows, inside a CUDA graph; the threshold words follow in-place changes of the
@@ -26,7 +27,9 @@ STEMS = [
     ("odd_dilated_c1", (3, 37, 29, 1), (40, 5, 3), (2, 1), (2, 0), (1, 2), POOL),
     ("c4_two_blocks", (2, 30, 30, 4), (160, 3, 3), 1, 1, 1, None),
     ("odd_floor_pool", (2, 33, 35, 3), (24, 3, 3), 1, 0, 1, POOL),
+    ("odd_k", (2, 31, 27, 3), (37, 5, 5), 2, 2, 1, None),
 ]
+NO_POOL = [i for i, st in enumerate(STEMS) if st[6] is None]
 # (input format, output format, act)
 CASES = [("int8", "uint2", "relu"), ("uint8", "int2", None), ("int8", "uint1", ("leaky", 0.1)),
          ("uint8", "int3", "relu"), ("int8", "binary", None), ("int8", "uint3", ("leaky", 0.25))]
@@ -73,6 +76,43 @@ def test_stem_planes_equal_reference(i, c):
         assert got.planes.shape[2] == -(-pw.qw.shape[0] // 32)
 
 
+def _bits(t):
+    return t.view(torch.int16)
+
+
+@pytest.mark.parametrize("dt", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("i", NO_POOL, ids=[STEMS[i][0] for i in NO_POOL])
+def test_stem_float_and_dual_outputs_equal_triton_route(i, dt):
+    """Without a pool stem_conv.cu writes the 16-bit float output (what the Triton INT8 conv stores, bit for bit) and,
+    for ``out_layout="planes+float"`` (ResNet-18's stem: the first block's shortcut and its conv1's input), that float
+    and the planes of it (what a quantize pass over the float gives; the Triton route runs that pass)."""
+    for c, (fa, fo, act) in enumerate(CASES):
+        qx, pw, kw = _stem(i, fa, seed=30 + c)
+        kw = dict(kw, act=act, out_dtype=dt)
+        label = f"{STEMS[i][0]} {fa} {dt} act={act}"
+        dual = dict(kw, out_fmt=fo, out_scale=0.37, out_layout="planes+float")
+        assert "stem_conv" in explain_conv2d(qx, pw, backend="int8", **kw), label
+        assert "stem_conv" in explain_conv2d(qx, pw, backend="int8", **dual), label
+        y = conv2d(qx, pw, backend="int8", **kw)
+        pa = conv2d(qx, pw, backend="int8", **dual)
+        old = qconv.STEM_CUDA
+        try:
+            qconv.STEM_CUDA = False
+            assert "stem_conv" not in explain_conv2d(qx, pw, backend="int8", **dual)
+            want = conv2d(qx, pw, backend="int8", **kw)
+            want_pa = conv2d(qx, pw, backend="int8", **dual)
+        finally:
+            qconv.STEM_CUDA = old
+        assert y.dtype == dt and y.shape == want.shape and want.abs().max() > 1, label
+        bad = int((_bits(y) != _bits(want)).sum())
+        assert bad == 0, f"{label}: {bad} of {y.numel()} floats differ"
+        assert torch.equal(_bits(pa.hp), _bits(want)), label
+        assert pa.compact and pa.planes.shape == want_pa.planes.shape, label
+        assert torch.equal(pa.planes, want_pa.planes), label
+        ref = conv2d(qx, pw, backend="reference", **dual)  # (the float64 conv's integers, float32 epilogue)
+        assert torch.equal(_bits(ref.hp), _bits(want)) and torch.equal(pa.codes(), ref.codes()), label
+
+
 def test_float_path_for_marked_columns():
     """A zero column scale (a dead BN channel: the code never reaches the top) marks the column, so its block takes
     the float path -- the same planes as the reference, for the marked and the other columns."""
@@ -82,6 +122,21 @@ def test_float_path_for_marked_columns():
         kw["scale"][7] = -0.0
         _check(qx, pw, dict(kw, act="relu", out_fmt="uint2", out_scale=0.37), f"{STEMS[i][0]} marked")
         _check(qx, pw, dict(kw, act=None, out_fmt="int2", out_scale=0.37), f"{STEMS[i][0]} marked, no act")
+
+
+def test_dual_output_in_a_graph():
+    qx, pw, kw = _stem(3, "int8", seed=5)
+    kw = dict(kw, act="relu", out_dtype=torch.float16, out_fmt="uint2", out_scale=torch.tensor([0.37], device=DEV),
+              out_layout="planes+float")
+    first = conv2d(qx, pw, backend="int8", **kw)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = conv2d(qx, pw, backend="int8", **kw)
+    out.planes.zero_()
+    out.hp.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.planes, first.planes) and torch.equal(_bits(out.hp), _bits(first.hp))
 
 
 def test_graph_capture_and_thresholds_follow_buffers():
@@ -102,10 +157,19 @@ def test_graph_capture_and_thresholds_follow_buffers():
 
 
 def test_route_rules():
-    """Stems with a 16-channel input, a 4-bit output or a float output keep the Triton route."""
+    """Stems with a 16-channel input, a 4-bit output, a pooled or float32 float output, or a residual keep the Triton
+    route."""
     qx, pw, kw = _stem(0, "int8")
     assert "stem_conv" not in explain_conv2d(qx, pw, backend="int8", **dict(kw, out_fmt="uint4", out_scale=0.3))
     assert "stem_conv" not in explain_conv2d(qx, pw, backend="int8", **kw)
+    assert "stem_conv" not in explain_conv2d(qx, pw, backend="int8", **dict(kw, out_dtype=torch.float16))
+    qr, pr, kr = _stem(3, "int8")
+    assert "stem_conv" in explain_conv2d(qr, pr, backend="int8", **dict(kr, out_dtype=torch.float16))
+    assert "stem_conv" not in explain_conv2d(qr, pr, backend="int8", **kr)  # float32
+    res = torch.zeros((2, 56, 56, 64), dtype=torch.float16, device=DEV)
+    assert "stem_conv" not in explain_conv2d(qr, pr, backend="int8", **dict(kr, out_dtype=torch.float16, residual=res))
+    assert "stem_conv" not in explain_conv2d(qr, pr, backend="int8", **dict(kr, out_dtype=torch.float16, out_fmt="uint4",
+                                                                          out_scale=0.3, out_layout="planes+float"))
     gen = torch.Generator(DEV).manual_seed(1)
     qx16 = _qt((1, 20, 20, 5), "int8", gen)
     pw16 = pack_conv_weight(_qt((32, 3, 3, 5), "int8", gen, PerChannel(0)))

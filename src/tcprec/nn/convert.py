@@ -464,8 +464,11 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
                     gather = all(o.reads_compact for o in [b] + others)
                     if a.has_residual or r_users:
                         # the float too (a residual add reads it), or a block's add in the producer: the binary GEMM's
-                        # epilogue writes the float output and its compact planes ("planes+float", <= 3 bits)
-                        if not BITSERIAL_DUAL or kind_of(a) != "bitserial" or not gather or b.a_fmt.bits > 3 \
+                        # epilogue writes the float output and its compact planes ("planes+float", <= 3 bits); so does
+                        # an 8-bit thin stem's on sm_90 (stem_conv.cu: ResNet-18's), and other INT8 layers pack their
+                        # float in one pass after it (what the readers would do, once)
+                        if not BITSERIAL_DUAL or kind_of(a) not in ("bitserial", "int8") or not gather \
+                                or b.a_fmt.bits > 3 \
                                 or a.out_dtype not in (torch.float16, torch.bfloat16):
                             continue
                         a.chain_to(b, "planes+float")

@@ -775,10 +775,10 @@ def _check_fusion(plan: "_Plan") -> "_Plan":
                          f"out_fmt={plan.out_fmt} with out_layout={plan.out_layout!r} is not one of them; use "
                          "out_fmt=None, an integer out_fmt with out_layout in ('int8', 'int8+float', 'planes+float'), "
                          "or out_fmt e4m3 / e5m2")
-    if plan.out_layout == "planes+float" and plan.name not in ("bitserial", "reference"):
+    if plan.out_layout == "planes+float" and plan.name not in ("bitserial", "reference", "int8"):
         raise ValueError(f"out_layout='planes+float' (the float output and its bit planes) is written by the "
-                         f"'bitserial' and 'reference' backends, not {plan.name!r}; an INT8 layer writes its float and "
-                         "int8 codes with out_layout='int8+float'")
+                         f"'bitserial', 'int8' and 'reference' backends, not {plan.name!r}; an FP8 layer writes its "
+                         "float and float8 codes with out_layout='fp8+float'")
     if plan.name == "bitserial" and plan.out_fmt is not None and (
             plan.out_layout != "planes+float" or plan.out_fmt.bits > 3 or plan.out_dtype not in _DUAL_DTYPES):
         raise ValueError(f"{what}: backend 'bitserial' (the binary tensor-core GEMM) adds a residual into a float output "
@@ -989,6 +989,8 @@ def _kernel_out(plan: _Plan) -> str:
         return "int8"
     if _fp8_out(plan):
         return _FP8_KIND[_fp8_dtype(plan.out_fmt)]
+    if plan.out_layout == "planes+float":  # the float; its planes from stem_conv's epilogue or one pass over it
+        return _KIND[plan.out_dtype]
     if plan.dual:  # no pool (_check_fusion)
         return "dual"
     return _KIND[plan.out_dtype] if (plan.fused or plan.pool_float) and plan.out_fmt is None else "float32"
@@ -1130,34 +1132,63 @@ def _stem_pad(plan: _Plan) -> int | None:
     return -oa if -128 <= -oa <= 127 else None
 
 
+def _stem_out(plan: _Plan) -> str | None:
+    """What stem_conv.cu would write for this INT8 conv: "planes" (pooled or not, <= 3 bits), "dual" (a 16-bit float
+    output and its <= 3-bit planes, ``out_layout="planes+float"``), "float" (a 16-bit float alone), or None (another
+    output: the Triton route)."""
+    from ..kernels.cuda import stem_conv as sc
+
+    fmt = plan.out_fmt
+    codes_ok = isinstance(fmt, IntFormat) and fmt.bits <= 3 and fmt.encoding in sc.ENCODINGS
+    if _planes_out(plan):
+        return "planes" if codes_ok else None
+    if plan.has_res or plan.pool is not None or plan.out_dtype not in sc.FLOAT_OUTS:
+        return None
+    if plan.out_layout == "planes+float":
+        return "dual" if codes_ok else None
+    return "float" if fmt is None else None
+
+
 def _stem_cuda(plan: _Plan, device: torch.device) -> bool:
     """Whether this INT8 conv runs kernels/cuda/stem_conv.cu: a thin stem (C <= 4 channels, a spatial filter) that
-    writes <= 3-bit planes, on a GPU that runs the CUDA kernels, with a code for value 0 and a patch that fits."""
+    writes what the kernel writes (``_stem_out``), on a GPU that runs the CUDA kernels, with a code for value 0 and a
+    patch that fits."""
     from ..kernels.cuda import stem_conv as sc
 
     g = plan.g
-    if not (STEM_CUDA and _planes_out(plan) and device.type == "cuda" and _thin_stem(g) and g.C <= sc.MAX_C
-            and plan.out_fmt.bits <= 3 and plan.out_fmt.encoding in sc.ENCODINGS and _stem_pad(plan) is not None):
+    out = _stem_out(plan) if plan.name == "int8" and plan.route == "kernel" else None
+    if not (STEM_CUDA and out and device.type == "cuda" and _thin_stem(g) and g.C <= sc.MAX_C
+            and _stem_pad(plan) is not None):
         return False
     from ..kernels.cuda import loader
 
     if not loader.can_run(device)[0] or torch.cuda.get_device_capability(device) < (9, 0):
         return False
-    pool = 2 if plan.pool else 1
     PO, QO = (g.P // 2, g.Q // 2) if plan.pool else (g.P, g.Q)
     try:
-        sc.pick_tile(sc.StemVariant(plan.out_fmt.bits, plan.out_fmt.encoding, pool), PO, QO, g.R, g.S, g.stride,
-                     g.dilation)
+        sc.pick_tile(_stem_variant(plan, out), PO, QO, g.R, g.S, g.stride, g.dilation, g.N,
+                     words=min(-(-g.K // 32), sc.MAX_WORDS), c=g.C)
     except ValueError:  # the input patch of one row of outputs does not fit in shared memory
         return False
     return True
 
 
-def _stem_kernel(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, s_out) -> torch.Tensor:
-    """kernels/cuda/stem_conv.cu: planes (bits, N * P' * Q', Kw) of the thin stem, as the Triton route's."""
+def _stem_variant(plan: _Plan, out: str):
+    from ..kernels.cuda import stem_conv as sc
+
+    if out == "float":
+        return sc.StemVariant(pool=1, fout=plan.out_dtype, planes=False)
+    fout = plan.out_dtype if out == "dual" else None
+    return sc.StemVariant(plan.out_fmt.bits, plan.out_fmt.encoding, 2 if plan.pool else 1, fout)
+
+
+def _stem_kernel(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, s_out):
+    """kernels/cuda/stem_conv.cu, as the Triton route computes: planes (bits, N * P' * Q', Kw) of the thin stem, its
+    16-bit float (N, P, Q, K), or both as (float, compact planes) (``_stem_out``)."""
     from ..kernels.cuda import stem_conv as sc
 
     g = plan.g
+    out = _stem_out(plan)
     x8, oa, _ = xs.int8()  # (N, H, W, C) int8, value = oa + sa * x8
     # padded taps hold the code of value 0 (_stem_pad: unit steps), so the correction is the same for every pixel: (K,)
     acc_add = _int8_correction(pw, g, oa, padded=False) if oa else None
@@ -1167,11 +1198,14 @@ def _stem_kernel(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, s_out) ->
         wq = sc.stem_weight_words(pw.w8)
         if not (wq.is_cuda and torch.cuda.is_current_stream_capturing()):
             pw.corr[key] = wq
-    ldo = -(-g.K // 32) if plan.out_layout == "compact" else packed_words(g.K)
-    return sc.conv_planes(x8.contiguous(), wq, g.K, g.R, g.S, stride=g.stride, padding=g.padding,
-                          dilation=g.dilation, col_scale=col, bias=bias, out_scale=s_out, act=plan.act,
-                          acc_add=acc_add, pad=_stem_pad(plan), out_bits=plan.out_fmt.bits,
-                          out_encoding=plan.out_fmt.encoding, pool=2 if plan.pool else 0, ldo=ldo)
+    ldo = packed_words(g.K) if plan.out_layout == "planes" else -(-g.K // 32)  # compact rows: "compact", the dual
+    bits, enc = (plan.out_fmt.bits, plan.out_fmt.encoding) if out != "float" else (2, "unsigned")
+    y, planes = sc.conv_stem(x8.contiguous(), wq, g.K, g.R, g.S, stride=g.stride, padding=g.padding,
+                             dilation=g.dilation, col_scale=col, bias=bias, out_scale=s_out, act=plan.act,
+                             acc_add=acc_add, pad=_stem_pad(plan), out_bits=bits, out_encoding=enc,
+                             pool=2 if plan.pool else 0, ldo=ldo, fout=None if out == "planes" else plan.out_dtype,
+                             planes=out != "float")
+    return planes if out == "planes" else y if out == "float" else (y, planes)
 
 
 def _int8_kernel(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, s_out, residual=None):
@@ -1402,8 +1436,7 @@ def _finish_float(plan: _Plan, y: torch.Tensor, out_scale, act_done: bool, resid
         qt = quantize_fp8_static(y_hp, s, fmt)
         return Fp8Activation(QTensor(qt.codes, qt.scale, fmt, PerTensor(), qt.shape, torch.float32), y_hp)
     if plan.dual and plan.out_layout == "planes+float":  # the float result, and its planes for bit-serial layers
-        y_hp = y4.to(plan.out_dtype)
-        return PackedActivation(rq.requant_pack(y_hp.to(torch.float32), fmt, s), fmt, s, tuple(y4.shape), hp=y_hp)
+        return _with_planes(plan, y4.to(plan.out_dtype), s)
     if plan.dual:  # the float result, and the codes of that float as the next INT8 layers' operand
         y_hp = y4.to(plan.out_dtype)
         return Int8Activation(quantize_int8_static(y_hp, fmt, s, backend=how).x8, fmt, s, hp=y_hp)
@@ -1431,6 +1464,22 @@ def _finish_float(plan: _Plan, y: torch.Tensor, out_scale, act_done: bool, resid
     if plan.out_fmt is not None:
         return _packed_result(rq.requant_pack(y, plan.out_fmt, out_scale), plan, out_scale, y.shape)
     return y.to(plan.out_dtype)
+
+
+def _with_planes(plan: _Plan, y_hp: torch.Tensor, s: torch.Tensor, planes: torch.Tensor | None = None
+                 ) -> PackedActivation:
+    """``out_layout="planes+float"``: the stored float output (N, P, Q, K) and the bit planes of it (given: written by
+    stem_conv.cu's epilogue; else one quantize + pack pass over the float: Triton's on CUDA and under the interpreter
+    for the INT8 kernel, compact rows; torch's elsewhere and on the reference backend)."""
+    fmt = plan.out_fmt
+    if planes is None and plan.name != "reference" and (y_hp.is_cuda or _interpreting()):
+        from ..kernels.triton import pack as tpack  # TRITON_INTERPRET is read at import
+        from .quantize import _qp_params
+
+        planes = tpack.quantize_pack(y_hp.reshape(-1, y_hp.shape[-1]), s, fmt.bits, *_qp_params(fmt), compact=True)
+    elif planes is None:
+        planes = rq.requant_pack(y_hp.to(torch.float32), fmt, s)
+    return PackedActivation(planes, fmt, s, tuple(y_hp.shape), hp=y_hp)
 
 
 def _pooled_shape(g: ConvGeometry, pool) -> tuple:
@@ -1501,6 +1550,9 @@ def _conv2d_impl(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None
             y = _fp8_kernel(plan, xs, pw, col, bias, bool(fp8_fast_accum), s_out, residual)
         else:
             y = _int8_kernel(plan, xs, pw, col, bias, s_out, residual)  # (N, P, Q, K)
+        if plan.out_layout == "planes+float":  # stem_conv's (float, planes), or the float for one pack pass
+            y, planes = y if isinstance(y, tuple) else (y, None)
+            return _with_planes(plan, y, s_out.reshape(1), planes)
         if _kernel_out(plan) == "planes":  # (bits, N*P'*Q', Kw): pooled in the epilogue when plan.pool
             return _packed_result(y, plan, s_out, _pooled_shape(g, plan.pool))
         if _kernel_out(plan) == "int8":
@@ -1612,6 +1664,8 @@ def explain_conv2d(x, w, **kw) -> str:
            and isinstance(plan.out_fmt, FloatFormat) else
            f"{plan.out_fmt} QTensor" if isinstance(plan.out_fmt, FloatFormat) else
            f"{plan.out_fmt} Int8Activation" if plan.out_layout == "int8" else
+           f"{_KIND[plan.out_dtype]} + packed {plan.out_fmt} planes (PackedActivation with hp)"
+           if plan.out_layout == "planes+float" else
            f"{_KIND[plan.out_dtype]} + {plan.out_fmt} codes (Int8Activation with hp)" if plan.dual else
            f"packed {plan.out_fmt} planes" if plan.out_fmt is not None else str(plan.out_dtype).removeprefix("torch."))
     res = ", residual" if plan.has_res else ""
@@ -1673,7 +1727,12 @@ def explain_conv2d(x, w, **kw) -> str:
                              f"with fused epilogue (scale, bias{res}, act={plan.act}) -> "
                              f"{shown}" if kind != "int32" else
                              "Triton implicit-GEMM INT8 conv conv2d_fwd_int8 -> int32"]
-        if plan.pool_float:
+        if plan.out_layout == "planes+float":
+            if plan.name == "int8" and _stem_cuda(plan, xs.device):
+                steps[-1] += f" + the {plan.out_fmt} compact bit planes of it (same epilogue)"
+            else:
+                steps.append(f"separate pass: quantize + pack the stored float -> {plan.out_fmt} compact bit planes")
+        elif plan.pool_float:
             steps.append(_pool_float_step(plan, xs.device, out))
         elif kind == "float32" and not (plan.fused and plan.out_fmt is None):
             steps += _after_gemm(plan, xs.device, out, "re-quantize")

@@ -631,23 +631,8 @@ __device__ __forceinline__ void shrink_regs() {
 }
 #endif  // TCP_TMA
 
-__device__ __forceinline__ unsigned short f32_to_f16(float x) {
-    unsigned short h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
-    return h;
-}
-__device__ __forceinline__ unsigned short f32_to_bf16(float x) {
-    unsigned short h;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
-    return h;
-}
+#include "codes.cuh"
 
-__device__ __forceinline__ float f16_to_f32(unsigned short h) {
-    float x;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(x) : "h"(h));
-    return x;
-}
-__device__ __forceinline__ float bf16_to_f32(unsigned short h) { return __uint_as_float((u32)h << 16); }
 // rd: a float32 rounded to the output dtype and back (OUT_T 0: itself); its 16-bit pattern (OUT_T 1 / 2)
 __device__ __forceinline__ unsigned short out_bits16(float x) { return OUT_T == 1 ? f32_to_f16(x) : f32_to_bf16(x); }
 __device__ __forceinline__ float out_of16(unsigned short h) { return OUT_T == 1 ? f16_to_f32(h) : bf16_to_f32(h); }
@@ -688,8 +673,6 @@ __device__ __forceinline__ void store_pair(T* o, T v0, T v1, bool interior, int 
         if (c + 1 < N) o[1] = v1;
     }
 }
-
-#include "codes.cuh"
 
 // ---- implicit-GEMM convolution (TCP_CONV): the geometry, a row's window origin, a chunk's source ----
 // n / d for 0 <= n < 2^31 and a runtime d >= 1 without a division instruction: q = (n * mul) >> sh, sh = 31 +

@@ -3,6 +3,24 @@
 // Included (textually, by loader.compile_source) inside a namespace that defines OB, OENC, NCODE = 1 << OB and the
 // types u32 / i64.
 
+// 16-bit float conversions (round to nearest even), as the bits a float16 / bfloat16 tensor stores.
+__device__ __forceinline__ unsigned short f32_to_f16(float x) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
+__device__ __forceinline__ unsigned short f32_to_bf16(float x) {
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
+__device__ __forceinline__ float f16_to_f32(unsigned short h) {
+    float x;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(x) : "h"(h));
+    return x;
+}
+__device__ __forceinline__ float bf16_to_f32(unsigned short h) { return __uint_as_float((u32)h << 16); }
+
 // y -> OB-bit code, as tcprec.encode(y / s, fmt, "nearest") after quantize's saturation.
 __device__ __forceinline__ u32 encode_code(float y, float s) {
     const float v = __fdiv_rn(y, s);
@@ -86,10 +104,15 @@ __device__ __forceinline__ int index_of_y(float y, const float* T) {
 
 // A column's integer threshold word i (see index_of_y): i = 0 -> f (0 or -1; 1 marks the column for the float path),
 // 1 <= i < 2^OB -> t_i, by bisection over the int32 values of C' with y_of (rs = 1) and the float thresholds T_i, so
-// the words give the float path's codes.
+// the words give the float path's codes.  RD 1 / 2: the codes of y rounded to float16 / bfloat16 first (a kernel that
+// stores that float and the planes of the stored value; rounding to nearest is monotone, so the steps stay steps).
+template <int RD = 0>
 __device__ int threshold_word(float cs, float bi, bool has_bias, bool relu, float slope, int i, const float* T) {
     constexpr int I32_MIN = (int)0x80000000, I32_MAX = 0x7FFFFFFF;
-    auto index_of = [&](int c) { return index_of_y(y_of(c, 1.0f, cs, bi, has_bias, relu, slope), T); };
+    auto index_of = [&](int c) {
+        const float y = y_of(c, 1.0f, cs, bi, has_bias, relu, slope);
+        return index_of_y(RD == 1 ? f16_to_f32(f32_to_f16(y)) : RD == 2 ? bf16_to_f32(f32_to_bf16(y)) : y, T);
+    };
     const int at_min = index_of(I32_MIN), at_max = index_of(I32_MAX);
     const int f = at_min > at_max ? -1 : 0, lo_index = min(at_min, at_max), hi_index = max(at_min, at_max);
     if (i == 0) {

@@ -5,7 +5,8 @@
 // implicit GEMM's K tiles.  The Triton route gathers every window into a 32-byte row first (a pass writing 3.2 M
 // rows for VGG at batch 256), then runs four dependent one-step accumulations a pooled pixel: 0.50 of VGG w1a2's
 // 3.6 ms at batch 256 (H200, session 24).  Here a block copies the input patch its tile of outputs reads into
-// shared memory once, a pixel a 32-bit word (its C <= 4 channel bytes, zeros above C), so the window of an output
+// shared memory once (the rows' bytes by 4-byte cp.async, then a pixel a 32-bit word: its C <= 4 channel bytes,
+// zeros above C, shifted out of two raw words), so the window of an output
 // pixel is R*S words at fixed offsets from its corner: the A fragments of mma.m16n8k32.s8 are single 32-bit shared
 // loads (K = the window's taps, 8 a k-step; taps past R*S read any word, their weights are zero).
 //
@@ -24,6 +25,8 @@
 // (codes.cuh: threshold_word, computed by stem_code_thresholds).  A block with a column the thresholds mark (a
 // non-finite scale or bias, or a column that never reaches the top code) takes the float path for all its columns:
 // y as the Triton conv computes it, NaN -> 0, then the float thresholds T_i.
+// TCP_FOUT (no pool): the 16-bit float y itself, as the Triton conv stores it, and (TCP_PLANES) the planes of that stored
+// value: the integer words then include the rounding to it (threshold_word<FOUT>), the float path rounds before T_i.
 
 #ifndef TCP_OB
 #define TCP_OB 2
@@ -36,6 +39,12 @@
 #endif
 #ifndef TCP_WARPS
 #define TCP_WARPS 4
+#endif
+#ifndef TCP_FOUT
+#define TCP_FOUT 0
+#endif
+#ifndef TCP_PLANES
+#define TCP_PLANES 1
 #endif
 
 typedef unsigned int u32;
@@ -62,6 +71,19 @@ constexpr int UW = PF == 2 ? 8 : 32;  // output columns a unit
 constexpr int MIN_BLOCKS = PF == 1 && OB == 3 ? 3 : 4;
 constexpr i64 SAT = 1 << 30;  // saturated thresholds: the sums are < 2^24 in magnitude (<= 484 int8 x int8 products)
 static_assert(PF == 1 || PF == 2, "stem_conv: TCP_POOL 1 (none) or 2");
+// TCP_FOUT: the float output y itself, (N * PO * QO, K) of 16-bit floats (1: float16, 2: bfloat16), as the Triton
+// conv stores it (y = act(float(C) * col_scale[k] + bias[k]) rounded once to the dtype, NaN kept); with TCP_PLANES
+// the planes are of that stored value (what a separate quantize pass over the float tensor would write: the dual
+// output of a ResNet stem, whose float is the first block's shortcut).  No pool with a float output.
+constexpr int FOUT = TCP_FOUT;
+constexpr bool PLANES = TCP_PLANES != 0;
+static_assert(FOUT >= 0 && FOUT <= 2, "stem_conv: TCP_FOUT 0 (none), 1 (float16), 2 (bfloat16)");
+static_assert(FOUT == 0 || PF == 1, "stem_conv: a float output is not pooled");
+static_assert(PLANES || FOUT != 0, "stem_conv: writes planes, a float output or both");
+
+// Words a raw patch row takes in shared memory: its PWD * C bytes from any byte alignment, and one word more (the
+// pixel words are shifted out of a word and the next).
+__host__ __device__ constexpr int raw_words(int pwd, int c) { return (pwd * c + 3 + 3) / 4 + 1; }
 
 struct StemGeo {
     int N, H, W, C, R, S, sh, sw, ph, pw, dh, dw;
@@ -80,6 +102,10 @@ __device__ __forceinline__ void mma_s8(int (&d)[4], const u32 (&a)[4], u32 b0, u
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+__device__ __forceinline__ void cp_async4(int* smem_dst, const void* gsrc) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"((u32)__cvta_generic_to_shared(smem_dst)), "l"(gsrc));
+}
+
 // y of an output whose integer sum is C, as the Triton conv's epilogue computes it: float(C) * scale, + bias
 // (each rounded), ReLU (y > 0 ? y : 0) or LeakyReLU (y > 0 ? y : y * slope); then NaN -> 0 as the quantizer does.
 __device__ __forceinline__ float stem_y(int c, float cs, float bi, bool has_bias, int act, float slope) {
@@ -89,6 +115,24 @@ __device__ __forceinline__ float stem_y(int c, float cs, float bi, bool has_bias
     else if (act == 2) y = y > 0.0f ? y : __fmul_rn(y, slope);
     return y == y ? y : 0.0f;
 }
+
+// The float output's value before its rounding: the Triton conv's epilogue (bias 0 added where there is none, as its
+// zero vector is), NaN kept.
+__device__ __forceinline__ float stem_yf(int c, float cs, float bi, int act, float slope) {
+    float y = __fadd_rn(__fmul_rn(__int2float_rn(c), cs), bi);
+    if (act == 1) y = y > 0.0f ? y : 0.0f;
+    else if (act == 2) y = y > 0.0f ? y : __fmul_rn(y, slope);
+    return y;
+}
+// Two values rounded to the stored dtype (nearest even) in one conversion: lo in bits 0..15, hi in 16..31.
+__device__ __forceinline__ u32 pack16x2(float lo, float hi) {
+    u32 d;
+    if constexpr (FOUT == 2) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    else asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+__device__ __forceinline__ unsigned short stem_round16(float y) { return FOUT == 2 ? f32_to_bf16(y) : f32_to_f16(y); }
+__device__ __forceinline__ float stem_load16(unsigned short h) { return FOUT == 2 ? bf16_to_f32(h) : f16_to_f32(h); }
 
 // The threshold words of the kernel's codes: (K, 2^OB) int32, one thread a word (codes.cuh, threshold_word).
 extern "C" __global__ void __launch_bounds__(128)
@@ -100,7 +144,7 @@ stem_code_thresholds(const float* __restrict__ col_scale, const float* __restric
     const int idx = blockIdx.x * blockDim.x + threadIdx.x, n = idx / NCODE, i = idx % NCODE;
     if (n >= K) return;
     const float bi = bias != nullptr ? bias[n] : 0.0f;
-    thr[idx] = threshold_word(col_scale[n], bi, bias != nullptr, relu != 0, slope, i, T);
+    thr[idx] = threshold_word<FOUT>(col_scale[n], bi, bias != nullptr, relu != 0, slope, i, T);  // (of the stored float)
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
@@ -115,7 +159,8 @@ stem_conv(const signed char* __restrict__ x,  // (N, H, W, C) int8 codes
           u32* __restrict__ out, int ldo,     // planes (OB, N * PO * QO, ldo) int32
           int NBW,                            // 32-channel words a block (grid.y: ceil(K / (32 NBW)))
           int N, int H, int W, int C, int R, int S, int sh, int sw, int ph, int pw, int dh, int dw, int PO, int QO,
-          int K, int TPO, int TQO, int TP, int TQ, int PH, int PWD, int KW) {
+          int K, int TPO, int TQO, int TP, int TQ, int PH, int PWD, int KW,
+          unsigned short* __restrict__ fout) {  // TCP_FOUT: (N * PO * QO, K) float16 / bfloat16 bits, else null
     const StemGeo g{N, H, W, C, R, S, sh, sw, ph, pw, dh, dw, PO, QO, K, TPO, TQO, TP, TQ, PH, PWD, KW};
     extern __shared__ __align__(16) int smem[];
     const int NB = 32 * NBW;  // output channels a block
@@ -128,6 +173,8 @@ stem_conv(const signed char* __restrict__ x,  // (N, H, W, C) int8 codes
     float* s_T = reinterpret_cast<float*>(s_add + NB);  // NCODE (float path)
     int* s_tap = reinterpret_cast<int*>(s_T + NCODE);   // KW: tap j -> word offset in the patch
     int* s_patch = s_tap + g.KW;                        // PH x PWD
+    const int RWS = raw_words(g.PWD, g.C);
+    int* s_raw = s_patch + g.PH * g.PWD;                // PH x RWS: the patch rows' image bytes, as aligned words
     __shared__ int s_float;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gq = lane >> 2, t = lane & 3;
@@ -139,7 +186,27 @@ stem_conv(const signed char* __restrict__ x,  // (N, H, W, C) int8 codes
     const int n = tile / g.TP;
     const int po0 = tp * g.TPO, qo0 = tq * g.TQO;
 
-    // ---- stage: weights, epilogue vectors, tap offsets, the input patch ----
+    // ---- stage: the input patch's bytes (asynchronous copies, first), weights, epilogue vectors, tap offsets, then the
+    // patch's pixel words ----
+    // Row pr of the patch (image row ih0 + pr) reads columns iw0 .. iw0 + PWD - 1, those inside the image pc_lo <= pc <
+    // pc_hi: contiguous bytes, copied as the aligned 32-bit words that hold them (4-byte cp.async, a warp a row, all
+    // in flight at once), then each pixel's C bytes are shifted out of two words.  (Byte loads a pixel channel, a warp
+    // a row, 8 pixels a lane in flight, took ~37 instructions a pixel and 18 dependent rounds a block: half of
+    // ResNet-18's stem kernel time, ncu.)  A word beyond the row's bytes is never read: each copied word holds one.
+    const int ih0 = po0 * PF * g.sh - g.ph, iw0 = qo0 * PF * g.sw - g.pw;
+    const int pc_lo = max(0, -iw0), pc_hi = min(g.PWD, g.W - iw0);
+    const unsigned char* xn = reinterpret_cast<const unsigned char*>(x) + (i64)n * g.H * g.W * g.C;
+    auto row_first = [&](int ih) { return xn + ((i64)ih * g.W + iw0 + pc_lo) * g.C; };  // the row's first image byte
+    for (int pr = warp; pr < g.PH; pr += WARPS) {
+        const int ih = ih0 + pr;
+        if (ih < 0 || ih >= g.H || pc_hi <= pc_lo) continue;
+        const unsigned char* first = row_first(ih);
+        const int skew = (int)(reinterpret_cast<unsigned long long>(first) & 3);
+        const int words = (skew + (pc_hi - pc_lo) * g.C + 3) >> 2;
+        const unsigned char* base = first - skew;
+        for (int w = lane; w < words; w += 32) cp_async4(s_raw + pr * RWS + w, base + 4 * w);
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
     if (tid == 0) s_float = 0;
     {  // 16-byte copies (KW and WST are multiples of 4 words), LU a thread in flight
         constexpr int LU = 4;
@@ -167,6 +234,10 @@ stem_conv(const signed char* __restrict__ x,  // (N, H, W, C) int8 codes
         const int k = k0 + c;
         const bool in = k < g.K;
         const int add = in && acc_add != nullptr ? acc_add[k] : 0;
+        s_cs[c] = in ? col_scale[k] : 0.0f;
+        s_bias[c] = in && bias != nullptr ? bias[k] : 0.0f;
+        s_add[c] = add;
+        if constexpr (!PLANES) continue;
         const int f = in ? thr[(i64)k * NCODE] : 0;
         s_thr[c * NCODE] = f == 1 ? 0 : f;
 #pragma unroll
@@ -175,44 +246,30 @@ stem_conv(const signed char* __restrict__ x,  // (N, H, W, C) int8 codes
                        : (OENC == 0 && i <= NCODE / 2 ? -SAT : SAT);
             s_thr[c * NCODE + i] = (int)(u < -SAT ? -SAT : u > SAT ? SAT : u);
         }
-        s_cs[c] = in ? col_scale[k] : 0.0f;
-        s_bias[c] = in && bias != nullptr ? bias[k] : 0.0f;
-        s_add[c] = add;
         if (in && f == 1) s_float = 1;
     }
     for (int j = tid; j < g.KW; j += THREADS) {
         const int r = j / g.S, s = j - r * g.S;
         s_tap[j] = j < g.R * g.S ? r * g.dh * g.PWD + s * g.dw : 0;  // past R*S: any word (its weights are zero)
     }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    __syncthreads();  // (the raw rows, s_float)
     {
-        const int ih0 = po0 * PF * g.sh - g.ph, iw0 = qo0 * PF * g.sw - g.pw;
         u32 padw = 0;
         for (int c = 0; c < g.C; ++c) padw |= ((u32)pad & 0xFFu) << (8 * c);
-        const signed char* xn = x + (i64)n * g.H * g.W * g.C;
-        // a warp a patch row at a time, its lanes LU pixels each in flight: every load of a round is issued before the
-        // first store (the copy was latency-bound with one pixel a round; 16 chunks of flat (row, column) indices a
-        // warp measured slower: VGG 227 -> 294 us)
-        constexpr int LU = 8;
+        const u32 cmask = g.C == 4 ? 0xFFFFFFFFu : (1u << (8 * g.C)) - 1u;
         for (int pr = warp; pr < g.PH; pr += WARPS) {
             const int ih = ih0 + pr;
             const bool row_in = ih >= 0 && ih < g.H;
-            const signed char* xr = xn + (i64)ih * g.W * g.C;
-            for (int base = lane; base < g.PWD; base += 32 * LU) {
-                u32 v[LU];
-#pragma unroll
-                for (int u = 0; u < LU; ++u) {
-                    const int pc = base + 32 * u, iw = iw0 + pc;
-                    const bool in = row_in && iw >= 0 && iw < g.W;
-                    const signed char* px = xr + iw * g.C;
-                    u32 w = in ? 0u : padw;
-#pragma unroll
-                    for (int c = 0; c < 4; ++c)
-                        if (in && c < g.C) w |= ((u32)(unsigned char)__ldg(px + c)) << (8 * c);
-                    v[u] = w;
+            const int skew = row_in ? (int)(reinterpret_cast<unsigned long long>(row_first(ih)) & 3) : 0;
+            const int* raw = s_raw + pr * RWS;
+            for (int pc = lane; pc < g.PWD; pc += 32) {
+                u32 v = padw;
+                if (row_in && pc >= pc_lo && pc < pc_hi) {
+                    const int o = skew + (pc - pc_lo) * g.C;
+                    v = __funnelshift_r((u32)raw[o >> 2], (u32)raw[(o >> 2) + 1], 8 * (o & 3)) & cmask;
                 }
-#pragma unroll
-                for (int u = 0; u < LU; ++u)
-                    if (base + 32 * u < g.PWD) s_patch[pr * g.PWD + base + 32 * u] = (int)v[u];
+                s_patch[pr * g.PWD + pc] = (int)v;
             }
         }
     }
@@ -242,14 +299,14 @@ stem_conv(const signed char* __restrict__ x,  // (N, H, W, C) int8 codes
             }
         // the output rows of this thread's values: PF 2 one (its window), PF 1 four (mt, h)
         constexpr int NR = PF == 2 ? 1 : 4;
-        i64 orow[NR];
+        int orow[NR];  // (N * PO * QO < 2^31: conv_stem checks)
         bool ok[NR];
 #pragma unroll
         for (int r = 0; r < NR; ++r) {
             const int po = po0 + pol;
             const int qo = qo0 + (PF == 2 ? qb + gq : qb + (r >> 1) * 16 + (r & 1) * 8 + gq);
             ok[r] = po < g.PO && qo < g.QO;
-            orow[r] = ((i64)n * g.PO + po) * g.QO + qo;
+            orow[r] = (n * g.PO + po) * g.QO + qo;
         }
 #pragma unroll 1
         for (int w = 0; w < NBW; ++w) {  // the unit's 32-channel words: MMAs, then the word's epilogue
@@ -278,79 +335,91 @@ stem_conv(const signed char* __restrict__ x,  // (N, H, W, C) int8 codes
                     mma_s8(acc[1][j], a[1], b0, b1);
                 }
             }
-            // ---- the word's epilogue: C, (pool,) code bits, the quad's words ----
-            // sg[r][b][j][e]: bit b of the code of row r, column (j, e) of the word, in its sign bit (integer path)
-            // or as 0 / 1 (float path)
-            u32 sg[NR][OB][4][2];
-            if (!float_path) {
+            // ---- the word's epilogue: (the float output,) C, (pool,) code bits, the quad's words ----
+            if constexpr (FOUT != 0) {  // the float output: this lane's pairs of columns, one 4-byte store a pair
+                const bool pairs = (g.K & 1) == 0;  // (aligned)
 #pragma unroll
-                for (int j = 0; j < 4; ++j)
+                for (int j = 0; j < 4; ++j) {
+                    const int cl = (4 * w + j) * 8 + 2 * t, k = k0 + cl;  // this lane's columns cl, cl + 1
+                    const float cs0 = s_cs[cl], cs1 = s_cs[cl + 1], bi0 = s_bias[cl], bi1 = s_bias[cl + 1];
+                    const u32 ad0 = (u32)s_add[cl], ad1 = (u32)s_add[cl + 1];
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int nt = 4 * w + j, cl = nt * 8 + 2 * t + e;
-                        int th[NCODE];  // f, u_1 .. u_{2^OB - 1}
-                        if constexpr (NCODE == 2) {
-                            const int2 v = *reinterpret_cast<const int2*>(s_thr + cl * NCODE);
-                            th[0] = v.x, th[1] = v.y;
-                        } else {
-#pragma unroll
-                            for (int q = 0; q < NCODE / 4; ++q) {
-                                const int4 v = reinterpret_cast<const int4*>(s_thr + cl * NCODE)[q];
-                                th[4 * q] = v.x, th[4 * q + 1] = v.y, th[4 * q + 2] = v.z, th[4 * q + 3] = v.w;
+                    for (int r = 0; r < NR; ++r) {
+                        const int e0 = 2 * (r & 1);
+                        const u32 h = pack16x2(stem_yf((int)((u32)acc[r >> 1][j][e0] + ad0), cs0, bi0, act, slope),
+                                               stem_yf((int)((u32)acc[r >> 1][j][e0 + 1] + ad1), cs1, bi1, act, slope));
+                        if (ok[r]) {
+                            unsigned short* o = fout + (i64)orow[r] * g.K + k;
+                            if (pairs && k + 1 < g.K) {
+                                *reinterpret_cast<u32*>(o) = h;
+                            } else {
+                                if (k < g.K) o[0] = (unsigned short)(h & 0xFFFFu);
+                                if (k + 1 < g.K) o[1] = (unsigned short)(h >> 16);
                             }
                         }
-                        const int f = th[0];
-                        int c[NR];
-                        if constexpr (PF == 2) {
-                            c[0] = max(max(acc[0][j][e] ^ f, acc[0][j][2 + e] ^ f),
-                                       max(acc[1][j][e] ^ f, acc[1][j][2 + e] ^ f));
-                        } else {
+                    }
+                }
+            }
+            if constexpr (!PLANES) continue;
+            // the planes (of the stored float with TCP_FOUT: the integer words include its rounding, threshold_word<FOUT>),
+            // an output row at a time (one row's code bits live at once: the registers of four rows spilled)
+            const int gw = blockIdx.y * NBW + w;
 #pragma unroll
-                            for (int r = 0; r < NR; ++r) c[r] = acc[r >> 1][j][2 * (r & 1) + e] ^ f;
-                        }
+            for (int r = 0; r < NR; ++r) {
+                // sg[b][j][e]: bit b of the code of column (j, e) of the word, in its sign bit (integer path) or as 0 / 1
+                // (float path)
+                u32 sg[OB][4][2];
+                if (!float_path) {
 #pragma unroll
-                        for (int r = 0; r < NR; ++r) {
+                    for (int j = 0; j < 4; ++j)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int cl = (4 * w + j) * 8 + 2 * t + e;
+                            int th[NCODE];  // f, u_1 .. u_{2^OB - 1}
+                            if constexpr (NCODE == 2) {
+                                const int2 v = *reinterpret_cast<const int2*>(s_thr + cl * NCODE);
+                                th[0] = v.x, th[1] = v.y;
+                            } else {
+#pragma unroll
+                                for (int q = 0; q < NCODE / 4; ++q) {
+                                    const int4 v = reinterpret_cast<const int4*>(s_thr + cl * NCODE)[q];
+                                    th[4 * q] = v.x, th[4 * q + 1] = v.y, th[4 * q + 2] = v.z, th[4 * q + 3] = v.w;
+                                }
+                            }
+                            const int f = th[0];
+                            const int c = PF == 2 ? max(max(acc[0][j][e] ^ f, acc[0][j][2 + e] ^ f),
+                                                        max(acc[1][j][e] ^ f, acc[1][j][2 + e] ^ f))
+                                                  : acc[r >> 1][j][2 * (r & 1) + e] ^ f;
                             u32 x[NCODE];  // sign bit: c reaches threshold i
 #pragma unroll
-                            for (int i = 1; i < NCODE; ++i) x[i] = (u32)(th[i] - c[r]);
+                            for (int i = 1; i < NCODE; ++i) x[i] = (u32)(th[i] - c);
 #pragma unroll
                             for (int b = 0; b < OB; ++b) {  // bit b of the index: the parity of its compares at m 2^b
                                 u32 v = 0;
 #pragma unroll
                                 for (int m = 1; (m << b) < NCODE; ++m) v ^= x[m << b];
-                                sg[r][b][j][e] = OENC == 0 && b == OB - 1 ? ~v : v;
+                                sg[b][j][e] = OENC == 0 && b == OB - 1 ? ~v : v;
                             }
                         }
-                    }
-            } else {
+                } else {
 #pragma unroll
-                for (int j = 0; j < 4; ++j)
+                    for (int j = 0; j < 4; ++j)
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int nt = 4 * w + j, cl = nt * 8 + 2 * t + e;
-                        const bool inside = k0 + cl < g.K;
-                        const float cs = s_cs[cl];
-                        const int f = cs >= 0.0f ? 0 : -1, add = s_add[cl];  // as the Triton conv pools: by the scale's sign
-                        int c[NR];
-                        if constexpr (PF == 2) {
-                            c[0] = max(max(acc[0][j][e] ^ f, acc[0][j][2 + e] ^ f),
-                                       max(acc[1][j][e] ^ f, acc[1][j][2 + e] ^ f)) ^ f;
-                        } else {
+                        for (int e = 0; e < 2; ++e) {
+                            const int cl = (4 * w + j) * 8 + 2 * t + e;
+                            const bool inside = k0 + cl < g.K;
+                            const float cs = s_cs[cl];
+                            const int f = cs >= 0.0f ? 0 : -1, add = s_add[cl];  // as the Triton conv pools: by the scale's sign
+                            const int c = PF == 2 ? max(max(acc[0][j][e] ^ f, acc[0][j][2 + e] ^ f),
+                                                        max(acc[1][j][e] ^ f, acc[1][j][2 + e] ^ f)) ^ f
+                                                  : acc[r >> 1][j][2 * (r & 1) + e];
+                            float y = stem_y((int)((u32)c + (u32)add), cs, s_bias[cl], has_bias, act, slope);
+                            if constexpr (FOUT != 0) y = stem_load16(stem_round16(y));  // (NaN was 0: the same codes)
+                            const u32 pat = inside ? code_pattern(y, s_T) : 0u;
 #pragma unroll
-                            for (int r = 0; r < NR; ++r) c[r] = acc[r >> 1][j][2 * (r & 1) + e];
+                            for (int b = 0; b < OB; ++b) sg[b][j][e] = ((pat >> b) & 1u) << 31;
                         }
-#pragma unroll
-                        for (int r = 0; r < NR; ++r) {
-                            const u32 pat = inside ? code_pattern(stem_y((int)((u32)c[r] + (u32)add), cs, s_bias[cl],
-                                                                         has_bias, act, slope), s_T) : 0u;
-#pragma unroll
-                            for (int b = 0; b < OB; ++b) sg[r][b][j][e] = ((pat >> b) & 1u) << 31;
-                        }
-                    }
-            }
-            const int gw = blockIdx.y * NBW + w;
-#pragma unroll
-            for (int r = 0; r < NR; ++r)
+                }
 #pragma unroll
                 for (int b = 0; b < OB; ++b) {
                     // the sign bits of the 8 columns to bits 8 j + e: the top bytes gathered by byte permutes, then
@@ -358,24 +427,25 @@ stem_conv(const signed char* __restrict__ x,  // (N, H, W, C) int8 codes
                     u32 v = 0;
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const u32 lo = __byte_perm(sg[r][b][0][e], sg[r][b][1][e], 0x0073);
-                        const u32 hi = __byte_perm(sg[r][b][2][e], sg[r][b][3][e], 0x7300);
+                        const u32 lo = __byte_perm(sg[b][0][e], sg[b][1][e], 0x0073);
+                        const u32 hi = __byte_perm(sg[b][2][e], sg[b][3][e], 0x7300);
                         v |= (__byte_perm(lo, hi, 0x7610) >> (7 - e)) & (0x01010101u << e);
                     }
                     v <<= 2 * t;  // this lane's columns 8 j + 2 t + e
                     v |= __shfl_xor_sync(0xffffffffu, v, 1);
                     v |= __shfl_xor_sync(0xffffffffu, v, 2);
-                    if (((w * OB + b) & 3) == t && ok[r] && gw < ldo) out[b * plane + orow[r] * ldo + gw] = v;
+                    if (((w * OB + b) & 3) == t && ok[r] && gw < ldo) out[b * plane + (i64)orow[r] * ldo + gw] = v;
                 }
+            }
         }
         // the row's padding words past the channels (rows of packed_words(K) words), by the last channel block
-        if (blockIdx.y == gridDim.y - 1) {
+        if (PLANES && blockIdx.y == gridDim.y - 1) {
             const int first = (g.K + 31) / 32;
 #pragma unroll
             for (int r = 0; r < NR; ++r)
                 if (ok[r] && t == 0)
                     for (int b = 0; b < OB; ++b)
-                        for (int wd = first; wd < ldo; ++wd) out[b * plane + orow[r] * ldo + wd] = 0u;
+                        for (int wd = first; wd < ldo; ++wd) out[b * plane + (i64)orow[r] * ldo + wd] = 0u;
         }
     }
 }

@@ -1,10 +1,14 @@
 """Build and launch ``stem_conv.cu``: the INT8 convolution of a thin input (C <= 4 channels, a network's RGB stem)
 with the next bit-serial layer's epilogue fused -- optional 2x2 stride-2 max-pool, quantize to 1..3-bit codes, pack
-into bit planes -- in one launch that reads the int8 image once (no window gather pass).
+into bit planes -- in one launch that reads the int8 image once (no window gather pass).  Without a pool it can write
+the float16 / bfloat16 output instead, or that float and the planes of it (a ResNet stem: the float is the first
+block's shortcut, the planes its first conv's input).
 
 :func:`conv_planes` computes exactly what ``kernels.triton.conv_fwd.conv2d_fwd_int8(..., out=PlanesOut(...))`` computes
-for the same integer sums (the GPU tests compare them bit for bit): ``tcprec.ops.qconv`` routes a thin 8-bit stem
-that writes bit planes here on sm_90.  A :class:`StemVariant` fixes what one cubin is compiled for.
+for the same integer sums, and :func:`conv_stem`'s float what ``conv2d_fwd_int8(..., out="float16")`` stores, with the
+planes a quantize pass over it writes (the GPU tests compare them bit for bit): ``tcprec.ops.qconv`` routes a thin
+8-bit stem that writes bit planes, a 16-bit float or both here on sm_90.  A :class:`StemVariant` fixes what one cubin
+is compiled for.
 """
 
 from __future__ import annotations
@@ -18,13 +22,14 @@ import torch
 from ...memo import remembered
 from .loader import _ptr, _stream_for, compile_source, cuda_core_api, load_kernel
 
-__all__ = ["SOURCE_PATH", "MAX_C", "MAX_WORDS", "ENCODINGS", "StemVariant", "all_variants", "stem_weight_words",
-           "stem_thresholds", "conv_planes", "pick_tile", "StemTile"]
+__all__ = ["SOURCE_PATH", "MAX_C", "MAX_WORDS", "ENCODINGS", "FLOAT_OUTS", "StemVariant", "all_variants",
+           "stem_weight_words", "stem_thresholds", "conv_stem", "conv_planes", "pick_tile", "StemTile"]
 
 SOURCE_PATH = Path(__file__).with_name("stem_conv.cu")
 MAX_C = 4  # input channels (a pixel is one 32-bit word)
 MAX_WORDS = 4  # 32-channel output words a block (more channels: more blocks along grid.y)
 ENCODINGS = {"twos": 0, "unsigned": 1, "pm1": 2}  # output code encodings (TCP_OENC), as bmma_gemm's
+FLOAT_OUTS = {torch.float16: 1, torch.bfloat16: 2}  # the float output's dtypes (TCP_FOUT)
 WARPS = 4
 _MAX_SMEM = 227 * 1024
 
@@ -32,11 +37,14 @@ _MAX_SMEM = 227 * 1024
 @dataclass(frozen=True)
 class StemVariant:
     """What one cubin of stem_conv.cu is compiled for: output code bits and encoding, pool (2: 2x2 stride-2
-    max-pool, 1: none)."""
+    max-pool, 1: none), the float output's dtype (``fout``: None, float16 or bfloat16; no pool) and whether the planes
+    are written (``planes=False``: the float alone; its code bits and encoding are then the defaults)."""
 
     out_bits: int = 2
     out_encoding: str = "unsigned"
     pool: int = 2
+    fout: torch.dtype | None = None
+    planes: bool = True
 
     def __post_init__(self):
         if self.out_bits not in (1, 2, 3):
@@ -45,18 +53,30 @@ class StemVariant:
             raise ValueError(f"stem_conv encodings are {tuple(ENCODINGS)}, got out_encoding={self.out_encoding!r}")
         if self.pool not in (1, 2):
             raise ValueError(f"stem_conv pool is 1 (none) or 2 (2x2 stride 2), got pool={self.pool!r}")
+        if self.fout is not None and self.fout not in FLOAT_OUTS:
+            raise ValueError(f"stem_conv's float output is one of {[str(d) for d in FLOAT_OUTS]} or None, got "
+                             f"fout={self.fout!r}")
+        if self.fout is not None and self.pool != 1:
+            raise ValueError(f"stem_conv writes a float output without a pool: pool=1 with fout={self.fout}, got "
+                             f"pool={self.pool!r}")
+        if not self.planes and (self.fout is None or (self.out_bits, self.out_encoding) != (2, "unsigned")):
+            raise ValueError("stem_conv without planes writes the float alone: pass fout= and leave out_bits / "
+                             "out_encoding at their defaults")
 
     def defines(self) -> list[str]:
         return [f"TCP_OB={self.out_bits}", f"TCP_OENC={ENCODINGS[self.out_encoding]}", f"TCP_POOL={self.pool}",
-                f"TCP_WARPS={WARPS}"]
+                f"TCP_WARPS={WARPS}", f"TCP_FOUT={FLOAT_OUTS.get(self.fout, 0)}", f"TCP_PLANES={int(self.planes)}"]
 
     def __str__(self) -> str:
-        return f"o{self.out_bits}{self.out_encoding[0]}_p{self.pool}"
+        f = "" if self.fout is None else "_" + str(self.fout).removeprefix("torch.")
+        return (f"o{self.out_bits}{self.out_encoding[0]}_p{self.pool}{f}" if self.planes else f"p{self.pool}{f}")
 
 
 def all_variants() -> list[StemVariant]:
-    """Every variant the kernel is built for."""
-    return [StemVariant(b, e, p) for b in (1, 2, 3) for e in ENCODINGS for p in (1, 2)]
+    """Every variant the kernel is built for: the planes (pooled or not), the float with its planes, the float alone."""
+    planes = [StemVariant(b, e, p) for b in (1, 2, 3) for e in ENCODINGS for p in (1, 2)]
+    dual = [StemVariant(b, e, 1, d) for b in (1, 2, 3) for e in ENCODINGS for d in FLOAT_OUTS]
+    return planes + dual + [StemVariant(pool=1, fout=d, planes=False) for d in FLOAT_OUTS]
 
 
 def compile_stem(variant: StemVariant, arch: str = "sm_90a", *, use_cache: bool = True) -> tuple[bytes, str]:
@@ -101,7 +121,7 @@ def stem_thresholds(variant: StemVariant, col_scale: torch.Tensor, bias, out_sca
                     slope: float, K: int) -> torch.Tensor:
     """The kernel's integer threshold words (K, 2^OB) int32 (stem_code_thresholds), on the current stream."""
     srcs = tuple(t for t in (col_scale, bias, out_scale) if t is not None)
-    extra = (variant.out_bits, variant.out_encoding, bool(relu), float(slope), int(K), bias is not None)
+    extra = (variant.out_bits, variant.out_encoding, variant.fout, bool(relu), float(slope), int(K), bias is not None)
 
     def compute():
         *_, LaunchConfig, _, launch = cuda_core_api()
@@ -134,23 +154,36 @@ def _patch(tile: StemTile, pool: int, R: int, S: int, stride, dilation) -> tuple
     return ph, pw
 
 
-def smem_bytes(variant: StemVariant, tile: StemTile, R: int, S: int, stride, dilation, words: int = MAX_WORDS) -> int:
-    """Dynamic shared memory of a block of ``words`` 32-channel output words: weights, epilogue vectors, taps, patch."""
+def _raw_words(pw: int, c: int) -> int:
+    """stem_conv.cu's raw_words: a patch row's image bytes as aligned words, and one more."""
+    return (pw * c + 6) // 4 + 1
+
+
+def smem_bytes(variant: StemVariant, tile: StemTile, R: int, S: int, stride, dilation, words: int = MAX_WORDS,
+               c: int = MAX_C) -> int:
+    """Dynamic shared memory of a block of ``words`` 32-channel output words on a ``c``-channel input: weights,
+    epilogue vectors, taps, the patch's pixel words and its raw rows."""
     kw = -(-(R * S) // 8) * 8
     ph, pw = _patch(tile, variant.pool, R, S, stride, dilation)
     codes, nb = 1 << variant.out_bits, 32 * words
-    return 4 * (nb * (kw + 4) + nb * codes + 3 * nb + codes + kw + ph * pw)
+    return 4 * (nb * (kw + 4) + nb * codes + 3 * nb + codes + kw + ph * pw + ph * _raw_words(pw, c))
 
 
 BLOCKS_PER_SM = 4  # pick_tile: the fewest blocks an SM a launch should have before tiles get their full height
+_SM_SMEM = 228 * 1024  # shared memory of an SM (each resident block also reserves 1 KB)
+
+
+def _resident(variant: StemVariant) -> int:
+    """Blocks an SM the kernel's registers allow (stem_conv.cu's MIN_BLOCKS)."""
+    return 3 if variant.pool == 1 and variant.out_bits == 3 else 4
 
 
 def pick_tile(variant: StemVariant, PO: int, QO: int, R: int, S: int, stride, dilation, N: int = 256,
-              sm_count: int = 132) -> StemTile:
+              sm_count: int = 132, words: int = MAX_WORDS, c: int = MAX_C) -> StemTile:
     """Columns: the output row in as few tiles of at most 64 as evenly as the unit width (8 windows, or 32 pixels
     without a pool) allows; rows: enough for ~4 units a warp, rounded so the warps get equal shares -- fewer where
-    the launch would have under BLOCKS_PER_SM blocks an SM (small batches), or while the input patch does not fit
-    in shared memory."""
+    the launch would have under BLOCKS_PER_SM blocks an SM (small batches), where the shared memory of a block would
+    keep the SM below the blocks its registers allow, or while the input patch does not fit in shared memory."""
     uw = 8 if variant.pool == 2 else 32
     per = -(-QO // -(-QO // 64))
     tqo = -(-per // uw) * uw
@@ -161,23 +194,37 @@ def pick_tile(variant: StemVariant, PO: int, QO: int, R: int, S: int, stride, di
     while tpo > 1 and N * -(-PO // tpo) * -(-QO // tqo) < BLOCKS_PER_SM * sm_count:
         tpo -= 1
     tile = StemTile(tpo, tqo)
-    while tile.tpo > 1 and smem_bytes(variant, tile, R, S, stride, dilation) > _MAX_SMEM:
-        tile = StemTile(tile.tpo - 1, tile.tqo)
-    if smem_bytes(variant, tile, R, S, stride, dilation) > _MAX_SMEM:
-        raise ValueError(f"stem_conv: a {R}x{S} filter with stride {stride} needs {smem_bytes(variant, tile, R, S, stride, dilation)} "
+    smem = lambda t: smem_bytes(variant, t, R, S, stride, dilation, words, c)  # noqa: E731
+    share = _SM_SMEM // _resident(variant) - 1024
+    if tile.tpo > 1 and smem(tile) > share:
+        while tile.tpo > 1 and smem(tile) > share:
+            tile = StemTile(tile.tpo - 1, tile.tqo)
+        even = [p for p in range(tile.tpo, 0, -1) if (p * upr) % WARPS == 0]  # (equal shares for the warps again)
+        tile = StemTile(even[0], tile.tqo) if even else tile
+    if smem(tile) > _MAX_SMEM:
+        raise ValueError(f"stem_conv: a {R}x{S} filter with stride {stride} needs {smem(tile)} "
                          f"bytes of shared memory for one row of {tile.tqo} outputs, more than {_MAX_SMEM}")
     return tile
 
 
-def conv_planes(x8: torch.Tensor, wq: torch.Tensor, K: int, R: int, S: int, *, stride=(1, 1), padding=(0, 0),
-                dilation=(1, 1), col_scale: torch.Tensor, bias, out_scale: torch.Tensor, act=None,
-                acc_add: torch.Tensor | None = None, pad: int = 0, out_bits: int = 2, out_encoding: str = "unsigned",
-                pool: int = 0, ldo: int | None = None, tile: StemTile | None = None) -> torch.Tensor:
-    """Planes (out_bits, N * P' * Q', ldo) int32 of ``y = act(float(C) * col_scale[k] + bias[k])`` ((2x2 stride-2
-    max-pool ->) quantize to ``out_bits``-bit codes of ``y / out_scale`` -> pack), C = conv(x8, w) + acc_add[k]
-    over the int8 codes ``x8`` (N, H, W, C <= 4) with padded taps holding code ``pad``; ``wq`` from
-    :func:`stem_weight_words`.  ``act``: None, "relu" or ("leaky", slope >= 0);
-    ``ldo``: words a row (default ceil(K / 32)); words past ceil(K / 32) are zeroed."""
+def conv_planes(x8: torch.Tensor, wq: torch.Tensor, K: int, R: int, S: int, **kw) -> torch.Tensor:
+    """Planes (out_bits, N * P' * Q', ldo) int32 of the stem (:func:`conv_stem` without a float output)."""
+    return conv_stem(x8, wq, K, R, S, **kw)[1]
+
+
+def conv_stem(x8: torch.Tensor, wq: torch.Tensor, K: int, R: int, S: int, *, stride=(1, 1), padding=(0, 0),
+              dilation=(1, 1), col_scale: torch.Tensor, bias, out_scale: torch.Tensor | None, act=None,
+              acc_add: torch.Tensor | None = None, pad: int = 0, out_bits: int = 2, out_encoding: str = "unsigned",
+              pool: int = 0, ldo: int | None = None, fout: torch.dtype | None = None, planes: bool = True,
+              tile: StemTile | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(y, planes)``: ``y = act(float(C) * col_scale[k] + bias[k])``, C = conv(x8, w) + acc_add[k] over the int8
+    codes ``x8`` (N, H, W, C <= 4) with padded taps holding code ``pad``, ``wq`` from :func:`stem_weight_words`;
+    ``act``: None, "relu" or ("leaky", slope >= 0).
+
+    ``fout`` (float16 / bfloat16, no pool): y stored as (N, P, Q, K) of that dtype, else None.  ``planes``: (out_bits,
+    N * P' * Q', ldo) int32 of y ((2x2 stride-2 max-pool ->) quantized to ``out_bits``-bit codes of y / out_scale ->
+    packed; of the stored float when there is one), ``ldo`` words a row (default ceil(K / 32), words past it zeroed),
+    else None."""
     N, H, W, C = x8.shape
     sh, sw = stride
     ph, pw = padding
@@ -191,27 +238,36 @@ def conv_planes(x8: torch.Tensor, wq: torch.Tensor, K: int, R: int, S: int, *, s
         raise ValueError(f"stem_conv pool is 0 (none) or 2 (2x2 stride 2), got {pool!r}")
     if P < 1 or Q < 1 or (pool == 2 and (P < 2 or Q < 2)):
         raise ValueError(f"stem_conv: output {P} x {Q} is too small" + (" for a 2x2 pool" if pool else ""))
+    if planes and out_scale is None:
+        raise ValueError("stem_conv: the planes need out_scale (the next layer's activation scale)")
     relu, slope, a = _act(act)
     if not -128 <= pad <= 127:
         raise ValueError(f"stem_conv: the padding code must be an int8, got {pad}")
-    variant = StemVariant(out_bits, out_encoding, 2 if pool == 2 else 1)
+    variant = (StemVariant(out_bits, out_encoding, 2 if pool == 2 else 1, fout) if planes else
+               StemVariant(pool=2 if pool == 2 else 1, fout=fout, planes=False))
     want = (-(-K // 32) * 32, -(-(R * S) // 8) * 8)
     if tuple(wq.shape) != want or wq.dtype != torch.int32:
         raise ValueError(f"stem_conv: wq must be stem_weight_words(w8) of shape {want} int32, got {tuple(wq.shape)} "
                          f"{wq.dtype}")
     words = min(-(-K // 32), MAX_WORDS)
     PO, QO = (P // 2, Q // 2) if pool == 2 else (P, Q)
+    if N * PO * QO >= 2**31:
+        raise ValueError(f"stem_conv: {N} x {PO} x {QO} output rows reach 2^31 (int32 row indices); split the batch")
     ldo = -(-K // 32) if ldo is None else ldo
     if ldo < -(-K // 32):
         raise ValueError(f"stem_conv: ldo={ldo} is less than the {-(-K // 32)} words of {K} channels")
     tile = tile or pick_tile(variant, PO, QO, R, S, stride, dilation, N,
-                             torch.cuda.get_device_properties(x8.device).multi_processor_count)
+                             torch.cuda.get_device_properties(x8.device).multi_processor_count, words, C)
     tp, tq = -(-PO // tile.tpo), -(-QO // tile.tqo)
     phh, pww = _patch(tile, variant.pool, R, S, stride, dilation)
-    smem = smem_bytes(variant, tile, R, S, stride, dilation, words)
+    smem = smem_bytes(variant, tile, R, S, stride, dilation, words, C)
+    if smem > _MAX_SMEM:
+        raise ValueError(f"stem_conv: tile {tile} needs {smem} bytes of shared memory, more than {_MAX_SMEM}")
     dev = x8.device.index if x8.device.index is not None else torch.cuda.current_device()
-    thr = stem_thresholds(variant, col_scale, bias, out_scale, relu, slope, K)
-    out = torch.empty((out_bits, N * PO * QO, ldo), dtype=torch.int32, device=x8.device)
+    # the integer path's threshold words (with a float output: of the stored value, its rounding included)
+    thr = stem_thresholds(variant, col_scale, bias, out_scale, relu, slope, K) if planes else None
+    out = torch.empty((out_bits, N * PO * QO, ldo), dtype=torch.int32, device=x8.device) if planes else None
+    y = torch.empty((N, P, Q, K), dtype=fout, device=x8.device) if fout is not None else None
     *_, LaunchConfig, _, launch = cuda_core_api()
     grid = (N * tp * tq, -(-K // (32 * words)))
     key = ("conv", grid, smem)
@@ -223,8 +279,8 @@ def conv_planes(x8: torch.Tensor, wq: torch.Tensor, K: int, R: int, S: int, *, s
     stream = _stream_for(torch.cuda.current_stream(x8.device).cuda_stream)
     launch(stream, cfg, _kernel(variant, "stem_conv", dev, smem), _ptr(x8), _ptr(wq), _ptr(thr), _ptr(col_scale),
            _ptr(bias), _ptr(out_scale), np.int32(a), np.float32(slope), _ptr(acc_add),
-           np.int32(pad), _ptr(out), np.int32(ldo), np.int32(words), *[np.int32(v) for v in geo])
-    return out
+           np.int32(pad), _ptr(out), np.int32(ldo), np.int32(words), *[np.int32(v) for v in geo], _ptr(y))
+    return y, out
 
 
 def _act(act) -> tuple[bool, float, int]:
