@@ -1607,8 +1607,9 @@ def conv2d(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None, act=
     :class:`Int8Activation` with ``hp`` = the float result in ``out_dtype`` (its codes are that float's).
     ``out_layout="fp8+float"`` (e4m3 / e5m2 ``out_fmt``, INT8 / FP8 kernels or reference): an
     :class:`Fp8Activation`, the float result and the next FP8 layers' codes of it, from one epilogue.
-    ``out_layout="planes+float"`` (integer ``out_fmt``, bit-serial or reference): a :class:`PackedActivation` with
-    ``hp``, the float result and the next bit-serial layers' planes of it, from one epilogue.
+    ``out_layout="planes+float"`` (integer ``out_fmt``; bit-serial, INT8 or reference): a :class:`PackedActivation`
+    with ``hp``, the float result and the next bit-serial layers' planes of it -- from one epilogue on the bit-serial
+    GEMM and on a thin INT8 stem on sm_90 (kernels/cuda/stem_conv.cu), else the float and one quantize-pack pass.
 
     ``residual``: float NHWC ``(N, P, Q, K)`` in ``out_dtype`` on x's device, added before ``act`` as the
     unfused ``act(conv(...) + residual)`` adds it (module docstring): a ResNet block's last conv, its shortcut
