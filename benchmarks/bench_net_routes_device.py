@@ -24,7 +24,7 @@ from tcprec.nn.models import INPUT_SHAPES, build
 from tcprec.ops import qconv
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from profile_net_layers_device import layer_kernels  # noqa: E402
+from profile_net_layers_device import layer_totals, print_layer_ab  # noqa: E402
 
 CONFIGS = {"im2col": False, "implicit": True, "auto": "auto"}
 
@@ -52,8 +52,7 @@ def main() -> None:
                     qconv.BITSERIAL_IMPLICIT = v
                     nets[c] = build_variant(m32, args.precision, x32[:4])[0]
                     ys[c] = nets[c](x)
-                    layers[c] = {k: round(sum(d.values()), 1) for k, d in layer_kernels(nets[c], x).items()
-                                 if sum(d.values()) > 0}
+                    layers[c] = layer_totals(nets[c], x)
                 for _ in range(3):
                     for c, v in CONFIGS.items():
                         qconv.BITSERIAL_IMPLICIT = v  # (each call captures its own graph)
@@ -64,8 +63,7 @@ def main() -> None:
                        equal_to_im2col={c: bool(torch.equal(ys[c], ys["im2col"])) for c in CONFIGS},
                        layers_us=layers)
             print(json.dumps({k: v for k, v in row.items() if k != "layers_us"}), flush=True)
-            for lay in layers["im2col"]:
-                print(f"  {lay:28s} " + "  ".join(f"{c} {layers[c].get(lay, 0.0):7.1f}" for c in CONFIGS), flush=True)
+            print_layer_ab(layers)
             rows.append(row)
             del nets, ys
             torch.cuda.empty_cache()

@@ -32,7 +32,7 @@ from tcprec.nn.models import INPUT_SHAPES, build
 from tcprec.ops import qconv
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from profile_net_layers_device import layer_kernels  # noqa: E402
+from profile_net_layers_device import layer_totals, print_layer_ab  # noqa: E402
 
 CONFIGS = ("before", "memo", "stem_cuda")
 
@@ -72,8 +72,7 @@ def main() -> None:
                 for c in CONFIGS:
                     with config(c):
                         ys[c] = net(x)
-                        layers[c] = {k: round(sum(d.values()), 1) for k, d in layer_kernels(net, x).items()
-                                     if sum(d.values()) > 0}
+                        layers[c] = layer_totals(net, x)
                 for _ in range(3):
                     for c in CONFIGS:
                         with config(c):  # (each call captures its own graph)
@@ -84,8 +83,7 @@ def main() -> None:
                        equal_to_before={c: bool(torch.equal(ys[c], ys["before"])) for c in CONFIGS},
                        layers_us=layers)
             print(json.dumps({k: v for k, v in row.items() if k != "layers_us"}), flush=True)
-            for lay in layers["before"]:
-                print(f"  {lay:28s} " + "  ".join(f"{c} {layers[c].get(lay, 0.0):7.1f}" for c in CONFIGS), flush=True)
+            print_layer_ab(layers)
             rows.append(row)
             del net, ys
             torch.cuda.empty_cache()

@@ -63,6 +63,18 @@ def layer_kernels(model, x, iters: int = 3) -> dict:
     return out
 
 
+def layer_totals(model, x) -> dict:
+    """{leaf layer: us per forward} of the layers that launched GPU work (``layer_kernels`` summed a layer)."""
+    return {k: round(sum(d.values()), 1) for k, d in layer_kernels(model, x).items() if sum(d.values()) > 0}
+
+
+def print_layer_ab(layers: dict) -> None:
+    """Per-layer us of several configurations ({config: layer_totals}) side by side, in the first one's layer order."""
+    first = next(iter(layers.values()))
+    for lay in first:
+        print(f"  {lay:28s} " + "  ".join(f"{c} {t.get(lay, 0.0):7.1f}" for c, t in layers.items()), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="resnet18")

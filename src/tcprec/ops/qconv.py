@@ -1174,6 +1174,7 @@ def _stem_cuda(plan: _Plan, device: torch.device) -> bool:
 
 
 def _stem_variant(plan: _Plan, out: str):
+    """The stem_conv.cu variant that writes ``out`` (``_stem_out``) for this plan."""
     from ..kernels.cuda import stem_conv as sc
 
     if out == "float":
@@ -1199,12 +1200,11 @@ def _stem_kernel(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, s_out):
         if not (wq.is_cuda and torch.cuda.is_current_stream_capturing()):
             pw.corr[key] = wq
     ldo = packed_words(g.K) if plan.out_layout == "planes" else -(-g.K // 32)  # compact rows: "compact", the dual
-    bits, enc = (plan.out_fmt.bits, plan.out_fmt.encoding) if out != "float" else (2, "unsigned")
+    v = _stem_variant(plan, out)
     y, planes = sc.conv_stem(x8.contiguous(), wq, g.K, g.R, g.S, stride=g.stride, padding=g.padding,
                              dilation=g.dilation, col_scale=col, bias=bias, out_scale=s_out, act=plan.act,
-                             acc_add=acc_add, pad=_stem_pad(plan), out_bits=bits, out_encoding=enc,
-                             pool=2 if plan.pool else 0, ldo=ldo, fout=None if out == "planes" else plan.out_dtype,
-                             planes=out != "float")
+                             acc_add=acc_add, pad=_stem_pad(plan), out_bits=v.out_bits, out_encoding=v.out_encoding,
+                             pool=2 if plan.pool else 0, ldo=ldo, fout=v.fout, planes=v.planes)
     return planes if out == "planes" else y if out == "float" else (y, planes)
 
 
