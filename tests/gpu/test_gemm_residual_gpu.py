@@ -146,3 +146,53 @@ def test_dual_custom_op_returns_the_planes():
     assert torch.equal(got, want) and torch.equal(got_planes, planes)
     with pytest.raises(Exception):
         torch.ops.tcprec.bmma_gemm(*args, "", 0.0, residual=r, dual_out=planes)
+
+
+def _same_bits(got, want) -> bool:
+    """Bit for bit (so -0 != +0), NaN where the other has NaN (whatever its payload)."""
+    gn, wn = torch.isnan(got), torch.isnan(want)
+    bits = torch.int16 if got.element_size() == 2 else torch.int32
+    return torch.equal(gn, wn) and torch.equal(got.view(bits)[~gn], want.view(bits)[~gn])
+
+
+@pytest.mark.parametrize("tile", ["", "128x64_w8x1_s5_k1024_wg_tma", "64x64_w2x2_s3_k1024"])
+@pytest.mark.parametrize("out_kind", ["float16", "bfloat16"])
+@pytest.mark.parametrize("act", ["none", "relu", "leaky"])
+def test_residual_and_dual_special_values(tile, out_kind, act):
+    """The 16-byte fp16 path adds, rectifies and codes two outputs at a time in fp16x2 (add.rn.f16x2, set.lt / set.ge
+    masks against the thresholds rounded up to fp16): the same bits as the float path's roundings on the values where
+    such shortcuts break -- signed zeros, subnormals, overflow to inf, inf, NaN, sums one ulp either side of a code
+    threshold -- for fp16 (that path) and bf16 / LeakyReLU (the float path), and the planes of the stored values."""
+    M, N, Kbits = 4096, 128, 576
+    args = list(_args(M, N, Kbits, out_kind, act != "none", 7))
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    cs = args[8].clone()
+    bias = args[9].clone()
+    q = N // 8
+    cs[:q], bias[:q] = 0.0, -0.0  # y0 = +-0 (-0 where C < 0): the sum is the residual (the thresholds' neighbours)
+    cs[q:2 * q] = 1e-9  # y0 rounds to fp16 subnormals and zeros
+    cs[2 * q:3 * q] = 1e3  # |y0| overflows to inf
+    cs[3 * q] = float("inf")  # inf, or NaN where C = 0
+    cs[3 * q + 1] = float("nan")
+    args[8], args[9] = cs, bias
+    scale = 0.37
+    args[12], args[13], args[14] = 2, "unsigned", torch.tensor([scale], device=DEV)
+    dt = DTYPES[out_kind]
+    edges = torch.tensor([scale * (i + 0.5) for i in range(3)], dtype=dt)
+    ebits = edges.view(torch.int16)
+    near = torch.cat([ebits - 1, ebits, ebits + 1]).view(dt)
+    special = torch.tensor([0.0, -0.0, 2.0 ** -24, -(2.0 ** -24), 3 * 2.0 ** -24, 2.0 ** -15, -(2.0 ** -15), 65504.0,
+                            -65504.0, float("inf"), float("-inf"), float("nan"), 1.0, -1.0, 2.5, 1e4, -1e4, 0.25],
+                           dtype=dt)
+    vals = torch.cat([near, special]).to(DEV)
+    r = vals[torch.randint(0, len(vals), (M, N), device=DEV, generator=gen)]
+    slope = 0.1 if act == "leaky" else 0.0
+    planes = torch.full((2, M, N // 32), -1, dtype=torch.int32, device=DEV)
+    got = L._bmma_gemm(*args, tile, slope, residual=r, dual_out=planes)
+    want = rq.bmma_gemm_reference(*args, tile, slope, residual=r)
+    assert _same_bits(got, want), (tile, out_kind, act)
+    assert bool(torch.isnan(want).any()) and bool((want.view(torch.int16) == -32768).any())  # the cases occurred
+    from tcprec.formats import IntFormat
+    full = rq.requant_pack(torch.nan_to_num(want.float(), nan=0.0), IntFormat(2, encoding="unsigned"),
+                           args[14])
+    assert torch.equal(planes, full[:, :, :planes.shape[2]]), (tile, out_kind, act)

@@ -644,6 +644,48 @@ __device__ __forceinline__ float residual_sum(float y0, float r, bool relu, floa
     return relu && v < 0.0f ? (slope == 0.0f ? 0.0f : __fmul_rn(v, slope)) : v;
 }
 
+// fp16x2 arithmetic on two outputs at once (the 16-byte fp16 epilogue with TCP_RES / TCP_DUAL).  Exact replacements
+// of the float path's steps, so the outputs stay bit-identical:
+//  * add.rn.f16x2 of two float16 values equals rounding their float32 sum to float16 (rd(rd(y0) + r) above): the
+//    sum is rounded twice, to float32 then float16, and with 24 >= 2 * 11 + 2 significand bits the first rounding
+//    never changes the second (Figueroa's double-rounding theorem); float16 subnormals are sums of multiples of
+//    2^-24, exact in both, and overflow rounds to inf in both.
+//  * ReLU as a mask: set.lt gives 0xFFFF for the halves below zero (not -0, not NaN: they stay, as v < 0.0f keeps them).
+//  * y >= T for a float16 y and a float T (the planes' thresholds) is y >= f16_ceil(T), the least float16 >= T.
+__device__ __forceinline__ u32 hadd2_rn(u32 a, u32 b) {
+    u32 d;
+    asm("add.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+__device__ __forceinline__ u32 hlt2_mask(u32 a, u32 b) {  // per half: 0xFFFF where a < b (ordered), else 0
+    u32 d;
+    asm("set.lt.u32.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+__device__ __forceinline__ u32 hge2_mask(u32 a, u32 b) {  // per half: 0xFFFF where a >= b (ordered), else 0
+    u32 d;
+    asm("set.ge.u32.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+__device__ __forceinline__ u32 f16_ceil(float x) {  // x not NaN: the least float16 >= x, as a bit pattern
+    u32 h = f32_to_f16(x);
+    if (f16_to_f32((unsigned short)h) < x) h = (h & 0x8000u) ? (h == 0x8000u ? 1u : h - 1u) : h + 1u;
+    return h;
+}
+// The 8 masks of 4 fp16x2 words (half e of word j: 0xFFFF or 0) -> bit 2 j + e of a byte: the halves' low bytes side
+// by side (two byte permutes), then each byte's top bit gathered by one multiply (bits 7, 15, 23, 31 -> 28 .. 31).
+__device__ __forceinline__ u32 mask_bits8(const u32 (&m)[4]) {
+    const u32 lo = __byte_perm(m[0], m[1], 0x6420), hi = __byte_perm(m[2], m[3], 0x6420);
+    return (((lo & 0x80808080u) * 0x00204081u) >> 28) | (((hi & 0x80808080u) * 0x00204081u) >> 24);
+}
+
+// One 16-byte store (a uint4 assignment let the compiler split it into four 4-byte stores where the words did not sit in
+// four aligned registers: four times the store instructions and partial sectors; the asm keeps it one st.v4.  No
+// memory clobber: nothing this kernel reads aliases the output)
+__device__ __forceinline__ void st_global_v4(void* p, const u32 (&v)[4]) {
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]));
+}
+
 // 4 x 4 transpose of u32s across a quad (lane t = lane & 3): afterwards x[s] is what lane s held in x[t].  Two
 // butterfly stages (lane bit 0, then bit 1), each swapping the off-diagonal halves of 2 x 2 blocks: 4 shuffles.
 __device__ __forceinline__ void quad_transpose(u32 (&x)[4], int t) {
@@ -964,9 +1006,14 @@ bmma_gemm(
         // a tile inside M x N (with an even row pitch for the paired stores) stores without bounds checks
         const bool interior = m0 + BM <= M && n0 + BN <= N && (ldo & 1) == 0;
         [[maybe_unused]] float dthr[DUAL ? NCODE : 1];  // TCP_DUAL: the planes' thresholds in registers
+        [[maybe_unused]] u32 dthr16[DUAL && OUT_T == 1 ? NCODE : 1];  // and as float16 pairs (f16_ceil)
         if (DUAL) {
 #pragma unroll
             for (int i = 1; i < NCODE; ++i) dthr[i] = s_thr[i];
+            if (OUT_T == 1) {
+#pragma unroll
+                for (int i = 1; i < NCODE; ++i) dthr16[i] = f16_ceil(dthr[i]) * 0x00010001u;
+            }
         }
         // TCP_DUAL: the quad ORs its lanes' bits of one 32-column word of row r per plane (every lane takes part
         // in the shuffles); lane b % 4 stores plane b's word
@@ -1022,6 +1069,13 @@ bmma_gemm(
                         if (RES) {  // this lane's 8 columns of the row: one 16-byte read of the residual
                             const uint4 rv = rpre[h % PF_H][q];
                             const u32 rw[4] = {rv.x, rv.y, rv.z, rv.w};
+                            if (OUT_T == 1 && (relu == 0 || slope == 0.0f)) {  // fp16, ReLU or none: in fp16x2
+#pragma unroll
+                                for (int j = 0; j < 4; ++j) {
+                                    const u32 v = hadd2_rn(pk[j], rw[j]);
+                                    pk[j] = relu != 0 ? v & ~hlt2_mask(v, 0u) : v;
+                                }
+                            } else {
 #pragma unroll
                             for (int j = 0; j < 4; ++j) {
                                 const float a = residual_sum(out_of16((unsigned short)(pk[j] & 0xffffu)),
@@ -1030,10 +1084,31 @@ bmma_gemm(
                                                              out_of16((unsigned short)(rw[j] >> 16)), relu != 0, slope);
                                 pk[j] = pair_of(out_bits16(a), out_bits16(b));
                             }
+                            }
                         }
-                        *reinterpret_cast<uint4*>(orow + (4 * q + t) * 8) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
+                        st_global_v4(orow + (4 * q + t) * 8, pk);
                         if (DUAL) {  // lane t has columns 8 t .. 8 t + 7 of the quad's 32: one word a plane
                             u32 bits[OB];
+                            if (OUT_T == 1) {  // fp16: per threshold one compare of both halves; bit b of the index is
+                                // the parity of the comparisons at i = m 2^b (see bits_of), then 8 masks -> 8 bits
+                                u32 pm[OB][4];
+#pragma unroll
+                                for (int j = 0; j < 4; ++j) {
+                                    u32 ge[NCODE];
+#pragma unroll
+                                    for (int i = 1; i < NCODE; ++i) ge[i] = hge2_mask(pk[j], dthr16[i]);
+#pragma unroll
+                                    for (int b = 0; b < OB; ++b) {
+                                        u32 v = 0;
+#pragma unroll
+                                        for (int m = 1; (m << b) < NCODE; ++m) v ^= ge[m << b];
+                                        pm[b][j] = v;
+                                    }
+                                }
+#pragma unroll
+                                for (int b = 0; b < OB; ++b) bits[b] = mask_bits8(pm[b]);
+                                if (OENC == 0) bits[OB - 1] ^= 0xFFu;  // two's complement: the index's top bit flipped
+                            } else {
 #pragma unroll
                             for (int b = 0; b < OB; ++b) bits[b] = 0;
 #pragma unroll
@@ -1044,6 +1119,7 @@ bmma_gemm(
 #pragma unroll
                                     for (int b = 0; b < OB; ++b) bits[b] |= ((c >> b) & 1u) << (2 * j + e);  // constant
                                 }
+                            }
 #pragma unroll
                             for (int b = 0; b < OB; ++b) bits[b] <<= 8 * t;  // the lane's byte of the word
                             store_dual_word(bits, m0 + rl, (n0 + wn * (NT * 8)) / 32 + q);
