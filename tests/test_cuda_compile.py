@@ -475,6 +475,21 @@ def test_dual_variants_and_custom_op_schemas():
     assert "dual_out" not in dual and dual.endswith("-> (Tensor, Tensor)")
 
 
+def test_conv_refuses_a_row_scale():
+    """The implicit convolution's kernel applies no row scale (its multiply by 1 is compiled out), so the host refuses
+    one, naming the fix, before anything else is checked."""
+    import torch
+
+    from tcprec.kernels.cuda import loader as L
+
+    a = torch.zeros((2, 2 * 8 * 8, 4), dtype=torch.int32)
+    w = torch.zeros((1, 64, 36), dtype=torch.int32)
+    conv = [8, 8, 8, 8, 3, 3, 1, 1, 1, 1, 1, 1, 4]
+    with pytest.raises(ValueError, match=r"row_scale with conv: .* fold a per-tensor activation scale into col_scale"):
+        L._bmma_gemm(a, w, False, False, 1, None, None, torch.ones(128), torch.ones(64), None, False, "float16", 1,
+                     "unsigned", None, "", conv=conv)
+
+
 def test_stem_conv_variants_compile_without_spills(cache):
     """stem_conv.cu (the thin-input INT8 stem with the planes epilogue): every output format x pool variant, the
     float16 / bfloat16 output with the planes of every format and alone, compiles for sm_90a with both entries (the conv

@@ -111,7 +111,7 @@
 //   TCP_SPLIT               1: split-K (cp.async paths, no TCP_CONV; below)
 //   TCP_ROWSUM              1: the row term computed in the kernel (below), not read from row_term
 //
-// Implicit-GEMM convolution (TCP_CONV = 1).  A is not a matrix but the NHWC input planes (P, N*H*W, Kin) of a
+// Implicit-GEMM convolution (TCP_CONV = 1; no row scale: the host refuses one).  A is not a matrix but the NHWC input planes (P, N*H*W, Kin) of a
 // convolution, gathered as the loads go: GEMM row m = (n, p, q) is output pixel m, and K word kw = tap * CWT + wi
 // (tap = r * S + s, CWT = the tap's words, even) is word wi of input pixel (n, p*sh - ph + r*dh,
 // q*sw - pw + s*dw), or zero when that pixel lies outside the image or tap >= R*S (the weight planes use the same
@@ -644,41 +644,6 @@ __device__ __forceinline__ float residual_sum(float y0, float r, bool relu, floa
     return relu && v < 0.0f ? (slope == 0.0f ? 0.0f : __fmul_rn(v, slope)) : v;
 }
 
-// fp16x2 arithmetic on two outputs at once (the 16-byte fp16 epilogue with TCP_RES / TCP_DUAL).  Exact replacements
-// of the float path's steps, so the outputs stay bit-identical:
-//  * add.rn.f16x2 of two float16 values equals rounding their float32 sum to float16 (rd(rd(y0) + r) above): the
-//    sum is rounded twice, to float32 then float16, and with 24 >= 2 * 11 + 2 significand bits the first rounding
-//    never changes the second (Figueroa's double-rounding theorem); float16 subnormals are sums of multiples of
-//    2^-24, exact in both, and overflow rounds to inf in both.
-//  * ReLU as a mask: set.lt gives 0xFFFF for the halves below zero (not -0, not NaN: they stay, as v < 0.0f keeps them).
-//  * y >= T for a float16 y and a float T (the planes' thresholds) is y >= f16_ceil(T), the least float16 >= T.
-__device__ __forceinline__ u32 hadd2_rn(u32 a, u32 b) {
-    u32 d;
-    asm("add.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-    return d;
-}
-__device__ __forceinline__ u32 hlt2_mask(u32 a, u32 b) {  // per half: 0xFFFF where a < b (ordered), else 0
-    u32 d;
-    asm("set.lt.u32.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-    return d;
-}
-__device__ __forceinline__ u32 hge2_mask(u32 a, u32 b) {  // per half: 0xFFFF where a >= b (ordered), else 0
-    u32 d;
-    asm("set.ge.u32.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-    return d;
-}
-__device__ __forceinline__ u32 f16_ceil(float x) {  // x not NaN: the least float16 >= x, as a bit pattern
-    u32 h = f32_to_f16(x);
-    if (f16_to_f32((unsigned short)h) < x) h = (h & 0x8000u) ? (h == 0x8000u ? 1u : h - 1u) : h + 1u;
-    return h;
-}
-// The 8 masks of 4 fp16x2 words (half e of word j: 0xFFFF or 0) -> bit 2 j + e of a byte: the halves' low bytes side
-// by side (two byte permutes), then each byte's top bit gathered by one multiply (bits 7, 15, 23, 31 -> 28 .. 31).
-__device__ __forceinline__ u32 mask_bits8(const u32 (&m)[4]) {
-    const u32 lo = __byte_perm(m[0], m[1], 0x6420), hi = __byte_perm(m[2], m[3], 0x6420);
-    return (((lo & 0x80808080u) * 0x00204081u) >> 28) | (((hi & 0x80808080u) * 0x00204081u) >> 24);
-}
-
 // One 16-byte store (a uint4 assignment let the compiler split it into four 4-byte stores where the words did not sit in
 // four aligned registers: four times the store instructions and partial sectors; the asm keeps it one st.v4.  No
 // memory clobber: nothing this kernel reads aliases the output)
@@ -1001,12 +966,12 @@ bmma_gemm(
             return (int)(v * (u32)ss + (u32)rt + (u32)ct);
         };
         auto y_value = [&](int cv, float rs, float cs, float bi) -> float {  // RES: the activation after the sum
-            return y_of(cv, rs, cs, bi, has_bias, !RES && relu != 0, slope);
+            return y_of<!CONV>(cv, rs, cs, bi, has_bias, !RES && relu != 0, slope);  // a convolution has no row scale
         };
         // a tile inside M x N (with an even row pitch for the paired stores) stores without bounds checks
         const bool interior = m0 + BM <= M && n0 + BN <= N && (ldo & 1) == 0;
         [[maybe_unused]] float dthr[DUAL ? NCODE : 1];  // TCP_DUAL: the planes' thresholds in registers
-        [[maybe_unused]] u32 dthr16[DUAL && OUT_T == 1 ? NCODE : 1];  // and as float16 pairs (f16_ceil)
+        [[maybe_unused]] u32 dthr16[NCODE];  // and, for a float16 output, as float16 pairs (f16_ceil)
         if (DUAL) {
 #pragma unroll
             for (int i = 1; i < NCODE; ++i) dthr[i] = s_thr[i];
@@ -1094,16 +1059,10 @@ bmma_gemm(
                                 u32 pm[OB][4];
 #pragma unroll
                                 for (int j = 0; j < 4; ++j) {
-                                    u32 ge[NCODE];
+                                    u32 m2[OB];
+                                    index_masks2(pk[j], dthr16, m2);
 #pragma unroll
-                                    for (int i = 1; i < NCODE; ++i) ge[i] = hge2_mask(pk[j], dthr16[i]);
-#pragma unroll
-                                    for (int b = 0; b < OB; ++b) {
-                                        u32 v = 0;
-#pragma unroll
-                                        for (int m = 1; (m << b) < NCODE; ++m) v ^= ge[m << b];
-                                        pm[b][j] = v;
-                                    }
+                                    for (int b = 0; b < OB; ++b) pm[b][j] = m2[b];
                                 }
 #pragma unroll
                                 for (int b = 0; b < OB; ++b) bits[b] = mask_bits8(pm[b]);

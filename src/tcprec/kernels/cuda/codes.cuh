@@ -21,6 +21,57 @@ __device__ __forceinline__ float f16_to_f32(unsigned short h) {
 }
 __device__ __forceinline__ float bf16_to_f32(unsigned short h) { return __uint_as_float((u32)h << 16); }
 
+// fp16x2 arithmetic on two outputs at once (bmma_gemm.cu's 16-byte fp16 epilogue with TCP_RES / TCP_DUAL, stem_conv.cu's
+// float16 output's planes).  Exact replacements of the float path's steps, so the outputs stay bit-identical:
+//  * add.rn.f16x2 of two float16 values equals rounding their float32 sum to float16 (bmma_gemm's rd(rd(y0) + r)): the
+//    sum is rounded twice, to float32 then float16, and with 24 >= 2 * 11 + 2 significand bits the first rounding
+//    never changes the second (Figueroa's double-rounding theorem); float16 subnormals are sums of multiples of
+//    2^-24, exact in both, and overflow rounds to inf in both.
+//  * ReLU as a mask: set.lt gives 0xFFFF for the halves below zero (not -0, not NaN: they stay, as v < 0.0f keeps them).
+//  * y >= T for a float16 y and a float T (the planes' thresholds) is y >= f16_ceil(T), the least float16 >= T.
+__device__ __forceinline__ u32 hadd2_rn(u32 a, u32 b) {
+    u32 d;
+    asm("add.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+__device__ __forceinline__ u32 hlt2_mask(u32 a, u32 b) {  // per half: 0xFFFF where a < b (ordered), else 0
+    u32 d;
+    asm("set.lt.u32.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+__device__ __forceinline__ u32 hge2_mask(u32 a, u32 b) {  // per half: 0xFFFF where a >= b (ordered), else 0
+    u32 d;
+    asm("set.ge.u32.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+__device__ __forceinline__ u32 f16_ceil(float x) {  // x not NaN: the least float16 >= x, as a bit pattern
+    u32 h = f32_to_f16(x);
+    if (f16_to_f32((unsigned short)h) < x) h = (h & 0x8000u) ? (h == 0x8000u ? 1u : h - 1u) : h + 1u;
+    return h;
+}
+// The 8 masks of 4 fp16x2 words (half e of word j: 0xFFFF or 0) -> bit 2 j + e of a byte: the halves' low bytes side
+// by side (two byte permutes), then each byte's top bit gathered by one multiply (bits 7, 15, 23, 31 -> 28 .. 31).
+__device__ __forceinline__ u32 mask_bits8(const u32 (&m)[4]) {
+    const u32 lo = __byte_perm(m[0], m[1], 0x6420), hi = __byte_perm(m[2], m[3], 0x6420);
+    return (((lo & 0x80808080u) * 0x00204081u) >> 28) | (((hi & 0x80808080u) * 0x00204081u) >> 24);
+}
+
+// The index bits of two float16 values h (fp16x2) against the thresholds T16[1 .. 2^OB - 1] (f16_ceil of T_i, both halves):
+// pm[b] is 0xFFFF in the halves whose index has bit b set -- the parity of the compares at i = m 2^b (see code_pattern;
+// the stored pattern of two's complement flips the top bit: the caller's, on the gathered bits).
+__device__ __forceinline__ void index_masks2(u32 h, const u32 (&T16)[NCODE], u32 (&pm)[OB]) {
+    u32 ge[NCODE];
+#pragma unroll
+    for (int i = 1; i < NCODE; ++i) ge[i] = hge2_mask(h, T16[i]);
+#pragma unroll
+    for (int b = 0; b < OB; ++b) {
+        u32 v = 0;
+#pragma unroll
+        for (int m = 1; (m << b) < NCODE; ++m) v ^= ge[m << b];
+        pm[b] = v;
+    }
+}
+
 // y -> OB-bit code, as tcprec.encode(y / s, fmt, "nearest") after quantize's saturation.
 __device__ __forceinline__ u32 encode_code(float y, float s) {
     const float v = __fdiv_rn(y, s);
@@ -79,9 +130,11 @@ __device__ __forceinline__ u32 code_pattern(float y, const float* T) {
 }
 
 // y of an output whose int32 value is C: ((float(C) * rs) * cs) + bias, one IEEE rounding each (no FMA
-// contraction), then ReLU or LeakyReLU (y < 0 -> slope * y, one multiply; NaN stays NaN, as torch).
+// contraction), then ReLU or LeakyReLU (y < 0 -> slope * y, one multiply; NaN stays NaN, as torch).  RS = false:
+// no row scale (rs is 1: float(C) * 1 is float(C), so the multiply is left out).
+template <bool RS = true>
 __device__ __forceinline__ float y_of(int cv, float rs, float cs, float bi, bool has_bias, bool relu, float slope) {
-    float v = __fmul_rn(__fmul_rn(__int2float_rn(cv), rs), cs);
+    float v = __fmul_rn(RS ? __fmul_rn(__int2float_rn(cv), rs) : __int2float_rn(cv), cs);
     v = has_bias ? __fadd_rn(v, bi) : v;  // (not + 0.0f: -0.0 must stay -0.0)
     const float neg = slope == 0.0f ? 0.0f : __fmul_rn(v, slope);
     return relu && v < 0.0f ? neg : v;
