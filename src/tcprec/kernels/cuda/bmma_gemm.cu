@@ -644,28 +644,6 @@ __device__ __forceinline__ float residual_sum(float y0, float r, bool relu, floa
     return relu && v < 0.0f ? (slope == 0.0f ? 0.0f : __fmul_rn(v, slope)) : v;
 }
 
-// One 16-byte store (a uint4 assignment let the compiler split it into four 4-byte stores where the words did not sit in
-// four aligned registers: four times the store instructions and partial sectors; the asm keeps it one st.v4.  No
-// memory clobber: nothing this kernel reads aliases the output)
-__device__ __forceinline__ void st_global_v4(void* p, const u32 (&v)[4]) {
-    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]));
-}
-
-// 4 x 4 transpose of u32s across a quad (lane t = lane & 3): afterwards x[s] is what lane s held in x[t].  Two
-// butterfly stages (lane bit 0, then bit 1), each swapping the off-diagonal halves of 2 x 2 blocks: 4 shuffles.
-__device__ __forceinline__ void quad_transpose(u32 (&x)[4], int t) {
-#pragma unroll
-    for (int bit = 1; bit <= 2; bit <<= 1) {
-        const bool hi = (t & bit) != 0;
-#pragma unroll
-        for (int p = 0; p < 4; ++p) {
-            if (p & bit) continue;  // the pair (p, p + bit)
-            const u32 r = __shfl_xor_sync(0xffffffffu, hi ? x[p] : x[p + bit], bit);
-            if (hi) x[p] = r; else x[p + bit] = r;
-        }
-    }
-}
-
 // Outputs (r, c) and (r, c + 1) of a row-major (M, ldo) matrix: one paired store where both lie inside M x N
 // and an even pitch keeps the pair aligned (always so in an interior tile), else each store checked.
 __device__ __forceinline__ int2 pair_of(int a, int b) { return make_int2(a, b); }

@@ -1,5 +1,6 @@
 // Output codes of the packed epilogues (bmma_gemm.cu, stem_conv.cu): y -> the stored OB-bit code pattern, the float
-// thresholds T_i that replace the division, and the integer threshold words that replace the float arithmetic.
+// thresholds T_i that replace the division, and the integer threshold words that replace the float arithmetic; and the
+// helpers both epilogues store 16-bit floats with (fp16x2 steps, the quad transpose to 16-byte stores).
 // Included (textually, by loader.compile_source) inside a namespace that defines OB, OENC, NCODE = 1 << OB and the
 // types u32 / i64.
 
@@ -69,6 +70,28 @@ __device__ __forceinline__ void index_masks2(u32 h, const u32 (&T16)[NCODE], u32
 #pragma unroll
         for (int m = 1; (m << b) < NCODE; ++m) v ^= ge[m << b];
         pm[b] = v;
+    }
+}
+
+// One 16-byte store (a uint4 assignment let the compiler split it into four 4-byte stores where the words did not sit in
+// four aligned registers: four times the store instructions and partial sectors; the asm keeps it one st.v4.  No
+// memory clobber: nothing this kernel reads aliases the output)
+__device__ __forceinline__ void st_global_v4(void* p, const u32 (&v)[4]) {
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]));
+}
+
+// 4 x 4 transpose of u32s across a quad (lane t = lane & 3): afterwards x[s] is what lane s held in x[t].  Two
+// butterfly stages (lane bit 0, then bit 1), each swapping the off-diagonal halves of 2 x 2 blocks: 4 shuffles.
+__device__ __forceinline__ void quad_transpose(u32 (&x)[4], int t) {
+#pragma unroll
+    for (int bit = 1; bit <= 2; bit <<= 1) {
+        const bool hi = (t & bit) != 0;
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+            if (p & bit) continue;  // the pair (p, p + bit)
+            const u32 r = __shfl_xor_sync(0xffffffffu, hi ? x[p] : x[p + bit], bit);
+            if (hi) x[p] = r; else x[p + bit] = r;
+        }
     }
 }
 

@@ -336,25 +336,46 @@ stem_conv(const signed char* __restrict__ x,  // (N, H, W, C) int8 codes
                 }
             }
             // ---- the word's epilogue: (the float output,) C, (pool,) code bits, the quad's words ----
-            if constexpr (FOUT != 0) {  // the float output: this lane's pairs of columns, one 4-byte store a pair
-                const bool pairs = (g.K & 1) == 0;  // (aligned)
+            if constexpr (FOUT != 0) {  // the float output
+                // this lane's pairs of columns (tiles j, rows r); a word inside K with 16-byte aligned rows is stored
+                // with one 16-byte store a row (the quad transposes its pairs so that lane t holds tile t's 8 columns:
+                // 4-byte stores filled half sectors), else one 4-byte store a pair
+                u32 hv[NR][4];
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
-                    const int cl = (4 * w + j) * 8 + 2 * t, k = k0 + cl;  // this lane's columns cl, cl + 1
+                    const int cl = (4 * w + j) * 8 + 2 * t;  // this lane's columns cl, cl + 1
                     const float cs0 = s_cs[cl], cs1 = s_cs[cl + 1], bi0 = s_bias[cl], bi1 = s_bias[cl + 1];
                     const u32 ad0 = (u32)s_add[cl], ad1 = (u32)s_add[cl + 1];
 #pragma unroll
                     for (int r = 0; r < NR; ++r) {
                         const int e0 = 2 * (r & 1);
-                        const u32 h = pack16x2(stem_yf((int)((u32)acc[r >> 1][j][e0] + ad0), cs0, bi0, act, slope),
-                                               stem_yf((int)((u32)acc[r >> 1][j][e0 + 1] + ad1), cs1, bi1, act, slope));
-                        if (ok[r]) {
-                            unsigned short* o = fout + (i64)orow[r] * g.K + k;
-                            if (pairs && k + 1 < g.K) {
-                                *reinterpret_cast<u32*>(o) = h;
-                            } else {
-                                if (k < g.K) o[0] = (unsigned short)(h & 0xFFFFu);
-                                if (k + 1 < g.K) o[1] = (unsigned short)(h >> 16);
+                        hv[r][j] = pack16x2(stem_yf((int)((u32)acc[r >> 1][j][e0] + ad0), cs0, bi0, act, slope),
+                                            stem_yf((int)((u32)acc[r >> 1][j][e0 + 1] + ad1), cs1, bi1, act, slope));
+                    }
+                }
+                const int kw0 = k0 + 32 * w;  // the word's first channel
+                if ((g.K & 7) == 0 && kw0 + 32 <= g.K) {
+#pragma unroll
+                    for (int r = 0; r < NR; ++r) {
+                        quad_transpose(hv[r], t);  // (every lane of the quad takes part; rows are the quad's)
+                        if (ok[r]) st_global_v4(fout + (i64)orow[r] * g.K + kw0 + 8 * t, hv[r]);
+                    }
+                } else {
+                    const bool pairs = (g.K & 1) == 0;  // (aligned)
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        const int k = kw0 + j * 8 + 2 * t;
+#pragma unroll
+                        for (int r = 0; r < NR; ++r) {
+                            const u32 h = hv[r][j];
+                            if (ok[r]) {
+                                unsigned short* o = fout + (i64)orow[r] * g.K + k;
+                                if (pairs && k + 1 < g.K) {
+                                    *reinterpret_cast<u32*>(o) = h;
+                                } else {
+                                    if (k < g.K) o[0] = (unsigned short)(h & 0xFFFFu);
+                                    if (k + 1 < g.K) o[1] = (unsigned short)(h >> 16);
+                                }
                             }
                         }
                     }
