@@ -16,6 +16,8 @@ JSON: benchmarks/results/solve.json (full), benchmarks/results/solve_quick.json 
         # (kappa 1e2, partial pivoting) at 8192 / 16384 / 32768, fp16 (+ bf16 at 8192): refine
         # gmres vs fgmres, U12 GEMM tf32 (default) vs fp32 (trsm_tf32=False), each against fp64
         # in the same run -> benchmarks/results/solve_refine_ab.json
+    PYTHONPATH=src python benchmarks/bench_solve_device.py --trsv-ab     # ~2 min: the preconditioner's triangular
+        # solves eager vs from a CUDA graph, whole solves with default options -> benchmarks/results/solve_trsv_ab.json
     PYTHONPATH=src python benchmarks/bench_solve_device.py --cpu-iterations 4096   # no GPU: the same
         # A/B's refinement counts from the CPU emulation in the CUDA configuration (block 1024, one
         # getrf per panel, U12 as a tf32 GEMM emulated in software); n = 8192 takes ~5 min
@@ -401,6 +403,30 @@ def refine_ab(dev, sizes=(8192, 16384, 32768), out="benchmarks/results/solve_ref
     return rows
 
 
+def trsv_ab(dev, sizes=(8192, 16384, 32768), out="benchmarks/results/solve_trsv_ab.json"):
+    """The preconditioner's triangular solves eager (trsv="blocked", the CUDA default: two cuBLAS calls a block from
+    Python) vs replayed from a CUDA graph captured per factorization (trsv="graph"), whole fp16 / bf16 solves with the
+    library's other defaults, both matrix kinds, same A per (kind, n), against fp64 in the same run."""
+    note("-- trsv A/B: blocked vs graph, whole solves with default options")
+    rows = []
+    for n in sizes:
+        for kind in ("diagdom", "general"):
+            A, b, t64 = _system_and_fp64(kind, n, dev)
+            note(f"n={n} {kind} fp64 torch.linalg.solve {t64 * 1e3:.1f} ms")
+            rows.append({"n": n, "kind": kind, "factor": "fp64", "time_s": t64})
+            for f in ("fp16",) if kind == "general" else ("bf16",):
+                for trsv in ("blocked", "graph"):
+                    kw = dict(factor=f, pivoting=kind == "general", trsv=trsv)
+                    t, (x, info) = timeit(lambda: la.solve(A, b, **kw), warmup=1, repeats=3)
+                    rows.append({"n": n, "kind": kind, "factor": f, "trsv": trsv, **_solve_fields(t, t64, info)})
+                    note(f"n={n} {kind} {f} trsv={trsv:7}: {_solve_line(t, t64, info)}")
+                    free()
+            del A, b
+            free()
+    _write_json(out, {"env": environment(dev), "rows": rows, "lines": SUMMARY})
+    return rows
+
+
 def _fp16_solve_row(rows, A, b, t64, n, kw, label) -> None:
     """Time an fp16 solve with LU options ``kw`` (partial pivoting) against the fp64 baseline ``t64``;
     append its row and summary line."""
@@ -621,6 +647,8 @@ def main():
                     help="only the fused-panel A/B: panel_pivot.cu vs cuSOLVER getrf, one panel, LU and fp16 solves")
     ap.add_argument("--cluster-ab", action="store_true",
                     help="only the cluster-panel A/B: panel_cluster.cu leaves vs cuSOLVER getrf, LU and fp16 solves")
+    ap.add_argument("--trsv-ab", action="store_true",
+                    help="only the trsv A/B: blocked vs CUDA-graph triangular solves in whole solves (~2 min)")
     ap.add_argument("--refine-ab", action="store_true",
                     help="only the general-matrix A/B: gmres vs fgmres, tf32 vs fp32 U12 GEMM (~3 min)")
     args = ap.parse_args()
@@ -645,6 +673,8 @@ def main():
         cluster_ab(dev, sizes=tuple(int(s) for s in args.sizes.split(",")))
     elif args.refine_ab:
         refine_ab(dev, sizes=tuple(int(s) for s in args.sizes.split(",")))
+    elif args.trsv_ab:
+        trsv_ab(dev, sizes=tuple(int(s) for s in args.sizes.split(",")))
     elif args.quick:
         correctness(dev)
         panel_pieces(dev)

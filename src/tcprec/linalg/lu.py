@@ -1085,7 +1085,7 @@ def _resolve_config(n, device, factor, pivoting, block, panel, leaf, trsm, trsv,
         leaf = _FUSED_LEAF if panel == "fused" else _CLUSTER_LEAF if panel == "cluster" else 128 if cuda else 16
     if calu_rows is None:
         calu_rows = 1024 if cuda else 64
-    if trsv == "auto":
+    if trsv == "auto":  # (a graph captured per factorization costs 4-6 ms: no faster in whole solves, solve_trsv_ab.json)
         trsv = "blocked" if cuda else "trsm"
     if trsm == "auto":  # inv(L11) @ A12 as a tf32 GEMM: tensor cores, error below the low-precision updates
         trsm = "inverse" if cuda and factor not in ("fp32",) else "trsm"
