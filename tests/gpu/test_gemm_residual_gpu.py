@@ -11,6 +11,8 @@ from tcprec.kernels import reference_qconv as rq
 from tcprec.kernels.cuda import loader as L
 from tcprec.packing import pack_bitplanes
 
+from bmma_cases import gemm_args  # tests/gpu/bmma_cases.py
+
 DEV = "cuda"
 TILES = ["", "128x64_w8x1_s5_k1024_wg_tma", "128x128_w8x1_s4_k1024_wg_tma", "128x128_w8x1_s4_k1024_wg",
          "64x64_w2x2_s3_k1024", "32x32_w2x2_s2_k1024"]
@@ -18,15 +20,7 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 
 
 def _args(M, N, Kbits, out_kind, relu, seed):
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    a = pack_bitplanes(torch.randint(0, 4, (M, Kbits), device=DEV, generator=gen, dtype=torch.int32), 2,
-                       validate=False)
-    w = pack_bitplanes(torch.randint(0, 2, (N, Kbits), device=DEV, generator=gen, dtype=torch.int32), 1,
-                       validate=False)
-    row_term = -torch.randint(0, 3 * Kbits, (M,), device=DEV, generator=gen, dtype=torch.int32)
-    col_scale = torch.rand(N, device=DEV, generator=gen) * 0.02 + 0.005
-    bias = torch.randn(N, device=DEV, generator=gen)
-    return (a, w, False, False, 2, row_term, None, None, col_scale, bias, relu, out_kind, 1, "unsigned", None)
+    return gemm_args(M, N, Kbits, out_kind, seed, relu=relu)
 
 
 def _residual(M, N, out_kind, seed):

@@ -10,24 +10,15 @@ import torch
 
 from tcprec.kernels import reference_qconv as rq
 from tcprec.kernels.cuda import loader as L
-from tcprec.packing import pack_bitplanes
+
+from bmma_cases import gemm_args  # tests/gpu/bmma_cases.py
 
 DEV = "cuda"
 
 
 def _args(M, N, Kbits, out_kind, seed, out_bits=2):
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    a = pack_bitplanes(torch.randint(0, 4, (M, Kbits), device=DEV, generator=gen, dtype=torch.int32), 2,
-                       validate=False)
-    w = pack_bitplanes(torch.randint(0, 2, (N, Kbits), device=DEV, generator=gen, dtype=torch.int32), 1,
-                       validate=False)
-    row_term = -torch.randint(0, 3 * Kbits, (M,), device=DEV, generator=gen, dtype=torch.int32)
-    col_term = torch.randint(-50, 50, (N,), device=DEV, generator=gen, dtype=torch.int32)
-    col_scale = torch.rand(N, device=DEV, generator=gen) * 0.02 + 0.005
-    bias = torch.randn(N, device=DEV, generator=gen)
     out_scale = torch.tensor([0.4], device=DEV) if out_kind == "packed" else None
-    return [a, w, False, False, 2, row_term, col_term, None, col_scale, bias, True, out_kind, out_bits, "unsigned",
-            out_scale]
+    return gemm_args(M, N, Kbits, out_kind, seed, col_term=True, out_bits=out_bits, out_scale=out_scale)
 
 
 SHAPES = [(8, 4096, 25088), (8, 512, 25088), (5, 200, 9000), (40, 96, 6000), (300, 64, 4608)]

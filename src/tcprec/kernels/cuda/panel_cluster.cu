@@ -82,10 +82,8 @@ struct Smem {
     float sw[2 * TCP_W][SWC];  // a block's interchange buffer
 };
 
-__device__ __forceinline__ unsigned pivot_key(float x) {
-    const float v = fabsf(x);
-    return v >= 0.0f ? __float_as_uint(v) + 1u : 0x7f800002u;
-}
+// pivot_key, lap
+#include "panel_common.cuh"
 
 __device__ __forceinline__ unsigned cta_rank() {
     unsigned r;
@@ -109,13 +107,6 @@ __device__ __forceinline__ void cluster_sync() {
 }
 
 #define NPROF 8
-__device__ __forceinline__ void lap(bool on, long long (&acc)[NPROF], int slot, long long& t) {
-    if (on) {
-        const long long now = clock64();
-        acc[slot] += now - t;
-        t = now;
-    }
-}
 
 // The largest (key, lo) over the warp: two hardware reductions.
 __device__ __forceinline__ void warp_best(unsigned& key, unsigned& lo) {

@@ -79,14 +79,8 @@ __device__ __forceinline__ void grid_sync(unsigned* bar) {
     __syncthreads();
 }
 
-// Pivot search key: 0 for a row that is not available, else 1 + the bits of |a| (non-negative floats
-// order as their bit patterns), NaN above +inf (see the top).  The largest key wins; among equal keys
-// the smallest thread (ballot + ffs), as LAPACK's isamax takes the first maximum.
-__device__ __forceinline__ unsigned pivot_key(float x, bool avail) {
-    if (!avail) return 0u;
-    const float v = fabsf(x);
-    return v >= 0.0f ? __float_as_uint(v) + 1u : 0x7f800002u;
-}
+// pivot_key (among equal keys the smallest thread wins: ballot + ffs)
+#include "panel_common.cuh"
 
 // (max key, first lane holding it) over a warp: one redux and one ballot.
 __device__ __forceinline__ unsigned warp_argmax(unsigned key, int& lane_of_max) {

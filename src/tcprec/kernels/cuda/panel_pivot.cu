@@ -89,15 +89,9 @@ __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
 __device__ __forceinline__ void red_release(unsigned* p) {
     asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(p) : "memory");
 }
-// the optional profile: thread 0 of each block adds the cycles since its last lap to acc[slot]
+// pivot_key, lap (the optional profile: thread 0 of each block, NPROF slots)
+#include "panel_common.cuh"
 #define NPROF 12
-__device__ __forceinline__ void lap(bool on, long long (&acc)[NPROF], int slot, long long& t) {
-    if (on) {
-        const long long now = clock64();
-        acc[slot] += now - t;
-        t = now;
-    }
-}
 
 __device__ __forceinline__ u64 word(unsigned tag, unsigned lo) { return ((u64)tag << 32) | lo; }
 
@@ -125,13 +119,6 @@ __device__ __forceinline__ void grid_barrier(unsigned* ctr, unsigned& nbar) {
     __syncthreads();
 }
 
-// Pivot search key: 0 for a row that is not available, else 1 + the bits of |a| (non-negative floats
-// order as their bit patterns), NaN above +inf.
-__device__ __forceinline__ unsigned pivot_key(float x, bool avail) {
-    if (!avail) return 0u;
-    const float v = fabsf(x);
-    return v >= 0.0f ? __float_as_uint(v) + 1u : 0x7f800002u;
-}
 
 // Largest key over the warp, then the smallest position among the lanes holding it (LAPACK's isamax
 // takes the first maximum).
