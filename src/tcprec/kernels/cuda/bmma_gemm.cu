@@ -920,6 +920,10 @@ bmma_gemm(
 
     // ---- epilogue of the tile at (m0, n0), by the MMA threads (tid < MMA_THREADS), vectors staged ----
     const bool has_bias = bias != nullptr;
+    // TCP_DUAL, float16 output: the planes' thresholds as float16 pairs (f16_ceil), made on the first tile (the float
+    // thresholds are the kernel's, staged once) and kept in registers across the block's tiles
+    [[maybe_unused]] u32 dthr16[NCODE];
+    [[maybe_unused]] bool have16 = false;
     float* const s_thr = reinterpret_cast<float*>(s_vec + VEC_N);  // packed: T_1 .. T_{2^OB - 1} at [1..]
     auto epilogue = [&](int m0, int n0) {
         const float* s_rs = reinterpret_cast<const float*>(s_vec);
@@ -949,13 +953,13 @@ bmma_gemm(
         // a tile inside M x N (with an even row pitch for the paired stores) stores without bounds checks
         const bool interior = m0 + BM <= M && n0 + BN <= N && (ldo & 1) == 0;
         [[maybe_unused]] float dthr[DUAL ? NCODE : 1];  // TCP_DUAL: the planes' thresholds in registers
-        [[maybe_unused]] u32 dthr16[NCODE];  // and, for a float16 output, as float16 pairs (f16_ceil)
         if (DUAL) {
 #pragma unroll
             for (int i = 1; i < NCODE; ++i) dthr[i] = s_thr[i];
-            if (OUT_T == 1) {
+            if (OUT_T == 1 && !have16) {
 #pragma unroll
                 for (int i = 1; i < NCODE; ++i) dthr16[i] = f16_ceil(dthr[i]) * 0x00010001u;
+                have16 = true;
             }
         }
         // TCP_DUAL: the quad ORs its lanes' bits of one 32-column word of row r per plane (every lane takes part
@@ -1448,7 +1452,10 @@ bmma_gemm(
                 for (int c = 0; c < CS; ++c) mbar_arrive_cta(e, (u32)c);
             }
         };
-        constexpr int VPT = (VEC_N + STAGERS - 1) / STAGERS;
+        // a convolution with the row sums in the kernel reads no row vector (no row scale, no row term): its tiles
+        // stage the column vectors only
+        constexpr int VEC_LO = CONV && ROWSUM ? 2 * BM : 0;
+        constexpr int VPT = (VEC_N - VEC_LO + STAGERS - 1) / STAGERS;
         // the block's tiles are pid = blockIdx.x / CS + t * stride, t = 0, 1, ..; group grp takes t = grp (mod CONS),
         // and counts its steps g across them in its own ring of RING stages (a group never waits two phases ahead)
         int g = 0;
@@ -1458,7 +1465,7 @@ bmma_gemm(
             u32 vec[VPT];  // this tile's epilogue vectors, loaded now, stored to shared memory after the MMAs
 #pragma unroll
             for (int j = 0; j < VPT; ++j) {
-                const int i = wtid + j * STAGERS;
+                const int i = VEC_LO + wtid + j * STAGERS;
                 vec[j] = i < VEC_N ? vec_value(i, m0, n0) : 0u;
             }
             zero_acc();
@@ -1477,7 +1484,7 @@ bmma_gemm(
             wg_sync();  // every thread of the warpgroup is past its previous tile's epilogue: restage
 #pragma unroll
             for (int j = 0; j < VPT; ++j) {
-                const int i = wtid + j * STAGERS;
+                const int i = VEC_LO + wtid + j * STAGERS;
                 if (i < VEC_N) s_vec[i] = vec[j];
             }
             wg_sync();
