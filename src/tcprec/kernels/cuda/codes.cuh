@@ -1,6 +1,6 @@
 // Output codes of the packed epilogues (bmma_gemm.cu, stem_conv.cu): y -> the stored OB-bit code pattern, the float
 // thresholds T_i that replace the division, and the integer threshold words that replace the float arithmetic; and the
-// helpers both epilogues store 16-bit floats with (fp16x2 steps, the quad transpose to 16-byte stores).
+// helpers their 16-bit float outputs use (bmma_gemm.cu's fp16x2 steps; both kernels' quad transpose to 16-byte stores).
 // Included (textually, by loader.compile_source) inside a namespace that defines OB, OENC, NCODE = 1 << OB and the
 // types u32 / i64.
 
@@ -22,8 +22,8 @@ __device__ __forceinline__ float f16_to_f32(unsigned short h) {
 }
 __device__ __forceinline__ float bf16_to_f32(unsigned short h) { return __uint_as_float((u32)h << 16); }
 
-// fp16x2 arithmetic on two outputs at once (bmma_gemm.cu's 16-byte fp16 epilogue with TCP_RES / TCP_DUAL, stem_conv.cu's
-// float16 output's planes).  Exact replacements of the float path's steps, so the outputs stay bit-identical:
+// fp16x2 arithmetic on two outputs at once (bmma_gemm.cu's 16-byte fp16 epilogue with TCP_RES / TCP_DUAL).  Exact
+// replacements of the float path's steps, so the outputs stay bit-identical:
 //  * add.rn.f16x2 of two float16 values equals rounding their float32 sum to float16 (bmma_gemm's rd(rd(y0) + r)): the
 //    sum is rounded twice, to float32 then float16, and with 24 >= 2 * 11 + 2 significand bits the first rounding
 //    never changes the second (Figueroa's double-rounding theorem); float16 subnormals are sums of multiples of
