@@ -19,6 +19,15 @@ or, with one source, side A with loader settings changed (a tile rule off), e.g.
 
     PYTHONPATH=src python3 benchmarks/bench_kernel_source_ab_device.py --a-loader _CONV_MIN_TILES=1000000000 \\
         --models resnet18 --out benchmarks/results/conv_tile_ab.json
+
+or side A with a quantize_model switch of ``tcprec.nn.convert`` changed (a graph rewrite off), e.g.
+
+    PYTHONPATH=src python3 benchmarks/bench_kernel_source_ab_device.py --a-convert FUSE_FLATTEN=0 \\
+        --models resnet18,vgg --out benchmarks/results/flatten_ab.json
+
+A convert switch may change roundings (a chained conv quantizes its float32 result, the unchained network the
+float16 one), so with ``--a-convert`` the outputs are compared and recorded (``outputs_equal``, ``max_rel_diff``)
+instead of required equal.
 """
 from __future__ import annotations
 
@@ -35,6 +44,7 @@ from profile_net_layers_device import layer_kernels  # noqa: E402
 from tcprec.bench.common import time_graph_ms  # noqa: E402
 from tcprec.bench.net import build_variant  # noqa: E402
 from tcprec.kernels.cuda import loader, stem_conv  # noqa: E402
+from tcprec.nn import convert  # noqa: E402
 from tcprec.nn.models import INPUT_SHAPES, build  # noqa: E402
 
 
@@ -45,6 +55,8 @@ def main() -> None:
                     help="whose source `other` replaces: the bit-serial GEMM's or the thin stem's")
     ap.add_argument("--a-loader", action="append", default=[], metavar="NAME=INT",
                     help="side A: set tcprec.kernels.cuda.loader.NAME to INT (repeatable)")
+    ap.add_argument("--a-convert", action="append", default=[], metavar="NAME=INT",
+                    help="side A: set tcprec.nn.convert.NAME (a quantize_model switch) to INT (repeatable)")
     ap.add_argument("--models", default="vgg")
     ap.add_argument("--precision", default="w1a2")
     ap.add_argument("--batch", type=int, default=256)
@@ -52,7 +64,9 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/kernel_source_ab.json")
     args = ap.parse_args()
     a_attrs = {k: int(v) for k, v in (kv.split("=", 1) for kv in args.a_loader)}
-    a_name = "A (" + ", ".join([args.other] * bool(args.other) + args.a_loader) + ")"
+    a_conv = {k: type(getattr(convert, k))(int(v)) for k, v in (kv.split("=", 1) for kv in args.a_convert)}
+    b_conv = {k: getattr(convert, k) for k in a_conv}
+    a_name = "A (" + ", ".join([args.other] * bool(args.other) + args.a_loader + args.a_convert) + ")"
     mod = loader if args.kernel == "bmma_gemm" else stem_conv
     sides = {a_name: Path(args.other).resolve() if args.other else mod.SOURCE_PATH, "B (tree)": mod.SOURCE_PATH}
     b_attrs = {k: getattr(loader, k) for k in a_attrs}
@@ -61,12 +75,14 @@ def main() -> None:
     for name in args.models.split(","):
         m32 = build(name, device="cuda").eval()
         x32 = torch.randn(args.batch, *INPUT_SHAPES[name], device="cuda")
-        ref, times, layers = None, {k: [] for k in sides}, {}
+        ref, times, layers, equal, diff = None, {k: [] for k in sides}, {}, True, 0.0
         for rnd in range(args.rounds):
             for side, src in sides.items():
                 mod.SOURCE_PATH = src
                 for k, v in (a_attrs if side == a_name else b_attrs).items():
                     setattr(loader, k, v)
+                for k, v in (a_conv if side == a_name else b_conv).items():
+                    setattr(convert, k, v)
                 loader._variant_for.cache_clear()
                 loader._kernels.clear()
                 stem_conv._smem_set.clear()  # (a reloaded kernel needs its shared-memory attribute set again)
@@ -78,7 +94,10 @@ def main() -> None:
                     if ref is None:
                         ref = y
                     elif not torch.equal(y, ref):
-                        raise SystemExit(f"{name}: the outputs of the two sources differ")
+                        if not a_conv:
+                            raise SystemExit(f"{name}: the outputs of the two sources differ")
+                        equal = False
+                        diff = max(diff, float((y - ref).abs().max() / ref.abs().max()))
                     times[side].append(min(time_graph_ms(model, [x]) for _ in range(3)))
                     if rnd == 0:
                         layers[side] = {layer: {k: round(v, 1) for k, v in kern.items() if v >= 1}
@@ -86,11 +105,14 @@ def main() -> None:
                 del model
                 torch.cuda.empty_cache()
                 print(f"{name} b{args.batch} {args.precision} {side}: {times[side][-1]:.3f} ms", flush=True)
-        rows.append(dict(model=name, batch=args.batch, precision=args.precision, outputs_equal=True,
+        rows.append(dict(model=name, batch=args.batch, precision=args.precision, outputs_equal=equal,
+                         **({"max_rel_diff": diff} if a_conv else {}),
                          ms={k: min(v) for k, v in times.items()}, ms_all=times, layers_us=layers))
     mod.SOURCE_PATH = sides["B (tree)"]
     for k, v in b_attrs.items():
         setattr(loader, k, v)
+    for k, v in b_conv.items():
+        setattr(convert, k, v)
     out = dict(command=" ".join(sys.argv), gpu=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows)
     Path(args.out).write_text(json.dumps(out, indent=1))
     print("wrote", args.out)

@@ -119,9 +119,9 @@ def test_quantize_model_fuses_and_reports():
     assert [r.name for r in s.layers] == ["0", "4", "7", "10", "12"]
     assert [r.precision for r in s.layers] == ["w8a8", "w2a2", "w2a2", "w2a2", "w8a8"]  # first / last at 8 bits
     assert s.layers[0].fused == ("bn", "relu", "maxpool") and s.layers[1].fused == ("bn", "leaky")
-    assert s.layers[3].fused == ("relu",)
+    assert s.layers[3].fused == ("flatten", "relu")  # nn.Flatten -> flatten_nhwc + reordered weight columns
     kinds = [type(m).__name__ for m in q.modules()]
-    assert "BatchNorm2d" not in kinds and "MaxPool2d" not in kinds  # folded away
+    assert "BatchNorm2d" not in kinds and "MaxPool2d" not in kinds and "Flatten" not in kinds  # folded away
     assert kinds.count("QConv2d") == 3 and kinds.count("QLinear") == 2
     # the leaky layer's input can be negative after a LeakyReLU -> signed activations next
     assert str(dict(q.named_modules())["7"].a_fmt) == "int2"
@@ -407,6 +407,104 @@ def test_bitserial_chain_hands_gathering_convs_compact_planes(monkeypatch):
     assert mods["4"].out_layout == "planes"  # -> layer 7, a 1x1 stride-1 conv
     rec = {r.name: r.out for r in q.tcprec_summary.layers}
     assert rec["0"].startswith("packed ") and rec["4"].startswith("packed ")
+
+
+def _no_flatten_fusion(monkeypatch, cfg, net, x):
+    from tcprec.nn import convert
+
+    with monkeypatch.context() as mp:
+        mp.setattr(convert, "_fuse_flatten", lambda gm, records: None)
+        return tp.quantize_model(net, cfg, calibration=x, warn=False)
+
+
+@pytest.mark.parametrize("precision", ["w2a2", "int8", "fp8"])
+def test_flatten_into_a_linear_is_a_view(monkeypatch, precision):
+    """conv -> torch.flatten(y, 1) -> linear: the linear's weight columns are reordered to (h, w, c) once and the
+    flatten becomes flatten_nhwc, a view of the conv's channels_last output (no NCHW copy); the same codes meet
+    the same weights, so the output equals the unfused network's (integer layers bit for bit)."""
+    from tcprec.nn.qmodules import flatten_nhwc
+
+    torch.manual_seed(7)
+    x = torch.randn(2, 3, 8, 8)
+    net = _calibrated(_ToyResNet(), x).to(memory_format=torch.channels_last)
+    cfg = tp.QuantConfig(precision, first_last=None)
+    q = tp.quantize_model(net, cfg, calibration=x, warn=False)
+    q0 = _no_flatten_fusion(monkeypatch, cfg, net, x)
+    fns = [n.target for n in q.graph.nodes if n.op == "call_function"]
+    assert flatten_nhwc in fns and torch.flatten not in fns
+    assert torch.flatten in [n.target for n in q0.graph.nodes if n.op == "call_function"]
+    rec = {r.name: r for r in q.tcprec_summary.layers}
+    assert rec["fc"].fused == ("flatten",) and dict(q.named_modules())["fc"].in_channels_last == 32
+    with torch.no_grad():
+        y, y0 = q(x), q0(x)
+    if precision == "fp8":  # float accumulation in another order
+        torch.testing.assert_close(y, y0, rtol=1e-5, atol=1e-5 * float(y0.abs().max()))
+    else:
+        assert torch.equal(y, y0)
+    h = torch.randn(2, 32, 4, 4).to(memory_format=torch.channels_last)
+    v = flatten_nhwc(h)
+    assert v.data_ptr() == h.data_ptr() and torch.equal(v, h.permute(0, 2, 3, 1).reshape(2, -1))
+
+
+class _ConvFc(nn.Module):
+    def __init__(self, c=32):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.fc1, self.fc2 = nn.Linear(c * 4 * 4, 16), nn.Linear(16, 10)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(torch.flatten(torch.relu(self.bn(self.conv(x))), 1))))
+
+
+@pytest.mark.parametrize("net_kind, dtype", [("resnet", torch.float16), ("resnet", torch.float32),
+                                             ("convfc", torch.float32), ("convfc16", torch.float32)])
+def test_bitserial_conv_hands_a_flattened_linear_its_planes(monkeypatch, net_kind, dtype):
+    """A bit-serial linear after flatten_nhwc gets the conv's planes (compact rows, flattened as a view): a ResNet's
+    last block writes "planes+float" (float16; the float32 dual has no kernel: the float only), a plain conv
+    "compact"; the output equals the unchained network's bit for bit.  Rows that are not whole words (16 channels)
+    stay float."""
+    from tcprec.nn import convert
+
+    monkeypatch.setattr(convert, "choose_int_backend",
+                        lambda fa, fw, dev, backend="auto": ("bitserial", "test") if fa.bits < 8 else ("int8", "t"))
+    torch.manual_seed(8)
+    x = torch.randn(2, 3, 4 if net_kind != "resnet" else 8, 4 if net_kind != "resnet" else 8)
+    net = {"resnet": _ToyResNet, "convfc": _ConvFc, "convfc16": lambda: _ConvFc(16)}[net_kind]()
+    net = _calibrated(net, x).to(dtype=dtype, memory_format=torch.channels_last)
+    x = x.to(dtype)
+    cfg = tp.QuantConfig("w1a2", first_last=None)
+    q, qn = (tp.quantize_model(net, dataclasses.replace(cfg, chain=c), calibration=x, warn=False) for c in (True, False))
+    conv = "stages.2.conv2" if net_kind == "resnet" else "conv"
+    m = dict(q.named_modules())[conv]
+    out = {r.name: r.out for r in q.tcprec_summary.layers}
+    dt = str(dtype).removeprefix("torch.")
+    if net_kind == "resnet" and dtype == torch.float16:
+        assert m.out_layout == "planes+float" and out[conv] == f"{dt} + packed uint2 -> fc (flatten_nhwc)"
+    elif net_kind == "convfc":
+        assert m.out_layout == "compact" and out[conv] == "packed uint2 -> fc1 (flatten_nhwc)"
+    else:
+        assert m.out_fmt is None and out[conv] == dt
+    with torch.no_grad():
+        y, yn = q(x), qn(x)
+    assert torch.equal(y, yn)
+
+
+def test_flatten_nhwc_bad_input():
+    from tcprec.nn.qmodules import flatten_nhwc
+    from tcprec.ops.qconv import pack_activation
+
+    with pytest.raises(ValueError, match="NCHW tensor"):
+        flatten_nhwc(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="C % 32 == 0"):
+        flatten_nhwc(pack_activation(torch.rand(1, 4, 4, 16), "uint2", 0.5))
+    lin = QLinear.from_float(nn.Linear(64, 4), "w2a2", in_absmax=1.0, signed_input=False)
+    with pytest.raises(ValueError, match="divisor of in_features=64"):
+        lin.nhwc_input(6)
+    lin.nhwc_input(16)
+    with pytest.raises(ValueError, match="already applied"):
+        lin.nhwc_input(16)
+    with pytest.raises(ValueError, match=r"planes of shape \(B, 1, 1, 64\)"):
+        lin(pack_activation(torch.rand(1, 1, 1, 32), "uint2", 0.5))
 
 
 def test_residual_fusion_leaves_other_adds_alone():

@@ -26,6 +26,9 @@ What it does, in order:
    hands an INT8-kernel layer int8 codes.  An output read by several INT8 (or FP8) convs (a ResNet stage's
    conv1 and 1x1 shortcut: one calibrated scale) is written once as their codes, and when residual adds read
    it too, as the codes with the float attached (``Int8Activation.hp`` / ``Fp8Activation.hp``).
+   A conv read through ``torch.flatten(y, 1)`` by linears: their weight columns are reordered to (h, w, c)
+   once and the flatten becomes ``flatten_nhwc``, a view of the conv's channels_last output (no copy into NCHW
+   order); bit-serial linears get the conv's planes through it (compact rows, flattened as a view).
 6. Reports: ``model.tcprec_summary`` (a ``QuantSummary``) says, per layer, the precision, formats,
    backend and what was fused; layers with no quantized path stay in float and are listed in a
    warning, never silently.
@@ -46,7 +49,7 @@ from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
 from ..ops.matmul import choose_int_backend
-from .qmodules import LayerPrecision, QConv2d, QLinear, parse_precision
+from .qmodules import LayerPrecision, QConv2d, QLinear, flatten_nhwc, parse_precision
 
 __all__ = ["QuantConfig", "QuantSummary", "LayerRecord", "quantize_model"]
 
@@ -296,12 +299,90 @@ def _fuse_residuals(gm: fx.GraphModule, records: dict) -> None:
         rec.fused = rec.fused + ("residual",) + ((act if isinstance(act, str) else "leaky",) if act else ())
 
 
+def _flatten_input(node: fx.Node, mods) -> fx.Node | None:
+    """x of a ``torch.flatten(x, 1)`` node (``torch.flatten``, ``Tensor.flatten``, ``nn.Flatten()``; start_dim 1,
+    end_dim -1), else None."""
+    if node.op == "call_module" and type(mods.get(node.target)) is nn.Flatten:
+        start, end = mods[node.target].start_dim, mods[node.target].end_dim
+    elif (node.op == "call_function" and node.target is torch.flatten) or \
+            (node.op == "call_method" and node.target == "flatten"):
+        a, kw = node.args, node.kwargs
+        start = a[1] if len(a) > 1 else kw.get("start_dim", 0)
+        end = a[2] if len(a) > 2 else kw.get("end_dim", -1)
+    else:
+        return None
+    x = node.args[0] if node.args else None
+    return x if isinstance(x, fx.Node) and start == 1 and end == -1 else None
+
+
+# conv -> flatten -> linear through flatten_nhwc (a view; bit-serial linears read the conv's planes) instead of
+# torch.flatten's NCHW copy and a quantize pass in the linear (False).  Measured on an H200 (session 29, same process,
+# benchmarks/results/flatten_ab.json): see BENCHMARKS.md, "Whole networks".
+FUSE_FLATTEN = True
+
+
+def _fuse_flatten(gm: fx.GraphModule, records: dict) -> None:
+    """conv -> ``torch.flatten(y, 1)`` -> linear(s): the linears' weight columns reordered to (h, w, c) once
+    (``QLinear.nhwc_input``) and the flatten replaced by ``flatten_nhwc``, a view of the conv's channels_last
+    output (torch.flatten copies it into (c, h, w) order: ResNet-18's classifier input, 12.8 MB at batch 256).
+    The same codes meet the same weights, so integer layers give the same results."""
+    g = gm.graph
+    mods = dict(gm.named_modules())
+    calls: dict[str, int] = {}
+    for n in g.nodes:
+        if n.op == "call_module":
+            calls[n.target] = calls.get(n.target, 0) + 1
+    for f in list(g.nodes):
+        x = _flatten_input(f, mods)
+        if x is None or x.op != "call_module" or not isinstance(mods.get(x.target), QConv2d):
+            continue
+        users = list(f.users)
+        C = mods[x.target].out_channels
+        if not users or not all(u.op == "call_module" and isinstance(mods.get(u.target), QLinear)
+                                and calls[u.target] == 1 and u.args == (f,) and not u.kwargs
+                                and mods[u.target].in_channels_last is None
+                                and mods[u.target].in_features % C == 0 for u in users):
+            continue
+        for u in users:
+            mods[u.target].nhwc_input(C)
+            records[u.target].fused = ("flatten",) + records[u.target].fused
+        with g.inserting_before(f):
+            nf = g.call_function(flatten_nhwc, (x,))
+        nf.meta = dict(f.meta)
+        f.replace_all_uses_with(nf)
+        g.erase_node(f)
+
+
 # A bit-serial ResNet block's output as the float and its planes from one epilogue ("planes+float") instead of the
 # float and a quantize_pack pass in each reader (False).  Measured on an H200 (session 19, w1a2 ResNet-18, same
 # process, benchmarks/results/net_dual_ab.json): batch 256 2.706 -> 2.667 ms, batch 8 0.399 -> 0.400 (even); alone the
 # dual epilogue costs about what the pass it saves does (benchmarks/results/net_passes.json: stage 0 at batch 256
 # 214.8 us against 147 + 55 us), so the gain is the launch and the second read of the float.
 BITSERIAL_DUAL = True
+
+
+def _chain_through_flatten(node: fx.Node, flat: fx.Node, qmods, records: dict, kind_of) -> None:
+    """A conv read only through ``flatten_nhwc`` by bit-serial linears writes their planes (compact rows; with
+    the float too where the conv holds a block's add: "planes+float", the only planes a residual epilogue
+    writes), so the linears read the flattened planes as a view, with no float flatten or quantize pass between.
+    Needs rows of whole words (C % 32 == 0) that flatten into the GEMM's padded rows (in_features % 512 == 0)."""
+    a = qmods[node.target]
+    lins = [qmods[u.target] for u in flat.users]  # QLinears (_fuse_flatten's rule)
+    b = lins[0]
+    if a.precision.fp8 or kind_of(b) != "bitserial" or a.out_channels % 32 or b.in_features % 512 \
+            or any(kind_of(o) != "bitserial" or o.a_fmt != b.a_fmt or not torch.equal(o.in_scale, b.in_scale)
+                   for o in lins[1:]):
+        return
+    to = ", ".join(u.target for u in flat.users) + " (flatten_nhwc)"
+    if a.has_residual:
+        if not BITSERIAL_DUAL or kind_of(a) not in ("bitserial", "int8") or b.a_fmt.bits > 3 \
+                or a.out_dtype not in (torch.float16, torch.bfloat16):
+            return
+        a.chain_to(b, "planes+float")
+        records[node.target].out = f"{str(a.out_dtype).removeprefix('torch.')} + packed {b.a_fmt} -> {to}"
+    else:
+        a.chain_to(b, "compact")
+        records[node.target].out = f"packed {b.a_fmt} -> {to}"
 
 
 def _set_module(root: nn.Module, name: str, new: nn.Module) -> None:
@@ -428,6 +509,8 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
                     g.erase_node(a)
         if cfg.fuse and cfg.fuse_residual:
             _fuse_residuals(gm, records)
+        if cfg.fuse and FUSE_FLATTEN:
+            _fuse_flatten(gm, records)
         # -- chaining: a conv feeding only a bit-serial conv hands it packed planes -------------------
         if cfg.chain:
             qmods = dict(gm.named_modules())
@@ -442,6 +525,9 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
                 if not is_qconv(node):
                     continue
                 users = list(node.users)
+                if len(users) == 1 and users[0].op == "call_function" and users[0].target is flatten_nhwc:
+                    _chain_through_flatten(node, users[0], qmods, records, kind_of)
+                    continue
                 x_users = [u for u in users if is_qconv(u) and u.args[0] is node and node not in u.args[1:]]
                 r_users = [u for u in users if is_qconv(u) and node in u.args[1:] and u.args[0] is not node]
                 if not x_users or len(x_users) + len(r_users) != len(users):

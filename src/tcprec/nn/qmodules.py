@@ -21,6 +21,7 @@ negative input, ``intN`` otherwise), or ``e4m3`` for both (the FP8 path).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +34,8 @@ from ..ops.matmul import choose_int_backend
 from ..ops.quantize import absmax_qmax, quantize, quantize_pack, quantize_static
 from ..qtensor import PerChannel
 
-__all__ = ["LayerPrecision", "parse_precision", "QConv2d", "QLinear", "weight_format", "activation_format"]
+__all__ = ["LayerPrecision", "parse_precision", "QConv2d", "QLinear", "flatten_nhwc", "weight_format",
+           "activation_format"]
 
 _ACTS = (None, "relu", "leaky")
 
@@ -308,10 +310,37 @@ class QLinear(_QBase):
         m.register_buffer("bias", None if lin.bias is None else lin.bias.detach().float())
         return m
 
-    def extra_repr(self) -> str:
-        return f"{self.in_features}, {self.out_features}, {self.precision} ({self.w_fmt} x {self.a_fmt}), act={self.act}"
+    in_channels_last = None  # C when nhwc_input(C) reordered the weight's columns
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def extra_repr(self) -> str:
+        order = "" if self.in_channels_last is None else f", input=flatten_nhwc(C={self.in_channels_last})"
+        return (f"{self.in_features}, {self.out_features}, {self.precision} ({self.w_fmt} x {self.a_fmt}), "
+                f"act={self.act}{order}")
+
+    def nhwc_input(self, channels: int) -> None:
+        """Take the flattened input in (h, w, c) order (``flatten_nhwc`` of an NCHW activation of ``channels``
+        channels) instead of torch.flatten's (c, h, w): the quantized weight's columns are permuted once, so the
+        flatten is a view of a channels_last activation (or of a chained conv's planes) rather than a copy.  The
+        codes and per-output-channel scales are the same numbers, so integer results are unchanged."""
+        if self.in_channels_last is not None:
+            raise ValueError(f"nhwc_input was already applied (C={self.in_channels_last})")
+        K = self.in_features
+        if not (isinstance(channels, int) and channels >= 1 and K % channels == 0):
+            raise ValueError(f"channels must be a positive divisor of in_features={K}, got {channels!r}")
+        qw = self.weight.qw
+        codes = qw.codes.reshape(self.out_features, channels, K // channels).transpose(1, 2)
+        self.weight = _prepare(dataclasses.replace(qw, codes=codes.reshape(qw.codes.shape).contiguous()))
+        self.in_channels_last = channels
+
+    def forward(self, x) -> torch.Tensor:
+        """``x``: float (..., in_features), or the packed planes a chained conv wrote, flattened (``flatten_nhwc``
+        of a ``PackedActivation``: shape (B, 1, 1, in_features))."""
+        if isinstance(x, qc.PackedActivation):
+            B = x.shape[0]
+            if x.shape != (B, 1, 1, self.in_features):
+                raise ValueError(f"QLinear expects planes of shape (B, 1, 1, {self.in_features}), got {x.shape}")
+            y = qc.conv2d(x, self.weight, bias=self.bias, act=self.act, out_dtype=self.out_dtype, backend=self.backend)
+            return y.reshape(B, self.out_features)
         if not isinstance(x, torch.Tensor) or x.shape[-1] != self.in_features:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"QLinear expects (..., {self.in_features}), got {got}")
@@ -319,3 +348,24 @@ class QLinear(_QBase):
         xa = _quantize_input(x.reshape(-1, 1, 1, self.in_features), self)  # (B, 1, 1, K) NHWC
         y = qc.conv2d(xa, self.weight, bias=self.bias, act=self.act, out_dtype=self.out_dtype, backend=self.backend)
         return y.reshape(*lead, self.out_features)
+
+
+def flatten_nhwc(x):
+    """``torch.flatten(x, 1)`` of an NCHW activation in (h, w, c) order: a view of channels_last memory (a copy
+    otherwise), where torch.flatten copies into (c, h, w) order.  For the packed planes a chained conv wrote
+    (a ``PackedActivation`` of shape (N, H, W, C), C % 32 == 0) the planes of the flattened rows (N, 1, 1, H * W * C):
+    a view of compact rows (what the bit-serial epilogue writes).  ``quantize_model`` puts it between a conv and a ``QLinear`` whose
+    weight it reordered the same way (``QLinear.nhwc_input``)."""
+    if isinstance(x, qc.PackedActivation):
+        N, H, W, C = x.shape
+        K = H * W * C
+        if C % 32 or K % 512:
+            raise ValueError(f"flatten_nhwc of planes needs C % 32 == 0 and H * W * C % 512 == 0 (rows of whole words "
+                             f"that flatten into the GEMM's padded rows), got shape {x.shape}")
+        hp = None if x.hp is None else x.hp.reshape(N, 1, 1, K)
+        planes = x.planes[:, :, : C // 32]  # (padded rows, from the reference backend: a copy below)
+        return qc.PackedActivation(planes.reshape(x.planes.shape[0], N, K // 32), x.fmt, x.scale, (N, 1, 1, K), hp)
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"flatten_nhwc expects an NCHW tensor (N, C, H, W) or a PackedActivation, got {got}")
+    return x.permute(0, 2, 3, 1).reshape(x.shape[0], -1)
