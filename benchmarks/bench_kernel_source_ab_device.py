@@ -25,13 +25,15 @@ or side A with a quantize_model switch of ``tcprec.nn.convert`` changed (a graph
     PYTHONPATH=src python3 benchmarks/bench_kernel_source_ab_device.py --a-convert FUSE_FLATTEN=0 \\
         --models resnet18,vgg --out benchmarks/results/flatten_ab.json
 
-A convert switch may change roundings (a chained conv quantizes its float32 result, the unchained network the
-float16 one), so with ``--a-convert`` the outputs are compared and recorded (``outputs_equal``, ``max_rel_diff``)
+``--a-set DOTTED.NAME=INT`` sets any module attribute for side A (e.g. ``tcprec.nn.qmodules.THIN_INPUT_C=0``).
+A switch may change roundings (a chained conv quantizes its float32 result, the unchained network the float16 one),
+so with ``--a-convert`` / ``--a-set`` the outputs are compared and recorded (``outputs_equal``, ``max_rel_diff``)
 instead of required equal.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -44,7 +46,6 @@ from profile_net_layers_device import layer_kernels  # noqa: E402
 from tcprec.bench.common import time_graph_ms  # noqa: E402
 from tcprec.bench.net import build_variant  # noqa: E402
 from tcprec.kernels.cuda import loader, stem_conv  # noqa: E402
-from tcprec.nn import convert  # noqa: E402
 from tcprec.nn.models import INPUT_SHAPES, build  # noqa: E402
 
 
@@ -57,6 +58,8 @@ def main() -> None:
                     help="side A: set tcprec.kernels.cuda.loader.NAME to INT (repeatable)")
     ap.add_argument("--a-convert", action="append", default=[], metavar="NAME=INT",
                     help="side A: set tcprec.nn.convert.NAME (a quantize_model switch) to INT (repeatable)")
+    ap.add_argument("--a-set", action="append", default=[], metavar="MODULE.NAME=INT",
+                    help="side A: set the attribute NAME of module MODULE (dotted) to INT (repeatable)")
     ap.add_argument("--models", default="vgg")
     ap.add_argument("--precision", default="w1a2")
     ap.add_argument("--batch", type=int, default=256)
@@ -64,9 +67,15 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/kernel_source_ab.json")
     args = ap.parse_args()
     a_attrs = {k: int(v) for k, v in (kv.split("=", 1) for kv in args.a_loader)}
-    a_conv = {k: type(getattr(convert, k))(int(v)) for k, v in (kv.split("=", 1) for kv in args.a_convert)}
-    b_conv = {k: getattr(convert, k) for k in a_conv}
-    a_name = "A (" + ", ".join([args.other] * bool(args.other) + args.a_loader + args.a_convert) + ")"
+    sets = [("tcprec.nn.convert." + kv) for kv in args.a_convert] + args.a_set
+    a_conv = {}
+    for kv in sets:  # (module, name) -> value
+        path, v = kv.split("=", 1)
+        mname, _, k = path.rpartition(".")
+        m = importlib.import_module(mname)
+        a_conv[(m, k)] = type(getattr(m, k))(int(v))
+    b_conv = {mk: getattr(*mk) for mk in a_conv}
+    a_name = "A (" + ", ".join([args.other] * bool(args.other) + args.a_loader + sets) + ")"
     mod = loader if args.kernel == "bmma_gemm" else stem_conv
     sides = {a_name: Path(args.other).resolve() if args.other else mod.SOURCE_PATH, "B (tree)": mod.SOURCE_PATH}
     b_attrs = {k: getattr(loader, k) for k in a_attrs}
@@ -81,8 +90,8 @@ def main() -> None:
                 mod.SOURCE_PATH = src
                 for k, v in (a_attrs if side == a_name else b_attrs).items():
                     setattr(loader, k, v)
-                for k, v in (a_conv if side == a_name else b_conv).items():
-                    setattr(convert, k, v)
+                for (m, k), v in (a_conv if side == a_name else b_conv).items():
+                    setattr(m, k, v)
                 loader._variant_for.cache_clear()
                 loader._kernels.clear()
                 stem_conv._smem_set.clear()  # (a reloaded kernel needs its shared-memory attribute set again)
@@ -111,8 +120,8 @@ def main() -> None:
     mod.SOURCE_PATH = sides["B (tree)"]
     for k, v in b_attrs.items():
         setattr(loader, k, v)
-    for k, v in b_conv.items():
-        setattr(convert, k, v)
+    for (m, k), v in b_conv.items():
+        setattr(m, k, v)
     out = dict(command=" ".join(sys.argv), gpu=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows)
     Path(args.out).write_text(json.dumps(out, indent=1))
     print("wrote", args.out)
