@@ -25,7 +25,7 @@ or side A with a quantize_model switch of ``tcprec.nn.convert`` changed (a graph
     PYTHONPATH=src python3 benchmarks/bench_kernel_source_ab_device.py --a-convert FUSE_FLATTEN=0 \\
         --models resnet18,vgg --out benchmarks/results/flatten_ab.json
 
-``--a-set DOTTED.NAME=INT`` sets any module attribute for side A (e.g. ``tcprec.nn.qmodules.THIN_INPUT_C=0``).
+``--a-set DOTTED.NAME=INT`` sets any module attribute for side A (e.g. ``tcprec.nn.convert.BITSERIAL_DUAL=0``).
 A switch may change roundings (a chained conv quantizes its float32 result, the unchained network the float16 one),
 so with ``--a-convert`` / ``--a-set`` the outputs are compared and recorded (``outputs_equal``, ``max_rel_diff``)
 instead of required equal.

@@ -593,33 +593,6 @@ def test_int8_layout_bad_input():
         qconv.quantize_int8_static(torch.zeros(3, 4), "uint8", torch.ones(1))
     with pytest.raises(ValueError, match="pool must be one of"):
         qconv.quantize_int8_static(torch.zeros(1, 2, 2, 3), "uint8", torch.ones(1), ("max", 3, 3))
-    with pytest.raises(TypeError, match=r"float NHWC tensor \(N, H, W, C\), got torch.int8"):
-        qconv.StaticInt8Input(torch.zeros(1, 2, 2, 3, dtype=torch.int8), "int8", 1.0)
-    with pytest.raises(TypeError, match="integer codes, got fmt=float8_e4m3fn"):
-        qconv.StaticInt8Input(torch.zeros(1, 2, 2, 3), "e4m3", 1.0)
-    with pytest.raises(ValueError, match="scale must be one finite positive number"):
-        qconv.StaticInt8Input(torch.zeros(1, 2, 2, 3), "int8", -1.0)
-
-
-@pytest.mark.parametrize("fmt", ["int8", "uint8", "int4"])
-def test_static_int8_input_is_quantized_by_the_conv(fmt):
-    """conv2d on a StaticInt8Input (a float input with its format and scale, not yet quantized) equals conv2d on
-    quantize_int8_static's operand, through the Triton INT8 conv (interpreter) and the reference backend."""
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn(2, 9, 11, 3, generator=gen) * 2
-    x[0, 0, 0, 0], x[1, 2, 3, 1] = float("nan"), float("inf")
-    s = torch.tensor([0.05])
-    qw = tp.quantize(torch.randn(8, 3, 3, 3, generator=gen), "int8", PerChannel(0))
-    pw = qconv.pack_conv_weight(qw)
-    kw = dict(stride=2, padding=1, scale=torch.rand(8, generator=gen) + 0.5, bias=torch.randn(8, generator=gen),
-              act="relu")
-    xin = qconv.StaticInt8Input(x, fmt, s)
-    assert xin.shape == (2, 9, 11, 3) and torch.equal(xin.quantize().x8, qconv.quantize_int8_static(x, fmt, s).x8)
-    assert xin.in_range() == {"int8": (-128, 127, 0), "uint8": (0, 255, 128), "int4": (-8, 7, 0)}[fmt]
-    for backend in ("int8", "reference"):
-        got = conv2d(xin, pw, backend=backend, **kw)
-        want = conv2d(qconv.quantize_int8_static(x, fmt, s), pw, backend=backend, **kw)
-        assert torch.equal(got, want), backend
 
 
 @pytest.mark.parametrize("geo", [(1, 9, 11, 3, 3, 3, (2, 2), (1, 1), (1, 1)), (2, 13, 12, 3, 7, 7, (4, 4), (3, 3), (1, 1)),

@@ -113,65 +113,6 @@ def test_stem_float_and_dual_outputs_equal_triton_route(i, dt):
         assert torch.equal(_bits(ref.hp), _bits(want)) and torch.equal(pa.codes(), ref.codes()), label
 
 
-def _image(i, dt, fa, seed):
-    """A float NHWC image for stem i and its scale: normal values past the format's range, plus NaN, +-inf, -0.0,
-    exact ties x / s = k + 1/2 and the subnormals of dt."""
-    xs = STEMS[i][1]
-    gen = torch.Generator(DEV).manual_seed(seed)
-    fmt = tp.format(fa)
-    s = torch.tensor([0.0371], device=DEV)
-    x = torch.randn(xs, device=DEV, generator=gen) * (0.5 * fmt.max * float(s))
-    flat = x.view(-1)
-    idx = torch.randint(0, flat.numel(), (6, 64), device=DEV, generator=gen)
-    k = torch.randint(fmt.min, fmt.max, (64,), device=DEV, generator=gen).float()
-    flat[idx[0]] = float("nan")
-    flat[idx[1]] = float("inf")
-    flat[idx[2]] = -float("inf")
-    flat[idx[3]] = -0.0
-    flat[idx[4]] = (k + 0.5) * s  # ties (exact where dt holds them), both parities of k
-    flat[idx[5]] = torch.finfo(dt).tiny / 4 if dt != torch.float32 else 1e-40
-    return x.to(dt), s
-
-
-@pytest.mark.parametrize("dt", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
-@pytest.mark.parametrize("i", range(len(STEMS)), ids=[s[0] for s in STEMS])
-def test_float_image_quantized_in_the_kernel(i, dt):
-    """A thin stem given the float image (``StaticInt8Input``: what QConv2d hands an INT8 stem) quantizes it in
-    stem_conv.cu while staging its patches: the planes / float / dual outputs equal those of the same kernel on
-    quantize_int8_static's codes bit for bit, for two's complement and unsigned inputs (uint8 stored shifted) and
-    NaN, infinities, signed zeros, ties and subnormals; explain_conv2d says so."""
-    for c, (fa, fo, act) in enumerate(CASES[:4] + [("int4", "uint2", "relu")]):
-        _, pw, kw = _stem(i, "int8", seed=50 + c)
-        x, s = _image(i, dt, fa, seed=60 + 7 * i + c)
-        xin = qconv.StaticInt8Input(x, fa, s)
-        x8 = qconv.quantize_int8_static(x, fa, s)
-        outs = [dict(kw, act=act, out_fmt=fo, out_scale=0.37)]
-        if STEMS[i][6] is None:
-            outs += [dict(kw, act=act, out_dtype=torch.float16),
-                     dict(kw, act=act, out_dtype=torch.bfloat16, out_fmt=fo, out_scale=0.37, out_layout="planes+float")]
-        for o in outs:
-            label = f"{STEMS[i][0]} {dt} {fa} {sorted(o)}"
-            text = explain_conv2d(xin, pw, backend="int8", **o)
-            assert "stem_conv" in text and "quantizing its" in text, label
-            got, want = conv2d(xin, pw, backend="int8", **o), conv2d(x8, pw, backend="int8", **o)
-            if isinstance(want, torch.Tensor):
-                assert torch.equal(_bits(got), _bits(want)), label
-            else:
-                assert torch.equal(got.planes, want.planes), label
-                assert (got.hp is None) == (want.hp is None) and (got.hp is None or torch.equal(_bits(got.hp),
-                                                                                              _bits(want.hp))), label
-    if STEMS[i][1][3] == 1:
-        return  # (one channel: the NCHW-contiguous image is NHWC-contiguous too)
-    # a strided (NCHW-contiguous) image is quantized by the pass first: the same outputs
-    _, pw, kw = _stem(i, "int8", seed=3)
-    x, s = _image(i, dt, "int8", seed=4)
-    xn = x.permute(0, 3, 1, 2).contiguous().permute(0, 2, 3, 1)
-    o = dict(kw, act="relu", out_fmt="uint2", out_scale=0.37)
-    assert "quantizing its" not in explain_conv2d(qconv.StaticInt8Input(xn, "int8", s), pw, backend="int8", **o)
-    assert torch.equal(conv2d(qconv.StaticInt8Input(xn, "int8", s), pw, backend="int8", **o).planes,
-                       conv2d(qconv.StaticInt8Input(x, "int8", s), pw, backend="int8", **o).planes)
-
-
 def test_float_path_for_marked_columns():
     """A zero column scale (a dead BN channel: the code never reaches the top) marks the column, so its block takes
     the float path -- the same planes as the reference, for the marked and the other columns."""

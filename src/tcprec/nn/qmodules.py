@@ -119,19 +119,11 @@ def _prepare(qw):
     return qc.pack_conv_weight(qw)
 
 
-# Inputs of at most this many channels (a network's RGB image) reach an INT8 conv unquantized (ops.qconv.StaticInt8Input):
-# the thin-stem kernel (kernels/cuda/stem_conv.cu) quantizes them while staging its patches instead of a pass writing the
-# int8 image first; any other route quantizes them first, the same codes.  Measured on an H200 (session 29,
-# benchmarks/results/stem_quant_ab.json): see BENCHMARKS.md, "Whole networks".
-THIN_INPUT_C = 4
-
-
 def _quantize_input(x_nhwc: torch.Tensor, m: "_QBase", compact: bool = False):
     """Float NHWC -> the op's activation operand with the calibrated scale, sync-free (capturable):
     bit planes in one fused kernel for the bit-serial backend (``compact``: rows without their padding
     words, for a convolution that reads its input through an im2col), e4m3 codes for FP8, the INT8 conv's
-    int8 operand (``Int8Activation``, one fused kernel on CUDA; for a thin input the float itself with its scale,
-    ``StaticInt8Input``, quantized by the conv) for the int8 backend, uint8 codes otherwise."""
+    int8 operand (``Int8Activation``, one fused kernel on CUDA) for the int8 backend, uint8 codes otherwise."""
     if m.precision.fp8:
         return qc.quantize_fp8_static(x_nhwc, m.in_scale)  # QTensor of e4m3 codes (N, H, W, C)
     name, _ = choose_int_backend(m.a_fmt, m.w_fmt, x_nhwc.device, m.backend)
@@ -140,8 +132,6 @@ def _quantize_input(x_nhwc: torch.Tensor, m: "_QBase", compact: bool = False):
         planes = quantize_pack(x_nhwc.reshape(N * H * W, C), m.a_fmt, m.in_scale, compact=compact)  # (bits, NHW, Kw)
         return qc.PackedActivation(planes, m.a_fmt, m.in_scale, (N, H, W, C))
     if name == "int8":
-        if x_nhwc.shape[3] <= THIN_INPUT_C:  # a thin stem: its CUDA kernel may quantize the float image itself
-            return qc.StaticInt8Input(x_nhwc, m.a_fmt, m.in_scale)
         return qc.quantize_int8_static(x_nhwc, m.a_fmt, m.in_scale)  # (N, H, W, C) int8 operand
     return quantize_static(x_nhwc, m.a_fmt, m.in_scale)  # QTensor (N, H, W, C) codes
 

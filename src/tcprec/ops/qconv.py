@@ -105,7 +105,6 @@ from .matmul import BACKENDS, choose_int_backend
 __all__ = [
     "PackedActivation",
     "Int8Activation",
-    "StaticInt8Input",
     "Fp8Activation",
     "PackedConvWeight",
     "quantize_int8_static",
@@ -343,56 +342,6 @@ class Int8Activation:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         off, step = self.affine()
         return ((off + step * self.x8.to(torch.float32)) * self.scale.reshape(())).to(dtype)
-
-
-@dataclass(frozen=True, eq=False)
-class StaticInt8Input:
-    """Float NHWC activations with the integer format and fixed per-tensor scale of the INT8 operand they become
-    (:func:`quantize_int8_static`'s arguments), handed to :func:`conv2d` not yet quantized.  The thin-stem kernel
-    (kernels/cuda/stem_conv.cu: C <= 4, a network's RGB input) quantizes them while it stages each block's input patch,
-    so the int8 image is never written or read back; every other route runs :func:`quantize_int8_static` first.  The
-    codes are the same either way.
-
-    >>> import torch
-    >>> xs = StaticInt8Input(torch.tensor([0.0, 1.0, 300.0]).reshape(1, 1, 1, 3), "uint8", torch.tensor([1.0]))
-    >>> xs.quantize().codes().flatten().tolist()
-    [0, 1, 255]
-    """
-
-    x: torch.Tensor
-    fmt: IntFormat
-    scale: torch.Tensor
-
-    def __post_init__(self):
-        fmt = as_format(self.fmt)
-        if not isinstance(fmt, IntFormat):
-            raise TypeError(f"StaticInt8Input quantizes to integer codes, got fmt={fmt}; use an integer format "
-                            "(e.g. 'int8')")
-        object.__setattr__(self, "fmt", fmt)
-        x = self.x
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() != 4:
-            got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
-            raise TypeError(f"x must be a float NHWC tensor (N, H, W, C), got {got}")
-        object.__setattr__(self, "scale", _scale_tensor(self.scale, x.device, "scale"))
-
-    @property
-    def shape(self) -> tuple:
-        return tuple(self.x.shape)
-
-    @property
-    def device(self) -> torch.device:
-        return self.x.device
-
-    def quantize(self) -> Int8Activation:
-        """The operand itself (:func:`quantize_int8_static`)."""
-        return quantize_int8_static(self.x, self.fmt, self.scale)
-
-    def in_range(self) -> tuple[int, int, int] | None:
-        """(lo, hi, sub) of the stem kernel's in-kernel quantizer, ``x8 = clamp(rn(x / scale), lo, hi) - sub``: two's
-        complement and unsigned formats (uint8 stored as code - 128); None for pm codes."""
-        if self.fmt.encoding not in ("twos", "unsigned"):
-            return None
-        return self.fmt.min, self.fmt.max, 128 if self.fmt.encoding == "unsigned" and self.fmt.bits == 8 else 0
 
 
 def _check_hp(hp, shape, device, what: str) -> None:
@@ -648,17 +597,11 @@ class _X:
     qt: QTensor | None
     packed: PackedActivation | None
     i8: Int8Activation | None = None
-    src: StaticInt8Input | None = None  # not yet quantized: i8 on first use (_stem_kernel quantizes it in the kernel)
-
-    def _i8(self) -> Int8Activation | None:
-        if self.i8 is None and self.src is not None:
-            object.__setattr__(self, "i8", self.src.quantize())
-        return self.i8
 
     def codes(self) -> torch.Tensor:  # (N, H, W, C) uint8
         if self.qt is not None:
             return self.qt.codes
-        return self.packed.codes() if self.packed is not None else self._i8().codes()
+        return self.packed.codes() if self.packed is not None else self.i8.codes()
 
     def planes(self) -> torch.Tensor:  # (bits, N*H*W, Kw)
         if self.packed is not None:
@@ -667,7 +610,7 @@ class _X:
         return pack_bitplanes(self.codes().reshape(N * H * W, C), self.fmt.bits, validate=False)
 
     def int8(self) -> tuple[torch.Tensor, int, int]:  # (x8 (N, H, W, C) int8, offset, step)
-        if self._i8() is not None:
+        if self.i8 is not None:
             return (self.i8.x8, *self.i8.affine())
         return _int8_codes(self.codes(), self.fmt)
 
@@ -679,11 +622,9 @@ def _check_x(x) -> _X:
         return _X(x.fmt, x.scale, x.shape, x.device, None, x)
     if isinstance(x, Int8Activation):
         return _X(x.fmt, x.scale, x.shape, x.device, None, None, x)
-    if isinstance(x, StaticInt8Input):
-        return _X(x.fmt, x.scale, x.shape, x.device, None, None, None, x)
     if not isinstance(x, QTensor):
         raise TypeError(f"x must be a QTensor of NHWC codes (tcprec.quantize(x_nhwc, 'uint2')), a PackedActivation, "
-                        f"an Int8Activation, a StaticInt8Input or an Fp8Activation, got {type(x).__name__}")
+                        f"an Int8Activation or an Fp8Activation, got {type(x).__name__}")
     if not isinstance(x.fmt, IntFormat) and _fp8_dtype(x.fmt) is None:
         raise TypeError(f"x must be of an integer format (uintN, intN, binary, pmN) or e4m3 / e5m2 "
                         f"(quantize_fp8_static), got {x.fmt}; quantize it to one")
@@ -1249,12 +1190,7 @@ def _stem_kernel(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, s_out):
 
     g = plan.g
     out = _stem_out(plan)
-    fin = _stem_float_input(xs)
-    if fin is not None:  # the kernel quantizes the float image while staging its patches
-        x8, q = fin.x, dict(in_scale=fin.scale, in_range=fin.in_range())
-        oa = _int8_affine(plan.fa)[0]
-    else:
-        (x8, oa, _), q = xs.int8(), {}  # (N, H, W, C) int8, value = oa + sa * x8
+    x8, oa, _ = xs.int8()  # (N, H, W, C) int8, value = oa + sa * x8
     # padded taps hold the code of value 0 (_stem_pad: unit steps), so the correction is the same for every pixel: (K,)
     acc_add = _int8_correction(pw, g, oa, padded=False) if oa else None
     key = ("stem_words",)
@@ -1268,19 +1204,8 @@ def _stem_kernel(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, s_out):
     y, planes = sc.conv_stem(x8.contiguous(), wq, g.K, g.R, g.S, stride=g.stride, padding=g.padding,
                              dilation=g.dilation, col_scale=col, bias=bias, out_scale=s_out, act=plan.act,
                              acc_add=acc_add, pad=_stem_pad(plan), out_bits=v.out_bits, out_encoding=v.out_encoding,
-                             pool=2 if plan.pool else 0, ldo=ldo, fout=v.fout, planes=v.planes, **q)
+                             pool=2 if plan.pool else 0, ldo=ldo, fout=v.fout, planes=v.planes)
     return planes if out == "planes" else y if out == "float" else (y, planes)
-
-
-def _stem_float_input(xs: _X) -> StaticInt8Input | None:
-    """The float image the stem kernel can quantize itself (a StaticInt8Input not yet quantized, of a dtype the kernel
-    reads, contiguous NHWC: a channels_last input; two's complement or unsigned codes), else None."""
-    from ..kernels.cuda import stem_conv as sc
-
-    src = xs.src if xs.i8 is None else None
-    if src is None or src.x.dtype not in sc.FLOAT_INS or not src.x.is_contiguous() or src.in_range() is None:
-        return None
-    return src
 
 
 def _int8_kernel(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, s_out, residual=None):
@@ -1788,22 +1713,15 @@ def explain_conv2d(x, w, **kw) -> str:
                      f"with fused epilogue (scale, bias{res}, act={plan.act}) -> {shown}"]
         else:
             oa = _int8_affine(plan.fa)[0]
-            how = ("as given: Int8Activation" if xs.i8 is not None else
-                   "quantize_int8_static pass" if xs.src is not None else "torch pass")
+            how = "as given: Int8Activation" if xs.i8 is not None else "torch pass"
             shift = ([f"x stored as code - 128 ({how}), exact correction for the taps inside the image "
                       f"({'(P, Q, K) table' if max(g.padding) > 0 else '(K,) vector'}, cached)"] if oa else [])
             cuda_stem = _stem_cuda(plan, xs.device)
             if cuda_stem:
                 pad = _stem_pad(plan)
-                fin = _stem_float_input(xs)
-                if fin is not None:
-                    how = f"quantized in the kernel from the {_KIND.get(fin.x.dtype, fin.x.dtype)} image"
                 shift = ([f"x stored as code - 128 ({how}), padded taps hold code {pad} (value 0): exact (K,) "
                           "correction, cached"] if oa else [])
-                staged = (f"quantizing its {_KIND.get(fin.x.dtype, fin.x.dtype)} pixels to int8 codes there (no int8 "
-                          "image)" if fin is not None else "")
-                stem = [f"CUDA stem_conv.cu (C = {g.C}): each block copies its input patch to shared memory once"
-                        f"{', ' + staged if staged else ''}, "
+                stem = [f"CUDA stem_conv.cu (C = {g.C}): each block copies its input patch to shared memory once, "
                         f"{g.R}x{g.S} taps x one {g.C}-byte pixel word on mma.m16n8k32.s8, no gather pass"]
             steps = shift + stem + [f"{'CUDA direct' if cuda_stem else 'Triton implicit-GEMM'} "
                                     f"INT8 conv {'stem_conv' if cuda_stem else 'conv2d_fwd_int8'} "

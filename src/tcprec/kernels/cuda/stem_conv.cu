@@ -46,9 +46,6 @@
 #ifndef TCP_PLANES
 #define TCP_PLANES 1
 #endif
-#ifndef TCP_XIN
-#define TCP_XIN 0
-#endif
 
 typedef unsigned int u32;
 typedef long long i64;
@@ -83,17 +80,10 @@ constexpr bool PLANES = TCP_PLANES != 0;
 static_assert(FOUT >= 0 && FOUT <= 2, "stem_conv: TCP_FOUT 0 (none), 1 (float16), 2 (bfloat16)");
 static_assert(FOUT == 0 || PF == 1, "stem_conv: a float output is not pooled");
 static_assert(PLANES || FOUT != 0, "stem_conv: writes planes, a float output or both");
-// TCP_XIN: what x holds.  0: the int8 codes (value = oa + x8).  1 / 2 / 3: the float input itself (float16 / bfloat16 /
-// float32, NHWC), quantized here while the patch is staged -- x8 = clamp(rn(x / in_scale), qlo, qhi) - qsub, NaN -> 0,
-// the codes quantize_int8_static stores (x / s as RN32(x * RN64(1 / s)), which is IEEE division: kernels/triton/round.py
-// div_by_scalar) -- so the int8 image is never written.
-constexpr int XIN = TCP_XIN;
-static_assert(XIN >= 0 && XIN <= 3, "stem_conv: TCP_XIN 0 (int8 codes), 1 (float16), 2 (bfloat16), 3 (float32)");
-constexpr int EB = XIN == 0 ? 1 : XIN == 3 ? 4 : 2;  // bytes an input element
 
-// Words a raw patch row takes in shared memory: its PWD pixels of `pb` bytes from any byte alignment, and one word
-// more (the pixel words are shifted out of a word and the next).
-__host__ __device__ constexpr int raw_words(int pwd, int pb) { return (pwd * pb + 3 + 3) / 4 + 1; }
+// Words a raw patch row takes in shared memory: its PWD * C bytes from any byte alignment, and one word more (the
+// pixel words are shifted out of a word and the next).
+__host__ __device__ constexpr int raw_words(int pwd, int c) { return (pwd * c + 3 + 3) / 4 + 1; }
 
 struct StemGeo {
     int N, H, W, C, R, S, sh, sw, ph, pw, dh, dw;
@@ -170,8 +160,7 @@ stem_conv(const signed char* __restrict__ x,  // (N, H, W, C) int8 codes
           int NBW,                            // 32-channel words a block (grid.y: ceil(K / (32 NBW)))
           int N, int H, int W, int C, int R, int S, int sh, int sw, int ph, int pw, int dh, int dw, int PO, int QO,
           int K, int TPO, int TQO, int TP, int TQ, int PH, int PWD, int KW,
-          unsigned short* __restrict__ fout,  // TCP_FOUT: (N * PO * QO, K) float16 / bfloat16 bits, else null
-          const float* __restrict__ in_scale, int qlo, int qhi, int qsub) {  // TCP_XIN > 0: x's quantization
+          unsigned short* __restrict__ fout) {  // TCP_FOUT: (N * PO * QO, K) float16 / bfloat16 bits, else null
     const StemGeo g{N, H, W, C, R, S, sh, sw, ph, pw, dh, dw, PO, QO, K, TPO, TQO, TP, TQ, PH, PWD, KW};
     extern __shared__ __align__(16) int smem[];
     const int NB = 32 * NBW;  // output channels a block
@@ -184,8 +173,7 @@ stem_conv(const signed char* __restrict__ x,  // (N, H, W, C) int8 codes
     float* s_T = reinterpret_cast<float*>(s_add + NB);  // NCODE (float path)
     int* s_tap = reinterpret_cast<int*>(s_T + NCODE);   // KW: tap j -> word offset in the patch
     int* s_patch = s_tap + g.KW;                        // PH x PWD
-    const int PB = g.C * EB;  // bytes an input pixel
-    const int RWS = raw_words(g.PWD, PB);
+    const int RWS = raw_words(g.PWD, g.C);
     int* s_raw = s_patch + g.PH * g.PWD;                // PH x RWS: the patch rows' image bytes, as aligned words
     __shared__ int s_float;
 
@@ -207,14 +195,14 @@ stem_conv(const signed char* __restrict__ x,  // (N, H, W, C) int8 codes
     // ResNet-18's stem kernel time, ncu.)  A word beyond the row's bytes is never read: each copied word holds one.
     const int ih0 = po0 * PF * g.sh - g.ph, iw0 = qo0 * PF * g.sw - g.pw;
     const int pc_lo = max(0, -iw0), pc_hi = min(g.PWD, g.W - iw0);
-    const unsigned char* xn = reinterpret_cast<const unsigned char*>(x) + (i64)n * g.H * g.W * PB;
-    auto row_first = [&](int ih) { return xn + ((i64)ih * g.W + iw0 + pc_lo) * PB; };  // the row's first image byte
+    const unsigned char* xn = reinterpret_cast<const unsigned char*>(x) + (i64)n * g.H * g.W * g.C;
+    auto row_first = [&](int ih) { return xn + ((i64)ih * g.W + iw0 + pc_lo) * g.C; };  // the row's first image byte
     for (int pr = warp; pr < g.PH; pr += WARPS) {
         const int ih = ih0 + pr;
         if (ih < 0 || ih >= g.H || pc_hi <= pc_lo) continue;
         const unsigned char* first = row_first(ih);
         const int skew = (int)(reinterpret_cast<unsigned long long>(first) & 3);
-        const int words = (skew + (pc_hi - pc_lo) * PB + 3) >> 2;
+        const int words = (skew + (pc_hi - pc_lo) * g.C + 3) >> 2;
         const unsigned char* base = first - skew;
         for (int w = lane; w < words; w += 32) cp_async4(s_raw + pr * RWS + w, base + 4 * w);
     }
@@ -270,8 +258,6 @@ stem_conv(const signed char* __restrict__ x,  // (N, H, W, C) int8 codes
         u32 padw = 0;
         for (int c = 0; c < g.C; ++c) padw |= ((u32)pad & 0xFFu) << (8 * c);
         const u32 cmask = g.C == 4 ? 0xFFFFFFFFu : (1u << (8 * g.C)) - 1u;
-        double inv = 0.0;  // TCP_XIN: 1 / in_scale in float64 (RN64)
-        if constexpr (XIN != 0) inv = 1.0 / (double)in_scale[0];
         for (int pr = warp; pr < g.PH; pr += WARPS) {
             const int ih = ih0 + pr;
             const bool row_in = ih >= 0 && ih < g.H;
@@ -280,25 +266,8 @@ stem_conv(const signed char* __restrict__ x,  // (N, H, W, C) int8 codes
             for (int pc = lane; pc < g.PWD; pc += 32) {
                 u32 v = padw;
                 if (row_in && pc >= pc_lo && pc < pc_hi) {
-                    const int o = skew + (pc - pc_lo) * PB;
-                    if constexpr (XIN == 0) {
-                        v = __funnelshift_r((u32)raw[o >> 2], (u32)raw[(o >> 2) + 1], 8 * (o & 3)) & cmask;
-                    } else {  // each channel's element (aligned to its size), quantized to its int8 code
-                        v = 0;
-                        for (int c = 0; c < g.C; ++c) {
-                            const int ob = o + c * EB;
-                            const u32 word = (u32)raw[ob >> 2];
-                            float f;
-                            if constexpr (XIN == 3) f = __uint_as_float(word);
-                            else {
-                                const unsigned short h = (unsigned short)(word >> (8 * (ob & 2)));
-                                f = XIN == 1 ? f16_to_f32(h) : bf16_to_f32(h);
-                            }
-                            float q = __double2float_rn((double)f * inv);
-                            q = q == q ? fminf(fmaxf(q, (float)qlo), (float)qhi) : 0.0f;
-                            v |= ((u32)(__float2int_rn(q) - qsub) & 0xFFu) << (8 * c);
-                        }
-                    }
+                    const int o = skew + (pc - pc_lo) * g.C;
+                    v = __funnelshift_r((u32)raw[o >> 2], (u32)raw[(o >> 2) + 1], 8 * (o & 3)) & cmask;
                 }
                 s_patch[pr * g.PWD + pc] = (int)v;
             }

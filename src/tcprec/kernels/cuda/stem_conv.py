@@ -1,7 +1,6 @@
 """Build and launch ``stem_conv.cu``: the INT8 convolution of a thin input (C <= 4 channels, a network's RGB stem)
 with the next bit-serial layer's epilogue fused -- optional 2x2 stride-2 max-pool, quantize to 1..3-bit codes, pack
-into bit planes -- in one launch that reads the int8 image once (no window gather pass), or the float image itself,
-quantizing it to its int8 codes while each block stages its input patch (``x_in``: the int8 image is never written).  Without a pool it can write
+into bit planes -- in one launch that reads the int8 image once (no window gather pass).  Without a pool it can write
 the float16 / bfloat16 output instead, or that float and the planes of it (a ResNet stem: the float is the first
 block's shortcut, the planes its first conv's input).
 
@@ -23,7 +22,7 @@ import torch
 from ...memo import remembered
 from .loader import _ptr, _stream_for, compile_source, cuda_core_api, load_kernel
 
-__all__ = ["SOURCE_PATH", "MAX_C", "MAX_WORDS", "ENCODINGS", "FLOAT_OUTS", "FLOAT_INS", "StemVariant", "all_variants",
+__all__ = ["SOURCE_PATH", "MAX_C", "MAX_WORDS", "ENCODINGS", "FLOAT_OUTS", "StemVariant", "all_variants",
            "stem_weight_words", "stem_thresholds", "conv_stem", "conv_planes", "pick_tile", "StemTile"]
 
 SOURCE_PATH = Path(__file__).with_name("stem_conv.cu")
@@ -31,7 +30,6 @@ MAX_C = 4  # input channels (a pixel is one 32-bit word)
 MAX_WORDS = 4  # 32-channel output words a block (more channels: more blocks along grid.y)
 ENCODINGS = {"twos": 0, "unsigned": 1, "pm1": 2}  # output code encodings (TCP_OENC), as bmma_gemm's
 FLOAT_OUTS = {torch.float16: 1, torch.bfloat16: 2}  # the float output's dtypes (TCP_FOUT)
-FLOAT_INS = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}  # the float input's dtypes (TCP_XIN)
 WARPS = 4
 _MAX_SMEM = 227 * 1024
 
@@ -40,15 +38,13 @@ _MAX_SMEM = 227 * 1024
 class StemVariant:
     """What one cubin of stem_conv.cu is compiled for: output code bits and encoding, pool (2: 2x2 stride-2
     max-pool, 1: none), the float output's dtype (``fout``: None, float16 or bfloat16; no pool) and whether the planes
-    are written (``planes=False``: the float alone; its code bits and encoding are then the defaults); ``x_in``: None
-    (x is the int8 codes) or the dtype of the float input the kernel quantizes itself (float16, bfloat16, float32)."""
+    are written (``planes=False``: the float alone; its code bits and encoding are then the defaults)."""
 
     out_bits: int = 2
     out_encoding: str = "unsigned"
     pool: int = 2
     fout: torch.dtype | None = None
     planes: bool = True
-    x_in: torch.dtype | None = None
 
     def __post_init__(self):
         if self.out_bits not in (1, 2, 3):
@@ -66,32 +62,21 @@ class StemVariant:
         if not self.planes and (self.fout is None or (self.out_bits, self.out_encoding) != (2, "unsigned")):
             raise ValueError("stem_conv without planes writes the float alone: pass fout= and leave out_bits / "
                              "out_encoding at their defaults")
-        if self.x_in is not None and self.x_in not in FLOAT_INS:
-            raise ValueError(f"stem_conv's float input is one of {[str(d) for d in FLOAT_INS]} or None (int8 codes), "
-                             f"got x_in={self.x_in!r}")
 
     def defines(self) -> list[str]:
         return [f"TCP_OB={self.out_bits}", f"TCP_OENC={ENCODINGS[self.out_encoding]}", f"TCP_POOL={self.pool}",
-                f"TCP_WARPS={WARPS}", f"TCP_FOUT={FLOAT_OUTS.get(self.fout, 0)}", f"TCP_PLANES={int(self.planes)}",
-                f"TCP_XIN={FLOAT_INS.get(self.x_in, 0)}"]
+                f"TCP_WARPS={WARPS}", f"TCP_FOUT={FLOAT_OUTS.get(self.fout, 0)}", f"TCP_PLANES={int(self.planes)}"]
 
     def __str__(self) -> str:
         f = "" if self.fout is None else "_" + str(self.fout).removeprefix("torch.")
-        x = "" if self.x_in is None else "_x" + str(self.x_in).removeprefix("torch.")
-        return (f"o{self.out_bits}{self.out_encoding[0]}_p{self.pool}{f}" if self.planes else f"p{self.pool}{f}") + x
+        return (f"o{self.out_bits}{self.out_encoding[0]}_p{self.pool}{f}" if self.planes else f"p{self.pool}{f}")
 
 
 def all_variants() -> list[StemVariant]:
-    """Every variant the kernel is built for: the planes (pooled or not), the float with its planes, the float alone,
-    on int8 codes; and each float input dtype with each kind of output (the input staging is the same code for every
-    output, so one code format a kind)."""
+    """Every variant the kernel is built for: the planes (pooled or not), the float with its planes, the float alone."""
     planes = [StemVariant(b, e, p) for b in (1, 2, 3) for e in ENCODINGS for p in (1, 2)]
     dual = [StemVariant(b, e, 1, d) for b in (1, 2, 3) for e in ENCODINGS for d in FLOAT_OUTS]
-    alone = [StemVariant(pool=1, fout=d, planes=False) for d in FLOAT_OUTS]
-    fin = [v for x in FLOAT_INS for v in (StemVariant(x_in=x), StemVariant(pool=1, x_in=x),
-                                          StemVariant(pool=1, fout=torch.float16, x_in=x),
-                                          StemVariant(pool=1, fout=torch.bfloat16, planes=False, x_in=x))]
-    return planes + dual + alone + fin
+    return planes + dual + [StemVariant(pool=1, fout=d, planes=False) for d in FLOAT_OUTS]
 
 
 def compile_stem(variant: StemVariant, arch: str = "sm_90a", *, use_cache: bool = True) -> tuple[bytes, str]:
@@ -169,9 +154,9 @@ def _patch(tile: StemTile, pool: int, R: int, S: int, stride, dilation) -> tuple
     return ph, pw
 
 
-def _raw_words(pw: int, pb: int) -> int:
-    """stem_conv.cu's raw_words: a patch row's image bytes (``pb`` a pixel) as aligned words, and one more."""
-    return (pw * pb + 6) // 4 + 1
+def _raw_words(pw: int, c: int) -> int:
+    """stem_conv.cu's raw_words: a patch row's image bytes as aligned words, and one more."""
+    return (pw * c + 6) // 4 + 1
 
 
 def smem_bytes(variant: StemVariant, tile: StemTile, R: int, S: int, stride, dilation, words: int = MAX_WORDS,
@@ -181,8 +166,7 @@ def smem_bytes(variant: StemVariant, tile: StemTile, R: int, S: int, stride, dil
     kw = -(-(R * S) // 8) * 8
     ph, pw = _patch(tile, variant.pool, R, S, stride, dilation)
     codes, nb = 1 << variant.out_bits, 32 * words
-    eb = 1 if variant.x_in is None else variant.x_in.itemsize
-    return 4 * (nb * (kw + 4) + nb * codes + 3 * nb + codes + kw + ph * pw + ph * _raw_words(pw, c * eb))
+    return 4 * (nb * (kw + 4) + nb * codes + 3 * nb + codes + kw + ph * pw + ph * _raw_words(pw, c))
 
 
 BLOCKS_PER_SM = 4  # pick_tile: the fewest blocks an SM a launch should have before tiles get their full height
@@ -232,16 +216,10 @@ def conv_stem(x8: torch.Tensor, wq: torch.Tensor, K: int, R: int, S: int, *, str
               dilation=(1, 1), col_scale: torch.Tensor, bias, out_scale: torch.Tensor | None, act=None,
               acc_add: torch.Tensor | None = None, pad: int = 0, out_bits: int = 2, out_encoding: str = "unsigned",
               pool: int = 0, ldo: int | None = None, fout: torch.dtype | None = None, planes: bool = True,
-              tile: StemTile | None = None, in_scale: torch.Tensor | None = None,
-              in_range: tuple[int, int, int] | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+              tile: StemTile | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(y, planes)``: ``y = act(float(C) * col_scale[k] + bias[k])``, C = conv(x8, w) + acc_add[k] over the int8
     codes ``x8`` (N, H, W, C <= 4) with padded taps holding code ``pad``, ``wq`` from :func:`stem_weight_words`;
     ``act``: None, "relu" or ("leaky", slope >= 0).
-
-    ``x8`` may instead be the float image (float16, bfloat16 or float32 NHWC, contiguous) with ``in_scale`` (a
-    one-element float32 tensor) and ``in_range = (lo, hi, sub)``: the kernel uses the codes
-    ``clamp(rn(x / in_scale), lo, hi) - sub`` (NaN -> 0; x / s rounded as IEEE division), those
-    ``tcprec.ops.qconv.quantize_int8_static`` stores for a two's complement or unsigned format (sub = 128 for uint8).
 
     ``fout`` (float16 / bfloat16, no pool): y stored as (N, P, Q, K) of that dtype, else None.  ``planes``: (out_bits,
     N * P' * Q', ldo) int32 of y ((2x2 stride-2 max-pool ->) quantized to ``out_bits``-bit codes of y / out_scale ->
@@ -253,23 +231,9 @@ def conv_stem(x8: torch.Tensor, wq: torch.Tensor, K: int, R: int, S: int, *, str
     dh, dw = dilation
     P = (H + 2 * ph - dh * (R - 1) - 1) // sh + 1
     Q = (W + 2 * pw - dw * (S - 1) - 1) // sw + 1
-    x_in = x8.dtype if x8.dtype in FLOAT_INS else None
-    if (x8.dtype != torch.int8 and x_in is None) or not x8.is_contiguous() or C > MAX_C:
-        raise ValueError(f"stem_conv needs contiguous (N, H, W, C <= {MAX_C}) int8 codes or a float image of one of "
-                         f"{[str(d) for d in FLOAT_INS]}, got {x8.dtype} {tuple(x8.shape)}")
-    qlo = qhi = qsub = 0
-    if x_in is not None:
-        if in_scale is None or in_range is None:
-            raise ValueError(f"stem_conv: a float input ({x8.dtype}) is quantized in the kernel: pass in_scale= and "
-                             "in_range=(lo, hi, sub)")
-        if not (isinstance(in_scale, torch.Tensor) and in_scale.dtype == torch.float32 and in_scale.numel() == 1
-                and in_scale.device == x8.device):
-            raise ValueError(f"stem_conv: in_scale must be a one-element float32 tensor on {x8.device}")
-        qlo, qhi, qsub = (int(v) for v in in_range)
-        if not (-255 <= qlo <= qhi <= 255 and -128 <= qlo - qsub and qhi - qsub <= 127):
-            raise ValueError(f"stem_conv: in_range (lo, hi, sub) = {in_range} must give int8 codes lo - sub .. hi - sub")
-    elif in_scale is not None or in_range is not None:
-        raise ValueError("stem_conv: in_scale / in_range quantize a float input; x8 is already int8 codes")
+    if x8.dtype != torch.int8 or not x8.is_contiguous() or C > MAX_C:
+        raise ValueError(f"stem_conv needs contiguous int8 (N, H, W, C <= {MAX_C}) codes, got {x8.dtype} "
+                         f"{tuple(x8.shape)}")
     if pool not in (0, 2):
         raise ValueError(f"stem_conv pool is 0 (none) or 2 (2x2 stride 2), got {pool!r}")
     if P < 1 or Q < 1 or (pool == 2 and (P < 2 or Q < 2)):
@@ -279,8 +243,8 @@ def conv_stem(x8: torch.Tensor, wq: torch.Tensor, K: int, R: int, S: int, *, str
     relu, slope, a = _act(act)
     if not -128 <= pad <= 127:
         raise ValueError(f"stem_conv: the padding code must be an int8, got {pad}")
-    variant = (StemVariant(out_bits, out_encoding, 2 if pool == 2 else 1, fout, x_in=x_in) if planes else
-               StemVariant(pool=2 if pool == 2 else 1, fout=fout, planes=False, x_in=x_in))
+    variant = (StemVariant(out_bits, out_encoding, 2 if pool == 2 else 1, fout) if planes else
+               StemVariant(pool=2 if pool == 2 else 1, fout=fout, planes=False))
     want = (-(-K // 32) * 32, -(-(R * S) // 8) * 8)
     if tuple(wq.shape) != want or wq.dtype != torch.int32:
         raise ValueError(f"stem_conv: wq must be stem_weight_words(w8) of shape {want} int32, got {tuple(wq.shape)} "
@@ -315,8 +279,7 @@ def conv_stem(x8: torch.Tensor, wq: torch.Tensor, K: int, R: int, S: int, *, str
     stream = _stream_for(torch.cuda.current_stream(x8.device).cuda_stream)
     launch(stream, cfg, _kernel(variant, "stem_conv", dev, smem), _ptr(x8), _ptr(wq), _ptr(thr), _ptr(col_scale),
            _ptr(bias), _ptr(out_scale), np.int32(a), np.float32(slope), _ptr(acc_add),
-           np.int32(pad), _ptr(out), np.int32(ldo), np.int32(words), *[np.int32(v) for v in geo], _ptr(y),
-           _ptr(in_scale), np.int32(qlo), np.int32(qhi), np.int32(qsub))
+           np.int32(pad), _ptr(out), np.int32(ldo), np.int32(words), *[np.int32(v) for v in geo], _ptr(y))
     return y, out
 
 
