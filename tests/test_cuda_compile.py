@@ -477,7 +477,7 @@ def test_dual_variants_and_custom_op_schemas():
 
 def test_conv_refuses_a_row_scale():
     """The implicit convolution's kernel applies no row scale (its multiply by 1 is compiled out), so the host refuses
-    one, naming the fix, before anything else is checked."""
+    one, naming the fix, before anything else is checked; so does the torch reference of the same contract."""
     import torch
 
     from tcprec.kernels.cuda import loader as L
@@ -488,6 +488,11 @@ def test_conv_refuses_a_row_scale():
     with pytest.raises(ValueError, match=r"row_scale with conv: .* fold a per-tensor activation scale into col_scale"):
         L._bmma_gemm(a, w, False, False, 1, None, None, torch.ones(128), torch.ones(64), None, False, "float16", 1,
                      "unsigned", None, "", conv=conv)
+    from tcprec.kernels.reference_qconv import bmma_gemm_reference  # the torch statement of the contract: the same
+
+    with pytest.raises(ValueError, match=r"row_scale with conv: .* fold a per-tensor activation scale into col_scale"):
+        bmma_gemm_reference(a, w, False, False, 1, None, None, torch.ones(128), torch.ones(64), None, False, "float16",
+                            1, "unsigned", None, "", conv=conv)
 
 
 def test_stem_conv_variants_compile_without_spills(cache):

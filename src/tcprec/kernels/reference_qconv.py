@@ -150,6 +150,14 @@ def _wrap32(v: torch.Tensor) -> torch.Tensor:
     return ((v + 2**31) % 2**32) - 2**31
 
 
+def check_conv_row_scale(conv, row_scale) -> None:
+    """The bit-serial GEMM's contract: an implicit convolution (``conv``) takes no row scale -- its GEMM rows are output
+    pixels and the kernel applies none -- so it is refused, naming the fix (loader._bmma_gemm and the reference)."""
+    if conv is not None and row_scale is not None:
+        raise ValueError("row_scale with conv: a convolution's GEMM rows are output pixels and its kernel applies no "
+                         "row scale; fold a per-tensor activation scale into col_scale and pass row_scale=None")
+
+
 def bmma_gemm_reference(a_planes, w_planes, a_twos, w_twos, ss, row_term, col_term, row_scale, col_scale, bias,
                         relu, out_kind, out_bits, out_encoding, out_scale, tile="", leaky_slope=0.0, pdl=True,
                         conv=None, residual=None, out_compact=False, dual_out=None, row_affine=None):
@@ -160,7 +168,9 @@ def bmma_gemm_reference(a_planes, w_planes, a_twos, w_twos, ss, row_term, col_te
     rd the rounding to the output dtype; ``out_compact`` (packed): rows of ceil(N / 32) words, unpadded;
     ``dual_out`` (16-bit float out_kind): also filled with the compact planes of the output's codes;
     ``row_affine = (row_mul, row_add)`` instead of ``row_term``: ``row_term = row_mul * R + row_add`` with R the
-    weighted popcount of A's rows as multiplied (int32, wrapping like the kernel's)."""
+    weighted popcount of A's rows as multiplied (int32, wrapping like the kernel's); a ``row_scale`` with ``conv`` is
+    refused as the kernel refuses it (:func:`check_conv_row_scale`)."""
+    check_conv_row_scale(conv, row_scale)
     if conv is not None:
         a_planes = implicit_conv_rows(a_planes, w_planes, conv)
     if row_affine is not None:

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ...memo import remembered
-from ..reference_qconv import implicit_conv_fits
+from ..reference_qconv import check_conv_row_scale, implicit_conv_fits
 
 __all__ = [
     "SOURCE_PATH",
@@ -993,9 +993,7 @@ def _bmma_gemm(
     ``row_term[m] = row_mul * sum_i wt_i popc(A_i[m, :]) + row_add`` over A's rows as multiplied (an implicit
     convolution's gathered windows), the pm1 correction, from the tensor cores (A against all-ones B; bmma_gemm.cu,
     TCP_ROWSUM) -- no pass over A before the GEMM."""
-    if conv is not None and row_scale is not None:
-        raise ValueError("row_scale with conv: a convolution's GEMM rows are output pixels and its kernel applies no "
-                         "row scale; fold a per-tensor activation scale into col_scale and pass row_scale=None")
+    check_conv_row_scale(conv, row_scale)
     if a_planes.device.type != "cuda" or w_planes.device.type != "cuda":
         raise ValueError(f"bmma_gemm runs on CUDA tensors, got a_planes on {a_planes.device} and w_planes on "
                          f"{w_planes.device}; move both to the GPU or use the reference backend")
