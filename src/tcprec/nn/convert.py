@@ -258,6 +258,15 @@ def _same_tensor_meta(*nodes: fx.Node) -> bool:
     return all(m.shape == metas[0].shape and m.dtype == metas[0].dtype for m in metas)
 
 
+def _module_calls(g: fx.Graph) -> dict[str, int]:
+    """How many call_module nodes call each module (a module called twice is shared: no rewrite may change it)."""
+    calls: dict[str, int] = {}
+    for n in g.nodes:
+        if n.op == "call_module":
+            calls[n.target] = calls.get(n.target, 0) + 1
+    return calls
+
+
 def _fuse_residuals(gm: fx.GraphModule, records: dict) -> None:
     """``act(conv(x) + r)`` -> ``conv(x, r)`` with the add and act in the conv's epilogue (module docstring,
     step 4).  The fused call takes the add's place: ``r`` (e.g. a shortcut conv) may come after the conv."""
@@ -267,10 +276,7 @@ def _fuse_residuals(gm: fx.GraphModule, records: dict) -> None:
         if n.op == "call_module" and type(mods.get(n.target)) is nn.Identity and len(n.args) == 1 and not n.kwargs:
             n.replace_all_uses_with(n.args[0])
             g.erase_node(n)
-    calls: dict[str, int] = {}
-    for n in g.nodes:
-        if n.op == "call_module":
-            calls[n.target] = calls.get(n.target, 0) + 1
+    calls = _module_calls(g)
     for add in list(g.nodes):
         ops = _add_operands(add)
         if ops is None or not _same_tensor_meta(add, *ops):
@@ -328,10 +334,7 @@ def _fuse_flatten(gm: fx.GraphModule, records: dict) -> None:
     The same codes meet the same weights, so integer layers give the same results."""
     g = gm.graph
     mods = dict(gm.named_modules())
-    calls: dict[str, int] = {}
-    for n in g.nodes:
-        if n.op == "call_module":
-            calls[n.target] = calls.get(n.target, 0) + 1
+    calls = _module_calls(g)
     for f in list(g.nodes):
         x = _flatten_input(f, mods)
         if x is None or x.op != "call_module" or not isinstance(mods.get(x.target), QConv2d):
@@ -361,6 +364,14 @@ def _fuse_flatten(gm: fx.GraphModule, records: dict) -> None:
 BITSERIAL_DUAL = True
 
 
+def _dual_planes_ok(a: nn.Module, b: nn.Module, kind_of) -> bool:
+    """Whether producer ``a`` can write its float output and bit-serial consumer ``b``'s planes from one pass
+    ("planes+float"): the binary GEMM's epilogue or an INT8 layer's (stem_conv.cu's, or one pack pass after the
+    Triton kernel), <= 3-bit codes, a 16-bit float."""
+    return (BITSERIAL_DUAL and kind_of(a) in ("bitserial", "int8") and b.a_fmt.bits <= 3
+            and a.out_dtype in (torch.float16, torch.bfloat16))
+
+
 def _chain_through_flatten(node: fx.Node, flat: fx.Node, qmods, records: dict, kind_of) -> None:
     """A conv read only through ``flatten_nhwc`` by bit-serial linears writes their planes (compact rows; with
     the float too where the conv holds a block's add: "planes+float", the only planes a residual epilogue
@@ -375,8 +386,7 @@ def _chain_through_flatten(node: fx.Node, flat: fx.Node, qmods, records: dict, k
         return
     to = ", ".join(u.target for u in flat.users) + " (flatten_nhwc)"
     if a.has_residual:
-        if not BITSERIAL_DUAL or kind_of(a) not in ("bitserial", "int8") or b.a_fmt.bits > 3 \
-                or a.out_dtype not in (torch.float16, torch.bfloat16):
+        if not _dual_planes_ok(a, b, kind_of):
             return
         a.chain_to(b, "planes+float")
         records[node.target].out = f"{str(a.out_dtype).removeprefix('torch.')} + packed {b.a_fmt} -> {to}"
@@ -553,9 +563,7 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
                         # epilogue writes the float output and its compact planes ("planes+float", <= 3 bits); so does
                         # an 8-bit thin stem's on sm_90 (stem_conv.cu: ResNet-18's), and other INT8 layers pack their
                         # float in one pass after it (what the readers would do, once)
-                        if not BITSERIAL_DUAL or kind_of(a) not in ("bitserial", "int8") or not gather \
-                                or b.a_fmt.bits > 3 \
-                                or a.out_dtype not in (torch.float16, torch.bfloat16):
+                        if not gather or not _dual_planes_ok(a, b, kind_of):
                             continue
                         a.chain_to(b, "planes+float")
                         records[node.target].out = f"{str(a.out_dtype).removeprefix('torch.')} + packed {b.a_fmt} -> {to}"

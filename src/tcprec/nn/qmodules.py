@@ -336,16 +336,15 @@ class QLinear(_QBase):
         """``x``: float (..., in_features), or the packed planes a chained conv wrote, flattened (``flatten_nhwc``
         of a ``PackedActivation``: shape (B, 1, 1, in_features))."""
         if isinstance(x, qc.PackedActivation):
-            B = x.shape[0]
-            if x.shape != (B, 1, 1, self.in_features):
+            lead, xa = x.shape[:1], x
+            if x.shape != (*lead, 1, 1, self.in_features):
                 raise ValueError(f"QLinear expects planes of shape (B, 1, 1, {self.in_features}), got {x.shape}")
-            y = qc.conv2d(x, self.weight, bias=self.bias, act=self.act, out_dtype=self.out_dtype, backend=self.backend)
-            return y.reshape(B, self.out_features)
-        if not isinstance(x, torch.Tensor) or x.shape[-1] != self.in_features:
+        elif not isinstance(x, torch.Tensor) or x.shape[-1] != self.in_features:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"QLinear expects (..., {self.in_features}), got {got}")
-        lead = x.shape[:-1]
-        xa = _quantize_input(x.reshape(-1, 1, 1, self.in_features), self)  # (B, 1, 1, K) NHWC
+        else:
+            lead = x.shape[:-1]
+            xa = _quantize_input(x.reshape(-1, 1, 1, self.in_features), self)  # (B, 1, 1, K) NHWC
         y = qc.conv2d(xa, self.weight, bias=self.bias, act=self.act, out_dtype=self.out_dtype, backend=self.backend)
         return y.reshape(*lead, self.out_features)
 
@@ -354,8 +353,8 @@ def flatten_nhwc(x):
     """``torch.flatten(x, 1)`` of an NCHW activation in (h, w, c) order: a view of channels_last memory (a copy
     otherwise), where torch.flatten copies into (c, h, w) order.  For the packed planes a chained conv wrote
     (a ``PackedActivation`` of shape (N, H, W, C), C % 32 == 0) the planes of the flattened rows (N, 1, 1, H * W * C):
-    a view of compact rows (what the bit-serial epilogue writes).  ``quantize_model`` puts it between a conv and a ``QLinear`` whose
-    weight it reordered the same way (``QLinear.nhwc_input``)."""
+    a view of compact rows (what the bit-serial epilogue writes).  ``quantize_model`` puts it between a conv and a
+    ``QLinear`` whose weight it reordered the same way (``QLinear.nhwc_input``)."""
     if isinstance(x, qc.PackedActivation):
         N, H, W, C = x.shape
         K = H * W * C
