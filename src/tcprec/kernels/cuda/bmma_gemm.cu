@@ -1147,17 +1147,11 @@ bmma_gemm(
 #pragma unroll
             for (int i = 1; i < NCODE; ++i) thr[i] = s_thr[i];
         }
-        // the stored pattern's bits from the index's comparisons ge[i] = (index >= i), 1 <= i < 2^OB <= 8: bit b of
-        // a count of monotone comparisons is the parity of those at i = m 2^b, so the bits need no count
+        // the stored pattern's bits from the index's comparisons ge[i] = (index >= i), 1 <= i < 2^OB <= 8 (index_bit)
         constexpr int NGE = NCODE <= 8 ? NCODE : 1;
         auto bits_of = [&](const bool (&ge)[NGE], bool (&bit)[OB]) {
 #pragma unroll
-            for (int b = 0; b < OB; ++b) {
-                bool v = false;
-#pragma unroll
-                for (int m = 1; (m << b) < NGE; ++m) v ^= ge[m << b];
-                bit[b] = v;
-            }
+            for (int b = 0; b < OB; ++b) bit[b] = index_bit(ge, b);
             if (OENC == 0) bit[OB - 1] = !bit[OB - 1];  // two's complement: the index with its sign bit flipped
         };
         // bit b of the stored pattern of y (the float path): OB <= 3 by comparisons, else a binary search

@@ -57,20 +57,25 @@ __device__ __forceinline__ u32 mask_bits8(const u32 (&m)[4]) {
     return (((lo & 0x80808080u) * 0x00204081u) >> 28) | (((hi & 0x80808080u) * 0x00204081u) >> 24);
 }
 
+// Bit b of an index that is the count of monotone comparisons ge[1 .. N - 1] (ge[i] = (index >= i)): the parity of
+// those at i = m 2^b, so the bits need no count.  T: bool, or u32 masks / sign bits compared bitwise (ge[0] unread).
+template <typename T, int N>
+__device__ __forceinline__ T index_bit(const T (&ge)[N], int b) {
+    T v = 0;
+#pragma unroll
+    for (int m = 1; (m << b) < N; ++m) v ^= ge[m << b];
+    return v;
+}
+
 // The index bits of two float16 values h (fp16x2) against the thresholds T16[1 .. 2^OB - 1] (f16_ceil of T_i, both halves):
-// pm[b] is 0xFFFF in the halves whose index has bit b set -- the parity of the compares at i = m 2^b (see code_pattern;
-// the stored pattern of two's complement flips the top bit: the caller's, on the gathered bits).
+// pm[b] is 0xFFFF in the halves whose index has bit b set (index_bit; the stored pattern of two's complement flips the
+// top bit: the caller's, on the gathered bits).
 __device__ __forceinline__ void index_masks2(u32 h, const u32 (&T16)[NCODE], u32 (&pm)[OB]) {
     u32 ge[NCODE];
 #pragma unroll
     for (int i = 1; i < NCODE; ++i) ge[i] = hge2_mask(h, T16[i]);
 #pragma unroll
-    for (int b = 0; b < OB; ++b) {
-        u32 v = 0;
-#pragma unroll
-        for (int m = 1; (m << b) < NCODE; ++m) v ^= ge[m << b];
-        pm[b] = v;
-    }
+    for (int b = 0; b < OB; ++b) pm[b] = index_bit(ge, b);
 }
 
 // One 16-byte store (a uint4 assignment let the compiler split it into four 4-byte stores where the words did not sit in

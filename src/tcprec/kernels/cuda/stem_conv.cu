@@ -415,10 +415,8 @@ stem_conv(const signed char* __restrict__ x,  // (N, H, W, C) int8 codes
 #pragma unroll
                             for (int i = 1; i < NCODE; ++i) x[i] = (u32)(th[i] - c);
 #pragma unroll
-                            for (int b = 0; b < OB; ++b) {  // bit b of the index: the parity of its compares at m 2^b
-                                u32 v = 0;
-#pragma unroll
-                                for (int m = 1; (m << b) < NCODE; ++m) v ^= x[m << b];
+                            for (int b = 0; b < OB; ++b) {  // bit b of the index (index_bit, in the sign bits)
+                                const u32 v = index_bit(x, b);
                                 sg[b][j][e] = OENC == 0 && b == OB - 1 ? ~v : v;
                             }
                         }
