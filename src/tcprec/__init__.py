@@ -22,7 +22,7 @@ from .runtime import Engine, compile  # noqa: A004
 from .packing import K_PAD_BITS, pack_bitplanes, packed_words, plane_popcounts, unpack_bitplanes
 from .qtensor import PerChannel, PerGroup, PerTensor, QTensor
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "__version__",

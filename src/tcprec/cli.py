@@ -34,11 +34,20 @@ import tcprec as tp
 
 from . import metrics
 from .bench import cast as cast_bench
-from .bench.common import NeedsGPU, write_json
+from .bench import conv_bwd as conv_bench
+from .bench import gemm as gemm_bench
+from .bench import net as net_bench
+from .bench import solve as solve_bench
+from .bench.common import NeedsGPU, time_graph_ms, write_json
+from .bench.net import PRECISIONS, build_variant, nrmse
 from .data import astronaut
 from .env import device_report
 from .formats import ROUNDING_MODES, BlockFormat, FloatFormat, IntFormat, preset_names, presets
+from .linalg import FACTOR_FORMATS, MATRIX_KINDS, REFINE_METHODS, run_solve
+from .nn import models as zoo
+from .nn.models import MODELS
 from .ops.cast import choose_cast_backend
+from .train.cli_impl import train as run_train
 
 app = typer.Typer(
     name="tcprec",
@@ -368,10 +377,6 @@ def _demo_network(console: Console, dev: torch.device) -> list[dict]:
         console.print("[dim]network demo (ResNet-18 at fp16 / int8 / w2a2 / w1a2, compiled into CUDA graphs) not run: "
                       "it needs a CUDA GPU; `tcprec run --device cpu` runs a network on the reference backend[/]")
         return []
-    from .bench.common import time_graph_ms
-    from .bench.net import build_variant, nrmse
-    from .nn import models as zoo
-
     model = zoo.build("resnet18", device=dev).to(memory_format=torch.channels_last)
     x = torch.randn(8, 3, 224, 224, device=dev, generator=torch.Generator(device=dev).manual_seed(0))
     with torch.no_grad():
@@ -422,8 +427,6 @@ def bench_cast(
 
 
 def _solve_options(factor: str, refine: str, kind: str):
-    from .linalg import FACTOR_FORMATS, MATRIX_KINDS, REFINE_METHODS
-
     for value, allowed, hint in ((factor, FACTOR_FORMATS, "--factor"), (refine, REFINE_METHODS, "--refine"),
                                  (kind, MATRIX_KINDS, "--kind")):
         _choices(value, allowed, hint)
@@ -442,8 +445,6 @@ def solve(
 ):
     """Solve a random dense system to FP64 accuracy from a low-precision LU + iterative refinement,
     and compare with torch.linalg.solve in fp64 in the same run."""
-    from .linalg import run_solve
-
     _solve_options(factor, refine, kind)
     dev = _pick_device(device.value)
     res = run_solve(n, factor=factor, refine=refine, kind=kind, cond=cond, device=dev, seed=seed)
@@ -469,8 +470,6 @@ def bench_solve_cmd(
     out: Path = typer.Option(Path("benchmarks/results/solve.json"), help="JSON output path."),
 ):
     """tcprec.linalg.solve against torch.linalg.solve in fp64, same run: time, speedup, backward error."""
-    from .bench import solve as solve_bench
-
     _solve_options(factors, "fgmres", kinds)
     size_list = _ints(sizes, "--sizes")
     command = shlex.join(["tcprec", "bench", "solve", "--sizes", sizes, "--factors", factors, "--kinds", kinds,
@@ -490,8 +489,6 @@ def bench_gemm_cmd(
     plot: bool = typer.Option(True, "--plot/--no-plot", help="Write a PNG of TOPS against size."),
 ):
     """Bit-serial binary tensor-core GEMM against torch fp16 / int8 / fp8, same run."""
-    from .bench import gemm as gemm_bench
-
     try:
         for c in _split(apnn_configs, "--apnn-configs") + _split(large_configs, "--large-configs"):
             gemm_bench.parse_config(c)
@@ -515,8 +512,6 @@ def bench_conv_bwd_cmd(
 ):
     """Conv2d dgrad / wgrad on the 19 ResNet-50 layers against cuDNN fp16 (better of channels_last
     and NCHW), and cuDNN's forward conv of the same layer, same run."""
-    from .bench import conv_bwd as conv_bench
-
     batches = _ints(batch, "--batch")
     precisions = _choices(precision, ("fp16", "bf16", "fp8"), "--precision")
     if passes < 1:
@@ -539,9 +534,6 @@ def bench_net_cmd(
 ):
     """Whole networks at fp32 / fp16 / int8 / fp8 / wXaY: latency (CUDA graphs on every side, cuDNN
     channels_last baselines), speedup vs fp32 and fp16, NRMSE against fp32, per-layer breakdown."""
-    from .bench import net as net_bench
-    from .nn.models import MODELS
-
     models = _choices(model, tuple(MODELS), "--model")
     precisions = _choices(precision, net_bench.PRECISIONS, "--precision")
     batches = _ints(batch, "--batch")
@@ -589,9 +581,6 @@ def run_cmd(
     copies), output saved as .npy, per-layer breakdown, copy count and NRMSE against fp32."""
     import numpy as np
 
-    from .bench.net import PRECISIONS, build_variant, nrmse
-    from .nn import models as zoo
-
     _choice(model, tuple(zoo.MODELS), "--model")
     _choice(precision, PRECISIONS, "--precision")
     console = Console()
@@ -630,9 +619,6 @@ def profile_cmd(
 ):
     """Per-layer latency, the breakdown (quantize/pack, conversion, memcpy, compute), every kernel with
     a tensor-core flag, and the dtype trace of one forward pass."""
-    from .bench.net import PRECISIONS, build_variant
-    from .nn import models as zoo
-
     _choice(model, tuple(zoo.MODELS), "--model")
     _choice(precision, PRECISIONS, "--precision")
     dev = _pick_device(device.value)
@@ -668,8 +654,6 @@ def train(
 ):
     """Train with gradients all-reduced in a low-precision format across emulated nodes (CPD's APS
     experiment): per-epoch log, final table, PNG of the accuracy curves, checkpoint and resume."""
-    from .train.cli_impl import train as run_train
-
     dev = _pick_device(device.value)
     try:
         res = run_train(model=model, data=data, data_path=data_path, grad_format=grad_format, aps=aps, kahan=kahan,

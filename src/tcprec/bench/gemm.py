@@ -29,6 +29,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from ..formats import IntFormat
+from ..ops.matmul import _col_scale, _planes, _row_scale, _terms32, matmul
+from ..packing import packed_words
+from ..qtensor import PerTensor, QTensor
 from .common import environment, print_environment, require_cuda, rotating_buffers, time_median_ms, write_json
 from .common import time_graph_ms as common_graph_ms
 
@@ -46,8 +50,6 @@ GRAPH_CALLS = 20
 
 def parse_config(name: str):
     """``"w1a2"`` -> (activation IntFormat, weight IntFormat)."""
-    from ..formats import IntFormat
-
     try:
         wb, ab = name.lower().removeprefix("w").split("a")
         q, p = int(wb), int(ab)
@@ -59,8 +61,6 @@ def parse_config(name: str):
 
 
 def _random_qtensor(shape, fmt, device, gen):
-    from ..qtensor import PerTensor, QTensor
-
     codes = torch.randint(0, fmt.n_codes, shape, dtype=torch.uint8, device=device, generator=gen)
     return QTensor(codes, torch.full((1,) * len(shape), 0.01, device=device), fmt, PerTensor(), shape, torch.float32)
 
@@ -108,8 +108,6 @@ def _baselines(M, N, K, device, l2, gen) -> dict[str, _Timed]:
 
 
 def _tcprec_case(config: str, M, N, K, device, l2, gen, tile: str = "") -> dict[str, _Timed]:
-    from ..ops.matmul import _col_scale, _planes, _row_scale, _terms32, matmul
-
     a_fmt, w_fmt = parse_config(config)
     qa = _random_qtensor((M, K), a_fmt, device, gen)
     qw = _random_qtensor((N, K), w_fmt, device, gen)
@@ -134,7 +132,6 @@ def _tcprec_case(config: str, M, N, K, device, l2, gen, tile: str = "") -> dict[
 def variants_for(configs: Sequence[str], shapes: Sequence[tuple[int, int, int]], sm_count: int, tile: str = ""):
     """The kernel variants a benchmark run needs (to compile them in parallel up front)."""
     from ..kernels.cuda.loader import Variant, parse_tile, pick_tile
-    from ..packing import packed_words
 
     out = set()
     for c in configs:
@@ -174,7 +171,6 @@ def run(
     groups = [("apnn", c, (64, n, n)) for c in apnn_configs for n in apnn_sizes]
     groups += [("large", c, (n, n, n)) for c in large_configs for n in large_sizes]
     from ..kernels.cuda import loader
-    from ..packing import packed_words
 
     arch = loader.arch_of(torch.cuda.get_device_capability(device))
     n_new = loader.precompile(variants_for([c for _, c, _ in groups], [s for _, _, s in groups], sms), arch)

@@ -17,7 +17,7 @@ Three things live here:
   ``Cw = ceil(C/32)`` meaningful words of input pixel ``(n, h, w)`` at word offset ``t*Cw``,
   zeros where ``(h, w)`` falls in the padding, zeros past ``R*S*Cw`` (padded to 16 words).
   Zero words add nothing to AND+popc, and the weight planes use the same per-tap layout
-  (``pack_weight_planes``), so the binary GEMM over these rows is the convolution.
+  (``weight_tap_codes``, then packed), so the binary GEMM over these rows is the convolution.
 * ``bmma_gemm_reference``: the contract of ``torch.ops.tcprec.bmma_gemm`` (int32 / float /
   packed epilogues) in plain torch, so the whole bit-serial pipeline runs on the CPU in tests.
   Plus the epilogue pieces shared by every backend (activation, pooling, re-quantize + pack).
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..formats import IntFormat
-from ..packing import pack_bitplanes, packed_words
+from .reference_bitplanes import pack_bitplanes_reference, packed_words, unpack_bitplanes
 from . import reference_gemm as rg
 from .reference import encode_int
 from .reference_conv import ConvGeometry
@@ -39,10 +39,11 @@ __all__ = [
     "conv2d_int",
     "taps_words",
     "im2col_bits",
-    "pack_weight_planes",
+    "weight_tap_codes",
     "bmma_gemm_reference",
     "apply_act",
     "pool_nhwc",
+    "requant_codes",
     "requant_pack",
 ]
 
@@ -107,9 +108,9 @@ def implicit_conv_fits(kin: int, cwt: int, H: int, W: int, ph: int, pw: int) -> 
     return cwt % 2 == 0 and kin % 2 == 0 and kin >= cwt and max(H, W) <= 32767 and max(ph, pw) <= 16383
 
 
-def pack_weight_planes(w_codes: torch.Tensor, bits: int, *, backend: str = "auto",
-                       tap_words: int | None = None) -> torch.Tensor:
-    """KRSC codes -> weight planes in the im2col word layout: int32 ``(bits, K, Kw_col)``.
+def weight_tap_codes(w_codes: torch.Tensor, tap_words: int | None = None) -> torch.Tensor:
+    """KRSC codes -> the rows the weight planes pack in the im2col word layout: ``(K, R*S*Cw*32)``
+    (``tcprec.pack_bitplanes`` of them gives int32 ``(bits, K, Kw_col)``).
 
     Each tap's C codes are padded with zero codes to ``Cw*32`` so that tap ``t`` starts at word
     ``t*Cw``, as in :func:`im2col_bits`; ``tap_words`` (>= Cw) pads each tap to that many words instead (the
@@ -119,7 +120,7 @@ def pack_weight_planes(w_codes: torch.Tensor, bits: int, *, backend: str = "auto
     K, R, S, C = w_codes.shape
     Cw = tap_words or -(-C // 32)
     wc = F.pad(w_codes, (0, Cw * 32 - C))  # (K, R, S, Cw*32) zero codes past C
-    return pack_bitplanes(wc.reshape(K, R * S * Cw * 32), bits, backend=backend, validate=False)
+    return wc.reshape(K, R * S * Cw * 32)  # (K, R*S*Cw*32): tap t at codes t*Cw*32 ..
 
 
 def _weighted_S(a_planes, w_planes, a_twos: bool, w_twos: bool) -> torch.Tensor:
@@ -241,22 +242,24 @@ def pool_planes(planes: torch.Tensor, shape: tuple, pool, fmt: IntFormat) -> tor
     """A max ``pool`` (as :func:`pool_nhwc`) of packed codes ``planes`` (bits, N*P*Q, Kw) of NHWC ``shape``,
     in the order of the values (two's complement patterns compared with the sign bit flipped) -> planes of the
     pooled activation.  Quantizing is monotone, so this equals pooling the floats, then quantizing."""
-    from ..packing import unpack_bitplanes
-
     N, P, Q, K = shape
     flip = 1 << (fmt.bits - 1) if fmt.encoding == "twos" else 0
     idx = (unpack_bitplanes(planes, fmt.bits, K).reshape(N, P, Q, K).to(torch.int64) ^ flip).to(torch.float64)
     pooled = pool_nhwc(idx, pool).to(torch.int64) ^ flip  # indices < 256: exact in float64, -inf pads lose
-    return pack_bitplanes(pooled.reshape(-1, K).to(torch.uint8), fmt.bits, backend="reference", validate=False)
+    return pack_bitplanes_reference(pooled.reshape(-1, K).to(torch.uint8), fmt.bits)
 
 
-def requant_pack(y: torch.Tensor, fmt: IntFormat, out_scale: torch.Tensor) -> torch.Tensor:
-    """float32 ``(..., K)`` -> planes ``(bits, prod(...), packed_words(K))``: ``y / out_scale``,
-    saturated to the format's range, rounded to nearest (ties to even), packed.  Equal to the
-    bit-serial kernel's packed epilogue and to ``reference_gemm.pack_output``; no host sync, so it
-    runs inside a CUDA graph capture (pack: the Triton kernel on CUDA)."""
+def requant_codes(y: torch.Tensor, fmt: IntFormat, out_scale: torch.Tensor) -> torch.Tensor:
+    """float32 ``(..., K)`` -> uint8 codes ``(prod(...), K)``: ``y / out_scale``, saturated to the
+    format's range, rounded to nearest (ties to even).  Packed (``requant_pack``, or
+    ``tcprec.pack_bitplanes`` on the device), they equal the bit-serial kernel's packed epilogue and
+    ``reference_gemm.pack_output``; no host sync, so it runs inside a CUDA graph capture."""
     K = y.shape[-1]
     v = y.reshape(-1, K).to(torch.float32) / out_scale.to(torch.float32).reshape(())
     v = torch.clamp(v, float(fmt.min), float(fmt.max))
-    codes = encode_int(v, fmt, "nearest").to(torch.uint8)  # (rows, K) code patterns
-    return pack_bitplanes(codes, fmt.bits, validate=False)
+    return encode_int(v, fmt, "nearest").to(torch.uint8)  # (rows, K) code patterns
+
+
+def requant_pack(y: torch.Tensor, fmt: IntFormat, out_scale: torch.Tensor) -> torch.Tensor:
+    """``requant_codes`` packed: planes ``(bits, prod(...), packed_words(K))``."""
+    return pack_bitplanes_reference(requant_codes(y, fmt, out_scale), fmt.bits)

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
-from ..ops.matmul import choose_int_backend
+from ..ops.matmul import BACKENDS, choose_int_backend
 from .qmodules import LayerPrecision, QConv2d, QLinear, flatten_nhwc, parse_precision
 
 __all__ = ["QuantConfig", "QuantSummary", "LayerRecord", "quantize_model"]
@@ -84,8 +84,6 @@ class QuantConfig:
             if not isinstance(k, str):
                 raise TypeError(f"overrides keys are module names (str), got {k!r}")
             parse_precision(v)
-        from ..ops.matmul import BACKENDS
-
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
 

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from ..formats import IntFormat
+from ..formats import IntFormat, as_format
 from ..kernels import reference_gemm as rg
 from ..packing import pack_bitplanes, packed_words
 from ..qtensor import PerChannel, PerTensor, QTensor
@@ -318,8 +318,6 @@ def matmul_packed(a: QTensor, w: QTensor, out_fmt, out_scale, *, bias: torch.Ten
 
     ``out_scale``: a positive float or a one-element float tensor (per-tensor scale of the output).
     """
-    from ..formats import as_format
-
     out_fmt = as_format(out_fmt)
     if not isinstance(out_fmt, IntFormat):
         raise TypeError(f"out_fmt must be an integer format (the next layer's activations), got {out_fmt}")

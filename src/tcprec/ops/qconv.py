@@ -97,10 +97,13 @@ from ..formats import FloatFormat, IntFormat, as_format
 from ..kernels import reference_gemm as rg
 from ..kernels import reference_qconv as rq
 from ..kernels.reference_conv import ConvGeometry, pair
-from ..packing import pack_bitplanes, packed_words, unpack_bitplanes
+from ..kernels.reference_conv_fwd import conv_acc, parse_act
 from ..memo import memo_get, memo_put, remembered
+from ..packing import pack_bitplanes, packed_words, unpack_bitplanes
 from ..qtensor import PerChannel, PerTensor, QTensor
-from .matmul import BACKENDS, choose_int_backend
+from .codes import decode
+from .matmul import BACKENDS, choose_int_backend, matmul
+from .quantize import _check_static, _qp_params, _static_codes, quantize
 
 __all__ = [
     "PackedActivation",
@@ -246,8 +249,6 @@ class PackedActivation:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Float NHWC ``(N, H, W, C)``: ``decode(codes) * scale``."""
-        from .cast import decode
-
         return (decode(self.codes(), self.fmt) * self.scale.reshape(())).to(dtype)
 
     def to_qtensor(self) -> QTensor:
@@ -262,8 +263,6 @@ def pack_activation(x: torch.Tensor, fmt, scale) -> PackedActivation:
     >>> pack_activation(torch.ones(1, 1, 1, 2), "uint2", 1.0).dequantize().flatten().tolist()
     [1.0, 1.0]
     """
-    from .quantize import quantize
-
     if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dim() != 4:
         got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"x must be a float NHWC tensor (N, H, W, C), got {got}; an NCHW tensor is x.permute(0, 2, 3, 1)")
@@ -420,8 +419,6 @@ def quantize_int8_static(x: torch.Tensor, fmt, scale: torch.Tensor, pool=None, *
     sync (capturable).  On CUDA (and under ``TRITON_INTERPRET=1``) one Triton pass
     (``kernels/triton/quant_bytes.py``); elsewhere torch ops.  ``pool``: None, ("max", 2, 2), ("max", 2, 1)
     in the same pass, ("avg", 2, 2) as a torch pass first.  ``backend="reference"``: torch ops everywhere."""
-    from .quantize import _check_static, _qp_params, _static_codes
-
     fmt = _check_static(x, fmt, scale, "quantize_int8_static")
     if x.dim() != 4:
         raise ValueError(f"x must be a float NHWC tensor (N, H, W, C), got shape {tuple(x.shape)}")
@@ -510,12 +507,13 @@ def pack_conv_weight(w: QTensor) -> PackedConvWeight:
     f8 = _fp8_dtype(w.fmt)
     if f8 is not None:
         return PackedConvWeight(w, None, w_scale, None, w.codes.contiguous().view(f8))  # (K, R, S, C) float8
-    planes = rq.pack_weight_planes(w.codes, w.fmt.bits)  # (q, K, Kw_col)
+    planes = pack_bitplanes(rq.weight_tap_codes(w.codes), w.fmt.bits, validate=False)  # (q, K, Kw_col)
     rowsum = rg.weighted_rowsums(planes, w.fmt).to(torch.int32)  # (K,): the pm1-activation correction (cheap)
     w8, w_off, w_step = _int8_codes(w.codes, w.fmt)  # (K, R, S, C) int8
     C = w.shape[3]
     cwt = rq.conv_tap_words(C)
-    conv_planes = planes if cwt == -(-C // 32) else rq.pack_weight_planes(w.codes, w.fmt.bits, tap_words=cwt)
+    conv_planes = planes if cwt == -(-C // 32) else pack_bitplanes(rq.weight_tap_codes(w.codes, cwt), w.fmt.bits,
+                                                                        validate=False)
     return PackedConvWeight(w, planes, w_scale, rowsum, w8, w_off, w_step, conv_planes=conv_planes)
 
 
@@ -944,8 +942,6 @@ def _int_product(plan: _Plan, xs: _X, qw: QTensor) -> torch.Tensor:
     g = plan.g
     if plan.name == "reference":
         return rq.conv2d_int(xs.codes(), plan.fa, qw.codes, plan.fw, g).reshape(-1, g.K)
-    from .matmul import matmul
-
     cols = _im2col_codes(xs.codes(), g)  # (M, RSC) uint8
     M, Kt = cols.shape
     one = torch.ones((1, 1), dtype=torch.float32, device=cols.device)
@@ -969,8 +965,6 @@ def _planes_out(plan: _Plan) -> bool:
     ->) quantize -> pack, ``conv_fwd.PlanesOut``): an 8-bit stem in front of binary layers.  Other pools (and a
     pool behind a negative LeakyReLU slope: the kernel pools accumulators), and the FP8 kernel, write float32 for the
     one-pass quantizer."""
-    from ..kernels.reference_conv_fwd import parse_act
-
     return (plan.name == "int8" and plan.route == "kernel" and isinstance(plan.out_fmt, IntFormat)
             and plan.out_layout in _PLANE_LAYOUTS
             and (plan.pool is None or (tuple(plan.pool) == ("max", 2, 2) and parse_act(plan.act)[1] >= 0)))
@@ -1101,7 +1095,6 @@ def _out_spec(plan: _Plan, s_out):
         return (kind, s_out), None
     if kind == "planes":
         from ..kernels.triton.conv_fwd import PlanesOut
-        from .quantize import _qp_params
 
         return PlanesOut(s_out, plan.out_fmt.bits, *_qp_params(plan.out_fmt), pool=2 if plan.pool else 0,
                          compact=plan.out_layout == "compact"), None
@@ -1109,8 +1102,6 @@ def _out_spec(plan: _Plan, s_out):
         return kind, None
     if isinstance(plan.out_fmt, FloatFormat):  # the float and the next FP8 layers' codes (OUT_MODE 5)
         return _KIND[plan.out_dtype], (_FP8_KIND[_fp8_dtype(plan.out_fmt)], s_out)
-    from .quantize import _qp_params
-
     lo, hi, _, _ = _qp_params(plan.out_fmt)
     codes = ("int8", s_out, (lo, hi, _int8_affine(plan.out_fmt)[0]))
     return (codes, None) if kind == "int8" else (_KIND[plan.out_dtype], codes)
@@ -1245,8 +1236,6 @@ def _fp8_kernel(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, fast_accum
 
 def _fp8_reference(plan: _Plan, xs: _X, qw: QTensor) -> torch.Tensor:
     """float64 (M, K): F.conv2d on the decoded fp8 values (every product and partial sum exact)."""
-    from ..kernels.reference_conv_fwd import conv_acc
-
     g = plan.g
     x = xs.codes().contiguous().view(_fp8_dtype(plan.fa))
     w = qw.codes.contiguous().view(_fp8_dtype(plan.fw))
@@ -1446,7 +1435,6 @@ def _finish_float(plan: _Plan, y: torch.Tensor, out_scale, act_done: bool, resid
         return quantize_int8_static(y4, fmt, s, plan.pool, backend=how)
     if _fused_pack(plan, y.device):
         from ..kernels.triton import pack as tpack  # TRITON_INTERPRET is read at import
-        from .quantize import _qp_params
 
         if plan.pool is None:
             planes = tpack.quantize_pack(y4.reshape(-1, g.K), s, fmt.bits, *_qp_params(fmt))
@@ -1462,7 +1450,7 @@ def _finish_float(plan: _Plan, y: torch.Tensor, out_scale, act_done: bool, resid
     if isinstance(plan.out_fmt, FloatFormat):
         return quantize_fp8_static(y, out_scale, plan.out_fmt)  # (N, P', Q', K) float8 codes
     if plan.out_fmt is not None:
-        return _packed_result(rq.requant_pack(y, plan.out_fmt, out_scale), plan, out_scale, y.shape)
+        return _packed_result(_requant_pack(y, plan.out_fmt, out_scale), plan, out_scale, y.shape)
     return y.to(plan.out_dtype)
 
 
@@ -1474,12 +1462,17 @@ def _with_planes(plan: _Plan, y_hp: torch.Tensor, s: torch.Tensor, planes: torch
     fmt = plan.out_fmt
     if planes is None and plan.name != "reference" and (y_hp.is_cuda or _interpreting()):
         from ..kernels.triton import pack as tpack  # TRITON_INTERPRET is read at import
-        from .quantize import _qp_params
 
         planes = tpack.quantize_pack(y_hp.reshape(-1, y_hp.shape[-1]), s, fmt.bits, *_qp_params(fmt), compact=True)
     elif planes is None:
-        planes = rq.requant_pack(y_hp.to(torch.float32), fmt, s)
+        planes = _requant_pack(y_hp.to(torch.float32), fmt, s)
     return PackedActivation(planes, fmt, s, tuple(y_hp.shape), hp=y_hp)
+
+
+def _requant_pack(y: torch.Tensor, fmt: IntFormat, out_scale: torch.Tensor) -> torch.Tensor:
+    """``rq.requant_codes`` packed by ``pack_bitplanes`` (the Triton kernel on CUDA): planes
+    ``(bits, prod(...), packed_words(K))``, no host sync."""
+    return pack_bitplanes(rq.requant_codes(y, fmt, out_scale), fmt.bits, validate=False)
 
 
 def _pooled_shape(g: ConvGeometry, pool) -> tuple:

@@ -39,8 +39,10 @@ import math
 import torch
 
 from ..formats import BlockFormat, FloatFormat, IntFormat, as_format
+from ..kernels.reference_bitplanes import pack_bitplanes_reference
+from ..kernels.triton import choose_backend
 from ..qtensor import Granularity, PerGroup, PerTensor, QTensor, check_granularity, group_view, scale_view
-from .cast import check_float_input, check_rounding, encode
+from .codes import check_float_input, check_rounding, encode
 
 __all__ = ["quantize", "absmax_qmax", "quantize_pack", "quantize_static"]
 
@@ -324,15 +326,11 @@ def quantize_pack(x: torch.Tensor, fmt, scale: torch.Tensor, *, backend: str = "
     [10, 12]
     """
     fmt = _check_static(x, fmt, scale, "quantize_pack")
-    from ..kernels.triton import choose_backend
-
     name, _ = choose_backend(x, backend, "Triton quantize+pack kernel")
     if name == "reference":
-        from ..packing import pack_bitplanes_reference
-
         planes = pack_bitplanes_reference(_static_codes(x, fmt, scale), fmt.bits)
         return planes[..., : -(-x.shape[-1] // 32)].contiguous() if compact else planes
-    from ..kernels.triton import pack as tpack  # imported here: TRITON_INTERPRET is read at import
+    from ..kernels.triton import pack as tpack  # lazy: imports Triton, whose jit reads TRITON_INTERPRET
 
     lead, K = tuple(x.shape[:-1]), x.shape[-1]
     rows = x.reshape(-1, K)  # (R, K): a view when the leading dims collapse

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from ...memo import remembered
+from ..reference_bitplanes import packed_words
 from ..reference_qconv import check_conv_row_scale, implicit_conv_fits
 
 __all__ = [
@@ -934,8 +935,6 @@ def conv_rows(a_planes, conv) -> int:
 
 
 def _out_shape(a_planes, w_planes, out_kind: str, out_bits: int, conv=None, out_compact: bool = False):
-    from ...packing import packed_words
-
     M, N = conv_rows(a_planes, conv), w_planes.shape[1]
     if out_kind == "packed":
         return (out_bits, M, -(-N // 32) if out_compact else packed_words(N)), torch.int32

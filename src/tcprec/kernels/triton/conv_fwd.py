@@ -71,7 +71,7 @@ import triton.language as tl
 
 from ..reference_conv import ConvGeometry, pair
 from ..reference_conv_fwd import FP8_KINDS, Fp8Out, Int8Out, parse_act, parse_out
-from ...packing import packed_words
+from ..reference_bitplanes import packed_words
 from ._host import cdiv, next_power_of_2
 from .pack import PAD_W, _quantize_codes, _store_planes
 from .round import div_by_scalar, fp8_code, fp8_constexprs

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...packing import packed_words
+from ..reference_bitplanes import packed_words
 from ._host import cdiv, next_power_of_2
 from .round import div_by_scalar
 
