@@ -10,6 +10,7 @@ tensor([[ 0.8571, -2.0000],
 """
 
 from . import distributed, emulate, linalg, metrics, nn, profiling, runtime, train
+from .enums import Backend, Rounding
 from .env import device_report
 from .formats import BlockFormat, FloatFormat, IntFormat, ROUNDING_MODES, as_format, format, preset_names, presets
 from .ops.cast import cast, decode, encode
@@ -35,6 +36,8 @@ __all__ = [
     "presets",
     "preset_names",
     "ROUNDING_MODES",
+    "Rounding",
+    "Backend",
     # casting and quantization
     "cast",
     "encode",

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..enums import DETERMINISTIC_ROUNDINGS
 from ..formats import FloatFormat, as_format
 from ..kernels import reference as ref
 from ..kernels.reference_emulate import add_round_to_odd
@@ -203,7 +204,7 @@ def allreduce_lowp(grads: torch.Tensor, sizes: list[int], fmt, *, aps: bool = Tr
 
 
 # the deterministic modes: every rank must compute the same bits for the same sums
-ROUNDINGS = ("nearest", "nearest_away", "toward_zero", "up", "down")
+ROUNDINGS = DETERMINISTIC_ROUNDINGS
 _WARNED: set = set()
 
 

@@ -64,6 +64,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..enums import Backend, backend_names
 from ..kernels import reference_conv as rc
 from ..kernels.reference_conv import ConvGeometry, pair
 from ..kernels.triton import choose_backend
@@ -83,7 +84,8 @@ __all__ = [
 ]
 
 PRECISIONS = ("fp16", "bf16", "fp8")
-BACKENDS = ("auto", "triton", "tma", "flat", "gemm", "fprop", "reference")
+BACKENDS = backend_names(Backend.AUTO, Backend.TRITON, Backend.TMA, Backend.FLAT, Backend.GEMM, Backend.FPROP,
+                         Backend.REFERENCE)
 _DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

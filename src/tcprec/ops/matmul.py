@@ -25,6 +25,7 @@ import math
 
 import torch
 
+from ..enums import Backend, backend_names
 from ..formats import IntFormat, as_format
 from ..kernels import reference_gemm as rg
 from ..packing import pack_bitplanes, packed_words
@@ -32,7 +33,7 @@ from ..qtensor import PerChannel, PerTensor, QTensor
 
 __all__ = ["matmul", "matmul_packed", "explain_matmul", "choose_matmul_backend", "choose_int_backend", "BACKENDS"]
 
-BACKENDS = ("auto", "bitserial", "int8", "reference")
+BACKENDS = backend_names(Backend.AUTO, Backend.BITSERIAL, Backend.INT8, Backend.REFERENCE)
 _OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32)
 _KIND = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.int32: "int32"}
 _INT32_LIMIT = 1 << 31

@@ -55,7 +55,7 @@ Backends (one rule with ``tcprec.matmul``: bit-serial while p*q < 8, INT8 otherw
   and w's per-channel scales folded into the fused epilogue's column scale.  ``fp8_fast_accum=True``
   (the default) keeps Hopper's narrow fp8 accumulator over the whole reduction.  An e4m3 / e5m2 ``out_fmt`` (FP8
   layers handing each other codes): the epilogue writes the float8 codes itself when there is no pooling
-  (``conv_fwd`` OUT_MODE 4), else one Triton pass max-pools and quantizes the float32 output
+  (``conv_fwd`` OUT_FP8), else one Triton pass max-pools and quantizes the float32 output
   (``fp8_quant.pool_quantize_fp8``); both give :func:`quantize_fp8_static`'s codes bit for bit.
 * ``"reference"``: ``F.conv2d`` on the decoded codes (fp8: the decoded values) in float64 (exact), any
   device; the default off CUDA and the ground truth of the tests.
@@ -74,7 +74,7 @@ epilogues (``reference``, the INT8 im2col route).  ``out_layout="int8+float"``
 block output feeding both the next residual add and the next INT8 convs, from one pass.  With a residual,
 ``out_layout="int8"`` quantizes the sum rounded to ``out_dtype`` as well.  ``out_layout="fp8+float"`` (e4m3 / e5m2
 ``out_fmt``): the FP8 twin, an :class:`Fp8Activation` (the float8 ``QTensor`` of the next FP8 convs and the float
-``hp``; ``conv_fwd`` OUT_MODE 5 on the INT8 and FP8 kernels).  ``out_layout="planes+float"`` (integer ``out_fmt``
+``hp``; ``conv_fwd`` OUT_DUAL_FP8 on the INT8 and FP8 kernels).  ``out_layout="planes+float"`` (integer ``out_fmt``
 of <= 3 bits, float16 / bfloat16 ``out_dtype``): the bit-serial twin, a :class:`PackedActivation` (compact planes of
 the stored float's codes, for the next bit-serial convs) with ``hp`` (the float, for the next block's add), from one
 epilogue (``bmma_gemm.cu`` TCP_DUAL; the ``reference`` backend writes the same codes).
@@ -93,6 +93,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..enums import Backend, backend_names
 from ..formats import FloatFormat, IntFormat, as_format
 from ..kernels import reference_gemm as rg
 from ..kernels import reference_qconv as rq
@@ -122,7 +123,7 @@ __all__ = [
 ]
 
 POOLS = (None, ("max", 2, 2), ("avg", 2, 2), ("max", 2, 1))
-BACKENDS = BACKENDS + ("fp8",)  # matmul's, and the float8 tensor cores
+BACKENDS = BACKENDS + backend_names(Backend.FP8)  # matmul's, and the float8 tensor cores
 _OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32)
 _KIND = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _INT32_LIMIT = 1 << 31
@@ -1100,7 +1101,7 @@ def _out_spec(plan: _Plan, s_out):
                          compact=plan.out_layout == "compact"), None
     if kind not in ("int8", "dual"):
         return kind, None
-    if isinstance(plan.out_fmt, FloatFormat):  # the float and the next FP8 layers' codes (OUT_MODE 5)
+    if isinstance(plan.out_fmt, FloatFormat):  # the float and the next FP8 layers' codes (OUT_DUAL_FP8)
         return _KIND[plan.out_dtype], (_FP8_KIND[_fp8_dtype(plan.out_fmt)], s_out)
     lo, hi, _, _ = _qp_params(plan.out_fmt)
     codes = ("int8", s_out, (lo, hi, _int8_affine(plan.out_fmt)[0]))

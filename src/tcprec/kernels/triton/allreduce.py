@@ -60,6 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...enums import Rounding
 from ...formats import FloatFormat
 from ._host import cdiv
 from .cast import _finish_value, _finite_code, _float_constexprs, _round_float, round_to_format
@@ -651,7 +652,7 @@ def encode(grads: torch.Tensor, lay: Layout, state: torch.Tensor, send: torch.Te
     numel = grads.shape[1]
     codes = not send.dtype.is_floating_point
     hw = _hw_round(fmt, rounding, aps, False, grads)
-    consts = dict(APS=aps, TOP=top, **_fmt_consts(fmt), MODE=MODES[rounding], CODES=codes, HW=hw,
+    consts = dict(APS=aps, TOP=top, **_fmt_consts(fmt), MODE=Rounding(rounding).code, CODES=codes, HW=hw,
                   BLOCK=lay.block)
     _L["encode"]((cdiv(shard, lay.block), world, n_local),
                  (grads, send, state, lay.send_blocks, lay.starts, n_local, numel, shard, lay.T, n),
@@ -659,7 +660,7 @@ def encode(grads: torch.Tensor, lay: Layout, state: torch.Tensor, send: torch.Te
 
 
 def _sum_consts(fmt, rounding: str, kahan: bool, codes: bool, t: torch.Tensor, aps: bool) -> dict:
-    return dict(**_fmt_consts(fmt), MODE=MODES[rounding], KAHAN=kahan, CODES=codes, N_CODES=fmt.n_codes,
+    return dict(**_fmt_consts(fmt), MODE=Rounding(rounding).code, KAHAN=kahan, CODES=codes, N_CODES=fmt.n_codes,
                 DEC=_BITCAST_FORMATS.get(fmt, 0), HW=_hw_round(fmt, rounding, aps, kahan, t))
 
 
