@@ -89,8 +89,8 @@ def precompile(console, precisions, workers: int) -> None:
 
 
 def quick_check(console, precisions) -> bool:
-    from tcprec.kernels import reference_conv as rc
-    from tcprec.kernels.reference_conv import ConvGeometry
+    from tcprec.kernels import reference_conv_bwd as rc
+    from tcprec.kernels.conv_geometry import ConvGeometry
     from tcprec.kernels.triton import conv_bwd as kt
     from tcprec.ops import conv as opc
 

@@ -34,7 +34,7 @@ BENCH_PREFIXES = ("alexnet", "vgg", "resnet18", "yolo")
 
 
 def _geom(name, N):
-    from tcprec.kernels.reference_conv import ConvGeometry
+    from tcprec.kernels.conv_geometry import ConvGeometry
     from tcprec.kernels.triton.conv_fwd import NETWORK_LAYERS
 
     H, W, C, K, R, S, st, pd = NETWORK_LAYERS[name]
@@ -162,7 +162,7 @@ def tune(warmup, rep):
 def bench(batches, layers, warmup, rep):
     import torch.nn.functional as F
 
-    from tcprec.kernels import reference_conv_fwd as rf
+    from tcprec.kernels import reference_conv_int8_fp8 as rf
     from tcprec.kernels.triton import conv_fwd as cf
 
     torch.backends.cudnn.benchmark = True

@@ -18,9 +18,9 @@ import json
 import torch
 
 from tcprec.bench.common import environment
-from tcprec.kernels import reference_qconv as rq
+from tcprec.kernels import reference_conv_bitserial as rq
 from tcprec.kernels.cuda import loader
-from tcprec.kernels.reference_conv import ConvGeometry
+from tcprec.kernels.conv_geometry import ConvGeometry
 from tcprec.kernels.triton import im2col_bits as ib
 from tcprec.kernels.triton import pack as tpack
 from tcprec.kernels.triton import quant_bytes as qb

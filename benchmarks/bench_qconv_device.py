@@ -22,8 +22,8 @@ import torch.nn.functional as F
 import tcprec as tp
 from tcprec.bench.common import environment, time_graph_ms
 from tcprec.kernels import reference_gemm as rg
-from tcprec.kernels import reference_qconv as rq
-from tcprec.kernels.reference_conv import ConvGeometry
+from tcprec.kernels import reference_conv_bitserial as rq
+from tcprec.kernels.conv_geometry import ConvGeometry
 from tcprec.ops.qconv import PackedActivation, conv2d, pack_conv_weight
 from tcprec.qtensor import PerChannel, PerTensor, QTensor
 

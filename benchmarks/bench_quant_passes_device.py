@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results/quant_passes.json")
     args = ap.parse_args(argv)
-    from tcprec.kernels.reference_conv import ConvGeometry
+    from tcprec.kernels.conv_geometry import ConvGeometry
     from tcprec.kernels.triton import pack as tpack
     from tcprec.kernels.triton import quant_bytes as qb
     from tcprec.ops import qconv

@@ -17,7 +17,7 @@ import json
 import torch
 
 from tcprec.bench.common import environment, time_graph_ms
-from tcprec.kernels.reference_conv import ConvGeometry
+from tcprec.kernels.conv_geometry import ConvGeometry
 from tcprec.kernels.triton import conv_fwd as cf
 from tcprec.kernels.triton import pack as tpack
 

@@ -488,7 +488,7 @@ def test_conv_refuses_a_row_scale():
     with pytest.raises(ValueError, match=r"row_scale with conv: .* fold a per-tensor activation scale into col_scale"):
         L._bmma_gemm(a, w, False, False, 1, None, None, torch.ones(128), torch.ones(64), None, False, "float16", 1,
                      "unsigned", None, "", conv=conv)
-    from tcprec.kernels.reference_qconv import bmma_gemm_reference  # the torch statement of the contract: the same
+    from tcprec.kernels.reference_conv_bitserial import bmma_gemm_reference  # the torch statement of the contract: the same
 
     with pytest.raises(ValueError, match=r"row_scale with conv: .* fold a per-tensor activation scale into col_scale"):
         bmma_gemm_reference(a, w, False, False, 1, None, None, torch.ones(128), torch.ones(64), None, False, "float16",

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 import tcprec as tp
 from tcprec.formats import IntFormat
 from tcprec.kernels import reference_gemm as rg
-from tcprec.kernels import reference_qconv as rq
-from tcprec.kernels.reference_conv import ConvGeometry
+from tcprec.kernels import reference_conv_bitserial as rq
+from tcprec.kernels.conv_geometry import ConvGeometry
 from tcprec.packing import pack_bitplanes
 from tcprec.ops import qconv
 from tcprec.ops.quantize import quantize_static
@@ -48,7 +48,7 @@ def _qt(shape, fmt, gen, granularity=None):
 
 
 def _exact(qx, qw, stride=1, padding=0, dilation=1):
-    """F.conv2d on the decoded codes in float64 (tcprec.decode: independent of reference_qconv)."""
+    """F.conv2d on the decoded codes in float64 (tcprec.decode: independent of reference_conv_bitserial)."""
     x = tp.decode(qx.codes, qx.fmt).double().permute(0, 3, 1, 2)
     w = tp.decode(qw.codes, qw.fmt).double().permute(0, 3, 1, 2)
     return F.conv2d(x, w, stride=stride, padding=padding, dilation=dilation).permute(0, 2, 3, 1).round().long()
@@ -669,7 +669,7 @@ def test_fp8_route_within_bound(fast, C):
     """fp8 kernel (interpreter) vs float64 F.conv2d on the decoded values: |err| <= the fp32 summation
     bound of tests/test_conv_fwd.py, scaled by the epilogue's column scale, plus its roundings.  C = 3 / 5:
     the thin-stem route (gathered windows, run as a 1x1 conv)."""
-    from tcprec.kernels import reference_conv_fwd as rf
+    from tcprec.kernels import reference_conv_int8_fp8 as rf
 
     qx, qw, geo = _fp8_case(C=C)
     assert ("thin layer" in explain_conv2d(qx, qw, backend="fp8", **geo)) == (C < qconv.THIN_C)

@@ -1,5 +1,5 @@
 """The bit-serial GEMM's implicit-GEMM convolution (``torch.ops.tcprec.bmma_gemm`` with ``conv=``, bmma_gemm.cu
-TCP_CONV) equals its torch statement (``reference_qconv.bmma_gemm_reference`` with ``conv=``: the windows gathered
+TCP_CONV) equals its torch statement (``reference_conv_bitserial.bmma_gemm_reference`` with ``conv=``: the windows gathered
 explicitly) bit for bit: kernel sizes 1..7, strides 1..4, padding, dilation, odd sizes and channel counts, padded
 and compact input rows, every tile family (TMA with the gathering producer warpgroup, cp.async wgmma, mma.sync,
 the small tile), int32 / float16 / packed epilogues, two's complement operands.  Skipped without a CUDA GPU."""
@@ -7,7 +7,7 @@ the small tile), int32 / float16 / packed epilogues, two's complement operands. 
 import pytest
 import torch
 
-from tcprec.kernels import reference_qconv as rq
+from tcprec.kernels import reference_conv_bitserial as rq
 from tcprec.kernels.cuda import loader as L
 from tcprec.packing import pack_bitplanes
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tcprec as tp
-from tcprec.kernels.reference_conv_fwd import conv2d_fwd_int8 as ref_int8
+from tcprec.kernels.reference_conv_int8_fp8 import conv2d_fwd_int8 as ref_int8
 from tcprec.nn import models as zoo
 from tcprec.nn.qmodules import QConv2d
 from tcprec.ops import qconv as qc

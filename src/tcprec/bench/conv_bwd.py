@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-from ..kernels.reference_conv import ConvGeometry
+from ..kernels.conv_geometry import ConvGeometry
 from ..ops import conv as opc
 from .common import (
     copies_needed,

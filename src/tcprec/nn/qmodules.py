@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..formats import FloatFormat, IntFormat, as_format
-from ..kernels.reference_conv import ConvGeometry
+from ..kernels.conv_geometry import ConvGeometry
 from ..ops import qconv as qc
 from ..ops.matmul import choose_int_backend
 from ..ops.quantize import absmax_qmax, quantize, quantize_pack, quantize_static

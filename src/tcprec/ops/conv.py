@@ -1,6 +1,6 @@
 """2-D convolution backward in low precision: validate -> choose a backend (with a stated reason) -> launch.
 
-Layouts (NHWC everywhere; see ``kernels/reference_conv.py``):
+Layouts (NHWC everywhere; see ``kernels/conv_geometry.py``):
 
 * activations ``x`` / ``dx``: ``(N, H, W, C)``; output gradient ``dy``: ``(N, P, Q, K)``;
 * weights ``w`` / ``dw``: ``(K, R, S, C)`` -- ``nn.Conv2d``'s ``(K, C, R, S)`` as ``w.permute(0, 2, 3, 1)``.
@@ -65,8 +65,8 @@ from dataclasses import dataclass
 import torch
 
 from ..enums import Backend, backend_names
-from ..kernels import reference_conv as rc
-from ..kernels.reference_conv import ConvGeometry, pair
+from ..kernels import reference_conv_bwd as rc
+from ..kernels.conv_geometry import ConvGeometry, pair
 from ..kernels.triton import choose_backend
 
 __all__ = [

@@ -95,10 +95,10 @@ import torch
 
 from ..enums import Backend, backend_names
 from ..formats import FloatFormat, IntFormat, as_format
+from ..kernels import reference_conv_bitserial as rq
 from ..kernels import reference_gemm as rg
-from ..kernels import reference_qconv as rq
-from ..kernels.reference_conv import ConvGeometry, pair
-from ..kernels.reference_conv_fwd import conv_acc, parse_act
+from ..kernels.conv_geometry import ConvGeometry, pair
+from ..kernels.reference_conv_int8_fp8 import conv_acc, parse_act
 from ..memo import memo_get, memo_put, remembered
 from ..packing import pack_bitplanes, packed_words, unpack_bitplanes
 from ..qtensor import PerChannel, PerTensor, QTensor
@@ -445,7 +445,7 @@ class PackedConvWeight:
     * bit-serial (integer formats): ``planes`` int32 ``(q, K, Kw_col)`` in the im2col word layout (each
       tap padded to a whole number of words), ``rowsum`` int32 ``(K,)`` = sum of the weighted codes of
       each filter (the correction term when the activations are pm1), and ``conv_planes``, the same weights in
-      the implicit-GEMM layout (each tap padded to an even number of words: ``reference_qconv.conv_tap_words``;
+      the implicit-GEMM layout (each tap padded to an even number of words: ``reference_conv_bitserial.conv_tap_words``;
       ``planes`` itself where that is already so);
     * INT8 / FP8 kernels: ``w8`` ``(K, R, S, C)`` contiguous, int8 with ``value = w_off + w_step * w8``
       (integer formats) or the float8 view of the codes (``e4m3`` / ``e5m2``: ``w_off = 0, w_step = 1``);

@@ -32,7 +32,7 @@ import torch
 
 from ...memo import remembered
 from ..reference_bitplanes import packed_words
-from ..reference_qconv import check_conv_row_scale, implicit_conv_fits
+from ..reference_conv_bitserial import check_conv_row_scale, implicit_conv_fits
 
 __all__ = [
     "SOURCE_PATH",
@@ -973,7 +973,7 @@ def _bmma_gemm(
     With ``conv``, ``a_planes`` are a convolution's NHWC input planes (p, N*H*W, Kin) and ``w_planes`` its
     weights in the tap layout (q, K, Kw): word ``t * CWT + i`` is word i of tap t = r * S + s (CWT a multiple of
     4, Kin a multiple of 4 and >= CWT, the words of a pixel past its channels zero); C has N*P*Q rows, the
-    convolution's output pixels (``kernels/reference_qconv.implicit_conv_rows`` states its A in torch).
+    convolution's output pixels (``kernels/reference_conv_bitserial.implicit_conv_rows`` states its A in torch).
 
     With ``residual`` (a float out_kind): ``y = act(rd(rd(y0) + residual))``, y0 the epilogue's value before the
     activation and rd the rounding to the output dtype -- the unfused ``act(branch + residual)`` of a ResNet block,

@@ -1,6 +1,6 @@
 """INT8 and FP8 forward convolution for inference: a Triton implicit GEMM, NHWC, with a fused epilogue.
 
-Layouts and the epilogue's exact float32 operation order are those of ``kernels/reference_conv_fwd.py``:
+Layouts and the epilogue's exact float32 operation order are those of ``kernels/reference_conv_int8_fp8.py``:
 x ``(N, H, W, C)`` contiguous, w ``(K, R, S, C)`` contiguous, y ``(N, P, Q, K)`` contiguous.
 
 GEMM: M = output pixels (n, p, q), N = K output channels, reduction = (r, s, c)
@@ -27,7 +27,7 @@ The output row of pixel m = n*P*Q + p*Q + q is simply ``y + m*K``.
                         dtype (a ResNet block's relu(branch + shortcut) exactly as the unfused graph computes it:
                         the conv's stored output, one IEEE float32 add, the sum stored);  act;
               store fp16 / fp32, or int8 = clamp(rint(y / out_scale), lo, hi) - offset -- the next layer's
-              input (plain int8, or a uint8 code stored shifted: reference_conv_fwd.Int8Out; with a residual,
+              input (plain int8, or a uint8 code stored shifted: reference_conv_int8_fp8.Int8Out; with a residual,
               of y rounded to the residual's dtype, as the unfused graph quantizes it);
               or both (OUT_DUAL): the float y and the int8 codes of that float (rounded to its dtype),
               bit-identical to quantizing the stored float in a separate pass;
@@ -70,9 +70,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference_conv import ConvGeometry, pair
+from ..conv_geometry import ConvGeometry, pair
 from ..reference_bitplanes import packed_words
-from ..reference_conv_fwd import ACT_LEAKY, ACT_RELU, FP8_KINDS, Fp8Out, Int8Out, parse_act, parse_out
+from ..reference_conv_int8_fp8 import ACT_LEAKY, ACT_RELU, FP8_KINDS, Fp8Out, Int8Out, parse_act, parse_out
 from ._host import cdiv, next_power_of_2
 from .pack import PAD_W, _quantize_codes, _store_planes
 from .round import div_by_scalar, fp8_code, fp8_constexprs
@@ -237,7 +237,7 @@ def _conv_fwd_kernel(
     N, H, W, C, P, Q, K, R, S,
     str_h, str_w, pad_h, pad_w, dil_h, dil_w,
     M,  # N*P*Q
-    # -- epilogue (see reference_conv_fwd): scales sa / sb are per-channel (stride 1) or per-tensor (0) --
+    # -- epilogue (see reference_conv_int8_fp8): scales sa / sb are per-channel (stride 1) or per-tensor (0) --
     alpha, sa_stride, sb_stride, bias_stride, act, slope,
     # -- int8 with affine-shifted operands: acc = acc * acc_mul + add[(p, q), k] (ADD_PIX), or add[k]; int_pq: an
     #    output position whose window lies inside the image (its entry is every interior pixel's), or -1 --
@@ -546,7 +546,7 @@ def geometry(x: torch.Tensor, w: torch.Tensor, stride, padding, dilation, op: st
         raise ValueError(f"{op}: filters up to 31x31 are supported (per-row tap bit masks), got {R}x{S}")
     if not x.is_cuda and not interpreting():
         raise ValueError(f"{op}: x is on {x.device}: the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1); "
-                         "on the CPU use tcprec.kernels.reference_conv_fwd")
+                         "on the CPU use tcprec.kernels.reference_conv_int8_fp8")
     return g
 
 

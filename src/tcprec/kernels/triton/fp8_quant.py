@@ -13,7 +13,7 @@ batch-inner order on the H200, this pass 0.32-0.40 ms (1.5-1.9 TB/s; results/fp8
     shared memory between the two layouts)
 
 ``pool_quantize_fp8``: a conv's float output y ``(N, P, Q, K)`` (any strides) -> optional 2x2 max-pool (stride 2,
-or 1 with the window clipped at the bottom / right edge: darknet's size-keeping pool; ``reference_qconv.pool_nhwc``'s
+or 1 with the window clipped at the bottom / right edge: darknet's size-keeping pool; ``reference_conv_bitserial.pool_nhwc``'s
 comparisons, so NaN propagates and of +-0 the first wins, as torch's max-pool) -> ``fp8(clamp(y / scale))`` ->
 ``(N, P', Q', K)`` float8 contiguous: the next FP8 layer's operand in one read of y, one byte written an element
 (``ops.qconv`` ran a torch max-pool on float32 and then the quantiser: 2.8 GB of float32 written and read again at

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference_conv import ConvGeometry
+from ..conv_geometry import ConvGeometry
 from ._host import cdiv
 from .conv_bwd import _mma, _one, _strides, interpreting, sm_count
 

@@ -1,7 +1,7 @@
 """Pure-torch references for the quantized forward convolution (``tcprec.ops.qconv.conv2d``).
 
 Layouts: activations NHWC ``(N, H, W, C)``, weights KRSC ``(K, R, S, C)``, output NHWC
-``(N, P, Q, K)``; geometry from ``kernels/reference_conv.ConvGeometry`` (zero padding)::
+``(N, P, Q, K)``; geometry from ``kernels/conv_geometry.ConvGeometry`` (zero padding)::
 
     C[n, p, q, k] = sum_{r, s, c} x[n, p*sh - ph + r*dh, q*sw - pw + s*dw, c] * w[k, r, s, c]
 
@@ -32,7 +32,7 @@ from ..formats import IntFormat
 from .reference_bitplanes import pack_bitplanes_reference, packed_words, unpack_bitplanes
 from . import reference_gemm as rg
 from .reference import encode_int
-from .reference_conv import ConvGeometry
+from .conv_geometry import ConvGeometry
 
 __all__ = [
     "decode_values",

@@ -1,7 +1,7 @@
 """Pure-torch references for the INT8 / FP8 forward convolution kernels (``kernels/triton/conv_fwd.py``),
 NHWC, any device.
 
-Layouts are those of ``reference_conv.py``: x ``(N, H, W, C)``, w ``(K, R, S, C)``, y ``(N, P, Q, K)``.
+Layouts are those of ``conv_geometry.py``: x ``(N, H, W, C)``, w ``(K, R, S, C)``, y ``(N, P, Q, K)``.
 
 The accumulator
 ---------------
@@ -43,7 +43,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .reference_conv import pair
+from .conv_geometry import ACT_LEAKY, ACT_NONE, ACT_RELU, pair
 
 __all__ = [
     "ACT_NONE",
@@ -61,7 +61,6 @@ __all__ = [
     "conv2d_fwd_fp8",
 ]
 
-ACT_NONE, ACT_RELU, ACT_LEAKY = 0, 1, 2
 _OUT_FLOATS = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}
 FP8_KINDS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}  # out=(kind, out_scale): float8 codes
 
