@@ -43,7 +43,7 @@ def cache(tmp_path_factory):
 
 
 def _variants():
-    from tcprec.kernels.cuda import loader as L
+    from tcprec.kernels.cuda import bmma_gemm as L
 
     big = lambda p, q, t=False, e="float": L.pick_tile(p, q, t, t, 10**5, 10**5, arch="sm_90a", epilogue=e)  # noqa: E731
     vs = [L.Variant(p, q, False, False, big(p, q), "float", "float16") for p, q in DEFAULT_PAIRS]
@@ -81,7 +81,7 @@ def _variants():
 def _conv_variants():
     """Implicit-GEMM convolutions (TCP_CONV): the w1a2 / w2a2 tiles the networks' binary convs take -- TMA with the
     gathering producer warpgroup, packed and float epilogues, and the mma.sync / small tiles of small batches."""
-    from tcprec.kernels.cuda import loader as L
+    from tcprec.kernels.cuda import bmma_gemm as L
 
     big = lambda p, q, e: L.packed_tile(L.pick_tile(p, q, False, False, 10**5, 512, arch="sm_90a", epilogue=e)) \
         if e == "packed" else L.pick_tile(p, q, False, False, 10**5, 512, arch="sm_90a", epilogue=e)  # noqa: E731
@@ -117,7 +117,7 @@ def _conv_variants():
 
 
 def _rowsum_variants():
-    from tcprec.kernels.cuda import loader as L
+    from tcprec.kernels.cuda import bmma_gemm as L
 
     pick = lambda M, N, kind, dual=False: L._variant_for(2, 1, False, False, M, N, kind, 2, "unsigned", "", 132,  # noqa: E731
                                                          "sm_90a", 36, True, False, dual, True)
@@ -130,7 +130,7 @@ def _rowsum_variants():
 
 def _sync_defaults():
     """The mma.sync large tiles of the default pairs (sm_90a's fallback, other GPUs' default)."""
-    from tcprec.kernels.cuda import loader as L
+    from tcprec.kernels.cuda import bmma_gemm as L
 
     out = []
     for p, q in DEFAULT_PAIRS:
@@ -140,7 +140,7 @@ def _sync_defaults():
 
 
 def test_every_representative_variant_compiles_for_sm90a(cache):
-    from tcprec.kernels.cuda import loader as L
+    from tcprec.kernels.cuda import bmma_gemm as L
 
     vs = _variants() + _sync_defaults()
     t0 = time.perf_counter()
@@ -161,7 +161,7 @@ def _spill_bytes(log: str) -> int:
 def test_default_variants_do_not_spill(cache):
     """No default tile spills: mma.sync, and the TMA wgmma tiles (168 registers a thread, accumulators
     <= 128 of them) -- the cluster variants too."""
-    from tcprec.kernels.cuda import loader as L
+    from tcprec.kernels.cuda import bmma_gemm as L
 
     seen_tma = 0
     for v in _variants()[: len(DEFAULT_PAIRS)] + _variants()[-26:] + _sync_defaults():
@@ -175,7 +175,7 @@ def test_conv_wide_tile_rule_and_no_spills(cache):
     """Implicit convolutions of w1a2 on 64 columns with >= 2 tiles an SM take three MMA warpgroups (bm = 192, 3
     stages); wider N, more weight classes or a small M keep the picked tile; the wide variants compile without
     spills (512 threads: ptxas caps them at 128 registers)."""
-    from tcprec.kernels.cuda import loader as L
+    from tcprec.kernels.cuda import bmma_gemm as L
 
     def pick(p, q, M, N, out="packed", res=False, dual=False):
         return L._variant_for(p, q, False, False, M, N, out, 2, "unsigned", None, 132, "sm_90a", 18, True, res, dual,
@@ -195,7 +195,7 @@ def test_conv_wide_tile_rule_and_no_spills(cache):
 
 def test_wgmma_variants_use_warpgroup_mma_in_ptx():
     """The wgmma tile's source path emits wgmma b1 AND+popc (the SASS check is in tests/gpu)."""
-    from tcprec.kernels.cuda import loader as L
+    from tcprec.kernels.cuda import bmma_gemm as L
 
     t = L.wgmma_tile(2, 1)
     assert t is not None and t.mma == "wgmma" and L.pick_tile(2, 1, False, False, 8192, 8192, arch="sm_90a") == t
@@ -212,7 +212,7 @@ def test_tma_tiles():
     warpgroup N whose accumulators fit 128 registers, as many stages (<= 8) as shared memory holds (the packed
     epilogue's codes included); none for five or more weight classes.  Tiles round-trip through their names,
     clusters are 1..2 x 1..2 blocks of the TMA kernel only, and a launch rounds its grid up to whole clusters."""
-    from tcprec.kernels.cuda import loader as L
+    from tcprec.kernels.cuda import bmma_gemm as L
 
     t = L.wgmma_tile(2, 1)
     assert (t.bm, t.bn, t.warps_m, t.warps_n, t.tma, t.fold, t.cluster) == (128, 128, 8, 1, True, False, (1, 1))
@@ -257,7 +257,7 @@ def test_tma_tiles():
 def test_packed_variants_carry_the_threshold_kernel(cache):
     """Packed variants of <= 3 output bits hold a second entry, bmma_code_thresholds (the integer thresholds
     the epilogue compares C with), and stage 2^b threshold words a column; wider outputs keep the float path."""
-    from tcprec.kernels.cuda import loader as L
+    from tcprec.kernels.cuda import bmma_gemm as L
 
     t = L.parse_tile("128x128_w8x1_s4_k1024_wg_tma")
     for bits, enc in ((1, "pm1"), (2, "unsigned"), (3, "twos"), (4, "unsigned")):
@@ -271,7 +271,7 @@ def test_packed_variants_carry_the_threshold_kernel(cache):
 
 
 def test_ping_pong_tiles():
-    from tcprec.kernels.cuda import loader as L
+    from tcprec.kernels.cuda import bmma_gemm as L
 
     pp = L.parse_tile("64x128_w4x1_s6_k1024_wg_tma_pp")
     assert pp.cons == 2 and str(pp) == "64x128_w4x1_s6_k1024_wg_tma_pp"
@@ -287,7 +287,7 @@ def test_ping_pong_tiles():
 
 
 def test_split_k_tiles_and_choice():
-    from tcprec.kernels.cuda import loader as L
+    from tcprec.kernels.cuda import bmma_gemm as L
 
     t = L.parse_tile("32x32_w2x2_s2_k1024_sk4")
     assert t.split == 4 and str(t) == "32x32_w2x2_s2_k1024_sk4" and L.parse_tile(str(t)) == t
@@ -314,7 +314,7 @@ def test_folded_tiles():
     """A folded tile (an option no default takes since the TMA kernel: measured slower) keeps one accumulator
     and repeats each plane pair's wgmma by its weight; two's complement (a negative weight) and mma.sync tiles
     are refused."""
-    from tcprec.kernels.cuda import loader as L
+    from tcprec.kernels.cuda import bmma_gemm as L
 
     t = L.parse_tile("128x128_w8x1_s4_k1024_wg_f_tma")
     assert t.fold and t.tma and L.parse_tile(str(t)) == t and not L.wgmma_tile(2, 1).fold
@@ -329,7 +329,7 @@ def test_folded_tiles():
 
 
 def test_cache_is_reused_and_keyed_by_variant(cache):
-    from tcprec.kernels.cuda import loader as L
+    from tcprec.kernels.cuda import bmma_gemm as L
 
     v = _variants()[0]
     L.compile_variant(v, "sm_90a")
@@ -342,7 +342,7 @@ def test_cache_is_reused_and_keyed_by_variant(cache):
 
 
 def test_compile_error_reports_nvrtc_log(cache, monkeypatch, tmp_path):
-    from tcprec.kernels.cuda import loader as L
+    from tcprec.kernels.cuda import bmma_gemm as L
 
     bad = tmp_path / "bad.cu"
     bad.write_text('extern "C" __global__ void bmma_gemm() { this is not C++; }\n')
@@ -352,7 +352,7 @@ def test_compile_error_reports_nvrtc_log(cache, monkeypatch, tmp_path):
 
 
 def test_one_source_no_per_width_files():
-    from tcprec.kernels.cuda import loader as L
+    from tcprec.kernels.cuda import bmma_gemm as L
 
     cu = sorted(p.name for p in L.SOURCE_PATH.parent.glob("*.cu"))
     # every bit width from one GEMM source; the LU's CALU leaf; its one-cluster leaf; its partially pivoted panel
@@ -457,7 +457,7 @@ def test_dual_variants_and_custom_op_schemas():
     tcprec::bmma_gemm_dual returns instead."""
     import torch
 
-    from tcprec.kernels.cuda import loader as L
+    from tcprec.kernels.cuda import bmma_gemm as L
 
     t = L.packed_tile(L.SMALL_TILE)
     v = L.Variant(2, 1, False, False, t, "float", "float16", 2, res=True, dual=True)
@@ -480,7 +480,7 @@ def test_conv_refuses_a_row_scale():
     one, naming the fix, before anything else is checked; so does the torch reference of the same contract."""
     import torch
 
-    from tcprec.kernels.cuda import loader as L
+    from tcprec.kernels.cuda import bmma_gemm as L
 
     a = torch.zeros((2, 2 * 8 * 8, 4), dtype=torch.int32)
     w = torch.zeros((1, 64, 36), dtype=torch.int32)
@@ -522,21 +522,22 @@ def test_stem_conv_variants_compile_without_spills(cache):
 def test_shared_header_is_expanded_and_keys_the_cache(tmp_path, monkeypatch):
     """``#include "name"`` lines are replaced by the file beside the source (what NVRTC compiles and what the cache key
     hashes), so editing codes.cuh rebuilds both kernels; a missing header is named."""
-    from tcprec.kernels.cuda import loader as L
+    from tcprec.kernels.cuda import bmma_gemm as L
+    from tcprec.kernels.cuda import runtime as R
 
     monkeypatch.setenv("TCPREC_CACHE_DIR", str(tmp_path / "cache"))
-    text = L.source_text(L.SOURCE_PATH)
+    text = R.source_text(L.SOURCE_PATH)
     assert "#include \"codes.cuh\"" not in text and "__device__ int threshold_word(" in text
     (tmp_path / "h.cuh").write_text("#define ANSWER 42\n")
     src = tmp_path / "k.cu"
     src.write_text('#include "h.cuh"\nextern "C" __global__ void k(int* o) { *o = ANSWER; }\n')
-    assert L.source_text(src).startswith("#define ANSWER 42")
-    before = L.source_cubin_path(src, [], "sm_90a")
+    assert R.source_text(src).startswith("#define ANSWER 42")
+    before = R.source_cubin_path(src, [], "sm_90a")
     (tmp_path / "h.cuh").write_text("#define ANSWER 43\n")
-    assert L.source_cubin_path(src, [], "sm_90a") != before
+    assert R.source_cubin_path(src, [], "sm_90a") != before
     src.write_text('#include "missing.cuh"\n')
     with pytest.raises(FileNotFoundError, match=r"k.cu includes 'missing.cuh'"):
-        L.source_text(src)
+        R.source_text(src)
 
 
 def test_stem_weight_words_tiles_and_bad_input():

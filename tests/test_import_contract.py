@@ -31,7 +31,8 @@ _CLEAN = {
     "kernels/triton/k.py": "from ..reference import X\n",
     "ops/__init__.py": "from .a import f\n",
     "ops/a.py": ("from ..kernels.reference import X\n\n"
-                 "def f():\n    from ..kernels.triton import k  # a Triton kernel module: allowed lazily\n    return k\n"),
+                 "def f():\n    from ..kernels.triton import k  # a Triton kernel module: lazy is allowed\n"
+                 "    return k\n"),
     "nn/__init__.py": "from ..ops import f\n",
     "linalg/__init__.py": "from ..ops.a import f\n\ndef g():\n    import json  # not ours\n    return json\n",
 }

@@ -976,7 +976,7 @@ def test_implicit_conv_rows_are_the_im2col_rows_when_taps_are_whole_chunks():
 
 
 def test_implicit_conv_route_choice_and_bad_geometry(monkeypatch):
-    from tcprec.kernels.cuda import loader as L
+    from tcprec.kernels.cuda import bmma_gemm as L
 
     g = ConvGeometry(1, 8, 8, 64, 8, 3, 3, (1, 1), (1, 1), (1, 1))
     # "auto": only taps without padding words (ceil(C / 32) even) and, where the GEMM runs the large wgmma tiles (as

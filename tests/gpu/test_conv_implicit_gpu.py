@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tcprec.kernels import reference_conv_bitserial as rq
-from tcprec.kernels.cuda import loader as L
+from tcprec.kernels.cuda import bmma_gemm as L
+from tcprec.kernels.cuda import runtime as R
 from tcprec.packing import pack_bitplanes
 
 DEV = "cuda"
@@ -98,7 +99,7 @@ def test_implicit_conv_compact_rows_and_large_batch():
     assert ac.shape[2] == 8
     got, want = _both(a, wp, conv, M, K, False, False, "packed", "")
     got_c, _ = _both(ac, wp, conv, M, K, False, False, "packed", "")
-    assert L._variant_for(2, 1, False, False, M, K, "packed", 2, "unsigned", "", *L._sm_count(a.device), wp.shape[2],
+    assert L._variant_for(2, 1, False, False, M, K, "packed", 2, "unsigned", "", *R.sm_count(a.device), wp.shape[2],
                           True).tile.tma
     assert torch.equal(got, want) and torch.equal(got_c, want)
 
@@ -270,16 +271,16 @@ def test_implicit_conv_8_byte_taps_on_compact_rows(geom, tile):
 
 def test_three_warpgroup_tile_is_the_default_for_wide_64_column_convs():
     """A 64 -> 64 3x3 conv with >= 2 tiles an SM at bm = 192 (ResNet-18's stage 0 at a large batch) runs three MMA
-    warpgroups by default (loader.conv_wgmma_tile), with the row sums, a fused residual and both outputs, several
+    warpgroups by default (bg.conv_wgmma_tile), with the row sums, a fused residual and both outputs, several
     tiles a block: equal to the reference.  A smaller batch keeps the two-warpgroup tile."""
-    sms = L._sm_count(torch.device(DEV))[0]
+    sms = R.sm_count(torch.device(DEV))[0]
     n = -(-(2 * sms * 192) // (56 * 56))  # images of 56 x 56 for 2 tiles an SM
     geom = ((n, 56, 56, 64), (64, 3, 3), 1, 1, 1)
     a, wp, conv, M, K = _case(geom, 2, 1, False, False, compact=True, seed=77)
-    v = L._variant_for(2, 1, False, False, M, K, "packed", 2, "unsigned", "", *L._sm_count(a.device), wp.shape[2],
+    v = L._variant_for(2, 1, False, False, M, K, "packed", 2, "unsigned", "", *R.sm_count(a.device), wp.shape[2],
                        True, False, False, True)
     assert (v.tile.bm, v.tile.tma) == (192, True), str(v)
-    small = L._variant_for(2, 1, False, False, 8 * 56 * 56, K, "packed", 2, "unsigned", "", *L._sm_count(a.device),
+    small = L._variant_for(2, 1, False, False, 8 * 56 * 56, K, "packed", 2, "unsigned", "", *R.sm_count(a.device),
                            wp.shape[2], True, False, False, True)
     assert small.tile.bm == 128, str(small)
     got, want = _row_affine_pair(a, wp, conv, M, K, False, False, "packed", "", (-1, 576))

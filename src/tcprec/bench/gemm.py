@@ -9,7 +9,7 @@ Cases (``wXaY`` = X-bit weights, Y-bit activations; activations ``uintY``, weigh
 
 For each shape the baselines -- ``torch.matmul`` fp16, ``torch._int_mm`` int8 and
 ``torch._scaled_mm`` fp8 e4m3 (fp16 out) -- are timed in the same run.  The tcprec row times
-the bit-serial GEMM (``loader.gemm_entry()``: the implementation behind ``torch.ops.tcprec.bmma_gemm``, which
+the bit-serial GEMM (``bmma_gemm.gemm_entry()``: the implementation behind ``torch.ops.tcprec.bmma_gemm``, which
 ``tcprec.matmul`` calls in eager mode) on pre-packed bit planes with a per-tensor-scaled fp16 output (the
 kernel), and ``tcprec.matmul`` from QTensors (packing the activations included).
 
@@ -116,9 +116,9 @@ def _tcprec_case(config: str, M, N, K, device, l2, gen, tile: str = "") -> dict[
     rs, cs = _row_scale(qa, M), _col_scale(qw, N)
     at, wt = a_fmt.encoding == "twos", w_fmt.encoding == "twos"
 
-    from ..kernels.cuda import loader
+    from ..kernels.cuda import bmma_gemm as bg
 
-    gemm = loader.gemm_entry()  # what tcprec.matmul calls in eager mode (the op without the dispatcher's host cost)
+    gemm = bg.gemm_entry()  # what tcprec.matmul calls in eager mode (the op without the dispatcher's host cost)
 
     def kernel(ap):
         return gemm(ap, w_planes, at, wt, ss, rt, ct, rs, cs, None, False, "float16", 1, "unsigned", None, tile)
@@ -131,7 +131,7 @@ def _tcprec_case(config: str, M, N, K, device, l2, gen, tile: str = "") -> dict[
 
 def variants_for(configs: Sequence[str], shapes: Sequence[tuple[int, int, int]], sm_count: int, tile: str = ""):
     """The kernel variants a benchmark run needs (to compile them in parallel up front)."""
-    from ..kernels.cuda.loader import Variant, parse_tile, pick_tile
+    from ..kernels.cuda.bmma_gemm import Variant, parse_tile, pick_tile
 
     out = set()
     for c in configs:
@@ -170,10 +170,11 @@ def run(
 
     groups = [("apnn", c, (64, n, n)) for c in apnn_configs for n in apnn_sizes]
     groups += [("large", c, (n, n, n)) for c in large_configs for n in large_sizes]
-    from ..kernels.cuda import loader
+    from ..kernels.cuda import bmma_gemm as bg
+    from ..kernels.cuda.runtime import arch_of
 
-    arch = loader.arch_of(torch.cuda.get_device_capability(device))
-    n_new = loader.precompile(variants_for([c for _, c, _ in groups], [s for _, _, s in groups], sms), arch)
+    arch = arch_of(torch.cuda.get_device_capability(device))
+    n_new = bg.precompile(variants_for([c for _, c, _ in groups], [s for _, _, s in groups], sms), arch)
     console.print(f"compiled {n_new} kernel variants for {arch} (NVRTC, cached on disk)")
 
     rows, base_cache = [], {}
@@ -195,7 +196,7 @@ def run(
             }
             if name.startswith("tcprec") and t.ms is not None:
                 # against the peak of the instruction the picked tile issues (wgmma or mma.sync)
-                tile = loader.pick_tile(a_fmt.bits, w_fmt.bits, a_fmt.encoding == "twos", w_fmt.encoding == "twos",
+                tile = bg.pick_tile(a_fmt.bits, w_fmt.bits, a_fmt.encoding == "twos", w_fmt.encoding == "twos",
                                         M, N, sms, arch, kw=packed_words(K))
                 peak = WGMMA_BINARY_PEAK_TOPS if tile.mma == "wgmma" else BINARY_PEAK_TOPS
                 row.update(tile=str(tile), instruction=tile.mma, binary_tops=pq * tops, binary_peak_tops=peak,

@@ -153,7 +153,7 @@ def _wrap32(v: torch.Tensor) -> torch.Tensor:
 
 def check_conv_row_scale(conv, row_scale) -> None:
     """The bit-serial GEMM's contract: an implicit convolution (``conv``) takes no row scale -- its GEMM rows are output
-    pixels and the kernel applies none -- so it is refused, naming the fix (loader._bmma_gemm and the reference)."""
+    pixels and the kernel applies none -- so it is refused, naming the fix (bmma_gemm._bmma_gemm and the reference)."""
     if conv is not None and row_scale is not None:
         raise ValueError("row_scale with conv: a convolution's GEMM rows are output pixels and its kernel applies no "
                          "row scale; fold a per-tensor activation scale into col_scale and pass row_scale=None")

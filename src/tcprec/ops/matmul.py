@@ -127,9 +127,9 @@ def _check_bias(bias, N: int, device) -> torch.Tensor | None:
 
 
 def _bitserial_usable(device: torch.device) -> tuple[bool, str]:
-    from ..kernels.cuda import loader
+    from ..kernels.cuda import bmma_gemm as bg
 
-    return loader.can_run(device)
+    return bg.can_run(device)
 
 
 def choose_matmul_backend(a: QTensor, w: QTensor, backend: str = "auto") -> tuple[str, str]:
@@ -187,10 +187,10 @@ def explain_matmul(a: QTensor, w: QTensor, *, backend: str = "auto") -> str:
     fa, fw, M, K, N = _check_operands(a, w)
     detail = ""
     if name == "bitserial":
-        from ..kernels.cuda import loader
+        from ..kernels.cuda import bmma_gemm as bg
 
         sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-        tile = loader.pick_tile(fa.bits, fw.bits, fa.encoding == "twos", fw.encoding == "twos", M, N, sms,
+        tile = bg.pick_tile(fa.bits, fw.bits, fa.encoding == "twos", fw.encoding == "twos", M, N, sms,
                                 kw=packed_words(K))
         detail = f"; tile {tile}"
     return f"{name}: {why}; M={M} N={N} K={K}{detail}"
@@ -249,11 +249,11 @@ def _reference_product(a: QTensor, w: QTensor, M: int, K: int, N: int, fa, fw) -
 def _bitserial(a: QTensor, w: QTensor, M, K, N, fa, fw, *, out_kind, row_scale=None, col_scale=None, bias=None,
                relu=False, out_fmt: IntFormat | None = None, out_scale=None, tile: str = "", leaky_slope: float = 0.0):
     # leaky_slope (with relu=True): y < 0 -> leaky_slope * y in the fused epilogue (LeakyReLU); 0 is ReLU
-    from ..kernels.cuda import loader  # (registers torch.ops.tcprec.bmma_gemm)
+    from ..kernels.cuda import bmma_gemm as bg  # (registers torch.ops.tcprec.bmma_gemm)
 
     a_planes, w_planes = _planes(a, M, K), _planes(w, N, K)
     ss, row_term, col_term = _terms32(a_planes, w_planes, K, fa, fw)
-    return loader.gemm_entry()(
+    return bg.gemm_entry()(
         a_planes, w_planes, fa.encoding == "twos", fw.encoding == "twos", ss, row_term, col_term,
         row_scale, col_scale, bias, bool(relu), out_kind,
         out_fmt.bits if out_fmt is not None else 1, out_fmt.encoding if out_fmt is not None else "unsigned",

@@ -1152,9 +1152,9 @@ def _stem_cuda(plan: _Plan, device: torch.device) -> bool:
     if not (STEM_CUDA and out and device.type == "cuda" and _thin_stem(g) and g.C <= sc.MAX_C
             and _stem_pad(plan) is not None):
         return False
-    from ..kernels.cuda import loader
+    from ..kernels.cuda import runtime  # lazy: CUDA kernel module
 
-    if not loader.can_run(device)[0] or torch.cuda.get_device_capability(device) < (9, 0):
+    if not runtime.usable(device)[0] or torch.cuda.get_device_capability(device) < (9, 0):
         return False
     PO, QO = (g.P // 2, g.Q // 2) if plan.pool else (g.P, g.Q)
     try:
@@ -1314,7 +1314,7 @@ def implicit_conv(g: ConvGeometry, kin: int, p: int = 2, q: int = 1, a_twos: boo
     stride-1 one (its planes are the operand as they are); only rows that hold whole 8-byte taps (``kin`` even, at
     least the tap's words) -- padded planes always do, compact ones when ceil(C / 32) is even.  Then per
     :data:`BITSERIAL_IMPLICIT`: True always, False never, "auto" where it measured faster -- taps without padding
-    words (ceil(C / 32) even), and where the GEMM runs the wgmma tile (``loader.wgmma_tile``: when it gives the
+    words (ceil(C / 32) even), and where the GEMM runs the wgmma tile (``bmma_gemm.wgmma_tile``: when it gives the
     ``sm_count`` SMs a tile each) at most two column tiles of it; none on this format pair: no."""
     if BITSERIAL_IMPLICIT is False or g.is_pointwise:
         return False
@@ -1323,7 +1323,7 @@ def implicit_conv(g: ConvGeometry, kin: int, p: int = 2, q: int = 1, a_twos: boo
         return False
     if BITSERIAL_IMPLICIT is True:
         return True
-    from ..kernels.cuda.loader import wgmma_tile
+    from ..kernels.cuda.bmma_gemm import wgmma_tile
 
     t = wgmma_tile(p, q, a_twos, w_twos, N=g.K)
     if cwt != -(-g.C // 32) or t is None:
@@ -1335,9 +1335,9 @@ def implicit_conv(g: ConvGeometry, kin: int, p: int = 2, q: int = 1, a_twos: boo
 def _implicit_route(plan: _Plan, kin: int, device: torch.device) -> bool:
     """:func:`implicit_conv` for a plan's formats on ``device`` (its SM count; off CUDA, 132 as on an H100 / H200)."""
     if device.type == "cuda":
-        from ..kernels.cuda.loader import _sm_count
+        from ..kernels.cuda import runtime  # lazy: CUDA kernel module
 
-        sms = _sm_count(device)[0]
+        sms = runtime.sm_count(device)[0]
     else:
         sms = 132  # the reference GEMM / interpreter decide as on the GPUs the rule was measured on
     return implicit_conv(plan.g, kin, plan.fa.bits, plan.fw.bits, plan.fa.encoding == "twos",
@@ -1508,11 +1508,11 @@ def _conv2d_impl(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None
 
     if plan.name == "bitserial":
         if _gemm is None:
-            from ..kernels.cuda import loader  # (registers torch.ops.tcprec.bmma_gemm)
+            from ..kernels.cuda import bmma_gemm as bg  # (registers torch.ops.tcprec.bmma_gemm)
 
             # pdl=False: the GEMM follows its own im2col / quantize pass, which never triggers a programmatic launch,
-            # and with it whole networks ran 1-1.5% slower (loader._pdl)
-            _gemm = functools.partial(loader.gemm_entry(), pdl=False)
+            # and with it whole networks ran 1-1.5% slower (measured: bmma_gemm.launch_bmma)
+            _gemm = functools.partial(bg.gemm_entry(), pdl=False)
         pw = pw if pw is not None else pack_conv_weight(qw)
         res = _bitserial(plan, xs, pw, col, bias, s_out, _gemm, residual)
         if plan.dual:  # the float output and its compact planes

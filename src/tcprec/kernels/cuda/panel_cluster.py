@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .loader import _stream_for, compile_source, cuda_core_api, load_kernel
+from .runtime import _stream_for, compile_source, cuda_core_api, load_kernel
 
 __all__ = ["SOURCE_PATH", "WIDTHS", "CLUSTERS", "ROWS", "ClusterVariant", "all_variants", "pick_variant",
            "compile_panel_cluster",

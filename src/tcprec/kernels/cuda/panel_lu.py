@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .loader import _sm_count, _stream_for, compile_source, cuda_core_api, load_kernel
+from .runtime import _stream_for, compile_source, cuda_core_api, load_kernel
+from .runtime import sm_count as _sm_count
 
 __all__ = ["SOURCE_PATH", "WIDTHS", "THREADS", "PanelVariant", "default_variant", "compile_panel", "PanelScratch",
            "panel_calu"]

@@ -1,28 +1,23 @@
-"""Build, cache, load and launch the bit-serial binary tensor-core GEMM (``bmma_gemm.cu``).
+"""The bit-serial binary tensor-core GEMM (``bmma_gemm.cu``): its variants, tile choices, TMA maps,
+split-K workspace, launch, and the custom op ``torch.ops.tcprec.bmma_gemm``.
 
-One CUDA source serves every variant: the loader turns a :class:`Variant` (bit widths, two's
-complement flags, tile shape, pipeline depth, epilogue) into ``-D`` defines, compiles it with NVRTC
-through ``cuda.core`` to a cubin (no GPU needed: CI compiles variants for sm_90a), caches the cubin
-on disk, loads it once per device, and launches it on PyTorch's current stream, so it works under
-``torch.cuda.graph`` capture.  ``torch.ops.tcprec.bmma_gemm`` (registered at the bottom) is the
-entry point ``tcprec.ops.matmul`` uses; it has a fake (meta) implementation, so ``torch.compile``
-traces through it.
-
-Cache: ``$TCPREC_CACHE_DIR/cubin`` (default ``~/.cache/tcprec/cubin``), one file per
-``sha256(source, defines, arch, NVRTC and cuda-core versions)``.  Compiling one variant takes
-~1-2 s of CPU; :func:`precompile` compiles many in parallel processes.
+One CUDA source serves every variant: a :class:`Variant` (bit widths, two's complement flags, tile
+shape, pipeline depth, epilogue) becomes ``-D`` defines; ``runtime.py`` compiles it with NVRTC (no
+GPU needed: CI compiles variants for sm_90a), caches the cubin on disk, loads it once per device
+and launches it on PyTorch's current stream, so it works under ``torch.cuda.graph`` capture.
+``torch.ops.tcprec.bmma_gemm`` (registered at the bottom, when this module is imported) is the entry
+point ``tcprec.ops.matmul`` and ``tcprec.ops.qconv`` use; it has a fake (meta) implementation, so
+``torch.compile`` traces through it.  The measured constants of the tile choices are data:
+``bmma_gemm_tiles.json`` beside this file.  Compiling one variant takes ~1-2 s of CPU;
+:func:`precompile` compiles many in parallel processes.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import io
+import inspect
+import json
 import math
-import os
-import re
-import threading
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable, Optional
@@ -33,6 +28,18 @@ import torch
 from ...memo import remembered
 from ..reference_bitplanes import packed_words
 from ..reference_conv_bitserial import check_conv_row_scale, implicit_conv_fits
+from .runtime import (
+    compile_all,
+    compile_source,
+    cuda_core_api,
+    default_arch,
+    launch,
+    launch_config,
+    load_kernel,
+    ptr,
+    sm_count as device_sms,
+    source_cubin_path,
+)
 
 __all__ = [
     "SOURCE_PATH",
@@ -47,17 +54,13 @@ __all__ = [
     "wgmma_tile",
     "MMAS",
     "parse_tile",
-    "arch_of",
-    "cuda_core_api",
     "compile_variant",
     "precompile",
     "cubin_path",
-    "compile_source",
-    "source_cubin_path",
     "get_kernel",
-    "load_kernel",
     "launch_bmma",
     "can_run",
+    "tensor_map",
 ]
 
 SOURCE_PATH = Path(__file__).with_name("bmma_gemm.cu")
@@ -329,56 +332,39 @@ def _warp_tiles(p: int, q: int, nc: int) -> tuple[int, int]:
     return best[1]
 
 
-# Measured on an H200 (w1a2, fp16 out; benchmarks/bench_gemm_device.py, 2026-11): 8192^3 ran fastest with
-# 4-warp blocks (two blocks an SM: one block's barrier no longer idles the SM), 1024-bit K steps
-# (half the barriers of 512) and 3 stages: 628 us against 828 us for 8 warps / 512 bits / 4 stages.
-# At 64 x 1024 x 1024 the 32 x 32 tile with 1024-bit steps and 2 stages was fastest (3.1 us).
-SMALL_TILE = Tile(32, 32, 2, 2, 2, 1024)
-# ... and for packed output (the convolutions of a batch-8 network), 32 x 64 with 3 stages: faster on all five layers
-# of more than one row tile in the session-20 sweep (benchmarks/tune_splitk_device.py, H200, w1a2): ResNet-18 128@28
-# 9.8 -> 8.7 us, 256@14 9.2 -> 8.7, 512@7 10.0 -> 9.8, VGG 512@14 14.4 -> 12.3, AlexNet 384 -> 256@13 10.1 -> 9.6
-SMALL_PACKED_TILE = Tile(32, 64, 2, 2, 3, 1024)
-# Session 15, same H200 run (64 x N x K, K <= 512 bits, graph replay): one 512-bit step instead of a 1024-bit
-# step half zero-filled saves 0.1-0.25 us a call (w1a4 64x128x128 2.71 -> 2.45 us).
-_WORDS_PER_STEP_512 = 16
+# The tile choices' measured constants are data (bmma_gemm_tiles.json: each value with what was measured to pick it).
+TILE_TABLE_PATH = Path(__file__).with_name("bmma_gemm_tiles.json")
+_TABLE = json.loads(TILE_TABLE_PATH.read_text())
+# the mma.sync tile of a problem that fills the SMs: 2 x 2 warps (two blocks an SM), 1024-bit steps, 3 stages
+_SYNC = _TABLE["sync_tile"]["value"]
+# the tile of a problem with fewer blocks than SMs: more, smaller blocks
+SMALL_TILE = parse_tile(_TABLE["small_tile"]["value"])
+# ... and for packed output of more than one row tile (the convolutions of a batch-8 network)
+SMALL_PACKED_TILE = parse_tile(_TABLE["small_packed_tile"]["value"])
+# a K of at most this many words is one 512-bit step on an mma.sync tile (not a 1024-bit step half zero-filled)
+_WORDS_PER_STEP_512 = _TABLE["words_per_step_512"]["value"]
 # Split-K (Tile.split) for one row tile and >= SPLIT_MIN_STEPS K steps: SPLIT_STEPS or more steps a run, at most
-# SPLIT_MAX runs.  Measured on an H200 (session 20, benchmarks/tune_splitk_device.py, batch 8 w1a2, 32 x 32 tiles):
-# VGG's 25088 -> 4096 23.3 -> 13.7 us (4 runs), ResNet-18's 25088 -> 512 14.8 -> 7.8 us; 12544 -> 4096 (13 steps)
-# and 4096 -> 4096 (4) only slower (8.9 -> 9.5, 4.2 -> 7.0), and every convolution of more than one row tile too.
-SPLIT_MIN_STEPS = 16
-SPLIT_STEPS = 6
-SPLIT_MAX = 4
+# SPLIT_MAX runs
+SPLIT_MIN_STEPS = _TABLE["split_k"]["value"]["min_steps"]
+SPLIT_STEPS = _TABLE["split_k"]["value"]["steps_per_run"]
+SPLIT_MAX = _TABLE["split_k"]["value"]["max_runs"]
 _WGMMA_ACC_BUDGET = 128  # int32 accumulator registers a wgmma thread may spend (ptxas adds ~90-100 more)
 
 
-def _default_arch() -> str:
-    if torch.cuda.is_available():
-        return arch_of(torch.cuda.get_device_capability())
-    return "sm_90a"  # no GPU (CI): the tiles an H100 / H200 would run
-
-
 # The wgmma tiles run the persistent TMA pipeline (bmma_gemm.cu, TCP_TMA): two MMA warpgroups of 64 rows
-# (bm = 128) and one producer warpgroup.  Measured on an H200 (8192^3, fp16 out, one run,
-# benchmarks/results/gemm_tune.json), against the cp.async wgmma tiles they replace: w1a2 on 128 x 128
-# 268 us (the folded cp.async 128 x 256: 456 us), w1a1 on 128 x 256 196 us (192 x 128: 308 us), w2a2 on
-# 128 x 64 468 us (192 x 64: 951 us), w1a4 on 128 x 64 541 us.  What had bounded the cp.async kernel was not
-# L2 traffic but the float epilogue: a block spent ~45% of its time storing (branchy per-element code that
-# nothing overlapped); the persistent kernel's producer loads the next tile meanwhile, and the epilogue has
-# no bounds checks inside M x N.  Folding (each plane pair's wgmma repeated by its weight) no longer pays:
-# w1a2 folded 128 x 128 335 us against 268 us unfolded.  Clusters with TMA multicast halve one operand's L2
-# reads but were slower everywhere (w1a2 2 x 1: 352 us against 344 us; w1a1 249 us against 194 us): the
-# blocks of a cluster wait for each other's stages.
-_TMA_BM = 128  # two MMA warpgroups
-_TMA_MAX_STAGES = 8
+# (bm = 128) and one producer warpgroup.  What had bounded the cp.async wgmma kernel was not L2 traffic but the
+# float epilogue: a block spent ~45% of its time storing; the persistent kernel's producer loads the next tile
+# meanwhile, and the epilogue has no bounds checks inside M x N.  Folding and clusters measured slower (table).
+_TMA_BM = _TABLE["tma"]["value"]["bm"]
+_TMA_MAX_STAGES = _TABLE["tma"]["value"]["max_stages"]
 # Implicit convolutions (the producer gathers A; a tile is one or two K steps) whose warpgroup N leaves the
 # accumulators half the budget -- w1a2 on 64 columns, ResNet-18's stages 0 / 1 -- take three MMA warpgroups (bm = 192,
 # 3 stages; 512 threads cap ptxas at 128 registers, so only half the accumulators fit): the per-tile work of a consumer
 # (barriers, epilogue set-up, the wgmma issue) spreads over 1.5x the rows and a scheduler keeps 4 warps instead of 3.
-# Measured on an H200 (session 26, same process, outputs equal; benchmarks/results/conv_tile_ab.json): ResNet-18 w1a2
-# batch 256 2.152 -> 2.050 ms (stage-0 64->64@56 with the residual and both outputs ~251 -> ~200 us).  192 x 128 spills
-# 1.9 KB: not taken.
-_CONV_BM = 192
-_CONV_MIN_TILES = 2  # ... a problem of >= 2 tiles an SM at bm = 192 (at batch 8 the 128-row tile keeps every SM busy)
+# Measured: the table's conv_wide_tile.  (192 x 128 spills 1.9 KB: not taken.)
+_CONV_BM = _TABLE["conv_wide_tile"]["value"]["bm"]
+# ... for a problem of >= this many tiles an SM at bm = 192 (at batch 8 the 128-row tile keeps every SM busy)
+_CONV_MIN_TILES = _TABLE["conv_wide_tile"]["value"]["min_tiles_per_sm"]
 
 
 def _deepest_tma_tile(p: int, q: int, a_twos: bool, w_twos: bool, bm: int, bn: int, epilogue: str) -> Optional[Tile]:
@@ -433,13 +419,14 @@ def pick_tile(p: int, q: int, a_twos: bool, w_twos: bool, M: int, N: int, sm_cou
     row tile).  An mma.sync tile takes 512-bit steps when the whole K is one (``kw`` <= 16): a 1024-bit step would
     load and multiply as many zero words again.  One row tile and a long K (>= :data:`SPLIT_MIN_STEPS` steps: a
     linear layer at a small batch) is split along K (``Tile.split``)."""
-    arch = arch or _default_arch()
+    arch = arch or default_arch()
     if arch.endswith("a") and arch.startswith("sm_9"):
         wt = wgmma_tile(p, q, a_twos, w_twos, epilogue, N)
         if wt is not None and -(-M // wt.bm) * -(-N // wt.bn) >= sm_count:
             return wt
     mt, nt = _warp_tiles(p, q, n_classes(p, q, a_twos, w_twos))
-    big = Tile(mt * 16 * 2, nt * 8 * 2, 2, 2, 3, 1024)
+    wm, wn = _SYNC["warps_m"], _SYNC["warps_n"]
+    big = Tile(mt * 16 * wm, nt * 8 * wn, wm, wn, _SYNC["stages"], _SYNC["bk"])
     blocks = -(-M // big.bm) * -(-N // big.bn)
     wide = epilogue == "packed" and M > SMALL_TILE.bm and n_classes(p, q, a_twos, w_twos) * 16 <= _ACC_REG_BUDGET
     t = big if blocks >= sm_count else SMALL_PACKED_TILE if wide else SMALL_TILE
@@ -459,99 +446,6 @@ def k_steps(t: Tile, kw: int) -> int:
 # ------------------------------------------------------------------------------------------------
 # Compiling (no GPU needed)
 # ------------------------------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=None)
-def cuda_core_api():
-    """(Program, ProgramOptions, ObjectCode, Device, LaunchConfig, Stream, launch) from cuda.core 1.x,
-    or from ``cuda.core.experimental`` in older releases."""
-    try:
-        from cuda.core import Device, LaunchConfig, ObjectCode, Program, ProgramOptions, Stream, launch
-    except ImportError:
-        from cuda.core.experimental import (Device, LaunchConfig, ObjectCode, Program, ProgramOptions, Stream,
-                                            launch)
-    return Program, ProgramOptions, ObjectCode, Device, LaunchConfig, Stream, launch
-
-
-def arch_of(capability: tuple[int, int] | None) -> str:
-    """NVRTC target for a compute capability: ``sm_90a`` on Hopper (the arch-specific target), else
-    ``sm_XY``; ``None`` (no GPU, e.g. CI) compiles for sm_90a."""
-    if capability is None:
-        return "sm_90a"
-    major, minor = capability
-    return f"sm_{major}{minor}" + ("a" if major == 9 else "")
-
-
-def _versions() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    parts = []
-    for dist in ("cuda-core", "nvidia-cuda-nvrtc", "nvidia-cuda-nvrtc-cu12", "cuda-bindings"):
-        try:
-            parts.append(f"{dist}={version(dist)}")
-        except PackageNotFoundError:
-            pass
-    return ",".join(parts)
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("TCPREC_CACHE_DIR")
-    if root:
-        return Path(root) / "cubin"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "tcprec" / "cubin"
-
-
-_INCLUDE = re.compile(r'^#include "([A-Za-z0-9_.]+)"[ \t]*$', re.M)
-
-
-def source_text(source: Path) -> str:
-    """The text NVRTC compiles for ``source``: each ``#include "name"`` line replaced by the file ``name`` beside it
-    (once: the shared headers, e.g. ``codes.cuh``, include nothing), so the cubin cache key covers the headers too."""
-    def sub(m):
-        inc = source.with_name(m.group(1))
-        if not inc.exists():
-            raise FileNotFoundError(f"{source.name} includes {m.group(1)!r}, which is not in {source.parent}")
-        return inc.read_text()
-
-    return _INCLUDE.sub(sub, source.read_text())
-
-
-def source_cubin_path(source: Path, defines: list[str], arch: str = "sm_90a") -> Path:
-    """Where the cubin of ``source`` compiled with ``defines`` for ``arch`` lives in the disk cache."""
-    h = hashlib.sha256()
-    for part in (source_text(source), " ".join(defines), arch, _versions()):
-        h.update(part.encode())
-        h.update(b"\0")
-    return _cache_dir() / f"{h.hexdigest()[:32]}.cubin"
-
-
-def compile_source(source: Path, defines: list[str], arch: str, name: str, *,
-                   use_cache: bool = True) -> tuple[bytes, str]:
-    """(cubin bytes, compiler log) of the CUDA C++ file ``source`` with ``-D defines`` for ``arch``,
-    through NVRTC (``ptxas -v``: the log reports registers, spills and stack frame); cached on disk.
-    Raises ``RuntimeError`` with NVRTC's log if the source does not compile.  Every ``.cu`` file of
-    tcprec is built here."""
-    path = source_cubin_path(source, defines, arch)
-    log_path = path.with_suffix(".log")
-    if use_cache and path.exists():
-        return path.read_bytes(), log_path.read_text() if log_path.exists() else ""
-    Program, ProgramOptions, *_ = cuda_core_api()
-    log = io.StringIO()
-    options = ProgramOptions(arch=arch, std="c++17", define_macro=list(defines), ptxas_options=["-v"], name=name)
-    prog = Program(source_text(source), code_type="c++", options=options)
-    try:
-        obj = prog.compile("cubin", logs=log)
-    except Exception as e:
-        raise RuntimeError(f"NVRTC could not compile {name} for {arch}: {e}\n{log.getvalue()}") from e
-    cubin = bytes(obj.code)
-    if use_cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_bytes(cubin)
-        os.replace(tmp, path)  # atomic: parallel compiles of one variant never leave half a file
-        log_path.write_text(log.getvalue())
-    return cubin, log.getvalue()
 
 
 def cubin_path(variant: Variant, arch: str = "sm_90a") -> Path:
@@ -575,26 +469,12 @@ def precompile(variants: Iterable[Variant], arch: str = "sm_90a", workers: int |
     """Compile every variant not yet in the disk cache, in ``workers`` processes; returns how many
     were compiled."""
     todo = sorted({v for v in variants if not cubin_path(v, arch).exists()}, key=str)
-    if not todo:
-        return 0
-    workers = workers or max(1, min(len(todo), os.cpu_count() or 1))
-    if workers == 1:
-        for v in todo:
-            compile_variant(v, arch)
-    else:
-        import multiprocessing as mp
-
-        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
-            list(ex.map(_compile_one, [(v, arch) for v in todo]))
-    return len(todo)
+    return compile_all(_compile_one, [(v, arch) for v in todo], workers)
 
 
 # ------------------------------------------------------------------------------------------------
 # Loading and launching (GPU)
 # ------------------------------------------------------------------------------------------------
-
-_kernels: dict = {}
-_lock = threading.Lock()
 
 
 def can_run(device: torch.device) -> tuple[bool, str]:
@@ -611,68 +491,11 @@ def can_run(device: torch.device) -> tuple[bool, str]:
     return True, f"sm_{cap[0]}{cap[1]} has native BMMA AND.POPC"
 
 
-def set_kernel_attribute(kernel, attr: str, value: int, device_index: int) -> None:
-    """Set the CUfunction attribute ``CU_FUNC_ATTRIBUTE_<attr>`` of a loaded kernel to ``value``."""
-    from cuda.bindings import driver
-
-    a = getattr(driver.CUfunction_attribute, f"CU_FUNC_ATTRIBUTE_{attr}")
-    handle = kernel.handle if hasattr(kernel, "handle") else kernel._handle
-    if type(handle).__name__ == "CUkernel":
-        (err,) = driver.cuKernelSetAttribute(a, value, handle, driver.CUdevice(device_index))
-    else:
-        (err,) = driver.cuFuncSetAttribute(handle, a, value)
-    if int(err) != 0:
-        raise RuntimeError(f"could not set the kernel attribute {attr} = {value}: {err}")
-
-
-def load_kernel(key, source: Path, defines: list[str], name: str, entry: str, device_index: int,
-                smem_bytes: int = 0, attrs: Optional[dict] = None):
-    """The kernel ``entry`` of ``source`` built with ``defines`` (:func:`compile_source`) and loaded on
-    CUDA device ``device_index``, memoised under ``key``; allows ``smem_bytes`` of dynamic shared
-    memory when that is above the 48 KB default, and sets the further CUfunction ``attrs``
-    (``{"NON_PORTABLE_CLUSTER_SIZE_ALLOWED": 1}``: the names without ``CU_FUNC_ATTRIBUTE_``)."""
-    k = _kernels.get(key)
-    if k is not None:
-        return k
-    with _lock:
-        k = _kernels.get(key)
-        if k is None:
-            _, _, ObjectCode, Device, *_ = cuda_core_api()
-            Device(device_index).set_current()
-            cubin, _ = compile_source(source, defines, arch_of(torch.cuda.get_device_capability(device_index)), name)
-            k = ObjectCode.from_cubin(cubin).get_kernel(entry)
-            if smem_bytes > 48 * 1024:
-                set_kernel_attribute(k, "MAX_DYNAMIC_SHARED_SIZE_BYTES", smem_bytes, device_index)
-            for attr, value in (attrs or {}).items():
-                set_kernel_attribute(k, attr, value, device_index)
-            _kernels[key] = k
-    return k
-
-
 def get_kernel(variant: Variant, device_index: int):
     """The loaded ``bmma_gemm`` kernel of ``variant`` on CUDA device ``device_index`` (compiled or
     read from the disk cache the first time)."""
-    k = _kernels.get((variant, device_index))
-    if k is not None:
-        return k
-    return load_kernel((variant, device_index), SOURCE_PATH, variant.defines(), f"bmma_gemm_{variant}", "bmma_gemm",
-                       device_index, variant.smem_bytes)
-
-
-_streams: dict = {}
-_cfgs: dict = {}
-
-
-def _stream_for(handle: int):
-    s = _streams.get(handle)
-    if s is None:
-        *_, Stream, _ = cuda_core_api()
-        s = _streams[handle] = Stream.from_handle(handle)
-    return s
-
-
-def _ptr(t: Optional[torch.Tensor]):
-    return np.uint64(0 if t is None else t.data_ptr())
+    return load_kernel(("bmma_gemm", variant, device_index), SOURCE_PATH, variant.defines(), f"bmma_gemm_{variant}",
+                       "bmma_gemm", device_index, variant.smem_bytes)
 
 
 _tmaps: dict = {}
@@ -680,7 +503,7 @@ _TMAP_CACHE = 4096  # tensor maps kept (a map holds only an address, shape, stri
 
 
 def _swizzle_128b():
-    import cuda.core as cc
+    import cuda.core as cc  # lazy: cuda.core is needed on a GPU only (import tcprec must not load it)
 
     enum = getattr(cc, "TensorMapSwizzle", None) or cc._tensor_map.TensorMapSwizzle  # not re-exported in 1.2
     return enum.SWIZZLE_128B
@@ -721,23 +544,15 @@ def grid_blocks(tile: Tile, M: int, N: int) -> int:
 
 
 # The integer thresholds cost a launch (~4 us in a graph: two serial bisections); they save ~1.5 us of epilogue a
-# tile an SM.  Measured on an H200 (benchmarks/results/net.json, session 13): always on, VGG w1a2 at batch 256 went
-# 6.77 -> 6.34 ms but batch 8 (~3 tiles an SM) 0.503 -> 0.542 ms.  So only where every SM stores >= 8 tiles.
-INT_THRESHOLD_TILES_PER_SM = 8
+# tile an SM: so only where every SM stores at least this many tiles (measured: the table's int_threshold_tiles_per_sm).
+INT_THRESHOLD_TILES_PER_SM = _TABLE["int_threshold_tiles_per_sm"]["value"]
 
 
-USE_PDL = True  # programmatic dependent launch on sm_90+ (False: plain stream order, read at every launch)
-
-
-def _pdl(device_index: int, want: bool = True) -> dict:
-    """LaunchConfig options for programmatic dependent launch on sm_90+ (bmma_gemm.cu, grid_dependency_wait): the
-    kernel may be scheduled while the previous kernel of the stream runs, and waits for it before touching memory.
-    Measured on an H200 in CUDA graphs (session 15, same process): a small GEMM after a GEMM gains ~0.4 us a call
-    (64 x 128 x 128 w1a2 2.35 -> 1.90 us; 8192^3 unchanged), but whole w1a2 networks at batch 8, where every
-    GEMM follows a Triton pass that never triggers, lost 1-1.5% (VGG 0.510 -> 0.516 ms, ResNet-18 0.567 ->
-    0.575): so the convolution pipeline launches without it (``pdl=False``)."""
-    return {"programmatic_stream_serialization": True} if want and \
-        torch.cuda.get_device_capability(device_index) >= (9, 0) else {}
+# Programmatic dependent launch (``pdl=True``, sm_90+; bmma_gemm.cu, grid_dependency_wait): the kernel may be scheduled
+# while the previous kernel of the stream runs, and waits for it before touching memory.  Measured on an H200 in CUDA
+# graphs (same process): a small GEMM after a GEMM gains ~0.4 us a call (64 x 128 x 128 w1a2 2.35 -> 1.90 us; 8192^3
+# unchanged), but whole w1a2 networks at batch 8, where every GEMM follows a Triton pass that never triggers, lost
+# 1-1.5% (VGG 0.510 -> 0.516 ms, ResNet-18 0.567 -> 0.575): so the convolution pipeline launches without it.
 
 
 # The threshold words of calibrated scale / bias buffers, remembered (tcprec.memo.remembered) so a network's forward
@@ -760,20 +575,14 @@ def code_thresholds(variant: Variant, col_scale, bias, out_scale, relu: bool, le
 
 def _code_thresholds(variant: Variant, col_scale, bias, out_scale, relu: bool, leaky_slope: float, N: int,
                      pdl: bool):
-    *_, LaunchConfig, _, launch = cuda_core_api()
     dev = out_scale.device.index if out_scale.device.index is not None else torch.cuda.current_device()
     codes = 1 << variant.out_bits
     thr = torch.empty((N, codes), dtype=torch.int32, device=out_scale.device)
-    kernel = load_kernel((variant, dev, "thresholds"), SOURCE_PATH, variant.defines(), f"bmma_gemm_{variant}",
-                         "bmma_code_thresholds", dev)
-    blocks = -(-N * codes // 128)
-    pdl = pdl and USE_PDL
-    cfg = _cfgs.get(("thresholds", blocks, pdl))
-    if cfg is None:
-        cfg = _cfgs[("thresholds", blocks, pdl)] = LaunchConfig(grid=(blocks,), block=(128,), **_pdl(dev, pdl))
-    stream = _stream_for(torch.cuda.current_stream(out_scale.device).cuda_stream)
-    launch(stream, cfg, kernel, _ptr(col_scale), _ptr(bias), _ptr(out_scale), np.int32(int(relu)),
-           np.float32(leaky_slope), np.int32(N), _ptr(thr))
+    kernel = load_kernel(("bmma_code_thresholds", variant, dev), SOURCE_PATH, variant.defines(),
+                         f"bmma_gemm_{variant}", "bmma_code_thresholds", dev)
+    cfg = launch_config((-(-N * codes // 128),), (128,), pdl=pdl, device_index=dev)
+    launch(kernel, cfg, out_scale.device, ptr(col_scale), ptr(bias), ptr(out_scale), np.int32(int(relu)),
+           np.float32(leaky_slope), np.int32(N), ptr(thr))
     return thr
 
 
@@ -799,20 +608,19 @@ def launch_bmma(variant: Variant, a_planes, w_planes, out, M: int, N: int, Kw: i
     contiguous, on that device, of the kernel's dtype (see bmma_gemm.cu's parameter list).  The packed
     epilogue of OB <= 3 bits without a row scale first computes its integer threshold words
     (:func:`code_thresholds`) when the problem has :data:`INT_THRESHOLD_TILES_PER_SM` tiles an SM; else (and
-    with a row scale) it keeps the float path.  ``pdl`` (with :data:`USE_PDL`, sm_90+): launch with programmatic
-    stream serialization (see :func:`_pdl`)."""
-    *_, LaunchConfig, _, launch = cuda_core_api()
+    with a row scale) it keeps the float path.  ``pdl`` (sm_90+): launch with programmatic stream serialization
+    (measured above this function)."""
     dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
     kernel = get_kernel(variant, dev)
     col_thr = None
     if variant.int_thresholds and row_scale is None and \
-            grid_blocks(variant.tile, M, N) >= INT_THRESHOLD_TILES_PER_SM * _sm_count(out.device)[0]:
+            grid_blocks(variant.tile, M, N) >= INT_THRESHOLD_TILES_PER_SM * device_sms(out.device)[0]:
         col_thr = code_thresholds(variant, col_scale, bias, out_scale, relu, leaky_slope, N, pdl)
     t = variant.tile
     blocks = grid_blocks(t, M, N)
     if t.tma:  # persistent: at most one block an SM (whole clusters), each walks its share of the tiles
         cs = t.cluster_size
-        blocks = min(blocks, _sm_count(out.device)[0] // cs * cs)
+        blocks = min(blocks, device_sms(out.device)[0] // cs * cs)
     splits, ws = 1, None
     if t.split > 1:  # split-K: t.split runs of K steps (fewer when K has fewer steps), blocks a tile
         steps = k_steps(t, Kw)
@@ -823,12 +631,7 @@ def launch_bmma(variant: Variant, a_planes, w_planes, out, M: int, N: int, Kw: i
                              "use a larger tile or no split")
         ws = split_workspace(out.device, SPLIT_COUNTERS + M * N)
         blocks *= splits
-    pdl = pdl and USE_PDL
-    cfg = _cfgs.get((variant, blocks, pdl))
-    if cfg is None:
-        cfg = _cfgs[(variant, blocks, pdl)] = LaunchConfig(grid=(blocks,), block=(variant.threads,),
-                                                           shmem_size=variant.smem_bytes, **_pdl(dev, pdl))
-    stream = _stream_for(torch.cuda.current_stream(out.device).cuda_stream)
+    cfg = launch_config((blocks,), (variant.threads,), variant.smem_bytes, pdl, dev)
     if variant.conv != (conv is not None):
         raise ValueError(f"variant {variant} {'needs' if variant.conv else 'takes no'} convolution geometry (conv=)")
     if variant.res != (residual is not None):
@@ -843,11 +646,11 @@ def launch_bmma(variant: Variant, a_planes, w_planes, out, M: int, N: int, Kw: i
     if t.tma:  # the implicit convolution gathers A itself: W's map stands in for A's
         w_map = tensor_map(w_planes, t.bn // t.cluster[0])
         maps = (w_map if conv is not None else tensor_map(a_planes, t.bm // t.cluster[1]), w_map)
-    launch(stream, cfg, kernel, *maps, _ptr(a_planes), _ptr(w_planes), _ptr(out), _ptr(row_term), _ptr(col_term),
-           _ptr(row_scale), _ptr(col_scale), _ptr(bias), _ptr(out_scale), _ptr(col_thr), _ptr(residual),
+    launch(kernel, cfg, out.device, *maps, ptr(a_planes), ptr(w_planes), ptr(out), ptr(row_term), ptr(col_term),
+           ptr(row_scale), ptr(col_scale), ptr(bias), ptr(out_scale), ptr(col_thr), ptr(residual),
            np.int32(M), np.int32(N), np.int32(Kw), np.int32(ldo), np.int32(ss), np.int32(int(relu)),
-           np.float32(leaky_slope), *conv_args(conv, a_planes), _ptr(dual_out),
-           np.int32(dual_out.shape[2] if dual_out is not None else 0), _ptr(ws), np.int32(splits),
+           np.float32(leaky_slope), *conv_args(conv, a_planes), ptr(dual_out),
+           np.int32(dual_out.shape[2] if dual_out is not None else 0), ptr(ws), np.int32(splits),
            np.int32(row_mul), np.int32(row_add))
 
 
@@ -872,19 +675,6 @@ def split_workspace(device: torch.device, words: int) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 # torch.library custom op: what tcprec.ops.matmul calls on CUDA tensors
 # ------------------------------------------------------------------------------------------------
-
-
-_sms: dict = {}
-
-
-def _sm_count(device: torch.device) -> tuple[int, str]:
-    """(SM count, NVRTC arch) of a CUDA device, memoised."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    n = _sms.get(idx)
-    if n is None:
-        n = _sms[idx] = (torch.cuda.get_device_properties(idx).multi_processor_count,
-                         arch_of(torch.cuda.get_device_capability(idx)))
-    return n
 
 
 def packed_tile(t: Tile) -> Tile:
@@ -960,7 +750,7 @@ def _bmma_gemm(
     out_scale: Optional[torch.Tensor],  # packed: (1,) float32
     tile: str,  # "" picks one by shape, else str(Tile)
     leaky_slope: float = 0.0,  # with relu: y < 0 -> leaky_slope * y (LeakyReLU); 0 is ReLU
-    pdl: bool = True,  # sm_90+: programmatic dependent launch (loader._pdl)
+    pdl: bool = True,  # sm_90+: programmatic dependent launch (see launch_bmma)
     conv: Optional[list[int]] = None,  # implicit-GEMM convolution: (H, W, P, Q, R, S, sh, sw, ph, pw, dh, dw, CWT)
     residual: Optional[torch.Tensor] = None,  # float epilogue: (M, N) of the output dtype, added before the act
     out_compact: bool = False,  # packed: rows of ceil(N / 32) words, without the padding to 512 bits
@@ -1028,8 +818,8 @@ def _bmma_gemm(
     if M == 0 or N == 0:
         return out
     variant = _variant_for(p, q, a_twos, w_twos, M, N, out_kind, out_bits, out_encoding, tile,
-                           *_sm_count(a_planes.device), Kw, conv is not None, residual is not None, dual_out is not None,
-                           row_affine is not None)
+                           *device_sms(a_planes.device), Kw, conv is not None, residual is not None,
+                           dual_out is not None, row_affine is not None)
     launch_bmma(variant, a_planes.contiguous(), w_planes.contiguous(), out, M, N, Kw, ldo, ss=ss, relu=relu,
                 row_term=row_term, col_term=col_term, row_scale=row_scale, col_scale=col_scale, bias=bias,
                 out_scale=out_scale, leaky_slope=leaky_slope, pdl=pdl, conv=conv, residual=residual,
@@ -1101,8 +891,6 @@ def check_conv(a_planes, w_planes, conv) -> None:
 
 def _signature(fn, drop: tuple, returns: str):
     """``fn``'s signature without the parameters ``drop``, returning ``returns`` (a custom op's schema)."""
-    import inspect
-
     sig = inspect.signature(fn)
     return sig.replace(parameters=[p for p in sig.parameters.values() if p.name not in drop], return_annotation=returns)
 
