@@ -40,6 +40,7 @@ __all__ = [
     "taps_words",
     "im2col_bits",
     "weight_tap_codes",
+    "pack_weight_planes",
     "bmma_gemm_reference",
     "apply_act",
     "pool_nhwc",
@@ -121,6 +122,12 @@ def weight_tap_codes(w_codes: torch.Tensor, tap_words: int | None = None) -> tor
     Cw = tap_words or -(-C // 32)
     wc = F.pad(w_codes, (0, Cw * 32 - C))  # (K, R, S, Cw*32) zero codes past C
     return wc.reshape(K, R * S * Cw * 32)  # (K, R*S*Cw*32): tap t at codes t*Cw*32 ..
+
+
+def pack_weight_planes(w_codes: torch.Tensor, bits: int, *, tap_words: int | None = None) -> torch.Tensor:
+    """``weight_tap_codes`` packed by the reference packer: int32 ``(bits, K, Kw_col)`` (``tcprec.ops.qconv``
+    packs the same codes with ``tcprec.pack_bitplanes``, the Triton kernel on CUDA: the same bits)."""
+    return pack_bitplanes_reference(weight_tap_codes(w_codes, tap_words), bits)
 
 
 def _weighted_S(a_planes, w_planes, a_twos: bool, w_twos: bool) -> torch.Tensor:
