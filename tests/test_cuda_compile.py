@@ -61,9 +61,6 @@ def _variants():
         L.Variant(2, 1, False, False, L.parse_tile("128x128_w8x1_s4_k1024_wg_tma_c2x1"), "float", "float16"),
         L.Variant(1, 1, False, True, L.parse_tile("128x256_w8x1_s4_k1024_wg_tma_c2x2"), "int32"),
         L.Variant(2, 1, False, False, L.parse_tile("128x128_w8x1_s4_k1024_wg_f_tma_c1x2"), "packed", out_bits=1),
-        # ping-pong: two consumer groups on alternate tiles
-        L.Variant(2, 1, False, False, L.parse_tile("64x128_w4x1_s6_k1024_wg_tma_pp"), "packed", out_bits=2),
-        L.Variant(2, 1, False, False, L.parse_tile("64x128_w4x1_s6_k1024_wg_tma_pp"), "float", "float16"),
         # split-K (TCP_SPLIT) as pick_tile takes it for a linear layer at batch 8, with the residual and dual planes,
         # on a cp.async wgmma tile; the small packed tile of batch-8 convolutions
         L.Variant(2, 1, False, False, L.pick_tile(2, 1, False, False, 8, 4096, arch="sm_90a", kw=784), "float",
@@ -268,22 +265,6 @@ def test_packed_variants_carry_the_threshold_kernel(cache):
         per = 2 * t.bm + 3 * t.bn  # the vectors of one copy (a copy each MMA warpgroup, 4-word aligned)
         assert v.smem_bytes == L.Variant(2, 1, tile=t).smem_bytes + 2 * 4 * (-(-(per + (1 << bits) + words) // 4) * 4 - per)
     assert b"bmma_code_thresholds" not in L.compile_variant(L.Variant(2, 1, tile=t, epilogue="float"), "sm_90a")[0]
-
-
-def test_ping_pong_tiles():
-    from tcprec.kernels.cuda import loader as L
-
-    pp = L.parse_tile("64x128_w4x1_s6_k1024_wg_tma_pp")
-    assert pp.cons == 2 and str(pp) == "64x128_w4x1_s6_k1024_wg_tma_pp"
-    v = L.Variant(2, 1, tile=pp, epilogue="packed", out_bits=2)
-    assert v.threads == 2 * 128 + 128 and "TCP_CONS=2" in v.defines()
-    # a copy of the vectors (and thresholds) a group, each 16-byte aligned
-    per = 2 * 64 + 3 * 128 + 4 + 4 * 128
-    assert v.smem_bytes - L.Variant(2, 1, tile=pp.__class__(**{**pp.__dict__, "cons": 1})).smem_bytes == \
-        2 * per * 4 - (2 * 64 + 3 * 128) * 4
-    for bad in ("64x128_w4x1_s5_k1024_wg_tma_pp", "64x128_w4x1_s6_k1024_wg_pp", "64x128_w4x1_s6_k1024_wg_tma_c2x1_pp"):
-        with pytest.raises(ValueError, match="two consumer groups"):
-            L.Variant(2, 1, tile=L.parse_tile(bad))
 
 
 def test_split_k_tiles_and_choice():

@@ -104,8 +104,7 @@ class Tile:
     ``tma`` (wgmma): a warp-specialised pipeline -- one producer warpgroup loads the stages with TMA
     (mbarrier-completed, 128-byte swizzle) while the ``warps_m / 4`` MMA warpgroups (``warps_n`` = 1)
     multiply; ``cluster = (cm, cn)`` groups cm x cn blocks whose shared A / W tiles are loaded once and
-    multicast to all of them.  ``cons = 2`` (TMA, no cluster; ``_pp``): two such consumer groups, each on
-    every other tile of the block's, so one group's epilogue overlaps the other's MMAs (ping-pong).
+    multicast to all of them.
 
     ``split = s`` > 1 (``_sk<s>``; the cp.async paths, not TMA, no implicit convolution): split-K, s blocks a tile,
     each on a run of the K steps, their int32 sums added in a workspace (bmma_gemm.cu, TCP_SPLIT): exact."""
@@ -121,7 +120,6 @@ class Tile:
     fold: bool = False
     tma: bool = False
     cluster: tuple[int, int] = (1, 1)
-    cons: int = 1
     split: int = 1
 
     def __str__(self) -> str:
@@ -130,7 +128,7 @@ class Tile:
                 + ("_wg" if self.mma == "wgmma" else "") + ("_f" if self.fold else "")
                 + ("_tma" if self.tma else "")
                 + ("" if self.cluster == (1, 1) else f"_c{self.cluster[0]}x{self.cluster[1]}")
-                + ("_pp" if self.cons == 2 else "") + (f"_sk{self.split}" if self.split > 1 else ""))
+                + (f"_sk{self.split}" if self.split > 1 else ""))
 
     @property
     def cluster_size(self) -> int:
@@ -140,17 +138,15 @@ class Tile:
 def parse_tile(text: str) -> Tile:
     """``"64x256_w2x4_s4"`` / ``"64x256_w2x4_s3_k1024_db"`` / ``"128x128_w8x1_s4_k1024_wg"`` /
     ``"128x256_w8x2_s3_k1024_wg_f"`` / ``"128x256_w8x1_s3_k1024_wg_f_tma_c2x1"`` /
-    ``"64x128_w4x1_s6_k1024_wg_tma_pp"`` (as ``str(Tile)`` writes it) -> Tile."""
+    ``"32x32_w2x2_s2_k1024_sk4"`` (as ``str(Tile)`` writes it) -> Tile."""
     try:
         mn, w, s, *extra = text.split("_")
         bm, bn = (int(v) for v in mn.split("x"))
         wm, wn = (int(v) for v in w.removeprefix("w").split("x"))
-        bk, db, mma, fold, tma, cluster, cons, split = 512, False, "sync", False, False, (1, 1), 1, 1
+        bk, db, mma, fold, tma, cluster, split = 512, False, "sync", False, False, (1, 1), 1
         for e in extra:
             if e.startswith("sk"):
                 split = int(e[2:])
-            elif e == "pp":
-                cons = 2
             elif e == "db":
                 db = True
             elif e == "wg":
@@ -166,10 +162,10 @@ def parse_tile(text: str) -> Tile:
                 bk = int(e[1:])
             else:
                 raise ValueError(e)
-        return Tile(bm, bn, wm, wn, int(s.removeprefix("s")), bk, db, mma, fold, tma, cluster, cons, split)
+        return Tile(bm, bn, wm, wn, int(s.removeprefix("s")), bk, db, mma, fold, tma, cluster, split)
     except ValueError:
         raise ValueError(f"tile must look like '64x256_w2x4_s4' "
-                         f"(BMxBN_wWARPS_MxWARPS_N_sSTAGES[_kBK][_db][_wg][_f][_tma][_cCMxCN][_pp][_skS]), "
+                         f"(BMxBN_wWARPS_MxWARPS_N_sSTAGES[_kBK][_db][_wg][_f][_tma][_cCMxCN][_skS]), "
                          f"got {text!r}") from None
 
 
@@ -226,19 +222,15 @@ class Variant:
                                  "rows (e.g. '128x256_w8x1_s3_k1024_wg_f_tma_c2x1')")
         elif t.cluster != (1, 1):
             raise ValueError(f"tile {t}: clusters need the TMA pipeline (add '_tma')")
-        if t.cons not in (1, 2) or (t.cons == 2 and (not t.tma or t.cluster != (1, 1) or t.stages % 2
-                                                       or t.stages < 4)):
-            raise ValueError(f"tile {t}: two consumer groups (_pp) need the TMA pipeline without a cluster and an "
-                             "even number (>= 4) of stages, half a group (e.g. '64x128_w4x1_s6_k1024_wg_tma_pp')")
         if self.rowsum and t.split > 1:
             raise ValueError(f"tile {t}: in-kernel row sums (rowsum) are not computed by split-K tiles (_sk<s>); "
                              "use an unsplit tile or pass row_term")
         if t.split < 1 or (t.split > 1 and (t.tma or self.conv)):
             raise ValueError(f"tile {t}: split-K (_sk<s>) needs s >= 1 and the cp.async pipeline (no _tma) of a plain "
                              "GEMM (no implicit convolution), e.g. '32x32_w2x2_s2_k1024_sk4'")
-        if self.conv and t.tma and (t.cluster != (1, 1) or t.cons != 1 or t.stages < 3):
-            raise ValueError(f"tile {t}: the implicit-GEMM convolution on the TMA pipeline needs no cluster, one "
-                             "consumer group and >= 3 stages (e.g. '128x256_w8x1_s4_k1024_wg_tma')")
+        if self.conv and t.tma and (t.cluster != (1, 1) or t.stages < 3):
+            raise ValueError(f"tile {t}: the implicit-GEMM convolution on the TMA pipeline needs no cluster and "
+                             ">= 3 stages (e.g. '128x256_w8x1_s4_k1024_wg_tma')")
         if self.epilogue == "packed" and (t.bn % 32 or 512 % t.bn or (t.bn // t.warps_n) % 32):
             raise ValueError(f"tile {t}: the packed epilogue needs bn dividing 512 and a multiple of 32, and whole "
                              "32-column words a warp (bn / warps_n a multiple of 32)")
@@ -256,7 +248,7 @@ class Variant:
     @property
     def threads(self) -> int:
         """Threads a block: the MMA warps, plus the producer warpgroup with TMA."""
-        return 32 * self.tile.warps_m * self.tile.warps_n * self.tile.cons + (128 if self.tile.tma else 0)
+        return 32 * self.tile.warps_m * self.tile.warps_n + (128 if self.tile.tma else 0)
 
     @property
     def n_classes(self) -> int:
@@ -281,13 +273,12 @@ class Variant:
         per = 2 * t.bm + 3 * t.bn + codes + (codes * t.bn if self.int_thresholds else 0)
         barriers = 2 * t.stages * 8 if t.tma else 0  # TMA: the "full" and "empty" mbarriers (BAR_OFF)
         base = align + -(-pipe // 16) * 16
-        # a copy a consumer group (VEC_STRIDE); with TMA a copy a warpgroup where those fit (bmma_gemm.cu, WG_VEC)
+        # one copy (VEC_STRIDE); with TMA a copy a warpgroup where those fit (bmma_gemm.cu, WG_VEC)
         wg = t.warps_m // 4
-        per_wg = base + -(-(t.cons * wg * -(-per // 4) * 4 * 4) // 8) * 8 + barriers
+        per_wg = base + -(-(wg * -(-per // 4) * 4 * 4) // 8) * 8 + barriers
         if t.tma and wg > 1 and per_wg <= _MAX_SMEM:
             return per_wg
-        vectors = t.cons * (-(-per // 4) * 4 if t.cons > 1 else per) * 4
-        return base + -(-vectors // 8) * 8 + barriers
+        return base + -(-(per * 4) // 8) * 8 + barriers
 
     def defines(self) -> list[str]:
         t = self.tile
@@ -297,7 +288,7 @@ class Variant:
             f"TCP_BM={t.bm}", f"TCP_BN={t.bn}", f"TCP_WARPS_M={t.warps_m}", f"TCP_WARPS_N={t.warps_n}",
             f"TCP_STAGES={t.stages}", f"TCP_BK={t.bk}", f"TCP_FRAG_DB={int(t.frag_db)}",
             f"TCP_WGMMA={int(t.mma == 'wgmma')}", f"TCP_FOLD={int(t.fold)}", f"TCP_TMA={int(t.tma)}",
-            f"TCP_CM={t.cluster[0]}", f"TCP_CN={t.cluster[1]}", f"TCP_CONS={t.cons}", f"TCP_EPI={epi}",
+            f"TCP_CM={t.cluster[0]}", f"TCP_CN={t.cluster[1]}", f"TCP_EPI={epi}",
             f"TCP_OUT_T={_OUT_T[self.out_dtype]}",
             f"TCP_OB={self.out_bits}", f"TCP_OENC={_OENC[self.out_encoding]}", f"TCP_SMEM={self.smem_bytes}",
             f"TCP_CONV={int(self.conv)}", f"TCP_RES={int(self.res)}", f"TCP_DUAL={int(self.dual)}",
@@ -337,11 +328,11 @@ SMALL_TILE = Tile(32, 32, 2, 2, 2, 1024)
 # of more than one row tile in the session-20 sweep (benchmarks/tune_splitk_device.py, H200, w1a2): ResNet-18 128@28
 # 9.8 -> 8.7 us, 256@14 9.2 -> 8.7, 512@7 10.0 -> 9.8, VGG 512@14 14.4 -> 12.3, AlexNet 384 -> 256@13 10.1 -> 9.6
 SMALL_PACKED_TILE = Tile(32, 64, 2, 2, 3, 1024)
-# Session 15, same H200 run (64 x N x K, K <= 512 bits, graph replay): one 512-bit step instead of a 1024-bit
+# Same H200 run (64 x N x K, K <= 512 bits, graph replay): one 512-bit step instead of a 1024-bit
 # step half zero-filled saves 0.1-0.25 us a call (w1a4 64x128x128 2.71 -> 2.45 us).
 _WORDS_PER_STEP_512 = 16
 # Split-K (Tile.split) for one row tile and >= SPLIT_MIN_STEPS K steps: SPLIT_STEPS or more steps a run, at most
-# SPLIT_MAX runs.  Measured on an H200 (session 20, benchmarks/tune_splitk_device.py, batch 8 w1a2, 32 x 32 tiles):
+# SPLIT_MAX runs.  Measured on an H200 (benchmarks/tune_splitk_device.py, batch 8 w1a2, 32 x 32 tiles):
 # VGG's 25088 -> 4096 23.3 -> 13.7 us (4 runs), ResNet-18's 25088 -> 512 14.8 -> 7.8 us; 12544 -> 4096 (13 steps)
 # and 4096 -> 4096 (4) only slower (8.9 -> 9.5, 4.2 -> 7.0), and every convolution of more than one row tile too.
 SPLIT_MIN_STEPS = 16
@@ -373,7 +364,7 @@ _TMA_MAX_STAGES = 8
 # accumulators half the budget -- w1a2 on 64 columns, ResNet-18's stages 0 / 1 -- take three MMA warpgroups (bm = 192,
 # 3 stages; 512 threads cap ptxas at 128 registers, so only half the accumulators fit): the per-tile work of a consumer
 # (barriers, epilogue set-up, the wgmma issue) spreads over 1.5x the rows and a scheduler keeps 4 warps instead of 3.
-# Measured on an H200 (session 26, same process, outputs equal; benchmarks/results/conv_tile_ab.json): ResNet-18 w1a2
+# Measured on an H200 (same process, outputs equal; benchmarks/results/conv_tile_ab.json): ResNet-18 w1a2
 # batch 256 2.152 -> 2.050 ms (stage-0 64->64@56 with the residual and both outputs ~251 -> ~200 us).  192 x 128 spills
 # 1.9 KB: not taken.
 _CONV_BM = 192
@@ -704,7 +695,7 @@ def tensor_map(planes: torch.Tensor, box_rows: int):
         from cuda.core.utils import StridedMemoryView
 
         # described by address, not through DLPack: a view of the tensor itself keeps it alive for as long as the
-        # cached map lives (session 18: eager w1a2 networks at batch 256 kept every im2col buffer, ~10 GB a call)
+        # cached map lives (with DLPack, eager w1a2 networks at batch 256 kept every im2col buffer: ~10 GB a call)
         view = StridedMemoryView.from_cuda_array_interface(_Address(planes), stream_ptr=-1)
         m = view.as_tensor_map(box_dim=(1, box_rows, 32), swizzle=_swizzle_128b())
         if len(_tmaps) >= _TMAP_CACHE:
@@ -720,18 +711,15 @@ def grid_blocks(tile: Tile, M: int, N: int) -> int:
 
 
 # The integer thresholds cost a launch (~4 us in a graph: two serial bisections); they save ~1.5 us of epilogue a
-# tile an SM.  Measured on an H200 (benchmarks/results/net.json, session 13): always on, VGG w1a2 at batch 256 went
+# tile an SM.  Measured on an H200 (tcprec bench net, same process): always on, VGG w1a2 at batch 256 went
 # 6.77 -> 6.34 ms but batch 8 (~3 tiles an SM) 0.503 -> 0.542 ms.  So only where every SM stores >= 8 tiles.
 INT_THRESHOLD_TILES_PER_SM = 8
-
-
-USE_PDL = True  # programmatic dependent launch on sm_90+ (False: plain stream order, read at every launch)
 
 
 def _pdl(device_index: int, want: bool = True) -> dict:
     """LaunchConfig options for programmatic dependent launch on sm_90+ (bmma_gemm.cu, grid_dependency_wait): the
     kernel may be scheduled while the previous kernel of the stream runs, and waits for it before touching memory.
-    Measured on an H200 in CUDA graphs (session 15, same process): a small GEMM after a GEMM gains ~0.4 us a call
+    Measured on an H200 in CUDA graphs (same process; docs/decisions/0001): a small GEMM after a GEMM gains ~0.4 us a call
     (64 x 128 x 128 w1a2 2.35 -> 1.90 us; 8192^3 unchanged), but whole w1a2 networks at batch 8, where every
     GEMM follows a Triton pass that never triggers, lost 1-1.5% (VGG 0.510 -> 0.516 ms, ResNet-18 0.567 ->
     0.575): so the convolution pipeline launches without it (``pdl=False``)."""
@@ -741,7 +729,7 @@ def _pdl(device_index: int, want: bool = True) -> dict:
 
 # The threshold words of calibrated scale / bias buffers, remembered (tcprec.memo.remembered) so a network's forward
 # does not recompute them: the launch (32 bisection steps a word) took 6.3 us a layer, 63 us of VGG's w1a2 forward at batch
-# 256 (H200, session 24 profile).
+# 256 (H200 profile).
 _THRESHOLDS: dict = {}
 
 
@@ -766,7 +754,6 @@ def _code_thresholds(variant: Variant, col_scale, bias, out_scale, relu: bool, l
     kernel = load_kernel((variant, dev, "thresholds"), SOURCE_PATH, variant.defines(), f"bmma_gemm_{variant}",
                          "bmma_code_thresholds", dev)
     blocks = -(-N * codes // 128)
-    pdl = pdl and USE_PDL
     cfg = _cfgs.get(("thresholds", blocks, pdl))
     if cfg is None:
         cfg = _cfgs[("thresholds", blocks, pdl)] = LaunchConfig(grid=(blocks,), block=(128,), **_pdl(dev, pdl))
@@ -798,7 +785,7 @@ def launch_bmma(variant: Variant, a_planes, w_planes, out, M: int, N: int, Kw: i
     contiguous, on that device, of the kernel's dtype (see bmma_gemm.cu's parameter list).  The packed
     epilogue of OB <= 3 bits without a row scale first computes its integer threshold words
     (:func:`code_thresholds`) when the problem has :data:`INT_THRESHOLD_TILES_PER_SM` tiles an SM; else (and
-    with a row scale) it keeps the float path.  ``pdl`` (with :data:`USE_PDL`, sm_90+): launch with programmatic
+    with a row scale) it keeps the float path.  ``pdl`` (sm_90+): launch with programmatic
     stream serialization (see :func:`_pdl`)."""
     *_, LaunchConfig, _, launch = cuda_core_api()
     dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
@@ -822,7 +809,6 @@ def launch_bmma(variant: Variant, a_planes, w_planes, out, M: int, N: int, Kw: i
                              "use a larger tile or no split")
         ws = split_workspace(out.device, SPLIT_COUNTERS + M * N)
         blocks *= splits
-    pdl = pdl and USE_PDL
     cfg = _cfgs.get((variant, blocks, pdl))
     if cfg is None:
         cfg = _cfgs[(variant, blocks, pdl)] = LaunchConfig(grid=(blocks,), block=(variant.threads,),
