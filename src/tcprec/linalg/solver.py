@@ -205,7 +205,7 @@ def solve(
         block: LU block width (default: 64 on CPU, 256-1024 on GPU by size).
         restart: GMRES steps per outer iteration (gmres and fgmres).
         fallback: if False, raise instead of falling back to fp64 (for experiments).
-        **lu_options: advanced knobs of ``lu_factor`` (panel, leaf, trsm, trsv, panel_tf32,
+        **lu_options: the other keywords of ``lu_factor`` (panel, trsv, options=LUOptions(...),
             profile).
 
     Returns:

@@ -2,7 +2,6 @@
 inline PTX ``mma.sync ... b1.b1.s32.and.popc``) compiled at run time by NVRTC through cuda.core.
 
 ``loader`` builds / caches / launches the variants and registers ``torch.ops.tcprec.bmma_gemm``;
-it is imported on first use (``tcprec.ops.matmul``), never at ``import tcprec``.  ``panel_lu``
-(``panel_lu.cu``, built by the same ``loader.compile_source``) is tcprec.linalg's tournament-pivoting
-LU leaf.
+it is imported on first use (``tcprec.ops.matmul``), never at ``import tcprec``.  ``stem_conv``
+(``stem_conv.cu``, built by the same ``loader.compile_source``) is the thin INT8 stem convolution.
 """
