@@ -233,7 +233,7 @@ def bench_solve(
 
     result = {
         "benchmark": "solve",
-        "command": "PYTHONPATH=src python benchmarks/bench_solve_device.py",
+        "command": "tcprec bench solve",
         "env": env,
         "peak": {"bf16_matmul_8192_tflops": peak},
         "config": {"refine": refine, "cond": cond, "pivoting": piv, "warmup": warmup, "repeats": repeats,

@@ -319,7 +319,7 @@ def _warp_tiles(p: int, q: int, nc: int) -> tuple[int, int]:
     return best[1]
 
 
-# Measured on an H200 (w1a2, fp16 out; benchmarks/bench_gemm_device.py, 2026-11): 8192^3 ran fastest with
+# Measured on an H200 (w1a2, fp16 out; benchmarks/tune_gemm_device.py, 2026-11): 8192^3 ran fastest with
 # 4-warp blocks (two blocks an SM: one block's barrier no longer idles the SM), 1024-bit K steps
 # (half the barriers of 512) and 3 stages: 628 us against 828 us for 8 warps / 512 bits / 4 stages.
 # At 64 x 1024 x 1024 the 32 x 32 tile with 1024-bit steps and 2 stages was fastest (3.1 us).
@@ -364,7 +364,7 @@ _TMA_MAX_STAGES = 8
 # accumulators half the budget -- w1a2 on 64 columns, ResNet-18's stages 0 / 1 -- take three MMA warpgroups (bm = 192,
 # 3 stages; 512 threads cap ptxas at 128 registers, so only half the accumulators fit): the per-tile work of a consumer
 # (barriers, epilogue set-up, the wgmma issue) spreads over 1.5x the rows and a scheduler keeps 4 warps instead of 3.
-# Measured on an H200 (same process, outputs equal; benchmarks/results/conv_tile_ab.json): ResNet-18 w1a2
+# Measured on an H200 (same process, outputs equal; docs/decisions/0014): ResNet-18 w1a2
 # batch 256 2.152 -> 2.050 ms (stage-0 64->64@56 with the residual and both outputs ~251 -> ~200 us).  192 x 128 spills
 # 1.9 KB: not taken.
 _CONV_BM = 192

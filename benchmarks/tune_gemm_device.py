@@ -2,7 +2,7 @@
 then ``tcprec bench gemm`` (APNN-TC table + large shapes, torch fp16 / int8 / fp8 in the same run),
 a compact table printed last.  Designed to finish in < 8 minutes on an H100 / H200.
 
-    PYTHONPATH=src python3 benchmarks/bench_gemm_device.py [--quick] [--out-dir benchmarks/results]
+    PYTHONPATH=src python3 benchmarks/tune_gemm_device.py [--quick] [--out-dir benchmarks/results]
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def timing_check(console, config: str = "w1a2", n: int = 8192) -> list[dict]:
 
 
 def ncu_one(config: str = "w1a2", n: int = 8192, tile: str = "") -> None:
-    """One kernel launch to profile: ncu -k bmma_gemm -c 1 python3 benchmarks/bench_gemm_device.py --ncu-one"""
+    """One kernel launch to profile: ncu -k bmma_gemm -c 1 python3 benchmarks/tune_gemm_device.py --ncu-one"""
     a_fmt, w_fmt = bg.parse_config(config)
     gen = torch.Generator("cuda").manual_seed(1)
     qa = bg._random_qtensor((n, n), a_fmt, "cuda", gen)

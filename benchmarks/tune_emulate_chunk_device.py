@@ -3,7 +3,7 @@ bf16 matmul timed in the same run, every config's bits checked equal per (acc, k
 vs Veltkamp rounding on the GPU tests' data.  Kernels are compiled first in 14 parallel processes
 (shared TRITON_CACHE_DIR), then timed one by one.
 
-    TRITON_CACHE_DIR=/tmp/tc PYTHONPATH=src python3 benchmarks/bench_emulate_chunk_device.py [--old PATH]
+    TRITON_CACHE_DIR=/tmp/tc PYTHONPATH=src python3 benchmarks/tune_emulate_chunk_device.py [--old PATH]
 
 ``--old PATH``: a copy of an earlier kernels/triton/emulate_gemm.py (absolute imports), timed on the
 same data for a before/after in one run.  Writes $OUT/chunk_sweep.json (or /tmp).

@@ -11,7 +11,7 @@ channels_last ``F.conv2d``, on the conv layers of AlexNet, the VGG-variant, ResN
    each a ``do_bench`` median (CUDA events, L2 flushed before every call) in the same process; a
    correctness check at batch 8 (int8 output bit-exact against the reference, fp8 NRMSE).
 
-    PYTHONPATH=src python3 benchmarks/bench_conv_fwd_device.py [--tune] [--precompile-only]
+    PYTHONPATH=src python3 benchmarks/tune_conv_fwd_device.py [--tune] [--precompile-only]
         [--batches 8,256] [--layers alexnet,vgg] [--out benchmarks/results/conv_fwd.json]
 """
 
@@ -274,7 +274,7 @@ def main():
     print(f"[{time.time() - t0:.0f}s] benchmark", flush=True)
     rows = bench(batches, layers, args.warmup_ms, args.rep_ms)
     summary = summarize(rows, batches)
-    cmd = "PYTHONPATH=src python3 benchmarks/bench_conv_fwd_device.py " + " ".join(sys.argv[1:])
+    cmd = "PYTHONPATH=src python3 benchmarks/tune_conv_fwd_device.py " + " ".join(sys.argv[1:])
     write_json(args.out, {"env": env, "command": cmd.strip(), "method": "triton.testing.do_bench median "
                           f"(warmup {args.warmup_ms} ms, rep {args.rep_ms} ms, L2 flushed before each call); cuDNN "
                           "fp16 channels_last F.conv2d without bias, cudnn.benchmark=True; ours int8: per-channel "
