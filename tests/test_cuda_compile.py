@@ -1,4 +1,4 @@
-"""NVRTC compiles the bit-serial GEMM for sm_90a here, without a GPU (DESIGN.md section 3).
+"""NVRTC compiles the bit-serial GEMM for sm_90a here, without a GPU.
 
 One variant takes ~1.5 s of CPU to compile, so CI compiles a representative set (~30 variants,
 two processes): every (p, q) pair that ``tcprec.matmul`` sends to the binary kernel by default
@@ -61,9 +61,6 @@ def _variants():
         L.Variant(2, 1, False, False, L.parse_tile("128x128_w8x1_s4_k1024_wg_tma_c2x1"), "float", "float16"),
         L.Variant(1, 1, False, True, L.parse_tile("128x256_w8x1_s4_k1024_wg_tma_c2x2"), "int32"),
         L.Variant(2, 1, False, False, L.parse_tile("128x128_w8x1_s4_k1024_wg_f_tma_c1x2"), "packed", out_bits=1),
-        # ping-pong: two consumer groups on alternate tiles
-        L.Variant(2, 1, False, False, L.parse_tile("64x128_w4x1_s6_k1024_wg_tma_pp"), "packed", out_bits=2),
-        L.Variant(2, 1, False, False, L.parse_tile("64x128_w4x1_s6_k1024_wg_tma_pp"), "float", "float16"),
         # split-K (TCP_SPLIT) as pick_tile takes it for a linear layer at batch 8, with the residual and dual planes,
         # on a cp.async wgmma tile; the small packed tile of batch-8 convolutions
         L.Variant(2, 1, False, False, L.pick_tile(2, 1, False, False, 8, 4096, arch="sm_90a", kw=784), "float",
@@ -110,7 +107,7 @@ def _conv_variants():
                   "bfloat16", 2, "pm1", dual=True),
         L.Variant(2, 1, False, False, L.packed_tile(L.pick_tile(2, 1, False, False, 10**5, 10**5, arch="sm_80")),
                   "float", "float16", 3, "twos", res=True, dual=True),
-        # in-kernel row sums (TCP_ROWSUM): the w1a2 convs' tiles as the loader picks them with row_affine -- TMA
+        # in-kernel row sums (TCP_ROWSUM): the w1a2 convs' tiles as bmma_gemm picks them with row_affine -- TMA
         # (ones tile in shared memory) packed / dual, the cp.async wgmma tile, mma.sync and the small packed tile
         *_rowsum_variants(),
     ]
@@ -270,22 +267,6 @@ def test_packed_variants_carry_the_threshold_kernel(cache):
     assert b"bmma_code_thresholds" not in L.compile_variant(L.Variant(2, 1, tile=t, epilogue="float"), "sm_90a")[0]
 
 
-def test_ping_pong_tiles():
-    from tcprec.kernels.cuda import bmma_gemm as L
-
-    pp = L.parse_tile("64x128_w4x1_s6_k1024_wg_tma_pp")
-    assert pp.cons == 2 and str(pp) == "64x128_w4x1_s6_k1024_wg_tma_pp"
-    v = L.Variant(2, 1, tile=pp, epilogue="packed", out_bits=2)
-    assert v.threads == 2 * 128 + 128 and "TCP_CONS=2" in v.defines()
-    # a copy of the vectors (and thresholds) a group, each 16-byte aligned
-    per = 2 * 64 + 3 * 128 + 4 + 4 * 128
-    assert v.smem_bytes - L.Variant(2, 1, tile=pp.__class__(**{**pp.__dict__, "cons": 1})).smem_bytes == \
-        2 * per * 4 - (2 * 64 + 3 * 128) * 4
-    for bad in ("64x128_w4x1_s5_k1024_wg_tma_pp", "64x128_w4x1_s6_k1024_wg_pp", "64x128_w4x1_s6_k1024_wg_tma_c2x1_pp"):
-        with pytest.raises(ValueError, match="two consumer groups"):
-            L.Variant(2, 1, tile=L.parse_tile(bad))
-
-
 def test_split_k_tiles_and_choice():
     from tcprec.kernels.cuda import bmma_gemm as L
 
@@ -355,100 +336,10 @@ def test_one_source_no_per_width_files():
     from tcprec.kernels.cuda import bmma_gemm as L
 
     cu = sorted(p.name for p in L.SOURCE_PATH.parent.glob("*.cu"))
-    # every bit width from one GEMM source; the LU's CALU leaf; its one-cluster leaf; its partially pivoted panel
-    # and the thin-input INT8 stem conv
-    assert cu == ["bmma_gemm.cu", "panel_cluster.cu", "panel_lu.cu", "panel_pivot.cu", "stem_conv.cu"]
+    # every bit width from one GEMM source, and the thin-input INT8 stem conv
+    assert cu == ["bmma_gemm.cu", "stem_conv.cu"]
     src = L.SOURCE_PATH.read_text()
     assert "and.popc" in src and "xor.popc" not in src and ".s4" not in src and ".u4" not in src
-
-
-def test_panel_lu_variants_compile_without_spills(cache):
-    """panel_lu.cu (the CALU leaf of tcprec.linalg): the default variant of each leaf width and the
-    other block sizes compile for sm_90a; none spills (a row lives in registers) and the default
-    w32 variant's step loop is unrolled (its stack frame stays 0 bytes)."""
-    from tcprec.kernels.cuda import panel_lu as P
-
-    for v in {P.default_variant(32), P.default_variant(64), P.PanelVariant(32, 1024), P.PanelVariant(32, 128)}:
-        cubin, log = P.compile_panel(v, "sm_90a")
-        assert cubin[:4] == b"\x7fELF", v
-        if v.threads <= 512:
-            assert "0 bytes spill stores" in log and "0 bytes stack frame" in log, (str(v), log[-300:])
-    assert P.default_variant(17) == P.PanelVariant(32, 256, True) and P.default_variant(33).width == 64
-    with pytest.raises(ValueError, match=r"at most 64 columns, got 65"):
-        P.default_variant(65)
-    with pytest.raises(ValueError, match=r"threads must be one of \(128, 256, 512, 1024\) and >= 2 \* width"):
-        P.PanelVariant(64, 64)
-
-
-def test_panel_pivot_variants_compile_without_spills(cache):
-    """panel_pivot.cu (the fused partially pivoted LU panel): every leaf width x rows-a-thread variant
-    compiles for sm_90a without spills or a stack frame (the leaf lives in shared memory, the
-    interchange gathers 2 W values a thread in registers), and fits one block an SM."""
-    from tcprec.kernels.cuda import panel_pivot as P
-
-    for w in P.WIDTHS:
-        for r in P.ROWS:
-            v = P.PivotVariant(w, r)
-            cubin, log = P.compile_panel_pivot(v, "sm_90a")
-            assert cubin[:4] == b"\x7fELF", v
-            assert "0 bytes spill stores" in log and "0 bytes stack frame" in log, (str(v), log[-300:])
-            assert v.smem_bytes <= 200 * 1024, v
-
-
-def test_panel_cluster_variants_compile_without_spills(cache):
-    """panel_cluster.cu (the LU leaf one thread-block cluster factors): every width x rows-a-thread x cluster
-    variant compiles for sm_90a without spills or a stack frame (the rows live in registers, the elimination
-    is specialised per column so every register index is static) and uses the cluster instructions."""
-    from tcprec.kernels.cuda import panel_cluster as P
-
-    vs = P.all_variants()
-    assert len(vs) == 15 and {v.rows * v.width for v in vs} <= {16, 32, 64}
-    for v in vs:
-        cubin, log = P.compile_panel_cluster(v, "sm_90a")
-        assert cubin[:4] == b"\x7fELF", v
-        assert "0 bytes spill stores" in log and "0 bytes stack frame" in log, (str(v), log[-300:])
-    src = P.SOURCE_PATH.read_text()
-    assert "barrier.cluster.arrive.release" in src and "st.shared::cluster" in src and "mapa.shared::cluster" in src
-
-
-def test_panel_cluster_variant_choice_and_bad_input():
-    """The fewest rows a thread that hold the leaf (16 blocks unless asked), 32 columns up to 16384 rows
-    and 16 up to 32768; what does not fit is refused with the limit and the fix."""
-    from tcprec.kernels.cuda import panel_cluster as P
-
-    assert str(P.pick_variant(32768, 16)) == "w16_r4_c16" and str(P.pick_variant(16384, 32)) == "w32_r2_c16"
-    assert str(P.pick_variant(8192, 20)) == "w32_r1_c16" and str(P.pick_variant(3000, 16, cluster=4)) == "w16_r2_c4"
-    assert P.max_rows(16) == 32768 and P.max_rows(32) == 16384
-    with pytest.raises(ValueError, match=r"16385 rows x 32 columns does not fit .*at most 16384 rows"):
-        P.pick_variant(16385, 32)
-    with pytest.raises(ValueError, match=r"1..32 columns, got width=33"):
-        P.pick_variant(100, 33)
-    with pytest.raises(ValueError, match=r"at most 64 values"):
-        P.ClusterVariant(32, 4, 16)
-    with pytest.raises(ValueError, match=r"clusters of \(4, 8, 16\) blocks, got cluster=2"):
-        P.ClusterVariant(16, 1, 2)
-
-
-def test_panel_pivot_variant_choice_and_bad_input():
-    """The fewest rows a thread that fit one block an SM; panels too tall, bad widths and thread counts
-    are refused with the allowed values."""
-    from tcprec.kernels.cuda import panel_pivot as P
-
-    v, grid, rb = P.pick_variant(32768, 132)
-    assert (v.rows, grid, rb) == (1, 128, 256)
-    v, grid, rb = P.pick_variant(40000, 132)
-    assert (v.rows, grid) == (2, 79) and grid * rb >= 40000 and rb <= v.threads * v.rows
-    v, grid, rb = P.pick_variant(3000, 132, max_blocks=3)
-    assert (v.rows, grid) == (4, 3) and rb == 1000
-    assert P.pick_variant(100, 132)[1:] == (1, 100)
-    with pytest.raises(ValueError, match=r"panel of 140000 rows does not fit 132 blocks .* use panel='getrf'"):
-        P.pick_variant(140000, 132)
-    with pytest.raises(ValueError, match=r"leaf widths \(16, 32\), got width=64"):
-        P.PivotVariant(64)
-    with pytest.raises(ValueError, match=r"\(1, 2, 4\) rows a thread, got rows=3"):
-        P.PivotVariant(32, 3)
-    with pytest.raises(ValueError, match=r"threads must be whole warps in \[160, 1024\], got threads=128"):
-        P.PivotVariant(32, 1, 128)
 
 
 def test_dual_variants_and_custom_op_schemas():

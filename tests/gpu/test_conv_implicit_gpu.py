@@ -140,9 +140,10 @@ def test_implicit_conv_bad_geometry_raises():
 @pytest.mark.parametrize("layer", [((2, 56, 56, 96), (256, 3, 3), 1, 1), ((2, 27, 27, 64), (192, 5, 5), 1, 2),
                                    ((2, 56, 56, 64), (128, 3, 3), 2, 1), ((3, 17, 13, 37), (29, 5, 3), (2, 1), (1, 2))],
                          ids=["vgg56", "alexnet2", "resnet_s2", "odd"])
-def test_qconv_implicit_route_equals_im2col_route(monkeypatch, layer):
-    """qconv.conv2d with BITSERIAL_IMPLICIT (the kernel gathers the windows) equals the default im2col route bit for
-    bit: w1a2 (pm1 weights: the rowsum-only pass), packed and float16 outputs."""
+def test_qconv_bitserial_routes_equal_reference(layer):
+    """qconv.conv2d's bit-serial route as ``implicit_conv`` picks it (the implicit GEMM, where the kernel gathers the
+    windows, for C = 64 / 37; the im2col route for C = 96, whose taps have a padding word) equals the reference bit
+    for bit: w1a2 (pm1 weights: the rowsum-only pass), packed and float16 outputs."""
     import tcprec as tp
     from tcprec.ops import qconv
     from tcprec.qtensor import PerChannel, PerTensor, QTensor
@@ -155,13 +156,14 @@ def test_qconv_implicit_route_equals_im2col_route(monkeypatch, layer):
     qw = QTensor(torch.randint(0, 2, (K, R, S, C), dtype=torch.uint8, device=DEV, generator=gen),
                  torch.rand(K, 1, 1, 1, device=DEV, generator=gen) + 0.5, fw, PerChannel(0), (K, R, S, C), torch.float32)
     bias = torch.randn(K, device=DEV, generator=gen)
-    outs = {}
-    for on in (False, True):
-        monkeypatch.setattr(qconv, "BITSERIAL_IMPLICIT", on)
-        y16 = qconv.conv2d(qx, qw, stride=st, padding=pd, bias=bias, act="relu", out_dtype=torch.float16)
-        yp = qconv.conv2d(qx, qw, stride=st, padding=pd, bias=bias, act="relu", out_fmt="uint2", out_scale=0.25)
-        outs[on] = (y16, yp.planes)
-    assert torch.equal(outs[False][0], outs[True][0]) and torch.equal(outs[False][1], outs[True][1])
+    kw = dict(stride=st, padding=pd, bias=bias, act="relu")
+    implicit = "implicit GEMM" in qconv.explain_conv2d(qx, qw, out_dtype=torch.float16, **kw)
+    assert implicit == (C != 96), qconv.explain_conv2d(qx, qw, out_dtype=torch.float16, **kw)
+    y16 = qconv.conv2d(qx, qw, out_dtype=torch.float16, **kw)
+    assert torch.equal(y16, qconv.conv2d(qx, qw, out_dtype=torch.float16, backend="reference", **kw))
+    yp = qconv.conv2d(qx, qw, out_fmt="uint2", out_scale=0.25, **kw)
+    want = qconv.conv2d(qx, qw, out_fmt="uint2", out_scale=0.25, backend="reference", **kw)
+    assert torch.equal(yp.padded_planes(), want.padded_planes())
 
 
 def _row_affine_pair(a, wp, conv, M, K, a_twos, w_twos, out_kind, tile, row_affine, residual=None, dual=False):

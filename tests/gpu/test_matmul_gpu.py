@@ -56,7 +56,6 @@ def _sync_tile(p, q, at, wt):
 
 WG_TILE = "128x128_w8x1_s4_k1024_wg"  # the cp.async wgmma kernel (no longer a default)
 TMA_TILE = "128x128_w8x1_s3_k1024_wg_tma"  # the persistent TMA kernel (the sm_90a defaults)
-PP_TILE = "64x128_w4x1_s6_k1024_wg_tma_pp"  # two consumer groups on alternate tiles (ping-pong)
 HAS_WGMMA = rt.arch_of(torch.cuda.get_device_capability(0)) == "sm_90a" if torch.cuda.is_available() else False
 
 
@@ -267,7 +266,7 @@ def test_packed_epilogue_integer_thresholds_exact(bits, enc, monkeypatch):
     S = torch.ops.tcprec.bmma_gemm(a_planes, w_planes, False, False, 1, None, None, None, None, None, False, "int32",
                                    1, "unsigned", None, "", 0.0).long()
     C = ((3 * S + row_term.long()[:, None] + col_term.long()[None, :] + 2**31) % 2**32 - 2**31).to(torch.int32)
-    tiles = ("", "64x128_w2x4_s4", "32x32_w2x1_s2_k1024") + ((WG_TILE, TMA_TILE, PP_TILE) if HAS_WGMMA else ())
+    tiles = ("", "64x128_w2x4_s4", "32x32_w2x1_s2_k1024") + ((WG_TILE, TMA_TILE) if HAS_WGMMA else ())
     for relu, slope in ((False, 0.0), (True, 0.0), (True, 0.1), (True, -0.25)):
         y = rg.float_epilogue(C, None, cs, bias, False, torch.float32)
         if relu:
@@ -275,7 +274,7 @@ def test_packed_epilogue_integer_thresholds_exact(bits, enc, monkeypatch):
         y = torch.where(torch.isnan(y), float("-inf"), y)  # NaN takes index 0, as -inf does (bmma_gemm.cu)
         want = rg.pack_output(y, out_fmt, s)
         for tile, per_sm in [(t, 0) for t in tiles] + [("", 10**9)]:
-            monkeypatch.setattr(loader, "INT_THRESHOLD_TILES_PER_SM", per_sm)
+            monkeypatch.setattr(bg, "INT_THRESHOLD_TILES_PER_SM", per_sm)
             got = torch.ops.tcprec.bmma_gemm(a_planes, w_planes, False, False, 3, row_term, col_term, None, cs, bias,
                                              relu, "packed", bits, enc, s, tile, slope)
             assert torch.equal(got, want), (bits, enc, relu, slope, tile, per_sm, (got != want).nonzero()[:5].tolist())
@@ -335,8 +334,7 @@ def test_cuda_graph_capture_replays_exactly():
 
 @pytest.mark.skipif(not HAS_WGMMA, reason="the TMA wgmma kernel needs sm_90a")
 @pytest.mark.parametrize("tile", ["128x128_w8x1_s4_k1024_wg_tma_c2x1", "128x128_w8x1_s4_k1024_wg_tma_c1x2",
-                                  "128x64_w8x1_s4_k1024_wg_tma_c2x2", "128x128_w8x1_s4_k1024_wg_f_tma", PP_TILE,
-                                  "64x64_w4x1_s8_k1024_wg_tma_pp"])
+                                  "128x64_w8x1_s4_k1024_wg_tma_c2x2", "128x128_w8x1_s4_k1024_wg_f_tma"])
 def test_tma_cluster_and_folded_tiles_exact(tile):
     """Clusters multicast a shared tile to 2-4 blocks and overhang the grid (partner blocks past M or N load
     zeros and store nothing); every shape is partial in M, N and K, K from one word to several tiles."""
@@ -389,11 +387,11 @@ def test_tma_default_tile_in_cuda_graph_reads_new_data():
 
 @pytest.mark.parametrize("M,K,N1,N2", [(64, 256, 128, 96), (3000, 1024, 512, 200), (20000, 2048, 512, 256)])
 def test_chained_gemms_in_a_cuda_graph_with_programmatic_dependent_launch(M, K, N1, N2):
-    """The loader launches with programmatic stream serialization on sm_90+: a kernel may start while the previous
+    """bmma_gemm launches with programmatic stream serialization on sm_90+: a kernel may start while the previous
     one runs.  A chain x -> GEMM (packed uint2 planes) -> GEMM (int32), four times in one CUDA graph with new inputs
     copied in by torch between the links, so that each GEMM reads what the kernel before it wrote (RAW) and the
     graph's allocator hands a freed output back to the next link while its last reader was the kernel before
-    (WAR): the replay must equal the same chain run eagerly with PDL off, and the integer reference."""
+    (WAR): the replay must equal the same chain run eagerly, a link at a time, and the integer reference."""
     from tcprec.packing import packed_words
 
     gen = torch.Generator(DEV).manual_seed(23)
@@ -421,27 +419,21 @@ def test_chained_gemms_in_a_cuda_graph_with_programmatic_dependent_launch(M, K, 
             outs.append(link(buf))
         return outs
 
-    was = bg.USE_PDL
-    try:
-        bg.USE_PDL, bg._cfgs = False, {}
-        want = [link(x.clone()) for x in srcs]
-        bg.USE_PDL, bg._cfgs = True, {}
-        assert not torch.cuda.get_device_capability(0) >= (9, 0) or bg._pdl(0)
-        buf = torch.empty_like(srcs[0])
-        chain(buf)  # compile + load outside the capture
+    want = [link(x.clone()) for x in srcs]  # eager, one call at a time
+    assert not torch.cuda.get_device_capability(0) >= (9, 0) or rt._pdl_options(0, True)
+    buf = torch.empty_like(srcs[0])
+    chain(buf)  # compile + load outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = chain(buf)
+    for _ in range(3):
+        for o in outs:
+            o.fill_(-1)
+        g.replay()
         torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            outs = chain(buf)
-        for _ in range(3):
-            for o in outs:
-                o.fill_(-1)
-            g.replay()
-            torch.cuda.synchronize()
-            for i, (o, w) in enumerate(zip(outs, want)):
-                assert torch.equal(o, w), (i, (o != w).sum().item())
-    finally:
-        bg.USE_PDL, bg._cfgs = was, {}
+        for i, (o, w) in enumerate(zip(outs, want)):
+            assert torch.equal(o, w), (i, (o != w).sum().item())
     # the second link against the integer reference: its A planes are the first link's packed codes
     from tcprec.kernels import reference_gemm as rg
 

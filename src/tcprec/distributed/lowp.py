@@ -196,7 +196,7 @@ def allreduce_lowp(grads: torch.Tensor, sizes: list[int], fmt, *, aps: bool = Tr
             from ..kernels.triton import allreduce as ka
 
             key = (g32.data_ptr(), g32.shape, g32.device, tuple(sizes), fmt, aps, kahan, transport, rounding, group,
-                   world, ka.BLOCK, ka.HW_FP8_ROUNDING)
+                   world, ka.BLOCK)
             return _allreduce_graphed(key, run, why)
         return run()
     return _allreduce_reference(grads.float(), sizes, fmt, aps, kahan, transport, rounding, group,

@@ -1,8 +1,8 @@
 """Pure-torch reference of the emulated-accumulator GEMM (CPU and GPU): the ground truth for
 ``kernels/triton/emulate_gemm.py`` and the backend without a GPU.
 
-The model (DESIGN.md section 4, "emulated accumulation states its model")
-------------------------------------------------------------------------
+The model (emulated accumulation states its model)
+--------------------------------------------------
 ``mode="fma"`` (CPD's model; every operation is *one* rounding of the exact real result)::
 
     for k in 0..K-1:                      # in order along K

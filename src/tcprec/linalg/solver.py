@@ -22,7 +22,7 @@ from .refine import HPL_THRESHOLD, classic_ir, fgmres_ir, gmres_ir, scaled_resid
 __all__ = ["solve", "SolveInfo", "REFINE_METHODS", "DEFAULT_REFINE"]
 
 REFINE_METHODS = ("gmres", "fgmres", "classic")
-# Flexible GMRES-IR by default: same run on the H200 (benchmarks/results/solve_refine_ab.json, general matrices,
+# Flexible GMRES-IR by default: same run on the H200 (docs/decisions/0016, general matrices,
 # fp16 LU with partial pivoting), 1 outer correction instead of 3 and 343.6 vs 416.5 ms at n = 32768 (2.11x vs
 # 1.74x fp64 torch.linalg.solve), 109.7 vs 128.9 ms at 16384, 46.8 vs 54.3 ms at 8192.
 DEFAULT_REFINE = "fgmres"
@@ -205,7 +205,7 @@ def solve(
         block: LU block width (default: 64 on CPU, 256-1024 on GPU by size).
         restart: GMRES steps per outer iteration (gmres and fgmres).
         fallback: if False, raise instead of falling back to fp64 (for experiments).
-        **lu_options: advanced knobs of ``lu_factor`` (panel, leaf, trsm, trsv, panel_tf32,
+        **lu_options: the other keywords of ``lu_factor`` (panel, trsv, options=LUOptions(...),
             profile).
 
     Returns:

@@ -66,6 +66,10 @@ class QuantConfig:
     fuse, chain steps 4 and 5 of the module docstring (on by default)
     fuse_residual  step 4's residual blocks (with ``fuse``): ``act(conv_bn(x) + residual)`` in one conv;
                 False keeps the add and the activation as float ops (the same numbers, more passes)
+    fuse_flatten   step 4's ``conv -> torch.flatten(y, 1) -> linear`` (with ``fuse``): the linears' weight columns
+                reordered to (h, w, c) once and the flatten a view of the conv's channels_last output (integer
+                layers: the same numbers; a float-accumulating FP8 linear sums in another order).  False keeps
+                torch.flatten's NCHW copy (docs/decisions/0006)
     """
 
     precision: str = "w1a2"
@@ -75,6 +79,7 @@ class QuantConfig:
     fuse: bool = True
     chain: bool = True
     fuse_residual: bool = True
+    fuse_flatten: bool = True
 
     def __post_init__(self):
         parse_precision(self.precision)
@@ -319,12 +324,6 @@ def _flatten_input(node: fx.Node, mods) -> fx.Node | None:
     return x if isinstance(x, fx.Node) and start == 1 and end == -1 else None
 
 
-# conv -> flatten -> linear through flatten_nhwc (a view; bit-serial linears read the conv's planes) instead of
-# torch.flatten's NCHW copy and a quantize pass in the linear (False).  Measured on an H200 (session 29, same process,
-# benchmarks/results/flatten_ab.json): see BENCHMARKS.md, "Whole networks".
-FUSE_FLATTEN = True
-
-
 def _fuse_flatten(gm: fx.GraphModule, records: dict) -> None:
     """conv -> ``torch.flatten(y, 1)`` -> linear(s): the linears' weight columns reordered to (h, w, c) once
     (``QLinear.nhwc_input``) and the flatten replaced by ``flatten_nhwc``, a view of the conv's channels_last
@@ -354,19 +353,13 @@ def _fuse_flatten(gm: fx.GraphModule, records: dict) -> None:
         g.erase_node(f)
 
 
-# A bit-serial ResNet block's output as the float and its planes from one epilogue ("planes+float") instead of the
-# float and a quantize_pack pass in each reader (False).  Measured on an H200 (session 19, w1a2 ResNet-18, same
-# process, benchmarks/results/net_dual_ab.json): batch 256 2.706 -> 2.667 ms, batch 8 0.399 -> 0.400 (even); alone the
-# dual epilogue costs about what the pass it saves does (benchmarks/results/net_passes.json: stage 0 at batch 256
-# 214.8 us against 147 + 55 us), so the gain is the launch and the second read of the float.
-BITSERIAL_DUAL = True
-
-
+# A bit-serial ResNet block's output as the float and its planes from one epilogue ("planes+float"), not the float
+# and a quantize_pack pass in each reader: measured level or faster (docs/decisions/0007).
 def _dual_planes_ok(a: nn.Module, b: nn.Module, kind_of) -> bool:
     """Whether producer ``a`` can write its float output and bit-serial consumer ``b``'s planes from one pass
     ("planes+float"): the binary GEMM's epilogue or an INT8 layer's (stem_conv.cu's, or one pack pass after the
     Triton kernel), <= 3-bit codes, a 16-bit float."""
-    return (BITSERIAL_DUAL and kind_of(a) in ("bitserial", "int8") and b.a_fmt.bits <= 3
+    return (kind_of(a) in ("bitserial", "int8") and b.a_fmt.bits <= 3
             and a.out_dtype in (torch.float16, torch.bfloat16))
 
 
@@ -517,7 +510,7 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
                     g.erase_node(a)
         if cfg.fuse and cfg.fuse_residual:
             _fuse_residuals(gm, records)
-        if cfg.fuse and FUSE_FLATTEN:
+        if cfg.fuse and cfg.fuse_flatten:
             _fuse_flatten(gm, records)
         # -- chaining: a conv feeding only a bit-serial conv hands it packed planes -------------------
         if cfg.chain:

@@ -262,10 +262,11 @@ class QConv2d(_QBase):
     @property
     def reads_compact(self) -> bool:
         """Whether this conv takes bit-plane input in compact rows (no padding words): it gathers windows (im2col or
-        implicit GEMM) -- every conv but a 1x1 stride-1 unpadded one, whose planes are the GEMM operand as they are --
-        and ``ops.qconv.compact_planes_ok`` holds for its channels.  What its quantizer and a chained producer write."""
+        implicit GEMM, which takes compact rows only where ceil(C / 32) is even: ``ops.qconv.implicit_conv``) -- every
+        conv but a 1x1 stride-1 unpadded one, whose planes are the GEMM operand as they are.  What its quantizer and a
+        chained producer write."""
         pointwise = self.kernel_size == (1, 1) and self.stride == (1, 1) and self.padding == (0, 0)
-        return not pointwise and qc.compact_planes_ok(self.in_channels)
+        return not pointwise
 
     def _residual_nhwc(self, residual, x_nhwc: tuple) -> torch.Tensor:
         """The residual as NHWC (N, P, Q, K): the float an Int8Activation carries, or an NCHW tensor permuted

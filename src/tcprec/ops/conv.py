@@ -29,7 +29,7 @@ Backends (``backend=``)
   writes all of dx: the rows at (n, p*sh, q*sw), the zeros around them, the activation backward) saves
   cuBLAS's round trip of the rows through memory.  16-bit wgrad of every layer but an unpadded stride-1
   1x1 runs the ``"tma"`` wgrad kernel on sm_90 (measured faster than the Triton implicit GEMM and than
-  cuBLAS after copying a strided slice: BENCHMARKS.md).  Everything else runs the Triton implicit-GEMM
+  cuBLAS after copying a strided slice: benchmarks/results/wgrad_tma_tune.json).  Everything else runs the Triton implicit-GEMM
   kernels.  Off CUDA: the reference.
 * ``"triton"``: the Triton kernels for every layer (on the CPU through ``TRITON_INTERPRET=1``).
 * ``"tma"``: dgrad -- ``kernels/triton/gemm_scatter.py``; unpadded 1x1 layers, K and C multiples of 8 (16

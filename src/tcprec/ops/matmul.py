@@ -8,8 +8,8 @@ the scales, bias and ReLU follow in one fused float epilogue.
 Backends
 
 * ``"bitserial"`` -- the binary tensor-core kernel (``kernels/cuda/bmma_gemm.cu``): p*q binary
-  GEMMs with AND+popc over bit planes (APNN-TC).  Each binary MMA runs at 8x the INT8 rate on
-  Hopper (DESIGN.md section 1), so it wins while p*q < 8.
+  GEMMs with AND+popc over bit planes (APNN-TC).  Each binary MMA (AND+popc, k = 256 bits) runs at 8x
+  the INT8 rate on Hopper, so it wins while p*q < 8.
 * ``"int8"`` -- ``torch._int_mm`` on the INT8 tensor cores (cuBLAS), for p*q >= 8.  Every integer
   format of <= 8 bits fits int8 after an affine shift (uint8 and pm8 are stored as x - 128), whose
   correction terms are the same as pm1's (``kernels/reference_gemm.py``).

@@ -27,7 +27,7 @@ Backends (one rule with ``tcprec.matmul``: bit-serial while p*q < 8, INT8 otherw
   tensor-core GEMM (``torch.ops.tcprec.bmma_gemm``) with the true K = R*S*C in its corrections and
   its fused epilogue (scale, bias, ReLU / LeakyReLU, the output dtype or the packed next-layer
   planes).  A 1x1 stride-1 unpadded convolution needs no im2col: the input planes are the operand.
-  Where it measured faster (:data:`BITSERIAL_IMPLICIT`, "auto": taps without padding words, and at most two
+  Where it measured faster (:func:`implicit_conv`: taps without padding words, and at most two
   column tiles when the GEMM runs the large wgmma tiles) it is an implicit GEMM instead (``bmma_gemm`` with
   ``conv=``): the kernel gathers each window from the packed input planes as it loads (per tap the ceil(C/32)
   words rounded up to an even number, zeros in the padding; any kernel size, stride, padding and dilation), and
@@ -149,7 +149,7 @@ def _interpreting() -> bool:
 
 # Scale tensors already checked: checking a CUDA scale reads it back (a host sync), and an eager forward of a
 # quantized network passes the same calibrated scale buffers on every call -- 35 syncs an eager ResNet-18 forward
-# (session 16 profile).  An in-place change bumps the version, so a changed scale is checked again.
+# (H200 profile).  An in-place change bumps the version, so a changed scale is checked again.
 _CHECKED_SCALES: dict = {}
 
 
@@ -909,7 +909,7 @@ def _int8_route(fa: IntFormat, fw: IntFormat, dev: torch.device) -> tuple[str, s
 
 # Column scales already multiplied out (x_scale * w_scale[k] * scale[k]).  A quantized network passes the same
 # calibrated buffers on every call, and the two multiplies were two kernel launches a layer: ~2 us each in a batch-8
-# CUDA graph, about a sixth of ResNet-18's w1a2 forward (session 20 profile).  A memo like _CHECKED_SCALES (tcprec.memo),
+# CUDA graph, about a sixth of ResNet-18's w1a2 forward (H200 profile).  A memo like _CHECKED_SCALES (tcprec.memo),
 # so an in-place change of a buffer computes it again.  Not stored while a graph is being captured (the values would
 # exist only after a replay), nor for tensors that need grad or under torch.compile.
 _COL_SCALES: dict = {}
@@ -1034,7 +1034,7 @@ def _int8_correction(pw: PackedConvWeight, g: ConvGeometry, off: int, padded: bo
 # (N, P, Q, Kp), Kp = R*S*C rounded up to 32 (zeros in the padding and the tail), and the same kernel runs
 # it as a 1x1 convolution in TAP mode (contiguous reduction blocks, the fused epilogue unchanged).
 # The sums are the same integers (exact); the cost is the gather pass and Kp / (R*S*C) more MMA work.
-# Rounding to 32 instead of 64 bytes (session 16, H100, same process, graph replay at batch 256, outputs equal):
+# Rounding to 32 instead of 64 bytes (H100, same process, graph replay at batch 256, outputs equal):
 # YOLOv2-tiny (27 -> 32 instead of 64: 44M rows) int8 9.32 -> 8.48 ms, fp8 12.53 -> 11.69 ms; VGG -2%; others level.
 THIN_C = 16
 _STEM_KP = 32
@@ -1110,9 +1110,8 @@ def _out_spec(plan: _Plan, s_out):
 
 # Thin stems that write bit planes (VGG / AlexNet / YOLOv2-tiny in front of binary layers) run the CUDA kernel
 # kernels/cuda/stem_conv.cu on sm_90: it reads the int8 image once into shared memory a tile and fuses the pool,
-# quantize and pack, with no window gather pass (VGG's stem at batch 256 on an H200: see BENCHMARKS, issue 4).  The
-# same integers and epilogue as the Triton route (tests/gpu/test_stem_conv_gpu.py compares the planes bit for bit).
-STEM_CUDA = True
+# quantize and pack, with no window gather pass (VGG's stem at batch 256 on an H200: docs/decisions/0004).  The
+# same integers and epilogue as the reference (tests/gpu/test_stem_conv_gpu.py compares them bit for bit).
 
 
 def _stem_pad(plan: _Plan) -> int | None:
@@ -1149,7 +1148,7 @@ def _stem_cuda(plan: _Plan, device: torch.device) -> bool:
 
     g = plan.g
     out = _stem_out(plan) if plan.name == "int8" and plan.route == "kernel" else None
-    if not (STEM_CUDA and out and device.type == "cuda" and _thin_stem(g) and g.C <= sc.MAX_C
+    if not (out and device.type == "cuda" and _thin_stem(g) and g.C <= sc.MAX_C
             and _stem_pad(plan) is not None):
         return False
     from ..kernels.cuda import runtime  # lazy: CUDA kernel module
@@ -1271,7 +1270,7 @@ def _bitserial(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, out_scale, 
         a_planes = planes  # the input planes are the GEMM operand (Kw_col = packed_words(C)); row sums in the kernel
         extra["row_affine"] = row_affine
     else:
-        a_planes, row_term = im2col_bits(planes, g, twos=fa.encoding == "twos", store=True, rowsum=need_row,
+        a_planes, row_term = im2col_bits(planes, g, twos=fa.encoding == "twos", rowsum=need_row,
                                          row_mul=row_mul, row_add=row_add)  # (p, M, Kw_col), (M,)
     col_term = (oa * sw * pw.rowsum).contiguous() if oa != 0 else None  # (K,) int32
     kind, relu, slope, ofmt = _bitserial_kind(plan)
@@ -1292,19 +1291,9 @@ def _bitserial(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, out_scale, 
 
 
 # The implicit-GEMM route of the bit-serial convolution (bmma_gemm with conv=): bit-exact against the reference
-# (tests/gpu/test_conv_implicit_gpu.py), and per layer faster or slower than the explicit im2col route.  Measured
-# (H200, w1a2 networks, one process, per-layer GPU time of each route: benchmarks/bench_net_routes_device.py ->
-# benchmarks/results/net_routes.json).  Session 18, with the pm1 row sums from two Triton passes: it won where no tap
-# is padded and the output has at most two column tiles (VGG 256 -> 256 @ 56 at batch 256 885 -> 766 us), lost
-# where N >= 384 makes every column tile of the large wgmma tiles gather the windows again (VGG 512 @ 28 400 -> 503:
-# the producer's cp.async gather feeds the tensor cores slower than TMA boxes of im2col'd rows), and at batch 8 its
-# two row-sum launches cost more than the im2col launch they replace.  Session 22, with the row sums on the tensor
-# cores (one launch): at batch 8 it wins on every layer of unpadded taps that runs the small mma.sync tiles
-# (ResNet-18 w1a2 0.341 -> 0.285 ms with it everywhere), still loses on the large tiles with > 2 column tiles (VGG
-# 512 @ 28, batch 8 and 256), and with taps of 2 words gathered by 8-byte copies C = 64 needs no padding words.
-# "auto": taps without padding words (cwt == ceil(C / 32)), and at most two column tiles wherever the GEMM runs the
-# large wgmma tiles (as many as the SMs); True wherever the layout allows, False never.
-BITSERIAL_IMPLICIT: bool | str = "auto"
+# (tests/gpu/test_conv_implicit_gpu.py), and per layer faster or slower than the explicit im2col route; the rule of
+# implicit_conv is where it measured faster (docs/decisions/0008: taps without padding words, at most two column tiles
+# of the large wgmma tiles).
 
 
 def implicit_conv(g: ConvGeometry, kin: int, p: int = 2, q: int = 1, a_twos: bool = False,
@@ -1312,17 +1301,15 @@ def implicit_conv(g: ConvGeometry, kin: int, p: int = 2, q: int = 1, a_twos: boo
     """Whether a bit-serial convolution over input planes with ``kin``-word rows runs as an implicit GEMM
     (``bmma_gemm`` with ``conv``: no im2col buffer), for p-bit activations and q-bit weights.  Never a 1x1
     stride-1 one (its planes are the operand as they are); only rows that hold whole 8-byte taps (``kin`` even, at
-    least the tap's words) -- padded planes always do, compact ones when ceil(C / 32) is even.  Then per
-    :data:`BITSERIAL_IMPLICIT`: True always, False never, "auto" where it measured faster -- taps without padding
-    words (ceil(C / 32) even), and where the GEMM runs the wgmma tile (``bmma_gemm.wgmma_tile``: when it gives the
-    ``sm_count`` SMs a tile each) at most two column tiles of it; none on this format pair: no."""
-    if BITSERIAL_IMPLICIT is False or g.is_pointwise:
+    least the tap's words) -- padded planes always do, compact ones when ceil(C / 32) is even.  Then where it
+    measured faster: taps without padding words (ceil(C / 32) even), and where the GEMM runs the wgmma tile
+    (``bmma_gemm.wgmma_tile``: when it gives the ``sm_count`` SMs a tile each) at most two column tiles of it; none on
+    this format pair: no."""
+    if g.is_pointwise:
         return False
     cwt = rq.conv_tap_words(g.C)
     if not rq.implicit_conv_fits(kin, cwt, g.H, g.W, *g.padding):
         return False
-    if BITSERIAL_IMPLICIT is True:
-        return True
     from ..kernels.cuda.bmma_gemm import wgmma_tile
 
     t = wgmma_tile(p, q, a_twos, w_twos, N=g.K)
@@ -1342,14 +1329,6 @@ def _implicit_route(plan: _Plan, kin: int, device: torch.device) -> bool:
         sms = 132  # the reference GEMM / interpreter decide as on the GPUs the rule was measured on
     return implicit_conv(plan.g, kin, plan.fa.bits, plan.fw.bits, plan.fa.encoding == "twos",
                          plan.fw.encoding == "twos", sms)
-
-
-def compact_planes_ok(C: int) -> bool:
-    """Whether a convolution's input of C channels is packed compact (rows of ceil(C / 32) words, without the
-    padding to 512 bits): always for the im2col route, and for "auto" (it takes the implicit GEMM only where
-    ceil(C / 32) is even, which compact rows hold); with :data:`BITSERIAL_IMPLICIT` True only where the implicit
-    GEMM can still gather them (ceil(C / 32) even, :func:`implicit_conv`)."""
-    return BITSERIAL_IMPLICIT is not True or (-(-C // 32)) % 2 == 0
 
 
 def _bitserial_kind(plan: _Plan):
@@ -1671,7 +1650,7 @@ def explain_conv2d(x, w, **kw) -> str:
             steps = ["no im2col (1x1 stride 1: the input planes are the operand"
                      + ("; the pm1 weights' row correction from their row sums on the tensor cores, in the GEMM)"
                         if rg.affine(plan.fw)[0] != 0 else ")")]
-        elif _implicit_route(plan, Cw if compact_planes_ok(g.C) else -(-Cw // 16) * 16, xs.device):
+        elif _implicit_route(plan, Cw, xs.device):
             steps = [f"implicit GEMM: the kernel gathers {g.R * g.S} taps x {cwt} words a pixel from the packed planes "
                      f"({plan.fa.bits} planes; padded rows, or compact ones when ceil(C / 32) = {Cw} is even)"]
             if rg.affine(plan.fw)[0] != 0:

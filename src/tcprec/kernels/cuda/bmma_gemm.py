@@ -108,8 +108,7 @@ class Tile:
     ``tma`` (wgmma): a warp-specialised pipeline -- one producer warpgroup loads the stages with TMA
     (mbarrier-completed, 128-byte swizzle) while the ``warps_m / 4`` MMA warpgroups (``warps_n`` = 1)
     multiply; ``cluster = (cm, cn)`` groups cm x cn blocks whose shared A / W tiles are loaded once and
-    multicast to all of them.  ``cons = 2`` (TMA, no cluster; ``_pp``): two such consumer groups, each on
-    every other tile of the block's, so one group's epilogue overlaps the other's MMAs (ping-pong).
+    multicast to all of them.
 
     ``split = s`` > 1 (``_sk<s>``; the cp.async paths, not TMA, no implicit convolution): split-K, s blocks a tile,
     each on a run of the K steps, their int32 sums added in a workspace (bmma_gemm.cu, TCP_SPLIT): exact."""
@@ -125,7 +124,6 @@ class Tile:
     fold: bool = False
     tma: bool = False
     cluster: tuple[int, int] = (1, 1)
-    cons: int = 1
     split: int = 1
 
     def __str__(self) -> str:
@@ -134,7 +132,7 @@ class Tile:
                 + ("_wg" if self.mma == "wgmma" else "") + ("_f" if self.fold else "")
                 + ("_tma" if self.tma else "")
                 + ("" if self.cluster == (1, 1) else f"_c{self.cluster[0]}x{self.cluster[1]}")
-                + ("_pp" if self.cons == 2 else "") + (f"_sk{self.split}" if self.split > 1 else ""))
+                + (f"_sk{self.split}" if self.split > 1 else ""))
 
     @property
     def cluster_size(self) -> int:
@@ -144,17 +142,15 @@ class Tile:
 def parse_tile(text: str) -> Tile:
     """``"64x256_w2x4_s4"`` / ``"64x256_w2x4_s3_k1024_db"`` / ``"128x128_w8x1_s4_k1024_wg"`` /
     ``"128x256_w8x2_s3_k1024_wg_f"`` / ``"128x256_w8x1_s3_k1024_wg_f_tma_c2x1"`` /
-    ``"64x128_w4x1_s6_k1024_wg_tma_pp"`` (as ``str(Tile)`` writes it) -> Tile."""
+    ``"32x32_w2x2_s2_k1024_sk4"`` (as ``str(Tile)`` writes it) -> Tile."""
     try:
         mn, w, s, *extra = text.split("_")
         bm, bn = (int(v) for v in mn.split("x"))
         wm, wn = (int(v) for v in w.removeprefix("w").split("x"))
-        bk, db, mma, fold, tma, cluster, cons, split = 512, False, "sync", False, False, (1, 1), 1, 1
+        bk, db, mma, fold, tma, cluster, split = 512, False, "sync", False, False, (1, 1), 1
         for e in extra:
             if e.startswith("sk"):
                 split = int(e[2:])
-            elif e == "pp":
-                cons = 2
             elif e == "db":
                 db = True
             elif e == "wg":
@@ -170,10 +166,10 @@ def parse_tile(text: str) -> Tile:
                 bk = int(e[1:])
             else:
                 raise ValueError(e)
-        return Tile(bm, bn, wm, wn, int(s.removeprefix("s")), bk, db, mma, fold, tma, cluster, cons, split)
+        return Tile(bm, bn, wm, wn, int(s.removeprefix("s")), bk, db, mma, fold, tma, cluster, split)
     except ValueError:
         raise ValueError(f"tile must look like '64x256_w2x4_s4' "
-                         f"(BMxBN_wWARPS_MxWARPS_N_sSTAGES[_kBK][_db][_wg][_f][_tma][_cCMxCN][_pp][_skS]), "
+                         f"(BMxBN_wWARPS_MxWARPS_N_sSTAGES[_kBK][_db][_wg][_f][_tma][_cCMxCN][_skS]), "
                          f"got {text!r}") from None
 
 
@@ -230,19 +226,15 @@ class Variant:
                                  "rows (e.g. '128x256_w8x1_s3_k1024_wg_f_tma_c2x1')")
         elif t.cluster != (1, 1):
             raise ValueError(f"tile {t}: clusters need the TMA pipeline (add '_tma')")
-        if t.cons not in (1, 2) or (t.cons == 2 and (not t.tma or t.cluster != (1, 1) or t.stages % 2
-                                                       or t.stages < 4)):
-            raise ValueError(f"tile {t}: two consumer groups (_pp) need the TMA pipeline without a cluster and an "
-                             "even number (>= 4) of stages, half a group (e.g. '64x128_w4x1_s6_k1024_wg_tma_pp')")
         if self.rowsum and t.split > 1:
             raise ValueError(f"tile {t}: in-kernel row sums (rowsum) are not computed by split-K tiles (_sk<s>); "
                              "use an unsplit tile or pass row_term")
         if t.split < 1 or (t.split > 1 and (t.tma or self.conv)):
             raise ValueError(f"tile {t}: split-K (_sk<s>) needs s >= 1 and the cp.async pipeline (no _tma) of a plain "
                              "GEMM (no implicit convolution), e.g. '32x32_w2x2_s2_k1024_sk4'")
-        if self.conv and t.tma and (t.cluster != (1, 1) or t.cons != 1 or t.stages < 3):
-            raise ValueError(f"tile {t}: the implicit-GEMM convolution on the TMA pipeline needs no cluster, one "
-                             "consumer group and >= 3 stages (e.g. '128x256_w8x1_s4_k1024_wg_tma')")
+        if self.conv and t.tma and (t.cluster != (1, 1) or t.stages < 3):
+            raise ValueError(f"tile {t}: the implicit-GEMM convolution on the TMA pipeline needs no cluster and "
+                             ">= 3 stages (e.g. '128x256_w8x1_s4_k1024_wg_tma')")
         if self.epilogue == "packed" and (t.bn % 32 or 512 % t.bn or (t.bn // t.warps_n) % 32):
             raise ValueError(f"tile {t}: the packed epilogue needs bn dividing 512 and a multiple of 32, and whole "
                              "32-column words a warp (bn / warps_n a multiple of 32)")
@@ -260,7 +252,7 @@ class Variant:
     @property
     def threads(self) -> int:
         """Threads a block: the MMA warps, plus the producer warpgroup with TMA."""
-        return 32 * self.tile.warps_m * self.tile.warps_n * self.tile.cons + (128 if self.tile.tma else 0)
+        return 32 * self.tile.warps_m * self.tile.warps_n + (128 if self.tile.tma else 0)
 
     @property
     def n_classes(self) -> int:
@@ -285,13 +277,12 @@ class Variant:
         per = 2 * t.bm + 3 * t.bn + codes + (codes * t.bn if self.int_thresholds else 0)
         barriers = 2 * t.stages * 8 if t.tma else 0  # TMA: the "full" and "empty" mbarriers (BAR_OFF)
         base = align + -(-pipe // 16) * 16
-        # a copy a consumer group (VEC_STRIDE); with TMA a copy a warpgroup where those fit (bmma_gemm.cu, WG_VEC)
+        # one copy (VEC_STRIDE); with TMA a copy a warpgroup where those fit (bmma_gemm.cu, WG_VEC)
         wg = t.warps_m // 4
-        per_wg = base + -(-(t.cons * wg * -(-per // 4) * 4 * 4) // 8) * 8 + barriers
+        per_wg = base + -(-(wg * -(-per // 4) * 4 * 4) // 8) * 8 + barriers
         if t.tma and wg > 1 and per_wg <= _MAX_SMEM:
             return per_wg
-        vectors = t.cons * (-(-per // 4) * 4 if t.cons > 1 else per) * 4
-        return base + -(-vectors // 8) * 8 + barriers
+        return base + -(-(per * 4) // 8) * 8 + barriers
 
     def defines(self) -> list[str]:
         t = self.tile
@@ -301,7 +292,7 @@ class Variant:
             f"TCP_BM={t.bm}", f"TCP_BN={t.bn}", f"TCP_WARPS_M={t.warps_m}", f"TCP_WARPS_N={t.warps_n}",
             f"TCP_STAGES={t.stages}", f"TCP_BK={t.bk}", f"TCP_FRAG_DB={int(t.frag_db)}",
             f"TCP_WGMMA={int(t.mma == 'wgmma')}", f"TCP_FOLD={int(t.fold)}", f"TCP_TMA={int(t.tma)}",
-            f"TCP_CM={t.cluster[0]}", f"TCP_CN={t.cluster[1]}", f"TCP_CONS={t.cons}", f"TCP_EPI={epi}",
+            f"TCP_CM={t.cluster[0]}", f"TCP_CN={t.cluster[1]}", f"TCP_EPI={epi}",
             f"TCP_OUT_T={_OUT_T[self.out_dtype]}",
             f"TCP_OB={self.out_bits}", f"TCP_OENC={_OENC[self.out_encoding]}", f"TCP_SMEM={self.smem_bytes}",
             f"TCP_CONV={int(self.conv)}", f"TCP_RES={int(self.res)}", f"TCP_DUAL={int(self.dual)}",
@@ -528,7 +519,7 @@ def tensor_map(planes: torch.Tensor, box_rows: int):
         from cuda.core.utils import StridedMemoryView
 
         # described by address, not through DLPack: a view of the tensor itself keeps it alive for as long as the
-        # cached map lives (session 18: eager w1a2 networks at batch 256 kept every im2col buffer, ~10 GB a call)
+        # cached map lives (with DLPack, eager w1a2 networks at batch 256 kept every im2col buffer: ~10 GB a call)
         view = StridedMemoryView.from_cuda_array_interface(_Address(planes), stream_ptr=-1)
         m = view.as_tensor_map(box_dim=(1, box_rows, 32), swizzle=_swizzle_128b())
         if len(_tmaps) >= _TMAP_CACHE:
@@ -557,7 +548,7 @@ INT_THRESHOLD_TILES_PER_SM = _TABLE["int_threshold_tiles_per_sm"]["value"]
 
 # The threshold words of calibrated scale / bias buffers, remembered (tcprec.memo.remembered) so a network's forward
 # does not recompute them: the launch (32 bisection steps a word) took 6.3 us a layer, 63 us of VGG's w1a2 forward at batch
-# 256 (H200, session 24 profile).
+# 256 (H200 profile).
 _THRESHOLDS: dict = {}
 
 

@@ -74,7 +74,6 @@ log = logging.getLogger("tcprec.kernels")
 
 BLOCK = 2048  # elements per program (read at launch time: tests shrink it to cover block boundaries)
 NUM_WARPS = 8
-HW_FP8_ROUNDING = True  # R by cvt.rn to fp8 where exact (module doc); tests and benchmarks may switch it off
 _FMAX = tl.constexpr(3.4028234663852886e38)  # float32 max
 _FMAX_BITS = tl.constexpr(0x7F7FFFFF)
 
@@ -626,7 +625,7 @@ def _hw_round(fmt, rounding: str, aps: bool, kahan: bool, t: torch.Tensor) -> in
     """1 / 2: round by cvt.rn to e4m3fn / e5m2 (module doc: exact under APS, nearest, no Kahan, on
     CUDA), 0: the generic rounding."""
     kind = _BITCAST_FORMATS.get(fmt, 0)
-    ok = HW_FP8_ROUNDING and kind in (1, 2) and rounding == "nearest" and aps and not kahan and t.is_cuda
+    ok = kind in (1, 2) and rounding == "nearest" and aps and not kahan and t.is_cuda
     return kind if ok else 0
 
 

@@ -398,7 +398,7 @@ NETWORK_LAYERS = {
 
 
 # ------------------------------------------------------------------------------------------------
-# Tiles: a small table per shape class (measured on H200; benchmarks/bench_conv_fwd_device.py --tune)
+# Tiles: a small table per shape class (measured on H200; benchmarks/tune_conv_fwd_device.py --tune)
 # ------------------------------------------------------------------------------------------------
 
 
