@@ -552,6 +552,40 @@ def bench_net_cmd(
                       command=command, breakdown=breakdown)
 
 
+@bench_app.command("qat")
+def bench_qat_cmd(
+    epochs: int = typer.Option(15, min=1, help="Float epochs of ResNet-18."),
+    qat_epochs: int = typer.Option(6, min=1, help="QAT epochs of ResNet-18 at each precision."),
+    vgg_epochs: int = typer.Option(10, min=1, help="Float epochs of the VGG-variant."),
+    vgg_qat_epochs: int = typer.Option(5, min=1, help="QAT epochs of the VGG-variant."),
+    precision: str = typer.Option("w2a2,w1a2,w1a1", help="Comma-separated QAT precisions of ResNet-18."),
+    model: str = typer.Option("resnet18,vgg", help="Comma-separated: resnet18, vgg."),
+    distill: float = typer.Option(0.5, min=0.0, max=1.0, help="Weight of distillation from the float model in QAT."),
+    limit_train: Optional[int] = typer.Option(None, min=256, help="Use only the first N training images."),
+    data_path: Optional[Path] = typer.Option(None, help="Folder with the Fashion-MNIST idx .gz files."),
+    budget_s: float = typer.Option(540.0, help="Skip QAT runs that would not finish within this many seconds."),
+    commit: Optional[str] = typer.Option(None, help="Commit SHA recorded in the JSON."),
+    out: Path = typer.Option(Path("benchmarks/results/qat.json"), help="JSON output path."),
+):
+    """Train on Fashion-MNIST and deploy: fp32, int8 PTQ, QAT w2a2 / w1a2 / w1a1 (ResNet-18) and w1a2 (VGG-variant);
+    deployed-engine accuracy on the 10,000 test images, agreement with the fake-quant model, step times, latency."""
+    from .bench import qat as qat_bench
+
+    models = _choices(model, ("resnet18", "vgg"), "--model")
+    precisions = [p for p in precision.split(",") if p]
+    command = shlex.join(["tcprec", "bench", "qat", "--epochs", str(epochs), "--qat-epochs", str(qat_epochs),
+                          "--vgg-epochs", str(vgg_epochs), "--vgg-qat-epochs", str(vgg_qat_epochs), "--precision",
+                          precision, "--model", model, "--distill", str(distill), "--budget-s", str(budget_s)]
+                         + (["--limit-train", str(limit_train)] if limit_train else []) + ["--out", str(out)])
+    with _needs_gpu():
+        res = qat_bench.run(models, precisions, epochs=epochs, qat_epochs=qat_epochs, vgg_epochs=vgg_epochs,
+                            vgg_qat_epochs=vgg_qat_epochs, distill=distill, limit_train=limit_train,
+                            data_path=data_path, budget_s=budget_s, out=str(out), command=command, console=Console())
+    if commit:
+        res["commit"] = commit
+        write_json(out, res)
+
+
 def _load_image(image: str, size: int) -> tuple[torch.Tensor, str]:
     """(1, 3, size, size) float in [0, 1] from a file or a scikit-image sample name."""
     import numpy as np
@@ -648,7 +682,9 @@ def profile_cmd(
 
 @app.command()
 def train(
-    model: str = typer.Option("resnet18", help="resnet18 (28x28 input) or tiny_cnn."),
+    task: str = typer.Option("cpd", help="cpd: low-precision gradient all-reduce (CPD's experiment); classify: float "
+                                        "training, then QAT at --precision and the deployed engine's test accuracy."),
+    model: str = typer.Option("resnet18", help="resnet18 (28x28 input), vgg (classify) or tiny_cnn."),
     data: str = typer.Option("fashion-mnist", help="fashion-mnist (Debian dataset-fashion-mnist) or synthetic."),
     data_path: Optional[Path] = typer.Option(None, help="Folder with the Fashion-MNIST idx .gz files."),
     grad_format: str = typer.Option("e4m3", help="Gradient all-reduce format: fp32, e4m3, e5m2 or e3m0."),
@@ -665,9 +701,31 @@ def train(
     limit_train: Optional[int] = typer.Option(None, min=1, help="Use only the first N training images."),
     limit_test: Optional[int] = typer.Option(None, min=1, help="Use only the first N test images."),
     device: Device = typer.Option(Device.auto, help="Where to run: auto picks cuda when a GPU is present."),
+    precision: str = typer.Option("w1a2", help="classify: QAT precision (w1a2, w2a2, w1a1, w4a4, int8; float: none)."),
+    qat_epochs: int = typer.Option(8, min=1, help="classify: QAT epochs after the float phase."),
+    init: Optional[Path] = typer.Option(None, help="classify: a float checkpoint (float.pt) instead of float training."),
+    distill: float = typer.Option(0.0, min=0.0, max=1.0, help="classify: weight of distillation from the float model."),
+    act_quant: str = typer.Option("lsq", help="classify: activation quantizer, lsq or pact."),
 ):
-    """Train with gradients all-reduced in a low-precision format across emulated nodes (CPD's APS
-    experiment): per-epoch log, final table, PNG of the accuracy curves, checkpoint and resume."""
+    """Train.  --task cpd (default): gradients all-reduced in a low-precision format across emulated nodes (CPD's
+    APS experiment).  --task classify: float training, QAT at --precision, deployed-engine evaluation on the test
+    set.  Both: per-epoch progress, checkpoint and --resume, metrics.json and curves.png in --out."""
+    if task == "classify":
+        from .qat.trainer import train_classify
+
+        dev = _pick_device(device.value)
+        try:
+            train_classify(model=model, precision=precision, data=data, data_path=data_path, epochs=epochs,
+                           qat_epochs=qat_epochs, init=init, lr=lr, batch_size=batch_size, distill=distill,
+                           act_quant=act_quant, out_dir=out, resume=resume, limit_train=limit_train,
+                           limit_test=limit_test, device=dev.type, seed=seed, console=Console())
+        except (ValueError, FileNotFoundError) as e:
+            Console(stderr=True).print(f"[red]{e}")
+            raise typer.Exit(code=2) from None
+        Console().print(f"metrics: {out / 'metrics.json'}   curves: {out / 'curves.png'}")
+        return
+    if task != "cpd":
+        raise typer.BadParameter(f"task must be 'cpd' or 'classify', got {task!r}", param_hint="--task")
     from .train.cli_impl import train as run_train
 
     dev = _pick_device(device.value)
