@@ -28,8 +28,41 @@ def _latency(fn, x) -> float:
         return time_graph_ms(lambda: fn(x), None, calls=2, replays=5)
 
 
+def _step_ms(model, ds, batch_size: int, steps: int = 10) -> float:
+    """ms per training step (fp16 autocast forward, backward, SGD step) of a copy of ``model`` on one fixed batch:
+    CUDA events around ``steps`` steps after 3 warm-up steps."""
+    import torch.nn.functional as F
+
+    from ..qat.trainer import augment
+
+    m = copy.deepcopy(model).train()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-4, momentum=0.9)
+    scaler = torch.amp.GradScaler("cuda")
+    x = augment(ds.x_train[:batch_size]).contiguous(memory_format=torch.channels_last)
+    y = ds.y_train[:batch_size]
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = F.cross_entropy(m(x).float(), y)
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    for _ in range(3):
+        step()
+    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    st.record()
+    for _ in range(steps):
+        step()
+    en.record()
+    torch.cuda.synchronize()
+    return st.elapsed_time(en) / steps
+
+
 def run(models=("resnet18", "vgg"), precisions=("w2a2", "w1a2", "w1a1"), vgg_precisions=("w1a2",), epochs: int = 15,
-        qat_epochs: int = 6, vgg_epochs: int = 10, vgg_qat_epochs: int = 5, batch_size: int = 256, lr: float = 0.2,
+        qat_epochs: int = 6, vgg_epochs: int = 10, vgg_qat_epochs: int = 5, batch_size: int = 256, lr: float = 0.1,
         qat_lr: float = 0.02, distill: float = 0.5, limit_train=None, data_path=None, budget_s: float = 540.0,
         out="benchmarks/results/qat.json", command: str = "tcprec bench qat", console: Console | None = None) -> dict:
     from ..nn.convert import QuantConfig, quantize_model
@@ -58,16 +91,20 @@ def run(models=("resnet18", "vgg"), precisions=("w2a2", "w1a2", "w1a1"), vgg_pre
 
     left = lambda: budget_s - (time.time() - t_start)  # noqa: E731
     x256 = normalize(ds.x_test[:256]).contiguous(memory_format=torch.channels_last)
+    qat_epoch_s: dict[str, float] = {}
     for name in models:
         ep, qep, precs = (epochs, qat_epochs, precisions) if name == "resnet18" else \
             (vgg_epochs, vgg_qat_epochs, vgg_precisions)
+        if payload["runs"] and left() < 0.35 * budget_s:
+            payload["skipped"].append(f"{name}: {left():.0f} s left")
+            console.print(f"[yellow]skipping {name}: {left():.0f} s left")
+            continue
         torch.manual_seed(0)
         net = build_model(name).to(dev).to(memory_format=torch.channels_last)
-        st = fit(net, ds, epochs=ep, lr=lr if name == "resnet18" else lr / 2, batch_size=batch_size,
+        st = fit(net, ds, epochs=ep, lr=lr, batch_size=batch_size,
                  schedule="onecycle", title=f"{name} float", progress=True)
         acc = evaluate(net, ds.x_test, ds.y_test)
-        step = [h.get("step_ms") for h in st["history"] if h.get("step_ms")]
-        fp16_step = sorted(step)[len(step) // 2] if step else None
+        fp16_step = _step_ms(net, ds, batch_size)
         net.eval()
         n16 = copy.deepcopy(net).half()
         row = {"model": name, "precision": "fp32", "method": "float", "test_acc": acc,
@@ -88,7 +125,8 @@ def run(models=("resnet18", "vgg"), precisions=("w2a2", "w1a2", "w1a1"), vgg_pre
             console.print(f"{name} int8 PTQ: {dep['test_acc']:.4f}")
             save()
         for prec in precs:
-            est = (st["history"][0]["seconds"] * 2.0) * qep + 20  # a QAT epoch ~2x a float epoch, + conversion
+            float_epoch = sorted(h["seconds"] for h in st["history"])[len(st["history"]) // 2]
+            est = qat_epoch_s.get(name, 2.5 * float_epoch) * qep + 20  # the last QAT run's epochs, + conversion
             if left() < est:
                 payload["skipped"].append(f"{name} {prec}: {left():.0f} s left, needs ~{est:.0f} s")
                 console.print(f"[yellow]skipping {name} {prec}: {left():.0f} s left")
@@ -99,8 +137,8 @@ def run(models=("resnet18", "vgg"), precisions=("w2a2", "w1a2", "w1a1"), vgg_pre
             qs = fit(qat, ds, epochs=qep, lr=qat_lr, batch_size=batch_size, wd=5e-5, schedule="cosine",
                      label_smoothing=0.0, teacher=teacher, distill=distill, title=f"{name} QAT {prec}", progress=True,
                      seed=1)
-            qstep = [h.get("step_ms") for h in qs["history"] if h.get("step_ms")]
-            qat_step = sorted(qstep)[len(qstep) // 2] if qstep else None
+            qat_epoch_s[name] = sorted(h["seconds"] for h in qs["history"])[len(qs["history"]) // 2]
+            qat_step = _step_ms(qat, ds, batch_size)  # without the distillation teacher: the QAT model's own step
             qpred = predict(qat, ds.x_test)
             qacc = float((qpred == ds.y_test).float().mean())
             t0 = time.time()

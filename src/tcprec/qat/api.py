@@ -94,7 +94,7 @@ def prepare_qat(model: nn.Module, config: QuantConfig | str = "w1a2", *, act_qua
                 _set(qat, p.bn, nn.Identity())
         else:
             new = QATLinear(mods[p.name], p.precision, act_quant)
-        _set(qat, p.name, new)
+        _set(qat, p.name, new.to(mods[p.name].weight.device))
     quantized = [p for p in plans if p.precision is not None]
     floats = [p for p in plans if p.precision is None]
     if not quantized:
@@ -127,7 +127,7 @@ def _fixed(m: QATConv2d | QATLinear) -> FixedQuant:
     codes = encode(vals, fmt, "nearest")  # exact integers of the format: the code patterns
     qw = QTensor(codes, s_w.view(-1, 1, 1, 1).contiguous(), fmt, PerChannel(0), tuple(vals.shape), torch.float32)
     scale, bias = m.epilogue() if isinstance(m, QATConv2d) else (None, None if m.bias is None else m.bias.detach())
-    return FixedQuant(m.act_quant.scale().detach().reshape(1).clone(), bool(m.act_quant.signed), qw, scale, bias)
+    return FixedQuant(m.act_quant.scale().detach().reshape(1).clone(), m.act_quant.is_signed, qw, scale, bias)
 
 
 @torch.no_grad()
@@ -144,7 +144,7 @@ def convert_qat(model: nn.Module, example_input: torch.Tensor | None = None) -> 
                         "tcprec_qat): call qat = tcprec.prepare_qat(model, 'w1a2'), train qat, then convert_qat(qat); "
                         "for post-training quantization use tcprec.quantize_model(model, 'w1a2', calibration=x)")
     layers = qat_layers(model)
-    fresh = [n for n, m in layers.items() if not bool(m.act_quant.initialized)]
+    fresh = [n for n, m in layers.items() if not m.act_quant.ready]
     if fresh:
         raise ValueError(f"layer(s) {fresh[:4]} never saw data, so their activation step is not set: run at least one "
                          "forward pass (training) through the QAT model before convert_qat")

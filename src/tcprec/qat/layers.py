@@ -1,10 +1,10 @@
 """Trainable fake-quant layers: ``QATConv2d`` (a conv and the BatchNorm ``quantize_model`` folds into it) and
 ``QATLinear``.
 
-Training mode: the integer codes of input and weight (STE / LSQ gradients, ``quantizers``) go through a float
-conv / linear (autocast-friendly: codes of <= 8 bits are exact in fp16), the product is scaled by
-``s_x * s_w[k]``, the conv's bias is added and the BatchNorm normalises with batch statistics (the BN is trained,
-and folded only at conversion: docs/decisions/0050).
+Training mode: the dequantized codes of input and weight (``s_x * q_x``, ``s_w[k] * q_w``; STE / LSQ gradients,
+``quantizers``) go through a float conv / linear (fp16 under autocast: the raw integer sums of 8-bit codes would
+overflow fp16, the dequantized values do not), the conv's bias is added and the BatchNorm normalises with batch
+statistics (the BN is trained, and folded only at conversion: docs/decisions/0050).
 
 Eval mode is the deployed layer's arithmetic, step for step (``ops/qconv.py``'s epilogue, ``codes.cuh`` y_of)::
 
@@ -108,7 +108,8 @@ class QATConv2d(_QATBase):
             return self.forward_exact(x)
         q, s_x = self.act_quant(x)
         wq, s_w = self.weight_quant(self.weight)
-        z = self._conv(q.to(x.dtype), wq.to(x.dtype)) * (s_x * s_w).view(1, -1, 1, 1).to(x.dtype)
+        # dequantized operands: the integer sums of 8-bit codes overflow fp16 under autocast (9 * 127 * 127 > 65504)
+        z = self._conv(q * s_x, wq * s_w.view(-1, 1, 1, 1))
         if self.bias is not None:
             z = z + self.bias.view(1, -1, 1, 1).to(z.dtype)
         return z if self.bn is None else self.bn(z)
@@ -145,7 +146,7 @@ class QATLinear(_QATBase):
             return self.forward_exact(x)
         q, s_x = self.act_quant(x)
         wq, s_w = self.weight_quant(self.weight)
-        z = F.linear(q.to(x.dtype), wq.to(x.dtype)) * (s_x * s_w).to(x.dtype)
+        z = F.linear(q * s_x, wq * s_w.view(-1, 1))
         return z if self.bias is None else z + self.bias.to(z.dtype)
 
     @torch.no_grad()

@@ -86,26 +86,44 @@ class ActQuant(nn.Module):
         self.step = nn.Parameter(torch.ones(1))  # s (LSQ) or alpha (PACT): set from the first batch
         self.register_buffer("signed", torch.zeros((), dtype=torch.bool))
         self.register_buffer("initialized", torch.zeros((), dtype=torch.bool))
+        self._flags = None  # (initialized, signed) as Python bools: read once, not synced every step
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._flags = None
+        return super()._load_from_state_dict(*args, **kwargs)
+
+    @property
+    def ready(self) -> bool:
+        """Whether the step was set from data (and the signedness chosen)."""
+        if self._flags is None:
+            self._flags = (bool(self.initialized), bool(self.signed))
+        return self._flags[0]
+
+    @property
+    def is_signed(self) -> bool:
+        self.ready  # noqa: B018 - fills the cache
+        return self._flags[1]
 
     def extra_repr(self) -> str:
-        return f"bits={self.bits}, mode={self.mode}, signed={bool(self.signed)}"
+        return f"bits={self.bits}, mode={self.mode}, signed={self.is_signed}"
 
     @property
     def bounds(self) -> tuple[int, int]:
         b = self.bits
-        return (-(1 << (b - 1)), (1 << (b - 1)) - 1) if bool(self.signed) else (0, (1 << b) - 1)
+        return (-(1 << (b - 1)), (1 << (b - 1)) - 1) if self.is_signed else (0, (1 << b) - 1)
 
     @property
     def pact(self) -> bool:
-        return self.mode == "pact" and not bool(self.signed)
+        return self.mode == "pact" and not self.is_signed
 
     @property
     def fmt(self) -> IntFormat:
-        return as_format(f"int{self.bits}" if bool(self.signed) else f"uint{self.bits}")
+        return as_format(f"int{self.bits}" if self.is_signed else f"uint{self.bits}")
 
     @torch.no_grad()
     def _init(self, x: torch.Tensor) -> None:
         self.signed.fill_(bool((x < 0).any()))
+        self._flags = (True, bool(self.signed))
         qp = max(self.bounds[1], 1)
         s = 2 * x.detach().float().abs().mean() / math.sqrt(qp)
         s = float(s) if float(s) > 0 else 1.0
@@ -119,7 +137,7 @@ class ActQuant(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(codes as float with the STE / LSQ / PACT gradients, the step with its gradient path)."""
-        if not bool(self.initialized):
+        if not self.ready:
             self._init(x)
         lo, hi = self.bounds
         if self.pact:  # alpha's gradient only through the clip
@@ -134,7 +152,7 @@ class ActQuant(nn.Module):
     def codes(self, x: torch.Tensor) -> torch.Tensor:
         """The deployed quantizer's codes as float values: ``round(clamp(x / s, lo, hi))`` (IEEE quotient by a
         tensor, half to even) -- ``ops.quantize.quantize_static`` / the fused quantize+pack kernel."""
-        if not bool(self.initialized):
+        if not self.ready:
             self._init(x)
         lo, hi = self.bounds
         return torch.round(torch.clamp(x.float() / self.scale().detach(), lo, hi))
