@@ -228,3 +228,32 @@ def test_prepare_does_not_mutate_and_follows_quantize_models_plan():
 def test_quantize_model_fixed_names_a_missing_layer():
     with pytest.raises(ValueError, match="fixed names no"):
         tp.quantize_model(_cnn(), "w1a2", calibration=torch.randn(2, 1, 14, 14), fixed={"nope": None})
+
+
+def test_train_classify_checkpoints_resume_and_deploy(tmp_path):
+    """`tcprec train --task classify` end to end on a few hundred images: float, QAT, the deployed engine on the
+    test images (all predictions equal to the fake-quant model's), the files it promises, --resume, and the
+    checkpoint loader of `tcprec run` / `tcprec bench net --checkpoint`."""
+    import json
+
+    from tcprec.data.fashion_mnist import fashion_mnist_available
+    from tcprec.qat.checkpoint import deploy, load_trained
+    from tcprec.qat.trainer import load_classify_data, normalize, train_classify
+
+    data = "fashion-mnist" if fashion_mnist_available()[0] else "digits"
+    kw = dict(model="tiny_cnn", precision="int8", data=data, epochs=1, qat_epochs=1, lr=0.05, batch_size=64,
+              limit_train=256, limit_test=128, out_dir=tmp_path, progress=False, device="cpu")
+    res = train_classify(**kw)
+    assert res["deployed_agree"] == res["test_images"] == 128
+    assert res["deployed_test_acc"] == res["qat_test_acc"]
+    assert {p.name for p in tmp_path.iterdir()} >= {"float.pt", "qat.pt", "metrics.json", "curves.png"}
+    assert json.loads((tmp_path / "metrics.json").read_text())["deployed_agree"] == 128
+    again = train_classify(**kw, resume=True)  # both phases complete: nothing retrains
+    assert again["history"] == res["history"] and again["qat_test_acc"] == res["qat_test_acc"]
+    t = load_trained(tmp_path / "qat.pt")
+    ds = load_classify_data(data, limit_train=256, limit_test=128)
+    with torch.no_grad():
+        acc = float((deploy(t)(normalize(ds.x_test)).argmax(1) == ds.y_test).float().mean())
+    assert acc == res["deployed_test_acc"]
+    with pytest.raises(ValueError, match="trained at int8"):
+        deploy(t, "w1a2")

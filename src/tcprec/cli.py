@@ -536,11 +536,27 @@ def bench_net_cmd(
     out: Path = typer.Option(Path("benchmarks/results/net.json"), help="JSON output path."),
     plot: Optional[Path] = typer.Option(Path("benchmarks/results/net.png"), help="PNG of error against speed."),
     breakdown: bool = typer.Option(True, "--breakdown/--no-breakdown", help="Print a per-layer profile of each variant."),
+    checkpoint: Optional[List[Path]] = typer.Option(None, help="Trained weights (`tcprec train --task classify`: "
+                                                    "float.pt / qat.pt; repeatable): test accuracy against speedup."),
 ):
     """Whole networks at fp32 / fp16 / int8 / fp8 / wXaY: latency (CUDA graphs on every side, cuDNN
-    channels_last baselines), speedup vs fp32 and fp16, NRMSE against fp32, per-layer breakdown."""
+    channels_last baselines), speedup vs fp32 and fp16, NRMSE against fp32, per-layer breakdown.  With
+    --checkpoint: the trained networks, test accuracy on Fashion-MNIST against speedup over fp16."""
     from .bench import net as net_bench
     from .nn.models import MODELS
+
+    if checkpoint:
+        from .bench.trained import run_trained
+
+        precs = [p for p in precision.split(",") if p and p != "fp8"]
+        out_t = out if out != Path("benchmarks/results/net.json") else Path("benchmarks/results/net_trained.json")
+        plot_t = plot if plot != Path("benchmarks/results/net.png") else Path("benchmarks/results/net_trained.png")
+        command = shlex.join(["tcprec", "bench", "net", "--precision", precision, "--batch", batch]
+                             + [a for c in checkpoint for a in ("--checkpoint", str(c))])
+        with _needs_gpu():
+            run_trained([str(c) for c in checkpoint], precs, _ints(batch, "--batch"), out=str(out_t),
+                        plot=str(plot_t) if plot else None, console=Console(), command=command)
+        return
 
     models = _choices(model, tuple(MODELS), "--model")
     precisions = _choices(precision, net_bench.PRECISIONS, "--precision")
@@ -613,19 +629,28 @@ def _load_image(image: str, size: int) -> tuple[torch.Tensor, str]:
 @app.command("run")
 def run_cmd(
     model: str = typer.Option("yolov2-tiny", help="alexnet, vgg, resnet18 or yolov2-tiny (seeded weights)."),
-    precision: str = typer.Option("int8", help="fp32, fp16, int8, fp8, w2a2 or w1a2."),
+    precision: Optional[str] = typer.Option(None, help="fp32, fp16, int8, fp8, w2a2 or w1a2 (default int8; a QAT "
+                                            "checkpoint: its own)."),
     image: str = typer.Option("astronaut", help="A photo file, or a scikit-image sample: astronaut, chelsea, coffee, rocket."),
     out: Path = typer.Option(Path("output.npy"), help="Where to save the output tensor (.npy)."),
     device: Device = typer.Option(Device.auto, help="auto picks cuda when a GPU is present."),
     trace: Optional[Path] = typer.Option(None, help="Also write a Chrome trace of one inference here."),
+    checkpoint: Optional[Path] = typer.Option(None, help="Trained weights (`tcprec train --task classify`: float.pt "
+                                              "/ qat.pt): run Fashion-MNIST test images instead of a photo."),
+    images: int = typer.Option(256, min=1, help="With --checkpoint: how many test images (one batch)."),
 ):
     """Run one photo through a network at a precision: compiled engine on the GPU (one CUDA graph, two
-    copies), output saved as .npy, per-layer breakdown, copy count and NRMSE against fp32."""
+    copies), output saved as .npy, per-layer breakdown, copy count and NRMSE against fp32.  With --checkpoint: the
+    trained network on Fashion-MNIST test images (a QAT checkpoint at its own precision), with its accuracy."""
     import numpy as np
 
     from .bench.net import PRECISIONS, build_variant, nrmse
     from .nn import models as zoo
 
+    if checkpoint is not None:
+        _run_trained(checkpoint, precision, images, out, _pick_device(device.value))
+        return
+    precision = precision or "int8"
     _choice(model, tuple(zoo.MODELS), "--model")
     _choice(precision, PRECISIONS, "--precision")
     console = Console()
@@ -651,6 +676,34 @@ def run_cmd(
     cp = "n/a (no GPU: eager on the CPU)" if copies is None else ", ".join(f"{k} {v:g}" for k, v in copies.items())
     console.print(f"host<->device copies per compiled inference: {cp}")
     console.print(f"output {tuple(y.shape)} saved to {out}; NRMSE against fp32: {nrmse(y, ref):.4g}")
+
+
+def _run_trained(checkpoint: Path, precision: Optional[str], images: int, out: Path, dev: torch.device) -> None:
+    """``tcprec run --checkpoint``: a trained network on the first ``images`` Fashion-MNIST test images."""
+    import numpy as np
+
+    from .qat.checkpoint import deploy, load_trained
+    from .qat.trainer import load_classify_data, normalize
+
+    console = Console()
+    try:
+        t = load_trained(checkpoint, dev)
+        ds = load_classify_data("fashion-mnist", None, dev, limit_train=512, limit_test=images)
+        net = deploy(t, precision, normalize(ds.x_train))
+    except (ValueError, FileNotFoundError) as e:
+        Console(stderr=True).print(f"[red]{e}")
+        raise typer.Exit(code=2) from None
+    x = normalize(ds.x_test)
+    engine = tp.compile(net, x, device=dev)
+    y = engine(x).float()
+    np.save(out, y.cpu().numpy())
+    acc = float((y.argmax(1).to(ds.y_test.device) == ds.y_test).float().mean())
+    shown = t.precision if t.kind == "qat" else (precision or "fp32")
+    console.print(f"[bold]{t.model_name}[/] ({t.kind} checkpoint {checkpoint}) at [bold]{shown}[/] on {dev} "
+                  f"({engine.mode}): accuracy {100 * acc:.2f}% on {x.shape[0]} Fashion-MNIST test images")
+    if hasattr(net, "tcprec_summary"):
+        console.print(net.tcprec_summary.table())
+    console.print(f"output {tuple(y.shape)} saved to {out}")
 
 
 @app.command("profile")

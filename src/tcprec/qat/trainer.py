@@ -125,7 +125,11 @@ def fit(model: nn.Module, data: TrainData, *, epochs: int, lr: float, batch_size
     if steps < 1:
         raise ValueError(f"batch_size={batch_size} exceeds the {data.x_train.shape[0]} training images")
     if schedule == "onecycle":
-        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=epochs * steps, pct_start=0.25)
+        if epochs * steps < 4:
+            raise ValueError(f"the OneCycle schedule needs at least 4 steps, got {epochs * steps} (epochs={epochs}, "
+                             f"{steps} batches of {batch_size}): train longer or use smaller batches")
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=epochs * steps,
+                                                    pct_start=min(0.5, max(0.25, 2 / (epochs * steps))))
     elif schedule == "cosine":
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 * (1 + math.cos(math.pi * i / (epochs * steps))))
     else:
