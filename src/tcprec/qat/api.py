@@ -105,13 +105,20 @@ def prepare_qat(model: nn.Module, config: QuantConfig | str = "w1a2", *, act_qua
                       + ", ".join(f"{p.name} ({p.why_float})" for p in floats), stacklevel=2)
     info = QATInfo(cfg, act_quant, plans)
     qat.tcprec_qat = info
-
-    def record_shape(mod, args):
-        if info.input_shape is None and args and isinstance(args[0], torch.Tensor):
-            info.input_shape = tuple(args[0].shape[1:])
-
-    qat.register_forward_pre_hook(record_shape)
+    qat.register_forward_pre_hook(_RecordShape(info))
     return qat
+
+
+class _RecordShape:
+    """Forward pre-hook: the first input's (C, H, W), for convert_qat's example input (a class, so that a prepared
+    model pickles with torch.save)."""
+
+    def __init__(self, info: QATInfo):
+        self.info = info
+
+    def __call__(self, mod, args):
+        if self.info.input_shape is None and args and isinstance(args[0], torch.Tensor):
+            self.info.input_shape = tuple(args[0].shape[1:])
 
 
 def qat_layers(model: nn.Module) -> dict[str, nn.Module]:
@@ -154,8 +161,9 @@ def convert_qat(model: nn.Module, example_input: torch.Tensor | None = None) -> 
         dev = next((p.device for p in model.parameters()), torch.device("cpu"))
         example_input = torch.zeros((2, *info.input_shape), device=dev)
     skeleton = copy.deepcopy(model)
-    for h in list(skeleton._forward_pre_hooks):
-        skeleton._forward_pre_hooks.pop(h)
+    for h, fn in list(skeleton._forward_pre_hooks.items()):
+        if isinstance(fn, _RecordShape):
+            skeleton._forward_pre_hooks.pop(h)
     del skeleton.tcprec_qat
     fixed = {}
     for name, m in layers.items():
