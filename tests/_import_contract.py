@@ -26,7 +26,8 @@ LAYERS: list[tuple[str, tuple[str, ...], bool]] = [
     ("ops", ("tcprec.packing", "tcprec.qtensor", "tcprec.ops"), False),
     ("libraries", ("tcprec.nn", "tcprec.linalg", "tcprec.distributed", "tcprec.runtime", "tcprec.profiling",
                    "tcprec.emulate", "tcprec.metrics", "tcprec.data"), True),
-    ("drivers", ("tcprec.bench", "tcprec.train"), True),
+    ("workflows", ("tcprec.qat", "tcprec.train"), False),
+    ("drivers", ("tcprec.bench",), True),
     ("entry", ("tcprec", "tcprec.cli"), False),
 ]
 

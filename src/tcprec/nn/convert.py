@@ -49,9 +49,9 @@ from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
 from ..ops.matmul import BACKENDS, choose_int_backend
-from .qmodules import LayerPrecision, QConv2d, QLinear, flatten_nhwc, parse_precision
+from .qmodules import FixedQuant, LayerPrecision, QConv2d, QLinear, flatten_nhwc, parse_precision
 
-__all__ = ["QuantConfig", "QuantSummary", "LayerRecord", "quantize_model"]
+__all__ = ["QuantConfig", "QuantSummary", "LayerRecord", "LayerPlan", "quantize_model", "plan_layers"]
 
 
 @dataclass(frozen=True)
@@ -199,6 +199,81 @@ def _unsupported(m: nn.Module) -> str | None:
         if isinstance(m.padding, str) or m.padding_mode != "zeros":
             return f"padding={m.padding!r}, padding_mode={m.padding_mode!r} (needs numeric zero padding)"
     return None
+
+
+def _candidates(gm: nn.Module, mods, traced: bool) -> list[str]:
+    """The nn.Conv2d / nn.Linear layers in execution order (module order when the model did not trace)."""
+    if traced:
+        order = [n.target for n in gm.graph.nodes if n.op == "call_module"
+                 and type(mods[n.target]) in (nn.Conv2d, nn.Linear)]
+        return list(dict.fromkeys(order))
+    return [n for n, m in gm.named_modules() if type(m) in (nn.Conv2d, nn.Linear)]
+
+
+def _precision_rule(cfg: QuantConfig, order: list[str], mods):
+    """name -> LayerPrecision (None: float): the override, else first_last for the first conv and the last
+    layer, else the config's precision."""
+    first_conv = next((n for n in order if isinstance(mods[n], nn.Conv2d)), None)
+    last = order[-1] if order else None
+
+    def precision_of(name: str) -> LayerPrecision | None:
+        if name in cfg.overrides:
+            return parse_precision(cfg.overrides[name])
+        if cfg.first_last is not None and name in (first_conv, last):
+            return parse_precision(cfg.first_last)
+        return parse_precision(cfg.precision)
+
+    return precision_of
+
+
+def _fusable_bn(m: nn.Module, u: fx.Node | None, mods) -> bool:
+    """Whether conv ``m``'s sole user ``u`` is a BatchNorm2d that quantize_model folds into it."""
+    return (isinstance(m, nn.Conv2d) and u is not None and u.op == "call_module"
+            and type(mods[u.target]) is nn.BatchNorm2d and mods[u.target].track_running_stats)
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One nn.Conv2d / nn.Linear as quantize_model will treat it (``plan_layers``)."""
+
+    name: str
+    kind: str  # "conv" | "linear"
+    precision: LayerPrecision | None  # None: stays in float
+    why_float: str | None  # why it stays in float (None when quantized)
+    bn: str | None  # the BatchNorm2d folded into it (module name), or None
+
+
+def plan_layers(model: nn.Module, config: QuantConfig | str = "w1a2") -> tuple[list[LayerPlan], bool]:
+    """(the layers ``quantize_model(model, config)`` would quantize, in execution order; whether the model
+    traces): the same tracer, first/last rule, overrides and BatchNorm folding, without calibration data.
+    ``tcprec.prepare_qat`` puts fake quantization on exactly these."""
+    cfg = QuantConfig(precision=config) if isinstance(config, str) else config
+    if not isinstance(cfg, QuantConfig):
+        raise TypeError(f"config must be a QuantConfig or a precision string like 'w1a2', got {type(config).__name__}")
+    try:
+        gm: nn.Module = fx.GraphModule(model, _Tracer().trace(model), model.__class__.__name__)
+        traced = True
+    except Exception:  # noqa: BLE001 - the module swap of quantize_model (no fusion)
+        gm, traced = model, False
+    mods = dict(gm.named_modules())
+    unknown = [k for k in cfg.overrides if k not in mods]
+    if unknown:
+        raise ValueError(f"overrides name no module of the model: {unknown}; names look like {list(mods)[1:6]}")
+    order = _candidates(gm, mods, traced)
+    precision_of = _precision_rule(cfg, order, mods)
+    nodes = {n.target: n for n in gm.graph.nodes if n.op == "call_module"} if traced else {}
+    plans = []
+    for name in order:
+        m, prec = mods[name], precision_of(name)
+        why = _unsupported(m) or (None if prec is not None else "kept in float (config)")
+        bn = None
+        if traced and cfg.fuse and why is None:
+            u = _sole_user(nodes[name])
+            if _fusable_bn(m, u, mods):
+                bn = u.target
+        plans.append(LayerPlan(name, "conv" if isinstance(m, nn.Conv2d) else "linear",
+                               None if why else prec, why, bn))
+    return plans, traced
 
 
 def _act_of(node: fx.Node, mods) -> object | None:
@@ -392,11 +467,14 @@ def _set_module(root: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, calibration=None,
-                   inplace: bool = False, warn: bool = True) -> nn.Module:
+                   inplace: bool = False, warn: bool = True, fixed: Mapping[str, FixedQuant] | None = None
+                   ) -> nn.Module:
     """A quantized copy of ``model`` for inference (``torch.fx.GraphModule`` when the model traces).
 
     ``config``: a :class:`QuantConfig` or a precision string (``"w1a2"``, ``"w2a2"``, ``"int8"``, ``"fp8"``...).
     ``calibration``: a sample batch (or a list of batches) on the model's device.
+    ``fixed``: module name -> :class:`~tcprec.nn.qmodules.FixedQuant`, a layer whose activation scale, weight
+    codes and epilogue were decided elsewhere (``tcprec.convert_qat``): used as given, not calibrated.
 
     >>> import torch
     >>> m = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
@@ -427,25 +505,14 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
     unknown = [k for k in cfg.overrides if k not in mods]
     if unknown:
         raise ValueError(f"overrides name no module of the model: {unknown}; names look like {list(mods)[1:6]}")
+    bad = [k for k in (fixed or {}) if not isinstance(mods.get(k), (nn.Conv2d, nn.Linear))]
+    if bad:
+        raise ValueError(f"fixed names no nn.Conv2d / nn.Linear of the model: {bad}")
 
-    # -- candidate layers, in execution order ------------------------------------------------------
-    if traced:
-        order = [n.target for n in gm.graph.nodes if n.op == "call_module"
-                 and type(mods[n.target]) in (nn.Conv2d, nn.Linear)]
-        order = list(dict.fromkeys(order))
-    else:
-        order = [n for n, m in model.named_modules() if type(m) in (nn.Conv2d, nn.Linear)]
+    order = _candidates(gm, mods, traced)
     stats = _calibrate(gm, order, batches, shapes=traced, notes=notes)
-    first_conv = next((n for n in order if isinstance(mods[n], nn.Conv2d)), None)
-    last = order[-1] if order else None
+    precision_of = _precision_rule(cfg, order, mods)
     dev = next((p.device for p in gm.parameters()), torch.device("cpu"))
-
-    def precision_of(name: str) -> LayerPrecision | None:
-        if name in cfg.overrides:
-            return parse_precision(cfg.overrides[name])
-        if cfg.first_last is not None and name in (first_conv, last):
-            return parse_precision(cfg.first_last)
-        return parse_precision(cfg.precision)
 
     records: dict[str, LayerRecord] = {}
     new_mods: dict[str, nn.Module] = {}
@@ -459,11 +526,13 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
         if prec is None or why:
             records[name] = LayerRecord(name, kind, "float", why or "kept in float (config)")
             return None
+        fx_ = fixed.get(name) if fixed else None
         if kind == "conv":
             q = QConv2d.from_float(m, prec, in_absmax=absmax, signed_input=neg, bn=bn, act=act, pool=pool,
-                                   backend=cfg.backend)
+                                   backend=cfg.backend, fixed=fx_)
         else:
-            q = QLinear.from_float(m, prec, in_absmax=absmax, signed_input=neg, act=act, backend=cfg.backend)
+            q = QLinear.from_float(m, prec, in_absmax=absmax, signed_input=neg, act=act, backend=cfg.backend,
+                                   fixed=fx_)
         backend = "fp8" if prec.fp8 else choose_int_backend(q.a_fmt, q.w_fmt, dev, cfg.backend)[0]
         fused = tuple(x for x in (bn is not None and "bn", act and (act if isinstance(act, str) else "leaky"),
                                   pool and f"{pool[0]}pool") if x)
@@ -487,8 +556,7 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
             cur = node
             if cfg.fuse and precision_of(node.target) is not None and not _unsupported(m):
                 u = _sole_user(cur)
-                if isinstance(m, nn.Conv2d) and u is not None and u.op == "call_module" \
-                        and type(mods[u.target]) is nn.BatchNorm2d and mods[u.target].track_running_stats:
+                if _fusable_bn(m, u, mods):
                     bn, cur = mods[u.target], u
                     absorbed.append(u)
                     u = _sole_user(cur)

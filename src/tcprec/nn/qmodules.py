@@ -35,7 +35,7 @@ from ..ops.quantize import absmax_qmax, quantize, quantize_pack, quantize_static
 from ..qtensor import PerChannel
 
 __all__ = ["LayerPrecision", "parse_precision", "QConv2d", "QLinear", "flatten_nhwc", "weight_format",
-           "activation_format"]
+           "activation_format", "FixedQuant"]
 
 _ACTS = (None, "relu", "leaky")
 
@@ -92,6 +92,33 @@ def activation_format(p: LayerPrecision, signed: bool):
     return as_format(f"int{p.a_bits}" if signed else f"uint{p.a_bits}")
 
 
+@dataclass(frozen=True)
+class FixedQuant:
+    """A layer's quantization decided elsewhere (``tcprec.convert_qat``: the scales QAT learned), used by
+    ``from_float`` as given -- no calibration, no weight rounding, no BatchNorm folding.
+
+    in_scale      one-element float32 tensor: the input's per-tensor scale
+    signed_input  False: ``uintN`` input codes (after a ReLU), True: ``intN``
+    weight        QTensor of the weight codes, ``(K, R, S, C)`` for a conv, ``(N, 1, 1, K)`` for a linear, with
+                  ``PerChannel(0)`` scales; its format is the layer's weight format (``binary``, ``pmN``, ``intN``)
+    scale, bias   the epilogue's per-channel float32 scale (a folded BatchNorm; None: none) and bias (None: none)
+    """
+
+    in_scale: torch.Tensor
+    signed_input: bool
+    weight: "object"  # QTensor
+    scale: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+    def check(self, prec: LayerPrecision, what: str) -> None:
+        fw = self.weight.fmt
+        if prec.fp8 or not isinstance(fw, IntFormat) or fw.bits != prec.w_bits:
+            raise ValueError(f"{what}: fixed weight format {fw} does not match precision {prec}")
+        s = self.in_scale
+        if not (isinstance(s, torch.Tensor) and s.numel() == 1 and s.dtype == torch.float32):
+            raise TypeError(f"{what}: fixed in_scale must be a one-element float32 tensor, got {s!r}")
+
+
 def _quantize_weight(w: torch.Tensor, fmt):
     """Per-output-channel scales along axis 0: absmax for multi-bit codes; mean |w| for binary (the
     L2-optimal scale of sign(w), XNOR-Net) -- absmax would map every weight to +-max|w|."""
@@ -140,13 +167,18 @@ class _QBase(nn.Module):
     tcprec_leaf = True  # profiling: one layer, however many kernels it launches
 
     def _init_common(self, prec: LayerPrecision, in_absmax: float, signed_input: bool, out_dtype, backend: str,
-                     device):
+                     device, fixed: FixedQuant | None = None):
         self.precision = prec
+        if fixed is not None:
+            fixed.check(prec, type(self).__name__)
+            signed_input = fixed.signed_input
         self.a_fmt = activation_format(prec, signed_input)
-        self.w_fmt = weight_format(prec)
+        self.w_fmt = weight_format(prec) if fixed is None else fixed.weight.fmt
         qmax = absmax_qmax(self.a_fmt)
         s = max(float(in_absmax), 1e-8) / qmax
-        self.register_buffer("in_scale", torch.tensor([s], dtype=torch.float32, device=device))  # with the weights
+        s = torch.tensor([s], dtype=torch.float32, device=device) if fixed is None else \
+            fixed.in_scale.detach().reshape(1).to(device).clone()
+        self.register_buffer("in_scale", s)  # with the weights
         self.out_dtype = out_dtype
         self.backend = backend
         self.out_fmt = None  # set by quantize_model when the output feeds another quantized conv
@@ -209,7 +241,8 @@ class QConv2d(_QBase):
 
     @classmethod
     def from_float(cls, conv: nn.Conv2d, precision, *, in_absmax: float, signed_input: bool, bn=None,
-                   act=None, pool=None, backend: str = "auto", out_dtype=None) -> "QConv2d":
+                   act=None, pool=None, backend: str = "auto", out_dtype=None,
+                   fixed: FixedQuant | None = None) -> "QConv2d":
         m = cls()
         prec = parse_precision(precision)
         if prec is None:
@@ -221,13 +254,20 @@ class QConv2d(_QBase):
                              f"padding_mode={conv.padding_mode!r}")
         if act is not None and not (act == "relu" or (isinstance(act, tuple) and act[0] == "leaky")):
             raise ValueError(f"act must be None, 'relu' or ('leaky', slope), got {act!r}")
-        m._init_common(prec, in_absmax, signed_input, out_dtype or conv.weight.dtype, backend, conv.weight.device)
+        m._init_common(prec, in_absmax, signed_input, out_dtype or conv.weight.dtype, backend, conv.weight.device,
+                       fixed)
         m.stride, m.padding, m.dilation = tuple(conv.stride), tuple(conv.padding), tuple(conv.dilation)
         m.in_channels, m.out_channels, m.kernel_size = conv.in_channels, conv.out_channels, tuple(conv.kernel_size)
         m.act, m.pool = act, pool
         w = conv.weight.detach().permute(0, 2, 3, 1).contiguous()  # (K, R, S, C): NHWC filters
-        m.weight = _prepare(_quantize_weight(w, m.w_fmt))
-        scale, bias = _fold_bn(conv.out_channels, conv.bias, bn, w.device)
+        if fixed is not None:
+            if fixed.weight.shape != tuple(w.shape):
+                raise ValueError(f"fixed weight codes have shape {fixed.weight.shape}, the conv's KRSC is {tuple(w.shape)}")
+            m.weight = _prepare(fixed.weight)
+            scale, bias = fixed.scale, fixed.bias
+        else:
+            m.weight = _prepare(_quantize_weight(w, m.w_fmt))
+            scale, bias = _fold_bn(conv.out_channels, conv.bias, bn, w.device)
         m.register_buffer("ch_scale", scale)
         m.register_buffer("ch_bias", bias)
         return m
@@ -297,16 +337,24 @@ class QLinear(_QBase):
 
     @classmethod
     def from_float(cls, lin: nn.Linear, precision, *, in_absmax: float, signed_input: bool, act=None,
-                   backend: str = "auto", out_dtype=None) -> "QLinear":
+                   backend: str = "auto", out_dtype=None, fixed: FixedQuant | None = None) -> "QLinear":
         m = cls()
         prec = parse_precision(precision)
         if prec is None:
             raise ValueError("QLinear needs a quantized precision ('w1a2', 'int8', 'fp8', ...), got 'float'")
         if act not in (None, "relu"):
             raise ValueError(f"QLinear fuses act=None or 'relu', got {act!r}")
-        m._init_common(prec, in_absmax, signed_input, out_dtype or lin.weight.dtype, backend, lin.weight.device)
+        m._init_common(prec, in_absmax, signed_input, out_dtype or lin.weight.dtype, backend, lin.weight.device,
+                       fixed)
         m.in_features, m.out_features, m.act = lin.in_features, lin.out_features, act
         w = lin.weight.detach()[:, None, None, :]  # (N_out, 1, 1, K): a 1x1 conv over one pixel
+        if fixed is not None:
+            if fixed.weight.shape != tuple(w.shape) or fixed.scale is not None:
+                raise ValueError(f"fixed weight codes of a linear are (N, 1, 1, K) = {tuple(w.shape)} with no epilogue "
+                                 f"scale, got {fixed.weight.shape} and scale={fixed.scale is not None}")
+            m.weight = _prepare(fixed.weight)
+            m.register_buffer("bias", None if fixed.bias is None else fixed.bias.detach().float())
+            return m
         m.weight = _prepare(_quantize_weight(w, m.w_fmt))
         m.register_buffer("bias", None if lin.bias is None else lin.bias.detach().float())
         return m
