@@ -395,6 +395,17 @@ def _chain_through_flatten(node: fx.Node, flat: fx.Node, qmods, records: dict, k
         records[node.target].out = f"packed {b.a_fmt} -> {to}"
 
 
+def _views_to_reshapes(g: fx.Graph) -> None:
+    """``x.view(shape)`` -> ``x.reshape(shape)``: a quantized conv's output is NCHW over channels_last memory (and so
+    is any elementwise op or pool of it), where a view that merges C with H, W (LeNet / AlexNet's
+    ``x.view(x.size(0), -1)``) fails; reshape gives the same values, as a view wherever one exists.  (A
+    ``view(dtype)`` reinterprets bits and stays.)"""
+    for n in g.nodes:
+        if n.op == "call_method" and n.target == "view" and not n.kwargs.get("dtype") \
+                and not any(isinstance(a, torch.dtype) for a in n.args[1:]):
+            n.target = "reshape"
+
+
 def _set_module(root: nn.Module, name: str, new: nn.Module) -> None:
     parent, _, leaf = name.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, leaf, new)
@@ -421,6 +432,12 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     batches = _batches(calibration)
+    wide = sorted({str(t.dtype) for t in (*model.parameters(), *model.buffers())
+                   if t.is_floating_point() and t.dtype not in (torch.float32, torch.float16, torch.bfloat16)})
+    if wide:
+        raise ValueError(f"model has {'/'.join(wide)} parameters or buffers; quantized layers compute in float32 and "
+                         "output float32, float16 or bfloat16: quantize a float32 copy (quantize_model(model.float(), "
+                         "...)) and cast its output if you need float64")
     model = model if inplace else copy.deepcopy(model)
     model.eval()
     notes: list[str] = []
@@ -458,6 +475,14 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
 
     records: dict[str, LayerRecord] = {}
     new_mods: dict[str, nn.Module] = {}
+    # conv / linear layers of kinds with no quantized path (Conv1d, Conv3d, transposed convs, Linear subclasses):
+    # listed as float in the summary and the warning, never dropped silently
+    no_path = [n for n, m in gm.named_modules() if n and n not in order and (
+        isinstance(m, nn.modules.conv._ConvNd) or isinstance(m, nn.Linear) or type(m) is nn.Bilinear)]
+    for n in no_path:
+        m = mods[n]
+        records[n] = LayerRecord(n, "conv" if isinstance(m, nn.modules.conv._ConvNd) else "linear", "float",
+                                 f"no quantized {type(m).__name__} (QConv2d / QLinear cover nn.Conv2d / nn.Linear)")
 
     def make(name: str, bn=None, act=None, pool=None) -> nn.Module | None:
         m = mods[name]
@@ -487,6 +512,8 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
                     and not node.kwargs:
                 node.replace_all_uses_with(node.args[0])
                 g.erase_node(node)
+        _views_to_reshapes(g)
+        calls = _module_calls(g)
         for node in list(g.nodes):
             if node.op != "call_module" or node.target not in order or node.target in records:
                 continue
@@ -494,7 +521,9 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
             absorbed: list[fx.Node] = []
             bn = act = pool = None
             cur = node
-            if cfg.fuse and precision_of(node.target) is not None and not _unsupported(m):
+            # a module called from several places is one module: fusing what follows one call would apply it
+            # after every call, so a shared layer keeps its BN / activation / pool as separate float ops
+            if cfg.fuse and calls[node.target] == 1 and precision_of(node.target) is not None and not _unsupported(m):
                 u = _sole_user(cur)
                 if isinstance(m, nn.Conv2d) and u is not None and u.op == "call_module" \
                         and type(mods[u.target]) is nn.BatchNorm2d and mods[u.target].track_running_stats:
@@ -531,9 +560,10 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
             def is_qconv(n: fx.Node) -> bool:
                 return n.op == "call_module" and isinstance(qmods.get(n.target), QConv2d)
 
+            calls = _module_calls(g)
             for node in g.nodes:
-                if not is_qconv(node):
-                    continue
+                if not is_qconv(node) or calls[node.target] != 1:
+                    continue  # (a shared conv's output format would change at every call site)
                 users = list(node.users)
                 if len(users) == 1 and users[0].op == "call_function" and users[0].target is flatten_nhwc:
                     _chain_through_flatten(node, users[0], qmods, records, kind_of)
@@ -599,9 +629,11 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
         for name in order:
             q = make(name)
             if q is not None:
+                if isinstance(q, QConv2d):
+                    q.contiguous_out = True  # its readers are unknown: plain NCHW memory, so x.view(n, -1) works
                 _set_module(gm, name, q)
 
-    summary = QuantSummary([records[n] for n in order if n in records], traced, notes)
+    summary = QuantSummary([records[n] for n in order + no_path if n in records], traced, notes)
     gm.tcprec_summary = summary
     if warn and (summary.float_layers or notes):
         kept = ", ".join(f"{r.name} ({r.backend})" for r in summary.float_layers)
