@@ -150,3 +150,31 @@ def test_half_keeps_scales_float32_and_sets_the_output_dtype(dtype):
 def test_double_is_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"\.double\(\)"):
         _quantized("w2a2").double()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "binary", "int2", "int3", "e4m3"])
+def test_chunked_weight_quantize_and_pack_give_the_same_bits(fmt, monkeypatch):
+    """The weight is quantized and packed in chunks of output channels (bounded temporaries: issue 40's memory);
+    every step is per channel, so chunks of 200 elements give what one call gives."""
+    from tcprec.formats import as_format
+    from tcprec.nn import qmodules as qm
+
+    f = as_format(fmt)
+    for shape in [(70, 3, 3, 40), (33, 1, 1, 100), (9, 5, 5, 7)]:
+        w = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+        monkeypatch.setattr(qm, "_CHUNK_ELEMENTS", 1 << 30)
+        qa = qm._quantize_weight(w, f)
+        a = qm._prepare(qa)
+        monkeypatch.setattr(qm, "_CHUNK_ELEMENTS", 200)
+        qb = qm._quantize_weight(w, f)
+        b = qm._prepare(qb)
+        assert torch.equal(qa.codes, qb.codes) and torch.equal(qa.scale, qb.scale)
+        for name in ["planes", "w_scale", "rowsum", "w8", "conv_planes"]:
+            x, y = getattr(a, name), getattr(b, name)
+            assert (x is None) == (y is None), name
+            if x is not None:
+                assert x.dtype == y.dtype and x.shape == y.shape, name
+                assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)) if x.element_size() == 1 \
+                    else torch.equal(x, y), name
+        assert (a.w_off, a.w_step) == (b.w_off, b.w_step)
+        assert (a.conv_planes is a.planes) == (b.conv_planes is b.planes)

@@ -100,14 +100,37 @@ def activation_format(p: LayerPrecision, signed: bool):
     return as_format(f"int{p.a_bits}" if signed else f"uint{p.a_bits}")
 
 
+# Rows (output channels) quantized or packed at a time: quantize / encode / bit-plane packing hold ~140 bytes an
+# element at their peak (float64 and int64 temporaries), so ~1M elements a chunk keep that ~150 MB whatever the
+# layer's size, instead of ~40x the weight (AlexNet's fc6, 205 MB of fp32: 7.7 GB; issue 40).  Every step is per
+# output channel, so the chunked result is the same bits.
+_CHUNK_ELEMENTS = 1 << 20
+
+
+def _row_chunks(rows: int, per_row: int) -> list[tuple[int, int]]:
+    step = max(1, _CHUNK_ELEMENTS // max(1, per_row))
+    return [(r, min(rows, r + step)) for r in range(0, rows, step)]
+
+
 def _quantize_weight(w: torch.Tensor, fmt):
     """Per-output-channel scales along axis 0: absmax for multi-bit codes; mean |w| for binary (the
-    L2-optimal scale of sign(w), XNOR-Net) -- absmax would map every weight to +-max|w|."""
-    w = w.detach().float()
-    if isinstance(fmt, IntFormat) and fmt.encoding == "pm1":
-        s = w.abs().flatten(1).mean(1).clamp_min(torch.finfo(torch.float32).tiny)
-        return quantize(w, fmt, PerChannel(0), scale=s.view(-1, *([1] * (w.dim() - 1))))
-    return quantize(w, fmt, PerChannel(0))
+    L2-optimal scale of sign(w), XNOR-Net) -- absmax would map every weight to +-max|w|.  In chunks of rows."""
+    w = w.detach()
+    codes = scales = None
+    for r0, r1 in _row_chunks(w.shape[0], w[0].numel()):
+        wc = w[r0:r1].float()
+        if isinstance(fmt, IntFormat) and fmt.encoding == "pm1":
+            s = wc.abs().flatten(1).mean(1).clamp_min(torch.finfo(torch.float32).tiny)
+            q = quantize(wc, fmt, PerChannel(0), scale=s.view(-1, *([1] * (w.dim() - 1))))
+        else:
+            q = quantize(wc, fmt, PerChannel(0))
+        if codes is None:  # the result allocated once: chunks' temporaries reuse one another's memory
+            codes = torch.empty(w.shape, dtype=q.codes.dtype, device=w.device)
+            scales = torch.empty((w.shape[0], *q.scale.shape[1:]), dtype=q.scale.dtype, device=w.device)
+        codes[r0:r1] = q.codes
+        scales[r0:r1] = q.scale
+        del wc, q
+    return QTensor(codes, scales, fmt, PerChannel(0), tuple(w.shape), torch.float32)
 
 
 def _fold_bn(out_ch: int, bias: torch.Tensor | None, bn: nn.BatchNorm2d | None, device):
@@ -123,8 +146,34 @@ def _fold_bn(out_ch: int, bias: torch.Tensor | None, bn: nn.BatchNorm2d | None, 
 
 
 def _prepare(qw):
-    """Pack the weight once (bit planes in the im2col word layout; the int8 path reads its codes)."""
-    return qc.pack_conv_weight(qw)
+    """Pack the weight once (bit planes in the im2col word layout; the int8 path reads its codes), in chunks of
+    output channels (every packed field is per channel: the same bits as one call)."""
+    chunks = _row_chunks(qw.shape[0], qw.codes[0].numel())
+    if len(chunks) == 1:
+        return qc.pack_conv_weight(qw)
+    dims = {"planes": 1, "conv_planes": 1, "w_scale": 0, "rowsum": 0, "w8": 0}  # the K axis of each field
+    out: dict = {}
+    shared = True  # conv_planes is planes (each tap already an even number of words)
+    for r0, r1 in chunks:
+        part = qc.pack_conv_weight(QTensor(qw.codes[r0:r1], qw.scale[r0:r1], qw.fmt, PerChannel(0),
+                                           (r1 - r0, *qw.shape[1:]), qw.dtype))
+        shared = shared and part.conv_planes is part.planes
+        for name, d in dims.items():
+            t = getattr(part, name)
+            if t is None or (name == "conv_planes" and shared):
+                continue
+            if name not in out:  # each field allocated once (see _quantize_weight)
+                shape = list(t.shape)
+                shape[d] = qw.shape[0]
+                out[name] = torch.empty(shape, dtype=t.dtype, device=t.device)
+            out[name].narrow(d, r0, r1 - r0).copy_(t)
+        w_off, w_step = part.w_off, part.w_step
+        del part
+    f8 = qc._fp8_dtype(qw.fmt)  # float8 codes: a view of the codes, as pack_conv_weight makes it
+    w8 = qw.codes.contiguous().view(f8) if f8 is not None else out.get("w8")  # (K, R, S, C)
+    planes = out.get("planes")  # (q, K, Kw_col) int32
+    return qc.PackedConvWeight(qw, planes, out["w_scale"], out.get("rowsum"), w8, w_off, w_step,
+                               conv_planes=planes if shared else out.get("conv_planes"))
 
 
 def _quantize_input(x_nhwc: torch.Tensor, m: "_QBase", compact: bool = False):
