@@ -66,6 +66,10 @@ class QuantConfig:
     fuse, chain steps 4 and 5 of the module docstring (on by default)
     fuse_residual  step 4's residual blocks (with ``fuse``): ``act(conv_bn(x) + residual)`` in one conv;
                 False keeps the add and the activation as float ops (the same numbers, more passes)
+    fp8_accum   FP8 layers on the GPU: ``"fp32"`` promotes Hopper's narrow fp8 accumulator into fp32 every
+                BLOCK_K products (each layer matches the exact reference within docs/numerics.md's bound);
+                ``"fast"`` keeps the narrow accumulator over the whole reduction (faster; an error that grows
+                with K and compounds through the layers: 18-22% output divergence on ResNet-18 / VGG, issue 40)
     """
 
     precision: str = "w1a2"
@@ -75,8 +79,11 @@ class QuantConfig:
     fuse: bool = True
     chain: bool = True
     fuse_residual: bool = True
+    fp8_accum: str = "fp32"
 
     def __post_init__(self):
+        if self.fp8_accum not in ("fp32", "fast"):
+            raise ValueError(f"fp8_accum must be 'fp32' or 'fast', got {self.fp8_accum!r}")
         parse_precision(self.precision)
         if self.first_last is not None:
             parse_precision(self.first_last)
@@ -498,6 +505,7 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
                                    backend=cfg.backend)
         else:
             q = QLinear.from_float(m, prec, in_absmax=absmax, signed_input=neg, act=act, backend=cfg.backend)
+        q.fp8_fast_accum = cfg.fp8_accum == "fast"
         backend = "fp8" if prec.fp8 else choose_int_backend(q.a_fmt, q.w_fmt, dev, cfg.backend)[0]
         fused = tuple(x for x in (bn is not None and "bn", act and (act if isinstance(act, str) else "leaky"),
                                   pool and f"{pool[0]}pool") if x)

@@ -196,6 +196,11 @@ def _quantize_input(x_nhwc: torch.Tensor, m: "_QBase", compact: bool = False):
 class _QBase(nn.Module):
     tcprec_leaf = True  # profiling: one layer, however many kernels it launches
 
+    # FP8 layers on the GPU: False (the default) promotes Hopper's narrow fp8 MMA accumulator into fp32 every
+    # BLOCK_K products, so a layer matches the exact reference within the bound of docs/numerics.md; True keeps the
+    # narrow accumulator over the whole reduction (faster; errors that grow with K: QuantConfig(fp8_accum="fast")).
+    fp8_fast_accum = False
+
     def _init_common(self, prec: LayerPrecision, in_absmax: float, signed_input: bool, out_dtype, backend: str,
                      device):
         self.precision = prec
@@ -394,7 +399,8 @@ class QConv2d(_QBase):
         y = qc.conv2d(x, self.weight, stride=self.stride, padding=self.padding, dilation=self.dilation,
                       scale=self.ch_scale, bias=self.ch_bias, act=self.act, pool=self.pool,
                       out_dtype=self.out_dtype, out_fmt=self.out_fmt, out_scale=self.out_scale,
-                      out_layout=self.out_layout, backend=self.backend, residual=res)
+                      out_layout=self.out_layout, backend=self.backend, residual=res,
+                      fp8_fast_accum=self.fp8_fast_accum)
         if not isinstance(y, torch.Tensor):
             return y
         y = y.permute(0, 3, 1, 2)  # NCHW view, channels_last memory
@@ -489,7 +495,8 @@ class QLinear(_QBase):
         else:
             lead = x.shape[:-1]
             xa = _quantize_input(x.reshape(-1, 1, 1, self.in_features), self)  # (B, 1, 1, K) NHWC
-        y = qc.conv2d(xa, self.weight, bias=self.bias, act=self.act, out_dtype=self.out_dtype, backend=self.backend)
+        y = qc.conv2d(xa, self.weight, bias=self.bias, act=self.act, out_dtype=self.out_dtype, backend=self.backend,
+                      fp8_fast_accum=self.fp8_fast_accum)
         return y.reshape(*lead, self.out_features)
 
 
