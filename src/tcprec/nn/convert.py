@@ -70,6 +70,10 @@ class QuantConfig:
                 reordered to (h, w, c) once and the flatten a view of the conv's channels_last output (integer
                 layers: the same numbers; a float-accumulating FP8 linear sums in another order).  False keeps
                 torch.flatten's NCHW copy (docs/decisions/0006)
+    fp8_accum   FP8 layers on the GPU: ``"fp32"`` promotes Hopper's narrow fp8 accumulator into fp32 every
+                BLOCK_K products (each layer matches the exact reference within docs/numerics.md's bound);
+                ``"fast"`` keeps the narrow accumulator over the whole reduction (faster; an error that grows
+                with K and compounds through the layers: 18-22% output divergence on ResNet-18 / VGG, issue 40)
     """
 
     precision: str = "w1a2"
@@ -80,8 +84,11 @@ class QuantConfig:
     chain: bool = True
     fuse_residual: bool = True
     fuse_flatten: bool = True
+    fp8_accum: str = "fp32"
 
     def __post_init__(self):
+        if self.fp8_accum not in ("fp32", "fast"):
+            raise ValueError(f"fp8_accum must be 'fp32' or 'fast', got {self.fp8_accum!r}")
         parse_precision(self.precision)
         if self.first_last is not None:
             parse_precision(self.first_last)
@@ -461,6 +468,17 @@ def _chain_through_flatten(node: fx.Node, flat: fx.Node, qmods, records: dict, k
         records[node.target].out = f"packed {b.a_fmt} -> {to}"
 
 
+def _views_to_reshapes(g: fx.Graph) -> None:
+    """``x.view(shape)`` -> ``x.reshape(shape)``: a quantized conv's output is NCHW over channels_last memory (and so
+    is any elementwise op or pool of it), where a view that merges C with H, W (LeNet / AlexNet's
+    ``x.view(x.size(0), -1)``) fails; reshape gives the same values, as a view wherever one exists.  (A
+    ``view(dtype)`` reinterprets bits and stays.)"""
+    for n in g.nodes:
+        if n.op == "call_method" and n.target == "view" and not n.kwargs.get("dtype") \
+                and not any(isinstance(a, torch.dtype) for a in n.args[1:]):
+            n.target = "reshape"
+
+
 def _set_module(root: nn.Module, name: str, new: nn.Module) -> None:
     parent, _, leaf = name.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, leaf, new)
@@ -490,6 +508,12 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     batches = _batches(calibration)
+    wide = sorted({str(t.dtype) for t in (*model.parameters(), *model.buffers())
+                   if t.is_floating_point() and t.dtype not in (torch.float32, torch.float16, torch.bfloat16)})
+    if wide:
+        raise ValueError(f"model has {'/'.join(wide)} parameters or buffers; quantized layers compute in float32 and "
+                         "output float32, float16 or bfloat16: quantize a float32 copy (quantize_model(model.float(), "
+                         "...)) and cast its output if you need float64")
     model = model if inplace else copy.deepcopy(model)
     model.eval()
     notes: list[str] = []
@@ -516,6 +540,14 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
 
     records: dict[str, LayerRecord] = {}
     new_mods: dict[str, nn.Module] = {}
+    # conv / linear layers of kinds with no quantized path (Conv1d, Conv3d, transposed convs, Linear subclasses):
+    # listed as float in the summary and the warning, never dropped silently
+    no_path = [n for n, m in gm.named_modules() if n and n not in order and (
+        isinstance(m, nn.modules.conv._ConvNd) or isinstance(m, nn.Linear) or type(m) is nn.Bilinear)]
+    for n in no_path:
+        m = mods[n]
+        records[n] = LayerRecord(n, "conv" if isinstance(m, nn.modules.conv._ConvNd) else "linear", "float",
+                                 f"no quantized {type(m).__name__} (QConv2d / QLinear cover nn.Conv2d / nn.Linear)")
 
     def make(name: str, bn=None, act=None, pool=None) -> nn.Module | None:
         m = mods[name]
@@ -533,6 +565,7 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
         else:
             q = QLinear.from_float(m, prec, in_absmax=absmax, signed_input=neg, act=act, backend=cfg.backend,
                                    fixed=fx_)
+        q.fp8_fast_accum = cfg.fp8_accum == "fast"
         backend = "fp8" if prec.fp8 else choose_int_backend(q.a_fmt, q.w_fmt, dev, cfg.backend)[0]
         fused = tuple(x for x in (bn is not None and "bn", act and (act if isinstance(act, str) else "leaky"),
                                   pool and f"{pool[0]}pool") if x)
@@ -547,6 +580,8 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
                     and not node.kwargs:
                 node.replace_all_uses_with(node.args[0])
                 g.erase_node(node)
+        _views_to_reshapes(g)
+        calls = _module_calls(g)
         for node in list(g.nodes):
             if node.op != "call_module" or node.target not in order or node.target in records:
                 continue
@@ -554,7 +589,9 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
             absorbed: list[fx.Node] = []
             bn = act = pool = None
             cur = node
-            if cfg.fuse and precision_of(node.target) is not None and not _unsupported(m):
+            # a module called from several places is one module: fusing what follows one call would apply it
+            # after every call, so a shared layer keeps its BN / activation / pool as separate float ops
+            if cfg.fuse and calls[node.target] == 1 and precision_of(node.target) is not None and not _unsupported(m):
                 u = _sole_user(cur)
                 if _fusable_bn(m, u, mods):
                     bn, cur = mods[u.target], u
@@ -590,9 +627,10 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
             def is_qconv(n: fx.Node) -> bool:
                 return n.op == "call_module" and isinstance(qmods.get(n.target), QConv2d)
 
+            calls = _module_calls(g)
             for node in g.nodes:
-                if not is_qconv(node):
-                    continue
+                if not is_qconv(node) or calls[node.target] != 1:
+                    continue  # (a shared conv's output format would change at every call site)
                 users = list(node.users)
                 if len(users) == 1 and users[0].op == "call_function" and users[0].target is flatten_nhwc:
                     _chain_through_flatten(node, users[0], qmods, records, kind_of)
@@ -658,9 +696,11 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
         for name in order:
             q = make(name)
             if q is not None:
+                if isinstance(q, QConv2d):
+                    q.contiguous_out = True  # its readers are unknown: plain NCHW memory, so x.view(n, -1) works
                 _set_module(gm, name, q)
 
-    summary = QuantSummary([records[n] for n in order if n in records], traced, notes)
+    summary = QuantSummary([records[n] for n in order + no_path if n in records], traced, notes)
     gm.tcprec_summary = summary
     if warn and (summary.float_layers or notes):
         kept = ", ".join(f"{r.name} ({r.backend})" for r in summary.float_layers)

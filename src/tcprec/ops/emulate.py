@@ -36,6 +36,9 @@ def _check(a, b, acc_fmt, mode, chunk, kahan):
     check_float_input(b, "emulate.matmul")
     if b.dim() != 2 or a.dim() < 1 or a.shape[-1] != b.shape[0]:
         raise ValueError(f"emulate.matmul takes a (..., K) and b (K, N), got a {tuple(a.shape)} and b {tuple(b.shape)}")
+    if a.device != b.device:
+        raise ValueError(f"emulate.matmul needs a and b on one device, got a on {a.device} and b on {b.device}; "
+                         f"move one, e.g. b.to({str(a.device)!r})")
     if acc_fmt is None:
         raise TypeError("emulate.matmul needs acc_fmt=, the accumulator format (e.g. acc_fmt='e5m10')")
     acc_fmt = as_format(acc_fmt)

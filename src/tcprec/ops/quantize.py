@@ -141,6 +141,9 @@ def _given_scale(scale, g: Granularity, shape, device, *, pow2: bool = False) ->
     if isinstance(scale, torch.Tensor):
         if scale.dtype.is_complex or not (scale.dtype.is_floating_point or scale.dtype in (torch.int32, torch.int64)):
             raise TypeError(f"scale must be a float or a real tensor, got dtype={scale.dtype}")
+        if scale.device != device and not (scale.device.type == "cpu" and scale.numel() == 1):
+            raise ValueError(f"scale is on {scale.device} but x is on {device}; put the scale on x's device "
+                             f"(scale.to({str(device)!r})) -- only a one-element CPU scale (a number) may differ")
         s = scale.to(device=device, dtype=torch.float32)
     elif isinstance(scale, (int, float)) and not isinstance(scale, bool):
         s = torch.tensor(float(scale), dtype=torch.float32, device=device)
