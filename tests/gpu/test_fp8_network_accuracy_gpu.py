@@ -1,10 +1,11 @@
 """FP8 networks against their exact reference (issue 40; docs/numerics.md, "FP8 layers").
 
 Each FP8 layer of a quantized ResNet-18, called on the inputs it saw in the network (the same input codes on both
-sides), stays within the accumulation bound of its mode: promoted (``fp8_accum="fp32"``, the default) fp32 adds
-plus Hopper's narrow accumulator inside each BLOCK_K <= 128 chunk; fast, the narrow accumulator over the whole
-reduction (tests/gpu/test_qconv_gpu.py states the same bounds on single layers).  The whole network's
-divergence from its reference copy is no larger promoted than fast."""
+sides), stays within the accumulation bound of its mode: fast (``fp8_accum="fast"``, the default), the narrow
+accumulator over the whole reduction; promoted (``"fp32"``), fp32 adds plus Hopper's narrow accumulator inside each
+BLOCK_K <= 128 chunk (tests/gpu/test_qconv_gpu.py states the same bounds on single layers).  The whole network's
+divergence from its reference copy is a measurement, not a bound (benchmarks/bench_fp8_accuracy_device.py,
+docs/decisions/0040)."""
 
 import copy
 
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def _net_and_input():
     m = zoo.build("resnet18", device="cuda").to(dtype=torch.float16, memory_format=torch.channels_last)
-    x = torch.randn(2, 3, 64, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(0)).half()
+    x = torch.randn(2, 3, 224, 224, device="cuda", generator=torch.Generator("cuda").manual_seed(0)).half()
     return m, x
 
 
@@ -36,13 +37,13 @@ def _unit(m, x):
     return F.max_pool2d(a, 2, 2) if m.pool is not None else a
 
 
-def test_quantize_model_promotes_the_fp8_accumulator_by_default():
+def test_quantize_model_keeps_the_fast_fp8_accumulator_by_default():
     m, x = _net_and_input()
     q = tp.quantize_model(m, "fp8", calibration=x, warn=False)
     fp8 = [mod for mod in q.modules() if isinstance(mod, (QConv2d, QLinear)) and mod.precision.fp8]
-    assert fp8 and not any(mod.fp8_fast_accum for mod in fp8)
-    q = tp.quantize_model(m, tp.QuantConfig("fp8", fp8_accum="fast"), calibration=x, warn=False)
-    assert all(mod.fp8_fast_accum for mod in q.modules() if isinstance(mod, QConv2d) and mod.precision.fp8)
+    assert fp8 and all(mod.fp8_fast_accum for mod in fp8)
+    q = tp.quantize_model(m, tp.QuantConfig("fp8", fp8_accum="fp32"), calibration=x, warn=False)
+    assert not any(mod.fp8_fast_accum for mod in q.modules() if isinstance(mod, QConv2d) and mod.precision.fp8)
 
 
 @pytest.mark.parametrize("mode", ["fp32", "fast"])
@@ -74,18 +75,3 @@ def test_every_fp8_layer_within_its_accumulation_bound_on_the_networks_inputs(mo
         bound = u * a + 4 * 2.0**-24 * (a + extra) + 1e-30  # + the float32 epilogue's roundings
         err = (y - exact).abs()
         assert bool((err <= bound).all()), f"{mod}: worst err / bound {float((err / bound).max()):.3g}"
-
-
-@torch.no_grad()
-def test_network_divergence_promoted_is_no_larger_than_fast():
-    m, x = _net_and_input()
-    rel = {}
-    for mode in ("fp32", "fast"):
-        q = tp.quantize_model(m, tp.QuantConfig("fp8", fp8_accum=mode), calibration=x, warn=False)
-        r = copy.deepcopy(q)
-        for mod in r.modules():
-            if isinstance(mod, (QConv2d, QLinear)):
-                mod.backend = "reference"
-        y, ref = q(x).double(), r(x).double()
-        rel[mode] = float((y - ref).norm() / ref.norm())
-    assert rel["fp32"] <= rel["fast"], rel

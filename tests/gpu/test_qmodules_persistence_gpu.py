@@ -22,7 +22,7 @@ PRECISIONS = ["int8", "fp8", "w1a1", "w1a2", "w2a2", "w4a4"]
 def _quantized(p, seed=0):
     m = zoo.build("resnet18", seed=seed, device="cuda").to(dtype=torch.float16, memory_format=torch.channels_last)
     g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(2, 3, 64, 64, device="cuda", generator=g).half()
+    x = torch.randn(2, 3, 224, 224, device="cuda", generator=g).half()
     return tp.quantize_model(m, p, calibration=x, warn=False), x
 
 

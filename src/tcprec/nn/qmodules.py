@@ -223,10 +223,9 @@ def _quantize_input(x_nhwc: torch.Tensor, m: "_QBase", compact: bool = False):
 class _QBase(nn.Module):
     tcprec_leaf = True  # profiling: one layer, however many kernels it launches
 
-    # FP8 layers on the GPU: False (the default) promotes Hopper's narrow fp8 MMA accumulator into fp32 every
-    # BLOCK_K products, so a layer matches the exact reference within the bound of docs/numerics.md; True keeps the
-    # narrow accumulator over the whole reduction (faster; errors that grow with K: QuantConfig(fp8_accum="fast")).
-    fp8_fast_accum = False
+    # FP8 layers on the GPU: True (the default) keeps Hopper's narrow fp8 MMA accumulator over the whole reduction;
+    # False promotes it into fp32 every BLOCK_K products (QuantConfig(fp8_accum="fp32"); docs/decisions/0040).
+    fp8_fast_accum = True
 
     def _init_common(self, prec: LayerPrecision, in_absmax: float, signed_input: bool, out_dtype, backend: str,
                      device, fixed: FixedQuant | None = None):
