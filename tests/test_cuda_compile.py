@@ -394,12 +394,13 @@ def test_stem_conv_variants_compile_without_spills(cache):
 
     import torch
 
+    from tcprec.kernels.cuda import runtime
     from tcprec.kernels.cuda import stem_conv as P
 
     vs = P.all_variants()
     assert len(vs) == 18 + 18 + 2 and len({str(v) for v in vs}) == len(vs)
     assert {v.fout for v in vs} == {None, torch.float16, torch.bfloat16} and sum(not v.planes for v in vs) == 2
-    P.cuda_core_api()  # (imported once before the threads)
+    runtime.cuda_core_api()  # (imported once before the threads)
     with ThreadPoolExecutor(4) as ex:
         logs = list(ex.map(lambda v: P.compile_stem(v, "sm_90a"), vs))
     for v, (cubin, log) in zip(vs, logs):

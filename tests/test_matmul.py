@@ -243,7 +243,7 @@ def test_eager_gemm_entry_refuses_cpu_tensors():
     from tcprec.kernels.cuda import bmma_gemm as bg
 
     if not torch.compiler.is_compiling():
-        assert bg.gemm_entry() is bmma_gemm._bmma_gemm
+        assert bg.gemm_entry() is bg._bmma_gemm
     a, w = torch.zeros(2, 4, 16, dtype=torch.int32), torch.zeros(1, 8, 16, dtype=torch.int32)
     with pytest.raises(ValueError, match="CUDA tensors.*reference backend"):
         bg.gemm_entry()(a, w, False, False, 1, None, None, None, None, None, False, "int32", 1, "unsigned",

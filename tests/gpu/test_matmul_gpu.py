@@ -14,7 +14,7 @@ import torch
 import tcprec as tp
 from tcprec.formats import IntFormat
 from tcprec.kernels.cuda import bmma_gemm as bg
-from tcprec.kernels.cuda import runtime as rt
+from tcprec.kernels.cuda import runtime as cuda_rt
 from tcprec.ops.matmul import explain_matmul, matmul, matmul_packed
 from tcprec.qtensor import PerChannel, PerTensor, QTensor
 
@@ -56,7 +56,7 @@ def _sync_tile(p, q, at, wt):
 
 WG_TILE = "128x128_w8x1_s4_k1024_wg"  # the cp.async wgmma kernel (no longer a default)
 TMA_TILE = "128x128_w8x1_s3_k1024_wg_tma"  # the persistent TMA kernel (the sm_90a defaults)
-HAS_WGMMA = rt.arch_of(torch.cuda.get_device_capability(0)) == "sm_90a" if torch.cuda.is_available() else False
+HAS_WGMMA = cuda_rt.arch_of(torch.cuda.get_device_capability(0)) == "sm_90a" if torch.cuda.is_available() else False
 
 
 def _case_shapes(idx):
@@ -68,7 +68,7 @@ def _case_shapes(idx):
 def compiled():
     """Compile every variant this module launches, in parallel, before the first test."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    arch = rt.arch_of(torch.cuda.get_device_capability(0))
+    arch = cuda_rt.arch_of(torch.cuda.get_device_capability(0))
     vs = set()
     for (p, q), enc in itertools.product(PAIRS, ENCODINGS):
         t = enc == "twos"
@@ -420,7 +420,7 @@ def test_chained_gemms_in_a_cuda_graph_with_programmatic_dependent_launch(M, K, 
         return outs
 
     want = [link(x.clone()) for x in srcs]  # eager, one call at a time
-    assert not torch.cuda.get_device_capability(0) >= (9, 0) or rt._pdl_options(0, True)
+    assert not torch.cuda.get_device_capability(0) >= (9, 0) or cuda_rt._pdl_options(0, True)
     buf = torch.empty_like(srcs[0])
     chain(buf)  # compile + load outside the capture
     torch.cuda.synchronize()
@@ -476,8 +476,8 @@ def _sass(variant) -> str:
     tool = shutil.which("cuobjdump")
     if tool is None:
         pytest.skip("cuobjdump not found (it ships with the CUDA toolkit)")
-    cubin, _ = bg.compile_variant(variant, rt.arch_of(torch.cuda.get_device_capability(0)))
-    path = bg.cubin_path(variant, rt.arch_of(torch.cuda.get_device_capability(0)))
+    cubin, _ = bg.compile_variant(variant, cuda_rt.arch_of(torch.cuda.get_device_capability(0)))
+    path = bg.cubin_path(variant, cuda_rt.arch_of(torch.cuda.get_device_capability(0)))
     assert path.exists()
     return subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True, check=True).stdout
 
@@ -487,7 +487,7 @@ def test_sass_wgmma_is_bgmma_and_popc_only(p, q, twos):
     """The wgmma tile's SASS: BGMMA.64xNx256.AND.POPC (binary warpgroup MMA), nothing else."""
     t = _big_tile(p, q, twos, twos)
     if t.mma != "wgmma":
-        pytest.skip(f"this GPU runs mma.sync tiles ({rt.arch_of(torch.cuda.get_device_capability(0))})")
+        pytest.skip(f"this GPU runs mma.sync tiles ({cuda_rt.arch_of(torch.cuda.get_device_capability(0))})")
     sass = _sass(bg.Variant(p, q, twos, twos, t, "float", "float16"))
     gmma = [ln for ln in sass.splitlines() if "GMMA" in ln]
     assert gmma and all("BGMMA" in ln and "AND.POPC" in ln for ln in gmma), gmma[:3]

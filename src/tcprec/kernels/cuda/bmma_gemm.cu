@@ -1374,12 +1374,12 @@ bmma_gemm(
                 for (int j = 0; j < CN; ++j) a_mask |= (unsigned short)(1u << (rm + CM * j));
             if (CM > 1)
                 for (int i = 0; i < CM; ++i) w_mask |= (unsigned short)(1u << (i + CM * rn));
-            int g = 0;  // steps loaded, counted across the block's tiles
+            int step = 0;  // steps loaded, counted across the block's tiles
             for (int pid = blockIdx.x / CS; pid < tiles; pid += stride) {
                 int m0, n0;
                 tile_origin(pid, m0, n0);
-                for (int kt = 0; kt < k_tiles; ++kt, ++g) {
-                    const int s = g % RING;
+                for (int kt = 0; kt < k_tiles; ++kt) {
+                    const int g = step++, s = g % RING;
                     if (g >= RING) mbar_wait(empty0 + 8 * s, ((g / RING) + 1) & 1);
                     mbar_arrive_expect_tx(full0 + 8 * s, STAGE_BYTES);
                     const u32 sA = smem_base + s * STAGE_BYTES, sW = sA + A_STAGE;
