@@ -17,8 +17,9 @@ holds every result; it is filled by the reference itself on one representative f
 whole span fits float32's 24 bits: then the plain float32 add is exact and used), and rounding the
 round-to-odd value to a format with >= 2 fewer significand bits and a quantum >= 2**-147 equals
 rounding the exact sum (Boldo & Melquiond 2008; the same argument as kernels/triton/allreduce.py).
-The APS scaling ``g * 2**s`` is a float32 multiply (exact scaling up) or, for s < 0, the float64
-product rounded to odd float32.
+The APS scaling ``g * 2**s`` is a float32 multiply (exact scaling up; a product past float32's max
+is replaced by +-max, which every mode rounds as the exact product since the format's max + half an
+ulp is below it) or, for s < 0, the float64 product rounded to odd float32.
 """
 
 from __future__ import annotations
@@ -165,9 +166,12 @@ class Fast32(Ref64):
         if shift >= 0:  # scaling up is exact (|result| <= 2**top); 2**shift split to stay in float32
             s1 = min(shift, 127)
 
-            def f(v):
-                v = v * math.ldexp(1.0, s1)
-                return self.values[self._key(v * math.ldexp(1.0, shift - s1) if shift > s1 else v)]
+            def f(g):
+                v = g * math.ldexp(1.0, s1)
+                v = v * math.ldexp(1.0, shift - s1) if shift > s1 else v
+                if shift:  # past float32's range (no APS): +-max rounds as the exact product (module doc)
+                    v = torch.where(torch.isinf(v) & torch.isfinite(g), torch.copysign(torch.full_like(v, _FMAX32), v), v)
+                return self.values[self._key(v)]
         else:  # scaling down may land in float32's subnormals: the float64 product, rounded to odd
 
             def f(v):

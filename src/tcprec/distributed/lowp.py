@@ -556,8 +556,11 @@ class LowpAllreduceHook:
     and the bucket returned as NaN so that a finiteness check (``LossScaler``) skips the step."""
 
     def __init__(self, fmt, aps=True, kahan=False, transport="compressed", rounding="nearest", group=None,
-                 graph=False):
+                 graph=False, algorithm="direct", acc_format=None):
         self.fmt = as_format(fmt)
+        self.algorithm, self.acc_format = algorithm, acc_format
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got algorithm={algorithm!r}")
         self.aps, self.kahan, self.transport, self.rounding, self.group = aps, kahan, transport, rounding, group
         self.graph = graph  # CUDA-graph replay per bucket buffer (allreduce_lowp(graph=True))
         if transport not in TRANSPORTS:
@@ -574,7 +577,7 @@ class LowpAllreduceHook:
             sizes = [buf.numel()]
         out, info = allreduce_lowp(buf.view(1, -1), sizes, self.fmt, aps=self.aps, kahan=self.kahan,
                                    transport=self.transport, rounding=self.rounding, group=self.group,
-                                   graph=self.graph)
+                                   graph=self.graph, algorithm=self.algorithm, acc_format=self.acc_format)
         self._record(info, bucket.index())
         buf.copy_(out.view_as(buf))
         fut = torch.futures.Future()
@@ -597,10 +600,13 @@ LowpAllreduceHook.__call__.__annotations__["return"] = torch.futures.Future[torc
 
 
 def lowp_allreduce_hook(fmt, aps: bool = True, kahan: bool = False, transport: str = "compressed",
-                        rounding: str = "nearest", group=None, graph: bool = False) -> LowpAllreduceHook:
-    """A DDP comm hook that all-reduces gradients in ``fmt`` with APS.
+                        rounding: str = "nearest", group=None, graph: bool = False, algorithm: str = "direct",
+                        acc_format=None) -> LowpAllreduceHook:
+    """A DDP comm hook that all-reduces gradients in ``fmt`` with APS (``algorithm``: the reduction
+    order, see :func:`allreduce_lowp`).  Works under ``torchrun`` (``init_process_group("nccl")``
+    reads ``env://``).
 
     >>> # ddp = DistributedDataParallel(model)
-    >>> # ddp.register_comm_hook(None, lowp_allreduce_hook("e4m3", aps=True))
+    >>> # ddp.register_comm_hook(None, lowp_allreduce_hook("e4m3", aps=True, algorithm="ring"))
     """
-    return LowpAllreduceHook(fmt, aps, kahan, transport, rounding, group, graph)
+    return LowpAllreduceHook(fmt, aps, kahan, transport, rounding, group, graph, algorithm, acc_format)
