@@ -68,7 +68,7 @@ def test_fast_add_equals_reference_on_every_code_pair(name):
 def test_fast_add_equals_reference_16_bit_sampled(name):
     fmt = fmt_of(name)
     g = torch.Generator().manual_seed(1)
-    codes = torch.randint(0, fmt.n_codes, (2, 1 << 17), generator=g)
+    codes = torch.randint(0, fmt.n_codes, (2, 1 << 15), generator=g)
     R = Ref64(fmt, "nearest", "cpu")
     a, b = R.from_codes(codes[0]).float(), R.from_codes(codes[1]).float()
     b[: 1 << 12] = -a[: 1 << 12]  # exact cancellations
@@ -82,11 +82,11 @@ def test_fast_add_equals_reference_16_bit_sampled(name):
 def test_fast_scale_round_equals_reference(name):
     fmt = fmt_of(name)
     g = torch.Generator().manual_seed(3)
-    bits = torch.randint(-(2**31), 2**31 - 1, (1 << 18,), generator=g, dtype=torch.int64).to(torch.int32)
+    bits = torch.randint(-(2**31), 2**31 - 1, (1 << 15,), generator=g, dtype=torch.int64).to(torch.int32)
     x = bits.view(torch.float32)
     x = torch.where(torch.isfinite(x), x, torch.zeros_like(x))
     for mode in MODES:
-        for shift in (0, 3, 140, -1, -30):
+        for shift in (0, 140, -30):
             want = Ref64(fmt, mode, "cpu").scale_round(x, shift).float()
             assert _same(Fast32(fmt, mode, "cpu").scale_round(x, shift), want), (name, mode, shift)
 

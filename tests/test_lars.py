@@ -67,3 +67,27 @@ def test_lars_zero_weights_fall_back_to_trust_one_and_bad_eta():
     assert torch.equal(p.detach(), torch.tensor([-0.5, 1.0]))  # ||w|| = 0: trust 1, a plain step
     with pytest.raises(ValueError, match="trust_coefficient"):
         LowPrecisionSGD([torch.nn.Parameter(torch.ones(1))], lr=0.1, lars=True, trust_coefficient=0.0)
+
+
+def test_train_with_lars_and_ring_learns(tmp_path):
+    from tcprec.train.cli_impl import train
+
+    s = train(model="tiny_cnn", data="synthetic", grad_format="e4m3", aps=True, nodes=4, batch_size=64, lr=2.0,
+              limit_train=512, limit_test=256, out_dir=tmp_path, progress=False, seed=0, epochs=2, lars=True,
+              algorithm="ring")
+    assert s["config"]["lars"] is True and s["config"]["algorithm"] == "ring"
+    h = s["history"]
+    assert h[1]["train_loss"] < h[0]["train_loss"] and s["final_test_acc"] > 0.3, h  # 10 classes: chance 0.1
+
+
+def test_cli_bench_allreduce_refuses_without_two_gpus():
+    from typer.testing import CliRunner
+
+    from tcprec.cli import app
+
+    res = CliRunner().invoke(app, ["bench", "allreduce", "--numel", "4096"], env={"COLUMNS": "200"})
+    assert res.exit_code == 2, res.output
+    assert "needs 2 or more" in res.output
+    res = CliRunner().invoke(app, ["bench", "allreduce", "--algorithm", "tree"], env={"COLUMNS": "200"})
+    assert res.exit_code != 0 and "tree" in res.output
+    assert "--lars" in CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": "200"}).output

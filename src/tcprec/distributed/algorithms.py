@@ -93,12 +93,13 @@ def _gather_shards(mine: torch.Tensor, S, ctx: Ctx, numel: int) -> tuple[torch.T
     return S.unpack(everyone, ctx.codes).reshape(-1)[:numel], (ctx.world - 1) * w.numel() * w.element_size()
 
 
-def _reduce_in_order(vals: torch.Tensor, S, kahan: bool) -> torch.Tensor:
-    """vals (N, L) values -> their sum (L,), row by row, each add rounded by S (Kahan optional)."""
-    s = vals[0].clone()
+def _reduce_in_order(rows, n: int, S, kahan: bool) -> torch.Tensor:
+    """rows(i) -> values (L,) of node i; their sum, node by node, each add rounded by S (Kahan optional).
+    Rows are decoded one at a time (memory: two rows, not n)."""
+    s = rows(0).clone()
     c = torch.zeros_like(s)
-    for i in range(1, vals.shape[0]):
-        s, c = _kahan_step(S, s, c, vals[i], kahan)
+    for i in range(1, n):
+        s, c = _kahan_step(S, s, c, rows(i), kahan)
     return s
 
 
@@ -116,31 +117,35 @@ def _kahan_step(S, s, c, p, kahan: bool):
 # ---- direct ---------------------------------------------------------------------------------------
 
 
-def _direct(q, A, S, ctx: Ctx, numel: int):
+def _direct(qbox, A, S, ctx: Ctx, numel: int):
     n_local, world = ctx.n_local, ctx.world
     shard = wire_shard(numel, world)
-    qp = torch.nn.functional.pad(q, (0, shard * world - numel))  # (n_local, world * shard)
-    send = qp.view(n_local, world, shard).transpose(0, 1).contiguous()  # (world, n_local, shard)
-    wire = A.pack(send, ctx.codes)
+    wire = A.pack(qbox.pop(), ctx.codes)  # (n_local, numel) codes (or float32): the values are not needed after
     if ctx.use_dist:
-        recv = torch.empty_like(wire)
-        dist.all_to_all_single(_words(recv), _words(wire), group=ctx.group)  # equal splits: world blocks
+        wp = torch.nn.functional.pad(wire, (0, shard * world - numel))  # (n_local, world * shard)
+        send = wp.view(n_local, world, shard).transpose(0, 1).contiguous()  # (world, n_local, shard)
+        del wire, wp
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(_words(recv), _words(send), group=ctx.group)  # equal splits: world blocks
+        del send
+        recv = recv.view(ctx.n, shard)  # node r * n_local + i in row order
     else:
-        recv = wire
-    vals = A.unpack(recv, ctx.codes).reshape(ctx.n, shard).to(S.dtype)  # node r * n_local + i in row order
-    s = S.nan_to_inf(_reduce_in_order(vals, S, ctx.kahan))  # (shard,)
+        recv, shard = wire, numel  # one process: every node's whole row (no padding needed: no exchange)
+    s = S.nan_to_inf(_reduce_in_order(lambda i: A.unpack(recv[i], ctx.codes).to(S.dtype), ctx.n, S, ctx.kahan))
     total, ag = _gather_shards(s.view(1, shard), S, ctx, numel)
-    return total, (world - 1) * n_local * shard * wire.element_size() + ag
+    return total, (world - 1) * n_local * shard * recv.element_size() + ag
 
 
 # ---- ring -----------------------------------------------------------------------------------------
 
 
-def _ring(q, A, S, ctx: Ctx, numel: int):
+def _ring(qbox, A, S, ctx: Ctx, numel: int):
+    q = qbox.pop()
     n, n_local = ctx.n, ctx.n_local
     shard = wire_shard(numel, n)
     qp = torch.nn.functional.pad(q.to(S.dtype), (0, shard * n - numel)).view(n_local, n, shard)
-    rows = torch.arange(n_local, device=q.device)
+    del q
+    rows = torch.arange(n_local, device=qp.device)
     nodes = ctx.rank * n_local + rows  # this process's nodes k
     p = qp[rows, (nodes - 1) % n]  # (n_local, shard): node k starts shard k - 1
     c = torch.zeros_like(p)
@@ -171,7 +176,8 @@ def _ring(q, A, S, ctx: Ctx, numel: int):
 # ---- halving / doubling ---------------------------------------------------------------------------
 
 
-def _halving(q, A, S, ctx: Ctx, numel: int):
+def _halving(qbox, A, S, ctx: Ctx, numel: int):
+    q = qbox.pop()
     n = ctx.n
     if ctx.kahan:
         raise ValueError("algorithm='halving' sums a pairwise tree and has no Kahan compensation; use "
@@ -186,6 +192,7 @@ def _halving(q, A, S, ctx: Ctx, numel: int):
     bpc = S.bytes_per_code if ctx.codes else 4
     mine = list(range(n)) if not ctx.use_dist else [ctx.rank]
     v = {k: torch.nn.functional.pad(q[i].to(S.dtype), (0, L - numel)) for i, k in enumerate(mine)}
+    del q
     got = {k: 0 for k in mine}
 
     def exchange(pairs):
@@ -286,9 +293,11 @@ def _partner_range(lo: int, hi: int, k: int, d: int) -> tuple[int, int]:
 _ALGOS = {"direct": _direct, "ring": _ring, "halving": _halving}
 
 
-def run(algorithm: str, q: torch.Tensor, A, S, ctx: Ctx, numel: int) -> tuple[torch.Tensor, int]:
-    """(total (numel,) values of S's format, bytes received by this rank -- or by one node, emulated)."""
-    total, got = _ALGOS[algorithm](q, A, S, ctx, numel)
+def run(algorithm: str, qbox: list, A, S, ctx: Ctx, numel: int) -> tuple[torch.Tensor, int]:
+    """``qbox``: [q], the rounded gradients (n_local, numel), handed over (the algorithm frees them as
+    soon as they are packed).  Returns (total (numel,) values of S's format, bytes received by this
+    rank -- or by one node, emulated)."""
+    total, got = _ALGOS[algorithm](qbox, A, S, ctx, numel)
     if algorithm == "direct" and not ctx.use_dist:  # emulated: what one node of N would receive
         shard = wire_shard(numel, ctx.n)
         bpc_a = A.bytes_per_code if ctx.codes else 4

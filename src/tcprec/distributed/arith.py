@@ -36,7 +36,7 @@ from ..ops.cast import code_dtype
 __all__ = ["Ref64", "Fast32", "fast_reason", "make_arith"]
 
 _FMAX32 = torch.finfo(torch.float32).max
-_PIECE = 1 << 21  # elements per pass: bounds the temporaries of one rounding to ~50 MB
+_PIECE = 1 << 18  # elements per pass: the temporaries of one rounding stay in the CPU's cache
 
 
 def fast_reason(fmt: FloatFormat) -> str | None:
@@ -147,8 +147,15 @@ class Fast32(Ref64):
         self.exact_add = fmt.emax + 2 - q_low <= 24
 
     def _key(self, x: torch.Tensor) -> torch.Tensor:
+        """(bits >> shift) << 1 | sticky, in place on two int32 temporaries; sticky = ((bits & low) + low)
+        >> shift is 1 exactly when a dropped bit is set (low < 2**shift)."""
         b = x.view(torch.int32)
-        return (((b >> self.shift) & self.kmask) << 1) | ((b & self.low) != 0).to(torch.int32)
+        k = torch.bitwise_right_shift(b, self.shift).bitwise_and_(self.kmask).bitwise_left_shift_(1)
+        t = torch.bitwise_and(b, self.low).add_(self.low).bitwise_right_shift_(self.shift)
+        return k.bitwise_or_(t)
+
+    def _look(self, table: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return table.index_select(0, self._key(x).view(-1)).view(x.shape)
 
     def _pieces(self, fn, out: torch.Tensor, *ins: torch.Tensor) -> torch.Tensor:
         """out = fn(*ins) elementwise, in pieces (bounded temporaries)."""
@@ -159,7 +166,7 @@ class Fast32(Ref64):
 
     def round(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float().contiguous()
-        return self._pieces(lambda v: self.values[self._key(v)], torch.empty_like(x), x)
+        return self._pieces(lambda v: self._look(self.values, v), torch.empty_like(x), x)
 
     def scale_round(self, g: torch.Tensor, shift: int) -> torch.Tensor:
         g = g.float().contiguous()
@@ -167,11 +174,14 @@ class Fast32(Ref64):
             s1 = min(shift, 127)
 
             def f(g):
+                if not shift:
+                    return self._look(self.values, g)
                 v = g * math.ldexp(1.0, s1)
                 v = v * math.ldexp(1.0, shift - s1) if shift > s1 else v
-                if shift:  # past float32's range (no APS): +-max rounds as the exact product (module doc)
-                    v = torch.where(torch.isinf(v) & torch.isfinite(g), torch.copysign(torch.full_like(v, _FMAX32), v), v)
-                return self.values[self._key(v)]
+                if bool(torch.isinf(v).any()):  # past float32's range (never under APS): +-max rounds as the
+                    big = torch.copysign(torch.full_like(v, _FMAX32), v)  # exact product (module doc)
+                    v = torch.where(torch.isinf(v) & torch.isfinite(g), big, v)
+                return self._look(self.values, v)
         else:  # scaling down may land in float32's subnormals: the float64 product, rounded to odd
 
             def f(v):
@@ -181,7 +191,7 @@ class Fast32(Ref64):
                 d = p64 - p.double()
                 fix = (d != 0) & ((pb & 1) == 0)
                 step = torch.where((d < 0) == (pb < 0), 1, -1).to(torch.int32)
-                return self.values[self._key(torch.where(fix, pb + step, pb).view(torch.float32))]
+                return self._look(self.values, torch.where(fix, pb + step, pb).view(torch.float32))
         return self._pieces(f, torch.empty_like(g), g)
 
     def _add_rto(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -199,15 +209,15 @@ class Fast32(Ref64):
 
     def add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         a, b = torch.broadcast_tensors(a, b)
-        return self._pieces(lambda x, y: self.values[self._key(self._add_rto(x, y))], torch.empty(a.shape, device=a.device), a, b)
+        return self._pieces(lambda x, y: self._look(self.values, self._add_rto(x, y)), torch.empty(a.shape, device=a.device), a, b)
 
     def to_codes(self, v: torch.Tensor) -> torch.Tensor:
         v = v.float().contiguous()
-        return self._pieces(lambda x: self.codes[self._key(x)], torch.empty(v.shape, dtype=self.wire_dtype,
+        return self._pieces(lambda x: self._look(self.codes, x), torch.empty(v.shape, dtype=self.wire_dtype,
                                                                              device=v.device), v)
 
     def from_codes(self, c: torch.Tensor) -> torch.Tensor:
-        return self.lut[c.to(torch.int32) & (self.fmt.n_codes - 1)]
+        return self.lut.index_select(0, (c.to(torch.int32) & (self.fmt.n_codes - 1)).view(-1)).view(c.shape)
 
     def wire(self, v: torch.Tensor, codes: bool) -> torch.Tensor:
         # the round trip changes only non-finite values: skip the two look-ups when there are none

@@ -12,23 +12,27 @@ For N nodes (processes x emulated nodes per process) and each gradient tensor g:
 Since |q_i| <= 2**top / N, no partial sum exceeds 2**top <= max: no overflow for any N, any
 gradient up to the float32 max.  All-zero tensors keep s = 0 and give zeros.
 
+The order of the sum (``algorithm``, distributed/algorithms.py): ``"direct"`` (above: node order,
+CPD's), ``"ring"`` (shard j travels the ring from node j + 1, every partial sum rounded and sent as
+codes) or ``"halving"`` (recursive halving / doubling: a pairwise tree).  Node order is global: node
+``rank * n_local + i``, so 4 processes x 1 node and 1 process x 4 emulated nodes give the same bits.
+Each partial sum is rounded to ``fmt``, or to a wider ``acc_format``.
+
 Transports (bit-identical; only the bytes on the wire differ):
 * ``"emulate"``:    float32 values on the wire (what CPD does).
 * ``"compressed"``: the format's codes as uint8 (4x fewer bytes).
-Both run a reduce-scatter (``all_to_all_single``: node values of shard j go to rank j, which sums
-them in node order) and an all-gather of the reduced shards.  Node order is global: node
-``rank * n_local + i``, so 4 processes x 1 node and 1 process x 4 emulated nodes give the same bits.
 
-Two implementations, same bits (tests/test_allreduce_fused.py, tests/gpu/test_allreduce_gpu.py):
-* CUDA tensors: the fused Triton kernels of kernels/triton/allreduce.py (three or four launches
-  and a zero fill around two or three collectives, no host sync; the flags in ``AllreduceInfo``
-  are read from the device only when asked for; ``graph=True`` replays the whole call as one CUDA
-  graph).  Where it moves no more bytes (one process, or two processes with
+Implementations, same bits (tests/test_allreduce_algorithms.py, tests/test_allreduce_fused.py,
+tests/gpu/test_allreduce_gpu.py):
+* CUDA tensors, ``algorithm="direct"``: the fused Triton kernels of kernels/triton/allreduce.py
+  (three or four launches and a zero fill around two or three collectives, no host sync; the flags
+  in ``AllreduceInfo`` are read from the device only when asked for; ``graph=True`` replays the
+  whole call as one CUDA graph).  Where it moves no more bytes (one process, or two processes with
   one node each) every rank all-gathers every node's codes and reduces the whole vector itself,
   in node order as the reduce-scatter does: one collective and one kernel fewer, the same bits.
-  Formats or modes those kernels cannot do exactly (``can_implement`` says why: stochastic
-  rounding, formats of more than 16 bits) run the reference, with a warning.
-* everything else (CPU): the pure-torch float64 reference below, the ground truth.
+* everything else (CPU; ``ring`` / ``halving`` / ``acc_format`` on CUDA; modes the kernels cannot
+  do): the pure-torch engine (distributed/arith.py), on exact float32 tables where the format
+  allows, else float64; ``backend="reference"`` forces float64, the ground truth.
 """
 
 from __future__ import annotations
@@ -519,7 +523,9 @@ def _allreduce_torch(grads, sizes, fmt, acc, aps, kahan, transport, rounding, gr
     # ---- 3. the exchange and the sums, in the algorithm's order ---------------------------------------
     ctx = Ctx(world=world, rank=dist.get_rank(group) if use_dist else 0, n_local=n_local, group=group,
               use_dist=use_dist, codes=transport == "compressed", kahan=kahan)
-    total, info.bytes_received = run_algorithm(algorithm, q, A, S, ctx, numel)
+    qbox = [q]
+    del q
+    total, info.bytes_received = run_algorithm(algorithm, qbox, A, S, ctx, numel)
 
     # ---- 4. undo the shift, take the mean -------------------------------------------------------------
     # one division by the exact scale * n (a tensor: CUDA divides by a Python-number divisor as a
