@@ -30,8 +30,10 @@ VARIANTS = {  # name -> (grad format, all-reduce backend)
 }
 
 
-def child(variant: str, steps: int, batch: int, nodes: int, algorithm: str) -> dict:
+def child(variant: str, steps: int, batch: int, nodes: int, algorithm: str, threads: int) -> dict:
     import torch
+
+    torch.set_num_threads(threads)
     import torch.nn.functional as F
 
     from tcprec.distributed import EmulatedNodes
@@ -76,12 +78,14 @@ def main():
     ap.add_argument("--nodes", type=int, default=8)
     ap.add_argument("--algorithm", default="direct")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--threads", type=int, default=1, help="torch threads in every variant (the CI machine's "
+                    "cores are shared: multi-threaded timings there measure the contention)")
     ap.add_argument("--out", default="benchmarks/results/cpu_train_step.json")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         steps = a.reference_steps if "reference" in a.child else a.steps
-        print("RESULT " + json.dumps(child(a.child, steps, a.batch, a.nodes, a.algorithm)))
+        print("RESULT " + json.dumps(child(a.child, steps, a.batch, a.nodes, a.algorithm, a.threads)))
         return
     names = a.variants.split(",")
     bad = [n for n in names if n not in VARIANTS]
@@ -90,7 +94,8 @@ def main():
     rows = []
     for name in names:
         cmd = [sys.executable, __file__, "--child", name, "--steps", str(a.steps), "--reference-steps",
-               str(a.reference_steps), "--batch", str(a.batch), "--nodes", str(a.nodes), "--algorithm", a.algorithm]
+               str(a.reference_steps), "--batch", str(a.batch), "--nodes", str(a.nodes), "--algorithm", a.algorithm,
+               "--threads", str(a.threads)]
         out = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
         line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
         if out.returncode or not line:
@@ -123,7 +128,7 @@ def main():
                       f"torch {torch.__version__}",
                commit=commit, summary=summary, targets=targets, rows=rows,
                setup=dict(model="resnet18 (28x28, 11.2M parameters)", batch=a.batch, nodes=a.nodes,
-                          algorithm=a.algorithm, steps=a.steps, reference_steps=a.reference_steps,
+                          algorithm=a.algorithm, steps=a.steps, reference_steps=a.reference_steps, threads=a.threads,
                           timing="median wall time of the steps after the first, one process per variant; "
                                  "peak RSS = ru_maxrss of that process"))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
