@@ -275,7 +275,8 @@ def _validate(grads, sizes, fmt, acc, aps, kahan, transport, rounding, algorithm
            _crc(algorithm), int(bool(aps)), int(bool(kahan)), _crc(transport), _crc(rounding),
            grads.shape[0] if ok_shape else -1, _crc(str(grads.dtype)) if isinstance(grads, torch.Tensor) else -1]
     cuda = dist.get_backend(group) == "nccl"
-    if cuda and err is None and tuple(sig) in _VALIDATED:
+    key = (id(group), world, *sig)
+    if cuda and err is None and key in _VALIDATED:
         return fmt, acc
     rank = dist.get_rank(group)
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -301,7 +302,7 @@ def _validate(grads, sizes, fmt, acc, aps, kahan, transport, rounding, algorithm
     if cuda:
         if len(_VALIDATED) >= 256:
             _VALIDATED.clear()
-        _VALIDATED.add(tuple(sig))
+        _VALIDATED.add(key)
     return fmt, acc
 
 
