@@ -5,6 +5,7 @@
     tcprec demo                 cast a real photo and Gaussian data to a dozen formats; error table
     tcprec bench cast           cast / encode bandwidth against a copy, torch and QPyTorch (GPU)
     tcprec bench gemm|conv-bwd|solve|net   kernels, solves and whole networks against cuBLAS/cuDNN (GPU)
+    tcprec bench allreduce      low-precision gradient all-reduce against NCCL (2+ GPUs, torchrun)
     tcprec run / profile        one photo through a network at a precision; per-layer profile
     tcprec solve / train        mixed-precision linear solves; low-precision gradient all-reduce training
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shlex
 from contextlib import contextmanager
 from enum import Enum
@@ -33,6 +35,7 @@ from rich.table import Table
 import tcprec as tp
 
 from . import metrics
+from .bench import allreduce as ar_bench
 from .bench import cast as cast_bench
 from .bench import conv_bwd as conv_bench
 from .bench import gemm as gemm_bench
@@ -43,6 +46,7 @@ from .bench.common import NeedsGPU, time_graph_ms, write_json
 from .bench.net import PRECISIONS, build_variant, nrmse
 from .bench.trained import run_trained
 from .data import astronaut
+from .distributed import ALGORITHMS
 from .env import device_report
 from .formats import ROUNDING_MODES, BlockFormat, FloatFormat, IntFormat, preset_names, presets
 from .linalg import FACTOR_FORMATS, MATRIX_KINDS, REFINE_METHODS, run_solve
@@ -594,6 +598,24 @@ def bench_qat_cmd(
         write_json(out, res)
 
 
+@bench_app.command("allreduce")
+def bench_allreduce_cmd(
+    numel: str = typer.Option("11700000,100000000", help="Comma-separated gradient counts."),
+    algorithm: str = typer.Option("direct,ring,halving", help="Comma-separated reduction orders."),
+    nodes: Optional[int] = typer.Option(None, min=2, help="Logical nodes (default: one per GPU); a multiple of the ranks."),
+    fmt: str = typer.Option("e4m3", "--format", help="Wire format of the all-reduce."),
+    out: Path = typer.Option(Path("benchmarks/results/allreduce.json"), help="JSON output path."),
+):
+    """APS low-precision all-reduce against NCCL fp32 / bf16 (/ native fp8) on 2+ GPUs, same run; run
+    under torchrun, one process per GPU (docs/allreduce.md)."""
+    algs = _choices(algorithm, ALGORITHMS, "--algorithm")
+    command = shlex.join(["torchrun", "--nproc-per-node", os.environ.get("WORLD_SIZE", "N"), "-m", "tcprec.cli",
+                          "bench", "allreduce", "--numel", numel, "--algorithm", algorithm, "--format", fmt, "--out",
+                          str(out)] + (["--nodes", str(nodes)] if nodes else []))
+    with _needs_gpu():
+        ar_bench.run(_ints(numel, "--numel"), algs, nodes, fmt, out, Console(), command)
+
+
 def _load_image(image: str, size: int) -> tuple[torch.Tensor, str]:
     """(1, 3, size, size) float in [0, 1] from a file or a scikit-image sample name."""
     import numpy as np
@@ -742,6 +764,7 @@ def train(
     init: Optional[Path] = typer.Option(None, help="classify: a float checkpoint (float.pt) instead of float training."),
     distill: float = typer.Option(0.0, min=0.0, max=1.0, help="classify: weight of distillation from the float model."),
     act_quant: str = typer.Option("lsq", help="classify: activation quantizer, lsq or pact."),
+    lars: bool = typer.Option(False, "--lars", help="LARS layer-wise trust ratios (CPD's --use_lars) with SGD momentum."),
 ):
     """Train.  --task cpd (default): gradients all-reduced in a low-precision format across emulated nodes (CPD's
     APS experiment).  --task classify: float training, QAT at --precision, deployed-engine evaluation on the test
@@ -766,7 +789,7 @@ def train(
         res = run_train(model=model, data=data, data_path=data_path, grad_format=grad_format, aps=aps, kahan=kahan,
                         nodes=nodes, epochs=epochs, seed=seed, batch_size=batch_size, lr=lr, transport=transport,
                         out_dir=out, resume=resume, limit_train=limit_train, limit_test=limit_test,
-                        device=dev.type, progress=True)
+                        device=dev.type, progress=True, lars=lars)
     except (ValueError, FileNotFoundError) as e:
         Console(stderr=True).print(f"[red]{e}")
         raise typer.Exit(code=2) from None

@@ -168,3 +168,45 @@ def test_nccl_two_gpus_equal_reference_nodes():
                     got, backend = res[r][(n_local, fmt, transport)]
                     assert "fused" in backend and exchange in backend, backend
                     assert _same(got, want), (n_local, fmt, transport, r, int(_bad(got, want).sum()))
+
+
+# ---- the reduction orders (ring, halving) and the torch engine's float32 tables on CUDA ----------
+
+
+@pytest.mark.parametrize("algorithm,kahan", [("ring", False), ("ring", True), ("halving", False), ("direct", True)])
+@pytest.mark.parametrize("n", [3, 8])
+def test_orders_on_cuda_equal_cpu(algorithm, kahan, n):
+    """The torch engine on CUDA tensors (what ring / halving run on GPUs, and direct with acc_format)
+    gives the CPU's bits: emulated nodes on one GPU, against the same nodes on the CPU."""
+    flat = torch.stack([node_grads(i) for i in range(n)])
+    for fmt, acc in (("e4m3", None), ("e5m2", None), ("e4m3", "e5m10")):
+        kw = dict(aps=True, kahan=kahan, algorithm=algorithm, acc_format=acc)
+        got, info = allreduce_lowp(flat, SIZES, fmt, **kw)
+        want, _ = allreduce_lowp(flat.cpu(), SIZES, fmt, **kw)
+        assert got.is_cuda and "float32 tables" in info.backend
+        assert torch.equal(got.cpu().view(torch.int32), want.view(torch.int32)), (algorithm, kahan, n, fmt, acc)
+
+
+def _orders_worker(rank, world, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    try:
+        res = {}
+        for alg in ("direct", "ring", "halving"):
+            res[alg] = allreduce_lowp(node_grads(rank).view(1, -1), SIZES, "e4m3", algorithm=alg)[0].cpu()
+        save_rank(res, out_dir, rank)
+    finally:
+        release_graphs()
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL runs one rank per GPU)")
+def test_orders_nccl_equal_emulation():
+    world = 2
+    res = run_ranks(_orders_worker, world)
+    flat = torch.stack([node_grads(i) for i in range(world)]).cpu()
+    for alg in ("direct", "ring", "halving"):
+        want, _ = allreduce_lowp(flat, SIZES, "e4m3", algorithm=alg)
+        for r in range(world):
+            assert torch.equal(res[r][alg].view(torch.int32), want.view(torch.int32)), (alg, r)

@@ -12,29 +12,35 @@ For N nodes (processes x emulated nodes per process) and each gradient tensor g:
 Since |q_i| <= 2**top / N, no partial sum exceeds 2**top <= max: no overflow for any N, any
 gradient up to the float32 max.  All-zero tensors keep s = 0 and give zeros.
 
+The order of the sum (``algorithm``, distributed/algorithms.py): ``"direct"`` (above: node order,
+CPD's), ``"ring"`` (shard j travels the ring from node j + 1, every partial sum rounded and sent as
+codes) or ``"halving"`` (recursive halving / doubling: a pairwise tree).  Node order is global: node
+``rank * n_local + i``, so 4 processes x 1 node and 1 process x 4 emulated nodes give the same bits.
+Each partial sum is rounded to ``fmt``, or to a wider ``acc_format``.
+
 Transports (bit-identical; only the bytes on the wire differ):
 * ``"emulate"``:    float32 values on the wire (what CPD does).
 * ``"compressed"``: the format's codes as uint8 (4x fewer bytes).
-Both run a reduce-scatter (``all_to_all_single``: node values of shard j go to rank j, which sums
-them in node order) and an all-gather of the reduced shards.  Node order is global: node
-``rank * n_local + i``, so 4 processes x 1 node and 1 process x 4 emulated nodes give the same bits.
 
-Two implementations, same bits (tests/test_allreduce_fused.py, tests/gpu/test_allreduce_gpu.py):
-* CUDA tensors: the fused Triton kernels of kernels/triton/allreduce.py (three or four launches
-  and a zero fill around two or three collectives, no host sync; the flags in ``AllreduceInfo``
-  are read from the device only when asked for; ``graph=True`` replays the whole call as one CUDA
-  graph).  Where it moves no more bytes (one process, or two processes with
+Implementations, same bits (tests/test_allreduce_algorithms.py, tests/test_allreduce_fused.py,
+tests/gpu/test_allreduce_gpu.py):
+* CUDA tensors, ``algorithm="direct"``: the fused Triton kernels of kernels/triton/allreduce.py
+  (three or four launches and a zero fill around two or three collectives, no host sync; the flags
+  in ``AllreduceInfo`` are read from the device only when asked for; ``graph=True`` replays the
+  whole call as one CUDA graph).  Where it moves no more bytes (one process, or two processes with
   one node each) every rank all-gathers every node's codes and reduces the whole vector itself,
   in node order as the reduce-scatter does: one collective and one kernel fewer, the same bits.
-  Formats or modes those kernels cannot do exactly (``can_implement`` says why: stochastic
-  rounding, formats of more than 16 bits) run the reference, with a warning.
-* everything else (CPU): the pure-torch float64 reference below, the ground truth.
+* everything else (CPU; ``ring`` / ``halving`` / ``acc_format`` on CUDA; modes the kernels cannot
+  do): the pure-torch engine (distributed/arith.py), on exact float32 tables where the format
+  allows, else float64; ``backend="reference"`` forces float64, the ground truth.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -43,9 +49,11 @@ import torch.distributed as dist
 from ..enums import DETERMINISTIC_ROUNDINGS
 from ..formats import FloatFormat, as_format
 from ..kernels import reference as ref
-from ..kernels.reference_emulate import add_round_to_odd
 from ..kernels.triton import BACKENDS, choose_backend
-from ..ops.cast import code_dtype, decode, encode
+from ..ops.cast import code_dtype, decode
+from .algorithms import ALGORITHMS, Ctx, _words, all_gather_single as _all_gather_single, wire_shard
+from .algorithms import run as run_algorithm
+from .arith import fast_reason, make_arith
 
 __all__ = ["aps_top_exponent", "check_aps_format", "allreduce_lowp", "lowp_allreduce_hook", "LowpAllreduceHook",
            "release_graphs", "TRANSPORTS"]
@@ -88,26 +96,6 @@ def _ceil_log2(m: torch.Tensor, n: int) -> torch.Tensor:
     return x.long() + torch.where(f2 > 0.5, x2.long(), x2.long() - 1)
 
 
-def _round(x64: torch.Tensor, fmt, rounding) -> torch.Tensor:
-    return ref.cast_float(x64, fmt, rounding)
-
-
-def _reduce_in_order(vals: torch.Tensor, fmt, rounding: str, kahan: bool) -> torch.Tensor:
-    """vals (N, L) float64 values of fmt -> their sum (L,), node by node, each add rounded to fmt."""
-    s = vals[0].clone()
-    c = torch.zeros_like(s)
-    for i in range(1, vals.shape[0]):
-        p = vals[i]
-        if kahan:
-            y = _round(add_round_to_odd(p, -c), fmt, rounding)
-            t = _round(add_round_to_odd(s, y), fmt, rounding)
-            c = _round(add_round_to_odd(_round(add_round_to_odd(t, -s), fmt, rounding), -y), fmt, rounding)
-            s = t
-        else:
-            s = _round(add_round_to_odd(s, p), fmt, rounding)
-    return s
-
-
 class AllreduceInfo:
     """What one all-reduce saw.  ``nonfinite_input``: a gradient on some node was NaN/Inf (the mean is
     all NaN: skip the step).  ``nonfinite_output``: the low-precision sum overflowed.  ``shifts``: the
@@ -115,8 +103,10 @@ class AllreduceInfo:
     implementation ran, and why.  The fused CUDA path leaves the flags on the device: the first read
     of each is one host sync, so a caller that never reads them never waits."""
 
-    def __init__(self, nonfinite_input=False, nonfinite_output=False, shifts=None, backend: str = ""):
+    def __init__(self, nonfinite_input=False, nonfinite_output=False, shifts=None, backend: str = "",
+                 bytes_received: int | None = None):
         self._input, self._output, self._shifts, self.backend = nonfinite_input, nonfinite_output, shifts, backend
+        self.bytes_received = bytes_received  # data exchange, this rank (emulated: one of the N nodes)
 
     @staticmethod
     def _read(v):
@@ -146,15 +136,26 @@ class AllreduceInfo:
 
 def allreduce_lowp(grads: torch.Tensor, sizes: list[int], fmt, *, aps: bool = True, kahan: bool = False,
                    transport: str = "compressed", rounding: str = "nearest", group=None,
-                   backend: str = "auto", graph: bool = False) -> tuple[torch.Tensor, AllreduceInfo]:
+                   backend: str = "auto", graph: bool = False, algorithm: str = "direct",
+                   acc_format=None) -> tuple[torch.Tensor, AllreduceInfo]:
     """The mean over all nodes of flat gradients ``grads`` (n_local, numel), reduced in ``fmt``.
 
     ``sizes``: the lengths of the tensors packed in a row (APS scales each one separately).
     Works without an initialised process group (one process: its n_local emulated nodes).
     Returns (mean (numel,) float32, info); on a non-finite input anywhere the mean is all NaN and
-    ``info.nonfinite_input`` is True (the caller skips the step).
-    ``backend``: ``"auto"`` (fused Triton kernels on CUDA, the reference elsewhere), ``"triton"``
-    (also under TRITON_INTERPRET=1 on the CPU; raises where the kernels cannot run) or ``"reference"``.
+    ``info.nonfinite_input`` is True (the caller skips the step).  ``info.bytes_received``: the bytes
+    of the data exchange this rank received (emulated: what one of the N nodes would receive).
+    ``algorithm``: the reduction order, ``"direct"`` (node order, CPD's), ``"ring"`` or ``"halving"``
+    (distributed/algorithms.py); every split of the N nodes over processes gives the same bits.
+    ``acc_format``: round every partial sum to this wider format instead of ``fmt`` (partial sums
+    then travel as its codes); it must hold every value of ``fmt``.
+    ``backend``: ``"auto"`` (CUDA: the fused Triton kernels for ``algorithm="direct"``, the torch
+    engine otherwise; CPU: the torch engine's float32 tables), ``"triton"`` (also under
+    TRITON_INTERPRET=1 on the CPU; raises where the kernels cannot run) or ``"reference"`` (the
+    float64 ground truth).  All give the same bits.
+    With a process group, the ranks first agree that every rank's input is valid and alike (one small
+    all-reduce): bad input on any rank raises on every rank, never a hang.  On CUDA tensors that
+    check runs once per layout (it costs a host sync), on CPU tensors every call.
     ``graph=True`` (CUDA tensors, fused kernels): the call is captured once per input buffer and
     layout as a CUDA graph, kernels and collectives together, and replayed after, so its host cost
     is one graph launch; every rank must make the same calls.  The returned mean is then the
@@ -165,23 +166,12 @@ def allreduce_lowp(grads: torch.Tensor, sizes: list[int], fmt, *, aps: bool = Tr
     >>> mean.shape, info.nonfinite_input
     (torch.Size([10]), False)
     """
-    fmt = as_format(fmt)
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS}, got transport={transport!r}")
-    if rounding not in ROUNDINGS:
-        raise ValueError(
-            f"rounding must be one of {ROUNDINGS}, got rounding={rounding!r}"
-            + ("; stochastic rounding inside the all-reduce would need random bits that every rank draws "
-               "identically for the same element and node, which is not implemented: use a deterministic mode"
-               if rounding == "stochastic" else ""))
-    if grads.dim() != 2 or sum(sizes) != grads.shape[1]:
-        raise ValueError(f"grads must be (n_local, numel) with numel = sum(sizes) = {sum(sizes)}, got {tuple(grads.shape)}")
     use_dist = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size(group) if use_dist else 1
+    fmt, acc = _validate(grads, sizes, fmt, acc_format, aps, kahan, transport, rounding, algorithm, backend,
+                         use_dist and world > 1, world, group)
     n_local, numel = grads.shape
-    n = world * n_local
-    check_aps_format(fmt, n) if aps else None
-    path, why = _choose_path(grads, fmt, rounding, backend)
+    path, why = _choose_path(grads, fmt, rounding, backend, algorithm, acc)
     if graph and not (path == "triton" and grads.is_cuda):
         raise ValueError(f"graph=True needs CUDA tensors on the fused kernels' path; this call runs {why} on "
                          f"{grads.device}: use graph=False")
@@ -199,8 +189,121 @@ def allreduce_lowp(grads: torch.Tensor, sizes: list[int], fmt, *, aps: bool = Tr
                    world, ka.BLOCK)
             return _allreduce_graphed(key, run, why)
         return run()
-    return _allreduce_reference(grads.float(), sizes, fmt, aps, kahan, transport, rounding, group,
-                                use_dist and world > 1, world, why)
+    return _allreduce_torch(grads.float(), sizes, fmt, acc, aps, kahan, transport, rounding, group,
+                            use_dist and world > 1, world, why, algorithm, fast=path == "torch")
+
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_VALIDATED: set = set()  # CUDA layouts the ranks have agreed on (the check costs a host sync there)
+# what another rank's error code means (the rank that raised it says more)
+_KINDS = {1: (TypeError, "its gradients are not a floating-point tensor"),
+          2: (ValueError, "its gradients do not match the tensor sizes"),
+          3: (ValueError, "the format cannot hold the gradients (too few exponent bits, or a bad acc_format)"),
+          4: (ValueError, "an option is not one of the allowed values")}
+_SIG_FIELDS = ("numel", "number of tensors", "tensor sizes", "format", "acc_format", "algorithm", "aps", "kahan",
+               "transport", "rounding", "nodes per process", "gradient dtype")
+
+
+def _crc(x) -> int:
+    return zlib.crc32(repr(x).encode())
+
+
+def _check_acc(fmt: FloatFormat, acc) -> FloatFormat | None:
+    if acc is None:
+        return None
+    acc = as_format(acc)
+    if not isinstance(acc, FloatFormat) or acc.bits > 16:
+        raise ValueError(f"acc_format must be a float format of <= 16 bits (codes on the wire), got {acc}")
+    v = decode(torch.arange(fmt.n_codes), fmt)
+    fin = torch.isfinite(v)
+    if not torch.equal(ref.cast_float(v[fin], acc, "nearest"), v[fin]) or acc.max < fmt.max:
+        raise ValueError(f"acc_format={acc} does not hold every value of {fmt}: partial sums would round the "
+                         f"gradients again; pick a format with at least {fmt.man} mantissa bits and {fmt}'s range "
+                         "(e.g. e5m10 or bf16), or acc_format=None")
+    return acc
+
+
+def _validate(grads, sizes, fmt, acc, aps, kahan, transport, rounding, algorithm, backend, use_dist, world, group):
+    """Check this rank's input; with a process group, agree with every rank (one small MAX all-reduce
+    of an error code and a signature of the call) before any data moves.  Returns (fmt, acc)."""
+    err, kind = None, 0
+    try:
+        if not isinstance(grads, torch.Tensor):
+            raise TypeError(f"grads must be a torch.Tensor (n_local, numel), got {type(grads).__name__}")
+        if grads.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"grads must be a floating-point tensor ({', '.join(map(str, _FLOAT_DTYPES))}), got "
+                            f"dtype={grads.dtype}; integer or complex gradients cannot be averaged in a float format")
+        if grads.dim() != 2 or sum(sizes) != grads.shape[1] or any(int(z) < 0 for z in sizes):
+            raise ValueError(f"grads must be (n_local, numel) with numel = sum(sizes) = {sum(sizes)}, got "
+                             f"{tuple(grads.shape)}")
+        for name, v, allowed in (("transport", transport, TRANSPORTS), ("algorithm", algorithm, ALGORITHMS),
+                                 ("backend", backend, BACKENDS)):
+            if v not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {name}={v!r}")
+        if rounding not in ROUNDINGS:
+            raise ValueError(
+                f"rounding must be one of {ROUNDINGS}, got rounding={rounding!r}"
+                + ("; stochastic rounding inside the all-reduce would need random bits that every rank draws "
+                   "identically for the same element and node, which is not implemented: use a deterministic mode"
+                   if rounding == "stochastic" else ""))
+        if algorithm == "halving" and kahan:
+            raise ValueError("algorithm='halving' sums a pairwise tree and has no Kahan compensation; use "
+                             "algorithm='ring' or 'direct' with kahan=True, or kahan=False")
+        if algorithm == "halving" and use_dist and grads.shape[0] != 1:
+            raise ValueError(f"algorithm='halving' runs one node per process when distributed, got n_local="
+                             f"{grads.shape[0]}; use algorithm='ring' or 'direct' with emulated nodes per process")
+        try:
+            fmt = as_format(fmt)
+            if not isinstance(fmt, FloatFormat):
+                raise TypeError(f"the all-reduce format must be a float format, got {fmt}")
+            if aps:
+                check_aps_format(fmt, world * grads.shape[0])
+            acc = _check_acc(fmt, acc)
+        except (TypeError, ValueError) as e:
+            kind = 3
+            raise e
+    except TypeError as e:
+        err, kind = e, kind or 1
+    except ValueError as e:
+        err, kind = e, kind or (2 if "grads must be" in str(e) else 4)
+    if not use_dist:
+        if err is not None:
+            raise err
+        return fmt, acc
+    ok_shape = err is None or kind > 2
+    sig = [grads.shape[1] if ok_shape else -1, len(sizes), _crc(tuple(int(z) for z in sizes)), _crc(fmt), _crc(acc),
+           _crc(algorithm), int(bool(aps)), int(bool(kahan)), _crc(transport), _crc(rounding),
+           grads.shape[0] if ok_shape else -1, _crc(str(grads.dtype)) if isinstance(grads, torch.Tensor) else -1]
+    cuda = dist.get_backend(group) == "nccl"
+    key = (id(group), world, *sig)
+    if cuda and err is None and key in _VALIDATED:
+        return fmt, acc
+    rank = dist.get_rank(group)
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    code = (kind << 20) | (rank + 1) if err is not None else 0
+    v = torch.tensor([code] + sig, dtype=torch.int64)
+    msg = torch.cat([v, -v[1:]]).to(dev)
+    dist.all_reduce(msg, op=dist.ReduceOp.MAX, group=group)
+    msg = msg.cpu()
+    if err is not None:
+        raise err
+    top = int(msg[0])
+    if top:
+        cls, what = _KINDS[top >> 20]
+        r = (top & 0xFFFFF) - 1
+        raise cls(f"rank {r} of {world} rejected this all-reduce: {what}; every rank stops here (rank {r}'s "
+                  "error says what to fix)")
+    hi, lo = msg[1:1 + len(sig)], -msg[1 + len(sig):]
+    diff = [f for f, a, b in zip(_SIG_FIELDS, hi.tolist(), lo.tolist()) if a != b]
+    if diff:
+        raise ValueError(f"the {world} ranks called allreduce_lowp with different {', '.join(diff)} (this rank: "
+                         f"sizes of {len(sizes)} tensors, numel {grads.shape[1]}, fmt {fmt}, algorithm "
+                         f"{algorithm!r}); every rank must pass the same tensor list and options")
+    if cuda:
+        if len(_VALIDATED) >= 256:
+            _VALIDATED.clear()
+        _VALIDATED.add(key)
+    return fmt, acc
 
 
 # the deterministic modes: every rank must compute the same bits for the same sums
@@ -208,26 +311,35 @@ ROUNDINGS = DETERMINISTIC_ROUNDINGS
 _WARNED: set = set()
 
 
-def _choose_path(grads: torch.Tensor, fmt, rounding: str, backend: str) -> tuple[str, str]:
-    """("triton" | "reference", why).  A CUDA tensor whose format or mode the fused kernels cannot do
-    exactly runs the reference, and says so (once per reason); asking for "triton" then raises."""
+def _choose_path(grads: torch.Tensor, fmt, rounding: str, backend: str, algorithm: str = "direct",
+                 acc=None) -> tuple[str, str]:
+    """("triton" | "torch" | "reference", why).  "torch": the pure-torch engine with its float32 tables
+    where they are exact, "reference": the same engine in float64.  A CUDA call the fused kernels
+    cannot do exactly runs the torch engine, and says so (once per reason); asking for "triton" then
+    raises."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got backend={backend!r}")
     name, why = choose_backend(grads, backend, "fused all-reduce kernels")
     if name == "reference":
-        return name, why
+        if backend == "reference":
+            return "reference", why
+        return "torch", "pure-torch engine on CPU" if not grads.is_cuda else why
     from ..kernels.triton import allreduce as ka
 
     reason = ka.can_implement(fmt, rounding)
+    if reason is None and algorithm != "direct":
+        reason = f"the fused kernels implement algorithm='direct' only, got algorithm={algorithm!r}"
+    if reason is None and acc is not None:
+        reason = f"the fused kernels round partial sums to the wire format only, got acc_format={acc}"
     if reason is None:
         return "triton", why
     if backend == "triton":
-        raise ValueError(f"backend='triton' cannot run this all-reduce: {reason}; use backend='reference'")
+        raise ValueError(f"backend='triton' cannot run this all-reduce: {reason}; use backend='auto' or 'reference'")
     if reason not in _WARNED:
         _WARNED.add(reason)
         log.warning("allreduce_lowp: the fused kernels cannot run this all-reduce (%s): using the pure-torch "
-                    "reference (float64, much slower)", reason)
-    return "reference", f"pure-torch reference: {reason}"
+                    "engine (same bits, slower)", reason)
+    return "torch", f"pure-torch engine: {reason}"
 
 
 _CACHE: dict = {}
@@ -245,7 +357,7 @@ def _cached(key, make):
 
 def _wire_shape(numel: int, world: int) -> int:
     # shard: a multiple of 16, so codes travel as int32 words (_words) and every row starts 16-byte aligned
-    return -(-numel // (16 * world)) * 16
+    return wire_shard(numel, world)
 
 
 def _gathers(world: int, n_local: int) -> bool:
@@ -305,7 +417,15 @@ def _allreduce_fused(grads, sizes, fmt, aps, kahan, transport, rounding, group, 
         _all_gather_single(_words(everyone), _words(mine), group=group)
         ka.finish(everyone, out, lut, lay, state, fmt, n, aps, top)
         how = "reduce-scatter"
-    return out, _fused_info(state, T, n, top, aps, f"{why}, {how} exchange")
+    info = _fused_info(state, T, n, top, aps, f"{why}, {how} exchange")
+    bpc = torch.empty(0, dtype=wdt).element_size()
+    if not use_dist:  # emulated: what one of n nodes would receive (direct order)
+        info.bytes_received = 2 * (n - 1) * _wire_shape(numel, n) * bpc
+    elif gathers:
+        info.bytes_received = (world - 1) * n_local * shard * bpc
+    else:
+        info.bytes_received = (world - 1) * (n_local + 1) * shard * bpc
+    return out, info
 
 
 def _fused_info(state: torch.Tensor, T: int, n: int, top: int, aps: bool, backend: str) -> AllreduceInfo:
@@ -358,21 +478,29 @@ def _allreduce_graphed(key, run, why):
         hit = _GRAPHS[key] = (graph, out, info)
     graph, out, info = hit
     graph.replay()
-    fresh = AllreduceInfo(info._input, info._output, info._shifts, info.backend)  # flags read anew
+    fresh = AllreduceInfo(info._input, info._output, info._shifts, info.backend, info.bytes_received)  # flags read anew
     return out, fresh
 
 
-def _allreduce_reference(grads, sizes, fmt, aps, kahan, transport, rounding, group, use_dist, world, why):
-    """The ground truth: float64 tensors, every rounding by kernels/reference.py."""
+def _allreduce_torch(grads, sizes, fmt, acc, aps, kahan, transport, rounding, group, use_dist, world, why,
+                     algorithm, fast):
+    """The pure-torch engine (any device): float32 tables (``fast``, where exact for the formats) or
+    the float64 reference; the reduction order of ``algorithm`` (distributed/algorithms.py)."""
     n_local, numel = grads.shape
     n = world * n_local
     dev = grads.device
-    info = AllreduceInfo(backend=why)
+    fast = fast and fast_reason(fmt) is None and (acc is None or fast_reason(acc) is None)
+    A = make_arith(fmt, rounding, dev, fast)  # the one rounding of each gradient, to the wire format
+    S = A if acc is None else make_arith(acc, rounding, dev, fast)  # every partial sum
+    info = AllreduceInfo(backend=f"{why}, {A.name}, {algorithm}")
 
     # ---- 1. per-tensor exponents and the non-finite flag: one MAX all-reduce ------------------------
-    seg = torch.repeat_interleave(torch.arange(len(sizes), device=dev), torch.tensor(sizes, device=dev))  # (numel,)
-    amax = torch.zeros(len(sizes), device=dev).scatter_reduce(0, seg, grads.abs().amax(0), "amax")  # (T,)
-    bad = ~torch.isfinite(grads).all()
+    T = len(sizes)
+    starts = [0] + list(itertools.accumulate(sizes))
+    colmax = torch.maximum(grads.amax(0), -grads.amin(0)) if n_local else grads.new_zeros(numel)  # NaN kept
+    amax = torch.stack([colmax[starts[t]:starts[t + 1]].max() if sizes[t] else colmax.new_zeros(())
+                        for t in range(T)]) if T else colmax.new_zeros(0)  # (T,)
+    bad = ~torch.isfinite(amax).all() if T else torch.tensor(False, device=dev)
     e = torch.where(amax > 0, _ceil_log2(torch.where(amax > 0, amax, 1.0), n), _ZERO_E)  # (T,) int64
     e = torch.where(torch.isfinite(amax), e, _ZERO_E)
     msg = torch.cat([e, bad.long().view(1)])
@@ -384,72 +512,36 @@ def _allreduce_reference(grads, sizes, fmt, aps, kahan, transport, rounding, gro
     e = msg[:-1]
     shift = torch.where(e > _ZERO_E, aps_top_exponent(fmt) - e, 0) if aps else torch.zeros_like(e)
     info._shifts = shift
-    # exact 2**s from the exponent bits: torch.ldexp is x * pow(2, s), and CUDA's pow is not specified
-    # to be exact (on an H200 this path rounded the exact e4m3 tie -23 to -22 where the CPU gives -24)
-    scale = ((shift + 1023) << 52).view(torch.float64)[seg]
 
-    # ---- 2. scale and round once to fmt ---------------------------------------------------------------
-    q = _round(grads.double() * scale, fmt, rounding)  # (n_local, numel) float64 values of fmt
-    if not fmt.has_nan:  # keep the codes encodable: both transports see +Inf for an overflow NaN
-        q = torch.nan_to_num(q, nan=float("inf"), posinf=float("inf"), neginf=float("-inf"))
+    # ---- 2. scale and round once to fmt, tensor by tensor ----------------------------------------------
+    q = torch.empty(n_local, numel, dtype=A.dtype, device=dev)
+    sh = shift.tolist()
+    for t in range(T):
+        if sizes[t]:
+            q[:, starts[t]:starts[t + 1]] = A.scale_round(grads[:, starts[t]:starts[t + 1]], int(sh[t]))
+    q = A.nan_to_inf(q)  # keep the codes encodable: both transports see +Inf for an overflow NaN
 
-    # ---- 3. reduce-scatter in node order (all_to_all), then all-gather --------------------------------
-    shard = _wire_shape(numel, world)
-    pad = shard * world - numel
-    qp = torch.nn.functional.pad(q, (0, pad))  # (n_local, world * shard)
-    send = qp.view(n_local, world, shard).transpose(0, 1).contiguous()  # (world, n_local, shard)
-    wire = _to_wire(send, fmt, transport)
-    if use_dist:
-        recv = torch.empty_like(wire)
-        dist.all_to_all_single(_words(recv), _words(wire), group=group)  # equal splits: world blocks
-    else:
-        recv = wire
-    vals = _from_wire(recv, fmt, transport).reshape(n, shard)  # node r*n_local + i in row order
-    s = _reduce_in_order(vals, fmt, rounding, kahan)  # (shard,) float64 values of fmt
-    if not fmt.has_nan:
-        s = torch.nan_to_num(s, nan=float("inf"), posinf=float("inf"), neginf=float("-inf"))
-    mine = _to_wire(s, fmt, transport)
-    if use_dist:
-        everyone = torch.empty(world * shard, dtype=mine.dtype, device=dev)
-        _all_gather_single(_words(everyone), _words(mine), group=group)
-    else:
-        everyone = mine.view(1, shard)
-    total = _from_wire(everyone, fmt, transport).reshape(-1)[:numel]  # (numel,) float64
+    # ---- 3. the exchange and the sums, in the algorithm's order ---------------------------------------
+    ctx = Ctx(world=world, rank=dist.get_rank(group) if use_dist else 0, n_local=n_local, group=group,
+              use_dist=use_dist, codes=transport == "compressed", kahan=kahan)
+    qbox = [q]
+    del q
+    total, info.bytes_received = run_algorithm(algorithm, qbox, A, S, ctx, numel)
 
     # ---- 4. undo the shift, take the mean -------------------------------------------------------------
     # one division by the exact scale * n (a tensor: CUDA divides by a Python-number divisor as a
-    # multiply by its rounded reciprocal, which is not the correctly rounded quotient)
-    out = total / (scale * n)
-    # rounding a value near float32's max up to the next power of two in fmt can step past float32's
-    # range although the exact mean cannot: clamp finite results (Inf from an overflow stays Inf)
+    # multiply by its rounded reciprocal, which is not the correctly rounded quotient), per tensor
+    out = torch.empty(numel, dtype=torch.float32, device=dev)
     fmax = torch.finfo(torch.float32).max
-    out = torch.where(torch.isfinite(out), out.clamp(-fmax, fmax), out).float()
+    for t in range(T):
+        if sizes[t]:
+            den = torch.tensor(math.ldexp(1.0, int(sh[t])) * n, dtype=torch.float64, device=dev)
+            o = total[starts[t]:starts[t + 1]].double() / den
+            # rounding a value near float32's max up to the next power of two in fmt can step past float32's
+            # range although the exact mean cannot: clamp finite results (Inf from an overflow stays Inf)
+            out[starts[t]:starts[t + 1]] = torch.where(torch.isfinite(o), o.clamp(-fmax, fmax), o).float()
     info._output = not bool(torch.isfinite(out).all())
     return out, info
-
-
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """The same bytes as a flat int32 tensor (gloo's all_to_all rejects uint8/int16 tensors)."""
-    return t.reshape(-1).view(torch.int32)
-
-
-def _all_gather_single(out, inp, group=None):
-    # torch >= 2.13 names it all_gather_single (all_gather_into_tensor is deprecated there)
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, inp, group=group)
-
-
-def _to_wire(v64: torch.Tensor, fmt, transport: str) -> torch.Tensor:
-    if transport == "emulate":
-        return v64.float()  # exact: values of fmt
-    return encode(v64.float(), fmt, backend="reference" if not v64.is_cuda else "auto")  # uint8 / int16 codes
-
-
-def _from_wire(w: torch.Tensor, fmt, transport: str) -> torch.Tensor:
-    if transport == "emulate":
-        return w.double()
-    return decode(w, fmt).double()
-
 
 # --------------------------------------------------------------------------------------------------
 # The DDP comm hook
@@ -471,8 +563,11 @@ class LowpAllreduceHook:
     and the bucket returned as NaN so that a finiteness check (``LossScaler``) skips the step."""
 
     def __init__(self, fmt, aps=True, kahan=False, transport="compressed", rounding="nearest", group=None,
-                 graph=False):
+                 graph=False, algorithm="direct", acc_format=None):
         self.fmt = as_format(fmt)
+        self.algorithm, self.acc_format = algorithm, acc_format
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got algorithm={algorithm!r}")
         self.aps, self.kahan, self.transport, self.rounding, self.group = aps, kahan, transport, rounding, group
         self.graph = graph  # CUDA-graph replay per bucket buffer (allreduce_lowp(graph=True))
         if transport not in TRANSPORTS:
@@ -489,7 +584,7 @@ class LowpAllreduceHook:
             sizes = [buf.numel()]
         out, info = allreduce_lowp(buf.view(1, -1), sizes, self.fmt, aps=self.aps, kahan=self.kahan,
                                    transport=self.transport, rounding=self.rounding, group=self.group,
-                                   graph=self.graph)
+                                   graph=self.graph, algorithm=self.algorithm, acc_format=self.acc_format)
         self._record(info, bucket.index())
         buf.copy_(out.view_as(buf))
         fut = torch.futures.Future()
@@ -512,10 +607,13 @@ LowpAllreduceHook.__call__.__annotations__["return"] = torch.futures.Future[torc
 
 
 def lowp_allreduce_hook(fmt, aps: bool = True, kahan: bool = False, transport: str = "compressed",
-                        rounding: str = "nearest", group=None, graph: bool = False) -> LowpAllreduceHook:
-    """A DDP comm hook that all-reduces gradients in ``fmt`` with APS.
+                        rounding: str = "nearest", group=None, graph: bool = False, algorithm: str = "direct",
+                        acc_format=None) -> LowpAllreduceHook:
+    """A DDP comm hook that all-reduces gradients in ``fmt`` with APS (``algorithm``: the reduction
+    order, see :func:`allreduce_lowp`).  Works under ``torchrun`` (``init_process_group("nccl")``
+    reads ``env://``).
 
     >>> # ddp = DistributedDataParallel(model)
-    >>> # ddp.register_comm_hook(None, lowp_allreduce_hook("e4m3", aps=True))
+    >>> # ddp.register_comm_hook(None, lowp_allreduce_hook("e4m3", aps=True, algorithm="ring"))
     """
-    return LowpAllreduceHook(fmt, aps, kahan, transport, rounding, group, graph)
+    return LowpAllreduceHook(fmt, aps, kahan, transport, rounding, group, graph, algorithm, acc_format)

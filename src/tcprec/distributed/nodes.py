@@ -28,11 +28,13 @@ class EmulatedNodes:
     """
 
     def __init__(self, model: torch.nn.Module, n_local: int, fmt=None, *, aps: bool = True, kahan: bool = False,
-                 transport: str = "compressed", rounding: str = "nearest", group=None):
+                 transport: str = "compressed", rounding: str = "nearest", group=None, algorithm: str = "direct",
+                 acc_format=None, backend: str = "auto"):
         if n_local < 1:
             raise ValueError(f"n_local must be >= 1, got {n_local}")
         self.model, self.n_local, self.fmt = model, n_local, fmt
         self.aps, self.kahan, self.transport, self.rounding, self.group = aps, kahan, transport, rounding, group
+        self.algorithm, self.acc_format, self.backend = algorithm, acc_format, backend
         self.params = [p for p in model.parameters() if p.requires_grad]
         world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
         self.n_nodes = world * n_local
@@ -45,16 +47,22 @@ class EmulatedNodes:
         xs, ys = inputs.chunk(self.n_local), targets.chunk(self.n_local)
         if len(xs) != self.n_local:
             raise ValueError(f"a batch of {inputs.shape[0]} cannot feed {self.n_local} nodes; use a larger batch")
-        flat, losses = [], []
-        for x, y in zip(xs, ys):
+        numel = sum(p.numel() for p in self.params)
+        dev = self.params[0].device if self.params else inputs.device
+        flat = torch.empty(self.n_local, numel, device=dev)  # (n_local, numel): written in place, no copies
+        losses = []
+        for i, (x, y) in enumerate(zip(xs, ys)):
             for p in self.params:
                 p.grad = None
             loss = loss_fn(self.model(x), y)
             (loss * loss_scale).backward()
-            flat.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
-                                   for p in self.params]))
+            off = 0
+            for p in self.params:
+                dst = flat[i, off:off + p.numel()]
+                dst.copy_(p.grad.reshape(-1)) if p.grad is not None else dst.zero_()
+                off += p.numel()
             losses.append(loss.detach())
-        return torch.stack(losses), torch.stack(flat)  # (n_local,), (n_local, numel)
+        return torch.stack(losses), flat
 
     def reduce(self, flat: torch.Tensor) -> tuple[torch.Tensor, AllreduceInfo]:
         sizes = [p.numel() for p in self.params]
@@ -65,7 +73,8 @@ class EmulatedNodes:
             info = AllreduceInfo(nonfinite_input=not bool(torch.isfinite(total).all()))
             return total / self.n_nodes, info
         return allreduce_lowp(flat, sizes, self.fmt, aps=self.aps, kahan=self.kahan, transport=self.transport,
-                              rounding=self.rounding, group=self.group)
+                              rounding=self.rounding, group=self.group, algorithm=self.algorithm,
+                              acc_format=self.acc_format, backend=self.backend)
 
     def backward(self, loss_fn, inputs, targets, loss_scale: float = 1.0):
         """Micro-batch backward on every node, low-precision mean of the gradients into ``p.grad``.

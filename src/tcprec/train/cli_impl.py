@@ -17,6 +17,7 @@ from ..data.fashion_mnist import load_fashion_mnist
 from ..distributed.lowp import check_aps_format
 from ..distributed.nodes import EmulatedNodes
 from .models import MODELS
+from .optim import LowPrecisionSGD
 
 __all__ = ["train", "load_data", "GRAD_FORMATS"]
 
@@ -84,10 +85,12 @@ def train(model: str = "resnet18", data: str = "fashion-mnist", data_path=None, 
           aps: bool = True, kahan: bool = False, nodes: int = 8, epochs: int = 1, seed: int = 0,
           batch_size: int = 256, lr: float = 0.05, momentum: float = 0.9, transport: str = "compressed",
           out_dir="runs/train", resume: bool = False, limit_train: int | None = None, limit_test: int | None = None,
-          device: str = "auto", progress: bool = True) -> dict:
+          device: str = "auto", progress: bool = True, lars: bool = False, algorithm: str = "direct") -> dict:
     """Train ``model`` with gradients all-reduced in ``grad_format`` ("fp32": plain float32) across
     ``nodes`` emulated nodes (one micro-batch of batch_size/nodes each).  Returns the summary dict
-    (also written to ``out_dir/metrics.json``; curves in ``out_dir/curves.png``)."""
+    (also written to ``out_dir/metrics.json``; curves in ``out_dir/curves.png``).  ``lars``: LARS
+    trust ratios (CPD's ``--use_lars``) on the weight tensors, SGD momentum, float32 master weights
+    (train/optim.py); ``algorithm``: the all-reduce's reduction order (tcprec.distributed)."""
     if model not in MODELS:
         raise ValueError(f"model must be one of {tuple(MODELS)}, got model={model!r}")
     if grad_format not in GRAD_FORMATS:
@@ -103,12 +106,17 @@ def train(model: str = "resnet18", data: str = "fashion-mnist", data_path=None, 
     torch.manual_seed(seed)
     xtr, ytr, xte, yte = load_data(data, data_path, limit_train, limit_test, seed)
     net = MODELS[model]().to(dev)
-    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum, weight_decay=5e-4)
+    if lars:  # biases and BatchNorm parameters keep the plain step, as in LARS's reference setups
+        groups = [{"params": [p for p in net.parameters() if p.dim() > 1]},
+                  {"params": [p for p in net.parameters() if p.dim() <= 1], "lars": False}]
+        opt = LowPrecisionSGD(groups, lr=lr, momentum=momentum, weight_decay=5e-4, lars=True, rounding="nearest")
+    else:
+        opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum, weight_decay=5e-4)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, epochs))
-    em = EmulatedNodes(net, n_local=nodes, fmt=fmt, aps=aps, kahan=kahan, transport=transport)
+    em = EmulatedNodes(net, n_local=nodes, fmt=fmt, aps=aps, kahan=kahan, transport=transport, algorithm=algorithm)
     config = dict(model=model, data=data, grad_format=grad_format, aps=aps, kahan=kahan, nodes=nodes, epochs=epochs,
                   seed=seed, batch_size=batch_size, lr=lr, transport=transport, limit_train=limit_train,
-                  limit_test=limit_test, device=str(dev))
+                  limit_test=limit_test, device=str(dev), lars=lars, algorithm=algorithm)
     history, start, skipped = [], 0, 0
     ckpt = out / "checkpoint.pt"
     if resume and ckpt.is_file():
