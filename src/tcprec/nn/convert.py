@@ -49,6 +49,8 @@ from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
 from ..ops.matmul import choose_int_backend
+from .coverage import check_conv_coverage, normalize_graph, uncovered
+from .qgrouped import QGroupedConv2d, grouped_act_of, grouped_unsupported
 from .qmodules import LayerPrecision, QConv2d, QLinear, flatten_nhwc, parse_precision
 
 __all__ = ["QuantConfig", "QuantSummary", "LayerRecord", "quantize_model"]
@@ -192,7 +194,7 @@ def _calibrate(model: nn.Module, names: list[str], batches, shapes: bool = False
 def _unsupported(m: nn.Module) -> str | None:
     if isinstance(m, nn.Conv2d):
         if m.groups != 1:
-            return f"groups={m.groups} (the integer conv supports groups=1)"
+            return grouped_unsupported(m, None)  # QGroupedConv2d (nn/qgrouped.py)
         if isinstance(m.padding, str) or m.padding_mode != "zeros":
             return f"padding={m.padding!r}, padding_mode={m.padding_mode!r} (needs numeric zero padding)"
     return None
@@ -421,6 +423,7 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     batches = _batches(calibration)
+    named_in = dict(model.named_modules())  # the original's module tree, for the coverage listing
     model = model if inplace else copy.deepcopy(model)
     model.eval()
     notes: list[str] = []
@@ -432,6 +435,8 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
         gm, traced = model, False
         notes.append(f"torch.fx could not trace the model ({type(e).__name__}: {str(e)[:120]}); layers were swapped "
                      "one by one with float input and output, without fusion or chaining")
+    if traced:  # F.conv2d / F.linear / Conv1d / zero pads -> plain modules (nn/coverage.py)
+        notes += normalize_graph(gm)
     mods = dict(gm.named_modules())
     unknown = [k for k in cfg.overrides if k not in mods]
     if unknown:
@@ -463,18 +468,26 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
         m = mods[name]
         kind = "conv" if isinstance(m, nn.Conv2d) else "linear"
         prec = precision_of(name)
-        why = _unsupported(m)
+        why = _unsupported(m) or (grouped_unsupported(m, prec) if kind == "conv" and m.groups != 1 else None)
         absmax, neg = stats.get(name, (0.0, False))
         if prec is None or why:
             records[name] = LayerRecord(name, kind, "float", why or "kept in float (config)")
             return None
-        if kind == "conv":
+        if kind == "conv" and m.groups != 1:
+            q = QGroupedConv2d.from_float(m, prec, in_absmax=absmax, signed_input=neg, bn=bn, act=act,
+                                          backend="reference" if cfg.backend == "reference" else "auto")
+            backend = q.route[0]
+        elif kind == "conv":
             q = QConv2d.from_float(m, prec, in_absmax=absmax, signed_input=neg, bn=bn, act=act, pool=pool,
                                    backend=cfg.backend)
         else:
             q = QLinear.from_float(m, prec, in_absmax=absmax, signed_input=neg, act=act, backend=cfg.backend)
-        backend = "fp8" if prec.fp8 else choose_int_backend(q.a_fmt, q.w_fmt, dev, cfg.backend)[0]
-        fused = tuple(x for x in (bn is not None and "bn", act and (act if isinstance(act, str) else "leaky"),
+        if not isinstance(q, QGroupedConv2d):
+            backend = "fp8" if prec.fp8 else choose_int_backend(q.a_fmt, q.w_fmt, dev, cfg.backend)[0]
+        act_name = act if isinstance(act, str) or act is None else {"leaky": "leaky", "clamp": "clamp"}[act[0]]
+        if isinstance(act, tuple) and act[0] == "clamp":
+            act_name = f"clamp({act[1]:g},{act[2]:g})"
+        fused = tuple(x for x in (getattr(m, "tcprec_pad_folded", None) and "pad", bn is not None and "bn", act_name,
                                   pool and f"{pool[0]}pool") if x)
         records[name] = LayerRecord(name, kind, str(prec), backend, fused, str(q.out_dtype).replace("torch.", ""))
         new_mods[name] = q
@@ -501,12 +514,14 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
                     bn, cur = mods[u.target], u
                     absorbed.append(u)
                     u = _sole_user(cur)
-                if u is not None and _act_of(u, mods) is not None and (isinstance(m, nn.Conv2d)
-                                                                       or _act_of(u, mods) == "relu"):
-                    act, cur = _act_of(u, mods), u
+                grouped = isinstance(m, nn.Conv2d) and m.groups != 1
+                act_of = grouped_act_of if grouped else _act_of  # the grouped epilogue has ReLU6 & co.
+                if u is not None and act_of(u, mods) is not None and (isinstance(m, nn.Conv2d)
+                                                                      or act_of(u, mods) == "relu"):
+                    act, cur = act_of(u, mods), u
                     absorbed.append(u)
                     u = _sole_user(cur)
-                if isinstance(m, nn.Conv2d) and u is not None and _pool_of(u, mods) is not None:
+                if isinstance(m, nn.Conv2d) and not grouped and u is not None and _pool_of(u, mods) is not None:
                     pool, cur = _pool_of(u, mods), u
                     absorbed.append(u)
             q = make(node.target, bn, act, pool)
@@ -601,7 +616,13 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
             if q is not None:
                 _set_module(gm, name, q)
 
-    summary = QuantSummary([records[n] for n in order if n in records], traced, notes)
+    layer_records = [records[n] for n in order if n in records]
+    for name, kind, why in uncovered(named_in, gm, set(records)):  # never silent (nn/coverage.py)
+        if name in cfg.overrides and parse_precision(cfg.overrides[name]) is None:
+            why = f"kept in float (config); {why}"
+        layer_records.append(LayerRecord(name, kind, "float", why))
+    summary = QuantSummary(layer_records, traced, notes)
+    check_conv_coverage(summary.layers)
     gm.tcprec_summary = summary
     if warn and (summary.float_layers or notes):
         kept = ", ".join(f"{r.name} ({r.backend})" for r in summary.float_layers)
