@@ -49,9 +49,12 @@ from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
 from ..ops.matmul import choose_int_backend
+from . import calibrate as cal
 from .coverage import check_conv_coverage, normalize_graph, uncovered
 from .qgrouped import QGroupedConv2d, grouped_act_of, grouped_unsupported
-from .qmodules import LayerPrecision, QConv2d, QLinear, flatten_nhwc, parse_precision
+from .qmodules import (LayerPrecision, QConv2d, QLinear, _prepare, _quantize_weight, activation_format, flatten_nhwc,
+                       parse_precision, weight_format)
+from ..ops.quantize import absmax_qmax
 
 __all__ = ["QuantConfig", "QuantSummary", "LayerRecord", "quantize_model"]
 
@@ -68,6 +71,11 @@ class QuantConfig:
     fuse, chain steps 4 and 5 of the module docstring (on by default)
     fuse_residual  step 4's residual blocks (with ``fuse``): ``act(conv_bn(x) + residual)`` in one conv;
                 False keeps the add and the activation as float ops (the same numbers, more passes)
+    activation_observer  how activation ranges are calibrated (integer layers): ``"absmax"``, ``"percentile"``,
+                ``"mse"``, ``"entropy"`` or an ``Observer(method, percentile=, bins=)`` (nn/calibrate.py)
+    weight_clip ``"absmax"`` | ``"mse"`` (per-channel clip search) for integer weights
+    weight_grid ``"twos"`` (intN) | ``"pm"`` (pmN odd-integer codes for 2..7-bit weights: every code used)
+    bias_correction  subtract the expected output error of the quantized weights from each layer's bias
     """
 
     precision: str = "w1a2"
@@ -77,8 +85,20 @@ class QuantConfig:
     fuse: bool = True
     chain: bool = True
     fuse_residual: bool = True
+    activation_observer: "cal.Observer | str" = "absmax"
+    weight_clip: str = "absmax"
+    weight_grid: str = "twos"
+    bias_correction: bool = False
 
     def __post_init__(self):
+        object.__setattr__(self, "activation_observer", cal.as_observer(self.activation_observer))
+        if self.weight_clip not in cal.WEIGHT_CLIPS:
+            raise ValueError(f"weight_clip must be one of {cal.WEIGHT_CLIPS}, got {self.weight_clip!r}")
+        if self.weight_grid not in cal.WEIGHT_GRIDS:
+            raise ValueError(f"weight_grid must be one of {cal.WEIGHT_GRIDS}, got {self.weight_grid!r} "
+                             "('pm' stores 2..7-bit weights as odd integers, using every code)")
+        if not isinstance(self.bias_correction, bool):
+            raise TypeError(f"bias_correction must be a bool, got {self.bias_correction!r}")
         parse_precision(self.precision)
         if self.first_last is not None:
             parse_precision(self.first_last)
@@ -397,6 +417,44 @@ def _chain_through_flatten(node: fx.Node, flat: fx.Node, qmods, records: dict, k
         records[node.target].out = f"packed {b.a_fmt} -> {to}"
 
 
+def _weight_fmt(prec: LayerPrecision, grid: str):
+    return weight_format(prec) if prec.fp8 else cal.weight_format_for(prec.w_bits, grid)
+
+
+def _regrid(q, float_layer: nn.Module, fmt) -> None:
+    """Re-quantize a QConv2d / QLinear's weight on another grid (pmN), the same per-channel absmax rule."""
+    w = float_layer.weight.detach()
+    w = w.permute(0, 2, 3, 1).contiguous() if isinstance(q, QConv2d) else w[:, None, None, :]  # (K, R, S, C)
+    q.w_fmt = fmt
+    q.weight = _prepare(_quantize_weight(w, fmt))
+
+
+def _calibration_call(cfg: QuantConfig, gm, order, batches, stats, precision_of, mods):
+    """The config's calibration on top of the absmax pass: activation clips (integer layers; FP8 layers keep
+    absmax, whose 448 maps onto e4m3's range), per-channel weight clip ratios, bias-correction deltas."""
+    obs = cfg.activation_observer
+    layers = [n for n in order if precision_of(n) is not None and not _unsupported(mods[n])]
+    ints = [n for n in layers if not precision_of(n).fp8]
+    if obs.method != "absmax" and ints:
+        qmax = lambda n: absmax_qmax(activation_format(precision_of(n), stats[n][1]))  # noqa: E731
+        clips = cal.activation_clips(gm, ints, batches, {n: stats[n][0] for n in ints}, obs, qmax)
+        stats = {**stats, **{n: (clips[n], stats[n][1]) for n in ints}}
+    w_ratio = {}
+    if cfg.weight_clip == "mse":
+        w_ratio = {n: cal.weight_clip_ratio(mods[n].weight, _weight_fmt(precision_of(n), cfg.weight_grid))
+                   for n in ints}
+    deltas = {}
+    if cfg.bias_correction and layers:
+        def w_dq(n):
+            w = mods[n].weight.detach().float()
+            if n in w_ratio:
+                lim = (w.flatten(1).abs().amax(1) * w_ratio[n]).view(-1, *([1] * (w.dim() - 1)))
+                w = torch.maximum(torch.minimum(w, lim), -lim)
+            return cal.dequantized_weight(w, _weight_fmt(precision_of(n), cfg.weight_grid))
+        deltas = cal.bias_deltas(gm, layers, batches, w_dq)
+    return stats, w_ratio, deltas
+
+
 def _set_module(root: nn.Module, name: str, new: nn.Module) -> None:
     parent, _, leaf = name.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, leaf, new)
@@ -461,6 +519,9 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
             return parse_precision(cfg.first_last)
         return parse_precision(cfg.precision)
 
+    # -- calibration beyond absmax, weight clipping and bias correction (nn/calibrate.py) -------------------
+    stats, w_ratio, deltas = _calibration_call(cfg, gm, order, batches, stats, precision_of, mods)
+
     records: dict[str, LayerRecord] = {}
     new_mods: dict[str, nn.Module] = {}
 
@@ -473,8 +534,11 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
         if prec is None or why:
             records[name] = LayerRecord(name, kind, "float", why or "kept in float (config)")
             return None
+        wfmt = _weight_fmt(prec, cfg.weight_grid)
+        if name in w_ratio or name in deltas:
+            m = cal.prepared_float_layer(m, w_ratio.get(name), deltas.get(name))
         if kind == "conv" and m.groups != 1:
-            q = QGroupedConv2d.from_float(m, prec, in_absmax=absmax, signed_input=neg, bn=bn, act=act,
+            q = QGroupedConv2d.from_float(m, prec, w_fmt=wfmt, in_absmax=absmax, signed_input=neg, bn=bn, act=act,
                                           backend="reference" if cfg.backend == "reference" else "auto")
             backend = q.route[0]
         elif kind == "conv":
@@ -482,6 +546,8 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
                                    backend=cfg.backend)
         else:
             q = QLinear.from_float(m, prec, in_absmax=absmax, signed_input=neg, act=act, backend=cfg.backend)
+        if not isinstance(q, QGroupedConv2d) and wfmt != q.w_fmt:
+            _regrid(q, m, wfmt)
         if not isinstance(q, QGroupedConv2d):
             backend = "fp8" if prec.fp8 else choose_int_backend(q.a_fmt, q.w_fmt, dev, cfg.backend)[0]
         act_name = act if isinstance(act, str) or act is None else {"leaky": "leaky", "clamp": "clamp"}[act[0]]

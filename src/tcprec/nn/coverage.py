@@ -25,6 +25,8 @@ be rewritten exactly into those plain modules, and :func:`uncovered` lists what 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
@@ -214,6 +216,11 @@ def _conv1d_as_2d(gm: fx.GraphModule, node: fx.Node, name: str, conv1: nn.Conv1d
     node.args = (x2,)
 
 
+def _pad_input(pad4, mod, args):
+    top, bottom, left, right = pad4
+    return (F.pad(args[0], (left, right, top, bottom)),) + tuple(args[1:])
+
+
 def _fold_pads(gm: fx.GraphModule) -> list[str]:
     notes = []
     g = gm.graph
@@ -238,6 +245,8 @@ def _fold_pads(gm: fx.GraphModule) -> list[str]:
             # a depthwise conv takes four-sided padding (the grouped quantized conv pads its codes so)
             conv.tcprec_pad4 = (top + ph, bottom + ph, left + pw, right + pw)
             conv.padding = (0, 0)
+            # the float conv still pads (calibration runs it): a pre-hook; the quantized conv replaces it
+            conv.register_forward_pre_hook(functools.partial(_pad_input, conv.tcprec_pad4))
         else:
             notes.append(f"{node.target}: asymmetric zero pad {p4} kept as a float op in front of the conv")
             continue
