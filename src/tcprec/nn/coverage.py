@@ -252,7 +252,8 @@ def _fold_pads(gm: fx.GraphModule) -> list[str]:
             continue
         node.args = (src.args[0],) + tuple(node.args[1:])
         g.erase_node(src)
-        conv.tcprec_pad_folded = p4
+        if any(p4):
+            conv.tcprec_pad_folded = p4
     return notes
 
 
