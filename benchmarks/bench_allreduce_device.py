@@ -190,11 +190,6 @@ def bench_allreduce(numel: int = 11_700_000) -> None:
     fn = lambda: allreduce_lowp(flat, sizes, fmt)[1].nonfinite_input  # noqa: E731  (one host sync per call)
     add(dict(case=f"aps_e4m3_compressed_{world}gpu_reading_the_nonfinite_flag", ms=_time_dist(fn),
              loop_ms=_loop_ms(fn)))
-    ka.HW_FP8_ROUNDING = False
-    fn = lambda: allreduce_lowp(flat, sizes, fmt)  # noqa: E731
-    generic = fn()[0]
-    add(dict(case=f"aps_e4m3_compressed_{world}gpu_generic_rounding_no_fp8_cvt", gpu_ms=_time_dist(fn, head_start=True)))
-    ka.HW_FP8_ROUNDING = True
     t = _time_dist(lambda: allreduce_lowp(flat, sizes, fmt, backend="reference"), reps=3, warmup=1)
     add(dict(case=f"before_reference_path_aps_e4m3_compressed_{world}gpu", ms=t))
 
@@ -242,7 +237,6 @@ def bench_allreduce(numel: int = 11_700_000) -> None:
 
     # ---- bits: NCCL == one process reducing every rank's gradients as emulated nodes ------------------
     got = {tr: allreduce_lowp(flat, sizes, fmt, transport=tr)[0] for tr in ("compressed", "emulate")}
-    got["generic_rounding"] = generic
     got["cuda_graph"] = allreduce_lowp(flat, sizes, fmt, graph=True)[0].clone()
     nodes = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(nodes, flat)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks, logs and JSON under $OUT.
-# Usage (on the GPU machine, repo root): bash benchmarks/run_device.sh [tests|tests-all|tests-NAME|cast|solve-quick|solve-panel|solve-fused|solve|net|passes|layers|dual-ab|emulate|chunk|convbwd|quant|host|tune-tma|tune-wgrad|tune-flat|fp8quant|cpd ...]
-# (net: NET_ARGS for tcprec bench net; layers: PROF_ARGS for benchmarks/profile_net_layers_device.py; emulate: EMU_ARGS; cpd: CPD_ARGS, needs .carry/fashion-mnist carried;
-#  tune-wgrad / tune-flat: TUNE_ARGS for benchmarks/tune_wgrad_{tma,flat}_device.py, e.g. "--layers 2,6")
+# Usage (on the GPU machine, repo root): bash benchmarks/run_device.sh [tests|tests-all|tests-NAME|cast|gemm|solve|net|convbwd|chunk|tune-gemm|tune-convfwd|tune-tma|tune-wgrad|tune-flat|tune-splitk ...]
+# (product suites run `tcprec bench <suite>`; net: NET_ARGS for tcprec bench net; tune-wgrad / tune-flat: TUNE_ARGS for
+#  benchmarks/tune_wgrad_{tma,flat}_device.py, e.g. "--layers 2,6".  See benchmarks/README.md.)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TCPREC_CACHE_DIR="${TCPREC_CACHE_DIR:-/tmp/tcache}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -28,39 +28,25 @@ for step in "${@:-tests cast}"; do
                  | tee "$OUT/gpu_tests_${step#tests-}.log" | tail -25 ;;
         cast) timeout 240 python3 -m tcprec.cli bench cast 2>&1 | tee "$OUT/bench_cast.log" | tail -40
               cp benchmarks/results/cast.json "$OUT/" 2>/dev/null ;;
-        solve-quick) timeout 240 python3 benchmarks/bench_solve_device.py --quick 2>&1 | tee "$OUT/solve_quick.log" | tail -60
-                     cp benchmarks/results/solve_quick.json "$OUT/" 2>/dev/null ;;
-        solve-panel) timeout 420 python3 benchmarks/bench_solve_device.py --panel-ab 2>&1 | tee "$OUT/solve_panel.log" | tail -40
-                     cp benchmarks/results/solve_panel_ab.json "$OUT/" 2>/dev/null ;;
-        solve-fused) timeout 480 python3 benchmarks/bench_solve_device.py --fused-ab 2>&1 | tee "$OUT/solve_fused.log" | tail -40
-                     cp benchmarks/results/solve_fused_ab.json "$OUT/" 2>/dev/null ;;
-        solve) timeout 480 python3 benchmarks/bench_solve_device.py 2>&1 | tee "$OUT/solve.log" | tail -60
+        gemm) timeout 540 python3 -m tcprec.cli bench gemm 2>&1 | tee "$OUT/bench_gemm.log" | tail -40
+              cp benchmarks/results/gemm.json "$OUT/" 2>/dev/null ;;
+        solve) timeout 540 python3 -m tcprec.cli bench solve 2>&1 | tee "$OUT/bench_solve.log" | tail -60
                cp benchmarks/results/solve.json "$OUT/" 2>/dev/null ;;
         net) timeout 560 python3 -m tcprec.cli bench net ${NET_ARGS:-} 2>&1 | tee "$OUT/bench_net.log" | tail -120
              cp benchmarks/results/net.json benchmarks/results/net.png "$OUT/" 2>/dev/null ;;
-        emulate) timeout "${EMU_TIMEOUT:-200}" python3 benchmarks/bench_emulate_device.py --n 4096 ${EMU_ARGS:-} 2>&1 \
-                 | tee "$OUT/bench_emulate.log" | tail -40
-                 cp benchmarks/results/emulate_gemm.json "$OUT/" 2>/dev/null ;;
-        chunk) TRITON_CACHE_DIR=/tmp/tc timeout "${EMU_TIMEOUT:-400}" python3 benchmarks/bench_emulate_chunk_device.py \
+        chunk) TRITON_CACHE_DIR=/tmp/tc timeout "${EMU_TIMEOUT:-400}" python3 benchmarks/tune_emulate_chunk_device.py \
                  2>&1 | tee "$OUT/bench_chunk.log" | grep -v '"diag"' | tail -40 ;;
-        convbwd) timeout "${CONV_TIMEOUT:-540}" python3 benchmarks/bench_conv_bwd_device.py --precisions fp16,fp8 --batches 256,8 \
-                 --rep-ms 40 --passes "${CONV_PASSES:-2}" --out-dir "$OUT" 2>&1 | tee "$OUT/conv_bwd.log" | tail -14 ;;
-        layers) timeout 400 python3 benchmarks/profile_net_layers_device.py ${PROF_ARGS:-} 2>&1 | tee "$OUT/net_layers.log" | tail -60 ;;
-        dual-ab) timeout 300 python3 benchmarks/bench_net_dual_ab_device.py --out "$OUT/net_dual_ab.json" 2>&1 | tail -4 ;;
-        passes) timeout 240 python3 benchmarks/bench_net_passes_device.py --out "$OUT/net_passes.json" 2>&1 \
-                | tee "$OUT/net_passes.log" | tail -16 ;;
-        quant) timeout 240 python3 benchmarks/bench_quant_passes_device.py --out "$OUT/quant_passes.json" 2>&1 \
-               | tee "$OUT/quant_passes.log" | tail -12 ;;
-        host) timeout 240 python3 benchmarks/profile_host_device.py 2>&1 | tee "$OUT/host.log" | tail -80 ;;
+        convbwd) timeout "${CONV_TIMEOUT:-540}" python3 -m tcprec.cli bench conv-bwd --out "$OUT/conv_bwd.json" 2>&1 \
+                 | tee "$OUT/conv_bwd.log" | tail -14 ;;
+        tune-gemm) timeout 540 python3 benchmarks/tune_gemm_device.py --out-dir "$OUT" 2>&1 | tee "$OUT/tune_gemm.log" | tail -40 ;;
+        tune-convfwd) timeout 540 python3 benchmarks/tune_conv_fwd_device.py --tune --out "$OUT/conv_fwd.json" 2>&1 \
+                      | tee "$OUT/tune_convfwd.log" | tail -40 ;;
+        tune-splitk) timeout 300 python3 benchmarks/tune_splitk_device.py --out "$OUT/splitk_tune.json" 2>&1 | tail -20 ;;
         tune-tma) timeout 330 python3 benchmarks/tune_dgrad_tma_device.py 2>&1 | tee "$OUT/tune_tma.log" | tail -5 ;;
         tune-wgrad) timeout "${TUNE_TIMEOUT:-540}" python3 benchmarks/tune_wgrad_tma_device.py ${TUNE_ARGS:-} 2>&1 \
                     | tee "$OUT/tune_wgrad.log" | grep -v '^{"N"' | tail -16 ;;
-        fp8quant) timeout 200 python3 benchmarks/bench_fp8_quant_device.py 2>&1 | tee "$OUT/fp8_quant.log" | tail -8 ;;
         tune-flat) timeout "${TUNE_TIMEOUT:-540}" python3 benchmarks/tune_wgrad_flat_device.py ${TUNE_ARGS:-} 2>&1 \
                    | tee "$OUT/tune_flat.log" | grep -v '^{"N"\|^{"layer"' | tail -30 ;;
-        cpd) timeout "${CPD_TIMEOUT:-400}" python3 benchmarks/bench_cpd_device.py --data-path .carry/fashion-mnist \
-                 ${CPD_ARGS:-} 2>&1 | tee "$OUT/cpd.log" | tail -30
-             cp benchmarks/results/cpd.json "$OUT/" 2>/dev/null ;;
         *) echo "unknown step $step" ;;
     esac
 done

@@ -15,7 +15,8 @@ import json
 import torch
 
 from tcprec.bench.common import environment, time_graph_ms
-from tcprec.kernels.cuda import loader as L
+from tcprec.kernels.cuda import bmma_gemm as L
+from tcprec.kernels.cuda import runtime as R
 
 # (name, M, N, K bits, output): the GEMM of each layer at batch 8
 SHAPES = [
@@ -61,7 +62,7 @@ def main() -> None:
                                 out_compact=out_kind == "packed")
 
         picked = str(L._variant_for(2, 1, False, False, M, N, out_kind, 2, "unsigned", "",
-                                    *L._sm_count(dev), kw).tile)
+                                    *R.sm_count(dev), kw).tile)
         ref = gemm("")
         t0 = time_graph_ms(lambda wi: gemm("", wi), ws)
         rows.append({"shape": name, "M": M, "N": N, "K": K, "out": out_kind, "tile": f"picked {picked}",

@@ -29,7 +29,7 @@ import torch
 
 from tcprec.bench.common import time_graph_ms
 from tcprec.bench.conv_bwd import NRMSE_LIMITS, RESNET50_LAYERS, _nrmse
-from tcprec.kernels.reference_conv import ConvGeometry
+from tcprec.kernels.conv_geometry import ConvGeometry
 from tcprec.kernels.triton import wgrad_flat as wf
 from tcprec.ops import conv as opc
 

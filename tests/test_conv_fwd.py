@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from _aot import require_nvidia_backend, run_aot
 
-from tcprec.kernels import reference_conv_fwd as rf
+from tcprec.kernels import reference_conv_int8_fp8 as rf
 
 pytest.importorskip("triton", reason="triton is a Linux dependency of tcprec")
 cf = pytest.importorskip("tcprec.kernels.triton.conv_fwd")
@@ -458,7 +458,7 @@ def test_bad_input_fp8():
 
 
 def test_pick_config_table():
-    from tcprec.kernels.reference_conv import ConvGeometry as G
+    from tcprec.kernels.conv_geometry import ConvGeometry as G
 
     cfg = cf.pick_config(G(256, 56, 56, 256, 256, 3, 3, (1, 1), (1, 1), (1, 1)), fp8=False)
     assert cfg["BLOCK_K"] == 128 and not cfg["FLAT"] and cfg["BLOCK_M"] == 128

@@ -1,5 +1,5 @@
 """The conv epilogue's float8 output (kernels/triton/conv_fwd.py OUT_MODE 4, ``out=("e4m3" | "e5m2", out_scale)``)
-through TRITON_INTERPRET=1: the INT8 kernel (exact accumulator) bit for bit against reference_conv_fwd, the FP8 kernel
+through TRITON_INTERPRET=1: the INT8 kernel (exact accumulator) bit for bit against reference_conv_int8_fp8, the FP8 kernel
 against its own float32 output quantized by torch (``quantize_fp8_static``'s ops); ties (integer sums halfway
 between two e4m3 / e5m2 codes), saturation, +-Inf and NaN (from the bias), a residual, both formats, flat and
 per-tap modes, a device scale; bad input."""
@@ -7,7 +7,7 @@ per-tap modes, a device scale; bad input."""
 import pytest
 import torch
 
-from tcprec.kernels import reference_conv_fwd as rf
+from tcprec.kernels import reference_conv_int8_fp8 as rf
 
 pytest.importorskip("triton", reason="triton is a Linux dependency of tcprec")
 cf = pytest.importorskip("tcprec.kernels.triton.conv_fwd")

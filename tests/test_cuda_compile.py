@@ -1,4 +1,4 @@
-"""NVRTC compiles the bit-serial GEMM for sm_90a here, without a GPU (DESIGN.md section 3).
+"""NVRTC compiles the bit-serial GEMM for sm_90a here, without a GPU.
 
 One variant takes ~1.5 s of CPU to compile, so CI compiles a representative set (~30 variants,
 two processes): every (p, q) pair that ``tcprec.matmul`` sends to the binary kernel by default
@@ -43,7 +43,7 @@ def cache(tmp_path_factory):
 
 
 def _variants():
-    from tcprec.kernels.cuda import loader as L
+    from tcprec.kernels.cuda import bmma_gemm as L
 
     big = lambda p, q, t=False, e="float": L.pick_tile(p, q, t, t, 10**5, 10**5, arch="sm_90a", epilogue=e)  # noqa: E731
     vs = [L.Variant(p, q, False, False, big(p, q), "float", "float16") for p, q in DEFAULT_PAIRS]
@@ -61,9 +61,6 @@ def _variants():
         L.Variant(2, 1, False, False, L.parse_tile("128x128_w8x1_s4_k1024_wg_tma_c2x1"), "float", "float16"),
         L.Variant(1, 1, False, True, L.parse_tile("128x256_w8x1_s4_k1024_wg_tma_c2x2"), "int32"),
         L.Variant(2, 1, False, False, L.parse_tile("128x128_w8x1_s4_k1024_wg_f_tma_c1x2"), "packed", out_bits=1),
-        # ping-pong: two consumer groups on alternate tiles
-        L.Variant(2, 1, False, False, L.parse_tile("64x128_w4x1_s6_k1024_wg_tma_pp"), "packed", out_bits=2),
-        L.Variant(2, 1, False, False, L.parse_tile("64x128_w4x1_s6_k1024_wg_tma_pp"), "float", "float16"),
         # split-K (TCP_SPLIT) as pick_tile takes it for a linear layer at batch 8, with the residual and dual planes,
         # on a cp.async wgmma tile; the small packed tile of batch-8 convolutions
         L.Variant(2, 1, False, False, L.pick_tile(2, 1, False, False, 8, 4096, arch="sm_90a", kw=784), "float",
@@ -81,7 +78,7 @@ def _variants():
 def _conv_variants():
     """Implicit-GEMM convolutions (TCP_CONV): the w1a2 / w2a2 tiles the networks' binary convs take -- TMA with the
     gathering producer warpgroup, packed and float epilogues, and the mma.sync / small tiles of small batches."""
-    from tcprec.kernels.cuda import loader as L
+    from tcprec.kernels.cuda import bmma_gemm as L
 
     big = lambda p, q, e: L.packed_tile(L.pick_tile(p, q, False, False, 10**5, 512, arch="sm_90a", epilogue=e)) \
         if e == "packed" else L.pick_tile(p, q, False, False, 10**5, 512, arch="sm_90a", epilogue=e)  # noqa: E731
@@ -110,14 +107,14 @@ def _conv_variants():
                   "bfloat16", 2, "pm1", dual=True),
         L.Variant(2, 1, False, False, L.packed_tile(L.pick_tile(2, 1, False, False, 10**5, 10**5, arch="sm_80")),
                   "float", "float16", 3, "twos", res=True, dual=True),
-        # in-kernel row sums (TCP_ROWSUM): the w1a2 convs' tiles as the loader picks them with row_affine -- TMA
+        # in-kernel row sums (TCP_ROWSUM): the w1a2 convs' tiles as bmma_gemm picks them with row_affine -- TMA
         # (ones tile in shared memory) packed / dual, the cp.async wgmma tile, mma.sync and the small packed tile
         *_rowsum_variants(),
     ]
 
 
 def _rowsum_variants():
-    from tcprec.kernels.cuda import loader as L
+    from tcprec.kernels.cuda import bmma_gemm as L
 
     pick = lambda M, N, kind, dual=False: L._variant_for(2, 1, False, False, M, N, kind, 2, "unsigned", "", 132,  # noqa: E731
                                                          "sm_90a", 36, True, False, dual, True)
@@ -130,7 +127,7 @@ def _rowsum_variants():
 
 def _sync_defaults():
     """The mma.sync large tiles of the default pairs (sm_90a's fallback, other GPUs' default)."""
-    from tcprec.kernels.cuda import loader as L
+    from tcprec.kernels.cuda import bmma_gemm as L
 
     out = []
     for p, q in DEFAULT_PAIRS:
@@ -140,7 +137,7 @@ def _sync_defaults():
 
 
 def test_every_representative_variant_compiles_for_sm90a(cache):
-    from tcprec.kernels.cuda import loader as L
+    from tcprec.kernels.cuda import bmma_gemm as L
 
     vs = _variants() + _sync_defaults()
     t0 = time.perf_counter()
@@ -161,7 +158,7 @@ def _spill_bytes(log: str) -> int:
 def test_default_variants_do_not_spill(cache):
     """No default tile spills: mma.sync, and the TMA wgmma tiles (168 registers a thread, accumulators
     <= 128 of them) -- the cluster variants too."""
-    from tcprec.kernels.cuda import loader as L
+    from tcprec.kernels.cuda import bmma_gemm as L
 
     seen_tma = 0
     for v in _variants()[: len(DEFAULT_PAIRS)] + _variants()[-26:] + _sync_defaults():
@@ -175,7 +172,7 @@ def test_conv_wide_tile_rule_and_no_spills(cache):
     """Implicit convolutions of w1a2 on 64 columns with >= 2 tiles an SM take three MMA warpgroups (bm = 192, 3
     stages); wider N, more weight classes or a small M keep the picked tile; the wide variants compile without
     spills (512 threads: ptxas caps them at 128 registers)."""
-    from tcprec.kernels.cuda import loader as L
+    from tcprec.kernels.cuda import bmma_gemm as L
 
     def pick(p, q, M, N, out="packed", res=False, dual=False):
         return L._variant_for(p, q, False, False, M, N, out, 2, "unsigned", None, 132, "sm_90a", 18, True, res, dual,
@@ -195,7 +192,7 @@ def test_conv_wide_tile_rule_and_no_spills(cache):
 
 def test_wgmma_variants_use_warpgroup_mma_in_ptx():
     """The wgmma tile's source path emits wgmma b1 AND+popc (the SASS check is in tests/gpu)."""
-    from tcprec.kernels.cuda import loader as L
+    from tcprec.kernels.cuda import bmma_gemm as L
 
     t = L.wgmma_tile(2, 1)
     assert t is not None and t.mma == "wgmma" and L.pick_tile(2, 1, False, False, 8192, 8192, arch="sm_90a") == t
@@ -212,7 +209,7 @@ def test_tma_tiles():
     warpgroup N whose accumulators fit 128 registers, as many stages (<= 8) as shared memory holds (the packed
     epilogue's codes included); none for five or more weight classes.  Tiles round-trip through their names,
     clusters are 1..2 x 1..2 blocks of the TMA kernel only, and a launch rounds its grid up to whole clusters."""
-    from tcprec.kernels.cuda import loader as L
+    from tcprec.kernels.cuda import bmma_gemm as L
 
     t = L.wgmma_tile(2, 1)
     assert (t.bm, t.bn, t.warps_m, t.warps_n, t.tma, t.fold, t.cluster) == (128, 128, 8, 1, True, False, (1, 1))
@@ -257,7 +254,7 @@ def test_tma_tiles():
 def test_packed_variants_carry_the_threshold_kernel(cache):
     """Packed variants of <= 3 output bits hold a second entry, bmma_code_thresholds (the integer thresholds
     the epilogue compares C with), and stage 2^b threshold words a column; wider outputs keep the float path."""
-    from tcprec.kernels.cuda import loader as L
+    from tcprec.kernels.cuda import bmma_gemm as L
 
     t = L.parse_tile("128x128_w8x1_s4_k1024_wg_tma")
     for bits, enc in ((1, "pm1"), (2, "unsigned"), (3, "twos"), (4, "unsigned")):
@@ -270,24 +267,8 @@ def test_packed_variants_carry_the_threshold_kernel(cache):
     assert b"bmma_code_thresholds" not in L.compile_variant(L.Variant(2, 1, tile=t, epilogue="float"), "sm_90a")[0]
 
 
-def test_ping_pong_tiles():
-    from tcprec.kernels.cuda import loader as L
-
-    pp = L.parse_tile("64x128_w4x1_s6_k1024_wg_tma_pp")
-    assert pp.cons == 2 and str(pp) == "64x128_w4x1_s6_k1024_wg_tma_pp"
-    v = L.Variant(2, 1, tile=pp, epilogue="packed", out_bits=2)
-    assert v.threads == 2 * 128 + 128 and "TCP_CONS=2" in v.defines()
-    # a copy of the vectors (and thresholds) a group, each 16-byte aligned
-    per = 2 * 64 + 3 * 128 + 4 + 4 * 128
-    assert v.smem_bytes - L.Variant(2, 1, tile=pp.__class__(**{**pp.__dict__, "cons": 1})).smem_bytes == \
-        2 * per * 4 - (2 * 64 + 3 * 128) * 4
-    for bad in ("64x128_w4x1_s5_k1024_wg_tma_pp", "64x128_w4x1_s6_k1024_wg_pp", "64x128_w4x1_s6_k1024_wg_tma_c2x1_pp"):
-        with pytest.raises(ValueError, match="two consumer groups"):
-            L.Variant(2, 1, tile=L.parse_tile(bad))
-
-
 def test_split_k_tiles_and_choice():
-    from tcprec.kernels.cuda import loader as L
+    from tcprec.kernels.cuda import bmma_gemm as L
 
     t = L.parse_tile("32x32_w2x2_s2_k1024_sk4")
     assert t.split == 4 and str(t) == "32x32_w2x2_s2_k1024_sk4" and L.parse_tile(str(t)) == t
@@ -314,7 +295,7 @@ def test_folded_tiles():
     """A folded tile (an option no default takes since the TMA kernel: measured slower) keeps one accumulator
     and repeats each plane pair's wgmma by its weight; two's complement (a negative weight) and mma.sync tiles
     are refused."""
-    from tcprec.kernels.cuda import loader as L
+    from tcprec.kernels.cuda import bmma_gemm as L
 
     t = L.parse_tile("128x128_w8x1_s4_k1024_wg_f_tma")
     assert t.fold and t.tma and L.parse_tile(str(t)) == t and not L.wgmma_tile(2, 1).fold
@@ -329,7 +310,7 @@ def test_folded_tiles():
 
 
 def test_cache_is_reused_and_keyed_by_variant(cache):
-    from tcprec.kernels.cuda import loader as L
+    from tcprec.kernels.cuda import bmma_gemm as L
 
     v = _variants()[0]
     L.compile_variant(v, "sm_90a")
@@ -342,7 +323,7 @@ def test_cache_is_reused_and_keyed_by_variant(cache):
 
 
 def test_compile_error_reports_nvrtc_log(cache, monkeypatch, tmp_path):
-    from tcprec.kernels.cuda import loader as L
+    from tcprec.kernels.cuda import bmma_gemm as L
 
     bad = tmp_path / "bad.cu"
     bad.write_text('extern "C" __global__ void bmma_gemm() { this is not C++; }\n')
@@ -352,103 +333,13 @@ def test_compile_error_reports_nvrtc_log(cache, monkeypatch, tmp_path):
 
 
 def test_one_source_no_per_width_files():
-    from tcprec.kernels.cuda import loader as L
+    from tcprec.kernels.cuda import bmma_gemm as L
 
     cu = sorted(p.name for p in L.SOURCE_PATH.parent.glob("*.cu"))
-    # every bit width from one GEMM source; the LU's CALU leaf; its one-cluster leaf; its partially pivoted panel
-    # and the thin-input INT8 stem conv
-    assert cu == ["bmma_gemm.cu", "panel_cluster.cu", "panel_lu.cu", "panel_pivot.cu", "stem_conv.cu"]
+    # every bit width from one GEMM source, and the thin-input INT8 stem conv
+    assert cu == ["bmma_gemm.cu", "stem_conv.cu"]
     src = L.SOURCE_PATH.read_text()
     assert "and.popc" in src and "xor.popc" not in src and ".s4" not in src and ".u4" not in src
-
-
-def test_panel_lu_variants_compile_without_spills(cache):
-    """panel_lu.cu (the CALU leaf of tcprec.linalg): the default variant of each leaf width and the
-    other block sizes compile for sm_90a; none spills (a row lives in registers) and the default
-    w32 variant's step loop is unrolled (its stack frame stays 0 bytes)."""
-    from tcprec.kernels.cuda import panel_lu as P
-
-    for v in {P.default_variant(32), P.default_variant(64), P.PanelVariant(32, 1024), P.PanelVariant(32, 128)}:
-        cubin, log = P.compile_panel(v, "sm_90a")
-        assert cubin[:4] == b"\x7fELF", v
-        if v.threads <= 512:
-            assert "0 bytes spill stores" in log and "0 bytes stack frame" in log, (str(v), log[-300:])
-    assert P.default_variant(17) == P.PanelVariant(32, 256, True) and P.default_variant(33).width == 64
-    with pytest.raises(ValueError, match=r"at most 64 columns, got 65"):
-        P.default_variant(65)
-    with pytest.raises(ValueError, match=r"threads must be one of \(128, 256, 512, 1024\) and >= 2 \* width"):
-        P.PanelVariant(64, 64)
-
-
-def test_panel_pivot_variants_compile_without_spills(cache):
-    """panel_pivot.cu (the fused partially pivoted LU panel): every leaf width x rows-a-thread variant
-    compiles for sm_90a without spills or a stack frame (the leaf lives in shared memory, the
-    interchange gathers 2 W values a thread in registers), and fits one block an SM."""
-    from tcprec.kernels.cuda import panel_pivot as P
-
-    for w in P.WIDTHS:
-        for r in P.ROWS:
-            v = P.PivotVariant(w, r)
-            cubin, log = P.compile_panel_pivot(v, "sm_90a")
-            assert cubin[:4] == b"\x7fELF", v
-            assert "0 bytes spill stores" in log and "0 bytes stack frame" in log, (str(v), log[-300:])
-            assert v.smem_bytes <= 200 * 1024, v
-
-
-def test_panel_cluster_variants_compile_without_spills(cache):
-    """panel_cluster.cu (the LU leaf one thread-block cluster factors): every width x rows-a-thread x cluster
-    variant compiles for sm_90a without spills or a stack frame (the rows live in registers, the elimination
-    is specialised per column so every register index is static) and uses the cluster instructions."""
-    from tcprec.kernels.cuda import panel_cluster as P
-
-    vs = P.all_variants()
-    assert len(vs) == 15 and {v.rows * v.width for v in vs} <= {16, 32, 64}
-    for v in vs:
-        cubin, log = P.compile_panel_cluster(v, "sm_90a")
-        assert cubin[:4] == b"\x7fELF", v
-        assert "0 bytes spill stores" in log and "0 bytes stack frame" in log, (str(v), log[-300:])
-    src = P.SOURCE_PATH.read_text()
-    assert "barrier.cluster.arrive.release" in src and "st.shared::cluster" in src and "mapa.shared::cluster" in src
-
-
-def test_panel_cluster_variant_choice_and_bad_input():
-    """The fewest rows a thread that hold the leaf (16 blocks unless asked), 32 columns up to 16384 rows
-    and 16 up to 32768; what does not fit is refused with the limit and the fix."""
-    from tcprec.kernels.cuda import panel_cluster as P
-
-    assert str(P.pick_variant(32768, 16)) == "w16_r4_c16" and str(P.pick_variant(16384, 32)) == "w32_r2_c16"
-    assert str(P.pick_variant(8192, 20)) == "w32_r1_c16" and str(P.pick_variant(3000, 16, cluster=4)) == "w16_r2_c4"
-    assert P.max_rows(16) == 32768 and P.max_rows(32) == 16384
-    with pytest.raises(ValueError, match=r"16385 rows x 32 columns does not fit .*at most 16384 rows"):
-        P.pick_variant(16385, 32)
-    with pytest.raises(ValueError, match=r"1..32 columns, got width=33"):
-        P.pick_variant(100, 33)
-    with pytest.raises(ValueError, match=r"at most 64 values"):
-        P.ClusterVariant(32, 4, 16)
-    with pytest.raises(ValueError, match=r"clusters of \(4, 8, 16\) blocks, got cluster=2"):
-        P.ClusterVariant(16, 1, 2)
-
-
-def test_panel_pivot_variant_choice_and_bad_input():
-    """The fewest rows a thread that fit one block an SM; panels too tall, bad widths and thread counts
-    are refused with the allowed values."""
-    from tcprec.kernels.cuda import panel_pivot as P
-
-    v, grid, rb = P.pick_variant(32768, 132)
-    assert (v.rows, grid, rb) == (1, 128, 256)
-    v, grid, rb = P.pick_variant(40000, 132)
-    assert (v.rows, grid) == (2, 79) and grid * rb >= 40000 and rb <= v.threads * v.rows
-    v, grid, rb = P.pick_variant(3000, 132, max_blocks=3)
-    assert (v.rows, grid) == (4, 3) and rb == 1000
-    assert P.pick_variant(100, 132)[1:] == (1, 100)
-    with pytest.raises(ValueError, match=r"panel of 140000 rows does not fit 132 blocks .* use panel='getrf'"):
-        P.pick_variant(140000, 132)
-    with pytest.raises(ValueError, match=r"leaf widths \(16, 32\), got width=64"):
-        P.PivotVariant(64)
-    with pytest.raises(ValueError, match=r"\(1, 2, 4\) rows a thread, got rows=3"):
-        P.PivotVariant(32, 3)
-    with pytest.raises(ValueError, match=r"threads must be whole warps in \[160, 1024\], got threads=128"):
-        P.PivotVariant(32, 1, 128)
 
 
 def test_dual_variants_and_custom_op_schemas():
@@ -457,7 +348,7 @@ def test_dual_variants_and_custom_op_schemas():
     tcprec::bmma_gemm_dual returns instead."""
     import torch
 
-    from tcprec.kernels.cuda import loader as L
+    from tcprec.kernels.cuda import bmma_gemm as L
 
     t = L.packed_tile(L.SMALL_TILE)
     v = L.Variant(2, 1, False, False, t, "float", "float16", 2, res=True, dual=True)
@@ -480,7 +371,7 @@ def test_conv_refuses_a_row_scale():
     one, naming the fix, before anything else is checked; so does the torch reference of the same contract."""
     import torch
 
-    from tcprec.kernels.cuda import loader as L
+    from tcprec.kernels.cuda import bmma_gemm as L
 
     a = torch.zeros((2, 2 * 8 * 8, 4), dtype=torch.int32)
     w = torch.zeros((1, 64, 36), dtype=torch.int32)
@@ -488,7 +379,7 @@ def test_conv_refuses_a_row_scale():
     with pytest.raises(ValueError, match=r"row_scale with conv: .* fold a per-tensor activation scale into col_scale"):
         L._bmma_gemm(a, w, False, False, 1, None, None, torch.ones(128), torch.ones(64), None, False, "float16", 1,
                      "unsigned", None, "", conv=conv)
-    from tcprec.kernels.reference_qconv import bmma_gemm_reference  # the torch statement of the contract: the same
+    from tcprec.kernels.reference_conv_bitserial import bmma_gemm_reference  # the torch statement of the contract: the same
 
     with pytest.raises(ValueError, match=r"row_scale with conv: .* fold a per-tensor activation scale into col_scale"):
         bmma_gemm_reference(a, w, False, False, 1, None, None, torch.ones(128), torch.ones(64), None, False, "float16",
@@ -522,21 +413,22 @@ def test_stem_conv_variants_compile_without_spills(cache):
 def test_shared_header_is_expanded_and_keys_the_cache(tmp_path, monkeypatch):
     """``#include "name"`` lines are replaced by the file beside the source (what NVRTC compiles and what the cache key
     hashes), so editing codes.cuh rebuilds both kernels; a missing header is named."""
-    from tcprec.kernels.cuda import loader as L
+    from tcprec.kernels.cuda import bmma_gemm as L
+    from tcprec.kernels.cuda import runtime as R
 
     monkeypatch.setenv("TCPREC_CACHE_DIR", str(tmp_path / "cache"))
-    text = L.source_text(L.SOURCE_PATH)
+    text = R.source_text(L.SOURCE_PATH)
     assert "#include \"codes.cuh\"" not in text and "__device__ int threshold_word(" in text
     (tmp_path / "h.cuh").write_text("#define ANSWER 42\n")
     src = tmp_path / "k.cu"
     src.write_text('#include "h.cuh"\nextern "C" __global__ void k(int* o) { *o = ANSWER; }\n')
-    assert L.source_text(src).startswith("#define ANSWER 42")
-    before = L.source_cubin_path(src, [], "sm_90a")
+    assert R.source_text(src).startswith("#define ANSWER 42")
+    before = R.source_cubin_path(src, [], "sm_90a")
     (tmp_path / "h.cuh").write_text("#define ANSWER 43\n")
-    assert L.source_cubin_path(src, [], "sm_90a") != before
+    assert R.source_cubin_path(src, [], "sm_90a") != before
     src.write_text('#include "missing.cuh"\n')
     with pytest.raises(FileNotFoundError, match=r"k.cu includes 'missing.cuh'"):
-        L.source_text(src)
+        R.source_text(src)
 
 
 def test_stem_weight_words_tiles_and_bad_input():

@@ -1,7 +1,7 @@
 """Float -> float8 codes inside Triton kernels (kernels/triton/round.py ``fp8_code``) and the one-pass max-pool +
 quantize (kernels/triton/fp8_quant.py ``pool_quantize_fp8``) through TRITON_INTERPRET=1, bit for bit against
 torch's path (``quantize_fp8_static`` off CUDA: ``(y / scale).clamp(-max, max).to(float8)`` after
-``reference_qconv.pool_nhwc``): every code, every tie between two neighbouring codes and one float32 ulp either
+``reference_conv_bitserial.pool_nhwc``): every code, every tie between two neighbouring codes and one float32 ulp either
 side, subnormals, overflow, +-Inf, NaN, +-0, e4m3 and e5m2, pool strides 0 / 1 / 2 with odd sizes."""
 
 import pytest
@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("triton", reason="triton is a Linux dependency of tcprec")
 fq = pytest.importorskip("tcprec.kernels.triton.fp8_quant")
 
-from tcprec.kernels import reference_qconv as rq  # noqa: E402
+from tcprec.kernels import reference_conv_bitserial as rq  # noqa: E402
 from tcprec.ops.qconv import quantize_fp8_static  # noqa: E402
 
 FMTS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import tcprec as tp
 from tcprec.kernels import reference_conv_grouped as rg
-from tcprec.kernels.reference_qconv import decode_values
+from tcprec.kernels.reference_conv_bitserial import decode_values
 from tcprec.ops.qconv_grouped import choose_grouped_backend, grouped_conv2d
 
 # (N, H, W, C, K, R, groups, stride, pad4 (top, bottom, left, right), dilation, x format, w format)

@@ -238,35 +238,35 @@ def test_explain_matmul_on_cpu():
 
 
 def test_eager_gemm_entry_refuses_cpu_tensors():
-    """The eager entry (loader.gemm_entry(): the op's implementation without the dispatcher) names the device
+    """The eager entry (bg.gemm_entry(): the op's implementation without the dispatcher) names the device
     problem instead of failing inside the launch."""
-    from tcprec.kernels.cuda import loader
+    from tcprec.kernels.cuda import bmma_gemm as bg
 
     if not torch.compiler.is_compiling():
-        assert loader.gemm_entry() is loader._bmma_gemm
+        assert bg.gemm_entry() is bmma_gemm._bmma_gemm
     a, w = torch.zeros(2, 4, 16, dtype=torch.int32), torch.zeros(1, 8, 16, dtype=torch.int32)
     with pytest.raises(ValueError, match="CUDA tensors.*reference backend"):
-        loader.gemm_entry()(a, w, False, False, 1, None, None, None, None, None, False, "int32", 1, "unsigned",
+        bg.gemm_entry()(a, w, False, False, 1, None, None, None, None, None, False, "int32", 1, "unsigned",
                             None, "")
 
 
 def test_kernel_tile_choice_bounds_registers():
-    from tcprec.kernels.cuda import loader
+    from tcprec.kernels.cuda import bmma_gemm as bg
 
     for (p, q), t in itertools.product(PAIRS, (False, True)):
-        tile = loader.pick_tile(p, q, t, t, 10**5, 10**5)
-        v = loader.Variant(p, q, t, t, tile)
+        tile = bg.pick_tile(p, q, t, t, 10**5, 10**5)
+        v = bg.Variant(p, q, t, t, tile)
         mt, nt = tile.bm // (16 * tile.warps_m), tile.bn // (8 * tile.warps_n)
         assert v.n_classes * mt * nt * 4 <= 128 or (mt, nt) == (1, 2)
-    assert loader.pick_tile(2, 1, False, False, 64, 1024) == loader.SMALL_TILE  # small: more blocks
+    assert bg.pick_tile(2, 1, False, False, 64, 1024) == bg.SMALL_TILE  # small: more blocks
     # one 512-bit step when the whole packed K is one (K <= 512 bits), on mma.sync tiles only
-    assert loader.pick_tile(2, 1, False, False, 64, 1024, kw=32) == loader.SMALL_TILE
-    assert loader.pick_tile(2, 1, False, False, 64, 128, kw=16).bk == 512
-    assert loader.pick_tile(4, 4, False, False, 10**5, 10**5, arch="sm_90a", kw=16).bk == 512  # mma.sync big tile
-    assert loader.pick_tile(2, 1, False, False, 10**5, 10**5, arch="sm_90a", kw=16).bk == 1024  # wgmma: 1024 only
-    assert loader._variant_for(2, 1, False, False, 64, 128, "float16", 1, "unsigned", "", 132, "sm_90a", 16).tile.bk == 512
-    assert loader.n_classes(2, 2) == 3 and loader.n_classes(1, 7) == 7
+    assert bg.pick_tile(2, 1, False, False, 64, 1024, kw=32) == bg.SMALL_TILE
+    assert bg.pick_tile(2, 1, False, False, 64, 128, kw=16).bk == 512
+    assert bg.pick_tile(4, 4, False, False, 10**5, 10**5, arch="sm_90a", kw=16).bk == 512  # mma.sync big tile
+    assert bg.pick_tile(2, 1, False, False, 10**5, 10**5, arch="sm_90a", kw=16).bk == 1024  # wgmma: 1024 only
+    assert bg._variant_for(2, 1, False, False, 64, 128, "float16", 1, "unsigned", "", 132, "sm_90a", 16).tile.bk == 512
+    assert bg.n_classes(2, 2) == 3 and bg.n_classes(1, 7) == 7
     with pytest.raises(ValueError, match="tile"):
-        loader.Variant(2, 1, tile=loader.Tile(40, 256, 2, 4))
+        bg.Variant(2, 1, tile=bg.Tile(40, 256, 2, 4))
     with pytest.raises(ValueError, match="tile must look like"):
-        loader.parse_tile("big")
+        bg.parse_tile("big")

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 import tcprec as tp
 from tcprec.formats import IntFormat
 from tcprec.kernels import reference_gemm as rg
-from tcprec.kernels import reference_qconv as rq
-from tcprec.kernels.reference_conv import ConvGeometry
+from tcprec.kernels import reference_conv_bitserial as rq
+from tcprec.kernels.conv_geometry import ConvGeometry
 from tcprec.packing import pack_bitplanes
 from tcprec.ops import qconv
 from tcprec.ops.quantize import quantize_static
@@ -48,7 +48,7 @@ def _qt(shape, fmt, gen, granularity=None):
 
 
 def _exact(qx, qw, stride=1, padding=0, dilation=1):
-    """F.conv2d on the decoded codes in float64 (tcprec.decode: independent of reference_qconv)."""
+    """F.conv2d on the decoded codes in float64 (tcprec.decode: independent of reference_conv_bitserial)."""
     x = tp.decode(qx.codes, qx.fmt).double().permute(0, 3, 1, 2)
     w = tp.decode(qw.codes, qw.fmt).double().permute(0, 3, 1, 2)
     return F.conv2d(x, w, stride=stride, padding=padding, dilation=dilation).permute(0, 2, 3, 1).round().long()
@@ -669,7 +669,7 @@ def test_fp8_route_within_bound(fast, C):
     """fp8 kernel (interpreter) vs float64 F.conv2d on the decoded values: |err| <= the fp32 summation
     bound of tests/test_conv_fwd.py, scaled by the epilogue's column scale, plus its roundings.  C = 3 / 5:
     the thin-stem route (gathered windows, run as a 1x1 conv)."""
-    from tcprec.kernels import reference_conv_fwd as rf
+    from tcprec.kernels import reference_conv_int8_fp8 as rf
 
     qx, qw, geo = _fp8_case(C=C)
     assert ("thin layer" in explain_conv2d(qx, qw, backend="fp8", **geo)) == (C < qconv.THIN_C)
@@ -975,13 +975,13 @@ def test_implicit_conv_rows_are_the_im2col_rows_when_taps_are_whole_chunks():
         assert torch.equal(rq.bmma_gemm_reference(a, wp, *args, conv=conv), rq.bmma_gemm_reference(cols, w_old, *args))
 
 
-def test_implicit_conv_route_choice_and_bad_geometry(monkeypatch):
-    from tcprec.kernels.cuda import loader as L
+def test_implicit_conv_route_choice_and_bad_geometry():
+    from tcprec.kernels.cuda import bmma_gemm as L
 
     g = ConvGeometry(1, 8, 8, 64, 8, 3, 3, (1, 1), (1, 1), (1, 1))
-    # "auto": only taps without padding words (ceil(C / 32) even) and, where the GEMM runs the large wgmma tiles (as
-    # many as the SMs), at most two column tiles of them (w1a2: 128 wide)
-    assert qconv.BITSERIAL_IMPLICIT == "auto" and qconv.implicit_conv(g, 16) and qconv.implicit_conv(g, 2)  # C = 64
+    # only taps without padding words (ceil(C / 32) even) and, where the GEMM runs the large wgmma tiles (as many as
+    # the SMs), at most two column tiles of them (w1a2: 128 wide)
+    assert qconv.implicit_conv(g, 16) and qconv.implicit_conv(g, 2)  # C = 64: padded / compact rows
     geo = lambda C, K, R=3, N=256, H=14: ConvGeometry(N, H, H, C, K, R, R, (1, 1), (R // 2,) * 2, (1, 1))  # noqa: E731
     assert qconv.implicit_conv(geo(256, 256), 8) and qconv.implicit_conv(geo(128, 100, H=28), 4)
     assert qconv.implicit_conv(geo(384, 256, 5), 12) and qconv.implicit_conv(geo(192, 384, N=8), 6)
@@ -991,14 +991,7 @@ def test_implicit_conv_route_choice_and_bad_geometry(monkeypatch):
     assert not qconv.implicit_conv(geo(256, 256), 8, 2, 2)  # w2a2: 64-wide tiles, 4 of them
     # fewer wgmma tiles than SMs (mma.sync tiles): any number of column tiles -- 8 x 14 x 14 rows = 13 x 4 tiles
     assert qconv.implicit_conv(geo(512, 512, N=8), 16) and not qconv.implicit_conv(geo(512, 512, N=8), 16, sm_count=50)
-    assert qconv.compact_planes_ok(64) and qconv.compact_planes_ok(96)  # compact rows serve both routes
-    monkeypatch.setattr(qconv, "BITSERIAL_IMPLICIT", False)
-    assert not qconv.implicit_conv(geo(256, 256), 8) and qconv.compact_planes_ok(64)
-    monkeypatch.setattr(qconv, "BITSERIAL_IMPLICIT", True)
-    assert qconv.implicit_conv(g, 16) and qconv.implicit_conv(g, 2)  # padded / compact rows of 64 channels
-    assert not qconv.implicit_conv(geo(96, 64), 3)  # compact rows: 3 words a pixel, not whole 8-byte taps
     assert not qconv.implicit_conv(ConvGeometry(1, 8, 8, 64, 8, 1, 1, (1, 1), (0, 0), (1, 1)), 16)  # pointwise
-    assert qconv.compact_planes_ok(256) and qconv.compact_planes_ok(64) and not qconv.compact_planes_ok(96)
     a = torch.zeros(2, 64, 16, dtype=torch.int32)
     w = torch.zeros(1, 8, 48, dtype=torch.int32)
     conv = [8, 8, 8, 8, 3, 3, 1, 1, 1, 1, 1, 1, 4]
@@ -1020,22 +1013,20 @@ def test_implicit_conv_route_choice_and_bad_geometry(monkeypatch):
 
 @pytest.mark.parametrize("geo", [dict(stride=1, padding=1), dict(stride=2, padding=2, dilation=2),
                                  dict(stride=(2, 1), padding=(0, 1))])
-@pytest.mark.parametrize("C", [64, 128, 37])
-def test_bitserial_implicit_route_equals_im2col_route(monkeypatch, geo, C):
-    """With qconv.BITSERIAL_IMPLICIT the bit-serial convolution hands the GEMM its input planes and the geometry
-    (conv=) instead of im2col'd rows; the reference GEMM gathers them explicitly: both routes give the same int32
-    product as the integer reference (pm1 weights: the implicit route's row correction is row_affine, the sums of
-    the gathered rows, computed by the GEMM itself; no row_term is passed)."""
+@pytest.mark.parametrize("C", [64, 128, 37, 96])
+def test_bitserial_routes_equal_exact(geo, C):
+    """The bit-serial convolution on the implicit GEMM (C = 64, 128, 37: taps without padding words) hands the GEMM
+    its input planes and the geometry (conv=) instead of im2col'd rows, and the reference GEMM gathers them
+    explicitly; C = 96 (a tap of 3 words padded to 4) takes the im2col route.  Both give the integer reference's
+    int32 product (pm1 weights: the implicit route's row correction is row_affine, the sums of the gathered rows,
+    computed by the GEMM itself; no row_term is passed)."""
     gen = torch.Generator().manual_seed(C)
     qx = _qt((2, 9, 8, C), tp.format("uint2"), gen)
     qw = _qt((7, 3, 3, C), tp.format("binary"), gen)
-    routes = {}
-    for on in (False, True):
-        monkeypatch.setattr(qconv, "BITSERIAL_IMPLICIT", on)
-        seen = []
-        gemm = lambda *a, **k: seen.append(("conv" in k, k.get("row_affine") is not None, a[5] is None)) \
-            or rq.bmma_gemm_reference(*a, **k)  # noqa: E731
-        routes[on] = qconv._conv2d_impl(qx, qw, out_dtype=torch.int32, _gemm=gemm, **geo)
-        assert seen == [(on, on, on)]
-    assert torch.equal(routes[False], routes[True])
-    assert torch.equal(routes[True].long(), _exact(qx, qw, **geo).long())
+    on = C != 96
+    seen = []
+    gemm = lambda *a, **k: seen.append(("conv" in k, k.get("row_affine") is not None, a[5] is None)) \
+        or rq.bmma_gemm_reference(*a, **k)  # noqa: E731
+    y = qconv._conv2d_impl(qx, qw, out_dtype=torch.int32, _gemm=gemm, **geo)
+    assert seen == [(on, on, on)]
+    assert torch.equal(y.long(), _exact(qx, qw, **geo).long())

@@ -1,14 +1,14 @@
 """FP8 layers handing each other float8 codes (tcprec.ops.qconv.conv2d with an e4m3 / e5m2 ``out_fmt``) on the CPU
 through TRITON_INTERPRET=1: the one-pass max-pool + quantize (``fp8_quant.pool_quantize_fp8``) and the codes written
 by the conv's own epilogue (``conv_fwd`` OUT_MODE 4) give exactly the codes of the previous path -- the same
-kernel's float32 output, ``reference_qconv.pool_nhwc`` and ``quantize_fp8_static`` (torch ops) -- for the FP8 and
+kernel's float32 output, ``reference_conv_bitserial.pool_nhwc`` and ``quantize_fp8_static`` (torch ops) -- for the FP8 and
 INT8 kernels, every pool, both formats, saturating scales; ``explain_conv2d`` names the pass that runs."""
 
 import pytest
 import torch
 
 import tcprec as tp
-from tcprec.kernels import reference_qconv as rq
+from tcprec.kernels import reference_conv_bitserial as rq
 from tcprec.ops import qconv
 from tcprec.ops.qconv import conv2d, explain_conv2d, pack_conv_weight, quantize_fp8_static
 from tcprec.qtensor import PerChannel, QTensor

@@ -112,9 +112,9 @@ def test_bad_input(bad, match):
 @pytest.mark.parametrize("pool", [("max", 2, 2), ("max", 2, 1)])
 def test_pool_quantize_pack_equals_pool_then_reference(fmt, pool):
     """The conv epilogue's fused pass (kernels/triton/pack.py pool_quantize_pack: 2x2 max-pool, then the
-    quantizer, one read) equals reference_qconv.pool_nhwc followed by the reference quantize_pack, on odd
+    quantizer, one read) equals reference_conv_bitserial.pool_nhwc followed by the reference quantize_pack, on odd
     sizes (stride 2 drops the last row / column, stride 1 clips the window) with ties and saturation."""
-    from tcprec.kernels import reference_qconv as rq
+    from tcprec.kernels import reference_conv_bitserial as rq
     from tcprec.kernels.triton import pack as tpack
     from tcprec.ops.quantize import _qp_params
 
@@ -136,7 +136,7 @@ def test_pool_planes_equals_pooling_then_quantizing(bits, enc, stride):
     """The bit-plane max-pool (Triton, interpreted) equals the torch reference and pooling the values before
     quantizing: odd sizes (stride 2 drops the last row / column, stride 1 clips the window), K past one word,
     padding words zero."""
-    from tcprec.kernels import reference_qconv as rq
+    from tcprec.kernels import reference_conv_bitserial as rq
     from tcprec.kernels.triton import pack as tpack
 
     fmt = IntFormat(bits, encoding=enc)

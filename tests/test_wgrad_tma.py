@@ -13,8 +13,8 @@ import pytest
 import torch
 from _aot import require_nvidia_backend, run_aot
 
-from tcprec.kernels import reference_conv as rc
-from tcprec.kernels.reference_conv import ConvGeometry
+from tcprec.kernels import reference_conv_bwd as rc
+from tcprec.kernels.conv_geometry import ConvGeometry
 from tcprec.ops import conv as opc
 
 pytest.importorskip("triton", reason="triton is a Linux dependency of tcprec")

@@ -9,7 +9,8 @@ tensor([[ 0.8571, -2.0000],
         [ 0.5000,  0.2143]])
 """
 
-from . import distributed, emulate, linalg, metrics, nn, profiling, runtime, train
+from . import distributed, emulate, linalg, metrics, nn, profiling, qat, runtime, train
+from .enums import Backend, Rounding
 from .env import device_report
 from .formats import BlockFormat, FloatFormat, IntFormat, ROUNDING_MODES, as_format, format, preset_names, presets
 from .ops.cast import cast, decode, encode
@@ -17,12 +18,13 @@ from .ops.conv import Fp8Tensor, conv2d_dgrad, conv2d_wgrad, explain_conv2d_dgra
 from .ops.matmul import explain_matmul, matmul, matmul_packed
 from .ops.quantize import quantize
 from .nn.convert import QuantConfig, quantize_model
+from .qat import convert_qat, prepare_qat
 from .profiling import profile
 from .runtime import Engine, compile  # noqa: A004
 from .packing import K_PAD_BITS, pack_bitplanes, packed_words, plane_popcounts, unpack_bitplanes
 from .qtensor import PerChannel, PerGroup, PerTensor, QTensor
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "__version__",
@@ -35,6 +37,8 @@ __all__ = [
     "presets",
     "preset_names",
     "ROUNDING_MODES",
+    "Rounding",
+    "Backend",
     # casting and quantization
     "cast",
     "encode",
@@ -64,6 +68,8 @@ __all__ = [
     # whole networks: quantize, compile (CUDA graph, two copies per call), profile
     "QuantConfig",
     "quantize_model",
+    "prepare_qat",
+    "convert_qat",
     "compile",
     "Engine",
     "profile",
@@ -71,6 +77,7 @@ __all__ = [
     "emulate",
     "nn",
     "train",
+    "qat",
     "distributed",
     "linalg",
     "metrics",

@@ -34,11 +34,24 @@ import tcprec as tp
 
 from . import metrics
 from .bench import cast as cast_bench
-from .bench.common import NeedsGPU, write_json
+from .bench import conv_bwd as conv_bench
+from .bench import gemm as gemm_bench
+from .bench import net as net_bench
+from .bench import qat as qat_bench
+from .bench import solve as solve_bench
+from .bench.common import NeedsGPU, time_graph_ms, write_json
+from .bench.net import PRECISIONS, build_variant, nrmse
+from .bench.trained import run_trained
 from .data import astronaut
 from .env import device_report
 from .formats import ROUNDING_MODES, BlockFormat, FloatFormat, IntFormat, preset_names, presets
+from .linalg import FACTOR_FORMATS, MATRIX_KINDS, REFINE_METHODS, run_solve
+from .nn import models as zoo
+from .nn.models import MODELS
 from .ops.cast import choose_cast_backend
+from .qat.checkpoint import deploy, load_trained
+from .qat.trainer import load_classify_data, normalize, train_classify
+from .train.cli_impl import train as run_train
 
 app = typer.Typer(
     name="tcprec",
@@ -368,10 +381,6 @@ def _demo_network(console: Console, dev: torch.device) -> list[dict]:
         console.print("[dim]network demo (ResNet-18 at fp16 / int8 / w2a2 / w1a2, compiled into CUDA graphs) not run: "
                       "it needs a CUDA GPU; `tcprec run --device cpu` runs a network on the reference backend[/]")
         return []
-    from .bench.common import time_graph_ms
-    from .bench.net import build_variant, nrmse
-    from .nn import models as zoo
-
     model = zoo.build("resnet18", device=dev).to(memory_format=torch.channels_last)
     x = torch.randn(8, 3, 224, 224, device=dev, generator=torch.Generator(device=dev).manual_seed(0))
     with torch.no_grad():
@@ -422,8 +431,6 @@ def bench_cast(
 
 
 def _solve_options(factor: str, refine: str, kind: str):
-    from .linalg import FACTOR_FORMATS, MATRIX_KINDS, REFINE_METHODS
-
     for value, allowed, hint in ((factor, FACTOR_FORMATS, "--factor"), (refine, REFINE_METHODS, "--refine"),
                                  (kind, MATRIX_KINDS, "--kind")):
         _choices(value, allowed, hint)
@@ -442,8 +449,6 @@ def solve(
 ):
     """Solve a random dense system to FP64 accuracy from a low-precision LU + iterative refinement,
     and compare with torch.linalg.solve in fp64 in the same run."""
-    from .linalg import run_solve
-
     _solve_options(factor, refine, kind)
     dev = _pick_device(device.value)
     res = run_solve(n, factor=factor, refine=refine, kind=kind, cond=cond, device=dev, seed=seed)
@@ -469,8 +474,6 @@ def bench_solve_cmd(
     out: Path = typer.Option(Path("benchmarks/results/solve.json"), help="JSON output path."),
 ):
     """tcprec.linalg.solve against torch.linalg.solve in fp64, same run: time, speedup, backward error."""
-    from .bench import solve as solve_bench
-
     _solve_options(factors, "fgmres", kinds)
     size_list = _ints(sizes, "--sizes")
     command = shlex.join(["tcprec", "bench", "solve", "--sizes", sizes, "--factors", factors, "--kinds", kinds,
@@ -490,8 +493,6 @@ def bench_gemm_cmd(
     plot: bool = typer.Option(True, "--plot/--no-plot", help="Write a PNG of TOPS against size."),
 ):
     """Bit-serial binary tensor-core GEMM against torch fp16 / int8 / fp8, same run."""
-    from .bench import gemm as gemm_bench
-
     try:
         for c in _split(apnn_configs, "--apnn-configs") + _split(large_configs, "--large-configs"):
             gemm_bench.parse_config(c)
@@ -515,8 +516,6 @@ def bench_conv_bwd_cmd(
 ):
     """Conv2d dgrad / wgrad on the 19 ResNet-50 layers against cuDNN fp16 (better of channels_last
     and NCHW), and cuDNN's forward conv of the same layer, same run."""
-    from .bench import conv_bwd as conv_bench
-
     batches = _ints(batch, "--batch")
     precisions = _choices(precision, ("fp16", "bf16", "fp8"), "--precision")
     if passes < 1:
@@ -536,11 +535,22 @@ def bench_net_cmd(
     out: Path = typer.Option(Path("benchmarks/results/net.json"), help="JSON output path."),
     plot: Optional[Path] = typer.Option(Path("benchmarks/results/net.png"), help="PNG of error against speed."),
     breakdown: bool = typer.Option(True, "--breakdown/--no-breakdown", help="Print a per-layer profile of each variant."),
+    checkpoint: Optional[List[Path]] = typer.Option(None, help="Trained weights (`tcprec train --task classify`: "
+                                                    "float.pt / qat.pt; repeatable): test accuracy against speedup."),
 ):
     """Whole networks at fp32 / fp16 / int8 / fp8 / wXaY: latency (CUDA graphs on every side, cuDNN
-    channels_last baselines), speedup vs fp32 and fp16, NRMSE against fp32, per-layer breakdown."""
-    from .bench import net as net_bench
-    from .nn.models import MODELS
+    channels_last baselines), speedup vs fp32 and fp16, NRMSE against fp32, per-layer breakdown.  With
+    --checkpoint: the trained networks, test accuracy on Fashion-MNIST against speedup over fp16."""
+    if checkpoint:
+        precs = [p for p in precision.split(",") if p and p != "fp8"]
+        out_t = out if out != Path("benchmarks/results/net.json") else Path("benchmarks/results/net_trained.json")
+        plot_t = plot if plot != Path("benchmarks/results/net.png") else Path("benchmarks/results/net_trained.png")
+        command = shlex.join(["tcprec", "bench", "net", "--precision", precision, "--batch", batch]
+                             + [a for c in checkpoint for a in ("--checkpoint", str(c))])
+        with _needs_gpu():
+            run_trained([str(c) for c in checkpoint], precs, _ints(batch, "--batch"), out=str(out_t),
+                        plot=str(plot_t) if plot else None, console=Console(), command=command)
+        return
 
     models = _choices(model, tuple(MODELS), "--model")
     precisions = _choices(precision, net_bench.PRECISIONS, "--precision")
@@ -550,6 +560,38 @@ def bench_net_cmd(
     with _needs_gpu():
         net_bench.run(models, precisions, batches, out=str(out), plot=str(plot) if plot else None, console=Console(),
                       command=command, breakdown=breakdown)
+
+
+@bench_app.command("qat")
+def bench_qat_cmd(
+    epochs: int = typer.Option(15, min=1, help="Float epochs of ResNet-18."),
+    qat_epochs: int = typer.Option(6, min=1, help="QAT epochs of ResNet-18 at each precision."),
+    vgg_epochs: int = typer.Option(10, min=1, help="Float epochs of the VGG-variant."),
+    vgg_qat_epochs: int = typer.Option(5, min=1, help="QAT epochs of the VGG-variant."),
+    precision: str = typer.Option("w2a2,w1a2,w1a1", help="Comma-separated QAT precisions of ResNet-18."),
+    model: str = typer.Option("resnet18,vgg", help="Comma-separated: resnet18, vgg."),
+    distill: float = typer.Option(0.5, min=0.0, max=1.0, help="Weight of distillation from the float model in QAT."),
+    limit_train: Optional[int] = typer.Option(None, min=256, help="Use only the first N training images."),
+    data_path: Optional[Path] = typer.Option(None, help="Folder with the Fashion-MNIST idx .gz files."),
+    budget_s: float = typer.Option(540.0, help="Skip QAT runs that would not finish within this many seconds."),
+    commit: Optional[str] = typer.Option(None, help="Commit SHA recorded in the JSON."),
+    out: Path = typer.Option(Path("benchmarks/results/qat.json"), help="JSON output path."),
+):
+    """Train on Fashion-MNIST and deploy: fp32, int8 PTQ, QAT w2a2 / w1a2 / w1a1 (ResNet-18) and w1a2 (VGG-variant);
+    deployed-engine accuracy on the 10,000 test images, agreement with the fake-quant model, step times, latency."""
+    models = _choices(model, ("resnet18", "vgg"), "--model")
+    precisions = [p for p in precision.split(",") if p]
+    command = shlex.join(["tcprec", "bench", "qat", "--epochs", str(epochs), "--qat-epochs", str(qat_epochs),
+                          "--vgg-epochs", str(vgg_epochs), "--vgg-qat-epochs", str(vgg_qat_epochs), "--precision",
+                          precision, "--model", model, "--distill", str(distill), "--budget-s", str(budget_s)]
+                         + (["--limit-train", str(limit_train)] if limit_train else []) + ["--out", str(out)])
+    with _needs_gpu():
+        res = qat_bench.run(models, precisions, epochs=epochs, qat_epochs=qat_epochs, vgg_epochs=vgg_epochs,
+                            vgg_qat_epochs=vgg_qat_epochs, distill=distill, limit_train=limit_train,
+                            data_path=data_path, budget_s=budget_s, out=str(out), command=command, console=Console())
+    if commit:
+        res["commit"] = commit
+        write_json(out, res)
 
 
 def _load_image(image: str, size: int) -> tuple[torch.Tensor, str]:
@@ -579,19 +621,25 @@ def _load_image(image: str, size: int) -> tuple[torch.Tensor, str]:
 @app.command("run")
 def run_cmd(
     model: str = typer.Option("yolov2-tiny", help="alexnet, vgg, resnet18 or yolov2-tiny (seeded weights)."),
-    precision: str = typer.Option("int8", help="fp32, fp16, int8, fp8, w2a2 or w1a2."),
+    precision: Optional[str] = typer.Option(None, help="fp32, fp16, int8, fp8, w2a2 or w1a2 (default int8; a QAT "
+                                            "checkpoint: its own)."),
     image: str = typer.Option("astronaut", help="A photo file, or a scikit-image sample: astronaut, chelsea, coffee, rocket."),
     out: Path = typer.Option(Path("output.npy"), help="Where to save the output tensor (.npy)."),
     device: Device = typer.Option(Device.auto, help="auto picks cuda when a GPU is present."),
     trace: Optional[Path] = typer.Option(None, help="Also write a Chrome trace of one inference here."),
+    checkpoint: Optional[Path] = typer.Option(None, help="Trained weights (`tcprec train --task classify`: float.pt "
+                                              "/ qat.pt): run Fashion-MNIST test images instead of a photo."),
+    images: int = typer.Option(256, min=1, help="With --checkpoint: how many test images (one batch)."),
 ):
     """Run one photo through a network at a precision: compiled engine on the GPU (one CUDA graph, two
-    copies), output saved as .npy, per-layer breakdown, copy count and NRMSE against fp32."""
+    copies), output saved as .npy, per-layer breakdown, copy count and NRMSE against fp32.  With --checkpoint: the
+    trained network on Fashion-MNIST test images (a QAT checkpoint at its own precision), with its accuracy."""
     import numpy as np
 
-    from .bench.net import PRECISIONS, build_variant, nrmse
-    from .nn import models as zoo
-
+    if checkpoint is not None:
+        _run_trained(checkpoint, precision, images, out, _pick_device(device.value))
+        return
+    precision = precision or "int8"
     _choice(model, tuple(zoo.MODELS), "--model")
     _choice(precision, PRECISIONS, "--precision")
     console = Console()
@@ -619,6 +667,31 @@ def run_cmd(
     console.print(f"output {tuple(y.shape)} saved to {out}; NRMSE against fp32: {nrmse(y, ref):.4g}")
 
 
+def _run_trained(checkpoint: Path, precision: Optional[str], images: int, out: Path, dev: torch.device) -> None:
+    """``tcprec run --checkpoint``: a trained network on the first ``images`` Fashion-MNIST test images."""
+    import numpy as np
+
+    console = Console()
+    try:
+        t = load_trained(checkpoint, dev)
+        ds = load_classify_data("fashion-mnist", None, dev, limit_train=512, limit_test=images)
+        net = deploy(t, precision, normalize(ds.x_train))
+    except (ValueError, FileNotFoundError) as e:
+        Console(stderr=True).print(f"[red]{e}")
+        raise typer.Exit(code=2) from None
+    x = normalize(ds.x_test)
+    engine = tp.compile(net, x, device=dev)
+    y = engine(x).float()
+    np.save(out, y.cpu().numpy())
+    acc = float((y.argmax(1).to(ds.y_test.device) == ds.y_test).float().mean())
+    shown = t.precision if t.kind == "qat" else (precision or "fp32")
+    console.print(f"[bold]{t.model_name}[/] ({t.kind} checkpoint {checkpoint}) at [bold]{shown}[/] on {dev} "
+                  f"({engine.mode}): accuracy {100 * acc:.2f}% on {x.shape[0]} Fashion-MNIST test images")
+    if hasattr(net, "tcprec_summary"):
+        console.print(net.tcprec_summary.table())
+    console.print(f"output {tuple(y.shape)} saved to {out}")
+
+
 @app.command("profile")
 def profile_cmd(
     model: str = typer.Option("resnet18", help="alexnet, vgg, resnet18 or yolov2-tiny (seeded weights)."),
@@ -630,9 +703,6 @@ def profile_cmd(
 ):
     """Per-layer latency, the breakdown (quantize/pack, conversion, memcpy, compute), every kernel with
     a tensor-core flag, and the dtype trace of one forward pass."""
-    from .bench.net import PRECISIONS, build_variant
-    from .nn import models as zoo
-
     _choice(model, tuple(zoo.MODELS), "--model")
     _choice(precision, PRECISIONS, "--precision")
     dev = _pick_device(device.value)
@@ -648,7 +718,9 @@ def profile_cmd(
 
 @app.command()
 def train(
-    model: str = typer.Option("resnet18", help="resnet18 (28x28 input) or tiny_cnn."),
+    task: str = typer.Option("cpd", help="cpd: low-precision gradient all-reduce (CPD's experiment); classify: float "
+                                        "training, then QAT at --precision and the deployed engine's test accuracy."),
+    model: str = typer.Option("resnet18", help="resnet18 (28x28 input), vgg (classify) or tiny_cnn."),
     data: str = typer.Option("fashion-mnist", help="fashion-mnist (Debian dataset-fashion-mnist) or synthetic."),
     data_path: Optional[Path] = typer.Option(None, help="Folder with the Fashion-MNIST idx .gz files."),
     grad_format: str = typer.Option("e4m3", help="Gradient all-reduce format: fp32, e4m3, e5m2 or e3m0."),
@@ -665,10 +737,29 @@ def train(
     limit_train: Optional[int] = typer.Option(None, min=1, help="Use only the first N training images."),
     limit_test: Optional[int] = typer.Option(None, min=1, help="Use only the first N test images."),
     device: Device = typer.Option(Device.auto, help="Where to run: auto picks cuda when a GPU is present."),
+    precision: str = typer.Option("w1a2", help="classify: QAT precision (w1a2, w2a2, w1a1, w4a4, int8; float: none)."),
+    qat_epochs: int = typer.Option(8, min=1, help="classify: QAT epochs after the float phase."),
+    init: Optional[Path] = typer.Option(None, help="classify: a float checkpoint (float.pt) instead of float training."),
+    distill: float = typer.Option(0.0, min=0.0, max=1.0, help="classify: weight of distillation from the float model."),
+    act_quant: str = typer.Option("lsq", help="classify: activation quantizer, lsq or pact."),
 ):
-    """Train with gradients all-reduced in a low-precision format across emulated nodes (CPD's APS
-    experiment): per-epoch log, final table, PNG of the accuracy curves, checkpoint and resume."""
-    from .train.cli_impl import train as run_train
+    """Train.  --task cpd (default): gradients all-reduced in a low-precision format across emulated nodes (CPD's
+    APS experiment).  --task classify: float training, QAT at --precision, deployed-engine evaluation on the test
+    set.  Both: per-epoch progress, checkpoint and --resume, metrics.json and curves.png in --out."""
+    if task == "classify":
+        dev = _pick_device(device.value)
+        try:
+            train_classify(model=model, precision=precision, data=data, data_path=data_path, epochs=epochs,
+                           qat_epochs=qat_epochs, init=init, lr=lr, batch_size=batch_size, distill=distill,
+                           act_quant=act_quant, out_dir=out, resume=resume, limit_train=limit_train,
+                           limit_test=limit_test, device=dev.type, seed=seed, console=Console())
+        except (ValueError, FileNotFoundError) as e:
+            Console(stderr=True).print(f"[red]{e}")
+            raise typer.Exit(code=2) from None
+        Console().print(f"metrics: {out / 'metrics.json'}   curves: {out / 'curves.png'}")
+        return
+    if task != "cpd":
+        raise typer.BadParameter(f"task must be 'cpd' or 'classify', got {task!r}", param_hint="--task")
 
     dev = _pick_device(device.value)
     try:

@@ -15,6 +15,8 @@ import subprocess
 
 import torch
 
+from ._version import __version__
+
 __all__ = ["device_report", "tensor_core_paths", "nvrtc_status", "NO_GPU"]
 
 NO_GPU = "no CUDA device: reference backend (pure torch) runs everything, results identical"
@@ -118,8 +120,6 @@ def _driver_version() -> str | None:
 
 
 def _tcprec_version() -> str:
-    from . import __version__  # at call time: tcprec/__init__ may import this module
-
     return __version__
 
 

@@ -31,6 +31,8 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Union
 
+from .enums import ROUNDING_MODES
+
 __all__ = [
     "IntFormat",
     "FloatFormat",
@@ -43,7 +45,6 @@ __all__ = [
     "ROUNDING_MODES",
 ]
 
-ROUNDING_MODES = ("nearest", "stochastic", "toward_zero", "up", "down", "nearest_away")
 
 _SPECIALS = ("ieee", "fn", "fnuz", "none")
 _OVERFLOW = ("saturate", "inf", "nan")

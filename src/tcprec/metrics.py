@@ -1,7 +1,8 @@
 """Error metrics between a low-precision result ``x`` and a reference ``ref``.
 
 Every metric converts both inputs to float64 first (so its own rounding is far below that of any
-format tcprec produces) and accepts anything ``torch.as_tensor`` takes, on any device.
+format tcprec produces) and accepts real tensors, arrays, numbers and lists of numbers, on any device;
+None, strings and complex values are a TypeError (a float64 cast would drop an imaginary part silently).
 
 NaN and Inf rule, shared by all metrics: an entry where ``x`` and ``ref`` are both NaN, or are the
 same infinity, *agrees* and is left out.  Any other NaN or Inf stays in, so the metric becomes NaN
@@ -27,10 +28,27 @@ from .formats import BlockFormat, IntFormat, as_format
 __all__ = ["nrmse", "sqnr_db", "max_abs_error", "max_rel_error", "ulp_error"]
 
 
+def _real_tensor(v, name: str) -> torch.Tensor:
+    """``v`` as a real tensor: a tensor, an array, a number or a (nested) list of numbers; anything else -- None,
+    strings, complex values (whose imaginary part a float64 cast would drop silently) -- is a TypeError."""
+    if v is None or isinstance(v, (str, bytes)):
+        raise TypeError(f"{name} must be a real tensor (or an array / number / list of numbers), got "
+                        f"{type(v).__name__}; pass the values to compare")
+    try:
+        t = torch.as_tensor(v)
+    except (TypeError, RuntimeError, ValueError) as e:
+        raise TypeError(f"{name} must be a real tensor (or an array / number / list of numbers), got "
+                        f"{type(v).__name__}: {e}") from None
+    if t.is_complex():
+        raise TypeError(f"{name} is complex ({t.dtype}); the metrics compare real values: pass x.real and x.imag "
+                        "separately, or torch.view_as_real(x)")
+    return t.detach()
+
+
 def _as_float64(x, ref) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both inputs as float64 CPU tensors, after checking that their shapes match."""
-    x = torch.as_tensor(x).detach()
-    ref = torch.as_tensor(ref).detach()
+    """Both inputs as float64 CPU tensors, after checking that they are real and that their shapes match."""
+    x = _real_tensor(x, "x")
+    ref = _real_tensor(ref, "ref")
     if x.shape != ref.shape:
         raise ValueError(
             f"x and ref must have the same shape, got x.shape={tuple(x.shape)} and ref.shape={tuple(ref.shape)}"

@@ -52,6 +52,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from .qtensor import QTensor
+
 __all__ = [
     "Analysis",
     "CATEGORIES",
@@ -229,8 +231,6 @@ def describe_value(v: Any) -> str:
     >>> describe_value(torch.zeros(2, dtype=torch.bfloat16)), describe_value((torch.zeros(1), torch.zeros(1)))
     ('bf16', 'fp32')
     """
-    from .qtensor import QTensor
-
     if isinstance(v, torch.Tensor):
         return _DTYPE_SHORT.get(v.dtype, str(v.dtype).removeprefix("torch."))
     if isinstance(v, QTensor):

@@ -31,6 +31,8 @@ from typing import Union
 import torch
 
 from .formats import BlockFormat, FloatFormat, IntFormat, as_format
+from .kernels.reference import code_dtype, decode_float, decode_int
+from .packing import pack_bitplanes
 
 __all__ = ["PerTensor", "PerChannel", "PerGroup", "Granularity", "QTensor", "LAYOUTS"]
 
@@ -215,8 +217,6 @@ class QTensor:
     layout: str = "dense"
 
     def __post_init__(self):
-        from .ops.cast import code_dtype  # operator layer; only a dtype table, imported lazily
-
         fmt = as_format(self.fmt)
         object.__setattr__(self, "fmt", fmt)
         object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
@@ -262,9 +262,8 @@ class QTensor:
     # -- conversions ---------------------------------------------------------------------------
     def dequantize(self) -> torch.Tensor:
         """``decode(codes) * scale`` in the original dtype (the scale broadcast per granularity)."""
-        from .ops.cast import decode  # operator layer, imported lazily (formats layer sits below it)
-
-        vals = decode(self.codes, self.element_format)  # (*shape) float32
+        fe = self.element_format
+        vals = (decode_int if isinstance(fe, IntFormat) else decode_float)(self.codes, fe)  # (*shape) float32
         y = group_view(vals, self.granularity) * scale_view(self.scale, self.granularity)
         return y.reshape(self.shape).to(self.dtype)
 
@@ -286,8 +285,6 @@ class QTensor:
                 f"to_bitplanes() needs an integer format (intN, uintN, binary, pmN), this QTensor is {self.fmt}; "
                 "the bit-serial GEMM multiplies integer codes. Quantize to an integer format first"
             )
-        from .packing import pack_bitplanes
-
         return pack_bitplanes(self.codes, self.fmt.bits, backend=backend, validate=validate)
 
     def __repr__(self) -> str:

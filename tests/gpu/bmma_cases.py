@@ -1,5 +1,5 @@
 """Operands of the bit-serial GEMM's GPU tests (test_gemm_residual_gpu, test_gemm_splitk_gpu): w1a2 bit planes, the
-pm1-style row term, optional column term, column scale and bias, as ``loader._bmma_gemm``'s positional arguments.
+pm1-style row term, optional column term, column scale and bias, as ``bmma_gemm._bmma_gemm``'s positional arguments.
 (A helper module, not a test file: pytest puts tests/gpu on sys.path when it collects the tests beside it.)"""
 
 import torch

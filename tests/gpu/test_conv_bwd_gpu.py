@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from tcprec.kernels import reference_conv as rc
-from tcprec.kernels.reference_conv import ConvGeometry
+from tcprec.kernels import reference_conv_bwd as rc
+from tcprec.kernels.conv_geometry import ConvGeometry
 from tcprec.ops import conv as opc
 
 kt = pytest.importorskip("tcprec.kernels.triton.conv_bwd")

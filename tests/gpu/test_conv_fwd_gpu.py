@@ -9,8 +9,8 @@ import zlib
 import pytest
 import torch
 
-from tcprec.kernels import reference_conv_fwd as rf
-from tcprec.kernels.reference_conv import ConvGeometry
+from tcprec.kernels import reference_conv_int8_fp8 as rf
+from tcprec.kernels.conv_geometry import ConvGeometry
 
 cf = pytest.importorskip("tcprec.kernels.triton.conv_fwd")
 

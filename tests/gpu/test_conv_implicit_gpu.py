@@ -1,5 +1,5 @@
 """The bit-serial GEMM's implicit-GEMM convolution (``torch.ops.tcprec.bmma_gemm`` with ``conv=``, bmma_gemm.cu
-TCP_CONV) equals its torch statement (``reference_qconv.bmma_gemm_reference`` with ``conv=``: the windows gathered
+TCP_CONV) equals its torch statement (``reference_conv_bitserial.bmma_gemm_reference`` with ``conv=``: the windows gathered
 explicitly) bit for bit: kernel sizes 1..7, strides 1..4, padding, dilation, odd sizes and channel counts, padded
 and compact input rows, every tile family (TMA with the gathering producer warpgroup, cp.async wgmma, mma.sync,
 the small tile), int32 / float16 / packed epilogues, two's complement operands.  Skipped without a CUDA GPU."""
@@ -7,8 +7,9 @@ the small tile), int32 / float16 / packed epilogues, two's complement operands. 
 import pytest
 import torch
 
-from tcprec.kernels import reference_qconv as rq
-from tcprec.kernels.cuda import loader as L
+from tcprec.kernels import reference_conv_bitserial as rq
+from tcprec.kernels.cuda import bmma_gemm as L
+from tcprec.kernels.cuda import runtime as R
 from tcprec.packing import pack_bitplanes
 
 DEV = "cuda"
@@ -98,7 +99,7 @@ def test_implicit_conv_compact_rows_and_large_batch():
     assert ac.shape[2] == 8
     got, want = _both(a, wp, conv, M, K, False, False, "packed", "")
     got_c, _ = _both(ac, wp, conv, M, K, False, False, "packed", "")
-    assert L._variant_for(2, 1, False, False, M, K, "packed", 2, "unsigned", "", *L._sm_count(a.device), wp.shape[2],
+    assert L._variant_for(2, 1, False, False, M, K, "packed", 2, "unsigned", "", *R.sm_count(a.device), wp.shape[2],
                           True).tile.tma
     assert torch.equal(got, want) and torch.equal(got_c, want)
 
@@ -139,9 +140,10 @@ def test_implicit_conv_bad_geometry_raises():
 @pytest.mark.parametrize("layer", [((2, 56, 56, 96), (256, 3, 3), 1, 1), ((2, 27, 27, 64), (192, 5, 5), 1, 2),
                                    ((2, 56, 56, 64), (128, 3, 3), 2, 1), ((3, 17, 13, 37), (29, 5, 3), (2, 1), (1, 2))],
                          ids=["vgg56", "alexnet2", "resnet_s2", "odd"])
-def test_qconv_implicit_route_equals_im2col_route(monkeypatch, layer):
-    """qconv.conv2d with BITSERIAL_IMPLICIT (the kernel gathers the windows) equals the default im2col route bit for
-    bit: w1a2 (pm1 weights: the rowsum-only pass), packed and float16 outputs."""
+def test_qconv_bitserial_routes_equal_reference(layer):
+    """qconv.conv2d's bit-serial route as ``implicit_conv`` picks it (the implicit GEMM, where the kernel gathers the
+    windows, for C = 64 / 37; the im2col route for C = 96, whose taps have a padding word) equals the reference bit
+    for bit: w1a2 (pm1 weights: the rowsum-only pass), packed and float16 outputs."""
     import tcprec as tp
     from tcprec.ops import qconv
     from tcprec.qtensor import PerChannel, PerTensor, QTensor
@@ -154,13 +156,14 @@ def test_qconv_implicit_route_equals_im2col_route(monkeypatch, layer):
     qw = QTensor(torch.randint(0, 2, (K, R, S, C), dtype=torch.uint8, device=DEV, generator=gen),
                  torch.rand(K, 1, 1, 1, device=DEV, generator=gen) + 0.5, fw, PerChannel(0), (K, R, S, C), torch.float32)
     bias = torch.randn(K, device=DEV, generator=gen)
-    outs = {}
-    for on in (False, True):
-        monkeypatch.setattr(qconv, "BITSERIAL_IMPLICIT", on)
-        y16 = qconv.conv2d(qx, qw, stride=st, padding=pd, bias=bias, act="relu", out_dtype=torch.float16)
-        yp = qconv.conv2d(qx, qw, stride=st, padding=pd, bias=bias, act="relu", out_fmt="uint2", out_scale=0.25)
-        outs[on] = (y16, yp.planes)
-    assert torch.equal(outs[False][0], outs[True][0]) and torch.equal(outs[False][1], outs[True][1])
+    kw = dict(stride=st, padding=pd, bias=bias, act="relu")
+    implicit = "implicit GEMM" in qconv.explain_conv2d(qx, qw, out_dtype=torch.float16, **kw)
+    assert implicit == (C != 96), qconv.explain_conv2d(qx, qw, out_dtype=torch.float16, **kw)
+    y16 = qconv.conv2d(qx, qw, out_dtype=torch.float16, **kw)
+    assert torch.equal(y16, qconv.conv2d(qx, qw, out_dtype=torch.float16, backend="reference", **kw))
+    yp = qconv.conv2d(qx, qw, out_fmt="uint2", out_scale=0.25, **kw)
+    want = qconv.conv2d(qx, qw, out_fmt="uint2", out_scale=0.25, backend="reference", **kw)
+    assert torch.equal(yp.padded_planes(), want.padded_planes())
 
 
 def _row_affine_pair(a, wp, conv, M, K, a_twos, w_twos, out_kind, tile, row_affine, residual=None, dual=False):
@@ -270,16 +273,16 @@ def test_implicit_conv_8_byte_taps_on_compact_rows(geom, tile):
 
 def test_three_warpgroup_tile_is_the_default_for_wide_64_column_convs():
     """A 64 -> 64 3x3 conv with >= 2 tiles an SM at bm = 192 (ResNet-18's stage 0 at a large batch) runs three MMA
-    warpgroups by default (loader.conv_wgmma_tile), with the row sums, a fused residual and both outputs, several
+    warpgroups by default (bg.conv_wgmma_tile), with the row sums, a fused residual and both outputs, several
     tiles a block: equal to the reference.  A smaller batch keeps the two-warpgroup tile."""
-    sms = L._sm_count(torch.device(DEV))[0]
+    sms = R.sm_count(torch.device(DEV))[0]
     n = -(-(2 * sms * 192) // (56 * 56))  # images of 56 x 56 for 2 tiles an SM
     geom = ((n, 56, 56, 64), (64, 3, 3), 1, 1, 1)
     a, wp, conv, M, K = _case(geom, 2, 1, False, False, compact=True, seed=77)
-    v = L._variant_for(2, 1, False, False, M, K, "packed", 2, "unsigned", "", *L._sm_count(a.device), wp.shape[2],
+    v = L._variant_for(2, 1, False, False, M, K, "packed", 2, "unsigned", "", *R.sm_count(a.device), wp.shape[2],
                        True, False, False, True)
     assert (v.tile.bm, v.tile.tma) == (192, True), str(v)
-    small = L._variant_for(2, 1, False, False, 8 * 56 * 56, K, "packed", 2, "unsigned", "", *L._sm_count(a.device),
+    small = L._variant_for(2, 1, False, False, 8 * 56 * 56, K, "packed", 2, "unsigned", "", *R.sm_count(a.device),
                            wp.shape[2], True, False, False, True)
     assert small.tile.bm == 128, str(small)
     got, want = _row_affine_pair(a, wp, conv, M, K, False, False, "packed", "", (-1, 576))

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import tcprec as tp
-from tcprec.kernels import reference_conv_fwd as rf
-from tcprec.kernels import reference_qconv as rq
+from tcprec.kernels import reference_conv_int8_fp8 as rf
+from tcprec.kernels import reference_conv_bitserial as rq
 from tcprec.nn import models as zoo
 from tcprec.nn.qmodules import QConv2d, _quantize_input
 from tcprec.ops import qconv as qc

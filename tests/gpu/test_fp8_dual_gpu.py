@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tcprec as tp
-from tcprec.kernels.reference_conv_fwd import conv2d_fwd_int8 as ref_int8
+from tcprec.kernels.reference_conv_int8_fp8 import conv2d_fwd_int8 as ref_int8
 from tcprec.nn import models as zoo
 from tcprec.nn.qmodules import QConv2d
 from tcprec.ops import qconv as qc
@@ -54,14 +54,11 @@ def test_fp8_networks_chained_equal_unchained_float32(name):
     _check_graph(qc_, x, yc)
 
 
-def test_fp8_resnet18_fp16_fused_equals_unfused_adds(monkeypatch):
-    from tcprec.nn import convert
-
+def test_fp8_resnet18_fp16_fused_equals_unfused_adds():
     # (the flatten rewrite needs a conv before the flatten, which the unfused graph's add + ReLU is not; the FP8
     # classifier's float accumulation follows its column order, so both networks keep torch.flatten)
-    monkeypatch.setattr(convert, "FUSE_FLATTEN", False)
     m, x = _net("resnet18", torch.float16)
-    cfg = tp.QuantConfig("fp8")
+    cfg = tp.QuantConfig("fp8", fuse_flatten=False)
     qf = tp.quantize_model(m, cfg, calibration=x, warn=False)
     qr = tp.quantize_model(m, dataclasses.replace(cfg, fuse_residual=False), calibration=x, warn=False)
     layouts = [mod.out_layout for mod in qf.modules() if isinstance(mod, QConv2d)]

@@ -1,5 +1,5 @@
 """The bit-serial GEMM's residual add (``bmma_gemm(..., residual=)``, bmma_gemm.cu TCP_RES): the float epilogue's
-``act(rd(rd(y0) + residual))`` equals its torch statement (``reference_qconv.bmma_gemm_reference``) bit for bit --
+``act(rd(rd(y0) + residual))`` equals its torch statement (``reference_conv_bitserial.bmma_gemm_reference``) bit for bit --
 every tile family (TMA 64 / 128 wide, cp.async wgmma, mma.sync, the small tile), fp16 / bf16 / fp32 output, ReLU,
 LeakyReLU and none, tiles cut by M and N (the checked path beside the 16-byte one), plain GEMMs and the implicit
 convolution.  Skipped without a CUDA GPU."""
@@ -7,8 +7,8 @@ convolution.  Skipped without a CUDA GPU."""
 import pytest
 import torch
 
-from tcprec.kernels import reference_qconv as rq
-from tcprec.kernels.cuda import loader as L
+from tcprec.kernels import reference_conv_bitserial as rq
+from tcprec.kernels.cuda import bmma_gemm as L
 from tcprec.packing import pack_bitplanes
 
 from bmma_cases import gemm_args  # tests/gpu/bmma_cases.py

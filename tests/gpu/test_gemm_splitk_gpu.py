@@ -8,8 +8,8 @@ layer at batch 8.  Skipped without a CUDA GPU."""
 import pytest
 import torch
 
-from tcprec.kernels import reference_qconv as rq
-from tcprec.kernels.cuda import loader as L
+from tcprec.kernels import reference_conv_bitserial as rq
+from tcprec.kernels.cuda import bmma_gemm as L
 
 from bmma_cases import gemm_args  # tests/gpu/bmma_cases.py
 

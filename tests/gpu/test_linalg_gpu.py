@@ -67,9 +67,9 @@ def test_condition_numbers_converge_or_fall_back_on_gpu(cond):
 @pytest.mark.parametrize(
     "opts",
     [
-        dict(panel="recursive", leaf=64, lookahead=True),
-        dict(panel="recursive", leaf=128, lookahead=False, trsv="trsm"),
-        dict(panel="getrf", lookahead=True, trsm="inverse"),
+        dict(panel="recursive", options=la.LUOptions(leaf=64, lookahead=True)),
+        dict(panel="recursive", trsv="trsm", options=la.LUOptions(leaf=128, lookahead=False)),
+        dict(panel="getrf", options=la.LUOptions(lookahead=True, trsm="inverse")),
     ],
 )
 def test_lu_variants_factor_accurately_on_gpu(opts):
@@ -87,8 +87,8 @@ def test_lu_variants_factor_accurately_on_gpu(opts):
 def test_lookahead_matches_serial_factorization():
     n = 3072
     A = la.random_matrix_with_cond(n, 1e2, seed=8, device=DEV)
-    a = la.lu_factor(A, factor="bf16", pivoting=True, block=512, lookahead=False)
-    b = la.lu_factor(A, factor="bf16", pivoting=True, block=512, lookahead=True)
+    a = la.lu_factor(A, factor="bf16", pivoting=True, block=512, options=la.LUOptions(lookahead=False))
+    b = la.lu_factor(A, factor="bf16", pivoting=True, block=512, options=la.LUOptions(lookahead=True))
     assert torch.equal(a.perm, b.perm)
     assert float((a.lu - b.lu).abs().max()) < 1e-3 * float(a.lu.abs().max())
 
@@ -142,25 +142,13 @@ def _lu_error(A, F):
     return float((PA - L @ U / F.scale).abs().max() / A.abs().max())
 
 
-def test_calu_panel_on_gpu():
-    n = 3072
-    A = la.random_matrix_with_cond(n, 1e2, seed=13, device=DEV)
-    F = la.lu_factor(A, factor="fp32", pivoting=True, panel="calu", leaf=128, calu_rows=512, block=512)
-    assert torch.equal(torch.sort(F.perm).values, torch.arange(n, device=DEV))
-    assert _lu_error(A, F) < 1e-4
-    assert float(torch.tril(F.lu, -1).abs().max()) < 8.0
-    b = la.random_rhs(n, device=DEV)
-    x, info = la.solve(A, b, factor="fp16", panel="calu", leaf=128, calu_rows=512)
-    assert info.converged and backward_error(A, x, b) <= 16.0, info
-
-
 @pytest.mark.parametrize("lib", ["cusolver", "default"])
 @pytest.mark.parametrize("panel", ["getrf", "recursive"])
 def test_getrf_routing_factors_accurately(lib, panel):
     n = 2560  # panels taller than 2048 rows: torch's default would pick MAGMA batched
     A = la.random_matrix_with_cond(n, 1e2, seed=14, device=DEV)
     before = torch.backends.cuda.preferred_linalg_library()
-    F = la.lu_factor(A, factor="fp32", pivoting=True, panel=panel, getrf_lib=lib, block=512)
+    F = la.lu_factor(A, factor="fp32", pivoting=True, panel=panel, block=512, options=la.LUOptions(getrf_lib=lib))
     assert torch.backends.cuda.preferred_linalg_library() == before  # restored
     assert _lu_error(A, F) < 1e-4
     assert float(torch.tril(F.lu, -1).abs().max()) <= 1.0 + 1e-6  # partial pivoting: |L| <= 1
@@ -189,8 +177,8 @@ def test_trsv_graph_matches_blocked_and_converges():
 def test_nopivot_lookahead_matches_serial_on_gpu(factor):
     n = 4096
     A = la.hpl_mxp_matrix(n, seed=5, device=DEV)
-    a = la.lu_factor(A, factor=factor, pivoting=False, block=512, lookahead=False)
-    b = la.lu_factor(A, factor=factor, pivoting=False, block=512, lookahead=True, profile=True)
+    a = la.lu_factor(A, factor=factor, pivoting=False, block=512, options=la.LUOptions(lookahead=False))
+    b = la.lu_factor(A, factor=factor, pivoting=False, block=512, options=la.LUOptions(lookahead=True), profile=True)
     assert float((a.lu - b.lu).abs().max()) < 1e-3 * float(a.lu.abs().max())
     assert "side" in b.phase_times and "panel" in b.phase_times
     assert all(inv is not None for inv in b.diag_inv)  # trsm="inverse" keeps both inverses per block

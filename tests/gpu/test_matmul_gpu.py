@@ -13,7 +13,8 @@ import torch
 
 import tcprec as tp
 from tcprec.formats import IntFormat
-from tcprec.kernels.cuda import loader
+from tcprec.kernels.cuda import bmma_gemm as bg
+from tcprec.kernels.cuda import runtime as rt
 from tcprec.ops.matmul import explain_matmul, matmul, matmul_packed
 from tcprec.qtensor import PerChannel, PerTensor, QTensor
 
@@ -45,18 +46,17 @@ def _exact(qa, qw):
 
 def _big_tile(p, q, at, wt):
     """The large tile this GPU runs (wgmma on sm_90a where the pair has one)."""
-    return loader.pick_tile(p, q, at, wt, 10**6, 10**6)
+    return bg.pick_tile(p, q, at, wt, 10**6, 10**6)
 
 
 def _sync_tile(p, q, at, wt):
     """The large mma.sync tile (what GPUs without wgmma run; sm_90a's fallback)."""
-    return loader.pick_tile(p, q, at, wt, 10**6, 10**6, arch="sm_80")
+    return bg.pick_tile(p, q, at, wt, 10**6, 10**6, arch="sm_80")
 
 
 WG_TILE = "128x128_w8x1_s4_k1024_wg"  # the cp.async wgmma kernel (no longer a default)
 TMA_TILE = "128x128_w8x1_s3_k1024_wg_tma"  # the persistent TMA kernel (the sm_90a defaults)
-PP_TILE = "64x128_w4x1_s6_k1024_wg_tma_pp"  # two consumer groups on alternate tiles (ping-pong)
-HAS_WGMMA = loader.arch_of(torch.cuda.get_device_capability(0)) == "sm_90a" if torch.cuda.is_available() else False
+HAS_WGMMA = rt.arch_of(torch.cuda.get_device_capability(0)) == "sm_90a" if torch.cuda.is_available() else False
 
 
 def _case_shapes(idx):
@@ -68,30 +68,30 @@ def _case_shapes(idx):
 def compiled():
     """Compile every variant this module launches, in parallel, before the first test."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    arch = loader.arch_of(torch.cuda.get_device_capability(0))
+    arch = rt.arch_of(torch.cuda.get_device_capability(0))
     vs = set()
     for (p, q), enc in itertools.product(PAIRS, ENCODINGS):
         t = enc == "twos"
-        vs.add(loader.Variant(p, q, t, t, loader.SMALL_TILE, "int32"))
-        vs.add(loader.Variant(p, q, t, t, _big_tile(p, q, t, t), "int32"))
+        vs.add(bg.Variant(p, q, t, t, bg.SMALL_TILE, "int32"))
+        vs.add(bg.Variant(p, q, t, t, _big_tile(p, q, t, t), "int32"))
         if p * q < 8 and enc != "pm1":
-            vs.add(loader.Variant(p, q, t, t, _sync_tile(p, q, t, t), "int32"))
+            vs.add(bg.Variant(p, q, t, t, _sync_tile(p, q, t, t), "int32"))
     # epilogue, packed-output and SASS tests
     for od in ("float32", "float16", "bfloat16"):
-        for tile in (loader.pick_tile(2, 1, True, False, 300, 600, sms), _big_tile(2, 1, True, False),
+        for tile in (bg.pick_tile(2, 1, True, False, 300, 600, sms), _big_tile(2, 1, True, False),
                      _sync_tile(2, 1, True, False)):
-            vs.add(loader.Variant(2, 1, True, False, tile, "float", od))
+            vs.add(bg.Variant(2, 1, True, False, tile, "float", od))
     for name in ("uint2", "int4", "binary", "pm2"):
         f = tp.format(name)
-        for tile in (loader.pick_tile(2, 1, False, False, 129, 1024, sms), loader.parse_tile("64x256_w2x4_s4"),
-                     loader.parse_tile("64x128_w2x4_s4"), loader.parse_tile("64x128_w2x2_s3_k1024")) + (
-                         (loader.parse_tile(WG_TILE),) if HAS_WGMMA else ()):
-            vs.add(loader.Variant(2, 1, False, False, loader.packed_tile(tile), "packed", out_bits=f.bits,
+        for tile in (bg.pick_tile(2, 1, False, False, 129, 1024, sms), bg.parse_tile("64x256_w2x4_s4"),
+                     bg.parse_tile("64x128_w2x4_s4"), bg.parse_tile("64x128_w2x2_s3_k1024")) + (
+                         (bg.parse_tile(WG_TILE),) if HAS_WGMMA else ()):
+            vs.add(bg.Variant(2, 1, False, False, bg.packed_tile(tile), "packed", out_bits=f.bits,
                                   out_encoding=f.encoding))
     for p, q, t in ((2, 1, False), (1, 1, False), (2, 2, True), (4, 1, False)):
-        vs.add(loader.Variant(p, q, t, t, _big_tile(p, q, t, t), "float", "float16"))
-        vs.add(loader.Variant(p, q, t, t, _sync_tile(p, q, t, t), "float", "float16"))
-    loader.precompile(vs, arch)
+        vs.add(bg.Variant(p, q, t, t, _big_tile(p, q, t, t), "float", "float16"))
+        vs.add(bg.Variant(p, q, t, t, _sync_tile(p, q, t, t), "float", "float16"))
+    bg.precompile(vs, arch)
 
 
 @pytest.mark.parametrize("enc", ENCODINGS)
@@ -245,7 +245,7 @@ def test_packed_epilogue_integer_thresholds_exact(bits, enc, monkeypatch):
     word that holds a column that is not: it equals the float reference bit for bit, with int32 values near both
     ends of the range (row / column terms that wrap), every edge scale and bias, ReLU, LeakyReLU and a negative
     slope, partial tiles and tiles inside M x N, on the TMA, cp.async wgmma and mma.sync kernels; and so does the float
-    path that small problems take (loader.INT_THRESHOLD_TILES_PER_SM: forced both ways here)."""
+    path that small problems take (bg.INT_THRESHOLD_TILES_PER_SM: forced both ways here)."""
     from tcprec.kernels import reference_gemm as rg
     from tcprec.packing import pack_bitplanes
 
@@ -266,7 +266,7 @@ def test_packed_epilogue_integer_thresholds_exact(bits, enc, monkeypatch):
     S = torch.ops.tcprec.bmma_gemm(a_planes, w_planes, False, False, 1, None, None, None, None, None, False, "int32",
                                    1, "unsigned", None, "", 0.0).long()
     C = ((3 * S + row_term.long()[:, None] + col_term.long()[None, :] + 2**31) % 2**32 - 2**31).to(torch.int32)
-    tiles = ("", "64x128_w2x4_s4", "32x32_w2x1_s2_k1024") + ((WG_TILE, TMA_TILE, PP_TILE) if HAS_WGMMA else ())
+    tiles = ("", "64x128_w2x4_s4", "32x32_w2x1_s2_k1024") + ((WG_TILE, TMA_TILE) if HAS_WGMMA else ())
     for relu, slope in ((False, 0.0), (True, 0.0), (True, 0.1), (True, -0.25)):
         y = rg.float_epilogue(C, None, cs, bias, False, torch.float32)
         if relu:
@@ -274,7 +274,7 @@ def test_packed_epilogue_integer_thresholds_exact(bits, enc, monkeypatch):
         y = torch.where(torch.isnan(y), float("-inf"), y)  # NaN takes index 0, as -inf does (bmma_gemm.cu)
         want = rg.pack_output(y, out_fmt, s)
         for tile, per_sm in [(t, 0) for t in tiles] + [("", 10**9)]:
-            monkeypatch.setattr(loader, "INT_THRESHOLD_TILES_PER_SM", per_sm)
+            monkeypatch.setattr(bg, "INT_THRESHOLD_TILES_PER_SM", per_sm)
             got = torch.ops.tcprec.bmma_gemm(a_planes, w_planes, False, False, 3, row_term, col_term, None, cs, bias,
                                              relu, "packed", bits, enc, s, tile, slope)
             assert torch.equal(got, want), (bits, enc, relu, slope, tile, per_sm, (got != want).nonzero()[:5].tolist())
@@ -290,9 +290,9 @@ def test_code_threshold_words_mark_only_non_monotone_columns():
     N = 160
     cs, bias = _edge_columns(N, gen)
     s = torch.tensor([0.37], device=DEV)
-    v = loader.Variant(2, 1, tile=loader.Tile(64, 128, 2, 4, 4), epilogue="packed", out_bits=2,
+    v = bg.Variant(2, 1, tile=bg.Tile(64, 128, 2, 4, 4), epilogue="packed", out_bits=2,
                        out_encoding="unsigned")
-    thr = loader.code_thresholds(v, cs, bias, s, True, 0.0, N)
+    thr = bg.code_thresholds(v, cs, bias, s, True, 0.0, N)
     f = thr[:, 0]
     bad = ~torch.isfinite(cs) | ~torch.isfinite(bias) | (cs == 0)
     assert bool((f[bad] == 1).all()), f[bad]
@@ -309,7 +309,7 @@ def test_code_threshold_words_mark_only_non_monotone_columns():
     want = torch.clamp(torch.round(y / s), 0, 3)  # uint2 code; round half to even as encode does
     got = ((Cs[:, None] ^ f[None, :])[:, :, None] >= thr[None, :, 1:]).sum(-1)
     assert torch.equal(got[:, use].float(), want[:, use]), (got[:, use] != want[:, use]).nonzero()[:5]
-    neg = loader.code_thresholds(v, cs, bias, s, True, -0.25, N)
+    neg = bg.code_thresholds(v, cs, bias, s, True, -0.25, N)
     assert bool((neg[:, 0] == 1).all())
 
 
@@ -334,8 +334,7 @@ def test_cuda_graph_capture_replays_exactly():
 
 @pytest.mark.skipif(not HAS_WGMMA, reason="the TMA wgmma kernel needs sm_90a")
 @pytest.mark.parametrize("tile", ["128x128_w8x1_s4_k1024_wg_tma_c2x1", "128x128_w8x1_s4_k1024_wg_tma_c1x2",
-                                  "128x64_w8x1_s4_k1024_wg_tma_c2x2", "128x128_w8x1_s4_k1024_wg_f_tma", PP_TILE,
-                                  "64x64_w4x1_s8_k1024_wg_tma_pp"])
+                                  "128x64_w8x1_s4_k1024_wg_tma_c2x2", "128x128_w8x1_s4_k1024_wg_f_tma"])
 def test_tma_cluster_and_folded_tiles_exact(tile):
     """Clusters multicast a shared tile to 2-4 blocks and overhang the grid (partner blocks past M or N load
     zeros and store nothing); every shape is partial in M, N and K, K from one word to several tiles."""
@@ -362,7 +361,7 @@ def test_tma_default_tile_in_cuda_graph_reads_new_data():
     gen = torch.Generator(DEV).manual_seed(22)
     # unsigned codes: no row / column correction terms, which would belong to the old data
     qa, qw = _qt((2048, 4096), _fmt(2, "unsigned"), gen), _qt((2048, 4096), _fmt(1, "unsigned"), gen)
-    assert loader.pick_tile(2, 1, False, False, 2048, 2048).tma
+    assert bg.pick_tile(2, 1, False, False, 2048, 2048).tma
     ap, wp = tp.pack_bitplanes(qa.codes, 2), tp.pack_bitplanes(qw.codes, 1)
     from tcprec.kernels import reference_gemm as rg
 
@@ -388,11 +387,11 @@ def test_tma_default_tile_in_cuda_graph_reads_new_data():
 
 @pytest.mark.parametrize("M,K,N1,N2", [(64, 256, 128, 96), (3000, 1024, 512, 200), (20000, 2048, 512, 256)])
 def test_chained_gemms_in_a_cuda_graph_with_programmatic_dependent_launch(M, K, N1, N2):
-    """The loader launches with programmatic stream serialization on sm_90+: a kernel may start while the previous
+    """bmma_gemm launches with programmatic stream serialization on sm_90+: a kernel may start while the previous
     one runs.  A chain x -> GEMM (packed uint2 planes) -> GEMM (int32), four times in one CUDA graph with new inputs
     copied in by torch between the links, so that each GEMM reads what the kernel before it wrote (RAW) and the
     graph's allocator hands a freed output back to the next link while its last reader was the kernel before
-    (WAR): the replay must equal the same chain run eagerly with PDL off, and the integer reference."""
+    (WAR): the replay must equal the same chain run eagerly, a link at a time, and the integer reference."""
     from tcprec.packing import packed_words
 
     gen = torch.Generator(DEV).manual_seed(23)
@@ -420,27 +419,21 @@ def test_chained_gemms_in_a_cuda_graph_with_programmatic_dependent_launch(M, K, 
             outs.append(link(buf))
         return outs
 
-    was = loader.USE_PDL
-    try:
-        loader.USE_PDL, loader._cfgs = False, {}
-        want = [link(x.clone()) for x in srcs]
-        loader.USE_PDL, loader._cfgs = True, {}
-        assert not torch.cuda.get_device_capability(0) >= (9, 0) or loader._pdl(0)
-        buf = torch.empty_like(srcs[0])
-        chain(buf)  # compile + load outside the capture
+    want = [link(x.clone()) for x in srcs]  # eager, one call at a time
+    assert not torch.cuda.get_device_capability(0) >= (9, 0) or rt._pdl_options(0, True)
+    buf = torch.empty_like(srcs[0])
+    chain(buf)  # compile + load outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = chain(buf)
+    for _ in range(3):
+        for o in outs:
+            o.fill_(-1)
+        g.replay()
         torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            outs = chain(buf)
-        for _ in range(3):
-            for o in outs:
-                o.fill_(-1)
-            g.replay()
-            torch.cuda.synchronize()
-            for i, (o, w) in enumerate(zip(outs, want)):
-                assert torch.equal(o, w), (i, (o != w).sum().item())
-    finally:
-        loader.USE_PDL, loader._cfgs = was, {}
+        for i, (o, w) in enumerate(zip(outs, want)):
+            assert torch.equal(o, w), (i, (o != w).sum().item())
     # the second link against the integer reference: its A planes are the first link's packed codes
     from tcprec.kernels import reference_gemm as rg
 
@@ -483,8 +476,8 @@ def _sass(variant) -> str:
     tool = shutil.which("cuobjdump")
     if tool is None:
         pytest.skip("cuobjdump not found (it ships with the CUDA toolkit)")
-    cubin, _ = loader.compile_variant(variant, loader.arch_of(torch.cuda.get_device_capability(0)))
-    path = loader.cubin_path(variant, loader.arch_of(torch.cuda.get_device_capability(0)))
+    cubin, _ = bg.compile_variant(variant, rt.arch_of(torch.cuda.get_device_capability(0)))
+    path = bg.cubin_path(variant, rt.arch_of(torch.cuda.get_device_capability(0)))
     assert path.exists()
     return subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True, check=True).stdout
 
@@ -494,8 +487,8 @@ def test_sass_wgmma_is_bgmma_and_popc_only(p, q, twos):
     """The wgmma tile's SASS: BGMMA.64xNx256.AND.POPC (binary warpgroup MMA), nothing else."""
     t = _big_tile(p, q, twos, twos)
     if t.mma != "wgmma":
-        pytest.skip(f"this GPU runs mma.sync tiles ({loader.arch_of(torch.cuda.get_device_capability(0))})")
-    sass = _sass(loader.Variant(p, q, twos, twos, t, "float", "float16"))
+        pytest.skip(f"this GPU runs mma.sync tiles ({rt.arch_of(torch.cuda.get_device_capability(0))})")
+    sass = _sass(bg.Variant(p, q, twos, twos, t, "float", "float16"))
     gmma = [ln for ln in sass.splitlines() if "GMMA" in ln]
     assert gmma and all("BGMMA" in ln and "AND.POPC" in ln for ln in gmma), gmma[:3]
     assert not any("XOR" in ln for ln in gmma), "XOR+popc is emulated on Hopper"
@@ -509,7 +502,7 @@ def test_sass_wgmma_is_bgmma_and_popc_only(p, q, twos):
 
 @pytest.mark.parametrize("p,q,twos", [(2, 1, False), (1, 1, False), (2, 2, True), (4, 1, False)])
 def test_sass_is_bmma_and_popc_only(p, q, twos):
-    v = loader.Variant(p, q, twos, twos, _sync_tile(p, q, twos, twos), "float", "float16")
+    v = bg.Variant(p, q, twos, twos, _sync_tile(p, q, twos, twos), "float", "float16")
     sass = _sass(v)
     bmma = [ln for ln in sass.splitlines() if "BMMA" in ln]
     assert bmma, "no BMMA instruction: the binary tensor cores are not used"
@@ -527,6 +520,6 @@ def test_cached_tensor_maps_keep_no_tensor_alive():
     base = torch.cuda.memory_allocated()
     for i in range(4):
         x = torch.full((2, 1 << 18, 32), i, dtype=torch.int32, device="cuda")  # 64 MiB each
-        loader.tensor_map(x, 128)
+        bg.tensor_map(x, 128)
         del x
     assert torch.cuda.memory_allocated() - base < (1 << 20)

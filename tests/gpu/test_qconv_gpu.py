@@ -208,7 +208,7 @@ def _fp8_layer(i, seed=0):
 def test_fp8_route_within_bound_on_model_layers(i, fast):
     """|y - exact| within the summation bound: u = 2^-24 per add promoted; Hopper's fast fp8 accumulator
     keeps fewer bits (~2^-13 per add taken here, a loose bound), plus the float32 epilogue roundings."""
-    from tcprec.kernels import reference_conv_fwd as rf
+    from tcprec.kernels import reference_conv_int8_fp8 as rf
 
     qx, qw, geo = _fp8_layer(i)
     pw = pack_conv_weight(qw)

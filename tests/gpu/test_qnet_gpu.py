@@ -3,6 +3,7 @@ inference, equals the same quantized network run through the reference backend (
 between chained layers bit-exact), and rejects a wrong input shape before any kernel runs."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -95,22 +96,18 @@ def test_models_run_compiled_at_every_precision(name, precision, bound):
 
 
 @pytest.mark.parametrize("precision", ["int8", "fp8"])
-def test_resnet18_residual_fusion_is_bit_identical(monkeypatch, precision):
+def test_resnet18_residual_fusion_is_bit_identical(precision):
     """ResNet-18 in fp16 as ``tcprec bench net`` builds it: every block's add + ReLU is fused into its last conv
     (no add node left), block outputs are written once for every reader (int8: the float beside the codes where
     a residual reads it, codes only at a stage's entry), and the output equals the unfused network's bit for bit,
     eagerly and from the compiled CUDA graph."""
-    from tcprec.nn import convert
-
     # (the flatten rewrite needs a conv before the flatten, which the unfused graph's add + ReLU is not; FP8's float
     # accumulation differs in the reordered classifier's summation order, so both networks keep torch.flatten)
-    monkeypatch.setattr(convert, "FUSE_FLATTEN", False)
     m = zoo.build("resnet18", device="cuda").to(dtype=torch.float16, memory_format=torch.channels_last)
     x = torch.randn(2, 3, 224, 224, device="cuda", generator=torch.Generator("cuda").manual_seed(0)).half()
-    cfg = tp.QuantConfig(precision=precision, first_last=None)
+    cfg = tp.QuantConfig(precision=precision, first_last=None, fuse_flatten=False)
     qf = tp.quantize_model(m, cfg, calibration=x, warn=False)
-    qu = tp.quantize_model(m, tp.QuantConfig(precision=precision, first_last=None, fuse_residual=False),
-                           calibration=x, warn=False)
+    qu = tp.quantize_model(m, dataclasses.replace(cfg, fuse_residual=False), calibration=x, warn=False)
     fused = [r.name for r in qf.tcprec_summary.layers if "residual" in r.fused]
     assert fused == [f"stages.{i}.branch.3" for i in range(8)]
     assert not any("add" in str(n.target) for n in qf.graph.nodes)
@@ -139,20 +136,18 @@ def test_bitserial_blocks_fuse_the_add():
     assert torch.isfinite(y).all() and torch.equal(y, yu)
 
 
-def test_resnet18_classifier_reads_the_last_block_planes_through_a_view(monkeypatch):
+def test_resnet18_classifier_reads_the_last_block_planes_through_a_view():
     """w1a2 ResNet-18 as ``tcprec bench net`` builds it: torch.flatten before the classifier is gone (flatten_nhwc, a
     view of the channels_last output: no NCHW copy) and the last block writes classifier.0's planes beside its float
     (no quantize pass in the classifier); the output equals the network quantized without that rewrite bit for bit,
     eagerly and from the compiled CUDA graph."""
-    from tcprec.nn import convert
     from tcprec.nn.qmodules import flatten_nhwc
 
     m, q, x = _quantized("resnet18", "w1a2", dtype=torch.float16)
     out = {r.name: r.out for r in q.tcprec_summary.layers}
     assert out["stages.7.branch.3"] == "float16 + packed uint2 -> classifier.0 (flatten_nhwc)"
     assert [n.target for n in q.graph.nodes if n.op == "call_function"] == [flatten_nhwc]
-    monkeypatch.setattr(convert, "FUSE_FLATTEN", False)
-    q0 = tp.quantize_model(m, "w1a2", calibration=x, warn=False)
+    q0 = tp.quantize_model(m, tp.QuantConfig("w1a2", fuse_flatten=False), calibration=x, warn=False)
     assert torch.flatten in [n.target for n in q0.graph.nodes if n.op == "call_function"]
     with torch.no_grad():
         y, y0 = q(x), q0(x)

@@ -78,7 +78,7 @@ def test_split_k_deterministic():
     runs = {s: _wgrad(dy, x, g, split_k=s) for s in (1, 7, 49)}
     assert torch.equal(runs[7], _wgrad(dy, x, g, split_k=7)), "split-K TMA wgrad is not bit-reproducible"
     assert torch.equal(runs[49], _wgrad(dy, x, g, split_k=49))
-    from tcprec.kernels import reference_conv as rc
+    from tcprec.kernels import reference_conv_bwd as rc
 
     s = rc.abs_wgrad(dy.double(), x.double(), g.weight_shape, g.stride, g.padding)
     L = g.N * g.P * g.Q

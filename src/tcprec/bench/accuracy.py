@@ -186,7 +186,8 @@ def torch_fake_quant(model: nn.Module, q: nn.Module, cfg: QuantConfig, calibrati
         if r.precision == "float":
             continue
         qm = q.get_submodule(r.name)
-        w_scale = qm.w_scale if hasattr(qm, "w_scale") else qm.weight.qw.scale.reshape(-1)
+        wq = getattr(qm.weight, "qw", qm.weight) if not hasattr(qm, "w_scale") else None  # QTensor of the weight
+        w_scale = qm.w_scale if wq is None else wq.scale.reshape(-1)
         layers[r.name] = (float(qm.in_scale), qm.a_fmt, w_scale.float(), qm.w_fmt)
     mods = dict(gm.named_modules())
     ratios = {n: cal.weight_clip_ratio(mods[n].weight, layers[n][3]) for n in layers} if cfg.weight_clip == "mse" \

@@ -1,4 +1,4 @@
-"""Benchmark methodology shared by every ``tcprec bench`` command (DESIGN.md section 5).
+"""Benchmark methodology shared by every ``tcprec bench`` command.
 
 * Time on the GPU with ``triton.testing.do_bench`` (CUDA events, warm-up, L2 flushed before each
   run) and report the **median**.

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-from ..kernels.reference_conv import ConvGeometry
+from ..kernels.conv_geometry import ConvGeometry
 from ..ops import conv as opc
 from .common import (
     copies_needed,
@@ -116,7 +116,7 @@ class _cudnn_benchmark:
 
 
 # Graph replay at every batch by default: on the H200 machine an eager call of a Triton path costs 100-360 us of
-# host time (200 back-to-back calls, benchmarks/profile_host_device.py; cuDNN's 40-70 us), more than the kernels
+# host time (200 back-to-back calls; cuDNN's 40-70 us), more than the kernels
 # of most of the 19 layers even at N = 256, so CUDA events around eager calls time the host, not the kernels.
 # The events times are still recorded (the summary's 'events' column).  graph_max_batch=32 gives the old rule.
 GRAPH_MAX_BATCH = None

@@ -9,7 +9,7 @@ Cases (``wXaY`` = X-bit weights, Y-bit activations; activations ``uintY``, weigh
 
 For each shape the baselines -- ``torch.matmul`` fp16, ``torch._int_mm`` int8 and
 ``torch._scaled_mm`` fp8 e4m3 (fp16 out) -- are timed in the same run.  The tcprec row times
-the bit-serial GEMM (``loader.gemm_entry()``: the implementation behind ``torch.ops.tcprec.bmma_gemm``, which
+the bit-serial GEMM (``bmma_gemm.gemm_entry()``: the implementation behind ``torch.ops.tcprec.bmma_gemm``, which
 ``tcprec.matmul`` calls in eager mode) on pre-packed bit planes with a per-tensor-scaled fp16 output (the
 kernel), and ``tcprec.matmul`` from QTensors (packing the activations included).
 
@@ -17,7 +17,7 @@ Times: CUDA events through ``triton.testing.do_bench`` (median, warm-up, L2 flus
 beyond L2), and CUDA-graph replay (``GRAPH_CALLS`` calls captured in one graph, mean per call).
 TOPS = 2*M*N*K / t; the bit-serial kernel does p*q binary GEMMs, so its binary rate is
 p*q*2*M*N*K / t, reported as a fraction of the measured b1 peak of the instruction the picked tile
-issues: wgmma (15,500 T op/s) or mma.sync (10,250) (DESIGN.md section 1).
+issues: wgmma (15,500 T op/s) or mma.sync (10,250), both measured on an H200.
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from ..formats import IntFormat
+from ..ops.matmul import _col_scale, _planes, _row_scale, _terms32, matmul
+from ..packing import packed_words
+from ..qtensor import PerTensor, QTensor
 from .common import environment, print_environment, require_cuda, rotating_buffers, time_median_ms, write_json
 from .common import time_graph_ms as common_graph_ms
 
@@ -39,15 +43,13 @@ APNN_CONFIGS = ("w1a2", "w1a3", "w1a4", "w2a2")
 LARGE_CONFIGS = ("w1a1", "w1a2", "w2a2", "w1a4", "w2a4", "w3a3")
 APNN_SIZES = tuple(range(128, 1025, 128))
 LARGE_SIZES = (4096, 8192, 16384)
-BINARY_PEAK_TOPS = 10_250.0  # mma.sync m16n8k256 b1 AND+popc, measured (DESIGN.md section 1)
-WGMMA_BINARY_PEAK_TOPS = 15_500.0  # wgmma m64nNk256 b1 AND+popc, measured (DESIGN.md section 1)
+BINARY_PEAK_TOPS = 10_250.0  # mma.sync m16n8k256 b1 AND+popc, measured on an H200
+WGMMA_BINARY_PEAK_TOPS = 15_500.0  # wgmma m64nNk256 b1 AND+popc, measured on an H200
 GRAPH_CALLS = 20
 
 
 def parse_config(name: str):
     """``"w1a2"`` -> (activation IntFormat, weight IntFormat)."""
-    from ..formats import IntFormat
-
     try:
         wb, ab = name.lower().removeprefix("w").split("a")
         q, p = int(wb), int(ab)
@@ -59,8 +61,6 @@ def parse_config(name: str):
 
 
 def _random_qtensor(shape, fmt, device, gen):
-    from ..qtensor import PerTensor, QTensor
-
     codes = torch.randint(0, fmt.n_codes, shape, dtype=torch.uint8, device=device, generator=gen)
     return QTensor(codes, torch.full((1,) * len(shape), 0.01, device=device), fmt, PerTensor(), shape, torch.float32)
 
@@ -108,8 +108,6 @@ def _baselines(M, N, K, device, l2, gen) -> dict[str, _Timed]:
 
 
 def _tcprec_case(config: str, M, N, K, device, l2, gen, tile: str = "") -> dict[str, _Timed]:
-    from ..ops.matmul import _col_scale, _planes, _row_scale, _terms32, matmul
-
     a_fmt, w_fmt = parse_config(config)
     qa = _random_qtensor((M, K), a_fmt, device, gen)
     qw = _random_qtensor((N, K), w_fmt, device, gen)
@@ -118,9 +116,9 @@ def _tcprec_case(config: str, M, N, K, device, l2, gen, tile: str = "") -> dict[
     rs, cs = _row_scale(qa, M), _col_scale(qw, N)
     at, wt = a_fmt.encoding == "twos", w_fmt.encoding == "twos"
 
-    from ..kernels.cuda import loader
+    from ..kernels.cuda import bmma_gemm as bg
 
-    gemm = loader.gemm_entry()  # what tcprec.matmul calls in eager mode (the op without the dispatcher's host cost)
+    gemm = bg.gemm_entry()  # what tcprec.matmul calls in eager mode (the op without the dispatcher's host cost)
 
     def kernel(ap):
         return gemm(ap, w_planes, at, wt, ss, rt, ct, rs, cs, None, False, "float16", 1, "unsigned", None, tile)
@@ -133,8 +131,7 @@ def _tcprec_case(config: str, M, N, K, device, l2, gen, tile: str = "") -> dict[
 
 def variants_for(configs: Sequence[str], shapes: Sequence[tuple[int, int, int]], sm_count: int, tile: str = ""):
     """The kernel variants a benchmark run needs (to compile them in parallel up front)."""
-    from ..kernels.cuda.loader import Variant, parse_tile, pick_tile
-    from ..packing import packed_words
+    from ..kernels.cuda.bmma_gemm import Variant, parse_tile, pick_tile
 
     out = set()
     for c in configs:
@@ -173,11 +170,11 @@ def run(
 
     groups = [("apnn", c, (64, n, n)) for c in apnn_configs for n in apnn_sizes]
     groups += [("large", c, (n, n, n)) for c in large_configs for n in large_sizes]
-    from ..kernels.cuda import loader
-    from ..packing import packed_words
+    from ..kernels.cuda import bmma_gemm as bg
+    from ..kernels.cuda.runtime import arch_of
 
-    arch = loader.arch_of(torch.cuda.get_device_capability(device))
-    n_new = loader.precompile(variants_for([c for _, c, _ in groups], [s for _, _, s in groups], sms), arch)
+    arch = arch_of(torch.cuda.get_device_capability(device))
+    n_new = bg.precompile(variants_for([c for _, c, _ in groups], [s for _, _, s in groups], sms), arch)
     console.print(f"compiled {n_new} kernel variants for {arch} (NVRTC, cached on disk)")
 
     rows, base_cache = [], {}
@@ -199,7 +196,7 @@ def run(
             }
             if name.startswith("tcprec") and t.ms is not None:
                 # against the peak of the instruction the picked tile issues (wgmma or mma.sync)
-                tile = loader.pick_tile(a_fmt.bits, w_fmt.bits, a_fmt.encoding == "twos", w_fmt.encoding == "twos",
+                tile = bg.pick_tile(a_fmt.bits, w_fmt.bits, a_fmt.encoding == "twos", w_fmt.encoding == "twos",
                                         M, N, sms, arch, kw=packed_words(K))
                 peak = WGMMA_BINARY_PEAK_TOPS if tile.mma == "wgmma" else BINARY_PEAK_TOPS
                 row.update(tile=str(tile), instruction=tile.mma, binary_tops=pq * tops, binary_peak_tops=peak,

@@ -21,6 +21,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from ..nn import models as zoo
+from ..nn.convert import QuantConfig, quantize_model
+from ..profiling import profile
 from .common import environment, print_environment, require_cuda, time_graph_ms, write_json
 
 __all__ = ["PRECISIONS", "run", "build_variant", "nrmse"]
@@ -42,8 +45,6 @@ def build_variant(model_fp32: torch.nn.Module, precision: str, calibration: torc
     """(model, input dtype) for one precision, on the model's device.  Quantized variants are built
     from the fp16 model on a GPU (their float glue -- residual adds, flatten -- runs in fp16), from
     the fp32 model on the CPU."""
-    from ..nn.convert import QuantConfig, quantize_model
-
     if precision == "fp32":
         return model_fp32, torch.float32
     import copy
@@ -64,8 +65,6 @@ def run(models: Sequence[str] = ("alexnet", "vgg", "resnet18", "yolov2-tiny"), p
         batches: Sequence[int] = (8, 256), out="benchmarks/results/net.json", plot: str | None = "benchmarks/results/net.png",
         console: Console | None = None, command: str = "tcprec bench net", seed: int = 0,
         breakdown: bool = True) -> dict:
-    from ..nn import models as zoo
-
     console = console or Console()
     device = require_cuda(command)
     for p in precisions:
@@ -102,8 +101,6 @@ def run(models: Sequence[str] = ("alexnet", "vgg", "resnet18", "yolov2-tiny"), p
                     if hasattr(net, "tcprec_summary"):
                         row["layers"] = [vars(r) for r in net.tcprec_summary.layers]
                     if breakdown:
-                        from ..profiling import profile
-
                         rep = profile(net, xin, warmup=1, iters=2)
                         console.print(rep.table(top_kernels=6))
                         prof = rep.to_json()

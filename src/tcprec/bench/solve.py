@@ -113,7 +113,7 @@ def bench_solve(
 
     ``pivoting``: per kind, default ``{"diagdom": False, "general": True}`` (HPL-MxP factors its
     diagonally dominant matrix without pivoting).  ``lu_options``: passed to ``solve`` (block,
-    panel, leaf, trsm, trsv, lookahead, ...), or one such dict per kind (``{"general": {...}}``).  ``time_budget_s``: rows that would start after this
+    panel, trsv, options=LUOptions(...)), or one such dict per kind (``{"general": {...}}``).  ``time_budget_s``: rows that would start after this
     many seconds are skipped (reported as such).  ``skip_slower``: kinds (e.g. ``("general",)``)
     whose (kind, factor) row is skipped when the same row at the previous, smaller n was slower
     than fp64 (the row says so; if every factor of a kind is skipped, so are its matrix and fp64
@@ -233,7 +233,7 @@ def bench_solve(
 
     result = {
         "benchmark": "solve",
-        "command": "PYTHONPATH=src python benchmarks/bench_solve_device.py",
+        "command": "tcprec bench solve",
         "env": env,
         "peak": {"bf16_matmul_8192_tflops": peak},
         "config": {"refine": refine, "cond": cond, "pivoting": piv, "warmup": warmup, "repeats": repeats,

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..enums import DETERMINISTIC_ROUNDINGS
 from ..formats import FloatFormat, as_format
 from ..kernels import reference as ref
 from ..kernels.reference_emulate import add_round_to_odd
@@ -195,7 +196,7 @@ def allreduce_lowp(grads: torch.Tensor, sizes: list[int], fmt, *, aps: bool = Tr
             from ..kernels.triton import allreduce as ka
 
             key = (g32.data_ptr(), g32.shape, g32.device, tuple(sizes), fmt, aps, kahan, transport, rounding, group,
-                   world, ka.BLOCK, ka.HW_FP8_ROUNDING)
+                   world, ka.BLOCK)
             return _allreduce_graphed(key, run, why)
         return run()
     return _allreduce_reference(grads.float(), sizes, fmt, aps, kahan, transport, rounding, group,
@@ -203,7 +204,7 @@ def allreduce_lowp(grads: torch.Tensor, sizes: list[int], fmt, *, aps: bool = Tr
 
 
 # the deterministic modes: every rank must compute the same bits for the same sums
-ROUNDINGS = ("nearest", "nearest_away", "toward_zero", "up", "down")
+ROUNDINGS = DETERMINISTIC_ROUNDINGS
 _WARNED: set = set()
 
 

@@ -37,6 +37,13 @@ from ..formats import FloatFormat, IntFormat, ROUNDING_MODES
 
 _M32 = 0xFFFFFFFF
 
+
+
+def code_dtype(fmt) -> torch.dtype:
+    """Storage dtype of codes: uint8 up to 8 bits, int16 up to 16, int32 above (bit patterns)."""
+    bits = fmt.bits
+    return torch.uint8 if bits <= 8 else torch.int16 if bits <= 16 else torch.int32
+
 # Source float layouts: (mantissa bits, exponent bias, exponent bits)
 _SRC = {torch.float32: (23, 127, 8), torch.float64: (52, 1023, 11)}
 

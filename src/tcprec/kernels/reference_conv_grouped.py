@@ -73,7 +73,7 @@ def grouped_conv_int_taps(x: torch.Tensor, w: torch.Tensor, groups: int, stride=
 
 
 def apply_act_ext(y: torch.Tensor, act) -> torch.Tensor:
-    """The activations of :data:`ACTS` on float32 ``y`` (relu / leaky as ``reference_qconv.apply_act``)."""
+    """The activations of :data:`ACTS` on float32 ``y`` (relu / leaky as ``reference_conv_bitserial.apply_act``)."""
     if act is None:
         return y
     if act == "relu":

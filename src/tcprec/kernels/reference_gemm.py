@@ -39,7 +39,8 @@ from __future__ import annotations
 import torch
 
 from ..formats import IntFormat
-from ..packing import packed_words, plane_popcounts
+from .reference import encode_int
+from .reference_bitplanes import pack_bitplanes_reference, packed_words, plane_popcounts
 
 __all__ = [
     "plane_weights",
@@ -178,11 +179,10 @@ def float_epilogue(C: torch.Tensor, row_scale: torch.Tensor | None, col_scale: t
 def pack_output(y: torch.Tensor, out_fmt: IntFormat, out_scale: torch.Tensor) -> torch.Tensor:
     """The packed epilogue: ``pack_bitplanes(encode(y / out_scale, out_fmt, "nearest"))`` with
     quantize's saturation; y float32 (M, N) -> int32 planes (bits, M, packed_words(N))."""
-    from ..ops.cast import encode  # operator layer, for the one rounding rule of the library
-    from ..packing import pack_bitplanes
-
     v = y.to(torch.float32) / out_scale.to(torch.float32).reshape(())
     lo, hi = float(out_fmt.min), float(out_fmt.max)
     v = torch.clamp(v, lo, hi)  # quantize saturates before the cast (same codes as the kernel)
-    codes = encode(v, out_fmt, "nearest", backend="reference")
-    return pack_bitplanes(codes, out_fmt.bits, backend="reference")
+    codes = encode_int(v, out_fmt, "nearest")  # (M, N) int64 patterns in 0 .. 2**bits - 1; -1 for NaN
+    if bool((codes < 0).any()):
+        raise ValueError(f"y holds NaN, which has no {out_fmt} code; the packed epilogue needs finite outputs")
+    return pack_bitplanes_reference(codes, out_fmt.bits)

@@ -17,6 +17,7 @@ from .lu import (
     PIVOTING_MODES,
     LUBreakdown,
     LUFactors,
+    LUOptions,
     gemm_backend,
     lu_factor,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "SolveInfo",
     "lu_factor",
     "LUFactors",
+    "LUOptions",
     "LUBreakdown",
     "scaled_residual",
     "gemm_backend",

@@ -19,16 +19,11 @@ Pivoting:
 * ``"partial"`` -- partial pivoting.  The panel is one ``getrf`` call (``panel="getrf"``, the CUDA
   default), Toledo's recursive LU (``panel="recursive"``: split the columns in halves, factor the
   left half, update the right half with a TRSM and a GEMM, recurse; ``getrf`` only on leaves of
-  ``leaf`` columns), or the same recursion with tournament-pivoting leaves (``panel="calu"``: a
-  few batched getrf calls on small row blocks pick the pivot rows, then L21 = A21 U11^-1; on CUDA
-  each leaf of <= 64 columns is instead one launch of kernels/cuda/panel_lu.cu).  On
-  CUDA every single-matrix getrf is routed to cuSOLVER (``getrf_lib``): torch's default sends a
+  ``leaf`` columns).  On CUDA every single-matrix getrf is routed to cuSOLVER (``getrf_lib``): torch's default sends a
   tall panel to MAGMA's batched routine, 20 ms per 8192 x 1024 panel on an H100.  Row
   interchanges become one gather/scatter of at most ``2 * width`` whole rows per leaf, computed
-  on the device (no host sync).
-  ``panel="fused"`` runs each leaf of the same recursion as one launch of
-  kernels/cuda/panel_pivot.cu (a persistent kernel: exact partial pivoting with the rows resident in
-  the blocks that own them; interchanges and the leaf's U12 applied in the kernel).
+  on the device (no host sync).  (Tournament pivoting and three CUDA panel kernels were measured
+  level with or slower than getrf in the whole LU and removed: docs/decisions/0010-0012.)
 * ``"none"`` -- no pivoting (what HPL-MxP does on its diagonally dominant matrix): cuSOLVER getrf
   of the diagonal block, its two triangular inverses, then ``L21 = A21 U11^-1`` and
   ``U12 = L11^-1 A12`` as tf32 GEMMs; the inverses are kept for the triangular solves.
@@ -74,6 +69,7 @@ __all__ = [
     "PIVOTING_MODES",
     "PANEL_METHODS",
     "TRSV_METHODS",
+    "LUOptions",
     "LUFactors",
     "LUBreakdown",
     "lu_factor",
@@ -85,7 +81,7 @@ __all__ = [
 
 FACTOR_FORMATS = ("bf16", "fp16", "tf32", "fp8", "fp32")
 PIVOTING_MODES = ("partial", "none")
-PANEL_METHODS = ("auto", "recursive", "getrf", "calu", "fused", "cluster")
+PANEL_METHODS = ("auto", "recursive", "getrf")
 TRSV_METHODS = ("auto", "trsm", "blocked", "graph")
 TRSM_METHODS = ("auto", "trsm", "inverse")
 GETRF_LIBS = ("cusolver", "default")
@@ -559,19 +555,13 @@ class _Swaps:
     ``perm``); with look-ahead the columns [cols, n) are still being updated on the side stream,
     so their swaps are queued, in order, and applied after the join (``flush``)."""
 
-    def __init__(self, work: torch.Tensor, perm: torch.Tensor, cols: int, scratch=None):
+    def __init__(self, work: torch.Tensor, perm: torch.Tensor, cols: int):
         self.work, self.perm, self.cols = work, perm, cols
-        self.scratch = scratch  # the CALU leaf kernel's buffers (panel_lu.PanelScratch) or None
         self.pending: list = []
 
-    def apply(self, dst: torch.Tensor, src: torch.Tensor, skip: tuple[int, int] | None = None) -> None:
-        """``skip = (a, b)``: columns [a, b) already have these interchanges (panel="cluster")."""
-        if skip is None:
-            parts = [self.work[:, : self.cols] if self.cols < self.work.shape[1] else self.work]
-        else:
-            parts = [self.work[:, a:b] for a, b in ((0, skip[0]), (skip[1], self.cols)) if b > a]
-        for part in parts:
-            part.index_copy_(0, dst, part.index_select(0, src))  # (2w, cols) gathered before any write
+    def apply(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        part = self.work[:, : self.cols] if self.cols < self.work.shape[1] else self.work
+        part.index_copy_(0, dst, part.index_select(0, src))  # (2w, cols) gathered before any write
         self.perm.index_copy_(0, dst, self.perm.index_select(0, src))
         if self.cols < self.work.shape[1]:
             self.pending.append((dst, src))
@@ -581,82 +571,6 @@ class _Swaps:
         for dst, src in self.pending:
             right.index_copy_(0, dst, right.index_select(0, src))
         self.pending.clear()
-
-
-_FUSED_LEAF = 512  # panel="fused": columns one launch of panel_pivot.cu factors (its in-kernel updates re-read
-# the panel every 32 columns; the recursion above does the wider ones as cuBLAS GEMMs).  H200, fp16 LU
-# without look-ahead, n = 8192 / 16384 / 32768: leaf 512 34.7 / 84.8 / 258 ms, 256 43.7 / 93.8 / 269 ms
-_CLUSTER_LEAF = 32  # panel="cluster": widest leaf a launch of panel_cluster.cu factors (16 where the rows need it)
-_CALU_KERNEL_LEAF = 32  # the kernel's defaults: leaf width and block (first-level tournament rows);
-_CALU_KERNEL_ROWS = 256  # measured on an H200, benchmarks/results/solve_panel_ab.json
-
-
-def _panel_kernels():
-    """kernels/cuda/panel_lu.py, imported on first use (its loader registers the bmma custom op, which
-    ``import tcprec`` never does)."""
-    from ..kernels.cuda import panel_lu
-
-    return panel_lu
-
-
-def _pivot_kernels():
-    """kernels/cuda/panel_pivot.py, imported on first use."""
-    from ..kernels.cuda import panel_pivot
-
-    return panel_pivot
-
-
-def _cluster_kernels():
-    """kernels/cuda/panel_cluster.py, imported on first use."""
-    from ..kernels.cuda import panel_cluster
-
-    return panel_cluster
-
-
-def _cluster_leaf_width(m: int, leaf: int) -> int:
-    """Widest leaf (<= ``leaf``) whose ``m`` rows fit the shared memory of one cluster (panel="cluster")."""
-    ck = _cluster_kernels()
-    for w in sorted(ck.WIDTHS, reverse=True):
-        if w <= leaf and m <= ck.max_rows(w):
-            return w
-    return min(leaf, ck.WIDTHS[0])
-
-
-def _panel_cluster(work: torch.Tensor, swaps: _Swaps, k: int, kb: int, n: int, cfg: "_Config") -> None:
-    """Panel LU of W[k:n, k:k+kb] with partial pivoting: Toledo's recursion down to leaves of <= cfg.leaf
-    columns, each one launch of kernels/cuda/panel_cluster.cu, which also applies the leaf's interchanges to
-    the panel's other columns; the panel's interchanges reach the columns outside it (and perm) at the end,
-    at once, from the pivots the leaves wrote."""
-    ck = _cluster_kernels()
-    ipiv = torch.empty(kb, dtype=torch.int32, device=work.device)
-
-    def rec(j: int, w: int) -> None:  # panel columns [j, j + w), global column / row k + j
-        kj = k + j
-        lw = _cluster_leaf_width(n - kj, cfg.leaf)
-        if w <= lw:
-            ck.panel_cluster(work, kj, kj, n, w, n, ipiv[j:], cols=(k, k + kb))
-            return
-        h = w // 2
-        rec(j, h)
-        l11 = work[kj : kj + h, kj : kj + h]
-        a12 = work[kj : kj + h, kj + h : kj + w]
-        a12.copy_(torch.linalg.solve_triangular(l11, a12, upper=False, unitriangular=True))
-        with _tf32(cfg.panel_tf32):
-            work[kj + h : n, kj + h : kj + w].addmm_(work[kj + h : n, kj : kj + h], a12, alpha=-1.0)
-        rec(j + h, w - h)
-
-    rec(0, kb)
-    dst, src = swaps_from_pivots(ipiv.long() - (k - 1), k, scratch=n)
-    swaps.apply(dst, src, skip=(k, k + kb))
-
-
-def _leaf_fused(work: torch.Tensor, swaps: _Swaps, k: int, w: int, n: int, cfg: "_Config") -> None:
-    """W[k:n, k:k+w] in one launch of kernels/cuda/panel_pivot.cu (partial pivoting; interchanges
-    applied to columns [0, swaps.cols) and perm by the kernel); the rest of the columns get them after
-    the look-ahead join, from the kernel's pivots."""
-    ipiv = _pivot_kernels().panel_pivot(work, swaps.perm, k, w, n, swaps.cols, swaps.scratch)
-    if swaps.cols < work.shape[1]:
-        swaps.pending.append(swaps_from_pivots(ipiv + 1, k, scratch=n))
 
 
 def _leaf_getrf(work: torch.Tensor, swaps: _Swaps, k: int, w: int, n: int, cfg: "_Config") -> None:
@@ -669,100 +583,11 @@ def _leaf_getrf(work: torch.Tensor, swaps: _Swaps, k: int, w: int, n: int, cfg: 
     panel.copy_(lu)
 
 
-# --------------------------------------------------------------------------------------------
-# Tournament pivoting (CALU): the tall panel as a few batched getrf calls on small blocks
-# --------------------------------------------------------------------------------------------
-
-
-def _pivot_order(lu: torch.Tensor, piv: torch.Tensor) -> torch.Tensor:
-    """(..., m) int64: row i of getrf's L U is row ``order[..., i]`` of its input (A = P L U)."""
-    P, _, _ = torch.lu_unpack(lu, piv, unpack_data=False, unpack_pivots=True)
-    return P.argmax(dim=-2)
-
-
-def _tournament(P: torch.Tensor, rows: int, row0: int, scratch: int,
-                fan_in: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tournament pivoting (Grigori, Demmel & Xiang's CALU) on the tall panel P (m, w), whose
-    first row is global row ``row0``.
-
-    The rows are cut into p blocks of ``rows`` rows (zero-padded; padding rows carry the id
-    ``scratch``); one batched getrf picks w candidate rows per block; groups of ``fan_in``
-    candidate sets (fan_in * w x w, the *original* rows) are factored again, batched, level by
-    level, until one set is left.  Returns ``sel`` (w,) int64, the global ids of the w pivot rows
-    in the order getrf of the final set puts them, and ``top`` (w, w), that getrf's packed
-    L11\\U11 of those rows (so the panel needs no further pivoting: L21 = A21 U11^-1).  With
-    m <= rows this is exactly partial pivoting.  ``rows=1024, fan_in=32`` (w = 32) and
-    ``rows=512, fan_in=8`` (w = 64) is the tree panel_lu.cu reduces.  ~6 launches per tree level,
-    no host sync."""
-    m, w = P.shape
-    dev = P.device
-    r = max(rows, w)
-    p = -(-m // r)
-    blocks = P.new_zeros(p * r, w)
-    blocks[:m] = P
-    ids = torch.full((p * r,), scratch, dtype=torch.long, device=dev)
-    ids[:m] = torch.arange(row0, row0 + m, device=dev)
-    cand, cand_ids = blocks.view(p, r, w), ids.view(p, r)
-    while True:
-        lu, piv, _ = torch.linalg.lu_factor_ex(cand)  # (p, rows, w): batched, small blocks
-        pick = _pivot_order(lu, piv)[:, :w]  # (p, w) local rows chosen, in getrf order
-        sel_ids = torch.gather(cand_ids, 1, pick)
-        if p == 1:
-            return sel_ids[0], lu[0, :w, :w]
-        sel = torch.gather(cand, 1, pick.unsqueeze(-1).expand(-1, -1, w))  # original rows
-        pad = -p % fan_in
-        if pad:
-            sel = torch.cat([sel, sel.new_zeros(pad, w, w)])
-            sel_ids = torch.cat([sel_ids, sel_ids.new_full((pad, w), scratch)])
-        p = (p + pad) // fan_in
-        cand, cand_ids = sel.reshape(p, fan_in * w, w), sel_ids.reshape(p, fan_in * w)
-
-
-def _selection_swaps(sel: torch.Tensor, k: int, scratch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Index vectors ``dst, src`` (2w,) such that ``W[dst] = W[src]`` (all rows gathered before
-    any is written) moves rows ``sel`` (distinct global ids >= k) to rows k..k+w-1 in that order,
-    and the rows they displace there to the slots the selected rows left.  Unused slots pair the
-    ``scratch`` row with itself.  Static shapes, no host sync."""
-    w = sel.shape[0]
-    dev = sel.device
-    top = torch.arange(k, k + w, device=dev)
-    in_top = sel < k + w
-    hit = torch.zeros(w + 1, dtype=torch.bool, device=dev)
-    hit[torch.where(in_top, sel - k, torch.full_like(sel, w))] = True  # top slots that keep a selected row
-    displaced, _ = torch.sort(torch.where(hit[:w], torch.full_like(top, scratch), top))
-    incoming, _ = torch.sort(torch.where(in_top, torch.full_like(sel, scratch), sel))
-    return torch.cat([top, incoming]), torch.cat([sel, displaced])
-
-
-def _leaf_calu(work: torch.Tensor, swaps: _Swaps, k: int, w: int, n: int, cfg: "_Config") -> None:
-    """Factor W[k:n, k:k+w] with tournament pivoting: pick the w pivot rows (``_tournament``),
-    swap them to the top, write their L11\\U11, then L21 = A21 U11^-1 (fp32 TRSM).  With
-    ``cfg.calu_variant`` all of it is one launch of panel_lu.cu (first-level blocks of
-    ``calu_rows`` rows, fan-in calu_rows / width, L21 by substitution in fp32)."""
-    if cfg.calu_variant is not None:
-        dst, src = _panel_kernels().panel_calu(work, swaps.perm, k, w, n, swaps.cols, swaps.scratch,
-                                               cfg.calu_variant)
-        if swaps.cols < work.shape[1]:
-            swaps.pending.append((dst, src))
-        return
-    sel, top = _tournament(work[k:n, k : k + w], cfg.calu_rows, k, n)
-    dst, src = _selection_swaps(sel, k, n)
-    swaps.apply(dst, src)
-    work[k : k + w, k : k + w].copy_(top)
-    if k + w < n:
-        a21 = work[k + w : n, k : k + w]
-        a21.copy_(torch.linalg.solve_triangular(top, a21, upper=True, left=False))
-
-
 def _panel_partial(work, swaps: _Swaps, k: int, w: int, n: int, cfg: "_Config") -> None:
     """Panel LU of W[k:n, k:k+w] with partial pivoting: one getrf (``panel="getrf"``), or Toledo's
-    recursion down to leaves of ``cfg.leaf`` columns, factored by getrf (``"recursive"``) or by
-    tournament pivoting (``"calu"``)."""
-    if cfg.panel == "cluster":
-        _panel_cluster(work, swaps, k, w, n, cfg)
-        return
+    recursion down to leaves of ``cfg.leaf`` columns, factored by getrf (``"recursive"``)."""
     if cfg.panel == "getrf" or w <= cfg.leaf:
-        (_leaf_calu if cfg.panel == "calu" else _leaf_getrf)(work, swaps, k, w, n, cfg)
+        _leaf_getrf(work, swaps, k, w, n, cfg)
         return
     h = w // 2
     _panel_partial(work, swaps, k, h, n, cfg)
@@ -846,8 +671,37 @@ class _Config:
     tri_tf32: bool
     lookahead: bool
     getrf_lib: str = "cusolver"
-    calu_rows: int = 1024
-    calu_variant: object = None  # panel_lu.PanelVariant: each CALU leaf one launch of panel_lu.cu
+
+
+@dataclass(frozen=True)
+class LUOptions:
+    """Tuning of :func:`lu_factor` beyond its defaults (what the benchmarks and tests vary; None: the measured
+    default for the device).
+
+    leaf        getrf width of the recursive panel (``panel="recursive"``; default 128 on CUDA, 16 on a CPU)
+    trsm        ``"trsm"`` (fp32 triangular solve) or ``"inverse"`` (inv(L11) @ A12 as a GEMM, tf32 on CUDA for
+                low-precision factors); ``"auto"``: inverse on CUDA for low-precision factors
+    trsm_tf32   whether that GEMM (and L21 = A21 inv(U11) without pivoting) runs in tf32 -- None: on CUDA for
+                low-precision factors; False: fp32 (U12 is a stored factor: with partial pivoting its tf32
+                rounding doubles ||PA - LU|| of fp16 factors at n = 4096); True on a CPU emulates the GPU's tf32
+                GEMM by rounding its operands in software
+    panel_tf32  let the GEMMs inside the recursive panel use tf32 (low-precision factors on CUDA only)
+    lookahead   overlap the next panel with the trailing GEMM on a second stream (None: on CUDA; on a CPU the
+                same code runs serially)
+    getrf_lib   ``"cusolver"`` (torch's getrf forced onto cuSOLVER, see ``_getrf_lib``) or ``"default"``
+                (torch's own choice)
+
+    >>> import tcprec.linalg as la
+    >>> la.LUOptions(trsm="trsm", lookahead=False).trsm
+    'trsm'
+    """
+
+    leaf: int | None = None
+    trsm: str = "auto"
+    trsm_tf32: bool | None = None
+    panel_tf32: bool = False
+    lookahead: bool | None = None
+    getrf_lib: str = "cusolver"
 
 
 @dataclass
@@ -1025,8 +879,14 @@ class LUFactors:
         return out.squeeze(1) if vec else out
 
 
-def _resolve_config(n, device, factor, pivoting, block, panel, leaf, trsm, trsv, panel_tf32, lookahead,
-                    getrf_lib="cusolver", calu_rows=None, trsm_tf32=None, calu_kernel=None) -> _Config:
+def _resolve_config(n, device, factor, pivoting, block, panel, trsv, options: LUOptions | None = None) -> _Config:
+    if options is None:
+        options = LUOptions()
+    if not isinstance(options, LUOptions):
+        raise TypeError(f"options must be a tcprec.linalg.LUOptions (or None), got {type(options).__name__}: "
+                        "pass options=LUOptions(leaf=..., trsm=..., ...)")
+    leaf, trsm, trsm_tf32 = options.leaf, options.trsm, options.trsm_tf32
+    panel_tf32, lookahead, getrf_lib = options.panel_tf32, options.lookahead, options.getrf_lib
     if block is None:
         block = default_block(n, device)
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
@@ -1042,49 +902,10 @@ def _resolve_config(n, device, factor, pivoting, block, panel, leaf, trsm, trsv,
     cuda = device.type == "cuda"
     if panel == "auto":  # CUDA: one cuSOLVER getrf per block column (fewest launches); CPU: recursive
         panel = "getrf" if cuda else "recursive"
-    if panel == "fused":
-        if not cuda:
-            raise ValueError(f"panel='fused' runs the LU panel kernel (kernels/cuda/panel_pivot.cu) and needs CUDA "
-                             f"tensors, got A on {device.type}: use panel='recursive' (or 'auto') on a CPU")
-        tall = _pivot_kernels().max_rows(device)
-        if n > tall:
-            raise ValueError(f"panel='fused' factors panels of at most {tall} rows on this GPU, got n={n}: use "
-                             f"panel='getrf' (cuSOLVER) for larger matrices")
-    if panel == "cluster":
-        if not cuda:
-            raise ValueError(f"panel='cluster' runs the LU leaf kernel (kernels/cuda/panel_cluster.cu) and needs CUDA "
-                             f"tensors, got A on {device.type}: use panel='recursive' (or 'auto') on a CPU")
-        tall = _cluster_kernels().max_rows(_cluster_kernels().WIDTHS[0])
-        if n > tall:
-            raise ValueError(f"panel='cluster' holds leaves of at most {tall} rows in one cluster's shared memory, "
-                             f"got n={n}: use panel='getrf' (cuSOLVER) for larger matrices")
-    if calu_kernel is not None and not isinstance(calu_kernel, bool):
-        raise ValueError(f"calu_kernel must be None (auto: on CUDA), True or False, got calu_kernel={calu_kernel!r}")
-    if calu_kernel and (not cuda or panel != "calu"):
-        raise ValueError(f"calu_kernel=True runs the tournament-pivoting leaf kernel (panel_lu.cu), which needs "
-                         f"panel='calu' and CUDA tensors; got panel={panel!r} on {device.type}: pass "
-                         "calu_kernel=None (auto)")
-    for name, v, what in (("leaf", leaf, "getrf width of the recursive panel"),
-                          ("calu_rows", calu_rows, "rows per tournament block")):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ValueError(f"{name} must be a positive int ({what}), got {name}={v!r}")
-    variant = None
-    if cuda and panel == "calu" and calu_kernel is not False:
-        pk = _panel_kernels()
-        fits = (leaf is None or leaf <= pk.WIDTHS[-1]) and (calu_rows is None or calu_rows in pk.THREADS)
-        if fits or calu_kernel:  # auto: the kernel where it can factor the leaves the options ask for
-            leaf = _CALU_KERNEL_LEAF if leaf is None else leaf
-            calu_rows = _CALU_KERNEL_ROWS if calu_rows is None else calu_rows
-            try:
-                variant = pk.default_variant(leaf, calu_rows)
-            except ValueError as e:
-                raise ValueError(f"the CALU leaf kernel (calu_kernel=True) factors leaves of `leaf` columns in blocks "
-                                 f"of `calu_rows` threads: {e} (or pass calu_kernel=False for the batched-getrf "
-                                 "tournament)") from None
+    if leaf is not None and (isinstance(leaf, bool) or not isinstance(leaf, int) or leaf < 1):
+        raise ValueError(f"leaf must be a positive int (getrf width of the recursive panel), got leaf={leaf!r}")
     if leaf is None:
-        leaf = _FUSED_LEAF if panel == "fused" else _CLUSTER_LEAF if panel == "cluster" else 128 if cuda else 16
-    if calu_rows is None:
-        calu_rows = 1024 if cuda else 64
+        leaf = 128 if cuda else 16
     if trsv == "auto":  # (a graph captured per factorization costs 4-6 ms: no faster in whole solves, solve_trsv_ab.json)
         trsv = "blocked" if cuda else "trsm"
     if trsm == "auto":  # inv(L11) @ A12 as a tf32 GEMM: tensor cores, error below the low-precision updates
@@ -1103,13 +924,8 @@ def _resolve_config(n, device, factor, pivoting, block, panel, leaf, trsm, trsv,
         trsv=trsv,
         panel_tf32=bool(panel_tf32 and lowp and cuda),
         tri_tf32=bool(lowp and cuda) if trsm_tf32 is None else trsm_tf32,
-        # the fused panel kernel is bound by the latency of its exchanges through L2: overlapped with the
-        # look-ahead GEMM it slows by about the GEMM's time (n = 32768: panel phase 175 -> 220 ms, also
-        # with the panel launched first on half the SMs), so it runs without look-ahead by default
-        lookahead=bool(cuda and panel != "fused" if lookahead is None else lookahead),
+        lookahead=bool(cuda if lookahead is None else lookahead),
         getrf_lib=getrf_lib,
-        calu_rows=calu_rows,
-        calu_variant=variant,
     )
 
 
@@ -1152,11 +968,6 @@ def _factor_inplace(work: torch.Tensor, n: int, cfg: _Config, timer: _PhaseTimer
     next block column's share stays on the critical path."""
     partial = cfg.pivoting == "partial"
     perm = torch.arange(n + 1, device=work.device) if partial else None
-    scratch = None
-    if cfg.calu_variant is not None:
-        scratch = _panel_kernels().PanelScratch.allocate(n, work.shape[1], work.device)
-    elif partial and cfg.panel == "fused":
-        scratch = _pivot_kernels().PivotScratch.allocate(cfg.block, work.device)
     nb = cfg.block
     steps = [(k, min(nb, n - k)) for k in range(0, n, nb)]
     streams = _Streams(work.device, cfg.lookahead)
@@ -1166,7 +977,7 @@ def _factor_inplace(work: torch.Tensor, n: int, cfg: _Config, timer: _PhaseTimer
         k, kb = steps[i]
         with timer("panel"):
             if partial:
-                swaps = _Swaps(work, perm, cols, scratch)
+                swaps = _Swaps(work, perm, cols)
                 _panel_partial(work, swaps, k, kb, n, cfg)
                 return swaps
             linv, uinv = _panel_nopivot(work, k, kb, n, cfg)
@@ -1264,15 +1075,8 @@ def lu_factor(
     pivoting=True,
     block: int | None = None,
     panel: str = "auto",
-    leaf: int | None = None,
-    trsm: str = "auto",
     trsv: str = "auto",
-    panel_tf32: bool = False,
-    lookahead: bool | None = None,
-    getrf_lib: str = "cusolver",
-    calu_rows: int | None = None,
-    trsm_tf32: bool | None = None,
-    calu_kernel: bool | None = None,
+    options: LUOptions | None = None,
     profile: bool = False,
     _work=None,
 ) -> LUFactors:
@@ -1285,41 +1089,21 @@ def lu_factor(
     >>> bool((A @ x - 1).abs().max() < 1e-2)
     True
 
-    ``panel`` (partial pivoting): "recursive" (Toledo's recursion, getrf on leaves of ``leaf``
-    columns; the CPU default), "getrf" (one getrf per block column; the CUDA default) or "calu" (the recursion with
-    tournament-pivoting leaves: batched getrf on blocks of ``calu_rows`` rows, then a binary
-    reduction tree; ``calu_kernel``: each leaf one launch of kernels/cuda/panel_lu.cu instead -- None
-    (auto) picks it on CUDA when ``leaf`` <= 64 and ``calu_rows`` (then its block size) is one of
-    128 / 256 / 512 / 1024, with defaults leaf 32, calu_rows 256; measured slower than "getrf" in the
-    whole LU, see BENCHMARKS.md) or "fused" (CUDA: the recursion down to ``leaf`` = 512 columns, each
-    leaf one launch of kernels/cuda/panel_pivot.cu -- exact partial pivoting, the rows held by the
-    blocks that own them, two round trips through L2 a column; look-ahead off unless asked for; 1.6x
-    faster than cuSOLVER on a 32768 x 256 panel, level with "getrf" in the whole LU, see
-    BENCHMARKS.md) or "cluster" (CUDA, n <= 32768: the recursion down to leaves of <= ``leaf`` = 32 columns
-    (16 above 16384 rows), each one launch of kernels/cuda/panel_cluster.cu -- exact partial pivoting, the
-    rows in the registers of one thread-block cluster, one cluster barrier a column; 1.5-2x faster than
-    cuSOLVER on the same leaf, slower than "getrf" in the whole LU (thousands of leaves and recursion
-    launches), see BENCHMARKS.md); ``getrf_lib``: "cusolver" (default: torch's getrf forced onto cuSOLVER, see
-    ``_getrf_lib``) or "default" (torch's own choice); ``trsm``: "trsm" (fp32) or "inverse"
-    (inv(L11) @ A12 as a GEMM, tf32 on CUDA for low-precision factors); ``trsm_tf32``: whether
-    that GEMM (and L21 = A21 inv(U11) without pivoting) runs in tf32 -- None: on CUDA for
-    low-precision factors (the default); False: fp32 (U12 is a stored factor: with partial
-    pivoting its tf32 rounding doubles ||PA - LU|| of fp16 factors at n = 4096); True on a CPU:
-    emulates the GPU's tf32 GEMM by rounding its operands in software; ``trsv``: "trsm"
-    (torch.linalg.solve_triangular), "blocked" (inverted diagonal blocks + GEMVs; default on
-    CUDA) or "graph" (the blocked solve of one vector replayed from a CUDA graph) for
-    ``LUFactors.solve``; ``panel_tf32``: let the GEMMs inside the recursive panel use tf32 (only
-    for low-precision factors on CUDA); ``lookahead``: overlap the next panel with the trailing
-    GEMM on a second stream (default on CUDA; on a CPU the same code runs serially);
-    ``profile``: record per-phase GPU time in ``phase_times`` (panel / trsm / gemm / side).
+    ``block``: the block-column width (None: :func:`default_block`).  ``panel`` (partial pivoting):
+    "recursive" (Toledo's recursion, getrf on leaves of ``options.leaf`` columns; the CPU default) or "getrf"
+    (one getrf per block column; the CUDA default); "auto" picks by device.  ``trsv``: "trsm"
+    (torch.linalg.solve_triangular), "blocked" (inverted diagonal blocks + GEMVs; default on CUDA) or "graph"
+    (the blocked solve of one vector replayed from a CUDA graph) for ``LUFactors.solve``.  ``options``: an
+    :class:`LUOptions` with the tuning knobs (leaf, trsm, trsm_tf32, panel_tf32, lookahead, getrf_lib); None
+    takes the measured defaults.  ``profile``: record per-phase GPU time in ``phase_times`` (panel / trsm /
+    gemm / side).
     """
     factor = canonical_factor(factor)
     piv = canonical_pivoting(pivoting)
     if not isinstance(A, torch.Tensor) or A.dim() != 2 or A.shape[0] != A.shape[1] or A.shape[0] == 0:
         raise ValueError(f"lu_factor needs a non-empty square matrix, got {getattr(A, 'shape', type(A))}")
     n = A.shape[0]
-    cfg = _resolve_config(n, A.device, factor, piv, block, panel, leaf, trsm, trsv, panel_tf32, lookahead,
-                          getrf_lib, calu_rows, trsm_tf32, calu_kernel)
+    cfg = _resolve_config(n, A.device, factor, piv, block, panel, trsv, options)
     timer = _PhaseTimer(profile, A.device)
     if _work is None:
         with timer("convert"):

@@ -22,7 +22,7 @@ from .refine import HPL_THRESHOLD, classic_ir, fgmres_ir, gmres_ir, scaled_resid
 __all__ = ["solve", "SolveInfo", "REFINE_METHODS", "DEFAULT_REFINE"]
 
 REFINE_METHODS = ("gmres", "fgmres", "classic")
-# Flexible GMRES-IR by default: same run on the H200 (benchmarks/results/solve_refine_ab.json, general matrices,
+# Flexible GMRES-IR by default: same run on the H200 (docs/decisions/0016, general matrices,
 # fp16 LU with partial pivoting), 1 outer correction instead of 3 and 343.6 vs 416.5 ms at n = 32768 (2.11x vs
 # 1.74x fp64 torch.linalg.solve), 109.7 vs 128.9 ms at 16384, 46.8 vs 54.3 ms at 8192.
 DEFAULT_REFINE = "fgmres"
@@ -205,7 +205,7 @@ def solve(
         block: LU block width (default: 64 on CPU, 256-1024 on GPU by size).
         restart: GMRES steps per outer iteration (gmres and fgmres).
         fallback: if False, raise instead of falling back to fp64 (for experiments).
-        **lu_options: advanced knobs of ``lu_factor`` (panel, leaf, trsm, trsv, panel_tf32,
+        **lu_options: the other keywords of ``lu_factor`` (panel, trsv, options=LUOptions(...),
             profile).
 
     Returns:
@@ -226,6 +226,11 @@ def solve(
         A64 = A if A.dtype == torch.float64 else A.double()
         b64 = (b.unsqueeze(1) if vec else b).double()  # (n, k)
         nrhs = b64.shape[1]
+        # extreme scales (1e308 * A: its norms overflow, 1e-308 * A: they underflow) are solved as the same system
+        # scaled by powers of two, exact: A = 2^ea A_s, b = 2^eb b_s, A_s y = b_s, x = 2^(eb - ea) y.  The
+        # HPL scaled residual is invariant under that scaling, so info.backward_error is x's.
+        ea, A64 = _equilibrate(A64)
+        eb, b64 = _equilibrate(b64)
 
         # ---- factor ----------------------------------------------------------------------
         reason, F, res = "", None, None
@@ -306,5 +311,33 @@ def solve(
         gemm=gemm_backend(factor, device),
         phase_times=phase_times,
     )
+    if eb != ea:
+        x = _ldexp(x, eb - ea)
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError(f"the solution of A x = b overflows float64 (max|A| ~ 2^{ea}, max|b| ~ 2^{eb}); scale b "
+                             "down (solve A y = b / s, then x = s * y in a wider representation)")
     x = x.squeeze(1) if vec else x
     return x, info
+
+
+_EQ_RANGE = 2.0 ** 256  # outside [2^-256, 2^256] a norm or a residual of n terms could leave float64's range
+
+
+def _ldexp(t: torch.Tensor, k: int) -> torch.Tensor:
+    """``t * 2**k`` for any int k, exact unless the result is subnormal: in steps whose factor is a normal double,
+    monotone toward the result, so no intermediate overflows or underflows where the result does not."""
+    while k:
+        step = max(-1000, min(1000, k))
+        t = t * math.ldexp(1.0, step)
+        k -= step
+    return t
+
+
+def _equilibrate(t: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """(e, t * 2**-e) with max|t * 2**-e| in [0.5, 1) when max|t| lies outside [2^-256, 2^256]; (0, t) otherwise
+    (also for a zero or non-finite t, which the checks after report)."""
+    amax = float(t.abs().max())
+    if amax == 0.0 or not math.isfinite(amax) or 1.0 / _EQ_RANGE <= amax <= _EQ_RANGE:
+        return 0, t
+    e = math.frexp(amax)[1]
+    return e, _ldexp(t, -e)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels import reference_conv as rc
+from ..kernels import reference_conv_bwd as rc
 from ..ops import conv as opc
 
 __all__ = ["Conv2d", "conv2d"]

@@ -48,15 +48,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
-from ..ops.matmul import choose_int_backend
+from ..ops.matmul import BACKENDS, choose_int_backend
+from ..ops.quantize import absmax_qmax
 from . import calibrate as cal
 from .coverage import check_conv_coverage, normalize_graph, uncovered
 from .qgrouped import QGroupedConv2d, grouped_act_of, grouped_unsupported
-from .qmodules import (LayerPrecision, QConv2d, QLinear, _prepare, _quantize_weight, activation_format, flatten_nhwc,
-                       parse_precision, weight_format)
-from ..ops.quantize import absmax_qmax
+from .qmodules import (FixedQuant, LayerPrecision, QConv2d, QLinear, _quantize_weight, activation_format,
+                       flatten_nhwc, parse_precision, weight_format)
 
-__all__ = ["QuantConfig", "QuantSummary", "LayerRecord", "quantize_model"]
+__all__ = ["QuantConfig", "QuantSummary", "LayerRecord", "LayerPlan", "quantize_model", "plan_layers"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,14 @@ class QuantConfig:
     fuse, chain steps 4 and 5 of the module docstring (on by default)
     fuse_residual  step 4's residual blocks (with ``fuse``): ``act(conv_bn(x) + residual)`` in one conv;
                 False keeps the add and the activation as float ops (the same numbers, more passes)
+    fuse_flatten   step 4's ``conv -> torch.flatten(y, 1) -> linear`` (with ``fuse``): the linears' weight columns
+                reordered to (h, w, c) once and the flatten a view of the conv's channels_last output (integer
+                layers: the same numbers; a float-accumulating FP8 linear sums in another order).  False keeps
+                torch.flatten's NCHW copy (docs/decisions/0006)
+    fp8_accum   FP8 layers on the GPU: ``"fp32"`` promotes Hopper's narrow fp8 accumulator into fp32 every
+                BLOCK_K products (each layer matches the exact reference within docs/numerics.md's bound);
+                ``"fast"`` keeps the narrow accumulator over the whole reduction (faster; an error that grows
+                with K and compounds through the layers: 18-22% output divergence on ResNet-18 / VGG, issue 40)
     activation_observer  how activation ranges are calibrated (integer layers): ``"absmax"``, ``"percentile"``,
                 ``"mse"``, ``"entropy"`` or an ``Observer(method, percentile=, bins=)`` (nn/calibrate.py)
     weight_clip ``"absmax"`` | ``"mse"`` (per-channel clip search) for integer weights
@@ -85,12 +93,16 @@ class QuantConfig:
     fuse: bool = True
     chain: bool = True
     fuse_residual: bool = True
+    fuse_flatten: bool = True
+    fp8_accum: str = "fp32"
     activation_observer: "cal.Observer | str" = "absmax"
     weight_clip: str = "absmax"
     weight_grid: str = "twos"
     bias_correction: bool = False
 
     def __post_init__(self):
+        if self.fp8_accum not in ("fp32", "fast"):
+            raise ValueError(f"fp8_accum must be 'fp32' or 'fast', got {self.fp8_accum!r}")
         object.__setattr__(self, "activation_observer", cal.as_observer(self.activation_observer))
         if self.weight_clip not in cal.WEIGHT_CLIPS:
             raise ValueError(f"weight_clip must be one of {cal.WEIGHT_CLIPS}, got {self.weight_clip!r}")
@@ -106,8 +118,6 @@ class QuantConfig:
             if not isinstance(k, str):
                 raise TypeError(f"overrides keys are module names (str), got {k!r}")
             parse_precision(v)
-        from ..ops.matmul import BACKENDS
-
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
 
@@ -218,6 +228,81 @@ def _unsupported(m: nn.Module) -> str | None:
         if isinstance(m.padding, str) or m.padding_mode != "zeros":
             return f"padding={m.padding!r}, padding_mode={m.padding_mode!r} (needs numeric zero padding)"
     return None
+
+
+def _candidates(gm: nn.Module, mods, traced: bool) -> list[str]:
+    """The nn.Conv2d / nn.Linear layers in execution order (module order when the model did not trace)."""
+    if traced:
+        order = [n.target for n in gm.graph.nodes if n.op == "call_module"
+                 and type(mods[n.target]) in (nn.Conv2d, nn.Linear)]
+        return list(dict.fromkeys(order))
+    return [n for n, m in gm.named_modules() if type(m) in (nn.Conv2d, nn.Linear)]
+
+
+def _precision_rule(cfg: QuantConfig, order: list[str], mods):
+    """name -> LayerPrecision (None: float): the override, else first_last for the first conv and the last
+    layer, else the config's precision."""
+    first_conv = next((n for n in order if isinstance(mods[n], nn.Conv2d)), None)
+    last = order[-1] if order else None
+
+    def precision_of(name: str) -> LayerPrecision | None:
+        if name in cfg.overrides:
+            return parse_precision(cfg.overrides[name])
+        if cfg.first_last is not None and name in (first_conv, last):
+            return parse_precision(cfg.first_last)
+        return parse_precision(cfg.precision)
+
+    return precision_of
+
+
+def _fusable_bn(m: nn.Module, u: fx.Node | None, mods) -> bool:
+    """Whether conv ``m``'s sole user ``u`` is a BatchNorm2d that quantize_model folds into it."""
+    return (isinstance(m, nn.Conv2d) and u is not None and u.op == "call_module"
+            and type(mods[u.target]) is nn.BatchNorm2d and mods[u.target].track_running_stats)
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One nn.Conv2d / nn.Linear as quantize_model will treat it (``plan_layers``)."""
+
+    name: str
+    kind: str  # "conv" | "linear"
+    precision: LayerPrecision | None  # None: stays in float
+    why_float: str | None  # why it stays in float (None when quantized)
+    bn: str | None  # the BatchNorm2d folded into it (module name), or None
+
+
+def plan_layers(model: nn.Module, config: QuantConfig | str = "w1a2") -> tuple[list[LayerPlan], bool]:
+    """(the layers ``quantize_model(model, config)`` would quantize, in execution order; whether the model
+    traces): the same tracer, first/last rule, overrides and BatchNorm folding, without calibration data.
+    ``tcprec.prepare_qat`` puts fake quantization on exactly these."""
+    cfg = QuantConfig(precision=config) if isinstance(config, str) else config
+    if not isinstance(cfg, QuantConfig):
+        raise TypeError(f"config must be a QuantConfig or a precision string like 'w1a2', got {type(config).__name__}")
+    try:
+        gm: nn.Module = fx.GraphModule(model, _Tracer().trace(model), model.__class__.__name__)
+        traced = True
+    except Exception:  # noqa: BLE001 - the module swap of quantize_model (no fusion)
+        gm, traced = model, False
+    mods = dict(gm.named_modules())
+    unknown = [k for k in cfg.overrides if k not in mods]
+    if unknown:
+        raise ValueError(f"overrides name no module of the model: {unknown}; names look like {list(mods)[1:6]}")
+    order = _candidates(gm, mods, traced)
+    precision_of = _precision_rule(cfg, order, mods)
+    nodes = {n.target: n for n in gm.graph.nodes if n.op == "call_module"} if traced else {}
+    plans = []
+    for name in order:
+        m, prec = mods[name], precision_of(name)
+        why = _unsupported(m) or (None if prec is not None else "kept in float (config)")
+        bn = None
+        if traced and cfg.fuse and why is None:
+            u = _sole_user(nodes[name])
+            if _fusable_bn(m, u, mods):
+                bn = u.target
+        plans.append(LayerPlan(name, "conv" if isinstance(m, nn.Conv2d) else "linear",
+                               None if why else prec, why, bn))
+    return plans, traced
 
 
 def _act_of(node: fx.Node, mods) -> object | None:
@@ -343,12 +428,6 @@ def _flatten_input(node: fx.Node, mods) -> fx.Node | None:
     return x if isinstance(x, fx.Node) and start == 1 and end == -1 else None
 
 
-# conv -> flatten -> linear through flatten_nhwc (a view; bit-serial linears read the conv's planes) instead of
-# torch.flatten's NCHW copy and a quantize pass in the linear (False).  Measured on an H200 (session 29, same process,
-# benchmarks/results/flatten_ab.json): see BENCHMARKS.md, "Whole networks".
-FUSE_FLATTEN = True
-
-
 def _fuse_flatten(gm: fx.GraphModule, records: dict) -> None:
     """conv -> ``torch.flatten(y, 1)`` -> linear(s): the linears' weight columns reordered to (h, w, c) once
     (``QLinear.nhwc_input``) and the flatten replaced by ``flatten_nhwc``, a view of the conv's channels_last
@@ -378,19 +457,13 @@ def _fuse_flatten(gm: fx.GraphModule, records: dict) -> None:
         g.erase_node(f)
 
 
-# A bit-serial ResNet block's output as the float and its planes from one epilogue ("planes+float") instead of the
-# float and a quantize_pack pass in each reader (False).  Measured on an H200 (session 19, w1a2 ResNet-18, same
-# process, benchmarks/results/net_dual_ab.json): batch 256 2.706 -> 2.667 ms, batch 8 0.399 -> 0.400 (even); alone the
-# dual epilogue costs about what the pass it saves does (benchmarks/results/net_passes.json: stage 0 at batch 256
-# 214.8 us against 147 + 55 us), so the gain is the launch and the second read of the float.
-BITSERIAL_DUAL = True
-
-
+# A bit-serial ResNet block's output as the float and its planes from one epilogue ("planes+float"), not the float
+# and a quantize_pack pass in each reader: measured level or faster (docs/decisions/0007).
 def _dual_planes_ok(a: nn.Module, b: nn.Module, kind_of) -> bool:
     """Whether producer ``a`` can write its float output and bit-serial consumer ``b``'s planes from one pass
     ("planes+float"): the binary GEMM's epilogue or an INT8 layer's (stem_conv.cu's, or one pack pass after the
     Triton kernel), <= 3-bit codes, a 16-bit float."""
-    return (BITSERIAL_DUAL and kind_of(a) in ("bitserial", "int8") and b.a_fmt.bits <= 3
+    return (kind_of(a) in ("bitserial", "int8") and b.a_fmt.bits <= 3
             and a.out_dtype in (torch.float16, torch.bfloat16))
 
 
@@ -426,7 +499,7 @@ def _regrid(q, float_layer: nn.Module, fmt) -> None:
     w = float_layer.weight.detach()
     w = w.permute(0, 2, 3, 1).contiguous() if isinstance(q, QConv2d) else w[:, None, None, :]  # (K, R, S, C)
     q.w_fmt = fmt
-    q.weight = _prepare(_quantize_weight(w, fmt))
+    q.weight = _quantize_weight(w, fmt)  # buffers weight_codes / weight_scale, packed lazily
 
 
 def _calibration_call(cfg: QuantConfig, gm, order, batches, stats, precision_of, mods):
@@ -455,17 +528,31 @@ def _calibration_call(cfg: QuantConfig, gm, order, batches, stats, precision_of,
     return stats, w_ratio, deltas
 
 
+def _views_to_reshapes(g: fx.Graph) -> None:
+    """``x.view(shape)`` -> ``x.reshape(shape)``: a quantized conv's output is NCHW over channels_last memory (and so
+    is any elementwise op or pool of it), where a view that merges C with H, W (LeNet / AlexNet's
+    ``x.view(x.size(0), -1)``) fails; reshape gives the same values, as a view wherever one exists.  (A
+    ``view(dtype)`` reinterprets bits and stays.)"""
+    for n in g.nodes:
+        if n.op == "call_method" and n.target == "view" and not n.kwargs.get("dtype") \
+                and not any(isinstance(a, torch.dtype) for a in n.args[1:]):
+            n.target = "reshape"
+
+
 def _set_module(root: nn.Module, name: str, new: nn.Module) -> None:
     parent, _, leaf = name.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, leaf, new)
 
 
 def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, calibration=None,
-                   inplace: bool = False, warn: bool = True) -> nn.Module:
+                   inplace: bool = False, warn: bool = True, fixed: Mapping[str, FixedQuant] | None = None
+                   ) -> nn.Module:
     """A quantized copy of ``model`` for inference (``torch.fx.GraphModule`` when the model traces).
 
     ``config``: a :class:`QuantConfig` or a precision string (``"w1a2"``, ``"w2a2"``, ``"int8"``, ``"fp8"``...).
     ``calibration``: a sample batch (or a list of batches) on the model's device.
+    ``fixed``: module name -> :class:`~tcprec.nn.qmodules.FixedQuant`, a layer whose activation scale, weight
+    codes and epilogue were decided elsewhere (``tcprec.convert_qat``): used as given, not calibrated.
 
     >>> import torch
     >>> m = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
@@ -481,6 +568,12 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     batches = _batches(calibration)
+    wide = sorted({str(t.dtype) for t in (*model.parameters(), *model.buffers())
+                   if t.is_floating_point() and t.dtype not in (torch.float32, torch.float16, torch.bfloat16)})
+    if wide:
+        raise ValueError(f"model has {'/'.join(wide)} parameters or buffers; quantized layers compute in float32 and "
+                         "output float32, float16 or bfloat16: quantize a float32 copy (quantize_model(model.float(), "
+                         "...)) and cast its output if you need float64")
     named_in = dict(model.named_modules())  # the original's module tree, for the coverage listing
     model = model if inplace else copy.deepcopy(model)
     model.eval()
@@ -499,31 +592,29 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
     unknown = [k for k in cfg.overrides if k not in mods]
     if unknown:
         raise ValueError(f"overrides name no module of the model: {unknown}; names look like {list(mods)[1:6]}")
+    bad = [k for k in (fixed or {}) if not isinstance(mods.get(k), (nn.Conv2d, nn.Linear))]
+    if bad:
+        raise ValueError(f"fixed names no nn.Conv2d / nn.Linear of the model: {bad}")
 
-    # -- candidate layers, in execution order ------------------------------------------------------
-    if traced:
-        order = [n.target for n in gm.graph.nodes if n.op == "call_module"
-                 and type(mods[n.target]) in (nn.Conv2d, nn.Linear)]
-        order = list(dict.fromkeys(order))
-    else:
-        order = [n for n, m in model.named_modules() if type(m) in (nn.Conv2d, nn.Linear)]
+    order = _candidates(gm, mods, traced)
     stats = _calibrate(gm, order, batches, shapes=traced, notes=notes)
-    first_conv = next((n for n in order if isinstance(mods[n], nn.Conv2d)), None)
-    last = order[-1] if order else None
+    precision_of = _precision_rule(cfg, order, mods)
     dev = next((p.device for p in gm.parameters()), torch.device("cpu"))
 
-    def precision_of(name: str) -> LayerPrecision | None:
-        if name in cfg.overrides:
-            return parse_precision(cfg.overrides[name])
-        if cfg.first_last is not None and name in (first_conv, last):
-            return parse_precision(cfg.first_last)
-        return parse_precision(cfg.precision)
 
     # -- calibration beyond absmax, weight clipping and bias correction (nn/calibrate.py) -------------------
     stats, w_ratio, deltas = _calibration_call(cfg, gm, order, batches, stats, precision_of, mods)
 
     records: dict[str, LayerRecord] = {}
     new_mods: dict[str, nn.Module] = {}
+    # conv / linear layers of kinds with no quantized path (Conv1d, Conv3d, transposed convs, Linear subclasses):
+    # listed as float in the summary and the warning, never dropped silently
+    no_path = [n for n, m in gm.named_modules() if n and n not in order and (
+        isinstance(m, nn.modules.conv._ConvNd) or isinstance(m, nn.Linear) or type(m) is nn.Bilinear)]
+    for n in no_path:
+        m = mods[n]
+        records[n] = LayerRecord(n, "conv" if isinstance(m, nn.modules.conv._ConvNd) else "linear", "float",
+                                 f"no quantized {type(m).__name__} (QConv2d / QLinear cover nn.Conv2d / nn.Linear)")
 
     def make(name: str, bn=None, act=None, pool=None) -> nn.Module | None:
         m = mods[name]
@@ -534,21 +625,27 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
         if prec is None or why:
             records[name] = LayerRecord(name, kind, "float", why or "kept in float (config)")
             return None
+        fx_ = fixed.get(name) if fixed else None
         wfmt = _weight_fmt(prec, cfg.weight_grid)
         if name in w_ratio or name in deltas:
             m = cal.prepared_float_layer(m, w_ratio.get(name), deltas.get(name))
         if kind == "conv" and m.groups != 1:
+            if fx_ is not None:
+                raise ValueError(f"fixed quantization of {name!r}: a grouped conv (groups={m.groups}) takes its "
+                                 "weights from the float layer; leave it out of fixed")
             q = QGroupedConv2d.from_float(m, prec, w_fmt=wfmt, in_absmax=absmax, signed_input=neg, bn=bn, act=act,
                                           backend="reference" if cfg.backend == "reference" else "auto")
             backend = q.route[0]
         elif kind == "conv":
             q = QConv2d.from_float(m, prec, in_absmax=absmax, signed_input=neg, bn=bn, act=act, pool=pool,
-                                   backend=cfg.backend)
+                                   backend=cfg.backend, fixed=fx_)
         else:
-            q = QLinear.from_float(m, prec, in_absmax=absmax, signed_input=neg, act=act, backend=cfg.backend)
-        if not isinstance(q, QGroupedConv2d) and wfmt != q.w_fmt:
-            _regrid(q, m, wfmt)
+            q = QLinear.from_float(m, prec, in_absmax=absmax, signed_input=neg, act=act, backend=cfg.backend,
+                                   fixed=fx_)
         if not isinstance(q, QGroupedConv2d):
+            if wfmt != q.w_fmt and fx_ is None:
+                _regrid(q, m, wfmt)
+            q.fp8_fast_accum = cfg.fp8_accum == "fast"
             backend = "fp8" if prec.fp8 else choose_int_backend(q.a_fmt, q.w_fmt, dev, cfg.backend)[0]
         act_name = act if isinstance(act, str) or act is None else {"leaky": "leaky", "clamp": "clamp"}[act[0]]
         if isinstance(act, tuple) and act[0] == "clamp":
@@ -566,6 +663,8 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
                     and not node.kwargs:
                 node.replace_all_uses_with(node.args[0])
                 g.erase_node(node)
+        _views_to_reshapes(g)
+        calls = _module_calls(g)
         for node in list(g.nodes):
             if node.op != "call_module" or node.target not in order or node.target in records:
                 continue
@@ -573,10 +672,11 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
             absorbed: list[fx.Node] = []
             bn = act = pool = None
             cur = node
-            if cfg.fuse and precision_of(node.target) is not None and not _unsupported(m):
+            # a module called from several places is one module: fusing what follows one call would apply it
+            # after every call, so a shared layer keeps its BN / activation / pool as separate float ops
+            if cfg.fuse and calls[node.target] == 1 and precision_of(node.target) is not None and not _unsupported(m):
                 u = _sole_user(cur)
-                if isinstance(m, nn.Conv2d) and u is not None and u.op == "call_module" \
-                        and type(mods[u.target]) is nn.BatchNorm2d and mods[u.target].track_running_stats:
+                if _fusable_bn(m, u, mods):
                     bn, cur = mods[u.target], u
                     absorbed.append(u)
                     u = _sole_user(cur)
@@ -600,7 +700,7 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
                     g.erase_node(a)
         if cfg.fuse and cfg.fuse_residual:
             _fuse_residuals(gm, records)
-        if cfg.fuse and FUSE_FLATTEN:
+        if cfg.fuse and cfg.fuse_flatten:
             _fuse_flatten(gm, records)
         # -- chaining: a conv feeding only a bit-serial conv hands it packed planes -------------------
         if cfg.chain:
@@ -612,9 +712,10 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
             def is_qconv(n: fx.Node) -> bool:
                 return n.op == "call_module" and isinstance(qmods.get(n.target), QConv2d)
 
+            calls = _module_calls(g)
             for node in g.nodes:
-                if not is_qconv(node):
-                    continue
+                if not is_qconv(node) or calls[node.target] != 1:
+                    continue  # (a shared conv's output format would change at every call site)
                 users = list(node.users)
                 if len(users) == 1 and users[0].op == "call_function" and users[0].target is flatten_nhwc:
                     _chain_through_flatten(node, users[0], qmods, records, kind_of)
@@ -680,10 +781,15 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
         for name in order:
             q = make(name)
             if q is not None:
+                if isinstance(q, QConv2d):
+                    q.contiguous_out = True  # its readers are unknown: plain NCHW memory, so x.view(n, -1) works
                 _set_module(gm, name, q)
 
-    layer_records = [records[n] for n in order if n in records]
-    for name, kind, why in uncovered(named_in, gm, set(records)):  # never silent (nn/coverage.py)
+    extra = uncovered(named_in, gm, set(records) - set(no_path))  # never silent (nn/coverage.py), with reasons
+    listed = {n for n, _, _ in extra}
+    drop = {n for n in no_path if any(n == p or n.startswith(p + ".") for p in listed)}
+    layer_records = [records[n] for n in order + no_path if n in records and n not in drop]
+    for name, kind, why in extra:
         if name in cfg.overrides and parse_precision(cfg.overrides[name]) is None:
             why = f"kept in float (config); {why}"
         layer_records.append(LayerRecord(name, kind, "float", why))

@@ -17,25 +17,33 @@ codes as ``x`` and the float as ``residual``.
 Precision of a layer: weights and activations are integer formats of 1..8 bits (``binary`` = pm1
 weights for 1 bit, two's complement ``intN`` otherwise; activations ``uintN`` when calibration saw no
 negative input, ``intN`` otherwise), or ``e4m3`` for both (the FP8 path).
+
+Persistence: a module's state is its registered buffers -- the weight's codes (``weight_codes``, KRSC, as
+``tcprec.encode`` gives them) and per-output-channel scales (``weight_scale``), the activation scale, the folded
+epilogue -- plus an extra state (``get_extra_state``) naming the precision, formats and geometry.  The packed forms
+the kernels read (bit planes, int8 / float8 views: ``ops.qconv.PackedConvWeight``) are derived from the codes on
+first use and never saved, so ``state_dict`` / ``load_state_dict`` round-trip exactly, ``torch.save`` of the whole
+model stores one tensor per weight, and loading a state of another precision, format or geometry is refused.
+The scales stay float32 under ``.half()`` / ``.bfloat16()`` (which set the output dtype); ``.double()`` is refused.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
+import torch.fx
 from torch import nn
 
 from ..formats import FloatFormat, IntFormat, as_format
-from ..kernels.reference_conv import ConvGeometry
+from ..kernels.conv_geometry import ConvGeometry
 from ..ops import qconv as qc
 from ..ops.matmul import choose_int_backend
 from ..ops.quantize import absmax_qmax, quantize, quantize_pack, quantize_static
-from ..qtensor import PerChannel
+from ..qtensor import PerChannel, QTensor
 
 __all__ = ["LayerPrecision", "parse_precision", "QConv2d", "QLinear", "flatten_nhwc", "weight_format",
-           "activation_format"]
+           "activation_format", "FixedQuant"]
 
 _ACTS = (None, "relu", "leaky")
 
@@ -92,14 +100,64 @@ def activation_format(p: LayerPrecision, signed: bool):
     return as_format(f"int{p.a_bits}" if signed else f"uint{p.a_bits}")
 
 
+@dataclass(frozen=True)
+class FixedQuant:
+    """A layer's quantization decided elsewhere (``tcprec.convert_qat``: the scales QAT learned), used by
+    ``from_float`` as given -- no calibration, no weight rounding, no BatchNorm folding.
+
+    in_scale      one-element float32 tensor: the input's per-tensor scale
+    signed_input  False: ``uintN`` input codes (after a ReLU), True: ``intN``
+    weight        QTensor of the weight codes, ``(K, R, S, C)`` for a conv, ``(N, 1, 1, K)`` for a linear, with
+                  ``PerChannel(0)`` scales; its format is the layer's weight format (``binary``, ``pmN``, ``intN``)
+    scale, bias   the epilogue's per-channel float32 scale (a folded BatchNorm; None: none) and bias (None: none)
+    """
+
+    in_scale: torch.Tensor
+    signed_input: bool
+    weight: "object"  # QTensor
+    scale: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+    def check(self, prec: LayerPrecision, what: str) -> None:
+        fw = self.weight.fmt
+        if prec.fp8 or not isinstance(fw, IntFormat) or fw.bits != prec.w_bits:
+            raise ValueError(f"{what}: fixed weight format {fw} does not match precision {prec}")
+        s = self.in_scale
+        if not (isinstance(s, torch.Tensor) and s.numel() == 1 and s.dtype == torch.float32):
+            raise TypeError(f"{what}: fixed in_scale must be a one-element float32 tensor, got {s!r}")
+
+
+# Rows (output channels) quantized or packed at a time: quantize / encode / bit-plane packing hold ~140 bytes an
+# element at their peak (float64 and int64 temporaries), so ~1M elements a chunk keep that ~150 MB whatever the
+# layer's size, instead of ~40x the weight (AlexNet's fc6, 205 MB of fp32: 7.7 GB; issue 40).  Every step is per
+# output channel, so the chunked result is the same bits.
+_CHUNK_ELEMENTS = 1 << 20
+
+
+def _row_chunks(rows: int, per_row: int) -> list[tuple[int, int]]:
+    step = max(1, _CHUNK_ELEMENTS // max(1, per_row))
+    return [(r, min(rows, r + step)) for r in range(0, rows, step)]
+
+
 def _quantize_weight(w: torch.Tensor, fmt):
     """Per-output-channel scales along axis 0: absmax for multi-bit codes; mean |w| for binary (the
-    L2-optimal scale of sign(w), XNOR-Net) -- absmax would map every weight to +-max|w|."""
-    w = w.detach().float()
-    if isinstance(fmt, IntFormat) and fmt.encoding == "pm1":
-        s = w.abs().flatten(1).mean(1).clamp_min(torch.finfo(torch.float32).tiny)
-        return quantize(w, fmt, PerChannel(0), scale=s.view(-1, *([1] * (w.dim() - 1))))
-    return quantize(w, fmt, PerChannel(0))
+    L2-optimal scale of sign(w), XNOR-Net) -- absmax would map every weight to +-max|w|.  In chunks of rows."""
+    w = w.detach()
+    codes = scales = None
+    for r0, r1 in _row_chunks(w.shape[0], w[0].numel()):
+        wc = w[r0:r1].float()
+        if isinstance(fmt, IntFormat) and fmt.encoding == "pm1":
+            s = wc.abs().flatten(1).mean(1).clamp_min(torch.finfo(torch.float32).tiny)
+            q = quantize(wc, fmt, PerChannel(0), scale=s.view(-1, *([1] * (w.dim() - 1))))
+        else:
+            q = quantize(wc, fmt, PerChannel(0))
+        if codes is None:  # the result allocated once: chunks' temporaries reuse one another's memory
+            codes = torch.empty(w.shape, dtype=q.codes.dtype, device=w.device)
+            scales = torch.empty((w.shape[0], *q.scale.shape[1:]), dtype=q.scale.dtype, device=w.device)
+        codes[r0:r1] = q.codes
+        scales[r0:r1] = q.scale
+        del wc, q
+    return QTensor(codes, scales, fmt, PerChannel(0), tuple(w.shape), torch.float32)
 
 
 def _fold_bn(out_ch: int, bias: torch.Tensor | None, bn: nn.BatchNorm2d | None, device):
@@ -115,8 +173,34 @@ def _fold_bn(out_ch: int, bias: torch.Tensor | None, bn: nn.BatchNorm2d | None, 
 
 
 def _prepare(qw):
-    """Pack the weight once (bit planes in the im2col word layout; the int8 path reads its codes)."""
-    return qc.pack_conv_weight(qw)
+    """Pack the weight once (bit planes in the im2col word layout; the int8 path reads its codes), in chunks of
+    output channels (every packed field is per channel: the same bits as one call)."""
+    chunks = _row_chunks(qw.shape[0], qw.codes[0].numel())
+    if len(chunks) == 1:
+        return qc.pack_conv_weight(qw)
+    dims = {"planes": 1, "conv_planes": 1, "w_scale": 0, "rowsum": 0, "w8": 0}  # the K axis of each field
+    out: dict = {}
+    shared = True  # conv_planes is planes (each tap already an even number of words)
+    for r0, r1 in chunks:
+        part = qc.pack_conv_weight(QTensor(qw.codes[r0:r1], qw.scale[r0:r1], qw.fmt, PerChannel(0),
+                                           (r1 - r0, *qw.shape[1:]), qw.dtype))
+        shared = shared and part.conv_planes is part.planes
+        for name, d in dims.items():
+            t = getattr(part, name)
+            if t is None or (name == "conv_planes" and shared):
+                continue
+            if name not in out:  # each field allocated once (see _quantize_weight)
+                shape = list(t.shape)
+                shape[d] = qw.shape[0]
+                out[name] = torch.empty(shape, dtype=t.dtype, device=t.device)
+            out[name].narrow(d, r0, r1 - r0).copy_(t)
+        w_off, w_step = part.w_off, part.w_step
+        del part
+    f8 = qc._fp8_dtype(qw.fmt)  # float8 codes: a view of the codes, as pack_conv_weight makes it
+    w8 = qw.codes.contiguous().view(f8) if f8 is not None else out.get("w8")  # (K, R, S, C)
+    planes = out.get("planes")  # (q, K, Kw_col) int32
+    return qc.PackedConvWeight(qw, planes, out["w_scale"], out.get("rowsum"), w8, w_off, w_step,
+                               conv_planes=planes if shared else out.get("conv_planes"))
 
 
 def _quantize_input(x_nhwc: torch.Tensor, m: "_QBase", compact: bool = False):
@@ -139,14 +223,24 @@ def _quantize_input(x_nhwc: torch.Tensor, m: "_QBase", compact: bool = False):
 class _QBase(nn.Module):
     tcprec_leaf = True  # profiling: one layer, however many kernels it launches
 
+    # FP8 layers on the GPU: False (the default) promotes Hopper's narrow fp8 MMA accumulator into fp32 every
+    # BLOCK_K products, so a layer matches the exact reference within the bound of docs/numerics.md; True keeps the
+    # narrow accumulator over the whole reduction (faster; errors that grow with K: QuantConfig(fp8_accum="fast")).
+    fp8_fast_accum = False
+
     def _init_common(self, prec: LayerPrecision, in_absmax: float, signed_input: bool, out_dtype, backend: str,
-                     device):
+                     device, fixed: FixedQuant | None = None):
         self.precision = prec
+        if fixed is not None:
+            fixed.check(prec, type(self).__name__)
+            signed_input = fixed.signed_input
         self.a_fmt = activation_format(prec, signed_input)
-        self.w_fmt = weight_format(prec)
+        self.w_fmt = weight_format(prec) if fixed is None else fixed.weight.fmt
         qmax = absmax_qmax(self.a_fmt)
         s = max(float(in_absmax), 1e-8) / qmax
-        self.register_buffer("in_scale", torch.tensor([s], dtype=torch.float32, device=device))  # with the weights
+        s = torch.tensor([s], dtype=torch.float32, device=device) if fixed is None else \
+            fixed.in_scale.detach().reshape(1).to(device).clone()
+        self.register_buffer("in_scale", s)  # with the weights
         self.out_dtype = out_dtype
         self.backend = backend
         self.out_fmt = None  # set by quantize_model when the output feeds another quantized conv
@@ -154,13 +248,86 @@ class _QBase(nn.Module):
         self.register_buffer("out_scale", None)
         self.has_residual = False  # set by quantize_model: forward(x, residual) adds it before the activation
 
-    def _apply(self, fn, *args, **kwargs):  # .to(device) / .cuda() move the packed weight too
-        super()._apply(fn, *args, **kwargs)
-        if getattr(self, "weight", None) is not None:
-            qw = self.weight.qw
-            dev = fn(torch.empty(0, device=qw.device)).device  # where fn sends tensors
-            if dev != qw.device:
-                self.weight = _prepare(qw.to(dev))
+    # -- the weight: codes and scales are the state; the packed forms are derived ------------------------
+    @property
+    def weight(self) -> qc.PackedConvWeight:
+        """The packed weight the kernels read, built from ``weight_codes`` / ``weight_scale`` on first use and
+        rebuilt whenever those buffers change (a load, a move: the key is their storage and version)."""
+        codes, scale = self.weight_codes, self.weight_scale
+        key = (codes.data_ptr(), codes._version, codes.device, scale.data_ptr(), scale._version)
+        cached = self.__dict__.get("_packed")
+        if cached is None or cached[0] != key:
+            qw = QTensor(codes, scale, self.w_fmt, PerChannel(0), tuple(codes.shape), torch.float32)
+            cached = (key, _prepare(qw))
+            self.__dict__["_packed"] = cached
+        return cached[1]
+
+    @weight.setter
+    def weight(self, qw: QTensor) -> None:
+        if not isinstance(qw, QTensor) or qw.fmt != self.w_fmt or not isinstance(qw.granularity, PerChannel):
+            raise TypeError(f"weight must be a per-channel QTensor of {self.w_fmt}, got {qw!r:.80}")
+        self.register_buffer("weight_codes", qw.codes.contiguous())  # (K, R, S, C) codes
+        self.register_buffer("weight_scale", qw.scale.to(torch.float32).contiguous())  # (K, 1, 1, 1)
+        self.__dict__.pop("_packed", None)
+
+    def __getstate__(self):  # pickling (torch.save, deepcopy): the buffers only, never the derived packed views
+        state = self.__dict__.copy()
+        state.pop("_packed", None)
+        return state
+
+    _STATE_KEYS = ("kind", "precision", "w_fmt", "a_fmt", "geometry", "act", "pool", "has_residual", "out_fmt",
+                   "out_layout", "in_channels_last")
+
+    def get_extra_state(self) -> dict:
+        """What the buffers mean: saved with them, checked by ``set_extra_state`` on load."""
+        geometry = ((self.in_channels, self.out_channels, self.kernel_size, self.stride, self.padding, self.dilation)
+                    if isinstance(self, QConv2d) else (self.in_features, self.out_features))
+        return {"version": 1, "kind": type(self).__name__, "precision": str(self.precision), "w_fmt": str(self.w_fmt),
+                "a_fmt": str(self.a_fmt), "geometry": tuple(geometry), "act": self.act,
+                "pool": getattr(self, "pool", None), "has_residual": bool(self.has_residual),
+                "out_fmt": None if self.out_fmt is None else str(self.out_fmt), "out_layout": self.out_layout,
+                "in_channels_last": getattr(self, "in_channels_last", None)}
+
+    def set_extra_state(self, state) -> None:
+        """Refuse a state saved from a layer of another kind, precision, format, geometry or fusion: its codes
+        would load into buffers of the same shape and silently mean other numbers."""
+        if not isinstance(state, dict) or state.get("version") != 1:
+            raise ValueError(f"{type(self).__name__}: the state_dict's extra state is {state!r:.80}, not a tcprec "
+                             "quantized layer's (version 1); save it with state_dict() of a tcprec.quantize_model model")
+        mine = self.get_extra_state()
+        bad = [k for k in self._STATE_KEYS if _norm(state.get(k)) != _norm(mine[k])]
+        if bad:
+            diff = ", ".join(f"{k}: saved {state.get(k)!r}, this module {mine[k]!r}" for k in bad)
+            raise ValueError(f"cannot load a quantized layer's state into a different one ({diff}); build the target "
+                             f"with the same quantize_model config, calibration sign and device kind (chaining), or "
+                             f"torch.save / torch.load the whole model")
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        key = prefix + "_extra_state"
+        if key in state_dict:  # check before any buffer is overwritten: a refused load leaves the module as it was
+            self.set_extra_state(state_dict[key])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _apply(self, fn, recurse: bool = True):
+        """``.to(device)`` / ``.cuda()`` move every buffer; a float cast (``.half()``, ``.bfloat16()``, ``.float()``,
+        ``.to(dtype)``) sets the output dtype and keeps the scales and the epilogue in float32 (rounding them to
+        16 bits would change every result); ``.double()`` is refused."""
+        lo, hi = fn(torch.empty(0, dtype=torch.float16)), fn(torch.empty(0, dtype=torch.float64))
+        cast = lo.dtype if lo.dtype == hi.dtype else None  # a cast sends both probes to one dtype
+        if cast is not None and cast not in _OUT_DTYPES:
+            raise ValueError(f"{type(self).__name__} outputs one of {sorted(map(_short, _OUT_DTYPES))}, not {cast}: "
+                             "keep the quantized model in float32 (or .half() / .bfloat16()) and cast its output, "
+                             "e.g. model(x).double()")
+        for name, buf in self._buffers.items():
+            if buf is None:
+                continue
+            moved = fn(buf)
+            if buf.is_floating_point() and moved.dtype != buf.dtype:
+                moved = buf.to(device=moved.device)  # scales stay float32, on fn's device
+            self._buffers[name] = moved
+        if cast is not None:
+            self.out_dtype = cast
+        self.__dict__.pop("_packed", None)
         return self
 
     def chain_to(self, nxt: "QConv2d", layout: str = "planes") -> None:
@@ -196,6 +363,14 @@ class _QBase(nn.Module):
         return act if isinstance(act, str) or act is None else f"leaky({act[1]:g})"
 
 
+_OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _norm(v):
+    """Lists and tuples alike (a state that went through a serializer may turn one into the other)."""
+    return tuple(_norm(x) for x in v) if isinstance(v, (list, tuple)) else v
+
+
 def _short(dt: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dt, str(dt))
 
@@ -209,7 +384,8 @@ class QConv2d(_QBase):
 
     @classmethod
     def from_float(cls, conv: nn.Conv2d, precision, *, in_absmax: float, signed_input: bool, bn=None,
-                   act=None, pool=None, backend: str = "auto", out_dtype=None) -> "QConv2d":
+                   act=None, pool=None, backend: str = "auto", out_dtype=None,
+                   fixed: FixedQuant | None = None) -> "QConv2d":
         m = cls()
         prec = parse_precision(precision)
         if prec is None:
@@ -221,13 +397,20 @@ class QConv2d(_QBase):
                              f"padding_mode={conv.padding_mode!r}")
         if act is not None and not (act == "relu" or (isinstance(act, tuple) and act[0] == "leaky")):
             raise ValueError(f"act must be None, 'relu' or ('leaky', slope), got {act!r}")
-        m._init_common(prec, in_absmax, signed_input, out_dtype or conv.weight.dtype, backend, conv.weight.device)
+        m._init_common(prec, in_absmax, signed_input, out_dtype or conv.weight.dtype, backend, conv.weight.device,
+                       fixed)
         m.stride, m.padding, m.dilation = tuple(conv.stride), tuple(conv.padding), tuple(conv.dilation)
         m.in_channels, m.out_channels, m.kernel_size = conv.in_channels, conv.out_channels, tuple(conv.kernel_size)
         m.act, m.pool = act, pool
         w = conv.weight.detach().permute(0, 2, 3, 1).contiguous()  # (K, R, S, C): NHWC filters
-        m.weight = _prepare(_quantize_weight(w, m.w_fmt))
-        scale, bias = _fold_bn(conv.out_channels, conv.bias, bn, w.device)
+        if fixed is not None:
+            if fixed.weight.shape != tuple(w.shape):
+                raise ValueError(f"fixed weight codes have shape {fixed.weight.shape}, the conv's KRSC is {tuple(w.shape)}")
+            m.weight = fixed.weight  # buffers weight_codes (K, R, S, C), weight_scale (K, 1, 1, 1)
+            scale, bias = fixed.scale, fixed.bias
+        else:
+            m.weight = _quantize_weight(w, m.w_fmt)  # buffers weight_codes (K, R, S, C), weight_scale (K, 1, 1, 1)
+            scale, bias = _fold_bn(conv.out_channels, conv.bias, bn, w.device)
         m.register_buffer("ch_scale", scale)
         m.register_buffer("ch_bias", bias)
         return m
@@ -256,16 +439,23 @@ class QConv2d(_QBase):
         y = qc.conv2d(x, self.weight, stride=self.stride, padding=self.padding, dilation=self.dilation,
                       scale=self.ch_scale, bias=self.ch_bias, act=self.act, pool=self.pool,
                       out_dtype=self.out_dtype, out_fmt=self.out_fmt, out_scale=self.out_scale,
-                      out_layout=self.out_layout, backend=self.backend, residual=res)
-        return y.permute(0, 3, 1, 2) if isinstance(y, torch.Tensor) else y  # NCHW view, channels_last memory
+                      out_layout=self.out_layout, backend=self.backend, residual=res,
+                      fp8_fast_accum=self.fp8_fast_accum)
+        if not isinstance(y, torch.Tensor):
+            return y
+        y = y.permute(0, 3, 1, 2)  # NCHW view, channels_last memory
+        return y.contiguous() if self.contiguous_out else y
+
+    contiguous_out = False  # quantize_model sets it where it cannot see the readers (an untraced model)
 
     @property
     def reads_compact(self) -> bool:
         """Whether this conv takes bit-plane input in compact rows (no padding words): it gathers windows (im2col or
-        implicit GEMM) -- every conv but a 1x1 stride-1 unpadded one, whose planes are the GEMM operand as they are --
-        and ``ops.qconv.compact_planes_ok`` holds for its channels.  What its quantizer and a chained producer write."""
+        implicit GEMM, which takes compact rows only where ceil(C / 32) is even: ``ops.qconv.implicit_conv``) -- every
+        conv but a 1x1 stride-1 unpadded one, whose planes are the GEMM operand as they are.  What its quantizer and a
+        chained producer write."""
         pointwise = self.kernel_size == (1, 1) and self.stride == (1, 1) and self.padding == (0, 0)
-        return not pointwise and qc.compact_planes_ok(self.in_channels)
+        return not pointwise
 
     def _residual_nhwc(self, residual, x_nhwc: tuple) -> torch.Tensor:
         """The residual as NHWC (N, P, Q, K): the float an Int8Activation carries, or an NCHW tensor permuted
@@ -296,17 +486,25 @@ class QLinear(_QBase):
 
     @classmethod
     def from_float(cls, lin: nn.Linear, precision, *, in_absmax: float, signed_input: bool, act=None,
-                   backend: str = "auto", out_dtype=None) -> "QLinear":
+                   backend: str = "auto", out_dtype=None, fixed: FixedQuant | None = None) -> "QLinear":
         m = cls()
         prec = parse_precision(precision)
         if prec is None:
             raise ValueError("QLinear needs a quantized precision ('w1a2', 'int8', 'fp8', ...), got 'float'")
         if act not in (None, "relu"):
             raise ValueError(f"QLinear fuses act=None or 'relu', got {act!r}")
-        m._init_common(prec, in_absmax, signed_input, out_dtype or lin.weight.dtype, backend, lin.weight.device)
+        m._init_common(prec, in_absmax, signed_input, out_dtype or lin.weight.dtype, backend, lin.weight.device,
+                       fixed)
         m.in_features, m.out_features, m.act = lin.in_features, lin.out_features, act
         w = lin.weight.detach()[:, None, None, :]  # (N_out, 1, 1, K): a 1x1 conv over one pixel
-        m.weight = _prepare(_quantize_weight(w, m.w_fmt))
+        if fixed is not None:
+            if fixed.weight.shape != tuple(w.shape) or fixed.scale is not None:
+                raise ValueError(f"fixed weight codes of a linear are (N, 1, 1, K) = {tuple(w.shape)} with no epilogue "
+                                 f"scale, got {fixed.weight.shape} and scale={fixed.scale is not None}")
+            m.weight = fixed.weight
+            m.register_buffer("bias", None if fixed.bias is None else fixed.bias.detach().float())
+            return m
+        m.weight = _quantize_weight(w, m.w_fmt)  # buffers weight_codes (N_out, 1, 1, K), weight_scale
         m.register_buffer("bias", None if lin.bias is None else lin.bias.detach().float())
         return m
 
@@ -327,9 +525,10 @@ class QLinear(_QBase):
         K = self.in_features
         if not (isinstance(channels, int) and channels >= 1 and K % channels == 0):
             raise ValueError(f"channels must be a positive divisor of in_features={K}, got {channels!r}")
-        qw = self.weight.qw
-        codes = qw.codes.reshape(self.out_features, channels, K // channels).transpose(1, 2)
-        self.weight = _prepare(dataclasses.replace(qw, codes=codes.reshape(qw.codes.shape).contiguous()))
+        codes = self.weight_codes
+        codes = codes.reshape(self.out_features, channels, K // channels).transpose(1, 2)  # (N_out, HW, C)
+        self.weight_codes = codes.reshape(self.weight_codes.shape).contiguous()
+        self.__dict__.pop("_packed", None)
         self.in_channels_last = channels
 
     def forward(self, x) -> torch.Tensor:
@@ -345,7 +544,8 @@ class QLinear(_QBase):
         else:
             lead = x.shape[:-1]
             xa = _quantize_input(x.reshape(-1, 1, 1, self.in_features), self)  # (B, 1, 1, K) NHWC
-        y = qc.conv2d(xa, self.weight, bias=self.bias, act=self.act, out_dtype=self.out_dtype, backend=self.backend)
+        y = qc.conv2d(xa, self.weight, bias=self.bias, act=self.act, out_dtype=self.out_dtype, backend=self.backend,
+                      fp8_fast_accum=self.fp8_fast_accum)
         return y.reshape(*lead, self.out_features)
 
 
@@ -355,6 +555,8 @@ def flatten_nhwc(x):
     (a ``PackedActivation`` of shape (N, H, W, C), C % 32 == 0) the planes of the flattened rows (N, 1, 1, H * W * C):
     a view of compact rows (what the bit-serial epilogue writes).  ``quantize_model`` puts it between a conv and a
     ``QLinear`` whose weight it reordered the same way (``QLinear.nhwc_input``)."""
+    if isinstance(x, torch.fx.Proxy):  # re-traced when a pickled GraphModule is loaded: stay one graph node
+        return x.tracer.create_proxy("call_function", flatten_nhwc, (x,), {})
     if isinstance(x, qc.PackedActivation):
         N, H, W, C = x.shape
         K = H * W * C

@@ -1,6 +1,6 @@
 """2-D convolution backward in low precision: validate -> choose a backend (with a stated reason) -> launch.
 
-Layouts (NHWC everywhere; see ``kernels/reference_conv.py``):
+Layouts (NHWC everywhere; see ``kernels/conv_geometry.py``):
 
 * activations ``x`` / ``dx``: ``(N, H, W, C)``; output gradient ``dy``: ``(N, P, Q, K)``;
 * weights ``w`` / ``dw``: ``(K, R, S, C)`` -- ``nn.Conv2d``'s ``(K, C, R, S)`` as ``w.permute(0, 2, 3, 1)``.
@@ -29,7 +29,7 @@ Backends (``backend=``)
   writes all of dx: the rows at (n, p*sh, q*sw), the zeros around them, the activation backward) saves
   cuBLAS's round trip of the rows through memory.  16-bit wgrad of every layer but an unpadded stride-1
   1x1 runs the ``"tma"`` wgrad kernel on sm_90 (measured faster than the Triton implicit GEMM and than
-  cuBLAS after copying a strided slice: BENCHMARKS.md).  Everything else runs the Triton implicit-GEMM
+  cuBLAS after copying a strided slice: benchmarks/results/wgrad_tma_tune.json).  Everything else runs the Triton implicit-GEMM
   kernels.  Off CUDA: the reference.
 * ``"triton"``: the Triton kernels for every layer (on the CPU through ``TRITON_INTERPRET=1``).
 * ``"tma"``: dgrad -- ``kernels/triton/gemm_scatter.py``; unpadded 1x1 layers, K and C multiples of 8 (16
@@ -64,8 +64,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import reference_conv as rc
-from ..kernels.reference_conv import ConvGeometry, pair
+from ..enums import Backend, backend_names
+from ..kernels import reference_conv_bwd as rc
+from ..kernels.conv_geometry import ConvGeometry, pair
 from ..kernels.triton import choose_backend
 
 __all__ = [
@@ -83,7 +84,8 @@ __all__ = [
 ]
 
 PRECISIONS = ("fp16", "bf16", "fp8")
-BACKENDS = ("auto", "triton", "tma", "flat", "gemm", "fprop", "reference")
+BACKENDS = backend_names(Backend.AUTO, Backend.TRITON, Backend.TMA, Backend.FLAT, Backend.GEMM, Backend.FPROP,
+                         Backend.REFERENCE)
 _DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

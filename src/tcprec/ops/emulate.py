@@ -13,8 +13,9 @@ import torch
 
 from ..formats import FloatFormat, as_format
 from ..kernels import reference_emulate as ref_em
-from ..kernels.triton import choose_backend
-from .cast import cast, check_float_input, check_rounding
+from ..kernels.triton import choose_backend, triton_usable
+from .cast import cast
+from .codes import check_float_input, check_rounding
 
 __all__ = ["matmul", "explain_matmul", "MODES"]
 
@@ -35,6 +36,9 @@ def _check(a, b, acc_fmt, mode, chunk, kahan):
     check_float_input(b, "emulate.matmul")
     if b.dim() != 2 or a.dim() < 1 or a.shape[-1] != b.shape[0]:
         raise ValueError(f"emulate.matmul takes a (..., K) and b (K, N), got a {tuple(a.shape)} and b {tuple(b.shape)}")
+    if a.device != b.device:
+        raise ValueError(f"emulate.matmul needs a and b on one device, got a on {a.device} and b on {b.device}; "
+                         f"move one, e.g. b.to({str(a.device)!r})")
     if acc_fmt is None:
         raise TypeError("emulate.matmul needs acc_fmt=, the accumulator format (e.g. acc_fmt='e5m10')")
     acc_fmt = as_format(acc_fmt)
@@ -52,8 +56,6 @@ def _check(a, b, acc_fmt, mode, chunk, kahan):
 
 
 def _choose(a, acc_fmt, rounding, mode, chunk, backend) -> tuple[str, str]:
-    from ..kernels.triton import triton_usable
-
     name, why = choose_backend(a, backend, f"Triton emulated-accumulator GEMM ({mode} mode)")
     if name == "triton" or (backend == "auto" and triton_usable(a)[0]):
         try:
@@ -120,7 +122,7 @@ def matmul(
         b2 = cast(b2, b_fmt, rounding, generator)
     name, _ = _choose(a2, acc_fmt, rounding, mode, chunk, backend)
     if name == "triton":
-        from ..kernels.triton import emulate_gemm as tk
+        from ..kernels.triton import emulate_gemm as tk  # lazy: imports Triton, whose jit reads TRITON_INTERPRET
 
         if mode == "fma":
             a_eff = as_format(a_fmt) if a_fmt is not None else None

@@ -8,8 +8,8 @@ the scales, bias and ReLU follow in one fused float epilogue.
 Backends
 
 * ``"bitserial"`` -- the binary tensor-core kernel (``kernels/cuda/bmma_gemm.cu``): p*q binary
-  GEMMs with AND+popc over bit planes (APNN-TC).  Each binary MMA runs at 8x the INT8 rate on
-  Hopper (DESIGN.md section 1), so it wins while p*q < 8.
+  GEMMs with AND+popc over bit planes (APNN-TC).  Each binary MMA (AND+popc, k = 256 bits) runs at 8x
+  the INT8 rate on Hopper, so it wins while p*q < 8.
 * ``"int8"`` -- ``torch._int_mm`` on the INT8 tensor cores (cuBLAS), for p*q >= 8.  Every integer
   format of <= 8 bits fits int8 after an affine shift (uint8 and pm8 are stored as x - 128), whose
   correction terms are the same as pm1's (``kernels/reference_gemm.py``).
@@ -25,14 +25,15 @@ import math
 
 import torch
 
-from ..formats import IntFormat
+from ..enums import Backend, backend_names
+from ..formats import IntFormat, as_format
 from ..kernels import reference_gemm as rg
 from ..packing import pack_bitplanes, packed_words
 from ..qtensor import PerChannel, PerTensor, QTensor
 
 __all__ = ["matmul", "matmul_packed", "explain_matmul", "choose_matmul_backend", "choose_int_backend", "BACKENDS"]
 
-BACKENDS = ("auto", "bitserial", "int8", "reference")
+BACKENDS = backend_names(Backend.AUTO, Backend.BITSERIAL, Backend.INT8, Backend.REFERENCE)
 _OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32)
 _KIND = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.int32: "int32"}
 _INT32_LIMIT = 1 << 31
@@ -126,9 +127,9 @@ def _check_bias(bias, N: int, device) -> torch.Tensor | None:
 
 
 def _bitserial_usable(device: torch.device) -> tuple[bool, str]:
-    from ..kernels.cuda import loader
+    from ..kernels.cuda import bmma_gemm as bg
 
-    return loader.can_run(device)
+    return bg.can_run(device)
 
 
 def choose_matmul_backend(a: QTensor, w: QTensor, backend: str = "auto") -> tuple[str, str]:
@@ -186,10 +187,10 @@ def explain_matmul(a: QTensor, w: QTensor, *, backend: str = "auto") -> str:
     fa, fw, M, K, N = _check_operands(a, w)
     detail = ""
     if name == "bitserial":
-        from ..kernels.cuda import loader
+        from ..kernels.cuda import bmma_gemm as bg
 
         sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-        tile = loader.pick_tile(fa.bits, fw.bits, fa.encoding == "twos", fw.encoding == "twos", M, N, sms,
+        tile = bg.pick_tile(fa.bits, fw.bits, fa.encoding == "twos", fw.encoding == "twos", M, N, sms,
                                 kw=packed_words(K))
         detail = f"; tile {tile}"
     return f"{name}: {why}; M={M} N={N} K={K}{detail}"
@@ -248,11 +249,11 @@ def _reference_product(a: QTensor, w: QTensor, M: int, K: int, N: int, fa, fw) -
 def _bitserial(a: QTensor, w: QTensor, M, K, N, fa, fw, *, out_kind, row_scale=None, col_scale=None, bias=None,
                relu=False, out_fmt: IntFormat | None = None, out_scale=None, tile: str = "", leaky_slope: float = 0.0):
     # leaky_slope (with relu=True): y < 0 -> leaky_slope * y in the fused epilogue (LeakyReLU); 0 is ReLU
-    from ..kernels.cuda import loader  # (registers torch.ops.tcprec.bmma_gemm)
+    from ..kernels.cuda import bmma_gemm as bg  # (registers torch.ops.tcprec.bmma_gemm)
 
     a_planes, w_planes = _planes(a, M, K), _planes(w, N, K)
     ss, row_term, col_term = _terms32(a_planes, w_planes, K, fa, fw)
-    return loader.gemm_entry()(
+    return bg.gemm_entry()(
         a_planes, w_planes, fa.encoding == "twos", fw.encoding == "twos", ss, row_term, col_term,
         row_scale, col_scale, bias, bool(relu), out_kind,
         out_fmt.bits if out_fmt is not None else 1, out_fmt.encoding if out_fmt is not None else "unsigned",
@@ -318,8 +319,6 @@ def matmul_packed(a: QTensor, w: QTensor, out_fmt, out_scale, *, bias: torch.Ten
 
     ``out_scale``: a positive float or a one-element float tensor (per-tensor scale of the output).
     """
-    from ..formats import as_format
-
     out_fmt = as_format(out_fmt)
     if not isinstance(out_fmt, IntFormat):
         raise TypeError(f"out_fmt must be an integer format (the next layer's activations), got {out_fmt}")

@@ -27,7 +27,7 @@ Backends (one rule with ``tcprec.matmul``: bit-serial while p*q < 8, INT8 otherw
   tensor-core GEMM (``torch.ops.tcprec.bmma_gemm``) with the true K = R*S*C in its corrections and
   its fused epilogue (scale, bias, ReLU / LeakyReLU, the output dtype or the packed next-layer
   planes).  A 1x1 stride-1 unpadded convolution needs no im2col: the input planes are the operand.
-  Where it measured faster (:data:`BITSERIAL_IMPLICIT`, "auto": taps without padding words, and at most two
+  Where it measured faster (:func:`implicit_conv`: taps without padding words, and at most two
   column tiles when the GEMM runs the large wgmma tiles) it is an implicit GEMM instead (``bmma_gemm`` with
   ``conv=``): the kernel gathers each window from the packed input planes as it loads (per tap the ceil(C/32)
   words rounded up to an even number, zeros in the padding; any kernel size, stride, padding and dilation), and
@@ -55,7 +55,7 @@ Backends (one rule with ``tcprec.matmul``: bit-serial while p*q < 8, INT8 otherw
   and w's per-channel scales folded into the fused epilogue's column scale.  ``fp8_fast_accum=True``
   (the default) keeps Hopper's narrow fp8 accumulator over the whole reduction.  An e4m3 / e5m2 ``out_fmt`` (FP8
   layers handing each other codes): the epilogue writes the float8 codes itself when there is no pooling
-  (``conv_fwd`` OUT_MODE 4), else one Triton pass max-pools and quantizes the float32 output
+  (``conv_fwd`` OUT_FP8), else one Triton pass max-pools and quantizes the float32 output
   (``fp8_quant.pool_quantize_fp8``); both give :func:`quantize_fp8_static`'s codes bit for bit.
 * ``"reference"``: ``F.conv2d`` on the decoded codes (fp8: the decoded values) in float64 (exact), any
   device; the default off CUDA and the ground truth of the tests.
@@ -74,7 +74,7 @@ epilogues (``reference``, the INT8 im2col route).  ``out_layout="int8+float"``
 block output feeding both the next residual add and the next INT8 convs, from one pass.  With a residual,
 ``out_layout="int8"`` quantizes the sum rounded to ``out_dtype`` as well.  ``out_layout="fp8+float"`` (e4m3 / e5m2
 ``out_fmt``): the FP8 twin, an :class:`Fp8Activation` (the float8 ``QTensor`` of the next FP8 convs and the float
-``hp``; ``conv_fwd`` OUT_MODE 5 on the INT8 and FP8 kernels).  ``out_layout="planes+float"`` (integer ``out_fmt``
+``hp``; ``conv_fwd`` OUT_DUAL_FP8 on the INT8 and FP8 kernels).  ``out_layout="planes+float"`` (integer ``out_fmt``
 of <= 3 bits, float16 / bfloat16 ``out_dtype``): the bit-serial twin, a :class:`PackedActivation` (compact planes of
 the stored float's codes, for the next bit-serial convs) with ``hp`` (the float, for the next block's add), from one
 epilogue (``bmma_gemm.cu`` TCP_DUAL; the ``reference`` backend writes the same codes).
@@ -93,14 +93,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..enums import Backend, backend_names
 from ..formats import FloatFormat, IntFormat, as_format
+from ..kernels import reference_conv_bitserial as rq
 from ..kernels import reference_gemm as rg
-from ..kernels import reference_qconv as rq
-from ..kernels.reference_conv import ConvGeometry, pair
-from ..packing import pack_bitplanes, packed_words, unpack_bitplanes
+from ..kernels.conv_geometry import ConvGeometry, pair
+from ..kernels.reference_conv_int8_fp8 import conv_acc, parse_act
 from ..memo import memo_get, memo_put, remembered
+from ..packing import pack_bitplanes, packed_words, unpack_bitplanes
 from ..qtensor import PerChannel, PerTensor, QTensor
-from .matmul import BACKENDS, choose_int_backend
+from .codes import decode
+from .matmul import BACKENDS, choose_int_backend, matmul
+from .quantize import _check_static, _qp_params, _static_codes, quantize
 
 __all__ = [
     "PackedActivation",
@@ -119,7 +123,7 @@ __all__ = [
 ]
 
 POOLS = (None, ("max", 2, 2), ("avg", 2, 2), ("max", 2, 1))
-BACKENDS = BACKENDS + ("fp8",)  # matmul's, and the float8 tensor cores
+BACKENDS = BACKENDS + backend_names(Backend.FP8)  # matmul's, and the float8 tensor cores
 _OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32)
 _KIND = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _INT32_LIMIT = 1 << 31
@@ -145,7 +149,7 @@ def _interpreting() -> bool:
 
 # Scale tensors already checked: checking a CUDA scale reads it back (a host sync), and an eager forward of a
 # quantized network passes the same calibrated scale buffers on every call -- 35 syncs an eager ResNet-18 forward
-# (session 16 profile).  An in-place change bumps the version, so a changed scale is checked again.
+# (H200 profile).  An in-place change bumps the version, so a changed scale is checked again.
 _CHECKED_SCALES: dict = {}
 
 
@@ -246,8 +250,6 @@ class PackedActivation:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Float NHWC ``(N, H, W, C)``: ``decode(codes) * scale``."""
-        from .cast import decode
-
         return (decode(self.codes(), self.fmt) * self.scale.reshape(())).to(dtype)
 
     def to_qtensor(self) -> QTensor:
@@ -262,8 +264,6 @@ def pack_activation(x: torch.Tensor, fmt, scale) -> PackedActivation:
     >>> pack_activation(torch.ones(1, 1, 1, 2), "uint2", 1.0).dequantize().flatten().tolist()
     [1.0, 1.0]
     """
-    from .quantize import quantize
-
     if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dim() != 4:
         got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"x must be a float NHWC tensor (N, H, W, C), got {got}; an NCHW tensor is x.permute(0, 2, 3, 1)")
@@ -420,8 +420,6 @@ def quantize_int8_static(x: torch.Tensor, fmt, scale: torch.Tensor, pool=None, *
     sync (capturable).  On CUDA (and under ``TRITON_INTERPRET=1``) one Triton pass
     (``kernels/triton/quant_bytes.py``); elsewhere torch ops.  ``pool``: None, ("max", 2, 2), ("max", 2, 1)
     in the same pass, ("avg", 2, 2) as a torch pass first.  ``backend="reference"``: torch ops everywhere."""
-    from .quantize import _check_static, _qp_params, _static_codes
-
     fmt = _check_static(x, fmt, scale, "quantize_int8_static")
     if x.dim() != 4:
         raise ValueError(f"x must be a float NHWC tensor (N, H, W, C), got shape {tuple(x.shape)}")
@@ -447,7 +445,7 @@ class PackedConvWeight:
     * bit-serial (integer formats): ``planes`` int32 ``(q, K, Kw_col)`` in the im2col word layout (each
       tap padded to a whole number of words), ``rowsum`` int32 ``(K,)`` = sum of the weighted codes of
       each filter (the correction term when the activations are pm1), and ``conv_planes``, the same weights in
-      the implicit-GEMM layout (each tap padded to an even number of words: ``reference_qconv.conv_tap_words``;
+      the implicit-GEMM layout (each tap padded to an even number of words: ``reference_conv_bitserial.conv_tap_words``;
       ``planes`` itself where that is already so);
     * INT8 / FP8 kernels: ``w8`` ``(K, R, S, C)`` contiguous, int8 with ``value = w_off + w_step * w8``
       (integer formats) or the float8 view of the codes (``e4m3`` / ``e5m2``: ``w_off = 0, w_step = 1``);
@@ -510,12 +508,13 @@ def pack_conv_weight(w: QTensor) -> PackedConvWeight:
     f8 = _fp8_dtype(w.fmt)
     if f8 is not None:
         return PackedConvWeight(w, None, w_scale, None, w.codes.contiguous().view(f8))  # (K, R, S, C) float8
-    planes = rq.pack_weight_planes(w.codes, w.fmt.bits)  # (q, K, Kw_col)
+    planes = pack_bitplanes(rq.weight_tap_codes(w.codes), w.fmt.bits, validate=False)  # (q, K, Kw_col)
     rowsum = rg.weighted_rowsums(planes, w.fmt).to(torch.int32)  # (K,): the pm1-activation correction (cheap)
     w8, w_off, w_step = _int8_codes(w.codes, w.fmt)  # (K, R, S, C) int8
     C = w.shape[3]
     cwt = rq.conv_tap_words(C)
-    conv_planes = planes if cwt == -(-C // 32) else rq.pack_weight_planes(w.codes, w.fmt.bits, tap_words=cwt)
+    conv_planes = planes if cwt == -(-C // 32) else pack_bitplanes(rq.weight_tap_codes(w.codes, cwt), w.fmt.bits,
+                                                                        validate=False)
     return PackedConvWeight(w, planes, w_scale, rowsum, w8, w_off, w_step, conv_planes=conv_planes)
 
 
@@ -910,7 +909,7 @@ def _int8_route(fa: IntFormat, fw: IntFormat, dev: torch.device) -> tuple[str, s
 
 # Column scales already multiplied out (x_scale * w_scale[k] * scale[k]).  A quantized network passes the same
 # calibrated buffers on every call, and the two multiplies were two kernel launches a layer: ~2 us each in a batch-8
-# CUDA graph, about a sixth of ResNet-18's w1a2 forward (session 20 profile).  A memo like _CHECKED_SCALES (tcprec.memo),
+# CUDA graph, about a sixth of ResNet-18's w1a2 forward (H200 profile).  A memo like _CHECKED_SCALES (tcprec.memo),
 # so an in-place change of a buffer computes it again.  Not stored while a graph is being captured (the values would
 # exist only after a replay), nor for tensors that need grad or under torch.compile.
 _COL_SCALES: dict = {}
@@ -944,8 +943,6 @@ def _int_product(plan: _Plan, xs: _X, qw: QTensor) -> torch.Tensor:
     g = plan.g
     if plan.name == "reference":
         return rq.conv2d_int(xs.codes(), plan.fa, qw.codes, plan.fw, g).reshape(-1, g.K)
-    from .matmul import matmul
-
     cols = _im2col_codes(xs.codes(), g)  # (M, RSC) uint8
     M, Kt = cols.shape
     one = torch.ones((1, 1), dtype=torch.float32, device=cols.device)
@@ -969,8 +966,6 @@ def _planes_out(plan: _Plan) -> bool:
     ->) quantize -> pack, ``conv_fwd.PlanesOut``): an 8-bit stem in front of binary layers.  Other pools (and a
     pool behind a negative LeakyReLU slope: the kernel pools accumulators), and the FP8 kernel, write float32 for the
     one-pass quantizer."""
-    from ..kernels.reference_conv_fwd import parse_act
-
     return (plan.name == "int8" and plan.route == "kernel" and isinstance(plan.out_fmt, IntFormat)
             and plan.out_layout in _PLANE_LAYOUTS
             and (plan.pool is None or (tuple(plan.pool) == ("max", 2, 2) and parse_act(plan.act)[1] >= 0)))
@@ -1039,7 +1034,7 @@ def _int8_correction(pw: PackedConvWeight, g: ConvGeometry, off: int, padded: bo
 # (N, P, Q, Kp), Kp = R*S*C rounded up to 32 (zeros in the padding and the tail), and the same kernel runs
 # it as a 1x1 convolution in TAP mode (contiguous reduction blocks, the fused epilogue unchanged).
 # The sums are the same integers (exact); the cost is the gather pass and Kp / (R*S*C) more MMA work.
-# Rounding to 32 instead of 64 bytes (session 16, H100, same process, graph replay at batch 256, outputs equal):
+# Rounding to 32 instead of 64 bytes (H100, same process, graph replay at batch 256, outputs equal):
 # YOLOv2-tiny (27 -> 32 instead of 64: 44M rows) int8 9.32 -> 8.48 ms, fp8 12.53 -> 11.69 ms; VGG -2%; others level.
 THIN_C = 16
 _STEM_KP = 32
@@ -1101,16 +1096,13 @@ def _out_spec(plan: _Plan, s_out):
         return (kind, s_out), None
     if kind == "planes":
         from ..kernels.triton.conv_fwd import PlanesOut
-        from .quantize import _qp_params
 
         return PlanesOut(s_out, plan.out_fmt.bits, *_qp_params(plan.out_fmt), pool=2 if plan.pool else 0,
                          compact=plan.out_layout == "compact"), None
     if kind not in ("int8", "dual"):
         return kind, None
-    if isinstance(plan.out_fmt, FloatFormat):  # the float and the next FP8 layers' codes (OUT_MODE 5)
+    if isinstance(plan.out_fmt, FloatFormat):  # the float and the next FP8 layers' codes (OUT_DUAL_FP8)
         return _KIND[plan.out_dtype], (_FP8_KIND[_fp8_dtype(plan.out_fmt)], s_out)
-    from .quantize import _qp_params
-
     lo, hi, _, _ = _qp_params(plan.out_fmt)
     codes = ("int8", s_out, (lo, hi, _int8_affine(plan.out_fmt)[0]))
     return (codes, None) if kind == "int8" else (_KIND[plan.out_dtype], codes)
@@ -1118,9 +1110,8 @@ def _out_spec(plan: _Plan, s_out):
 
 # Thin stems that write bit planes (VGG / AlexNet / YOLOv2-tiny in front of binary layers) run the CUDA kernel
 # kernels/cuda/stem_conv.cu on sm_90: it reads the int8 image once into shared memory a tile and fuses the pool,
-# quantize and pack, with no window gather pass (VGG's stem at batch 256 on an H200: see BENCHMARKS, issue 4).  The
-# same integers and epilogue as the Triton route (tests/gpu/test_stem_conv_gpu.py compares the planes bit for bit).
-STEM_CUDA = True
+# quantize and pack, with no window gather pass (VGG's stem at batch 256 on an H200: docs/decisions/0004).  The
+# same integers and epilogue as the reference (tests/gpu/test_stem_conv_gpu.py compares them bit for bit).
 
 
 def _stem_pad(plan: _Plan) -> int | None:
@@ -1157,12 +1148,12 @@ def _stem_cuda(plan: _Plan, device: torch.device) -> bool:
 
     g = plan.g
     out = _stem_out(plan) if plan.name == "int8" and plan.route == "kernel" else None
-    if not (STEM_CUDA and out and device.type == "cuda" and _thin_stem(g) and g.C <= sc.MAX_C
+    if not (out and device.type == "cuda" and _thin_stem(g) and g.C <= sc.MAX_C
             and _stem_pad(plan) is not None):
         return False
-    from ..kernels.cuda import loader
+    from ..kernels.cuda import runtime  # lazy: CUDA kernel module
 
-    if not loader.can_run(device)[0] or torch.cuda.get_device_capability(device) < (9, 0):
+    if not runtime.usable(device)[0] or torch.cuda.get_device_capability(device) < (9, 0):
         return False
     PO, QO = (g.P // 2, g.Q // 2) if plan.pool else (g.P, g.Q)
     try:
@@ -1245,8 +1236,6 @@ def _fp8_kernel(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, fast_accum
 
 def _fp8_reference(plan: _Plan, xs: _X, qw: QTensor) -> torch.Tensor:
     """float64 (M, K): F.conv2d on the decoded fp8 values (every product and partial sum exact)."""
-    from ..kernels.reference_conv_fwd import conv_acc
-
     g = plan.g
     x = xs.codes().contiguous().view(_fp8_dtype(plan.fa))
     w = qw.codes.contiguous().view(_fp8_dtype(plan.fw))
@@ -1281,7 +1270,7 @@ def _bitserial(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, out_scale, 
         a_planes = planes  # the input planes are the GEMM operand (Kw_col = packed_words(C)); row sums in the kernel
         extra["row_affine"] = row_affine
     else:
-        a_planes, row_term = im2col_bits(planes, g, twos=fa.encoding == "twos", store=True, rowsum=need_row,
+        a_planes, row_term = im2col_bits(planes, g, twos=fa.encoding == "twos", rowsum=need_row,
                                          row_mul=row_mul, row_add=row_add)  # (p, M, Kw_col), (M,)
     col_term = (oa * sw * pw.rowsum).contiguous() if oa != 0 else None  # (K,) int32
     kind, relu, slope, ofmt = _bitserial_kind(plan)
@@ -1302,19 +1291,9 @@ def _bitserial(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, out_scale, 
 
 
 # The implicit-GEMM route of the bit-serial convolution (bmma_gemm with conv=): bit-exact against the reference
-# (tests/gpu/test_conv_implicit_gpu.py), and per layer faster or slower than the explicit im2col route.  Measured
-# (H200, w1a2 networks, one process, per-layer GPU time of each route: benchmarks/bench_net_routes_device.py ->
-# benchmarks/results/net_routes.json).  Session 18, with the pm1 row sums from two Triton passes: it won where no tap
-# is padded and the output has at most two column tiles (VGG 256 -> 256 @ 56 at batch 256 885 -> 766 us), lost
-# where N >= 384 makes every column tile of the large wgmma tiles gather the windows again (VGG 512 @ 28 400 -> 503:
-# the producer's cp.async gather feeds the tensor cores slower than TMA boxes of im2col'd rows), and at batch 8 its
-# two row-sum launches cost more than the im2col launch they replace.  Session 22, with the row sums on the tensor
-# cores (one launch): at batch 8 it wins on every layer of unpadded taps that runs the small mma.sync tiles
-# (ResNet-18 w1a2 0.341 -> 0.285 ms with it everywhere), still loses on the large tiles with > 2 column tiles (VGG
-# 512 @ 28, batch 8 and 256), and with taps of 2 words gathered by 8-byte copies C = 64 needs no padding words.
-# "auto": taps without padding words (cwt == ceil(C / 32)), and at most two column tiles wherever the GEMM runs the
-# large wgmma tiles (as many as the SMs); True wherever the layout allows, False never.
-BITSERIAL_IMPLICIT: bool | str = "auto"
+# (tests/gpu/test_conv_implicit_gpu.py), and per layer faster or slower than the explicit im2col route; the rule of
+# implicit_conv is where it measured faster (docs/decisions/0008: taps without padding words, at most two column tiles
+# of the large wgmma tiles).
 
 
 def implicit_conv(g: ConvGeometry, kin: int, p: int = 2, q: int = 1, a_twos: bool = False,
@@ -1322,18 +1301,16 @@ def implicit_conv(g: ConvGeometry, kin: int, p: int = 2, q: int = 1, a_twos: boo
     """Whether a bit-serial convolution over input planes with ``kin``-word rows runs as an implicit GEMM
     (``bmma_gemm`` with ``conv``: no im2col buffer), for p-bit activations and q-bit weights.  Never a 1x1
     stride-1 one (its planes are the operand as they are); only rows that hold whole 8-byte taps (``kin`` even, at
-    least the tap's words) -- padded planes always do, compact ones when ceil(C / 32) is even.  Then per
-    :data:`BITSERIAL_IMPLICIT`: True always, False never, "auto" where it measured faster -- taps without padding
-    words (ceil(C / 32) even), and where the GEMM runs the wgmma tile (``loader.wgmma_tile``: when it gives the
-    ``sm_count`` SMs a tile each) at most two column tiles of it; none on this format pair: no."""
-    if BITSERIAL_IMPLICIT is False or g.is_pointwise:
+    least the tap's words) -- padded planes always do, compact ones when ceil(C / 32) is even.  Then where it
+    measured faster: taps without padding words (ceil(C / 32) even), and where the GEMM runs the wgmma tile
+    (``bmma_gemm.wgmma_tile``: when it gives the ``sm_count`` SMs a tile each) at most two column tiles of it; none on
+    this format pair: no."""
+    if g.is_pointwise:
         return False
     cwt = rq.conv_tap_words(g.C)
     if not rq.implicit_conv_fits(kin, cwt, g.H, g.W, *g.padding):
         return False
-    if BITSERIAL_IMPLICIT is True:
-        return True
-    from ..kernels.cuda.loader import wgmma_tile
+    from ..kernels.cuda.bmma_gemm import wgmma_tile
 
     t = wgmma_tile(p, q, a_twos, w_twos, N=g.K)
     if cwt != -(-g.C // 32) or t is None:
@@ -1345,21 +1322,13 @@ def implicit_conv(g: ConvGeometry, kin: int, p: int = 2, q: int = 1, a_twos: boo
 def _implicit_route(plan: _Plan, kin: int, device: torch.device) -> bool:
     """:func:`implicit_conv` for a plan's formats on ``device`` (its SM count; off CUDA, 132 as on an H100 / H200)."""
     if device.type == "cuda":
-        from ..kernels.cuda.loader import _sm_count
+        from ..kernels.cuda import runtime  # lazy: CUDA kernel module
 
-        sms = _sm_count(device)[0]
+        sms = runtime.sm_count(device)[0]
     else:
         sms = 132  # the reference GEMM / interpreter decide as on the GPUs the rule was measured on
     return implicit_conv(plan.g, kin, plan.fa.bits, plan.fw.bits, plan.fa.encoding == "twos",
                          plan.fw.encoding == "twos", sms)
-
-
-def compact_planes_ok(C: int) -> bool:
-    """Whether a convolution's input of C channels is packed compact (rows of ceil(C / 32) words, without the
-    padding to 512 bits): always for the im2col route, and for "auto" (it takes the implicit GEMM only where
-    ceil(C / 32) is even, which compact rows hold); with :data:`BITSERIAL_IMPLICIT` True only where the implicit
-    GEMM can still gather them (ceil(C / 32) even, :func:`implicit_conv`)."""
-    return BITSERIAL_IMPLICIT is not True or (-(-C // 32)) % 2 == 0
 
 
 def _bitserial_kind(plan: _Plan):
@@ -1446,7 +1415,6 @@ def _finish_float(plan: _Plan, y: torch.Tensor, out_scale, act_done: bool, resid
         return quantize_int8_static(y4, fmt, s, plan.pool, backend=how)
     if _fused_pack(plan, y.device):
         from ..kernels.triton import pack as tpack  # TRITON_INTERPRET is read at import
-        from .quantize import _qp_params
 
         if plan.pool is None:
             planes = tpack.quantize_pack(y4.reshape(-1, g.K), s, fmt.bits, *_qp_params(fmt))
@@ -1462,7 +1430,7 @@ def _finish_float(plan: _Plan, y: torch.Tensor, out_scale, act_done: bool, resid
     if isinstance(plan.out_fmt, FloatFormat):
         return quantize_fp8_static(y, out_scale, plan.out_fmt)  # (N, P', Q', K) float8 codes
     if plan.out_fmt is not None:
-        return _packed_result(rq.requant_pack(y, plan.out_fmt, out_scale), plan, out_scale, y.shape)
+        return _packed_result(_requant_pack(y, plan.out_fmt, out_scale), plan, out_scale, y.shape)
     return y.to(plan.out_dtype)
 
 
@@ -1474,12 +1442,17 @@ def _with_planes(plan: _Plan, y_hp: torch.Tensor, s: torch.Tensor, planes: torch
     fmt = plan.out_fmt
     if planes is None and plan.name != "reference" and (y_hp.is_cuda or _interpreting()):
         from ..kernels.triton import pack as tpack  # TRITON_INTERPRET is read at import
-        from .quantize import _qp_params
 
         planes = tpack.quantize_pack(y_hp.reshape(-1, y_hp.shape[-1]), s, fmt.bits, *_qp_params(fmt), compact=True)
     elif planes is None:
-        planes = rq.requant_pack(y_hp.to(torch.float32), fmt, s)
+        planes = _requant_pack(y_hp.to(torch.float32), fmt, s)
     return PackedActivation(planes, fmt, s, tuple(y_hp.shape), hp=y_hp)
+
+
+def _requant_pack(y: torch.Tensor, fmt: IntFormat, out_scale: torch.Tensor) -> torch.Tensor:
+    """``rq.requant_codes`` packed by ``pack_bitplanes`` (the Triton kernel on CUDA): planes
+    ``(bits, prod(...), packed_words(K))``, no host sync."""
+    return pack_bitplanes(rq.requant_codes(y, fmt, out_scale), fmt.bits, validate=False)
 
 
 def _pooled_shape(g: ConvGeometry, pool) -> tuple:
@@ -1514,11 +1487,11 @@ def _conv2d_impl(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None
 
     if plan.name == "bitserial":
         if _gemm is None:
-            from ..kernels.cuda import loader  # (registers torch.ops.tcprec.bmma_gemm)
+            from ..kernels.cuda import bmma_gemm as bg  # (registers torch.ops.tcprec.bmma_gemm)
 
             # pdl=False: the GEMM follows its own im2col / quantize pass, which never triggers a programmatic launch,
-            # and with it whole networks ran 1-1.5% slower (loader._pdl)
-            _gemm = functools.partial(loader.gemm_entry(), pdl=False)
+            # and with it whole networks ran 1-1.5% slower (measured: bmma_gemm.launch_bmma)
+            _gemm = functools.partial(bg.gemm_entry(), pdl=False)
         pw = pw if pw is not None else pack_conv_weight(qw)
         res = _bitserial(plan, xs, pw, col, bias, s_out, _gemm, residual)
         if plan.dual:  # the float output and its compact planes
@@ -1677,7 +1650,7 @@ def explain_conv2d(x, w, **kw) -> str:
             steps = ["no im2col (1x1 stride 1: the input planes are the operand"
                      + ("; the pm1 weights' row correction from their row sums on the tensor cores, in the GEMM)"
                         if rg.affine(plan.fw)[0] != 0 else ")")]
-        elif _implicit_route(plan, Cw if compact_planes_ok(g.C) else -(-Cw // 16) * 16, xs.device):
+        elif _implicit_route(plan, Cw, xs.device):
             steps = [f"implicit GEMM: the kernel gathers {g.R * g.S} taps x {cwt} words a pixel from the packed planes "
                      f"({plan.fa.bits} planes; padded rows, or compact ones when ceil(C / 32) = {Cw} is even)"]
             if rg.affine(plan.fw)[0] != 0:

@@ -24,7 +24,7 @@ import torch
 
 from ..formats import IntFormat
 from ..kernels import reference_conv_grouped as rg
-from ..kernels.reference_qconv import decode_values
+from ..kernels.reference_conv_bitserial import decode_values
 from ..qtensor import QTensor
 
 __all__ = ["grouped_conv2d", "choose_grouped_backend", "GROUPED_BACKENDS"]

@@ -39,8 +39,10 @@ import math
 import torch
 
 from ..formats import BlockFormat, FloatFormat, IntFormat, as_format
+from ..kernels.reference_bitplanes import pack_bitplanes_reference
+from ..kernels.triton import choose_backend
 from ..qtensor import Granularity, PerGroup, PerTensor, QTensor, check_granularity, group_view, scale_view
-from .cast import check_float_input, check_rounding, encode
+from .codes import check_float_input, check_rounding, encode
 
 __all__ = ["quantize", "absmax_qmax", "quantize_pack", "quantize_static"]
 
@@ -139,6 +141,9 @@ def _given_scale(scale, g: Granularity, shape, device, *, pow2: bool = False) ->
     if isinstance(scale, torch.Tensor):
         if scale.dtype.is_complex or not (scale.dtype.is_floating_point or scale.dtype in (torch.int32, torch.int64)):
             raise TypeError(f"scale must be a float or a real tensor, got dtype={scale.dtype}")
+        if scale.device != device and not (scale.device.type == "cpu" and scale.numel() == 1):
+            raise ValueError(f"scale is on {scale.device} but x is on {device}; put the scale on x's device "
+                             f"(scale.to({str(device)!r})) -- only a one-element CPU scale (a number) may differ")
         s = scale.to(device=device, dtype=torch.float32)
     elif isinstance(scale, (int, float)) and not isinstance(scale, bool):
         s = torch.tensor(float(scale), dtype=torch.float32, device=device)
@@ -324,15 +329,11 @@ def quantize_pack(x: torch.Tensor, fmt, scale: torch.Tensor, *, backend: str = "
     [10, 12]
     """
     fmt = _check_static(x, fmt, scale, "quantize_pack")
-    from ..kernels.triton import choose_backend
-
     name, _ = choose_backend(x, backend, "Triton quantize+pack kernel")
     if name == "reference":
-        from ..packing import pack_bitplanes_reference
-
         planes = pack_bitplanes_reference(_static_codes(x, fmt, scale), fmt.bits)
         return planes[..., : -(-x.shape[-1] // 32)].contiguous() if compact else planes
-    from ..kernels.triton import pack as tpack  # imported here: TRITON_INTERPRET is read at import
+    from ..kernels.triton import pack as tpack  # lazy: imports Triton, whose jit reads TRITON_INTERPRET
 
     lead, K = tuple(x.shape[:-1]), x.shape[-1]
     rows = x.reshape(-1, K)  # (R, K): a view when the leading dims collapse

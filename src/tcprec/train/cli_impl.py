@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..data.fashion_mnist import load_fashion_mnist
 from ..distributed.lowp import check_aps_format
 from ..distributed.nodes import EmulatedNodes
 from .models import MODELS
@@ -36,8 +37,6 @@ def _synthetic(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 def load_data(data: str, data_path=None, limit_train=None, limit_test=None, seed=0):
     """(x_train, y_train, x_test, y_test) as normalised float (N, 1, 28, 28) and int64 labels."""
     if data == "fashion-mnist":
-        from ..data.fashion_mnist import load_fashion_mnist
-
         xtr, ytr = load_fashion_mnist(data_path, "train")
         xte, yte = load_fashion_mnist(data_path, "test")
     elif data == "synthetic":

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["resnet18", "tiny_cnn", "MODELS"]
+__all__ = ["resnet18", "vgg", "tiny_cnn", "MODELS"]
 
 
 class _Block(nn.Module):
@@ -47,9 +47,34 @@ def resnet18(num_classes=10, in_channels=1, width=64) -> nn.Module:
     return ResNet18(in_channels, num_classes, width)
 
 
+class VGG28(nn.Module):
+    """APNN-TC's VGG-variant (the BNN papers' CIFAR VGG: 2x128C3-MP2-2x256C3-MP2-2x512C3-MP2-2x1024FC) for 28x28
+    inputs: the maps go 28 -> 14 -> 7 -> 3, the classifier reads 512 * 3 * 3 = 4608 features."""
+
+    def __init__(self, in_channels=1, num_classes=10, width=128):
+        super().__init__()
+        layers, cin = [], in_channels
+        for i, cout in enumerate((width, width, 2 * width, 2 * width, 4 * width, 4 * width)):
+            layers += [nn.Conv2d(cin, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
+            if i % 2:
+                layers.append(nn.MaxPool2d(2, 2))
+            cin = cout
+        self.features = nn.Sequential(*layers)
+        self.classifier = nn.Sequential(nn.Linear(cin * 3 * 3, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                                        nn.Linear(1024, num_classes))
+
+    def forward(self, x):
+        return self.classifier(torch.flatten(self.features(x), 1))
+
+
+def vgg(num_classes=10, in_channels=1, width=128) -> nn.Module:
+    """APNN-TC's VGG-variant for 28x28 inputs (VGG28)."""
+    return VGG28(in_channels, num_classes, width)
+
+
 def tiny_cnn(num_classes=10, in_channels=1) -> nn.Module:
     """Conv (stride 2) + Linear on the 14x14 feature map: trains in seconds on a CPU (smoke tests)."""
     return nn.Sequential(nn.Conv2d(in_channels, 4, 3, 2, 1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 14 * 14, num_classes))
 
 
-MODELS = {"resnet18": resnet18, "tiny_cnn": tiny_cnn}
+MODELS = {"resnet18": resnet18, "vgg": vgg, "tiny_cnn": tiny_cnn}

@@ -1,8 +1,13 @@
-"""Bit-serial integer GEMM on the binary tensor cores: one CUDA C++ source (``bmma_gemm.cu``,
-inline PTX ``mma.sync ... b1.b1.s32.and.popc``) compiled at run time by NVRTC through cuda.core.
+"""CUDA kernels compiled at run time by NVRTC through cuda.core (no GPU needed to compile).
 
-``loader`` builds / caches / launches the variants and registers ``torch.ops.tcprec.bmma_gemm``;
-it is imported on first use (``tcprec.ops.matmul``), never at ``import tcprec``.  ``panel_lu``
-(``panel_lu.cu``, built by the same ``loader.compile_source``) is tcprec.linalg's tournament-pivoting
-LU leaf.
+``runtime`` is the generic part: build a ``.cu`` file with ``-D`` defines, cache the cubin on disk,
+load a kernel once per device, launch it on PyTorch's current stream.  Each kernel module uses only
+its public API and registers nothing but its own op:
+
+* ``bmma_gemm`` (``bmma_gemm.cu``, inline PTX ``mma.sync ... b1.b1.s32.and.popc`` / ``wgmma``): the
+  bit-serial integer GEMM on the binary tensor cores, its variants and tile choices
+  (``bmma_gemm_tiles.json``); importing it registers ``torch.ops.tcprec.bmma_gemm``.
+* ``stem_conv`` (``stem_conv.cu``): the thin-input INT8 stem convolution with the bit-plane epilogue.
+
+They are imported on first use (``tcprec.ops.matmul``, ``tcprec.ops.qconv``), never at ``import tcprec``.
 """

@@ -16,8 +16,8 @@
 // Two tensor-core paths, chosen at compile time (TCP_WGMMA), both AND+popc only:
 //   0  mma.sync.aligned.m16n8k256.row.col.s32.b1.b1.s32.and.popc   (SASS BMMA.168256.AND.POPC; sm_80+)
 //   1  wgmma.mma_async.sync.aligned.m64nNk256.s32.b1.b1.and.popc    (Hopper warpgroup MMA; sm_90a only;
-//      ~1.5x mma.sync's peak, DESIGN.md section 1)
-// Never XOR+popc or INT4 MMA: both are emulated on sm_90 (DESIGN.md section 1).
+//      ~1.5x mma.sync's peak: 15,500 vs 10,250 T op/s measured on an H200, tcprec.bench.gemm)
+// Never XOR+popc or INT4 MMA: sm_90 has no hardware path for either (they run emulated, far below AND+popc).
 //
 // Accumulators.  mma.sync cannot scale its product, so every plane pair needs an accumulator
 // that carries one weight.  Pairs of equal weight (e.g. (0,1) and (1,0), weight 2) share one:
@@ -63,12 +63,9 @@
 // done.  Steps are counted across the tiles a block walks, so the producer loads the next tile while the
 // MMA warps run this one's epilogue.  Optional clusters (TCP_CM x TCP_CN blocks) load a tile shared along
 // M or N once and multicast it (every block's consumers then release the stage in every partner block).
-// The descriptors arrive as __grid_constant__ parameters.  Measured on an H200 (BENCHMARKS.md): 1.9x the
+// The descriptors arrive as __grid_constant__ parameters.  Measured on an H200 (tcprec bench gemm): 1.9x the
 // cp.async wgmma kernel at 8192^3; clusters and folding made it slower, so no default uses them.
-// With TCP_CONS = 2 (ping-pong) two consumer groups of WARPS_M / 4 warpgroups each take every other tile of the
-// block's, each with its own half of the stages (so neither waits on a barrier phase two ahead), and one group's
-// epilogue runs while the other's wgmmas do.  Measured (conv_gemm.json): 5% faster at 8192^3 with fp16 output,
-// 5-15% slower on the short-K conv GEMMs, so it is an option (tile suffix _pp), not a default.
+// Two consumer groups on alternate tiles (ping-pong) measured slower on the networks' GEMMs: docs/decisions/0003.
 //
 // Epilogues (compile-time EPI):
 //   0  int32 C                              out: int32 (M, ldo)
@@ -103,7 +100,6 @@
 //                           warpgroup after the WARPS_M / 4 consumer warpgroups)
 //   TCP_CM, TCP_CN          TMA: cluster of CM x CN blocks (CM blocks along M share, by multicast, the W
 //                           tile; CN along N the A tile)
-//   TCP_CONS                TMA: consumer groups (1, or 2 for ping-pong: an even number of stages, no cluster)
 //   TCP_EPI, TCP_OUT_T, TCP_OB, TCP_OENC   epilogue (above)
 //   TCP_SMEM                the dynamic shared memory the host allocates (checked against the layout)
 //   TCP_CONV                1: implicit-GEMM convolution (below)
@@ -122,11 +118,11 @@
 // cp.async (each thread waits for its own copies RING - 2 steps later, fences them for the tensor cores' async
 // proxy and arrives on the stage's "full" barrier) while one thread still loads W by TMA.  No cluster, one consumer
 // group.  No im2col buffer: the gathered rows are read from L2, and the loads never leave the 512-bit word grid.
-// Measured (session 17, H200, w1a2 packed, batch 256; BENCHMARKS.md): the gathering producer feeds the wgmmas slower
+// Measured (H200, w1a2 packed, batch 256): the gathering producer feeds the wgmmas slower
 // than TMA boxes of an im2col'd operand (VGG 256x256@56: 681 vs 527 us for the GEMM alone; the im2col pass it saves
-// costs 261 us).  With the pm1 row sums in the kernel (TCP_ROWSUM, below; session 22) it is one launch and wins on
+// costs 261 us).  With the pm1 row sums in the kernel (TCP_ROWSUM, below) it is one launch and wins on
 // every layer of unpadded taps except those of > 2 column tiles on the large TMA tiles (each column tile gathers the
-// windows again): ops/qconv takes it there (qconv.BITSERIAL_IMPLICIT = "auto"; benchmarks/results/net_routes.json).
+// windows again): ops/qconv takes it there (qconv.implicit_conv; docs/decisions/0008).
 
 // In-kernel row sums (TCP_ROWSUM = 1; not with split-K).  The pm1 correction's row term
 //   row_term[m] = row_mul * R[m] + row_add,   R[m] = sum_i wt_i popc(A_i[m, :])
@@ -144,7 +140,7 @@
 // split_ws (SPLIT_COUNTERS arrival counters, one a tile, then M x N sums; all zero on entry) with atomicAdd and counts
 // its arrival; the block that arrives last (threadfence-reduction pattern) reads the totals from L2, zeroes them and
 // its counter for the next launch, and runs the epilogue.  Integer sums are exact in any order, so the result is the
-// unsplit kernel's bit for bit.  Measured (session 20, H200): scattered 4-byte atomics cost ~15 us per million, so
+// unsplit kernel's bit for bit.  Measured (H200): scattered 4-byte atomics cost ~15 us per million, so
 // split-K pays only for small outputs (the loader splits one-row-tile GEMMs); per-run slices that the last block adds
 // up were slower there (its dependent reads: VGG's 25088 -> 4096 at batch 8, 4 runs, 17.9 us against 13.7).
 
@@ -196,9 +192,6 @@
 #ifndef TCP_CN
 #define TCP_CN 1
 #endif
-#ifndef TCP_CONS
-#define TCP_CONS 1
-#endif
 #ifndef TCP_RES
 #define TCP_RES 0
 #endif
@@ -226,9 +219,6 @@
 #ifndef TCP_SPLIT_COUNTERS
 #define TCP_SPLIT_COUNTERS 4096
 #endif
-#ifndef TCP_CONV_NOINC
-#define TCP_CONV_NOINC 0
-#endif
 #ifndef TCP_ROWSUM
 #define TCP_ROWSUM 0
 #endif
@@ -253,15 +243,9 @@ constexpr bool TMA = TCP_TMA != 0;
 constexpr bool ROWSUM = TCP_ROWSUM != 0;  // the row term from the tensor cores (A against all-ones B), not row_term
 static_assert(!(ROWSUM && SPLIT), "in-kernel row sums: not with split-K");
 constexpr bool CONV = TCP_CONV != 0;  // implicit-GEMM convolution: A gathered from NHWC planes
-// conv on TMA: (0, the default) each gathering thread waits for its copies RING - 2 steps later, fences them for the
-// async proxy and arrives on the "full" barrier; (1) the copies arrive by themselves (cp.async.mbarrier.arrive.noinc)
-// and the MMA warps fence after their wait.  Measured on an H200 (session 17, w1a2 conv GEMMs at batch 256): 1 is
-// 3-8% faster on 56x56 layers but 1.8x slower on 28x28x512 (881 vs 479 us), so 0 stays the default.
-constexpr bool CONV_NOINC = TCP_CONV_NOINC != 0;
 constexpr int CM = TCP_CM, CN = TCP_CN, CS = CM * CN;  // TMA cluster shape / size
-constexpr int CONS = TCP_CONS;                        // TMA: consumer groups, each on its own tiles
 constexpr int MMA_THREADS = WARPS_M * WARPS_N * 32;    // threads that multiply and store one tile
-constexpr int CONS_THREADS = CONS * MMA_THREADS;       // all consumer groups
+constexpr int CONS_THREADS = MMA_THREADS;              // the consumer (MMA) threads, before the TMA producer
 constexpr int THREADS = CONS_THREADS + (TMA ? 128 : 0); // + the TMA producer warpgroup
 constexpr int MT = BM / (WARPS_M * 16);  // 16-row MMA tiles per warp
 constexpr int NT = BN / (WARPS_N * 8);   // 8-column MMA tiles per warp
@@ -291,18 +275,17 @@ constexpr int NCODE = 1 << OB;                 // packed epilogue: codes of the 
 constexpr int ITHR = (EPI == 2 && NCODE <= 8) ? NCODE : 0;
 constexpr int VEC_N = 2 * BM + 3 * BN + ITHR * BN;
 constexpr int THR_N = EPI == 2 || DUAL ? NCODE : 0;  // its (or the dual planes') thresholds, after the vectors
-// one copy of the vectors (and thresholds) a consumer group; the copies 16-byte aligned for the int4 loads
+// one copy of the vectors (and thresholds) a block; the copies 16-byte aligned for the int4 loads
 // TMA (WG_VEC): each MMA warpgroup stages its own copy and syncs only with itself (named barrier 1 + its copy), so
 // the warpgroups of a block are not held together at every tile: one's epilogue runs while the other multiplies
-// (as far as the ring of stages lets them drift apart).  Measured on an H200 (session 16, same process against
+// (as far as the ring of stages lets them drift apart).  Measured on an H200 (same process against
 // one copy a group): w1a2 8192^3 238 -> 225 us, w2a2 449 -> 407 us.  Taken where the copies fit in shared memory
-// (loader.Variant.smem_bytes makes the same choice), else one copy a consumer group synced group-wide.
+// (loader.Variant.smem_bytes makes the same choice), else one copy synced by all MMA warps.
 constexpr int SMEM_LIMIT = 232448;  // 227 KB: the most dynamic shared memory a block of sm_90 may have
 constexpr int VEC_ROUNDED = (VEC_N + THR_N + 3) / 4 * 4;
 constexpr bool WG_VEC = TMA && WARPS_M / 4 > 1 &&
-                        (VEC_OFF + CONS * (WARPS_M / 4) * VEC_ROUNDED * 4 + 7) / 8 * 8 + 2 * STAGES * 8 <= SMEM_LIMIT;
-constexpr int NWG = WG_VEC ? WARPS_M / 4 : 1;  // copies a consumer group
-constexpr int VEC_COPIES = CONS * NWG;
+                        (VEC_OFF + (WARPS_M / 4) * VEC_ROUNDED * 4 + 7) / 8 * 8 + 2 * STAGES * 8 <= SMEM_LIMIT;
+constexpr int VEC_COPIES = WG_VEC ? WARPS_M / 4 : 1;  // copies of the vectors: one a warpgroup (WG_VEC) or one
 constexpr int VEC_STRIDE = VEC_COPIES > 1 ? VEC_ROUNDED : VEC_N + THR_N;
 constexpr int VEC_BYTES = VEC_COPIES * VEC_STRIDE * 4;
 [[maybe_unused]] constexpr int BAR_OFF = (VEC_OFF + VEC_BYTES + 7) / 8 * 8;  // TMA: STAGES "full" then STAGES "empty" mbarriers
@@ -325,11 +308,8 @@ static_assert(EPI != 2 || (BN % 32 == 0 && 512 % BN == 0 && NT % 4 == 0),
 static_assert(!TMA || (WGMMA && WARPS_N == 1), "TMA: the wgmma path with one warpgroup per 64 rows (WARPS_N = 1)");
 static_assert(!DUAL || (EPI == 1 && OUT_T != 0 && NCODE <= 8 && BN % 32 == 0 && NT % 4 == 0),
               "dual output: the fp16 / bf16 epilogue, OB <= 3, whole 32-column words a warp");
-static_assert(CONS == 1 || (TMA && CONS == 2 && CM * CN == 1 && STAGES % 2 == 0 && STAGES >= 4),
-              "two consumer groups: the TMA kernel without clusters, an even number (>= 4) of stages");
-static_assert(!CONV || !TMA || (CS == 1 && CONS == 1 && STAGES >= 3),
-              "implicit conv on TMA: no cluster, one consumer group, >= 3 stages");
-constexpr int RING = STAGES / CONS;  // TMA: each consumer group's own ring of stages
+static_assert(!CONV || !TMA || (CS == 1 && STAGES >= 3), "implicit conv on TMA: no cluster, >= 3 stages");
+constexpr int RING = STAGES;  // TMA: the ring of stages
 static_assert(!TMA || (CM >= 1 && CM <= 2 && CN >= 1 && CN <= 2 && (BM / CN) % 8 == 0 && (BN / CM) % 8 == 0),
               "TMA: clusters of 1..2 x 1..2 blocks; each block's slice of a shared tile a multiple of 8 rows");
 
@@ -386,10 +366,10 @@ __device__ __forceinline__ u32 cluster_rank_() {  // this block's rank in its cl
 }
 
 // a barrier among the threads that multiply and store one tile (all threads without TMA; with TMA named
-// barrier 1 + grp, consumer group grp's warps only, where the producer warpgroup does not take part)
-__device__ __forceinline__ void mma_sync_all(int grp = 0) {
+// barrier 1, the MMA warps only, where the producer warpgroup does not take part)
+__device__ __forceinline__ void mma_sync_all() {
     if (TMA) {
-        asm volatile("bar.sync %0, %1;\n" ::"r"(1 + grp), "n"(MMA_THREADS) : "memory");
+        asm volatile("bar.sync %0, %1;\n" ::"r"(1), "n"(MMA_THREADS) : "memory");
     } else {
         __syncthreads();
     }
@@ -664,7 +644,7 @@ __device__ __forceinline__ void store_pair(T* o, T v0, T v1, bool interior, int 
 // ceil(log2 d), mul = ceil(2^sh / d) < 2^32 (Granlund-Montgomery: mul * d - 2^sh = e < d <= 2^(sh - 31), so
 // n e < 2^sh and the error term stays below 1 / d).  Set up once a kernel (one 64-bit division a divisor); a quotient
 // is then one wide multiply and a shift where the generic int division was ~25 instructions.  The gathering
-// producer did 20 of those a tile (a row's n, p and a K word's tap, r): 40% of its instructions (ncu, session 26).
+// producer did 20 of those a tile (a row's n, p and a K word's tap, r): 40% of its instructions (ncu, H200).
 struct FastDiv {
     u32 mul;
     int sh;
@@ -828,11 +808,8 @@ bmma_gemm(
                                                   cv_dh, cv_dw, cv_PQ, cv_Q, cv_plane);
     grid_dependency_wait();
     constexpr ClassTable CT{};
-    // With TMA and CONS = 2, consumer group grp (tid, warp within it: ctid, cwarp) multiplies and stores every
-    // other tile of the block's: one group's epilogue runs while the other's wgmmas do (and vice versa).
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int grp = CONS > 1 && warp < CONS_THREADS / 32 ? warp / (MMA_THREADS / 32) : 0;
-    const int tid = threadIdx.x, ctid = tid - grp * MMA_THREADS, cwarp = ctid >> 5;
+    const int tid = threadIdx.x, cwarp = tid >> 5;
     // warp (wm, wn) owns output rows wm*16*MT.. and columns wn*8*NT.. of the block tile; on the wgmma
     // path warpgroup (cwarp / 4) owns a 64-row slab, its warp (cwarp % 4) the 16-row part of it
     const int wm = WGMMA ? (cwarp >> 2) / WARPS_N * 4 + (cwarp & 3) : cwarp / WARPS_N;
@@ -889,7 +866,7 @@ bmma_gemm(
         const int c = i / IT;
         return (u32)(col_thr != nullptr && n0 + c < N ? col_thr[(i64)(n0 + c) * IT + i % IT] : 0);
     };
-    const int vcopy = grp * NWG + (WG_VEC ? cwarp >> 2 : 0);  // this thread's copy of the vectors
+    const int vcopy = WG_VEC ? cwarp >> 2 : 0;  // this thread's copy of the vectors
     u32* const s_vec = reinterpret_cast<u32*>(smem + VEC_OFF) + vcopy * VEC_STRIDE;
 
     int acc[NCLASS][MT][NT][4];
@@ -1292,7 +1269,7 @@ bmma_gemm(
         if (n0 + BN >= N) {  // the last column tile also zeroes the row's padding words (none in compact rows)
             const int first = (n0 + BN) / 32, pad = ldo - first;
             if (pad > 0) {  // a thread a (plane, row): its padding words in a row (no division by pad a word)
-                for (int br = ctid; br < OB * BM; br += MMA_THREADS) {
+                for (int br = tid; br < OB * BM; br += MMA_THREADS) {
                     const int rl = br % BM, b = br / BM;
                     if (m0 + rl < M) {
                         u32* const row = o + b * plane + (i64)(m0 + rl) * ldo + first;
@@ -1375,10 +1352,6 @@ bmma_gemm(
                         tma_load(sW + pl * BN * ROW_BYTES, tmW, kt * WPS, n0, pl, full0 + 8 * s, 0);
                 }
                 ld.load(geo, A, sA, kt, ptid);
-                if (CONV_NOINC) {
-                    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full0 + 8 * s) : "memory");
-                    continue;
-                }
                 cp_async_commit();
                 if (g >= LAG) {
                     cp_async_wait<LAG>();
@@ -1387,11 +1360,9 @@ bmma_gemm(
                 }
             }
         }
-        if (!CONV_NOINC) {
-            cp_async_wait<0>();
-            fence_proxy_async();
-            for (int d = g - LAG < 0 ? 0 : g - LAG; d < g; ++d) mbar_arrive_cta(full0 + 8 * (d % RING), 0);
-        }
+        cp_async_wait<0>();
+        fence_proxy_async();
+        for (int d = g - LAG < 0 ? 0 : g - LAG; d < g; ++d) mbar_arrive_cta(full0 + 8 * (d % RING), 0);
     } else if (warp >= CONS_THREADS / 32) {  // ---- producer warpgroup: one thread issues every TMA load ----
         shrink_regs<PRODUCER_REGS>();
         if (warp == CONS_THREADS / 32 && lane == 0) {
@@ -1403,13 +1374,12 @@ bmma_gemm(
                 for (int j = 0; j < CN; ++j) a_mask |= (unsigned short)(1u << (rm + CM * j));
             if (CM > 1)
                 for (int i = 0; i < CM; ++i) w_mask |= (unsigned short)(1u << (i + CM * rn));
-            int step0 = 0, step1 = 0;  // steps loaded into each group's ring
-            for (int pid = blockIdx.x / CS, t = 0; pid < tiles; pid += stride, ++t) {
+            int g = 0;  // steps loaded, counted across the block's tiles
+            for (int pid = blockIdx.x / CS; pid < tiles; pid += stride) {
                 int m0, n0;
                 tile_origin(pid, m0, n0);
-                const int c = t % CONS;  // tile t is consumer group c's
-                for (int kt = 0; kt < k_tiles; ++kt) {
-                    const int g = c == 0 ? step0++ : step1++, s = c * RING + g % RING;
+                for (int kt = 0; kt < k_tiles; ++kt, ++g) {
+                    const int s = g % RING;
                     if (g >= RING) mbar_wait(empty0 + 8 * s, ((g / RING) + 1) & 1);
                     mbar_arrive_expect_tx(full0 + 8 * s, STAGE_BYTES);
                     const u32 sA = smem_base + s * STAGE_BYTES, sW = sA + A_STAGE;
@@ -1424,16 +1394,16 @@ bmma_gemm(
                 }
             }
         }
-    } else {  // ---- MMA warpgroups: warpgroup g of a group multiplies rows 64 g .. 64 g + 63 by the W tile ----
+    } else {  // ---- MMA warpgroups: warpgroup g multiplies rows 64 g .. 64 g + 63 by the W tile ----
         set_max_regs<MMA_REGS>();
-        // the threads that stage one copy of the vectors and sync on it: a warpgroup (WG_VEC) or the group
+        // the threads that stage one copy of the vectors and sync on it: a warpgroup (WG_VEC) or all MMA warps
         constexpr int STAGERS = WG_VEC ? 128 : MMA_THREADS;
-        const int wtid = WG_VEC ? ctid & 127 : ctid;
+        const int wtid = WG_VEC ? tid & 127 : tid;
         auto wg_sync = [&]() {
             if (WG_VEC) {
                 asm volatile("bar.sync %0, 128;\n" ::"r"(1 + vcopy) : "memory");
             } else {
-                mma_sync_all(grp);
+                mma_sync_all();
             }
         };
         if (EPI == 2 || DUAL)  // the code thresholds, visible after the first tile's barrier
@@ -1441,7 +1411,7 @@ bmma_gemm(
         const int slab = cwarp >> 2;
         auto release = [&](int g) {  // one arrival per warp on step g's "empty" barrier in every cluster block
             if (lane == 0) {
-                const u32 e = empty0 + 8 * (grp * RING + g % RING);
+                const u32 e = empty0 + 8 * (g % RING);
 #pragma unroll
                 for (int c = 0; c < CS; ++c) mbar_arrive_cta(e, (u32)c);
             }
@@ -1450,10 +1420,9 @@ bmma_gemm(
         // stage the column vectors only
         constexpr int VEC_LO = CONV && ROWSUM ? 2 * BM : 0;
         constexpr int VPT = (VEC_N - VEC_LO + STAGERS - 1) / STAGERS;
-        // the block's tiles are pid = blockIdx.x / CS + t * stride, t = 0, 1, ..; group grp takes t = grp (mod CONS),
-        // and counts its steps g across them in its own ring of RING stages (a group never waits two phases ahead)
+        // the block's tiles are pid = blockIdx.x / CS + t * stride, t = 0, 1, ..; steps g counted across them
         int g = 0;
-        for (int pid = blockIdx.x / CS + grp * stride; pid < tiles; pid += CONS * stride) {
+        for (int pid = blockIdx.x / CS; pid < tiles; pid += stride) {
             int m0, n0;
             tile_origin(pid, m0, n0);
             u32 vec[VPT];  // this tile's epilogue vectors, loaded now, stored to shared memory after the MMAs
@@ -1464,9 +1433,8 @@ bmma_gemm(
             }
             zero_acc();
             for (int kt = 0; kt < k_tiles; ++kt, ++g) {
-                const int s = grp * RING + g % RING;
+                const int s = g % RING;
                 mbar_wait(full0 + 8 * s, (g / RING) & 1);
-                if (CONV && CONV_NOINC) fence_proxy_async();  // the gathered A (generic proxy) -> the wgmmas
                 const u32 sA = smem_base + s * STAGE_BYTES, sW = sA + A_STAGE;
                 const u64 dA = smem_desc(sA + slab * 64 * ROW_BYTES), dW = smem_desc(sW);
                 mma_stage(dA, dW);

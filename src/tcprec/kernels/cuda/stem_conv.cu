@@ -4,7 +4,7 @@
 // Why a kernel of its own: a C = 3 stem reduces over only R*S*3 bytes a window (27 for a 3x3), too little for an
 // implicit GEMM's K tiles.  The Triton route gathers every window into a 32-byte row first (a pass writing 3.2 M
 // rows for VGG at batch 256), then runs four dependent one-step accumulations a pooled pixel: 0.50 of VGG w1a2's
-// 3.6 ms at batch 256 (H200, session 24).  Here a block copies the input patch its tile of outputs reads into
+// 3.6 ms at batch 256 (H200).  Here a block copies the input patch its tile of outputs reads into
 // shared memory once (the rows' bytes by 4-byte cp.async, then a pixel a 32-bit word: its C <= 4 channel bytes,
 // zeros above C, shifted out of two raw words), so the window of an output
 // pixel is R*S words at fixed offsets from its corner: the A fragments of mma.m16n8k32.s8 are single 32-bit shared

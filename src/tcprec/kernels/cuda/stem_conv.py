@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ...memo import remembered
-from .loader import _ptr, _stream_for, compile_source, cuda_core_api, load_kernel
+from .runtime import compile_source, launch, launch_config, load_kernel, ptr, set_kernel_attribute
 
 __all__ = ["SOURCE_PATH", "MAX_C", "MAX_WORDS", "ENCODINGS", "FLOAT_OUTS", "StemVariant", "all_variants",
            "stem_weight_words", "stem_thresholds", "conv_stem", "conv_planes", "pick_tile", "StemTile"]
@@ -90,15 +90,12 @@ def _kernel(variant: StemVariant, entry: str, device_index: int, smem: int = 0):
     if smem > 48 * 1024:  # (load_kernel memoises the kernel: the attribute is set for the largest size asked)
         key = ("stem_conv_smem", variant, device_index)
         if _smem_set.get(key, 0) < smem:
-            from .loader import set_kernel_attribute
-
             set_kernel_attribute(k, "MAX_DYNAMIC_SHARED_SIZE_BYTES", smem, device_index)
             _smem_set[key] = smem
     return k
 
 
 _smem_set: dict = {}
-_cfgs: dict = {}
 
 
 def stem_weight_words(w8: torch.Tensor) -> torch.Tensor:
@@ -113,7 +110,7 @@ def stem_weight_words(w8: torch.Tensor) -> torch.Tensor:
     return b.view(torch.int32).reshape(b.shape[0], kw).contiguous()
 
 
-# The threshold words of calibrated scale / bias buffers, remembered like loader.code_thresholds'.
+# The threshold words of calibrated scale / bias buffers, remembered like bmma_gemm.code_thresholds'.
 _THRESHOLDS: dict = {}
 
 
@@ -124,17 +121,12 @@ def stem_thresholds(variant: StemVariant, col_scale: torch.Tensor, bias, out_sca
     extra = (variant.out_bits, variant.out_encoding, variant.fout, bool(relu), float(slope), int(K), bias is not None)
 
     def compute():
-        *_, LaunchConfig, _, launch = cuda_core_api()
         dev = out_scale.device.index if out_scale.device.index is not None else torch.cuda.current_device()
         codes = 1 << variant.out_bits
         thr = torch.empty((K, codes), dtype=torch.int32, device=out_scale.device)
         blocks = -(-K * codes // 128)
-        cfg = _cfgs.get(("thr", blocks))
-        if cfg is None:
-            cfg = _cfgs[("thr", blocks)] = LaunchConfig(grid=(blocks,), block=(128,))
-        stream = _stream_for(torch.cuda.current_stream(out_scale.device).cuda_stream)
-        launch(stream, cfg, _kernel(variant, "stem_code_thresholds", dev), _ptr(col_scale), _ptr(bias),
-               _ptr(out_scale), np.int32(int(relu)), np.float32(slope), np.int32(K), _ptr(thr))
+        launch(_kernel(variant, "stem_code_thresholds", dev), launch_config((blocks,), (128,)), out_scale.device,
+               ptr(col_scale), ptr(bias), ptr(out_scale), np.int32(int(relu)), np.float32(slope), np.int32(K), ptr(thr))
         return thr
 
     return remembered(_THRESHOLDS, srcs, compute, extra)
@@ -268,18 +260,12 @@ def conv_stem(x8: torch.Tensor, wq: torch.Tensor, K: int, R: int, S: int, *, str
     thr = stem_thresholds(variant, col_scale, bias, out_scale, relu, slope, K) if planes else None
     out = torch.empty((out_bits, N * PO * QO, ldo), dtype=torch.int32, device=x8.device) if planes else None
     y = torch.empty((N, P, Q, K), dtype=fout, device=x8.device) if fout is not None else None
-    *_, LaunchConfig, _, launch = cuda_core_api()
-    grid = (N * tp * tq, -(-K // (32 * words)))
-    key = ("conv", grid, smem)
-    cfg = _cfgs.get(key)
-    if cfg is None:
-        cfg = _cfgs[key] = LaunchConfig(grid=grid, block=(32 * WARPS,), shmem_size=smem)
+    cfg = launch_config((N * tp * tq, -(-K // (32 * words))), (32 * WARPS,), smem)
     geo = np.array([N, H, W, C, R, S, sh, sw, ph, pw, dh, dw, PO, QO, K, tile.tpo, tile.tqo, tp, tq, phh, pww,
                     -(-(R * S) // 8) * 8], dtype=np.int32)
-    stream = _stream_for(torch.cuda.current_stream(x8.device).cuda_stream)
-    launch(stream, cfg, _kernel(variant, "stem_conv", dev, smem), _ptr(x8), _ptr(wq), _ptr(thr), _ptr(col_scale),
-           _ptr(bias), _ptr(out_scale), np.int32(a), np.float32(slope), _ptr(acc_add),
-           np.int32(pad), _ptr(out), np.int32(ldo), np.int32(words), *[np.int32(v) for v in geo], _ptr(y))
+    launch(_kernel(variant, "stem_conv", dev, smem), cfg, x8.device, ptr(x8), ptr(wq), ptr(thr), ptr(col_scale),
+           ptr(bias), ptr(out_scale), np.int32(a), np.float32(slope), ptr(acc_add),
+           np.int32(pad), ptr(out), np.int32(ldo), np.int32(words), *[np.int32(v) for v in geo], ptr(y))
     return y, out
 
 

@@ -10,7 +10,9 @@ import os
 
 import torch
 
-BACKENDS = ("auto", "triton", "reference")
+from ...enums import Backend, backend_names
+
+BACKENDS = backend_names(Backend.AUTO, Backend.TRITON, Backend.REFERENCE)
 
 
 def triton_usable(t: torch.Tensor) -> tuple[bool, str]:

@@ -60,6 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...enums import Rounding
 from ...formats import FloatFormat
 from ._host import cdiv
 from .cast import _finish_value, _finite_code, _float_constexprs, _round_float, round_to_format
@@ -73,7 +74,6 @@ log = logging.getLogger("tcprec.kernels")
 
 BLOCK = 2048  # elements per program (read at launch time: tests shrink it to cover block boundaries)
 NUM_WARPS = 8
-HW_FP8_ROUNDING = True  # R by cvt.rn to fp8 where exact (module doc); tests and benchmarks may switch it off
 _FMAX = tl.constexpr(3.4028234663852886e38)  # float32 max
 _FMAX_BITS = tl.constexpr(0x7F7FFFFF)
 
@@ -625,7 +625,7 @@ def _hw_round(fmt, rounding: str, aps: bool, kahan: bool, t: torch.Tensor) -> in
     """1 / 2: round by cvt.rn to e4m3fn / e5m2 (module doc: exact under APS, nearest, no Kahan, on
     CUDA), 0: the generic rounding."""
     kind = _BITCAST_FORMATS.get(fmt, 0)
-    ok = HW_FP8_ROUNDING and kind in (1, 2) and rounding == "nearest" and aps and not kahan and t.is_cuda
+    ok = kind in (1, 2) and rounding == "nearest" and aps and not kahan and t.is_cuda
     return kind if ok else 0
 
 
@@ -651,7 +651,7 @@ def encode(grads: torch.Tensor, lay: Layout, state: torch.Tensor, send: torch.Te
     numel = grads.shape[1]
     codes = not send.dtype.is_floating_point
     hw = _hw_round(fmt, rounding, aps, False, grads)
-    consts = dict(APS=aps, TOP=top, **_fmt_consts(fmt), MODE=MODES[rounding], CODES=codes, HW=hw,
+    consts = dict(APS=aps, TOP=top, **_fmt_consts(fmt), MODE=Rounding(rounding).code, CODES=codes, HW=hw,
                   BLOCK=lay.block)
     _L["encode"]((cdiv(shard, lay.block), world, n_local),
                  (grads, send, state, lay.send_blocks, lay.starts, n_local, numel, shard, lay.T, n),
@@ -659,7 +659,7 @@ def encode(grads: torch.Tensor, lay: Layout, state: torch.Tensor, send: torch.Te
 
 
 def _sum_consts(fmt, rounding: str, kahan: bool, codes: bool, t: torch.Tensor, aps: bool) -> dict:
-    return dict(**_fmt_consts(fmt), MODE=MODES[rounding], KAHAN=kahan, CODES=codes, N_CODES=fmt.n_codes,
+    return dict(**_fmt_consts(fmt), MODE=Rounding(rounding).code, KAHAN=kahan, CODES=codes, N_CODES=fmt.n_codes,
                 DEC=_BITCAST_FORMATS.get(fmt, 0), HW=_hw_round(fmt, rounding, aps, kahan, t))
 
 

@@ -28,11 +28,18 @@ import torch
 import triton
 import triton.language as tl
 
+from ...enums import Rounding
 from ...formats import FloatFormat, IntFormat
 from .. import reference as ref
 from ._host import cdiv
 
-_MODES = {"nearest": 0, "nearest_away": 1, "toward_zero": 2, "up": 3, "down": 4, "stochastic": 5}
+# The kernels' MODE values, named after tcprec.Rounding (the one definition of the modes and their codes)
+ROUND_NEAREST = tl.constexpr(Rounding.NEAREST.code)
+ROUND_NEAREST_AWAY = tl.constexpr(Rounding.NEAREST_AWAY.code)
+ROUND_TOWARD_ZERO = tl.constexpr(Rounding.TOWARD_ZERO.code)
+ROUND_UP = tl.constexpr(Rounding.UP.code)
+ROUND_DOWN = tl.constexpr(Rounding.DOWN.code)
+ROUND_STOCHASTIC = tl.constexpr(Rounding.STOCHASTIC.code)
 _OVF = {"saturate": 0, "inf": 1, "nan": 2}
 _SPEC = {"ieee": 0, "fn": 1, "fnuz": 2, "none": 3}
 
@@ -101,19 +108,19 @@ def _round_float(
     if S == 0:
         r_norm = a
     else:
-        if MODE == 0:
+        if MODE == ROUND_NEAREST:
             if MAN == 0:  # the code's low bit is the exponent's: (E - 127 + BIAS) & 1
                 lsb = ((a >> 23) + (BIAS + 1)) & 1
             else:
                 lsb = (a >> S) & 1
             add = (MASK >> 1) + lsb
-        elif MODE == 1:
+        elif MODE == ROUND_NEAREST_AWAY:
             add = tl.full(a.shape, 1 << (S - 1), tl.int32)
-        elif MODE == 2:
+        elif MODE == ROUND_TOWARD_ZERO:
             add = tl.zeros(a.shape, tl.int32)
-        elif MODE == 3:
+        elif MODE == ROUND_UP:
             add = tl.where(neg, 0, MASK)
-        elif MODE == 4:
+        elif MODE == ROUND_DOWN:
             add = tl.where(neg, MASK, 0)
         else:
             add = MASK ^ (rnd >> (31 - S))
@@ -122,7 +129,7 @@ def _round_float(
     # ---- below min normal: constant quantum q = 2**QE_LOW ------------------------------------
     below = a < MIN_NORMAL_BITS
     ax = tl.where(below, ax, 0.0)  # keep the unused lanes finite
-    if MODE == 0 and ZERO:
+    if MODE == ROUND_NEAREST and ZERO:
         C: tl.constexpr = 2.0 ** (QE_LOW + 23)
         m_low = (ax + C) - C  # float RNE to a multiple of q; the sum's last bit is the code's
         kept_low = _pow2_scale(m_low, -QE_LOW).to(tl.int32)
@@ -132,19 +139,19 @@ def _round_float(
         frac = t - fl
         kept_low = fl.to(tl.int32)
         nz = frac > 0
-        if MODE == 0:  # ties to the even code; code = LOW_BASE + kept (<< MAN without subnormals)
+        if MODE == ROUND_NEAREST:  # ties to the even code; code = LOW_BASE + kept (<< MAN without subnormals)
             if SUBNORMALS:
                 odd = ((LOW_BASE + kept_low) & 1) == 1
             else:
                 odd = ((LOW_BASE + (kept_low << MAN)) & 1) == 1
             up = (frac > 0.5) | ((frac == 0.5) & odd)
-        elif MODE == 1:
+        elif MODE == ROUND_NEAREST_AWAY:
             up = frac >= 0.5
-        elif MODE == 2:
+        elif MODE == ROUND_TOWARD_ZERO:
             up = frac < 0.0
-        elif MODE == 3:
+        elif MODE == ROUND_UP:
             up = nz & ~neg
-        elif MODE == 4:
+        elif MODE == ROUND_DOWN:
             up = nz & neg
         else:
             up = rnd < tl.floor(frac * 2147483648.0).to(tl.int32)
@@ -159,11 +166,11 @@ def _round_float(
     too_big = (mag > MAX_BITS) | is_inf
     if OVERFLOW == 0:
         to_max = too_big
-    elif MODE == 2:
+    elif MODE == ROUND_TOWARD_ZERO:
         to_max = too_big & ~is_inf
-    elif MODE == 3:
+    elif MODE == ROUND_UP:
         to_max = too_big & neg & ~is_inf
-    elif MODE == 4:
+    elif MODE == ROUND_DOWN:
         to_max = too_big & ~neg & ~is_inf
     else:  # nearest / stochastic: past max is overflow
         to_max = tl.zeros(a.shape, tl.int1)
@@ -257,7 +264,7 @@ def _float_round_kernel(
     inb = offs < n
     x = tl.load(x_ptr + offs, mask=inb, other=0.0).to(tl.float32)
 
-    if MODE == 5:
+    if MODE == ROUND_STOCHASTIC:
         rnd = _random31(offs, seed_mix)
     else:
         rnd = 0
@@ -315,15 +322,15 @@ def _int_round_kernel(
         nz = gnz
         fl31 = tl.floor(g * 2147483648.0).to(tl.int32)  # in [-2**31, 2**31)
         frac31 = tl.where(gneg, (fl31 + 2147483647) + 1, fl31)  # floor(G * 2**31), no overflow
-    if MODE == 0:  # ties to the even stored code (value parity for twos)
+    if MODE == ROUND_NEAREST:  # ties to the even stored code (value parity for twos)
         up = gt_half | (eq_half & (((u + PARITY_OFFSET) & 1) == 1))
-    elif MODE == 1:
+    elif MODE == ROUND_NEAREST_AWAY:
         up = gt_half | (eq_half & ~neg)
-    elif MODE == 2:
+    elif MODE == ROUND_TOWARD_ZERO:
         up = nz & neg
-    elif MODE == 3:
+    elif MODE == ROUND_UP:
         up = nz
-    elif MODE == 4:
+    elif MODE == ROUND_DOWN:
         up = tl.zeros(nz.shape, tl.int1)
     else:
         up = _random31(offs, seed_mix) < frac31
@@ -376,12 +383,12 @@ def _launch(x: torch.Tensor, fmt, rounding: str, seed: int | None, out: torch.Te
             xf, out.view(-1), n, mix, flag, OFFSET=fmt.offset, STEP=fmt.step, N_CODES=fmt.n_codes,
             TWOS_MASK=(fmt.n_codes - 1) if fmt.encoding == "twos" else 0,
             PARITY_OFFSET=(fmt.offset & 1) if fmt.encoding == "twos" else 0,
-            MODE=_MODES[rounding], WRITE_CODES=write_codes, BLOCK=BLOCK, num_warps=NUM_WARPS,
+            MODE=Rounding(rounding).code, WRITE_CODES=write_codes, BLOCK=BLOCK, num_warps=NUM_WARPS,
         )
     else:
         _float_round_kernel[grid](
             xf, out.view(-1), n, mix, flag, **_float_constexprs(fmt),
-            MODE=_MODES[rounding], WRITE_CODES=write_codes, BLOCK=BLOCK, num_warps=NUM_WARPS,
+            MODE=Rounding(rounding).code, WRITE_CODES=write_codes, BLOCK=BLOCK, num_warps=NUM_WARPS,
         )
     return out
 

@@ -1,6 +1,6 @@
 """Convolution backward (dgrad and wgrad) as implicit GEMMs on tensor cores, NHWC.
 
-Layouts and index names are those of ``kernels/reference_conv.py``: x / dx ``(N, H, W, C)``,
+Layouts and index names are those of ``kernels/conv_geometry.py``: x / dx ``(N, H, W, C)``,
 dy ``(N, P, Q, K)``, w / dw ``(K, R, S, C)``.  Every tensor is passed with its four strides, so any
 strided view works (the contiguous dimension is what makes loads vectorise: C for x and w, K for dy).
 
@@ -68,7 +68,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference_conv import ACT_NONE, ConvGeometry
+from ..conv_geometry import ACT_NONE, ConvGeometry
 from ._host import cdiv, next_power_of_2
 
 __all__ = ["dgrad", "wgrad", "phase_scatter", "dgrad_split", "wgrad_split", "sm_count", "DGRAD_CONFIGS", "WGRAD_CONFIGS",

@@ -1,6 +1,6 @@
 """INT8 and FP8 forward convolution for inference: a Triton implicit GEMM, NHWC, with a fused epilogue.
 
-Layouts and the epilogue's exact float32 operation order are those of ``kernels/reference_conv_fwd.py``:
+Layouts and the epilogue's exact float32 operation order are those of ``kernels/reference_conv_int8_fp8.py``:
 x ``(N, H, W, C)`` contiguous, w ``(K, R, S, C)`` contiguous, y ``(N, P, Q, K)`` contiguous.
 
 GEMM: M = output pixels (n, p, q), N = K output channels, reduction = (r, s, c)
@@ -27,23 +27,23 @@ The output row of pixel m = n*P*Q + p*Q + q is simply ``y + m*K``.
                         dtype (a ResNet block's relu(branch + shortcut) exactly as the unfused graph computes it:
                         the conv's stored output, one IEEE float32 add, the sum stored);  act;
               store fp16 / fp32, or int8 = clamp(rint(y / out_scale), lo, hi) - offset -- the next layer's
-              input (plain int8, or a uint8 code stored shifted: reference_conv_fwd.Int8Out; with a residual,
+              input (plain int8, or a uint8 code stored shifted: reference_conv_int8_fp8.Int8Out; with a residual,
               of y rounded to the residual's dtype, as the unfused graph quantizes it);
-              or both (OUT_MODE 3): the float y and the int8 codes of that float (rounded to its dtype),
+              or both (OUT_DUAL): the float y and the int8 codes of that float (rounded to its dtype),
               bit-identical to quantizing the stored float in a separate pass;
-              or (OUT_MODE 4) float8 codes fp8(clamp(y / out_scale, -max, max)), round to nearest even, NaN stays
+              or (OUT_FP8) float8 codes fp8(clamp(y / out_scale, -max, max)), round to nearest even, NaN stays
               NaN (``round.fp8_code``: quantize_fp8_static's codes) -- the next FP8 layer's input, with a residual
               of y rounded to its dtype as for int8;
-              or both (OUT_MODE 5): the float y and the float8 codes of that float (rounded to its dtype), the FP8
-              twin of OUT_MODE 3 (a ResNet block's output: the next residual and the next FP8 convs' operand);
-              or (OUT_MODE 6) the next bit-serial layer's packed planes (``PlanesOut``): codes =
+              or both (OUT_DUAL_FP8): the float y and the float8 codes of that float (rounded to its dtype), the FP8
+              twin of OUT_DUAL (a ResNet block's output: the next residual and the next FP8 convs' operand);
+              or (OUT_PLANES) the next bit-serial layer's packed planes (``PlanesOut``): codes =
               pack._quantize_codes(y / out_scale) (quantize_pack's), packed 32 channels a word
               (pack._store_planes), optionally after a 2x2 stride-2 max-pool (POOL = 2: the program's BLOCK_M rows
               are pooled pixels, the reduction runs once per window pixel and keeps the running max of the
               accumulators -- of their negations in columns of negative scale: y is monotone in acc -- so the
               epilogue runs on the pooled tile only); pack.pool_quantize_pack's planes bit for bit, without the
               float32 output;
-              or (OUT_MODE 0) the raw accumulator.
+              or (OUT_RAW) the raw accumulator.
 
 The kernel is compiled with ``enable_fp_fusion=False`` (the epilogue's mul and add round separately,
 exactly as the reference) and divides as IEEE division does (``round.div_by_scalar``; Triton's ``/`` is
@@ -63,15 +63,16 @@ from __future__ import annotations
 import functools
 import numbers
 import os
+from enum import IntEnum
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ..reference_conv import ConvGeometry, pair
-from ..reference_conv_fwd import FP8_KINDS, Fp8Out, Int8Out, parse_act, parse_out
-from ...packing import packed_words
+from ..conv_geometry import ConvGeometry, pair
+from ..reference_bitplanes import packed_words
+from ..reference_conv_int8_fp8 import ACT_LEAKY, ACT_RELU, FP8_KINDS, Fp8Out, Int8Out, parse_act, parse_out
 from ._host import cdiv, next_power_of_2
 from .pack import PAD_W, _quantize_codes, _store_planes
 from .round import div_by_scalar, fp8_code, fp8_constexprs
@@ -80,7 +81,30 @@ __all__ = ["conv2d_fwd_int8", "conv2d_fwd_fp8", "pick_config", "compile_key", "g
            "INTERPRETER_CONFIG", "interpreting", "PlanesOut"]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-OUT_RAW, OUT_FLOAT, OUT_INT8, OUT_DUAL, OUT_FP8, OUT_DUAL_FP8, OUT_PLANES = 0, 1, 2, 3, 4, 5, 6
+
+
+class OutMode(IntEnum):
+    """What the epilogue writes (the kernel's ``OUT_MODE``; the module docstring says each in full)."""
+
+    RAW = 0  # the accumulator
+    FLOAT = 1  # float16 / bfloat16 / float32 y
+    INT8 = 2  # the next INT8 layer's codes
+    DUAL = 3  # the float y and the int8 codes of that float
+    FP8 = 4  # the next FP8 layer's float8 codes
+    DUAL_FP8 = 5  # the float y and the float8 codes of that float
+    PLANES = 6  # the next bit-serial layer's packed planes
+
+
+# the same values as the kernel compares them (constexpr globals), and the activation's run-time code
+OUT_RAW = tl.constexpr(int(OutMode.RAW))
+OUT_FLOAT = tl.constexpr(int(OutMode.FLOAT))
+OUT_INT8 = tl.constexpr(int(OutMode.INT8))
+OUT_DUAL = tl.constexpr(int(OutMode.DUAL))
+OUT_FP8 = tl.constexpr(int(OutMode.FP8))
+OUT_DUAL_FP8 = tl.constexpr(int(OutMode.DUAL_FP8))
+OUT_PLANES = tl.constexpr(int(OutMode.PLANES))
+_ACT_RELU = tl.constexpr(ACT_RELU)
+_ACT_LEAKY = tl.constexpr(ACT_LEAKY)
 _OUT_DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16,
                "int32": torch.int32, "int8": torch.int8, **FP8_KINDS}
 # The interpreter runs one small tile (reduction block 32: the smallest 8-bit wgmma step)
@@ -213,24 +237,24 @@ def _conv_fwd_kernel(
     N, H, W, C, P, Q, K, R, S,
     str_h, str_w, pad_h, pad_w, dil_h, dil_w,
     M,  # N*P*Q
-    # -- epilogue (see reference_conv_fwd): scales sa / sb are per-channel (stride 1) or per-tensor (0) --
+    # -- epilogue (see reference_conv_int8_fp8): scales sa / sb are per-channel (stride 1) or per-tensor (0) --
     alpha, sa_stride, sb_stride, bias_stride, act, slope,
     # -- int8 with affine-shifted operands: acc = acc * acc_mul + add[(p, q), k] (ADD_PIX), or add[k]; int_pq: an
     #    output position whose window lies inside the image (its entry is every interior pixel's), or -1 --
     acc_mul, int_pq,
-    # -- packed planes (OUT_MODE 6): rows of planes_kw words; POOL 2: a 2x2 stride-2 max-pool first, M pooled rows --
+    # -- packed planes (OUT_PLANES): rows of planes_kw words; POOL 2: a 2x2 stride-2 max-pool first, M pooled rows --
     planes_kw,
     # -- what to do --
     IS_FP8: tl.constexpr, FAST_ACCUM: tl.constexpr, FLAT: tl.constexpr, OUT_MODE: tl.constexpr, HAS_ADD: tl.constexpr,
     ADD_PIX: tl.constexpr, EVEN_K: tl.constexpr, INT64: tl.constexpr,
     # -- residual: res (N, P, Q, K) float, contiguous like out, added after the bias, before the activation --
     HAS_RES: tl.constexpr,
-    # -- int8 output (OUT_MODE 2 at out, 3 at out8): stored clamp(rne(y / out_scale), OUT_LO, OUT_HI) - OUT_OFF --
+    # -- int8 output (OUT_INT8 at out, OUT_DUAL at out8): stored clamp(rne(y / out_scale), OUT_LO, OUT_HI) - OUT_OFF --
     OUT_LO: tl.constexpr, OUT_HI: tl.constexpr, OUT_OFF: tl.constexpr,
-    # -- float8 output (OUT_MODE 4 at out, 5 at out8; uint8 views): round.fp8_code's constants of the format --
+    # -- float8 output (OUT_FP8 at out, OUT_DUAL_FP8 at out8; uint8 views): round.fp8_code's constants of the format --
     F8_MAN: tl.constexpr, F8_BIAS: tl.constexpr, F8_MAX_BITS: tl.constexpr, F8_MIN_NORMAL_BITS: tl.constexpr,
     F8_SUB_SCALE: tl.constexpr,
-    # -- planes (OUT_MODE 6): pack._quantize_codes' format constants (with OUT_LO, OUT_HI, OUT_OFF) --
+    # -- planes (OUT_PLANES): pack._quantize_codes' format constants (with OUT_LO, OUT_HI, OUT_OFF) --
     Q_BITS: tl.constexpr, Q_SHIFT: tl.constexpr, POOL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -247,7 +271,7 @@ def _conv_fwd_kernel(
         w_rows = offs_n_ld.to(tl.int64) * (R * S * C)
     else:
         w_rows = offs_n_ld * (R * S * C)
-    if OUT_MODE != 0:
+    if OUT_MODE != OUT_RAW:
         sa = tl.load(sa_ptr + offs_n_ld * sa_stride).to(tl.float32)
         sb = tl.load(sb_ptr + offs_n_ld * sb_stride).to(tl.float32)
         scl = (alpha * sa) * sb
@@ -290,14 +314,14 @@ def _conv_fwd_kernel(
                         str_h, str_w, pad_h, pad_w, dil_h, dil_w, acc_mul, int_pq, IS_FP8, FAST_ACCUM, FLAT,
                         HAS_ADD, ADD_PIX, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
 
-    # ---- epilogue: y[m, k] at out + m*K + k (OUT_MODE 6: planes row m) ----
+    # ---- epilogue: y[m, k] at out + m*K + k (OUT_PLANES: planes row m) ----
     if INT64:
         offs_out = offs_m.to(tl.int64)[:, None] * K + offs_n[None, :]
     else:
         offs_out = offs_m[:, None] * K + offs_n[None, :]
     out_ptrs = out_ptr + offs_out
     mask = m_ok[:, None] & n_ok[None, :]
-    if OUT_MODE == 0:
+    if OUT_MODE == OUT_RAW:
         tl.store(out_ptrs, acc, mask=mask)
     else:
         bias = tl.load(bias_ptr + offs_n_ld * bias_stride).to(tl.float32)
@@ -307,11 +331,11 @@ def _conv_fwd_kernel(
             res = tl.load(res_ptr + offs_out, mask=mask, other=0.0)
             y = y.to(res_ptr.dtype.element_ty).to(tl.float32) + res.to(tl.float32)  # (no-op roundings for fp32)
             y = y.to(res_ptr.dtype.element_ty).to(tl.float32)  # the sum as the add stores it: any act sees that
-        if act == 1:
+        if act == _ACT_RELU:
             y = tl.where(y > 0, y, 0.0)
-        elif act == 2:
+        elif act == _ACT_LEAKY:
             y = tl.where(y > 0, y, y * slope)
-        if OUT_MODE == 6:  # the next bit-serial layer's planes: quantize -> pack (pooled above)
+        if OUT_MODE == OUT_PLANES:  # the next bit-serial layer's planes: quantize -> pack (pooled above)
             offs_p = offs_m
             if INT64:
                 offs_p = offs_p.to(tl.int64)
@@ -326,26 +350,26 @@ def _conv_fwd_kernel(
                 z_mask = (offs_p[:, None] < M) & (offs_z[None, :] < planes_kw)
                 for b in tl.static_range(Q_BITS):
                     tl.store(z_ptrs + b * (M * planes_kw), tl.zeros((offs_p.shape[0], PAD_W), tl.int32), mask=z_mask)
-        elif OUT_MODE == 1 or OUT_MODE == 3 or OUT_MODE == 5:
+        elif OUT_MODE == OUT_FLOAT or OUT_MODE == OUT_DUAL or OUT_MODE == OUT_DUAL_FP8:
             y_out = y.to(out_ptr.dtype.element_ty)
             tl.store(out_ptrs, y_out, mask=mask)
-            if OUT_MODE != 1:  # the codes of the stored float, as a separate quantize pass would read it
+            if OUT_MODE != OUT_FLOAT:  # the codes of the stored float, as a separate quantize pass would read it
                 y = y_out.to(tl.float32)
         elif HAS_RES:  # int8 / fp8 codes: of the value in the residual's (the network's) float dtype
             y = y.to(res_ptr.dtype.element_ty).to(tl.float32)
-        if OUT_MODE == 4 or OUT_MODE == 5:  # the next FP8 layer's codes (uint8 patterns of the float8 tensor)
+        if OUT_MODE == OUT_FP8 or OUT_MODE == OUT_DUAL_FP8:  # the next FP8 layer's codes (float8 bit patterns)
             y = div_by_scalar(y, tl.load(oscale_ptr))
             c = fp8_code(y, F8_MAN, F8_BIAS, F8_MAX_BITS, F8_MIN_NORMAL_BITS, F8_SUB_SCALE)
-            if OUT_MODE == 4:
+            if OUT_MODE == OUT_FP8:
                 tl.store(out_ptrs, c.to(tl.uint8), mask=mask)
             else:
                 tl.store(out8_ptr + offs_out, c.to(tl.uint8), mask=mask)
-        if OUT_MODE == 2 or OUT_MODE == 3:
+        if OUT_MODE == OUT_INT8 or OUT_MODE == OUT_DUAL:
             y = div_by_scalar(y, tl.load(oscale_ptr))
             y = tl.where(y == y, y, 0.0)  # NaN -> 0
             y = tl.minimum(tl.maximum(y, OUT_LO * 1.0), OUT_HI * 1.0)
             y = (y + 12582912.0) - 12582912.0  # round half to even (1.5 * 2**23; |y| <= 255 here)
-            if OUT_MODE == 2:
+            if OUT_MODE == OUT_INT8:
                 tl.store(out_ptrs, (y.to(tl.int32) - OUT_OFF).to(tl.int8), mask=mask)
             else:
                 tl.store(out8_ptr + offs_out, (y.to(tl.int32) - OUT_OFF).to(tl.int8), mask=mask)
@@ -374,7 +398,7 @@ NETWORK_LAYERS = {
 
 
 # ------------------------------------------------------------------------------------------------
-# Tiles: a small table per shape class (measured on H200; benchmarks/bench_conv_fwd_device.py --tune)
+# Tiles: a small table per shape class (measured on H200; benchmarks/tune_conv_fwd_device.py --tune)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -522,7 +546,7 @@ def geometry(x: torch.Tensor, w: torch.Tensor, stride, padding, dilation, op: st
         raise ValueError(f"{op}: filters up to 31x31 are supported (per-row tap bit masks), got {R}x{S}")
     if not x.is_cuda and not interpreting():
         raise ValueError(f"{op}: x is on {x.device}: the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1); "
-                         "on the CPU use tcprec.kernels.reference_conv_fwd")
+                         "on the CPU use tcprec.kernels.reference_conv_int8_fp8")
     return g
 
 
@@ -611,10 +635,10 @@ def _launch(x, w, g: ConvGeometry, op: str, *, fp8: bool, alpha, sa, sb, bias, a
     planes = spec if kind == "planes" else None  # the next bit-serial layer's planes (6)
     if planes is not None:
         oscale, o_lo, o_hi, o_off = _oscale(planes, device, op), planes.lo, planes.hi, planes.offset
-    elif kind == "int8" or isinstance(out8, Int8Out):  # the int8 codes at out (OUT_MODE 2) or beside the float (3)
+    elif kind == "int8" or isinstance(out8, Int8Out):  # the int8 codes at out (OUT_INT8) or beside the float (3)
         spec8 = spec if kind == "int8" else out8
         oscale, o_lo, o_hi, o_off = _oscale(spec8, device, op), spec8.lo, spec8.hi, spec8.offset
-    elif f8_out is not None:  # float8 codes at out (OUT_MODE 4) or beside the float out (5)
+    elif f8_out is not None:  # float8 codes at out (OUT_FP8) or beside the float out (5)
         oscale, o_lo, o_hi, o_off = _oscale(f8_out, device, op), -128, 127, 0
     else:
         oscale, o_lo, o_hi, o_off = _const(device, 1.0), -128, 127, 0
@@ -641,24 +665,24 @@ def _launch(x, w, g: ConvGeometry, op: str, *, fp8: bool, alpha, sa, sb, bias, a
     flat = cfg.get("FLAT", g.C % cfg["BLOCK_K"] != 0)
     lim = 2**31 - 1
     int64 = x.numel() >= lim or y.numel() >= lim or w.numel() >= lim
-    out_mode = (OUT_RAW if kind == "int32" else OUT_INT8 if kind == "int8" else OUT_FP8 if kind in FP8_KINDS
-                else OUT_PLANES if planes is not None else OUT_DUAL_FP8 if f8_out is not None
-                else OUT_DUAL if out8 is not None else OUT_FLOAT)
+    out_mode = (OutMode.RAW if kind == "int32" else OutMode.INT8 if kind == "int8" else OutMode.FP8 if kind in FP8_KINDS
+                else OutMode.PLANES if planes is not None else OutMode.DUAL_FP8 if f8_out is not None
+                else OutMode.DUAL if out8 is not None else OutMode.FLOAT)
     f8 = fp8_constexprs(f8_out.dtype if f8_out is not None else torch.float8_e4m3fn)
-    if out_mode in (OUT_DUAL, OUT_DUAL_FP8):
-        y8 = torch.empty(g.output_shape, dtype=torch.int8 if out_mode == OUT_DUAL else f8_out.dtype, device=device)
+    if out_mode in (OutMode.DUAL, OutMode.DUAL_FP8):
+        y8 = torch.empty(g.output_shape, dtype=torch.int8 if out_mode == OutMode.DUAL else f8_out.dtype, device=device)
     else:
         y8 = y
     grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(g.K, cfg["BLOCK_N"]),)
     add_t = _const(device, 0.0) if add is None else add
     kernel = _conv_fwd_kernel[grid](
-        x, w, y.view(torch.uint8) if out_mode == OUT_FP8 else y, sa[0], sb[0], bias_t, add_t, oscale,
-        _const(device, 0.0) if res is None else res, y8.view(torch.uint8) if out_mode == OUT_DUAL_FP8 else y8,
+        x, w, y.view(torch.uint8) if out_mode == OutMode.FP8 else y, sa[0], sb[0], bias_t, add_t, oscale,
+        _const(device, 0.0) if res is None else res, y8.view(torch.uint8) if out_mode == OutMode.DUAL_FP8 else y8,
         g.N, g.H, g.W, g.C, g.P, g.Q, g.K, g.R, g.S,
         g.stride[0], g.stride[1], g.padding[0], g.padding[1], g.dilation[0], g.dilation[1], M,
         float(alpha), sa[1], sb[1], bias_stride, mode, float(slope),
         int(acc_mul), _interior_position(g) if add_interior else -1, kw,
-        IS_FP8=fp8, FAST_ACCUM=bool(fast_accum), FLAT=bool(flat), OUT_MODE=out_mode, HAS_ADD=add is not None,
+        IS_FP8=fp8, FAST_ACCUM=bool(fast_accum), FLAT=bool(flat), OUT_MODE=int(out_mode), HAS_ADD=add is not None,
         ADD_PIX=add is not None and add.dim() == 3,
         EVEN_K=g.C % cfg["BLOCK_K"] == 0, INT64=int64, HAS_RES=res is not None, OUT_LO=o_lo, OUT_HI=o_hi, OUT_OFF=o_off,
         **f8, Q_BITS=planes.bits if planes is not None else 1, Q_SHIFT=planes.shift if planes is not None else 0,
@@ -666,7 +690,7 @@ def _launch(x, w, g: ConvGeometry, op: str, *, fp8: bool, alpha, sa, sb, bias, a
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3), enable_fp_fusion=False,
     )
-    return ((y, y8) if out_mode in (OUT_DUAL, OUT_DUAL_FP8) else y), kernel
+    return ((y, y8) if out_mode in (OutMode.DUAL, OutMode.DUAL_FP8) else y), kernel
 
 
 def _parse_outs(out, out_int8, allowed: tuple[str, ...], op: str):

@@ -69,7 +69,20 @@ import triton.language as tl
 
 from ...formats import FloatFormat
 from ._host import cdiv
-from .round import MODES, add_round_to_odd, mul_round_to_odd, neg, round_constexprs, round_to_format
+from ...enums import Rounding
+from .round import (
+    MODES,
+    ROUND_DOWN,
+    ROUND_NEAREST,
+    ROUND_NEAREST_AWAY,
+    ROUND_TOWARD_ZERO,
+    ROUND_UP,
+    add_round_to_odd,
+    mul_round_to_odd,
+    neg,
+    round_constexprs,
+    round_to_format,
+)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -118,15 +131,15 @@ def _ro_mul(a, b, HW: tl.constexpr):
 @triton.jit
 def _sum_fast(a, b, MODE: tl.constexpr, SUM_RN: tl.constexpr, HW: tl.constexpr):
     """A float32 value x with R(x) == R(a + b) for acc-grid values a, b (see the module doc)."""
-    if MODE <= 1:
+    if MODE == ROUND_NEAREST or MODE == ROUND_NEAREST_AWAY:
         if SUM_RN:
             x = a + b
         else:
             x = _ro_add(a, b, HW)
     elif HW:
-        if MODE == 2:
+        if MODE == ROUND_TOWARD_ZERO:
             x = _dir_add(a, b, "rz")
-        elif MODE == 3:
+        elif MODE == ROUND_UP:
             x = _dir_add(a, b, "rp")
         else:
             x = _dir_add(a, b, "rm")
@@ -138,16 +151,16 @@ def _sum_fast(a, b, MODE: tl.constexpr, SUM_RN: tl.constexpr, HW: tl.constexpr):
 @triton.jit
 def _round_fast(x, MODE: tl.constexpr, S: tl.constexpr, VELT: tl.constexpr):
     """R(x) on the normal range of the acc format (no specials, no subnormal fix-up)."""
-    if MODE == 0:  # Veltkamp: nearest, ties to even, at bit S
+    if MODE == ROUND_NEAREST:  # Veltkamp: nearest, ties to even, at bit S
         c = x * VELT
         r = c - (c - x)
     else:
         bits = x.to(tl.int32, bitcast=True)
-        if MODE == 1:
+        if MODE == ROUND_NEAREST_AWAY:
             bits = bits + (1 << (S - 1))
-        elif MODE == 3:  # up: magnitude up for positive values
+        elif MODE == ROUND_UP:  # up: magnitude up for positive values
             bits = bits + (~(bits >> 31) & ((1 << S) - 1))
-        elif MODE == 4:  # down: magnitude up for negative values
+        elif MODE == ROUND_DOWN:  # down: magnitude up for negative values
             bits = bits + ((bits >> 31) & ((1 << S) - 1))
         r = (bits & -(1 << S)).to(tl.float32, bitcast=True)
     return r
@@ -162,7 +175,7 @@ def _round_any(x, MODE: tl.constexpr, S: tl.constexpr, VELT: tl.constexpr, M_LOW
     """R(x) for any finite x below the tracked limit: nearest-even by Veltkamp plus the constant-
     quantum rounding below min normal ((x + M) - M, M = 1.5 * 2**(qe_low + 23)); other modes
     through the generic rounding."""
-    if MODE == 0:
+    if MODE == ROUND_NEAREST:
         c = x * VELT
         r = c - (c - x)
         low = (x + M_LOW) - M_LOW  # a zero result keeps x's sign, like the reference cast:
@@ -550,7 +563,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, acc_fmt: FloatFormat, mode: str = "
         return c
     fc = fast_constexprs(acc_fmt, hw=a.is_cuda)
     fc["FAST"] = fc["FAST"] and fast
-    common = dict(**round_constexprs(acc_fmt), **fc, MODE=MODES[rounding], KAHAN=kahan)
+    common = dict(**round_constexprs(acc_fmt), **fc, MODE=Rounding(rounding).code, KAHAN=kahan)
     hwcvt = _HWCVT.get(acc_fmt, 0) if (fc["HW"] and rounding == "nearest" and hw_convert) else 0
     args = (a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
     if mode == "fma":
@@ -562,7 +575,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, acc_fmt: FloatFormat, mode: str = "
     else:
         if mode != "chunk":
             raise ValueError(f"mode must be 'fma' or 'chunk', got {mode!r}")
-        # tiles from benchmarks/bench_emulate_chunk_device.py (H200, 4096^3): with s held in fp16/bf16
+        # tiles from benchmarks/tune_emulate_chunk_device.py (H200, 4096^3): with s held in fp16/bf16
         # (cvt) and no Kahan, 128x256 x 8 warps from chunk 128 on; else 64x128 x 4 warps (2-3 CTAs
         # per SM: one CTA's rounding overlaps another's MMAs)
         big = hwcvt != 0 and not kahan and chunk >= 128 and a.dtype != torch.float32

@@ -6,14 +6,14 @@ The same bits as ``ops.conv.to_fp8``'s torch path: the division is IEEE (``round
 ``/`` is ``div.full``, 2 ulp), the clamp keeps NaN (compares, not min/max), and the conversion rounds to nearest even
 (``cvt.rn.satfinite`` on sm_90: within the clamp it is torch's rounding).  The torch path it replaces took
 several full-size float32 temporaries and a strided copy: 7.4 ms for a 256x56x56x256 fp16 tensor into the
-batch-inner order on the H200, this pass 0.32-0.40 ms (1.5-1.9 TB/s; results/fp8_quant.json).
+batch-inner order on the H200, this pass 0.32-0.40 ms (1.5-1.9 TB/s; docs/decisions/0013).
 
     program -> a (BLOCK_A x BLOCK_B) tile of (the source's contiguous dim a) x (the destination's contiguous dim
     b) at one index of the two other dims: loads coalesce along a, stores along b (Triton moves the tile through
     shared memory between the two layouts)
 
 ``pool_quantize_fp8``: a conv's float output y ``(N, P, Q, K)`` (any strides) -> optional 2x2 max-pool (stride 2,
-or 1 with the window clipped at the bottom / right edge: darknet's size-keeping pool; ``reference_qconv.pool_nhwc``'s
+or 1 with the window clipped at the bottom / right edge: darknet's size-keeping pool; ``reference_conv_bitserial.pool_nhwc``'s
 comparisons, so NaN propagates and of +-0 the first wins, as torch's max-pool) -> ``fp8(clamp(y / scale))`` ->
 ``(N, P', Q', K)`` float8 contiguous: the next FP8 layer's operand in one read of y, one byte written an element
 (``ops.qconv`` ran a torch max-pool on float32 and then the quantiser: 2.8 GB of float32 written and read again at
@@ -80,7 +80,7 @@ def _tile_dims(x: torch.Tensor, out: torch.Tensor) -> tuple[int, int]:
 
 
 def _block(x: torch.Tensor, a: int, b: int) -> tuple[int, int, int]:
-    """The tile, measured on the H200 (benchmarks/bench_fp8_quant_device.py, results/fp8_quant.json): a transpose
+    """The tile, measured on the H200 (docs/decisions/0013): a transpose
     whose destination rows are far apart in the source (NHWC into batch-inner: 256x56x56x256 fp16 in 0.32 ms, 1.9
     TB/s) takes 32 x 128 (128-byte fp8 stores), 0.40 ms at 64 x 64; everything else 64 x 64 (NHWC into (C, N, H, W)
     with C = 64: 0.20 vs 0.36 ms; no transpose: 0.015 vs 0.039 ms)."""

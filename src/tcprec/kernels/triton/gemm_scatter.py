@@ -27,9 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference_conv import ConvGeometry
+from ..conv_geometry import ConvGeometry
 from ._host import cdiv
-from .conv_bwd import _mma
+from .conv_bwd import _mma, _one, _strides, interpreting, sm_count
 
 __all__ = ["dgrad_1x1_strided", "supported", "CONFIGS", "VARIANT_CONFIGS", "MIN_ROWS_AUTO"]
 
@@ -181,8 +181,6 @@ def dgrad_1x1_strided(dy2: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, g:
     is (mode, slope) as in ``conv_bwd.dgrad``; ``scales`` (scale_a, scale_b) device scalars or None.
     Returns the launched compiled kernel (its ``asm`` for inspection)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
-
-    from .conv_bwd import _one, _strides, interpreting, sm_count
 
     ok, why = supported(g, dy2.dtype in (torch.float8_e4m3fn, torch.float8_e5m2))
     if not ok:

@@ -16,8 +16,7 @@ is the sum of the activation values over the receptive field: the bit-serial GEM
 correction (``kernels/reference_gemm.py``) with ``row_mul = step_a * offset_w`` and
 ``row_add = K * offset_a * offset_w`` for the true ``K = R*S*C``.  Zero words (padding, the gaps
 after each tap's ``C`` bits) add nothing to AND+popc or to the row sums, so the GEMM of these rows
-against weight planes of the same per-tap layout is the convolution.  ``STORE=False`` computes
-only ``row_term`` (a 1x1 stride-1 convolution needs no im2col, its input planes are the operand).
+against weight planes of the same per-tap layout is the convolution.
 
 How: one program owns BLOCK_M output rows and walks their words in BLOCK_W chunks; every chunk is
 one masked gather per plane (contiguous runs of Cw words per tap) and one store; the SWAR popcount
@@ -31,12 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import cdiv, next_power_of_2
+from ._host import cdiv
 
 __all__ = ["im2col_bits"]
-
-ROWSUM_BLOCK_W, ROWSUM_TILE = 1024, 8192  # the row-sums-only tile: words a row, words a program
-
 
 @triton.jit
 def _popc32(v):
@@ -70,7 +66,7 @@ def _im2col_bits_kernel(
     # row correction: row_term = row_mul * (weighted popcount) + row_add
     row_mul, row_add,
     # meta
-    BITS: tl.constexpr, TWOS: tl.constexpr, STORE: tl.constexpr, ROWSUM: tl.constexpr,
+    BITS: tl.constexpr, TWOS: tl.constexpr, ROWSUM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     offs_m, m_ok, n_i, h0, w0 = _window_origins(M, P, Q, stride_h, stride_w, pad_h, pad_w, BLOCK_M)
@@ -91,8 +87,7 @@ def _im2col_bits_kernel(
         keep = m_ok[:, None] & (offs_j < Kw_col)[None, :]
         for b in tl.static_range(BITS):
             v = tl.load(x_ptr + b * stride_xb + src, mask=valid, other=0)  # (BLOCK_M, BLOCK_W) int32
-            if STORE:
-                tl.store(out_ptr + b * stride_ob + dst, v, mask=keep)
+            tl.store(out_ptr + b * stride_ob + dst, v, mask=keep)
             if ROWSUM:
                 pc = tl.sum(_popc32(v), axis=1)  # (BLOCK_M,) set bits of plane b
                 if TWOS and b == BITS - 1:
@@ -104,11 +99,11 @@ def _im2col_bits_kernel(
         tl.store(row_ptr + offs_m, acc * row_mul + row_add, mask=m_ok)
 
 
-def im2col_bits(planes: torch.Tensor, geom, *, twos: bool = False, store: bool = True, rowsum: bool = False,
+def im2col_bits(planes: torch.Tensor, geom, *, twos: bool = False, rowsum: bool = False,
                 row_mul: int = 1, row_add: int = 0, block_m: int | None = None, block_w: int = 32,
                 num_warps: int = 4):
     """Launch: planes int32 ``(bits, N*H*W, Kw_in)`` and a ``ConvGeometry`` -> ``(cols, row_term)``:
-    cols int32 ``(bits, N*P*Q, Kw_col)`` (None unless ``store``), row_term int32 ``(N*P*Q,)`` (None
+    cols int32 ``(bits, N*P*Q, Kw_col)``, row_term int32 ``(N*P*Q,)`` (None
     unless ``rowsum``).  ``tcprec.ops.qconv`` validates; this only allocates and launches."""
     bits = planes.shape[0]
     Cw = -(-geom.C // 32)
@@ -116,26 +111,22 @@ def im2col_bits(planes: torch.Tensor, geom, *, twos: bool = False, store: bool =
     kw_col = -(-rscw // 16) * 16
     M = geom.N * geom.P * geom.Q
     dev = planes.device
-    cols = torch.empty((bits, M, kw_col), dtype=torch.int32, device=dev) if store else None
+    cols = torch.empty((bits, M, kw_col), dtype=torch.int32, device=dev)
     row = torch.empty((M,), dtype=torch.int32, device=dev) if rowsum else None
-    if M == 0 or not (store or rowsum):
+    if M == 0:
         return cols, row
-    if not store and planes.is_cuda:  # row sums only: whole rows (up to 1024 words) a program, so that a few long
-        # rows (a linear layer at batch 8: 8 x 784 words) are not one program walking K (10.8 us on the H200)
-        block_w = max(block_w, min(next_power_of_2(kw_col), ROWSUM_BLOCK_W))
-        block_m = block_m or max(1, min(32, ROWSUM_TILE // block_w))
     if block_m is None:  # Triton's CPU interpreter pays per program: few, large ones there
         block_m = 32 if planes.is_cuda else 256
-    dummy = planes  # never written when its flag is off
+    dummy = planes  # never written without ROWSUM
     grid = (cdiv(M, block_m),)
     _im2col_bits_kernel[grid](
-        planes, cols if store else dummy, row if rowsum else dummy,
+        planes, cols, row if rowsum else dummy,
         M, geom.H, geom.W, geom.P, geom.Q, geom.S, Cw, rscw, kw_col,
         geom.stride[0], geom.stride[1], geom.padding[0], geom.padding[1], geom.dilation[0], geom.dilation[1],
         planes.stride(0), planes.stride(1),
-        cols.stride(0) if store else 0, cols.stride(1) if store else 0,
+        cols.stride(0), cols.stride(1),
         int(row_mul), int(row_add),
-        BITS=bits, TWOS=bool(twos), STORE=bool(store), ROWSUM=bool(rowsum),
+        BITS=bits, TWOS=bool(twos), ROWSUM=bool(rowsum),
         BLOCK_M=block_m, BLOCK_W=block_w, num_warps=num_warps,
     )
     return cols, row

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...packing import packed_words
+from ..reference_bitplanes import packed_words
 from ._host import cdiv, next_power_of_2
 from .round import div_by_scalar
 
@@ -301,7 +301,7 @@ POOL_PROGRAMS = 512  # pool_planes: the programs to aim for on a small map (a fe
 POOL_MIN_ROWS = 16  # ... with row blocks no smaller than this
 MAX_BLOCK_W = 8
 # pool_planes' bit-sliced programs: words a program.  4096 (512 rows of a 256-channel compact row) held 4 pixels x 2
-# planes x 32 words a thread and ran VGG's 256 x 56 x 56 x 256 pool in 109 us; 512 words: 18 us (H200, session 23:
+# planes x 32 words a thread and ran VGG's 256 x 56 x 56 x 256 pool in 109 us; 512 words: 18 us (H200;
 # 16-64 rows of 8 words 17-18 us, of 16 words 32-35 us)
 POOL_SLICED_WORDS = 512
 
@@ -455,7 +455,7 @@ def pool_planes(planes: torch.Tensor, shape: tuple, pool_stride: int, bits: int,
     bw = min(next_power_of_2(Kw), 16 if sliced else MAX_BLOCK_W)  # (compact rows: any Kw)
     br = POOL_SLICED_WORDS // bw if sliced else max(1, TILE_CODES // (32 * bw))
     # small maps get smaller row blocks, down to POOL_MIN_ROWS, so that there are POOL_PROGRAMS programs: a batch-8
-    # AlexNet / VGG pool ran on 3 / 13 programs and took 26 / 31 us for 1-2 KB of output (H200, session 20)
+    # AlexNet / VGG pool ran on 3 / 13 programs and took 26 / 31 us for 1-2 KB of output (H200)
     br = max(min(br, POOL_MIN_ROWS), min(br, next_power_of_2(cdiv(R, POOL_PROGRAMS))))
     _pool_planes_kernel[(cdiv(R, br), cdiv(Kw, bw))](
         planes, out, R, Kw, min(Kw, cdiv(K, 32)), P, Q, PO, QO,

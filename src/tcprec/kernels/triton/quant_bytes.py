@@ -80,7 +80,7 @@ def _pool_quantize_int8_kernel(
 # The geometry is compile-time (a network has one or two thin stems): the (r, s, c) decomposition of the column
 # index is per column and the window's address splits into a per-row base (int64) plus a per-column offset, so
 # the 2-D tile costs two adds, the bounds test and the byte copy an element.  Measured on an H200 at batch 256
-# (session 16, .carry/im2col16.py, same process): ResNet-18's stem 487 -> 196 us, VGG's 633 -> 141 us,
+# (same process): ResNet-18's stem 487 -> 196 us, VGG's 633 -> 141 us,
 # AlexNet's 935 -> 444 us (runtime geometry with int64 address arithmetic a element before).
 @triton.jit(do_not_specialize=["M", "H", "W", "P", "Q"])
 def _im2col_rows_kernel(

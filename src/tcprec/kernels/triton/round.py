@@ -16,10 +16,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .cast import _float_constexprs, round_to_format  # noqa: F401  (round_to_format: re-exported)
+from ...enums import DETERMINISTIC_ROUNDINGS
+from .cast import (  # noqa: F401  (re-exported for the kernels that round inside a computation)
+    ROUND_DOWN,
+    ROUND_NEAREST,
+    ROUND_NEAREST_AWAY,
+    ROUND_TOWARD_ZERO,
+    ROUND_UP,
+    _float_constexprs,
+    round_to_format,
+)
 
-# Deterministic modes only (stochastic rounding inside a GEMM needs a per-(m, n, k) counter: TODO).
-MODES = {"nearest": 0, "nearest_away": 1, "toward_zero": 2, "up": 3, "down": 4}
+# The modes a kernel can round with inside a computation: the deterministic ones (stochastic rounding
+# inside a GEMM needs a per-(m, n, k) counter: TODO).  Their MODE value is ``tcprec.Rounding(r).code``.
+MODES = DETERMINISTIC_ROUNDINGS
 
 
 _SIGN_BIT = tl.constexpr(-(1 << 31))  # 0x80000000 as an int32

@@ -77,7 +77,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference_conv import ACT_NONE, ConvGeometry
+from ..conv_geometry import ACT_NONE, ConvGeometry
 from ._host import cdiv, next_power_of_2
 from .conv_bwd import _one, _store_dw_tile, _sum_splits, _wgrad_tile, check_wgmma_blocks, interpreting, sm_count
 

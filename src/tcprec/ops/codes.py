@@ -1,0 +1,147 @@
+"""encode / decode of element formats and the checks the ops share: validate, choose a backend (with a
+stated reason), launch.  ``tcprec.ops.cast`` builds ``cast`` on these (and on ``quantize`` for MX
+block formats).
+
+Backends: ``"triton"`` (the fused elementwise kernel in ``kernels/triton/cast.py``; on CUDA tensors,
+or anywhere under ``TRITON_INTERPRET=1``) and ``"reference"`` (pure torch, ``kernels/reference.py``;
+every device).  Both compute the same bits, stochastic rounding included.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import ROUNDING_MODES, BlockFormat, FloatFormat, IntFormat, as_format
+from ..kernels import reference as ref
+from ..kernels.reference import code_dtype
+from ..kernels.triton import choose_backend
+
+__all__ = ["encode", "decode", "choose_cast_backend", "code_dtype", "check_float_input", "check_rounding",
+           "cast_element"]
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def choose_cast_backend(x: torch.Tensor, backend: str = "auto") -> tuple[str, str]:
+    """(backend, reason) for casting ``x``."""
+    return choose_backend(x, backend, "fused Triton cast kernel")
+
+
+def check_float_input(x, fn: str) -> None:
+    """TypeError unless x is a float32/float16/bfloat16/float64 tensor (shared by the ops)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{fn}() expects a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"{fn}() takes a floating tensor of dtype float32, float16, bfloat16 or float64, got dtype={x.dtype}; "
+            "convert with x.float() first"
+        )
+
+
+def check_rounding(rounding: str) -> None:
+    if rounding not in ROUNDING_MODES:
+        raise ValueError(f"rounding must be one of {ROUNDING_MODES}, got rounding={rounding!r}")
+
+
+def _seed_from(generator: torch.Generator | None, rounding: str) -> int | None:
+    if rounding != "stochastic":
+        return None
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    device = generator.device if generator is not None else "cpu"
+    return int(torch.randint(0, 2**62, (1,), generator=generator, device=device).item())
+
+
+def _compute_dtype(x: torch.Tensor, fmt) -> torch.dtype:
+    """float64 stays float64; the 16-bit types are widened (exactly) to float32."""
+    if x.dtype == torch.float64:
+        return torch.float64
+    if x.dtype in (torch.float16, torch.bfloat16) and isinstance(fmt, FloatFormat):
+        limit = torch.finfo(x.dtype).max
+        if fmt.max > limit:
+            raise ValueError(
+                f"cast of a {x.dtype} tensor to {fmt}: {fmt} reaches {fmt.max:.4g}, beyond {x.dtype}'s max "
+                f"{limit:.4g}, so a result could not be stored in {x.dtype}; cast x.float() instead"
+            )
+    return torch.float32
+
+
+def cast_element(x: torch.Tensor, fmt: IntFormat | FloatFormat, rounding: str,
+                 generator: torch.Generator | None, backend: str) -> torch.Tensor:
+    """``tcprec.cast`` for an element format, after its checks (``x`` checked, ``fmt`` an IntFormat
+    or FloatFormat, ``rounding`` checked)."""
+    cdt = _compute_dtype(x, fmt)
+    seed = _seed_from(generator, rounding)
+    name, _ = choose_cast_backend(x, backend)
+    xc = x.to(cdt)
+    if name == "triton":
+        from ..kernels.triton import cast as tcast  # lazy: imports Triton, whose jit reads TRITON_INTERPRET
+
+        y = tcast.cast(xc, fmt, rounding, seed)
+    elif isinstance(fmt, IntFormat):
+        y = ref.cast_int(xc, fmt, rounding, seed)
+    else:
+        y = ref.cast_float(xc, fmt, rounding, seed)
+    return y.to(x.dtype)
+
+
+def encode(
+    x: torch.Tensor,
+    fmt,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Round ``x`` to ``fmt`` and return its codes (bit patterns): uint8 for formats of up to 8 bits,
+    int16 up to 16 bits, int32 above.  Integer formats give the b-bit two's complement pattern
+    (``twos``) or the code index (``unsigned``, ``pm1``: value = 2*code - (2**bits - 1)).
+
+    Raises ``ValueError`` if ``x`` holds NaN and ``fmt`` has no NaN code (integers, fp6, fp4).
+    """
+    check_float_input(x, "encode")
+    fmt = as_format(fmt)
+    check_rounding(rounding)
+    if isinstance(fmt, BlockFormat):
+        raise TypeError(f"encode() takes an element format; for {fmt} use tcprec.quantize(x, {str(fmt)!r})")
+    cdt = _compute_dtype(x, fmt)
+    seed = _seed_from(generator, rounding)
+    name, _ = choose_cast_backend(x, backend)
+    xc = x.to(cdt)
+    if name == "triton":
+        from ..kernels.triton import cast as tcast  # lazy: imports Triton, whose jit reads TRITON_INTERPRET
+
+        flag = torch.zeros(1, dtype=torch.int32, device=x.device)
+        codes = tcast.encode(xc, fmt, rounding, seed, out_dtype=code_dtype(fmt), nan_flag=flag)
+        has_codeless_nan = not fmt.has_nan and bool(flag.item())  # set inside the kernel, no extra pass
+    else:
+        fn = ref.encode_int if isinstance(fmt, IntFormat) else ref.encode_float
+        codes = fn(xc, fmt, rounding, seed)
+        has_codeless_nan = not fmt.has_nan and bool((codes == -1).any())
+    if has_codeless_nan:
+        n = int(torch.isnan(x).sum())
+        raise ValueError(
+            f"x holds {n} NaN value(s) but {fmt} has no NaN code; remove them (torch.nan_to_num) or pick a "
+            "format with NaN (e.g. float8_e4m3fn)"
+        )
+    dt = code_dtype(fmt)
+    if codes.dtype != dt:
+        if dt != torch.uint8:  # keep the bit pattern: wrap into the signed storage type
+            width = torch.iinfo(dt).bits
+            codes = torch.where(codes >= (1 << (width - 1)), codes - (1 << width), codes)
+        codes = codes.to(dt)
+    return codes
+
+
+def decode(codes: torch.Tensor, fmt) -> torch.Tensor:
+    """Codes (as produced by ``encode``) -> float32 values."""
+    fmt = as_format(fmt)
+    if not isinstance(codes, torch.Tensor):
+        raise TypeError(f"decode() expects a torch.Tensor of codes, got {type(codes).__name__}")
+    if codes.dtype.is_floating_point or codes.dtype.is_complex or codes.dtype == torch.bool:
+        raise TypeError(f"decode() takes integer codes, got dtype={codes.dtype}; codes come from tcprec.encode")
+    if isinstance(fmt, BlockFormat):
+        raise TypeError(f"decode() takes an element format; a {fmt} tensor is a QTensor: call .dequantize()")
+    if isinstance(fmt, IntFormat):
+        return ref.decode_int(codes, fmt)
+    return ref.decode_float(codes, fmt)
