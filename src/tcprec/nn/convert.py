@@ -295,6 +295,9 @@ def plan_layers(model: nn.Module, config: QuantConfig | str = "w1a2") -> tuple[l
     for name in order:
         m, prec = mods[name], precision_of(name)
         why = _unsupported(m) or (None if prec is not None else "kept in float (config)")
+        if why is None and isinstance(m, nn.Conv2d) and m.groups != 1:
+            # quantize_model runs grouped convs on QGroupedConv2d; QAT's fake-quant conv and convert_qat do not
+            why = f"groups={m.groups}: QAT trains groups=1 convs (quantize_model quantizes it after training)"
         bn = None
         if traced and cfg.fuse and why is None:
             u = _sole_user(nodes[name])
