@@ -142,11 +142,12 @@ def test_int8_model_is_close_to_float():
 def test_quantize_model_overrides_and_float_warning():
     x = torch.randn(2, 3, 8, 8)
     net = _calibrated(_net(), x)
-    net[7] = nn.Conv2d(16, 16, 1, groups=4)  # no integer path for grouped convs
-    with pytest.warns(UserWarning, match=r"stay in floating point: .*7 \(groups=4"):
+    net[7] = nn.Conv2d(16, 16, 1, groups=4)  # grouped: QGroupedConv2d (nn/qgrouped.py)
+    with pytest.warns(UserWarning, match=r"stay in floating point: 4 \(kept in float \(config\)\)"):
         q = tp.quantize_model(net, tp.QuantConfig("w4a4", overrides={"4": "float"}), calibration=x)
     prec = {r.name: r.precision for r in q.tcprec_summary.layers}
-    assert prec["4"] == "float" and prec["7"] == "float" and prec["10"] == "w4a4"
+    assert prec["4"] == "float" and prec["7"] == "w4a4" and prec["10"] == "w4a4"
+    assert type(dict(q.named_modules())["7"]).__name__ == "QGroupedConv2d"
     assert isinstance(dict(q.named_modules())["4"], nn.Conv2d)
     with torch.no_grad():
         q(x)  # float and quantized layers interoperate (NCHW float between them)

@@ -49,7 +49,12 @@ from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
 from ..ops.matmul import BACKENDS, choose_int_backend
-from .qmodules import FixedQuant, LayerPrecision, QConv2d, QLinear, flatten_nhwc, parse_precision
+from ..ops.quantize import absmax_qmax
+from . import calibrate as cal
+from .coverage import check_conv_coverage, normalize_graph, uncovered
+from .qgrouped import QGroupedConv2d, grouped_act_of, grouped_unsupported
+from .qmodules import (FixedQuant, LayerPrecision, QConv2d, QLinear, _quantize_weight, activation_format,
+                       flatten_nhwc, parse_precision, weight_format)
 
 __all__ = ["QuantConfig", "QuantSummary", "LayerRecord", "LayerPlan", "quantize_model", "plan_layers"]
 
@@ -74,6 +79,11 @@ class QuantConfig:
                 reduction; ``"fp32"`` promotes it into fp32 every BLOCK_K products (per-layer error ~27x smaller,
                 but the network's divergence from its reference is the same within 1.5 points and batch-256
                 forwards ~15% slower: docs/decisions/0040, docs/numerics.md)
+    activation_observer  how activation ranges are calibrated (integer layers): ``"absmax"``, ``"percentile"``,
+                ``"mse"``, ``"entropy"`` or an ``Observer(method, percentile=, bins=)`` (nn/calibrate.py)
+    weight_clip ``"absmax"`` | ``"mse"`` (per-channel clip search) for integer weights
+    weight_grid ``"twos"`` (intN) | ``"pm"`` (pmN odd-integer codes for 2..7-bit weights: every code used)
+    bias_correction  subtract the expected output error of the quantized weights from each layer's bias
     """
 
     precision: str = "w1a2"
@@ -85,10 +95,22 @@ class QuantConfig:
     fuse_residual: bool = True
     fuse_flatten: bool = True
     fp8_accum: str = "fast"
+    activation_observer: "cal.Observer | str" = "absmax"
+    weight_clip: str = "absmax"
+    weight_grid: str = "twos"
+    bias_correction: bool = False
 
     def __post_init__(self):
         if self.fp8_accum not in ("fp32", "fast"):
             raise ValueError(f"fp8_accum must be 'fp32' or 'fast', got {self.fp8_accum!r}")
+        object.__setattr__(self, "activation_observer", cal.as_observer(self.activation_observer))
+        if self.weight_clip not in cal.WEIGHT_CLIPS:
+            raise ValueError(f"weight_clip must be one of {cal.WEIGHT_CLIPS}, got {self.weight_clip!r}")
+        if self.weight_grid not in cal.WEIGHT_GRIDS:
+            raise ValueError(f"weight_grid must be one of {cal.WEIGHT_GRIDS}, got {self.weight_grid!r} "
+                             "('pm' stores 2..7-bit weights as odd integers, using every code)")
+        if not isinstance(self.bias_correction, bool):
+            raise TypeError(f"bias_correction must be a bool, got {self.bias_correction!r}")
         parse_precision(self.precision)
         if self.first_last is not None:
             parse_precision(self.first_last)
@@ -202,7 +224,7 @@ def _calibrate(model: nn.Module, names: list[str], batches, shapes: bool = False
 def _unsupported(m: nn.Module) -> str | None:
     if isinstance(m, nn.Conv2d):
         if m.groups != 1:
-            return f"groups={m.groups} (the integer conv supports groups=1)"
+            return grouped_unsupported(m, None)  # QGroupedConv2d (nn/qgrouped.py)
         if isinstance(m.padding, str) or m.padding_mode != "zeros":
             return f"padding={m.padding!r}, padding_mode={m.padding_mode!r} (needs numeric zero padding)"
     return None
@@ -273,6 +295,9 @@ def plan_layers(model: nn.Module, config: QuantConfig | str = "w1a2") -> tuple[l
     for name in order:
         m, prec = mods[name], precision_of(name)
         why = _unsupported(m) or (None if prec is not None else "kept in float (config)")
+        if why is None and isinstance(m, nn.Conv2d) and m.groups != 1:
+            # quantize_model runs grouped convs on QGroupedConv2d; QAT's fake-quant conv and convert_qat do not
+            why = f"groups={m.groups}: QAT trains groups=1 convs (quantize_model quantizes it after training)"
         bn = None
         if traced and cfg.fuse and why is None:
             u = _sole_user(nodes[name])
@@ -468,6 +493,44 @@ def _chain_through_flatten(node: fx.Node, flat: fx.Node, qmods, records: dict, k
         records[node.target].out = f"packed {b.a_fmt} -> {to}"
 
 
+def _weight_fmt(prec: LayerPrecision, grid: str):
+    return weight_format(prec) if prec.fp8 else cal.weight_format_for(prec.w_bits, grid)
+
+
+def _regrid(q, float_layer: nn.Module, fmt) -> None:
+    """Re-quantize a QConv2d / QLinear's weight on another grid (pmN), the same per-channel absmax rule."""
+    w = float_layer.weight.detach()
+    w = w.permute(0, 2, 3, 1).contiguous() if isinstance(q, QConv2d) else w[:, None, None, :]  # (K, R, S, C)
+    q.w_fmt = fmt
+    q.weight = _quantize_weight(w, fmt)  # buffers weight_codes / weight_scale, packed lazily
+
+
+def _calibration_call(cfg: QuantConfig, gm, order, batches, stats, precision_of, mods):
+    """The config's calibration on top of the absmax pass: activation clips (integer layers; FP8 layers keep
+    absmax, whose 448 maps onto e4m3's range), per-channel weight clip ratios, bias-correction deltas."""
+    obs = cfg.activation_observer
+    layers = [n for n in order if precision_of(n) is not None and not _unsupported(mods[n])]
+    ints = [n for n in layers if not precision_of(n).fp8]
+    if obs.method != "absmax" and ints:
+        qmax = lambda n: absmax_qmax(activation_format(precision_of(n), stats[n][1]))  # noqa: E731
+        clips = cal.activation_clips(gm, ints, batches, {n: stats[n][0] for n in ints}, obs, qmax)
+        stats = {**stats, **{n: (clips[n], stats[n][1]) for n in ints}}
+    w_ratio = {}
+    if cfg.weight_clip == "mse":
+        w_ratio = {n: cal.weight_clip_ratio(mods[n].weight, _weight_fmt(precision_of(n), cfg.weight_grid))
+                   for n in ints}
+    deltas = {}
+    if cfg.bias_correction and layers:
+        def w_dq(n):
+            w = mods[n].weight.detach().float()
+            if n in w_ratio:
+                lim = (w.flatten(1).abs().amax(1) * w_ratio[n]).view(-1, *([1] * (w.dim() - 1)))
+                w = torch.maximum(torch.minimum(w, lim), -lim)
+            return cal.dequantized_weight(w, _weight_fmt(precision_of(n), cfg.weight_grid))
+        deltas = cal.bias_deltas(gm, layers, batches, w_dq)
+    return stats, w_ratio, deltas
+
+
 def _views_to_reshapes(g: fx.Graph) -> None:
     """``x.view(shape)`` -> ``x.reshape(shape)``: a quantized conv's output is NCHW over channels_last memory (and so
     is any elementwise op or pool of it), where a view that merges C with H, W (LeNet / AlexNet's
@@ -514,6 +577,7 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
         raise ValueError(f"model has {'/'.join(wide)} parameters or buffers; quantized layers compute in float32 and "
                          "output float32, float16 or bfloat16: quantize a float32 copy (quantize_model(model.float(), "
                          "...)) and cast its output if you need float64")
+    named_in = dict(model.named_modules())  # the original's module tree, for the coverage listing
     model = model if inplace else copy.deepcopy(model)
     model.eval()
     notes: list[str] = []
@@ -525,6 +589,8 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
         gm, traced = model, False
         notes.append(f"torch.fx could not trace the model ({type(e).__name__}: {str(e)[:120]}); layers were swapped "
                      "one by one with float input and output, without fusion or chaining")
+    if traced:  # F.conv2d / F.linear / Conv1d / zero pads -> plain modules (nn/coverage.py)
+        notes += normalize_graph(gm)
     mods = dict(gm.named_modules())
     unknown = [k for k in cfg.overrides if k not in mods]
     if unknown:
@@ -537,6 +603,10 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
     stats = _calibrate(gm, order, batches, shapes=traced, notes=notes)
     precision_of = _precision_rule(cfg, order, mods)
     dev = next((p.device for p in gm.parameters()), torch.device("cpu"))
+
+
+    # -- calibration beyond absmax, weight clipping and bias correction (nn/calibrate.py) -------------------
+    stats, w_ratio, deltas = _calibration_call(cfg, gm, order, batches, stats, precision_of, mods)
 
     records: dict[str, LayerRecord] = {}
     new_mods: dict[str, nn.Module] = {}
@@ -553,21 +623,37 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
         m = mods[name]
         kind = "conv" if isinstance(m, nn.Conv2d) else "linear"
         prec = precision_of(name)
-        why = _unsupported(m)
+        why = _unsupported(m) or (grouped_unsupported(m, prec) if kind == "conv" and m.groups != 1 else None)
         absmax, neg = stats.get(name, (0.0, False))
         if prec is None or why:
             records[name] = LayerRecord(name, kind, "float", why or "kept in float (config)")
             return None
         fx_ = fixed.get(name) if fixed else None
-        if kind == "conv":
+        wfmt = _weight_fmt(prec, cfg.weight_grid)
+        if name in w_ratio or name in deltas:
+            m = cal.prepared_float_layer(m, w_ratio.get(name), deltas.get(name))
+        if kind == "conv" and m.groups != 1:
+            if fx_ is not None:
+                raise ValueError(f"fixed quantization of {name!r}: a grouped conv (groups={m.groups}) takes its "
+                                 "weights from the float layer; leave it out of fixed")
+            q = QGroupedConv2d.from_float(m, prec, w_fmt=wfmt, in_absmax=absmax, signed_input=neg, bn=bn, act=act,
+                                          backend="reference" if cfg.backend == "reference" else "auto")
+            backend = q.route[0]
+        elif kind == "conv":
             q = QConv2d.from_float(m, prec, in_absmax=absmax, signed_input=neg, bn=bn, act=act, pool=pool,
                                    backend=cfg.backend, fixed=fx_)
         else:
             q = QLinear.from_float(m, prec, in_absmax=absmax, signed_input=neg, act=act, backend=cfg.backend,
                                    fixed=fx_)
-        q.fp8_fast_accum = cfg.fp8_accum == "fast"
-        backend = "fp8" if prec.fp8 else choose_int_backend(q.a_fmt, q.w_fmt, dev, cfg.backend)[0]
-        fused = tuple(x for x in (bn is not None and "bn", act and (act if isinstance(act, str) else "leaky"),
+        if not isinstance(q, QGroupedConv2d):
+            if wfmt != q.w_fmt and fx_ is None:
+                _regrid(q, m, wfmt)
+            q.fp8_fast_accum = cfg.fp8_accum == "fast"
+            backend = "fp8" if prec.fp8 else choose_int_backend(q.a_fmt, q.w_fmt, dev, cfg.backend)[0]
+        act_name = act if isinstance(act, str) or act is None else {"leaky": "leaky", "clamp": "clamp"}[act[0]]
+        if isinstance(act, tuple) and act[0] == "clamp":
+            act_name = f"clamp({act[1]:g},{act[2]:g})"
+        fused = tuple(x for x in (getattr(m, "tcprec_pad_folded", None) and "pad", bn is not None and "bn", act_name,
                                   pool and f"{pool[0]}pool") if x)
         records[name] = LayerRecord(name, kind, str(prec), backend, fused, str(q.out_dtype).replace("torch.", ""))
         new_mods[name] = q
@@ -597,12 +683,14 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
                     bn, cur = mods[u.target], u
                     absorbed.append(u)
                     u = _sole_user(cur)
-                if u is not None and _act_of(u, mods) is not None and (isinstance(m, nn.Conv2d)
-                                                                       or _act_of(u, mods) == "relu"):
-                    act, cur = _act_of(u, mods), u
+                grouped = isinstance(m, nn.Conv2d) and m.groups != 1
+                act_of = grouped_act_of if grouped else _act_of  # the grouped epilogue has ReLU6 & co.
+                if u is not None and act_of(u, mods) is not None and (isinstance(m, nn.Conv2d)
+                                                                      or act_of(u, mods) == "relu"):
+                    act, cur = act_of(u, mods), u
                     absorbed.append(u)
                     u = _sole_user(cur)
-                if isinstance(m, nn.Conv2d) and u is not None and _pool_of(u, mods) is not None:
+                if isinstance(m, nn.Conv2d) and not grouped and u is not None and _pool_of(u, mods) is not None:
                     pool, cur = _pool_of(u, mods), u
                     absorbed.append(u)
             q = make(node.target, bn, act, pool)
@@ -700,7 +788,16 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
                     q.contiguous_out = True  # its readers are unknown: plain NCHW memory, so x.view(n, -1) works
                 _set_module(gm, name, q)
 
-    summary = QuantSummary([records[n] for n in order + no_path if n in records], traced, notes)
+    extra = uncovered(named_in, gm, set(records) - set(no_path))  # never silent (nn/coverage.py), with reasons
+    listed = {n for n, _, _ in extra}
+    drop = {n for n in no_path if any(n == p or n.startswith(p + ".") for p in listed)}
+    layer_records = [records[n] for n in order + no_path if n in records and n not in drop]
+    for name, kind, why in extra:
+        if name in cfg.overrides and parse_precision(cfg.overrides[name]) is None:
+            why = f"kept in float (config); {why}"
+        layer_records.append(LayerRecord(name, kind, "float", why))
+    summary = QuantSummary(layer_records, traced, notes)
+    check_conv_coverage(summary.layers)
     gm.tcprec_summary = summary
     if warn and (summary.float_layers or notes):
         kept = ", ".join(f"{r.name} ({r.backend})" for r in summary.float_layers)

@@ -1,0 +1,121 @@
+"""Grouped / depthwise quantized convolution: a direct Triton conv, integer codes in, int32 accumulate.
+
+What and why.  A depthwise 3x3 conv does 9 multiply-adds per output and reads each input once per tap: it is
+memory-bound, and the tensor cores' K-dimension (>= 16 or 32 per MMA) has nothing to reduce over (Cg = 1).  So
+this kernel runs on the CUDA cores, one program per BLOCK_M output pixels x BLOCK_K output channels, NHWC so
+that the BLOCK_K channels of one pixel are contiguous loads::
+
+    for each tap (r, s):                                 # static, R*S <= 49
+        ih, iw = p*sh - pt + r*dh, q*sw - pl + s*dw      # (BLOCK_M,) input pixel, masked outside the image
+        for c in range(Cg):                              # 1 for depthwise
+            x = decode(codes[n, ih, iw, g(k)*Cg + c])    # (BLOCK_M, BLOCK_K) uint8 -> int32 values, 0 outside
+            acc += x * w[k, r, s, c]                     # int32: exact
+    y = act(float32(acc) * col[k] + bias[k])             # the dense conv's epilogue (or acc itself, OUT_INT32)
+
+Exact against ``kernels/reference_conv_grouped.grouped_conv_int`` (int32 bit for bit; tests/test_grouped_conv.py
+runs it through TRITON_INTERPRET=1).  The float epilogue may contract the multiply-add into one FMA on a GPU
+(one rounding instead of two), so float outputs agree to 1 ulp there, bit for bit under the interpreter.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["grouped_conv", "ACT_CODES"]
+
+ACT_CODES = {None: 0, "relu": 1, "leaky": 2, "clamp": 3, "hardswish": 4, "silu": 5}
+
+
+@triton.jit
+def _grouped_conv_kernel(
+    # tensors
+    x_ptr, w_ptr, col_ptr, bias_ptr, y_ptr,
+    # geometry
+    N, H, W, C, K, P, Q, Cg, Kg,
+    stride_h, stride_w, pad_t, pad_l, dil_h, dil_w,
+    # epilogue scalars: leaky slope, or clamp bounds
+    act_a, act_b,
+    R: tl.constexpr, S: tl.constexpr,
+    X_BITS: tl.constexpr, X_TWOS: tl.constexpr,  # activation codes: two's complement of X_BITS, or unsigned
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, OUT_INT32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # output pixel n*P*Q + p*Q + q
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)  # output channel
+    m_ok = offs_m < N * P * Q
+    k_ok = offs_k < K
+    n = offs_m // (P * Q)
+    pq = offs_m % (P * Q)
+    p = pq // Q
+    q = pq % Q
+    ch0 = (offs_k // Kg) * Cg  # first input channel of k's group
+
+    # -- main loop: taps x channels of the group, int32 accumulation ----------------------------------
+    acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.int32)
+    for r in tl.static_range(R):
+        for s in tl.static_range(S):
+            ih = p * stride_h - pad_t + r * dil_h
+            iw = q * stride_w - pad_l + s * dil_w
+            pix_ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+            base = ((n.to(tl.int64) * H + ih) * W + iw) * C  # (BLOCK_M,) offset of the pixel's channel 0
+            mask = pix_ok[:, None] & k_ok[None, :]
+            for c in range(0, Cg):
+                xv = tl.load(x_ptr + base[:, None] + (ch0 + c)[None, :], mask=mask, other=0).to(tl.int32)
+                if X_TWOS:
+                    xv = xv - ((xv >> (X_BITS - 1)) << X_BITS)  # sign-extend the X_BITS-bit pattern
+                xv = tl.where(mask, xv, 0)  # value 0 outside the image, whatever the encoding
+                wv = tl.load(w_ptr + ((offs_k * R + r) * S + s) * Cg + c, mask=k_ok, other=0).to(tl.int32)
+                acc += xv * wv[None, :]
+
+    # -- epilogue -----------------------------------------------------------------------------------------
+    out = offs_m[:, None].to(tl.int64) * K + offs_k[None, :]
+    omask = m_ok[:, None] & k_ok[None, :]
+    if OUT_INT32:
+        tl.store(y_ptr + out, acc, mask=omask)
+    else:
+        col = tl.load(col_ptr + offs_k, mask=k_ok, other=0.0)
+        y = acc.to(tl.float32) * col[None, :]
+        if HAS_BIAS:
+            y = y + tl.load(bias_ptr + offs_k, mask=k_ok, other=0.0)[None, :]
+        if ACT == 1:
+            y = tl.where(y < 0, 0.0, y)
+        elif ACT == 2:
+            y = tl.where(y < 0, y * act_a, y)
+        elif ACT == 3:
+            y = tl.minimum(tl.maximum(y, act_a), act_b)
+        elif ACT == 4:
+            y = y * tl.minimum(tl.maximum(y + 3.0, 0.0), 6.0) / 6.0
+        elif ACT == 5:
+            y = y / (1.0 + tl.exp(-y))
+        tl.store(y_ptr + out, y.to(y_ptr.dtype.element_ty), mask=omask)
+
+
+def grouped_conv(codes: torch.Tensor, x_bits: int, x_twos: bool, w_values: torch.Tensor, groups: int, stride, pad4,
+                 dilation, P: int, Q: int, col: torch.Tensor | None = None, bias: torch.Tensor | None = None, act=None,
+                 out_dtype: torch.dtype = torch.int32, block_m: int = 64, block_k: int = 32) -> torch.Tensor:
+    """codes: uint8 (N, H, W, C) contiguous; w_values: int16 (K, R, S, Cg) contiguous -> (N, P, Q, K) in
+    ``out_dtype`` (int32: the raw accumulator).  Checks, allocates, launches; the ops layer validated the rest."""
+    N, H, W, C = codes.shape
+    K, R, S, Cg = w_values.shape
+    if codes.dtype != torch.uint8 or w_values.dtype != torch.int16:
+        raise TypeError(f"grouped_conv takes uint8 codes and int16 weight values, got {codes.dtype}, {w_values.dtype}")
+    y = torch.empty((N, P, Q, K), dtype=out_dtype, device=codes.device)
+    kind = act if act is None or isinstance(act, str) else act[0]
+    a = float(act[1]) if isinstance(act, tuple) else 0.0
+    b = float(act[2]) if isinstance(act, tuple) and len(act) > 2 else 0.0
+    dummy = torch.empty(1, dtype=torch.float32, device=codes.device)
+    grid = (triton.cdiv(N * P * Q, block_m), triton.cdiv(K, block_k))
+    _grouped_conv_kernel[grid](
+        codes.contiguous(), w_values.contiguous(), dummy if col is None else col, dummy if bias is None else bias, y,
+        N, H, W, C, K, P, Q, Cg, K // groups,
+        stride[0], stride[1], pad4[0], pad4[2], dilation[0], dilation[1],
+        a, b,
+        R=R, S=S, X_BITS=x_bits, X_TWOS=x_twos,
+        HAS_BIAS=bias is not None, ACT=ACT_CODES[kind], OUT_INT32=out_dtype == torch.int32,
+        BLOCK_M=block_m, BLOCK_K=block_k,
+    )
+    return y

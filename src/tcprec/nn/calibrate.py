@@ -1,0 +1,256 @@
+"""Calibration: activation clipping ranges, weight clipping and grids, bias correction (``QuantConfig``'s
+``activation_observer``, ``weight_clip``, ``weight_grid``, ``bias_correction``).
+
+Activation ranges (per tensor, from the calibration batches), :class:`Observer`:
+
+* ``"absmax"``: the largest |x| seen (the default; what every earlier release did).
+* ``"percentile"``: the ``percentile``-th percentile of |x| (e.g. 99.99).
+* ``"mse"``: the clip c minimising the expected squared error of the quantizer: for a histogram of |x| (``bins``
+  bins over [0, absmax]), rounding noise (c / qmax)^2 / 12 on the mass below c plus the clipping error
+  (x - c)^2 above it -- ACIQ's model (Banner et al. 2019), searched over every bin edge.
+* ``"entropy"``: TensorRT's entropy calibration: the threshold whose ``qmax + 1``-level quantized histogram has
+  the smallest KL divergence from the clipped reference histogram (outliers folded into the last bin).
+
+Weights: per-output-channel scales always; ``weight_clip="mse"`` searches each channel's clip ratio (100 ratios in
+[0.2, 1]) minimising ||w - q(w)||^2 with the layer's actual grid; ``weight_grid="pm"`` stores weights of 2..7 bits
+as odd integers -(2^N - 1)..(2^N - 1) (``pmN``: every one of the 2^N codes used, symmetric, no zero) instead of two's
+complement (which, symmetric, never uses -2^(N-1)).  ``bias_correction``: the expected output error of the
+quantized weights, E[conv(x, w_q - w)] per output channel over the calibration batches (Nagel et al. 2019,
+empirical), is subtracted from the bias.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..formats import as_format
+from ..ops.quantize import absmax_qmax, quantize
+from ..qtensor import PerChannel
+
+__all__ = ["Observer", "OBSERVER_METHODS", "WEIGHT_CLIPS", "WEIGHT_GRIDS", "as_observer", "clip_from_histogram",
+           "activation_clips", "weight_clip_ratio", "dequantized_weight", "prepared_float_layer", "bias_deltas"]
+
+OBSERVER_METHODS = ("absmax", "percentile", "mse", "entropy")
+WEIGHT_CLIPS = ("absmax", "mse")
+WEIGHT_GRIDS = ("twos", "pm")
+
+
+@dataclass(frozen=True)
+class Observer:
+    """How an activation's clipping range is chosen: ``Observer("percentile", percentile=99.99)``."""
+
+    method: str = "absmax"
+    percentile: float = 99.99
+    bins: int = 2048
+
+    def __post_init__(self):
+        if self.method not in OBSERVER_METHODS:
+            raise ValueError(f"Observer method must be one of {OBSERVER_METHODS}, got {self.method!r}")
+        if not (isinstance(self.percentile, (int, float)) and 50.0 < self.percentile <= 100.0):
+            raise ValueError(f"percentile must be in (50, 100], got {self.percentile!r} (e.g. 99.99)")
+        if not (isinstance(self.bins, int) and 128 <= self.bins <= 1 << 16):
+            raise ValueError(f"bins must be an int in 128..65536, got {self.bins!r} (TensorRT uses 2048)")
+
+
+def as_observer(v) -> Observer:
+    if isinstance(v, Observer):
+        return v
+    if isinstance(v, str):
+        return Observer(v)
+    raise TypeError(f"activation_observer must be an Observer or one of {OBSERVER_METHODS}, got {type(v).__name__}")
+
+
+def clip_from_histogram(hist, amax: float, method: str, qmax: float, percentile: float = 99.99) -> float:
+    """The clip of |x| for a histogram ``hist`` of |x| over [0, amax] (equal bins) and a quantizer of ``qmax``
+    steps above zero (255 for uint8, 127 for int8)."""
+    h = np.asarray(hist, dtype=np.float64)
+    n = h.size
+    if amax <= 0 or h.sum() == 0 or method == "absmax":
+        return float(amax)
+    width = amax / n
+    edges = np.arange(1, n + 1) * width  # candidate clips: each bin's upper edge
+    if method == "percentile":
+        cdf = np.cumsum(h) / h.sum()
+        i = int(np.searchsorted(cdf, percentile / 100.0))
+        i = min(i, n - 1)
+        lo = cdf[i - 1] if i else 0.0
+        frac = (percentile / 100.0 - lo) / max(cdf[i] - lo, 1e-300)
+        return float((i + min(max(frac, 0.0), 1.0)) * width)
+    if method == "mse":
+        mid = (np.arange(n) + 0.5) * width
+        # suffix sums over bins j >= i of h, h*m, h*m^2: the clipping error of clip edges[i-1]
+        s0 = np.cumsum(h[::-1])[::-1]
+        s1 = np.cumsum((h * mid)[::-1])[::-1]
+        s2 = np.cumsum((h * mid * mid)[::-1])[::-1]
+        below = np.cumsum(h)  # mass at or below edge i
+        c = edges
+        nxt = np.append(np.arange(1, n), n)  # the first bin above edge i
+        a0 = np.where(nxt < n, s0[np.minimum(nxt, n - 1)], 0.0)
+        a1 = np.where(nxt < n, s1[np.minimum(nxt, n - 1)], 0.0)
+        a2 = np.where(nxt < n, s2[np.minimum(nxt, n - 1)], 0.0)
+        clip_err = a2 - 2 * c * a1 + c * c * a0 + a0 * width * width / 12
+        round_err = below * (c / qmax) ** 2 / 12
+        return float(c[int(np.argmin(clip_err + round_err))])
+    if method == "entropy":
+        return _entropy_clip(h, width, int(qmax) + 1)
+    raise ValueError(f"method must be one of {OBSERVER_METHODS}, got {method!r}")
+
+
+def _entropy_clip(h: np.ndarray, width: float, levels: int) -> float:
+    """TensorRT's entropy calibration over thresholds at bin edges ``levels``..n."""
+    n = h.size
+    if n <= levels:
+        return float(n * width)
+    best, best_i = np.inf, n
+    for i in range(levels, n + 1):
+        ref = h[:i].copy()
+        ref[i - 1] += h[i:].sum()  # the outliers clip onto the threshold
+        # quantize h[:i] into `levels` chunks, then expand each chunk evenly over its non-empty bins
+        bounds = (np.arange(levels) * i) // levels
+        sums = np.add.reduceat(h[:i], bounds)
+        nz = (h[:i] > 0).astype(np.float64)
+        cnt = np.add.reduceat(nz, bounds)
+        per = np.where(cnt > 0, sums / np.maximum(cnt, 1), 0.0)
+        q = np.repeat(per, np.diff(np.append(bounds, i))) * nz
+        p = ref / ref.sum()
+        qs = q.sum()
+        if qs == 0:
+            continue
+        q = q / qs
+        m = p > 0
+        qm = np.where(q[m] > 0, q[m], 1e-12)  # (a folded outlier bin may be empty in q: smooth it)
+        kl = float(np.sum(p[m] * np.log(p[m] / qm)))
+        if kl < best:
+            best, best_i = kl, i
+    return float((best_i + 0.5) * width) if best_i < n else float(n * width)
+
+
+@torch.no_grad()
+def activation_clips(model: nn.Module, names: list[str], batches, absmax: dict, observer: Observer,
+                     qmax_of) -> dict[str, float]:
+    """name -> clip of the input of module ``name``: one pass over the batches filling a histogram of |x| over
+    [0, absmax[name]] per layer, then :func:`clip_from_histogram` with ``qmax_of(name)``."""
+    mods = dict(model.named_modules())
+    hists = {n: torch.zeros(observer.bins, dtype=torch.float64) for n in names if absmax.get(n, 0.0) > 0}
+    hooks = []
+    for n in hists:
+        def pre(mod, args, n=n):
+            x = args[0]
+            if isinstance(x, torch.Tensor) and x.numel():
+                h = torch.histc(x.detach().float().abs().flatten(), observer.bins, 0.0, absmax[n])
+                hists[n] += h.double().cpu()
+        hooks.append(mods[n].register_forward_pre_hook(pre))
+    try:
+        dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+        dt = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        for b in batches:
+            model(b.to(device=dev, dtype=dt))
+    finally:
+        for h in hooks:
+            h.remove()
+    out = {}
+    for n in names:
+        a = absmax.get(n, 0.0)
+        out[n] = clip_from_histogram(hists[n].numpy(), a, observer.method, qmax_of(n), observer.percentile) \
+            if n in hists else a
+    return out
+
+
+def weight_clip_ratio(w: torch.Tensor, fmt, ratios: int = 100) -> torch.Tensor:
+    """Per output channel (axis 0), the clip ratio r in [0.2, 1] of max|w| whose per-channel quantization
+    (scale r * max|w| / qmax) has the smallest squared error.  (K,) float32."""
+    fmt = as_format(fmt)
+    wf = w.detach().float().flatten(1)  # (K, n)
+    amax = wf.abs().amax(1).clamp_min(torch.finfo(torch.float32).tiny)  # (K,)
+    qmax = absmax_qmax(fmt)
+    lo, hi = (fmt.min, fmt.max)
+    best = torch.full_like(amax, float("inf"))
+    best_r = torch.ones_like(amax)
+    for r in torch.linspace(0.2, 1.0, ratios).tolist():
+        s = (amax * r / qmax)[:, None]
+        if fmt.encoding == "pm1":  # odd integers: round (v - 1) / 2, then back
+            v = (torch.round((wf / s - 1) / 2) * 2 + 1).clamp(lo, hi)
+        else:
+            v = torch.round(wf / s).clamp(lo, hi)
+        err = ((v * s - wf) ** 2).sum(1)
+        better = err < best
+        best = torch.where(better, err, best)
+        best_r = torch.where(better, torch.full_like(best_r, r), best_r)
+    return best_r
+
+
+def weight_format_for(bits: int, grid: str):
+    """The weight format of ``bits`` bits on ``grid``: ``intN`` ("twos"), ``pmN`` ("pm", 2..7 bits)."""
+    if grid == "pm" and 2 <= bits <= 7:
+        return as_format(f"pm{bits}")
+    return as_format("binary") if bits == 1 else as_format(f"int{bits}")
+
+
+def dequantized_weight(w: torch.Tensor, fmt) -> torch.Tensor:
+    """Per-output-channel absmax quantization of ``w`` (axis 0) and back: what the quantized layer computes with."""
+    fmt = as_format(fmt)
+    if fmt.encoding == "pm1" and fmt.bits == 1:
+        s = w.detach().float().abs().flatten(1).mean(1).clamp_min(torch.finfo(torch.float32).tiny)
+        return quantize(w.detach().float(), fmt, PerChannel(0), scale=s.view(-1, *([1] * (w.dim() - 1)))).dequantize()
+    return quantize(w.detach().float(), fmt, PerChannel(0)).dequantize()
+
+
+def prepared_float_layer(m: nn.Module, clip_ratio: torch.Tensor | None, bias_delta: torch.Tensor | None) -> nn.Module:
+    """A float copy of conv / linear ``m`` whose weight is clipped per channel to ``clip_ratio * max|w|`` (so the
+    layer's absmax quantization lands on that clip) and whose bias is reduced by ``bias_delta``; ``m`` is untouched.
+    Attributes the conversion reads (``tcprec_pad4``, ``tcprec_pad_folded``) are kept."""
+    new = nn.Module.__new__(type(m))
+    new.__dict__ = dict(m.__dict__)
+    new._parameters = dict(m._parameters)
+    new._buffers = dict(m._buffers)
+    new._modules = dict(m._modules)
+    w = m.weight.detach()
+    if clip_ratio is not None:
+        lim = (w.float().flatten(1).abs().amax(1) * clip_ratio.to(w.device)).view(-1, *([1] * (w.dim() - 1)))
+        new._parameters["weight"] = nn.Parameter(torch.maximum(torch.minimum(w.float(), lim), -lim).to(w.dtype),
+                                                 requires_grad=False)
+    if bias_delta is not None:
+        b = m.bias.detach() if m.bias is not None else torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
+        new._parameters["bias"] = nn.Parameter(b - bias_delta.to(b.dtype).to(b.device), requires_grad=False)
+    return new
+
+
+@torch.no_grad()
+def bias_deltas(model: nn.Module, names: list[str], batches, w_dq) -> dict[str, torch.Tensor]:
+    """name -> E[layer(x; w_dq(name) - w)] per output channel (mean over batch and positions) over the batches."""
+    mods = dict(model.named_modules())
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+    hooks = []
+    for n in names:
+        m = mods[n]
+        dw = (w_dq(n).to(m.weight.device) - m.weight.detach().float()).to(m.weight.dtype)
+
+        def pre(mod, args, n=n, dw=dw):
+            x = args[0]
+            if not isinstance(x, torch.Tensor):
+                return
+            if isinstance(mod, nn.Conv2d):
+                # (a conv with tcprec_pad4 pads in an earlier pre-hook: x is padded here)
+                e = F.conv2d(x, dw, None, mod.stride, mod.padding, mod.dilation, mod.groups)  # (N, K, P, Q)
+                e = e.transpose(0, 1).flatten(1)
+            else:
+                e = F.linear(x, dw).reshape(-1, dw.shape[0]).t()
+            sums[n] = sums.get(n, 0) + e.double().sum(1)
+            counts[n] = counts.get(n, 0) + e.shape[1]
+        hooks.append(m.register_forward_pre_hook(pre))
+    try:
+        dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+        dt = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        for b in batches:
+            model(b.to(device=dev, dtype=dt))
+    finally:
+        for h in hooks:
+            h.remove()
+    return {n: (sums[n] / counts[n]).float() for n in sums}
+

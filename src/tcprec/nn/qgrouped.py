@@ -1,0 +1,125 @@
+"""``QGroupedConv2d``: a grouped / depthwise conv (+ folded BN, fused activation) at integer precision.
+
+Float NCHW in, float NCHW out (channels_last memory): it quantizes its input with the calibrated per-tensor scale
+(``ops.quantize.quantize_static``), runs ``ops.qconv_grouped.grouped_conv2d`` (the Triton direct conv on CUDA, the
+integer reference elsewhere) with the per-channel weight scales, the folded batch-norm and the activation in the
+epilogue.  Four-sided padding (``tcprec_pad4``, what ``nn.coverage`` folds from an asymmetric ``ZeroPad2d``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..ops.qconv_grouped import choose_grouped_backend, grouped_conv2d
+from ..ops.quantize import absmax_qmax, quantize_static
+from ..qtensor import PerChannel, QTensor
+from .qmodules import LayerPrecision, _fold_bn, _quantize_weight, activation_format, parse_precision, weight_format
+
+__all__ = ["QGroupedConv2d", "grouped_unsupported", "grouped_act_of"]
+
+
+def grouped_act_of(node, mods):
+    """The epilogue activation of an fx node for a grouped conv: "relu", ("leaky", a), ("clamp", lo, hi)
+    (``nn.ReLU6`` / ``nn.Hardtanh`` / ``F.relu6`` / ``F.hardtanh``), "hardswish", "silu"; None for anything else."""
+    import torch.nn.functional as F
+
+    if node.op == "call_module":
+        m = mods.get(node.target)
+        if type(m) is nn.ReLU:
+            return "relu"
+        if type(m) is nn.LeakyReLU:
+            return ("leaky", float(m.negative_slope))
+        if type(m) in (nn.ReLU6, nn.Hardtanh):
+            return ("clamp", float(m.min_val), float(m.max_val))
+        if type(m) is nn.Hardswish:
+            return "hardswish"
+        if type(m) is nn.SiLU:
+            return "silu"
+        return None
+    if node.op == "call_function":
+        if node.target in (F.relu, torch.relu) and len(node.args) == 1:
+            return "relu"
+        if node.target is F.relu6 and len(node.args) == 1:
+            return ("clamp", 0.0, 6.0)
+        if node.target is F.hardswish and len(node.args) == 1:
+            return "hardswish"
+        if node.target is F.silu and len(node.args) == 1:
+            return "silu"
+        if node.target is F.hardtanh and len(node.args) == 3 and all(isinstance(v, (int, float)) for v in node.args[1:]):
+            return ("clamp", float(node.args[1]), float(node.args[2]))
+    if node.op == "call_method" and node.target == "relu" and len(node.args) == 1:
+        return "relu"
+    return None
+
+
+def grouped_unsupported(conv: nn.Conv2d, prec: LayerPrecision | None) -> str | None:
+    """Why a grouped conv cannot take this path (None: it can)."""
+    if prec is not None and prec.fp8:
+        return "groups>1 at fp8: the grouped conv runs integer codes (use int8 for this layer)"
+    if isinstance(conv.padding, str) or conv.padding_mode != "zeros":
+        return f"padding={conv.padding!r}, padding_mode={conv.padding_mode!r} (needs numeric zero padding)"
+    return None
+
+
+class QGroupedConv2d(nn.Module):
+    """Build with ``QGroupedConv2d.from_float(conv, "int8", in_absmax=..., signed_input=..., bn=, act=)`` or through
+    ``tcprec.quantize_model``; act: None, "relu", ("leaky", a), ("clamp", lo, hi), "hardswish", "silu"."""
+
+    tcprec_leaf = True
+
+    @classmethod
+    def from_float(cls, conv: nn.Conv2d, precision, *, in_absmax: float, signed_input: bool, bn=None, act=None,
+                   backend: str = "auto", out_dtype=None, w_fmt=None) -> "QGroupedConv2d":
+        prec = parse_precision(precision)
+        if prec is None:
+            raise ValueError("QGroupedConv2d needs a quantized precision ('int8', 'w4a8', ...), got 'float'")
+        why = grouped_unsupported(conv, prec)
+        if why:
+            raise ValueError(f"QGroupedConv2d cannot take this conv: {why}")
+        m = cls()
+        m.precision = prec
+        m.a_fmt = activation_format(prec, signed_input)
+        m.w_fmt = w_fmt if w_fmt is not None else weight_format(prec)
+        m.backend = backend
+        m.groups = conv.groups
+        m.in_channels, m.out_channels, m.kernel_size = conv.in_channels, conv.out_channels, tuple(conv.kernel_size)
+        m.stride, m.dilation = tuple(conv.stride), tuple(conv.dilation)
+        ph, pw = conv.padding
+        m.pad4 = tuple(getattr(conv, "tcprec_pad4", (ph, ph, pw, pw)))
+        m.act = act
+        m.out_dtype = out_dtype or conv.weight.dtype
+        dev = conv.weight.device
+        s = max(float(in_absmax), 1e-8) / absmax_qmax(m.a_fmt)
+        m.register_buffer("in_scale", torch.tensor([s], dtype=torch.float32, device=dev))
+        w = conv.weight.detach().permute(0, 2, 3, 1).contiguous()  # (K, R, S, Cg)
+        qw = _quantize_weight(w, m.w_fmt)
+        m.register_buffer("w_codes", qw.codes)
+        m.register_buffer("w_scale", qw.scale.reshape(-1).to(torch.float32))
+        scale, bias = _fold_bn(conv.out_channels, conv.bias, bn, dev)
+        m.register_buffer("ch_scale", scale)
+        m.register_buffer("ch_bias", bias)
+        return m
+
+    @property
+    def route(self) -> tuple[str, str]:
+        """(backend, reason) the forward takes on the weights' device."""
+        return choose_grouped_backend(self.w_codes.device, self.backend)
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+                f"padding={self.pad4}, groups={self.groups}, {self.precision} ({self.w_fmt} x {self.a_fmt}), "
+                f"act={self.act}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.shape[1] != self.in_channels:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"QGroupedConv2d expects (N, {self.in_channels}, H, W), got {got}")
+        xq = quantize_static(x.permute(0, 2, 3, 1), self.a_fmt, self.in_scale)  # (N, H, W, C) codes
+        K = self.out_channels
+        qw = QTensor(self.w_codes, self.w_scale.reshape(K, 1, 1, 1), self.w_fmt, PerChannel(0),
+                     tuple(self.w_codes.shape), torch.float32)
+        y = grouped_conv2d(xq, qw, groups=self.groups, stride=self.stride, padding=self.pad4, dilation=self.dilation,
+                           scale=self.ch_scale, bias=self.ch_bias, act=self.act, out_dtype=self.out_dtype,
+                           backend=self.backend)
+        return y.permute(0, 3, 1, 2)  # NCHW view, channels_last memory

