@@ -170,6 +170,27 @@ def decode(codes: torch.Tensor, fmt) -> torch.Tensor:
         raise TypeError(f"decode() takes integer codes, got dtype={codes.dtype}; codes come from tcprec.encode")
     if isinstance(fmt, BlockFormat):
         raise TypeError(f"decode() takes an element format; a {fmt} tensor is a QTensor: call .dequantize()")
+    check_code_range(codes, fmt)
     if isinstance(fmt, IntFormat):
         return ref.decode_int(codes, fmt)
     return ref.decode_float(codes, fmt)
+
+
+def check_code_range(codes: torch.Tensor, fmt) -> None:
+    """ValueError unless every code is a bit pattern of fmt: 0 .. 2**bits - 1, or, in a signed
+    dtype of exactly fmt.bits bits (encode's int16 / int32 storage), the same pattern read as
+    signed.  A code outside is not wrapped: it names a value fmt does not have."""
+    if codes.numel() == 0:
+        return
+    lo_ok, hi_ok = 0, fmt.n_codes - 1
+    if codes.dtype.is_signed and torch.iinfo(codes.dtype).bits == fmt.bits:
+        lo_ok = -(1 << (fmt.bits - 1))
+    lo, hi = int(codes.min()), int(codes.max())
+    if lo >= lo_ok and hi <= hi_ok:
+        return
+    bad = lo if lo < lo_ok else hi
+    raise ValueError(
+        f"decode(): code {bad} is outside {fmt}'s {fmt.bits}-bit codes {lo_ok}..{hi_ok}; pass the codes "
+        f"tcprec.encode(x, {str(fmt)!r}) returns, or keep the low bits yourself (codes & {hi_ok:#x}) if "
+        "they are wider bit patterns"
+    )

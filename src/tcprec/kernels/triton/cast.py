@@ -319,8 +319,9 @@ def _int_round_kernel(
         up = gt_half | (eq_half & (((u + PARITY_OFFSET) & 1) == 1))
     elif MODE == 1:
         up = gt_half | (eq_half & ~neg)
-    elif MODE == 2:
-        up = nz & neg
+    elif MODE == 2:  # the same-signed neighbour nearer zero (pmN has no 0): as the reference
+        v_lo = u * STEP + OFFSET
+        up = nz & tl.where(neg, v_lo + STEP <= 0, v_lo < 0)
     elif MODE == 3:
         up = nz
     elif MODE == 4:
