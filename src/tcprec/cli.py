@@ -4,6 +4,7 @@
     tcprec formats [NAME ...]   every preset format (or the named ones), properties computed
     tcprec demo                 cast a real photo and Gaussian data to a dozen formats; error table
     tcprec bench cast           cast / encode bandwidth against a copy, torch and QPyTorch (GPU)
+    tcprec bench cast-cpu       CPU cast / encode against ml_dtypes and torch (bit-exact checked)
     tcprec bench gemm|conv-bwd|solve|net   kernels, solves and whole networks against cuBLAS/cuDNN (GPU)
     tcprec run / profile        one photo through a network at a precision; per-layer profile
     tcprec solve / train        mixed-precision linear solves; low-precision gradient all-reduce training
@@ -18,6 +19,8 @@ from __future__ import annotations
 import json
 import math
 import shlex
+import sys
+import tempfile
 from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
@@ -34,6 +37,7 @@ import tcprec as tp
 
 from . import metrics
 from .bench import cast as cast_bench
+from .bench import cast_cpu as cast_cpu_bench
 from .bench.common import NeedsGPU, write_json
 from .data import astronaut
 from .env import device_report
@@ -419,6 +423,37 @@ def bench_cast(
     with _needs_gpu():
         cast_bench.run(numel, [n for n, _ in fmts], roundings, out, use_qtorch=qtorch, console=Console(),
                        command=command)
+
+
+@bench_app.command("cast-cpu")
+def bench_cast_cpu(
+    numel: int = typer.Option(2**20, min=1, help="Elements of the float32 input."),
+    formats_: str = typer.Option(",".join(cast_cpu_bench.DEFAULT_FORMATS), "--formats",
+                                 help="Comma-separated element formats."),
+    rounding: str = typer.Option("nearest,stochastic", help=f"Comma-separated, from {', '.join(ROUNDING_MODES)}."),
+    json_: Path = typer.Option(Path("benchmarks/results/cast_cpu.json"), "--json",
+                               help="JSON output path ('-' for stdout)."),
+    reps: int = typer.Option(15, min=1, help="Timed calls per case (median)."),
+    threads: int = typer.Option(1, min=1, help="torch intra-op threads (ml_dtypes runs on one)."),
+    quiet: bool = typer.Option(False, "--quiet/--no-quiet", help="No progress bar."),
+):
+    """CPU cast / encode against ml_dtypes, torch .to and the int64 specification (bit-exact checked)."""
+    fmts = parse_formats(formats_)
+    for name, fmt in fmts:
+        if isinstance(fmt, BlockFormat):
+            raise typer.BadParameter(f"{name!r} is a block format; bench cast-cpu times element formats "
+                                     f"(use its element, {fmt.element})", param_hint="--formats")
+    roundings = parse_roundings(rounding)
+    command = shlex.join(["tcprec", "bench", "cast-cpu", "--numel", str(numel), "--formats", formats_,
+                          "--rounding", rounding, "--reps", str(reps), "--threads", str(threads),
+                          "--json", str(json_)])
+    to_stdout = str(json_) == "-"
+    out = Path(tempfile.mkdtemp()) / "cast_cpu.json" if to_stdout else json_
+    payload = cast_cpu_bench.run(numel, [n for n, _ in fmts], roundings, out, reps=reps, threads=threads,
+                                 command=command, console=Console(stderr=True, quiet=to_stdout),
+                                 progress=not (quiet or to_stdout))
+    if to_stdout:
+        sys.stdout.write(out.read_text())
 
 
 def _solve_options(factor: str, refine: str, kind: str):

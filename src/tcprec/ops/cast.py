@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import ROUNDING_MODES, BlockFormat, FloatFormat, IntFormat, as_format
+from ..kernels import fast_cast
 from ..kernels import reference as ref
 from ..kernels.triton import choose_backend
 
@@ -106,6 +107,8 @@ def cast(
         from ..kernels.triton import cast as tcast
 
         y = tcast.cast(xc, fmt, rounding, seed)
+    elif cdt == torch.float32 and fast_cast.supports(fmt) is None:  # same bits, int32 ops
+        y = fast_cast.cast(xc, fmt, rounding, seed)
     elif isinstance(fmt, IntFormat):
         y = ref.cast_int(xc, fmt, rounding, seed)
     else:
@@ -143,7 +146,10 @@ def encode(
         codes = tcast.encode(xc, fmt, rounding, seed, out_dtype=code_dtype(fmt), nan_flag=flag)
         has_codeless_nan = not fmt.has_nan and bool(flag.item())  # set inside the kernel, no extra pass
     else:
-        fn = ref.encode_int if isinstance(fmt, IntFormat) else ref.encode_float
+        if cdt == torch.float32 and fast_cast.supports(fmt) is None:  # same bits, int32 ops
+            fn = fast_cast.encode
+        else:
+            fn = ref.encode_int if isinstance(fmt, IntFormat) else ref.encode_float
         codes = fn(xc, fmt, rounding, seed)
         has_codeless_nan = not fmt.has_nan and bool((codes == -1).any())
     if has_codeless_nan:
