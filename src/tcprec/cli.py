@@ -57,6 +57,26 @@ bench_app = typer.Typer(
 )
 app.add_typer(bench_app, name="bench")
 
+
+def _version(value: bool):
+    if value:
+        typer.echo(f"tcprec {tp.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                        help="Print tcprec's version and exit.")):
+    """Arbitrary- and mixed-precision computing on GPU tensor cores."""
+
+
+def _emit_json(path, payload: dict) -> None:
+    """``--json PATH``: the payload as JSON at PATH, or on stdout (and nothing else there) for ``-``."""
+    if str(path) == "-":
+        sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
+    else:
+        Console(stderr=True).print(f"wrote {write_json(path, json.loads(json.dumps(payload, default=str)))}")
+
 DEMO_FORMATS = "tf32,fp16,bf16,e3m4,e4m3,e4m3fnuz,e5m2,e2m3,e3m2,fp4,int8,int4"
 
 
@@ -110,6 +130,26 @@ def _choices(text: str, allowed, option: str) -> list[str]:
     return [_choice(v, allowed, option) for v in _split(text, option)]
 
 
+def _precision(value: str, option: str = "--precision") -> str:
+    """A network precision (tcprec.precision's vocabulary, the one quantize_model takes), canonical."""
+    from .precision import canonical_network_precision
+
+    try:
+        return canonical_network_precision(value)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint=option) from None
+
+
+def _factor(value: str, option: str = "--factor") -> str:
+    """An LU factor format (linalg.solve's vocabulary), canonical."""
+    from .precision import canonical_factor
+
+    try:
+        return canonical_factor(value)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint=option) from None
+
+
 def parse_formats(text: str, option: str = "--formats") -> list[tuple[str, object]]:
     """``"e4m3,fp4"`` -> [(name, format), ...]; an unknown name is a usage error with suggestions."""
     out = []
@@ -159,12 +199,14 @@ def _pick_device(device: str) -> torch.device:
 
 
 @app.command()
-def info(as_json: bool = typer.Option(False, "--json", help="Print the report as JSON instead of tables.")):
+def info(json_path: Optional[str] = typer.Option(None, "--json", metavar="PATH",
+                                                 help="Write the report as JSON here ('-': stdout, tables off).")):
     """Versions, the GPU, and which tensor-core paths are available here (and why others are not)."""
     rep = device_report()
-    if as_json:
-        typer.echo(json.dumps(rep, indent=2))
-        return
+    if json_path is not None:
+        _emit_json(json_path, rep)
+        if json_path == "-":
+            return
     console = Console()
     t = Table(title="tcprec environment", show_header=False)
     t.add_column("key", style="bold")
@@ -467,24 +509,27 @@ def _solve_options(factor: str, refine: str, kind: str):
 @app.command()
 def solve(
     n: int = typer.Option(1024, "--n", min=1, help="Matrix size."),
-    factor: str = typer.Option("bf16", help="Format of the LU's trailing-matrix GEMMs."),
+    factor: str = typer.Option("bf16", help="Format of the LU's trailing-matrix GEMMs: bf16, fp16, tf32, fp8 (= e4m3), fp32."),
     refine: str = typer.Option("fgmres", help="Refinement: fgmres (flexible GMRES-IR), gmres or classic."),
     kind: str = typer.Option("diagdom", help="Test matrix: diagdom (HPL-MxP) or general (prescribed cond)."),
     cond: float = typer.Option(1e2, help="2-norm condition number for --kind general."),
     device: Device = typer.Option(Device.auto, help="Where to run: auto picks cuda when a GPU is present."),
     seed: int = typer.Option(0, help="Seed of the test matrix."),
-    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    json_path: Optional[str] = typer.Option(None, "--json", metavar="PATH",
+                                            help="Write the result as JSON here ('-': stdout, table off)."),
 ):
     """Solve a random dense system to FP64 accuracy from a low-precision LU + iterative refinement,
     and compare with torch.linalg.solve in fp64 in the same run."""
     from .linalg import run_solve
 
+    factor = _factor(factor)
     _solve_options(factor, refine, kind)
     dev = _pick_device(device.value)
     res = run_solve(n, factor=factor, refine=refine, kind=kind, cond=cond, device=dev, seed=seed)
-    if as_json:
-        print(json.dumps(res, indent=2, default=str))
-        return
+    if json_path is not None:
+        _emit_json(json_path, res)
+        if json_path == "-":
+            return
     table = Table(title=f"tcprec solve n={n} factor={factor} refine={refine} kind={kind} on {dev}")
     table.add_column("quantity")
     table.add_column("value", justify="right")
@@ -506,6 +551,7 @@ def bench_solve_cmd(
     """tcprec.linalg.solve against torch.linalg.solve in fp64, same run: time, speedup, backward error."""
     from .bench import solve as solve_bench
 
+    factors = ",".join(_factor(f, "--factors") for f in _split(factors, "--factors"))
     _solve_options(factors, "fgmres", kinds)
     size_list = _ints(sizes, "--sizes")
     command = shlex.join(["tcprec", "bench", "solve", "--sizes", sizes, "--factors", factors, "--kinds", kinds,
@@ -578,7 +624,7 @@ def bench_net_cmd(
     from .nn.models import MODELS
 
     models = _choices(model, tuple(MODELS), "--model")
-    precisions = _choices(precision, net_bench.PRECISIONS, "--precision")
+    precisions = [_precision(p) for p in _split(precision, "--precision")]
     batches = _ints(batch, "--batch")
     command = shlex.join(["tcprec", "bench", "net", "--model", model, "--precision", precision, "--batch", batch,
                           "--out", str(out)])
@@ -614,7 +660,7 @@ def _load_image(image: str, size: int) -> tuple[torch.Tensor, str]:
 @app.command("run")
 def run_cmd(
     model: str = typer.Option("yolov2-tiny", help="alexnet, vgg, resnet18 or yolov2-tiny (seeded weights)."),
-    precision: str = typer.Option("int8", help="fp32, fp16, int8, fp8, w2a2 or w1a2."),
+    precision: str = typer.Option("int8", help="fp32 (= float), fp16, int8, intN / wXaY (N, X, Y in 1..8), fp8 (= e4m3)."),
     image: str = typer.Option("astronaut", help="A photo file, or a scikit-image sample: astronaut, chelsea, coffee, rocket."),
     out: Path = typer.Option(Path("output.npy"), help="Where to save the output tensor (.npy)."),
     device: Device = typer.Option(Device.auto, help="auto picks cuda when a GPU is present."),
@@ -624,11 +670,11 @@ def run_cmd(
     copies), output saved as .npy, per-layer breakdown, copy count and NRMSE against fp32."""
     import numpy as np
 
-    from .bench.net import PRECISIONS, build_variant, nrmse
+    from .bench.net import build_variant, nrmse
     from .nn import models as zoo
 
     _choice(model, tuple(zoo.MODELS), "--model")
-    _choice(precision, PRECISIONS, "--precision")
+    precision = _precision(precision)
     console = Console()
     dev = _pick_device(device.value)
     size = zoo.INPUT_SHAPES[model][1]
@@ -657,7 +703,7 @@ def run_cmd(
 @app.command("profile")
 def profile_cmd(
     model: str = typer.Option("resnet18", help="alexnet, vgg, resnet18 or yolov2-tiny (seeded weights)."),
-    precision: str = typer.Option("w1a2", help="fp32, fp16, int8, fp8, w2a2 or w1a2."),
+    precision: str = typer.Option("w1a2", help="fp32 (= float), fp16, int8, intN / wXaY (N, X, Y in 1..8), fp8 (= e4m3)."),
     batch: int = typer.Option(8, min=1),
     device: Device = typer.Option(Device.auto, help="auto picks cuda when a GPU is present."),
     trace: Optional[Path] = typer.Option(None, help="Write a Chrome trace here."),
@@ -665,11 +711,11 @@ def profile_cmd(
 ):
     """Per-layer latency, the breakdown (quantize/pack, conversion, memcpy, compute), every kernel with
     a tensor-core flag, and the dtype trace of one forward pass."""
-    from .bench.net import PRECISIONS, build_variant
+    from .bench.net import build_variant
     from .nn import models as zoo
 
     _choice(model, tuple(zoo.MODELS), "--model")
-    _choice(precision, PRECISIONS, "--precision")
+    precision = _precision(precision)
     dev = _pick_device(device.value)
     if dev.type == "cpu" and precision in ("fp16", "fp8"):
         raise typer.BadParameter(f"{precision} needs a CUDA GPU", param_hint="--precision")

@@ -44,6 +44,9 @@ def build_variant(model_fp32: torch.nn.Module, precision: str, calibration: torc
     the fp32 model on the CPU."""
     from ..nn.convert import QuantConfig, quantize_model
 
+    from ..precision import canonical_network_precision
+
+    precision = canonical_network_precision(precision)
     if precision == "fp32":
         return model_fp32, torch.float32
     import copy
@@ -68,9 +71,9 @@ def run(models: Sequence[str] = ("alexnet", "vgg", "resnet18", "yolov2-tiny"), p
 
     console = console or Console()
     device = require_cuda(command)
-    for p in precisions:
-        if p not in PRECISIONS:
-            raise ValueError(f"unknown precision {p!r}; choose from {PRECISIONS}")
+    from ..precision import canonical_network_precision
+
+    precisions = [canonical_network_precision(p) for p in precisions]  # ValueError lists the accepted set
     for m in models:
         if m not in zoo.MODELS:
             raise ValueError(f"unknown model {m!r}; choose from {sorted(zoo.MODELS)}")

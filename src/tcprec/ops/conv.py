@@ -82,7 +82,7 @@ __all__ = [
     "BACKENDS",
 ]
 
-PRECISIONS = ("fp16", "bf16", "fp8")
+from ..precision import CONV_PRECISIONS as PRECISIONS  # noqa: E402  (one vocabulary)
 BACKENDS = ("auto", "triton", "tma", "flat", "gemm", "fprop", "reference")
 _DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
