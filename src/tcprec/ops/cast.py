@@ -102,18 +102,53 @@ def cast(
     cdt = _compute_dtype(x, fmt)
     seed = _seed_from(generator, rounding)
     name, _ = choose_cast_backend(x, backend)
-    xc = x.to(cdt)
-    if name == "triton":
+    y = torch.ops.tcprec.cast(x.to(cdt), str(fmt), rounding, -1 if seed is None else seed, name)
+    return y.to(x.dtype)
+
+
+# torch.library custom ops: torch.compile / torch.export see cast, encode and decode as opaque calls
+# (Inductor would otherwise trace the int32 bit manipulation, and fails on it on the CPU); the fake
+# implementations give shape and dtype on every device.  Formats travel as their names (str(fmt)
+# round-trips through as_format), seed -1 means "not stochastic".
+
+
+@torch.library.custom_op("tcprec::cast", mutates_args=())
+def _cast_op(x: torch.Tensor, fmt: str, rounding: str, seed: int, backend: str) -> torch.Tensor:
+    f, sd = as_format(fmt), (None if seed < 0 else seed)
+    if backend == "triton":
         from ..kernels.triton import cast as tcast
 
-        y = tcast.cast(xc, fmt, rounding, seed)
-    elif cdt == torch.float32 and fast_cast.supports(fmt) is None:  # same bits, int32 ops
-        y = fast_cast.cast(xc, fmt, rounding, seed)
-    elif isinstance(fmt, IntFormat):
-        y = ref.cast_int(xc, fmt, rounding, seed)
-    else:
-        y = ref.cast_float(xc, fmt, rounding, seed)
-    return y.to(x.dtype)
+        return tcast.cast(x, f, rounding, sd)
+    if x.dtype == torch.float32 and fast_cast.supports(f) is None:  # same bits as reference.py, int32 ops
+        return fast_cast.cast(x, f, rounding, sd)
+    return (ref.cast_int if isinstance(f, IntFormat) else ref.cast_float)(x, f, rounding, sd)
+
+
+@_cast_op.register_fake
+def _(x, fmt, rounding, seed, backend):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("tcprec::encode", mutates_args=())
+def _encode_op(x: torch.Tensor, fmt: str, rounding: str, seed: int, backend: str) -> torch.Tensor:
+    return _encode_codes(x, as_format(fmt), rounding, None if seed < 0 else seed, backend)
+
+
+@_encode_op.register_fake
+def _(x, fmt, rounding, seed, backend):
+    return torch.empty_like(x, dtype=code_dtype(as_format(fmt)))
+
+
+@torch.library.custom_op("tcprec::decode", mutates_args=())
+def _decode_op(codes: torch.Tensor, fmt: str) -> torch.Tensor:
+    f = as_format(fmt)
+    check_code_range(codes, f)
+    return ref.decode_int(codes, f) if isinstance(f, IntFormat) else ref.decode_float(codes, f)
+
+
+@_decode_op.register_fake
+def _(codes, fmt):
+    return torch.empty_like(codes, dtype=torch.float32)
 
 
 def encode(
@@ -138,7 +173,12 @@ def encode(
     cdt = _compute_dtype(x, fmt)
     seed = _seed_from(generator, rounding)
     name, _ = choose_cast_backend(x, backend)
-    xc = x.to(cdt)
+    return torch.ops.tcprec.encode(x.to(cdt), str(fmt), rounding, -1 if seed is None else seed, name)
+
+
+def _encode_codes(xc: torch.Tensor, fmt, rounding: str, seed: int | None, name: str) -> torch.Tensor:
+    """encode's body (inside the custom op): codes in code_dtype(fmt), or the codeless-NaN error."""
+    x = xc
     if name == "triton":
         from ..kernels.triton import cast as tcast
 
@@ -146,7 +186,7 @@ def encode(
         codes = tcast.encode(xc, fmt, rounding, seed, out_dtype=code_dtype(fmt), nan_flag=flag)
         has_codeless_nan = not fmt.has_nan and bool(flag.item())  # set inside the kernel, no extra pass
     else:
-        if cdt == torch.float32 and fast_cast.supports(fmt) is None:  # same bits, int32 ops
+        if xc.dtype == torch.float32 and fast_cast.supports(fmt) is None:  # same bits, int32 ops
             fn = fast_cast.encode
         else:
             fn = ref.encode_int if isinstance(fmt, IntFormat) else ref.encode_float
@@ -176,10 +216,7 @@ def decode(codes: torch.Tensor, fmt) -> torch.Tensor:
         raise TypeError(f"decode() takes integer codes, got dtype={codes.dtype}; codes come from tcprec.encode")
     if isinstance(fmt, BlockFormat):
         raise TypeError(f"decode() takes an element format; a {fmt} tensor is a QTensor: call .dequantize()")
-    check_code_range(codes, fmt)
-    if isinstance(fmt, IntFormat):
-        return ref.decode_int(codes, fmt)
-    return ref.decode_float(codes, fmt)
+    return torch.ops.tcprec.decode(codes, str(fmt))  # checks the code range inside (no graph break)
 
 
 def check_code_range(codes: torch.Tensor, fmt) -> None:
