@@ -284,7 +284,8 @@ def formats(
               box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     for col in _FORMAT_COLUMNS:
         numeric = col in ("bits", "bias", "max", "min normal", "min sub", "eps")
-        t.add_column(col, justify="right" if numeric else "left", overflow="fold")
+        # the name column never breaks a name mid-word (below ~120 columns the numbers fold)
+        t.add_column(col, justify="right" if numeric else "left", overflow="fold", no_wrap=col == _FORMAT_COLUMNS[0])
     for _, fmt in chosen:
         label = str(fmt)
         if aliases.get(label):
@@ -723,6 +724,8 @@ def profile_cmd(
     net, dt = build_variant(zoo.build(model, device=dev), precision, x[:8])
     rep = tp.profile(net, x.to(dt), warmup=2, iters=5, trace_path=str(trace) if trace else None)
     Console().print(rep.table())
+    if trace:
+        Console(stderr=True).print(f"wrote the Chrome trace to {trace} (open it in chrome://tracing or ui.perfetto.dev)")
     if json_path is not None:
         Console().print(f"wrote {write_json(json_path, rep.to_json())}")
 

@@ -256,11 +256,29 @@ def _float(x: torch.Tensor, fmt: FloatFormat, rounding: str, seed: int | None, c
         else:
             r = torch.bitwise_right_shift(rnd, 31 - S).bitwise_xor_(mask)
         r.add_(a).bitwise_and_(~mask)  # (a + add) & ~mask; NaNs with a large payload may wrap: caught below
-    # exceptions; unsigned formats: negative patterns are < min normal as int32, so they are caught too
-    ex = torch.lt(a if fmt.signed else bits, max(_f32_bits(fmt.min_normal), _F32_MIN_NORMAL_BITS))
-    tmp = torch.gt(r, _f32_bits(fmt.max))
-    ex.bitwise_or_(tmp)
-    ex.bitwise_or_(torch.lt(r, 0, out=tmp))
+    min_normal_bits = max(_f32_bits(fmt.min_normal), _F32_MIN_NORMAL_BITS)
+    below = None
+    if rounding == "nearest" and fmt.zero and fmt.has_negative_zero and fmt.signed:
+        # below min normal the quantum is q = 2**qe_low: RNE to a multiple of q is (|x| + C) - C in
+        # float32 (the sum's last bit is kept's), as in the Triton kernel; fp4 has most of randn here
+        below = torch.lt(a, min_normal_bits)
+        qe_low = _qe_low(fmt)
+        c = 2.0 ** (qe_low + 23)
+        m_low = torch.where(below, a, 0).view(torch.float32).add_(c).sub_(c)
+        low = m_low.view(torch.int32)
+        if codes:  # back into the normal lanes' code form, ((E << man) | mantissa) << S, undone below
+            kept = _pow2_scale(m_low, -qe_low).to(torch.int32)
+            code_low = kept if fmt.subnormals else kept << man  # formats with zero: no code offset
+            low = (code_low + ((127 - fmt.bias) << man)) << S
+        r = torch.where(below, low, r)
+        ex = torch.gt(r, _f32_bits(fmt.max))  # past max, Inf, NaN (wrapped or not)
+        ex.bitwise_or_(torch.ge(a, _F32_INF_BITS))
+    else:
+        # exceptions; unsigned formats: negative patterns are < min normal as int32, so they are caught too
+        ex = torch.lt(a if fmt.signed else bits, min_normal_bits)
+        tmp = torch.gt(r, _f32_bits(fmt.max))
+        ex.bitwise_or_(tmp)
+        ex.bitwise_or_(torch.lt(r, 0, out=tmp))
     sign = a  # a is spent: reuse it
     if codes:
         out = r.bitwise_right_shift_(S).sub_((127 - fmt.bias) << man)  # (E << man | mantissa), fmt's bias
