@@ -29,3 +29,17 @@ def test_api_in_one_screen_runs(monkeypatch):
         ns: dict = {}
         exec(compile(code, str(README), "exec"), ns)
     assert ns["info"].backward_error <= 16 and ns["y"].shape[0] == 64
+
+
+def test_training_emulation_block_runs():
+    text = README.read_text()
+    m = re.search(r"### Training emulation\s+```python\n(.*?)```", text, re.S)
+    assert m, "README has no 'Training emulation' python block"
+    ns: dict = {}
+    exec(compile(m.group(1), str(README), "exec"), ns)
+    import torch
+
+    assert [n for n, _, _ in ns["report"].swapped] == ["0"]
+    x = torch.randn(4, 32, requires_grad=True)
+    ns["net"](x).sum().backward()
+    assert x.grad is not None and ns["layer"](torch.randn(2, 256)).shape == (2, 128)
