@@ -73,6 +73,31 @@ def grid_inputs(fmt: FloatFormat) -> np.ndarray:
     return np.concatenate([pts, -pts])
 
 
+def int_round(v: float, fmt, rounding: str) -> float:
+    """fmt's value for v by brute force over the value list (v finite; saturating at the ends)."""
+    import math
+
+    values = fmt.values()
+    below = max([w for w in values if w <= v], default=values[0])
+    above = min([w for w in values if w >= v], default=values[-1])
+    if below == above or v <= values[0] or v >= values[-1]:
+        return float(min(max(v, values[0]), values[-1]) if below != above else below)
+    positive = math.copysign(1.0, v) > 0  # +0 rounds like a positive value, -0 like a negative one
+    if rounding == "toward_zero":  # the neighbour of v's sign nearer zero (pmN has no 0: -1 / +1)
+        if positive:
+            return float(below if below >= 0 else above)
+        return float(above if above <= 0 else below)
+    if rounding == "up":
+        return float(above)
+    if rounding == "down":
+        return float(below)
+    if v - below != above - v:
+        return float(below if v - below < above - v else above)
+    if rounding == "nearest_away":
+        return float(above if positive else below)
+    return float(below if fmt.code_of(below) % 2 == 0 else above)  # ties to the even code
+
+
 def random_bits(n: int, seed: int) -> np.ndarray:
     """n float32 values with uniformly random bit patterns (all exponents, NaNs, Infs, subnormals)."""
     rng = np.random.default_rng(seed)

@@ -42,7 +42,7 @@ def test_info(run):
 
 
 def test_info_json(run):
-    result = run("info", "--json")
+    result = run("info", "--json", "-")
     assert result.exit_code == 0, result.output
     rep = json.loads(result.output)
     assert rep["torch"] == torch.__version__
@@ -221,3 +221,79 @@ def test_bench_conv_bwd_validates_options(run):
     if NO_CUDA:
         res = run("bench", "conv-bwd")
         assert res.exit_code == 2 and "needs a CUDA GPU" in res.output
+
+
+# ------------------------------------------------------------------------------------------------
+# One flag grammar and one precision vocabulary
+# ------------------------------------------------------------------------------------------------
+
+
+def test_version(run):
+    result = run("--version")
+    assert result.exit_code == 0 and result.output.strip() == f"tcprec {tcprec.__version__}"
+
+
+def test_json_dash_is_only_json_on_stdout(run, tmp_path):
+    rep = json.loads(run("info", "--json", "-").stdout)
+    assert rep["torch"] == torch.__version__
+    res = run("solve", "--n", "48", "--factor", "e4m3", "--json", "-")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["n"] == 48
+    path = tmp_path / "solve.json"
+    assert run("solve", "--n", "48", "--json", str(path)).exit_code == 0
+    assert json.loads(path.read_text())["n"] == 48
+
+
+@pytest.mark.parametrize("alias, canonical", [("e4m3", "fp8"), ("float8_e4m3fn", "fp8"), ("bfloat16", "bf16"),
+                                              ("half", "fp16"), ("float", "fp32")])
+def test_solve_takes_every_factor_spelling_linalg_takes(alias, canonical):
+    from tcprec.linalg.lu import canonical_factor
+    from tcprec.precision import canonical_factor as shared
+
+    assert canonical_factor is shared and shared(alias) == canonical
+
+
+def test_solve_factor_error_lists_the_accepted_set(run):
+    res = run("solve", "--n", "16", "--factor", "fp12")
+    assert res.exit_code == 2
+    for name in ("bf16", "fp16", "tf32", "fp8", "fp32", "e4m3", "bfloat16"):
+        assert name in res.output
+
+
+@pytest.mark.parametrize("text, want", [("int4", (4, 4, False)), ("w4a4", (4, 4, False)), ("int8", (8, 8, False)),
+                                        ("W1A2", (1, 2, False)), ("e4m3", (8, 8, True)), ("fp8", (8, 8, True))])
+def test_quantize_model_vocabulary(text, want):
+    from tcprec.nn import parse_precision
+
+    p = parse_precision(text)
+    assert (p.w_bits, p.a_bits, p.fp8) == want
+    assert parse_precision("float") is None
+
+
+@pytest.mark.parametrize("text, match", [("fp16", "Write 'float'"), ("bf16", "Write 'float'"),
+                                         ("fp32", "Write 'float'"), ("mxfp4", "no 'mxfp4' engine"),
+                                         ("w9a1", "unknown layer precision")])
+def test_quantize_model_refuses_with_what_to_write(text, match):
+    import torch.nn as nn
+
+    from tcprec.nn import quantize_model
+
+    with pytest.raises(ValueError, match=match) as e:
+        quantize_model(nn.Sequential(nn.Linear(8, 8)), text, calibration=torch.randn(2, 8))
+    assert "'wXaY'" in str(e.value) and "'intN'" in str(e.value)  # the whole accepted set
+
+
+def test_every_quantize_model_precision_is_a_cli_precision():
+    from tcprec.precision import canonical_network_precision, parse_layer_precision
+
+    for text in ["int1", "int4", "int8", "w1a2", "w3a5", "w8a8", "fp8", "e4m3", "float"]:
+        parse_layer_precision(text)  # the API takes it ...
+        assert canonical_network_precision(text)  # ... and so do run / profile / bench net
+    assert canonical_network_precision("w8a8") == "int8" and canonical_network_precision("float") == "fp32"
+
+
+def test_run_and_profile_reject_unknown_precision_with_the_set(run):
+    for cmd in ("run", "profile"):
+        res = run(cmd, "--precision", "fp12")
+        assert res.exit_code == 2
+        assert "wXaY" in res.output and "fp32" in res.output

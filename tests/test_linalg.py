@@ -145,9 +145,12 @@ def test_condition_numbers_converge_or_fall_back(cond, factor, refine):
     n = 128
     A = la.random_matrix_with_cond(n, cond, seed=11)
     b = la.random_rhs(n, seed=12)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # an accurate x never warns
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         x, info = la.solve(A, b, factor=factor, refine=refine)
+    # an accurate x warns only that it came from the fp64 fallback, and only then
+    assert [str(w.message) for w in caught if "falling back" not in str(w.message)] == []
+    assert any("falling back to torch.linalg.solve" in str(w.message) for w in caught) == (info.path == "fp64-fallback")
     assert independent_backward_error(A, x, b) <= 16.0
     assert info.meets_criterion
     if info.converged:
@@ -170,6 +173,19 @@ def test_classic_ir_gives_up_and_falls_back_on_ill_conditioned():
     x, info = la.solve(A, b, factor="bf16", refine="classic")
     assert info.fell_back and "classic IR" in info.reason
     assert info.backward_error <= 16.0
+
+
+def test_batched_systems_are_refused_with_the_loop_to_write():
+    A = torch.eye(200, dtype=torch.float64).expand(4, 200, 200) * 3
+    with pytest.raises(ValueError, match=r"batching is not supported; loop over the batch"):
+        la.solve(A, torch.ones(4, 200, dtype=torch.float64))
+
+
+def test_fallback_warns():
+    A = la.random_matrix_with_cond(96, 1e10, seed=2)
+    with pytest.warns(RuntimeWarning, match="falling back to torch.linalg.solve in fp64"):
+        _, info = la.solve(A, la.random_rhs(96), factor="bf16", refine="classic")
+    assert info.fell_back
 
 
 def test_fallback_false_raises_instead():

@@ -571,7 +571,8 @@ def test_yolo_quantized_fuses_the_stride1_pool():
 def test_engine_eager_on_cpu_and_input_checks():
     x = torch.randn(2, 3, 8, 8)
     net = _calibrated(_net(), x)
-    eng = tp.compile(net, x, device="cpu")
+    with pytest.warns(UserWarning, match="runs the model eagerly"):
+        eng = tp.compile(net, x, device="cpu")
     assert eng.mode == "eager" and eng.copies_per_call == 2
     torch.testing.assert_close(eng(x), net(x))
     with pytest.raises(ValueError, match=r"compiled for \(2, 3, 8, 8\)"):

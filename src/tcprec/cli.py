@@ -4,6 +4,7 @@
     tcprec formats [NAME ...]   every preset format (or the named ones), properties computed
     tcprec demo                 cast a real photo and Gaussian data to a dozen formats; error table
     tcprec bench cast           cast / encode bandwidth against a copy, torch and QPyTorch (GPU)
+    tcprec bench cast-cpu       CPU cast / encode against ml_dtypes and torch (bit-exact checked)
     tcprec bench gemm|conv-bwd|solve|net   kernels, solves and whole networks against cuBLAS/cuDNN (GPU)
     tcprec bench allreduce      low-precision gradient all-reduce against NCCL (2+ GPUs, torchrun)
     tcprec run / profile        one photo through a network at a precision; per-layer profile
@@ -20,6 +21,8 @@ import json
 import math
 import os
 import shlex
+import sys
+import tempfile
 from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
@@ -37,6 +40,7 @@ import tcprec as tp
 from . import metrics
 from .bench import allreduce as ar_bench
 from .bench import cast as cast_bench
+from .bench import cast_cpu as cast_cpu_bench
 from .bench import conv_bwd as conv_bench
 from .bench import gemm as gemm_bench
 from .bench import net as net_bench
@@ -53,6 +57,7 @@ from .linalg import FACTOR_FORMATS, MATRIX_KINDS, REFINE_METHODS, run_solve
 from .nn import models as zoo
 from .nn.models import MODELS
 from .ops.cast import choose_cast_backend
+from .precision import canonical_factor, canonical_network_precision
 from .qat.checkpoint import deploy, load_trained
 from .qat.trainer import load_classify_data, normalize, train_classify
 from .train.cli_impl import train as run_train
@@ -69,6 +74,26 @@ bench_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(bench_app, name="bench")
+
+
+def _version(value: bool):
+    if value:
+        typer.echo(f"tcprec {tp.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                        help="Print tcprec's version and exit.")):
+    """Arbitrary- and mixed-precision computing on GPU tensor cores."""
+
+
+def _emit_json(path, payload: dict) -> None:
+    """``--json PATH``: the payload as JSON at PATH, or on stdout (and nothing else there) for ``-``."""
+    if str(path) == "-":
+        sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
+    else:
+        Console(stderr=True).print(f"wrote {write_json(path, json.loads(json.dumps(payload, default=str)))}")
 
 DEMO_FORMATS = "tf32,fp16,bf16,e3m4,e4m3,e4m3fnuz,e5m2,e2m3,e3m2,fp4,int8,int4"
 
@@ -123,6 +148,22 @@ def _choices(text: str, allowed, option: str) -> list[str]:
     return [_choice(v, allowed, option) for v in _split(text, option)]
 
 
+def _precision(value: str, option: str = "--precision") -> str:
+    """A network precision (tcprec.precision's vocabulary, the one quantize_model takes), canonical."""
+    try:
+        return canonical_network_precision(value)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint=option) from None
+
+
+def _factor(value: str, option: str = "--factor") -> str:
+    """An LU factor format (linalg.solve's vocabulary), canonical."""
+    try:
+        return canonical_factor(value)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint=option) from None
+
+
 def parse_formats(text: str, option: str = "--formats") -> list[tuple[str, object]]:
     """``"e4m3,fp4"`` -> [(name, format), ...]; an unknown name is a usage error with suggestions."""
     out = []
@@ -172,12 +213,14 @@ def _pick_device(device: str) -> torch.device:
 
 
 @app.command()
-def info(as_json: bool = typer.Option(False, "--json", help="Print the report as JSON instead of tables.")):
+def info(json_path: Optional[str] = typer.Option(None, "--json", metavar="PATH",
+                                                 help="Write the report as JSON here ('-': stdout, tables off).")):
     """Versions, the GPU, and which tensor-core paths are available here (and why others are not)."""
     rep = device_report()
-    if as_json:
-        typer.echo(json.dumps(rep, indent=2))
-        return
+    if json_path is not None:
+        _emit_json(json_path, rep)
+        if json_path == "-":
+            return
     console = Console()
     t = Table(title="tcprec environment", show_header=False)
     t.add_column("key", style="bold")
@@ -255,7 +298,8 @@ def formats(
               box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     for col in _FORMAT_COLUMNS:
         numeric = col in ("bits", "bias", "max", "min normal", "min sub", "eps")
-        t.add_column(col, justify="right" if numeric else "left", overflow="fold")
+        # the name column never breaks a name mid-word (below ~120 columns the numbers fold)
+        t.add_column(col, justify="right" if numeric else "left", overflow="fold", no_wrap=col == _FORMAT_COLUMNS[0])
     for _, fmt in chosen:
         label = str(fmt)
         if aliases.get(label):
@@ -434,6 +478,37 @@ def bench_cast(
                        command=command)
 
 
+@bench_app.command("cast-cpu")
+def bench_cast_cpu(
+    numel: int = typer.Option(2**20, min=1, help="Elements of the float32 input."),
+    formats_: str = typer.Option(",".join(cast_cpu_bench.DEFAULT_FORMATS), "--formats",
+                                 help="Comma-separated element formats."),
+    rounding: str = typer.Option("nearest,stochastic", help=f"Comma-separated, from {', '.join(ROUNDING_MODES)}."),
+    json_: Path = typer.Option(Path("benchmarks/results/cast_cpu.json"), "--json",
+                               help="JSON output path ('-' for stdout)."),
+    reps: int = typer.Option(15, min=1, help="Timed calls per case (median)."),
+    threads: int = typer.Option(1, min=1, help="torch intra-op threads (ml_dtypes runs on one)."),
+    quiet: bool = typer.Option(False, "--quiet/--no-quiet", help="No progress bar."),
+):
+    """CPU cast / encode against ml_dtypes, torch .to and the int64 specification (bit-exact checked)."""
+    fmts = parse_formats(formats_)
+    for name, fmt in fmts:
+        if isinstance(fmt, BlockFormat):
+            raise typer.BadParameter(f"{name!r} is a block format; bench cast-cpu times element formats "
+                                     f"(use its element, {fmt.element})", param_hint="--formats")
+    roundings = parse_roundings(rounding)
+    command = shlex.join(["tcprec", "bench", "cast-cpu", "--numel", str(numel), "--formats", formats_,
+                          "--rounding", rounding, "--reps", str(reps), "--threads", str(threads),
+                          "--json", str(json_)])
+    to_stdout = str(json_) == "-"
+    out = Path(tempfile.mkdtemp()) / "cast_cpu.json" if to_stdout else json_
+    payload = cast_cpu_bench.run(numel, [n for n, _ in fmts], roundings, out, reps=reps, threads=threads,
+                                 command=command, console=Console(stderr=True, quiet=to_stdout),
+                                 progress=not (quiet or to_stdout))
+    if to_stdout:
+        sys.stdout.write(out.read_text())
+
+
 def _solve_options(factor: str, refine: str, kind: str):
     for value, allowed, hint in ((factor, FACTOR_FORMATS, "--factor"), (refine, REFINE_METHODS, "--refine"),
                                  (kind, MATRIX_KINDS, "--kind")):
@@ -443,22 +518,25 @@ def _solve_options(factor: str, refine: str, kind: str):
 @app.command()
 def solve(
     n: int = typer.Option(1024, "--n", min=1, help="Matrix size."),
-    factor: str = typer.Option("bf16", help="Format of the LU's trailing-matrix GEMMs."),
+    factor: str = typer.Option("bf16", help="Format of the LU's trailing-matrix GEMMs: bf16, fp16, tf32, fp8 (= e4m3), fp32."),
     refine: str = typer.Option("fgmres", help="Refinement: fgmres (flexible GMRES-IR), gmres or classic."),
     kind: str = typer.Option("diagdom", help="Test matrix: diagdom (HPL-MxP) or general (prescribed cond)."),
     cond: float = typer.Option(1e2, help="2-norm condition number for --kind general."),
     device: Device = typer.Option(Device.auto, help="Where to run: auto picks cuda when a GPU is present."),
     seed: int = typer.Option(0, help="Seed of the test matrix."),
-    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    json_path: Optional[str] = typer.Option(None, "--json", metavar="PATH",
+                                            help="Write the result as JSON here ('-': stdout, table off)."),
 ):
     """Solve a random dense system to FP64 accuracy from a low-precision LU + iterative refinement,
     and compare with torch.linalg.solve in fp64 in the same run."""
+    factor = _factor(factor)
     _solve_options(factor, refine, kind)
     dev = _pick_device(device.value)
     res = run_solve(n, factor=factor, refine=refine, kind=kind, cond=cond, device=dev, seed=seed)
-    if as_json:
-        print(json.dumps(res, indent=2, default=str))
-        return
+    if json_path is not None:
+        _emit_json(json_path, res)
+        if json_path == "-":
+            return
     table = Table(title=f"tcprec solve n={n} factor={factor} refine={refine} kind={kind} on {dev}")
     table.add_column("quantity")
     table.add_column("value", justify="right")
@@ -478,6 +556,7 @@ def bench_solve_cmd(
     out: Path = typer.Option(Path("benchmarks/results/solve.json"), help="JSON output path."),
 ):
     """tcprec.linalg.solve against torch.linalg.solve in fp64, same run: time, speedup, backward error."""
+    factors = ",".join(_factor(f, "--factors") for f in _split(factors, "--factors"))
     _solve_options(factors, "fgmres", kinds)
     size_list = _ints(sizes, "--sizes")
     command = shlex.join(["tcprec", "bench", "solve", "--sizes", sizes, "--factors", factors, "--kinds", kinds,
@@ -557,7 +636,7 @@ def bench_net_cmd(
         return
 
     models = _choices(model, tuple(MODELS), "--model")
-    precisions = _choices(precision, net_bench.PRECISIONS, "--precision")
+    precisions = [_precision(p) for p in _split(precision, "--precision")]
     batches = _ints(batch, "--batch")
     command = shlex.join(["tcprec", "bench", "net", "--model", model, "--precision", precision, "--batch", batch,
                           "--out", str(out)])
@@ -643,8 +722,8 @@ def _load_image(image: str, size: int) -> tuple[torch.Tensor, str]:
 @app.command("run")
 def run_cmd(
     model: str = typer.Option("yolov2-tiny", help="alexnet, vgg, resnet18 or yolov2-tiny (seeded weights)."),
-    precision: Optional[str] = typer.Option(None, help="fp32, fp16, int8, fp8, w2a2 or w1a2 (default int8; a QAT "
-                                            "checkpoint: its own)."),
+    precision: Optional[str] = typer.Option(None, help="fp32 (= float), fp16, int8, intN / wXaY (N, X, Y in 1..8), "
+                                            "fp8 (= e4m3); default int8, a QAT checkpoint: its own."),
     image: str = typer.Option("astronaut", help="A photo file, or a scikit-image sample: astronaut, chelsea, coffee, rocket."),
     out: Path = typer.Option(Path("output.npy"), help="Where to save the output tensor (.npy)."),
     device: Device = typer.Option(Device.auto, help="auto picks cuda when a GPU is present."),
@@ -663,7 +742,7 @@ def run_cmd(
         return
     precision = precision or "int8"
     _choice(model, tuple(zoo.MODELS), "--model")
-    _choice(precision, PRECISIONS, "--precision")
+    precision = _precision(precision)
     console = Console()
     dev = _pick_device(device.value)
     size = zoo.INPUT_SHAPES[model][1]
@@ -717,7 +796,7 @@ def _run_trained(checkpoint: Path, precision: Optional[str], images: int, out: P
 @app.command("profile")
 def profile_cmd(
     model: str = typer.Option("resnet18", help="alexnet, vgg, resnet18 or yolov2-tiny (seeded weights)."),
-    precision: str = typer.Option("w1a2", help="fp32, fp16, int8, fp8, w2a2 or w1a2."),
+    precision: str = typer.Option("w1a2", help="fp32 (= float), fp16, int8, intN / wXaY (N, X, Y in 1..8), fp8 (= e4m3)."),
     batch: int = typer.Option(8, min=1),
     device: Device = typer.Option(Device.auto, help="auto picks cuda when a GPU is present."),
     trace: Optional[Path] = typer.Option(None, help="Write a Chrome trace here."),
@@ -726,7 +805,7 @@ def profile_cmd(
     """Per-layer latency, the breakdown (quantize/pack, conversion, memcpy, compute), every kernel with
     a tensor-core flag, and the dtype trace of one forward pass."""
     _choice(model, tuple(zoo.MODELS), "--model")
-    _choice(precision, PRECISIONS, "--precision")
+    precision = _precision(precision)
     dev = _pick_device(device.value)
     if dev.type == "cpu" and precision in ("fp16", "fp8"):
         raise typer.BadParameter(f"{precision} needs a CUDA GPU", param_hint="--precision")
@@ -734,6 +813,8 @@ def profile_cmd(
     net, dt = build_variant(zoo.build(model, device=dev), precision, x[:8])
     rep = tp.profile(net, x.to(dt), warmup=2, iters=5, trace_path=str(trace) if trace else None)
     Console().print(rep.table())
+    if trace:
+        Console(stderr=True).print(f"wrote the Chrome trace to {trace} (open it in chrome://tracing or ui.perfetto.dev)")
     if json_path is not None:
         Console().print(f"wrote {write_json(json_path, rep.to_json())}")
 

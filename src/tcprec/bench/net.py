@@ -23,6 +23,7 @@ from rich.table import Table
 
 from ..nn import models as zoo
 from ..nn.convert import QuantConfig, quantize_model
+from ..precision import canonical_network_precision
 from ..profiling import profile
 from .common import environment, print_environment, require_cuda, time_graph_ms, write_json
 
@@ -45,6 +46,7 @@ def build_variant(model_fp32: torch.nn.Module, precision: str, calibration: torc
     """(model, input dtype) for one precision, on the model's device.  Quantized variants are built
     from the fp16 model on a GPU (their float glue -- residual adds, flatten -- runs in fp16), from
     the fp32 model on the CPU."""
+    precision = canonical_network_precision(precision)
     if precision == "fp32":
         return model_fp32, torch.float32
     import copy
@@ -67,9 +69,7 @@ def run(models: Sequence[str] = ("alexnet", "vgg", "resnet18", "yolov2-tiny"), p
         breakdown: bool = True) -> dict:
     console = console or Console()
     device = require_cuda(command)
-    for p in precisions:
-        if p not in PRECISIONS:
-            raise ValueError(f"unknown precision {p!r}; choose from {PRECISIONS}")
+    precisions = [canonical_network_precision(p) for p in precisions]  # ValueError lists the accepted set
     for m in models:
         if m not in zoo.MODELS:
             raise ValueError(f"unknown model {m!r}; choose from {sorted(zoo.MODELS)}")

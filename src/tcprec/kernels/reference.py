@@ -280,8 +280,9 @@ def _round_int_core(x: torch.Tensor, fmt: IntFormat, rounding: str, seed: int | 
         up = frac_gt_half | (frac_eq_half & (parity == 1))
     elif rounding == "nearest_away":  # away from zero in value space
         up = frac_gt_half | (frac_eq_half & ~neg)
-    elif rounding == "toward_zero":
-        up = frac_nonzero & neg
+    elif rounding == "toward_zero":  # the same-signed neighbour nearer zero: a pmN grid has no 0,
+        v_lo = u_int * fmt.step + fmt.offset  # so (-1, 1) goes to the sign's +-1, never across 0
+        up = frac_nonzero & torch.where(neg, v_lo + fmt.step <= 0, v_lo < 0)
     elif rounding == "up":
         up = frac_nonzero
     elif rounding == "down":

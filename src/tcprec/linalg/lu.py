@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..formats import format as _format
+from ..precision import FACTOR_FORMATS, canonical_factor  # noqa: F401  (re-exported: one vocabulary)
 
 __all__ = [
     "FACTOR_FORMATS",
@@ -79,20 +80,12 @@ __all__ = [
     "default_block",
 ]
 
-FACTOR_FORMATS = ("bf16", "fp16", "tf32", "fp8", "fp32")
 PIVOTING_MODES = ("partial", "none")
 PANEL_METHODS = ("auto", "recursive", "getrf")
 TRSV_METHODS = ("auto", "trsm", "blocked", "graph")
 TRSM_METHODS = ("auto", "trsm", "inverse")
 GETRF_LIBS = ("cusolver", "default")
 
-_FACTOR_ALIASES = {
-    "bf16": "bf16", "bfloat16": "bf16",
-    "fp16": "fp16", "float16": "fp16", "half": "fp16",
-    "tf32": "tf32",
-    "fp8": "fp8", "e4m3": "fp8", "float8_e4m3fn": "fp8", "fp8_e4m3": "fp8",
-    "fp32": "fp32", "float32": "fp32", "float": "fp32",
-}
 _PIVOTING_ALIASES = {"partial": "partial", "none": "none"}
 
 # The finite range of each low format, derived from tcprec's format records (never hand-typed).
@@ -102,17 +95,6 @@ _LOWP_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 class LUBreakdown(RuntimeError):
     """The low-precision LU could not be completed (zero or non-finite pivot, overflow)."""
-
-
-def canonical_factor(factor) -> str:
-    """``"bfloat16"`` -> ``"bf16"`` etc.; ValueError naming the allowed set otherwise."""
-    key = factor.lower() if isinstance(factor, str) else None
-    if key not in _FACTOR_ALIASES:
-        raise ValueError(
-            f"factor must be one of {FACTOR_FORMATS} (the precision of the LU's tensor-core "
-            f"updates), got factor={factor!r}; e.g. solve(A, b, factor='bf16')"
-        )
-    return _FACTOR_ALIASES[key]
 
 
 def canonical_pivoting(pivoting) -> str:

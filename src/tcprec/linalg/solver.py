@@ -109,6 +109,12 @@ def _validate(A, b):
     b = _as_tensor(b, "b")
     _check_dtype(A, "A")
     _check_dtype(b, "b")
+    if A.dim() > 2 and A.shape[-1] == A.shape[-2]:
+        raise ValueError(
+            f"A has batch dimensions (shape {tuple(A.shape)}): batching is not supported; loop over the batch, "
+            f"e.g. torch.stack([tcprec.linalg.solve(A[i], b[i]) for i in range({A.shape[0]})]) (each system gets "
+            "its own LU and refinement)"
+        )
     if A.dim() != 2 or A.shape[0] != A.shape[1]:
         raise ValueError(f"A must be a square matrix (n, n), got shape {tuple(A.shape)}; solve handles "
                          f"square systems only (use torch.linalg.lstsq for least squares)")
@@ -274,6 +280,9 @@ def solve(
         else:
             if not fallback:
                 raise RuntimeError(f"mixed-precision solve did not converge and fallback=False: {reason}")
+            warnings.warn(f"solve: the {factor} LU + {refine} refinement did not reach fp64 accuracy ({reason}); "
+                          "falling back to torch.linalg.solve in fp64 (info.path == 'fp64-fallback'; "
+                          "fallback=False raises instead)", RuntimeWarning, stacklevel=2)
             x = _fp64_solve(A64, b64)
             eta = scaled_residual(A64, x, b64, anorm)
             path, converged = "fp64-fallback", False

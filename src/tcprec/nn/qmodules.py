@@ -45,47 +45,15 @@ from ..qtensor import PerChannel, QTensor
 __all__ = ["LayerPrecision", "parse_precision", "QConv2d", "QLinear", "flatten_nhwc", "weight_format",
            "activation_format", "FixedQuant"]
 
+from ..precision import LayerPrecision, parse_layer_precision  # noqa: E402  (re-exported)
+
 _ACTS = (None, "relu", "leaky")
 
 
-@dataclass(frozen=True)
-class LayerPrecision:
-    """Bit widths of one layer: ``w_bits`` / ``a_bits`` in 1..8 (integer), or ``fp8`` for e4m3 both."""
-
-    w_bits: int = 8
-    a_bits: int = 8
-    fp8: bool = False
-
-    def __post_init__(self):
-        if not self.fp8:
-            for name, b in (("w_bits", self.w_bits), ("a_bits", self.a_bits)):
-                if not (isinstance(b, int) and 1 <= b <= 8):
-                    raise ValueError(f"{name} must be 1..8 for an integer layer, got {b!r}")
-
-    def __str__(self) -> str:
-        return "fp8" if self.fp8 else f"w{self.w_bits}a{self.a_bits}"
-
-
 def parse_precision(text) -> LayerPrecision | None:
-    """``"w1a2"`` / ``"w4a4"`` / ``"int8"`` (= w8a8) / ``"fp8"`` -> LayerPrecision; ``"float"`` / None -> None."""
-    if text is None or isinstance(text, LayerPrecision):
-        return text
-    t = str(text).strip().lower()
-    if t in ("float", "fp32", "fp16", "bf16", "none"):
-        return None
-    if t == "int8":
-        return LayerPrecision(8, 8)
-    if t == "fp8":
-        return LayerPrecision(fp8=True)
-    import re
-
-    m = re.fullmatch(r"w(\d)a(\d)", t)
-    if m and 1 <= int(m[1]) <= 8 and 1 <= int(m[2]) <= 8:
-        return LayerPrecision(int(m[1]), int(m[2]))
-    raise ValueError(
-        f"unknown precision {text!r}; use 'wXaY' with X, Y in 1..8 (e.g. 'w1a2', 'w2a2', 'w4a4'), 'int8', 'fp8' "
-        "or 'float' (keep the layer in floating point)"
-    )
+    """``"w1a2"`` / ``"w4a4"`` / ``"int4"`` (= w4a4) / ``"int8"`` / ``"fp8"`` (= ``"e4m3"``) -> LayerPrecision;
+    ``"float"`` / None -> None.  The vocabulary is ``tcprec.precision``'s, shared with the CLI."""
+    return parse_layer_precision(text)
 
 
 def weight_format(p: LayerPrecision):

@@ -68,6 +68,7 @@ from ..enums import Backend, backend_names
 from ..kernels import reference_conv_bwd as rc
 from ..kernels.conv_geometry import ConvGeometry, pair
 from ..kernels.triton import choose_backend
+from ..precision import CONV_PRECISIONS as PRECISIONS  # one vocabulary
 
 __all__ = [
     "conv2d_dgrad",
@@ -83,7 +84,6 @@ __all__ = [
     "BACKENDS",
 ]
 
-PRECISIONS = ("fp16", "bf16", "fp8")
 BACKENDS = backend_names(Backend.AUTO, Backend.TRITON, Backend.TMA, Backend.FLAT, Backend.GEMM, Backend.FPROP,
                          Backend.REFERENCE)
 _DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}

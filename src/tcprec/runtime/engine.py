@@ -42,6 +42,12 @@ class Engine:
         self.input_dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()),
                                 example_input.dtype)
         self.mode = "cuda-graph" if self.device.type == "cuda" else "eager"
+        if self.mode == "eager":
+            import warnings
+
+            warnings.warn(f"tcprec.compile on {self.device}: no CUDA graph off the GPU, the engine runs the model "
+                          "eagerly (Engine.mode == 'eager'); pass device='cuda' on a GPU machine to capture one",
+                          UserWarning, stacklevel=3)
         self._graph = None
         if self.mode == "cuda-graph":
             self._capture(example_input, warmup)

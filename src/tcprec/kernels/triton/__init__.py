@@ -25,7 +25,7 @@ def triton_usable(t: torch.Tensor) -> tuple[bool, str]:
         return True, "CUDA tensor"
     if os.environ.get("TRITON_INTERPRET") == "1":
         return True, "TRITON_INTERPRET=1: Triton's interpreter"
-    return False, f"tensor on {t.device.type}: Triton needs a CUDA tensor (or TRITON_INTERPRET=1)"
+    return False, f"tensor on {t.device.type}: Triton needs a CUDA tensor or TRITON_INTERPRET=1"
 
 
 def choose_backend(t: torch.Tensor, backend: str = "auto", kernel: str = "Triton kernel") -> tuple[str, str]:
@@ -40,7 +40,7 @@ def choose_backend(t: torch.Tensor, backend: str = "auto", kernel: str = "Triton
     if backend == "triton":
         if not ok:
             raise RuntimeError(f"backend='triton' cannot run the {kernel}: {why}; use backend='reference' or a CUDA tensor")
-        return "triton", f"{kernel} ({why})"
+        return "triton", f"{kernel}, {why}"
     if ok and t.is_cuda:
-        return "triton", f"{kernel} ({why})"
-    return "reference", f"pure-torch reference ({why})" if not ok else "pure-torch reference on CPU"
+        return "triton", f"{kernel}, {why}"
+    return "reference", f"pure-torch reference; {why}" if not ok else "pure-torch reference on CPU"

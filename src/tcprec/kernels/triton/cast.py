@@ -326,8 +326,9 @@ def _int_round_kernel(
         up = gt_half | (eq_half & (((u + PARITY_OFFSET) & 1) == 1))
     elif MODE == ROUND_NEAREST_AWAY:
         up = gt_half | (eq_half & ~neg)
-    elif MODE == ROUND_TOWARD_ZERO:
-        up = nz & neg
+    elif MODE == ROUND_TOWARD_ZERO:  # the same-signed neighbour nearer zero (pmN has no 0): as the reference
+        v_lo = u * STEP + OFFSET
+        up = nz & tl.where(neg, v_lo + STEP <= 0, v_lo < 0)
     elif MODE == ROUND_UP:
         up = nz
     elif MODE == ROUND_DOWN:
