@@ -435,7 +435,7 @@ B8 = torch.ones(8, dtype=torch.float64)
         (A8[:6], B8, {}, ValueError, r"A must be a square matrix \(n, n\), got shape \(6, 8\)"),
         (A8, B8[:5], {}, ValueError, r"b must have shape \(8,\) or \(8, k\).*got b of shape \(5,\)"),
         (A8, torch.ones(8, 0, dtype=torch.float64), {}, ValueError, "b has no columns"),
-        (torch.ones(2, 2, 2), B8, {}, ValueError, "square matrix"),
+        (torch.ones(2, 2, 2), B8, {}, ValueError, "batching is not supported; loop over the batch"),
         (torch.zeros(0, 0), torch.zeros(0), {}, ValueError, "A is empty"),
         (A8.long(), B8, {}, TypeError, r"A has dtype torch.int64.*real floating-point.*A.double\(\)"),
         (A8, B8.int(), {}, TypeError, r"b has dtype torch.int32"),

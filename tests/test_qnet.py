@@ -55,10 +55,18 @@ def test_parse_precision(text, want):
     assert parse_precision(text) == want
 
 
-@pytest.mark.parametrize("bad", ["w0a2", "w9a9", "w1", "int4x", "e4m3"])
+@pytest.mark.parametrize("bad", ["w0a2", "w9a9", "w1", "int4x", "int9", "e5m2"])
 def test_parse_precision_rejects(bad):
-    with pytest.raises(ValueError, match="unknown precision"):
+    with pytest.raises(ValueError, match=r"(?i)accepted: 'float'"):  # the whole accepted set
         parse_precision(bad)
+
+
+def test_parse_precision_aliases_are_one_vocabulary():
+    assert parse_precision("e4m3") == parse_precision("fp8")  # e4m3 weights and activations
+    assert parse_precision("int4") == parse_precision("w4a4")
+    for old in ("fp16", "bf16"):  # no longer silently "keep float": the error says what to write
+        with pytest.raises(ValueError, match="float"):
+            parse_precision(old)
 
 
 # -- modules ----------------------------------------------------------------------------------------
@@ -186,7 +194,7 @@ def test_untraceable_model_falls_back_to_module_swap_and_says_so():
 @pytest.mark.parametrize("kwargs, err, match", [
     (dict(), ValueError, "needs calibration data"),
     (dict(calibration="x"), TypeError, "calibration must be"),
-    (dict(calibration=torch.zeros(1, 3, 8, 8), config="w9a9"), ValueError, "unknown precision"),
+    (dict(calibration=torch.zeros(1, 3, 8, 8), config="w9a9"), ValueError, "unknown layer precision"),
     (dict(calibration=torch.zeros(1, 3, 8, 8), config=tp.QuantConfig(overrides={"nope": "w2a2"})), ValueError,
      "overrides name no module"),
 ])
@@ -597,8 +605,8 @@ def test_cli_bench_net_needs_gpu():
 
 @pytest.mark.parametrize("args, match", [
     (["bench", "net", "--model", "lenet"], "not one of"),
-    (["bench", "net", "--precision", "w9a9"], "not one of"),
-    (["run", "--precision", "int3"], "not one of"),
+    (["bench", "net", "--precision", "w9a9"], "unknown precision 'w9a9'; accepted"),
+    (["run", "--precision", "int9"], "unknown precision 'int9'; accepted"),
     (["run", "--image", "/no/such/photo.jpg"], "neither a file"),
 ])
 def test_cli_bad_options(args, match):

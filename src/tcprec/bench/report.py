@@ -22,7 +22,7 @@ from typing import Callable
 
 __all__ = ["ADAPTERS", "normalize", "render", "main"]
 
-MAX_ROWS = 30  # rows a summary table shows; the rest stay in the JSON (the report says how many)
+MAX_ROWS = 5  # rows a summary table shows; the rest stay in the JSON (the report says how many)
 CONVENTION = ("suite", "command", "device", "commit", "summary", "targets")
 HEADER = """# Benchmarks
 

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._host import cdiv
+
 __all__ = ["grouped_conv", "ACT_CODES"]
 
 ACT_CODES = {None: 0, "relu": 1, "leaky": 2, "clamp": 3, "hardswish": 4, "silu": 5}
@@ -108,7 +110,7 @@ def grouped_conv(codes: torch.Tensor, x_bits: int, x_twos: bool, w_values: torch
     a = float(act[1]) if isinstance(act, tuple) else 0.0
     b = float(act[2]) if isinstance(act, tuple) and len(act) > 2 else 0.0
     dummy = torch.empty(1, dtype=torch.float32, device=codes.device)
-    grid = (triton.cdiv(N * P * Q, block_m), triton.cdiv(K, block_k))
+    grid = (cdiv(N * P * Q, block_m), cdiv(K, block_k))
     _grouped_conv_kernel[grid](
         codes.contiguous(), w_values.contiguous(), dummy if col is None else col, dummy if bias is None else bias, y,
         N, H, W, C, K, P, Q, Cg, K // groups,
