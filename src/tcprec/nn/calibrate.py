@@ -57,6 +57,18 @@ class Observer:
             raise ValueError(f"bins must be an int in 128..65536, got {self.bins!r} (TensorRT uses 2048)")
 
 
+def _run_batches(model, batches, hooks) -> None:
+    """Run the calibration batches through ``model`` (on its device, in its float dtype), then remove the
+    forward hooks that observed them, whatever happens."""
+    try:
+        dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+        dt = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        for b in batches:
+            model(b.to(device=dev, dtype=dt))
+    finally:
+        for h in hooks:
+            h.remove()
+
 def as_observer(v) -> Observer:
     if isinstance(v, Observer):
         return v
@@ -145,14 +157,7 @@ def activation_clips(model: nn.Module, names: list[str], batches, absmax: dict, 
                 h = torch.histc(x.detach().float().abs().flatten(), observer.bins, 0.0, absmax[n])
                 hists[n] += h.double().cpu()
         hooks.append(mods[n].register_forward_pre_hook(pre))
-    try:
-        dev = next((p.device for p in model.parameters()), torch.device("cpu"))
-        dt = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-        for b in batches:
-            model(b.to(device=dev, dtype=dt))
-    finally:
-        for h in hooks:
-            h.remove()
+    _run_batches(model, batches, hooks)
     out = {}
     for n in names:
         a = absmax.get(n, 0.0)
@@ -244,13 +249,6 @@ def bias_deltas(model: nn.Module, names: list[str], batches, w_dq) -> dict[str, 
             sums[n] = sums.get(n, 0) + e.double().sum(1)
             counts[n] = counts.get(n, 0) + e.shape[1]
         hooks.append(m.register_forward_pre_hook(pre))
-    try:
-        dev = next((p.device for p in model.parameters()), torch.device("cpu"))
-        dt = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-        for b in batches:
-            model(b.to(device=dev, dtype=dt))
-    finally:
-        for h in hooks:
-            h.remove()
+    _run_batches(model, batches, hooks)
     return {n: (sums[n] / counts[n]).float() for n in sums}
 
