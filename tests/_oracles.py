@@ -91,8 +91,11 @@ def int_round(v: float, fmt, rounding: str) -> float:
         return float(above)
     if rounding == "down":
         return float(below)
-    if v - below != above - v:
-        return float(below if v - below < above - v else above)
+    from fractions import Fraction
+
+    lo, hi = Fraction(v) - Fraction(below), Fraction(above) - Fraction(v)  # exact: float64 differences can tie
+    if lo != hi:
+        return float(below if lo < hi else above)
     if rounding == "nearest_away":
         return float(above if positive else below)
     return float(below if fmt.code_of(below) % 2 == 0 else above)  # ties to the even code

@@ -14,6 +14,13 @@ if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402  (after the TRITON_INTERPRET switch on purpose)
+from hypothesis import settings  # noqa: E402
+
+# Property tests draw the same examples on every run and machine: a CI run cannot fail on a draw
+# the previous run never made.  Explore with fresh draws locally: HYPOTHESIS_PROFILE=explore.
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 _GPU_SKIP = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine: python -m pytest tests/gpu)")
 
