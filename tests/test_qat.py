@@ -4,6 +4,7 @@ ones, and bad input is refused with the fix named."""
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 
@@ -257,3 +258,24 @@ def test_train_classify_checkpoints_resume_and_deploy(tmp_path):
     assert acc == res["deployed_test_acc"]
     with pytest.raises(ValueError, match="trained at int8"):
         deploy(t, "w1a2")
+
+
+@pytest.mark.parametrize("prec", ["w1a2", "w2a2"])
+def test_training_step_compiles_to_one_graph_and_matches_eager(prec):
+    """torch.compile (fullgraph: no graph break, no host sync on a data-dependent value) of the QAT model's training
+    forward gives eager's loss and gradients (aot_eager: the same ops, traced; fp32 on the CPU)."""
+    torch.manual_seed(0)
+    qat = tp.prepare_qat(_cnn(), prec)
+    x, y = torch.randn(16, 1, 14, 14), torch.randint(0, 10, (16,))
+    qat.train()
+    qat(x)  # the first batch sets each activation step (a data-dependent initialisation, eager by design)
+    ref = copy.deepcopy(qat)
+    compiled = torch.compile(qat, backend="aot_eager", fullgraph=True)
+    loss_c = F.cross_entropy(compiled(x), y)
+    loss_c.backward()
+    loss_e = F.cross_entropy(ref(x), y)
+    loss_e.backward()
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
+    for (n, pc), (_, pe) in zip(qat.named_parameters(), ref.named_parameters()):
+        assert pc.grad is not None and pe.grad is not None, n
+        torch.testing.assert_close(pc.grad, pe.grad, rtol=1e-4, atol=1e-6, msg=n)

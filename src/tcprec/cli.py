@@ -657,6 +657,8 @@ def bench_qat_cmd(
     limit_train: Optional[int] = typer.Option(None, min=256, help="Use only the first N training images."),
     data_path: Optional[Path] = typer.Option(None, help="Folder with the Fashion-MNIST idx .gz files."),
     budget_s: float = typer.Option(540.0, help="Skip QAT runs that would not finish within this many seconds."),
+    compile_step: bool = typer.Option(True, "--compile-step/--eager-step",
+                                      help="Also time both training steps under torch.compile (the target's basis)."),
     commit: Optional[str] = typer.Option(None, help="Commit SHA recorded in the JSON."),
     out: Path = typer.Option(Path("benchmarks/results/qat.json"), help="JSON output path."),
 ):
@@ -667,11 +669,13 @@ def bench_qat_cmd(
     command = shlex.join(["tcprec", "bench", "qat", "--epochs", str(epochs), "--qat-epochs", str(qat_epochs),
                           "--vgg-epochs", str(vgg_epochs), "--vgg-qat-epochs", str(vgg_qat_epochs), "--precision",
                           precision, "--model", model, "--distill", str(distill), "--budget-s", str(budget_s)]
-                         + (["--limit-train", str(limit_train)] if limit_train else []) + ["--out", str(out)])
+                         + (["--limit-train", str(limit_train)] if limit_train else [])
+                         + ([] if compile_step else ["--eager-step"]) + ["--out", str(out)])
     with _needs_gpu():
         res = qat_bench.run(models, precisions, epochs=epochs, qat_epochs=qat_epochs, vgg_epochs=vgg_epochs,
                             vgg_qat_epochs=vgg_qat_epochs, distill=distill, limit_train=limit_train,
-                            data_path=data_path, budget_s=budget_s, out=str(out), command=command, console=Console())
+                            data_path=data_path, budget_s=budget_s, compile_step=compile_step, out=str(out),
+                            command=command, console=Console())
     if commit:
         res["commit"] = commit
         write_json(out, res)
