@@ -113,9 +113,9 @@ class FakeQuantLinear(nn.Module):
     """A QLinear's computation in plain torch from its buffers: the same activation codes (x / s_x, clamped, round
     half even; e4m3: saturated and cast), the same weight codes, exact float64 sums, the same float32 epilogue."""
 
-    def __init__(self, q: QLinear):
+    def __init__(self, q: QLinear, rows: slice = slice(None)):
         super().__init__()
-        self.q = q
+        self.q, self.rows = q, rows  # rows: this projection's rows of a fused qkv_proj
 
     def _decode(self, codes, fmt):
         if isinstance(fmt, FloatFormat):  # e4m3
@@ -129,24 +129,28 @@ class FakeQuantLinear(nn.Module):
             xc = torch.clamp(x.float() / s_x, -448.0, 448.0).to(torch.float8_e4m3fn).double()
         else:
             xc = torch.round(torch.clamp(x.float() / s_x, float(q.a_fmt.min), float(q.a_fmt.max))).double()
-        wc = self._decode(q.weight_codes.reshape(q.out_features, q.in_features), q.w_fmt)  # (N, K)
+        r = self.rows
+        wc = self._decode(q.weight_codes.reshape(q.out_features, q.in_features)[r], q.w_fmt)  # (N, K)
         acc = xc @ wc.T  # exact: see the module docstring
-        y = acc.float() * (q.in_scale * q.weight_scale.reshape(-1))
+        y = acc.float() * (q.in_scale * q.weight_scale.reshape(-1)[r])
         if q.bias is not None:
-            y = y + q.bias
+            y = y + q.bias[r]
         return torch.relu(y) if q.act == "relu" else y
 
 
 def _fake_quant_reference(float_model, q):
     """The decomposed float model with every linear a FakeQuantLinear of the quantized model's same-named QLinear."""
     ref, _ = decompose_transformers(copy.deepcopy(float_model))
-    n = 0
+    qmods = dict(q.named_modules())
     for name, m in list(ref.named_modules()):
         if type(m) is nn.Linear:
             parent, _, leaf = name.rpartition(".")
-            setattr(ref.get_submodule(parent) if parent else ref, leaf, FakeQuantLinear(q.get_submodule(name)))
-            n += 1
-    assert n == len([m for m in q.modules() if isinstance(m, QLinear)])
+            if name in qmods:
+                fq = FakeQuantLinear(qmods[name])
+            else:  # self-attention's q / k / v: rows of the fused qkv_proj (nn/attention.py: fuse_qkv)
+                i, E = ("q_proj", "k_proj", "v_proj").index(leaf), m.out_features
+                fq = FakeQuantLinear(qmods[f"{parent}.qkv_proj"], slice(i * E, (i + 1) * E))
+            setattr(ref.get_submodule(parent) if parent else ref, leaf, fq)
     return ref.eval()
 
 
@@ -374,3 +378,41 @@ def test_sdpa_is_the_attention_in_the_float_dtype(monkeypatch):
     with torch.no_grad():
         q(_x())
     assert seen == [(torch.float32, (BATCH, HEADS, SEQ, D_MODEL // HEADS))] * 2
+
+
+def test_self_attention_qkv_is_one_gemm_with_the_same_numbers():
+    enc = _encoder(True, False, "relu")
+    x = _x()
+    q = tp.quantize_model(enc, "int8", calibration=x, warn=False)
+    unfused = tp.quantize_model(enc, tp.QuantConfig("int8", fuse=False), calibration=x, warn=False)
+    names = {n for n, m in q.named_modules() if isinstance(m, QLinear)}
+    assert "layers.0.self_attn.qkv_proj" in names and "layers.0.self_attn.q_proj" not in names
+    assert q.get_submodule("layers.0.self_attn.qkv_proj").out_features == 3 * D_MODEL
+    assert "layers.0.self_attn.q_proj" in {n for n, m in unfused.named_modules() if isinstance(m, QLinear)}
+    rec = {r.name: r for r in q.tcprec_summary.layers}
+    assert "qkv_proj" in rec["layers.0.self_attn.k_proj"].out
+    with torch.no_grad():  # per-output-channel codes and scales stacked: the same sums, the same epilogue
+        y, y_unfused = q(x), unfused(x)
+    torch.testing.assert_close(y, y_unfused, rtol=0, atol=1e-6 * float(y.abs().max()))
+
+
+def test_cross_attention_projections_stay_separate():
+    class Cross(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mem = nn.Linear(D_MODEL, D_MODEL)
+            self.mha = nn.MultiheadAttention(D_MODEL, HEADS, batch_first=True)
+
+        def forward(self, x):
+            return self.mha(x, self.mem(x), self.mem(x).relu(), need_weights=False)[0]
+
+    torch.manual_seed(0)
+    m = Cross().eval()
+    x = _x()
+    q = tp.quantize_model(m, tp.QuantConfig("int8", first_last=None), calibration=x, warn=False)
+    names = {n for n, mod in q.named_modules() if isinstance(mod, QLinear)}
+    assert {"mha.q_proj", "mha.k_proj", "mha.v_proj", "mha.out_proj", "mem"} <= names, names
+    with torch.no_grad():
+        y, y_ref, y32 = q(x), _fake_quant_reference(m, q)(x), m(x)
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=1e-5 * float(y_ref.abs().max()))
+    assert _nrmse(y, y32) < NRMSE_MAX["int8"]

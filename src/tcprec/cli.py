@@ -46,6 +46,7 @@ from .bench import gemm as gemm_bench
 from .bench import net as net_bench
 from .bench import qat as qat_bench
 from .bench import solve as solve_bench
+from .bench import transformer as xf_bench
 from .bench.common import NeedsGPU, time_graph_ms, write_json
 from .bench.net import PRECISIONS, build_variant, nrmse
 from .bench.trained import run_trained
@@ -711,8 +712,6 @@ def bench_transformer_cmd(
 ):
     """A ViT-B-sized nn.TransformerEncoder quantized to int8 / fp8 against torch fp16 (its fast path), CUDA graphs on
     both sides, NRMSE against fp32 (issue 43: int8 >= 1.3x fp16 at 768 / 12 heads / 197 / batch 64)."""
-    from .bench import transformer as xf_bench  # (lazy: one suite)
-
     precs = _choices(precision, xf_bench.PRECISIONS, "--precision")
     command = shlex.join(["tcprec", "bench", "transformer", "--d-model", str(d_model), "--heads", str(heads), "--seq",
                           str(seq), "--batch", str(batch), "--layers", str(layers), "--precision", precision]

@@ -30,6 +30,7 @@ from rich.table import Table
 from torch import nn
 
 from ..nn.convert import QuantConfig, quantize_model
+from ..profiling import profile
 from .common import environment, print_environment, require_cuda, time_graph_ms, write_json
 
 __all__ = ["run", "build_encoder", "TARGET_INT8_VS_FP16"]
@@ -119,8 +120,6 @@ def run(d_model: int = 768, heads: int = 12, seq: int = 197, batch: int = 64, la
                     row["speedup_vs_fp16"] = fp16_ms / row["ms"]
             details[p] = {"layers": [vars(r) for r in q.tcprec_summary.layers], "notes": q.tcprec_summary.notes}
             if breakdown and on_gpu:
-                from ..profiling import profile
-
                 rep = profile(q, xin, warmup=1, iters=2)
                 console.print(rep.table(top_kernels=8))
                 prof = rep.to_json()

@@ -28,14 +28,20 @@ Not decomposed (listed float by ``tcprec_summary``, with the reason): subclasses
 
 from __future__ import annotations
 
+import copy
 import math
+import operator
 
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from ..qtensor import PerChannel, QTensor
+from .qmodules import QLinear
+
 __all__ = ["SDPAttention", "MultiheadAttention", "TransformerEncoderLayer", "TransformerEncoder",
-           "decompose_transformers", "not_decomposed"]
+           "decompose_transformers", "not_decomposed", "fuse_qkv"]
 
 
 def _float_mask(mask, name: str, dtype: torch.dtype):
@@ -325,3 +331,65 @@ def decompose_transformers(model: nn.Module) -> tuple[nn.Module, list[str]]:
         return new
 
     return swap(model, ""), swapped
+
+
+def fuse_qkv(gm: fx.GraphModule, records: dict) -> list[str]:
+    """Self-attention after conversion: ``q_proj``, ``k_proj`` and ``v_proj`` QLinears that read one tensor with one
+    activation format and calibrated scale (their input is the same tensor) become one ``qkv_proj`` QLinear with
+    their rows stacked -- per-output-channel codes and scales, so the same numbers -- and its output is split in
+    three: one quantize pass and one (3E, E) GEMM instead of three of each.  Returns the fused names; ``records``
+    (the summary's) say where each projection went."""
+    g = gm.graph
+    mods = dict(gm.named_modules())
+    calls: dict[str, int] = {}
+    for n in g.nodes:
+        if n.op == "call_module":
+            calls[n.target] = calls.get(n.target, 0) + 1
+    fused = []
+    for node in list(g.nodes):
+        if node.op != "call_module" or not isinstance(mods.get(node.target), SDPAttention) or len(node.args) < 3:
+            continue
+        qkv = node.args[:3]
+        if len(set(qkv)) != 3 or not all(isinstance(p, fx.Node) and p.op == "call_module" for p in qkv):
+            continue
+        ms = [mods.get(p.target) for p in qkv]
+        x = qkv[0].args[0] if qkv[0].args else None
+        a = ms[0]
+        if not all(isinstance(m, QLinear) for m in ms) or not all(
+                p.args == (x,) and not p.kwargs and len(p.users) == 1 and calls[p.target] == 1 for p in qkv):
+            continue
+        same = all(m.precision == a.precision and m.a_fmt == a.a_fmt and m.w_fmt == a.w_fmt and m.backend == a.backend
+                   and m.out_dtype == a.out_dtype and m.fp8_fast_accum == a.fp8_fast_accum and m.act is None
+                   and m.out_fmt is None and m.in_channels_last is None and torch.equal(m.in_scale, a.in_scale)
+                   and m.in_features == a.in_features and (m.bias is None) == (a.bias is None) for m in ms)
+        if not same:
+            continue
+        new = copy.deepcopy(a)
+        codes = torch.cat([m.weight_codes for m in ms])  # (3E, 1, 1, K): the rows of q, k, v
+        scale = torch.cat([m.weight_scale for m in ms])  # (3E, 1, 1, 1)
+        new.weight = QTensor(codes, scale, a.w_fmt, PerChannel(0), tuple(codes.shape), torch.float32)
+        if a.bias is not None:
+            new.bias = torch.cat([m.bias for m in ms])
+        new.out_features = sum(m.out_features for m in ms)
+        parent = qkv[0].target.rpartition(".")[0]
+        name = f"{parent}.qkv_proj" if parent else "qkv_proj"
+        if name in mods:
+            continue
+        root = gm.get_submodule(parent) if parent else gm
+        setattr(root, "qkv_proj", new)
+        with g.inserting_before(qkv[0]):
+            y = g.call_module(name, (x,))
+            parts = g.call_method("split", (y, [m.out_features for m in ms], -1))
+            outs = [g.call_function(operator.getitem, (parts, i)) for i in range(3)]
+        for p, o in zip(qkv, outs):
+            p.replace_all_uses_with(o)
+            g.erase_node(p)
+            rec = records.get(p.target)
+            if rec is not None:
+                rec.out = f"rows of {name} (one GEMM with q/k/v)"
+        fused.append(name)
+    if fused:
+        g.lint()
+        gm.delete_all_unused_submodules()
+        gm.recompile()
+    return fused

@@ -51,7 +51,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from ..ops.matmul import BACKENDS, choose_int_backend
 from ..ops.quantize import absmax_qmax
 from . import calibrate as cal
-from .attention import decompose_transformers
+from .attention import decompose_transformers, fuse_qkv
 from .coverage import check_conv_coverage, normalize_graph, uncovered
 from .qgrouped import QGroupedConv2d, grouped_act_of, grouped_unsupported
 from .qmodules import (FixedQuant, LayerPrecision, QConv2d, QLinear, _quantize_weight, activation_format,
@@ -710,6 +710,8 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
                 absorbed[-1].replace_all_uses_with(node)
                 for a in reversed(absorbed):
                     g.erase_node(a)
+        if cfg.fuse and attentions:
+            fuse_qkv(gm, records)  # self-attention's q / k / v: one GEMM (nn/attention.py)
         if cfg.fuse and cfg.fuse_residual:
             _fuse_residuals(gm, records)
         if cfg.fuse and cfg.fuse_flatten:
