@@ -102,12 +102,12 @@ def run(d_model: int = 768, heads: int = 12, seq: int = 197, batch: int = 64, la
         with torch.no_grad():
             y16 = base(xin).float()
             fp16_ms = time_graph_ms(lambda: base(xin), None, calls=2, replays=5)
-        rows.append({"precision": "fp16", "ms": fp16_ms, "speedup_vs_fp16": 1.0, "nrmse_vs_fp32": _nrmse(y16, ref),
+        rows.append({"precision": "fp16", "layers": layers, "batch": batch, "ms": fp16_ms, "speedup_vs_fp16": 1.0, "nrmse_vs_fp32": _nrmse(y16, ref),
                      "note": "torch nn.TransformerEncoder, fast path "
                              + ("on" if torch.backends.mha.get_fastpath_enabled() else "off")})
     details: dict = {}
     for p in precisions:
-        row: dict = {"precision": p}
+        row: dict = {"precision": p, "layers": layers, "batch": batch}
         t0 = time.time()
         try:
             q = quantize_model(base, QuantConfig(p, first_last=None), calibration=xin[: min(batch, 8)], warn=False)
