@@ -69,6 +69,7 @@ def run(d_model: int = 768, heads: int = 12, seq: int = 197, batch: int = 64, la
     """Time fp16 and each of ``precisions`` (CUDA graphs), report NRMSE against fp32; write the JSON to ``out``
     (default ``benchmarks/results/transformer.json``, ``transformer_cpu.json`` for a CPU accuracy-only run)."""
     console = console or Console()
+    commit = _commit()  # the code that runs (read now: a commit made during a long run must not be recorded)
     for p in precisions:
         if p not in PRECISIONS:
             raise ValueError(f"precision {p!r} is not benchmarked here; choose from {PRECISIONS}")
@@ -136,7 +137,7 @@ def run(d_model: int = 768, heads: int = 12, seq: int = 197, batch: int = 64, la
         "value": "not measured" if int8 is None else f"{int8['speedup_vs_fp16']:.2f}x",
         "met": None if int8 is None else int8["speedup_vs_fp16"] >= TARGET_INT8_VS_FP16}]
     device_s = env["gpu"] if on_gpu else f"CPU ({env['cpu']}), reference backends: accuracy only"
-    payload = {"suite": suite, "command": command, "device": device_s, "commit": _commit(), "summary": rows,
+    payload = {"suite": suite, "command": command, "device": device_s, "commit": commit, "summary": rows,
                "targets": targets, "config": cfg, "environment": env, "details": details}
     console.print(_table(rows, f"TransformerEncoder {layers} x ({d_model}, {heads} heads), seq {seq}, batch {batch}, "
                                f"{device_s}"))
