@@ -120,7 +120,10 @@ class FakeQuantLinear(nn.Module):
     def _decode(self, codes, fmt):
         if isinstance(fmt, FloatFormat):  # e4m3
             return codes.view(torch.float8_e4m3fn).double()
-        return (codes.view(torch.int8) if fmt.encoding == "twos" else codes).double()
+        v = codes.to(torch.int64)  # two's complement patterns of fmt.bits bits; unsigned codes are their values
+        if fmt.encoding == "twos":
+            v = torch.where(v >= 2 ** (fmt.bits - 1), v - 2 ** fmt.bits, v)
+        return v.double()
 
     def forward(self, x):
         q = self.q
@@ -145,6 +148,8 @@ def _fake_quant_reference(float_model, q):
     for name, m in list(ref.named_modules()):
         if type(m) is nn.Linear:
             parent, _, leaf = name.rpartition(".")
+            if name in qmods and not isinstance(qmods[name], QLinear):
+                continue  # kept float (an override)
             if name in qmods:
                 fq = FakeQuantLinear(qmods[name])
             else:  # self-attention's q / k / v: rows of the fused qkv_proj (nn/attention.py: fuse_qkv)
@@ -259,6 +264,9 @@ def test_summary_lists_the_projections_first_last_rule_and_overrides():
     assert rec["layers.0.linear1"].fused == ("relu",)
     assert "layers.0.self_attn" not in rec  # decomposed: not listed as an uncovered attention
     assert "decomposed" in str(q.tcprec_summary)
+    with torch.no_grad():  # the mixed model (fp8, int8, a w4a4 projection, a float one) against its reference
+        y, y_ref = q(x), _fake_quant_reference(enc, q)(x)
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=1e-5 * float(y_ref.abs().max()))
     with pytest.raises(ValueError, match="overrides name no module"):
         tp.quantize_model(enc, tp.QuantConfig("int8", overrides={"layers.0.self_attn.in_proj": "float"}),
                           calibration=x, warn=False)
@@ -416,3 +424,33 @@ def test_cross_attention_projections_stay_separate():
         y, y_ref, y32 = q(x), _fake_quant_reference(m, q)(x), m(x)
     torch.testing.assert_close(y, y_ref, rtol=0, atol=1e-5 * float(y_ref.abs().max()))
     assert _nrmse(y, y32) < NRMSE_MAX["int8"]
+
+
+def test_bench_transformer_cli(tmp_path):
+    """`tcprec bench transformer` refuses without a GPU (exit 2, saying why); --accuracy-only runs anywhere and
+    writes the results convention."""
+    from typer.testing import CliRunner
+
+    from tcprec.bench import transformer as xf_bench
+    from tcprec.cli import app
+
+    run = lambda *a: CliRunner().invoke(app, list(a), env={"COLUMNS": "200"})  # noqa: E731
+    bad = run("bench", "transformer", "--precision", "int4")
+    assert bad.exit_code == 2 and "not one of int8, fp8" in bad.output
+    if not torch.cuda.is_available():
+        res = run("bench", "transformer")
+        assert res.exit_code == 2 and "needs a CUDA GPU" in res.output
+    out = tmp_path / "t.json"
+    res = run("bench", "transformer", "--accuracy-only", "--d-model", "32", "--heads", "4", "--seq", "9", "--batch",
+              "2", "--layers", "2", "--out", str(out))
+    assert res.exit_code == 0, res.output
+    import json
+
+    d = json.loads(out.read_text())
+    assert {"suite", "command", "device", "commit", "summary", "targets"} <= set(d)
+    assert [r["precision"] for r in d["summary"]] == ["int8", "fp8"]
+    assert all(0 < r["nrmse_vs_fp32"] < 0.1 for r in d["summary"]), d["summary"]
+    with pytest.raises(ValueError, match="d_model must be divisible by heads"):
+        xf_bench.build_encoder(30, 4)
+    with pytest.raises(ValueError, match="precision 'w1a2' is not benchmarked here"):
+        xf_bench.run(precisions=["w1a2"], accuracy_only=True)
