@@ -454,3 +454,21 @@ def test_bench_transformer_cli(tmp_path):
         xf_bench.build_encoder(30, 4)
     with pytest.raises(ValueError, match="precision 'w1a2' is not benchmarked here"):
         xf_bench.run(precisions=["w1a2"], accuracy_only=True)
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_a_bare_encoder_layer_and_unbatched_input(batch_first):
+    """The model itself an nn.TransformerEncoderLayer (the root is swapped too); an unbatched sequence (L, E)."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(D_MODEL, HEADS, FF, dropout=0.0, batch_first=batch_first,
+                                       norm_first=True).eval()
+    x = _x(batch_first)
+    q = tp.quantize_model(layer, tp.QuantConfig("int8", first_last=None), calibration=x, warn=False)
+    assert len([m for m in q.modules() if isinstance(m, QLinear)]) == 4  # qkv_proj, out_proj, linear1, linear2
+    ref = _fake_quant_reference(layer, q)
+    with torch.no_grad(), _NoFastPath():
+        for xx in (x, x[0] if batch_first else x[:, 0]):
+            y, y_ref = q(xx), ref(xx)
+            assert y.shape == xx.shape
+            torch.testing.assert_close(y, y_ref, rtol=0, atol=1e-5 * float(y_ref.abs().max()))
+            assert _nrmse(y, layer(xx)) < NRMSE_MAX["int8"]
