@@ -19,6 +19,9 @@ compute the same thing with every projection an ``nn.Linear`` called as a module
   activation), never the fused fast path, so a quantized layer runs with quantized weights.  Outputs at padded
   positions are computed, as torch's Python path does (torch's nested-tensor fast path writes zeros there).
 
+After conversion, :func:`fuse_qkv` stacks a self-attention's q / k / v QLinears (one input, one calibrated scale) into
+one ``qkv_proj``: one quantize pass and one GEMM, the same numbers.
+
 The attention stays in float (docs/decisions/0081): its two batched GEMMs are ~4% of a ViT-B layer's FLOPs at
 sequence 197, and quantizing Q, K and the softmax probabilities would add two calibrated scales per head for little.
 
