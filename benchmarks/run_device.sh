@@ -34,6 +34,8 @@ for step in "${@:-tests cast}"; do
                cp benchmarks/results/solve.json "$OUT/" 2>/dev/null ;;
         net) timeout 560 python3 -m tcprec.cli bench net ${NET_ARGS:-} 2>&1 | tee "$OUT/bench_net.log" | tail -120
              cp benchmarks/results/net.json benchmarks/results/net.png "$OUT/" 2>/dev/null ;;
+        transformer) timeout 560 python3 -m tcprec.cli bench transformer ${XF_ARGS:-} 2>&1 | tee "$OUT/bench_transformer.log" \
+                     | tail -60; cp benchmarks/results/transformer.json "$OUT/" 2>/dev/null ;;  # XF_ARGS: e.g. --breakdown
         chunk) TRITON_CACHE_DIR=/tmp/tc timeout "${EMU_TIMEOUT:-400}" python3 benchmarks/tune_emulate_chunk_device.py \
                  2>&1 | tee "$OUT/bench_chunk.log" | grep -v '"diag"' | tail -40 ;;
         convbwd) timeout "${CONV_TIMEOUT:-540}" python3 -m tcprec.cli bench conv-bwd --out "$OUT/conv_bwd.json" 2>&1 \

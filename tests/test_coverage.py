@@ -140,28 +140,35 @@ def test_conv1d_runs_as_a_1xk_conv2d():
 
 
 def test_attention_and_leaf_layers_are_listed_with_reasons():
+    """nn.MultiheadAttention and nn.TransformerEncoderLayer are decomposed and quantized (nn/attention.py,
+    tests/test_transformer_quant.py); an attention with add_bias_kv and the layers inside a torch leaf
+    (nn.TransformerDecoderLayer) stay float, listed with the reason."""
     torch.manual_seed(0)
 
     class Att(nn.Module):
         def __init__(self):
             super().__init__()
             self.inp = nn.Linear(8, 16)
-            self.mha = nn.MultiheadAttention(16, 2, batch_first=True)
+            self.mha = nn.MultiheadAttention(16, 2, batch_first=True, add_bias_kv=True)
             self.enc = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+            self.dec = nn.TransformerDecoderLayer(16, 2, 32, batch_first=True)
 
         def forward(self, x):
             x = self.inp(x)
-            return self.enc(self.mha(x, x, x, need_weights=False)[0])
+            x = self.enc(self.mha(x, x, x, need_weights=False)[0])
+            return self.dec(x, x)
 
     m = Att().eval()
     q = tp.quantize_model(m, "int8", calibration=torch.randn(2, 5, 8), warn=False)
     rec = {r.name: r for r in q.tcprec_summary.layers}
     assert rec["inp"].precision == "w8a8"
-    assert "MultiheadAttention" in rec["mha"].backend and "mha.out_proj" not in rec
-    assert rec["enc.linear1"].precision == "float" and "TransformerEncoderLayer" in rec["enc.linear1"].backend
-    assert "enc.self_attn" in rec  # listed once, its out_proj not again
+    assert "add_bias_kv" in rec["mha"].backend and "mha.out_proj" not in rec
+    assert rec["enc.self_attn.q_proj"].precision == "w8a8" and rec["enc.linear1"].precision == "w8a8"
+    assert "enc.self_attn" not in rec
+    assert rec["dec.linear1"].precision == "float" and "TransformerDecoderLayer" in rec["dec.linear1"].backend
+    assert "dec.self_attn" in rec and "dec.self_attn.out_proj" not in rec  # listed once, its out_proj not again
     text = str(q.tcprec_summary)
-    assert "mha" in text and "enc.linear2" in text
+    assert "mha" in text and "dec.linear2" in text
 
 
 def test_no_conv_quantized_is_an_error_naming_them():

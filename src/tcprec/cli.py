@@ -46,6 +46,7 @@ from .bench import gemm as gemm_bench
 from .bench import net as net_bench
 from .bench import qat as qat_bench
 from .bench import solve as solve_bench
+from .bench import transformer as xf_bench
 from .bench.common import NeedsGPU, time_graph_ms, write_json
 from .bench.net import PRECISIONS, build_variant, nrmse
 from .bench.trained import run_trained
@@ -697,6 +698,31 @@ def bench_allreduce_cmd(
                           str(out)] + (["--nodes", str(nodes)] if nodes else []))
     with _needs_gpu():
         ar_bench.run(_ints(numel, "--numel"), algs, nodes, fmt, out, Console(), command)
+
+
+@bench_app.command("transformer")
+def bench_transformer_cmd(
+    d_model: int = typer.Option(768, min=1, help="Model width."),
+    heads: int = typer.Option(12, min=1, help="Attention heads."),
+    seq: int = typer.Option(197, min=1, help="Sequence length."),
+    batch: int = typer.Option(64, min=1, help="Batch size."),
+    layers: int = typer.Option(12, min=1, help="Encoder layers (12: ViT-B/16)."),
+    precision: str = typer.Option("int8,fp8", help="Comma-separated: int8, fp8."),
+    accuracy_only: bool = typer.Option(False, "--accuracy-only", help="NRMSE against fp32 only, no timing (runs on "
+                                       "the CPU reference backends too)."),
+    breakdown: bool = typer.Option(False, "--breakdown/--no-breakdown", help="Per-layer profile of each variant."),
+    out: Optional[Path] = typer.Option(None, help="JSON output path (default benchmarks/results/transformer.json, "
+                                       "transformer_cpu.json for a CPU accuracy-only run)."),
+):
+    """A ViT-B-sized nn.TransformerEncoder quantized to int8 / fp8 against torch fp16 (its fast path), CUDA graphs on
+    both sides, NRMSE against fp32 (issue 43: int8 >= 1.3x fp16 at 768 / 12 heads / 197 / batch 64)."""
+    precs = _choices(precision, xf_bench.PRECISIONS, "--precision")
+    command = shlex.join(["tcprec", "bench", "transformer", "--d-model", str(d_model), "--heads", str(heads), "--seq",
+                          str(seq), "--batch", str(batch), "--layers", str(layers), "--precision", precision]
+                         + (["--accuracy-only"] if accuracy_only else []) + (["--out", str(out)] if out else []))
+    with _needs_gpu():
+        xf_bench.run(d_model, heads, seq, batch, layers, precs, out=str(out) if out else None, command=command,
+                     console=Console(), accuracy_only=accuracy_only, breakdown=breakdown)
 
 
 def _load_image(image: str, size: int) -> tuple[torch.Tensor, str]:

@@ -51,6 +51,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from ..ops.matmul import BACKENDS, choose_int_backend
 from ..ops.quantize import absmax_qmax
 from . import calibrate as cal
+from .attention import decompose_transformers, fuse_qkv
 from .coverage import check_conv_coverage, normalize_graph, uncovered
 from .qgrouped import QGroupedConv2d, grouped_act_of, grouped_unsupported
 from .qmodules import (FixedQuant, LayerPrecision, QConv2d, QLinear, _quantize_weight, activation_format,
@@ -161,10 +162,11 @@ class QuantSummary:
 
 
 class _Tracer(fx.Tracer):
-    """torch.nn modules and tcprec pool modules (``tcprec_pool``) stay leaves."""
+    """torch.nn modules, tcprec pool modules (``tcprec_pool``) and the attention core (``tcprec_fx_leaf``) stay
+    leaves."""
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return hasattr(m, "tcprec_pool") or super().is_leaf_module(m, qualname)
+        return hasattr(m, "tcprec_pool") or getattr(m, "tcprec_fx_leaf", False) or super().is_leaf_module(m, qualname)
 
 
 def _batches(calibration) -> list[torch.Tensor]:
@@ -581,6 +583,13 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
     model = model if inplace else copy.deepcopy(model)
     model.eval()
     notes: list[str] = []
+    # nn.MultiheadAttention / nn.TransformerEncoder(Layer) -> their Python path with plain nn.Linear projections and
+    # the attention in F.scaled_dot_product_attention (nn/attention.py, docs/decisions/0081)
+    model, attentions = decompose_transformers(model)
+    if attentions:
+        notes.append(f"{len(attentions)} attention module(s) decomposed: q/k/v/out projections as linears, the "
+                     f"attention in float F.scaled_dot_product_attention ({', '.join(attentions[:3])}"
+                     + (" ..." if len(attentions) > 3 else "") + ")")
     try:
         graph = _Tracer().trace(model)
         gm: nn.Module = fx.GraphModule(model, graph, model.__class__.__name__)
@@ -701,6 +710,8 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
                 absorbed[-1].replace_all_uses_with(node)
                 for a in reversed(absorbed):
                     g.erase_node(a)
+        if cfg.fuse and attentions:
+            fuse_qkv(gm, records)  # self-attention's q / k / v: one GEMM (nn/attention.py)
         if cfg.fuse and cfg.fuse_residual:
             _fuse_residuals(gm, records)
         if cfg.fuse and cfg.fuse_flatten:
@@ -788,7 +799,9 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
                     q.contiguous_out = True  # its readers are unknown: plain NCHW memory, so x.view(n, -1) works
                 _set_module(gm, name, q)
 
-    extra = uncovered(named_in, gm, set(records) - set(no_path))  # never silent (nn/coverage.py), with reasons
+    covered = set(records) - set(no_path)
+    covered |= {a for a in attentions if all(f"{a}.{p}_proj" in covered for p in "qkv")}  # (its in_proj_weight)
+    extra = uncovered(named_in, gm, covered)  # never silent (nn/coverage.py), with reasons
     listed = {n for n, _, _ in extra}
     drop = {n for n in no_path if any(n == p or n.startswith(p + ".") for p in listed)}
     layer_records = [records[n] for n in order + no_path if n in records and n not in drop]

@@ -17,9 +17,9 @@ be rewritten exactly into those plain modules, and :func:`uncovered` lists what 
 * ``nn.Conv1d`` (and ``F.conv1d``) -> ``unsqueeze(-2)`` + an ``nn.Conv2d`` with a (1, k) kernel + ``squeeze(-2)``
   (the same sums).
 
-:func:`uncovered` names what is still float after conversion: ``nn.MultiheadAttention`` (its packed
-``in_proj_weight`` runs inside ``F.multi_head_attention_forward``), layers inside modules fx keeps as leaves
-(``nn.TransformerEncoderLayer``'s fused fast path), conv kinds without a quantized path (``Conv3d``,
+:func:`uncovered` names what is still float after conversion: an ``nn.MultiheadAttention`` that
+``nn/attention.py`` did not decompose (a subclass, ``add_bias_kv``; its packed ``in_proj_weight`` runs inside
+``F.multi_head_attention_forward``), layers inside modules fx keeps as leaves (``nn.TransformerDecoderLayer``), conv kinds without a quantized path (``Conv3d``,
 ``ConvTranspose``), functional calls with computed weights, and layers of a model fx could not trace.
 """
 
@@ -31,6 +31,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
+
+from .attention import not_decomposed
 
 __all__ = ["normalize_graph", "uncovered", "check_conv_coverage", "COVERED_KINDS"]
 
@@ -280,7 +282,7 @@ def uncovered(named: dict, converted: nn.Module, covered: set) -> list[tuple[str
         now = conv_mods.get(name)
         if now is not None and type(now).__name__ in ("QConv2d", "QLinear", "QGroupedConv2d"):
             continue
-        reason = next((r for t, r in _LEAF_REASON.items() if isinstance(m, t)), None)
+        reason = not_decomposed(m) or next((r for t, r in _LEAF_REASON.items() if isinstance(m, t)), None)
         if reason is None:
             parent = next((p for p in _leaf_parents(named, name)), None)
             if isinstance(m, (nn.Conv3d, nn.modules.conv._ConvTransposeNd)):

@@ -1,0 +1,173 @@
+"""``tcprec bench transformer``: a ViT-B-sized ``nn.TransformerEncoder`` quantized to int8 / fp8 against torch fp16.
+
+The model: ``nn.TransformerEncoder`` of ``layers`` pre-norm ``nn.TransformerEncoderLayer`` s (d_model 768, 12 heads,
+feed-forward 3072, GELU, batch first: ViT-B/16's encoder), seeded weights, input (batch 64, sequence 197, 768)
+from a seeded normal.  Every side runs on one GPU in one run:
+
+* ``fp32``: the reference output (TF32 off), not timed;
+* ``fp16``: torch's own module in half precision, eval and no_grad, so torch takes its fused fast path
+  (``_transformer_encoder_layer_fwd``) where it applies -- the strongest torch baseline;
+* ``int8`` / ``fp8``: ``tcprec.quantize_model`` of the fp16 model (every projection and FFN linear quantized,
+  ``first_last=None``; the attention in fp16 ``F.scaled_dot_product_attention``: nn/attention.py), calibrated on the
+  first 8 sequences.
+
+Both timed sides are captured in CUDA graphs (``bench.common.time_graph_ms``: median of replays, no host launch
+overhead).  Error: NRMSE of each output against the fp32 output.  Target (issue 43): int8 >= 1.3x fp16.
+
+``--accuracy-only`` skips the timing and runs on the CPU too (the reference backends): the NRMSE figures alone,
+written to ``transformer_cpu.json`` when there is no GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Sequence
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from torch import nn
+
+from ..nn.convert import QuantConfig, quantize_model
+from ..profiling import profile
+from .common import environment, print_environment, require_cuda, time_graph_ms, write_json
+
+__all__ = ["run", "build_encoder", "TARGET_INT8_VS_FP16"]
+
+TARGET_INT8_VS_FP16 = 1.3  # issue 43: a TransformerEncoder (768, 12 heads, 197, batch 64) int8 >= 1.3x fp16
+PRECISIONS = ("int8", "fp8")
+
+
+def build_encoder(d_model: int = 768, heads: int = 12, layers: int = 12, seed: int = 0, device="cpu") -> nn.Module:
+    """ViT-B-style encoder: pre-norm layers, feed-forward 4 * d_model, GELU, batch first, no dropout; eval mode."""
+    if d_model % heads:
+        raise ValueError(f"d_model must be divisible by heads, got d_model={d_model}, heads={heads}")
+    torch.manual_seed(seed)
+    layer = nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, dropout=0.0, activation="gelu",
+                                       batch_first=True, norm_first=True)
+    return nn.TransformerEncoder(layer, layers, enable_nested_tensor=False).to(device).eval()
+
+
+def _nrmse(y: torch.Tensor, ref: torch.Tensor) -> float:
+    y, ref = y.double(), ref.double()
+    return float((y - ref).norm() / ref.norm().clamp_min(1e-300))
+
+
+def _commit() -> str | None:
+    try:
+        import subprocess
+
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except Exception:  # noqa: BLE001 - not a git checkout
+        return None
+
+
+def run(d_model: int = 768, heads: int = 12, seq: int = 197, batch: int = 64, layers: int = 12,
+        precisions: Sequence[str] = PRECISIONS, out: str | None = None, command: str = "tcprec bench transformer",
+        console: Console | None = None, seed: int = 0, accuracy_only: bool = False, breakdown: bool = False) -> dict:
+    """Time fp16 and each of ``precisions`` (CUDA graphs), report NRMSE against fp32; write the JSON to ``out``
+    (default ``benchmarks/results/transformer.json``, ``transformer_cpu.json`` for a CPU accuracy-only run)."""
+    console = console or Console()
+    commit = _commit()  # the code that runs (read now: a commit made during a long run must not be recorded)
+    for p in precisions:
+        if p not in PRECISIONS:
+            raise ValueError(f"precision {p!r} is not benchmarked here; choose from {PRECISIONS}")
+    for name, v in (("d_model", d_model), ("heads", heads), ("seq", seq), ("batch", batch), ("layers", layers)):
+        if not (isinstance(v, int) and v >= 1):
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if accuracy_only:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    else:
+        device = require_cuda(command)
+    on_gpu = device.type == "cuda"
+    env = environment() if on_gpu else {"gpu": None, "cpu": _cpu_name()}
+    if on_gpu:
+        print_environment(console, env)
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32
+        torch.backends.cudnn.allow_tf32 = False
+    suite = "transformer" if on_gpu else "transformer_cpu"
+    out = out or f"benchmarks/results/{suite}.json"
+    cfg = {"d_model": d_model, "heads": heads, "seq": seq, "batch": batch, "layers": layers, "ffn": 4 * d_model,
+           "norm_first": True, "activation": "gelu"}
+    enc32 = build_encoder(d_model, heads, layers, seed, device)
+    g = torch.Generator(device=device).manual_seed(seed + 1)
+    x32 = torch.randn((batch, seq, d_model), device=device, generator=g)
+    with torch.no_grad():
+        ref = enc32(x32).float()
+    base = copy.deepcopy(enc32).half() if on_gpu else enc32  # quantized variants from the fp16 model on the GPU
+    xin = x32.to(next(base.parameters()).dtype)
+    rows: list[dict] = []
+    fp16_ms = None
+    if on_gpu and not accuracy_only:
+        with torch.no_grad():
+            y16 = base(xin).float()
+            fp16_ms = time_graph_ms(lambda: base(xin), None, calls=2, replays=5)
+        rows.append({"precision": "fp16", "layers": layers, "batch": batch, "ms": fp16_ms, "speedup_vs_fp16": 1.0, "nrmse_vs_fp32": _nrmse(y16, ref),
+                     "note": "torch nn.TransformerEncoder, fast path "
+                             + ("on" if torch.backends.mha.get_fastpath_enabled() else "off")})
+    details: dict = {}
+    for p in precisions:
+        row: dict = {"precision": p, "layers": layers, "batch": batch}
+        t0 = time.time()
+        try:
+            q = quantize_model(base, QuantConfig(p, first_last=None), calibration=xin[: min(batch, 8)], warn=False)
+            row["setup_s"] = round(time.time() - t0, 1)
+            with torch.no_grad():
+                y = q(xin).float()
+                row["nrmse_vs_fp32"] = _nrmse(y, ref)
+                if fp16_ms is not None:
+                    row["ms"] = time_graph_ms(lambda: q(xin), None, calls=2, replays=5)
+                    row["speedup_vs_fp16"] = fp16_ms / row["ms"]
+            details[p] = {"layers": [vars(r) for r in q.tcprec_summary.layers], "notes": q.tcprec_summary.notes}
+            if breakdown and on_gpu:
+                rep = profile(q, xin, warmup=1, iters=2)
+                console.print(rep.table(top_kernels=8))
+                prof = rep.to_json()
+                details[p]["profile"] = {k: prof[k] for k in ("layers", "breakdown", "tensor_core_ms", "wall_ms")}
+            del q
+        except Exception as e:  # noqa: BLE001 - one failing precision must not hide the other's numbers
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        rows.append(row)
+        if on_gpu:
+            torch.cuda.empty_cache()
+    int8 = next((r for r in rows if r["precision"] == "int8" and "speedup_vs_fp16" in r), None)
+    targets = [] if accuracy_only else [{
+        "target": f"int8 >= {TARGET_INT8_VS_FP16}x fp16 (d_model {d_model}, {heads} heads, seq {seq}, batch {batch})",
+        "value": "not measured" if int8 is None else f"{int8['speedup_vs_fp16']:.2f}x",
+        "met": None if int8 is None else int8["speedup_vs_fp16"] >= TARGET_INT8_VS_FP16}]
+    device_s = env["gpu"] if on_gpu else f"CPU ({env['cpu']}), reference backends: accuracy only"
+    payload = {"suite": suite, "command": command, "device": device_s, "commit": commit, "summary": rows,
+               "targets": targets, "config": cfg, "environment": env, "details": details}
+    console.print(_table(rows, f"TransformerEncoder {layers} x ({d_model}, {heads} heads), seq {seq}, batch {batch}, "
+                               f"{device_s}"))
+    path = write_json(out, payload)
+    console.print(f"wrote {path}")
+    return payload
+
+
+def _cpu_name() -> str:
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _table(rows: list[dict], title: str) -> Table:
+    t = Table(title=title)
+    for c in ("precision", "ms", "vs fp16", "NRMSE vs fp32"):
+        t.add_column(c, justify="left" if c == "precision" else "right")
+    for r in rows:
+        if "error" in r:
+            t.add_row(r["precision"], "error", r["error"][:60], "")
+            continue
+        ms, sp = r.get("ms"), r.get("speedup_vs_fp16")
+        t.add_row(r["precision"], "-" if ms is None else f"{ms:.3f}", "-" if sp is None else f"{sp:.2f}x",
+                  f"{r['nrmse_vs_fp32']:.3g}")
+    return t
