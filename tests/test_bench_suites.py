@@ -116,6 +116,7 @@ def test_cpu_train_step_writes_the_convention(run, tmp_path):
     row = d["rows"][0]
     assert row["steps"] == 2 and row["numel"] == sum(p.numel() for p in cts.MODELS["tiny_cnn"]().parameters())
     assert "float32" in row["backend"] and d["setup"]["nodes"] == 2
+    assert f"[{row['backend']}]" in res.output  # printed as text, not eaten as rich markup
 
 
 def test_cpu_train_step_targets_from_in_process_variants():

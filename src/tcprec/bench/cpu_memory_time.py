@@ -229,7 +229,7 @@ def run(cases: Sequence[str] = CASES, out="benchmarks/results/cpu_memory_time.js
 
     def case(name, src=None):
         r = _subprocess_case(name, src, emulated_features, emulated_batch)
-        console.print(f"{'baseline' if src else 'current'} {name} {r}")
+        console.print(f"{'baseline' if src else 'current'} {name} {r}", markup=False)
         return r
 
     detail = {name: case(name) for name in cases}

@@ -137,7 +137,7 @@ def run(variants: Sequence[str] = tuple(VARIANTS), steps: int = 3, reference_ste
         r = json.loads(line[0][len("RESULT "):])
         rows.append(r)
         console.print(f"{name:30s} step {r['step_s']:7.2f} s (all-reduce {r['allreduce_s']:6.2f} s)  peak RSS "
-                      f"{r['peak_rss_mb']:7.0f} MB  [{r['backend']}]")
+                      f"{r['peak_rss_mb']:7.0f} MB  [{r['backend']}]", markup=False)  # the brackets are text
     summary, targets = summarize(rows)
     numel = rows[0]["numel"]
     res = dict(suite="cpu_train_step", command=command,

@@ -161,7 +161,7 @@ def run(nets: Sequence[str] = ("resnet18", "vgg"), batch: int = 8, first_last: s
                                       "worst_layer_rel_l2": max(r["rel_l2"] for r in rows),
                                       "worst_err_over_A": max(r["max_err_over_A"] for r in rows),
                                       "forward_ms": net["forward_ms"], "s": round(time.perf_counter() - t0, 1)})
-            console.print(result["summary"][-1])
+            console.print(result["summary"][-1], markup=False)
             write_json(out, result)
         fp32, fast = result["summary"][-2], result["summary"][-1]
         result["targets"].append({"target": f"{name} fp8 (fp8_accum='fp32') within 1% of its reference (rel L2)",

@@ -170,7 +170,7 @@ def run(layers: Sequence[str] = TUNE_LAYERS, batch: int = 256, table=None,
         errors = [r for r in pool.map(_compile_one, tasks.values()) if r[2]]
     console.print(f"compiled {len(tasks)} variants in {time.time() - t0:.0f} s, {len(errors)} failed")
     for e in errors[:8]:
-        console.print(f"  failed: {e}")
+        console.print(f"  failed: {e}", markup=False)
 
     rows, times = [], {}
     for cls, by_v in plan.items():
@@ -187,7 +187,7 @@ def run(layers: Sequence[str] = TUNE_LAYERS, batch: int = 256, table=None,
                                                                      config=cfg), [None], warmup_ms, rep_ms)
                 except Exception as e:  # noqa: BLE001 -- a failed candidate is a row, and is not chosen
                     ms = math.nan
-                    console.print(f"  {cls} {v} {n}: {type(e).__name__}: {e}"[:300])
+                    console.print(f"  {cls} {v} {n}: {type(e).__name__}: {e}"[:300], markup=False)
                 times.setdefault(cls, {}).setdefault(v, []).append(ms)
                 rows.append({"class": cls, "candidate": list(v), "layer": n, "config": cfg, "ms": ms,
                              "tops": g.flops / ms / 1e9 if math.isfinite(ms) else None})
