@@ -36,8 +36,10 @@ def test_loaded_table_equals_what_the_code_had():
 
 @pytest.mark.parametrize("edit, match", [
     (lambda d: d.pop("thin"), r"classes \['thin'\] missing"),
-    (lambda d: d["tap"].update(value=[128, 128, 6, 3]), r"tap.value must be .* num_warps in \(4, 8\).* got \[128, 128, 6, 3\]"),
-    (lambda d: d["flat"].update(value=[128, 96, 4, 3]), r"flat.value .* a power of two in 16..256.* got \[128, 96, 4, 3\]"),
+    (lambda d: d["tap"].update(value=[128, 128, 6, 3]),
+     r"tap.value must be .* num_warps in \(4, 8\).* got \[128, 128, 6, 3\]"),
+    (lambda d: d["flat"].update(value=[128, 96, 4, 3]),
+     r"flat.value .* a power of two in 16..256.* got \[128, 96, 4, 3\]"),
     (lambda d: d["flat"].update(value=[128, 128, 4]), r"got \[128, 128, 4\]"),
     (lambda d: d["thin"].update(value=[128.0, 128, 8, 4]), r"thin.value"),
 ])

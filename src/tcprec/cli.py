@@ -13,7 +13,7 @@
     tcprec run / profile        one photo through a network at a precision; per-layer profile
     tcprec solve / train        mixed-precision linear solves; low-precision gradient all-reduce training
 
-Every command runs without a GPU except ``bench``, which says so and exits with code 2.
+Every command runs without a GPU except the GPU ``bench`` suites and ``tune``, which say so and exit with code 2.
 To add ``tcprec bench gemm``: write ``bench/gemm.py`` with a ``run(...)`` and add a command to
 ``bench_app`` below, parsing options with the helpers here.
 """
@@ -961,7 +961,8 @@ def bench_cpu_memory_time_cmd(
 
 @bench_app.command("cpu-train-step")
 def bench_cpu_train_step_cmd(
-    steps: int = typer.Option(3, min=1, help="Steps of each variant (the first is not timed, unless it is the only one)."),
+    steps: int = typer.Option(3, min=1, help="Steps of each variant (the first is not timed, unless it is the "
+                                             "only one)."),
     reference_steps: int = typer.Option(2, min=1, help="Steps of the (slow) float64 reference variant."),
     batch: int = typer.Option(256, min=1, help="Images a step, split over --nodes."),
     nodes: int = typer.Option(8, min=1, help="Emulated nodes."),

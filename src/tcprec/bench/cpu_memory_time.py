@@ -202,7 +202,8 @@ def summarize(detail: dict, baseline: dict | None = None) -> tuple[list[dict], l
     for k, v in detail.items():
         if "ratio" in v:
             targets.append({"target": f"EmulatedLinear {v['acc']} within {EMULATED_TARGET:g}x of nn.Linear "
-                                      f"(fwd+bwd, CPU)", "value": f"{v['ratio']}x", "met": v["ratio"] <= EMULATED_TARGET})
+                                      f"(fwd+bwd, CPU)", "value": f"{v['ratio']}x",
+                            "met": v["ratio"] <= EMULATED_TARGET})
         else:
             targets.append({"target": f"quantize_model peak <= {CONVERT_TARGET:g}x fp32 weights ({k})",
                             "value": f"{v['convert_peak_x_weights']}x",

@@ -160,8 +160,9 @@ def run(layers: Sequence[str] = TUNE_LAYERS, batch: int = 256, table=None,
     table = Path(cf.TILE_TABLE_PATH if table is None else table)
     current = cf.load_tile_table(table)  # validated first: a broken table is named, not half-read
     old_doc = json.loads(table.read_text())
-    plan = {cls: {v: {n: _config(geometry(n, batch), current, cls, v) for n in names} for v in candidates_of(current[cls])}
-            for cls, names in classes.items()}
+    # class -> candidate table value -> layer -> the launch config pick_config makes with that value
+    plan = {cls: {v: {n: _config(geometry(n, batch), current, cls, v) for n in names}
+                  for v in candidates_of(current[cls])} for cls, names in classes.items()}
     tasks = {cf.compile_key(geometry(n, batch), cfg, False, "int8"): (n, cfg)
              for by_v in plan.values() for by_n in by_v.values() for n, cfg in by_n.items()}
     t0 = time.time()
