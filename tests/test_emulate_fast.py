@@ -1,6 +1,6 @@
 """The vectorised reference of the emulated-accumulator GEMM (products of many k rounded in one call, a fast
 round-to-nearest-even, TwoSum skipped where float64 sums are exact) gives the bits of the straightforward
-per-k loop over ``reference.cast_float`` it replaced (issue 40: 69 s -> see benchmarks/cpu_memory_time.py)."""
+per-k loop over ``reference.cast_float`` it replaced (issue 40: 69 s -> see `tcprec bench cpu-memory-time`)."""
 
 import pytest
 import torch

@@ -7,10 +7,13 @@
     tcprec bench cast-cpu       CPU cast / encode against ml_dtypes and torch (bit-exact checked)
     tcprec bench gemm|conv-bwd|solve|net   kernels, solves and whole networks against cuBLAS/cuDNN (GPU)
     tcprec bench allreduce      low-precision gradient all-reduce against NCCL (2+ GPUs, torchrun)
+    tcprec bench fp8-accuracy   FP8 layers and networks against their exact reference, both accumulators (GPU)
+    tcprec bench cpu-memory-time|cpu-train-step   CPU: conversion memory, emulated layers, training step
+    tcprec tune conv-fwd        time the INT8 / FP8 conv's tile candidates, write its tile table (GPU)
     tcprec run / profile        one photo through a network at a precision; per-layer profile
     tcprec solve / train        mixed-precision linear solves; low-precision gradient all-reduce training
 
-Every command runs without a GPU except ``bench``, which says so and exits with code 2.
+Every command runs without a GPU except the GPU ``bench`` suites and ``tune``, which say so and exit with code 2.
 To add ``tcprec bench gemm``: write ``bench/gemm.py`` with a ``run(...)`` and add a command to
 ``bench_app`` below, parsing options with the helpers here.
 """
@@ -42,11 +45,15 @@ from .bench import allreduce as ar_bench
 from .bench import cast as cast_bench
 from .bench import cast_cpu as cast_cpu_bench
 from .bench import conv_bwd as conv_bench
+from .bench import cpu_memory_time as cpu_mem_bench
+from .bench import cpu_train_step as train_step_bench
+from .bench import fp8_accuracy as fp8_acc_bench
 from .bench import gemm as gemm_bench
 from .bench import net as net_bench
 from .bench import qat as qat_bench
 from .bench import solve as solve_bench
 from .bench import transformer as xf_bench
+from .bench import tune_conv_fwd as tune_conv_fwd_mod
 from .bench.common import NeedsGPU, time_graph_ms, write_json
 from .bench.net import PRECISIONS, build_variant, nrmse
 from .bench.trained import run_trained
@@ -913,6 +920,144 @@ def train(
                       f"{h['seconds']:.1f}")
     Console().print(table)
     Console().print(f"metrics: {out / 'metrics.json'}   curves: {out / 'curves.png'}")
+
+
+# ------------------------------------------------------------------------------------------------
+# tcprec bench fp8-accuracy / cpu-memory-time / cpu-train-step (were scripts in benchmarks/: decision 0031)
+# ------------------------------------------------------------------------------------------------
+
+
+@bench_app.command("fp8-accuracy")
+def bench_fp8_accuracy_cmd(
+    nets: str = typer.Option("resnet18,vgg", help=f"Comma-separated networks: {', '.join(MODELS)}."),
+    batch: int = typer.Option(8, min=1, help="Batch of the random input."),
+    first_last: str = typer.Option("float", help="Precision of the first conv and the last layer ('float' needs no "
+                                                "int8 stem compile; 'int8' is quantize_model's default; 'none': fp8)."),
+    out: Path = typer.Option(Path("benchmarks/results/fp8_accuracy.json"), help="JSON output path."),
+):
+    """FP8 layers and networks against their exact reference (float64 on the decoded codes), fp8_accum 'fp32' and
+    'fast', with the forward time of each (GPU)."""
+    models = _choices(nets, tuple(MODELS), "--nets")
+    if first_last != "none":
+        try:
+            tp.QuantConfig("fp8", first_last=first_last)
+        except (ValueError, TypeError) as e:
+            raise typer.BadParameter(f"{e}; or 'none' (the first and last layers in fp8 too)",
+                                     param_hint="--first-last") from None
+    command = shlex.join(["tcprec", "bench", "fp8-accuracy", "--nets", nets, "--batch", str(batch), "--first-last",
+                          first_last, "--out", str(out)])
+    with _needs_gpu():
+        fp8_acc_bench.run(models, batch, None if first_last == "none" else first_last, out=out, command=command,
+                          console=Console())
+
+
+@bench_app.command("cpu-memory-time")
+def bench_cpu_memory_time_cmd(
+    cases: str = typer.Option(",".join(cpu_mem_bench.CASES), help="Comma-separated cases: linear_<in>x<out>, "
+                                                                    "alexnet, emulated_linear_<acc format>."),
+    case: Optional[str] = typer.Option(None, help="Run this one case in this process and print its JSON on stdout "
+                                                  "(no file written)."),
+    out: Path = typer.Option(Path("benchmarks/results/cpu_memory_time.json"), help="JSON output path."),
+    baseline: Optional[Path] = typer.Option(None, metavar="SRC", help="Also run every case with SRC (another "
+                                            "checkout's src/) first on PYTHONPATH, in the same run."),
+    emulated_features: int = typer.Option(256, min=1, help="In and out features of the emulated_linear cases."),
+    emulated_batch: int = typer.Option(64, min=1, help="Batch of the emulated_linear cases."),
+):
+    """CPU: quantize_model's peak memory (above what was held before) and time, and an emulated layer's time against
+    nn.Linear; each case in a fresh process, 1 thread (issue 40's targets)."""
+    names = [case] if case is not None else _split(cases, "--cases")
+    for name in names:
+        try:
+            cpu_mem_bench.check_case(name)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--case" if case is not None else "--cases") from None
+    if case is not None:
+        sys.stdout.write(json.dumps(cpu_mem_bench.run_case(case, emulated_features, emulated_batch)) + "\n")
+        return
+    if baseline is not None and not (baseline / "tcprec").is_dir():
+        raise typer.BadParameter(f"{str(baseline)!r} holds no tcprec package; pass a checkout's src folder "
+                                 "(e.g. /path/to/checkout/src)", param_hint="--baseline")
+    command = shlex.join(["tcprec", "bench", "cpu-memory-time", "--cases", ",".join(names), "--out", str(out)]
+                         + (["--baseline", str(baseline)] if baseline else [])
+                         + (["--emulated-features", str(emulated_features)] if emulated_features != 256 else [])
+                         + (["--emulated-batch", str(emulated_batch)] if emulated_batch != 64 else []))
+    try:
+        cpu_mem_bench.run(names, out, None if baseline is None else str(baseline), emulated_features, emulated_batch,
+                          command=command, console=Console(stderr=True))
+    except RuntimeError as e:  # a case's process failed: its stderr is in the message
+        Console(stderr=True).print(f"[red]{e}")
+        raise typer.Exit(code=1) from None
+
+
+@bench_app.command("cpu-train-step")
+def bench_cpu_train_step_cmd(
+    steps: int = typer.Option(3, min=1, help="Steps of each variant (the first is not timed, unless it is the "
+                                             "only one)."),
+    reference_steps: int = typer.Option(2, min=1, help="Steps of the (slow) float64 reference variant."),
+    batch: int = typer.Option(256, min=1, help="Images a step, split over --nodes."),
+    nodes: int = typer.Option(8, min=1, help="Emulated nodes."),
+    algorithm: str = typer.Option("direct", help=f"Reduction order: {', '.join(ALGORITHMS)}."),
+    variants: str = typer.Option(",".join(train_step_bench.VARIANTS),
+                                 help=f"Comma-separated: {', '.join(train_step_bench.VARIANTS)}."),
+    threads: int = typer.Option(1, min=1, help="torch threads in every variant (a shared machine's cores: more "
+                                               "threads time the contention)."),
+    model: str = typer.Option("resnet18", help="resnet18 (CPD's), vgg or tiny_cnn (tcprec.train.models)."),
+    out: Path = typer.Option(Path("benchmarks/results/cpu_train_step.json"), help="JSON output path."),
+):
+    """CPU: a training step with gradients all-reduced in e4m3 (APS) against fp32 gradients, time and peak RSS, each
+    variant in a fresh process (issue 40: within 3x)."""
+    names = _split(variants, "--variants")
+    try:
+        train_step_bench.check_options(names, algorithm, model, batch, nodes)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    command = shlex.join(["tcprec", "bench", "cpu-train-step", "--steps", str(steps), "--reference-steps",
+                          str(reference_steps), "--batch", str(batch), "--nodes", str(nodes), "--algorithm", algorithm,
+                          "--variants", variants, "--threads", str(threads), "--model", model, "--out", str(out)])
+    try:
+        train_step_bench.run(names, steps, reference_steps, batch, nodes, algorithm, threads, model, out,
+                             command=command, console=Console(stderr=True))
+    except RuntimeError as e:  # a variant's process failed: its stderr is in the message
+        Console(stderr=True).print(f"[red]{e}")
+        raise typer.Exit(code=1) from None
+
+
+# ------------------------------------------------------------------------------------------------
+# tcprec tune <kernel>: a kernel's tile table from a sweep on the GPU (decision 0032)
+# ------------------------------------------------------------------------------------------------
+
+tune_app = typer.Typer(
+    help="Tile sweeps that write a kernel's tile table (JSON beside the kernel; needs a CUDA GPU).",
+    no_args_is_help=True,
+)
+app.add_typer(tune_app, name="tune")
+
+
+@tune_app.command("conv-fwd")
+def tune_conv_fwd_cmd(
+    layers: str = typer.Option(",".join(tune_conv_fwd_mod.TUNE_LAYERS),
+                               help="Comma-separated conv_fwd.NETWORK_LAYERS names to time (their shape classes are "
+                                    "tuned; the others keep their entry)."),
+    batch: int = typer.Option(256, min=1, help="Batch the candidates are timed at."),
+    table: Optional[Path] = typer.Option(None, help="Tile table to update (default: the kernel's "
+                                                    "conv_fwd_tiles.json)."),
+    out: Path = typer.Option(Path("benchmarks/results/conv_fwd_tune.json"), help="Sweep JSON output path."),
+    workers: Optional[int] = typer.Option(None, min=1, help="Compile processes (default: min(16, CPUs))."),
+    warmup_ms: int = typer.Option(10, min=1, help="do_bench warm-up per candidate."),
+    rep_ms: int = typer.Option(40, min=1, help="do_bench timing per candidate."),
+):
+    """INT8 / FP8 forward conv: time the current tile-table value and the candidates per shape class, keep the
+    fastest, write the table the kernel reads and the sweep (GPU)."""
+    names = _split(layers, "--layers")
+    try:
+        tune_conv_fwd_mod.layer_classes(names, batch)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--layers") from None
+    command = shlex.join(["tcprec", "tune", "conv-fwd", "--layers", layers, "--batch", str(batch), "--out", str(out)]
+                         + (["--table", str(table)] if table else []))
+    with _needs_gpu():
+        tune_conv_fwd_mod.run(names, batch, table, out, workers, warmup_ms, rep_ms, command=command,
+                              console=Console())
 
 
 if __name__ == "__main__":  # python -m tcprec.cli

@@ -4,7 +4,7 @@ Each FP8 layer of a quantized ResNet-18, called on the inputs it saw in the netw
 sides), stays within the accumulation bound of its mode: fast (``fp8_accum="fast"``, the default), the narrow
 accumulator over the whole reduction; promoted (``"fp32"``), fp32 adds plus Hopper's narrow accumulator inside each
 BLOCK_K <= 128 chunk (tests/gpu/test_qconv_gpu.py states the same bounds on single layers).  The whole network's
-divergence from its reference copy is a measurement, not a bound (benchmarks/bench_fp8_accuracy_device.py,
+divergence from its reference copy is a measurement, not a bound (`tcprec bench fp8-accuracy`,
 docs/decisions/0040)."""
 
 import copy

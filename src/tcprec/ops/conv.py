@@ -384,7 +384,7 @@ def _flat_ok(op: str, g: ConvGeometry, precision: str) -> tuple[bool, str]:
     return wf.supported(g, _DTYPE[precision], "nhwc")
 
 
-# fp8 1x1 wgrad on sm_90, graph-replay tune on the H200 (benchmarks/tune_wgrad_flat_device.py, results/
+# fp8 1x1 wgrad on sm_90, graph-replay tune on the H200 (decision 0032's sweep, results/
 # wgrad_flat_tune_256.json): the flat kernel beat cuBLAS's _scaled_mm on the 28x28 and 14x14 stride-1 layers
 # (L = N*P*Q = 200704 / 50176: 47 vs 57 us, 34 vs 46 us) and lost on 56x56 (L = 802816: 73 vs 66 us) and 7x7
 # (L = 12544: 27 vs 24 us); strided layers always take it (cuBLAS needs x's strided slice copied first).

@@ -61,9 +61,11 @@ Shape scalars are not specialised (no recompile per layer, batch or image size);
 from __future__ import annotations
 
 import functools
+import json
 import numbers
 import os
 from enum import IntEnum
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -398,7 +400,7 @@ NETWORK_LAYERS = {
 
 
 # ------------------------------------------------------------------------------------------------
-# Tiles: a small table per shape class (measured on H200; benchmarks/tune_conv_fwd_device.py --tune)
+# Tiles: a small table per shape class (data: conv_fwd_tiles.json, written by `tcprec tune conv-fwd`)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -423,18 +425,45 @@ def _flat_block_k(rsc: int) -> int:
     return 32
 
 
-# Tile table, measured on the H200 at batch 256 (int8; benchmarks/results/conv_fwd.json, "tune"):
-# shape class -> (BLOCK_M, largest BLOCK_N, num_warps, num_stages).
-#   tap   C a multiple of 64 / 128.  128x128 with 4 warps, 3 stages beat the old 8-warp rows everywhere:
-#         vgg.conv3 506 T/s (128x128 w8 s4: 390; 128x256 w8: 455), vgg.conv6 744 (664 for 128x256 /
-#         256x128 w8), yolo.conv8 950 (813-817); resnet18.l1 (K=64 -> 128x64) 225 with w4 s3 or s4.
-#   flat  C >= 16 not a multiple of 64 (yolo.conv2, C=16): w4 s3 70 T/s vs 54-63 with 8 warps.
-#   thin  C < 16, the stems (alexnet.conv1, C=3): the per-element tap decode wants 8 warps, 22 T/s vs 9.
-_TILES = {
-    "tap": (128, 128, 4, 3),
-    "flat": (128, 128, 4, 3),
-    "thin": (128, 128, 8, 4),
-}
+# Tile table: shape class -> (BLOCK_M, largest BLOCK_N, num_warps, num_stages), data in conv_fwd_tiles.json beside
+# this file (each value with what was measured to pick it; written by `tcprec tune conv-fwd`).
+#   tap   C a multiple of 64 / 128;   flat  C >= 16 not a multiple of 64;   thin  C < 16 (the stems).
+TILE_CLASSES = ("tap", "flat", "thin")
+TILE_TABLE_PATH = Path(__file__).with_name("conv_fwd_tiles.json")
+_TILE_BLOCK_M = (64, 128, 256)
+_TILE_WARPS = (4, 8)
+_TILE_STAGES = (2, 3, 4, 5, 6)
+
+
+def load_tile_table(path=TILE_TABLE_PATH) -> dict[str, tuple[int, int, int, int]]:
+    """The tile table at ``path``, validated: ``{class: (BLOCK_M, BLOCK_N cap, num_warps, num_stages)}`` for every
+    class of :data:`TILE_CLASSES`; ValueError naming the file, the entry and the allowed values otherwise."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"conv_fwd tile table {path}: cannot read it as JSON ({e}); restore it from git or "
+                         "re-run `tcprec tune conv-fwd`") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"conv_fwd tile table {path}: expected a JSON object, got {type(doc).__name__}")
+    missing = [c for c in TILE_CLASSES if c not in doc]
+    if missing:
+        raise ValueError(f"conv_fwd tile table {path}: classes {missing} missing; it needs {list(TILE_CLASSES)}")
+    table = {}
+    for cls in TILE_CLASSES:
+        v = doc[cls].get("value") if isinstance(doc[cls], dict) else None
+        ok = (isinstance(v, list) and len(v) == 4 and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+              and v[0] in _TILE_BLOCK_M and v[1] >= 16 and v[1] & (v[1] - 1) == 0 and v[1] <= 256
+              and v[2] in _TILE_WARPS and v[3] in _TILE_STAGES)
+        if not ok:
+            raise ValueError(f"conv_fwd tile table {path}: {cls}.value must be [BLOCK_M, BLOCK_N cap, num_warps, "
+                             f"num_stages] with BLOCK_M in {_TILE_BLOCK_M}, BLOCK_N cap a power of two in 16..256, "
+                             f"num_warps in {_TILE_WARPS}, num_stages in {_TILE_STAGES}; got {v!r}")
+        table[cls] = tuple(v)
+    return table
+
+
+_TILES = load_tile_table()
 _SMALL_M_WARPS = 4  # 64-row tiles (too few 128-row tiles to fill the SMs): one warpgroup
 
 
@@ -445,7 +474,13 @@ _SMALL_M_WARPS = 4  # 64-row tiles (too few 128-row tiles to fill the SMs): one 
 _POOLED_ONE_STEP = {"BLOCK_M": 64, "num_stages": 2}
 
 
-def pick_config(g: ConvGeometry, fp8: bool, device: torch.device | None = None, pooled: bool = False) -> dict:
+def shape_class(g: ConvGeometry) -> str:
+    """The tile table's class of a conv: "tap" (C a multiple of 64), else "thin" (C < 16) or "flat"."""
+    return "tap" if g.C % 64 == 0 else ("thin" if g.C < 16 else "flat")
+
+
+def pick_config(g: ConvGeometry, fp8: bool, device: torch.device | None = None, pooled: bool = False,
+                tiles: dict | None = None) -> dict:
     """Tile, warps and stages for one conv (the same table for int8 and fp8: both are 8-bit operands).
 
     * reduction: TAP mode with BLOCK_K = 128 (or 64) when C is a multiple of it, else FLAT mode with
@@ -457,16 +492,16 @@ def pick_config(g: ConvGeometry, fp8: bool, device: torch.device | None = None, 
       leave SMs idle (4096 -> 1000 int8 at M = 8 ran on 16 programs: 17.6 us on the H200 for 4 MB of weights).
     ``pooled``: for a ``PlanesOut(pool=2)`` epilogue (BLOCK_M counts pooled pixels): :data:`_POOLED_ONE_STEP` where
     the reduction is one BLOCK_K step and there are enough pooled tiles.
+    ``tiles``: another table of the same form (``tcprec tune conv-fwd`` times candidates through this).
     """
     sms = _sm_count(device)
     M = g.N * g.P * g.Q
-    if g.C % 128 == 0:
-        flat, bk, cls = False, 128, "tap"
-    elif g.C % 64 == 0:
-        flat, bk, cls = False, 64, "tap"
+    cls = shape_class(g)
+    if cls == "tap":
+        flat, bk = False, (128 if g.C % 128 == 0 else 64)
     else:
-        flat, bk, cls = True, _flat_block_k(g.R * g.S * g.C), ("thin" if g.C < 16 else "flat")
-    bm, bn_cap, warps, stages = _TILES[cls]
+        flat, bk = True, _flat_block_k(g.R * g.S * g.C)
+    bm, bn_cap, warps, stages = (_TILES if tiles is None else tiles)[cls]
     bn = min(bn_cap, max(16, next_power_of_2(g.K)))
     if cdiv(M, bm) * cdiv(g.K, bn) < sms:
         bm, warps = 64, _SMALL_M_WARPS

@@ -575,7 +575,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, acc_fmt: FloatFormat, mode: str = "
     else:
         if mode != "chunk":
             raise ValueError(f"mode must be 'fma' or 'chunk', got {mode!r}")
-        # tiles from benchmarks/tune_emulate_chunk_device.py (H200, 4096^3): with s held in fp16/bf16
+        # tiles from the chunk sweep (decision 0032; H200, 4096^3): with s held in fp16/bf16
         # (cvt) and no Kahan, 128x256 x 8 warps from chunk 128 on; else 64x128 x 4 warps (2-3 CTAs
         # per SM: one CTA's rounding overlaps another's MMAs)
         big = hwcvt != 0 and not kahan and chunk >= 128 and a.dtype != torch.float32

@@ -150,7 +150,7 @@ def supported(g: ConvGeometry, fp8: bool) -> tuple[bool, str]:
     return True, "unpadded 1x1 layer with 16-byte aligned rows"
 
 
-# Measured on the H200 by CUDA-graph replay (benchmarks/tune_dgrad_tma_device.py -> results/dgrad_tma_tune.json,
+# Measured on the H200 by CUDA-graph replay (decision 0032's sweep -> results/dgrad_tma_tune.json,
 # the six strided 1x1 ResNet-50 layers, N = 8 and 256, every config of CONFIGS + VARIANT_CONFIGS): from 8192
 # GEMM rows the persistent variants win on every layer -- 16-bit operands 128x256 one CTA a SM (0.86-0.93x the
 # old pick's time), fp8 64x128 two CTAs a SM (0.73-0.99x) -- and below it (N = 8) the plain 64x128 x 4 warps

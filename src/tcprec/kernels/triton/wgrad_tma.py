@@ -240,7 +240,7 @@ def choose_box(N: int, P: int, Q: int, block_l: int, policy: str = "auto") -> tu
     return best[1]
 
 
-# pick()'s rule, from the graph-replay tune on the H200 (benchmarks/tune_wgrad_tma_device.py -> results/
+# pick()'s rule, from the graph-replay tune on the H200 (decision 0032's sweep -> results/
 # wgrad_tma_tune.json: the four 3x3 and six strided 1x1 ResNet-50 layers, N = 8 and 256, every config of CONFIGS
 # x box policy).  Small problems (N = 8: ~1e9 multiply-adds) want many CTAs: 64 x 64 tiles, 64 x 128 once the
 # 64 x 64 tiles alone would fill ~3 waves of SMs.  Large ones (N = 256: ~3e10) want the largest tile K fills.

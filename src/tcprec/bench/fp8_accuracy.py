@@ -1,6 +1,7 @@
-"""FP8 networks against their exact reference on the GPU (issue 40): per layer with the same input codes, and
-the whole network, for both accumulation modes (``QuantConfig(fp8_accum="fp32")``, the default: Hopper's fp8
-MMA accumulator promoted into fp32 every BLOCK_K products; ``"fast"``: the narrow accumulator over the whole
+"""``tcprec bench fp8-accuracy``: FP8 networks against their exact reference on the GPU (issue 40).
+
+Per layer and whole network, for both accumulation modes (``QuantConfig(fp8_accum="fp32")``, the default: Hopper's
+fp8 MMA accumulator promoted into fp32 every BLOCK_K products; ``"fast"``: the narrow accumulator over the whole
 reduction), with the time of one forward of each.
 
 Per layer: every FP8 QConv2d / QLinear of an unchained copy (``chain=False``: float in, float out) is called on
@@ -8,29 +9,28 @@ the inputs it saw in the network, once on its GPU kernel and once on the referen
 decoded codes in float64), both with a float32 output so that only the accumulation differs; the error is
 reported relative to ``A = sum |x_q| |w_q| |scale|`` (the bound's unit: docs/numerics.md) and as a relative L2.
 Whole network: the default (chained) model against a deep copy on the reference backend, relative L2 of the
-outputs.  Writes benchmarks/results/fp8_accuracy.json (or --out).
-
-    PYTHONPATH=src python benchmarks/bench_fp8_accuracy_device.py --nets resnet18 vgg --batch 8
+outputs.  Decision 0040 reads its numbers from ``benchmarks/results/fp8_accuracy.json``.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
-import os
 import subprocess
 import time
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
-import tcprec as tp
-from tcprec.nn import models as zoo
-from tcprec.nn.qmodules import QConv2d, QLinear
-from tcprec.ops import qconv as qc
+from ..nn import models as zoo
+from ..nn import QConv2d, QLinear, QuantConfig, quantize_model
+from ..ops import qconv as qc
+from .common import require_cuda, write_json
 
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "fp8_accuracy.json")
+__all__ = ["ACCUM_MODES", "TARGET_REL_L2", "run"]
+
+ACCUM_MODES = ("fp32", "fast")
+TARGET_REL_L2 = 0.01  # a network's fp8 output (fp8_accum="fp32") within 1% of its reference, relative L2
 
 
 def _rel(y, ref) -> float:
@@ -65,18 +65,21 @@ def _abs_bound_unit(m, args) -> torch.Tensor:
 
 @torch.no_grad()
 def per_layer(m_float, x, mode: str) -> list[dict]:
-    q = tp.quantize_model(m_float, tp.QuantConfig("fp8", fp8_accum=mode, chain=False), calibration=x, warn=False)
+    """Each FP8 layer of an unchained copy: its GPU kernel against its reference backend on the same inputs."""
+    q = quantize_model(m_float, QuantConfig("fp8", fp8_accum=mode, chain=False), calibration=x, warn=False)
     calls = []
     hooks = [mod.register_forward_pre_hook(lambda mod, args, n=n: calls.append((n, mod, args)))
              for n, mod in q.named_modules() if isinstance(mod, (QConv2d, QLinear)) and mod.precision.fp8]
-    q(x)
-    for h in hooks:
-        h.remove()
+    try:
+        q(x)
+    finally:
+        for h in hooks:
+            h.remove()
     rows = []
     for name, mod, args in calls:
         args32 = tuple(a.float() if isinstance(a, torch.Tensor) else a for a in args)
         out_dtype, backend = mod.out_dtype, mod.backend
-        mod.out_dtype = torch.float32
+        mod.out_dtype = torch.float32  # on the copy q, restored below: only the accumulation differs
         try:
             y_gpu = mod(*args32).double()
             mod.backend = "reference"
@@ -95,6 +98,7 @@ def per_layer(m_float, x, mode: str) -> list[dict]:
 
 
 def _time_ms(fn, reps=20) -> float:
+    """Median of ``reps`` calls timed with CUDA events, after 3 warm-up calls."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -111,64 +115,58 @@ def _time_ms(fn, reps=20) -> float:
 
 @torch.no_grad()
 def whole_network(m_float, x, mode: str, first_last) -> dict:
-    cfg = tp.QuantConfig("fp8", fp8_accum=mode, first_last=first_last)
-    q = tp.quantize_model(m_float, cfg, calibration=x, warn=False)
+    """The chained FP8 network against a deep copy on the reference backend, and that reference against float."""
+    q = quantize_model(m_float, QuantConfig("fp8", fp8_accum=mode, first_last=first_last), calibration=x, warn=False)
     r = _reference_copy(q)
     y, y_ref, y_float = q(x), r(x), m_float(x)
     return {"mode": mode, "first_last": first_last, "rel_l2_vs_reference": _rel(y, y_ref),
             "rel_l2_reference_vs_float": _rel(y_ref, y_float), "forward_ms": round(_time_ms(lambda: q(x)), 3)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--nets", nargs="+", default=["resnet18", "vgg"], choices=list(zoo.MODELS))
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--first-last", default="float", help="precision of the first conv and last layer "
-                    "('float' needs no int8 stem compile; 'int8' is quantize_model's default)")
-    ap.add_argument("--out", default=OUT)
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA GPU: the point is the GPU kernels against the reference")
-    dev = torch.device("cuda")
-    result = {"suite": "fp8_accuracy", "command": "PYTHONPATH=src python benchmarks/bench_fp8_accuracy_device.py "
-              + " ".join(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-                         for k, v in vars(args).items() if k != "out"),
-              "device": torch.cuda.get_device_name(dev) + f", torch {torch.__version__}",
-              "commit": None, "summary": [], "targets": [], "per_layer": {}}
+def _commit() -> str | None:
     try:
-        result["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                          cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
-    except OSError:
-        pass
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              timeout=10).stdout.strip() or None
+    except Exception:
+        return None
 
-    def save():
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
 
-    for name in args.nets:
+def run(nets: Sequence[str] = ("resnet18", "vgg"), batch: int = 8, first_last: str | None = "float",
+        out="benchmarks/results/fp8_accuracy.json", command: str = "tcprec bench fp8-accuracy",
+        console=None) -> dict:
+    """Measure every net at both accumulation modes, write JSON to ``out`` after each row, return it.
+
+    ``first_last``: precision of the first conv and last layer (``"float"`` needs no int8 stem compile; ``None``:
+    the same FP8 as the rest).  Raises ``NeedsGPU`` without a CUDA device: the point is the GPU kernels.
+    """
+    from rich.console import Console
+
+    console = console or Console(stderr=True)
+    dev = require_cuda("tcprec bench fp8-accuracy")
+    result = {"suite": "fp8_accuracy", "command": command,
+              "device": torch.cuda.get_device_name(dev) + f", torch {torch.__version__}",
+              "commit": _commit(), "summary": [], "targets": [], "per_layer": {}}
+    for name in nets:
         m = zoo.build(name, device=dev).to(dtype=torch.float16, memory_format=torch.channels_last)
         c, h, w = zoo.INPUT_SHAPES[name]
-        x = torch.randn(args.batch, c, h, w, device=dev, generator=torch.Generator(dev).manual_seed(0)).half()
-        for mode in ("fp32", "fast"):
+        x = torch.randn(batch, c, h, w, device=dev, generator=torch.Generator(dev).manual_seed(0)).half()
+        for mode in ACCUM_MODES:
             t0 = time.perf_counter()
             rows = per_layer(m, x, mode)
             result["per_layer"][f"{name}/{mode}"] = rows
-            net = whole_network(m, x, mode, None if args.first_last == "none" else args.first_last)
-            result["summary"].append({"net": name, "fp8_accum": mode, "net_rel_l2": round(net["rel_l2_vs_reference"], 5),
+            net = whole_network(m, x, mode, first_last)
+            result["summary"].append({"net": name, "fp8_accum": mode,
+                                      "net_rel_l2": round(net["rel_l2_vs_reference"], 5),
                                       "ref_vs_float": round(net["rel_l2_reference_vs_float"], 4),
                                       "worst_layer_rel_l2": max(r["rel_l2"] for r in rows),
                                       "worst_err_over_A": max(r["max_err_over_A"] for r in rows),
                                       "forward_ms": net["forward_ms"], "s": round(time.perf_counter() - t0, 1)})
-            print(result["summary"][-1], flush=True)
-            save()
+            console.print(result["summary"][-1], markup=False)
+            write_json(out, result)
         fp32, fast = result["summary"][-2], result["summary"][-1]
         result["targets"].append({"target": f"{name} fp8 (fp8_accum='fp32') within 1% of its reference (rel L2)",
                                   "value": f"{fp32['net_rel_l2']:.4f} (fast: {fast['net_rel_l2']:.4f})",
-                                  "met": fp32["net_rel_l2"] <= 0.01})
-        save()
-    print("wrote", args.out)
-
-
-if __name__ == "__main__":
-    main()
+                                  "met": fp32["net_rel_l2"] <= TARGET_REL_L2})
+        write_json(out, result)
+    console.print(f"wrote {out}")
+    return result
