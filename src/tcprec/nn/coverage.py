@@ -71,14 +71,15 @@ def _const(v) -> bool:
     return isinstance(v, (int, float, str)) or (isinstance(v, (tuple, list)) and all(isinstance(e, int) for e in v))
 
 
-def _free_name(gm: fx.GraphModule, owner: str, taken: set) -> str:
-    """The owner's name when it is not a module the graph calls itself, else ``owner_conv`` (unique)."""
+def _free_name(gm: fx.GraphModule, owner: str, taken: set, kind: str = "conv") -> str:
+    """The owner's name when it is not a module the graph calls itself, else ``owner_conv`` / ``owner_linear``
+    (unique; ``fn_...`` for a call in the root's own forward)."""
     called = {n.target for n in gm.graph.nodes if n.op == "call_module"}
     name = owner
     i = 0
     while name in called or name in taken or not name:
         i += 1
-        name = f"{owner or 'fn'}_conv{'' if i == 1 else i}"
+        name = f"{owner or 'fn'}_{kind}{'' if i == 1 else i}"
     return name
 
 
@@ -151,7 +152,7 @@ def normalize_graph(gm: fx.GraphModule) -> list[str]:
             continue  # stays a float call; uncovered() lists it
         wt, weight = w
         owner = wt.rpartition(".")[0]
-        name = _free_name(gm, owner, taken)
+        name = _free_name(gm, owner, taken, "linear" if linear else "conv")
         taken.add(name)
         if linear:
             new = nn.Linear(weight.shape[1], weight.shape[0], bias=bp is not None, device="meta")
@@ -276,6 +277,8 @@ def uncovered(named: dict, converted: nn.Module, covered: set) -> list[tuple[str
     for name, m in named.items():
         if not isinstance(m, COVERED_KINDS) or name in covered:
             continue
+        if not name and isinstance(converted, fx.GraphModule):
+            continue  # the root's own forward is the traced graph: its calls are listed below, or were quantized
         if any(name.startswith(p + ".") for p in listed):
             continue
         kind = "conv" if isinstance(m, nn.modules.conv._ConvNd) else "linear"
