@@ -377,17 +377,57 @@ def formats(
     else:
         chosen = list(presets().items())
     aliases = _aliases()
-    t = Table(title="tcprec formats", caption="overflow: where finite values above max go; min sub: smallest subnormal",
-              box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-    for col in _FORMAT_COLUMNS:
-        numeric = col in ("bits", "bias", "max", "min normal", "min sub", "eps")
-        # the name column never breaks a name mid-word (below ~120 columns the numbers fold)
-        t.add_column(col, justify="right" if numeric else "left", overflow="fold", no_wrap=col == _FORMAT_COLUMNS[0])
+    rows = []
     for _, fmt in chosen:
         label = str(fmt)
         if aliases.get(label):
             label += f"\n[dim]({', '.join(aliases[label])})[/]"
-        t.add_row(label, *_format_row(fmt, aliases))
+        rows.append([label, *_format_row(fmt, aliases)])
+    console = Console()
+    columns = list(_FORMAT_COLUMNS)
+    hidden = []
+    while True:  # no cell breaks mid-word: drop the least needed columns until every word fits the width
+        t = _formats_table(columns, rows)
+        if _min_width(t, columns, rows) <= console.width or len(columns) <= 3:
+            break
+        drop = next(c for c in _FORMAT_DROP_ORDER if c in columns)
+        columns.remove(drop)
+        hidden.append(drop)
+    if hidden:
+        t.caption += f"\nnot shown at {console.width} columns: {', '.join(hidden)} (widen the terminal)"
+    console.print(t)
+
+
+def _widest_words(columns: list[str], rows: list[list[str]]) -> list[int]:
+    """Per kept column, its longest word (header and cells): the width below which a word is cut."""
+    from rich.text import Text
+
+    keep = [i for i, c in enumerate(_FORMAT_COLUMNS) if c in columns]
+    return [max(len(w) for text in [_FORMAT_COLUMNS[i], *(r[i] for r in rows)] for w in Text.from_markup(text).plain.split())
+            for i in keep]
+
+
+def _min_width(t: Table, columns: list[str], rows: list[list[str]]) -> int:
+    """Width the table needs so that no word is cut: every column at its longest word, plus one space
+    of padding on each side of every column."""
+    widest = _widest_words(columns, rows)
+    return sum(widest) + 2 * len(widest) + 2
+
+
+_FORMAT_DROP_ORDER = ("bias", "min sub", "overflow", "specials", "min normal", "eps")
+
+
+def _formats_table(columns: list[str], rows: list[list[str]]) -> Table:
+    t = Table(title="tcprec formats", caption="overflow: where finite values above max go; min sub: smallest subnormal",
+              box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    keep = [i for i, c in enumerate(_FORMAT_COLUMNS) if c in columns]
+    for i, width in zip(keep, _widest_words(columns, rows)):
+        col = _FORMAT_COLUMNS[i]
+        numeric = col in ("bits", "bias", "max", "min normal", "min sub", "eps")
+        t.add_column(col, justify="right" if numeric else "left", no_wrap=i == 0, min_width=width)
+    for row in rows:
+        t.add_row(*[row[i] for i in keep])
+    return t
     Console().print(t)
 
 

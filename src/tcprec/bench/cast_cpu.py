@@ -27,6 +27,7 @@ import torch
 from ..formats import FloatFormat, IntFormat, as_format
 from ..kernels import reference as ref
 from ..ops.cast import cast, encode
+from ..progress import bar as progress_bar
 from .common import write_json
 
 __all__ = ["DEFAULT_FORMATS", "TARGET_RATIO", "run"]
