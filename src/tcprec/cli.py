@@ -388,7 +388,7 @@ def formats(
     hidden = []
     while True:  # no cell breaks mid-word: drop the least needed columns until every word fits the width
         t = _formats_table(columns, rows)
-        if _min_width(t, columns, rows) <= console.width or len(columns) <= 3:
+        if _min_width(columns, rows) <= console.width or len(columns) <= 3:
             break
         drop = next(c for c in _FORMAT_DROP_ORDER if c in columns)
         columns.remove(drop)
@@ -407,7 +407,7 @@ def _widest_words(columns: list[str], rows: list[list[str]]) -> list[int]:
             for i in keep]
 
 
-def _min_width(t: Table, columns: list[str], rows: list[list[str]]) -> int:
+def _min_width(columns: list[str], rows: list[list[str]]) -> int:
     """Width the table needs so that no word is cut: every column at its longest word, plus one space
     of padding on each side of every column."""
     widest = _widest_words(columns, rows)
@@ -428,7 +428,6 @@ def _formats_table(columns: list[str], rows: list[list[str]]) -> Table:
     for row in rows:
         t.add_row(*[row[i] for i in keep])
     return t
-    Console().print(t)
 
 
 # ------------------------------------------------------------------------------------------------
