@@ -119,3 +119,14 @@ def test_quiet_context_silences_every_bar(capsys):
     with progress.bar(2, "b") as b, progress.bar(1, "inner") as inner:
         assert not b._progress.disable and inner._progress is b._progress
     assert list(progress.track(iter([1, 2]), "x", quiet=True)) == [1, 2]
+
+
+def test_run_reports_json(run, tmp_path):
+    out = tmp_path / "y.npy"
+    res = run("run", "--model", "alexnet", "--precision", "fp32", "--device", "cpu", "--out", str(out), "--quiet",
+              "--json", "-")
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    assert rep["model"] == "alexnet" and rep["precision"] == "fp32" and rep["output"] == str(out) and out.is_file()
+    assert 0.0 <= rep["nrmse_vs_fp32"] < 1e-5  # fp32 against the fp32 reference: summation order only
+    assert [lay["name"] for lay in rep["profile"]["layers"]][0] == "features.0"
