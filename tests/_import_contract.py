@@ -21,7 +21,8 @@ from pathlib import Path
 # (layer name, components (a module or a package prefix; the root package means only its __init__),
 #  independent)
 LAYERS: list[tuple[str, tuple[str, ...], bool]] = [
-    ("base", ("tcprec._version", "tcprec.enums", "tcprec.env", "tcprec.formats", "tcprec.memo", "tcprec.precision"),
+    ("base", ("tcprec._version", "tcprec.enums", "tcprec.env", "tcprec.formats", "tcprec.memo", "tcprec.precision",
+              "tcprec.progress"),
      False),
     ("kernels", ("tcprec.kernels",), False),
     ("ops", ("tcprec.packing", "tcprec.qtensor", "tcprec.ops"), False),

@@ -63,7 +63,7 @@ def test_cpu_memory_time_writes_the_convention(run, tmp_path):
     res = run("bench", "cpu-memory-time", "--cases", "linear_64x32", "--out", out)
     assert res.exit_code == 0, res.output
     d = _convention(out, "cpu_memory_time")
-    assert d["command"] == f"tcprec bench cpu-memory-time --cases linear_64x32 --out {out}"
+    assert d["command"] == f"tcprec bench cpu-memory-time --cases linear_64x32 --json {out}"
     assert [r["case"] for r in d["summary"]] == ["linear_64x32"]
     det = d["detail"]["linear_64x32"]
     assert det["weights_fp32_mb"] == round((64 * 32 + 32) * 4 / 2**20, 1) and det["convert_peak_above_before_mb"] >= 0
@@ -110,7 +110,7 @@ def test_cpu_train_step_writes_the_convention(run, tmp_path):
     assert res.exit_code == 0, res.output
     d = _convention(out, "cpu_train_step")
     assert d["command"] == ("tcprec bench cpu-train-step --steps 2 --reference-steps 2 --batch 4 --nodes 2 "
-                            f"--algorithm direct --variants e4m3_aps --threads 1 --model tiny_cnn --out {out}")
+                            f"--algorithm direct --variants e4m3_aps --threads 1 --model tiny_cnn --json {out}")
     assert [r["variant"] for r in d["summary"]] == ["e4m3_aps"] and d["summary"][0]["vs_fp32_time"] is None
     assert d["targets"] == []  # the targets compare with fp32, which did not run
     row = d["rows"][0]

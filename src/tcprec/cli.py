@@ -20,22 +20,24 @@ To add ``tcprec bench gemm``: write ``bench/gemm.py`` with a ``run(...)`` and ad
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import math
 import os
 import shlex
 import sys
 import tempfile
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext, redirect_stdout
 from enum import Enum
 from pathlib import Path
 from typing import List, Optional
 
 import torch
 import typer
+import typer.core
 from rich import box
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
 import tcprec as tp
@@ -66,6 +68,9 @@ from .nn import models as zoo
 from .nn.models import MODELS
 from .ops.cast import choose_cast_backend
 from .precision import canonical_factor, canonical_network_precision
+from .progress import bar as progress_bar
+from .progress import quiet as quiet_progress
+from .progress import track
 from .qat.checkpoint import deploy, load_trained
 from .qat.trainer import load_classify_data, normalize, train_classify
 from .train.cli_impl import train as run_train
@@ -96,12 +101,91 @@ def _main(version: bool = typer.Option(False, "--version", callback=_version, is
     """Arbitrary- and mixed-precision computing on GPU tensor cores."""
 
 
+# ------------------------------------------------------------------------------------------------
+# What every command shares: --quiet, --json PATH ('-' = stdout), flags rendered as flags
+# ------------------------------------------------------------------------------------------------
+
+_JSON_STDOUT: list = []  # the real stdout while a command runs under --json - (everything else goes to stderr)
+
+
+def _stdout():
+    return _JSON_STDOUT[-1] if _JSON_STDOUT else sys.stdout
+
+
 def _emit_json(path, payload: dict) -> None:
     """``--json PATH``: the payload as JSON at PATH, or on stdout (and nothing else there) for ``-``."""
     if str(path) == "-":
-        sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
+        _stdout().write(json.dumps(payload, indent=2, default=str) + "\n")
     else:
         Console(stderr=True).print(f"wrote {write_json(path, json.loads(json.dumps(payload, default=str)))}")
+
+
+@contextmanager
+def _json_file(path, name: str):
+    """The file a benchmark driver writes its JSON to: ``path``, or for ``-`` a temporary file whose
+    text then goes to stdout."""
+    if str(path) != "-":
+        yield Path(path)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / name
+        yield out
+        if out.is_file():
+            _stdout().write(out.read_text())
+
+
+def _json_option(default: Optional[str] = None):
+    """The one ``--json PATH`` option ('-': stdout); benchmark suites keep ``--out`` as its old name."""
+    names = ("--json",) if default is None else ("--json", "--out")
+    what = "Also write the results as JSON here" if default is None else "JSON output path"
+    return typer.Option(default, *names, metavar="PATH", help=f"{what} ('-': stdout, nothing else there).")
+
+
+def _cli(fn):
+    """Applied to every command that runs long or writes results: adds ``--quiet`` (no progress bars;
+    they draw on stderr) and, under ``--json -``, sends everything the command prints to stderr so
+    stdout carries only the JSON.  A command that declares ``quiet`` itself also receives it."""
+    sig = inspect.signature(fn, eval_str=True)
+    takes_quiet = "quiet" in sig.parameters
+    params = list(sig.parameters.values())
+    if not takes_quiet:
+        params.append(inspect.Parameter("quiet", inspect.Parameter.KEYWORD_ONLY, annotation=bool,
+                                        default=typer.Option(False, "--quiet", help="No progress bars.")))
+
+    @functools.wraps(fn)
+    def command(*args, quiet: bool = False, **kwargs):
+        to_stdout = str(kwargs.get("json_path")) == "-"
+        with quiet_progress(quiet):
+            if not to_stdout:
+                return fn(*args, **kwargs, **({"quiet": quiet} if takes_quiet else {}))
+            _JSON_STDOUT.append(sys.stdout)
+            try:
+                with redirect_stdout(sys.stderr):
+                    return fn(*args, **kwargs, **({"quiet": quiet} if takes_quiet else {}))
+            finally:
+                _JSON_STDOUT.pop()
+
+    command.__signature__ = sig.replace(parameters=params)
+    return command
+
+
+def _flags_render_as_flags() -> None:
+    """typer 0.29's rich help prints a type after every boolean flag (``--kahan <bool>``, even
+    ``--help <bool>``); its plain help does not (``TyperOption.get_help_record`` skips flags).  Give
+    the rich help the same rule."""
+    cls = getattr(typer.core, "TyperOption", None)
+    original = getattr(cls, "display_type_rich", None)
+    if original is None or getattr(original, "_tcprec_flags", False):
+        return
+
+    def display_type_rich(self, ctx):
+        return None if getattr(self, "is_flag", False) and not getattr(self, "count", False) else original(self, ctx)
+
+    display_type_rich._tcprec_flags = True
+    cls.display_type_rich = display_type_rich
+
+
+_flags_render_as_flags()
 
 DEMO_FORMATS = "tf32,fp16,bf16,e3m4,e4m3,e4m3fnuz,e5m2,e2m3,e3m2,fp4,int8,int4"
 
@@ -221,8 +305,7 @@ def _pick_device(device: str) -> torch.device:
 
 
 @app.command()
-def info(json_path: Optional[str] = typer.Option(None, "--json", metavar="PATH",
-                                                 help="Write the report as JSON here ('-': stdout, tables off).")):
+def info(json_path: Optional[str] = _json_option()):
     """Versions, the GPU, and which tensor-core paths are available here (and why others are not)."""
     rep = device_report()
     if json_path is not None:
@@ -302,18 +385,57 @@ def formats(
     else:
         chosen = list(presets().items())
     aliases = _aliases()
-    t = Table(title="tcprec formats", caption="overflow: where finite values above max go; min sub: smallest subnormal",
-              box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-    for col in _FORMAT_COLUMNS:
-        numeric = col in ("bits", "bias", "max", "min normal", "min sub", "eps")
-        # the name column never breaks a name mid-word (below ~120 columns the numbers fold)
-        t.add_column(col, justify="right" if numeric else "left", overflow="fold", no_wrap=col == _FORMAT_COLUMNS[0])
+    rows = []
     for _, fmt in chosen:
         label = str(fmt)
         if aliases.get(label):
             label += f"\n[dim]({', '.join(aliases[label])})[/]"
-        t.add_row(label, *_format_row(fmt, aliases))
-    Console().print(t)
+        rows.append([label, *_format_row(fmt, aliases)])
+    console = Console()
+    columns = list(_FORMAT_COLUMNS)
+    hidden = []
+    while True:  # no cell breaks mid-word: drop the least needed columns until every word fits the width
+        t = _formats_table(columns, rows)
+        if _min_width(columns, rows) <= console.width or len(columns) <= 3:
+            break
+        drop = next(c for c in _FORMAT_DROP_ORDER if c in columns)
+        columns.remove(drop)
+        hidden.append(drop)
+    if hidden:
+        t.caption += f"\nnot shown at {console.width} columns: {', '.join(hidden)} (widen the terminal)"
+    console.print(t)
+
+
+def _widest_words(columns: list[str], rows: list[list[str]]) -> list[int]:
+    """Per kept column, its longest word (header and cells): the width below which a word is cut."""
+    from rich.text import Text
+
+    keep = [i for i, c in enumerate(_FORMAT_COLUMNS) if c in columns]
+    return [max(len(w) for text in [_FORMAT_COLUMNS[i], *(r[i] for r in rows)] for w in Text.from_markup(text).plain.split())
+            for i in keep]
+
+
+def _min_width(columns: list[str], rows: list[list[str]]) -> int:
+    """Width the table needs so that no word is cut: every column at its longest word, plus one space
+    of padding on each side of every column."""
+    widest = _widest_words(columns, rows)
+    return sum(widest) + 2 * len(widest) + 2
+
+
+_FORMAT_DROP_ORDER = ("bias", "min sub", "overflow", "specials", "min normal", "eps")
+
+
+def _formats_table(columns: list[str], rows: list[list[str]]) -> Table:
+    t = Table(title="tcprec formats", caption="overflow: where finite values above max go; min sub: smallest subnormal",
+              box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    keep = [i for i, c in enumerate(_FORMAT_COLUMNS) if c in columns]
+    for i, width in zip(keep, _widest_words(columns, rows)):
+        col = _FORMAT_COLUMNS[i]
+        numeric = col in ("bits", "bias", "max", "min normal", "min sub", "eps")
+        t.add_column(col, justify="right" if numeric else "left", no_wrap=i == 0, min_width=width)
+    for row in rows:
+        t.add_row(*[row[i] for i in keep])
+    return t
 
 
 # ------------------------------------------------------------------------------------------------
@@ -368,13 +490,14 @@ def _demo_table(title: str, rows: list[dict]) -> Table:
 
 
 @app.command()
+@_cli
 def demo(
     device: Device = typer.Option(Device.auto, help="Where to run: auto picks cuda when a GPU is present."),
     size: int = typer.Option(2**20, min=1, help="Values per data set: the Gaussian tensor's size; a larger photo "
                              "is center-cropped to it."),
     seed: int = typer.Option(0, help="Seed of the Gaussian data and of stochastic rounding."),
     formats_: str = typer.Option(DEMO_FORMATS, "--formats", help="Comma-separated format names."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the results to this JSON file."),
+    json_path: Optional[str] = _json_option(),
 ):
     """Cast a real photo (scikit-image's astronaut) and Gaussian data to a dozen formats, with
     round-to-nearest and stochastic rounding, and print NRMSE, SQNR and max error."""
@@ -402,12 +525,11 @@ def demo(
                       "tcprec.quantize, which this version of tcprec does not have yet")
 
     rows = []
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("casting", total=len(datasets) * len(runnable) * 2)
+    with progress_bar(len(datasets) * len(runnable) * 2, "casting") as progress:
         for data, _, x in datasets:
             for name, fmt in runnable:
                 for rounding in ("nearest", "stochastic"):
-                    progress.update(task, description=f"{data}: {name} {rounding}")
+                    progress.update(description=f"{data}: {name} {rounding}")
                     y = _round_trip(x, fmt, rounding, torch.Generator().manual_seed(seed))
                     rows.append({
                         "data": data, "format": name, "canonical": str(fmt), "scaling": _scaling(fmt),
@@ -415,7 +537,7 @@ def demo(
                         "rounding": rounding, "nrmse": metrics.nrmse(y, x), "sqnr_db": metrics.sqnr_db(y, x),
                         "max_abs_error": metrics.max_abs_error(y, x),
                     })
-                    progress.advance(task)
+                    progress.advance()
     for data, title, _ in datasets:
         console.print(_demo_table(title, [r for r in rows if r["data"] == data]))
 
@@ -428,7 +550,7 @@ def demo(
                    "backend": {"name": backend, "reason": why},
                    "data": {d: desc for d, desc, _ in datasets}, "skipped": skipped, "rows": rows,
                    "network": net_rows}
-        console.print(f"wrote {write_json(json_path, payload)}")
+        _emit_json(json_path, payload)
 
 
 def _demo_network(console: Console, dev: torch.device) -> list[dict]:
@@ -445,7 +567,7 @@ def _demo_network(console: Console, dev: torch.device) -> list[dict]:
     table = Table(title="ResNet-18 (seeded weights), batch 8, one CUDA graph per precision", box=box.SIMPLE)
     for c in ("precision", "ms", "x fp16", "NRMSE vs fp32"):
         table.add_column(c, justify="right")
-    for prec in ("fp16", "int8", "w2a2", "w1a2"):
+    for prec in track(("fp16", "int8", "w2a2", "w1a2"), "ResNet-18"):
         net, dt = build_variant(model, prec, x)
         xin = x.to(dt)
         with torch.no_grad():
@@ -465,11 +587,12 @@ def _demo_network(console: Console, dev: torch.device) -> list[dict]:
 
 
 @bench_app.command("cast")
+@_cli
 def bench_cast(
     numel: int = typer.Option(2**28, min=1, help="Elements of the float32 input (2**28 = 1 GiB)."),
     formats_: str = typer.Option("e4m3,e5m2,bf16,fp6,e3m4", "--formats", help="Comma-separated element formats."),
     rounding: str = typer.Option("nearest,stochastic", help=f"Comma-separated, from {', '.join(ROUNDING_MODES)}."),
-    out: Path = typer.Option(Path("benchmarks/results/cast.json"), help="JSON output path."),
+    json_path: str = _json_option("benchmarks/results/cast.json"),
     qtorch: bool = typer.Option(True, "--qtorch/--no-qtorch", help="Also time QPyTorch's float_quantize."),
 ):
     """Bandwidth of tcprec.cast / tcprec.encode against a device-to-device copy, torch and QPyTorch."""
@@ -480,23 +603,22 @@ def bench_cast(
                                      f"(use its element, {fmt.element})", param_hint="--formats")
     roundings = parse_roundings(rounding)
     command = shlex.join(["tcprec", "bench", "cast", "--numel", str(numel), "--formats", formats_,
-                          "--rounding", rounding, "--out", str(out), "--qtorch" if qtorch else "--no-qtorch"])
-    with _needs_gpu():
+                          "--rounding", rounding, "--json", json_path, "--qtorch" if qtorch else "--no-qtorch"])
+    with _needs_gpu(), _json_file(json_path, "cast.json") as out:
         cast_bench.run(numel, [n for n, _ in fmts], roundings, out, use_qtorch=qtorch, console=Console(),
                        command=command)
 
 
 @bench_app.command("cast-cpu")
+@_cli
 def bench_cast_cpu(
     numel: int = typer.Option(2**20, min=1, help="Elements of the float32 input."),
     formats_: str = typer.Option(",".join(cast_cpu_bench.DEFAULT_FORMATS), "--formats",
                                  help="Comma-separated element formats."),
     rounding: str = typer.Option("nearest,stochastic", help=f"Comma-separated, from {', '.join(ROUNDING_MODES)}."),
-    json_: Path = typer.Option(Path("benchmarks/results/cast_cpu.json"), "--json",
-                               help="JSON output path ('-' for stdout)."),
+    json_path: str = _json_option("benchmarks/results/cast_cpu.json"),
     reps: int = typer.Option(15, min=1, help="Timed calls per case (median)."),
     threads: int = typer.Option(1, min=1, help="torch intra-op threads (ml_dtypes runs on one)."),
-    quiet: bool = typer.Option(False, "--quiet/--no-quiet", help="No progress bar."),
 ):
     """CPU cast / encode against ml_dtypes, torch .to and the int64 specification (bit-exact checked)."""
     fmts = parse_formats(formats_)
@@ -507,14 +629,10 @@ def bench_cast_cpu(
     roundings = parse_roundings(rounding)
     command = shlex.join(["tcprec", "bench", "cast-cpu", "--numel", str(numel), "--formats", formats_,
                           "--rounding", rounding, "--reps", str(reps), "--threads", str(threads),
-                          "--json", str(json_)])
-    to_stdout = str(json_) == "-"
-    out = Path(tempfile.mkdtemp()) / "cast_cpu.json" if to_stdout else json_
-    payload = cast_cpu_bench.run(numel, [n for n, _ in fmts], roundings, out, reps=reps, threads=threads,
-                                 command=command, console=Console(stderr=True, quiet=to_stdout),
-                                 progress=not (quiet or to_stdout))
-    if to_stdout:
-        sys.stdout.write(out.read_text())
+                          "--json", json_path])
+    with _json_file(json_path, "cast_cpu.json") as out:
+        cast_cpu_bench.run(numel, [n for n, _ in fmts], roundings, out, reps=reps, threads=threads, command=command,
+                           console=Console())
 
 
 def _solve_options(factor: str, refine: str, kind: str):
@@ -524,6 +642,7 @@ def _solve_options(factor: str, refine: str, kind: str):
 
 
 @app.command()
+@_cli
 def solve(
     n: int = typer.Option(1024, "--n", min=1, help="Matrix size."),
     factor: str = typer.Option("bf16", help="Format of the LU's trailing-matrix GEMMs: bf16, fp16, tf32, fp8 (= e4m3), fp32."),
@@ -532,8 +651,7 @@ def solve(
     cond: float = typer.Option(1e2, help="2-norm condition number for --kind general."),
     device: Device = typer.Option(Device.auto, help="Where to run: auto picks cuda when a GPU is present."),
     seed: int = typer.Option(0, help="Seed of the test matrix."),
-    json_path: Optional[str] = typer.Option(None, "--json", metavar="PATH",
-                                            help="Write the result as JSON here ('-': stdout, table off)."),
+    json_path: Optional[str] = _json_option(),
 ):
     """Solve a random dense system to FP64 accuracy from a low-precision LU + iterative refinement,
     and compare with torch.linalg.solve in fp64 in the same run."""
@@ -557,30 +675,32 @@ def solve(
 
 
 @bench_app.command("solve")
+@_cli
 def bench_solve_cmd(
     sizes: str = typer.Option("8192,16384,32768", help="Comma-separated matrix sizes."),
     factors: str = typer.Option("bf16,fp16,fp8", help="Comma-separated factor formats."),
     kinds: str = typer.Option("diagdom,general", help="Comma-separated matrix kinds."),
-    out: Path = typer.Option(Path("benchmarks/results/solve.json"), help="JSON output path."),
+    json_path: str = _json_option("benchmarks/results/solve.json"),
 ):
     """tcprec.linalg.solve against torch.linalg.solve in fp64, same run: time, speedup, backward error."""
     factors = ",".join(_factor(f, "--factors") for f in _split(factors, "--factors"))
     _solve_options(factors, "fgmres", kinds)
     size_list = _ints(sizes, "--sizes")
     command = shlex.join(["tcprec", "bench", "solve", "--sizes", sizes, "--factors", factors, "--kinds", kinds,
-                          "--out", str(out)])
-    with _needs_gpu():
+                          "--json", json_path])
+    with _needs_gpu(), _json_file(json_path, "solve.json") as out:
         solve_bench.run(size_list, _split(factors, "--factors"), _split(kinds, "--kinds"), out=str(out),
                         console=Console(), command=command)
 
 
 @bench_app.command("gemm")
+@_cli
 def bench_gemm_cmd(
     apnn_configs: str = typer.Option("w1a2,w1a3,w1a4,w2a2", help="wXaY configs for the M=64 APNN-TC table."),
     apnn_sizes: str = typer.Option("128,256,384,512,640,768,896,1024", help="N=K values (M=64)."),
     large_configs: str = typer.Option("w1a1,w1a2,w2a2,w1a4,w2a4,w3a3", help="wXaY configs for the M=N=K table."),
     large_sizes: str = typer.Option("4096,8192,16384", help="M=N=K values."),
-    out: Path = typer.Option(Path("benchmarks/results/gemm.json"), help="JSON output path (PNG beside it)."),
+    json_path: str = _json_option("benchmarks/results/gemm.json"),
     plot: bool = typer.Option(True, "--plot/--no-plot", help="Write a PNG of TOPS against size."),
 ):
     """Bit-serial binary tensor-core GEMM against torch fp16 / int8 / fp8, same run."""
@@ -591,17 +711,18 @@ def bench_gemm_cmd(
         raise typer.BadParameter(str(e)) from None
     a_sz, l_sz = _ints(apnn_sizes, "--apnn-sizes"), _ints(large_sizes, "--large-sizes")
     command = shlex.join(["tcprec", "bench", "gemm", "--apnn-configs", apnn_configs, "--apnn-sizes", apnn_sizes,
-                          "--large-configs", large_configs, "--large-sizes", large_sizes, "--out", str(out)])
-    with _needs_gpu():
+                          "--large-configs", large_configs, "--large-sizes", large_sizes, "--json", json_path])
+    with _needs_gpu(), _json_file(json_path, "gemm.json") as out:
         gemm_bench.run(_split(apnn_configs, "--apnn-configs"), a_sz, _split(large_configs, "--large-configs"), l_sz,
                        out=out, console=Console(), command=command, plot=plot)
 
 
 @bench_app.command("conv-bwd")
+@_cli
 def bench_conv_bwd_cmd(
     batch: str = typer.Option("8,256", help="Comma-separated batch sizes N."),
     precision: str = typer.Option("fp16,bf16,fp8", help="Comma-separated: fp16, bf16, fp8."),
-    out: Path = typer.Option(Path("benchmarks/results/conv_bwd.json"), help="JSON output path."),
+    json_path: str = _json_option("benchmarks/results/conv_bwd.json"),
     passes: int = typer.Option(1, help="Measure each workload this many times; keep per row the pass with the "
                                        "smallest ours + cuDNN time (robust to transient GPU slowdowns)."),
 ):
@@ -611,19 +732,20 @@ def bench_conv_bwd_cmd(
     precisions = _choices(precision, ("fp16", "bf16", "fp8"), "--precision")
     if passes < 1:
         raise typer.BadParameter(f"--passes must be >= 1, got {passes}", param_hint="--passes")
-    command = shlex.join(["tcprec", "bench", "conv-bwd", "--batch", batch, "--precision", precision, "--out", str(out),
+    command = shlex.join(["tcprec", "bench", "conv-bwd", "--batch", batch, "--precision", precision, "--json", json_path,
                           "--passes", str(passes)])
-    with _needs_gpu():
+    with _needs_gpu(), _json_file(json_path, "conv_bwd.json") as out:
         conv_bench.run(batches=batches, precisions=precisions, out=str(out), console=Console(), command=command,
                        passes=passes)
 
 
 @bench_app.command("net")
+@_cli
 def bench_net_cmd(
     model: str = typer.Option("alexnet,vgg,resnet18,yolov2-tiny", help="Comma-separated: alexnet, vgg, resnet18, yolov2-tiny."),
     precision: str = typer.Option("fp32,fp16,int8,fp8,w2a2,w1a2", help="Comma-separated precisions."),
     batch: str = typer.Option("8,256", help="Comma-separated batch sizes."),
-    out: Path = typer.Option(Path("benchmarks/results/net.json"), help="JSON output path."),
+    json_path: str = _json_option("benchmarks/results/net.json"),
     plot: Optional[Path] = typer.Option(Path("benchmarks/results/net.png"), help="PNG of error against speed."),
     breakdown: bool = typer.Option(True, "--breakdown/--no-breakdown", help="Print a per-layer profile of each variant."),
     checkpoint: Optional[List[Path]] = typer.Option(None, help="Trained weights (`tcprec train --task classify`: "
@@ -634,12 +756,12 @@ def bench_net_cmd(
     --checkpoint: the trained networks, test accuracy on Fashion-MNIST against speedup over fp16."""
     if checkpoint:
         precs = [p for p in precision.split(",") if p and p != "fp8"]
-        out_t = out if out != Path("benchmarks/results/net.json") else Path("benchmarks/results/net_trained.json")
+        out_t = json_path if json_path != "benchmarks/results/net.json" else "benchmarks/results/net_trained.json"
         plot_t = plot if plot != Path("benchmarks/results/net.png") else Path("benchmarks/results/net_trained.png")
         command = shlex.join(["tcprec", "bench", "net", "--precision", precision, "--batch", batch]
                              + [a for c in checkpoint for a in ("--checkpoint", str(c))])
-        with _needs_gpu():
-            run_trained([str(c) for c in checkpoint], precs, _ints(batch, "--batch"), out=str(out_t),
+        with _needs_gpu(), _json_file(out_t, "net_trained.json") as out:
+            run_trained([str(c) for c in checkpoint], precs, _ints(batch, "--batch"), out=str(out),
                         plot=str(plot_t) if plot else None, console=Console(), command=command)
         return
 
@@ -647,13 +769,14 @@ def bench_net_cmd(
     precisions = [_precision(p) for p in _split(precision, "--precision")]
     batches = _ints(batch, "--batch")
     command = shlex.join(["tcprec", "bench", "net", "--model", model, "--precision", precision, "--batch", batch,
-                          "--out", str(out)])
-    with _needs_gpu():
+                          "--json", json_path])
+    with _needs_gpu(), _json_file(json_path, "net.json") as out:
         net_bench.run(models, precisions, batches, out=str(out), plot=str(plot) if plot else None, console=Console(),
                       command=command, breakdown=breakdown)
 
 
 @bench_app.command("qat")
+@_cli
 def bench_qat_cmd(
     epochs: int = typer.Option(15, min=1, help="Float epochs of ResNet-18."),
     qat_epochs: int = typer.Option(6, min=1, help="QAT epochs of ResNet-18 at each precision."),
@@ -668,7 +791,7 @@ def bench_qat_cmd(
     compile_step: bool = typer.Option(True, "--compile-step/--eager-step",
                                       help="Also time both training steps under torch.compile (the target's basis)."),
     commit: Optional[str] = typer.Option(None, help="Commit SHA recorded in the JSON."),
-    out: Path = typer.Option(Path("benchmarks/results/qat.json"), help="JSON output path."),
+    json_path: str = _json_option("benchmarks/results/qat.json"),
 ):
     """Train on Fashion-MNIST and deploy: fp32, int8 PTQ, QAT w2a2 / w1a2 / w1a1 (ResNet-18) and w1a2 (VGG-variant);
     deployed-engine accuracy on the 10,000 test images, agreement with the fake-quant model, step times, latency."""
@@ -678,36 +801,38 @@ def bench_qat_cmd(
                           "--vgg-epochs", str(vgg_epochs), "--vgg-qat-epochs", str(vgg_qat_epochs), "--precision",
                           precision, "--model", model, "--distill", str(distill), "--budget-s", str(budget_s)]
                          + (["--limit-train", str(limit_train)] if limit_train else [])
-                         + ([] if compile_step else ["--eager-step"]) + ["--out", str(out)])
-    with _needs_gpu():
+                         + ([] if compile_step else ["--eager-step"]) + ["--json", json_path])
+    with _needs_gpu(), _json_file(json_path, "qat.json") as out:
         res = qat_bench.run(models, precisions, epochs=epochs, qat_epochs=qat_epochs, vgg_epochs=vgg_epochs,
                             vgg_qat_epochs=vgg_qat_epochs, distill=distill, limit_train=limit_train,
                             data_path=data_path, budget_s=budget_s, compile_step=compile_step, out=str(out),
                             command=command, console=Console())
-    if commit:
-        res["commit"] = commit
-        write_json(out, res)
+        if commit:
+            res["commit"] = commit
+            write_json(out, res)
 
 
 @bench_app.command("allreduce")
+@_cli
 def bench_allreduce_cmd(
     numel: str = typer.Option("11700000,100000000", help="Comma-separated gradient counts."),
     algorithm: str = typer.Option("direct,ring,halving", help="Comma-separated reduction orders."),
     nodes: Optional[int] = typer.Option(None, min=2, help="Logical nodes (default: one per GPU); a multiple of the ranks."),
     fmt: str = typer.Option("e4m3", "--format", help="Wire format of the all-reduce."),
-    out: Path = typer.Option(Path("benchmarks/results/allreduce.json"), help="JSON output path."),
+    json_path: str = _json_option("benchmarks/results/allreduce.json"),
 ):
     """APS low-precision all-reduce against NCCL fp32 / bf16 (/ native fp8) on 2+ GPUs, same run; run
     under torchrun, one process per GPU (docs/allreduce.md)."""
     algs = _choices(algorithm, ALGORITHMS, "--algorithm")
     command = shlex.join(["torchrun", "--nproc-per-node", os.environ.get("WORLD_SIZE", "N"), "-m", "tcprec.cli",
-                          "bench", "allreduce", "--numel", numel, "--algorithm", algorithm, "--format", fmt, "--out",
-                          str(out)] + (["--nodes", str(nodes)] if nodes else []))
-    with _needs_gpu():
+                          "bench", "allreduce", "--numel", numel, "--algorithm", algorithm, "--format", fmt, "--json",
+                          json_path] + (["--nodes", str(nodes)] if nodes else []))
+    with _needs_gpu(), _json_file(json_path, "allreduce.json") as out:
         ar_bench.run(_ints(numel, "--numel"), algs, nodes, fmt, out, Console(), command)
 
 
 @bench_app.command("transformer")
+@_cli
 def bench_transformer_cmd(
     d_model: int = typer.Option(768, min=1, help="Model width."),
     heads: int = typer.Option(12, min=1, help="Attention heads."),
@@ -718,17 +843,19 @@ def bench_transformer_cmd(
     accuracy_only: bool = typer.Option(False, "--accuracy-only", help="NRMSE against fp32 only, no timing (runs on "
                                        "the CPU reference backends too)."),
     breakdown: bool = typer.Option(False, "--breakdown/--no-breakdown", help="Per-layer profile of each variant."),
-    out: Optional[Path] = typer.Option(None, help="JSON output path (default benchmarks/results/transformer.json, "
-                                       "transformer_cpu.json for a CPU accuracy-only run)."),
+    json_path: Optional[str] = typer.Option(None, "--json", "--out", metavar="PATH", help="JSON output path ('-': "
+                                            "stdout; default benchmarks/results/transformer.json, transformer_cpu.json "
+                                            "for a CPU accuracy-only run)."),
 ):
     """A ViT-B-sized nn.TransformerEncoder quantized to int8 / fp8 against torch fp16 (its fast path), CUDA graphs on
     both sides, NRMSE against fp32 (issue 43: int8 >= 1.3x fp16 at 768 / 12 heads / 197 / batch 64)."""
     precs = _choices(precision, xf_bench.PRECISIONS, "--precision")
     command = shlex.join(["tcprec", "bench", "transformer", "--d-model", str(d_model), "--heads", str(heads), "--seq",
                           str(seq), "--batch", str(batch), "--layers", str(layers), "--precision", precision]
-                         + (["--accuracy-only"] if accuracy_only else []) + (["--out", str(out)] if out else []))
-    with _needs_gpu():
-        xf_bench.run(d_model, heads, seq, batch, layers, precs, out=str(out) if out else None, command=command,
+                         + (["--accuracy-only"] if accuracy_only else []) + (["--json", json_path] if json_path else []))
+    where = _json_file(json_path, "transformer.json") if json_path else nullcontext(None)
+    with _needs_gpu(), where as out:
+        xf_bench.run(d_model, heads, seq, batch, layers, precs, out=None if out is None else str(out), command=command,
                      console=Console(), accuracy_only=accuracy_only, breakdown=breakdown)
 
 
@@ -757,6 +884,7 @@ def _load_image(image: str, size: int) -> tuple[torch.Tensor, str]:
 
 
 @app.command("run")
+@_cli
 def run_cmd(
     model: str = typer.Option("yolov2-tiny", help="alexnet, vgg, resnet18 or yolov2-tiny (seeded weights)."),
     precision: Optional[str] = typer.Option(None, help="fp32 (= float), fp16, int8, intN / wXaY (N, X, Y in 1..8), "
@@ -768,6 +896,7 @@ def run_cmd(
     checkpoint: Optional[Path] = typer.Option(None, help="Trained weights (`tcprec train --task classify`: float.pt "
                                               "/ qat.pt): run Fashion-MNIST test images instead of a photo."),
     images: int = typer.Option(256, min=1, help="With --checkpoint: how many test images (one batch)."),
+    json_path: Optional[str] = _json_option(),
 ):
     """Run one photo through a network at a precision: compiled engine on the GPU (one CUDA graph, two
     copies), output saved as .npy, per-layer breakdown, copy count and NRMSE against fp32.  With --checkpoint: the
@@ -775,7 +904,9 @@ def run_cmd(
     import numpy as np
 
     if checkpoint is not None:
-        _run_trained(checkpoint, precision, images, out, _pick_device(device.value))
+        res = _run_trained(checkpoint, precision, images, out, _pick_device(device.value))
+        if json_path is not None:
+            _emit_json(json_path, res)
         return
     precision = precision or "int8"
     _choice(model, tuple(zoo.MODELS), "--model")
@@ -783,19 +914,26 @@ def run_cmd(
     console = Console()
     dev = _pick_device(device.value)
     size = zoo.INPUT_SHAPES[model][1]
-    x, source = _load_image(image, size)
-    fp32 = zoo.build(model, device=dev)
-    with torch.no_grad():
-        ref = fp32(x.to(dev)).float().cpu()
     if dev.type == "cpu" and precision in ("fp16", "fp8"):
         raise typer.BadParameter(f"{precision} needs a CUDA GPU (no {precision} convolution on this CPU build); "
                                  "use fp32 / int8 / w2a2 / w1a2 here", param_hint="--precision")
-    net, dt = build_variant(fp32, precision, x.to(dev))
-    engine = tp.compile(net, x.to(dt), device=dev)
-    y = engine(x.to(dt)).float()
-    np.save(out, y.numpy())
-    rep = tp.profile(net, x.to(dev, dt), warmup=1, iters=3, trace_path=str(trace) if trace else None)
-    copies = tp.profile(engine, x.to(dt), warmup=1, iters=3).copies if engine.mode == "cuda-graph" else None
+    with progress_bar(5, f"run {model} {precision}") as progress:
+        progress.update(description=f"run {model} {precision}: fp32 reference")
+        x, source = _load_image(image, size)
+        fp32 = zoo.build(model, device=dev)
+        with torch.no_grad():
+            ref = fp32(x.to(dev)).float().cpu()
+        progress.advance(description=f"run {model} {precision}: quantizing")
+        net, dt = build_variant(fp32, precision, x.to(dev))
+        progress.advance(description=f"run {model} {precision}: compiling and running")
+        engine = tp.compile(net, x.to(dt), device=dev)
+        y = engine(x.to(dt)).float()
+        np.save(out, y.numpy())
+        progress.advance(description=f"run {model} {precision}: per-layer profile")
+        rep = tp.profile(net, x.to(dev, dt), warmup=1, iters=3, trace_path=str(trace) if trace else None)
+        progress.advance(description=f"run {model} {precision}: counting copies")
+        copies = tp.profile(engine, x.to(dt), warmup=1, iters=3).copies if engine.mode == "cuda-graph" else None
+        progress.advance()
     console.print(f"[bold]{model}[/] at [bold]{precision}[/] on {dev} ({engine.mode}); input: {source}")
     if hasattr(net, "tcprec_summary"):
         console.print(net.tcprec_summary.table())
@@ -803,9 +941,16 @@ def run_cmd(
     cp = "n/a (no GPU: eager on the CPU)" if copies is None else ", ".join(f"{k} {v:g}" for k, v in copies.items())
     console.print(f"host<->device copies per compiled inference: {cp}")
     console.print(f"output {tuple(y.shape)} saved to {out}; NRMSE against fp32: {nrmse(y, ref):.4g}")
+    if trace:
+        Console(stderr=True).print(f"wrote the Chrome trace to {trace} (open it in chrome://tracing or ui.perfetto.dev)")
+    if json_path is not None:
+        _emit_json(json_path, {"model": model, "precision": precision, "device": str(dev), "mode": engine.mode,
+                               "input": source, "output": str(out), "output_shape": list(y.shape),
+                               "nrmse_vs_fp32": nrmse(y, ref), "copies_per_inference": copies,
+                               "profile": rep.to_json()})
 
 
-def _run_trained(checkpoint: Path, precision: Optional[str], images: int, out: Path, dev: torch.device) -> None:
+def _run_trained(checkpoint: Path, precision: Optional[str], images: int, out: Path, dev: torch.device) -> dict:
     """``tcprec run --checkpoint``: a trained network on the first ``images`` Fashion-MNIST test images."""
     import numpy as np
 
@@ -828,16 +973,39 @@ def _run_trained(checkpoint: Path, precision: Optional[str], images: int, out: P
     if hasattr(net, "tcprec_summary"):
         console.print(net.tcprec_summary.table())
     console.print(f"output {tuple(y.shape)} saved to {out}")
+    return {"model": t.model_name, "checkpoint": str(checkpoint), "kind": t.kind, "precision": shown,
+            "device": str(dev), "mode": engine.mode, "images": int(x.shape[0]), "accuracy": acc, "output": str(out)}
+
+
+def _out_file(path: Optional[Path], suffixes: tuple[str, ...], option: str) -> Optional[Path]:
+    """An output file checked before a long run: its folder exists, it is not a folder, its suffix fits."""
+    if path is None:
+        return None
+    if path.is_dir():
+        raise typer.BadParameter(f"{str(path)!r} is a folder; give a file name such as {str(path / ('profile' + suffixes[0]))!r}",
+                                 param_hint=option)
+    if not path.parent.is_dir():
+        raise typer.BadParameter(f"the folder of {str(path)!r} does not exist; create {str(path.parent)!r} first",
+                                 param_hint=option)
+    if path.suffix.lower() not in suffixes:
+        raise typer.BadParameter(f"{str(path)!r} must end in {' or '.join(suffixes)}", param_hint=option)
+    return path
 
 
 @app.command("profile")
+@_cli
 def profile_cmd(
     model: str = typer.Option("resnet18", help="alexnet, vgg, resnet18 or yolov2-tiny (seeded weights)."),
     precision: str = typer.Option("w1a2", help="fp32 (= float), fp16, int8, intN / wXaY (N, X, Y in 1..8), fp8 (= e4m3)."),
     batch: int = typer.Option(8, min=1),
     device: Device = typer.Option(Device.auto, help="auto picks cuda when a GPU is present."),
+    warmup: int = typer.Option(2, min=0, help="Unprofiled calls first."),
+    iters: int = typer.Option(5, min=1, help="Profiled calls; every number is per call (the mean)."),
     trace: Optional[Path] = typer.Option(None, help="Write a Chrome trace here."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON here."),
+    sqlite: Optional[Path] = typer.Option(None, help="Write a SQLite database laid out like `nsys export --type "
+                                          "sqlite` (kernel table, StringIds, TCPREC_KERNELS view; docs/profiling.md)."),
+    html: Optional[Path] = typer.Option(None, help="Write a self-contained HTML report (per-layer time chart)."),
+    json_path: Optional[str] = _json_option(),
 ):
     """Per-layer latency, the breakdown (quantize/pack, conversion, memcpy, compute), every kernel with
     a tensor-core flag, and the dtype trace of one forward pass."""
@@ -846,17 +1014,32 @@ def profile_cmd(
     dev = _pick_device(device.value)
     if dev.type == "cpu" and precision in ("fp16", "fp8"):
         raise typer.BadParameter(f"{precision} needs a CUDA GPU", param_hint="--precision")
-    x = torch.randn((batch, *zoo.INPUT_SHAPES[model]), generator=torch.Generator().manual_seed(0)).to(dev)
-    net, dt = build_variant(zoo.build(model, device=dev), precision, x[:8])
-    rep = tp.profile(net, x.to(dt), warmup=2, iters=5, trace_path=str(trace) if trace else None)
+    _out_file(sqlite, (".sqlite", ".db", ".sqlite3"), "--sqlite")
+    _out_file(html, (".html", ".htm"), "--html")
+    _out_file(trace, (".json", ".gz"), "--trace")
+    with progress_bar(3, f"profile {model} {precision}") as progress:
+        progress.update(description=f"profile {model} {precision}: building the model")
+        x = torch.randn((batch, *zoo.INPUT_SHAPES[model]), generator=torch.Generator().manual_seed(0)).to(dev)
+        fp32 = zoo.build(model, device=dev)
+        progress.advance(description=f"profile {model} {precision}: quantizing (calibration, fusion)")
+        net, dt = build_variant(fp32, precision, x[:8])
+        progress.advance(description=f"profile {model} {precision}: {warmup} warm-up + {iters} profiled calls")
+        rep = tp.profile(net, x.to(dt), warmup=warmup, iters=iters, trace_path=str(trace) if trace else None)
+        progress.advance()
     Console().print(rep.table())
+    err = Console(stderr=True)
     if trace:
-        Console(stderr=True).print(f"wrote the Chrome trace to {trace} (open it in chrome://tracing or ui.perfetto.dev)")
+        err.print(f"wrote the Chrome trace to {trace} (open it in chrome://tracing or ui.perfetto.dev)")
+    if sqlite:
+        err.print(f"wrote the SQLite profile to {rep.to_sqlite(sqlite)} (query TCPREC_KERNELS; docs/profiling.md)")
+    if html:
+        err.print(f"wrote the HTML report to {rep.to_html(html)}")
     if json_path is not None:
-        Console().print(f"wrote {write_json(json_path, rep.to_json())}")
+        _emit_json(json_path, rep.to_json())
 
 
 @app.command()
+@_cli
 def train(
     task: str = typer.Option("cpd", help="cpd: low-precision gradient all-reduce (CPD's experiment); classify: float "
                                         "training, then QAT at --precision and the deployed engine's test accuracy."),
@@ -883,6 +1066,7 @@ def train(
     distill: float = typer.Option(0.0, min=0.0, max=1.0, help="classify: weight of distillation from the float model."),
     act_quant: str = typer.Option("lsq", help="classify: activation quantizer, lsq or pact."),
     lars: bool = typer.Option(False, "--lars", help="LARS layer-wise trust ratios (CPD's --use_lars) with SGD momentum."),
+    json_path: Optional[str] = _json_option(),
 ):
     """Train.  --task cpd (default): gradients all-reduced in a low-precision format across emulated nodes (CPD's
     APS experiment).  --task classify: float training, QAT at --precision, deployed-engine evaluation on the test
@@ -890,7 +1074,7 @@ def train(
     if task == "classify":
         dev = _pick_device(device.value)
         try:
-            train_classify(model=model, precision=precision, data=data, data_path=data_path, epochs=epochs,
+            res = train_classify(model=model, precision=precision, data=data, data_path=data_path, epochs=epochs,
                            qat_epochs=qat_epochs, init=init, lr=lr, batch_size=batch_size, distill=distill,
                            act_quant=act_quant, out_dir=out, resume=resume, limit_train=limit_train,
                            limit_test=limit_test, device=dev.type, seed=seed, console=Console())
@@ -898,6 +1082,8 @@ def train(
             Console(stderr=True).print(f"[red]{e}")
             raise typer.Exit(code=2) from None
         Console().print(f"metrics: {out / 'metrics.json'}   curves: {out / 'curves.png'}")
+        if json_path is not None:
+            _emit_json(json_path, res)
         return
     if task != "cpd":
         raise typer.BadParameter(f"task must be 'cpd' or 'classify', got {task!r}", param_hint="--task")
@@ -920,6 +1106,8 @@ def train(
                       f"{h['seconds']:.1f}")
     Console().print(table)
     Console().print(f"metrics: {out / 'metrics.json'}   curves: {out / 'curves.png'}")
+    if json_path is not None:
+        _emit_json(json_path, res)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -928,12 +1116,13 @@ def train(
 
 
 @bench_app.command("fp8-accuracy")
+@_cli
 def bench_fp8_accuracy_cmd(
     nets: str = typer.Option("resnet18,vgg", help=f"Comma-separated networks: {', '.join(MODELS)}."),
     batch: int = typer.Option(8, min=1, help="Batch of the random input."),
     first_last: str = typer.Option("float", help="Precision of the first conv and the last layer ('float' needs no "
                                                 "int8 stem compile; 'int8' is quantize_model's default; 'none': fp8)."),
-    out: Path = typer.Option(Path("benchmarks/results/fp8_accuracy.json"), help="JSON output path."),
+    json_path: str = _json_option("benchmarks/results/fp8_accuracy.json"),
 ):
     """FP8 layers and networks against their exact reference (float64 on the decoded codes), fp8_accum 'fp32' and
     'fast', with the forward time of each (GPU)."""
@@ -945,19 +1134,20 @@ def bench_fp8_accuracy_cmd(
             raise typer.BadParameter(f"{e}; or 'none' (the first and last layers in fp8 too)",
                                      param_hint="--first-last") from None
     command = shlex.join(["tcprec", "bench", "fp8-accuracy", "--nets", nets, "--batch", str(batch), "--first-last",
-                          first_last, "--out", str(out)])
-    with _needs_gpu():
+                          first_last, "--json", json_path])
+    with _needs_gpu(), _json_file(json_path, "fp8_accuracy.json") as out:
         fp8_acc_bench.run(models, batch, None if first_last == "none" else first_last, out=out, command=command,
                           console=Console())
 
 
 @bench_app.command("cpu-memory-time")
+@_cli
 def bench_cpu_memory_time_cmd(
     cases: str = typer.Option(",".join(cpu_mem_bench.CASES), help="Comma-separated cases: linear_<in>x<out>, "
                                                                     "alexnet, emulated_linear_<acc format>."),
     case: Optional[str] = typer.Option(None, help="Run this one case in this process and print its JSON on stdout "
                                                   "(no file written)."),
-    out: Path = typer.Option(Path("benchmarks/results/cpu_memory_time.json"), help="JSON output path."),
+    json_path: str = _json_option("benchmarks/results/cpu_memory_time.json"),
     baseline: Optional[Path] = typer.Option(None, metavar="SRC", help="Also run every case with SRC (another "
                                             "checkout's src/) first on PYTHONPATH, in the same run."),
     emulated_features: int = typer.Option(256, min=1, help="In and out features of the emulated_linear cases."),
@@ -977,19 +1167,21 @@ def bench_cpu_memory_time_cmd(
     if baseline is not None and not (baseline / "tcprec").is_dir():
         raise typer.BadParameter(f"{str(baseline)!r} holds no tcprec package; pass a checkout's src folder "
                                  "(e.g. /path/to/checkout/src)", param_hint="--baseline")
-    command = shlex.join(["tcprec", "bench", "cpu-memory-time", "--cases", ",".join(names), "--out", str(out)]
+    command = shlex.join(["tcprec", "bench", "cpu-memory-time", "--cases", ",".join(names), "--json", json_path]
                          + (["--baseline", str(baseline)] if baseline else [])
                          + (["--emulated-features", str(emulated_features)] if emulated_features != 256 else [])
                          + (["--emulated-batch", str(emulated_batch)] if emulated_batch != 64 else []))
     try:
-        cpu_mem_bench.run(names, out, None if baseline is None else str(baseline), emulated_features, emulated_batch,
-                          command=command, console=Console(stderr=True))
+        with _json_file(json_path, "cpu_memory_time.json") as out:
+            cpu_mem_bench.run(names, out, None if baseline is None else str(baseline), emulated_features,
+                              emulated_batch, command=command, console=Console(stderr=True))
     except RuntimeError as e:  # a case's process failed: its stderr is in the message
         Console(stderr=True).print(f"[red]{e}")
         raise typer.Exit(code=1) from None
 
 
 @bench_app.command("cpu-train-step")
+@_cli
 def bench_cpu_train_step_cmd(
     steps: int = typer.Option(3, min=1, help="Steps of each variant (the first is not timed, unless it is the "
                                              "only one)."),
@@ -1002,7 +1194,7 @@ def bench_cpu_train_step_cmd(
     threads: int = typer.Option(1, min=1, help="torch threads in every variant (a shared machine's cores: more "
                                                "threads time the contention)."),
     model: str = typer.Option("resnet18", help="resnet18 (CPD's), vgg or tiny_cnn (tcprec.train.models)."),
-    out: Path = typer.Option(Path("benchmarks/results/cpu_train_step.json"), help="JSON output path."),
+    json_path: str = _json_option("benchmarks/results/cpu_train_step.json"),
 ):
     """CPU: a training step with gradients all-reduced in e4m3 (APS) against fp32 gradients, time and peak RSS, each
     variant in a fresh process (issue 40: within 3x)."""
@@ -1013,10 +1205,11 @@ def bench_cpu_train_step_cmd(
         raise typer.BadParameter(str(e)) from None
     command = shlex.join(["tcprec", "bench", "cpu-train-step", "--steps", str(steps), "--reference-steps",
                           str(reference_steps), "--batch", str(batch), "--nodes", str(nodes), "--algorithm", algorithm,
-                          "--variants", variants, "--threads", str(threads), "--model", model, "--out", str(out)])
+                          "--variants", variants, "--threads", str(threads), "--model", model, "--json", json_path])
     try:
-        train_step_bench.run(names, steps, reference_steps, batch, nodes, algorithm, threads, model, out,
-                             command=command, console=Console(stderr=True))
+        with _json_file(json_path, "cpu_train_step.json") as out:
+            train_step_bench.run(names, steps, reference_steps, batch, nodes, algorithm, threads, model, out,
+                                 command=command, console=Console(stderr=True))
     except RuntimeError as e:  # a variant's process failed: its stderr is in the message
         Console(stderr=True).print(f"[red]{e}")
         raise typer.Exit(code=1) from None
@@ -1034,6 +1227,7 @@ app.add_typer(tune_app, name="tune")
 
 
 @tune_app.command("conv-fwd")
+@_cli
 def tune_conv_fwd_cmd(
     layers: str = typer.Option(",".join(tune_conv_fwd_mod.TUNE_LAYERS),
                                help="Comma-separated conv_fwd.NETWORK_LAYERS names to time (their shape classes are "
@@ -1041,7 +1235,7 @@ def tune_conv_fwd_cmd(
     batch: int = typer.Option(256, min=1, help="Batch the candidates are timed at."),
     table: Optional[Path] = typer.Option(None, help="Tile table to update (default: the kernel's "
                                                     "conv_fwd_tiles.json)."),
-    out: Path = typer.Option(Path("benchmarks/results/conv_fwd_tune.json"), help="Sweep JSON output path."),
+    json_path: str = _json_option("benchmarks/results/conv_fwd_tune.json"),
     workers: Optional[int] = typer.Option(None, min=1, help="Compile processes (default: min(16, CPUs))."),
     warmup_ms: int = typer.Option(10, min=1, help="do_bench warm-up per candidate."),
     rep_ms: int = typer.Option(40, min=1, help="do_bench timing per candidate."),
@@ -1053,9 +1247,9 @@ def tune_conv_fwd_cmd(
         tune_conv_fwd_mod.layer_classes(names, batch)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--layers") from None
-    command = shlex.join(["tcprec", "tune", "conv-fwd", "--layers", layers, "--batch", str(batch), "--out", str(out)]
+    command = shlex.join(["tcprec", "tune", "conv-fwd", "--layers", layers, "--batch", str(batch), "--json", json_path]
                          + (["--table", str(table)] if table else []))
-    with _needs_gpu():
+    with _needs_gpu(), _json_file(json_path, "conv_fwd_tune.json") as out:
         tune_conv_fwd_mod.run(names, batch, table, out, workers, warmup_ms, rep_ms, command=command,
                               console=Console())
 

@@ -17,9 +17,11 @@ import torch
 
 from ._version import __version__
 
-__all__ = ["device_report", "tensor_core_paths", "nvrtc_status", "NO_GPU"]
+__all__ = ["device_report", "tensor_core_paths", "nvrtc_status", "NO_GPU", "INSTALL_CUDA"]
 
 NO_GPU = "no CUDA device: reference backend (pure torch) runs everything, results identical"
+# The GPU toolchain (Triton, cuda.core, NVRTC) is the `cuda` extra: a CPU-only install does not need it.
+INSTALL_CUDA = 'pip install "tcprec[cuda]"'
 
 # Tensor-core paths tcprec uses: (path, lowest compute capability, highest or None, what runs on it).
 # Hardware facts from the PTX ISA; wgmma exists on Hopper (sm_90a) only.
@@ -73,7 +75,7 @@ def nvrtc_status(probe: bool = True) -> dict:
         except ImportError:
             from cuda.core.experimental import Program, ProgramOptions
     except Exception as e:  # ImportError, or a broken install raising anything at import
-        status["reason"] = f"cuda.core Program not importable ({type(e).__name__}: {e}); pip install cuda-core"
+        status["reason"] = f"cuda.core Program not importable ({type(e).__name__}: {e}); {INSTALL_CUDA}"
         return status
     try:
         from cuda.bindings import nvrtc
@@ -81,7 +83,7 @@ def nvrtc_status(probe: bool = True) -> dict:
         _, major, minor = nvrtc.nvrtcVersion()
         status["nvrtc"] = f"{major}.{minor}"
     except Exception as e:
-        status["reason"] = f"NVRTC library not loadable ({type(e).__name__}: {e}); pip install nvidia-cuda-nvrtc"
+        status["reason"] = f"NVRTC library not loadable ({type(e).__name__}: {e}); {INSTALL_CUDA}"
         return status
     if not probe:
         status.update(available=True, reason="cuda.core and NVRTC import (compile not probed)")

@@ -45,6 +45,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -55,6 +56,7 @@ from torch import nn
 from .qtensor import QTensor
 
 __all__ = [
+    "Activity",
     "Analysis",
     "CATEGORIES",
     "Event",
@@ -63,6 +65,7 @@ __all__ = [
     "LayerTime",
     "ProfileReport",
     "analyze",
+    "annotate_nsys_sqlite",
     "classify_kernel",
     "describe_value",
     "is_tensor_core_kernel",
@@ -315,6 +318,7 @@ class ProfileReport:
     warmup: int
     iters: int
     notes: list[str] = field(default_factory=list)
+    timeline: tuple = field(default=(), repr=False)  # Activity records: what to_sqlite writes row by row
     _trace_owner: Any = field(default=None, repr=False)
     _trace_file: str | None = field(default=None, repr=False)
 
@@ -368,6 +372,27 @@ class ProfileReport:
             "notes": list(self.notes),
         }
 
+    def to_sqlite(self, path: str | os.PathLike) -> Path:
+        """Write the profile as a SQLite database laid out like ``nsys export --type sqlite``
+        (``CUPTI_ACTIVITY_KIND_KERNEL`` / ``_MEMCPY`` / ``_MEMSET`` with integer ns ``start`` /
+        ``end`` and names through ``StringIds``; our scopes in ``NVTX_EVENTS``) plus the report's
+        tables and the ``TCPREC_KERNELS`` view (one row per kernel with its layer, duration,
+        tensor-core flag and instruction class).  An existing file is replaced.  Schema and example
+        queries: docs/profiling.md.
+
+        >>> import sqlite3, tempfile, torch
+        >>> rep = profile(torch.nn.Sequential(torch.nn.Linear(4, 4)), torch.randn(1, 4), warmup=0, iters=2)
+        >>> db = rep.to_sqlite(tempfile.mkdtemp() + "/p.sqlite")
+        >>> sqlite3.connect(db).execute("SELECT COUNT(DISTINCT inference) FROM TCPREC_KERNELS").fetchone()
+        (2,)
+        """
+        return _write_sqlite(self, path)
+
+    def to_html(self, path: str | os.PathLike) -> Path:
+        """Write a self-contained HTML report (no scripts, no external files): per-layer time chart,
+        breakdown, kernels with the tensor-core flag, copies, dtype trace."""
+        return _write_html(self, path)
+
     def save_chrome_trace(self, path: str | os.PathLike) -> Path:
         """Write the run's Chrome trace (open in chrome://tracing or Perfetto).  The profiler can
         export once; later calls copy that first file."""
@@ -382,7 +407,8 @@ class ProfileReport:
         if self._trace_owner is None:
             raise RuntimeError("this report has no profiler trace (it was built from events, not by tcprec.profile)")
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._trace_owner.export_chrome_trace(str(path))
+        with _kineto_quiet():
+            self._trace_owner.export_chrome_trace(str(path))
         self._trace_file = str(path)
         return path
 
@@ -456,6 +482,21 @@ class _Intervals:
         return None
 
 
+class Activity(NamedTuple):
+    """One timed thing of the profiled inferences, for the SQLite export: a device ``kernel`` /
+    ``memcpy`` / ``memset`` (cuda clock) or an outermost CPU ``op`` (cpu clock), or a ``range`` (our
+    inference and layer scopes).  ``layer``: the leaf layer it is attributed to (None: outside
+    every layer); ``inference``: 0-based index of the profiled inference; times in microseconds."""
+
+    name: str
+    kind: str
+    start: float
+    end: float
+    layer: str | None
+    inference: int
+    corr: int = 0
+
+
 class Analysis(NamedTuple):
     layers: list[LayerTime]
     breakdown: dict[str, float]
@@ -465,6 +506,7 @@ class Analysis(NamedTuple):
     wall_ms: float
     n_inferences: int
     unattributed_ms: float  # cuda clock: device time per inference launched outside every layer scope
+    timeline: tuple = ()  # Activity records, in start order (the SQLite export's rows)
 
 
 def analyze(events: list[Event], layer_kinds: dict[str, str] | None = None,
@@ -480,9 +522,15 @@ def analyze(events: list[Event], layer_kinds: dict[str, str] | None = None,
         raise RuntimeError(f"no '{ITER_SCOPE}' scopes among the profiler events: nothing was profiled")
     iters = len(iter_scopes)
     iters_iv = _Intervals(iter_scopes)
+    iter_index = {id(s): i for i, s in enumerate(iters_iv.scopes)}
+    timeline: list[Activity] = [Activity(s.name, "range", s.start, s.end, None, i, s.corr)
+                                for i, s in enumerate(iters_iv.scopes)]
     layer_iv = _Intervals([e for e in events if e.kind == "scope" and e.name.startswith(LAYER_SCOPE)
                            and iters_iv.find(e.start) is not None])
     wall_ms = sum(s.end - s.start for s in iter_scopes) / 1e3 / iters
+    for s in layer_iv.scopes:
+        timeline.append(Activity(s.name, "range", s.start, s.end, s.name[len(LAYER_SCOPE):],
+                                 iter_index[id(iters_iv.find(s.start))], s.corr))
 
     device = [e for e in events if e.kind in ("kernel", "memcpy", "memset")]
     runtime_start = {e.corr: e.start for e in events if e.kind == "runtime" and e.corr}
@@ -501,7 +549,8 @@ def analyze(events: list[Event], layer_kinds: dict[str, str] | None = None,
             # which inference: the device start (each inference ends with a synchronize inside its scope)
             launch = runtime_start.get(d.corr, op_start.get(d.linked))
             when = launch if launch is not None else d.start
-            if iters_iv.find(when) is None and iters_iv.find(d.start) is None:
+            it = iters_iv.find(when) or iters_iv.find(d.start)
+            if it is None:
                 continue  # from the profiler's warm-up step or outside our calls
             dur = d.end - d.start
             rec = kern.setdefault(d.name, [0.0, 0.0])
@@ -517,16 +566,22 @@ def analyze(events: list[Event], layer_kinds: dict[str, str] | None = None,
                 layer_ms[key] = layer_ms.get(key, 0.0) + dur
             else:
                 unattributed_us += dur
+            timeline.append(Activity(d.name, d.kind, d.start, d.end, lay.name[len(LAYER_SCOPE):] if lay else None,
+                                     iter_index[id(it)], d.corr))
     else:
         for s in layer_iv.scopes:
             key = s.name[len(LAYER_SCOPE):]
             layer_ms[key] = layer_ms.get(key, 0.0) + (s.end - s.start)
         for op in _outermost_ops([e for e in events if e.kind == "op"]):
-            if iters_iv.find(op.start) is None:
+            it = iters_iv.find(op.start)
+            if it is None:
                 continue
             rec = kern.setdefault(op.name, [0.0, 0.0])
             rec[0] += 1
             rec[1] += op.end - op.start
+            lay = layer_iv.find(op.start)
+            timeline.append(Activity(op.name, "op", op.start, op.end, lay.name[len(LAYER_SCOPE):] if lay else None,
+                                     iter_index[id(it)], op.corr))
 
     kernels = []
     for name, (calls, total_us) in kern.items():
@@ -546,7 +601,9 @@ def analyze(events: list[Event], layer_kinds: dict[str, str] | None = None,
         ms = layer_ms.get(k, 0.0) / 1e3 / iters
         share = (layer_ms.get(k, 0.0) / total) if total > 0 else 1.0 / len(order)
         layers.append(LayerTime(k, layer_kinds.get(k, "layer"), ms, share, (layer_calls or {}).get(k, 1)))
-    return Analysis(layers, breakdown, kernels, copies, clock, wall_ms, iters, unattributed_us / 1e3 / iters)
+    timeline.sort(key=lambda a: (a.start, -a.end))
+    return Analysis(layers, breakdown, kernels, copies, clock, wall_ms, iters, unattributed_us / 1e3 / iters,
+                    tuple(timeline))
 
 
 def _outermost_ops(ops: list[Event]) -> list[Event]:
@@ -640,6 +697,21 @@ def _sync():
         torch.cuda.synchronize()
 
 
+@contextmanager
+def _kineto_quiet():
+    """Kineto (torch.profiler's back end) logs ``USDT: ... profiler_start`` / ``profiler_stop`` on
+    stderr at every session; level 6 silences its log.  It reads ``KINETO_LOG_LEVEL`` at each log
+    call, so it is set around our profiler calls only -- never if the user has set it."""
+    if "KINETO_LOG_LEVEL" in os.environ:
+        yield
+        return
+    os.environ["KINETO_LOG_LEVEL"] = "6"
+    try:
+        yield
+    finally:
+        os.environ.pop("KINETO_LOG_LEVEL", None)
+
+
 def _run_profiled(step: Callable[[], Any], warmup: int, iters: int, record_shapes: bool, rec: _Recorder):
     """``warmup`` calls (the last is the profiler's discarded warm-up step), then ``iters`` profiled ones."""
     from torch.profiler import ProfilerActivity, schedule
@@ -651,7 +723,7 @@ def _run_profiled(step: Callable[[], Any], warmup: int, iters: int, record_shape
     prof_warmup = 1 if warmup > 0 else 0
     sched = schedule(wait=0, warmup=1, active=iters, repeat=1) if prof_warmup else None  # no warm-up: no schedule
     out = None
-    with torch.profiler.profile(activities=acts, schedule=sched, record_shapes=record_shapes) as prof:
+    with _kineto_quiet(), torch.profiler.profile(activities=acts, schedule=sched, record_shapes=record_shapes) as prof:
         for _ in range(prof_warmup + iters):
             with torch.profiler.record_function(ITER_SCOPE):
                 out = rec.call(step)
@@ -723,7 +795,7 @@ def profile(model_or_callable, x, *, warmup: int = 3, iters: int = 10, trace_pat
     device = (torch.cuda.get_device_name() if clock == "cuda" else "cpu")
     trace = _build_dtype_trace(x_desc, calls_trace, describe_value(out))
     rep = ProfileReport(layers, breakdown, kernels, copies, trace, clock, wall_ms, device, warmup, iters, notes,
-                        _trace_owner=prof)
+                        timeline=res.timeline, _trace_owner=prof)
     if trace_path is not None:
         rep.save_chrome_trace(trace_path)
     return rep
@@ -769,3 +841,225 @@ def _profile_named(named, args, warmup, iters, record_shapes):
     with torch.no_grad():
         prof, _ = _run_profiled(step, min(warmup, 1) if warmup else 0, iters, record_shapes, rec)
     return prof, rec, kinds
+
+
+# ------------------------------------------------------------------------------------------------
+# SQLite and HTML exports
+# ------------------------------------------------------------------------------------------------
+# CUPTI's copy kinds, as nsys writes them in CUPTI_ACTIVITY_KIND_MEMCPY.copyKind
+_COPY_KIND = {"HtoD": 1, "DtoH": 2, "HtoH": 7, "DtoD": 8, "PtoP": 10}
+_NVTX_PUSH_POP = 59  # NVTX_EVENTS.eventType of a push/pop range in nsys exports
+
+_SCHEMA = """
+CREATE TABLE StringIds (id INTEGER PRIMARY KEY, value TEXT NOT NULL UNIQUE);
+CREATE TABLE CUPTI_ACTIVITY_KIND_KERNEL (
+    start INTEGER NOT NULL, end INTEGER NOT NULL, deviceId INTEGER, streamId INTEGER, correlationId INTEGER,
+    demangledName INTEGER NOT NULL REFERENCES StringIds(id), shortName INTEGER NOT NULL REFERENCES StringIds(id),
+    globalPid INTEGER, tcprecLayer TEXT, tcprecInference INTEGER);
+CREATE TABLE CUPTI_ACTIVITY_KIND_MEMCPY (
+    start INTEGER NOT NULL, end INTEGER NOT NULL, deviceId INTEGER, streamId INTEGER, correlationId INTEGER,
+    copyKind INTEGER, bytes INTEGER, globalPid INTEGER, tcprecLayer TEXT, tcprecInference INTEGER);
+CREATE TABLE CUPTI_ACTIVITY_KIND_MEMSET (
+    start INTEGER NOT NULL, end INTEGER NOT NULL, deviceId INTEGER, streamId INTEGER, correlationId INTEGER,
+    bytes INTEGER, globalPid INTEGER, tcprecLayer TEXT, tcprecInference INTEGER);
+CREATE TABLE NVTX_EVENTS (
+    start INTEGER NOT NULL, end INTEGER, eventType INTEGER NOT NULL, rangeId INTEGER, text TEXT, globalTid INTEGER,
+    tcprecInference INTEGER);
+CREATE TABLE TCPREC_META (key TEXT PRIMARY KEY, value TEXT);
+CREATE TABLE TCPREC_LAYERS (idx INTEGER PRIMARY KEY, name TEXT NOT NULL, kind TEXT, calls INTEGER,
+    ms REAL NOT NULL, share REAL NOT NULL);
+CREATE TABLE TCPREC_KERNEL_SUMMARY (name TEXT PRIMARY KEY, category TEXT, tensor_core INTEGER, calls REAL,
+    total_ms REAL);
+CREATE TABLE TCPREC_BREAKDOWN (category TEXT PRIMARY KEY, ms REAL);
+CREATE TABLE TCPREC_COPIES (direction TEXT PRIMARY KEY, per_inference REAL);
+CREATE TABLE TCPREC_DTYPE_TRACE (step INTEGER PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+# The classification of every kernel name in StringIds, and the view over it.  _classify_names also
+# runs on an nsys export (annotate_nsys_sqlite), so the view's query reads only nsys's own columns
+# plus TCPREC_KERNEL_NAMES -- and the layer columns where this module wrote them.
+_NAMES_SCHEMA = """
+CREATE TABLE IF NOT EXISTS TCPREC_KERNEL_NAMES (nameId INTEGER PRIMARY KEY, category TEXT NOT NULL,
+    tensor_core INTEGER NOT NULL, instruction_class TEXT NOT NULL, rule TEXT NOT NULL);
+"""
+_VIEW = """
+CREATE VIEW TCPREC_KERNELS AS
+SELECT s.value AS name, {layer} AS layer, {inference} AS inference, k.start AS start, k."end" AS "end",
+       k."end" - k.start AS duration, c.tensor_core AS tensor_core, c.category AS category,
+       c.instruction_class AS instruction_class, c.rule AS rule, k.correlationId AS correlationId
+FROM CUPTI_ACTIVITY_KIND_KERNEL AS k
+JOIN StringIds AS s ON s.id = k.shortName
+JOIN TCPREC_KERNEL_NAMES AS c ON c.nameId = k.shortName;
+"""
+
+
+def _instruction_class(name: str, kind: str, clock: str) -> str:
+    """What executes a kernel, coarsely: tensor-core MMA, CUDA-core, copy engine, or a CPU op."""
+    category, tc, _ = kernel_rule(name)
+    if clock == "cpu" or kind == "op":
+        return "cpu op"
+    if kind in ("memcpy", "memset") or category == "memcpy":
+        return "copy"
+    return "tensor-core mma" if tc else "cuda-core"
+
+
+def _classify_names(conn, clock: str = "cuda") -> None:
+    conn.executescript(_NAMES_SCHEMA)
+    ids = [r[0] for r in conn.execute("SELECT DISTINCT shortName FROM CUPTI_ACTIVITY_KIND_KERNEL")]
+    for i in ids:
+        (name,) = conn.execute("SELECT value FROM StringIds WHERE id = ?", (i,)).fetchone()
+        category, tc, why = kernel_rule(name)
+        conn.execute("INSERT OR REPLACE INTO TCPREC_KERNEL_NAMES VALUES (?, ?, ?, ?, ?)",
+                     (i, category, int(tc and clock == "cuda"), _instruction_class(name, "kernel", clock), why))
+
+
+def _check_out_path(path, suffixes: tuple[str, ...], what: str) -> Path:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{what} path must be a str or os.PathLike, got {type(path).__name__}")
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{what} path {str(path)!r} is a directory; give a file name such as "
+                         f"{str(path / ('profile' + suffixes[0]))!r}")
+    if not path.parent.is_dir():
+        raise ValueError(f"{what} path {str(path)!r}: the folder {str(path.parent)!r} does not exist; create it first")
+    if path.suffix.lower() not in suffixes:
+        raise ValueError(f"{what} path {str(path)!r} must end in {' or '.join(suffixes)}")
+    return path
+
+
+def _write_sqlite(rep: ProfileReport, path) -> Path:
+    import sqlite3
+
+    path = _check_out_path(path, (".sqlite", ".db", ".sqlite3"), "SQLite")
+    if not rep.timeline:
+        raise RuntimeError("this report has no timeline (it was built from an Analysis, not by tcprec.profile); "
+                           "profile again to export it")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    t0 = min(a.start for a in rep.timeline)
+
+    def ns(t_us: float) -> int:  # nsys stores integer nanoseconds
+        return round((t_us - t0) * 1000)
+
+    conn = sqlite3.connect(tmp)
+    try:
+        conn.executescript(_SCHEMA)
+        strings: dict[str, int] = {}
+
+        def sid(text: str) -> int:
+            if text not in strings:
+                strings[text] = len(strings) + 1
+                conn.execute("INSERT INTO StringIds VALUES (?, ?)", (strings[text], text))
+            return strings[text]
+
+        dev = 0 if rep.clock == "cuda" else -1  # -1: the rows are CPU ops (cpu clock)
+        pid = os.getpid()
+        for a in rep.timeline:
+            if a.kind == "range":
+                conn.execute("INSERT INTO NVTX_EVENTS VALUES (?, ?, ?, ?, ?, ?, ?)",
+                             (ns(a.start), ns(a.end), _NVTX_PUSH_POP, a.corr or None, a.name, pid, a.inference))
+            elif a.kind in ("kernel", "op"):
+                n = sid(a.name)
+                conn.execute("INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL VALUES (?, ?, ?, NULL, ?, ?, ?, ?, ?, ?)",
+                             (ns(a.start), ns(a.end), dev, a.corr or None, n, n, pid, a.layer, a.inference))
+            elif a.kind == "memcpy":
+                m = _COPY_DIR.search(a.name)
+                conn.execute("INSERT INTO CUPTI_ACTIVITY_KIND_MEMCPY VALUES (?, ?, ?, NULL, ?, ?, NULL, ?, ?, ?)",
+                             (ns(a.start), ns(a.end), dev, a.corr or None, _COPY_KIND.get(m.group(1)) if m else None,
+                              pid, a.layer, a.inference))
+            elif a.kind == "memset":
+                conn.execute("INSERT INTO CUPTI_ACTIVITY_KIND_MEMSET VALUES (?, ?, ?, NULL, ?, NULL, ?, ?, ?)",
+                             (ns(a.start), ns(a.end), dev, a.corr or None, pid, a.layer, a.inference))
+        meta = {"device": rep.device, "clock": rep.clock, "warmup": rep.warmup, "iters": rep.iters,
+                "wall_ms": rep.wall_ms, "tensor_core_ms": rep.tensor_core_ms, "time_unit": "ns",
+                "kernel_rows": "device kernels" if rep.clock == "cuda" else "outermost CPU ops (deviceId -1)",
+                "notes": "\n".join(rep.notes)}
+        conn.executemany("INSERT INTO TCPREC_META VALUES (?, ?)", [(k, str(v)) for k, v in meta.items()])
+        conn.executemany("INSERT INTO TCPREC_LAYERS VALUES (?, ?, ?, ?, ?, ?)",
+                         [(i, lay.name, lay.kind, lay.calls, lay.ms, lay.share) for i, lay in enumerate(rep.layers)])
+        conn.executemany("INSERT INTO TCPREC_KERNEL_SUMMARY VALUES (?, ?, ?, ?, ?)",
+                         [(k.name, k.category, int(k.tensor_core), k.calls, k.total_ms) for k in rep.kernels])
+        conn.executemany("INSERT INTO TCPREC_BREAKDOWN VALUES (?, ?)", list(rep.breakdown.items()))
+        conn.executemany("INSERT INTO TCPREC_COPIES VALUES (?, ?)", list(rep.copies.items()))
+        conn.executemany("INSERT INTO TCPREC_DTYPE_TRACE VALUES (?, ?)",
+                         list(enumerate(rep.dtype_trace.split(" -> "))))
+        _classify_names(conn, rep.clock)
+        conn.executescript(_VIEW.format(layer="k.tcprecLayer", inference="k.tcprecInference"))
+        conn.commit()
+    finally:
+        conn.close()
+    os.replace(tmp, path)
+    return path
+
+
+def annotate_nsys_sqlite(path: str | os.PathLike) -> Path:
+    """Add tcprec's kernel classification to an ``nsys export --type sqlite`` database: the
+    ``TCPREC_KERNEL_NAMES`` table (category, tensor-core flag, instruction class per kernel name)
+    and the ``TCPREC_KERNELS`` view, the same view :meth:`ProfileReport.to_sqlite` writes (its
+    ``layer`` / ``inference`` columns are NULL there: nsys attributes through NVTX ranges)."""
+    import sqlite3
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no SQLite file at {str(path)!r}; export one with "
+                                "`nsys export --type sqlite --output report.sqlite report.nsys-rep`")
+    conn = sqlite3.connect(path)
+    try:
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type IN ('table', 'view')")}
+        missing = {"CUPTI_ACTIVITY_KIND_KERNEL", "StringIds"} - tables
+        if missing:
+            raise ValueError(f"{str(path)!r} has no {', '.join(sorted(missing))}: not an nsys SQLite export with "
+                             "CUDA kernels (capture with `nsys profile --trace cuda,nvtx`)")
+        if "TCPREC_KERNELS" in tables:
+            conn.execute("DROP VIEW TCPREC_KERNELS")
+        _classify_names(conn, "cuda")
+        conn.executescript(_VIEW.format(layer="NULL", inference="NULL"))
+        conn.commit()
+    finally:
+        conn.close()
+    return path
+
+
+def _write_html(rep: ProfileReport, path) -> Path:
+    import html
+
+    path = _check_out_path(path, (".html", ".htm"), "HTML")
+    esc = html.escape
+    top = max((lay.ms for lay in rep.layers), default=0.0) or 1.0
+    layer_rows = "".join(
+        f"<tr><td>{esc(lay.name)}</td><td>{esc(lay.kind)}</td><td class=n>{lay.calls}</td>"
+        f"<td class=n>{lay.ms:.4f}</td><td class=n>{100 * lay.share:.1f}%</td>"
+        f"<td class=bar><div style='width:{100 * lay.ms / top:.1f}%'></div></td></tr>" for lay in rep.layers)
+    total = sum(k.total_ms for k in rep.kernels) or 1.0
+    kernel_rows = "".join(
+        f"<tr{' class=tc' if k.tensor_core else ''}><td>{esc(k.name)}</td><td>{esc(k.category)}</td>"
+        f"<td>{'yes' if k.tensor_core else ''}</td><td class=n>{k.calls:g}</td><td class=n>{k.total_ms:.4f}</td>"
+        f"<td class=n>{100 * k.total_ms / total:.1f}%</td></tr>" for k in rep.kernels)
+    small = "".join(f"<tr><td>{esc(c)}</td><td class=n>{ms:.4f}</td></tr>" for c, ms in rep.breakdown.items())
+    copies = ", ".join(f"{d} {n:g}" for d, n in rep.copies.items())
+    notes = "".join(f"<li>{esc(n)}</li>" for n in rep.notes)
+    doc = f"""<!DOCTYPE html>
+<html><head><meta charset="utf-8"><title>tcprec profile on {esc(rep.device)}</title>
+<style>
+body {{ font: 14px system-ui, sans-serif; margin: 2em; color: #222; }}
+table {{ border-collapse: collapse; margin: 1em 0; }} td, th {{ padding: 2px 8px; text-align: left; }}
+th {{ border-bottom: 1px solid #888; }} td.n {{ text-align: right; font-variant-numeric: tabular-nums; }}
+td.bar {{ width: 320px; }} td.bar div {{ background: #4a7fb5; height: 12px; }}
+tr.tc td {{ background: #e6f4e6; }} code {{ background: #f3f3f3; padding: 2px 4px; }}
+</style></head><body>
+<h1>tcprec profile on {esc(rep.device)}</h1>
+<p>{esc(rep.clock)} clock, {rep.iters} profiled inferences after {rep.warmup} warm-up calls;
+wall {rep.wall_ms:.3f} ms per inference; tensor-core kernels {rep.tensor_core_ms:.4f} ms; copies per
+inference: {esc(copies)}.</p>
+<h2>Time per layer (ms per inference)</h2>
+<table><tr><th>layer</th><th>kind</th><th>calls</th><th>ms</th><th>share</th><th></th></tr>{layer_rows}</table>
+<h2>Breakdown (ms per inference)</h2><table>{small}</table>
+<h2>Kernels{' (CPU ops on the cpu clock)' if rep.clock == 'cpu' else ''}</h2>
+<table><tr><th>name</th><th>category</th><th>tensor core</th><th>calls</th><th>ms</th><th>share</th></tr>
+{kernel_rows}</table>
+<h2>dtype trace</h2><p><code>{esc(rep.dtype_trace)}</code></p>
+<ul>{notes}</ul>
+</body></html>
+"""
+    path.write_text(doc, encoding="utf-8")
+    return path

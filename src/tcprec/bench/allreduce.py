@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import allreduce_lowp, release_graphs
+from ..progress import track
 from .common import NeedsGPU, environment, write_json
 
 __all__ = ["run", "resnet18_sizes"]
@@ -133,7 +134,7 @@ def run(numels, algorithms, nodes: int | None, fmt: str, out, console, command: 
     rows, fp8_why = [], _fp8_support(dev)
     env = environment() if rank == 0 else {}
     try:
-        for numel in numels:
+        for numel in track(numels, "bench allreduce", quiet=rank != 0, label=lambda n: f"{n:,} gradients"):
             sizes = resnet18_sizes(numel)
             mine = torch.stack([_grads(rank * n_local + i, numel, dev) for i in range(n_local)])  # (n_local, numel)
             flat32 = mine.sum(0)

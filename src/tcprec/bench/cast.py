@@ -24,11 +24,11 @@ from typing import Callable, Sequence
 
 import torch
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
 from ..formats import FloatFormat, as_format
 from ..ops.cast import cast, choose_cast_backend, code_dtype, encode
+from ..progress import bar as progress_bar
 from .common import environment, gbps, print_environment, require_cuda, rotating_buffers, time_median_ms, write_json
 
 __all__ = ["DEFAULT_FORMATS", "TARGETS", "CHECK_NUMEL", "run"]
@@ -154,10 +154,9 @@ def run(
     srcs = rotating_buffers(x, env["l2_cache_bytes"])
     pairs = [(s, torch.empty_like(s)) for s in srcs]
     rows = []
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("timing", total=len(cases))
+    with progress_bar(len(cases), "bench cast") as progress:
         for case in cases:
-            progress.update(task, description=f"{case.op} {case.fmt or ''} {case.rounding or ''}")
+            progress.update(description=f"bench cast: {case.op} {case.fmt or ''} {case.rounding or ''}")
             ms = None
             if case.error is None:
                 try:
@@ -172,7 +171,7 @@ def run(
                 "gb_per_s": None if ms is None else gbps(case.bytes_per_element * numel, ms),
                 "exact": case.exact, "error": case.error,
             })
-            progress.advance(task)
+            progress.advance()
 
     copy_gbs = rows[0]["gb_per_s"]
     for row in rows:

@@ -27,6 +27,7 @@ import torch
 from ..formats import FloatFormat, IntFormat, as_format
 from ..kernels import reference as ref
 from ..ops.cast import cast, encode
+from ..progress import bar as progress_bar
 from .common import write_json
 
 __all__ = ["DEFAULT_FORMATS", "TARGET_RATIO", "run"]
@@ -86,8 +87,8 @@ def run(numel: int = 2**20, formats: Sequence[str] = DEFAULT_FORMATS,
         progress: bool = True) -> dict:
     """Time the CPU cases, print a table, write JSON to ``out`` (COMMON.md's convention) and return it."""
     from rich.console import Console
-    from rich.progress import Progress
     from rich.table import Table
+
 
     console = console or Console(stderr=True)
     torch.set_num_threads(threads)
@@ -96,10 +97,9 @@ def run(numel: int = 2**20, formats: Sequence[str] = DEFAULT_FORMATS,
     device = f"cpu: {platform.processor() or platform.machine()}, torch threads {threads}"
     rows, detail = [], []
     plan = [(n, as_format(n), r) for n in formats for r in roundings]
-    with Progress(console=console, transient=True, disable=not progress) as bar:
-        task = bar.add_task("cast-cpu", total=len(plan))
+    with progress_bar(len(plan), "cast-cpu", quiet=not progress) as bar:
         for name, fmt, rounding in plan:
-            bar.update(task, description=f"{name} {rounding}")
+            bar.update(description=f"cast-cpu {name} {rounding}")
             key = str(fmt)
             seed = 1234
             gen = lambda: torch.Generator().manual_seed(seed)  # noqa: E731
@@ -127,7 +127,7 @@ def run(numel: int = 2**20, formats: Sequence[str] = DEFAULT_FORMATS,
                                          else row["tcprec_cast_ms"] / row["ml_dtypes_ms"])
             row["speedup_vs_spec"] = row["spec_cast_ms"] / row["tcprec_cast_ms"]
             detail.append(row)
-            bar.advance(task)
+            bar.advance()
 
     for r in detail:
         rows.append({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()

@@ -40,6 +40,7 @@ from rich.table import Table
 
 from ..kernels.conv_geometry import ConvGeometry
 from ..ops import conv as opc
+from ..progress import track
 from .common import (
     copies_needed,
     environment,
@@ -433,7 +434,7 @@ def run(batches: Sequence[int] = (8, 256), precisions: Sequence[str] = ("fp16", 
                "targets": {f"{k[0]} {k[1]} N={k[2]}": v for k, v in TARGETS.items()},
                "rows": rows, "summary": [], "complete": False}
     for N in batches:
-        for i in chosen:
+        for i in track(chosen, f"bench conv-bwd N={N}", label=lambda i: RESNET50_LAYERS[i].name):
             layer = RESNET50_LAYERS[i]
             console.print(f"[dim]N={N} {layer.name}[/]", end=" ")
             new = least_disturbed([_workload(layer, N, device, env["l2_cache_bytes"], precisions, warmup_ms, rep_ms,

@@ -33,6 +33,7 @@ from ..formats import IntFormat
 from ..ops.matmul import _col_scale, _planes, _row_scale, _terms32, matmul
 from ..packing import packed_words
 from ..qtensor import PerTensor, QTensor
+from ..progress import track
 from .common import environment, print_environment, require_cuda, rotating_buffers, time_median_ms, write_json
 from .common import time_graph_ms as common_graph_ms
 
@@ -178,7 +179,7 @@ def run(
     console.print(f"compiled {n_new} kernel variants for {arch} (NVRTC, cached on disk)")
 
     rows, base_cache = [], {}
-    for table, config, (M, N, K) in groups:
+    for table, config, (M, N, K) in track(groups, "bench gemm", label=lambda g: f"{g[1]} {g[2]}"):
         key = (M, N, K)
         if key not in base_cache:
             base_cache[key] = _baselines(M, N, K, device, l2, gen)

@@ -25,6 +25,7 @@ from ..nn import models as zoo
 from ..nn.convert import QuantConfig, quantize_model
 from ..precision import canonical_network_precision
 from ..profiling import profile
+from ..progress import track
 from .common import environment, print_environment, require_cuda, time_graph_ms, write_json
 
 __all__ = ["PRECISIONS", "run", "build_variant", "nrmse"]
@@ -88,7 +89,7 @@ def run(models: Sequence[str] = ("alexnet", "vgg", "resnet18", "yolov2-tiny"), p
             with torch.no_grad():
                 ref = model(x).float()
             base: dict[str, float] = {}
-            for prec in precisions:
+            for prec in track(precisions, f"bench net {name} batch {batch}", label=str):
                 row = {"model": name, "batch": batch, "precision": prec}
                 t0 = time.time()
                 try:

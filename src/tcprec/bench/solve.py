@@ -31,6 +31,7 @@ import torch
 
 from ..linalg import DEFAULT_REFINE, gemm_backend, make_matrix, random_rhs, scaled_residual, solve
 from ..linalg.demo import timed
+from ..progress import track
 from .common import environment as _common_environment
 from .common import require_cuda, write_json
 
@@ -156,7 +157,7 @@ def bench_solve(
 
     all_factors = tuple(factors) + tuple(f for f in optional_factors if f not in factors)
     for n in sizes:
-        for kind in kinds:
+        for kind in track(kinds, f"bench solve n={n}", label=str):
             base = {"n": n, "kind": kind, "cond": cond if kind == "general" else None}
             if over_budget():
                 rows.append({**base, "factor": "fp64", "error": "skipped: time budget"})

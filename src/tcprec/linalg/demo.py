@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from ..progress import bar
 from .lu import canonical_factor, gemm_backend
 from .matrices import make_matrix, random_rhs
 from .refine import scaled_residual
@@ -57,13 +58,15 @@ def run_solve(
     compare_fp64: bool = True,
     warmup: int | None = None,
     repeats: int = 1,
+    quiet: bool = False,
     **solve_options,
 ) -> dict:
     """Solve a generated system of order ``n`` and compare with fp64 ``torch.linalg.solve``.
 
     ``kind``: "diagdom" (HPL-MxP matrix; default pivoting none, as HPL-MxP allows) or "general"
     (condition number ``cond``; default partial pivoting).  ``device`` defaults to CUDA when
-    available; on a CPU the tensor-core GEMMs are emulated and the result says so.
+    available; on a CPU the tensor-core GEMMs are emulated and the result says so.  A progress bar
+    (stderr, terminals only; ``quiet=True`` or :func:`tcprec.progress.quiet` silences it) names the phase.
 
     >>> r = run_solve(128, factor="bf16", device="cpu")
     >>> r["converged"], r["meets_criterion"]
@@ -75,16 +78,22 @@ def run_solve(
         pivoting = False if kind == "diagdom" else True
     if warmup is None:
         warmup = 1 if dev.type == "cuda" else 0
-    t0 = time.perf_counter()
-    A = make_matrix(kind, n, cond=cond, seed=seed, device=dev)
-    b = random_rhs(n, nrhs, seed=seed + 1, device=dev)
-    _sync(dev)
-    gen_s = time.perf_counter() - t0
-
-    t, _, (x, info) = timed(
-        lambda: solve(A, b, factor=factor, refine=refine, pivoting=pivoting, **solve_options),
-        dev, warmup=warmup, repeats=repeats,
-    )
+    with bar(2 + bool(compare_fp64), f"solve n={n}", quiet=quiet) as progress:
+        progress.update(description=f"solve n={n}: generating the {kind} matrix")
+        t0 = time.perf_counter()
+        A = make_matrix(kind, n, cond=cond, seed=seed, device=dev)
+        b = random_rhs(n, nrhs, seed=seed + 1, device=dev)
+        _sync(dev)
+        gen_s = time.perf_counter() - t0
+        progress.advance(description=f"solve n={n}: {factor} LU + {refine} ({warmup + repeats} calls)")
+        t, _, (x, info) = timed(
+            lambda: solve(A, b, factor=factor, refine=refine, pivoting=pivoting, **solve_options),
+            dev, warmup=warmup, repeats=repeats,
+        )
+        progress.advance(description=f"solve n={n}: fp64 torch.linalg.solve")
+        if compare_fp64:
+            t64, _, x64 = timed(lambda: torch.linalg.solve(A, b), dev, warmup=warmup, repeats=repeats)
+            progress.advance()
     row = {
         "n": n, "nrhs": nrhs or 1, "kind": kind, "cond": cond if kind == "general" else None,
         "factor": factor, "refine": refine, "pivoting": info.pivoting, "device": str(dev),
@@ -98,7 +107,6 @@ def run_solve(
         "history": list(info.history), "generate_s": gen_s,
     }
     if compare_fp64:
-        t64, _, x64 = timed(lambda: torch.linalg.solve(A, b), dev, warmup=warmup, repeats=repeats)
         row.update(
             fp64_time_s=t64,
             fp64_backward_error=scaled_residual(A, x64, b),

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..data.fashion_mnist import load_fashion_mnist
 from ..nn.qmodules import parse_precision
+from ..progress import bar as progress_bar
 from ..runtime import compile as tcompile
 from ..train.models import MODELS
 
@@ -145,19 +146,11 @@ def fit(model: nn.Module, data: TrainData, *, epochs: int, lr: float, batch_size
     g = torch.Generator(device=dev).manual_seed(seed + 1000 * state["epoch"])
     use_amp = amp and dev.type == "cuda"
     scaler = torch.amp.GradScaler("cuda", enabled=use_amp)
-    bar = None
-    if progress:
-        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-        bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[stats]}"),
-                       TimeRemainingColumn(), transient=False)
-        bar.start()
-    try:
-        for epoch in range(state["epoch"], epochs):
+    for epoch in range(state["epoch"], epochs):
+        with progress_bar(steps, f"{title} {epoch + 1}/{epochs}", quiet=not progress, transient=False) as bar:
             model.train()
             t0 = time.perf_counter()
             perm = torch.randperm(data.x_train.shape[0], device=dev, generator=g)
-            task = bar.add_task(f"{title} {epoch + 1}/{epochs}", total=steps, stats="") if bar else None
             loss_sum = torch.zeros((), device=dev)
             correct = torch.zeros((), device=dev)
             step_times = []
@@ -184,10 +177,10 @@ def fit(model: nn.Module, data: TrainData, *, epochs: int, lr: float, batch_size
                 sched.step()
                 loss_sum += loss.detach() * y.shape[0]
                 correct += (out.argmax(1) == y).sum()
-                if bar and (b % 20 == 0 or b == steps - 1):
+                if progress and (b % 20 == 0 or b == steps - 1):  # float() synchronizes: not every step
                     seen = (b + 1) * batch_size
-                    bar.update(task, completed=b + 1, stats=f"loss {float(loss_sum) / seen:.4f}  "
-                                                             f"acc {float(correct) / seen:.4f}")
+                    bar.update(completed=b + 1, loss=float(loss_sum) / seen, acc=float(correct) / seen,
+                               **{"img/s": f"{seen / (time.perf_counter() - t0):.0f}"})
                 if dev.type == "cuda" and b in (steps // 2, steps // 2 + 1, steps // 2 + 2):
                     torch.cuda.synchronize()
                     step_times.append(time.perf_counter() - ts)
@@ -199,14 +192,10 @@ def fit(model: nn.Module, data: TrainData, *, epochs: int, lr: float, batch_size
                 rec["step_ms"] = 1e3 * sorted(step_times)[len(step_times) // 2]
             state["history"].append(rec)
             state.update(epoch=epoch + 1, opt=opt.state_dict(), sched=sched.state_dict())
-            if bar:
-                bar.update(task, stats=f"loss {rec['train_loss']:.4f}  acc {rec['train_acc']:.4f}  "
-                                       f"test {rec['test_acc']:.4f}  ({rec['seconds']:.1f} s)")
+            bar.update(completed=steps, loss=rec["train_loss"], acc=rec["train_acc"], test=rec["test_acc"],
+                       **{"img/s": f"{seen / rec['seconds']:.0f}"})
             if on_epoch:
                 on_epoch(state)
-    finally:
-        if bar:
-            bar.stop()
     return state
 
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from ..data.fashion_mnist import load_fashion_mnist
 from ..distributed.lowp import check_aps_format
 from ..distributed.nodes import EmulatedNodes
+from ..progress import bar
 from .models import MODELS
 from .optim import LowPrecisionSGD
 
@@ -132,17 +133,10 @@ def train(model: str = "resnet18", data: str = "fashion-mnist", data_path=None, 
 
     loss_fn = F.cross_entropy
     n_batches = xtr.shape[0] // batch_size
-    bar = None
-    if progress:
-        from rich.progress import Progress
-
-        bar = Progress(transient=True)
-        bar.start()
-    try:
-        for epoch in range(start, epochs):
+    for epoch in range(start, epochs):
+        with bar(n_batches, f"epoch {epoch + 1}/{epochs}", quiet=not progress) as ebar:
             t0 = time.perf_counter()
             perm = torch.randperm(xtr.shape[0])
-            task = bar.add_task(f"epoch {epoch + 1}/{epochs}", total=n_batches) if bar else None
             loss_sum = correct = seen = 0
             for b in range(n_batches):
                 idx = perm[b * batch_size:(b + 1) * batch_size]
@@ -158,8 +152,8 @@ def train(model: str = "resnet18", data: str = "fashion-mnist", data_path=None, 
                 with torch.no_grad():
                     correct += (net(x).argmax(1) == y).sum().item() if b % 10 == 0 else 0
                     seen += y.shape[0] if b % 10 == 0 else 0
-                if bar:
-                    bar.advance(task)
+                ebar.advance(loss=loss_sum / ((b + 1) * batch_size), acc=correct / max(1, seen),
+                             **{"img/s": f"{(b + 1) * batch_size / (time.perf_counter() - t0):.0f}"})
             sched.step()
             rec = dict(epoch=epoch + 1, train_loss=loss_sum / max(1, n_batches * batch_size),
                        train_acc=correct / max(1, seen), test_acc=_evaluate(net, xte, yte, 512, dev),
@@ -167,14 +161,10 @@ def train(model: str = "resnet18", data: str = "fashion-mnist", data_path=None, 
             history.append(rec)
             log.info("epoch %d: loss %.4f, test accuracy %.4f, skipped %d", rec["epoch"], rec["train_loss"],
                      rec["test_acc"], skipped)
-            if bar:
-                bar.console.print(f"epoch {rec['epoch']}: loss {rec['train_loss']:.4f}  test acc {rec['test_acc']:.4f}  "
-                                  f"skipped {skipped}  ({rec['seconds']:.1f} s)")
+            ebar.print(f"epoch {rec['epoch']}: loss {rec['train_loss']:.4f}  test acc {rec['test_acc']:.4f}  "
+                       f"skipped {skipped}  ({rec['seconds']:.1f} s)")
             torch.save(dict(model=net.state_dict(), opt=opt.state_dict(), sched=sched.state_dict(), history=history,
                             epoch=epoch + 1, skipped=skipped, rng=torch.get_rng_state(), config=config), ckpt)
-    finally:
-        if bar:
-            bar.stop()
     summary = dict(config=config, history=history, final_test_acc=history[-1]["test_acc"] if history else None,
                    skipped_steps=skipped)
     (out / "metrics.json").write_text(json.dumps(summary, indent=2))

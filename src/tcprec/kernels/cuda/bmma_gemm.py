@@ -478,7 +478,7 @@ def can_run(device: torch.device) -> tuple[bool, str]:
     try:
         cuda_core_api()
     except Exception as e:
-        return False, f"cuda.core is not importable ({type(e).__name__}: {e}); pip install cuda-core"
+        return False, str(e) if isinstance(e, ModuleNotFoundError) else f"cuda.core: {type(e).__name__}: {e}"
     return True, f"sm_{cap[0]}{cap[1]} has native BMMA AND.POPC"
 
 

@@ -32,6 +32,8 @@ from typing import Callable, Hashable, Iterable, Optional
 import numpy as np
 import torch
 
+from ...env import INSTALL_CUDA
+
 __all__ = [
     "cuda_core_api",
     "arch_of",
@@ -62,8 +64,12 @@ def cuda_core_api():
     try:
         from cuda.core import Device, LaunchConfig, ObjectCode, Program, ProgramOptions, Stream, launch
     except ImportError:
-        from cuda.core.experimental import (Device, LaunchConfig, ObjectCode, Program, ProgramOptions, Stream,
-                                            launch)
+        try:
+            from cuda.core.experimental import (Device, LaunchConfig, ObjectCode, Program, ProgramOptions, Stream,
+                                                launch)
+        except ImportError as e:
+            raise ModuleNotFoundError(f"the CUDA kernels need cuda.core and NVRTC, which are not installed "
+                                      f"({type(e).__name__}: {e}); {INSTALL_CUDA}") from e
     return Program, ProgramOptions, ObjectCode, Device, LaunchConfig, Stream, launch
 
 
@@ -188,7 +194,7 @@ def usable(device: torch.device) -> tuple[bool, str]:
     try:
         cuda_core_api()
     except Exception as e:
-        return False, f"cuda.core is not importable ({type(e).__name__}: {e}); pip install cuda-core"
+        return False, str(e) if isinstance(e, ModuleNotFoundError) else f"cuda.core: {type(e).__name__}: {e}"
     return True, "CUDA device and cuda.core"
 
 

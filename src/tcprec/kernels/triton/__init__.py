@@ -11,6 +11,7 @@ import os
 import torch
 
 from ...enums import Backend, backend_names
+from ...env import INSTALL_CUDA
 
 BACKENDS = backend_names(Backend.AUTO, Backend.TRITON, Backend.REFERENCE)
 
@@ -20,7 +21,7 @@ def triton_usable(t: torch.Tensor) -> tuple[bool, str]:
     try:
         import triton  # noqa: F401
     except Exception as e:  # pragma: no cover - triton is a Linux dependency
-        return False, f"triton is not importable ({type(e).__name__}: {e})"
+        return False, f"triton is not importable ({type(e).__name__}: {e}); {INSTALL_CUDA}"
     if t.is_cuda:
         return True, "CUDA tensor"
     if os.environ.get("TRITON_INTERPRET") == "1":
