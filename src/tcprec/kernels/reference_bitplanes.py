@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 __all__ = [
@@ -40,18 +42,25 @@ def check_bits(bits) -> None:
 
 
 def pack_bitplanes_reference(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pure-torch packing (no validation): ``(*lead, K)`` codes -> int32 ``(bits, *lead, Kw)``."""
+    """Pure-torch packing (no validation): ``(*lead, K)`` codes -> int32 ``(bits, *lead, Kw)``.
+
+    One plane at a time in bytes: bit j of byte i of a word is lane 8i + j, and four bytes read as one int32 on a
+    little-endian machine (the only byte order torch's CPU and CUDA builds run on) are that word."""
+    if sys.byteorder != "little":  # pragma: no cover - no big-endian torch build exists
+        raise RuntimeError("pack_bitplanes_reference assumes a little-endian machine")
     lead, K = tuple(codes.shape[:-1]), codes.shape[-1]
     Kw = packed_words(K)
-    c = codes.to(torch.int64)
+    c = codes if codes.dtype == torch.uint8 else (codes.to(torch.int64) & 0xFF).to(torch.uint8)
     c = torch.nn.functional.pad(c, (0, Kw * WORD_BITS - K))  # (*lead, Kw*32), zero padding
-    c = c.reshape(*lead, Kw, WORD_BITS)  # (*lead, Kw, 32): lane j of word w is element 32w + j
-    shifts = torch.arange(bits, device=c.device, dtype=torch.int64).view((bits,) + (1,) * c.dim())
-    planes = (c.unsqueeze(0) >> shifts) & 1  # (bits, *lead, Kw, 32) in {0, 1}
-    lanes = torch.arange(WORD_BITS, device=c.device, dtype=torch.int64)
-    words = (planes << lanes).sum(-1)  # (bits, *lead, Kw) int64 in [0, 2**32): disjoint bits, exact
-    words = words - ((words >> 31) << 32)  # reinterpret as int32 two's complement
-    return words.to(torch.int32)
+    c = c.reshape(*lead, Kw * 4, 8)  # byte i of word w holds elements 32w + 8i .. 32w + 8i + 7
+    out = torch.empty((bits, *lead, Kw * 4), dtype=torch.uint8, device=c.device)
+    for b in range(bits):
+        plane = (c >> b) & 1  # (*lead, Kw*4, 8) in {0, 1}
+        byte = plane[..., 0].clone()
+        for j in range(1, 8):
+            byte |= plane[..., j] << j
+        out[b] = byte
+    return out.view(torch.int32) if out.numel() else out.reshape(bits, *lead, Kw).to(torch.int32)
 
 
 def unpack_bitplanes(planes: torch.Tensor, bits: int, K: int) -> torch.Tensor:

@@ -51,10 +51,12 @@ __all__ = [
 
 def decode_values(codes: torch.Tensor, fmt: IntFormat) -> torch.Tensor:
     """Integer codes -> their values as float64 (exact for every <= 8-bit integer format)."""
-    c = codes.to(torch.int64) & (fmt.n_codes - 1)
+    if codes.dtype != torch.uint8 or fmt.bits != 8:
+        codes = codes.to(torch.int64) & (fmt.n_codes - 1)
+    c = codes.to(torch.float64)  # the code as an unsigned integer, exact
     if fmt.encoding == "twos":
-        return (c - ((c >> (fmt.bits - 1)) << fmt.bits)).to(torch.float64)
-    return (c * fmt.step + fmt.offset).to(torch.float64)
+        return torch.where(c >= fmt.n_codes // 2, c - fmt.n_codes, c)
+    return c * fmt.step + fmt.offset  # integers below 2^10: exact in float64
 
 
 def conv2d_int(x_codes: torch.Tensor, x_fmt: IntFormat, w_codes: torch.Tensor, w_fmt: IntFormat,
