@@ -63,6 +63,15 @@ def _fp8_dtype(fmt) -> torch.dtype | None:
     return _FP8.get(fmt) if isinstance(fmt, FloatFormat) else None
 
 
+def _check_pool(pool):
+    """``pool`` as one of :data:`POOLS` (a list becomes a tuple), or ValueError."""
+    if isinstance(pool, list):
+        pool = tuple(pool)
+    if pool not in POOLS:
+        raise ValueError(f"pool must be one of {POOLS} ((kind, kernel, stride)), got pool={pool!r}")
+    return pool
+
+
 def _int8_affine(fmt: IntFormat) -> tuple[int, int]:
     """(offset, step) of ``qconv._int8_codes``'s rule: ``decode(code) = offset + step * x8``.  Only 8-bit unsigned /
     pm codes are stored shifted (uint8 = 128 + x8, pm8 = 1 + 2 * x8); every other format as its value."""
@@ -224,8 +233,7 @@ def plan_conv2d(g: ConvGeometry, a_fmt, w_fmt, *, device: DeviceCaps, input_layo
             "a pm1 code cannot hold, and the bit-serial kernel's pm1 correction counts every one of the K terms. Use "
             "unsigned or two's complement activations (e.g. 'uint2' after a ReLU, 'int2'), or padding=0"
         )
-    if pool not in POOLS:
-        raise ValueError(f"pool must be one of {POOLS} ((kind, kernel, stride)), got pool={pool!r}")
+    pool = _check_pool(pool)
     if out_fmt is not None:
         out_fmt = as_format(out_fmt)
         if not isinstance(out_fmt, IntFormat) and _fp8_dtype(out_fmt) is None:
