@@ -1,5 +1,15 @@
-"""Quantized forward convolution at arbitrary integer precision: validate -> choose a backend (with a
-stated reason) -> launch.
+"""Quantized forward convolution at arbitrary integer precision: validate -> plan -> run.
+
+Three files, by role:
+
+* ``ops/qconv_operands.py``: the operands (:class:`PackedActivation`, :class:`Int8Activation`,
+  :class:`Fp8Activation`, :class:`PackedConvWeight`) and the static quantizers that make them;
+* ``ops/qconv_plan.py``: the plan -- one pure function (``plan_conv2d``) turns the operands' specs and the device's
+  capabilities (``DeviceCaps``) into a frozen ``ConvPlan``: backend and why, route, thin-stem path, what the epilogue
+  writes, the pass after it, and the same in words (``explain_conv2d`` prints them);
+* this file: validation of the tensors, :func:`conv2d_plan`, :func:`run` (each backend below executes the plan's
+  decisions, never re-deriving one), :func:`conv2d` = run(conv2d_plan(...)), :func:`explain_conv2d`.  The operand
+  names are re-exported here, their public home.
 
 ``conv2d(x, w)`` convolves NHWC activations of a p-bit integer format with KRSC weights of a q-bit
 integer format (1..8 bits each; two's complement, unsigned or pm1), any kernel size, stride,
