@@ -23,6 +23,7 @@ function here that looks at the machine is :func:`device_caps`.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -213,6 +214,7 @@ def format_plan(plan: ConvPlan) -> str:
 # ------------------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=4096)  # pure: a network's layers plan once per (input spec, device), then look it up
 def plan_conv2d(g: ConvGeometry, a_fmt, w_fmt, *, device: DeviceCaps, input_layout: str = "codes", act=None,
                 pool=None, out_dtype=torch.float32, out_fmt=None, out_scale_given: bool = False, backend: str = "auto",
                 out_layout: str = "planes", has_residual: bool = False, fast_accum: bool = True,
