@@ -23,9 +23,12 @@ def test_kernel_modules_use_only_the_public_runtime_api():
             if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module == "runtime":
                 private = [a.name for a in node.names if a.name not in runtime.__all__]
                 assert not private, f"{path.name} imports {private} from runtime, which are not in runtime.__all__"
-            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module not in (None, "runtime"):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module not in (None, "runtime", "codes"):
                 raise AssertionError(f"{path.name} imports from the kernel module .{node.module}: "
-                                     "kernel modules share only the runtime")
+                                     "kernel modules share only the runtime and the codes vocabulary")
+    # the vocabulary (codes.py: the enums of the kernels' mode integers) imports nothing of tcprec
+    tree = ast.parse((CUDA / "codes.py").read_text())
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.level or "tcprec" in (n.module or ""))]
 
 
 def _run(code: str) -> str:

@@ -88,8 +88,8 @@ def test_explain_names_the_one_pass():
     assert s.endswith("-> float8_e5m2 QTensor") and "separate pass" not in s  # the epilogue writes the codes
     s = explain_conv2d(qx, pw, padding=1, pool=("avg", 2, 2), out_fmt="e4m3", out_scale=o, backend="fp8")
     assert "avg-pool 2x2 stride 2 (torch, float32)" in s
-    assert qconv._fused_fp8(qconv._plan(qx, pw, 1, 1, 1, None, torch.float32, "e4m3", None, "reference", None, None,
-                                        o)[3], torch.device("cpu")) is False  # the reference backend keeps torch
+    plan = qconv.conv2d_plan(qx, pw, padding=1, out_fmt="e4m3", out_scale=o, backend="reference")
+    assert plan.finish == "torch"  # the reference backend keeps torch's passes
 
 
 # -- the dual float + float8 output (out_layout="fp8+float") and cross-kind chains -----------------------------

@@ -21,6 +21,17 @@ from tcprec.nn import models as zoo  # noqa: E402
 from tcprec.nn.qmodules import LayerPrecision, QConv2d, QLinear, parse_precision  # noqa: E402
 
 
+def _as_on_h100(monkeypatch):
+    """quantize_model's decisions (backends, chaining) as on an H100 (sm_90, 132 SMs, cuda.core): bit-serial while
+    p*q < 8, INT8 otherwise.  The layers still run the float64 reference on this CPU, which reads and writes the same
+    operands (bit planes, Int8Activation, float8 QTensors)."""
+    from tcprec.nn import convert
+    from tcprec.ops.qconv_plan import DeviceCaps
+
+    caps = DeviceCaps(torch.device("cuda", 0), False, (9, 0), True, (True, "sm_90 has native BMMA AND.POPC"), 132)
+    monkeypatch.setattr(convert, "device_caps", lambda dev: caps)
+
+
 def _net():
     torch.manual_seed(0)
     return nn.Sequential(
@@ -282,10 +293,7 @@ def test_bitserial_resnet_block_outputs_are_float_and_planes(monkeypatch):
     """On the bit-serial kernel a block's output (its last conv fused with the add) is written once as the float
     and its planes ("planes+float", a PackedActivation with hp) for every reader: the next block's conv1, its 1x1
     shortcut conv and its residual add; so is the first conv's (int8); the last block's (read by flatten) is not."""
-    from tcprec.nn import convert
-
-    monkeypatch.setattr(convert, "choose_int_backend",
-                        lambda fa, fw, dev, backend="auto": ("bitserial", "test") if fa.bits < 8 else ("int8", "t"))
+    _as_on_h100(monkeypatch)
     x = torch.randn(2, 3, 8, 8)
     net = _calibrated(_ToyResNet(), x).half().to(memory_format=torch.channels_last)
     q = tp.quantize_model(net, tp.QuantConfig("w1a2", first_last="int8"), calibration=x.half(), warn=False)
@@ -303,9 +311,7 @@ def test_bitserial_resnet_block_outputs_are_float_and_planes(monkeypatch):
 def _int8_kernel_layers(monkeypatch):
     """Chaining decisions as on a GPU: quantize_model sees the integer layers on the INT8 kernel (on the CPU they
     run the reference backend, which takes and writes the same operands: Int8Activation, float8 QTensors)."""
-    from tcprec.nn import convert
-
-    monkeypatch.setattr(convert, "choose_int_backend", lambda fa, fw, dev, backend="auto": ("int8", "test: GPU rule"))
+    _as_on_h100(monkeypatch)
 
 
 @pytest.mark.parametrize("first_last", [None, "int8"])
@@ -391,10 +397,7 @@ def test_fp8_cross_kind_chain_yolo_like(monkeypatch):
 def test_no_cross_kind_chain_from_a_binary_layer(monkeypatch):
     """A bit-serial layer cannot write float8 codes (its epilogue packs integer planes): it hands an FP8 layer
     the float."""
-    from tcprec.nn import convert
-
-    monkeypatch.setattr(convert, "choose_int_backend",
-                        lambda fa, fw, dev, backend="auto": ("bitserial", "test") if fa.bits < 8 else ("int8", "t"))
+    _as_on_h100(monkeypatch)
     x = torch.randn(2, 3, 12, 12)
     q = tp.quantize_model(_calibrated(_TinyYolo(), x), tp.QuantConfig("fp8", first_last="w2a2"), calibration=x,
                           warn=False)
@@ -405,10 +408,7 @@ def test_no_cross_kind_chain_from_a_binary_layer(monkeypatch):
 def test_bitserial_chain_hands_gathering_convs_compact_planes(monkeypatch):
     """A bit-serial consumer that gathers windows (3x3) gets compact planes (out_layout "compact": no padding words
     to store), a 1x1 stride-1 one the padded rows its GEMM reads as they are."""
-    from tcprec.nn import convert
-
-    monkeypatch.setattr(convert, "choose_int_backend",
-                        lambda fa, fw, dev, backend="auto": ("bitserial", "test") if fa.bits < 8 else ("int8", "t"))
+    _as_on_h100(monkeypatch)
     x = torch.randn(4, 3, 8, 8)
     q = tp.quantize_model(_calibrated(_net(), x), "w2a2", calibration=x, warn=False)
     mods = dict(q.named_modules())
@@ -472,10 +472,7 @@ def test_bitserial_conv_hands_a_flattened_linear_its_planes(monkeypatch, net_kin
     last block writes "planes+float" (float16; the float32 dual has no kernel: the float only), a plain conv
     "compact"; the output equals the unchained network's bit for bit.  Rows that are not whole words (16 channels)
     stay float."""
-    from tcprec.nn import convert
-
-    monkeypatch.setattr(convert, "choose_int_backend",
-                        lambda fa, fw, dev, backend="auto": ("bitserial", "test") if fa.bits < 8 else ("int8", "t"))
+    _as_on_h100(monkeypatch)
     torch.manual_seed(8)
     x = torch.randn(2, 3, 4 if net_kind != "resnet" else 8, 4 if net_kind != "resnet" else 8)
     net = {"resnet": _ToyResNet, "convfc": _ConvFc, "convfc16": lambda: _ConvFc(16)}[net_kind]()

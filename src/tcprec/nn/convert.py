@@ -48,7 +48,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
-from ..ops.matmul import BACKENDS, choose_int_backend
+from ..ops.matmul import BACKENDS
+from ..ops.qconv_plan import device_caps
 from ..ops.quantize import absmax_qmax
 from . import calibrate as cal
 from .attention import decompose_transformers, fuse_qkv
@@ -495,6 +496,21 @@ def _chain_through_flatten(node: fx.Node, flat: fx.Node, qmods, records: dict, k
         records[node.target].out = f"packed {b.a_fmt} -> {to}"
 
 
+def _record_chains(g: fx.Graph, qmods: dict, kind_of) -> None:
+    """Each quantized layer whose input a chained producer writes (directly or through ``flatten_nhwc``) keeps that
+    layout and its own kind in its plan (``QConv2d.chained_from``), so a device move can tell a chain it breaks."""
+    for node in g.nodes:
+        m = qmods.get(node.target) if node.op == "call_module" else None
+        if not isinstance(m, (QConv2d, QLinear)) or not node.args or not isinstance(node.args[0], fx.Node):
+            continue
+        src = node.args[0]
+        if src.op == "call_function" and src.target is flatten_nhwc and isinstance(src.args[0], fx.Node):
+            src = src.args[0]
+        p = qmods.get(src.target) if src.op == "call_module" else None
+        if isinstance(p, (QConv2d, QLinear)) and p.out_fmt is not None and m.layer_plan is not None:
+            m.chained_from(p.out_layout, kind_of(m))
+
+
 def _weight_fmt(prec: LayerPrecision, grid: str):
     return weight_format(prec) if prec.fp8 else cal.weight_format_for(prec.w_bits, grid)
 
@@ -612,7 +628,7 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
     stats = _calibrate(gm, order, batches, shapes=traced, notes=notes)
     precision_of = _precision_rule(cfg, order, mods)
     dev = next((p.device for p in gm.parameters()), torch.device("cpu"))
-
+    caps = device_caps(dev)  # each layer's backend is decided once, on this device (QConv2d.plan_on)
 
     # -- calibration beyond absmax, weight clipping and bias correction (nn/calibrate.py) -------------------
     stats, w_ratio, deltas = _calibration_call(cfg, gm, order, batches, stats, precision_of, mods)
@@ -658,7 +674,8 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
             if wfmt != q.w_fmt and fx_ is None:
                 _regrid(q, m, wfmt)
             q.fp8_fast_accum = cfg.fp8_accum == "fast"
-            backend = "fp8" if prec.fp8 else choose_int_backend(q.a_fmt, q.w_fmt, dev, cfg.backend)[0]
+            plan = q.plan_on(dev, name, caps)
+            backend = "fp8" if prec.fp8 else plan.backend
         act_name = act if isinstance(act, str) or act is None else {"leaky": "leaky", "clamp": "clamp"}[act[0]]
         if isinstance(act, tuple) and act[0] == "clamp":
             act_name = f"clamp({act[1]:g},{act[2]:g})"
@@ -720,8 +737,8 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
         if cfg.chain:
             qmods = dict(gm.named_modules())
 
-            def kind_of(m: QConv2d) -> str:
-                return "fp8" if m.precision.fp8 else choose_int_backend(m.a_fmt, m.w_fmt, dev, cfg.backend)[0]
+            def kind_of(m: QConv2d) -> str:  # the backend decided at conversion (fp8: float8 codes on any device)
+                return "fp8" if m.precision.fp8 else m.layer_plan.backend
 
             def is_qconv(n: fx.Node) -> bool:
                 return n.op == "call_module" and isinstance(qmods.get(n.target), QConv2d)
@@ -788,6 +805,7 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
                 dual = f"{str(a.out_dtype).removeprefix('torch.')} + " if r_users else ""
                 what = "int8 codes" if kind == "int8" else "codes"
                 records[node.target].out = f"{dual}{what} {b.a_fmt} -> {to}"
+            _record_chains(g, qmods, kind_of)
         gm.graph.lint()
         gm.delete_all_unused_submodules()
         gm.recompile()

@@ -38,12 +38,12 @@ from torch import nn
 from ..formats import FloatFormat, IntFormat, as_format
 from ..kernels.conv_geometry import ConvGeometry
 from ..ops import qconv as qc
-from ..ops.matmul import choose_int_backend
+from ..ops.qconv_plan import device_caps, layer_backend
 from ..ops.quantize import absmax_qmax, quantize, quantize_pack, quantize_static
 from ..qtensor import PerChannel, QTensor
 
 __all__ = ["LayerPrecision", "parse_precision", "QConv2d", "QLinear", "flatten_nhwc", "weight_format",
-           "activation_format", "FixedQuant"]
+           "activation_format", "FixedQuant", "LayerPlan"]
 
 from ..precision import LayerPrecision, parse_layer_precision  # noqa: E402  (re-exported)
 
@@ -178,7 +178,7 @@ def _quantize_input(x_nhwc: torch.Tensor, m: "_QBase", compact: bool = False):
     int8 operand (``Int8Activation``, one fused kernel on CUDA) for the int8 backend, uint8 codes otherwise."""
     if m.precision.fp8:
         return qc.quantize_fp8_static(x_nhwc, m.in_scale)  # QTensor of e4m3 codes (N, H, W, C)
-    name, _ = choose_int_backend(m.a_fmt, m.w_fmt, x_nhwc.device, m.backend)
+    name, _ = layer_backend(m.a_fmt, m.w_fmt, device_caps(x_nhwc.device), m.backend)
     if name == "bitserial":
         N, H, W, C = x_nhwc.shape
         planes = quantize_pack(x_nhwc.reshape(N * H * W, C), m.a_fmt, m.in_scale, compact=compact)  # (bits, NHW, Kw)
@@ -188,8 +188,30 @@ def _quantize_input(x_nhwc: torch.Tensor, m: "_QBase", compact: bool = False):
     return quantize_static(x_nhwc, m.a_fmt, m.in_scale)  # QTensor (N, H, W, C) codes
 
 
+@dataclass(frozen=True)
+class LayerPlan:
+    """What ``quantize_model`` decided for one layer on one device: the backend its convolution runs (and why:
+    ``ops.qconv_plan.layer_backend``) and, when a chained producer hands it codes instead of a float tensor, that
+    operand's layout (``OUT_LAYOUTS``) and the kind of layer the chain was made for.  A device move re-plans it
+    (``_QBase._apply``) and refuses a move after which the chain's consumer would run another kernel kind."""
+
+    name: str
+    device: torch.device
+    backend: str
+    reason: str
+    chain_in: str | None = None  # the producer's out_layout, when this layer reads a chained operand
+    chain_kind: str | None = None  # "bitserial" | "int8" | "fp8": the kind the chain was made for
+
+
+def _kind(m: "_QBase", backend: str) -> str:
+    """The layer kind the chaining rules use: the backend, or "fp8" for an FP8 layer on any device (its operand is
+    float8 codes on the FP8 kernel and on the reference alike)."""
+    return "fp8" if m.precision.fp8 else backend
+
+
 class _QBase(nn.Module):
     tcprec_leaf = True  # profiling: one layer, however many kernels it launches
+    layer_plan: LayerPlan | None = None  # set by quantize_model (plan_on); None for a module built by hand
 
     # FP8 layers on the GPU: True (the default) keeps Hopper's narrow fp8 MMA accumulator over the whole reduction;
     # False promotes it into fp32 every BLOCK_K products (QuantConfig(fp8_accum="fp32"); docs/decisions/0040).
@@ -275,16 +297,57 @@ class _QBase(nn.Module):
             self.set_extra_state(state_dict[key])
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
+    def plan_on(self, device, name: str | None = None, caps=None) -> LayerPlan:
+        """Decide this layer's backend on ``device`` once and keep it (``layer_plan``); ``quantize_model`` calls it at
+        conversion, a device move calls it again (``_apply``).  ``caps``: the device's ``DeviceCaps`` (default: its
+        own, ``ops.qconv_plan.device_caps``)."""
+        old = self.layer_plan
+        caps = caps if caps is not None else device_caps(torch.device(device))
+        backend, why = layer_backend(self.a_fmt, self.w_fmt, caps, self.backend)
+        name = name if name is not None else (old.name if old is not None else type(self).__name__)
+        plan = LayerPlan(name, caps.device, backend, why, old.chain_in if old else None,
+                         old.chain_kind if old else None)
+        self._check_chain(plan)
+        self.layer_plan = plan
+        return plan
+
+    def chained_from(self, layout: str, kind: str) -> None:
+        """Record that a chained producer hands this layer its input as ``layout`` (``OUT_LAYOUTS``), chosen for
+        this layer running as ``kind`` (set by ``quantize_model``)."""
+        if self.layer_plan is None:
+            raise ValueError(f"{type(self).__name__}.chained_from needs the layer's plan first (plan_on(device))")
+        from dataclasses import replace
+
+        self.layer_plan = replace(self.layer_plan, chain_in=layout, chain_kind=kind)
+
+    def _check_chain(self, plan: LayerPlan) -> None:
+        """A chained input was laid out for the kernel kind this layer ran at conversion; the float64 reference
+        reads every layout (the same codes), another kernel kind would not read it as it is: refuse."""
+        if plan.chain_in is None or _kind(self, plan.backend) in (plan.chain_kind, "reference"):
+            return
+        old = self.layer_plan.device if self.layer_plan is not None else "the conversion device"
+        raise ValueError(
+            f"{plan.name}: quantize_model chained this layer's input as {plan.chain_in!r} codes for the "
+            f"{plan.chain_kind} backend on {old}; on {plan.device} the layer runs {plan.backend} ({plan.reason}), "
+            f"which does not read that layout, so the chaining cannot be honoured.  Convert on the device the model "
+            f"runs on (quantize_model(model.to('{plan.device}'), ...)), or with QuantConfig(chain=False) for a model "
+            f"that moves between device kinds")
+
     def _apply(self, fn, recurse: bool = True):
         """``.to(device)`` / ``.cuda()`` move every buffer; a float cast (``.half()``, ``.bfloat16()``, ``.float()``,
         ``.to(dtype)``) sets the output dtype and keeps the scales and the epilogue in float32 (rounding them to
-        16 bits would change every result); ``.double()`` is refused."""
+        16 bits would change every result); ``.double()`` is refused.  A move re-plans the layer on the new device
+        (``plan_on``) before any buffer moves, and refuses a move that would break a chain (``_check_chain``)."""
         lo, hi = fn(torch.empty(0, dtype=torch.float16)), fn(torch.empty(0, dtype=torch.float64))
         cast = lo.dtype if lo.dtype == hi.dtype else None  # a cast sends both probes to one dtype
         if cast is not None and cast not in _OUT_DTYPES:
             raise ValueError(f"{type(self).__name__} outputs one of {sorted(map(_short, _OUT_DTYPES))}, not {cast}: "
                              "keep the quantized model in float32 (or .half() / .bfloat16()) and cast its output, "
                              "e.g. model(x).double()")
+        if self.layer_plan is not None:
+            dev = fn(self.in_scale).device  # (a probe does not move for fns that keep the device: memory_format)
+            if dev != self.layer_plan.device:
+                self.plan_on(dev)
         for name, buf in self._buffers.items():
             if buf is None:
                 continue
@@ -402,6 +465,8 @@ class QConv2d(_QBase):
                 raise ValueError(f"QConv2d expects (N, {self.in_channels}, H, W), got {tuple(x.shape)}")
             xn = x.permute(0, 2, 3, 1)  # NHWC (a view for channels_last input)
             x = _quantize_input(xn, self, compact=self.reads_compact)
+        elif self.layer_plan is not None and x.device != self.layer_plan.device:
+            self.plan_on(x.device)  # a chained operand on another device (e.g. a load with map_location): re-plan
         res = None if residual is None else self._residual_nhwc(residual, x.shape)
         y = qc.conv2d(x, self.weight, stride=self.stride, padding=self.padding, dilation=self.dilation,
                       scale=self.ch_scale, bias=self.ch_bias, act=self.act, pool=self.pool,
@@ -503,6 +568,8 @@ class QLinear(_QBase):
         of a ``PackedActivation``: shape (B, 1, 1, in_features))."""
         if isinstance(x, qc.PackedActivation):
             lead, xa = x.shape[:1], x
+            if self.layer_plan is not None and x.device != self.layer_plan.device:
+                self.plan_on(x.device)  # a chained operand on another device: re-plan (refuses a broken chain)
             if x.shape != (*lead, 1, 1, self.in_features):
                 raise ValueError(f"QLinear expects planes of shape (B, 1, 1, {self.in_features}), got {x.shape}")
         elif not isinstance(x, torch.Tensor) or x.shape[-1] != self.in_features:

@@ -146,6 +146,16 @@ def choose_int_backend(fa: IntFormat, fw: IntFormat, dev: torch.device, backend:
     INT8 tensor cores otherwise, the reference off CUDA."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got backend={backend!r}")
+    usable = _bitserial_usable(dev) if backend in ("auto", "bitserial") else (False, "not asked")
+    return int_backend_rule(fa, fw, dev, usable, backend)
+
+
+def int_backend_rule(fa: IntFormat, fw: IntFormat, dev: torch.device, bitserial_usable: tuple[bool, str],
+                     backend: str = "auto") -> tuple[str, str]:
+    """:func:`choose_int_backend` given whether the binary kernel can run on ``dev`` (``bmma_gemm.can_run``'s
+    answer): no device query, so a planner can decide for a device it describes (``ops/qconv_plan.DeviceCaps``)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got backend={backend!r}")
     p, q = fa.bits, fw.bits
     pq = f"{fa} activations x {fw} weights: p*q = {p}*{q} = {p * q} binary GEMMs"
     if backend == "reference":
@@ -154,7 +164,7 @@ def choose_int_backend(fa: IntFormat, fw: IntFormat, dev: torch.device, backend:
         if dev.type != "cuda" and not hasattr(torch, "_int_mm"):
             raise RuntimeError("backend='int8' needs torch._int_mm")
         return "int8", f"asked for the INT8 path (torch._int_mm on {dev}; {pq} would cost {p * q}/8 of INT8's time)"
-    ok, why = _bitserial_usable(dev)
+    ok, why = bitserial_usable
     if backend == "bitserial":
         if not ok:
             raise RuntimeError(f"backend='bitserial' cannot run: {why}; move a and w to a CUDA device, or use "

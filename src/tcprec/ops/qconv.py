@@ -1,5 +1,15 @@
-"""Quantized forward convolution at arbitrary integer precision: validate -> choose a backend (with a
-stated reason) -> launch.
+"""Quantized forward convolution at arbitrary integer precision: validate -> plan -> run.
+
+Three files, by role:
+
+* ``ops/qconv_operands.py``: the operands (:class:`PackedActivation`, :class:`Int8Activation`,
+  :class:`Fp8Activation`, :class:`PackedConvWeight`) and the static quantizers that make them;
+* ``ops/qconv_plan.py``: the plan -- one pure function (``plan_conv2d``) turns the operands' specs and the device's
+  capabilities (``DeviceCaps``) into a frozen ``ConvPlan``: backend and why, route, thin-stem path, what the epilogue
+  writes, the pass after it, and the same in words (``explain_conv2d`` prints them);
+* this file: validation of the tensors, :func:`conv2d_plan`, :func:`run` (each backend below executes the plan's
+  decisions, never re-deriving one), :func:`conv2d` = run(conv2d_plan(...)), :func:`explain_conv2d`.  The operand
+  names are re-exported here, their public home.
 
 ``conv2d(x, w)`` convolves NHWC activations of a p-bit integer format with KRSC weights of a q-bit
 integer format (1..8 bits each; two's complement, unsigned or pm1), any kernel size, stride,
@@ -89,22 +99,27 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ..enums import Backend, backend_names
-from ..formats import FloatFormat, IntFormat, as_format
+from ..formats import FloatFormat, IntFormat
 from ..kernels import reference_conv_bitserial as rq
 from ..kernels import reference_gemm as rg
 from ..kernels.conv_geometry import ConvGeometry, pair
-from ..kernels.reference_conv_int8_fp8 import conv_acc, parse_act
-from ..memo import memo_get, memo_put, remembered
-from ..packing import pack_bitplanes, packed_words, unpack_bitplanes
-from ..qtensor import PerChannel, PerTensor, QTensor
-from .codes import decode
-from .matmul import BACKENDS, choose_int_backend, matmul
-from .quantize import _check_static, _qp_params, _static_codes, quantize
+from ..kernels.reference_conv_int8_fp8 import conv_acc
+from ..memo import remembered
+from ..packing import pack_bitplanes, packed_words
+from ..qtensor import PerTensor, QTensor
+from .matmul import matmul
+from .qconv_operands import (_CHECKED_SCALES, Fp8Activation, Int8Activation, PackedActivation,  # noqa: F401 (re-exported)
+                             PackedConvWeight, _check_weight_qtensor, _int8_codes, _interpreting, _scale_checked,
+                             _scale_tensor, pack_activation, pack_conv_weight, quantize_fp8_static, quantize_int8_static)
+from .qconv_plan import (_FP8_KIND, _FUSED_POOLS, _KIND, BACKENDS, OUT_LAYOUTS, POOLS, THIN_C,  # noqa: F401
+                         ConvPlan, DeviceCaps, _bitserial_kind, _check_pool, _fp8_dtype, _input_words, _int8_affine,
+                         _stem_kp, _stem_out, _stem_pad, _thin_stem, device_caps, format_plan, implicit_conv,
+                         plan_conv2d, stem_variant)
+from .quantize import _qp_params
 
 __all__ = [
     "PackedActivation",
@@ -116,471 +131,16 @@ __all__ = [
     "pack_conv_weight",
     "quantize_fp8_static",
     "conv2d",
+    "conv2d_plan",
+    "run",
     "explain_conv2d",
     "choose_conv2d_backend",
+    "ConvPlan",
+    "DeviceCaps",
+    "OUT_LAYOUTS",
     "POOLS",
     "BACKENDS",
 ]
-
-POOLS = (None, ("max", 2, 2), ("avg", 2, 2), ("max", 2, 1))
-BACKENDS = BACKENDS + backend_names(Backend.FP8)  # matmul's, and the float8 tensor cores
-_OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32)
-_KIND = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-_INT32_LIMIT = 1 << 31
-_FP8 = {as_format("float8_e4m3fn"): torch.float8_e4m3fn, as_format("float8_e5m2"): torch.float8_e5m2}
-_FP8_KIND = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}  # the conv kernels' out=(kind, out_scale)
-
-
-def _fp8_dtype(fmt) -> torch.dtype | None:
-    """The torch float8 dtype whose bit patterns are ``fmt``'s codes, or None."""
-    return _FP8.get(fmt) if isinstance(fmt, FloatFormat) else None
-
-
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-# ------------------------------------------------------------------------------------------------
-# Operand records
-# ------------------------------------------------------------------------------------------------
-
-
-# Scale tensors already checked: checking a CUDA scale reads it back (a host sync), and an eager forward of a
-# quantized network passes the same calibrated scale buffers on every call -- 35 syncs an eager ResNet-18 forward
-# (H200 profile).  An in-place change bumps the version, so a changed scale is checked again.
-_CHECKED_SCALES: dict = {}
-
-
-def _scale_checked(scale: torch.Tensor) -> bool:
-    return memo_get(_CHECKED_SCALES, (scale,)) is not None
-
-
-def _scale_tensor(scale, device, what: str) -> torch.Tensor:
-    """A per-tensor scale as float32 (1,) on ``device``; checked for finite > 0 unless capturing (a tensor once a
-    version: see ``_CHECKED_SCALES``)."""
-    def bad():  # built only on failure: printing a CUDA tensor syncs, which a graph capture forbids
-        return ValueError(f"{what} must be one finite positive number (a float or a one-element tensor), got {scale!r}")
-
-    if isinstance(scale, torch.Tensor):
-        s = scale.to(device=device, dtype=torch.float32).reshape(-1)
-        if s.numel() != 1:
-            raise bad()
-        if not (s.is_cuda and torch.cuda.is_current_stream_capturing()) and not _scale_checked(scale):
-            if not bool(torch.isfinite(s).all() and (s > 0).all()):  # no sync inside a graph capture
-                raise bad()
-            memo_put(_CHECKED_SCALES, (scale,), True)
-        return s
-    try:
-        v = float(scale)
-    except (TypeError, ValueError):
-        raise bad() from None
-    if not (math.isfinite(v) and v > 0):
-        raise bad()
-    return torch.full((1,), v, dtype=torch.float32, device=device)  # a fill, no host copy
-
-
-@dataclass(frozen=True, eq=False)
-class PackedActivation:
-    """NHWC activations as bit planes: ``value = decode(codes) * scale``.
-
-    planes  int32 ``(bits, N*H*W, packed_words(C))``: one row per pixel, the C channel codes packed
-            LSB-first (``tcprec.packing``); the bits past C must be zero (packing guarantees it).  Or
-            *compact*, ``(bits, N*H*W, ceil(C / 32))``: the same words without the zero words that pad
-            a row to 512 bits -- what a layer that reads its input through an im2col is given
-            (``quantize_pack(..., compact=True)``); ``padded_planes()`` restores the full rows.
-    fmt     the integer format of the codes; scale float32 ``(1,)`` (per tensor); shape ``(N, H, W, C)``.
-    hp      (optional) the float NHWC tensor of ``shape`` the codes were quantized from, when a conv wrote both
-            (``out_layout="planes+float"``: a ResNet block's output, its float for the next block's add and its
-            planes for the next block's convolutions).
-
-    >>> import torch, tcprec as tp
-    >>> from tcprec.ops.qconv import pack_activation
-    >>> xa = pack_activation(torch.rand(1, 2, 2, 3), "uint2", 0.5)
-    >>> xa.planes.shape, xa.dequantize().shape
-    (torch.Size([2, 4, 16]), torch.Size([1, 2, 2, 3]))
-    """
-
-    planes: torch.Tensor
-    fmt: IntFormat
-    scale: torch.Tensor
-    shape: tuple
-    hp: torch.Tensor | None = None
-
-    def __post_init__(self):
-        fmt = as_format(self.fmt)
-        if not isinstance(fmt, IntFormat):
-            raise TypeError(f"PackedActivation holds integer codes, got fmt={fmt}; use an integer format (e.g. 'uint2')")
-        object.__setattr__(self, "fmt", fmt)
-        shape = tuple(int(v) for v in self.shape)
-        if len(shape) != 4 or min(shape) < 1:
-            raise ValueError(f"shape must be NHWC (N, H, W, C) of positive sizes, got {self.shape}")
-        object.__setattr__(self, "shape", shape)
-        N, H, W, C = shape
-        want = (fmt.bits, N * H * W, packed_words(C))
-        if not isinstance(self.planes, torch.Tensor) or self.planes.dtype != torch.int32:
-            raise TypeError("planes must be an int32 tensor (bits, N*H*W, packed_words(C))")
-        if tuple(self.planes.shape) not in (want, want[:2] + (-(-C // 32),)):
-            raise ValueError(f"planes of a {fmt} activation of shape {shape} must be (bits, N*H*W, packed_words(C)) "
-                             f"= {want} or compact (bits, N*H*W, ceil(C / 32)) = {want[:2] + (-(-C // 32),)}, got "
-                             f"{tuple(self.planes.shape)}")
-        object.__setattr__(self, "scale", _scale_tensor(self.scale, self.planes.device, "scale"))
-        if self.hp is not None:
-            _check_hp(self.hp, shape, self.planes.device, "None or a float NHWC tensor of the activation's shape")
-
-    @property
-    def device(self) -> torch.device:
-        return self.planes.device
-
-    @property
-    def compact(self) -> bool:
-        """Rows without their padding words (see the class docstring)."""
-        return self.planes.shape[2] != packed_words(self.shape[3])
-
-    def padded_planes(self) -> torch.Tensor:
-        """``planes`` with full rows ``(bits, N*H*W, packed_words(C))`` (a padded copy when compact)."""
-        if not self.compact:
-            return self.planes
-        return torch.nn.functional.pad(self.planes, (0, packed_words(self.shape[3]) - self.planes.shape[2]))
-
-    def codes(self) -> torch.Tensor:
-        """The codes, uint8 ``(N, H, W, C)``."""
-        return unpack_bitplanes(self.padded_planes(), self.fmt.bits, self.shape[3]).reshape(self.shape)
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Float NHWC ``(N, H, W, C)``: ``decode(codes) * scale``."""
-        return (decode(self.codes(), self.fmt) * self.scale.reshape(())).to(dtype)
-
-    def to_qtensor(self) -> QTensor:
-        """The same activations as a dense ``QTensor`` (codes ``(N, H, W, C)``, PerTensor scale)."""
-        return QTensor(self.codes(), self.scale.reshape(1, 1, 1, 1), self.fmt, PerTensor(), self.shape, torch.float32)
-
-
-def pack_activation(x: torch.Tensor, fmt, scale) -> PackedActivation:
-    """Quantize float NHWC ``x`` to ``fmt`` with one given ``scale`` and pack it into bit planes.
-
-    >>> import torch
-    >>> pack_activation(torch.ones(1, 1, 1, 2), "uint2", 1.0).dequantize().flatten().tolist()
-    [1.0, 1.0]
-    """
-    if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dim() != 4:
-        got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"x must be a float NHWC tensor (N, H, W, C), got {got}; an NCHW tensor is x.permute(0, 2, 3, 1)")
-    fmt = as_format(fmt)
-    if not isinstance(fmt, IntFormat):
-        raise TypeError(f"fmt must be an integer format (e.g. 'uint2', 'int4'), got {fmt}")
-    s = _scale_tensor(scale, x.device, "scale")
-    qx = quantize(x, fmt, PerTensor(), scale=s.reshape(1, 1, 1, 1))
-    N, H, W, C = x.shape
-    planes = pack_bitplanes(qx.codes.reshape(N * H * W, C), fmt.bits, validate=False)  # (bits, NHW, Kw)
-    return PackedActivation(planes, fmt, s, (N, H, W, C))
-
-
-@dataclass(frozen=True, eq=False)
-class Int8Activation:
-    """NHWC activations as the INT8 conv's operand: one int8 ``x8`` per element, ``decode(code) = offset +
-    step * x8`` (the rule of :func:`_int8_codes`: two's complement, and unsigned / pm of <= 7 bits, as the
-    value; uint8 / pm8 stored as ``code - 128``) and ``value = decode(code) * scale``.
-
-    What :func:`quantize_int8_static` and ``conv2d(..., out_fmt=, out_layout="int8")`` return: chained INT8
-    layers hand it to each other, so no float tensor and no shift pass sits between them.
-
-    ``hp`` (optional): the float NHWC tensor of the same shape that the codes were quantized from, when one
-    conv wrote both (``out_layout="int8+float"``: a residual block's output is the next block's shortcut in
-    float and the next INT8 convs' operand as codes).  ``conv2d(x=...)`` reads the codes; ``residual=`` the float.
-
-    >>> import torch
-    >>> xa = quantize_int8_static(torch.tensor([0.0, 1.0, 300.0]).reshape(1, 1, 1, 3), "uint8", torch.tensor([1.0]))
-    >>> xa.x8.flatten().tolist(), xa.codes().flatten().tolist()
-    ([-128, -127, 127], [0, 1, 255])
-    """
-
-    x8: torch.Tensor
-    fmt: IntFormat
-    scale: torch.Tensor
-    hp: torch.Tensor | None = None
-
-    def __post_init__(self):
-        fmt = as_format(self.fmt)
-        if not isinstance(fmt, IntFormat):
-            raise TypeError(f"Int8Activation holds integer codes, got fmt={fmt}; use an integer format (e.g. 'uint8')")
-        object.__setattr__(self, "fmt", fmt)
-        x8 = self.x8
-        if not isinstance(x8, torch.Tensor) or x8.dtype != torch.int8 or x8.dim() != 4 or not x8.is_contiguous():
-            got = f"{x8.dtype} {tuple(x8.shape)}" if isinstance(x8, torch.Tensor) else type(x8).__name__
-            raise TypeError(f"x8 must be a contiguous int8 NHWC tensor (N, H, W, C), got {got}")
-        if self.hp is not None:
-            _check_hp(self.hp, x8.shape, x8.device, "None or a float NHWC tensor of x8's shape")
-        object.__setattr__(self, "scale", _scale_tensor(self.scale, x8.device, "scale"))
-
-    @property
-    def shape(self) -> tuple:
-        return tuple(self.x8.shape)
-
-    @property
-    def device(self) -> torch.device:
-        return self.x8.device
-
-    def affine(self) -> tuple[int, int]:
-        """(offset, step): ``decode(code) = offset + step * x8``."""
-        return _int8_affine(self.fmt)
-
-    def codes(self) -> torch.Tensor:
-        """The codes, uint8 ``(N, H, W, C)``."""
-        off, step = self.affine()
-        v = off + step * self.x8.to(torch.int16)  # the decoded integer value
-        b = self.fmt.bits
-        if self.fmt.encoding == "twos":
-            c = v & ((1 << b) - 1)
-        elif self.fmt.encoding == "unsigned":
-            c = v
-        else:  # pm: value = 2c - (2^b - 1)
-            c = (v + ((1 << b) - 1)) // 2
-        return c.to(torch.uint8)
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        off, step = self.affine()
-        return ((off + step * self.x8.to(torch.float32)) * self.scale.reshape(())).to(dtype)
-
-
-def _check_hp(hp, shape, device, what: str) -> None:
-    """A dual-output activation's float ``hp`` must be a floating tensor of ``shape`` on ``device`` (TypeError)."""
-    if not isinstance(hp, torch.Tensor) or not hp.is_floating_point() or tuple(hp.shape) != tuple(shape) \
-            or hp.device != device:
-        got = f"{hp.dtype} {tuple(hp.shape)} on {hp.device}" if isinstance(hp, torch.Tensor) else type(hp).__name__
-        raise TypeError(f"hp must be {what} {tuple(shape)} on {device}, got {got}")
-
-
-@dataclass(frozen=True, eq=False)
-class Fp8Activation:
-    """A float8 activation with the float it was quantized from: ``qt`` the next FP8 convs' operand (an e4m3 /
-    e5m2 ``QTensor`` of codes ``(N, H, W, C)``, PerTensor scale: what :func:`quantize_fp8_static` gives from
-    ``hp``) and ``hp`` the float NHWC tensor of the same shape -- what ``conv2d(..., out_fmt="e4m3",
-    out_layout="fp8+float")`` returns for a ResNet block's output, read by the next block's convs (``x=``: the
-    codes) and by its residual add (``residual=``: the float), written in one epilogue pass.
-
-    >>> import torch
-    >>> hp = torch.tensor([1.0, 3.0]).reshape(1, 1, 1, 2)
-    >>> a = Fp8Activation(quantize_fp8_static(hp, torch.tensor([0.5])), hp)
-    >>> a.shape, a.dequantize().flatten().tolist()
-    ((1, 1, 1, 2), [1.0, 3.0])
-    """
-
-    qt: QTensor
-    hp: torch.Tensor
-
-    def __post_init__(self):
-        qt, hp = self.qt, self.hp
-        if not isinstance(qt, QTensor) or _fp8_dtype(qt.fmt) is None or qt.ndim != 4 \
-                or not isinstance(qt.granularity, PerTensor):
-            got = f"a {qt.fmt} QTensor of shape {qt.shape}" if isinstance(qt, QTensor) else type(qt).__name__
-            raise TypeError(f"qt must be an e4m3 / e5m2 QTensor of NHWC codes (N, H, W, C) with one scale "
-                            f"(quantize_fp8_static), got {got}")
-        _check_hp(hp, qt.shape, qt.device, "a float NHWC tensor of the codes' shape")
-
-    @property
-    def shape(self) -> tuple:
-        return tuple(self.qt.shape)
-
-    @property
-    def device(self) -> torch.device:
-        return self.qt.device
-
-    @property
-    def fmt(self) -> FloatFormat:
-        return self.qt.fmt
-
-    @property
-    def scale(self) -> torch.Tensor:
-        return self.qt.scale.reshape(1)
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The codes' values (not ``hp``): ``decode(codes) * scale``, float NHWC."""
-        return self.qt.dequantize().to(dtype)
-
-
-def _int8_affine(fmt: IntFormat) -> tuple[int, int]:
-    """(offset, step) of ``_int8_codes``'s rule: ``decode(code) = offset + step * x8``.  Only 8-bit unsigned /
-    pm codes are stored shifted (uint8 = 128 + x8, pm8 = 1 + 2 * x8); every other format as its value."""
-    if fmt.bits == 8 and fmt.encoding != "twos":
-        return (128, 1) if fmt.encoding == "unsigned" else (1, 2)
-    return 0, 1
-
-
-# The fused max-pools of the one-pass re-quantize kernels (bit planes and int8): pool -> stride.
-_FUSED_POOLS = {("max", 2, 2): 2, ("max", 2, 1): 1}
-
-
-def quantize_int8_static(x: torch.Tensor, fmt, scale: torch.Tensor, pool=None, *, backend: str = "auto"
-                         ) -> Int8Activation:
-    """Float NHWC ``x`` -> (optional 2x2 max-pool ->) the :class:`Int8Activation` of integer format ``fmt``
-    with a fixed per-tensor ``scale`` (a one-element float32 tensor on x's device): the codes of
-    ``tcprec.ops.quantize.quantize_static`` (round half to even, saturating; NaN -> the code of 0), no host
-    sync (capturable).  On CUDA (and under ``TRITON_INTERPRET=1``) one Triton pass
-    (``kernels/triton/quant_bytes.py``); elsewhere torch ops.  ``pool``: None, ("max", 2, 2), ("max", 2, 1)
-    in the same pass, ("avg", 2, 2) as a torch pass first.  ``backend="reference"``: torch ops everywhere."""
-    fmt = _check_static(x, fmt, scale, "quantize_int8_static")
-    if x.dim() != 4:
-        raise ValueError(f"x must be a float NHWC tensor (N, H, W, C), got shape {tuple(x.shape)}")
-    pool = _check_pool(pool)
-    if backend not in ("auto", "reference"):
-        raise ValueError(f"backend must be 'auto' or 'reference', got {backend!r}")
-    if backend == "auto" and (x.is_cuda or _interpreting()) and (pool is None or pool in _FUSED_POOLS):
-        from ..kernels.triton import quant_bytes as qb  # TRITON_INTERPRET is read at import
-
-        enc = {"unsigned": qb.ENC_UNSIGNED, "twos": qb.ENC_TWOS}.get(fmt.encoding, qb.ENC_PM)
-        x8 = qb.pool_quantize_int8(x, scale.reshape(1), _FUSED_POOLS.get(pool, 0), fmt.bits, *_qp_params(fmt), enc)
-        return Int8Activation(x8, fmt, scale)
-    y = rq.pool_nhwc(x, pool)
-    codes = _static_codes(y, fmt, scale).to(torch.uint8)
-    return Int8Activation(_int8_codes(codes, fmt)[0].contiguous(), fmt, scale)
-
-
-@dataclass(frozen=True, eq=False)
-class PackedConvWeight:
-    """A KRSC weight prepared once (BitBLAS's transform_weight): ``qw`` the QTensor ``(K, R, S, C)``,
-    ``w_scale`` float32 ``(K,)``, and per backend:
-
-    * bit-serial (integer formats): ``planes`` int32 ``(q, K, Kw_col)`` in the im2col word layout (each
-      tap padded to a whole number of words), ``rowsum`` int32 ``(K,)`` = sum of the weighted codes of
-      each filter (the correction term when the activations are pm1), and ``conv_planes``, the same weights in
-      the implicit-GEMM layout (each tap padded to an even number of words: ``reference_conv_bitserial.conv_tap_words``;
-      ``planes`` itself where that is already so);
-    * INT8 / FP8 kernels: ``w8`` ``(K, R, S, C)`` contiguous, int8 with ``value = w_off + w_step * w8``
-      (integer formats) or the float8 view of the codes (``e4m3`` / ``e5m2``: ``w_off = 0, w_step = 1``);
-    * ``corr``: the INT8 kernel's cached corrections for shifted activations (see ``_int8_correction``).
-
-    fp8 weights have no planes (``planes`` and ``rowsum`` are None).
-    """
-
-    qw: QTensor
-    planes: torch.Tensor | None
-    w_scale: torch.Tensor
-    rowsum: torch.Tensor | None
-    w8: torch.Tensor | None = None
-    w_off: int = 0
-    w_step: int = 1
-    corr: dict = field(default_factory=dict, repr=False)
-    conv_planes: torch.Tensor | None = None
-
-    @property
-    def shape(self) -> tuple:
-        return self.qw.shape
-
-    @property
-    def fmt(self) -> IntFormat | FloatFormat:
-        return self.qw.fmt
-
-    @property
-    def device(self) -> torch.device:
-        return self.qw.device
-
-
-def _check_weight_qtensor(w) -> QTensor:
-    if not isinstance(w, QTensor):
-        raise TypeError(f"w must be a QTensor of codes (K, R, S, C) (tcprec.quantize(w_krsc, 'binary', PerChannel(0))) "
-                        f"or a PackedConvWeight, got {type(w).__name__}")
-    if not isinstance(w.fmt, IntFormat) and _fp8_dtype(w.fmt) is None:
-        raise TypeError(f"w must be of an integer format (binary, intN, uintN, pmN) or e4m3 / e5m2, got {w.fmt}; "
-                        "quantize it to one")
-    if w.ndim != 4:
-        raise ValueError(f"w must be KRSC (K, R, S, C), got shape {w.shape}; an nn.Conv2d weight (K, C, R, S) is "
-                         "w.permute(0, 2, 3, 1)")
-    g = w.granularity
-    if not (isinstance(g, PerTensor) or (isinstance(g, PerChannel) and g.axis == 0)):
-        raise ValueError(f"w's scale is {g}: conv2d needs PerTensor() or PerChannel(0) (one scale per output channel); "
-                         "a scale along R, S or C cannot be pulled out of the sum")
-    return w
-
-
-def pack_conv_weight(w: QTensor) -> PackedConvWeight:
-    """Pack a KRSC integer weight once for repeated ``conv2d`` calls (no sync: capturable).
-
-    >>> import torch, tcprec as tp
-    >>> pw = pack_conv_weight(tp.quantize(torch.randn(8, 3, 3, 5), "binary"))
-    >>> pw.planes.shape
-    torch.Size([1, 8, 16])
-    """
-    w = _check_weight_qtensor(w)
-    K = w.shape[0]
-    w_scale = w.scale.reshape(-1).expand(K).to(torch.float32).contiguous()  # (K,)
-    f8 = _fp8_dtype(w.fmt)
-    if f8 is not None:
-        return PackedConvWeight(w, None, w_scale, None, w.codes.contiguous().view(f8))  # (K, R, S, C) float8
-    planes = pack_bitplanes(rq.weight_tap_codes(w.codes), w.fmt.bits, validate=False)  # (q, K, Kw_col)
-    rowsum = rg.weighted_rowsums(planes, w.fmt).to(torch.int32)  # (K,): the pm1-activation correction (cheap)
-    w8, w_off, w_step = _int8_codes(w.codes, w.fmt)  # (K, R, S, C) int8
-    C = w.shape[3]
-    cwt = rq.conv_tap_words(C)
-    conv_planes = planes if cwt == -(-C // 32) else pack_bitplanes(rq.weight_tap_codes(w.codes, cwt), w.fmt.bits,
-                                                                        validate=False)
-    return PackedConvWeight(w, planes, w_scale, rowsum, w8, w_off, w_step, conv_planes=conv_planes)
-
-
-def _int8_codes(codes: torch.Tensor, fmt: IntFormat) -> tuple[torch.Tensor, int, int]:
-    """(x8 int8 of codes' shape, offset, step) with value = offset + step * x8: the rule of
-    ``ops/matmul.py::_int8_operand``, shape-preserving; a view (no copy) where the pattern is the value."""
-    b = fmt.bits
-    if fmt.encoding == "twos":
-        if b == 8:
-            return codes.contiguous().view(torch.int8), 0, 1
-        c = codes.to(torch.int16)
-        return (c - ((c >> (b - 1)) << b)).to(torch.int8), 0, 1
-    if b <= 7:  # unsigned 0..127, pm1 -127..127: the values fit int8 as they are
-        if fmt.encoding == "unsigned":
-            return codes.contiguous().view(torch.int8), 0, 1
-        return (2 * codes.to(torch.int16) - ((1 << b) - 1)).to(torch.int8), 0, 1
-    # 8 bits: store u - 128; uint8 = 128 + x8, pm8 = 2u - 255 = 1 + 2 * x8
-    return (codes.to(torch.int16) - 128).to(torch.int8), *_int8_affine(fmt)
-
-
-def quantize_fp8_static(x: torch.Tensor, scale: torch.Tensor, fmt="e4m3") -> QTensor:
-    """Float ``x`` -> a float8 ``QTensor`` (``value = decode(codes) * scale``) with a fixed per-tensor
-    ``scale`` (a one-element float32 tensor on x's device), with no host sync, so it runs inside a CUDA-graph
-    capture (the activation quantizer of an FP8 layer): one Triton pass on CUDA, torch ops elsewhere.
-    ``x / scale`` is saturated to +-max (448 for e4m3) and rounded to nearest even by ``.to(torch.float8_e4m3fn)``; NaN stays NaN.
-    The codes are the uint8 view of the float8 tensor (no copy); ``conv2d`` views them back.
-
-    >>> import torch
-    >>> quantize_fp8_static(torch.tensor([1.0, 3.0, 1e6]), torch.tensor([0.5])).dequantize().tolist()
-    [1.0, 3.0, 224.0]
-    """
-    fmt = as_format(fmt)
-    f8 = _fp8_dtype(fmt)
-    if f8 is None:
-        raise TypeError(f"quantize_fp8_static quantizes to float8_e4m3fn ('e4m3') or float8_e5m2 ('e5m2'), got {fmt}; "
-                        "for integer formats use tcprec.ops.quantize.quantize_static")
-    if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
-        raise TypeError(f"x must be a floating torch.Tensor, got {type(x).__name__}"
-                        + (f" of dtype {x.dtype}" if isinstance(x, torch.Tensor) else ""))
-    if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or scale.dtype != torch.float32:
-        raise TypeError("scale must be a one-element float32 tensor (a calibrated per-tensor scale), got "
-                        + (f"{scale.dtype} of shape {tuple(scale.shape)}" if isinstance(scale, torch.Tensor)
-                           else type(scale).__name__))
-    if scale.device != x.device:
-        raise ValueError(f"scale is on {scale.device} but x is on {x.device}; keep the scale with the activations")
-    m = float(torch.finfo(f8).max)
-    if x.is_cuda and 1 <= x.dim() <= 4 and not _interpreting():
-        # one Triton pass (divide, clamp, round, write; the same codes as the torch ops below, kernels/triton/
-        # fp8_quant.py) instead of four full-size passes with a float32 temporary.  Float activations go through
-        # pool_quantize_fp8 (no pool): its tiles follow the channels, so a 3-channel network input costs one pass
-        # at memory speed (quantize_fp8's transposing tiles left 61 of 64 lanes idle there: 0.6 ms for AlexNet's
-        # 256x224x224x3 input on an H200).  NaN keeps its sign in the codes (torch writes +NaN).
-        from ..kernels.triton.fp8_quant import pool_quantize_fp8, quantize_fp8
-
-        if x.dtype in (torch.float16, torch.bfloat16, torch.float32):
-            x4 = x
-            while x4.dim() < 4:
-                x4 = x4.unsqueeze(0)
-            codes = pool_quantize_fp8(x4, scale.reshape(1), 0, f8).reshape(x.shape).view(torch.uint8)
-        else:
-            codes = quantize_fp8(x, scale, torch.empty(x.shape, dtype=f8, device=x.device)).view(torch.uint8)
-    else:
-        v = torch.clamp(x.to(torch.float32) / scale.reshape(()), -m, m)  # saturate: .to(float8) overflows to NaN
-        codes = v.to(f8).view(torch.uint8)  # bit patterns = tcprec's codes of the format
-    return QTensor(codes, scale.reshape((1,) * x.dim()), fmt, PerTensor(), tuple(x.shape), x.dtype)
-
 
 # ------------------------------------------------------------------------------------------------
 # Validation
@@ -607,6 +167,15 @@ class _X:
             return self.packed.planes
         N, H, W, C = self.shape
         return pack_bitplanes(self.codes().reshape(N * H * W, C), self.fmt.bits, validate=False)
+
+    @property
+    def layout(self) -> str:
+        """How x arrives (``qconv_plan.INPUT_LAYOUTS``): bit planes (padded or compact rows), int8 codes, codes."""
+        if self.packed is not None:
+            return "compact" if self.packed.compact else "planes"
+        if self.i8 is not None:
+            return "int8"
+        return "fp8" if _fp8_dtype(self.fmt) is not None else "codes"
 
     def int8(self) -> tuple[torch.Tensor, int, int]:  # (x8 (N, H, W, C) int8, offset, step)
         if self.i8 is not None:
@@ -648,14 +217,6 @@ def _check_act(act):
     raise ValueError(f"act must be None, 'relu' or ('leaky', slope), got act={act!r}; e.g. act=('leaky', 0.1)")
 
 
-def _check_pool(pool):
-    if isinstance(pool, list):
-        pool = tuple(pool)
-    if pool not in POOLS:
-        raise ValueError(f"pool must be one of {POOLS} ((kind, kernel, stride)), got pool={pool!r}")
-    return pool
-
-
 def _check_vec(t, K: int, name: str, device) -> torch.Tensor | None:
     if t is None:
         return None
@@ -686,56 +247,6 @@ def _geometry(xs: _X, wshape, stride, padding, dilation) -> ConvGeometry:
     return g
 
 
-@dataclass(frozen=True)
-class _Plan:
-    name: str
-    why: str
-    g: ConvGeometry
-    fa: IntFormat
-    fw: IntFormat
-    act: object
-    pool: object
-    out_dtype: torch.dtype
-    out_fmt: IntFormat | FloatFormat | None
-    route: str = ""  # int8 backend: "kernel" (Triton implicit GEMM) or "im2col" (+ torch._int_mm)
-    out_layout: str = "planes"  # an integer out_fmt as bit planes, an Int8Activation, or one with the float too
-    has_res: bool = False  # a residual added in the epilogue, before the activation
-
-    @property
-    def dual(self) -> bool:
-        """The float result and its int8 / float8 codes or bit planes (``out_layout="int8+float"`` / ``"fp8+float"`` /
-        ``"planes+float"``)."""
-        return self.out_layout in _DUAL_LAYOUTS
-
-    @property
-    def fused(self) -> bool:
-        """Whether the bit-serial kernel's epilogue does everything (it has scale, bias, ReLU /
-        LeakyReLU and the output dtype or packed planes; pooling is a separate pass)."""
-        return self.pool is None
-
-    @property
-    def pool_float(self) -> bool:
-        """A max-pool of a float output pools the output dtype: rounding is monotone, so the pool of the rounded
-        values is the rounding of the float32 pool, bit for bit (the kernel writes its final dtype at full size and
-        ``pack.pool_cast`` pools it: half the bytes of float32, no torch pool and cast)."""
-        return (self.pool is not None and tuple(self.pool) in _FUSED_POOLS and self.out_fmt is None
-                and self.out_dtype in _KIND and not self.dual and not self.has_res)
-
-    @property
-    def pool_codes(self) -> bool:
-        """A max-pool whose result is re-quantized to packed planes pools the codes instead: quantizing is
-        monotone, so max then quantize = quantize then max (the bit-serial epilogue packs at full size, a
-        bit-plane pass pools; no float tensor)."""
-        return (self.pool is not None and tuple(self.pool) in _FUSED_POOLS and isinstance(self.out_fmt, IntFormat)
-                and self.out_layout in _PLANE_LAYOUTS)
-
-
-OUT_LAYOUTS = ("planes", "compact", "int8", "int8+float", "fp8+float", "planes+float")
-_PLANE_LAYOUTS = ("planes", "compact")
-_INT8_LAYOUTS = ("int8", "int8+float")
-_DUAL_LAYOUTS = ("int8+float", "fp8+float", "planes+float")
-
-
 def _check_residual(residual, g: ConvGeometry, out_dtype, device) -> None:
     """A residual is a float NHWC tensor of the conv's output shape, in ``out_dtype``, on the operands' device."""
     if residual is None:
@@ -756,150 +267,6 @@ def _check_residual(residual, g: ConvGeometry, out_dtype, device) -> None:
     if residual.device != device:
         raise ValueError(f"residual is on {residual.device} but the operands are on {device}; move it there "
                          f"(residual.to('{device}'))")
-
-
-def _check_fusion(plan: "_Plan") -> "_Plan":
-    """The residual and the dual output: which epilogues take them (the INT8 / FP8 kernels' and the torch
-    ones; the bit-serial GEMM's takes a residual into a float output only), and says so rather than falling back
-    to separate passes."""
-    what = [w for w, on in (("residual=", plan.has_res), (f"out_layout={plan.out_layout!r}", plan.dual)) if on]
-    if not what:
-        return plan
-    what = " and ".join(what)
-    if plan.pool is not None:
-        raise ValueError(f"{what} cannot be combined with pool={plan.pool} (the block output is not pooled); pass "
-                         "pool=None and pool in a separate layer")
-    if plan.has_res and isinstance(plan.out_fmt, IntFormat) and plan.out_layout not in _INT8_LAYOUTS + ("planes+float",):
-        raise ValueError(f"residual= writes a float output, INT8 codes, float8 codes or the float and its planes: "
-                         f"out_fmt={plan.out_fmt} with out_layout={plan.out_layout!r} is not one of them; use "
-                         "out_fmt=None, an integer out_fmt with out_layout in ('int8', 'int8+float', 'planes+float'), "
-                         "or out_fmt e4m3 / e5m2")
-    if plan.out_layout == "planes+float" and plan.name not in ("bitserial", "reference", "int8"):
-        raise ValueError(f"out_layout='planes+float' (the float output and its bit planes) is written by the "
-                         f"'bitserial', 'int8' and 'reference' backends, not {plan.name!r}; an FP8 layer writes its "
-                         "float and float8 codes with out_layout='fp8+float'")
-    if plan.name == "bitserial" and plan.out_fmt is not None and (
-            plan.out_layout != "planes+float" or plan.out_fmt.bits > 3 or plan.out_dtype not in _DUAL_DTYPES):
-        raise ValueError(f"{what}: backend 'bitserial' (the binary tensor-core GEMM) adds a residual into a float output "
-                         f"(out_fmt=None), or writes it with its planes (out_layout='planes+float', out_fmt of <= 3 bits, "
-                         f"out_dtype float16 / bfloat16), not out_fmt={plan.out_fmt} with out_layout="
-                         f"{plan.out_layout!r} and out_dtype={plan.out_dtype}; backends that write other codes with it: "
-                         "'int8', 'fp8', 'reference'")
-    return plan
-
-
-_DUAL_DTYPES = (torch.float16, torch.bfloat16)  # the bit-serial epilogue's float output next to its planes
-
-
-def _plan(x, w, stride, padding, dilation, act, out_dtype, out_fmt, pool, backend, scale, bias, out_scale,
-          force_bitserial=False, out_layout="planes", residual=None):
-    xs = _check_x(x)
-    if isinstance(w, PackedConvWeight):
-        qw = w.qw
-    else:
-        qw = _check_weight_qtensor(w)
-    if qw.device != xs.device:
-        raise ValueError(f"x is on {xs.device} but w is on {qw.device}; move both to one device")
-    g = _geometry(xs, qw.shape, stride, padding, dilation)
-    fa, fw = xs.fmt, qw.fmt
-    fp8 = _fp8_dtype(fa) is not None
-    if fp8 != (_fp8_dtype(fw) is not None):
-        raise TypeError(f"x is {fa} but w is {fw}: conv2d multiplies two integer formats or two float8 formats; "
-                        "quantize both to integers or both to e4m3 (quantize_fp8_static, tcprec.quantize(w, 'e4m3', "
-                        "PerChannel(0)))")
-    if not fp8 and fa.encoding == "pm1" and max(g.padding) > 0:
-        raise ValueError(
-            f"x is {fa} (pm1: values +-1, +-3, ...; no zero) but padding={g.padding}: spatial padding adds zeros, which "
-            "a pm1 code cannot hold, and the bit-serial kernel's pm1 correction counts every one of the K terms. Use "
-            "unsigned or two's complement activations (e.g. 'uint2' after a ReLU, 'int2'), or padding=0"
-        )
-    act, pool = _check_act(act), _check_pool(pool)
-    if out_fmt is not None:
-        out_fmt = as_format(out_fmt)
-        if not isinstance(out_fmt, IntFormat) and _fp8_dtype(out_fmt) is None:
-            raise TypeError(f"out_fmt must be an integer format or e4m3 / e5m2 (the next layer's activations), "
-                            f"got {out_fmt}")
-        if out_scale is None:
-            raise ValueError("out_fmt needs out_scale (one positive float: the next layer's activation scale)")
-        if out_dtype == torch.int32:
-            raise ValueError("out_fmt re-quantizes the float result; leave out_dtype at its default with out_fmt")
-    if out_layout not in OUT_LAYOUTS:
-        raise ValueError(f"out_layout must be one of {OUT_LAYOUTS} (an integer out_fmt as bit planes for a bit-serial "
-                         f"layer -- 'compact': without the padding words, for one that gathers windows -- or one "
-                         f"int8 per element for an INT8 layer), got {out_layout!r}")
-    if out_layout in _INT8_LAYOUTS and not isinstance(out_fmt, IntFormat):
-        raise ValueError(f"out_layout={out_layout!r} writes integer codes for the next INT8 layer: it needs an integer "
-                         f"out_fmt (e.g. 'uint8'), got out_fmt={out_fmt}")
-    if out_layout == "planes+float" and not isinstance(out_fmt, IntFormat):
-        raise ValueError(f"out_layout='planes+float' writes the float output and its bit planes for the next bit-serial "
-                         f"layers: it needs an integer out_fmt (e.g. 'uint2'), got out_fmt={out_fmt}")
-    if out_layout == "fp8+float" and not isinstance(out_fmt, FloatFormat):
-        raise ValueError(f"out_layout='fp8+float' writes the float output and the next FP8 layer's codes: it needs "
-                         f"out_fmt='e4m3' or 'e5m2', got out_fmt={out_fmt}")
-    elif out_dtype not in _OUT_DTYPES:
-        raise ValueError(f"out_dtype must be one of {[str(d) for d in _OUT_DTYPES]}, got {out_dtype}")
-    _check_residual(residual, g, out_dtype, xs.device)
-    has_res = residual is not None
-    if out_dtype == torch.int32 and (scale is not None or bias is not None or act is not None or pool is not None):
-        raise ValueError("scale, bias, act and pool apply to the scaled float result; out_dtype=torch.int32 returns the "
-                         "raw integer convolution, so pass a float out_dtype (or out_fmt) to use them")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got backend={backend!r}")
-    if fp8:
-        if out_dtype == torch.int32 and out_fmt is None:
-            raise ValueError("float8 operands accumulate in float32: out_dtype=torch.int32 (the raw integer "
-                             "convolution) is for integer formats; pass a float out_dtype")
-        name, why = _choose_fp8_backend(fa, fw, xs.device, backend)
-        return xs, qw, g, _check_fusion(_Plan(name, why, g, fa, fw, act, pool, out_dtype, out_fmt, "", out_layout,
-                                              has_res))
-    if backend == "fp8":
-        raise ValueError(f"backend='fp8' needs float8 operands (e4m3 / e5m2), got {fa} x {fw}; use 'int8' or 'auto'")
-    K_true = g.R * g.S * g.C
-    bound = K_true * max(abs(fa.min), abs(fa.max)) * max(abs(fw.min), abs(fw.max))
-    if bound >= _INT32_LIMIT:
-        raise ValueError(f"R*S*C = {K_true} with {fa} x {fw} can reach |C| = {bound} >= 2^31, beyond the int32 "
-                         "accumulator; split the input channels and add the partial results in float")
-    if force_bitserial:
-        name, why = "bitserial", "forced (test hook: emulated GEMM)"
-    else:
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got backend={backend!r}")
-        name, why = choose_int_backend(fa, fw, xs.device, backend)
-        if name == "reference":
-            why = why.replace("pure-torch bit-serial reference", "float64 F.conv2d on the decoded codes")
-    route = ""
-    if name == "int8":
-        route, how = _int8_route(fa, fw, xs.device)
-        if route == "kernel":
-            why = why.replace("torch._int_mm", "the Triton INT8 conv")
-        why = f"{why}; {how}"
-    return xs, qw, g, _check_fusion(_Plan(name, why, g, fa, fw, act, pool, out_dtype, out_fmt, route, out_layout,
-                                          has_res))
-
-
-def _choose_fp8_backend(fa, fw, dev: torch.device, backend: str) -> tuple[str, str]:
-    pair_ = f"{fa} activations x {fw} weights"
-    if backend in ("bitserial", "int8"):
-        raise ValueError(f"backend={backend!r} multiplies integer formats; {pair_} run on backend='fp8' "
-                         "(FP8 tensor cores), 'reference' or 'auto'")
-    if backend == "reference":
-        return "reference", f"asked for the float64 F.conv2d on the decoded fp8 values ({pair_}, on {dev})"
-    if dev.type == "cuda" or (backend == "fp8" and _interpreting()):
-        how = "asked for" if backend == "fp8" else f"{pair_}:"
-        return "fp8", f"{how} the FP8 tensor cores (Triton implicit-GEMM conv, wgmma e4m3/e5m2)"
-    if backend == "fp8":
-        raise RuntimeError(f"backend='fp8' needs CUDA tensors (or TRITON_INTERPRET=1), got {dev}; use 'reference'")
-    return "reference", f"tensors on {dev.type}: float64 F.conv2d on the decoded fp8 values ({pair_})"
-
-
-def _int8_route(fa: IntFormat, fw: IntFormat, dev: torch.device) -> tuple[str, str]:
-    """("kernel" | "im2col", why) for the int8 backend."""
-    if not (dev.type == "cuda" or _interpreting()):
-        return "im2col", f"on {dev.type} without the Triton interpreter: im2col on the codes + torch._int_mm"
-    if fw.bits == 8 and fw.encoding != "twos":
-        return "im2col", (f"{fw} weights are stored shifted (code - 128), whose correction needs each window's sum of "
-                          "x: im2col on the codes + torch._int_mm")
-    return "kernel", "Triton implicit-GEMM INT8 conv (no im2col buffer)"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -938,65 +305,25 @@ def _im2col_codes(codes: torch.Tensor, g: ConvGeometry) -> torch.Tensor:
     return cols.reshape(g.N * g.P * g.Q, g.R * g.S * g.C)
 
 
-def _int_product(plan: _Plan, xs: _X, qw: QTensor) -> torch.Tensor:
+def _int_product(plan: ConvPlan, xs: _X, qw: QTensor) -> torch.Tensor:
     """int32/int64 C (M, K) on the int8 or reference backend."""
-    g = plan.g
-    if plan.name == "reference":
-        return rq.conv2d_int(xs.codes(), plan.fa, qw.codes, plan.fw, g).reshape(-1, g.K)
+    g = plan.geometry
+    if plan.backend == "reference":
+        return rq.conv2d_int(xs.codes(), plan.a_fmt, qw.codes, plan.w_fmt, g).reshape(-1, g.K)
     cols = _im2col_codes(xs.codes(), g)  # (M, RSC) uint8
     M, Kt = cols.shape
     one = torch.ones((1, 1), dtype=torch.float32, device=cols.device)
-    qa = QTensor(cols, one, plan.fa, PerTensor(), (M, Kt), torch.float32)
-    qwm = QTensor(qw.codes.reshape(g.K, Kt), one, plan.fw, PerTensor(), (g.K, Kt), torch.float32)
+    qa = QTensor(cols, one, plan.a_fmt, PerTensor(), (M, Kt), torch.float32)
+    qwm = QTensor(qw.codes.reshape(g.K, Kt), one, plan.w_fmt, PerTensor(), (g.K, Kt), torch.float32)
     return matmul(qa, qwm, out_dtype=torch.int32, backend="int8")  # (M, K) exact
 
 
-def _int8_out(plan: _Plan) -> bool:
-    """Whether the INT8 / FP8 kernel's epilogue writes the next layer's Int8Activation itself."""
-    return plan.out_layout == "int8" and plan.pool is None
-
-
-def _fp8_out(plan: _Plan) -> bool:
-    """Whether the INT8 / FP8 kernel's epilogue writes the next FP8 layer's float8 codes itself (no pool), alone."""
-    return isinstance(plan.out_fmt, FloatFormat) and plan.pool is None and not plan.dual
-
-
-def _planes_out(plan: _Plan) -> bool:
-    """Whether the INT8 kernel's epilogue writes the next bit-serial layer's planes itself ((2x2 stride-2 max-pool
-    ->) quantize -> pack, ``conv_fwd.PlanesOut``): an 8-bit stem in front of binary layers.  Other pools (and a
-    pool behind a negative LeakyReLU slope: the kernel pools accumulators), and the FP8 kernel, write float32 for the
-    one-pass quantizer."""
-    return (plan.name == "int8" and plan.route == "kernel" and isinstance(plan.out_fmt, IntFormat)
-            and plan.out_layout in _PLANE_LAYOUTS
-            and (plan.pool is None or (tuple(plan.pool) == ("max", 2, 2) and parse_act(plan.act)[1] >= 0)))
-
-
-def _kernel_out(plan: _Plan) -> str:
-    """What the INT8 / FP8 kernel writes: the raw accumulator, the final float dtype, the next INT8 layer's
-    int8 codes, the next FP8 layer's float8 codes ("e4m3" / "e5m2"), both ("dual": the float dtype and its
-    int8 / float8 codes), the next bit-serial layer's planes ("planes"), or float32 for a pass that follows
-    (pooling, re-quantization)."""
-    if plan.out_dtype == torch.int32 and plan.out_fmt is None:
-        return "int32"
-    if _planes_out(plan):
-        return "planes"
-    if _int8_out(plan):
-        return "int8"
-    if _fp8_out(plan):
-        return _FP8_KIND[_fp8_dtype(plan.out_fmt)]
-    if plan.out_layout == "planes+float":  # the float; its planes from stem_conv's epilogue or one pass over it
-        return _KIND[plan.out_dtype]
-    if plan.dual:  # no pool (_check_fusion)
-        return "dual"
-    return _KIND[plan.out_dtype] if (plan.fused or plan.pool_float) and plan.out_fmt is None else "float32"
-
-
-def _pool_float(plan: _Plan, y: torch.Tensor) -> torch.Tensor:
+def _pool_float(plan: ConvPlan, y: torch.Tensor) -> torch.Tensor:
     """The max-pool of a float output the kernel wrote at full size in its final dtype (``plan.pool_float``):
     one Triton pass on CUDA and under the interpreter (``pack.pool_cast``), torch's pool elsewhere -> (N, P', Q', K)."""
-    g = plan.g
+    g = plan.geometry
     y4 = y.reshape(g.N, g.P, g.Q, g.K)
-    if y4.is_cuda or _interpreting():
+    if plan.device.triton:
         from ..kernels.triton import pack as tpack  # TRITON_INTERPRET is read at import
 
         return tpack.pool_cast(y4, _FUSED_POOLS[tuple(plan.pool)])
@@ -1026,27 +353,6 @@ def _int8_correction(pw: PackedConvWeight, g: ConvGeometry, off: int, padded: bo
     if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
         pw.corr[key] = t
     return t
-
-
-# Thin layers (the C = 3 stems): the implicit GEMM's FLAT mode decodes (r, s, c) per element and ran them
-# at 9-22 T op/s on the H200 (benchmarks/results/conv_fwd.json; the VGG stem took 12.9 of ~34 ms of the w1a2
-# network at batch 256).  For C < THIN_C with a spatial filter the 8-bit codes are gathered once into
-# (N, P, Q, Kp), Kp = R*S*C rounded up to 32 (zeros in the padding and the tail), and the same kernel runs
-# it as a 1x1 convolution in TAP mode (contiguous reduction blocks, the fused epilogue unchanged).
-# The sums are the same integers (exact); the cost is the gather pass and Kp / (R*S*C) more MMA work.
-# Rounding to 32 instead of 64 bytes (H100, same process, graph replay at batch 256, outputs equal):
-# YOLOv2-tiny (27 -> 32 instead of 64: 44M rows) int8 9.32 -> 8.48 ms, fp8 12.53 -> 11.69 ms; VGG -2%; others level.
-THIN_C = 16
-_STEM_KP = 32
-
-
-def _thin_stem(g: ConvGeometry) -> bool:
-    return g.C < THIN_C and g.R * g.S > 1
-
-
-def _stem_kp(g: ConvGeometry) -> int:
-    """A thin stem's gathered row length: R*S*C rounded up to a whole reduction block."""
-    return -(-(g.R * g.S * g.C) // _STEM_KP) * _STEM_KP
 
 
 def _stem_cols(x8: torch.Tensor, g: ConvGeometry, kp: int) -> torch.Tensor:
@@ -1088,10 +394,10 @@ def _conv_operands(x8: torch.Tensor, pw: PackedConvWeight, g: ConvGeometry):
     return x8, pw.w8, g.stride, g.padding, g.dilation
 
 
-def _out_spec(plan: _Plan, s_out):
+def _out_spec(plan: ConvPlan, s_out):
     """The kernels' ``(out, out_int8)`` arguments: a kind, or the next INT8 layer's codes ("int8", scale,
     (lo, hi, offset)), or for the dual output the float kind and those codes."""
-    kind = _kernel_out(plan)
+    kind = plan.epilogue
     if kind in _FP8_KIND.values():  # the next FP8 layer's codes
         return (kind, s_out), None
     if kind == "planes":
@@ -1114,72 +420,12 @@ def _out_spec(plan: _Plan, s_out):
 # same integers and epilogue as the reference (tests/gpu/test_stem_conv_gpu.py compares them bit for bit).
 
 
-def _stem_pad(plan: _Plan) -> int | None:
-    """The int8 code whose value is 0 (what a padded tap holds in stem_conv), or None when no code is or the sum
-    needs a multiplier (stem_conv adds a per-channel correction only: codes of unit step, weights unshifted)."""
-    oa, sa = _int8_affine(plan.fa)
-    if (oa and sa != 1) or _int8_affine(plan.fw) != (0, 1):
-        return None
-    return -oa if -128 <= -oa <= 127 else None
-
-
-def _stem_out(plan: _Plan) -> str | None:
-    """What stem_conv.cu would write for this INT8 conv: "planes" (pooled or not, <= 3 bits), "dual" (a 16-bit float
-    output and its <= 3-bit planes, ``out_layout="planes+float"``), "float" (a 16-bit float alone), or None (another
-    output: the Triton route)."""
-    from ..kernels.cuda import stem_conv as sc
-
-    fmt = plan.out_fmt
-    codes_ok = isinstance(fmt, IntFormat) and fmt.bits <= 3 and fmt.encoding in sc.ENCODINGS
-    if _planes_out(plan):
-        return "planes" if codes_ok else None
-    if plan.has_res or plan.pool is not None or plan.out_dtype not in sc.FLOAT_OUTS:
-        return None
-    if plan.out_layout == "planes+float":
-        return "dual" if codes_ok else None
-    return "float" if fmt is None else None
-
-
-def _stem_cuda(plan: _Plan, device: torch.device) -> bool:
-    """Whether this INT8 conv runs kernels/cuda/stem_conv.cu: a thin stem (C <= 4 channels, a spatial filter) that
-    writes what the kernel writes (``_stem_out``), on a GPU that runs the CUDA kernels, with a code for value 0 and a
-    patch that fits."""
-    from ..kernels.cuda import stem_conv as sc
-
-    g = plan.g
-    out = _stem_out(plan) if plan.name == "int8" and plan.route == "kernel" else None
-    if not (out and device.type == "cuda" and _thin_stem(g) and g.C <= sc.MAX_C
-            and _stem_pad(plan) is not None):
-        return False
-    from ..kernels.cuda import runtime  # lazy: CUDA kernel module
-
-    if not runtime.usable(device)[0] or torch.cuda.get_device_capability(device) < (9, 0):
-        return False
-    PO, QO = (g.P // 2, g.Q // 2) if plan.pool else (g.P, g.Q)
-    try:
-        sc.pick_tile(_stem_variant(plan, out), PO, QO, g.R, g.S, g.stride, g.dilation, g.N,
-                     words=min(-(-g.K // 32), sc.MAX_WORDS), c=g.C)
-    except ValueError:  # the input patch of one row of outputs does not fit in shared memory
-        return False
-    return True
-
-
-def _stem_variant(plan: _Plan, out: str):
-    """The stem_conv.cu variant that writes ``out`` (``_stem_out``) for this plan."""
-    from ..kernels.cuda import stem_conv as sc
-
-    if out == "float":
-        return sc.StemVariant(pool=1, fout=plan.out_dtype, planes=False)
-    fout = plan.out_dtype if out == "dual" else None
-    return sc.StemVariant(plan.out_fmt.bits, plan.out_fmt.encoding, 2 if plan.pool else 1, fout)
-
-
-def _stem_kernel(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, s_out):
+def _stem_kernel(plan: ConvPlan, xs: _X, pw: PackedConvWeight, col, bias, s_out):
     """kernels/cuda/stem_conv.cu, as the Triton route computes: planes (bits, N * P' * Q', Kw) of the thin stem, its
-    16-bit float (N, P, Q, K), or both as (float, compact planes) (``_stem_out``)."""
+    16-bit float (N, P, Q, K), or both as (float, compact planes) (``qconv_plan._stem_out``)."""
     from ..kernels.cuda import stem_conv as sc
 
-    g = plan.g
+    g = plan.geometry
     out = _stem_out(plan)
     x8, oa, _ = xs.int8()  # (N, H, W, C) int8, value = oa + sa * x8
     # padded taps hold the code of value 0 (_stem_pad: unit steps), so the correction is the same for every pixel: (K,)
@@ -1191,7 +437,7 @@ def _stem_kernel(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, s_out):
         if not (wq.is_cuda and torch.cuda.is_current_stream_capturing()):
             pw.corr[key] = wq
     ldo = packed_words(g.K) if plan.out_layout == "planes" else -(-g.K // 32)  # compact rows: "compact", the dual
-    v = _stem_variant(plan, out)
+    v = stem_variant(plan, out)
     y, planes = sc.conv_stem(x8.contiguous(), wq, g.K, g.R, g.S, stride=g.stride, padding=g.padding,
                              dilation=g.dilation, col_scale=col, bias=bias, out_scale=s_out, act=plan.act,
                              acc_add=acc_add, pad=_stem_pad(plan), out_bits=v.out_bits, out_encoding=v.out_encoding,
@@ -1199,13 +445,13 @@ def _stem_kernel(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, s_out):
     return planes if out == "planes" else y if out == "float" else (y, planes)
 
 
-def _int8_kernel(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, s_out, residual=None):
+def _int8_kernel(plan: ConvPlan, xs: _X, pw: PackedConvWeight, col, bias, s_out, residual=None):
     """The Triton implicit-GEMM INT8 conv with the fused epilogue; (N, P, Q, K) in ``_kernel_out`` (a pair
-    (float, int8) for the dual output).  A thin stem that writes planes: kernels/cuda/stem_conv.cu (_stem_cuda)."""
+    (float, int8) for the dual output).  ``plan.stem == "cuda"``: kernels/cuda/stem_conv.cu instead."""
     from ..kernels.triton.conv_fwd import conv2d_fwd_int8
 
-    g = plan.g
-    if _stem_cuda(plan, xs.device):
+    g = plan.geometry
+    if plan.stem == "cuda":
         return _stem_kernel(plan, xs, pw, col, bias, s_out)
     x8, oa, sa = xs.int8()  # (N, H, W, C) int8, value = oa + sa * x8
     acc_mul, acc_add = 1, None
@@ -1221,33 +467,33 @@ def _int8_kernel(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, s_out, re
                            acc_add_interior=not _thin_stem(g))  # a thin stem's table is the original conv's
 
 
-def _fp8_kernel(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, fast_accum: bool, s_out, residual=None):
+def _fp8_kernel(plan: ConvPlan, xs: _X, pw: PackedConvWeight, col, bias, fast_accum: bool, s_out, residual=None):
     """The Triton implicit-GEMM FP8 conv; col = x_scale * w_scale[k] (* scale[k]) is its x_scale
     operand (per channel), so the kernel's column scale is exactly the reference's."""
     from ..kernels.triton.conv_fwd import conv2d_fwd_fp8
 
-    g = plan.g
-    x8 = xs.codes().contiguous().view(_fp8_dtype(plan.fa))  # (N, H, W, C) float8, no copy
+    g = plan.geometry
+    x8 = xs.codes().contiguous().view(_fp8_dtype(plan.a_fmt))  # (N, H, W, C) float8, no copy
     x, w, st, pd, dl = _conv_operands(x8, pw, g)  # fp8 code 0 is value 0: padded taps need no correction
     out, out_int8 = _out_spec(plan, s_out)
     return conv2d_fwd_fp8(x, w, col, None, stride=st, padding=pd, dilation=dl, bias=bias,
                           act=plan.act, out=out, fast_accum=fast_accum, residual=residual, out_int8=out_int8)
 
 
-def _fp8_reference(plan: _Plan, xs: _X, qw: QTensor) -> torch.Tensor:
+def _fp8_reference(plan: ConvPlan, xs: _X, qw: QTensor) -> torch.Tensor:
     """float64 (M, K): F.conv2d on the decoded fp8 values (every product and partial sum exact)."""
-    g = plan.g
-    x = xs.codes().contiguous().view(_fp8_dtype(plan.fa))
-    w = qw.codes.contiguous().view(_fp8_dtype(plan.fw))
+    g = plan.geometry
+    x = xs.codes().contiguous().view(_fp8_dtype(plan.a_fmt))
+    w = qw.codes.contiguous().view(_fp8_dtype(plan.w_fmt))
     return conv_acc(x, w, g.stride, g.padding, g.dilation).reshape(-1, g.K)
 
 
-def _bitserial(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, out_scale, gemm, residual=None):
+def _bitserial(plan: ConvPlan, xs: _X, pw: PackedConvWeight, col, bias, out_scale, gemm, residual=None):
     """The binary tensor-core pipeline: (im2col over planes) -> bmma_gemm with the fused epilogue (and a float
-    output's residual add).  Returns (M, K) int32 / float, or planes, per ``_bitserial_kind``."""
+    output's residual add).  Returns (M, K) int32 / float, or planes, per ``plan.epilogue``."""
     from ..kernels.triton.im2col_bits import im2col_bits  # TRITON_INTERPRET is read at import
 
-    g, fa, fw = plan.g, plan.fa, plan.fw
+    g, fa, fw = plan.geometry, plan.a_fmt, plan.w_fmt
     oa, sa = rg.affine(fa)
     ow, sw = rg.affine(fw)
     K_true = g.R * g.S * g.C
@@ -1257,14 +503,18 @@ def _bitserial(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, out_scale, 
     row_term, extra = None, {}
     row_mul, row_add = sa * ow, K_true * oa * ow  # the pm1 row term: row_mul * (row sum of A) + row_add
     row_affine = [row_mul, row_add] if need_row else None  # (the implicit / 1x1 routes: row sums in the kernel)
-    if _implicit_route(plan, planes.shape[2], planes.device) and pw.conv_planes is not None:
+    if plan.route == "implicit":
+        if pw.conv_planes is None or planes.shape[2] != _input_words(plan):
+            raise ValueError(f"the plan gathers windows from {_input_words(plan)}-word planes with the implicit-GEMM "
+                             f"weight layout, got {planes.shape[2]}-word planes and conv_planes="
+                             f"{'None' if pw.conv_planes is None else 'set'}; pack the weight with pack_conv_weight")
         # implicit GEMM: the kernel gathers the windows from the input planes, and (pm1 weights) sums their rows on
         # the tensor cores -- one launch, no pass over A before it
         cwt = rq.conv_tap_words(g.C)
         conv = [g.H, g.W, g.P, g.Q, g.R, g.S, *g.stride, *g.padding, *g.dilation, cwt]
         a_planes, w_planes = planes, pw.conv_planes
         extra["row_affine"] = row_affine
-    elif g.is_pointwise:
+    elif plan.route == "pointwise":
         if xs.packed is not None and xs.packed.compact:  # the GEMM operand needs whole 512-bit rows
             planes = xs.packed.padded_planes()
         a_planes = planes  # the input planes are the GEMM operand (Kw_col = packed_words(C)); row sums in the kernel
@@ -1290,105 +540,11 @@ def _bitserial(plan: _Plan, xs: _X, pw: PackedConvWeight, col, bias, out_scale, 
     return (y, extra["dual_out"]) if plan.dual else y
 
 
-# The implicit-GEMM route of the bit-serial convolution (bmma_gemm with conv=): bit-exact against the reference
-# (tests/gpu/test_conv_implicit_gpu.py), and per layer faster or slower than the explicit im2col route; the rule of
-# implicit_conv is where it measured faster (docs/decisions/0008: taps without padding words, at most two column tiles
-# of the large wgmma tiles).
-
-
-def implicit_conv(g: ConvGeometry, kin: int, p: int = 2, q: int = 1, a_twos: bool = False,
-                  w_twos: bool = False, sm_count: int = 132) -> bool:
-    """Whether a bit-serial convolution over input planes with ``kin``-word rows runs as an implicit GEMM
-    (``bmma_gemm`` with ``conv``: no im2col buffer), for p-bit activations and q-bit weights.  Never a 1x1
-    stride-1 one (its planes are the operand as they are); only rows that hold whole 8-byte taps (``kin`` even, at
-    least the tap's words) -- padded planes always do, compact ones when ceil(C / 32) is even.  Then where it
-    measured faster: taps without padding words (ceil(C / 32) even), and where the GEMM runs the wgmma tile
-    (``bmma_gemm.wgmma_tile``: when it gives the ``sm_count`` SMs a tile each) at most two column tiles of it; none on
-    this format pair: no."""
-    if g.is_pointwise:
-        return False
-    cwt = rq.conv_tap_words(g.C)
-    if not rq.implicit_conv_fits(kin, cwt, g.H, g.W, *g.padding):
-        return False
-    from ..kernels.cuda.bmma_gemm import wgmma_tile
-
-    t = wgmma_tile(p, q, a_twos, w_twos, N=g.K)
-    if cwt != -(-g.C // 32) or t is None:
-        return False
-    col_tiles = -(-g.K // t.bn)
-    return col_tiles <= 2 or -(-(g.N * g.P * g.Q) // t.bm) * col_tiles < sm_count  # (fewer: mma.sync tiles)
-
-
-def _implicit_route(plan: _Plan, kin: int, device: torch.device) -> bool:
-    """:func:`implicit_conv` for a plan's formats on ``device`` (its SM count; off CUDA, 132 as on an H100 / H200)."""
-    if device.type == "cuda":
-        from ..kernels.cuda import runtime  # lazy: CUDA kernel module
-
-        sms = runtime.sm_count(device)[0]
-    else:
-        sms = 132  # the reference GEMM / interpreter decide as on the GPUs the rule was measured on
-    return implicit_conv(plan.g, kin, plan.fa.bits, plan.fw.bits, plan.fa.encoding == "twos",
-                         plan.fw.encoding == "twos", sms)
-
-
-def _bitserial_kind(plan: _Plan):
-    """(out_kind, relu, leaky slope, packed format) of the GEMM call: the kernel's epilogue applies
-    the activation always, and writes the final dtype / packed planes unless a pooling pass follows."""
-    if plan.out_dtype == torch.int32 and plan.out_fmt is None:
-        return "int32", False, 0.0, None
-    relu = plan.act is not None
-    slope = plan.act[1] if isinstance(plan.act, tuple) else 0.0
-    if plan.pool_float:  # the final dtype at full size, then one max-pool pass (_pool_float)
-        return _KIND[plan.out_dtype], relu, slope, None
-    if plan.dual:  # "planes+float": the float output, and its planes written by the same epilogue (dual_out)
-        return _KIND[plan.out_dtype], relu, slope, plan.out_fmt
-    if (not plan.fused and not plan.pool_codes) or plan.out_layout == "int8":  # int8: the one-pass quantizer follows
-        return "float32", relu, slope, None
-    if plan.out_fmt is not None:
-        return "packed", relu, slope, plan.out_fmt
-    return _KIND[plan.out_dtype], relu, slope, None
-
-
-def _fused_pack(plan: _Plan, device: torch.device) -> bool:
-    """Whether the float result goes to packed planes / int8 codes in one Triton pass (max-pool + quantize
-    (+ pack))."""
-    return (isinstance(plan.out_fmt, IntFormat) and plan.name != "reference"
-            and (device.type == "cuda" or _interpreting())
-            and (plan.pool is None or tuple(plan.pool) in _FUSED_POOLS))
-
-
-def _fused_fp8(plan: _Plan, device: torch.device) -> bool:
-    """Whether the float result goes to the next FP8 layer's codes in one Triton pass (max-pool + quantize,
-    ``kernels/triton/fp8_quant.py``; the codes of ``quantize_fp8_static``); the reference backend and the CPU
-    without the interpreter keep torch's passes."""
-    return (isinstance(plan.out_fmt, FloatFormat) and plan.name != "reference"
-            and (device.type == "cuda" or _interpreting())
-            and (plan.pool is None or tuple(plan.pool) in _FUSED_POOLS))
-
-
-def _pool_float_step(plan: _Plan, device: torch.device, out: str) -> str:
-    """explain_conv2d's pass after a GEMM that wrote a float output at full size (``plan.pool_float``)."""
-    how = "one Triton kernel" if device.type == "cuda" or _interpreting() else "torch"
-    return f"separate pass: max-pool 2x2 stride {plan.pool[2]} on the {out} output ({how})"
-
-
-def _after_gemm(plan: _Plan, device: torch.device, out: str, requant: str) -> list[str]:
-    """explain_conv2d's passes after a GEMM that wrote float32 (pool, re-quantize / cast)."""
-    pool = (f"{plan.pool[0]}-pool {plan.pool[1]}x{plan.pool[1]} stride {plan.pool[2]}"
-            if plan.pool is not None else None)
-    if _fused_pack(plan, device) or _fused_fp8(plan, device):
-        what = ("re-quantize to int8 codes" if plan.out_layout == "int8" else
-                f"quantize to {plan.out_fmt} codes" if _fused_fp8(plan, device) else "re-quantize + pack")
-        return [f"separate pass: {pool + ' + ' if pool else ''}{what} (one Triton kernel)"]
-    steps = [f"separate pass: {pool} (torch, float32)"] if pool else []
-    return steps + [f"separate pass: {requant if plan.out_fmt is not None else 'cast to ' + out}"]
-
-
-def _finish_float(plan: _Plan, y: torch.Tensor, out_scale, act_done: bool, residual=None):
+def _finish_float(plan: ConvPlan, y: torch.Tensor, out_scale, act_done: bool, residual=None):
     """float32 y (M, K) -> (+ residual) -> act (unless done) -> pool -> out dtype or packed.  To packed integer
     planes from a kernel backend on CUDA (and under the interpreter): one Triton pass, max-pool + quantize + pack
     (``kernels/triton/pack.py``; the same codes as the reference's torch passes for finite y)."""
-    g = plan.g
+    g = plan.geometry
     if residual is not None:  # the kernels' order: the branch in the residual's dtype, one add, the sum in it, act
         y = y.to(residual.dtype).to(torch.float32) + residual.reshape(-1, g.K).to(torch.float32)
         y = y.to(residual.dtype).to(torch.float32)  # the sum as the unfused add stores it
@@ -1399,7 +555,7 @@ def _finish_float(plan: _Plan, y: torch.Tensor, out_scale, act_done: bool, resid
         y = y.to(residual.dtype).to(torch.float32)  # the codes of the sum in the network's dtype, as the kernels
     y4 = y.reshape(g.N, g.P, g.Q, g.K)
     s = out_scale.to(torch.float32).reshape(1) if out_scale is not None else None
-    how = "reference" if plan.name == "reference" else "auto"
+    how = "reference" if plan.backend == "reference" else "auto"
     if plan.dual and isinstance(fmt, FloatFormat):  # the float result, and its codes for the next FP8 layers
         y_hp = y4.to(plan.out_dtype)
         qt = quantize_fp8_static(y_hp, s, fmt)
@@ -1413,7 +569,7 @@ def _finish_float(plan: _Plan, y: torch.Tensor, out_scale, act_done: bool, resid
         if residual is not None:  # the codes of the sum in the network's dtype (the unfused graph quantizes that)
             y4 = y4.to(residual.dtype)
         return quantize_int8_static(y4, fmt, s, plan.pool, backend=how)
-    if _fused_pack(plan, y.device):
+    if plan.finish == "pack":
         from ..kernels.triton import pack as tpack  # TRITON_INTERPRET is read at import
 
         if plan.pool is None:
@@ -1421,7 +577,7 @@ def _finish_float(plan: _Plan, y: torch.Tensor, out_scale, act_done: bool, resid
         else:
             planes = tpack.pool_quantize_pack(y4, s, _FUSED_POOLS[tuple(plan.pool)], fmt.bits, *_qp_params(fmt))
         return _packed_result(planes, plan, out_scale, _pooled_shape(g, plan.pool))
-    if _fused_fp8(plan, y.device):  # the next FP8 layer's codes: max-pool + quantize in one Triton pass
+    if plan.finish == "fp8":  # the next FP8 layer's codes: max-pool + quantize in one Triton pass
         from ..kernels.triton.fp8_quant import pool_quantize_fp8  # TRITON_INTERPRET is read at import
 
         f8 = pool_quantize_fp8(y4, s, _FUSED_POOLS.get(plan.pool, 0), _fp8_dtype(fmt))  # (N, P', Q', K)
@@ -1434,13 +590,13 @@ def _finish_float(plan: _Plan, y: torch.Tensor, out_scale, act_done: bool, resid
     return y.to(plan.out_dtype)
 
 
-def _with_planes(plan: _Plan, y_hp: torch.Tensor, s: torch.Tensor, planes: torch.Tensor | None = None
+def _with_planes(plan: ConvPlan, y_hp: torch.Tensor, s: torch.Tensor, planes: torch.Tensor | None = None
                  ) -> PackedActivation:
     """``out_layout="planes+float"``: the stored float output (N, P, Q, K) and the bit planes of it (given: written by
     stem_conv.cu's epilogue; else one quantize + pack pass over the float: Triton's on CUDA and under the interpreter
     for the INT8 kernel, compact rows; torch's elsewhere and on the reference backend)."""
     fmt = plan.out_fmt
-    if planes is None and plan.name != "reference" and (y_hp.is_cuda or _interpreting()):
+    if planes is None and plan.backend != "reference" and plan.device.triton:
         from ..kernels.triton import pack as tpack  # TRITON_INTERPRET is read at import
 
         planes = tpack.quantize_pack(y_hp.reshape(-1, y_hp.shape[-1]), s, fmt.bits, *_qp_params(fmt), compact=True)
@@ -1463,18 +619,66 @@ def _pooled_shape(g: ConvGeometry, pool) -> tuple:
     return (g.N, g.P, g.Q, g.K)
 
 
-def _packed_result(planes, plan: _Plan, out_scale, shape) -> PackedActivation:
+def _packed_result(planes, plan: ConvPlan, out_scale, shape) -> PackedActivation:
     """Planes (bits, ..., words) of an NHWC ``shape`` -> PackedActivation (padded or compact rows, as written)."""
     N, P, Q, K = shape
     return PackedActivation(planes.reshape(plan.out_fmt.bits, N * P * Q, planes.shape[-1]), plan.out_fmt, out_scale,
                             (N, P, Q, K))
 
 
-def _conv2d_impl(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None, act=None, out_dtype=torch.float32,
-                 out_fmt=None, out_scale=None, pool=None, backend="auto", fp8_fast_accum=True, out_layout="planes",
-                 residual=None, _gemm=None):
-    xs, qw, g, plan = _plan(x, w, stride, padding, dilation, act, out_dtype, out_fmt, pool, backend, scale, bias,
-                            out_scale, force_bitserial=_gemm is not None, out_layout=out_layout, residual=residual)
+def _prepare(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None, act=None, out_dtype=torch.float32,
+             out_fmt=None, out_scale=None, pool=None, backend="auto", fp8_fast_accum=True, out_layout="planes",
+             residual=None, force_bitserial=False):
+    """Validate the operands and plan: (x's record, w's QTensor, the ConvPlan)."""
+    xs = _check_x(x)
+    qw = w.qw if isinstance(w, PackedConvWeight) else _check_weight_qtensor(w)
+    if qw.device != xs.device:
+        raise ValueError(f"x is on {xs.device} but w is on {qw.device}; move both to one device")
+    g = _geometry(xs, qw.shape, stride, padding, dilation)
+    plan = plan_conv2d(g, xs.fmt, qw.fmt, device=device_caps(xs.device), input_layout=xs.layout,
+                       act=_check_act(act), pool=_check_pool(pool), out_dtype=out_dtype, out_fmt=out_fmt,
+                       out_scale_given=out_scale is not None, backend=backend, out_layout=out_layout,
+                       has_residual=residual is not None, fast_accum=fp8_fast_accum, force_bitserial=force_bitserial)
+    _check_residual(residual, g, out_dtype, xs.device)
+    if out_dtype == torch.int32 and (scale is not None or bias is not None):
+        raise ValueError("scale, bias, act and pool apply to the scaled float result; out_dtype=torch.int32 returns the "
+                         "raw integer convolution, so pass a float out_dtype (or out_fmt) to use them")
+    return xs, qw, plan
+
+
+def _conv2d_impl(x, w, *, bias=None, scale=None, out_scale=None, residual=None, _gemm=None, **kw):
+    """``conv2d`` with the test hook ``_gemm`` (a bit-serial GEMM stand-in: forces the bit-serial pipeline)."""
+    xs, qw, plan = _prepare(x, w, bias=bias, scale=scale, out_scale=out_scale, residual=residual,
+                            force_bitserial=_gemm is not None, **kw)
+    return _run(plan, xs, qw, w, bias, scale, out_scale, residual, _gemm)
+
+
+def run(plan: ConvPlan, x, w, *, bias=None, scale=None, out_scale=None, residual=None):
+    """Run a :class:`ConvPlan` (from :func:`conv2d_plan`, or ``ops.qconv_plan.plan_conv2d``) on operands of the
+    spec it was made for: ``conv2d(x, w, **kw)`` is ``run(conv2d_plan(x, w, **kw), x, w, bias=, scale=, out_scale=,
+    residual=)``.  Raises ValueError if x or w is not what the plan was made for (format, shape, layout, device)."""
+    if not isinstance(plan, ConvPlan):
+        raise TypeError(f"plan must be a ConvPlan (conv2d_plan(x, w, ...)), got {type(plan).__name__}")
+    xs = _check_x(x)
+    qw = w.qw if isinstance(w, PackedConvWeight) else _check_weight_qtensor(w)
+    g = plan.geometry
+    have = (xs.fmt, tuple(xs.shape), xs.layout, xs.device, qw.fmt, tuple(qw.shape))
+    want = (plan.a_fmt, (g.N, g.H, g.W, g.C), plan.input_layout, plan.device.device, plan.w_fmt, (g.K, g.R, g.S, g.C))
+    if have != want or qw.device != xs.device:
+        raise ValueError(f"the plan was made for x {want[0]} {want[1]} as {want[2]!r} on {want[3]} and w {want[4]} "
+                         f"{want[5]}, got x {have[0]} {have[1]} as {have[2]!r} on {have[3]} and w {have[4]} {have[5]} "
+                         f"on {qw.device}; make a plan for these operands (conv2d_plan(x, w, ...))")
+    if (residual is not None) != plan.has_residual or (out_scale is not None) != (plan.out_fmt is not None):
+        raise ValueError(f"the plan was made with residual={'a tensor' if plan.has_residual else None} and "
+                         f"out_fmt={plan.out_fmt}; pass residual= and out_scale= to match, or make a new plan")
+    _check_residual(residual, g, plan.out_dtype, xs.device)
+    return _run(plan, xs, qw, w, bias, scale, out_scale, residual, None)
+
+
+def _run(plan: ConvPlan, xs: _X, qw: QTensor, w, bias, scale, out_scale, residual, _gemm):
+    """Execute ``plan``: one backend's kernels, then the pass ``plan.after`` names (module docstring of
+    ``ops/qconv_plan.py``)."""
+    g, out_dtype = plan.geometry, plan.out_dtype
     if residual is not None:
         residual = residual.contiguous()  # (N, P, Q, K); a no-op for the NHWC view of a channels_last tensor
     K = g.K
@@ -1485,7 +689,7 @@ def _conv2d_impl(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None
     s_out = _scale_tensor(out_scale, xs.device, "out_scale") if plan.out_fmt is not None else None
     col = _col_scale(xs, w_scale, scale) if out_dtype != torch.int32 or plan.out_fmt is not None else None
 
-    if plan.name == "bitserial":
+    if plan.backend == "bitserial":
         if _gemm is None:
             from ..kernels.cuda import bmma_gemm as bg  # (registers torch.ops.tcprec.bmma_gemm)
 
@@ -1497,12 +701,12 @@ def _conv2d_impl(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None
         if plan.dual:  # the float output and its compact planes
             y, planes = res
             return PackedActivation(planes, plan.out_fmt, s_out, (g.N, g.P, g.Q, K), hp=y.reshape(g.N, g.P, g.Q, K))
-        kind = _bitserial_kind(plan)[0]
+        kind = plan.epilogue
         if kind == "int32":
             return res.reshape(g.N, g.P, g.Q, K)
-        if kind == "packed" and plan.pool is not None:  # max-pool on the codes (plan.pool_codes)
+        if plan.after == "pool_planes":  # max-pool on the codes (plan.pool_codes)
             st, full = _FUSED_POOLS[tuple(plan.pool)], (g.N, g.P, g.Q, K)
-            if res.is_cuda or _interpreting():
+            if plan.device.triton:
                 from ..kernels.triton import pack as tpack  # TRITON_INTERPRET is read at import
 
                 res = tpack.pool_planes(res, full, st, plan.out_fmt.bits, plan.out_fmt.encoding == "twos")
@@ -1511,41 +715,42 @@ def _conv2d_impl(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None
             return _packed_result(res, plan, s_out, _pooled_shape(g, plan.pool))
         if kind == "packed":
             return _packed_result(res, plan, s_out, (g.N, g.P, g.Q, K))
-        if plan.pool_float:
+        if plan.after == "pool_float":
             return _pool_float(plan, res)
-        if plan.fused and plan.out_fmt is None:
-            return res.reshape(g.N, g.P, g.Q, K)
-        return _finish_float(plan, res, s_out, act_done=True)
+        if plan.after == "finish":
+            return _finish_float(plan, res, s_out, act_done=True)
+        return res.reshape(g.N, g.P, g.Q, K)
 
-    if plan.name == "fp8" or (plan.name == "int8" and plan.route == "kernel"):
+    if plan.backend == "fp8" or (plan.backend == "int8" and plan.route == "kernel"):
         pw = pw if pw is not None else pack_conv_weight(qw)
-        if plan.name == "fp8":
-            y = _fp8_kernel(plan, xs, pw, col, bias, bool(fp8_fast_accum), s_out, residual)
+        if plan.backend == "fp8":
+            y = _fp8_kernel(plan, xs, pw, col, bias, plan.fast_accum, s_out, residual)
         else:
             y = _int8_kernel(plan, xs, pw, col, bias, s_out, residual)  # (N, P, Q, K)
         if plan.out_layout == "planes+float":  # stem_conv's (float, planes), or the float for one pack pass
             y, planes = y if isinstance(y, tuple) else (y, None)
             return _with_planes(plan, y, s_out.reshape(1), planes)
-        if _kernel_out(plan) == "planes":  # (bits, N*P'*Q', Kw): pooled in the epilogue when plan.pool
+        kind = plan.epilogue
+        if kind == "planes":  # (bits, N*P'*Q', Kw): pooled in the epilogue when plan.pool
             return _packed_result(y, plan, s_out, _pooled_shape(g, plan.pool))
-        if _kernel_out(plan) == "int8":
+        if kind == "int8":
             return Int8Activation(y, plan.out_fmt, s_out)
-        if _fp8_out(plan):  # (N, P, Q, K) float8 from the epilogue: quantize_fp8_static's QTensor
+        if kind in _FP8_KIND.values():  # (N, P, Q, K) float8 from the epilogue: quantize_fp8_static's QTensor
             return QTensor(y.view(torch.uint8), s_out.reshape(1, 1, 1, 1), plan.out_fmt, PerTensor(), tuple(y.shape),
                            torch.float32)
-        if _kernel_out(plan) == "dual" and isinstance(plan.out_fmt, FloatFormat):  # (N, P, Q, K) float and float8
+        if kind == "dual" and isinstance(plan.out_fmt, FloatFormat):  # (N, P, Q, K) float and float8
             qt = QTensor(y[1].view(torch.uint8), s_out.reshape(1, 1, 1, 1), plan.out_fmt, PerTensor(),
                          tuple(y[1].shape), torch.float32)
             return Fp8Activation(qt, y[0])
-        if _kernel_out(plan) == "dual":
+        if kind == "dual":
             return Int8Activation(y[1], plan.out_fmt, s_out, hp=y[0])
-        if plan.pool_float:
+        if plan.after == "pool_float":
             return _pool_float(plan, y)
-        if _kernel_out(plan) != "float32" or (plan.fused and plan.out_fmt is None):
-            return y
-        return _finish_float(plan, y.reshape(-1, K), s_out, act_done=True)
+        if plan.after == "finish":
+            return _finish_float(plan, y.reshape(-1, K), s_out, act_done=True)
+        return y
 
-    if plan.name == "reference" and _fp8_dtype(plan.fa) is not None:
+    if plan.backend == "reference" and _fp8_dtype(plan.a_fmt) is not None:
         y = rg.float_epilogue(_fp8_reference(plan, xs, qw), None, col, bias, False, torch.float32)
         return _finish_float(plan, y, s_out, act_done=False, residual=residual)
     C = _int_product(plan, xs, qw)  # (M, K)
@@ -1608,13 +813,23 @@ def conv2d(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None, act=
                         fp8_fast_accum=fp8_fast_accum, out_layout=out_layout, residual=residual)
 
 
+def conv2d_plan(x, w, **kw) -> ConvPlan:
+    """The :class:`~tcprec.ops.qconv_plan.ConvPlan` ``conv2d(x, w, **kw)`` runs: backend and why, route, stem,
+    epilogue, the passes after it -- decided once, from the operands' specs and their device.
+
+    >>> import torch, tcprec as tp
+    >>> from tcprec.ops.qconv import conv2d_plan
+    >>> qx = tp.quantize(torch.rand(1, 5, 5, 3), "uint2"); qw = tp.quantize(torch.randn(4, 3, 3, 3), "binary")
+    >>> conv2d_plan(qx, qw, padding=1).backend
+    'reference'
+    """
+    return _prepare(x, w, **kw)[2]
+
+
 def choose_conv2d_backend(x, w, backend: str = "auto", **kw) -> tuple[str, str]:
     """(backend, reason) for ``conv2d(x, w, **kw)``."""
-    _, _, _, plan = _plan(x, w, kw.get("stride", 1), kw.get("padding", 0), kw.get("dilation", 1), kw.get("act"),
-                          kw.get("out_dtype", torch.float32), kw.get("out_fmt"), kw.get("pool"), backend,
-                          kw.get("scale"), kw.get("bias"), kw.get("out_scale"),
-                          out_layout=kw.get("out_layout", "planes"), residual=kw.get("residual"))
-    return plan.name, plan.why
+    plan = conv2d_plan(x, w, backend=backend, **kw)
+    return plan.backend, plan.reason
 
 
 def explain_conv2d(x, w, **kw) -> str:
@@ -1626,92 +841,4 @@ def explain_conv2d(x, w, **kw) -> str:
     >>> explain_conv2d(qx, qw, padding=1).split(":")[0]
     'reference'
     """
-    xs, _, g, plan = _plan(x, w, kw.get("stride", 1), kw.get("padding", 0), kw.get("dilation", 1), kw.get("act"),
-                           kw.get("out_dtype", torch.float32), kw.get("out_fmt"), kw.get("pool"),
-                           kw.get("backend", "auto"), kw.get("scale"), kw.get("bias"), kw.get("out_scale"),
-                           out_layout=kw.get("out_layout", "planes"), residual=kw.get("residual"))
-    M, Kt = g.N * g.P * g.Q, g.R * g.S * g.C
-    head = (f"{plan.name}: {plan.why}; conv {g.N}x{g.H}x{g.W}x{g.C} * {g.K}x{g.R}x{g.S}x{g.C}, stride {g.stride}, "
-            f"padding {g.padding}, dilation {g.dilation} -> {g.N}x{g.P}x{g.Q}x{g.K}; GEMM M={M} N={g.K} K={Kt}")
-    out = ("int32" if plan.out_dtype == torch.int32 and plan.out_fmt is None else
-           f"{_KIND[plan.out_dtype]} + {plan.out_fmt} codes (Fp8Activation)" if plan.dual
-           and isinstance(plan.out_fmt, FloatFormat) else
-           f"{plan.out_fmt} QTensor" if isinstance(plan.out_fmt, FloatFormat) else
-           f"{plan.out_fmt} Int8Activation" if plan.out_layout == "int8" else
-           f"{_KIND[plan.out_dtype]} + packed {plan.out_fmt} planes (PackedActivation with hp)"
-           if plan.out_layout == "planes+float" else
-           f"{_KIND[plan.out_dtype]} + {plan.out_fmt} codes (Int8Activation with hp)" if plan.dual else
-           f"packed {plan.out_fmt} planes" if plan.out_fmt is not None else str(plan.out_dtype).removeprefix("torch."))
-    res = ", residual" if plan.has_res else ""
-    if plan.name == "bitserial":
-        Cw = -(-g.C // 32)
-        cwt = rq.conv_tap_words(g.C)
-        if g.is_pointwise:
-            steps = ["no im2col (1x1 stride 1: the input planes are the operand"
-                     + ("; the pm1 weights' row correction from their row sums on the tensor cores, in the GEMM)"
-                        if rg.affine(plan.fw)[0] != 0 else ")")]
-        elif _implicit_route(plan, Cw, xs.device):
-            steps = [f"implicit GEMM: the kernel gathers {g.R * g.S} taps x {cwt} words a pixel from the packed planes "
-                     f"({plan.fa.bits} planes; padded rows, or compact ones when ceil(C / 32) = {Cw} is even)"]
-            if rg.affine(plan.fw)[0] != 0:
-                steps.append("the pm1 weights' row correction from the gathered rows' sums on the tensor cores (in "
-                             "the GEMM)")
-        else:
-            steps = [f"Triton im2col over packed planes ({g.R * g.S} taps x {Cw} words a pixel, "
-                     f"{rq.taps_words(g)[2]} words a row, {plan.fa.bits} planes)"]
-        kind, relu, slope, _ = _bitserial_kind(plan)
-        act = [f"LeakyReLU({slope})" if slope else "ReLU"] if relu else []
-        fused = ["scale", "bias"] + act + ([out] if kind == "packed" or plan.pool_float
-                                           or (plan.fused and plan.out_layout != "int8") else ["float32"])
-        steps.append(f"bmma_gemm with fused epilogue ({', '.join(fused if kind != 'int32' else ['int32'])})")
-        if kind == "packed" and plan.pool is not None:
-            steps.append(f"separate pass: max-pool 2x2 stride {plan.pool[2]} on the packed codes (one Triton kernel)")
-        elif plan.pool_float:
-            steps.append(_pool_float_step(plan, xs.device, out))
-        elif not plan.fused or plan.out_layout == "int8":
-            steps += _after_gemm(plan, xs.device, out, "re-quantize + pack")
-    elif plan.name == "fp8" or plan.route == "kernel":
-        kind = _kernel_out(plan)
-        shown = out if kind == "dual" or kind in _FP8_KIND.values() else kind  # what the epilogue writes
-        if kind == "planes":
-            shown = (f"{'max-pool 2x2 stride 2 + ' if plan.pool else ''}quantize + pack -> {plan.out_fmt} "
-                     f"{'compact ' if plan.out_layout == 'compact' else ''}bit planes (no float output)")
-        fast = kw.get("fp8_fast_accum", True)
-        gather = "one Triton pass" if xs.device.type == "cuda" or _interpreting() else "torch passes"
-        stem = ([f"thin layer (C = {g.C} < {THIN_C}): its {g.R}x{g.S}x{g.C} windows gathered into "
-                 f"{_stem_kp(g)}-byte rows ({gather}), run as a 1x1 conv"]
-                if _thin_stem(g) else [])
-        if plan.name == "fp8":
-            steps = stem + [f"Triton implicit-GEMM FP8 conv conv2d_fwd_fp8 ({'fast_accum' if fast else 'fp32 promotion every BLOCK_K'}) "
-                     f"with fused epilogue (scale, bias{res}, act={plan.act}) -> {shown}"]
-        else:
-            oa = _int8_affine(plan.fa)[0]
-            how = "as given: Int8Activation" if xs.i8 is not None else "torch pass"
-            shift = ([f"x stored as code - 128 ({how}), exact correction for the taps inside the image "
-                      f"({'(P, Q, K) table' if max(g.padding) > 0 else '(K,) vector'}, cached)"] if oa else [])
-            cuda_stem = _stem_cuda(plan, xs.device)
-            if cuda_stem:
-                pad = _stem_pad(plan)
-                shift = ([f"x stored as code - 128 ({how}), padded taps hold code {pad} (value 0): exact (K,) "
-                          "correction, cached"] if oa else [])
-                stem = [f"CUDA stem_conv.cu (C = {g.C}): each block copies its input patch to shared memory once, "
-                        f"{g.R}x{g.S} taps x one {g.C}-byte pixel word on mma.m16n8k32.s8, no gather pass"]
-            steps = shift + stem + [f"{'CUDA direct' if cuda_stem else 'Triton implicit-GEMM'} "
-                                    f"INT8 conv {'stem_conv' if cuda_stem else 'conv2d_fwd_int8'} "
-                             f"with fused epilogue (scale, bias{res}, act={plan.act}) -> "
-                             f"{shown}" if kind != "int32" else
-                             "Triton implicit-GEMM INT8 conv conv2d_fwd_int8 -> int32"]
-        if plan.out_layout == "planes+float":
-            if plan.name == "int8" and _stem_cuda(plan, xs.device):
-                steps[-1] += f" + the {plan.out_fmt} compact bit planes of it (same epilogue)"
-            else:
-                steps.append(f"separate pass: quantize + pack the stored float -> {plan.out_fmt} compact bit planes")
-        elif plan.pool_float:
-            steps.append(_pool_float_step(plan, xs.device, out))
-        elif kind == "float32" and not (plan.fused and plan.out_fmt is None):
-            steps += _after_gemm(plan, xs.device, out, "re-quantize")
-    else:
-        steps = [("float64 F.conv2d on decoded codes" if plan.name == "reference" else
-                  "im2col on codes (torch gather) + torch._int_mm (INT8 tensor cores)"),
-                 f"epilogue in torch (scale, bias{res}, act={plan.act}, pool={plan.pool}) -> {out}"]
-    return head + "; passes: " + " -> ".join(steps)
+    return format_plan(conv2d_plan(x, w, **kw))

@@ -233,8 +233,12 @@ constexpr int P = TCP_P, Q = TCP_Q;
 constexpr bool A_TWOS = TCP_A_TWOS != 0, W_TWOS = TCP_W_TWOS != 0;
 constexpr int BM = TCP_BM, BN = TCP_BN, WARPS_M = TCP_WARPS_M, WARPS_N = TCP_WARPS_N;
 constexpr int STAGES = TCP_STAGES, EPI = TCP_EPI, OUT_T = TCP_OUT_T, OB = TCP_OB, OENC = TCP_OENC;
+// The values of TCP_EPI and TCP_OUT_T (kernels/cuda/codes.py: Epilogue, OutType); TCP_OENC's are codes.cuh's
+// ENC_*.  Enumerators, not constexpr variables: NVRTC emits a .global for each of those, and the PTX is unchanged.
+enum : int { EPI_INT32 = 0, EPI_FLOAT = 1, EPI_PACKED = 2 };
+enum : int { OUT_F32 = 0, OUT_F16 = 1, OUT_BF16 = 2 };
 constexpr bool RES = TCP_RES != 0;
-static_assert(!RES || EPI == 1, "a residual is added by the float epilogue only");
+static_assert(!RES || EPI == EPI_FLOAT, "a residual is added by the float epilogue only");
 static_assert(!(TCP_SPLIT != 0 && (TCP_TMA != 0 || TCP_CONV != 0)), "split-K: the cp.async paths without TCP_CONV");
 constexpr bool DUAL = TCP_DUAL != 0;  // the 16-bit float output and, of the same values, OB-bit planes (compact rows)
 constexpr bool SPLIT = TCP_SPLIT != 0;  // split-K: `splits` blocks a tile, int32 partial sums added in split_ws
@@ -272,9 +276,9 @@ constexpr int PIPE_BYTES = ROWSUM && WGMMA ? ONES_OFF + 1024 : PIPE_RAW;
 constexpr int VEC_OFF = (WGMMA ? 1024 : 0) + (PIPE_BYTES + 15) / 16 * 16;
 constexpr int NCODE = 1 << OB;                 // packed epilogue: codes of the output format
 // packed epilogue with OB <= 3: a column's integer code thresholds (bmma_code_thresholds), staged after the vectors
-constexpr int ITHR = (EPI == 2 && NCODE <= 8) ? NCODE : 0;
+constexpr int ITHR = (EPI == EPI_PACKED && NCODE <= 8) ? NCODE : 0;
 constexpr int VEC_N = 2 * BM + 3 * BN + ITHR * BN;
-constexpr int THR_N = EPI == 2 || DUAL ? NCODE : 0;  // its (or the dual planes') thresholds, after the vectors
+constexpr int THR_N = EPI == EPI_PACKED || DUAL ? NCODE : 0;  // its (or the dual planes') thresholds, after the vectors
 // one copy of the vectors (and thresholds) a block; the copies 16-byte aligned for the int4 loads
 // TMA (WG_VEC): each MMA warpgroup stages its own copy and syncs only with itself (named barrier 1 + its copy), so
 // the warpgroups of a block are not held together at every tile: one's epilogue runs while the other multiplies
@@ -303,10 +307,10 @@ static_assert(!WGMMA || (BK == 1024 && WARPS_M % 4 == 0 && MT == 1),
 static_assert(!WGMMA || STAGES >= 3, "wgmma: >= 3 stages (one slot stays with the wgmmas in flight)");
 static_assert(!WGMMA || NT == 4 || NT == 8 || NT == 12 || NT == 16 || NT == 24 || NT == 32,
               "wgmma: the warpgroup's N = BN / WARPS_N must be 32, 64, 96, 128, 192 or 256");
-static_assert(EPI != 2 || (BN % 32 == 0 && 512 % BN == 0 && NT % 4 == 0),
+static_assert(EPI != EPI_PACKED || (BN % 32 == 0 && 512 % BN == 0 && NT % 4 == 0),
               "packed output needs BN | 512, 32 | BN and whole 32-column words a warp (NT a multiple of 4)");
 static_assert(!TMA || (WGMMA && WARPS_N == 1), "TMA: the wgmma path with one warpgroup per 64 rows (WARPS_N = 1)");
-static_assert(!DUAL || (EPI == 1 && OUT_T != 0 && NCODE <= 8 && BN % 32 == 0 && NT % 4 == 0),
+static_assert(!DUAL || (EPI == EPI_FLOAT && OUT_T != OUT_F32 && NCODE <= 8 && BN % 32 == 0 && NT % 4 == 0),
               "dual output: the fp16 / bf16 epilogue, OB <= 3, whole 32-column words a warp");
 static_assert(!CONV || !TMA || (CS == 1 && STAGES >= 3), "implicit conv on TMA: no cluster, >= 3 stages");
 constexpr int RING = STAGES;  // TMA: the ring of stages
@@ -614,9 +618,9 @@ __device__ __forceinline__ void shrink_regs() {
 #include "codes.cuh"
 
 // rd: a float32 rounded to the output dtype and back (OUT_T 0: itself); its 16-bit pattern (OUT_T 1 / 2)
-__device__ __forceinline__ unsigned short out_bits16(float x) { return OUT_T == 1 ? f32_to_f16(x) : f32_to_bf16(x); }
-__device__ __forceinline__ float out_of16(unsigned short h) { return OUT_T == 1 ? f16_to_f32(h) : bf16_to_f32(h); }
-__device__ __forceinline__ float rd_out(float x) { return OUT_T == 0 ? x : out_of16(out_bits16(x)); }
+__device__ __forceinline__ unsigned short out_bits16(float x) { return OUT_T == OUT_F16 ? f32_to_f16(x) : f32_to_bf16(x); }
+__device__ __forceinline__ float out_of16(unsigned short h) { return OUT_T == OUT_F16 ? f16_to_f32(h) : bf16_to_f32(h); }
+__device__ __forceinline__ float rd_out(float x) { return OUT_T == OUT_F32 ? x : out_of16(out_bits16(x)); }
 // TCP_RES: the sum of the branch y0 (before its activation) and the residual r, both as the output dtype stores them,
 // rounded to it, then the activation (y < 0 -> slope * y, or 0; NaN stays NaN, as torch)
 __device__ __forceinline__ float residual_sum(float y0, float r, bool relu, float slope) {
@@ -933,7 +937,7 @@ bmma_gemm(
         if (DUAL) {
 #pragma unroll
             for (int i = 1; i < NCODE; ++i) dthr[i] = s_thr[i];
-            if (OUT_T == 1 && !have16) {
+            if (OUT_T == OUT_F16 && !have16) {
 #pragma unroll
                 for (int i = 1; i < NCODE; ++i) dthr16[i] = f16_ceil(dthr[i]) * 0x00010001u;
                 have16 = true;
@@ -949,7 +953,7 @@ bmma_gemm(
                 if ((lane & 3) == b % 4 && r < M && gw < ldp) dual_out[(i64)b * M * ldp + (i64)r * ldp + gw] = v;
             }
         };
-        if (EPI == 1 && OUT_T != 0 && NT % 4 == 0 && interior && (ldo & 7) == 0) {
+        if (EPI == EPI_FLOAT && OUT_T != OUT_F32 && NT % 4 == 0 && interior && (ldo & 7) == 0) {
             // 16-bit output inside M x N: a lane's fragment pair is 4 bytes, half a 32-byte sector, and the
             // fp16 epilogue was bound by L2 store transactions.  The quad transposes its pairs of 4 MMA tiles
             // so that lane t stores tile 4 q + t's 8 columns of the row with one 16-byte store.  (Extending it
@@ -986,14 +990,14 @@ bmma_gemm(
                             const float y0 = y_value(c_value(mt, nt, 2 * h, rt, s_ct[cl]), rs, s_cs[cl], s_bias[cl]);
                             const float y1 = y_value(c_value(mt, nt, 2 * h + 1, rt, s_ct[cl + 1]), rs, s_cs[cl + 1],
                                                      s_bias[cl + 1]);
-                            pk[j] = pair_of(OUT_T == 1 ? f32_to_f16(y0) : f32_to_bf16(y0),
-                                            OUT_T == 1 ? f32_to_f16(y1) : f32_to_bf16(y1));
+                            pk[j] = pair_of(OUT_T == OUT_F16 ? f32_to_f16(y0) : f32_to_bf16(y0),
+                                            OUT_T == OUT_F16 ? f32_to_f16(y1) : f32_to_bf16(y1));
                         }
                         quad_transpose(pk, t);
                         if (RES) {  // this lane's 8 columns of the row: one 16-byte read of the residual
                             const uint4 rv = rpre[h % PF_H][q];
                             const u32 rw[4] = {rv.x, rv.y, rv.z, rv.w};
-                            if (OUT_T == 1 && (relu == 0 || slope == 0.0f)) {  // fp16, ReLU or none: in fp16x2
+                            if (OUT_T == OUT_F16 && (relu == 0 || slope == 0.0f)) {  // fp16, ReLU or none: in fp16x2
 #pragma unroll
                                 for (int j = 0; j < 4; ++j) {
                                     const u32 v = hadd2_rn(pk[j], rw[j]);
@@ -1013,7 +1017,7 @@ bmma_gemm(
                         st_global_v4(orow + (4 * q + t) * 8, pk);
                         if (DUAL) {  // lane t has columns 8 t .. 8 t + 7 of the quad's 32: one word a plane
                             u32 bits[OB];
-                            if (OUT_T == 1) {  // fp16: per threshold one compare of both halves; bit b of the index is
+                            if (OUT_T == OUT_F16) {  // fp16: per threshold one compare of both halves; bit b of the index is
                                 // the parity of the comparisons at i = m 2^b (see bits_of), then 8 masks -> 8 bits
                                 u32 pm[OB][4];
 #pragma unroll
@@ -1025,7 +1029,7 @@ bmma_gemm(
                                 }
 #pragma unroll
                                 for (int b = 0; b < OB; ++b) bits[b] = mask_bits8(pm[b]);
-                                if (OENC == 0) bits[OB - 1] ^= 0xFFu;  // two's complement: the index's top bit flipped
+                                if (OENC == ENC_TWOS) bits[OB - 1] ^= 0xFFu;  // two's complement: the index's top bit flipped
                             } else {
 #pragma unroll
                             for (int b = 0; b < OB; ++b) bits[b] = 0;
@@ -1046,7 +1050,7 @@ bmma_gemm(
                 }
             return;
         }
-        if (EPI != 2) {
+        if (EPI != EPI_PACKED) {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -1058,7 +1062,7 @@ bmma_gemm(
                         const int r = m0 + rl, c = n0 + cl, rt = row_t(mt, h, rl);
                         const int c0 = c_value(mt, nt, 2 * h, rt, s_ct[cl]);
                         const int c1 = c_value(mt, nt, 2 * h + 1, rt, s_ct[cl + 1]);
-                        if (EPI == 0) {
+                        if (EPI == EPI_INT32) {
                             store_pair((int*)out + (i64)r * ldo + c, c0, c1, interior, r, c, M, N, ldo);
                         } else {
                             float y0 = y_value(c0, s_rs[rl], s_cs[cl], s_bias[cl]);
@@ -1066,17 +1070,17 @@ bmma_gemm(
                             if (RES) {  // the residual of the outputs inside M x N (the others are not stored)
                                 const i64 o = (i64)r * ldo + c;
                                 auto res_at = [&](i64 i) -> float {
-                                    return OUT_T == 0 ? ((const float*)residual)[i]
+                                    return OUT_T == OUT_F32 ? ((const float*)residual)[i]
                                                       : out_of16(((const unsigned short*)residual)[i]);
                                 };
                                 if (r < M && c < N) y0 = residual_sum(y0, res_at(o), relu != 0, slope);
                                 if (r < M && c + 1 < N) y1 = residual_sum(y1, res_at(o + 1), relu != 0, slope);
                             }
-                            if (OUT_T == 0) {
+                            if (OUT_T == OUT_F32) {
                                 store_pair((float*)out + (i64)r * ldo + c, y0, y1, interior, r, c, M, N, ldo);
                             } else {
-                                const unsigned short h0 = OUT_T == 1 ? f32_to_f16(y0) : f32_to_bf16(y0);
-                                const unsigned short h1 = OUT_T == 1 ? f32_to_f16(y1) : f32_to_bf16(y1);
+                                const unsigned short h0 = OUT_T == OUT_F16 ? f32_to_f16(y0) : f32_to_bf16(y0);
+                                const unsigned short h1 = OUT_T == OUT_F16 ? f32_to_f16(y1) : f32_to_bf16(y1);
                                 store_pair((unsigned short*)out + (i64)r * ldo + c, h0, h1, interior, r, c, M, N, ldo);
                             }
                         }
@@ -1129,7 +1133,7 @@ bmma_gemm(
         auto bits_of = [&](const bool (&ge)[NGE], bool (&bit)[OB]) {
 #pragma unroll
             for (int b = 0; b < OB; ++b) bit[b] = index_bit(ge, b);
-            if (OENC == 0) bit[OB - 1] = !bit[OB - 1];  // two's complement: the index with its sign bit flipped
+            if (OENC == ENC_TWOS) bit[OB - 1] = !bit[OB - 1];  // two's complement: the index with its sign bit flipped
         };
         // bit b of the stored pattern of y (the float path): OB <= 3 by comparisons, else a binary search
         auto code_bits = [&](float y, bool (&bit)[OB]) {
@@ -1147,7 +1151,7 @@ bmma_gemm(
                 }
 #pragma unroll
                 for (int b = 0; b < OB; ++b) bit[b] = (idx >> b) & 1u;
-                if (OENC == 0) bit[OB - 1] = !bit[OB - 1];
+                if (OENC == ENC_TWOS) bit[OB - 1] = !bit[OB - 1];
             }
         };
         const int* const s_ith = reinterpret_cast<const int*>(s_ct + BN);  // (BN, ITHR) integer threshold words
@@ -1406,7 +1410,7 @@ bmma_gemm(
                 mma_sync_all();
             }
         };
-        if (EPI == 2 || DUAL)  // the code thresholds, visible after the first tile's barrier
+        if (EPI == EPI_PACKED || DUAL)  // the code thresholds, visible after the first tile's barrier
             for (int i = wtid + 1; i < NCODE; i += STAGERS) s_thr[i] = code_threshold(i, out_scale[0]);
         const int slab = cwarp >> 2;
         auto release = [&](int g) {  // one arrival per warp on step g's "empty" barrier in every cluster block
@@ -1481,7 +1485,7 @@ bmma_gemm(
             const int i = tid + j * THREADS;
             if (i < VEC_N) s_vec[i] = vec[j];
         }
-        if (EPI == 2 || DUAL)
+        if (EPI == EPI_PACKED || DUAL)
             for (int i = tid + 1; i < NCODE; i += THREADS) s_thr[i] = code_threshold(i, out_scale[0]);
     };
     zero_acc();

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ...memo import remembered
+from .codes import Encoding, Epilogue, OutType
 from ..reference_bitplanes import packed_words
 from ..reference_conv_bitserial import check_conv_row_scale, implicit_conv_fits
 from .runtime import (
@@ -66,8 +67,8 @@ __all__ = [
 SOURCE_PATH = Path(__file__).with_name("bmma_gemm.cu")
 EPILOGUES = ("int32", "float", "packed")
 OUT_KINDS = ("int32", "float32", "float16", "bfloat16", "packed")
-_OUT_T = {"float32": 0, "float16": 1, "bfloat16": 2}
-_OENC = {"twos": 0, "unsigned": 1, "pm1": 2}
+_OUT_T = {t.name.lower(): t for t in OutType}  # out_dtype name -> TCP_OUT_T
+_OENC = {e.name.lower(): e for e in Encoding}  # out_encoding -> TCP_OENC
 _ACC_REG_BUDGET = 128  # int32 accumulator registers a thread may spend (of 255)
 _MAX_SMEM = 227 * 1024  # Hopper's opt-in dynamic shared memory per block
 _WGMMA_N = (32, 64, 96, 128, 192, 256)  # a warpgroup's N in the kernel's wgmma wrappers
@@ -286,15 +287,15 @@ class Variant:
 
     def defines(self) -> list[str]:
         t = self.tile
-        epi = EPILOGUES.index(self.epilogue)
+        epi = Epilogue.of(self.epilogue)
         return [
             f"TCP_P={self.p}", f"TCP_Q={self.q}", f"TCP_A_TWOS={int(self.a_twos)}", f"TCP_W_TWOS={int(self.w_twos)}",
             f"TCP_BM={t.bm}", f"TCP_BN={t.bn}", f"TCP_WARPS_M={t.warps_m}", f"TCP_WARPS_N={t.warps_n}",
             f"TCP_STAGES={t.stages}", f"TCP_BK={t.bk}", f"TCP_FRAG_DB={int(t.frag_db)}",
             f"TCP_WGMMA={int(t.mma == 'wgmma')}", f"TCP_FOLD={int(t.fold)}", f"TCP_TMA={int(t.tma)}",
-            f"TCP_CM={t.cluster[0]}", f"TCP_CN={t.cluster[1]}", f"TCP_EPI={epi}",
-            f"TCP_OUT_T={_OUT_T[self.out_dtype]}",
-            f"TCP_OB={self.out_bits}", f"TCP_OENC={_OENC[self.out_encoding]}", f"TCP_SMEM={self.smem_bytes}",
+            f"TCP_CM={t.cluster[0]}", f"TCP_CN={t.cluster[1]}", f"TCP_EPI={int(epi)}",
+            f"TCP_OUT_T={int(_OUT_T[self.out_dtype])}",
+            f"TCP_OB={self.out_bits}", f"TCP_OENC={int(_OENC[self.out_encoding])}", f"TCP_SMEM={self.smem_bytes}",
             f"TCP_CONV={int(self.conv)}", f"TCP_RES={int(self.res)}", f"TCP_DUAL={int(self.dual)}",
             f"TCP_ROWSUM={int(self.rowsum)}",
             f"TCP_SPLIT={int(t.split > 1)}", f"TCP_SPLIT_COUNTERS={SPLIT_COUNTERS}",

@@ -1,8 +1,11 @@
 // Output codes of the packed epilogues (bmma_gemm.cu, stem_conv.cu): y -> the stored OB-bit code pattern, the float
 // thresholds T_i that replace the division, and the integer threshold words that replace the float arithmetic; and the
 // helpers their 16-bit float outputs use (bmma_gemm.cu's fp16x2 steps; both kernels' quad transpose to 16-byte stores).
-// Included (textually, by loader.compile_source) inside a namespace that defines OB, OENC, NCODE = 1 << OB and the
+// Included (textually, by runtime.compile_source) inside a namespace that defines OB, OENC, NCODE = 1 << OB and the
 // types u32 / i64.
+
+// The values of OENC (TCP_OENC): how an OB-bit code is stored (kernels/cuda/codes.py: Encoding).
+enum : int { ENC_TWOS = 0, ENC_UNSIGNED = 1, ENC_PM1 = 2 };
 
 // 16-bit float conversions (round to nearest even), as the bits a float16 / bfloat16 tensor stores.
 __device__ __forceinline__ unsigned short f32_to_f16(float x) {
@@ -104,7 +107,7 @@ __device__ __forceinline__ void quad_transpose(u32 (&x)[4], int t) {
 __device__ __forceinline__ u32 encode_code(float y, float s) {
     const float v = __fdiv_rn(y, s);
     constexpr int NC = 1 << OB;
-    if (OENC == 2) {  // pm1: index u = round_half_even((v + (2^OB - 1)) / 2), exactly as kernels/reference.py:
+    if (OENC == ENC_PM1) {  // pm1: index u = round_half_even((v + (2^OB - 1)) / 2), exactly as kernels/reference.py:
         // v = n + g (n = trunc(v), g = v - n exact), T = n + 2^OB - 1 - [g < 0], u = T / 2 + (T odd and (g != 0
         // or T / 2 odd)).  (Adding 2^OB - 1 to v in floating point would lose a tiny v that decides a tie.)
         const float c = fminf(fmaxf(v, -(float)(NC + 3)), (float)(NC + 3));  // saturates; NaN -> the low end
@@ -114,8 +117,8 @@ __device__ __forceinline__ u32 encode_code(float y, float s) {
         const int u = h + ((T & 1) && (g != 0.0f || (h & 1)) ? 1 : 0);
         return (u32)min(max(u, 0), NC - 1);
     }
-    const int lo = OENC == 0 ? -(NC / 2) : 0;
-    const int hi = OENC == 0 ? NC / 2 - 1 : NC - 1;
+    const int lo = OENC == ENC_TWOS ? -(NC / 2) : 0;
+    const int hi = OENC == ENC_TWOS ? NC / 2 - 1 : NC - 1;
     float r = rintf(fminf(fmaxf(v, (float)lo - 4.0f), (float)hi + 4.0f));  // ties to even value
     int val = min(max((int)r, lo), hi);
     return (u32)val & (u32)(NC - 1);  // two's complement pattern, or the index
@@ -129,7 +132,7 @@ __device__ __forceinline__ u32 encode_code(float y, float s) {
 // comparison is bit-exact with the division it replaces.
 __device__ __forceinline__ u32 code_index(float y, float s) {
     const u32 c = encode_code(y, s);
-    return OENC == 0 ? c ^ (u32)(NCODE / 2) : c;
+    return OENC == ENC_TWOS ? c ^ (u32)(NCODE / 2) : c;
 }
 __device__ __forceinline__ i64 float_key(float f) {  // the floats (no NaN) -> integers, order kept
     const int b = __float_as_int(f);
@@ -154,7 +157,7 @@ __device__ __forceinline__ u32 code_pattern(float y, const float* T) {
     u32 idx = 0;
 #pragma unroll
     for (int i = 1; i < NCODE; ++i) idx += y >= T[i] ? 1u : 0u;
-    return OENC == 0 ? idx ^ (u32)(NCODE / 2) : idx;
+    return OENC == ENC_TWOS ? idx ^ (u32)(NCODE / 2) : idx;
 }
 
 // y of an output whose int32 value is C: ((float(C) * rs) * cs) + bias, one IEEE rounding each (no FMA

@@ -76,10 +76,11 @@ static_assert(PF == 1 || PF == 2, "stem_conv: TCP_POOL 1 (none) or 2");
 // the planes are of that stored value (what a separate quantize pass over the float tensor would write: the dual
 // output of a ResNet stem, whose float is the first block's shortcut).  No pool with a float output.
 constexpr int FOUT = TCP_FOUT;
+enum : int { FOUT_NONE = 0, FOUT_F16 = 1, FOUT_BF16 = 2 };  // its values (stem_conv.py: FLOAT_OUTS)
 constexpr bool PLANES = TCP_PLANES != 0;
 static_assert(FOUT >= 0 && FOUT <= 2, "stem_conv: TCP_FOUT 0 (none), 1 (float16), 2 (bfloat16)");
-static_assert(FOUT == 0 || PF == 1, "stem_conv: a float output is not pooled");
-static_assert(PLANES || FOUT != 0, "stem_conv: writes planes, a float output or both");
+static_assert(FOUT == FOUT_NONE || PF == 1, "stem_conv: a float output is not pooled");
+static_assert(PLANES || FOUT != FOUT_NONE, "stem_conv: writes planes, a float output or both");
 
 // Words a raw patch row takes in shared memory: its PWD * C bytes from any byte alignment, and one word more (the
 // pixel words are shifted out of a word and the next).
@@ -106,13 +107,16 @@ __device__ __forceinline__ void cp_async4(int* smem_dst, const void* gsrc) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"((u32)__cvta_generic_to_shared(smem_dst)), "l"(gsrc));
 }
 
+// The kernel's act argument (stem_conv.py: Act).
+enum : int { ACT_NONE = 0, ACT_RELU = 1, ACT_LEAKY = 2 };
+
 // y of an output whose integer sum is C, as the Triton conv's epilogue computes it: float(C) * scale, + bias
 // (each rounded), ReLU (y > 0 ? y : 0) or LeakyReLU (y > 0 ? y : y * slope); then NaN -> 0 as the quantizer does.
 __device__ __forceinline__ float stem_y(int c, float cs, float bi, bool has_bias, int act, float slope) {
     float y = __fmul_rn(__int2float_rn(c), cs);
     if (has_bias) y = __fadd_rn(y, bi);
-    if (act == 1) y = y > 0.0f ? y : 0.0f;
-    else if (act == 2) y = y > 0.0f ? y : __fmul_rn(y, slope);
+    if (act == ACT_RELU) y = y > 0.0f ? y : 0.0f;
+    else if (act == ACT_LEAKY) y = y > 0.0f ? y : __fmul_rn(y, slope);
     return y == y ? y : 0.0f;
 }
 
@@ -120,19 +124,19 @@ __device__ __forceinline__ float stem_y(int c, float cs, float bi, bool has_bias
 // zero vector is), NaN kept.
 __device__ __forceinline__ float stem_yf(int c, float cs, float bi, int act, float slope) {
     float y = __fadd_rn(__fmul_rn(__int2float_rn(c), cs), bi);
-    if (act == 1) y = y > 0.0f ? y : 0.0f;
-    else if (act == 2) y = y > 0.0f ? y : __fmul_rn(y, slope);
+    if (act == ACT_RELU) y = y > 0.0f ? y : 0.0f;
+    else if (act == ACT_LEAKY) y = y > 0.0f ? y : __fmul_rn(y, slope);
     return y;
 }
 // Two values rounded to the stored dtype (nearest even) in one conversion: lo in bits 0..15, hi in 16..31.
 __device__ __forceinline__ u32 pack16x2(float lo, float hi) {
     u32 d;
-    if constexpr (FOUT == 2) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    if constexpr (FOUT == FOUT_BF16) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
     else asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
     return d;
 }
-__device__ __forceinline__ unsigned short stem_round16(float y) { return FOUT == 2 ? f32_to_bf16(y) : f32_to_f16(y); }
-__device__ __forceinline__ float stem_load16(unsigned short h) { return FOUT == 2 ? bf16_to_f32(h) : f16_to_f32(h); }
+__device__ __forceinline__ unsigned short stem_round16(float y) { return FOUT == FOUT_BF16 ? f32_to_bf16(y) : f32_to_f16(y); }
+__device__ __forceinline__ float stem_load16(unsigned short h) { return FOUT == FOUT_BF16 ? bf16_to_f32(h) : f16_to_f32(h); }
 
 // The threshold words of the kernel's codes: (K, 2^OB) int32, one thread a word (codes.cuh, threshold_word).
 extern "C" __global__ void __launch_bounds__(128)
@@ -243,7 +247,7 @@ stem_conv(const signed char* __restrict__ x,  // (N, H, W, C) int8 codes
 #pragma unroll
         for (int i = 1; i < NCODE; ++i) {
             i64 u = in ? (i64)thr[(i64)k * NCODE + i] - 1 - (f == -1 ? -(i64)add : (i64)add)
-                       : (OENC == 0 && i <= NCODE / 2 ? -SAT : SAT);
+                       : (OENC == ENC_TWOS && i <= NCODE / 2 ? -SAT : SAT);
             s_thr[c * NCODE + i] = (int)(u < -SAT ? -SAT : u > SAT ? SAT : u);
         }
         if (in && f == 1) s_float = 1;
@@ -336,7 +340,7 @@ stem_conv(const signed char* __restrict__ x,  // (N, H, W, C) int8 codes
                 }
             }
             // ---- the word's epilogue: (the float output,) C, (pool,) code bits, the quad's words ----
-            if constexpr (FOUT != 0) {  // the float output
+            if constexpr (FOUT != FOUT_NONE) {  // the float output
                 // this lane's pairs of columns (tiles j, rows r); a word inside K with 16-byte aligned rows is stored
                 // with one 16-byte store a row (the quad transposes its pairs so that lane t holds tile t's 8 columns:
                 // 4-byte stores filled half sectors), else one 4-byte store a pair
@@ -417,7 +421,7 @@ stem_conv(const signed char* __restrict__ x,  // (N, H, W, C) int8 codes
 #pragma unroll
                             for (int b = 0; b < OB; ++b) {  // bit b of the index (index_bit, in the sign bits)
                                 const u32 v = index_bit(x, b);
-                                sg[b][j][e] = OENC == 0 && b == OB - 1 ? ~v : v;
+                                sg[b][j][e] = OENC == ENC_TWOS && b == OB - 1 ? ~v : v;
                             }
                         }
                 } else {
@@ -433,7 +437,7 @@ stem_conv(const signed char* __restrict__ x,  // (N, H, W, C) int8 codes
                                                         max(acc[1][j][e] ^ f, acc[1][j][2 + e] ^ f)) ^ f
                                                   : acc[r >> 1][j][2 * (r & 1) + e];
                             float y = stem_y((int)((u32)c + (u32)add), cs, s_bias[cl], has_bias, act, slope);
-                            if constexpr (FOUT != 0) y = stem_load16(stem_round16(y));  // (NaN was 0: the same codes)
+                            if constexpr (FOUT != FOUT_NONE) y = stem_load16(stem_round16(y));  // (NaN was 0: the same codes)
                             const u32 pat = inside ? code_pattern(y, s_T) : 0u;
 #pragma unroll
                             for (int b = 0; b < OB; ++b) sg[b][j][e] = ((pat >> b) & 1u) << 31;

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ...memo import remembered
+from .codes import Act, Encoding, OutType
 from .runtime import compile_source, launch, launch_config, load_kernel, ptr, set_kernel_attribute
 
 __all__ = ["SOURCE_PATH", "MAX_C", "MAX_WORDS", "ENCODINGS", "FLOAT_OUTS", "StemVariant", "all_variants",
@@ -28,8 +29,8 @@ __all__ = ["SOURCE_PATH", "MAX_C", "MAX_WORDS", "ENCODINGS", "FLOAT_OUTS", "Stem
 SOURCE_PATH = Path(__file__).with_name("stem_conv.cu")
 MAX_C = 4  # input channels (a pixel is one 32-bit word)
 MAX_WORDS = 4  # 32-channel output words a block (more channels: more blocks along grid.y)
-ENCODINGS = {"twos": 0, "unsigned": 1, "pm1": 2}  # output code encodings (TCP_OENC), as bmma_gemm's
-FLOAT_OUTS = {torch.float16: 1, torch.bfloat16: 2}  # the float output's dtypes (TCP_FOUT)
+ENCODINGS = {e.name.lower(): e for e in Encoding}  # output code encodings (TCP_OENC), as bmma_gemm's
+FLOAT_OUTS = {torch.float16: OutType.FLOAT16, torch.bfloat16: OutType.BFLOAT16}  # the float output (TCP_FOUT; 0: none)
 WARPS = 4
 _MAX_SMEM = 227 * 1024
 
@@ -64,8 +65,9 @@ class StemVariant:
                              "out_encoding at their defaults")
 
     def defines(self) -> list[str]:
-        return [f"TCP_OB={self.out_bits}", f"TCP_OENC={ENCODINGS[self.out_encoding]}", f"TCP_POOL={self.pool}",
-                f"TCP_WARPS={WARPS}", f"TCP_FOUT={FLOAT_OUTS.get(self.fout, 0)}", f"TCP_PLANES={int(self.planes)}"]
+        return [f"TCP_OB={self.out_bits}", f"TCP_OENC={int(ENCODINGS[self.out_encoding])}", f"TCP_POOL={self.pool}",
+                f"TCP_WARPS={WARPS}", f"TCP_FOUT={int(FLOAT_OUTS.get(self.fout, 0))}",
+                f"TCP_PLANES={int(self.planes)}"]
 
     def __str__(self) -> str:
         f = "" if self.fout is None else "_" + str(self.fout).removeprefix("torch.")
@@ -269,12 +271,12 @@ def conv_stem(x8: torch.Tensor, wq: torch.Tensor, K: int, R: int, S: int, *, str
     return y, out
 
 
-def _act(act) -> tuple[bool, float, int]:
+def _act(act) -> tuple[bool, float, Act]:
     """(relu for the thresholds, slope, the kernel's act code)."""
     if act is None:
-        return False, 0.0, 0
+        return False, 0.0, Act.NONE
     if act == "relu":
-        return True, 0.0, 1
+        return True, 0.0, Act.RELU
     if isinstance(act, tuple) and len(act) == 2 and act[0] == "leaky" and float(act[1]) >= 0:
-        return True, float(act[1]), 2
+        return True, float(act[1]), Act.LEAKY
     raise ValueError(f"stem_conv act must be None, 'relu' or ('leaky', slope >= 0), got {act!r}")

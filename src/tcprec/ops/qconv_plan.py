@@ -1,0 +1,716 @@
+"""The quantized convolution's plan: what ``ops.qconv.conv2d`` runs, decided once, by one pure function.
+
+``plan_conv2d(geometry, formats, options, device)`` takes the operands' *specs* (formats, shapes, the layout x
+comes in) and a :class:`DeviceCaps` record (what the device can run) and returns a frozen :class:`ConvPlan`:
+
+* ``backend`` and ``reason``: ``"bitserial"`` (binary tensor cores, while p*q < 8), ``"int8"``, ``"fp8"`` or
+  ``"reference"`` (float64 ``F.conv2d``, any device) -- the rule of ``ops.matmul.int_backend_rule``;
+* ``route``: how that backend reads its input (bit-serial: ``"implicit"`` GEMM / ``"pointwise"`` / ``"im2col"``;
+  INT8: the Triton ``"kernel"`` or ``"im2col"`` + ``torch._int_mm``; FP8: ``"kernel"``);
+* ``stem``: a thin (C < 16) spatial layer's special path: ``"gather"`` (windows gathered into rows, a 1x1 conv) or
+  ``"cuda"`` (``kernels/cuda/stem_conv.cu`` on sm_90);
+* ``epilogue``: what the GEMM / kernel writes (``"int32"``, a float dtype, ``"packed"`` / ``"planes"`` bit planes,
+  ``"int8"`` / ``"e4m3"`` / ``"e5m2"`` codes, ``"dual"``: a float and its codes);
+* ``after``: the pass that follows it (``"pool_planes"``, ``"pool_float"``, ``"pack_float"``, ``"finish"``: the
+  float32 result's pool / activation / re-quantize, by ``finish``: ``"pack"`` / ``"fp8"`` in one Triton pass or
+  ``"torch"``);
+* ``passes``: the same decisions in words, which ``explain_conv2d`` prints.
+
+``ops.qconv.conv2d`` validates the tensors, calls :func:`plan_conv2d` with :func:`device_caps` of their device,
+and runs the plan (``ops.qconv.run``); ``explain_conv2d`` formats it.  Neither re-derives a decision.  The only
+function here that looks at the machine is :func:`device_caps`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..enums import Backend, backend_names
+from ..formats import FloatFormat, IntFormat, as_format
+from ..kernels import reference_conv_bitserial as rq
+from ..kernels import reference_gemm as rg
+from ..kernels.conv_geometry import ConvGeometry
+from ..kernels.reference_conv_int8_fp8 import parse_act
+from .matmul import BACKENDS as _INT_BACKENDS
+from .matmul import int_backend_rule
+
+__all__ = ["ConvPlan", "DeviceCaps", "device_caps", "layer_backend", "plan_conv2d", "format_plan", "implicit_conv",
+           "POOLS", "OUT_LAYOUTS", "BACKENDS", "THIN_C"]
+
+POOLS = (None, ("max", 2, 2), ("avg", 2, 2), ("max", 2, 1))
+BACKENDS = _INT_BACKENDS + backend_names(Backend.FP8)  # matmul's, and the float8 tensor cores
+OUT_LAYOUTS = ("planes", "compact", "int8", "int8+float", "fp8+float", "planes+float")
+_PLANE_LAYOUTS = ("planes", "compact")
+_INT8_LAYOUTS = ("int8", "int8+float")
+_DUAL_LAYOUTS = ("int8+float", "fp8+float", "planes+float")
+_OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32)
+_KIND = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_DUAL_DTYPES = (torch.float16, torch.bfloat16)  # the bit-serial epilogue's float output next to its planes
+_INT32_LIMIT = 1 << 31
+_FP8 = {as_format("float8_e4m3fn"): torch.float8_e4m3fn, as_format("float8_e5m2"): torch.float8_e5m2}
+_FP8_KIND = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}  # the conv kernels' out=(kind, out_scale)
+# The fused max-pools of the one-pass re-quantize kernels (bit planes and int8): pool -> stride.
+_FUSED_POOLS = {("max", 2, 2): 2, ("max", 2, 1): 1}
+# What x comes as: a QTensor of codes, bit planes (padded or compact rows), int8 codes, float8 codes.
+INPUT_LAYOUTS = ("codes", "planes", "compact", "int8", "fp8")
+
+
+def _fp8_dtype(fmt) -> torch.dtype | None:
+    """The torch float8 dtype whose bit patterns are ``fmt``'s codes, or None."""
+    return _FP8.get(fmt) if isinstance(fmt, FloatFormat) else None
+
+
+def _check_pool(pool):
+    """``pool`` as one of :data:`POOLS` (a list becomes a tuple), or ValueError."""
+    if isinstance(pool, list):
+        pool = tuple(pool)
+    if pool not in POOLS:
+        raise ValueError(f"pool must be one of {POOLS} ((kind, kernel, stride)), got pool={pool!r}")
+    return pool
+
+
+def _int8_affine(fmt: IntFormat) -> tuple[int, int]:
+    """(offset, step) of ``qconv._int8_codes``'s rule: ``decode(code) = offset + step * x8``.  Only 8-bit unsigned /
+    pm codes are stored shifted (uint8 = 128 + x8, pm8 = 1 + 2 * x8); every other format as its value."""
+    if fmt.bits == 8 and fmt.encoding != "twos":
+        return (128, 1) if fmt.encoding == "unsigned" else (1, 2)
+    return 0, 1
+
+
+# ------------------------------------------------------------------------------------------------
+# The device, as the planner sees it
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeviceCaps:
+    """What a device can run, as far as the convolution's plan depends on it.
+
+    ``device``: the torch device (named in reasons); ``interpreting``: ``TRITON_INTERPRET=1`` (Triton kernels run on
+    the CPU); ``capability``: CUDA compute capability (None off CUDA); ``cuda_kernels``: NVRTC-built kernels can be
+    loaded (``kernels/cuda/runtime.usable``); ``bitserial``: ``bmma_gemm.can_run``'s (ok, reason); ``sm_count``:
+    streaming multiprocessors (off CUDA 132, the H100 / H200 the implicit-GEMM rule was measured on)."""
+
+    device: torch.device
+    interpreting: bool = False
+    capability: tuple[int, int] | None = None
+    cuda_kernels: bool = False
+    bitserial: tuple[bool, str] = (False, "tensors on cpu: the binary tensor-core kernel needs CUDA tensors")
+    sm_count: int = 132
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def triton(self) -> bool:
+        """Whether Triton kernels run here (a CUDA device, or the interpreter)."""
+        return self.cuda or self.interpreting
+
+
+_CAPS: dict = {}
+
+
+def device_caps(device: torch.device) -> DeviceCaps:
+    """The :class:`DeviceCaps` of ``device`` (queried once per device and ``TRITON_INTERPRET`` setting)."""
+    device = torch.device(device)
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    key = (device, interp)
+    caps = _CAPS.get(key)
+    if caps is not None:
+        return caps
+    if device.type != "cuda":
+        caps = DeviceCaps(device, interp, None, False,
+                          (False, f"tensors on {device.type}: the binary tensor-core kernel needs CUDA tensors"), 132)
+    else:
+        from ..kernels.cuda import bmma_gemm, runtime  # lazy: CUDA kernel modules
+
+        caps = DeviceCaps(device, interp, tuple(torch.cuda.get_device_capability(device)),
+                          runtime.usable(device)[0], bmma_gemm.can_run(device), runtime.sm_count(device)[0])
+    _CAPS[key] = caps
+    return caps
+
+
+# ------------------------------------------------------------------------------------------------
+# The plan
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConvPlan:
+    """One convolution's plan (module docstring).  The first group is what was asked, the second what was
+    decided; ``passes`` says the decisions in words."""
+
+    geometry: ConvGeometry
+    a_fmt: IntFormat | FloatFormat
+    w_fmt: IntFormat | FloatFormat
+    act: object
+    pool: object
+    out_dtype: torch.dtype
+    out_fmt: IntFormat | FloatFormat | None
+    out_layout: str  # an integer out_fmt as bit planes, an Int8Activation, or one with the float too (OUT_LAYOUTS)
+    has_residual: bool  # a residual added in the epilogue, before the activation
+    input_layout: str  # INPUT_LAYOUTS
+    fast_accum: bool
+    device: DeviceCaps
+
+    backend: str = ""
+    reason: str = ""
+    route: str = ""
+    stem: str = ""
+    epilogue: str = ""
+    after: str = ""
+    finish: str = ""
+    passes: tuple = ()
+
+    @property
+    def dual(self) -> bool:
+        """The float result and its int8 / float8 codes or bit planes (``out_layout="int8+float"`` / ``"fp8+float"`` /
+        ``"planes+float"``)."""
+        return self.out_layout in _DUAL_LAYOUTS
+
+    @property
+    def fused(self) -> bool:
+        """Whether the kernel's epilogue does everything (scale, bias, activation, the output dtype or packed
+        planes); pooling is a separate pass."""
+        return self.pool is None
+
+    @property
+    def pool_float(self) -> bool:
+        """A max-pool of a float output pools the output dtype: rounding is monotone, so the pool of the rounded
+        values is the rounding of the float32 pool, bit for bit (the kernel writes its final dtype at full size and
+        ``pack.pool_cast`` pools it: half the bytes of float32, no torch pool and cast)."""
+        return (self.pool is not None and tuple(self.pool) in _FUSED_POOLS and self.out_fmt is None
+                and self.out_dtype in _KIND and not self.dual and not self.has_residual)
+
+    @property
+    def pool_codes(self) -> bool:
+        """A max-pool whose result is re-quantized to packed planes pools the codes instead: quantizing is
+        monotone, so max then quantize = quantize then max (the bit-serial epilogue packs at full size, a
+        bit-plane pass pools; no float tensor)."""
+        return (self.pool is not None and tuple(self.pool) in _FUSED_POOLS and isinstance(self.out_fmt, IntFormat)
+                and self.out_layout in _PLANE_LAYOUTS)
+
+    def explain(self) -> str:
+        return format_plan(self)
+
+
+def format_plan(plan: ConvPlan) -> str:
+    """``explain_conv2d``'s text: the backend, why, the shapes, and the passes -- all read from ``plan``."""
+    g = plan.geometry
+    M, Kt = g.N * g.P * g.Q, g.R * g.S * g.C
+    head = (f"{plan.backend}: {plan.reason}; conv {g.N}x{g.H}x{g.W}x{g.C} * {g.K}x{g.R}x{g.S}x{g.C}, stride "
+            f"{g.stride}, padding {g.padding}, dilation {g.dilation} -> {g.N}x{g.P}x{g.Q}x{g.K}; GEMM M={M} N={g.K} "
+            f"K={Kt}")
+    return head + "; passes: " + " -> ".join(plan.passes)
+
+
+# ------------------------------------------------------------------------------------------------
+# The planner
+# ------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4096)  # pure: a network's layers plan once per (input spec, device), then look it up
+def plan_conv2d(g: ConvGeometry, a_fmt, w_fmt, *, device: DeviceCaps, input_layout: str = "codes", act=None,
+                pool=None, out_dtype=torch.float32, out_fmt=None, out_scale_given: bool = False, backend: str = "auto",
+                out_layout: str = "planes", has_residual: bool = False, fast_accum: bool = True,
+                force_bitserial: bool = False) -> ConvPlan:
+    """The :class:`ConvPlan` of a convolution of geometry ``g`` with ``a_fmt`` activations (arriving as
+    ``input_layout``) and ``w_fmt`` weights on ``device``; raises ValueError / TypeError naming a bad argument, its
+    allowed values and the fix.  ``act`` and ``pool`` as checked by ``ops.qconv`` (canonical forms).
+    ``force_bitserial``: the test hook that runs the bit-serial pipeline with an emulated GEMM."""
+    fa, fw = a_fmt, w_fmt
+    fp8 = _fp8_dtype(fa) is not None
+    if fp8 != (_fp8_dtype(fw) is not None):
+        raise TypeError(f"x is {fa} but w is {fw}: conv2d multiplies two integer formats or two float8 formats; "
+                        "quantize both to integers or both to e4m3 (quantize_fp8_static, tcprec.quantize(w, 'e4m3', "
+                        "PerChannel(0)))")
+    if not fp8 and fa.encoding == "pm1" and max(g.padding) > 0:
+        raise ValueError(
+            f"x is {fa} (pm1: values +-1, +-3, ...; no zero) but padding={g.padding}: spatial padding adds zeros, which "
+            "a pm1 code cannot hold, and the bit-serial kernel's pm1 correction counts every one of the K terms. Use "
+            "unsigned or two's complement activations (e.g. 'uint2' after a ReLU, 'int2'), or padding=0"
+        )
+    pool = _check_pool(pool)
+    if out_fmt is not None:
+        out_fmt = as_format(out_fmt)
+        if not isinstance(out_fmt, IntFormat) and _fp8_dtype(out_fmt) is None:
+            raise TypeError(f"out_fmt must be an integer format or e4m3 / e5m2 (the next layer's activations), "
+                            f"got {out_fmt}")
+        if not out_scale_given:
+            raise ValueError("out_fmt needs out_scale (one positive float: the next layer's activation scale)")
+        if out_dtype == torch.int32:
+            raise ValueError("out_fmt re-quantizes the float result; leave out_dtype at its default with out_fmt")
+    if out_layout not in OUT_LAYOUTS:
+        raise ValueError(f"out_layout must be one of {OUT_LAYOUTS} (an integer out_fmt as bit planes for a bit-serial "
+                         f"layer -- 'compact': without the padding words, for one that gathers windows -- or one "
+                         f"int8 per element for an INT8 layer), got {out_layout!r}")
+    if out_layout in _INT8_LAYOUTS and not isinstance(out_fmt, IntFormat):
+        raise ValueError(f"out_layout={out_layout!r} writes integer codes for the next INT8 layer: it needs an integer "
+                         f"out_fmt (e.g. 'uint8'), got out_fmt={out_fmt}")
+    if out_layout == "planes+float" and not isinstance(out_fmt, IntFormat):
+        raise ValueError(f"out_layout='planes+float' writes the float output and its bit planes for the next bit-serial "
+                         f"layers: it needs an integer out_fmt (e.g. 'uint2'), got out_fmt={out_fmt}")
+    if out_layout == "fp8+float" and not isinstance(out_fmt, FloatFormat):
+        raise ValueError(f"out_layout='fp8+float' writes the float output and the next FP8 layer's codes: it needs "
+                         f"out_fmt='e4m3' or 'e5m2', got out_fmt={out_fmt}")
+    elif out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {[str(d) for d in _OUT_DTYPES]}, got {out_dtype}")
+    if has_residual and out_dtype not in _KIND:
+        raise ValueError(f"residual is added in the float epilogue: out_dtype must be one of "
+                         f"{[str(d) for d in _KIND]}, got {out_dtype}; pass the network's float dtype")
+    if out_dtype == torch.int32 and (act is not None or pool is not None):
+        raise ValueError("scale, bias, act and pool apply to the scaled float result; out_dtype=torch.int32 returns the "
+                         "raw integer convolution, so pass a float out_dtype (or out_fmt) to use them")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got backend={backend!r}")
+    spec = dict(geometry=g, a_fmt=fa, w_fmt=fw, act=act, pool=pool, out_dtype=out_dtype, out_fmt=out_fmt,
+                out_layout=out_layout, has_residual=has_residual, input_layout=input_layout,
+                fast_accum=bool(fast_accum), device=device)
+    if fp8:
+        if out_dtype == torch.int32 and out_fmt is None:
+            raise ValueError("float8 operands accumulate in float32: out_dtype=torch.int32 (the raw integer "
+                             "convolution) is for integer formats; pass a float out_dtype")
+        name, why = layer_backend(fa, fw, device, backend)
+        return _decide(_check_fusion(ConvPlan(**spec, backend=name, reason=why, route="kernel" if name == "fp8"
+                                              else "")))
+    if backend == "fp8":
+        raise ValueError(f"backend='fp8' needs float8 operands (e4m3 / e5m2), got {fa} x {fw}; use 'int8' or 'auto'")
+    K_true = g.R * g.S * g.C
+    bound = K_true * max(abs(fa.min), abs(fa.max)) * max(abs(fw.min), abs(fw.max))
+    if bound >= _INT32_LIMIT:
+        raise ValueError(f"R*S*C = {K_true} with {fa} x {fw} can reach |C| = {bound} >= 2^31, beyond the int32 "
+                         "accumulator; split the input channels and add the partial results in float")
+    if force_bitserial:
+        name, why = "bitserial", "forced (test hook: emulated GEMM)"
+    else:
+        name, why = layer_backend(fa, fw, device, backend)
+    route = ""
+    if name == "int8":
+        route, how = _int8_route(fa, fw, device)
+        if route == "kernel":
+            why = why.replace("torch._int_mm", "the Triton INT8 conv")
+        why = f"{why}; {how}"
+    return _decide(_check_fusion(ConvPlan(**spec, backend=name, reason=why, route=route)))
+
+
+def layer_backend(a_fmt, w_fmt, device: DeviceCaps, backend: str = "auto") -> tuple[str, str]:
+    """(backend, reason): the backend a convolution of ``a_fmt`` activations and ``w_fmt`` weights runs on
+    ``device`` (``backend``: the caller's choice, "auto" for the rule) -- the first decision of :func:`plan_conv2d`,
+    which needs no shape, so a quantized layer can make it once per device (``nn.qmodules``).  Integer formats:
+    ``ops.matmul``'s rule (bit-serial while p*q < 8, INT8 otherwise, the float64 reference off CUDA); float8: the FP8
+    tensor cores on CUDA."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got backend={backend!r}")
+    if _fp8_dtype(a_fmt) is not None:
+        return _choose_fp8_backend(a_fmt, w_fmt, device, backend)
+    if backend == "fp8":
+        raise ValueError(f"backend='fp8' needs float8 operands (e4m3 / e5m2), got {a_fmt} x {w_fmt}; use 'int8' or "
+                         "'auto'")
+    name, why = int_backend_rule(a_fmt, w_fmt, device.device, device.bitserial, backend)
+    if name == "reference":
+        why = why.replace("pure-torch bit-serial reference", "float64 F.conv2d on the decoded codes")
+    return name, why
+
+
+def _choose_fp8_backend(fa, fw, caps: DeviceCaps, backend: str) -> tuple[str, str]:
+    pair_ = f"{fa} activations x {fw} weights"
+    dev = caps.device
+    if backend in ("bitserial", "int8"):
+        raise ValueError(f"backend={backend!r} multiplies integer formats; {pair_} run on backend='fp8' "
+                         "(FP8 tensor cores), 'reference' or 'auto'")
+    if backend == "reference":
+        return "reference", f"asked for the float64 F.conv2d on the decoded fp8 values ({pair_}, on {dev})"
+    if caps.cuda or (backend == "fp8" and caps.interpreting):
+        how = "asked for" if backend == "fp8" else f"{pair_}:"
+        return "fp8", f"{how} the FP8 tensor cores (Triton implicit-GEMM conv, wgmma e4m3/e5m2)"
+    if backend == "fp8":
+        raise RuntimeError(f"backend='fp8' needs CUDA tensors (or TRITON_INTERPRET=1), got {dev}; use 'reference'")
+    return "reference", f"tensors on {dev.type}: float64 F.conv2d on the decoded fp8 values ({pair_})"
+
+
+def _int8_route(fa: IntFormat, fw: IntFormat, caps: DeviceCaps) -> tuple[str, str]:
+    """("kernel" | "im2col", why) for the int8 backend."""
+    if not caps.triton:
+        return "im2col", f"on {caps.device.type} without the Triton interpreter: im2col on the codes + torch._int_mm"
+    if fw.bits == 8 and fw.encoding != "twos":
+        return "im2col", (f"{fw} weights are stored shifted (code - 128), whose correction needs each window's sum of "
+                          "x: im2col on the codes + torch._int_mm")
+    return "kernel", "Triton implicit-GEMM INT8 conv (no im2col buffer)"
+
+
+def _check_fusion(plan: ConvPlan) -> ConvPlan:
+    """The residual and the dual output: which epilogues take them (the INT8 / FP8 kernels' and the torch
+    ones; the bit-serial GEMM's takes a residual into a float output only), and says so rather than falling back
+    to separate passes."""
+    what = [w for w, on in (("residual=", plan.has_residual), (f"out_layout={plan.out_layout!r}", plan.dual)) if on]
+    if not what:
+        return plan
+    what = " and ".join(what)
+    if plan.pool is not None:
+        raise ValueError(f"{what} cannot be combined with pool={plan.pool} (the block output is not pooled); pass "
+                         "pool=None and pool in a separate layer")
+    if plan.has_residual and isinstance(plan.out_fmt, IntFormat) and \
+            plan.out_layout not in _INT8_LAYOUTS + ("planes+float",):
+        raise ValueError(f"residual= writes a float output, INT8 codes, float8 codes or the float and its planes: "
+                         f"out_fmt={plan.out_fmt} with out_layout={plan.out_layout!r} is not one of them; use "
+                         "out_fmt=None, an integer out_fmt with out_layout in ('int8', 'int8+float', 'planes+float'), "
+                         "or out_fmt e4m3 / e5m2")
+    if plan.out_layout == "planes+float" and plan.backend not in ("bitserial", "reference", "int8"):
+        raise ValueError(f"out_layout='planes+float' (the float output and its bit planes) is written by the "
+                         f"'bitserial', 'int8' and 'reference' backends, not {plan.backend!r}; an FP8 layer writes its "
+                         "float and float8 codes with out_layout='fp8+float'")
+    if plan.backend == "bitserial" and plan.out_fmt is not None and (
+            plan.out_layout != "planes+float" or plan.out_fmt.bits > 3 or plan.out_dtype not in _DUAL_DTYPES):
+        raise ValueError(f"{what}: backend 'bitserial' (the binary tensor-core GEMM) adds a residual into a float "
+                         f"output (out_fmt=None), or writes it with its planes (out_layout='planes+float', out_fmt of "
+                         f"<= 3 bits, out_dtype float16 / bfloat16), not out_fmt={plan.out_fmt} with out_layout="
+                         f"{plan.out_layout!r} and out_dtype={plan.out_dtype}; backends that write other codes with "
+                         "it: 'int8', 'fp8', 'reference'")
+    return plan
+
+
+# -- per backend: route, stem, epilogue, the pass after it, and the words for each -----------------------------
+
+
+def _decide(p: ConvPlan) -> ConvPlan:
+    """Fill in the decisions below the backend (module docstring) and the passes that say them."""
+    if p.backend == "bitserial":
+        return _decide_bitserial(p)
+    if p.backend == "fp8" or p.route == "kernel":
+        return _decide_kernel(p)
+    out = _out_words(p)
+    res = ", residual" if p.has_residual else ""
+    steps = (("float64 F.conv2d on decoded codes" if p.backend == "reference" else
+              "im2col on codes (torch gather) + torch._int_mm (INT8 tensor cores)"),
+             f"epilogue in torch (scale, bias{res}, act={p.act}, pool={p.pool}) -> {out}")
+    raw = p.out_dtype == torch.int32 and p.out_fmt is None
+    return _replace(p, epilogue="int32" if raw else "float32", after="" if raw else "finish",
+                    finish="" if raw else _finish_kind(p), passes=steps)
+
+
+def _replace(p: ConvPlan, **kw) -> ConvPlan:
+    from dataclasses import replace
+
+    return replace(p, **kw)
+
+
+def _out_words(p: ConvPlan) -> str:
+    """The result, in explain's words."""
+    if p.out_dtype == torch.int32 and p.out_fmt is None:
+        return "int32"
+    if p.dual and isinstance(p.out_fmt, FloatFormat):
+        return f"{_KIND[p.out_dtype]} + {p.out_fmt} codes (Fp8Activation)"
+    if isinstance(p.out_fmt, FloatFormat):
+        return f"{p.out_fmt} QTensor"
+    if p.out_layout == "int8":
+        return f"{p.out_fmt} Int8Activation"
+    if p.out_layout == "planes+float":
+        return f"{_KIND[p.out_dtype]} + packed {p.out_fmt} planes (PackedActivation with hp)"
+    if p.dual:
+        return f"{_KIND[p.out_dtype]} + {p.out_fmt} codes (Int8Activation with hp)"
+    if p.out_fmt is not None:
+        return f"packed {p.out_fmt} planes"
+    return str(p.out_dtype).removeprefix("torch.")
+
+
+def _finish_kind(p: ConvPlan) -> str:
+    """How a float32 result becomes the output (``qconv._finish_float``): "pack" (max-pool + quantize (+ pack) to
+    planes / int8 codes in one Triton pass), "fp8" (max-pool + quantize to float8 codes in one Triton pass) or
+    "torch" (torch passes; the reference backend and the CPU without the interpreter)."""
+    one_pass = p.backend != "reference" and p.device.triton and (p.pool is None or tuple(p.pool) in _FUSED_POOLS)
+    if one_pass and isinstance(p.out_fmt, IntFormat):
+        return "pack"
+    if one_pass and isinstance(p.out_fmt, FloatFormat):
+        return "fp8"
+    return "torch"
+
+
+def _after_words(p: ConvPlan, out: str, requant: str) -> list[str]:
+    """The passes after a GEMM that wrote float32 (pool, re-quantize / cast)."""
+    pool = f"{p.pool[0]}-pool {p.pool[1]}x{p.pool[1]} stride {p.pool[2]}" if p.pool is not None else None
+    fin = _finish_kind(p)
+    if fin in ("pack", "fp8"):
+        what = ("re-quantize to int8 codes" if p.out_layout == "int8" else
+                f"quantize to {p.out_fmt} codes" if fin == "fp8" else "re-quantize + pack")
+        return [f"separate pass: {pool + ' + ' if pool else ''}{what} (one Triton kernel)"]
+    steps = [f"separate pass: {pool} (torch, float32)"] if pool else []
+    return steps + [f"separate pass: {requant if p.out_fmt is not None else 'cast to ' + out}"]
+
+
+def _pool_float_words(p: ConvPlan, out: str) -> str:
+    how = "one Triton kernel" if p.device.triton else "torch"
+    return f"separate pass: max-pool 2x2 stride {p.pool[2]} on the {out} output ({how})"
+
+
+# -- the bit-serial pipeline
+
+
+def implicit_conv(g: ConvGeometry, kin: int, p: int = 2, q: int = 1, a_twos: bool = False,
+                  w_twos: bool = False, sm_count: int = 132) -> bool:
+    """Whether a bit-serial convolution over input planes with ``kin``-word rows runs as an implicit GEMM
+    (``bmma_gemm`` with ``conv``: no im2col buffer), for p-bit activations and q-bit weights.  Never a 1x1
+    stride-1 one (its planes are the operand as they are); only rows that hold whole 8-byte taps (``kin`` even, at
+    least the tap's words) -- padded planes always do, compact ones when ceil(C / 32) is even.  Then where it
+    measured faster (docs/decisions/0008): taps without padding words (ceil(C / 32) even), and where the GEMM runs
+    the wgmma tile (``bmma_gemm.wgmma_tile``: when it gives the ``sm_count`` SMs a tile each) at most two column tiles
+    of it; none on this format pair: no."""
+    if g.is_pointwise:
+        return False
+    cwt = rq.conv_tap_words(g.C)
+    if not rq.implicit_conv_fits(kin, cwt, g.H, g.W, *g.padding):
+        return False
+    from ..kernels.cuda.bmma_gemm import wgmma_tile
+
+    t = wgmma_tile(p, q, a_twos, w_twos, N=g.K)
+    if cwt != -(-g.C // 32) or t is None:
+        return False
+    col_tiles = -(-g.K // t.bn)
+    return col_tiles <= 2 or -(-(g.N * g.P * g.Q) // t.bm) * col_tiles < sm_count  # (fewer: mma.sync tiles)
+
+
+def _input_words(p: ConvPlan) -> int:
+    """The words of a row of the bit planes the bit-serial pipeline reads: compact rows as given, else padded (a
+    QTensor's or Int8Activation's codes are packed with padded rows)."""
+    C = p.geometry.C
+    return -(-C // 32) if p.input_layout == "compact" else rq.packed_words(C)
+
+
+def _bitserial_kind(p: ConvPlan):
+    """(out_kind, relu, leaky slope, packed format) of the GEMM call: the kernel's epilogue applies
+    the activation always, and writes the final dtype / packed planes unless a pooling pass follows."""
+    if p.out_dtype == torch.int32 and p.out_fmt is None:
+        return "int32", False, 0.0, None
+    relu = p.act is not None
+    slope = p.act[1] if isinstance(p.act, tuple) else 0.0
+    if p.pool_float:  # the final dtype at full size, then one max-pool pass
+        return _KIND[p.out_dtype], relu, slope, None
+    if p.dual:  # "planes+float": the float output, and its planes written by the same epilogue (dual_out)
+        return _KIND[p.out_dtype], relu, slope, p.out_fmt
+    if (not p.fused and not p.pool_codes) or p.out_layout == "int8":  # int8: the one-pass quantizer follows
+        return "float32", relu, slope, None
+    if p.out_fmt is not None:
+        return "packed", relu, slope, p.out_fmt
+    return _KIND[p.out_dtype], relu, slope, None
+
+
+def _decide_bitserial(p: ConvPlan) -> ConvPlan:
+    g = p.geometry
+    out = _out_words(p)
+    Cw = -(-g.C // 32)
+    cwt = rq.conv_tap_words(g.C)
+    row_corr = rg.affine(p.w_fmt)[0] != 0  # pm1 weights: a row-sum correction
+    twos_a, twos_w = p.a_fmt.encoding == "twos", p.w_fmt.encoding == "twos"
+    if implicit_conv(g, _input_words(p), p.a_fmt.bits, p.w_fmt.bits, twos_a, twos_w, p.device.sm_count):
+        route = "implicit"
+        steps = [f"implicit GEMM: the kernel gathers {g.R * g.S} taps x {cwt} words a pixel from the packed planes "
+                 f"({p.a_fmt.bits} planes; padded rows, or compact ones when ceil(C / 32) = {Cw} is even)"]
+        if row_corr:
+            steps.append("the pm1 weights' row correction from the gathered rows' sums on the tensor cores (in "
+                         "the GEMM)")
+    elif g.is_pointwise:
+        route = "pointwise"
+        steps = ["no im2col (1x1 stride 1: the input planes are the operand"
+                 + ("; the pm1 weights' row correction from their row sums on the tensor cores, in the GEMM)"
+                    if row_corr else ")")]
+    else:
+        route = "im2col"
+        steps = [f"Triton im2col over packed planes ({g.R * g.S} taps x {Cw} words a pixel, "
+                 f"{rq.taps_words(g)[2]} words a row, {p.a_fmt.bits} planes)"]
+    kind, relu, slope, _ = _bitserial_kind(p)
+    act = [f"LeakyReLU({slope})" if slope else "ReLU"] if relu else []
+    fused = ["scale", "bias"] + act + ([out] if kind == "packed" or p.pool_float
+                                       or (p.fused and p.out_layout != "int8") else ["float32"])
+    steps.append(f"bmma_gemm with fused epilogue ({', '.join(fused if kind != 'int32' else ['int32'])})")
+    after, finish = "", ""
+    if p.dual or kind == "int32":
+        pass
+    elif kind == "packed" and p.pool is not None:  # max-pool on the codes (plan.pool_codes)
+        after = "pool_planes"
+        steps.append(f"separate pass: max-pool 2x2 stride {p.pool[2]} on the packed codes (one Triton kernel)")
+    elif kind == "packed":
+        pass
+    elif p.pool_float:
+        after = "pool_float"
+        steps.append(_pool_float_words(p, out))
+    elif not (p.fused and p.out_fmt is None):
+        after, finish = "finish", _finish_kind(p)
+        if not p.fused or p.out_layout == "int8":
+            steps += _after_words(p, out, "re-quantize + pack")
+    return _replace(p, route=route, epilogue=kind, after=after, finish=finish, passes=tuple(steps))
+
+
+# -- the 8-bit kernels (INT8 / FP8 Triton implicit-GEMM convs; the CUDA thin stem)
+
+
+# Thin layers (the C = 3 stems): the implicit GEMM's FLAT mode decodes (r, s, c) per element and ran them
+# at 9-22 T op/s on the H200 (benchmarks/results/conv_fwd.json; the VGG stem took 12.9 of ~34 ms of the w1a2
+# network at batch 256).  For C < THIN_C with a spatial filter the 8-bit codes are gathered once into
+# (N, P, Q, Kp), Kp = R*S*C rounded up to 32 (zeros in the padding and the tail), and the same kernel runs
+# it as a 1x1 convolution in TAP mode (contiguous reduction blocks, the fused epilogue unchanged).
+# The sums are the same integers (exact); the cost is the gather pass and Kp / (R*S*C) more MMA work.
+# Rounding to 32 instead of 64 bytes (H100, same process, graph replay at batch 256, outputs equal):
+# YOLOv2-tiny (27 -> 32 instead of 64: 44M rows) int8 9.32 -> 8.48 ms, fp8 12.53 -> 11.69 ms; VGG -2%; others level.
+THIN_C = 16
+_STEM_KP = 32
+
+
+def _thin_stem(g: ConvGeometry) -> bool:
+    return g.C < THIN_C and g.R * g.S > 1
+
+
+def _stem_kp(g: ConvGeometry) -> int:
+    """A thin stem's gathered row length: R*S*C rounded up to a whole reduction block."""
+    return -(-(g.R * g.S * g.C) // _STEM_KP) * _STEM_KP
+
+
+def _int8_out(p: ConvPlan) -> bool:
+    """Whether the INT8 / FP8 kernel's epilogue writes the next layer's Int8Activation itself."""
+    return p.out_layout == "int8" and p.pool is None
+
+
+def _fp8_out(p: ConvPlan) -> bool:
+    """Whether the INT8 / FP8 kernel's epilogue writes the next FP8 layer's float8 codes itself (no pool), alone."""
+    return isinstance(p.out_fmt, FloatFormat) and p.pool is None and not p.dual
+
+
+def _planes_out(p: ConvPlan) -> bool:
+    """Whether the INT8 kernel's epilogue writes the next bit-serial layer's planes itself ((2x2 stride-2 max-pool
+    ->) quantize -> pack, ``conv_fwd.PlanesOut``): an 8-bit stem in front of binary layers.  Other pools (and a
+    pool behind a negative LeakyReLU slope: the kernel pools accumulators), and the FP8 kernel, write float32 for the
+    one-pass quantizer."""
+    return (p.backend == "int8" and p.route == "kernel" and isinstance(p.out_fmt, IntFormat)
+            and p.out_layout in _PLANE_LAYOUTS
+            and (p.pool is None or (tuple(p.pool) == ("max", 2, 2) and parse_act(p.act)[1] >= 0)))
+
+
+def _kernel_out(p: ConvPlan) -> str:
+    """What the INT8 / FP8 kernel writes: the raw accumulator, the final float dtype, the next INT8 layer's
+    int8 codes, the next FP8 layer's float8 codes ("e4m3" / "e5m2"), both ("dual": the float dtype and its
+    int8 / float8 codes), the next bit-serial layer's planes ("planes"), or float32 for a pass that follows
+    (pooling, re-quantization)."""
+    if p.out_dtype == torch.int32 and p.out_fmt is None:
+        return "int32"
+    if _planes_out(p):
+        return "planes"
+    if _int8_out(p):
+        return "int8"
+    if _fp8_out(p):
+        return _FP8_KIND[_fp8_dtype(p.out_fmt)]
+    if p.out_layout == "planes+float":  # the float; its planes from stem_conv's epilogue or one pass over it
+        return _KIND[p.out_dtype]
+    if p.dual:  # no pool (_check_fusion)
+        return "dual"
+    return _KIND[p.out_dtype] if (p.fused or p.pool_float) and p.out_fmt is None else "float32"
+
+
+def _stem_pad(p: ConvPlan) -> int | None:
+    """The int8 code whose value is 0 (what a padded tap holds in stem_conv), or None when no code is or the sum
+    needs a multiplier (stem_conv adds a per-channel correction only: codes of unit step, weights unshifted)."""
+    oa, sa = _int8_affine(p.a_fmt)
+    if (oa and sa != 1) or _int8_affine(p.w_fmt) != (0, 1):
+        return None
+    return -oa if -128 <= -oa <= 127 else None
+
+
+def _stem_out(p: ConvPlan) -> str | None:
+    """What stem_conv.cu would write for this INT8 conv: "planes" (pooled or not, <= 3 bits), "dual" (a 16-bit float
+    output and its <= 3-bit planes, ``out_layout="planes+float"``), "float" (a 16-bit float alone), or None (another
+    output: the Triton route)."""
+    from ..kernels.cuda import stem_conv as sc
+
+    fmt = p.out_fmt
+    codes_ok = isinstance(fmt, IntFormat) and fmt.bits <= 3 and fmt.encoding in sc.ENCODINGS
+    if _planes_out(p):
+        return "planes" if codes_ok else None
+    if p.has_residual or p.pool is not None or p.out_dtype not in sc.FLOAT_OUTS:
+        return None
+    if p.out_layout == "planes+float":
+        return "dual" if codes_ok else None
+    return "float" if fmt is None else None
+
+
+def stem_variant(p: ConvPlan, out: str):
+    """The stem_conv.cu variant that writes ``out`` (``_stem_out``) for this plan."""
+    from ..kernels.cuda import stem_conv as sc
+
+    if out == "float":
+        return sc.StemVariant(pool=1, fout=p.out_dtype, planes=False)
+    fout = p.out_dtype if out == "dual" else None
+    return sc.StemVariant(p.out_fmt.bits, p.out_fmt.encoding, 2 if p.pool else 1, fout)
+
+
+def _stem_cuda(p: ConvPlan) -> bool:
+    """Whether this INT8 conv runs kernels/cuda/stem_conv.cu (docs/decisions/0004): a thin stem (C <= 4 channels, a
+    spatial filter) that writes what the kernel writes (``_stem_out``), on an sm_90 GPU that runs the CUDA kernels,
+    with a code for value 0 and a patch that fits."""
+    from ..kernels.cuda import stem_conv as sc
+
+    g, caps = p.geometry, p.device
+    out = _stem_out(p) if p.backend == "int8" and p.route == "kernel" else None
+    if not (out and caps.cuda and _thin_stem(g) and g.C <= sc.MAX_C and _stem_pad(p) is not None):
+        return False
+    if not caps.cuda_kernels or caps.capability < (9, 0):
+        return False
+    PO, QO = (g.P // 2, g.Q // 2) if p.pool else (g.P, g.Q)
+    try:
+        sc.pick_tile(stem_variant(p, out), PO, QO, g.R, g.S, g.stride, g.dilation, g.N,
+                     words=min(-(-g.K // 32), sc.MAX_WORDS), c=g.C)
+    except ValueError:  # the input patch of one row of outputs does not fit in shared memory
+        return False
+    return True
+
+
+def _decide_kernel(p: ConvPlan) -> ConvPlan:
+    g = p.geometry
+    out = _out_words(p)
+    res = ", residual" if p.has_residual else ""
+    kind = _kernel_out(p)
+    shown = out if kind == "dual" or kind in _FP8_KIND.values() else kind  # what the epilogue writes
+    if kind == "planes":
+        shown = (f"{'max-pool 2x2 stride 2 + ' if p.pool else ''}quantize + pack -> {p.out_fmt} "
+                 f"{'compact ' if p.out_layout == 'compact' else ''}bit planes (no float output)")
+    gather = "one Triton pass" if p.device.triton else "torch passes"
+    stem = "gather" if _thin_stem(g) else ""
+    stem_steps = ([f"thin layer (C = {g.C} < {THIN_C}): its {g.R}x{g.S}x{g.C} windows gathered into "
+                   f"{_stem_kp(g)}-byte rows ({gather}), run as a 1x1 conv"] if stem else [])
+    if p.backend == "fp8":
+        acc = "fast_accum" if p.fast_accum else "fp32 promotion every BLOCK_K"
+        steps = stem_steps + [f"Triton implicit-GEMM FP8 conv conv2d_fwd_fp8 ({acc}) "
+                              f"with fused epilogue (scale, bias{res}, act={p.act}) -> {shown}"]
+    else:
+        oa = _int8_affine(p.a_fmt)[0]
+        how = "as given: Int8Activation" if p.input_layout == "int8" else "torch pass"
+        shift = ([f"x stored as code - 128 ({how}), exact correction for the taps inside the image "
+                  f"({'(P, Q, K) table' if max(g.padding) > 0 else '(K,) vector'}, cached)"] if oa else [])
+        if _stem_cuda(p):
+            stem = "cuda"
+            shift = ([f"x stored as code - 128 ({how}), padded taps hold code {_stem_pad(p)} (value 0): exact (K,) "
+                      "correction, cached"] if oa else [])
+            stem_steps = [f"CUDA stem_conv.cu (C = {g.C}): each block copies its input patch to shared memory once, "
+                          f"{g.R}x{g.S} taps x one {g.C}-byte pixel word on mma.m16n8k32.s8, no gather pass"]
+        cuda_stem = stem == "cuda"
+        steps = shift + stem_steps + [
+            f"{'CUDA direct' if cuda_stem else 'Triton implicit-GEMM'} INT8 conv "
+            f"{'stem_conv' if cuda_stem else 'conv2d_fwd_int8'} with fused epilogue (scale, bias{res}, act={p.act}) -> "
+            f"{shown}" if kind != "int32" else "Triton implicit-GEMM INT8 conv conv2d_fwd_int8 -> int32"]
+    after, finish = "", ""
+    if p.out_layout == "planes+float":  # stem_conv's (float, planes), or the float for one pack pass
+        if stem == "cuda":
+            steps[-1] += f" + the {p.out_fmt} compact bit planes of it (same epilogue)"
+        else:
+            after = "pack_float"
+            steps.append(f"separate pass: quantize + pack the stored float -> {p.out_fmt} compact bit planes")
+    elif kind in ("planes", "int8", "dual", "int32") or _fp8_out(p):
+        pass
+    elif p.pool_float:
+        after = "pool_float"
+        steps.append(_pool_float_words(p, out))
+    elif not (kind != "float32" or (p.fused and p.out_fmt is None)):
+        after, finish = "finish", _finish_kind(p)
+        steps += _after_words(p, out, "re-quantize")
+    return _replace(p, stem=stem, epilogue=kind, after=after, finish=finish, passes=tuple(steps))
