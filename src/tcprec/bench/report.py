@@ -22,7 +22,7 @@ from typing import Callable
 
 __all__ = ["ADAPTERS", "normalize", "render", "main"]
 
-MAX_ROWS = 5  # rows a summary table shows; the rest stay in the JSON (the report says how many)
+MAX_ROWS = 4  # rows a summary table shows; the rest stay in the JSON (the report says how many)
 CONVENTION = ("suite", "command", "device", "commit", "summary", "targets")
 HEADER = """# Benchmarks
 
@@ -134,10 +134,11 @@ def _allreduce(d: dict) -> dict:
 
 
 def _conv_fwd(d: dict) -> dict:
-    """benchmarks/tune_conv_fwd_device.py: INT8 / FP8 conv geomean speedup over cuDNN fp16, plus its tile sweep."""
+    """conv_fwd.json: INT8 / FP8 conv geomean speedup over cuDNN fp16, the last run of a script removed in decision
+    0032 (``tcprec tune conv-fwd`` now sweeps the tiles; ``tcprec bench net`` times the layers)."""
     out = [{"precision": s["precision"], "batch": s["batch"], "layers": s.get("layers"),
             "geomean x cuDNN fp16": s.get("geomean_speedup"), "wins": s.get("wins")} for s in d.get("summary", [])]
-    return {"suite": "tuning: benchmarks/tune_conv_fwd_device.py (conv_fwd)", "summary": out,
+    return {"suite": "conv_fwd (last run of a removed script, decision 0032)", "summary": out,
             "targets": [{"target": d["target"], "value": None, "met": None}] if d.get("target") else []}
 
 
@@ -148,7 +149,7 @@ def _tuning(script: str) -> Callable[[dict], dict]:
         n = len(rows) if isinstance(rows, list) else sum(len(v.get("rows", [])) for v in d.values()
                                                          if isinstance(v, dict))
         return {"suite": "tuning", "command": d.get("command") or f"PYTHONPATH=src python3 {script}",
-                "summary": [{"rows": n}], "tuning": script}
+                "summary": [{"rows": n}], "tuning": f"{script} (removed: decision 0032)"}
     return adapt
 
 
