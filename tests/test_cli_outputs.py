@@ -130,3 +130,13 @@ def test_run_reports_json(run, tmp_path):
     assert rep["model"] == "alexnet" and rep["precision"] == "fp32" and rep["output"] == str(out) and out.is_file()
     assert 0.0 <= rep["nrmse_vs_fp32"] < 1e-5  # fp32 against the fp32 reference: summation order only
     assert [lay["name"] for lay in rep["profile"]["layers"]][0] == "features.0"
+
+
+def test_bracketed_text_in_reasons_is_printed_not_taken_as_markup(run, monkeypatch):
+    """A reason such as 'pip install "tcprec[cuda]"' reaches the user whole (rich would drop "[cuda]" as a tag)."""
+    import tcprec.cli as cli
+
+    monkeypatch.setattr(cli, "choose_cast_backend", lambda x: ("reference", 'no triton; pip install "tcprec[cuda]"'))
+    res = run("demo", "--size", "256", "--formats", "e4m3", "--quiet")
+    assert res.exit_code == 0, res.output
+    assert 'pip install "tcprec[cuda]"' in res.output

@@ -38,6 +38,7 @@ import typer
 import typer.core
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 import tcprec as tp
@@ -207,7 +208,7 @@ def _needs_gpu():
     try:
         yield
     except NeedsGPU as e:
-        Console(stderr=True).print(f"[red]{e}")
+        Console(stderr=True).print(f"[red]{escape(str(e))}")
         raise typer.Exit(code=2) from None
 
 
@@ -513,7 +514,7 @@ def demo(
     datasets = [("image", f"astronaut photo: {source}", image.to(dev)),
                 ("normal", f"{size:,} samples of N(0, 1), seed {seed}", gaussian.to(dev))]
     backend, why = choose_cast_backend(datasets[0][2])
-    console.print(f"[bold]device[/] {dev}; [bold]cast backend[/] {backend} ({why})")
+    console.print(f"[bold]device[/] {dev}; [bold]cast backend[/] {backend} ({escape(why)})")
     if not torch.cuda.is_available():
         console.print("No CUDA GPU here: the reference backend (pure torch) runs everything; "
                       "the GPU kernels compute bit-identical results.")
@@ -960,7 +961,7 @@ def _run_trained(checkpoint: Path, precision: Optional[str], images: int, out: P
         ds = load_classify_data("fashion-mnist", None, dev, limit_train=512, limit_test=images)
         net = deploy(t, precision, normalize(ds.x_train))
     except (ValueError, FileNotFoundError) as e:
-        Console(stderr=True).print(f"[red]{e}")
+        Console(stderr=True).print(f"[red]{escape(str(e))}")
         raise typer.Exit(code=2) from None
     x = normalize(ds.x_test)
     engine = tp.compile(net, x, device=dev)
@@ -1079,7 +1080,7 @@ def train(
                            act_quant=act_quant, out_dir=out, resume=resume, limit_train=limit_train,
                            limit_test=limit_test, device=dev.type, seed=seed, console=Console())
         except (ValueError, FileNotFoundError) as e:
-            Console(stderr=True).print(f"[red]{e}")
+            Console(stderr=True).print(f"[red]{escape(str(e))}")
             raise typer.Exit(code=2) from None
         Console().print(f"metrics: {out / 'metrics.json'}   curves: {out / 'curves.png'}")
         if json_path is not None:
@@ -1095,7 +1096,7 @@ def train(
                         out_dir=out, resume=resume, limit_train=limit_train, limit_test=limit_test,
                         device=dev.type, progress=True, lars=lars)
     except (ValueError, FileNotFoundError) as e:
-        Console(stderr=True).print(f"[red]{e}")
+        Console(stderr=True).print(f"[red]{escape(str(e))}")
         raise typer.Exit(code=2) from None
     table = Table(title=f"tcprec train {model} on {data}: grads {grad_format}, {'APS' if aps else 'no APS'}, "
                         f"{nodes} nodes, seed {seed}")
@@ -1176,7 +1177,7 @@ def bench_cpu_memory_time_cmd(
             cpu_mem_bench.run(names, out, None if baseline is None else str(baseline), emulated_features,
                               emulated_batch, command=command, console=Console(stderr=True))
     except RuntimeError as e:  # a case's process failed: its stderr is in the message
-        Console(stderr=True).print(f"[red]{e}")
+        Console(stderr=True).print(f"[red]{escape(str(e))}")
         raise typer.Exit(code=1) from None
 
 
@@ -1211,7 +1212,7 @@ def bench_cpu_train_step_cmd(
             train_step_bench.run(names, steps, reference_steps, batch, nodes, algorithm, threads, model, out,
                                  command=command, console=Console(stderr=True))
     except RuntimeError as e:  # a variant's process failed: its stderr is in the message
-        Console(stderr=True).print(f"[red]{e}")
+        Console(stderr=True).print(f"[red]{escape(str(e))}")
         raise typer.Exit(code=1) from None
 
 
