@@ -30,9 +30,11 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from ..formats import FloatFormat
 from ..nn import calibrate as cal
 from ..nn.convert import QuantConfig, _Tracer, quantize_model
 from ..nn.coverage import normalize_graph
+from ..qtensor import PerChannel, QTensor
 from .common import write_json
 
 __all__ = ["sample_photos", "random_crops", "efficientnet_lite0", "torch_fake_quant", "agreement", "run", "CONFIGS"]
@@ -137,7 +139,7 @@ def preprocess(x01: torch.Tensor) -> torch.Tensor:
 # -- plain-torch fake quantization with the engine model's calibration -----------------------------------------
 
 
-def _fq(v: torch.Tensor, s: torch.Tensor, fmt) -> torch.Tensor:
+def _fq(v: torch.Tensor, s: torch.Tensor, fmt) -> torch.Tensor:  # noqa: D401
     """Round to the integer grid of ``fmt`` with scale ``s`` (half to even, saturating) and back, in torch."""
     if fmt.encoding == "pm1":
         return (torch.round((v / s - 1) / 2) * 2 + 1).clamp(fmt.min, fmt.max) * s
@@ -145,22 +147,21 @@ def _fq(v: torch.Tensor, s: torch.Tensor, fmt) -> torch.Tensor:
 
 
 class _FakeQuant(nn.Module):
-    def __init__(self, layer: nn.Module, a_scale: float, a_fmt, w_scale: torch.Tensor, w_fmt, ratio, delta):
+    """A float layer computing with the engine layer's dequantized weight ``w_dq`` (its codes times its scales: the
+    same clipping, grid and rounding, AdaRound's included) on its input rounded to ``a_fmt`` with ``a_scale``."""
+
+    def __init__(self, layer: nn.Module, a_scale: float, a_fmt, w_dq: torch.Tensor, delta):
         super().__init__()
         self.layer = layer
         self.a_scale, self.a_fmt = torch.tensor(a_scale), a_fmt
-        w = layer.weight.detach().float()
-        if ratio is not None:  # the same clipped weight the engine quantized
-            lim = (w.flatten(1).abs().amax(1) * ratio).view(-1, *([1] * (w.dim() - 1)))
-            w = torch.maximum(torch.minimum(w, lim), -lim)
-        self.w = _fq(w, w_scale.view(-1, *([1] * (w.dim() - 1))), w_fmt)
+        self.w = w_dq
         b = layer.bias.detach().float() if layer.bias is not None else None
         if delta is not None:
             b = -delta if b is None else b - delta
         self.b = b
 
     def forward(self, x):
-        x = _fq(x, self.a_scale, self.a_fmt)
+        x = _fq_act(x, self.a_scale, self.a_fmt)
         m = self.layer
         if isinstance(m, nn.Conv2d):
             pad4 = getattr(m, "tcprec_pad4", None)
@@ -168,6 +169,23 @@ class _FakeQuant(nn.Module):
                 x = F.pad(x, (pad4[2], pad4[3], pad4[0], pad4[1]))
             return F.conv2d(x, self.w, self.b, m.stride, m.padding, m.dilation, m.groups)
         return F.linear(x, self.w, self.b)
+
+
+def _fq_act(v: torch.Tensor, s: torch.Tensor, fmt) -> torch.Tensor:
+    if isinstance(fmt, FloatFormat):  # e4m3: the cast (round to nearest even, saturating) in torch
+        return (v / s).clamp(-fmt.max, fmt.max).to(torch.float8_e4m3fn).float() * s
+    return _fq(v, s, fmt)
+
+
+def _engine_weight(qm: nn.Module, like: torch.Tensor) -> torch.Tensor:
+    """The dequantized weight a quantized layer computes with, in the float layer's layout (K, C, R, S) / (N, K)."""
+    if hasattr(qm, "w_codes"):  # QGroupedConv2d: (K, R, S, Cg) codes, (K,) scales
+        qt = QTensor(qm.w_codes, qm.w_scale.reshape(-1, 1, 1, 1), qm.w_fmt, PerChannel(0), tuple(qm.w_codes.shape),
+                     torch.float32)
+    else:
+        qt = getattr(qm.weight, "qw", qm.weight)  # QTensor (K, R, S, C); a linear's is (N, 1, 1, K)
+    w = qt.dequantize().float()
+    return w.permute(0, 3, 1, 2).reshape(like.shape) if like.dim() == 4 else w.reshape(like.shape)
 
 
 def _float_graph(model: nn.Module) -> fx.GraphModule:
@@ -178,31 +196,23 @@ def _float_graph(model: nn.Module) -> fx.GraphModule:
 
 
 def torch_fake_quant(model: nn.Module, q: nn.Module, cfg: QuantConfig, calibration: torch.Tensor) -> nn.Module:
-    """``model`` with every layer the engine quantized in ``q`` replaced by plain-torch fake quantization using
-    ``q``'s activation scale and per-channel weight scales (and, with ``bias_correction``, the same correction
-    computed on these fake-quantized weights)."""
+    """``model`` with every layer the engine quantized in ``q`` replaced by plain-torch fake quantization with the
+    same calibration: ``q``'s activation scales and formats and ``q``'s weights (codes times scales, so the same
+    clipping, grid and rounding); with ``bias_correction``, the correction computed again on these weights."""
     gm = _float_graph(model)
+    mods = dict(gm.named_modules())
     layers = {}
     for r in q.tcprec_summary.layers:
         if r.precision == "float":
             continue
         qm = q.get_submodule(r.name)
-        wq = getattr(qm.weight, "qw", qm.weight) if not hasattr(qm, "w_scale") else None  # QTensor of the weight
-        w_scale = qm.w_scale if wq is None else wq.scale.reshape(-1)
-        layers[r.name] = (float(qm.in_scale), qm.a_fmt, w_scale.float(), qm.w_fmt)
-    mods = dict(gm.named_modules())
-    ratios = {n: cal.weight_clip_ratio(mods[n].weight, layers[n][3]) for n in layers} if cfg.weight_clip == "mse" \
-        else {}
+        layers[r.name] = (float(qm.in_scale), qm.a_fmt, _engine_weight(qm, mods[r.name].weight))
     deltas = {}
     if cfg.bias_correction:
-        def w_dq(n):
-            probe = _FakeQuant(mods[n], 1.0, layers[n][1], layers[n][2], layers[n][3], ratios.get(n), None)
-            return probe.w
-        deltas = cal.bias_deltas(gm, list(layers), [preprocess(calibration)], w_dq)
-    for n, (a_s, a_fmt, w_s, w_fmt) in layers.items():
+        deltas = cal.bias_deltas(gm, list(layers), [preprocess(calibration)], lambda n: layers[n][2])
+    for n, (a_s, a_fmt, w) in layers.items():
         parent, _, leaf = n.rpartition(".")
-        setattr(gm.get_submodule(parent) if parent else gm, leaf,
-                _FakeQuant(mods[n], a_s, a_fmt, w_s, w_fmt, ratios.get(n), deltas.get(n)))
+        setattr(gm.get_submodule(parent) if parent else gm, leaf, _FakeQuant(mods[n], a_s, a_fmt, w, deltas.get(n)))
     return gm
 
 
