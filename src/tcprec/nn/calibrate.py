@@ -305,20 +305,19 @@ def bias_deltas(model: nn.Module, names: list[str], batches, w_dq) -> dict[str, 
 class AdaRound:
     """Rounding optimisation of integer weights (Nagel et al. 2020, "Up or down?"), layer by layer: each weight
     rounds down or up on its grid (the scale the layer uses, unchanged), chosen by minimising the layer's output
-    error ``|| q(x) W_round - x W ||^2`` over ``positions`` sampled output positions of the calibration batches
-    (``q(x)``: the layer's quantized input), with the rectified-sigmoid relaxation and the annealed regulariser
+    error ``|| q(x) W_round - x W ||^2`` over every output position of the calibration batches (``q(x)``: the
+    layer's quantized input), with the rectified-sigmoid relaxation and the annealed regulariser
     that pushes every choice to 0 or 1.  Layers with more than ``max_bits`` weight bits round to nearest.
     ``iters`` Adam steps at ``lr`` per layer: a few hundred keep it CPU-feasible."""
 
     iters: int = 300
-    positions: int = 1024
     max_bits: int = 4
     reg: float = 0.01
     lr: float = 0.05
     seed: int = 0
 
     def __post_init__(self):
-        for k, lo, hi in (("iters", 1, 100_000), ("positions", 16, 1 << 20), ("max_bits", 2, 8), ("seed", 0, 1 << 62)):
+        for k, lo, hi in (("iters", 1, 100_000), ("max_bits", 2, 8), ("seed", 0, 1 << 62)):
             v = getattr(self, k)
             if not (isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi):
                 raise ValueError(f"AdaRound {k} must be an int in {lo}..{hi}, got {v!r}")
@@ -356,6 +355,16 @@ def adaround_layer(w: torch.Tensor, scale: torch.Tensor, fmt, x: torch.Tensor, t
     ``x``: (P, G, I) the layer's quantized inputs at P positions; ``target``: (P, G, Kg) the float layer's outputs
     there.  The element holding each channel's largest code keeps its nearest rounding, so the channel's absmax --
     hence the scale the quantized layer derives from the weight -- is unchanged."""
+    if x.shape[0] > x.shape[2]:  # more positions than inputs: the Gram form is cheaper and the same loss
+        xg = x.transpose(0, 1)  # (G, P, I)
+        return _adaround(w, scale, fmt, opts, gram=(xg.transpose(1, 2) @ xg, xg.transpose(1, 2) @ target.transpose(0, 1),
+                                                    float(target.double().pow(2).sum())))
+    return _adaround(w, scale, fmt, opts, samples=(x, target))
+
+
+def _adaround(w, scale, fmt, opts: AdaRound, samples=None, gram=None) -> torch.Tensor:
+    """AdaRound on the loss sum ||x W_q^T - t||^2, from ``samples`` (x (P, G, I), t (P, G, Kg)) or from its Gram
+    form ``gram`` = (H = x^T x (G, I, I), C = x^T t (G, I, Kg), T = ||t||^2): tr(W_q H W_q^T) - 2 tr(W_q C) + T."""
     step, off, kmin, kmax = _grid(fmt)
     u = (w / scale - off) / step  # real-valued k
     base = torch.floor(u)
@@ -363,18 +372,24 @@ def adaround_layer(w: torch.Tensor, scale: torch.Tensor, fmt, x: torch.Tensor, t
     v = (-torch.log(1.2 / (rest + 0.1) - 1.0)).requires_grad_(True)  # h(v) = rest at the start
     nearest = torch.round(u).clamp(kmin, kmax)
     top = nearest.abs() == nearest.abs().amax(-1, keepdim=True)  # (G, Kg, I): the channel's extreme codes stay
+
+    def loss_of(wq):  # (G, Kg, I) -> the summed squared output error
+        if samples is not None:
+            x, t = samples
+            return (torch.einsum("pgi,gki->pgk", x, wq) - t).pow(2).sum()
+        H, C, T = gram
+        return ((wq @ H) * wq).sum() - 2 * (wq * C.transpose(1, 2)).sum() + T
+
     # the output error in units of nearest rounding's: the regulariser's weight means the same on every layer
     with torch.no_grad():
-        power = (torch.einsum("pgi,gki->pgk", x, scale * (step * nearest + off)) - target).pow(2).mean()
-        power = power.clamp_min(1e-12 * target.pow(2).mean().clamp_min(1e-30))
+        power = loss_of(scale * (step * nearest + off)).clamp_min(1e-30)
     opt = torch.optim.Adam([v], lr=opts.lr)
     warm = opts.iters // 5
     with torch.enable_grad():
         for it in range(opts.iters):
             h = _rect_sigmoid(v)
             k = torch.where(top, nearest, (base + h).clamp(kmin, kmax))
-            out = torch.einsum("pgi,gki->pgk", x, scale * (step * k + off))
-            loss = (out - target).pow(2).mean() / power
+            loss = loss_of(scale * (step * k + off)) / power
             if it >= warm:  # beta anneals 20 -> 2 after the warm-up
                 beta = 2 + 18 * (1 - (it - warm) / max(1, opts.iters - warm))
                 loss = loss + opts.reg * (1 - (2 * h - 1).abs().pow(beta)).mean()
@@ -383,7 +398,8 @@ def adaround_layer(w: torch.Tensor, scale: torch.Tensor, fmt, x: torch.Tensor, t
             opt.step()
     with torch.no_grad():
         k = torch.where(top, nearest, (base + (_rect_sigmoid(v) >= 0.5).float()).clamp(kmin, kmax))
-        return scale * (step * k + off)
+        wq = scale * (step * k + off)
+        return wq if loss_of(wq) <= loss_of(scale * (step * nearest + off)) else scale * (step * nearest + off)
 
 
 @torch.no_grad()
@@ -392,14 +408,17 @@ def adaround_weights(model: nn.Module, names: list[str], batches, w_of, fmt_of, 
     """name -> the AdaRound weight of conv / linear ``name`` (its shape, float32, on its device), for the layers
     ``names``.  ``w_of(name)``: the float weight the layer quantizes (clipped, if clipping); ``fmt_of(name)``: its
     integer format; ``a_quant(name, x)``: the layer's input as its quantized layer sees it (quantized and back).
-    Inputs are sampled in passes over the batches holding at most ``budget_bytes`` of samples; then each layer is
+
+    The loss is over every output position of the batches, kept as Gram matrices (H = x_q^T x_q and x_q^T x per
+    group: G I^2 numbers a layer), or as the rows themselves while they are fewer than the inputs (a linear layer
+    on a few samples).  Passes over the batches each gather at most ``budget_bytes`` of them; then each layer is
     optimised on its own."""
     mods = dict(model.named_modules())
-    g = torch.Generator().manual_seed(opts.seed)
-    per_batch = max(1, -(-opts.positions // len(batches)))
     chunks, cur, size = [], [], 0
-    for n in names:  # passes whose samples fit the budget
-        b = opts.positions * mods[n].weight[0].numel() * (mods[n].groups if isinstance(mods[n], nn.Conv2d) else 1) * 8
+    for n in names:  # passes whose statistics fit the budget
+        m = mods[n]
+        G = m.groups if isinstance(m, nn.Conv2d) else 1
+        b = 2 * G * m.weight[0].numel() ** 2 * 8
         if cur and size + b > budget_bytes:
             chunks.append(cur)
             cur, size = [], 0
@@ -409,8 +428,7 @@ def adaround_weights(model: nn.Module, names: list[str], batches, w_of, fmt_of, 
         chunks.append(cur)
     out = {}
     for chunk in chunks:
-        xs: dict[str, list] = {n: [] for n in chunk}
-        ts: dict[str, list] = {n: [] for n in chunk}
+        st: dict[str, dict] = {n: {"H": 0, "M": 0, "T": 0.0, "rows": [], "n": 0} for n in chunk}
         hooks = []
         for n in chunk:
             m = mods[n]
@@ -421,7 +439,6 @@ def adaround_weights(model: nn.Module, names: list[str], batches, w_of, fmt_of, 
                     return
                 xq = a_quant(n, x.detach().float())
                 x = x.detach().float()
-                w = mod.weight.detach().float()
                 if isinstance(mod, nn.Conv2d):
                     G = mod.groups
                     # (N, C*R*S, L) patches (a conv with tcprec_pad4 was padded by an earlier pre-hook)
@@ -429,13 +446,19 @@ def adaround_weights(model: nn.Module, names: list[str], batches, w_of, fmt_of, 
                     pq, pf = cols(xq), cols(x)
                     pq = pq.transpose(1, 2).reshape(-1, G, pq.shape[1] // G)  # (N*L, G, Cg*R*S)
                     pf = pf.transpose(1, 2).reshape(-1, G, pf.shape[1] // G)
-                    wg = w.reshape(G, w.shape[0] // G, -1)  # (G, Kg, Cg*R*S)
                 else:
                     pq, pf = xq.reshape(-1, 1, x.shape[-1]), x.reshape(-1, 1, x.shape[-1])
-                    wg = w[None]
-                idx = torch.randperm(pq.shape[0], generator=g)[:per_batch].to(pq.device)
-                xs[n].append(pq[idx])
-                ts[n].append(torch.einsum("pgi,gki->pgk", pf[idx], wg))
+                s = st[n]
+                gq, gf = pq.transpose(0, 1), pf.transpose(0, 1)  # (G, P, I)
+                s["H"] = s["H"] + (gq.transpose(1, 2) @ gq).double()  # (G, I, I)
+                s["M"] = s["M"] + (gq.transpose(1, 2) @ gf).double()  # (G, I, I): x_q^T x
+                w0 = mod.weight.detach().float().reshape(gq.shape[0], -1, gq.shape[2])  # (G, Kg, I)
+                s["T"] += float((gf @ w0.transpose(1, 2)).double().pow(2).sum())  # ||x W0^T||^2
+                s["n"] += pq.shape[0]
+                if s["n"] <= pq.shape[2]:
+                    s["rows"].append((pq, pf))
+                else:
+                    s["rows"] = []
             hooks.append(m.register_forward_pre_hook(pre))
         _run_batches(model, batches, hooks)
         for n in chunk:
@@ -444,8 +467,16 @@ def adaround_weights(model: nn.Module, names: list[str], batches, w_of, fmt_of, 
             w = w_of(n).detach().float()
             G = m.groups if isinstance(m, nn.Conv2d) else 1
             wg = w.reshape(G, w.shape[0] // G, -1)  # (G, Kg, I)
+            w0 = m.weight.detach().float().reshape(G, w.shape[0] // G, -1)  # the float layer's (unclipped) weight
             scale = (w.flatten(1).abs().amax(1).clamp_min(torch.finfo(torch.float32).tiny)
                      / absmax_qmax(fmt)).reshape(G, -1, 1)
-            x, t = torch.cat(xs.pop(n)), torch.cat(ts.pop(n))
-            out[n] = adaround_layer(wg, scale, fmt, x, t, opts).reshape(w.shape)
+            s = st.pop(n)
+            if s["rows"]:
+                x = torch.cat([r[0] for r in s["rows"]])
+                t = torch.einsum("pgi,gki->pgk", torch.cat([r[1] for r in s["rows"]]), w0)
+                out[n] = _adaround(wg, scale, fmt, opts, samples=(x, t)).reshape(w.shape)
+            else:
+                C = s["M"] @ w0.double().transpose(1, 2)  # (G, I, Kg): x_q^T t
+                out[n] = _adaround(wg.double(), scale.double(), fmt, opts, gram=(s["H"], C, s["T"])).float() \
+                    .reshape(w.shape)
     return out

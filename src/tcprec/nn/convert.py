@@ -85,7 +85,7 @@ class QuantConfig:
     weight_clip ``"absmax"`` | ``"mse"`` (per-channel clip search) for integer weights
     weight_grid ``"twos"`` (intN) | ``"pm"`` (pmN odd-integer codes for 2..7-bit weights: every code used)
     bias_correction  subtract the expected output error of the quantized weights from each layer's bias
-    weight_rounding  ``"nearest"`` (default) | ``"adaround"`` | ``AdaRound(iters=, positions=, max_bits=4, ...)``:
+    weight_rounding  ``"nearest"`` (default) | ``"adaround"`` | ``AdaRound(iters=300, max_bits=4, ...)``:
                 learned up/down rounding of integer weights of 2..max_bits bits on the calibration batches
     """
 
