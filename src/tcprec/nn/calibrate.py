@@ -402,6 +402,30 @@ def _adaround(w, scale, fmt, opts: AdaRound, samples=None, gram=None) -> torch.T
         return wq if loss_of(wq) <= loss_of(scale * (step * nearest + off)) else scale * (step * nearest + off)
 
 
+def _gram_update(s: dict, mod: nn.Module, xq: torch.Tensor, x: torch.Tensor) -> None:
+    """Add a batch's positions to ``s``: H += x_q^T x_q, M += x_q^T x per group, T += ||x W^T||^2, and the rows
+    themselves while there are no more of them than inputs."""
+    if isinstance(mod, nn.Conv2d):
+        G = mod.groups
+        # (N, C*R*S, L) patches (a conv with tcprec_pad4 was padded by an earlier pre-hook)
+        cols = lambda t: F.unfold(t, mod.kernel_size, mod.dilation, mod.padding, mod.stride)  # noqa: E731
+        pq, pf = cols(xq), cols(x)
+        pq = pq.transpose(1, 2).reshape(-1, G, pq.shape[1] // G)  # (N*L, G, Cg*R*S)
+        pf = pf.transpose(1, 2).reshape(-1, G, pf.shape[1] // G)
+    else:
+        pq, pf = xq.reshape(-1, 1, x.shape[-1]), x.reshape(-1, 1, x.shape[-1])
+    gq, gf = pq.transpose(0, 1), pf.transpose(0, 1)  # (G, P, I)
+    s["H"] = s["H"] + (gq.transpose(1, 2) @ gq).double()  # (G, I, I)
+    s["M"] = s["M"] + (gq.transpose(1, 2) @ gf).double()  # (G, I, I): x_q^T x
+    w0 = mod.weight.detach().float().reshape(gq.shape[0], -1, gq.shape[2])  # (G, Kg, I)
+    s["T"] += float((gf @ w0.transpose(1, 2)).double().pow(2).sum())  # ||x W0^T||^2
+    s["n"] += pq.shape[0]
+    if s["n"] <= pq.shape[2]:
+        s["rows"].append((pq, pf))
+    else:
+        s["rows"] = []
+
+
 @torch.no_grad()
 def adaround_weights(model: nn.Module, names: list[str], batches, w_of, fmt_of, a_quant, opts: AdaRound,
                      budget_bytes: int = 256 << 20) -> dict[str, torch.Tensor]:
@@ -437,28 +461,13 @@ def adaround_weights(model: nn.Module, names: list[str], batches, w_of, fmt_of, 
                 x = args[0]
                 if not isinstance(x, torch.Tensor):
                     return
-                xq = a_quant(n, x.detach().float())
                 x = x.detach().float()
-                if isinstance(mod, nn.Conv2d):
-                    G = mod.groups
-                    # (N, C*R*S, L) patches (a conv with tcprec_pad4 was padded by an earlier pre-hook)
-                    cols = lambda t: F.unfold(t, mod.kernel_size, mod.dilation, mod.padding, mod.stride)  # noqa: E731
-                    pq, pf = cols(xq), cols(x)
-                    pq = pq.transpose(1, 2).reshape(-1, G, pq.shape[1] // G)  # (N*L, G, Cg*R*S)
-                    pf = pf.transpose(1, 2).reshape(-1, G, pf.shape[1] // G)
+                if isinstance(mod, nn.Conv2d):  # a few images at a time: the patches are R*S times the input
+                    per = max(1, (1 << 24) // max(1, x[0].numel() * mod.weight[0, 0].numel()))
+                    for i in range(0, x.shape[0], per):
+                        _gram_update(st[n], mod, a_quant(n, x[i: i + per]), x[i: i + per])
                 else:
-                    pq, pf = xq.reshape(-1, 1, x.shape[-1]), x.reshape(-1, 1, x.shape[-1])
-                s = st[n]
-                gq, gf = pq.transpose(0, 1), pf.transpose(0, 1)  # (G, P, I)
-                s["H"] = s["H"] + (gq.transpose(1, 2) @ gq).double()  # (G, I, I)
-                s["M"] = s["M"] + (gq.transpose(1, 2) @ gf).double()  # (G, I, I): x_q^T x
-                w0 = mod.weight.detach().float().reshape(gq.shape[0], -1, gq.shape[2])  # (G, Kg, I)
-                s["T"] += float((gf @ w0.transpose(1, 2)).double().pow(2).sum())  # ||x W0^T||^2
-                s["n"] += pq.shape[0]
-                if s["n"] <= pq.shape[2]:
-                    s["rows"].append((pq, pf))
-                else:
-                    s["rows"] = []
+                    _gram_update(st[n], mod, a_quant(n, x), x)
             hooks.append(m.register_forward_pre_hook(pre))
         _run_batches(model, batches, hooks)
         for n in chunk:
