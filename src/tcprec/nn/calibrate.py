@@ -239,7 +239,7 @@ def weight_format_for(bits: int, grid: str):
 def dequantized_weight(w: torch.Tensor, fmt) -> torch.Tensor:
     """Per-output-channel absmax quantization of ``w`` (axis 0) and back: what the quantized layer computes with."""
     fmt = as_format(fmt)
-    if fmt.encoding == "pm1" and fmt.bits == 1:
+    if getattr(fmt, "encoding", None) == "pm1" and fmt.bits == 1:  # (a FloatFormat, e4m3, has no encoding)
         s = w.detach().float().abs().flatten(1).mean(1).clamp_min(torch.finfo(torch.float32).tiny)
         return quantize(w.detach().float(), fmt, PerChannel(0), scale=s.view(-1, *([1] * (w.dim() - 1)))).dequantize()
     return quantize(w.detach().float(), fmt, PerChannel(0)).dequantize()
