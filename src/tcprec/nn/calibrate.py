@@ -357,8 +357,8 @@ def adaround_layer(w: torch.Tensor, scale: torch.Tensor, fmt, x: torch.Tensor, t
     hence the scale the quantized layer derives from the weight -- is unchanged."""
     if x.shape[0] > x.shape[2]:  # more positions than inputs: the Gram form is cheaper and the same loss
         xg = x.transpose(0, 1)  # (G, P, I)
-        return _adaround(w, scale, fmt, opts, gram=(xg.transpose(1, 2) @ xg, xg.transpose(1, 2) @ target.transpose(0, 1),
-                                                    float(target.double().pow(2).sum())))
+        gram = (xg.transpose(1, 2) @ xg, xg.transpose(1, 2) @ target.transpose(0, 1), float(target.double().pow(2).sum()))
+        return _adaround(w, scale, fmt, opts, gram=gram)
     return _adaround(w, scale, fmt, opts, samples=(x, target))
 
 
