@@ -125,7 +125,7 @@ def test_config_validation_names_the_value_and_the_choices():
     assert tp.QuantConfig("int8", activation_observer="mse").activation_observer == cal.Observer("mse")
 
 
-@pytest.mark.parametrize("method", ["percentile", "mse", "entropy"])
+@pytest.mark.parametrize("method", ["percentile", "mse", "entropy", "auto"])
 def test_observers_run_through_quantize_model(method):
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
@@ -137,3 +137,95 @@ def test_observers_run_through_quantize_model(method):
     assert float(q.get_submodule("2").in_scale) <= float(qa.get_submodule("2").in_scale)  # a clip, never wider
     with torch.no_grad():
         assert ((q(x) - m(x)).norm() / m(x).norm()).item() < 0.1
+
+
+def test_auto_observer_picks_the_clip_with_the_smallest_output_error():
+    """A linear layer with the identity weight (output error = input rounding error): U[-1, 1] with a few outliers at
+    60 -- absmax (60) rounds the bulk to 0, so "auto" clips, and its clip's output error is the smallest of the four
+    methods' clips, recomputed here by brute force."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.cat([torch.rand(20_000, 16, generator=g) * 2 - 1, torch.full((1, 16), 60.0)])
+    lin = torch.nn.Linear(16, 16, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.eye(16))
+    m = torch.nn.Sequential(lin).eval()
+    fmt = tp.as_format("int8")
+    clips = cal.activation_clips(m, ["0"], [x], {"0": 60.0}, cal.Observer("auto"), lambda n: fmt)
+
+    def err(c):
+        s = c / 127
+        return float(((torch.round(x / s).clamp(-128, 127) * s - x) ** 2).sum())
+    h = torch.histc(x.abs().flatten(), 2048, 0.0, 60.0).double().numpy()
+    cands = [cal.clip_from_histogram(h, 60.0, mth, 127) for mth in ("absmax", "percentile", "mse", "entropy")]
+    assert clips["0"] < 60.0
+    assert err(clips["0"]) <= min(err(c) for c in cands) * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "pm3"])
+def test_adaround_on_orthonormal_inputs_is_nearest(fmt):
+    """Inputs that are the unit vectors: the output error is ||w_round - w||^2, whose minimum is nearest rounding
+    (weights away from ties)."""
+    g = torch.Generator().manual_seed(6)
+    f = tp.as_format(fmt)
+    step, off, _, _ = cal._grid(f)
+    scale = torch.full((1, 4, 1), 0.1)
+    k = torch.randint(-2, 2, (1, 4, 16), generator=g).float()
+    frac = torch.where(torch.rand(1, 4, 16, generator=g) < 0.5, 0.2, 0.8)
+    w = scale * (step * (k + frac) + off)  # (G=1, Kg=4, I=16)
+    x = torch.eye(16)[:, None, :]  # (P=16, G=1, I=16)
+    got = cal.adaround_layer(w, scale, f, x, torch.einsum("pgi,gki->pgk", x, w), cal.AdaRound(iters=200))
+    want = scale * (step * torch.round((w / scale - off) / step) + off)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "pm3"])
+def test_adaround_cancels_the_rounding_error_of_a_sum(fmt):
+    """One input position of all ones: the output is the sum of the weights.  Every weight sits 0.15..0.45 steps
+    above a grid point, so nearest rounding (all down) is off by ~0.3 steps per weight (~12 steps for 40 weights);
+    rounding ~12 of them up instead makes the sum exact to within half a step (the optimum).  AdaRound (300 steps)
+    closes at least a third of that gap (all-equal inputs are its hardest case: every choice sees the same gradient
+    and only the regulariser tells them apart), on the grid, with the channel's extreme code (its scale) kept."""
+    f = tp.as_format(fmt)
+    step, off, kmin, kmax = cal._grid(f)
+    s = 0.05
+    k = (torch.arange(40) % 5 - 3).float()
+    w = s * (step * (k + torch.linspace(0.15, 0.45, 40)) + off)
+    w[0] = s * (step * kmax + off)  # the extreme code: it fixes the scale
+    w = w.view(1, 1, 40)
+    x = torch.ones(8, 1, 40)
+    t = torch.einsum("pgi,gki->pgk", x, w)
+    got = cal.adaround_layer(w, torch.full((1, 1, 1), s), f, x, t, cal.AdaRound(iters=300))
+    codes = (got / s - off) / step
+    assert torch.equal(codes, codes.round()) and codes.min() >= kmin and codes.max() <= kmax
+    assert codes[0, 0, 0] == kmax
+    nearest = s * (step * torch.round((w / s - off) / step) + off)
+    e_near, e_ada = abs(float((nearest - w).sum())), abs(float((got - w).sum()))
+    assert e_near > 10 * step * s
+    assert e_ada - 0.5 * step * s <= (2 / 3) * (e_near - 0.5 * step * s)
+
+
+def test_adaround_through_quantize_model_keeps_the_scales_and_lowers_the_error():
+    """w4a8 conv on the calibration batch: the AdaRound model's weight scales are nearest rounding's (the extreme
+    codes kept), some codes differ, and the output error on the calibration data is lower."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Conv2d(8, 16, 3, padding=1)).eval()
+    x = torch.randn(4, 8, 8, 8) + 0.5
+    cfg = dict(first_last=None)
+    q0 = tp.quantize_model(m, tp.QuantConfig("w4a8", **cfg), calibration=x, warn=False)
+    q1 = tp.quantize_model(m, tp.QuantConfig("w4a8", weight_rounding=cal.AdaRound(iters=200), **cfg),
+                           calibration=x, warn=False)
+    w0, w1 = q0.get_submodule("0").weight.qw, q1.get_submodule("0").weight.qw
+    assert torch.equal(w0.scale, w1.scale)
+    assert not torch.equal(w0.codes, w1.codes)
+    with torch.no_grad():
+        assert (q1(x) - m(x)).pow(2).mean() < (q0(x) - m(x)).pow(2).mean()
+
+
+def test_weight_rounding_validation():
+    with pytest.raises(ValueError, match=r"weight_rounding must be one of \('nearest', 'adaround'\)"):
+        tp.QuantConfig("w4a8", weight_rounding="stochastic")
+    with pytest.raises(ValueError, match="AdaRound iters must be an int in 1..100000, got 0"):
+        cal.AdaRound(iters=0)
+    with pytest.raises(ValueError, match="AdaRound max_bits must be an int in 2..8"):
+        cal.AdaRound(max_bits=1)
+    assert cal.as_rounding("adaround") == cal.AdaRound() and cal.as_rounding("nearest") is None

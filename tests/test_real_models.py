@@ -13,6 +13,7 @@ from torch import nn
 
 import tcprec as tp
 from tcprec.bench import accuracy as acc
+from tcprec.nn import calibrate as cal
 
 
 class _SameConv(nn.Conv2d):
@@ -111,3 +112,23 @@ def test_random_crops_are_reproducible_and_in_range():
     a, b = acc.random_crops(photos, 3, size=16, seed=5), acc.random_crops(photos, 3, size=16, seed=5)
     assert torch.equal(a, b) and a.shape == (3, 3, 16, 16) and 0 <= a.min() and a.max() <= 1
     assert not torch.equal(a, acc.random_crops(photos, 3, size=16, seed=6))
+
+
+@pytest.mark.parametrize("cfg", [
+    tp.QuantConfig("int8", activation_observer="auto", bias_correction=True),
+    tp.QuantConfig("fp8"),
+    tp.QuantConfig("w4a8", weight_clip="mse", weight_rounding=cal.AdaRound(iters=30), bias_correction=True),
+], ids=["int8-auto-bc", "fp8", "w4a8-adaround-bc"])
+def test_torch_fake_quant_computes_what_the_engine_computes(cfg):
+    """bench.accuracy's fake quant takes the engine layers' own weight codes and activation scales: its logits are
+    the engine's up to float summation order (far below the quantization error itself)."""
+    model, size, _ = _model("standin")
+    photos = acc.sample_photos()
+    xc = acc.random_crops(photos, 4, size=size, seed=1)
+    x = acc.random_crops(photos, 4, size=size, seed=0)
+    q = tp.quantize_model(model, cfg, calibration=acc.preprocess(xc), warn=False)
+    ref, got = acc._logits(model, x, 8), acc._logits(q, x, 8)
+    fql = acc._logits(acc.torch_fake_quant(model, q, cfg, xc), x, 8)
+    err = ((got - ref).norm() / ref.norm()).item()
+    assert err > 0  # quantized
+    assert ((got - fql).norm() / ref.norm()).item() < max(1e-3, 0.05 * err)

@@ -10,11 +10,15 @@ Activation ranges (per tensor, from the calibration batches), :class:`Observer`:
   (x - c)^2 above it -- ACIQ's model (Banner et al. 2019), searched over every bin edge.
 * ``"entropy"``: TensorRT's entropy calibration: the threshold whose ``qmax + 1``-level quantized histogram has
   the smallest KL divergence from the clipped reference histogram (outliers folded into the last bin).
+* ``"auto"``: per layer, the one of those four clips whose quantized input gives the smallest squared error of
+  the layer's output (float weights) over the calibration batches.
 
 Weights: per-output-channel scales always; ``weight_clip="mse"`` searches each channel's clip ratio (100 ratios in
 [0.2, 1]) minimising ||w - q(w)||^2 with the layer's actual grid; ``weight_grid="pm"`` stores weights of 2..7 bits
 as odd integers -(2^N - 1)..(2^N - 1) (``pmN``: every one of the 2^N codes used, symmetric, no zero) instead of two's
-complement (which, symmetric, never uses -2^(N-1)).  ``bias_correction``: the expected output error of the
+complement (which, symmetric, never uses -2^(N-1)).  ``weight_rounding=AdaRound()`` (Nagel et al. 2020) chooses, per
+weight, rounding down or up on that grid (same scales) to minimise the layer's output error on the calibration
+batches (:func:`adaround_weights`).  ``bias_correction``: the expected output error of the
 quantized weights, E[conv(x, w_q - w)] per output channel over the calibration batches (Nagel et al. 2019,
 empirical), is subtracted from the bias.
 """
@@ -33,11 +37,13 @@ from ..ops.quantize import absmax_qmax, quantize
 from ..qtensor import PerChannel
 
 __all__ = ["Observer", "OBSERVER_METHODS", "WEIGHT_CLIPS", "WEIGHT_GRIDS", "as_observer", "clip_from_histogram",
-           "activation_clips", "weight_clip_ratio", "dequantized_weight", "prepared_float_layer", "bias_deltas"]
+           "activation_clips", "weight_clip_ratio", "dequantized_weight", "prepared_float_layer", "bias_deltas",
+           "AdaRound", "WEIGHT_ROUNDINGS", "as_rounding", "adaround_weights"]
 
-OBSERVER_METHODS = ("absmax", "percentile", "mse", "entropy")
+OBSERVER_METHODS = ("absmax", "percentile", "mse", "entropy", "auto")
 WEIGHT_CLIPS = ("absmax", "mse")
 WEIGHT_GRIDS = ("twos", "pm")
+WEIGHT_ROUNDINGS = ("nearest", "adaround")
 
 
 @dataclass(frozen=True)
@@ -144,9 +150,11 @@ def _entropy_clip(h: np.ndarray, width: float, levels: int) -> float:
 
 @torch.no_grad()
 def activation_clips(model: nn.Module, names: list[str], batches, absmax: dict, observer: Observer,
-                     qmax_of) -> dict[str, float]:
+                     fmt_of) -> dict[str, float]:
     """name -> clip of the input of module ``name``: one pass over the batches filling a histogram of |x| over
-    [0, absmax[name]] per layer, then :func:`clip_from_histogram` with ``qmax_of(name)``."""
+    [0, absmax[name]] per layer, then :func:`clip_from_histogram` on the grid of ``fmt_of(name)`` (the input's
+    integer format); ``"auto"``: a second pass measuring each candidate clip's output error."""
+    qmax_of = lambda n: absmax_qmax(as_format(fmt_of(n)))  # noqa: E731
     mods = dict(model.named_modules())
     hists = {n: torch.zeros(observer.bins, dtype=torch.float64) for n in names if absmax.get(n, 0.0) > 0}
     hooks = []
@@ -158,12 +166,44 @@ def activation_clips(model: nn.Module, names: list[str], batches, absmax: dict, 
                 hists[n] += h.double().cpu()
         hooks.append(mods[n].register_forward_pre_hook(pre))
     _run_batches(model, batches, hooks)
-    out = {}
-    for n in names:
-        a = absmax.get(n, 0.0)
-        out[n] = clip_from_histogram(hists[n].numpy(), a, observer.method, qmax_of(n), observer.percentile) \
-            if n in hists else a
-    return out
+    if observer.method != "auto":
+        return {n: clip_from_histogram(hists[n].numpy(), absmax[n], observer.method, qmax_of(n), observer.percentile)
+                if n in hists else absmax.get(n, 0.0) for n in names}
+    cands = {n: sorted({clip_from_histogram(hists[n].numpy(), absmax[n], m, qmax_of(n), observer.percentile)
+                        for m in OBSERVER_METHODS[:-1]}) for n in hists}
+    errs = _output_errors(model, cands, batches, fmt_of)
+    return {n: cands[n][int(np.argmin(errs[n]))] if n in hists else absmax.get(n, 0.0) for n in names}
+
+
+def _layer_out(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if isinstance(mod, nn.Conv2d):  # (a conv with tcprec_pad4 pads in an earlier pre-hook: x is padded here)
+        return F.conv2d(x, mod.weight, None, mod.stride, mod.padding, mod.dilation, mod.groups)
+    return F.linear(x, mod.weight)
+
+
+@torch.no_grad()
+def _output_errors(model: nn.Module, cands: dict, batches, fmt_of) -> dict[str, list[float]]:
+    """name -> for each candidate clip c of ``cands[name]``, sum ||layer(q_c(x)) - layer(x)||^2 over the batches,
+    where q_c rounds to ``fmt_of(name)`` with the scale c / qmax."""
+    mods = dict(model.named_modules())
+    errs = {n: [0.0] * len(c) for n, c in cands.items()}
+    hooks = []
+    for n in cands:
+        fmt = as_format(fmt_of(n))
+
+        def pre(mod, args, n=n, fmt=fmt):
+            x = args[0]
+            if not isinstance(x, torch.Tensor):
+                return
+            x = x.detach().float()
+            ref = _layer_out(mod, x)
+            for i, c in enumerate(cands[n]):
+                s = max(c, 1e-8) / absmax_qmax(fmt)
+                errs[n][i] += float((_layer_out(mod, torch.round(x / s).clamp(fmt.min, fmt.max) * s) - ref)
+                                    .double().pow(2).sum())
+        hooks.append(mods[n].register_forward_pre_hook(pre))
+    _run_batches(model, batches, hooks)
+    return errs
 
 
 def weight_clip_ratio(w: torch.Tensor, fmt, ratios: int = 100) -> torch.Tensor:
@@ -199,15 +239,17 @@ def weight_format_for(bits: int, grid: str):
 def dequantized_weight(w: torch.Tensor, fmt) -> torch.Tensor:
     """Per-output-channel absmax quantization of ``w`` (axis 0) and back: what the quantized layer computes with."""
     fmt = as_format(fmt)
-    if fmt.encoding == "pm1" and fmt.bits == 1:
+    if getattr(fmt, "encoding", None) == "pm1" and fmt.bits == 1:  # (a FloatFormat, e4m3, has no encoding)
         s = w.detach().float().abs().flatten(1).mean(1).clamp_min(torch.finfo(torch.float32).tiny)
         return quantize(w.detach().float(), fmt, PerChannel(0), scale=s.view(-1, *([1] * (w.dim() - 1)))).dequantize()
     return quantize(w.detach().float(), fmt, PerChannel(0)).dequantize()
 
 
-def prepared_float_layer(m: nn.Module, clip_ratio: torch.Tensor | None, bias_delta: torch.Tensor | None) -> nn.Module:
+def prepared_float_layer(m: nn.Module, clip_ratio: torch.Tensor | None, bias_delta: torch.Tensor | None,
+                         weight: torch.Tensor | None = None) -> nn.Module:
     """A float copy of conv / linear ``m`` whose weight is clipped per channel to ``clip_ratio * max|w|`` (so the
-    layer's absmax quantization lands on that clip) and whose bias is reduced by ``bias_delta``; ``m`` is untouched.
+    layer's absmax quantization lands on that clip) -- or is ``weight`` (a weight already on the layer's grid, e.g.
+    AdaRound's, whose absmax gives the same scale) -- and whose bias is reduced by ``bias_delta``; ``m`` is untouched.
     Attributes the conversion reads (``tcprec_pad4``, ``tcprec_pad_folded``) are kept."""
     new = nn.Module.__new__(type(m))
     new.__dict__ = dict(m.__dict__)
@@ -215,7 +257,9 @@ def prepared_float_layer(m: nn.Module, clip_ratio: torch.Tensor | None, bias_del
     new._buffers = dict(m._buffers)
     new._modules = dict(m._modules)
     w = m.weight.detach()
-    if clip_ratio is not None:
+    if weight is not None:
+        new._parameters["weight"] = nn.Parameter(weight.to(w.dtype).to(w.device), requires_grad=False)
+    elif clip_ratio is not None:
         lim = (w.float().flatten(1).abs().amax(1) * clip_ratio.to(w.device)).view(-1, *([1] * (w.dim() - 1)))
         new._parameters["weight"] = nn.Parameter(torch.maximum(torch.minimum(w.float(), lim), -lim).to(w.dtype),
                                                  requires_grad=False)
@@ -252,3 +296,196 @@ def bias_deltas(model: nn.Module, names: list[str], batches, w_dq) -> dict[str, 
     _run_batches(model, batches, hooks)
     return {n: (sums[n] / counts[n]).float() for n in sums}
 
+
+
+# -- AdaRound: learned rounding of the weights on their grid ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AdaRound:
+    """Rounding optimisation of integer weights (Nagel et al. 2020, "Up or down?"), layer by layer: each weight
+    rounds down or up on its grid (the scale the layer uses, unchanged), chosen by minimising the layer's output
+    error ``|| q(x) W_round - x W ||^2`` over every output position of the calibration batches (``q(x)``: the
+    layer's quantized input), with the rectified-sigmoid relaxation and the annealed regulariser
+    that pushes every choice to 0 or 1.  Layers with more than ``max_bits`` weight bits round to nearest.
+    ``iters`` Adam steps at ``lr`` per layer: a few hundred keep it CPU-feasible."""
+
+    iters: int = 300
+    max_bits: int = 4
+    reg: float = 0.01
+    lr: float = 0.05
+    seed: int = 0
+
+    def __post_init__(self):
+        for k, lo, hi in (("iters", 1, 100_000), ("max_bits", 2, 8), ("seed", 0, 1 << 62)):
+            v = getattr(self, k)
+            if not (isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi):
+                raise ValueError(f"AdaRound {k} must be an int in {lo}..{hi}, got {v!r}")
+        for k in ("reg", "lr"):
+            v = getattr(self, k)
+            if not (isinstance(v, (int, float)) and v > 0):
+                raise ValueError(f"AdaRound {k} must be a positive number, got {v!r}")
+
+
+def as_rounding(v) -> AdaRound | None:
+    """``"nearest"`` -> None, ``"adaround"`` -> ``AdaRound()``, an ``AdaRound`` as given."""
+    if isinstance(v, AdaRound):
+        return v
+    if isinstance(v, str) and v in WEIGHT_ROUNDINGS:
+        return None if v == "nearest" else AdaRound()
+    raise ValueError(f"weight_rounding must be one of {WEIGHT_ROUNDINGS} or an AdaRound(...), got {v!r}")
+
+
+def _grid(fmt) -> tuple[float, float, int, int]:
+    """(step, offset, kmin, kmax): the weight values are scale * (step * k + offset), k in kmin..kmax."""
+    if fmt.encoding == "pm1":  # odd integers -(2^N - 1)..(2^N - 1)
+        return 2.0, 1.0, int((fmt.min - 1) // 2), int((fmt.max - 1) // 2)
+    return 1.0, 0.0, int(fmt.min), int(fmt.max)
+
+
+def _rect_sigmoid(v: torch.Tensor) -> torch.Tensor:
+    return (torch.sigmoid(v) * 1.2 - 0.1).clamp(0.0, 1.0)
+
+
+def adaround_layer(w: torch.Tensor, scale: torch.Tensor, fmt, x: torch.Tensor, target: torch.Tensor,
+                   opts: AdaRound) -> torch.Tensor:
+    """The AdaRound codes' dequantized weight (same shape as ``w``, on the grid ``scale * (step k + offset)``).
+
+    ``w``: (G, Kg, I) float32, G groups of Kg outputs over I inputs; ``scale``: (G, Kg, 1) per output channel;
+    ``x``: (P, G, I) the layer's quantized inputs at P positions; ``target``: (P, G, Kg) the float layer's outputs
+    there.  The element holding each channel's largest code keeps its nearest rounding, so the channel's absmax --
+    hence the scale the quantized layer derives from the weight -- is unchanged."""
+    if x.shape[0] > x.shape[2]:  # more positions than inputs: the Gram form is cheaper and the same loss
+        xg = x.transpose(0, 1)  # (G, P, I)
+        gram = (xg.transpose(1, 2) @ xg, xg.transpose(1, 2) @ target.transpose(0, 1), float(target.double().pow(2).sum()))
+        return _adaround(w, scale, fmt, opts, gram=gram)
+    return _adaround(w, scale, fmt, opts, samples=(x, target))
+
+
+def _adaround(w, scale, fmt, opts: AdaRound, samples=None, gram=None) -> torch.Tensor:
+    """AdaRound on the loss sum ||x W_q^T - t||^2, from ``samples`` (x (P, G, I), t (P, G, Kg)) or from its Gram
+    form ``gram`` = (H = x^T x (G, I, I), C = x^T t (G, I, Kg), T = ||t||^2): tr(W_q H W_q^T) - 2 tr(W_q C) + T."""
+    step, off, kmin, kmax = _grid(fmt)
+    u = (w / scale - off) / step  # real-valued k
+    base = torch.floor(u)
+    rest = (u - base).clamp(0.01, 0.99)
+    v = (-torch.log(1.2 / (rest + 0.1) - 1.0)).requires_grad_(True)  # h(v) = rest at the start
+    nearest = torch.round(u).clamp(kmin, kmax)
+    top = nearest.abs() == nearest.abs().amax(-1, keepdim=True)  # (G, Kg, I): the channel's extreme codes stay
+
+    def loss_of(wq):  # (G, Kg, I) -> the summed squared output error
+        if samples is not None:
+            x, t = samples
+            return (torch.einsum("pgi,gki->pgk", x, wq) - t).pow(2).sum()
+        H, C, T = gram
+        return ((wq @ H) * wq).sum() - 2 * (wq * C.transpose(1, 2)).sum() + T
+
+    # the output error in units of nearest rounding's: the regulariser's weight means the same on every layer
+    with torch.no_grad():
+        power = loss_of(scale * (step * nearest + off)).clamp_min(1e-30)
+    opt = torch.optim.Adam([v], lr=opts.lr)
+    warm = opts.iters // 5
+    with torch.enable_grad():
+        for it in range(opts.iters):
+            h = _rect_sigmoid(v)
+            k = torch.where(top, nearest, (base + h).clamp(kmin, kmax))
+            loss = loss_of(scale * (step * k + off)) / power
+            if it >= warm:  # beta anneals 20 -> 2 after the warm-up
+                beta = 2 + 18 * (1 - (it - warm) / max(1, opts.iters - warm))
+                loss = loss + opts.reg * (1 - (2 * h - 1).abs().pow(beta)).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+    with torch.no_grad():
+        k = torch.where(top, nearest, (base + (_rect_sigmoid(v) >= 0.5).float()).clamp(kmin, kmax))
+        wq = scale * (step * k + off)
+        return wq if loss_of(wq) <= loss_of(scale * (step * nearest + off)) else scale * (step * nearest + off)
+
+
+def _gram_update(s: dict, mod: nn.Module, xq: torch.Tensor, x: torch.Tensor) -> None:
+    """Add a batch's positions to ``s``: H += x_q^T x_q, M += x_q^T x per group, T += ||x W^T||^2, and the rows
+    themselves while there are no more of them than inputs."""
+    if isinstance(mod, nn.Conv2d):
+        G = mod.groups
+        # (N, C*R*S, L) patches (a conv with tcprec_pad4 was padded by an earlier pre-hook)
+        cols = lambda t: F.unfold(t, mod.kernel_size, mod.dilation, mod.padding, mod.stride)  # noqa: E731
+        pq, pf = cols(xq), cols(x)
+        pq = pq.transpose(1, 2).reshape(-1, G, pq.shape[1] // G)  # (N*L, G, Cg*R*S)
+        pf = pf.transpose(1, 2).reshape(-1, G, pf.shape[1] // G)
+    else:
+        pq, pf = xq.reshape(-1, 1, x.shape[-1]), x.reshape(-1, 1, x.shape[-1])
+    gq, gf = pq.transpose(0, 1), pf.transpose(0, 1)  # (G, P, I)
+    s["H"] = s["H"] + (gq.transpose(1, 2) @ gq).double()  # (G, I, I)
+    s["M"] = s["M"] + (gq.transpose(1, 2) @ gf).double()  # (G, I, I): x_q^T x
+    w0 = mod.weight.detach().float().reshape(gq.shape[0], -1, gq.shape[2])  # (G, Kg, I)
+    s["T"] += float((gf @ w0.transpose(1, 2)).double().pow(2).sum())  # ||x W0^T||^2
+    s["n"] += pq.shape[0]
+    if s["n"] <= pq.shape[2]:
+        s["rows"].append((pq, pf))
+    else:
+        s["rows"] = []
+
+
+@torch.no_grad()
+def adaround_weights(model: nn.Module, names: list[str], batches, w_of, fmt_of, a_quant, opts: AdaRound,
+                     budget_bytes: int = 256 << 20) -> dict[str, torch.Tensor]:
+    """name -> the AdaRound weight of conv / linear ``name`` (its shape, float32, on its device), for the layers
+    ``names``.  ``w_of(name)``: the float weight the layer quantizes (clipped, if clipping); ``fmt_of(name)``: its
+    integer format; ``a_quant(name, x)``: the layer's input as its quantized layer sees it (quantized and back).
+
+    The loss is over every output position of the batches, kept as Gram matrices (H = x_q^T x_q and x_q^T x per
+    group: G I^2 numbers a layer), or as the rows themselves while they are fewer than the inputs (a linear layer
+    on a few samples).  Passes over the batches each gather at most ``budget_bytes`` of them; then each layer is
+    optimised on its own."""
+    mods = dict(model.named_modules())
+    chunks, cur, size = [], [], 0
+    for n in names:  # passes whose statistics fit the budget
+        m = mods[n]
+        G = m.groups if isinstance(m, nn.Conv2d) else 1
+        b = 2 * G * m.weight[0].numel() ** 2 * 8
+        if cur and size + b > budget_bytes:
+            chunks.append(cur)
+            cur, size = [], 0
+        cur.append(n)
+        size += b
+    if cur:
+        chunks.append(cur)
+    out = {}
+    for chunk in chunks:
+        st: dict[str, dict] = {n: {"H": 0, "M": 0, "T": 0.0, "rows": [], "n": 0} for n in chunk}
+        hooks = []
+        for n in chunk:
+            m = mods[n]
+
+            def pre(mod, args, n=n):
+                x = args[0]
+                if not isinstance(x, torch.Tensor):
+                    return
+                x = x.detach().float()
+                if isinstance(mod, nn.Conv2d):  # a few images at a time: the patches are R*S times the input
+                    per = max(1, (1 << 24) // max(1, x[0].numel() * mod.weight[0, 0].numel()))
+                    for i in range(0, x.shape[0], per):
+                        _gram_update(st[n], mod, a_quant(n, x[i: i + per]), x[i: i + per])
+                else:
+                    _gram_update(st[n], mod, a_quant(n, x), x)
+            hooks.append(m.register_forward_pre_hook(pre))
+        _run_batches(model, batches, hooks)
+        for n in chunk:
+            m = mods[n]
+            fmt = as_format(fmt_of(n))
+            w = w_of(n).detach().float()
+            G = m.groups if isinstance(m, nn.Conv2d) else 1
+            wg = w.reshape(G, w.shape[0] // G, -1)  # (G, Kg, I)
+            w0 = m.weight.detach().float().reshape(G, w.shape[0] // G, -1)  # the float layer's (unclipped) weight
+            scale = (w.flatten(1).abs().amax(1).clamp_min(torch.finfo(torch.float32).tiny)
+                     / absmax_qmax(fmt)).reshape(G, -1, 1)
+            s = st.pop(n)
+            if s["rows"]:
+                x = torch.cat([r[0] for r in s["rows"]])
+                t = torch.einsum("pgi,gki->pgk", torch.cat([r[1] for r in s["rows"]]), w0)
+                out[n] = _adaround(wg, scale, fmt, opts, samples=(x, t)).reshape(w.shape)
+            else:
+                C = s["M"] @ w0.double().transpose(1, 2)  # (G, I, Kg): x_q^T t
+                out[n] = _adaround(wg.double(), scale.double(), fmt, opts, gram=(s["H"], C, s["T"])).float() \
+                    .reshape(w.shape)
+    return out

@@ -82,10 +82,13 @@ class QuantConfig:
                 but the network's divergence from its reference is the same within 1.5 points and batch-256
                 forwards ~15% slower: docs/decisions/0040, docs/numerics.md)
     activation_observer  how activation ranges are calibrated (integer layers): ``"absmax"``, ``"percentile"``,
-                ``"mse"``, ``"entropy"`` or an ``Observer(method, percentile=, bins=)`` (nn/calibrate.py)
+                ``"mse"``, ``"entropy"``, ``"auto"`` (per layer, the one of those four with the smallest output
+                error) or an ``Observer(method, percentile=, bins=)`` (nn/calibrate.py)
     weight_clip ``"absmax"`` | ``"mse"`` (per-channel clip search) for integer weights
     weight_grid ``"twos"`` (intN) | ``"pm"`` (pmN odd-integer codes for 2..7-bit weights: every code used)
     bias_correction  subtract the expected output error of the quantized weights from each layer's bias
+    weight_rounding  ``"nearest"`` (default) | ``"adaround"`` | ``AdaRound(iters=300, max_bits=4, ...)``:
+                learned up/down rounding of integer weights of 2..max_bits bits on the calibration batches
     """
 
     precision: str = "w1a2"
@@ -101,6 +104,7 @@ class QuantConfig:
     weight_clip: str = "absmax"
     weight_grid: str = "twos"
     bias_correction: bool = False
+    weight_rounding: "cal.AdaRound | str" = "nearest"
 
     def __post_init__(self):
         if self.fp8_accum not in ("fp32", "fast"):
@@ -113,6 +117,7 @@ class QuantConfig:
                              "('pm' stores 2..7-bit weights as odd integers, using every code)")
         if not isinstance(self.bias_correction, bool):
             raise TypeError(f"bias_correction must be a bool, got {self.bias_correction!r}")
+        cal.as_rounding(self.weight_rounding)
         parse_precision(self.precision)
         if self.first_last is not None:
             parse_precision(self.first_last)
@@ -530,23 +535,40 @@ def _calibration_call(cfg: QuantConfig, gm, order, batches, stats, precision_of,
     layers = [n for n in order if precision_of(n) is not None and not _unsupported(mods[n])]
     ints = [n for n in layers if not precision_of(n).fp8]
     if obs.method != "absmax" and ints:
-        qmax = lambda n: absmax_qmax(activation_format(precision_of(n), stats[n][1]))  # noqa: E731
-        clips = cal.activation_clips(gm, ints, batches, {n: stats[n][0] for n in ints}, obs, qmax)
+        a_fmt = lambda n: activation_format(precision_of(n), stats[n][1])  # noqa: E731
+        clips = cal.activation_clips(gm, ints, batches, {n: stats[n][0] for n in ints}, obs, a_fmt)
         stats = {**stats, **{n: (clips[n], stats[n][1]) for n in ints}}
     w_ratio = {}
     if cfg.weight_clip == "mse":
         w_ratio = {n: cal.weight_clip_ratio(mods[n].weight, _weight_fmt(precision_of(n), cfg.weight_grid))
                    for n in ints}
+
+    def clipped(n):
+        w = mods[n].weight.detach().float()
+        if n in w_ratio:
+            lim = (w.flatten(1).abs().amax(1) * w_ratio[n]).view(-1, *([1] * (w.dim() - 1)))
+            w = torch.maximum(torch.minimum(w, lim), -lim)
+        return w
+
+    w_round = {}
+    ada = cal.as_rounding(cfg.weight_rounding)
+    if ada is not None:
+        rounded = [n for n in ints if 2 <= precision_of(n).w_bits <= ada.max_bits]
+        if rounded:
+            def a_quant(n, x):
+                f = activation_format(precision_of(n), stats[n][1])
+                s = max(float(stats[n][0]), 1e-8) / absmax_qmax(f)
+                return torch.round(x / s).clamp(f.min, f.max) * s
+            w_round = cal.adaround_weights(gm, rounded, batches, clipped,
+                                           lambda n: _weight_fmt(precision_of(n), cfg.weight_grid), a_quant, ada)
     deltas = {}
     if cfg.bias_correction and layers:
         def w_dq(n):
-            w = mods[n].weight.detach().float()
-            if n in w_ratio:
-                lim = (w.flatten(1).abs().amax(1) * w_ratio[n]).view(-1, *([1] * (w.dim() - 1)))
-                w = torch.maximum(torch.minimum(w, lim), -lim)
-            return cal.dequantized_weight(w, _weight_fmt(precision_of(n), cfg.weight_grid))
+            if n in w_round:
+                return w_round[n]
+            return cal.dequantized_weight(clipped(n), _weight_fmt(precision_of(n), cfg.weight_grid))
         deltas = cal.bias_deltas(gm, layers, batches, w_dq)
-    return stats, w_ratio, deltas
+    return stats, w_ratio, deltas, w_round
 
 
 def _views_to_reshapes(g: fx.Graph) -> None:
@@ -631,7 +653,7 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
     caps = device_caps(dev)  # each layer's backend is decided once, on this device (QConv2d.plan_on)
 
     # -- calibration beyond absmax, weight clipping and bias correction (nn/calibrate.py) -------------------
-    stats, w_ratio, deltas = _calibration_call(cfg, gm, order, batches, stats, precision_of, mods)
+    stats, w_ratio, deltas, w_round = _calibration_call(cfg, gm, order, batches, stats, precision_of, mods)
 
     records: dict[str, LayerRecord] = {}
     new_mods: dict[str, nn.Module] = {}
@@ -655,8 +677,8 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
             return None
         fx_ = fixed.get(name) if fixed else None
         wfmt = _weight_fmt(prec, cfg.weight_grid)
-        if name in w_ratio or name in deltas:
-            m = cal.prepared_float_layer(m, w_ratio.get(name), deltas.get(name))
+        if name in w_ratio or name in deltas or name in w_round:
+            m = cal.prepared_float_layer(m, w_ratio.get(name), deltas.get(name), w_round.get(name))
         if kind == "conv" and m.groups != 1:
             if fx_ is not None:
                 raise ValueError(f"fixed quantization of {name!r}: a grouped conv (groups={m.groups}) takes its "
