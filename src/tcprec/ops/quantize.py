@@ -41,8 +41,10 @@ import torch
 from ..formats import BlockFormat, FloatFormat, IntFormat, as_format
 from ..kernels.reference_bitplanes import pack_bitplanes_reference
 from ..kernels.triton import choose_backend
-from ..qtensor import Granularity, PerGroup, PerTensor, QTensor, check_granularity, group_view, scale_view
-from .codes import check_float_input, check_rounding, encode
+from ..qtensor import (Granularity, PerGroup, PerTensor, QTensor, check_granularity, granularity_args,
+                       granularity_from_args, group_view, scale_view)
+from ..kernels.reference import code_dtype
+from .codes import _encode_codes, _seed_from, check_float_input, check_rounding, choose_cast_backend
 
 __all__ = ["quantize", "absmax_qmax", "quantize_pack", "quantize_static"]
 
@@ -230,14 +232,37 @@ def quantize(
             g.check_divides(shape)
         elem = fmt
 
+    if scale is not None and not isinstance(scale, torch.Tensor):
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+            raise TypeError(f"scale must be a float or a torch.Tensor, got {type(scale).__name__}")
+        scale = torch.tensor(float(scale), dtype=torch.float32, device=x.device)
+    seed = _seed_from(generator, rounding)
+    kind, size, axis = granularity_args(g)
+    codes, s = torch.ops.tcprec.quantize(x, str(fmt), kind, size, axis, scale, rounding,
+                                         -1 if seed is None else seed, choose_cast_backend(x)[0])
+    return QTensor(codes, s, fmt, g, shape, x.dtype)
+
+
+# torch.library custom op: torch.compile / torch.export see quantize as one opaque call on plain tensors
+# (codes, scale); the Python wrapper above validates and builds the QTensor.  The granularity travels as
+# (kind, size, axis) (qtensor.granularity_args), the format as its name, the generator as a seed (-1: none).
+
+
+@torch.library.custom_op("tcprec::quantize", mutates_args=())
+def _quantize_op(x: torch.Tensor, fmt: str, kind: str, size: int, axis: int, scale: torch.Tensor | None,
+                 rounding: str, seed: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    fmt = as_format(fmt)
+    g = granularity_from_args(kind, size, axis)
+    elem = fmt.element if isinstance(fmt, BlockFormat) else fmt
+    shape = tuple(x.shape)
     finite = _check_specials(x, elem)
     _check_sign(x, elem, finite)
     cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
     xc = x.to(cdt)
     x_abs = torch.where(finite, xc.abs(), torch.zeros_like(xc))  # (*shape) non-finite ignored by scales
 
-    if scale is not None:
-        s = _given_scale(scale, g, shape, x.device, pow2=isinstance(fmt, BlockFormat))
+    if scale is not None:  # (cloned: an op's output must not alias its input)
+        s = _given_scale(scale, g, shape, x.device, pow2=isinstance(fmt, BlockFormat)).clone()
     elif isinstance(fmt, BlockFormat):
         s = _mx_scale(x_abs, fmt, g)
     else:
@@ -251,8 +276,17 @@ def quantize(
     else:
         lo, hi = (-elem.max if elem.signed else 0.0), elem.max
     xs = torch.where(finite, xs.clamp(lo, hi), xs)  # saturate finite values; NaN / Inf go to encode
-    codes = encode(xs, elem, rounding, generator)
-    return QTensor(codes, s, fmt, g, shape, x.dtype)
+    codes = _encode_codes(xs, elem, rounding, None if seed < 0 else seed, backend)  # xs: float32 / float64
+    return codes, s
+
+
+@_quantize_op.register_fake
+def _(x, fmt, kind, size, axis, scale, rounding, seed, backend):
+    fmt = as_format(fmt)
+    elem = fmt.element if isinstance(fmt, BlockFormat) else fmt
+    sshape = granularity_from_args(kind, size, axis).scale_shape(tuple(x.shape))
+    return (torch.empty_like(x, dtype=code_dtype(elem)),
+            torch.empty(sshape, dtype=torch.float32, device=x.device))
 
 
 # ------------------------------------------------------------------------------------------------
