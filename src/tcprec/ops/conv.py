@@ -55,12 +55,15 @@ Backends (``backend=``)
 Not supported, with an error that says so: grouped convolutions (use ``torch.nn.grad`` with
 ``groups=``), padding modes other than zeros (pad the input first), dilation < 1, stride < 1.
 Dilation > 1 is supported (the stride-phase arithmetic handles it).
+
+``conv2d_dgrad`` / ``conv2d_wgrad`` run as the custom ops ``tcprec::conv2d_dgrad`` / ``::conv2d_wgrad`` (an
+Fp8Tensor passed as its data and scale), so torch.compile and torch.export see one opaque call each.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
-import json
 from dataclasses import dataclass
 from typing import Optional
 
@@ -1025,7 +1028,7 @@ def _describe(g: ConvGeometry, precision: str, op: str) -> str:
 # ------------------------------------------------------------------------------------------------
 # torch.library custom ops: torch.compile / torch.export see conv2d_dgrad and conv2d_wgrad as one opaque call on
 # plain tensors; the wrappers above validate.  An Fp8Tensor travels as (data, scale) (scale None: a float tensor),
-# the activation as (name, slope), split_k None as -1, the Triton tile ``config`` as JSON ("" for None).
+# the activation as (name, slope), split_k None as -1, the Triton tile ``config`` as "BLOCK_M=64,..." ("" for None).
 # ------------------------------------------------------------------------------------------------
 
 _ACT_NAMES = {rc.ACT_NONE: "", rc.ACT_RELU: "relu", rc.ACT_LEAKY: "leaky_relu"}
@@ -1040,7 +1043,21 @@ def _join_fp8(data: torch.Tensor, scale: torch.Tensor | None):
 
 
 def _config_arg(config) -> str:
-    return "" if config is None else json.dumps(config, sort_keys=True)
+    """``{"BLOCK_M": 64, "BOX": "row"}`` -> ``"BLOCK_M=64,BOX='row'"`` (plain string ops: torch.compile traces them)."""
+    if config is None:
+        return ""
+    ok = isinstance(config, dict) and all(
+        isinstance(k, str)
+        and ((isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, str) and "," not in v))
+        for k, v in config.items())
+    if not ok:
+        raise TypeError(f"config must be a dict of tile parameters with int or str values (BLOCK_M, BLOCK_N, BLOCK_K, "
+                        f"num_warps, num_stages, ...), got {config!r}")
+    return ",".join(f"{k}={v!r}" for k, v in config.items())
+
+
+def _config(arg: str) -> dict | None:
+    return {k: ast.literal_eval(v) for k, v in (kv.split("=", 1) for kv in arg.split(","))} if arg else None
 
 
 def _activation(name: str, slope: float):
@@ -1056,7 +1073,7 @@ def _dgrad_op(grad_out: torch.Tensor, grad_out_scale: Optional[torch.Tensor], we
                          tuple(stride), tuple(padding), tuple(dilation), precision=precision,
                          activation=_activation(activation, slope), act_input=act_input, out_dtype=out_dtype,
                          backend=backend, split_k=None if split_k < 0 else split_k, fast_accum=fast_accum,
-                         config=json.loads(config) if config else None)
+                         config=_config(config))
 
 
 @_dgrad_op.register_fake
@@ -1073,7 +1090,7 @@ def _wgrad_op(grad_out: torch.Tensor, grad_out_scale: Optional[torch.Tensor], in
     return _conv2d_wgrad(_join_fp8(grad_out, grad_out_scale), _join_fp8(input, input_scale), tuple(weight_shape),
                          tuple(stride), tuple(padding), tuple(dilation), precision=precision,
                          split_k=None if split_k < 0 else split_k, out_dtype=out_dtype, backend=backend,
-                         fast_accum=fast_accum, config=json.loads(config) if config else None)
+                         fast_accum=fast_accum, config=_config(config))
 
 
 @_wgrad_op.register_fake

@@ -17,6 +17,10 @@ Backends
   any device when asked for.
 
 INT4 MMA and XOR+popc are emulated on Hopper and are never used.
+
+``matmul`` and ``matmul_packed`` run as the custom op ``tcprec::matmul`` on the codes and the per-row /
+per-column scales (the QTensors are checked and unpacked outside it), so torch.compile and torch.export see
+one opaque call.
 """
 
 from __future__ import annotations
@@ -369,7 +373,8 @@ def _matmul_op(a_codes: torch.Tensor, w_codes: torch.Tensor, fa: str, fw: str, r
     ofmt = as_format(out_fmt) if out_fmt else None
     if ofmt is not None:
         capturing = out_scale.is_cuda and torch.cuda.is_current_stream_capturing()
-        if not capturing and not bool(torch.isfinite(out_scale).all() and (out_scale > 0).all()):  # (no sync in a graph)
+        # (no sync inside CUDA-graph capture)
+        if not capturing and not bool(torch.isfinite(out_scale).all() and (out_scale > 0).all()):
             raise ValueError(f"out_scale must be one finite positive number, got {out_scale!r}")
     if backend == "bitserial":
         kind = "packed" if ofmt is not None else _KIND[out_dtype]

@@ -17,6 +17,9 @@ MX (BlockFormat)  2**(floor(log2(amax)) - emax_elem)           OCP MX v1.0 secti
 
 then ``codes = encode(x / scale, element format, rounding, generator)``.
 
+``quantize`` runs as the custom op ``tcprec::quantize`` (x -> codes, scale), so torch.compile and torch.export
+see one opaque call; ``quantize_static`` / ``quantize_pack`` are plain torch (or one Triton launch) and not ops.
+
 Rules every path keeps
 * A group whose amax is 0 gets scale 1.0 and zero codes (never NaN / Inf).  pm formats have no
   zero value, so there the scale is 2**-126 and the group dequantizes to +-2**-126.  Non-zero
