@@ -134,6 +134,38 @@ def _opcheck_cases():
 @pytest.mark.parametrize("i", range(len(_opcheck_cases())))
 def test_opcheck(i):
     name, args = _opcheck_cases()[i]
-    # schema (no mutation / aliasing), fake tensor vs real output, dynamic-shape AOT dispatch; no autograd formula
+    # schema (no mutation / aliasing), autograd registration, fake tensor vs real output, dynamic-shape AOT dispatch
     torch.library.opcheck(getattr(torch.ops.tcprec, name).default, args,
-                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor",
+                                      "test_aot_dispatch_dynamic"))
+
+
+def test_quantize_dequantize_keep_their_eager_gradients():
+    """The ops' autograd formulas give what the torch ops inside them gave: d/dscale of decode(codes) * scale, and
+    through an absmax scale to the element that sets it (codes are integers: no gradient through them)."""
+    x = torch.tensor([[0.5, -2.0, 1.0], [0.25, 0.75, -0.1]], requires_grad=True)
+    g = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    q = tp.quantize(x, "int4", tp.PerChannel(0))  # scale = amax / 7 per row
+    (q.dequantize() * g).sum().backward()
+    vals = tp.decode(q.codes, "int4").to(torch.float32)  # two's complement values
+    dscale = (vals * g).sum(1)  # (2,)
+    want = torch.zeros(2, 3)
+    want[0, 1] = -dscale[0] / 7  # d amax / dx = sign(x) at the row's argmax |x|
+    want[1, 1] = dscale[1] / 7
+    assert torch.allclose(x.grad, want, rtol=1e-6, atol=0)
+    s = torch.tensor(0.25, requires_grad=True)
+    q = tp.quantize(x.detach(), "int4", scale=s)
+    (q.dequantize() * g).sum().backward()
+    assert torch.allclose(s.grad, (tp.decode(q.codes, "int4").to(torch.float32) * g).sum(), rtol=1e-6, atol=0)
+
+
+def test_device_checks_run_before_the_op():
+    """A meta tensor among the operands would send an op to its fake implementation, which checks nothing: the
+    wrappers check devices first."""
+    dy, x = torch.randn(1, 5, 5, 4), torch.randn(1, 5, 5, 2)
+    with pytest.raises(ValueError, match="all operands must be on one device"):
+        tp.conv2d_wgrad(dy, x.to("meta"), (4, 3, 3, 2), padding=1)
+    with pytest.raises(ValueError, match="all operands must be on one device"):
+        tp.conv2d_dgrad(dy, torch.ones(4, 3, 3, 2, device="meta"), (1, 5, 5, 2), padding=1)
+    with pytest.raises(ValueError, match="scale is on meta but x is on cpu"):
+        tp.quantize(x, "int8", scale=torch.ones((), device="meta").expand(1, 1, 1, 2))

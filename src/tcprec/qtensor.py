@@ -331,6 +331,26 @@ def _dequantize_op(codes: torch.Tensor, scale: torch.Tensor, fmt: str, kind: str
     return y.reshape(codes.shape).to(dtype)
 
 
+def _dequantize_setup(ctx, inputs, output):
+    codes, scale, fmt, kind, size, axis, dtype = inputs
+    ctx.save_for_backward(codes)
+    ctx.args = (fmt, kind, size, axis)
+
+
+def _dequantize_backward(ctx, grad):
+    """d/dscale of ``decode(codes) * scale`` (summed over each group); codes are integers: no gradient."""
+    (codes,) = ctx.saved_tensors
+    fe, g = as_format(ctx.args[0]), granularity_from_args(*ctx.args[1:])
+    vals = (decode_int if isinstance(fe, IntFormat) else decode_float)(codes, fe)  # (*shape) float32
+    gv = group_view(vals * grad.to(torch.float32), g)
+    sshape = g.scale_shape(tuple(codes.shape))
+    ones = torch.ones(sshape, dtype=torch.float32, device=codes.device)
+    return None, gv.sum_to_size(scale_view(ones, g).shape).reshape(sshape), None, None, None, None, None
+
+
+_dequantize_op.register_autograd(_dequantize_backward, setup_context=_dequantize_setup)
+
+
 @_dequantize_op.register_fake
 def _(codes, scale, fmt, kind, size, axis, dtype):
     return torch.empty_like(codes, dtype=dtype)

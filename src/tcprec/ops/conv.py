@@ -661,6 +661,8 @@ def conv2d_dgrad(grad_out, weight, input_shape, stride=1, padding=0, dilation=1,
     g = conv_geometry(input_shape, tuple(weight.shape), stride, padding, dilation)
     _check_grad_out(grad_out, g)
     mode, slope = rc.parse_activation(activation)
+    # (devices here too: a meta tensor among the operands would send the op to its fake implementation)
+    _check_devices(grad_out=grad_out, weight=weight, act_input=act_input if mode != rc.ACT_NONE else None)
     if split_k is not None and int(split_k) < 1:
         raise ValueError(f"split_k must be >= 1, got {split_k}")
     (dy, dy_s), (w, w_s) = _split_fp8(grad_out), _split_fp8(weight)
@@ -844,6 +846,7 @@ def conv2d_wgrad(grad_out, input, weight_shape, stride=1, padding=0, dilation=1,
     _check_tensor(input, "input", "(N, H, W, C)", precision)
     g = conv_geometry(tuple(input.shape), weight_shape, stride, padding, dilation)
     _check_grad_out(grad_out, g)
+    _check_devices(grad_out=grad_out, input=input)  # (a meta operand would send the op to its fake implementation)
     if split_k is not None and (isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < 1):
         raise ValueError(f"split_k must be None or an int >= 1, got {split_k!r}")
     (dy, dy_s), (x, x_s) = _split_fp8(grad_out), _split_fp8(input)

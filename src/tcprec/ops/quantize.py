@@ -141,14 +141,18 @@ def _absmax_scale(x_abs: torch.Tensor, elem, g: Granularity) -> torch.Tensor:
     return torch.where(s32 == 0, torch.full_like(s32, zero_scale), torch.where(s > 0, s32.clamp(min=_TINY), s32))
 
 
+def _check_scale_tensor(scale: torch.Tensor, device) -> None:
+    if scale.dtype.is_complex or not (scale.dtype.is_floating_point or scale.dtype in (torch.int32, torch.int64)):
+        raise TypeError(f"scale must be a float or a real tensor, got dtype={scale.dtype}")
+    if scale.device != device and not (scale.device.type == "cpu" and scale.numel() == 1):
+        raise ValueError(f"scale is on {scale.device} but x is on {device}; put the scale on x's device "
+                         f"(scale.to({str(device)!r})) -- only a one-element CPU scale (a number) may differ")
+
+
 def _given_scale(scale, g: Granularity, shape, device, *, pow2: bool = False) -> torch.Tensor:
     sshape = g.scale_shape(shape)
     if isinstance(scale, torch.Tensor):
-        if scale.dtype.is_complex or not (scale.dtype.is_floating_point or scale.dtype in (torch.int32, torch.int64)):
-            raise TypeError(f"scale must be a float or a real tensor, got dtype={scale.dtype}")
-        if scale.device != device and not (scale.device.type == "cpu" and scale.numel() == 1):
-            raise ValueError(f"scale is on {scale.device} but x is on {device}; put the scale on x's device "
-                             f"(scale.to({str(device)!r})) -- only a one-element CPU scale (a number) may differ")
+        _check_scale_tensor(scale, device)
         s = scale.to(device=device, dtype=torch.float32)
     elif isinstance(scale, (int, float)) and not isinstance(scale, bool):
         s = torch.tensor(float(scale), dtype=torch.float32, device=device)
@@ -235,7 +239,9 @@ def quantize(
             g.check_divides(shape)
         elem = fmt
 
-    if scale is not None and not isinstance(scale, torch.Tensor):
+    if isinstance(scale, torch.Tensor):  # (here: a meta scale would send the op to its fake implementation)
+        _check_scale_tensor(scale, x.device)
+    elif scale is not None:
         if not isinstance(scale, (int, float)) or isinstance(scale, bool):
             raise TypeError(f"scale must be a float or a torch.Tensor, got {type(scale).__name__}")
         scale = torch.tensor(float(scale), dtype=torch.float32, device=x.device)
@@ -262,15 +268,9 @@ def _quantize_op(x: torch.Tensor, fmt: str, kind: str, size: int, axis: int, sca
     _check_sign(x, elem, finite)
     cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
     xc = x.to(cdt)
-    x_abs = torch.where(finite, xc.abs(), torch.zeros_like(xc))  # (*shape) non-finite ignored by scales
-
-    if scale is not None:  # (cloned: an op's output must not alias its input)
-        s = _given_scale(scale, g, shape, x.device, pow2=isinstance(fmt, BlockFormat)).clone()
-    elif isinstance(fmt, BlockFormat):
-        s = _mx_scale(x_abs, fmt, g)
-    else:
-        s = _absmax_scale(x_abs, elem, g)
-    # (scale shape) float32
+    s = _scale_of(xc, finite, fmt, elem, g, scale)
+    if scale is not None:  # an op's output must not alias its input
+        s = s.clone()
 
     xs = group_view(xc, g) / scale_view(s, g).to(cdt)  # grouped view of x / scale
     xs = xs.reshape(shape)  # (*shape)
@@ -281,6 +281,43 @@ def _quantize_op(x: torch.Tensor, fmt: str, kind: str, size: int, axis: int, sca
     xs = torch.where(finite, xs.clamp(lo, hi), xs)  # saturate finite values; NaN / Inf go to encode
     codes = _encode_codes(xs, elem, rounding, None if seed < 0 else seed, backend)  # xs: float32 / float64
     return codes, s
+
+
+def _scale_of(xc, finite, fmt, elem, g, scale) -> torch.Tensor:
+    """(scale shape) float32: the given scale, or the MX / absmax scale of xc's finite values."""
+    if scale is not None:
+        return _given_scale(scale, g, tuple(xc.shape), xc.device, pow2=isinstance(fmt, BlockFormat))
+    x_abs = torch.where(finite, xc.abs(), torch.zeros_like(xc))  # (*shape) non-finite ignored by scales
+    return _mx_scale(x_abs, fmt, g) if isinstance(fmt, BlockFormat) else _absmax_scale(x_abs, elem, g)
+
+
+def _quantize_setup(ctx, inputs, output):
+    x, fmt, kind, size, axis, scale = inputs[:6]
+    ctx.save_for_backward(x, scale)
+    ctx.args = (fmt, kind, size, axis)
+
+
+def _quantize_backward(ctx, grad_codes, grad_scale):
+    """The gradient the scale's torch ops give (codes are integers: none through them), recomputed."""
+    x, scale = ctx.saved_tensors
+    fmt = as_format(ctx.args[0])
+    elem = fmt.element if isinstance(fmt, BlockFormat) else fmt
+    leaves = [t for t in (x, scale) if t is not None and t.requires_grad]
+    grads = {}
+    if leaves and grad_scale is not None:
+        with torch.enable_grad():
+            xr = x.detach().requires_grad_(x.requires_grad)
+            sr = scale.detach().requires_grad_(scale.requires_grad) if scale is not None else None
+            xc = xr.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+            s = _scale_of(xc, torch.isfinite(xc), fmt, elem, granularity_from_args(*ctx.args[1:]), sr)
+            want = [t for t in (xr, sr) if t is not None and t.requires_grad]
+            got = torch.autograd.grad(s, want, grad_scale, allow_unused=True) if s.requires_grad else [None] * len(want)
+            grads = dict(zip([id(t) for t in leaves], got))
+    return (grads.get(id(x)), None, None, None, None, grads.get(id(scale)) if scale is not None else None,
+            None, None, None)
+
+
+_quantize_op.register_autograd(_quantize_backward, setup_context=_quantize_setup)
 
 
 @_quantize_op.register_fake
