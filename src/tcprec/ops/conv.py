@@ -1046,16 +1046,16 @@ def _join_fp8(data: torch.Tensor, scale: torch.Tensor | None):
 
 
 def _config_arg(config) -> str:
-    """``{"BLOCK_M": 64, "BOX": "row"}`` -> ``"BLOCK_M=64,BOX='row'"`` (plain string ops: torch.compile traces them)."""
+    """``{"BLOCK_M": 64, "BOX": "row"}`` -> ``"BLOCK_M=64,BOX='row'"`` (plain string ops: torch.compile traces them;
+    the op reads it back with ast.literal_eval)."""
     if config is None:
         return ""
     ok = isinstance(config, dict) and all(
-        isinstance(k, str)
-        and ((isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, str) and "," not in v))
+        isinstance(k, str) and (isinstance(v, (bool, int, float)) or (isinstance(v, str) and "," not in v))
         for k, v in config.items())
     if not ok:
-        raise TypeError(f"config must be a dict of tile parameters with int or str values (BLOCK_M, BLOCK_N, BLOCK_K, "
-                        f"num_warps, num_stages, ...), got {config!r}")
+        raise TypeError(f"config must be a dict of tile parameters with bool, int, float or str values (BLOCK_M, "
+                        f"BLOCK_N, BLOCK_K, num_warps, num_stages, persistent, ...), got {config!r}")
     return ",".join(f"{k}={v!r}" for k, v in config.items())
 
 
