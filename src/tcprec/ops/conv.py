@@ -1031,7 +1031,7 @@ def _describe(g: ConvGeometry, precision: str, op: str) -> str:
 # ------------------------------------------------------------------------------------------------
 # torch.library custom ops: torch.compile / torch.export see conv2d_dgrad and conv2d_wgrad as one opaque call on
 # plain tensors; the wrappers above validate.  An Fp8Tensor travels as (data, scale) (scale None: a float tensor),
-# the activation as (name, slope), split_k None as -1, the Triton tile ``config`` as "BLOCK_M=64,..." ("" for None).
+# the activation as (name, slope), split_k None as -1, the Triton tile ``config`` as "BLOCK_M=64;..." ("" for None).
 # ------------------------------------------------------------------------------------------------
 
 _ACT_NAMES = {rc.ACT_NONE: "", rc.ACT_RELU: "relu", rc.ACT_LEAKY: "leaky_relu"}
@@ -1045,22 +1045,25 @@ def _join_fp8(data: torch.Tensor, scale: torch.Tensor | None):
     return data if scale is None else Fp8Tensor(data, scale)
 
 
+def _literal(v) -> bool:
+    if isinstance(v, (tuple, list)):
+        return all(_literal(t) for t in v)
+    return isinstance(v, (bool, int, float)) or (isinstance(v, str) and ";" not in v)
+
+
 def _config_arg(config) -> str:
-    """``{"BLOCK_M": 64, "BOX": "row"}`` -> ``"BLOCK_M=64,BOX='row'"`` (plain string ops: torch.compile traces them;
-    the op reads it back with ast.literal_eval)."""
+    """``{"BLOCK_M": 64, "BOX": (1, 2, 8)}`` -> ``"BLOCK_M=64;BOX=(1, 2, 8)"`` (plain string ops: torch.compile
+    traces them; the op reads it back with ast.literal_eval)."""
     if config is None:
         return ""
-    ok = isinstance(config, dict) and all(
-        isinstance(k, str) and (isinstance(v, (bool, int, float)) or (isinstance(v, str) and "," not in v))
-        for k, v in config.items())
-    if not ok:
-        raise TypeError(f"config must be a dict of tile parameters with bool, int, float or str values (BLOCK_M, "
-                        f"BLOCK_N, BLOCK_K, num_warps, num_stages, persistent, ...), got {config!r}")
-    return ",".join(f"{k}={v!r}" for k, v in config.items())
+    if not (isinstance(config, dict) and all(isinstance(k, str) and _literal(v) for k, v in config.items())):
+        raise TypeError(f"config must be a dict of tile parameters whose values are bools, numbers, strings or "
+                        f"tuples of them (BLOCK_M, num_warps, persistent, BOX, ...), got {config!r}")
+    return ";".join(f"{k}={v!r}" for k, v in config.items())
 
 
 def _config(arg: str) -> dict | None:
-    return {k: ast.literal_eval(v) for k, v in (kv.split("=", 1) for kv in arg.split(","))} if arg else None
+    return {k: ast.literal_eval(v) for k, v in (kv.split("=", 1) for kv in arg.split(";"))} if arg else None
 
 
 def _activation(name: str, slope: float):
