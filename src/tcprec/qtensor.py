@@ -156,6 +156,31 @@ def check_granularity(g) -> Granularity:
 # ------------------------------------------------------------------------------------------------
 
 
+def granularity_args(g: Granularity) -> tuple[str, int, int]:
+    """``g`` as (kind, size, axis), plain values a ``torch.library`` custom op can take; inverse of
+    :func:`granularity_from_args`.
+
+    >>> granularity_args(PerGroup(32, 1)), granularity_from_args("channel", 0, 0)
+    (('group', 32, 1), PerChannel(axis=0))
+    """
+    if isinstance(g, PerGroup):
+        return "group", g.size, g.axis
+    if isinstance(g, PerChannel):
+        return "channel", 0, g.axis
+    return "tensor", 0, 0
+
+
+def granularity_from_args(kind: str, size: int, axis: int) -> Granularity:
+    """The granularity :func:`granularity_args` describes."""
+    if kind == "group":
+        return PerGroup(size, axis)
+    if kind == "channel":
+        return PerChannel(axis)
+    if kind == "tensor":
+        return PerTensor()
+    raise ValueError(f"granularity kind must be 'tensor', 'channel' or 'group', got {kind!r}")
+
+
 def group_view(t: torch.Tensor, g: Granularity) -> torch.Tensor:
     """``t`` viewed so that ``scale_view(scale, g)`` broadcasts against it.
 
@@ -262,10 +287,8 @@ class QTensor:
     # -- conversions ---------------------------------------------------------------------------
     def dequantize(self) -> torch.Tensor:
         """``decode(codes) * scale`` in the original dtype (the scale broadcast per granularity)."""
-        fe = self.element_format
-        vals = (decode_int if isinstance(fe, IntFormat) else decode_float)(self.codes, fe)  # (*shape) float32
-        y = group_view(vals, self.granularity) * scale_view(self.scale, self.granularity)
-        return y.reshape(self.shape).to(self.dtype)
+        return torch.ops.tcprec.dequantize(self.codes, self.scale, str(self.element_format),
+                                           *granularity_args(self.granularity), self.dtype)
 
     def to(self, device, non_blocking: bool = False) -> "QTensor":
         """A copy on ``device`` (codes and scale move together)."""
@@ -293,3 +316,41 @@ class QTensor:
             f"scale={tuple(self.scale.shape)} {_short(self.scale.dtype)}, codes={_short(self.codes.dtype)}, "
             f"device={self.device})"
         )
+
+
+# torch.library custom op: torch.compile / torch.export see QTensor.dequantize as one opaque call on its codes and
+# scale (Inductor would otherwise trace decode's bit manipulation); the fake gives shape and dtype on every device.
+
+
+@torch.library.custom_op("tcprec::dequantize", mutates_args=())
+def _dequantize_op(codes: torch.Tensor, scale: torch.Tensor, fmt: str, kind: str, size: int, axis: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    fe, g = as_format(fmt), granularity_from_args(kind, size, axis)
+    vals = (decode_int if isinstance(fe, IntFormat) else decode_float)(codes, fe)  # (*shape) float32
+    y = group_view(vals, g) * scale_view(scale, g)
+    return y.reshape(codes.shape).to(dtype)
+
+
+def _dequantize_setup(ctx, inputs, output):
+    codes, scale, fmt, kind, size, axis, dtype = inputs
+    ctx.save_for_backward(codes)
+    ctx.args = (fmt, kind, size, axis)
+
+
+def _dequantize_backward(ctx, grad):
+    """d/dscale of ``decode(codes) * scale`` (summed over each group); codes are integers: no gradient."""
+    (codes,) = ctx.saved_tensors
+    fe, g = as_format(ctx.args[0]), granularity_from_args(*ctx.args[1:])
+    vals = (decode_int if isinstance(fe, IntFormat) else decode_float)(codes, fe)  # (*shape) float32
+    gv = group_view(vals * grad.to(torch.float32), g)
+    sshape = g.scale_shape(tuple(codes.shape))
+    ones = torch.ones(sshape, dtype=torch.float32, device=codes.device)
+    return None, gv.sum_to_size(scale_view(ones, g).shape).reshape(sshape), None, None, None, None, None
+
+
+_dequantize_op.register_autograd(_dequantize_backward, setup_context=_dequantize_setup)
+
+
+@_dequantize_op.register_fake
+def _(codes, scale, fmt, kind, size, axis, dtype):
+    return torch.empty_like(codes, dtype=dtype)

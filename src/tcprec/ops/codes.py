@@ -1,7 +1,8 @@
 """encode / decode of element formats and the checks the ops share: validate, choose a backend (with a
 stated reason), launch.  ``tcprec.ops.cast`` builds ``cast`` on these (and on ``quantize`` for MX
 block formats).  cast / encode / decode run as ``torch.library`` custom ops (``tcprec::cast``, ``::encode``,
-``::decode``), so torch.compile and torch.export treat them as opaque calls.
+``::decode``), so torch.compile and torch.export treat them as opaque calls (as are ``::quantize``,
+``::dequantize``, ``::matmul``, ``::conv2d_dgrad`` and ``::conv2d_wgrad``: docs/ARCHITECTURE.md).
 
 Backends: ``"triton"`` (the fused elementwise kernel in ``kernels/triton/cast.py``; on CUDA tensors,
 or anywhere under ``TRITON_INTERPRET=1``) and ``"reference"`` (pure torch, ``kernels/reference.py``, with

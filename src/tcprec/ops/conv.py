@@ -55,12 +55,17 @@ Backends (``backend=``)
 Not supported, with an error that says so: grouped convolutions (use ``torch.nn.grad`` with
 ``groups=``), padding modes other than zeros (pad the input first), dilation < 1, stride < 1.
 Dilation > 1 is supported (the stride-phase arithmetic handles it).
+
+``conv2d_dgrad`` / ``conv2d_wgrad`` run as the custom ops ``tcprec::conv2d_dgrad`` / ``::conv2d_wgrad`` (an
+Fp8Tensor passed as its data and scale), so torch.compile and torch.export see one opaque call each.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -656,6 +661,26 @@ def conv2d_dgrad(grad_out, weight, input_shape, stride=1, padding=0, dilation=1,
     g = conv_geometry(input_shape, tuple(weight.shape), stride, padding, dilation)
     _check_grad_out(grad_out, g)
     mode, slope = rc.parse_activation(activation)
+    # (devices here too: a meta tensor among the operands would send the op to its fake implementation)
+    _check_devices(grad_out=grad_out, weight=weight, act_input=act_input if mode != rc.ACT_NONE else None)
+    if split_k is not None and int(split_k) < 1:
+        raise ValueError(f"split_k must be >= 1, got {split_k}")
+    (dy, dy_s), (w, w_s) = _split_fp8(grad_out), _split_fp8(weight)
+    return torch.ops.tcprec.conv2d_dgrad(
+        dy, dy_s, w, w_s, list(g.input_shape), list(g.stride), list(g.padding), list(g.dilation), precision,
+        _ACT_NAMES[mode], slope, act_input, out_dtype or _default_out(precision), backend,
+        -1 if split_k is None else int(split_k), bool(fast_accum), _config_arg(config))
+
+
+def _conv2d_dgrad(grad_out, weight, input_shape, stride, padding, dilation, *, precision, activation, act_input,
+                  out_dtype, backend, split_k, fast_accum, config) -> torch.Tensor:
+    """conv2d_dgrad's body (inside the custom op ``tcprec::conv2d_dgrad``)."""
+    _check_common(precision, backend, out_dtype)
+    _check_tensor(grad_out, "grad_out", "(N, P, Q, K)", precision)
+    _check_tensor(weight, "weight", "(K, R, S, C)", precision)
+    g = conv_geometry(input_shape, tuple(weight.shape), stride, padding, dilation)
+    _check_grad_out(grad_out, g)
+    mode, slope = rc.parse_activation(activation)
     if mode != rc.ACT_NONE:
         if not isinstance(act_input, torch.Tensor):
             raise ValueError(f"activation={activation!r} needs act_input, the (N, H, W, C) tensor the mask comes from")
@@ -816,6 +841,23 @@ def conv2d_wgrad(grad_out, input, weight_shape, stride=1, padding=0, dilation=1,
     >>> conv2d_wgrad(dy, x, (8, 3, 3, 5), stride=2, padding=1, backend="reference").shape
     torch.Size([8, 3, 3, 5])
     """
+    _check_common(precision, backend, out_dtype)
+    _check_tensor(grad_out, "grad_out", "(N, P, Q, K)", precision)
+    _check_tensor(input, "input", "(N, H, W, C)", precision)
+    g = conv_geometry(tuple(input.shape), weight_shape, stride, padding, dilation)
+    _check_grad_out(grad_out, g)
+    _check_devices(grad_out=grad_out, input=input)  # (a meta operand would send the op to its fake implementation)
+    if split_k is not None and (isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < 1):
+        raise ValueError(f"split_k must be None or an int >= 1, got {split_k!r}")
+    (dy, dy_s), (x, x_s) = _split_fp8(grad_out), _split_fp8(input)
+    return torch.ops.tcprec.conv2d_wgrad(
+        dy, dy_s, x, x_s, list(g.weight_shape), list(g.stride), list(g.padding), list(g.dilation), precision,
+        -1 if split_k is None else split_k, out_dtype or torch.float32, backend, bool(fast_accum), _config_arg(config))
+
+
+def _conv2d_wgrad(grad_out, input, weight_shape, stride, padding, dilation, *, precision, split_k, out_dtype,
+                  backend, fast_accum, config) -> torch.Tensor:
+    """conv2d_wgrad's body (inside the custom op ``tcprec::conv2d_wgrad``)."""
     _check_common(precision, backend, out_dtype)
     _check_tensor(grad_out, "grad_out", "(N, P, Q, K)", precision)
     _check_tensor(input, "input", "(N, H, W, C)", precision)
@@ -985,3 +1027,79 @@ def _describe(g: ConvGeometry, precision: str, op: str) -> str:
     return (f"conv2d {op} {g.H}x{g.W} {g.C}->{g.K} {g.R}x{g.S} stride {g.stride} pad {g.padding} "
             f"dil {g.dilation} N={g.N}, {ops}")
 
+
+# ------------------------------------------------------------------------------------------------
+# torch.library custom ops: torch.compile / torch.export see conv2d_dgrad and conv2d_wgrad as one opaque call on
+# plain tensors; the wrappers above validate.  An Fp8Tensor travels as (data, scale) (scale None: a float tensor),
+# the activation as (name, slope), split_k None as -1, the Triton tile ``config`` as "BLOCK_M=64;..." ("" for None).
+# ------------------------------------------------------------------------------------------------
+
+_ACT_NAMES = {rc.ACT_NONE: "", rc.ACT_RELU: "relu", rc.ACT_LEAKY: "leaky_relu"}
+
+
+def _split_fp8(t) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return (t.data, t.scale) if isinstance(t, Fp8Tensor) else (t, None)
+
+
+def _join_fp8(data: torch.Tensor, scale: torch.Tensor | None):
+    return data if scale is None else Fp8Tensor(data, scale)
+
+
+def _literal(v) -> bool:
+    if isinstance(v, (tuple, list)):
+        return all(_literal(t) for t in v)
+    return isinstance(v, (bool, int, float)) or (isinstance(v, str) and ";" not in v)
+
+
+def _config_arg(config) -> str:
+    """``{"BLOCK_M": 64, "BOX": (1, 2, 8)}`` -> ``"BLOCK_M=64;BOX=(1, 2, 8)"`` (plain string ops: torch.compile
+    traces them; the op reads it back with ast.literal_eval)."""
+    if config is None:
+        return ""
+    if not (isinstance(config, dict) and all(isinstance(k, str) and _literal(v) for k, v in config.items())):
+        raise TypeError(f"config must be a dict of tile parameters whose values are bools, numbers, strings or "
+                        f"tuples of them (BLOCK_M, num_warps, persistent, BOX, ...), got {config!r}")
+    return ";".join(f"{k}={v!r}" for k, v in config.items())
+
+
+def _config(arg: str) -> dict | None:
+    return {k: ast.literal_eval(v) for k, v in (kv.split("=", 1) for kv in arg.split(";"))} if arg else None
+
+
+def _activation(name: str, slope: float):
+    return None if not name else ("relu" if name == "relu" else ("leaky_relu", slope))
+
+
+@torch.library.custom_op("tcprec::conv2d_dgrad", mutates_args=())
+def _dgrad_op(grad_out: torch.Tensor, grad_out_scale: Optional[torch.Tensor], weight: torch.Tensor,
+              weight_scale: Optional[torch.Tensor], input_shape: list[int], stride: list[int], padding: list[int],
+              dilation: list[int], precision: str, activation: str, slope: float, act_input: Optional[torch.Tensor],
+              out_dtype: torch.dtype, backend: str, split_k: int, fast_accum: bool, config: str) -> torch.Tensor:
+    return _conv2d_dgrad(_join_fp8(grad_out, grad_out_scale), _join_fp8(weight, weight_scale), tuple(input_shape),
+                         tuple(stride), tuple(padding), tuple(dilation), precision=precision,
+                         activation=_activation(activation, slope), act_input=act_input, out_dtype=out_dtype,
+                         backend=backend, split_k=None if split_k < 0 else split_k, fast_accum=fast_accum,
+                         config=_config(config))
+
+
+@_dgrad_op.register_fake
+def _(grad_out, grad_out_scale, weight, weight_scale, input_shape, stride, padding, dilation, precision, activation,
+      slope, act_input, out_dtype, backend, split_k, fast_accum, config):
+    return grad_out.new_empty(tuple(input_shape), dtype=out_dtype)
+
+
+@torch.library.custom_op("tcprec::conv2d_wgrad", mutates_args=())
+def _wgrad_op(grad_out: torch.Tensor, grad_out_scale: Optional[torch.Tensor], input: torch.Tensor,
+              input_scale: Optional[torch.Tensor], weight_shape: list[int], stride: list[int], padding: list[int],
+              dilation: list[int], precision: str, split_k: int, out_dtype: torch.dtype, backend: str,
+              fast_accum: bool, config: str) -> torch.Tensor:
+    return _conv2d_wgrad(_join_fp8(grad_out, grad_out_scale), _join_fp8(input, input_scale), tuple(weight_shape),
+                         tuple(stride), tuple(padding), tuple(dilation), precision=precision,
+                         split_k=None if split_k < 0 else split_k, out_dtype=out_dtype, backend=backend,
+                         fast_accum=fast_accum, config=_config(config))
+
+
+@_wgrad_op.register_fake
+def _(grad_out, grad_out_scale, input, input_scale, weight_shape, stride, padding, dilation, precision, split_k,
+      out_dtype, backend, fast_accum, config):
+    return grad_out.new_empty(tuple(weight_shape), dtype=out_dtype)

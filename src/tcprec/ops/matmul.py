@@ -17,11 +17,16 @@ Backends
   any device when asked for.
 
 INT4 MMA and XOR+popc are emulated on Hopper and are never used.
+
+``matmul`` and ``matmul_packed`` run as the custom op ``tcprec::matmul`` on the codes and the per-row /
+per-column scales (the QTensors are checked and unpacked outside it), so torch.compile and torch.export see
+one opaque call.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -310,14 +315,9 @@ def matmul(a: QTensor, w: QTensor, *, out_dtype: torch.dtype = torch.float32, bi
     else:
         row_scale, col_scale = _row_scale(a, M), _col_scale(w, N)
     bias = _check_bias(bias, N, a.device)
-    if name == "bitserial":
-        y = _bitserial(a, w, M, K, N, fa, fw, out_kind=_KIND[out_dtype], row_scale=row_scale, col_scale=col_scale,
-                       bias=bias, relu=relu, tile=tile)
-        return y.reshape(*lead, N)
-    C = _int8_product(a, w, M, K, N) if name == "int8" else _reference_product(a, w, M, K, N, fa, fw)
-    if out_dtype == torch.int32:
-        return C.reshape(*lead, N)
-    return rg.float_epilogue(C, row_scale, col_scale, bias, relu, out_dtype).reshape(*lead, N)
+    y = torch.ops.tcprec.matmul(a.codes.reshape(M, K), w.codes, str(fa), str(fw), row_scale, col_scale, bias,
+                                bool(relu), out_dtype, "", None, name, tile)  # (M, N)
+    return y.reshape(*lead, N)
 
 
 def matmul_packed(a: QTensor, w: QTensor, out_fmt, out_scale, *, bias: torch.Tensor | None = None,
@@ -334,27 +334,63 @@ def matmul_packed(a: QTensor, w: QTensor, out_fmt, out_scale, *, bias: torch.Ten
         raise TypeError(f"out_fmt must be an integer format (the next layer's activations), got {out_fmt}")
     name, _ = choose_matmul_backend(a, w, backend)
     fa, fw, M, K, N = _check_operands(a, w)
-    bad = ValueError(f"out_scale must be one finite positive number, got {out_scale!r}")
     if isinstance(out_scale, torch.Tensor):
         s = out_scale.to(device=a.device, dtype=torch.float32).reshape(-1)
         if s.numel() != 1:
-            raise bad
-        capturing = s.is_cuda and torch.cuda.is_current_stream_capturing()
-        if not capturing and not bool(torch.isfinite(s).all() and (s > 0).all()):  # (no sync inside a graph)
-            raise bad
+            raise ValueError(f"out_scale must be one finite positive number, got {out_scale!r}")
     else:
         v = float(out_scale)
         if not (math.isfinite(v) and v > 0):
-            raise bad
+            raise ValueError(f"out_scale must be one finite positive number, got {out_scale!r}")
         s = torch.full((1,), v, dtype=torch.float32, device=a.device)  # a fill, no host copy
     row_scale, col_scale = _row_scale(a, M), _col_scale(w, N)
     bias = _check_bias(bias, N, a.device)
-    lead = a.shape[:-1]
-    if name == "bitserial":
-        planes = _bitserial(a, w, M, K, N, fa, fw, out_kind="packed", row_scale=row_scale, col_scale=col_scale,
-                            bias=bias, relu=relu, out_fmt=out_fmt, out_scale=s, tile=tile)
-    else:
-        C = _int8_product(a, w, M, K, N) if name == "int8" else _reference_product(a, w, M, K, N, fa, fw)
-        y = rg.float_epilogue(C, row_scale, col_scale, bias, relu, torch.float32)
-        planes = rg.pack_output(y, out_fmt, s)
-    return planes.reshape(out_fmt.bits, *lead, packed_words(N))
+    planes = torch.ops.tcprec.matmul(a.codes.reshape(M, K), w.codes, str(fa), str(fw), row_scale, col_scale, bias,
+                                     bool(relu), torch.float32, str(out_fmt), s, name, tile)  # (bits, M, Kw)
+    return planes.reshape(out_fmt.bits, *a.shape[:-1], packed_words(N))
+
+
+# torch.library custom op: torch.compile / torch.export see matmul and matmul_packed as one opaque call on the
+# codes (a (M, K), w (N, K)) and the per-row / per-column scales; the wrappers above validate the QTensors and
+# reshape.  out_fmt "" is matmul (result (M, N) in out_dtype), an integer format's name is matmul_packed (its bit
+# planes (bits, M, packed_words(N)) int32).
+
+
+class _Codes(NamedTuple):
+    """The two fields of a QTensor the integer products read."""
+
+    codes: torch.Tensor
+    fmt: IntFormat
+
+
+@torch.library.custom_op("tcprec::matmul", mutates_args=())
+def _matmul_op(a_codes: torch.Tensor, w_codes: torch.Tensor, fa: str, fw: str, row_scale: Optional[torch.Tensor],
+               col_scale: Optional[torch.Tensor], bias: Optional[torch.Tensor], relu: bool, out_dtype: torch.dtype,
+               out_fmt: str, out_scale: Optional[torch.Tensor], backend: str, tile: str) -> torch.Tensor:
+    fa_, fw_ = as_format(fa), as_format(fw)
+    a, w = _Codes(a_codes, fa_), _Codes(w_codes, fw_)
+    (M, K), N = a_codes.shape, w_codes.shape[0]
+    ofmt = as_format(out_fmt) if out_fmt else None
+    if ofmt is not None:
+        capturing = out_scale.is_cuda and torch.cuda.is_current_stream_capturing()
+        # (no sync inside CUDA-graph capture)
+        if not capturing and not bool(torch.isfinite(out_scale).all() and (out_scale > 0).all()):
+            raise ValueError(f"out_scale must be one finite positive number, got {out_scale!r}")
+    if backend == "bitserial":
+        kind = "packed" if ofmt is not None else _KIND[out_dtype]
+        return _bitserial(a, w, M, K, N, fa_, fw_, out_kind=kind, row_scale=row_scale, col_scale=col_scale,
+                          bias=bias, relu=relu, out_fmt=ofmt, out_scale=out_scale, tile=tile)
+    C = _int8_product(a, w, M, K, N) if backend == "int8" else _reference_product(a, w, M, K, N, fa_, fw_)
+    if ofmt is not None:
+        return rg.pack_output(rg.float_epilogue(C, row_scale, col_scale, bias, relu, torch.float32), ofmt, out_scale)
+    if out_dtype == torch.int32:
+        return C
+    return rg.float_epilogue(C, row_scale, col_scale, bias, relu, out_dtype)
+
+
+@_matmul_op.register_fake
+def _(a_codes, w_codes, fa, fw, row_scale, col_scale, bias, relu, out_dtype, out_fmt, out_scale, backend, tile):
+    M, N = a_codes.shape[0], w_codes.shape[0]
+    if out_fmt:
+        return a_codes.new_empty((as_format(out_fmt).bits, M, packed_words(N)), dtype=torch.int32)
+    return a_codes.new_empty((M, N), dtype=out_dtype)

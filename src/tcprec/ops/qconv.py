@@ -93,6 +93,12 @@ pm1 activations (``binary``, ``pmN``) have no zero, so they cannot stand for the
 padding: the bit-serial kernel's pm1 correction assumes every one of the K terms is present.
 ``padding > 0`` with pm1 activations raises (use unsigned / two's complement activations, e.g. after
 a ReLU ``uint2``); pm1 *weights* are fine with any padding.
+
+``conv2d`` is not a ``torch.library`` custom op: its operands and results are containers (PackedActivation,
+Int8Activation, Fp8Activation, PackedConvWeight, QTensor) and a plan picks among a dozen output layouts, so there
+is no one tensor-in / tensor-out signature to register.  Inside it the bit-serial GEMM (``tcprec::bmma_gemm``)
+and the im2col INT8 product of the int8 backend's unfused route (``tcprec::matmul``) are opaque calls; the rest
+is torch ops and Triton launches.
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ MX (BlockFormat)  2**(floor(log2(amax)) - emax_elem)           OCP MX v1.0 secti
 
 then ``codes = encode(x / scale, element format, rounding, generator)``.
 
+``quantize`` runs as the custom op ``tcprec::quantize`` (x -> codes, scale), so torch.compile and torch.export
+see one opaque call; ``quantize_static`` / ``quantize_pack`` are plain torch (or one Triton launch) and not ops.
+
 Rules every path keeps
 * A group whose amax is 0 gets scale 1.0 and zero codes (never NaN / Inf).  pm formats have no
   zero value, so there the scale is 2**-126 and the group dequantizes to +-2**-126.  Non-zero
@@ -41,8 +44,10 @@ import torch
 from ..formats import BlockFormat, FloatFormat, IntFormat, as_format
 from ..kernels.reference_bitplanes import pack_bitplanes_reference
 from ..kernels.triton import choose_backend
-from ..qtensor import Granularity, PerGroup, PerTensor, QTensor, check_granularity, group_view, scale_view
-from .codes import check_float_input, check_rounding, encode
+from ..qtensor import (Granularity, PerGroup, PerTensor, QTensor, check_granularity, granularity_args,
+                       granularity_from_args, group_view, scale_view)
+from ..kernels.reference import code_dtype
+from .codes import _encode_codes, _seed_from, check_float_input, check_rounding, choose_cast_backend
 
 __all__ = ["quantize", "absmax_qmax", "quantize_pack", "quantize_static"]
 
@@ -136,14 +141,18 @@ def _absmax_scale(x_abs: torch.Tensor, elem, g: Granularity) -> torch.Tensor:
     return torch.where(s32 == 0, torch.full_like(s32, zero_scale), torch.where(s > 0, s32.clamp(min=_TINY), s32))
 
 
+def _check_scale_tensor(scale: torch.Tensor, device) -> None:
+    if scale.dtype.is_complex or not (scale.dtype.is_floating_point or scale.dtype in (torch.int32, torch.int64)):
+        raise TypeError(f"scale must be a float or a real tensor, got dtype={scale.dtype}")
+    if scale.device != device and not (scale.device.type == "cpu" and scale.numel() == 1):
+        raise ValueError(f"scale is on {scale.device} but x is on {device}; put the scale on x's device "
+                         f"(scale.to({str(device)!r})) -- only a one-element CPU scale (a number) may differ")
+
+
 def _given_scale(scale, g: Granularity, shape, device, *, pow2: bool = False) -> torch.Tensor:
     sshape = g.scale_shape(shape)
     if isinstance(scale, torch.Tensor):
-        if scale.dtype.is_complex or not (scale.dtype.is_floating_point or scale.dtype in (torch.int32, torch.int64)):
-            raise TypeError(f"scale must be a float or a real tensor, got dtype={scale.dtype}")
-        if scale.device != device and not (scale.device.type == "cpu" and scale.numel() == 1):
-            raise ValueError(f"scale is on {scale.device} but x is on {device}; put the scale on x's device "
-                             f"(scale.to({str(device)!r})) -- only a one-element CPU scale (a number) may differ")
+        _check_scale_tensor(scale, device)
         s = scale.to(device=device, dtype=torch.float32)
     elif isinstance(scale, (int, float)) and not isinstance(scale, bool):
         s = torch.tensor(float(scale), dtype=torch.float32, device=device)
@@ -230,19 +239,38 @@ def quantize(
             g.check_divides(shape)
         elem = fmt
 
+    if isinstance(scale, torch.Tensor):  # (here: a meta scale would send the op to its fake implementation)
+        _check_scale_tensor(scale, x.device)
+    elif scale is not None:
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+            raise TypeError(f"scale must be a float or a torch.Tensor, got {type(scale).__name__}")
+        scale = torch.tensor(float(scale), dtype=torch.float32, device=x.device)
+    seed = _seed_from(generator, rounding)
+    kind, size, axis = granularity_args(g)
+    codes, s = torch.ops.tcprec.quantize(x, str(fmt), kind, size, axis, scale, rounding,
+                                         -1 if seed is None else seed, choose_cast_backend(x)[0])
+    return QTensor(codes, s, fmt, g, shape, x.dtype)
+
+
+# torch.library custom op: torch.compile / torch.export see quantize as one opaque call on plain tensors
+# (codes, scale); the Python wrapper above validates and builds the QTensor.  The granularity travels as
+# (kind, size, axis) (qtensor.granularity_args), the format as its name, the generator as a seed (-1: none).
+
+
+@torch.library.custom_op("tcprec::quantize", mutates_args=())
+def _quantize_op(x: torch.Tensor, fmt: str, kind: str, size: int, axis: int, scale: torch.Tensor | None,
+                 rounding: str, seed: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    fmt = as_format(fmt)
+    g = granularity_from_args(kind, size, axis)
+    elem = fmt.element if isinstance(fmt, BlockFormat) else fmt
+    shape = tuple(x.shape)
     finite = _check_specials(x, elem)
     _check_sign(x, elem, finite)
     cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
     xc = x.to(cdt)
-    x_abs = torch.where(finite, xc.abs(), torch.zeros_like(xc))  # (*shape) non-finite ignored by scales
-
-    if scale is not None:
-        s = _given_scale(scale, g, shape, x.device, pow2=isinstance(fmt, BlockFormat))
-    elif isinstance(fmt, BlockFormat):
-        s = _mx_scale(x_abs, fmt, g)
-    else:
-        s = _absmax_scale(x_abs, elem, g)
-    # (scale shape) float32
+    s = _scale_of(xc, finite, fmt, elem, g, scale)
+    if scale is not None:  # an op's output must not alias its input
+        s = s.clone()
 
     xs = group_view(xc, g) / scale_view(s, g).to(cdt)  # grouped view of x / scale
     xs = xs.reshape(shape)  # (*shape)
@@ -251,8 +279,54 @@ def quantize(
     else:
         lo, hi = (-elem.max if elem.signed else 0.0), elem.max
     xs = torch.where(finite, xs.clamp(lo, hi), xs)  # saturate finite values; NaN / Inf go to encode
-    codes = encode(xs, elem, rounding, generator)
-    return QTensor(codes, s, fmt, g, shape, x.dtype)
+    codes = _encode_codes(xs, elem, rounding, None if seed < 0 else seed, backend)  # xs: float32 / float64
+    return codes, s
+
+
+def _scale_of(xc, finite, fmt, elem, g, scale) -> torch.Tensor:
+    """(scale shape) float32: the given scale, or the MX / absmax scale of xc's finite values."""
+    if scale is not None:
+        return _given_scale(scale, g, tuple(xc.shape), xc.device, pow2=isinstance(fmt, BlockFormat))
+    x_abs = torch.where(finite, xc.abs(), torch.zeros_like(xc))  # (*shape) non-finite ignored by scales
+    return _mx_scale(x_abs, fmt, g) if isinstance(fmt, BlockFormat) else _absmax_scale(x_abs, elem, g)
+
+
+def _quantize_setup(ctx, inputs, output):
+    x, fmt, kind, size, axis, scale = inputs[:6]
+    ctx.save_for_backward(x, scale)
+    ctx.args = (fmt, kind, size, axis)
+
+
+def _quantize_backward(ctx, grad_codes, grad_scale):
+    """The gradient the scale's torch ops give (codes are integers: none through them), recomputed."""
+    x, scale = ctx.saved_tensors
+    fmt = as_format(ctx.args[0])
+    elem = fmt.element if isinstance(fmt, BlockFormat) else fmt
+    leaves = [t for t in (x, scale) if t is not None and t.requires_grad]
+    grads = {}
+    if leaves and grad_scale is not None:
+        with torch.enable_grad():
+            xr = x.detach().requires_grad_(x.requires_grad)
+            sr = scale.detach().requires_grad_(scale.requires_grad) if scale is not None else None
+            xc = xr.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+            s = _scale_of(xc, torch.isfinite(xc), fmt, elem, granularity_from_args(*ctx.args[1:]), sr)
+            want = [t for t in (xr, sr) if t is not None and t.requires_grad]
+            got = torch.autograd.grad(s, want, grad_scale, allow_unused=True) if s.requires_grad else [None] * len(want)
+            grads = dict(zip([id(t) for t in leaves], got))
+    return (grads.get(id(x)), None, None, None, None, grads.get(id(scale)) if scale is not None else None,
+            None, None, None)
+
+
+_quantize_op.register_autograd(_quantize_backward, setup_context=_quantize_setup)
+
+
+@_quantize_op.register_fake
+def _(x, fmt, kind, size, axis, scale, rounding, seed, backend):
+    fmt = as_format(fmt)
+    elem = fmt.element if isinstance(fmt, BlockFormat) else fmt
+    sshape = granularity_from_args(kind, size, axis).scale_shape(tuple(x.shape))
+    return (torch.empty_like(x, dtype=code_dtype(elem)),
+            torch.empty(sshape, dtype=torch.float32, device=x.device))
 
 
 # ------------------------------------------------------------------------------------------------
