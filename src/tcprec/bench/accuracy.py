@@ -35,7 +35,7 @@ from ..nn import calibrate as cal
 from ..nn.convert import QuantConfig, _Tracer, quantize_model
 from ..nn.coverage import normalize_graph
 from ..qtensor import PerChannel, QTensor
-from .common import write_json
+from .common import cpu_name, git_commit, write_json
 
 __all__ = ["sample_photos", "random_crops", "efficientnet_lite0", "torch_fake_quant", "agreement", "run", "CONFIGS"]
 
@@ -285,8 +285,8 @@ def run(crops: int = 500, calib: int = 32, engine=DEFAULT_ENGINE, out=None, seed
     log(f"fp32: {crops} crops in {t_fp32:.1f} s; {conf} confident")
     rows, detail = [], {}
     res = {"suite": "efficientnet_cpu", "command": command,
-           "device": f"CPU (reference backends; {_cpu_name()}, {torch.get_num_threads()} thread(s))",
-           "commit": _commit(), "summary": rows, "targets": [], "crops": crops, "calibration_crops": calib,
+           "device": f"CPU (reference backends; {cpu_name()}, {torch.get_num_threads()} thread(s))",
+           "commit": git_commit(), "summary": rows, "targets": [], "crops": crops, "calibration_crops": calib,
            "confident_crops": conf, "photos": [n for n, _ in photos],
            "seed": seed, "fp32_cpu_s": round(t_fp32, 1), "detail": detail}
     models = {}
@@ -381,26 +381,6 @@ def _targets(rows) -> list[dict]:
     return t
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "unknown CPU"
-
-
-def _commit():
-    try:
-        import subprocess
-
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except Exception:  # noqa: BLE001 - not a git checkout
-        return None
 
 
 def main(argv=None) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import platform
 import statistics
-import subprocess
 import time
 from typing import Callable, Sequence
 
@@ -28,7 +27,7 @@ from ..formats import FloatFormat, IntFormat, as_format
 from ..kernels import reference as ref
 from ..ops.cast import cast, encode
 from ..progress import bar as progress_bar
-from .common import write_json
+from .common import git_commit, write_json
 
 __all__ = ["DEFAULT_FORMATS", "TARGET_RATIO", "run"]
 
@@ -72,13 +71,6 @@ def _spec(fn: str, x: torch.Tensor, fmt, rounding: str, seed: int) -> torch.Tens
         f = ref.cast_float if fn == "cast" else ref.encode_float
     return f(x, fmt, rounding, seed)
 
-
-def _commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              timeout=10).stdout.strip() or None
-    except Exception:
-        return None
 
 
 def run(numel: int = 2**20, formats: Sequence[str] = DEFAULT_FORMATS,
@@ -142,7 +134,7 @@ def run(numel: int = 2**20, formats: Sequence[str] = DEFAULT_FORMATS,
     targets.append({"target": "bit-exact with the int64 specification (and ml_dtypes, nearest)",
                     "value": f"{sum(r['exact'] for r in detail)}/{len(detail)} cases",
                     "met": all(r["exact"] for r in detail)})
-    payload = {"suite": "cast_cpu", "command": command, "device": device, "commit": _commit(),
+    payload = {"suite": "cast_cpu", "command": command, "device": device, "commit": git_commit(),
                "summary": rows, "targets": targets, "numel": numel, "reps": reps, "threads": threads,
                "torch": torch.__version__, "cases": detail,
                "notes": ("ml_dtypes' integer astype is a C cast (truncation, wrap-around), not a rounding with "

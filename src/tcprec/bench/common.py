@@ -15,6 +15,8 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import platform
+import subprocess
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -32,6 +34,8 @@ __all__ = [
     "time_median_ms",
     "gbps",
     "write_json",
+    "git_commit",
+    "cpu_name",
 ]
 
 # Used when the device does not report its L2 size: larger than the L2 of any current GPU
@@ -164,3 +168,24 @@ def write_json(path, payload: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(_plain(payload), indent=2, allow_nan=False) + "\n")
     return path
+
+
+def git_commit() -> str | None:
+    """HEAD of the checkout a benchmark runs from, recorded in its JSON (None outside a git checkout)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              timeout=10).stdout.strip() or None
+    except Exception:  # noqa: BLE001 - not a git checkout, or no git
+        return None
+
+
+def cpu_name() -> str:
+    """The CPU's model name (for the device string of a CPU benchmark)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -157,13 +157,6 @@ def run_case(name: str, emulated_features: int = 256, emulated_batch: int = 64) 
     return _emulated(_EMULATED.fullmatch(name)[1], emulated_features, emulated_batch)
 
 
-def _commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              timeout=10).stdout.strip() or None
-    except Exception:
-        return None
-
 
 def _subprocess_case(name: str, src: str | None, features: int, batch: int) -> dict:
     env = dict(os.environ)
@@ -219,7 +212,7 @@ def run(cases: Sequence[str] = CASES, out="benchmarks/results/cpu_memory_time.js
     import torch
     from rich.console import Console
 
-    from .common import write_json  # lazy: this file also runs as a script (the case runner), outside the package
+    from .common import git_commit, write_json  # lazy: this file also runs as a script (the case runner), outside the package
 
     console = console or Console(stderr=True)
     for name in cases:
@@ -239,7 +232,7 @@ def run(cases: Sequence[str] = CASES, out="benchmarks/results/cpu_memory_time.js
     result = {"suite": "cpu_memory_time", "command": command,
               "device": f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, 1 thread, "
                         f"torch {torch.__version__}",
-              "commit": _commit(), "summary": summary, "targets": targets, "detail": detail,
+              "commit": git_commit(), "summary": summary, "targets": targets, "detail": detail,
               "baseline": None if base is None else {"src": baseline, "detail": base},
               "load_note": "a shared 2-core machine: absolute times vary with other users' load; both sides of a "
                            "ratio are measured back to back in one process"}

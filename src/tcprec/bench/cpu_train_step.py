@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from ..distributed import ALGORITHMS, EmulatedNodes
 from ..train.models import MODELS
-from .common import write_json
+from .common import git_commit, write_json
 
 __all__ = ["VARIANTS", "TARGET_RATIO", "check_options", "child", "summarize", "run"]
 
@@ -108,13 +108,6 @@ def summarize(rows: Sequence[dict]) -> tuple[list[dict], list[dict]]:
     return summary, targets
 
 
-def _commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              timeout=10).stdout.strip() or None
-    except Exception:
-        return None
-
 
 def run(variants: Sequence[str] = tuple(VARIANTS), steps: int = 3, reference_steps: int = 2, batch: int = 256,
         nodes: int = 8, algorithm: str = "direct", threads: int = 1, model: str = "resnet18",
@@ -143,7 +136,7 @@ def run(variants: Sequence[str] = tuple(VARIANTS), steps: int = 3, reference_ste
     res = dict(suite="cpu_train_step", command=command,
                device=f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared), "
                       f"torch {torch.__version__}",
-               commit=_commit(), summary=summary, targets=targets, rows=rows,
+               commit=git_commit(), summary=summary, targets=targets, rows=rows,
                setup=dict(model=f"{model} (28x28, " + (f"{numel / 1e6:.1f}M" if numel >= 100_000 else f"{numel:,}")
                           + " parameters)", batch=batch, nodes=nodes,
                           algorithm=algorithm, steps=steps, reference_steps=reference_steps, threads=threads,

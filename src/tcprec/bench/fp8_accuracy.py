@@ -15,7 +15,6 @@ outputs.  Decision 0040 reads its numbers from ``benchmarks/results/fp8_accuracy
 from __future__ import annotations
 
 import copy
-import subprocess
 import time
 from typing import Sequence
 
@@ -25,7 +24,7 @@ import torch.nn.functional as F
 from ..nn import models as zoo
 from ..nn import QConv2d, QLinear, QuantConfig, quantize_model
 from ..ops import qconv as qc
-from .common import require_cuda, write_json
+from .common import git_commit, require_cuda, write_json
 
 __all__ = ["ACCUM_MODES", "TARGET_REL_L2", "run"]
 
@@ -123,13 +122,6 @@ def whole_network(m_float, x, mode: str, first_last) -> dict:
             "rel_l2_reference_vs_float": _rel(y_ref, y_float), "forward_ms": round(_time_ms(lambda: q(x)), 3)}
 
 
-def _commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              timeout=10).stdout.strip() or None
-    except Exception:
-        return None
-
 
 def run(nets: Sequence[str] = ("resnet18", "vgg"), batch: int = 8, first_last: str | None = "float",
         out="benchmarks/results/fp8_accuracy.json", command: str = "tcprec bench fp8-accuracy",
@@ -145,7 +137,7 @@ def run(nets: Sequence[str] = ("resnet18", "vgg"), batch: int = 8, first_last: s
     dev = require_cuda("tcprec bench fp8-accuracy")
     result = {"suite": "fp8_accuracy", "command": command,
               "device": torch.cuda.get_device_name(dev) + f", torch {torch.__version__}",
-              "commit": _commit(), "summary": [], "targets": [], "per_layer": {}}
+              "commit": git_commit(), "summary": [], "targets": [], "per_layer": {}}
     for name in nets:
         m = zoo.build(name, device=dev).to(dtype=torch.float16, memory_format=torch.channels_last)
         c, h, w = zoo.INPUT_SHAPES[name]

@@ -31,7 +31,7 @@ from torch import nn
 
 from ..nn.convert import QuantConfig, quantize_model
 from ..profiling import profile
-from .common import environment, print_environment, require_cuda, time_graph_ms, write_json
+from .common import cpu_name, environment, git_commit, print_environment, require_cuda, time_graph_ms, write_json
 
 __all__ = ["run", "build_encoder", "TARGET_INT8_VS_FP16"]
 
@@ -54,14 +54,6 @@ def _nrmse(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y - ref).norm() / ref.norm().clamp_min(1e-300))
 
 
-def _commit() -> str | None:
-    try:
-        import subprocess
-
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except Exception:  # noqa: BLE001 - not a git checkout
-        return None
-
 
 def run(d_model: int = 768, heads: int = 12, seq: int = 197, batch: int = 64, layers: int = 12,
         precisions: Sequence[str] = PRECISIONS, out: str | None = None, command: str = "tcprec bench transformer",
@@ -69,7 +61,7 @@ def run(d_model: int = 768, heads: int = 12, seq: int = 197, batch: int = 64, la
     """Time fp16 and each of ``precisions`` (CUDA graphs), report NRMSE against fp32; write the JSON to ``out``
     (default ``benchmarks/results/transformer.json``, ``transformer_cpu.json`` for a CPU accuracy-only run)."""
     console = console or Console()
-    commit = _commit()  # the code that runs (read now: a commit made during a long run must not be recorded)
+    commit = git_commit()  # the code that runs (read now: a commit made during a long run must not be recorded)
     for p in precisions:
         if p not in PRECISIONS:
             raise ValueError(f"precision {p!r} is not benchmarked here; choose from {PRECISIONS}")
@@ -81,7 +73,7 @@ def run(d_model: int = 768, heads: int = 12, seq: int = 197, batch: int = 64, la
     else:
         device = require_cuda(command)
     on_gpu = device.type == "cuda"
-    env = environment() if on_gpu else {"gpu": None, "cpu": _cpu_name()}
+    env = environment() if on_gpu else {"gpu": None, "cpu": cpu_name()}
     if on_gpu:
         print_environment(console, env)
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32
@@ -145,18 +137,6 @@ def run(d_model: int = 768, heads: int = 12, seq: int = 197, batch: int = 64, la
     console.print(f"wrote {path}")
     return payload
 
-
-def _cpu_name() -> str:
-    import platform
-
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _table(rows: list[dict], title: str) -> Table:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
@@ -31,7 +30,7 @@ from typing import Sequence
 import torch
 
 from ..kernels.conv_geometry import ConvGeometry
-from .common import require_cuda, time_median_ms, write_json
+from .common import git_commit, require_cuda, time_median_ms, write_json
 
 __all__ = ["TUNE_LAYERS", "CANDIDATES", "layer_classes", "choose_tiles", "table_document", "run"]
 
@@ -140,13 +139,6 @@ def _compile_one(task):
         return name, time.time() - t0, f"{type(e).__name__}: {e}"[:400]
 
 
-def _commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              timeout=10).stdout.strip() or None
-    except Exception:
-        return None
-
 
 def run(layers: Sequence[str] = TUNE_LAYERS, batch: int = 256, table=None,
         out="benchmarks/results/conv_fwd_tune.json", workers: int | None = None, warmup_ms: int = 10,
@@ -204,7 +196,7 @@ def run(layers: Sequence[str] = TUNE_LAYERS, batch: int = 256, table=None,
                                                    for r in rows if r["class"] == cls and tuple(r["candidate"]) == v)
                         for v in plan[cls])
         measured[cls] = f"{gpu}, batch {batch}, int8, T/s per layer: {per}"
-    commit = _commit()
+    commit = git_commit()
     doc = table_document(chosen, old_doc, measured, f"{command} (commit {commit or 'unknown'})")
     write_table(doc, table)
     summary = [{"class": cls, "layers": ",".join(classes[cls]), "previous": str(c["previous"]),
