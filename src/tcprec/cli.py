@@ -268,6 +268,17 @@ def parse_formats(text: str, option: str = "--formats") -> list[tuple[str, objec
     return out
 
 
+def parse_element_formats(text: str, command: str, option: str = "--formats") -> list[tuple[str, object]]:
+    """``parse_formats`` for commands that time element formats: a block format is a usage error naming its
+    element."""
+    fmts = parse_formats(text, option)
+    for name, fmt in fmts:
+        if isinstance(fmt, BlockFormat):
+            raise typer.BadParameter(f"{name!r} is a block format; {command} times element formats "
+                                     f"(use its element, {fmt.element})", param_hint=option)
+    return fmts
+
+
 def parse_roundings(text: str, option: str = "--rounding") -> list[str]:
     """``"nearest,stochastic"`` -> ["nearest", "stochastic"], each one of ``ROUNDING_MODES``."""
     modes = _split(text, option)
@@ -597,11 +608,7 @@ def bench_cast(
     qtorch: bool = typer.Option(True, "--qtorch/--no-qtorch", help="Also time QPyTorch's float_quantize."),
 ):
     """Bandwidth of tcprec.cast / tcprec.encode against a device-to-device copy, torch and QPyTorch."""
-    fmts = parse_formats(formats_)
-    for name, fmt in fmts:
-        if isinstance(fmt, BlockFormat):
-            raise typer.BadParameter(f"{name!r} is a block format; bench cast times element formats "
-                                     f"(use its element, {fmt.element})", param_hint="--formats")
+    fmts = parse_element_formats(formats_, "bench cast")
     roundings = parse_roundings(rounding)
     command = shlex.join(["tcprec", "bench", "cast", "--numel", str(numel), "--formats", formats_,
                           "--rounding", rounding, "--json", json_path, "--qtorch" if qtorch else "--no-qtorch"])
@@ -622,11 +629,7 @@ def bench_cast_cpu(
     threads: int = typer.Option(1, min=1, help="torch intra-op threads (ml_dtypes runs on one)."),
 ):
     """CPU cast / encode against ml_dtypes, torch .to and the int64 specification (bit-exact checked)."""
-    fmts = parse_formats(formats_)
-    for name, fmt in fmts:
-        if isinstance(fmt, BlockFormat):
-            raise typer.BadParameter(f"{name!r} is a block format; bench cast-cpu times element formats "
-                                     f"(use its element, {fmt.element})", param_hint="--formats")
+    fmts = parse_element_formats(formats_, "bench cast-cpu")
     roundings = parse_roundings(rounding)
     command = shlex.join(["tcprec", "bench", "cast-cpu", "--numel", str(numel), "--formats", formats_,
                           "--rounding", rounding, "--reps", str(reps), "--threads", str(threads),
