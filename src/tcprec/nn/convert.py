@@ -57,6 +57,7 @@ from .coverage import check_conv_coverage, normalize_graph, uncovered
 from .qgrouped import QGroupedConv2d, grouped_act_of, grouped_unsupported
 from .qmodules import (FixedQuant, LayerPrecision, QConv2d, QLinear, _quantize_weight, activation_format,
                        flatten_nhwc, parse_precision, weight_format)
+from .speed_rule import SpeedRule, apply_speed_rule, as_speed_rule
 
 __all__ = ["QuantConfig", "QuantSummary", "LayerRecord", "LayerPlan", "quantize_model", "plan_layers"]
 
@@ -89,6 +90,9 @@ class QuantConfig:
     bias_correction  subtract the expected output error of the quantized weights from each layer's bias
     weight_rounding  ``"nearest"`` (default) | ``"adaround"`` | ``AdaRound(iters=300, max_bits=4, ...)``:
                 learned up/down rounding of integer weights of 2..max_bits bits on the calibration batches
+    speed_rule  ``"off"`` (default) | ``"measured"`` | ``SpeedRule(batch=256, timer=, rounds=2)``: time each quantized
+                layer against its float equivalent on the model's CUDA device and keep the slower ones float
+                (nn/speed_rule.py; why off by default: docs/decisions/0090)
     """
 
     precision: str = "w1a2"
@@ -105,8 +109,10 @@ class QuantConfig:
     weight_grid: str = "twos"
     bias_correction: bool = False
     weight_rounding: "cal.AdaRound | str" = "nearest"
+    speed_rule: "SpeedRule | str" = "off"
 
     def __post_init__(self):
+        object.__setattr__(self, "speed_rule", as_speed_rule(self.speed_rule))
         if self.fp8_accum not in ("fp32", "fast"):
             raise ValueError(f"fp8_accum must be 'fp32' or 'fast', got {self.fp8_accum!r}")
         object.__setattr__(self, "activation_observer", cal.as_observer(self.activation_observer))
@@ -137,6 +143,7 @@ class LayerRecord:
     backend: str  # the op's backend, or why it stays float
     fused: tuple = ()
     out: str = ""
+    reason: str = ""  # the speed rule's measured decision (nn/speed_rule.py), when it ran
 
 
 @dataclass
@@ -144,16 +151,28 @@ class QuantSummary:
     layers: list[LayerRecord]
     traced: bool
     notes: list[str] = field(default_factory=list)
+    speed: object = None  # nn.speed_rule.SpeedReport when the speed rule ran
 
     @property
     def float_layers(self) -> list[LayerRecord]:
         return [r for r in self.layers if r.precision == "float"]
+
+    def explain(self, name: str | None = None) -> str:
+        """Every layer (or the one called ``name``) in full: precision, backend or why it stays float, fusion, output,
+        and the speed rule's measured times; then the speed rule's totals."""
+        recs = [r for r in self.layers if name is None or r.name == name]
+        if name is not None and not recs:
+            raise ValueError(f"no layer {name!r} in the summary; layers: {[r.name for r in self.layers][:8]} ...")
+        lines = [f"{r.name} ({r.kind}): {r.precision}, {r.backend}" + (f", fused {'+'.join(r.fused)}" if r.fused else "")
+                 + (f", out {r.out}" if r.out else "") + (f"; speed rule: {r.reason}" if r.reason and r.reason != r.backend else "") for r in recs]
+        return "\n".join(lines + (self.speed.lines() if self.speed is not None and name is None else []))
 
     def __str__(self) -> str:
         lines = [f"{'layer':28} {'kind':6} {'precision':9} {'backend':10} {'fused':22} out"]
         for r in self.layers:
             lines.append(f"{r.name:28} {r.kind:6} {r.precision:9} {r.backend[:10]:10} {'+'.join(r.fused):22} {r.out}")
         lines += [f"note: {n}" for n in self.notes]
+        lines += [f"speed: {n}" for n in (self.speed.lines() if self.speed is not None else [])]
         return "\n".join(lines)
 
     def table(self):
@@ -617,6 +636,20 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
         raise ValueError(f"model has {'/'.join(wide)} parameters or buffers; quantized layers compute in float32 and "
                          "output float32, float16 or bfloat16: quantize a float32 copy (quantize_model(model.float(), "
                          "...)) and cast its output if you need float64")
+    if cfg.speed_rule.mode == "measured":  # convert, time, float the slower layers, convert again (nn/speed_rule.py)
+        if inplace:
+            raise ValueError("inplace=True cannot be combined with speed_rule='measured': the rule converts the float "
+                             "model more than once; use inplace=False (the default)")
+        q = apply_speed_rule(model, cfg, batches, lambda c, probe: _convert(model, c, batches, False, False, fixed,
+                                                                           probe))
+        if warn:
+            _warn_float(q.tcprec_summary, stacklevel=3)
+        return q
+    return _convert(model, cfg, batches, inplace, warn, fixed, None)
+
+
+def _convert(model: nn.Module, cfg: QuantConfig, batches, inplace: bool, warn: bool, fixed, probe) -> nn.Module:
+    """quantize_model without the speed rule; ``probe(gm, order)`` (the rule's) sees the calibrated float graph."""
     named_in = dict(model.named_modules())  # the original's module tree, for the coverage listing
     model = model if inplace else copy.deepcopy(model)
     model.eval()
@@ -648,6 +681,8 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
 
     order = _candidates(gm, mods, traced)
     stats = _calibrate(gm, order, batches, shapes=traced, notes=notes)
+    if probe is not None:
+        probe(gm, order)
     precision_of = _precision_rule(cfg, order, mods)
     dev = next((p.device for p in gm.parameters()), torch.device("cpu"))
     caps = device_caps(dev)  # each layer's backend is decided once, on this device (QConv2d.plan_on)
@@ -852,9 +887,16 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
     summary = QuantSummary(layer_records, traced, notes)
     check_conv_coverage(summary.layers)
     gm.tcprec_summary = summary
-    if warn and (summary.float_layers or notes):
+    if warn:
+        _warn_float(summary, stacklevel=4)
+    return gm
+
+
+def _warn_float(summary: QuantSummary, stacklevel: int) -> None:
+    """The warning listing every layer that stays float (with why) and the notes."""
+    notes = summary.notes
+    if summary.float_layers or notes:
         kept = ", ".join(f"{r.name} ({r.backend})" for r in summary.float_layers)
         msg = (f"{len(summary.float_layers)} layer(s) stay in floating point: {kept}. " if kept else "") + " ".join(notes)
-        warnings.warn(msg.strip(), stacklevel=2)
-    return gm
+        warnings.warn(msg.strip(), stacklevel=stacklevel)  # (at quantize_model's caller)
 

@@ -1,0 +1,370 @@
+"""The speed rule: a quantized model is never slower than its float self, layer by layer, by measured time.
+
+``QuantConfig(speed_rule="measured")`` (or ``SpeedRule(batch=256)``) makes ``quantize_model`` time what it built, the
+way TensorRT's builder picks a tactic per layer by timing:
+
+1. convert as usual (``speed_rule="off"`` inside), and record every conv / linear's float input shape at the timing
+   batch (the first calibration batch, its rows repeated to ``SpeedRule.batch``);
+2. time each quantized layer *as the converted model runs it*: its real operand (a float tensor it quantizes and
+   packs itself, or the codes / planes its chained producer wrote), its fused epilogue (BN, activation, pool, the
+   residual add) and its output conversion, alone in a CUDA graph -- and the same computation in float on the
+   model's dtype (the float conv / linear, channels_last, then BN, the activation, the pool and the add as the
+   float model would run them: separate cuDNN / cuBLAS / elementwise kernels);
+3. every layer whose quantized time is larger is kept float (an override, so the converter re-chains its
+   neighbours), and the model is converted again; the layers whose operands changed are timed again, up to
+   ``rounds`` conversions;
+4. the whole quantized model is timed against the whole float model (channels_last); if it is still slower, the
+   summary's notes say so in capitals and a warning is raised.
+
+``model.tcprec_summary`` shows each decision (``LayerRecord.reason``: ``"kept fp16: w8a8 0.212 ms > fp16 0.151 ms at
+input (256,32,112,112)"``), ``summary.speed`` holds the figures and ``summary.explain()`` prints them.
+
+Timing needs the model's CUDA device: on a CPU model ``"measured"`` is a ``ValueError`` (the reference kernels' CPU
+time says nothing about the GPU kernels) unless ``SpeedRule(timer=...)`` supplies the clock.  ``timer(layer, side,
+fn) -> ms`` is called with the layer's name (``MODEL`` for the whole model), ``"quantized"`` or ``"float"``, and a
+no-argument callable that runs that side once; tests pass a fake one to drive the decision deterministically.
+
+The default is ``"off"`` (docs/decisions/0090): timing makes conversion depend on the clock (two conversions of one
+model may float different layers, so one's ``state_dict`` need not load into the other), costs two CUDA-graph timings
+per layer and conversion round, and would override precisions asked for explicitly.  Ask for it where a deployment
+is being built; pin its outcome with ``summary.speed.overrides()`` passed as ``QuantConfig(overrides=...)``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["SpeedRule", "SPEED_RULES", "as_speed_rule", "SpeedReport", "LayerTiming", "MODEL", "cuda_graph_timer",
+           "apply_speed_rule"]
+
+SPEED_RULES = ("off", "measured")
+MODEL = "<model>"  # the timer's layer name for the whole model
+
+
+@dataclass(frozen=True)
+class SpeedRule:
+    """``mode``: ``"off"`` | ``"measured"``; ``batch``: the batch (first dimension) to time at, default the first
+    calibration batch's (time at the shape you deploy: a layer's winner changes with it); ``timer``: ``(layer, side,
+    fn) -> ms`` (default :func:`cuda_graph_timer`, CUDA models only); ``rounds``: conversions at most (>= 1)."""
+
+    mode: str = "measured"
+    batch: int | None = None
+    timer: Callable | None = None
+    rounds: int = 2
+
+    def __post_init__(self):
+        if self.mode not in SPEED_RULES:
+            raise ValueError(f"speed_rule mode must be one of {SPEED_RULES}, got {self.mode!r}")
+        if self.batch is not None and not (isinstance(self.batch, int) and self.batch >= 1):
+            raise ValueError(f"SpeedRule.batch must be a positive int or None (the calibration batch), got {self.batch!r}")
+        if self.timer is not None and not callable(self.timer):
+            raise TypeError(f"SpeedRule.timer must be callable as timer(layer, side, fn) -> ms, got {self.timer!r}")
+        if not (isinstance(self.rounds, int) and self.rounds >= 1):
+            raise ValueError(f"SpeedRule.rounds must be an int >= 1, got {self.rounds!r}")
+
+
+def as_speed_rule(v) -> SpeedRule:
+    """``"off"`` / ``"measured"`` / a :class:`SpeedRule` -> SpeedRule; anything else is an error naming the choices."""
+    if isinstance(v, SpeedRule):
+        return v
+    if isinstance(v, str) and v in SPEED_RULES:
+        return SpeedRule(v)
+    raise ValueError(f"speed_rule must be one of {SPEED_RULES} or a SpeedRule(batch=, timer=, rounds=), got {v!r}; "
+                     "'measured' times each quantized layer against its float equivalent on the model's CUDA device "
+                     "and keeps the slower ones float")
+
+
+@dataclass
+class LayerTiming:
+    name: str
+    precision: str  # the quantized precision that was timed ("w8a8", "fp8", ...)
+    quant_ms: float
+    float_ms: float
+    input_shape: tuple
+    floated: bool = False
+    round: int = 1
+
+    def text(self, float_label: str) -> str:
+        shape = "(" + ",".join(str(s) for s in self.input_shape) + ")"
+        if self.floated:
+            return (f"kept {float_label}: {self.precision} {self.quant_ms:.3f} ms > {float_label} {self.float_ms:.3f} ms "
+                    f"at input {shape}")
+        return f"{self.precision} {self.quant_ms:.3f} ms <= {float_label} {self.float_ms:.3f} ms at input {shape}"
+
+
+@dataclass
+class SpeedReport:
+    """What the speed rule measured and decided (``model.tcprec_summary.speed``)."""
+
+    device: str
+    float_label: str  # "fp16" | "fp32" | "bf16": the float side, the model's own dtype
+    input_shape: tuple
+    layers: list[LayerTiming] = field(default_factory=list)
+    model_ms: float | None = None
+    float_model_ms: float | None = None
+    conversions: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def floated(self) -> list[str]:
+        return [t.name for t in self.layers if t.floated]
+
+    @property
+    def speedup(self) -> float | None:
+        if self.model_ms is None or self.float_model_ms is None or self.model_ms <= 0:
+            return None
+        return self.float_model_ms / self.model_ms
+
+    def overrides(self) -> dict[str, str]:
+        """The rule's outcome as ``QuantConfig.overrides`` (a rebuild without timing: same structure)."""
+        return {n: "float" for n in self.floated}
+
+    def lines(self) -> list[str]:
+        out = [f"speed rule (measured on {self.device}, input {tuple(self.input_shape)}, {self.conversions} "
+               f"conversion(s)): {len(self.floated)} of {len(self.layers)} timed layer(s) kept {self.float_label}"]
+        if self.model_ms is not None and self.float_model_ms is not None:
+            out.append(f"whole model: quantized {self.model_ms:.3f} ms, {self.float_label} {self.float_model_ms:.3f} ms "
+                       f"({self.speedup:.2f}x)")
+        return out + self.notes
+
+
+def _dtype_label(dt: torch.dtype) -> str:
+    return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dt, str(dt).replace("torch.", ""))
+
+
+def cuda_graph_timer(layer: str, side: str, fn: Callable, calls: int = 4, replays: int = 5) -> float:
+    """ms per call of ``fn()``: warmed up on a side stream (JIT compiles, cuDNN / cuBLAS plans), ``calls`` calls
+    captured in one CUDA graph, the median of ``replays`` replays timed with CUDA events (no host launch overhead,
+    the same clock for both sides; ``bench.common.time_graph_ms`` is the benchmarks' twin)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    del g
+    return sorted(times)[len(times) // 2]
+
+
+def timing_input(batch: torch.Tensor, rows: int | None) -> torch.Tensor:
+    """The first calibration batch with its rows repeated (or cut) to ``rows``: only the shape matters for time."""
+    if rows is None or rows == batch.shape[0]:
+        return batch
+    reps = math.ceil(rows / batch.shape[0])
+    return batch.repeat((reps,) + (1,) * (batch.dim() - 1))[:rows]
+
+
+class _Probe:
+    """Called by the converter with the calibrated float graph: each conv / linear's float module (a channels_last
+    copy) and its input shapes (one per call) at the timing input."""
+
+    def __init__(self, x: torch.Tensor):
+        self.x = x
+        self.shapes: dict[str, list[tuple]] = {}
+        self.floats: dict[str, nn.Module] = {}
+
+    @torch.no_grad()
+    def __call__(self, gm: nn.Module, order: list[str]) -> None:
+        mods = dict(gm.named_modules())
+        hooks = []
+        for n in order:
+            def pre(mod, args, n=n):
+                if args and isinstance(args[0], torch.Tensor):
+                    self.shapes.setdefault(n, []).append(tuple(args[0].shape))
+            hooks.append(mods[n].register_forward_pre_hook(pre))
+        try:
+            gm(self.x)
+        finally:
+            for h in hooks:
+                h.remove()
+        for n in order:
+            m = copy.deepcopy(mods[n])
+            self.floats[n] = m.to(memory_format=torch.channels_last) if isinstance(m, nn.Conv2d) else m
+
+
+def _act_fn(act) -> Callable | None:
+    """The float activation the quantized epilogue replaced (``QConv2d.act`` / ``QGroupedConv2d.act`` encodings)."""
+    if act is None:
+        return None
+    if act == "relu":
+        return F.relu
+    if act == "hardswish":
+        return F.hardswish
+    if act == "silu":
+        return F.silu
+    if isinstance(act, tuple) and act[0] == "leaky":
+        return lambda y: F.leaky_relu(y, act[1])
+    if isinstance(act, tuple) and act[0] == "clamp":
+        return lambda y: F.hardtanh(y, act[1], act[2])
+    return F.relu  # an encoding added later: one elementwise pass either way
+
+
+def _float_fn(m: nn.Module, q: nn.Module, fused: tuple, shape: tuple, device, dtype) -> Callable:
+    """What the float model runs for this layer and what the quantized module absorbed: conv / linear (cuDNN /
+    cuBLAS, channels_last), then BN (inference), the residual add, the activation, the 2x2 pool."""
+    x = torch.randn(shape, device=device, dtype=dtype)
+    if x.dim() == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        y0 = m(x)
+    C = y0.shape[1] if y0.dim() == 4 else y0.shape[-1]
+    bn = "bn" in fused and y0.dim() == 4
+    if bn:
+        rm, rv = torch.zeros(C, device=device, dtype=dtype), torch.ones(C, device=device, dtype=dtype)
+        w, b = torch.ones(C, device=device, dtype=dtype), torch.zeros(C, device=device, dtype=dtype)
+    res = torch.randn_like(y0) if getattr(q, "has_residual", False) else None
+    act = _act_fn(getattr(q, "act", None))
+    pool = getattr(q, "pool", None)
+
+    @torch.no_grad()
+    def run():
+        y = m(x)
+        if bn:
+            y = F.batch_norm(y, rm, rv, w, b, False, 0.0, 1e-5)
+        if res is not None:
+            y = y + res
+        if act is not None:
+            y = act(y)
+        if pool:
+            y = (F.max_pool2d if pool[0] == "max" else F.avg_pool2d)(y, pool[1], pool[2])
+        return y
+
+    return run
+
+
+def _measure(q: nn.Module, probe: _Probe, timer, dtype, rnd: int) -> tuple[dict, list[str]]:
+    """name -> LayerTiming for every quantized layer of ``q`` with a record, and notes."""
+    recs = {r.name: r for r in q.tcprec_summary.layers}
+    qmods = {n: m for n, m in q.named_modules()
+             if n in recs and recs[n].precision != "float" and n in probe.floats}
+    quant: dict[str, float] = {}
+    errors: dict[str, str] = {}
+    hooks = []
+    for n, m in qmods.items():
+        def pre(mod, args, kwargs, n=n):
+            if n in errors:
+                return
+            try:
+                quant[n] = quant.get(n, 0.0) + float(timer(n, "quantized", lambda: mod.forward(*args, **kwargs)))
+            except Exception as e:  # noqa: BLE001 - an untimeable layer stays as converted, and the notes say why
+                errors[n] = f"{type(e).__name__}: {str(e)[:100]}"
+        hooks.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            q(probe.x)
+    finally:
+        for h in hooks:
+            h.remove()
+    dev = probe.x.device
+    out = {}
+    for n, ms in quant.items():
+        if n in errors:
+            continue
+        shapes = probe.shapes.get(n)
+        if not shapes:
+            errors[n] = "its float input shape was not seen (not called with a tensor in the float model)"
+            continue
+        try:
+            fms = sum(float(timer(n, "float", _float_fn(probe.floats[n], qmods[n], recs[n].fused, s, dev, dtype)))
+                      for s in shapes)
+        except Exception as e:  # noqa: BLE001 - as above
+            errors[n] = f"{type(e).__name__}: {str(e)[:100]}"
+            continue
+        out[n] = LayerTiming(n, recs[n].precision, ms, fms, shapes[0], floated=ms > fms, round=rnd)
+    notes = [f"speed rule: {n} not timed, kept as converted ({why})" for n, why in errors.items()]
+    return out, notes
+
+
+def apply_speed_rule(model: nn.Module, cfg, batches: list, convert: Callable) -> nn.Module:
+    """quantize_model with ``cfg.speed_rule`` measured (module docstring).  ``convert(cfg, probe)`` is the converter
+    without the rule; ``probe(gm, order)`` is called with the calibrated float graph."""
+    rule = cfg.speed_rule
+    p = next((t for t in model.parameters() if t.is_floating_point()), None)
+    dev = p.device if p is not None else torch.device("cpu")
+    dtype = p.dtype if p is not None else torch.float32
+    timer = rule.timer
+    if timer is None:
+        if dev.type != "cuda":
+            raise ValueError(f"speed_rule='measured' times the layers on the model's CUDA device, but the model is on "
+                             f"{dev}: its CPU time says nothing about the GPU kernels. Move the model to CUDA "
+                             "(quantize_model(model.cuda(), ...)), or use speed_rule='off' (no layer is floated for "
+                             "speed), or pass SpeedRule(timer=...) with your own clock")
+        timer = cuda_graph_timer
+    x = timing_input(batches[0], rule.batch).to(device=dev, dtype=dtype)
+    if x.dim() == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
+    probe = _Probe(x)
+    off = replace(cfg, speed_rule=SpeedRule("off"))
+    label = _dtype_label(dtype)
+    report = SpeedReport(str(dev), label, tuple(x.shape))
+    timings: dict[str, LayerTiming] = {}
+
+    def convert_with(floated):
+        report.conversions += 1
+        c = replace(off, overrides={**dict(cfg.overrides), **{n: "float" for n in floated}})
+        return convert(c, probe if report.conversions == 1 else None)
+
+    flags = torch.backends.cudnn.flags(enabled=True, benchmark=True, deterministic=False,
+                                       allow_tf32=torch.backends.cudnn.allow_tf32)
+    with flags:
+        q = convert_with(())
+        for rnd in range(1, rule.rounds + 1):
+            got, notes = _measure(q, probe, timer, dtype, rnd)
+            report.notes += [n for n in notes if n not in report.notes]
+            timings.update(got)
+            slow = [n for n, t in got.items() if t.floated]
+            if not slow:
+                break
+            q = convert_with([n for n, t in timings.items() if t.floated])
+            if rnd == rule.rounds:
+                report.notes.append(f"speed rule: stopped after {rule.rounds} timing round(s); the layers re-chained "
+                                    "by the last floating were not timed again (SpeedRule(rounds=) for more)")
+        try:
+            report.model_ms = float(timer(MODEL, "quantized", lambda: q(x)))
+            base = copy.deepcopy(model).eval()
+            if x.dim() == 4:
+                base = base.to(memory_format=torch.channels_last)
+            with torch.no_grad():
+                report.float_model_ms = float(timer(MODEL, "float", lambda: base(x)))
+            del base
+        except Exception as e:  # noqa: BLE001 - the layer decisions stand; the notes say the check did not run
+            report.notes.append(f"speed rule: the whole-model check did not run ({type(e).__name__}: {str(e)[:100]})")
+    report.layers = list(timings.values())
+    summary = q.tcprec_summary
+    for r in summary.layers:
+        t = timings.get(r.name)
+        if t is None:
+            continue
+        r.reason = t.text(label)
+        if t.floated:
+            r.backend = r.reason
+    if report.speedup is not None and report.speedup < 1.0:
+        msg = (f"SPEED RULE: THE QUANTIZED MODEL IS SLOWER THAN {label.upper()}: {report.model_ms:.3f} ms against "
+               f"{report.float_model_ms:.3f} ms at input {tuple(x.shape)}, with {len(report.floated)} layer(s) kept "
+               f"{label}; the cost is outside the timed layers (float glue between them) or in timing noise")
+        report.notes.append(msg)
+        warnings.warn(msg, stacklevel=3)
+    summary.speed = report
+    return q

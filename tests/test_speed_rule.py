@@ -1,0 +1,130 @@
+"""The speed rule (nn/speed_rule.py) driven by a fake clock on the CPU: which layers it floats, what the summary and
+explain say, the whole-model check, and the option's validation.  No real timing here (GPU: tests/gpu/)."""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import tcprec as tp
+from tcprec.nn.speed_rule import MODEL, SpeedRule, as_speed_rule, timing_input
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
+        nn.Flatten(), nn.Linear(8 * 6 * 6, 10)).eval()
+
+
+class FakeTimer:
+    """ms from a table: (layer, side) -> ms; runs each side once, so the float recipe and the quantized call are
+    exercised; records every call."""
+
+    def __init__(self, table, default=1.0):
+        self.table, self.default, self.calls = table, default, []
+
+    def __call__(self, layer, side, fn):
+        fn()
+        self.calls.append((layer, side))
+        return self.table.get((layer, side), self.default)
+
+
+def _quantize(timer, precision="int8", **kw):
+    x = torch.randn(4, 3, 6, 6)
+    cfg = tp.QuantConfig(precision, first_last=None, speed_rule=SpeedRule(timer=timer, **kw))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return tp.quantize_model(_net(), cfg, calibration=x)
+
+
+def test_floats_exactly_the_layers_measured_slower():
+    t = FakeTimer({("3", "quantized"): 0.212, ("3", "float"): 0.151,  # slower: floated
+                   ("6", "quantized"): 0.100, ("6", "float"): 0.100,  # equal: stays quantized
+                   ("0", "quantized"): 0.050, ("0", "float"): 0.151,
+                   ("9", "quantized"): 0.010, ("9", "float"): 0.020,
+                   (MODEL, "quantized"): 1.0, (MODEL, "float"): 2.0})
+    q = _quantize(t)
+    recs = {r.name: r for r in q.tcprec_summary.layers}
+    assert [n for n, r in recs.items() if r.precision == "float"] == ["3"]
+    assert recs["3"].reason == "kept fp32: w8a8 0.212 ms > fp32 0.151 ms at input (4,8,6,6)"
+    assert recs["3"].backend == recs["3"].reason  # the summary's "why float" column
+    assert recs["6"].precision == "w8a8" and recs["6"].reason.startswith("w8a8 0.100 ms <= fp32 0.100 ms")
+    sp = q.tcprec_summary.speed
+    assert sp.floated == ["3"] and sp.overrides() == {"3": "float"}
+    assert sp.conversions == 2 and sp.speedup == pytest.approx(2.0)
+    text = q.tcprec_summary.explain()
+    assert "3 (conv): float, kept fp32: w8a8 0.212 ms > fp32 0.151 ms" in text and "whole model" in text
+    assert "kept fp32: w8a8 0.212 ms" in q.tcprec_summary.explain("3")
+    assert "speed rule" in str(q.tcprec_summary)
+    # every quantized layer was timed on both sides, in the first round and again after "3" was floated
+    first = t.calls[:8]
+    assert sorted(first) == sorted((n, s) for n in ("0", "3", "6", "9") for s in ("quantized", "float"))
+    assert ("3", "quantized") not in t.calls[8:] and ("6", "quantized") in t.calls[8:]
+    y = q(torch.randn(2, 3, 6, 6))
+    assert y.shape == (2, 10)
+
+
+def test_nothing_floated_when_quantized_is_faster():
+    q = _quantize(FakeTimer({**{(n, "float"): 1.0 for n in "0369"}, (MODEL, "quantized"): 1.0, (MODEL, "float"): 3.0},
+                            default=0.5))
+    assert not q.tcprec_summary.float_layers
+    assert q.tcprec_summary.speed.conversions == 1
+    assert not any("SLOWER" in n for n in q.tcprec_summary.speed.notes)
+
+
+def test_whole_model_slower_is_said_loudly():
+    t = FakeTimer({(MODEL, "quantized"): 5.0, (MODEL, "float"): 1.0}, default=1.0)
+    x = torch.randn(4, 3, 6, 6)
+    cfg = tp.QuantConfig("int8", first_last=None, speed_rule=SpeedRule(timer=t))
+    with pytest.warns(UserWarning, match="SLOWER THAN FP32"):
+        q = tp.quantize_model(_net(), cfg, calibration=x, warn=False)
+    assert "SLOWER THAN FP32" in str(q.tcprec_summary)
+
+
+def test_rounds_bound_the_conversions_and_say_so():
+    # every layer looks slower in every round: round 1 floats all four, and no second timing round is allowed
+    t = FakeTimer({(MODEL, "quantized"): 1.0, (MODEL, "float"): 1.0,
+                   **{(n, "quantized"): 2.0 for n in "0369"}}, default=1.0)
+    q = _quantize(t, rounds=1)
+    sp = q.tcprec_summary.speed
+    assert sorted(sp.floated) == ["0", "3", "6", "9"] and sp.conversions == 2
+    assert any("stopped after 1 timing round" in n for n in sp.notes)
+    assert all(r.precision == "float" for r in q.tcprec_summary.layers)  # on purpose: no coverage error
+
+
+def test_timing_batch_repeats_the_calibration_rows():
+    t = FakeTimer({}, default=1.0)
+    q = _quantize(t, batch=10)
+    assert q.tcprec_summary.speed.input_shape == (10, 3, 6, 6)
+    assert "at input (10,3,6,6)" in {r.name: r for r in q.tcprec_summary.layers}["0"].reason
+    x = torch.arange(6.0).reshape(3, 2)
+    assert torch.equal(timing_input(x, 7), torch.cat([x, x, x])[:7])
+
+
+def test_bad_values_are_rejected():
+    with pytest.raises(ValueError, match=r"speed_rule must be one of \('off', 'measured'\)"):
+        tp.QuantConfig("int8", speed_rule="fast")
+    with pytest.raises(ValueError, match="SpeedRule.batch must be a positive int"):
+        SpeedRule(batch=0)
+    with pytest.raises(ValueError, match="SpeedRule.rounds"):
+        SpeedRule(rounds=0)
+    with pytest.raises(TypeError, match="timer must be callable"):
+        SpeedRule(timer=3)
+    with pytest.raises(ValueError, match="speed_rule mode"):
+        SpeedRule("sometimes")
+    assert as_speed_rule("off").mode == "off" and tp.QuantConfig("int8").speed_rule.mode == "off"
+
+
+def test_cpu_model_without_a_timer_is_an_error_not_a_silent_skip():
+    with pytest.raises(ValueError, match="CUDA device, but the model is on cpu"):
+        tp.quantize_model(_net(), tp.QuantConfig("int8", speed_rule="measured"), calibration=torch.randn(2, 3, 6, 6))
+
+
+def test_inplace_with_the_rule_is_refused():
+    with pytest.raises(ValueError, match="inplace=True cannot be combined"):
+        tp.quantize_model(_net(), tp.QuantConfig("int8", speed_rule=SpeedRule(timer=FakeTimer({}))),
+                          calibration=torch.randn(2, 3, 6, 6), inplace=True)
