@@ -52,6 +52,7 @@ from .bench import cpu_memory_time as cpu_mem_bench
 from .bench import cpu_train_step as train_step_bench
 from .bench import fp8_accuracy as fp8_acc_bench
 from .bench import gemm as gemm_bench
+from .bench import models as models_bench
 from .bench import net as net_bench
 from .bench import qat as qat_bench
 from .bench import solve as solve_bench
@@ -861,6 +862,37 @@ def bench_transformer_cmd(
     with _needs_gpu(), where as out:
         xf_bench.run(d_model, heads, seq, batch, layers, precs, out=None if out is None else str(out), command=command,
                      console=Console(), accuracy_only=accuracy_only, breakdown=breakdown)
+
+
+@bench_app.command("models")
+@_cli
+def bench_models_cmd(
+    model: str = typer.Option(",".join(models_bench.DEFAULT_MODELS), help="Comma-separated torchvision classification "
+                              "model names, or 'all' (every one torchvision defines)."),
+    precision: str = typer.Option(",".join(models_bench.PRECISIONS), help="Comma-separated: int8, fp8, wXaY (w1a2 ...)."),
+    batch: int = typer.Option(256, min=1, help="Batch size (the speed rule times at it too)."),
+    seed: int = typer.Option(0, help="Seed of the weights and the input."),
+    json_path: str = _json_option("benchmarks/results/models.json"),
+):
+    """torchvision classification model definitions (seeded weights) quantized with the speed rule on, against cuDNN
+    fp16 channels_last, CUDA graphs on both sides: ms, speedup, NRMSE vs fp32, layers quantized / kept fp16 by the
+    rule / float otherwise (issue 43: none slower than fp16; ResNet-50 int8 >= 1.5x, w1a2 >= 2.5x).  Needs a GPU and
+    torchvision."""
+    models = _split(model, "--model")
+    try:
+        precs = models_bench.parse_precisions(_split(precision, "--precision"))
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--precision") from None
+    command = shlex.join(["tcprec", "bench", "models", "--model", model, "--precision", precision, "--batch",
+                          str(batch), "--seed", str(seed), "--json", json_path])
+    with _needs_gpu(), _json_file(json_path, "models.json") as out:
+        try:
+            models_bench.run(models, precs, batch, out=str(out), command=command, console=Console(), seed=seed)
+        except ImportError as e:
+            Console(stderr=True).print(f"[red]{escape(str(e))}")
+            raise typer.Exit(code=2) from None
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--model") from None
 
 
 def _load_image(image: str, size: int) -> tuple[torch.Tensor, str]:

@@ -1,0 +1,246 @@
+"""``tcprec bench models``: torchvision's classification model definitions, quantized with the speed rule on, against
+cuDNN fp16 channels_last on one GPU in one run (issue 43: none slower than fp16 at any precision).
+
+Per model (``torchvision.models.get_model(name, weights=None)``: seeded weights, batch-norm statistics from two seeded
+batches, then eval):
+
+* ``fp32``: the reference output, TF32 off, not timed;
+* ``fp16``: the model in half precision, channels_last: the baseline, its forward captured in a CUDA graph
+  (``bench.common.time_graph_ms``: median of replays, no host launch overhead);
+* each precision (``int8``, ``fp8``, ``w1a2`` ...): ``tcprec.quantize_model`` of the fp16 model with
+  ``QuantConfig(precision, speed_rule=SpeedRule(batch=batch))`` (nn/speed_rule.py: every layer whose quantized path
+  measures slower than its fp16 equivalent at this batch stays fp16), calibrated on the first 16 images, timed the
+  same way; ``first_last`` int8 for wXaY below 8 bits (APNN-TC's rule), none for int8 / fp8.
+
+Per row: ms, fp16 ms, speedup, NRMSE of the logits against fp32, and the layer counts: quantized, kept fp16 by the
+speed rule, float for other reasons (``tcprec_summary``).  Weights are seeded, not trained: NRMSE says how far the
+outputs move, not an accuracy.  torchvision is needed only here and is imported when the suite runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Callable, Sequence
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from ..nn.convert import QuantConfig, quantize_model
+from ..nn.speed_rule import SpeedRule
+from ..precision import canonical_network_precision
+from ..progress import track
+from .common import environment, git_commit, print_environment, require_cuda, time_graph_ms, write_json
+from .net import nrmse
+
+__all__ = ["run", "DEFAULT_MODELS", "PRECISIONS", "TARGETS", "torchvision_classifiers", "build_model", "parse_precisions",
+           "measure_model", "targets"]
+
+# ~150 s on an H200 at batch 256 with int8 / fp8 / w1a2 (conversion, two speed-rule rounds, timing); the issue's
+# ResNet-50 and MobileNetV2 plus three other families (compound scaling, RegNet, channel shuffle)
+DEFAULT_MODELS = ("resnet50", "mobilenet_v2", "efficientnet_b0", "regnet_y_400mf", "shufflenet_v2_x1_0")
+PRECISIONS = ("int8", "fp8", "w1a2")
+TARGETS = {("resnet50", "int8"): 1.5, ("resnet50", "w1a2"): 2.5}  # issue 43: speedup over fp16 at batch 256
+CALIBRATION_IMAGES = 16
+IMAGE = 224
+
+
+def _torchvision():
+    try:
+        import torchvision  # lazy: the suite's only user of torchvision (not a tcprec dependency)
+    except ImportError as e:
+        raise ImportError(f"tcprec bench models builds torchvision's model definitions, and torchvision is not "
+                          f"importable here ({e}); install the build that matches torch {torch.__version__} "
+                          "(pip install torchvision) on the GPU machine") from None
+    return torchvision
+
+
+def torchvision_classifiers() -> list[str]:
+    """Every classification model torchvision defines (``list_models(module=torchvision.models)``), sorted."""
+    tv = _torchvision()
+    return sorted(tv.models.list_models(module=tv.models))
+
+
+def build_model(name: str, seed: int, device, image: int = IMAGE) -> torch.nn.Module:
+    """torchvision's ``name`` with seeded weights; batch-norm statistics from two seeded batches of 8; eval, fp32."""
+    tv = _torchvision()
+    torch.manual_seed(seed)
+    m = tv.models.get_model(name, weights=None).to(device)
+    bns = [b for b in m.modules() if isinstance(b, torch.nn.modules.batchnorm._BatchNorm)]
+    if bns:
+        for b in bns:
+            b.reset_running_stats()
+            b.momentum = None  # cumulative average over the batches below
+        g = torch.Generator(device=device).manual_seed(seed + 1)
+        m.train()
+        with torch.no_grad():
+            for _ in range(2):
+                m(torch.randn((8, 3, image, image), device=device, generator=g))
+    return m.eval()
+
+
+def _models(models: Sequence[str], catalog: Callable[[], list[str]]) -> list[str]:
+    known = catalog()
+    if list(models) == ["all"]:
+        return known
+    bad = [m for m in models if m not in known]
+    if bad:
+        raise ValueError(f"unknown model(s) {bad}: not torchvision classification models; choose from {known} "
+                         "or 'all'")
+    return list(models)
+
+
+def parse_precisions(precisions: Sequence[str]) -> list[str]:
+    out = [canonical_network_precision(p) for p in precisions]  # ValueError lists the accepted set
+    base = [p for p in out if p in ("fp32", "fp16")]
+    if base:
+        raise ValueError(f"precision {base[0]!r} is not a quantized precision: fp32 (the reference) and fp16 (the "
+                         "baseline) are measured for every model; choose from int8, fp8, wXaY (e.g. w1a2)")
+    return out
+
+
+def _counts(summary) -> dict:
+    floated = set(summary.speed.floated) if summary.speed is not None else set()
+    return {"quantized": sum(r.precision != "float" for r in summary.layers),
+            "floated_by_rule": sum(r.precision == "float" and r.name in floated for r in summary.layers),
+            "float_other": sum(r.precision == "float" and r.name not in floated for r in summary.layers)}
+
+
+def measure_model(name: str, precisions: Sequence[str], batch: int, seed: int, console: Console) -> tuple[list, dict]:
+    """(rows, details) of one model on the current CUDA device: the fp16 baseline and each precision."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    m32 = build_model(name, seed, device).to(memory_format=torch.channels_last)
+    g = torch.Generator(device=device).manual_seed(seed + 2)
+    x = torch.randn((batch, 3, IMAGE, IMAGE), device=device, generator=g).contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        ref = m32(x).float()
+    m16 = copy.deepcopy(m32).half()
+    del m32
+    x16 = x.half()
+    with torch.no_grad():
+        fp16_ms = time_graph_ms(lambda: m16(x16), None, calls=2, replays=5)
+    rows, details = [], {}
+    for p in precisions:
+        row: dict = {"model": name, "precision": p, "batch": batch, "fp16_ms": fp16_ms}
+        t0 = time.time()
+        try:
+            cfg = QuantConfig(p, first_last=None if p in ("int8", "fp8") else "int8",
+                              speed_rule=SpeedRule(batch=batch))
+            q = quantize_model(m16, cfg, calibration=x16[:CALIBRATION_IMAGES], warn=False)
+            row["setup_s"] = round(time.time() - t0, 1)
+            with torch.no_grad():
+                y = q(x16).float()
+                row["ms"] = time_graph_ms(lambda: q(x16), None, calls=2, replays=5)
+            row["speedup"] = fp16_ms / row["ms"]
+            row["nrmse_vs_fp32"] = nrmse(y, ref)
+            s = q.tcprec_summary
+            row.update(_counts(s))
+            details[f"{name}/{p}"] = {"layers": [vars(r) for r in s.layers], "notes": s.notes,
+                                      "speed_rule": s.speed.lines() if s.speed is not None else None}
+            del q
+        except Exception as e:  # noqa: BLE001 - one failing case must not hide the others' numbers
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            row["setup_s"] = round(time.time() - t0, 1)
+        rows.append(row)
+        console.print(_case_line(row))
+        torch.cuda.empty_cache()
+    del m16
+    torch.cuda.empty_cache()
+    return rows, details
+
+
+def _case_line(r: dict) -> str:
+    if "error" in r:
+        return f"{r['model']} {r['precision']}: [red]error[/] {r['error'][:120]}"
+    return (f"{r['model']} {r['precision']}: {r['ms']:.3f} ms, fp16 {r['fp16_ms']:.3f} ms, {r['speedup']:.2f}x, "
+            f"NRMSE {r['nrmse_vs_fp32']:.3g}, {r['quantized']} quantized / {r['floated_by_rule']} kept fp16 by the "
+            f"speed rule / {r['float_other']} float otherwise ({r['setup_s']} s)")
+
+
+def targets(rows: list[dict], models: Sequence[str]) -> list[dict]:
+    """The issue's targets judged on ``rows``: ResNet-50's speedups, every model converts, none slower than fp16."""
+    out = []
+    for (model, prec), want in TARGETS.items():
+        r = next((r for r in rows if r["model"] == model and r["precision"] == prec and "speedup" in r), None)
+        out.append({"target": f"{model} {prec} >= {want}x fp16",
+                    "value": "not measured" if r is None else f"{r['speedup']:.2f}x",
+                    "met": None if r is None else r["speedup"] >= want})
+    failed = sorted({r["model"] for r in rows if "error" in r})
+    ran = sorted({r["model"] for r in rows})
+    out.append({"target": "every torchvision classification model converts",
+                "value": f"{len(ran) - len(failed)} of {len(ran)} models run at every precision"
+                         + (f" (listed: {len(models)}); failed: {', '.join(failed)}" if failed else f" (listed: {len(models)})"),
+                "met": (not failed and len(ran) == len(models)) if ran else None})
+    timed = [r for r in rows if "speedup" in r]
+    slow = [r for r in timed if r["speedup"] < 1.0]
+    worst = min(timed, key=lambda r: r["speedup"]) if timed else None
+    out.append({"target": "no model slower than fp16 at any precision",
+                "value": "not measured" if worst is None else
+                f"slowest {worst['model']} {worst['precision']} {worst['speedup']:.2f}x; {len(slow)} of {len(timed)} "
+                f"cases below 1.0x" + (": " + ", ".join(f"{r['model']} {r['precision']}" for r in slow[:8]) if slow else ""),
+                "met": None if worst is None else not slow})
+    return out
+
+
+def run(models: Sequence[str] = DEFAULT_MODELS, precisions: Sequence[str] = PRECISIONS, batch: int = 256,
+        out: str = "benchmarks/results/models.json", command: str = "tcprec bench models", console: Console | None = None,
+        seed: int = 0, measure: Callable | None = None, catalog: Callable[[], list[str]] | None = None,
+        env: dict | None = None) -> dict:
+    """Run every (model, precision) case and write the JSON (module docstring).  ``measure(name, precisions, batch,
+    seed, console) -> (rows, details)``, ``catalog() -> names`` and ``env`` replace the GPU, torchvision and the
+    device record (tests)."""
+    console = console or Console()
+    commit = git_commit()
+    precisions = parse_precisions(precisions)
+    if not (isinstance(batch, int) and batch >= 1):
+        raise ValueError(f"batch must be a positive int, got {batch!r}")
+    if measure is None:
+        require_cuda(command)
+        measure = measure_model
+        torch.backends.cudnn.benchmark = True
+        torch.backends.cudnn.allow_tf32 = False  # fp32 means fp32 (the reference)
+        torch.backends.cuda.matmul.allow_tf32 = False
+    names = _models(models, catalog or torchvision_classifiers)
+    env = env if env is not None else environment()
+    if env.get("gpu") and "sm_count" in env:
+        print_environment(console, env)
+    rows: list[dict] = []
+    details: dict = {}
+    for name in track(names, "bench models", label=str):
+        try:
+            got, det = measure(name, precisions, batch, seed, console)
+        except Exception as e:  # noqa: BLE001 - a model that does not build or run in fp16 is a row, not a crash
+            got, det = [{"model": name, "precision": p, "batch": batch,
+                         "error": f"{type(e).__name__}: {str(e)[:300]}"} for p in precisions], {}
+            console.print(_case_line(got[0]))
+        rows += got
+        details.update(det)
+    tg = targets(rows, names)
+    payload = {"suite": "models", "command": command, "device": env.get("gpu"), "commit": commit,
+               "summary": [{k: r.get(k) for k in ("model", "precision", "ms", "fp16_ms", "speedup", "nrmse_vs_fp32",
+                                                  "quantized", "floated_by_rule", "float_other", "error") if k in r}
+                           for r in rows],
+               "targets": tg, "config": {"batch": batch, "image": IMAGE, "calibration_images": CALIBRATION_IMAGES,
+                                         "seed": seed, "speed_rule": f"SpeedRule(batch={batch})"},
+               "environment": env, "rows": rows, "details": details}
+    console.print(table(rows, f"torchvision models, batch {batch}, {env.get('gpu')}"))
+    for t in tg:
+        console.print(f"target: {t['target']}: {t['value']} ({ {True: 'met', False: 'MISSED', None: '-'}[t['met']] })")
+    path = write_json(out, payload)
+    console.print(f"wrote {path}")
+    return payload
+
+
+def table(rows: list[dict], title: str) -> Table:
+    t = Table(title=title)
+    for c in ("model", "precision", "ms", "fp16 ms", "vs fp16", "NRMSE vs fp32", "quantized", "kept fp16 (rule)",
+              "float (other)"):
+        t.add_column(c, justify="left" if c in ("model", "precision") else "right")
+    for r in rows:
+        if "error" in r:
+            t.add_row(r["model"], r["precision"], "error", r["error"][:50], "", "", "", "", "")
+            continue
+        t.add_row(r["model"], r["precision"], f"{r['ms']:.3f}", f"{r['fp16_ms']:.3f}", f"{r['speedup']:.2f}x",
+                  f"{r['nrmse_vs_fp32']:.3g}", str(r["quantized"]), str(r["floated_by_rule"]), str(r["float_other"]))
+    return t

@@ -1,0 +1,104 @@
+"""``tcprec bench models``'s CPU-side logic with a fake runner: argument errors, the JSON convention, the targets.
+No torchvision and no GPU here (the real run: tests/gpu/test_speed_rule_gpu.py and the lead's bench command)."""
+
+import json
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from tcprec.bench import models as mb
+from tcprec.cli import app
+
+CATALOG = ["mobilenet_v2", "resnet50", "vit_b_16"]
+SPEED = {("resnet50", "int8"): 1.6, ("resnet50", "w1a2"): 2.0, ("mobilenet_v2", "int8"): 0.9,
+         ("mobilenet_v2", "w1a2"): 1.2, ("vit_b_16", "int8"): 1.1, ("vit_b_16", "w1a2"): 1.3}
+
+
+def fake_measure(name, precisions, batch, seed, console):
+    rows = []
+    for p in precisions:
+        if name == "vit_b_16" and p == "w1a2":
+            rows.append({"model": name, "precision": p, "batch": batch, "fp16_ms": 2.0, "error": "ValueError: boom"})
+            continue
+        sp = SPEED[(name, p)]
+        rows.append({"model": name, "precision": p, "batch": batch, "fp16_ms": 2.0, "ms": 2.0 / sp, "speedup": sp,
+                     "nrmse_vs_fp32": 0.01, "quantized": 50, "floated_by_rule": 3, "float_other": 1, "setup_s": 1.0})
+    return rows, {f"{name}/{p}": {"layers": []} for p in precisions}
+
+
+def _run(tmp_path, **kw):
+    args = dict(models=["resnet50", "mobilenet_v2"], precisions=["int8", "w1a2"], batch=4,
+                out=str(tmp_path / "models.json"), console=Console(quiet=True), measure=fake_measure,
+                catalog=lambda: CATALOG, env={"gpu": "fake GPU"})
+    args.update(kw)
+    return mb.run(**args)
+
+
+def test_json_follows_the_convention(tmp_path):
+    payload = _run(tmp_path)
+    on_disk = json.loads((tmp_path / "models.json").read_text())
+    assert on_disk["suite"] == "models" and on_disk["device"] == "fake GPU"
+    assert {"suite", "command", "device", "commit", "summary", "targets"} <= set(on_disk)
+    assert [(r["model"], r["precision"]) for r in on_disk["summary"]] == [
+        ("resnet50", "int8"), ("resnet50", "w1a2"), ("mobilenet_v2", "int8"), ("mobilenet_v2", "w1a2")]
+    row = on_disk["summary"][0]
+    assert set(row) == {"model", "precision", "ms", "fp16_ms", "speedup", "nrmse_vs_fp32", "quantized",
+                        "floated_by_rule", "float_other"}
+    assert all(not isinstance(v, (dict, list)) for r in on_disk["summary"] for v in r.values())  # flat rows
+    tg = {t["target"]: t for t in payload["targets"]}
+    assert tg["resnet50 int8 >= 1.5x fp16"]["met"] is True and tg["resnet50 int8 >= 1.5x fp16"]["value"] == "1.60x"
+    assert tg["resnet50 w1a2 >= 2.5x fp16"]["met"] is False
+    assert tg["no model slower than fp16 at any precision"]["met"] is False
+    assert "mobilenet_v2 int8 0.90x" in tg["no model slower than fp16 at any precision"]["value"]
+    assert tg["every torchvision classification model converts"]["met"] is True
+
+
+def test_all_expands_to_the_catalog_and_errors_fail_the_conversion_target(tmp_path):
+    payload = _run(tmp_path, models=["all"])
+    assert sorted({r["model"] for r in payload["summary"]}) == CATALOG
+    conv = next(t for t in payload["targets"] if t["target"].startswith("every"))
+    assert conv["met"] is False and "failed: vit_b_16" in conv["value"]
+    assert next(r for r in payload["summary"] if "error" in r)["error"] == "ValueError: boom"
+
+
+def test_a_model_that_fails_to_build_is_a_row(tmp_path):
+    def broken(name, *a):
+        raise RuntimeError("no such layer")
+    payload = _run(tmp_path, measure=broken, models=["resnet50"])
+    assert [r["error"] for r in payload["summary"]] == ["RuntimeError: no such layer"] * 2
+    assert next(t for t in payload["targets"] if t["target"].startswith("resnet50 int8"))["met"] is None
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"models": ["resnet5"]}, r"unknown model\(s\) \['resnet5'\]"),
+    ({"precisions": ["fp16"]}, "not a quantized precision"),
+    ({"precisions": ["int9"]}, "unknown precision 'int9'"),
+    ({"batch": 0}, "batch must be a positive int"),
+])
+def test_bad_arguments(tmp_path, kw, match):
+    with pytest.raises(ValueError, match=match):
+        _run(tmp_path, **kw)
+
+
+def test_cli_rejects_bad_options_before_needing_a_gpu():
+    runner = CliRunner()
+    res = runner.invoke(app, ["bench", "models", "--precision", "fp16,int8"], env={"COLUMNS": "200"})
+    assert res.exit_code == 2 and "not a quantized precision" in res.output
+    res = runner.invoke(app, ["bench", "models", "--batch", "0"], env={"COLUMNS": "200"})
+    assert res.exit_code == 2
+
+
+def test_torchvision_missing_is_a_clear_error(monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_tv(name, *a, **k):
+        if name == "torchvision":
+            raise ImportError("No module named 'torchvision'")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_tv)
+    with pytest.raises(ImportError, match="torchvision is not importable here"):
+        mb.torchvision_classifiers()
