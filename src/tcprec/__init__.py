@@ -18,6 +18,7 @@ from .ops.conv import Fp8Tensor, conv2d_dgrad, conv2d_wgrad, explain_conv2d_dgra
 from .ops.matmul import explain_matmul, matmul, matmul_packed
 from .ops.quantize import quantize
 from .nn.convert import QuantConfig, quantize_model
+from .nn.speed_rule import SpeedRule
 from .qat import convert_qat, prepare_qat
 from .profiling import profile
 from .runtime import Engine, compile  # noqa: A004
@@ -67,6 +68,7 @@ __all__ = [
     "K_PAD_BITS",
     # whole networks: quantize, compile (CUDA graph, two copies per call), profile
     "QuantConfig",
+    "SpeedRule",
     "quantize_model",
     "prepare_qat",
     "convert_qat",

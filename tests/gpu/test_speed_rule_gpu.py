@@ -1,0 +1,99 @@
+"""The speed rule on the GPU: the real CUDA-graph clock times every quantized layer of a chained ResNet-18 and the
+whole model, its decisions are consistent with its own figures, a floated layer re-chains its neighbours and the
+model equals the one built from the rule's overrides; a fake clock floats a chosen layer inside a bit-plane chain;
+``bench models`` runs one torchvision model end to end.  No assertion depends on which side is faster."""
+
+import json
+
+import pytest
+import torch
+
+import tcprec as tp
+from tcprec.nn import models as zoo
+from tcprec.nn.speed_rule import MODEL, SpeedRule, cuda_graph_timer
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (tests/gpu)")
+
+
+def _nrmse(y, ref):
+    return float((y.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-300))
+
+
+def _resnet(batch=32):
+    m = zoo.build("resnet18", seed=0, device="cuda").half().to(memory_format=torch.channels_last)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn((batch, 3, 224, 224), device="cuda", generator=g).half()
+    return m, x.contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("precision", ["int8", "w1a2"])
+def test_real_clock_decisions_match_its_figures(precision):
+    m, x = _resnet()
+    calls = []
+
+    def clock(layer, side, fn):
+        ms = cuda_graph_timer(layer, side, fn)
+        calls.append((layer, side, ms))
+        return ms
+
+    first_last = None if precision == "int8" else "int8"
+    cfg = tp.QuantConfig(precision, first_last=first_last, speed_rule=SpeedRule(timer=clock))
+    q = tp.quantize_model(m, cfg, calibration=x[:8], warn=False)
+    s = q.tcprec_summary
+    sp = s.speed
+    assert sp is not None and sp.float_label == "fp16" and sp.input_shape == tuple(x.shape)
+    assert all(ms > 0 for _, _, ms in calls)
+    quantized = [r.name for r in s.layers if r.precision != "float"]
+    timed = {t.name: t for t in sp.layers}
+    assert set(quantized) <= set(timed)  # every layer left quantized was timed, in the last conversion
+    for t in sp.layers:
+        assert t.floated == (t.quant_ms > t.float_ms)
+        rec = next(r for r in s.layers if r.name == t.name)
+        assert (rec.precision == "float") == t.floated and "ms" in rec.reason
+    assert sp.model_ms > 0 and sp.float_model_ms > 0 and (MODEL, "float") in {(c[0], c[1]) for c in calls}
+    if sp.speedup < 1.0:
+        assert any("SLOWER THAN FP16" in n for n in sp.notes)
+    # the rule's outcome pinned as overrides rebuilds the same structure (and the same outputs up to cuDNN's algorithm
+    # choice on the fp16 layers, whose last-bit differences can move a few low-bit activation codes downstream)
+    pinned = tp.quantize_model(m, tp.QuantConfig(precision, first_last=first_last, overrides=sp.overrides()),
+                               calibration=x[:8], warn=False)
+    assert [(r.name, r.precision, r.out) for r in pinned.tcprec_summary.layers] == \
+        [(r.name, r.precision, r.out) for r in s.layers]
+    with torch.no_grad():
+        assert _nrmse(q(x), pinned(x)) < 5e-2
+
+
+def test_fake_clock_floats_a_layer_inside_a_plane_chain():
+    m, x = _resnet(batch=8)
+    plain = tp.quantize_model(m, tp.QuantConfig("w1a2"), calibration=x, warn=False)
+    chained = [r.name for r in plain.tcprec_summary.layers if r.out.startswith("packed")]
+    assert chained, "ResNet-18 w1a2 chains bit planes between convs"
+    victim = chained[len(chained) // 2]
+
+    def clock(layer, side, fn):
+        fn()
+        return 2.0 if (layer, side) == (victim, "quantized") else 1.0
+
+    q = tp.quantize_model(m, tp.QuantConfig("w1a2", speed_rule=SpeedRule(timer=clock)), calibration=x, warn=False)
+    recs = {r.name: r for r in q.tcprec_summary.layers}
+    assert [n for n, r in recs.items() if r.precision == "float"] == [victim]
+    assert recs[victim].reason.startswith("kept fp16: w1a2 2.000 ms > fp16 1.000 ms at input (8,")
+    ref = tp.quantize_model(m, tp.QuantConfig("w1a2", overrides={victim: "float"}), calibration=x, warn=False)
+    with torch.no_grad():
+        y, yr = q(x), ref(x)
+    assert torch.isfinite(y).all() and _nrmse(y, yr) < 5e-2
+
+
+def test_bench_models_one_torchvision_model(tmp_path):
+    pytest.importorskip("torchvision", reason="bench models needs torchvision (installed on the GPU machine)")
+    from rich.console import Console
+
+    from tcprec.bench import models as mb
+
+    out = tmp_path / "models.json"
+    payload = mb.run(["resnet18"], ["int8"], batch=16, out=str(out), console=Console(quiet=True))
+    d = json.loads(out.read_text())
+    assert d["suite"] == "models" and d["summary"] == payload["summary"]
+    (row,) = d["summary"]
+    assert "error" not in row, row
+    assert row["quantized"] + row["floated_by_rule"] >= 20 and row["ms"] > 0 and row["nrmse_vs_fp32"] < 0.1
