@@ -38,7 +38,7 @@ def _run(tmp_path, **kw):
 def test_json_follows_the_convention(tmp_path):
     payload = _run(tmp_path)
     on_disk = json.loads((tmp_path / "models.json").read_text())
-    assert on_disk["suite"] == "models" and on_disk["device"] == "fake GPU"
+    assert on_disk["suite"] == "models" and on_disk["device"] == "fake GPU" and "partial" not in on_disk
     assert {"suite", "command", "device", "commit", "summary", "targets"} <= set(on_disk)
     assert [(r["model"], r["precision"]) for r in on_disk["summary"]] == [
         ("resnet50", "int8"), ("resnet50", "w1a2"), ("mobilenet_v2", "int8"), ("mobilenet_v2", "w1a2")]
@@ -102,3 +102,17 @@ def test_torchvision_missing_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_tv)
     with pytest.raises(ImportError, match="torchvision is not importable here"):
         mb.torchvision_classifiers()
+
+
+def test_json_is_written_after_every_model(tmp_path):
+    seen = []
+
+    def measure(name, *a):
+        if seen:  # the second model: the first one's rows are on disk already
+            on_disk = json.loads((tmp_path / "models.json").read_text())
+            assert on_disk["partial"] == "1 of 2 models" and {r["model"] for r in on_disk["summary"]} == {"resnet50"}
+        seen.append(name)
+        return fake_measure(name, *a)
+
+    _run(tmp_path, measure=measure)
+    assert seen == ["resnet50", "mobilenet_v2"]

@@ -207,6 +207,20 @@ def run(models: Sequence[str] = DEFAULT_MODELS, precisions: Sequence[str] = PREC
         print_environment(console, env)
     rows: list[dict] = []
     details: dict = {}
+
+    def payload(done: bool) -> dict:
+        p = {"suite": "models", "command": command, "device": env.get("gpu"), "commit": commit,
+             "summary": [{k: r.get(k) for k in ("model", "precision", "ms", "fp16_ms", "speedup", "nrmse_vs_fp32",
+                                                "quantized", "floated_by_rule", "float_other", "error") if k in r}
+                         for r in rows],
+             "targets": targets(rows, names), "config": {"batch": batch, "image": IMAGE,
+                                                         "calibration_images": CALIBRATION_IMAGES, "seed": seed,
+                                                         "speed_rule": f"SpeedRule(batch={batch})"},
+             "environment": env, "rows": rows, "details": details}
+        if not done:  # written after every model, so a run cut short keeps what it measured
+            p["partial"] = f"{len({r['model'] for r in rows})} of {len(names)} models"
+        return p
+
     for name in track(names, "bench models", label=str):
         try:
             got, det = measure(name, precisions, batch, seed, console)
@@ -216,20 +230,16 @@ def run(models: Sequence[str] = DEFAULT_MODELS, precisions: Sequence[str] = PREC
             console.print(_case_line(got[0]))
         rows += got
         details.update(det)
-    tg = targets(rows, names)
-    payload = {"suite": "models", "command": command, "device": env.get("gpu"), "commit": commit,
-               "summary": [{k: r.get(k) for k in ("model", "precision", "ms", "fp16_ms", "speedup", "nrmse_vs_fp32",
-                                                  "quantized", "floated_by_rule", "float_other", "error") if k in r}
-                           for r in rows],
-               "targets": tg, "config": {"batch": batch, "image": IMAGE, "calibration_images": CALIBRATION_IMAGES,
-                                         "seed": seed, "speed_rule": f"SpeedRule(batch={batch})"},
-               "environment": env, "rows": rows, "details": details}
+        if name != names[-1]:
+            write_json(out, payload(False))
+    result = payload(True)
+    tg = result["targets"]
     console.print(table(rows, f"torchvision models, batch {batch}, {env.get('gpu')}"))
     for t in tg:
         console.print(f"target: {t['target']}: {t['value']} ({ {True: 'met', False: 'MISSED', None: '-'}[t['met']] })")
-    path = write_json(out, payload)
+    path = write_json(out, result)
     console.print(f"wrote {path}")
-    return payload
+    return result
 
 
 def table(rows: list[dict], title: str) -> Table:
