@@ -342,11 +342,11 @@ def apply_speed_rule(model: nn.Module, cfg, batches: list, convert: Callable) ->
                 report.notes.append(f"speed rule: stopped after {rule.rounds} timing round(s); the layers re-chained "
                                     "by the last floating were not timed again (SpeedRule(rounds=) for more)")
         try:
-            report.model_ms = float(timer(MODEL, "quantized", lambda: q(x)))
             base = copy.deepcopy(model).eval()
             if x.dim() == 4:
                 base = base.to(memory_format=torch.channels_last)
             with torch.no_grad():
+                report.model_ms = float(timer(MODEL, "quantized", lambda: q(x)))
                 report.float_model_ms = float(timer(MODEL, "float", lambda: base(x)))
             del base
         except Exception as e:  # noqa: BLE001 - the layer decisions stand; the notes say the check did not run
