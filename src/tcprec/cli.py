@@ -1250,7 +1250,8 @@ def bench_cpd_cmd(
     try:
         seed_list = [int(x) for x in _split(seeds, "--seeds")]
     except ValueError:
-        raise typer.BadParameter(f"seeds must be comma-separated integers, got {seeds!r}", param_hint="--seeds") from None
+        raise typer.BadParameter(f"seeds must be comma-separated integers, got {seeds!r}",
+                                 param_hint="--seeds") from None
     try:
         cpd_bench.check_options(names, algs, seed_list, nodes, batch_size, jobs)
     except ValueError as e:
