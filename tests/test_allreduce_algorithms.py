@@ -280,6 +280,8 @@ def _worker8(rank, world, port, out_dir):
                                                       algorithm="halving"))
         res["mismatch"] = _errors(lambda: allreduce_lowp(mine, [sum(SIZES)] if rank == 5 else SIZES, "e4m3",
                                                          algorithm="ring"))
+        res["range"] = _errors(lambda: allreduce_lowp(mine, SIZES, FloatFormat(1, 2) if rank == 6 else "e4m3",
+                                                      algorithm="ring"))
         res["after"] = allreduce_lowp(mine, SIZES, "e4m3", algorithm="halving")[0]
         save_rank(res, out_dir, rank)
     finally:
@@ -309,10 +311,11 @@ def test_gloo_eight_processes_equal_emulation():
         if alg in ("ring", "halving") and not kahan:
             assert model <= 2 * wire_shard(numel, world) * world, key
     for what, cls, own, r_bad in (("dtype", "TypeError", "floating-point", 3),
-                                  ("mismatch", "ValueError", "different", 5)):
+                                  ("mismatch", "ValueError", "different", 5),
+                                  ("range", "ValueError", "too few exponent bits", 6)):
         for r in range(world):
             assert res[r][what] is not None and res[r][what][0] == cls, (what, r, res[r][what])
         assert own in res[r_bad][what][1], res[r_bad][what]  # the rank with the bad input says what is wrong
-    assert f"rank 3 of {world} rejected" in res[0]["dtype"][1]
+    assert f"rank 3 of {world} rejected" in res[0]["dtype"][1] and f"rank 6 of {world} rejected" in res[0]["range"][1]
     want, _ = allreduce_lowp(flat, SIZES, "e4m3", algorithm="halving")
     assert all(_same(res[r]["after"], want) for r in range(world))
