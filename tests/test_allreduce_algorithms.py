@@ -4,10 +4,12 @@
   mode, and float32 patterns of every exponent rounded;
 * gloo, 2 / 3 / 4 processes (spawned, with a process-group timeout, so a hang fails): every
   algorithm equals one process emulating the same N nodes bit for bit, with and without APS and
-  Kahan, 1 and 2 nodes per process; bytes received per rank as counted in the emulation, and
-  independent of N;
+  Kahan, 1 and 2 nodes per process (N = 2, 3, 4, 6, 8); 8 processes, one node each (N = 8, every
+  order including halving); bytes received per rank as counted in the emulation and by the model,
+  and independent of N;
 * bad input on one rank (mismatched tensor lists, non-float gradients, a format without the range
-  APS needs) raises on every rank, and the group still works after."""
+  APS needs; the last rank at N = 2, 3, 4, a middle one at N = 8) raises on every rank, and the
+  group still works after."""
 
 import datetime
 import os
@@ -17,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from tcprec.distributed import ALGORITHMS, EmulatedNodes, allreduce_lowp, allreduce_model, lowp_allreduce_hook
-from tcprec.distributed.algorithms import model_bytes
+from tcprec.distributed.algorithms import model_bytes, wire_shard
 from tcprec.distributed.arith import Fast32, Ref64, fast_reason, make_arith
 from tcprec.formats import FloatFormat
 from tcprec.formats import format as fmt_of
@@ -152,6 +154,10 @@ def test_emulated_bytes_per_node_do_not_grow_with_n(algorithm):
         assert info.bytes_received == model_bytes(algorithm, numel, n, 1)
         limit = 2 if n & (n - 1) == 0 or algorithm != "halving" else 3
         assert info.bytes_received <= limit * numel * 1.01, (algorithm, n, info.bytes_received)
+        if algorithm != "halving":  # Kahan: the compensation travels beside the reduce-scatter's partial sums
+            _, info = allreduce_lowp(torch.randn(n, numel), [numel], "e4m3", algorithm=algorithm, kahan=True)
+            kb = model_bytes(algorithm, numel, n, 1, kahan=True)
+            assert info.bytes_received == kb and kb <= 3 * numel * 1.01, (algorithm, n, info.bytes_received)
     model = allreduce_model(numel, [2, 8, 256], bytes_per_code=1)
     assert all(r["bytes_per_rank"] <= 2 * numel * 1.01 for r in model if r["algorithm"] in ("ring", "direct"))
 
@@ -250,3 +256,66 @@ def test_gloo_processes_equal_emulation(world):
         for p, g, g0 in zip(m.parameters(), res[r]["ddp_ring"], res[0]["ddp_ring"]):
             assert _same(g, g0), r
             assert (g - p.grad).abs().max() <= 0.25 * p.grad.abs().max() + 1e-6, r  # a few e4m3 roundings
+
+
+# ---- eight processes: 8 logical nodes, one a process (halving needs that; ring / direct also run 4 x 2 above) ----
+
+CONFIGS8 = [("e4m3", True, False), ("e4m3", False, False), ("e5m2", True, True), ("e3m0", True, False)]
+
+
+def _worker8(rank, world, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        res = {}
+        mine = node_grads(rank).view(1, -1)
+        for alg in ALGORITHMS:
+            for fmt, aps, kahan in CONFIGS8:
+                if alg == "halving" and kahan:
+                    continue
+                out, info = allreduce_lowp(mine, SIZES, fmt, aps=aps, kahan=kahan, algorithm=alg)
+                res[(alg, fmt, aps, kahan)] = (out, info.bytes_received)
+        # bad input on one middle rank each: every rank raises, nobody hangs
+        res["dtype"] = _errors(lambda: allreduce_lowp(mine.to(torch.int64) if rank == 3 else mine, SIZES, "e4m3",
+                                                      algorithm="halving"))
+        res["mismatch"] = _errors(lambda: allreduce_lowp(mine, [sum(SIZES)] if rank == 5 else SIZES, "e4m3",
+                                                         algorithm="ring"))
+        res["range"] = _errors(lambda: allreduce_lowp(mine, SIZES, FloatFormat(1, 2) if rank == 6 else "e4m3",
+                                                      algorithm="ring"))
+        res["after"] = allreduce_lowp(mine, SIZES, "e4m3", algorithm="halving")[0]
+        save_rank(res, out_dir, rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gloo_eight_processes_equal_emulation():
+    """N = 8 logical nodes in 8 processes: every order (APS on / off, Kahan in ring and direct) gives the one-process
+    emulation's bits on every rank, and each rank receives exactly the bytes of the model, which the emulation also
+    counts -- about 2 x size for ring and halving, as at N = 2 (model_bytes; N-independence: the emulated test
+    above)."""
+    world = 8
+    res = run_ranks(_worker8, world)
+    flat = torch.stack([node_grads(i) for i in range(world)])
+    numel = flat.shape[1]
+    for key in [k for k in res[0] if isinstance(k, tuple)]:
+        alg, fmt, aps, kahan = key
+        want, info = allreduce_lowp(flat, SIZES, fmt, aps=aps, kahan=kahan, algorithm=alg)
+        model = model_bytes(alg, numel, world, 1, kahan)
+        assert info.bytes_received == model, key
+        for r in range(world):
+            got, nbytes = res[r][key]
+            assert _same(got, want), (key, r)
+            if alg != "halving":  # halving: the busiest rank (a folded one when N is not a power of 2) is the model
+                assert nbytes == model, (key, r, nbytes, model)
+        assert max(res[r][key][1] for r in range(world)) == model, key
+        if alg in ("ring", "halving") and not kahan:
+            assert model <= 2 * wire_shard(numel, world) * world, key
+    for what, cls, own, r_bad in (("dtype", "TypeError", "floating-point", 3),
+                                  ("mismatch", "ValueError", "different", 5),
+                                  ("range", "ValueError", "too few exponent bits", 6)):
+        for r in range(world):
+            assert res[r][what] is not None and res[r][what][0] == cls, (what, r, res[r][what])
+        assert own in res[r_bad][what][1], res[r_bad][what]  # the rank with the bad input says what is wrong
+    assert f"rank 3 of {world} rejected" in res[0]["dtype"][1] and f"rank 6 of {world} rejected" in res[0]["range"][1]
+    want, _ = allreduce_lowp(flat, SIZES, "e4m3", algorithm="halving")
+    assert all(_same(res[r]["after"], want) for r in range(world))

@@ -50,6 +50,7 @@ from .bench import cast_cpu as cast_cpu_bench
 from .bench import conv_bwd as conv_bench
 from .bench import cpu_memory_time as cpu_mem_bench
 from .bench import cpu_train_step as train_step_bench
+from .bench import cpd as cpd_bench
 from .bench import fp8_accuracy as fp8_acc_bench
 from .bench import gemm as gemm_bench
 from .bench import models as models_bench
@@ -1102,6 +1103,8 @@ def train(
     distill: float = typer.Option(0.0, min=0.0, max=1.0, help="classify: weight of distillation from the float model."),
     act_quant: str = typer.Option("lsq", help="classify: activation quantizer, lsq or pact."),
     lars: bool = typer.Option(False, "--lars", help="LARS layer-wise trust ratios (CPD's --use_lars) with SGD momentum."),
+    algorithm: str = typer.Option("direct", help=f"cpd: the all-reduce's reduction order, {', '.join(ALGORITHMS)} "
+                                                 "(docs/allreduce.md); the emulated nodes sum in exactly that order."),
     json_path: Optional[str] = _json_option(),
 ):
     """Train.  --task cpd (default): gradients all-reduced in a low-precision format across emulated nodes (CPD's
@@ -1129,12 +1132,12 @@ def train(
         res = run_train(model=model, data=data, data_path=data_path, grad_format=grad_format, aps=aps, kahan=kahan,
                         nodes=nodes, epochs=epochs, seed=seed, batch_size=batch_size, lr=lr, transport=transport,
                         out_dir=out, resume=resume, limit_train=limit_train, limit_test=limit_test,
-                        device=dev.type, progress=True, lars=lars)
+                        device=dev.type, progress=True, lars=lars, algorithm=algorithm)
     except (ValueError, FileNotFoundError) as e:
         Console(stderr=True).print(f"[red]{escape(str(e))}")
         raise typer.Exit(code=2) from None
     table = Table(title=f"tcprec train {model} on {data}: grads {grad_format}, {'APS' if aps else 'no APS'}, "
-                        f"{nodes} nodes, seed {seed}")
+                        f"{nodes} nodes ({algorithm} order), seed {seed}")
     for col in ("epoch", "train loss", "test accuracy", "skipped steps", "seconds"):
         table.add_column(col, justify="right")
     for h in res["history"]:
@@ -1249,6 +1252,52 @@ def bench_cpu_train_step_cmd(
     except RuntimeError as e:  # a variant's process failed: its stderr is in the message
         Console(stderr=True).print(f"[red]{escape(str(e))}")
         raise typer.Exit(code=1) from None
+
+
+@bench_app.command("cpd")
+@_cli
+def bench_cpd_cmd(
+    cases: str = typer.Option(",".join(cpd_bench.CASES), help=f"Comma-separated: {', '.join(cpd_bench.CASES)}."),
+    algorithms: str = typer.Option("ring,halving", help=f"Reduction orders, comma-separated: {', '.join(ALGORITHMS)}."),
+    seeds: str = typer.Option("0", help="Comma-separated seeds (one run per case, order and seed)."),
+    epochs: int = typer.Option(1, min=1),
+    limit_train: Optional[int] = typer.Option(None, min=1, help="Use only the first N training images."),
+    limit_test: Optional[int] = typer.Option(None, min=1, help="Use only the first N test images."),
+    nodes: int = typer.Option(8, min=1, help="Emulated nodes."),
+    batch_size: int = typer.Option(256, min=1),
+    model: str = typer.Option("resnet18", help="resnet18 (CPD's) or tiny_cnn."),
+    data: str = typer.Option("fashion-mnist", help="fashion-mnist or synthetic."),
+    data_path: Optional[Path] = typer.Option(None, help="Folder with the Fashion-MNIST idx .gz files."),
+    device: Device = typer.Option(Device.auto, help="Where the runs train: auto picks cuda when a GPU is present."),
+    jobs: int = typer.Option(5, min=1, help="Runs at a time (each a tcprec train process on the same device)."),
+    budget_s: Optional[float] = typer.Option(None, min=1, help="Stop runs still going after this many seconds "
+                                                                "(reported as stopped; the JSON keeps the rest)."),
+    runs: Path = typer.Option(Path("runs/cpd"), help="Each run's checkpoint, metrics.json and log go here."),
+    json_path: str = _json_option("benchmarks/results/cpd.json"),
+):
+    """CPD's experiment: ResNet-18 / Fashion-MNIST, gradients all-reduced across 8 emulated nodes in fp32, e4m3
+    and e3m0 with and without APS, in the chosen reduction orders; test accuracy against the previous table
+    (direct order)."""
+    names, algs = _split(cases, "--cases"), _split(algorithms, "--algorithms")
+    try:
+        seed_list = [int(x) for x in _split(seeds, "--seeds")]
+    except ValueError:
+        raise typer.BadParameter(f"seeds must be comma-separated integers, got {seeds!r}",
+                                 param_hint="--seeds") from None
+    try:
+        cpd_bench.check_options(names, algs, seed_list, nodes, batch_size, jobs)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    command = ["tcprec", "bench", "cpd", "--cases", cases, "--algorithms", algorithms, "--seeds", seeds, "--epochs",
+               str(epochs), "--nodes", str(nodes), "--batch-size", str(batch_size), "--model", model, "--data", data,
+               "--device", device.value, "--jobs", str(jobs), "--runs", str(runs), "--json", json_path]
+    for opt, v in (("--limit-train", limit_train), ("--limit-test", limit_test), ("--data-path", data_path),
+                   ("--budget-s", budget_s)):
+        command += [opt, str(v)] if v is not None else []
+    with _json_file(json_path, "cpd.json") as out:
+        cpd_bench.run(names, algs, seed_list, epochs, limit_train, limit_test, nodes, batch_size, model, data,
+                      data_path, device.value, jobs, budget_s, runs, out, command=shlex.join(command),
+                      console=Console(stderr=True))
 
 
 # ------------------------------------------------------------------------------------------------

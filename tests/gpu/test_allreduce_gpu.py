@@ -7,9 +7,11 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
-from tcprec.distributed import allreduce_lowp
+from tcprec.distributed import EmulatedNodes, allreduce_lowp
 from tcprec.distributed.lowp import release_graphs
+from tcprec.train.models import MODELS
 
 from _dist import run_ranks, save_rank
 
@@ -210,3 +212,22 @@ def test_orders_nccl_equal_emulation():
         want, _ = allreduce_lowp(flat, SIZES, "e4m3", algorithm=alg)
         for r in range(world):
             assert torch.equal(res[r][alg].view(torch.int32), want.view(torch.int32)), (alg, r)
+
+
+# ---- tcprec train --algorithm on a GPU: the emulated nodes sum in exactly the chosen order -------------------------
+
+
+@pytest.mark.parametrize("algorithm", ["direct", "ring", "halving"])
+def test_emulated_nodes_on_cuda_sum_in_the_chosen_order(algorithm):
+    """EmulatedNodes(algorithm=) on CUDA (what `tcprec train --algorithm` and `tcprec bench cpd` run) reduces the 8
+    nodes' gradients to the CPU engine's bits of the same gradients in that order (one backward: cuDNN's may not
+    repeat bit for bit)."""
+    torch.manual_seed(0)
+    net = MODELS["tiny_cnn"]().cuda()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 1, 28, 28, generator=g).cuda(), torch.randint(0, 10, (64,), generator=g).cuda()
+    em = EmulatedNodes(net, n_local=8, fmt="e4m3", algorithm=algorithm)
+    _, flat = em.node_grads(F.cross_entropy, x, y)
+    want, _ = allreduce_lowp(flat.cpu(), [p.numel() for p in em.params], "e4m3", algorithm=algorithm)
+    got, _ = em.reduce(flat)
+    assert got.is_cuda and torch.equal(got.cpu().view(torch.int32), want.view(torch.int32)), algorithm

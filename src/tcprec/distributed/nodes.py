@@ -10,6 +10,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from .algorithms import ALGORITHMS
 from .lowp import AllreduceInfo, allreduce_lowp, check_aps_format
 
 __all__ = ["EmulatedNodes"]
@@ -32,6 +33,11 @@ class EmulatedNodes:
                  acc_format=None, backend: str = "auto"):
         if n_local < 1:
             raise ValueError(f"n_local must be >= 1, got {n_local}")
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got algorithm={algorithm!r}")
+        if algorithm == "halving" and kahan and fmt is not None:
+            raise ValueError("algorithm='halving' sums a pairwise tree and has no Kahan compensation; use "
+                             "algorithm='ring' or 'direct' with kahan=True, or kahan=False")
         self.model, self.n_local, self.fmt = model, n_local, fmt
         self.aps, self.kahan, self.transport, self.rounding, self.group = aps, kahan, transport, rounding, group
         self.algorithm, self.acc_format, self.backend = algorithm, acc_format, backend

@@ -72,6 +72,7 @@ import torch
 from ..enums import Backend, backend_names
 from ..kernels import reference_conv_bwd as rc
 from ..kernels.conv_geometry import ConvGeometry, pair
+from ..kernels.tile_tables import KERNELS_DIR, load_table, nonneg_int, pos_int, record
 from ..kernels.triton import choose_backend
 from ..precision import CONV_PRECISIONS as PRECISIONS  # one vocabulary
 
@@ -344,11 +345,16 @@ def _gemm_ok(op: str, g: ConvGeometry, precision: str) -> tuple[bool, str]:
                   "(dgrad: scattered into dx, the other pixels zero; wgrad: over the strided slice of x)")
 
 
+# The route thresholds below are data beside their kernels (each value with what was measured to pick it),
+# validated at import (kernels/tile_tables.py, decision 0033); read by path: the CPU path imports no Triton.
+#
 # fp16 / bf16 wgrad of a strided 1x1 layer: cuBLAS needs x's strided slice copied first; the Triton
 # kernel reads those pixels in place.  On H200 (first measurements) the copy + GEMM won only from
 # C = 512 channels up (28x28 512->256 s2, N=256: 99 vs 115 us) and lost below (56x56 256->128 s2: 178 vs
-# 98 us).  fp8 always takes the GEMM (its Triton kernel is slower still).
-_STRIDED_WGRAD_GEMM_MIN_C = 512
+# 98 us).  fp8 always takes the GEMM (its Triton kernel is slower still).  kernels/triton/conv_bwd_tiles.json.
+_CONV_BWD_TABLE = KERNELS_DIR / "triton" / "conv_bwd_tiles.json"
+_CONV_BWD_RULES = {"strided_wgrad_gemm_min_c": pos_int}
+_STRIDED_WGRAD_GEMM_MIN_C = load_table(_CONV_BWD_TABLE, _CONV_BWD_RULES)["strided_wgrad_gemm_min_c"]
 
 
 def _auto_prefers_triton(op: str, g: ConvGeometry, precision: str) -> str | None:
@@ -393,7 +399,18 @@ def _flat_ok(op: str, g: ConvGeometry, precision: str) -> tuple[bool, str]:
 # wgrad_flat_tune_256.json): the flat kernel beat cuBLAS's _scaled_mm on the 28x28 and 14x14 stride-1 layers
 # (L = N*P*Q = 200704 / 50176: 47 vs 57 us, 34 vs 46 us) and lost on 56x56 (L = 802816: 73 vs 66 us) and 7x7
 # (L = 12544: 27 vs 24 us); strided layers always take it (cuBLAS needs x's strided slice copied first).
-_FLAT_MIN_L, _FLAT_MAX_L = 1 << 15, 1 << 19
+# kernels/triton/wgrad_flat_tiles.json.
+_FLAT_TABLE = KERNELS_DIR / "triton" / "wgrad_flat_tiles.json"
+_FLAT_RULES = {"auto_1x1_rows": record(min_rows=nonneg_int, max_rows=nonneg_int)}
+
+
+def _FLAT_CHECK(t: dict) -> str | None:
+    r = t["auto_1x1_rows"]
+    return None if r["min_rows"] < r["max_rows"] else f"auto_1x1_rows needs min_rows < max_rows, got {r}"
+
+
+_FLAT_ROWS = load_table(_FLAT_TABLE, _FLAT_RULES, _FLAT_CHECK)["auto_1x1_rows"]
+_FLAT_MIN_L, _FLAT_MAX_L = _FLAT_ROWS["min_rows"], _FLAT_ROWS["max_rows"]
 
 
 def _auto_wgrad_flat(g: ConvGeometry, precision: str, ref_t) -> str | None:
@@ -452,9 +469,13 @@ def _tma_ok(op: str, g: ConvGeometry, precision: str) -> tuple[bool, str]:
 _TMA_KERNEL = {"dgrad": "Triton TMA GEMM + scatter dgrad", "wgrad": "Triton TMA-box implicit-GEMM wgrad"}
 
 
-# = kernels.triton.gemm_scatter.MIN_ROWS_AUTO (kept here: no Triton import on the CPU path), by fp8-ness
-_TMA_MIN_ROWS = {False: 1024, True: 0}
-_TMA_MIN_ROWS_UNSTRIDED = 32768  # stride-1 1x1 with a fused activation: the old events-based floor (not re-tuned)
+# = kernels.triton.gemm_scatter.MIN_ROWS_AUTO (read by path here: no Triton import on the CPU path), by fp8-ness;
+# stride-1 1x1 with a fused activation: the old events-based floor (not re-tuned).  gemm_scatter_tiles.json.
+_TMA_TABLE = load_table(KERNELS_DIR / "triton" / "gemm_scatter_tiles.json",
+                        {"min_rows_auto": record(**{"16bit": nonneg_int, "fp8": nonneg_int}),
+                         "min_rows_unstrided": nonneg_int})
+_TMA_MIN_ROWS = {False: _TMA_TABLE["min_rows_auto"]["16bit"], True: _TMA_TABLE["min_rows_auto"]["fp8"]}
+_TMA_MIN_ROWS_UNSTRIDED = _TMA_TABLE["min_rows_unstrided"]
 
 
 def _is_sm90(t: torch.Tensor) -> bool:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data.fashion_mnist import load_fashion_mnist
+from ..distributed.algorithms import ALGORITHMS
 from ..distributed.lowp import check_aps_format
 from ..distributed.nodes import EmulatedNodes
 from ..progress import bar
@@ -98,6 +99,11 @@ def train(model: str = "resnet18", data: str = "fashion-mnist", data_path=None, 
         raise ValueError(f"grad_format must be one of {GRAD_FORMATS}, got grad_format={grad_format!r}")
     if batch_size % nodes:
         raise ValueError(f"batch_size={batch_size} must be a multiple of nodes={nodes} (one micro-batch per node)")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got algorithm={algorithm!r}")
+    if algorithm == "halving" and kahan and grad_format != "fp32":
+        raise ValueError("algorithm='halving' sums a pairwise tree and has no Kahan compensation; use "
+                         "--algorithm ring or direct with --kahan, or drop --kahan")
     fmt = None if grad_format == "fp32" else grad_format
     if fmt is not None and aps:
         check_aps_format(fmt, nodes)  # too few exponent bits: fail before any data is loaded

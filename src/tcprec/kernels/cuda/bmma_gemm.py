@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -29,6 +28,7 @@ from ...memo import remembered
 from .codes import Encoding, Epilogue, OutType
 from ..reference_bitplanes import packed_words
 from ..reference_conv_bitserial import check_conv_row_scale, implicit_conv_fits
+from ..tile_tables import int_in, load_table, nonneg_int, pos_int, record
 from .runtime import (
     compile_all,
     compile_source,
@@ -326,20 +326,52 @@ def _warp_tiles(p: int, q: int, nc: int) -> tuple[int, int]:
 
 # The tile choices' measured constants are data (bmma_gemm_tiles.json: each value with what was measured to pick it).
 TILE_TABLE_PATH = Path(__file__).with_name("bmma_gemm_tiles.json")
-_TABLE = json.loads(TILE_TABLE_PATH.read_text())
+
+
+def _tile_name(v) -> str | None:
+    try:
+        parse_tile(v)
+        return None
+    except (ValueError, TypeError, AttributeError):
+        return "a tile name as str(Tile) writes it, e.g. '32x32_w2x2_s2_k1024'"
+
+
+_RULES = {  # what each entry must be (validated at import: kernels/tile_tables.py, decision 0033)
+    "small_tile": _tile_name,
+    "small_packed_tile": _tile_name,
+    "sync_tile": record(warps_m=int_in((1, 2, 4)), warps_n=int_in((1, 2, 4)), stages=int_in(range(2, 9)),
+                        bk=int_in((512, 1024))),
+    "words_per_step_512": int_in(range(0, 17)),  # 512 bits = 16 words
+    "split_k": record(min_steps=pos_int, steps_per_run=pos_int, max_runs=pos_int),
+    "tma": record(bm=int_in((64, 128, 192, 256)), max_stages=int_in(range(3, 17))),
+    "conv_wide_tile": record(bm=int_in((128, 192, 256)), min_tiles_per_sm=pos_int),
+    "int_threshold_tiles_per_sm": nonneg_int,
+}
+
+
+def _CHECK(t: dict) -> str | None:
+    """The default small tiles are whole mma.sync tiles: split-K is split_k's decision, not a tile's."""
+    for key in ("small_tile", "small_packed_tile"):
+        tile = parse_tile(t[key])
+        if tile.split != 1 or tile.mma != "sync":
+            return f"{key} must be an mma.sync tile without split-K (split_k decides that), got {t[key]!r}"
+    return None
+
+
+_TABLE = load_table(TILE_TABLE_PATH, _RULES, _CHECK)
 # the mma.sync tile of a problem that fills the SMs: 2 x 2 warps (two blocks an SM), 1024-bit steps, 3 stages
-_SYNC = _TABLE["sync_tile"]["value"]
+_SYNC = _TABLE["sync_tile"]
 # the tile of a problem with fewer blocks than SMs: more, smaller blocks
-SMALL_TILE = parse_tile(_TABLE["small_tile"]["value"])
+SMALL_TILE = parse_tile(_TABLE["small_tile"])
 # ... and for packed output of more than one row tile (the convolutions of a batch-8 network)
-SMALL_PACKED_TILE = parse_tile(_TABLE["small_packed_tile"]["value"])
+SMALL_PACKED_TILE = parse_tile(_TABLE["small_packed_tile"])
 # a K of at most this many words is one 512-bit step on an mma.sync tile (not a 1024-bit step half zero-filled)
-_WORDS_PER_STEP_512 = _TABLE["words_per_step_512"]["value"]
+_WORDS_PER_STEP_512 = _TABLE["words_per_step_512"]
 # Split-K (Tile.split) for one row tile and >= SPLIT_MIN_STEPS K steps: SPLIT_STEPS or more steps a run, at most
 # SPLIT_MAX runs
-SPLIT_MIN_STEPS = _TABLE["split_k"]["value"]["min_steps"]
-SPLIT_STEPS = _TABLE["split_k"]["value"]["steps_per_run"]
-SPLIT_MAX = _TABLE["split_k"]["value"]["max_runs"]
+SPLIT_MIN_STEPS = _TABLE["split_k"]["min_steps"]
+SPLIT_STEPS = _TABLE["split_k"]["steps_per_run"]
+SPLIT_MAX = _TABLE["split_k"]["max_runs"]
 _WGMMA_ACC_BUDGET = 128  # int32 accumulator registers a wgmma thread may spend (ptxas adds ~90-100 more)
 
 
@@ -347,16 +379,16 @@ _WGMMA_ACC_BUDGET = 128  # int32 accumulator registers a wgmma thread may spend 
 # (bm = 128) and one producer warpgroup.  What had bounded the cp.async wgmma kernel was not L2 traffic but the
 # float epilogue: a block spent ~45% of its time storing; the persistent kernel's producer loads the next tile
 # meanwhile, and the epilogue has no bounds checks inside M x N.  Folding and clusters measured slower (table).
-_TMA_BM = _TABLE["tma"]["value"]["bm"]
-_TMA_MAX_STAGES = _TABLE["tma"]["value"]["max_stages"]
+_TMA_BM = _TABLE["tma"]["bm"]
+_TMA_MAX_STAGES = _TABLE["tma"]["max_stages"]
 # Implicit convolutions (the producer gathers A; a tile is one or two K steps) whose warpgroup N leaves the
 # accumulators half the budget -- w1a2 on 64 columns, ResNet-18's stages 0 / 1 -- take three MMA warpgroups (bm = 192,
 # 3 stages; 512 threads cap ptxas at 128 registers, so only half the accumulators fit): the per-tile work of a consumer
 # (barriers, epilogue set-up, the wgmma issue) spreads over 1.5x the rows and a scheduler keeps 4 warps instead of 3.
 # Measured: the table's conv_wide_tile.  (192 x 128 spills 1.9 KB: not taken.)
-_CONV_BM = _TABLE["conv_wide_tile"]["value"]["bm"]
+_CONV_BM = _TABLE["conv_wide_tile"]["bm"]
 # ... for a problem of >= this many tiles an SM at bm = 192 (at batch 8 the 128-row tile keeps every SM busy)
-_CONV_MIN_TILES = _TABLE["conv_wide_tile"]["value"]["min_tiles_per_sm"]
+_CONV_MIN_TILES = _TABLE["conv_wide_tile"]["min_tiles_per_sm"]
 
 
 def _deepest_tma_tile(p: int, q: int, a_twos: bool, w_twos: bool, bm: int, bn: int, epilogue: str) -> Optional[Tile]:
@@ -537,7 +569,7 @@ def grid_blocks(tile: Tile, M: int, N: int) -> int:
 
 # The integer thresholds cost a launch (~4 us in a graph: two serial bisections); they save ~1.5 us of epilogue a
 # tile an SM: so only where every SM stores at least this many tiles (measured: the table's int_threshold_tiles_per_sm).
-INT_THRESHOLD_TILES_PER_SM = _TABLE["int_threshold_tiles_per_sm"]["value"]
+INT_THRESHOLD_TILES_PER_SM = _TABLE["int_threshold_tiles_per_sm"]
 
 
 # Programmatic dependent launch (``pdl=True``, sm_90+; bmma_gemm.cu, grid_dependency_wait): the kernel may be scheduled

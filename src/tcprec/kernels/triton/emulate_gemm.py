@@ -62,12 +62,14 @@ give the same R(.) by the round-to-odd theorem.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
 from ...formats import FloatFormat
+from ..tile_tables import int_in, load_table, pos_int, record
 from ._host import cdiv
 from ...enums import Rounding
 from .round import (
@@ -541,6 +543,38 @@ def fast_constexprs(fmt: FloatFormat, hw: bool) -> dict:
                 MIN_NORMAL=float(fmt.min_normal), LIM=float(2.0 ** (emax - 1)), SUM_RN=fmt.man <= 10, HW=bool(hw))
 
 
+# Default tiles as data: emulate_gemm_tiles.json (each value with what was measured to pick it; the chunk tiles from
+# the H200 sweep of decision 0032, results/emulate_chunk_sweep.json), validated at import (decision 0033).
+TILE_TABLE_PATH = Path(__file__).with_name("emulate_gemm_tiles.json")
+
+
+def _tile4(v) -> str | None:
+    ok = (isinstance(v, list) and len(v) == 4 and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+          and v[0] in (16, 32, 64, 128, 256) and v[1] in (16, 32, 64, 128, 256) and v[2] in (1, 2, 4, 8, 16)
+          and 1 <= v[3] <= 8)
+    return None if ok else ("[BLOCK_M, BLOCK_N, num_warps, num_stages] with BLOCK_M and BLOCK_N in 16..256 (powers of "
+                            "two), num_warps a power of two <= 16, num_stages in 1..8")
+
+
+_RULES = {
+    "fma_tile": _tile4,
+    "chunk_tile": _tile4,
+    "chunk_big_tile": record(min_chunk=pos_int, tile=_tile4),
+    "chunk_max_block_k": int_in((16, 32, 64, 128)),
+}
+_TABLE = load_table(TILE_TABLE_PATH, _RULES)
+FMA_TILE = tuple(_TABLE["fma_tile"])
+
+
+def chunk_tile(hwcvt: int, kahan: bool, chunk: int, fp32_operands: bool) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, BLOCK_K) of chunk mode: with s held in fp16/bf16 (cvt), no Kahan and
+    16-bit operands, the big tile from chunk_big_tile's chunk on (one CTA an SM does the MMAs); else the chunk tile
+    (2-3 CTAs an SM: one CTA's rounding overlaps another's MMAs).  BLOCK_K: the chunk, capped."""
+    big = _TABLE["chunk_big_tile"]
+    use_big = hwcvt != 0 and not kahan and chunk >= big["min_chunk"] and not fp32_operands
+    return (*(big["tile"] if use_big else _TABLE["chunk_tile"]), min(chunk, _TABLE["chunk_max_block_k"]))
+
+
 def matmul(a: torch.Tensor, b: torch.Tensor, acc_fmt: FloatFormat, mode: str = "fma", chunk: int = 32,
            kahan: bool = False, rounding: str = "nearest", exact_product: bool = False,
            product_on_acc_grid: bool = False, block_m: int | None = None, block_n: int | None = None,
@@ -567,21 +601,19 @@ def matmul(a: torch.Tensor, b: torch.Tensor, acc_fmt: FloatFormat, mode: str = "
     hwcvt = _HWCVT.get(acc_fmt, 0) if (fc["HW"] and rounding == "nearest" and hw_convert) else 0
     args = (a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
     if mode == "fma":
-        bm, bn = block_m or 64, block_n or 64
+        bm, bn = block_m or FMA_TILE[0], block_n or FMA_TILE[1]
         prod = 0 if (product_on_acc_grid and exact_product) else 1 if exact_product else 2
         grid = (cdiv(M, bm), cdiv(N, bn))
         _fma_gemm_kernel[grid](*args, PROD=prod, BLOCK_M=bm, BLOCK_N=bn, **common,
-                               num_warps=num_warps or 4, num_stages=num_stages or 1, enable_fp_fusion=False)
+                               num_warps=num_warps or FMA_TILE[2], num_stages=num_stages or FMA_TILE[3],
+                               enable_fp_fusion=False)
     else:
         if mode != "chunk":
             raise ValueError(f"mode must be 'fma' or 'chunk', got {mode!r}")
-        # tiles from the chunk sweep (decision 0032; H200, 4096^3): with s held in fp16/bf16
-        # (cvt) and no Kahan, 128x256 x 8 warps from chunk 128 on; else 64x128 x 4 warps (2-3 CTAs
-        # per SM: one CTA's rounding overlaps another's MMAs)
-        big = hwcvt != 0 and not kahan and chunk >= 128 and a.dtype != torch.float32
-        bm, bn = block_m or (128 if big else 64), block_n or (256 if big else 128)
-        num_warps, num_stages = num_warps or (8 if big else 4), num_stages or (3 if big else 4)
-        bk = block_k or min(chunk, 64)
+        tbm, tbn, twarps, tstages, tbk = chunk_tile(hwcvt, kahan, chunk, a.dtype == torch.float32)
+        bm, bn = block_m or tbm, block_n or tbn
+        num_warps, num_stages = num_warps or twarps, num_stages or tstages
+        bk = block_k or tbk
         if chunk % bk:
             raise ValueError(f"block_k={bk} must divide chunk={chunk}")
         grid = (cdiv(M, bm) * cdiv(N, bn),)

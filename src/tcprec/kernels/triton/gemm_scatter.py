@@ -23,11 +23,14 @@ TMA needs 16-byte aligned rows: K and C multiples of 8 (fp16/bf16) or 16 (fp8); 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
 
 from ..conv_geometry import ConvGeometry
+from ..tile_tables import load_table, nonneg_int, one_of, record
 from ._host import cdiv
 from .conv_bwd import _mma, _one, _strides, interpreting, sm_count
 
@@ -150,26 +153,37 @@ def supported(g: ConvGeometry, fp8: bool) -> tuple[bool, str]:
     return True, "unpadded 1x1 layer with 16-byte aligned rows"
 
 
-# Measured on the H200 by CUDA-graph replay (decision 0032's sweep -> results/dgrad_tma_tune.json,
-# the six strided 1x1 ResNet-50 layers, N = 8 and 256, every config of CONFIGS + VARIANT_CONFIGS): from 8192
-# GEMM rows the persistent variants win on every layer -- 16-bit operands 128x256 one CTA a SM (0.86-0.93x the
-# old pick's time), fp8 64x128 two CTAs a SM (0.73-0.99x) -- and below it (N = 8) the plain 64x128 x 4 warps
-# tile is the best or within 10% of it.  An autotuner was tried and dropped: its per-call host work.
-LARGE_ROWS = 8192
+# _pick's rule and ops.conv's route thresholds are data: gemm_scatter_tiles.json (each value with what was measured to
+# pick it: the H200 graph-replay sweep of decision 0032, results/dgrad_tma_tune.json), validated at import
+# (decision 0033).  From large_rows GEMM rows the persistent variants win on every layer (16-bit 128x256 one CTA an
+# SM, fp8 64x128 two CTAs an SM); below it the plain 64x128 x 4 warps tile is the best or within 10% of it.
+# An autotuner was tried and dropped: its per-call host work.
+TILE_TABLE_PATH = Path(__file__).with_name("gemm_scatter_tiles.json")
+_ANY_CONFIG = one_of(CONFIGS + VARIANT_CONFIGS, f"one of the kernel's configs (CONFIGS + VARIANT_CONFIGS): "
+                                                f"{CONFIGS + VARIANT_CONFIGS}")
+_RULES = {
+    "large_rows": nonneg_int,
+    "large_tile": record(**{"16bit": _ANY_CONFIG, "fp8": _ANY_CONFIG}),
+    "small_tile": _ANY_CONFIG,
+    "min_rows_auto": record(**{"16bit": nonneg_int, "fp8": nonneg_int}),
+    "min_rows_unstrided": nonneg_int,
+}
+_TABLE = load_table(TILE_TABLE_PATH, _RULES)
+LARGE_ROWS = _TABLE["large_rows"]
 
 
 def _pick(g: ConvGeometry, fp8: bool) -> dict:
-    """The tile for this layer (see above): persistent from LARGE_ROWS GEMM rows, else 64x128 x 4 warps."""
+    """The tile for this layer (see above): persistent from LARGE_ROWS GEMM rows, else the small tile."""
     if g.N * g.P * g.Q >= LARGE_ROWS:
-        return dict(VARIANT_CONFIGS[2] if fp8 else VARIANT_CONFIGS[1])  # 64x128 x2 CTAs / 128x256 x1
-    return dict(CONFIGS[3])
+        return dict(_TABLE["large_tile"]["fp8" if fp8 else "16bit"])
+    return dict(_TABLE["small_tile"])
 
 
 # ops.conv's auto path takes this kernel from this many GEMM rows (N*P*Q), by fp8-ness.  Graph-replay times
 # (same tune): fp8 beat cuBLAS + the scatter pass on all 12 layer x batch cases; 16-bit on 11 of 12, the loss
 # 14x14 1024->2048 at N = 8 (M = 392: 9.8 vs 8.3 us), hence the 16-bit floor.  (An earlier floor of 32768 came
 # from CUDA events around eager calls, which on this machine time the host's 100-160 us a call.)
-MIN_ROWS_AUTO = {False: 1024, True: 0}
+MIN_ROWS_AUTO = {False: _TABLE["min_rows_auto"]["16bit"], True: _TABLE["min_rows_auto"]["fp8"]}
 
 
 def dgrad_1x1_strided(dy2: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, g: ConvGeometry, *,

@@ -72,12 +72,14 @@ from __future__ import annotations
 
 import functools
 import math
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
 from ..conv_geometry import ACT_NONE, ConvGeometry
+from ..tile_tables import int_in, load_table, nonneg_int, pos_int, record
 from ._host import cdiv, next_power_of_2
 from .conv_bwd import _one, _store_dw_tile, _sum_splits, _wgrad_tile, check_wgmma_blocks, interpreting, sm_count
 
@@ -242,32 +244,56 @@ def choose_box(N: int, P: int, Q: int, block_l: int, policy: str = "auto") -> tu
 
 # pick()'s rule, from the graph-replay tune on the H200 (decision 0032's sweep -> results/
 # wgrad_tma_tune.json: the four 3x3 and six strided 1x1 ResNet-50 layers, N = 8 and 256, every config of CONFIGS
-# x box policy).  Small problems (N = 8: ~1e9 multiply-adds) want many CTAs: 64 x 64 tiles, 64 x 128 once the
-# 64 x 64 tiles alone would fill ~3 waves of SMs.  Large ones (N = 256: ~3e10) want the largest tile K fills.
-# BLOCK_L = 64 (32 with the 128 x 256 tile: its 64 is refused above), and the least-padding box: on 56x56 the
-# (1, 8, 8) box ran 1.4x faster than the (1, 1, 64) row box.
-_SMALL_MACS = 4e9
-_MANY_TILES = 384
+# x box policy), as data: wgrad_tma_tiles.json, validated at import (decision 0033).  Small problems (N = 8: ~1e9
+# multiply-adds) want many CTAs: 64 x 64 tiles, 64 x 128 once the 64 x 64 tiles alone would fill ~3 waves of SMs.
+# Large ones (N = 256: ~3e10) want the largest tile K fills (by_k), no wider than the channels need
+# (channel_caps).  BLOCK_L = 64 (32 with the 128 x 256 tile: its 64 is refused above), and the least-padding box:
+# on 56x56 the (1, 8, 8) box ran 1.4x faster than the (1, 1, 64) row box.
+TILE_TABLE_PATH = Path(__file__).with_name("wgrad_tma_tiles.json")
+
+
+def _tile(v) -> str | None:
+    return None if isinstance(v, list) and tuple(v) in _TILES else f"a tile [BLOCK_M, BLOCK_N, num_warps] of {_TILES}"
+
+
+def _by_k(v) -> str | None:
+    row = record(min_k=nonneg_int, tile=_tile, tile_1x1=_tile)
+    if not isinstance(v, list) or not v or any(row(r) is not None for r in v):
+        return f"a non-empty list of {row(None)}"
+    return None
+
+
+_RULES = {
+    "small_problem": record(max_macs=pos_int, many_tiles64=pos_int, tile=_tile, tile_many=_tile),
+    "by_k": _by_k,
+    "channel_caps": record(narrow_c=pos_int, narrow_tile=_tile, mid_c=pos_int, mid_max_bn=int_in((64, 128, 256))),
+}
+
+
+def _CHECK(t: dict) -> str | None:
+    ks = [r["min_k"] for r in t["by_k"]]
+    if any(a <= b for a, b in zip(ks, ks[1:])) or ks[-1] != 0:
+        return f"by_k must go down in min_k and end with min_k 0 (every K has a row), got min_k {ks}"
+    return None
+
+
+_RULE = load_table(TILE_TABLE_PATH, _RULES, _CHECK)
 
 
 def pick(g: ConvGeometry) -> dict:
     """The config for this layer (rule above): tile, BLOCK_L, stages and the least-padding box."""
+    small, caps = _RULE["small_problem"], _RULE["channel_caps"]
     macs = g.K * g.C * g.R * g.S * g.N * g.P * g.Q
-    if macs < _SMALL_MACS:
+    if macs < small["max_macs"]:
         tiles64 = cdiv(g.K, 64) * cdiv(g.C, 64) * g.R * g.S
-        bm, bn, w = (64, 128, 4) if tiles64 >= _MANY_TILES else (64, 64, 4)
-    elif g.K >= 512:
-        bm, bn, w = 128, 256, 8
-    elif g.K >= 256:
-        bm, bn, w = 128, 128, 8
-    elif g.K >= 128:  # 3x3 28x28 128->128: 64x128 (103 vs 124 us); 1x1 56x56 256->128 s2: 64x64 (55 vs 59+)
-        bm, bn, w = (64, 128, 4) if g.R * g.S > 1 else (64, 64, 4)
+        bm, bn, w = small["tile_many"] if tiles64 >= small["many_tiles64"] else small["tile"]
     else:
-        bm, bn, w = 64, 64, 4
-    if g.C <= 64:  # no wider than the channels need (and still a tile of CONFIGS)
-        bm, bn, w = 64, 64, 4
-    elif g.C <= 128 and bn == 256:
-        bn = 128
+        row = next(r for r in _RULE["by_k"] if g.K >= r["min_k"])
+        bm, bn, w = row["tile"] if g.R * g.S > 1 else row["tile_1x1"]
+    if g.C <= caps["narrow_c"]:  # no wider than the channels need (and still a tile of CONFIGS)
+        bm, bn, w = caps["narrow_tile"]
+    elif g.C <= caps["mid_c"] and bn > caps["mid_max_bn"]:
+        bn = caps["mid_max_bn"]
     bl = 32 if (bm, bn, 64) in _BAD_TILES else 64
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_L=bl, num_warps=w, num_stages=_stages(bm, bn, bl, w), BOX="min")
 
