@@ -156,3 +156,20 @@ def test_emulated_reference_equals_the_loops_on_random_formats(case, mode, chunk
     else:
         got, want = rem.matmul_chunk(a, b, fmt, chunk, rounding, kahan), _loop_chunk(a, b, fmt, chunk, rounding, kahan)
     assert _same_bits(got, want)
+
+
+@pytest.mark.parametrize("name", ["e8m7", "e5m10", "e4m3"])
+def test_chunk_tie_broken_by_a_tiny_earlier_sum(name):
+    """A fp32 partial on a midpoint of fmt after a tiny nonzero sum: the float64 sum drops the tiny part, and
+    only round-to-odd breaks the tie the right way (e8m7: 1 + 2^-8 after 2^-60 rounds up to 1 + 2^-7).  Formats
+    whose float64 sums are exact skip round-to-odd: there the tie needs |p| >= 2^53 * (the finest value), an overflow
+    (the checked loop)."""
+    fmt = as_format(name)
+    tiny, mid = fmt.min_subnormal, 1 + 2.0 ** -(fmt.man + 1)
+    big = mid * 2.0 ** min(60, fmt.emax + 2)  # a midpoint at or past the overflow
+    a = torch.tensor([[tiny, mid], [tiny, big], [-tiny, -mid], [tiny, -mid]], dtype=torch.float32)
+    b = torch.ones(2, 1)
+    got, want = rem.matmul_chunk(a, b, fmt, 1), _loop_chunk(a, b, fmt, 1, "nearest", False)
+    assert _same_bits(got, want)
+    if name == "e8m7":
+        assert got[0, 0] == 1 + 2.0 ** -7 and got[2, 0] == -(1 + 2.0 ** -7) and got[3, 0] == -1.0

@@ -197,8 +197,16 @@ def _products_nearest(a64: torch.Tensor, b64: torch.Tensor, fmt: FloatFormat, kc
 
 def _accumulate_nearest(steps, fmt: FloatFormat, M: int, N: int, device, exact: bool) -> torch.Tensor | None:
     """s = R(s + p) for the (M, N) float64 ``p`` of ``steps`` in order (R round-to-nearest-even to fmt), unchecked;
-    None where a value reached 2^emax (or NaN / Inf), where the caller reruns its checked loop.  ``exact``: every
-    float64 sum of two fmt values is exact (``_sums_exact``), so round-to-odd is skipped."""
+    None where a value reached 2^emax (or NaN / Inf), where the caller reruns its checked loop.
+
+    ``exact``: round-to-odd is skipped, R(fl(s + p)) == R(s + p).  True for ``_sums_exact(fmt)`` formats (every
+    float64 sum of two fmt values is exact, fma mode) and, in an accepted run, for any p of at most 24 significant
+    bits (chunk mode's fp32 partials): with E the larger operand's exponent, the sum is exact unless the smaller is
+    below 2^(E-28).  If that smaller one is p, |p| is under a quarter of s's distance to a midpoint of fmt (man <= 23),
+    so x = fl(s + p) and s + p both round to s.  If it is s (|s| >= 2^(emin - man), the finest fmt value), x = fl(p + s)
+    is a midpoint of fmt only where x = p, |s| <= 2^(E-53), so E >= emin - man + 53 > emax + 1 for ``_sums_exact``
+    formats: |x| >= 2^emax, a rejected run.  Otherwise x is no midpoint and rounds like s + p (the float64 nearest
+    to s + p; a midpoint between them would be nearer)."""
     s = torch.zeros(M, N, dtype=torch.float64, device=device)
     top = torch.zeros(M, N, dtype=torch.int64, device=device)
     for p in steps:
@@ -225,7 +233,7 @@ def matmul_chunk(a: torch.Tensor, b: torch.Tensor, acc_fmt: FloatFormat, chunk: 
             yield (a[:, k0:k0 + chunk].float() @ b[k0:k0 + chunk].float()).double()
 
     if rounding == "nearest" and not kahan and _unchecked_ok(acc_fmt):
-        out = _accumulate_nearest(partials(), acc_fmt, M, N, a.device, exact=False)
+        out = _accumulate_nearest(partials(), acc_fmt, M, N, a.device, _sums_exact(acc_fmt))  # (its proof)
         if out is not None:
             return out.float()
     s = torch.zeros(M, N, dtype=torch.float64, device=a.device)
