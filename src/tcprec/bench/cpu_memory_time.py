@@ -10,7 +10,8 @@ Targets (issue 40, "Memory and CPU time"):
   product and sum rounded, the layer's default) and ``chunk`` (fp32 partial sums of 32, hardware-like).
 
 Peak memory is the process's peak RSS (``resource.getrusage(...).ru_maxrss``) minus its RSS just before the call,
-each case in a fresh subprocess (so one case's peak does not hide another's); time is a wall-clock median.
+each case in a fresh subprocess (so one case's peak does not hide another's); an emulated layer's time is a median
+of the process's CPU time (``time.process_time``), conversion times are wall-clock.
 Threads are pinned to 1 so the ratios do not depend on the load of a shared machine.
 
 Case names: ``linear_<in>x<out>`` (one nn.Linear, int8, batch 8), ``alexnet`` (the zoo's AlexNet, int8, one
@@ -106,16 +107,18 @@ def _conversion(build, x) -> dict:
 
 
 def _median_time(fn, reps: int) -> float:
-    t0 = time.perf_counter()
+    """Median CPU time of the process (1 thread: the wall time of an idle machine, but not stretched by other users'
+    processes time-slicing a shared one, as wall time is)."""
+    t0 = time.process_time()
     fn()  # warm-up (a run of seconds is its own measurement: no warm-up effect is that large)
-    first = time.perf_counter() - t0
+    first = time.process_time() - t0
     if first > 2.0:
         return first
     ts = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         fn()
-        ts.append(time.perf_counter() - t0)
+        ts.append(time.process_time() - t0)
     return sorted(ts)[len(ts) // 2]
 
 
@@ -237,8 +240,9 @@ def run(cases: Sequence[str] = CASES, out="benchmarks/results/cpu_memory_time.js
                         f"torch {torch.__version__}",
               "commit": git_commit(), "summary": summary, "targets": targets, "detail": detail,
               "baseline": None if base is None else {"src": baseline, "detail": base},
-              "load_note": "a shared 2-core machine: absolute times vary with other users' load; both sides of a "
-                           "ratio are measured back to back in one process"}
+              "load_note": "a shared 2-core machine: conversion times (wall) vary with other users' load; the "
+                           "emulated layers' times are CPU time of the process (1 thread), both sides of a ratio "
+                           "measured back to back in one process"}
     path = write_json(out, result)
     console.print(f"wrote {path}")
     return result
