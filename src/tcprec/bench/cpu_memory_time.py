@@ -183,7 +183,8 @@ def _rows(detail: dict, suffix: str = "") -> list[dict]:
     for k, v in detail.items():
         if "ratio" in v:
             rows.append({"case": f"EmulatedLinear({v['features']},{v['features']}) {v['acc']} "
-                                 f"{v.get('mode', 'fma')} b{v['batch']} fwd+bwd{suffix}", "plain_ms": v["plain_ms"], "emulated_ms": v["emulated_ms"],
+                                 f"{v.get('mode', 'fma')} b{v['batch']} fwd+bwd{suffix}", "plain_ms": v["plain_ms"],
+                         "emulated_ms": v["emulated_ms"],
                          "ratio": v["ratio"]})
         else:
             rows.append({"case": k + suffix, "weights_mb": v["weights_fp32_mb"],

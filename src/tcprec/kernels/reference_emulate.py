@@ -123,8 +123,9 @@ def matmul_fma(a: torch.Tensor, b: torch.Tensor, acc_fmt: FloatFormat, rounding:
     kc = max(1, min(K, (1 << 17) // max(1, M * N)))  # (kc, M, N) float64 products: <= 1 MB a block (in cache)
     if rounding == "nearest" and not kahan and _unchecked_ok(acc_fmt):
         top_p = torch.zeros((), dtype=torch.int64, device=a.device)  # the products' largest exponent field
-        out = _accumulate_nearest(_products_nearest(a64, b64, acc_fmt, kc, top_p), acc_fmt, M, N, a.device,
-                                  _sums_exact(acc_fmt))
+        exact = _sums_exact(acc_fmt)
+        out = _accumulate_nearest(_products_nearest(a64, b64, acc_fmt, kc, top_p), acc_fmt, M, N, a.device, exact,
+                                  signed_zero=not exact)
         if out is not None and _in_range(top_p, acc_fmt):
             return out.float()
     for k0 in range(0, K, kc):
@@ -164,16 +165,17 @@ def _add_odd_unchecked(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return down.add_(bits).bitwise_or_(nz.neg_()).view(torch.float64)
 
 
-def _nearest_unchecked(x: torch.Tensor, fmt: FloatFormat, top: torch.Tensor) -> torch.Tensor:
-    """``_round_nearest_fast(x, fmt)`` where the result is in range (and fmt has subnormals); ``top`` (int64, like
-    x) keeps the largest exponent field of x seen (in place)."""
+def _nearest_unchecked(x: torch.Tensor, fmt: FloatFormat, top: torch.Tensor, signed_zero: bool = True) -> torch.Tensor:
+    """``_round_nearest_fast(x, fmt)`` where the result is in range (and fmt has subnormals); ``top`` (int64, shaped
+    like x, or 0-d) keeps the largest exponent field of x seen (in place).  ``signed_zero=False``: the caller knows
+    no x rounds to a zero other than +0 (the copysign is skipped)."""
     e = torch.bitwise_and(x.view(torch.int64), _EXP_FIELD)
-    torch.maximum(top, e, out=top)
+    torch.maximum(top, e if top.dim() else e.amax(), out=top)
     lo, hi = (fmt.emin + 1023) << 52, (fmt.emax + 1 + 1023) << 52  # exponent fields of the spacing's range
     c = e.clamp_(lo, hi).add_(((52 - fmt.man) << 52) + (1 << 51)).view(torch.float64)  # 1.5 * 2^52 * spacing
     r = x + c
     r -= c
-    if fmt.has_negative_zero:
+    if fmt.has_negative_zero and signed_zero:
         r.copysign_(x)
     return r
 
@@ -189,13 +191,11 @@ def _products_nearest(a64: torch.Tensor, b64: torch.Tensor, fmt: FloatFormat, kc
     tensor a k; ``top`` (0-d int64) keeps their largest exponent field."""
     for k0 in range(0, a64.shape[1], kc):
         prod = a64.t()[k0:k0 + kc, :, None] * b64[k0:k0 + kc, None, :]  # (kc, M, N) exact products
-        top_block = torch.zeros_like(prod, dtype=torch.int64)
-        p = _nearest_unchecked(prod, fmt, top_block)
-        torch.maximum(top, top_block.amax(), out=top)
-        yield from p
+        yield from _nearest_unchecked(prod, fmt, top)
 
 
-def _accumulate_nearest(steps, fmt: FloatFormat, M: int, N: int, device, exact: bool) -> torch.Tensor | None:
+def _accumulate_nearest(steps, fmt: FloatFormat, M: int, N: int, device, exact: bool,
+                        signed_zero: bool = True) -> torch.Tensor | None:
     """s = R(s + p) for the (M, N) float64 ``p`` of ``steps`` in order (R round-to-nearest-even to fmt), unchecked;
     None where a value reached 2^emax (or NaN / Inf), where the caller reruns its checked loop.
 
@@ -206,11 +206,14 @@ def _accumulate_nearest(steps, fmt: FloatFormat, M: int, N: int, device, exact: 
     so x = fl(s + p) and s + p both round to s.  If it is s (|s| >= 2^(emin - man), the finest fmt value), x = fl(p + s)
     is a midpoint of fmt only where x = p, |s| <= 2^(E-53), so E >= emin - man + 53 > emax + 1 for ``_sums_exact``
     formats: |x| >= 2^emax, a rejected run.  Otherwise x is no midpoint and rounds like s + p (the float64 nearest
-    to s + p; a midpoint between them would be nearer)."""
+    to s + p; a midpoint between them would be nearer).
+
+    ``signed_zero=False`` (fma mode, exact sums): s starts +0 and x = s + p is exact, so x is -0 only for s = -0,
+    never reached, and a nonzero x is a multiple of the finest fmt value, never rounded to zero: no copysign."""
     s = torch.zeros(M, N, dtype=torch.float64, device=device)
     top = torch.zeros(M, N, dtype=torch.int64, device=device)
     for p in steps:
-        s = _nearest_unchecked(s + p if exact else _add_odd_unchecked(s, p), fmt, top)
+        s = _nearest_unchecked(s + p if exact else _add_odd_unchecked(s, p), fmt, top, signed_zero)
     return s if _in_range(top, fmt) else None
 
 
