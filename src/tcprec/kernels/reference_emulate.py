@@ -120,7 +120,7 @@ def matmul_fma(a: torch.Tensor, b: torch.Tensor, acc_fmt: FloatFormat, rounding:
         return s.float()
     # Deterministic rounding is elementwise: the products of many k are rounded in one call (the same values as
     # one k at a time); only the additions are sequential along K.
-    kc = max(1, min(K, (1 << 17) // max(1, M * N)))  # (kc, M, N) float64 products: <= 1 MB a block (in cache)
+    kc = max(1, min(K, (1 << 15) // max(1, M * N)))  # (kc, M, N) float64 products: <= 256 KB a block (L2)
     if rounding == "nearest" and not kahan and _unchecked_ok(acc_fmt):
         top_p = torch.zeros((), dtype=torch.int64, device=a.device)  # the products' largest exponent field
         exact = _sums_exact(acc_fmt)
