@@ -106,20 +106,21 @@ def _conversion(build, x) -> dict:
             "first_forward_s": round(t_first, 2)}
 
 
-def _median_time(fn, reps: int) -> float:
-    """Median CPU time of the process (1 thread: the wall time of an idle machine, but not stretched by other users'
-    processes time-slicing a shared one, as wall time is)."""
-    t0 = time.process_time()
-    fn()  # warm-up (a run of seconds is its own measurement: no warm-up effect is that large)
-    first = time.process_time() - t0
-    if first > 2.0:
-        return first
-    ts = []
-    for _ in range(reps):
+def _paired_times(plain, emulated, rounds: int = 9, inner: int = 10) -> tuple[float, float]:
+    """Median CPU times of the process (1 thread: an idle machine's wall time, not stretched by other users'
+    processes time-slicing a shared one) of ``plain`` (the mean of ``inner`` calls a round) and ``emulated``, the two
+    alternating round by round so both sides see the same load."""
+    plain(), emulated()  # warm-up
+    tp, te = [], []
+    for _ in range(rounds):
         t0 = time.process_time()
-        fn()
-        ts.append(time.process_time() - t0)
-    return sorted(ts)[len(ts) // 2]
+        for _ in range(inner):
+            plain()
+        tp.append((time.process_time() - t0) / inner)
+        t0 = time.process_time()
+        emulated()
+        te.append(time.process_time() - t0)
+    return sorted(tp)[rounds // 2], sorted(te)[rounds // 2]
 
 
 def _emulated(acc: str, mode: str, features: int, batch: int) -> dict:
@@ -139,8 +140,7 @@ def _emulated(acc: str, mode: str, features: int, batch: int) -> dict:
             m(x).square().mean().backward()
         return run
 
-    t_plain = _median_time(step(plain), 21)
-    t_emu = _median_time(step(emu), 7)
+    t_plain, t_emu = _paired_times(step(plain), step(emu))
     return {"plain_ms": round(t_plain * 1e3, 3), "emulated_ms": round(t_emu * 1e3, 2),
             "ratio": round(t_emu / t_plain, 1), "features": features, "batch": batch, "acc": acc, "mode": mode}
 
