@@ -71,12 +71,13 @@ def test_cpu_memory_time_writes_the_convention(run, tmp_path):
     assert d["targets"][0]["met"] == (det["convert_peak_x_weights"] <= 3) and d["baseline"] is None
 
 
-def test_cpu_memory_time_one_case_in_process(run):
-    res = run("bench", "cpu-memory-time", "--case", "emulated_linear_e5m10", "--emulated-features", 4,
-              "--emulated-batch", 2)
+@pytest.mark.parametrize("case,mode", [("emulated_linear_e5m10", "fma"), ("emulated_linear_chunk_e5m10", "chunk")])
+def test_cpu_memory_time_one_case_in_process(run, case, mode):
+    res = run("bench", "cpu-memory-time", "--case", case, "--emulated-features", 4, "--emulated-batch", 2)
     assert res.exit_code == 0, res.output
     r = json.loads(res.output.strip().splitlines()[-1])
-    assert (r["features"], r["batch"], r["acc"]) == (4, 2, "e5m10") and r["plain_ms"] > 0 and r["emulated_ms"] > 0
+    assert (r["features"], r["batch"], r["acc"], r["mode"]) == (4, 2, "e5m10", mode)
+    assert r["plain_ms"] > 0 and r["emulated_ms"] > 0
 
 
 def test_cpu_memory_time_summary_reproduces_the_committed_results():

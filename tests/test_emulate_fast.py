@@ -4,8 +4,10 @@ per-k loop over ``reference.cast_float`` it replaced (issue 40: 69 s -> see `tcp
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from tcprec.formats import as_format
+from tcprec.formats import FloatFormat, as_format
 from tcprec.kernels import reference as ref
 from tcprec.kernels import reference_emulate as rem
 
@@ -72,3 +74,102 @@ def test_fast_nearest_matches_cast_float_on_ties_specials_and_ranges(name):
     got, want = rem._round_nearest_fast(x, fmt), ref.cast_float(x, fmt, "nearest", None)
     same = (got.view(torch.int64) == want.view(torch.int64)) | (got.isnan() & want.isnan())
     assert bool(same.all()), x[~same][:5]
+
+
+# ---- the unchecked round-to-nearest loop (docs/decisions/0044) ----------------------------------------------------
+
+
+def _loop_chunk(a, b, fmt, chunk, rounding, kahan):
+    """The per-chunk loop of the model (every rounding through ref.cast_float, every sum through round-to-odd)."""
+    R = lambda v: ref.cast_float(v, fmt, rounding, None)  # noqa: E731
+    add = rem.add_round_to_odd
+    s = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64)
+    c = torch.zeros_like(s)
+    for k0 in range(0, a.shape[1], chunk):
+        p = (a[:, k0:k0 + chunk].float() @ b[k0:k0 + chunk].float()).double()  # the reference's own partial sum
+        if not kahan:
+            s = R(add(s, p))
+            continue
+        y = R(add(p, -c))
+        t = R(add(s, y))
+        c = R(add(R(add(t, -s)), -y))
+        s = t
+    return s.float()
+
+
+def _same_bits(got, want):
+    return bool(((got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())).all())
+
+
+@pytest.mark.parametrize("name,kahan,rounding", CASES)
+def test_chunk_reference_is_bit_identical_to_the_per_chunk_loop(name, kahan, rounding):
+    fmt = as_format(name)
+    for seed in range(2):
+        a, b = _operands(seed, K=70, spread=4 if fmt.exp <= 3 else 12)
+        for chunk in (1, 8, 32):
+            got = rem.matmul_chunk(a, b, fmt, chunk, rounding, kahan)
+            assert _same_bits(got, _loop_chunk(a, b, fmt, chunk, rounding, kahan)), (name, chunk, seed)
+
+
+def test_unchecked_round_to_odd_equals_add_round_to_odd():
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(50000, dtype=torch.float64, generator=g) * torch.exp2(
+        torch.randint(-80, 80, (50000,), generator=g).double())
+    b = torch.randn(50000, dtype=torch.float64, generator=g) * torch.exp2(
+        torch.randint(-80, 80, (50000,), generator=g).double())
+    one = torch.ones(8, dtype=torch.float64)
+    tiny = torch.tensor([2.0**-60, -2.0**-60, 2.0**-53, -2.0**-53, 2.0**-54, -2.0**-54, 0.0, -0.0], dtype=torch.float64)
+    a = torch.cat([a, a, one, -one, one + 2.0**-52, torch.zeros(2, dtype=torch.float64)])
+    b = torch.cat([b, -a[:50000], tiny, tiny, tiny, torch.tensor([0.0, -0.0], dtype=torch.float64)])
+    got, want = rem._add_odd_unchecked(a, b), rem.add_round_to_odd(a, b)
+    assert torch.equal(got.view(torch.int64), want.view(torch.int64))
+
+
+@st.composite
+def _gemm_cases(draw):
+    exp, man = draw(st.integers(2, 8)), draw(st.integers(0, 23))
+    try:
+        fmt = FloatFormat(exp, man, specials=draw(st.sampled_from(["ieee", "fn", "fnuz", "none"])),
+                          subnormals=draw(st.booleans()), overflow="saturate" if draw(st.booleans()) else None)
+    except ValueError:
+        fmt = FloatFormat(exp, man)
+    M, K, N = draw(st.integers(1, 4)), draw(st.integers(1, 40)), draw(st.integers(1, 4))
+    seed, spread = draw(st.integers(0, 2**16)), draw(st.integers(0, 12))
+    scale = 2.0 ** draw(st.integers(-24, max(-24, fmt.emax - 4)))  # up to overflow (the checked rerun)
+    return fmt, M, K, N, seed, spread, scale, draw(st.booleans()), draw(st.sampled_from([None, "inf", "nan"]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=_gemm_cases(), mode=st.sampled_from(["fma", "chunk"]), chunk=st.integers(1, 16),
+       rounding=st.sampled_from(["nearest", "nearest", "toward_zero", "up"]), kahan=st.booleans())
+def test_emulated_reference_equals_the_loops_on_random_formats(case, mode, chunk, rounding, kahan):
+    fmt, M, K, N, seed, spread, scale, grid, special = case
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(M, K, generator=g) * torch.exp2(torch.randint(-spread, spread + 1, (M, K), generator=g).float())
+    b = torch.randn(K, N, generator=g) * scale
+    if grid:  # quarter-integer operands: exact sums, ties, cancellation to zero
+        a, b = torch.round(a * 4) / 4, torch.round(b * 4) / 4
+    if special:
+        a[0, K // 2] = float(special)
+    if mode == "fma":
+        got, want = rem.matmul_fma(a, b, fmt, rounding, kahan), _loop_fma(a, b, fmt, rounding, kahan)
+    else:
+        got, want = rem.matmul_chunk(a, b, fmt, chunk, rounding, kahan), _loop_chunk(a, b, fmt, chunk, rounding, kahan)
+    assert _same_bits(got, want)
+
+
+@pytest.mark.parametrize("name", ["e8m7", "e5m10", "e4m3"])
+def test_chunk_tie_broken_by_a_tiny_earlier_sum(name):
+    """A fp32 partial on a midpoint of fmt after a tiny nonzero sum: the float64 sum drops the tiny part, and
+    only round-to-odd breaks the tie the right way (e8m7: 1 + 2^-8 after 2^-60 rounds up to 1 + 2^-7).  Formats
+    whose float64 sums are exact skip round-to-odd: there the tie needs |p| >= 2^53 * (the finest value), an overflow
+    (the checked loop)."""
+    fmt = as_format(name)
+    tiny, mid = fmt.min_subnormal, 1 + 2.0 ** -(fmt.man + 1)
+    big = mid * 2.0 ** min(60, fmt.emax + 2)  # a midpoint at or past the overflow
+    a = torch.tensor([[tiny, mid], [tiny, big], [-tiny, -mid], [tiny, -mid]], dtype=torch.float32)
+    b = torch.ones(2, 1)
+    got, want = rem.matmul_chunk(a, b, fmt, 1), _loop_chunk(a, b, fmt, 1, "nearest", False)
+    assert _same_bits(got, want)
+    if name == "e8m7":
+        assert got[0, 0] == 1 + 2.0 ** -7 and got[2, 0] == -(1 + 2.0 ** -7) and got[3, 0] == -1.0

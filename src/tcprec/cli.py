@@ -1183,7 +1183,7 @@ def bench_fp8_accuracy_cmd(
 @_cli
 def bench_cpu_memory_time_cmd(
     cases: str = typer.Option(",".join(cpu_mem_bench.CASES), help="Comma-separated cases: linear_<in>x<out>, "
-                                                                    "alexnet, emulated_linear_<acc format>."),
+                                                                    "alexnet, emulated_linear_[chunk_]<acc format>."),
     case: Optional[str] = typer.Option(None, help="Run this one case in this process and print its JSON on stdout "
                                                   "(no file written)."),
     json_path: str = _json_option("benchmarks/results/cpu_memory_time.json"),

@@ -6,15 +6,17 @@ Targets (issue 40, "Memory and CPU time"):
   (cases ``linear_9216x4096`` -- one nn.Linear(9216, 4096), 151 MB -- and ``alexnet``; the first forward, which
   builds the packed weights, is reported beside it);
 * an emulated layer within 10x of its plain float time (``EmulatedLinear(256, 256)``, e5m10 accumulator, batch
-  64, forward + backward, against nn.Linear in the same process).
+  64, forward + backward, against nn.Linear in the same process), in both accumulation models: ``fma`` (every
+  product and sum rounded, the layer's default) and ``chunk`` (fp32 partial sums of 32, hardware-like).
 
 Peak memory is the process's peak RSS (``resource.getrusage(...).ru_maxrss``) minus its RSS just before the call,
-each case in a fresh subprocess (so one case's peak does not hide another's); time is a wall-clock median.
+each case in a fresh subprocess (so one case's peak does not hide another's); an emulated layer's time is a median
+of the process's CPU time (``time.process_time``), conversion times are wall-clock.
 Threads are pinned to 1 so the ratios do not depend on the load of a shared machine.
 
 Case names: ``linear_<in>x<out>`` (one nn.Linear, int8, batch 8), ``alexnet`` (the zoo's AlexNet, int8, one
-224x224 image), ``emulated_linear_<acc>`` (``EmulatedLinear(F, F)`` with accumulator format ``acc``, batch B, F and
-B from ``--emulated-features`` / ``--emulated-batch``).
+224x224 image), ``emulated_linear_<acc>`` / ``emulated_linear_chunk_<acc>`` (``EmulatedLinear(F, F)`` with accumulator
+format ``acc``, ``acc_mode`` fma / chunk, batch B, F and B from ``--emulated-features`` / ``--emulated-batch``).
 
 A case runs as ``python <this file> --case NAME ...`` (this file as a script: only the measured code comes from the
 ``tcprec`` on the path), so ``--baseline SRC`` can put another checkout's ``src`` first on PYTHONPATH and run the
@@ -39,9 +41,9 @@ from typing import Sequence
 
 __all__ = ["CASES", "check_case", "run_case", "summarize", "run"]
 
-CASES = ("linear_9216x4096", "alexnet", "emulated_linear_e5m10")
+CASES = ("linear_9216x4096", "alexnet", "emulated_linear_e5m10", "emulated_linear_chunk_e5m10")
 _LINEAR = re.compile(r"linear_(\d+)x(\d+)")
-_EMULATED = re.compile(r"emulated_linear_(\w+)")
+_EMULATED = re.compile(r"emulated_linear_(?:(chunk)_)?(\w+)")  # (acc_mode, acc format)
 CONVERT_TARGET = 3.0  # quantize_model's peak above the memory held before, in fp32 weight sizes
 EMULATED_TARGET = 10.0  # an emulated layer's fwd + bwd time in plain nn.Linear times
 
@@ -58,12 +60,13 @@ def check_case(name: str) -> str:
         from tcprec.formats import as_format  # lazy: this file runs as a script against the tcprec under test
 
         try:
-            as_format(m[1])
+            as_format(m[2])
         except (ValueError, TypeError) as e:
-            raise ValueError(f"case {name!r}: the accumulator format {m[1]!r} is not a format ({e})") from None
+            raise ValueError(f"case {name!r}: the accumulator format {m[2]!r} is not a format ({e})") from None
         return name
     raise ValueError(f"unknown case {name!r}; accepted: linear_<in>x<out> (e.g. linear_9216x4096), alexnet, "
-                     f"emulated_linear_<acc format> (e.g. emulated_linear_e5m10); default: {','.join(CASES)}")
+                     f"emulated_linear_[chunk_]<acc format> (e.g. emulated_linear_e5m10, emulated_linear_chunk_e5m10); "
+                     f"default: {','.join(CASES)}")
 
 
 def _rss_mb() -> float:
@@ -103,28 +106,31 @@ def _conversion(build, x) -> dict:
             "first_forward_s": round(t_first, 2)}
 
 
-def _median_time(fn, reps: int) -> float:
-    t0 = time.perf_counter()
-    fn()  # warm-up (a run of seconds is its own measurement: no warm-up effect is that large)
-    first = time.perf_counter() - t0
-    if first > 2.0:
-        return first
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return sorted(ts)[len(ts) // 2]
+def _paired_times(plain, emulated, rounds: int = 9, inner: int = 10) -> tuple[float, float]:
+    """Median CPU times of the process (1 thread: an idle machine's wall time, not stretched by other users'
+    processes time-slicing a shared one) of ``plain`` (the mean of ``inner`` calls a round) and ``emulated``, the two
+    alternating round by round so both sides see the same load."""
+    plain(), emulated()  # warm-up
+    tp, te = [], []
+    for _ in range(rounds):
+        t0 = time.process_time()
+        for _ in range(inner):
+            plain()
+        tp.append((time.process_time() - t0) / inner)
+        t0 = time.process_time()
+        emulated()
+        te.append(time.process_time() - t0)
+    return sorted(tp)[rounds // 2], sorted(te)[rounds // 2]
 
 
-def _emulated(acc: str, features: int, batch: int) -> dict:
+def _emulated(acc: str, mode: str, features: int, batch: int) -> dict:
     import torch
 
     from tcprec.nn.emulated import EmulatedLinear, Recipe  # lazy: the tcprec under test
 
     torch.manual_seed(0)
     plain = torch.nn.Linear(features, features)
-    emu = EmulatedLinear.from_module(plain, Recipe(acc=acc))
+    emu = EmulatedLinear.from_module(plain, Recipe(acc=acc, acc_mode=mode))
     x = torch.randn(batch, features, requires_grad=True)
 
     def step(m):
@@ -134,10 +140,9 @@ def _emulated(acc: str, features: int, batch: int) -> dict:
             m(x).square().mean().backward()
         return run
 
-    t_plain = _median_time(step(plain), 21)
-    t_emu = _median_time(step(emu), 3)
-    return {"plain_ms": round(t_plain * 1e3, 3), "emulated_ms": round(t_emu * 1e3, 1),
-            "ratio": round(t_emu / t_plain, 1), "features": features, "batch": batch, "acc": acc}
+    t_plain, t_emu = _paired_times(step(plain), step(emu))
+    return {"plain_ms": round(t_plain * 1e3, 3), "emulated_ms": round(t_emu * 1e3, 2),
+            "ratio": round(t_emu / t_plain, 1), "features": features, "batch": batch, "acc": acc, "mode": mode}
 
 
 def run_case(name: str, emulated_features: int = 256, emulated_batch: int = 64) -> dict:
@@ -154,7 +159,8 @@ def run_case(name: str, emulated_features: int = 256, emulated_batch: int = 64) 
     if m:
         n_in, n_out = int(m[1]), int(m[2])
         return _conversion(lambda: torch.nn.Linear(n_in, n_out), torch.randn(8, n_in))
-    return _emulated(_EMULATED.fullmatch(name)[1], emulated_features, emulated_batch)
+    m = _EMULATED.fullmatch(name)
+    return _emulated(m[2], m[1] or "fma", emulated_features, emulated_batch)
 
 
 
@@ -176,8 +182,9 @@ def _rows(detail: dict, suffix: str = "") -> list[dict]:
     rows = []
     for k, v in detail.items():
         if "ratio" in v:
-            rows.append({"case": f"EmulatedLinear({v['features']},{v['features']}) {v['acc']} b{v['batch']} "
-                                 f"fwd+bwd{suffix}", "plain_ms": v["plain_ms"], "emulated_ms": v["emulated_ms"],
+            rows.append({"case": f"EmulatedLinear({v['features']},{v['features']}) {v['acc']} "
+                                 f"{v.get('mode', 'fma')} b{v['batch']} fwd+bwd{suffix}", "plain_ms": v["plain_ms"],
+                         "emulated_ms": v["emulated_ms"],
                          "ratio": v["ratio"]})
         else:
             rows.append({"case": k + suffix, "weights_mb": v["weights_fp32_mb"],
@@ -194,8 +201,8 @@ def summarize(detail: dict, baseline: dict | None = None) -> tuple[list[dict], l
     targets = []
     for k, v in detail.items():
         if "ratio" in v:
-            targets.append({"target": f"EmulatedLinear {v['acc']} within {EMULATED_TARGET:g}x of nn.Linear "
-                                      f"(fwd+bwd, CPU)", "value": f"{v['ratio']}x",
+            targets.append({"target": f"EmulatedLinear {v['acc']} {v.get('mode', 'fma')} within "
+                                      f"{EMULATED_TARGET:g}x of nn.Linear (fwd+bwd, CPU)", "value": f"{v['ratio']}x",
                             "met": v["ratio"] <= EMULATED_TARGET})
         else:
             targets.append({"target": f"quantize_model peak <= {CONVERT_TARGET:g}x fp32 weights ({k})",
@@ -234,8 +241,9 @@ def run(cases: Sequence[str] = CASES, out="benchmarks/results/cpu_memory_time.js
                         f"torch {torch.__version__}",
               "commit": git_commit(), "summary": summary, "targets": targets, "detail": detail,
               "baseline": None if base is None else {"src": baseline, "detail": base},
-              "load_note": "a shared 2-core machine: absolute times vary with other users' load; both sides of a "
-                           "ratio are measured back to back in one process"}
+              "load_note": "a shared 2-core machine: conversion times (wall) vary with other users' load; the "
+                           "emulated layers' times are CPU time of the process (1 thread), both sides of a ratio "
+                           "measured back to back in one process"}
     path = write_json(out, result)
     console.print(f"wrote {path}")
     return result

@@ -120,44 +120,101 @@ def matmul_fma(a: torch.Tensor, b: torch.Tensor, acc_fmt: FloatFormat, rounding:
         return s.float()
     # Deterministic rounding is elementwise: the products of many k are rounded in one call (the same values as
     # one k at a time); only the additions are sequential along K.
-    kc = max(1, min(K, (1 << 22) // max(1, M * N)))  # (M, kc, N) float64 products: <= 32 MB a block
-    if rounding == "nearest" and not kahan and _fast_nearest_ok(acc_fmt) and acc_fmt.subnormals:
-        out = _fma_nearest_unchecked(a64, b64, acc_fmt, kc)
-        if out is not None:
+    kc = max(1, min(K, (1 << 15) // max(1, M * N)))  # (kc, M, N) float64 products: <= 256 KB a block (L2)
+    if rounding == "nearest" and not kahan and _unchecked_ok(acc_fmt):
+        top_p = torch.zeros((), dtype=torch.int64, device=a.device)  # the products' largest exponent field
+        exact = _sums_exact(acc_fmt)
+        out = _accumulate_nearest(_products_nearest(a64, b64, acc_fmt, kc, top_p), acc_fmt, M, N, a.device, exact,
+                                  signed_zero=not exact)
+        if out is not None and _in_range(top_p, acc_fmt):
             return out.float()
     for k0 in range(0, K, kc):
-        p = round_acc(a64[:, k0:k0 + kc, None] * b64[None, k0:k0 + kc, :], acc_fmt, rounding)  # (M, kc, N) exact
-        for j in range(p.shape[1]):
-            s, c = _kahan_or_plain(s, c, p[:, j], acc_fmt, rounding, kahan, generator, _sums_exact(acc_fmt))
+        p = round_acc(a64.t()[k0:k0 + kc, :, None] * b64[k0:k0 + kc, None, :], acc_fmt, rounding)  # (kc, M, N)
+        for j in range(p.shape[0]):
+            s, c = _kahan_or_plain(s, c, p[j], acc_fmt, rounding, kahan, generator, _sums_exact(acc_fmt))
     return s.float()
 
 
-def _fma_nearest_unchecked(a64: torch.Tensor, b64: torch.Tensor, fmt: FloatFormat, kc: int) -> torch.Tensor | None:
-    """The plain (no Kahan) round-to-nearest loop of ``matmul_fma`` with ``_round_nearest_fast``'s arithmetic in
-    place and its overflow test deferred: the running max of |s| is kept, and None is returned when any sum left
-    [-max, max] (or became NaN), where the caller reruns the checked loop.  Otherwise every rounding was in range,
-    where the unchecked and the checked rounding are the same formula: the same bits, ~1.5x fewer ops a step."""
-    M, N = a64.shape[0], b64.shape[1]
-    s = torch.zeros(M, N, dtype=torch.float64, device=a64.device)
-    big = torch.zeros_like(s)  # running max |s|
-    lo, hi = fmt.emin + 1023, fmt.emax + 1 + 1023  # biased exponents of the spacing's range
-    const = ((52 - fmt.man) << 52) + (1 << 51)  # (e + 52 - man) << 52 | 2^51 = (e << 52) + const
-    exact = _sums_exact(fmt)
+# ---- the unchecked round-to-nearest loop (the hot path of both modes) ----------------------------------------------
+#
+# ``_round_nearest_fast`` without its per-step checks, and round-to-odd without ``where`` / ``isfinite`` (each of
+# those costs ~10 adds on the CPU): integer ops on float64 views, most in place.  Valid while every rounded value
+# stays below 2^emax in magnitude (then no step overflows, and none is NaN or Inf); the loops keep the largest
+# float64 exponent field they rounded and the caller reruns the checked loop when it reached 2^emax (or NaN / Inf).
+
+_EXP_FIELD = 0x7FF0000000000000  # float64 exponent bits
+_ABS = 0x7FFFFFFFFFFFFFFF
+
+
+def _unchecked_ok(fmt: FloatFormat) -> bool:
+    """Formats of the unchecked loop: the fast RNE's, with subnormals (no flush to zero to test for)."""
+    return _fast_nearest_ok(fmt) and fmt.subnormals
+
+
+def _add_odd_unchecked(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``add_round_to_odd(a, b)`` where a + b is finite, in float and integer ops only: the float64 sum s, rounded
+    toward zero (one ulp down in magnitude where TwoSum's t is nonzero and of the other sign), with its last bit
+    set where t is nonzero."""
+    s = a + b
+    bb = s - a
+    t = a - (s - bb)
+    t += b - bb  # TwoSum: a + b == s + t exactly (Knuth)
+    bits, tb = s.view(torch.int64), t.view(torch.int64)
+    nz = torch.bitwise_and(tb, _ABS).neg_().bitwise_right_shift_(63)  # -1 where t != 0 (t finite), else 0
+    down = torch.bitwise_xor(tb, bits).bitwise_right_shift_(63).bitwise_and_(nz)  # -1: t nonzero, other sign
+    return down.add_(bits).bitwise_or_(nz.neg_()).view(torch.float64)
+
+
+def _nearest_unchecked(x: torch.Tensor, fmt: FloatFormat, top: torch.Tensor, signed_zero: bool = True) -> torch.Tensor:
+    """``_round_nearest_fast(x, fmt)`` where the result is in range (and fmt has subnormals); ``top`` (int64, shaped
+    like x, or 0-d) keeps the largest exponent field of x seen (in place).  ``signed_zero=False``: the caller knows
+    no x rounds to a zero other than +0 (the copysign is skipped)."""
+    e = torch.bitwise_and(x.view(torch.int64), _EXP_FIELD)
+    torch.maximum(top, e if top.dim() else e.amax(), out=top)
+    lo, hi = (fmt.emin + 1023) << 52, (fmt.emax + 1 + 1023) << 52  # exponent fields of the spacing's range
+    c = e.clamp_(lo, hi).add_(((52 - fmt.man) << 52) + (1 << 51)).view(torch.float64)  # 1.5 * 2^52 * spacing
+    r = x + c
+    r -= c
+    if fmt.has_negative_zero and signed_zero:
+        r.copysign_(x)
+    return r
+
+
+def _in_range(top: torch.Tensor, fmt: FloatFormat) -> bool:
+    """Every value the unchecked loop rounded was below 2^emax in magnitude (so every result is at most
+    2^emax <= fmt.max: no overflow; NaN / Inf have the largest field)."""
+    return bool((top.max() < (fmt.emax + 1023) << 52).item()) if top.numel() else True
+
+
+def _products_nearest(a64: torch.Tensor, b64: torch.Tensor, fmt: FloatFormat, kc: int, top: torch.Tensor):
+    """The products a[:, k] b[k, :] of ``matmul_fma`` rounded unchecked (kc k at a time), one (M, N) contiguous
+    tensor a k; ``top`` (0-d int64) keeps their largest exponent field."""
     for k0 in range(0, a64.shape[1], kc):
-        p = round_acc(a64[:, k0:k0 + kc, None] * b64[None, k0:k0 + kc, :], fmt, "nearest")  # (M, kc, N), checked
-        for j in range(p.shape[1]):
-            x = s + p[:, j] if exact else add_round_to_odd(s, p[:, j])
-            e = x.view(torch.int64) >> 52
-            e.bitwise_and_(0x7FF).clamp_(lo, hi).bitwise_left_shift_(52).add_(const)
-            c = e.view(torch.float64)  # 1.5 * 2^52 * spacing
-            s = x + c
-            s.sub_(c)
-            if fmt.has_negative_zero:
-                s.copysign_(x)
-            torch.maximum(big, s.abs(), out=big)
-    if not bool((big <= fmt.max).all()):
-        return None
-    return s
+        prod = a64.t()[k0:k0 + kc, :, None] * b64[k0:k0 + kc, None, :]  # (kc, M, N) exact products
+        yield from _nearest_unchecked(prod, fmt, top)
+
+
+def _accumulate_nearest(steps, fmt: FloatFormat, M: int, N: int, device, exact: bool,
+                        signed_zero: bool = True) -> torch.Tensor | None:
+    """s = R(s + p) for the (M, N) float64 ``p`` of ``steps`` in order (R round-to-nearest-even to fmt), unchecked;
+    None where a value reached 2^emax (or NaN / Inf), where the caller reruns its checked loop.
+
+    ``exact``: round-to-odd is skipped, R(fl(s + p)) == R(s + p).  True for ``_sums_exact(fmt)`` formats (every
+    float64 sum of two fmt values is exact, fma mode) and, in an accepted run, for any p of at most 24 significant
+    bits (chunk mode's fp32 partials): with E the larger operand's exponent, the sum is exact unless the smaller is
+    below 2^(E-28).  If that smaller one is p, |p| is under a quarter of s's distance to a midpoint of fmt (man <= 23),
+    so x = fl(s + p) and s + p both round to s.  If it is s (|s| >= 2^(emin - man), the finest fmt value), x = fl(p + s)
+    is a midpoint of fmt only where x = p, |s| <= 2^(E-53), so E >= emin - man + 53 > emax + 1 for ``_sums_exact``
+    formats: |x| >= 2^emax, a rejected run.  Otherwise x is no midpoint and rounds like s + p (the float64 nearest
+    to s + p; a midpoint between them would be nearer).
+
+    ``signed_zero=False`` (fma mode, exact sums): s starts +0 and x = s + p is exact, so x is -0 only for s = -0,
+    never reached, and a nonzero x is a multiple of the finest fmt value, never rounded to zero: no copysign."""
+    s = torch.zeros(M, N, dtype=torch.float64, device=device)
+    top = torch.zeros(M, N, dtype=torch.int64, device=device)
+    for p in steps:
+        s = _nearest_unchecked(s + p if exact else _add_odd_unchecked(s, p), fmt, top, signed_zero)
+    return s if _in_range(top, fmt) else None
 
 
 def _sums_exact(fmt: FloatFormat) -> bool:
@@ -173,9 +230,17 @@ def matmul_chunk(a: torch.Tensor, b: torch.Tensor, acc_fmt: FloatFormat, chunk: 
     running accumulator rounded to ``acc_fmt`` after each chunk.  Returns float32."""
     M, K = a.shape
     N = b.shape[1]
+
+    def partials():  # (M, N) fp32 partial sums, as float64
+        for k0 in range(0, K, chunk):
+            yield (a[:, k0:k0 + chunk].float() @ b[k0:k0 + chunk].float()).double()
+
+    if rounding == "nearest" and not kahan and _unchecked_ok(acc_fmt):
+        out = _accumulate_nearest(partials(), acc_fmt, M, N, a.device, _sums_exact(acc_fmt))  # (its proof)
+        if out is not None:
+            return out.float()
     s = torch.zeros(M, N, dtype=torch.float64, device=a.device)
     c = torch.zeros_like(s)
-    for k0 in range(0, K, chunk):
-        p = (a[:, k0:k0 + chunk].float() @ b[k0:k0 + chunk].float()).double()  # (M, N) fp32 partial
+    for p in partials():
         s, c = _kahan_or_plain(s, c, p, acc_fmt, rounding, kahan, generator)
     return s.float()
