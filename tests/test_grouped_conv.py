@@ -248,7 +248,7 @@ def test_fp8_depthwise_layer_equals_its_reference():
     got = q(x)
     assert torch.equal(got, want)
     ref = F.hardswish(F.conv2d(F.pad(x, (0, 1, 0, 1)), conv.weight, conv.bias, stride=2, groups=6))
-    assert ((got - ref).norm() / ref.norm()).item() < 0.08  # e4m3 (3 mantissa bits) on both operands
+    assert ((got - ref).norm() / ref.norm()).item() < 0.06  # e4m3 (3 mantissa bits) on both operands: 0.037
 
 
 @pytest.mark.parametrize("act,fused", [(torch.nn.ReLU6, "clamp(0,6)"), (torch.nn.SiLU, "silu")])
@@ -266,7 +266,7 @@ def test_fp8_model_quantizes_every_conv(act, fused):
     assert type(q.dw).__name__ == "QGroupedConv2d" and q.dw.precision.fp8
     with torch.no_grad():
         y, yq = m(x), q(x)
-    assert ((yq - y).norm() / y.norm()).item() < 0.1  # fp8 end to end: e4m3 keeps ~2**-4 relative per value
+    assert ((yq - y).norm() / y.norm()).item() < 0.03  # fp8 end to end (measured 0.005)
 
 
 @pytest.mark.parametrize("prec", ["int8", "fp8"])

@@ -284,7 +284,8 @@ def run(crops: int = 500, calib: int = 32, engine=DEFAULT_ENGINE, out=None, seed
     conf = int((ref.softmax(-1).max(-1).values >= 0.5).sum())
     log(f"fp32: {crops} crops in {t_fp32:.1f} s; {conf} confident")
     rows, detail = [], {}
-    res = {"suite": "efficientnet_cpu", "command": command,
+    suite = os.path.splitext(os.path.basename(out))[0] if out else "efficientnet_cpu"  # a subset run: its own file
+    res = {"suite": suite, "command": command,
            "device": f"CPU (reference backends; {cpu_name()}, {torch.get_num_threads()} thread(s))",
            "commit": git_commit(), "summary": rows, "targets": [], "crops": crops, "calibration_crops": calib,
            "confident_crops": conf, "photos": [n for n, _ in photos],
