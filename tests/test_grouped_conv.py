@@ -1,6 +1,10 @@
 """Grouped / depthwise quantized convolution: the reference is exact (against float64 F.conv2d on the decoded
 values and against the integer tap loop), the Triton direct conv equals it bit for bit (TRITON_INTERPRET=1 on the
-CPU, set in conftest.py), and QGroupedConv2d / quantize_model put a depthwise MobileNet-style block on it."""
+CPU, set in conftest.py), and QGroupedConv2d / quantize_model put a depthwise MobileNet-style block on it.  FP8
+(e4m3 x e4m3): the reference sums in float32 in its stated order, within the float32 bound of the exact sum, and
+the Triton kernel equals it bit for bit; an fp8 model comes back with its depthwise convs quantized."""
+
+import io
 
 import pytest
 import torch
@@ -81,6 +85,11 @@ def test_planner_says_why_and_refuses_silently_nothing():
         grouped_conv2d(x, w, groups=3)
     with pytest.raises(ValueError, match="act must be None or one of"):
         grouped_conv2d(x, w, groups=8, act="gelu")
+    x8, w8 = _fp8_operands(FP8_CASES[0])
+    with pytest.raises(ValueError, match="e4m3 activations and e4m3 weights, got x float8_e4m3fn, w int8"):
+        grouped_conv2d(x8, w, groups=8)
+    with pytest.raises(ValueError, match="needs integer codes"):
+        grouped_conv2d(x8, w8, groups=8, out_dtype=torch.int32)
 
 
 class _Block(torch.nn.Module):
@@ -136,3 +145,155 @@ def test_depthwise_layer_equals_its_integer_math():
     col = q.in_scale * q.w_scale
     want = (C.float() * col[None, :, None, None] + conv.bias.detach()[None, :, None, None]).clamp(0, 6)
     assert torch.equal(q(x), want)
+
+
+# -- FP8: e4m3 activations and weights, float32 sums ---------------------------------------------------------------
+
+# (N, H, W, C, K, R, groups, stride, pad4 (top, bottom, left, right), dilation)
+FP8_CASES = [
+    (2, 7, 6, 8, 8, 3, 8, (2, 2), (0, 1, 0, 1), (1, 1)),  # depthwise 3x3, TF "same" stride 2 (asymmetric)
+    (1, 6, 5, 4, 4, 5, 4, (1, 1), (2, 2, 1, 3), (1, 1)),  # depthwise 5x5, stride 1, asymmetric
+    (1, 5, 5, 6, 12, 3, 3, (1, 1), (1, 1, 2, 0), (1, 2)),  # grouped C/groups = 2, multiplier 2, dilation
+]
+ACTS = [None, "relu", ("clamp", 0.0, 6.0), ("clamp", -1.0, 1.0), ("leaky", 0.125), "hardswish", "silu"]
+
+
+def _fp8_operands(case, seed=0):
+    from tcprec.ops.qconv import quantize_fp8_static
+
+    N, H, W, C, K, R, g, *_ = case
+    gen = torch.Generator().manual_seed(seed)
+    x = quantize_fp8_static(torch.randn(N, H, W, C, generator=gen) * 3, torch.tensor([2.0 ** -6]))  # wide range
+    w = tp.quantize(torch.randn(K, R, R, C // g, generator=gen), "e4m3", tp.PerChannel(0))
+    return x, w
+
+
+def _f32(q):
+    return q.codes.view(torch.float8_e4m3fn).float()
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: f"g{c[6]}_k{c[5]}_s{c[7][0]}")
+def test_fp8_reference_within_the_float32_bound_of_the_exact_sum(case):
+    """|C - C*| <= n * 2**-24 * sum |x| |w|, n = R*S*Cg adds (docs/numerics.md); and it does round (not float64)."""
+    x, w = _fp8_operands(case)
+    *_, g, st, pad4, dil = case
+    xv, wv = _f32(x), _f32(w)
+    got = rg.grouped_conv_f32(xv, wv, g, st, pad4, dil)
+    assert got.dtype == torch.float32
+
+    def exact(a, b):
+        a = F.pad(a.double().permute(0, 3, 1, 2), (pad4[2], pad4[3], pad4[0], pad4[1]))
+        return F.conv2d(a, b.double().permute(0, 3, 1, 2), stride=st, dilation=dil, groups=g).permute(0, 2, 3, 1)
+
+    n = wv[0].numel()
+    bound = n * 2.0 ** -24 * exact(xv.abs(), wv.abs())
+    assert ((got.double() - exact(xv, wv)).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: f"g{c[6]}_k{c[5]}_s{c[7][0]}")
+def test_fp8_triton_equals_reference(case):
+    """The kernel's float32 accumulator equals the reference's bit for bit (same order, exact products); each fused
+    activation too (the interpreter does not contract into FMAs), SiLU to a few ulp (exp's rounding)."""
+    pytest.importorskip("triton", reason="triton is a Linux dependency of tcprec")
+    from tcprec.kernels.triton.conv_grouped import grouped_conv
+
+    x, w = _fp8_operands(case, seed=1)
+    _, H, W, _, K, R, g, st, pad4, dil = case
+    P, Q = rg.output_size(H, W, R, R, st, pad4, dil)
+    acc = grouped_conv(x.codes, 8, False, _f32(w), g, st, pad4, dil, P, Q, out_dtype=torch.float32, x_fp8=True)
+    assert torch.equal(acc, rg.grouped_conv_f32(_f32(x), _f32(w), g, st, pad4, dil))
+    gen = torch.Generator().manual_seed(2)
+    kw = dict(groups=g, stride=st, padding=pad4, dilation=dil, bias=torch.randn(K, generator=gen) * 4,
+              scale=torch.rand(K, generator=gen) + 0.5)
+    for act in ACTS:
+        a = grouped_conv2d(x, w, act=act, backend="reference", **kw)
+        b = grouped_conv2d(x, w, act=act, backend="triton", **kw)
+        if act == "silu":
+            torch.testing.assert_close(b, a, rtol=4 * 2.0 ** -23, atol=2.0 ** -20)
+        else:
+            assert torch.equal(a, b), act
+
+
+def test_fp8_kernel_decodes_every_e4m3_code():
+    """All 256 codes through a 1x1 depthwise conv with weight 1: the kernel's integer decode equals torch's cast
+    (subnormals, +-448, NaN; -0 sums to +0 on both sides)."""
+    pytest.importorskip("triton", reason="triton is a Linux dependency of tcprec")
+    from tcprec.kernels.triton.conv_grouped import grouped_conv
+
+    codes = torch.arange(256, dtype=torch.uint8).reshape(1, 16, 16, 1)
+    got = grouped_conv(codes, 8, False, torch.ones(1, 1, 1, 1), 1, (1, 1), (0, 0, 0, 0), (1, 1), 16, 16,
+                       out_dtype=torch.float32, x_fp8=True)
+    want = codes.view(torch.float8_e4m3fn).float()
+    assert torch.equal(got.isnan(), want.isnan()) and int(want.isnan().sum()) == 2
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+def test_fp8_depthwise_layer_equals_its_reference():
+    """QGroupedConv2d at fp8: e4m3 input codes with the absmax / 448 scale (as QConv2d's), per-channel e4m3 weights,
+    and the output the epilogue of the float32 reference sums of those codes."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(6, 6, 3, stride=2, groups=6)
+    conv.tcprec_pad4 = (0, 1, 0, 1)
+    x = torch.randn(2, 6, 7, 7)
+    q = tp.nn.qgrouped.QGroupedConv2d.from_float(conv, "fp8", in_absmax=float(x.abs().max()), signed_input=True,
+                                                 act="hardswish")
+    assert str(q.a_fmt) == str(q.w_fmt) == "float8_e4m3fn" and q.w_codes.dtype == torch.uint8
+    assert torch.equal(q.in_scale, torch.tensor([float(x.abs().max()) / 448]))
+    w_amax = conv.weight.detach().flatten(1).abs().amax(1)
+    torch.testing.assert_close(q.w_scale, w_amax / 448, rtol=0, atol=0)
+    xv = (x.permute(0, 2, 3, 1) / q.in_scale).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    wv = q.w_codes.view(torch.float8_e4m3fn).float()
+    C = rg.grouped_conv_f32(xv, wv, 6, (2, 2), (0, 1, 0, 1))
+    want = rg.epilogue(C, q.in_scale * q.w_scale, conv.bias.detach(), "hardswish").permute(0, 3, 1, 2)
+    got = q(x)
+    assert torch.equal(got, want)
+    ref = F.hardswish(F.conv2d(F.pad(x, (0, 1, 0, 1)), conv.weight, conv.bias, stride=2, groups=6))
+    assert ((got - ref).norm() / ref.norm()).item() < 0.06  # e4m3 (3 mantissa bits) on both operands: 0.037
+
+
+@pytest.mark.parametrize("act,fused", [(torch.nn.ReLU6, "clamp(0,6)"), (torch.nn.SiLU, "silu")])
+def test_fp8_model_quantizes_every_conv(act, fused):
+    """fp8 quantize_model of an EfficientNet-style block: the depthwise conv is a QGroupedConv2d at fp8 (BN and the
+    activation fused), nothing is left float, and the output stays near the float model's."""
+    torch.manual_seed(0)
+    m = _randomize_bn(_Block(act=act))
+    x = torch.randn(4, 8, 6, 6)
+    q = tp.quantize_model(m, tp.QuantConfig("fp8", first_last=None), calibration=x, warn=False)
+    rec = {r.name: r for r in q.tcprec_summary.layers}
+    assert {n: r.precision for n, r in rec.items()} == {"expand": "fp8", "dw": "fp8", "project": "fp8"}
+    assert rec["dw"].fused == ("bn", fused) and rec["dw"].backend == "reference"
+    assert not q.tcprec_summary.float_layers
+    assert type(q.dw).__name__ == "QGroupedConv2d" and q.dw.precision.fp8
+    with torch.no_grad():
+        y, yq = m(x), q(x)
+    assert ((yq - y).norm() / y.norm()).item() < 0.03  # fp8 end to end (measured 0.005)
+
+
+@pytest.mark.parametrize("prec", ["int8", "fp8"])
+def test_grouped_layer_persists(prec):
+    """state_dict loads into a model quantized from other weights and makes it the same; torch.save of the whole
+    model round-trips; a state of the other precision (same buffer shapes) is refused and changes nothing."""
+    x = torch.randn(2, 8, 6, 6, generator=torch.Generator().manual_seed(4))
+
+    def quantized(p, seed, scale=1.0):
+        torch.manual_seed(seed)
+        return tp.quantize_model(_randomize_bn(_Block()), tp.QuantConfig(p, first_last=None),
+                                 calibration=x * scale, warn=False)
+
+    q, q2 = quantized(prec, 0), quantized(prec, 1, 3.0)
+    sd = q.state_dict()
+    assert sd["dw._extra_state"]["precision"] == str(q.dw.precision) and torch.equal(sd["dw.w_codes"], q.dw.w_codes)
+    with torch.no_grad():
+        want = q(x)
+        assert not torch.equal(q2(x), want)
+        q2.load_state_dict(sd)
+        assert torch.equal(q2(x), want)
+        buf = io.BytesIO()
+        torch.save(q, buf)
+        buf.seek(0)
+        assert torch.equal(torch.load(buf, weights_only=False)(x), want)
+        other = quantized("fp8" if prec == "int8" else "int8", 0)
+        before = other.dw.w_codes.clone()
+        with pytest.raises(ValueError, match="precision: saved"):
+            other.dw.load_state_dict({k[3:]: v for k, v in sd.items() if k.startswith("dw.")})
+        assert torch.equal(other.dw.w_codes, before)

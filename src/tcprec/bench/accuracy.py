@@ -53,6 +53,10 @@ CONFIGS = {
     "int8 auto+ada8+bc": QuantConfig("int8", activation_observer="auto", weight_rounding=_ADA8, bias_correction=True),
     "fp8": QuantConfig("fp8"),
     "fp8 bc": QuantConfig("fp8", bias_correction=True),
+    # the 16 depthwise convs at int8 in an fp8 model: the grouped conv runs on the CUDA cores at either precision
+    # (1-byte codes both), and int8 keeps their 9-tap sums closer (docs/decisions/0086)
+    "fp8 bc dw-int8": QuantConfig("fp8", bias_correction=True,
+                                  overrides={f"_blocks.{i}._depthwise_conv": "int8" for i in range(16)}),
     "w4a8 absmax": QuantConfig("w4a8"),
     "w4a8 mse": QuantConfig("w4a8", activation_observer="mse", weight_clip="mse"),
     "w4a8 mse+bc": QuantConfig("w4a8", activation_observer="mse", weight_clip="mse", bias_correction=True),
@@ -284,7 +288,8 @@ def run(crops: int = 500, calib: int = 32, engine=DEFAULT_ENGINE, out=None, seed
     conf = int((ref.softmax(-1).max(-1).values >= 0.5).sum())
     log(f"fp32: {crops} crops in {t_fp32:.1f} s; {conf} confident")
     rows, detail = [], {}
-    res = {"suite": "efficientnet_cpu", "command": command,
+    suite = os.path.splitext(os.path.basename(out))[0] if out else "efficientnet_cpu"  # a subset run: its own file
+    res = {"suite": suite, "command": command,
            "device": f"CPU (reference backends; {cpu_name()}, {torch.get_num_threads()} thread(s))",
            "commit": git_commit(), "summary": rows, "targets": [], "crops": crops, "calibration_crops": calib,
            "confident_crops": conf, "photos": [n for n, _ in photos],

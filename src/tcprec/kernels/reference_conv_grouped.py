@@ -10,6 +10,13 @@ Both are the oracle of the Triton kernel (``kernels/triton/conv_grouped.py``).  
     y = act(float32(C) * col[k] + bias[k]),   col[k] = (x_scale * w_scale[k]) * scale[k]   (float32)
 
 with act one of :data:`ACTS`; ``epilogue`` computes it in that order (one float32 multiply, one add).
+
+FP8 (e4m3 x e4m3): x and w are the decoded float values; ``grouped_conv_f32`` sums in float32 in a fixed order,
+taps row-major, then the channels of the group, one add each (``acc = 0; for r, s, c: acc += x * w``).  A product
+of two e4m3 values has at most 8 significant bits, so every product is exact in float32 and only the adds round:
+the Triton kernel sums in the same order, so its accumulator equals this one bit for bit (a GPU's fused
+multiply-add rounds ``x * w + acc`` once, and with an exact product that is the same rounding).  Against the exact
+sum ``C*``: ``|C - C*| <= (R*S*Cg) * 2**-24 * sum |x| |w|`` (docs/numerics.md).
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["grouped_conv_int", "grouped_conv_int_taps", "epilogue", "apply_act_ext", "ACTS", "output_size"]
+__all__ = ["grouped_conv_int", "grouped_conv_int_taps", "grouped_conv_f32", "epilogue", "apply_act_ext", "ACTS", "output_size"]
 
 # None | "relu" | ("leaky", slope) | ("clamp", lo, hi) (ReLU6 / hardtanh) | "hardswish" | "silu"
 ACTS = ("relu", "leaky", "clamp", "hardswish", "silu")
@@ -51,6 +58,24 @@ def grouped_conv_int(x: torch.Tensor, w: torch.Tensor, groups: int, stride=(1, 1
 def grouped_conv_int_taps(x: torch.Tensor, w: torch.Tensor, groups: int, stride=(1, 1), pad4=(0, 0, 0, 0),
                           dilation=(1, 1)) -> torch.Tensor:
     """:func:`grouped_conv_int` with int64 elementwise ops, one tap and one channel of the group at a time."""
+    return _tap_sums(x.to(torch.int64), w.to(torch.int64), groups, stride, pad4, dilation)
+
+
+def grouped_conv_f32(x: torch.Tensor, w: torch.Tensor, groups: int, stride=(1, 1), pad4=(0, 0, 0, 0),
+                     dilation=(1, 1)) -> torch.Tensor:
+    """x: float values (N, H, W, C), w: float values (K, R, S, C / groups), both exact in float32 (decoded e4m3)
+    -> float32 (N, P, Q, K) summed in the kernel's order: taps row-major, then the group's channels (module doc).
+
+    >>> x = torch.tensor([448.0, 2.0**-9, -448.0]).reshape(1, 1, 3, 1)   # e4m3 values
+    >>> w = torch.tensor([448.0, 2.0**-9, 448.0]).reshape(1, 1, 3, 1)
+    >>> grouped_conv_f32(x, w, 1).item()   # (448**2 + 2**-18) rounds to 448**2 in float32; the exact sum is 2**-18
+    0.0
+    """
+    return _tap_sums(x.to(torch.float32), w.to(torch.float32), groups, stride, pad4, dilation)
+
+
+def _tap_sums(x: torch.Tensor, w: torch.Tensor, groups: int, stride, pad4, dilation) -> torch.Tensor:
+    """sum over taps (r, s) row-major, then c < Cg, of x * w, accumulated one add at a time in x's dtype."""
     N, H, W, C = x.shape
     K, R, S, Cg = w.shape
     if C != Cg * groups or K % groups:
@@ -59,9 +84,9 @@ def grouped_conv_int_taps(x: torch.Tensor, w: torch.Tensor, groups: int, stride=
     Kg = K // groups
     P, Q = output_size(H, W, R, S, stride, pad4, dilation)
     pt, pb, pl, pr = pad4
-    xp = F.pad(x.to(torch.int64), (0, 0, pl, pr, pt, pb))  # (N, H+pt+pb, W+pl+pr, C), value 0 outside
-    wv = w.to(torch.int64).reshape(groups, Kg, R, S, Cg)
-    acc = torch.zeros(N, P, Q, groups, Kg, dtype=torch.int64, device=x.device)
+    xp = F.pad(x, (0, 0, pl, pr, pt, pb))  # (N, H+pt+pb, W+pl+pr, C), value 0 outside
+    wv = w.reshape(groups, Kg, R, S, Cg)
+    acc = torch.zeros(N, P, Q, groups, Kg, dtype=x.dtype, device=x.device)
     for r in range(R):
         for s in range(S):
             h0, w0 = r * dilation[0], s * dilation[1]

@@ -1,7 +1,7 @@
-"""``QGroupedConv2d``: a grouped / depthwise conv (+ folded BN, fused activation) at integer precision.
+"""``QGroupedConv2d``: a grouped / depthwise conv (+ folded BN, fused activation) at integer or FP8 precision.
 
 Float NCHW in, float NCHW out (channels_last memory): it quantizes its input with the calibrated per-tensor scale
-(``ops.quantize.quantize_static``), runs ``ops.qconv_grouped.grouped_conv2d`` (the Triton direct conv on CUDA, the
+(``ops.quantize.quantize_static``; ``quantize_fp8_static`` to e4m3 for FP8, as the dense FP8 layers do), runs ``ops.qconv_grouped.grouped_conv2d`` (the Triton direct conv on CUDA, the
 integer reference elsewhere) with the per-channel weight scales, the folded batch-norm and the activation in the
 epilogue.  Four-sided padding (``tcprec_pad4``, what ``nn.coverage`` folds from an asymmetric ``ZeroPad2d``).
 """
@@ -12,9 +12,11 @@ import torch
 from torch import nn
 
 from ..ops.qconv_grouped import choose_grouped_backend, grouped_conv2d
+from ..ops.qconv import quantize_fp8_static
 from ..ops.quantize import absmax_qmax, quantize_static
 from ..qtensor import PerChannel, QTensor
-from .qmodules import LayerPrecision, _fold_bn, _quantize_weight, activation_format, parse_precision, weight_format
+from .qmodules import (LayerPrecision, _fold_bn, _norm, _quantize_weight, activation_format, parse_precision,
+                       weight_format)
 
 __all__ = ["QGroupedConv2d", "grouped_unsupported", "grouped_act_of"]
 
@@ -54,16 +56,15 @@ def grouped_act_of(node, mods):
 
 
 def grouped_unsupported(conv: nn.Conv2d, prec: LayerPrecision | None) -> str | None:
-    """Why a grouped conv cannot take this path (None: it can)."""
-    if prec is not None and prec.fp8:
-        return "groups>1 at fp8: the grouped conv runs integer codes (use int8 for this layer)"
+    """Why a grouped conv cannot take this path (None: it can); every precision of ``parse_precision`` can."""
     if isinstance(conv.padding, str) or conv.padding_mode != "zeros":
         return f"padding={conv.padding!r}, padding_mode={conv.padding_mode!r} (needs numeric zero padding)"
     return None
 
 
 class QGroupedConv2d(nn.Module):
-    """Build with ``QGroupedConv2d.from_float(conv, "int8", in_absmax=..., signed_input=..., bn=, act=)`` or through
+    """Build with ``QGroupedConv2d.from_float(conv, "int8", in_absmax=..., signed_input=..., bn=, act=)`` (or
+    ``"fp8"``: e4m3 activations and weights, per-channel weight scales, float32 sums) or through
     ``tcprec.quantize_model``; act: None, "relu", ("leaky", a), ("clamp", lo, hi), "hardswish", "silu"."""
 
     tcprec_leaf = True
@@ -101,6 +102,34 @@ class QGroupedConv2d(nn.Module):
         m.register_buffer("ch_bias", bias)
         return m
 
+    _STATE_KEYS = ("kind", "precision", "w_fmt", "a_fmt", "geometry", "act")
+
+    def get_extra_state(self) -> dict:
+        """What the buffers mean (an int8 and an fp8 layer both hold uint8 codes of one shape): saved with them,
+        checked on load."""
+        return {"version": 1, "kind": type(self).__name__, "precision": str(self.precision), "w_fmt": str(self.w_fmt),
+                "a_fmt": str(self.a_fmt), "act": self.act,
+                "geometry": (self.in_channels, self.out_channels, self.kernel_size, self.stride, self.pad4,
+                             self.dilation, self.groups)}
+
+    def set_extra_state(self, state) -> None:
+        """Refuse a state saved from a layer of another precision, format, geometry or activation."""
+        if not isinstance(state, dict) or state.get("version") != 1:
+            raise ValueError(f"QGroupedConv2d: the state_dict's extra state is {state!r:.80}, not a tcprec grouped "
+                             "layer's (version 1); save it with state_dict() of a tcprec.quantize_model model")
+        mine = self.get_extra_state()
+        bad = [k for k in self._STATE_KEYS if _norm(state.get(k)) != _norm(mine[k])]
+        if bad:
+            diff = ", ".join(f"{k}: saved {state.get(k)!r}, this module {mine[k]!r}" for k in bad)
+            raise ValueError(f"cannot load a grouped layer's state into a different one ({diff}); build the target "
+                             "with the same quantize_model config, or torch.save / torch.load the whole model")
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        key = prefix + "_extra_state"
+        if key in state_dict:  # check before any buffer is overwritten: a refused load leaves the module as it was
+            self.set_extra_state(state_dict[key])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     @property
     def route(self) -> tuple[str, str]:
         """(backend, reason) the forward takes on the weights' device."""
@@ -115,7 +144,11 @@ class QGroupedConv2d(nn.Module):
         if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.shape[1] != self.in_channels:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"QGroupedConv2d expects (N, {self.in_channels}, H, W), got {got}")
-        xq = quantize_static(x.permute(0, 2, 3, 1), self.a_fmt, self.in_scale)  # (N, H, W, C) codes
+        xn = x.permute(0, 2, 3, 1)  # (N, H, W, C), a view for channels_last input
+        if self.precision.fp8:
+            xq = quantize_fp8_static(xn, self.in_scale, self.a_fmt)  # (N, H, W, C) e4m3 codes
+        else:
+            xq = quantize_static(xn, self.a_fmt, self.in_scale)  # (N, H, W, C) codes
         K = self.out_channels
         qw = QTensor(self.w_codes, self.w_scale.reshape(K, 1, 1, 1), self.w_fmt, PerChannel(0),
                      tuple(self.w_codes.shape), torch.float32)

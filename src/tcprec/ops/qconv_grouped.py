@@ -3,7 +3,10 @@
 
 x: a ``QTensor`` of integer codes (N, H, W, C) with one scale (``intN`` / ``uintN``, <= 8 bits); w: a ``QTensor`` of
 codes (K, R, S, C / groups), ``PerChannel(0)`` or ``PerTensor``, any <= 8-bit integer format.  The integer sums are
-exact on both backends; the epilogue is the dense conv's (``ops.qconv``)::
+exact on both backends.  FP8: x and w both ``e4m3`` (``quantize_fp8_static``'s activation codes, the FP8 layers'
+per-channel weights); the sums run in float32 in one stated order (taps row-major, then the group's channels), the
+same bits on both backends (``kernels/reference_conv_grouped.grouped_conv_f32``; docs/numerics.md).  The epilogue
+is the dense conv's (``ops.qconv``)::
 
     y = act(float32(C) * col[k] + bias[k]),  col[k] = (x_scale * w_scale[k]) * scale[k]
 
@@ -13,20 +16,23 @@ Padding is four-sided ``(top, bottom, left, right)``: TensorFlow's "same" paddin
 Backends
 
 * ``"triton"``: ``kernels/triton/conv_grouped.py``, a direct conv on the CUDA cores (int8 codes in, int32
-  accumulate, the epilogue fused), chosen on CUDA and, when asked for, under TRITON_INTERPRET=1.  Depthwise convs
+  accumulate; or e4m3 codes in, float32 accumulate; the epilogue fused), chosen on CUDA and, when asked for, under TRITON_INTERPRET=1.  Depthwise convs
   are memory-bound and have no reduction for the tensor cores (C / groups = 1), so CUDA cores are the right units.
-* ``"reference"``: ``kernels/reference_conv_grouped.py`` (pure torch, int64 elementwise), any device.
+* ``"reference"``: ``kernels/reference_conv_grouped.py`` (pure torch, int64 elementwise; float32 for e4m3), any
+  device.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..formats import IntFormat
+from ..formats import IntFormat, as_format
 from ..kernels.triton import triton_usable
 from ..kernels import reference_conv_grouped as rg
 from ..kernels.reference_conv_bitserial import decode_values
 from ..qtensor import QTensor
+
+_E4M3 = as_format("e4m3")
 
 __all__ = ["grouped_conv2d", "choose_grouped_backend", "GROUPED_BACKENDS"]
 
@@ -49,15 +55,24 @@ def choose_grouped_backend(device: torch.device, backend: str = "auto") -> tuple
     return "reference", f"pure-torch integer reference ({why})"
 
 
-def _check(x, w, groups: int, pad4, act):
-    if not isinstance(x, QTensor) or x.codes.dim() != 4 or not isinstance(x.fmt, IntFormat):
-        raise TypeError(f"x must be a QTensor of integer codes (N, H, W, C), got {type(x).__name__}")
-    if x.fmt.encoding not in ("twos", "unsigned") or x.fmt.bits > 8:
+def _check(x, w, groups: int, pad4, act) -> bool:
+    """Validate; True for the FP8 (e4m3 x e4m3) conv, False for integer codes."""
+    if not isinstance(x, QTensor) or x.codes.dim() != 4:
+        raise TypeError(f"x must be a QTensor of codes (N, H, W, C), got {type(x).__name__}")
+    if not isinstance(w, QTensor) or w.codes.dim() != 4:
+        raise TypeError(f"w must be a QTensor of codes (K, R, S, C / groups), got {type(w).__name__}")
+    fp8 = x.fmt == _E4M3 or w.fmt == _E4M3
+    if fp8 and (x.fmt != _E4M3 or w.fmt != _E4M3):
+        raise ValueError(f"the FP8 grouped conv takes e4m3 activations and e4m3 weights, got x {x.fmt}, w {w.fmt}; "
+                         "quantize both to e4m3 (or both to integer formats)")
+    if not fp8 and not isinstance(x.fmt, IntFormat):
+        raise TypeError(f"x must be integer codes (intN / uintN) or e4m3 codes, got {x.fmt}")
+    if not fp8 and (x.fmt.encoding not in ("twos", "unsigned") or x.fmt.bits > 8):
         raise ValueError(f"x must be intN / uintN of <= 8 bits, got {x.fmt}")
     if x.scale.numel() != 1:
         raise ValueError(f"x needs one (per-tensor) scale, got {x.scale.numel()}")
-    if not isinstance(w, QTensor) or w.codes.dim() != 4 or not isinstance(w.fmt, IntFormat):
-        raise TypeError(f"w must be a QTensor of integer codes (K, R, S, C / groups), got {type(w).__name__}")
+    if not fp8 and not isinstance(w.fmt, IntFormat):
+        raise TypeError(f"w must be integer codes with integer x, got {w.fmt}")
     C, (K, _, _, Cg) = x.codes.shape[3], w.codes.shape
     if not (isinstance(groups, int) and groups >= 1 and C == Cg * groups and K % groups == 0):
         raise ValueError(f"groups={groups!r} does not fit C={C} input channels, K={K} filters of {Cg} channels: "
@@ -67,13 +82,19 @@ def _check(x, w, groups: int, pad4, act):
     kind = act if act is None or isinstance(act, str) else act[0]
     if kind is not None and kind not in rg.ACTS:
         raise ValueError(f"act must be None or one of {rg.ACTS}, got {act!r}")
+    return fp8
+
+
+def _e4m3_values(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 float8_e4m3fn bit patterns -> their float32 values (exact)."""
+    return codes.contiguous().view(torch.float8_e4m3fn).to(torch.float32)
 
 
 def grouped_conv2d(x: QTensor, w: QTensor, *, groups: int, stride=(1, 1), padding=(0, 0, 0, 0), dilation=(1, 1),
                    scale: torch.Tensor | None = None, bias: torch.Tensor | None = None, act=None,
                    out_dtype: torch.dtype = torch.float32, backend: str = "auto") -> torch.Tensor:
-    """Grouped / depthwise conv of integer codes, NHWC in and out (module docstring).  ``out_dtype=torch.int32``
-    returns the raw integer sums C.
+    """Grouped / depthwise conv of integer or e4m3 codes, NHWC in and out (module docstring).  ``out_dtype=torch.int32``
+    (integer codes) returns the raw integer sums C.
 
     >>> import torch, tcprec as tp
     >>> x = tp.quantize(torch.ones(1, 3, 3, 2), "uint2", scale=1.0)
@@ -81,7 +102,10 @@ def grouped_conv2d(x: QTensor, w: QTensor, *, groups: int, stride=(1, 1), paddin
     >>> grouped_conv2d(x, w, groups=2, padding=(1, 1, 1, 1), out_dtype=torch.int32)[0, :, :, 0].tolist()
     [[4, 6, 4], [6, 9, 6], [4, 6, 4]]
     """
-    _check(x, w, groups, padding, act)
+    fp8 = _check(x, w, groups, padding, act)
+    if fp8 and out_dtype == torch.int32:
+        raise ValueError("out_dtype=torch.int32 (the raw integer sums) needs integer codes; e4m3 sums are float32: "
+                         "pass a float out_dtype")
     N, H, W, C = x.codes.shape
     K, R, S, Cg = w.codes.shape
     P, Q = rg.output_size(H, W, R, S, stride, padding, dilation)
@@ -91,15 +115,22 @@ def grouped_conv2d(x: QTensor, w: QTensor, *, groups: int, stride=(1, 1), paddin
     if scale is not None:
         col = col * scale
     col = col.contiguous()
-    w_vals = decode_values(w.codes, w.fmt)  # (K, R, S, Cg) float64 integers
+    bias = None if bias is None else bias.to(torch.float32).contiguous()
+    raw = out_dtype == torch.int32
+    w_vals = _e4m3_values(w.codes) if fp8 else decode_values(w.codes, w.fmt)  # (K, R, S, Cg) exact values
     if name == "triton":
         from ..kernels.triton.conv_grouped import grouped_conv  # TRITON_INTERPRET is read at import
 
+        if fp8:
+            return grouped_conv(x.codes.contiguous(), 8, False, w_vals.contiguous(), groups, stride, padding,
+                                dilation, P, Q, col=col, bias=bias, act=act, out_dtype=out_dtype, x_fp8=True)
         return grouped_conv(x.codes.contiguous(), x.fmt.bits, x.fmt.encoding == "twos",
                             w_vals.to(torch.int16).contiguous(), groups, stride, padding, dilation, P, Q,
-                            col=col, bias=None if bias is None else bias.to(torch.float32).contiguous(), act=act,
-                            out_dtype=out_dtype)
+                            col=None if raw else col, bias=bias, act=act, out_dtype=out_dtype)
+    if fp8:
+        acc = rg.grouped_conv_f32(_e4m3_values(x.codes), w_vals, groups, stride, padding, dilation)
+        return rg.epilogue(acc, col, bias, act).to(out_dtype)
     acc = rg.grouped_conv_int(decode_values(x.codes, x.fmt), w_vals, groups, stride, padding, dilation)
-    if out_dtype == torch.int32:
+    if raw:
         return acc.to(torch.int32)
-    return rg.epilogue(acc, col, None if bias is None else bias.to(torch.float32), act).to(out_dtype)
+    return rg.epilogue(acc, col, bias, act).to(out_dtype)

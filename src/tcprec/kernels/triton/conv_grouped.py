@@ -1,4 +1,5 @@
-"""Grouped / depthwise quantized convolution: a direct Triton conv, integer codes in, int32 accumulate.
+"""Grouped / depthwise quantized convolution: a direct Triton conv, integer codes in and int32 accumulation, or
+e4m3 codes in and float32 accumulation.
 
 What and why.  A depthwise 3x3 conv does 9 multiply-adds per output and reads each input once per tap: it is
 memory-bound, and the tensor cores' K-dimension (>= 16 or 32 per MMA) has nothing to reduce over (Cg = 1).  So
@@ -8,13 +9,17 @@ that the BLOCK_K channels of one pixel are contiguous loads::
     for each tap (r, s):                                 # static, R*S <= 49
         ih, iw = p*sh - pt + r*dh, q*sw - pl + s*dw      # (BLOCK_M,) input pixel, masked outside the image
         for c in range(Cg):                              # 1 for depthwise
-            x = decode(codes[n, ih, iw, g(k)*Cg + c])    # (BLOCK_M, BLOCK_K) uint8 -> int32 values, 0 outside
-            acc += x * w[k, r, s, c]                     # int32: exact
-    y = act(float32(acc) * col[k] + bias[k])             # the dense conv's epilogue (or acc itself, OUT_INT32)
+            x = decode(codes[n, ih, iw, g(k)*Cg + c])    # (BLOCK_M, BLOCK_K) uint8 -> int32 / float32 values
+            acc += x * w[k, r, s, c]                     # int32: exact; float32: the product exact, the add rounds
+    y = act(float32(acc) * col[k] + bias[k])             # the dense conv's epilogue (or acc itself, OUT_ACC)
 
-Exact against ``kernels/reference_conv_grouped.grouped_conv_int`` (int32 bit for bit; tests/test_grouped_conv.py
-runs it through TRITON_INTERPRET=1).  The float epilogue may contract the multiply-add into one FMA on a GPU
-(one rounding instead of two), so float outputs agree to 1 ulp there, bit for bit under the interpreter.
+Integer codes (X_FP8=False): exact against ``kernels/reference_conv_grouped.grouped_conv_int`` (int32 bit for
+bit).  e4m3 codes (X_FP8=True): decoded with integer ops (any CUDA GPU, no fp8 conversion instruction needed), the
+weights come as float32 values; the sum runs in ``grouped_conv_f32``'s order and every e4m3 x e4m3 product is exact
+in float32, so the accumulator equals that reference bit for bit, on a GPU too (an FMA of an exact product rounds
+like the add).  tests/test_grouped_conv.py runs both through TRITON_INTERPRET=1.  The float epilogue may contract
+``acc * col + bias`` into one FMA on a GPU (one rounding instead of two), so float outputs agree to 1 ulp before
+the activation there, bit for bit under the interpreter.
 """
 
 from __future__ import annotations
@@ -31,6 +36,18 @@ ACT_CODES = {None: 0, "relu": 1, "leaky": 2, "clamp": 3, "hardswish": 4, "silu":
 
 
 @triton.jit
+def _decode_e4m3(u):
+    """float8_e4m3fn code (int32 0..255) -> its float32 value, exactly: (1 + m/8) * 2**(e-7), m * 2**-9 when e = 0,
+    NaN for S.1111.111 (e4m3fn has no infinities)."""
+    e = (u >> 3) & 15
+    m = u & 7
+    bits = ((e + 120) << 23) | (m << 20)  # float32 exponent e - 7 + 127, the 3 mantissa bits on top
+    bits = tl.where((u & 127) == 127, 0x7FC00000, bits)  # the quiet NaN of float32
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, bits.to(tl.float32, bitcast=True))  # subnormal: m * 2**-9
+    return tl.where(u >= 128, -mag, mag)
+
+
+@triton.jit
 def _grouped_conv_kernel(
     # tensors
     x_ptr, w_ptr, col_ptr, bias_ptr, y_ptr,
@@ -40,8 +57,9 @@ def _grouped_conv_kernel(
     # epilogue scalars: leaky slope, or clamp bounds
     act_a, act_b,
     R: tl.constexpr, S: tl.constexpr,
-    X_BITS: tl.constexpr, X_TWOS: tl.constexpr,  # activation codes: two's complement of X_BITS, or unsigned
-    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, OUT_INT32: tl.constexpr,
+    X_BITS: tl.constexpr, X_TWOS: tl.constexpr,  # integer activation codes: two's complement of X_BITS, or unsigned
+    X_FP8: tl.constexpr,  # e4m3 activation codes, float32 weight values and accumulator (X_BITS / X_TWOS unused)
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, OUT_ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -56,8 +74,11 @@ def _grouped_conv_kernel(
     q = pq % Q
     ch0 = (offs_k // Kg) * Cg  # first input channel of k's group
 
-    # -- main loop: taps x channels of the group, int32 accumulation ----------------------------------
-    acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.int32)
+    # -- main loop: taps x channels of the group, int32 (float32 for e4m3) accumulation ---------------
+    if X_FP8:
+        acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.int32)
     for r in tl.static_range(R):
         for s in tl.static_range(S):
             ih = p * stride_h - pad_t + r * dil_h
@@ -66,17 +87,21 @@ def _grouped_conv_kernel(
             base = ((n.to(tl.int64) * H + ih) * W + iw) * C  # (BLOCK_M,) offset of the pixel's channel 0
             mask = pix_ok[:, None] & k_ok[None, :]
             for c in range(0, Cg):
-                xv = tl.load(x_ptr + base[:, None] + (ch0 + c)[None, :], mask=mask, other=0).to(tl.int32)
-                if X_TWOS:
-                    xv = xv - ((xv >> (X_BITS - 1)) << X_BITS)  # sign-extend the X_BITS-bit pattern
-                xv = tl.where(mask, xv, 0)  # value 0 outside the image, whatever the encoding
-                wv = tl.load(w_ptr + ((offs_k * R + r) * S + s) * Cg + c, mask=k_ok, other=0).to(tl.int32)
-                acc += xv * wv[None, :]
+                u = tl.load(x_ptr + base[:, None] + (ch0 + c)[None, :], mask=mask, other=0).to(tl.int32)
+                wv = tl.load(w_ptr + ((offs_k * R + r) * S + s) * Cg + c, mask=k_ok, other=0)
+                if X_FP8:
+                    xv = _decode_e4m3(u)  # code 0 outside the image: value +0
+                    acc += xv * wv[None, :]
+                else:
+                    if X_TWOS:
+                        u = u - ((u >> (X_BITS - 1)) << X_BITS)  # sign-extend the X_BITS-bit pattern
+                    u = tl.where(mask, u, 0)  # value 0 outside the image, whatever the encoding
+                    acc += u * wv.to(tl.int32)[None, :]
 
     # -- epilogue -----------------------------------------------------------------------------------------
     out = offs_m[:, None].to(tl.int64) * K + offs_k[None, :]
     omask = m_ok[:, None] & k_ok[None, :]
-    if OUT_INT32:
+    if OUT_ACC:
         tl.store(y_ptr + out, acc, mask=omask)
     else:
         col = tl.load(col_ptr + offs_k, mask=k_ok, other=0.0)
@@ -98,13 +123,20 @@ def _grouped_conv_kernel(
 
 def grouped_conv(codes: torch.Tensor, x_bits: int, x_twos: bool, w_values: torch.Tensor, groups: int, stride, pad4,
                  dilation, P: int, Q: int, col: torch.Tensor | None = None, bias: torch.Tensor | None = None, act=None,
-                 out_dtype: torch.dtype = torch.int32, block_m: int = 64, block_k: int = 32) -> torch.Tensor:
-    """codes: uint8 (N, H, W, C) contiguous; w_values: int16 (K, R, S, Cg) contiguous -> (N, P, Q, K) in
-    ``out_dtype`` (int32: the raw accumulator).  Checks, allocates, launches; the ops layer validated the rest."""
+                 out_dtype: torch.dtype = torch.int32, x_fp8: bool = False, block_m: int = 64,
+                 block_k: int = 32) -> torch.Tensor:
+    """codes: uint8 (N, H, W, C) contiguous, integer codes of ``x_bits`` or (``x_fp8``) float8_e4m3fn bit patterns;
+    w_values: (K, R, S, Cg) contiguous, int16 integers (float32 e4m3 values for ``x_fp8``) -> (N, P, Q, K) in
+    ``out_dtype``.  ``col=None``: the raw accumulator (int32, or float32 for ``x_fp8``).  Checks, allocates,
+    launches; the ops layer validated the rest."""
     N, H, W, C = codes.shape
     K, R, S, Cg = w_values.shape
-    if codes.dtype != torch.uint8 or w_values.dtype != torch.int16:
-        raise TypeError(f"grouped_conv takes uint8 codes and int16 weight values, got {codes.dtype}, {w_values.dtype}")
+    w_dtype, acc_dtype = (torch.float32, torch.float32) if x_fp8 else (torch.int16, torch.int32)
+    if codes.dtype != torch.uint8 or w_values.dtype != w_dtype:
+        raise TypeError(f"grouped_conv takes uint8 codes and {w_dtype} weight values"
+                        f"{' (x_fp8)' if x_fp8 else ''}, got {codes.dtype}, {w_values.dtype}")
+    if col is None and out_dtype != acc_dtype:
+        raise ValueError(f"col=None returns the raw accumulator: out_dtype must be {acc_dtype}, got {out_dtype}")
     y = torch.empty((N, P, Q, K), dtype=out_dtype, device=codes.device)
     kind = act if act is None or isinstance(act, str) else act[0]
     a = float(act[1]) if isinstance(act, tuple) else 0.0
@@ -116,8 +148,8 @@ def grouped_conv(codes: torch.Tensor, x_bits: int, x_twos: bool, w_values: torch
         N, H, W, C, K, P, Q, Cg, K // groups,
         stride[0], stride[1], pad4[0], pad4[2], dilation[0], dilation[1],
         a, b,
-        R=R, S=S, X_BITS=x_bits, X_TWOS=x_twos,
-        HAS_BIAS=bias is not None, ACT=ACT_CODES[kind], OUT_INT32=out_dtype == torch.int32,
+        R=R, S=S, X_BITS=x_bits, X_TWOS=x_twos, X_FP8=x_fp8,
+        HAS_BIAS=bias is not None, ACT=ACT_CODES[kind], OUT_ACC=col is None,
         BLOCK_M=block_m, BLOCK_K=block_k,
     )
     return y
