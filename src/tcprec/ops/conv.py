@@ -315,6 +315,11 @@ def _check_devices(**ts) -> torch.device:
     return first
 
 
+def _device_of(t) -> torch.device:
+    """The device of a tensor or an Fp8Tensor (the operands' devices were checked equal by the public wrapper)."""
+    return t.data.device if isinstance(t, Fp8Tensor) else t.device
+
+
 def _check_common(precision: str, backend: str, out_dtype) -> None:
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -661,7 +666,15 @@ def conv2d_dgrad(grad_out, weight, input_shape, stride=1, padding=0, dilation=1,
     g = conv_geometry(input_shape, tuple(weight.shape), stride, padding, dilation)
     _check_grad_out(grad_out, g)
     mode, slope = rc.parse_activation(activation)
-    # (devices here too: a meta tensor among the operands would send the op to its fake implementation)
+    if mode != rc.ACT_NONE:
+        if not isinstance(act_input, torch.Tensor):
+            raise ValueError(f"activation={activation!r} needs act_input, the (N, H, W, C) tensor the mask comes from")
+        if tuple(act_input.shape) != g.input_shape:
+            raise ValueError(f"act_input must have the input's shape (N, H, W, C) = {g.input_shape}, "
+                             f"got {tuple(act_input.shape)}")
+    elif act_input is not None:
+        raise ValueError("act_input was given without an activation; pass activation='relu' or ('leaky_relu', slope)")
+    # (devices here, not in the op: a meta tensor among the operands would send the op to its fake implementation)
     _check_devices(grad_out=grad_out, weight=weight, act_input=act_input if mode != rc.ACT_NONE else None)
     if split_k is not None and int(split_k) < 1:
         raise ValueError(f"split_k must be >= 1, got {split_k}")
@@ -674,23 +687,11 @@ def conv2d_dgrad(grad_out, weight, input_shape, stride=1, padding=0, dilation=1,
 
 def _conv2d_dgrad(grad_out, weight, input_shape, stride, padding, dilation, *, precision, activation, act_input,
                   out_dtype, backend, split_k, fast_accum, config) -> torch.Tensor:
-    """conv2d_dgrad's body (inside the custom op ``tcprec::conv2d_dgrad``)."""
-    _check_common(precision, backend, out_dtype)
-    _check_tensor(grad_out, "grad_out", "(N, P, Q, K)", precision)
-    _check_tensor(weight, "weight", "(K, R, S, C)", precision)
+    """conv2d_dgrad's body (inside the custom op ``tcprec::conv2d_dgrad``); :func:`conv2d_dgrad` validated the
+    arguments."""
     g = conv_geometry(input_shape, tuple(weight.shape), stride, padding, dilation)
-    _check_grad_out(grad_out, g)
     mode, slope = rc.parse_activation(activation)
-    if mode != rc.ACT_NONE:
-        if not isinstance(act_input, torch.Tensor):
-            raise ValueError(f"activation={activation!r} needs act_input, the (N, H, W, C) tensor the mask comes from")
-        if tuple(act_input.shape) != g.input_shape:
-            raise ValueError(f"act_input must have the input's shape (N, H, W, C) = {g.input_shape}, "
-                             f"got {tuple(act_input.shape)}")
-    elif act_input is not None:
-        raise ValueError("act_input was given without an activation; pass activation='relu' or ('leaky_relu', slope)")
-    device = _check_devices(grad_out=grad_out, weight=weight,
-                            act_input=act_input if mode != rc.ACT_NONE else None)
+    device = _device_of(grad_out)
     out_dtype = out_dtype or _default_out(precision)
     path, _ = _choose("dgrad", g, grad_out, precision, backend, activation if mode else None, out_dtype)
 
@@ -857,16 +858,11 @@ def conv2d_wgrad(grad_out, input, weight_shape, stride=1, padding=0, dilation=1,
 
 def _conv2d_wgrad(grad_out, input, weight_shape, stride, padding, dilation, *, precision, split_k, out_dtype,
                   backend, fast_accum, config) -> torch.Tensor:
-    """conv2d_wgrad's body (inside the custom op ``tcprec::conv2d_wgrad``)."""
-    _check_common(precision, backend, out_dtype)
-    _check_tensor(grad_out, "grad_out", "(N, P, Q, K)", precision)
-    _check_tensor(input, "input", "(N, H, W, C)", precision)
+    """conv2d_wgrad's body (inside the custom op ``tcprec::conv2d_wgrad``); :func:`conv2d_wgrad` validated the
+    arguments."""
     g = conv_geometry(tuple(input.shape), weight_shape, stride, padding, dilation)
-    _check_grad_out(grad_out, g)
-    device = _check_devices(grad_out=grad_out, input=input)
+    device = _device_of(grad_out)
     out_dtype = out_dtype or torch.float32
-    if split_k is not None and (isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < 1):
-        raise ValueError(f"split_k must be None or an int >= 1, got {split_k!r}")
     path, _ = _choose("wgrad", g, grad_out, precision, backend)
     if min(g.weight_shape) == 0 or g.N == 0:  # nothing to sum: dw is all zeros
         return torch.zeros(g.weight_shape, dtype=out_dtype, device=device)
@@ -967,7 +963,7 @@ def explain_conv2d_wgrad(grad_out, input, weight_shape, stride=1, padding=0, dil
     elif path == "triton":
         from ..kernels.triton import conv_bwd as kt
 
-        dev = grad_out.data.device if isinstance(grad_out, Fp8Tensor) else grad_out.device
+        dev = _device_of(grad_out)
         split = split_k or kt.wgrad_split(g, kt.sm_count(dev))  # fp8 runs the 16-bit kernel
         body = (f"Triton implicit GEMM over L = N*P*Q = {g.N * g.P * g.Q}, split-K {split} way(s) into an fp32 "
                 "workspace, then a fixed-order sum (deterministic, no atomics); fp32 accumulation"
@@ -978,7 +974,7 @@ def explain_conv2d_wgrad(grad_out, input, weight_shape, stride=1, padding=0, dil
         from ..kernels.triton import conv_bwd as kt
         from ..kernels.triton import wgrad_flat as wf
 
-        dev = grad_out.data.device if isinstance(grad_out, Fp8Tensor) else grad_out.device
+        dev = _device_of(grad_out)
         batch = precision == "fp8" and _batch_inner_ok(g)
         gf = wf.flat_geometry(g) if precision == "fp8" and not batch else g
         cfg = wf.config_for(gf, None, 1 if precision == "fp8" else 2, batch)
@@ -1003,7 +999,7 @@ def explain_conv2d_wgrad(grad_out, input, weight_shape, stride=1, padding=0, dil
         from ..kernels.triton import conv_bwd as kt
         from ..kernels.triton import wgrad_tma as wt
 
-        dev = grad_out.data.device if isinstance(grad_out, Fp8Tensor) else grad_out.device
+        dev = _device_of(grad_out)
         cfg = wt.config_for(g, None)
         pl = wt.plan(g, cfg, split_k, kt.sm_count(dev))
         box, split = pl["box"], pl["split"]
