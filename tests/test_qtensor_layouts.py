@@ -173,10 +173,32 @@ def test_qtensor_is_one_class_for_every_kernel_operand():
     assert isinstance(qconv.pack_activation(x, "uint2", s), QTensor)
 
 
-@pytest.mark.parametrize("module", ["tcprec.qtensor", "tcprec.ops.quantize", "tcprec.ops.qconv_operands"])
+@pytest.mark.parametrize("module", ["tcprec.qtensor", "tcprec.ops.quantize", "tcprec.ops.qconv_operands",
+                                    "tcprec.ops.conv"])
 def test_docstring_examples(module):
     import doctest
     import importlib
 
     result = doctest.testmod(importlib.import_module(module))
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_conv_backward_reads_float8_qtensors():
+    """conv2d_dgrad / conv2d_wgrad take e4m3 / e5m2 QTensors in the Float8() layout as the Fp8Tensor of the same data
+    and scale (the same result); Fp8Tensor.to_qtensor() is that QTensor; another layout is refused with the fix."""
+    gen = torch.Generator().manual_seed(6)
+    dy_hp, w_hp, x_hp = (torch.randn(2, 4, 4, 8, generator=gen), torch.randn(8, 3, 3, 5, generator=gen),
+                         torch.randn(2, 4, 4, 5, generator=gen))
+    dy8, w8, x8 = tp.to_fp8(dy_hp, "e5m2"), tp.to_fp8(w_hp, "e4m3"), tp.to_fp8(x_hp, "e4m3")
+    kw = dict(padding=1, precision="fp8", backend="reference")
+    want_dx = tp.conv2d_dgrad(dy8, w8, (2, 4, 4, 5), **kw)
+    want_dw = tp.conv2d_wgrad(dy8, x8, (8, 3, 3, 5), **kw)
+    qdy, qw, qx = dy8.to_qtensor(), w8.to_qtensor(), x8.to_qtensor()
+    assert qdy.layout == Float8() and torch.equal(qdy.dequantize(), dy8.dequantize())
+    assert torch.equal(tp.conv2d_dgrad(qdy, qw, (2, 4, 4, 5), **kw), want_dx)
+    assert torch.equal(tp.conv2d_wgrad(qdy, qx, (8, 3, 3, 5), **kw), want_dw)
+    q = tp.quantize(w_hp, "e4m3", layout=Float8())  # absmax per tensor: the same data and scale as to_fp8
+    assert torch.equal(q.data.view(torch.uint8), w8.data.view(torch.uint8)) and torch.equal(q.scale.reshape(()),
+                                                                                             w8.scale)
+    with pytest.raises(TypeError, match=r"takes fp8 QTensors in the Float8\(\) layout with one scale"):
+        tp.conv2d_dgrad(qdy.to_layout(Dense()), qw, (2, 4, 4, 5), **kw)

@@ -15,7 +15,8 @@ Precisions
 * ``"fp16"`` / ``"bf16"``: operands in that type (converted if they are not), fp32 accumulation.
 * ``"fp8"``: e4m3 activations and weights, e5m2 gradients, one float32 scale per tensor
   (value = code * scale).  Pass :class:`Fp8Tensor` operands (see :func:`to_fp8`,
-  :func:`prepare_fp8_dgrad`, :func:`prepare_fp8_wgrad`), or float tensors that are quantised here
+  :func:`prepare_fp8_dgrad`, :func:`prepare_fp8_wgrad`) or e4m3 / e5m2 ``QTensor`` in the ``Float8()`` layout
+  with one scale (``tcprec.quantize(t, "e4m3", layout=tcprec.Float8())``, the same data), or float tensors that are quantised here
   with amax scaling.  fp32 accumulation (promoted every 64-128 products on Hopper, see
   ``kernels/triton/conv_bwd.py``; ``fast_accum=True`` skips the promotion).
 
@@ -74,6 +75,7 @@ from ..kernels import reference_conv_bwd as rc
 from ..kernels.conv_geometry import ConvGeometry, pair
 from ..kernels.triton import choose_backend
 from ..precision import CONV_PRECISIONS as PRECISIONS  # one vocabulary
+from ..qtensor import Float8, PerTensor, QTensor, float8_dtype
 
 __all__ = [
     "conv2d_dgrad",
@@ -147,6 +149,27 @@ class Fp8Tensor:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.data.to(dtype) * self.scale.to(dtype)
+
+    def to_qtensor(self) -> QTensor:
+        """The same data and scale as a ``QTensor`` in the ``Float8()`` layout (PerTensor scale, float32 values).
+
+        >>> to_fp8(torch.tensor([1.0, -3.0])).to_qtensor().layout
+        Float8()
+        """
+        scale = self.scale.reshape((1,) * self.data.dim())
+        return QTensor(self.data, scale, self.fmt, PerTensor(), tuple(self.data.shape), torch.float32, Float8())
+
+
+def _from_qtensor(t, name: str):
+    """A ``QTensor`` operand of the conv backward as the :class:`Fp8Tensor` the kernels read (the same data, the
+    scale as a 0-d view): it must be e4m3 / e5m2 in the ``Float8()`` layout with one scale.  Anything else as is."""
+    if not isinstance(t, QTensor):
+        return t
+    if float8_dtype(t.fmt) is None or not isinstance(t.layout, Float8) or not isinstance(t.granularity, PerTensor):
+        raise TypeError(f"{name} is a {t.fmt} QTensor in the {t.layout!r} layout with {t.granularity}: the conv "
+                        "backward takes fp8 QTensors in the Float8() layout with one scale, "
+                        f"tcprec.quantize({name}_hp, 'e4m3', layout=tcprec.Float8()) (or to_fp8)")
+    return Fp8Tensor(t.data, t.scale.reshape(()))
 
 
 def to_fp8(t: torch.Tensor, fmt: str = "e4m3", *, memory_order: tuple[int, ...] | None = None,
@@ -660,6 +683,7 @@ def conv2d_dgrad(grad_out, weight, input_shape, stride=1, padding=0, dilation=1,
     >>> conv2d_dgrad(dy, w, (2, 8, 8, 5), stride=2, padding=1, backend="reference").shape
     torch.Size([2, 8, 8, 5])
     """
+    grad_out, weight = _from_qtensor(grad_out, "grad_out"), _from_qtensor(weight, "weight")
     _check_common(precision, backend, out_dtype)
     _check_tensor(grad_out, "grad_out", "(N, P, Q, K)", precision)
     _check_tensor(weight, "weight", "(K, R, S, C)", precision)
@@ -787,6 +811,7 @@ def _dgrad_fprop(dy: torch.Tensor, w: torch.Tensor, g: ConvGeometry) -> torch.Te
 def explain_conv2d_dgrad(grad_out, weight, input_shape, stride=1, padding=0, dilation=1, *, precision: str = "fp16",
                          activation=None, backend: str = "auto", out_dtype: torch.dtype | None = None) -> str:
     """Which backend :func:`conv2d_dgrad` runs for these arguments, and why (one paragraph)."""
+    grad_out, weight = _from_qtensor(grad_out, "grad_out"), _from_qtensor(weight, "weight")
     _check_common(precision, backend, None)
     g = conv_geometry(input_shape, tuple(weight.shape), stride, padding, dilation)
     path, why = _choose("dgrad", g, grad_out, precision, backend, activation, out_dtype)
@@ -842,6 +867,7 @@ def conv2d_wgrad(grad_out, input, weight_shape, stride=1, padding=0, dilation=1,
     >>> conv2d_wgrad(dy, x, (8, 3, 3, 5), stride=2, padding=1, backend="reference").shape
     torch.Size([8, 3, 3, 5])
     """
+    grad_out, input = _from_qtensor(grad_out, "grad_out"), _from_qtensor(input, "input")
     _check_common(precision, backend, out_dtype)
     _check_tensor(grad_out, "grad_out", "(N, P, Q, K)", precision)
     _check_tensor(input, "input", "(N, H, W, C)", precision)
@@ -948,6 +974,7 @@ def _conv2d_wgrad(grad_out, input, weight_shape, stride, padding, dilation, *, p
 def explain_conv2d_wgrad(grad_out, input, weight_shape, stride=1, padding=0, dilation=1, *, precision: str = "fp16",
                          split_k: int | None = None, backend: str = "auto") -> str:
     """Which backend :func:`conv2d_wgrad` runs for these arguments, and why (one paragraph)."""
+    grad_out, input = _from_qtensor(grad_out, "grad_out"), _from_qtensor(input, "input")
     _check_common(precision, backend, None)
     g = conv_geometry(tuple(input.shape), weight_shape, stride, padding, dilation)
     path, why = _choose("wgrad", g, grad_out, precision, backend)
