@@ -5,7 +5,6 @@ logic is tested here too), Chrome-trace export, the named-layers protocol and ba
 import doctest
 import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -120,18 +119,9 @@ def test_root_module_without_children_is_one_layer():
 # ---------------------------------------------------------------------------------------------
 # dtype trace
 # ---------------------------------------------------------------------------------------------
-@dataclass
-class FakePacked:
-    """What tcprec's packed activations look like to the profiler: ``.fmt`` and ``.planes``."""
-
-    fmt: object
-    planes: torch.Tensor
-    shape: tuple
-
-
 class FakeQuantize(nn.Module):
-    def forward(self, x):
-        return FakePacked(tp.format("uint2"), torch.zeros(2, x.shape[0], 1, dtype=torch.int32), tuple(x.shape))
+    def forward(self, x):  # tcprec's packed activations: a QTensor in the BitPlanes layout
+        return tp.quantize(x.abs(), "uint2", layout=tp.BitPlanes())
 
 
 class FakeQConv(nn.Module):
@@ -145,8 +135,8 @@ class FakeQConv(nn.Module):
         return ["int32", "scale/bias/relu"]
 
     def forward(self, p):
-        assert isinstance(p, FakePacked)
-        return FakePacked(p.fmt, p.planes.clone(), p.shape)
+        assert isinstance(p, tp.QTensor) and isinstance(p.layout, tp.BitPlanes)
+        return p.to_layout(tp.BitPlanes(compact=not p.layout.compact))
 
 
 class FakeQLinear(nn.Module):
@@ -205,7 +195,9 @@ def test_describe_value(value, name):
 def test_describe_qtensor_and_packed():
     qx = tp.quantize(torch.randn(4, 8), "int4", tp.PerChannel(0))
     assert P.describe_value(qx) == "int4 codes"
-    assert P.describe_value(FakePacked(tp.format("uint2"), torch.zeros(1), (1,))) == "uint2 planes"
+    qa = tp.quantize(torch.rand(2, 40), "uint2")
+    assert P.describe_value(qa.to_layout(tp.BitPlanes())) == "uint2 planes"
+    assert P.describe_value(qa.to_layout(tp.ShiftedInt8())) == "uint2 int8"
     fp8 = tp.to_fp8(torch.randn(1, 4, 4, 8)) if hasattr(tp, "to_fp8") else None
     if fp8 is not None:
         assert P.describe_value(fp8).startswith("fp8e")

@@ -17,8 +17,8 @@ from tcprec.kernels.conv_geometry import ConvGeometry
 from tcprec.packing import pack_bitplanes
 from tcprec.ops import qconv
 from tcprec.ops.quantize import quantize_static
-from tcprec.ops.qconv import PackedActivation, conv2d, explain_conv2d, pack_activation, pack_conv_weight
-from tcprec.qtensor import PerChannel, PerGroup, PerTensor, QTensor
+from tcprec.ops.qconv import conv2d, explain_conv2d, pack_activation, pack_conv_weight
+from tcprec.qtensor import BitPlanes, Dense, PerChannel, PerGroup, PerTensor, QTensor, ShiftedInt8, int8_affine, int8_codes
 
 pytest.importorskip("triton", reason="triton is a Linux dependency of tcprec")
 ENC = ("twos", "unsigned", "pm1")
@@ -222,15 +222,15 @@ def test_packed_output_bit_exact_and_chaining(out):
         want = tp.pack_bitplanes(codes.reshape(-1, y.shape[-1]), ofmt.bits)
         for impl in (conv2d, lambda *a, **k: qconv._conv2d_impl(*a, _gemm=rq.bmma_gemm_reference, **k)):
             pa = impl(qx, qw, bias=bias, act=act, pool=pool, out_fmt=out, out_scale=0.75, **geo)
-            assert isinstance(pa, PackedActivation) and pa.shape == tuple(y.shape) and pa.fmt == ofmt
-            assert torch.equal(pa.planes, want), (act, pool)
+            assert isinstance(pa.layout, BitPlanes) and pa.shape == tuple(y.shape) and pa.fmt == ofmt
+            assert torch.equal(pa.data, want), (act, pool)
             assert torch.equal(pa.dequantize(), tp.decode(codes, ofmt) * 0.75)
     # chaining: the packed output is the next layer's input, equal to feeding its codes as a QTensor
     pa = conv2d(qx, qw, bias=bias, act="relu", out_fmt=out, out_scale=0.75, **geo)
     gen = torch.Generator().manual_seed(9)
     qw2 = _qt((4, 3, 3, 6), IntFormat(1, encoding="pm1"), gen, PerChannel(0))
     pad = 0 if ofmt.encoding == "pm1" else 1
-    want2 = _exact(pa.to_qtensor(), qw2, 1, pad, 1)
+    want2 = _exact(pa.to_layout(Dense()), qw2, 1, pad, 1)
     got2 = qconv._conv2d_impl(pa, qw2, padding=pad, out_dtype=torch.int32, _gemm=rq.bmma_gemm_reference)
     assert torch.equal(got2.long(), want2)
     assert torch.equal(conv2d(pa, qw2, padding=pad, out_dtype=torch.int32).long(), want2)
@@ -250,9 +250,9 @@ def test_compact_packed_output(K):
                                           out_scale=0.75, _gemm=rq.bmma_gemm_reference, **k)
     for pool in (None, ("max", 2, 2), ("max", 2, 1)):
         full, comp = impl(pool=pool), impl(pool=pool, out_layout="compact")
-        assert not full.compact and comp.compact and comp.planes.shape[2] == -(-K // 32), pool
-        assert comp.shape == full.shape and torch.equal(comp.codes(), full.codes()), pool
-        assert torch.equal(comp.padded_planes(), full.planes), pool
+        assert not full.layout.compact and comp.layout.compact and comp.data.shape[2] == -(-K // 32), pool
+        assert comp.shape == full.shape and torch.equal(comp.codes, full.codes), pool
+        assert torch.equal(comp.to_layout(BitPlanes()).data, full.data), pool
     qw2 = _qt((4, 3, 3, K), IntFormat(1, encoding="pm1"), gen, PerChannel(0))
     want = qconv._conv2d_impl(full, qw2, padding=1, out_dtype=torch.int32, _gemm=rq.bmma_gemm_reference)
     got = qconv._conv2d_impl(comp, qw2, padding=1, out_dtype=torch.int32, _gemm=rq.bmma_gemm_reference)
@@ -263,7 +263,7 @@ def test_compact_packed_output(K):
 
 @pytest.mark.parametrize("dt", [torch.float16, torch.bfloat16])
 def test_planes_plus_float_output(dt):
-    """out_layout="planes+float": the float output and its planes (a PackedActivation with hp) from one epilogue --
+    """out_layout="planes+float": the float output and its planes (a BitPlanes QTensor with hp) from one epilogue --
     the float equals the float-only call, the planes are the float's codes (what the next layer's quantize_pack of
     it gives), with and without the residual; the reference backend writes the same codes."""
     gen = torch.Generator().manual_seed(11)
@@ -276,12 +276,12 @@ def test_planes_plus_float_output(dt):
         y = qconv._conv2d_impl(qx, qw, _gemm=rq.bmma_gemm_reference, **kw)
         pa = qconv._conv2d_impl(qx, qw, out_fmt="uint2", out_scale=0.6, out_layout="planes+float",
                                 _gemm=rq.bmma_gemm_reference, **kw)
-        assert isinstance(pa, PackedActivation) and pa.hp is not None and torch.equal(pa.hp, y)
-        assert pa.compact and pa.shape == tuple(y.shape) and pa.fmt == tp.format("uint2")
+        assert isinstance(pa.layout, BitPlanes) and pa.hp is not None and torch.equal(pa.hp, y)
+        assert pa.layout.compact and pa.shape == tuple(y.shape) and pa.fmt == tp.format("uint2")
         want = tp.quantize(y.float(), "uint2", scale=0.6).codes
-        assert torch.equal(pa.codes(), want)
+        assert torch.equal(pa.codes, want)
         ref = conv2d(qx, qw, backend="reference", out_fmt="uint2", out_scale=0.6, out_layout="planes+float", **kw)
-        assert torch.equal(ref.hp, y) and torch.equal(ref.codes(), want)
+        assert torch.equal(ref.hp, y) and torch.equal(ref.codes, want)
 
 
 @pytest.mark.parametrize("dt", [torch.float16, torch.bfloat16])
@@ -302,13 +302,13 @@ def test_int8_planes_plus_float_output(dt):
             kw = dict(geo, bias=bias, scale=scale, act="relu", out_dtype=dt, residual=r)
             y = conv2d(qx, qw, backend="int8", **kw)
             pa = conv2d(qx, qw, backend="int8", out_fmt="uint2", out_scale=0.6, out_layout="planes+float", **kw)
-            assert isinstance(pa, PackedActivation) and torch.equal(pa.hp.view(torch.int16), y.view(torch.int16))
+            assert isinstance(pa.layout, BitPlanes) and torch.equal(pa.hp.view(torch.int16), y.view(torch.int16))
             assert pa.shape == tuple(y.shape) and pa.fmt == tp.format("uint2")
-            assert torch.equal(pa.codes(), tp.quantize(y.float(), "uint2", scale=0.6).codes)
+            assert torch.equal(pa.codes, tp.quantize(y.float(), "uint2", scale=0.6).codes)
             ref = conv2d(qx, qw, backend="reference", out_fmt="uint2", out_scale=0.6, out_layout="planes+float", **kw)
             if dt == torch.float16 or not qconv._interpreting():  # (Triton's interpreter casts float32 to bfloat16
                 # by truncation, the GPU to nearest: bfloat16 values from the interpreted kernel differ in the last bit)
-                assert torch.equal(ref.hp, y) and torch.equal(ref.codes(), pa.codes())
+                assert torch.equal(ref.hp, y) and torch.equal(ref.codes, pa.codes)
             assert "planes" in explain_conv2d(qx, qw, backend="int8", out_fmt="uint2", out_scale=0.6,
                                               out_layout="planes+float", **kw)
 
@@ -317,9 +317,9 @@ def test_pack_activation_roundtrip():
     x = torch.rand(2, 3, 5, 37)
     pa = pack_activation(x, "uint4", 1 / 15)
     qx = tp.quantize(x, "uint4", PerTensor(), scale=1 / 15)
-    assert torch.equal(pa.codes(), qx.codes)
+    assert torch.equal(pa.codes, qx.codes)
     assert torch.equal(pa.dequantize(), qx.dequantize())
-    assert pa.planes.shape == (4, 30, 16)
+    assert pa.data.shape == (4, 30, 16)
 
 
 def test_explain_names_passes():
@@ -372,7 +372,7 @@ def test_bad_input():
         conv2d(qx, tp.quantize(torch.randn(6, 3, 3, 5), "binary", PerChannel(3)))
     with pytest.raises(ValueError, match=r"planes .* must be \(bits, N\*H\*W, packed_words\(C\)\) = \(2, 9, 16\) or "
                                          r"compact \(bits, N\*H\*W, ceil\(C / 32\)\) = \(2, 9, 1\), got \(2, 10, 16\)"):
-        PackedActivation(torch.zeros(2, 10, 16, dtype=torch.int32), "uint2", 1.0, (1, 3, 3, 5))
+        qconv.planes_qtensor(torch.zeros(2, 10, 16, dtype=torch.int32), "uint2", 1.0, (1, 3, 3, 5))
     with pytest.raises(ValueError, match="2\\^31"):
         conv2d(tp.quantize(torch.rand(1, 11, 11, 2048), "uint8"), tp.quantize(torch.randn(1, 11, 11, 2048), "int8"))
 
@@ -450,7 +450,7 @@ def test_int8_kernel_route_pool_and_packed_out():
         assert torch.equal(conv2d(qx, pw, backend="int8", **kw), conv2d(qx, qw, backend="reference", **kw))
         a = conv2d(qx, pw, backend="int8", out_fmt="uint3", out_scale=40.0, **kw)
         b = conv2d(qx, qw, backend="reference", out_fmt="uint3", out_scale=40.0, **kw)
-        assert isinstance(a, PackedActivation) and torch.equal(a.planes, b.planes)
+        assert isinstance(a.layout, BitPlanes) and torch.equal(a.data, b.data)
     assert "separate pass" in explain_conv2d(qx, pw, backend="int8", pool=("max", 2, 2), **geo)
     # packed planes, no pool or a 2x2 stride-2 max-pool: the kernel's epilogue writes them (no float32, no pass)
     for pool in (None, ("max", 2, 2)):
@@ -479,14 +479,14 @@ def test_int8_thin_stem_writes_pooled_planes(layout, out_fmt, x_fmt):
               out_scale=900.0)
     a = conv2d(qx, pw, backend="int8", out_layout=layout, **kw)
     b = conv2d(qx, qw, backend="reference", **kw)
-    assert isinstance(a, PackedActivation) and a.shape == b.shape == (2, 4, 3, 40)
-    assert a.compact == (layout == "compact")
-    assert torch.equal(a.planes, b.planes[..., :a.planes.shape[-1]]) and torch.equal(a.codes(), b.codes())
-    assert len(torch.unique(b.codes())) == 2 ** b.fmt.bits
+    assert isinstance(a.layout, BitPlanes) and a.shape == b.shape == (2, 4, 3, 40)
+    assert a.layout.compact == (layout == "compact")
+    assert torch.equal(a.data, b.data[..., :a.data.shape[-1]]) and torch.equal(a.codes, b.codes)
+    assert len(torch.unique(b.codes)) == 2 ** b.fmt.bits
     assert "thin layer (C = 3 < 16)" in explain_conv2d(qx, pw, backend="int8", out_layout=layout, **kw)
 
 
-# -- the INT8 layers' own operand: Int8Activation (quantizer, conv input, epilogue output) ----------------
+# -- the INT8 layers' own operand: a ShiftedInt8 QTensor (quantizer, conv input, epilogue output) ----------------
 
 INT8_ACT_FMTS = ("uint8", "uint4", "uint2", "int8", "int5", "int2", "pm3")
 
@@ -512,7 +512,7 @@ def test_thin_contiguous_inputs_quantize_as_flat_rows(shape):
     for fmt in ("uint8", "int8", "int3"):
         a = qconv.quantize_int8_static(x, tp.format(fmt), s)
         b = qconv.quantize_int8_static(x, tp.format(fmt), s, backend="reference")
-        assert a.x8.shape == x.shape and torch.equal(a.x8, b.x8), fmt
+        assert a.data.shape == x.shape and torch.equal(a.data, b.data), fmt
     for dt in (torch.float8_e4m3fn, torch.float8_e5m2):
         want = torch.clamp(x / 0.5, -torch.finfo(dt).max, torch.finfo(dt).max).to(dt).view(torch.uint8)
         got = pool_quantize_fp8(x, s, 0, dt).view(torch.uint8)
@@ -539,23 +539,24 @@ def test_quantize_int8_static_equals_reference(fmt, pool):
     keep = torch.ones_like(want, dtype=torch.bool)
     if pool is not None and pool[0] == "max":  # a NaN in a max-pool window: the kernel's max skips it
         keep[0, 0, 0, 0] = False
-    assert a.x8.dtype == torch.int8 and a.x8.is_contiguous()
-    assert torch.equal(a.x8[keep], b.x8[keep]) and torch.equal(a.codes()[keep], want[keep])
+    assert a.data.dtype == torch.int8 and a.data.is_contiguous()
+    assert torch.equal(a.data[keep], b.data[keep]) and torch.equal(a.codes[keep], want[keep])
     assert len(torch.unique(want)) >= min(f.n_codes, 4)  # many codes, not only saturation
-    assert float(tp.decode(a.codes(), f).max()) == f.max  # 1e9 saturates to the top value
-    off, step = a.affine()
-    assert torch.equal(a.dequantize(), tp.decode(a.codes(), f).float() * 0.5)
-    assert (off, step) == qconv._int8_codes(want, f)[1:]
+    assert float(tp.decode(a.codes, f).max()) == f.max  # 1e9 saturates to the top value
+    off, step = int8_affine(a.fmt)
+    assert torch.equal(a.dequantize(), tp.decode(a.codes, f).float() * 0.5)
+    assert (off, step) == int8_codes(want, f)[1:]
 
 
 def test_int8_activation_in_and_out():
-    """A conv reads an Int8Activation exactly like the QTensor of the same codes, and with
+    """A conv reads a ShiftedInt8 QTensor exactly like the QTensor of the same codes, and with
     out_layout="int8" writes the next layer's codes: from the INT8 kernel's epilogue (no pool), after a
     pooling pass, and from a bit-serial layer -- all equal to the reference backend's."""
     qx, qw, geo = _int8_case(0, seed=5)
     pw = pack_conv_weight(qw)
-    xi = qconv.Int8Activation(qconv._int8_codes(qx.codes, qx.fmt)[0].contiguous(), qx.fmt, qx.scale.reshape(1))
-    assert torch.equal(xi.codes(), qx.codes)
+    xi = qconv.int8_qtensor(int8_codes(qx.codes, qx.fmt)[0].contiguous(), qx.fmt, qx.scale.reshape(1))
+    assert torch.equal(xi.data, qx.to_layout(ShiftedInt8()).data)  # quantize(layout=ShiftedInt8()) stores the same
+    assert torch.equal(xi.codes, qx.codes)
     assert torch.equal(conv2d(xi, pw, out_dtype=torch.int32, backend="int8", **geo),
                        conv2d(qx, pw, out_dtype=torch.int32, backend="int8", **geo))
     bias = torch.randn(qw.shape[0], generator=torch.Generator().manual_seed(2)) * 100
@@ -564,19 +565,19 @@ def test_int8_activation_in_and_out():
             kw = dict(bias=bias, act="relu", pool=pool, out_fmt=fmt, out_scale=40.0, out_layout="int8", **geo)
             a = conv2d(xi, pw, backend="int8", **kw)
             b = conv2d(qx, qw, backend="reference", **kw)
-            assert isinstance(a, qconv.Int8Activation) and a.fmt == tp.format(fmt)
-            assert torch.equal(a.x8, b.x8), (fmt, pool)
-            assert int(a.codes().max()) > 0 and torch.equal(a.codes(), b.codes())
+            assert isinstance(a.layout, ShiftedInt8) and a.fmt == tp.format(fmt)
+            assert torch.equal(a.data, b.data), (fmt, pool)
+            assert int(a.codes.max()) > 0 and torch.equal(a.codes, b.codes)
             want = conv2d(qx, qw, backend="reference", **dict(kw, out_layout="planes"))  # the same codes as planes
-            assert torch.equal(a.codes(), want.codes())
+            assert torch.equal(a.codes, want.codes)
     s = explain_conv2d(xi, pw, backend="int8", out_fmt="uint8", out_scale=4.0, out_layout="int8", **geo)
-    assert "Int8Activation" in s and "separate pass" not in s
+    assert "ShiftedInt8 QTensor" in s and "separate pass" not in s
     # a bit-serial producer: its float result goes through the one-pass quantizer
     qb, wb, gb = _case(2)
     a = qconv._conv2d_impl(qb, wb, out_fmt="uint8", out_scale=0.25, out_layout="int8", act="relu", _gemm=rq.bmma_gemm_reference,
                            **gb)
     b = conv2d(qb, wb, out_fmt="uint8", out_scale=0.25, out_layout="int8", act="relu", backend="reference", **gb)
-    assert isinstance(a, qconv.Int8Activation) and torch.equal(a.x8, b.x8) and int(a.codes().max()) > 0
+    assert isinstance(a.layout, ShiftedInt8) and torch.equal(a.data, b.data) and int(a.codes.max()) > 0
 
 
 def test_int8_layout_bad_input():
@@ -586,9 +587,9 @@ def test_int8_layout_bad_input():
     with pytest.raises(ValueError, match="needs an integer out_fmt"):
         conv2d(qx, qw, out_layout="int8", **geo)
     with pytest.raises(TypeError, match="contiguous int8 NHWC"):
-        qconv.Int8Activation(torch.zeros(1, 2, 2, 3, dtype=torch.uint8), "uint8", 1.0)
+        qconv.int8_qtensor(torch.zeros(1, 2, 2, 3, dtype=torch.uint8), "uint8", 1.0)
     with pytest.raises(TypeError, match="integer format"):
-        qconv.Int8Activation(torch.zeros(1, 2, 2, 3, dtype=torch.int8), "e4m3", 1.0)
+        qconv.int8_qtensor(torch.zeros(1, 2, 2, 3, dtype=torch.int8), "e4m3", 1.0)
     with pytest.raises(ValueError, match="NHWC"):
         qconv.quantize_int8_static(torch.zeros(3, 4), "uint8", torch.ones(1))
     with pytest.raises(ValueError, match="pool must be one of"):
@@ -630,7 +631,7 @@ def test_int8_operand_rule_matches_matmul():
         fmt = tp.format(name)
         codes = torch.arange(fmt.n_codes, dtype=torch.uint8).reshape(1, -1)
         qt = QTensor(codes, torch.ones(1, 1), fmt, PerTensor(), tuple(codes.shape), torch.float32)
-        a = qconv._int8_codes(codes, fmt)
+        a = int8_codes(codes, fmt)
         b = _int8_operand(qt, 1, fmt.n_codes)
         assert torch.equal(a[0], b[0]) and a[1:] == b[1:], name
         assert torch.equal(a[1] + a[2] * a[0].long(), tp.decode(codes, fmt).long()), name
@@ -727,7 +728,7 @@ def test_fp8_bad_input():
 
 @pytest.mark.parametrize("C", [5, 64, 70])
 def test_compact_activation_equals_padded(C):
-    """A compact PackedActivation (rows without their padding words, what QConv2d hands a layer that reads its
+    """A compact BitPlanes QTensor (rows without their padding words, what QConv2d hands a layer that reads its
     input through an im2col) gives the same codes and the same convolution -- 3x3, and 1x1 pointwise (which
     pads it back for the GEMM) -- as the padded one."""
     from tcprec.ops.quantize import quantize_pack
@@ -735,10 +736,10 @@ def test_compact_activation_equals_padded(C):
     g = torch.Generator().manual_seed(C)
     x = torch.rand(2, 6, 7, C, generator=g)
     s = torch.tensor([1 / 3])
-    full = PackedActivation(quantize_pack(x.reshape(-1, C), "uint2", s), "uint2", s, (2, 6, 7, C))
-    comp = PackedActivation(quantize_pack(x.reshape(-1, C), "uint2", s, compact=True), "uint2", s, (2, 6, 7, C))
-    assert comp.compact and not full.compact and comp.planes.shape[2] == -(-C // 32)
-    assert torch.equal(comp.padded_planes(), full.planes) and torch.equal(comp.codes(), full.codes())
+    full = qconv.planes_qtensor(quantize_pack(x.reshape(-1, C), "uint2", s), "uint2", s, (2, 6, 7, C))
+    comp = qconv.planes_qtensor(quantize_pack(x.reshape(-1, C), "uint2", s, compact=True), "uint2", s, (2, 6, 7, C))
+    assert comp.layout.compact and not full.layout.compact and comp.data.shape[2] == -(-C // 32)
+    assert torch.equal(comp.to_layout(BitPlanes()).data, full.data) and torch.equal(comp.codes, full.codes)
     for ksize, pad in ((3, 1), (1, 0)):
         qw = _qt((4, ksize, ksize, C), IntFormat(1, encoding="pm1"), g, PerChannel(0))
         for impl in (conv2d, lambda *a, **k: qconv._conv2d_impl(*a, _gemm=rq.bmma_gemm_reference, **k)):
@@ -780,15 +781,15 @@ def test_residual_and_dual_output_bit_exact(i, dt):
     codes = qconv.quantize_int8_static(want, fmt, s_out)
     for backend, w in (("int8", pw), ("reference", qw)):
         a = conv2d(qx, w, backend=backend, out_fmt=fmt, out_scale=s_out, out_layout="int8", **kw)
-        assert isinstance(a, qconv.Int8Activation) and a.hp is None and torch.equal(a.x8, codes.x8), backend
+        assert isinstance(a.layout, ShiftedInt8) and a.hp is None and torch.equal(a.data, codes.data), backend
         d = conv2d(qx, w, backend=backend, out_fmt=fmt, out_scale=s_out, out_layout="int8+float", **kw)
-        assert d.hp.dtype == dt and d.hp.shape == d.x8.shape and torch.equal(d.hp, want), backend
-        assert torch.equal(d.x8, codes.x8) and torch.equal(d.scale, s_out), backend
-    assert int(codes.x8.max()) == 127 and len(torch.unique(codes.x8)) > 10  # the top code (uint8: 255 - 128)
+        assert d.hp.dtype == dt and d.hp.shape == d.data.shape and torch.equal(d.hp, want), backend
+        assert torch.equal(d.data, codes.data) and torch.equal(d.scale.reshape(1), s_out), backend
+    assert int(codes.data.max()) == 127 and len(torch.unique(codes.data)) > 10  # the top code (uint8: 255 - 128)
     s = explain_conv2d(qx, pw, backend="int8", out_fmt=fmt, out_scale=s_out, out_layout="int8+float", **kw)
-    assert f"fused epilogue (scale, bias, residual, act={act})" in s and "Int8Activation with hp" in s
+    assert f"fused epilogue (scale, bias, residual, act={act})" in s and "ShiftedInt8 QTensor with hp" in s
     assert "separate pass" not in s
-    # the dual output is a conv's input (its codes) like any Int8Activation
+    # the dual output is a conv's input (its codes) like any ShiftedInt8 QTensor
     nxt = _qt((5, 1, 1, K), tp.format("int8"), gen, PerChannel(0))
     assert torch.equal(conv2d(d, nxt, out_dtype=torch.int32, backend="int8"),
                        conv2d(codes, nxt, out_dtype=torch.int32, backend="int8"))
@@ -881,11 +882,11 @@ def test_residual_bad_input():
                                          r"'reference' backends, not 'fp8'; an FP8 layer writes its float and float8 "
                                          r"codes with out_layout='fp8\+float'"):
         conv2d(fx, fw, backend="fp8", out_fmt="uint2", out_scale=1.0, out_layout="planes+float", **fgeo)
-    with pytest.raises(TypeError, match=r"hp must be None or a float NHWC tensor of the activation's shape"):
-        PackedActivation(torch.zeros(2, 4, 16, dtype=torch.int32), "uint2", 1.0, (1, 2, 2, 3),
-                         hp=torch.zeros(1, 3, 2, 2))
-    with pytest.raises(TypeError, match=r"hp must be None or a float NHWC tensor of x8's shape \(1, 2, 2, 3\)"):
-        qconv.Int8Activation(torch.zeros(1, 2, 2, 3, dtype=torch.int8), "uint8", 1.0, hp=torch.zeros(1, 3, 2, 2))
+    with pytest.raises(TypeError, match=r"hp must be None or a float tensor of the codes' shape \(1, 2, 2, 3\)"):
+        qconv.planes_qtensor(torch.zeros(2, 4, 16, dtype=torch.int32), "uint2", 1.0, (1, 2, 2, 3),
+                             hp=torch.zeros(1, 3, 2, 2))
+    with pytest.raises(TypeError, match=r"hp must be None or a float tensor of the codes' shape \(1, 2, 2, 3\)"):
+        qconv.int8_qtensor(torch.zeros(1, 2, 2, 3, dtype=torch.int8), "uint8", 1.0, hp=torch.zeros(1, 3, 2, 2))
 
 
 def test_scale_tensor_is_checked_once_per_version(monkeypatch):
@@ -918,11 +919,11 @@ def test_column_scale_is_computed_once_per_version_of_its_buffers():
     again after an in-place change of any of them; a view of a buffer shares its entry; new tensors get new values;
     inference tensors and tensors that need grad are never remembered."""
     xs_scale, w_scale, ch = torch.tensor([0.5]), torch.tensor([1.0, 2.0, 4.0]), torch.tensor([3.0, 1.0, 0.5])
-    xs = qconv._X(IntFormat(2, encoding="unsigned"), xs_scale, (1, 1, 1, 3), xs_scale.device, None, None)
+    xs = qconv._X(IntFormat(2, encoding="unsigned"), xs_scale, (1, 1, 1, 3), xs_scale.device, None)
     col = qconv._col_scale(xs, w_scale, ch)
     assert col.tolist() == [1.5, 1.0, 1.0]
     assert qconv._col_scale(xs, w_scale, ch) is col
-    xv = qconv._X(xs.fmt, xs_scale.reshape(1, 1).reshape(1), xs.shape, xs.device, None, None)  # a view of x's scale
+    xv = qconv._X(xs.fmt, xs_scale.reshape(1, 1).reshape(1), xs.shape, xs.device, None)  # a view of x's scale
     assert qconv._col_scale(xv, w_scale, ch) is col
     ch.mul_(2)  # in place (e.g. load_state_dict): computed again
     again = qconv._col_scale(xs, w_scale, ch)

@@ -4,6 +4,8 @@ by the conv's own epilogue (``conv_fwd`` OUT_MODE 4) give exactly the codes of t
 kernel's float32 output, ``reference_conv_bitserial.pool_nhwc`` and ``quantize_fp8_static`` (torch ops) -- for the FP8 and
 INT8 kernels, every pool, both formats, saturating scales; ``explain_conv2d`` names the pass that runs."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ import tcprec as tp
 from tcprec.kernels import reference_conv_bitserial as rq
 from tcprec.ops import qconv
 from tcprec.ops.qconv import conv2d, explain_conv2d, pack_conv_weight, quantize_fp8_static
-from tcprec.qtensor import PerChannel, QTensor
+from tcprec.qtensor import PerChannel, QTensor, ShiftedInt8
 
 pytest.importorskip("triton", reason="triton is a Linux dependency of tcprec")
 
@@ -110,45 +112,43 @@ def _dual_case(layer, dtype=torch.float16):
 def test_dual_fp8_output_equals_float_then_quantize(layer, dtype):
     """act(conv + residual) written once as the float (the next residual) and its e4m3 codes (the next FP8 convs):
     the float equals the float-only fused conv, the codes equal quantize_fp8_static of that float, on the INT8 /
-    FP8 kernels (OUT_MODE 5) and the reference; the Fp8Activation feeds a conv as x (its codes) like its QTensor."""
+    FP8 kernels (OUT_MODE 5) and the reference; the QTensor with hp feeds a conv as x (its codes) like one without."""
     qx, pw, geo, res = _dual_case(layer, dtype)
     y = conv2d(qx, pw, act="relu", residual=res, **geo)
     for o in (torch.tensor([0.05]), torch.tensor([0.001])):
         d = conv2d(qx, pw, act="relu", residual=res, out_fmt="e4m3", out_scale=o, out_layout="fp8+float", **geo)
-        assert isinstance(d, qconv.Fp8Activation) and d.fmt == tp.format("e4m3") and d.shape == tuple(y.shape)
+        assert isinstance(d, QTensor) and d.fmt == tp.format("e4m3") and d.shape == tuple(y.shape)
         assert d.hp.dtype == dtype and torch.equal(d.hp, y)
         want = quantize_fp8_static(y, o, "e4m3")
-        assert torch.equal(d.qt.codes, want.codes) and torch.equal(d.scale, o)
-        assert torch.equal(d.dequantize(), d.qt.codes.view(torch.float8_e4m3fn).float() * o)
+        assert torch.equal(d.codes, want.codes) and torch.equal(d.scale.reshape(1), o)
+        assert torch.equal(d.dequantize(torch.float32), d.codes.view(torch.float8_e4m3fn).float() * o)
         for act in ("relu", ("leaky", 0.1)):  # codes alone (a block output read only by FP8 convs): the same codes
             c = conv2d(qx, pw, act=act, residual=res, out_fmt="e4m3", out_scale=o, **geo)
             assert torch.equal(c.codes, quantize_fp8_static(conv2d(qx, pw, act=act, residual=res, **geo), o).codes)
     nxt = _fp8_layer(seed=23, C=8, K=4)[1]
     kw = dict(padding=1, backend="fp8" if layer in ("fp8", "int8") else "reference")
-    assert torch.equal(conv2d(d, nxt, **kw), conv2d(d.qt, nxt, **kw))
+    assert torch.equal(conv2d(d, nxt, **kw), conv2d(dataclasses.replace(d, hp=None), nxt, **kw))
 
 
 def test_dual_fp8_explain_and_bad_input():
     qx, pw, geo, res = _dual_case("fp8")
     o = torch.tensor([0.1])
     s = explain_conv2d(qx, pw, residual=res, out_fmt="e4m3", out_scale=o, out_layout="fp8+float", act="relu", **geo)
-    assert s.endswith("-> float16 + float8_e4m3fn codes (Fp8Activation)") and "residual" in s
+    assert s.endswith("-> float16 + float8_e4m3fn codes (float8 QTensor with hp)") and "residual" in s
     with pytest.raises(ValueError, match=r"out_layout='fp8\+float' .* needs out_fmt='e4m3' or 'e5m2', got out_fmt=uint8"):
         conv2d(qx, pw, out_fmt="uint8", out_scale=o, out_layout="fp8+float", **geo)
     with pytest.raises(ValueError, match=r"out_layout='int8\+float' writes integer codes .* got out_fmt=float8_e4m3fn"):
         conv2d(qx, pw, out_fmt="e4m3", out_scale=o, out_layout="int8+float", **geo)
     with pytest.raises(ValueError, match=r"out_layout='fp8\+float' cannot be combined with pool"):
         conv2d(qx, pw, out_fmt="e4m3", out_scale=o, out_layout="fp8+float", pool=("max", 2, 2), **geo)
-    with pytest.raises(TypeError, match="qt must be an e4m3 / e5m2 QTensor of NHWC codes"):
-        qconv.Fp8Activation(tp.quantize(torch.rand(1, 2, 2, 3), "uint8"), torch.zeros(1, 2, 2, 3))
-    with pytest.raises(TypeError, match=r"hp must be a float NHWC tensor of the codes' shape \(2, 7, 9, 20\)"):
-        qconv.Fp8Activation(qx, torch.zeros(2, 7, 9, 21))
+    with pytest.raises(TypeError, match=r"hp must be None or a float tensor of the codes' shape \(2, 7, 9, 20\)"):
+        dataclasses.replace(qx, hp=torch.zeros(2, 7, 9, 21))
 
 
 @pytest.mark.parametrize("pool", [None, ("max", 2, 2), ("max", 2, 1)])
 @pytest.mark.parametrize("fmt", ["uint8", "int8"])
 def test_fp8_layer_hands_int8_codes(fmt, pool):
-    """An FP8 conv -> the next INT8 conv's Int8Activation (OUT_MODE 2 of the shared epilogue, or the int8
+    """An FP8 conv -> the next INT8 conv's ShiftedInt8 QTensor (OUT_MODE 2 of the shared epilogue, or the int8
     pool + quantize pass): the codes of its float32 output through quantize_int8_static's torch path."""
     qx, pw, bias = _fp8_layer(seed=31)
     kw = dict(padding=1, act=("leaky", 0.1) if fmt == "int8" else "relu", bias=bias, backend="fp8")
@@ -156,5 +156,5 @@ def test_fp8_layer_hands_int8_codes(fmt, pool):
     o = torch.tensor([float(y32.abs().max()) / 200])  # some saturation
     got = conv2d(qx, pw, out_fmt=fmt, out_scale=o, out_layout="int8", pool=pool, **kw)
     want = qconv.quantize_int8_static(y32, fmt, o, pool, backend="reference")
-    assert isinstance(got, qconv.Int8Activation) and got.fmt == tp.format(fmt)
-    assert torch.equal(got.x8, want.x8)
+    assert isinstance(got.layout, ShiftedInt8) and got.fmt == tp.format(fmt)
+    assert torch.equal(got.data, want.data)

@@ -24,7 +24,7 @@ from tcprec.nn.qmodules import LayerPrecision, QConv2d, QLinear, parse_precision
 def _as_on_h100(monkeypatch):
     """quantize_model's decisions (backends, chaining) as on an H100 (sm_90, 132 SMs, cuda.core): bit-serial while
     p*q < 8, INT8 otherwise.  The layers still run the float64 reference on this CPU, which reads and writes the same
-    operands (bit planes, Int8Activation, float8 QTensors)."""
+    operands (BitPlanes, ShiftedInt8 and float8 QTensors)."""
     from tcprec.nn import convert
     from tcprec.ops.qconv_plan import DeviceCaps
 
@@ -291,7 +291,7 @@ def test_residual_fusion_is_bit_identical(backend, dtype):
 
 def test_bitserial_resnet_block_outputs_are_float_and_planes(monkeypatch):
     """On the bit-serial kernel a block's output (its last conv fused with the add) is written once as the float
-    and its planes ("planes+float", a PackedActivation with hp) for every reader: the next block's conv1, its 1x1
+    and its planes ("planes+float", a BitPlanes QTensor with hp) for every reader: the next block's conv1, its 1x1
     shortcut conv and its residual add; so is the first conv's (int8); the last block's (read by flatten) is not."""
     _as_on_h100(monkeypatch)
     x = torch.randn(2, 3, 8, 8)
@@ -310,7 +310,7 @@ def test_bitserial_resnet_block_outputs_are_float_and_planes(monkeypatch):
 
 def _int8_kernel_layers(monkeypatch):
     """Chaining decisions as on a GPU: quantize_model sees the integer layers on the INT8 kernel (on the CPU they
-    run the reference backend, which takes and writes the same operands: Int8Activation, float8 QTensors)."""
+    run the reference backend, which takes and writes the same operands: ShiftedInt8 and float8 QTensors)."""
     _as_on_h100(monkeypatch)
 
 
@@ -318,7 +318,7 @@ def _int8_kernel_layers(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fp8_resnet_chains_codes_and_float(monkeypatch, dtype, first_last):
     """FP8 blocks: a block output read by the next conv1 (and the 1x1 shortcut) and by the next residual add is
-    written once as the float and its e4m3 codes (out_layout "fp8+float", an Fp8Activation), codes only at a
+    written once as the float and its e4m3 codes (out_layout "fp8+float", a float8 QTensor with hp), codes only at a
     stage's entry; with the int8 stem (first_last) the stem writes the float and the first FP8 layer's codes.
     Bit-identical to the network with unfused residual adds (whose block outputs are float tensors that the next
     layers quantize), and in float32 to the unchained network (in float16 a chained non-residual link quantizes the

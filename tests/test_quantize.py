@@ -8,7 +8,7 @@ import torch
 from tcprec.formats import as_format
 from tcprec.ops.cast import decode, encode
 from tcprec.ops.quantize import absmax_qmax, quantize
-from tcprec.qtensor import PerChannel, PerGroup, PerTensor, QTensor
+from tcprec.qtensor import Dense, PerChannel, PerGroup, PerTensor, QTensor
 
 INT_FORMATS = ["int2", "int4", "int8", "uint4", "pm2"]
 FLOAT_FORMATS = ["e4m3", "e5m2", "fp4"]
@@ -51,7 +51,7 @@ def test_shapes_dtypes_and_finite(name, g):
     assert qt.scale.dtype == torch.float32
     assert tuple(qt.scale.shape) == _expected_scale_shape(g, x.shape)
     assert qt.fmt == fmt and qt.dtype == torch.float32 and qt.shape == (24, 64)
-    assert qt.numel() == x.numel() and qt.device == x.device and qt.layout == "dense"
+    assert qt.numel() == x.numel() and qt.device == x.device and qt.layout == Dense()
     assert torch.isfinite(qt.scale).all() and (qt.scale > 0).all()
     y = qt.dequantize()
     assert y.dtype == x.dtype and y.shape == x.shape and torch.isfinite(y).all()
@@ -203,8 +203,8 @@ def test_saturates_overflowing_given_scale():
 def test_repr():
     qt = quantize(_x(shape=(64, 128)), "int4", PerChannel(0))
     assert repr(qt) == (
-        "QTensor(shape=(64, 128), fmt=int4, granularity=PerChannel(axis=0), scale=(64, 1) float32, "
-        "codes=uint8, device=cpu)"
+        "QTensor(shape=(64, 128), fmt=int4, granularity=PerChannel(axis=0), layout=Dense(), scale=(64, 1) float32, "
+        "data=uint8, device=cpu)"
     )
     r = repr(quantize(_x(shape=(4, 64)), "mxfp4"))
     assert "fmt=mxfp4" in r and "PerGroup(size=32, axis=1)" in r and "scale=(4, 2) float32" in r
@@ -298,7 +298,8 @@ def test_qtensor_constructor_checks():
         QTensor(qt.codes, qt.scale.view(1, 24), qt.fmt, qt.granularity, qt.shape, qt.dtype)
     with pytest.raises(TypeError, match="uint8"):
         QTensor(qt.codes.int(), qt.scale, qt.fmt, qt.granularity, qt.shape, qt.dtype)
-    with pytest.raises(ValueError, match="layout"):
+    with pytest.raises(TypeError, match=r"layout must be one of Dense\(\), BitPlanes\(compact=False\|True\), "
+                                        r"ShiftedInt8\(\), Float8\(\), got str 'planes'; strings are not accepted"):
         QTensor(qt.codes, qt.scale, qt.fmt, qt.granularity, qt.shape, qt.dtype, layout="planes")
     ok = QTensor(qt.codes, qt.scale, "int4", PerChannel(-2), list(qt.shape), qt.dtype)
     assert ok.granularity == PerChannel(0) and ok.fmt == as_format("int4")

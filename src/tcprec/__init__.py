@@ -23,7 +23,7 @@ from .qat import convert_qat, prepare_qat
 from .profiling import profile
 from .runtime import Engine, compile  # noqa: A004
 from .packing import K_PAD_BITS, pack_bitplanes, packed_words, plane_popcounts, unpack_bitplanes
-from .qtensor import PerChannel, PerGroup, PerTensor, QTensor
+from .qtensor import BitPlanes, Dense, Float8, PerChannel, PerGroup, PerTensor, QTensor, ShiftedInt8
 
 from ._version import __version__
 
@@ -49,6 +49,10 @@ __all__ = [
     "PerTensor",
     "PerChannel",
     "PerGroup",
+    "Dense",
+    "BitPlanes",
+    "ShiftedInt8",
+    "Float8",
     # integer GEMMs on tensor cores (bit-serial binary MMA, or INT8)
     "matmul",
     "matmul_packed",

@@ -127,16 +127,21 @@ FACTOR_ALIASES = {
 }
 
 
+def _canonical(value, name: str, names: tuple, aliases: dict, purpose: str = "", example: str = "") -> str:
+    """``aliases[value]`` (case and surrounding spaces ignored); ValueError naming every accepted spelling
+    otherwise -- the one shape of ``canonical_factor`` and ``canonical_conv_precision``."""
+    key = value.strip().lower() if isinstance(value, str) else None
+    if key not in aliases:
+        other = ", ".join(k for k in aliases if k not in names)
+        raise ValueError(f"{name} must be one of {names} ({purpose + '; ' if purpose else ''}also spelled {other}), "
+                         f"got {name}={value!r}" + (f"; e.g. {example}" if example else ""))
+    return aliases[key]
+
+
 def canonical_factor(factor) -> str:
     """``"bfloat16"`` -> ``"bf16"`` etc.; ValueError naming every accepted spelling otherwise."""
-    key = factor.strip().lower() if isinstance(factor, str) else None
-    if key not in FACTOR_ALIASES:
-        raise ValueError(
-            f"factor must be one of {FACTOR_FORMATS} (the precision of the LU's tensor-core updates; also "
-            f"spelled {', '.join(k for k in FACTOR_ALIASES if k not in FACTOR_FORMATS)}), got factor={factor!r}; "
-            "e.g. solve(A, b, factor='bf16')"
-        )
-    return FACTOR_ALIASES[key]
+    return _canonical(factor, "factor", FACTOR_FORMATS, FACTOR_ALIASES, "the precision of the LU's tensor-core updates",
+                      "solve(A, b, factor='bf16')")
 
 
 # The operand precision of the float tensor-core convolution (ops.conv, nn.Conv2d).
@@ -146,10 +151,6 @@ CONV_ALIASES = {"fp16": "fp16", "float16": "fp16", "half": "fp16", "bf16": "bf16
 
 
 def canonical_conv_precision(precision) -> str:
-    key = precision.strip().lower() if isinstance(precision, str) else None
-    if key not in CONV_ALIASES:
-        raise ValueError(
-            f"precision must be one of {CONV_PRECISIONS} (also spelled "
-            f"{', '.join(k for k in CONV_ALIASES if k not in CONV_PRECISIONS)}), got {precision!r}"
-        )
-    return CONV_ALIASES[key]
+    """``"float16"`` -> ``"fp16"`` etc. (the float tensor-core convolution's operands); ValueError naming every
+    accepted spelling otherwise."""
+    return _canonical(precision, "precision", CONV_PRECISIONS, CONV_ALIASES)

@@ -53,7 +53,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from .qtensor import QTensor
+from .qtensor import BitPlanes, QTensor, ShiftedInt8
 
 __all__ = [
     "Activity",
@@ -227,8 +227,8 @@ for _name, _short in [("float8_e4m3fn", "fp8e4m3"), ("float8_e5m2", "fp8e5m2"), 
 
 def describe_value(v: Any) -> str:
     """A short name for what flows between layers: a Tensor's dtype (``fp32``, ``int32``,
-    ``fp8e4m3``), ``"<fmt> planes"`` for packed activations (``.fmt`` and ``.planes``),
-    ``"<fmt> codes"`` for a QTensor, the data's dtype for a scaled tensor (``.data`` + ``.scale``),
+    ``fp8e4m3``), for a QTensor ``"<fmt> planes"`` (``BitPlanes`` layout), ``"<fmt> int8"`` (``ShiftedInt8``) or
+    ``"<fmt> codes"`` (the others), the data's dtype for a scaled tensor (``.data`` + ``.scale``),
     and a tuple of the distinct names for containers.
 
     >>> describe_value(torch.zeros(2, dtype=torch.bfloat16)), describe_value((torch.zeros(1), torch.zeros(1)))
@@ -237,9 +237,7 @@ def describe_value(v: Any) -> str:
     if isinstance(v, torch.Tensor):
         return _DTYPE_SHORT.get(v.dtype, str(v.dtype).removeprefix("torch."))
     if isinstance(v, QTensor):
-        return f"{v.fmt} codes"
-    if hasattr(v, "fmt") and hasattr(v, "planes"):
-        return f"{v.fmt} planes"
+        return f"{v.fmt} " + {BitPlanes: "planes", ShiftedInt8: "int8"}.get(type(v.layout), "codes")
     if isinstance(getattr(v, "data", None), torch.Tensor) and hasattr(v, "scale"):
         return describe_value(v.data)
     if isinstance(v, (tuple, list)):

@@ -1,5 +1,5 @@
 """FP8 networks with every link chained, on the GPU: ResNet blocks write the float and the next FP8 convs' e4m3
-codes in one epilogue (``conv_fwd`` OUT_MODE 5, ``out_layout="fp8+float"``, an ``Fp8Activation``), and the int8
+codes in one epilogue (``conv_fwd`` OUT_MODE 5, ``out_layout="fp8+float"``, a float8 QTensor with ``hp``), and the int8
 first / last layers of the "fp8" precision exchange codes with their FP8 neighbours (int8 stem -> e4m3 codes, FP8
 layer -> int8 codes).  In float32 the chained networks equal the unchained ones bit for bit; in float16 the fused
 ResNet equals the one with unfused adds; eagerly and from the compiled CUDA graph."""

@@ -11,8 +11,8 @@ import torch
 import tcprec as tp
 from tcprec.formats import IntFormat
 from tcprec.ops import qconv
-from tcprec.ops.qconv import PackedActivation, conv2d, explain_conv2d, pack_conv_weight
-from tcprec.qtensor import PerChannel, PerTensor, QTensor
+from tcprec.ops.qconv import conv2d, explain_conv2d, pack_conv_weight
+from tcprec.qtensor import BitPlanes, PerChannel, PerTensor, QTensor
 
 DEV = "cuda"
 
@@ -78,13 +78,13 @@ def test_w1a2_fused_epilogues_equal_reference(i):
                 assert torch.equal(got, want), (act, pool, dt)
             want = conv2d(qx, qw, out_fmt="uint2", out_scale=0.8, backend="reference", **kw)
             got = conv2d(qx, qw, out_fmt="uint2", out_scale=0.8, backend="bitserial", **kw)
-            assert torch.equal(got.planes, want.planes), (act, pool, "packed")
+            assert torch.equal(got.data, want.data), (act, pool, "packed")
             # compact rows (ceil(K / 32) words) where the epilogue writes the planes (no pool, or a max-pool on the
             # codes); after an avg-pool pass, padded rows (either is a valid input)
             got = conv2d(qx, qw, out_fmt="uint2", out_scale=0.8, backend="bitserial", out_layout="compact", **kw)
             if pool is None or pool[0] == "max":
-                assert got.planes.shape[2] == -(-K // 32), (act, pool)
-            assert torch.equal(got.padded_planes(), want.planes), (act, pool, "compact")
+                assert got.data.shape[2] == -(-K // 32), (act, pool)
+            assert torch.equal(got.to_layout(BitPlanes()).data, want.data), (act, pool, "compact")
 
 
 def test_pm1_activations_and_chaining():
@@ -98,11 +98,11 @@ def test_pm1_activations_and_chaining():
     bias = torch.randn(64, device=DEV, generator=gen)
     for be in ("bitserial", "reference"):
         h = conv2d(qx, qw, bias=bias, act="relu", out_fmt="uint2", out_scale=2.0, backend=be)
-        assert isinstance(h, PackedActivation)
+        assert isinstance(h.layout, BitPlanes)
         y = conv2d(h, pack_conv_weight(qw2), padding=1, act=("leaky", 0.1), pool=("max", 2, 2), backend=be)
         if be == "bitserial":
             got_h, got_y = h, y
-    assert torch.equal(got_h.planes, h.planes) and torch.equal(got_y, y)
+    assert torch.equal(got_h.data, h.data) and torch.equal(got_y, y)
 
 
 def test_auto_picks_bitserial_for_w1a2_and_int8_for_w4a4():
@@ -275,7 +275,7 @@ def test_int8_and_fp8_routes_in_cuda_graph():
 def test_int8_residual_and_dual_output_equal_reference(i):
     """A ResNet block's last conv with its shortcut add and ReLU fused (ops.qconv.conv2d(residual=)): the INT8
     kernel route equals the reference backend bit for bit -- fp16 / bf16 float output, the next layer's uint8
-    codes, and both at once (Int8Activation.hp) -- and equals the unfused conv + torch add + ReLU; in a CUDA graph."""
+    codes, and both at once (a ShiftedInt8 QTensor with hp) -- and equals the unfused conv + torch add + ReLU; in a CUDA graph."""
     qx, qw, geo = _layer(i, "uint8", "int8", seed=70)
     pw = pack_conv_weight(qw)
     K = qw.shape[0]
@@ -295,8 +295,8 @@ def test_int8_residual_and_dual_output_equal_reference(i):
         for layout in ("int8", "int8+float"):
             okw = dict(kw, out_fmt="uint8", out_scale=s_out, out_layout=layout)
             a, b = conv2d(qx, pw, backend="int8", **okw), conv2d(qx, qw, backend="reference", **okw)
-            assert torch.equal(a.x8, want.x8) and torch.equal(b.x8, want.x8), (dt, layout)
-            assert int(a.x8.max()) == 127  # code 255, stored shifted
+            assert torch.equal(a.data, want.data) and torch.equal(b.data, want.data), (dt, layout)
+            assert int(a.data.max()) == 127  # code 255, stored shifted
             if layout == "int8+float":
                 assert torch.equal(a.hp, unfused) and torch.equal(b.hp, unfused)
     okw = dict(kw, out_fmt="uint8", out_scale=s_out, out_layout="int8+float")
@@ -306,4 +306,4 @@ def test_int8_residual_and_dual_output_equal_reference(i):
         g = conv2d(qx, pw, backend="int8", **okw)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(g.x8, d.x8) and torch.equal(g.hp, d.hp)
+    assert torch.equal(g.data, d.data) and torch.equal(g.hp, d.hp)

@@ -11,7 +11,7 @@ import torch
 import tcprec as tp
 from tcprec.nn import models as zoo
 from tcprec.nn.qmodules import QConv2d, QLinear
-from tcprec.ops.qconv import Int8Activation, PackedActivation
+from tcprec.qtensor import BitPlanes, ShiftedInt8
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (tests/gpu)")
 
@@ -58,10 +58,10 @@ def test_engine_equals_reference_backend(name, size, precision):
 
     def grab(store):
         def hook(mod, args, out):
-            if isinstance(out, PackedActivation):  # (compact rows from the bit-serial epilogue, padded elsewhere)
-                store.append(out.padded_planes().clone())
-            elif isinstance(out, Int8Activation):
-                store.append(out.x8.clone())
+            if isinstance(out.layout, BitPlanes):  # (compact rows from the bit-serial epilogue, padded elsewhere)
+                store.append(out.to_layout(BitPlanes()).data.clone())
+            elif isinstance(out.layout, ShiftedInt8):
+                store.append(out.data.clone())
         return hook
 
     hooks = [m.register_forward_hook(grab(got_planes)) for m in q.modules() if isinstance(m, QConv2d)]

@@ -12,7 +12,7 @@ import torch
 import tcprec as tp
 from tcprec.kernels.cuda import stem_conv as sc
 from tcprec.ops.qconv import conv2d, explain_conv2d, pack_conv_weight
-from tcprec.qtensor import PerChannel, PerTensor, QTensor
+from tcprec.qtensor import BitPlanes, PerChannel, PerTensor, QTensor
 
 DEV = "cuda"
 POOL = ("max", 2, 2)
@@ -55,10 +55,10 @@ def _stem(i, fa, seed=0):
 
 def _check(qx, pw, kw, label):
     assert "stem_conv" in explain_conv2d(qx, pw, backend="int8", **kw), label
-    want = conv2d(qx, pw, backend="reference", **kw).padded_planes()
+    want = conv2d(qx, pw, backend="reference", **kw).to_layout(BitPlanes()).data
     got = conv2d(qx, pw, backend="int8", **kw)
-    assert got.padded_planes().shape == want.shape, label
-    bad = int((got.padded_planes() != want).sum())
+    assert got.to_layout(BitPlanes()).data.shape == want.shape, label
+    bad = int((got.to_layout(BitPlanes()).data != want).sum())
     assert bad == 0, f"{label}: {bad} of {want.numel()} words differ"
     return got
 
@@ -72,7 +72,7 @@ def test_stem_planes_equal_reference(i, c):
     _check(qx, pw, dict(kw, act=act, out_fmt=fo, out_scale=0.37), label)
     if c == 0:  # compact rows (what a gathering consumer reads)
         got = _check(qx, pw, dict(kw, act=act, out_fmt=fo, out_scale=0.37, out_layout="compact"), label + " compact")
-        assert got.planes.shape[2] == -(-pw.qw.shape[0] // 32)
+        assert got.data.shape[2] == -(-pw.qw.shape[0] // 32)
 
 
 def _bits(t):
@@ -100,8 +100,8 @@ def test_stem_float_and_dual_outputs_equal_reference(i, dt):
         bad = int((_bits(y) != _bits(want)).sum())
         assert bad == 0, f"{label}: {bad} of {y.numel()} floats differ"
         assert torch.equal(_bits(pa.hp), _bits(want)), label
-        assert pa.compact, label
-        assert torch.equal(pa.codes(), ref.codes()), label
+        assert pa.layout.compact, label
+        assert torch.equal(pa.codes, ref.codes), label
 
 
 def test_float_path_for_marked_columns():
@@ -123,11 +123,11 @@ def test_dual_output_in_a_graph():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = conv2d(qx, pw, backend="int8", **kw)
-    out.planes.zero_()
+    out.data.zero_()
     out.hp.zero_()
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out.planes, first.planes) and torch.equal(_bits(out.hp), _bits(first.hp))
+    assert torch.equal(out.data, first.data) and torch.equal(_bits(out.hp), _bits(first.hp))
 
 
 def test_graph_capture_and_thresholds_follow_buffers():
@@ -137,14 +137,14 @@ def test_graph_capture_and_thresholds_follow_buffers():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = conv2d(qx, pw, backend="int8", **kw)
-    out.planes.zero_()
+    out.data.zero_()
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out.planes, first.planes)
+    assert torch.equal(out.data, first.data)
     kw["bias"].add_(0.5)  # in place: the remembered threshold words must be derived again
     kw["out_scale"].mul_(1.5)
     second = _check(qx, pw, kw, "after in-place changes")
-    assert not torch.equal(second.planes, first.planes)
+    assert not torch.equal(second.data, first.data)
 
 
 def test_route_rules():

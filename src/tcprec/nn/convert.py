@@ -17,15 +17,15 @@ What it does, in order:
    ``QConv2d`` called as ``conv(x, residual)`` at the add's place in the graph (``fuse_residual``; the INT8 /
    FP8 kernels, the bit-serial GEMM's float epilogue and the reference backend).
 5. Chains: a ``QConv2d`` whose consumers are bit-serial ``QConv2d`` s (one calibrated format and scale)
-   re-quantizes and packs its output for them in the GEMM epilogue (``PackedActivation``; compact rows for
+   re-quantizes and packs its output for them in the GEMM epilogue (a ``BitPlanes`` QTensor; compact rows for
    convs that gather windows), so no float tensor exists between them; a ResNet block's output (a bit-serial
    conv with the block's add) is written as the float and its planes from one epilogue (``"planes+float"``:
-   ``PackedActivation.hp``) for the next block's add and convs; a consumer on the INT8 kernel gets its int8 operand (``Int8Activation``, written by the
+   the QTensor's ``hp``) for the next block's add and convs; a consumer on the INT8 kernel gets its int8 operand (``ShiftedInt8``, written by the
    producer's epilogue); FP8 layers hand each other e4m3 codes.  Across kinds (the "fp8" precision keeps the
    first conv and the last layer at int8) an INT8-kernel layer hands an FP8 layer e4m3 codes and an FP8 layer
    hands an INT8-kernel layer int8 codes.  An output read by several INT8 (or FP8) convs (a ResNet stage's
    conv1 and 1x1 shortcut: one calibrated scale) is written once as their codes, and when residual adds read
-   it too, as the codes with the float attached (``Int8Activation.hp`` / ``Fp8Activation.hp``).
+   it too, as the codes with the float attached (the QTensor's ``hp``).
    A conv read through ``torch.flatten(y, 1)`` by linears: their weight columns are reordered to (h, w, c)
    once and the flatten becomes ``flatten_nhwc``, a view of the conv's channels_last output (no copy into NCHW
    order); bit-serial linears get the conv's planes through it (compact rows, flattened as a view).
@@ -849,7 +849,7 @@ def _convert(model: nn.Module, cfg: QuantConfig, batches, inplace: bool, warn: b
                     continue
                 # several INT8 / FP8 consumers of one tensor (a ResNet stage's conv1 and 1x1 shortcut; residual
                 # adds): one set of codes when they agree on the calibrated format and scale, plus the float for
-                # the adds (the dual output: Int8Activation.hp / Fp8Activation.hp)
+                # the adds (the dual output: the QTensor's hp)
                 if any(kind_of(o) != kind or o.a_fmt != b.a_fmt or not torch.equal(o.in_scale, b.in_scale)
                        for o in others):
                     continue

@@ -6,12 +6,12 @@ epilogue folded from the layers it absorbed (batch-norm -> per-channel scale and
 LeakyReLU, 2x2 pooling).  Float tensors in, float tensors out (NCHW, channels_last memory), so a
 module drops into any network; when ``quantize_model`` finds that a conv feeds only another
 quantized conv, it sets ``out_fmt`` / ``out_scale`` and the pair exchanges packed activations
-(``ops.qconv.PackedActivation``) instead, never materialising a float tensor between them.
+(a ``QTensor`` in the ``BitPlanes`` layout) instead, never materialising a float tensor between them.
 
 A ``QConv2d`` fused with a residual block's add (``has_residual``, set by ``quantize_model``) is called as
 ``m(x, residual)`` and computes ``act(conv_bn(x) + residual)`` in its epilogue; a conv whose output is both
-a residual and the input of INT8 convs returns an ``ops.qconv.Int8Activation`` carrying the float too
-(``hp``), of FP8 convs an ``ops.qconv.Fp8Activation`` (the e4m3 QTensor and ``hp``): its consumers take the
+a residual and the input of INT8 convs returns a ``ShiftedInt8`` QTensor carrying the float too (``hp``), of FP8
+convs the e4m3 QTensor with ``hp``, of bit-serial convs the ``BitPlanes`` QTensor with ``hp``: its consumers take the
 codes as ``x`` and the float as ``residual``.
 
 Precision of a layer: weights and activations are integer formats of 1..8 bits (``binary`` = pm1
@@ -40,7 +40,7 @@ from ..kernels.conv_geometry import ConvGeometry
 from ..ops import qconv as qc
 from ..ops.qconv_plan import device_caps, layer_backend
 from ..ops.quantize import absmax_qmax, quantize, quantize_pack, quantize_static
-from ..qtensor import PerChannel, QTensor
+from ..qtensor import BitPlanes, PerChannel, QTensor, ShiftedInt8
 
 __all__ = ["LayerPrecision", "parse_precision", "QConv2d", "QLinear", "flatten_nhwc", "weight_format",
            "activation_format", "FixedQuant", "LayerPlan"]
@@ -175,14 +175,14 @@ def _quantize_input(x_nhwc: torch.Tensor, m: "_QBase", compact: bool = False):
     """Float NHWC -> the op's activation operand with the calibrated scale, sync-free (capturable):
     bit planes in one fused kernel for the bit-serial backend (``compact``: rows without their padding
     words, for a convolution that reads its input through an im2col), e4m3 codes for FP8, the INT8 conv's
-    int8 operand (``Int8Activation``, one fused kernel on CUDA) for the int8 backend, uint8 codes otherwise."""
+    int8 operand (a ``ShiftedInt8`` QTensor, one fused kernel on CUDA) for the int8 backend, uint8 codes otherwise."""
     if m.precision.fp8:
         return qc.quantize_fp8_static(x_nhwc, m.in_scale)  # QTensor of e4m3 codes (N, H, W, C)
     name, _ = layer_backend(m.a_fmt, m.w_fmt, device_caps(x_nhwc.device), m.backend)
     if name == "bitserial":
         N, H, W, C = x_nhwc.shape
         planes = quantize_pack(x_nhwc.reshape(N * H * W, C), m.a_fmt, m.in_scale, compact=compact)  # (bits, NHW, Kw)
-        return qc.PackedActivation(planes, m.a_fmt, m.in_scale, (N, H, W, C))
+        return qc.planes_qtensor(planes, m.a_fmt, m.in_scale, (N, H, W, C))
     if name == "int8":
         return qc.quantize_int8_static(x_nhwc, m.a_fmt, m.in_scale)  # (N, H, W, C) int8 operand
     return quantize_static(x_nhwc, m.a_fmt, m.in_scale)  # QTensor (N, H, W, C) codes
@@ -362,9 +362,9 @@ class _QBase(nn.Module):
 
     def chain_to(self, nxt: "QConv2d", layout: str = "planes") -> None:
         """Emit ``nxt``'s input directly: bit planes for a bit-serial ``nxt`` (the fused re-quantize + pack
-        epilogue), int8 codes (``Int8Activation``) for an INT8 one, e4m3 codes (a QTensor) for an FP8 one;
+        epilogue), int8 codes (``ShiftedInt8``) for an INT8 one, e4m3 codes (a QTensor) for an FP8 one;
         ``"int8+float"`` / ``"fp8+float"`` / ``"planes+float"``: the codes with the float output attached
-        (``Int8Activation.hp`` / ``Fp8Activation.hp`` / ``PackedActivation.hp``), for an output that is also a residual
+        (the QTensor's ``hp``), for an output that is also a residual
         block's shortcut; ``"compact"``: planes without padding words, for a consumer that gathers windows."""
         if layout not in qc.OUT_LAYOUTS:
             raise ValueError(f"layout must be one of {qc.OUT_LAYOUTS}, got {layout!r}")
@@ -454,8 +454,7 @@ class QConv2d(_QBase):
     def forward(self, x, residual=None):
         """``x``: float NCHW, or the operand a chained producer emitted (packed planes, int8 codes);
         ``residual`` (a layer fused with its block's add, ``has_residual``): float NCHW of the output's
-        shape, or the producer's ``Int8Activation`` / ``Fp8Activation`` / ``PackedActivation`` carrying the float
-        (``hp``)."""
+        shape, or the producer's QTensor carrying the float (``hp``)."""
         if self.has_residual != (residual is not None):
             raise ValueError(f"this QConv2d {'was' if self.has_residual else 'was not'} fused with a residual add "
                              f"(has_residual={self.has_residual}): call it as "
@@ -490,19 +489,17 @@ class QConv2d(_QBase):
         return not pointwise
 
     def _residual_nhwc(self, residual, x_nhwc: tuple) -> torch.Tensor:
-        """The residual as NHWC (N, P, Q, K): the float an Int8Activation carries, or an NCHW tensor permuted
-        (a view for channels_last memory)."""
-        if isinstance(residual, qc.Fp8Activation):
-            return residual.hp
-        if isinstance(residual, (qc.Int8Activation, qc.PackedActivation)):
+        """The residual as NHWC (N, P, Q, K): the float a producer's QTensor carries (``hp``), or an NCHW tensor
+        permuted (a view for channels_last memory)."""
+        if isinstance(residual, QTensor):
             if residual.hp is None:
-                both = "'int8+float'" if isinstance(residual, qc.Int8Activation) else "'planes+float'"
-                raise ValueError(f"the residual is a {type(residual).__name__} without its float (hp): the producer "
+                both = {BitPlanes: "'planes+float'", ShiftedInt8: "'int8+float'"}.get(type(residual.layout),
+                                                                                       "'fp8+float'")
+                raise ValueError(f"the residual is a {residual.layout!r} QTensor without its float (hp): the producer "
                                  f"must write both (out_layout={both})")
             return residual.hp
         if not isinstance(residual, torch.Tensor):
-            raise TypeError(f"residual must be a float NCHW tensor, or an Int8Activation / PackedActivation with hp or "
-                            f"an Fp8Activation, "
+            raise TypeError(f"residual must be a float NCHW tensor or a QTensor with hp (a producer's dual output), "
                             f"got {type(residual).__name__}")
         N, H, W, _ = x_nhwc
         g = ConvGeometry(N, H, W, self.in_channels, self.out_channels, *self.kernel_size, self.stride, self.padding,
@@ -565,8 +562,8 @@ class QLinear(_QBase):
 
     def forward(self, x) -> torch.Tensor:
         """``x``: float (..., in_features), or the packed planes a chained conv wrote, flattened (``flatten_nhwc``
-        of a ``PackedActivation``: shape (B, 1, 1, in_features))."""
-        if isinstance(x, qc.PackedActivation):
+        of a ``BitPlanes`` QTensor: shape (B, 1, 1, in_features))."""
+        if isinstance(x, QTensor):
             lead, xa = x.shape[:1], x
             if self.layer_plan is not None and x.device != self.layer_plan.device:
                 self.plan_on(x.device)  # a chained operand on another device: re-plan (refuses a broken chain)
@@ -586,21 +583,21 @@ class QLinear(_QBase):
 def flatten_nhwc(x):
     """``torch.flatten(x, 1)`` of an NCHW activation in (h, w, c) order: a view of channels_last memory (a copy
     otherwise), where torch.flatten copies into (c, h, w) order.  For the packed planes a chained conv wrote
-    (a ``PackedActivation`` of shape (N, H, W, C), C % 32 == 0) the planes of the flattened rows (N, 1, 1, H * W * C):
+    (a ``BitPlanes`` QTensor of shape (N, H, W, C), C % 32 == 0) the planes of the flattened rows (N, 1, 1, H * W * C):
     a view of compact rows (what the bit-serial epilogue writes).  ``quantize_model`` puts it between a conv and a
     ``QLinear`` whose weight it reordered the same way (``QLinear.nhwc_input``)."""
     if isinstance(x, torch.fx.Proxy):  # re-traced when a pickled GraphModule is loaded: stay one graph node
         return x.tracer.create_proxy("call_function", flatten_nhwc, (x,), {})
-    if isinstance(x, qc.PackedActivation):
+    if isinstance(x, QTensor) and isinstance(x.layout, BitPlanes):
         N, H, W, C = x.shape
         K = H * W * C
         if C % 32 or K % 512:
             raise ValueError(f"flatten_nhwc of planes needs C % 32 == 0 and H * W * C % 512 == 0 (rows of whole words "
                              f"that flatten into the GEMM's padded rows), got shape {x.shape}")
         hp = None if x.hp is None else x.hp.reshape(N, 1, 1, K)
-        planes = x.planes[:, :, : C // 32]  # (padded rows, from the reference backend: a copy below)
-        return qc.PackedActivation(planes.reshape(x.planes.shape[0], N, K // 32), x.fmt, x.scale, (N, 1, 1, K), hp)
+        planes = x.data[:, :, : C // 32]  # (padded rows, from the reference backend: a copy below)
+        return qc.planes_qtensor(planes.reshape(x.data.shape[0], N, K // 32), x.fmt, x.scale, (N, 1, 1, K), hp)
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
         got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"flatten_nhwc expects an NCHW tensor (N, C, H, W) or a PackedActivation, got {got}")
+        raise ValueError(f"flatten_nhwc expects an NCHW tensor (N, C, H, W) or a BitPlanes QTensor, got {got}")
     return x.permute(0, 2, 3, 1).reshape(x.shape[0], -1)

@@ -15,7 +15,8 @@ Precisions
 * ``"fp16"`` / ``"bf16"``: operands in that type (converted if they are not), fp32 accumulation.
 * ``"fp8"``: e4m3 activations and weights, e5m2 gradients, one float32 scale per tensor
   (value = code * scale).  Pass :class:`Fp8Tensor` operands (see :func:`to_fp8`,
-  :func:`prepare_fp8_dgrad`, :func:`prepare_fp8_wgrad`), or float tensors that are quantised here
+  :func:`prepare_fp8_dgrad`, :func:`prepare_fp8_wgrad`) or e4m3 / e5m2 ``QTensor`` in the ``Float8()`` layout
+  with one scale (``tcprec.quantize(t, "e4m3", layout=tcprec.Float8())``, the same data), or float tensors that are quantised here
   with amax scaling.  fp32 accumulation (promoted every 64-128 products on Hopper, see
   ``kernels/triton/conv_bwd.py``; ``fast_accum=True`` skips the promotion).
 
@@ -75,6 +76,7 @@ from ..kernels.conv_geometry import ConvGeometry, pair
 from ..kernels.tile_tables import KERNELS_DIR, load_table, nonneg_int, pos_int, record
 from ..kernels.triton import choose_backend
 from ..precision import CONV_PRECISIONS as PRECISIONS  # one vocabulary
+from ..qtensor import Float8, PerTensor, QTensor, float8_dtype
 
 __all__ = [
     "conv2d_dgrad",
@@ -148,6 +150,27 @@ class Fp8Tensor:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.data.to(dtype) * self.scale.to(dtype)
+
+    def to_qtensor(self) -> QTensor:
+        """The same data and scale as a ``QTensor`` in the ``Float8()`` layout (PerTensor scale, float32 values).
+
+        >>> to_fp8(torch.tensor([1.0, -3.0])).to_qtensor().layout
+        Float8()
+        """
+        scale = self.scale.reshape((1,) * self.data.dim())
+        return QTensor(self.data, scale, self.fmt, PerTensor(), tuple(self.data.shape), torch.float32, Float8())
+
+
+def _from_qtensor(t, name: str):
+    """A ``QTensor`` operand of the conv backward as the :class:`Fp8Tensor` the kernels read (the same data, the
+    scale as a 0-d view): it must be e4m3 / e5m2 in the ``Float8()`` layout with one scale.  Anything else as is."""
+    if not isinstance(t, QTensor):
+        return t
+    if float8_dtype(t.fmt) is None or not isinstance(t.layout, Float8) or not isinstance(t.granularity, PerTensor):
+        raise TypeError(f"{name} is a {t.fmt} QTensor in the {t.layout!r} layout with {t.granularity}: the conv "
+                        "backward takes fp8 QTensors in the Float8() layout with one scale, "
+                        f"tcprec.quantize({name}_hp, 'e4m3', layout=tcprec.Float8()) (or to_fp8)")
+    return Fp8Tensor(t.data, t.scale.reshape(()))
 
 
 def to_fp8(t: torch.Tensor, fmt: str = "e4m3", *, memory_order: tuple[int, ...] | None = None,
@@ -314,6 +337,11 @@ def _check_devices(**ts) -> torch.device:
         if d != first:
             raise ValueError(f"all operands must be on one device: {', '.join(f'{n} on {v}' for n, v in devs.items())}")
     return first
+
+
+def _device_of(t) -> torch.device:
+    """The device of a tensor or an Fp8Tensor (the operands' devices were checked equal by the public wrapper)."""
+    return t.data.device if isinstance(t, Fp8Tensor) else t.device
 
 
 def _check_common(precision: str, backend: str, out_dtype) -> None:
@@ -676,26 +704,7 @@ def conv2d_dgrad(grad_out, weight, input_shape, stride=1, padding=0, dilation=1,
     >>> conv2d_dgrad(dy, w, (2, 8, 8, 5), stride=2, padding=1, backend="reference").shape
     torch.Size([2, 8, 8, 5])
     """
-    _check_common(precision, backend, out_dtype)
-    _check_tensor(grad_out, "grad_out", "(N, P, Q, K)", precision)
-    _check_tensor(weight, "weight", "(K, R, S, C)", precision)
-    g = conv_geometry(input_shape, tuple(weight.shape), stride, padding, dilation)
-    _check_grad_out(grad_out, g)
-    mode, slope = rc.parse_activation(activation)
-    # (devices here too: a meta tensor among the operands would send the op to its fake implementation)
-    _check_devices(grad_out=grad_out, weight=weight, act_input=act_input if mode != rc.ACT_NONE else None)
-    if split_k is not None and int(split_k) < 1:
-        raise ValueError(f"split_k must be >= 1, got {split_k}")
-    (dy, dy_s), (w, w_s) = _split_fp8(grad_out), _split_fp8(weight)
-    return torch.ops.tcprec.conv2d_dgrad(
-        dy, dy_s, w, w_s, list(g.input_shape), list(g.stride), list(g.padding), list(g.dilation), precision,
-        _ACT_NAMES[mode], slope, act_input, out_dtype or _default_out(precision), backend,
-        -1 if split_k is None else int(split_k), bool(fast_accum), _config_arg(config))
-
-
-def _conv2d_dgrad(grad_out, weight, input_shape, stride, padding, dilation, *, precision, activation, act_input,
-                  out_dtype, backend, split_k, fast_accum, config) -> torch.Tensor:
-    """conv2d_dgrad's body (inside the custom op ``tcprec::conv2d_dgrad``)."""
+    grad_out, weight = _from_qtensor(grad_out, "grad_out"), _from_qtensor(weight, "weight")
     _check_common(precision, backend, out_dtype)
     _check_tensor(grad_out, "grad_out", "(N, P, Q, K)", precision)
     _check_tensor(weight, "weight", "(K, R, S, C)", precision)
@@ -710,8 +719,24 @@ def _conv2d_dgrad(grad_out, weight, input_shape, stride, padding, dilation, *, p
                              f"got {tuple(act_input.shape)}")
     elif act_input is not None:
         raise ValueError("act_input was given without an activation; pass activation='relu' or ('leaky_relu', slope)")
-    device = _check_devices(grad_out=grad_out, weight=weight,
-                            act_input=act_input if mode != rc.ACT_NONE else None)
+    # (devices here, not in the op: a meta tensor among the operands would send the op to its fake implementation)
+    _check_devices(grad_out=grad_out, weight=weight, act_input=act_input if mode != rc.ACT_NONE else None)
+    if split_k is not None and int(split_k) < 1:
+        raise ValueError(f"split_k must be >= 1, got {split_k}")
+    (dy, dy_s), (w, w_s) = _split_fp8(grad_out), _split_fp8(weight)
+    return torch.ops.tcprec.conv2d_dgrad(
+        dy, dy_s, w, w_s, list(g.input_shape), list(g.stride), list(g.padding), list(g.dilation), precision,
+        _ACT_NAMES[mode], slope, act_input, out_dtype or _default_out(precision), backend,
+        -1 if split_k is None else int(split_k), bool(fast_accum), _config_arg(config))
+
+
+def _conv2d_dgrad(grad_out, weight, input_shape, stride, padding, dilation, *, precision, activation, act_input,
+                  out_dtype, backend, split_k, fast_accum, config) -> torch.Tensor:
+    """conv2d_dgrad's body (inside the custom op ``tcprec::conv2d_dgrad``); :func:`conv2d_dgrad` validated the
+    arguments."""
+    g = conv_geometry(input_shape, tuple(weight.shape), stride, padding, dilation)
+    mode, slope = rc.parse_activation(activation)
+    device = _device_of(grad_out)
     out_dtype = out_dtype or _default_out(precision)
     path, _ = _choose("dgrad", g, grad_out, precision, backend, activation if mode else None, out_dtype)
 
@@ -807,6 +832,7 @@ def _dgrad_fprop(dy: torch.Tensor, w: torch.Tensor, g: ConvGeometry) -> torch.Te
 def explain_conv2d_dgrad(grad_out, weight, input_shape, stride=1, padding=0, dilation=1, *, precision: str = "fp16",
                          activation=None, backend: str = "auto", out_dtype: torch.dtype | None = None) -> str:
     """Which backend :func:`conv2d_dgrad` runs for these arguments, and why (one paragraph)."""
+    grad_out, weight = _from_qtensor(grad_out, "grad_out"), _from_qtensor(weight, "weight")
     _check_common(precision, backend, None)
     g = conv_geometry(input_shape, tuple(weight.shape), stride, padding, dilation)
     path, why = _choose("dgrad", g, grad_out, precision, backend, activation, out_dtype)
@@ -862,6 +888,7 @@ def conv2d_wgrad(grad_out, input, weight_shape, stride=1, padding=0, dilation=1,
     >>> conv2d_wgrad(dy, x, (8, 3, 3, 5), stride=2, padding=1, backend="reference").shape
     torch.Size([8, 3, 3, 5])
     """
+    grad_out, input = _from_qtensor(grad_out, "grad_out"), _from_qtensor(input, "input")
     _check_common(precision, backend, out_dtype)
     _check_tensor(grad_out, "grad_out", "(N, P, Q, K)", precision)
     _check_tensor(input, "input", "(N, H, W, C)", precision)
@@ -878,16 +905,11 @@ def conv2d_wgrad(grad_out, input, weight_shape, stride=1, padding=0, dilation=1,
 
 def _conv2d_wgrad(grad_out, input, weight_shape, stride, padding, dilation, *, precision, split_k, out_dtype,
                   backend, fast_accum, config) -> torch.Tensor:
-    """conv2d_wgrad's body (inside the custom op ``tcprec::conv2d_wgrad``)."""
-    _check_common(precision, backend, out_dtype)
-    _check_tensor(grad_out, "grad_out", "(N, P, Q, K)", precision)
-    _check_tensor(input, "input", "(N, H, W, C)", precision)
+    """conv2d_wgrad's body (inside the custom op ``tcprec::conv2d_wgrad``); :func:`conv2d_wgrad` validated the
+    arguments."""
     g = conv_geometry(tuple(input.shape), weight_shape, stride, padding, dilation)
-    _check_grad_out(grad_out, g)
-    device = _check_devices(grad_out=grad_out, input=input)
+    device = _device_of(grad_out)
     out_dtype = out_dtype or torch.float32
-    if split_k is not None and (isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < 1):
-        raise ValueError(f"split_k must be None or an int >= 1, got {split_k!r}")
     path, _ = _choose("wgrad", g, grad_out, precision, backend)
     if min(g.weight_shape) == 0 or g.N == 0:  # nothing to sum: dw is all zeros
         return torch.zeros(g.weight_shape, dtype=out_dtype, device=device)
@@ -973,6 +995,7 @@ def _conv2d_wgrad(grad_out, input, weight_shape, stride, padding, dilation, *, p
 def explain_conv2d_wgrad(grad_out, input, weight_shape, stride=1, padding=0, dilation=1, *, precision: str = "fp16",
                          split_k: int | None = None, backend: str = "auto") -> str:
     """Which backend :func:`conv2d_wgrad` runs for these arguments, and why (one paragraph)."""
+    grad_out, input = _from_qtensor(grad_out, "grad_out"), _from_qtensor(input, "input")
     _check_common(precision, backend, None)
     g = conv_geometry(tuple(input.shape), weight_shape, stride, padding, dilation)
     path, why = _choose("wgrad", g, grad_out, precision, backend)
@@ -988,7 +1011,7 @@ def explain_conv2d_wgrad(grad_out, input, weight_shape, stride=1, padding=0, dil
     elif path == "triton":
         from ..kernels.triton import conv_bwd as kt
 
-        dev = grad_out.data.device if isinstance(grad_out, Fp8Tensor) else grad_out.device
+        dev = _device_of(grad_out)
         split = split_k or kt.wgrad_split(g, kt.sm_count(dev))  # fp8 runs the 16-bit kernel
         body = (f"Triton implicit GEMM over L = N*P*Q = {g.N * g.P * g.Q}, split-K {split} way(s) into an fp32 "
                 "workspace, then a fixed-order sum (deterministic, no atomics); fp32 accumulation"
@@ -999,7 +1022,7 @@ def explain_conv2d_wgrad(grad_out, input, weight_shape, stride=1, padding=0, dil
         from ..kernels.triton import conv_bwd as kt
         from ..kernels.triton import wgrad_flat as wf
 
-        dev = grad_out.data.device if isinstance(grad_out, Fp8Tensor) else grad_out.device
+        dev = _device_of(grad_out)
         batch = precision == "fp8" and _batch_inner_ok(g)
         gf = wf.flat_geometry(g) if precision == "fp8" and not batch else g
         cfg = wf.config_for(gf, None, 1 if precision == "fp8" else 2, batch)
@@ -1024,7 +1047,7 @@ def explain_conv2d_wgrad(grad_out, input, weight_shape, stride=1, padding=0, dil
         from ..kernels.triton import conv_bwd as kt
         from ..kernels.triton import wgrad_tma as wt
 
-        dev = grad_out.data.device if isinstance(grad_out, Fp8Tensor) else grad_out.device
+        dev = _device_of(grad_out)
         cfg = wt.config_for(g, None)
         pl = wt.plan(g, cfg, split_k, kt.sm_count(dev))
         box, split = pl["box"], pl["split"]

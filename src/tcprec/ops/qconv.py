@@ -2,8 +2,8 @@
 
 Three files, by role:
 
-* ``ops/qconv_operands.py``: the operands (:class:`PackedActivation`, :class:`Int8Activation`,
-  :class:`Fp8Activation`, :class:`PackedConvWeight`) and the static quantizers that make them;
+* ``ops/qconv_operands.py``: the operands (activation ``QTensor`` layouts: :func:`planes_qtensor`,
+  :func:`int8_qtensor`; :class:`PackedConvWeight`) and the static quantizers that make them;
 * ``ops/qconv_plan.py``: the plan -- one pure function (``plan_conv2d``) turns the operands' specs and the device's
   capabilities (``DeviceCaps``) into a frozen ``ConvPlan``: backend and why, route, thin-stem path, what the epilogue
   writes, the pass after it, and the same in words (``explain_conv2d`` prints them);
@@ -22,11 +22,10 @@ padding (zeros) and dilation.  The integer part is exact on every backend; then 
 
 and the result is ``y`` in ``out_dtype``, the raw ``C`` (``out_dtype=torch.int32``, nothing else
 allowed), or -- with ``out_fmt`` -- ``y / out_scale`` rounded to ``out_fmt`` and packed into bit planes
-as a :class:`PackedActivation`, the next layer's input, so layers chain without a float tensor.
+as a ``BitPlanes`` QTensor, the next layer's input, so layers chain without a float tensor.
 
-Activations come as a ``QTensor`` of codes ``(N, H, W, C)`` with one scale (``PerTensor``), or as a
-:class:`PackedActivation` (planes ``(bits, N*H*W, packed_words(C))``, what ``matmul_packed`` and this
-op return).  Weights come as a ``QTensor`` of codes ``(K, R, S, C)`` (``PerTensor`` or
+Activations come as a ``QTensor`` ``(N, H, W, C)`` with one scale (``PerTensor``) in any layout: ``Dense()`` codes,
+``BitPlanes()`` (planes ``(bits, N*H*W, packed_words(C))`` or compact, what this op returns), ``ShiftedInt8()``.  Weights come as a ``QTensor`` of codes ``(K, R, S, C)`` (``PerTensor`` or
 ``PerChannel(0)``) or pre-packed once with :func:`pack_conv_weight`.
 
 Backends (one rule with ``tcprec.matmul``: bit-serial while p*q < 8, INT8 otherwise)
@@ -79,13 +78,13 @@ is bit-identical to the unfused one::
 on the INT8 and FP8 kernels (one IEEE add in the Triton epilogue), on the bit-serial GEMM's float epilogue (float
 output: ``bmma_gemm.cu`` TCP_RES, also with its planes as below; a packed-only output raises) and on the torch
 epilogues (``reference``, the INT8 im2col route).  ``out_layout="int8+float"``
-(integer ``out_fmt``): the *dual* output, an :class:`Int8Activation` whose ``hp`` is the float result in
+(integer ``out_fmt``): the *dual* output, a ``ShiftedInt8()`` QTensor whose ``hp`` is the float result in
 ``out_dtype`` and whose codes are that float's (what :func:`quantize_int8_static` would give from it) -- a
 block output feeding both the next residual add and the next INT8 convs, from one pass.  With a residual,
 ``out_layout="int8"`` quantizes the sum rounded to ``out_dtype`` as well.  ``out_layout="fp8+float"`` (e4m3 / e5m2
-``out_fmt``): the FP8 twin, an :class:`Fp8Activation` (the float8 ``QTensor`` of the next FP8 convs and the float
-``hp``; ``conv_fwd`` OUT_DUAL_FP8 on the INT8 and FP8 kernels).  ``out_layout="planes+float"`` (integer ``out_fmt``
-of <= 3 bits, float16 / bfloat16 ``out_dtype``): the bit-serial twin, a :class:`PackedActivation` (compact planes of
+``out_fmt``): the FP8 twin, the float8 ``QTensor`` of the next FP8 convs with the float ``hp``
+(``conv_fwd`` OUT_DUAL_FP8 on the INT8 and FP8 kernels).  ``out_layout="planes+float"`` (integer ``out_fmt``
+of <= 3 bits, float16 / bfloat16 ``out_dtype``): the bit-serial twin, a ``BitPlanes`` QTensor (compact planes of
 the stored float's codes, for the next bit-serial convs) with ``hp`` (the float, for the next block's add), from one
 epilogue (``bmma_gemm.cu`` TCP_DUAL; the ``reference`` backend writes the same codes).
 
@@ -94,8 +93,8 @@ padding: the bit-serial kernel's pm1 correction assumes every one of the K terms
 ``padding > 0`` with pm1 activations raises (use unsigned / two's complement activations, e.g. after
 a ReLU ``uint2``); pm1 *weights* are fine with any padding.
 
-``conv2d`` is not a ``torch.library`` custom op: its operands and results are containers (PackedActivation,
-Int8Activation, Fp8Activation, PackedConvWeight, QTensor) and a plan picks among a dozen output layouts, so there
+``conv2d`` is not a ``torch.library`` custom op: its operands and results are containers (QTensor in its layouts, with
+``hp``; PackedConvWeight) and a plan picks among a dozen output layouts, so there
 is no one tensor-in / tensor-out signature to register.  Inside it the bit-serial GEMM (``tcprec::bmma_gemm``)
 and the im2col INT8 product of the int8 backend's unfused route (``tcprec::matmul``) are opaque calls; the rest
 is torch ops and Triton launches.
@@ -116,11 +115,11 @@ from ..kernels.conv_geometry import ConvGeometry, pair
 from ..kernels.reference_conv_int8_fp8 import conv_acc
 from ..memo import remembered
 from ..packing import pack_bitplanes, packed_words
-from ..qtensor import PerTensor, QTensor
+from ..qtensor import BitPlanes, Dense, PerTensor, QTensor, ShiftedInt8, int8_codes
 from .matmul import matmul
-from .qconv_operands import (_CHECKED_SCALES, Fp8Activation, Int8Activation, PackedActivation,  # noqa: F401 (re-exported)
-                             PackedConvWeight, _check_weight_qtensor, _int8_codes, _interpreting, _scale_checked,
-                             _scale_tensor, pack_activation, pack_conv_weight, quantize_fp8_static, quantize_int8_static)
+from .qconv_operands import (_CHECKED_SCALES, PackedConvWeight, _check_weight_qtensor,  # noqa: F401 (re-exported)
+                             _interpreting, _scale_checked, _scale_tensor, int8_qtensor, pack_activation,
+                             pack_conv_weight, planes_qtensor, quantize_fp8_static, quantize_int8_static)
 from .qconv_plan import (_FP8_KIND, _FUSED_POOLS, _KIND, BACKENDS, OUT_LAYOUTS, POOLS, THIN_C,  # noqa: F401
                          ConvPlan, DeviceCaps, _bitserial_kind, _check_pool, _fp8_dtype, _input_words, _int8_affine,
                          _stem_kp, _stem_out, _stem_pad, _thin_stem, device_caps, format_plan, implicit_conv,
@@ -128,10 +127,9 @@ from .qconv_plan import (_FP8_KIND, _FUSED_POOLS, _KIND, BACKENDS, OUT_LAYOUTS, 
 from .quantize import _qp_params
 
 __all__ = [
-    "PackedActivation",
-    "Int8Activation",
-    "Fp8Activation",
     "PackedConvWeight",
+    "planes_qtensor",
+    "int8_qtensor",
     "quantize_int8_static",
     "pack_activation",
     "pack_conv_weight",
@@ -159,46 +157,41 @@ class _X:
     scale: torch.Tensor  # (1,) float32
     shape: tuple  # (N, H, W, C)
     device: torch.device
-    qt: QTensor | None
-    packed: PackedActivation | None
-    i8: Int8Activation | None = None
+    qt: QTensor  # in its layout: Dense codes, BitPlanes, ShiftedInt8
 
     def codes(self) -> torch.Tensor:  # (N, H, W, C) uint8
-        if self.qt is not None:
-            return self.qt.codes
-        return self.packed.codes() if self.packed is not None else self.i8.codes()
+        return self.qt.codes
 
     def planes(self) -> torch.Tensor:  # (bits, N*H*W, Kw)
-        if self.packed is not None:
-            return self.packed.planes
+        if isinstance(self.qt.layout, BitPlanes):
+            return self.qt.data
         N, H, W, C = self.shape
         return pack_bitplanes(self.codes().reshape(N * H * W, C), self.fmt.bits, validate=False)
 
     @property
+    def compact(self) -> bool:
+        """Bit planes without their padding words."""
+        return isinstance(self.qt.layout, BitPlanes) and self.qt.data.shape[2] != packed_words(self.shape[3])
+
+    @property
     def layout(self) -> str:
         """How x arrives (``qconv_plan.INPUT_LAYOUTS``): bit planes (padded or compact rows), int8 codes, codes."""
-        if self.packed is not None:
-            return "compact" if self.packed.compact else "planes"
-        if self.i8 is not None:
+        if isinstance(self.qt.layout, BitPlanes):
+            return "compact" if self.compact else "planes"
+        if isinstance(self.qt.layout, ShiftedInt8):
             return "int8"
         return "fp8" if _fp8_dtype(self.fmt) is not None else "codes"
 
     def int8(self) -> tuple[torch.Tensor, int, int]:  # (x8 (N, H, W, C) int8, offset, step)
-        if self.i8 is not None:
-            return (self.i8.x8, *self.i8.affine())
-        return _int8_codes(self.codes(), self.fmt)
+        if isinstance(self.qt.layout, ShiftedInt8):
+            return (self.qt.data, *_int8_affine(self.fmt))
+        return int8_codes(self.codes(), self.fmt)
 
 
 def _check_x(x) -> _X:
-    if isinstance(x, Fp8Activation):  # a dual output: the convs read its codes
-        x = x.qt
-    if isinstance(x, PackedActivation):
-        return _X(x.fmt, x.scale, x.shape, x.device, None, x)
-    if isinstance(x, Int8Activation):
-        return _X(x.fmt, x.scale, x.shape, x.device, None, None, x)
     if not isinstance(x, QTensor):
-        raise TypeError(f"x must be a QTensor of NHWC codes (tcprec.quantize(x_nhwc, 'uint2')), a PackedActivation, "
-                        f"an Int8Activation or an Fp8Activation, got {type(x).__name__}")
+        raise TypeError(f"x must be a QTensor of NHWC codes (tcprec.quantize(x_nhwc, 'uint2'), in the Dense(), "
+                        f"BitPlanes() or ShiftedInt8() layout), got {type(x).__name__}")
     if not isinstance(x.fmt, IntFormat) and _fp8_dtype(x.fmt) is None:
         raise TypeError(f"x must be of an integer format (uintN, intN, binary, pmN) or e4m3 / e5m2 "
                         f"(quantize_fp8_static), got {x.fmt}; quantize it to one")
@@ -207,7 +200,10 @@ def _check_x(x) -> _X:
     if not isinstance(x.granularity, PerTensor):
         raise ValueError(f"x's scale is {x.granularity}: conv2d needs one activation scale (PerTensor()); "
                          "requantize x with tcprec.quantize(x, fmt, tcprec.PerTensor())")
-    return _X(x.fmt, x.scale.reshape(1), x.shape, x.device, x, None)
+    if not isinstance(x.layout, (Dense, BitPlanes, ShiftedInt8)):
+        raise ValueError(f"x is in the {x.layout!r} layout; conv2d reads Dense() (float8 codes too), BitPlanes() or "
+                         "ShiftedInt8(): x.to_layout(tcprec.Dense())")
+    return _X(x.fmt, x.scale.reshape(1), x.shape, x.device, x)
 
 
 def _check_act(act):
@@ -521,8 +517,8 @@ def _bitserial(plan: ConvPlan, xs: _X, pw: PackedConvWeight, col, bias, out_scal
         a_planes, w_planes = planes, pw.conv_planes
         extra["row_affine"] = row_affine
     elif plan.route == "pointwise":
-        if xs.packed is not None and xs.packed.compact:  # the GEMM operand needs whole 512-bit rows
-            planes = xs.packed.padded_planes()
+        if xs.compact:  # the GEMM operand needs whole 512-bit rows
+            planes = BitPlanes().padded(planes, g.C)
         a_planes = planes  # the input planes are the GEMM operand (Kw_col = packed_words(C)); row sums in the kernel
         extra["row_affine"] = row_affine
     else:
@@ -565,12 +561,12 @@ def _finish_float(plan: ConvPlan, y: torch.Tensor, out_scale, act_done: bool, re
     if plan.dual and isinstance(fmt, FloatFormat):  # the float result, and its codes for the next FP8 layers
         y_hp = y4.to(plan.out_dtype)
         qt = quantize_fp8_static(y_hp, s, fmt)
-        return Fp8Activation(QTensor(qt.codes, qt.scale, fmt, PerTensor(), qt.shape, torch.float32), y_hp)
+        return QTensor(qt.codes, qt.scale, fmt, PerTensor(), qt.shape, torch.float32, hp=y_hp)
     if plan.dual and plan.out_layout == "planes+float":  # the float result, and its planes for bit-serial layers
         return _with_planes(plan, y4.to(plan.out_dtype), s)
     if plan.dual:  # the float result, and the codes of that float as the next INT8 layers' operand
         y_hp = y4.to(plan.out_dtype)
-        return Int8Activation(quantize_int8_static(y_hp, fmt, s, backend=how).x8, fmt, s, hp=y_hp)
+        return int8_qtensor(quantize_int8_static(y_hp, fmt, s, backend=how).data, fmt, s, hp=y_hp)
     if plan.out_layout == "int8":  # the next INT8 layer's codes: one Triton pass on CUDA (torch elsewhere)
         if residual is not None:  # the codes of the sum in the network's dtype (the unfused graph quantizes that)
             y4 = y4.to(residual.dtype)
@@ -597,7 +593,7 @@ def _finish_float(plan: ConvPlan, y: torch.Tensor, out_scale, act_done: bool, re
 
 
 def _with_planes(plan: ConvPlan, y_hp: torch.Tensor, s: torch.Tensor, planes: torch.Tensor | None = None
-                 ) -> PackedActivation:
+                 ) -> QTensor:
     """``out_layout="planes+float"``: the stored float output (N, P, Q, K) and the bit planes of it (given: written by
     stem_conv.cu's epilogue; else one quantize + pack pass over the float: Triton's on CUDA and under the interpreter
     for the INT8 kernel, compact rows; torch's elsewhere and on the reference backend)."""
@@ -608,7 +604,7 @@ def _with_planes(plan: ConvPlan, y_hp: torch.Tensor, s: torch.Tensor, planes: to
         planes = tpack.quantize_pack(y_hp.reshape(-1, y_hp.shape[-1]), s, fmt.bits, *_qp_params(fmt), compact=True)
     elif planes is None:
         planes = _requant_pack(y_hp.to(torch.float32), fmt, s)
-    return PackedActivation(planes, fmt, s, tuple(y_hp.shape), hp=y_hp)
+    return planes_qtensor(planes, fmt, s, tuple(y_hp.shape), hp=y_hp)
 
 
 def _requant_pack(y: torch.Tensor, fmt: IntFormat, out_scale: torch.Tensor) -> torch.Tensor:
@@ -625,11 +621,11 @@ def _pooled_shape(g: ConvGeometry, pool) -> tuple:
     return (g.N, g.P, g.Q, g.K)
 
 
-def _packed_result(planes, plan: ConvPlan, out_scale, shape) -> PackedActivation:
-    """Planes (bits, ..., words) of an NHWC ``shape`` -> PackedActivation (padded or compact rows, as written)."""
+def _packed_result(planes, plan: ConvPlan, out_scale, shape) -> QTensor:
+    """Planes (bits, ..., words) of an NHWC ``shape`` -> a BitPlanes QTensor (padded or compact rows, as written)."""
     N, P, Q, K = shape
-    return PackedActivation(planes.reshape(plan.out_fmt.bits, N * P * Q, planes.shape[-1]), plan.out_fmt, out_scale,
-                            (N, P, Q, K))
+    return planes_qtensor(planes.reshape(plan.out_fmt.bits, N * P * Q, planes.shape[-1]), plan.out_fmt, out_scale,
+                          (N, P, Q, K))
 
 
 def _prepare(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None, act=None, out_dtype=torch.float32,
@@ -706,7 +702,7 @@ def _run(plan: ConvPlan, xs: _X, qw: QTensor, w, bias, scale, out_scale, residua
         res = _bitserial(plan, xs, pw, col, bias, s_out, _gemm, residual)
         if plan.dual:  # the float output and its compact planes
             y, planes = res
-            return PackedActivation(planes, plan.out_fmt, s_out, (g.N, g.P, g.Q, K), hp=y.reshape(g.N, g.P, g.Q, K))
+            return planes_qtensor(planes, plan.out_fmt, s_out, (g.N, g.P, g.Q, K), hp=y.reshape(g.N, g.P, g.Q, K))
         kind = plan.epilogue
         if kind == "int32":
             return res.reshape(g.N, g.P, g.Q, K)
@@ -740,16 +736,15 @@ def _run(plan: ConvPlan, xs: _X, qw: QTensor, w, bias, scale, out_scale, residua
         if kind == "planes":  # (bits, N*P'*Q', Kw): pooled in the epilogue when plan.pool
             return _packed_result(y, plan, s_out, _pooled_shape(g, plan.pool))
         if kind == "int8":
-            return Int8Activation(y, plan.out_fmt, s_out)
+            return int8_qtensor(y, plan.out_fmt, s_out)
         if kind in _FP8_KIND.values():  # (N, P, Q, K) float8 from the epilogue: quantize_fp8_static's QTensor
             return QTensor(y.view(torch.uint8), s_out.reshape(1, 1, 1, 1), plan.out_fmt, PerTensor(), tuple(y.shape),
                            torch.float32)
         if kind == "dual" and isinstance(plan.out_fmt, FloatFormat):  # (N, P, Q, K) float and float8
-            qt = QTensor(y[1].view(torch.uint8), s_out.reshape(1, 1, 1, 1), plan.out_fmt, PerTensor(),
-                         tuple(y[1].shape), torch.float32)
-            return Fp8Activation(qt, y[0])
+            return QTensor(y[1].view(torch.uint8), s_out.reshape(1, 1, 1, 1), plan.out_fmt, PerTensor(),
+                           tuple(y[1].shape), torch.float32, hp=y[0])
         if kind == "dual":
-            return Int8Activation(y[1], plan.out_fmt, s_out, hp=y[0])
+            return int8_qtensor(y[1], plan.out_fmt, s_out, hp=y[0])
         if plan.after == "pool_float":
             return _pool_float(plan, y)
         if plan.after == "finish":
@@ -776,22 +771,22 @@ def conv2d(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None, act=
            residual=None):
     """Quantized 2-D convolution, NHWC, integer part exact (module docstring for the full contract).
 
-    x: ``QTensor`` codes ``(N, H, W, C)`` (PerTensor scale), :class:`PackedActivation` or
-    :class:`Int8Activation`; or a float8 ``QTensor`` (``e4m3`` / ``e5m2``, e.g. from :func:`quantize_fp8_static`).
+    x: ``QTensor`` ``(N, H, W, C)`` (PerTensor scale) of an integer format in the ``Dense()``, ``BitPlanes()`` or
+    ``ShiftedInt8()`` layout; or a float8 ``QTensor`` (``e4m3`` / ``e5m2``, e.g. from :func:`quantize_fp8_static`).
     w: ``QTensor`` codes ``(K, R, S, C)`` (PerTensor / PerChannel(0)) or :class:`PackedConvWeight`.
     Returns float NHWC ``(N, P, Q, K)`` in ``out_dtype``; int32 raw ``C`` for ``out_dtype=torch.int32``;
-    a :class:`PackedActivation` of ``out_fmt`` when ``out_fmt`` (and ``out_scale``) are given, or a
+    a ``BitPlanes`` QTensor of ``out_fmt`` when ``out_fmt`` (and ``out_scale``) are given, or a
     float8 ``QTensor`` (N, P, Q, K) when ``out_fmt`` is e4m3 / e5m2 (the next FP8 layer's input).
     ``out_layout="compact"``: the bit-serial epilogue writes those planes without their padding words (rows of
     ceil(K / 32) words, what a next conv that gathers windows reads; 64 channels: 2 words a row stored, not 16);
     planes another pass writes (an avg-pool) stay padded -- either is a valid input.
-    ``out_layout="int8"`` (integer ``out_fmt``): an :class:`Int8Activation` instead of bit planes, the next
+    ``out_layout="int8"`` (integer ``out_fmt``): a ``ShiftedInt8()`` QTensor instead of bit planes, the next
     INT8 layer's operand -- written by the INT8 / FP8 kernel's epilogue itself when there is no pooling,
     else by one Triton pass (max-pool + re-quantize) after it.  ``out_layout="int8+float"``: that
-    :class:`Int8Activation` with ``hp`` = the float result in ``out_dtype`` (its codes are that float's).
+    QTensor with ``hp`` = the float result in ``out_dtype`` (its codes are that float's).
     ``out_layout="fp8+float"`` (e4m3 / e5m2 ``out_fmt``, INT8 / FP8 kernels or reference): an
-    :class:`Fp8Activation`, the float result and the next FP8 layers' codes of it, from one epilogue.
-    ``out_layout="planes+float"`` (integer ``out_fmt``; bit-serial, INT8 or reference): a :class:`PackedActivation`
+    float8 QTensor with ``hp``: the next FP8 layers' codes and the float result they come from, from one epilogue.
+    ``out_layout="planes+float"`` (integer ``out_fmt``; bit-serial, INT8 or reference): a ``BitPlanes`` QTensor
     with ``hp``, the float result and the next bit-serial layers' planes of it -- from one epilogue on the bit-serial
     GEMM and on a thin INT8 stem on sm_90 (kernels/cuda/stem_conv.cu), else the float and one quantize-pack pass.
 

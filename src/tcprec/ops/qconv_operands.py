@@ -1,10 +1,13 @@
-"""The quantized convolution's operands: the activation and weight containers ``ops.qconv.conv2d`` takes and
-returns, and the static quantizers that make them (all re-exported by ``ops/qconv.py``, their public home).
+"""The quantized convolution's operands: the activation ``QTensor`` layouts ``ops.qconv.conv2d`` takes and returns,
+the prepared weight, and the static quantizers that make them (all re-exported by ``ops/qconv.py``, their public
+home).
 
-* :class:`PackedActivation`: bit planes ``(bits, N*H*W, words)`` of NHWC codes (padded or compact rows), for the
-  bit-serial GEMM; optionally with the float it was quantized from (``hp``, ``out_layout="planes+float"``).
-* :class:`Int8Activation`: NHWC codes stored as int8 (``value = offset + step * x8``), the INT8 kernel's operand.
-* :class:`Fp8Activation`: a float8 ``QTensor`` and the float it came from (``out_layout="fp8+float"``).
+Activations are ``QTensor`` of NHWC shape ``(N, H, W, C)`` with one scale (``PerTensor``), in the layout their
+consumer's kernel reads (``tcprec.qtensor``): ``Dense()`` codes, ``BitPlanes()`` (rows ``N*H*W``, padded or compact:
+the bit-serial GEMM's operand), ``ShiftedInt8()`` (the INT8 kernel's), float8 codes (``Dense()`` e4m3 / e5m2).  A conv
+that writes its float result too (a residual block's output) returns the codes with ``hp``, that float.
+
+* :func:`planes_qtensor`, :func:`int8_qtensor`: a kernel's output (planes / int8) as that QTensor, the scale checked.
 * :class:`PackedConvWeight`: a KRSC weight prepared once for every backend (planes, int8 / float8 views).
 * :func:`quantize_int8_static`, :func:`quantize_fp8_static`, :func:`pack_activation`, :func:`pack_conv_weight`.
 """
@@ -21,14 +24,13 @@ from ..formats import FloatFormat, IntFormat, as_format
 from ..kernels import reference_conv_bitserial as rq
 from ..kernels import reference_gemm as rg
 from ..memo import memo_get, memo_put
-from ..packing import pack_bitplanes, packed_words, unpack_bitplanes
-from ..qtensor import PerChannel, PerTensor, QTensor
-from .codes import decode
-from .qconv_plan import _FUSED_POOLS, _check_pool, _fp8_dtype, _int8_affine
+from ..packing import pack_bitplanes, packed_words
+from ..qtensor import BitPlanes, PerChannel, PerTensor, QTensor, ShiftedInt8, int8_codes
+from .qconv_plan import _FUSED_POOLS, _check_pool, _fp8_dtype
 from .quantize import _check_static, _qp_params, _static_codes, quantize
 
-__all__ = ["PackedActivation", "Int8Activation", "Fp8Activation", "PackedConvWeight", "quantize_int8_static",
-           "pack_activation", "pack_conv_weight", "quantize_fp8_static"]
+__all__ = ["PackedConvWeight", "planes_qtensor", "int8_qtensor", "quantize_int8_static", "pack_activation",
+           "pack_conv_weight", "quantize_fp8_static"]
 
 
 def _interpreting() -> bool:
@@ -74,88 +76,43 @@ def _scale_tensor(scale, device, what: str) -> torch.Tensor:
     return torch.full((1,), v, dtype=torch.float32, device=device)  # a fill, no host copy
 
 
-@dataclass(frozen=True, eq=False)
-class PackedActivation:
-    """NHWC activations as bit planes: ``value = decode(codes) * scale``.
-
-    planes  int32 ``(bits, N*H*W, packed_words(C))``: one row per pixel, the C channel codes packed
-            LSB-first (``tcprec.packing``); the bits past C must be zero (packing guarantees it).  Or
-            *compact*, ``(bits, N*H*W, ceil(C / 32))``: the same words without the zero words that pad
-            a row to 512 bits -- what a layer that reads its input through an im2col is given
-            (``quantize_pack(..., compact=True)``); ``padded_planes()`` restores the full rows.
-    fmt     the integer format of the codes; scale float32 ``(1,)`` (per tensor); shape ``(N, H, W, C)``.
-    hp      (optional) the float NHWC tensor of ``shape`` the codes were quantized from, when a conv wrote both
-            (``out_layout="planes+float"``: a ResNet block's output, its float for the next block's add and its
-            planes for the next block's convolutions).
-
-    >>> import torch, tcprec as tp
-    >>> from tcprec.ops.qconv import pack_activation
-    >>> xa = pack_activation(torch.rand(1, 2, 2, 3), "uint2", 0.5)
-    >>> xa.planes.shape, xa.dequantize().shape
-    (torch.Size([2, 4, 16]), torch.Size([1, 2, 2, 3]))
-    """
-
-    planes: torch.Tensor
-    fmt: IntFormat
-    scale: torch.Tensor
-    shape: tuple
-    hp: torch.Tensor | None = None
-
-    def __post_init__(self):
-        fmt = as_format(self.fmt)
-        if not isinstance(fmt, IntFormat):
-            raise TypeError(f"PackedActivation holds integer codes, got fmt={fmt}; use an integer format (e.g. 'uint2')")
-        object.__setattr__(self, "fmt", fmt)
-        shape = tuple(int(v) for v in self.shape)
-        if len(shape) != 4 or min(shape) < 1:
-            raise ValueError(f"shape must be NHWC (N, H, W, C) of positive sizes, got {self.shape}")
-        object.__setattr__(self, "shape", shape)
-        N, H, W, C = shape
-        want = (fmt.bits, N * H * W, packed_words(C))
-        if not isinstance(self.planes, torch.Tensor) or self.planes.dtype != torch.int32:
-            raise TypeError("planes must be an int32 tensor (bits, N*H*W, packed_words(C))")
-        if tuple(self.planes.shape) not in (want, want[:2] + (-(-C // 32),)):
-            raise ValueError(f"planes of a {fmt} activation of shape {shape} must be (bits, N*H*W, packed_words(C)) "
-                             f"= {want} or compact (bits, N*H*W, ceil(C / 32)) = {want[:2] + (-(-C // 32),)}, got "
-                             f"{tuple(self.planes.shape)}")
-        object.__setattr__(self, "scale", _scale_tensor(self.scale, self.planes.device, "scale"))
-        if self.hp is not None:
-            _check_hp(self.hp, shape, self.planes.device, "None or a float NHWC tensor of the activation's shape")
-
-    @property
-    def device(self) -> torch.device:
-        return self.planes.device
-
-    @property
-    def compact(self) -> bool:
-        """Rows without their padding words (see the class docstring)."""
-        return self.planes.shape[2] != packed_words(self.shape[3])
-
-    def padded_planes(self) -> torch.Tensor:
-        """``planes`` with full rows ``(bits, N*H*W, packed_words(C))`` (a padded copy when compact)."""
-        if not self.compact:
-            return self.planes
-        return torch.nn.functional.pad(self.planes, (0, packed_words(self.shape[3]) - self.planes.shape[2]))
-
-    def codes(self) -> torch.Tensor:
-        """The codes, uint8 ``(N, H, W, C)``."""
-        return unpack_bitplanes(self.padded_planes(), self.fmt.bits, self.shape[3]).reshape(self.shape)
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Float NHWC ``(N, H, W, C)``: ``decode(codes) * scale``."""
-        return (decode(self.codes(), self.fmt) * self.scale.reshape(())).to(dtype)
-
-    def to_qtensor(self) -> QTensor:
-        """The same activations as a dense ``QTensor`` (codes ``(N, H, W, C)``, PerTensor scale)."""
-        return QTensor(self.codes(), self.scale.reshape(1, 1, 1, 1), self.fmt, PerTensor(), self.shape, torch.float32)
-
-
-def pack_activation(x: torch.Tensor, fmt, scale) -> PackedActivation:
-    """Quantize float NHWC ``x`` to ``fmt`` with one given ``scale`` and pack it into bit planes.
+def planes_qtensor(planes: torch.Tensor, fmt, scale, shape, hp: torch.Tensor | None = None) -> QTensor:
+    """NHWC activations of ``shape`` ``(N, H, W, C)`` given as bit planes, int32 ``(bits, N*H*W, packed_words(C))``
+    or compact ``(bits, N*H*W, ceil(C / 32))`` (the layout follows the width): a ``BitPlanes`` QTensor of integer
+    ``fmt`` with the one ``scale`` (a float or a one-element tensor, checked finite and > 0) and the optional float
+    ``hp`` (``out_layout="planes+float"``).  The bits past C must be zero (packing guarantees it).
 
     >>> import torch
-    >>> pack_activation(torch.ones(1, 1, 1, 2), "uint2", 1.0).dequantize().flatten().tolist()
-    [1.0, 1.0]
+    >>> planes_qtensor(torch.zeros(2, 4, 16, dtype=torch.int32), "uint2", 0.5, (1, 2, 2, 3)).layout
+    BitPlanes(compact=False)
+    """
+    fmt = as_format(fmt)
+    if not isinstance(fmt, IntFormat):
+        raise TypeError(f"bit-plane activations hold integer codes, got fmt={fmt}; use an integer format (e.g. 'uint2')")
+    shape = tuple(int(v) for v in shape)
+    if len(shape) != 4 or min(shape) < 1:
+        raise ValueError(f"shape must be NHWC (N, H, W, C) of positive sizes, got {shape}")
+    N, H, W, C = shape
+    want = (fmt.bits, N * H * W, packed_words(C))
+    if not isinstance(planes, torch.Tensor) or planes.dtype != torch.int32:
+        raise TypeError("planes must be an int32 tensor (bits, N*H*W, packed_words(C))")
+    if tuple(planes.shape) not in (want, want[:2] + (-(-C // 32),)):
+        raise ValueError(f"planes of a {fmt} activation of shape {shape} must be (bits, N*H*W, packed_words(C)) "
+                         f"= {want} or compact (bits, N*H*W, ceil(C / 32)) = {want[:2] + (-(-C // 32),)}, got "
+                         f"{tuple(planes.shape)}")
+    compact = planes.shape[2] != packed_words(C)
+    s = _scale_tensor(scale, planes.device, "scale")
+    return QTensor(planes, s.reshape(1, 1, 1, 1), fmt, PerTensor(), shape, torch.float32, BitPlanes(compact), hp)
+
+
+def pack_activation(x: torch.Tensor, fmt, scale) -> QTensor:
+    """Quantize float NHWC ``x`` to ``fmt`` with one given ``scale`` into a ``BitPlanes()`` QTensor (planes
+    ``(bits, N*H*W, packed_words(C))``).
+
+    >>> import torch
+    >>> xa = pack_activation(torch.ones(1, 1, 1, 2), "uint2", 1.0)
+    >>> xa.data.shape, xa.dequantize().flatten().tolist()
+    (torch.Size([2, 1, 16]), [1.0, 1.0])
     """
     if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dim() != 4:
         got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
@@ -167,140 +124,42 @@ def pack_activation(x: torch.Tensor, fmt, scale) -> PackedActivation:
     qx = quantize(x, fmt, PerTensor(), scale=s.reshape(1, 1, 1, 1))
     N, H, W, C = x.shape
     planes = pack_bitplanes(qx.codes.reshape(N * H * W, C), fmt.bits, validate=False)  # (bits, NHW, Kw)
-    return PackedActivation(planes, fmt, s, (N, H, W, C))
+    return planes_qtensor(planes, fmt, s, (N, H, W, C))
 
 
-@dataclass(frozen=True, eq=False)
-class Int8Activation:
-    """NHWC activations as the INT8 conv's operand: one int8 ``x8`` per element, ``decode(code) = offset +
-    step * x8`` (the rule of :func:`_int8_codes`: two's complement, and unsigned / pm of <= 7 bits, as the
-    value; uint8 / pm8 stored as ``code - 128``) and ``value = decode(code) * scale``.
-
-    What :func:`quantize_int8_static` and ``conv2d(..., out_fmt=, out_layout="int8")`` return: chained INT8
-    layers hand it to each other, so no float tensor and no shift pass sits between them.
-
-    ``hp`` (optional): the float NHWC tensor of the same shape that the codes were quantized from, when one
-    conv wrote both (``out_layout="int8+float"``: a residual block's output is the next block's shortcut in
-    float and the next INT8 convs' operand as codes).  ``conv2d(x=...)`` reads the codes; ``residual=`` the float.
+def int8_qtensor(x8: torch.Tensor, fmt, scale, hp: torch.Tensor | None = None) -> QTensor:
+    """NHWC activations given as the INT8 conv's operand, one int8 per element (``decode(code) = offset + step * x8``,
+    ``tcprec.qtensor.int8_affine``): a ``ShiftedInt8()`` QTensor of integer ``fmt`` with the one ``scale`` (checked
+    finite and > 0) and the optional float ``hp`` (``out_layout="int8+float"``).
 
     >>> import torch
-    >>> xa = quantize_int8_static(torch.tensor([0.0, 1.0, 300.0]).reshape(1, 1, 1, 3), "uint8", torch.tensor([1.0]))
-    >>> xa.x8.flatten().tolist(), xa.codes().flatten().tolist()
-    ([-128, -127, 127], [0, 1, 255])
+    >>> int8_qtensor(torch.tensor([-128, 127], dtype=torch.int8).reshape(1, 1, 1, 2), "uint8", 1.0).codes.flatten().tolist()
+    [0, 255]
     """
-
-    x8: torch.Tensor
-    fmt: IntFormat
-    scale: torch.Tensor
-    hp: torch.Tensor | None = None
-
-    def __post_init__(self):
-        fmt = as_format(self.fmt)
-        if not isinstance(fmt, IntFormat):
-            raise TypeError(f"Int8Activation holds integer codes, got fmt={fmt}; use an integer format (e.g. 'uint8')")
-        object.__setattr__(self, "fmt", fmt)
-        x8 = self.x8
-        if not isinstance(x8, torch.Tensor) or x8.dtype != torch.int8 or x8.dim() != 4 or not x8.is_contiguous():
-            got = f"{x8.dtype} {tuple(x8.shape)}" if isinstance(x8, torch.Tensor) else type(x8).__name__
-            raise TypeError(f"x8 must be a contiguous int8 NHWC tensor (N, H, W, C), got {got}")
-        if self.hp is not None:
-            _check_hp(self.hp, x8.shape, x8.device, "None or a float NHWC tensor of x8's shape")
-        object.__setattr__(self, "scale", _scale_tensor(self.scale, x8.device, "scale"))
-
-    @property
-    def shape(self) -> tuple:
-        return tuple(self.x8.shape)
-
-    @property
-    def device(self) -> torch.device:
-        return self.x8.device
-
-    def affine(self) -> tuple[int, int]:
-        """(offset, step): ``decode(code) = offset + step * x8``."""
-        return _int8_affine(self.fmt)
-
-    def codes(self) -> torch.Tensor:
-        """The codes, uint8 ``(N, H, W, C)``."""
-        off, step = self.affine()
-        v = off + step * self.x8.to(torch.int16)  # the decoded integer value
-        b = self.fmt.bits
-        if self.fmt.encoding == "twos":
-            c = v & ((1 << b) - 1)
-        elif self.fmt.encoding == "unsigned":
-            c = v
-        else:  # pm: value = 2c - (2^b - 1)
-            c = (v + ((1 << b) - 1)) // 2
-        return c.to(torch.uint8)
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        off, step = self.affine()
-        return ((off + step * self.x8.to(torch.float32)) * self.scale.reshape(())).to(dtype)
-
-
-def _check_hp(hp, shape, device, what: str) -> None:
-    """A dual-output activation's float ``hp`` must be a floating tensor of ``shape`` on ``device`` (TypeError)."""
-    if not isinstance(hp, torch.Tensor) or not hp.is_floating_point() or tuple(hp.shape) != tuple(shape) \
-            or hp.device != device:
-        got = f"{hp.dtype} {tuple(hp.shape)} on {hp.device}" if isinstance(hp, torch.Tensor) else type(hp).__name__
-        raise TypeError(f"hp must be {what} {tuple(shape)} on {device}, got {got}")
-
-
-@dataclass(frozen=True, eq=False)
-class Fp8Activation:
-    """A float8 activation with the float it was quantized from: ``qt`` the next FP8 convs' operand (an e4m3 /
-    e5m2 ``QTensor`` of codes ``(N, H, W, C)``, PerTensor scale: what :func:`quantize_fp8_static` gives from
-    ``hp``) and ``hp`` the float NHWC tensor of the same shape -- what ``conv2d(..., out_fmt="e4m3",
-    out_layout="fp8+float")`` returns for a ResNet block's output, read by the next block's convs (``x=``: the
-    codes) and by its residual add (``residual=``: the float), written in one epilogue pass.
-
-    >>> import torch
-    >>> hp = torch.tensor([1.0, 3.0]).reshape(1, 1, 1, 2)
-    >>> a = Fp8Activation(quantize_fp8_static(hp, torch.tensor([0.5])), hp)
-    >>> a.shape, a.dequantize().flatten().tolist()
-    ((1, 1, 1, 2), [1.0, 3.0])
-    """
-
-    qt: QTensor
-    hp: torch.Tensor
-
-    def __post_init__(self):
-        qt, hp = self.qt, self.hp
-        if not isinstance(qt, QTensor) or _fp8_dtype(qt.fmt) is None or qt.ndim != 4 \
-                or not isinstance(qt.granularity, PerTensor):
-            got = f"a {qt.fmt} QTensor of shape {qt.shape}" if isinstance(qt, QTensor) else type(qt).__name__
-            raise TypeError(f"qt must be an e4m3 / e5m2 QTensor of NHWC codes (N, H, W, C) with one scale "
-                            f"(quantize_fp8_static), got {got}")
-        _check_hp(hp, qt.shape, qt.device, "a float NHWC tensor of the codes' shape")
-
-    @property
-    def shape(self) -> tuple:
-        return tuple(self.qt.shape)
-
-    @property
-    def device(self) -> torch.device:
-        return self.qt.device
-
-    @property
-    def fmt(self) -> FloatFormat:
-        return self.qt.fmt
-
-    @property
-    def scale(self) -> torch.Tensor:
-        return self.qt.scale.reshape(1)
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The codes' values (not ``hp``): ``decode(codes) * scale``, float NHWC."""
-        return self.qt.dequantize().to(dtype)
+    fmt = as_format(fmt)
+    if not isinstance(fmt, IntFormat):
+        raise TypeError(f"int8 activations hold integer codes, got fmt={fmt}; use an integer format (e.g. 'uint8')")
+    if not isinstance(x8, torch.Tensor) or x8.dtype != torch.int8 or x8.dim() != 4 or not x8.is_contiguous():
+        got = f"{x8.dtype} {tuple(x8.shape)}" if isinstance(x8, torch.Tensor) else type(x8).__name__
+        raise TypeError(f"x8 must be a contiguous int8 NHWC tensor (N, H, W, C), got {got}")
+    s = _scale_tensor(scale, x8.device, "scale")
+    return QTensor(x8, s.reshape(1, 1, 1, 1), fmt, PerTensor(), tuple(x8.shape), torch.float32, ShiftedInt8(), hp)
 
 
 def quantize_int8_static(x: torch.Tensor, fmt, scale: torch.Tensor, pool=None, *, backend: str = "auto"
-                         ) -> Int8Activation:
-    """Float NHWC ``x`` -> (optional 2x2 max-pool ->) the :class:`Int8Activation` of integer format ``fmt``
+                         ) -> QTensor:
+    """Float NHWC ``x`` -> (optional 2x2 max-pool ->) the ``ShiftedInt8()`` QTensor of integer format ``fmt``
     with a fixed per-tensor ``scale`` (a one-element float32 tensor on x's device): the codes of
     ``tcprec.ops.quantize.quantize_static`` (round half to even, saturating; NaN -> the code of 0), no host
     sync (capturable).  On CUDA (and under ``TRITON_INTERPRET=1``) one Triton pass
     (``kernels/triton/quant_bytes.py``); elsewhere torch ops.  ``pool``: None, ("max", 2, 2), ("max", 2, 1)
-    in the same pass, ("avg", 2, 2) as a torch pass first.  ``backend="reference"``: torch ops everywhere."""
+    in the same pass, ("avg", 2, 2) as a torch pass first.  ``backend="reference"``: torch ops everywhere.
+
+    >>> import torch
+    >>> xa = quantize_int8_static(torch.tensor([0.0, 1.0, 300.0]).reshape(1, 1, 1, 3), "uint8", torch.tensor([1.0]))
+    >>> xa.data.flatten().tolist(), xa.codes.flatten().tolist()
+    ([-128, -127, 127], [0, 1, 255])
+    """
     fmt = _check_static(x, fmt, scale, "quantize_int8_static")
     if x.dim() != 4:
         raise ValueError(f"x must be a float NHWC tensor (N, H, W, C), got shape {tuple(x.shape)}")
@@ -312,10 +171,10 @@ def quantize_int8_static(x: torch.Tensor, fmt, scale: torch.Tensor, pool=None, *
 
         enc = {"unsigned": qb.ENC_UNSIGNED, "twos": qb.ENC_TWOS}.get(fmt.encoding, qb.ENC_PM)
         x8 = qb.pool_quantize_int8(x, scale.reshape(1), _FUSED_POOLS.get(pool, 0), fmt.bits, *_qp_params(fmt), enc)
-        return Int8Activation(x8, fmt, scale)
+        return int8_qtensor(x8, fmt, scale)
     y = rq.pool_nhwc(x, pool)
     codes = _static_codes(y, fmt, scale).to(torch.uint8)
-    return Int8Activation(_int8_codes(codes, fmt)[0].contiguous(), fmt, scale)
+    return int8_qtensor(int8_codes(codes, fmt)[0].contiguous(), fmt, scale)
 
 
 @dataclass(frozen=True, eq=False)
@@ -391,7 +250,7 @@ def pack_conv_weight(w: QTensor) -> PackedConvWeight:
         return PackedConvWeight(w, None, w_scale, None, w.codes.contiguous().view(f8))  # (K, R, S, C) float8
     planes = pack_bitplanes(rq.weight_tap_codes(w.codes), w.fmt.bits, validate=False)  # (q, K, Kw_col)
     rowsum = rg.weighted_rowsums(planes, w.fmt).to(torch.int32)  # (K,): the pm1-activation correction (cheap)
-    w8, w_off, w_step = _int8_codes(w.codes, w.fmt)  # (K, R, S, C) int8
+    w8, w_off, w_step = int8_codes(w.codes, w.fmt)  # (K, R, S, C) int8
     C = w.shape[3]
     cwt = rq.conv_tap_words(C)
     conv_planes = planes if cwt == -(-C // 32) else pack_bitplanes(rq.weight_tap_codes(w.codes, cwt), w.fmt.bits,
@@ -399,21 +258,7 @@ def pack_conv_weight(w: QTensor) -> PackedConvWeight:
     return PackedConvWeight(w, planes, w_scale, rowsum, w8, w_off, w_step, conv_planes=conv_planes)
 
 
-def _int8_codes(codes: torch.Tensor, fmt: IntFormat) -> tuple[torch.Tensor, int, int]:
-    """(x8 int8 of codes' shape, offset, step) with value = offset + step * x8: the rule of
-    ``ops/matmul.py::_int8_operand``, shape-preserving; a view (no copy) where the pattern is the value."""
-    b = fmt.bits
-    if fmt.encoding == "twos":
-        if b == 8:
-            return codes.contiguous().view(torch.int8), 0, 1
-        c = codes.to(torch.int16)
-        return (c - ((c >> (b - 1)) << b)).to(torch.int8), 0, 1
-    if b <= 7:  # unsigned 0..127, pm1 -127..127: the values fit int8 as they are
-        if fmt.encoding == "unsigned":
-            return codes.contiguous().view(torch.int8), 0, 1
-        return (2 * codes.to(torch.int16) - ((1 << b) - 1)).to(torch.int8), 0, 1
-    # 8 bits: store u - 128; uint8 = 128 + x8, pm8 = 2u - 255 = 1 + 2 * x8
-    return (codes.to(torch.int16) - 128).to(torch.int8), *_int8_affine(fmt)
+
 
 
 def quantize_fp8_static(x: torch.Tensor, scale: torch.Tensor, fmt="e4m3") -> QTensor:

@@ -35,6 +35,8 @@ from ..kernels import reference_conv_bitserial as rq
 from ..kernels import reference_gemm as rg
 from ..kernels.conv_geometry import ConvGeometry
 from ..kernels.reference_conv_int8_fp8 import parse_act
+from ..qtensor import float8_dtype as _fp8_dtype
+from ..qtensor import int8_affine as _int8_affine
 from .matmul import BACKENDS as _INT_BACKENDS
 from .matmul import int_backend_rule
 
@@ -51,17 +53,11 @@ _OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32)
 _KIND = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _DUAL_DTYPES = (torch.float16, torch.bfloat16)  # the bit-serial epilogue's float output next to its planes
 _INT32_LIMIT = 1 << 31
-_FP8 = {as_format("float8_e4m3fn"): torch.float8_e4m3fn, as_format("float8_e5m2"): torch.float8_e5m2}
 _FP8_KIND = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}  # the conv kernels' out=(kind, out_scale)
 # The fused max-pools of the one-pass re-quantize kernels (bit planes and int8): pool -> stride.
 _FUSED_POOLS = {("max", 2, 2): 2, ("max", 2, 1): 1}
 # What x comes as: a QTensor of codes, bit planes (padded or compact rows), int8 codes, float8 codes.
 INPUT_LAYOUTS = ("codes", "planes", "compact", "int8", "fp8")
-
-
-def _fp8_dtype(fmt) -> torch.dtype | None:
-    """The torch float8 dtype whose bit patterns are ``fmt``'s codes, or None."""
-    return _FP8.get(fmt) if isinstance(fmt, FloatFormat) else None
 
 
 def _check_pool(pool):
@@ -71,14 +67,6 @@ def _check_pool(pool):
     if pool not in POOLS:
         raise ValueError(f"pool must be one of {POOLS} ((kind, kernel, stride)), got pool={pool!r}")
     return pool
-
-
-def _int8_affine(fmt: IntFormat) -> tuple[int, int]:
-    """(offset, step) of ``qconv._int8_codes``'s rule: ``decode(code) = offset + step * x8``.  Only 8-bit unsigned /
-    pm codes are stored shifted (uint8 = 128 + x8, pm8 = 1 + 2 * x8); every other format as its value."""
-    if fmt.bits == 8 and fmt.encoding != "twos":
-        return (128, 1) if fmt.encoding == "unsigned" else (1, 2)
-    return 0, 1
 
 
 # ------------------------------------------------------------------------------------------------
@@ -152,7 +140,7 @@ class ConvPlan:
     pool: object
     out_dtype: torch.dtype
     out_fmt: IntFormat | FloatFormat | None
-    out_layout: str  # an integer out_fmt as bit planes, an Int8Activation, or one with the float too (OUT_LAYOUTS)
+    out_layout: str  # an integer out_fmt as bit planes, int8 codes (ShiftedInt8), or with the float too (OUT_LAYOUTS)
     has_residual: bool  # a residual added in the epilogue, before the activation
     input_layout: str  # INPUT_LAYOUTS
     fast_accum: bool
@@ -404,15 +392,15 @@ def _out_words(p: ConvPlan) -> str:
     if p.out_dtype == torch.int32 and p.out_fmt is None:
         return "int32"
     if p.dual and isinstance(p.out_fmt, FloatFormat):
-        return f"{_KIND[p.out_dtype]} + {p.out_fmt} codes (Fp8Activation)"
+        return f"{_KIND[p.out_dtype]} + {p.out_fmt} codes (float8 QTensor with hp)"
     if isinstance(p.out_fmt, FloatFormat):
         return f"{p.out_fmt} QTensor"
     if p.out_layout == "int8":
-        return f"{p.out_fmt} Int8Activation"
+        return f"{p.out_fmt} ShiftedInt8 QTensor"
     if p.out_layout == "planes+float":
-        return f"{_KIND[p.out_dtype]} + packed {p.out_fmt} planes (PackedActivation with hp)"
+        return f"{_KIND[p.out_dtype]} + packed {p.out_fmt} planes (BitPlanes QTensor with hp)"
     if p.dual:
-        return f"{_KIND[p.out_dtype]} + {p.out_fmt} codes (Int8Activation with hp)"
+        return f"{_KIND[p.out_dtype]} + {p.out_fmt} codes (ShiftedInt8 QTensor with hp)"
     if p.out_fmt is not None:
         return f"packed {p.out_fmt} planes"
     return str(p.out_dtype).removeprefix("torch.")
@@ -475,7 +463,7 @@ def implicit_conv(g: ConvGeometry, kin: int, p: int = 2, q: int = 1, a_twos: boo
 
 def _input_words(p: ConvPlan) -> int:
     """The words of a row of the bit planes the bit-serial pipeline reads: compact rows as given, else padded (a
-    QTensor's or Int8Activation's codes are packed with padded rows)."""
+    Dense or ShiftedInt8 QTensor's codes are packed with padded rows)."""
     C = p.geometry.C
     return -(-C // 32) if p.input_layout == "compact" else rq.packed_words(C)
 
@@ -569,7 +557,7 @@ def _stem_kp(g: ConvGeometry) -> int:
 
 
 def _int8_out(p: ConvPlan) -> bool:
-    """Whether the INT8 / FP8 kernel's epilogue writes the next layer's Int8Activation itself."""
+    """Whether the INT8 / FP8 kernel's epilogue writes the next layer's ShiftedInt8 QTensor itself."""
     return p.out_layout == "int8" and p.pool is None
 
 
@@ -684,7 +672,7 @@ def _decide_kernel(p: ConvPlan) -> ConvPlan:
                               f"with fused epilogue (scale, bias{res}, act={p.act}) -> {shown}"]
     else:
         oa = _int8_affine(p.a_fmt)[0]
-        how = "as given: Int8Activation" if p.input_layout == "int8" else "torch pass"
+        how = "as given: ShiftedInt8 QTensor" if p.input_layout == "int8" else "torch pass"
         shift = ([f"x stored as code - 128 ({how}), exact correction for the taps inside the image "
                   f"({'(P, Q, K) table' if max(g.padding) > 0 else '(K,) vector'}, cached)"] if oa else [])
         if _stem_cuda(p):

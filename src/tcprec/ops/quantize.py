@@ -44,8 +44,8 @@ import torch
 from ..formats import BlockFormat, FloatFormat, IntFormat, as_format
 from ..kernels.reference_bitplanes import pack_bitplanes_reference
 from ..kernels.triton import choose_backend
-from ..qtensor import (Granularity, PerGroup, PerTensor, QTensor, check_granularity, granularity_args,
-                       granularity_from_args, group_view, scale_view)
+from ..qtensor import (Dense, Granularity, Layout, PerGroup, PerTensor, QTensor, check_granularity, check_layout,
+                       granularity_args, granularity_from_args, group_view, scale_view)
 from ..kernels.reference import code_dtype
 from .codes import _encode_codes, _seed_from, check_float_input, check_rounding, choose_cast_backend
 
@@ -197,6 +197,7 @@ def quantize(
     scale=None,
     rounding: str = "nearest",
     generator: torch.Generator | None = None,
+    layout: Layout | None = None,
 ) -> QTensor:
     """Quantize ``x`` to ``fmt`` with one scale per group of ``granularity``; returns a QTensor.
 
@@ -208,14 +209,21 @@ def quantize(
     power of two for MX).  Default: absmax scales, see the module docstring.
     ``rounding`` / ``generator``: as in ``tcprec.cast``; stochastic rounding is reproducible from
     a seeded ``torch.Generator``.
+    ``layout``: how the QTensor stores the codes (``tcprec.qtensor``'s table): ``Dense()`` (default),
+    ``BitPlanes(compact=False)`` / ``BitPlanes(compact=True)``, ``ShiftedInt8()`` (integer formats),
+    ``Float8()`` (e4m3 / e5m2).  The codes and scale are the same in every layout.
 
     >>> import torch, tcprec as tp
     >>> qx = tp.quantize(torch.tensor([[1.0, -0.5], [0.0, 0.0]]), "int4", tp.PerChannel(0))
     >>> qx.scale.flatten().tolist(), qx.dequantize()[0].tolist()
     ([0.1428571492433548, 1.0], [1.0, -0.4285714626312256])
+    >>> tp.quantize(torch.tensor([[1.0, -0.5]]), "int4", layout=tp.BitPlanes()).data.shape
+    torch.Size([4, 1, 16])
     """
     _check_inputs(x, rounding)
     fmt = as_format(fmt)
+    layout = Dense() if layout is None else check_layout(layout)
+    layout.check_format(fmt.element if isinstance(fmt, BlockFormat) else fmt, x.dim())
     shape = tuple(x.shape)
     if isinstance(fmt, BlockFormat):
         if x.dim() == 0:
@@ -249,7 +257,7 @@ def quantize(
     kind, size, axis = granularity_args(g)
     codes, s = torch.ops.tcprec.quantize(x, str(fmt), kind, size, axis, scale, rounding,
                                          -1 if seed is None else seed, choose_cast_backend(x)[0])
-    return QTensor(codes, s, fmt, g, shape, x.dtype)
+    return QTensor(layout.pack(codes, elem), s, fmt, g, shape, x.dtype, layout)
 
 
 # torch.library custom op: torch.compile / torch.export see quantize as one opaque call on plain tensors

@@ -274,6 +274,24 @@ def build_model(name: str) -> nn.Module:
     return MODELS[name]()
 
 
+def _resumable_fit(module: nn.Module, data: TrainData, ckpt: Path, resume: bool, device, record: dict, *,
+                   epochs: int, **fit_kw) -> dict:
+    """``fit`` that saves ``{"model", "state", **record}`` to ``ckpt`` after every epoch and, with ``resume``,
+    starts from that checkpoint when it exists (a finished phase is not trained again); returns fit's state."""
+    state = None
+    if resume and ckpt.is_file():
+        st = torch.load(ckpt, map_location=device, weights_only=False)
+        module.load_state_dict(st["model"])
+        state = st["state"]
+
+    def save(s):
+        torch.save({"model": module.state_dict(), "state": s, **record}, ckpt)
+
+    if state is None or state["epoch"] < epochs:
+        state = fit(module, data, epochs=epochs, state=state, on_epoch=save, **fit_kw)
+    return state
+
+
 def train_classify(model: str = "resnet18", precision: str = "w1a2", data: str = "fashion-mnist", data_path=None,
                    epochs: int = 15, qat_epochs: int = 8, init=None, lr: float = 0.2, qat_lr: float = 0.02,
                    batch_size: int = 256, distill: float = 0.0, act_quant: str = "lsq", out_dir="runs/qat",
@@ -302,16 +320,9 @@ def train_classify(model: str = "resnet18", precision: str = "w1a2", data: str =
         net.load_state_dict(st["model"] if "model" in st else st)
         fstate = {"history": [], "epoch": epochs, "loaded": str(init)}
     else:
-        fstate = None
-        if resume and fckpt.is_file():
-            st = torch.load(fckpt, map_location=dev, weights_only=False)
-            net.load_state_dict(st["model"])
-            fstate = st["state"]
-        save = lambda s: torch.save({"model": net.state_dict(), "state": s, "config": config, "kind": "float",  # noqa: E731
-                                     "model_name": model}, fckpt)
-        if fstate is None or fstate["epoch"] < epochs:
-            fstate = fit(net, ds, epochs=epochs, lr=lr, batch_size=batch_size, schedule="onecycle", progress=progress,
-                         state=fstate, on_epoch=save, title="float", seed=seed)
+        fstate = _resumable_fit(net, ds, fckpt, resume, dev, dict(config=config, kind="float", model_name=model),
+                                epochs=epochs, lr=lr, batch_size=batch_size, schedule="onecycle", progress=progress,
+                                title="float", seed=seed)
     float_acc = evaluate(net, ds.x_test, ds.y_test)
     say(f"float {model}: test accuracy {float_acc:.4f}")
     history = [dict(r, phase="float", step=r["epoch"]) for r in fstate["history"]]
@@ -329,17 +340,11 @@ def train_classify(model: str = "resnet18", precision: str = "w1a2", data: str =
 
         teacher = copy.deepcopy(net).eval()
     qckpt = out / "qat.pt"
-    qstate = None
-    if resume and qckpt.is_file():
-        st = torch.load(qckpt, map_location=dev, weights_only=False)
-        qat.load_state_dict(st["model"])
-        qstate = st["state"]
-    save_q = lambda s: torch.save({"model": qat.state_dict(), "state": s, "config": config, "kind": "qat",  # noqa: E731
-                                   "model_name": model, "precision": precision}, qckpt)
-    if qstate is None or qstate["epoch"] < qat_epochs:
-        qstate = fit(qat, ds, epochs=qat_epochs, lr=qat_lr, batch_size=batch_size, wd=5e-5, schedule="cosine",
-                     label_smoothing=0.0, teacher=teacher, distill=distill, progress=progress, state=qstate,
-                     on_epoch=save_q, title=f"QAT {precision}", seed=seed + 1)
+    qstate = _resumable_fit(qat, ds, qckpt, resume, dev,
+                            dict(config=config, kind="qat", model_name=model, precision=precision),
+                            epochs=qat_epochs, lr=qat_lr, batch_size=batch_size, wd=5e-5, schedule="cosine",
+                            label_smoothing=0.0, teacher=teacher, distill=distill, progress=progress,
+                            title=f"QAT {precision}", seed=seed + 1)
     history += [dict(r, phase="qat", step=len(fstate["history"]) + r["epoch"]) for r in qstate["history"]]
     qat_pred = predict(qat, ds.x_test)
     qat_acc = float((qat_pred == ds.y_test).float().mean())
