@@ -28,7 +28,7 @@ def test_convention_file_renders_generically(tmp_path):
     assert "## cast_cpu" in text and "`tcprec bench cast --device cpu`" in text and "2-core CPU" in text
     assert "commit: abc1234" in text
     assert "| format | GB/s | exact |" in text and "| e4m3 | 1.25 | yes |" in text and "| bf16 | 2.5 | no |" in text
-    assert "| >= 1 GB/s | 1.25 | yes |" in text and "| x | y |  |" in text
+    assert "- met -- >= 1 GB/s: 1.25" in text and "- (not judged) x: y" in text
     assert "ignored" not in text
     # a file neither in the convention nor known to an adapter is listed with its keys, not dropped
     assert "## mystery" in text and "keys: foo, rows" in text

@@ -213,6 +213,9 @@ def _fmt(v) -> str:
     return str(v).replace("|", "/").replace("\n", " ")
 
 
+_MET = {True: "met --", False: "MISSED --", None: "(not judged)"}
+
+
 def _table(rows: list[dict]) -> list[str]:
     cols: list[str] = []
     for r in rows:
@@ -252,10 +255,9 @@ def render(results_dir: Path) -> str:
         if summary:
             out += _table(summary) + [""]
         targets = [t for t in n["targets"] if isinstance(t, dict)]
-        if targets:
-            out += ["Targets:", ""]
-            out += _table([{"target": t.get("target"), "value": t.get("value"), "met": t.get("met")} for t in targets])
-            out.append("")
+        if targets:  # one line each, all of them: the targets are what a reader looks for
+            out += ["Targets:"] + [f"- {_MET[t.get('met')]} {_fmt(t.get('target'))}: {_fmt(t.get('value'))}"
+                                   for t in targets] + [""]
     if tuning:
         out += ["## Tuning sweeps\n", "What the tile tables were read from (per-config rows in each JSON):", ""]
         out += _table(tuning) + [""]
