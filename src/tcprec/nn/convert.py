@@ -89,6 +89,10 @@ class QuantConfig:
     bias_correction  subtract the expected output error of the quantized weights from each layer's bias
     weight_rounding  ``"nearest"`` (default) | ``"adaround"`` | ``AdaRound(iters=300, max_bits=4, ...)``:
                 learned up/down rounding of integer weights of 2..max_bits bits on the calibration batches
+    grouped     precision of every grouped / depthwise conv (``groups > 1``), e.g. ``"int8"`` in a ``"w4a8"`` model
+                (their weights are ~1% of a MobileNet's and they run on the CUDA cores, memory-bound, at any bit
+                width, while 4-bit depthwise weights cost EfficientNet-Lite0 10 points: docs/decisions/0082);
+                None: like any conv.  ``overrides`` and ``first_last`` win over it
     """
 
     precision: str = "w1a2"
@@ -105,6 +109,7 @@ class QuantConfig:
     weight_grid: str = "twos"
     bias_correction: bool = False
     weight_rounding: "cal.AdaRound | str" = "nearest"
+    grouped: str | None = None
 
     def __post_init__(self):
         if self.fp8_accum not in ("fp32", "fast"):
@@ -121,6 +126,8 @@ class QuantConfig:
         parse_precision(self.precision)
         if self.first_last is not None:
             parse_precision(self.first_last)
+        if self.grouped is not None:
+            parse_precision(self.grouped)
         for k, v in dict(self.overrides).items():
             if not isinstance(k, str):
                 raise TypeError(f"overrides keys are module names (str), got {k!r}")
@@ -249,7 +256,7 @@ def _candidates(gm: nn.Module, mods, traced: bool) -> list[str]:
 
 def _precision_rule(cfg: QuantConfig, order: list[str], mods):
     """name -> LayerPrecision (None: float): the override, else first_last for the first conv and the last
-    layer, else the config's precision."""
+    layer, else ``grouped`` for a grouped conv, else the config's precision."""
     first_conv = next((n for n in order if isinstance(mods[n], nn.Conv2d)), None)
     last = order[-1] if order else None
 
@@ -258,6 +265,8 @@ def _precision_rule(cfg: QuantConfig, order: list[str], mods):
             return parse_precision(cfg.overrides[name])
         if cfg.first_last is not None and name in (first_conv, last):
             return parse_precision(cfg.first_last)
+        if cfg.grouped is not None and isinstance(mods[name], nn.Conv2d) and mods[name].groups != 1:
+            return parse_precision(cfg.grouped)
         return parse_precision(cfg.precision)
 
     return precision_of
