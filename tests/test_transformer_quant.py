@@ -206,6 +206,32 @@ def test_calibrated_with_the_causal_mask(precision):
     assert e < NRMSE_MAX[precision], f"{precision} causal: NRMSE vs fp32 {e:.4f} >= {NRMSE_MAX[precision]}"
 
 
+def test_calibration_batches_carry_the_masks_as_keyword_arguments():
+    """A calibration batch may be a dict of the forward's keyword arguments: ``model(**batch)`` calibrates under
+    the run-time mask -- the same scales as the model that applies the mask inside (``Causal``), so the same
+    output; bad keys are named."""
+    enc = _encoder(False, True, "gelu")
+    x = _x(False)
+    causal = _masks()["causal"]
+    cfg = tp.QuantConfig("int8", first_last=None)
+    q = tp.quantize_model(enc, cfg, calibration=[{"src": x, **causal}], warn=False)
+    qw = tp.quantize_model(Causal(enc).eval(), cfg, calibration=x, warn=False)
+    plain = tp.quantize_model(enc, cfg, calibration=x, warn=False)
+    scales = {n: float(m.in_scale) for n, m in q.named_modules() if isinstance(m, QLinear)}
+    assert len(scales) == 8 and all(scales[n] == float(qw.get_submodule("enc." + n).in_scale) for n in scales)
+    # out_proj of the first layer sees a wider range under the mask (early positions attend to few keys)
+    n0 = "layers.0.self_attn.out_proj"
+    assert scales[n0] != float(plain.get_submodule(n0).in_scale)
+    with torch.no_grad():
+        y, yw, y32 = q(x, **causal), qw(x), enc(x, **causal)
+    torch.testing.assert_close(y, yw, rtol=0, atol=1e-5 * float(yw.abs().max()))
+    assert _nrmse(y, y32) < NRMSE_MAX["int8"]
+    with pytest.raises(ValueError, match=r"keys \['msk'\] name no argument"):
+        tp.quantize_model(enc, cfg, calibration={"src": x, "msk": causal["mask"]}, warn=False)
+    with pytest.raises(TypeError, match="dict of keyword arguments"):
+        tp.quantize_model(enc, cfg, calibration=[x, "mask"], warn=False)
+
+
 @pytest.mark.parametrize("precision", ["int8", "fp8"])
 def test_masks_are_honoured(precision):
     enc = _encoder(True, False, "gelu")
