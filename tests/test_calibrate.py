@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import tcprec as tp
+from tcprec.formats import as_format
 from tcprec.nn import calibrate as cal
 
 BINS = 2048
@@ -229,3 +230,26 @@ def test_weight_rounding_validation():
     with pytest.raises(ValueError, match="AdaRound max_bits must be an int in 2..8"):
         cal.AdaRound(max_bits=1)
     assert cal.as_rounding("adaround") == cal.AdaRound() and cal.as_rounding("nearest") is None
+
+
+def test_grouped_sets_the_precision_of_every_grouped_conv():
+    """``grouped="int8"`` in a w4a8 model: the depthwise and the grouped conv take int8, the dense convs keep w4a8,
+    ``first_last`` and ``overrides`` win; the quantized depthwise weight is the 8-bit one (255 levels per channel)."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
+                            torch.nn.Conv2d(8, 8, 3, padding=1, groups=8), torch.nn.ReLU6(),
+                            torch.nn.Conv2d(8, 8, 1), torch.nn.ReLU(),
+                            torch.nn.Conv2d(8, 8, 3, padding=1, groups=2), torch.nn.ReLU(),
+                            torch.nn.Conv2d(8, 8, 3, padding=1, groups=8), torch.nn.ReLU(),
+                            torch.nn.Flatten(), torch.nn.Linear(8 * 16, 4)).eval()
+    x = torch.randn(4, 3, 4, 4)
+    cfg = tp.QuantConfig("w4a8", grouped="int8", overrides={"8": "w4a8"})
+    q = tp.quantize_model(m, cfg, calibration=x, warn=False)
+    got = {r.name: r.precision for r in q.tcprec_summary.layers}
+    assert got == {"0": "w8a8", "2": "w8a8", "4": "w4a8", "6": "w8a8", "8": "w4a8", "11": "w8a8"}
+    assert q.get_submodule("2").w_fmt == as_format("int8")  # the depthwise conv's codes are 8-bit
+    assert q.get_submodule("8").w_fmt == as_format("int4")
+    plain = {r.name: r.precision for r in tp.quantize_model(m, "w4a8", calibration=x, warn=False).tcprec_summary.layers}
+    assert plain["2"] == plain["6"] == "w4a8"
+    with pytest.raises(ValueError, match="int9"):
+        tp.QuantConfig("w4a8", grouped="int9")

@@ -206,6 +206,32 @@ def test_calibrated_with_the_causal_mask(precision):
     assert e < NRMSE_MAX[precision], f"{precision} causal: NRMSE vs fp32 {e:.4f} >= {NRMSE_MAX[precision]}"
 
 
+def test_calibration_batches_carry_the_masks_as_keyword_arguments():
+    """A calibration batch may be a dict of the forward's keyword arguments: ``model(**batch)`` calibrates under
+    the run-time mask -- the same scales as the model that applies the mask inside (``Causal``), so the same
+    output; bad keys are named."""
+    enc = _encoder(False, True, "gelu")
+    x = _x(False)
+    causal = _masks()["causal"]
+    cfg = tp.QuantConfig("int8", first_last=None)
+    q = tp.quantize_model(enc, cfg, calibration=[{"src": x, **causal}], warn=False)
+    qw = tp.quantize_model(Causal(enc).eval(), cfg, calibration=x, warn=False)
+    plain = tp.quantize_model(enc, cfg, calibration=x, warn=False)
+    scales = {n: float(m.in_scale) for n, m in q.named_modules() if isinstance(m, QLinear)}
+    assert len(scales) == 8 and all(scales[n] == float(qw.get_submodule("enc." + n).in_scale) for n in scales)
+    # out_proj of the first layer sees a wider range under the mask (early positions attend to few keys)
+    n0 = "layers.0.self_attn.out_proj"
+    assert scales[n0] != float(plain.get_submodule(n0).in_scale)
+    with torch.no_grad():
+        y, yw, y32 = q(x, **causal), qw(x), enc(x, **causal)
+    torch.testing.assert_close(y, yw, rtol=0, atol=1e-5 * float(yw.abs().max()))
+    assert _nrmse(y, y32) < NRMSE_MAX["int8"]
+    with pytest.raises(ValueError, match=r"keys \['msk'\] name no argument"):
+        tp.quantize_model(enc, cfg, calibration={"src": x, "msk": causal["mask"]}, warn=False)
+    with pytest.raises(TypeError, match="dict of keyword arguments"):
+        tp.quantize_model(enc, cfg, calibration=[x, "mask"], warn=False)
+
+
 @pytest.mark.parametrize("precision", ["int8", "fp8"])
 def test_masks_are_honoured(precision):
     enc = _encoder(True, False, "gelu")
@@ -472,3 +498,49 @@ def test_a_bare_encoder_layer_and_unbatched_input(batch_first):
             assert y.shape == xx.shape
             torch.testing.assert_close(y, y_ref, rtol=0, atol=1e-5 * float(y_ref.abs().max()))
             assert _nrmse(y, layer(xx)) < NRMSE_MAX["int8"]
+
+
+# -- decoder ---------------------------------------------------------------------------------------------------
+
+
+def _decoder(batch_first=True, norm_first=False, activation="relu", layers=2, seed=0):
+    torch.manual_seed(seed)
+    layer = nn.TransformerDecoderLayer(D_MODEL, HEADS, FF, dropout=0.0, activation=activation,
+                                       batch_first=batch_first, norm_first=norm_first)
+    return nn.TransformerDecoder(layer, layers).eval()
+
+
+def _dec_masks():
+    mkpm = torch.zeros(BATCH, SEQ + 3, dtype=torch.bool)
+    mkpm[1, -4:] = True
+    causal = nn.Transformer.generate_square_subsequent_mask(SEQ)
+    return {"none": {}, "causal": {"tgt_mask": causal, "tgt_is_causal": True},
+            "causal+memory padding": {"tgt_mask": causal.isinf(), "memory_key_padding_mask": mkpm,
+                                      "tgt_key_padding_mask": _masks()["kpm"]["src_key_padding_mask"]}}
+
+
+@pytest.mark.parametrize("batch_first,norm_first,activation", [(True, False, "relu"), (False, True, "gelu")])
+def test_decomposed_decoder_computes_what_torch_computes_and_quantizes(batch_first, norm_first, activation):
+    """nn.TransformerDecoder(Layer): self- and cross-attention decomposed (torch's results, every mask), then every
+    linear quantized: the self-attention's q/k/v as one qkv_proj, the cross-attention's three separate (query from
+    the target, key / value from the memory); int8 near fp32 under the masks it was calibrated with."""
+    dec = _decoder(batch_first, norm_first, activation)
+    d2, names = decompose_transformers(copy.deepcopy(dec))
+    assert names == ["layers.0.self_attn", "layers.0.multihead_attn", "layers.1.self_attn", "layers.1.multihead_attn"]
+    assert not any(isinstance(m, (nn.MultiheadAttention, nn.TransformerDecoderLayer)) for m in d2.modules())
+    tgt = _x(batch_first)
+    mem = torch.randn((BATCH, SEQ + 3, D_MODEL) if batch_first else (SEQ + 3, BATCH, D_MODEL),
+                      generator=torch.Generator().manual_seed(2))
+    with torch.no_grad(), _NoFastPath():
+        for what, kw in _dec_masks().items():
+            torch.testing.assert_close(d2(tgt, mem, **kw), dec(tgt, mem, **kw), rtol=1e-5, atol=1e-5, msg=what)
+    kw = _dec_masks()["causal+memory padding"]
+    q = tp.quantize_model(dec, tp.QuantConfig("int8", first_last=None),
+                          calibration={"tgt": tgt, "memory": mem, **kw}, warn=False)
+    assert not q.tcprec_summary.float_layers, str(q.tcprec_summary)
+    qlin = {n for n, m in q.named_modules() if isinstance(m, QLinear)}
+    assert {"layers.0.self_attn.qkv_proj", "layers.0.multihead_attn.q_proj", "layers.0.multihead_attn.k_proj",
+            "layers.0.multihead_attn.v_proj", "layers.0.multihead_attn.out_proj", "layers.1.linear2"} <= qlin
+    with torch.no_grad():
+        e = _nrmse(q(tgt, mem, **kw), dec(tgt, mem, **kw))
+    assert e < NRMSE_MAX["int8"], f"int8 decoder NRMSE vs fp32 {e:.4f}"

@@ -64,6 +64,10 @@ CONFIGS = {
                                   weight_grid="pm"),
     "w4a8 mse+ada+bc": QuantConfig("w4a8", activation_observer="mse", weight_clip="mse", weight_rounding="adaround",
                                    bias_correction=True),
+    "w4a8 mse+bc grouped8": QuantConfig("w4a8", activation_observer="mse", weight_clip="mse", bias_correction=True,
+                                        grouped="int8"),
+    "w4a8 mse+ada+bc grouped8": QuantConfig("w4a8", activation_observer="mse", weight_clip="mse",
+                                            weight_rounding="adaround", bias_correction=True, grouped="int8"),
     "w4a8 auto+mse+ada+bc": QuantConfig("w4a8", activation_observer="auto", weight_clip="mse",
                                         weight_rounding="adaround", bias_correction=True),
 }

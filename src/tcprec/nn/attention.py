@@ -15,7 +15,8 @@ compute the same thing with every projection an ``nn.Linear`` called as a module
   ``F.scaled_dot_product_attention`` in the input's float dtype, merges heads.  ``need_weights=True``: the explicit
   softmax(QK^T / sqrt(d) + mask) V, returning the weights (averaged over heads unless ``average_attn_weights=False``).
   A leaf because the masks are optional: which of them are given is known only at call time.
-* :class:`TransformerEncoderLayer` / :class:`TransformerEncoder`: torch's Python path (``norm_first`` both ways, any
+* :class:`TransformerEncoderLayer` / :class:`TransformerEncoder` and :class:`TransformerDecoderLayer` /
+  :class:`TransformerDecoder` (self-attention, cross-attention over ``memory``, feed-forward): torch's Python path (``norm_first`` both ways, any
   activation), never the fused fast path, so a quantized layer runs with quantized weights.  Outputs at padded
   positions are computed, as torch's Python path does (torch's nested-tensor fast path writes zeros there).
 
@@ -26,7 +27,7 @@ The attention stays in float (docs/decisions/0081): its two batched GEMMs are ~4
 sequence 197, and quantizing Q, K and the softmax probabilities would add two calibrated scales per head for little.
 
 Not decomposed (listed float by ``tcprec_summary``, with the reason): subclasses of these modules,
-``add_bias_kv`` / ``add_zero_attn`` attention, and modules inside a torch leaf (``nn.TransformerDecoderLayer``).
+``add_bias_kv`` / ``add_zero_attn`` attention, and modules inside a torch leaf (``nn.Transformer``).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from ..qtensor import PerChannel, QTensor
 from .qmodules import QLinear
 
 __all__ = ["SDPAttention", "MultiheadAttention", "TransformerEncoderLayer", "TransformerEncoder",
-           "decompose_transformers", "not_decomposed", "fuse_qkv"]
+           "TransformerDecoderLayer", "TransformerDecoder", "decompose_transformers", "not_decomposed", "fuse_qkv"]
 
 
 def _float_mask(mask, name: str, dtype: torch.dtype):
@@ -280,6 +281,71 @@ class TransformerEncoder(nn.Module):
         return x if self.norm is None else self.norm(x)
 
 
+class TransformerDecoderLayer(nn.Module):
+    """``nn.TransformerDecoderLayer``'s Python path (post- or pre-norm, any activation): self-attention and
+    cross-attention (over ``memory``) as two :class:`MultiheadAttention` (``self_attn``, ``multihead_attn``), then
+    the feed-forward block; the same submodule names and results.  Build one with :meth:`from_torch`."""
+
+    @classmethod
+    def from_torch(cls, layer: nn.TransformerDecoderLayer) -> "TransformerDecoderLayer":
+        m = cls()
+        m.self_attn = MultiheadAttention.from_torch(layer.self_attn)
+        m.multihead_attn = MultiheadAttention.from_torch(layer.multihead_attn)
+        for name in ("linear1", "dropout", "linear2", "norm1", "norm2", "norm3", "dropout1", "dropout2", "dropout3"):
+            setattr(m, name, getattr(layer, name))
+        m.norm_first = layer.norm_first
+        m.activation = layer.activation
+        m.train(layer.training)
+        return m
+
+    def forward(self, tgt, memory, tgt_mask=None, memory_mask=None, tgt_key_padding_mask=None,
+                memory_key_padding_mask=None, tgt_is_causal=False, memory_is_causal=False):
+        x = tgt
+        if self.norm_first:
+            x = x + self._sa_block(self.norm1(x), tgt_mask, tgt_key_padding_mask, tgt_is_causal)
+            x = x + self._mha_block(self.norm2(x), memory, memory_mask, memory_key_padding_mask, memory_is_causal)
+            x = x + self._ff_block(self.norm3(x))
+        else:
+            x = self.norm1(x + self._sa_block(x, tgt_mask, tgt_key_padding_mask, tgt_is_causal))
+            x = self.norm2(x + self._mha_block(x, memory, memory_mask, memory_key_padding_mask, memory_is_causal))
+            x = self.norm3(x + self._ff_block(x))
+        return x
+
+    def _sa_block(self, x, attn_mask, key_padding_mask, is_causal):
+        x = self.self_attn(x, x, x, attn_mask=attn_mask, key_padding_mask=key_padding_mask, need_weights=False,
+                           is_causal=is_causal)[0]
+        return self.dropout1(x)
+
+    def _mha_block(self, x, mem, attn_mask, key_padding_mask, is_causal):
+        x = self.multihead_attn(x, mem, mem, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
+                                need_weights=False, is_causal=is_causal)[0]
+        return self.dropout2(x)
+
+    def _ff_block(self, x):
+        return self.dropout3(self.linear2(self.dropout(self.activation(self.linear1(x)))))
+
+
+class TransformerDecoder(nn.Module):
+    """``nn.TransformerDecoder``'s Python path: its layers in turn (then ``norm``).  ``tgt_is_causal=None`` is not
+    detected from the mask (that reads its values): the mask is applied as given."""
+
+    @classmethod
+    def from_torch(cls, dec: nn.TransformerDecoder) -> "TransformerDecoder":
+        m = cls()
+        m.layers, m.norm = dec.layers, dec.norm
+        m.train(dec.training)
+        return m
+
+    def forward(self, tgt, memory, tgt_mask=None, memory_mask=None, tgt_key_padding_mask=None,
+                memory_key_padding_mask=None, tgt_is_causal=None, memory_is_causal=False):
+        x = tgt
+        for layer in self.layers:
+            x = layer(x, memory, tgt_mask=tgt_mask, memory_mask=memory_mask, tgt_key_padding_mask=tgt_key_padding_mask,
+                      memory_key_padding_mask=memory_key_padding_mask, tgt_is_causal=tgt_is_causal,
+                      memory_is_causal=memory_is_causal)
+        return x if self.norm is None else self.norm(x)
+
+
 def not_decomposed(m: nn.Module) -> str | None:
     """Why ``decompose_transformers`` leaves ``m`` as it is (None: it is decomposed)."""
     if type(m) is nn.MultiheadAttention:
@@ -289,16 +355,20 @@ def not_decomposed(m: nn.Module) -> str | None:
         return None
     if type(m) is nn.TransformerEncoderLayer:
         return not_decomposed(m.self_attn)
-    if type(m) is nn.TransformerEncoder:
+    if type(m) is nn.TransformerDecoderLayer:
+        return not_decomposed(m.self_attn) or not_decomposed(m.multihead_attn)
+    if type(m) in (nn.TransformerEncoder, nn.TransformerDecoder):
         return None
-    if isinstance(m, (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)):
+    if isinstance(m, (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder,
+                      nn.TransformerDecoderLayer, nn.TransformerDecoder)):
         return (f"{type(m).__name__} subclasses {type(m).__mro__[1].__name__} with its own code; only the torch "
                 "classes themselves are decomposed")
     return None
 
 
 _SWAP = {nn.MultiheadAttention: MultiheadAttention, nn.TransformerEncoderLayer: TransformerEncoderLayer,
-         nn.TransformerEncoder: TransformerEncoder}
+         nn.TransformerEncoder: TransformerEncoder, nn.TransformerDecoderLayer: TransformerDecoderLayer,
+         nn.TransformerDecoder: TransformerDecoder}
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
@@ -323,6 +393,8 @@ def decompose_transformers(model: nn.Module) -> tuple[nn.Module, list[str]]:
                 swapped.append(name)
             elif isinstance(new, TransformerEncoderLayer):
                 swapped.append(f"{name}.self_attn" if name else "self_attn")
+            elif isinstance(new, TransformerDecoderLayer):
+                swapped.extend(f"{name}.{a}" if name else a for a in ("self_attn", "multihead_attn"))
         if not _traced_through(new):
             return new
         for cname, child in list(new.named_children()):

@@ -63,14 +63,30 @@ class Observer:
             raise ValueError(f"bins must be an int in 128..65536, got {self.bins!r} (TensorRT uses 2048)")
 
 
+def batch_on(model, b):
+    """A calibration batch on ``model``'s device and in its float dtype: a tensor, or a dict of keyword arguments
+    (``{"src": x, "mask": causal}``) whose floating-point tensors take the float dtype (bool masks stay bool)."""
+    dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+    dt = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+    def on(v):
+        if not isinstance(v, torch.Tensor):
+            return v
+        return v.to(device=dev, dtype=dt) if v.is_floating_point() else v.to(device=dev)
+    return {k: on(v) for k, v in b.items()} if isinstance(b, dict) else b.to(device=dev, dtype=dt)
+
+
+def call_batch(model, b):
+    """``model(b)``, or ``model(**b)`` for a dict batch (keyword arguments: the input and its masks)."""
+    return model(**b) if isinstance(b, dict) else model(b)
+
+
 def _run_batches(model, batches, hooks) -> None:
     """Run the calibration batches through ``model`` (on its device, in its float dtype), then remove the
     forward hooks that observed them, whatever happens."""
     try:
-        dev = next((p.device for p in model.parameters()), torch.device("cpu"))
-        dt = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
         for b in batches:
-            model(b.to(device=dev, dtype=dt))
+            call_batch(model, batch_on(model, b))
     finally:
         for h in hooks:
             h.remove()

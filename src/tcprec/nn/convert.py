@@ -93,6 +93,10 @@ class QuantConfig:
     speed_rule  ``"off"`` (default) | ``"measured"`` | ``SpeedRule(batch=256, timer=, rounds=2)``: time each quantized
                 layer against its float equivalent on the model's CUDA device and keep the slower ones float
                 (nn/speed_rule.py; why off by default: docs/decisions/0090)
+    grouped     precision of every grouped / depthwise conv (``groups > 1``), e.g. ``"int8"`` in a ``"w4a8"`` model
+                (their weights are ~1% of a MobileNet's and they run on the CUDA cores, memory-bound, at any bit
+                width, while 4-bit depthwise weights cost EfficientNet-Lite0 10 points: docs/decisions/0082);
+                None: like any conv.  ``overrides`` and ``first_last`` win over it
     """
 
     precision: str = "w1a2"
@@ -110,6 +114,7 @@ class QuantConfig:
     bias_correction: bool = False
     weight_rounding: "cal.AdaRound | str" = "nearest"
     speed_rule: "SpeedRule | str" = "off"
+    grouped: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "speed_rule", as_speed_rule(self.speed_rule))
@@ -127,6 +132,8 @@ class QuantConfig:
         parse_precision(self.precision)
         if self.first_last is not None:
             parse_precision(self.first_last)
+        if self.grouped is not None:
+            parse_precision(self.grouped)
         for k, v in dict(self.overrides).items():
             if not isinstance(k, str):
                 raise TypeError(f"overrides keys are module names (str), got {k!r}")
@@ -194,18 +201,46 @@ class _Tracer(fx.Tracer):
         return hasattr(m, "tcprec_pool") or getattr(m, "tcprec_fx_leaf", False) or super().is_leaf_module(m, qualname)
 
 
-def _batches(calibration) -> list[torch.Tensor]:
+def _batches(calibration) -> list:
+    """The calibration batches: tensors, or dicts of keyword arguments (``{"src": x, "src_key_padding_mask": m}``:
+    the model runs ``model(**batch)``, so it calibrates under the masks it runs with)."""
     if calibration is None:
         raise ValueError("quantize_model needs calibration data for the activation scales: pass calibration=x "
                          "(a sample batch) or a list of batches")
-    if isinstance(calibration, torch.Tensor):
-        return [calibration]
+    if isinstance(calibration, (torch.Tensor, dict)):
+        calibration = [calibration]
     if isinstance(calibration, (list, tuple)) or isinstance(calibration, Iterable):
         out = [b[0] if isinstance(b, (list, tuple)) else b for b in calibration]
-        if not out or not all(isinstance(b, torch.Tensor) for b in out):
-            raise TypeError("calibration must be a tensor or a non-empty list of tensors (or (x, y) pairs)")
+        bad = [type(b).__name__ for b in out if not (isinstance(b, torch.Tensor) or (
+            isinstance(b, dict) and b and all(isinstance(k, str) for k in b)))]
+        if not out or bad:
+            raise TypeError("calibration must be a tensor, a dict of keyword arguments of the model's forward "
+                            "({'src': x, 'mask': m}), or a non-empty list of those (or of (x, y) pairs); got "
+                            f"{bad or 'an empty list'}")
         return out
-    raise TypeError(f"calibration must be a tensor or a list of tensors, got {type(calibration).__name__}")
+    raise TypeError(f"calibration must be a tensor, a dict or a list of them, got {type(calibration).__name__}")
+
+
+def _positional(gm: fx.GraphModule, b):
+    """A batch as the traced model's positional arguments (ShapeProp takes those): a dict's values in the order of
+    the placeholders, their defaults where the dict has none."""
+    if not isinstance(b, dict):
+        return (b,)
+    args = []
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        if n.target in b:
+            args.append(b[n.target])
+        elif n.args:
+            args.append(n.args[0])
+        else:
+            raise ValueError(f"calibration batch has no {n.target!r}: the model's forward needs it (keys given: "
+                             f"{sorted(b)})")
+    unknown = sorted(set(b) - {n.target for n in gm.graph.nodes if n.op == "placeholder"})
+    if unknown:
+        raise ValueError(f"calibration batch keys {unknown} name no argument of the model's forward")
+    return tuple(args)
 
 
 @torch.no_grad()
@@ -227,13 +262,12 @@ def _calibrate(model: nn.Module, names: list[str], batches, shapes: bool = False
                 stats[n][1] = stats[n][1] or bool((xf < 0).any())
         hooks.append(mods[n].register_forward_pre_hook(pre))
     try:
-        dev = next((p.device for p in model.parameters()), torch.device("cpu"))
-        dt = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
         for i, b in enumerate(batches):
-            x = b.to(device=dev, dtype=dt)
+            x = cal.batch_on(model, b)
             if shapes and i == 0:
+                args = _positional(model, x)  # (a bad dict key raises here, before the forward)
                 try:
-                    ShapeProp(model).propagate(x)
+                    ShapeProp(model).propagate(*args)
                     continue
                 except Exception as e:  # noqa: BLE001 - any failure: calibrate without shapes, and say so
                     for n in model.graph.nodes:
@@ -241,7 +275,7 @@ def _calibrate(model: nn.Module, names: list[str], batches, shapes: bool = False
                     if notes is not None:
                         notes.append(f"shape propagation failed ({type(e).__name__}: {str(e)[:120]}); "
                                      "residual adds were left unfused")
-            model(x)
+            cal.call_batch(model, x)
     finally:
         for h in hooks:
             h.remove()
@@ -268,7 +302,7 @@ def _candidates(gm: nn.Module, mods, traced: bool) -> list[str]:
 
 def _precision_rule(cfg: QuantConfig, order: list[str], mods):
     """name -> LayerPrecision (None: float): the override, else first_last for the first conv and the last
-    layer, else the config's precision."""
+    layer, else ``grouped`` for a grouped conv, else the config's precision."""
     first_conv = next((n for n in order if isinstance(mods[n], nn.Conv2d)), None)
     last = order[-1] if order else None
 
@@ -277,6 +311,8 @@ def _precision_rule(cfg: QuantConfig, order: list[str], mods):
             return parse_precision(cfg.overrides[name])
         if cfg.first_last is not None and name in (first_conv, last):
             return parse_precision(cfg.first_last)
+        if cfg.grouped is not None and isinstance(mods[name], nn.Conv2d) and mods[name].groups != 1:
+            return parse_precision(cfg.grouped)
         return parse_precision(cfg.precision)
 
     return precision_of
@@ -612,7 +648,8 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
     """A quantized copy of ``model`` for inference (``torch.fx.GraphModule`` when the model traces).
 
     ``config``: a :class:`QuantConfig` or a precision string (``"w1a2"``, ``"w2a2"``, ``"int8"``, ``"fp8"``...).
-    ``calibration``: a sample batch (or a list of batches) on the model's device.
+    ``calibration``: a sample batch (or a list of batches) on the model's device; a batch may be a dict of keyword
+    arguments (``{"src": x, "mask": causal}``), run as ``model(**batch)``: calibrate with the masks you run with.
     ``fixed``: module name -> :class:`~tcprec.nn.qmodules.FixedQuant`, a layer whose activation scale, weight
     codes and epilogue were decided elsewhere (``tcprec.convert_qat``): used as given, not calibrated.
 

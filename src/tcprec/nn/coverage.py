@@ -19,7 +19,7 @@ be rewritten exactly into those plain modules, and :func:`uncovered` lists what 
 
 :func:`uncovered` names what is still float after conversion: an ``nn.MultiheadAttention`` that
 ``nn/attention.py`` did not decompose (a subclass, ``add_bias_kv``; its packed ``in_proj_weight`` runs inside
-``F.multi_head_attention_forward``), layers inside modules fx keeps as leaves (``nn.TransformerDecoderLayer``), conv kinds without a quantized path (``Conv3d``,
+``F.multi_head_attention_forward``), layers inside modules fx keeps as leaves (``nn.Transformer``), conv kinds without a quantized path (``Conv3d``,
 ``ConvTranspose``), functional calls with computed weights, and layers of a model fx could not trace.
 """
 
