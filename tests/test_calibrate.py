@@ -253,3 +253,19 @@ def test_grouped_sets_the_precision_of_every_grouped_conv():
     assert plain["2"] == plain["6"] == "w4a8"
     with pytest.raises(ValueError, match="int9"):
         tp.QuantConfig("w4a8", grouped="int9")
+
+
+def test_auto_observer_and_bias_correction_on_a_half_precision_model():
+    """The "auto" observer's trial convolutions run in float32 on the float32 copy of the calibration input: an fp16
+    model's weights are cast to it (they used to meet as Float and Half and raise)."""
+    torch.manual_seed(0)
+    nn = torch.nn
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
+                      nn.Flatten(), nn.Linear(8 * 6 * 6, 4)).half().eval()
+    x = torch.randn(4, 3, 6, 6).half()
+    q = tp.quantize_model(m, tp.QuantConfig("int8", first_last=None, activation_observer="auto", bias_correction=True),
+                       calibration=x, warn=False)
+    assert [r.precision for r in q.tcprec_summary.layers] == ["w8a8"] * 3
+    with torch.no_grad():
+        y, ref = q(x).float(), m(x).float()
+    assert torch.isfinite(y).all() and float((y - ref).norm() / ref.norm()) < 0.1

@@ -57,6 +57,7 @@ CONFIGS = {
     # (1-byte codes both), and int8 keeps their 9-tap sums closer (docs/decisions/0086)
     "fp8 bc dw-int8": QuantConfig("fp8", bias_correction=True,
                                   overrides={f"_blocks.{i}._depthwise_conv": "int8" for i in range(16)}),
+    "fp8 bc grouped8": QuantConfig("fp8", bias_correction=True, grouped="int8"),  # the same, by QuantConfig.grouped
     "w4a8 absmax": QuantConfig("w4a8"),
     "w4a8 mse": QuantConfig("w4a8", activation_observer="mse", weight_clip="mse"),
     "w4a8 mse+bc": QuantConfig("w4a8", activation_observer="mse", weight_clip="mse", bias_correction=True),

@@ -193,8 +193,8 @@ def activation_clips(model: nn.Module, names: list[str], batches, absmax: dict, 
 
 def _layer_out(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if isinstance(mod, nn.Conv2d):  # (a conv with tcprec_pad4 pads in an earlier pre-hook: x is padded here)
-        return F.conv2d(x, mod.weight, None, mod.stride, mod.padding, mod.dilation, mod.groups)
-    return F.linear(x, mod.weight)
+        return F.conv2d(x, mod.weight.to(x.dtype), None, mod.stride, mod.padding, mod.dilation, mod.groups)
+    return F.linear(x, mod.weight.to(x.dtype))  # (x is float32 here; an fp16 model's weight is cast to it)
 
 
 @torch.no_grad()
