@@ -141,8 +141,8 @@ def test_conv1d_runs_as_a_1xk_conv2d():
 
 def test_attention_and_leaf_layers_are_listed_with_reasons():
     """nn.MultiheadAttention and nn.TransformerEncoderLayer are decomposed and quantized (nn/attention.py,
-    tests/test_transformer_quant.py); an attention with add_bias_kv and the layers inside a torch leaf
-    (nn.TransformerDecoderLayer) stay float, listed with the reason."""
+    tests/test_transformer_quant.py), nn.TransformerDecoderLayer too; an attention with add_bias_kv stays float,
+    listed with the reason."""
     torch.manual_seed(0)
 
     class Att(nn.Module):
@@ -165,8 +165,9 @@ def test_attention_and_leaf_layers_are_listed_with_reasons():
     assert "add_bias_kv" in rec["mha"].backend and "mha.out_proj" not in rec
     assert rec["enc.self_attn.q_proj"].precision == "w8a8" and rec["enc.linear1"].precision == "w8a8"
     assert "enc.self_attn" not in rec
-    assert rec["dec.linear1"].precision == "float" and "TransformerDecoderLayer" in rec["dec.linear1"].backend
-    assert "dec.self_attn" in rec and "dec.self_attn.out_proj" not in rec  # listed once, its out_proj not again
+    # the decoder layer is decomposed like the encoder's (self- and cross-attention projections quantized)
+    assert all(rec[f"dec.{n}"].precision == "w8a8" for n in ("self_attn.q_proj", "multihead_attn.out_proj", "linear1"))
+    assert "dec.self_attn" not in rec and "dec.multihead_attn" not in rec
     text = str(q.tcprec_summary)
     assert "mha" in text and "dec.linear2" in text
 

@@ -26,35 +26,34 @@ def _quantized(p, seed=0):
     return tp.quantize_model(m, p, calibration=x, warn=False), x
 
 
+@pytest.mark.parametrize("p", PRECISIONS)
 @torch.no_grad()
-def test_save_load_in_a_fresh_process_and_state_dict_round_trip(tmp_path):
-    for p in PRECISIONS:
-        q, x = _quantized(p)
-        torch.save(q, tmp_path / f"{p}.pt")
-        torch.save(q(x), tmp_path / f"{p}.want")
-        q2, _ = _quantized(p, seed=1)
-        assert not torch.equal(q2(x), q(x))
-        q2.load_state_dict(q.state_dict())
-        assert torch.equal(q2(x), q(x)), p
-        torch.save(x, tmp_path / "x.pt")
+def test_save_load_in_a_fresh_process_and_state_dict_round_trip(p, tmp_path):
+    """One precision a test (each fits a per-test timeout, and a failure names its precision)."""
+    q, x = _quantized(p)
+    torch.save(q, tmp_path / f"{p}.pt")
+    torch.save(q(x), tmp_path / f"{p}.want")
+    torch.save(x, tmp_path / "x.pt")
+    q2, _ = _quantized(p, seed=1)
+    assert not torch.equal(q2(x), q(x))
+    q2.load_state_dict(q.state_dict())
+    assert torch.equal(q2(x), q(x)), p
     script = textwrap.dedent(f"""
         import os, torch, tcprec
-        d = {str(tmp_path)!r}
+        d, p = {str(tmp_path)!r}, {p!r}
         x = torch.load(os.path.join(d, "x.pt"))
         with torch.no_grad():
-            for p in {PRECISIONS!r}:
-                q = torch.load(os.path.join(d, p + ".pt"), weights_only=False)
-                torch.save(q(x), os.path.join(d, p + ".got"))
-                eng = tcprec.compile(q, x)
-                torch.save(eng(x.cpu()), os.path.join(d, p + ".engine"))
+            q = torch.load(os.path.join(d, p + ".pt"), weights_only=False)
+            torch.save(q(x), os.path.join(d, p + ".got"))
+            eng = tcprec.compile(q, x)
+            torch.save(eng(x.cpu()), os.path.join(d, p + ".engine"))
     """)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    for p in PRECISIONS:
-        want = torch.load(tmp_path / f"{p}.want")
-        assert torch.equal(torch.load(tmp_path / f"{p}.got"), want), p
-        assert torch.equal(torch.load(tmp_path / f"{p}.engine").to(want.device), want), p
+    want = torch.load(tmp_path / f"{p}.want")
+    assert torch.equal(torch.load(tmp_path / f"{p}.got"), want), p
+    assert torch.equal(torch.load(tmp_path / f"{p}.engine").to(want.device), want), p
 
 
 @torch.no_grad()
@@ -62,7 +61,9 @@ def test_strict_load_refuses_another_precision_on_cuda():
     q8, x = _quantized("int8")
     q4, _ = _quantized("w4a4")
     before = q4(x)
-    with pytest.raises(ValueError, match="precision"):
+    # the first conv is int8 in both (first_last) but chains into different formats: on the GPU the refusal names
+    # out_fmt there, before any precision difference further on
+    with pytest.raises(ValueError, match=r"cannot load a quantized layer's state .*(precision|out_fmt)"):
         q4.load_state_dict(q8.state_dict())
     assert torch.equal(q4(x), before)
 
