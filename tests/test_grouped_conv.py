@@ -297,3 +297,17 @@ def test_grouped_layer_persists(prec):
         with pytest.raises(ValueError, match="precision: saved"):
             other.dw.load_state_dict({k[3:]: v for k, v in sd.items() if k.startswith("dw.")})
         assert torch.equal(other.dw.w_codes, before)
+
+
+def test_fp8_model_notes_that_grouped_int8_is_free_and_more_accurate():
+    """A grouped conv quantized at fp8 (or below 8 bits) is listed in the summary's notes with the measured reason to
+    prefer QuantConfig(grouped='int8'); with grouped='int8' it runs at w8a8 and the note is gone."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 1), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3, padding=1, groups=8),
+                            torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 1)).eval()
+    x = torch.randn(2, 4, 6, 6)
+    q = tp.quantize_model(m, tp.QuantConfig("fp8", first_last=None), calibration=x, warn=False)
+    assert any("grouped='int8'" in n and "2" in n for n in q.tcprec_summary.notes)
+    q8 = tp.quantize_model(m, tp.QuantConfig("fp8", first_last=None, grouped="int8"), calibration=x, warn=False)
+    assert {r.name: r.precision for r in q8.tcprec_summary.layers}["2"] == "w8a8"
+    assert not any("grouped='int8'" in n for n in q8.tcprec_summary.notes)
