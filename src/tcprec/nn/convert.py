@@ -925,8 +925,9 @@ def _convert(model: nn.Module, cfg: QuantConfig, batches, inplace: bool, warn: b
            and r.precision not in ("float", "w8a8")]
     if low and cfg.grouped is None:  # measured, not guessed: docs/decisions/0082, 0086
         notes.append(f"{len(low)} grouped / depthwise conv(s) at fp8 or below 8 bits: they run 1-byte codes on the "
-                     "CUDA cores at any precision, so int8 costs no time and is far more accurate (EfficientNet-Lite0 fp8 76.8% -> 92.6%, w4a8 62.8% -> 79.6% top-1 agreement "
-                     "with QuantConfig(grouped='int8'); docs/real_models.md): " + ", ".join(low[:3])
+                     "CUDA cores at any precision, so int8 costs no time and is far more accurate (EfficientNet-Lite0 "
+                     "fp8 76.8% -> 92.6%, w4a8 62.8% -> 79.6% top-1 agreement with QuantConfig(grouped='int8'); "
+                     "docs/real_models.md): " + ", ".join(low[:3])
                      + (" ..." if len(low) > 3 else ""))
     summary = QuantSummary(layer_records, traced, notes)
     check_conv_coverage(summary.layers)
