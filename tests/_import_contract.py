@@ -22,7 +22,7 @@ from pathlib import Path
 #  independent)
 LAYERS: list[tuple[str, tuple[str, ...], bool]] = [
     ("base", ("tcprec._version", "tcprec.enums", "tcprec.env", "tcprec.formats", "tcprec.memo", "tcprec.precision",
-              "tcprec.progress"),
+              "tcprec.progress", "tcprec.timing"),
      False),
     ("kernels", ("tcprec.kernels",), False),
     ("ops", ("tcprec.packing", "tcprec.qtensor", "tcprec.ops"), False),

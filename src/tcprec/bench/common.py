@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..env import device_report
+from ..timing import graph_ms
 
 __all__ = [
     "NeedsGPU",
@@ -116,30 +117,9 @@ def time_graph_ms(fn: Callable, items: Sequence | None = None, calls: int = 32, 
     times in one CUDA graph; median over ``replays`` replays timed with CUDA events.  Excludes host
     launch overhead, for tcprec and its baselines alike."""
     call = (lambda i: fn(items[i % len(items)])) if items else (lambda i: fn())
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # warm up (allocations, autotuning) outside the capture
-        for i in range(2):
-            call(i)
-    torch.cuda.current_stream().wait_stream(s)
     if items:
         calls = max(calls, min(len(items), 64))
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            call(i)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    del g
-    return sorted(times)[len(times) // 2]
+    return graph_ms(call, calls, replays)
 
 
 def gbps(bytes_moved: float, ms: float) -> float:

@@ -42,6 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..timing import graph_ms
+
 __all__ = ["SpeedRule", "SPEED_RULES", "as_speed_rule", "SpeedReport", "LayerTiming", "MODEL", "cuda_graph_timer",
            "apply_speed_rule"]
 
@@ -143,29 +145,8 @@ def _dtype_label(dt: torch.dtype) -> str:
 def cuda_graph_timer(layer: str, side: str, fn: Callable, calls: int = 4, replays: int = 5) -> float:
     """ms per call of ``fn()``: warmed up on a side stream (JIT compiles, cuDNN / cuBLAS plans), ``calls`` calls
     captured in one CUDA graph, the median of ``replays`` replays timed with CUDA events (no host launch overhead,
-    the same clock for both sides; ``bench.common.time_graph_ms`` is the benchmarks' twin)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    del g
-    return sorted(times)[len(times) // 2]
+    the same clock as the benchmarks': ``tcprec.timing.graph_ms``)."""
+    return graph_ms(lambda i: fn(), calls, replays)
 
 
 def timing_input(batch: torch.Tensor, rows: int | None) -> torch.Tensor:
