@@ -15,8 +15,8 @@ from ..ops.qconv_grouped import choose_grouped_backend, grouped_conv2d
 from ..ops.qconv import quantize_fp8_static
 from ..ops.quantize import absmax_qmax, quantize_static
 from ..qtensor import PerChannel, QTensor
-from .qmodules import (LayerPrecision, _fold_bn, _norm, _quantize_weight, activation_format, parse_precision,
-                       weight_format)
+from .qmodules import (LayerPrecision, _check_before_load, _fold_bn, _quantize_weight, activation_format,
+                       check_extra_state, parse_precision, weight_format)
 
 __all__ = ["QGroupedConv2d", "grouped_unsupported", "grouped_act_of"]
 
@@ -114,20 +114,11 @@ class QGroupedConv2d(nn.Module):
 
     def set_extra_state(self, state) -> None:
         """Refuse a state saved from a layer of another precision, format, geometry or activation."""
-        if not isinstance(state, dict) or state.get("version") != 1:
-            raise ValueError(f"QGroupedConv2d: the state_dict's extra state is {state!r:.80}, not a tcprec grouped "
-                             "layer's (version 1); save it with state_dict() of a tcprec.quantize_model model")
-        mine = self.get_extra_state()
-        bad = [k for k in self._STATE_KEYS if _norm(state.get(k)) != _norm(mine[k])]
-        if bad:
-            diff = ", ".join(f"{k}: saved {state.get(k)!r}, this module {mine[k]!r}" for k in bad)
-            raise ValueError(f"cannot load a grouped layer's state into a different one ({diff}); build the target "
-                             "with the same quantize_model config, or torch.save / torch.load the whole model")
+        check_extra_state(self, state, "a grouped layer's", "build the target with the same quantize_model config, "
+                          "or torch.save / torch.load the whole model")
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        key = prefix + "_extra_state"
-        if key in state_dict:  # check before any buffer is overwritten: a refused load leaves the module as it was
-            self.set_extra_state(state_dict[key])
+        _check_before_load(self, state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @property

@@ -209,6 +209,28 @@ def _kind(m: "_QBase", backend: str) -> str:
     return "fp8" if m.precision.fp8 else backend
 
 
+def check_extra_state(module: nn.Module, state, what: str, fix: str) -> None:
+    """``module.set_extra_state``'s check, shared by the quantized layer types: ``state`` must be a version-1 tcprec
+    state equal to ``module.get_extra_state()`` on every key of ``module._STATE_KEYS``; else a ValueError naming each
+    differing key with both values, and ``fix``."""
+    name = type(module).__name__
+    if not isinstance(state, dict) or state.get("version") != 1:
+        raise ValueError(f"{name}: the state_dict's extra state is {state!r:.80}, not a tcprec quantized layer's "
+                         "(version 1); save it with state_dict() of a tcprec.quantize_model model")
+    mine = module.get_extra_state()
+    bad = [k for k in module._STATE_KEYS if _norm(state.get(k)) != _norm(mine[k])]
+    if bad:
+        diff = ", ".join(f"{k}: saved {state.get(k)!r}, this module {mine[k]!r}" for k in bad)
+        raise ValueError(f"cannot load {what} state into a different one ({diff}); {fix}")
+
+
+def _check_before_load(module: nn.Module, state_dict, prefix: str) -> None:
+    """Check the extra state before any buffer is overwritten: a refused load leaves the module as it was."""
+    key = prefix + "_extra_state"
+    if key in state_dict:
+        module.set_extra_state(state_dict[key])
+
+
 class _QBase(nn.Module):
     tcprec_leaf = True  # profiling: one layer, however many kernels it launches
     layer_plan: LayerPlan | None = None  # set by quantize_model (plan_on); None for a module built by hand
@@ -280,21 +302,11 @@ class _QBase(nn.Module):
     def set_extra_state(self, state) -> None:
         """Refuse a state saved from a layer of another kind, precision, format, geometry or fusion: its codes
         would load into buffers of the same shape and silently mean other numbers."""
-        if not isinstance(state, dict) or state.get("version") != 1:
-            raise ValueError(f"{type(self).__name__}: the state_dict's extra state is {state!r:.80}, not a tcprec "
-                             "quantized layer's (version 1); save it with state_dict() of a tcprec.quantize_model model")
-        mine = self.get_extra_state()
-        bad = [k for k in self._STATE_KEYS if _norm(state.get(k)) != _norm(mine[k])]
-        if bad:
-            diff = ", ".join(f"{k}: saved {state.get(k)!r}, this module {mine[k]!r}" for k in bad)
-            raise ValueError(f"cannot load a quantized layer's state into a different one ({diff}); build the target "
-                             f"with the same quantize_model config, calibration sign and device kind (chaining), or "
-                             f"torch.save / torch.load the whole model")
+        check_extra_state(self, state, "a quantized layer's", "build the target with the same quantize_model config, "
+                          "calibration sign and device kind (chaining), or torch.save / torch.load the whole model")
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        key = prefix + "_extra_state"
-        if key in state_dict:  # check before any buffer is overwritten: a refused load leaves the module as it was
-            self.set_extra_state(state_dict[key])
+        _check_before_load(self, state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def plan_on(self, device, name: str | None = None, caps=None) -> LayerPlan:
