@@ -94,7 +94,8 @@ def run(d_model: int = 768, heads: int = 12, seq: int = 197, batch: int = 64, la
     suite = "transformer" if on_gpu or timed else "transformer_cpu"
     out = out or f"benchmarks/results/{suite}.json"
     cfg = {"d_model": d_model, "heads": heads, "seq": seq, "batch": batch, "layers": layers, "ffn": 4 * d_model,
-           "norm_first": True, "activation": "gelu"}
+           "norm_first": True, "activation": "gelu",
+           "speed_rule": f"SpeedRule(batch={batch})" + (" and off" if rule_off else "") if timed else "off"}
     enc32 = build_encoder(d_model, heads, layers, seed, device)
     g = torch.Generator(device=device).manual_seed(seed + 1)
     x32 = torch.randn((batch, seq, d_model), device=device, generator=g)
@@ -127,7 +128,7 @@ def run(d_model: int = 768, heads: int = 12, seq: int = 197, batch: int = 64, la
                                warn=False)
             row["setup_s"] = round(time.time() - t0, 1)
             s = q.tcprec_summary
-            floated = [r.name for r in s.layers if r.precision == "float"]
+            floated = [r.name for r in s.layers if r.precision == "float"]  # (first_last=None: the rule's)
             row["quantized"] = sum(r.precision != "float" for r in s.layers)
             row["kept_fp16"] = len(floated)
             with torch.no_grad():
