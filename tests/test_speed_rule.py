@@ -1,6 +1,7 @@
 """The speed rule (nn/speed_rule.py) driven by a fake clock on the CPU: which layers it floats, what the summary and
 explain say, the whole-model check, and the option's validation.  No real timing here (GPU: tests/gpu/)."""
 
+import io
 import warnings
 
 import pytest
@@ -130,3 +131,88 @@ def test_inplace_with_the_rule_is_refused():
     with pytest.raises(ValueError, match="inplace=True cannot be combined"):
         tp.quantize_model(_net(), tp.QuantConfig("int8", speed_rule=SpeedRule(timer=FakeTimer({}))),
                           calibration=torch.randn(2, 3, 6, 6), inplace=True)
+
+
+# -- self-attention's fused qkv_proj (nn/attention.py: fuse_qkv) ------------------------------------------------
+
+QKV = "layers.0.self_attn.qkv_proj"
+QKV_MEMBERS = [f"layers.0.self_attn.{p}_proj" for p in "qkv"]
+
+
+def _encoder(seed=0):
+    torch.manual_seed(seed)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, activation="gelu", batch_first=True, norm_first=True)
+    return nn.TransformerEncoder(layer, 1, enable_nested_tensor=False).eval()
+
+
+class ShapeTimer(FakeTimer):
+    """FakeTimer that also records each side's output shape (what the timed callable computed)."""
+
+    def __init__(self, table, default=1.0):
+        super().__init__(table, default)
+        self.shapes = {}
+
+    def __call__(self, layer, side, fn):
+        y = fn()
+        y = y[0] if isinstance(y, tuple) else y
+        self.calls.append((layer, side))
+        self.shapes[(layer, side)] = tuple(y.shape)
+        return self.table.get((layer, side), self.default)
+
+
+def _quantize_encoder(table, seed=0, precision="int8"):
+    t = ShapeTimer(table)
+    cfg = tp.QuantConfig(precision, first_last=None, speed_rule=SpeedRule(timer=t))
+    return tp.quantize_model(_encoder(seed), cfg, calibration=torch.randn(2, 5, 32), warn=False), t
+
+
+def test_fused_qkv_is_timed_as_one_gemm_and_floated_when_slower():
+    q, t = _quantize_encoder({(QKV, "quantized"): 2.0, (QKV, "float"): 1.0})
+    # round 1 timed the fused module on both sides: the quantized (3E, E) GEMM and the stacked float linear
+    assert (QKV, "quantized") in t.calls[:4] and (QKV, "float") in t.calls
+    assert t.shapes[(QKV, "quantized")] == t.shapes[(QKV, "float")] == (2, 5, 96)
+    recs = {r.name: r for r in q.tcprec_summary.layers}
+    want = ("kept fp32: w8a8 2.000 ms > fp32 1.000 ms at input (2,5,32), timed as layers.0.self_attn.qkv_proj "
+            "(q_proj/k_proj/v_proj in one GEMM)")
+    for n in QKV_MEMBERS:
+        assert recs[n].precision == "float" and recs[n].reason == want and recs[n].backend == want
+        assert "one float GEMM" in recs[n].out
+    assert all(recs[n].precision == "w8a8" for n in ("layers.0.self_attn.out_proj", "layers.0.linear1",
+                                                     "layers.0.linear2"))
+    # floated, the three run as the one float GEMM that was timed (torch's in_proj), not three
+    fused = q.get_submodule(QKV)
+    assert type(fused) is nn.Linear and fused.out_features == 96 and fused.tcprec_fused == tuple(QKV_MEMBERS)
+    sp = q.tcprec_summary.speed
+    assert sp.floated == [QKV] and sp.overrides() == {n: "float" for n in QKV_MEMBERS}
+    assert (QKV, "quantized") not in t.calls[8:]  # floated: not timed again in round 2
+    assert want in q.tcprec_summary.explain("layers.0.self_attn.k_proj")
+    assert "1 of 4 timed layer(s) kept fp32" in q.tcprec_summary.explain()
+    with torch.no_grad():  # the float q / k / v: the float model's own in_proj
+        mha, x = _encoder(0).layers[0].self_attn, torch.randn(2, 5, 32)
+        torch.testing.assert_close(fused(x), torch.nn.functional.linear(x, mha.in_proj_weight, mha.in_proj_bias))
+
+
+def test_fused_qkv_stays_quantized_when_faster_and_says_so():
+    q, t = _quantize_encoder({(QKV, "quantized"): 0.5, (QKV, "float"): 1.0})
+    recs = {r.name: r for r in q.tcprec_summary.layers}
+    for n in QKV_MEMBERS:
+        assert recs[n].precision == "w8a8"
+        assert recs[n].reason.startswith("w8a8 0.500 ms <= fp32 1.000 ms") and "timed as " + QKV in recs[n].reason
+    assert type(q.get_submodule(QKV)).__name__ == "QLinear" and not q.tcprec_summary.speed.floated
+
+
+def test_floated_qkv_persists_through_the_pinned_overrides():
+    q, _ = _quantize_encoder({(QKV, "quantized"): 2.0, (QKV, "float"): 1.0})
+    pinned = tp.QuantConfig("int8", first_last=None, overrides=q.tcprec_summary.speed.overrides())
+    other = tp.quantize_model(_encoder(seed=3), pinned, calibration=torch.randn(2, 5, 32) * 2, warn=False)
+    assert type(other.get_submodule(QKV)) is nn.Linear  # the same structure, without timing
+    x = torch.randn(3, 5, 32)
+    with torch.no_grad():
+        want = q(x)
+        assert not torch.equal(other(x), want)
+        other.load_state_dict(q.state_dict())
+        assert torch.equal(other(x), want)
+        buf = io.BytesIO()
+        torch.save(q, buf)
+        buf.seek(0)
+        assert torch.equal(torch.load(buf, weights_only=False)(x), want)

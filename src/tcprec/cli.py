@@ -850,20 +850,24 @@ def bench_transformer_cmd(
     accuracy_only: bool = typer.Option(False, "--accuracy-only", help="NRMSE against fp32 only, no timing (runs on "
                                        "the CPU reference backends too)."),
     breakdown: bool = typer.Option(False, "--breakdown/--no-breakdown", help="Per-layer profile of each variant."),
+    rule_off: bool = typer.Option(False, "--rule-off", help="Also time each precision with the speed rule off (every "
+                                  "linear quantized); the rule is on by default at the benchmark batch."),
     json_path: Optional[str] = typer.Option(None, "--json", "--out", metavar="PATH", help="JSON output path ('-': "
                                             "stdout; default benchmarks/results/transformer.json, transformer_cpu.json "
                                             "for a CPU accuracy-only run)."),
 ):
     """A ViT-B-sized nn.TransformerEncoder quantized to int8 / fp8 against torch fp16 (its fast path), CUDA graphs on
-    both sides, NRMSE against fp32 (issue 43: int8 >= 1.3x fp16 at 768 / 12 heads / 197 / batch 64)."""
+    both sides, NRMSE against fp32 (issue 43: int8 >= 1.3x fp16 at 768 / 12 heads / 197 / batch 64), the speed rule
+    on (--rule-off adds rows with it off)."""
     precs = _choices(precision, xf_bench.PRECISIONS, "--precision")
     command = shlex.join(["tcprec", "bench", "transformer", "--d-model", str(d_model), "--heads", str(heads), "--seq",
                           str(seq), "--batch", str(batch), "--layers", str(layers), "--precision", precision]
-                         + (["--accuracy-only"] if accuracy_only else []) + (["--json", json_path] if json_path else []))
+                         + (["--accuracy-only"] if accuracy_only else []) + (["--rule-off"] if rule_off else [])
+                         + (["--json", json_path] if json_path else []))
     where = _json_file(json_path, "transformer.json") if json_path else nullcontext(None)
     with _needs_gpu(), where as out:
         xf_bench.run(d_model, heads, seq, batch, layers, precs, out=None if out is None else str(out), command=command,
-                     console=Console(), accuracy_only=accuracy_only, breakdown=breakdown)
+                     console=Console(), accuracy_only=accuracy_only, breakdown=breakdown, rule_off=rule_off)
 
 
 @bench_app.command("models")

@@ -97,3 +97,32 @@ def test_bench_models_one_torchvision_model(tmp_path):
     (row,) = d["summary"]
     assert "error" not in row, row
     assert row["quantized"] + row["floated_by_rule"] >= 20 and row["ms"] > 0 and row["nrmse_vs_fp32"] < 0.1
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_real_clock_times_the_fused_qkv_of_an_encoder(precision):
+    """A 2-layer ViT-B-width encoder at 64 x 197 tokens: every quantized linear is timed, each fused qkv_proj as one
+    layer against the stacked fp16 linear, and its decision is its own figures' (either way)."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(768, 12, 3072, dropout=0.0, activation="gelu", batch_first=True,
+                                             norm_first=True)
+    enc = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).cuda().half().eval()
+    x = torch.randn(8, 197, 768, device="cuda", dtype=torch.float16)
+    q = tp.quantize_model(enc, tp.QuantConfig(precision, first_last=None, speed_rule=SpeedRule(batch=64)),
+                          calibration=x, warn=False)
+    sp = q.tcprec_summary.speed
+    timed = {t.name: t for t in sp.layers}
+    assert sp.input_shape == (64, 197, 768)
+    recs = {r.name: r for r in q.tcprec_summary.layers}
+    for i in range(2):
+        t = timed[f"layers.{i}.self_attn.qkv_proj"]
+        assert t.members == tuple(f"layers.{i}.self_attn.{p}_proj" for p in "qkv") and t.quant_ms > 0 < t.float_ms
+        for n in t.members:
+            assert (recs[n].precision == "float") == t.floated and f"timed as layers.{i}.self_attn.qkv_proj" in \
+                recs[n].reason
+        fused = q.get_submodule(f"layers.{i}.self_attn.qkv_proj")
+        assert type(fused).__name__ == ("Linear" if t.floated else "QLinear")
+    assert set(sp.overrides()) == {n for t in sp.layers if t.floated for n in t.layers}
+    with torch.no_grad():
+        y, y16 = q(x), enc(x)
+    assert _nrmse(y, y16) < 0.1

@@ -21,7 +21,8 @@ compute the same thing with every projection an ``nn.Linear`` called as a module
   positions are computed, as torch's Python path does (torch's nested-tensor fast path writes zeros there).
 
 After conversion, :func:`fuse_qkv` stacks a self-attention's q / k / v QLinears (one input, one calibrated scale) into
-one ``qkv_proj``: one quantize pass and one GEMM, the same numbers.
+one ``qkv_proj``: one quantize pass and one GEMM, the same numbers.  Three q / k / v kept float (the speed rule, or
+overrides) become one float ``qkv_proj``, the one GEMM torch's own attention runs on its ``in_proj_weight``.
 
 The attention stays in float (docs/decisions/0081): its two batched GEMMs are ~4% of a ViT-B layer's FLOPs at
 sequence 197, and quantizing Q, K and the softmax probabilities would add two calibrated scales per head for little.
@@ -412,8 +413,11 @@ def fuse_qkv(gm: fx.GraphModule, records: dict) -> list[str]:
     """Self-attention after conversion: ``q_proj``, ``k_proj`` and ``v_proj`` QLinears that read one tensor with one
     activation format and calibrated scale (their input is the same tensor) become one ``qkv_proj`` QLinear with
     their rows stacked -- per-output-channel codes and scales, so the same numbers -- and its output is split in
-    three: one quantize pass and one (3E, E) GEMM instead of three of each.  Returns the fused names; ``records``
-    (the summary's) say where each projection went."""
+    three: one quantize pass and one (3E, E) GEMM instead of three of each.  Three plain float ``nn.Linear`` q / k / v
+    (kept float by the speed rule or overrides) likewise become one float ``qkv_proj``, as torch's attention computes
+    them (one GEMM on ``in_proj_weight``).  The fused module's ``tcprec_fused`` names its members (the speed rule
+    times it as one layer and floats all three).  Returns the fused names; ``records`` (the summary's) say where each
+    projection went."""
     g = gm.graph
     mods = dict(gm.named_modules())
     calls: dict[str, int] = {}
@@ -430,22 +434,33 @@ def fuse_qkv(gm: fx.GraphModule, records: dict) -> list[str]:
         ms = [mods.get(p.target) for p in qkv]
         x = qkv[0].args[0] if qkv[0].args else None
         a = ms[0]
-        if not all(isinstance(m, QLinear) for m in ms) or not all(
+        quantized = all(isinstance(m, QLinear) for m in ms)
+        floated = all(type(m) is nn.Linear for m in ms)
+        if not (quantized or floated) or not all(
                 p.args == (x,) and not p.kwargs and len(p.users) == 1 and calls[p.target] == 1 for p in qkv):
             continue
-        same = all(m.precision == a.precision and m.a_fmt == a.a_fmt and m.w_fmt == a.w_fmt and m.backend == a.backend
-                   and m.out_dtype == a.out_dtype and m.fp8_fast_accum == a.fp8_fast_accum and m.act is None
-                   and m.out_fmt is None and m.in_channels_last is None and torch.equal(m.in_scale, a.in_scale)
-                   and m.in_features == a.in_features and (m.bias is None) == (a.bias is None) for m in ms)
-        if not same:
-            continue
-        new = copy.deepcopy(a)
-        codes = torch.cat([m.weight_codes for m in ms])  # (3E, 1, 1, K): the rows of q, k, v
-        scale = torch.cat([m.weight_scale for m in ms])  # (3E, 1, 1, 1)
-        new.weight = QTensor(codes, scale, a.w_fmt, PerChannel(0), tuple(codes.shape), torch.float32)
-        if a.bias is not None:
-            new.bias = torch.cat([m.bias for m in ms])
-        new.out_features = sum(m.out_features for m in ms)
+        if floated:
+            if not all(m.in_features == a.in_features and (m.bias is None) == (a.bias is None)
+                       and m.weight.dtype == a.weight.dtype and m.weight.device == a.weight.device for m in ms):
+                continue
+            w = torch.cat([m.weight.detach() for m in ms])  # (3E, E): torch's in_proj_weight
+            new = _linear(w, None if a.bias is None else torch.cat([m.bias.detach() for m in ms]))
+        else:
+            same = all(m.precision == a.precision and m.a_fmt == a.a_fmt and m.w_fmt == a.w_fmt
+                       and m.backend == a.backend and m.out_dtype == a.out_dtype
+                       and m.fp8_fast_accum == a.fp8_fast_accum and m.act is None and m.out_fmt is None
+                       and m.in_channels_last is None and torch.equal(m.in_scale, a.in_scale)
+                       and m.in_features == a.in_features and (m.bias is None) == (a.bias is None) for m in ms)
+            if not same:
+                continue
+            new = copy.deepcopy(a)
+            codes = torch.cat([m.weight_codes for m in ms])  # (3E, 1, 1, K): the rows of q, k, v
+            scale = torch.cat([m.weight_scale for m in ms])  # (3E, 1, 1, 1)
+            new.weight = QTensor(codes, scale, a.w_fmt, PerChannel(0), tuple(codes.shape), torch.float32)
+            if a.bias is not None:
+                new.bias = torch.cat([m.bias for m in ms])
+            new.out_features = sum(m.out_features for m in ms)
+        new.tcprec_fused = tuple(p.target for p in qkv)  # the float model's names (the speed rule's overrides)
         parent = qkv[0].target.rpartition(".")[0]
         name = f"{parent}.qkv_proj" if parent else "qkv_proj"
         if name in mods:
@@ -461,7 +476,7 @@ def fuse_qkv(gm: fx.GraphModule, records: dict) -> list[str]:
             g.erase_node(p)
             rec = records.get(p.target)
             if rec is not None:
-                rec.out = f"rows of {name} (one GEMM with q/k/v)"
+                rec.out = f"rows of {name} (one {'float ' if floated else ''}GEMM with q/k/v)"
         fused.append(name)
     if fused:
         g.lint()

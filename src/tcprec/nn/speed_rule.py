@@ -10,6 +10,10 @@ way TensorRT's builder picks a tactic per layer by timing:
    residual add) and its output conversion, alone in a CUDA graph -- and the same computation in float on the
    model's dtype (the float conv / linear, channels_last, then BN, the activation, the pool and the add as the
    float model would run them: separate cuDNN / cuBLAS / elementwise kernels);
+   A fused module counts as one layer, timed as it runs: self-attention's ``qkv_proj`` (q / k / v in one quantize
+   pass and one (3E, E) GEMM, nn/attention.py) against the same fused linear in float (torch's ``in_proj``); kept
+   float, its three members are (``q_proj`` / ``k_proj`` / ``v_proj`` in the summary and the overrides), and they run
+   as that one float GEMM;
 3. every layer whose quantized time is larger is kept float (an override, so the converter re-chains its
    neighbours), and the model is converted again; the layers whose operands changed are timed again, up to
    ``rounds`` conversions;
@@ -93,13 +97,21 @@ class LayerTiming:
     input_shape: tuple
     floated: bool = False
     round: int = 1
+    members: tuple = ()  # a fused module (self-attention's qkv_proj): the float model's layers it stands for
 
     def text(self, float_label: str) -> str:
         shape = "(" + ",".join(str(s) for s in self.input_shape) + ")"
+        unit = f", timed as {self.name} ({'/'.join(m.rpartition('.')[2] for m in self.members)} in one GEMM)" \
+            if self.members else ""
         if self.floated:
             return (f"kept {float_label}: {self.precision} {self.quant_ms:.3f} ms > {float_label} {self.float_ms:.3f} ms "
-                    f"at input {shape}")
-        return f"{self.precision} {self.quant_ms:.3f} ms <= {float_label} {self.float_ms:.3f} ms at input {shape}"
+                    f"at input {shape}{unit}")
+        return f"{self.precision} {self.quant_ms:.3f} ms <= {float_label} {self.float_ms:.3f} ms at input {shape}{unit}"
+
+    @property
+    def layers(self) -> tuple:
+        """The float model's layer names this timing decides (its members, or itself)."""
+        return self.members or (self.name,)
 
 
 @dataclass
@@ -126,8 +138,9 @@ class SpeedReport:
         return self.float_model_ms / self.model_ms
 
     def overrides(self) -> dict[str, str]:
-        """The rule's outcome as ``QuantConfig.overrides`` (a rebuild without timing: same structure)."""
-        return {n: "float" for n in self.floated}
+        """The rule's outcome as ``QuantConfig.overrides`` (a rebuild without timing: same structure); a floated
+        fused ``qkv_proj`` is its ``q_proj`` / ``k_proj`` / ``v_proj``, the names of the float model."""
+        return {n: "float" for t in self.layers if t.floated for n in t.layers}
 
     def lines(self) -> list[str]:
         out = [f"speed rule (measured on {self.device}, input {tuple(self.input_shape)}, {self.conversions} "
@@ -235,11 +248,30 @@ def _float_fn(m: nn.Module, q: nn.Module, fused: tuple, shape: tuple, device, dt
     return run
 
 
+def _stacked(ms: list[nn.Module]) -> nn.Linear:
+    """The float linears of a fused self-attention's q / k / v as the one linear torch's MHA runs (its in_proj):
+    their rows stacked, in their dtype."""
+    w = torch.cat([m.weight.detach() for m in ms])  # (3E, E)
+    lin = nn.Linear(w.shape[1], w.shape[0], bias=ms[0].bias is not None, device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+        if ms[0].bias is not None:
+            lin.bias.copy_(torch.cat([m.bias.detach() for m in ms]))
+    return lin
+
+
 def _measure(q: nn.Module, probe: _Probe, timer, dtype, rnd: int) -> tuple[dict, list[str]]:
-    """name -> LayerTiming for every quantized layer of ``q`` with a record, and notes."""
+    """name -> LayerTiming for every quantized layer of ``q`` with a record, and notes.  A fused module (``qkv_proj``,
+    ``tcprec_fused`` = its members' names, nn/attention.py: fuse_qkv) is timed as it runs -- one quantize pass, one
+    (3E, E) GEMM -- against the same fused linear in float, and decides for all its members."""
     recs = {r.name: r for r in q.tcprec_summary.layers}
     qmods = {n: m for n, m in q.named_modules()
              if n in recs and recs[n].precision != "float" and n in probe.floats}
+    members: dict[str, tuple] = {}
+    for n, m in q.named_modules():
+        fused = tuple(getattr(m, "tcprec_fused", ()) or ())
+        if fused and all(k in recs and recs[k].precision != "float" and k in probe.floats for k in fused):
+            qmods[n], members[n] = m, fused
     quant: dict[str, float] = {}
     errors: dict[str, str] = {}
     hooks = []
@@ -263,17 +295,20 @@ def _measure(q: nn.Module, probe: _Probe, timer, dtype, rnd: int) -> tuple[dict,
     for n, ms in quant.items():
         if n in errors:
             continue
-        shapes = probe.shapes.get(n)
+        first = members[n][0] if n in members else n  # (a fused module's input is its members' one input)
+        shapes = probe.shapes.get(first)
         if not shapes:
             errors[n] = "its float input shape was not seen (not called with a tensor in the float model)"
             continue
+        fm = _stacked([probe.floats[k] for k in members[n]]) if n in members else probe.floats[n]
         try:
-            fms = sum(float(timer(n, "float", _float_fn(probe.floats[n], qmods[n], recs[n].fused, s, dev, dtype)))
+            fms = sum(float(timer(n, "float", _float_fn(fm, qmods[n], recs[first].fused, s, dev, dtype)))
                       for s in shapes)
         except Exception as e:  # noqa: BLE001 - as above
             errors[n] = f"{type(e).__name__}: {str(e)[:100]}"
             continue
-        out[n] = LayerTiming(n, recs[n].precision, ms, fms, shapes[0], floated=ms > fms, round=rnd)
+        out[n] = LayerTiming(n, recs[first].precision, ms, fms, shapes[0], floated=ms > fms, round=rnd,
+                             members=members.get(n, ()))
     notes = [f"speed rule: {n} not timed, kept as converted ({why})" for n, why in errors.items()]
     return out, notes
 
@@ -318,7 +353,7 @@ def apply_speed_rule(model: nn.Module, cfg, batches: list, convert: Callable) ->
             slow = [n for n, t in got.items() if t.floated]
             if not slow:
                 break
-            q = convert_with([n for n, t in timings.items() if t.floated])
+            q = convert_with([k for t in timings.values() if t.floated for k in t.layers])
             if rnd == rule.rounds:
                 report.notes.append(f"speed rule: stopped after {rule.rounds} timing round(s); the layers re-chained "
                                     "by the last floating were not timed again (SpeedRule(rounds=) for more)")
@@ -334,8 +369,9 @@ def apply_speed_rule(model: nn.Module, cfg, batches: list, convert: Callable) ->
             report.notes.append(f"speed rule: the whole-model check did not run ({type(e).__name__}: {str(e)[:100]})")
     report.layers = list(timings.values())
     summary = q.tcprec_summary
+    by_layer = {k: t for t in timings.values() for k in t.layers}  # (a fused qkv_proj decides for q / k / v)
     for r in summary.layers:
-        t = timings.get(r.name)
+        t = by_layer.get(r.name)
         if t is None:
             continue
         r.reason = t.text(label)
