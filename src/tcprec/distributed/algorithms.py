@@ -151,8 +151,12 @@ def _ring(qbox, A, S, ctx: Ctx, numel: int):
     c = torch.zeros_like(p)
     got = 0
     nxt, prv = _grank(ctx, (ctx.rank + 1) % ctx.world), _grank(ctx, (ctx.rank - 1) % ctx.world)
+    # codes: a NaN partial of a format without NaN is sent as +Inf (nan_to_inf, as before the all-gather;
+    # such a format has no NaN code).  Once NaN or Inf, the shard's total is +-Inf either way.
+    sent = (lambda x: S.nan_to_inf(x)) if ctx.codes else (lambda x: x)  # noqa: E731
     for t in range(1, n):
         # node k receives the partial of node k - 1 (through the wire), adds its own value of that shard
+        p, c = sent(p), (sent(c) if ctx.kahan else c)
         if ctx.use_dist and ctx.world > 1:
             out = S.pack(torch.stack([p[-1], c[-1]]) if ctx.kahan else p[-1:], ctx.codes).contiguous()
             inc = torch.empty_like(out)

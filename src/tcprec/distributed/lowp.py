@@ -51,7 +51,7 @@ from ..formats import FloatFormat, as_format
 from ..kernels import reference as ref
 from ..kernels.triton import BACKENDS, choose_backend
 from ..ops.cast import code_dtype, decode
-from .algorithms import ALGORITHMS, Ctx, _words, all_gather_single as _all_gather_single, wire_shard
+from .algorithms import ALGORITHMS, Ctx, _sendrecv, _words, all_gather_single as _all_gather_single, wire_shard
 from .algorithms import run as run_algorithm
 from .arith import fast_reason, make_arith
 
@@ -172,12 +172,15 @@ def allreduce_lowp(grads: torch.Tensor, sizes: list[int], fmt, *, aps: bool = Tr
                          use_dist and world > 1, world, group)
     n_local, numel = grads.shape
     path, why = _choose_path(grads, fmt, rounding, backend, algorithm, acc)
-    if graph and not (path == "triton" and grads.is_cuda):
-        raise ValueError(f"graph=True needs CUDA tensors on the fused kernels' path; this call runs {why} on "
-                         f"{grads.device}: use graph=False")
+    if graph and not (path == "triton" and grads.is_cuda and algorithm == "direct"):
+        raise ValueError(f"graph=True needs CUDA tensors on the fused kernels' path of algorithm='direct'; this call "
+                         f"runs {why}, algorithm={algorithm!r} on {grads.device}: use graph=False")
     if graph and not (grads.dtype == torch.float32 and grads.is_contiguous()):
         raise ValueError(f"graph=True replays reads of the input buffer itself: it must be float32 and contiguous, "
                          f"got {grads.dtype}{'' if grads.is_contiguous() else ', not contiguous'}")
+    if path == "triton" and algorithm == "ring":
+        return _allreduce_ring_fused(grads.float().contiguous(), sizes, fmt, acc, aps, kahan, transport, rounding,
+                                     group, use_dist and world > 1, world, why)
     if path == "triton":
         g32 = grads.float().contiguous()
         run = lambda: _allreduce_fused(g32, sizes, fmt, aps, kahan, transport, rounding, group,  # noqa: E731
@@ -327,10 +330,14 @@ def _choose_path(grads: torch.Tensor, fmt, rounding: str, backend: str, algorith
     from ..kernels.triton import allreduce as ka
 
     reason = ka.can_implement(fmt, rounding)
-    if reason is None and algorithm != "direct":
-        reason = f"the fused kernels implement algorithm='direct' only, got algorithm={algorithm!r}"
+    if reason is None and algorithm not in ("direct", "ring"):
+        reason = f"the fused kernels implement algorithm='direct' and 'ring', got algorithm={algorithm!r}"
     if reason is None and acc is not None:
-        reason = f"the fused kernels round partial sums to the wire format only, got acc_format={acc}"
+        if algorithm == "direct":
+            reason = f"the fused kernels of algorithm='direct' round partial sums to the wire format only, got " \
+                     f"acc_format={acc}"
+        elif ka.can_implement(acc, rounding) is not None:
+            reason = f"acc_format={acc}: {ka.can_implement(acc, rounding)}"
     if reason is None:
         return "triton", why
     if backend == "triton":
@@ -425,6 +432,80 @@ def _allreduce_fused(grads, sizes, fmt, aps, kahan, transport, rounding, group, 
         info.bytes_received = (world - 1) * n_local * shard * bpc
     else:
         info.bytes_received = (world - 1) * (n_local + 1) * shard * bpc
+    return out, info
+
+
+def _allreduce_ring_fused(grads, sizes, fmt, acc, aps, kahan, transport, rounding, group, use_dist, world, why):
+    """algorithm='ring' (distributed/algorithms.py's _ring, the same bits) in the kernels of
+    kernels/triton/allreduce.py: amax, encode (every node's values in n shards), then one ring_step
+    launch per step for all of this process's nodes (decode what came in, add the node's own shard
+    in S = acc_format or fmt, encode what goes out) around one send/recv, an all_gather of the
+    reduced shards, and finish (the mean): n + 2 launches and n + 1 collectives, no host sync."""
+    from ..kernels.triton import allreduce as ka
+
+    n_local, numel = grads.shape
+    n = world * n_local
+    dev = grads.device
+    T = len(sizes)
+    top = aps_top_exponent(fmt)
+    S = acc if acc is not None else fmt  # the format of every partial sum, and of what travels
+    K = 2 if kahan else 1  # rows a node sends per step: the partial (and the compensation)
+    if numel == 0:
+        return torch.zeros(0, device=dev), AllreduceInfo(shifts=torch.zeros(T, dtype=torch.int64, device=dev),
+                                                         backend=why)
+    shard = _wire_shape(numel, n)
+    lay = ka.layout(sizes, numel, n, shard, dev)  # encode's blocks walk the n shards
+    lut_a = _cached(("lut", fmt, dev), lambda: decode(torch.arange(fmt.n_codes), fmt).to(dev))
+    lut_s = _cached(("lut", S, dev), lambda: decode(torch.arange(S.n_codes), S).to(dev))
+
+    # ---- 1. per-tensor max |g| and the non-finite flag: one MAX all-reduce ---------------------------
+    state = ka.state_buffer(T, dev)
+    ka.amax(grads, lay, state)
+    if use_dist:
+        dist.all_reduce(state, op=dist.ReduceOp.MAX, group=group)
+
+    # ---- 2. scale and round once: every local node's values of every shard ----------------------------
+    codes = transport == "compressed"
+    q = torch.empty(n, n_local, shard, dtype=code_dtype(fmt) if codes else torch.float32, device=dev)
+    ka.encode(grads, lay, state, q, fmt, rounding, aps, top, n)  # (n, n_local, shard): shard-major
+
+    # ---- 3. the ring: n - 1 steps, each a send/recv between neighbours and one launch --------------------
+    sdt = code_dtype(S) if codes else torch.float32
+    bpc = torch.empty(0, dtype=sdt).element_size()
+    rank = dist.get_rank(group) if use_dist else 0
+    bufs = [torch.empty(n_local, K, shard, dtype=sdt, device=dev) for _ in range(2 if n > 2 else 1)]
+    last = torch.empty(n_local, 1, shard, dtype=sdt, device=dev)  # node k's whole shard k
+    recv = torch.empty(K, shard, dtype=sdt, device=dev) if use_dist else None
+    if use_dist:
+        nxt = dist.get_global_rank(group, (rank + 1) % world) if group is not None else (rank + 1) % world
+        prv = dist.get_global_rank(group, (rank - 1) % world) if group is not None else (rank - 1) % world
+    cur = last if n == 1 else bufs[0]
+    ka.ring_step(cur, cur, q, cur, lut_a, lut_s, fmt, S, rounding, kahan, aps, rank, 0, True, n == 1)
+    got = 0
+    for t in range(1, n):
+        prev = cur
+        if use_dist:
+            _sendrecv(prev[-1], nxt, recv, prv, group)
+            src = recv
+        else:
+            src = prev[-1]
+        got += K * shard * bpc
+        cur = last if t == n - 1 else bufs[t % 2]
+        ka.ring_step(src, prev, q, cur, lut_a, lut_s, fmt, S, rounding, kahan, aps, rank, t, False, t == n - 1)
+    del q, bufs, recv
+
+    # ---- 4. all-gather the reduced shards, then the mean ----------------------------------------------
+    mine = last.view(n_local * shard)
+    if use_dist:
+        everyone = torch.empty(world * n_local * shard, dtype=sdt, device=dev)  # node k's shard k, node order
+        _all_gather_single(_words(everyone), _words(mine), group=group)
+        ag = (world - 1) * n_local * shard * bpc
+    else:
+        everyone, ag = mine, (n - 1) * shard * bpc  # emulated: what one of n nodes would receive
+    out = torch.empty(numel, dtype=torch.float32, device=dev)
+    ka.finish(everyone, out, lut_s, lay, state, S, n, aps, top)
+    info = _fused_info(state, T, n, top, aps, f"{why}, ring order, {n - 1} fused steps")
+    info.bytes_received = got + ag
     return out, info
 
 
