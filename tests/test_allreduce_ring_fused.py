@@ -1,0 +1,114 @@
+"""The fused kernels of the ring order (kernels/triton/allreduce.py: ``ring_step``, one launch per
+step) equal the float64 engine's ring (distributed/algorithms.py) bit for bit, through Triton's
+interpreter on the CPU: emulated nodes N = 2, 3, 4, 8, e4m3 / e5m2 / e3m0 (APS on and off), partial
+sums in acc_format e5m10, Kahan, both transports; and two gloo processes (the send / recv path).
+tests/gpu/test_allreduce_gpu.py repeats this on CUDA.  Blocks are 64 elements (as
+test_allreduce_fused.py) so that 476 values cross block and shard boundaries."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tcprec.distributed import allreduce_lowp
+
+from _dist import run_ranks, save_rank
+from test_allreduce_fused import SIZES, _same, node_grads
+
+ka = pytest.importorskip("tcprec.kernels.triton.allreduce", reason="triton is a Linux dependency of tcprec")
+
+
+@pytest.fixture(autouse=True)
+def small_blocks(monkeypatch):
+    monkeypatch.setattr(ka, "BLOCK", 64)
+
+
+def _check(flat, fmt, aps, kahan, rounding, acc=None):
+    for transport in ("compressed", "emulate"):
+        kw = dict(aps=aps, kahan=kahan, transport=transport, rounding=rounding, algorithm="ring", acc_format=acc)
+        want, iw = allreduce_lowp(flat, SIZES, fmt, backend="reference", **kw)
+        got, ig = allreduce_lowp(flat, SIZES, fmt, backend="triton", **kw)
+        tag = (fmt, aps, kahan, rounding, acc, transport, flat.shape[0])
+        assert _same(got, want), tag
+        assert "ring order" in ig.backend and "fused" in ig.backend, ig.backend
+        assert ig.nonfinite_input == iw.nonfinite_input and ig.nonfinite_output == iw.nonfinite_output, tag
+        if not iw.nonfinite_input:  # (the engine stops before the exchange; the kernels, without a host sync, do not)
+            assert torch.equal(ig.shifts, iw.shifts) and ig.bytes_received == iw.bytes_received, tag
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_ring_steps_equal_the_engine(n):
+    flat = torch.stack([node_grads(i) for i in range(n)])
+    _check(flat, "e4m3", True, False, "nearest")
+    _check(flat, "e3m0", True, n == 8, "nearest")  # Kahan at N = 8: 7 steps carrying the compensation
+
+
+@pytest.mark.parametrize("fmt,aps,kahan,rounding,acc", [
+    ("e4m3", True, True, "up", None),
+    ("e5m2", True, False, "down", None),
+    ("e3m0", False, False, "nearest", None),  # overflowing partial sums: Inf, Inf - Inf = NaN -> +Inf on the wire
+    ("e5m2", False, True, "toward_zero", None),
+    ("e4m3", True, False, "nearest", "e5m10"),  # partial sums in fp16: int16 codes travel
+    ("e3m0", True, True, "up", "e5m10"),
+])
+def test_ring_formats_kahan_and_acc_format(fmt, aps, kahan, rounding, acc):
+    flat = torch.stack([node_grads(i) for i in range(3)])
+    _check(flat, fmt, aps, kahan, rounding, acc)
+
+
+def test_ring_nonfinite_input():
+    flat = torch.stack([node_grads(i) for i in range(3)])
+    flat[2, 300] = float("nan")
+    _check(flat, "e4m3", True, False, "nearest")
+    got, info = allreduce_lowp(flat, SIZES, "e4m3", algorithm="ring", backend="triton")
+    assert info.nonfinite_input and torch.isnan(got).all()
+
+
+def test_what_the_fused_kernels_refuse_is_stated():
+    flat = torch.stack([node_grads(i) for i in range(2)])
+    with pytest.raises(ValueError, match="algorithm='direct' and 'ring', got algorithm='halving'"):
+        allreduce_lowp(flat, SIZES, "e4m3", algorithm="halving", backend="triton")
+    with pytest.raises(ValueError, match="round partial sums to the wire format only"):
+        allreduce_lowp(flat, SIZES, "e4m3", algorithm="direct", acc_format="e5m10", backend="triton")
+    with pytest.raises(ValueError, match="graph=True needs CUDA tensors"):
+        allreduce_lowp(flat, SIZES, "e4m3", algorithm="ring", graph=True, backend="triton")
+
+
+# ---- two processes (gloo): the ring's send / recv between ranks ----------------------------------------
+
+
+CONFIGS = [("e4m3", True, False, "nearest", None), ("e5m2", True, True, "up", None),
+           ("e4m3", True, False, "down", "e5m10")]
+
+
+def _worker(rank, world, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    ka.BLOCK = 64
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        res = {}
+        for n_local in (1, 2):
+            mine = torch.stack([node_grads(rank * n_local + i) for i in range(n_local)])
+            for fmt, aps, kahan, rounding, acc in CONFIGS:
+                out, info = allreduce_lowp(mine, SIZES, fmt, aps=aps, kahan=kahan, rounding=rounding,
+                                           algorithm="ring", acc_format=acc, backend="triton")
+                res[(n_local, fmt, kahan, acc)] = (out, info.backend, info.bytes_received)
+        save_rank(res, out_dir, rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gloo_two_processes_ring_fused_equal_emulation():
+    world = 2
+    res = run_ranks(_worker, world)
+    for n_local in (1, 2):
+        flat = torch.stack([node_grads(i) for i in range(n_local * world)])
+        for fmt, aps, kahan, rounding, acc in CONFIGS:
+            want, iw = allreduce_lowp(flat, SIZES, fmt, aps=aps, kahan=kahan, rounding=rounding, algorithm="ring",
+                                      acc_format=acc, backend="reference")
+            for r in range(world):
+                got, backend, nbytes = res[r][(n_local, fmt, kahan, acc)]
+                assert "ring order" in backend and _same(got, want), (n_local, fmt, kahan, acc, r)
+                if n_local == 1:  # one node per process: what the emulation counts for one node
+                    assert nbytes == iw.bytes_received, (n_local, fmt, nbytes, iw.bytes_received)
