@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from tcprec.distributed import allreduce_lowp
 
+from _aot import require_nvidia_backend, run_aot
 from _dist import run_ranks, save_rank
 from test_allreduce_fused import SIZES, _same, node_grads
 
@@ -112,3 +113,57 @@ def test_gloo_two_processes_ring_fused_equal_emulation():
                 assert "ring order" in backend and _same(got, want), (n_local, fmt, kahan, acc, r)
                 if n_local == 1:  # one node per process: what the emulation counts for one node
                     assert nbytes == iw.bytes_received, (n_local, fmt, nbytes, iw.bytes_received)
+
+
+# ---- the step kernel compiles for sm_90 (no GPU needed) ------------------------------------------------
+
+
+def test_ring_step_compiles_for_sm90():
+    """In a subprocess without TRITON_INTERPRET: Triton's NVIDIA backend builds the step kernel (codes
+    with the fp8 hardware rounding, Kahan with int16 codes of acc_format, float32 values)."""
+    out = run_aot(__file__, timeout=300)
+    assert "cvt.rn.satfinite.e4m3x2.f32" in out and "OK" in out
+
+
+def _aot_main():
+    require_nvidia_backend()
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tcprec.formats import format
+    from tcprec.kernels.triton.cast import _float_constexprs
+
+    fn = ka._ring_step_kernel
+    seen = []
+    for fmt, acc, kahan, codes, hw, first, last in (("e4m3", "e4m3", False, True, 1, False, False),
+                                                    ("e4m3", "e5m10", True, True, 0, False, False),
+                                                    ("e5m2", "e5m2", True, False, 0, True, False),
+                                                    ("e3m0", "e3m0", False, True, 0, False, True)):
+        a, s = format(fmt), format(acc)
+        consts = dict(**_float_constexprs(s), MODE=0, KAHAN=kahan, FIRST=first, LAST=last,
+                      KO=1 if last or not kahan else 2, CODES=codes, N_CODES_A=a.n_codes,
+                      DEC_A=ka._BITCAST_FORMATS.get(a, 0), N_CODES=s.n_codes, DEC=ka._BITCAST_FORMATS.get(s, 0), HW=hw,
+                      BLOCK=2048)
+        wire = ("*i16" if s.bits > 8 else "*u8") if codes else "*fp32"
+        types = dict(recv_ptr=wire, prev_ptr=wire, q_ptr="*u8" if codes else "*fp32", out_ptr=wire, lut_a_ptr="*fp32",
+                     lut_s_ptr="*fp32", n_local="i32", n="i32", shard="i32", rank="i32", t="i32")
+        sig, attrs = {}, {}
+        for i, name in enumerate(fn.arg_names):
+            if name in consts:
+                sig[name] = "constexpr"
+            else:
+                sig[name] = types[name]
+                if types[name].startswith("*") or name == "shard":
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        ptx = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                             options=dict(num_warps=8)).asm["ptx"]
+        seen += [m for m in ("cvt.rn.satfinite.e4m3x2.f32",) if m in ptx]
+    print(*seen, "OK")
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] == ["--aot"]:
+        _aot_main()

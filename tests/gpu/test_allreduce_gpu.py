@@ -185,11 +185,32 @@ def test_orders_on_cuda_equal_cpu(algorithm, kahan, n):
         kw = dict(aps=True, kahan=kahan, algorithm=algorithm, acc_format=acc)
         got, info = allreduce_lowp(flat, SIZES, fmt, **kw)
         want, _ = allreduce_lowp(flat.cpu(), SIZES, fmt, **kw)
-        # direct without acc_format is the fused kernels' order: they run it (their own backend string); the rest run
-        # the torch engine with its float32 tables
-        fused = algorithm == "direct" and acc is None
-        assert got.is_cuda and (fused or "float32 tables" in info.backend), info.backend
+        # direct without acc_format and ring (with or without) run the fused kernels (their own backend string);
+        # halving and direct with acc_format run the torch engine with its float32 tables
+        fused = (algorithm == "direct" and acc is None) or algorithm == "ring"
+        assert got.is_cuda and ("fused" in info.backend if fused else "float32 tables" in info.backend), info.backend
         assert torch.equal(got.cpu().view(torch.int32), want.view(torch.int32)), (algorithm, kahan, n, fmt, acc)
+
+
+# the fused ring (one ring_step launch per step): formats, APS on / off, Kahan, acc_format, both transports
+RING_CASES = [("e4m3", True, False, "nearest", None), ("e5m2", True, True, "down", None),
+              ("e3m0", True, False, "up", None), ("e4m3", False, False, "nearest", None),
+              ("e4m3", True, True, "nearest", "e5m10"), ("bf16", False, True, "toward_zero", None)]
+
+
+@pytest.mark.parametrize("n,case", [(2, 0)] + [(3, i) for i in range(len(RING_CASES))] + [(8, 0), (8, 1), (8, 4)])
+def test_ring_fused_equals_cpu_cuda(n, case):
+    """The fused ring kernels on CUDA (emulated nodes on one GPU) give the CPU engine's bits and bytes."""
+    fmt, aps, kahan, rounding, acc = RING_CASES[case]
+    flat = torch.stack([node_grads(i) for i in range(n)])
+    for transport in ("compressed", "emulate"):
+        kw = dict(aps=aps, kahan=kahan, rounding=rounding, transport=transport, algorithm="ring", acc_format=acc)
+        got, ig = allreduce_lowp(flat, SIZES, fmt, **kw)
+        want, iw = allreduce_lowp(flat.cpu(), SIZES, fmt, **kw)
+        assert "fused" in ig.backend and "ring order" in ig.backend, ig.backend
+        assert _same(got, want), (fmt, aps, kahan, rounding, acc, transport, n, int(_bad(got, want).sum()))
+        assert ig.bytes_received == iw.bytes_received and ig.nonfinite_output == iw.nonfinite_output
+        assert torch.equal(ig.shifts.cpu(), iw.shifts.cpu())
 
 
 def _orders_worker(rank, world, port, out_dir):
@@ -199,7 +220,9 @@ def _orders_worker(rank, world, port, out_dir):
     try:
         res = {}
         for alg in ("direct", "ring", "halving"):
-            res[alg] = allreduce_lowp(node_grads(rank).view(1, -1), SIZES, "e4m3", algorithm=alg)[0].cpu()
+            out, info = allreduce_lowp(node_grads(rank).view(1, -1), SIZES, "e4m3", algorithm=alg)
+            assert alg == "halving" or "fused" in info.backend, info.backend
+            res[alg] = out.cpu()
         save_rank(res, out_dir, rank)
     finally:
         release_graphs()
