@@ -199,19 +199,21 @@ def _halving(qbox, A, S, ctx: Ctx, numel: int):
     del q
     got = {k: 0 for k in mine}
 
+    sent = (lambda x: S.nan_to_inf(x)) if ctx.codes else (lambda x: x)  # noqa: E731  (as in _ring)
+
     def exchange(pairs):
         """pairs: {node: (partner, lo, hi)}: every node sends its values of chunks [lo, hi) to its partner
         and receives as many (the partner's [lo, hi) of its own entry) -> {node: received, through the wire}."""
         out = {}
         for k, (pk, a, b) in pairs.items():
             if ctx.use_dist:
-                send = S.pack(v[k][a * shard:b * shard], ctx.codes).contiguous()
+                send = S.pack(sent(v[k][a * shard:b * shard]), ctx.codes).contiguous()
                 recv = torch.empty_like(send)
                 _sendrecv(send, _grank(ctx, pk), recv, _grank(ctx, pk), ctx.group)
                 out[k] = S.unpack(recv, ctx.codes)
             else:
                 _, pa, pb = pairs[pk]
-                out[k] = S.wire(v[pk][pa * shard:pb * shard], ctx.codes)
+                out[k] = S.wire(sent(v[pk][pa * shard:pb * shard]), ctx.codes)
             got[k] += (b - a) * shard * bpc
         return out
 
@@ -221,7 +223,7 @@ def _halving(qbox, A, S, ctx: Ctx, numel: int):
             k = ctx.rank
             if k >= P or k < r:
                 pk = k - P if k >= P else k + P
-                w = S.pack(v[k], ctx.codes).contiguous()
+                w = S.pack(sent(v[k]), ctx.codes).contiguous()
                 if k >= P:
                     dist.send(_words(w), _grank(ctx, pk), group=ctx.group)
                 else:
@@ -231,7 +233,7 @@ def _halving(qbox, A, S, ctx: Ctx, numel: int):
                     got[k] += L * bpc
         else:
             for k in range(r):
-                v[k] = S.add(v[k], S.wire(v[k + P], ctx.codes))
+                v[k] = S.add(v[k], S.wire(sent(v[k + P]), ctx.codes))
                 got[k] += L * bpc
 
     active = [k for k in mine if k < P]

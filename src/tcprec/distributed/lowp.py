@@ -180,6 +180,9 @@ def allreduce_lowp(grads: torch.Tensor, sizes: list[int], fmt, *, aps: bool = Tr
     if graph and not (grads.dtype == torch.float32 and grads.is_contiguous()):
         raise ValueError(f"graph=True replays reads of the input buffer itself: it must be float32 and contiguous, "
                          f"got {grads.dtype}{'' if grads.is_contiguous() else ', not contiguous'}")
+    if path == "triton" and algorithm == "halving":
+        return _allreduce_halving_fused(grads.float().contiguous(), sizes, fmt, acc, aps, kahan, transport, rounding,
+                                        group, use_dist and world > 1, world, why)
     if path == "triton" and algorithm == "ring":
         return _allreduce_ring_fused(grads.float().contiguous(), sizes, fmt, acc, aps, kahan, transport, rounding,
                                      group, use_dist and world > 1, world, why)
@@ -332,8 +335,6 @@ def _choose_path(grads: torch.Tensor, fmt, rounding: str, backend: str, algorith
     from ..kernels.triton import allreduce as ka
 
     reason = ka.can_implement(fmt, rounding)
-    if reason is None and algorithm not in ("direct", "ring"):
-        reason = f"the fused kernels implement algorithm='direct' and 'ring', got algorithm={algorithm!r}"
     if reason is None and acc is not None:
         if algorithm == "direct":
             reason = f"the fused kernels of algorithm='direct' round partial sums to the wire format only, got " \
@@ -508,6 +509,100 @@ def _allreduce_ring_fused(grads, sizes, fmt, acc, aps, kahan, transport, roundin
     ka.finish(everyone, out, lut_s, lay, state, S, n, aps, top)
     info = _fused_info(state, T, n, top, aps, f"{why}, ring order, {n - 1} fused steps")
     info.bytes_received = got + ag
+    return out, info
+
+
+def _allreduce_halving_fused(grads, sizes, fmt, acc, aps, kahan, transport, rounding, group, use_dist, world,
+                             why):
+    """algorithm='halving' (distributed/algorithms.py's _halving, the same bits) in the fused kernels:
+    amax, encode (each node's whole vector), one halving_step launch per fold / halving level (every
+    emulated node at once, in place), recursive doubling as plain send/recv of codes (no kernel), and
+    finish.  Emulated: the doubling's result is each node's own chunk (one strided copy)."""
+    from ..kernels.triton import allreduce as ka
+
+    n_local, numel = grads.shape
+    n = world * n_local
+    if n == 1:  # no exchange: the ring's kernels give the same (q, NaN -> +Inf, the mean)
+        return _allreduce_ring_fused(grads, sizes, fmt, acc, aps, kahan, transport, rounding, group, use_dist,
+                                     world, why)
+    dev = grads.device
+    T = len(sizes)
+    top = aps_top_exponent(fmt)
+    S = acc if acc is not None else fmt
+    if numel == 0:
+        return torch.zeros(0, device=dev), AllreduceInfo(shifts=torch.zeros(T, dtype=torch.int64, device=dev),
+                                                         backend=why)
+    P = 1 << (n.bit_length() - 1)
+    r = n - P
+    shard = _wire_shape(numel, P)
+    L = shard * P
+    lay = ka.layout(sizes, numel, 1, L, dev)
+    lut_a = _cached(("lut", fmt, dev), lambda: decode(torch.arange(fmt.n_codes), fmt).to(dev))
+    lut_s = _cached(("lut", S, dev), lambda: decode(torch.arange(S.n_codes), S).to(dev))
+
+    state = ka.state_buffer(T, dev)
+    ka.amax(grads, lay, state)
+    if use_dist:
+        dist.all_reduce(state, op=dist.ReduceOp.MAX, group=group)
+    codes = transport == "compressed"
+    q = torch.empty(1, n_local, L, dtype=code_dtype(fmt) if codes else torch.float32, device=dev)
+    ka.encode(grads, lay, state, q, fmt, rounding, aps, top, n)  # (1, n_local, L): each node's whole vector
+    sdt = code_dtype(S) if codes else torch.float32
+    if codes and S != fmt:  # the partial sums travel as acc_format's codes: re-encode once
+        v = torch.empty(n_local, 1, L, dtype=sdt, device=dev)
+        ka.ring_step(v, v, q, v, lut_a, lut_s, fmt, S, rounding, False, aps, 0, 0, True, False)
+        v = v.view(n_local, L)
+    else:
+        v = q.view(n_local, L)
+    bpc = torch.empty(0, dtype=sdt).element_size()
+
+    if not use_dist:  # ---- n emulated nodes: every level one launch over all of them, in place ----------
+        if r:
+            ka.halving_step(v, v, lut_s, S, rounding, aps, shard, 0, P, 0, r, True, False, False)
+        d = P // 2
+        while d >= 1:
+            ka.halving_step(v, v, lut_s, S, rounding, aps, shard, d, P, 0, P, False, d == 1, False)
+            d //= 2
+        everyone = torch.diagonal(v[:P].view(P, P, shard), 0, 0, 1).t().contiguous().view(-1)  # node k's chunk k
+        got = (L * bpc if r else 0) + 2 * (P - 1) * shard * bpc  # the most any one node receives
+    else:  # ---- one node per process -----------------------------------------------------------------------
+        k = dist.get_rank(group)
+        gr = (lambda i: dist.get_global_rank(group, i)) if group is not None else (lambda i: i)  # noqa: E731
+        row = v.view(L)
+        got = 0
+        if r and k >= P:
+            dist.send(_words(row), gr(k - P), group=group)
+        elif r and k < r:
+            recv = torch.empty(L, dtype=sdt, device=dev)
+            dist.recv(_words(recv), gr(k + P), group=group)
+            ka.halving_step(v, recv, lut_s, S, rounding, aps, shard, 0, P, k, 1, True, False, True)
+            got += L * bpc
+        if k < P:
+            recv = torch.empty(L // 2, dtype=sdt, device=dev)
+            d = P // 2
+            while d >= 1:
+                a, b = ((k ^ d) // d) * d * shard, ((k ^ d) // d) * d * shard + d * shard  # what the partner keeps
+                _sendrecv(row[a:b], gr(k ^ d), recv[:d * shard], gr(k ^ d), group)
+                ka.halving_step(v, recv, lut_s, S, rounding, aps, shard, d, P, k, 1, False, d == 1, True)
+                got += d * shard * bpc
+                d //= 2
+            d = 1
+            while d < P:  # recursive doubling: codes only
+                lo, plo = (k // d) * d * shard, ((k ^ d) // d) * d * shard
+                _sendrecv(row[lo:lo + d * shard], gr(k ^ d), row[plo:plo + d * shard], gr(k ^ d), group)
+                got += d * shard * bpc
+                d *= 2
+            if r and k < r:
+                dist.send(_words(row), gr(k + P), group=group)
+        else:
+            dist.recv(_words(row), gr(k - P), group=group)
+            got += L * bpc
+        everyone = row
+    out = torch.empty(numel, dtype=torch.float32, device=dev)
+    ka.finish(everyone, out, lut_s, lay, state, S, n, aps, top)
+    levels = (1 if r else 0) + P.bit_length() - 1
+    info = _fused_info(state, T, n, top, aps, f"{why}, halving order, {levels} fused levels")
+    info.bytes_received = got
     return out, info
 
 

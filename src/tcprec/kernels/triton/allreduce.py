@@ -68,7 +68,7 @@ from .round import MODES, add_round_to_odd
 from .round import neg as _neg
 
 __all__ = ["can_implement", "layout", "Layout", "state_buffer", "amax", "encode", "reduce", "finish",
-           "reduce_finish", "ring_step", "BLOCK"]
+           "reduce_finish", "ring_step", "halving_step", "BLOCK"]
 
 log = logging.getLogger("tcprec.kernels")
 
@@ -572,6 +572,70 @@ def _ring_step_kernel(
             tl.store(dst + shard, c, mask=m)
 
 
+@triton.jit(do_not_specialize=["d", "P", "rank"])
+def _halving_step_kernel(
+    v_ptr, recv_ptr, lut_ptr, L, shard, d, P, rank,
+    # -- the format of the partial sums S (the wire format, or acc_format) --
+    MAN: tl.constexpr, BIAS: tl.constexpr, MIN_NORMAL_BITS: tl.constexpr, QE_LOW: tl.constexpr,
+    MAX_BITS: tl.constexpr, MIN_BITS: tl.constexpr, SPECIALS: tl.constexpr, OVERFLOW: tl.constexpr,
+    SIGNED: tl.constexpr, HAS_NZ: tl.constexpr, ZERO: tl.constexpr, SUBNORMALS: tl.constexpr,
+    CODE_MAX: tl.constexpr, CODE_MIN: tl.constexpr, CODE_INF: tl.constexpr, CODE_NAN: tl.constexpr,
+    SIGN_BIT: tl.constexpr, LOW_BASE: tl.constexpr,
+    # -- what to do --
+    MODE: tl.constexpr, FOLD: tl.constexpr, LAST: tl.constexpr, DIST: tl.constexpr, CODES: tl.constexpr,
+    N_CODES: tl.constexpr, DEC: tl.constexpr, HW: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One combine of recursive halving, in place on the nodes' vectors v (rows of L = P * shard,
+    codes of S or float32 values; grid (cdiv(width, BLOCK), rows)).  Level d: node k keeps chunks
+    [(k // d) d, (k // d) d + d) and sets them to R(lower + upper), the lower node's values first,
+    the other operand being node k ^ d's values there (emulated: its row of v; DIST: ``recv``, one
+    row, node ``rank``).  FOLD: node k < N - P adds node k + P's whole vector, its own first.  Rows
+    touch disjoint ranges of each other (k writes what k ^ d does not read), so one launch updates
+    every emulated node in place.  LAST (d = 1, values): NaN -> +Inf where S has no NaN."""
+    pid = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(1).to(tl.int64)
+    p = pid * BLOCK + tl.arange(0, BLOCK)
+    if DIST:
+        k = rank.to(tl.int64)
+    else:
+        k = row
+    if FOLD:
+        start = k * 0
+        width = L
+        other = k + P
+        own_low = True
+    else:
+        start = (k // d) * d * shard
+        width = d * shard
+        other = k ^ d
+        own_low = (k & d) == 0
+    m = p < width
+    own_ptrs = v_ptr + row * L + start + p
+    own = _load_values(own_ptrs, m, lut_ptr, CODES, N_CODES, DEC)
+    if DIST:
+        oth = _load_values(recv_ptr + p, m, lut_ptr, CODES, N_CODES, DEC)
+    else:
+        oth = _load_values(v_ptr + other * L + start + p, m, lut_ptr, CODES, N_CODES, DEC)
+    lo = tl.where(own_low, own, oth)
+    hi = tl.where(own_low, oth, own)
+    if HW != 0:  # a round-to-odd sum, then the hardware's round to nearest (module doc)
+        s, _ = _round_hw(_add_rto(lo, hi), HW)
+    else:
+        s = round_to_format(_add_rto(lo, hi), MAN, BIAS, MIN_NORMAL_BITS, QE_LOW, MAX_BITS, MIN_BITS, OVERFLOW,
+                            SIGNED, HAS_NZ, ZERO, SUBNORMALS, LOW_BASE, MODE)
+    if CODES:  # as the engine's pack: NaN of a format without NaN goes as +Inf's code
+        if CODE_NAN < 0:
+            s = tl.where(s != s, float("inf"), s)
+        _, code = _round_value_code(s, True, 0, MAN, BIAS, MIN_NORMAL_BITS, QE_LOW, MAX_BITS, MIN_BITS, SPECIALS,
+                                    OVERFLOW, SIGNED, HAS_NZ, ZERO, SUBNORMALS, CODE_MAX, CODE_MIN, CODE_INF,
+                                    CODE_NAN, SIGN_BIT, LOW_BASE)
+        tl.store(own_ptrs, code.to(v_ptr.dtype.element_ty), mask=m)
+    else:
+        if LAST and (CODE_NAN < 0):
+            s = tl.where(s != s, float("inf"), s)
+        tl.store(own_ptrs, s, mask=m)
+
+
 # ----------------------------------------------------------------------------------------------
 # Launching: compile once through Triton, then call the compiled kernel
 # ----------------------------------------------------------------------------------------------
@@ -635,7 +699,8 @@ class _Launcher:
 _L = {name: _Launcher(fn) for name, fn in (("amax", _amax_kernel), ("encode", _encode_kernel),
                                               ("reduce", _reduce_kernel), ("finish", _finish_kernel),
                                               ("reduce_finish", _reduce_finish_kernel),
-                                              ("ring_step", _ring_step_kernel))}
+                                              ("ring_step", _ring_step_kernel),
+                                              ("halving_step", _halving_step_kernel))}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -807,3 +872,17 @@ def ring_step(recv: torch.Tensor, prev: torch.Tensor, q: torch.Tensor, out: torc
     _L["ring_step"]((cdiv(shard, BLOCK), n_local), (recv, prev, q, out, lut_a, lut_s, n_local, n, shard, rank, t),
                     consts, (fmt, acc, rounding, kahan, first, last, ko, codes, consts["HW"], BLOCK,
                              q.device.index))
+
+
+def halving_step(v: torch.Tensor, recv: torch.Tensor, lut_s: torch.Tensor, acc, rounding: str, aps: bool,
+                 shard: int, d: int, P: int, rank: int, rows: int, fold: bool, last: bool, dist: bool) -> None:
+    """One combine of recursive halving (``_halving_step_kernel``) over ``rows`` rows of v (rows, L)
+    in place: codes of ``acc`` or f32 values; ``recv`` the partner's values (``dist``) or unused."""
+    L = v.shape[-1]
+    width = L if fold else d * shard
+    codes = not v.dtype.is_floating_point
+    consts = dict(**_fmt_consts(acc), MODE=Rounding(rounding).code, FOLD=fold, LAST=last, DIST=dist, CODES=codes,
+                  N_CODES=acc.n_codes, DEC=_BITCAST_FORMATS.get(acc, 0), HW=_hw_round(acc, rounding, aps, False, v),
+                  BLOCK=BLOCK)
+    _L["halving_step"]((cdiv(width, BLOCK), rows), (v, recv, lut_s, L, shard, d, P, rank), consts,
+                       (acc, rounding, fold, last, dist, codes, consts["HW"], BLOCK, v.device.index))
