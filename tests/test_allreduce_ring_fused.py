@@ -1,7 +1,8 @@
-"""The fused kernels of the ring order (kernels/triton/allreduce.py: ``ring_step``, one launch per
-step) equal the float64 engine's ring (distributed/algorithms.py) bit for bit, through Triton's
-interpreter on the CPU: emulated nodes N = 2, 3, 4, 8, e4m3 / e5m2 / e3m0 (APS on and off), partial
-sums in acc_format e5m10, Kahan, both transports; and two gloo processes (the send / recv path).
+"""The fused kernels of the ring and halving orders (kernels/triton/allreduce.py: ``ring_step``, one
+launch per step; ``halving_step``, one launch per level) equal the float64 engine's orders
+(distributed/algorithms.py) bit for bit, through Triton's interpreter on the CPU: emulated nodes
+N = 2, 3, 4, 8, e4m3 / e5m2 / e3m0 (APS on and off), partial sums in acc_format e5m10, Kahan (ring),
+both transports; and three gloo processes (the send / recv paths, halving's fold of a third node).
 tests/gpu/test_allreduce_gpu.py repeats this on CUDA.  Blocks are 64 elements (as
 test_allreduce_fused.py) so that 476 values cross block and shard boundaries."""
 
@@ -25,14 +26,14 @@ def small_blocks(monkeypatch):
     monkeypatch.setattr(ka, "BLOCK", 64)
 
 
-def _check(flat, fmt, aps, kahan, rounding, acc=None):
+def _check(flat, fmt, aps, kahan, rounding, acc=None, algorithm="ring"):
     for transport in ("compressed", "emulate"):
-        kw = dict(aps=aps, kahan=kahan, transport=transport, rounding=rounding, algorithm="ring", acc_format=acc)
+        kw = dict(aps=aps, kahan=kahan, transport=transport, rounding=rounding, algorithm=algorithm, acc_format=acc)
         want, iw = allreduce_lowp(flat, SIZES, fmt, backend="reference", **kw)
         got, ig = allreduce_lowp(flat, SIZES, fmt, backend="triton", **kw)
         tag = (fmt, aps, kahan, rounding, acc, transport, flat.shape[0])
         assert _same(got, want), tag
-        assert "ring order" in ig.backend and "fused" in ig.backend, ig.backend
+        assert f"{algorithm} order" in ig.backend and "fused" in ig.backend, ig.backend
         assert ig.nonfinite_input == iw.nonfinite_input and ig.nonfinite_output == iw.nonfinite_output, tag
         if not iw.nonfinite_input:  # (the engine stops before the exchange; the kernels, without a host sync, do not)
             assert torch.equal(ig.shifts, iw.shifts) and ig.bytes_received == iw.bytes_received, tag
@@ -66,21 +67,32 @@ def test_ring_nonfinite_input():
     assert info.nonfinite_input and torch.isnan(got).all()
 
 
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_halving_levels_equal_the_engine(n):
+    flat = torch.stack([node_grads(i) for i in range(n)])
+    _check(flat, "e4m3", True, False, "nearest", algorithm="halving")
+    if n in (3, 8):  # 3: a folded node; 8: three levels
+        _check(flat, "e3m0", False, False, "up", algorithm="halving")
+        _check(flat, "e5m2", True, False, "down", "e5m10", algorithm="halving")
+
+
 def test_what_the_fused_kernels_refuse_is_stated():
     flat = torch.stack([node_grads(i) for i in range(2)])
-    with pytest.raises(ValueError, match="algorithm='direct' and 'ring', got algorithm='halving'"):
-        allreduce_lowp(flat, SIZES, "e4m3", algorithm="halving", backend="triton")
     with pytest.raises(ValueError, match="round partial sums to the wire format only"):
         allreduce_lowp(flat, SIZES, "e4m3", algorithm="direct", acc_format="e5m10", backend="triton")
-    with pytest.raises(ValueError, match="graph=True needs CUDA tensors"):
-        allreduce_lowp(flat, SIZES, "e4m3", algorithm="ring", graph=True, backend="triton")
+    for alg in ("ring", "halving"):
+        with pytest.raises(ValueError, match="graph=True needs CUDA tensors"):
+            allreduce_lowp(flat, SIZES, "e4m3", algorithm=alg, graph=True, backend="triton")
 
 
-# ---- two processes (gloo): the ring's send / recv between ranks ----------------------------------------
+# ---- three processes (gloo): send / recv between ranks; halving folds the third node ------------------
 
 
-CONFIGS = [("e4m3", True, False, "nearest", None), ("e5m2", True, True, "up", None),
-           ("e4m3", True, False, "down", "e5m10")]
+# (algorithm, fmt, aps, kahan, rounding, acc_format, transports)
+CONFIGS = [("ring", "e4m3", True, False, "nearest", None, ("compressed", "emulate")),
+           ("ring", "e5m2", True, True, "up", "e5m10", ("compressed",)),
+           ("halving", "e4m3", True, False, "nearest", None, ("compressed", "emulate")),
+           ("halving", "e3m0", False, False, "up", "e5m10", ("compressed",))]
 
 
 def _worker(rank, world, port, out_dir):
@@ -91,28 +103,36 @@ def _worker(rank, world, port, out_dir):
         res = {}
         for n_local in (1, 2):
             mine = torch.stack([node_grads(rank * n_local + i) for i in range(n_local)])
-            for fmt, aps, kahan, rounding, acc in CONFIGS:
-                out, info = allreduce_lowp(mine, SIZES, fmt, aps=aps, kahan=kahan, rounding=rounding,
-                                           algorithm="ring", acc_format=acc, backend="triton")
-                res[(n_local, fmt, kahan, acc)] = (out, info.backend, info.bytes_received)
+            for alg, fmt, aps, kahan, rounding, acc, transports in CONFIGS:
+                if alg == "halving" and n_local > 1:
+                    continue  # one node per process when distributed
+                for transport in transports:
+                    out, info = allreduce_lowp(mine, SIZES, fmt, aps=aps, kahan=kahan, rounding=rounding,
+                                               algorithm=alg, acc_format=acc, transport=transport, backend="triton")
+                    res[(n_local, alg, fmt, acc, transport)] = (out, info.backend, info.bytes_received)
         save_rank(res, out_dir, rank)
     finally:
         dist.destroy_process_group()
 
 
-def test_gloo_two_processes_ring_fused_equal_emulation():
-    world = 2
+def test_gloo_three_processes_fused_equal_emulation():
+    world = 3
     res = run_ranks(_worker, world)
     for n_local in (1, 2):
         flat = torch.stack([node_grads(i) for i in range(n_local * world)])
-        for fmt, aps, kahan, rounding, acc in CONFIGS:
-            want, iw = allreduce_lowp(flat, SIZES, fmt, aps=aps, kahan=kahan, rounding=rounding, algorithm="ring",
-                                      acc_format=acc, backend="reference")
-            for r in range(world):
-                got, backend, nbytes = res[r][(n_local, fmt, kahan, acc)]
-                assert "ring order" in backend and _same(got, want), (n_local, fmt, kahan, acc, r)
-                if n_local == 1:  # one node per process: what the emulation counts for one node
-                    assert nbytes == iw.bytes_received, (n_local, fmt, nbytes, iw.bytes_received)
+        for alg, fmt, aps, kahan, rounding, acc, transports in CONFIGS:
+            if alg == "halving" and n_local > 1:
+                continue
+            for transport in transports:
+                want, iw = allreduce_lowp(flat, SIZES, fmt, aps=aps, kahan=kahan, rounding=rounding, algorithm=alg,
+                                          acc_format=acc, transport=transport, backend="reference")
+                got_bytes = []
+                for r in range(world):
+                    got, backend, nbytes = res[r][(n_local, alg, fmt, acc, transport)]
+                    assert f"{alg} order" in backend and _same(got, want), (n_local, alg, fmt, acc, transport, r)
+                    got_bytes.append(nbytes)
+                if n_local == 1:  # one node per process: the emulation counts what the busiest node receives
+                    assert max(got_bytes) == iw.bytes_received, (alg, fmt, transport, got_bytes, iw.bytes_received)
 
 
 # ---- the step kernel compiles for sm_90 (no GPU needed) ------------------------------------------------
