@@ -135,14 +135,14 @@ def test_gloo_three_processes_fused_equal_emulation():
                     assert max(got_bytes) == iw.bytes_received, (alg, fmt, transport, got_bytes, iw.bytes_received)
 
 
-# ---- the step kernel compiles for sm_90 (no GPU needed) ------------------------------------------------
+# ---- the step kernels compile for sm_90 (no GPU needed) ------------------------------------------------
 
 
-def test_ring_step_compiles_for_sm90():
-    """In a subprocess without TRITON_INTERPRET: Triton's NVIDIA backend builds the step kernel (codes
-    with the fp8 hardware rounding, Kahan with int16 codes of acc_format, float32 values)."""
+def test_ring_and_halving_steps_compile_for_sm90():
+    """In a subprocess without TRITON_INTERPRET: Triton's NVIDIA backend builds both step kernels
+    (codes with the fp8 hardware rounding, int16 codes of acc_format, Kahan, float32 values)."""
     out = run_aot(__file__, timeout=300)
-    assert "cvt.rn.satfinite.e4m3x2.f32" in out and "OK" in out
+    assert out.count("cvt.rn.satfinite.e4m3x2.f32") == 2 and "OK" in out
 
 
 def _aot_main():
@@ -175,6 +175,25 @@ def _aot_main():
             else:
                 sig[name] = types[name]
                 if types[name].startswith("*") or name == "shard":
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        ptx = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                             options=dict(num_warps=8)).asm["ptx"]
+        seen += [m for m in ("cvt.rn.satfinite.e4m3x2.f32",) if m in ptx]
+    fn = ka._halving_step_kernel
+    for acc, codes, hw, fold, last, dist_ in (("e4m3", True, 1, False, True, False), ("e5m10", True, 0, True, False, True),
+                                              ("e3m0", False, 0, False, True, True)):
+        s = format(acc)
+        consts = dict(**_float_constexprs(s), MODE=0, FOLD=fold, LAST=last, DIST=dist_, CODES=codes, N_CODES=s.n_codes,
+                      DEC=ka._BITCAST_FORMATS.get(s, 0), HW=hw, BLOCK=2048)
+        wire = ("*i16" if s.bits > 8 else "*u8") if codes else "*fp32"
+        types = dict(v_ptr=wire, recv_ptr=wire, lut_ptr="*fp32", L="i32", shard="i32", d="i32", P="i32", rank="i32")
+        sig, attrs = {}, {}
+        for i, name in enumerate(fn.arg_names):
+            if name in consts:
+                sig[name] = "constexpr"
+            else:
+                sig[name] = types[name]
+                if types[name].startswith("*") or name in ("L", "shard"):
                     attrs[(i,)] = [["tt.divisibility", 16]]
         ptx = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                              options=dict(num_warps=8)).asm["ptx"]

@@ -185,29 +185,33 @@ def test_orders_on_cuda_equal_cpu(algorithm, kahan, n):
         kw = dict(aps=True, kahan=kahan, algorithm=algorithm, acc_format=acc)
         got, info = allreduce_lowp(flat, SIZES, fmt, **kw)
         want, _ = allreduce_lowp(flat.cpu(), SIZES, fmt, **kw)
-        # direct without acc_format and ring (with or without) run the fused kernels (their own backend string);
-        # halving and direct with acc_format run the torch engine with its float32 tables
-        fused = (algorithm == "direct" and acc is None) or algorithm == "ring"
+        # direct without acc_format, ring and halving (with or without) run the fused kernels (their own backend
+        # string); direct with acc_format runs the torch engine with its float32 tables
+        fused = (algorithm == "direct" and acc is None) or algorithm in ("ring", "halving")
         assert got.is_cuda and ("fused" in info.backend if fused else "float32 tables" in info.backend), info.backend
         assert torch.equal(got.cpu().view(torch.int32), want.view(torch.int32)), (algorithm, kahan, n, fmt, acc)
 
 
-# the fused ring (one ring_step launch per step): formats, APS on / off, Kahan, acc_format, both transports
+# the fused ring (one ring_step launch per step) and halving (one halving_step launch per level): formats, APS on / off, Kahan, acc_format, both transports
 RING_CASES = [("e4m3", True, False, "nearest", None), ("e5m2", True, True, "down", None),
               ("e3m0", True, False, "up", None), ("e4m3", False, False, "nearest", None),
               ("e4m3", True, True, "nearest", "e5m10"), ("bf16", False, True, "toward_zero", None)]
 
 
-@pytest.mark.parametrize("n,case", [(2, 0)] + [(3, i) for i in range(len(RING_CASES))] + [(8, 0), (8, 1), (8, 4)])
-def test_ring_fused_equals_cpu_cuda(n, case):
-    """The fused ring kernels on CUDA (emulated nodes on one GPU) give the CPU engine's bits and bytes."""
+@pytest.mark.parametrize("algorithm,n,case", [("ring", 2, 0)] + [("ring", 3, i) for i in range(len(RING_CASES))]
+                         + [("ring", 8, 0), ("ring", 8, 1), ("ring", 8, 4)]
+                         + [("halving", n, i) for n, i in ((2, 0), (3, 0), (3, 2), (3, 3), (5, 4), (8, 0), (8, 2))])
+def test_ring_and_halving_fused_equal_cpu_cuda(algorithm, n, case):
+    """The fused ring / halving kernels on CUDA (emulated nodes on one GPU) give the CPU engine's bits
+    and bytes (halving: no Kahan; its cases drop the compensation)."""
     fmt, aps, kahan, rounding, acc = RING_CASES[case]
+    kahan = kahan and algorithm == "ring"
     flat = torch.stack([node_grads(i) for i in range(n)])
     for transport in ("compressed", "emulate"):
-        kw = dict(aps=aps, kahan=kahan, rounding=rounding, transport=transport, algorithm="ring", acc_format=acc)
+        kw = dict(aps=aps, kahan=kahan, rounding=rounding, transport=transport, algorithm=algorithm, acc_format=acc)
         got, ig = allreduce_lowp(flat, SIZES, fmt, **kw)
         want, iw = allreduce_lowp(flat.cpu(), SIZES, fmt, **kw)
-        assert "fused" in ig.backend and "ring order" in ig.backend, ig.backend
+        assert "fused" in ig.backend and f"{algorithm} order" in ig.backend, ig.backend
         assert _same(got, want), (fmt, aps, kahan, rounding, acc, transport, n, int(_bad(got, want).sum()))
         assert ig.bytes_received == iw.bytes_received and ig.nonfinite_output == iw.nonfinite_output
         assert torch.equal(ig.shifts.cpu(), iw.shifts.cpu())
@@ -221,7 +225,7 @@ def _orders_worker(rank, world, port, out_dir):
         res = {}
         for alg in ("direct", "ring", "halving"):
             out, info = allreduce_lowp(node_grads(rank).view(1, -1), SIZES, "e4m3", algorithm=alg)
-            assert alg == "halving" or "fused" in info.backend, info.backend
+            assert "fused" in info.backend, info.backend
             res[alg] = out.cpu()
         save_rank(res, out_dir, rank)
     finally:
