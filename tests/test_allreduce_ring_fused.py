@@ -180,7 +180,8 @@ def _aot_main():
                              options=dict(num_warps=8)).asm["ptx"]
         seen += [m for m in ("cvt.rn.satfinite.e4m3x2.f32",) if m in ptx]
     fn = ka._halving_step_kernel
-    for acc, codes, hw, fold, last, dist_ in (("e4m3", True, 1, False, True, False), ("e5m10", True, 0, True, False, True),
+    for acc, codes, hw, fold, last, dist_ in (("e4m3", True, 1, False, True, False),
+                                              ("e5m10", True, 0, True, False, True),
                                               ("e3m0", False, 0, False, True, True)):
         s = format(acc)
         consts = dict(**_float_constexprs(s), MODE=0, FOLD=fold, LAST=last, DIST=dist_, CODES=codes, N_CODES=s.n_codes,

@@ -192,7 +192,8 @@ def test_orders_on_cuda_equal_cpu(algorithm, kahan, n):
         assert torch.equal(got.cpu().view(torch.int32), want.view(torch.int32)), (algorithm, kahan, n, fmt, acc)
 
 
-# the fused ring (one ring_step launch per step) and halving (one halving_step launch per level): formats, APS on / off, Kahan, acc_format, both transports
+# the fused ring (one ring_step launch per step) and halving (one halving_step launch per level): formats,
+# APS on / off, Kahan, acc_format, both transports
 RING_CASES = [("e4m3", True, False, "nearest", None), ("e5m2", True, True, "down", None),
               ("e3m0", True, False, "up", None), ("e4m3", False, False, "nearest", None),
               ("e4m3", True, True, "nearest", "e5m10"), ("bf16", False, True, "toward_zero", None)]

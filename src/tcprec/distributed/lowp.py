@@ -30,10 +30,11 @@ tests/gpu/test_allreduce_gpu.py):
   whole call as one CUDA graph).  Where it moves no more bytes (one process, or two processes with
   one node each) every rank all-gathers every node's codes and reduces the whole vector itself,
   in node order as the reduce-scatter does: one collective and one kernel fewer, the same bits.
-* CUDA tensors, ``algorithm="ring"`` (``acc_format`` too): the same kernels' amax / encode / finish
-  around one ``ring_step`` launch per ring step (``_allreduce_ring_fused``).
-* everything else (CPU; ``halving`` and ``direct`` with ``acc_format`` on CUDA; modes the kernels
-  cannot do): the pure-torch engine (distributed/arith.py), on exact float32 tables where the format
+* CUDA tensors, ``algorithm="ring"`` / ``"halving"`` (``acc_format`` too): the same kernels' amax /
+  encode / finish around one ``ring_step`` launch per ring step (``_allreduce_ring_fused``) or one
+  ``halving_step`` launch per fold / halving level (``_allreduce_halving_fused``).
+* everything else (CPU; ``direct`` with ``acc_format`` on CUDA; modes the kernels cannot do): the
+  pure-torch engine (distributed/arith.py), on exact float32 tables where the format
   allows, else float64; ``backend="reference"`` forces float64, the ground truth.
 """
 
@@ -151,8 +152,8 @@ def allreduce_lowp(grads: torch.Tensor, sizes: list[int], fmt, *, aps: bool = Tr
     (distributed/algorithms.py); every split of the N nodes over processes gives the same bits.
     ``acc_format``: round every partial sum to this wider format instead of ``fmt`` (partial sums
     then travel as its codes); it must hold every value of ``fmt``.
-    ``backend``: ``"auto"`` (CUDA: the fused Triton kernels for ``algorithm="direct"`` and ``"ring"``,
-    the torch engine otherwise; CPU: the torch engine's float32 tables), ``"triton"`` (also under
+    ``backend``: ``"auto"`` (CUDA: the fused Triton kernels, except ``algorithm="direct"`` with
+    ``acc_format``: the torch engine; CPU: the torch engine's float32 tables), ``"triton"`` (also under
     TRITON_INTERPRET=1 on the CPU; raises where the kernels cannot run) or ``"reference"`` (the
     float64 ground truth).  All give the same bits.
     With a process group, the ranks first agree that every rank's input is valid and alike (one small
