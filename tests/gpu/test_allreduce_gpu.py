@@ -218,6 +218,24 @@ def test_ring_and_halving_fused_equal_cpu_cuda(algorithm, n, case):
         assert torch.equal(ig.shifts.cpu(), iw.shifts.cpu())
 
 
+@pytest.mark.parametrize("algorithm,n,most", [("ring", 2, 2 + 4), ("ring", 8, 8 + 4), ("halving", 8, 3 + 3 + 2)])
+def test_fused_orders_launch_a_handful_of_kernels(algorithm, n, most):
+    """One call is a handful of GPU kernels (ring: zero fill, amax, encode, N steps, finish; halving:
+    zero fill, amax, encode, log2 N levels, the emulated gather, finish), not the engine's thousands
+    of torch ops: counted with the profiler on the second call (the first compiles)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    flat = torch.stack([node_grads(i) for i in range(n)])
+    allreduce_lowp(flat, SIZES, "e4m3", algorithm=algorithm)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        allreduce_lowp(flat, SIZES, "e4m3", algorithm=algorithm)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    assert 0 < len(kernels) <= most, (algorithm, n, len(kernels), kernels[:20])
+
+
 def _orders_worker(rank, world, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
