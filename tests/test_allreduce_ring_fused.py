@@ -80,7 +80,7 @@ def test_what_the_fused_kernels_refuse_is_stated():
     flat = torch.stack([node_grads(i) for i in range(2)])
     with pytest.raises(ValueError, match="round partial sums to the wire format only"):
         allreduce_lowp(flat, SIZES, "e4m3", algorithm="direct", acc_format="e5m10", backend="triton")
-    for alg in ("ring", "halving"):
+    for alg in ("ring", "halving"):  # (graph=True on CUDA: tests/gpu)
         with pytest.raises(ValueError, match="graph=True needs CUDA tensors"):
             allreduce_lowp(flat, SIZES, "e4m3", algorithm=alg, graph=True, backend="triton")
 

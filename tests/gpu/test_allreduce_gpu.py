@@ -236,6 +236,22 @@ def test_fused_orders_launch_a_handful_of_kernels(algorithm, n, most):
     assert 0 < len(kernels) <= most, (algorithm, n, len(kernels), kernels[:20])
 
 
+@pytest.mark.parametrize("algorithm", ["ring", "halving"])
+def test_ring_and_halving_graph_replays_equal_eager(algorithm):
+    """graph=True captures the fused ring / halving call (kernels only, emulated nodes) and replays it:
+    the same bits as an eager call, for two different inputs in the same buffer."""
+    flat = torch.stack([node_grads(i) for i in range(3)]).contiguous()
+    kw = dict(algorithm=algorithm, acc_format="e5m10")
+    try:
+        for scale in (1.0, 1e-3):
+            flat.mul_(scale)
+            want, _ = allreduce_lowp(flat, SIZES, "e4m3", **kw)
+            got, info = allreduce_lowp(flat, SIZES, "e4m3", graph=True, **kw)
+            assert f"{algorithm} order" in info.backend and _same(got, want), (algorithm, scale)
+    finally:
+        release_graphs()
+
+
 def _orders_worker(rank, world, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)

@@ -175,27 +175,26 @@ def allreduce_lowp(grads: torch.Tensor, sizes: list[int], fmt, *, aps: bool = Tr
                          use_dist and world > 1, world, group)
     n_local, numel = grads.shape
     path, why = _choose_path(grads, fmt, rounding, backend, algorithm, acc)
-    if graph and not (path == "triton" and grads.is_cuda and algorithm == "direct"):
-        raise ValueError(f"graph=True needs CUDA tensors on the fused kernels' path of algorithm='direct'; this call "
-                         f"runs {why}, algorithm={algorithm!r} on {grads.device}: use graph=False")
+    if graph and not (path == "triton" and grads.is_cuda):
+        raise ValueError(f"graph=True needs CUDA tensors on the fused kernels' path; this call runs {why} on "
+                         f"{grads.device}: use graph=False")
     if graph and not (grads.dtype == torch.float32 and grads.is_contiguous()):
         raise ValueError(f"graph=True replays reads of the input buffer itself: it must be float32 and contiguous, "
                          f"got {grads.dtype}{'' if grads.is_contiguous() else ', not contiguous'}")
-    if path == "triton" and algorithm == "halving":
-        return _allreduce_halving_fused(grads.float().contiguous(), sizes, fmt, acc, aps, kahan, transport, rounding,
-                                        group, use_dist and world > 1, world, why)
-    if path == "triton" and algorithm == "ring":
-        return _allreduce_ring_fused(grads.float().contiguous(), sizes, fmt, acc, aps, kahan, transport, rounding,
-                                     group, use_dist and world > 1, world, why)
     if path == "triton":
         g32 = grads.float().contiguous()
-        run = lambda: _allreduce_fused(g32, sizes, fmt, aps, kahan, transport, rounding, group,  # noqa: E731
-                                       use_dist and world > 1, world, why)
+        if algorithm == "direct":
+            run = lambda: _allreduce_fused(g32, sizes, fmt, aps, kahan, transport, rounding, group,  # noqa: E731
+                                           use_dist and world > 1, world, why)
+        else:
+            fused = _allreduce_ring_fused if algorithm == "ring" else _allreduce_halving_fused
+            run = lambda: fused(g32, sizes, fmt, acc, aps, kahan, transport, rounding, group,  # noqa: E731
+                                use_dist and world > 1, world, why)
         if graph:
             from ..kernels.triton import allreduce as ka
 
             key = (g32.data_ptr(), g32.shape, g32.device, tuple(sizes), fmt, aps, kahan, transport, rounding, group,
-                   world, ka.BLOCK)
+                   world, ka.BLOCK, algorithm, acc)
             return _allreduce_graphed(key, run, why)
         return run()
     return _allreduce_torch(grads.float(), sizes, fmt, acc, aps, kahan, transport, rounding, group,
