@@ -523,8 +523,10 @@ def _allreduce_halving_fused(grads, sizes, fmt, acc, aps, kahan, transport, roun
     n_local, numel = grads.shape
     n = world * n_local
     if n == 1:  # no exchange: the ring's kernels give the same (q, NaN -> +Inf, the mean)
-        return _allreduce_ring_fused(grads, sizes, fmt, acc, aps, kahan, transport, rounding, group, use_dist,
-                                     world, why)
+        out, info = _allreduce_ring_fused(grads, sizes, fmt, acc, aps, kahan, transport, rounding, group, use_dist,
+                                          world, why)
+        info.backend = f"{why}, halving order (one node: no exchange)"
+        return out, info
     dev = grads.device
     T = len(sizes)
     top = aps_top_exponent(fmt)
