@@ -185,11 +185,71 @@ def test_orders_on_cuda_equal_cpu(algorithm, kahan, n):
         kw = dict(aps=True, kahan=kahan, algorithm=algorithm, acc_format=acc)
         got, info = allreduce_lowp(flat, SIZES, fmt, **kw)
         want, _ = allreduce_lowp(flat.cpu(), SIZES, fmt, **kw)
-        # direct without acc_format is the fused kernels' order: they run it (their own backend string); the rest run
-        # the torch engine with its float32 tables
-        fused = algorithm == "direct" and acc is None
-        assert got.is_cuda and (fused or "float32 tables" in info.backend), info.backend
+        # direct without acc_format, ring and halving (with or without) run the fused kernels (their own backend
+        # string); direct with acc_format runs the torch engine with its float32 tables
+        fused = (algorithm == "direct" and acc is None) or algorithm in ("ring", "halving")
+        assert got.is_cuda and ("fused" in info.backend if fused else "float32 tables" in info.backend), info.backend
         assert torch.equal(got.cpu().view(torch.int32), want.view(torch.int32)), (algorithm, kahan, n, fmt, acc)
+
+
+# the fused ring (one ring_step launch per step) and halving (one halving_step launch per level): formats,
+# APS on / off, Kahan, acc_format, both transports
+RING_CASES = [("e4m3", True, False, "nearest", None), ("e5m2", True, True, "down", None),
+              ("e3m0", True, False, "up", None), ("e4m3", False, False, "nearest", None),
+              ("e4m3", True, True, "nearest", "e5m10"), ("bf16", False, True, "toward_zero", None)]
+
+
+@pytest.mark.parametrize("algorithm,n,case", [("ring", 2, 0)] + [("ring", 3, i) for i in range(len(RING_CASES))]
+                         + [("ring", 8, 0), ("ring", 8, 1), ("ring", 8, 4)]
+                         + [("halving", n, i) for n, i in ((2, 0), (3, 0), (3, 2), (3, 3), (5, 4), (8, 0), (8, 2))])
+def test_ring_and_halving_fused_equal_cpu_cuda(algorithm, n, case):
+    """The fused ring / halving kernels on CUDA (emulated nodes on one GPU) give the CPU engine's bits
+    and bytes (halving: no Kahan; its cases drop the compensation)."""
+    fmt, aps, kahan, rounding, acc = RING_CASES[case]
+    kahan = kahan and algorithm == "ring"
+    flat = torch.stack([node_grads(i) for i in range(n)])
+    for transport in ("compressed", "emulate"):
+        kw = dict(aps=aps, kahan=kahan, rounding=rounding, transport=transport, algorithm=algorithm, acc_format=acc)
+        got, ig = allreduce_lowp(flat, SIZES, fmt, **kw)
+        want, iw = allreduce_lowp(flat.cpu(), SIZES, fmt, **kw)
+        assert "fused" in ig.backend and f"{algorithm} order" in ig.backend, ig.backend
+        assert _same(got, want), (fmt, aps, kahan, rounding, acc, transport, n, int(_bad(got, want).sum()))
+        assert ig.bytes_received == iw.bytes_received and ig.nonfinite_output == iw.nonfinite_output
+        assert torch.equal(ig.shifts.cpu(), iw.shifts.cpu())
+
+
+@pytest.mark.parametrize("algorithm,n,most", [("ring", 2, 2 + 4), ("ring", 8, 8 + 4), ("halving", 8, 3 + 3 + 2)])
+def test_fused_orders_launch_a_handful_of_kernels(algorithm, n, most):
+    """One call is a handful of GPU kernels (ring: zero fill, amax, encode, N steps, finish; halving:
+    zero fill, amax, encode, log2 N levels, the emulated gather, finish), not the engine's thousands
+    of torch ops: counted with the profiler on the second call (the first compiles)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    flat = torch.stack([node_grads(i) for i in range(n)])
+    allreduce_lowp(flat, SIZES, "e4m3", algorithm=algorithm)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        allreduce_lowp(flat, SIZES, "e4m3", algorithm=algorithm)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    assert 0 < len(kernels) <= most, (algorithm, n, len(kernels), kernels[:20])
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "halving"])
+def test_ring_and_halving_graph_replays_equal_eager(algorithm):
+    """graph=True captures the fused ring / halving call (kernels only, emulated nodes) and replays it:
+    the same bits as an eager call, for two different inputs in the same buffer."""
+    flat = torch.stack([node_grads(i) for i in range(3)]).contiguous()
+    kw = dict(algorithm=algorithm, acc_format="e5m10")
+    try:
+        for scale in (1.0, 1e-3):
+            flat.mul_(scale)
+            want, _ = allreduce_lowp(flat, SIZES, "e4m3", **kw)
+            got, info = allreduce_lowp(flat, SIZES, "e4m3", graph=True, **kw)
+            assert f"{algorithm} order" in info.backend and _same(got, want), (algorithm, scale)
+    finally:
+        release_graphs()
 
 
 def _orders_worker(rank, world, port, out_dir):
@@ -199,7 +259,9 @@ def _orders_worker(rank, world, port, out_dir):
     try:
         res = {}
         for alg in ("direct", "ring", "halving"):
-            res[alg] = allreduce_lowp(node_grads(rank).view(1, -1), SIZES, "e4m3", algorithm=alg)[0].cpu()
+            out, info = allreduce_lowp(node_grads(rank).view(1, -1), SIZES, "e4m3", algorithm=alg)
+            assert "fused" in info.backend, info.backend
+            res[alg] = out.cpu()
         save_rank(res, out_dir, rank)
     finally:
         release_graphs()

@@ -151,8 +151,12 @@ def _ring(qbox, A, S, ctx: Ctx, numel: int):
     c = torch.zeros_like(p)
     got = 0
     nxt, prv = _grank(ctx, (ctx.rank + 1) % ctx.world), _grank(ctx, (ctx.rank - 1) % ctx.world)
+    # codes: a NaN partial of a format without NaN is sent as +Inf (nan_to_inf, as before the all-gather;
+    # such a format has no NaN code).  Once NaN or Inf, the shard's total is +-Inf either way.
+    sent = (lambda x: S.nan_to_inf(x)) if ctx.codes else (lambda x: x)  # noqa: E731
     for t in range(1, n):
         # node k receives the partial of node k - 1 (through the wire), adds its own value of that shard
+        p, c = sent(p), (sent(c) if ctx.kahan else c)
         if ctx.use_dist and ctx.world > 1:
             out = S.pack(torch.stack([p[-1], c[-1]]) if ctx.kahan else p[-1:], ctx.codes).contiguous()
             inc = torch.empty_like(out)
@@ -195,19 +199,21 @@ def _halving(qbox, A, S, ctx: Ctx, numel: int):
     del q
     got = {k: 0 for k in mine}
 
+    sent = (lambda x: S.nan_to_inf(x)) if ctx.codes else (lambda x: x)  # noqa: E731  (as in _ring)
+
     def exchange(pairs):
         """pairs: {node: (partner, lo, hi)}: every node sends its values of chunks [lo, hi) to its partner
         and receives as many (the partner's [lo, hi) of its own entry) -> {node: received, through the wire}."""
         out = {}
         for k, (pk, a, b) in pairs.items():
             if ctx.use_dist:
-                send = S.pack(v[k][a * shard:b * shard], ctx.codes).contiguous()
+                send = S.pack(sent(v[k][a * shard:b * shard]), ctx.codes).contiguous()
                 recv = torch.empty_like(send)
                 _sendrecv(send, _grank(ctx, pk), recv, _grank(ctx, pk), ctx.group)
                 out[k] = S.unpack(recv, ctx.codes)
             else:
                 _, pa, pb = pairs[pk]
-                out[k] = S.wire(v[pk][pa * shard:pb * shard], ctx.codes)
+                out[k] = S.wire(sent(v[pk][pa * shard:pb * shard]), ctx.codes)
             got[k] += (b - a) * shard * bpc
         return out
 
@@ -217,7 +223,7 @@ def _halving(qbox, A, S, ctx: Ctx, numel: int):
             k = ctx.rank
             if k >= P or k < r:
                 pk = k - P if k >= P else k + P
-                w = S.pack(v[k], ctx.codes).contiguous()
+                w = S.pack(sent(v[k]), ctx.codes).contiguous()
                 if k >= P:
                     dist.send(_words(w), _grank(ctx, pk), group=ctx.group)
                 else:
@@ -227,7 +233,7 @@ def _halving(qbox, A, S, ctx: Ctx, numel: int):
                     got[k] += L * bpc
         else:
             for k in range(r):
-                v[k] = S.add(v[k], S.wire(v[k + P], ctx.codes))
+                v[k] = S.add(v[k], S.wire(sent(v[k + P]), ctx.codes))
                 got[k] += L * bpc
 
     active = [k for k in mine if k < P]

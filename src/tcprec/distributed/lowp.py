@@ -30,8 +30,11 @@ tests/gpu/test_allreduce_gpu.py):
   whole call as one CUDA graph).  Where it moves no more bytes (one process, or two processes with
   one node each) every rank all-gathers every node's codes and reduces the whole vector itself,
   in node order as the reduce-scatter does: one collective and one kernel fewer, the same bits.
-* everything else (CPU; ``ring`` / ``halving`` / ``acc_format`` on CUDA; modes the kernels cannot
-  do): the pure-torch engine (distributed/arith.py), on exact float32 tables where the format
+* CUDA tensors, ``algorithm="ring"`` / ``"halving"`` (``acc_format`` too): the same kernels' amax /
+  encode / finish around one ``ring_step`` launch per ring step (``_allreduce_ring_fused``) or one
+  ``halving_step`` launch per fold / halving level (``_allreduce_halving_fused``).
+* everything else (CPU; ``direct`` with ``acc_format`` on CUDA; modes the kernels cannot do): the
+  pure-torch engine (distributed/arith.py), on exact float32 tables where the format
   allows, else float64; ``backend="reference"`` forces float64, the ground truth.
 """
 
@@ -51,7 +54,7 @@ from ..formats import FloatFormat, as_format
 from ..kernels import reference as ref
 from ..kernels.triton import BACKENDS, choose_backend
 from ..ops.cast import code_dtype, decode
-from .algorithms import ALGORITHMS, Ctx, _words, all_gather_single as _all_gather_single, wire_shard
+from .algorithms import ALGORITHMS, Ctx, _sendrecv, _words, all_gather_single as _all_gather_single, wire_shard
 from .algorithms import run as run_algorithm
 from .arith import fast_reason, make_arith
 
@@ -149,8 +152,8 @@ def allreduce_lowp(grads: torch.Tensor, sizes: list[int], fmt, *, aps: bool = Tr
     (distributed/algorithms.py); every split of the N nodes over processes gives the same bits.
     ``acc_format``: round every partial sum to this wider format instead of ``fmt`` (partial sums
     then travel as its codes); it must hold every value of ``fmt``.
-    ``backend``: ``"auto"`` (CUDA: the fused Triton kernels for ``algorithm="direct"``, the torch
-    engine otherwise; CPU: the torch engine's float32 tables), ``"triton"`` (also under
+    ``backend``: ``"auto"`` (CUDA: the fused Triton kernels, except ``algorithm="direct"`` with
+    ``acc_format``: the torch engine; CPU: the torch engine's float32 tables), ``"triton"`` (also under
     TRITON_INTERPRET=1 on the CPU; raises where the kernels cannot run) or ``"reference"`` (the
     float64 ground truth).  All give the same bits.
     With a process group, the ranks first agree that every rank's input is valid and alike (one small
@@ -180,13 +183,18 @@ def allreduce_lowp(grads: torch.Tensor, sizes: list[int], fmt, *, aps: bool = Tr
                          f"got {grads.dtype}{'' if grads.is_contiguous() else ', not contiguous'}")
     if path == "triton":
         g32 = grads.float().contiguous()
-        run = lambda: _allreduce_fused(g32, sizes, fmt, aps, kahan, transport, rounding, group,  # noqa: E731
-                                       use_dist and world > 1, world, why)
+        if algorithm == "direct":
+            run = lambda: _allreduce_fused(g32, sizes, fmt, aps, kahan, transport, rounding, group,  # noqa: E731
+                                           use_dist and world > 1, world, why)
+        else:
+            fused = _allreduce_ring_fused if algorithm == "ring" else _allreduce_halving_fused
+            run = lambda: fused(g32, sizes, fmt, acc, aps, kahan, transport, rounding, group,  # noqa: E731
+                                use_dist and world > 1, world, why)
         if graph:
             from ..kernels.triton import allreduce as ka
 
             key = (g32.data_ptr(), g32.shape, g32.device, tuple(sizes), fmt, aps, kahan, transport, rounding, group,
-                   world, ka.BLOCK)
+                   world, ka.BLOCK, algorithm, acc)
             return _allreduce_graphed(key, run, why)
         return run()
     return _allreduce_torch(grads.float(), sizes, fmt, acc, aps, kahan, transport, rounding, group,
@@ -327,10 +335,12 @@ def _choose_path(grads: torch.Tensor, fmt, rounding: str, backend: str, algorith
     from ..kernels.triton import allreduce as ka
 
     reason = ka.can_implement(fmt, rounding)
-    if reason is None and algorithm != "direct":
-        reason = f"the fused kernels implement algorithm='direct' only, got algorithm={algorithm!r}"
     if reason is None and acc is not None:
-        reason = f"the fused kernels round partial sums to the wire format only, got acc_format={acc}"
+        if algorithm == "direct":
+            reason = f"the fused kernels of algorithm='direct' round partial sums to the wire format only, got " \
+                     f"acc_format={acc}"
+        elif ka.can_implement(acc, rounding) is not None:
+            reason = f"acc_format={acc}: {ka.can_implement(acc, rounding)}"
     if reason is None:
         return "triton", why
     if backend == "triton":
@@ -425,6 +435,176 @@ def _allreduce_fused(grads, sizes, fmt, aps, kahan, transport, rounding, group, 
         info.bytes_received = (world - 1) * n_local * shard * bpc
     else:
         info.bytes_received = (world - 1) * (n_local + 1) * shard * bpc
+    return out, info
+
+
+def _allreduce_ring_fused(grads, sizes, fmt, acc, aps, kahan, transport, rounding, group, use_dist, world, why):
+    """algorithm='ring' (distributed/algorithms.py's _ring, the same bits) in the kernels of
+    kernels/triton/allreduce.py: amax, encode (every node's values in n shards), then one ring_step
+    launch per step for all of this process's nodes (decode what came in, add the node's own shard
+    in S = acc_format or fmt, encode what goes out) around one send/recv, an all_gather of the
+    reduced shards, and finish (the mean): n + 2 launches and n + 1 collectives, no host sync."""
+    from ..kernels.triton import allreduce as ka
+
+    n_local, numel = grads.shape
+    n = world * n_local
+    dev = grads.device
+    T = len(sizes)
+    top = aps_top_exponent(fmt)
+    S = acc if acc is not None else fmt  # the format of every partial sum, and of what travels
+    K = 2 if kahan else 1  # rows a node sends per step: the partial (and the compensation)
+    if numel == 0:
+        return torch.zeros(0, device=dev), AllreduceInfo(shifts=torch.zeros(T, dtype=torch.int64, device=dev),
+                                                         backend=why)
+    shard = _wire_shape(numel, n)
+    lay = ka.layout(sizes, numel, n, shard, dev)  # encode's blocks walk the n shards
+    lut_a = _cached(("lut", fmt, dev), lambda: decode(torch.arange(fmt.n_codes), fmt).to(dev))
+    lut_s = _cached(("lut", S, dev), lambda: decode(torch.arange(S.n_codes), S).to(dev))
+
+    # ---- 1. per-tensor max |g| and the non-finite flag: one MAX all-reduce ---------------------------
+    state = ka.state_buffer(T, dev)
+    ka.amax(grads, lay, state)
+    if use_dist:
+        dist.all_reduce(state, op=dist.ReduceOp.MAX, group=group)
+
+    # ---- 2. scale and round once: every local node's values of every shard ----------------------------
+    codes = transport == "compressed"
+    q = torch.empty(n, n_local, shard, dtype=code_dtype(fmt) if codes else torch.float32, device=dev)
+    ka.encode(grads, lay, state, q, fmt, rounding, aps, top, n)  # (n, n_local, shard): shard-major
+
+    # ---- 3. the ring: n - 1 steps, each a send/recv between neighbours and one launch --------------------
+    sdt = code_dtype(S) if codes else torch.float32
+    bpc = torch.empty(0, dtype=sdt).element_size()
+    rank = dist.get_rank(group) if use_dist else 0
+    bufs = [torch.empty(n_local, K, shard, dtype=sdt, device=dev) for _ in range(2 if n > 2 else 1)]
+    last = torch.empty(n_local, 1, shard, dtype=sdt, device=dev)  # node k's whole shard k
+    recv = torch.empty(K, shard, dtype=sdt, device=dev) if use_dist else None
+    if use_dist:
+        nxt = dist.get_global_rank(group, (rank + 1) % world) if group is not None else (rank + 1) % world
+        prv = dist.get_global_rank(group, (rank - 1) % world) if group is not None else (rank - 1) % world
+    cur = last if n == 1 else bufs[0]
+    ka.ring_step(cur, cur, q, cur, lut_a, lut_s, fmt, S, rounding, kahan, aps, rank, 0, True, n == 1)
+    got = 0
+    for t in range(1, n):
+        prev = cur
+        if use_dist:
+            _sendrecv(prev[-1], nxt, recv, prv, group)
+            src = recv
+        else:
+            src = prev[-1]
+        got += K * shard * bpc
+        cur = last if t == n - 1 else bufs[t % 2]
+        ka.ring_step(src, prev, q, cur, lut_a, lut_s, fmt, S, rounding, kahan, aps, rank, t, False, t == n - 1)
+    del q, bufs, recv
+
+    # ---- 4. all-gather the reduced shards, then the mean ----------------------------------------------
+    mine = last.view(n_local * shard)
+    if use_dist:
+        everyone = torch.empty(world * n_local * shard, dtype=sdt, device=dev)  # node k's shard k, node order
+        _all_gather_single(_words(everyone), _words(mine), group=group)
+        ag = (world - 1) * n_local * shard * bpc
+    else:
+        everyone, ag = mine, (n - 1) * shard * bpc  # emulated: what one of n nodes would receive
+    out = torch.empty(numel, dtype=torch.float32, device=dev)
+    ka.finish(everyone, out, lut_s, lay, state, S, n, aps, top)
+    info = _fused_info(state, T, n, top, aps, f"{why}, ring order, {n - 1} fused steps")
+    info.bytes_received = got + ag
+    return out, info
+
+
+def _allreduce_halving_fused(grads, sizes, fmt, acc, aps, kahan, transport, rounding, group, use_dist, world,
+                             why):
+    """algorithm='halving' (distributed/algorithms.py's _halving, the same bits) in the fused kernels:
+    amax, encode (each node's whole vector), one halving_step launch per fold / halving level (every
+    emulated node at once, in place), recursive doubling as plain send/recv of codes (no kernel), and
+    finish.  Emulated: the doubling's result is each node's own chunk (one strided copy)."""
+    from ..kernels.triton import allreduce as ka
+
+    n_local, numel = grads.shape
+    n = world * n_local
+    if n == 1:  # no exchange: the ring's kernels give the same (q, NaN -> +Inf, the mean)
+        out, info = _allreduce_ring_fused(grads, sizes, fmt, acc, aps, kahan, transport, rounding, group, use_dist,
+                                          world, why)
+        info.backend = f"{why}, halving order (one node: no exchange)"
+        return out, info
+    dev = grads.device
+    T = len(sizes)
+    top = aps_top_exponent(fmt)
+    S = acc if acc is not None else fmt
+    if numel == 0:
+        return torch.zeros(0, device=dev), AllreduceInfo(shifts=torch.zeros(T, dtype=torch.int64, device=dev),
+                                                         backend=why)
+    P = 1 << (n.bit_length() - 1)
+    r = n - P
+    shard = _wire_shape(numel, P)
+    L = shard * P
+    lay = ka.layout(sizes, numel, 1, L, dev)
+    lut_a = _cached(("lut", fmt, dev), lambda: decode(torch.arange(fmt.n_codes), fmt).to(dev))
+    lut_s = _cached(("lut", S, dev), lambda: decode(torch.arange(S.n_codes), S).to(dev))
+
+    state = ka.state_buffer(T, dev)
+    ka.amax(grads, lay, state)
+    if use_dist:
+        dist.all_reduce(state, op=dist.ReduceOp.MAX, group=group)
+    codes = transport == "compressed"
+    q = torch.empty(1, n_local, L, dtype=code_dtype(fmt) if codes else torch.float32, device=dev)
+    ka.encode(grads, lay, state, q, fmt, rounding, aps, top, n)  # (1, n_local, L): each node's whole vector
+    sdt = code_dtype(S) if codes else torch.float32
+    if codes and S != fmt:  # the partial sums travel as acc_format's codes: re-encode once
+        v = torch.empty(n_local, 1, L, dtype=sdt, device=dev)
+        ka.ring_step(v, v, q, v, lut_a, lut_s, fmt, S, rounding, False, aps, 0, 0, True, False)
+        v = v.view(n_local, L)
+    else:
+        v = q.view(n_local, L)
+    bpc = torch.empty(0, dtype=sdt).element_size()
+
+    if not use_dist:  # ---- n emulated nodes: every level one launch over all of them, in place ----------
+        if r:
+            ka.halving_step(v, v, lut_s, S, rounding, aps, shard, 0, P, 0, r, True, False, False)
+        d = P // 2
+        while d >= 1:
+            ka.halving_step(v, v, lut_s, S, rounding, aps, shard, d, P, 0, P, False, d == 1, False)
+            d //= 2
+        everyone = torch.diagonal(v[:P].view(P, P, shard), 0, 0, 1).t().contiguous().view(-1)  # node k's chunk k
+        got = (L * bpc if r else 0) + 2 * (P - 1) * shard * bpc  # the most any one node receives
+    else:  # ---- one node per process -----------------------------------------------------------------------
+        k = dist.get_rank(group)
+        gr = (lambda i: dist.get_global_rank(group, i)) if group is not None else (lambda i: i)  # noqa: E731
+        row = v.view(L)
+        got = 0
+        if r and k >= P:
+            dist.send(_words(row), gr(k - P), group=group)
+        elif r and k < r:
+            recv = torch.empty(L, dtype=sdt, device=dev)
+            dist.recv(_words(recv), gr(k + P), group=group)
+            ka.halving_step(v, recv, lut_s, S, rounding, aps, shard, 0, P, k, 1, True, False, True)
+            got += L * bpc
+        if k < P:
+            recv = torch.empty(L // 2, dtype=sdt, device=dev)
+            d = P // 2
+            while d >= 1:
+                a, b = ((k ^ d) // d) * d * shard, ((k ^ d) // d) * d * shard + d * shard  # what the partner keeps
+                _sendrecv(row[a:b], gr(k ^ d), recv[:d * shard], gr(k ^ d), group)
+                ka.halving_step(v, recv, lut_s, S, rounding, aps, shard, d, P, k, 1, False, d == 1, True)
+                got += d * shard * bpc
+                d //= 2
+            d = 1
+            while d < P:  # recursive doubling: codes only
+                lo, plo = (k // d) * d * shard, ((k ^ d) // d) * d * shard
+                _sendrecv(row[lo:lo + d * shard], gr(k ^ d), row[plo:plo + d * shard], gr(k ^ d), group)
+                got += d * shard * bpc
+                d *= 2
+            if r and k < r:
+                dist.send(_words(row), gr(k + P), group=group)
+        else:
+            dist.recv(_words(row), gr(k - P), group=group)
+            got += L * bpc
+        everyone = row
+    out = torch.empty(numel, dtype=torch.float32, device=dev)
+    ka.finish(everyone, out, lut_s, lay, state, S, n, aps, top)
+    levels = (1 if r else 0) + P.bit_length() - 1
+    info = _fused_info(state, T, n, top, aps, f"{why}, halving order, {levels} fused levels")
+    info.bytes_received = got
     return out, info
 
 

@@ -7,7 +7,8 @@
 * ``steps``: sequential message rounds (ring: 2 (N - 1); halving: 2 log2 P, + 2 when N is not a
   power of two; direct: an all_to_all round and a ring all-gather, N rounds; the fp32 baseline is
   NCCL's ring all-reduce, 2 (N - 1));
-* ``calls``: collective launches (the maxima's all-reduce, then the exchange's collectives);
+* ``calls``: collective launches (the maxima's all-reduce, then the exchange's collectives: 3 for
+  direct, N + 1 for ring -- a send/recv per step and the all-gather --, 1 + steps for halving);
 * ``hbm_bytes``: the kernels' memory traffic per rank (read the fp32 gradients twice -- max and
   encode --, write and read the codes, write the fp32 mean: ~15 bytes an element, independent of N).
 
@@ -46,6 +47,19 @@ def _steps(algorithm: str, n: int) -> int:
     raise ValueError(f"algorithm must be one of ring, halving, direct, allgather, nccl_fp32, nccl_bf16; got {algorithm!r}")
 
 
+def _calls(algorithm: str, n: int) -> int:
+    """Collective calls of one all-reduce: the maxima's all-reduce, then the exchange's -- one
+    all_to_all and one all_gather (direct), one all_gather (allgather), a send/recv per step and the
+    closing all_gather (ring: n - 1 + 1), a send/recv per step (halving)."""
+    if algorithm == "allgather":
+        return 2
+    if algorithm == "direct":
+        return 3
+    if algorithm == "ring":
+        return 1 + (n - 1) + 1 if n > 1 else 1
+    return 1 + _steps(algorithm, n)
+
+
 def _bytes(algorithm: str, numel: int, n: int, bpc: int) -> int:
     if algorithm == "nccl_fp32":
         return int(2 * (n - 1) / n * 4 * numel)
@@ -78,7 +92,7 @@ def allreduce_model(numel: int = 11_700_000, worlds=tuple(range(2, 9)) + (16, 32
             if alg.startswith("nccl"):
                 calls, hbm = 1, 0.0  # NCCL reduces inside its kernels, fused with the transfer
             else:
-                calls = 2 if alg == "allgather" else 3
+                calls = _calls(alg, n)
                 hbm = hbm_bytes_per_elem * numel / hbm_bw
             t = calls * alpha_call + steps * alpha_step + nbytes / link_bw + hbm
             row = dict(world=n, algorithm=alg, bytes_per_rank=nbytes, steps=steps, ms=round(t * 1e3, 4))

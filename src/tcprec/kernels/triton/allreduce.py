@@ -68,7 +68,7 @@ from .round import MODES, add_round_to_odd
 from .round import neg as _neg
 
 __all__ = ["can_implement", "layout", "Layout", "state_buffer", "amax", "encode", "reduce", "finish",
-           "reduce_finish", "BLOCK"]
+           "reduce_finish", "ring_step", "halving_step", "BLOCK"]
 
 log = logging.getLogger("tcprec.kernels")
 
@@ -492,6 +492,150 @@ def _reduce_finish_kernel(
                 LOG2N, BLOCK)
 
 
+@triton.jit(do_not_specialize=["n", "rank", "t"])
+def _ring_step_kernel(
+    recv_ptr, prev_ptr, q_ptr, out_ptr, lut_a_ptr, lut_s_ptr, n_local, n, shard, rank, t,
+    # -- the format of the partial sums S (the wire format, or acc_format) --
+    MAN: tl.constexpr, BIAS: tl.constexpr, MIN_NORMAL_BITS: tl.constexpr, QE_LOW: tl.constexpr,
+    MAX_BITS: tl.constexpr, MIN_BITS: tl.constexpr, SPECIALS: tl.constexpr, OVERFLOW: tl.constexpr,
+    SIGNED: tl.constexpr, HAS_NZ: tl.constexpr, ZERO: tl.constexpr, SUBNORMALS: tl.constexpr,
+    CODE_MAX: tl.constexpr, CODE_MIN: tl.constexpr, CODE_INF: tl.constexpr, CODE_NAN: tl.constexpr,
+    SIGN_BIT: tl.constexpr, LOW_BASE: tl.constexpr,
+    # -- what to do --
+    MODE: tl.constexpr, KAHAN: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr, KO: tl.constexpr,
+    CODES: tl.constexpr, N_CODES_A: tl.constexpr, DEC_A: tl.constexpr, N_CODES: tl.constexpr,
+    DEC: tl.constexpr, HW: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Step t of the ring for this process's nodes k = rank * n_local + r (grid (cdiv(shard, BLOCK),
+    n_local)): node k adds its own value of shard (k - t - 1) mod n to the partial it receives from
+    node k - 1 (row 0: ``recv``, off the wire; row r > 0: row r - 1 of ``prev``, this launch's
+    predecessor), S = R(p + q) (Kahan: y = R(q - c); t = R(p + y); c = R(R(t - p) - y)), and writes
+    what it sends next: out (n_local, KO, shard) codes of S (or float32 values).  FIRST (t = 0): the
+    partial is the node's own value of shard k - 1 (compensation +0).  LAST: KO = 1 (the partial
+    only, to be all-gathered), NaN -> +Inf where S has no NaN (the engine's nan_to_inf)."""
+    pid = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1).to(tl.int64)
+    p = pid * BLOCK + tl.arange(0, BLOCK)
+    m = p < shard
+    k = rank * n_local + r
+    j = (k - t - 1 + 2 * n) % n  # the shard node k adds to (t = 0: the shard it starts)
+    # q: this node's rounded gradients of shard j, encode's (n, n_local, shard) layout, in the wire format
+    q = _load_values(q_ptr + (j * n_local + r) * shard + p, m, lut_a_ptr, CODES, N_CODES_A, DEC_A)
+    if FIRST:
+        s = q
+        c = tl.zeros([BLOCK], tl.float32)
+    else:
+        if r == 0:
+            src = recv_ptr + p
+        elif KAHAN:  # the previous step sent two rows per node
+            src = prev_ptr + (r - 1) * (2 * shard) + p
+        else:
+            src = prev_ptr + (r - 1) * shard + p
+        ps = _load_values(src, m, lut_s_ptr, CODES, N_CODES, DEC)
+        if KAHAN:
+            cs = _load_values(src + shard, m, lut_s_ptr, CODES, N_CODES, DEC)
+            yk = round_to_format(_add_rto(q, _neg(cs)), MAN, BIAS, MIN_NORMAL_BITS, QE_LOW, MAX_BITS, MIN_BITS,
+                                 OVERFLOW, SIGNED, HAS_NZ, ZERO, SUBNORMALS, LOW_BASE, MODE)
+            s = round_to_format(_add_rto(ps, yk), MAN, BIAS, MIN_NORMAL_BITS, QE_LOW, MAX_BITS, MIN_BITS, OVERFLOW,
+                                SIGNED, HAS_NZ, ZERO, SUBNORMALS, LOW_BASE, MODE)
+            ts = round_to_format(_add_rto(s, _neg(ps)), MAN, BIAS, MIN_NORMAL_BITS, QE_LOW, MAX_BITS, MIN_BITS,
+                                 OVERFLOW, SIGNED, HAS_NZ, ZERO, SUBNORMALS, LOW_BASE, MODE)
+            c = round_to_format(_add_rto(ts, _neg(yk)), MAN, BIAS, MIN_NORMAL_BITS, QE_LOW, MAX_BITS, MIN_BITS,
+                                OVERFLOW, SIGNED, HAS_NZ, ZERO, SUBNORMALS, LOW_BASE, MODE)
+        elif HW != 0:  # a round-to-odd sum, then the hardware's round to nearest (module doc)
+            s, _ = _round_hw(_add_rto(ps, q), HW)
+            c = s
+        else:
+            s = round_to_format(_add_rto(ps, q), MAN, BIAS, MIN_NORMAL_BITS, QE_LOW, MAX_BITS, MIN_BITS, OVERFLOW,
+                                SIGNED, HAS_NZ, ZERO, SUBNORMALS, LOW_BASE, MODE)
+            c = s
+    dst = out_ptr + r * (KO * shard) + p
+    if CODES:  # what the engine's pack sends: the nearest code (NaN of a format without NaN: +Inf's)
+        if CODE_NAN < 0:
+            s = tl.where(s != s, float("inf"), s)
+        _, code = _round_value_code(s, True, 0, MAN, BIAS, MIN_NORMAL_BITS, QE_LOW, MAX_BITS, MIN_BITS, SPECIALS,
+                                    OVERFLOW, SIGNED, HAS_NZ, ZERO, SUBNORMALS, CODE_MAX, CODE_MIN, CODE_INF,
+                                    CODE_NAN, SIGN_BIT, LOW_BASE)
+        tl.store(dst, code.to(out_ptr.dtype.element_ty), mask=m)
+        if KO == 2:
+            if CODE_NAN < 0:
+                c = tl.where(c != c, float("inf"), c)
+            _, ccode = _round_value_code(c, True, 0, MAN, BIAS, MIN_NORMAL_BITS, QE_LOW, MAX_BITS, MIN_BITS,
+                                         SPECIALS, OVERFLOW, SIGNED, HAS_NZ, ZERO, SUBNORMALS, CODE_MAX, CODE_MIN,
+                                         CODE_INF, CODE_NAN, SIGN_BIT, LOW_BASE)
+            tl.store(dst + shard, ccode.to(out_ptr.dtype.element_ty), mask=m)
+    else:  # float32 values travel as they are; the engine's nan_to_inf only before the all-gather
+        if LAST and (CODE_NAN < 0):
+            s = tl.where(s != s, float("inf"), s)
+        tl.store(dst, s, mask=m)
+        if KO == 2:
+            tl.store(dst + shard, c, mask=m)
+
+
+@triton.jit(do_not_specialize=["d", "P", "rank"])
+def _halving_step_kernel(
+    v_ptr, recv_ptr, lut_ptr, L, shard, d, P, rank,
+    # -- the format of the partial sums S (the wire format, or acc_format) --
+    MAN: tl.constexpr, BIAS: tl.constexpr, MIN_NORMAL_BITS: tl.constexpr, QE_LOW: tl.constexpr,
+    MAX_BITS: tl.constexpr, MIN_BITS: tl.constexpr, SPECIALS: tl.constexpr, OVERFLOW: tl.constexpr,
+    SIGNED: tl.constexpr, HAS_NZ: tl.constexpr, ZERO: tl.constexpr, SUBNORMALS: tl.constexpr,
+    CODE_MAX: tl.constexpr, CODE_MIN: tl.constexpr, CODE_INF: tl.constexpr, CODE_NAN: tl.constexpr,
+    SIGN_BIT: tl.constexpr, LOW_BASE: tl.constexpr,
+    # -- what to do --
+    MODE: tl.constexpr, FOLD: tl.constexpr, LAST: tl.constexpr, DIST: tl.constexpr, CODES: tl.constexpr,
+    N_CODES: tl.constexpr, DEC: tl.constexpr, HW: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One combine of recursive halving, in place on the nodes' vectors v (rows of L = P * shard,
+    codes of S or float32 values; grid (cdiv(width, BLOCK), rows)).  Level d: node k keeps chunks
+    [(k // d) d, (k // d) d + d) and sets them to R(lower + upper), the lower node's values first,
+    the other operand being node k ^ d's values there (emulated: its row of v; DIST: ``recv``, one
+    row, node ``rank``).  FOLD: node k < N - P adds node k + P's whole vector, its own first.  Rows
+    touch disjoint ranges of each other (k writes what k ^ d does not read), so one launch updates
+    every emulated node in place.  LAST (d = 1, values): NaN -> +Inf where S has no NaN."""
+    pid = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(1).to(tl.int64)
+    p = pid * BLOCK + tl.arange(0, BLOCK)
+    if DIST:
+        k = rank.to(tl.int64)
+    else:
+        k = row
+    if FOLD:
+        start = k * 0
+        width = L
+        other = k + P
+        own_low = True
+    else:
+        start = (k // d) * d * shard
+        width = d * shard
+        other = k ^ d
+        own_low = (k & d) == 0
+    m = p < width
+    own_ptrs = v_ptr + row * L + start + p
+    own = _load_values(own_ptrs, m, lut_ptr, CODES, N_CODES, DEC)
+    if DIST:
+        oth = _load_values(recv_ptr + p, m, lut_ptr, CODES, N_CODES, DEC)
+    else:
+        oth = _load_values(v_ptr + other * L + start + p, m, lut_ptr, CODES, N_CODES, DEC)
+    lo = tl.where(own_low, own, oth)
+    hi = tl.where(own_low, oth, own)
+    if HW != 0:  # a round-to-odd sum, then the hardware's round to nearest (module doc)
+        s, _ = _round_hw(_add_rto(lo, hi), HW)
+    else:
+        s = round_to_format(_add_rto(lo, hi), MAN, BIAS, MIN_NORMAL_BITS, QE_LOW, MAX_BITS, MIN_BITS, OVERFLOW,
+                            SIGNED, HAS_NZ, ZERO, SUBNORMALS, LOW_BASE, MODE)
+    if CODES:  # as the engine's pack: NaN of a format without NaN goes as +Inf's code
+        if CODE_NAN < 0:
+            s = tl.where(s != s, float("inf"), s)
+        _, code = _round_value_code(s, True, 0, MAN, BIAS, MIN_NORMAL_BITS, QE_LOW, MAX_BITS, MIN_BITS, SPECIALS,
+                                    OVERFLOW, SIGNED, HAS_NZ, ZERO, SUBNORMALS, CODE_MAX, CODE_MIN, CODE_INF,
+                                    CODE_NAN, SIGN_BIT, LOW_BASE)
+        tl.store(own_ptrs, code.to(v_ptr.dtype.element_ty), mask=m)
+    else:
+        if LAST and (CODE_NAN < 0):
+            s = tl.where(s != s, float("inf"), s)
+        tl.store(own_ptrs, s, mask=m)
+
+
 # ----------------------------------------------------------------------------------------------
 # Launching: compile once through Triton, then call the compiled kernel
 # ----------------------------------------------------------------------------------------------
@@ -554,7 +698,9 @@ class _Launcher:
 
 _L = {name: _Launcher(fn) for name, fn in (("amax", _amax_kernel), ("encode", _encode_kernel),
                                               ("reduce", _reduce_kernel), ("finish", _finish_kernel),
-                                              ("reduce_finish", _reduce_finish_kernel))}
+                                              ("reduce_finish", _reduce_finish_kernel),
+                                              ("ring_step", _ring_step_kernel),
+                                              ("halving_step", _halving_step_kernel))}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -707,3 +853,36 @@ def reduce_finish(wire: torch.Tensor, out: torch.Tensor, lut: torch.Tensor, lay:
                         (wire, out, lut, state, lay.blocks, lay.starts, numel, row, lay.T, 1.0 / n, n),
                         consts, (fmt, rounding, kahan, n, aps, top, codes, consts["HW"], lay.block,
                                  wire.device.index))
+
+
+def ring_step(recv: torch.Tensor, prev: torch.Tensor, q: torch.Tensor, out: torch.Tensor, lut_a: torch.Tensor,
+              lut_s: torch.Tensor, fmt, acc, rounding: str, kahan: bool, aps: bool, rank: int, t: int,
+              first: bool, last: bool) -> None:
+    """One ring step for this process's nodes (``_ring_step_kernel``): q (n, n_local, shard) the
+    nodes' own values in ``fmt`` (encode's layout, codes or f32), recv (K, shard) what node
+    rank * n_local - 1 sent, prev (n_local, K, shard) what the previous step wrote, out (n_local, KO,
+    shard) what this step sends (K = 2 with Kahan: partial and compensation; KO = 1 when ``last``).
+    Partial sums are rounded to ``acc`` (the format of recv / prev / out's codes)."""
+    n, n_local, shard = q.shape
+    ko = out.shape[1]
+    codes = not q.dtype.is_floating_point
+    consts = dict(**_fmt_consts(acc), MODE=Rounding(rounding).code, KAHAN=kahan, FIRST=first, LAST=last, KO=ko,
+                  CODES=codes, N_CODES_A=fmt.n_codes, DEC_A=_BITCAST_FORMATS.get(fmt, 0), N_CODES=acc.n_codes,
+                  DEC=_BITCAST_FORMATS.get(acc, 0), HW=_hw_round(acc, rounding, aps, kahan, q), BLOCK=BLOCK)
+    _L["ring_step"]((cdiv(shard, BLOCK), n_local), (recv, prev, q, out, lut_a, lut_s, n_local, n, shard, rank, t),
+                    consts, (fmt, acc, rounding, kahan, first, last, ko, codes, consts["HW"], BLOCK,
+                             q.device.index))
+
+
+def halving_step(v: torch.Tensor, recv: torch.Tensor, lut_s: torch.Tensor, acc, rounding: str, aps: bool,
+                 shard: int, d: int, P: int, rank: int, rows: int, fold: bool, last: bool, dist: bool) -> None:
+    """One combine of recursive halving (``_halving_step_kernel``) over ``rows`` rows of v (rows, L)
+    in place: codes of ``acc`` or f32 values; ``recv`` the partner's values (``dist``) or unused."""
+    L = v.shape[-1]
+    width = L if fold else d * shard
+    codes = not v.dtype.is_floating_point
+    consts = dict(**_fmt_consts(acc), MODE=Rounding(rounding).code, FOLD=fold, LAST=last, DIST=dist, CODES=codes,
+                  N_CODES=acc.n_codes, DEC=_BITCAST_FORMATS.get(acc, 0), HW=_hw_round(acc, rounding, aps, False, v),
+                  BLOCK=BLOCK)
+    _L["halving_step"]((cdiv(width, BLOCK), rows), (v, recv, lut_s, L, shard, d, P, rank), consts,
+                       (acc, rounding, fold, last, dist, codes, consts["HW"], BLOCK, v.device.index))
