@@ -364,6 +364,22 @@ def _cached(key, make):
         v = _CACHE[key] = make()
     return v
 
+def _lut(fmt, dev) -> torch.Tensor:
+    """The (2**bits,) float32 decode table of ``fmt`` on ``dev``, made once."""
+    return _cached(("lut", fmt, dev), lambda: decode(torch.arange(fmt.n_codes), fmt).to(dev))
+
+
+def _agreed_state(grads, lay, T: int, dev, use_dist: bool, group) -> torch.Tensor:
+    """The fused paths' step 1: per-tensor max |g| and the non-finite flag ((T + 2,) int32 state), agreed across
+    ranks by one MAX all-reduce."""
+    from ..kernels.triton import allreduce as ka
+
+    state = ka.state_buffer(T, dev)  # (T + 2,) int32: max |g| bits, non-finite input, overflow (0 here)
+    ka.amax(grads, lay, state)
+    if use_dist:
+        dist.all_reduce(state, op=dist.ReduceOp.MAX, group=group)
+    return state
+
 
 def _wire_shape(numel: int, world: int) -> int:
     # shard: a multiple of 16, so codes travel as int32 words (_words) and every row starts 16-byte aligned
@@ -393,13 +409,10 @@ def _allreduce_fused(grads, sizes, fmt, aps, kahan, transport, rounding, group, 
     gathers = _gathers(world, n_local)
     shard = _wire_shape(numel, 1 if gathers else world)
     lay = ka.layout(sizes, numel, 1 if gathers else world, shard, dev)  # cached: tensor starts, block tables
-    lut = _cached(("lut", fmt, dev), lambda: decode(torch.arange(fmt.n_codes), fmt).to(dev))  # (2**bits,) f32
+    lut = _lut(fmt, dev)
 
     # ---- 1. per-tensor max |g| and the non-finite flag: one MAX all-reduce ---------------------------
-    state = ka.state_buffer(T, dev)  # (T + 2,) int32: max |g| bits, non-finite input, overflow (0 here)
-    ka.amax(grads, lay, state)
-    if use_dist:
-        dist.all_reduce(state, op=dist.ReduceOp.MAX, group=group)
+    state = _agreed_state(grads, lay, T, dev, use_dist, group)
 
     # ---- 2. scale, round once, lay out for the exchange (compressed: codes; emulate: float32) -------
     wdt = torch.float32 if transport == "emulate" else code_dtype(fmt)  # uint8 up to 8 bits, int16 up to 16
@@ -458,14 +471,10 @@ def _allreduce_ring_fused(grads, sizes, fmt, acc, aps, kahan, transport, roundin
                                                          backend=why)
     shard = _wire_shape(numel, n)
     lay = ka.layout(sizes, numel, n, shard, dev)  # encode's blocks walk the n shards
-    lut_a = _cached(("lut", fmt, dev), lambda: decode(torch.arange(fmt.n_codes), fmt).to(dev))
-    lut_s = _cached(("lut", S, dev), lambda: decode(torch.arange(S.n_codes), S).to(dev))
+    lut_a, lut_s = _lut(fmt, dev), _lut(S, dev)
 
     # ---- 1. per-tensor max |g| and the non-finite flag: one MAX all-reduce ---------------------------
-    state = ka.state_buffer(T, dev)
-    ka.amax(grads, lay, state)
-    if use_dist:
-        dist.all_reduce(state, op=dist.ReduceOp.MAX, group=group)
+    state = _agreed_state(grads, lay, T, dev, use_dist, group)
 
     # ---- 2. scale and round once: every local node's values of every shard ----------------------------
     codes = transport == "compressed"
@@ -539,13 +548,8 @@ def _allreduce_halving_fused(grads, sizes, fmt, acc, aps, kahan, transport, roun
     shard = _wire_shape(numel, P)
     L = shard * P
     lay = ka.layout(sizes, numel, 1, L, dev)
-    lut_a = _cached(("lut", fmt, dev), lambda: decode(torch.arange(fmt.n_codes), fmt).to(dev))
-    lut_s = _cached(("lut", S, dev), lambda: decode(torch.arange(S.n_codes), S).to(dev))
-
-    state = ka.state_buffer(T, dev)
-    ka.amax(grads, lay, state)
-    if use_dist:
-        dist.all_reduce(state, op=dist.ReduceOp.MAX, group=group)
+    lut_a, lut_s = _lut(fmt, dev), _lut(S, dev)
+    state = _agreed_state(grads, lay, T, dev, use_dist, group)
     codes = transport == "compressed"
     q = torch.empty(1, n_local, L, dtype=code_dtype(fmt) if codes else torch.float32, device=dev)
     ka.encode(grads, lay, state, q, fmt, rounding, aps, top, n)  # (1, n_local, L): each node's whole vector
