@@ -178,3 +178,21 @@ def test_chunked_weight_quantize_and_pack_give_the_same_bits(fmt, monkeypatch):
                     else torch.equal(x, y), name
         assert (a.w_off, a.w_step) == (b.w_off, b.w_step)
         assert (a.conv_planes is a.planes) == (b.conv_planes is b.planes)
+
+
+class AnnotatedBlock(Block):
+    """The same network with string annotations (what ``from __future__ import annotations`` gives every forward)."""
+
+    def forward(self, x: "torch.Tensor") -> "torch.Tensor":
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("p", ["int8", "w1a2"])
+def test_a_model_with_string_annotations_saves_and_loads(p, tmp_path):
+    torch.manual_seed(0)
+    m = AnnotatedBlock().eval()
+    q, x = tp.quantize_model(m, tp.QuantConfig(precision=p, first_last=None), calibration=_x()), _x()
+    assert len(_qlayers(q)) == 4
+    torch.save(q, tmp_path / "q.pt")
+    q2 = torch.load(tmp_path / "q.pt", weights_only=False)
+    assert torch.equal(q2(x), q(x))

@@ -200,6 +200,17 @@ class _Tracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return hasattr(m, "tcprec_pool") or getattr(m, "tcprec_fx_leaf", False) or super().is_leaf_module(m, qualname)
 
+    def trace(self, root, concrete_args=None) -> fx.Graph:
+        """The graph, without the annotations that are strings (``from __future__ import annotations`` or
+        ``x: "torch.Tensor"`` in the model's ``forward``): fx keeps them as globals of the generated code, and
+        pickling that code (``torch.save`` of the converted model) fails on a ``str`` global.  Annotations are
+        cosmetic in the generated code; the graph's meaning is unchanged."""
+        graph = super().trace(root, concrete_args)
+        for node in graph.nodes:
+            if isinstance(node.type, str):
+                node.type = None
+        return graph
+
 
 def _batches(calibration) -> list:
     """The calibration batches: tensors, or dicts of keyword arguments (``{"src": x, "src_key_padding_mask": m}``:
