@@ -123,7 +123,7 @@ def _opcheck_cases():
                     qw.scale.reshape(8), torch.randn(8), True, torch.float32, "uint2", torch.tensor([0.5]),
                     "reference", "")),
         # opcheck's schema check cannot multiply CPU float8 tensors: fp8 precision from float operands here, an
-        # Fp8Tensor's (data, scale) in the compile test
+        # fp8 QTensor's (data, scale) in the compile test
         ("conv2d_dgrad", (dy, None, torch.randn(4, 3, 3, 2), None, [1, 5, 5, 2], [1, 1], [1, 1], [1, 1],
                           "fp8", "leaky_relu", 0.1, xc, torch.float32, "reference", -1, False, "")),
         ("conv2d_wgrad", (dy, None, xc, None, [4, 3, 3, 2], [1, 1], [1, 1], [1, 1], "fp16", -1, torch.float16,

@@ -14,6 +14,7 @@ from _aot import require_nvidia_backend, run_aot
 from tcprec.kernels import reference_conv_bwd as rc
 from tcprec.kernels.conv_geometry import ConvGeometry
 from tcprec.ops import conv as opc
+from tcprec.qtensor import Float8, PerTensor, QTensor
 
 pytest.importorskip("triton", reason="triton is a Linux dependency of tcprec")
 kt = pytest.importorskip("tcprec.kernels.triton.conv_bwd")
@@ -394,10 +395,14 @@ def test_phase_taps_match_brute_force(R, stride, pad, dil):
 # ------------------------------------------------------------------------------------------------
 
 
-def test_to_fp8_scale_layout_and_fp8tensor_operands():
+def test_to_fp8_scale_layout_and_float8_qtensor_operands():
     t = torch.randn(2, 5, 5, 8, dtype=torch.float64)
     q = opc.to_fp8(t, "e4m3", memory_order=(3, 0, 1, 2))
     assert q.shape == t.shape and q.data.stride() == (25, 5, 1, 50) and q.data.dtype == torch.float8_e4m3fn
+    # a QTensor in the Float8() layout: one float32 scale stored (1, 1, 1, 1), dequantize() in float32
+    assert isinstance(q, QTensor) and q.layout == Float8() and q.granularity == PerTensor()
+    assert q.scale.shape == (1, 1, 1, 1) and q.dtype == torch.float32 and q.dequantize().dtype == torch.float32
+    assert torch.equal(q.dequantize(), q.data.float() * q.scale)
     assert float(q.data.float().abs().max()) == 448.0
     assert torch.allclose(q.dequantize().double(), t, rtol=2**-4, atol=float(q.scale) * 2**-10)
     g = _geom((2, 5, 5, 8, 16, 3, 3, 1, 1, 1))
@@ -412,9 +417,10 @@ def test_to_fp8_scale_layout_and_fp8tensor_operands():
     _check_wgrad(g, "fp8", dy, x, opc.conv2d_wgrad(dyk, xq, g.weight_shape, 1, 1, precision="fp8",
                                                   backend="triton"))
     with pytest.raises(TypeError, match="float8"):
-        opc.Fp8Tensor(torch.zeros(2), torch.ones(()))
+        QTensor(torch.zeros(2), torch.ones(1), "e4m3", PerTensor(), (2,), torch.float32, Float8())
     with pytest.raises(TypeError, match="float32"):
-        opc.Fp8Tensor(torch.zeros(2).to(torch.float8_e5m2), torch.ones((), dtype=torch.float64))
+        QTensor(torch.zeros(2).to(torch.float8_e5m2), torch.ones(1, dtype=torch.float64), "e5m2", PerTensor(), (2,),
+                torch.float32, Float8())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -537,7 +543,7 @@ def test_bad_inputs():
         opc.conv2d_dgrad(dy[0], w, shape, backend="reference", **ok)
     with pytest.raises(TypeError, match="floating"):
         opc.conv2d_dgrad(dy.long(), w, shape, backend="reference", **ok)
-    with pytest.raises(TypeError, match="Fp8Tensor"):
+    with pytest.raises(TypeError, match=r"needs its scale, a Float8\(\) QTensor"):
         opc.conv2d_dgrad(dy.to(torch.float8_e5m2), w, shape, precision="fp8", backend="reference", **ok)
     with pytest.raises(TypeError, match="precision='fp8'"):
         opc.conv2d_dgrad(opc.to_fp8(dy, "e5m2"), w, shape, precision="fp16", backend="reference", **ok)

@@ -184,21 +184,24 @@ def test_docstring_examples(module):
 
 
 def test_conv_backward_reads_float8_qtensors():
-    """conv2d_dgrad / conv2d_wgrad take e4m3 / e5m2 QTensors in the Float8() layout as the Fp8Tensor of the same data
-    and scale (the same result); Fp8Tensor.to_qtensor() is that QTensor; another layout is refused with the fix."""
+    """conv2d_dgrad / conv2d_wgrad take e4m3 / e5m2 QTensors in the Float8() layout with one scale: to_fp8 makes them,
+    tcprec.quantize(..., layout=Float8()) stores the same data and scale (the same result; its dtype, the original
+    float's, does not change the conv); another layout is refused with the fix."""
     gen = torch.Generator().manual_seed(6)
     dy_hp, w_hp, x_hp = (torch.randn(2, 4, 4, 8, generator=gen), torch.randn(8, 3, 3, 5, generator=gen),
                          torch.randn(2, 4, 4, 5, generator=gen))
     dy8, w8, x8 = tp.to_fp8(dy_hp, "e5m2"), tp.to_fp8(w_hp, "e4m3"), tp.to_fp8(x_hp, "e4m3")
+    assert all(isinstance(q, QTensor) and q.layout == Float8() and q.granularity == tp.PerTensor()
+               for q in (dy8, w8, x8))
+    assert str(dy8.fmt) == "float8_e5m2" and str(w8.fmt) == "float8_e4m3fn"
+    assert torch.equal(dy8.dequantize(), dy8.data.float() * dy8.scale)
     kw = dict(padding=1, precision="fp8", backend="reference")
     want_dx = tp.conv2d_dgrad(dy8, w8, (2, 4, 4, 5), **kw)
     want_dw = tp.conv2d_wgrad(dy8, x8, (8, 3, 3, 5), **kw)
-    qdy, qw, qx = dy8.to_qtensor(), w8.to_qtensor(), x8.to_qtensor()
-    assert qdy.layout == Float8() and torch.equal(qdy.dequantize(), dy8.dequantize())
-    assert torch.equal(tp.conv2d_dgrad(qdy, qw, (2, 4, 4, 5), **kw), want_dx)
-    assert torch.equal(tp.conv2d_wgrad(qdy, qx, (8, 3, 3, 5), **kw), want_dw)
     q = tp.quantize(w_hp, "e4m3", layout=Float8())  # absmax per tensor: the same data and scale as to_fp8
-    assert torch.equal(q.data.view(torch.uint8), w8.data.view(torch.uint8)) and torch.equal(q.scale.reshape(()),
-                                                                                             w8.scale)
+    assert torch.equal(q.data.view(torch.uint8), w8.data.view(torch.uint8)) and torch.equal(q.scale, w8.scale)
+    assert torch.equal(tp.conv2d_dgrad(dy8, q, (2, 4, 4, 5), **kw), want_dx)
+    qdy = QTensor(dy8.data, dy8.scale, "e5m2", tp.PerTensor(), dy8.shape, torch.bfloat16, Float8())  # built by hand
+    assert torch.equal(tp.conv2d_wgrad(qdy, x8, (8, 3, 3, 5), **kw), want_dw)
     with pytest.raises(TypeError, match=r"takes fp8 QTensors in the Float8\(\) layout with one scale"):
-        tp.conv2d_dgrad(qdy.to_layout(Dense()), qw, (2, 4, 4, 5), **kw)
+        tp.conv2d_dgrad(dy8.to_layout(Dense()), w8, (2, 4, 4, 5), **kw)

@@ -39,7 +39,7 @@ def _wgrad(dy, x, g, **kw):
 @pytest.mark.parametrize("spec", FP8_1X1, ids=_id)
 def test_fp8_kmajor_1x1_vs_fp64(spec):
     """fp8 e5m2 dy x e4m3 x, scales in the epilogue (split 1) or the split sum; float operands and
-    prepare_fp8_wgrad's Fp8Tensors give the same bits."""
+    prepare_fp8_wgrad's Float8() QTensors give the same bits."""
     g = _geom(spec)
     dy, _, x = _data(g, seed=1)
     for split in (1, 3):
@@ -67,7 +67,7 @@ BATCH = [(16, 6, 7, 16, 32, 3, 3, 1, 1, 1),  # 3x3 "same": the ResNet-50 shape (
 @pytest.mark.parametrize("spec", BATCH, ids=_id)
 def test_fp8_batch_inner_vs_fp64(spec):
     """Batch-inner fp8 (dy stored (K, P, Q, N), x (C, H, W, N)) for any filter, stride, padding and dilation:
-    prepare_fp8_wgrad makes that layout; float operands and Fp8Tensors in another memory order (copied into it)
+    prepare_fp8_wgrad makes that layout; float operands and Float8() QTensors in another memory order (copied into it)
     give the same bits."""
     g = _geom(spec)
     dy, _, x = _data(g, seed=4)

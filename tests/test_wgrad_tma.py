@@ -64,7 +64,7 @@ def test_bf16_and_fp8_vs_fp64(spec, precision):
     dy, _, x = _data(g, seed=1)
     for split in (1, 2):
         _check_wgrad(g, precision, dy, x, _wgrad(dy, x, g, precision=precision, split_k=split))
-    if precision == "fp8":  # Fp8Tensor operands (dy K-major, as prepare_fp8_wgrad makes it) give the same bits
+    if precision == "fp8":  # Float8() QTensor operands (dy K-major, as prepare_fp8_wgrad makes it) give the same bits
         dyq, xq = opc.prepare_fp8_wgrad(dy, x, g.weight_shape, g.stride, g.padding, g.dilation, backend="tma")
         assert torch.equal(_wgrad(dyq, xq, g, precision="fp8", split_k=2), _wgrad(dy, x, g, precision="fp8",
                                                                                   split_k=2))

@@ -14,7 +14,7 @@ from .enums import Backend, Rounding
 from .env import device_report
 from .formats import BlockFormat, FloatFormat, IntFormat, ROUNDING_MODES, as_format, format, preset_names, presets
 from .ops.cast import cast, decode, encode
-from .ops.conv import Fp8Tensor, conv2d_dgrad, conv2d_wgrad, explain_conv2d_dgrad, explain_conv2d_wgrad, to_fp8
+from .ops.conv import conv2d_dgrad, conv2d_wgrad, explain_conv2d_dgrad, explain_conv2d_wgrad, to_fp8
 from .ops.matmul import explain_matmul, matmul, matmul_packed
 from .ops.quantize import quantize
 from .nn.convert import QuantConfig, quantize_model
@@ -62,7 +62,6 @@ __all__ = [
     "conv2d_wgrad",
     "explain_conv2d_dgrad",
     "explain_conv2d_wgrad",
-    "Fp8Tensor",
     "to_fp8",
     # bit planes (the bit-serial GEMM's operand layout)
     "pack_bitplanes",

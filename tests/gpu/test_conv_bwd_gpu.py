@@ -187,7 +187,7 @@ def test_tma_dgrad_on_gpu(precision):
     out = torch.empty(g.input_shape, dtype=torch.float32, device=DEV)
     if precision == "fp8":
         k = gs.dgrad_1x1_strided(dyq.data.reshape(M, g.K), wq.data.reshape(g.K, g.C).t().contiguous(), out, g,
-                                 b_kmajor=True, scales=(dyq.scale, wq.scale), config=gs.CONFIGS[1])
+                                 b_kmajor=True, scales=opc._scales(dyq, wq), config=gs.CONFIGS[1])
     else:
         k = gs.dgrad_1x1_strided(dyq.reshape(M, g.K), wq.reshape(g.K, g.C), out, g, b_kmajor=False,
                                  config=gs.CONFIGS[1])
@@ -274,8 +274,8 @@ def test_compiled_kernels_use_tensor_cores(precision):
     if dt is None:
         dyq, wq = opc.prepare_fp8_dgrad(dy, w)
         dyk, xq = opc.prepare_fp8_wgrad(dy, x, g.weight_shape, 1, 1, backend="triton")
-        dyq, wq, scales_d = dyq.data, wq.data, (dyq.scale, wq.scale)
-        dyk, xq, scales_w = dyk.data, xq.data, (dyk.scale, xq.scale)
+        dyq, wq, scales_d = dyq.data, wq.data, opc._scales(dyq, wq)  # 0-d scales
+        dyk, xq, scales_w = dyk.data, xq.data, opc._scales(dyk, xq)
     else:
         dyq, wq, dyk, xq, scales_d, scales_w = dy.to(dt), w.to(dt), dy.to(dt), x.to(dt), None, None
     out = torch.empty(g.input_shape, dtype=torch.bfloat16 if dt is None else dt, device=DEV)

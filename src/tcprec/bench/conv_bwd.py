@@ -41,6 +41,7 @@ from rich.table import Table
 from ..kernels.conv_geometry import ConvGeometry
 from ..ops import conv as opc
 from ..progress import track
+from ..qtensor import QTensor
 from .common import (
     copies_needed,
     environment,
@@ -326,7 +327,7 @@ def _alt_tma(op, g: ConvGeometry, precision, alt_tma, call, ops_items, ref, warm
     """wgrad rows on sm_90 that the TMA kernel supports: its NRMSE against fp32 (it has never been checked on a
     GPU before this benchmark, so a wrong result is reported, not timed) and its time."""
     dy = ops_items[0]["wgrad"][0]
-    dy = dy.data if isinstance(dy, opc.Fp8Tensor) else dy
+    dy = dy.data if isinstance(dy, QTensor) else dy
     if op != "wgrad" or precision not in alt_tma or not opc._is_sm90(dy) or not opc._tma_ok(op, g, precision)[0]:
         return _AltTma()
     out = _AltTma()

@@ -74,7 +74,7 @@ class _Conv2dFn(torch.autograd.Function):
         y = y.to(x.dtype)
         if bias is not None:
             y = y + bias.to(y.dtype).view(1, -1, 1, 1)
-        ctx.saved = (saved_x, saved_w)  # low-precision copies (Fp8Tensor for fp8): not autograd inputs
+        ctx.saved = (saved_x, saved_w)  # low-precision copies (Float8() QTensors for fp8): not autograd inputs
         ctx.save_for_backward(x if activation is not None else None)  # the activation's input: its mask
         ctx.conf = (stride, padding, dilation, precision, activation, backend)
         ctx.x_meta = (x.shape, x.dtype)

@@ -2,7 +2,6 @@
 
 from .cast import cast, choose_cast_backend, code_dtype, decode, encode
 from .conv import (
-    Fp8Tensor,
     conv2d_dgrad,
     conv2d_wgrad,
     explain_conv2d_dgrad,
@@ -15,5 +14,5 @@ from .matmul import explain_matmul, matmul, matmul_packed
 from .quantize import quantize
 
 __all__ = ["cast", "encode", "decode", "quantize", "matmul", "matmul_packed", "explain_matmul",
-           "conv2d_dgrad", "conv2d_wgrad", "explain_conv2d_dgrad", "explain_conv2d_wgrad", "Fp8Tensor", "to_fp8",
+           "conv2d_dgrad", "conv2d_wgrad", "explain_conv2d_dgrad", "explain_conv2d_wgrad", "to_fp8",
            "prepare_fp8_dgrad", "prepare_fp8_wgrad", "choose_cast_backend", "code_dtype"]

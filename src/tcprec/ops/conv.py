@@ -14,10 +14,10 @@ Precisions
 
 * ``"fp16"`` / ``"bf16"``: operands in that type (converted if they are not), fp32 accumulation.
 * ``"fp8"``: e4m3 activations and weights, e5m2 gradients, one float32 scale per tensor
-  (value = code * scale).  Pass :class:`Fp8Tensor` operands (see :func:`to_fp8`,
-  :func:`prepare_fp8_dgrad`, :func:`prepare_fp8_wgrad`) or e4m3 / e5m2 ``QTensor`` in the ``Float8()`` layout
-  with one scale (``tcprec.quantize(t, "e4m3", layout=tcprec.Float8())``, the same data), or float tensors that are quantised here
-  with amax scaling.  fp32 accumulation (promoted every 64-128 products on Hopper, see
+  (value = code * scale).  Pass e4m3 / e5m2 ``QTensor`` operands in the ``Float8()`` layout with one scale
+  (:func:`to_fp8`, :func:`prepare_fp8_dgrad`, :func:`prepare_fp8_wgrad` make them in the memory orders the kernels
+  read; ``tcprec.quantize(t, "e4m3", layout=tcprec.Float8())`` stores the same data), or float tensors that are
+  quantised here with amax scaling.  fp32 accumulation (promoted every 64-128 products on Hopper, see
   ``kernels/triton/conv_bwd.py``; ``fast_accum=True`` skips the promotion).
 
 Backends (``backend=``)
@@ -57,20 +57,20 @@ Not supported, with an error that says so: grouped convolutions (use ``torch.nn.
 ``groups=``), padding modes other than zeros (pad the input first), dilation < 1, stride < 1.
 Dilation > 1 is supported (the stride-phase arithmetic handles it).
 
-``conv2d_dgrad`` / ``conv2d_wgrad`` run as the custom ops ``tcprec::conv2d_dgrad`` / ``::conv2d_wgrad`` (an
-Fp8Tensor passed as its data and scale), so torch.compile and torch.export see one opaque call each.
+``conv2d_dgrad`` / ``conv2d_wgrad`` run as the custom ops ``tcprec::conv2d_dgrad`` / ``::conv2d_wgrad`` (an fp8
+QTensor passed as its data and 0-d scale), so torch.compile and torch.export see one opaque call each.
 """
 
 from __future__ import annotations
 
 import ast
 import functools
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from ..enums import Backend, backend_names
+from ..formats import as_format
 from ..kernels import reference_conv_bwd as rc
 from ..kernels.conv_geometry import ConvGeometry, pair
 from ..kernels.tile_tables import KERNELS_DIR, load_table, nonneg_int, pos_int, record
@@ -83,7 +83,6 @@ __all__ = [
     "conv2d_wgrad",
     "explain_conv2d_dgrad",
     "explain_conv2d_wgrad",
-    "Fp8Tensor",
     "to_fp8",
     "prepare_fp8_dgrad",
     "prepare_fp8_wgrad",
@@ -104,86 +103,54 @@ _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # ------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Fp8Tensor:
-    """An fp8 tensor with one float32 scale: ``value = data.float() * scale``.
-
-    ``data`` is ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` with the logical shape of the
-    tensor it stands for (NHWC / KRSC) and any memory order -- the kernels read it through its
-    strides, so a K-major copy is just a permuted view (:func:`to_fp8` ``memory_order=``).
-    ``scale`` is a float32 scalar tensor on the same device (no host sync to use it).
-    """
-
-    data: torch.Tensor
-    scale: torch.Tensor
-
-    def __post_init__(self):
-        if not isinstance(self.data, torch.Tensor) or self.data.dtype not in FP8_DTYPES.values():
-            got = self.data.dtype if isinstance(self.data, torch.Tensor) else type(self.data).__name__
-            raise TypeError(f"Fp8Tensor.data must be torch.float8_e4m3fn or torch.float8_e5m2, got {got}")
-        s = self.scale
-        if not isinstance(s, torch.Tensor) or s.numel() != 1 or s.dtype != torch.float32:
-            raise TypeError("Fp8Tensor.scale must be a one-element float32 tensor (value = data * scale)")
-        if s.device != self.data.device:
-            raise ValueError(f"Fp8Tensor.scale is on {s.device} but data is on {self.data.device}")
-        if s.dim() != 0:
-            object.__setattr__(self, "scale", s.reshape(()))
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.data.shape
-
-    @property
-    def device(self) -> torch.device:
-        return self.data.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.data.dtype
-
-    @property
-    def fmt(self) -> str:
-        return "e4m3" if self.data.dtype == torch.float8_e4m3fn else "e5m2"
-
-    def dim(self) -> int:
-        return self.data.dim()
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return self.data.to(dtype) * self.scale.to(dtype)
-
-    def to_qtensor(self) -> QTensor:
-        """The same data and scale as a ``QTensor`` in the ``Float8()`` layout (PerTensor scale, float32 values).
-
-        >>> to_fp8(torch.tensor([1.0, -3.0])).to_qtensor().layout
-        Float8()
-        """
-        scale = self.scale.reshape((1,) * self.data.dim())
-        return QTensor(self.data, scale, self.fmt, PerTensor(), tuple(self.data.shape), torch.float32, Float8())
+_FP8_FORMATS = {dt: as_format(name) for name, dt in FP8_DTYPES.items()}  # torch float8 dtype -> its format
 
 
-def _from_qtensor(t, name: str):
-    """A ``QTensor`` operand of the conv backward as the :class:`Fp8Tensor` the kernels read (the same data, the
-    scale as a 0-d view): it must be e4m3 / e5m2 in the ``Float8()`` layout with one scale.  Anything else as is."""
-    if not isinstance(t, QTensor):
-        return t
+def _fp8_qtensor(data: torch.Tensor, scale: torch.Tensor) -> QTensor:
+    """The Float8() PerTensor QTensor of fp8 ``data`` and its one-element float32 ``scale`` (stored (1,) * ndim, a
+    view of the same storage; ``dtype`` float32, what its ``dequantize()`` returns)."""
+    fmt = _FP8_FORMATS.get(data.dtype) if isinstance(data, torch.Tensor) else None
+    if fmt is None:
+        raise TypeError(f"fp8 operand data must be torch.float8_e4m3fn or torch.float8_e5m2, got "
+                        f"{data.dtype if isinstance(data, torch.Tensor) else type(data).__name__}")
+    return QTensor(data, scale.reshape((1,) * data.dim()), fmt, PerTensor(), tuple(data.shape), torch.float32,
+                   Float8())
+
+
+def _check_fp8_operand(t, name: str) -> None:
+    """An fp8 operand of the conv backward is an e4m3 / e5m2 QTensor in the ``Float8()`` layout with one scale."""
     if float8_dtype(t.fmt) is None or not isinstance(t.layout, Float8) or not isinstance(t.granularity, PerTensor):
         raise TypeError(f"{name} is a {t.fmt} QTensor in the {t.layout!r} layout with {t.granularity}: the conv "
                         "backward takes fp8 QTensors in the Float8() layout with one scale, "
                         f"tcprec.quantize({name}_hp, 'e4m3', layout=tcprec.Float8()) (or to_fp8)")
-    return Fp8Tensor(t.data, t.scale.reshape(()))
+
+
+def _check_qtensors(**ts) -> None:
+    for name, t in ts.items():
+        if isinstance(t, QTensor):
+            _check_fp8_operand(t, name)
+
+
+def _scale0(t: QTensor) -> torch.Tensor:
+    """The one scale of an fp8 QTensor as the 0-d float32 tensor the custom ops, kernels and cuBLAS take (a view)."""
+    return t.scale.reshape(())
 
 
 def to_fp8(t: torch.Tensor, fmt: str = "e4m3", *, memory_order: tuple[int, ...] | None = None,
-           scale: torch.Tensor | None = None) -> Fp8Tensor:
+           scale: torch.Tensor | None = None) -> QTensor:
     """Quantise ``t`` to ``fmt`` ("e4m3" or "e5m2") with one scale, ``amax(|t|) / max(fmt)`` unless
     given; round to nearest even, saturating.  ``memory_order`` (a permutation of t's dims, outermost
     first) chooses the physical layout of ``data``; its logical shape is always t's.  On CUDA (1 to 4 dims)
     the division, clamp, rounding and the layout change are one Triton pass (``kernels/triton/fp8_quant.py``,
     the same bits as the torch formula used elsewhere).
 
+    Returns a ``QTensor`` in the ``Float8()`` layout, ``PerTensor()`` granularity: ``data`` the float8 tensor
+    (any strides), ``scale`` float32 of shape ``(1,) * t.dim()``, ``dtype`` float32 (``dequantize()`` returns
+    float32 whatever t's dtype, ``data.float() * scale``).
+
     >>> q = to_fp8(torch.tensor([[1.0, -3.0], [0.5, 2.0]]), "e4m3", memory_order=(1, 0))
-    >>> q.data.shape, q.data.stride(), q.dequantize()[0, 1].item()
-    (torch.Size([2, 2]), (1, 2), -3.0)
+    >>> q.layout, q.data.shape, q.data.stride(), q.dequantize()[0, 1].item()
+    (Float8(), torch.Size([2, 2]), (1, 2), -3.0)
     """
     if fmt not in FP8_DTYPES:
         raise ValueError(f"fp8 format must be one of {tuple(FP8_DTYPES)}, got {fmt!r}")
@@ -206,7 +173,7 @@ def to_fp8(t: torch.Tensor, fmt: str = "e4m3", *, memory_order: tuple[int, ...] 
         quantize_fp8(t, scale, data)
     else:
         data.copy_((t.float() / scale).clamp_(-fmax, fmax))
-    return Fp8Tensor(data, scale)
+    return _fp8_qtensor(data, scale)
 
 
 # Memory orders the kernels read fastest (documented in kernels/triton/conv_bwd.py).
@@ -216,14 +183,14 @@ _CFIRST = (3, 0, 1, 2)  # (N, H, W, C) stored as (C, N, H, W): the pixel index c
 _BATCH = (3, 1, 2, 0)  # (N, H, W, C) stored as (C, H, W, N): the image index contiguous ("batch-inner")
 
 
-def prepare_fp8_dgrad(grad_out: torch.Tensor, weight: torch.Tensor) -> tuple[Fp8Tensor, Fp8Tensor]:
+def prepare_fp8_dgrad(grad_out: torch.Tensor, weight: torch.Tensor) -> tuple[QTensor, QTensor]:
     """dy as e5m2 NHWC and w as e4m3 in (R, S, C, K) memory order: both K-major operands of the
     dgrad GEMM, as wgmma fp8 (and cuBLAS fp8) want them."""
     return to_fp8(grad_out, "e5m2", memory_order=_NHWC), to_fp8(weight, "e4m3", memory_order=_KMAJOR_W)
 
 
 def prepare_fp8_wgrad(grad_out: torch.Tensor, input: torch.Tensor, weight_shape=None, stride=1, padding=0,
-                      dilation=1, backend: str = "auto") -> tuple[Fp8Tensor, Fp8Tensor]:
+                      dilation=1, backend: str = "auto") -> tuple[QTensor, QTensor]:
     """dy as e5m2 and x as e4m3 in the memory orders the wgrad path reads without a copy (``weight_shape`` etc.
     decide which path :func:`conv2d_wgrad` will take; :func:`_wgrad_orders`): batch-inner ((K, P, Q, N) and
     (C, H, W, N)) for the flat kernel and cuBLAS when N is a multiple of 16, else dy (K, N, P, Q) with x (C, N, H, W)
@@ -304,14 +271,16 @@ def conv_geometry(input_shape, weight_shape, stride=1, padding=0, dilation=1) ->
 
 
 def _check_tensor(t, name: str, layout: str, precision: str) -> None:
-    if isinstance(t, Fp8Tensor):
+    if isinstance(t, QTensor):
+        _check_fp8_operand(t, name)
         if precision != "fp8":
-            raise TypeError(f"{name} is an Fp8Tensor but precision={precision!r}; use precision='fp8'")
+            raise TypeError(f"{name} is an fp8 QTensor but precision={precision!r}; use precision='fp8'")
         return
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor {layout}, got {type(t).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor {layout} or an fp8 QTensor, got {type(t).__name__}")
     if t.dtype in FP8_DTYPES.values():
-        raise TypeError(f"{name} is a bare {t.dtype} tensor: wrap it with its scale, Fp8Tensor(data, scale)")
+        raise TypeError(f"{name} is a bare {t.dtype} tensor: the fp8 operand needs its scale, a Float8() QTensor "
+                        f"(to_fp8({name}_hp, ...) or tcprec.quantize({name}_hp, 'e4m3', layout=tcprec.Float8()))")
     if not t.dtype.is_floating_point:
         raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
     if t.dim() != 4:
@@ -340,8 +309,8 @@ def _check_devices(**ts) -> torch.device:
 
 
 def _device_of(t) -> torch.device:
-    """The device of a tensor or an Fp8Tensor (the operands' devices were checked equal by the public wrapper)."""
-    return t.data.device if isinstance(t, Fp8Tensor) else t.device
+    """The device of a tensor or an fp8 QTensor (the operands' devices were checked equal by the public wrapper)."""
+    return t.device
 
 
 def _check_common(precision: str, backend: str, out_dtype) -> None:
@@ -519,7 +488,7 @@ def _choose(op: str, g: ConvGeometry, t, precision: str, backend: str, activatio
             out_dtype=None) -> tuple[str, str]:
     """(path, reason): path is "gemm" (cuBLAS), "tma" (dgrad: the Triton TMA GEMM writing dx; wgrad: the
     TMA-box implicit GEMM, only when asked for), "fprop" (cuDNN forward conv), "triton" or "reference"."""
-    ref_t = t.data if isinstance(t, Fp8Tensor) else t
+    ref_t = t.data if isinstance(t, QTensor) else t
     if backend == "reference":
         return "reference", "asked for the reference backend"
     if backend == "tma":
@@ -587,9 +556,9 @@ def _choose(op: str, g: ConvGeometry, t, precision: str, backend: str, activatio
 
 
 def _lowp(t, precision: str, fmt: str, order):
-    """t in the compute precision: a tensor of the 16-bit type, or an Fp8Tensor."""
+    """t in the compute precision: a tensor of the 16-bit type, or an fp8 QTensor."""
     if precision == "fp8":
-        return t if isinstance(t, Fp8Tensor) else to_fp8(t, fmt, memory_order=order)
+        return t if isinstance(t, QTensor) else to_fp8(t, fmt, memory_order=order)
     return t.to(_DTYPE[precision])
 
 
@@ -598,12 +567,12 @@ def _default_out(precision: str) -> torch.dtype:
 
 
 def _dequant(t) -> torch.Tensor:
-    return t.dequantize(torch.float32) if isinstance(t, Fp8Tensor) else t.float()
+    return t.data.float() * _scale0(t) if isinstance(t, QTensor) else t.float()  # (fp8: an exact product in fp32)
 
 
 def _scales(a, b):
-    if isinstance(a, Fp8Tensor):
-        return a.scale, b.scale
+    if isinstance(a, QTensor):
+        return _scale0(a), _scale0(b)
     return None
 
 
@@ -704,7 +673,6 @@ def conv2d_dgrad(grad_out, weight, input_shape, stride=1, padding=0, dilation=1,
     >>> conv2d_dgrad(dy, w, (2, 8, 8, 5), stride=2, padding=1, backend="reference").shape
     torch.Size([2, 8, 8, 5])
     """
-    grad_out, weight = _from_qtensor(grad_out, "grad_out"), _from_qtensor(weight, "weight")
     _check_common(precision, backend, out_dtype)
     _check_tensor(grad_out, "grad_out", "(N, P, Q, K)", precision)
     _check_tensor(weight, "weight", "(K, R, S, C)", precision)
@@ -778,7 +746,7 @@ def _conv2d_dgrad(grad_out, weight, input_shape, stride, padding, dilation, *, p
             b = _col_major(w.data.reshape(g.K, g.C))  # (K, C) e4m3, column-major
             m16 = -(-M // 16) * 16  # cuBLAS fp8 wants every dim a multiple of 16: zero rows, sliced off
             a = a if m16 == M else torch.nn.functional.pad(a, (0, 0, 0, m16 - M))
-            dx = torch._scaled_mm(a, b, scale_a=dy.scale, scale_b=w.scale, out_dtype=out_dtype,
+            dx = torch._scaled_mm(a, b, scale_a=_scale0(dy), scale_b=_scale0(w), out_dtype=out_dtype,
                                   use_fast_accum=bool(fast_accum))[:M]
         elif out_dtype == dy.dtype:
             dx = torch.matmul(dy.reshape(M, g.K), w.reshape(g.K, g.C))  # (M, C)
@@ -832,7 +800,7 @@ def _dgrad_fprop(dy: torch.Tensor, w: torch.Tensor, g: ConvGeometry) -> torch.Te
 def explain_conv2d_dgrad(grad_out, weight, input_shape, stride=1, padding=0, dilation=1, *, precision: str = "fp16",
                          activation=None, backend: str = "auto", out_dtype: torch.dtype | None = None) -> str:
     """Which backend :func:`conv2d_dgrad` runs for these arguments, and why (one paragraph)."""
-    grad_out, weight = _from_qtensor(grad_out, "grad_out"), _from_qtensor(weight, "weight")
+    _check_qtensors(grad_out=grad_out, weight=weight)
     _check_common(precision, backend, None)
     g = conv_geometry(input_shape, tuple(weight.shape), stride, padding, dilation)
     path, why = _choose("dgrad", g, grad_out, precision, backend, activation, out_dtype)
@@ -888,7 +856,6 @@ def conv2d_wgrad(grad_out, input, weight_shape, stride=1, padding=0, dilation=1,
     >>> conv2d_wgrad(dy, x, (8, 3, 3, 5), stride=2, padding=1, backend="reference").shape
     torch.Size([8, 3, 3, 5])
     """
-    grad_out, input = _from_qtensor(grad_out, "grad_out"), _from_qtensor(input, "input")
     _check_common(precision, backend, out_dtype)
     _check_tensor(grad_out, "grad_out", "(N, P, Q, K)", precision)
     _check_tensor(input, "input", "(N, H, W, C)", precision)
@@ -938,7 +905,7 @@ def _conv2d_wgrad(grad_out, input, weight_shape, stride, padding, dilation, *, p
             if m16 != M:
                 a = torch.nn.functional.pad(a, (0, m16 - M))
                 b = torch.nn.functional.pad(b, (0, m16 - M))
-            dw = torch._scaled_mm(a, b.t(), scale_a=dy.scale, scale_b=x.scale, out_dtype=out_dtype,
+            dw = torch._scaled_mm(a, b.t(), scale_a=_scale0(dy), scale_b=_scale0(x), out_dtype=out_dtype,
                                   use_fast_accum=bool(fast_accum))
         else:
             xs = x if (sh, sw) == (1, 1) else x[:, ::sh, ::sw, :]  # (N, P, Q, C): copied by the reshape
@@ -995,7 +962,7 @@ def _conv2d_wgrad(grad_out, input, weight_shape, stride, padding, dilation, *, p
 def explain_conv2d_wgrad(grad_out, input, weight_shape, stride=1, padding=0, dilation=1, *, precision: str = "fp16",
                          split_k: int | None = None, backend: str = "auto") -> str:
     """Which backend :func:`conv2d_wgrad` runs for these arguments, and why (one paragraph)."""
-    grad_out, input = _from_qtensor(grad_out, "grad_out"), _from_qtensor(input, "input")
+    _check_qtensors(grad_out=grad_out, input=input)
     _check_common(precision, backend, None)
     g = conv_geometry(tuple(input.shape), weight_shape, stride, padding, dilation)
     path, why = _choose("wgrad", g, grad_out, precision, backend)
@@ -1074,7 +1041,8 @@ def _describe(g: ConvGeometry, precision: str, op: str) -> str:
 
 # ------------------------------------------------------------------------------------------------
 # torch.library custom ops: torch.compile / torch.export see conv2d_dgrad and conv2d_wgrad as one opaque call on
-# plain tensors; the wrappers above validate.  An Fp8Tensor travels as (data, scale) (scale None: a float tensor),
+# plain tensors; the wrappers above validate.  An fp8 QTensor travels as (data, 0-d scale) (scale None: a float
+# tensor),
 # the activation as (name, slope), split_k None as -1, the Triton tile ``config`` as "BLOCK_M=64;..." ("" for None).
 # ------------------------------------------------------------------------------------------------
 
@@ -1082,11 +1050,11 @@ _ACT_NAMES = {rc.ACT_NONE: "", rc.ACT_RELU: "relu", rc.ACT_LEAKY: "leaky_relu"}
 
 
 def _split_fp8(t) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return (t.data, t.scale) if isinstance(t, Fp8Tensor) else (t, None)
+    return (t.data, _scale0(t)) if isinstance(t, QTensor) else (t, None)
 
 
 def _join_fp8(data: torch.Tensor, scale: torch.Tensor | None):
-    return data if scale is None else Fp8Tensor(data, scale)
+    return data if scale is None else _fp8_qtensor(data, scale)
 
 
 def _literal(v) -> bool:
