@@ -279,3 +279,22 @@ def test_training_step_compiles_to_one_graph_and_matches_eager(prec):
     for (n, pc), (_, pe) in zip(qat.named_parameters(), ref.named_parameters()):
         assert pc.grad is not None and pe.grad is not None, n
         torch.testing.assert_close(pc.grad, pe.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_train_classify_through_torch_compile_trains_the_same_model(tmp_path):
+    """`tcprec train --compile`: both phases' training forward through torch.compile (aot_eager here: the same ops,
+    traced) follow eager's losses, and the deployed engine still equals the fake-quant model; a bad value is refused."""
+    from tcprec.data.fashion_mnist import fashion_mnist_available
+    from tcprec.qat.trainer import train_classify
+
+    data = "fashion-mnist" if fashion_mnist_available()[0] else "digits"
+    kw = dict(model="tiny_cnn", precision="w1a2", data=data, epochs=1, qat_epochs=1, lr=0.05, batch_size=64,
+              limit_train=256, limit_test=128, progress=False, device="cpu")
+    eager = train_classify(**kw, out_dir=tmp_path / "eager")
+    comp = train_classify(**kw, out_dir=tmp_path / "compiled", compile="aot_eager")
+    assert comp["config"]["compile"] == "aot_eager"
+    for e, c in zip(eager["history"], comp["history"]):
+        assert math.isclose(e["train_loss"], c["train_loss"], rel_tol=1e-3), (e, c)
+    assert comp["deployed_agree"] == comp["test_images"] == 128
+    with pytest.raises(TypeError, match="compile must be"):
+        train_classify(**kw, out_dir=tmp_path / "bad", compile=3)

@@ -121,10 +121,18 @@ def _param_groups(model: nn.Module, wd: float):
 def fit(model: nn.Module, data: TrainData, *, epochs: int, lr: float, batch_size: int = 256, wd: float = 5e-4,
         schedule: str = "onecycle", label_smoothing: float = 0.1, teacher: nn.Module | None = None,
         distill: float = 0.5, amp: bool = True, progress: bool = True, state: dict | None = None,
-        on_epoch=None, title: str = "train", seed: int = 0) -> dict:
+        on_epoch=None, title: str = "train", seed: int = 0, compile: bool | str = False) -> dict:  # noqa: A002
     """Train ``model`` in place; returns ``state`` (history, optimizer, scheduler, epoch) for checkpoints.
-    ``on_epoch(state)`` runs after every epoch (checkpointing); ``state`` from an earlier call resumes."""
+    ``on_epoch(state)`` runs after every epoch (checkpointing); ``state`` from an earlier call resumes.
+    ``compile``: run the training forward through ``torch.compile`` (True: the default backend; a string: that
+    backend) -- the same parameters and the same model, compiled once (the fake quantizers are many small ops that
+    only the compiler fuses: docs/qat.md measures 1.6x the fp16 step compiled against 3-6x eager); evaluation
+    stays eager."""
+    if not isinstance(compile, (bool, str)):
+        raise TypeError(f"compile must be True / False or a torch.compile backend name, got {compile!r}")
     dev = data.x_train.device
+    fwd = (torch.compile(model, backend=compile) if isinstance(compile, str) else torch.compile(model)) \
+        if compile else model
     opt = torch.optim.SGD(_param_groups(model, wd), lr=lr, momentum=0.9, nesterov=True)
     steps = data.x_train.shape[0] // batch_size
     if steps < 1:
@@ -162,7 +170,7 @@ def fit(model: nn.Module, data: TrainData, *, epochs: int, lr: float, batch_size
                     x = x.contiguous(memory_format=torch.channels_last)
                 y = data.y_train[idx]
                 with torch.autocast(dev.type, dtype=torch.float16, enabled=use_amp):
-                    out = model(x)
+                    out = fwd(x)
                     loss = F.cross_entropy(out.float(), y, label_smoothing=label_smoothing)
                     if teacher is not None:
                         with torch.no_grad():
@@ -296,9 +304,10 @@ def train_classify(model: str = "resnet18", precision: str = "w1a2", data: str =
                    epochs: int = 15, qat_epochs: int = 8, init=None, lr: float = 0.2, qat_lr: float = 0.02,
                    batch_size: int = 256, distill: float = 0.0, act_quant: str = "lsq", out_dir="runs/qat",
                    resume: bool = False, limit_train=None, limit_test=None, device: str = "auto", seed: int = 0,
-                   progress: bool = True, console=None) -> dict:
+                   progress: bool = True, console=None, compile: bool | str = False) -> dict:  # noqa: A002
     """Float training (``epochs``; or ``init``, a float checkpoint), QAT at ``precision`` (``qat_epochs``), then the
-    deployed engine on the test set.  Writes ``out_dir``/float.pt, qat.pt, metrics.json, curves.png."""
+    deployed engine on the test set.  Writes ``out_dir``/float.pt, qat.pt, metrics.json, curves.png.  ``compile``:
+    both phases' training forward through ``torch.compile`` (``fit``)."""
 
     prec = parse_precision(precision)  # ValueError names the vocabulary
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
@@ -311,7 +320,7 @@ def train_classify(model: str = "resnet18", precision: str = "w1a2", data: str =
         net = net.to(memory_format=torch.channels_last)
     config = dict(model=model, precision=precision, data=data, epochs=epochs, qat_epochs=qat_epochs, lr=lr,
                   qat_lr=qat_lr, batch_size=batch_size, distill=distill, act_quant=act_quant, seed=seed,
-                  limit_train=limit_train, limit_test=limit_test, init=str(init) if init else None)
+                  limit_train=limit_train, limit_test=limit_test, init=str(init) if init else None, compile=compile)
     say = console.print if console is not None else print
     # -- float phase --
     fckpt = out / "float.pt"
@@ -322,7 +331,7 @@ def train_classify(model: str = "resnet18", precision: str = "w1a2", data: str =
     else:
         fstate = _resumable_fit(net, ds, fckpt, resume, dev, dict(config=config, kind="float", model_name=model),
                                 epochs=epochs, lr=lr, batch_size=batch_size, schedule="onecycle", progress=progress,
-                                title="float", seed=seed)
+                                title="float", seed=seed, compile=compile)
     float_acc = evaluate(net, ds.x_test, ds.y_test)
     say(f"float {model}: test accuracy {float_acc:.4f}")
     history = [dict(r, phase="float", step=r["epoch"]) for r in fstate["history"]]
@@ -344,7 +353,7 @@ def train_classify(model: str = "resnet18", precision: str = "w1a2", data: str =
                             dict(config=config, kind="qat", model_name=model, precision=precision),
                             epochs=qat_epochs, lr=qat_lr, batch_size=batch_size, wd=5e-5, schedule="cosine",
                             label_smoothing=0.0, teacher=teacher, distill=distill, progress=progress,
-                            title=f"QAT {precision}", seed=seed + 1)
+                            title=f"QAT {precision}", seed=seed + 1, compile=compile)
     history += [dict(r, phase="qat", step=len(fstate["history"]) + r["epoch"]) for r in qstate["history"]]
     qat_pred = predict(qat, ds.x_test)
     qat_acc = float((qat_pred == ds.y_test).float().mean())
