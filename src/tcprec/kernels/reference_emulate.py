@@ -233,53 +233,64 @@ def _fma_nearest(a64: torch.Tensor, b64: torch.Tensor, fmt: FloatFormat, kc: int
     return s
 
 
-def _chunk_nearest(a: torch.Tensor, b: torch.Tensor, fmt: FloatFormat, chunk: int,
-                   sign_every_step: bool = False) -> torch.Tensor | None:
-    """``matmul_chunk``'s round-to-nearest loop, unchecked: s = R(s + p) for the fp32 partial sums p of the chunks
-    in order.  None where a value reached 2^emax (or NaN / Inf): the caller reruns its checked loop.
-
-    ``exact``: round-to-odd is skipped, R(fl(s + p)) == R(s + p).  True for ``_sums_exact(fmt)`` formats: a partial
-    sum p has at most 24 significant bits, and with E the larger operand's exponent, the sum is exact unless the
-    smaller is below 2^(E-28).  If that smaller one is p, |p| is under a quarter of s's distance to a midpoint of fmt
-    (man <= 23), so x = fl(s + p) and s + p both round to s.  If it is s (|s| >= 2^(emin - man), the finest fmt value),
-    x = fl(p + s) is a midpoint of fmt only where x = p, |s| <= 2^(E-53), so E >= emin - man + 53 > emax + 1 for
-    ``_sums_exact`` formats: |x| >= 2^emax, a rejected run.  Otherwise x is no midpoint and rounds like s + p (the
-    float64 nearest to s + p; a midpoint between them would be nearer).
-
-    Signs of zeros: the loop rounds zeros to +0 and sets the sign of x only at the last step.  Every other value is
-    the same as with the sign set at every step (-0 and +0 add alike to a nonzero p).  So only a zero result can
-    differ, and its sign is the sign of the last step's x unless that step adds a -0 to a zero (x = s + -0 keeps the
-    sign of s, from an earlier step).  Where a -0 partial meets a zero result, the loop is run again with the sign set
-    at every step (``sign_every_step``)."""
+def _chunk_nearest(a: torch.Tensor, b: torch.Tensor, fmt: FloatFormat, chunk: int) -> torch.Tensor | None:
+    """``matmul_chunk``'s round-to-nearest loop, unchecked (``_accumulate_chunks``); None where a value reached
+    2^emax (or NaN / Inf): the caller reruns its checked loop."""
     M, K = a.shape
     N = b.shape[1]
     if K == 0:
         return torch.zeros(M, N, dtype=torch.float64, device=a.device)
-    steps = -(-K // chunk)
     cc = min(chunk, K)
     # |fp32 partial| <= (1 + gamma_cc) sum |ab| in any summation order, gamma_cc = cc u32 / (1 - cc u32) (Higham 3.5):
     # the factor 2 also covers a matmul that rounds its inputs (TF32, bf16) and underflow, <= 2^-100
     term = 2 * cc * _absmax(a) * _absmax(b) + 2.0**-100 if cc <= 2**20 else math.inf
-    bounded = _below_emax(term, steps, fmt)
+
+    def partials():  # (M, N) fp32 partial sums of the chunks, in one buffer
+        p = torch.empty(M, N, dtype=torch.float32, device=a.device)
+        for a_k, b_k in zip(a.split(chunk, 1), b.split(chunk, 0)):
+            yield torch.matmul(a_k.float(), b_k.float(), out=p)  # as `a_k @ b_k` computes it
+
+    return _accumulate_chunks(partials, fmt, M, N, a.device, _below_emax(term, -(-K // chunk), fmt))
+
+
+def _accumulate_chunks(partials, fmt: FloatFormat, M: int, N: int, device, bounded: bool,
+                       sign_every_step: bool = False) -> torch.Tensor | None:
+    """s = R(s + p) for the (M, N) fp32 partials that ``partials()`` yields, in order, unchecked (R: round to nearest
+    even to fmt, with subnormals); None where a value reached 2^emax (or NaN / Inf).  ``bounded``: known not to
+    (``_below_emax``), so the loop keeps no tracker.  ``partials`` is called a second time for a rerun (see below).
+
+    Round-to-odd is skipped for ``_sums_exact(fmt)`` formats: R(fl(s + p)) == R(s + p) there.  A partial sum p has
+    at most 24 significant bits, and with E the larger operand's exponent, the sum is exact unless the smaller is
+    below 2^(E-28).  If that smaller one is p, |p| is under a quarter of s's distance to a midpoint of fmt (man <= 23),
+    so x = fl(s + p) and s + p both round to s.  If it is s (|s| >= 2^(emin - man), the finest fmt value),
+    x = fl(p + s) is a midpoint of fmt only where x = p, |s| <= 2^(E-53), so E >= emin - man + 53 > emax + 1 for
+    ``_sums_exact`` formats: |x| >= 2^emax, a rejected run.  Otherwise x is no midpoint and rounds like s + p (the
+    float64 nearest to s + p; a midpoint between them would be nearer).
+
+    Signs of zeros: the loop rounds zeros to +0 and sets the sign of x only after the last step.  Every other value
+    is the same as with the sign set at every step (-0 and +0 add alike to a nonzero p).  So only a zero result can
+    differ, and its sign is the sign of the last step's x unless that step adds a -0 to a zero (x = s + -0 keeps the
+    sign of s, from an earlier step).  Where a -0 last partial meets a zero result, the loop runs again with the sign
+    set at every step (``sign_every_step``)."""
     exact = _sums_exact(fmt)
     signed = fmt.has_negative_zero
-    dev = a.device
-    s = torch.zeros(M, N, dtype=torch.float64, device=dev)
+    s = torch.zeros(M, N, dtype=torch.float64, device=device)
     x = torch.empty_like(s)  # s + p
-    c = torch.empty(M, N, dtype=torch.int64, device=dev)
-    p = torch.empty(M, N, dtype=torch.float32, device=dev)
-    top = None if bounded else torch.zeros(M, N, dtype=torch.int64, device=dev)
-    for i, (a_k, b_k) in enumerate(zip(a.split(chunk, 1), b.split(chunk, 0))):
-        torch.matmul(a_k.float(), b_k.float(), out=p)  # (M, N) fp32 partial sum of the chunk, as `a_k @ b_k` does
+    c = torch.empty(M, N, dtype=torch.int64, device=device)
+    top = None if bounded else torch.zeros(M, N, dtype=torch.int64, device=device)
+    p = xx = None
+    for p in partials():
         xx = x.copy_(p).add_(s) if exact else _add_odd_unchecked(s, x.copy_(p))
         _round_nearest_into(xx, fmt, c, top, out=s)
-        if signed and (sign_every_step or i == steps - 1):
+        if signed and sign_every_step:
             s.copysign_(xx)
     if not bounded and not _in_range(top, fmt):
         return None
-    if signed and not sign_every_step and int(p.view(torch.int32).min()) == _NEG_ZERO32 and \
-            bool(((p.view(torch.int32) == _NEG_ZERO32) & (s == 0)).any()):
-        return _chunk_nearest(a, b, fmt, chunk, sign_every_step=True)
+    if signed and not sign_every_step and p is not None:
+        s.copysign_(xx)  # the last step's x
+        p_bits = p.view(torch.int32)
+        if int(p_bits.min()) == _NEG_ZERO32 and bool(((p_bits == _NEG_ZERO32) & (s == 0)).any()):
+            return _accumulate_chunks(partials, fmt, M, N, device, bounded, sign_every_step=True)
     return s
 
 
