@@ -166,16 +166,23 @@ def _add_odd_unchecked(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return down.add_(bits).bitwise_or_(nz.neg_()).view(torch.float64)
 
 
-def _round_nearest_into(x: torch.Tensor, fmt: FloatFormat, c: torch.Tensor, top: torch.Tensor | None,
-                       out: torch.Tensor) -> torch.Tensor:
-    """out = ``_round_nearest_fast(x, fmt)`` (out may be x), where the result is in range (fmt with subnormals), except
-    that a zero comes out +0.  ``c``: int64 scratch shaped like x.  ``top``: None, or int64 shaped like x (or 0-d)
-    that keeps the largest exponent field of x seen (in place)."""
+def _rne_constants(fmt: FloatFormat) -> tuple[int, float]:
+    """``_round_nearest_into``'s constants for fmt: the exponent field of 2^emin, and 1.5 * 2^(52 - man)."""
+    return (fmt.emin + 1023) << 52, 1.5 * 2.0 ** (52 - fmt.man)
+
+
+def _round_nearest_into(x: torch.Tensor, consts: tuple[int, float], c: torch.Tensor, top: torch.Tensor | None,
+                        out: torch.Tensor) -> torch.Tensor:
+    """out = ``_round_nearest_fast(x, fmt)`` (out may be x; ``consts = _rne_constants(fmt)``), where the result is in
+    range (fmt with subnormals), except that a zero comes out +0.  ``c``: int64 scratch shaped like x.  ``top``: None,
+    or int64 shaped like x (or 0-d) that keeps the largest exponent field of x seen (in place)."""
+    lo, scale = consts
     torch.bitwise_and(x.view(torch.int64), _EXP_FIELD, out=c)  # as a float64: |x| rounded down to a power of two
     if top is not None:
         torch.maximum(top, c if top.dim() else c.amax(), out=top)
-    c.clamp_min_((fmt.emin + 1023) << 52)  # the subnormals' spacing below 2^emin (no upper clamp: in range)
-    cf = c.view(torch.float64).mul_(1.5 * 2.0 ** (52 - fmt.man))  # 1.5 * 2^52 * spacing (a float mul_: cheaper)
+    # 1.5 * 2^52 * spacing, the spacing clamped to the subnormals' below 2^emin (no upper clamp: in range); a float
+    # mul_ is cheaper than an int64 add_ on the CPU
+    cf = c.clamp_min_(lo).view(torch.float64).mul_(scale)
     return torch.add(x, cf, out=out).sub_(cf)
 
 
@@ -221,13 +228,14 @@ def _fma_nearest(a64: torch.Tensor, b64: torch.Tensor, fmt: FloatFormat, kc: int
     cp = torch.empty(kc, M, N, dtype=torch.int64, device=dev)
     top = None if bounded else torch.zeros(M, N, dtype=torch.int64, device=dev)
     top_p = None if bounded else torch.zeros((), dtype=torch.int64, device=dev)
+    rne = _rne_constants(fmt)
     for k0 in range(0, K, kc):
         kk = min(kc, K - k0)
         p = torch.mul(a64.t()[k0:k0 + kk, :, None], b64[k0:k0 + kk, None, :], out=prod[:kk])  # (kk, M, N) exact
-        _round_nearest_into(p, fmt, cp[:kk], top_p, out=p)
+        _round_nearest_into(p, rne, cp[:kk], top_p, out=p)
         for p_k in p:
             x = s.add_(p_k) if exact else _add_odd_unchecked(s, p_k)
-            s = _round_nearest_into(x, fmt, c, top, out=x)
+            s = _round_nearest_into(x, rne, c, top, out=x)
     if not bounded and not (_in_range(top, fmt) and _in_range(top_p, fmt)):
         return None
     return s
@@ -242,7 +250,8 @@ def _chunk_nearest(a: torch.Tensor, b: torch.Tensor, fmt: FloatFormat, chunk: in
         return torch.zeros(M, N, dtype=torch.float64, device=a.device)
     cc = min(chunk, K)
     # |fp32 partial| <= (1 + gamma_cc) sum |ab| in any summation order, gamma_cc = cc u32 / (1 - cc u32) (Higham 3.5):
-    # the factor 2 also covers a matmul that rounds its inputs (TF32, bf16) and underflow, <= 2^-100
+    # the factor 2 also covers a matmul that rounds its inputs (TF32, bf16) and underflow, <= 2^-100.  (No partial
+    # overflows float32 where the bound holds: every format's 2^emax is a float32.)
     term = 2 * cc * _absmax(a) * _absmax(b) + 2.0**-100 if cc <= 2**20 else math.inf
 
     def partials():  # (M, N) fp32 partial sums of the chunks, in one buffer
@@ -278,10 +287,11 @@ def _accumulate_chunks(partials, fmt: FloatFormat, M: int, N: int, device, bound
     x = torch.empty_like(s)  # s + p
     c = torch.empty(M, N, dtype=torch.int64, device=device)
     top = None if bounded else torch.zeros(M, N, dtype=torch.int64, device=device)
+    rne = _rne_constants(fmt)
     p = xx = None
     for p in partials():
         xx = x.copy_(p).add_(s) if exact else _add_odd_unchecked(s, x.copy_(p))
-        _round_nearest_into(xx, fmt, c, top, out=s)
+        _round_nearest_into(xx, rne, c, top, out=s)
         if signed and sign_every_step:
             s.copysign_(xx)
     if not bounded and not _in_range(top, fmt):
