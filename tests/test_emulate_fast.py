@@ -214,3 +214,14 @@ def test_sums_just_past_emax_take_the_checked_loop(mode, name):
         got, want = rem.matmul_chunk(a, b, fmt, 4), _loop_chunk(a, b, fmt, 4, "nearest", False)
     assert _same_bits(got, want), (got, want)
     assert float(want.max()) >= 2.0**fmt.emax
+
+
+@pytest.mark.parametrize("shape", [(0, 5, 3), (2, 0, 3), (2, 5, 0)])
+def test_empty_gemms_equal_the_loops(shape):
+    M, K, N = shape
+    a, b = torch.randn(M, K), torch.randn(K, N)
+    for name in ("e5m10", "e8m7"):
+        fmt = as_format(name)
+        assert _same_bits(rem.matmul_fma(a, b, fmt), _loop_fma(a, b, fmt, "nearest", False))
+        got = rem.matmul_chunk(a, b, fmt, 4)
+        assert got.shape == (M, N) and _same_bits(got, _loop_chunk(a, b, fmt, 4, "nearest", False))

@@ -247,7 +247,7 @@ def _chunk_nearest(a: torch.Tensor, b: torch.Tensor, fmt: FloatFormat, chunk: in
     2^emax (or NaN / Inf): the caller reruns its checked loop."""
     M, K = a.shape
     N = b.shape[1]
-    if K == 0:
+    if K == 0 or M == 0 or N == 0:  # (nothing to round; empty partials have no -0 to look for)
         return torch.zeros(M, N, dtype=torch.float64, device=a.device)
     cc = min(chunk, K)
     # |fp32 partial| <= (1 + gamma_cc) sum |ab| in any summation order, gamma_cc = cc u32 / (1 - cc u32) (Higham 3.5):
