@@ -49,8 +49,8 @@ CASES = [(n, k, "nearest") for n in FORMATS for k in (False, True)] + \
 @pytest.mark.parametrize("name,kahan,rounding", CASES)
 def test_fma_reference_is_bit_identical_to_the_per_k_loop(name, kahan, rounding):
     fmt = as_format(name)
-    for seed in range(2):
-        a, b = _operands(seed, spread=4 if fmt.exp <= 3 else 12)  # small formats: overflow and subnormals both
+    for seed, spread in [(0, 4 if fmt.exp <= 3 else 12), (1, 4 if fmt.exp <= 3 else 12), (2, 1)]:
+        a, b = _operands(seed, spread=spread)  # small formats: overflow and subnormals both; spread 1: sums in range
         got = rem.matmul_fma(a, b, fmt, rounding, kahan)
         want = _loop_fma(a, b, fmt, rounding, kahan)
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)) or \
@@ -104,8 +104,8 @@ def _same_bits(got, want):
 @pytest.mark.parametrize("name,kahan,rounding", CASES)
 def test_chunk_reference_is_bit_identical_to_the_per_chunk_loop(name, kahan, rounding):
     fmt = as_format(name)
-    for seed in range(2):
-        a, b = _operands(seed, K=70, spread=4 if fmt.exp <= 3 else 12)
+    for seed, spread in [(0, 4 if fmt.exp <= 3 else 12), (1, 4 if fmt.exp <= 3 else 12), (2, 1)]:
+        a, b = _operands(seed, K=70, spread=spread)  # spread 1: in range, known before the loop for wide formats
         for chunk in (1, 8, 32):
             got = rem.matmul_chunk(a, b, fmt, chunk, rounding, kahan)
             assert _same_bits(got, _loop_chunk(a, b, fmt, chunk, rounding, kahan)), (name, chunk, seed)
@@ -173,3 +173,55 @@ def test_chunk_tie_broken_by_a_tiny_earlier_sum(name):
     assert _same_bits(got, want)
     if name == "e8m7":
         assert got[0, 0] == 1 + 2.0 ** -7 and got[2, 0] == -(1 + 2.0 ** -7) and got[3, 0] == -1.0
+
+
+@pytest.mark.parametrize("name", ["e5m10", "e8m7", "e4m3"])
+@pytest.mark.parametrize("bounded", [True, False])
+def test_chunk_zero_signs_through_minus_zero_partials(name, bounded):
+    """The fast chunk loop sets the sign of zeros after the last step only: a -0 last partial added to a zero sum
+    keeps the sign of an earlier step, which it gets by a rerun.  (Given partials: whether a BLAS returns -0 for a
+    dot product of zeros is its own business.)"""
+    fmt = as_format(name)
+    t = fmt.min_subnormal / 4  # rounds to zero
+    cols = [[-t, -0.0, -0.0],  # -0, then -0 partials: -0 (the rerun)
+            [t, -0.0, -0.0],  # +0, then -0 partials: +0
+            [0.0, -0.0, -0.0],  # +0 + -0 = +0
+            [-0.0, -0.0, -t],  # -0 at the last step
+            [1.0, -1.0, -0.0],  # 1 - 1 = +0, then + -0: +0
+            [-t, t, -0.0],  # -0, then +t: +0, then + -0: +0
+            [1.0, -0.0, 2.0]]  # nonzero
+    parts = [torch.tensor([[c[k] for c in cols]]) for k in range(3)]  # (1, 7) fp32 partials, in order
+    got = rem._accumulate_chunks(lambda: iter(parts), fmt, 1, 7, "cpu", bounded)
+    s = torch.zeros(1, 7, dtype=torch.float64)
+    for p in parts:  # the per-chunk loop of _loop_chunk on these partials
+        s = ref.cast_float(rem.add_round_to_odd(s, p.double()), fmt, "nearest", None)
+    assert torch.equal(got.view(torch.int64), s.view(torch.int64)), (got, s)
+    assert got.signbit().flatten().tolist() == [True, False, False, True, False, False, False]
+
+
+@pytest.mark.parametrize("mode", ["fma", "chunk"])
+@pytest.mark.parametrize("name", ["e5m10", "e4m3", "e8m7"])
+def test_sums_just_past_emax_take_the_checked_loop(mode, name):
+    """Equal positive operands whose sum passes 2^emax by 1%: the bound from max|a| max|b| must send them to the
+    checked loop (an unchecked run would give a finite value past the format's range)."""
+    fmt = as_format(name)
+    K = 16
+    ab = 2.0 ** fmt.emax * 1.01 / K
+    a, b = torch.full((2, K), 2.0 ** -3), torch.full((K, 3), ab * 2.0**3)
+    if mode == "fma":
+        got, want = rem.matmul_fma(a, b, fmt), _loop_fma(a, b, fmt, "nearest", False)
+    else:
+        got, want = rem.matmul_chunk(a, b, fmt, 4), _loop_chunk(a, b, fmt, 4, "nearest", False)
+    assert _same_bits(got, want), (got, want)
+    assert float(want.max()) >= 2.0**fmt.emax
+
+
+@pytest.mark.parametrize("shape", [(0, 5, 3), (2, 0, 3), (2, 5, 0)])
+def test_empty_gemms_equal_the_loops(shape):
+    M, K, N = shape
+    a, b = torch.randn(M, K), torch.randn(K, N)
+    for name in ("e5m10", "e8m7"):
+        fmt = as_format(name)
+        assert _same_bits(rem.matmul_fma(a, b, fmt), _loop_fma(a, b, fmt, "nearest", False))
+        got = rem.matmul_chunk(a, b, fmt, 4)
+        assert got.shape == (M, N) and _same_bits(got, _loop_chunk(a, b, fmt, 4, "nearest", False))

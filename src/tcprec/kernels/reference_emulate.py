@@ -28,6 +28,8 @@ using rounding to odd", IEEE TC 2008).  CPD rounds the float32 result, which dou
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..formats import FloatFormat
@@ -122,11 +124,8 @@ def matmul_fma(a: torch.Tensor, b: torch.Tensor, acc_fmt: FloatFormat, rounding:
     # one k at a time); only the additions are sequential along K.
     kc = max(1, min(K, (1 << 15) // max(1, M * N)))  # (kc, M, N) float64 products: <= 256 KB a block (L2)
     if rounding == "nearest" and not kahan and _unchecked_ok(acc_fmt):
-        top_p = torch.zeros((), dtype=torch.int64, device=a.device)  # the products' largest exponent field
-        exact = _sums_exact(acc_fmt)
-        out = _accumulate_nearest(_products_nearest(a64, b64, acc_fmt, kc, top_p), acc_fmt, M, N, a.device, exact,
-                                  signed_zero=not exact)
-        if out is not None and _in_range(top_p, acc_fmt):
+        out = _fma_nearest(a64, b64, acc_fmt, kc)
+        if out is not None:
             return out.float()
     for k0 in range(0, K, kc):
         p = round_acc(a64.t()[k0:k0 + kc, :, None] * b64[k0:k0 + kc, None, :], acc_fmt, rounding)  # (kc, M, N)
@@ -135,15 +134,17 @@ def matmul_fma(a: torch.Tensor, b: torch.Tensor, acc_fmt: FloatFormat, rounding:
     return s.float()
 
 
-# ---- the unchecked round-to-nearest loop (the hot path of both modes) ----------------------------------------------
+# ---- the unchecked round-to-nearest loops (the hot path of both modes) ---------------------------------------------
 #
-# ``_round_nearest_fast`` without its per-step checks, and round-to-odd without ``where`` / ``isfinite`` (each of
-# those costs ~10 adds on the CPU): integer ops on float64 views, most in place.  Valid while every rounded value
-# stays below 2^emax in magnitude (then no step overflows, and none is NaN or Inf); the loops keep the largest
-# float64 exponent field they rounded and the caller reruns the checked loop when it reached 2^emax (or NaN / Inf).
+# ``_round_nearest_fast`` without its checks, in place, and round-to-odd without ``where`` / ``isfinite`` (each of
+# those costs ~10 adds on the CPU): integer and float ops on float64 views.  Valid while every value rounded stays
+# below 2^emax in magnitude (then no step overflows, and none is NaN or Inf).  Most GEMMs are known to stay there
+# before the loop, from max|a| and max|b| (``_below_emax``); the others keep the largest float64 exponent field they
+# rounded, and the caller reruns the checked loop when it reached 2^emax (or NaN / Inf).
 
 _EXP_FIELD = 0x7FF0000000000000  # float64 exponent bits
 _ABS = 0x7FFFFFFFFFFFFFFF
+_NEG_ZERO32 = -(2**31)  # the bits of float32 -0 as an int32, the smallest int32
 
 
 def _unchecked_ok(fmt: FloatFormat) -> bool:
@@ -165,56 +166,149 @@ def _add_odd_unchecked(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return down.add_(bits).bitwise_or_(nz.neg_()).view(torch.float64)
 
 
-def _nearest_unchecked(x: torch.Tensor, fmt: FloatFormat, top: torch.Tensor, signed_zero: bool = True) -> torch.Tensor:
-    """``_round_nearest_fast(x, fmt)`` where the result is in range (and fmt has subnormals); ``top`` (int64, shaped
-    like x, or 0-d) keeps the largest exponent field of x seen (in place).  ``signed_zero=False``: the caller knows
-    no x rounds to a zero other than +0 (the copysign is skipped)."""
-    e = torch.bitwise_and(x.view(torch.int64), _EXP_FIELD)
-    torch.maximum(top, e if top.dim() else e.amax(), out=top)
-    lo, hi = (fmt.emin + 1023) << 52, (fmt.emax + 1 + 1023) << 52  # exponent fields of the spacing's range
-    c = e.clamp_(lo, hi).add_(((52 - fmt.man) << 52) + (1 << 51)).view(torch.float64)  # 1.5 * 2^52 * spacing
-    r = x + c
-    r -= c
-    if fmt.has_negative_zero and signed_zero:
-        r.copysign_(x)
-    return r
+def _rne_constants(fmt: FloatFormat) -> tuple[int, float]:
+    """``_round_nearest_into``'s constants for fmt: the exponent field of 2^emin, and 1.5 * 2^(52 - man)."""
+    return (fmt.emin + 1023) << 52, 1.5 * 2.0 ** (52 - fmt.man)
+
+
+def _round_nearest_into(x: torch.Tensor, consts: tuple[int, float], c: torch.Tensor, top: torch.Tensor | None,
+                        out: torch.Tensor) -> torch.Tensor:
+    """out = ``_round_nearest_fast(x, fmt)`` (out may be x; ``consts = _rne_constants(fmt)``), where the result is in
+    range (fmt with subnormals), except that a zero comes out +0.  ``c``: int64 scratch shaped like x.  ``top``: None,
+    or int64 shaped like x (or 0-d) that keeps the largest exponent field of x seen (in place)."""
+    lo, scale = consts
+    torch.bitwise_and(x.view(torch.int64), _EXP_FIELD, out=c)  # as a float64: |x| rounded down to a power of two
+    if top is not None:
+        torch.maximum(top, c if top.dim() else c.amax(), out=top)
+    # 1.5 * 2^52 * spacing, the spacing clamped to the subnormals' below 2^emin (no upper clamp: in range); a float
+    # mul_ is cheaper than an int64 add_ on the CPU
+    cf = c.clamp_min_(lo).view(torch.float64).mul_(scale)
+    return torch.add(x, cf, out=out).sub_(cf)
+
+
+def _absmax(t: torch.Tensor) -> float:
+    """max |t| (NaN if t has a NaN), in one reduction over t's memory order."""
+    if t.numel() == 0:
+        return 0.0
+    lo, hi = torch.aminmax(t.t() if t.dim() == 2 and t.t().is_contiguous() else t)
+    return max(-float(lo), float(hi))
+
+
+def _below_emax(term: float, steps: int, fmt: FloatFormat) -> bool:
+    """Whether ``steps`` accumulation steps s = R(s + p), every |p| <= ``term``, keep every value rounded (every
+    s + p, every s) below 2^emax in magnitude, for R round-to-nearest to fmt after at most a round-to-odd to float64.
+    By induction |s_i| <= rho (|s_(i-1)| + term) + eta, with rho = (1 + u)(1 + 2^-52) <= 1 + 2^-man (u = 2^-(man+1),
+    the relative error; eta = 2^(emin - man - 1), the subnormals' absolute error), so every |s_(i-1) + p_i| is at most
+    steps * rho^steps * (term + eta).  False for NaN / Inf terms."""
+    eta = 2.0 ** (fmt.emin - fmt.man - 1)
+    try:
+        bound = steps * (1 + 2.0 ** -fmt.man) ** steps * (term + eta) * (1 + 2.0**-30)  # (margin for this float math)
+    except OverflowError:
+        return False
+    return bound < 2.0**fmt.emax
+
+
+def _fma_nearest(a64: torch.Tensor, b64: torch.Tensor, fmt: FloatFormat, kc: int) -> torch.Tensor | None:
+    """``matmul_fma``'s round-to-nearest loop, unchecked: the products of kc k rounded in one (kc, M, N) block, then
+    s = R(s + p) along K.  None where a value reached 2^emax (or NaN / Inf): the caller reruns its checked loop.
+
+    Zeros come out +0, which is right: s starts +0 and is never -0.  s + p is a multiple of the finest value of fmt
+    (both are values of fmt), so a nonzero s + p (or its round-to-odd, no smaller) never rounds to zero, and a zero
+    one is +0 (x + (-x) = +0; +0 + -0 = +0).  So the sign of a zero product never shows either.
+
+    Where float64 sums of fmt values are exact (``_sums_exact``) round-to-odd is skipped: R(fl(s + p)) == R(s + p)."""
+    M, K = a64.shape
+    N = b64.shape[1]
+    bounded = _below_emax(2 * _absmax(a64) * _absmax(b64), K, fmt)  # |R(ab)| <= (1 + u)|ab| + eta <= 2|ab| + eta
+    exact = _sums_exact(fmt)
+    dev = a64.device
+    s = torch.zeros(M, N, dtype=torch.float64, device=dev)
+    c = torch.empty(M, N, dtype=torch.int64, device=dev)
+    prod = torch.empty(kc, M, N, dtype=torch.float64, device=dev)  # a block of products, and its scratch
+    cp = torch.empty(kc, M, N, dtype=torch.int64, device=dev)
+    top = None if bounded else torch.zeros(M, N, dtype=torch.int64, device=dev)
+    top_p = None if bounded else torch.zeros((), dtype=torch.int64, device=dev)
+    rne = _rne_constants(fmt)
+    a_t, b_c = a64.t().contiguous(), b64.contiguous()  # (K, M), (K, N): rows for the products (3x faster than strided)
+    for k0 in range(0, K, kc):
+        kk = min(kc, K - k0)
+        p = torch.mul(a_t[k0:k0 + kk, :, None], b_c[k0:k0 + kk, None, :], out=prod[:kk])  # (kk, M, N) exact
+        _round_nearest_into(p, rne, cp[:kk], top_p, out=p)
+        for p_k in p:
+            x = s.add_(p_k) if exact else _add_odd_unchecked(s, p_k)
+            s = _round_nearest_into(x, rne, c, top, out=x)
+    if not bounded and not (_in_range(top, fmt) and _in_range(top_p, fmt)):
+        return None
+    return s
+
+
+def _chunk_nearest(a: torch.Tensor, b: torch.Tensor, fmt: FloatFormat, chunk: int) -> torch.Tensor | None:
+    """``matmul_chunk``'s round-to-nearest loop, unchecked (``_accumulate_chunks``); None where a value reached
+    2^emax (or NaN / Inf): the caller reruns its checked loop."""
+    M, K = a.shape
+    N = b.shape[1]
+    if K == 0 or M == 0 or N == 0:  # (nothing to round; empty partials have no -0 to look for)
+        return torch.zeros(M, N, dtype=torch.float64, device=a.device)
+    cc = min(chunk, K)
+    # |fp32 partial| <= (1 + gamma_cc) sum |ab| in any summation order, gamma_cc = cc u32 / (1 - cc u32) (Higham 3.5):
+    # the factor 2 also covers a matmul that rounds its inputs (TF32, bf16) and underflow, <= 2^-100.  (No partial
+    # overflows float32 where the bound holds: every format's 2^emax is a float32.)
+    term = 2 * cc * _absmax(a) * _absmax(b) + 2.0**-100 if cc <= 2**20 else math.inf
+
+    def partials():  # (M, N) fp32 partial sums of the chunks, in one buffer
+        p = torch.empty(M, N, dtype=torch.float32, device=a.device)
+        for a_k, b_k in zip(a.split(chunk, 1), b.split(chunk, 0)):
+            yield torch.matmul(a_k.float(), b_k.float(), out=p)  # as `a_k @ b_k` computes it
+
+    return _accumulate_chunks(partials, fmt, M, N, a.device, _below_emax(term, -(-K // chunk), fmt))
+
+
+def _accumulate_chunks(partials, fmt: FloatFormat, M: int, N: int, device, bounded: bool,
+                       sign_every_step: bool = False) -> torch.Tensor | None:
+    """s = R(s + p) for the (M, N) fp32 partials that ``partials()`` yields, in order, unchecked (R: round to nearest
+    even to fmt, with subnormals); None where a value reached 2^emax (or NaN / Inf).  ``bounded``: known not to
+    (``_below_emax``), so the loop keeps no tracker.  ``partials`` is called a second time for a rerun (see below).
+
+    Round-to-odd is skipped for ``_sums_exact(fmt)`` formats: R(fl(s + p)) == R(s + p) there.  A partial sum p has
+    at most 24 significant bits, and with E the larger operand's exponent, the sum is exact unless the smaller is
+    below 2^(E-28).  If that smaller one is p, |p| is under a quarter of s's distance to a midpoint of fmt (man <= 23),
+    so x = fl(s + p) and s + p both round to s.  If it is s (|s| >= 2^(emin - man), the finest fmt value),
+    x = fl(p + s) is a midpoint of fmt only where x = p, |s| <= 2^(E-53), so E >= emin - man + 53 > emax + 1 for
+    ``_sums_exact`` formats: |x| >= 2^emax, a rejected run.  Otherwise x is no midpoint and rounds like s + p (the
+    float64 nearest to s + p; a midpoint between them would be nearer).
+
+    Signs of zeros: the loop rounds zeros to +0 and sets the sign of x only after the last step.  Every other value
+    is the same as with the sign set at every step (-0 and +0 add alike to a nonzero p).  So only a zero result can
+    differ, and its sign is the sign of the last step's x unless that step adds a -0 to a zero (x = s + -0 keeps the
+    sign of s, from an earlier step).  Where a -0 last partial meets a zero result, the loop runs again with the sign
+    set at every step (``sign_every_step``)."""
+    exact = _sums_exact(fmt)
+    signed = fmt.has_negative_zero
+    s = torch.zeros(M, N, dtype=torch.float64, device=device)
+    x = torch.empty_like(s)  # s + p
+    c = torch.empty(M, N, dtype=torch.int64, device=device)
+    top = None if bounded else torch.zeros(M, N, dtype=torch.int64, device=device)
+    rne = _rne_constants(fmt)
+    p = xx = None
+    for p in partials():
+        xx = x.copy_(p).add_(s) if exact else _add_odd_unchecked(s, x.copy_(p))
+        _round_nearest_into(xx, rne, c, top, out=s)
+        if signed and sign_every_step:
+            s.copysign_(xx)
+    if not bounded and not _in_range(top, fmt):
+        return None
+    if signed and not sign_every_step and p is not None:
+        s.copysign_(xx)  # the last step's x
+        p_bits = p.view(torch.int32)
+        if int(p_bits.min()) == _NEG_ZERO32 and bool(((p_bits == _NEG_ZERO32) & (s == 0)).any()):
+            return _accumulate_chunks(partials, fmt, M, N, device, bounded, sign_every_step=True)
+    return s
 
 
 def _in_range(top: torch.Tensor, fmt: FloatFormat) -> bool:
     """Every value the unchecked loop rounded was below 2^emax in magnitude (so every result is at most
     2^emax <= fmt.max: no overflow; NaN / Inf have the largest field)."""
     return bool((top.max() < (fmt.emax + 1023) << 52).item()) if top.numel() else True
-
-
-def _products_nearest(a64: torch.Tensor, b64: torch.Tensor, fmt: FloatFormat, kc: int, top: torch.Tensor):
-    """The products a[:, k] b[k, :] of ``matmul_fma`` rounded unchecked (kc k at a time), one (M, N) contiguous
-    tensor a k; ``top`` (0-d int64) keeps their largest exponent field."""
-    for k0 in range(0, a64.shape[1], kc):
-        prod = a64.t()[k0:k0 + kc, :, None] * b64[k0:k0 + kc, None, :]  # (kc, M, N) exact products
-        yield from _nearest_unchecked(prod, fmt, top)
-
-
-def _accumulate_nearest(steps, fmt: FloatFormat, M: int, N: int, device, exact: bool,
-                        signed_zero: bool = True) -> torch.Tensor | None:
-    """s = R(s + p) for the (M, N) float64 ``p`` of ``steps`` in order (R round-to-nearest-even to fmt), unchecked;
-    None where a value reached 2^emax (or NaN / Inf), where the caller reruns its checked loop.
-
-    ``exact``: round-to-odd is skipped, R(fl(s + p)) == R(s + p).  True for ``_sums_exact(fmt)`` formats (every
-    float64 sum of two fmt values is exact, fma mode) and, in an accepted run, for any p of at most 24 significant
-    bits (chunk mode's fp32 partials): with E the larger operand's exponent, the sum is exact unless the smaller is
-    below 2^(E-28).  If that smaller one is p, |p| is under a quarter of s's distance to a midpoint of fmt (man <= 23),
-    so x = fl(s + p) and s + p both round to s.  If it is s (|s| >= 2^(emin - man), the finest fmt value), x = fl(p + s)
-    is a midpoint of fmt only where x = p, |s| <= 2^(E-53), so E >= emin - man + 53 > emax + 1 for ``_sums_exact``
-    formats: |x| >= 2^emax, a rejected run.  Otherwise x is no midpoint and rounds like s + p (the float64 nearest
-    to s + p; a midpoint between them would be nearer).
-
-    ``signed_zero=False`` (fma mode, exact sums): s starts +0 and x = s + p is exact, so x is -0 only for s = -0,
-    never reached, and a nonzero x is a multiple of the finest fmt value, never rounded to zero: no copysign."""
-    s = torch.zeros(M, N, dtype=torch.float64, device=device)
-    top = torch.zeros(M, N, dtype=torch.int64, device=device)
-    for p in steps:
-        s = _nearest_unchecked(s + p if exact else _add_odd_unchecked(s, p), fmt, top, signed_zero)
-    return s if _in_range(top, fmt) else None
 
 
 def _sums_exact(fmt: FloatFormat) -> bool:
@@ -230,17 +324,13 @@ def matmul_chunk(a: torch.Tensor, b: torch.Tensor, acc_fmt: FloatFormat, chunk: 
     running accumulator rounded to ``acc_fmt`` after each chunk.  Returns float32."""
     M, K = a.shape
     N = b.shape[1]
-
-    def partials():  # (M, N) fp32 partial sums, as float64
-        for k0 in range(0, K, chunk):
-            yield (a[:, k0:k0 + chunk].float() @ b[k0:k0 + chunk].float()).double()
-
     if rounding == "nearest" and not kahan and _unchecked_ok(acc_fmt):
-        out = _accumulate_nearest(partials(), acc_fmt, M, N, a.device, _sums_exact(acc_fmt))  # (its proof)
+        out = _chunk_nearest(a, b, acc_fmt, chunk)
         if out is not None:
             return out.float()
     s = torch.zeros(M, N, dtype=torch.float64, device=a.device)
     c = torch.zeros_like(s)
-    for p in partials():
+    for k0 in range(0, K, chunk):
+        p = (a[:, k0:k0 + chunk].float() @ b[k0:k0 + chunk].float()).double()  # (M, N) fp32 partial sum
         s, c = _kahan_or_plain(s, c, p, acc_fmt, rounding, kahan, generator)
     return s.float()
