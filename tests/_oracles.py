@@ -123,8 +123,9 @@ def ml_codes_into_shared(shm_name: str, name: str, bits: int, start: int, count:
     try:
         dt = np.uint16 if bits > 8 else np.uint8
         out = np.ndarray((1 << 32,), dtype=dt, buffer=shm.buf)
-        x = np.arange(start, start + count, dtype=np.uint64).astype(np.uint32).view(np.float32)
-        with np.errstate(all="ignore"):
-            out[start:start + count] = x.astype(ml_dtype(name)).view(dt)
+        pat = np.arange(count, dtype=np.uint32)
+        pat += np.uint32(start)  # the patterns start..start+count-1 < 2**32 (built in uint32: 12x faster
+        with np.errstate(all="ignore"):  # than an int64 arange, which took 5x the ml_dtypes cast itself)
+            out[start:start + count] = pat.view(np.float32).astype(ml_dtype(name)).view(dt)
     finally:
         shm.close()

@@ -49,7 +49,9 @@ def test_every_float32_bit_pattern_matches_ml_dtypes(name, pool):
             x = (bits - ((bits >> 31) << 32)).to(torch.int32).view(torch.float32)  # patterns as float32
             nan = torch.isnan(x)
             codes = tp.encode(x[~nan], fmt).to(torch.int64) & (fmt.n_codes - 1)
-            want = torch.from_numpy(ml_all[start:start + CHUNK].astype(np.int64)).to(DEV)[~nan]
+            raw = ml_all[start:start + CHUNK]  # the codes as stored (1 or 2 bytes), widened on the GPU
+            raw = torch.from_numpy(raw.view(np.int16) if width == 2 else raw).to(DEV)
+            want = (raw.long() & ((1 << (8 * width)) - 1))[~nan]
             mismatches += int((codes != want).sum())
             vals = tp.cast(x, fmt)
             assert bool(torch.isnan(vals[nan]).all())
