@@ -19,7 +19,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 FMAX = torch.finfo(torch.float32).max
 
 
-
 def resnet18_like(w: int) -> list[int]:
     """50 tensor sizes of a ResNet-18-like net of base width w (conv weights, BN vectors, fc): blocks
     inside one tensor and blocks straddling small tensors."""
