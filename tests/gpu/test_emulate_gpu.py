@@ -30,7 +30,7 @@ def test_fma_kernel_equals_reference(acc, kahan):
 
 
 # The tests below take their rounding mode (and chunk) as parameters: every (format, mode, Kahan, chunk) is a kernel
-# of its own, 3-30 s of Triton compile on one core (sm_90 compiles timed on the CPU), and five modes in one test ran
+# of its own, 3-36 s of Triton compile on one core (sm_90 compiles timed on a CPU), and five modes in one test ran
 # past the per-test timeout.
 
 
