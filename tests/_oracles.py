@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import ml_dtypes
 import numpy as np
 
-from tcprec.formats import FloatFormat
+if TYPE_CHECKING:  # annotations only: the all-2**32 test's pool workers import this module without torch
+    from tcprec.formats import FloatFormat
 
 # The formats the issue requires bit-exact against ml_dtypes (RNE), by ml_dtypes name.
 ML_FLOATS = [
@@ -114,17 +117,18 @@ def same_float(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return ((a == b) & (np.signbit(a) == np.signbit(b))) | (np.isnan(a) & np.isnan(b))
 
 
-def ml_codes_into_shared(shm_name: str, name: str, bits: int, start: int, count: int) -> None:
+def ml_codes_into_shared(shm_name: str, name: str, bits: int, start: int, count: int, base: int = 0) -> None:
     """Worker (for a process pool): ml_dtypes codes of the float32 bit patterns start..start+count,
-    written into a shared-memory array indexed by pattern.  Used by the all-2**32 GPU test."""
+    written into a shared-memory array indexed by pattern - base.  Used by the all-2**32 GPU test."""
     from multiprocessing import shared_memory
 
     shm = shared_memory.SharedMemory(name=shm_name)
     try:
-        dt = np.uint16 if bits > 8 else np.uint8
-        out = np.ndarray((1 << 32,), dtype=dt, buffer=shm.buf)
-        x = np.arange(start, start + count, dtype=np.uint64).astype(np.uint32).view(np.float32)
+        dt = np.dtype(np.uint16 if bits > 8 else np.uint8)
+        out = np.ndarray((count,), dtype=dt, buffer=shm.buf, offset=(start - base) * dt.itemsize)
+        pat = np.arange(count, dtype=np.uint32)
+        pat += np.uint32(start)  # the patterns start..start+count-1 < 2**32, in uint32 (no 8-byte temporaries)
         with np.errstate(all="ignore"):
-            out[start:start + count] = x.astype(ml_dtype(name)).view(dt)
+            out[:] = pat.view(np.float32).astype(ml_dtype(name)).view(dt)
     finally:
         shm.close()

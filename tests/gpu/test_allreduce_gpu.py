@@ -18,17 +18,27 @@ from _dist import run_ranks, save_rank
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 FMAX = torch.finfo(torch.float32).max
 
-# ResNet-18-like shapes (conv weights, BN vectors, fc), 50 tensors, 2.9M values: blocks inside one
-# tensor and blocks straddling small tensors
-SIZES = ([64 * 3 * 49, 64, 64] + [64 * 64 * 9, 64, 64] * 4 + [128 * 64 * 9, 128, 128, 128 * 128 * 9, 128, 128,
-         128 * 64, 128, 128] + [128 * 128 * 9, 128, 128] * 2 + [256 * 128 * 9, 256, 256, 256 * 256 * 9, 256, 256,
-         256 * 128, 256, 256] + [256 * 256 * 9, 256, 256] * 2 + [512 * 256 * 9 // 8, 512, 512] + [512 * 10, 10])
+
+def resnet18_like(w: int) -> list[int]:
+    """50 tensor sizes of a ResNet-18-like net of base width w (conv weights, BN vectors, fc): blocks
+    inside one tensor and blocks straddling small tensors."""
+    a, b, c, d = w, 2 * w, 4 * w, 8 * w
+    return ([a * 3 * 49, a, a] + [a * a * 9, a, a] * 4 + [b * a * 9, b, b, b * b * 9, b, b, b * a, b, b]
+            + [b * b * 9, b, b] * 2 + [c * b * 9, c, c, c * c * 9, c, c, c * b, c, c] + [c * c * 9, c, c] * 2
+            + [d * c * 9 // 8, d, d] + [d * 10, 10])
 
 
-def node_grads(node: int, device="cuda") -> torch.Tensor:
+SIZES = resnet18_like(64)  # 2.9M values
+# A quarter of the width (187k values), for the tests that compare with the CPU engine (its cost grows with
+# values x nodes): still 11 to 91 kernel blocks a shard with a ragged last block, a short last shard, tensors
+# spanning up to 18 blocks and blocks straddling up to 100 small tensors (_spans_blocks checks it).
+SMALL = resnet18_like(16)
+
+
+def node_grads(node: int, device="cuda", sizes=SIZES) -> torch.Tensor:
     g = torch.Generator(device=device).manual_seed(100 + node)
     parts = []
-    for i, n in enumerate(SIZES):
+    for i, n in enumerate(sizes):
         t = torch.randn(n, device=device, generator=g) * 10.0 ** ((i % 13) - 8)
         if i == 5:
             t.zero_()  # an all-zero tensor
@@ -36,10 +46,29 @@ def node_grads(node: int, device="cuda") -> torch.Tensor:
             t = (torch.rand(n, device=device, generator=g) * 2 - 1) * FMAX  # up to the float32 max: s < 0
             t[:3] = torch.tensor([FMAX, 1e-30, -1e-40], device=device)
         elif i == 9:
-            t = t * 1e-30  # tiny: s > 127
+            t = t * 1e-30  # tiny: s ~ 100 (2**s still a float32)
             t[:2] = torch.tensor([2.0**-149, -(2.0**-148)], device=device)
+        elif i == 11:
+            t = torch.randn(n, device=device, generator=g) * 1e-40  # float32 subnormals only: s > 127
+            t[0] = -(2.0**-149)
         parts.append(t)
     return torch.cat(parts)
+
+
+def _spans_blocks(sizes, parts: int) -> None:
+    """The kernels' cases with ``sizes`` cut in ``parts`` shards (kernels/triton/allreduce.py): several
+    blocks a shard, a ragged last block, a short last shard."""
+    from tcprec.distributed.algorithms import wire_shard
+    from tcprec.kernels.triton import allreduce as ka
+
+    shard = wire_shard(sum(sizes), parts)
+    assert shard > 2 * ka.BLOCK and shard % ka.BLOCK and sum(sizes) - (parts - 1) * shard < shard, (parts, shard)
+
+
+def _covers_shifts(info) -> None:
+    """APS shifts below 0 (2**s < 1) and above 127 (2**s past float32) both occurred, and zero tensors (s = 0)."""
+    s = info.shifts.cpu()
+    assert bool((s < 0).any() and (s > 127).any() and (s == 0).any()), s.tolist()
 
 
 def _bad(a, b) -> torch.Tensor:
@@ -179,12 +208,16 @@ def test_nccl_two_gpus_equal_reference_nodes():
 @pytest.mark.parametrize("n", [3, 8])
 def test_orders_on_cuda_equal_cpu(algorithm, kahan, n):
     """The torch engine on CUDA tensors (what ring / halving run on GPUs, and direct with acc_format)
-    gives the CPU's bits: emulated nodes on one GPU, against the same nodes on the CPU."""
-    flat = torch.stack([node_grads(i) for i in range(n)])
+    gives the CPU's bits: emulated nodes on one GPU, against the same nodes on the CPU (SMALL: the
+    CPU engine's cost grows with values x nodes)."""
+    _spans_blocks(SMALL, n if algorithm == "ring" else 1 << (n.bit_length() - 1) if algorithm == "halving" else 1)
+    flat = torch.stack([node_grads(i, sizes=SMALL) for i in range(n)])
     for fmt, acc in (("e4m3", None), ("e5m2", None), ("e4m3", "e5m10")):
         kw = dict(aps=True, kahan=kahan, algorithm=algorithm, acc_format=acc)
-        got, info = allreduce_lowp(flat, SIZES, fmt, **kw)
-        want, _ = allreduce_lowp(flat.cpu(), SIZES, fmt, **kw)
+        got, info = allreduce_lowp(flat, SMALL, fmt, **kw)
+        want, iw = allreduce_lowp(flat.cpu(), SMALL, fmt, **kw)
+        _covers_shifts(iw)
+        assert torch.equal(info.shifts.cpu(), iw.shifts), (algorithm, kahan, n, fmt, acc)
         # direct without acc_format, ring and halving (with or without) run the fused kernels (their own backend
         # string); direct with acc_format runs the torch engine with its float32 tables
         fused = (algorithm == "direct" and acc is None) or algorithm in ("ring", "halving")
@@ -204,14 +237,17 @@ RING_CASES = [("e4m3", True, False, "nearest", None), ("e5m2", True, True, "down
                          + [("halving", n, i) for n, i in ((2, 0), (3, 0), (3, 2), (3, 3), (5, 4), (8, 0), (8, 2))])
 def test_ring_and_halving_fused_equal_cpu_cuda(algorithm, n, case):
     """The fused ring / halving kernels on CUDA (emulated nodes on one GPU) give the CPU engine's bits
-    and bytes (halving: no Kahan; its cases drop the compensation)."""
+    and bytes (halving: no Kahan; its cases drop the compensation).  SMALL: as in the test above."""
     fmt, aps, kahan, rounding, acc = RING_CASES[case]
     kahan = kahan and algorithm == "ring"
-    flat = torch.stack([node_grads(i) for i in range(n)])
+    _spans_blocks(SMALL, n if algorithm == "ring" else 1 << (n.bit_length() - 1))
+    flat = torch.stack([node_grads(i, sizes=SMALL) for i in range(n)])
     for transport in ("compressed", "emulate"):
         kw = dict(aps=aps, kahan=kahan, rounding=rounding, transport=transport, algorithm=algorithm, acc_format=acc)
-        got, ig = allreduce_lowp(flat, SIZES, fmt, **kw)
-        want, iw = allreduce_lowp(flat.cpu(), SIZES, fmt, **kw)
+        got, ig = allreduce_lowp(flat, SMALL, fmt, **kw)
+        want, iw = allreduce_lowp(flat.cpu(), SMALL, fmt, **kw)
+        if aps:
+            _covers_shifts(iw)
         assert "fused" in ig.backend and f"{algorithm} order" in ig.backend, ig.backend
         assert _same(got, want), (fmt, aps, kahan, rounding, acc, transport, n, int(_bad(got, want).sum()))
         assert ig.bytes_received == iw.bytes_received and ig.nonfinite_output == iw.nonfinite_output
