@@ -273,8 +273,8 @@ def test_auto_observer_and_bias_correction_on_a_half_precision_model():
 
 
 class _F6(torch.nn.Module):
-    """Functional clamps in a forward: F.hardtanh, F.relu6, torch.clamp with constant bounds (each in front of a
-    linear), and torch.clamp with only a lower bound (not a clamp activation: unbounded above)."""
+    """Functional clamps in a forward: F.hardtanh, F.relu6, torch.clamp then Tensor.clamp with constant bounds (each
+    in front of a linear), and torch.clamp with only a lower bound (not a clamp activation: unbounded above)."""
 
     def __init__(self):
         super().__init__()
@@ -283,7 +283,7 @@ class _F6(torch.nn.Module):
 
     def forward(self, x):
         y = self.c(torch.nn.functional.relu6(self.b(torch.nn.functional.hardtanh(self.a(x), -1.0, 1.0))))
-        return self.e(torch.clamp(self.d(torch.clamp(y, -3.0, 3.0)), min=0.0))
+        return self.e(torch.clamp(self.d(torch.clamp(y, -3.0, 3.0).clamp(max=2.0, min=-2.0)), min=0.0))
 
 
 def test_clamped_inputs_sets_the_precision_of_layers_reading_a_clamp():

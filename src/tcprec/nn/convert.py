@@ -321,9 +321,14 @@ def _candidates(gm: nn.Module, mods, traced: bool) -> list[str]:
 
 def _is_clamp(node: fx.Node, mods) -> bool:
     """Whether fx ``node`` is a clamp activation with constant bounds: an ``nn.ReLU6`` / ``nn.Hardtanh`` module, an
-    ``F.relu6`` call, or ``F.hardtanh`` / ``torch.clamp`` with numeric bounds (fx passes them as args or kwargs)."""
+    ``F.relu6`` call, or ``F.hardtanh`` / ``torch.clamp`` / ``x.clamp`` with numeric bounds (fx passes them as args or
+    kwargs)."""
     if node.op == "call_module":
         return type(mods.get(node.target)) in (nn.ReLU6, nn.Hardtanh)
+    if node.op == "call_method" and node.target in ("clamp", "clip"):  # x.clamp(lo, hi)
+        lo = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")
+        hi = node.args[2] if len(node.args) > 2 else node.kwargs.get("max")
+        return all(isinstance(v, (int, float)) for v in (lo, hi))
     if node.op != "call_function":
         return False
     if node.target is F.relu6:
