@@ -9,6 +9,7 @@ import torch
 import tcprec as tp
 from tcprec.formats import as_format
 from tcprec.nn import calibrate as cal
+from tcprec.nn.convert import plan_layers
 
 BINS = 2048
 
@@ -269,3 +270,96 @@ def test_auto_observer_and_bias_correction_on_a_half_precision_model():
     with torch.no_grad():
         y, ref = q(x).float(), m(x).float()
     assert torch.isfinite(y).all() and float((y - ref).norm() / ref.norm()) < 0.1
+
+
+class _F6(torch.nn.Module):
+    """Functional clamps in a forward: F.hardtanh, F.relu6, torch.clamp then Tensor.clamp with constant bounds (each
+    in front of a linear), and torch.clamp with only a lower bound (not a clamp activation: unbounded above)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+        self.d, self.e = torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        y = self.c(torch.nn.functional.relu6(self.b(torch.nn.functional.hardtanh(self.a(x), -1.0, 1.0))))
+        return self.e(torch.clamp(self.d(torch.clamp(y, -3.0, 3.0).clamp(max=2.0, min=-2.0)), min=0.0))
+
+
+def test_clamped_inputs_sets_the_precision_of_layers_reading_a_clamp():
+    """``clamped_inputs="int8"`` in an fp8 model: exactly the layers whose input is a ReLU6 / Hardtanh output (module
+    or functional) take int8 -- the depthwise conv after the stem's ReLU6, the 1x1 conv after ReLU6 -- and the one
+    after a ReLU keeps fp8; ``overrides`` / ``first_last`` / ``grouped`` win; plan_layers (QAT) agrees."""
+    torch.manual_seed(0)
+    nn = torch.nn
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU6(),
+                      nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.Hardtanh(-2.0, 2.0),
+                      nn.Conv2d(8, 8, 1), nn.ReLU(),
+                      nn.Conv2d(8, 8, 1), nn.ReLU6(),
+                      nn.Conv2d(8, 8, 1), nn.ReLU6(),
+                      nn.Flatten(), nn.Linear(8 * 16, 4)).eval()
+    x = torch.randn(4, 3, 4, 4)
+    cfg = tp.QuantConfig("fp8", clamped_inputs="int8", overrides={"8": "fp8"})
+    q = tp.quantize_model(m, cfg, calibration=x, warn=False)
+    got = {r.name: r.precision for r in q.tcprec_summary.layers}
+    assert got == {"0": "w8a8", "2": "w8a8", "4": "w8a8", "6": "fp8", "8": "fp8", "11": "w8a8"}
+    assert q.get_submodule("4").w_fmt == as_format("int8") and q.get_submodule("6").w_fmt == as_format("e4m3")
+    assert q.get_submodule("8").a_fmt == as_format("e4m3")  # (the override)
+    plans = {p.name: p.precision and str(p.precision) for p in plan_layers(m, cfg)[0]}
+    assert plans["4"] == "w8a8" and plans["6"] == "fp8"
+    g = {r.name: r.precision for r in tp.quantize_model(m, tp.QuantConfig("fp8", clamped_inputs="int8", grouped="fp8"),
+                                                         calibration=x, warn=False).tcprec_summary.layers}
+    assert g["2"] == "fp8" and g["4"] == "w8a8"  # grouped wins over clamped_inputs
+    f = {r.name: r.precision for r in tp.quantize_model(_F6().eval(), tp.QuantConfig("fp8", first_last=None,
+                                                                                      clamped_inputs="int8"),
+                                                         calibration=torch.randn(8, 16), warn=False).tcprec_summary.layers}
+    assert f == {"a": "fp8", "b": "w8a8", "c": "w8a8", "d": "w8a8", "e": "fp8"}
+    plain = {r.name: r.precision for r in tp.quantize_model(m, "fp8", calibration=x, warn=False).tcprec_summary.layers}
+    assert plain["4"] == plain["8"] == "fp8"
+    with pytest.raises(ValueError, match="int9"):
+        tp.QuantConfig("fp8", clamped_inputs="int9")
+
+
+def test_clamped_inputs_int8_is_closer_than_e4m3_on_a_relu6_output():
+    """Closed form: ReLU6 outputs spread over [0, 6] (the clamp hit, so absmax = 6) into a 1x1 conv, the only
+    quantized layer.  At int8 its input is uint8 on the scale 6/255 (a uniform grid: error <= 3/255 per value); at
+    e4m3 on the scale 6/448, where the values in [3.4, 6] sit on a grid of step 32 * 6/448 = 0.43 (3 mantissa bits):
+    the output error is several times larger."""
+    torch.manual_seed(0)
+    nn = torch.nn
+    m = nn.Sequential(nn.Conv2d(16, 16, 1), nn.ReLU6(), nn.Conv2d(16, 16, 1, bias=False), nn.ReLU(),
+                      nn.Conv2d(16, 4, 1)).eval()
+    with torch.no_grad():
+        m[0].weight.copy_(torch.eye(16)[:, :, None, None])
+        m[0].bias.zero_()
+    x = torch.rand(8, 16, 4, 4) * 7.0  # after the ReLU6: uniform on [0, 6] and 1/7 of it at 6
+    over = {"0": "float", "4": "float"}
+    qs = {k: tp.quantize_model(m, tp.QuantConfig("fp8", first_last=None, overrides=over, clamped_inputs=v),
+                               calibration=x, warn=False) for k, v in (("int8", "int8"), ("fp8", None))}
+    assert [r.precision for r in qs["int8"].tcprec_summary.layers] == ["float", "w8a8", "float"]
+    assert [r.precision for r in qs["fp8"].tcprec_summary.layers] == ["float", "fp8", "float"]
+    q8 = qs["int8"].get_submodule("2")
+    assert q8.a_fmt == as_format("uint8") and float(q8.in_scale) == pytest.approx(6.0 / 255, rel=1e-6)
+    assert float(qs["fp8"].get_submodule("2").in_scale) == pytest.approx(6.0 / 448, rel=1e-6)
+    with torch.no_grad():
+        ref = m(x)
+        err = {k: float((q(x).float() - ref).norm() / ref.norm()) for k, q in qs.items()}
+    assert err["int8"] * 4 < err["fp8"], err
+
+
+def test_clamped_inputs_on_an_untraced_model_is_said():
+    """A model that does not trace: no layer's input is known, so the rule does nothing -- and the summary says so."""
+
+    class Branchy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+
+        def forward(self, x):
+            y = torch.nn.functional.relu6(self.a(x))
+            return self.b(y) if float(y.sum()) > -1 else -self.b(y)  # data-dependent control flow
+
+    q = tp.quantize_model(Branchy().eval(), tp.QuantConfig("fp8", first_last=None, clamped_inputs="int8"),
+                          calibration=torch.randn(4, 8), warn=False)
+    assert [r.precision for r in q.tcprec_summary.layers] == ["fp8", "fp8"]
+    assert any("clamped_inputs='int8' not applied" in n for n in q.tcprec_summary.notes)

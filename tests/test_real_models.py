@@ -119,7 +119,8 @@ def test_random_crops_are_reproducible_and_in_range():
     tp.QuantConfig("fp8"),
     tp.QuantConfig("w4a8", weight_clip="mse", weight_rounding=cal.AdaRound(iters=30), bias_correction=True),
     tp.QuantConfig("w4a8", weight_clip="mse", bias_correction=True, grouped="int8"),
-], ids=["int8-auto-bc", "fp8", "w4a8-adaround-bc", "w4a8-grouped8-bc"])
+    tp.QuantConfig("fp8", bias_correction=True, clamped_inputs="int8"),  # int8 and fp8 layers chained
+], ids=["int8-auto-bc", "fp8", "w4a8-adaround-bc", "w4a8-grouped8-bc", "fp8-clamp8-bc"])
 def test_torch_fake_quant_computes_what_the_engine_computes(cfg):
     """bench.accuracy's fake quant takes the engine layers' own weight codes and activation scales: its logits are
     the engine's up to float summation order (far below the quantization error itself)."""
