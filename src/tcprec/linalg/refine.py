@@ -81,32 +81,51 @@ def _residual(A, x, b):
 
 def classic_ir(A, b, M: Callable, *, anorm: float, tol: float, max_iter: int) -> RefineResult:
     """x <- x + M^-1 (b - A x) until the scaled residual is <= tol.  A (n, n), b (n, k) fp64."""
+    stall = 0
+
+    def give_up(eta, hist):
+        nonlocal stall
+        if eta > 1e3 * min(hist):
+            return f"classic IR diverged (backward error {eta:.3g})"
+        stall = stall + 1 if eta > 0.5 * hist[-2] else 0
+        if stall >= 3:
+            return (f"classic IR stagnated at backward error {eta:.3g} > {tol:g} (A too ill-conditioned "
+                    f"for this factor precision; GMRES-IR or a higher-precision factor may converge)")
+        return ""
+
+    # one preconditioner application per correction, so inner_iterations == iterations
+    return _refine_loop(A, b, M, anorm=anorm, tol=tol, max_iter=max_iter, name="classic IR",
+                        correct=lambda x, r, eta: (M(r), 1), give_up=give_up)
+
+
+def _refine_loop(A, b, M: Callable, *, anorm: float, tol: float, max_iter: int, name: str,
+                 correct: Callable, give_up: Callable) -> RefineResult:
+    """The outer loop shared by classic IR, GMRES-IR and FGMRES-IR: x0 = M^-1 b, fp64 residuals, stop
+    at ``tol``, give up on a non-finite residual, when ``give_up(eta, hist)`` returns a reason (asked
+    from the first correction on) or after ``max_iter`` corrections.
+    ``correct(x, r, eta) -> (d, inner steps)`` is the inner solve."""
     x = M(b)
     hist: list = []
-    stall = 0
+    inner = 0
     for it in range(max_iter + 1):
         r = _residual(A, x, b)
         eta = _scaled(r, x, b, anorm)
         hist.append(eta)
         if not math.isfinite(eta):
-            return RefineResult(x, hist, it, it, False, "non-finite residual (LU factors overflowed)")
+            return RefineResult(x, hist, it, inner, False, "non-finite residual (LU factors overflowed)")
         if eta <= tol:
-            return RefineResult(x, hist, it, it, True, "")
+            return RefineResult(x, hist, it, inner, True, "")
         if it == max_iter:
             break
         if it > 0:
-            if eta > 1e3 * min(hist):
-                return RefineResult(x, hist, it, it, False, f"classic IR diverged (backward error {eta:.3g})")
-            stall = stall + 1 if eta > 0.5 * hist[-2] else 0
-            if stall >= 3:
-                return RefineResult(
-                    x, hist, it, it, False,
-                    f"classic IR stagnated at backward error {eta:.3g} > {tol:g} (A too ill-conditioned "
-                    f"for this factor precision; GMRES-IR or a higher-precision factor may converge)",
-                )
-        x = x + M(r)
-    return RefineResult(x, hist, max_iter, max_iter, False, f"classic IR reached max_iter={max_iter} "
-                        f"at backward error {hist[-1]:.3g} > {tol:g}")
+            reason = give_up(eta, hist)
+            if reason:
+                return RefineResult(x, hist, it, inner, False, reason)
+        d, steps = correct(x, r, eta)
+        inner += steps
+        x = x + d
+    return RefineResult(x, hist, max_iter, inner, False, f"{name} reached max_iter={max_iter} at "
+                        f"backward error {hist[-1]:.3g} > {tol:g}")
 
 
 def _gmres(apply_op: Callable, rhs: torch.Tensor, restart: int, rtol: float, precond: Callable | None = None):
@@ -178,33 +197,17 @@ def _gmres(apply_op: Callable, rhs: torch.Tensor, restart: int, rtol: float, pre
 
 def _krylov_ir(A, b, M: Callable, *, anorm: float, tol: float, max_iter: int, restart: int, name: str,
                correct: Callable) -> RefineResult:
-    """The outer loop shared by GMRES-IR and FGMRES-IR: x0 = M^-1 b, fp64 residuals, stop at ``tol``, give
-    up on a non-finite residual, on stagnation (< 10% gain per correction) or after ``max_iter``
-    corrections.  ``correct(x, r, eta) -> (d, inner steps)`` is the inner solve."""
-    x = M(b)
-    hist: list = []
-    inner = 0
-    for it in range(max_iter + 1):
-        r = _residual(A, x, b)
-        eta = _scaled(r, x, b, anorm)
-        hist.append(eta)
-        if not math.isfinite(eta):
-            return RefineResult(x, hist, it, inner, False, "non-finite residual (LU factors overflowed)")
-        if eta <= tol:
-            return RefineResult(x, hist, it, inner, True, "")
-        if it == max_iter:
-            break
-        if it > 0 and eta > 0.9 * hist[-2]:
-            return RefineResult(
-                x, hist, it, inner, False,
-                f"{name} stagnated at backward error {eta:.3g} > {tol:g} (A too ill-conditioned for "
-                f"a {restart}-step Krylov space with this factor precision)",
-            )
-        d, steps = correct(x, r, eta)
-        inner += steps
-        x = x + d
-    return RefineResult(x, hist, max_iter, inner, False, f"{name} reached max_iter={max_iter} at "
-                        f"backward error {hist[-1]:.3g} > {tol:g}")
+    """The outer loop of GMRES-IR and FGMRES-IR: :func:`_refine_loop` giving up on stagnation (< 10%
+    gain per correction)."""
+
+    def give_up(eta, hist):
+        if eta > 0.9 * hist[-2]:
+            return (f"{name} stagnated at backward error {eta:.3g} > {tol:g} (A too ill-conditioned for "
+                    f"a {restart}-step Krylov space with this factor precision)")
+        return ""
+
+    return _refine_loop(A, b, M, anorm=anorm, tol=tol, max_iter=max_iter, name=name, correct=correct,
+                        give_up=give_up)
 
 
 def gmres_ir(
