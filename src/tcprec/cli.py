@@ -206,13 +206,18 @@ class Device(str, Enum):
 
 
 @contextmanager
-def _needs_gpu():
-    """Benchmarks raise ``NeedsGPU`` off a GPU: print why and exit with code 2."""
+def _exit_on(*errors: type[Exception], code: int):
+    """One of ``errors`` raised inside: print its message in red on stderr and exit with ``code``."""
     try:
         yield
-    except NeedsGPU as e:
+    except errors as e:
         Console(stderr=True).print(f"[red]{escape(str(e))}")
-        raise typer.Exit(code=2) from None
+        raise typer.Exit(code=code) from None
+
+
+def _needs_gpu():
+    """Benchmarks raise ``NeedsGPU`` off a GPU: print why and exit with code 2."""
+    return _exit_on(NeedsGPU, code=2)
 
 
 def _split(text: str, option: str) -> list[str]:
@@ -1248,13 +1253,10 @@ def bench_cpu_memory_time_cmd(
                          + (["--baseline", str(baseline)] if baseline else [])
                          + (["--emulated-features", str(emulated_features)] if emulated_features != 256 else [])
                          + (["--emulated-batch", str(emulated_batch)] if emulated_batch != 64 else []))
-    try:
-        with _json_file(json_path, "cpu_memory_time.json") as out:
-            cpu_mem_bench.run(names, out, None if baseline is None else str(baseline), emulated_features,
-                              emulated_batch, command=command, console=Console(stderr=True))
-    except RuntimeError as e:  # a case's process failed: its stderr is in the message
-        Console(stderr=True).print(f"[red]{escape(str(e))}")
-        raise typer.Exit(code=1) from None
+    # RuntimeError: a case's process failed; its stderr is in the message
+    with _exit_on(RuntimeError, code=1), _json_file(json_path, "cpu_memory_time.json") as out:
+        cpu_mem_bench.run(names, out, None if baseline is None else str(baseline), emulated_features,
+                          emulated_batch, command=command, console=Console(stderr=True))
 
 
 @bench_app.command("cpu-train-step")
@@ -1283,13 +1285,10 @@ def bench_cpu_train_step_cmd(
     command = shlex.join(["tcprec", "bench", "cpu-train-step", "--steps", str(steps), "--reference-steps",
                           str(reference_steps), "--batch", str(batch), "--nodes", str(nodes), "--algorithm", algorithm,
                           "--variants", variants, "--threads", str(threads), "--model", model, "--json", json_path])
-    try:
-        with _json_file(json_path, "cpu_train_step.json") as out:
-            train_step_bench.run(names, steps, reference_steps, batch, nodes, algorithm, threads, model, out,
-                                 command=command, console=Console(stderr=True))
-    except RuntimeError as e:  # a variant's process failed: its stderr is in the message
-        Console(stderr=True).print(f"[red]{escape(str(e))}")
-        raise typer.Exit(code=1) from None
+    # RuntimeError: a variant's process failed; its stderr is in the message
+    with _exit_on(RuntimeError, code=1), _json_file(json_path, "cpu_train_step.json") as out:
+        train_step_bench.run(names, steps, reference_steps, batch, nodes, algorithm, threads, model, out,
+                             command=command, console=Console(stderr=True))
 
 
 @bench_app.command("cpd")
