@@ -100,8 +100,14 @@ def _check_wgrad(g, precision, dy, x, got):
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("spec", GEOMS, ids=lambda s: "x".join(map(str, s[:7])) + f"_s{s[7]}_p{s[8]}_d{s[9]}")
+def _every_geom_and_precision(test):
+    """``test`` over GEOMS x PRECISIONS, with ids like ``2x7x7x8x16x3x3_s1_p1_d1-fp16``."""
+    by_geom = pytest.mark.parametrize("spec", GEOMS, ids=lambda s: "x".join(map(str, s[:7]))
+                                      + f"_s{s[7]}_p{s[8]}_d{s[9]}")
+    return pytest.mark.parametrize("precision", PRECISIONS)(by_geom(test))
+
+
+@_every_geom_and_precision
 def test_dgrad_triton_vs_fp64(spec, precision):
     g = _geom(spec)
     dy, w, _ = _data(g)
@@ -111,8 +117,7 @@ def test_dgrad_triton_vs_fp64(spec, precision):
     _check_dgrad(g, precision, dy, w, got)
 
 
-@pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("spec", GEOMS, ids=lambda s: "x".join(map(str, s[:7])) + f"_s{s[7]}_p{s[8]}_d{s[9]}")
+@_every_geom_and_precision
 def test_wgrad_triton_vs_fp64(spec, precision):
     g = _geom(spec)
     dy, _, x = _data(g)
