@@ -14,15 +14,14 @@ from tcprec.kernels import reference_emulate as rem
 FORMATS = ["e5m10", "e8m7", "e4m3", "e3m2", "e5m2", "e4m3fn", "e8m23", "e4m3fnuz", "e5m10_nospecials", "e3m2_nosub"]
 
 
-def _loop_fma(a, b, fmt, rounding, kahan):
-    """The per-k loop as it was (every rounding through ref.cast_float, every sum through round-to-odd)."""
+def _sum_loop(parts, shape, fmt, rounding, kahan):
+    """The model's running sum of ``parts`` (float64 partials, in order) into a (M, N) result: every rounding
+    through ref.cast_float, every sum through round-to-odd; Kahan-compensated with ``kahan``."""
     R = lambda v: ref.cast_float(v, fmt, rounding, None)  # noqa: E731
     add = rem.add_round_to_odd
-    a64, b64 = a.double(), b.double()
-    s = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64)
+    s = torch.zeros(shape, dtype=torch.float64)
     c = torch.zeros_like(s)
-    for k in range(a.shape[1]):
-        p = R(a64[:, k, None] * b64[None, k, :])
+    for p in parts:
         if not kahan:
             s = R(add(s, p))
             continue
@@ -31,6 +30,13 @@ def _loop_fma(a, b, fmt, rounding, kahan):
         c = R(add(R(add(t, -s)), -y))
         s = t
     return s.float()
+
+
+def _loop_fma(a, b, fmt, rounding, kahan):
+    """The per-k loop as it was: each product rounded to fmt (ref.cast_float), then summed by _sum_loop."""
+    a64, b64 = a.double(), b.double()
+    products = (ref.cast_float(a64[:, k, None] * b64[None, k, :], fmt, rounding, None) for k in range(a.shape[1]))
+    return _sum_loop(products, (a.shape[0], b.shape[1]), fmt, rounding, kahan)
 
 
 def _operands(seed, M=5, K=29, N=6, spread=12):
@@ -80,21 +86,10 @@ def test_fast_nearest_matches_cast_float_on_ties_specials_and_ranges(name):
 
 
 def _loop_chunk(a, b, fmt, chunk, rounding, kahan):
-    """The per-chunk loop of the model (every rounding through ref.cast_float, every sum through round-to-odd)."""
-    R = lambda v: ref.cast_float(v, fmt, rounding, None)  # noqa: E731
-    add = rem.add_round_to_odd
-    s = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64)
-    c = torch.zeros_like(s)
-    for k0 in range(0, a.shape[1], chunk):
-        p = (a[:, k0:k0 + chunk].float() @ b[k0:k0 + chunk].float()).double()  # the reference's own partial sum
-        if not kahan:
-            s = R(add(s, p))
-            continue
-        y = R(add(p, -c))
-        t = R(add(s, y))
-        c = R(add(R(add(t, -s)), -y))
-        s = t
-    return s.float()
+    """The per-chunk loop of the model: each chunk's fp32 partial sum (the reference's own) summed by _sum_loop."""
+    partials = ((a[:, k0:k0 + chunk].float() @ b[k0:k0 + chunk].float()).double()
+                for k0 in range(0, a.shape[1], chunk))
+    return _sum_loop(partials, (a.shape[0], b.shape[1]), fmt, rounding, kahan)
 
 
 def _same_bits(got, want):
@@ -193,7 +188,7 @@ def test_chunk_zero_signs_through_minus_zero_partials(name, bounded):
     parts = [torch.tensor([[c[k] for c in cols]]) for k in range(3)]  # (1, 7) fp32 partials, in order
     got = rem._accumulate_chunks(lambda: iter(parts), fmt, 1, 7, "cpu", bounded)
     s = torch.zeros(1, 7, dtype=torch.float64)
-    for p in parts:  # the per-chunk loop of _loop_chunk on these partials
+    for p in parts:  # _sum_loop without Kahan on these partials, kept in float64
         s = ref.cast_float(rem.add_round_to_odd(s, p.double()), fmt, "nearest", None)
     assert torch.equal(got.view(torch.int64), s.view(torch.int64)), (got, s)
     assert got.signbit().flatten().tolist() == [True, False, False, True, False, False, False]
