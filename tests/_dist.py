@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -14,6 +16,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def gloo_group(rank: int, world: int, port: int, **init_kwargs):
+    """In a worker: the gloo process group of :func:`run_ranks`'s ``world`` processes (on 127.0.0.1:``port``)
+    for the block, destroyed after it.  ``init_kwargs`` go to ``init_process_group`` (e.g. ``timeout``)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, **init_kwargs)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def save_rank(res, out_dir: str, rank: int) -> None:

@@ -12,11 +12,9 @@
   group still works after."""
 
 import datetime
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tcprec.distributed import ALGORITHMS, EmulatedNodes, allreduce_lowp, allreduce_model, lowp_allreduce_hook
 from tcprec.distributed.algorithms import model_bytes, wire_shard
@@ -24,7 +22,7 @@ from tcprec.distributed.arith import Fast32, Ref64, fast_reason, make_arith
 from tcprec.formats import FloatFormat
 from tcprec.formats import format as fmt_of
 
-from _dist import run_ranks, save_rank
+from _dist import gloo_group, run_ranks, save_rank
 from _oracles import same_float
 
 FMAX = torch.finfo(torch.float32).max
@@ -184,9 +182,7 @@ def _errors(fn):
 
 
 def _worker(rank, world, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    try:
+    with gloo_group(rank, world, port, timeout=datetime.timedelta(seconds=60)):
         res = {}
         mine = node_grads(rank).view(1, -1)
         two = torch.stack([node_grads(2 * rank), node_grads(2 * rank + 1)])  # 2 nodes per process
@@ -216,8 +212,6 @@ def _worker(rank, world, port, out_dir):
         ((model(x.chunk(world)[rank]) - y.chunk(world)[rank]) ** 2).mean().backward()
         res["ddp_ring"] = [p.grad.clone() for p in model.parameters()]
         save_rank(res, out_dir, rank)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -264,9 +258,7 @@ CONFIGS8 = [("e4m3", True, False), ("e4m3", False, False), ("e5m2", True, True),
 
 
 def _worker8(rank, world, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    try:
+    with gloo_group(rank, world, port, timeout=datetime.timedelta(seconds=60)):
         res = {}
         mine = node_grads(rank).view(1, -1)
         for alg in ALGORITHMS:
@@ -284,8 +276,6 @@ def _worker8(rank, world, port, out_dir):
                                                       algorithm="ring"))
         res["after"] = allreduce_lowp(mine, SIZES, "e4m3", algorithm="halving")[0]
         save_rank(res, out_dir, rank)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_gloo_eight_processes_equal_emulation():

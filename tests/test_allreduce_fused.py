@@ -4,18 +4,15 @@ on CUDA).  Blocks are shrunk to 64 elements so that small inputs cross every blo
 inside one tensor (one float32 multiply, or the float64 round-to-odd path when s < 0 or s > 127),
 a block straddling tensors (per-element lookup), padding of the last shard."""
 
-import os
-
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from tcprec.distributed import allreduce_lowp
 from tcprec.formats import FloatFormat, format
 
 from _aot import require_nvidia_backend, run_aot
-from _dist import run_ranks, save_rank
+from _dist import gloo_group, run_ranks, save_rank
 from _oracles import same_float
 
 ka = pytest.importorskip("tcprec.kernels.triton.allreduce", reason="triton is a Linux dependency of tcprec")
@@ -212,10 +209,8 @@ CONFIGS = [("e4m3", True, False, "nearest"), ("e5m2", True, True, "up"), ("e3m0"
 
 
 def _worker(rank, world, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     ka.BLOCK = 64
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         res = {}
         for n_local in (1, 2):  # 1: the all-gather exchange; 2: reduce-scatter (lowp._gathers)
             mine = torch.stack([node_grads(rank * n_local + i) for i in range(n_local)])  # node order: rank-major
@@ -225,8 +220,6 @@ def _worker(rank, world, port, out_dir):
                                                rounding=rounding, backend="triton")
                     res[(n_local, fmt, aps, kahan, rounding, transport)] = (out, info.backend)
         save_rank(res, out_dir, rank)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_gloo_two_processes_fused_equal_reference_nodes():

@@ -6,16 +6,13 @@ both transports; and three gloo processes (the send / recv paths, halving's fold
 tests/gpu/test_allreduce_gpu.py repeats this on CUDA.  Blocks are 64 elements (as
 test_allreduce_fused.py) so that 476 values cross block and shard boundaries."""
 
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from tcprec.distributed import allreduce_lowp
 
 from _aot import require_nvidia_backend, run_aot
-from _dist import run_ranks, save_rank
+from _dist import gloo_group, run_ranks, save_rank
 from test_allreduce_fused import SIZES, _same, node_grads
 
 ka = pytest.importorskip("tcprec.kernels.triton.allreduce", reason="triton is a Linux dependency of tcprec")
@@ -96,10 +93,8 @@ CONFIGS = [("ring", "e4m3", True, False, "nearest", None, ("compressed", "emulat
 
 
 def _worker(rank, world, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     ka.BLOCK = 64
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         res = {}
         for n_local in (1, 2):
             mine = torch.stack([node_grads(rank * n_local + i) for i in range(n_local)])
@@ -111,8 +106,6 @@ def _worker(rank, world, port, out_dir):
                                                algorithm=alg, acc_format=acc, transport=transport, backend="triton")
                     res[(n_local, alg, fmt, acc, transport)] = (out, info.backend, info.bytes_received)
         save_rank(res, out_dir, rank)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_gloo_three_processes_fused_equal_emulation():

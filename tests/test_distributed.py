@@ -2,17 +2,15 @@
 multi-process runs with gloo (2 and 4 processes, spawned) that must give the same bits."""
 
 import logging
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import tcprec as tp
 from tcprec.distributed import EmulatedNodes, allreduce_lowp, check_aps_format, lowp_allreduce_hook
 from tcprec.train import LossScaler
 
-from _dist import run_ranks, save_rank
+from _dist import gloo_group, run_ranks, save_rank
 
 SIZES = [7, 100, 1, 33, 16]  # tensor 3 (33 values) is all zero on every node
 CONFIGS = [("e4m3", True, False), ("e5m2", True, True), ("e3m0", True, False), ("e4m3", False, False),
@@ -110,9 +108,7 @@ def _loss(o, y):
 
 
 def _worker(rank, world, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         res = {}
         mine = node_grads(rank).view(1, -1)
         for fmt, aps, kahan in CONFIGS:
@@ -135,8 +131,6 @@ def _worker(rank, world, port, out_dir):
                                                           y.chunk(world)[rank].repeat(2, 1))
         res["nodes2"] = [p.grad.clone() for p in m2.parameters()]
         save_rank(res, out_dir, rank)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [2, 4])
