@@ -32,3 +32,23 @@ def require_nvidia_backend() -> None:
     except ImportError as e:
         print(f"no NVIDIA backend in this triton: {e}")
         sys.exit(3)
+
+
+def compile_ptx(fn, types: dict, consts: dict, div=(), num_warps: int = 8) -> str:
+    """In the ``--aot`` subprocess: the PTX of the Triton kernel ``fn`` built for sm_90.  ``consts`` are its
+    constexprs, ``types`` every other argument's type (``"*fp32"``, ``"i32"``); pointers and the integer
+    arguments named in ``div`` are declared multiples of 16."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        else:
+            sig[name] = types[name]
+            if types[name].startswith("*") or name in div:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps)).asm["ptx"]

@@ -11,7 +11,7 @@ import torch
 from tcprec.distributed import allreduce_lowp
 from tcprec.formats import FloatFormat, format
 
-from _aot import require_nvidia_backend, run_aot
+from _aot import compile_ptx, require_nvidia_backend, run_aot
 from _dist import gloo_group, run_ranks, save_rank
 from _oracles import same_float
 
@@ -249,46 +249,30 @@ def test_kernels_compile_for_sm90():
 
 def _aot_main():
     require_nvidia_backend()
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from tcprec.kernels.triton.cast import _float_constexprs
-
-    def comp(fn, types, consts, div=()):
-        sig, attrs = {}, {}
-        for i, name in enumerate(fn.arg_names):
-            if name in consts:
-                sig[name] = "constexpr"
-            else:
-                sig[name] = types[name]
-                if types[name].startswith("*") or name in div:
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-        return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=8)).asm["ptx"]
 
     fmt = format("e4m3")
     fc = _float_constexprs(fmt)
     aps = dict(APS=True, TOP=7)
-    comp(ka._amax_kernel, dict(g_ptr="*fp32", state_ptr="*i32", blk_ptr="*i32", starts_ptr="*i64", n_local="i32",
-                               numel="i32", T="i32"), dict(BLOCK=2048), div=("numel",))
+    compile_ptx(ka._amax_kernel, dict(g_ptr="*fp32", state_ptr="*i32", blk_ptr="*i32", starts_ptr="*i64",
+                                      n_local="i32", numel="i32", T="i32"), dict(BLOCK=2048), div=("numel",))
     for codes, hw in ((True, 1), (False, 0)):
-        comp(ka._encode_kernel, dict(g_ptr="*fp32", send_ptr="*u8" if codes else "*fp32", state_ptr="*i32",
-                                     blk_ptr="*i32", starts_ptr="*i64", n_local="i32", numel="i32", shard="i32",
-                                     T="i32", n="i32"),
-             dict(**aps, **fc, MODE=0, CODES=codes, HW=hw, BLOCK=2048), div=("numel", "shard"))
-    comp(ka._reduce_kernel, dict(recv_ptr="*u8", out_ptr="*u8", lut_ptr="*fp32", n="i32", shard="i32"),
-         dict(**fc, MODE=3, KAHAN=True, CODES=True, N_CODES=256, DEC=1, HW=0, BLOCK=2048), div=("shard",))
+        compile_ptx(ka._encode_kernel, dict(g_ptr="*fp32", send_ptr="*u8" if codes else "*fp32", state_ptr="*i32",
+                                            blk_ptr="*i32", starts_ptr="*i64", n_local="i32", numel="i32",
+                                            shard="i32", T="i32", n="i32"),
+                    dict(**aps, **fc, MODE=0, CODES=codes, HW=hw, BLOCK=2048), div=("numel", "shard"))
+    compile_ptx(ka._reduce_kernel, dict(recv_ptr="*u8", out_ptr="*u8", lut_ptr="*fp32", n="i32", shard="i32"),
+                dict(**fc, MODE=3, KAHAN=True, CODES=True, N_CODES=256, DEC=1, HW=0, BLOCK=2048), div=("shard",))
     mean = dict(wire_ptr="*u8", out_ptr="*fp32", lut_ptr="*fp32", state_ptr="*i32", blk_ptr="*i32",
                 starts_ptr="*i64", numel="i32", T="i32", inv_n="fp32", n="i32")
-    ptx = comp(ka._finish_kernel, mean, dict(**aps, N_POW2=False, LOG2N=0, CODES=True, N_CODES=256, DEC=0,
-                                             BLOCK=2048), div=("numel",))
-    comp(ka._finish_kernel, dict(mean, wire_ptr="*fp32"), dict(**aps, N_POW2=True, LOG2N=1, CODES=False,
-                                                               N_CODES=256, DEC=2, BLOCK=2048), div=("numel",))
+    ptx = compile_ptx(ka._finish_kernel, mean, dict(**aps, N_POW2=False, LOG2N=0, CODES=True, N_CODES=256, DEC=0,
+                                                    BLOCK=2048), div=("numel",))
+    compile_ptx(ka._finish_kernel, dict(mean, wire_ptr="*fp32"),
+                dict(**aps, N_POW2=True, LOG2N=1, CODES=False, N_CODES=256, DEC=2, BLOCK=2048), div=("numel",))
     for codes, hw, dec, pow2 in ((True, 1, 1, True), (False, 0, 0, False)):
-        rf = comp(ka._reduce_finish_kernel, dict(mean, row="i32", wire_ptr="*u8" if codes else "*fp32"),
-                  dict(**fc, **aps, N_POW2=pow2, LOG2N=1 if pow2 else 0, MODE=0, KAHAN=not codes, CODES=codes,
-                       N_CODES=256, DEC=dec, HW=hw, BLOCK=2048), div=("numel", "row"))
+        rf = compile_ptx(ka._reduce_finish_kernel, dict(mean, row="i32", wire_ptr="*u8" if codes else "*fp32"),
+                         dict(**fc, **aps, N_POW2=pow2, LOG2N=1 if pow2 else 0, MODE=0, KAHAN=not codes,
+                              CODES=codes, N_CODES=256, DEC=dec, HW=hw, BLOCK=2048), div=("numel", "row"))
         if hw:
             assert "cvt.rn.satfinite.e4m3x2.f32" in rf, "the fp8 rounding is not the hardware conversion"
     print("div.rn.f64" if "div.rn.f64" in ptx else "no div.rn.f64", "OK")

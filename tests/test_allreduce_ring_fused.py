@@ -11,7 +11,7 @@ import torch
 
 from tcprec.distributed import allreduce_lowp
 
-from _aot import require_nvidia_backend, run_aot
+from _aot import compile_ptx, require_nvidia_backend, run_aot
 from _dist import gloo_group, run_ranks, save_rank
 from test_allreduce_fused import SIZES, _same, node_grads
 
@@ -140,10 +140,6 @@ def test_ring_and_halving_steps_compile_for_sm90():
 
 def _aot_main():
     require_nvidia_backend()
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from tcprec.formats import format
     from tcprec.kernels.triton.cast import _float_constexprs
 
@@ -161,16 +157,7 @@ def _aot_main():
         wire = ("*i16" if s.bits > 8 else "*u8") if codes else "*fp32"
         types = dict(recv_ptr=wire, prev_ptr=wire, q_ptr="*u8" if codes else "*fp32", out_ptr=wire, lut_a_ptr="*fp32",
                      lut_s_ptr="*fp32", n_local="i32", n="i32", shard="i32", rank="i32", t="i32")
-        sig, attrs = {}, {}
-        for i, name in enumerate(fn.arg_names):
-            if name in consts:
-                sig[name] = "constexpr"
-            else:
-                sig[name] = types[name]
-                if types[name].startswith("*") or name == "shard":
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-        ptx = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                             options=dict(num_warps=8)).asm["ptx"]
+        ptx = compile_ptx(fn, types, consts, div=("shard",))
         seen += [m for m in ("cvt.rn.satfinite.e4m3x2.f32",) if m in ptx]
     fn = ka._halving_step_kernel
     for acc, codes, hw, fold, last, dist_ in (("e4m3", True, 1, False, True, False),
@@ -181,16 +168,7 @@ def _aot_main():
                       DEC=ka._BITCAST_FORMATS.get(s, 0), HW=hw, BLOCK=2048)
         wire = ("*i16" if s.bits > 8 else "*u8") if codes else "*fp32"
         types = dict(v_ptr=wire, recv_ptr=wire, lut_ptr="*fp32", L="i32", shard="i32", d="i32", P="i32", rank="i32")
-        sig, attrs = {}, {}
-        for i, name in enumerate(fn.arg_names):
-            if name in consts:
-                sig[name] = "constexpr"
-            else:
-                sig[name] = types[name]
-                if types[name].startswith("*") or name in ("L", "shard"):
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-        ptx = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                             options=dict(num_warps=8)).asm["ptx"]
+        ptx = compile_ptx(fn, types, consts, div=("L", "shard"))
         seen += [m for m in ("cvt.rn.satfinite.e4m3x2.f32",) if m in ptx]
     print(*seen, "OK")
 
