@@ -4,7 +4,6 @@ CPU, set in conftest.py), and QGroupedConv2d / quantize_model put a depthwise Mo
 (e4m3 x e4m3): the reference sums in float32 in its stated order, within the float32 bound of the exact sum, and
 the Triton kernel equals it bit for bit; an fp8 model comes back with its depthwise convs quantized."""
 
-import io
 
 import pytest
 import torch
@@ -14,6 +13,8 @@ import tcprec as tp
 from tcprec.kernels import reference_conv_grouped as rg
 from tcprec.kernels.reference_conv_bitserial import decode_values
 from tcprec.ops.qconv_grouped import choose_grouped_backend, grouped_conv2d
+
+from _persist import assert_round_trips
 
 # (N, H, W, C, K, R, groups, stride, pad4 (top, bottom, left, right), dilation, x format, w format)
 CASES = [
@@ -283,15 +284,8 @@ def test_grouped_layer_persists(prec):
     q, q2 = quantized(prec, 0), quantized(prec, 1, 3.0)
     sd = q.state_dict()
     assert sd["dw._extra_state"]["precision"] == str(q.dw.precision) and torch.equal(sd["dw.w_codes"], q.dw.w_codes)
+    assert_round_trips(q, q2, x)
     with torch.no_grad():
-        want = q(x)
-        assert not torch.equal(q2(x), want)
-        q2.load_state_dict(sd)
-        assert torch.equal(q2(x), want)
-        buf = io.BytesIO()
-        torch.save(q, buf)
-        buf.seek(0)
-        assert torch.equal(torch.load(buf, weights_only=False)(x), want)
         other = quantized("fp8" if prec == "int8" else "int8", 0)
         before = other.dw.w_codes.clone()
         with pytest.raises(ValueError, match="precision: saved"):

@@ -1,7 +1,6 @@
 """The speed rule (nn/speed_rule.py) driven by a fake clock on the CPU: which layers it floats, what the summary and
 explain say, the whole-model check, and the option's validation.  No real timing here (GPU: tests/gpu/)."""
 
-import io
 import warnings
 
 import pytest
@@ -10,6 +9,8 @@ from torch import nn
 
 import tcprec as tp
 from tcprec.nn.speed_rule import MODEL, as_speed_rule, timing_input
+
+from _persist import assert_round_trips
 
 SpeedRule = tp.SpeedRule  # the public name
 
@@ -206,13 +207,4 @@ def test_floated_qkv_persists_through_the_pinned_overrides():
     pinned = tp.QuantConfig("int8", first_last=None, overrides=q.tcprec_summary.speed.overrides())
     other = tp.quantize_model(_encoder(seed=3), pinned, calibration=torch.randn(2, 5, 32) * 2, warn=False)
     assert type(other.get_submodule(QKV)) is nn.Linear  # the same structure, without timing
-    x = torch.randn(3, 5, 32)
-    with torch.no_grad():
-        want = q(x)
-        assert not torch.equal(other(x), want)
-        other.load_state_dict(q.state_dict())
-        assert torch.equal(other(x), want)
-        buf = io.BytesIO()
-        torch.save(q, buf)
-        buf.seek(0)
-        assert torch.equal(torch.load(buf, weights_only=False)(x), want)
+    assert_round_trips(q, other, torch.randn(3, 5, 32))

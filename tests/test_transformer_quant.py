@@ -14,7 +14,6 @@ nn.TransformerEncoderLayer / nn.MultiheadAttention / a ViT-style block, int8 and
 """
 
 import copy
-import io
 
 import pytest
 import torch
@@ -25,6 +24,8 @@ import tcprec as tp
 from tcprec.formats import FloatFormat
 from tcprec.nn.attention import MultiheadAttention, SDPAttention, decompose_transformers
 from tcprec.nn.qmodules import QLinear
+
+from _persist import assert_round_trips
 
 D_MODEL, HEADS, SEQ, BATCH, FF = 64, 4, 17, 3, 128
 NRMSE_MAX = {"int8": 0.02, "fp8": 0.06}  # measured 0.004 / 0.019 on the relu encoder below (seed 0)
@@ -337,15 +338,7 @@ def test_state_dict_round_trip_and_whole_model_save(precision):
     x = _x()
     q = tp.quantize_model(_encoder(seed=0), precision, calibration=x, warn=False)
     q2 = tp.quantize_model(_encoder(seed=5), precision, calibration=x * 3, warn=False)
-    with torch.no_grad():
-        want = q(x)
-        assert not torch.equal(q2(x), want)
-        q2.load_state_dict(q.state_dict())
-        assert torch.equal(q2(x), want)
-        buf = io.BytesIO()
-        torch.save(q, buf)
-        buf.seek(0)
-        assert torch.equal(torch.load(buf, weights_only=False)(x), want)
+    assert_round_trips(q, q2, x)
     other = tp.quantize_model(_encoder(seed=0), "w4a4", calibration=x, warn=False)
     with pytest.raises(ValueError, match="precision"):
         other.load_state_dict(q.state_dict())
