@@ -319,29 +319,29 @@ def _candidates(gm: nn.Module, mods, traced: bool) -> list[str]:
     return [n for n, m in gm.named_modules() if type(m) in (nn.Conv2d, nn.Linear)]
 
 
+def _numeric_bounds(node: fx.Node, lo_name: str, hi_name: str, lo_default=None, hi_default=None) -> bool:
+    """Whether the clamp-like call ``node`` (input first, then the two bounds, as args or by these keyword names)
+    has numeric bounds."""
+    lo = node.args[1] if len(node.args) > 1 else node.kwargs.get(lo_name, lo_default)
+    hi = node.args[2] if len(node.args) > 2 else node.kwargs.get(hi_name, hi_default)
+    return all(isinstance(v, (int, float)) for v in (lo, hi))
+
+
 def _is_clamp(node: fx.Node, mods) -> bool:
     """Whether fx ``node`` is a clamp activation with constant bounds: an ``nn.ReLU6`` / ``nn.Hardtanh`` module, an
     ``F.relu6`` call, or ``F.hardtanh`` / ``torch.clamp`` / ``x.clamp`` with numeric bounds (fx passes them as args or
     kwargs)."""
     if node.op == "call_module":
         return type(mods.get(node.target)) in (nn.ReLU6, nn.Hardtanh)
-    if node.op == "call_method" and node.target in ("clamp", "clip"):  # x.clamp(lo, hi)
-        lo = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")
-        hi = node.args[2] if len(node.args) > 2 else node.kwargs.get("max")
-        return all(isinstance(v, (int, float)) for v in (lo, hi))
+    if node.op == "call_method":  # x.clamp(lo, hi)
+        return node.target in ("clamp", "clip") and _numeric_bounds(node, "min", "max")
     if node.op != "call_function":
         return False
     if node.target is F.relu6:
         return True
     if node.target is F.hardtanh:
-        lo = node.args[1] if len(node.args) > 1 else node.kwargs.get("min_val", -1.0)
-        hi = node.args[2] if len(node.args) > 2 else node.kwargs.get("max_val", 1.0)
-        return all(isinstance(v, (int, float)) for v in (lo, hi))
-    if node.target is torch.clamp:
-        lo = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")
-        hi = node.args[2] if len(node.args) > 2 else node.kwargs.get("max")
-        return all(isinstance(v, (int, float)) for v in (lo, hi))
-    return False
+        return _numeric_bounds(node, "min_val", "max_val", -1.0, 1.0)
+    return node.target is torch.clamp and _numeric_bounds(node, "min", "max")
 
 
 def clamped_input_layers(gm: nn.Module, mods) -> set[str]:
