@@ -6,6 +6,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import copy  # noqa: E402
 import dataclasses  # noqa: E402
 import operator  # noqa: E402
 import warnings  # noqa: E402
@@ -170,6 +171,30 @@ def test_quantize_model_overrides_and_float_warning():
     assert isinstance(dict(q.named_modules())["4"], nn.Conv2d)
     with torch.no_grad():
         q(x)  # float and quantized layers interoperate (NCHW float between them)
+
+
+def test_a_conv_kept_float_folds_its_batchnorm():
+    """A conv kept in float (an override here; the speed rule the same way) takes its inference BN into its weights:
+    one float pass instead of two, the same function; fuse=False keeps the BN module."""
+    x = torch.randn(2, 3, 8, 8)
+    net = _calibrated(_net(), x)
+    for fuse in (True, False):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            q = tp.quantize_model(copy.deepcopy(net), tp.QuantConfig("int8", overrides={"4": "float"}, fuse=fuse),
+                                  calibration=x)
+        rec = {r.name: r for r in q.tcprec_summary.layers}["4"]
+        mods = dict(q.named_modules())
+        calls = {n.target for n in q.graph.nodes if n.op == "call_module"}
+        assert rec.precision == "float" and rec.fused == (("bn",) if fuse else ())
+        assert ("5" in calls) is (not fuse)  # the BN node is gone exactly when folded
+        # the folded conv alone computes conv -> BN of the original, to rounding
+        xin = torch.randn(2, 8, 4, 4)
+        with torch.no_grad():
+            want = net[5](net[4](xin))
+            got = mods["4"](xin) if fuse else mods["5"](mods["4"](xin))
+        assert _nrmse(got, want) < 1e-5
+    assert "5" in dict(net.named_modules())  # the float model is untouched
 
 
 def test_quantize_model_does_not_touch_the_original():

@@ -39,7 +39,7 @@ from __future__ import annotations
 import copy
 import operator
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping
 
 import torch
@@ -55,7 +55,7 @@ from . import calibrate as cal
 from .attention import decompose_transformers, fuse_qkv
 from .coverage import check_conv_coverage, normalize_graph, uncovered
 from .qgrouped import QGroupedConv2d, grouped_act_of, grouped_unsupported
-from .qmodules import (FixedQuant, LayerPrecision, QConv2d, QLinear, _quantize_weight, activation_format,
+from .qmodules import (FixedQuant, LayerPrecision, QConv2d, QLinear, _fold_bn, _quantize_weight, activation_format,
                        flatten_nhwc, parse_precision, weight_format)
 from .speed_rule import SpeedRule, apply_speed_rule, as_speed_rule
 
@@ -378,6 +378,27 @@ def _fusable_bn(m: nn.Module, u: fx.Node | None, mods) -> bool:
     """Whether conv ``m``'s sole user ``u`` is a BatchNorm2d that quantize_model folds into it."""
     return (isinstance(m, nn.Conv2d) and u is not None and u.op == "call_module"
             and type(mods[u.target]) is nn.BatchNorm2d and mods[u.target].track_running_stats)
+
+
+def _fold_float_bn(gm: fx.GraphModule, node: fx.Node, mods, records: dict) -> None:
+    """A conv that stays in float takes the inference BatchNorm that is its sole user into its weights and bias (the
+    float model's two passes become one, as TensorRT's and torch.fx's fusers do): folded in float32, stored in the
+    conv's dtype.  The record says so (``fused=("bn",)``); the speed rule times the float side the same way."""
+    m, u = mods[node.target], _sole_user(node)
+    if not _fusable_bn(m, u, mods) or m.training or mods[u.target].training:
+        return
+    bn = mods[u.target]
+    scale, bias = _fold_bn(m.out_channels, m.bias, bn, m.weight.device)
+    folded = copy.deepcopy(m)
+    with torch.no_grad():
+        folded.weight = nn.Parameter((m.weight.detach().float() * scale.reshape(-1, 1, 1, 1)).to(m.weight.dtype),
+                                     requires_grad=m.weight.requires_grad)
+        folded.bias = nn.Parameter(bias.to(m.weight.dtype), requires_grad=m.weight.requires_grad)
+    _set_module(gm, node.target, folded)
+    u.replace_all_uses_with(node)
+    gm.graph.erase_node(u)
+    r = records[node.target]
+    records[node.target] = replace(r, fused=(*r.fused, "bn"))
 
 
 @dataclass(frozen=True)
@@ -874,6 +895,8 @@ def _convert(model: nn.Module, cfg: QuantConfig, batches, inplace: bool, warn: b
                     absorbed.append(u)
             q = make(node.target, bn, act, pool)
             if q is None:
+                if cfg.fuse and calls[node.target] == 1:
+                    _fold_float_bn(gm, node, mods, records)
                 continue
             _set_module(gm, node.target, q)
             if absorbed:

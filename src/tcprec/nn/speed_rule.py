@@ -215,16 +215,17 @@ def _act_fn(act) -> Callable | None:
     return F.relu  # an encoding added later: one elementwise pass either way
 
 
-def _float_fn(m: nn.Module, q: nn.Module, fused: tuple, shape: tuple, device, dtype) -> Callable:
-    """What the float model runs for this layer and what the quantized module absorbed: conv / linear (cuDNN /
-    cuBLAS, channels_last), then BN (inference), the residual add, the activation, the 2x2 pool."""
+def _float_fn(m: nn.Module, q: nn.Module, fused: tuple, shape: tuple, device, dtype, fold_bn: bool = True) -> Callable:
+    """What this layer runs in float and what the quantized module absorbed: conv / linear (cuDNN / cuBLAS,
+    channels_last), then BN (inference; none with ``fold_bn``: a conv kept float takes it into its weights,
+    ``convert._fold_float_bn``), the residual add, the activation, the 2x2 pool."""
     x = torch.randn(shape, device=device, dtype=dtype)
     if x.dim() == 4:
         x = x.contiguous(memory_format=torch.channels_last)
     with torch.no_grad():
         y0 = m(x)
     C = y0.shape[1] if y0.dim() == 4 else y0.shape[-1]
-    bn = "bn" in fused and y0.dim() == 4
+    bn = "bn" in fused and y0.dim() == 4 and not fold_bn
     if bn:
         rm, rv = torch.zeros(C, device=device, dtype=dtype), torch.ones(C, device=device, dtype=dtype)
         w, b = torch.ones(C, device=device, dtype=dtype), torch.zeros(C, device=device, dtype=dtype)
@@ -260,7 +261,7 @@ def _stacked(ms: list[nn.Module]) -> nn.Linear:
     return lin
 
 
-def _measure(q: nn.Module, probe: _Probe, timer, dtype, rnd: int) -> tuple[dict, list[str]]:
+def _measure(q: nn.Module, probe: _Probe, timer, dtype, rnd: int, fold_bn: bool) -> tuple[dict, list[str]]:
     """name -> LayerTiming for every quantized layer of ``q`` with a record, and notes.  A fused module (``qkv_proj``,
     ``tcprec_fused`` = its members' names, nn/attention.py: fuse_qkv) is timed as it runs -- one quantize pass, one
     (3E, E) GEMM -- against the same fused linear in float, and decides for all its members."""
@@ -302,7 +303,7 @@ def _measure(q: nn.Module, probe: _Probe, timer, dtype, rnd: int) -> tuple[dict,
             continue
         fm = _stacked([probe.floats[k] for k in members[n]]) if n in members else probe.floats[n]
         try:
-            fms = sum(float(timer(n, "float", _float_fn(fm, qmods[n], recs[first].fused, s, dev, dtype)))
+            fms = sum(float(timer(n, "float", _float_fn(fm, qmods[n], recs[first].fused, s, dev, dtype, fold_bn)))
                       for s in shapes)
         except Exception as e:  # noqa: BLE001 - as above
             errors[n] = f"{type(e).__name__}: {str(e)[:100]}"
@@ -347,7 +348,7 @@ def apply_speed_rule(model: nn.Module, cfg, batches: list, convert: Callable) ->
     with flags:
         q = convert_with(())
         for rnd in range(1, rule.rounds + 1):
-            got, notes = _measure(q, probe, timer, dtype, rnd)
+            got, notes = _measure(q, probe, timer, dtype, rnd, cfg.fuse)
             report.notes += [n for n in notes if n not in report.notes]
             timings.update(got)
             slow = [n for n, t in got.items() if t.floated]
