@@ -173,27 +173,33 @@ def test_quantize_model_overrides_and_float_warning():
         q(x)  # float and quantized layers interoperate (NCHW float between them)
 
 
-def test_a_conv_kept_float_folds_its_batchnorm():
-    """A conv kept in float (an override here; the speed rule the same way) takes its inference BN into its weights:
-    one float pass instead of two, the same function; fuse=False keeps the BN module."""
+def test_a_grouped_conv_kept_float_folds_its_batchnorm_a_dense_one_does_not():
+    """A grouped conv kept in float (an override here; the speed rule the same way) takes its inference BN into its
+    weights (one float pass instead of two, the same function); a dense conv keeps the BN (cuDNN's dense convs are
+    slower with a bias: convert.folds_float_bn); fuse=False keeps every BN module."""
     x = torch.randn(2, 3, 8, 8)
-    net = _calibrated(_net(), x)
+    net = _net()
+    net[4] = nn.Conv2d(8, 16, 3, padding=1, groups=8)  # grouped, followed by BN "5"
+    net = _calibrated(net, x)
     for fuse in (True, False):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            q = tp.quantize_model(copy.deepcopy(net), tp.QuantConfig("int8", overrides={"4": "float"}, fuse=fuse),
-                                  calibration=x)
-        rec = {r.name: r for r in q.tcprec_summary.layers}["4"]
+            q = tp.quantize_model(copy.deepcopy(net), tp.QuantConfig("int8", overrides={"4": "float", "0": "float"},
+                                                                     fuse=fuse), calibration=x)
+        rec = {r.name: r for r in q.tcprec_summary.layers}
         mods = dict(q.named_modules())
         calls = {n.target for n in q.graph.nodes if n.op == "call_module"}
-        assert rec.precision == "float" and rec.fused == (("bn",) if fuse else ())
+        assert rec["4"].precision == "float" and rec["4"].fused == (("bn",) if fuse else ())
         assert ("5" in calls) is (not fuse)  # the BN node is gone exactly when folded
+        assert rec["0"].precision == "float" and rec["0"].fused == () and "1" in calls  # dense: BN kept
         # the folded conv alone computes conv -> BN of the original, to rounding
         xin = torch.randn(2, 8, 4, 4)
         with torch.no_grad():
             want = net[5](net[4](xin))
             got = mods["4"](xin) if fuse else mods["5"](mods["4"](xin))
         assert _nrmse(got, want) < 1e-5
+        with torch.no_grad():
+            assert _nrmse(q(x), net(x)) < 0.1  # the model still runs end to end
     assert "5" in dict(net.named_modules())  # the float model is untouched
 
 

@@ -217,15 +217,15 @@ def _act_fn(act) -> Callable | None:
 
 def _float_fn(m: nn.Module, q: nn.Module, fused: tuple, shape: tuple, device, dtype, fold_bn: bool = True) -> Callable:
     """What this layer runs in float and what the quantized module absorbed: conv / linear (cuDNN / cuBLAS,
-    channels_last), then BN (inference; none with ``fold_bn``: a conv kept float takes it into its weights,
-    ``convert._fold_float_bn``), the residual add, the activation, the 2x2 pool."""
+    channels_last), then BN (inference; none with ``fold_bn`` for a grouped conv: kept float, it takes the BN into
+    its weights, ``convert.folds_float_bn``), the residual add, the activation, the 2x2 pool."""
     x = torch.randn(shape, device=device, dtype=dtype)
     if x.dim() == 4:
         x = x.contiguous(memory_format=torch.channels_last)
     with torch.no_grad():
         y0 = m(x)
     C = y0.shape[1] if y0.dim() == 4 else y0.shape[-1]
-    bn = "bn" in fused and y0.dim() == 4 and not fold_bn
+    bn = "bn" in fused and y0.dim() == 4 and not (fold_bn and getattr(m, "groups", 1) != 1)
     if bn:
         rm, rv = torch.zeros(C, device=device, dtype=dtype), torch.ones(C, device=device, dtype=dtype)
         w, b = torch.ones(C, device=device, dtype=dtype), torch.zeros(C, device=device, dtype=dtype)
