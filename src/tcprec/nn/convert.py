@@ -54,6 +54,7 @@ from ..ops.quantize import absmax_qmax
 from . import calibrate as cal
 from .attention import decompose_transformers, fuse_qkv
 from .coverage import check_conv_coverage, normalize_graph, uncovered
+from .linear_gelu import LinearGELU, is_erf_gelu
 from .qgrouped import QGroupedConv2d, grouped_act_of, grouped_unsupported
 from .qmodules import (FixedQuant, LayerPrecision, QConv2d, QLinear, _quantize_weight, activation_format,
                        flatten_nhwc, parse_precision, weight_format)
@@ -534,6 +535,19 @@ def _fuse_residuals(gm: fx.GraphModule, records: dict) -> None:
         rec.fused = rec.fused + ("residual",) + ((act if isinstance(act, str) else "leaky",) if act else ())
 
 
+def _fuse_float_gelu(gm: fx.GraphModule, node: fx.Node, mods, records: dict) -> None:
+    """A linear kept float whose only reader is the erf GELU -> ``LinearGELU`` (one GEMM with a bias + GELU
+    epilogue, ``torch._addmm_activation``: what torch's fused encoder layer runs; nn/linear_gelu.py)."""
+    m, u = mods[node.target], _sole_user(node)
+    if type(m) is not nn.Linear or node.kwargs or u is None or not is_erf_gelu(u, mods) or u.args[0] is not node:
+        return
+    _set_module(gm, node.target, LinearGELU.from_linear(m))
+    u.replace_all_uses_with(node)
+    gm.graph.erase_node(u)
+    rec = records[node.target]
+    rec.fused = rec.fused + ("gelu",)
+
+
 def _flatten_input(node: fx.Node, mods) -> fx.Node | None:
     """x of a ``torch.flatten(x, 1)`` node (``torch.flatten``, ``Tensor.flatten``, ``nn.Flatten()``; start_dim 1,
     end_dim -1), else None."""
@@ -874,6 +888,8 @@ def _convert(model: nn.Module, cfg: QuantConfig, batches, inplace: bool, warn: b
                     absorbed.append(u)
             q = make(node.target, bn, act, pool)
             if q is None:
+                if cfg.fuse and calls[node.target] == 1:
+                    _fuse_float_gelu(gm, node, mods, records)  # kept float: one GEMM + GELU, as torch's fast path
                 continue
             _set_module(gm, node.target, q)
             if absorbed:
