@@ -74,7 +74,7 @@ import triton.language as tl
 
 from ..conv_geometry import ConvGeometry, pair
 from ..reference_bitplanes import packed_words
-from ..reference_conv_int8_fp8 import ACT_LEAKY, ACT_RELU, FP8_KINDS, Fp8Out, Int8Out, parse_act, parse_out
+from ..reference_conv_int8_fp8 import ACT_GELU, ACT_LEAKY, ACT_RELU, FP8_KINDS, Fp8Out, Int8Out, parse_act, parse_out
 from ._host import cdiv, next_power_of_2
 from .pack import PAD_W, _quantize_codes, _store_planes
 from .round import div_by_scalar, fp8_code, fp8_constexprs
@@ -107,6 +107,7 @@ OUT_DUAL_FP8 = tl.constexpr(int(OutMode.DUAL_FP8))
 OUT_PLANES = tl.constexpr(int(OutMode.PLANES))
 _ACT_RELU = tl.constexpr(ACT_RELU)
 _ACT_LEAKY = tl.constexpr(ACT_LEAKY)
+_ACT_GELU = tl.constexpr(ACT_GELU)
 _OUT_DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16,
                "int32": torch.int32, "int8": torch.int8, **FP8_KINDS}
 # The interpreter runs one small tile (reduction block 32: the smallest 8-bit wgmma step)
@@ -337,6 +338,8 @@ def _conv_fwd_kernel(
             y = tl.where(y > 0, y, 0.0)
         elif act == _ACT_LEAKY:
             y = tl.where(y > 0, y, y * slope)
+        elif act == _ACT_GELU:  # the erf GELU, reference_conv_int8_fp8.gelu_f32's operation order
+            y = (y * 0.5) * (tl.erf(y * 0.7071067811865476) + 1.0)
         if OUT_MODE == OUT_PLANES:  # the next bit-serial layer's planes: quantize -> pack (pooled above)
             offs_p = offs_m
             if INT64:
@@ -751,9 +754,10 @@ def _check_planes_out(spec: PlanesOut, g: ConvGeometry, act, residual, out_int8,
                          "other pools run as a separate pass (pack.pool_planes)")
     if spec.pool and min(g.P, g.Q) < 2:
         raise ValueError(f"{op}: PlanesOut(pool=2) needs an output of at least 2 x 2, got {g.P} x {g.Q}")
-    if spec.pool and parse_act(act)[1] < 0:
+    if spec.pool and (parse_act(act)[1] < 0 or parse_act(act)[0] == ACT_GELU):
         raise ValueError(f"{op}: PlanesOut(pool=2) pools the accumulators (the epilogue must be monotone in them): a "
-                         f"LeakyReLU slope >= 0, got act={act!r}; pool the float output instead (pack.pool_quantize_pack)")
+                         f"LeakyReLU slope >= 0 (GELU is not monotone), got act={act!r}; pool the float output instead "
+                         "(pack.pool_quantize_pack)")
     if spec.shift not in (0, 1) or not -255 <= spec.lo <= spec.hi <= 255:
         raise ValueError(f"{op}: PlanesOut needs lo <= hi within +-255 and shift 0 or 1 (ops.quantize._qp_params of "
                          f"the format), got lo={spec.lo}, hi={spec.hi}, shift={spec.shift}")
