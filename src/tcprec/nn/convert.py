@@ -883,10 +883,16 @@ def _convert(model: nn.Module, cfg: QuantConfig, batches, inplace: bool, warn: b
                     act, cur = act_of(u, mods), u
                     absorbed.append(u)
                     u = _sole_user(cur)
+                elif type(m) is nn.Linear and u is not None and is_erf_gelu(u, mods) and u.args[0] is cur:
+                    act, cur = "gelu", u  # the INT8 / FP8 kernels' erf GELU epilogue (not the bit-serial GEMM's)
+                    absorbed.append(u)
                 if isinstance(m, nn.Conv2d) and not grouped and u is not None and _pool_of(u, mods) is not None:
                     pool, cur = _pool_of(u, mods), u
                     absorbed.append(u)
             q = make(node.target, bn, act, pool)
+            if act == "gelu" and q is not None and q.layer_plan.backend == "bitserial":
+                act, absorbed = None, []  # (the binary GEMM's epilogue has no GELU: a separate float GELU)
+                q = make(node.target, bn, act, pool)
             if q is None:
                 if cfg.fuse and calls[node.target] == 1:
                     _fuse_float_gelu(gm, node, mods, records)  # kept float: one GEMM + GELU, as torch's fast path

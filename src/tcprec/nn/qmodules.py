@@ -523,7 +523,8 @@ class QConv2d(_QBase):
 
 
 class QLinear(_QBase):
-    """A Linear (+ ReLU) at integer or FP8 precision; float in, float out."""
+    """A Linear (+ ReLU, or + the erf GELU on the INT8 / FP8 kernels) at integer or FP8 precision; float in, float
+    out."""
 
     @classmethod
     def from_float(cls, lin: nn.Linear, precision, *, in_absmax: float, signed_input: bool, act=None,
@@ -532,8 +533,9 @@ class QLinear(_QBase):
         prec = parse_precision(precision)
         if prec is None:
             raise ValueError("QLinear needs a quantized precision ('w1a2', 'int8', 'fp8', ...), got 'float'")
-        if act not in (None, "relu"):
-            raise ValueError(f"QLinear fuses act=None or 'relu', got {act!r}")
+        if act not in (None, "relu", "gelu"):
+            raise ValueError(f"QLinear fuses act=None, 'relu' or 'gelu' (the erf GELU: INT8 / FP8 kernels and the "
+                             f"reference only), got {act!r}")
         m._init_common(prec, in_absmax, signed_input, out_dtype or lin.weight.dtype, backend, lin.weight.device,
                        fixed)
         m.in_features, m.out_features, m.act = lin.in_features, lin.out_features, act
