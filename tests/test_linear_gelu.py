@@ -13,6 +13,9 @@ import tcprec as tp
 from tcprec.kernels.reference_conv_int8_fp8 import gelu_f32
 from tcprec.nn.linear_gelu import LinearGELU, linear_gelu
 from tcprec.nn.qmodules import QLinear
+from tcprec.qtensor import QTensor
+
+from _persist import assert_round_trips
 
 D_MODEL, HEADS, SEQ, BATCH = 32, 4, 7, 2
 
@@ -171,3 +174,51 @@ def test_speed_rule_times_the_fused_gelu_on_both_sides():
     assert "aten._addmm_activation" in ops and "aten.gelu" not in ops, ops
     assert "aten.gelu" not in seen[("layers.0.linear1", "quantized")]
     assert "aten._addmm_activation" not in seen[("layers.0.linear2", "float")]
+
+
+# -- linear1 -> GELU -> linear2: the codes from linear1's epilogue ------------------------------------------------
+
+
+def test_ffn_chain_writes_linear2s_int8_codes_and_computes_the_same():
+    """On the INT8 kernel (the interpreter here) linear1's epilogue writes linear2's int8 operand after the GELU;
+    the eval-mode dropout between them is dropped; the outputs equal the unchained conversion's bit for bit (a float32
+    model: the codes of the same float32 values), and the chained model persists."""
+    x = torch.randn(BATCH, SEQ, D_MODEL, generator=torch.Generator().manual_seed(1))
+    cfg = tp.QuantConfig("int8", first_last=None, backend="int8")
+    q = tp.quantize_model(_encoder(), cfg, calibration=x, warn=False)
+    q0 = tp.quantize_model(_encoder(), tp.QuantConfig("int8", first_last=None, backend="int8", chain=False),
+                           calibration=x, warn=False)
+    recs = {r.name: r for r in q.tcprec_summary.layers}
+    for i in range(2):
+        a, b = q.get_submodule(f"layers.{i}.linear1"), q.get_submodule(f"layers.{i}.linear2")
+        assert a.act == "gelu" and a.out_layout == "int8" and a.out_fmt == b.a_fmt
+        assert torch.equal(a.out_scale, b.in_scale) and b.layer_plan.chain_in == "int8"
+        assert recs[f"layers.{i}.linear1"].out == f"int8 codes {b.a_fmt} -> layers.{i}.linear2"
+        assert q0.get_submodule(f"layers.{i}.linear1").out_fmt is None
+    targets = [n.target for n in q.graph.nodes if n.op == "call_module"]
+    assert "layers.0.dropout" not in targets and "layers.0.dropout" in [n.target for n in q0.graph.nodes]
+    assert _gelu_nodes(q) == []
+    with torch.no_grad():
+        y = q(x)
+        assert y.shape == x.shape and torch.equal(y, q0(x))
+    other = tp.quantize_model(_encoder(), cfg, calibration=x * 3, warn=False)
+    assert_round_trips(q, other, x)
+
+
+def test_qlinear_chain_fp8_codes_equal_the_unchained_pair():
+    """The FP8 kernel's epilogue writes the next FP8 linear's e4m3 codes (after the GELU): the pair's output equals
+    the unchained pair's; the reader takes the leading dimensions from ``lead_shape``."""
+    torch.manual_seed(0)
+    l1, l2 = nn.Linear(32, 64), nn.Linear(64, 16)
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        h = F.gelu(l1(x))
+    a = QLinear.from_float(l1, "fp8", in_absmax=float(x.abs().max()), signed_input=True, act="gelu", backend="fp8")
+    b = QLinear.from_float(l2, "fp8", in_absmax=float(h.abs().max()), signed_input=True, backend="fp8")
+    want = b(a(x))
+    a.chain_to(b, "planes")
+    codes = a(x)
+    assert isinstance(codes, QTensor) and codes.shape == (10, 1, 1, 64)
+    assert torch.equal(b(codes, lead_shape=(2, 5)), want)
+    with pytest.raises(ValueError, match="M = prod"):
+        b(codes, lead_shape=(3, 5))
