@@ -33,6 +33,7 @@ from .reference_bitplanes import pack_bitplanes_reference, packed_words, unpack_
 from . import reference_gemm as rg
 from .reference import encode_int
 from .conv_geometry import ConvGeometry
+from .reference_conv_int8_fp8 import gelu_f32
 
 __all__ = [
     "decode_values",
@@ -226,8 +227,6 @@ def apply_act(y: torch.Tensor, act) -> torch.Tensor:
     if act is None:
         return y
     if act == "gelu":
-        from .reference_conv_int8_fp8 import gelu_f32
-
         return gelu_f32(y)
     if act == "relu":
         return torch.where(y < 0, torch.zeros_like(y), y)
