@@ -11,7 +11,9 @@ What it does, in order:
    layer (``first_last``, 8 bits by default, as APNN-TC and every BNN paper keep them) and per-layer
    ``overrides`` by module name (``"float"`` keeps a layer in floating point).
 4. Fuses, on the graph: conv -> BatchNorm2d (folded into a per-channel scale and bias) -> ReLU /
-   LeakyReLU -> 2x2 max/avg pool become one ``QConv2d``; linear -> ReLU one ``QLinear``.  Residual
+   LeakyReLU -> 2x2 max/avg pool become one ``QConv2d``; linear -> ReLU (or the erf GELU, on the INT8 / FP8
+   kernels) one ``QLinear``; a linear kept float with the erf GELU after it one ``LinearGELU`` (one GEMM with
+   torch's GELU epilogue, nn/linear_gelu.py).  Residual
    blocks: a conv(+BN) whose only user is an add (``+``, ``torch.add``, ``Tensor.add``; either operand
    order) of a tensor of its own shape and dtype, followed by a ReLU / LeakyReLU (or nothing), become one
    ``QConv2d`` called as ``conv(x, residual)`` at the add's place in the graph (``fuse_residual``; the INT8 /
@@ -29,6 +31,8 @@ What it does, in order:
    A conv read through ``torch.flatten(y, 1)`` by linears: their weight columns are reordered to (h, w, c)
    once and the flatten becomes ``flatten_nhwc``, a view of the conv's channels_last output (no copy into NCHW
    order); bit-serial linears get the conv's planes through it (compact rows, flattened as a view).
+   A ``QLinear`` read only by another (a transformer's linear1 -> GELU -> linear2) writes that one's int8 / e4m3
+   codes from its epilogue (``_chain_linears``).
 6. Reports: ``model.tcprec_summary`` (a ``QuantSummary``) says, per layer, the precision, formats,
    backend and what was fused; layers with no quantized path stay in float and are listed in a
    warning, never silently.

@@ -10,6 +10,8 @@ way TensorRT's builder picks a tactic per layer by timing:
    residual add) and its output conversion, alone in a CUDA graph -- and the same computation in float on the
    model's dtype (the float conv / linear, channels_last, then BN, the activation, the pool and the add as the
    float model would run them: separate cuDNN / cuBLAS / elementwise kernels);
+   a linear with the GELU in its epilogue is timed against the float linear + GELU as the float model runs them, one
+   GEMM with the GELU epilogue (``torch._addmm_activation``: torch's fast path; nn/linear_gelu.py);
    A fused module counts as one layer, timed as it runs: self-attention's ``qkv_proj`` (q / k / v in one quantize
    pass and one (3E, E) GEMM, nn/attention.py) against the same fused linear in float (torch's ``in_proj``); kept
    float, its three members are (``q_proj`` / ``k_proj`` / ``v_proj`` in the summary and the overrides), and they run
