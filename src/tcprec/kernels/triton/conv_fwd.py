@@ -107,7 +107,6 @@ OUT_DUAL_FP8 = tl.constexpr(int(OutMode.DUAL_FP8))
 OUT_PLANES = tl.constexpr(int(OutMode.PLANES))
 _ACT_RELU = tl.constexpr(ACT_RELU)
 _ACT_LEAKY = tl.constexpr(ACT_LEAKY)
-_ACT_GELU = tl.constexpr(ACT_GELU)
 _OUT_DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16,
                "int32": torch.int32, "int8": torch.int8, **FP8_KINDS}
 # The interpreter runs one small tile (reduction block 32: the smallest 8-bit wgmma step)
@@ -260,6 +259,8 @@ def _conv_fwd_kernel(
     # -- planes (OUT_PLANES): pack._quantize_codes' format constants (with OUT_LO, OUT_HI, OUT_OFF) --
     Q_BITS: tl.constexpr, Q_SHIFT: tl.constexpr, POOL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    # -- the erf GELU after the bias / residual (act == ACT_GELU), compiled only into the variants that take it --
+    GELU: tl.constexpr,
 ):
     # ---- which tile: channel block fastest ----
     pid = tl.program_id(0)
@@ -338,8 +339,8 @@ def _conv_fwd_kernel(
             y = tl.where(y > 0, y, 0.0)
         elif act == _ACT_LEAKY:
             y = tl.where(y > 0, y, y * slope)
-        elif act == _ACT_GELU:  # the erf GELU, reference_conv_int8_fp8.gelu_f32's operation order
-            y = (y * 0.5) * (tl.erf(y * 0.7071067811865476) + 1.0)
+        if GELU:  # (act == ACT_GELU) the erf GELU in gelu_f32's operation order; a constexpr: no other variant
+            y = (y * 0.5) * (tl.erf(y * 0.7071067811865476) + 1.0)  # carries the erf code
         if OUT_MODE == OUT_PLANES:  # the next bit-serial layer's planes: quantize -> pack (pooled above)
             offs_p = offs_m
             if INT64:
@@ -724,7 +725,7 @@ def _launch(x, w, g: ConvGeometry, op: str, *, fp8: bool, alpha, sa, sb, bias, a
         ADD_PIX=add is not None and add.dim() == 3,
         EVEN_K=g.C % cfg["BLOCK_K"] == 0, INT64=int64, HAS_RES=res is not None, OUT_LO=o_lo, OUT_HI=o_hi, OUT_OFF=o_off,
         **f8, Q_BITS=planes.bits if planes is not None else 1, Q_SHIFT=planes.shift if planes is not None else 0,
-        POOL=planes.pool if planes is not None else 0,
+        POOL=planes.pool if planes is not None else 0, GELU=mode == ACT_GELU,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3), enable_fp_fusion=False,
     )
