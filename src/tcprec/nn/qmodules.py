@@ -586,8 +586,9 @@ class QLinear(_QBase):
             if self.layer_plan is not None and x.device != self.layer_plan.device:
                 self.plan_on(x.device)  # a chained operand on another device: re-plan (refuses a broken chain)
             if x.shape != (math.prod(lead), 1, 1, self.in_features):
-                raise ValueError(f"QLinear expects codes of shape (M, 1, 1, {self.in_features}) with M = prod(lead_shape) "
-                                 f"= {math.prod(lead)}, got {x.shape}")
+                raise ValueError(f"QLinear expects planes of shape (B, 1, 1, {self.in_features}) (a chained linear's "
+                                 f"codes: (M, 1, 1, {self.in_features}) with M = prod(lead_shape) = {math.prod(lead)}), "
+                                 f"got {x.shape}")
         elif not isinstance(x, torch.Tensor) or x.shape[-1] != self.in_features:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"QLinear expects (..., {self.in_features}), got {got}")
