@@ -115,4 +115,4 @@ def test_kept_float_layer_is_the_fast_path_gemm_with_gelu():
     assert "aten._addmm_activation" in log.ops and "aten.gelu" not in log.ops
     with torch.no_grad():
         fast = base(x)  # torch's fused encoder layer: the same GEMM + GELU epilogue (tanh form on CUDA)
-    assert _nrmse(y, fast) < 2e-3
+    assert _nrmse(y, fast) < 5e-3  # (fp16: SDPA vs the fast path's attention; the GELU forms agree)
