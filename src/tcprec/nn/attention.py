@@ -241,7 +241,7 @@ class TransformerEncoderLayer(nn.Module):
         for name in ("linear1", "dropout", "linear2", "norm1", "norm2", "dropout1", "dropout2"):
             setattr(m, name, getattr(layer, name))
         m.norm_first = layer.norm_first
-        m.activation = layer.activation  # F.relu / F.gelu (fx records the call; F.relu fuses into linear1) or a module
+        m.activation = layer.activation  # F.relu / F.gelu (fx records the call and fuses it into linear1) or a module
         m.train(layer.training)
         return m
 

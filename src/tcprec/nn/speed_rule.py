@@ -10,6 +10,8 @@ way TensorRT's builder picks a tactic per layer by timing:
    residual add) and its output conversion, alone in a CUDA graph -- and the same computation in float on the
    model's dtype (the float conv / linear, channels_last, then BN, the activation, the pool and the add as the
    float model would run them: separate cuDNN / cuBLAS / elementwise kernels);
+   a linear with the GELU in its epilogue is timed against the float linear + GELU as the float model runs them, one
+   GEMM with the GELU epilogue (``torch._addmm_activation``: torch's fast path; nn/linear_gelu.py);
    A fused module counts as one layer, timed as it runs: self-attention's ``qkv_proj`` (q / k / v in one quantize
    pass and one (3E, E) GEMM, nn/attention.py) against the same fused linear in float (torch's ``in_proj``); kept
    float, its three members are (``q_proj`` / ``k_proj`` / ``v_proj`` in the summary and the overrides), and they run
@@ -47,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..timing import graph_ms
+from .linear_gelu import LinearGELU
 
 __all__ = ["SpeedRule", "SPEED_RULES", "as_speed_rule", "SpeedReport", "LayerTiming", "MODEL", "cuda_graph_timer",
            "apply_speed_rule"]
@@ -208,6 +211,8 @@ def _act_fn(act) -> Callable | None:
         return F.hardswish
     if act == "silu":
         return F.silu
+    if act == "gelu":
+        return F.gelu
     if isinstance(act, tuple) and act[0] == "leaky":
         return lambda y: F.leaky_relu(y, act[1])
     if isinstance(act, tuple) and act[0] == "clamp":
@@ -232,6 +237,10 @@ def _float_fn(m: nn.Module, q: nn.Module, fused: tuple, shape: tuple, device, dt
     res = torch.randn_like(y0) if getattr(q, "has_residual", False) else None
     act = _act_fn(getattr(q, "act", None))
     pool = getattr(q, "pool", None)
+    if getattr(q, "act", None) == "gelu" and type(m) is nn.Linear and res is None:
+        # the float model's linear + GELU is one GEMM with the GELU epilogue (torch's fast path, and what a kept
+        # float layer becomes: nn/linear_gelu.py), not a GEMM and a GELU pass
+        m, act = LinearGELU.from_linear(m), None
 
     @torch.no_grad()
     def run():
