@@ -89,7 +89,9 @@ class QuantConfig:
     weight_grid ``"twos"`` (intN) | ``"pm"`` (pmN odd-integer codes for 2..7-bit weights: every code used)
     bias_correction  subtract the expected output error of the quantized weights from each layer's bias
     weight_rounding  ``"nearest"`` (default) | ``"adaround"`` | ``AdaRound(iters=300, max_bits=4, ...)``:
-                learned up/down rounding of integer weights of 2..max_bits bits on the calibration batches
+                learned up/down rounding of integer weights of 2..max_bits bits on the calibration batches;
+                ``AdaRound(inputs="quantized")`` solves each layer on the quantized model's input (its predecessors
+                rounded, their inputs quantized), in model order (nn/calibrate.py ``adaround_lockstep``)
     speed_rule  ``"off"`` (default) | ``"measured"`` | ``SpeedRule(batch=256, timer=, rounds=2)``: time each quantized
                 layer against its float equivalent on the model's CUDA device and keep the slower ones float
                 (nn/speed_rule.py; why off by default: docs/decisions/0090)
