@@ -395,3 +395,18 @@ def test_adaround_on_quantized_inputs_solves_each_layer_on_its_quantized_predece
         cal.AdaRound(inputs="sequential")
     with pytest.raises(ValueError, match="needs tensor calibration batches"):
         cal.adaround_lockstep(m, ["0"], {"0"}, [{"input": x}], w_of, None, lambda n: f4, a_quant, opts, False)
+
+
+def test_adaround_on_quantized_inputs_of_a_single_layer_is_adaround_on_float_inputs():
+    """One quantized layer: its quantized model's input is the float input quantized, so quantize_model gives the
+    same codes, scales and bias-corrected output either way (the lockstep path's wiring of weights and deltas)."""
+    torch.manual_seed(1)
+    m = torch.nn.Sequential(torch.nn.Conv2d(6, 12, 3, padding=1)).eval()
+    x = torch.randn(3, 6, 6, 6) + 0.4
+    qs = [tp.quantize_model(m, tp.QuantConfig("w4a8", first_last=None, bias_correction=True,
+                                              weight_rounding=cal.AdaRound(iters=50, inputs=i)),
+                            calibration=x, warn=False) for i in cal.ADAROUND_INPUTS]
+    wf, wq = (q.get_submodule("0").weight.qw for q in qs)
+    assert torch.equal(wf.codes, wq.codes) and torch.equal(wf.scale, wq.scale)
+    with torch.no_grad():
+        torch.testing.assert_close(qs[0](x), qs[1](x), rtol=0, atol=1e-6)
