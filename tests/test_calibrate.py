@@ -363,3 +363,50 @@ def test_clamped_inputs_on_an_untraced_model_is_said():
                           calibration=torch.randn(4, 8), warn=False)
     assert [r.precision for r in q.tcprec_summary.layers] == ["fp8", "fp8"]
     assert any("clamped_inputs='int8' not applied" in n for n in q.tcprec_summary.notes)
+
+
+def test_adaround_on_quantized_inputs_solves_each_layer_on_its_quantized_predecessors_output():
+    """``AdaRound(inputs="quantized")`` on linear -> ReLU -> linear, both 4-bit, bias-corrected: the first layer is
+    solved as with float inputs (its input is the model's, quantized); the second on the quantized first layer's
+    output -- built here by hand: input quantized, the rounded weight, the bias less bias_deltas' correction, ReLU,
+    quantized again -- against the float model's output.  It equals adaround_weights given that input, and differs
+    from the float-input solution (the predecessor's error is what it corrects)."""
+    torch.manual_seed(3)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 24), torch.nn.ReLU(), torch.nn.Linear(24, 6)).eval()
+    x = torch.randn(64, 8) + 0.3
+    f4 = tp.as_format("int4")
+    w_of = lambda n: m.get_submodule(n).weight.detach()  # noqa: E731
+    sc = {"0": float(x.abs().max()) / 127, "2": float(torch.relu(m[0](x)).detach().abs().max()) / 127}
+    a_quant = lambda n, t: torch.round(t / sc[n]).clamp(-128, 127) * sc[n]  # noqa: E731
+    opts = cal.AdaRound(iters=100, inputs="quantized")
+    got, deltas = cal.adaround_lockstep(m, ["0", "2"], {"0", "2"}, [x], w_of, None, lambda n: f4, a_quant, opts,
+                                        bias_correction=True)
+    w0 = cal.adaround_weights(m, ["0"], [x], w_of, lambda n: f4, a_quant, opts)["0"]
+    d0 = cal.bias_deltas(m, ["0"], [x], lambda n: w0)["0"]
+    assert torch.equal(got["0"], w0) and torch.equal(deltas["0"], d0)
+    with torch.no_grad():
+        x2 = a_quant("2", torch.relu(torch.nn.functional.linear(a_quant("0", x), w0, m[0].bias - d0)))
+    want = cal.adaround_weights(m, ["2"], [x], w_of, lambda n: f4, lambda n, t: x2, opts)["2"]
+    assert torch.equal(got["2"], want)
+    assert torch.equal(deltas["2"], cal.bias_deltas(m, ["2"], [x], lambda n: want)["2"])
+    floats = cal.adaround_weights(m, ["2"], [x], w_of, lambda n: f4, a_quant, opts)["2"]
+    assert not torch.equal(floats, want)
+    with pytest.raises(ValueError, match="AdaRound inputs must be one of"):
+        cal.AdaRound(inputs="sequential")
+    with pytest.raises(ValueError, match="needs tensor calibration batches"):
+        cal.adaround_lockstep(m, ["0"], {"0"}, [{"input": x}], w_of, None, lambda n: f4, a_quant, opts, False)
+
+
+def test_adaround_on_quantized_inputs_of_a_single_layer_is_adaround_on_float_inputs():
+    """One quantized layer: its quantized model's input is the float input quantized, so quantize_model gives the
+    same codes, scales and bias-corrected output either way (the lockstep path's wiring of weights and deltas)."""
+    torch.manual_seed(1)
+    m = torch.nn.Sequential(torch.nn.Conv2d(6, 12, 3, padding=1)).eval()
+    x = torch.randn(3, 6, 6, 6) + 0.4
+    qs = [tp.quantize_model(m, tp.QuantConfig("w4a8", first_last=None, bias_correction=True,
+                                              weight_rounding=cal.AdaRound(iters=50, inputs=i)),
+                            calibration=x, warn=False) for i in cal.ADAROUND_INPUTS]
+    wf, wq = (q.get_submodule("0").weight.qw for q in qs)
+    assert torch.equal(wf.codes, wq.codes) and torch.equal(wf.scale, wq.scale)
+    with torch.no_grad():
+        torch.testing.assert_close(qs[0](x), qs[1](x), rtol=0, atol=1e-6)

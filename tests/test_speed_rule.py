@@ -2,6 +2,7 @@
 explain say, the whole-model check, and the option's validation.  No real timing here (GPU: tests/gpu/)."""
 
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -208,3 +209,21 @@ def test_floated_qkv_persists_through_the_pinned_overrides():
     other = tp.quantize_model(_encoder(seed=3), pinned, calibration=torch.randn(2, 5, 32) * 2, warn=False)
     assert type(other.get_submodule(QKV)) is nn.Linear  # the same structure, without timing
     assert_round_trips(q, other, torch.randn(3, 5, 32))
+
+
+@pytest.mark.parametrize("slow", [(), ("3",)])
+def test_adaround_runs_once_on_the_final_layer_set(slow):
+    """The first conversion is only timed, without AdaRound; the model returned is the full calibration of the
+    final layer set: the same codes as quantize_model with the rule off and those layers pinned float."""
+    ada = tp.QuantConfig("w4a8", first_last=None, weight_rounding=tp.nn.calibrate.AdaRound(iters=20))
+    t = FakeTimer({**{(n, "float"): 1.0 for n in "0369"}, **{(n, "quantized"): 2.0 for n in slow},
+                   (MODEL, "quantized"): 1.0, (MODEL, "float"): 3.0}, default=0.5)
+    x = torch.randn(4, 3, 6, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q = tp.quantize_model(_net(), replace(ada, speed_rule=SpeedRule(timer=t)), calibration=x)
+        want = tp.quantize_model(_net(), replace(ada, overrides=dict.fromkeys(slow, "float")), calibration=x)
+    assert q.tcprec_summary.speed.conversions == 2 and q.tcprec_summary.speed.floated == list(slow)
+    for n in "0369":
+        if n not in slow:
+            assert torch.equal(q.get_submodule(n).weight.qw.codes, want.get_submodule(n).weight.qw.codes), n

@@ -38,12 +38,13 @@ from ..qtensor import PerChannel
 
 __all__ = ["Observer", "OBSERVER_METHODS", "WEIGHT_CLIPS", "WEIGHT_GRIDS", "as_observer", "clip_from_histogram",
            "activation_clips", "weight_clip_ratio", "dequantized_weight", "prepared_float_layer", "bias_deltas",
-           "AdaRound", "WEIGHT_ROUNDINGS", "as_rounding", "adaround_weights"]
+           "AdaRound", "WEIGHT_ROUNDINGS", "ADAROUND_INPUTS", "as_rounding", "adaround_weights", "adaround_lockstep"]
 
 OBSERVER_METHODS = ("absmax", "percentile", "mse", "entropy", "auto")
 WEIGHT_CLIPS = ("absmax", "mse")
 WEIGHT_GRIDS = ("twos", "pm")
 WEIGHT_ROUNDINGS = ("nearest", "adaround")
+ADAROUND_INPUTS = ("float", "quantized")
 
 
 @dataclass(frozen=True)
@@ -324,13 +325,21 @@ class AdaRound:
     error ``|| q(x) W_round - x W ||^2`` over every output position of the calibration batches (``q(x)``: the
     layer's quantized input), with the rectified-sigmoid relaxation and the annealed regulariser
     that pushes every choice to 0 or 1.  Layers with more than ``max_bits`` weight bits round to nearest.
-    ``iters`` Adam steps at ``lr`` per layer: a few hundred keep it CPU-feasible."""
+    ``iters`` Adam steps at ``lr`` per layer: a few hundred keep it CPU-feasible.
+
+    ``inputs``: where ``x`` comes from.  ``"float"`` (the default): the float model's input of the layer, quantized
+    -- every layer is solved from one pass.  ``"quantized"``: the quantized model's input (every layer upstream already
+    rounded, its inputs quantized, its bias corrected), against the float model's output -- so each layer also
+    absorbs the error its predecessors left (AdaRound's "asymmetric reconstruction"; AIMET and BRECQ use it); the
+    layers are solved in model order in one pass over the calibration batch and the float batch side by side
+    (:func:`adaround_lockstep`).  ``"quantized"`` needs tensor calibration batches (not keyword dicts)."""
 
     iters: int = 300
     max_bits: int = 4
     reg: float = 0.01
     lr: float = 0.05
     seed: int = 0
+    inputs: str = "float"
 
     def __post_init__(self):
         for k, lo, hi in (("iters", 1, 100_000), ("max_bits", 2, 8), ("seed", 0, 1 << 62)):
@@ -341,6 +350,9 @@ class AdaRound:
             v = getattr(self, k)
             if not (isinstance(v, (int, float)) and v > 0):
                 raise ValueError(f"AdaRound {k} must be a positive number, got {v!r}")
+        if self.inputs not in ADAROUND_INPUTS:
+            raise ValueError(f"AdaRound inputs must be one of {ADAROUND_INPUTS}, got {self.inputs!r} ('quantized': "
+                             "the quantized model's inputs, each layer correcting its predecessors' error)")
 
 
 def as_rounding(v) -> AdaRound | None:
@@ -478,30 +490,94 @@ def adaround_weights(model: nn.Module, names: list[str], batches, w_of, fmt_of, 
                 if not isinstance(x, torch.Tensor):
                     return
                 x = x.detach().float()
-                if isinstance(mod, nn.Conv2d):  # a few images at a time: the patches are R*S times the input
-                    per = max(1, (1 << 24) // max(1, x[0].numel() * mod.weight[0, 0].numel()))
-                    for i in range(0, x.shape[0], per):
-                        _gram_update(st[n], mod, a_quant(n, x[i: i + per]), x[i: i + per])
-                else:
-                    _gram_update(st[n], mod, a_quant(n, x), x)
+                _stats_of(mod, st[n], a_quant(n, x), x)
             hooks.append(m.register_forward_pre_hook(pre))
         _run_batches(model, batches, hooks)
         for n in chunk:
-            m = mods[n]
-            fmt = as_format(fmt_of(n))
-            w = w_of(n).detach().float()
-            G = m.groups if isinstance(m, nn.Conv2d) else 1
-            wg = w.reshape(G, w.shape[0] // G, -1)  # (G, Kg, I)
-            w0 = m.weight.detach().float().reshape(G, w.shape[0] // G, -1)  # the float layer's (unclipped) weight
-            scale = (w.flatten(1).abs().amax(1).clamp_min(torch.finfo(torch.float32).tiny)
-                     / absmax_qmax(fmt)).reshape(G, -1, 1)
-            s = st.pop(n)
-            if s["rows"]:
-                x = torch.cat([r[0] for r in s["rows"]])
-                t = torch.einsum("pgi,gki->pgk", torch.cat([r[1] for r in s["rows"]]), w0)
-                out[n] = _adaround(wg, scale, fmt, opts, samples=(x, t)).reshape(w.shape)
-            else:
-                C = s["M"] @ w0.double().transpose(1, 2)  # (G, I, Kg): x_q^T t
-                out[n] = _adaround(wg.double(), scale.double(), fmt, opts, gram=(s["H"], C, s["T"])).float() \
-                    .reshape(w.shape)
+            out[n] = _solve(mods[n], st.pop(n), w_of(n), as_format(fmt_of(n)), opts)
     return out
+
+
+def _solve(m: nn.Module, s: dict, w: torch.Tensor, fmt, opts: AdaRound) -> torch.Tensor:
+    """The AdaRound weight of layer ``m`` (its shape, float32) from its statistics ``s`` (:func:`_gram_update`)
+    and ``w``, the float weight it quantizes (clipped, if clipping)."""
+    w = w.detach().float()
+    G = m.groups if isinstance(m, nn.Conv2d) else 1
+    wg = w.reshape(G, w.shape[0] // G, -1)  # (G, Kg, I)
+    w0 = m.weight.detach().float().reshape(G, w.shape[0] // G, -1)  # the float layer's (unclipped) weight
+    scale = (w.flatten(1).abs().amax(1).clamp_min(torch.finfo(torch.float32).tiny)
+             / absmax_qmax(fmt)).reshape(G, -1, 1)
+    if s["rows"]:
+        x = torch.cat([r[0] for r in s["rows"]])
+        t = torch.einsum("pgi,gki->pgk", torch.cat([r[1] for r in s["rows"]]), w0)
+        return _adaround(wg, scale, fmt, opts, samples=(x, t)).reshape(w.shape)
+    C = s["M"] @ w0.double().transpose(1, 2)  # (G, I, Kg): x_q^T t
+    return _adaround(wg.double(), scale.double(), fmt, opts, gram=(s["H"], C, s["T"])).float().reshape(w.shape)
+
+
+def _stats_of(mod: nn.Module, s: dict, xq: torch.Tensor, x: torch.Tensor) -> None:
+    """:func:`_gram_update` over ``xq`` / ``x``, a few images at a time for a conv (its patches are R*S times the
+    input)."""
+    if isinstance(mod, nn.Conv2d):
+        per = max(1, (1 << 24) // max(1, x[0].numel() * mod.weight[0, 0].numel()))
+        for i in range(0, x.shape[0], per):
+            _gram_update(s, mod, xq[i: i + per], x[i: i + per])
+    else:
+        _gram_update(s, mod, xq, x)
+
+
+def _apply(mod: nn.Module, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    if isinstance(mod, nn.Conv2d):  # (x was padded by the tcprec_pad4 pre-hook, if any)
+        return F.conv2d(x, w, b, mod.stride, mod.padding, mod.dilation, mod.groups)
+    return F.linear(x, w, b)
+
+
+@torch.no_grad()
+def adaround_lockstep(model: nn.Module, layers: list[str], rounded: set, batches, w_of, w_dq, fmt_of, a_quant,
+                      opts: AdaRound, bias_correction: bool) -> tuple[dict, dict]:
+    """AdaRound on the quantized model's inputs (``AdaRound(inputs="quantized")``): ``(name -> rounded weight for
+    the layers in rounded, name -> bias-correction delta for every layer of layers)`` (no deltas without
+    ``bias_correction``).
+
+    One forward of the calibration batches concatenated, twice over: the float half ``x`` and the quantized half.
+    Each quantized layer (``layers``, in any order: the forward visits them in the model's) sees both halves: a
+    layer in ``rounded`` is solved on its quantized-half input ``a_quant(name, x_q)`` against its float output
+    ``x W^T``; then the quantized half leaves it as the quantized layer computes it -- input quantized, the rounded
+    weight (or ``w_dq(name)``, nearest rounding), the bias less ``E[x (W_q - W)^T]`` (bias correction, per layer
+    on the float half, as :func:`bias_deltas`) -- and the float half as the float layer does."""
+    if any(not isinstance(b, torch.Tensor) for b in batches):
+        raise ValueError("AdaRound(inputs='quantized') needs tensor calibration batches, got keyword-argument dicts; "
+                         "use AdaRound(inputs='float') for a model called with keyword arguments")
+    mods = dict(model.named_modules())
+    xs = torch.cat([b for b in batches])
+    B = xs.shape[0]
+    out_w, deltas = {}, {}
+    hooks = []
+    for n in layers:
+        def fwd(mod, args, out, n=n):
+            x = args[0]
+            if not isinstance(x, torch.Tensor) or x.shape[0] != 2 * B:
+                raise ValueError(f"AdaRound(inputs='quantized'): {n!r} was called with a batch of "
+                                 f"{tuple(x.shape)[:1]}, not the {2 * B} calibration images; the lockstep forward "
+                                 "needs every layer to see the whole batch once")
+            xf, xq = x[:B].detach().float(), a_quant(n, x[B:].detach().float())
+            if n in rounded:
+                st = {"H": 0, "M": 0, "T": 0.0, "rows": [], "n": 0}
+                _stats_of(mod, st, xq, xf)
+                out_w[n] = _solve(mod, st, w_of(n), as_format(fmt_of(n)), opts)
+            wq = out_w[n] if n in rounded else w_dq(n).float()
+            b = mod.bias.detach().float() if mod.bias is not None else None
+            if bias_correction:
+                e = _apply(mod, xf, wq - mod.weight.detach().float(), None)  # (N, K, P, Q) / (..., K)
+                e = e.transpose(0, 1).flatten(1) if isinstance(mod, nn.Conv2d) else e.reshape(-1, e.shape[-1]).t()
+                d = (e.double().sum(1) / e.shape[1]).float()  # (K,), as bias_deltas sums it
+                deltas[n] = d
+                b = -d if b is None else b - d
+            yq = _apply(mod, xq, wq, b)
+            return torch.cat([out[:B], yq.to(out.dtype)])
+        hooks.append(mods[n].register_forward_hook(fwd))
+    _run_batches(model, [torch.cat([xs, xs])], hooks)
+    missing = [n for n in layers if n in rounded and n not in out_w]
+    if missing:
+        raise ValueError(f"AdaRound(inputs='quantized'): layers {missing[:4]} did not run on the calibration batch")
+    return out_w, deltas

@@ -94,7 +94,9 @@ class QuantConfig:
     weight_grid ``"twos"`` (intN) | ``"pm"`` (pmN odd-integer codes for 2..7-bit weights: every code used)
     bias_correction  subtract the expected output error of the quantized weights from each layer's bias
     weight_rounding  ``"nearest"`` (default) | ``"adaround"`` | ``AdaRound(iters=300, max_bits=4, ...)``:
-                learned up/down rounding of integer weights of 2..max_bits bits on the calibration batches
+                learned up/down rounding of integer weights of 2..max_bits bits on the calibration batches;
+                ``AdaRound(inputs="quantized")`` solves each layer on the quantized model's input (its predecessors
+                rounded, their inputs quantized), in model order (nn/calibrate.py ``adaround_lockstep``)
     speed_rule  ``"off"`` (default) | ``"measured"`` | ``SpeedRule(batch=256, timer=, rounds=2)``: time each quantized
                 layer against its float equivalent on the model's CUDA device and keep the slower ones float
                 (nn/speed_rule.py; why off by default: docs/decisions/0090)
@@ -747,24 +749,28 @@ def _calibration_call(cfg: QuantConfig, gm, order, batches, stats, precision_of,
             w = torch.maximum(torch.minimum(w, lim), -lim)
         return w
 
-    w_round = {}
+    def a_quant(n, x):  # the layer's input as its quantized layer sees it
+        f = activation_format(precision_of(n), stats[n][1])
+        s = max(float(stats[n][0]), 1e-8) / absmax_qmax(f)
+        if precision_of(n).fp8:
+            return (x / s).clamp(-f.max, f.max).to(torch.float8_e4m3fn).float() * s
+        return torch.round(x / s).clamp(f.min, f.max) * s
+
+    def w_nearest(n):
+        return cal.dequantized_weight(clipped(n), _weight_fmt(precision_of(n), cfg.weight_grid))
+
+    w_round, deltas = {}, {}
     ada = cal.as_rounding(cfg.weight_rounding)
-    if ada is not None:
-        rounded = [n for n in ints if 2 <= precision_of(n).w_bits <= ada.max_bits]
-        if rounded:
-            def a_quant(n, x):
-                f = activation_format(precision_of(n), stats[n][1])
-                s = max(float(stats[n][0]), 1e-8) / absmax_qmax(f)
-                return torch.round(x / s).clamp(f.min, f.max) * s
-            w_round = cal.adaround_weights(gm, rounded, batches, clipped,
-                                           lambda n: _weight_fmt(precision_of(n), cfg.weight_grid), a_quant, ada)
-    deltas = {}
+    rounded = [n for n in ints if 2 <= precision_of(n).w_bits <= ada.max_bits] if ada is not None else []
+    w_fmt = lambda n: _weight_fmt(precision_of(n), cfg.weight_grid)  # noqa: E731
+    if rounded and ada.inputs == "quantized":  # every layer solved on the quantized model's input, in model order
+        w_round, deltas = cal.adaround_lockstep(gm, layers, set(rounded), batches, clipped, w_nearest, w_fmt,
+                                                a_quant, ada, cfg.bias_correction)
+        return stats, w_ratio, deltas, w_round
+    if rounded:
+        w_round = cal.adaround_weights(gm, rounded, batches, clipped, w_fmt, a_quant, ada)
     if cfg.bias_correction and layers:
-        def w_dq(n):
-            if n in w_round:
-                return w_round[n]
-            return cal.dequantized_weight(clipped(n), _weight_fmt(precision_of(n), cfg.weight_grid))
-        deltas = cal.bias_deltas(gm, layers, batches, w_dq)
+        deltas = cal.bias_deltas(gm, layers, batches, lambda n: w_round[n] if n in w_round else w_nearest(n))
     return stats, w_ratio, deltas, w_round
 
 

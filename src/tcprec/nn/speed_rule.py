@@ -347,9 +347,14 @@ def apply_speed_rule(model: nn.Module, cfg, batches: list, convert: Callable) ->
     report = SpeedReport(str(dev), label, tuple(x.shape))
     timings: dict[str, LayerTiming] = {}
 
+    # the first conversion is only timed (a layer's kernels and time do not depend on how its weights round): it skips
+    # AdaRound, the one calibration step that costs more than the timings; a model it leaves final is converted again
+    timed_only = replace(off, weight_rounding="nearest") if off.weight_rounding != "nearest" else off
+
     def convert_with(floated):
         report.conversions += 1
-        c = replace(off, overrides={**dict(cfg.overrides), **{n: "float" for n in floated}})
+        c = replace(off if report.conversions > 1 else timed_only,
+                    overrides={**dict(cfg.overrides), **{n: "float" for n in floated}})
         return convert(c, probe if report.conversions == 1 else None)
 
     flags = torch.backends.cudnn.flags(enabled=True, benchmark=True, deterministic=False,
@@ -367,6 +372,8 @@ def apply_speed_rule(model: nn.Module, cfg, batches: list, convert: Callable) ->
             if rnd == rule.rounds:
                 report.notes.append(f"speed rule: stopped after {rule.rounds} timing round(s); the layers re-chained "
                                     "by the last floating were not timed again (SpeedRule(rounds=) for more)")
+        if report.conversions == 1 and timed_only is not off:  # nothing floated: the full calibration now
+            q = convert_with(())
         try:
             base = copy.deepcopy(model).eval()
             if x.dim() == 4:
