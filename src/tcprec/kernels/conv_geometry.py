@@ -12,11 +12,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["ConvGeometry", "pair", "ACT_NONE", "ACT_RELU", "ACT_LEAKY", "ACT_GELU"]
+__all__ = ["ConvGeometry", "pair", "ACT_NONE", "ACT_RELU", "ACT_LEAKY"]
 
 # the activation after a convolution, as the kernels take it (a run-time or constexpr integer)
 ACT_NONE, ACT_RELU, ACT_LEAKY = 0, 1, 2
-ACT_GELU = 3  # the erf GELU (the INT8 / FP8 kernels' epilogue only: reference_conv_int8_fp8.gelu_f32)
 
 
 def pair(v, name: str) -> tuple[int, int]:

@@ -33,7 +33,6 @@ from .reference_bitplanes import pack_bitplanes_reference, packed_words, unpack_
 from . import reference_gemm as rg
 from .reference import encode_int
 from .conv_geometry import ConvGeometry
-from .reference_conv_int8_fp8 import gelu_f32
 
 __all__ = [
     "decode_values",
@@ -222,12 +221,9 @@ def bmma_gemm_reference(a_planes, w_planes, a_twos, w_twos, ss, row_term, col_te
 
 
 def apply_act(y: torch.Tensor, act) -> torch.Tensor:
-    """None / "relu" / ("leaky", slope) / "gelu" on float32 ``y``: one float32 multiply for leaky; the INT8 / FP8
-    kernels' erf GELU (``reference_conv_int8_fp8.gelu_f32``)."""
+    """None / "relu" / ("leaky", slope) on float32 ``y``: one float32 multiply for leaky."""
     if act is None:
         return y
-    if act == "gelu":
-        return gelu_f32(y)
     if act == "relu":
         return torch.where(y < 0, torch.zeros_like(y), y)
     return torch.where(y < 0, y * float(act[1]), y)

@@ -20,9 +20,7 @@ multiply-add, so the int8 path is bit-exact)
     y  = a * s + bias[k]                            # two roundings (a product, then a sum)
     y  = float32(dt(float32(dt(y)) + float32(res))) # with a residual of dtype dt (a ResNet block's shortcut):
                                                     # the unfused graph's conv output in dt, one add, stored in dt
-    y  = act(y)                                     # relu: y > 0 ? y : 0;  leaky: y > 0 ? y : y * slope;
-                                                    # gelu: (0.5 * y) * (1 + erf(y * 0.70710677)), erf in float64
-                                                    # rounded to float32 (gelu_f32)
+    y  = act(y)                                     # relu: y > 0 ? y : 0;  leaky: y > 0 ? y : y * slope
     out: y rounded to float16 / float32, or
          int8: clamp(round_half_even(q / out_scale), lo, hi) - offset   (IEEE float32 division; NaN -> 0;
                (lo, hi, offset) = (-128, 127, 0) unless given: Int8Out); q = y, or float32(dt(y)) with a
@@ -45,14 +43,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .conv_geometry import ACT_GELU, ACT_LEAKY, ACT_NONE, ACT_RELU, pair
+from .conv_geometry import ACT_LEAKY, ACT_NONE, ACT_RELU, pair
 
 __all__ = [
     "ACT_NONE",
     "ACT_RELU",
     "ACT_LEAKY",
-    "ACT_GELU",
-    "gelu_f32",
     "parse_act",
     "parse_out",
     "Int8Out",
@@ -69,26 +65,14 @@ _OUT_FLOATS = {"float16": torch.float16, "float32": torch.float32, "bfloat16": t
 FP8_KINDS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}  # out=(kind, out_scale): float8 codes
 
 
-def gelu_f32(y: torch.Tensor) -> torch.Tensor:
-    """The erf GELU of float32 ``y`` as the kernels' epilogue computes it (``act="gelu"``):
-    ``(0.5 * y) * (1 + erf(y * 0.70710677))``, every step a float32 operation except erf, which is evaluated in
-    float64 and rounded to float32 (the Triton interpreter's ``tl.erf``: ``math.erf`` then float32; on the GPU
-    libdevice's ``erff``, within an ulp or two).  The form of ``F.gelu(y)`` (default ``approximate="none"``), not
-    the tanh approximation."""
-    e = torch.special.erf((y * 0.7071067811865476).to(torch.float64)).to(torch.float32)
-    return (y * 0.5) * (e + 1.0)
-
-
 def parse_act(act) -> tuple[int, float]:
     """(mode, slope) from ``None``, ``"relu"``, ``("leaky", slope)`` (also spelled ``"leaky_relu"``;
-    a bare ``"leaky"`` means slope 0.1, YOLO's), ``"gelu"`` (the erf GELU, :func:`gelu_f32`)."""
+    a bare ``"leaky"`` means slope 0.1, YOLO's)."""
     if act is None:
         return ACT_NONE, 0.0
     if isinstance(act, str):
         if act == "relu":
             return ACT_RELU, 0.0
-        if act == "gelu":
-            return ACT_GELU, 0.0
         if act in ("leaky", "leaky_relu"):
             return ACT_LEAKY, 0.1
     elif isinstance(act, (tuple, list)) and len(act) == 2 and act[0] in ("leaky", "leaky_relu"):
@@ -96,7 +80,7 @@ def parse_act(act) -> tuple[int, float]:
         if isinstance(slope, bool) or not isinstance(slope, numbers.Real) or not math.isfinite(slope):
             raise ValueError(f"the LeakyReLU slope must be a finite number, got {slope!r}")
         return ACT_LEAKY, float(slope)
-    raise ValueError(f"act must be None, 'relu', 'leaky', ('leaky', slope) or 'gelu', got {act!r}")
+    raise ValueError(f"act must be None, 'relu', 'leaky' or ('leaky', slope), got {act!r}")
 
 
 class Int8Out(NamedTuple):
@@ -238,8 +222,6 @@ def epilogue(acc: torch.Tensor, *, alpha: float = 1.0, sa=None, sb=None, bias=No
         y = torch.where(y > 0, y, zero)
     elif mode == ACT_LEAKY:
         y = torch.where(y > 0, y, y * torch.tensor(slope, dtype=torch.float32, device=dev))
-    elif mode == ACT_GELU:
-        y = gelu_f32(y)
     if kind == "int8" or kind in FP8_KINDS:
         q = y if residual is None else y.to(residual.dtype).to(torch.float32)
         return _int8_codes(q, out_scale) if kind == "int8" else _fp8_codes(q, out_scale)

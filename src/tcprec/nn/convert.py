@@ -11,9 +11,9 @@ What it does, in order:
    layer (``first_last``, 8 bits by default, as APNN-TC and every BNN paper keep them) and per-layer
    ``overrides`` by module name (``"float"`` keeps a layer in floating point).
 4. Fuses, on the graph: conv -> BatchNorm2d (folded into a per-channel scale and bias) -> ReLU /
-   LeakyReLU -> 2x2 max/avg pool become one ``QConv2d``; linear -> ReLU (or the erf GELU, on the INT8 / FP8
-   kernels) one ``QLinear``; a linear kept float with the erf GELU after it one ``LinearGELU`` (one GEMM with
-   torch's GELU epilogue, nn/linear_gelu.py).  Residual
+   LeakyReLU -> 2x2 max/avg pool become one ``QConv2d``; linear -> ReLU one ``QLinear``; a linear kept float
+   with the erf GELU after it one ``LinearGELU`` (one GEMM with torch's GELU epilogue, nn/linear_gelu.py), a
+   grouped conv kept float takes its BN into its weights (docs/decisions/0115).  Residual
    blocks: a conv(+BN) whose only user is an add (``+``, ``torch.add``, ``Tensor.add``; either operand
    order) of a tensor of its own shape and dtype, followed by a ReLU / LeakyReLU (or nothing), become one
    ``QConv2d`` called as ``conv(x, residual)`` at the add's place in the graph (``fuse_residual``; the INT8 /
@@ -31,8 +31,6 @@ What it does, in order:
    A conv read through ``torch.flatten(y, 1)`` by linears: their weight columns are reordered to (h, w, c)
    once and the flatten becomes ``flatten_nhwc``, a view of the conv's channels_last output (no copy into NCHW
    order); bit-serial linears get the conv's planes through it (compact rows, flattened as a view).
-   A ``QLinear`` read only by another (a transformer's linear1 -> GELU -> linear2) writes that one's int8 / e4m3
-   codes from its epilogue (``_chain_linears``).
 6. Reports: ``model.tcprec_summary`` (a ``QuantSummary``) says, per layer, the precision, formats,
    backend and what was fused; layers with no quantized path stay in float and are listed in a
    warning, never silently.
@@ -661,45 +659,6 @@ def _chain_through_flatten(node: fx.Node, flat: fx.Node, qmods, records: dict, k
         records[node.target].out = f"packed {b.a_fmt} -> {to}"
 
 
-def _chain_linears(g: fx.Graph, qmods: dict, records: dict, kind_of) -> None:
-    """A ``QLinear`` on the INT8 / FP8 kernels whose only reader is another such ``QLinear`` (directly or through
-    ``nn.Dropout``, the identity in the converted inference model: its nodes between the two are dropped) writes that
-    reader's int8 / float8 codes from its epilogue, after its activation: a feed-forward block's linear1 -> GELU ->
-    linear2 with no float (B * L, 4E) tensor and no quantize pass between them (docs/decisions/0125).  The reader
-    gets the codes as (M, 1, 1, K) and the chain's leading dimensions as ``lead_shape`` (``QLinear.forward``)."""
-    calls = _module_calls(g)
-
-    def qlinear(n) -> bool:
-        return isinstance(n, fx.Node) and n.op == "call_module" and isinstance(qmods.get(n.target), QLinear) \
-            and calls[n.target] == 1
-
-    for node in list(g.nodes):
-        if not qlinear(node):
-            continue
-        drops, u = [], _sole_user(node)
-        while u is not None and u.op == "call_module" and type(qmods.get(u.target)) is nn.Dropout \
-                and u.args == ((drops[-1] if drops else node),) and not u.kwargs:
-            drops.append(u)
-            u = _sole_user(u)
-        if not qlinear(u) or u.args != ((drops[-1] if drops else node),) or u.kwargs:
-            continue
-        a, b = qmods[node.target], qmods[u.target]
-        if not {kind_of(a), kind_of(b)} <= {"int8", "fp8"} or b.in_channels_last is not None:
-            continue  # (the reference backend: float in, float out; the binary GEMM's epilogue has no int8 codes)
-        for d in drops:
-            d.replace_all_uses_with(d.args[0])
-            g.erase_node(d)
-        lead = node.kwargs.get("lead_shape")
-        if lead is None:  # the chain's first float input: its leading dimensions
-            with g.inserting_before(u):
-                shape = g.call_function(getattr, (node.args[0], "shape"))
-                lead = g.call_function(operator.getitem, (shape, slice(None, -1)))
-        u.kwargs = {"lead_shape": lead}
-        a.chain_to(b, "int8" if kind_of(b) == "int8" else "planes")  # (float8 codes: a plain QTensor)
-        what = "int8 codes" if kind_of(b) == "int8" else "codes"
-        records[node.target].out = f"{what} {b.a_fmt} -> {u.target}"
-
-
 def _record_chains(g: fx.Graph, qmods: dict, kind_of) -> None:
     """Each quantized layer whose input a chained producer writes (directly or through ``flatten_nhwc``) keeps that
     layout and its own kind in its plan (``QConv2d.chained_from``), so a device move can tell a chain it breaks."""
@@ -961,16 +920,10 @@ def _convert(model: nn.Module, cfg: QuantConfig, batches, inplace: bool, warn: b
                     act, cur = act_of(u, mods), u
                     absorbed.append(u)
                     u = _sole_user(cur)
-                elif type(m) is nn.Linear and u is not None and is_erf_gelu(u, mods) and u.args[0] is cur:
-                    act, cur = "gelu", u  # the INT8 / FP8 kernels' erf GELU epilogue (not the bit-serial GEMM's)
-                    absorbed.append(u)
                 if isinstance(m, nn.Conv2d) and not grouped and u is not None and _pool_of(u, mods) is not None:
                     pool, cur = _pool_of(u, mods), u
                     absorbed.append(u)
             q = make(node.target, bn, act, pool)
-            if act == "gelu" and q is not None and q.layer_plan.backend == "bitserial":
-                act, absorbed = None, []  # (the binary GEMM's epilogue has no GELU: a separate float GELU)
-                q = make(node.target, bn, act, pool)
             if q is None:
                 if cfg.fuse and calls[node.target] == 1:
                     _fold_float_bn(gm, node, mods, records)  # a grouped conv kept float: its BN in its weights
@@ -1059,7 +1012,6 @@ def _convert(model: nn.Module, cfg: QuantConfig, batches, inplace: bool, warn: b
                 dual = f"{str(a.out_dtype).removeprefix('torch.')} + " if r_users else ""
                 what = "int8 codes" if kind == "int8" else "codes"
                 records[node.target].out = f"{dual}{what} {b.a_fmt} -> {to}"
-            _chain_linears(g, qmods, records, kind_of)  # (linear1 -> GELU -> linear2 in a transformer's FFN)
             _record_chains(g, qmods, kind_of)
         gm.graph.lint()
         gm.delete_all_unused_submodules()

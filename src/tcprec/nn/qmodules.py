@@ -29,7 +29,6 @@ The scales stay float32 under ``.half()`` / ``.bfloat16()`` (which set the outpu
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -524,8 +523,7 @@ class QConv2d(_QBase):
 
 
 class QLinear(_QBase):
-    """A Linear (+ ReLU, or + the erf GELU on the INT8 / FP8 kernels) at integer or FP8 precision; float in, float
-    out."""
+    """A Linear (+ ReLU) at integer or FP8 precision; float in, float out."""
 
     @classmethod
     def from_float(cls, lin: nn.Linear, precision, *, in_absmax: float, signed_input: bool, act=None,
@@ -534,9 +532,8 @@ class QLinear(_QBase):
         prec = parse_precision(precision)
         if prec is None:
             raise ValueError("QLinear needs a quantized precision ('w1a2', 'int8', 'fp8', ...), got 'float'")
-        if act not in (None, "relu", "gelu"):
-            raise ValueError(f"QLinear fuses act=None, 'relu' or 'gelu' (the erf GELU: INT8 / FP8 kernels and the "
-                             f"reference only), got {act!r}")
+        if act not in (None, "relu"):
+            raise ValueError(f"QLinear fuses act=None or 'relu', got {act!r}")
         m._init_common(prec, in_absmax, signed_input, out_dtype or lin.weight.dtype, backend, lin.weight.device,
                        fixed)
         m.in_features, m.out_features, m.act = lin.in_features, lin.out_features, act
@@ -575,20 +572,15 @@ class QLinear(_QBase):
         self.__dict__.pop("_packed", None)
         self.in_channels_last = channels
 
-    def forward(self, x, lead_shape=None):
+    def forward(self, x) -> torch.Tensor:
         """``x``: float (..., in_features), or the packed planes a chained conv wrote, flattened (``flatten_nhwc``
-        of a ``BitPlanes`` QTensor: shape (B, 1, 1, in_features)), or the int8 / float8 codes a chained linear wrote
-        (shape (M, 1, 1, in_features)); ``lead_shape``: the float input's leading dimensions for such codes
-        (``quantize_model`` passes those of the chain's first input), (M,) without.  Chained itself (``out_fmt``):
-        returns the next linear's codes, a QTensor of shape (M, 1, 1, out_features)."""
+        of a ``BitPlanes`` QTensor: shape (B, 1, 1, in_features))."""
         if isinstance(x, QTensor):
-            lead, xa = (x.shape[:1] if lead_shape is None else tuple(lead_shape)), x
+            lead, xa = x.shape[:1], x
             if self.layer_plan is not None and x.device != self.layer_plan.device:
                 self.plan_on(x.device)  # a chained operand on another device: re-plan (refuses a broken chain)
-            if x.shape != (math.prod(lead), 1, 1, self.in_features):
-                raise ValueError(f"QLinear expects planes of shape (B, 1, 1, {self.in_features}) (a chained linear's "
-                                 f"codes: (M, 1, 1, {self.in_features}) with M = prod(lead_shape) = {math.prod(lead)}), "
-                                 f"got {x.shape}")
+            if x.shape != (*lead, 1, 1, self.in_features):
+                raise ValueError(f"QLinear expects planes of shape (B, 1, 1, {self.in_features}), got {x.shape}")
         elif not isinstance(x, torch.Tensor) or x.shape[-1] != self.in_features:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"QLinear expects (..., {self.in_features}), got {got}")
@@ -596,10 +588,7 @@ class QLinear(_QBase):
             lead = x.shape[:-1]
             xa = _quantize_input(x.reshape(-1, 1, 1, self.in_features), self)  # (B, 1, 1, K) NHWC
         y = qc.conv2d(xa, self.weight, bias=self.bias, act=self.act, out_dtype=self.out_dtype, backend=self.backend,
-                      fp8_fast_accum=self.fp8_fast_accum, out_fmt=self.out_fmt, out_scale=self.out_scale,
-                      out_layout=self.out_layout)
-        if isinstance(y, QTensor):  # the next linear's codes (M, 1, 1, out_features): it reshapes its own output
-            return y
+                      fp8_fast_accum=self.fp8_fast_accum)
         return y.reshape(*lead, self.out_features)
 
 

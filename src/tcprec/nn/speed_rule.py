@@ -49,7 +49,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..timing import graph_ms
-from .linear_gelu import LinearGELU
 
 __all__ = ["SpeedRule", "SPEED_RULES", "as_speed_rule", "SpeedReport", "LayerTiming", "MODEL", "cuda_graph_timer",
            "apply_speed_rule"]
@@ -211,8 +210,6 @@ def _act_fn(act) -> Callable | None:
         return F.hardswish
     if act == "silu":
         return F.silu
-    if act == "gelu":
-        return F.gelu
     if isinstance(act, tuple) and act[0] == "leaky":
         return lambda y: F.leaky_relu(y, act[1])
     if isinstance(act, tuple) and act[0] == "clamp":
@@ -237,10 +234,6 @@ def _float_fn(m: nn.Module, q: nn.Module, fused: tuple, shape: tuple, device, dt
     res = torch.randn_like(y0) if getattr(q, "has_residual", False) else None
     act = _act_fn(getattr(q, "act", None))
     pool = getattr(q, "pool", None)
-    if getattr(q, "act", None) == "gelu" and type(m) is nn.Linear and res is None:
-        # the float model's linear + GELU is one GEMM with the GELU epilogue (torch's fast path, and what a kept
-        # float layer becomes: nn/linear_gelu.py), not a GEMM and a GELU pass
-        m, act = LinearGELU.from_linear(m), None
 
     @torch.no_grad()
     def run():

@@ -207,7 +207,7 @@ def _check_x(x) -> _X:
 
 
 def _check_act(act):
-    if act is None or act == "relu" or act == "gelu":  # gelu: the INT8 / FP8 kernels and the reference (qconv_plan)
+    if act is None or act == "relu":
         return act
     if isinstance(act, tuple) and len(act) == 2 and act[0] == "leaky":
         try:
@@ -216,7 +216,7 @@ def _check_act(act):
             slope = float("nan")
         if math.isfinite(slope):
             return ("leaky", slope)
-    raise ValueError(f"act must be None, 'relu', ('leaky', slope) or 'gelu', got act={act!r}; e.g. act=('leaky', 0.1)")
+    raise ValueError(f"act must be None, 'relu' or ('leaky', slope), got act={act!r}; e.g. act=('leaky', 0.1)")
 
 
 def _check_vec(t, K: int, name: str, device) -> torch.Tensor | None:

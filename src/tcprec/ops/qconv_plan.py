@@ -367,13 +367,6 @@ def _check_fusion(plan: ConvPlan) -> ConvPlan:
 
 def _decide(p: ConvPlan) -> ConvPlan:
     """Fill in the decisions below the backend (module docstring) and the passes that say them."""
-    if p.act == "gelu" and (p.backend == "bitserial" or p.pool is not None
-                            or (p.backend == "int8" and p.route == "kernel" and _stem_cuda(p))):
-        what = ("the bit-serial GEMM's epilogue" if p.backend == "bitserial" else "a pool" if p.pool is not None
-                else "the CUDA thin-stem conv")
-        raise ValueError(f"act='gelu' is fused by the INT8 / FP8 kernels and the reference, not with {what} "
-                         f"({p.a_fmt} x {p.w_fmt}, pool={p.pool}): run GELU after the layer (act=None), or use 8-bit "
-                         "operands (int8 / fp8) and no pool")
     if p.backend == "bitserial":
         return _decide_bitserial(p)
     if p.backend == "fp8" or p.route == "kernel":

@@ -74,7 +74,7 @@ import triton.language as tl
 
 from ..conv_geometry import ConvGeometry, pair
 from ..reference_bitplanes import packed_words
-from ..reference_conv_int8_fp8 import ACT_GELU, ACT_LEAKY, ACT_RELU, FP8_KINDS, Fp8Out, Int8Out, parse_act, parse_out
+from ..reference_conv_int8_fp8 import ACT_LEAKY, ACT_RELU, FP8_KINDS, Fp8Out, Int8Out, parse_act, parse_out
 from ._host import cdiv, next_power_of_2
 from .pack import PAD_W, _quantize_codes, _store_planes
 from .round import div_by_scalar, fp8_code, fp8_constexprs
@@ -259,8 +259,6 @@ def _conv_fwd_kernel(
     # -- planes (OUT_PLANES): pack._quantize_codes' format constants (with OUT_LO, OUT_HI, OUT_OFF) --
     Q_BITS: tl.constexpr, Q_SHIFT: tl.constexpr, POOL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    # -- the erf GELU after the bias / residual (act == ACT_GELU), compiled only into the variants that take it --
-    GELU: tl.constexpr,
 ):
     # ---- which tile: channel block fastest ----
     pid = tl.program_id(0)
@@ -339,8 +337,6 @@ def _conv_fwd_kernel(
             y = tl.where(y > 0, y, 0.0)
         elif act == _ACT_LEAKY:
             y = tl.where(y > 0, y, y * slope)
-        if GELU:  # (act == ACT_GELU) the erf GELU in gelu_f32's operation order; a constexpr: no other variant
-            y = (y * 0.5) * (tl.erf(y * 0.7071067811865476) + 1.0)  # carries the erf code
         if OUT_MODE == OUT_PLANES:  # the next bit-serial layer's planes: quantize -> pack (pooled above)
             offs_p = offs_m
             if INT64:
@@ -725,7 +721,7 @@ def _launch(x, w, g: ConvGeometry, op: str, *, fp8: bool, alpha, sa, sb, bias, a
         ADD_PIX=add is not None and add.dim() == 3,
         EVEN_K=g.C % cfg["BLOCK_K"] == 0, INT64=int64, HAS_RES=res is not None, OUT_LO=o_lo, OUT_HI=o_hi, OUT_OFF=o_off,
         **f8, Q_BITS=planes.bits if planes is not None else 1, Q_SHIFT=planes.shift if planes is not None else 0,
-        POOL=planes.pool if planes is not None else 0, GELU=mode == ACT_GELU,
+        POOL=planes.pool if planes is not None else 0,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3), enable_fp_fusion=False,
     )
@@ -755,10 +751,9 @@ def _check_planes_out(spec: PlanesOut, g: ConvGeometry, act, residual, out_int8,
                          "other pools run as a separate pass (pack.pool_planes)")
     if spec.pool and min(g.P, g.Q) < 2:
         raise ValueError(f"{op}: PlanesOut(pool=2) needs an output of at least 2 x 2, got {g.P} x {g.Q}")
-    if spec.pool and (parse_act(act)[1] < 0 or parse_act(act)[0] == ACT_GELU):
+    if spec.pool and parse_act(act)[1] < 0:
         raise ValueError(f"{op}: PlanesOut(pool=2) pools the accumulators (the epilogue must be monotone in them): a "
-                         f"LeakyReLU slope >= 0 (GELU is not monotone), got act={act!r}; pool the float output instead "
-                         "(pack.pool_quantize_pack)")
+                         f"LeakyReLU slope >= 0, got act={act!r}; pool the float output instead (pack.pool_quantize_pack)")
     if spec.shift not in (0, 1) or not -255 <= spec.lo <= spec.hi <= 255:
         raise ValueError(f"{op}: PlanesOut needs lo <= hi within +-255 and shift 0 or 1 (ops.quantize._qp_params of "
                          f"the format), got lo={spec.lo}, hi={spec.hi}, shift={spec.shift}")
