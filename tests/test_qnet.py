@@ -181,6 +181,7 @@ def test_a_grouped_conv_kept_float_folds_its_batchnorm_a_dense_one_does_not():
     net = _net()
     net[4] = nn.Conv2d(8, 16, 3, padding=1, groups=8)  # grouped, followed by BN "5"
     net = _calibrated(net, x)
+    net[4].train()  # a conv's mode changes nothing (convs made from F.conv2d calls are new modules, in training mode)
     for fuse in (True, False):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -398,7 +398,7 @@ def _fold_float_bn(gm: fx.GraphModule, node: fx.Node, mods, records: dict) -> No
     bias (``folds_float_bn``; the float model's two passes become one): folded in float32, stored in the conv's
     dtype.  The record says so (``fused=("bn",)``); the speed rule times the float side the same way."""
     m, u = mods[node.target], _sole_user(node)
-    if not folds_float_bn(m) or not _fusable_bn(m, u, mods) or m.training or mods[u.target].training:
+    if not folds_float_bn(m) or not _fusable_bn(m, u, mods) or mods[u.target].training:  # (a conv has no mode)
         return
     bn = mods[u.target]
     scale, bias = _fold_bn(m.out_channels, m.bias, bn, m.weight.device)
