@@ -397,6 +397,20 @@ def test_adaround_on_quantized_inputs_solves_each_layer_on_its_quantized_predece
         cal.adaround_lockstep(m, ["0"], {"0"}, [{"input": x}], w_of, None, lambda n: f4, a_quant, opts, False)
 
 
+def test_adaround_on_quantized_inputs_refuses_a_sequence_first_model():
+    """The lockstep forward stacks the float and quantized halves along dim 0; a batch_first=False attention (or RNN)
+    mixes positions along dim 0, so the halves would leak into each other: refused, naming the module and the fix,
+    while the same model with batch_first=True converts."""
+    torch.manual_seed(0)
+    cfg = tp.QuantConfig("w4a8", first_last=None, weight_rounding=cal.AdaRound(iters=5, inputs="quantized"))
+    seq_first = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=False).eval()
+    with pytest.raises(ValueError, match=r"batch_first=False.*AdaRound\(inputs='float'\)"):
+        tp.quantize_model(seq_first, cfg, calibration=torch.randn(5, 4, 16), warn=False)
+    batch_first = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).eval()
+    q = tp.quantize_model(batch_first, cfg, calibration=torch.randn(4, 5, 16), warn=False)
+    assert any(r.precision == "w4a8" for r in q.tcprec_summary.layers)
+
+
 def test_adaround_on_quantized_inputs_of_a_single_layer_is_adaround_on_float_inputs():
     """One quantized layer: its quantized model's input is the float input quantized, so quantize_model gives the
     same codes, scales and bias-corrected output either way (the lockstep path's wiring of weights and deltas)."""

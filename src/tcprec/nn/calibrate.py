@@ -548,6 +548,11 @@ def adaround_lockstep(model: nn.Module, layers: list[str], rounded: set, batches
     if any(not isinstance(b, torch.Tensor) for b in batches):
         raise ValueError("AdaRound(inputs='quantized') needs tensor calibration batches, got keyword-argument dicts; "
                          "use AdaRound(inputs='float') for a model called with keyword arguments")
+    mixing = [n or type(model).__name__ for n, m in model.named_modules() if getattr(m, "batch_first", True) is False]
+    if mixing:  # (the halves travel along dim 0: a sequence-first module would mix them, silently)
+        raise ValueError(f"AdaRound(inputs='quantized') stacks the float and quantized calibration batches along dim "
+                         f"0, but {mixing[:3]} (batch_first=False) mixes positions along dim 0, so the halves would "
+                         "leak into each other; build the model with batch_first=True, or use AdaRound(inputs='float')")
     mods = dict(model.named_modules())
     xs = torch.cat([b for b in batches])
     B = xs.shape[0]
