@@ -176,7 +176,7 @@ def test_quantize_model_overrides_and_float_warning():
 def test_a_grouped_conv_kept_float_folds_its_batchnorm_a_dense_one_does_not():
     """A grouped conv kept in float (an override here; the speed rule the same way) takes its inference BN into its
     weights (one float pass instead of two, the same function); a dense conv keeps the BN (cuDNN's dense convs are
-    slower with a bias: convert.folds_float_bn); fuse=False keeps every BN module."""
+    slower with a bias: qmodules.folds_float_bn); fuse=False keeps every BN module."""
     x = torch.randn(2, 3, 8, 8)
     net = _net()
     net[4] = nn.Conv2d(8, 16, 3, padding=1, groups=8)  # grouped, followed by BN "5"

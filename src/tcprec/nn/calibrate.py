@@ -287,6 +287,13 @@ def prepared_float_layer(m: nn.Module, clip_ratio: torch.Tensor | None, bias_del
 
 
 @torch.no_grad()
+def _channel_errors(mod: nn.Module, x: torch.Tensor, dw: torch.Tensor) -> torch.Tensor:
+    """The layer's output error from the weight error ``dw`` on input ``x``, (K, positions): every output position of
+    every image per output channel (a conv's (N, K, P, Q) as (K, N*P*Q); a linear's (..., K) as (K, rows))."""
+    e = _apply(mod, x, dw, None)
+    return e.transpose(0, 1).flatten(1) if isinstance(mod, nn.Conv2d) else e.reshape(-1, e.shape[-1]).t()
+
+
 def bias_deltas(model: nn.Module, names: list[str], batches, w_dq) -> dict[str, torch.Tensor]:
     """name -> E[layer(x; w_dq(name) - w)] per output channel (mean over batch and positions) over the batches."""
     mods = dict(model.named_modules())
@@ -301,12 +308,7 @@ def bias_deltas(model: nn.Module, names: list[str], batches, w_dq) -> dict[str, 
             x = args[0]
             if not isinstance(x, torch.Tensor):
                 return
-            if isinstance(mod, nn.Conv2d):
-                # (a conv with tcprec_pad4 pads in an earlier pre-hook: x is padded here)
-                e = F.conv2d(x, dw, None, mod.stride, mod.padding, mod.dilation, mod.groups)  # (N, K, P, Q)
-                e = e.transpose(0, 1).flatten(1)
-            else:
-                e = F.linear(x, dw).reshape(-1, dw.shape[0]).t()
+            e = _channel_errors(mod, x, dw)  # (a conv with tcprec_pad4 pads in an earlier pre-hook: x is padded)
             sums[n] = sums.get(n, 0) + e.double().sum(1)
             counts[n] = counts.get(n, 0) + e.shape[1]
         hooks.append(m.register_forward_pre_hook(pre))
@@ -573,8 +575,7 @@ def adaround_lockstep(model: nn.Module, layers: list[str], rounded: set, batches
             wq = out_w[n] if n in rounded else w_dq(n).float()
             b = mod.bias.detach().float() if mod.bias is not None else None
             if bias_correction:
-                e = _apply(mod, xf, wq - mod.weight.detach().float(), None)  # (N, K, P, Q) / (..., K)
-                e = e.transpose(0, 1).flatten(1) if isinstance(mod, nn.Conv2d) else e.reshape(-1, e.shape[-1]).t()
+                e = _channel_errors(mod, xf, wq - mod.weight.detach().float())
                 d = (e.double().sum(1) / e.shape[1]).float()  # (K,), as bias_deltas sums it
                 deltas[n] = d
                 b = -d if b is None else b - d

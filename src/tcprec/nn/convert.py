@@ -59,7 +59,7 @@ from .coverage import check_conv_coverage, normalize_graph, uncovered
 from .linear_gelu import LinearGELU, is_erf_gelu
 from .qgrouped import QGroupedConv2d, grouped_act_of, grouped_unsupported
 from .qmodules import (FixedQuant, LayerPrecision, QConv2d, QLinear, _fold_bn, _quantize_weight, activation_format,
-                       flatten_nhwc, parse_precision, weight_format)
+                       flatten_nhwc, folds_float_bn, parse_precision, weight_format)
 from .speed_rule import SpeedRule, apply_speed_rule, as_speed_rule
 
 __all__ = ["QuantConfig", "QuantSummary", "LayerRecord", "LayerPlan", "quantize_model", "plan_layers"]
@@ -385,14 +385,6 @@ def _fusable_bn(m: nn.Module, u: fx.Node | None, mods) -> bool:
             and type(mods[u.target]) is nn.BatchNorm2d and mods[u.target].track_running_stats)
 
 
-def folds_float_bn(m: nn.Module) -> bool:
-    """Whether a conv kept in float takes its inference BN into its weights (``_fold_float_bn``): grouped and
-    depthwise convs only.  Measured on an H200 (fp16 channels_last, batch 256, docs/decisions/0115): a depthwise conv
-    with the bias folded in runs 0.51 ms against 0.64 ms for conv + BN, but cuDNN's dense convs get slower with a
-    bias (ResNet-50's 1x1 / 3x3 shapes: 6-25% more than conv + BN)."""
-    return isinstance(m, nn.Conv2d) and m.groups != 1
-
-
 def _fold_float_bn(gm: fx.GraphModule, node: fx.Node, mods, records: dict) -> None:
     """A grouped conv that stays in float takes the inference BatchNorm that is its sole user into its weights and
     bias (``folds_float_bn``; the float model's two passes become one): folded in float32, stored in the conv's
@@ -407,11 +399,17 @@ def _fold_float_bn(gm: fx.GraphModule, node: fx.Node, mods, records: dict) -> No
         folded.weight = nn.Parameter((m.weight.detach().float() * scale.reshape(-1, 1, 1, 1)).to(m.weight.dtype),
                                      requires_grad=m.weight.requires_grad)
         folded.bias = nn.Parameter(bias.to(m.weight.dtype), requires_grad=m.weight.requires_grad)
-    _set_module(gm, node.target, folded)
+    _absorb_user(gm, node, u, folded, records, "bn")
+
+
+def _absorb_user(gm: fx.GraphModule, node: fx.Node, u: fx.Node, new: nn.Module, records: dict, what: str) -> None:
+    """A layer kept float becomes ``new``, which computes its sole user ``u`` too: ``u``'s readers read the layer,
+    ``u`` leaves the graph and the record says ``what`` was fused."""
+    _set_module(gm, node.target, new)
     u.replace_all_uses_with(node)
     gm.graph.erase_node(u)
     rec = records[node.target]
-    rec.fused = rec.fused + ("bn",)
+    rec.fused = rec.fused + (what,)
 
 
 @dataclass(frozen=True)
@@ -574,11 +572,7 @@ def _fuse_float_gelu(gm: fx.GraphModule, node: fx.Node, mods, records: dict) -> 
     m, u = mods[node.target], _sole_user(node)
     if type(m) is not nn.Linear or node.kwargs or u is None or not is_erf_gelu(u, mods) or u.args[0] is not node:
         return
-    _set_module(gm, node.target, LinearGELU.from_linear(m))
-    u.replace_all_uses_with(node)
-    gm.graph.erase_node(u)
-    rec = records[node.target]
-    rec.fused = rec.fused + ("gelu",)
+    _absorb_user(gm, node, u, LinearGELU.from_linear(m), records, "gelu")
 
 
 def _flatten_input(node: fx.Node, mods) -> fx.Node | None:

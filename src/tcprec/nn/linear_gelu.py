@@ -70,10 +70,8 @@ def is_erf_gelu(node, mods) -> bool:
     if node.op == "call_module":
         m = mods.get(node.target)
         return type(m) is nn.GELU and m.approximate == "none"
-    if node.op == "call_function" and node.target in (F.gelu, torch._C._nn.gelu):
-        pass
-    elif not (node.op == "call_method" and node.target == "gelu"):
-        return False
-    if len(node.args) != 1:
+    called = ((node.op == "call_function" and node.target in (F.gelu, torch._C._nn.gelu))
+              or (node.op == "call_method" and node.target == "gelu"))
+    if not called or len(node.args) != 1:
         return False
     return set(node.kwargs) <= {"approximate"} and node.kwargs.get("approximate", "none") == "none"

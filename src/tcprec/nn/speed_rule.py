@@ -10,8 +10,6 @@ way TensorRT's builder picks a tactic per layer by timing:
    residual add) and its output conversion, alone in a CUDA graph -- and the same computation in float on the
    model's dtype (the float conv / linear, channels_last, then BN, the activation, the pool and the add as the
    float model would run them: separate cuDNN / cuBLAS / elementwise kernels);
-   a linear with the GELU in its epilogue is timed against the float linear + GELU as the float model runs them, one
-   GEMM with the GELU epilogue (``torch._addmm_activation``: torch's fast path; nn/linear_gelu.py);
    A fused module counts as one layer, timed as it runs: self-attention's ``qkv_proj`` (q / k / v in one quantize
    pass and one (3E, E) GEMM, nn/attention.py) against the same fused linear in float (torch's ``in_proj``); kept
    float, its three members are (``q_proj`` / ``k_proj`` / ``v_proj`` in the summary and the overrides), and they run
@@ -49,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..timing import graph_ms
+from .qmodules import folds_float_bn
 
 __all__ = ["SpeedRule", "SPEED_RULES", "as_speed_rule", "SpeedReport", "LayerTiming", "MODEL", "cuda_graph_timer",
            "apply_speed_rule"]
@@ -217,17 +216,17 @@ def _act_fn(act) -> Callable | None:
     return F.relu  # an encoding added later: one elementwise pass either way
 
 
-def _float_fn(m: nn.Module, q: nn.Module, fused: tuple, shape: tuple, device, dtype, fold_bn: bool = True) -> Callable:
+def _float_fn(m: nn.Module, q: nn.Module, fused: tuple, shape: tuple, device, dtype, fold_bn: bool) -> Callable:
     """What this layer runs in float and what the quantized module absorbed: conv / linear (cuDNN / cuBLAS,
-    channels_last), then BN (inference; none with ``fold_bn`` for a grouped conv: kept float, it takes the BN into
-    its weights, ``convert.folds_float_bn``), the residual add, the activation, the 2x2 pool."""
+    channels_last), then BN (inference; none where ``fold_bn`` and ``qmodules.folds_float_bn``: kept float, the conv
+    takes the BN into its weights), the residual add, the activation, the 2x2 pool."""
     x = torch.randn(shape, device=device, dtype=dtype)
     if x.dim() == 4:
         x = x.contiguous(memory_format=torch.channels_last)
     with torch.no_grad():
         y0 = m(x)
     C = y0.shape[1] if y0.dim() == 4 else y0.shape[-1]
-    bn = "bn" in fused and y0.dim() == 4 and not (fold_bn and getattr(m, "groups", 1) != 1)
+    bn = "bn" in fused and y0.dim() == 4 and not (fold_bn and folds_float_bn(m))
     if bn:
         rm, rv = torch.zeros(C, device=device, dtype=dtype), torch.ones(C, device=device, dtype=dtype)
         w, b = torch.ones(C, device=device, dtype=dtype), torch.zeros(C, device=device, dtype=dtype)
