@@ -488,6 +488,34 @@ def test_pick_config_table():
     assert cfg["num_stages"] == 3
 
 
+def test_pick_config_residual_classes():
+    """A residual epilogue picks the residual classes' smaller tiles (decision 0130; H200, batch 256: ResNet-50's
+    layer1 conv3 with the dual output 1043 -> 574 us at 64 x 64); the plain tiles are unchanged."""
+    from tcprec.kernels.conv_geometry import ConvGeometry as G
+
+    tiles = cf._TILES
+    conv3 = G(256, 56, 56, 64, 256, 1, 1, (1, 1), (0, 0), (1, 1))
+    assert [cf.shape_class(conv3, e) for e in cf.EPILOGUES] == ["tap", "tap_res", "point_dual"]
+    cfg = cf.pick_config(conv3, fp8=False, epilogue="dual")
+    assert (cfg["BLOCK_M"], cfg["BLOCK_N"]) == tiles["point_dual"][:2] and not cfg["FLAT"]
+    assert (cfg["num_warps"], cfg["num_stages"]) == tiles["point_dual"][2:]
+    cfg = cf.pick_config(conv3, fp8=False, epilogue="residual")
+    assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"]) == tiles["tap_res"][:3]
+    assert cf.pick_config(conv3, fp8=False) == cf.pick_config(conv3, fp8=False, epilogue="plain")
+    assert (cf.pick_config(conv3, fp8=False)["BLOCK_M"], cf.pick_config(conv3, fp8=False)["BLOCK_N"]) == (128, 128)
+    l1 = G(256, 56, 56, 64, 64, 3, 3, (1, 1), (1, 1), (1, 1))  # 3x3 with the dual output: "tap_res"
+    assert cf.shape_class(l1, "dual") == "tap_res"
+    cfg = cf.pick_config(l1, fp8=False, epilogue="dual")
+    assert (cfg["BLOCK_M"], cfg["BLOCK_N"]) == (tiles["tap_res"][0], min(64, tiles["tap_res"][1]))
+    # a residual on a conv outside "tap" keeps its shape class (not measured apart)
+    stem = G(256, 208, 208, 16, 32, 3, 3, (1, 1), (1, 1), (1, 1))
+    assert cf.shape_class(stem, "dual") == "flat" == cf.shape_class(stem)
+    with pytest.raises(ValueError, match=r"epilogue must be one of \('plain', 'residual', 'dual'\), got 'res'"):
+        cf.pick_config(conv3, fp8=False, epilogue="res")
+    assert cf.epilogue_of(True, True) == "dual" and cf.epilogue_of(True, False) == "residual"
+    assert cf.epilogue_of(False, True) == cf.epilogue_of(False, False) == "plain"
+
+
 # ------------------------------------------------------------------------------------------------
 # The kernel compiles for sm_90 and lowers tl.dot to wgmma s8 / e4m3 (no GPU needed)
 # ------------------------------------------------------------------------------------------------

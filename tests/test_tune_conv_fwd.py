@@ -17,8 +17,9 @@ from tcprec.kernels.triton import conv_fwd as cf
 
 ENV = {"COLUMNS": "200", "TERMINAL_WIDTH": "200"}
 NO_CUDA = not torch.cuda.is_available()
-# conv_fwd._TILES as the code held it before it became data (commit e90722d)
+# conv_fwd._TILES as the code held it before it became data (commit e90722d), and the residual classes (decision 0130)
 CODE_TILES = {"tap": (128, 128, 4, 3), "flat": (128, 128, 4, 3), "thin": (128, 128, 8, 4)}
+RES_CLASSES = ("tap_res", "point_dual")
 
 
 @pytest.fixture
@@ -28,8 +29,11 @@ def run():
 
 
 def test_loaded_table_equals_what_the_code_had():
-    assert cf.load_tile_table() == CODE_TILES
-    assert cf._TILES == CODE_TILES and set(cf._TILES) == set(cf.TILE_CLASSES)
+    tiles = cf.load_tile_table()
+    assert {c: tiles[c] for c in CODE_TILES} == CODE_TILES and set(tiles) == set(CODE_TILES) | set(RES_CLASSES)
+    assert cf._TILES == tiles and set(cf._TILES) == set(cf.TILE_CLASSES)
+    # the residual classes: fewer accumulators a program than the plain 128 x 128 (their epilogue keeps more live)
+    assert all(tiles[c][0] * tiles[c][1] < 128 * 128 for c in RES_CLASSES)
     doc = json.loads(cf.TILE_TABLE_PATH.read_text())
     assert all(doc[c]["measured"] and doc[c]["source"] for c in cf.TILE_CLASSES)  # each value says why
 
@@ -64,6 +68,20 @@ def test_pick_config_reads_the_table_and_a_candidate_table():
     assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]) == (256, 128, 8, 3)
 
 
+@pytest.mark.parametrize("name, base, epilogue", [("vgg.conv3", "vgg.conv3", "plain"),
+                                                   ("resnet50.l1c3+dual", "resnet50.l1c3", "dual"),
+                                                   ("resnet18.l2+residual", "resnet18.l2", "residual")])
+def test_parse_layer(name, base, epilogue):
+    assert tcf.parse_layer(name) == (base, epilogue)
+    assert tcf.layer_classes([name])[cf.shape_class(tcf.geometry(name, 256), epilogue)] == [name]
+
+
+@pytest.mark.parametrize("bad", ["vgg.conv3+relu", "vgg.conv99", "resnet50.l1c3+"])
+def test_bad_layer_names_are_refused(bad):
+    with pytest.raises(ValueError, match=r"'\+residual' or '\+dual'.*" + bad.replace("+", r"\+")):
+        tcf.layer_classes([bad])
+
+
 def test_tune_layers_cover_every_class():
     classes = tcf.layer_classes(tcf.TUNE_LAYERS)
     assert set(classes) == set(cf.TILE_CLASSES)
@@ -92,7 +110,7 @@ def test_written_table_round_trips_and_a_bad_one_is_not_written(tmp_path):
     doc = tcf.table_document(chosen, old, {"tap": "GPU X: 128x256 1.0 ms"}, "tcprec tune conv-fwd (commit abc)")
     assert old["tap"]["value"] == [128, 128, 4, 3]  # the input document is not changed
     tcf.write_table(doc, path)
-    assert cf.load_tile_table(path) == {**CODE_TILES, "tap": (128, 256, 8, 3)}
+    assert cf.load_tile_table(path) == {**cf._TILES, "tap": (128, 256, 8, 3)}
     assert json.loads(path.read_text())["tap"]["measured"] == "GPU X: 128x256 1.0 ms"
     doc["tap"]["value"] = [100, 256, 8, 3]
     with pytest.raises(ValueError, match=r"BLOCK_M in \(64, 128, 256\)"):

@@ -1352,8 +1352,9 @@ app.add_typer(tune_app, name="tune")
 @_cli
 def tune_conv_fwd_cmd(
     layers: str = typer.Option(",".join(tune_conv_fwd_mod.TUNE_LAYERS),
-                               help="Comma-separated conv_fwd.NETWORK_LAYERS names to time (their shape classes are "
-                                    "tuned; the others keep their entry)."),
+                               help="Comma-separated conv_fwd.NETWORK_LAYERS names to time, each optionally with "
+                                    "'+residual' or '+dual' (timed with that epilogue); their classes are tuned, "
+                                    "the others keep their entry."),
     batch: int = typer.Option(256, min=1, help="Batch the candidates are timed at."),
     table: Optional[Path] = typer.Option(None, help="Tile table to update (default: the kernel's "
                                                     "conv_fwd_tiles.json)."),

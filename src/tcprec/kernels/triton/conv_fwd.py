@@ -79,7 +79,8 @@ from ._host import cdiv, next_power_of_2
 from .pack import PAD_W, _quantize_codes, _store_planes
 from .round import div_by_scalar, fp8_code, fp8_constexprs
 
-__all__ = ["conv2d_fwd_int8", "conv2d_fwd_fp8", "pick_config", "compile_key", "geometry", "NETWORK_LAYERS",
+__all__ = ["conv2d_fwd_int8", "conv2d_fwd_fp8", "pick_config", "shape_class", "epilogue_of", "compile_key", "geometry",
+           "NETWORK_LAYERS",
            "INTERPRETER_CONFIG", "interpreting", "PlanesOut"]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -396,6 +397,9 @@ NETWORK_LAYERS = {
     "yolo.conv5": (26, 26, 128, 256, 3, 3, 1, 1), "yolo.conv6": (13, 13, 256, 512, 3, 3, 1, 1),
     "yolo.conv7": (13, 13, 512, 1024, 3, 3, 1, 1), "yolo.conv8": (13, 13, 1024, 1024, 3, 3, 1, 1),
     "yolo.conv9": (13, 13, 1024, 125, 1, 1, 1, 0),
+    # ResNet-50's bottleneck convs whose epilogue adds the shortcut (tuned with it: bench/tune_conv_fwd.TUNE_LAYERS)
+    "resnet50.l1c3": (56, 56, 64, 256, 1, 1, 1, 0), "resnet50.l2c3": (28, 28, 128, 512, 1, 1, 1, 0),
+    "resnet50.l3c3": (14, 14, 256, 1024, 1, 1, 1, 0),
 }
 
 
@@ -427,8 +431,15 @@ def _flat_block_k(rsc: int) -> int:
 
 # Tile table: shape class -> (BLOCK_M, largest BLOCK_N, num_warps, num_stages), data in conv_fwd_tiles.json beside
 # this file (each value with what was measured to pick it; written by `tcprec tune conv-fwd`).
-#   tap   C a multiple of 64 / 128;   flat  C >= 16 not a multiple of 64;   thin  C < 16 (the stems).
-TILE_CLASSES = ("tap", "flat", "thin")
+#   tap   C a multiple of 64 / 128;   flat  C >= 16 not a multiple of 64;   thin  C < 16 (the stems);
+#   tap_res     a "tap" conv whose epilogue adds a residual (a ResNet block's last conv): the residual tile and the
+#               float result live beside the accumulator, so 128x128 with 4 warps runs out of registers (255 a
+#               thread, spilling; 12% occupancy) at a quarter of the bandwidth (decision 0130);
+#   point_dual  a 1x1 "tap" conv with a residual and the dual output (float + codes: a bottleneck's conv3), the
+#               heaviest epilogue over the shortest reduction.
+TILE_CLASSES = ("tap", "flat", "thin", "tap_res", "point_dual")
+# what the epilogue does besides the activation: nothing more, a residual add, or a residual add with the dual output
+EPILOGUES = ("plain", "residual", "dual")
 TILE_TABLE_PATH = Path(__file__).with_name("conv_fwd_tiles.json")
 _TILE_BLOCK_M = (64, 128, 256)
 _TILE_WARPS = (4, 8)
@@ -474,18 +485,32 @@ _SMALL_M_WARPS = 4  # 64-row tiles (too few 128-row tiles to fill the SMs): one 
 _POOLED_ONE_STEP = {"BLOCK_M": 64, "num_stages": 2}
 
 
-def shape_class(g: ConvGeometry) -> str:
-    """The tile table's class of a conv: "tap" (C a multiple of 64), else "thin" (C < 16) or "flat"."""
-    return "tap" if g.C % 64 == 0 else ("thin" if g.C < 16 else "flat")
+def shape_class(g: ConvGeometry, epilogue: str = "plain") -> str:
+    """The tile table's class of a conv: "tap" (C a multiple of 64), else "thin" (C < 16) or "flat"; a "tap" conv
+    whose ``epilogue`` (one of :data:`EPILOGUES`) adds a residual is "tap_res", or "point_dual" when it is 1x1 with the
+    dual output.  (A residual on a "flat" / "thin" conv keeps its shape class: no network layer was measured there.)"""
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
+    if g.C % 64 != 0:
+        return "thin" if g.C < 16 else "flat"
+    if epilogue == "plain":
+        return "tap"
+    return "point_dual" if epilogue == "dual" and g.R == g.S == 1 else "tap_res"
+
+
+def epilogue_of(residual: bool, dual: bool) -> str:
+    """The :data:`EPILOGUES` entry of a launch: "dual" (a residual and the float + codes output), "residual", or
+    "plain" (no residual; a dual output without one was not measured apart and keeps the plain tiles)."""
+    return ("dual" if dual else "residual") if residual else "plain"
 
 
 def pick_config(g: ConvGeometry, fp8: bool, device: torch.device | None = None, pooled: bool = False,
-                tiles: dict | None = None) -> dict:
+                tiles: dict | None = None, epilogue: str = "plain") -> dict:
     """Tile, warps and stages for one conv (the same table for int8 and fp8: both are 8-bit operands).
 
     * reduction: TAP mode with BLOCK_K = 128 (or 64) when C is a multiple of it, else FLAT mode with
       the largest BLOCK_K that pads R*S*C by at most 15%;
-    * the shape class ("tap", "flat", "thin" for C < 16) picks BLOCK_M, the BLOCK_N cap, warps and
+    * the class (:func:`shape_class` of the geometry and the ``epilogue``) picks BLOCK_M, the BLOCK_N cap, warps and
       stages from ``_TILES``; BLOCK_N is the output channels rounded up to a power of two in [16, cap];
     * BLOCK_M 64 (and BLOCK_N <= 64), 4 warps, when 128-row tiles would leave most SMs idle (small batch, 7x7 /
       13x13 maps); with one row tile (a linear layer at batch 8) BLOCK_N halved down to 16 while the tiles still
@@ -496,8 +521,8 @@ def pick_config(g: ConvGeometry, fp8: bool, device: torch.device | None = None, 
     """
     sms = _sm_count(device)
     M = g.N * g.P * g.Q
-    cls = shape_class(g)
-    if cls == "tap":
+    cls = shape_class(g, epilogue)
+    if g.C % 64 == 0:
         flat, bk = False, (128 if g.C % 128 == 0 else 64)
     else:
         flat, bk = True, _flat_block_k(g.R * g.S * g.C)
@@ -687,7 +712,8 @@ def _launch(x, w, g: ConvGeometry, op: str, *, fp8: bool, alpha, sa, sb, bias, a
             raise ValueError(f"{op}: bias is on {bias.device}, the conv runs on {device}; move it there first")
         bias_t, bias_stride = bias.reshape(-1).contiguous(), 1
     cfg = dict(INTERPRETER_CONFIG if (config is None and interpreting()) else
-               (config or pick_config(g, fp8, device, pooled=planes is not None and planes.pool == 2)))
+               (config or pick_config(g, fp8, device, pooled=planes is not None and planes.pool == 2,
+                                      epilogue=epilogue_of(res is not None, out8 is not None))))
     M, kw = g.N * g.P * g.Q, 0
     if planes is not None:  # (bits, rows, Kw) int32; a program packs whole words: BLOCK_N >= 32
         if planes.pool:  # BLOCK_M pooled pixels a program (4 accumulators of BLOCK_M rows, one a window pixel)
