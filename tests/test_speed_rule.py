@@ -335,3 +335,41 @@ def test_restoring_torchs_module_does_not_touch_the_users_model():
     assert q.get_submodule("enc") is not model.enc
     ours = {p.data_ptr() for p in model.parameters()}
     assert not any(p.data_ptr() in ours for p in q.parameters())
+
+
+class _Decoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.dec = nn.TransformerDecoder(nn.TransformerDecoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, tgt, memory):
+        return self.head(self.dec(tgt, memory))
+
+
+def test_decoder_modules_come_back_too_under_the_pinned_overrides():
+    """The same for nn.TransformerDecoder and its layers, here through the overrides that pin a rule's outcome (no
+    timing): all float -> torch's own decoder, bit-equal to the float model; layer 1's cross-attention quantized ->
+    layer 0 is torch's layer, and layer 1's self-attention torch's attention (reading layer 0's restored output)."""
+    model = _Decoder().eval()
+    cal = {"tgt": torch.randn(2, 5, 16), "memory": torch.randn(2, 7, 16)}
+    dec = [f"dec.layers.{i}.{a}.{p}_proj" for i in range(2) for a in ("self_attn", "multihead_attn")
+           for p in ("q", "k", "v", "out")] + [f"dec.layers.{i}.linear{j}" for i in range(2) for j in (1, 2)]
+    everything = dict.fromkeys(dec + ["head"], "float")
+    q = tp.quantize_model(model, tp.QuantConfig("int8", first_last=None, overrides=everything), calibration=cal,
+                          warn=False)
+    assert type(q.get_submodule("dec")) is nn.TransformerDecoder
+    with torch.no_grad():
+        assert torch.equal(q(**cal), model(**cal))
+    assert sorted(r.name for r in q.tcprec_summary.layers) == sorted(everything)
+    cross = [n for n in dec if n.startswith("dec.layers.1.multihead_attn")]
+    q = tp.quantize_model(model, tp.QuantConfig("int8", first_last=None, overrides={
+        n: "float" for n in dec if n not in cross}), calibration=cal, warn=False)
+    assert type(q.get_submodule("dec.layers.0")) is nn.TransformerDecoderLayer
+    assert type(q.get_submodule("dec.layers.1.self_attn")) is nn.MultiheadAttention
+    assert type(q.get_submodule("dec.layers.1.multihead_attn.out_proj")).__name__ == "QLinear"
+    recs = {r.name: r for r in q.tcprec_summary.layers}
+    assert all(recs[n].precision == "w8a8" for n in cross) and recs["dec.layers.1.linear1"].precision == "float"
+    with torch.no_grad():
+        assert q(**cal).shape == (2, 5, 4)

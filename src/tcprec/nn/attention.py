@@ -41,7 +41,7 @@ from __future__ import annotations
 import copy
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
@@ -574,11 +574,14 @@ def restore_torch_modules(gm: fx.GraphModule, calls: list[TwinCall], originals: 
         return originals[""], {"": root}
     g = gm.graph
     done: dict[str, list[str]] = {}
+    moved: dict[fx.Node, fx.Node] = {}  # a restored call's result -> the torch module's (later calls may read it)
     for path in sorted((p for p in originals if p), key=lambda p: p.count(".")):
         names = inside(path)
         if any(path.startswith(d + ".") for d in done) or not names or not all(is_float(n) for n in names):
             continue
-        mine = [c for c in calls if c.path == path]
+        now = lambda v: moved.get(v, v) if isinstance(v, fx.Node) else v  # noqa: E731
+        mine = [replace(c, args=fx.node.map_aggregate(c.args, now), kwargs=fx.node.map_aggregate(c.kwargs, now))
+                for c in calls if c.path == path]
         regions = [c.region() for c in mine]
         if not mine or any(r is None for r in regions):
             continue
@@ -602,6 +605,7 @@ def restore_torch_modules(gm: fx.GraphModule, calls: list[TwinCall], originals: 
                         outs.append((o, cur))
             for o, r in outs:
                 o.replace_all_uses_with(r, delete_user_cb=lambda u, region=region: u not in region)
+                moved[o] = r
             for n in sorted(region, key=at.__getitem__, reverse=True):
                 g.erase_node(n)
         done[path] = names
