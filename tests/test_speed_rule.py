@@ -262,6 +262,13 @@ class SlowerQuantized(FakeTimer):
         return self.table.get((layer, side), 2.0 if side == "quantized" else 1.0)
 
 
+def _fast_path_calls(model, *args) -> int:
+    """How many times torch's fused encoder-layer kernel ran in one no-grad forward."""
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(*args)
+    return sum(e.count for e in prof.key_averages() if e.key == "aten::_transformer_encoder_layer_fwd")
+
+
 def _rule(model, fast=(), seed=0):
     cfg = tp.QuantConfig("int8", first_last=None, speed_rule=SpeedRule(timer=SlowerQuantized(fast)))
     x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(seed + 1))
@@ -280,6 +287,7 @@ def test_encoder_measured_slower_everywhere_is_torchs_own_encoder_again(where):
     assert type(enc) is nn.TransformerEncoder and all(type(m) is nn.TransformerEncoderLayer for m in enc.layers)
     with torch.no_grad():
         assert torch.equal(q(x), model(x))
+    assert _fast_path_calls(q, x) == 2  # torch's fused layer kernel, as in the float model
     recs = {r.name: r for r in q.tcprec_summary.layers}
     for n in (k.removeprefix("enc.") if not pre else k for k in ENC_LINEARS):
         r = recs[n]
@@ -313,6 +321,7 @@ def test_one_linear_faster_quantized_keeps_tcprecs_modules_around_it():
     assert all(recs[n].reason.startswith("kept fp32: w8a8 2.000 ms") for n in ENC_LINEARS if n not in quantized)
     with torch.no_grad():
         assert q(x).shape == (2, 5, 10)
+    assert _fast_path_calls(q, x) == 1  # layer 0
 
     q, x = _rule(_Wrapped().eval(), fast=("enc.layers.1.linear2",))
     assert type(q.get_submodule("enc.layers.1")) is not nn.TransformerEncoderLayer
