@@ -760,7 +760,8 @@ def _set_module(root: nn.Module, name: str, new: nn.Module) -> None:
 def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, calibration=None,
                    inplace: bool = False, warn: bool = True, fixed: Mapping[str, FixedQuant] | None = None
                    ) -> nn.Module:
-    """A quantized copy of ``model`` for inference (``torch.fx.GraphModule`` when the model traces).
+    """A quantized copy of ``model`` for inference (``torch.fx.GraphModule`` when the model traces; a copy of the
+    model itself when it is one torch transformer module whose every linear stays float: docs/decisions/0131).
 
     ``config``: a :class:`QuantConfig` or a precision string (``"w1a2"``, ``"w2a2"``, ``"int8"``, ``"fp8"``...).
     ``calibration``: a sample batch (or a list of batches) on the model's device; a batch may be a dict of keyword
