@@ -227,3 +227,158 @@ def test_adaround_runs_once_on_the_final_layer_set(slow):
     for n in "0369":
         if n not in slow:
             assert torch.equal(q.get_submodule(n).weight.qw.codes, want.get_submodule(n).weight.qw.codes), n
+
+
+# -- a torch transformer module with nothing quantized left inside is the user's own module again ------------------
+
+ENC_LINEARS = [f"enc.layers.{i}.{n}" for i in range(2) for n in
+               ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "linear1", "linear2")]
+
+
+class _Wrapped(nn.Module):
+    """A 2-layer nn.TransformerEncoder inside a user module, then a head."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, activation="gelu", batch_first=True, norm_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.head(self.enc(x))
+
+
+class SlowerQuantized(FakeTimer):
+    """Every layer 2 ms quantized against 1 ms float, except the ``fast`` ones (0.5 ms quantized); the whole model
+    ties."""
+
+    def __init__(self, fast=()):
+        super().__init__({**{(n, "quantized"): 0.5 for n in fast}, (MODEL, "quantized"): 1.0, (MODEL, "float"): 1.0})
+
+    def __call__(self, layer, side, fn):
+        fn()
+        self.calls.append((layer, side))
+        return self.table.get((layer, side), 2.0 if side == "quantized" else 1.0)
+
+
+def _fast_path_calls(model, *args) -> int:
+    """How many times torch's fused encoder-layer kernel ran in one no-grad forward."""
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(*args)
+    return sum(e.count for e in prof.key_averages() if e.key == "aten::_transformer_encoder_layer_fwd")
+
+
+def _rule(model, fast=(), seed=0):
+    cfg = tp.QuantConfig("int8", first_last=None, speed_rule=SpeedRule(timer=SlowerQuantized(fast)))
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(seed + 1))
+    return tp.quantize_model(model, cfg, calibration=x, warn=False), x
+
+
+@pytest.mark.parametrize("where", ["inside a module", "the model itself"])
+def test_encoder_measured_slower_everywhere_is_torchs_own_encoder_again(where):
+    """Every linear measured slower quantized: the converted model holds an equal copy of the user's
+    nn.TransformerEncoder (torch's forward and fast path, what the float model runs), so its output is the float
+    model's bit for bit; the summary still lists every linear, float, with the measured reason."""
+    model = _Wrapped().eval() if where == "inside a module" else _Wrapped().enc.eval()
+    q, x = _rule(model)
+    pre = "enc." if where == "inside a module" else ""
+    enc = q.get_submodule(pre[:-1]) if pre else q
+    assert type(enc) is nn.TransformerEncoder and all(type(m) is nn.TransformerEncoderLayer for m in enc.layers)
+    with torch.no_grad():
+        assert torch.equal(q(x), model(x))
+    assert _fast_path_calls(q, x) == 2  # torch's fused layer kernel, as in the float model
+    recs = {r.name: r for r in q.tcprec_summary.layers}
+    for n in (k.removeprefix("enc.") if not pre else k for k in ENC_LINEARS):
+        r = recs[n]
+        assert r.precision == "float" and r.backend == r.reason, n
+        assert r.reason.startswith("kept fp32: w8a8 2.000 ms > fp32 1.000 ms at input (2,5,"), (n, r.reason)
+        assert "torch's own TransformerEncoder" in r.out, (n, r.out)
+        assert r.reason in q.tcprec_summary.explain(n)
+    assert "timed as " + pre + "layers.1.self_attn.qkv_proj" in recs[pre + "layers.1.self_attn.v_proj"].reason
+    assert any("kept as the model's own" in n and "TransformerEncoder" in n for n in q.tcprec_summary.notes)
+    assert not any("decomposed" in n for n in q.tcprec_summary.notes)
+    # the rule's outcome, pinned as overrides, builds the same structure without timing (state_dict loads)
+    pinned = tp.QuantConfig("int8", first_last=None, overrides=q.tcprec_summary.speed.overrides())
+    other_model = _Wrapped(seed=3).eval() if pre else _Wrapped(seed=3).enc.eval()
+    other = tp.quantize_model(other_model, pinned, calibration=x, warn=False)
+    assert type(other.get_submodule(pre[:-1]) if pre else other) is nn.TransformerEncoder
+    assert_round_trips(q, other, x)
+
+
+def test_one_linear_faster_quantized_keeps_tcprecs_modules_around_it():
+    """Layer 1's fused q/k/v is faster quantized: layer 1 and its attention stay tcprec's (the quantized qkv_proj
+    inside), so the encoder does too; layer 0, all float, is torch's own layer.  Layer 1's linear2 alone faster:
+    layer 1 stays tcprec's, its attention (all float) is torch's own."""
+    q, x = _rule(_Wrapped().eval(), fast=("enc.layers.1.self_attn.qkv_proj",))
+    assert type(q.get_submodule("enc")) is not nn.TransformerEncoder
+    assert type(q.get_submodule("enc.layers.0")) is nn.TransformerEncoderLayer
+    assert type(q.get_submodule("enc.layers.1")) is not nn.TransformerEncoderLayer
+    assert type(q.get_submodule("enc.layers.1.self_attn.qkv_proj")).__name__ == "QLinear"
+    recs = {r.name: r for r in q.tcprec_summary.layers}
+    quantized = [n for n in ENC_LINEARS if recs[n].precision != "float"]
+    assert quantized == [f"enc.layers.1.self_attn.{p}_proj" for p in "qkv"]
+    assert all(recs[n].reason.startswith("kept fp32: w8a8 2.000 ms") for n in ENC_LINEARS if n not in quantized)
+    with torch.no_grad():
+        assert q(x).shape == (2, 5, 10)
+    assert _fast_path_calls(q, x) == 1  # layer 0
+
+    q, x = _rule(_Wrapped().eval(), fast=("enc.layers.1.linear2",))
+    assert type(q.get_submodule("enc.layers.1")) is not nn.TransformerEncoderLayer
+    assert type(q.get_submodule("enc.layers.1.linear2")).__name__ == "QLinear"
+    assert type(q.get_submodule("enc.layers.1.self_attn")) is nn.MultiheadAttention
+    recs = {r.name: r for r in q.tcprec_summary.layers}
+    assert [n for n in ENC_LINEARS if recs[n].precision != "float"] == ["enc.layers.1.linear2"]
+    assert "torch's own MultiheadAttention enc.layers.1.self_attn" in recs["enc.layers.1.self_attn.k_proj"].out
+
+
+def test_restoring_torchs_module_does_not_touch_the_users_model():
+    model = _Wrapped().eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    kinds = [(n, type(m)) for n, m in model.named_modules()]
+    layers = list(model.enc.layers)
+    q, _ = _rule(model)
+    assert [(n, type(m)) for n, m in model.named_modules()] == kinds and list(model.enc.layers) == layers
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    # an equal copy, not the user's objects
+    assert q.get_submodule("enc") is not model.enc
+    ours = {p.data_ptr() for p in model.parameters()}
+    assert not any(p.data_ptr() in ours for p in q.parameters())
+
+
+class _Decoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.dec = nn.TransformerDecoder(nn.TransformerDecoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, tgt, memory):
+        return self.head(self.dec(tgt, memory))
+
+
+def test_decoder_modules_come_back_too_under_the_pinned_overrides():
+    """The same for nn.TransformerDecoder and its layers, here through the overrides that pin a rule's outcome (no
+    timing): all float -> torch's own decoder, bit-equal to the float model; layer 1's cross-attention quantized ->
+    layer 0 is torch's layer, and layer 1's self-attention torch's attention (reading layer 0's restored output)."""
+    model = _Decoder().eval()
+    cal = {"tgt": torch.randn(2, 5, 16), "memory": torch.randn(2, 7, 16)}
+    dec = [f"dec.layers.{i}.{a}.{p}_proj" for i in range(2) for a in ("self_attn", "multihead_attn")
+           for p in ("q", "k", "v", "out")] + [f"dec.layers.{i}.linear{j}" for i in range(2) for j in (1, 2)]
+    everything = dict.fromkeys(dec + ["head"], "float")
+    q = tp.quantize_model(model, tp.QuantConfig("int8", first_last=None, overrides=everything), calibration=cal,
+                          warn=False)
+    assert type(q.get_submodule("dec")) is nn.TransformerDecoder
+    with torch.no_grad():
+        assert torch.equal(q(**cal), model(**cal))
+    assert sorted(r.name for r in q.tcprec_summary.layers) == sorted(everything)
+    cross = [n for n in dec if n.startswith("dec.layers.1.multihead_attn")]
+    q = tp.quantize_model(model, tp.QuantConfig("int8", first_last=None, overrides={
+        n: "float" for n in dec if n not in cross}), calibration=cal, warn=False)
+    assert type(q.get_submodule("dec.layers.0")) is nn.TransformerDecoderLayer
+    assert type(q.get_submodule("dec.layers.1.self_attn")) is nn.MultiheadAttention
+    assert type(q.get_submodule("dec.layers.1.multihead_attn.out_proj")).__name__ == "QLinear"
+    recs = {r.name: r for r in q.tcprec_summary.layers}
+    assert all(recs[n].precision == "w8a8" for n in cross) and recs["dec.layers.1.linear1"].precision == "float"
+    with torch.no_grad():
+        assert q(**cal).shape == (2, 5, 4)

@@ -120,9 +120,41 @@ def test_real_clock_times_the_fused_qkv_of_an_encoder(precision):
         for n in t.members:
             assert (recs[n].precision == "float") == t.floated and f"timed as layers.{i}.self_attn.qkv_proj" in \
                 recs[n].reason
-        fused = q.get_submodule(f"layers.{i}.self_attn.qkv_proj")
-        assert type(fused).__name__ == ("Linear" if t.floated else "QLinear")
+        attn = [f"layers.{i}.self_attn.{p}_proj" for p in ("q", "k", "v", "out")]
+        if all(recs[n].precision == "float" for n in attn):  # torch's own attention (or layer, or encoder) again
+            assert type(q.get_submodule(f"layers.{i}.self_attn")) is torch.nn.MultiheadAttention
+        else:
+            fused = q.get_submodule(f"layers.{i}.self_attn.qkv_proj")
+            assert type(fused).__name__ == ("Linear" if t.floated else "QLinear")
     assert set(sp.overrides()) == {n for t in sp.layers if t.floated for n in t.layers}
     with torch.no_grad():
         y, y16 = q(x), enc(x)
     assert _nrmse(y, y16) < 0.1
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_encoder_measured_slower_everywhere_is_torchs_own_encoder_on_cuda(precision):
+    """A clock that finds every quantized linear slower (the decision fixed, the rest of the rule real): the converted
+    model is an equal copy of the fp16 nn.TransformerEncoder -- torch's fused layer kernel runs, as in the fp16
+    model -- and its output is the fp16 model's; the summary lists all 12 linears float with the measured reason."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(768, 12, 3072, dropout=0.0, activation="gelu", batch_first=True,
+                                             norm_first=True)
+    enc = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).cuda().half().eval()
+    x = torch.randn(8, 197, 768, device="cuda", dtype=torch.float16)
+
+    def clock(layer, side, fn):
+        fn()
+        return 2.0 if side == "quantized" and layer != MODEL else 1.0
+
+    q = tp.quantize_model(enc, tp.QuantConfig(precision, first_last=None, speed_rule=SpeedRule(batch=64, timer=clock)),
+                          calibration=x, warn=False)
+    assert type(q) is torch.nn.TransformerEncoder and q is not enc
+    recs = q.tcprec_summary.layers
+    assert len(recs) == 12 and all(r.precision == "float" and r.reason.startswith("kept fp16: ") for r in recs)
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        y = q(x)
+    assert sum(e.count for e in prof.key_averages() if e.key == "aten::_transformer_encoder_layer_fwd") == 2
+    with torch.no_grad():
+        y16 = enc(x)
+    assert _nrmse(y, y16) < 1e-3  # the same module and weights (same kernels: equal up to run-to-run order)

@@ -24,6 +24,11 @@ After conversion, :func:`fuse_qkv` stacks a self-attention's q / k / v QLinears 
 one ``qkv_proj``: one quantize pass and one GEMM, the same numbers.  Three q / k / v kept float (the speed rule, or
 overrides) become one float ``qkv_proj``, the one GEMM torch's own attention runs on its ``in_proj_weight``.
 
+Where every linear of a swapped module stays float (the speed rule measured them slower quantized, or the config
+says so), :func:`restore_torch_modules` puts the user's own torch module back -- the same weights, torch's forward
+and its fused fast path, which the float model runs -- the outermost first (a whole ``TransformerEncoder``, else its
+layers, else their attentions); the summary still lists each linear, float, with its reason (docs/decisions/0131).
+
 The attention stays in float (docs/decisions/0081): its two batched GEMMs are ~4% of a ViT-B layer's FLOPs at
 sequence 197, and quantizing Q, K and the softmax probabilities would add two calibrated scales per head for little.
 
@@ -36,6 +41,7 @@ from __future__ import annotations
 import copy
 import math
 import operator
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
@@ -46,7 +52,8 @@ from ..qtensor import PerChannel, QTensor
 from .qmodules import QLinear
 
 __all__ = ["SDPAttention", "MultiheadAttention", "TransformerEncoderLayer", "TransformerEncoder",
-           "TransformerDecoderLayer", "TransformerDecoder", "decompose_transformers", "not_decomposed", "fuse_qkv"]
+           "TransformerDecoderLayer", "TransformerDecoder", "decompose_transformers", "not_decomposed", "fuse_qkv",
+           "TORCH_TWINS", "TwinCall", "restore_torch_modules"]
 
 
 def _float_mask(mask, name: str, dtype: torch.dtype):
@@ -271,7 +278,7 @@ class TransformerEncoder(nn.Module):
     @classmethod
     def from_torch(cls, enc: nn.TransformerEncoder) -> "TransformerEncoder":
         m = cls()
-        m.layers, m.norm = enc.layers, enc.norm
+        m.layers, m.norm = nn.ModuleList(enc.layers), enc.norm  # (a new list: swapping its layers leaves enc's)
         m.train(enc.training)
         return m
 
@@ -333,7 +340,7 @@ class TransformerDecoder(nn.Module):
     @classmethod
     def from_torch(cls, dec: nn.TransformerDecoder) -> "TransformerDecoder":
         m = cls()
-        m.layers, m.norm = dec.layers, dec.norm
+        m.layers, m.norm = nn.ModuleList(dec.layers), dec.norm  # (a new list: swapping its layers leaves dec's)
         m.train(dec.training)
         return m
 
@@ -379,17 +386,24 @@ def _traced_through(m: nn.Module) -> bool:
     return not torch_leaf and not getattr(m, "tcprec_fx_leaf", False)
 
 
-def decompose_transformers(model: nn.Module) -> tuple[nn.Module, list[str]]:
+def decompose_transformers(model: nn.Module, originals: dict | None = None) -> tuple[nn.Module, list[str]]:
     """Swap, in place, every ``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer`` and ``nn.TransformerEncoder``
     that torch.fx would reach for the modules of this file (module docstring), keeping every name (the projections
     add ``q_proj`` / ``k_proj`` / ``v_proj`` under the attention's name).  Returns (the model, which is a new object
-    when the root itself was swapped; the names of the swapped attentions)."""
+    when the root itself was swapped; the names of the swapped attentions).  ``originals`` (a dict) receives
+    name -> the torch module swapped there (a layer's attentions too), unchanged by the swap, for
+    :func:`restore_torch_modules`."""
     swapped: list[str] = []
 
     def swap(m: nn.Module, name: str) -> nn.Module:
         new = m
         if type(m) in _SWAP and not_decomposed(m) is None:
             new = _SWAP[type(m)].from_torch(m)
+            if originals is not None:
+                originals[name] = m
+                for a in ("self_attn", "multihead_attn"):  # a layer's attentions: restorable one by one
+                    if isinstance(new, (TransformerEncoderLayer, TransformerDecoderLayer)) and hasattr(new, a):
+                        originals[f"{name}.{a}" if name else a] = getattr(m, a)
             if isinstance(new, MultiheadAttention):
                 swapped.append(name)
             elif isinstance(new, TransformerEncoderLayer):
@@ -483,3 +497,119 @@ def fuse_qkv(gm: fx.GraphModule, records: dict) -> list[str]:
         gm.delete_all_unused_submodules()
         gm.recompile()
     return fused
+
+
+# -- the user's own torch module back where nothing in it is quantized -------------------------------------------
+
+TORCH_TWINS = tuple(_SWAP.values())  # the stand-ins; quantize_model's tracer records each call of one (TwinCall)
+_CONST = (type(None), bool, int, float, str)
+
+
+@dataclass
+class TwinCall:
+    """One call of a stand-in in the traced graph: its module name, the call's arguments and its result (fx Nodes
+    where the tracer had proxies), and the nodes the tracer made during the call."""
+
+    path: str
+    args: tuple
+    kwargs: dict
+    out: object  # a Node, or a tuple of Node / None (an attention's (output, weights))
+    made: tuple = ()
+
+    @classmethod
+    def of(cls, path: str, args, kwargs, out, made=()) -> "TwinCall":
+        node = lambda v: v.node if isinstance(v, fx.Proxy) else v  # noqa: E731
+        return cls(path, *(fx.node.map_aggregate(v, node) for v in (args, kwargs, out)), tuple(made))
+
+    def region(self) -> set | None:
+        """The nodes the call computed (those made during it, and any put since on the way from its result back to
+        its arguments), or None when it cannot be cut out as one module call: an argument that is not a node or a
+        plain constant, a result that is not a node (or a tuple of them), an input erased since, or a node inside
+        that is read outside."""
+        flat: list = []
+        fx.node.map_aggregate((self.args, self.kwargs), flat.append)
+        if not all(isinstance(a, (fx.Node, *_CONST)) for a in flat):
+            return None
+        ins = {a for a in flat if isinstance(a, fx.Node)}
+        outs = [self.out] if isinstance(self.out, fx.Node) else list(self.out) if isinstance(self.out, tuple) else None
+        if outs is None or not all(o is None or isinstance(o, fx.Node) for o in outs):
+            return None
+        outs = [o for o in outs if o is not None]
+        if not outs or any(n._erased for n in (*ins, *outs)) or any(o in ins for o in outs):
+            return None
+        region = {n for n in self.made if not n._erased}  # (unused ones too: an attention's weights)
+        stack = list(outs)
+        seen: set = set()
+        while stack:
+            n = stack.pop()
+            if n in ins or n in seen:
+                continue
+            seen.add(n)
+            if n.op in ("placeholder", "output"):
+                return None  # (reached the graph's input other than through the call's arguments)
+            region.add(n)
+            stack.extend(n.all_input_nodes)
+        if any(u not in region for n in region.difference(outs) for u in n.users):
+            return None
+        return region
+
+
+def restore_torch_modules(gm: fx.GraphModule, calls: list[TwinCall], originals: dict, layers: list[str],
+                          is_float) -> tuple[nn.Module, dict[str, list[str]]]:
+    """Where every linear of a stand-in stays float (``is_float(name)``: the speed rule's decision, or the config),
+    the model gets the user's own torch module back (``originals``: name -> the module ``decompose_transformers``
+    swapped, from quantize_model's copy): the same weights, and torch's forward with its fused fast path -- exactly
+    what the float model runs, where the decomposed float layers would run the Python path.  The outermost first: a
+    whole ``TransformerEncoder`` when all its layers are float, else each float layer, else each float attention; a
+    module with one quantized linear inside stays decomposed.  The graph's nodes of each of its calls (``calls``:
+    quantize_model's tracer records them) become one ``call_module`` with that call's arguments.
+
+    ``layers``: the conv / linear names the graph calls.  Returns (the model: ``gm``, or the torch root itself when
+    the root was swapped and everything is float; name -> the layers now inside the torch module there)."""
+    def inside(p: str) -> list[str]:
+        return [n for n in layers if not p or n.startswith(p + ".")]
+
+    root = inside("")
+    if "" in originals and root and all(is_float(n) for n in root):
+        return originals[""], {"": root}
+    g = gm.graph
+    done: dict[str, list[str]] = {}
+    moved: dict[fx.Node, fx.Node] = {}  # a restored call's result -> the torch module's (later calls may read it)
+    for path in sorted((p for p in originals if p), key=lambda p: p.count(".")):
+        names = inside(path)
+        if any(path.startswith(d + ".") for d in done) or not names or not all(is_float(n) for n in names):
+            continue
+        now = lambda v: moved.get(v, v) if isinstance(v, fx.Node) else v  # noqa: E731
+        mine = [replace(c, args=fx.node.map_aggregate(c.args, now), kwargs=fx.node.map_aggregate(c.kwargs, now))
+                for c in calls if c.path == path]
+        regions = [c.region() for c in mine]
+        if not mine or any(r is None for r in regions):
+            continue
+        cut = set().union(*regions)
+        if any(n.op in ("call_module", "get_attr") and (n.target == path or n.target.startswith(path + "."))
+               and n not in cut for n in g.nodes):
+            continue  # (something else reads a module under it)
+        parent, _, leaf = path.rpartition(".")
+        setattr(gm.get_submodule(parent) if parent else gm, leaf, originals[path])
+        for c, region in zip(mine, regions):
+            at = {n: i for i, n in enumerate(g.nodes)}
+            with g.inserting_after(max(region, key=at.__getitem__)):
+                new = g.call_module(path, tuple(c.args), dict(c.kwargs))
+            outs = [(c.out, new)] if isinstance(c.out, fx.Node) else []
+            if isinstance(c.out, tuple):  # (an attention's (output, weights): getitem of the torch module's tuple)
+                cur = new
+                for i, o in enumerate(c.out):
+                    if o is not None:
+                        with g.inserting_after(cur):
+                            cur = g.call_function(operator.getitem, (new, i))
+                        outs.append((o, cur))
+            for o, r in outs:
+                o.replace_all_uses_with(r, delete_user_cb=lambda u, region=region: u not in region)
+                moved[o] = r
+            for n in sorted(region, key=at.__getitem__, reverse=True):
+                g.erase_node(n)
+        done[path] = names
+    if done:
+        g.lint()
+        gm.recompile()
+    return gm, done

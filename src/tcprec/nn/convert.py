@@ -39,6 +39,7 @@ What it does, in order:
 from __future__ import annotations
 
 import copy
+import itertools
 import operator
 import warnings
 from dataclasses import dataclass, field
@@ -54,7 +55,7 @@ from ..ops.matmul import BACKENDS
 from ..ops.qconv_plan import device_caps
 from ..ops.quantize import absmax_qmax
 from . import calibrate as cal
-from .attention import decompose_transformers, fuse_qkv
+from .attention import TORCH_TWINS, TwinCall, decompose_transformers, fuse_qkv, restore_torch_modules
 from .coverage import check_conv_coverage, normalize_graph, uncovered
 from .linear_gelu import LinearGELU, is_erf_gelu
 from .qgrouped import QGroupedConv2d, grouped_act_of, grouped_unsupported
@@ -208,7 +209,20 @@ class QuantSummary:
 
 class _Tracer(fx.Tracer):
     """torch.nn modules, tcprec pool modules (``tcprec_pool``) and the attention core (``tcprec_fx_leaf``) stay
-    leaves."""
+    leaves.  ``twin_calls``: each call of a stand-in for a torch transformer module (nn/attention.py), where the
+    torch module may come back (``restore_torch_modules``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.twin_calls: list[TwinCall] = []
+
+    def call_module(self, m: nn.Module, forward, args, kwargs):
+        before = len(self.graph.nodes)
+        out = super().call_module(m, forward, args, kwargs)
+        if isinstance(m, TORCH_TWINS):  # (the nodes it made: the last ones, tracing appends)
+            made = itertools.islice(reversed(self.graph.nodes), len(self.graph.nodes) - before)
+            self.twin_calls.append(TwinCall.of(self.path_of_module(m), args, kwargs, out, made))
+        return out
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return hasattr(m, "tcprec_pool") or getattr(m, "tcprec_fx_leaf", False) or super().is_leaf_module(m, qualname)
@@ -746,7 +760,8 @@ def _set_module(root: nn.Module, name: str, new: nn.Module) -> None:
 def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, calibration=None,
                    inplace: bool = False, warn: bool = True, fixed: Mapping[str, FixedQuant] | None = None
                    ) -> nn.Module:
-    """A quantized copy of ``model`` for inference (``torch.fx.GraphModule`` when the model traces).
+    """A quantized copy of ``model`` for inference (``torch.fx.GraphModule`` when the model traces; a copy of the
+    model itself when it is one torch transformer module whose every linear stays float: docs/decisions/0131).
 
     ``config``: a :class:`QuantConfig` or a precision string (``"w1a2"``, ``"w2a2"``, ``"int8"``, ``"fp8"``...).
     ``calibration``: a sample batch (or a list of batches) on the model's device; a batch may be a dict of keyword
@@ -794,13 +809,11 @@ def _convert(model: nn.Module, cfg: QuantConfig, batches, inplace: bool, warn: b
     notes: list[str] = []
     # nn.MultiheadAttention / nn.TransformerEncoder(Layer) -> their Python path with plain nn.Linear projections and
     # the attention in F.scaled_dot_product_attention (nn/attention.py, docs/decisions/0081)
-    model, attentions = decompose_transformers(model)
-    if attentions:
-        notes.append(f"{len(attentions)} attention module(s) decomposed: q/k/v/out projections as linears, the "
-                     f"attention in float F.scaled_dot_product_attention ({', '.join(attentions[:3])}"
-                     + (" ..." if len(attentions) > 3 else "") + ")")
+    originals: dict[str, nn.Module] = {}  # name -> the torch module swapped there (for restore_torch_modules)
+    model, attentions = decompose_transformers(model, originals)
+    tracer = _Tracer()
     try:
-        graph = _Tracer().trace(model)
+        graph = tracer.trace(model)
         gm: nn.Module = fx.GraphModule(model, graph, model.__class__.__name__)
         traced = True
     except Exception as e:  # noqa: BLE001 - any tracing failure: fall back to the module swap, and say so
@@ -825,6 +838,20 @@ def _convert(model: nn.Module, cfg: QuantConfig, batches, inplace: bool, warn: b
     if cfg.clamped_inputs is not None and not traced:
         notes.append(f"clamped_inputs={cfg.clamped_inputs!r} not applied: the model did not trace, so no layer's input "
                      "is known to be a clamp activation's output")
+    kept_torch: dict[str, list[str]] = {}
+    if traced and originals:  # every linear of a swapped module float: the user's own torch module, its fast path
+        gm, kept_torch = restore_torch_modules(gm, tracer.twin_calls, originals, order,
+                                               lambda n: precision_of(n) is None)
+        if kept_torch:  # (the decomposition note below lists the attentions that stay decomposed)
+            notes.append(f"{len(kept_torch)} torch module(s) kept as the model's own, every linear in them float "
+                         "(torch's forward and fast path): " + ", ".join(
+                             f"{p or '<model>'} ({type(originals[p]).__name__})" for p in list(kept_torch)[:3])
+                         + (" ..." if len(kept_torch) > 3 else ""))
+    live = [a for a in attentions if not any(not p or a == p or a.startswith(p + ".") for p in kept_torch)]
+    if live:
+        notes.insert(0, f"{len(live)} attention module(s) decomposed: q/k/v/out projections as linears, the "
+                        f"attention in float F.scaled_dot_product_attention ({', '.join(live[:3])}"
+                        + (" ..." if len(live) > 3 else "") + ")")
     dev = next((p.device for p in gm.parameters()), torch.device("cpu"))
     caps = device_caps(dev)  # each layer's backend is decided once, on this device (QConv2d.plan_on)
 
@@ -832,6 +859,11 @@ def _convert(model: nn.Module, cfg: QuantConfig, batches, inplace: bool, warn: b
     stats, w_ratio, deltas, w_round = _calibration_call(cfg, gm, order, batches, stats, precision_of, mods)
 
     records: dict[str, LayerRecord] = {}
+    for path, names in kept_torch.items():
+        for n in names:
+            records[n] = LayerRecord(n, "conv" if isinstance(mods[n], nn.Conv2d) else "linear", "float",
+                                     "kept in float (config)", out=f"in torch's own {type(originals[path]).__name__} "
+                                     f"{path or '<model>'} (every linear in it float: torch's forward)")
     new_mods: dict[str, nn.Module] = {}
     # conv / linear layers of kinds with no quantized path (Conv1d, Conv3d, transposed convs, Linear subclasses):
     # listed as float in the summary and the warning, never dropped silently
@@ -883,7 +915,7 @@ def _convert(model: nn.Module, cfg: QuantConfig, batches, inplace: bool, warn: b
         new_mods[name] = q
         return q
 
-    if traced:
+    if traced and "" not in kept_torch:  # (the whole model is torch's own: nothing to convert)
         g = gm.graph
         for node in list(g.nodes):  # nn.Identity (a block's identity shortcut) is its input: its readers read that
             if node.op == "call_module" and type(gm.get_submodule(node.target)) is nn.Identity and len(node.args) == 1 \
@@ -1010,7 +1042,7 @@ def _convert(model: nn.Module, cfg: QuantConfig, batches, inplace: bool, warn: b
         gm.graph.lint()
         gm.delete_all_unused_submodules()
         gm.recompile()
-    else:
+    elif not traced:
         for name in order:
             q = make(name)
             if q is not None:

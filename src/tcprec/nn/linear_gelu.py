@@ -11,8 +11,9 @@ fp16's resolution for |y| >= 0.5, and it is what torch's own fp16 fast path comp
 
 A layer that ``quantize_model`` keeps float (the speed rule, ``first_last``, an override) and whose only reader is
 ``F.gelu`` / ``nn.GELU`` (the erf form, ``approximate="none"``; an encoder layer's ``activation="gelu"``) becomes a
-:class:`LinearGELU`: the decomposed encoder layer is then never slower than torch's fused one for want of that
-epilogue (a separate GELU pass over the (B * L, 3072) output was 0.66 ms of a 5.5 ms ViT-B forward on an H200,
+:class:`LinearGELU`: a decomposed encoder layer (one with a quantized linear left inside; with none, the layer is
+torch's own again, docs/decisions/0131) is then never slower than torch's fused one for want of that epilogue (a
+separate GELU pass over the (B * L, 3072) output was 0.66 ms of a 5.5 ms ViT-B forward on an H200,
 docs/decisions/0125).  The weights are the same parameters (``state_dict`` keys ``weight`` / ``bias``).
 """
 

@@ -16,7 +16,8 @@ way TensorRT's builder picks a tactic per layer by timing:
    as that one float GEMM;
 3. every layer whose quantized time is larger is kept float (an override, so the converter re-chains its
    neighbours), and the model is converted again; the layers whose operands changed are timed again, up to
-   ``rounds`` conversions;
+   ``rounds`` conversions; a torch attention / transformer module left with no quantized linear is the user's own
+   module again, torch's fast path (nn/attention.py: restore_torch_modules, docs/decisions/0131);
 4. the whole quantized model is timed against the whole float model (channels_last); if it is still slower, the
    summary's notes say so in capitals and a warning is raised.
 
