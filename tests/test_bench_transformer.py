@@ -14,14 +14,18 @@ QKV0 = "layers.0.self_attn.qkv_proj"
 
 
 class Clock:
-    """Whole-model ms in call order (fp16 first, then each variant); runs each side once."""
+    """Whole-model ms in call order (fp16 first, then each variant with its paired fp16); runs each side once."""
 
     def __init__(self, ms):
         self.ms = list(ms)
+        self.sides = []
 
-    def __call__(self, fn):
-        fn()
-        return self.ms.pop(0)
+    def __call__(self, *fns):
+        self.sides.append(len(fns))
+        for f in fns:
+            f()
+        got = [self.ms.pop(0) for _ in fns]
+        return got[0] if len(fns) == 1 else tuple(got)
 
 
 def rule_timer(layer, side, fn):
@@ -30,13 +34,15 @@ def rule_timer(layer, side, fn):
     return {(QKV0, "quantized"): 2.0, (QKV0, "float"): 1.0, (MODEL, "quantized"): 1.0}.get((layer, side), 1.0)
 
 
-def _run(tmp_path, ms, **kw):
+def _run(tmp_path, ms, clock=None, **kw):
     return xf.run(d_model=32, heads=4, seq=5, batch=4, layers=2, out=str(tmp_path / "t.json"),
-                  console=Console(quiet=True), clock=Clock(ms), rule_timer=rule_timer, **kw)
+                  console=Console(quiet=True), clock=clock or Clock(ms), rule_timer=rule_timer, **kw)
 
 
 def test_rule_on_and_off_rows_kept_layers_and_targets(tmp_path):
-    payload = _run(tmp_path, [10.0, 7.0, 12.0, 11.0, 13.0], rule_off=True)
+    clock = Clock([10.0, 7.0, 10.0, 12.0, 10.0, 11.0, 10.5, 13.0, 9.0])
+    payload = _run(tmp_path, None, clock=clock, rule_off=True)
+    assert clock.sides == [1, 2, 2, 2, 2] and not clock.ms  # each variant timed with its own fp16 twin
     d = json.loads((tmp_path / "t.json").read_text())
     assert {"suite", "command", "device", "commit", "summary", "targets"} <= set(d) and d["suite"] == "transformer"
     assert "not a speed figure" in d["device"]
@@ -45,6 +51,8 @@ def test_rule_on_and_off_rows_kept_layers_and_targets(tmp_path):
         ("fp16", "-"), ("int8", "on"), ("fp8", "on"), ("int8", "off"), ("fp8", "off")]
     assert all(not isinstance(v, (dict, list)) for r in rows for v in r.values())  # flat rows
     assert [r["ms"] for r in rows] == [10.0, 7.0, 12.0, 11.0, 13.0]
+    assert [r.get("fp16_ms") for r in rows[1:]] == [10.0, 10.0, 10.5, 9.0]  # the paired fp16 time: its ratio's base
+    assert rows[3]["speedup_vs_fp16"] == pytest.approx(10.5 / 11.0)
     qkv0 = [f"layers.0.self_attn.{p}_proj" for p in "qkv"]
     for p in ("int8", "fp8"):  # the rule kept layer 0's q/k/v fp16 (the fake clock: slower), nothing with it off
         assert d["kept_fp16"][f"{p}/rule on"] == qkv0 and d["kept_fp16"][f"{p}/rule off"] == []
