@@ -360,7 +360,9 @@ class LayersSlowerWhole(FakeTimer):
             return 1.0
         if layer.endswith(self.whole):
             self.outs[(layer, side)] = (y[0] if isinstance(y, tuple) else y).float()
-            return (3.0 if side == "quantized" else 2.0) if layer in self.slow else (1.0 if side == "quantized" else 2.0)
+            if layer in self.slow:
+                return 3.0 if side == "quantized" else 2.0
+            return 1.0 if side == "quantized" else 2.0
         return 0.5 if side == "quantized" else 1.0
 
 
@@ -390,7 +392,8 @@ def test_a_layer_faster_as_torchs_fused_module_is_torchs_again(slow):
         r = recs[n]
         if n in mine:
             layer = n[:len("enc.layers.0")]
-            want = f"kept fp32: its TransformerEncoderLayer {layer} as torch's fused module 2.000 ms < quantized 3.000 ms"
+            want = (f"kept fp32: its TransformerEncoderLayer {layer} as torch's fused module 2.000 ms < quantized "
+                    "3.000 ms")
             assert r.precision == "float" and r.reason == want and r.backend == want, (n, r.reason)
             assert "torch's own" in r.out and want in q.tcprec_summary.explain(n)
         else:

@@ -18,7 +18,15 @@ way TensorRT's builder picks a tactic per layer by timing:
    neighbours), and the model is converted again; the layers whose operands changed are timed again, up to
    ``rounds`` conversions; a torch attention / transformer module left with no quantized linear is the user's own
    module again, torch's fast path (nn/attention.py: restore_torch_modules, docs/decisions/0131);
-4. the whole quantized model is timed against the whole float model (channels_last); if it is still slower, the
+4. a layer-by-layer comparison misses what one quantized linear costs the module around it: torch's fused forward
+   (``torch._transformer_encoder_layer_fwd``).  So each torch encoder / decoder layer, and each attention outside
+   one, that still holds a quantized linear is timed whole: its nodes of the converted graph, cut out and fed what the
+   converted model computes there, against the user's torch module in float called with what the float model passes
+   it (timer labels: the module's name, ``"quantized"`` / ``"float"``).  Where torch's is faster, every linear in it
+   is kept float, the model is converted once more and torch's module comes back (``SpeedReport.modules``, the
+   linears' reasons: ``"kept fp16: its TransformerEncoderLayer layers.3 as torch's fused module 0.301 ms < quantized
+   0.334 ms"``; docs/decisions/0135).  A model without such a module is not timed further;
+5. the whole quantized model is timed against the whole float model (channels_last); if it is still slower, the
    summary's notes say so in capitals and a warning is raised.
 
 ``model.tcprec_summary`` shows each decision (``LayerRecord.reason``: ``"kept fp16: w8a8 0.212 ms > fp16 0.151 ms at
@@ -52,8 +60,8 @@ from ..timing import graph_ms
 from .attention import not_decomposed
 from .qmodules import folds_float_bn
 
-__all__ = ["SpeedRule", "SPEED_RULES", "as_speed_rule", "SpeedReport", "LayerTiming", "ModuleTiming", "MODEL", "cuda_graph_timer",
-           "apply_speed_rule"]
+__all__ = ["SpeedRule", "SPEED_RULES", "as_speed_rule", "SpeedReport", "LayerTiming", "ModuleTiming", "MODEL",
+           "cuda_graph_timer", "apply_speed_rule"]
 
 SPEED_RULES = ("off", "measured")
 MODEL = "<model>"  # the timer's layer name for the whole model
