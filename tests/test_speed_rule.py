@@ -409,6 +409,7 @@ def test_a_layer_faster_as_torchs_fused_module_is_torchs_again(slow):
     assert _fast_path_calls(q, x) == len(slow)
     text = q.tcprec_summary.explain()
     assert f"timed whole: {len(slow)} of 2 faster as torch's float module" in text
+    assert f"0 of 9 timed layer(s) kept fp32, and {6 * len(slow)} linear(s) for torch's modules" in text
     with torch.no_grad():  # torch's layers compute what the float model's do: only the quantized rest differs
         assert q(x).shape == (2, 5, 10)
     pinned = tp.QuantConfig("int8", first_last=None, overrides=sp.overrides())

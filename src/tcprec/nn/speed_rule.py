@@ -187,7 +187,9 @@ class SpeedReport:
 
     def lines(self) -> list[str]:
         out = [f"speed rule (measured on {self.device}, input {tuple(self.input_shape)}, {self.conversions} "
-               f"conversion(s)): {len(self.floated)} of {len(self.layers)} timed layer(s) kept {self.float_label}"]
+               f"conversion(s)): {len(self.floated)} of {len(self.layers)} timed layer(s) kept {self.float_label}"
+               + (f", and {whole} linear(s) for torch's modules" if (whole := sum(len(t.layers) for t in self.modules))
+                  else "")]
         if self.model_ms is not None and self.float_model_ms is not None:
             out.append(f"whole model: quantized {self.model_ms:.3f} ms, {self.float_label} {self.float_model_ms:.3f} ms "
                        f"({self.speedup:.2f}x)")
