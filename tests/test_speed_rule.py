@@ -269,8 +269,8 @@ def _fast_path_calls(model, *args) -> int:
     return sum(e.count for e in prof.key_averages() if e.key == "aten::_transformer_encoder_layer_fwd")
 
 
-def _rule(model, fast=(), seed=0):
-    cfg = tp.QuantConfig("int8", first_last=None, speed_rule=SpeedRule(timer=SlowerQuantized(fast)))
+def _rule(model, fast=(), seed=0, timer=None):
+    cfg = tp.QuantConfig("int8", first_last=None, speed_rule=SpeedRule(timer=timer or SlowerQuantized(fast)))
     x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(seed + 1))
     return tp.quantize_model(model, cfg, calibration=x, warn=False), x
 
@@ -281,7 +281,11 @@ def test_encoder_measured_slower_everywhere_is_torchs_own_encoder_again(where):
     nn.TransformerEncoder (torch's forward and fast path, what the float model runs), so its output is the float
     model's bit for bit; the summary still lists every linear, float, with the measured reason."""
     model = _Wrapped().eval() if where == "inside a module" else _Wrapped().enc.eval()
-    q, x = _rule(model)
+    t = SlowerQuantized()
+    q, x = _rule(model, timer=t)
+    # nothing quantized is left inside a layer: no layer is timed whole, no conversion more than the one that floated
+    assert not any(n.endswith(("layers.0", "layers.1")) for n, _ in t.calls) and q.tcprec_summary.speed.conversions == 2
+    assert q.tcprec_summary.speed.modules == []
     pre = "enc." if where == "inside a module" else ""
     enc = q.get_submodule(pre[:-1]) if pre else q
     assert type(enc) is nn.TransformerEncoder and all(type(m) is nn.TransformerEncoderLayer for m in enc.layers)
@@ -309,8 +313,17 @@ def test_encoder_measured_slower_everywhere_is_torchs_own_encoder_again(where):
 def test_one_linear_faster_quantized_keeps_tcprecs_modules_around_it():
     """Layer 1's fused q/k/v is faster quantized: layer 1 and its attention stay tcprec's (the quantized qkv_proj
     inside), so the encoder does too; layer 0, all float, is torch's own layer.  Layer 1's linear2 alone faster:
-    layer 1 stays tcprec's, its attention (all float) is torch's own."""
-    q, x = _rule(_Wrapped().eval(), fast=("enc.layers.1.self_attn.qkv_proj",))
+    layer 1 stays tcprec's, its attention (all float) is torch's own.  Both times layer 1, timed whole (tcprec's
+    module as converted against torch's float layer), is faster quantized (the clock says so for "enc.layers.1"):
+    the module-level decision keeps it."""
+    t = SlowerQuantized(fast=("enc.layers.1.self_attn.qkv_proj", "enc.layers.1"))
+    q, x = _rule(_Wrapped().eval(), timer=t)
+    sp = q.tcprec_summary.speed
+    assert [(m.name, m.kind, m.floated) for m in sp.modules] == [("enc.layers.1", "TransformerEncoderLayer", False)]
+    assert sp.modules[0].quantized == tuple(f"enc.layers.1.self_attn.{p}_proj" for p in "qkv")
+    assert ("enc.layers.1", "quantized") in t.calls and ("enc.layers.1", "float") in t.calls
+    assert not any(n == "enc.layers.0" for n, _ in t.calls)  # all float already: not timed whole
+    assert sp.conversions == 2 and "torch modules with quantized linears, timed whole: 0 of 1" in "\n".join(sp.lines())
     assert type(q.get_submodule("enc")) is not nn.TransformerEncoder
     assert type(q.get_submodule("enc.layers.0")) is nn.TransformerEncoderLayer
     assert type(q.get_submodule("enc.layers.1")) is not nn.TransformerEncoderLayer
@@ -323,13 +336,126 @@ def test_one_linear_faster_quantized_keeps_tcprecs_modules_around_it():
         assert q(x).shape == (2, 5, 10)
     assert _fast_path_calls(q, x) == 1  # layer 0
 
-    q, x = _rule(_Wrapped().eval(), fast=("enc.layers.1.linear2",))
+    q, x = _rule(_Wrapped().eval(), fast=("enc.layers.1.linear2", "enc.layers.1"))
     assert type(q.get_submodule("enc.layers.1")) is not nn.TransformerEncoderLayer
     assert type(q.get_submodule("enc.layers.1.linear2")).__name__ == "QLinear"
     assert type(q.get_submodule("enc.layers.1.self_attn")) is nn.MultiheadAttention
     recs = {r.name: r for r in q.tcprec_summary.layers}
     assert [n for n in ENC_LINEARS if recs[n].precision != "float"] == ["enc.layers.1.linear2"]
     assert "torch's own MultiheadAttention enc.layers.1.self_attn" in recs["enc.layers.1.self_attn.k_proj"].out
+
+
+class LayersSlowerWhole(FakeTimer):
+    """Every linear faster quantized (0.5 ms against 1 ms float), but the encoder layers in ``slow``, timed whole,
+    faster as torch's float layer (2 ms against 3 ms quantized); the other layers faster quantized whole."""
+
+    def __init__(self, slow, whole=("layers.0", "layers.1")):
+        super().__init__({(MODEL, "quantized"): 1.0, (MODEL, "float"): 1.0})
+        self.slow, self.whole, self.outs = slow, whole, {}
+
+    def __call__(self, layer, side, fn):
+        y = fn()
+        self.calls.append((layer, side))
+        if layer == MODEL:
+            return 1.0
+        if layer.endswith(self.whole):
+            self.outs[(layer, side)] = (y[0] if isinstance(y, tuple) else y).float()
+            if layer in self.slow:
+                return 3.0 if side == "quantized" else 2.0
+            return 1.0 if side == "quantized" else 2.0
+        return 0.5 if side == "quantized" else 1.0
+
+
+@pytest.mark.parametrize("slow", [("enc.layers.0",), ("enc.layers.0", "enc.layers.1")])
+def test_a_layer_faster_as_torchs_fused_module_is_torchs_again(slow):
+    """Every linear wins quantized layer by layer, but a layer timed whole -- tcprec's module with its quantized
+    linears against torch's float layer (its fused forward, which one quantized linear costs it) -- is faster as
+    torch's: all its linears are kept float and torch's nn.TransformerEncoderLayer comes back (both: torch's
+    nn.TransformerEncoder); the summary says why for each of its linears."""
+    t = LayersSlowerWhole(slow)
+    q, x = _rule(_Wrapped().eval(), timer=t)
+    sp = q.tcprec_summary.speed
+    # round 1 timed every linear; then each layer whole, once, on both sides; one conversion more
+    modules = [c for c in t.calls if c[0] in ("enc.layers.0", "enc.layers.1")]
+    assert modules == [(n, s) for n in ("enc.layers.0", "enc.layers.1") for s in ("quantized", "float")]
+    assert t.calls.index(modules[0]) > t.calls.index(("enc.layers.1.linear2", "float"))
+    assert t.calls[-2:] == [(MODEL, "quantized"), (MODEL, "float")]
+    for n in ("enc.layers.0", "enc.layers.1"):  # both sides computed the whole layer, on the same input
+        yq, yf = t.outs[(n, "quantized")], t.outs[(n, "float")]
+        assert yq.shape == yf.shape == (2, 5, 32) and (yq - yf).norm() / yf.norm() < 0.05, n
+    assert sp.conversions == 2 and sp.floated == []
+    assert [(m.name, m.floated) for m in sp.modules] == [(n, n in slow) for n in ("enc.layers.0", "enc.layers.1")]
+    mine = [n for n in ENC_LINEARS if n.startswith(slow)]
+    assert sp.overrides() == dict.fromkeys(mine, "float")
+    recs = {r.name: r for r in q.tcprec_summary.layers}
+    for n in ENC_LINEARS:
+        r = recs[n]
+        if n in mine:
+            layer = n[:len("enc.layers.0")]
+            want = (f"kept fp32: its TransformerEncoderLayer {layer} as torch's fused module 2.000 ms < quantized "
+                    "3.000 ms")
+            assert r.precision == "float" and r.reason == want and r.backend == want, (n, r.reason)
+            assert "torch's own" in r.out and want in q.tcprec_summary.explain(n)
+        else:
+            assert r.precision == "w8a8" and r.reason.startswith("w8a8 0.500 ms <= fp32 1.000 ms"), (n, r.reason)
+    assert recs["head"].precision == "w8a8"
+    assert type(q.get_submodule("enc.layers.0")) is nn.TransformerEncoderLayer
+    if len(slow) == 2:
+        assert type(q.get_submodule("enc")) is nn.TransformerEncoder
+    else:
+        assert type(q.get_submodule("enc")) is not nn.TransformerEncoder
+        assert type(q.get_submodule("enc.layers.1")) is not nn.TransformerEncoderLayer
+        assert type(q.get_submodule("enc.layers.1.linear1")).__name__ == "QLinear"
+    assert _fast_path_calls(q, x) == len(slow)
+    text = q.tcprec_summary.explain()
+    assert f"timed whole: {len(slow)} of 2 faster as torch's float module" in text
+    assert f"0 of 9 timed layer(s) kept fp32, and {6 * len(slow)} linear(s) for torch's modules" in text
+    with torch.no_grad():  # torch's layers compute what the float model's do: only the quantized rest differs
+        assert q(x).shape == (2, 5, 10)
+    pinned = tp.QuantConfig("int8", first_last=None, overrides=sp.overrides())
+    other = tp.quantize_model(_Wrapped(seed=3).eval(), pinned, calibration=x, warn=False)
+    assert type(other.get_submodule("enc.layers.0")) is nn.TransformerEncoderLayer
+    assert_round_trips(q, other, x)
+
+
+class _Attention(nn.Module):
+    """A standalone nn.MultiheadAttention (self-attention), then a head."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.mha = nn.MultiheadAttention(32, 4, batch_first=True)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        y, _ = self.mha(x, x, x, need_weights=False)
+        return self.head(y)
+
+
+@pytest.mark.parametrize("slow", [True, False])
+def test_a_standalone_attention_is_timed_whole_too(slow):
+    t = LayersSlowerWhole(("mha",) if slow else (), whole=("mha",))
+    q, x = _rule(_Attention().eval(), timer=t)
+    sp = q.tcprec_summary.speed
+    assert [(m.name, m.kind, m.floated) for m in sp.modules] == [("mha", "MultiheadAttention", slow)]
+    yq, yf = t.outs[("mha", "quantized")], t.outs[("mha", "float")]
+    assert yq.shape == yf.shape == (2, 5, 32) and (yq - yf).norm() / yf.norm() < 0.05
+    assert (type(q.get_submodule("mha")) is nn.MultiheadAttention) == slow
+    recs = {r.name: r for r in q.tcprec_summary.layers}
+    assert all((recs[f"mha.{p}_proj"].precision == "float") == slow for p in ("q", "k", "v", "out"))
+    assert recs["head"].precision == "w8a8" and sp.conversions == (2 if slow else 1)
+    with torch.no_grad():
+        assert q(x).shape == (2, 5, 10)
+
+
+def test_a_model_without_torch_modules_gets_no_module_timing():
+    t = FakeTimer({**{(n, "float"): 1.0 for n in "0369"}, (MODEL, "quantized"): 1.0, (MODEL, "float"): 3.0},
+                  default=0.5)
+    q = _quantize(t)
+    assert sorted(t.calls) == sorted([(n, s) for n in "0369" for s in ("quantized", "float")]
+                                     + [(MODEL, "quantized"), (MODEL, "float")])
+    assert q.tcprec_summary.speed.conversions == 1 and q.tcprec_summary.speed.modules == []
+    assert not any("timed whole" in line for line in q.tcprec_summary.speed.lines())
 
 
 def test_restoring_torchs_module_does_not_touch_the_users_model():

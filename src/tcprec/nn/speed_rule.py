@@ -18,7 +18,15 @@ way TensorRT's builder picks a tactic per layer by timing:
    neighbours), and the model is converted again; the layers whose operands changed are timed again, up to
    ``rounds`` conversions; a torch attention / transformer module left with no quantized linear is the user's own
    module again, torch's fast path (nn/attention.py: restore_torch_modules, docs/decisions/0131);
-4. the whole quantized model is timed against the whole float model (channels_last); if it is still slower, the
+4. a layer-by-layer comparison misses what one quantized linear costs the module around it: torch's fused forward
+   (``torch._transformer_encoder_layer_fwd``).  So each torch encoder / decoder layer, and each attention outside
+   one, that still holds a quantized linear is timed whole: its nodes of the converted graph, cut out and fed what the
+   converted model computes there, against the user's torch module in float called with what the float model passes
+   it (timer labels: the module's name, ``"quantized"`` / ``"float"``).  Where torch's is faster, every linear in it
+   is kept float, the model is converted once more and torch's module comes back (``SpeedReport.modules``, the
+   linears' reasons: ``"kept fp16: its TransformerEncoderLayer layers.3 as torch's fused module 0.301 ms < quantized
+   0.334 ms"``; docs/decisions/0135).  A model without such a module is not timed further;
+5. the whole quantized model is timed against the whole float model (channels_last); if it is still slower, the
    summary's notes say so in capitals and a warning is raised.
 
 ``model.tcprec_summary`` shows each decision (``LayerRecord.reason``: ``"kept fp16: w8a8 0.212 ms > fp16 0.151 ms at
@@ -44,14 +52,16 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
 from ..timing import graph_ms
+from .attention import not_decomposed
 from .qmodules import folds_float_bn
 
-__all__ = ["SpeedRule", "SPEED_RULES", "as_speed_rule", "SpeedReport", "LayerTiming", "MODEL", "cuda_graph_timer",
-           "apply_speed_rule"]
+__all__ = ["SpeedRule", "SPEED_RULES", "as_speed_rule", "SpeedReport", "LayerTiming", "ModuleTiming", "MODEL",
+           "cuda_graph_timer", "apply_speed_rule"]
 
 SPEED_RULES = ("off", "measured")
 MODEL = "<model>"  # the timer's layer name for the whole model
@@ -117,6 +127,35 @@ class LayerTiming:
 
 
 @dataclass
+class ModuleTiming:
+    """A torch transformer module (an encoder / decoder layer, a standalone attention) with quantized linears left
+    after the per-layer rounds, timed whole: tcprec's module as converted against the user's torch module in float
+    (its forward and fused fast path, which the quantized linears cost it).  ``floated``: torch's was faster, so
+    every linear in it is kept float and the converter gives torch's module back (nn/attention.py:
+    restore_torch_modules)."""
+
+    name: str
+    kind: str  # the torch class ("TransformerEncoderLayer", "MultiheadAttention", ...)
+    quant_ms: float
+    float_ms: float
+    linears: tuple  # the float model's linear names inside it
+    quantized: tuple  # those that were quantized when it was timed (the ones a floating changes)
+    floated: bool = False
+
+    def text(self, float_label: str) -> str:
+        if self.floated:
+            return (f"kept {float_label}: its {self.kind} {self.name} as torch's fused module {self.float_ms:.3f} ms < "
+                    f"quantized {self.quant_ms:.3f} ms")
+        return (f"its {self.kind} {self.name} quantized {self.quant_ms:.3f} ms <= torch's fused module "
+                f"{self.float_ms:.3f} ms")
+
+    @property
+    def layers(self) -> tuple:
+        """The layers its floating keeps float (those it found quantized)."""
+        return self.quantized if self.floated else ()
+
+
+@dataclass
 class SpeedReport:
     """What the speed rule measured and decided (``model.tcprec_summary.speed``)."""
 
@@ -124,6 +163,7 @@ class SpeedReport:
     float_label: str  # "fp16" | "fp32" | "bf16": the float side, the model's own dtype
     input_shape: tuple
     layers: list[LayerTiming] = field(default_factory=list)
+    modules: list[ModuleTiming] = field(default_factory=list)  # the module-level decisions (torch's module back)
     model_ms: float | None = None
     float_model_ms: float | None = None
     conversions: int = 0
@@ -141,15 +181,24 @@ class SpeedReport:
 
     def overrides(self) -> dict[str, str]:
         """The rule's outcome as ``QuantConfig.overrides`` (a rebuild without timing: same structure); a floated
-        fused ``qkv_proj`` is its ``q_proj`` / ``k_proj`` / ``v_proj``, the names of the float model."""
-        return {n: "float" for t in self.layers if t.floated for n in t.layers}
+        fused ``qkv_proj`` is its ``q_proj`` / ``k_proj`` / ``v_proj``, the names of the float model; a torch module
+        floated whole is each linear in it."""
+        return {n: "float" for t in [*self.layers, *self.modules] if t.floated for n in t.layers}
 
     def lines(self) -> list[str]:
         out = [f"speed rule (measured on {self.device}, input {tuple(self.input_shape)}, {self.conversions} "
-               f"conversion(s)): {len(self.floated)} of {len(self.layers)} timed layer(s) kept {self.float_label}"]
+               f"conversion(s)): {len(self.floated)} of {len(self.layers)} timed layer(s) kept {self.float_label}"
+               + (f", and {whole} linear(s) for torch's modules" if (whole := sum(len(t.layers) for t in self.modules))
+                  else "")]
         if self.model_ms is not None and self.float_model_ms is not None:
             out.append(f"whole model: quantized {self.model_ms:.3f} ms, {self.float_label} {self.float_model_ms:.3f} ms "
                        f"({self.speedup:.2f}x)")
+        if self.modules:
+            kept = [t for t in self.modules if t.floated]
+            out.append(f"torch modules with quantized linears, timed whole: {len(kept)} of {len(self.modules)} faster "
+                       f"as torch's float module, their linears kept {self.float_label}"
+                       + (": " + ", ".join(f"{t.name} {t.float_ms:.3f} ms < {t.quant_ms:.3f} ms" for t in kept[:4])
+                          + (" ..." if len(kept) > 4 else "") if kept else ""))
         return out + self.notes
 
 
@@ -316,6 +365,137 @@ def _measure(q: nn.Module, probe: _Probe, timer, dtype, rnd: int, fold_bn: bool)
     return out, notes
 
 
+_TORCH_LAYERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+
+
+def _restorable(model: nn.Module) -> dict[str, nn.Module]:
+    """name -> the user's torch module, for each module timed whole: every encoder / decoder layer, and every
+    attention outside one -- the granularity at which torch's fused forward is lost or kept (an encoder of float
+    layers comes back by itself once they are all float; nn/attention.py: restore_torch_modules)."""
+    out = {n: m for n, m in model.named_modules() if type(m) in _TORCH_LAYERS and not_decomposed(m) is None}
+    out.update({n: m for n, m in model.named_modules() if type(m) is nn.MultiheadAttention
+                and not_decomposed(m) is None and not any(n.startswith(p + ".") or not p for p in out)})
+    return out
+
+
+def _region(g: fx.Graph, path: str) -> list[fx.Node]:
+    """The nodes of the converted graph that compute module ``path``'s calls, in graph order: those the tracer
+    recorded inside it (``nn_module_stack``; the converter copies it to the nodes it fuses), and the nodes the
+    converter made without one (a fused ``qkv_proj``, its split) that lie between two of them."""
+    def inside(n):
+        return any(v[0] == path for v in (n.meta.get("nn_module_stack") or {}).values())
+
+    def bare(n):
+        return not n.meta.get("nn_module_stack") and n.op not in ("placeholder", "output")
+
+    tagged = {n for n in g.nodes if inside(n)}
+
+    def reach(step):
+        seen, stack = set(), [m for n in tagged for m in step(n) if bare(m)]
+        while stack:
+            n = stack.pop()
+            if n not in seen:
+                seen.add(n)
+                stack.extend(m for m in step(n) if bare(m))
+        return seen
+
+    between = reach(lambda n: list(n.users)) & reach(lambda n: n.all_input_nodes)
+    return [n for n in g.nodes if n in tagged or n in between]
+
+
+class _Capture(fx.Interpreter):
+    """Runs the converted graph and keeps the values of ``want`` (the inputs of the modules to time)."""
+
+    def __init__(self, gm: fx.GraphModule, want: set):
+        super().__init__(gm)
+        self.want, self.got = want, {}
+
+    def run_node(self, n):
+        v = super().run_node(n)
+        if n in self.want:
+            self.got[n] = v
+        return v
+
+
+def _measure_modules(q: nn.Module, base: nn.Module, x: torch.Tensor, timer) -> tuple[list[ModuleTiming], list[str]]:
+    """Each restorable torch module of the float model (``base``, eval, the model's dtype) with quantized linears
+    left in ``q``: its calls as converted (the graph's nodes of it, cut out into one GraphModule, fed the values
+    the converted model computes at the timing input) against the torch module's own calls (the arguments the float
+    model passes it at the timing input).  Returns the timings and notes; nothing is timed (and ``q`` is not run)
+    when no such module exists."""
+    if not isinstance(q, fx.GraphModule):
+        return [], []
+    recs = {r.name: r for r in q.tcprec_summary.layers}
+    todo = {}
+    for path, m in _restorable(base).items():
+        linears = tuple(n for n in recs if not path or n.startswith(path + "."))
+        quantized = tuple(n for n in linears if recs[n].precision != "float")
+        region = _region(q.graph, path) if quantized and path else []
+        if quantized and (region or not path):
+            todo[path] = (m, linears, quantized, region)
+    if not todo:
+        return [], []
+    notes: list[str] = []
+    cuts = {}
+    for path, (_, _, _, region) in todo.items():
+        inner = set(region)
+        ins = list(dict.fromkeys(a for n in region for a in n.all_input_nodes if a not in inner))
+        outs = [n for n in region if any(u not in inner for u in n.users)]
+        if region and not outs:
+            notes.append(f"speed rule: {path} not timed as a whole, kept as converted (no result of it is read)")
+            continue
+        cuts[path] = (ins, outs)
+    calls: dict[str, list] = {p: [] for p in cuts}
+    hooks = [base.get_submodule(p).register_forward_pre_hook(
+        lambda mod, args, kwargs, p=p: calls[p].append((args, kwargs)), with_kwargs=True) for p in cuts if p]
+    cap = _Capture(q, {a for ins, _ in cuts.values() for a in ins})
+    try:
+        with torch.no_grad():
+            base(x)
+            cap.run(x)
+    except Exception as e:  # noqa: BLE001 - as below, for all of them
+        return [], notes + [f"speed rule: {', '.join(p or '<model>' for p in cuts)} not timed as a whole, kept as "
+                            f"converted (running the models failed: {type(e).__name__}: {str(e)[:100]})"]
+    finally:
+        for h in hooks:
+            h.remove()
+    out = []
+    for path, (ins, outs) in cuts.items():
+        m, linears, quantized, region = todo[path]
+        try:
+            if not path:  # (the model itself is the layer: both whole models)
+                qfn, ffn = (lambda: q(x)), (lambda: base(x))
+            else:
+                g = fx.Graph()
+                env = {a: g.placeholder(f"in_{i}") for i, a in enumerate(ins)}
+                for n in region:
+                    env[n] = g.node_copy(n, env.__getitem__)
+                g.output(env[outs[0]] if len(outs) == 1 else tuple(env[o] for o in outs))
+                sub = fx.GraphModule(q, g)  # (q's own modules, not copies)
+                vals = [cap.got[a] for a in ins]
+                mine, orig = calls[path], base.get_submodule(path)
+                if not mine:
+                    raise RuntimeError("the float model did not call it at the timing input")
+
+                def qfn(sub=sub, vals=vals):
+                    return sub(*vals)
+
+                def ffn(mine=mine, orig=orig):
+                    for a, k in mine:
+                        y = orig(*a, **k)
+                    return y
+
+            with torch.no_grad():
+                qms = float(timer(path or MODEL, "quantized", qfn))
+                fms = float(timer(path or MODEL, "float", ffn))
+        except Exception as e:  # noqa: BLE001 - an untimeable module stays as converted, and the notes say why
+            notes.append(f"speed rule: {path or '<model>'} not timed as a whole, kept as converted "
+                         f"({type(e).__name__}: {str(e)[:100]})")
+            continue
+        out.append(ModuleTiming(path or MODEL, type(m).__name__, qms, fms, linears, quantized, floated=fms < qms))
+    return out, notes
+
+
 def apply_speed_rule(model: nn.Module, cfg, batches: list, convert: Callable) -> nn.Module:
     """quantize_model with ``cfg.speed_rule`` measured (module docstring).  ``convert(cfg, probe)`` is the converter
     without the rule; ``probe(gm, order)`` is called with the calibrated float graph."""
@@ -365,12 +545,22 @@ def apply_speed_rule(model: nn.Module, cfg, batches: list, convert: Callable) ->
             if rnd == rule.rounds:
                 report.notes.append(f"speed rule: stopped after {rule.rounds} timing round(s); the layers re-chained "
                                     "by the last floating were not timed again (SpeedRule(rounds=) for more)")
+        base = copy.deepcopy(model).eval()
+        if x.dim() == 4:
+            base = base.to(memory_format=torch.channels_last)
+        # a torch module whose quantized linears cost it its fused forward: timed whole, against torch's module
+        report.modules, notes = _measure_modules(q, base, x, timer)
+        report.notes += notes
+        if any(t.floated for t in report.modules):
+            q = convert_with([k for t in [*timings.values(), *report.modules] if t.floated for k in t.layers])
+            kept = {r.name for r in q.tcprec_summary.layers if "torch's own" in r.out}
+            lost = [t.name for t in report.modules if t.floated and not set(t.linears) <= kept]
+            if lost:
+                report.notes.append(f"speed rule: {', '.join(lost)} kept float for torch's module, but the converter "
+                                    "could not give torch's module back there (decomposed float linears run instead)")
         if report.conversions == 1 and timed_only is not off:  # nothing floated: the full calibration now
             q = convert_with(())
         try:
-            base = copy.deepcopy(model).eval()
-            if x.dim() == 4:
-                base = base.to(memory_format=torch.channels_last)
             with torch.no_grad():
                 report.model_ms = float(timer(MODEL, "quantized", lambda: q(x)))
                 report.float_model_ms = float(timer(MODEL, "float", lambda: base(x)))
@@ -380,6 +570,7 @@ def apply_speed_rule(model: nn.Module, cfg, batches: list, convert: Callable) ->
     report.layers = list(timings.values())
     summary = q.tcprec_summary
     by_layer = {k: t for t in timings.values() for k in t.layers}  # (a fused qkv_proj decides for q / k / v)
+    by_layer.update({k: t for t in report.modules for k in t.layers})  # (floated for torch's module: that reason)
     for r in summary.layers:
         t = by_layer.get(r.name)
         if t is None:
