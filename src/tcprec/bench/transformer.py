@@ -150,7 +150,8 @@ def run(d_model: int = 768, heads: int = 12, seq: int = 197, batch: int = 64, la
             kept[key] = floated
             details[key] = {"layers": [vars(r) for r in s.layers], "notes": s.notes, "kept_fp16": floated,
                             "speed_rule": s.speed.lines() if s.speed is not None else None,
-                            "timings": [vars(t) for t in s.speed.layers] if s.speed is not None else None}
+                            "timings": [vars(t) for t in s.speed.layers] if s.speed is not None else None,
+                            "modules": [vars(m) for m in s.speed.modules] if s.speed is not None else None}
             if breakdown and on_gpu:
                 rep = profile(q, xin, warmup=1, iters=2)
                 console.print(rep.table(top_kernels=8))
