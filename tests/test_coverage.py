@@ -180,3 +180,35 @@ def test_no_conv_quantized_is_an_error_naming_them():
     q = tp.quantize_model(m, tp.QuantConfig("int8", overrides={"0": "float", "2": "float"}),
                           calibration=torch.randn(1, 2, 4, 4, 4), warn=False)
     assert len(q.tcprec_summary.float_layers) == 2
+
+
+class AuxHead(nn.Module):
+    """GoogLeNet / Inception-v3's shape: an auxiliary classifier that runs only in training, and a conv whose weight
+    the parent reads itself (weight standardisation)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.aux = nn.Conv2d(8, 4, 1)
+        self.std = nn.Conv2d(8, 8, 1)
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x):
+        x = F.relu(self.conv(x))
+        w = self.std.weight
+        x = F.conv2d(x, (w - w.mean()) / (w.std() + 1e-5))
+        out = self.fc(x.mean((2, 3)))
+        if self.training:
+            return out, self.aux(x).mean((2, 3))
+        return out
+
+
+def test_a_layer_the_eval_forward_never_runs_is_listed_as_such():
+    torch.manual_seed(0)
+    m = AuxHead().eval()
+    with pytest.warns(UserWarning, match="stay in floating point"):
+        q = tp.quantize_model(m, "int8", calibration=torch.randn(2, 3, 6, 6))
+    rec = {r.name: r for r in q.tcprec_summary.layers}
+    assert rec["conv"].precision != "float" and rec["fc"].precision != "float"
+    assert "not run by the model's forward in eval mode" in rec["aux"].backend  # dead in eval: said so
+    assert "not run" not in rec["std"].backend and "float" == rec["std"].precision  # read by its parent: not dead

@@ -274,6 +274,9 @@ def uncovered(named: dict, converted: nn.Module, covered: set) -> list[tuple[str
     out: list[tuple[str, str, str]] = []
     conv_mods = dict(converted.named_modules())
     listed: list[str] = []
+    # the attributes the traced graph reads: a module none of whose own are read never runs in the traced (eval) forward
+    read = ({n.target for n in converted.graph.nodes if n.op in ("get_attr", "call_module")}
+            if isinstance(converted, fx.GraphModule) else None)
     for name, m in named.items():
         if not isinstance(m, COVERED_KINDS) or name in covered:
             continue
@@ -297,6 +300,9 @@ def uncovered(named: dict, converted: nn.Module, covered: set) -> list[tuple[str
                           "(torch's fused fast path); not decomposed")
             elif type(m).forward is not type(m).__mro__[1].forward and type(m) not in (nn.Conv1d, nn.Conv2d, nn.Linear):
                 reason = f"{type(m).__name__} has its own forward and was not seen as a plain conv / linear call"
+            elif read is not None and not any(t == name or t.startswith(name + ".") for t in read):
+                reason = ("not run by the model's forward in eval mode (the traced graph reads none of its weights): "
+                          "e.g. an auxiliary head that runs only in training")
             else:
                 reason = "not called as a module in the traced graph (used through its parent's code)"
         out.append((name, kind, reason))
