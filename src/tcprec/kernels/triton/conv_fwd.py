@@ -53,7 +53,8 @@ fp8: ``tl.dot`` on float8e4nv lowers to ``wgmma ... e4m3`` (SASS QGMMA).  The Ho
 narrower than fp32; unless ``fast_accum=True`` we promote it into fp32 every BLOCK_K products
 (``max_num_imprecise_acc=BLOCK_K``), as cuBLAS does by default.
 
-Tiles come from a small table per shape class (:func:`pick_config`); no autotuning at run time.
+Tiles come from a small table per class of shape and epilogue (:func:`pick_config`, :func:`shape_class`); no autotuning
+at run time.
 Shape scalars are not specialised (no recompile per layer, batch or image size); C and K are, so
 16-byte vector loads are provable when C % 16 == 0.
 """
@@ -80,8 +81,7 @@ from .pack import PAD_W, _quantize_codes, _store_planes
 from .round import div_by_scalar, fp8_code, fp8_constexprs
 
 __all__ = ["conv2d_fwd_int8", "conv2d_fwd_fp8", "pick_config", "shape_class", "epilogue_of", "compile_key", "geometry",
-           "NETWORK_LAYERS",
-           "INTERPRETER_CONFIG", "interpreting", "PlanesOut"]
+           "NETWORK_LAYERS", "INTERPRETER_CONFIG", "interpreting", "PlanesOut"]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
