@@ -6,7 +6,9 @@ batches, then eval):
 
 * ``fp32``: the reference output, TF32 off, not timed;
 * ``fp16``: the model in half precision, channels_last: the baseline, its forward captured in a CUDA graph
-  (``bench.common.time_graph_ms``: median of replays, no host launch overhead);
+  (median of replays, no host launch overhead), timed alternately with each quantized model
+  (``bench.common.time_graphs_alternating_ms``: replays A, B, A, B, ...), each row's speedup against its own paired
+  fp16 time, so that clock drift during the run lands on both sides;
 * each precision (``int8``, ``fp8``, ``w1a2`` ...): ``tcprec.quantize_model`` of the fp16 model with
   ``QuantConfig(precision, speed_rule=SpeedRule(batch=batch))`` (nn/speed_rule.py: every layer whose quantized path
   measures slower than its fp16 equivalent at this batch stays fp16), calibrated on the first 16 images, timed the
@@ -31,7 +33,7 @@ from ..nn.convert import QuantConfig, quantize_model
 from ..nn.speed_rule import SpeedRule
 from ..precision import canonical_network_precision
 from ..progress import track
-from .common import environment, git_commit, print_environment, require_cuda, time_graph_ms, write_json
+from .common import environment, git_commit, print_environment, require_cuda, time_graphs_alternating_ms, write_json
 from .net import nrmse
 
 __all__ = ["run", "DEFAULT_MODELS", "PRECISIONS", "TARGETS", "torchvision_classifiers", "build_model", "parse_precisions",
@@ -118,11 +120,9 @@ def measure_model(name: str, precisions: Sequence[str], batch: int, seed: int, c
     m16 = copy.deepcopy(m32).half()
     del m32
     x16 = x.half()
-    with torch.no_grad():
-        fp16_ms = time_graph_ms(lambda: m16(x16), None, calls=2, replays=5)
     rows, details = [], {}
     for p in precisions:
-        row: dict = {"model": name, "precision": p, "batch": batch, "fp16_ms": fp16_ms}
+        row: dict = {"model": name, "precision": p, "batch": batch}
         t0 = time.time()
         try:
             cfg = QuantConfig(p, first_last=None if p in ("int8", "fp8") else "int8",
@@ -131,8 +131,8 @@ def measure_model(name: str, precisions: Sequence[str], batch: int, seed: int, c
             row["setup_s"] = round(time.time() - t0, 1)
             with torch.no_grad():
                 y = q(x16).float()
-                row["ms"] = time_graph_ms(lambda: q(x16), None, calls=2, replays=5)
-            row["speedup"] = fp16_ms / row["ms"]
+                row["ms"], row["fp16_ms"] = time_graphs_alternating_ms(lambda: q(x16), lambda: m16(x16))
+            row["speedup"] = row["fp16_ms"] / row["ms"]  # (against the fp16 time paired with it)
             row["nrmse_vs_fp32"] = nrmse(y, ref)
             s = q.tcprec_summary
             row.update(_counts(s))

@@ -14,7 +14,7 @@ from a seeded normal.  Every side runs on one GPU in one run:
   ``rule_off=True`` (``--rule-off``) adds the same precisions with the rule off (every linear quantized).
 
 Both timed sides are captured in CUDA graphs (median of replays, no host launch overhead), and each quantized
-model is timed alternately with the fp16 model (``timing.graph_ms_alternating``: replays A, B, A, B, ...), its
+model is timed alternately with the fp16 model (``bench.common.time_graphs_alternating_ms``: replays A, B, A, B, ...), its
 speedup against that paired fp16 time (``fp16_ms`` in its row): a drift of the GPU's clocks during the run lands on
 both sides.  (Timed one after the other, the *same* torch module measured 2% slower the second time, H200.)  Error: NRMSE of each output against the fp32 output.  Targets (issue 43): int8 >= 1.3x fp16 (the rule
 on); no precision slower than fp16 with the rule on.  The JSON names the layers the rule kept fp16 (``kept_fp16``).
@@ -37,8 +37,8 @@ from torch import nn
 from ..nn.convert import QuantConfig, quantize_model
 from ..nn.speed_rule import SpeedRule
 from ..profiling import profile
-from ..timing import graph_ms_alternating
-from .common import cpu_name, environment, git_commit, print_environment, require_cuda, write_json
+from .common import (cpu_name, environment, git_commit, print_environment, require_cuda, time_graphs_alternating_ms,
+                     write_json)
 
 __all__ = ["run", "build_encoder", "TARGET_INT8_VS_FP16"]
 
@@ -58,7 +58,7 @@ def build_encoder(d_model: int = 768, heads: int = 12, layers: int = 12, seed: i
 
 def _graph_clock(*fns):
     """ms of one model, or of several timed alternately (a tuple): CUDA graphs of 2 forwards, median of replays."""
-    ms = graph_ms_alternating([lambda i, f=f: f() for f in fns], calls=2, replays=9 if len(fns) > 1 else 5)
+    ms = time_graphs_alternating_ms(*fns, replays=9 if len(fns) > 1 else 5)
     return ms[0] if len(fns) == 1 else tuple(ms)
 
 
