@@ -212,3 +212,30 @@ def test_a_layer_the_eval_forward_never_runs_is_listed_as_such():
     assert rec["conv"].precision != "float" and rec["fc"].precision != "float"
     assert "not run by the model's forward in eval mode" in rec["aux"].backend  # dead in eval: said so
     assert "not run" not in rec["std"].backend and "float" == rec["std"].precision  # read by its parent: not dead
+
+
+@torch.fx.wrap
+def _window_attention(x, qkv_weight, proj_weight):
+    """A function torch.fx keeps whole that computes with its caller's weights (torchvision's Swin:
+    shifted_window_attention(x, self.qkv.weight, self.proj.weight, ...))."""
+    q, k, v = F.linear(x, qkv_weight).chunk(3, -1)
+    return F.linear(F.scaled_dot_product_attention(q, k, v), proj_weight)
+
+
+class WindowBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.proj, self.mlp = nn.Linear(8, 24, bias=False), nn.Linear(8, 8, bias=False), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.mlp(_window_attention(x, self.qkv.weight, self.proj.weight))
+
+
+def test_weights_passed_to_a_function_fx_keeps_whole_name_it():
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match="stay in floating point"):
+        q = tp.quantize_model(WindowBlock().eval(), "int8", calibration=torch.randn(2, 4, 8))
+    rec = {r.name: r for r in q.tcprec_summary.layers}
+    assert rec["mlp"].precision != "float"
+    for n in ("qkv", "proj"):
+        assert rec[n].precision == "float" and "its weights go to _window_attention" in rec[n].backend

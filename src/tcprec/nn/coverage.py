@@ -277,6 +277,14 @@ def uncovered(named: dict, converted: nn.Module, covered: set) -> list[tuple[str
     # the attributes the traced graph reads: a module none of whose own are read never runs in the traced (eval) forward
     read = ({n.target for n in converted.graph.nodes if n.op in ("get_attr", "call_module")}
             if isinstance(converted, fx.GraphModule) else None)
+    # attribute -> the functions that take it (a weight passed to a function fx keeps whole: Swin's attention)
+    readers: dict[str, set[str]] = {}
+    if read is not None:
+        for n in converted.graph.nodes:
+            if n.op == "get_attr":
+                readers.setdefault(n.target, set()).update(
+                    getattr(u.target, "__name__", str(u.target)) for u in n.users
+                    if u.op == "call_function" and getattr(u.target, "__module__", None) != "_operator")
     for name, m in named.items():
         if not isinstance(m, COVERED_KINDS) or name in covered:
             continue
@@ -303,6 +311,9 @@ def uncovered(named: dict, converted: nn.Module, covered: set) -> list[tuple[str
             elif read is not None and not any(t == name or t.startswith(name + ".") for t in read):
                 reason = ("not run by the model's forward in eval mode (the traced graph reads none of its weights): "
                           "e.g. an auxiliary head that runs only in training")
+            elif fns := sorted({f for t, fs in readers.items() if t.startswith(name + ".") for f in fs}):
+                reason = (f"its weights go to {', '.join(fns)} in its parent's code, a call torch.fx keeps whole "
+                          "(not decomposed into a linear / conv): stays float")
             else:
                 reason = "not called as a module in the traced graph (used through its parent's code)"
         out.append((name, kind, reason))
