@@ -44,7 +44,7 @@ def test_json_follows_the_convention(tmp_path):
         ("resnet50", "int8"), ("resnet50", "w1a2"), ("mobilenet_v2", "int8"), ("mobilenet_v2", "w1a2")]
     row = on_disk["summary"][0]
     assert set(row) == {"model", "precision", "ms", "fp16_ms", "speedup", "nrmse_vs_fp32", "quantized",
-                        "floated_by_rule", "float_other"}
+                        "floated_by_rule", "float_other", "commit"}
     assert all(not isinstance(v, (dict, list)) for r in on_disk["summary"] for v in r.values())  # flat rows
     tg = {t["target"]: t for t in payload["targets"]}
     assert tg["resnet50 int8 >= 1.5x fp16"]["met"] is True and tg["resnet50 int8 >= 1.5x fp16"]["value"] == "1.60x"
@@ -116,3 +116,34 @@ def test_json_is_written_after_every_model(tmp_path):
 
     _run(tmp_path, measure=measure)
     assert seen == ["resnet50", "mobilenet_v2"]
+
+
+def test_resume_keeps_the_models_measured_and_runs_the_others(tmp_path):
+    _run(tmp_path, models=["resnet50"])  # a first call (or one cut short)
+    seen = []
+
+    def measure(name, precisions, batch, seed, console):
+        seen.append(name)
+        return fake_measure(name, precisions, batch, seed, console)
+
+    payload = _run(tmp_path, models=["all"], measure=measure, resume=True)
+    assert seen == ["mobilenet_v2", "vit_b_16"]  # resnet50 kept from the file, not measured again
+    assert sorted({r["model"] for r in payload["summary"]}) == CATALOG
+    assert sorted(k for k in payload["details"]) == sorted(f"{m}/{p}" for m in CATALOG for p in ("int8", "w1a2"))
+    assert "partial" not in json.loads((tmp_path / "models.json").read_text())
+    # a subset of the precisions it holds: kept, only those rows
+    payload = _run(tmp_path, models=["resnet50"], precisions=["int8"], measure=measure, resume=True)
+    assert [(r["model"], r["precision"]) for r in payload["summary"]] == [("resnet50", "int8")] and len(seen) == 2
+    # without the file: a plain run
+    payload = _run(tmp_path, out=str(tmp_path / "new.json"), measure=measure, resume=True)
+    assert seen[2:] == ["resnet50", "mobilenet_v2"]
+
+
+@pytest.mark.parametrize("edit, match", [({"batch": 8}, "at batch 4, seed 0"), ({"seed": 1}, "pass the same")])
+def test_resume_refuses_a_run_of_another_kind(tmp_path, edit, match):
+    _run(tmp_path, models=["resnet50"], **edit)
+    with pytest.raises(ValueError, match=match):
+        _run(tmp_path, resume=True)
+    (tmp_path / "models.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        _run(tmp_path, resume=True)

@@ -884,6 +884,9 @@ def bench_models_cmd(
     batch: int = typer.Option(256, min=1, help="Batch size (the speed rule times at it too)."),
     seed: int = typer.Option(0, help="Seed of the weights and the input."),
     json_path: str = _json_option("benchmarks/results/models.json"),
+    resume: bool = typer.Option(False, "--resume", help="Keep the models the --json file already holds (same "
+                                "precisions, batch and seed) and measure only the others: '--model all' over "
+                                "several runs."),
 ):
     """torchvision classification model definitions (seeded weights) quantized with the speed rule on, against cuDNN
     fp16 channels_last, CUDA graphs on both sides: ms, speedup, NRMSE vs fp32, layers quantized / kept fp16 by the
@@ -895,15 +898,17 @@ def bench_models_cmd(
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--precision") from None
     command = shlex.join(["tcprec", "bench", "models", "--model", model, "--precision", precision, "--batch",
-                          str(batch), "--seed", str(seed), "--json", json_path])
+                          str(batch), "--seed", str(seed), "--json", json_path] + (["--resume"] if resume else []))
     with _needs_gpu(), _json_file(json_path, "models.json") as out:
         try:
-            models_bench.run(models, precs, batch, out=str(out), command=command, console=Console(), seed=seed)
+            models_bench.run(models, precs, batch, out=str(out), command=command, console=Console(), seed=seed,
+                             resume=resume)
         except ImportError as e:
             Console(stderr=True).print(f"[red]{escape(str(e))}")
             raise typer.Exit(code=2) from None
         except ValueError as e:
-            raise typer.BadParameter(str(e), param_hint="--model") from None
+            raise typer.BadParameter(str(e), param_hint="--resume" if str(e).startswith("--resume") else "--model") \
+                from None
 
 
 @bench_app.command("efficientnet")

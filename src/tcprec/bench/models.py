@@ -22,7 +22,9 @@ outputs move, not an accuracy.  torchvision is needed only here and is imported 
 from __future__ import annotations
 
 import copy
+import json
 import time
+from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
@@ -109,6 +111,32 @@ def _counts(summary) -> dict:
             "float_other": sum(r.precision == "float" and r.name not in floated for r in summary.layers)}
 
 
+def _resumed(out: str, precisions: Sequence[str], batch: int, seed: int) -> tuple[list, dict]:
+    """(rows, details) of the models a previous run wrote to ``out`` with every one of ``precisions`` at the same
+    batch and seed ([] without the file); ValueError naming the difference when it is a run of another kind."""
+    path = Path(out)
+    if not path.exists():
+        return [], {}
+    try:
+        d = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--resume: {out} is not valid JSON ({e}); move it away or run without --resume") from None
+    cfg = d.get("config", {}) if isinstance(d, dict) else {}
+    if not isinstance(d, dict) or d.get("suite") != "models" or (cfg.get("batch"), cfg.get("seed")) != (batch, seed):
+        raise ValueError(f"--resume: {out} is not a bench models run at batch {batch}, seed {seed} (it holds suite "
+                         f"{d.get('suite') if isinstance(d, dict) else None!r}, batch {cfg.get('batch')}, seed "
+                         f"{cfg.get('seed')}); pass the same --batch / --seed, another --json, or drop --resume")
+    by_model: dict[str, list] = {}
+    for r in d.get("rows", []):
+        by_model.setdefault(r.get("model"), []).append(r)
+    rows = [r for m, rs in by_model.items() if {r.get("precision") for r in rs} >= set(precisions)
+            for r in rs if r.get("precision") in precisions]
+    keep = {r["model"] for r in rows}
+    details = {k: v for k, v in d.get("details", {}).items() if k.split("/")[0] in keep
+               and k.split("/", 1)[-1] in precisions}
+    return rows, details
+
+
 def measure_model(name: str, precisions: Sequence[str], batch: int, seed: int, console: Console) -> tuple[list, dict]:
     """(rows, details) of one model on the current CUDA device: the fp16 baseline and each precision."""
     device = torch.device("cuda", torch.cuda.current_device())
@@ -186,15 +214,18 @@ def targets(rows: list[dict], models: Sequence[str]) -> list[dict]:
 def run(models: Sequence[str] = DEFAULT_MODELS, precisions: Sequence[str] = PRECISIONS, batch: int = 256,
         out: str = "benchmarks/results/models.json", command: str = "tcprec bench models", console: Console | None = None,
         seed: int = 0, measure: Callable | None = None, catalog: Callable[[], list[str]] | None = None,
-        env: dict | None = None) -> dict:
+        env: dict | None = None, resume: bool = False) -> dict:
     """Run every (model, precision) case and write the JSON (module docstring).  ``measure(name, precisions, batch,
     seed, console) -> (rows, details)``, ``catalog() -> names`` and ``env`` replace the GPU, torchvision and the
-    device record (tests)."""
+    device record (tests).  ``resume``: keep those of ``models`` that ``out`` already holds (a run of the same
+    precisions, batch and seed, cut short or of other models) and measure only the others -- ``--model all`` over several sessions or
+    machine loans; each row names the commit that measured it."""
     console = console or Console()
     commit = git_commit()
     precisions = parse_precisions(precisions)
     if not (isinstance(batch, int) and batch >= 1):
         raise ValueError(f"batch must be a positive int, got {batch!r}")
+    kept_rows, kept_details = _resumed(out, precisions, batch, seed) if resume else ([], {})
     if measure is None:
         require_cuda(command)
         measure = measure_model
@@ -205,13 +236,19 @@ def run(models: Sequence[str] = DEFAULT_MODELS, precisions: Sequence[str] = PREC
     env = env if env is not None else environment()
     if env.get("gpu") and "sm_count" in env:
         print_environment(console, env)
-    rows: list[dict] = []
-    details: dict = {}
+    rows: list[dict] = [r for r in kept_rows if r["model"] in names]  # (the file's other models are not this run's)
+    details: dict = {k: v for k, v in kept_details.items() if k.split("/")[0] in names}
+    done_before = {r["model"] for r in kept_rows}
+    if done_before:
+        console.print(f"resuming {out}: {len(done_before)} model(s) kept, "
+                      f"{sum(n not in done_before for n in names)} to measure")
 
     def payload(done: bool) -> dict:
-        p = {"suite": "models", "command": command, "device": env.get("gpu"), "commit": commit,
+        commits = sorted({r.get("commit") or "unknown" for r in rows}) or [commit]
+        p = {"suite": "models", "command": command, "device": env.get("gpu"),
+             "commit": commits[0] if len(commits) == 1 else f"per row ({', '.join(commits)})",
              "summary": [{k: r.get(k) for k in ("model", "precision", "ms", "fp16_ms", "speedup", "nrmse_vs_fp32",
-                                                "quantized", "floated_by_rule", "float_other", "error") if k in r}
+                                                "quantized", "floated_by_rule", "float_other", "error", "commit") if k in r}
                          for r in rows],
              "targets": targets(rows, names), "config": {"batch": batch, "image": IMAGE,
                                                          "calibration_images": CALIBRATION_IMAGES, "seed": seed,
@@ -221,16 +258,17 @@ def run(models: Sequence[str] = DEFAULT_MODELS, precisions: Sequence[str] = PREC
             p["partial"] = f"{len({r['model'] for r in rows})} of {len(names)} models"
         return p
 
-    for name in track(names, "bench models", label=str):
+    todo = [n for n in names if n not in done_before]
+    for name in track(todo, "bench models", label=str):
         try:
             got, det = measure(name, precisions, batch, seed, console)
         except Exception as e:  # noqa: BLE001 - a model that does not build or run in fp16 is a row, not a crash
             got, det = [{"model": name, "precision": p, "batch": batch,
                          "error": f"{type(e).__name__}: {str(e)[:300]}"} for p in precisions], {}
             console.print(_case_line(got[0]))
-        rows += got
+        rows += [{**r, "commit": commit} for r in got]
         details.update(det)
-        if name != names[-1]:
+        if name != todo[-1]:
             write_json(out, payload(False))
     result = payload(True)
     tg = result["targets"]
