@@ -218,8 +218,8 @@ def run(models: Sequence[str] = DEFAULT_MODELS, precisions: Sequence[str] = PREC
     """Run every (model, precision) case and write the JSON (module docstring).  ``measure(name, precisions, batch,
     seed, console) -> (rows, details)``, ``catalog() -> names`` and ``env`` replace the GPU, torchvision and the
     device record (tests).  ``resume``: keep those of ``models`` that ``out`` already holds (a run of the same
-    precisions, batch and seed, cut short or of other models) and measure only the others -- ``--model all`` over several sessions or
-    machine loans; each row names the commit that measured it."""
+    precisions, batch and seed, cut short or of other models) and measure only the others -- ``--model all`` over
+    several sessions or machine loans; each row names the commit that measured it."""
     console = console or Console()
     commit = git_commit()
     precisions = parse_precisions(precisions)
@@ -238,7 +238,7 @@ def run(models: Sequence[str] = DEFAULT_MODELS, precisions: Sequence[str] = PREC
         print_environment(console, env)
     rows: list[dict] = [r for r in kept_rows if r["model"] in names]  # (the file's other models are not this run's)
     details: dict = {k: v for k, v in kept_details.items() if k.split("/")[0] in names}
-    done_before = {r["model"] for r in kept_rows}
+    done_before = {r["model"] for r in rows}
     if done_before:
         console.print(f"resuming {out}: {len(done_before)} model(s) kept, "
                       f"{sum(n not in done_before for n in names)} to measure")

@@ -417,6 +417,15 @@ class _Capture(fx.Interpreter):
         return v
 
 
+def _is_torchs(q: nn.Module, base: nn.Module, name: str) -> bool:
+    """Whether the converted model holds the user's torch module (its type) at ``name`` (:data:`MODEL`: the root)."""
+    path = "" if name == MODEL else name
+    try:
+        return type(q.get_submodule(path)) is type(base.get_submodule(path))
+    except AttributeError:  # (decomposed: the path is gone from the graph module)
+        return False
+
+
 def _measure_modules(q: nn.Module, base: nn.Module, x: torch.Tensor, timer) -> tuple[list[ModuleTiming], list[str]]:
     """Each restorable torch module of the float model (``base``, eval, the model's dtype) with quantized linears
     left in ``q``: its calls as converted (the graph's nodes of it, cut out into one GraphModule, fed the values
@@ -553,8 +562,7 @@ def apply_speed_rule(model: nn.Module, cfg, batches: list, convert: Callable) ->
         report.notes += notes
         if any(t.floated for t in report.modules):
             q = convert_with([k for t in [*timings.values(), *report.modules] if t.floated for k in t.layers])
-            kept = {r.name for r in q.tcprec_summary.layers if "torch's own" in r.out}
-            lost = [t.name for t in report.modules if t.floated and not set(t.linears) <= kept]
+            lost = [t.name for t in report.modules if t.floated and not _is_torchs(q, base, t.name)]
             if lost:
                 report.notes.append(f"speed rule: {', '.join(lost)} kept float for torch's module, but the converter "
                                     "could not give torch's module back there (decomposed float linears run instead)")
