@@ -25,6 +25,6 @@ def test_alternating_returns_one_median_per_workload_and_runs_each():
 
     ms = graph_ms_alternating([wa, wb], calls=3, replays=4)
     assert len(ms) == 2 and all(math.isfinite(m) and m > 0 for m in ms)
-    assert seen == {"a": 2 + 3, "b": 2 + 3}  # two warm-up calls, then each captured call once (replays re-run the graph)
+    assert seen == {"a": 2 + 3, "b": 2 + 3}  # two warm-ups, then each captured call once (replays re-run the graph)
     one = graph_ms(lambda i: a @ a, calls=3, replays=4)
     assert math.isfinite(one) and one > 0

@@ -248,8 +248,8 @@ def run(models: Sequence[str] = DEFAULT_MODELS, precisions: Sequence[str] = PREC
         p = {"suite": "models", "command": command, "device": env.get("gpu"),
              "commit": commits[0] if len(commits) == 1 else f"per row ({', '.join(commits)})",
              "summary": [{k: r.get(k) for k in ("model", "precision", "ms", "fp16_ms", "speedup", "nrmse_vs_fp32",
-                                                "quantized", "floated_by_rule", "float_other", "error", "commit") if k in r}
-                         for r in rows],
+                                                "quantized", "floated_by_rule", "float_other", "error", "commit")
+                          if k in r} for r in rows],
              "targets": targets(rows, names), "config": {"batch": batch, "image": IMAGE,
                                                          "calibration_images": CALIBRATION_IMAGES, "seed": seed,
                                                          "speed_rule": f"SpeedRule(batch={batch})"},

@@ -14,9 +14,10 @@ from a seeded normal.  Every side runs on one GPU in one run:
   ``rule_off=True`` (``--rule-off``) adds the same precisions with the rule off (every linear quantized).
 
 Both timed sides are captured in CUDA graphs (median of replays, no host launch overhead), and each quantized
-model is timed alternately with the fp16 model (``bench.common.time_graphs_alternating_ms``: replays A, B, A, B, ...), its
-speedup against that paired fp16 time (``fp16_ms`` in its row): a drift of the GPU's clocks during the run lands on
-both sides.  (Timed one after the other, the *same* torch module measured 2% slower the second time, H200.)  Error: NRMSE of each output against the fp32 output.  Targets (issue 43): int8 >= 1.3x fp16 (the rule
+model is timed alternately with the fp16 model (``bench.common.time_graphs_alternating_ms``: replays A, B, A, B,
+...), its speedup against that paired fp16 time (``fp16_ms`` in its row): a drift of the GPU's clocks during the run
+lands on both sides.  (Timed one after the other, the *same* torch module measured 2% slower the second time, H200.)
+Error: NRMSE of each output against the fp32 output.  Targets (issue 43): int8 >= 1.3x fp16 (the rule
 on); no precision slower than fp16 with the rule on.  The JSON names the layers the rule kept fp16 (``kept_fp16``).
 
 ``--accuracy-only`` skips the timing and runs on the CPU too (the reference backends): the NRMSE figures alone,

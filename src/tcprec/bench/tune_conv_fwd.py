@@ -9,8 +9,9 @@ beside the kernel.  This command makes that file:
    timing;
 2. for each class, time int8 (per-channel scale + ReLU, int8 out: the chained layer; a layer named ``name+residual``
    adds a float16 residual first, ``name+dual`` also writes the float16 result beside the codes, as a ResNet block's
-   last conv does) on the class's layers at batch 256 with each candidate table value -- the current one and :data:`CANDIDATES` -- exactly as
-   ``pick_config(g, tiles=...)`` turns it into a launch config (``do_bench`` median, L2 flushed before each call);
+   last conv does) on the class's layers at batch 256 with each candidate table value -- the current one and
+   :data:`CANDIDATES` -- exactly as ``pick_config(g, tiles=..., epilogue=...)`` turns it into a launch config
+   (``do_bench`` median, L2 flushed before each call);
 3. per class, keep the candidate of least total time over the class's layers (the current value on a tie or when
    every candidate failed), and write the table (each value with the figures that picked it) and the sweep
    (``benchmarks/results/conv_fwd_tune.json``, the results convention).
