@@ -656,3 +656,53 @@ def test_cli_run_on_cpu(tmp_path):
     y = np.load(out)
     assert y.shape == (1, 125, 13, 13)
     assert "NRMSE against fp32" in res.output and "features.0" in res.output
+
+
+class _Bottleneck(nn.Module):
+    """ResNet-50's block: 1x1 -> 3x3 -> 1x1, the last fused with the identity add."""
+
+    def __init__(self, c: int, mid: int):
+        super().__init__()
+        from tcprec.nn.models._blocks import conv_bn_act
+
+        self.conv1 = nn.Sequential(*conv_bn_act(c, mid, 1))
+        self.conv2 = nn.Sequential(*conv_bn_act(mid, mid, 3))
+        self.conv3 = nn.Sequential(*conv_bn_act(mid, c, 1, act="none"))
+
+    def forward(self, x):
+        return torch.relu(self.conv3(self.conv2(self.conv1(x))) + x)
+
+
+class _ToyBottleneckNet(nn.Module):
+    def __init__(self, c: int = 64):
+        super().__init__()
+        from tcprec.nn.models._blocks import conv_bn_act
+
+        self.stem = nn.Sequential(*conv_bn_act(3, c, 3))
+        self.stages = nn.Sequential(_Bottleneck(c, 16), _Bottleneck(c, 16), _Bottleneck(c, 16))
+        self.fc = nn.Linear(c * 2 * 2, 10)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.stages(self.stem(x)), 1))
+
+
+def test_bitserial_bottleneck_output_feeds_the_next_1x1_conv_its_planes(monkeypatch):
+    """A bit-serial block's output (conv3 fused with the add) is written as the float and its compact planes
+    ("planes+float") also where the next reader is a 1x1 conv (a bottleneck's conv1, whose GEMM pads the rows): no
+    quantize pass over the float in front of it.  The chained network equals the unfused one bit for bit."""
+    _as_on_h100(monkeypatch)
+    torch.manual_seed(5)
+    x = torch.randn(2, 3, 2, 2)
+    net = _calibrated(_ToyBottleneckNet(), x).half().to(memory_format=torch.channels_last)
+    cfg = tp.QuantConfig("w1a2", first_last="int8")
+    q = tp.quantize_model(net, cfg, calibration=x.half(), warn=False)
+    mods = dict(q.named_modules())
+    out = {r.name: r.out for r in q.tcprec_summary.layers}
+    assert {r.name: r.backend for r in q.tcprec_summary.layers}["stages.1.conv1.0"] == "bitserial"
+    for i in (0, 1):
+        assert mods[f"stages.{i}.conv3.0"].out_layout == "planes+float"
+        assert out[f"stages.{i}.conv3.0"] == f"float16 + packed uint2 -> stages.{i + 1}.conv1.0"
+    qu = tp.quantize_model(net, dataclasses.replace(cfg, fuse_residual=False), calibration=x.half(), warn=False)
+    assert all(m.out_layout != "planes+float" for m in qu.modules() if isinstance(m, QConv2d))
+    with torch.no_grad():
+        assert torch.equal(q(x.half()), qu(x.half()))

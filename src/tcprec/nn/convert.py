@@ -1008,8 +1008,10 @@ def _convert(model: nn.Module, cfg: QuantConfig, batches, inplace: bool, warn: b
                         # the float too (a residual add reads it), or a block's add in the producer: the binary GEMM's
                         # epilogue writes the float output and its compact planes ("planes+float", <= 3 bits); so does
                         # an 8-bit thin stem's on sm_90 (stem_conv.cu: ResNet-18's), and other INT8 layers pack their
-                        # float in one pass after it (what the readers would do, once)
-                        if not gather or not _dual_planes_ok(a, b, kind_of):
+                        # float in one pass after it (what the readers would do, once).  A 1x1 reader (a bottleneck's
+                        # conv1) takes them too: its GEMM pads the rows to whole 512-bit words, a copy of the planes
+                        # (none where C % 512 == 0), instead of a quantize pass over the float (docs/decisions/0136)
+                        if not _dual_planes_ok(a, b, kind_of):
                             continue
                         a.chain_to(b, "planes+float")
                         records[node.target].out = f"{str(a.out_dtype).removeprefix('torch.')} + packed {b.a_fmt} -> {to}"
