@@ -59,8 +59,8 @@ from .attention import TORCH_TWINS, TwinCall, decompose_transformers, fuse_qkv, 
 from .coverage import check_conv_coverage, normalize_graph, uncovered
 from .linear_gelu import LinearGELU, is_erf_gelu
 from .qgrouped import QGroupedConv2d, grouped_act_of, grouped_unsupported
-from .qmodules import (FixedQuant, LayerPrecision, QConv2d, QLinear, _fold_bn, _quantize_weight, activation_format,
-                       flatten_nhwc, folds_float_bn, parse_precision, weight_format)
+from .qmodules import (FixedQuant, LayerPrecision, QConv2d, QLinear, QMaxPool2d, _fold_bn, _quantize_weight,
+                       activation_format, flatten_nhwc, folds_float_bn, parse_precision, weight_format)
 from .speed_rule import SpeedRule, apply_speed_rule, as_speed_rule
 
 __all__ = ["QuantConfig", "QuantSummary", "LayerRecord", "LayerPlan", "quantize_model", "plan_layers"]
@@ -667,6 +667,36 @@ def _chain_through_flatten(node: fx.Node, flat: fx.Node, qmods, records: dict, k
         records[node.target].out = f"packed {b.a_fmt} -> {to}"
 
 
+def _fuse_max_pools(gm: fx.GraphModule, qmods: dict, calls: dict, kind_of, notes: list) -> None:
+    """A max-pool read only by quantized convs (as their input ``x``) that agree on the input format, scale, weight
+    format, kernel kind and row layout -- a ResNet's stem pool, read by the first block's conv1 and 1x1 shortcut --
+    becomes a ``QMaxPool2d``: one pass pools and writes their operand, instead of torch's pool writing the pooled
+    float and each reader quantizing it (docs/decisions/0137).  Said in the summary's notes."""
+    for node in gm.graph.nodes:
+        m = qmods.get(node.target) if node.op == "call_module" else None
+        if type(m) is not nn.MaxPool2d or calls.get(node.target) != 1 or m.ceil_mode or m.return_indices \
+                or m.dilation not in (1, (1, 1)):
+            continue
+        users = list(node.users)
+        if not users or not all(u.op == "call_module" and isinstance(qmods.get(u.target), QConv2d) and u.args
+                                and u.args[0] is node and node not in u.args[1:] and not u.kwargs for u in users):
+            continue
+        readers = [qmods[u.target] for u in users]
+        b = readers[0]
+        kind = kind_of(b)
+        if kind not in ("bitserial", "int8", "fp8") or any(
+                kind_of(o) != kind or o.a_fmt != b.a_fmt or o.w_fmt != b.w_fmt or o.backend != b.backend
+                or not torch.equal(o.in_scale, b.in_scale) or o.reads_compact != b.reads_compact for o in readers[1:]):
+            continue
+        q = QMaxPool2d(m, b, compact=kind == "bitserial" and b.reads_compact)
+        _set_module(gm, node.target, q)
+        qmods[node.target] = q
+        (kh, kw), (sh, sw), (ph, pw) = q.window
+        notes.append(f"{node.target}: max-pool {kh}x{kw} / {sh} (padding {ph}) fused with its readers' input "
+                     f"quantization ({', '.join(u.target for u in users)}): one pass writes their "
+                     f"{'e4m3' if b.precision.fp8 else b.a_fmt} operand")
+
+
 def _record_chains(g: fx.Graph, qmods: dict, kind_of) -> None:
     """Each quantized layer whose input a chained producer writes (directly or through ``flatten_nhwc``) keeps that
     layout and its own kind in its plan (``QConv2d.chained_from``), so a device move can tell a chain it breaks."""
@@ -1040,6 +1070,7 @@ def _convert(model: nn.Module, cfg: QuantConfig, batches, inplace: bool, warn: b
                 dual = f"{str(a.out_dtype).removeprefix('torch.')} + " if r_users else ""
                 what = "int8 codes" if kind == "int8" else "codes"
                 records[node.target].out = f"{dual}{what} {b.a_fmt} -> {to}"
+            _fuse_max_pools(gm, qmods, calls, kind_of, notes)
             _record_chains(g, qmods, kind_of)
         gm.graph.lint()
         gm.delete_all_unused_submodules()

@@ -42,7 +42,7 @@ from ..ops.qconv_plan import device_caps, layer_backend
 from ..ops.quantize import absmax_qmax, quantize, quantize_pack, quantize_static
 from ..qtensor import BitPlanes, PerChannel, QTensor, ShiftedInt8
 
-__all__ = ["LayerPrecision", "parse_precision", "QConv2d", "QLinear", "flatten_nhwc", "weight_format",
+__all__ = ["LayerPrecision", "parse_precision", "QConv2d", "QLinear", "QMaxPool2d", "flatten_nhwc", "weight_format",
            "activation_format", "FixedQuant", "LayerPlan"]
 
 from ..precision import LayerPrecision, parse_layer_precision  # noqa: E402  (re-exported)
@@ -621,3 +621,55 @@ def flatten_nhwc(x):
         got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"flatten_nhwc expects an NCHW tensor (N, C, H, W) or a BitPlanes QTensor, got {got}")
     return x.permute(0, 2, 3, 1).reshape(x.shape[0], -1)
+
+
+class QMaxPool2d(nn.Module):
+    """An ``nn.MaxPool2d`` read only by quantized convolutions of one input format, scale and kernel kind (a ResNet's
+    stem pool: the first block's conv1 and 1x1 shortcut), which it hands their operand directly: one pass pools the
+    float input and writes the int8 codes, bit planes or float8 codes (``ops.qconv.max_pool_quantize``) -- the codes
+    each reader's own quantizer computes from torch's pooled float, bit for bit -- so no pooled float is written and
+    no reader quantizes it again (docs/decisions/0137).  ``quantize_model`` makes it (``QuantConfig(chain=True)``).
+    Off the kernels' devices (the reference backend) it runs torch's pool and the readers' quantizer."""
+
+    def __init__(self, pool: nn.MaxPool2d, reader: "QConv2d", compact: bool):
+        super().__init__()
+        if pool.ceil_mode or pool.return_indices or pool.dilation not in (1, (1, 1)):
+            raise ValueError(f"QMaxPool2d takes a max-pool without ceil_mode, return_indices or dilation, got {pool}")
+        self.window = qc.max_pool_window(pool.kernel_size, pool.stride, pool.padding)
+        self.precision, self.a_fmt, self.w_fmt, self.backend = reader.precision, reader.a_fmt, reader.w_fmt, reader.backend
+        self.compact = bool(compact)  # bit planes without padding words (readers that gather windows)
+        self.register_buffer("in_scale", reader.in_scale.detach().clone())
+
+    def extra_repr(self) -> str:
+        (kh, kw), (sh, sw), (ph, pw) = self.window
+        return (f"kernel_size=({kh}, {kw}), stride=({sh}, {sw}), padding=({ph}, {pw}) -> the {self.a_fmt} operand of "
+                f"its {self.precision} readers" + (" (compact planes)" if self.compact else ""))
+
+    def operand(self, device: torch.device) -> str | None:
+        """What the readers take on ``device`` (``ops.qconv.MAX_POOL_OPERANDS``), as ``_quantize_input`` decides it;
+        None on the reference backend (uint8 codes from torch ops)."""
+        if self.precision.fp8:
+            return "fp8"
+        name, _ = layer_backend(self.a_fmt, self.w_fmt, device_caps(device), self.backend)
+        return {"bitserial": "compact" if self.compact else "planes", "int8": "int8"}.get(name)
+
+    def forward(self, x):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.dtype.is_floating_point:
+            got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"QMaxPool2d expects a float (N, C, H, W) tensor, got {got}")
+        op = self.operand(x.device)
+        if op is None:
+            y = torch.nn.functional.max_pool2d(x, *self.window)
+            return _quantize_input(y.permute(0, 2, 3, 1), self, compact=self.compact)
+        return qc.max_pool_quantize(x.permute(0, 2, 3, 1), self.window, op, "e4m3" if op == "fp8" else self.a_fmt,
+                                    self.in_scale)
+
+    def _apply(self, fn, recurse: bool = True):
+        """A move takes the scale along; a float cast (``.half()``) keeps it float32, as the quantized layers do."""
+        moved = fn(self.in_scale)
+        self.in_scale = moved if moved.dtype == torch.float32 else self.in_scale.to(device=moved.device)
+        return self
+
+    def tcprec_trace(self) -> list[str]:
+        """The steps inside this layer, for ``tcprec.profile``'s dtype trace."""
+        return ["max-pool", f"{'e4m3' if self.precision.fp8 else self.a_fmt} codes"]

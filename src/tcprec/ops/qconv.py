@@ -118,8 +118,9 @@ from ..packing import pack_bitplanes, packed_words
 from ..qtensor import BitPlanes, Dense, PerTensor, QTensor, ShiftedInt8, int8_codes
 from .matmul import matmul
 from .qconv_operands import (_CHECKED_SCALES, PackedConvWeight, _check_weight_qtensor,  # noqa: F401 (re-exported)
-                             _interpreting, _scale_checked, _scale_tensor, int8_qtensor, pack_activation,
-                             pack_conv_weight, planes_qtensor, quantize_fp8_static, quantize_int8_static)
+                             _interpreting, _scale_checked, _scale_tensor, int8_qtensor, max_pool_quantize,
+                             max_pool_window, pack_activation, pack_conv_weight, planes_qtensor, quantize_fp8_static,
+                             quantize_int8_static)
 from .qconv_plan import (_FP8_KIND, _FUSED_POOLS, _KIND, BACKENDS, OUT_LAYOUTS, POOLS, THIN_C,  # noqa: F401
                          ConvPlan, DeviceCaps, _bitserial_kind, _check_pool, _fp8_dtype, _input_words, _int8_affine,
                          _stem_kp, _stem_out, _stem_pad, _thin_stem, device_caps, format_plan, implicit_conv,
@@ -134,6 +135,8 @@ __all__ = [
     "pack_activation",
     "pack_conv_weight",
     "quantize_fp8_static",
+    "max_pool_quantize",
+    "max_pool_window",
     "conv2d",
     "conv2d_plan",
     "run",

@@ -27,10 +27,10 @@ from ..memo import memo_get, memo_put
 from ..packing import pack_bitplanes, packed_words
 from ..qtensor import BitPlanes, PerChannel, PerTensor, QTensor, ShiftedInt8, int8_codes
 from .qconv_plan import _FUSED_POOLS, _check_pool, _fp8_dtype
-from .quantize import _check_static, _qp_params, _static_codes, quantize
+from .quantize import _check_static, _qp_params, _static_codes, quantize, quantize_pack
 
 __all__ = ["PackedConvWeight", "planes_qtensor", "int8_qtensor", "quantize_int8_static", "pack_activation",
-           "pack_conv_weight", "quantize_fp8_static"]
+           "pack_conv_weight", "quantize_fp8_static", "max_pool_quantize", "max_pool_window", "MAX_POOL_OPERANDS"]
 
 
 def _interpreting() -> bool:
@@ -306,3 +306,74 @@ def quantize_fp8_static(x: torch.Tensor, scale: torch.Tensor, fmt="e4m3") -> QTe
         v = torch.clamp(x.to(torch.float32) / scale.reshape(()), -m, m)  # saturate: .to(float8) overflows to NaN
         codes = v.to(f8).view(torch.uint8)  # bit patterns = tcprec's codes of the format
     return QTensor(codes, scale.reshape((1,) * x.dim()), fmt, PerTensor(), tuple(x.shape), x.dtype)
+
+
+MAX_POOL_OPERANDS = ("int8", "planes", "compact", "fp8")
+
+
+def max_pool_window(kernel_size, stride, padding) -> tuple:
+    """``nn.MaxPool2d``'s arguments -> the window ((KH, KW), (SH, SW), (PH, PW)) of :func:`max_pool_quantize`
+    (``stride=None`` is the kernel size, as torch)."""
+    def two(v, name):
+        v = (v, v) if isinstance(v, int) else tuple(v)
+        if len(v) != 2 or not all(isinstance(i, int) for i in v):
+            raise ValueError(f"max-pool {name} must be an int or a pair of ints, got {v!r}")
+        return v
+
+    k = two(kernel_size, "kernel_size")
+    return k, two(k if stride is None else stride, "stride"), two(padding, "padding")
+
+
+def max_pool_quantize(x: torch.Tensor, window, operand: str, fmt, scale: torch.Tensor, *,
+                      backend: str = "auto") -> QTensor:
+    """Float NHWC ``x`` -> ``nn.MaxPool2d`` of ``window`` ((KH, KW), (SH, SW), (PH, PW); floor, dilation 1; torch's
+    rule: NaN propagates) -> the operand quantized convolutions read, with the fixed per-tensor ``scale``:
+    ``operand`` ``"int8"`` (the ``ShiftedInt8`` QTensor of :func:`quantize_int8_static`), ``"planes"`` /
+    ``"compact"`` (a ``BitPlanes`` QTensor, rows padded to 512 bits or not: ``quantize_pack``'s), ``"fp8"`` (the
+    float8 QTensor of :func:`quantize_fp8_static`; ``fmt`` e4m3 / e5m2).  On CUDA (and under ``TRITON_INTERPRET=1``)
+    one Triton pass (``kernels/triton/pool_window.py``); elsewhere, or with ``backend="reference"``, torch's
+    ``max_pool2d`` and the quantizer: the same codes (max-pooling is exact in any float dtype).
+
+    >>> import torch
+    >>> x = torch.tensor([0.0, 1.0, 7.0, 2.0]).reshape(1, 2, 2, 1)
+    >>> max_pool_quantize(x, max_pool_window(2, 2, 0), "int8", "uint8", torch.tensor([1.0])).codes.flatten().tolist()
+    [7]
+    """
+    if operand not in MAX_POOL_OPERANDS:
+        raise ValueError(f"operand must be one of {MAX_POOL_OPERANDS}, got {operand!r}")
+    if backend not in ("auto", "reference"):
+        raise ValueError(f"backend must be 'auto' or 'reference', got {backend!r}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.dtype.is_floating_point:
+        got = f"{x.dtype} of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"max_pool_quantize: x must be a float NHWC tensor (N, H, W, C), got {got}")
+    (kh, kw), (sh, sw), (ph, pw) = window
+    fmt = as_format(fmt)
+    if operand == "fp8":
+        if _fp8_dtype(fmt) is None:
+            raise TypeError(f"operand 'fp8' holds float8 codes (e4m3 / e5m2), got fmt={fmt}")
+    else:
+        fmt = _check_static(x, fmt, scale, "max_pool_quantize")
+    if backend == "auto" and (x.is_cuda or _interpreting()):
+        from ..kernels.triton import pool_window as pw_  # TRITON_INTERPRET is read at import
+
+        s = scale.reshape(1)
+        if operand == "fp8":
+            f8 = pw_.pool_window_fp8(x, s, window, _fp8_dtype(fmt))
+            return QTensor(f8.view(torch.uint8), scale.reshape(1, 1, 1, 1), fmt, PerTensor(), tuple(f8.shape), x.dtype)
+        N, H, W, C = x.shape
+        P, Q = pw_.pooled_size(H, W, window)
+        if operand == "int8":
+            from ..kernels.triton import quant_bytes as qb
+
+            enc = {"unsigned": qb.ENC_UNSIGNED, "twos": qb.ENC_TWOS}.get(fmt.encoding, qb.ENC_PM)
+            return int8_qtensor(pw_.pool_window_int8(x, s, window, fmt.bits, *_qp_params(fmt), enc), fmt, scale)
+        planes = pw_.pool_window_pack(x, s, window, fmt.bits, *_qp_params(fmt), compact=operand == "compact")
+        return planes_qtensor(planes, fmt, scale, (N, P, Q, C))
+    y = torch.nn.functional.max_pool2d(x.permute(0, 3, 1, 2), (kh, kw), (sh, sw), (ph, pw)).permute(0, 2, 3, 1)
+    if operand == "fp8":
+        return quantize_fp8_static(y, scale, fmt)
+    if operand == "int8":
+        return quantize_int8_static(y, fmt, scale, backend="reference")
+    N, P, Q, C = y.shape
+    planes = quantize_pack(y.reshape(N * P * Q, C), fmt, scale, backend="reference", compact=operand == "compact")
+    return planes_qtensor(planes, fmt, scale, (N, P, Q, C))
