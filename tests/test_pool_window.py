@@ -37,6 +37,17 @@ def test_kernel_equals_torch_pool_then_quantize(window, operand, fmt):
         assert torch.equal(a.codes.to(torch.int64), ref.codes.to(torch.int64))
 
 
+@pytest.mark.parametrize("operand, fmt", [("int8", "uint8"), ("planes", "uint2"), ("compact", "int2"), ("fp8", "e4m3")])
+def test_whole_channel_tiles(operand, fmt):
+    """C = 256: whole channel tiles (the mask constant along them), several programs along the channels."""
+    torch.manual_seed(2)
+    x = torch.randn(1, 5, 6, 256, dtype=torch.bfloat16)
+    s = torch.tensor([0.03])
+    w = qc.max_pool_window(3, 2, 1)
+    a = qc.max_pool_quantize(x, w, operand, fmt, s)
+    assert torch.equal(a.data, qc.max_pool_quantize(x, w, operand, fmt, s, backend="reference").data)
+
+
 def test_bad_input_names_the_value_and_the_allowed_set():
     x = torch.randn(1, 4, 4, 8)
     s = torch.tensor([1.0])

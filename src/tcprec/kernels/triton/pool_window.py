@@ -75,12 +75,15 @@ def _pool_window_bytes_kernel(
     F8_MAN: tl.constexpr, F8_BIAS: tl.constexpr, F8_MAX_BITS: tl.constexpr, F8_MIN_NORMAL_BITS: tl.constexpr,
     F8_SUB_SCALE: tl.constexpr,
     KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     n, p, q = _rows(offs_r, P, Q)
-    mask = (offs_r < R)[:, None] & (offs_k < C)[None, :]
+    if EVEN_K:  # a mask constant along the channels: 16-byte loads
+        mask = tl.broadcast_to((offs_r < R)[:, None], (BLOCK_R, BLOCK_K))
+    else:
+        mask = (offs_r < R)[:, None] & (offs_k < C)[None, :]
     m = _window_max(x_ptr, n[:, None], p[:, None], q[:, None], offs_k[None, :] * stride_xc, mask, H, W, stride_xn,
                     stride_xh, stride_xw, KH, KW, SH, SW, PH, PW,
                     tl.full((BLOCK_R, BLOCK_K), float("-inf"), tl.float32))
@@ -101,7 +104,7 @@ def _pool_window_pack_kernel(
     stride_pb, stride_pr, stride_pw,
     LO: tl.constexpr, HI: tl.constexpr, OFFSET: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.constexpr,
     KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+    EVEN_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     pid_w = tl.program_id(1)
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -109,7 +112,10 @@ def _pool_window_pack_kernel(
     offs_k = offs_w[:, None] * 32 + tl.arange(0, 32)[None, :]  # (BLOCK_W, 32)
     n, p, q = _rows(offs_r, P, Q)
     k3 = offs_k[None, :, :]
-    mask = (offs_r[:, None, None] < R) & (k3 < C)
+    if EVEN_K:  # whole tiles of channels: a mask constant along them (16-byte loads)
+        mask = tl.broadcast_to((offs_r < R)[:, None, None], (BLOCK_R, BLOCK_W, 32))
+    else:
+        mask = (offs_r[:, None, None] < R) & (k3 < C)
     m = _window_max(x_ptr, n[:, None, None], p[:, None, None], q[:, None, None], k3 * stride_xc, mask, H, W,
                     stride_xn, stride_xh, stride_xw, KH, KW, SH, SW, PH, PW,
                     tl.full((BLOCK_R, BLOCK_W, 32), float("-inf"), tl.float32))
@@ -162,7 +168,7 @@ def _bytes(y, scale, window, out_dtype, fp8: bool, fmt_kw: dict, what: str) -> t
     br = max(1, _TILE // bk)
     _pool_window_bytes_kernel[(cdiv(R, br), cdiv(C, bk))](
         y, scale.reshape(1), out, R, C, H, W, P, Q, *y.stride(), FP8=fp8, **fmt_kw, **_win_kwargs(window),
-        BLOCK_R=br, BLOCK_K=bk)
+        EVEN_K=C % bk == 0, BLOCK_R=br, BLOCK_K=bk)
     return out
 
 
@@ -200,5 +206,6 @@ def pool_window_pack(y: torch.Tensor, scale: torch.Tensor, window, bits: int, lo
     br, bw = pack_tile(cdiv(C, 32))
     _pool_window_pack_kernel[(cdiv(R, br), cdiv(cdiv(C, 32), bw))](
         y, scale.reshape(1), planes, R, C, Kw, H, W, P, Q, *y.stride(), *planes.stride(),
-        LO=lo, HI=hi, OFFSET=offset, SHIFT=shift, BITS=bits, **_win_kwargs(window), BLOCK_R=br, BLOCK_W=bw)
+        LO=lo, HI=hi, OFFSET=offset, SHIFT=shift, BITS=bits, **_win_kwargs(window), EVEN_K=C % (32 * bw) == 0,
+        BLOCK_R=br, BLOCK_W=bw)
     return planes
