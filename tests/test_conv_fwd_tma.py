@@ -42,18 +42,19 @@ def _codes(seed=0, fp8=False, shape=SHAPE):
 def _both(fn, **kw):
     """fn(config=...) with the implicit kernel and with the TMA GEMM; asserts the TMA GEMM ran."""
     calls = []
-    real = ct.launch
+    real = cf.launch_tma
 
     def spy(*a, **k):
         calls.append(1)
         return real(*a, **k)
 
-    want = fn(config=IMPLICIT, **kw)
-    ct.launch = spy
+    cf.launch_tma = spy
     try:
+        want = fn(config=IMPLICIT, **kw)
+        assert calls == []
         got = fn(config=TMA, **kw)
     finally:
-        ct.launch = real
+        cf.launch_tma = real
     assert calls == [1], "the TMA GEMM did not run"
     return want, got
 

@@ -65,7 +65,6 @@ import functools
 import json
 import numbers
 import os
-from enum import IntEnum
 from pathlib import Path
 from typing import NamedTuple
 
@@ -75,10 +74,11 @@ import triton.language as tl
 
 from ..conv_geometry import ConvGeometry, pair
 from ..reference_bitplanes import packed_words
-from ..reference_conv_int8_fp8 import ACT_LEAKY, ACT_RELU, FP8_KINDS, Fp8Out, Int8Out, parse_act, parse_out
+from ..reference_conv_int8_fp8 import FP8_KINDS, Fp8Out, Int8Out, parse_act, parse_out
 from ._host import cdiv, next_power_of_2
-from .pack import PAD_W, _quantize_codes, _store_planes
-from .round import div_by_scalar, fp8_code, fp8_constexprs
+from .conv_fwd_epilogue import OUT_RAW, OutMode, _conv_epilogue
+from .conv_fwd_tma import launch as launch_tma
+from .round import fp8_constexprs
 
 __all__ = ["conv2d_fwd_int8", "conv2d_fwd_fp8", "pick_config", "shape_class", "epilogue_of", "compile_key", "geometry",
            "NETWORK_LAYERS", "INTERPRETER_CONFIG", "interpreting", "PlanesOut"]
@@ -86,28 +86,6 @@ __all__ = ["conv2d_fwd_int8", "conv2d_fwd_fp8", "pick_config", "shape_class", "e
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-class OutMode(IntEnum):
-    """What the epilogue writes (the kernel's ``OUT_MODE``; the module docstring says each in full)."""
-
-    RAW = 0  # the accumulator
-    FLOAT = 1  # float16 / bfloat16 / float32 y
-    INT8 = 2  # the next INT8 layer's codes
-    DUAL = 3  # the float y and the int8 codes of that float
-    FP8 = 4  # the next FP8 layer's float8 codes
-    DUAL_FP8 = 5  # the float y and the float8 codes of that float
-    PLANES = 6  # the next bit-serial layer's packed planes
-
-
-# the same values as the kernel compares them (constexpr globals), and the activation's run-time code
-OUT_RAW = tl.constexpr(int(OutMode.RAW))
-OUT_FLOAT = tl.constexpr(int(OutMode.FLOAT))
-OUT_INT8 = tl.constexpr(int(OutMode.INT8))
-OUT_DUAL = tl.constexpr(int(OutMode.DUAL))
-OUT_FP8 = tl.constexpr(int(OutMode.FP8))
-OUT_DUAL_FP8 = tl.constexpr(int(OutMode.DUAL_FP8))
-OUT_PLANES = tl.constexpr(int(OutMode.PLANES))
-_ACT_RELU = tl.constexpr(ACT_RELU)
-_ACT_LEAKY = tl.constexpr(ACT_LEAKY)
 _OUT_DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16,
                "int32": torch.int32, "int8": torch.int8, **FP8_KINDS}
 # The interpreter runs one small tile (reduction block 32: the smallest 8-bit wgmma step)
@@ -233,78 +211,6 @@ def _conv_acc(x_ptr, w_ptr, add_ptr, n, p, q, m_ok, w_rows, offs_n_ld, H, W, C, 
     return acc
 
 
-@triton.jit
-def _conv_epilogue(acc, offs_m, offs_n, offs_n_ld, m_ok, n_ok, scl, pid_n, num_n, M, K, out_ptr, bias_ptr, oscale_ptr,
-                   res_ptr, out8_ptr, bias_stride, act, slope, planes_kw, OUT_MODE: tl.constexpr, INT64: tl.constexpr,
-                   HAS_RES: tl.constexpr, OUT_LO: tl.constexpr, OUT_HI: tl.constexpr, OUT_OFF: tl.constexpr,
-                   F8_MAN: tl.constexpr, F8_BIAS: tl.constexpr, F8_MAX_BITS: tl.constexpr,
-                   F8_MIN_NORMAL_BITS: tl.constexpr, F8_SUB_SCALE: tl.constexpr, Q_BITS: tl.constexpr,
-                   Q_SHIFT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Everything after the accumulator, shared by the implicit-GEMM kernel and the TMA GEMM (conv_fwd_tma.py), so
-    that both run the same code: ``acc`` (BLOCK_M, BLOCK_N) of output rows ``offs_m`` (``m_ok``) and channels
-    ``offs_n`` (``n_ok``; ``offs_n_ld`` = offs_n mod K, safe to load), ``scl`` = (alpha * sa) * sb per channel
-    (unused for OUT_RAW); the stores of OUT_MODE (module docstring).  ``pid_n`` / ``num_n`` (the channel block and
-    their count), ``M`` and ``planes_kw``: OUT_PLANES only; ``K``: the row length of out."""
-    if INT64:
-        offs_out = offs_m.to(tl.int64)[:, None] * K + offs_n[None, :]
-    else:
-        offs_out = offs_m[:, None] * K + offs_n[None, :]
-    out_ptrs = out_ptr + offs_out
-    mask = m_ok[:, None] & n_ok[None, :]
-    if OUT_MODE == OUT_RAW:
-        tl.store(out_ptrs, acc, mask=mask)
-    else:
-        bias = tl.load(bias_ptr + offs_n_ld * bias_stride).to(tl.float32)
-        y = acc.to(tl.float32) * scl[None, :]
-        y = y + bias[None, :]
-        if HAS_RES:  # the unfused graph: the branch stored in the residual's dtype, then one float32 add
-            res = tl.load(res_ptr + offs_out, mask=mask, other=0.0)
-            y = y.to(res_ptr.dtype.element_ty).to(tl.float32) + res.to(tl.float32)  # (no-op roundings for fp32)
-            y = y.to(res_ptr.dtype.element_ty).to(tl.float32)  # the sum as the add stores it: any act sees that
-        if act == _ACT_RELU:
-            y = tl.where(y > 0, y, 0.0)
-        elif act == _ACT_LEAKY:
-            y = tl.where(y > 0, y, y * slope)
-        if OUT_MODE == OUT_PLANES:  # the next bit-serial layer's planes: quantize -> pack (pooled above)
-            offs_p = offs_m
-            if INT64:
-                offs_p = offs_p.to(tl.int64)
-            c = _quantize_codes(y, tl.load(oscale_ptr), OUT_LO, OUT_HI, OUT_OFF, Q_SHIFT, Q_BITS)
-            c = tl.where(n_ok[None, :], c, 0)  # channels past K: the zero bits of the row's last word
-            offs_w = pid_n * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)
-            _store_planes(tl.reshape(c, (offs_p.shape[0], BLOCK_N // 32, 32)), out_ptr, offs_p, offs_w, M,
-                          planes_kw, M * planes_kw, planes_kw, 1, Q_BITS)
-            if pid_n == num_n - 1:  # the zero words past the last channel block (rows padded to 512 bits)
-                offs_z = (pid_n + 1) * (BLOCK_N // 32) + tl.arange(0, PAD_W)
-                z_ptrs = out_ptr + offs_p[:, None] * planes_kw + offs_z[None, :]
-                z_mask = (offs_p[:, None] < M) & (offs_z[None, :] < planes_kw)
-                for b in tl.static_range(Q_BITS):
-                    tl.store(z_ptrs + b * (M * planes_kw), tl.zeros((offs_p.shape[0], PAD_W), tl.int32), mask=z_mask)
-        elif OUT_MODE == OUT_FLOAT or OUT_MODE == OUT_DUAL or OUT_MODE == OUT_DUAL_FP8:
-            y_out = y.to(out_ptr.dtype.element_ty)
-            tl.store(out_ptrs, y_out, mask=mask)
-            if OUT_MODE != OUT_FLOAT:  # the codes of the stored float, as a separate quantize pass would read it
-                y = y_out.to(tl.float32)
-        elif HAS_RES:  # int8 / fp8 codes: of the value in the residual's (the network's) float dtype
-            y = y.to(res_ptr.dtype.element_ty).to(tl.float32)
-        if OUT_MODE == OUT_FP8 or OUT_MODE == OUT_DUAL_FP8:  # the next FP8 layer's codes (float8 bit patterns)
-            y = div_by_scalar(y, tl.load(oscale_ptr))
-            c = fp8_code(y, F8_MAN, F8_BIAS, F8_MAX_BITS, F8_MIN_NORMAL_BITS, F8_SUB_SCALE)
-            if OUT_MODE == OUT_FP8:
-                tl.store(out_ptrs, c.to(tl.uint8), mask=mask)
-            else:
-                tl.store(out8_ptr + offs_out, c.to(tl.uint8), mask=mask)
-        if OUT_MODE == OUT_INT8 or OUT_MODE == OUT_DUAL:
-            y = div_by_scalar(y, tl.load(oscale_ptr))
-            y = tl.where(y == y, y, 0.0)  # NaN -> 0
-            y = tl.minimum(tl.maximum(y, OUT_LO * 1.0), OUT_HI * 1.0)
-            y = (y + 12582912.0) - 12582912.0  # round half to even (1.5 * 2**23; |y| <= 255 here)
-            if OUT_MODE == OUT_INT8:
-                tl.store(out_ptrs, (y.to(tl.int32) - OUT_OFF).to(tl.int8), mask=mask)
-            else:
-                tl.store(out8_ptr + offs_out, (y.to(tl.int32) - OUT_OFF).to(tl.int8), mask=mask)
-
-
 @triton.jit(do_not_specialize=_NOSPEC)
 def _conv_fwd_kernel(
     x_ptr, w_ptr, out_ptr, sa_ptr, sb_ptr, bias_ptr, add_ptr, oscale_ptr, res_ptr, out8_ptr,
@@ -418,7 +324,14 @@ NETWORK_LAYERS = {
     "yolo.conv9": (13, 13, 1024, 125, 1, 1, 1, 0),
     # ResNet-50's bottleneck convs whose epilogue adds the shortcut (tuned with it: bench/tune_conv_fwd.TUNE_LAYERS)
     "resnet50.l1c3": (56, 56, 64, 256, 1, 1, 1, 0), "resnet50.l2c3": (28, 28, 128, 512, 1, 1, 1, 0),
-    "resnet50.l3c3": (14, 14, 256, 1024, 1, 1, 1, 0),
+    "resnet50.l3c3": (14, 14, 256, 1024, 1, 1, 1, 0), "resnet50.l4c3": (7, 7, 512, 2048, 1, 1, 1, 0),
+    # ResNet-50's 1x1 conv1s (GEMMs: the "point" / "point_wide" classes)
+    "resnet50.l1c1": (56, 56, 256, 64, 1, 1, 1, 0), "resnet50.l2c1": (28, 28, 512, 128, 1, 1, 1, 0),
+    "resnet50.l3c1": (14, 14, 1024, 256, 1, 1, 1, 0), "resnet50.l4c1": (7, 7, 2048, 512, 1, 1, 1, 0),
+    # a ViT-B / TransformerEncoder(d_model 768) layer's linears as QLinear runs them: 197 tokens an image as H = 197,
+    # W = 1 (batch 64: M = 12608 rows)
+    "xf768.qkv": (197, 1, 768, 2304, 1, 1, 1, 0), "xf768.out_proj": (197, 1, 768, 768, 1, 1, 1, 0),
+    "xf768.linear1": (197, 1, 768, 3072, 1, 1, 1, 0), "xf768.linear2": (197, 1, 3072, 768, 1, 1, 1, 0),
 }
 
 
@@ -831,8 +744,6 @@ def _launch(x, w, g: ConvGeometry, op: str, *, fp8: bool, alpha, sa, sb, bias, a
         y8 = y
     add_t = _const(device, 0.0) if add is None else add
     if cfg.get("kernel") == "tma":  # the persistent TMA GEMM (conv_fwd_tma.py): the same epilogue, bit for bit
-        from .conv_fwd_tma import launch as launch_tma
-
         kernel = launch_tma(
             x, w, M, g.K, g.C, g.P * g.Q, cfg, cfg.get("NUM_PROGRAMS") or _sm_count(device),
             (y.view(torch.uint8) if out_mode == OutMode.FP8 else y, sa[0], sb[0], bias_t, add_t, oscale,

@@ -15,7 +15,7 @@ tutorial 09-persistent-matmul):
             b = w_desc.load([pid_n * BLOCK_N, c0])       # (BLOCK_N, BLOCK_K)
             acc += a @ b.T                               # wgmma s8 / e4m3 (fp8: promoted into fp32 every BLOCK_K)
         shifted int8 operands: acc = acc * acc_mul + add[k] (or add[(p, q), k])
-        conv_fwd._conv_epilogue(acc, ...)                # the very code the implicit kernel runs
+        conv_fwd_epilogue._conv_epilogue(acc, ...)       # the very code the implicit kernel runs
 
 ``flatten=True`` makes the tile loop and the reduction loop one software-pipelined loop: the next tile's TMA loads
 are in flight while this tile's epilogue runs (scales, residual, the int8 / fp8 codes and the stores are most of a
@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ._host import cdiv
-from .conv_fwd import OUT_RAW, _conv_epilogue
+from .conv_fwd_epilogue import OUT_RAW, _conv_epilogue
 
 __all__ = ["launch", "tile_order"]
 
