@@ -30,8 +30,11 @@ LAYERS = {"xf.qkv": (64, 197, 1, 768, 2304), "xf.out_proj": (64, 197, 1, 768, 76
           "r50.l3c3": (8, 14, 14, 256, 1024)}
 
 
-def _tma_cfg(implicit: dict, tile) -> dict:
+def _tma_cfg(implicit: dict, tile, K: int) -> dict:
+    """The TMA config of ``tile`` with the implicit config's BLOCK_K, BLOCK_N no wider than the channels need (as
+    pick_config makes it)."""
     bm, bn, warps, stages = tile
+    bn = min(bn, max(16, 1 << (K - 1).bit_length()))
     return dict(implicit, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, kernel="tma", GROUP_M=8)
 
 
@@ -84,7 +87,7 @@ def test_tma_equals_implicit(name, fp8, mode):
     implicit.pop("GROUP_M", None)
     want = _run(fp8, x, w, scale, res, mode, implicit)
     for tile in TMA_TILES:
-        cfg = _tma_cfg(implicit, tile)
+        cfg = _tma_cfg(implicit, tile, g.K)
         if fp8:
             want = _run(fp8, x, w, scale, res, mode, {k: v for k, v in cfg.items() if k not in ("kernel", "GROUP_M")})
         _same(want, _run(fp8, x, w, scale, res, mode, cfg), f"{name} {mode} fp8={fp8} TMA {tile}")
@@ -97,7 +100,7 @@ def test_cuda_graph_replay_and_few_programs():
     each: the persistent loop's tile stride and the grouped order over 99 x 9 tiles) the result is unchanged."""
     x, w, scale, res = _data("xf.qkv", False, seed=1)
     g = cf.geometry(x, w, 1, 0, 1, "test")
-    cfg = _tma_cfg(cf.pick_config(g, False, torch.device(DEV)), TMA_TILES[0])
+    cfg = _tma_cfg(cf.pick_config(g, False, torch.device(DEV)), TMA_TILES[0], g.K)
     want = _run(False, x, w, scale, res, "dual", cfg)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -115,7 +118,7 @@ def test_compiled_kernel_uses_tma_and_wgmma():
     x, w, scale, res = _data("xf.out_proj", False)
     g = cf.geometry(x, w, 1, 0, 1, "test")
     _, kernel = cf.conv2d_fwd_int8(x, w, scale=scale, out="float16", return_kernel=True,
-                                   config=_tma_cfg(cf.pick_config(g, False, torch.device(DEV)), TMA_TILES[0]))
+                                   config=_tma_cfg(cf.pick_config(g, False, torch.device(DEV)), TMA_TILES[0], g.K))
     sass = kernel.asm.get("sass") or ""
     ptx = kernel.asm["ptx"]
     assert "cp.async.bulk.tensor.2d" in ptx and "wgmma.mma_async.sync.aligned" in ptx and ".s32.s8.s8" in ptx
