@@ -263,7 +263,9 @@ def _aot_tma(fp8: bool, out_mode: int, has_res: bool = False, has_add: bool = Fa
 
 
 def _aot_report() -> dict:
-    cases = {"int8_f16": (False, 1), "fp8_f16": (True, 1), "int8_dual_res": (False, 3, True, True, 128, 128, 128, 4, 4)}
+    # the transformer's int8 linear tile; fp8 with a ResNet conv3's residual + dual epilogue on 8 warps (two compiles:
+    # ~15 s cold on one core)
+    cases = {"int8_f16": (False, 1), "fp8_dual_res": (True, 3, True, False, 128, 128, 128, 8, 4)}
     out = {}
     for name, args in cases.items():
         k = _aot_tma(*args)
@@ -279,8 +281,7 @@ def test_kernel_compiles_to_tma_and_wgmma_for_sm90():
     """In a subprocess: under TRITON_INTERPRET=1, triton.jit builds interpreter objects, not compilable ones."""
     rep = json.loads(run_aot(__file__, timeout=400).strip().splitlines()[-1])
     for name, want in (("int8_f16", r"m64n(128|256)k32\.s32\.s8\.s8"),
-                       ("fp8_f16", r"m64n(128|256)k32\.f32\.e4m3\.e4m3"),
-                       ("int8_dual_res", r"m64n128k32\.s32\.s8\.s8")):
+                       ("fp8_dual_res", r"m64n128k32\.f32\.e4m3\.e4m3")):
         ptx = rep[name]["ptx"]
         assert "cp.async.bulk.tensor.2d" in ptx, f"{name}: operands are not loaded by TMA"
         assert re.search(r"wgmma\.mma_async\.sync\.aligned\." + want, ptx), f"{name}: no wgmma {want}"
@@ -288,7 +289,7 @@ def test_kernel_compiles_to_tma_and_wgmma_for_sm90():
         assert "mbarrier.try_wait" in ptx, f"{name}: no pipelined (mbarrier-waited) loads"
         assert 0 < rep[name]["shared"] <= 227 * 1024
     # the shared epilogue: the int8 codes' IEEE division, no contracted multiply-add (enable_fp_fusion=False)
-    assert "div.rn.f64" in rep["int8_dual_res"]["ptx"] and "fma.rn.f32" not in rep["int8_dual_res"]["ptx"]
+    assert "div.rn.f64" in rep["fp8_dual_res"]["ptx"] and "fma.rn.f32" not in rep["fp8_dual_res"]["ptx"]
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--aot"]:
