@@ -54,7 +54,9 @@ narrower than fp32; unless ``fast_accum=True`` we promote it into fp32 every BLO
 (``max_num_imprecise_acc=BLOCK_K``), as cuBLAS does by default.
 
 Tiles come from a small table per class of shape and epilogue (:func:`pick_config`, :func:`shape_class`); no autotuning
-at run time.
+at run time.  A 1x1, stride-1, unpadded conv (a GEMM) runs the persistent TMA GEMM instead (``conv_fwd_tma.py``)
+where the table's entry for its class names ``"tma"`` (or an explicit ``config={"kernel": "tma", ...}`` asks for it);
+both kernels call the same epilogue function (``conv_fwd_epilogue.py``), so their outputs are the same bit for bit.
 Shape scalars are not specialised (no recompile per layer, batch or image size); C and K are, so
 16-byte vector loads are provable when C % 16 == 0.
 """
@@ -493,7 +495,7 @@ def pick_config(g: ConvGeometry, fp8: bool, device: torch.device | None = None, 
     the reduction is one BLOCK_K step and there are enough pooled tiles.
     ``tiles``: another table of the same form (``tcprec tune conv-fwd`` times candidates through this).
     An entry naming ``"tma"`` gives ``kernel="tma"`` (with ``GROUP_M``) where the geometry can take it
-    (:func:`tma_unsupported`); otherwise ``kernel="implicit"``.
+    (:func:`tma_unsupported`); otherwise the config has no "kernel" key (the implicit kernel).
     """
     sms = _sm_count(device)
     M = g.N * g.P * g.Q
