@@ -175,12 +175,19 @@ def test_table_entries_naming_the_kernel(tmp_path):
 
 def test_planes_output_of_a_tma_class_runs_the_implicit_kernel(monkeypatch):
     """A table entry's "tma" covers the launches the TMA GEMM can run: a PlanesOut launch of that class runs the
-    implicit kernel (its planes, bit for bit the implicit result); an explicit TMA config is refused."""
+    implicit kernel (its planes, bit for bit the implicit result), a float16 one the TMA GEMM; an explicit TMA config
+    with PlanesOut is refused."""
     x, w, _ = _codes(7, shape=(1, 4, 4, 64, 32))
     spec = cf.PlanesOut(0.5, 2, 0, 3)
     want = cf.conv2d_fwd_int8(x, w, scale=1e-3, out=spec, config=IMPLICIT)
     monkeypatch.setattr(cf, "INTERPRETER_CONFIG", dict(IMPLICIT, kernel="tma", GROUP_M=8))  # a picked TMA config
-    assert torch.equal(cf.conv2d_fwd_int8(x, w, scale=1e-3, out=spec), want)
+    calls = []
+    real = cf.launch_tma
+    monkeypatch.setattr(cf, "launch_tma", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    assert torch.equal(cf.conv2d_fwd_int8(x, w, scale=1e-3, out=spec), want) and calls == []
+    # the same picked config on a float output runs the TMA GEMM
+    want = cf.conv2d_fwd_int8(x, w, scale=1e-3, out="float16", config=IMPLICIT)
+    assert torch.equal(cf.conv2d_fwd_int8(x, w, scale=1e-3, out="float16"), want) and calls == [1]
     monkeypatch.undo()
     with pytest.raises(ValueError, match=r"kernel='tma', but the TMA GEMM does not write packed planes"):
         cf.conv2d_fwd_int8(x, w, scale=1e-3, out=spec, config=TMA)
