@@ -54,7 +54,9 @@ narrower than fp32; unless ``fast_accum=True`` we promote it into fp32 every BLO
 (``max_num_imprecise_acc=BLOCK_K``), as cuBLAS does by default.
 
 Tiles come from a small table per class of shape and epilogue (:func:`pick_config`, :func:`shape_class`); no autotuning
-at run time.
+at run time.  A 1x1, stride-1, unpadded conv (a GEMM) runs the persistent TMA GEMM instead (``conv_fwd_tma.py``)
+where the table's entry for its class names ``"tma"`` (or an explicit ``config={"kernel": "tma", ...}`` asks for it);
+both kernels call the same epilogue function (``conv_fwd_epilogue.py``), so their outputs are the same bit for bit.
 Shape scalars are not specialised (no recompile per layer, batch or image size); C and K are, so
 16-byte vector loads are provable when C % 16 == 0.
 """
@@ -65,7 +67,6 @@ import functools
 import json
 import numbers
 import os
-from enum import IntEnum
 from pathlib import Path
 from typing import NamedTuple
 
@@ -75,10 +76,11 @@ import triton.language as tl
 
 from ..conv_geometry import ConvGeometry, pair
 from ..reference_bitplanes import packed_words
-from ..reference_conv_int8_fp8 import ACT_LEAKY, ACT_RELU, FP8_KINDS, Fp8Out, Int8Out, parse_act, parse_out
+from ..reference_conv_int8_fp8 import FP8_KINDS, Fp8Out, Int8Out, parse_act, parse_out
 from ._host import cdiv, next_power_of_2
-from .pack import PAD_W, _quantize_codes, _store_planes
-from .round import div_by_scalar, fp8_code, fp8_constexprs
+from .conv_fwd_epilogue import OUT_RAW, OutMode, _conv_epilogue
+from .conv_fwd_tma import launch as launch_tma
+from .round import fp8_constexprs
 
 __all__ = ["conv2d_fwd_int8", "conv2d_fwd_fp8", "pick_config", "shape_class", "epilogue_of", "compile_key", "geometry",
            "NETWORK_LAYERS", "INTERPRETER_CONFIG", "interpreting", "PlanesOut"]
@@ -86,28 +88,6 @@ __all__ = ["conv2d_fwd_int8", "conv2d_fwd_fp8", "pick_config", "shape_class", "e
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-class OutMode(IntEnum):
-    """What the epilogue writes (the kernel's ``OUT_MODE``; the module docstring says each in full)."""
-
-    RAW = 0  # the accumulator
-    FLOAT = 1  # float16 / bfloat16 / float32 y
-    INT8 = 2  # the next INT8 layer's codes
-    DUAL = 3  # the float y and the int8 codes of that float
-    FP8 = 4  # the next FP8 layer's float8 codes
-    DUAL_FP8 = 5  # the float y and the float8 codes of that float
-    PLANES = 6  # the next bit-serial layer's packed planes
-
-
-# the same values as the kernel compares them (constexpr globals), and the activation's run-time code
-OUT_RAW = tl.constexpr(int(OutMode.RAW))
-OUT_FLOAT = tl.constexpr(int(OutMode.FLOAT))
-OUT_INT8 = tl.constexpr(int(OutMode.INT8))
-OUT_DUAL = tl.constexpr(int(OutMode.DUAL))
-OUT_FP8 = tl.constexpr(int(OutMode.FP8))
-OUT_DUAL_FP8 = tl.constexpr(int(OutMode.DUAL_FP8))
-OUT_PLANES = tl.constexpr(int(OutMode.PLANES))
-_ACT_RELU = tl.constexpr(ACT_RELU)
-_ACT_LEAKY = tl.constexpr(ACT_LEAKY)
 _OUT_DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16,
                "int32": torch.int32, "int8": torch.int8, **FP8_KINDS}
 # The interpreter runs one small tile (reduction block 32: the smallest 8-bit wgmma step)
@@ -278,6 +258,8 @@ def _conv_fwd_kernel(
         sa = tl.load(sa_ptr + offs_n_ld * sa_stride).to(tl.float32)
         sb = tl.load(sb_ptr + offs_n_ld * sb_stride).to(tl.float32)
         scl = (alpha * sa) * sb
+    else:  # the raw accumulator: no scale (the epilogue never reads this)
+        scl = tl.zeros((BLOCK_N,), dtype=tl.float32)
 
     # ---- rows: output pixel m = (n, p, q) ----
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -318,64 +300,9 @@ def _conv_fwd_kernel(
                         HAS_ADD, ADD_PIX, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
 
     # ---- epilogue: y[m, k] at out + m*K + k (OUT_PLANES: planes row m) ----
-    if INT64:
-        offs_out = offs_m.to(tl.int64)[:, None] * K + offs_n[None, :]
-    else:
-        offs_out = offs_m[:, None] * K + offs_n[None, :]
-    out_ptrs = out_ptr + offs_out
-    mask = m_ok[:, None] & n_ok[None, :]
-    if OUT_MODE == OUT_RAW:
-        tl.store(out_ptrs, acc, mask=mask)
-    else:
-        bias = tl.load(bias_ptr + offs_n_ld * bias_stride).to(tl.float32)
-        y = acc.to(tl.float32) * scl[None, :]
-        y = y + bias[None, :]
-        if HAS_RES:  # the unfused graph: the branch stored in the residual's dtype, then one float32 add
-            res = tl.load(res_ptr + offs_out, mask=mask, other=0.0)
-            y = y.to(res_ptr.dtype.element_ty).to(tl.float32) + res.to(tl.float32)  # (no-op roundings for fp32)
-            y = y.to(res_ptr.dtype.element_ty).to(tl.float32)  # the sum as the add stores it: any act sees that
-        if act == _ACT_RELU:
-            y = tl.where(y > 0, y, 0.0)
-        elif act == _ACT_LEAKY:
-            y = tl.where(y > 0, y, y * slope)
-        if OUT_MODE == OUT_PLANES:  # the next bit-serial layer's planes: quantize -> pack (pooled above)
-            offs_p = offs_m
-            if INT64:
-                offs_p = offs_p.to(tl.int64)
-            c = _quantize_codes(y, tl.load(oscale_ptr), OUT_LO, OUT_HI, OUT_OFF, Q_SHIFT, Q_BITS)
-            c = tl.where(n_ok[None, :], c, 0)  # channels past K: the zero bits of the row's last word
-            offs_w = pid_n * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)
-            _store_planes(tl.reshape(c, (offs_p.shape[0], BLOCK_N // 32, 32)), out_ptr, offs_p, offs_w, M,
-                          planes_kw, M * planes_kw, planes_kw, 1, Q_BITS)
-            if pid_n == num_n - 1:  # the zero words past the last channel block (rows padded to 512 bits)
-                offs_z = (pid_n + 1) * (BLOCK_N // 32) + tl.arange(0, PAD_W)
-                z_ptrs = out_ptr + offs_p[:, None] * planes_kw + offs_z[None, :]
-                z_mask = (offs_p[:, None] < M) & (offs_z[None, :] < planes_kw)
-                for b in tl.static_range(Q_BITS):
-                    tl.store(z_ptrs + b * (M * planes_kw), tl.zeros((offs_p.shape[0], PAD_W), tl.int32), mask=z_mask)
-        elif OUT_MODE == OUT_FLOAT or OUT_MODE == OUT_DUAL or OUT_MODE == OUT_DUAL_FP8:
-            y_out = y.to(out_ptr.dtype.element_ty)
-            tl.store(out_ptrs, y_out, mask=mask)
-            if OUT_MODE != OUT_FLOAT:  # the codes of the stored float, as a separate quantize pass would read it
-                y = y_out.to(tl.float32)
-        elif HAS_RES:  # int8 / fp8 codes: of the value in the residual's (the network's) float dtype
-            y = y.to(res_ptr.dtype.element_ty).to(tl.float32)
-        if OUT_MODE == OUT_FP8 or OUT_MODE == OUT_DUAL_FP8:  # the next FP8 layer's codes (float8 bit patterns)
-            y = div_by_scalar(y, tl.load(oscale_ptr))
-            c = fp8_code(y, F8_MAN, F8_BIAS, F8_MAX_BITS, F8_MIN_NORMAL_BITS, F8_SUB_SCALE)
-            if OUT_MODE == OUT_FP8:
-                tl.store(out_ptrs, c.to(tl.uint8), mask=mask)
-            else:
-                tl.store(out8_ptr + offs_out, c.to(tl.uint8), mask=mask)
-        if OUT_MODE == OUT_INT8 or OUT_MODE == OUT_DUAL:
-            y = div_by_scalar(y, tl.load(oscale_ptr))
-            y = tl.where(y == y, y, 0.0)  # NaN -> 0
-            y = tl.minimum(tl.maximum(y, OUT_LO * 1.0), OUT_HI * 1.0)
-            y = (y + 12582912.0) - 12582912.0  # round half to even (1.5 * 2**23; |y| <= 255 here)
-            if OUT_MODE == OUT_INT8:
-                tl.store(out_ptrs, (y.to(tl.int32) - OUT_OFF).to(tl.int8), mask=mask)
-            else:
-                tl.store(out8_ptr + offs_out, (y.to(tl.int32) - OUT_OFF).to(tl.int8), mask=mask)
+    _conv_epilogue(acc, offs_m, offs_n, offs_n_ld, m_ok, n_ok, scl, pid_n, num_n, M, K, out_ptr, bias_ptr, oscale_ptr,
+                   res_ptr, out8_ptr, bias_stride, act, slope, planes_kw, OUT_MODE, INT64, HAS_RES, OUT_LO, OUT_HI,
+                   OUT_OFF, F8_MAN, F8_BIAS, F8_MAX_BITS, F8_MIN_NORMAL_BITS, F8_SUB_SCALE, Q_BITS, Q_SHIFT, BLOCK_N)
 
 
 # The conv layers of issue 4's networks that the tile table was tuned on (batch is a separate axis):
@@ -399,7 +326,14 @@ NETWORK_LAYERS = {
     "yolo.conv9": (13, 13, 1024, 125, 1, 1, 1, 0),
     # ResNet-50's bottleneck convs whose epilogue adds the shortcut (tuned with it: bench/tune_conv_fwd.TUNE_LAYERS)
     "resnet50.l1c3": (56, 56, 64, 256, 1, 1, 1, 0), "resnet50.l2c3": (28, 28, 128, 512, 1, 1, 1, 0),
-    "resnet50.l3c3": (14, 14, 256, 1024, 1, 1, 1, 0),
+    "resnet50.l3c3": (14, 14, 256, 1024, 1, 1, 1, 0), "resnet50.l4c3": (7, 7, 512, 2048, 1, 1, 1, 0),
+    # ResNet-50's 1x1 conv1s (GEMMs: the "point" / "point_wide" classes)
+    "resnet50.l1c1": (56, 56, 256, 64, 1, 1, 1, 0), "resnet50.l2c1": (28, 28, 512, 128, 1, 1, 1, 0),
+    "resnet50.l3c1": (14, 14, 1024, 256, 1, 1, 1, 0), "resnet50.l4c1": (7, 7, 2048, 512, 1, 1, 1, 0),
+    # a ViT-B / TransformerEncoder(d_model 768) layer's linears as QLinear runs them: 197 tokens an image as H = 197,
+    # W = 1 (batch 64: M = 12608 rows)
+    "xf768.qkv": (197, 1, 768, 2304, 1, 1, 1, 0), "xf768.out_proj": (197, 1, 768, 768, 1, 1, 1, 0),
+    "xf768.linear1": (197, 1, 768, 3072, 1, 1, 1, 0), "xf768.linear2": (197, 1, 3072, 768, 1, 1, 1, 0),
 }
 
 
@@ -436,8 +370,17 @@ def _flat_block_k(rsc: int) -> int:
 #               float result live beside the accumulator, so 128x128 with 4 warps runs out of registers (255 a
 #               thread, spilling; 12% occupancy) at a quarter of the bandwidth (decision 0130);
 #   point_dual  a 1x1 "tap" conv with a residual and the dual output (float + codes: a bottleneck's conv3), the
-#               heaviest epilogue over the shortest reduction.
-TILE_CLASSES = ("tap", "flat", "thin", "tap_res", "point_dual")
+#               heaviest epilogue over the shortest reduction;
+#   point       a 1x1, stride-1, unpadded "tap" conv with the plain epilogue (a GEMM: ResNet-50's conv1s), C*K below
+#               POINT_WIDE_CK;
+#   point_wide  the same with C*K >= POINT_WIDE_CK (a linear layer's weight: the transformer's linears, ResNet-50's
+#               layer4 conv1) -- the classes where the TMA GEMM (conv_fwd_tma.py) can run every layer.
+# An entry may name its kernel as a fifth element: [BLOCK_M, BLOCK_N cap, num_warps, num_stages, "tma"] runs the
+# persistent TMA GEMM on the launches it can run (:func:`tma_unsupported`; the others -- a planes output, an unaligned
+# view -- run the implicit kernel with the same tiles); four elements (or "implicit"): the implicit GEMM.
+TILE_CLASSES = ("tap", "flat", "thin", "tap_res", "point_dual", "point", "point_wide")
+KERNELS = ("implicit", "tma")
+POINT_WIDE_CK = 2**19  # C*K: 768 x 768 (the transformer's out_proj) and up
 # what the epilogue does besides the activation: nothing more, a residual add, or a residual add with the dual output
 EPILOGUES = ("plain", "residual", "dual")
 TILE_TABLE_PATH = Path(__file__).with_name("conv_fwd_tiles.json")
@@ -446,9 +389,10 @@ _TILE_WARPS = (4, 8)
 _TILE_STAGES = (2, 3, 4, 5, 6)
 
 
-def load_tile_table(path=TILE_TABLE_PATH) -> dict[str, tuple[int, int, int, int]]:
-    """The tile table at ``path``, validated: ``{class: (BLOCK_M, BLOCK_N cap, num_warps, num_stages)}`` for every
-    class of :data:`TILE_CLASSES`; ValueError naming the file, the entry and the allowed values otherwise."""
+def load_tile_table(path=TILE_TABLE_PATH) -> dict[str, tuple]:
+    """The tile table at ``path``, validated: ``{class: (BLOCK_M, BLOCK_N cap, num_warps, num_stages[, kernel])}``
+    for every class of :data:`TILE_CLASSES` (kernel: one of :data:`KERNELS`, absent: "implicit"); ValueError naming
+    the file, the entry and the allowed values otherwise."""
     path = Path(path)
     try:
         doc = json.loads(path.read_text())
@@ -463,19 +407,23 @@ def load_tile_table(path=TILE_TABLE_PATH) -> dict[str, tuple[int, int, int, int]
     table = {}
     for cls in TILE_CLASSES:
         v = doc[cls].get("value") if isinstance(doc[cls], dict) else None
-        ok = (isinstance(v, list) and len(v) == 4 and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+        kern = v[4:] if isinstance(v, list) and len(v) == 5 else []
+        ok = (isinstance(v, list) and len(v) in (4, 5) and all(isinstance(i, int) and not isinstance(i, bool)
+                                                               for i in v[:4]) and all(k in KERNELS for k in kern)
               and v[0] in _TILE_BLOCK_M and v[1] >= 16 and v[1] & (v[1] - 1) == 0 and v[1] <= 256
               and v[2] in _TILE_WARPS and v[3] in _TILE_STAGES)
         if not ok:
             raise ValueError(f"conv_fwd tile table {path}: {cls}.value must be [BLOCK_M, BLOCK_N cap, num_warps, "
-                             f"num_stages] with BLOCK_M in {_TILE_BLOCK_M}, BLOCK_N cap a power of two in 16..256, "
-                             f"num_warps in {_TILE_WARPS}, num_stages in {_TILE_STAGES}; got {v!r}")
+                             f"num_stages] or [..., kernel] with BLOCK_M in {_TILE_BLOCK_M}, BLOCK_N cap a power of "
+                             f"two in 16..256, num_warps in {_TILE_WARPS}, num_stages in {_TILE_STAGES}, kernel in "
+                             f"{KERNELS}; got {v!r}")
         table[cls] = tuple(v)
     return table
 
 
 _TILES = load_tile_table()
 _SMALL_M_WARPS = 4  # 64-row tiles (too few 128-row tiles to fill the SMs): one warpgroup
+TMA_GROUP_M = 8  # the TMA GEMM's grouped tile order: 8 row blocks share each weight block (tutorial 03's value)
 
 
 # A pooled planes epilogue (PlanesOut pool=2) runs 4 accumulations a program (one per window pixel), each a reduction
@@ -488,14 +436,42 @@ _POOLED_ONE_STEP = {"BLOCK_M": 64, "num_stages": 2}
 def shape_class(g: ConvGeometry, epilogue: str = "plain") -> str:
     """The tile table's class of a conv: "tap" (C a multiple of 64), else "thin" (C < 16) or "flat"; a "tap" conv
     whose ``epilogue`` (one of :data:`EPILOGUES`) adds a residual is "tap_res", or "point_dual" when it is 1x1 with the
-    dual output.  (A residual on a "flat" / "thin" conv keeps its shape class: no network layer was measured there.)"""
+    dual output; a plain "tap" conv that is a GEMM (:func:`is_gemm`) is "point", or "point_wide" when C*K >=
+    :data:`POINT_WIDE_CK`.  (A residual on a "flat" / "thin" conv keeps its shape class: no network layer was measured
+    there.)"""
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
     if g.C % 64 != 0:
         return "thin" if g.C < 16 else "flat"
     if epilogue == "plain":
+        if is_gemm(g):
+            return "point_wide" if g.C * g.K >= POINT_WIDE_CK else "point"
         return "tap"
     return "point_dual" if epilogue == "dual" and g.R == g.S == 1 else "tap_res"
+
+
+def is_gemm(g: ConvGeometry) -> bool:
+    """A 1x1, stride-1, unpadded conv: y (M, K) = x (M, C) @ w (K, C)^T over the M = N*H*W pixels (the dilation of a
+    1x1 filter changes nothing)."""
+    return g.R == g.S == 1 and tuple(g.stride) == (1, 1) and tuple(g.padding) == (0, 0)
+
+
+def tma_unsupported(g: ConvGeometry, x: torch.Tensor | None = None, w: torch.Tensor | None = None,
+                    planes: bool = False) -> str | None:
+    """Why the TMA GEMM (conv_fwd_tma.py) cannot run this launch, or None when it can: it needs a GEMM
+    (:func:`is_gemm`), C a multiple of 16 (TMA's 16-byte row strides), operands on 16-byte aligned addresses, and
+    an output of the plain layout (not a ``PlanesOut``)."""
+    if not is_gemm(g):
+        return (f"the TMA GEMM runs 1x1 convs of stride 1 and padding 0, got {g.R}x{g.S}, stride {tuple(g.stride)}, "
+                f"padding {tuple(g.padding)}")
+    if g.C % 16:
+        return f"the TMA GEMM needs C a multiple of 16 (16-byte rows of 8-bit codes), got C={g.C}"
+    for name, t in (("x", x), ("w", w)):
+        if t is not None and t.data_ptr() % 16:
+            return f"the TMA GEMM needs {name} on a 16-byte aligned address, got a view at {t.data_ptr() % 16} mod 16"
+    if planes:
+        return "the TMA GEMM does not write packed planes (PlanesOut); the implicit kernel does"
+    return None
 
 
 def epilogue_of(residual: bool, dual: bool) -> str:
@@ -518,6 +494,8 @@ def pick_config(g: ConvGeometry, fp8: bool, device: torch.device | None = None, 
     ``pooled``: for a ``PlanesOut(pool=2)`` epilogue (BLOCK_M counts pooled pixels): :data:`_POOLED_ONE_STEP` where
     the reduction is one BLOCK_K step and there are enough pooled tiles.
     ``tiles``: another table of the same form (``tcprec tune conv-fwd`` times candidates through this).
+    An entry naming ``"tma"`` gives ``kernel="tma"`` (with ``GROUP_M``) where the geometry can take it
+    (:func:`tma_unsupported`); otherwise the config has no "kernel" key (the implicit kernel).
     """
     sms = _sm_count(device)
     M = g.N * g.P * g.Q
@@ -526,7 +504,7 @@ def pick_config(g: ConvGeometry, fp8: bool, device: torch.device | None = None, 
         flat, bk = False, (128 if g.C % 128 == 0 else 64)
     else:
         flat, bk = True, _flat_block_k(g.R * g.S * g.C)
-    bm, bn_cap, warps, stages = (_TILES if tiles is None else tiles)[cls]
+    bm, bn_cap, warps, stages, *kern = (_TILES if tiles is None else tiles)[cls]
     bn = min(bn_cap, max(16, next_power_of_2(g.K)))
     if cdiv(M, bm) * cdiv(g.K, bn) < sms:
         bm, warps = 64, _SMALL_M_WARPS
@@ -535,6 +513,8 @@ def pick_config(g: ConvGeometry, fp8: bool, device: torch.device | None = None, 
         while M <= bm and cdiv(g.K, bn) < sms and bn > 16:  # one row tile (a linear layer at batch 8): W on more SMs
             bn //= 2
     cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "FLAT": flat, "num_warps": warps, "num_stages": stages}
+    if kern and kern[0] == "tma" and tma_unsupported(g) is None:
+        cfg.update(kernel="tma", GROUP_M=TMA_GROUP_M)
     steps = cdiv(g.R * g.S * g.C, bk) if flat else g.R * g.S * cdiv(g.C, bk)  # of the reduction loop
     if pooled and steps == 1 and cdiv(M // 4, _POOLED_ONE_STEP["BLOCK_M"]) * cdiv(g.K, bn) >= sms:
         cfg.update(_POOLED_ONE_STEP)
@@ -549,7 +529,10 @@ def compile_key(g: ConvGeometry, cfg: dict, fp8: bool, out_kind: str, has_add: b
     flat = cfg.get("FLAT", g.C % cfg["BLOCK_K"] != 0)
     key = (fp8, out_kind, has_add, g.C % 16 == 0, g.C == 1, g.K % 16 == 0, g.K == 1, flat, g.C % cfg["BLOCK_K"] == 0,
            cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg.get("num_warps", 4), cfg.get("num_stages", 3))
-    return key + (("residual",) if has_res else ())  # unchanged keys for launches without one
+    key += ("residual",) if has_res else ()  # unchanged keys for launches without one
+    if cfg.get("kernel", "implicit") == "tma":  # another kernel (the implicit kernel's keys are unchanged)
+        key += ("tma", cfg.get("GROUP_M", TMA_GROUP_M), cfg.get("NUM_PROGRAMS"))
+    return key
 
 
 # ------------------------------------------------------------------------------------------------
@@ -686,6 +669,29 @@ def _interior_position(g: ConvGeometry) -> int:
     return p * g.Q + q if p >= 0 and q >= 0 else -1
 
 
+def _check_kernel(cfg: dict, g: ConvGeometry, x, w, planes: bool, op: str, explicit: bool) -> str:
+    """The kernel a launch config names (:data:`KERNELS`; absent: "implicit"), checked: an explicit ``config`` asking
+    for "tma" where the TMA GEMM cannot run, or with tiles it cannot take, is a ValueError naming why."""
+    kind = cfg.get("kernel", "implicit")
+    if kind not in KERNELS:
+        raise ValueError(f"{op}: config['kernel'] must be one of {KERNELS}, got {kind!r}")
+    if kind != "tma":
+        return kind
+    why = tma_unsupported(g, x, w, planes)
+    if why is not None and explicit:
+        raise ValueError(f"{op}: config asks for kernel='tma', but {why}; pass kernel='implicit' or config=None")
+    bad = {k: cfg.get(k) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")
+           if not (isinstance(cfg.get(k), int) and 16 <= cfg[k] <= 256 and cfg[k] & (cfg[k] - 1) == 0)}
+    if bad:
+        raise ValueError(f"{op}: the TMA GEMM's BLOCK_M, BLOCK_N and BLOCK_K must be powers of two in 16..256 (a TMA "
+                         f"box), got {bad}")
+    for k in ("GROUP_M", "NUM_PROGRAMS"):
+        v = cfg.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{op}: config[{k!r}] must be a positive int (or absent), got {v!r}")
+    return kind
+
+
 def _launch(x, w, g: ConvGeometry, op: str, *, fp8: bool, alpha, sa, sb, bias, act, out, fast_accum, config,
             add=None, acc_mul: int = 1, res=None, out8=None, add_interior: bool = False):
     kind, spec = out
@@ -714,6 +720,10 @@ def _launch(x, w, g: ConvGeometry, op: str, *, fp8: bool, alpha, sa, sb, bias, a
     cfg = dict(INTERPRETER_CONFIG if (config is None and interpreting()) else
                (config or pick_config(g, fp8, device, pooled=planes is not None and planes.pool == 2,
                                       epilogue=epilogue_of(res is not None, out8 is not None))))
+    if _check_kernel(cfg, g, x, w, planes is not None, op, explicit=config is not None) == "tma" and \
+            tma_unsupported(g, x, w, planes is not None) is not None:
+        cfg["kernel"] = "implicit"  # a table entry's "tma" covers the launches the TMA GEMM can run (a planes output
+        #                             or an unaligned view of a TMA class runs the implicit kernel, same tiles)
     M, kw = g.N * g.P * g.Q, 0
     if planes is not None:  # (bits, rows, Kw) int32; a program packs whole words: BLOCK_N >= 32
         if planes.pool:  # BLOCK_M pooled pixels a program (4 accumulators of BLOCK_M rows, one a window pixel)
@@ -734,8 +744,18 @@ def _launch(x, w, g: ConvGeometry, op: str, *, fp8: bool, alpha, sa, sb, bias, a
         y8 = torch.empty(g.output_shape, dtype=torch.int8 if out_mode == OutMode.DUAL else f8_out.dtype, device=device)
     else:
         y8 = y
-    grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(g.K, cfg["BLOCK_N"]),)
     add_t = _const(device, 0.0) if add is None else add
+    if cfg.get("kernel") == "tma":  # the persistent TMA GEMM (conv_fwd_tma.py): the same epilogue, bit for bit
+        kernel = launch_tma(
+            x, w, M, g.K, g.C, g.P * g.Q, cfg, cfg.get("NUM_PROGRAMS") or _sm_count(device),
+            (y.view(torch.uint8) if out_mode == OutMode.FP8 else y, sa[0], sb[0], bias_t, add_t, oscale,
+             _const(device, 0.0) if res is None else res, y8.view(torch.uint8) if out_mode == OutMode.DUAL_FP8 else y8,
+             float(alpha), sa[1], sb[1], bias_stride, mode, float(slope), int(acc_mul)),
+            dict(IS_FP8=fp8, FAST_ACCUM=bool(fast_accum), OUT_MODE=int(out_mode), HAS_ADD=add is not None,
+                 ADD_PIX=add is not None and add.dim() == 3, INT64=int64, HAS_RES=res is not None, OUT_LO=o_lo,
+                 OUT_HI=o_hi, OUT_OFF=o_off, **f8))
+        return ((y, y8) if out_mode in (OutMode.DUAL, OutMode.DUAL_FP8) else y), kernel
+    grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(g.K, cfg["BLOCK_N"]),)
     kernel = _conv_fwd_kernel[grid](
         x, w, y.view(torch.uint8) if out_mode == OutMode.FP8 else y, sa[0], sb[0], bias_t, add_t, oscale,
         _const(device, 0.0) if res is None else res, y8.view(torch.uint8) if out_mode == OutMode.DUAL_FP8 else y8,
