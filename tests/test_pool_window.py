@@ -137,3 +137,47 @@ def test_a_pool_with_a_float_reader_stays_torch():
     q = tp.quantize_model(_net(torch.float32), tp.QuantConfig("int8", backend="int8", overrides={"down.0": "float"}),
                           calibration=x, warn=False)
     assert type(dict(q.named_modules())["maxpool"]) is nn.MaxPool2d
+
+
+@pytest.mark.parametrize("operand, fmt", [("int8", "uint8"), ("compact", "uint2"), ("fp8", "e4m3")])
+def test_with_float_carries_the_pooled_float(operand, fmt):
+    torch.manual_seed(3)
+    x = torch.randn(2, 7, 7, 40).half()
+    s = torch.tensor([0.04])
+    w = qc.max_pool_window(3, 2, 1)
+    a = qc.max_pool_quantize(x, w, operand, fmt, s, with_float=True)
+    b = qc.max_pool_quantize(x, w, operand, fmt, s, with_float=True, backend="reference")
+    ref = torch.nn.functional.max_pool2d(x.permute(0, 3, 1, 2).float(), 3, 2, 1).permute(0, 2, 3, 1).half()
+    assert torch.equal(a.data, b.data) and torch.equal(a.hp, ref) and torch.equal(b.hp, ref)
+    assert qc.max_pool_quantize(x, w, operand, fmt, s).hp is None
+
+
+class _BasicStemNet(nn.Module):
+    """ResNet-18's front: the pool is read by the first block's conv1 and by its identity add."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU())
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        self.conv1 = nn.Sequential(nn.Conv2d(32, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU())
+        self.conv2 = nn.Sequential(nn.Conv2d(32, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32))
+        self.fc = nn.Linear(32, 10)
+
+    def forward(self, x):
+        x = self.maxpool(self.stem(x))
+        return self.fc(torch.relu(self.conv2(self.conv1(x)) + x).mean((2, 3)))
+
+
+def test_identity_shortcut_reads_the_pooled_float():
+    """The pool feeds conv1 its codes and the block's add (fused into conv2) the pooled float: bit-identical."""
+    x = torch.randn(2, 3, 8, 8)
+    torch.manual_seed(4)
+    net = _BasicStemNet().eval()
+    cfg = tp.QuantConfig("int8", backend="int8")
+    q = tp.quantize_model(net, cfg, calibration=x, warn=False)
+    pool = dict(q.named_modules())["maxpool"]
+    assert isinstance(pool, QMaxPool2d) and pool.with_float
+    assert any("and the pooled float for conv2.0's residual add" in n for n in q.tcprec_summary.notes)
+    u = tp.quantize_model(net, dataclasses.replace(cfg, chain=False), calibration=x, warn=False)
+    with torch.no_grad():
+        assert torch.equal(q(x), u(x))

@@ -16,6 +16,6 @@ def test_resnet_stem_pool(operand, fmt):
     x = torch.randn(16, 112, 112, 64, device="cuda", generator=g).half().relu()  # NHWC, as the stem's ReLU gives
     s = torch.tensor([0.02], device="cuda")
     w = qc.max_pool_window(3, 2, 1)
-    a = qc.max_pool_quantize(x, w, operand, fmt, s)
-    b = qc.max_pool_quantize(x, w, operand, fmt, s, backend="reference")
-    assert a.shape == b.shape == (16, 56, 56, 64) and torch.equal(a.data, b.data)
+    a = qc.max_pool_quantize(x, w, operand, fmt, s, with_float=True)
+    b = qc.max_pool_quantize(x, w, operand, fmt, s, with_float=True, backend="reference")
+    assert a.shape == b.shape == (16, 56, 56, 64) and torch.equal(a.data, b.data) and torch.equal(a.hp, b.hp)

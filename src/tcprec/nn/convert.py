@@ -668,33 +668,40 @@ def _chain_through_flatten(node: fx.Node, flat: fx.Node, qmods, records: dict, k
 
 
 def _fuse_max_pools(gm: fx.GraphModule, qmods: dict, calls: dict, kind_of, notes: list) -> None:
-    """A max-pool read only by quantized convs (as their input ``x``) that agree on the input format, scale, weight
-    format, kernel kind and row layout -- a ResNet's stem pool, read by the first block's conv1 and 1x1 shortcut --
-    becomes a ``QMaxPool2d``: one pass pools and writes their operand, instead of torch's pool writing the pooled
-    float and each reader quantizing it (docs/decisions/0137).  Said in the summary's notes."""
+    """A max-pool read only by quantized convs -- as their input ``x``, agreeing on the input format, scale, weight
+    format, kernel kind and row layout, and as the residual a conv's epilogue adds -- becomes a ``QMaxPool2d``: one
+    pass pools and writes the readers' operand (and the pooled float, for the residual adds), instead of torch's pool
+    writing the pooled float and each reader quantizing it (docs/decisions/0137).  A ResNet's stem pool: read by the
+    first block's conv1 and its 1x1 shortcut (ResNet-50) or identity add (ResNet-18).  Said in the summary's notes."""
     for node in gm.graph.nodes:
         m = qmods.get(node.target) if node.op == "call_module" else None
         if type(m) is not nn.MaxPool2d or calls.get(node.target) != 1 or m.ceil_mode or m.return_indices \
                 or m.dilation not in (1, (1, 1)):
             continue
         users = list(node.users)
-        if not users or not all(u.op == "call_module" and isinstance(qmods.get(u.target), QConv2d) and u.args
-                                and u.args[0] is node and node not in u.args[1:] and not u.kwargs for u in users):
+        if not all(u.op == "call_module" and isinstance(qmods.get(u.target), QConv2d) and u.args and not u.kwargs
+                   for u in users):
             continue
-        readers = [qmods[u.target] for u in users]
+        x_users = [u for u in users if u.args[0] is node and node not in u.args[1:]]
+        r_users = [u for u in users if u.args[0] is not node and node in u.args[1:]]  # residual adds fused in a conv
+        if not x_users or len(x_users) + len(r_users) != len(users):
+            continue
+        readers = [qmods[u.target] for u in x_users]
         b = readers[0]
         kind = kind_of(b)
         if kind not in ("bitserial", "int8", "fp8") or any(
                 kind_of(o) != kind or o.a_fmt != b.a_fmt or o.w_fmt != b.w_fmt or o.backend != b.backend
                 or not torch.equal(o.in_scale, b.in_scale) or o.reads_compact != b.reads_compact for o in readers[1:]):
             continue
-        q = QMaxPool2d(m, b, compact=kind == "bitserial" and b.reads_compact)
+        q = QMaxPool2d(m, b, compact=kind == "bitserial" and b.reads_compact, with_float=bool(r_users))
         _set_module(gm, node.target, q)
         qmods[node.target] = q
         (kh, kw), (sh, sw), (ph, pw) = q.window
         notes.append(f"{node.target}: max-pool {kh}x{kw} / {sh} (padding {ph}) fused with its readers' input "
-                     f"quantization ({', '.join(u.target for u in users)}): one pass writes their "
-                     f"{'e4m3' if b.precision.fp8 else b.a_fmt} operand")
+                     f"quantization ({', '.join(u.target for u in x_users)}): one pass writes their "
+                     f"{'e4m3' if b.precision.fp8 else b.a_fmt} operand"
+                     + (f" and the pooled float for {', '.join(u.target for u in r_users)}'s residual add"
+                        if r_users else ""))
 
 
 def _record_chains(g: fx.Graph, qmods: dict, kind_of) -> None:

@@ -29,7 +29,7 @@ The scales stay float32 under ``.half()`` / ``.bfloat16()`` (which set the outpu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx
@@ -631,19 +631,21 @@ class QMaxPool2d(nn.Module):
     no reader quantizes it again (docs/decisions/0137).  ``quantize_model`` makes it (``QuantConfig(chain=True)``).
     Off the kernels' devices (the reference backend) it runs torch's pool and the readers' quantizer."""
 
-    def __init__(self, pool: nn.MaxPool2d, reader: "QConv2d", compact: bool):
+    def __init__(self, pool: nn.MaxPool2d, reader: "QConv2d", compact: bool, with_float: bool = False):
         super().__init__()
         if pool.ceil_mode or pool.return_indices or pool.dilation not in (1, (1, 1)):
             raise ValueError(f"QMaxPool2d takes a max-pool without ceil_mode, return_indices or dilation, got {pool}")
         self.window = qc.max_pool_window(pool.kernel_size, pool.stride, pool.padding)
         self.precision, self.a_fmt, self.w_fmt, self.backend = reader.precision, reader.a_fmt, reader.w_fmt, reader.backend
         self.compact = bool(compact)  # bit planes without padding words (readers that gather windows)
+        self.with_float = bool(with_float)  # the pooled float too (the QTensor's hp): a residual add reads the pool
         self.register_buffer("in_scale", reader.in_scale.detach().clone())
 
     def extra_repr(self) -> str:
         (kh, kw), (sh, sw), (ph, pw) = self.window
         return (f"kernel_size=({kh}, {kw}), stride=({sh}, {sw}), padding=({ph}, {pw}) -> the {self.a_fmt} operand of "
-                f"its {self.precision} readers" + (" (compact planes)" if self.compact else ""))
+                f"its {self.precision} readers" + (" (compact planes)" if self.compact else "")
+                + (" and the pooled float" if self.with_float else ""))
 
     def operand(self, device: torch.device) -> str | None:
         """What the readers take on ``device`` (``ops.qconv.MAX_POOL_OPERANDS``), as ``_quantize_input`` decides it;
@@ -659,10 +661,11 @@ class QMaxPool2d(nn.Module):
             raise ValueError(f"QMaxPool2d expects a float (N, C, H, W) tensor, got {got}")
         op = self.operand(x.device)
         if op is None:
-            y = torch.nn.functional.max_pool2d(x, *self.window)
-            return _quantize_input(y.permute(0, 2, 3, 1), self, compact=self.compact)
+            y = torch.nn.functional.max_pool2d(x, *self.window).permute(0, 2, 3, 1)
+            q = _quantize_input(y, self, compact=self.compact)
+            return replace(q, hp=y.contiguous()) if self.with_float else q
         return qc.max_pool_quantize(x.permute(0, 2, 3, 1), self.window, op, "e4m3" if op == "fp8" else self.a_fmt,
-                                    self.in_scale)
+                                    self.in_scale, with_float=self.with_float)
 
     def _apply(self, fn, recurse: bool = True):
         """A move takes the scale along; a float cast (``.half()``) keeps it float32, as the quantized layers do."""

@@ -324,15 +324,17 @@ def max_pool_window(kernel_size, stride, padding) -> tuple:
     return k, two(k if stride is None else stride, "stride"), two(padding, "padding")
 
 
-def max_pool_quantize(x: torch.Tensor, window, operand: str, fmt, scale: torch.Tensor, *,
+def max_pool_quantize(x: torch.Tensor, window, operand: str, fmt, scale: torch.Tensor, *, with_float: bool = False,
                       backend: str = "auto") -> QTensor:
     """Float NHWC ``x`` -> ``nn.MaxPool2d`` of ``window`` ((KH, KW), (SH, SW), (PH, PW); floor, dilation 1; torch's
     rule: NaN propagates) -> the operand quantized convolutions read, with the fixed per-tensor ``scale``:
     ``operand`` ``"int8"`` (the ``ShiftedInt8`` QTensor of :func:`quantize_int8_static`), ``"planes"`` /
     ``"compact"`` (a ``BitPlanes`` QTensor, rows padded to 512 bits or not: ``quantize_pack``'s), ``"fp8"`` (the
-    float8 QTensor of :func:`quantize_fp8_static`; ``fmt`` e4m3 / e5m2).  On CUDA (and under ``TRITON_INTERPRET=1``)
-    one Triton pass (``kernels/triton/pool_window.py``); elsewhere, or with ``backend="reference"``, torch's
-    ``max_pool2d`` and the quantizer: the same codes (max-pooling is exact in any float dtype).
+    float8 QTensor of :func:`quantize_fp8_static`; ``fmt`` e4m3 / e5m2).  ``with_float``: the pooled float (NHWC, x's
+    dtype) rides along as the QTensor's ``hp``, for a residual add that reads the pool too.  On CUDA (and under
+    ``TRITON_INTERPRET=1``) one Triton pass (``kernels/triton/pool_window.py``); elsewhere, or with
+    ``backend="reference"``, torch's ``max_pool2d`` and the quantizer: the same codes (max-pooling is exact in any
+    float dtype).
 
     >>> import torch
     >>> x = torch.tensor([0.0, 1.0, 7.0, 2.0]).reshape(1, 2, 2, 1)
@@ -358,22 +360,28 @@ def max_pool_quantize(x: torch.Tensor, window, operand: str, fmt, scale: torch.T
 
         s = scale.reshape(1)
         if operand == "fp8":
-            f8 = pw_.pool_window_fp8(x, s, window, _fp8_dtype(fmt))
-            return QTensor(f8.view(torch.uint8), scale.reshape(1, 1, 1, 1), fmt, PerTensor(), tuple(f8.shape), x.dtype)
+            f8, hp = pw_.pool_window_fp8(x, s, window, _fp8_dtype(fmt), with_float=with_float)
+            return QTensor(f8.view(torch.uint8), scale.reshape(1, 1, 1, 1), fmt, PerTensor(), tuple(f8.shape), x.dtype,
+                           hp=hp)
         N, H, W, C = x.shape
         P, Q = pw_.pooled_size(H, W, window)
         if operand == "int8":
             from ..kernels.triton import quant_bytes as qb
 
             enc = {"unsigned": qb.ENC_UNSIGNED, "twos": qb.ENC_TWOS}.get(fmt.encoding, qb.ENC_PM)
-            return int8_qtensor(pw_.pool_window_int8(x, s, window, fmt.bits, *_qp_params(fmt), enc), fmt, scale)
-        planes = pw_.pool_window_pack(x, s, window, fmt.bits, *_qp_params(fmt), compact=operand == "compact")
-        return planes_qtensor(planes, fmt, scale, (N, P, Q, C))
+            x8, hp = pw_.pool_window_int8(x, s, window, fmt.bits, *_qp_params(fmt), enc, with_float=with_float)
+            return int8_qtensor(x8, fmt, scale, hp)
+        planes, hp = pw_.pool_window_pack(x, s, window, fmt.bits, *_qp_params(fmt), compact=operand == "compact",
+                                          with_float=with_float)
+        return planes_qtensor(planes, fmt, scale, (N, P, Q, C), hp)
     y = torch.nn.functional.max_pool2d(x.permute(0, 3, 1, 2), (kh, kw), (sh, sw), (ph, pw)).permute(0, 2, 3, 1)
+    hp = y.contiguous() if with_float else None
     if operand == "fp8":
-        return quantize_fp8_static(y, scale, fmt)
+        q = quantize_fp8_static(y, scale, fmt)
+        return QTensor(q.data, q.scale, q.fmt, q.granularity, q.shape, q.dtype, q.layout, hp) if with_float else q
     if operand == "int8":
-        return quantize_int8_static(y, fmt, scale, backend="reference")
+        q = quantize_int8_static(y, fmt, scale, backend="reference")
+        return int8_qtensor(q.data, fmt, scale, hp)
     N, P, Q, C = y.shape
     planes = quantize_pack(y.reshape(N * P * Q, C), fmt, scale, backend="reference", compact=operand == "compact")
-    return planes_qtensor(planes, fmt, scale, (N, P, Q, C))
+    return planes_qtensor(planes, fmt, scale, (N, P, Q, C), hp)

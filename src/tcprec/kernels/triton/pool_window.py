@@ -66,7 +66,7 @@ def _rows(offs_r, P, Q):
 
 @triton.jit(do_not_specialize=_NOSPEC)
 def _pool_window_bytes_kernel(
-    x_ptr, scale_ptr, out_ptr,  # out (N, P, Q, C) contiguous, one byte an element
+    x_ptr, scale_ptr, out_ptr, f_ptr,  # out (N, P, Q, C) contiguous, one byte an element; f: the pooled float (HAS_F)
     R, C, H, W, P, Q,  # R = N * P * Q output rows
     stride_xn, stride_xh, stride_xw, stride_xc,
     FP8: tl.constexpr,
@@ -75,7 +75,7 @@ def _pool_window_bytes_kernel(
     F8_MAN: tl.constexpr, F8_BIAS: tl.constexpr, F8_MAX_BITS: tl.constexpr, F8_MIN_NORMAL_BITS: tl.constexpr,
     F8_SUB_SCALE: tl.constexpr,
     KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
-    EVEN_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_F: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -93,18 +93,21 @@ def _pool_window_bytes_kernel(
         v = c.to(tl.uint8)
     else:
         v = _code_to_x8(_quantize_codes(m, scale, LO, HI, OFFSET, SHIFT, BITS), ENC, BITS)
-    tl.store(out_ptr + offs_r.to(tl.int64)[:, None] * C + offs_k[None, :], v, mask=mask)
+    offs = offs_r.to(tl.int64)[:, None] * C + offs_k[None, :]
+    tl.store(out_ptr + offs, v, mask=mask)
+    if HAS_F:  # the pooled float too (a residual add reads it): exact, one of the inputs
+        tl.store(f_ptr + offs, m.to(f_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=_NOSPEC)
 def _pool_window_pack_kernel(
-    x_ptr, scale_ptr, planes_ptr,
+    x_ptr, scale_ptr, planes_ptr, f_ptr,
     R, C, Kw, H, W, P, Q,
     stride_xn, stride_xh, stride_xw, stride_xc,
     stride_pb, stride_pr, stride_pw,
     LO: tl.constexpr, HI: tl.constexpr, OFFSET: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.constexpr,
     KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
-    EVEN_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+    HAS_F: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     pid_w = tl.program_id(1)
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -119,6 +122,8 @@ def _pool_window_pack_kernel(
     m = _window_max(x_ptr, n[:, None, None], p[:, None, None], q[:, None, None], k3 * stride_xc, mask, H, W,
                     stride_xn, stride_xh, stride_xw, KH, KW, SH, SW, PH, PW,
                     tl.full((BLOCK_R, BLOCK_W, 32), float("-inf"), tl.float32))
+    if HAS_F:  # the pooled float (N, P, Q, C) too (a residual add reads it)
+        tl.store(f_ptr + offs_r.to(tl.int64)[:, None, None] * C + k3, m.to(f_ptr.dtype.element_ty), mask=mask)
     c = _quantize_codes(m, tl.load(scale_ptr), LO, HI, OFFSET, SHIFT, BITS)
     codes = tl.where(mask, c, 0)  # channels past C: the zero bits of the row's last word
     _store_planes(codes, planes_ptr, offs_r, offs_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS)
@@ -158,18 +163,23 @@ def _win_kwargs(window) -> dict:
     return {"KH": kh, "KW": kw, "SH": sh, "SW": sw, "PH": ph, "PW": pw}
 
 
-def _bytes(y, scale, window, out_dtype, fp8: bool, fmt_kw: dict, what: str) -> torch.Tensor:
+def _float_out(y: torch.Tensor, shape, with_float: bool) -> torch.Tensor | None:
+    return torch.empty(shape, dtype=y.dtype, device=y.device) if with_float else None
+
+
+def _bytes(y, scale, window, out_dtype, fp8: bool, fmt_kw: dict, what: str, with_float: bool):
     N, H, W, C, P, Q = _check(y, scale, window, what)
     out = torch.empty((N, P, Q, C), dtype=out_dtype, device=y.device)
+    f = _float_out(y, (N, P, Q, C), with_float)
     if out.numel() == 0:
-        return out
+        return out, f
     R = N * P * Q
     bk = min(next_power_of_2(C), 128)
     br = max(1, _TILE // bk)
     _pool_window_bytes_kernel[(cdiv(R, br), cdiv(C, bk))](
-        y, scale.reshape(1), out, R, C, H, W, P, Q, *y.stride(), FP8=fp8, **fmt_kw, **_win_kwargs(window),
-        EVEN_K=C % bk == 0, BLOCK_R=br, BLOCK_K=bk)
-    return out
+        y, scale.reshape(1), out, out if f is None else f, R, C, H, W, P, Q, *y.stride(), FP8=fp8, **fmt_kw,
+        **_win_kwargs(window), HAS_F=f is not None, EVEN_K=C % bk == 0, BLOCK_R=br, BLOCK_K=bk)
+    return out, f
 
 
 _NO_F8 = {"F8_MAN": 0, "F8_BIAS": 0, "F8_MAX_BITS": 0, "F8_MIN_NORMAL_BITS": 0, "F8_SUB_SCALE": 0.0}
@@ -177,35 +187,39 @@ _NO_INT = {"LO": 0, "HI": 0, "OFFSET": 0, "SHIFT": 0, "ENC": 0, "BITS": 8}
 
 
 def pool_window_int8(y: torch.Tensor, scale: torch.Tensor, window, bits: int, lo: int, hi: int, offset: int,
-                     shift: int, enc: int) -> torch.Tensor:
-    """Launch: y (N, H, W, C) float -> max-pool ``window`` -> int8 codes (N, P, Q, C) contiguous, as
-    ``quant_bytes.pool_quantize_int8`` stores them.  The public entry is ``tcprec.ops.qconv.max_pool_quantize``."""
+                     shift: int, enc: int, *, with_float: bool = False):
+    """Launch: y (N, H, W, C) float -> max-pool ``window`` -> (int8 codes (N, P, Q, C) contiguous, as
+    ``quant_bytes.pool_quantize_int8`` stores them; the pooled float in y's dtype with ``with_float``, else None).
+    The public entry is ``tcprec.ops.qconv.max_pool_quantize``."""
     kw = {"LO": lo, "HI": hi, "OFFSET": offset, "SHIFT": shift, "ENC": enc, "BITS": bits, **_NO_F8}
-    return _bytes(y, scale, window, torch.int8, False, kw, "pool_window_int8")
+    return _bytes(y, scale, window, torch.int8, False, kw, "pool_window_int8", with_float)
 
 
-def pool_window_fp8(y: torch.Tensor, scale: torch.Tensor, window, dtype=torch.float8_e4m3fn) -> torch.Tensor:
-    """Launch: y (N, H, W, C) float -> max-pool ``window`` -> ``fp8(clamp(m / scale))`` (N, P, Q, C) of ``dtype``,
-    contiguous: ``fp8_quant.pool_quantize_fp8``'s codes."""
+def pool_window_fp8(y: torch.Tensor, scale: torch.Tensor, window, dtype=torch.float8_e4m3fn, *,
+                    with_float: bool = False):
+    """Launch: y (N, H, W, C) float -> max-pool ``window`` -> (``fp8(clamp(m / scale))`` (N, P, Q, C) of ``dtype``,
+    contiguous: ``fp8_quant.pool_quantize_fp8``'s codes; the pooled float with ``with_float``, else None)."""
     if dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise ValueError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
-    return _bytes(y, scale, window, torch.uint8, True, {**_NO_INT, **fp8_constexprs(dtype)}, "pool_window_fp8"
-                  ).view(dtype)
+    out, f = _bytes(y, scale, window, torch.uint8, True, {**_NO_INT, **fp8_constexprs(dtype)}, "pool_window_fp8",
+                    with_float)
+    return out.view(dtype), f
 
 
 def pool_window_pack(y: torch.Tensor, scale: torch.Tensor, window, bits: int, lo: int, hi: int, offset: int,
-                     shift: int, *, compact: bool = False) -> torch.Tensor:
-    """Launch: y (N, H, W, C) float -> max-pool ``window`` -> ``quantize_pack``'s planes int32
-    (bits, N*P*Q, Kw): Kw = packed_words(C), or ceil(C / 32) with ``compact``."""
+                     shift: int, *, compact: bool = False, with_float: bool = False):
+    """Launch: y (N, H, W, C) float -> max-pool ``window`` -> (``quantize_pack``'s planes int32 (bits, N*P*Q, Kw):
+    Kw = packed_words(C), or ceil(C / 32) with ``compact``; the pooled float with ``with_float``, else None)."""
     N, H, W, C, P, Q = _check(y, scale, window, "pool_window_pack")
     R = N * P * Q
     Kw = cdiv(C, 32) if compact else packed_words(C)
     planes = torch.empty((bits, R, Kw), dtype=torch.int32, device=y.device)
+    f = _float_out(y, (N, P, Q, C), with_float)
     if planes.numel() == 0:
-        return planes
+        return planes, f
     br, bw = pack_tile(cdiv(C, 32))
     _pool_window_pack_kernel[(cdiv(R, br), cdiv(cdiv(C, 32), bw))](
-        y, scale.reshape(1), planes, R, C, Kw, H, W, P, Q, *y.stride(), *planes.stride(),
-        LO=lo, HI=hi, OFFSET=offset, SHIFT=shift, BITS=bits, **_win_kwargs(window), EVEN_K=C % (32 * bw) == 0,
-        BLOCK_R=br, BLOCK_W=bw)
-    return planes
+        y, scale.reshape(1), planes, planes if f is None else f, R, C, Kw, H, W, P, Q, *y.stride(), *planes.stride(),
+        LO=lo, HI=hi, OFFSET=offset, SHIFT=shift, BITS=bits, **_win_kwargs(window), HAS_F=f is not None,
+        EVEN_K=C % (32 * bw) == 0, BLOCK_R=br, BLOCK_W=bw)
+    return planes, f
