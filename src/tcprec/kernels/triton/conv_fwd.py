@@ -78,7 +78,7 @@ from ..conv_geometry import ConvGeometry, pair
 from ..reference_bitplanes import packed_words
 from ..reference_conv_int8_fp8 import FP8_KINDS, Fp8Out, Int8Out, parse_act, parse_out
 from ._host import cdiv, next_power_of_2
-from .conv_fwd_epilogue import OUT_RAW, OutMode, _conv_epilogue
+from .conv_fwd_epilogue import OutMode, _channel_scale, _conv_epilogue
 from .conv_fwd_tma import launch as launch_tma
 from .round import fp8_constexprs
 
@@ -254,12 +254,7 @@ def _conv_fwd_kernel(
         w_rows = offs_n_ld.to(tl.int64) * (R * S * C)
     else:
         w_rows = offs_n_ld * (R * S * C)
-    if OUT_MODE != OUT_RAW:
-        sa = tl.load(sa_ptr + offs_n_ld * sa_stride).to(tl.float32)
-        sb = tl.load(sb_ptr + offs_n_ld * sb_stride).to(tl.float32)
-        scl = (alpha * sa) * sb
-    else:  # the raw accumulator: no scale (the epilogue never reads this)
-        scl = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    scl = _channel_scale(sa_ptr, sb_ptr, offs_n_ld, alpha, sa_stride, sb_stride, OUT_MODE, BLOCK_N)
 
     # ---- rows: output pixel m = (n, p, q) ----
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

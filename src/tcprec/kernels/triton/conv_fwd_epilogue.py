@@ -43,6 +43,20 @@ _ACT_LEAKY = tl.constexpr(ACT_LEAKY)
 
 
 @triton.jit
+def _channel_scale(sa_ptr, sb_ptr, offs_n_ld, alpha, sa_stride, sb_stride, OUT_MODE: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """The epilogue's per-channel multiplier ``(alpha * sa[k]) * sb[k]``, float32 (scales per channel: stride 1, per
+    tensor: 0); zeros for the raw accumulator, which the epilogue never scales."""
+    if OUT_MODE != OUT_RAW:
+        sa = tl.load(sa_ptr + offs_n_ld * sa_stride).to(tl.float32)
+        sb = tl.load(sb_ptr + offs_n_ld * sb_stride).to(tl.float32)
+        scl = (alpha * sa) * sb
+    else:
+        scl = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    return scl
+
+
+@triton.jit
 def _conv_epilogue(acc, offs_m, offs_n, offs_n_ld, m_ok, n_ok, scl, pid_n, num_n, M, K, out_ptr, bias_ptr, oscale_ptr,
                    res_ptr, out8_ptr, bias_stride, act, slope, planes_kw, OUT_MODE: tl.constexpr, INT64: tl.constexpr,
                    HAS_RES: tl.constexpr, OUT_LO: tl.constexpr, OUT_HI: tl.constexpr, OUT_OFF: tl.constexpr,

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from ._host import cdiv
-from .conv_fwd_epilogue import OUT_RAW, _conv_epilogue
+from .conv_fwd_epilogue import _channel_scale, _conv_epilogue
 
 __all__ = ["launch", "tile_order"]
 
@@ -116,12 +116,7 @@ def _gemm_tma_kernel(
             else:
                 add = tl.load(add_ptr + offs_n_ld)[None, :]
             acc = acc * acc_mul + add
-        if OUT_MODE != OUT_RAW:
-            sa = tl.load(sa_ptr + offs_n_ld * sa_stride).to(tl.float32)
-            sb = tl.load(sb_ptr + offs_n_ld * sb_stride).to(tl.float32)
-            scl = (alpha * sa) * sb
-        else:  # the raw accumulator: no scale (the epilogue never reads this)
-            scl = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        scl = _channel_scale(sa_ptr, sb_ptr, offs_n_ld, alpha, sa_stride, sb_stride, OUT_MODE, BLOCK_N)
         _conv_epilogue(acc, offs_m, offs_n, offs_n_ld, m_ok, n_ok, scl, pid_n, num_n, M, K, out_ptr, bias_ptr,
                        oscale_ptr, res_ptr, out8_ptr, bias_stride, act, slope, 0, OUT_MODE, INT64, HAS_RES, OUT_LO,
                        OUT_HI, OUT_OFF, F8_MAN, F8_BIAS, F8_MAX_BITS, F8_MIN_NORMAL_BITS, F8_SUB_SCALE, 1, 0, BLOCK_N)
