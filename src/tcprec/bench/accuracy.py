@@ -73,6 +73,14 @@ CONFIGS = {
     # every layer reading a ReLU6 output at int8 (the depthwise and the project convs): e4m3 on a bounded [0, 6] range
     # is 15-22 dB less accurate than int8's uniform grid there, and the same speed on the H200 (docs/decisions/0113)
     "fp8 bc clamp8": QuantConfig("fp8", bias_correction=True, clamped_inputs="int8"),
+    # clamp8's int8 layers (the stem, the clamped-input ones) calibrated as the int8 setting's: the observer chosen per
+    # layer ("auto"), AdaRound at 8 bits on the quantized model's inputs (docs/decisions/0145)
+    "fp8 auto+bc clamp8": QuantConfig("fp8", activation_observer="auto", bias_correction=True, clamped_inputs="int8"),
+    "fp8 ada8Q+bc clamp8": QuantConfig("fp8", weight_rounding=cal.AdaRound(max_bits=8, inputs="quantized"),
+                                       bias_correction=True, clamped_inputs="int8"),
+    "fp8 auto+ada8Q+bc clamp8": QuantConfig("fp8", activation_observer="auto",
+                                            weight_rounding=cal.AdaRound(max_bits=8, inputs="quantized"),
+                                            bias_correction=True, clamped_inputs="int8"),
     "w4a8 absmax": QuantConfig("w4a8"),
     "w4a8 mse": QuantConfig("w4a8", activation_observer="mse", weight_clip="mse"),
     "w4a8 mse+bc": QuantConfig("w4a8", activation_observer="mse", weight_clip="mse", bias_correction=True),
@@ -96,6 +104,10 @@ CONFIGS = {
 # accuracy
 CONFIGS.update({f"int8@h200 {k}": replace(CONFIGS[f"int8 {k}"], overrides=dict.fromkeys(H200_FP16, "float"))
                 for k in ("auto+bc", "auto+ada8Q+bc")})
+# the same for fp8: the 14 layers the H200's speed rule quantized at fp8 (the stem at int8, block 0's project conv at
+# int8 by clamp8, 11 expand convs and the head conv at fp8), the rest float
+CONFIGS.update({f"fp8@h200 {k}": replace(CONFIGS[f"fp8 {k}"], overrides=dict.fromkeys(H200_FP16, "float"))
+                for k in ("bc clamp8", "auto+bc clamp8", "ada8Q+bc clamp8", "auto+ada8Q+bc clamp8")})
 
 
 def sample_photos() -> list[tuple[str, torch.Tensor]]:
