@@ -294,8 +294,8 @@ def _logits(model, x01: torch.Tensor, batch: int) -> torch.Tensor:
 
 
 DEFAULT_CONFIGS = ("int8 absmax", "int8 bc", "int8 auto+bc", "int8 auto+ada8Q+bc", "fp8", "fp8 bc", "fp8 bc grouped8",
-                   "fp8 bc clamp8", "fp8 ada8Q+bc clamp8", "w4a8 mse+bc", "w4a8 mse+bc grouped8", "w4a8 mse+ada+bc grouped8",
-                   "w4a8 mse+adaQ+bc grouped8")
+                   "fp8 bc clamp8", "fp8 ada8Q+bc clamp8", "w4a8 mse+bc", "w4a8 mse+bc grouped8",
+                   "w4a8 mse+ada+bc grouped8", "w4a8 mse+adaQ+bc grouped8")
 DEFAULT_ENGINE = ("best",)
 GOALS = {"int8": 97.0, "fp8": 95.0, "w4a8": 85.0}  # issue 43's top-1 agreement targets
 
