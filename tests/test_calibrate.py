@@ -223,6 +223,67 @@ def test_adaround_through_quantize_model_keeps_the_scales_and_lowers_the_error()
         assert (q1(x) - m(x)).pow(2).mean() < (q0(x) - m(x)).pow(2).mean()
 
 
+def _e4m3_values() -> torch.Tensor:
+    """Every finite e4m3 value, ascending (the 256 codes decoded by torch, NaNs and -0 dropped): the grid oracle."""
+    v = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    return torch.unique(v[torch.isfinite(v)])
+
+
+def test_adaround_on_the_e4m3_grid_with_orthonormal_inputs_is_nearest():
+    """fp8 weights: each sits 0.2 or 0.8 of the way between two adjacent e4m3 values (any binade, subnormals, both
+    signs; the grid from torch's decoding of all 256 codes); unit-vector inputs make the output error
+    ||w_round - w||^2, whose minimum is nearest rounding -- torch's float8 cast."""
+    g = torch.Generator().manual_seed(7)
+    vals = _e4m3_values()
+    i = torch.randint(0, len(vals) - 1, (1, 4, 16), generator=g)
+    frac = torch.where(torch.rand(1, 4, 16, generator=g) < 0.5, 0.2, 0.8)
+    scale = torch.full((1, 4, 1), 0.1)
+    w = scale * (vals[i] + frac * (vals[i + 1] - vals[i]))
+    x = torch.eye(16)[:, None, :]
+    got = cal.adaround_layer(w, scale, tp.as_format("e4m3"), x, torch.einsum("pgi,gki->pgk", x, w),
+                             cal.AdaRound(iters=200, max_bits=8))
+    assert torch.equal(got, scale * (w / scale).to(torch.float8_e4m3fn).float())
+
+
+def test_adaround_on_the_e4m3_grid_cancels_the_rounding_error_of_a_sum():
+    """The sum case of the integer grids on e4m3's binade [64, 128) (spacing 8): 40 weights 0.15..0.45 of a spacing
+    above a grid value, one input of all ones.  AdaRound's weights are e4m3 values, each one of its weight's two
+    neighbours, the extreme (448, the scale) kept, and it closes at least a third of nearest rounding's gap to the
+    optimum (half a spacing)."""
+    vals = _e4m3_values()
+    s, gap = 0.0625, 8.0  # (a power of two: got / s is exact)
+    w = s * (64 + gap * (torch.arange(40) % 8) + gap * torch.linspace(0.15, 0.45, 40))
+    w[0] = s * 448.0
+    w = w.view(1, 1, 40)
+    x = torch.ones(8, 1, 40)
+    got = cal.adaround_layer(w, torch.full((1, 1, 1), s), tp.as_format("e4m3"), x, torch.einsum("pgi,gki->pgk", x, w),
+                             cal.AdaRound(iters=300, max_bits=8))
+    codes = got / s
+    assert torch.isin(codes, vals).all() and codes[0, 0, 0] == 448.0
+    lo = vals[torch.searchsorted(vals, w / s, right=True) - 1]
+    assert ((codes == lo) | (codes == lo + gap)).all()
+    nearest = s * (w / s).to(torch.float8_e4m3fn).float()
+    e_near, e_ada = abs(float((nearest - w).sum())), abs(float((got - w).sum()))
+    assert e_near > 10 * gap * s
+    assert e_ada - 0.5 * gap * s <= (2 / 3) * (e_near - 0.5 * gap * s)
+
+
+def test_adaround_of_8_bits_rounds_fp8_weights_through_quantize_model():
+    """An fp8 conv: ``AdaRound(max_bits=8)`` (fp8 weights are 8-bit) keeps the per-channel scales, changes some
+    e4m3 codes and lowers the output error on the calibration batch; ``max_bits=4`` leaves them nearest."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Conv2d(8, 16, 3, padding=1)).eval()
+    x = torch.randn(4, 8, 8, 8) + 0.5
+    q0, q4, q8 = (tp.quantize_model(m, tp.QuantConfig("fp8", first_last=None, **kw), calibration=x, warn=False)
+                  for kw in ({}, {"weight_rounding": cal.AdaRound(iters=200)},
+                             {"weight_rounding": cal.AdaRound(iters=200, max_bits=8)}))
+    w0, w4, w8 = (q.get_submodule("0").weight.qw for q in (q0, q4, q8))
+    assert torch.equal(w0.scale, w8.scale)
+    assert torch.equal(w0.dequantize(), w4.dequantize()) and not torch.equal(w0.dequantize(), w8.dequantize())
+    with torch.no_grad():
+        assert (q8(x) - m(x)).pow(2).mean() < (q0(x) - m(x)).pow(2).mean()
+
+
 def test_weight_rounding_validation():
     with pytest.raises(ValueError, match=r"weight_rounding must be one of \('nearest', 'adaround'\)"):
         tp.QuantConfig("w4a8", weight_rounding="stochastic")

@@ -73,6 +73,16 @@ CONFIGS = {
     # every layer reading a ReLU6 output at int8 (the depthwise and the project convs): e4m3 on a bounded [0, 6] range
     # is 15-22 dB less accurate than int8's uniform grid there, and the same speed on the H200 (docs/decisions/0113)
     "fp8 bc clamp8": QuantConfig("fp8", bias_correction=True, clamped_inputs="int8"),
+    # clamp8 calibrated as the int8 setting: the observer chosen per layer ("auto": the int8 layers only; FP8 layers
+    # keep absmax), AdaRound at 8 bits on the quantized model's inputs -- the int8 layers' weights and the fp8 layers'
+    # e4m3 ones -- which lets the stem and every later layer compensate the stem's int8 image rounding
+    # (docs/decisions/0145: "fp8 ada8Q+bc clamp8" is the fp8 setting)
+    "fp8 auto+bc clamp8": QuantConfig("fp8", activation_observer="auto", bias_correction=True, clamped_inputs="int8"),
+    "fp8 ada8Q+bc clamp8": QuantConfig("fp8", weight_rounding=cal.AdaRound(max_bits=8, inputs="quantized"),
+                                       bias_correction=True, clamped_inputs="int8"),
+    "fp8 auto+ada8Q+bc clamp8": QuantConfig("fp8", activation_observer="auto",
+                                            weight_rounding=cal.AdaRound(max_bits=8, inputs="quantized"),
+                                            bias_correction=True, clamped_inputs="int8"),
     "w4a8 absmax": QuantConfig("w4a8"),
     "w4a8 mse": QuantConfig("w4a8", activation_observer="mse", weight_clip="mse"),
     "w4a8 mse+bc": QuantConfig("w4a8", activation_observer="mse", weight_clip="mse", bias_correction=True),
@@ -96,6 +106,10 @@ CONFIGS = {
 # accuracy
 CONFIGS.update({f"int8@h200 {k}": replace(CONFIGS[f"int8 {k}"], overrides=dict.fromkeys(H200_FP16, "float"))
                 for k in ("auto+bc", "auto+ada8Q+bc")})
+# the same for fp8: the 14 layers the H200's speed rule quantized at fp8 (the stem at int8, block 0's project conv at
+# int8 by clamp8, 11 expand convs and the head conv at fp8), the rest float
+CONFIGS.update({f"fp8@h200 {k}": replace(CONFIGS[f"fp8 {k}"], overrides=dict.fromkeys(H200_FP16, "float"))
+                for k in ("bc clamp8", "auto+bc clamp8", "ada8Q+bc clamp8", "auto+ada8Q+bc clamp8")})
 
 
 def sample_photos() -> list[tuple[str, torch.Tensor]]:
@@ -280,8 +294,8 @@ def _logits(model, x01: torch.Tensor, batch: int) -> torch.Tensor:
 
 
 DEFAULT_CONFIGS = ("int8 absmax", "int8 bc", "int8 auto+bc", "int8 auto+ada8Q+bc", "fp8", "fp8 bc", "fp8 bc grouped8",
-                   "fp8 bc clamp8", "w4a8 mse+bc", "w4a8 mse+bc grouped8", "w4a8 mse+ada+bc grouped8",
-                   "w4a8 mse+adaQ+bc grouped8")
+                   "fp8 bc clamp8", "fp8 ada8Q+bc clamp8", "w4a8 mse+bc", "w4a8 mse+bc grouped8",
+                   "w4a8 mse+ada+bc grouped8", "w4a8 mse+adaQ+bc grouped8")
 DEFAULT_ENGINE = ("best",)
 GOALS = {"int8": 97.0, "fp8": 95.0, "w4a8": 85.0}  # issue 43's top-1 agreement targets
 

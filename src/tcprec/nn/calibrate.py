@@ -17,14 +17,15 @@ Weights: per-output-channel scales always; ``weight_clip="mse"`` searches each c
 [0.2, 1]) minimising ||w - q(w)||^2 with the layer's actual grid; ``weight_grid="pm"`` stores weights of 2..7 bits
 as odd integers -(2^N - 1)..(2^N - 1) (``pmN``: every one of the 2^N codes used, symmetric, no zero) instead of two's
 complement (which, symmetric, never uses -2^(N-1)).  ``weight_rounding=AdaRound()`` (Nagel et al. 2020) chooses, per
-weight, rounding down or up on that grid (same scales) to minimise the layer's output error on the calibration
-batches (:func:`adaround_weights`).  ``bias_correction``: the expected output error of the
+weight, rounding down or up on that grid (e4m3's for fp8 layers; same scales) to minimise the layer's output error on
+the calibration batches (:func:`adaround_weights`).  ``bias_correction``: the expected output error of the
 quantized weights, E[conv(x, w_q - w)] per output channel over the calibration batches (Nagel et al. 2019,
 empirical), is subtracted from the bias.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..formats import as_format
+from ..formats import FloatFormat, as_format
 from ..ops.quantize import absmax_qmax, quantize
 from ..qtensor import PerChannel
 
@@ -322,8 +323,9 @@ def bias_deltas(model: nn.Module, names: list[str], batches, w_dq) -> dict[str, 
 
 @dataclass(frozen=True)
 class AdaRound:
-    """Rounding optimisation of integer weights (Nagel et al. 2020, "Up or down?"), layer by layer: each weight
-    rounds down or up on its grid (the scale the layer uses, unchanged), chosen by minimising the layer's output
+    """Rounding optimisation of integer weights (Nagel et al. 2020, "Up or down?"), and of e4m3 ones (fp8 layers, 8
+    bits), layer by layer: each weight rounds down or up on its grid (for e4m3: to one of its two adjacent e4m3
+    values; the scale the layer uses, unchanged), chosen by minimising the layer's output
     error ``|| q(x) W_round - x W ||^2`` over every output position of the calibration batches (``q(x)``: the
     layer's quantized input), with the rectified-sigmoid relaxation and the annealed regulariser
     that pushes every choice to 0 or 1.  Layers with more than ``max_bits`` weight bits round to nearest.
@@ -373,6 +375,28 @@ def _grid(fmt) -> tuple[float, float, int, int]:
     return 1.0, 0.0, int(fmt.min), int(fmt.max)
 
 
+def _neighbours(u: torch.Tensor, fmt) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float]:
+    """(lo, gap, nearest, vmin, vmax) of the real-valued codes ``u`` (``w / scale``) on ``fmt``'s grid: the grid
+    value at or below each, the distance to the next one up, the nearest one, the grid's ends.  An integer grid's gap
+    is its step; a float format's (e4m3) is its spacing at ``u``: 2^(e - man) in the binade [2^e, 2^(e+1)) of ``u``
+    (rounding down, towards -inf, stays in the binade of ``u`` or the one below), 2^(emin - man) below the smallest
+    normal (subnormals)."""
+    if isinstance(fmt, FloatFormat):
+        if not fmt.subnormals:
+            raise ValueError(f"AdaRound on a float grid needs a format with subnormals, got {fmt!r} (e.g. e4m3)")
+        e = torch.floor(torch.log2(u.abs().clamp_min(math.ldexp(1.0, fmt.emin)))).clamp_min(fmt.emin)
+        gap = torch.exp2(e - fmt.man)
+        lo = torch.floor(u / gap) * gap
+        vmax = float(fmt.max)
+        nearest = (u.float().clamp(-vmax, vmax).to(torch.float8_e4m3fn).to(u.dtype) if fmt == as_format("e4m3")
+                   else torch.where(u - lo < lo + gap - u, lo, lo + gap).clamp(-vmax, vmax))
+        return lo, gap, nearest, -vmax, vmax
+    step, off, kmin, kmax = _grid(fmt)
+    k = (u - off) / step
+    return (step * torch.floor(k) + off, torch.full_like(u, step), step * torch.round(k).clamp(kmin, kmax) + off,
+            step * kmin + off, step * kmax + off)
+
+
 def _rect_sigmoid(v: torch.Tensor) -> torch.Tensor:
     return (torch.sigmoid(v) * 1.2 - 0.1).clamp(0.0, 1.0)
 
@@ -395,12 +419,9 @@ def adaround_layer(w: torch.Tensor, scale: torch.Tensor, fmt, x: torch.Tensor, t
 def _adaround(w, scale, fmt, opts: AdaRound, samples=None, gram=None) -> torch.Tensor:
     """AdaRound on the loss sum ||x W_q^T - t||^2, from ``samples`` (x (P, G, I), t (P, G, Kg)) or from its Gram
     form ``gram`` = (H = x^T x (G, I, I), C = x^T t (G, I, Kg), T = ||t||^2): tr(W_q H W_q^T) - 2 tr(W_q C) + T."""
-    step, off, kmin, kmax = _grid(fmt)
-    u = (w / scale - off) / step  # real-valued k
-    base = torch.floor(u)
-    rest = (u - base).clamp(0.01, 0.99)
+    lo, gap, nearest, vmin, vmax = _neighbours(w / scale, fmt)  # (G, Kg, I) in units of the scale
+    rest = ((w / scale - lo) / gap).clamp(0.01, 0.99)
     v = (-torch.log(1.2 / (rest + 0.1) - 1.0)).requires_grad_(True)  # h(v) = rest at the start
-    nearest = torch.round(u).clamp(kmin, kmax)
     top = nearest.abs() == nearest.abs().amax(-1, keepdim=True)  # (G, Kg, I): the channel's extreme codes stay
 
     def loss_of(wq):  # (G, Kg, I) -> the summed squared output error
@@ -412,14 +433,14 @@ def _adaround(w, scale, fmt, opts: AdaRound, samples=None, gram=None) -> torch.T
 
     # the output error in units of nearest rounding's: the regulariser's weight means the same on every layer
     with torch.no_grad():
-        power = loss_of(scale * (step * nearest + off)).clamp_min(1e-30)
+        power = loss_of(scale * nearest).clamp_min(1e-30)
     opt = torch.optim.Adam([v], lr=opts.lr)
     warm = opts.iters // 5
     with torch.enable_grad():
         for it in range(opts.iters):
             h = _rect_sigmoid(v)
-            k = torch.where(top, nearest, (base + h).clamp(kmin, kmax))
-            loss = loss_of(scale * (step * k + off)) / power
+            k = torch.where(top, nearest, (lo + gap * h).clamp(vmin, vmax))
+            loss = loss_of(scale * k) / power
             if it >= warm:  # beta anneals 20 -> 2 after the warm-up
                 beta = 2 + 18 * (1 - (it - warm) / max(1, opts.iters - warm))
                 loss = loss + opts.reg * (1 - (2 * h - 1).abs().pow(beta)).mean()
@@ -427,9 +448,9 @@ def _adaround(w, scale, fmt, opts: AdaRound, samples=None, gram=None) -> torch.T
             loss.backward()
             opt.step()
     with torch.no_grad():
-        k = torch.where(top, nearest, (base + (_rect_sigmoid(v) >= 0.5).float()).clamp(kmin, kmax))
-        wq = scale * (step * k + off)
-        return wq if loss_of(wq) <= loss_of(scale * (step * nearest + off)) else scale * (step * nearest + off)
+        k = torch.where(top, nearest, (lo + gap * (_rect_sigmoid(v) >= 0.5).to(lo.dtype)).clamp(vmin, vmax))
+        wq = scale * k
+        return wq if loss_of(wq) <= loss_of(scale * nearest) else scale * nearest
 
 
 def _gram_update(s: dict, mod: nn.Module, xq: torch.Tensor, x: torch.Tensor) -> None:

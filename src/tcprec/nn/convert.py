@@ -93,7 +93,8 @@ class QuantConfig:
     weight_grid ``"twos"`` (intN) | ``"pm"`` (pmN odd-integer codes for 2..7-bit weights: every code used)
     bias_correction  subtract the expected output error of the quantized weights from each layer's bias
     weight_rounding  ``"nearest"`` (default) | ``"adaround"`` | ``AdaRound(iters=300, max_bits=4, ...)``:
-                learned up/down rounding of integer weights of 2..max_bits bits on the calibration batches;
+                learned up/down rounding of integer weights of 2..max_bits bits (and of fp8 layers' e4m3 weights,
+                8 bits, between their two e4m3 neighbours, when ``max_bits=8``) on the calibration batches;
                 ``AdaRound(inputs="quantized")`` solves each layer on the quantized model's input (its predecessors
                 rounded, their inputs quantized), in model order (nn/calibrate.py ``adaround_lockstep``)
     speed_rule  ``"off"`` (default) | ``"measured"`` | ``SpeedRule(batch=256, timer=, rounds=2)``: time each quantized
@@ -765,7 +766,7 @@ def _calibration_call(cfg: QuantConfig, gm, order, batches, stats, precision_of,
 
     w_round, deltas = {}, {}
     ada = cal.as_rounding(cfg.weight_rounding)
-    rounded = [n for n in ints if 2 <= precision_of(n).w_bits <= ada.max_bits] if ada is not None else []
+    rounded = [n for n in layers if 2 <= precision_of(n).w_bits <= ada.max_bits] if ada is not None else []  # fp8: 8
     w_fmt = lambda n: _weight_fmt(precision_of(n), cfg.weight_grid)  # noqa: E731
     if rounded and ada.inputs == "quantized":  # every layer solved on the quantized model's input, in model order
         w_round, deltas = cal.adaround_lockstep(gm, layers, set(rounded), batches, clipped, w_nearest, w_fmt,
