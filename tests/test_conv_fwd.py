@@ -495,7 +495,7 @@ def test_pick_config_residual_classes():
 
     tiles = cf._TILES
     conv3 = G(256, 56, 56, 64, 256, 1, 1, (1, 1), (0, 0), (1, 1))
-    assert [cf.shape_class(conv3, e) for e in cf.EPILOGUES] == ["point", "tap_res", "point_dual"]  # (point: a GEMM)
+    assert [cf.shape_class(conv3, e) for e in cf.EPILOGUES] == ["tap", "tap_res", "point_dual"]
     cfg = cf.pick_config(conv3, fp8=False, epilogue="dual")
     assert (cfg["BLOCK_M"], cfg["BLOCK_N"]) == tiles["point_dual"][:2] and not cfg["FLAT"]
     assert (cfg["num_warps"], cfg["num_stages"]) == tiles["point_dual"][2:]

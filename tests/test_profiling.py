@@ -386,7 +386,6 @@ REAL_KERNELS = [
     ("_wgrad_kernel", "compute", True),
     ("_sum_splits_kernel", "compute", False),
     ("_conv_fwd_kernel", "compute", True),
-    ("_gemm_tma_kernel", "compute", True),
     ("_fma_gemm_kernel", "compute", False),
     ("_chunk_gemm_kernel", "compute", True),
     # CPU-clock op names

@@ -20,7 +20,6 @@ NO_CUDA = not torch.cuda.is_available()
 # conv_fwd._TILES as the code held it before it became data (commit e90722d), and the residual classes (decision 0130)
 CODE_TILES = {"tap": (128, 128, 4, 3), "flat": (128, 128, 4, 3), "thin": (128, 128, 8, 4)}
 RES_CLASSES = ("tap_res", "point_dual")
-POINT_CLASSES = ("point", "point_wide")  # split from "tap" (decision 0140) with its value: the same tiles as before
 
 
 @pytest.fixture
@@ -31,9 +30,7 @@ def run():
 
 def test_loaded_table_equals_what_the_code_had():
     tiles = cf.load_tile_table()
-    assert {c: tiles[c] for c in CODE_TILES} == CODE_TILES
-    assert set(tiles) == set(CODE_TILES) | set(RES_CLASSES) | set(POINT_CLASSES)
-    assert all(tiles[c] == CODE_TILES["tap"] for c in POINT_CLASSES)  # the implicit kernel, tap's tiles
+    assert {c: tiles[c] for c in CODE_TILES} == CODE_TILES and set(tiles) == set(CODE_TILES) | set(RES_CLASSES)
     assert cf._TILES == tiles and set(cf._TILES) == set(cf.TILE_CLASSES)
     # the residual classes: fewer accumulators a program than the plain 128 x 128 (their epilogue keeps more live)
     assert all(tiles[c][0] * tiles[c][1] < 128 * 128 for c in RES_CLASSES)
@@ -90,22 +87,6 @@ def test_tune_layers_cover_every_class():
     assert set(classes) == set(cf.TILE_CLASSES)
     assert tcf.candidates_of((128, 128, 4, 3))[0] == (128, 128, 4, 3)
     assert tcf.candidates_of((128, 128, 4, 3)).count((128, 128, 4, 3)) == 1
-    # the TMA GEMM's candidates: for the classes whose layers are all 1x1 stride-1 unpadded GEMMs, not the others
-    tma = {cls for cls, names in classes.items() if tcf.tma_class(names)}
-    assert tma == {"point", "point_wide", "point_dual"}
-    with_tma = tcf.candidates_of((128, 128, 4, 3), tma=True)
-    assert set(tcf.TMA_CANDIDATES) <= set(with_tma) and not set(tcf.TMA_CANDIDATES) & set(tcf.candidates_of((1,)))
-    assert all(c[4] == "tma" and c[3] * (c[0] + c[1]) * 128 <= 227 * 1024 for c in tcf.TMA_CANDIDATES)  # fits smem
-    # the transformer's linears: float16 out, the class of their own; each candidate becomes a launch config
-    assert classes["point_wide"] == ["resnet50.l4c1", "xf768.qkv+f16", "xf768.out_proj+f16", "xf768.linear1+f16",
-                                     "xf768.linear2+f16"]
-    assert tcf.out_kind("xf768.qkv+f16") == "float16" and tcf.parse_layer("xf768.qkv+f16") == ("xf768.qkv", "plain")
-    assert tcf.out_kind("resnet50.l1c3+dual") == "float16+int8" and tcf.out_kind("vgg.conv3") == "int8"
-    g = tcf.geometry("xf768.qkv+f16", 64)
-    assert g.N * g.P * g.Q == 12608 and (g.C, g.K) == (768, 2304)
-    cfg = tcf._config("xf768.qkv+f16", tcf.geometry("xf768.qkv+f16", 256), cf._TILES, "point_wide",
-                      (128, 256, 8, 3, "tma"))
-    assert cfg["kernel"] == "tma" and (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]) == (128, 256, 128)
 
 
 def test_choose_tiles_takes_the_least_total_time():

@@ -1358,8 +1358,7 @@ app.add_typer(tune_app, name="tune")
 def tune_conv_fwd_cmd(
     layers: str = typer.Option(",".join(tune_conv_fwd_mod.TUNE_LAYERS),
                                help="Comma-separated conv_fwd.NETWORK_LAYERS names to time, each optionally with "
-                                    "'+residual' or '+dual' (timed with that epilogue) or '+f16' (float16 out); "
-                                    "their classes are tuned (1x1 GEMM classes with TMA GEMM candidates too), "
+                                    "'+residual' or '+dual' (timed with that epilogue); their classes are tuned, "
                                     "the others keep their entry."),
     batch: int = typer.Option(256, min=1, help="Batch the candidates are timed at."),
     table: Optional[Path] = typer.Option(None, help="Tile table to update (default: the kernel's "

@@ -93,7 +93,6 @@ KERNEL_RULES: list[tuple[str, str, bool, str]] = [
     (r"^_im2col_bits_kernel$", "quantize_pack", False, "our Triton word gather over packed planes (im2col_bits.py)"),
     (r"^_(dgrad|wgrad)_kernel$", "compute", True, "our Triton implicit-GEMM conv backward: tl.dot"),
     (r"^_conv_fwd_kernel$", "compute", True, "our Triton implicit-GEMM conv forward (conv_fwd.py): tl.dot"),
-    (r"^_gemm_tma_kernel$", "compute", True, "our Triton persistent TMA GEMM, 1x1 convs / linears (conv_fwd_tma.py)"),
     (r"^_sum_splits_kernel$", "compute", False, "our Triton split-K reduction (conv_bwd.py), elementwise adds"),
     (r"^_fma_gemm_kernel$", "compute", False, "our Triton emulated GEMM, one rounded FMA at a time (no tl.dot)"),
     (r"^_chunk_gemm_kernel$", "compute", True, "our Triton emulated GEMM, tl.dot per k-chunk (fp32 'ieee' skips TCs)"),

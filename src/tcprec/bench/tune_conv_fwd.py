@@ -9,11 +9,9 @@ beside the kernel.  This command makes that file:
    timing;
 2. for each class, time int8 (per-channel scale + ReLU, int8 out: the chained layer; a layer named ``name+residual``
    adds a float16 residual first, ``name+dual`` also writes the float16 result beside the codes, as a ResNet block's
-   last conv does; ``name+f16`` writes float16 with no activation, as a transformer's linears do) on the class's
-   layers at batch 256 with each candidate table value -- the current one, :data:`CANDIDATES`, and for a class whose
-   layers the persistent TMA GEMM can all run (1x1 stride-1 unpadded, C % 16 == 0) :data:`TMA_CANDIDATES` --
-   exactly as ``pick_config(g, tiles=..., epilogue=...)`` turns it into a launch config (``do_bench`` median, L2
-   flushed before each call);
+   last conv does) on the class's layers at batch 256 with each candidate table value -- the current one and
+   :data:`CANDIDATES` -- exactly as ``pick_config(g, tiles=..., epilogue=...)`` turns it into a launch config
+   (``do_bench`` median, L2 flushed before each call);
 3. per class, keep the candidate of least total time over the class's layers (the current value on a tie or when
    every candidate failed), and write the table (each value with the figures that picked it) and the sweep
    (``benchmarks/results/conv_fwd_tune.json``, the results convention).
@@ -37,26 +35,17 @@ import torch
 from ..kernels.conv_geometry import ConvGeometry
 from .common import git_commit, require_cuda, time_median_ms, write_json
 
-__all__ = ["TUNE_LAYERS", "CANDIDATES", "TMA_CANDIDATES", "parse_layer", "layer_classes", "choose_tiles",
-           "table_document", "run"]
+__all__ = ["TUNE_LAYERS", "CANDIDATES", "parse_layer", "layer_classes", "choose_tiles", "table_document", "run"]
 
 # the layers each class is timed on (kernels/triton/conv_fwd.NETWORK_LAYERS, "+residual" / "+dual": with that
 # epilogue), at batch 256
 TUNE_LAYERS = ("vgg.conv3", "vgg.conv6", "resnet18.l1", "yolo.conv8", "yolo.conv2", "alexnet.conv1",
                "resnet18.l1+dual", "resnet18.l2+dual", "resnet50.l2c3+residual", "resnet50.l1c3+dual",
-               "resnet50.l2c3+dual", "resnet50.l3c3+dual", "resnet50.l2c1", "resnet50.l3c1", "resnet50.l4c1",
-               "xf768.qkv+f16", "xf768.out_proj+f16", "xf768.linear1+f16", "xf768.linear2+f16")
+               "resnet50.l2c3+dual", "resnet50.l3c3+dual")
 # table values tried beside the current one: (BLOCK_M, BLOCK_N cap, num_warps, num_stages)
 CANDIDATES = ((128, 128, 8, 4), (128, 256, 8, 3), (256, 128, 8, 3), (128, 128, 4, 3), (64, 128, 4, 4),
               (64, 128, 4, 3), (64, 64, 4, 3))
-# the persistent TMA GEMM's values (a fifth element "tma": conv_fwd_tma.py), tried where every layer of the class is a
-# GEMM it can run; shared memory: stages x (BLOCK_M + BLOCK_N) x BLOCK_K bytes, BLOCK_K = 128 -- 196 KB at most here.
-# Registers (ptxas for sm_90a, read from the cubin on the CPU): int8 float16-out 128 x 256 w8 230, no spill; the
-# residual + dual epilogue spills at 128 x 128 w4 and 128 x 256 w8, not at 128 x 128 w8 (179) or 64 x 64 w4 (108);
-# fp8 (a second accumulator for the BLOCK_K promotion) spills at 128 x 256 w8, not at 128 x 128 w8 (178)
-TMA_CANDIDATES = ((128, 128, 4, 4, "tma"), (128, 128, 8, 4, "tma"), (128, 256, 8, 3, "tma"), (128, 256, 8, 4, "tma"),
-                  (256, 128, 8, 3, "tma"), (64, 128, 4, 4, "tma"), (64, 64, 4, 4, "tma"))
-_SUFFIX = {"": "plain", "+residual": "residual", "+dual": "dual", "+f16": "plain"}
+_SUFFIX = {"": "plain", "+residual": "residual", "+dual": "dual"}
 
 
 def _cf():
@@ -68,7 +57,7 @@ def _cf():
 
 def parse_layer(name: str) -> tuple[str, str]:
     """``"resnet50.l1c3+dual"`` -> ``("resnet50.l1c3", "dual")``: the NETWORK_LAYERS entry and its epilogue
-    (conv_fwd.EPILOGUES; no suffix or "+f16": "plain")."""
+    (conv_fwd.EPILOGUES; no suffix: "plain")."""
     base, plus, tail = name.partition("+")
     return base, _SUFFIX.get(plus + tail, "?")
 
@@ -87,30 +76,16 @@ def layer_classes(layers: Sequence[str], batch: int = 256) -> dict[str, list[str
     if bad or not layers:
         raise ValueError(f"layers must be a non-empty list of conv_fwd.NETWORK_LAYERS names "
                          f"({', '.join(cf.NETWORK_LAYERS)}), each optionally with '+residual' or '+dual' (timed "
-                         f"with that epilogue) or '+f16' (float16 out, no activation), got {list(layers)}; default: "
-                         f"{','.join(TUNE_LAYERS)}")
+                         f"with that epilogue), got {list(layers)}; default: {','.join(TUNE_LAYERS)}")
     out: dict[str, list[str]] = {}
     for n in layers:
         out.setdefault(cf.shape_class(geometry(n, batch), parse_layer(n)[1]), []).append(n)
     return out
 
 
-def candidates_of(current: tuple, tma: bool = False) -> list[tuple]:
-    """The current table value first, then :data:`CANDIDATES` (and :data:`TMA_CANDIDATES` with ``tma``) not equal to
-    it."""
-    return [tuple(current)] + [c for c in CANDIDATES + (TMA_CANDIDATES if tma else ()) if tuple(c) != tuple(current)]
-
-
-def tma_class(names: Sequence[str], batch: int = 256) -> bool:
-    """Can the TMA GEMM run every layer of ``names`` (so its candidates are worth timing for their class)?"""
-    cf = _cf()
-    return all(cf.tma_unsupported(geometry(n, batch)) is None for n in names)
-
-
-def out_kind(name: str) -> str:
-    """What layer ``name`` is timed writing (conv_fwd.compile_key's ``out_kind``): "float16" for "+f16", the float16
-    result and the codes for "+dual", else the int8 codes."""
-    return "float16" if name.endswith("+f16") else "float16+int8" if parse_layer(name)[1] == "dual" else "int8"
+def candidates_of(current: tuple) -> list[tuple]:
+    """The current table value first, then :data:`CANDIDATES` not equal to it."""
+    return [tuple(current)] + [c for c in CANDIDATES if tuple(c) != tuple(current)]
 
 
 def _config(name: str, g: ConvGeometry, tiles: dict, cls: str, value: tuple) -> dict:
@@ -120,13 +95,10 @@ def _config(name: str, g: ConvGeometry, tiles: dict, cls: str, value: tuple) -> 
 
 def _conv(name: str, g: ConvGeometry, x, w, scale, res, cfg):
     """One timed launch of layer ``name``: int8 codes out after the residual (if its epilogue has one), and the
-    float16 result beside them for "+dual"; "+f16": float16 out, no activation (a transformer's linear)."""
+    float16 result beside them for "+dual"."""
     epilogue = parse_layer(name)[1]
-    kind = out_kind(name)
-    kw = ({"out": ("int8", 0.05)} if kind == "int8" else {"out": "float16"} if kind == "float16" else
-          {"out": "float16", "out_int8": ("int8", 0.05)})
-    return _cf().conv2d_fwd_int8(x, w, stride=g.stride, padding=g.padding, scale=scale,
-                                 act=None if kind == "float16" else "relu",
+    kw = {"out": ("int8", 0.05)} if epilogue != "dual" else {"out": "float16", "out_int8": ("int8", 0.05)}
+    return _cf().conv2d_fwd_int8(x, w, stride=g.stride, padding=g.padding, scale=scale, act="relu",
                                  residual=res if epilogue != "plain" else None, config=cfg, **kw)
 
 
@@ -212,8 +184,9 @@ def run(layers: Sequence[str] = TUNE_LAYERS, batch: int = 256, table=None,
     old_doc = json.loads(table.read_text())
     # class -> candidate table value -> layer -> the launch config pick_config makes with that value
     plan = {cls: {v: {n: _config(n, geometry(n, batch), current, cls, v) for n in names}
-                  for v in candidates_of(current[cls], tma=tma_class(names, batch))} for cls, names in classes.items()}
-    tasks = {cf.compile_key(geometry(n, batch), cfg, False, out_kind(n), has_res=parse_layer(n)[1] != "plain"): (n, cfg)
+                  for v in candidates_of(current[cls])} for cls, names in classes.items()}
+    tasks = {cf.compile_key(geometry(n, batch), cfg, False, "float16+int8" if parse_layer(n)[1] == "dual" else "int8",
+                            has_res=parse_layer(n)[1] != "plain"): (n, cfg)
              for by_v in plan.values() for by_n in by_v.values() for n, cfg in by_n.items()}
     t0 = time.time()
     with ProcessPoolExecutor(max_workers=workers or min(16, os.cpu_count() or 4),
@@ -261,8 +234,7 @@ def run(layers: Sequence[str] = TUNE_LAYERS, batch: int = 256, table=None,
               "commit": commit, "summary": summary, "targets": [], "table": str(table), "batch": batch,
               "method": f"triton.testing.do_bench median (warmup {warmup_ms} ms, rep {rep_ms} ms, L2 flushed before "
                         "each call); int8 in, per-channel scale + ReLU, int8 out (+residual: a float16 residual "
-                        "added first; +dual: the float16 result written beside the codes; +f16: float16 out, no "
-                        "activation)", "rows": rows}
+                        "added first; +dual: the float16 result written beside the codes)", "rows": rows}
     write_json(out, result)
     console.print(f"wrote {table} and {out}")
     return result

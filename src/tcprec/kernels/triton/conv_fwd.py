@@ -54,9 +54,7 @@ narrower than fp32; unless ``fast_accum=True`` we promote it into fp32 every BLO
 (``max_num_imprecise_acc=BLOCK_K``), as cuBLAS does by default.
 
 Tiles come from a small table per class of shape and epilogue (:func:`pick_config`, :func:`shape_class`); no autotuning
-at run time.  A 1x1, stride-1, unpadded conv (a GEMM) runs the persistent TMA GEMM instead (``conv_fwd_tma.py``)
-where the table's entry for its class names ``"tma"`` (or an explicit ``config={"kernel": "tma", ...}`` asks for it);
-both kernels call the same epilogue function (``conv_fwd_epilogue.py``), so their outputs are the same bit for bit.
+at run time.
 Shape scalars are not specialised (no recompile per layer, batch or image size); C and K are, so
 16-byte vector loads are provable when C % 16 == 0.
 """
@@ -79,7 +77,6 @@ from ..reference_bitplanes import packed_words
 from ..reference_conv_int8_fp8 import FP8_KINDS, Fp8Out, Int8Out, parse_act, parse_out
 from ._host import cdiv, next_power_of_2
 from .conv_fwd_epilogue import OutMode, _channel_scale, _conv_epilogue
-from .conv_fwd_tma import launch as launch_tma
 from .round import fp8_constexprs
 
 __all__ = ["conv2d_fwd_int8", "conv2d_fwd_fp8", "pick_config", "shape_class", "epilogue_of", "compile_key", "geometry",
@@ -322,11 +319,10 @@ NETWORK_LAYERS = {
     # ResNet-50's bottleneck convs whose epilogue adds the shortcut (tuned with it: bench/tune_conv_fwd.TUNE_LAYERS)
     "resnet50.l1c3": (56, 56, 64, 256, 1, 1, 1, 0), "resnet50.l2c3": (28, 28, 128, 512, 1, 1, 1, 0),
     "resnet50.l3c3": (14, 14, 256, 1024, 1, 1, 1, 0), "resnet50.l4c3": (7, 7, 512, 2048, 1, 1, 1, 0),
-    # ResNet-50's 1x1 conv1s (GEMMs: the "point" / "point_wide" classes)
+    # ResNet-50's 1x1 conv1s, and a ViT-B / TransformerEncoder(d_model 768) layer's linears as QLinear runs them: 197
+    # tokens an image as H = 197, W = 1 (batch 64: M = 12608 rows); measured in decision 0140
     "resnet50.l1c1": (56, 56, 256, 64, 1, 1, 1, 0), "resnet50.l2c1": (28, 28, 512, 128, 1, 1, 1, 0),
     "resnet50.l3c1": (14, 14, 1024, 256, 1, 1, 1, 0), "resnet50.l4c1": (7, 7, 2048, 512, 1, 1, 1, 0),
-    # a ViT-B / TransformerEncoder(d_model 768) layer's linears as QLinear runs them: 197 tokens an image as H = 197,
-    # W = 1 (batch 64: M = 12608 rows)
     "xf768.qkv": (197, 1, 768, 2304, 1, 1, 1, 0), "xf768.out_proj": (197, 1, 768, 768, 1, 1, 1, 0),
     "xf768.linear1": (197, 1, 768, 3072, 1, 1, 1, 0), "xf768.linear2": (197, 1, 3072, 768, 1, 1, 1, 0),
 }
@@ -365,17 +361,8 @@ def _flat_block_k(rsc: int) -> int:
 #               float result live beside the accumulator, so 128x128 with 4 warps runs out of registers (255 a
 #               thread, spilling; 12% occupancy) at a quarter of the bandwidth (decision 0130);
 #   point_dual  a 1x1 "tap" conv with a residual and the dual output (float + codes: a bottleneck's conv3), the
-#               heaviest epilogue over the shortest reduction;
-#   point       a 1x1, stride-1, unpadded "tap" conv with the plain epilogue (a GEMM: ResNet-50's conv1s), C*K below
-#               POINT_WIDE_CK;
-#   point_wide  the same with C*K >= POINT_WIDE_CK (a linear layer's weight: the transformer's linears, ResNet-50's
-#               layer4 conv1) -- the classes where the TMA GEMM (conv_fwd_tma.py) can run every layer.
-# An entry may name its kernel as a fifth element: [BLOCK_M, BLOCK_N cap, num_warps, num_stages, "tma"] runs the
-# persistent TMA GEMM on the launches it can run (:func:`tma_unsupported`; the others -- a planes output, an unaligned
-# view -- run the implicit kernel with the same tiles); four elements (or "implicit"): the implicit GEMM.
-TILE_CLASSES = ("tap", "flat", "thin", "tap_res", "point_dual", "point", "point_wide")
-KERNELS = ("implicit", "tma")
-POINT_WIDE_CK = 2**19  # C*K: 768 x 768 (the transformer's out_proj) and up
+#               heaviest epilogue over the shortest reduction.
+TILE_CLASSES = ("tap", "flat", "thin", "tap_res", "point_dual")
 # what the epilogue does besides the activation: nothing more, a residual add, or a residual add with the dual output
 EPILOGUES = ("plain", "residual", "dual")
 TILE_TABLE_PATH = Path(__file__).with_name("conv_fwd_tiles.json")
@@ -384,10 +371,9 @@ _TILE_WARPS = (4, 8)
 _TILE_STAGES = (2, 3, 4, 5, 6)
 
 
-def load_tile_table(path=TILE_TABLE_PATH) -> dict[str, tuple]:
-    """The tile table at ``path``, validated: ``{class: (BLOCK_M, BLOCK_N cap, num_warps, num_stages[, kernel])}``
-    for every class of :data:`TILE_CLASSES` (kernel: one of :data:`KERNELS`, absent: "implicit"); ValueError naming
-    the file, the entry and the allowed values otherwise."""
+def load_tile_table(path=TILE_TABLE_PATH) -> dict[str, tuple[int, int, int, int]]:
+    """The tile table at ``path``, validated: ``{class: (BLOCK_M, BLOCK_N cap, num_warps, num_stages)}`` for every
+    class of :data:`TILE_CLASSES`; ValueError naming the file, the entry and the allowed values otherwise."""
     path = Path(path)
     try:
         doc = json.loads(path.read_text())
@@ -402,23 +388,19 @@ def load_tile_table(path=TILE_TABLE_PATH) -> dict[str, tuple]:
     table = {}
     for cls in TILE_CLASSES:
         v = doc[cls].get("value") if isinstance(doc[cls], dict) else None
-        kern = v[4:] if isinstance(v, list) and len(v) == 5 else []
-        ok = (isinstance(v, list) and len(v) in (4, 5) and all(isinstance(i, int) and not isinstance(i, bool)
-                                                               for i in v[:4]) and all(k in KERNELS for k in kern)
+        ok = (isinstance(v, list) and len(v) == 4 and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
               and v[0] in _TILE_BLOCK_M and v[1] >= 16 and v[1] & (v[1] - 1) == 0 and v[1] <= 256
               and v[2] in _TILE_WARPS and v[3] in _TILE_STAGES)
         if not ok:
             raise ValueError(f"conv_fwd tile table {path}: {cls}.value must be [BLOCK_M, BLOCK_N cap, num_warps, "
-                             f"num_stages] or [..., kernel] with BLOCK_M in {_TILE_BLOCK_M}, BLOCK_N cap a power of "
-                             f"two in 16..256, num_warps in {_TILE_WARPS}, num_stages in {_TILE_STAGES}, kernel in "
-                             f"{KERNELS}; got {v!r}")
+                             f"num_stages] with BLOCK_M in {_TILE_BLOCK_M}, BLOCK_N cap a power of two in 16..256, "
+                             f"num_warps in {_TILE_WARPS}, num_stages in {_TILE_STAGES}; got {v!r}")
         table[cls] = tuple(v)
     return table
 
 
 _TILES = load_tile_table()
 _SMALL_M_WARPS = 4  # 64-row tiles (too few 128-row tiles to fill the SMs): one warpgroup
-TMA_GROUP_M = 8  # the TMA GEMM's grouped tile order: 8 row blocks share each weight block (tutorial 03's value)
 
 
 # A pooled planes epilogue (PlanesOut pool=2) runs 4 accumulations a program (one per window pixel), each a reduction
@@ -431,42 +413,14 @@ _POOLED_ONE_STEP = {"BLOCK_M": 64, "num_stages": 2}
 def shape_class(g: ConvGeometry, epilogue: str = "plain") -> str:
     """The tile table's class of a conv: "tap" (C a multiple of 64), else "thin" (C < 16) or "flat"; a "tap" conv
     whose ``epilogue`` (one of :data:`EPILOGUES`) adds a residual is "tap_res", or "point_dual" when it is 1x1 with the
-    dual output; a plain "tap" conv that is a GEMM (:func:`is_gemm`) is "point", or "point_wide" when C*K >=
-    :data:`POINT_WIDE_CK`.  (A residual on a "flat" / "thin" conv keeps its shape class: no network layer was measured
-    there.)"""
+    dual output.  (A residual on a "flat" / "thin" conv keeps its shape class: no network layer was measured there.)"""
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
     if g.C % 64 != 0:
         return "thin" if g.C < 16 else "flat"
     if epilogue == "plain":
-        if is_gemm(g):
-            return "point_wide" if g.C * g.K >= POINT_WIDE_CK else "point"
         return "tap"
     return "point_dual" if epilogue == "dual" and g.R == g.S == 1 else "tap_res"
-
-
-def is_gemm(g: ConvGeometry) -> bool:
-    """A 1x1, stride-1, unpadded conv: y (M, K) = x (M, C) @ w (K, C)^T over the M = N*H*W pixels (the dilation of a
-    1x1 filter changes nothing)."""
-    return g.R == g.S == 1 and tuple(g.stride) == (1, 1) and tuple(g.padding) == (0, 0)
-
-
-def tma_unsupported(g: ConvGeometry, x: torch.Tensor | None = None, w: torch.Tensor | None = None,
-                    planes: bool = False) -> str | None:
-    """Why the TMA GEMM (conv_fwd_tma.py) cannot run this launch, or None when it can: it needs a GEMM
-    (:func:`is_gemm`), C a multiple of 16 (TMA's 16-byte row strides), operands on 16-byte aligned addresses, and
-    an output of the plain layout (not a ``PlanesOut``)."""
-    if not is_gemm(g):
-        return (f"the TMA GEMM runs 1x1 convs of stride 1 and padding 0, got {g.R}x{g.S}, stride {tuple(g.stride)}, "
-                f"padding {tuple(g.padding)}")
-    if g.C % 16:
-        return f"the TMA GEMM needs C a multiple of 16 (16-byte rows of 8-bit codes), got C={g.C}"
-    for name, t in (("x", x), ("w", w)):
-        if t is not None and t.data_ptr() % 16:
-            return f"the TMA GEMM needs {name} on a 16-byte aligned address, got a view at {t.data_ptr() % 16} mod 16"
-    if planes:
-        return "the TMA GEMM does not write packed planes (PlanesOut); the implicit kernel does"
-    return None
 
 
 def epilogue_of(residual: bool, dual: bool) -> str:
@@ -489,8 +443,6 @@ def pick_config(g: ConvGeometry, fp8: bool, device: torch.device | None = None, 
     ``pooled``: for a ``PlanesOut(pool=2)`` epilogue (BLOCK_M counts pooled pixels): :data:`_POOLED_ONE_STEP` where
     the reduction is one BLOCK_K step and there are enough pooled tiles.
     ``tiles``: another table of the same form (``tcprec tune conv-fwd`` times candidates through this).
-    An entry naming ``"tma"`` gives ``kernel="tma"`` (with ``GROUP_M``) where the geometry can take it
-    (:func:`tma_unsupported`); otherwise the config has no "kernel" key (the implicit kernel).
     """
     sms = _sm_count(device)
     M = g.N * g.P * g.Q
@@ -499,7 +451,7 @@ def pick_config(g: ConvGeometry, fp8: bool, device: torch.device | None = None, 
         flat, bk = False, (128 if g.C % 128 == 0 else 64)
     else:
         flat, bk = True, _flat_block_k(g.R * g.S * g.C)
-    bm, bn_cap, warps, stages, *kern = (_TILES if tiles is None else tiles)[cls]
+    bm, bn_cap, warps, stages = (_TILES if tiles is None else tiles)[cls]
     bn = min(bn_cap, max(16, next_power_of_2(g.K)))
     if cdiv(M, bm) * cdiv(g.K, bn) < sms:
         bm, warps = 64, _SMALL_M_WARPS
@@ -508,8 +460,6 @@ def pick_config(g: ConvGeometry, fp8: bool, device: torch.device | None = None, 
         while M <= bm and cdiv(g.K, bn) < sms and bn > 16:  # one row tile (a linear layer at batch 8): W on more SMs
             bn //= 2
     cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "FLAT": flat, "num_warps": warps, "num_stages": stages}
-    if kern and kern[0] == "tma" and tma_unsupported(g) is None:
-        cfg.update(kernel="tma", GROUP_M=TMA_GROUP_M)
     steps = cdiv(g.R * g.S * g.C, bk) if flat else g.R * g.S * cdiv(g.C, bk)  # of the reduction loop
     if pooled and steps == 1 and cdiv(M // 4, _POOLED_ONE_STEP["BLOCK_M"]) * cdiv(g.K, bn) >= sms:
         cfg.update(_POOLED_ONE_STEP)
@@ -524,10 +474,7 @@ def compile_key(g: ConvGeometry, cfg: dict, fp8: bool, out_kind: str, has_add: b
     flat = cfg.get("FLAT", g.C % cfg["BLOCK_K"] != 0)
     key = (fp8, out_kind, has_add, g.C % 16 == 0, g.C == 1, g.K % 16 == 0, g.K == 1, flat, g.C % cfg["BLOCK_K"] == 0,
            cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg.get("num_warps", 4), cfg.get("num_stages", 3))
-    key += ("residual",) if has_res else ()  # unchanged keys for launches without one
-    if cfg.get("kernel", "implicit") == "tma":  # another kernel (the implicit kernel's keys are unchanged)
-        key += ("tma", cfg.get("GROUP_M", TMA_GROUP_M), cfg.get("NUM_PROGRAMS"))
-    return key
+    return key + (("residual",) if has_res else ())  # unchanged keys for launches without one
 
 
 # ------------------------------------------------------------------------------------------------
@@ -664,29 +611,6 @@ def _interior_position(g: ConvGeometry) -> int:
     return p * g.Q + q if p >= 0 and q >= 0 else -1
 
 
-def _check_kernel(cfg: dict, g: ConvGeometry, x, w, planes: bool, op: str, explicit: bool) -> str:
-    """The kernel a launch config names (:data:`KERNELS`; absent: "implicit"), checked: an explicit ``config`` asking
-    for "tma" where the TMA GEMM cannot run, or with tiles it cannot take, is a ValueError naming why."""
-    kind = cfg.get("kernel", "implicit")
-    if kind not in KERNELS:
-        raise ValueError(f"{op}: config['kernel'] must be one of {KERNELS}, got {kind!r}")
-    if kind != "tma":
-        return kind
-    why = tma_unsupported(g, x, w, planes)
-    if why is not None and explicit:
-        raise ValueError(f"{op}: config asks for kernel='tma', but {why}; pass kernel='implicit' or config=None")
-    bad = {k: cfg.get(k) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")
-           if not (isinstance(cfg.get(k), int) and 16 <= cfg[k] <= 256 and cfg[k] & (cfg[k] - 1) == 0)}
-    if bad:
-        raise ValueError(f"{op}: the TMA GEMM's BLOCK_M, BLOCK_N and BLOCK_K must be powers of two in 16..256 (a TMA "
-                         f"box), got {bad}")
-    for k in ("GROUP_M", "NUM_PROGRAMS"):
-        v = cfg.get(k)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ValueError(f"{op}: config[{k!r}] must be a positive int (or absent), got {v!r}")
-    return kind
-
-
 def _launch(x, w, g: ConvGeometry, op: str, *, fp8: bool, alpha, sa, sb, bias, act, out, fast_accum, config,
             add=None, acc_mul: int = 1, res=None, out8=None, add_interior: bool = False):
     kind, spec = out
@@ -715,10 +639,6 @@ def _launch(x, w, g: ConvGeometry, op: str, *, fp8: bool, alpha, sa, sb, bias, a
     cfg = dict(INTERPRETER_CONFIG if (config is None and interpreting()) else
                (config or pick_config(g, fp8, device, pooled=planes is not None and planes.pool == 2,
                                       epilogue=epilogue_of(res is not None, out8 is not None))))
-    if _check_kernel(cfg, g, x, w, planes is not None, op, explicit=config is not None) == "tma" and \
-            tma_unsupported(g, x, w, planes is not None) is not None:
-        cfg["kernel"] = "implicit"  # a table entry's "tma" covers the launches the TMA GEMM can run (a planes output
-        #                             or an unaligned view of a TMA class runs the implicit kernel, same tiles)
     M, kw = g.N * g.P * g.Q, 0
     if planes is not None:  # (bits, rows, Kw) int32; a program packs whole words: BLOCK_N >= 32
         if planes.pool:  # BLOCK_M pooled pixels a program (4 accumulators of BLOCK_M rows, one a window pixel)
@@ -739,18 +659,8 @@ def _launch(x, w, g: ConvGeometry, op: str, *, fp8: bool, alpha, sa, sb, bias, a
         y8 = torch.empty(g.output_shape, dtype=torch.int8 if out_mode == OutMode.DUAL else f8_out.dtype, device=device)
     else:
         y8 = y
-    add_t = _const(device, 0.0) if add is None else add
-    if cfg.get("kernel") == "tma":  # the persistent TMA GEMM (conv_fwd_tma.py): the same epilogue, bit for bit
-        kernel = launch_tma(
-            x, w, M, g.K, g.C, g.P * g.Q, cfg, cfg.get("NUM_PROGRAMS") or _sm_count(device),
-            (y.view(torch.uint8) if out_mode == OutMode.FP8 else y, sa[0], sb[0], bias_t, add_t, oscale,
-             _const(device, 0.0) if res is None else res, y8.view(torch.uint8) if out_mode == OutMode.DUAL_FP8 else y8,
-             float(alpha), sa[1], sb[1], bias_stride, mode, float(slope), int(acc_mul)),
-            dict(IS_FP8=fp8, FAST_ACCUM=bool(fast_accum), OUT_MODE=int(out_mode), HAS_ADD=add is not None,
-                 ADD_PIX=add is not None and add.dim() == 3, INT64=int64, HAS_RES=res is not None, OUT_LO=o_lo,
-                 OUT_HI=o_hi, OUT_OFF=o_off, **f8))
-        return ((y, y8) if out_mode in (OutMode.DUAL, OutMode.DUAL_FP8) else y), kernel
     grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(g.K, cfg["BLOCK_N"]),)
+    add_t = _const(device, 0.0) if add is None else add
     kernel = _conv_fwd_kernel[grid](
         x, w, y.view(torch.uint8) if out_mode == OutMode.FP8 else y, sa[0], sb[0], bias_t, add_t, oscale,
         _const(device, 0.0) if res is None else res, y8.view(torch.uint8) if out_mode == OutMode.DUAL_FP8 else y8,

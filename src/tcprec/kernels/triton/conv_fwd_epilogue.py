@@ -1,7 +1,7 @@
-"""The fused epilogue of the INT8 / FP8 forward conv, one ``@triton.jit`` function shared by the implicit-GEMM kernel
-(``conv_fwd.py``) and the persistent TMA GEMM (``conv_fwd_tma.py``): both run this very code after their
-accumulator, so their outputs are the same bit for bit.  What each output mode computes, in the float32 operation
-order of ``kernels/reference_conv_int8_fp8.py``, is in ``conv_fwd.py``'s module docstring.
+"""The fused epilogue of the INT8 / FP8 forward conv (``conv_fwd.py``), one ``@triton.jit`` function a GEMM kernel
+calls after its accumulator (a persistent TMA GEMM shared it and gave the same bits: docs/decisions/0140).  What each
+output mode computes, in the float32 operation order of ``kernels/reference_conv_int8_fp8.py``, is in
+``conv_fwd.py``'s module docstring.
 """
 
 from __future__ import annotations
