@@ -51,7 +51,8 @@ def test_json_follows_the_convention(tmp_path):
     assert tg["resnet50 w1a2 >= 2.5x fp16"]["met"] is False
     assert tg["no model slower than fp16 at any precision"]["met"] is False
     assert "mobilenet_v2 int8 0.90x" in tg["no model slower than fp16 at any precision"]["value"]
-    assert tg["every torchvision classification model converts"]["met"] is True
+    conv = tg["every torchvision classification model converts"]  # two of the catalog's models: not judged
+    assert conv["met"] is None and "--model all judges this target" in conv["value"]
 
 
 def test_all_expands_to_the_catalog_and_errors_fail_the_conversion_target(tmp_path):
@@ -60,6 +61,19 @@ def test_all_expands_to_the_catalog_and_errors_fail_the_conversion_target(tmp_pa
     conv = next(t for t in payload["targets"] if t["target"].startswith("every"))
     assert conv["met"] is False and "failed: vit_b_16" in conv["value"]
     assert next(r for r in payload["summary"] if "error" in r)["error"] == "ValueError: boom"
+
+
+def test_only_the_whole_catalog_meets_the_conversion_target(tmp_path):
+    """Every model converting is met by a run of the whole catalog; a run of fewer models leaves it unjudged."""
+    def ok(name, precisions, *args):  # every model measures as ResNet-50 does
+        rows, _ = fake_measure("resnet50", precisions, *args)
+        return [dict(r, model=name) for r in rows], {}
+
+    def conv(payload):
+        return next(t for t in payload["targets"] if t["target"].startswith("every"))
+
+    assert conv(_run(tmp_path, models=["all"], measure=ok))["met"] is True
+    assert conv(_run(tmp_path, models=["resnet50", "vit_b_16"], measure=ok))["met"] is None
 
 
 def test_a_model_that_fails_to_build_is_a_row(tmp_path):
