@@ -84,8 +84,7 @@ def build_model(name: str, seed: int, device, image: int = IMAGE) -> torch.nn.Mo
     return m.eval()
 
 
-def _models(models: Sequence[str], catalog: Callable[[], list[str]]) -> list[str]:
-    known = catalog()
+def _models(models: Sequence[str], known: list[str]) -> list[str]:
     if list(models) == ["all"]:
         return known
     bad = [m for m in models if m not in known]
@@ -238,7 +237,7 @@ def run(models: Sequence[str] = DEFAULT_MODELS, precisions: Sequence[str] = PREC
         torch.backends.cudnn.allow_tf32 = False  # fp32 means fp32 (the reference)
         torch.backends.cuda.matmul.allow_tf32 = False
     known = (catalog or torchvision_classifiers)()
-    names = _models(models, lambda: known)
+    names = _models(models, known)
     env = env if env is not None else environment()
     if env.get("gpu") and "sm_count" in env:
         print_environment(console, env)

@@ -184,16 +184,26 @@ def _quantize_input(x_nhwc: torch.Tensor, m: "_QBase", compact: bool = False):
     bit planes in one fused kernel for the bit-serial backend (``compact``: rows without their padding
     words, for a convolution that reads its input through an im2col), e4m3 codes for FP8, the INT8 conv's
     int8 operand (a ``ShiftedInt8`` QTensor, one fused kernel on CUDA) for the int8 backend, uint8 codes otherwise."""
-    if m.precision.fp8:
+    op = _input_operand(m, x_nhwc.device)
+    if op == "fp8":
         return qc.quantize_fp8_static(x_nhwc, m.in_scale)  # QTensor of e4m3 codes (N, H, W, C)
-    name, _ = layer_backend(m.a_fmt, m.w_fmt, device_caps(x_nhwc.device), m.backend)
-    if name == "bitserial":
+    if op == "planes":
         N, H, W, C = x_nhwc.shape
         planes = quantize_pack(x_nhwc.reshape(N * H * W, C), m.a_fmt, m.in_scale, compact=compact)  # (bits, NHW, Kw)
         return qc.planes_qtensor(planes, m.a_fmt, m.in_scale, (N, H, W, C))
-    if name == "int8":
+    if op == "int8":
         return qc.quantize_int8_static(x_nhwc, m.a_fmt, m.in_scale)  # (N, H, W, C) int8 operand
     return quantize_static(x_nhwc, m.a_fmt, m.in_scale)  # QTensor (N, H, W, C) codes
+
+
+def _input_operand(m, device: torch.device) -> str | None:
+    """The operand a quantized layer ``m`` (or a ``QMaxPool2d`` standing for its readers) takes on ``device``: "fp8"
+    (e4m3 codes), "planes" (bit planes: the bit-serial backend), "int8" (the INT8 kernel's codes), or None (uint8
+    codes from torch ops: the reference backend)."""
+    if m.precision.fp8:
+        return "fp8"
+    name, _ = layer_backend(m.a_fmt, m.w_fmt, device_caps(device), m.backend)
+    return {"bitserial": "planes", "int8": "int8"}.get(name)
 
 
 @dataclass(frozen=True)
@@ -336,8 +346,6 @@ class _QBase(nn.Module):
         this layer running as ``kind`` (set by ``quantize_model``)."""
         if self.layer_plan is None:
             raise ValueError(f"{type(self).__name__}.chained_from needs the layer's plan first (plan_on(device))")
-        from dataclasses import replace
-
         self.layer_plan = replace(self.layer_plan, chain_in=layout, chain_kind=kind)
 
     def _check_chain(self, plan: LayerPlan) -> None:
@@ -650,10 +658,8 @@ class QMaxPool2d(nn.Module):
     def operand(self, device: torch.device) -> str | None:
         """What the readers take on ``device`` (``ops.qconv.MAX_POOL_OPERANDS``), as ``_quantize_input`` decides it;
         None on the reference backend (uint8 codes from torch ops)."""
-        if self.precision.fp8:
-            return "fp8"
-        name, _ = layer_backend(self.a_fmt, self.w_fmt, device_caps(device), self.backend)
-        return {"bitserial": "compact" if self.compact else "planes", "int8": "int8"}.get(name)
+        op = _input_operand(self, device)
+        return "compact" if op == "planes" and self.compact else op
 
     def forward(self, x):
         if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.dtype.is_floating_point:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -377,8 +377,7 @@ def max_pool_quantize(x: torch.Tensor, window, operand: str, fmt, scale: torch.T
     y = torch.nn.functional.max_pool2d(x.permute(0, 3, 1, 2), (kh, kw), (sh, sw), (ph, pw)).permute(0, 2, 3, 1)
     hp = y.contiguous() if with_float else None
     if operand == "fp8":
-        q = quantize_fp8_static(y, scale, fmt)
-        return QTensor(q.data, q.scale, q.fmt, q.granularity, q.shape, q.dtype, q.layout, hp) if with_float else q
+        return replace(quantize_fp8_static(y, scale, fmt), hp=hp)
     if operand == "int8":
         q = quantize_int8_static(y, fmt, scale, backend="reference")
         return int8_qtensor(q.data, fmt, scale, hp)
