@@ -256,6 +256,13 @@ def _conv_fwd_kernel(
     # ---- rows: output pixel m = (n, p, q) ----
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
+    res = 0.0
+    if HAS_RES:  # the residual tile, loaded before the K loop so that its latency hides behind the MMAs
+        if INT64:
+            offs_r = offs_m.to(tl.int64)[:, None] * K + offs_n[None, :]
+        else:
+            offs_r = offs_m[:, None] * K + offs_n[None, :]
+        res = tl.load(res_ptr + offs_r, mask=m_ok[:, None] & n_ok[None, :], other=0.0)
     if POOL == 2:  # M pooled pixels (n, po, qo): the 4 pixels of each window, one after another
         qo = offs_m % (Q // 2)
         t = offs_m // (Q // 2)
@@ -293,7 +300,7 @@ def _conv_fwd_kernel(
 
     # ---- epilogue: y[m, k] at out + m*K + k (OUT_PLANES: planes row m) ----
     _conv_epilogue(acc, offs_m, offs_n, offs_n_ld, m_ok, n_ok, scl, pid_n, num_n, M, K, out_ptr, bias_ptr, oscale_ptr,
-                   res_ptr, out8_ptr, bias_stride, act, slope, planes_kw, OUT_MODE, INT64, HAS_RES, OUT_LO, OUT_HI,
+                   res, res_ptr, out8_ptr, bias_stride, act, slope, planes_kw, OUT_MODE, INT64, HAS_RES, OUT_LO, OUT_HI,
                    OUT_OFF, F8_MAN, F8_BIAS, F8_MAX_BITS, F8_MIN_NORMAL_BITS, F8_SUB_SCALE, Q_BITS, Q_SHIFT, BLOCK_N)
 
 

@@ -58,7 +58,7 @@ def _channel_scale(sa_ptr, sb_ptr, offs_n_ld, alpha, sa_stride, sb_stride, OUT_M
 
 @triton.jit
 def _conv_epilogue(acc, offs_m, offs_n, offs_n_ld, m_ok, n_ok, scl, pid_n, num_n, M, K, out_ptr, bias_ptr, oscale_ptr,
-                   res_ptr, out8_ptr, bias_stride, act, slope, planes_kw, OUT_MODE: tl.constexpr, INT64: tl.constexpr,
+                   res, res_ptr, out8_ptr, bias_stride, act, slope, planes_kw, OUT_MODE: tl.constexpr, INT64: tl.constexpr,
                    HAS_RES: tl.constexpr, OUT_LO: tl.constexpr, OUT_HI: tl.constexpr, OUT_OFF: tl.constexpr,
                    F8_MAN: tl.constexpr, F8_BIAS: tl.constexpr, F8_MAX_BITS: tl.constexpr,
                    F8_MIN_NORMAL_BITS: tl.constexpr, F8_SUB_SCALE: tl.constexpr, Q_BITS: tl.constexpr,
@@ -66,8 +66,10 @@ def _conv_epilogue(acc, offs_m, offs_n, offs_n_ld, m_ok, n_ok, scl, pid_n, num_n
     """Everything after the accumulator, shared by the implicit-GEMM kernel and the TMA GEMM (conv_fwd_tma.py), so
     that both run the same code: ``acc`` (BLOCK_M, BLOCK_N) of output rows ``offs_m`` (``m_ok``) and channels
     ``offs_n`` (``n_ok``; ``offs_n_ld`` = offs_n mod K, safe to load), ``scl`` = (alpha * sa) * sb per channel
-    (unused for OUT_RAW); the stores of OUT_MODE (conv_fwd.py's module docstring).  ``pid_n`` / ``num_n`` (the
-    channel block and their count), ``M`` and ``planes_kw``: OUT_PLANES only; ``K``: the row length of out."""
+    (unused for OUT_RAW); ``res`` the residual tile (HAS_RES: loaded by the caller before its K loop, so that
+    its latency hides behind the MMAs; ``res_ptr`` gives its dtype); the stores of OUT_MODE (conv_fwd.py's module
+    docstring).  ``pid_n`` / ``num_n`` (the channel block and their count), ``M`` and ``planes_kw``: OUT_PLANES
+    only; ``K``: the row length of out."""
     if INT64:
         offs_out = offs_m.to(tl.int64)[:, None] * K + offs_n[None, :]
     else:
@@ -81,7 +83,6 @@ def _conv_epilogue(acc, offs_m, offs_n, offs_n_ld, m_ok, n_ok, scl, pid_n, num_n
         y = acc.to(tl.float32) * scl[None, :]
         y = y + bias[None, :]
         if HAS_RES:  # the unfused graph: the branch stored in the residual's dtype, then one float32 add
-            res = tl.load(res_ptr + offs_out, mask=mask, other=0.0)
             y = y.to(res_ptr.dtype.element_ty).to(tl.float32) + res.to(tl.float32)  # (no-op roundings for fp32)
             y = y.to(res_ptr.dtype.element_ty).to(tl.float32)  # the sum as the add stores it: any act sees that
         if act == _ACT_RELU:
