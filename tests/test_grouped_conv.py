@@ -76,6 +76,31 @@ def test_triton_equals_reference(case):
         assert torch.equal(a, b), act  # the interpreter does not contract into FMAs (1 ulp on a GPU)
 
 
+@pytest.mark.parametrize("case", CASES[:3], ids=lambda c: f"g{c[6]}_k{c[5]}_{c[10]}x{c[11]}")
+def test_triton_reads_the_int8_kernels_operand(case):
+    """The INT8 kernels' operand (ShiftedInt8: uint8 stored as code - 128, signed formats as their value) gives the
+    sums of the same codes in the Dense layout, bit for bit."""
+    pytest.importorskip("triton", reason="triton is a Linux dependency of tcprec")
+    x, w = _operands(case, seed=3)
+    _, _, _, _, K, _, g, st, pad4, dil, _, _ = case
+    x8 = x.to_layout(tp.ShiftedInt8())
+    assert x8.data.dtype == torch.int8 and x8.fmt == x.fmt
+    kw = dict(groups=g, stride=st, padding=pad4, dilation=dil)
+    ref = grouped_conv2d(x, w, out_dtype=torch.int32, backend="reference", **kw)
+    assert torch.equal(grouped_conv2d(x8, w, out_dtype=torch.int32, backend="triton", **kw), ref)
+    assert torch.equal(grouped_conv2d(x8, w, out_dtype=torch.int32, backend="reference", **kw), ref)
+    scale = torch.rand(K, generator=torch.Generator().manual_seed(4)) + 0.5
+    assert torch.equal(grouped_conv2d(x8, w, scale=scale, act="relu", backend="triton", **kw),
+                       grouped_conv2d(x, w, scale=scale, act="relu", backend="reference", **kw))
+
+
+def test_grouped_conv_refuses_other_layouts():
+    x = tp.quantize(torch.rand(1, 3, 3, 32), "uint2", layout=tp.BitPlanes())
+    w = tp.quantize(torch.randn(32, 3, 3, 1), "int8", tp.PerChannel(0))
+    with pytest.raises(TypeError, match=r"Dense\(\) or ShiftedInt8\(\) layout"):
+        grouped_conv2d(x, w, groups=32)
+
+
 def test_planner_says_why_and_refuses_silently_nothing():
     name, why = choose_grouped_backend(torch.device("cpu"))
     assert name == "reference" and "reference" in why
@@ -133,13 +158,19 @@ def test_depthwise_block_quantized_with_bn_and_act_fused(act, fused):
     assert ((yq - y).norm() / y.norm()).item() < 0.05  # int8 end to end: a few 1e-2 at most
 
 
-def test_depthwise_layer_equals_its_integer_math():
-    """QGroupedConv2d's output is the epilogue of the exact integer sums of its own codes."""
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_depthwise_layer_equals_its_integer_math(backend):
+    """QGroupedConv2d's output is the epilogue of the exact integer sums of its own codes, on both backends (the
+    Triton one quantizes its input to the INT8 kernels' int8 operand in one pass and reads that)."""
+    if backend == "triton":
+        pytest.importorskip("triton", reason="triton is a Linux dependency of tcprec")
     torch.manual_seed(0)
     conv = torch.nn.Conv2d(4, 4, 3, padding=1, groups=4)
     x = torch.rand(2, 4, 5, 5)
+    x[0, 0, 0, :2] = torch.tensor([0.0, 1.5])  # a zero code and a saturating input
     q = tp.nn.qgrouped.QGroupedConv2d.from_float(conv, "int8", in_absmax=1.0, signed_input=False,
-                                                 act=("clamp", 0.0, 6.0))
+                                                 act=("clamp", 0.0, 6.0), backend=backend)
+    assert q.route[0] == backend
     xq = tp.quantize(x.permute(0, 2, 3, 1), "uint8", scale=q.in_scale)
     wv = decode_values(q.w_codes, q.w_fmt).permute(0, 3, 1, 2)
     C = F.conv2d(decode_values(xq.codes, xq.fmt).permute(0, 3, 1, 2), wv, padding=1, groups=4)

@@ -1,7 +1,8 @@
 """``QGroupedConv2d``: a grouped / depthwise conv (+ folded BN, fused activation) at integer or FP8 precision.
 
 Float NCHW in, float NCHW out (channels_last memory): it quantizes its input with the calibrated per-tensor scale
-(``ops.quantize.quantize_static``; ``quantize_fp8_static`` to e4m3 for FP8, as the dense FP8 layers do), runs ``ops.qconv_grouped.grouped_conv2d`` (the Triton direct conv on CUDA, the
+(``ops.qconv.quantize_int8_static``'s one-pass int8 operand where the Triton conv runs, ``ops.quantize.quantize_static``
+elsewhere; ``quantize_fp8_static`` to e4m3 for FP8, as the dense FP8 layers do), runs ``ops.qconv_grouped.grouped_conv2d`` (the Triton direct conv on CUDA, the
 integer reference elsewhere) with the per-channel weight scales, the folded batch-norm and the activation in the
 epilogue.  Four-sided padding (``tcprec_pad4``, what ``nn.coverage`` folds from an asymmetric ``ZeroPad2d``).
 """
@@ -12,7 +13,7 @@ import torch
 from torch import nn
 
 from ..ops.qconv_grouped import choose_grouped_backend, grouped_conv2d
-from ..ops.qconv import quantize_fp8_static
+from ..ops.qconv import quantize_fp8_static, quantize_int8_static
 from ..ops.quantize import absmax_qmax, quantize_static
 from ..qtensor import PerChannel, QTensor
 from .qmodules import (LayerPrecision, _check_before_load, _fold_bn, _quantize_weight, activation_format,
@@ -138,6 +139,8 @@ class QGroupedConv2d(nn.Module):
         xn = x.permute(0, 2, 3, 1)  # (N, H, W, C), a view for channels_last input
         if self.precision.fp8:
             xq = quantize_fp8_static(xn, self.in_scale, self.a_fmt)  # (N, H, W, C) e4m3 codes
+        elif self.route[0] == "triton":  # the INT8 kernels' int8 operand: one Triton pass, which the conv reads as is
+            xq = quantize_int8_static(xn, self.a_fmt, self.in_scale)
         else:
             xq = quantize_static(xn, self.a_fmt, self.in_scale)  # (N, H, W, C) codes
         K = self.out_channels

@@ -1,7 +1,8 @@
 """Grouped and depthwise quantized convolution (``groups > 1``): validate -> choose a backend (with its reason)
 -> launch.
 
-x: a ``QTensor`` of integer codes (N, H, W, C) with one scale (``intN`` / ``uintN``, <= 8 bits); w: a ``QTensor`` of
+x: a ``QTensor`` of integer codes (N, H, W, C) with one scale (``intN`` / ``uintN``, <= 8 bits; ``Dense()`` codes or
+the INT8 kernels' ``ShiftedInt8()`` operand, read as it is); w: a ``QTensor`` of
 codes (K, R, S, C / groups), ``PerChannel(0)`` or ``PerTensor``, any <= 8-bit integer format.  The integer sums are
 exact on both backends.  FP8: x and w both ``e4m3`` (``quantize_fp8_static``'s activation codes, the FP8 layers'
 per-channel weights); the sums run in float32 in one stated order (taps row-major, then the group's channels), the
@@ -30,7 +31,7 @@ from ..formats import IntFormat, as_format
 from ..kernels.triton import triton_usable
 from ..kernels import reference_conv_grouped as rg
 from ..kernels.reference_conv_bitserial import decode_values
-from ..qtensor import QTensor
+from ..qtensor import Dense, QTensor, ShiftedInt8, int8_affine
 
 _E4M3 = as_format("e4m3")
 
@@ -57,8 +58,9 @@ def choose_grouped_backend(device: torch.device, backend: str = "auto") -> tuple
 
 def _check(x, w, groups: int, pad4, act) -> bool:
     """Validate; True for the FP8 (e4m3 x e4m3) conv, False for integer codes."""
-    if not isinstance(x, QTensor) or x.codes.dim() != 4:
-        raise TypeError(f"x must be a QTensor of codes (N, H, W, C), got {type(x).__name__}")
+    if not isinstance(x, QTensor) or len(x.shape) != 4 or not isinstance(x.layout, (Dense, ShiftedInt8)):
+        raise TypeError(f"x must be a QTensor of codes (N, H, W, C) in the Dense() or ShiftedInt8() layout, got "
+                        f"{type(x).__name__}{f' in {x.layout!r}' if isinstance(x, QTensor) else ''}")
     if not isinstance(w, QTensor) or w.codes.dim() != 4:
         raise TypeError(f"w must be a QTensor of codes (K, R, S, C / groups), got {type(w).__name__}")
     fp8 = x.fmt == _E4M3 or w.fmt == _E4M3
@@ -73,7 +75,7 @@ def _check(x, w, groups: int, pad4, act) -> bool:
         raise ValueError(f"x needs one (per-tensor) scale, got {x.scale.numel()}")
     if not fp8 and not isinstance(w.fmt, IntFormat):
         raise TypeError(f"w must be integer codes with integer x, got {w.fmt}")
-    C, (K, _, _, Cg) = x.codes.shape[3], w.codes.shape
+    C, (K, _, _, Cg) = x.shape[3], w.codes.shape
     if not (isinstance(groups, int) and groups >= 1 and C == Cg * groups and K % groups == 0):
         raise ValueError(f"groups={groups!r} does not fit C={C} input channels, K={K} filters of {Cg} channels: "
                          "need C == groups * Cg and K % groups == 0")
@@ -106,7 +108,7 @@ def grouped_conv2d(x: QTensor, w: QTensor, *, groups: int, stride=(1, 1), paddin
     if fp8 and out_dtype == torch.int32:
         raise ValueError("out_dtype=torch.int32 (the raw integer sums) needs integer codes; e4m3 sums are float32: "
                          "pass a float out_dtype")
-    N, H, W, C = x.codes.shape
+    N, H, W, C = x.shape
     K, R, S, Cg = w.codes.shape
     P, Q = rg.output_size(H, W, R, S, stride, padding, dilation)
     name, _ = choose_grouped_backend(x.codes.device, backend)
@@ -124,9 +126,12 @@ def grouped_conv2d(x: QTensor, w: QTensor, *, groups: int, stride=(1, 1), paddin
         if fp8:
             return grouped_conv(x.codes.contiguous(), 8, False, w_vals.contiguous(), groups, stride, padding,
                                 dilation, P, Q, col=col, bias=bias, act=act, out_dtype=out_dtype, x_fp8=True)
-        return grouped_conv(x.codes.contiguous(), x.fmt.bits, x.fmt.encoding == "twos",
-                            w_vals.to(torch.int16).contiguous(), groups, stride, padding, dilation, P, Q,
-                            col=None if raw else col, bias=bias, act=act, out_dtype=out_dtype)
+        # the INT8 kernels' operand (what quantize_int8_static writes) is read as it is: value = off + step * x8
+        shifted = isinstance(x.layout, ShiftedInt8)
+        return grouped_conv(x.data.contiguous() if shifted else x.codes.contiguous(), x.fmt.bits,
+                            x.fmt.encoding == "twos", w_vals.to(torch.int16).contiguous(), groups, stride, padding,
+                            dilation, P, Q, col=None if raw else col, bias=bias, act=act, out_dtype=out_dtype,
+                            x_affine=int8_affine(x.fmt) if shifted else None)
     if fp8:
         acc = rg.grouped_conv_f32(_e4m3_values(x.codes), w_vals, groups, stride, padding, dilation)
         return rg.epilogue(acc, col, bias, act).to(out_dtype)

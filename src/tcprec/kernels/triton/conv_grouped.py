@@ -13,7 +13,8 @@ that the BLOCK_K channels of one pixel are contiguous loads::
             acc += x * w[k, r, s, c]                     # int32: exact; float32: the product exact, the add rounds
     y = act(float32(acc) * col[k] + bias[k])             # the dense conv's epilogue (or acc itself, OUT_ACC)
 
-Integer codes (X_FP8=False): exact against ``kernels/reference_conv_grouped.grouped_conv_int`` (int32 bit for
+Integer codes (X_FP8=False; uint8 codes, or the INT8 kernels' int8 operand whose value is off + step * x8, as the
+dense INT8 layers take it): exact against ``kernels/reference_conv_grouped.grouped_conv_int`` (int32 bit for
 bit).  e4m3 codes (X_FP8=True): decoded with integer ops (any CUDA GPU, no fp8 conversion instruction needed), the
 weights come as float32 values; the sum runs in ``grouped_conv_f32``'s order and every e4m3 x e4m3 product is exact
 in float32, so the accumulator equals that reference bit for bit, on a GPU too (an FMA of an exact product rounds
@@ -59,6 +60,8 @@ def _grouped_conv_kernel(
     R: tl.constexpr, S: tl.constexpr,
     X_BITS: tl.constexpr, X_TWOS: tl.constexpr,  # integer activation codes: two's complement of X_BITS, or unsigned
     X_FP8: tl.constexpr,  # e4m3 activation codes, float32 weight values and accumulator (X_BITS / X_TWOS unused)
+    X_I8: tl.constexpr, X_OFF: tl.constexpr, X_STEP: tl.constexpr,  # int8 storage: value = X_OFF + X_STEP * x8
+    DW: tl.constexpr,  # depthwise (one input channel a group, one filter a group): channel k reads channel k
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, OUT_ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -72,7 +75,12 @@ def _grouped_conv_kernel(
     pq = offs_m % (P * Q)
     p = pq // Q
     q = pq % Q
-    ch0 = (offs_k // Kg) * Cg  # first input channel of k's group
+    n_c = Cg  # input channels a group: 1 for depthwise, whose channel k reads channel k
+    if DW:
+        n_c = 1
+        ch0 = offs_k
+    else:
+        ch0 = (offs_k // Kg) * Cg  # first input channel of k's group
 
     # -- main loop: taps x channels of the group, int32 (float32 for e4m3) accumulation ---------------
     if X_FP8:
@@ -86,14 +94,16 @@ def _grouped_conv_kernel(
             pix_ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
             base = ((n.to(tl.int64) * H + ih) * W + iw) * C  # (BLOCK_M,) offset of the pixel's channel 0
             mask = pix_ok[:, None] & k_ok[None, :]
-            for c in range(0, Cg):
+            for c in range(0, n_c):
                 u = tl.load(x_ptr + base[:, None] + (ch0 + c)[None, :], mask=mask, other=0).to(tl.int32)
                 wv = tl.load(w_ptr + ((offs_k * R + r) * S + s) * Cg + c, mask=k_ok, other=0)
                 if X_FP8:
                     xv = _decode_e4m3(u)  # code 0 outside the image: value +0
                     acc += xv * wv[None, :]
                 else:
-                    if X_TWOS:
+                    if X_I8:
+                        u = X_OFF + X_STEP * u  # the int8 load is sign-extended: the stored x8
+                    elif X_TWOS:
                         u = u - ((u >> (X_BITS - 1)) << X_BITS)  # sign-extend the X_BITS-bit pattern
                     u = tl.where(mask, u, 0)  # value 0 outside the image, whatever the encoding
                     acc += u * wv.to(tl.int32)[None, :]
@@ -123,18 +133,21 @@ def _grouped_conv_kernel(
 
 def grouped_conv(codes: torch.Tensor, x_bits: int, x_twos: bool, w_values: torch.Tensor, groups: int, stride, pad4,
                  dilation, P: int, Q: int, col: torch.Tensor | None = None, bias: torch.Tensor | None = None, act=None,
-                 out_dtype: torch.dtype = torch.int32, x_fp8: bool = False, block_m: int = 64,
-                 block_k: int = 32) -> torch.Tensor:
-    """codes: uint8 (N, H, W, C) contiguous, integer codes of ``x_bits`` or (``x_fp8``) float8_e4m3fn bit patterns;
+                 out_dtype: torch.dtype = torch.int32, x_fp8: bool = False, x_affine: tuple[int, int] | None = None,
+                 block_m: int = 64, block_k: int = 32) -> torch.Tensor:
+    """codes: uint8 (N, H, W, C) contiguous, integer codes of ``x_bits`` or (``x_fp8``) float8_e4m3fn bit patterns,
+    or (``x_affine=(off, step)``) int8, the INT8 kernels' operand (``ShiftedInt8``: value = off + step * x8);
     w_values: (K, R, S, Cg) contiguous, int16 integers (float32 e4m3 values for ``x_fp8``) -> (N, P, Q, K) in
     ``out_dtype``.  ``col=None``: the raw accumulator (int32, or float32 for ``x_fp8``).  Checks, allocates,
     launches; the ops layer validated the rest."""
     N, H, W, C = codes.shape
     K, R, S, Cg = w_values.shape
     w_dtype, acc_dtype = (torch.float32, torch.float32) if x_fp8 else (torch.int16, torch.int32)
-    if codes.dtype != torch.uint8 or w_values.dtype != w_dtype:
-        raise TypeError(f"grouped_conv takes uint8 codes and {w_dtype} weight values"
-                        f"{' (x_fp8)' if x_fp8 else ''}, got {codes.dtype}, {w_values.dtype}")
+    x_dtype = torch.uint8 if x_affine is None else torch.int8
+    if codes.dtype != x_dtype or w_values.dtype != w_dtype or (x_fp8 and x_affine is not None):
+        raise TypeError(f"grouped_conv takes {x_dtype} codes and {w_dtype} weight values"
+                        f"{' (x_fp8)' if x_fp8 else ''}, got {codes.dtype}, {w_values.dtype}"
+                        f"{' (x_affine needs integer codes)' if x_fp8 and x_affine is not None else ''}")
     if col is None and out_dtype != acc_dtype:
         raise ValueError(f"col=None returns the raw accumulator: out_dtype must be {acc_dtype}, got {out_dtype}")
     y = torch.empty((N, P, Q, K), dtype=out_dtype, device=codes.device)
@@ -149,6 +162,8 @@ def grouped_conv(codes: torch.Tensor, x_bits: int, x_twos: bool, w_values: torch
         stride[0], stride[1], pad4[0], pad4[2], dilation[0], dilation[1],
         a, b,
         R=R, S=S, X_BITS=x_bits, X_TWOS=x_twos, X_FP8=x_fp8,
+        X_I8=x_affine is not None, X_OFF=0 if x_affine is None else int(x_affine[0]),
+        X_STEP=1 if x_affine is None else int(x_affine[1]), DW=Cg == 1 and K == groups,
         HAS_BIAS=bias is not None, ACT=ACT_CODES[kind], OUT_ACC=col is None,
         BLOCK_M=block_m, BLOCK_K=block_k,
     )
