@@ -111,7 +111,7 @@ def grouped_conv2d(x: QTensor, w: QTensor, *, groups: int, stride=(1, 1), paddin
     N, H, W, C = x.shape
     K, R, S, Cg = w.codes.shape
     P, Q = rg.output_size(H, W, R, S, stride, padding, dilation)
-    name, _ = choose_grouped_backend(x.codes.device, backend)
+    name, _ = choose_grouped_backend(x.data.device, backend)
     w_scale = w.scale.reshape(-1).to(torch.float32).expand(K) if w.scale.numel() == 1 else w.scale.reshape(K)
     col = x.scale.reshape(()).to(torch.float32) * w_scale.to(torch.float32)  # (K,) x_scale * w_scale[k]
     if scale is not None:

@@ -62,6 +62,7 @@ def _grouped_conv_kernel(
     X_FP8: tl.constexpr,  # e4m3 activation codes, float32 weight values and accumulator (X_BITS / X_TWOS unused)
     X_I8: tl.constexpr, X_OFF: tl.constexpr, X_STEP: tl.constexpr,  # int8 storage: value = X_OFF + X_STEP * x8
     DW: tl.constexpr,  # depthwise (one input channel a group, one filter a group): channel k reads channel k
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no channel mask
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, OUT_ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -75,42 +76,68 @@ def _grouped_conv_kernel(
     pq = offs_m % (P * Q)
     p = pq // Q
     q = pq % Q
-    n_c = Cg  # input channels a group: 1 for depthwise, whose channel k reads channel k
-    if DW:
-        n_c = 1
-        ch0 = offs_k
-    else:
-        ch0 = (offs_k // Kg) * Cg  # first input channel of k's group
-
     # -- main loop: taps x channels of the group, int32 (float32 for e4m3) accumulation ---------------
     if X_FP8:
         acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.int32)
-    for r in tl.static_range(R):
-        for s in tl.static_range(S):
+    if DW:
+        # depthwise: channel k reads channel k, so a pixel's BLOCK_K codes are one contiguous (vector) load, unmasked
+        # along the channels when K % BLOCK_K == 0 (EVEN_K); the weights come as (R*S, K), one vector a tap.  Codes
+        # outside the image load as the stored pattern of the value 0, so nothing is selected afterwards.
+        for r in tl.static_range(R):
             ih = p * stride_h - pad_t + r * dil_h
-            iw = q * stride_w - pad_l + s * dil_w
-            pix_ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-            base = ((n.to(tl.int64) * H + ih) * W + iw) * C  # (BLOCK_M,) offset of the pixel's channel 0
-            mask = pix_ok[:, None] & k_ok[None, :]
-            for c in range(0, n_c):
-                u = tl.load(x_ptr + base[:, None] + (ch0 + c)[None, :], mask=mask, other=0).to(tl.int32)
-                wv = tl.load(w_ptr + ((offs_k * R + r) * S + s) * Cg + c, mask=k_ok, other=0)
-                if X_FP8:
-                    xv = _decode_e4m3(u)  # code 0 outside the image: value +0
-                    acc += xv * wv[None, :]
+            row_ok = m_ok & (ih >= 0) & (ih < H)
+            row = (n.to(tl.int64) * H + ih) * W
+            for s in tl.static_range(S):
+                iw = q * stride_w - pad_l + s * dil_w
+                pix_ok = row_ok & (iw >= 0) & (iw < W)
+                xp = x_ptr + ((row + iw) * C)[:, None] + offs_k[None, :]
+                if EVEN_K:
+                    mask = pix_ok[:, None]
+                    wv = tl.load(w_ptr + (r * S + s) * K + offs_k)
                 else:
-                    if X_I8:
-                        u = X_OFF + X_STEP * u  # the int8 load is sign-extended: the stored x8
-                    elif X_TWOS:
+                    mask = pix_ok[:, None] & k_ok[None, :]
+                    wv = tl.load(w_ptr + (r * S + s) * K + offs_k, mask=k_ok, other=0)
+                if X_FP8:
+                    acc += _decode_e4m3(tl.load(xp, mask=mask, other=0).to(tl.int32)) * wv[None, :]
+                elif X_I8:  # the int8 load is sign-extended: value = X_OFF + X_STEP * x8, 0 for the fill
+                    u = tl.load(xp, mask=mask, other=-(X_OFF // X_STEP)).to(tl.int32)
+                    acc += (X_OFF + X_STEP * u) * wv.to(tl.int32)[None, :]
+                else:
+                    u = tl.load(xp, mask=mask, other=0).to(tl.int32)  # code 0: value 0 in both encodings
+                    if X_TWOS:
                         u = u - ((u >> (X_BITS - 1)) << X_BITS)  # sign-extend the X_BITS-bit pattern
-                    u = tl.where(mask, u, 0)  # value 0 outside the image, whatever the encoding
                     acc += u * wv.to(tl.int32)[None, :]
+    else:
+        ch0 = (offs_k // Kg) * Cg  # first input channel of k's group
+        for r in tl.static_range(R):
+            for s in tl.static_range(S):
+                ih = p * stride_h - pad_t + r * dil_h
+                iw = q * stride_w - pad_l + s * dil_w
+                pix_ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+                base = ((n.to(tl.int64) * H + ih) * W + iw) * C  # (BLOCK_M,) offset of the pixel's channel 0
+                mask = pix_ok[:, None] & k_ok[None, :]
+                for c in range(0, Cg):
+                    u = tl.load(x_ptr + base[:, None] + (ch0 + c)[None, :], mask=mask, other=0).to(tl.int32)
+                    wv = tl.load(w_ptr + ((offs_k * R + r) * S + s) * Cg + c, mask=k_ok, other=0)
+                    if X_FP8:
+                        xv = _decode_e4m3(u)  # code 0 outside the image: value +0
+                        acc += xv * wv[None, :]
+                    else:
+                        if X_I8:
+                            u = X_OFF + X_STEP * u  # the int8 load is sign-extended: the stored x8
+                        elif X_TWOS:
+                            u = u - ((u >> (X_BITS - 1)) << X_BITS)  # sign-extend the X_BITS-bit pattern
+                        u = tl.where(mask, u, 0)  # value 0 outside the image, whatever the encoding
+                        acc += u * wv.to(tl.int32)[None, :]
 
     # -- epilogue -----------------------------------------------------------------------------------------
     out = offs_m[:, None].to(tl.int64) * K + offs_k[None, :]
-    omask = m_ok[:, None] & k_ok[None, :]
+    if EVEN_K:
+        omask = m_ok[:, None]  # constant along the channels: vector stores
+    else:
+        omask = m_ok[:, None] & k_ok[None, :]
     if OUT_ACC:
         tl.store(y_ptr + out, acc, mask=omask)
     else:
@@ -134,7 +161,7 @@ def _grouped_conv_kernel(
 def grouped_conv(codes: torch.Tensor, x_bits: int, x_twos: bool, w_values: torch.Tensor, groups: int, stride, pad4,
                  dilation, P: int, Q: int, col: torch.Tensor | None = None, bias: torch.Tensor | None = None, act=None,
                  out_dtype: torch.dtype = torch.int32, x_fp8: bool = False, x_affine: tuple[int, int] | None = None,
-                 block_m: int = 64, block_k: int = 32) -> torch.Tensor:
+                 block_m: int = 64, block_k: int | None = None) -> torch.Tensor:
     """codes: uint8 (N, H, W, C) contiguous, integer codes of ``x_bits`` or (``x_fp8``) float8_e4m3fn bit patterns,
     or (``x_affine=(off, step)``) int8, the INT8 kernels' operand (``ShiftedInt8``: value = off + step * x8);
     w_values: (K, R, S, Cg) contiguous, int16 integers (float32 e4m3 values for ``x_fp8``) -> (N, P, Q, K) in
@@ -148,9 +175,17 @@ def grouped_conv(codes: torch.Tensor, x_bits: int, x_twos: bool, w_values: torch
         raise TypeError(f"grouped_conv takes {x_dtype} codes and {w_dtype} weight values"
                         f"{' (x_fp8)' if x_fp8 else ''}, got {codes.dtype}, {w_values.dtype}"
                         f"{' (x_affine needs integer codes)' if x_fp8 and x_affine is not None else ''}")
+    if x_affine is not None and x_affine[0] % x_affine[1] != 0:
+        raise ValueError(f"x_affine={x_affine!r}: the offset must be a multiple of the step (a stored value of 0 "
+                         "fills the padding); pmN operands are not grouped-conv inputs")
     if col is None and out_dtype != acc_dtype:
         raise ValueError(f"col=None returns the raw accumulator: out_dtype must be {acc_dtype}, got {out_dtype}")
     y = torch.empty((N, P, Q, K), dtype=out_dtype, device=codes.device)
+    dw = Cg == 1 and K == groups
+    if block_k is None:  # depthwise: the widest channel vector that divides K (no channel mask)
+        block_k = next((b for b in (64, 32, 16) if K % b == 0), 32) if dw else 32
+    if dw:  # (R*S, K): a tap's weights are one contiguous vector
+        w_values = w_values.reshape(K, R * S).t()
     kind = act if act is None or isinstance(act, str) else act[0]
     a = float(act[1]) if isinstance(act, tuple) else 0.0
     b = float(act[2]) if isinstance(act, tuple) and len(act) > 2 else 0.0
@@ -163,7 +198,7 @@ def grouped_conv(codes: torch.Tensor, x_bits: int, x_twos: bool, w_values: torch
         a, b,
         R=R, S=S, X_BITS=x_bits, X_TWOS=x_twos, X_FP8=x_fp8,
         X_I8=x_affine is not None, X_OFF=0 if x_affine is None else int(x_affine[0]),
-        X_STEP=1 if x_affine is None else int(x_affine[1]), DW=Cg == 1 and K == groups,
+        X_STEP=1 if x_affine is None else int(x_affine[1]), DW=dw, EVEN_K=K % block_k == 0,
         HAS_BIAS=bias is not None, ACT=ACT_CODES[kind], OUT_ACC=col is None,
         BLOCK_M=block_m, BLOCK_K=block_k,
     )
