@@ -58,6 +58,8 @@ def test_kernel_sums_equal_the_reference_and_epilogue_within_ulps(case, fp8):
         want = rg.grouped_conv_int_taps(decode_values(x.codes, x.fmt), decode_values(w.codes, w.fmt), g, st, pad4,
                                         dil).to(torch.int32)
         assert torch.equal(grouped_conv2d(x, w, backend="triton", **kw0), want)
+        # the INT8 kernels' operand (what the layer quantizes its input to), read as it is: the same sums
+        assert torch.equal(grouped_conv2d(x.to_layout(tp.ShiftedInt8()), w, backend="triton", **kw0), want)
     gen = torch.Generator(DEV).manual_seed(1)
     kw = dict(groups=g, stride=st, padding=pad4, dilation=dil, bias=torch.randn(K, device=DEV, generator=gen),
               scale=torch.rand(K, device=DEV, generator=gen) + 0.5)

@@ -84,7 +84,7 @@ def _grouped_conv_kernel(
     if DW:
         # depthwise: channel k reads channel k, so a pixel's BLOCK_K codes are one contiguous (vector) load, unmasked
         # along the channels when K % BLOCK_K == 0 (EVEN_K); the weights come as (R*S, K), one vector a tap.  Codes
-        # outside the image load as the stored pattern of the value 0, so nothing is selected afterwards.
+        # outside the image load as 0, the value 0 of the code formats (the int8 operand drops its offset there).
         for r in tl.static_range(R):
             ih = p * stride_h - pad_t + r * dil_h
             row_ok = m_ok & (ih >= 0) & (ih < H)
@@ -101,9 +101,12 @@ def _grouped_conv_kernel(
                     wv = tl.load(w_ptr + (r * S + s) * K + offs_k, mask=k_ok, other=0)
                 if X_FP8:
                     acc += _decode_e4m3(tl.load(xp, mask=mask, other=0).to(tl.int32)) * wv[None, :]
-                elif X_I8:  # the int8 load is sign-extended: value = X_OFF + X_STEP * x8, 0 for the fill
-                    u = tl.load(xp, mask=mask, other=-(X_OFF // X_STEP)).to(tl.int32)
-                    acc += (X_OFF + X_STEP * u) * wv.to(tl.int32)[None, :]
+                elif X_I8:  # the int8 load is sign-extended: value = X_OFF + X_STEP * x8; outside the image the offset
+                    # is dropped per pixel (a fill of -X_OFF in the masked load read back wrong on the GPU: vectors
+                    # of int8 took the constant's sign extension, -1, in their upper lanes)
+                    u = tl.load(xp, mask=mask, other=0).to(tl.int32)
+                    off = tl.where(pix_ok, X_OFF, 0)
+                    acc += (X_STEP * u + off[:, None]) * wv.to(tl.int32)[None, :]
                 else:
                     u = tl.load(xp, mask=mask, other=0).to(tl.int32)  # code 0: value 0 in both encodings
                     if X_TWOS:
@@ -161,7 +164,7 @@ def _grouped_conv_kernel(
 def grouped_conv(codes: torch.Tensor, x_bits: int, x_twos: bool, w_values: torch.Tensor, groups: int, stride, pad4,
                  dilation, P: int, Q: int, col: torch.Tensor | None = None, bias: torch.Tensor | None = None, act=None,
                  out_dtype: torch.dtype = torch.int32, x_fp8: bool = False, x_affine: tuple[int, int] | None = None,
-                 block_m: int = 64, block_k: int | None = None) -> torch.Tensor:
+                 block_m: int | None = None, block_k: int | None = None) -> torch.Tensor:
     """codes: uint8 (N, H, W, C) contiguous, integer codes of ``x_bits`` or (``x_fp8``) float8_e4m3fn bit patterns,
     or (``x_affine=(off, step)``) int8, the INT8 kernels' operand (``ShiftedInt8``: value = off + step * x8);
     w_values: (K, R, S, Cg) contiguous, int16 integers (float32 e4m3 values for ``x_fp8``) -> (N, P, Q, K) in
@@ -175,15 +178,16 @@ def grouped_conv(codes: torch.Tensor, x_bits: int, x_twos: bool, w_values: torch
         raise TypeError(f"grouped_conv takes {x_dtype} codes and {w_dtype} weight values"
                         f"{' (x_fp8)' if x_fp8 else ''}, got {codes.dtype}, {w_values.dtype}"
                         f"{' (x_affine needs integer codes)' if x_fp8 and x_affine is not None else ''}")
-    if x_affine is not None and x_affine[0] % x_affine[1] != 0:
-        raise ValueError(f"x_affine={x_affine!r}: the offset must be a multiple of the step (a stored value of 0 "
-                         "fills the padding); pmN operands are not grouped-conv inputs")
     if col is None and out_dtype != acc_dtype:
         raise ValueError(f"col=None returns the raw accumulator: out_dtype must be {acc_dtype}, got {out_dtype}")
     y = torch.empty((N, P, Q, K), dtype=out_dtype, device=codes.device)
     dw = Cg == 1 and K == groups
-    if block_k is None:  # depthwise: the widest channel vector that divides K (no channel mask)
-        block_k = next((b for b in (64, 32, 16) if K % b == 0), 32) if dw else 32
+    if block_k is None:  # depthwise: a channel block that divides K (no channel mask); <= 2048 outputs a program
+        # (wider tiles spill at 5x5: 64 x 64 ran 4x slower), 32 pixels for 5x5 windows on maps of <= 14 x 14
+        # (H200, EfficientNet-Lite0's depthwise convs at batch 256: docs/decisions/0151)
+        block_k = (32 if K % 32 == 0 else 16) if dw else 32
+    if block_m is None:
+        block_m = 32 if dw and R * S > 9 and P * Q <= 196 else 64
     if dw:  # (R*S, K): a tap's weights are one contiguous vector
         w_values = w_values.reshape(K, R * S).t()
     kind = act if act is None or isinstance(act, str) else act[0]
