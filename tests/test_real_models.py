@@ -4,6 +4,7 @@ pip packages are installed (they are not tcprec dependencies), and always a smal
 a 1x1 head and a linear classifier): every conv and the classifier are quantized and the int8 model agrees with
 fp32 on the sample-photo crops of tcprec.bench.accuracy."""
 
+import copy
 import math
 
 import pytest
@@ -135,3 +136,73 @@ def test_torch_fake_quant_computes_what_the_engine_computes(cfg):
     err = ((got - ref).norm() / ref.norm()).item()
     assert err > 0  # quantized
     assert ((got - fql).norm() / ref.norm()).item() < max(1e-3, 0.05 * err)
+
+
+# -- a clamp activation in front of quantized layers is left to their input quantizers --------------------------------
+
+class _ClampNet(nn.Module):
+    """expand (1x1) -> BN -> clamp -> depthwise 3x3 -> ReLU6 -> project (1x1); ``clamp`` the activation between."""
+
+    def __init__(self, clamp: nn.Module, tap: bool = False):
+        super().__init__()
+        self.expand, self.bn, self.clamp = nn.Conv2d(3, 16, 1), nn.BatchNorm2d(16), clamp
+        self.dw, self.act = nn.Conv2d(16, 16, 3, padding=1, groups=16), nn.ReLU6()
+        self.project = nn.Conv2d(16, 8, 1)
+        self.tap = tap  # the expand conv's output read by something else too
+
+    def forward(self, x):
+        y = self.bn(self.expand(x))
+        z = self.project(self.act(self.dw(self.clamp(y))))
+        return z + y.mean() if self.tap else z
+
+
+def _clamp_net(clamp, tap=False):
+    torch.manual_seed(0)
+    m = _ClampNet(clamp, tap).eval()
+    m.bn.running_var.uniform_(0.5, 2.0)
+    return m
+
+
+@pytest.mark.parametrize("prec", ["int8", "w4a4"])
+@pytest.mark.parametrize("clamp", [nn.ReLU6(), nn.Hardtanh(0.0, 2.0)], ids=["relu6", "hardtanh"])
+def test_clamp_left_to_the_readers_quantizers_changes_no_bit(prec, clamp):
+    m = _clamp_net(clamp)
+    x = torch.randn(2, 3, 8, 8)
+    q = tp.quantize_model(m, prec, calibration=x, warn=False)
+    notes = [n for n in q.tcprec_summary.notes if n.startswith("clamp:")]
+    assert len(notes) == 1 and "dw" in notes[0], q.tcprec_summary.notes
+    assert not any(isinstance(mod, type(clamp)) and name == "clamp" for name, mod in q.named_modules())
+    # the same model with the clamp put back in front of the depthwise layer: bit for bit, on inputs the clamp cuts
+    q2 = copy.deepcopy(q)
+    q2.dw = nn.Sequential(copy.deepcopy(clamp), q2.dw)
+    xs = 8 * x  # the expand conv's output well past the clamp's bounds, both ways
+    with torch.no_grad():
+        y, y2 = q(xs), q2(xs)
+        assert (m.bn(m.expand(xs)).abs() > 8).any()
+    assert torch.equal(y, y2)
+
+
+def test_unfused_relu_left_to_the_readers_quantizers():
+    """A ReLU no conv epilogue takes (pre-activation: BN -> ReLU -> conv) is left to the conv's quantizer too."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.BatchNorm2d(3), nn.ReLU(), nn.Conv2d(3, 8, 3, padding=1)).eval()
+    m[0].running_mean.uniform_(-0.5, 0.5)
+    x = torch.randn(2, 3, 8, 8)
+    q = tp.quantize_model(m, "w4a4", calibration=x, warn=False)
+    assert any(n.startswith("1: clamp(0,inf)") for n in q.tcprec_summary.notes), q.tcprec_summary.notes
+    q2 = copy.deepcopy(q)
+    setattr(q2, "2", nn.Sequential(nn.ReLU(), getattr(q2, "2")))
+    with torch.no_grad():
+        assert torch.equal(q(3 * x), q2(3 * x))
+
+
+@pytest.mark.parametrize("case", ["signed", "tap", "fp8"])
+def test_clamp_kept_where_a_reader_would_see_the_difference(case):
+    """A clamp stays a float op where dropping it could change a code: a signed reader (hardtanh(-1, 1): negative
+    values have codes), another reader of the clamp's input (an in-place clamp changed what it saw), an FP8 reader
+    (signed codes)."""
+    clamp = nn.Hardtanh(-1.0, 1.0) if case == "signed" else nn.ReLU6()
+    m = _clamp_net(clamp, tap=case == "tap")
+    q = tp.quantize_model(m, "fp8" if case == "fp8" else "int8", calibration=torch.randn(2, 3, 8, 8), warn=False)
+    assert not any(n.startswith("clamp:") for n in q.tcprec_summary.notes), q.tcprec_summary.notes
+    assert any(n.op == "call_module" and n.target == "clamp" for n in q.graph.nodes)

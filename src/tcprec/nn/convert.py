@@ -364,6 +364,71 @@ def _is_clamp(node: fx.Node, mods) -> bool:
     return node.target is torch.clamp and _numeric_bounds(node, "min", "max")
 
 
+def _clamp_bounds(node: fx.Node, mods) -> tuple[float, float] | None:
+    """(lo, hi) of a clamp-like activation node (``_is_clamp``, or a ReLU: (0, inf)), None for anything else."""
+    inf = float("inf")
+    if node.op == "call_module":
+        m = mods.get(node.target)
+        if type(m) is nn.ReLU:
+            return 0.0, inf
+        return (float(m.min_val), float(m.max_val)) if type(m) in (nn.ReLU6, nn.Hardtanh) else None
+    if node.op == "call_function" and node.target in (F.relu, torch.relu) and len(node.args) == 1 and not node.kwargs:
+        return 0.0, inf
+    if node.op == "call_method" and node.target == "relu" and len(node.args) == 1:
+        return 0.0, inf
+    if not _is_clamp(node, mods):
+        return None
+    if node.op == "call_function" and node.target is F.relu6:
+        return 0.0, 6.0
+    names = ("min_val", "max_val") if node.target is F.hardtanh else ("min", "max")
+    default = (-1.0, 1.0) if node.target is F.hardtanh else (None, None)
+    lo = node.args[1] if len(node.args) > 1 else node.kwargs.get(names[0], default[0])
+    hi = node.args[2] if len(node.args) > 2 else node.kwargs.get(names[1], default[1])
+    return float(lo), float(hi)
+
+
+def _saturates_inside(q: nn.Module, lo: float, hi: float) -> bool:
+    """Whether quantized layer ``q``'s input quantizer gives the same codes for ``clamp(x, lo, hi)`` as for ``x``: its
+    codes are unsigned integers (code 0 = value 0; negative inputs and NaN saturate to it, so any ``lo <= 0`` is
+    invisible) and ``hi``, as any float dtype holds it (the smallest of its float16 / bfloat16 / float32 roundings),
+    rounds (half to even, like every quantizer here) to the top code or above, so whatever the clamp cuts saturates
+    anyway."""
+    fmt = getattr(q, "a_fmt", None)
+    if q.precision.fp8 or getattr(fmt, "encoding", None) != "unsigned" or not lo <= 0.0:
+        return False
+    if hi == float("inf"):
+        return True
+    h = min(torch.tensor(hi, dtype=d).to(torch.float32) for d in (torch.float16, torch.bfloat16, torch.float32))
+    return bool(torch.round(h / q.in_scale.detach().reshape(()).to("cpu", torch.float32)) >= absmax_qmax(fmt))
+
+
+def _absorb_clamps(gm: fx.GraphModule, notes: list) -> None:
+    """Drop a clamp activation (ReLU, ReLU6, hardtanh, clamp) whose only readers are quantized layers taking it as
+    their input, when each of their quantizers gives the same codes without it (``_saturates_inside``): bit for bit
+    the same network, one elementwise pass fewer (EfficientNet's and MobileNet's ReLU6 in front of a depthwise conv the
+    dense conv's epilogue does not fuse).  The clamp's input must have no other reader (an in-place clamp changed what
+    those saw)."""
+    mods = dict(gm.named_modules())
+    quantized = (QConv2d, QGroupedConv2d, QLinear)
+    for node in list(gm.graph.nodes):
+        bounds = _clamp_bounds(node, mods)
+        if bounds is None or not node.args or not isinstance(node.args[0], fx.Node) or len(node.args[0].users) != 1:
+            continue
+        readers = list(node.users)
+        if not readers or any(u.op != "call_module" or not isinstance(mods.get(u.target), quantized)
+                              or u.args[0] is not node or node in u.args[1:] or node in u.kwargs.values()
+                              for u in readers):
+            continue
+        if not all(_saturates_inside(mods[u.target], *bounds) for u in readers):
+            continue
+        what = node.target if node.op == "call_module" else node.name
+        node.replace_all_uses_with(node.args[0])
+        gm.graph.erase_node(node)
+        lo, hi = bounds
+        notes.append(f"{what}: clamp({lo:g},{hi:g}) read only by {', '.join(u.target for u in readers)}, whose input "
+                     "quantizers saturate inside its bounds: left to them (the same codes, one pass fewer)")
+
+
 def clamped_input_layers(gm: nn.Module, mods) -> set[str]:
     """The layers (module names) of a traced ``gm`` whose input is a clamp activation's output (``_is_clamp``):
     ``QuantConfig.clamped_inputs``."""
@@ -1004,6 +1069,8 @@ def _convert(model: nn.Module, cfg: QuantConfig, batches, inplace: bool, warn: b
             _fuse_residuals(gm, records)
         if cfg.fuse and cfg.fuse_flatten:
             _fuse_flatten(gm, records)
+        if cfg.fuse:
+            _absorb_clamps(gm, notes)
         # -- chaining: a conv feeding only a bit-serial conv hands it packed planes -------------------
         if cfg.chain:
             qmods = dict(gm.named_modules())
