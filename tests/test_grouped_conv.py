@@ -361,3 +361,52 @@ def test_fp8_model_notes_that_grouped_int8_is_free_and_more_accurate():
     q8 = tp.quantize_model(m, tp.QuantConfig("fp8", first_last=None, grouped="int8"), calibration=x, warn=False)
     assert {r.name: r.precision for r in q8.tcprec_summary.layers}["2"] == "w8a8"
     assert not any("grouped='int8'" in n for n in q8.tcprec_summary.notes)
+
+
+class _MBConvLike(torch.nn.Module):
+    """expand 1x1 -> BN -> ReLU6 -> depthwise 3x3 (TF "same" stride 2) -> BN -> ReLU6 -> project 1x1."""
+
+    def __init__(self):
+        super().__init__()
+        nn = torch.nn
+        self.expand = nn.Sequential(nn.Conv2d(4, 16, 1), nn.BatchNorm2d(16), nn.ReLU6())
+        self.pad = nn.ZeroPad2d((0, 1, 0, 1))
+        self.dw = nn.Sequential(nn.Conv2d(16, 16, 3, 2, groups=16), nn.BatchNorm2d(16), nn.ReLU6())
+        self.project = nn.Conv2d(16, 8, 1)
+
+    def forward(self, x):
+        return self.project(self.dw(self.pad(self.expand(x))))
+
+
+def test_expand_conv_writes_the_depthwise_layers_int8_operand():
+    """With the INT8 kernels (interpreter), the expand conv's epilogue writes the depthwise layer's int8 operand
+    (its ReLU6 left to that quantizer): the same output as the unchained model, bit for bit (float32 model)."""
+    pytest.importorskip("triton", reason="triton is a Linux dependency of tcprec")
+    import dataclasses
+
+    torch.manual_seed(0)
+    m = _MBConvLike().eval()
+    _randomize_bn(m)
+    x = torch.randn(2, 4, 9, 9)
+    cfg = tp.QuantConfig("int8", backend="int8")
+    q = tp.quantize_model(m, cfg, calibration=x, warn=False)
+    q0 = tp.quantize_model(m, dataclasses.replace(cfg, chain=False), calibration=x, warn=False)
+    out = {r.name: r.out for r in q.tcprec_summary.layers}
+    assert out["expand.0"] == "int8 codes uint8 -> dw.0", out
+    assert q.get_submodule("expand.0").out_layout == "int8" and q0.get_submodule("expand.0").out_fmt is None
+    assert any(n.startswith("expand.2: clamp(0,6)") for n in q.tcprec_summary.notes), q.tcprec_summary.notes
+    with torch.no_grad():
+        y, y0 = q(3 * x), q0(3 * x)
+    assert torch.equal(y, y0)
+
+
+def test_grouped_layer_refuses_an_operand_it_does_not_read():
+    conv = torch.nn.Conv2d(4, 4, 3, padding=1, groups=4)
+    q = tp.nn.qgrouped.QGroupedConv2d.from_float(conv, "int8", in_absmax=1.0, signed_input=False)
+    dense = tp.quantize(torch.rand(1, 5, 5, 4), "uint8")  # Dense codes: not the chained operand
+    with pytest.raises(ValueError, match=r"ShiftedInt8\(\) uint8 codes"):
+        q(dense)
+    with pytest.raises(ValueError, match=r"ShiftedInt8\(\) uint8 codes \(N, H, W, 4\)"):
+        q(tp.quantize(torch.rand(1, 5, 5, 8), "uint8", layout=tp.ShiftedInt8()))
+    ok = tp.quantize(torch.rand(1, 5, 5, 4), "uint8", scale=q.in_scale, layout=tp.ShiftedInt8())
+    assert torch.equal(q(ok), q(ok.dequantize().permute(0, 3, 1, 2)))

@@ -770,6 +770,21 @@ def _fuse_max_pools(gm: fx.GraphModule, qmods: dict, calls: dict, kind_of, notes
                         if r_users else ""))
 
 
+def _chain_to_grouped(node: fx.Node, user: fx.Node, qmods: dict, records: dict, kind_of) -> bool:
+    """A conv read only by an integer grouped / depthwise conv on the Triton route writes that layer's int8 operand
+    (``ShiftedInt8``: its format and scale) in its epilogue, instead of a float the grouped layer quantizes again (an
+    MBConv block's expand conv; its ReLU6 is left to the quantizer, ``_absorb_clamps``).  True when chained."""
+    a, b = qmods[node.target], qmods.get(user.target) if user.op == "call_module" else None
+    if not isinstance(b, QGroupedConv2d) or b.precision.fp8 or user.args[0] is not node or len(user.args) != 1 \
+            or user.kwargs or b.route[0] != "triton":
+        return False
+    if a.has_residual and kind_of(a) == "bitserial":
+        return False  # (a bit-serial conv with a residual writes a float output, and its planes only)
+    a.chain_to(b, "int8")
+    records[node.target].out = f"int8 codes {b.a_fmt} -> {user.target}"
+    return True
+
+
 def _record_chains(g: fx.Graph, qmods: dict, kind_of) -> None:
     """Each quantized layer whose input a chained producer writes (directly or through ``flatten_nhwc``) keeps that
     layout and its own kind in its plan (``QConv2d.chained_from``), so a device move can tell a chain it breaks."""
@@ -995,7 +1010,7 @@ def _convert(model: nn.Module, cfg: QuantConfig, batches, inplace: bool, warn: b
                 raise ValueError(f"fixed quantization of {name!r}: a grouped conv (groups={m.groups}) takes its "
                                  "weights from the float layer; leave it out of fixed")
             q = QGroupedConv2d.from_float(m, prec, w_fmt=wfmt, in_absmax=absmax, signed_input=neg, bn=bn, act=act,
-                                          backend="reference" if cfg.backend == "reference" else "auto")
+                                          backend={"reference": "reference", "int8": "triton"}.get(cfg.backend, "auto"))
             backend = q.route[0]
         elif kind == "conv":
             q = QConv2d.from_float(m, prec, in_absmax=absmax, signed_input=neg, bn=bn, act=act, pool=pool,
@@ -1088,6 +1103,8 @@ def _convert(model: nn.Module, cfg: QuantConfig, batches, inplace: bool, warn: b
                 users = list(node.users)
                 if len(users) == 1 and users[0].op == "call_function" and users[0].target is flatten_nhwc:
                     _chain_through_flatten(node, users[0], qmods, records, kind_of)
+                    continue
+                if len(users) == 1 and _chain_to_grouped(node, users[0], qmods, records, kind_of):
                     continue
                 x_users = [u for u in users if is_qconv(u) and u.args[0] is node and node not in u.args[1:]]
                 r_users = [u for u in users if is_qconv(u) and node in u.args[1:] and u.args[0] is not node]

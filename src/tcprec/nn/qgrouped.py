@@ -15,7 +15,7 @@ from torch import nn
 from ..ops.qconv_grouped import choose_grouped_backend, grouped_conv2d
 from ..ops.qconv import quantize_fp8_static, quantize_int8_static
 from ..ops.quantize import absmax_qmax, quantize_static
-from ..qtensor import PerChannel, QTensor
+from ..qtensor import PerChannel, QTensor, ShiftedInt8
 from .qmodules import (LayerPrecision, _check_before_load, _fold_bn, _quantize_weight, activation_format,
                        check_extra_state, parse_precision, weight_format)
 
@@ -132,17 +132,19 @@ class QGroupedConv2d(nn.Module):
                 f"padding={self.pad4}, groups={self.groups}, {self.precision} ({self.w_fmt} x {self.a_fmt}), "
                 f"act={self.act}")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.shape[1] != self.in_channels:
+    def forward(self, x) -> torch.Tensor:
+        if isinstance(x, QTensor):  # the int8 operand a chained producer wrote (quantize_model's chain pass)
+            if self.precision.fp8 or not isinstance(x.layout, ShiftedInt8) or x.fmt != self.a_fmt \
+                    or len(x.shape) != 4 or x.shape[3] != self.in_channels:
+                raise ValueError(f"QGroupedConv2d reads a chained operand as ShiftedInt8() {self.a_fmt} codes "
+                                 f"(N, H, W, {self.in_channels}), got {x.layout!r} {x.fmt} {x.shape}; quantize_model "
+                                 "chains only what the layer reads, or pass the float NCHW input")
+            xq = x
+        elif not isinstance(x, torch.Tensor) or x.dim() != 4 or x.shape[1] != self.in_channels:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"QGroupedConv2d expects (N, {self.in_channels}, H, W), got {got}")
-        xn = x.permute(0, 2, 3, 1)  # (N, H, W, C), a view for channels_last input
-        if self.precision.fp8:
-            xq = quantize_fp8_static(xn, self.in_scale, self.a_fmt)  # (N, H, W, C) e4m3 codes
-        elif self.route[0] == "triton":  # the INT8 kernels' int8 operand: one Triton pass, which the conv reads as is
-            xq = quantize_int8_static(xn, self.a_fmt, self.in_scale)
         else:
-            xq = quantize_static(xn, self.a_fmt, self.in_scale)  # (N, H, W, C) codes
+            xq = self._quantize(x.permute(0, 2, 3, 1))  # (N, H, W, C), a view for channels_last input
         K = self.out_channels
         qw = QTensor(self.w_codes, self.w_scale.reshape(K, 1, 1, 1), self.w_fmt, PerChannel(0),
                      tuple(self.w_codes.shape), torch.float32)
@@ -150,3 +152,13 @@ class QGroupedConv2d(nn.Module):
                            scale=self.ch_scale, bias=self.ch_bias, act=self.act, out_dtype=self.out_dtype,
                            backend=self.backend)
         return y.permute(0, 3, 1, 2)  # NCHW view, channels_last memory
+
+    def _quantize(self, xn: torch.Tensor) -> QTensor:
+        """Float NHWC -> this layer's input codes with the calibrated scale (sync-free)."""
+        if self.precision.fp8:
+            xq = quantize_fp8_static(xn, self.in_scale, self.a_fmt)  # (N, H, W, C) e4m3 codes
+        elif self.route[0] == "triton":  # the INT8 kernels' int8 operand: one Triton pass, which the conv reads as is
+            xq = quantize_int8_static(xn, self.a_fmt, self.in_scale)
+        else:
+            xq = quantize_static(xn, self.a_fmt, self.in_scale)  # (N, H, W, C) codes
+        return xq
