@@ -102,8 +102,8 @@ def _grouped_conv_kernel(
                 if X_FP8:
                     acc += _decode_e4m3(tl.load(xp, mask=mask, other=0).to(tl.int32)) * wv[None, :]
                 elif X_I8:  # the int8 load is sign-extended: value = X_OFF + X_STEP * x8; outside the image the offset
-                    # is dropped per pixel (a fill of -X_OFF in the masked load read back wrong on the GPU: vectors
-                    # of int8 took the constant's sign extension, -1, in their upper lanes)
+                    # is dropped per pixel (filling the masked load with -X_OFF instead gave wrong sums on the H200,
+                    # right ones under the interpreter; how was not isolated: docs/decisions/0151)
                     u = tl.load(xp, mask=mask, other=0).to(tl.int32)
                     off = tl.where(pix_ok, X_OFF, 0)
                     acc += (X_STEP * u + off[:, None]) * wv.to(tl.int32)[None, :]
