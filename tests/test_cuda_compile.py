@@ -309,14 +309,19 @@ def test_folded_tiles():
     assert "for (int rep = 0; rep < pair_weight(i, j); ++rep) Wgmma<NT>::run(acc[0][0], da, dw);" in src
 
 
-def test_cache_is_reused_and_keyed_by_variant(cache):
+def test_cache_is_reused_and_keyed_by_variant(cache, monkeypatch):
     from tcprec.kernels.cuda import bmma_gemm as L
+    from tcprec.kernels.cuda import runtime as rt
 
     v = _variants()[0]
-    L.compile_variant(v, "sm_90a")
-    t0 = time.perf_counter()
+    first, _ = L.compile_variant(v, "sm_90a")
+
+    def no_nvrtc(*a):
+        raise AssertionError("compiled again: the cached cubin was not reused")
+
+    monkeypatch.setattr(rt, "_nvrtc", no_nvrtc)
     cubin, _ = L.compile_variant(v, "sm_90a")
-    assert time.perf_counter() - t0 < 0.2 and cubin[:4] == b"\x7fELF"
+    assert cubin == first and cubin[:4] == b"\x7fELF"
     other = L.Variant(v.p, v.q, v.a_twos, v.w_twos, v.tile, "int32")
     assert L.cubin_path(other) != L.cubin_path(v)
     assert L.cubin_path(v, "sm_80") != L.cubin_path(v, "sm_90a")
@@ -482,3 +487,52 @@ def test_stem_weight_words_tiles_and_bad_input():
     with pytest.raises(ValueError, match=r"pool is 0 \(none\) or 2"):
         P.conv_planes(torch.zeros((1, 8, 8, 3), dtype=torch.int8), wq, 40, 3, 3, pool=1, col_scale=None, bias=None,
                       out_scale=None)
+
+
+_CHILD = """
+import hashlib, pathlib, sys, time
+from tcprec.kernels.cuda import runtime as rt
+log, src, who = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), sys.argv[3]
+real = rt._nvrtc
+def counted(*a):
+    with log.open("a") as f:
+        f.write(who + " compiles\\n")
+    time.sleep(2.0)  # still holding the key's lock when the other process asks for it
+    return real(*a)
+rt._nvrtc = counted
+cubin, _ = rt.compile_source(src, ["TCP_TEST=1"], "sm_90a", "lock_test")
+print(hashlib.sha256(cubin).hexdigest())
+"""
+
+
+def test_processes_compiling_one_variant_compile_it_once(tmp_path):
+    """Two processes asking for the same uncached variant (xdist workers, the ranks of a job): the second waits on the
+    key's lock and reads the first one's cubin instead of running NVRTC again."""
+    import os
+    import subprocess
+    import sys
+
+    src = tmp_path / "k.cu"
+    src.write_text('extern "C" __global__ void k(int* x) { x[threadIdx.x] = TCP_TEST; }\n')
+    log = tmp_path / "compiles.log"
+    env = dict(os.environ, TCPREC_CACHE_DIR=str(tmp_path / "cache"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_src_dir()), env.get("PYTHONPATH", "")) if p)
+    run = [sys.executable, "-c", _CHILD, str(log), str(src)]
+    a = subprocess.Popen(run + ["A"], env=env, stdout=subprocess.PIPE, text=True)
+    for _ in range(600):  # until A is inside NVRTC, holding the lock (at most 60 s)
+        if log.exists() or a.poll() is not None:
+            break
+        time.sleep(0.1)
+    b = subprocess.Popen(run + ["B"], env=env, stdout=subprocess.PIPE, text=True)
+    out_a, out_b = a.communicate(timeout=300)[0], b.communicate(timeout=300)[0]
+    assert a.returncode == 0 and b.returncode == 0
+    assert log.read_text().splitlines() == ["A compiles"]
+    assert out_a.strip() == out_b.strip() and len(out_a.strip()) == 64
+
+
+def _src_dir():
+    import pathlib
+
+    import tcprec
+
+    return pathlib.Path(tcprec.__file__).resolve().parent.parent

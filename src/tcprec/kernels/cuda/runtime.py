@@ -19,6 +19,7 @@ The public API::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import io
@@ -141,8 +142,28 @@ def compile_source(source: Path, defines: list[str], arch: str, name: str, *,
     tcprec is built here."""
     path = source_cubin_path(source, defines, arch)
     log_path = path.with_suffix(".log")
-    if use_cache and path.exists():
+
+    def cached() -> tuple[bytes, str]:
         return path.read_bytes(), log_path.read_text() if log_path.exists() else ""
+
+    if not use_cache:
+        return _nvrtc(source, defines, arch, name)
+    if path.exists():
+        return cached()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _key_lock(path):  # a process compiling this key already: wait for its cubin instead of compiling it again
+        if path.exists():
+            return cached()
+        cubin, log = _nvrtc(source, defines, arch, name)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(cubin)
+        log_path.write_text(log)
+        os.replace(tmp, path)  # atomic, and after the log: a cubin on disk always has its log
+    return cubin, log
+
+
+def _nvrtc(source: Path, defines: list[str], arch: str, name: str) -> tuple[bytes, str]:
+    """NVRTC: (cubin bytes, ptxas log), uncached."""
     Program, ProgramOptions, *_ = cuda_core_api()
     log = io.StringIO()
     options = ProgramOptions(arch=arch, std="c++17", define_macro=list(defines), ptxas_options=["-v"], name=name)
@@ -151,14 +172,25 @@ def compile_source(source: Path, defines: list[str], arch: str, name: str, *,
         obj = prog.compile("cubin", logs=log)
     except Exception as e:
         raise RuntimeError(f"NVRTC could not compile {name} for {arch}: {e}\n{log.getvalue()}") from e
-    cubin = bytes(obj.code)
-    if use_cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_bytes(cubin)
-        os.replace(tmp, path)  # atomic: parallel compiles of one variant never leave half a file
-        log_path.write_text(log.getvalue())
-    return cubin, log.getvalue()
+    return bytes(obj.code), log.getvalue()
+
+
+@contextlib.contextmanager
+def _key_lock(path: Path):
+    """An exclusive advisory lock on ``path``'s cache key, across processes (``fcntl.flock``): the xdist workers of a
+    test run, or the ranks of a job on one host, that need the same variant compile it once; the others wait and
+    read the cubin (without ``fcntl``: no lock, each compiles, the atomic rename still leaves one whole file)."""
+    try:
+        import fcntl
+    except ImportError:  # (not POSIX)
+        yield
+        return
+    with open(path.with_suffix(".lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def compile_all(compile_one: Callable, items: Iterable, workers: int | None = None) -> int:
