@@ -508,3 +508,35 @@ def test_decoder_modules_come_back_too_under_the_pinned_overrides():
     assert all(recs[n].precision == "w8a8" for n in cross) and recs["dec.layers.1.linear1"].precision == "float"
     with torch.no_grad():
         assert q(**cal).shape == (2, 5, 4)
+
+
+def test_chained_depthwise_layer_is_timed_from_the_codes_it_reads_and_floated_when_slower():
+    """An MBConv-like block on the INT8 kernels (interpreter): the depthwise layer reads the expand conv's int8 operand
+    (its ReLU6 left to the quantizer), the rule times it from those codes; measured slower, it is floated, and the
+    re-conversion gives the expand conv a float output and the ReLU6 back."""
+    pytest.importorskip("triton", reason="triton is a Linux dependency of tcprec")
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 16, 1), nn.BatchNorm2d(16), nn.ReLU6(),
+                      nn.Conv2d(16, 16, 3, padding=1, groups=16), nn.BatchNorm2d(16), nn.ReLU6(),
+                      nn.Conv2d(16, 8, 1)).eval()
+    x = torch.randn(2, 3, 6, 6)
+    seen = []
+
+    class Timer(FakeTimer):
+        def __call__(self, layer, side, fn):
+            if layer == "3" and side == "quantized":
+                seen.append(True)
+            return super().__call__(layer, side, fn)
+
+    for slow_dw, want in ((False, "int8 codes uint8 -> 3"), (True, "float32")):
+        t = Timer({("3", "quantized"): 2.0 if slow_dw else 0.5, ("3", "float"): 1.0})
+        cfg = tp.QuantConfig("int8", backend="int8", first_last=None, speed_rule=SpeedRule(timer=t))
+        q = tp.quantize_model(m, cfg, calibration=x, warn=False)
+        out = {r.name: r for r in q.tcprec_summary.layers}
+        assert out["0"].out == want, out["0"]
+        assert (out["3"].precision == "float") == slow_dw
+        relu6_left = any(n.startswith("2: clamp(0,6)") for n in q.tcprec_summary.notes)
+        assert relu6_left != slow_dw and any(isinstance(mod, nn.ReLU6) for mod in q.modules()) == slow_dw
+    assert seen  # the depthwise layer was timed quantized (from the chained codes, in the first conversion)
+    with torch.no_grad():
+        assert torch.isfinite(q(x)).all()
