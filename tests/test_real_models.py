@@ -182,12 +182,26 @@ def test_clamp_left_to_the_readers_quantizers_changes_no_bit(prec, clamp):
     assert torch.equal(y, y2)
 
 
+class _PreActFunctional(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bn, self.conv = nn.BatchNorm2d(3), nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(F.relu(self.bn(x), inplace=True))
+
+
 def test_unfused_relu_left_to_the_readers_quantizers():
-    """A ReLU no conv epilogue takes (pre-activation: BN -> ReLU -> conv) is left to the conv's quantizer too."""
+    """A ReLU no conv epilogue takes (pre-activation: BN -> ReLU -> conv) is left to the conv's quantizer too, as a
+    module or as F.relu (in place: the BN's output has no other reader)."""
     torch.manual_seed(0)
+    f = _PreActFunctional().eval()
+    f.bn.running_mean.uniform_(-0.5, 0.5)
+    x = torch.randn(2, 3, 8, 8)
+    qf = tp.quantize_model(f, "int8", calibration=x, warn=False)
+    assert any(n.startswith("relu: clamp(0,inf) read only by conv") for n in qf.tcprec_summary.notes)
     m = nn.Sequential(nn.BatchNorm2d(3), nn.ReLU(), nn.Conv2d(3, 8, 3, padding=1)).eval()
     m[0].running_mean.uniform_(-0.5, 0.5)
-    x = torch.randn(2, 3, 8, 8)
     q = tp.quantize_model(m, "w4a4", calibration=x, warn=False)
     assert any(n.startswith("1: clamp(0,inf)") for n in q.tcprec_summary.notes), q.tcprec_summary.notes
     q2 = copy.deepcopy(q)

@@ -373,7 +373,8 @@ def _clamp_bounds(node: fx.Node, mods) -> tuple[float, float] | None:
         if type(m) is nn.ReLU:
             return 0.0, inf
         return (float(m.min_val), float(m.max_val)) if type(m) in (nn.ReLU6, nn.Hardtanh) else None
-    if node.op == "call_function" and node.target in (F.relu, torch.relu) and len(node.args) == 1 and not node.kwargs:
+    if node.op == "call_function" and node.target in (F.relu, torch.relu) and len(node.args) == 1 \
+            and set(node.kwargs) <= {"inplace"}:  # (in place or not: the clamp's input has no other reader)
         return 0.0, inf
     if node.op == "call_method" and node.target == "relu" and len(node.args) == 1:
         return 0.0, inf
