@@ -340,12 +340,16 @@ def _candidates(gm: nn.Module, mods, traced: bool) -> list[str]:
     return [n for n, m in gm.named_modules() if type(m) in (nn.Conv2d, nn.Linear)]
 
 
-def _numeric_bounds(node: fx.Node, lo_name: str, hi_name: str, lo_default=None, hi_default=None) -> bool:
-    """Whether the clamp-like call ``node`` (input first, then the two bounds, as args or by these keyword names)
-    has numeric bounds."""
+def _bounds(node: fx.Node, lo_name: str, hi_name: str, lo_default=None, hi_default=None) -> tuple:
+    """(lo, hi) of the clamp-like call ``node``: input first, then the two bounds, as args or by these keyword names."""
     lo = node.args[1] if len(node.args) > 1 else node.kwargs.get(lo_name, lo_default)
     hi = node.args[2] if len(node.args) > 2 else node.kwargs.get(hi_name, hi_default)
-    return all(isinstance(v, (int, float)) for v in (lo, hi))
+    return lo, hi
+
+
+def _numeric_bounds(node: fx.Node, lo_name: str, hi_name: str, lo_default=None, hi_default=None) -> bool:
+    """Whether the clamp-like call ``node`` has numeric bounds (``_bounds``)."""
+    return all(isinstance(v, (int, float)) for v in _bounds(node, lo_name, hi_name, lo_default, hi_default))
 
 
 def _is_clamp(node: fx.Node, mods) -> bool:
@@ -382,10 +386,8 @@ def _clamp_bounds(node: fx.Node, mods) -> tuple[float, float] | None:
         return None
     if node.op == "call_function" and node.target is F.relu6:
         return 0.0, 6.0
-    names = ("min_val", "max_val") if node.target is F.hardtanh else ("min", "max")
-    default = (-1.0, 1.0) if node.target is F.hardtanh else (None, None)
-    lo = node.args[1] if len(node.args) > 1 else node.kwargs.get(names[0], default[0])
-    hi = node.args[2] if len(node.args) > 2 else node.kwargs.get(names[1], default[1])
+    hardtanh = node.target is F.hardtanh
+    lo, hi = _bounds(node, "min_val", "max_val", -1.0, 1.0) if hardtanh else _bounds(node, "min", "max")
     return float(lo), float(hi)
 
 

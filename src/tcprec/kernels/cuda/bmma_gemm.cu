@@ -1395,7 +1395,6 @@ bmma_gemm(
             for (int pid = blockIdx.x / CS; pid < tiles; pid += stride) {
                 int m0, n0;
                 tile_origin(pid, m0, n0);
-                bool pf = RES;  // the residual rows of this tile -> L2 once its first step is issued
                 for (int kt = 0; kt < k_tiles; ++kt) {
                     const int g = step++, s = g % RING;
                     if (g >= RING) mbar_wait(empty0 + 8 * s, ((g / RING) + 1) & 1);
@@ -1409,10 +1408,8 @@ bmma_gemm(
                     for (int pl = 0; pl < Q; ++pl)
                         tma_load(sW + (pl * BN + w_r0) * ROW_BYTES, tmW, kt * WPS, n0 + w_r0, pl, full0 + 8 * s,
                                  w_mask);
-                    if (pf) {
-                        pf = false;
+                    if (RES && kt == 0)  // the tile's residual rows -> L2 once its first step is issued
                         prefetch_rows_l2(residual, m0, BM, M, n0, BN, N, ldo, OUT_T == OUT_F32 ? 4 : 2, 0, 1);
-                    }
                 }
             }
         }
