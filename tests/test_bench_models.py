@@ -161,3 +161,30 @@ def test_resume_refuses_a_run_of_another_kind(tmp_path, edit, match):
     (tmp_path / "models.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         _run(tmp_path, resume=True)
+
+
+def test_batch_norm_statistics_leave_training_only_branches_out(monkeypatch):
+    """build_model's statistics pass runs the model in eval mode with only its batch norms training: a branch that
+    runs only in training (inception_v3's auxiliary head fails on 224 x 224 inputs) is not run, and the batch norms
+    still get the statistics of the seeded batches."""
+    import types
+
+    import torch
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 4, 3)
+            self.bn = torch.nn.BatchNorm2d(4)
+
+        def forward(self, x):
+            if self.training:
+                raise RuntimeError("auxiliary head: needs 299 x 299 inputs")
+            return self.bn(self.conv(x))
+
+    tv = types.SimpleNamespace(models=types.SimpleNamespace(get_model=lambda name, weights: Net()))
+    monkeypatch.setattr(mb, "_torchvision", lambda: tv)
+    m = mb.build_model("fake", seed=0, device="cpu", image=16)
+    assert not m.training and not m.bn.training
+    assert m.bn.num_batches_tracked.item() == 2
+    assert not torch.allclose(m.bn.running_var, torch.ones(4))  # the seeded batches' statistics, not the reset ones

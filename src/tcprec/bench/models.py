@@ -67,7 +67,9 @@ def torchvision_classifiers() -> list[str]:
 
 
 def build_model(name: str, seed: int, device, image: int = IMAGE) -> torch.nn.Module:
-    """torchvision's ``name`` with seeded weights; batch-norm statistics from two seeded batches of 8; eval, fp32."""
+    """torchvision's ``name`` with seeded weights; batch-norm statistics from two seeded batches of 8; eval, fp32.
+    The statistics pass runs the model in eval mode with only its batch norms in train mode: a branch that runs only
+    in training (inception_v3's auxiliary head, which needs 299 x 299 inputs) stays out of it, as in the model's use."""
     tv = _torchvision()
     torch.manual_seed(seed)
     m = tv.models.get_model(name, weights=None).to(device)
@@ -77,7 +79,9 @@ def build_model(name: str, seed: int, device, image: int = IMAGE) -> torch.nn.Mo
             b.reset_running_stats()
             b.momentum = None  # cumulative average over the batches below
         g = torch.Generator(device=device).manual_seed(seed + 1)
-        m.train()
+        m.eval()
+        for b in bns:
+            b.train()
         with torch.no_grad():
             for _ in range(2):
                 m(torch.randn((8, 3, image, image), device=device, generator=g))
