@@ -410,3 +410,26 @@ def test_grouped_layer_refuses_an_operand_it_does_not_read():
         q(tp.quantize(torch.rand(1, 5, 5, 8), "uint8", layout=tp.ShiftedInt8()))
     ok = tp.quantize(torch.rand(1, 5, 5, 4), "uint8", scale=q.in_scale, layout=tp.ShiftedInt8())
     assert torch.equal(q(ok), q(ok.dequantize().permute(0, 3, 1, 2)))
+
+
+@pytest.mark.parametrize("geo", [
+    # (H, W, K, R, S, stride, pad4 (top, bottom, left, right), dilation)
+    (7, 7, 40, 5, 5, (1, 1), (2, 2, 2, 2), (1, 1)),    # 5x5 "same", K = 40: a masked channel tail at both widths
+    (6, 9, 16, 3, 3, (2, 2), (0, 1, 0, 1), (1, 1)),    # TF "same" stride 2
+    (4, 5, 8, 5, 3, (1, 2), (4, 1, 1, 3), (2, 1)),     # dilated rows, pads wider than the map: taps cut on both sides
+])
+def test_depthwise_offset_summed_from_the_valid_taps_rectangle(geo):
+    """The int8 operand of uint8 codes (value = 128 + x8): the kernel sums x8 * w in its loop and
+    adds offset * (the weights of the pixel's valid taps) from the weights' summed-area table after it -- equal to
+    the reference's integer sums bit for bit, at the image's borders too."""
+    pytest.importorskip("triton", reason="triton is a Linux dependency of tcprec")
+    H, W, K, R, S, st, pad4, dil = geo
+    gen = torch.Generator().manual_seed(9)
+    xs = torch.rand(2, H, W, K, generator=gen)
+    x = tp.quantize(xs, "uint8")
+    x8 = x.to_layout(tp.ShiftedInt8())
+    assert tp.qtensor.int8_affine(x.fmt)[0] != 0  # the case under test: an operand with an offset
+    w = tp.quantize(torch.randn(K, R, S, 1, generator=gen), "int8", tp.PerChannel(0))
+    kw = dict(groups=K, stride=st, padding=pad4, dilation=dil)
+    ref = grouped_conv2d(x, w, out_dtype=torch.int32, backend="reference", **kw)
+    assert torch.equal(grouped_conv2d(x8, w, out_dtype=torch.int32, backend="triton", **kw), ref)

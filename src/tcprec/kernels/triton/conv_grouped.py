@@ -51,7 +51,7 @@ def _decode_e4m3(u):
 @triton.jit
 def _grouped_conv_kernel(
     # tensors
-    x_ptr, w_ptr, col_ptr, bias_ptr, y_ptr,
+    x_ptr, w_ptr, col_ptr, bias_ptr, y_ptr, sat_ptr,
     # geometry
     N, H, W, C, K, P, Q, Cg, Kg,
     stride_h, stride_w, pad_t, pad_l, dil_h, dil_w,
@@ -83,15 +83,30 @@ def _grouped_conv_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.int32)
     if DW:
         # depthwise: channel k reads channel k, so a pixel's BLOCK_K codes are one contiguous (vector) load, unmasked
-        # along the channels when K % BLOCK_K == 0 (EVEN_K); the weights come as (R*S, K), one vector a tap.  Codes
-        # outside the image load as 0, the value 0 of the code formats (the int8 operand drops its offset there).
+        # along the channels when K % BLOCK_K == 0 (EVEN_K); the weights come as int32 (R*S, K), one vector a tap (no
+        # widening in the loop).  Codes outside the image load as 0, the value 0 of the code formats.  The int8
+        # operand's offset is summed after the loop: sum_valid (X_OFF + X_STEP * x8) * w
+        # = X_STEP * sum x8 * w + X_OFF * sum_valid w, the last a rectangle of the taps (the valid rows and columns of
+        # a pixel are each one run) read from the weights' summed-area table sat (R+1, S+1, K): one multiply-add an
+        # element a tap in the loop instead of three (docs/decisions/0152).
+        if X_I8 and X_OFF != 0:
+            r_lo = tl.zeros((BLOCK_M,), dtype=tl.int32)  # taps above the image: rows [0, r_lo)
+            r_hi = tl.full((BLOCK_M,), R, dtype=tl.int32)  # taps below it: rows [r_hi, R)
+            s_lo = tl.zeros((BLOCK_M,), dtype=tl.int32)
+            s_hi = tl.full((BLOCK_M,), S, dtype=tl.int32)
         for r in tl.static_range(R):
             ih = p * stride_h - pad_t + r * dil_h
             row_ok = m_ok & (ih >= 0) & (ih < H)
             row = (n.to(tl.int64) * H + ih) * W
+            if X_I8 and X_OFF != 0:
+                r_lo += (ih < 0).to(tl.int32)
+                r_hi -= (ih >= H).to(tl.int32)
             for s in tl.static_range(S):
                 iw = q * stride_w - pad_l + s * dil_w
                 pix_ok = row_ok & (iw >= 0) & (iw < W)
+                if X_I8 and X_OFF != 0 and r == 0:
+                    s_lo += (iw < 0).to(tl.int32)
+                    s_hi -= (iw >= W).to(tl.int32)
                 xp = x_ptr + ((row + iw) * C)[:, None] + offs_k[None, :]
                 if EVEN_K:
                     mask = pix_ok[:, None]
@@ -101,17 +116,22 @@ def _grouped_conv_kernel(
                     wv = tl.load(w_ptr + (r * S + s) * K + offs_k, mask=k_ok, other=0)
                 if X_FP8:
                     acc += _decode_e4m3(tl.load(xp, mask=mask, other=0).to(tl.int32)) * wv[None, :]
-                elif X_I8:  # the int8 load is sign-extended: value = X_OFF + X_STEP * x8; outside the image the offset
-                    # is dropped per pixel (filling the masked load with -X_OFF instead gave wrong sums on the H200,
-                    # right ones under the interpreter; how was not isolated: docs/decisions/0151)
-                    u = tl.load(xp, mask=mask, other=0).to(tl.int32)
-                    off = tl.where(pix_ok, X_OFF, 0)
-                    acc += (X_STEP * u + off[:, None]) * wv.to(tl.int32)[None, :]
-                else:
+                else:  # uint8 codes, the int8 operand's x8 (sign-extended), or X_BITS-bit two's complement
                     u = tl.load(xp, mask=mask, other=0).to(tl.int32)  # code 0: value 0 in both encodings
-                    if X_TWOS:
+                    if X_TWOS and not X_I8:
                         u = u - ((u >> (X_BITS - 1)) << X_BITS)  # sign-extend the X_BITS-bit pattern
-                    acc += u * wv.to(tl.int32)[None, :]
+                    acc += u * wv[None, :]
+        if X_I8:
+            if X_STEP != 1:
+                acc = acc * X_STEP
+            if X_OFF != 0:  # + X_OFF * (the weights of the pixel's valid taps: a rectangle of the summed-area table)
+                sp = sat_ptr + offs_k[None, :]
+                cmask = m_ok[:, None] & k_ok[None, :]
+                rect = tl.load(sp + ((r_hi * (S + 1) + s_hi) * K)[:, None], mask=cmask, other=0)
+                rect -= tl.load(sp + ((r_lo * (S + 1) + s_hi) * K)[:, None], mask=cmask, other=0)
+                rect -= tl.load(sp + ((r_hi * (S + 1) + s_lo) * K)[:, None], mask=cmask, other=0)
+                rect += tl.load(sp + ((r_lo * (S + 1) + s_lo) * K)[:, None], mask=cmask, other=0)
+                acc += X_OFF * rect
     else:
         ch0 = (offs_k // Kg) * Cg  # first input channel of k's group
         for r in tl.static_range(R):
@@ -188,16 +208,22 @@ def grouped_conv(codes: torch.Tensor, x_bits: int, x_twos: bool, w_values: torch
         block_k = (32 if K % 32 == 0 else 16) if dw else 32
     if block_m is None:
         block_m = 32 if dw and R * S > 9 and P * Q <= 196 else 64
-    if dw:  # (R*S, K): a tap's weights are one contiguous vector
+    dummy = torch.empty(1, dtype=torch.float32, device=codes.device)
+    sat = dummy
+    if dw and not x_fp8 and x_affine is not None and int(x_affine[0]) != 0:  # the weights' summed-area table
+        sat = torch.zeros((R + 1, S + 1, K), dtype=torch.int32, device=codes.device)  # sum of w[:r, :s, k]
+        sat[1:, 1:] = w_values.reshape(K, R, S).to(torch.int32).cumsum(1, dtype=torch.int32).cumsum(
+            2, dtype=torch.int32).permute(1, 2, 0)
+    if dw:  # (R*S, K): a tap's weights are one contiguous vector, int32 for integer codes
         w_values = w_values.reshape(K, R * S).t()
+        w_values = w_values if x_fp8 else w_values.to(torch.int32)
     kind = act if act is None or isinstance(act, str) else act[0]
     a = float(act[1]) if isinstance(act, tuple) else 0.0
     b = float(act[2]) if isinstance(act, tuple) and len(act) > 2 else 0.0
-    dummy = torch.empty(1, dtype=torch.float32, device=codes.device)
     grid = (cdiv(N * P * Q, block_m), cdiv(K, block_k))
     _grouped_conv_kernel[grid](
         codes.contiguous(), w_values.contiguous(), dummy if col is None else col, dummy if bias is None else bias, y,
-        N, H, W, C, K, P, Q, Cg, K // groups,
+        sat.contiguous(), N, H, W, C, K, P, Q, Cg, K // groups,
         stride[0], stride[1], pad4[0], pad4[2], dilation[0], dilation[1],
         a, b,
         R=R, S=S, X_BITS=x_bits, X_TWOS=x_twos, X_FP8=x_fp8,
