@@ -5,9 +5,13 @@ CPU, set in conftest.py), and QGroupedConv2d / quantize_model put a depthwise Mo
 the Triton kernel equals it bit for bit; an fp8 model comes back with its depthwise convs quantized."""
 
 
+import json
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
+from _aot import compile_ptx, require_nvidia_backend, run_aot
 
 import tcprec as tp
 from tcprec.kernels import reference_conv_grouped as rg
@@ -433,3 +437,37 @@ def test_depthwise_offset_summed_from_the_valid_taps_rectangle(geo):
     kw = dict(groups=K, stride=st, padding=pad4, dilation=dil)
     ref = grouped_conv2d(x, w, out_dtype=torch.int32, backend="reference", **kw)
     assert torch.equal(grouped_conv2d(x8, w, out_dtype=torch.int32, backend="triton", **kw), ref)
+
+
+def _aot_depthwise_ptx(x_type: str, signed: bool, R: int, even_k: bool) -> str:
+    """The depthwise kernel's dp4a variant (what a CUDA launch of 8-bit weights takes) built for sm_90."""
+    from tcprec.kernels.triton import conv_grouped as kg
+
+    types = {name: "i32" for name in kg._grouped_conv_kernel.arg_names}
+    types.update(x_ptr=x_type, w_ptr="*i32", col_ptr="*fp32", bias_ptr="*fp32", y_ptr="*fp16", sat_ptr="*i32",
+                 wq_ptr="*i32", act_a="fp32", act_b="fp32")
+    consts = dict(R=R, S=R, X_BITS=8, X_TWOS=signed, X_FP8=False, X_I8=x_type == "*i8", X_OFF=128 if signed else 0,
+                  X_STEP=1, DW=True, DP4A=True, EVEN_K=even_k, HAS_BIAS=True, ACT=3, OUT_ACC=False, BLOCK_M=64,
+                  BLOCK_K=32)
+    return compile_ptx(kg._grouped_conv_kernel, types, consts, div=("C", "K"), num_warps=4)
+
+
+@pytest.mark.slow
+def test_depthwise_dp4a_variant_compiles_for_sm90():
+    """The dp4a path cannot run under the interpreter (inline PTX): it is built for sm_90 here, in a subprocess, and
+    its sums are checked against the reference on a GPU (tests/gpu/test_grouped_conv_gpu.py).  Signed bytes (the
+    int8 operand) take dp4a.s32.s32, unsigned codes dp4a.u32.s32; the 4 taps' words load 16 bytes at a time."""
+    ptx = json.loads(run_aot(__file__, timeout=300).strip().splitlines()[-1])
+    for name, text in ptx.items():
+        want = "dp4a.s32.s32" if name.startswith("s8") else "dp4a.u32.s32"
+        assert want in text, name
+        assert "prmt.b32" in text, name
+    assert "ld.global.v4.b32" in ptx["s8_5x5"] and "ld.global.v4.b32" in ptx["u8_3x3"]
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--aot"]:
+    require_nvidia_backend()
+    report = {"s8_5x5": _aot_depthwise_ptx("*i8", True, 5, True), "u8_3x3": _aot_depthwise_ptx("*u8", False, 3, True),
+              "s8_3x3_masked": _aot_depthwise_ptx("*i8", True, 3, False)}
+    print(json.dumps({k: "\n".join(ln for ln in v.splitlines() if "dp4a" in ln or "prmt" in ln or "ld.global" in ln)
+                      for k, v in report.items()}))

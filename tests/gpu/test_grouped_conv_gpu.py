@@ -130,3 +130,39 @@ def test_efficientnet_like_network_quantized_end_to_end(prec, bound):
             cpu = copy.deepcopy(m).cpu()
             assert cpu.route[0] == "reference"
             torch.testing.assert_close(m(xin).cpu(), cpu(xin.cpu()), rtol=2.0 ** -18, atol=1e-5)
+
+
+# (N, H, W, C, R, stride, pad4, dilation): the dp4a depthwise path's shapes -- 4 taps a word group (9 and 25 taps
+# leave a partial last group), a channel tail (C = 40 at block 16 / 32), C % 4 != 0 (the plain loop), borders cut
+DP4A_CASES = [
+    (4, 28, 28, 240, 5, (1, 1), (2, 2, 2, 2), (1, 1)),
+    (4, 15, 17, 40, 3, (2, 2), (0, 1, 0, 1), (1, 1)),
+    (2, 9, 11, 64, 5, (1, 2), (4, 1, 1, 3), (2, 1)),
+    (2, 7, 7, 6, 3, (1, 1), (1, 1, 1, 1), (1, 1)),
+]
+
+
+@pytest.mark.parametrize("case", DP4A_CASES, ids=lambda c: f"C{c[3]}_k{c[4]}_s{c[5][0]}{c[5][1]}")
+@pytest.mark.parametrize("fx,fw", [("uint8", "int8"), ("int8", "int8"), ("uint4", "int4"), ("int4", "int8")])
+def test_depthwise_dp4a_sums_equal_the_reference(case, fx, fw):
+    """8-bit weights on CUDA: the depthwise conv sums 4 taps an instruction (dp4a; the int8 operand signed, unsigned
+    codes unsigned; 4-bit two's complement codes take the plain loop) -- every operand kind equals the exact sums,
+    and the same call with the plain loop (w_int8=False) too."""
+    N, H, W, C, R, st, pad4, dil = case
+    gen = torch.Generator(DEV).manual_seed(7)
+    xs = torch.rand(N, H, W, C, device=DEV, generator=gen)
+    x = tp.quantize(xs if fx.startswith("u") else 2 * xs - 1, fx)
+    w = tp.quantize(torch.randn(C, R, R, 1, device=DEV, generator=gen), fw, tp.PerChannel(0))
+    want = rg.grouped_conv_int_taps(decode_values(x.codes, x.fmt), decode_values(w.codes, w.fmt), C, st, pad4,
+                                    dil).to(torch.int32)
+    kw = dict(groups=C, stride=st, padding=pad4, dilation=dil, out_dtype=torch.int32, backend="triton")
+    assert torch.equal(grouped_conv2d(x, w, **kw), want)
+    if fx in ("uint8", "int8", "uint4"):
+        assert torch.equal(grouped_conv2d(x.to_layout(tp.ShiftedInt8()), w, **kw), want)
+    P, Q = want.shape[1:3]
+    wv = decode_values(w.codes, w.fmt).to(torch.int16)
+    for bk in (16, 32):
+        for w_int8 in (True, False):
+            got = kg.grouped_conv(x.codes, x.fmt.bits, x.fmt.encoding == "twos", wv, C, st, pad4, dil, P, Q,
+                                  block_k=bk, w_int8=w_int8)
+            assert torch.equal(got, want), (bk, w_int8)

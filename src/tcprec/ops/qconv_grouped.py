@@ -128,10 +128,11 @@ def grouped_conv2d(x: QTensor, w: QTensor, *, groups: int, stride=(1, 1), paddin
                                 dilation, P, Q, col=col, bias=bias, act=act, out_dtype=out_dtype, x_fp8=True)
         # the INT8 kernels' operand (what quantize_int8_static writes) is read as it is: value = off + step * x8
         shifted = isinstance(x.layout, ShiftedInt8)
+        w_int8 = w.fmt.bits <= (8 if w.fmt.encoding == "twos" else 7)  # every value in [-128, 127]
         return grouped_conv(x.data.contiguous() if shifted else x.codes.contiguous(), x.fmt.bits,
                             x.fmt.encoding == "twos", w_vals.to(torch.int16).contiguous(), groups, stride, padding,
                             dilation, P, Q, col=None if raw else col, bias=bias, act=act, out_dtype=out_dtype,
-                            x_affine=int8_affine(x.fmt) if shifted else None)
+                            x_affine=int8_affine(x.fmt) if shifted else None, w_int8=w_int8)
     if fp8:
         acc = rg.grouped_conv_f32(_e4m3_values(x.codes), w_vals, groups, stride, padding, dilation)
         return rg.epilogue(acc, col, bias, act).to(out_dtype)

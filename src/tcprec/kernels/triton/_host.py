@@ -9,7 +9,14 @@ from ~500 to ~85 us with its launches stubbed, CPU).  Launch code uses these pla
 
 from __future__ import annotations
 
-__all__ = ["cdiv", "next_power_of_2"]
+import os
+
+__all__ = ["cdiv", "next_power_of_2", "interpreting"]
+
+
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1 (Triton's CPU interpreter: no inline PTX, one small tile)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def cdiv(a: int, b: int) -> int:

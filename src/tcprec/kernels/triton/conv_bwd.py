@@ -62,14 +62,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from ..conv_geometry import ACT_NONE, ConvGeometry
-from ._host import cdiv, next_power_of_2
+from ._host import cdiv, interpreting, next_power_of_2
 
 __all__ = ["dgrad", "wgrad", "phase_scatter", "dgrad_split", "wgrad_split", "sm_count", "DGRAD_CONFIGS", "WGRAD_CONFIGS",
            "INTERPRETER_CONFIG", "interpreting"]
@@ -86,9 +85,6 @@ INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_L": 16
 CHUNK_ALIGN = 128  # wgrad split chunks are multiples of every BLOCK_L
 _SUM_BLOCK = 1024
 
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _magic(d: int) -> tuple[int, int]:

@@ -64,7 +64,6 @@ from __future__ import annotations
 import functools
 import json
 import numbers
-import os
 from pathlib import Path
 from typing import NamedTuple
 
@@ -75,7 +74,7 @@ import triton.language as tl
 from ..conv_geometry import ConvGeometry, pair
 from ..reference_bitplanes import packed_words
 from ..reference_conv_int8_fp8 import FP8_KINDS, Fp8Out, Int8Out, parse_act, parse_out
-from ._host import cdiv, next_power_of_2
+from ._host import cdiv, interpreting, next_power_of_2
 from .conv_fwd_epilogue import OutMode, _channel_scale, _conv_epilogue
 from .round import fp8_constexprs
 
@@ -90,9 +89,6 @@ _OUT_DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": t
 # The interpreter runs one small tile (reduction block 32: the smallest 8-bit wgmma step)
 INTERPRETER_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
 
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 _NOSPEC = ["N", "H", "W", "P", "Q", "R", "S", "str_h", "str_w", "pad_h", "pad_w", "dil_h", "dil_w", "M",

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import cdiv
+from ._host import cdiv, interpreting
 
 __all__ = ["grouped_conv", "ACT_CODES"]
 
@@ -48,10 +48,72 @@ def _decode_e4m3(u):
     return tl.where(u >= 128, -mag, mag)
 
 
+def _dp4a_asm(x_type: str) -> str:
+    """PTX: 8 byte permutes transpose 4 taps x 4 channels ($4..$7: a tap's 4 channels a word) into 4 channels x 4
+    taps, and 4 dp4a add each channel's 4 products to its sum ($0..$3 = $12..$15 + ..., weights $8..$11)."""
+    return """{
+    .reg .b32 l01, h01, l23, h23, t0, t1, t2, t3;
+    prmt.b32 l01, $4, $5, 0x5140;
+    prmt.b32 h01, $4, $5, 0x7362;
+    prmt.b32 l23, $6, $7, 0x5140;
+    prmt.b32 h23, $6, $7, 0x7362;
+    prmt.b32 t0, l01, l23, 0x5410;
+    prmt.b32 t1, l01, l23, 0x7632;
+    prmt.b32 t2, h01, h23, 0x5410;
+    prmt.b32 t3, h01, h23, 0x7632;
+    dp4a.XT.s32 $0, t0, $8, $12;
+    dp4a.XT.s32 $1, t1, $9, $13;
+    dp4a.XT.s32 $2, t2, $10, $14;
+    dp4a.XT.s32 $3, t3, $11, $15;
+    }""".replace("XT", x_type)
+
+
+_DP4A_SIGNED = tl.constexpr(_dp4a_asm("s32"))  # signed bytes (the int8 operand's x8, int8 codes)
+_DP4A_UNSIGNED = tl.constexpr(_dp4a_asm("u32"))  # unsigned codes
+
+
+@triton.jit
+def _dp4a_taps4(x0, x1, x2, x3, w0, w1, w2, w3, a0, a1, a2, a3, X_SIGNED: tl.constexpr):
+    """Four taps x four channels: x_i holds tap i's codes of channels 0..3 (a byte each), w_j channel j's weights of
+    taps 0..3; a_j += sum_i x_i[j] * w_j[i], exact in int32.  Inline PTX: CUDA only (the interpreter runs the
+    kernel's plain loop)."""
+    return tl.inline_asm_elementwise(_DP4A_SIGNED if X_SIGNED else _DP4A_UNSIGNED,
+                                     "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r",
+                                     [x0, x1, x2, x3, w0, w1, w2, w3, a0, a1, a2, a3],
+                                     dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _tap_words(x32, T: tl.constexpr, base, ih0, iw0, m_ok, offs_c, H, W, C4, dil_h, dil_w, R: tl.constexpr,
+               S: tl.constexpr, EVEN_K: tl.constexpr, K4, BLOCK_M: tl.constexpr, KQ: tl.constexpr):
+    """(BLOCK_M, KQ) int32 words of tap T, 4 channels' codes each (0 past the last tap and outside the image).
+    ``base``: each pixel's word offset of its window's corner (ih0, iw0), channel 0."""
+    if T < R * S:
+        ih = ih0 + (T // S) * dil_h
+        iw = iw0 + (T % S) * dil_w
+        ok = m_ok & (ih.to(tl.uint32, bitcast=True) < H) & (iw.to(tl.uint32, bitcast=True) < W)  # (0 <= i < n)
+        xp = x32 + (base + ((T // S) * dil_h * W + (T % S) * dil_w) * C4)[:, None] + offs_c[None, :]
+        if EVEN_K:
+            return tl.load(xp, mask=ok[:, None], other=0)
+        else:
+            return tl.load(xp, mask=ok[:, None] & (offs_c < K4)[None, :], other=0)
+    else:
+        return tl.zeros((BLOCK_M, KQ), dtype=tl.int32)
+
+
+@triton.jit
+def _quad_weights(wp, K4, offs_c, EVEN_K: tl.constexpr):
+    """(1, KQ) words of one channel of each quad (wp: its row of the (G, 4, K/4) weights)."""
+    if EVEN_K:
+        return tl.load(wp + offs_c)[None, :]
+    else:
+        return tl.load(wp + offs_c, mask=offs_c < K4, other=0)[None, :]
+
+
 @triton.jit
 def _grouped_conv_kernel(
     # tensors
-    x_ptr, w_ptr, col_ptr, bias_ptr, y_ptr, sat_ptr,
+    x_ptr, w_ptr, col_ptr, bias_ptr, y_ptr, sat_ptr, wq_ptr,
     # geometry
     N, H, W, C, K, P, Q, Cg, Kg,
     stride_h, stride_w, pad_t, pad_l, dil_h, dil_w,
@@ -62,6 +124,7 @@ def _grouped_conv_kernel(
     X_FP8: tl.constexpr,  # e4m3 activation codes, float32 weight values and accumulator (X_BITS / X_TWOS unused)
     X_I8: tl.constexpr, X_OFF: tl.constexpr, X_STEP: tl.constexpr,  # int8 storage: value = X_OFF + X_STEP * x8
     DW: tl.constexpr,  # depthwise (one input channel a group, one filter a group): channel k reads channel k
+    DP4A: tl.constexpr,  # depthwise bytes (the int8 operand, or unsigned codes) summed 4 taps at a time by dp4a
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no channel mask
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, OUT_ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -89,42 +152,74 @@ def _grouped_conv_kernel(
         # = X_STEP * sum x8 * w + X_OFF * sum_valid w, the last a rectangle of the taps (the valid rows and columns of
         # a pixel are each one run) read from the weights' summed-area table sat (R+1, S+1, K): one multiply-add an
         # element a tap in the loop instead of three (docs/decisions/0152).
-        if X_I8 and X_OFF != 0:
-            r_lo = tl.zeros((BLOCK_M,), dtype=tl.int32)  # taps above the image: rows [0, r_lo)
-            r_hi = tl.full((BLOCK_M,), R, dtype=tl.int32)  # taps below it: rows [r_hi, R)
-            s_lo = tl.zeros((BLOCK_M,), dtype=tl.int32)
-            s_hi = tl.full((BLOCK_M,), S, dtype=tl.int32)
-        for r in tl.static_range(R):
-            ih = p * stride_h - pad_t + r * dil_h
-            row_ok = m_ok & (ih >= 0) & (ih < H)
-            row = (n.to(tl.int64) * H + ih) * W
-            if X_I8 and X_OFF != 0:
-                r_lo += (ih < 0).to(tl.int32)
-                r_hi -= (ih >= H).to(tl.int32)
-            for s in tl.static_range(S):
-                iw = q * stride_w - pad_l + s * dil_w
-                pix_ok = row_ok & (iw >= 0) & (iw < W)
-                if X_I8 and X_OFF != 0 and r == 0:
-                    s_lo += (iw < 0).to(tl.int32)
-                    s_hi -= (iw >= W).to(tl.int32)
-                xp = x_ptr + ((row + iw) * C)[:, None] + offs_k[None, :]
-                if EVEN_K:
-                    mask = pix_ok[:, None]
-                    wv = tl.load(w_ptr + (r * S + s) * K + offs_k)
-                else:
-                    mask = pix_ok[:, None] & k_ok[None, :]
-                    wv = tl.load(w_ptr + (r * S + s) * K + offs_k, mask=k_ok, other=0)
-                if X_FP8:
-                    acc += _decode_e4m3(tl.load(xp, mask=mask, other=0).to(tl.int32)) * wv[None, :]
-                else:  # uint8 codes, the int8 operand's x8 (sign-extended), or X_BITS-bit two's complement
-                    u = tl.load(xp, mask=mask, other=0).to(tl.int32)  # code 0: value 0 in both encodings
-                    if X_TWOS and not X_I8:
-                        u = u - ((u >> (X_BITS - 1)) << X_BITS)  # sign-extend the X_BITS-bit pattern
-                    acc += u * wv[None, :]
+        if DP4A:  # 4 taps x 4 channels an instruction: words of 4 channels' bytes, the weights packed 4 taps a word
+            KQ: tl.constexpr = BLOCK_K // 4
+            offs_c = pid_k * KQ + tl.arange(0, KQ)  # channel quads
+            x32 = x_ptr.to(tl.pointer_type(tl.int32))
+            C4 = C // 4
+            K4 = K // 4
+            ih0 = p * stride_h - pad_t
+            iw0 = q * stride_w - pad_l
+            base = ((n.to(tl.int64) * H + ih0) * W + iw0) * C4  # the window corner's word (may lie outside)
+            a0 = tl.zeros((BLOCK_M, KQ), dtype=tl.int32)
+            a1 = tl.zeros((BLOCK_M, KQ), dtype=tl.int32)
+            a2 = tl.zeros((BLOCK_M, KQ), dtype=tl.int32)
+            a3 = tl.zeros((BLOCK_M, KQ), dtype=tl.int32)
+            for g in tl.static_range((R * S + 3) // 4):
+                x0 = _tap_words(x32, 4 * g, base, ih0, iw0, m_ok, offs_c, H, W, C4, dil_h, dil_w, R, S, EVEN_K, K4,
+                                BLOCK_M, KQ)
+                x1 = _tap_words(x32, 4 * g + 1, base, ih0, iw0, m_ok, offs_c, H, W, C4, dil_h, dil_w, R, S, EVEN_K,
+                                K4, BLOCK_M, KQ)
+                x2 = _tap_words(x32, 4 * g + 2, base, ih0, iw0, m_ok, offs_c, H, W, C4, dil_h, dil_w, R, S, EVEN_K,
+                                K4, BLOCK_M, KQ)
+                x3 = _tap_words(x32, 4 * g + 3, base, ih0, iw0, m_ok, offs_c, H, W, C4, dil_h, dil_w, R, S, EVEN_K,
+                                K4, BLOCK_M, KQ)
+                wp = wq_ptr + g * K  # (G, 4, K/4) words: [g, j, c] = channel 4c + j's weights of taps 4g .. 4g+3
+                a0, a1, a2, a3 = _dp4a_taps4(x0, x1, x2, x3, _quad_weights(wp, K4, offs_c, EVEN_K),
+                                             _quad_weights(wp + K4, K4, offs_c, EVEN_K),
+                                             _quad_weights(wp + 2 * K4, K4, offs_c, EVEN_K),
+                                             _quad_weights(wp + 3 * K4, K4, offs_c, EVEN_K), a0, a1, a2, a3,
+                                             X_I8 or X_TWOS)
+            # channel 4c + j is a_j[:, c]: interleave back to (BLOCK_M, BLOCK_K) in offs_k's order
+            acc = tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, a3)), (BLOCK_M, BLOCK_K))
+        else:
+            for r in tl.static_range(R):
+                ih = p * stride_h - pad_t + r * dil_h
+                row_ok = m_ok & (ih >= 0) & (ih < H)
+                row = (n.to(tl.int64) * H + ih) * W
+                for s in tl.static_range(S):
+                    iw = q * stride_w - pad_l + s * dil_w
+                    pix_ok = row_ok & (iw >= 0) & (iw < W)
+                    xp = x_ptr + ((row + iw) * C)[:, None] + offs_k[None, :]
+                    if EVEN_K:
+                        mask = pix_ok[:, None]
+                        wv = tl.load(w_ptr + (r * S + s) * K + offs_k)
+                    else:
+                        mask = pix_ok[:, None] & k_ok[None, :]
+                        wv = tl.load(w_ptr + (r * S + s) * K + offs_k, mask=k_ok, other=0)
+                    if X_FP8:
+                        acc += _decode_e4m3(tl.load(xp, mask=mask, other=0).to(tl.int32)) * wv[None, :]
+                    else:  # uint8 codes, the int8 operand's x8 (sign-extended), or X_BITS-bit two's complement
+                        u = tl.load(xp, mask=mask, other=0).to(tl.int32)  # code 0: value 0 in both encodings
+                        if X_TWOS and not X_I8:
+                            u = u - ((u >> (X_BITS - 1)) << X_BITS)  # sign-extend the X_BITS-bit pattern
+                        acc += u * wv[None, :]
         if X_I8:
             if X_STEP != 1:
                 acc = acc * X_STEP
             if X_OFF != 0:  # + X_OFF * (the weights of the pixel's valid taps: a rectangle of the summed-area table)
+                r_lo = tl.zeros((BLOCK_M,), dtype=tl.int32)  # taps above the image: rows [0, r_lo)
+                r_hi = tl.full((BLOCK_M,), R, dtype=tl.int32)  # taps below it: rows [r_hi, R)
+                for r in tl.static_range(R):
+                    ih = p * stride_h - pad_t + r * dil_h
+                    r_lo += (ih < 0).to(tl.int32)
+                    r_hi -= (ih >= H).to(tl.int32)
+                s_lo = tl.zeros((BLOCK_M,), dtype=tl.int32)
+                s_hi = tl.full((BLOCK_M,), S, dtype=tl.int32)
+                for s in tl.static_range(S):
+                    iw = q * stride_w - pad_l + s * dil_w
+                    s_lo += (iw < 0).to(tl.int32)
+                    s_hi -= (iw >= W).to(tl.int32)
                 sp = sat_ptr + offs_k[None, :]
                 cmask = m_ok[:, None] & k_ok[None, :]
                 rect = tl.load(sp + ((r_hi * (S + 1) + s_hi) * K)[:, None], mask=cmask, other=0)
@@ -184,12 +279,14 @@ def _grouped_conv_kernel(
 def grouped_conv(codes: torch.Tensor, x_bits: int, x_twos: bool, w_values: torch.Tensor, groups: int, stride, pad4,
                  dilation, P: int, Q: int, col: torch.Tensor | None = None, bias: torch.Tensor | None = None, act=None,
                  out_dtype: torch.dtype = torch.int32, x_fp8: bool = False, x_affine: tuple[int, int] | None = None,
-                 block_m: int | None = None, block_k: int | None = None) -> torch.Tensor:
+                 block_m: int | None = None, block_k: int | None = None, w_int8: bool = False) -> torch.Tensor:
     """codes: uint8 (N, H, W, C) contiguous, integer codes of ``x_bits`` or (``x_fp8``) float8_e4m3fn bit patterns,
     or (``x_affine=(off, step)``) int8, the INT8 kernels' operand (``ShiftedInt8``: value = off + step * x8);
     w_values: (K, R, S, Cg) contiguous, int16 integers (float32 e4m3 values for ``x_fp8``) -> (N, P, Q, K) in
-    ``out_dtype``.  ``col=None``: the raw accumulator (int32, or float32 for ``x_fp8``).  Checks, allocates,
-    launches; the ops layer validated the rest."""
+    ``out_dtype``.  ``col=None``: the raw accumulator (int32, or float32 for ``x_fp8``).  ``w_int8``: the caller
+    vouches that every weight value is in [-128, 127] (its format says so): a depthwise conv of bytes that are their
+    value (the int8 operand's x8, unsigned codes, int8 codes) over C % 4 == 0 channels then sums 4 taps an
+    instruction (dp4a) on CUDA.  Checks, allocates, launches; the ops layer validated the rest."""
     N, H, W, C = codes.shape
     K, R, S, Cg = w_values.shape
     w_dtype, acc_dtype = (torch.float32, torch.float32) if x_fp8 else (torch.int16, torch.int32)
@@ -214,7 +311,17 @@ def grouped_conv(codes: torch.Tensor, x_bits: int, x_twos: bool, w_values: torch
         sat = torch.zeros((R + 1, S + 1, K), dtype=torch.int32, device=codes.device)  # sum of w[:r, :s, k]
         sat[1:, 1:] = w_values.reshape(K, R, S).to(torch.int32).cumsum(1, dtype=torch.int32).cumsum(
             2, dtype=torch.int32).permute(1, 2, 0)
-    if dw:  # (R*S, K): a tap's weights are one contiguous vector, int32 for integer codes
+    codes = codes.contiguous()
+    dp4a = (dw and w_int8 and not x_fp8 and (x_affine is not None or not x_twos or x_bits == 8) and C % 4 == 0
+            and block_k % 16 == 0 and codes.data_ptr() % 4 == 0 and not interpreting())
+    wq = dummy
+    if dp4a:  # (G, 4, K/4) int32 words: [g, j, c] holds w[4g + i, 4c + j] in byte i (taps past R*S: 0)
+        G = cdiv(R * S, 4)
+        wt = torch.zeros((G, 4, K), dtype=torch.int8, device=codes.device)  # [g, i, k] = w[4g + i, k]
+        wt.view(4 * G, K)[:R * S] = w_values.reshape(K, R * S).t()
+        wq = wt.view(G, 4, K // 4, 4).permute(0, 3, 2, 1).contiguous().view(torch.int32).reshape(G, 4, K // 4)
+        w_values = dummy
+    elif dw:  # (R*S, K): a tap's weights are one contiguous vector, int32 for integer codes
         w_values = w_values.reshape(K, R * S).t()
         w_values = w_values if x_fp8 else w_values.to(torch.int32)
     kind = act if act is None or isinstance(act, str) else act[0]
@@ -222,13 +329,13 @@ def grouped_conv(codes: torch.Tensor, x_bits: int, x_twos: bool, w_values: torch
     b = float(act[2]) if isinstance(act, tuple) and len(act) > 2 else 0.0
     grid = (cdiv(N * P * Q, block_m), cdiv(K, block_k))
     _grouped_conv_kernel[grid](
-        codes.contiguous(), w_values.contiguous(), dummy if col is None else col, dummy if bias is None else bias, y,
-        sat.contiguous(), N, H, W, C, K, P, Q, Cg, K // groups,
+        codes, w_values.contiguous(), dummy if col is None else col, dummy if bias is None else bias, y,
+        sat.contiguous(), wq, N, H, W, C, K, P, Q, Cg, K // groups,
         stride[0], stride[1], pad4[0], pad4[2], dilation[0], dilation[1],
         a, b,
         R=R, S=S, X_BITS=x_bits, X_TWOS=x_twos, X_FP8=x_fp8,
         X_I8=x_affine is not None, X_OFF=0 if x_affine is None else int(x_affine[0]),
-        X_STEP=1 if x_affine is None else int(x_affine[1]), DW=dw, EVEN_K=K % block_k == 0,
+        X_STEP=1 if x_affine is None else int(x_affine[1]), DW=dw, DP4A=dp4a, EVEN_K=K % block_k == 0,
         HAS_BIAS=bias is not None, ACT=ACT_CODES[kind], OUT_ACC=col is None,
         BLOCK_M=block_m, BLOCK_K=block_k,
     )
