@@ -208,6 +208,35 @@ def test_depthwise_layer_equals_its_integer_math(backend):
     assert torch.equal(q(x), want)
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_depthwise_layer_weight_cache_follows_its_codes(backend):
+    """QGroupedConv2d makes what it derives from its weight codes once (a per-layer dict) and makes it again when
+    the codes change: load_state_dict (in place) and an in-place edit give the new weights' outputs, never the
+    cached ones."""
+    if backend == "triton":
+        pytest.importorskip("triton", reason="triton is a Linux dependency of tcprec")
+    x = torch.rand(2, 8, 6, 6, generator=torch.Generator().manual_seed(3))
+
+    def layer(seed):
+        torch.manual_seed(seed)
+        return tp.nn.qgrouped.QGroupedConv2d.from_float(torch.nn.Conv2d(8, 8, 5, padding=2, groups=8), "int8",
+                                                        in_absmax=1.0, signed_input=False, backend=backend)
+
+    q, q2 = layer(0), layer(1)
+    y0, y2 = q(x), q2(x)
+    cache = q._weight_cache()
+    assert cache and q._weight_cache() is cache  # filled by the forward, kept while the codes are unchanged
+    assert torch.equal(q(x), y0)
+    q.load_state_dict(q2.state_dict())
+    assert q._weight_cache() is not cache
+    assert torch.equal(q(x), y2) and not torch.equal(y2, y0)
+    fresh = layer(1)  # q2's state with layer 0's codes, never run
+    with torch.no_grad():
+        q.w_codes.copy_(layer(0).w_codes)
+        fresh.w_codes.copy_(layer(0).w_codes)
+    assert torch.equal(q(x), fresh(x)) and not torch.equal(fresh(x), y2)
+
+
 # -- FP8: e4m3 activations and weights, float32 sums ---------------------------------------------------------------
 
 # (N, H, W, C, K, R, groups, stride, pad4 (top, bottom, left, right), dilation)

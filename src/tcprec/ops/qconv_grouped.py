@@ -94,9 +94,11 @@ def _e4m3_values(codes: torch.Tensor) -> torch.Tensor:
 
 def grouped_conv2d(x: QTensor, w: QTensor, *, groups: int, stride=(1, 1), padding=(0, 0, 0, 0), dilation=(1, 1),
                    scale: torch.Tensor | None = None, bias: torch.Tensor | None = None, act=None,
-                   out_dtype: torch.dtype = torch.float32, backend: str = "auto") -> torch.Tensor:
+                   out_dtype: torch.dtype = torch.float32, backend: str = "auto", cache: dict | None = None
+                   ) -> torch.Tensor:
     """Grouped / depthwise conv of integer or e4m3 codes, NHWC in and out (module docstring).  ``out_dtype=torch.int32``
-    (integer codes) returns the raw integer sums C.
+    (integer codes) returns the raw integer sums C.  ``cache``: a dict the caller keeps for ``w`` and empties when
+    its codes change (``QGroupedConv2d`` does): what is derived from the weights alone is made once into it.
 
     >>> import torch, tcprec as tp
     >>> x = tp.quantize(torch.ones(1, 3, 3, 2), "uint2", scale=1.0)
@@ -119,20 +121,28 @@ def grouped_conv2d(x: QTensor, w: QTensor, *, groups: int, stride=(1, 1), paddin
     col = col.contiguous()
     bias = None if bias is None else bias.to(torch.float32).contiguous()
     raw = out_dtype == torch.int32
-    w_vals = _e4m3_values(w.codes) if fp8 else decode_values(w.codes, w.fmt)  # (K, R, S, Cg) exact values
+    if cache is None or ("values", name) not in cache:  # (K, R, S, Cg) exact values
+        w_vals = _e4m3_values(w.codes) if fp8 else decode_values(w.codes, w.fmt)
+        if name == "triton" and not fp8:
+            w_vals = w_vals.to(torch.int16).contiguous()  # what the kernel takes
+        if cache is not None:
+            cache["values", name] = w_vals
+    else:
+        w_vals = cache["values", name]
     if name == "triton":
         from ..kernels.triton.conv_grouped import grouped_conv  # TRITON_INTERPRET is read at import
 
         if fp8:
             return grouped_conv(x.codes.contiguous(), 8, False, w_vals.contiguous(), groups, stride, padding,
-                                dilation, P, Q, col=col, bias=bias, act=act, out_dtype=out_dtype, x_fp8=True)
+                                dilation, P, Q, col=col, bias=bias, act=act, out_dtype=out_dtype, x_fp8=True,
+                                cache=cache)
         # the INT8 kernels' operand (what quantize_int8_static writes) is read as it is: value = off + step * x8
         shifted = isinstance(x.layout, ShiftedInt8)
         w_int8 = w.fmt.bits <= (8 if w.fmt.encoding == "twos" else 7)  # every value in [-128, 127]
         return grouped_conv(x.data.contiguous() if shifted else x.codes.contiguous(), x.fmt.bits,
-                            x.fmt.encoding == "twos", w_vals.to(torch.int16).contiguous(), groups, stride, padding,
+                            x.fmt.encoding == "twos", w_vals, groups, stride, padding,
                             dilation, P, Q, col=None if raw else col, bias=bias, act=act, out_dtype=out_dtype,
-                            x_affine=int8_affine(x.fmt) if shifted else None, w_int8=w_int8)
+                            x_affine=int8_affine(x.fmt) if shifted else None, w_int8=w_int8, cache=cache)
     if fp8:
         acc = rg.grouped_conv_f32(_e4m3_values(x.codes), w_vals, groups, stride, padding, dilation)
         return rg.epilogue(acc, col, bias, act).to(out_dtype)

@@ -276,17 +276,36 @@ def _grouped_conv_kernel(
         tl.store(y_ptr + out, y.to(y_ptr.dtype.element_ty), mask=omask)
 
 
+def _summed_area_table(w_values: torch.Tensor, K: int, R: int, S: int) -> torch.Tensor:
+    """(R+1, S+1, K) int32: [r, s, k] = sum of w[k, :r, :s] (the depthwise weights (K, R, S, 1))."""
+    sat = torch.zeros((R + 1, S + 1, K), dtype=torch.int32, device=w_values.device)
+    sat[1:, 1:] = w_values.reshape(K, R, S).to(torch.int32).cumsum(1, dtype=torch.int32).cumsum(
+        2, dtype=torch.int32).permute(1, 2, 0)
+    return sat
+
+
+def _dp4a_words(w_values: torch.Tensor, K: int, R: int, S: int) -> torch.Tensor:
+    """(G, 4, K/4) int32, G = ceil(R*S / 4): [g, j, c] holds w[4c + j, tap 4g + i] in byte i (taps past R*S: 0)."""
+    G = cdiv(R * S, 4)
+    wt = torch.zeros((G, 4, K), dtype=torch.int8, device=w_values.device)  # [g, i, k] = w[k, tap 4g + i]
+    wt.view(4 * G, K)[:R * S] = w_values.reshape(K, R * S).t()
+    return wt.view(G, 4, K // 4, 4).permute(0, 3, 2, 1).contiguous().view(torch.int32).reshape(G, 4, K // 4)
+
+
 def grouped_conv(codes: torch.Tensor, x_bits: int, x_twos: bool, w_values: torch.Tensor, groups: int, stride, pad4,
                  dilation, P: int, Q: int, col: torch.Tensor | None = None, bias: torch.Tensor | None = None, act=None,
                  out_dtype: torch.dtype = torch.int32, x_fp8: bool = False, x_affine: tuple[int, int] | None = None,
-                 block_m: int | None = None, block_k: int | None = None, w_int8: bool = False) -> torch.Tensor:
+                 block_m: int | None = None, block_k: int | None = None, w_int8: bool = False,
+                 cache: dict | None = None) -> torch.Tensor:
     """codes: uint8 (N, H, W, C) contiguous, integer codes of ``x_bits`` or (``x_fp8``) float8_e4m3fn bit patterns,
     or (``x_affine=(off, step)``) int8, the INT8 kernels' operand (``ShiftedInt8``: value = off + step * x8);
     w_values: (K, R, S, Cg) contiguous, int16 integers (float32 e4m3 values for ``x_fp8``) -> (N, P, Q, K) in
     ``out_dtype``.  ``col=None``: the raw accumulator (int32, or float32 for ``x_fp8``).  ``w_int8``: the caller
     vouches that every weight value is in [-128, 127] (its format says so): a depthwise conv of bytes that are their
     value (the int8 operand's x8, unsigned codes, int8 codes) over C % 4 == 0 channels then sums 4 taps an
-    instruction (dp4a) on CUDA.  Checks, allocates, launches; the ops layer validated the rest."""
+    instruction (dp4a) on CUDA.  ``cache``: a dict the caller keeps for these weights and empties when they change;
+    the tensors derived from the weights alone (the packed words, the summed-area table) are made once into it.
+    Checks, allocates, launches; the ops layer validated the rest."""
     N, H, W, C = codes.shape
     K, R, S, Cg = w_values.shape
     w_dtype, acc_dtype = (torch.float32, torch.float32) if x_fp8 else (torch.int16, torch.int32)
@@ -306,24 +325,26 @@ def grouped_conv(codes: torch.Tensor, x_bits: int, x_twos: bool, w_values: torch
     if block_m is None:
         block_m = 32 if dw and R * S > 9 and P * Q <= 196 else 64
     dummy = torch.empty(1, dtype=torch.float32, device=codes.device)
+    cache = {} if cache is None else cache
+
+    def derived(key, make):  # a tensor of the weights alone: made once per cache
+        if key not in cache:
+            cache[key] = make()
+        return cache[key]
+
     sat = dummy
     if dw and not x_fp8 and x_affine is not None and int(x_affine[0]) != 0:  # the weights' summed-area table
-        sat = torch.zeros((R + 1, S + 1, K), dtype=torch.int32, device=codes.device)  # sum of w[:r, :s, k]
-        sat[1:, 1:] = w_values.reshape(K, R, S).to(torch.int32).cumsum(1, dtype=torch.int32).cumsum(
-            2, dtype=torch.int32).permute(1, 2, 0)
+        sat = derived("sat", lambda: _summed_area_table(w_values, K, R, S))
     codes = codes.contiguous()
     dp4a = (dw and w_int8 and not x_fp8 and (x_affine is not None or not x_twos or x_bits == 8) and C % 4 == 0
             and block_k % 16 == 0 and codes.data_ptr() % 4 == 0 and not interpreting())
     wq = dummy
-    if dp4a:  # (G, 4, K/4) int32 words: [g, j, c] holds w[4g + i, 4c + j] in byte i (taps past R*S: 0)
-        G = cdiv(R * S, 4)
-        wt = torch.zeros((G, 4, K), dtype=torch.int8, device=codes.device)  # [g, i, k] = w[4g + i, k]
-        wt.view(4 * G, K)[:R * S] = w_values.reshape(K, R * S).t()
-        wq = wt.view(G, 4, K // 4, 4).permute(0, 3, 2, 1).contiguous().view(torch.int32).reshape(G, 4, K // 4)
+    if dp4a:
+        wq = derived("dp4a_words", lambda: _dp4a_words(w_values, K, R, S))
         w_values = dummy
     elif dw:  # (R*S, K): a tap's weights are one contiguous vector, int32 for integer codes
-        w_values = w_values.reshape(K, R * S).t()
-        w_values = w_values if x_fp8 else w_values.to(torch.int32)
+        w_values = derived("taps_by_channel", lambda: w_values.reshape(K, R * S).t().to(
+            torch.float32 if x_fp8 else torch.int32).contiguous())
     kind = act if act is None or isinstance(act, str) else act[0]
     a = float(act[1]) if isinstance(act, tuple) else 0.0
     b = float(act[2]) if isinstance(act, tuple) and len(act) > 2 else 0.0
