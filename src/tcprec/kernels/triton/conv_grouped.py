@@ -13,6 +13,12 @@ that the BLOCK_K channels of one pixel are contiguous loads::
             acc += x * w[k, r, s, c]                     # int32: exact; float32: the product exact, the add rounds
     y = act(float32(acc) * col[k] + bias[k])             # the dense conv's epilogue (or acc itself, OUT_ACC)
 
+The integer depthwise loop is bound by integer instructions, not bytes (a byte's sign extension and a multiply-add
+an element a tap).  On CUDA, with 8-bit weights over byte operands, it sums 4 taps x 4 channels an instruction
+instead (``DP4A``: 8 byte permutes transpose 4 taps' words of 4 channels, 4 ``dp4a`` add them; inline PTX, so the
+interpreter runs the plain loop and tests/test_grouped_conv.py builds this variant for sm_90 ahead of time;
+docs/decisions/0152).
+
 Integer codes (X_FP8=False; uint8 codes, or the INT8 kernels' int8 operand whose value is off + step * x8, as the
 dense INT8 layers take it): exact against ``kernels/reference_conv_grouped.grouped_conv_int`` (int32 bit for
 bit).  e4m3 codes (X_FP8=True): decoded with integer ops (any CUDA GPU, no fp8 conversion instruction needed), the
@@ -150,8 +156,9 @@ def _grouped_conv_kernel(
         # widening in the loop).  Codes outside the image load as 0, the value 0 of the code formats.  The int8
         # operand's offset is summed after the loop: sum_valid (X_OFF + X_STEP * x8) * w
         # = X_STEP * sum x8 * w + X_OFF * sum_valid w, the last a rectangle of the taps (the valid rows and columns of
-        # a pixel are each one run) read from the weights' summed-area table sat (R+1, S+1, K): one multiply-add an
-        # element a tap in the loop instead of three (docs/decisions/0152).
+        # a pixel are each one run) read from the weights' summed-area table sat (R+1, S+1, K).  The loop does less,
+        # the 4 table reads an output element cost more than that on 3x3 windows (H200: docs/decisions/0152, with
+        # the next step: read the table at the border pixels only).
         if DP4A:  # 4 taps x 4 channels an instruction: words of 4 channels' bytes, the weights packed 4 taps a word
             KQ: tl.constexpr = BLOCK_K // 4
             offs_c = pid_k * KQ + tl.arange(0, KQ)  # channel quads
@@ -303,7 +310,7 @@ def grouped_conv(codes: torch.Tensor, x_bits: int, x_twos: bool, w_values: torch
     ``out_dtype``.  ``col=None``: the raw accumulator (int32, or float32 for ``x_fp8``).  ``w_int8``: the caller
     vouches that every weight value is in [-128, 127] (its format says so): a depthwise conv of bytes that are their
     value (the int8 operand's x8, unsigned codes, int8 codes) over C % 4 == 0 channels then sums 4 taps an
-    instruction (dp4a) on CUDA.  ``cache``: a dict the caller keeps for these weights and empties when they change;
+    instruction (dp4a) on CUDA (codes 4-byte aligned, as allocations are).  ``cache``: a dict the caller keeps for these weights and empties when they change;
     the tensors derived from the weights alone (the packed words, the summed-area table) are made once into it.
     Checks, allocates, launches; the ops layer validated the rest."""
     N, H, W, C = codes.shape
