@@ -5,6 +5,8 @@ CPU, set in conftest.py), and QGroupedConv2d / quantize_model put a depthwise Mo
 the Triton kernel equals it bit for bit; an fp8 model comes back with its depthwise convs quantized."""
 
 
+import copy
+import io
 import json
 import sys
 
@@ -235,6 +237,12 @@ def test_depthwise_layer_weight_cache_follows_its_codes(backend):
         q.w_codes.copy_(layer(0).w_codes)
         fresh.w_codes.copy_(layer(0).w_codes)
     assert torch.equal(q(x), fresh(x)) and not torch.equal(fresh(x), y2)
+    buf = io.BytesIO()
+    torch.save(q, buf)  # the derived tensors are not saved: a loaded layer makes them again
+    assert "_wcache" not in copy.deepcopy(q).__dict__
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert "_wcache" not in loaded.__dict__ and torch.equal(loaded(x), q(x))
 
 
 # -- FP8: e4m3 activations and weights, float32 sums ---------------------------------------------------------------

@@ -162,6 +162,12 @@ class QGroupedConv2d(nn.Module):
             self.__dict__["_wcache"], self.__dict__["_wcache_key"] = {}, key
         return self.__dict__["_wcache"]
 
+    def __getstate__(self):  # pickling (torch.save, deepcopy): the buffers only, never the derived weight tensors
+        state = self.__dict__.copy()
+        state.pop("_wcache", None)
+        state.pop("_wcache_key", None)
+        return state
+
     def _quantize(self, xn: torch.Tensor) -> QTensor:
         """Float NHWC -> this layer's input codes with the calibrated scale (sync-free)."""
         if self.precision.fp8:
