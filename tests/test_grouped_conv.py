@@ -5,7 +5,6 @@ CPU, set in conftest.py), and QGroupedConv2d / quantize_model put a depthwise Mo
 the Triton kernel equals it bit for bit; an fp8 model comes back with its depthwise convs quantized."""
 
 
-import copy
 import io
 import json
 import sys
@@ -211,12 +210,16 @@ def test_depthwise_layer_equals_its_integer_math(backend):
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_depthwise_layer_weight_cache_follows_its_codes(backend):
-    """QGroupedConv2d makes what it derives from its weight codes once (a per-layer dict) and makes it again when
-    the codes change: load_state_dict (in place) and an in-place edit give the new weights' outputs, never the
-    cached ones."""
+def test_depthwise_layer_remembers_what_its_weights_give_and_follows_their_changes(backend):
+    """What the conv derives from a layer's weights alone (decoded values, column scales; on the Triton route also the
+    transposed taps or dp4a words and the summed-area table) is remembered for its buffers (tcprec.memo) and derived
+    again when they change: load_state_dict (in place) and an in-place edit give the new weights' outputs, never the
+    remembered ones; a saved and loaded layer derives them again."""
     if backend == "triton":
         pytest.importorskip("triton", reason="triton is a Linux dependency of tcprec")
+    from tcprec.memo import memo_get
+    from tcprec.ops import qconv_grouped as og
+
     x = torch.rand(2, 8, 6, 6, generator=torch.Generator().manual_seed(3))
 
     def layer(seed):
@@ -226,11 +229,11 @@ def test_depthwise_layer_weight_cache_follows_its_codes(backend):
 
     q, q2 = layer(0), layer(1)
     y0, y2 = q(x), q2(x)
-    cache = q._weight_cache()
-    assert cache and q._weight_cache() is cache  # filled by the forward, kept while the codes are unchanged
-    assert torch.equal(q(x), y0)
+    vals = memo_get(og._W_VALUES, (q.w_codes,), (backend, str(q.w_fmt)))
+    assert vals is not None  # remembered by the forward ...
+    assert torch.equal(q(x), y0) and memo_get(og._W_VALUES, (q.w_codes,), (backend, str(q.w_fmt))) is vals  # ... kept
     q.load_state_dict(q2.state_dict())
-    assert q._weight_cache() is not cache
+    assert memo_get(og._W_VALUES, (q.w_codes,), (backend, str(q.w_fmt))) is None  # the codes changed in place
     assert torch.equal(q(x), y2) and not torch.equal(y2, y0)
     fresh = layer(1)  # q2's state with layer 0's codes, never run
     with torch.no_grad():
@@ -238,11 +241,9 @@ def test_depthwise_layer_weight_cache_follows_its_codes(backend):
         fresh.w_codes.copy_(layer(0).w_codes)
     assert torch.equal(q(x), fresh(x)) and not torch.equal(fresh(x), y2)
     buf = io.BytesIO()
-    torch.save(q, buf)  # the derived tensors are not saved: a loaded layer makes them again
-    assert "_wcache" not in copy.deepcopy(q).__dict__
+    torch.save(q, buf)
     buf.seek(0)
-    loaded = torch.load(buf, weights_only=False)
-    assert "_wcache" not in loaded.__dict__ and torch.equal(loaded(x), q(x))
+    assert torch.equal(torch.load(buf, weights_only=False)(x), q(x))
 
 
 # -- FP8: e4m3 activations and weights, float32 sums ---------------------------------------------------------------

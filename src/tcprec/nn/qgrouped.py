@@ -150,23 +150,8 @@ class QGroupedConv2d(nn.Module):
                      tuple(self.w_codes.shape), torch.float32)
         y = grouped_conv2d(xq, qw, groups=self.groups, stride=self.stride, padding=self.pad4, dilation=self.dilation,
                            scale=self.ch_scale, bias=self.ch_bias, act=self.act, out_dtype=self.out_dtype,
-                           backend=self.backend, cache=self._weight_cache())
+                           backend=self.backend)
         return y.permute(0, 3, 1, 2)  # NCHW view, channels_last memory
-
-    def _weight_cache(self) -> dict:
-        """What the conv derives from the weight codes alone (decoded values, packed words), made once: a dict
-        kept while the codes are the same tensor, unmodified (load_state_dict writes in place: a new version;
-        .to() makes a new tensor)."""
-        key = (self.w_codes.data_ptr(), self.w_codes._version, self.w_codes.device)
-        if self.__dict__.get("_wcache_key") != key:
-            self.__dict__["_wcache"], self.__dict__["_wcache_key"] = {}, key
-        return self.__dict__["_wcache"]
-
-    def __getstate__(self):  # pickling (torch.save, deepcopy): the buffers only, never the derived weight tensors
-        state = self.__dict__.copy()
-        state.pop("_wcache", None)
-        state.pop("_wcache_key", None)
-        return state
 
     def _quantize(self, xn: torch.Tensor) -> QTensor:
         """Float NHWC -> this layer's input codes with the calibrated scale (sync-free)."""

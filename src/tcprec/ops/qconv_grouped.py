@@ -28,12 +28,17 @@ from __future__ import annotations
 import torch
 
 from ..formats import IntFormat, as_format
+from ..memo import remembered
 from ..kernels.triton import triton_usable
 from ..kernels import reference_conv_grouped as rg
 from ..kernels.reference_conv_bitserial import decode_values
 from ..qtensor import Dense, QTensor, ShiftedInt8, int8_affine
 
 _E4M3 = as_format("e4m3")
+# The weights' decoded values and the column scales, by their source tensors (tcprec.memo, as ops.qconv's): a
+# quantized layer passes the same buffers on every call; an in-place change (load_state_dict) derives them again.
+_W_VALUES: dict = {}
+_COL_SCALES: dict = {}
 
 __all__ = ["grouped_conv2d", "choose_grouped_backend", "GROUPED_BACKENDS"]
 
@@ -94,11 +99,10 @@ def _e4m3_values(codes: torch.Tensor) -> torch.Tensor:
 
 def grouped_conv2d(x: QTensor, w: QTensor, *, groups: int, stride=(1, 1), padding=(0, 0, 0, 0), dilation=(1, 1),
                    scale: torch.Tensor | None = None, bias: torch.Tensor | None = None, act=None,
-                   out_dtype: torch.dtype = torch.float32, backend: str = "auto", cache: dict | None = None
-                   ) -> torch.Tensor:
+                   out_dtype: torch.dtype = torch.float32, backend: str = "auto") -> torch.Tensor:
     """Grouped / depthwise conv of integer or e4m3 codes, NHWC in and out (module docstring).  ``out_dtype=torch.int32``
-    (integer codes) returns the raw integer sums C.  ``cache``: a dict the caller keeps for ``w`` and empties when
-    its codes change (``QGroupedConv2d`` does): what is derived from the weights alone is made once into it.
+    (integer codes) returns the raw integer sums C.  The weights' decoded values and the column scales are remembered
+    for their source tensors (tcprec.memo): a layer's buffers come back unchanged on every call.
 
     >>> import torch, tcprec as tp
     >>> x = tp.quantize(torch.ones(1, 3, 3, 2), "uint2", scale=1.0)
@@ -114,35 +118,34 @@ def grouped_conv2d(x: QTensor, w: QTensor, *, groups: int, stride=(1, 1), paddin
     K, R, S, Cg = w.codes.shape
     P, Q = rg.output_size(H, W, R, S, stride, padding, dilation)
     name, _ = choose_grouped_backend(x.data.device, backend)
-    w_scale = w.scale.reshape(-1).to(torch.float32).expand(K) if w.scale.numel() == 1 else w.scale.reshape(K)
-    col = x.scale.reshape(()).to(torch.float32) * w_scale.to(torch.float32)  # (K,) x_scale * w_scale[k]
-    if scale is not None:
-        col = col * scale
-    col = col.contiguous()
+
+    def col_scales():  # (K,) x_scale * w_scale[k] * scale[k]
+        w_scale = w.scale.reshape(-1).to(torch.float32).expand(K) if w.scale.numel() == 1 else w.scale.reshape(K)
+        col = x.scale.reshape(()).to(torch.float32) * w_scale.to(torch.float32)
+        return (col if scale is None else col * scale).contiguous()
+
+    col = remembered(_COL_SCALES, (x.scale, w.scale) if scale is None else (x.scale, w.scale, scale), col_scales)
     bias = None if bias is None else bias.to(torch.float32).contiguous()
     raw = out_dtype == torch.int32
-    if cache is None or ("values", name) not in cache:  # (K, R, S, Cg) exact values
-        w_vals = _e4m3_values(w.codes) if fp8 else decode_values(w.codes, w.fmt)
-        if name == "triton" and not fp8:
-            w_vals = w_vals.to(torch.int16).contiguous()  # what the kernel takes
-        if cache is not None:
-            cache["values", name] = w_vals
-    else:
-        w_vals = cache["values", name]
+
+    def values():  # (K, R, S, Cg) exact values; int16 for the Triton integer conv
+        v = _e4m3_values(w.codes) if fp8 else decode_values(w.codes, w.fmt)
+        return v.to(torch.int16).contiguous() if name == "triton" and not fp8 else v
+
+    w_vals = remembered(_W_VALUES, (w.codes,), values, (name, str(w.fmt)))
     if name == "triton":
         from ..kernels.triton.conv_grouped import grouped_conv  # TRITON_INTERPRET is read at import
 
         if fp8:
             return grouped_conv(x.codes.contiguous(), 8, False, w_vals.contiguous(), groups, stride, padding,
-                                dilation, P, Q, col=col, bias=bias, act=act, out_dtype=out_dtype, x_fp8=True,
-                                cache=cache)
+                                dilation, P, Q, col=col, bias=bias, act=act, out_dtype=out_dtype, x_fp8=True)
         # the INT8 kernels' operand (what quantize_int8_static writes) is read as it is: value = off + step * x8
         shifted = isinstance(x.layout, ShiftedInt8)
         w_int8 = w.fmt.bits <= (8 if w.fmt.encoding == "twos" else 7)  # every value in [-128, 127]
         return grouped_conv(x.data.contiguous() if shifted else x.codes.contiguous(), x.fmt.bits,
                             x.fmt.encoding == "twos", w_vals, groups, stride, padding,
                             dilation, P, Q, col=None if raw else col, bias=bias, act=act, out_dtype=out_dtype,
-                            x_affine=int8_affine(x.fmt) if shifted else None, w_int8=w_int8, cache=cache)
+                            x_affine=int8_affine(x.fmt) if shifted else None, w_int8=w_int8)
     if fp8:
         acc = rg.grouped_conv_f32(_e4m3_values(x.codes), w_vals, groups, stride, padding, dilation)
         return rg.epilogue(acc, col, bias, act).to(out_dtype)

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...memo import remembered
 from ._host import cdiv, interpreting
 
 __all__ = ["grouped_conv", "ACT_CODES"]
@@ -283,6 +284,12 @@ def _grouped_conv_kernel(
         tl.store(y_ptr + out, y.to(y_ptr.dtype.element_ty), mask=omask)
 
 
+# What the depthwise launch derives from the weights alone (summed-area table, dp4a words, transposed taps), by the
+# weight tensor (tcprec.memo): a layer's weights come back unchanged on every call, and these were 3-5 small kernels a
+# layer a forward.
+_DERIVED: dict = {}
+
+
 def _summed_area_table(w_values: torch.Tensor, K: int, R: int, S: int) -> torch.Tensor:
     """(R+1, S+1, K) int32: [r, s, k] = sum of w[k, :r, :s] (the depthwise weights (K, R, S, 1))."""
     sat = torch.zeros((R + 1, S + 1, K), dtype=torch.int32, device=w_values.device)
@@ -302,17 +309,16 @@ def _dp4a_words(w_values: torch.Tensor, K: int, R: int, S: int) -> torch.Tensor:
 def grouped_conv(codes: torch.Tensor, x_bits: int, x_twos: bool, w_values: torch.Tensor, groups: int, stride, pad4,
                  dilation, P: int, Q: int, col: torch.Tensor | None = None, bias: torch.Tensor | None = None, act=None,
                  out_dtype: torch.dtype = torch.int32, x_fp8: bool = False, x_affine: tuple[int, int] | None = None,
-                 block_m: int | None = None, block_k: int | None = None, w_int8: bool = False,
-                 cache: dict | None = None) -> torch.Tensor:
+                 block_m: int | None = None, block_k: int | None = None, w_int8: bool = False) -> torch.Tensor:
     """codes: uint8 (N, H, W, C) contiguous, integer codes of ``x_bits`` or (``x_fp8``) float8_e4m3fn bit patterns,
     or (``x_affine=(off, step)``) int8, the INT8 kernels' operand (``ShiftedInt8``: value = off + step * x8);
     w_values: (K, R, S, Cg) contiguous, int16 integers (float32 e4m3 values for ``x_fp8``) -> (N, P, Q, K) in
     ``out_dtype``.  ``col=None``: the raw accumulator (int32, or float32 for ``x_fp8``).  ``w_int8``: the caller
     vouches that every weight value is in [-128, 127] (its format says so): a depthwise conv of bytes that are their
     value (the int8 operand's x8, unsigned codes, int8 codes) over C % 4 == 0 channels then sums 4 taps an
-    instruction (dp4a) on CUDA (codes 4-byte aligned, as allocations are).  ``cache``: a dict the caller keeps for these weights and empties when they change;
-    the tensors derived from the weights alone (the packed words, the summed-area table) are made once into it.
-    Checks, allocates, launches; the ops layer validated the rest."""
+    instruction (dp4a) on CUDA (codes 4-byte aligned, as allocations are).  What is derived from the weights alone
+    (the packed words, the summed-area table, the transposed taps) is remembered for ``w_values`` (tcprec.memo: made
+    again after an in-place change).  Checks, allocates, launches; the ops layer validated the rest."""
     N, H, W, C = codes.shape
     K, R, S, Cg = w_values.shape
     w_dtype, acc_dtype = (torch.float32, torch.float32) if x_fp8 else (torch.int16, torch.int32)
@@ -332,12 +338,9 @@ def grouped_conv(codes: torch.Tensor, x_bits: int, x_twos: bool, w_values: torch
     if block_m is None:
         block_m = 32 if dw and R * S > 9 and P * Q <= 196 else 64
     dummy = torch.empty(1, dtype=torch.float32, device=codes.device)
-    cache = {} if cache is None else cache
 
-    def derived(key, make):  # a tensor of the weights alone: made once per cache
-        if key not in cache:
-            cache[key] = make()
-        return cache[key]
+    def derived(kind, make):  # a tensor of the weights alone, remembered for them
+        return remembered(_DERIVED, (w_values,), make, (kind,))
 
     sat = dummy
     if dw and not x_fp8 and x_affine is not None and int(x_affine[0]) != 0:  # the weights' summed-area table
