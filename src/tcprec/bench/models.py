@@ -14,8 +14,9 @@ batches, then eval):
   measures slower than its fp16 equivalent at this batch stays fp16), calibrated on the first 16 images, timed the
   same way; ``first_last`` int8 for wXaY below 8 bits (APNN-TC's rule), none for int8 / fp8.
 
-Per row: ms, fp16 ms, speedup, NRMSE of the logits against fp32, and the layer counts: quantized, kept fp16 by the
-speed rule, float for other reasons (``tcprec_summary``).  Weights are seeded, not trained: NRMSE says how far the
+Per row: ms, fp16 ms, speedup, NRMSE of the logits against fp32 (and the fp16 baseline's own, ``fp16_nrmse_vs_fp32``:
+a baseline already off, e.g. seeded Swin-V2's non-finite fp16 logits, explains its rows), and the layer counts:
+quantized, kept fp16 by the speed rule, float for other reasons (``tcprec_summary``).  Weights are seeded, not trained: NRMSE says how far the
 outputs move, not an accuracy.  torchvision is needed only here and is imported when the suite runs.
 """
 
@@ -151,9 +152,11 @@ def measure_model(name: str, precisions: Sequence[str], batch: int, seed: int, c
     m16 = copy.deepcopy(m32).half()
     del m32
     x16 = x.half()
+    with torch.no_grad():  # the baseline's own error: a non-finite fp16 model (seeded Swin-V2) explains its rows
+        fp16_err = nrmse(m16(x16).float(), ref)
     rows, details = [], {}
     for p in precisions:
-        row: dict = {"model": name, "precision": p, "batch": batch}
+        row: dict = {"model": name, "precision": p, "batch": batch, "fp16_nrmse_vs_fp32": fp16_err}
         t0 = time.time()
         try:
             cfg = QuantConfig(p, first_last=None if p in ("int8", "fp8") else "int8",
@@ -257,7 +260,8 @@ def run(models: Sequence[str] = DEFAULT_MODELS, precisions: Sequence[str] = PREC
         p = {"suite": "models", "command": command, "device": env.get("gpu"),
              "commit": commits[0] if len(commits) == 1 else f"per row ({', '.join(commits)})",
              "summary": [{k: r.get(k) for k in ("model", "precision", "ms", "fp16_ms", "speedup", "nrmse_vs_fp32",
-                                                "quantized", "floated_by_rule", "float_other", "error", "commit")
+                                                "fp16_nrmse_vs_fp32", "quantized", "floated_by_rule", "float_other",
+                                                "error", "commit")
                           if k in r} for r in rows],
              "targets": targets(rows, names, len(known)), "config": {"batch": batch, "image": IMAGE,
                                                          "calibration_images": CALIBRATION_IMAGES, "seed": seed,
@@ -298,6 +302,12 @@ def table(rows: list[dict], title: str) -> Table:
         if "error" in r:
             t.add_row(r["model"], r["precision"], "error", r["error"][:50], "", "", "", "", "")
             continue
-        t.add_row(r["model"], r["precision"], f"{r['ms']:.3f}", f"{r['fp16_ms']:.3f}", f"{r['speedup']:.2f}x",
-                  f"{r['nrmse_vs_fp32']:.3g}", str(r["quantized"]), str(r["floated_by_rule"]), str(r["float_other"]))
+        t.add_row(r["model"], r["precision"], _num(r["ms"], ".3f"), _num(r["fp16_ms"], ".3f"),
+                  _num(r["speedup"], ".2f") + "x", _num(r["nrmse_vs_fp32"], ".3g"), str(r["quantized"]),
+                  str(r["floated_by_rule"]), str(r["float_other"]))
     return t
+
+
+def _num(v, spec: str) -> str:
+    """A number as ``spec`` formats it; a non-finite one as the JSON file holds it ("nan", "inf")."""
+    return format(v, spec) if isinstance(v, (int, float)) else str(v)
