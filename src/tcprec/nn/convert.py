@@ -74,8 +74,8 @@ class QuantConfig:
     first_last  precision of the first conv and the last layer (``"int8"``; ``"float"`` keeps them in
                 floating point; ``None`` treats them like the rest)
     overrides   module name -> precision (or ``"float"``), e.g. ``{"features.3": "w2a2"}``
-    backend     ``"auto"`` | ``"bitserial"`` | ``"int8"`` | ``"reference"`` for every quantized layer (grouped / depthwise
-                convs: ``"int8"`` -> their Triton route, ``"reference"`` -> theirs, else ``"auto"``)
+    backend     ``"auto"`` | ``"bitserial"`` | ``"int8"`` | ``"reference"`` for every quantized layer (grouped /
+                depthwise convs: ``"int8"`` -> their Triton route, ``"reference"`` -> theirs, else ``"auto"``)
     fuse, chain steps 4 and 5 of the module docstring (on by default)
     fuse_residual  step 4's residual blocks (with ``fuse``): ``act(conv_bn(x) + residual)`` in one conv;
                 False keeps the add and the activation as float ops (the same numbers, more passes)

@@ -141,7 +141,7 @@ def grouped_conv2d(x: QTensor, w: QTensor, *, groups: int, stride=(1, 1), paddin
                                 dilation, P, Q, col=col, bias=bias, act=act, out_dtype=out_dtype, x_fp8=True)
         # the INT8 kernels' operand (what quantize_int8_static writes) is read as it is: value = off + step * x8
         shifted = isinstance(x.layout, ShiftedInt8)
-        w_int8 = w.fmt.bits <= (8 if w.fmt.encoding == "twos" else 7)  # every value in [-128, 127]
+        w_int8 = -128 <= w.fmt.min and w.fmt.max <= 127  # every weight value fits a byte (the dp4a path)
         return grouped_conv(x.data.contiguous() if shifted else x.codes.contiguous(), x.fmt.bits,
                             x.fmt.encoding == "twos", w_vals, groups, stride, padding,
                             dilation, P, Q, col=None if raw else col, bias=bias, act=act, out_dtype=out_dtype,
