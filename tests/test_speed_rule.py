@@ -85,9 +85,62 @@ def test_whole_model_slower_is_said_loudly():
     t = FakeTimer({(MODEL, "quantized"): 5.0, (MODEL, "float"): 1.0}, default=1.0)
     x = torch.randn(4, 3, 6, 6)
     cfg = tp.QuantConfig("int8", first_last=None, speed_rule=SpeedRule(timer=t))
-    with pytest.warns(UserWarning, match="SLOWER THAN FP32"):
+    with pytest.warns(UserWarning, match="SLOWER THAN FP32.*after keeping float the quantized layers that saved least"):
         q = tp.quantize_model(_net(), cfg, calibration=x, warn=False)
     assert "SLOWER THAN FP32" in str(q.tcprec_summary)
+    # the fallback floated a growing share of the 4 quantized layers, then all of them, and none of it helped
+    sp = q.tcprec_summary.speed
+    assert sp.fallback == [(1, 5.0), (2, 5.0), (3, 5.0), (4, 5.0)]
+    assert all(r.precision == "float" for r in q.tcprec_summary.layers)
+
+
+class SlowerAsAWhole(FakeTimer):
+    """The whole quantized model times ``model_ms`` in turn (the fallback's conversions), the layers as ``table``."""
+
+    def __init__(self, table, model_ms):
+        super().__init__(table)
+        self.model_ms = list(model_ms)
+
+    def __call__(self, layer, side, fn):
+        ms = super().__call__(layer, side, fn)
+        return self.model_ms.pop(0) if (layer, side) == (MODEL, "quantized") else ms
+
+
+def test_whole_model_slower_floats_the_layers_that_saved_least_until_it_is_not():
+    t = SlowerAsAWhole({("0", "quantized"): 0.050, ("0", "float"): 0.151,  # saves 0.101
+                        ("3", "quantized"): 0.100, ("3", "float"): 0.150,  # 0.050
+                        ("6", "quantized"): 0.099, ("6", "float"): 0.100,  # 0.001: the least
+                        ("9", "quantized"): 0.010, ("9", "float"): 0.020,  # 0.010
+                        (MODEL, "float"): 2.0}, model_ms=[5.0, 3.0, 1.5])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no "slower" warning: it ends faster)
+        q = tp.quantize_model(_net(), tp.QuantConfig("int8", first_last=None, speed_rule=SpeedRule(timer=t)),
+                              calibration=torch.randn(4, 3, 6, 6), warn=False)
+    recs = {r.name: r for r in q.tcprec_summary.layers}
+    assert [n for n, r in recs.items() if r.precision == "float"] == ["6", "9"]  # a quarter (1), then half (2)
+    assert recs["6"].reason == ("kept fp32: the whole model was slower quantized (5.000 ms > fp32 2.000 ms); this "
+                                "layer saved least (w8a8 0.099 ms <= fp32 0.100 ms at input (4,8,6,6))")
+    assert recs["9"].reason.startswith("kept fp32: the whole model was slower quantized (5.000 ms")
+    assert recs["3"].precision == "w8a8" and recs["3"].reason.startswith("w8a8 0.100 ms <= fp32 0.150 ms")
+    sp = q.tcprec_summary.speed
+    assert sp.fallback == [(1, 3.0), (2, 1.5)] and sp.model_ms == 1.5 and sp.speedup == pytest.approx(2.0 / 1.5)
+    assert sp.overrides() == {"6": "float", "9": "float"}
+    assert sp.conversions == 4  # timed, two fallback steps, then the final calibration on the final layer set
+    assert not t.model_ms  # (every whole-model time was asked for)
+    text = q.tcprec_summary.explain()
+    assert "whole model slower than fp32 at first" in text and "1 float, 3.000 ms, 2 float, 1.500 ms" in text
+    # the outcome pins: rebuilt from the overrides without timing, the same layers are float
+    pinned = tp.quantize_model(_net(), tp.QuantConfig("int8", first_last=None, overrides=sp.overrides()),
+                               calibration=torch.randn(4, 3, 6, 6), warn=False)
+    assert [r.name for r in pinned.tcprec_summary.layers if r.precision == "float"] == ["6", "9"]
+
+
+def test_fallback_off_only_reports_the_slower_model():
+    t = FakeTimer({(MODEL, "quantized"): 5.0, (MODEL, "float"): 1.0}, default=1.0)
+    cfg = tp.QuantConfig("int8", first_last=None, speed_rule=SpeedRule(timer=t, fallback=()))
+    with pytest.warns(UserWarning, match="SLOWER THAN FP32"):
+        q = tp.quantize_model(_net(), cfg, calibration=torch.randn(4, 3, 6, 6), warn=False)
+    assert not q.tcprec_summary.speed.fallback and not q.tcprec_summary.float_layers
 
 
 def test_rounds_bound_the_conversions_and_say_so():
@@ -117,6 +170,9 @@ def test_bad_values_are_rejected():
         SpeedRule(batch=0)
     with pytest.raises(ValueError, match="SpeedRule.rounds"):
         SpeedRule(rounds=0)
+    for bad in ((0.5, 0.25), (0.0, 1.0), (1.5,), [0.5], ("half",)):
+        with pytest.raises(ValueError, match=r"SpeedRule.fallback must be a tuple of increasing shares in \(0, 1\]"):
+            SpeedRule(fallback=bad)
     with pytest.raises(TypeError, match="timer must be callable"):
         SpeedRule(timer=3)
     with pytest.raises(ValueError, match="speed_rule mode"):

@@ -47,7 +47,7 @@ def test_real_clock_decisions_match_its_figures(precision):
     timed = {t.name: t for t in sp.layers}
     assert set(quantized) <= set(timed)  # every layer left quantized was timed, in the last conversion
     for t in sp.layers:
-        assert t.floated == (t.quant_ms > t.float_ms)
+        assert t.floated == (t.quant_ms > t.float_ms or bool(t.by_model))  # (by_model: the whole-model fallback)
         rec = next(r for r in s.layers if r.name == t.name)
         assert (rec.precision == "float") == t.floated and "ms" in rec.reason
     assert sp.model_ms > 0 and sp.float_model_ms > 0 and (MODEL, "float") in {(c[0], c[1]) for c in calls}

@@ -26,8 +26,14 @@ way TensorRT's builder picks a tactic per layer by timing:
    is kept float, the model is converted once more and torch's module comes back (``SpeedReport.modules``, the
    linears' reasons: ``"kept fp16: its TransformerEncoderLayer layers.3 as torch's fused module 0.301 ms < quantized
    0.334 ms"``; docs/decisions/0135).  A model without such a module is not timed further;
-5. the whole quantized model is timed against the whole float model (channels_last); if it is still slower, the
-   summary's notes say so in capitals and a warning is raised.
+5. the whole quantized model is timed against the whole float model (channels_last).  A layer-by-layer sum misses
+   what the float glue between quantized layers costs, and what a re-chained layer (one whose producer a later round
+   floated, untimed after the last round) now pays; so where the whole model is slower, the quantized layers that
+   saved least in their own timing are kept float too, a growing share at a time (``SpeedRule.fallback``: a quarter,
+   half, three quarters, all of them), the model converted and timed whole again after each, until it is no slower
+   (their reasons: ``"kept fp16: the whole model was slower quantized (15.547 ms > fp16 15.339 ms); this layer saved
+   least (w1a2 0.006 ms <= fp16 0.007 ms at input (256,480,1,1))"``; docs/decisions/0153).  If it is still slower
+   with every layer float, the summary's notes say so in capitals and a warning is raised.
 
 ``model.tcprec_summary`` shows each decision (``LayerRecord.reason``: ``"kept fp16: w8a8 0.212 ms > fp16 0.151 ms at
 input (256,32,112,112)"``), ``summary.speed`` holds the figures and ``summary.explain()`` prints them.
@@ -71,12 +77,15 @@ MODEL = "<model>"  # the timer's layer name for the whole model
 class SpeedRule:
     """``mode``: ``"off"`` | ``"measured"``; ``batch``: the batch (first dimension) to time at, default the first
     calibration batch's (time at the shape you deploy: a layer's winner changes with it); ``timer``: ``(layer, side,
-    fn) -> ms`` (default :func:`cuda_graph_timer`, CUDA models only); ``rounds``: conversions at most (>= 1)."""
+    fn) -> ms`` (default :func:`cuda_graph_timer`, CUDA models only); ``rounds``: conversions at most (>= 1);
+    ``fallback``: where the whole model is slower than float, the growing shares (increasing, in (0, 1]) of its
+    quantized layers, those that saved least first, kept float in turn until it is not (``()``: only say so)."""
 
     mode: str = "measured"
     batch: int | None = None
     timer: Callable | None = None
     rounds: int = 2
+    fallback: tuple = (0.25, 0.5, 0.75, 1.0)
 
     def __post_init__(self):
         if self.mode not in SPEED_RULES:
@@ -87,6 +96,11 @@ class SpeedRule:
             raise TypeError(f"SpeedRule.timer must be callable as timer(layer, side, fn) -> ms, got {self.timer!r}")
         if not (isinstance(self.rounds, int) and self.rounds >= 1):
             raise ValueError(f"SpeedRule.rounds must be an int >= 1, got {self.rounds!r}")
+        fb = self.fallback
+        if not (isinstance(fb, tuple) and all(isinstance(f, (int, float)) and 0 < f <= 1 for f in fb)
+                and list(fb) == sorted(set(fb))):
+            raise ValueError(f"SpeedRule.fallback must be a tuple of increasing shares in (0, 1], e.g. (0.25, 0.5, "
+                             f"0.75, 1.0), or () to only report a slower whole model; got {fb!r}")
 
 
 def as_speed_rule(v) -> SpeedRule:
@@ -95,7 +109,8 @@ def as_speed_rule(v) -> SpeedRule:
         return v
     if isinstance(v, str) and v in SPEED_RULES:
         return SpeedRule(v)
-    raise ValueError(f"speed_rule must be one of {SPEED_RULES} or a SpeedRule(batch=, timer=, rounds=), got {v!r}; "
+    raise ValueError(f"speed_rule must be one of {SPEED_RULES} or a SpeedRule(batch=, timer=, rounds=, fallback=), "
+                     f"got {v!r}; "
                      "'measured' times each quantized layer against its float equivalent on the model's CUDA device "
                      "and keeps the slower ones float")
 
@@ -110,11 +125,20 @@ class LayerTiming:
     floated: bool = False
     round: int = 1
     members: tuple = ()  # a fused module (self-attention's qkv_proj): the float model's layers it stands for
+    by_model: str = ""  # floated by the whole-model check: the whole model's times that floated it
+
+    @property
+    def saved_ms(self) -> float:
+        return self.float_ms - self.quant_ms
 
     def text(self, float_label: str) -> str:
         shape = "(" + ",".join(str(s) for s in self.input_shape) + ")"
         unit = f", timed as {self.name} ({'/'.join(m.rpartition('.')[2] for m in self.members)} in one GEMM)" \
             if self.members else ""
+        if self.by_model:
+            return (f"kept {float_label}: the whole model was slower quantized ({self.by_model}); this layer saved "
+                    f"least ({self.precision} {self.quant_ms:.3f} ms <= {float_label} {self.float_ms:.3f} ms at input "
+                    f"{shape}{unit})")
         if self.floated:
             return (f"kept {float_label}: {self.precision} {self.quant_ms:.3f} ms > {float_label} {self.float_ms:.3f} ms "
                     f"at input {shape}{unit}")
@@ -168,6 +192,7 @@ class SpeedReport:
     float_model_ms: float | None = None
     conversions: int = 0
     notes: list[str] = field(default_factory=list)
+    fallback: list[tuple[int, float]] = field(default_factory=list)  # the whole-model steps: (layers floated, ms)
 
     @property
     def floated(self) -> list[str]:
@@ -193,6 +218,9 @@ class SpeedReport:
         if self.model_ms is not None and self.float_model_ms is not None:
             out.append(f"whole model: quantized {self.model_ms:.3f} ms, {self.float_label} {self.float_model_ms:.3f} ms "
                        f"({self.speedup:.2f}x)")
+        if self.fallback:
+            out.append(f"whole model slower than {self.float_label} at first: the quantized layers that saved least "
+                       "kept float in turn: " + ", ".join(f"{n} float, {ms:.3f} ms" for n, ms in self.fallback))
         if self.modules:
             kept = [t for t in self.modules if t.floated]
             out.append(f"torch modules with quantized linears, timed whole: {len(kept)} of {len(self.modules)} faster "
@@ -533,11 +561,14 @@ def apply_speed_rule(model: nn.Module, cfg, batches: list, convert: Callable) ->
     # AdaRound, the one calibration step that costs more than the timings; a model it leaves final is converted again
     timed_only = replace(off, weight_rounding="nearest") if off.weight_rounding != "nearest" else off
 
-    def convert_with(floated):
+    def convert_with(floated, final=True):
         report.conversions += 1
-        c = replace(off if report.conversions > 1 else timed_only,
+        c = replace(off if report.conversions > 1 and final else timed_only,
                     overrides={**dict(cfg.overrides), **{n: "float" for n in floated}})
         return convert(c, probe if report.conversions == 1 else None)
+
+    def floated_now():
+        return [k for t in [*timings.values(), *report.modules] if t.floated for k in t.layers]
 
     flags = torch.backends.cudnn.flags(enabled=True, benchmark=True, deterministic=False,
                                        allow_tf32=torch.backends.cudnn.allow_tf32)
@@ -550,7 +581,7 @@ def apply_speed_rule(model: nn.Module, cfg, batches: list, convert: Callable) ->
             slow = [n for n, t in got.items() if t.floated]
             if not slow:
                 break
-            q = convert_with([k for t in timings.values() if t.floated for k in t.layers])
+            q = convert_with(floated_now())
             if rnd == rule.rounds:
                 report.notes.append(f"speed rule: stopped after {rule.rounds} timing round(s); the layers re-chained "
                                     "by the last floating were not timed again (SpeedRule(rounds=) for more)")
@@ -561,20 +592,33 @@ def apply_speed_rule(model: nn.Module, cfg, batches: list, convert: Callable) ->
         report.modules, notes = _measure_modules(q, base, x, timer)
         report.notes += notes
         if any(t.floated for t in report.modules):
-            q = convert_with([k for t in [*timings.values(), *report.modules] if t.floated for k in t.layers])
+            q = convert_with(floated_now())
             lost = [t.name for t in report.modules if t.floated and not _is_torchs(q, base, t.name)]
             if lost:
                 report.notes.append(f"speed rule: {', '.join(lost)} kept float for torch's module, but the converter "
                                     "could not give torch's module back there (decomposed float linears run instead)")
-        if report.conversions == 1 and timed_only is not off:  # nothing floated: the full calibration now
-            q = convert_with(())
+        final = report.conversions > 1 or timed_only is off  # (False: q skipped the rounding optimisation)
         try:
             with torch.no_grad():
                 report.model_ms = float(timer(MODEL, "quantized", lambda: q(x)))
                 report.float_model_ms = float(timer(MODEL, "float", lambda: base(x)))
+                # slower as a whole: the layers that saved least are kept float, a growing share at a time (a
+                # conversion without the rounding optimisation each: the kernels' time does not depend on it)
+                kept = sorted((t for t in timings.values() if not t.floated), key=lambda t: t.saved_ms)
+                first = f"{report.model_ms:.3f} ms > {label} {report.float_model_ms:.3f} ms"
+                for share in rule.fallback:
+                    if report.model_ms <= report.float_model_ms or not kept:
+                        break
+                    for t in kept[:math.ceil(share * len(kept))]:
+                        t.floated, t.by_model = True, t.by_model or first
+                    q, final = convert_with(floated_now(), final=False), False
+                    report.model_ms = float(timer(MODEL, "quantized", lambda: q(x)))
+                    report.fallback.append((len(floated_now()), report.model_ms))
             del base
         except Exception as e:  # noqa: BLE001 - the layer decisions stand; the notes say the check did not run
             report.notes.append(f"speed rule: the whole-model check did not run ({type(e).__name__}: {str(e)[:100]})")
+        if not final:  # the full calibration, on the final layer set
+            q = convert_with(floated_now())
     report.layers = list(timings.values())
     summary = q.tcprec_summary
     by_layer = {k: t for t in timings.values() for k in t.layers}  # (a fused qkv_proj decides for q / k / v)
@@ -589,7 +633,9 @@ def apply_speed_rule(model: nn.Module, cfg, batches: list, convert: Callable) ->
     if report.speedup is not None and report.speedup < 1.0:
         msg = (f"SPEED RULE: THE QUANTIZED MODEL IS SLOWER THAN {label.upper()}: {report.model_ms:.3f} ms against "
                f"{report.float_model_ms:.3f} ms at input {tuple(x.shape)}, with {len(report.floated)} layer(s) kept "
-               f"{label}; the cost is outside the timed layers (float glue between them) or in timing noise")
+               f"{label}" + (f" after keeping float the quantized layers that saved least ({len(report.fallback)} "
+                             "step(s))" if report.fallback else "")
+               + "; the cost is outside the timed layers (float glue between them) or in timing noise")
         report.notes.append(msg)
         warnings.warn(msg, stacklevel=3)
     summary.speed = report
