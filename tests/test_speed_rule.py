@@ -81,17 +81,34 @@ def test_nothing_floated_when_quantized_is_faster():
     assert not any("SLOWER" in n for n in q.tcprec_summary.speed.notes)
 
 
-def test_whole_model_slower_is_said_loudly():
+def test_whole_model_slower_with_every_layer_float_is_the_model_itself():
+    # every layer ties in its own timing, and the whole model stays slower at every fallback step, all float too
     t = FakeTimer({(MODEL, "quantized"): 5.0, (MODEL, "float"): 1.0}, default=1.0)
-    x = torch.randn(4, 3, 6, 6)
+    net = _net()
     cfg = tp.QuantConfig("int8", first_last=None, speed_rule=SpeedRule(timer=t))
-    with pytest.warns(UserWarning, match="SLOWER THAN FP32.*after keeping float the quantized layers that saved least"):
-        q = tp.quantize_model(_net(), cfg, calibration=x, warn=False)
-    assert "SLOWER THAN FP32" in str(q.tcprec_summary)
-    # the fallback floated a growing share of the 4 quantized layers, then all of them, and none of it helped
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no "slower" warning: the model itself is as fast as itself)
+        q = tp.quantize_model(net, cfg, calibration=torch.randn(4, 3, 6, 6), warn=False)
     sp = q.tcprec_summary.speed
-    assert sp.fallback == [(1, 5.0), (2, 5.0), (3, 5.0), (4, 5.0)]
+    assert sp.fallback == [(1, 5.0), (2, 5.0), (3, 5.0), (4, 5.0)]  # a quarter, half, three quarters, all
+    assert type(q) is nn.Sequential and q is not net and not q.training  # the model itself, a copy in eval mode
     assert all(r.precision == "float" for r in q.tcprec_summary.layers)
+    assert sp.model_ms == sp.float_model_ms == 1.0
+    assert any("the model itself is returned" in n and "5.000 ms > 1.000 ms" in n for n in sp.notes)
+    x = torch.randn(2, 3, 6, 6)
+    with torch.no_grad():
+        assert torch.equal(q(x), net.eval()(x))
+    assert sp.conversions == 5  # timed, then the four fallback steps; no final calibration for a float model
+
+
+def test_whole_model_slower_is_said_loudly_when_a_layer_stays_quantized():
+    # the fallback is off: the model stays as the layer timings left it, and the summary says it is slower
+    t = FakeTimer({(MODEL, "quantized"): 5.0, (MODEL, "float"): 1.0}, default=1.0)
+    cfg = tp.QuantConfig("int8", first_last=None, speed_rule=SpeedRule(timer=t, fallback=()))
+    with pytest.warns(UserWarning, match="SLOWER THAN FP32"):
+        q = tp.quantize_model(_net(), cfg, calibration=torch.randn(4, 3, 6, 6), warn=False)
+    assert "SLOWER THAN FP32" in str(q.tcprec_summary)
+    assert not q.tcprec_summary.speed.fallback and not q.tcprec_summary.float_layers
 
 
 class SlowerAsAWhole(FakeTimer):
@@ -133,14 +150,6 @@ def test_whole_model_slower_floats_the_layers_that_saved_least_until_it_is_not()
     pinned = tp.quantize_model(_net(), tp.QuantConfig("int8", first_last=None, overrides=sp.overrides()),
                                calibration=torch.randn(4, 3, 6, 6), warn=False)
     assert [r.name for r in pinned.tcprec_summary.layers if r.precision == "float"] == ["6", "9"]
-
-
-def test_fallback_off_only_reports_the_slower_model():
-    t = FakeTimer({(MODEL, "quantized"): 5.0, (MODEL, "float"): 1.0}, default=1.0)
-    cfg = tp.QuantConfig("int8", first_last=None, speed_rule=SpeedRule(timer=t, fallback=()))
-    with pytest.warns(UserWarning, match="SLOWER THAN FP32"):
-        q = tp.quantize_model(_net(), cfg, calibration=torch.randn(4, 3, 6, 6), warn=False)
-    assert not q.tcprec_summary.speed.fallback and not q.tcprec_summary.float_layers
 
 
 def test_rounds_bound_the_conversions_and_say_so():

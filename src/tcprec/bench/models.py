@@ -170,7 +170,7 @@ def measure_model(name: str, precisions: Sequence[str], batch: int, seed: int, c
             row["nrmse_vs_fp32"] = nrmse(y, ref)
             s = q.tcprec_summary
             row.update(_counts(s))
-            details[f"{name}/{p}"] = {"layers": [vars(r) for r in s.layers], "notes": s.notes,
+            details[f"{name}/{p}"] = {"layers": [r.line() for r in s.layers], "notes": s.notes,
                                       "speed_rule": s.speed.lines() if s.speed is not None else None}
             del q
         except Exception as e:  # noqa: BLE001 - one failing case must not hide the others' numbers

@@ -168,6 +168,12 @@ class LayerRecord:
     out: str = ""
     reason: str = ""  # the speed rule's measured decision (nn/speed_rule.py), when it ran
 
+    def line(self) -> str:
+        """The layer in one line, as ``QuantSummary.explain`` prints it."""
+        return (f"{self.name} ({self.kind}): {self.precision}, {self.backend}"
+                + (f", fused {'+'.join(self.fused)}" if self.fused else "") + (f", out {self.out}" if self.out else "")
+                + (f"; speed rule: {self.reason}" if self.reason and self.reason != self.backend else ""))
+
 
 @dataclass
 class QuantSummary:
@@ -186,8 +192,7 @@ class QuantSummary:
         recs = [r for r in self.layers if name is None or r.name == name]
         if name is not None and not recs:
             raise ValueError(f"no layer {name!r} in the summary; layers: {[r.name for r in self.layers][:8]} ...")
-        lines = [f"{r.name} ({r.kind}): {r.precision}, {r.backend}" + (f", fused {'+'.join(r.fused)}" if r.fused else "")
-                 + (f", out {r.out}" if r.out else "") + (f"; speed rule: {r.reason}" if r.reason and r.reason != r.backend else "") for r in recs]
+        lines = [r.line() for r in recs]
         return "\n".join(lines + (self.speed.lines() if self.speed is not None and name is None else []))
 
     def __str__(self) -> str:

@@ -32,8 +32,10 @@ way TensorRT's builder picks a tactic per layer by timing:
    saved least in their own timing are kept float too, a growing share at a time (``SpeedRule.fallback``: a quarter,
    half, three quarters, all of them), the model converted and timed whole again after each, until it is no slower
    (their reasons: ``"kept fp16: the whole model was slower quantized (15.547 ms > fp16 15.339 ms); this layer saved
-   least (w1a2 0.006 ms <= fp16 0.007 ms at input (256,480,1,1))"``; docs/decisions/0153).  If it is still slower
-   with every layer float, the summary's notes say so in capitals and a warning is raised.
+   least (w1a2 0.006 ms <= fp16 0.007 ms at input (256,480,1,1))"``; docs/decisions/0153).  Still slower with
+   every layer float (the converted float graph itself lost: EfficientNet-B1 0.98x), the model itself is returned
+   -- a copy in eval mode, the module the float side timed -- with the summary, whose notes say so; a model left
+   slower otherwise (``fallback=()``, a layer that could not be timed) is said in capitals and warned.
 
 ``model.tcprec_summary`` shows each decision (``LayerRecord.reason``: ``"kept fp16: w8a8 0.212 ms > fp16 0.151 ms at
 input (256,32,112,112)"``), ``summary.speed`` holds the figures and ``summary.explain()`` prints them.
@@ -614,9 +616,19 @@ def apply_speed_rule(model: nn.Module, cfg, batches: list, convert: Callable) ->
                     q, final = convert_with(floated_now(), final=False), False
                     report.model_ms = float(timer(MODEL, "quantized", lambda: q(x)))
                     report.fallback.append((len(floated_now()), report.model_ms))
-            del base
         except Exception as e:  # noqa: BLE001 - the layer decisions stand; the notes say the check did not run
             report.notes.append(f"speed rule: the whole-model check did not run ({type(e).__name__}: {str(e)[:100]})")
+        slower = report.speedup is not None and report.speedup < 1.0
+        if slower and report.fallback and all(r.precision == "float" for r in q.tcprec_summary.layers):
+            # every layer float and the converted graph still slower than the model itself: the model itself, the
+            # module the float side timed (a copy, eval mode), with the summary
+            report.notes.append(f"speed rule: every layer kept {label}, and the converted float model was still slower "
+                                f"than the model itself ({report.model_ms:.3f} ms > {report.float_model_ms:.3f} ms): "
+                                "the model itself is returned (a copy in eval mode"
+                                + (", channels_last)" if x.dim() == 4 else ")"))
+            base.tcprec_summary, q, final = q.tcprec_summary, base, True
+            report.model_ms = report.float_model_ms
+        del base
         if not final:  # the full calibration, on the final layer set
             q = convert_with(floated_now())
     report.layers = list(timings.values())
