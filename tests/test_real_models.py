@@ -191,6 +191,16 @@ class _PreActFunctional(nn.Module):
         return self.conv(F.relu(self.bn(x), inplace=True))
 
 
+class _PreActMethodInplace(_PreActFunctional):
+    def forward(self, x):
+        return self.conv(self.bn(x).relu_())
+
+
+class _PreActTorchInplace(_PreActFunctional):
+    def forward(self, x):
+        return self.conv(torch.relu_(self.bn(x)))
+
+
 def test_unfused_relu_left_to_the_readers_quantizers():
     """A ReLU no conv epilogue takes (pre-activation: BN -> ReLU -> conv) is left to the conv's quantizer too, as a
     module or as F.relu (in place: the BN's output has no other reader)."""
@@ -200,6 +210,14 @@ def test_unfused_relu_left_to_the_readers_quantizers():
     x = torch.randn(2, 3, 8, 8)
     qf = tp.quantize_model(f, "int8", calibration=x, warn=False)
     assert any(n.startswith("relu: clamp(0,inf) read only by conv") for n in qf.tcprec_summary.notes)
+    for cls in (_PreActMethodInplace, _PreActTorchInplace):  # the in-place spellings too
+        g = cls().eval()
+        g.load_state_dict(f.state_dict())
+        assert any(n.target in ("relu_", torch.relu_) for n in torch.fx.symbolic_trace(g).graph.nodes)
+        qg = tp.quantize_model(g, "int8", calibration=x, warn=False)
+        assert any("clamp(0,inf) read only by conv" in n for n in qg.tcprec_summary.notes), qg.tcprec_summary.notes
+        with torch.no_grad():
+            assert torch.equal(qg(x), qf(x))
     m = nn.Sequential(nn.BatchNorm2d(3), nn.ReLU(), nn.Conv2d(3, 8, 3, padding=1)).eval()
     m[0].running_mean.uniform_(-0.5, 0.5)
     q = tp.quantize_model(m, "w4a4", calibration=x, warn=False)

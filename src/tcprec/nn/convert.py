@@ -376,17 +376,11 @@ def _is_clamp(node: fx.Node, mods) -> bool:
 
 def _clamp_bounds(node: fx.Node, mods) -> tuple[float, float] | None:
     """(lo, hi) of a clamp-like activation node (``_is_clamp``, or a ReLU: (0, inf)), None for anything else."""
-    inf = float("inf")
+    if _act_of(node, mods) == "relu":  # (in place or not: _absorb_clamps asks that the input has no other reader)
+        return 0.0, float("inf")
     if node.op == "call_module":
         m = mods.get(node.target)
-        if type(m) is nn.ReLU:
-            return 0.0, inf
         return (float(m.min_val), float(m.max_val)) if type(m) in (nn.ReLU6, nn.Hardtanh) else None
-    if node.op == "call_function" and node.target in (F.relu, torch.relu) and len(node.args) == 1 \
-            and set(node.kwargs) <= {"inplace"}:  # (in place or not: the clamp's input has no other reader)
-        return 0.0, inf
-    if node.op == "call_method" and node.target == "relu" and len(node.args) == 1:
-        return 0.0, inf
     if not _is_clamp(node, mods):
         return None
     if node.op == "call_function" and node.target is F.relu6:
