@@ -144,6 +144,10 @@ def test_whole_model_slower_floats_the_layers_that_saved_least_until_it_is_not()
     assert sp.overrides() == {"6": "float", "9": "float"}
     assert sp.conversions == 4  # timed, two fallback steps, then the final calibration on the final layer set
     assert not t.model_ms  # (every whole-model time was asked for)
+    # each step times both whole models again (the default clock alternates the pair), the quantized one first
+    whole = [c for c in t.calls if c[0] == MODEL]
+    assert whole == [(MODEL, "quantized"), (MODEL, "float")] * 3
+    assert sp.convert_s > 0 and sp.timing_s >= 0 and "s converting" in sp.lines()[0]
     text = q.tcprec_summary.explain()
     assert "whole model slower than fp32 at first" in text and "1 float, 3.000 ms, 2 float, 1.500 ms" in text
     # the outcome pins: rebuilt from the overrides without timing, the same layers are float

@@ -26,7 +26,8 @@ way TensorRT's builder picks a tactic per layer by timing:
    is kept float, the model is converted once more and torch's module comes back (``SpeedReport.modules``, the
    linears' reasons: ``"kept fp16: its TransformerEncoderLayer layers.3 as torch's fused module 0.301 ms < quantized
    0.334 ms"``; docs/decisions/0135).  A model without such a module is not timed further;
-5. the whole quantized model is timed against the whole float model (channels_last).  A layer-by-layer sum misses
+5. the whole quantized model is timed against the whole float model (channels_last; with the default clock their
+   two CUDA graphs replayed in turn, as the benchmarks time them: ``_time_models``).  A layer-by-layer sum misses
    what the float glue between quantized layers costs, and what a re-chained layer (one whose producer a later round
    floated, untimed after the last round) now pays; so where the whole model is slower, the quantized layers that
    saved least in their own timing are kept float too, a growing share at a time (``SpeedRule.fallback``: a quarter,
@@ -55,6 +56,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 import warnings
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -64,7 +66,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from ..timing import graph_ms
+from ..timing import graph_ms, graph_ms_alternating
 from .attention import not_decomposed
 from .qmodules import folds_float_bn
 
@@ -193,6 +195,8 @@ class SpeedReport:
     model_ms: float | None = None
     float_model_ms: float | None = None
     conversions: int = 0
+    convert_s: float = 0.0  # wall seconds spent converting, and timing (the rule's own cost)
+    timing_s: float = 0.0
     notes: list[str] = field(default_factory=list)
     fallback: list[tuple[int, float]] = field(default_factory=list)  # the whole-model steps: (layers floated, ms)
 
@@ -214,7 +218,8 @@ class SpeedReport:
 
     def lines(self) -> list[str]:
         out = [f"speed rule (measured on {self.device}, input {tuple(self.input_shape)}, {self.conversions} "
-               f"conversion(s)): {len(self.floated)} of {len(self.layers)} timed layer(s) kept {self.float_label}"
+               f"conversion(s), {self.convert_s:.1f} s converting, {self.timing_s:.1f} s timing): "
+               f"{len(self.floated)} of {len(self.layers)} timed layer(s) kept {self.float_label}"
                + (f", and {whole} linear(s) for torch's modules" if (whole := sum(len(t.layers) for t in self.modules))
                   else "")]
         if self.model_ms is not None and self.float_model_ms is not None:
@@ -241,6 +246,17 @@ def cuda_graph_timer(layer: str, side: str, fn: Callable, calls: int = 4, replay
     captured in one CUDA graph, the median of ``replays`` replays timed with CUDA events (no host launch overhead,
     the same clock as the benchmarks': ``tcprec.timing.graph_ms``)."""
     return graph_ms(lambda i: fn(), calls, replays)
+
+
+def _time_models(timer, qfn: Callable, ffn: Callable) -> tuple[float, float]:
+    """(quantized ms, float ms) of the two whole models.  With the default clock the two graphs are replayed in turn
+    (``timing.graph_ms_alternating``, as the benchmarks time a model against its baseline): a drift of the GPU's
+    clocks lands on both sides, where one side timed after the other read up to 2% slower on the H200.  A user's
+    ``timer`` is called for each side, quantized first."""
+    if timer is cuda_graph_timer:
+        q, f = graph_ms_alternating([lambda i: qfn(), lambda i: ffn()], 4, 5)
+        return float(q), float(f)
+    return float(timer(MODEL, "quantized", qfn)), float(timer(MODEL, "float", ffn))
 
 
 def timing_input(batch: torch.Tensor, rows: int | None) -> torch.Tensor:
@@ -542,14 +558,14 @@ def apply_speed_rule(model: nn.Module, cfg, batches: list, convert: Callable) ->
     p = next((t for t in model.parameters() if t.is_floating_point()), None)
     dev = p.device if p is not None else torch.device("cpu")
     dtype = p.dtype if p is not None else torch.float32
-    timer = rule.timer
-    if timer is None:
+    clock = rule.timer
+    if clock is None:
         if dev.type != "cuda":
             raise ValueError(f"speed_rule='measured' times the layers on the model's CUDA device, but the model is on "
                              f"{dev}: its CPU time says nothing about the GPU kernels. Move the model to CUDA "
                              "(quantize_model(model.cuda(), ...)), or use speed_rule='off' (no layer is floated for "
                              "speed), or pass SpeedRule(timer=...) with your own clock")
-        timer = cuda_graph_timer
+        clock = cuda_graph_timer
     x = timing_input(batches[0], rule.batch).to(device=dev, dtype=dtype)
     if x.dim() == 4:
         x = x.contiguous(memory_format=torch.channels_last)
@@ -567,7 +583,25 @@ def apply_speed_rule(model: nn.Module, cfg, batches: list, convert: Callable) ->
         report.conversions += 1
         c = replace(off if report.conversions > 1 and final else timed_only,
                     overrides={**dict(cfg.overrides), **{n: "float" for n in floated}})
-        return convert(c, probe if report.conversions == 1 else None)
+        t0 = time.perf_counter()
+        try:
+            return convert(c, probe if report.conversions == 1 else None)
+        finally:
+            report.convert_s += time.perf_counter() - t0
+
+    def timer(layer, side, fn):  # (the rule's clock, its seconds counted)
+        t0 = time.perf_counter()
+        try:
+            return clock(layer, side, fn)
+        finally:
+            report.timing_s += time.perf_counter() - t0
+
+    def time_models():
+        t0 = time.perf_counter()
+        try:
+            return _time_models(clock, lambda: q(x), lambda: base(x))
+        finally:
+            report.timing_s += time.perf_counter() - t0
 
     def floated_now():
         return [k for t in [*timings.values(), *report.modules] if t.floated for k in t.layers]
@@ -602,8 +636,7 @@ def apply_speed_rule(model: nn.Module, cfg, batches: list, convert: Callable) ->
         final = report.conversions > 1 or timed_only is off  # (False: q skipped the rounding optimisation)
         try:
             with torch.no_grad():
-                report.model_ms = float(timer(MODEL, "quantized", lambda: q(x)))
-                report.float_model_ms = float(timer(MODEL, "float", lambda: base(x)))
+                report.model_ms, report.float_model_ms = time_models()
                 # slower as a whole: the layers that saved least are kept float, a growing share at a time (a
                 # conversion without the rounding optimisation each: the kernels' time does not depend on it)
                 kept = sorted((t for t in timings.values() if not t.floated), key=lambda t: t.saved_ms)
@@ -614,7 +647,7 @@ def apply_speed_rule(model: nn.Module, cfg, batches: list, convert: Callable) ->
                     for t in kept[:math.ceil(share * len(kept))]:
                         t.floated, t.by_model = True, t.by_model or first
                     q, final = convert_with(floated_now(), final=False), False
-                    report.model_ms = float(timer(MODEL, "quantized", lambda: q(x)))
+                    report.model_ms, report.float_model_ms = time_models()  # (both again: the pair is alternated)
                     report.fallback.append((len(floated_now()), report.model_ms))
         except Exception as e:  # noqa: BLE001 - the layer decisions stand; the notes say the check did not run
             report.notes.append(f"speed rule: the whole-model check did not run ({type(e).__name__}: {str(e)[:100]})")
