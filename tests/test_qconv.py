@@ -306,7 +306,7 @@ def test_int8_planes_plus_float_output(dt):
             assert pa.shape == tuple(y.shape) and pa.fmt == tp.format("uint2")
             assert torch.equal(pa.codes, tp.quantize(y.float(), "uint2", scale=0.6).codes)
             ref = conv2d(qx, qw, backend="reference", out_fmt="uint2", out_scale=0.6, out_layout="planes+float", **kw)
-            if dt == torch.float16 or not qconv._interpreting():  # (Triton's interpreter casts float32 to bfloat16
+            if dt == torch.float16 or not qconv.interpreting():  # (Triton's interpreter casts float32 to bfloat16
                 # by truncation, the GPU to nearest: bfloat16 values from the interpreted kernel differ in the last bit)
                 assert torch.equal(ref.hp, y) and torch.equal(ref.codes, pa.codes)
             assert "planes" in explain_conv2d(qx, qw, backend="int8", out_fmt="uint2", out_scale=0.6,

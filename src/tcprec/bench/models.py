@@ -17,7 +17,8 @@ batches, then eval):
 Per row: ms, fp16 ms, speedup, NRMSE of the logits against fp32 (and the fp16 baseline's own, ``fp16_nrmse_vs_fp32``:
 a baseline already off, e.g. seeded Swin-V2's non-finite fp16 logits, explains its rows), and the layer counts:
 quantized, kept fp16 by the speed rule, float for other reasons (``tcprec_summary``).  Weights are seeded, not
-trained: NRMSE says how far the outputs move, not an accuracy.  torchvision is needed only here and is imported when the suite runs.
+trained: NRMSE says how far the outputs move, not an accuracy.  torchvision is needed only here and is imported when
+the suite runs.
 """
 
 from __future__ import annotations

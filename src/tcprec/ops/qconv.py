@@ -113,12 +113,13 @@ from ..kernels import reference_conv_bitserial as rq
 from ..kernels import reference_gemm as rg
 from ..kernels.conv_geometry import ConvGeometry, pair
 from ..kernels.reference_conv_int8_fp8 import conv_acc
+from ..kernels.triton._host import interpreting
 from ..memo import remembered
 from ..packing import pack_bitplanes, packed_words
 from ..qtensor import BitPlanes, Dense, PerTensor, QTensor, ShiftedInt8, int8_codes
 from .matmul import matmul
 from .qconv_operands import (_CHECKED_SCALES, PackedConvWeight, _check_weight_qtensor,  # noqa: F401 (re-exported)
-                             _interpreting, _scale_checked, _scale_tensor, int8_qtensor, max_pool_quantize,
+                             _scale_checked, _scale_tensor, int8_qtensor, max_pool_quantize,
                              max_pool_window, pack_activation, pack_conv_weight, planes_qtensor, quantize_fp8_static,
                              quantize_int8_static)
 from .qconv_plan import (_FP8_KIND, _FUSED_POOLS, _KIND, BACKENDS, OUT_LAYOUTS, POOLS, THIN_C,  # noqa: F401
@@ -364,7 +365,7 @@ def _stem_cols(x8: torch.Tensor, g: ConvGeometry, kp: int) -> torch.Tensor:
     """(N, H, W, C) 8-bit codes (any 1-byte dtype) -> (N, P, Q, kp) of the same dtype: output pixel (n, p, q)'s
     window in (r, s, c) order -- the (K, R, S, C) weight's -- then zeros; padded taps read stored code 0.
     One Triton pass on CUDA / under the interpreter (``quant_bytes.im2col_rows``), torch ops elsewhere."""
-    if x8.is_cuda or _interpreting():
+    if x8.is_cuda or interpreting():
         from ..kernels.triton.quant_bytes import im2col_rows  # TRITON_INTERPRET is read at import
 
         return im2col_rows(x8.contiguous(), g.R, g.S, g.stride, g.padding, g.dilation, g.P, g.Q, kp)

@@ -15,7 +15,6 @@ that writes its float result too (a residual block's output) returns the codes w
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -23,6 +22,7 @@ import torch
 from ..formats import FloatFormat, IntFormat, as_format
 from ..kernels import reference_conv_bitserial as rq
 from ..kernels import reference_gemm as rg
+from ..kernels.triton._host import interpreting
 from ..memo import memo_get, memo_put
 from ..packing import pack_bitplanes, packed_words
 from ..qtensor import BitPlanes, PerChannel, PerTensor, QTensor, ShiftedInt8, int8_codes
@@ -31,10 +31,6 @@ from .quantize import _check_static, _qp_params, _static_codes, quantize, quanti
 
 __all__ = ["PackedConvWeight", "planes_qtensor", "int8_qtensor", "quantize_int8_static", "pack_activation",
            "pack_conv_weight", "quantize_fp8_static", "max_pool_quantize", "max_pool_window", "MAX_POOL_OPERANDS"]
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -166,7 +162,7 @@ def quantize_int8_static(x: torch.Tensor, fmt, scale: torch.Tensor, pool=None, *
     pool = _check_pool(pool)
     if backend not in ("auto", "reference"):
         raise ValueError(f"backend must be 'auto' or 'reference', got {backend!r}")
-    if backend == "auto" and (x.is_cuda or _interpreting()) and (pool is None or pool in _FUSED_POOLS):
+    if backend == "auto" and (x.is_cuda or interpreting()) and (pool is None or pool in _FUSED_POOLS):
         from ..kernels.triton import quant_bytes as qb  # TRITON_INTERPRET is read at import
 
         enc = {"unsigned": qb.ENC_UNSIGNED, "twos": qb.ENC_TWOS}.get(fmt.encoding, qb.ENC_PM)
@@ -287,7 +283,7 @@ def quantize_fp8_static(x: torch.Tensor, scale: torch.Tensor, fmt="e4m3") -> QTe
     if scale.device != x.device:
         raise ValueError(f"scale is on {scale.device} but x is on {x.device}; keep the scale with the activations")
     m = float(torch.finfo(f8).max)
-    if x.is_cuda and 1 <= x.dim() <= 4 and not _interpreting():
+    if x.is_cuda and 1 <= x.dim() <= 4 and not interpreting():
         # one Triton pass (divide, clamp, round, write; the same codes as the torch ops below, kernels/triton/
         # fp8_quant.py) instead of four full-size passes with a float32 temporary.  Float activations go through
         # pool_quantize_fp8 (no pool): its tiles follow the channels, so a 3-channel network input costs one pass
@@ -355,7 +351,7 @@ def max_pool_quantize(x: torch.Tensor, window, operand: str, fmt, scale: torch.T
             raise TypeError(f"operand 'fp8' holds float8 codes (e4m3 / e5m2), got fmt={fmt}")
     else:
         fmt = _check_static(x, fmt, scale, "max_pool_quantize")
-    if backend == "auto" and (x.is_cuda or _interpreting()):
+    if backend == "auto" and (x.is_cuda or interpreting()):
         from ..kernels.triton import pool_window as pw_  # TRITON_INTERPRET is read at import
 
         s = scale.reshape(1)

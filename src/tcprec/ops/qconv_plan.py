@@ -24,7 +24,6 @@ function here that looks at the machine is :func:`device_caps`.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +34,7 @@ from ..kernels import reference_conv_bitserial as rq
 from ..kernels import reference_gemm as rg
 from ..kernels.conv_geometry import ConvGeometry
 from ..kernels.reference_conv_int8_fp8 import parse_act
+from ..kernels.triton._host import interpreting
 from ..qtensor import float8_dtype as _fp8_dtype
 from ..qtensor import int8_affine as _int8_affine
 from .matmul import BACKENDS as _INT_BACKENDS
@@ -106,7 +106,7 @@ _CAPS: dict = {}
 def device_caps(device: torch.device) -> DeviceCaps:
     """The :class:`DeviceCaps` of ``device`` (queried once per device and ``TRITON_INTERPRET`` setting)."""
     device = torch.device(device)
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    interp = interpreting()
     key = (device, interp)
     caps = _CAPS.get(key)
     if caps is not None:

@@ -6,12 +6,11 @@ reference, and says why; the ops call it with their kernel's name.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ...enums import Backend, backend_names
 from ...env import INSTALL_CUDA
+from ._host import interpreting
 
 BACKENDS = backend_names(Backend.AUTO, Backend.TRITON, Backend.REFERENCE)
 
@@ -24,7 +23,7 @@ def triton_usable(t: torch.Tensor) -> tuple[bool, str]:
         return False, f"triton is not importable ({type(e).__name__}: {e}); {INSTALL_CUDA}"
     if t.is_cuda:
         return True, "CUDA tensor"
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreting():
         return True, "TRITON_INTERPRET=1: Triton's interpreter"
     return False, f"tensor on {t.device.type}: Triton needs a CUDA tensor or TRITON_INTERPRET=1"
 

@@ -86,7 +86,6 @@ CHUNK_ALIGN = 128  # wgrad split chunks are multiples of every BLOCK_L
 _SUM_BLOCK = 1024
 
 
-
 def _magic(d: int) -> tuple[int, int]:
     """(m, s) with ``x // d == (umulhi(x, m) + x) >> s`` for every 0 <= x < 2**31 (the "round-up,
     add" method, Hacker's Delight 10-8); m is returned as the int32 with m's bit pattern."""

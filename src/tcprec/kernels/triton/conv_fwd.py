@@ -90,7 +90,6 @@ _OUT_DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": t
 INTERPRETER_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
 
 
-
 _NOSPEC = ["N", "H", "W", "P", "Q", "R", "S", "str_h", "str_w", "pad_h", "pad_w", "dil_h", "dil_w", "M",
            "alpha", "sa_stride", "sb_stride", "bias_stride", "act", "slope", "acc_mul", "int_pq", "planes_kw"]
 

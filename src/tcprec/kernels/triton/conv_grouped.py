@@ -157,9 +157,8 @@ def _grouped_conv_kernel(
         # widening in the loop).  Codes outside the image load as 0, the value 0 of the code formats.  The int8
         # operand's offset is summed after the loop: sum_valid (X_OFF + X_STEP * x8) * w
         # = X_STEP * sum x8 * w + X_OFF * sum_valid w, the last a rectangle of the taps (the valid rows and columns of
-        # a pixel are each one run) read from the weights' summed-area table sat (R+1, S+1, K).  The loop does less,
-        # the 4 table reads an output element cost more than that on 3x3 windows (H200: docs/decisions/0152, with
-        # the next step: read the table at the border pixels only).
+        # a pixel are each one run) read from the weights' summed-area table sat (R+1, S+1, K), only at the pixels
+        # whose window the border cuts (the others take its total; H200: docs/decisions/0152).
         if DP4A:  # 4 taps x 4 channels an instruction: words of 4 channels' bytes, the weights packed 4 taps a word
             KQ: tl.constexpr = BLOCK_K // 4
             offs_c = pid_k * KQ + tl.arange(0, KQ)  # channel quads
