@@ -208,3 +208,28 @@ def test_a_non_finite_error_is_written_and_read_back(tmp_path):
     payload = _run(tmp_path, models=["resnet50", "mobilenet_v2"], measure=measure, resume=True, console=console)
     assert {r["model"] for r in payload["summary"]} == {"resnet50", "mobilenet_v2"}
     assert "nan" in console.export_text()
+
+
+def test_the_fp16_model_given_back_is_not_a_slower_row(tmp_path):
+    """A row whose model the speed rule gave back (the fp16 model itself) times the baseline against itself: its
+    0.998x is noise, said as such, and does not fail "none slower"; a quantized row at 0.998x does."""
+    def measure(name, precisions, batch, seed, console):
+        rows, det = fake_measure(name, precisions, batch, seed, console)
+        for r in rows:
+            r.update(speedup=0.998, ms=2.0 / 0.998)
+            if name == "mobilenet_v2" or r["precision"] == "w1a2":
+                r.update(model_itself=True, quantized=0)
+        return rows, det
+
+    def slow_target(payload):
+        return next(t for t in payload["targets"] if t["target"].startswith("no model slower"))
+
+    t = slow_target(_run(tmp_path, measure=measure))
+    assert t["met"] is False and "1 of 4 cases below 1.0x: resnet50 int8" in t["value"]
+    assert "3 case(s) the fp16 model itself, given back by the speed rule (timed 0.998-0.998x" in t["value"]
+    on_disk = json.loads((tmp_path / "models.json").read_text())
+    assert [r.get("model_itself", False) for r in on_disk["summary"]] == [False, True, True, True]
+    t = slow_target(_run(tmp_path, models=["mobilenet_v2"], measure=measure))
+    assert t["met"] is True and "0 of 2 cases below 1.0x" in t["value"]
+    assert mb._case_line(on_disk["rows"][1]).startswith("resnet50 w1a2: 2.004 ms, fp16 2.000 ms, 1.00x (the fp16 model "
+                                                         "itself, given back by the speed rule), NRMSE")

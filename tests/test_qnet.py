@@ -173,35 +173,25 @@ def test_quantize_model_overrides_and_float_warning():
         q(x)  # float and quantized layers interoperate (NCHW float between them)
 
 
-def test_a_grouped_conv_kept_float_folds_its_batchnorm_a_dense_one_does_not():
-    """A grouped conv kept in float (an override here; the speed rule the same way) takes its inference BN into its
-    weights (one float pass instead of two, the same function); a dense conv keeps the BN (cuDNN's dense convs are
-    slower with a bias: qmodules.folds_float_bn); fuse=False keeps every BN module."""
+def test_a_conv_kept_float_keeps_its_batchnorm_grouped_or_dense():
+    """A conv kept in float (an override here; the speed rule the same way) runs as the float model runs it: conv,
+    then its BN module.  Folding the BN into a depthwise conv's weights made whole EfficientNets 2-3.5% slower on an
+    H200 (cuDNN's depthwise fp16 conv with a bias is slower than conv + BN at most shapes: docs/decisions/0155)."""
     x = torch.randn(2, 3, 8, 8)
     net = _net()
     net[4] = nn.Conv2d(8, 16, 3, padding=1, groups=8)  # grouped, followed by BN "5"
     net = _calibrated(net, x)
-    net[4].train()  # a conv's mode changes nothing (convs made from F.conv2d calls are new modules, in training mode)
-    for fuse in (True, False):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            q = tp.quantize_model(copy.deepcopy(net), tp.QuantConfig("int8", overrides={"4": "float", "0": "float"},
-                                                                     fuse=fuse), calibration=x)
-        rec = {r.name: r for r in q.tcprec_summary.layers}
-        mods = dict(q.named_modules())
-        calls = {n.target for n in q.graph.nodes if n.op == "call_module"}
-        assert rec["4"].precision == "float" and rec["4"].fused == (("bn",) if fuse else ())
-        assert ("5" in calls) is (not fuse)  # the BN node is gone exactly when folded
-        assert rec["0"].precision == "float" and rec["0"].fused == () and "1" in calls  # dense: BN kept
-        # the folded conv alone computes conv -> BN of the original, to rounding
-        xin = torch.randn(2, 8, 4, 4)
-        with torch.no_grad():
-            want = net[5](net[4](xin))
-            got = mods["4"](xin) if fuse else mods["5"](mods["4"](xin))
-        assert _nrmse(got, want) < 1e-5
-        with torch.no_grad():
-            assert _nrmse(q(x), net(x)) < 0.1  # the model still runs end to end
-    assert "5" in dict(net.named_modules())  # the float model is untouched
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q = tp.quantize_model(copy.deepcopy(net), tp.QuantConfig("int8", overrides={"4": "float", "0": "float"}),
+                              calibration=x)
+    rec = {r.name: r for r in q.tcprec_summary.layers}
+    calls = {n.target for n in q.graph.nodes if n.op == "call_module"}
+    for conv, bn in (("4", "5"), ("0", "1")):
+        assert rec[conv].precision == "float" and rec[conv].fused == () and bn in calls
+        assert torch.equal(dict(q.named_modules())[conv].weight, dict(net.named_modules())[conv].weight)
+    with torch.no_grad():
+        assert _nrmse(q(x), net(x)) < 0.1  # the model still runs end to end
 
 
 def test_quantize_model_does_not_touch_the_original():

@@ -12,8 +12,8 @@ What it does, in order:
    ``overrides`` by module name (``"float"`` keeps a layer in floating point).
 4. Fuses, on the graph: conv -> BatchNorm2d (folded into a per-channel scale and bias) -> ReLU /
    LeakyReLU -> 2x2 max/avg pool become one ``QConv2d``; linear -> ReLU one ``QLinear``; a linear kept float
-   with the erf GELU after it one ``LinearGELU`` (one GEMM with torch's GELU epilogue, nn/linear_gelu.py), a
-   grouped conv kept float takes its BN into its weights (docs/decisions/0115).  Residual
+   with the erf GELU after it one ``LinearGELU`` (one GEMM with torch's GELU epilogue, nn/linear_gelu.py); a
+   conv kept float keeps its BN module (folding it was slower: docs/decisions/0155).  Residual
    blocks: a conv(+BN) whose only user is an add (``+``, ``torch.add``, ``Tensor.add``; either operand
    order) of a tensor of its own shape and dtype, followed by a ReLU / LeakyReLU (or nothing), become one
    ``QConv2d`` called as ``conv(x, residual)`` at the add's place in the graph (``fuse_residual``; the INT8 /
@@ -60,7 +60,7 @@ from .coverage import check_conv_coverage, normalize_graph, uncovered
 from .linear_gelu import LinearGELU, is_erf_gelu
 from .qgrouped import QGroupedConv2d, grouped_act_of, grouped_unsupported
 from .qmodules import (FixedQuant, LayerPrecision, QConv2d, QLinear, QMaxPool2d, _fold_bn, _quantize_weight,
-                       activation_format, flatten_nhwc, folds_float_bn, parse_precision, weight_format)
+                       activation_format, flatten_nhwc, parse_precision, weight_format)
 from .speed_rule import SpeedRule, apply_speed_rule, as_speed_rule
 
 __all__ = ["QuantConfig", "QuantSummary", "LayerRecord", "LayerPlan", "quantize_model", "plan_layers"]
@@ -466,23 +466,6 @@ def _fusable_bn(m: nn.Module, u: fx.Node | None, mods) -> bool:
     """Whether conv ``m``'s sole user ``u`` is a BatchNorm2d that quantize_model folds into it."""
     return (isinstance(m, nn.Conv2d) and u is not None and u.op == "call_module"
             and type(mods[u.target]) is nn.BatchNorm2d and mods[u.target].track_running_stats)
-
-
-def _fold_float_bn(gm: fx.GraphModule, node: fx.Node, mods, records: dict) -> None:
-    """A grouped conv that stays in float takes the inference BatchNorm that is its sole user into its weights and
-    bias (``folds_float_bn``; the float model's two passes become one): folded in float32, stored in the conv's
-    dtype.  The record says so (``fused=("bn",)``); the speed rule times the float side the same way."""
-    m, u = mods[node.target], _sole_user(node)
-    if not folds_float_bn(m) or not _fusable_bn(m, u, mods) or mods[u.target].training:  # (a conv has no mode)
-        return
-    bn = mods[u.target]
-    scale, bias = _fold_bn(m.out_channels, m.bias, bn, m.weight.device)
-    folded = copy.deepcopy(m)
-    with torch.no_grad():
-        folded.weight = nn.Parameter((m.weight.detach().float() * scale.reshape(-1, 1, 1, 1)).to(m.weight.dtype),
-                                     requires_grad=m.weight.requires_grad)
-        folded.bias = nn.Parameter(bias.to(m.weight.dtype), requires_grad=m.weight.requires_grad)
-    _absorb_user(gm, node, u, folded, records, "bn")
 
 
 def _absorb_user(gm: fx.GraphModule, node: fx.Node, u: fx.Node, new: nn.Module, records: dict, what: str) -> None:
@@ -1073,7 +1056,6 @@ def _convert(model: nn.Module, cfg: QuantConfig, batches, inplace: bool, warn: b
             q = make(node.target, bn, act, pool)
             if q is None:
                 if cfg.fuse and calls[node.target] == 1:
-                    _fold_float_bn(gm, node, mods, records)  # a grouped conv kept float: its BN in its weights
                     _fuse_float_gelu(gm, node, mods, records)  # a linear kept float: one GEMM with its GELU
                 continue
             _set_module(gm, node.target, q)

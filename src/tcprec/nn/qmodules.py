@@ -128,14 +128,6 @@ def _quantize_weight(w: torch.Tensor, fmt):
     return QTensor(codes, scales, fmt, PerChannel(0), tuple(w.shape), torch.float32)
 
 
-def folds_float_bn(m: nn.Module) -> bool:
-    """Whether a conv kept in float takes its inference BN into its weights (``convert._fold_float_bn``; the speed
-    rule times its float side so): grouped and depthwise convs only.  Measured on an H200 (fp16 channels_last, batch
-    256, docs/decisions/0115): a depthwise conv with the bias folded in runs 0.51 ms against 0.64 ms for conv + BN,
-    but cuDNN's dense convs get slower with a bias (ResNet-50's 1x1 / 3x3 shapes: 6-25% more than conv + BN)."""
-    return isinstance(m, nn.Conv2d) and m.groups != 1
-
-
 def _fold_bn(out_ch: int, bias: torch.Tensor | None, bn: nn.BatchNorm2d | None, device):
     """Per-channel (scale, bias) of bn(conv + bias) = conv * scale + bias'."""
     b = torch.zeros(out_ch, device=device) if bias is None else bias.detach().float()

@@ -29,14 +29,15 @@ way TensorRT's builder picks a tactic per layer by timing:
 5. the whole quantized model is timed against the whole float model (channels_last; with the default clock their
    two CUDA graphs replayed in turn, as the benchmarks time them: ``_time_models``).  A layer-by-layer sum misses
    what the float glue between quantized layers costs, and what a re-chained layer (one whose producer a later round
-   floated, untimed after the last round) now pays; so where the whole model is slower, the quantized layers that
-   saved least in their own timing are kept float too, a growing share at a time (``SpeedRule.fallback``: a quarter,
-   half, three quarters, all of them), the model converted and timed whole again after each, until it is no slower
-   (their reasons: ``"kept fp16: the whole model was slower quantized (15.547 ms > fp16 15.339 ms); this layer saved
-   least (w1a2 0.006 ms <= fp16 0.007 ms at input (256,480,1,1))"``; docs/decisions/0153).  Still slower with
-   every layer float (the converted float graph itself lost: EfficientNet-B1 0.98x), the model itself is returned
-   -- a copy in eval mode, the module the float side timed -- with the summary, whose notes say so; a model left
-   slower otherwise (``fallback=()``, a layer that could not be timed) is said in capitals and warned.
+   floated, untimed after the last round) now pays; so where the whole model is not faster by ``SpeedRule.margin``
+   (1%: two graphs of the same computation time ~0.3% apart), the quantized layers that saved least in their own
+   timing are kept float too, a growing share at a time (``SpeedRule.fallback``: a quarter, half, three quarters,
+   all of them), the model converted and timed whole again after each, until it is (their reasons: ``"kept fp16:
+   the whole model was slower quantized (15.547 ms > fp16 15.339 ms); this layer saved least (w1a2 0.006 ms <= fp16
+   0.007 ms at input (256,480,1,1))"``; docs/decisions/0153, 0155).  Still no faster with every layer float, the
+   model itself is returned -- a copy in eval mode, the module the float side timed -- with the summary, whose notes
+   say so (``SpeedReport.model_itself``); a model left slower otherwise (``fallback=()``, a layer that could not be
+   timed) is said in capitals and warned.
 
 ``model.tcprec_summary`` shows each decision (``LayerRecord.reason``: ``"kept fp16: w8a8 0.212 ms > fp16 0.151 ms at
 input (256,32,112,112)"``), ``summary.speed`` holds the figures and ``summary.explain()`` prints them.
@@ -68,7 +69,6 @@ from torch import nn
 
 from ..timing import graph_ms, graph_ms_alternating
 from .attention import not_decomposed
-from .qmodules import folds_float_bn
 
 __all__ = ["SpeedRule", "SPEED_RULES", "as_speed_rule", "SpeedReport", "LayerTiming", "ModuleTiming", "MODEL",
            "cuda_graph_timer", "apply_speed_rule"]
@@ -82,14 +82,18 @@ class SpeedRule:
     """``mode``: ``"off"`` | ``"measured"``; ``batch``: the batch (first dimension) to time at, default the first
     calibration batch's (time at the shape you deploy: a layer's winner changes with it); ``timer``: ``(layer, side,
     fn) -> ms`` (default :func:`cuda_graph_timer`, CUDA models only); ``rounds``: conversions at most (>= 1);
-    ``fallback``: where the whole model is slower than float, the growing shares (increasing, in (0, 1]) of its
-    quantized layers, those that saved least first, kept float in turn until it is not (``()``: only say so)."""
+    ``fallback``: where the whole model is not faster than float by ``margin``, the growing shares (increasing, in
+    (0, 1]) of its quantized layers, those that saved least first, kept float in turn until it is (``()``: only say
+    so); ``margin``: how much faster (a fraction) the whole quantized model must time to be kept as it is -- two
+    CUDA graphs of the same computation time up to ~0.3% apart on an H200, so a closer call is no measured win
+    (docs/decisions/0155)."""
 
     mode: str = "measured"
     batch: int | None = None
     timer: Callable | None = None
     rounds: int = 2
     fallback: tuple = (0.25, 0.5, 0.75, 1.0)
+    margin: float = 0.01
 
     def __post_init__(self):
         if self.mode not in SPEED_RULES:
@@ -105,6 +109,10 @@ class SpeedRule:
                 and list(fb) == sorted(set(fb))):
             raise ValueError(f"SpeedRule.fallback must be a tuple of increasing shares in (0, 1], e.g. (0.25, 0.5, "
                              f"0.75, 1.0), or () to only report a slower whole model; got {fb!r}")
+        if not (isinstance(self.margin, (int, float)) and not isinstance(self.margin, bool)
+                and 0 <= self.margin < 1):
+            raise ValueError(f"SpeedRule.margin must be a fraction in [0, 1) (0.01: the quantized model must time 1% "
+                             f"faster than float), got {self.margin!r}")
 
 
 def as_speed_rule(v) -> SpeedRule:
@@ -129,7 +137,7 @@ class LayerTiming:
     floated: bool = False
     round: int = 1
     members: tuple = ()  # a fused module (self-attention's qkv_proj): the float model's layers it stands for
-    by_model: str = ""  # floated by the whole-model check: the whole model's times that floated it
+    by_model: str = ""  # floated by the whole-model check: what the whole model's times were ("was slower ...")
 
     @property
     def saved_ms(self) -> float:
@@ -140,8 +148,8 @@ class LayerTiming:
         unit = f", timed as {self.name} ({'/'.join(m.rpartition('.')[2] for m in self.members)} in one GEMM)" \
             if self.members else ""
         if self.by_model:
-            return (f"kept {float_label}: the whole model was slower quantized ({self.by_model}); this layer saved "
-                    f"least ({self.precision} {self.quant_ms:.3f} ms <= {float_label} {self.float_ms:.3f} ms at input "
+            return (f"kept {float_label}: the whole model {self.by_model}; this layer saved least"
+                    f" ({self.precision} {self.quant_ms:.3f} ms <= {float_label} {self.float_ms:.3f} ms at input "
                     f"{shape}{unit})")
         if self.floated:
             return (f"kept {float_label}: {self.precision} {self.quant_ms:.3f} ms > {float_label} {self.float_ms:.3f} ms "
@@ -199,6 +207,7 @@ class SpeedReport:
     timing_s: float = 0.0
     notes: list[str] = field(default_factory=list)
     fallback: list[tuple[int, float]] = field(default_factory=list)  # the whole-model steps: (layers floated, ms)
+    model_itself: bool = False  # every layer float and the converted graph no faster: the user's model came back
 
     @property
     def floated(self) -> list[str]:
@@ -226,8 +235,8 @@ class SpeedReport:
             out.append(f"whole model: quantized {self.model_ms:.3f} ms, {self.float_label} {self.float_model_ms:.3f} ms "
                        f"({self.speedup:.2f}x)")
         if self.fallback:
-            out.append(f"whole model slower than {self.float_label} at first: the quantized layers that saved least "
-                       "kept float in turn: " + ", ".join(f"{n} float, {ms:.3f} ms" for n, ms in self.fallback))
+            out.append(f"whole model not faster than {self.float_label} at first: the quantized layers that saved "
+                       "least kept float in turn: " + ", ".join(f"{n} float, {ms:.3f} ms" for n, ms in self.fallback))
         if self.modules:
             kept = [t for t in self.modules if t.floated]
             out.append(f"torch modules with quantized linears, timed whole: {len(kept)} of {len(self.modules)} faster "
@@ -312,17 +321,17 @@ def _act_fn(act) -> Callable | None:
     return F.relu  # an encoding added later: one elementwise pass either way
 
 
-def _float_fn(m: nn.Module, q: nn.Module, fused: tuple, shape: tuple, device, dtype, fold_bn: bool) -> Callable:
+def _float_fn(m: nn.Module, q: nn.Module, fused: tuple, shape: tuple, device, dtype) -> Callable:
     """What this layer runs in float and what the quantized module absorbed: conv / linear (cuDNN / cuBLAS,
-    channels_last), then BN (inference; none where ``fold_bn`` and ``qmodules.folds_float_bn``: kept float, the conv
-    takes the BN into its weights), the residual add, the activation, the 2x2 pool."""
+    channels_last), then BN (inference: kept float, a conv keeps its BN module, docs/decisions/0155), the residual
+    add, the activation, the 2x2 pool."""
     x = torch.randn(shape, device=device, dtype=dtype)
     if x.dim() == 4:
         x = x.contiguous(memory_format=torch.channels_last)
     with torch.no_grad():
         y0 = m(x)
     C = y0.shape[1] if y0.dim() == 4 else y0.shape[-1]
-    bn = "bn" in fused and y0.dim() == 4 and not (fold_bn and folds_float_bn(m))
+    bn = "bn" in fused and y0.dim() == 4
     if bn:
         rm, rv = torch.zeros(C, device=device, dtype=dtype), torch.ones(C, device=device, dtype=dtype)
         w, b = torch.ones(C, device=device, dtype=dtype), torch.zeros(C, device=device, dtype=dtype)
@@ -358,10 +367,12 @@ def _stacked(ms: list[nn.Module]) -> nn.Linear:
     return lin
 
 
-def _measure(q: nn.Module, probe: _Probe, timer, dtype, rnd: int, fold_bn: bool) -> tuple[dict, list[str]]:
+def _measure(q: nn.Module, probe: _Probe, timer, dtype, rnd: int, float_ms: dict) -> tuple[dict, list[str]]:
     """name -> LayerTiming for every quantized layer of ``q`` with a record, and notes.  A fused module (``qkv_proj``,
     ``tcprec_fused`` = its members' names, nn/attention.py: fuse_qkv) is timed as it runs -- one quantize pass, one
-    (3E, E) GEMM -- against the same fused linear in float, and decides for all its members."""
+    (3E, E) GEMM -- against the same fused linear in float, and decides for all its members.  ``float_ms`` caches the
+    float side across rounds: it depends only on the float layer, its input shapes and what the quantized module
+    absorbed (the quantized side is timed again: its operands change as neighbours are re-chained)."""
     recs = {r.name: r for r in q.tcprec_summary.layers}
     qmods = {n: m for n, m in q.named_modules()
              if n in recs and recs[n].precision != "float" and n in probe.floats}
@@ -399,12 +410,17 @@ def _measure(q: nn.Module, probe: _Probe, timer, dtype, rnd: int, fold_bn: bool)
             errors[n] = "its float input shape was not seen (not called with a tensor in the float model)"
             continue
         fm = _stacked([probe.floats[k] for k in members[n]]) if n in members else probe.floats[n]
-        try:
-            fms = sum(float(timer(n, "float", _float_fn(fm, qmods[n], recs[first].fused, s, dev, dtype, fold_bn)))
-                      for s in shapes)
-        except Exception as e:  # noqa: BLE001 - as above
-            errors[n] = f"{type(e).__name__}: {str(e)[:100]}"
-            continue
+        qm = qmods[n]
+        key = (n, recs[first].fused, tuple(map(tuple, shapes)), repr(getattr(qm, "act", None)),
+               bool(getattr(qm, "has_residual", False)), repr(getattr(qm, "pool", None)))
+        if key not in float_ms:
+            try:
+                float_ms[key] = sum(float(timer(n, "float", _float_fn(fm, qm, recs[first].fused, s, dev, dtype)))
+                                    for s in shapes)
+            except Exception as e:  # noqa: BLE001 - as above
+                errors[n] = f"{type(e).__name__}: {str(e)[:100]}"
+                continue
+        fms = float_ms[key]
         out[n] = LayerTiming(n, recs[first].precision, ms, fms, shapes[0], floated=ms > fms, round=rnd,
                              members=members.get(n, ()))
     notes = [f"speed rule: {n} not timed, kept as converted ({why})" for n, why in errors.items()]
@@ -603,15 +619,19 @@ def apply_speed_rule(model: nn.Module, cfg, batches: list, convert: Callable) ->
         finally:
             report.timing_s += time.perf_counter() - t0
 
+    def faster():  # the whole quantized model measurably faster (SpeedRule.margin)
+        return report.model_ms * (1 + rule.margin) <= report.float_model_ms
+
     def floated_now():
         return [k for t in [*timings.values(), *report.modules] if t.floated for k in t.layers]
 
+    float_ms: dict = {}  # (the float side of a layer, timed once: _measure)
     flags = torch.backends.cudnn.flags(enabled=True, benchmark=True, deterministic=False,
                                        allow_tf32=torch.backends.cudnn.allow_tf32)
     with flags:
         q = convert_with(())
         for rnd in range(1, rule.rounds + 1):
-            got, notes = _measure(q, probe, timer, dtype, rnd, cfg.fuse)
+            got, notes = _measure(q, probe, timer, dtype, rnd, float_ms)
             report.notes += [n for n in notes if n not in report.notes]
             timings.update(got)
             slow = [n for n, t in got.items() if t.floated]
@@ -640,9 +660,12 @@ def apply_speed_rule(model: nn.Module, cfg, batches: list, convert: Callable) ->
                 # slower as a whole: the layers that saved least are kept float, a growing share at a time (a
                 # conversion without the rounding optimisation each: the kernels' time does not depend on it)
                 kept = sorted((t for t in timings.values() if not t.floated), key=lambda t: t.saved_ms)
-                first = f"{report.model_ms:.3f} ms > {label} {report.float_model_ms:.3f} ms"
+                first = (f"was slower quantized ({report.model_ms:.3f} ms > {label} {report.float_model_ms:.3f} ms)"
+                         if report.model_ms > report.float_model_ms else
+                         f"was not {rule.margin:.0%} faster quantized ({report.model_ms:.3f} ms against {label} "
+                         f"{report.float_model_ms:.3f} ms)")
                 for share in rule.fallback:
-                    if report.model_ms <= report.float_model_ms or not kept:
+                    if faster() or not kept:
                         break
                     for t in kept[:math.ceil(share * len(kept))]:
                         t.floated, t.by_model = True, t.by_model or first
@@ -651,16 +674,16 @@ def apply_speed_rule(model: nn.Module, cfg, batches: list, convert: Callable) ->
                     report.fallback.append((len(floated_now()), report.model_ms))
         except Exception as e:  # noqa: BLE001 - the layer decisions stand; the notes say the check did not run
             report.notes.append(f"speed rule: the whole-model check did not run ({type(e).__name__}: {str(e)[:100]})")
-        slower = report.speedup is not None and report.speedup < 1.0
-        if slower and report.fallback and all(r.precision == "float" for r in q.tcprec_summary.layers):
-            # every layer float and the converted graph still slower than the model itself: the model itself, the
-            # module the float side timed (a copy, eval mode), with the summary
-            report.notes.append(f"speed rule: every layer kept {label}, and the converted float model was still slower "
-                                f"than the model itself ({report.model_ms:.3f} ms > {report.float_model_ms:.3f} ms): "
-                                "the model itself is returned (a copy in eval mode"
+        timed = report.model_ms is not None and report.float_model_ms is not None
+        if timed and not faster() and report.fallback and all(r.precision == "float" for r in q.tcprec_summary.layers):
+            # every layer float and the converted graph no faster than the model itself: the model itself, the module
+            # the float side timed (a copy, eval mode), with the summary
+            report.notes.append(f"speed rule: every layer kept {label}, and the converted float model was not "
+                                f"{rule.margin:.0%} faster than the model itself ({report.model_ms:.3f} ms against "
+                                f"{report.float_model_ms:.3f} ms): the model itself is returned (a copy in eval mode"
                                 + (", channels_last)" if x.dim() == 4 else ")"))
             base.tcprec_summary, q, final = q.tcprec_summary, base, True
-            report.model_ms = report.float_model_ms
+            report.model_ms, report.model_itself = report.float_model_ms, True
         del base
         if not final:  # the full calibration, on the final layer set
             q = convert_with(floated_now())
