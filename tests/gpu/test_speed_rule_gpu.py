@@ -70,9 +70,9 @@ def test_fake_clock_floats_a_layer_inside_a_plane_chain():
     assert chained, "ResNet-18 w1a2 chains bit planes between convs"
     victim = chained[len(chained) // 2]
 
-    def clock(layer, side, fn):
+    def clock(layer, side, fn):  # (the whole model 10% faster quantized: past SpeedRule.margin, no fallback)
         fn()
-        return 2.0 if (layer, side) == (victim, "quantized") else 1.0
+        return 2.0 if (layer, side) == (victim, "quantized") else 0.9 if (layer, side) == (MODEL, "quantized") else 1.0
 
     q = tp.quantize_model(m, tp.QuantConfig("w1a2", speed_rule=SpeedRule(timer=clock)), calibration=x, warn=False)
     recs = {r.name: r for r in q.tcprec_summary.layers}
