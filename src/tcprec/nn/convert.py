@@ -59,7 +59,7 @@ from .attention import TORCH_TWINS, TwinCall, decompose_transformers, fuse_qkv, 
 from .coverage import check_conv_coverage, normalize_graph, uncovered
 from .linear_gelu import LinearGELU, is_erf_gelu
 from .qgrouped import QGroupedConv2d, grouped_act_of, grouped_unsupported
-from .qmodules import (FixedQuant, LayerPrecision, QConv2d, QLinear, QMaxPool2d, _fold_bn, _quantize_weight,
+from .qmodules import (FixedQuant, LayerPrecision, QConv2d, QLinear, QMaxPool2d, _quantize_weight,
                        activation_format, flatten_nhwc, parse_precision, weight_format)
 from .speed_rule import SpeedRule, apply_speed_rule, as_speed_rule
 
