@@ -18,9 +18,8 @@ Per row: ms, fp16 ms, speedup, NRMSE of the logits against fp32 (and the fp16 ba
 a baseline already off, e.g. seeded Swin-V2's non-finite fp16 logits, explains its rows), and the layer counts:
 quantized, kept fp16 by the speed rule, float for other reasons (``tcprec_summary``); ``model_itself`` where the rule
 gave the fp16 model back (``SpeedReport.model_itself``): such a row times the baseline against itself, and "none
-slower than fp16" does not count it as slower.  Weights are seeded, not
-trained: NRMSE says how far the outputs move, not an accuracy.  torchvision is needed only here and is imported when
-the suite runs.
+slower than fp16" does not count it as slower.  Weights are seeded, not trained: NRMSE says how far the outputs
+move, not an accuracy.  torchvision is needed only here and is imported when the suite runs.
 """
 
 from __future__ import annotations
