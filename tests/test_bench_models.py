@@ -233,3 +233,45 @@ def test_the_fp16_model_given_back_is_not_a_slower_row(tmp_path):
     assert t["met"] is True and "0 of 2 cases below 1.0x" in t["value"]
     assert mb._case_line(on_disk["rows"][1]).startswith("resnet50 w1a2: 2.004 ms, fp16 2.000 ms, 1.00x (the fp16 model "
                                                          "itself, given back by the speed rule), NRMSE")
+
+
+def test_shards_share_one_file_and_measure_disjoint_models(tmp_path):
+    """Two shards (one a GPU) deal the listed models by position (0/2: the 1st and 3rd of the catalog) and merge
+    their rows into one --json file under a lock: what the other shard wrote meanwhile is kept."""
+    seen = {0: [], 1: []}
+
+    def shard_measure(k):
+        def measure(name, *a):
+            seen[k].append(name)
+            if k == 0 and name == "mobilenet_v2":  # shard 1 runs to its end while shard 0 measures its first model
+                _run(tmp_path, models=["all"], measure=shard_measure(1), resume=True, shard=(1, 2))
+                on_disk = json.loads((tmp_path / "models.json").read_text())
+                assert {r["model"] for r in on_disk["rows"]} == {"resnet50"} and on_disk["partial"] == "1 of 3 models"
+            return fake_measure(name, *a)
+        return measure
+
+    payload = _run(tmp_path, models=["all"], measure=shard_measure(0), resume=True, shard=(0, 2))
+    assert seen == {0: ["mobilenet_v2", "vit_b_16"], 1: ["resnet50"]}
+    on_disk = json.loads((tmp_path / "models.json").read_text())
+    assert sorted({r["model"] for r in on_disk["rows"]}) == CATALOG and "partial" not in on_disk
+    assert [(r["model"], r["precision"]) for r in payload["rows"]] == [
+        ("resnet50", "int8"), ("resnet50", "w1a2"), ("mobilenet_v2", "int8"), ("mobilenet_v2", "w1a2"),
+        ("vit_b_16", "int8"), ("vit_b_16", "w1a2")]
+    assert sorted(on_disk["details"]) == sorted(f"{m}/{p}" for m in CATALOG for p in ("int8", "w1a2"))
+    # a shard over a finished file measures nothing
+    assert _run(tmp_path, models=["all"], measure=shard_measure(1), resume=True, shard=(1, 2))["rows"] == payload["rows"]
+    assert seen[1] == ["resnet50"]
+
+
+@pytest.mark.parametrize("text", ["2/2", "-1/2", "1", "a/b", "0/0", "1/2/3"])
+def test_bad_shards_are_refused(tmp_path, text):
+    with pytest.raises(ValueError, match=r"--shard must be K/N with 0 <= K < N"):
+        mb.parse_shard(text)
+    result = CliRunner().invoke(app, ["bench", "models", "--shard", text, "--resume", "--json", str(tmp_path / "m.json")])
+    assert result.exit_code == 2 and "--shard must be K/N" in result.output
+
+
+def test_a_shard_without_resume_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="--shard 0/2 needs --resume"):
+        _run(tmp_path, shard=(0, 2))
+    assert mb.parse_shard("1/4") == (1, 4)

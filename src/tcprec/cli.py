@@ -887,6 +887,9 @@ def bench_models_cmd(
     resume: bool = typer.Option(False, "--resume", help="Keep the models the --json file already holds (same "
                                 "precisions, batch and seed) and measure only the others: '--model all' over "
                                 "several runs."),
+    shard: Optional[str] = typer.Option(None, "--shard", metavar="K/N", help="Measure only the listed models at "
+                                        "positions i with i % N == K, merging into the shared --json (needs --resume): "
+                                        "one process a GPU, e.g. CUDA_VISIBLE_DEVICES=1 ... --shard 1/2."),
 ):
     """torchvision classification model definitions (seeded weights) quantized with the speed rule on, against cuDNN
     fp16 channels_last, CUDA graphs on both sides: ms, speedup, NRMSE vs fp32, layers quantized / kept fp16 by the
@@ -897,12 +900,20 @@ def bench_models_cmd(
         precs = models_bench.parse_precisions(_split(precision, "--precision"))
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--precision") from None
+    try:
+        shard_kn = None if shard is None else models_bench.parse_shard(shard)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--shard") from None
+    if shard_kn is not None and not resume:
+        raise typer.BadParameter(f"--shard {shard} needs --resume: the shards merge their rows into one --json file, "
+                                 "which a run without --resume would overwrite", param_hint="--shard")
     command = shlex.join(["tcprec", "bench", "models", "--model", model, "--precision", precision, "--batch",
-                          str(batch), "--seed", str(seed), "--json", json_path] + (["--resume"] if resume else []))
+                          str(batch), "--seed", str(seed), "--json", json_path] + (["--resume"] if resume else [])
+                         + (["--shard", shard] if shard else []))
     with _needs_gpu(), _json_file(json_path, "models.json") as out:
         try:
             models_bench.run(models, precs, batch, out=str(out), command=command, console=Console(), seed=seed,
-                             resume=resume)
+                             resume=resume, shard=shard_kn)
         except ImportError as e:
             Console(stderr=True).print(f"[red]{escape(str(e))}")
             raise typer.Exit(code=2) from None

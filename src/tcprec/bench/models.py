@@ -24,8 +24,11 @@ move, not an accuracy.  torchvision is needed only here and is imported when the
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import hashlib
 import json
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -42,7 +45,7 @@ from .common import environment, git_commit, print_environment, require_cuda, ti
 from .net import nrmse
 
 __all__ = ["run", "DEFAULT_MODELS", "PRECISIONS", "TARGETS", "torchvision_classifiers", "build_model", "parse_precisions",
-           "measure_model", "targets"]
+           "parse_shard", "measure_model", "targets"]
 
 # ~150 s on an H200 at batch 256 with int8 / fp8 / w1a2 (conversion, two speed-rule rounds, timing); the issue's
 # ResNet-50 and MobileNetV2 plus three other families (compound scaling, RegNet, channel shuffle)
@@ -235,21 +238,66 @@ def targets(rows: list[dict], models: Sequence[str], catalog_size: int | None = 
     return out
 
 
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"K/N"`` -> (K, N): this process measures the listed models at positions i with i % N == K."""
+    try:
+        k, n = (int(v) for v in str(text).split("/"))
+    except ValueError:
+        k = n = None
+    if k is None or not (n >= 1 and 0 <= k < n):
+        raise ValueError(f"--shard must be K/N with 0 <= K < N (e.g. 0/2 and 1/2 on two GPUs), got {text!r}")
+    return k, n
+
+
+@contextlib.contextmanager
+def _locked(out: str):
+    """An exclusive lock on ``out`` across processes (a file in the temp dir named by its absolute path), so that the
+    shards of one catalog run read, merge and write it one at a time."""
+    import fcntl  # (POSIX: the GPU machines this suite runs on)
+
+    key = hashlib.sha1(str(Path(out).resolve()).encode()).hexdigest()[:16]
+    with open(Path(tempfile.gettempdir()) / f"tcprec-bench-models-{key}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _merge(kept: list, kept_details: dict, mine: list, mine_details: dict, names: Sequence[str]) -> tuple[list, dict]:
+    """The file's rows of ``names`` with this run's rows in place of theirs (by model and precision; new ones after)."""
+    own = {(r["model"], r["precision"]): r for r in mine}
+    rows = [own.pop((r["model"], r["precision"]), r) for r in kept if r["model"] in names]
+    rows += [r for r in mine if (r["model"], r["precision"]) in own]
+    details = {k: v for k, v in kept_details.items() if k.split("/")[0] in names}
+    details.update(mine_details)
+    return rows, details
+
+
 def run(models: Sequence[str] = DEFAULT_MODELS, precisions: Sequence[str] = PRECISIONS, batch: int = 256,
         out: str = "benchmarks/results/models.json", command: str = "tcprec bench models", console: Console | None = None,
         seed: int = 0, measure: Callable | None = None, catalog: Callable[[], list[str]] | None = None,
-        env: dict | None = None, resume: bool = False) -> dict:
+        env: dict | None = None, resume: bool = False, shard: tuple[int, int] | None = None) -> dict:
     """Run every (model, precision) case and write the JSON (module docstring).  ``measure(name, precisions, batch,
     seed, console) -> (rows, details)``, ``catalog() -> names`` and ``env`` replace the GPU, torchvision and the
     device record (tests).  ``resume``: keep those of ``models`` that ``out`` already holds (a run of the same
     precisions, batch and seed, cut short or of other models) and measure only the others -- ``--model all`` over
-    several sessions or machine loans; each row names the commit that measured it."""
+    several sessions or machine loans; each row names the commit that measured it.  Under ``resume`` every write
+    re-reads ``out`` under a lock and merges this run's rows into it, so several runs may share the file.
+    ``shard=(K, N)`` (needs ``resume``): measure only the listed models at positions i with i % N == K -- N processes,
+    one a GPU (``CUDA_VISIBLE_DEVICES=K``), run the catalog into one file."""
     console = console or Console()
     commit = git_commit()
     precisions = parse_precisions(precisions)
     if not (isinstance(batch, int) and batch >= 1):
         raise ValueError(f"batch must be a positive int, got {batch!r}")
-    kept_rows, kept_details = _resumed(out, precisions, batch, seed) if resume else ([], {})
+    if shard is not None:
+        parse_shard(f"{shard[0]}/{shard[1]}")  # (validated)
+        if not resume:
+            raise ValueError(f"--shard {shard[0]}/{shard[1]} needs --resume: the shards merge their rows into one "
+                             "--json file, which a run without --resume would overwrite")
+    with _locked(out) if resume else contextlib.nullcontext():
+        kept_rows, kept_details = _resumed(out, precisions, batch, seed) if resume else ([], {})
     if measure is None:
         require_cuda(command)
         measure = measure_model
@@ -261,14 +309,16 @@ def run(models: Sequence[str] = DEFAULT_MODELS, precisions: Sequence[str] = PREC
     env = env if env is not None else environment()
     if env.get("gpu") and "sm_count" in env:
         print_environment(console, env)
-    rows: list[dict] = [r for r in kept_rows if r["model"] in names]  # (the file's other models are not this run's)
-    details: dict = {k: v for k, v in kept_details.items() if k.split("/")[0] in names}
+    rows, details = _merge(kept_rows, kept_details, [], {}, names)  # (the file's other models are not this run's)
     done_before = {r["model"] for r in rows}
-    if done_before:
-        console.print(f"resuming {out}: {len(done_before)} model(s) kept, "
-                      f"{sum(n not in done_before for n in names)} to measure")
+    mine: list[dict] = []
+    mine_details: dict = {}
+    todo = [n for i, n in enumerate(names) if n not in done_before and (shard is None or i % shard[1] == shard[0])]
+    if done_before or shard is not None:
+        console.print(f"resuming {out}: {len(done_before)} model(s) kept, {len(todo)} to measure"
+                      + (f" (shard {shard[0]}/{shard[1]})" if shard is not None else ""))
 
-    def payload(done: bool) -> dict:
+    def payload() -> dict:
         commits = sorted({r.get("commit") or "unknown" for r in rows}) or [commit]
         p = {"suite": "models", "command": command, "device": env.get("gpu"),
              "commit": commits[0] if len(commits) == 1 else f"per row ({', '.join(commits)})",
@@ -280,11 +330,20 @@ def run(models: Sequence[str] = DEFAULT_MODELS, precisions: Sequence[str] = PREC
                                                          "calibration_images": CALIBRATION_IMAGES, "seed": seed,
                                                          "speed_rule": f"SpeedRule(batch={batch})"},
              "environment": env, "rows": rows, "details": details}
-        if not done:  # written after every model, so a run cut short keeps what it measured
-            p["partial"] = f"{len({r['model'] for r in rows})} of {len(names)} models"
+        measured = len({r["model"] for r in rows})
+        if measured < len(names):  # written after every model, so a run cut short keeps what it measured
+            p["partial"] = f"{measured} of {len(names)} models"
         return p
 
-    todo = [n for n in names if n not in done_before]
+    def save() -> Path:
+        nonlocal rows, details
+        if not resume:
+            rows, details = mine, mine_details
+            return write_json(out, payload())
+        with _locked(out):  # the rows other shards wrote meanwhile, then this run's
+            rows, details = _merge(*_resumed(out, precisions, batch, seed), mine, mine_details, names)
+            return write_json(out, payload())
+
     for name in track(todo, "bench models", label=str):
         try:
             got, det = measure(name, precisions, batch, seed, console)
@@ -292,16 +351,15 @@ def run(models: Sequence[str] = DEFAULT_MODELS, precisions: Sequence[str] = PREC
             got, det = [{"model": name, "precision": p, "batch": batch,
                          "error": f"{type(e).__name__}: {str(e)[:300]}"} for p in precisions], {}
             console.print(_case_line(got[0]))
-        rows += [{**r, "commit": commit} for r in got]
-        details.update(det)
+        mine += [{**r, "commit": commit} for r in got]
+        mine_details.update(det)
         if name != todo[-1]:
-            write_json(out, payload(False))
-    result = payload(True)
-    tg = result["targets"]
+            save()
+    path = save()
+    result = payload()
     console.print(table(rows, f"torchvision models, batch {batch}, {env.get('gpu')}"))
-    for t in tg:
+    for t in result["targets"]:
         console.print(f"target: {t['target']}: {t['value']} ({ {True: 'met', False: 'MISSED', None: '-'}[t['met']] })")
-    path = write_json(out, result)
     console.print(f"wrote {path}")
     return result
 
