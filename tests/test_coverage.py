@@ -116,6 +116,28 @@ def test_functional_calls_quantized_or_listed():
         assert ((q(x) - m(x)).norm() / m(x).norm()).item() < 0.1
 
 
+class _Keyword(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(3, 8, 3, padding=1), nn.Linear(8, 4)
+
+    def forward(self, x):
+        y = torch.relu(self.conv(input=x))
+        return self.fc(input=y.mean((2, 3)))
+
+
+def test_layers_called_with_their_input_as_a_keyword_are_quantized():
+    """``conv(input=x)`` is the call ``conv(x)``: calibrated and quantized like it (it used to fail calibration with
+    an IndexError)."""
+    torch.manual_seed(0)
+    m, x = _Keyword().eval(), torch.randn(2, 3, 6, 6)
+    q = tp.quantize_model(m, "int8", calibration=x, warn=False)
+    assert [(r.name, r.precision, r.fused) for r in q.tcprec_summary.layers] == [("conv", "w8a8", ("relu",)),
+                                                                                ("fc", "w8a8", ())]
+    with torch.no_grad():
+        assert ((q(x) - m(x)).norm() / m(x).norm()).item() < 0.05
+
+
 def test_zero_pad_module_folds_into_conv():
     torch.manual_seed(0)
     m = nn.Sequential(nn.ZeroPad2d(2), nn.Conv2d(3, 4, 5), nn.ReLU(), nn.ConstantPad2d(1, 0.0), nn.Conv2d(4, 4, 3)).eval()

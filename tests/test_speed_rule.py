@@ -640,3 +640,63 @@ def test_chained_depthwise_layer_is_timed_from_the_codes_it_reads_and_floated_wh
     assert seen  # the depthwise layer was timed quantized (from the chained codes, in the first conversion)
     with torch.no_grad():
         assert torch.isfinite(q(x)).all()
+
+
+class _MLP(nn.Module):
+    def __init__(self, gelu: nn.Module, first: type = nn.Linear):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = first(16, 64), gelu, nn.Linear(64, 16)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class OutputTimer(FakeTimer):
+    """FakeTimer that keeps each side's output (what the timed callable computed)."""
+
+    def __init__(self, table, default=1.0):
+        super().__init__(table, default)
+        self.outs = {}
+
+    def __call__(self, layer, side, fn):
+        self.outs[(layer, side)] = fn().float()
+        return super().__call__(layer, side, lambda: None)
+
+
+class _SubLinear(nn.Linear):
+    pass
+
+
+class _KeywordMLP(_MLP):
+    def forward(self, x):  # the layer called with its input as a keyword (nn/coverage.normalize_graph)
+        return self.fc2(self.act(self.fc1(input=x)))
+
+
+@pytest.mark.parametrize("model", [_MLP, _KeywordMLP])
+@pytest.mark.parametrize("first", [nn.Linear, _SubLinear])
+def test_a_linear_read_by_gelu_is_timed_with_its_gelu_on_both_sides(model, first):
+    """The GELU after a quantized linear is a separate pass in the quantized model and the GEMM's epilogue of the
+    float LinearGELU it becomes kept float: both sides are timed with it, so that pass is no longer outside every
+    timing.  The erf GELU's minimum is -0.17, so the timed outputs show it was applied; fc2, read by nothing, is
+    timed alone."""
+    torch.manual_seed(0)
+    m = model(nn.GELU(), first).eval()
+    t = OutputTimer({("fc1", "quantized"): 2.0, ("fc1", "float"): 1.0})  # fc1 kept float: it becomes LinearGELU
+    x = torch.randn(8, 16)
+    q = tp.quantize_model(m, tp.QuantConfig("int8", first_last=None, speed_rule=SpeedRule(timer=t)), calibration=x,
+                          warn=False)
+    for side in ("quantized", "float"):
+        assert t.outs[("fc1", side)].min() >= -0.1701 and t.outs[("fc1", side)].shape == (8, 64)
+    assert t.outs[("fc2", "float")].min() < -0.5  # (random input, no activation)
+    recs = {r.name: r for r in q.tcprec_summary.layers}
+    assert recs["fc1"].precision == "float" and recs["fc1"].fused == ("gelu",)
+    assert recs["fc1"].reason.endswith("with the GELU after it: a pass quantized, the GEMM's epilogue in float")
+    assert "GELU" not in recs["fc2"].reason and recs["fc2"].precision == "w8a8"
+    with torch.no_grad():
+        assert torch.allclose(q(x), m(x), atol=0.05)
+    # the tanh GELU is not the erf one: neither fused nor timed with the linear
+    t = OutputTimer({})
+    tp.quantize_model(_MLP(nn.GELU(approximate="tanh")).eval(),
+                      tp.QuantConfig("int8", first_last=None, speed_rule=SpeedRule(timer=t)),
+                      calibration=torch.randn(8, 16), warn=False)
+    assert t.outs[("fc1", "float")].min() < -0.5

@@ -16,6 +16,7 @@ be rewritten exactly into those plain modules, and :func:`uncovered` lists what 
   in front as a float op (a note says so).
 * ``nn.Conv1d`` (and ``F.conv1d``) -> ``unsqueeze(-2)`` + an ``nn.Conv2d`` with a (1, k) kernel + ``squeeze(-2)``
   (the same sums).
+* A conv / linear module called with its input as a keyword (``fc(input=x)``) -> the positional call ``fc(x)``.
 
 :func:`uncovered` names what is still float after conversion: an ``nn.MultiheadAttention`` that
 ``nn/attention.py`` did not decompose (a subclass, ``add_bias_kv``; its packed ``in_proj_weight`` runs inside
@@ -136,6 +137,9 @@ def normalize_graph(gm: fx.GraphModule) -> list[str]:
     taken: set = set()
     rewritten: list[str] = []
     for node in list(g.nodes):
+        if node.op == "call_module" and not node.args and set(node.kwargs) == {"input"} and isinstance(
+                gm.get_submodule(node.target), (nn.modules.conv._ConvNd, nn.Linear)):
+            node.args, node.kwargs = (node.kwargs["input"],), {}  # fc(input=x): the same call, positional
         if node.op == "call_module" and type(gm.get_submodule(node.target)) is nn.Conv1d:
             _conv1d_as_2d(gm, node, node.target, gm.get_submodule(node.target))
             continue

@@ -9,7 +9,9 @@ way TensorRT's builder picks a tactic per layer by timing:
    packs itself, or the codes / planes its chained producer wrote), its fused epilogue (BN, activation, pool, the
    residual add) and its output conversion, alone in a CUDA graph -- and the same computation in float on the
    model's dtype (the float conv / linear, channels_last, then BN, the activation, the pool and the add as the
-   float model would run them: separate cuDNN / cuBLAS / elementwise kernels);
+   float model would run them: separate cuDNN / cuBLAS / elementwise kernels).  A linear whose one reader is the
+   erf GELU is timed with it on both sides: the GELU pass it leaves after it quantized, against the one GEMM with
+   the GELU epilogue it becomes kept float (``LinearGELU``; docs/decisions/0156);
    A fused module counts as one layer, timed as it runs: self-attention's ``qkv_proj`` (q / k / v in one quantize
    pass and one (3E, E) GEMM, nn/attention.py) against the same fused linear in float (torch's ``in_proj``); kept
    float, its three members are (``q_proj`` / ``k_proj`` / ``v_proj`` in the summary and the overrides), and they run
@@ -69,6 +71,7 @@ from torch import nn
 
 from ..timing import graph_ms, graph_ms_alternating
 from .attention import not_decomposed
+from .linear_gelu import is_erf_gelu, linear_gelu
 
 __all__ = ["SpeedRule", "SPEED_RULES", "as_speed_rule", "SpeedReport", "LayerTiming", "ModuleTiming", "MODEL",
            "cuda_graph_timer", "apply_speed_rule"]
@@ -138,6 +141,7 @@ class LayerTiming:
     round: int = 1
     members: tuple = ()  # a fused module (self-attention's qkv_proj): the float model's layers it stands for
     by_model: str = ""  # floated by the whole-model check: what the whole model's times were ("was slower ...")
+    gelu: bool = False  # timed with the erf GELU that reads it (a pass quantized, the float LinearGELU's epilogue)
 
     @property
     def saved_ms(self) -> float:
@@ -147,6 +151,8 @@ class LayerTiming:
         shape = "(" + ",".join(str(s) for s in self.input_shape) + ")"
         unit = f", timed as {self.name} ({'/'.join(m.rpartition('.')[2] for m in self.members)} in one GEMM)" \
             if self.members else ""
+        if self.gelu:
+            unit += ", with the GELU after it: a pass quantized, the GEMM's epilogue in float"
         if self.by_model:
             return (f"kept {float_label}: the whole model {self.by_model}; this layer saved least"
                     f" ({self.precision} {self.quant_ms:.3f} ms <= {float_label} {self.float_ms:.3f} ms at input "
@@ -321,10 +327,11 @@ def _act_fn(act) -> Callable | None:
     return F.relu  # an encoding added later: one elementwise pass either way
 
 
-def _float_fn(m: nn.Module, q: nn.Module, fused: tuple, shape: tuple, device, dtype) -> Callable:
+def _float_fn(m: nn.Module, q: nn.Module, fused: tuple, shape: tuple, device, dtype, gelu: bool = False) -> Callable:
     """What this layer runs in float and what the quantized module absorbed: conv / linear (cuDNN / cuBLAS,
     channels_last), then BN (inference: kept float, a conv keeps its BN module, docs/decisions/0155), the residual
-    add, the activation, the 2x2 pool."""
+    add, the activation, the 2x2 pool; ``gelu``: one GEMM with the GELU epilogue (the ``LinearGELU`` the converter
+    makes of a linear read by the erf GELU, kept float)."""
     x = torch.randn(shape, device=device, dtype=dtype)
     if x.dim() == 4:
         x = x.contiguous(memory_format=torch.channels_last)
@@ -341,7 +348,7 @@ def _float_fn(m: nn.Module, q: nn.Module, fused: tuple, shape: tuple, device, dt
 
     @torch.no_grad()
     def run():
-        y = m(x)
+        y = linear_gelu(x, m.weight, m.bias) if gelu else m(x)
         if bn:
             y = F.batch_norm(y, rm, rv, w, b, False, 0.0, 1e-5)
         if res is not None:
@@ -367,6 +374,29 @@ def _stacked(ms: list[nn.Module]) -> nn.Linear:
     return lin
 
 
+def _gelu_read(q: nn.Module, qmods: dict, probe: _Probe) -> set[str]:
+    """The quantized linears of the graph whose one reader is the erf GELU and which the converter, kept float,
+    makes a ``LinearGELU`` (a plain ``nn.Linear`` called without keywords: ``convert._fuse_float_gelu``): the
+    quantized layer leaves a GELU pass in the model that its float form does not run.  Timed on both sides (the pass
+    after the quantized layer, the GEMM's epilogue in float), that pass is no longer outside every timing (ConvNeXt-T
+    int8: its linears and convs each won their own timing, and the model lost ~2 ms: docs/decisions/0156).  Where
+    the float form keeps the GELU a pass too, both sides would run it: left out of both."""
+    g = getattr(q, "graph", None)
+    if not isinstance(g, fx.Graph):
+        return set()
+    mods = dict(q.named_modules())
+    out = set()
+    for node in g.nodes:
+        if node.op != "call_module" or node.target not in qmods or len(node.users) != 1:
+            continue
+        u = next(iter(node.users))
+        if not is_erf_gelu(u, mods) or u.args[0] is not node:
+            continue
+        if type(probe.floats.get(node.target)) is nn.Linear and not node.kwargs:
+            out.add(node.target)
+    return out
+
+
 def _measure(q: nn.Module, probe: _Probe, timer, dtype, rnd: int, float_ms: dict) -> tuple[dict, list[str]]:
     """name -> LayerTiming for every quantized layer of ``q`` with a record, and notes.  A fused module (``qkv_proj``,
     ``tcprec_fused`` = its members' names, nn/attention.py: fuse_qkv) is timed as it runs -- one quantize pass, one
@@ -381,6 +411,7 @@ def _measure(q: nn.Module, probe: _Probe, timer, dtype, rnd: int, float_ms: dict
         fused = tuple(getattr(m, "tcprec_fused", ()) or ())
         if fused and all(k in recs and recs[k].precision != "float" and k in probe.floats for k in fused):
             qmods[n], members[n] = m, fused
+    gelu = _gelu_read(q, qmods, probe)
     quant: dict[str, float] = {}
     errors: dict[str, str] = {}
     hooks = []
@@ -388,8 +419,12 @@ def _measure(q: nn.Module, probe: _Probe, timer, dtype, rnd: int, float_ms: dict
         def pre(mod, args, kwargs, n=n):
             if n in errors:
                 return
+
+            def run():  # (the GELU that reads it: the pass the quantized model runs after it)
+                y = mod.forward(*args, **kwargs)
+                return F.gelu(y) if n in gelu else y
             try:
-                quant[n] = quant.get(n, 0.0) + float(timer(n, "quantized", lambda: mod.forward(*args, **kwargs)))
+                quant[n] = quant.get(n, 0.0) + float(timer(n, "quantized", run))
             except Exception as e:  # noqa: BLE001 - an untimeable layer stays as converted, and the notes say why
                 errors[n] = f"{type(e).__name__}: {str(e)[:100]}"
         hooks.append(m.register_forward_pre_hook(pre, with_kwargs=True))
@@ -412,17 +447,18 @@ def _measure(q: nn.Module, probe: _Probe, timer, dtype, rnd: int, float_ms: dict
         fm = _stacked([probe.floats[k] for k in members[n]]) if n in members else probe.floats[n]
         qm = qmods[n]
         key = (n, recs[first].fused, tuple(map(tuple, shapes)), repr(getattr(qm, "act", None)),
-               bool(getattr(qm, "has_residual", False)), repr(getattr(qm, "pool", None)))
+               bool(getattr(qm, "has_residual", False)), repr(getattr(qm, "pool", None)), n in gelu)
         if key not in float_ms:
             try:
-                float_ms[key] = sum(float(timer(n, "float", _float_fn(fm, qm, recs[first].fused, s, dev, dtype)))
+                float_ms[key] = sum(float(timer(n, "float", _float_fn(fm, qm, recs[first].fused, s, dev, dtype,
+                                                                      n in gelu)))
                                     for s in shapes)
             except Exception as e:  # noqa: BLE001 - as above
                 errors[n] = f"{type(e).__name__}: {str(e)[:100]}"
                 continue
         fms = float_ms[key]
         out[n] = LayerTiming(n, recs[first].precision, ms, fms, shapes[0], floated=ms > fms, round=rnd,
-                             members=members.get(n, ()))
+                             members=members.get(n, ()), gelu=n in gelu)
     notes = [f"speed rule: {n} not timed, kept as converted ({why})" for n, why in errors.items()]
     return out, notes
 
