@@ -83,7 +83,9 @@ def test_qat_beats_ptq_at_w2a2(trained):
     a_fp, a_ptq, a_qat = _acc(fp, xte, yte), _acc(ptq, xte, yte), _acc(tp.convert_qat(qat), xte, yte)
     print(f"float {a_fp:.3f}  PTQ w2a2 {a_ptq:.3f}  QAT w2a2 {a_qat:.3f}")
     assert a_fp > 0.7, a_fp  # the float model learned
-    assert a_qat >= a_ptq + 0.10, (a_fp, a_ptq, a_qat)
+    # QAT wins back at least half of what PTQ lost (Fashion-MNIST: 0.846 / 0.477 / 0.845; on scikit-learn's digits,
+    # the fallback without the Debian package, PTQ loses only ~2 points: 0.952 / 0.929 / 0.955)
+    assert a_qat >= a_ptq + 0.5 * (a_fp - a_ptq), (a_fp, a_ptq, a_qat)
     assert a_qat >= a_fp - 0.08, (a_fp, a_ptq, a_qat)
 
 
