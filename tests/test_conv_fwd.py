@@ -522,7 +522,7 @@ def test_pick_config_residual_classes():
 
 
 def _aot_compile(fp8: bool, flat: bool, out_mode: int, C: int, K: int, has_add: bool = False,
-                 out_codes=(-128, 127, 0), has_res: bool = False, pool: int = 0):
+                 out_codes=(-128, 127, 0), has_res: bool = False, pool: int = 0, act_ext: int = 0):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -538,7 +538,7 @@ def _aot_compile(fp8: bool, flat: bool, out_mode: int, C: int, K: int, has_add: 
     consts = dict(IS_FP8=fp8, FAST_ACCUM=False, FLAT=flat, OUT_MODE=out_mode, HAS_ADD=has_add, ADD_PIX=has_add,
                   EVEN_K=C % 128 == 0,
                   INT64=False, HAS_RES=has_res, OUT_LO=out_codes[0], OUT_HI=out_codes[1], OUT_OFF=out_codes[2],
-                  Q_BITS=2, Q_SHIFT=0, POOL=pool,
+                  Q_BITS=2, Q_SHIFT=0, POOL=pool, ACT_EXT=act_ext,
                   BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, **fp8_constexprs(torch.float8_e4m3fn))
     sig, attrs, cs = {}, {}, dict(consts)
     for i, name in enumerate(fn.arg_names):
@@ -546,7 +546,7 @@ def _aot_compile(fp8: bool, flat: bool, out_mode: int, C: int, K: int, has_add: 
             sig[name] = "constexpr"
         elif name in ptrs:
             sig[name], attrs[(i,)] = "*" + ptrs[name], [["tt.divisibility", 16]]
-        elif name in ("alpha", "slope"):
+        elif name in ("alpha", "act_a", "act_b"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
@@ -580,6 +580,16 @@ def test_kernels_compile_to_wgmma_for_sm90():
     # a binary network's stem writing the next layer's 2-bit planes, max-pooled, from its epilogue (OUT_MODE 6)
     assert "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8" in ptx["int8_planes_pool"]
     assert "div.rn.f64" in ptx["int8_planes_pool"] and "fma.rn.f32" not in ptx["int8_planes_pool"]
+    # clamp / hardswish / SiLU are a compiled variant (ACT_EXT), so the variants without them carry none of their
+    # code: no exp (ex2) and no float32 division (div.rn.f32) -- only SiLU has them, IEEE division and no FMA (a one-off
+    # diff of the other variants' PTX before and after ACT_EXT found the same instructions: docs/decisions/0154)
+    for k in ("int8_tap", "fp8_flat", "int8_shifted", "int8_residual_dual", "fp8_fp8out", "int8_planes_pool",
+              "int8_clamp_dual"):
+        assert "ex2" not in ptx[k] and "div.rn.f32" not in ptx[k], k
+    assert "ex2.approx.f32" in ptx["int8_silu"] and "div.rn.f32" in ptx["int8_silu"]
+    assert "div.full" not in ptx["int8_silu"] and "fma.rn.f32" not in ptx["int8_silu"]
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8" in ptx["int8_silu"]
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8" in ptx["int8_clamp_dual"]
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--aot"]:
@@ -590,9 +600,12 @@ if __name__ == "__main__" and sys.argv[1:] == ["--aot"]:
               "int8_residual_dual": _aot_compile(False, False, 3, 256, 256, has_add=True, out_codes=(0, 255, 128),
                                                  has_res=True).asm["ptx"],
               "fp8_fp8out": _aot_compile(True, False, 4, 256, 256).asm["ptx"],
-              "int8_planes_pool": _aot_compile(False, True, 6, 32, 96, pool=2).asm["ptx"]}
+              "int8_planes_pool": _aot_compile(False, True, 6, 32, 96, pool=2).asm["ptx"],
+              "int8_silu": _aot_compile(False, False, 2, 256, 256, act_ext=rf.ACT_SILU).asm["ptx"],
+              "int8_clamp_dual": _aot_compile(False, False, 3, 256, 256, has_res=True, act_ext=rf.ACT_CLAMP).asm["ptx"]}
     print(json.dumps({k: "\n".join(ln for ln in v.splitlines() if "wgmma" in ln or "cp.async.c" in ln
-                                   or "div." in ln or "cvt.rn.f32.f64" in ln or "fma." in ln or "satfinite" in ln)
+                                   or "div." in ln or "cvt.rn.f32.f64" in ln or "fma." in ln or "satfinite" in ln
+                                   or "ex2" in ln)
                       for k, v in report.items()}))
 
 

@@ -201,3 +201,90 @@ def test_int8_planes_out_equals_the_quantize_pass(name, pool):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want)
+
+
+# clamp (ReLU6, hardtanh), hardswish and SiLU: the epilogue's compiled variant (ACT_EXT), against apply_act
+EXT_ACTS = [("clamp", 0.0, 6.0), ("clamp", -1.0, 0.75), "hardswish", "silu"]
+
+
+def _ext_close(got, want, y_pre, act, what):
+    """Bit for bit, but SiLU: tl.exp is ex2.approx.f32 (~2 ulp) of RN(-y * log2 e), whose rounding exp turns into a
+    relative |y| * 2^-23; apply_act's torch.exp < 1 ulp; 1 + e and the division round once on either side: float32
+    within (|y| + 8) * 2^-23 relative (y the pre-activation), a 16-bit float within one step of its format, int8
+    codes within one code (the float32 values can straddle a rounding boundary)."""
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    if act != "silu":
+        assert torch.equal(got, want), f"{what}: {int((got != want).sum())} of {got.numel()} differ"
+        return
+    g, r = got.double(), want.double()
+    if want.dtype == torch.int8:
+        assert (g - r).abs().max() <= 1, what
+    elif want.dtype == torch.float32:
+        bound = (y_pre.double().abs() + 8) * 2.0**-23 * r.abs() + 2.0**-120
+        assert ((g - r).abs() <= bound).all(), f"{what}: worst err/bound {float(((g - r).abs() / bound).max()):.3g}"
+    else:
+        assert ((g - r).abs() <= torch.finfo(want.dtype).eps * r.abs() + 2.0**-24).all(), what
+    if want.dtype != torch.float32:
+        assert (got == want).float().mean() > 0.95, what
+
+
+@pytest.mark.parametrize("act", EXT_ACTS, ids=["relu6", "hardtanh", "hardswish", "silu"])
+@pytest.mark.parametrize("name", ["resnet18.l1", "vgg.conv2", "yolo.conv2", "resnet50.l1c1", "alexnet.conv1"])
+def test_int8_ext_act_equals_reference(name, act):
+    """The int8 kernel (batch-8 tiles, batch 2) with clamp / hardswish / SiLU: float32, float16, bfloat16, int8 codes
+    and the dual output, with and without a float16 residual, against the reference (bit for bit; SiLU within
+    _ext_close's bound); only the SiLU variant's PTX has an exp and a float32 division."""
+    g = _geom(name, 2)
+    gen = torch.Generator(DEV).manual_seed(zlib.crc32(name.encode()) + 4)
+    x = torch.randint(-128, 128, g.input_shape, device=DEV, dtype=torch.int8, generator=gen)
+    w = torch.randint(-128, 128, g.weight_shape, device=DEV, dtype=torch.int8, generator=gen)
+    geo = dict(stride=g.stride, padding=g.padding)
+    acc = rf.conv2d_fwd_int8(x, w, **geo, out="int32")
+    scale = 3.0 / acc.double().std().item() * (torch.rand(g.K, device=DEV, generator=gen) + 0.5)  # y ~ N(0, 3^2)
+    bias = torch.randn(g.K, device=DEV, generator=gen)
+    for res in (None, (torch.randn(g.output_shape, device=DEV, generator=gen) * 3).half()):
+        kw = dict(geo, scale=scale.float(), bias=bias, residual=res)
+        y_pre = rf.conv2d_fwd_int8(x, w, **kw, out="float32")
+        s8 = (y_pre.abs().amax() / 100).reshape(1)
+        for out, out8 in (("float32", None), ("float16", None), ("bfloat16", None), (("int8", s8), None),
+                          ("float16", ("int8", s8, (-128, 127, 0)))):
+            got = cf.conv2d_fwd_int8(x, w, **kw, act=act, out=out, out_int8=out8, config=_cfg(name))
+            want = rf.conv2d_fwd_int8(x, w, **kw, act=act, out=out, out_int8=out8)
+            pairs = zip(got, want) if out8 is not None else [(got, want)]
+            for a, b in pairs:
+                _ext_close(a, b, y_pre, act, f"{name} res={res is not None} out={out} out_int8={out8}")
+    _, k = cf.conv2d_fwd_int8(x, w, **geo, scale=scale.float(), act=act, out="float16", config=_cfg(name),
+                              return_kernel=True)
+    ptx = k.asm["ptx"]
+    assert ("ex2" in ptx and "div.rn.f32" in ptx) == (act == "silu") and ".s32.s8.s8" in ptx
+
+
+@pytest.mark.parametrize("act", EXT_ACTS, ids=["relu6", "hardtanh", "hardswish", "silu"])
+@pytest.mark.parametrize("name", ["resnet18.l2", "vgg.conv1"])
+def test_fp8_ext_act_equals_reference_on_its_accumulator(name, act):
+    """The FP8 kernel: the reference's epilogue on the kernel's own float32 accumulator (out="float32", unit scales, no
+    bias: exactly the accumulator; the same tiles, so the same summation order), per-tensor x and per-channel w
+    scales, float16 and the dual e4m3 output, with a residual."""
+    g = _geom(name, 2)
+    gen = torch.Generator(DEV).manual_seed(zlib.crc32(name.encode()) + 5)
+    xq = (torch.randn(g.input_shape, device=DEV, generator=gen) * 4).to(torch.float8_e4m3fn)
+    wq = torch.randn(g.weight_shape, device=DEV, generator=gen).to(torch.float8_e4m3fn)
+    geo = dict(stride=g.stride, padding=g.padding, config=_cfg(name))
+    acc = cf.conv2d_fwd_fp8(xq, wq, 1.0, 1.0, **geo, out="float32")
+    xs = torch.tensor([0.5], device=DEV)
+    ws = (6.0 / acc.double().std().item() * (torch.rand(g.K, device=DEV, generator=gen) + 0.5)).float()
+    bias = torch.randn(g.K, device=DEV, generator=gen)
+    res = (torch.randn(g.output_shape, device=DEV, generator=gen) * 3).half()
+    ref_kw = dict(alpha=1.0, sa=xs, sb=ws, bias=bias, residual=res)
+    y_pre = rf.epilogue(acc, **ref_kw, out="float32")
+    for out, out8 in (("float32", None), ("float16", ("e4m3", float(y_pre.abs().amax()) / 300))):
+        got = cf.conv2d_fwd_fp8(xq, wq, xs, ws, **geo, bias=bias, act=act, residual=res, out=out, out_int8=out8)
+        want = rf.epilogue(acc, **ref_kw, act=act, out=out, out_int8=out8)
+        if out8 is None:
+            _ext_close(got, want, y_pre, act, f"{name} out={out}")
+        else:
+            _ext_close(got[0], want[0], y_pre, act, f"{name} out={out}")
+            g8, r8 = got[1].view(torch.uint8), want[1].view(torch.uint8)  # (comparing the float8 codes as bytes)
+            codes_ok = torch.equal(g8, r8) if act != "silu" else \
+                ((got[1].float() - want[1].float()).abs() <= 2.0**-2 * want[1].float().abs() + 2.0**-9).all()
+            assert codes_ok, f"{name}: e4m3 codes"

@@ -32,6 +32,7 @@ from ..formats import IntFormat
 from .reference_bitplanes import pack_bitplanes_reference, packed_words, unpack_bitplanes
 from . import reference_gemm as rg
 from .reference import encode_int
+from . import reference_conv_int8_fp8 as rf
 from .conv_geometry import ConvGeometry
 
 __all__ = [
@@ -221,12 +222,16 @@ def bmma_gemm_reference(a_planes, w_planes, a_twos, w_twos, ss, row_term, col_te
 
 
 def apply_act(y: torch.Tensor, act) -> torch.Tensor:
-    """None / "relu" / ("leaky", slope) on float32 ``y``: one float32 multiply for leaky."""
+    """None / "relu" / ("leaky", slope) on float32 ``y``: one float32 multiply for leaky (the bit-serial GEMM's
+    epilogue).  ("clamp", lo, hi), "hardswish", "silu" (which the bit-serial GEMM does not offer; the torch epilogues
+    of ``ops.qconv`` do): ``reference_conv_int8_fp8.apply_act``'s, the INT8 / FP8 kernels' float32 operations."""
     if act is None:
         return y
     if act == "relu":
         return torch.where(y < 0, torch.zeros_like(y), y)
-    return torch.where(y < 0, y * float(act[1]), y)
+    if isinstance(act, tuple) and act[0] == "leaky":
+        return torch.where(y < 0, y * float(act[1]), y)
+    return rf.apply_act(y, act)
 
 
 def pool_nhwc(y: torch.Tensor, pool) -> torch.Tensor:

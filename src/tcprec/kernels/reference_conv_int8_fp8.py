@@ -20,7 +20,7 @@ multiply-add, so the int8 path is bit-exact)
     y  = a * s + bias[k]                            # two roundings (a product, then a sum)
     y  = float32(dt(float32(dt(y)) + float32(res))) # with a residual of dtype dt (a ResNet block's shortcut):
                                                     # the unfused graph's conv output in dt, one add, stored in dt
-    y  = act(y)                                     # relu: y > 0 ? y : 0;  leaky: y > 0 ? y : y * slope
+    y  = act(y)                                     # apply_act: relu, leaky, clamp, hardswish, silu (below)
     out: y rounded to float16 / float32, or
          int8: clamp(round_half_even(q / out_scale), lo, hi) - offset   (IEEE float32 division; NaN -> 0;
                (lo, hi, offset) = (-128, 127, 0) unless given: Int8Out); q = y, or float32(dt(y)) with a
@@ -32,6 +32,27 @@ multiply-add, so the int8 path is bit-exact)
 
 int8 convs pass ``scale`` as ``alpha`` (a float) or ``sb`` (a tensor); fp8 convs pass ``x_scale`` and
 ``w_scale`` (floats go into ``alpha``, tensors into ``sa`` / ``sb``).
+
+The activations (:func:`parse_act`, :func:`apply_act`; float32, no fused multiply-add, bounds and constants rounded
+to float32 once)
+------------------------------------------------------------------------------------------------------------
+::
+
+    None                 y
+    "relu"               y > 0 ? y : 0                                  (NaN -> 0)
+    ("leaky", a)         y > 0 ? y : y * a                              ("leaky" alone: a = 0.1)
+    ("clamp", lo, hi)    t = y > lo ? y : lo;  t < hi ? t : hi          (ReLU6 = ("clamp", 0.0, 6.0), hardtanh;
+                                                                         = min(max(y, lo), hi); NaN -> lo)
+    "hardswish"          t = y + 3;  t = t > 0 ? t : 0;  t = t < 6 ? t : 6;  y * (t * SIXTH)
+                                                                        (SIXTH = float32(1/6): no division)
+    "silu"               y / (1 + exp(-y))                              (IEEE division)
+
+Each is a fixed sequence of IEEE float32 operations, which the kernel repeats bit for bit -- but SiLU's ``exp``, which
+no two libraries round alike: the Triton kernel under the interpreter (NumPy's float32 ``exp``) agrees with
+:func:`apply_act` (torch's ``exp``) within 6 * 2^-23 relative (tests/test_conv_fwd_act.py), on the GPU (``ex2.approx``
+of the rounded product ``-y * log2(e)``) within (|y| + 8) * 2^-23 (tests/gpu/test_conv_fwd_gpu.py).  Clamp is torch's
+``hardtanh`` bit for bit; hardswish and SiLU are within 2 ulp of torch's (another operation order, another ``exp``).
+The encodings are the grouped conv's (``kernels/triton/conv_grouped.ACT_CODES``: the same codes).
 """
 
 from __future__ import annotations
@@ -45,11 +66,24 @@ import torch.nn.functional as F
 
 from .conv_geometry import ACT_LEAKY, ACT_NONE, ACT_RELU, pair
 
+# The activations beyond ReLU / LeakyReLU (conv_geometry's, shared with the backward): codes of the forward epilogue
+# only, equal to the grouped conv's (kernels/triton/conv_grouped.ACT_CODES)
+ACT_CLAMP, ACT_HARDSWISH, ACT_SILU = 3, 4, 5
+# hardswish's 1/6 as the float32 both the kernel and apply_act multiply by (a division would round differently)
+HARDSWISH_SIXTH = float(torch.tensor(1 / 6, dtype=torch.float32))
+
 __all__ = [
     "ACT_NONE",
     "ACT_RELU",
     "ACT_LEAKY",
+    "ACT_CLAMP",
+    "ACT_HARDSWISH",
+    "ACT_SILU",
+    "HARDSWISH_SIXTH",
+    "ACTS_TEXT",
     "parse_act",
+    "act_monotone",
+    "apply_act",
     "parse_out",
     "Int8Out",
     "Fp8Out",
@@ -65,22 +99,97 @@ _OUT_FLOATS = {"float16": torch.float16, "float32": torch.float32, "bfloat16": t
 FP8_KINDS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}  # out=(kind, out_scale): float8 codes
 
 
-def parse_act(act) -> tuple[int, float]:
-    """(mode, slope) from ``None``, ``"relu"``, ``("leaky", slope)`` (also spelled ``"leaky_relu"``;
-    a bare ``"leaky"`` means slope 0.1, YOLO's)."""
+ACTS_TEXT = ("None, 'relu', 'leaky', ('leaky', slope), ('clamp', lo, hi) (ReLU6: ('clamp', 0.0, 6.0)), "
+             "'hardswish' or 'silu'")
+
+
+def _finite_f32(v) -> float | None:
+    """A real number rounded to float32 (what a kernel's float32 argument holds), or None when ``v`` is not a number
+    or not finite in float32."""
+    if not isinstance(v, numbers.Real) or isinstance(v, bool):
+        return None
+    try:
+        f = float(torch.tensor(float(v), dtype=torch.float32))
+    except (OverflowError, RuntimeError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def parse_act(act) -> tuple[int, float, float]:
+    """``(mode, a, b)`` of an activation (module docstring): ``(ACT_NONE, 0, 0)`` for ``None``, ``(ACT_RELU, 0, 0)``
+    for ``"relu"``, ``(ACT_LEAKY, slope, 0)`` for ``("leaky", slope)`` (also spelled ``"leaky_relu"``; a bare
+    ``"leaky"`` means slope 0.1, YOLO's), ``(ACT_CLAMP, lo, hi)`` for ``("clamp", lo, hi)`` (ReLU6, hardtanh; finite
+    float32 bounds, lo < hi), ``(ACT_HARDSWISH, 0, 0)`` for ``"hardswish"``, ``(ACT_SILU, 0, 0)`` for ``"silu"``;
+    a and b are float32 values.
+
+    >>> parse_act(("clamp", 0, 6))
+    (3, 0.0, 6.0)
+    """
     if act is None:
-        return ACT_NONE, 0.0
+        return ACT_NONE, 0.0, 0.0
     if isinstance(act, str):
-        if act == "relu":
-            return ACT_RELU, 0.0
-        if act in ("leaky", "leaky_relu"):
-            return ACT_LEAKY, 0.1
+        named = {"relu": (ACT_RELU, 0.0, 0.0), "leaky": (ACT_LEAKY, _finite_f32(0.1), 0.0),
+                 "leaky_relu": (ACT_LEAKY, _finite_f32(0.1), 0.0), "hardswish": (ACT_HARDSWISH, 0.0, 0.0),
+                 "silu": (ACT_SILU, 0.0, 0.0)}
+        if act in named:
+            return named[act]
     elif isinstance(act, (tuple, list)) and len(act) == 2 and act[0] in ("leaky", "leaky_relu"):
-        slope = act[1]
-        if isinstance(slope, bool) or not isinstance(slope, numbers.Real) or not math.isfinite(slope):
-            raise ValueError(f"the LeakyReLU slope must be a finite number, got {slope!r}")
-        return ACT_LEAKY, float(slope)
-    raise ValueError(f"act must be None, 'relu', 'leaky' or ('leaky', slope), got {act!r}")
+        slope = _finite_f32(act[1])
+        if slope is None:
+            raise ValueError(f"the LeakyReLU slope must be a finite number, got {act[1]!r}")
+        return ACT_LEAKY, slope, 0.0
+    elif isinstance(act, (tuple, list)) and len(act) == 3 and act[0] == "clamp":
+        lo, hi = _finite_f32(act[1]), _finite_f32(act[2])
+        if lo is None or hi is None or not lo < hi:
+            raise ValueError(f"act=('clamp', lo, hi) needs finite float32 numbers lo < hi (ReLU6 is ('clamp', 0.0, "
+                             f"6.0), hardtanh ('clamp', -1.0, 1.0)), got lo={act[1]!r}, hi={act[2]!r}")
+        return ACT_CLAMP, lo, hi
+    raise ValueError(f"act must be {ACTS_TEXT}, got {act!r}")
+
+
+def act_monotone(act) -> bool:
+    """Whether ``act`` is non-decreasing (``parse_act``'s forms): None, ReLU, LeakyReLU with slope >= 0 and clamp
+    are; hardswish (its minimum is at -1.5) and SiLU (at about -1.28) are not, nor is a negative slope.  An epilogue
+    that max-pools accumulators before the activation (``conv_fwd.PlanesOut(pool=2)``) needs a monotone one.
+
+    >>> act_monotone(("clamp", 0.0, 6.0)), act_monotone("silu")
+    (True, False)
+    """
+    mode, a, _ = parse_act(act)
+    return mode in (ACT_NONE, ACT_RELU, ACT_CLAMP) or (mode == ACT_LEAKY and a >= 0)
+
+
+def apply_act(y: torch.Tensor, act) -> torch.Tensor:
+    """``act`` (``parse_act``'s forms) on float32 ``y``: the kernels' float32 operations in their order (module
+    docstring) -- bit for bit what conv_fwd's epilogue computes, but for SiLU's ``exp``.
+
+    >>> apply_act(torch.tensor([-4.0, -1.0, 0.5, 7.0]), ("clamp", 0.0, 6.0)).tolist()
+    [0.0, 0.0, 0.5, 6.0]
+    >>> apply_act(torch.tensor([-4.0, -1.5, 3.0]), "hardswish").tolist()
+    [-0.0, -0.375, 3.0]
+    """
+    mode, a, b = parse_act(act)
+    if mode == ACT_NONE:
+        return y
+    dev = y.device
+
+    def f32(v: float) -> torch.Tensor:
+        return torch.tensor(v, dtype=torch.float32, device=dev)
+
+    if mode == ACT_RELU:
+        return torch.where(y > 0, y, f32(0.0))
+    if mode == ACT_LEAKY:
+        return torch.where(y > 0, y, y * f32(a))
+    if mode == ACT_CLAMP:
+        lo, hi = f32(a), f32(b)
+        t = torch.where(y > lo, y, lo)
+        return torch.where(t < hi, t, hi)
+    if mode == ACT_HARDSWISH:
+        t = y + f32(3.0)
+        t = torch.where(t > 0, t, f32(0.0))
+        t = torch.where(t < 6, t, f32(6.0))
+        return y * (t * f32(HARDSWISH_SIXTH))
+    return y / (f32(1.0) + torch.exp(-y))  # ACT_SILU
 
 
 class Int8Out(NamedTuple):
@@ -203,7 +312,7 @@ def epilogue(acc: torch.Tensor, *, alpha: float = 1.0, sa=None, sb=None, bias=No
              out="float32", residual: torch.Tensor | None = None, out_int8=None):
     """The kernels' epilogue on an accumulator (N, P, Q, K), in the kernels' float32 operation order
     (module docstring); ``(y, y8)`` with ``out_int8`` (the dual output)."""
-    mode, slope = parse_act(act)
+    parse_act(act)  # (validated before anything is computed)
     kind, out_scale = parse_out(out, ("float16", "float32", "bfloat16", "int8", *FP8_KINDS))
     o8 = None if out_int8 is None else parse_out(out_int8, ("int8", *FP8_KINDS))[1]
     if o8 is not None and kind not in _OUT_FLOATS:
@@ -217,11 +326,7 @@ def epilogue(acc: torch.Tensor, *, alpha: float = 1.0, sa=None, sb=None, bias=No
     if residual is not None:  # the branch in the residual's dtype, one float32 add, the sum in that dtype
         y = y.to(residual.dtype).to(torch.float32) + residual.to(device=dev, dtype=torch.float32)
         y = y.to(residual.dtype).to(torch.float32)  # the sum as the unfused add stores it
-    zero = torch.zeros((), dtype=torch.float32, device=dev)
-    if mode == ACT_RELU:
-        y = torch.where(y > 0, y, zero)
-    elif mode == ACT_LEAKY:
-        y = torch.where(y > 0, y, y * torch.tensor(slope, dtype=torch.float32, device=dev))
+    y = apply_act(y, act)
     if kind == "int8" or kind in FP8_KINDS:
         q = y if residual is None else y.to(residual.dtype).to(torch.float32)
         return _int8_codes(q, out_scale) if kind == "int8" else _fp8_codes(q, out_scale)

@@ -17,7 +17,8 @@ padding (zeros) and dilation.  The integer part is exact on every backend; then 
 
     C[n, p, q, k] = sum_{r,s,c} decode(x)[n, p*sh - ph + r*dh, q*sw - pw + s*dw, c] * decode(w)[k, r, s, c]
     col[k]  = (x_scale * w_scale[k]) * scale[k]            float32 (scale: folded batch-norm, optional)
-    y       = act(float32(C) * col[k] + bias[k])             act: None | "relu" | ("leaky", slope)
+    y       = act(float32(C) * col[k] + bias[k])             act: None | "relu" | ("leaky", slope) |
+                                                             ("clamp", lo, hi) | "hardswish" | "silu"
     y       = pool(y)                                        None | ("max", 2, 2) | ("avg", 2, 2) | ("max", 2, 1)
 
 and the result is ``y`` in ``out_dtype``, the raw ``C`` (``out_dtype=torch.int32``, nothing else
@@ -88,6 +89,14 @@ of <= 3 bits, float16 / bfloat16 ``out_dtype``): the bit-serial twin, a ``BitPla
 the stored float's codes, for the next bit-serial convs) with ``hp`` (the float, for the next block's add), from one
 epilogue (``bmma_gemm.cu`` TCP_DUAL; the ``reference`` backend writes the same codes).
 
+Activations: None, ``"relu"`` and ``("leaky", slope)`` on every backend; ``("clamp", lo, hi)`` (ReLU6 is
+``("clamp", 0.0, 6.0)``, hardtanh), ``"hardswish"`` and ``"silu"`` on the INT8 / FP8 kernels (a compiled variant of
+their epilogue; a thin stem takes the gathered Triton route, not ``stem_conv.cu``) and the torch epilogues
+(``reference``, the INT8 im2col route), in ``kernels/reference_conv_int8_fp8.apply_act``'s float32 operations; the
+bit-serial GEMM's epilogue has none of the three, and a plan that runs it with one raises (run the layer on the INT8
+backend, or apply the activation after the conv).  A fused 2x2 max-pool of the bit-planes epilogue needs a monotone
+activation (``act_monotone``): hardswish and SiLU leave the pool to the pass after the kernel.
+
 pm1 activations (``binary``, ``pmN``) have no zero, so they cannot stand for the zeros of spatial
 padding: the bit-serial kernel's pm1 correction assumes every one of the K terms is present.
 ``padding > 0`` with pm1 activations raises (use unsigned / two's complement activations, e.g. after
@@ -112,7 +121,7 @@ from ..formats import FloatFormat, IntFormat
 from ..kernels import reference_conv_bitserial as rq
 from ..kernels import reference_gemm as rg
 from ..kernels.conv_geometry import ConvGeometry, pair
-from ..kernels.reference_conv_int8_fp8 import conv_acc
+from ..kernels.reference_conv_int8_fp8 import conv_acc, parse_act
 from ..kernels.triton._host import interpreting
 from ..memo import remembered
 from ..packing import pack_bitplanes, packed_words
@@ -211,16 +220,22 @@ def _check_x(x) -> _X:
 
 
 def _check_act(act):
-    if act is None or act == "relu":
+    """``act`` in the canonical (hashable) form the plan holds: None, "relu", ("leaky", slope), ("clamp", lo, hi)
+    (float32 bounds, ``reference_conv_int8_fp8.parse_act``'s check), "hardswish", "silu"."""
+    if act is None or (isinstance(act, str) and act in ("relu", "hardswish", "silu")):
         return act
-    if isinstance(act, tuple) and len(act) == 2 and act[0] == "leaky":
+    if isinstance(act, (tuple, list)) and len(act) == 2 and act[0] == "leaky":
         try:
             slope = float(act[1])
         except (TypeError, ValueError):
             slope = float("nan")
         if math.isfinite(slope):
             return ("leaky", slope)
-    raise ValueError(f"act must be None, 'relu' or ('leaky', slope), got act={act!r}; e.g. act=('leaky', 0.1)")
+    if isinstance(act, (tuple, list)) and len(act) == 3 and act[0] == "clamp":
+        _, lo, hi = parse_act(act)  # (raises, naming the bounds, unless finite lo < hi)
+        return ("clamp", lo, hi)
+    raise ValueError(f"act must be None, 'relu', ('leaky', slope), ('clamp', lo, hi) (ReLU6: ('clamp', 0.0, 6.0)), "
+                     f"'hardswish' or 'silu', got act={act!r}; e.g. act=('leaky', 0.1)")
 
 
 def _check_vec(t, K: int, name: str, device) -> torch.Tensor | None:
@@ -793,6 +808,9 @@ def conv2d(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None, act=
     ``out_layout="planes+float"`` (integer ``out_fmt``; bit-serial, INT8 or reference): a ``BitPlanes`` QTensor
     with ``hp``, the float result and the next bit-serial layers' planes of it -- from one epilogue on the bit-serial
     GEMM and on a thin INT8 stem on sm_90 (kernels/cuda/stem_conv.cu), else the float and one quantize-pack pass.
+
+    ``act``: None, "relu", ("leaky", slope); on the INT8 / FP8 / reference backends also ("clamp", lo, hi) (ReLU6:
+    ("clamp", 0.0, 6.0)), "hardswish" and "silu" (module docstring).
 
     ``residual``: float NHWC ``(N, P, Q, K)`` in ``out_dtype`` on x's device, added before ``act`` as the
     unfused ``act(conv(...) + residual)`` adds it (module docstring): a ResNet block's last conv, its shortcut

@@ -33,7 +33,7 @@ from ..formats import FloatFormat, IntFormat, as_format
 from ..kernels import reference_conv_bitserial as rq
 from ..kernels import reference_gemm as rg
 from ..kernels.conv_geometry import ConvGeometry
-from ..kernels.reference_conv_int8_fp8 import parse_act
+from ..kernels.reference_conv_int8_fp8 import ACT_CLAMP, act_monotone, parse_act
 from ..kernels.triton._host import interpreting
 from ..qtensor import float8_dtype as _fp8_dtype
 from ..qtensor import int8_affine as _int8_affine
@@ -264,8 +264,8 @@ def plan_conv2d(g: ConvGeometry, a_fmt, w_fmt, *, device: DeviceCaps, input_layo
             raise ValueError("float8 operands accumulate in float32: out_dtype=torch.int32 (the raw integer "
                              "convolution) is for integer formats; pass a float out_dtype")
         name, why = layer_backend(fa, fw, device, backend)
-        return _decide(_check_fusion(ConvPlan(**spec, backend=name, reason=why, route="kernel" if name == "fp8"
-                                              else "")))
+        plan = ConvPlan(**spec, backend=name, reason=why, route="kernel" if name == "fp8" else "")
+        return _decide(_check_fusion(_check_act_backend(plan)))
     if backend == "fp8":
         raise ValueError(f"backend='fp8' needs float8 operands (e4m3 / e5m2), got {fa} x {fw}; use 'int8' or 'auto'")
     K_true = g.R * g.S * g.C
@@ -283,7 +283,7 @@ def plan_conv2d(g: ConvGeometry, a_fmt, w_fmt, *, device: DeviceCaps, input_layo
         if route == "kernel":
             why = why.replace("torch._int_mm", "the Triton INT8 conv")
         why = f"{why}; {how}"
-    return _decide(_check_fusion(ConvPlan(**spec, backend=name, reason=why, route=route)))
+    return _decide(_check_fusion(_check_act_backend(ConvPlan(**spec, backend=name, reason=why, route=route))))
 
 
 def layer_backend(a_fmt, w_fmt, device: DeviceCaps, backend: str = "auto") -> tuple[str, str]:
@@ -329,6 +329,23 @@ def _int8_route(fa: IntFormat, fw: IntFormat, caps: DeviceCaps) -> tuple[str, st
         return "im2col", (f"{fw} weights are stored shifted (code - 128), whose correction needs each window's sum of "
                           "x: im2col on the codes + torch._int_mm")
     return "kernel", "Triton implicit-GEMM INT8 conv (no im2col buffer)"
+
+
+def _extended_act(act) -> bool:
+    """Whether ``act`` is one of the activations beyond ReLU / LeakyReLU (clamp, hardswish, SiLU), which only the
+    INT8 / FP8 kernels' and the torch epilogues apply."""
+    return parse_act(act)[0] >= ACT_CLAMP
+
+
+def _check_act_backend(plan: ConvPlan) -> ConvPlan:
+    """The activation against the backend: the bit-serial GEMM's epilogue applies None, ReLU and LeakyReLU only, and
+    says so rather than running the activation as a separate pass."""
+    if plan.backend == "bitserial" and _extended_act(plan.act):
+        raise ValueError(f"act={plan.act!r}: backend 'bitserial' (the binary tensor-core GEMM: {plan.reason}) applies "
+                         f"only None, 'relu' and ('leaky', slope) in its epilogue; run this layer on backend='int8' "
+                         f"(the INT8 conv's epilogue has ('clamp', lo, hi), 'hardswish' and 'silu'), or pass act=None "
+                         "and apply the activation to the conv's float output")
+    return plan
 
 
 def _check_fusion(plan: ConvPlan) -> ConvPlan:
@@ -569,11 +586,11 @@ def _fp8_out(p: ConvPlan) -> bool:
 def _planes_out(p: ConvPlan) -> bool:
     """Whether the INT8 kernel's epilogue writes the next bit-serial layer's planes itself ((2x2 stride-2 max-pool
     ->) quantize -> pack, ``conv_fwd.PlanesOut``): an 8-bit stem in front of binary layers.  Other pools (and a
-    pool behind a negative LeakyReLU slope: the kernel pools accumulators), and the FP8 kernel, write float32 for the
-    one-pass quantizer."""
+    pool behind an activation that is not monotone -- hardswish, SiLU, a negative LeakyReLU slope: the kernel pools
+    accumulators, ``act_monotone``), and the FP8 kernel, write float32 for the one-pass quantizer."""
     return (p.backend == "int8" and p.route == "kernel" and isinstance(p.out_fmt, IntFormat)
             and p.out_layout in _PLANE_LAYOUTS
-            and (p.pool is None or (tuple(p.pool) == ("max", 2, 2) and parse_act(p.act)[1] >= 0)))
+            and (p.pool is None or (tuple(p.pool) == ("max", 2, 2) and act_monotone(p.act))))
 
 
 def _kernel_out(p: ConvPlan) -> str:
@@ -605,14 +622,22 @@ def _stem_pad(p: ConvPlan) -> int | None:
     return -oa if -128 <= -oa <= 127 else None
 
 
+def _stem_act(act) -> bool:
+    """Whether stem_conv.cu's epilogue applies ``act``: None, ReLU, LeakyReLU of slope >= 0 (``stem_conv._act``); the
+    others (clamp, hardswish, SiLU, a negative slope) keep the Triton route, whose epilogue has them."""
+    return act is None or act == "relu" or (isinstance(act, tuple) and act[0] == "leaky" and act[1] >= 0)
+
+
 def _stem_out(p: ConvPlan) -> str | None:
     """What stem_conv.cu would write for this INT8 conv: "planes" (pooled or not, <= 3 bits), "dual" (a 16-bit float
     output and its <= 3-bit planes, ``out_layout="planes+float"``), "float" (a 16-bit float alone), or None (another
-    output: the Triton route)."""
+    output, or an activation it lacks: the Triton route)."""
     from ..kernels.cuda import stem_conv as sc
 
     fmt = p.out_fmt
     codes_ok = isinstance(fmt, IntFormat) and fmt.bits <= 3 and fmt.encoding in sc.ENCODINGS
+    if not _stem_act(p.act):
+        return None
     if _planes_out(p):
         return "planes" if codes_ok else None
     if p.has_residual or p.pool is not None or p.out_dtype not in sc.FLOAT_OUTS:

@@ -25,7 +25,9 @@ The output row of pixel m = n*P*Q + p*Q + q is simply ``y + m*K``.
     epilogue: a = float(acc); y = a * ((alpha * sa[k]) * sb[k]) + bias[k];
               residual (HAS_RES): y = rd(float32(rd(y)) + float32(res[m, k])), rd = round to the residual's
                         dtype (a ResNet block's relu(branch + shortcut) exactly as the unfused graph computes it:
-                        the conv's stored output, one IEEE float32 add, the sum stored);  act;
+                        the conv's stored output, one IEEE float32 add, the sum stored);
+              act (reference_conv_int8_fp8.apply_act): ReLU / LeakyReLU by a run-time code; clamp (ReLU6, hardtanh),
+                        hardswish and SiLU compiled in (ACT_EXT), so the other variants carry none of their code;
               store fp16 / fp32, or int8 = clamp(rint(y / out_scale), lo, hi) - offset -- the next layer's
               input (plain int8, or a uint8 code stored shifted: reference_conv_int8_fp8.Int8Out; with a residual,
               of y rounded to the residual's dtype, as the unfused graph quantizes it);
@@ -73,7 +75,8 @@ import triton.language as tl
 
 from ..conv_geometry import ConvGeometry, pair
 from ..reference_bitplanes import packed_words
-from ..reference_conv_int8_fp8 import FP8_KINDS, Fp8Out, Int8Out, parse_act, parse_out
+from ..reference_conv_int8_fp8 import (ACT_CLAMP, ACT_NONE, FP8_KINDS, Fp8Out, Int8Out, act_monotone, parse_act,
+                                       parse_out)
 from ._host import cdiv, interpreting, next_power_of_2
 from .conv_fwd_epilogue import OutMode, _channel_scale, _conv_epilogue
 from .round import fp8_constexprs
@@ -91,7 +94,7 @@ INTERPRETER_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 
 
 
 _NOSPEC = ["N", "H", "W", "P", "Q", "R", "S", "str_h", "str_w", "pad_h", "pad_w", "dil_h", "dil_w", "M",
-           "alpha", "sa_stride", "sb_stride", "bias_stride", "act", "slope", "acc_mul", "int_pq", "planes_kw"]
+           "alpha", "sa_stride", "sb_stride", "bias_stride", "act", "act_a", "act_b", "acc_mul", "int_pq", "planes_kw"]
 
 
 class PlanesOut(NamedTuple):
@@ -212,8 +215,9 @@ def _conv_fwd_kernel(
     N, H, W, C, P, Q, K, R, S,
     str_h, str_w, pad_h, pad_w, dil_h, dil_w,
     M,  # N*P*Q
-    # -- epilogue (see reference_conv_int8_fp8): scales sa / sb are per-channel (stride 1) or per-tensor (0) --
-    alpha, sa_stride, sb_stride, bias_stride, act, slope,
+    # -- epilogue (see reference_conv_int8_fp8): scales sa / sb are per-channel (stride 1) or per-tensor (0); act the
+    #    run-time ReLU / LeakyReLU code, act_a its slope or the clamp's lo, act_b the clamp's hi --
+    alpha, sa_stride, sb_stride, bias_stride, act, act_a, act_b,
     # -- int8 with affine-shifted operands: acc = acc * acc_mul + add[(p, q), k] (ADD_PIX), or add[k]; int_pq: an
     #    output position whose window lies inside the image (its entry is every interior pixel's), or -1 --
     acc_mul, int_pq,
@@ -222,6 +226,8 @@ def _conv_fwd_kernel(
     # -- what to do --
     IS_FP8: tl.constexpr, FAST_ACCUM: tl.constexpr, FLAT: tl.constexpr, OUT_MODE: tl.constexpr, HAS_ADD: tl.constexpr,
     ADD_PIX: tl.constexpr, EVEN_K: tl.constexpr, INT64: tl.constexpr,
+    # -- a compiled-in activation: 0, or ACT_CLAMP / ACT_HARDSWISH / ACT_SILU (then act is ACT_NONE) --
+    ACT_EXT: tl.constexpr,
     # -- residual: res (N, P, Q, K) float, contiguous like out, added after the bias, before the activation --
     HAS_RES: tl.constexpr,
     # -- int8 output (OUT_INT8 at out, OUT_DUAL at out8): stored clamp(rne(y / out_scale), OUT_LO, OUT_HI) - OUT_OFF --
@@ -273,9 +279,9 @@ def _conv_fwd_kernel(
                             str_h, str_w, pad_h, pad_w, dil_h, dil_w, acc_mul, int_pq, IS_FP8, FAST_ACCUM, FLAT,
                             HAS_ADD, ADD_PIX, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
             # the epilogue (y = act(float(acc) * scl + bias), each step rounding monotonically) is non-decreasing
-            # in acc where scl >= 0 and non-increasing where scl < 0 (the caller refuses a negative LeakyReLU
-            # slope): the window's max of y is y of its largest accumulator, or of its smallest -- the largest of
-            # the negated ones (|acc| < 2^31: exact), bit for bit
+            # in acc where scl >= 0 and non-increasing where scl < 0 (the caller refuses an act that is not
+            # monotone: reference_conv_int8_fp8.act_monotone): the window's max of y is y of its largest
+            # accumulator, or of its smallest -- the largest of the negated ones (|acc| < 2^31: exact), bit for bit
             acc = tl.where(pos, acc, -acc)
             if quad == 0:
                 best = acc
@@ -295,8 +301,9 @@ def _conv_fwd_kernel(
 
     # ---- epilogue: y[m, k] at out + m*K + k (OUT_PLANES: planes row m) ----
     _conv_epilogue(acc, offs_m, offs_n, offs_n_ld, m_ok, n_ok, scl, pid_n, num_n, M, K, out_ptr, bias_ptr, oscale_ptr,
-                   res, res_ptr, out8_ptr, bias_stride, act, slope, planes_kw, OUT_MODE, INT64, HAS_RES, OUT_LO, OUT_HI,
-                   OUT_OFF, F8_MAN, F8_BIAS, F8_MAX_BITS, F8_MIN_NORMAL_BITS, F8_SUB_SCALE, Q_BITS, Q_SHIFT, BLOCK_N)
+                   res, res_ptr, out8_ptr, bias_stride, act, act_a, act_b, planes_kw, OUT_MODE, ACT_EXT, INT64, HAS_RES,
+                   OUT_LO, OUT_HI, OUT_OFF, F8_MAN, F8_BIAS, F8_MAX_BITS, F8_MIN_NORMAL_BITS, F8_SUB_SCALE, Q_BITS,
+                   Q_SHIFT, BLOCK_N)
 
 
 # The conv layers of issue 4's networks that the tile table was tuned on (batch is a separate axis):
@@ -469,14 +476,18 @@ def pick_config(g: ConvGeometry, fp8: bool, device: torch.device | None = None, 
 
 
 def compile_key(g: ConvGeometry, cfg: dict, fp8: bool, out_kind: str, has_add: bool = False,
-                has_res: bool = False) -> tuple:
+                has_res: bool = False, act=None) -> tuple:
     """What decides which compiled variant a launch uses (C and K are specialised on divisibility by
     16; every other shape scalar is not): launches with equal keys share one compiled kernel.  ``out_kind``
-    names the output (a float dtype with ``+int8`` for the dual output); ``has_res``: a residual input."""
+    names the output (a float dtype with ``+int8`` for the dual output); ``has_res``: a residual input; ``act``: the
+    activation (ReLU / LeakyReLU are run-time codes and share the variant of None; clamp, hardswish and SiLU are
+    compiled in, the clamp's bounds are run-time)."""
     flat = cfg.get("FLAT", g.C % cfg["BLOCK_K"] != 0)
     key = (fp8, out_kind, has_add, g.C % 16 == 0, g.C == 1, g.K % 16 == 0, g.K == 1, flat, g.C % cfg["BLOCK_K"] == 0,
            cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg.get("num_warps", 4), cfg.get("num_stages", 3))
-    return key + (("residual",) if has_res else ())  # unchanged keys for launches without one
+    mode = parse_act(act)[0]
+    ext = (("act", mode),) if mode >= ACT_CLAMP else ()  # the compiled-in activations only
+    return key + (("residual",) if has_res else ()) + ext  # unchanged keys for launches without them
 
 
 # ------------------------------------------------------------------------------------------------
@@ -616,7 +627,8 @@ def _interior_position(g: ConvGeometry) -> int:
 def _launch(x, w, g: ConvGeometry, op: str, *, fp8: bool, alpha, sa, sb, bias, act, out, fast_accum, config,
             add=None, acc_mul: int = 1, res=None, out8=None, add_interior: bool = False):
     kind, spec = out
-    mode, slope = parse_act(act)
+    mode, act_a, act_b = parse_act(act)
+    act_ext = mode if mode >= ACT_CLAMP else 0  # compiled in (ACT_EXT); ReLU / LeakyReLU stay run-time codes
     device = x.device
     f8_out = out8 if isinstance(out8, Fp8Out) else spec if kind in FP8_KINDS else None  # float8 codes (4, 5)
     planes = spec if kind == "planes" else None  # the next bit-serial layer's planes (6)
@@ -668,10 +680,10 @@ def _launch(x, w, g: ConvGeometry, op: str, *, fp8: bool, alpha, sa, sb, bias, a
         _const(device, 0.0) if res is None else res, y8.view(torch.uint8) if out_mode == OutMode.DUAL_FP8 else y8,
         g.N, g.H, g.W, g.C, g.P, g.Q, g.K, g.R, g.S,
         g.stride[0], g.stride[1], g.padding[0], g.padding[1], g.dilation[0], g.dilation[1], M,
-        float(alpha), sa[1], sb[1], bias_stride, mode, float(slope),
+        float(alpha), sa[1], sb[1], bias_stride, ACT_NONE if act_ext else mode, float(act_a), float(act_b),
         int(acc_mul), _interior_position(g) if add_interior else -1, kw,
         IS_FP8=fp8, FAST_ACCUM=bool(fast_accum), FLAT=bool(flat), OUT_MODE=int(out_mode), HAS_ADD=add is not None,
-        ADD_PIX=add is not None and add.dim() == 3,
+        ADD_PIX=add is not None and add.dim() == 3, ACT_EXT=act_ext,
         EVEN_K=g.C % cfg["BLOCK_K"] == 0, INT64=int64, HAS_RES=res is not None, OUT_LO=o_lo, OUT_HI=o_hi, OUT_OFF=o_off,
         **f8, Q_BITS=planes.bits if planes is not None else 1, Q_SHIFT=planes.shift if planes is not None else 0,
         POOL=planes.pool if planes is not None else 0,
@@ -695,8 +707,8 @@ def _parse_outs(out, out_int8, allowed: tuple[str, ...], op: str):
 
 def _check_planes_out(spec: PlanesOut, g: ConvGeometry, act, residual, out_int8, op: str) -> PlanesOut:
     """A :class:`PlanesOut`: 1..8 bits, pool 0 or 2 (a 2x2 stride-2 pool needs an output of at least 2 x 2, and an
-    epilogue monotone in the accumulator: no negative LeakyReLU slope), the codes' range inside the bits, no residual
-    or dual output beside it."""
+    epilogue monotone in the accumulator: ``act_monotone(act)``, not hardswish, SiLU or a negative LeakyReLU slope), the
+    codes' range inside the bits, no residual or dual output beside it."""
     if isinstance(spec.bits, bool) or spec.bits not in range(1, 9):
         raise ValueError(f"{op}: PlanesOut.bits must be an int in 1..8, got {spec.bits!r}")
     if spec.pool not in (0, 2):
@@ -704,9 +716,10 @@ def _check_planes_out(spec: PlanesOut, g: ConvGeometry, act, residual, out_int8,
                          "other pools run as a separate pass (pack.pool_planes)")
     if spec.pool and min(g.P, g.Q) < 2:
         raise ValueError(f"{op}: PlanesOut(pool=2) needs an output of at least 2 x 2, got {g.P} x {g.Q}")
-    if spec.pool and parse_act(act)[1] < 0:
-        raise ValueError(f"{op}: PlanesOut(pool=2) pools the accumulators (the epilogue must be monotone in them): a "
-                         f"LeakyReLU slope >= 0, got act={act!r}; pool the float output instead (pack.pool_quantize_pack)")
+    if spec.pool and not act_monotone(act):
+        raise ValueError(f"{op}: PlanesOut(pool=2) pools the accumulators (the epilogue must be monotone in them): "
+                         f"act must be None, 'relu', ('leaky', slope >= 0) or ('clamp', lo, hi), got act={act!r}; "
+                         "pool the float output instead (pack.pool_quantize_pack)")
     if spec.shift not in (0, 1) or not -255 <= spec.lo <= spec.hi <= 255:
         raise ValueError(f"{op}: PlanesOut needs lo <= hi within +-255 and shift 0 or 1 (ops.quantize._qp_params of "
                          f"the format), got lo={spec.lo}, hi={spec.hi}, shift={spec.shift}")
@@ -723,9 +736,11 @@ def conv2d_fwd_int8(x: torch.Tensor, w: torch.Tensor, *, stride=1, padding=0, di
 
     ``x`` (N, H, W, C) and ``w`` (K, R, S, C) int8, contiguous.  ``scale``: None, a number, or a float
     tensor of 1 or K elements; ``bias``: None or a float tensor of K elements; ``act``: None, "relu",
-    ("leaky", slope); ``out``: "float16", "float32", "int32" (the raw accumulator, no epilogue) or
-    ("int8", out_scale) (``clamp(round_half_even(y / out_scale), -128, 127)``, NHWC: the next int8
-    layer's input), or "bfloat16", or ("e4m3", out_scale) / ("e5m2", out_scale): float8 codes of ``y / out_scale``
+    ("leaky", slope), ("clamp", lo, hi) (ReLU6: ("clamp", 0.0, 6.0)), "hardswish" or "silu"
+    (``reference_conv_int8_fp8`` says each in float32 operations; the last three are a compiled variant of their
+    own); ``out``: "float16", "float32", "int32" (the raw accumulator, no epilogue) or ("int8", out_scale)
+    (``clamp(round_half_even(y / out_scale), -128, 127)``, NHWC: the next int8 layer's input), or "bfloat16", or
+    ("e4m3", out_scale) / ("e5m2", out_scale): float8 codes of ``y / out_scale``
     (saturated, round to nearest even, NaN kept: ``quantize_fp8_static``'s), the next FP8 layer's input.
     Returns y (N, P, Q, K) (and the compiled kernel with ``return_kernel=True``).
 
@@ -784,8 +799,9 @@ def conv2d_fwd_fp8(x: torch.Tensor, w: torch.Tensor, x_scale=1.0, w_scale=1.0, *
     """fp8 convolution (fp32 accumulation) with a fused epilogue, NHWC.
 
     ``x`` (N, H, W, C) and ``w`` (K, R, S, C) float8_e4m3fn (or float8_e5m2), contiguous; the result is
-    ``x_scale * w_scale[k] * conv(x, w)`` (+ bias, act).  Scales: numbers, or float tensors of 1 (either)
-    or K (w_scale, per output channel) elements -- device tensors keep the call free of host syncs.
+    ``x_scale * w_scale[k] * conv(x, w)`` (+ bias, act: as :func:`conv2d_fwd_int8`'s).  Scales: numbers, or float
+    tensors of 1 (either) or K (w_scale, per output channel) elements -- device tensors keep the call free of host
+    syncs.
     ``out``: "float16", "float32", "bfloat16", ("int8", out_scale) or ("e4m3" | "e5m2", out_scale) (float8
     codes).  ``fast_accum=True`` keeps Hopper's narrow fp8
     accumulator for the whole reduction (faster, less accurate).  ``residual`` and ``out_int8``: as

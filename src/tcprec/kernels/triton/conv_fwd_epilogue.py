@@ -11,7 +11,7 @@ from enum import IntEnum
 import triton
 import triton.language as tl
 
-from ..reference_conv_int8_fp8 import ACT_LEAKY, ACT_RELU
+from ..reference_conv_int8_fp8 import ACT_CLAMP, ACT_HARDSWISH, ACT_LEAKY, ACT_RELU, ACT_SILU, HARDSWISH_SIXTH
 from .pack import PAD_W, _quantize_codes, _store_planes
 from .round import div_by_scalar, fp8_code
 
@@ -30,7 +30,8 @@ class OutMode(IntEnum):
     PLANES = 6  # the next bit-serial layer's packed planes
 
 
-# the same values as the kernel compares them (constexpr globals), and the activation's run-time code
+# the same values as the kernel compares them (constexpr globals): the run-time activation code (ReLU / LeakyReLU) and
+# the compiled-in one (ACT_EXT: clamp, hardswish, SiLU)
 OUT_RAW = tl.constexpr(int(OutMode.RAW))
 OUT_FLOAT = tl.constexpr(int(OutMode.FLOAT))
 OUT_INT8 = tl.constexpr(int(OutMode.INT8))
@@ -40,6 +41,10 @@ OUT_DUAL_FP8 = tl.constexpr(int(OutMode.DUAL_FP8))
 OUT_PLANES = tl.constexpr(int(OutMode.PLANES))
 _ACT_RELU = tl.constexpr(ACT_RELU)
 _ACT_LEAKY = tl.constexpr(ACT_LEAKY)
+_ACT_CLAMP = tl.constexpr(ACT_CLAMP)
+_ACT_HARDSWISH = tl.constexpr(ACT_HARDSWISH)
+_ACT_SILU = tl.constexpr(ACT_SILU)
+_SIXTH = tl.constexpr(HARDSWISH_SIXTH)
 
 
 @triton.jit
@@ -58,8 +63,9 @@ def _channel_scale(sa_ptr, sb_ptr, offs_n_ld, alpha, sa_stride, sb_stride, OUT_M
 
 @triton.jit
 def _conv_epilogue(acc, offs_m, offs_n, offs_n_ld, m_ok, n_ok, scl, pid_n, num_n, M, K, out_ptr, bias_ptr, oscale_ptr,
-                   res, res_ptr, out8_ptr, bias_stride, act, slope, planes_kw, OUT_MODE: tl.constexpr, INT64: tl.constexpr,
-                   HAS_RES: tl.constexpr, OUT_LO: tl.constexpr, OUT_HI: tl.constexpr, OUT_OFF: tl.constexpr,
+                   res, res_ptr, out8_ptr, bias_stride, act, act_a, act_b, planes_kw, OUT_MODE: tl.constexpr,
+                   ACT_EXT: tl.constexpr, INT64: tl.constexpr, HAS_RES: tl.constexpr, OUT_LO: tl.constexpr,
+                   OUT_HI: tl.constexpr, OUT_OFF: tl.constexpr,
                    F8_MAN: tl.constexpr, F8_BIAS: tl.constexpr, F8_MAX_BITS: tl.constexpr,
                    F8_MIN_NORMAL_BITS: tl.constexpr, F8_SUB_SCALE: tl.constexpr, Q_BITS: tl.constexpr,
                    Q_SHIFT: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -69,7 +75,12 @@ def _conv_epilogue(acc, offs_m, offs_n, offs_n_ld, m_ok, n_ok, scl, pid_n, num_n
     (unused for OUT_RAW); ``res`` the residual tile (HAS_RES: loaded by the caller before its K loop, so that
     its latency hides behind the MMAs; ``res_ptr`` gives its dtype); the stores of OUT_MODE (conv_fwd.py's module
     docstring).  ``pid_n`` / ``num_n`` (the channel block and their count), ``M`` and ``planes_kw``: OUT_PLANES
-    only; ``K``: the row length of out."""
+    only; ``K``: the row length of out.
+
+    The activation (``reference_conv_int8_fp8.apply_act``'s operations): ReLU / LeakyReLU by the run-time code ``act``
+    (slope ``act_a``), or one compiled in by ``ACT_EXT`` (0: none; ``_ACT_CLAMP``: bounds ``act_a``, ``act_b``;
+    ``_ACT_HARDSWISH``; ``_ACT_SILU``) with ``act`` = ACT_NONE -- a constexpr, so that the ReLU / LeakyReLU variants
+    compile to the code they compiled to before these existed (no ``exp``, no float32 division)."""
     if INT64:
         offs_out = offs_m.to(tl.int64)[:, None] * K + offs_n[None, :]
     else:
@@ -88,7 +99,17 @@ def _conv_epilogue(acc, offs_m, offs_n, offs_n_ld, m_ok, n_ok, scl, pid_n, num_n
         if act == _ACT_RELU:
             y = tl.where(y > 0, y, 0.0)
         elif act == _ACT_LEAKY:
-            y = tl.where(y > 0, y, y * slope)
+            y = tl.where(y > 0, y, y * act_a)
+        if ACT_EXT == _ACT_CLAMP:  # ReLU6 / hardtanh: min(max(y, lo), hi), NaN -> lo
+            y = tl.where(y > act_a, y, act_a)
+            y = tl.where(y < act_b, y, act_b)
+        elif ACT_EXT == _ACT_HARDSWISH:  # y * relu6(y + 3) / 6, as a product with float32(1/6)
+            t = y + 3.0
+            t = tl.where(t > 0, t, 0.0)
+            t = tl.where(t < 6.0, t, 6.0)
+            y = y * (t * _SIXTH)
+        elif ACT_EXT == _ACT_SILU:  # y * sigmoid(y) = y / (1 + exp(-y)), IEEE division (Triton's '/' is div.full)
+            y = tl.div_rn(y, 1.0 + tl.exp(-y))
         if OUT_MODE == OUT_PLANES:  # the next bit-serial layer's planes: quantize -> pack (pooled above)
             offs_p = offs_m
             if INT64:
