@@ -143,3 +143,13 @@ def test_cpu_train_step_bad_options(run):
     assert res.exit_code == 2 and "model must be one of resnet18, vgg, tiny_cnn" in res.output
     res = run("bench", "cpu-train-step", "--batch", 10, "--nodes", 4)
     assert res.exit_code == 2 and "batch=10, nodes=4" in res.output
+
+
+def test_the_recorded_commit_can_be_given(monkeypatch):
+    """A copy of a working tree whose .git is older (a remote GPU machine) records the commit it is given."""
+    from tcprec.bench.common import git_commit
+
+    monkeypatch.setenv("TCPREC_COMMIT", "abc1234")
+    assert git_commit() == "abc1234"
+    monkeypatch.delenv("TCPREC_COMMIT")
+    assert git_commit() != "abc1234"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -161,7 +162,11 @@ def write_json(path, payload: dict) -> Path:
 
 
 def git_commit() -> str | None:
-    """HEAD of the checkout a benchmark runs from, recorded in its JSON (None outside a git checkout)."""
+    """HEAD of the checkout a benchmark runs from, recorded in its JSON (None outside a git checkout).
+    ``TCPREC_COMMIT``, when set, is recorded instead: for a copy of a working tree whose ``.git`` is not that tree's
+    (a remote GPU machine given the files and an older repository), or a build without ``.git``."""
+    if os.environ.get("TCPREC_COMMIT"):
+        return os.environ["TCPREC_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
                               timeout=10).stdout.strip() or None
