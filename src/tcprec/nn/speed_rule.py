@@ -124,8 +124,8 @@ def as_speed_rule(v) -> SpeedRule:
         return v
     if isinstance(v, str) and v in SPEED_RULES:
         return SpeedRule(v)
-    raise ValueError(f"speed_rule must be one of {SPEED_RULES} or a SpeedRule(batch=, timer=, rounds=, fallback=), "
-                     f"got {v!r}; "
+    raise ValueError(f"speed_rule must be one of {SPEED_RULES} or a SpeedRule(batch=, timer=, rounds=, fallback=, "
+                     f"margin=), got {v!r}; "
                      "'measured' times each quantized layer against its float equivalent on the model's CUDA device "
                      "and keeps the slower ones float")
 
