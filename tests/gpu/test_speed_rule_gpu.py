@@ -169,3 +169,26 @@ def test_encoder_measured_slower_everywhere_is_torchs_own_encoder_on_cuda(precis
     with torch.no_grad():
         y16 = enc(x)
     assert _nrmse(y, y16) < 1e-3  # the same module and weights (same kernels: equal up to run-to-run order)
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_real_clock_times_a_linear_read_by_gelu_with_its_gelu(precision):
+    """A ConvNeXt / ViT-style MLP in fp16 on CUDA (linear -> erf GELU -> linear over (B, L, C) rows): fc1's timings
+    include its GELU on both sides (decision 0156), fc2's do not; the decisions match the figures, and a floated fc1
+    is the LinearGELU the float side timed.  No assertion depends on which side is faster."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(96, 384), torch.nn.GELU(), torch.nn.Linear(384, 96)).cuda().half().eval()
+    x = torch.randn(16, 784, 96, device="cuda", dtype=torch.float16)
+    q = tp.quantize_model(m, tp.QuantConfig(precision, first_last=None, speed_rule=SpeedRule(batch=64)),
+                          calibration=x, warn=False)
+    sp = q.tcprec_summary.speed
+    timed = {t.name: t for t in sp.layers}
+    assert timed["0"].gelu and not timed["2"].gelu
+    recs = {r.name: r for r in q.tcprec_summary.layers}
+    assert "with the GELU after it" in recs["0"].reason and "GELU" not in recs["2"].reason
+    for t in sp.layers:
+        assert t.floated == (t.quant_ms > t.float_ms or bool(t.by_model)) and t.quant_ms > 0 and t.float_ms > 0
+    if recs["0"].precision == "float" and not sp.model_itself:
+        assert type(q.get_submodule("0")).__name__ == "LinearGELU"
+    with torch.no_grad():
+        assert _nrmse(q(x), m(x)) < 0.1
