@@ -57,7 +57,7 @@ from ..ops.quantize import absmax_qmax
 from . import calibrate as cal
 from .attention import TORCH_TWINS, TwinCall, decompose_transformers, fuse_qkv, restore_torch_modules
 from .coverage import check_conv_coverage, normalize_graph, uncovered
-from .linear_gelu import LinearGELU, is_erf_gelu
+from .linear_gelu import LinearGELU, gelu_fusable
 from .qgrouped import QGroupedConv2d, grouped_act_of, grouped_unsupported
 from .qmodules import (FixedQuant, LayerPrecision, QConv2d, QLinear, QMaxPool2d, _quantize_weight,
                        activation_format, flatten_nhwc, parse_precision, weight_format)
@@ -635,10 +635,9 @@ def _fuse_residuals(gm: fx.GraphModule, records: dict) -> None:
 def _fuse_float_gelu(gm: fx.GraphModule, node: fx.Node, mods, records: dict) -> None:
     """A linear kept float whose only reader is the erf GELU -> ``LinearGELU`` (one GEMM with a bias + GELU
     epilogue, ``torch._addmm_activation``: what torch's fused encoder layer runs; nn/linear_gelu.py)."""
-    m, u = mods[node.target], _sole_user(node)
-    if type(m) is not nn.Linear or node.kwargs or u is None or not is_erf_gelu(u, mods) or u.args[0] is not node:
-        return
-    _absorb_user(gm, node, u, LinearGELU.from_linear(m), records, "gelu")
+    m = mods[node.target]
+    if gelu_fusable(m, node, mods):
+        _absorb_user(gm, node, _sole_user(node), LinearGELU.from_linear(m), records, "gelu")
 
 
 def _flatten_input(node: fx.Node, mods) -> fx.Node | None:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LinearGELU", "linear_gelu", "is_erf_gelu"]
+__all__ = ["LinearGELU", "linear_gelu", "is_erf_gelu", "gelu_fusable"]
 
 
 def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -76,3 +76,13 @@ def is_erf_gelu(node, mods) -> bool:
     if not called or len(node.args) != 1:
         return False
     return set(node.kwargs) <= {"approximate"} and node.kwargs.get("approximate", "none") == "none"
+
+
+def gelu_fusable(linear: nn.Module, node, mods) -> bool:
+    """Whether the float ``linear``, called at fx node ``node``, and the erf GELU that is that call's one reader
+    become one :class:`LinearGELU`: a plain ``nn.Linear`` called without keywords, read by nothing else.  ``mods``:
+    the graph's modules (``node``'s own module may already be a quantized one: the speed rule asks of its float
+    twin)."""
+    users = list(node.users)
+    return (type(linear) is nn.Linear and not node.kwargs and len(users) == 1 and is_erf_gelu(users[0], mods)
+            and users[0].args[0] is node)

@@ -71,7 +71,7 @@ from torch import nn
 
 from ..timing import graph_ms, graph_ms_alternating
 from .attention import not_decomposed
-from .linear_gelu import is_erf_gelu, linear_gelu
+from .linear_gelu import gelu_fusable, linear_gelu
 
 __all__ = ["SpeedRule", "SPEED_RULES", "as_speed_rule", "SpeedReport", "LayerTiming", "ModuleTiming", "MODEL",
            "cuda_graph_timer", "apply_speed_rule"]
@@ -376,7 +376,7 @@ def _stacked(ms: list[nn.Module]) -> nn.Linear:
 
 def _gelu_read(q: nn.Module, qmods: dict, probe: _Probe) -> set[str]:
     """The quantized linears of the graph whose one reader is the erf GELU and which the converter, kept float,
-    makes a ``LinearGELU`` (a plain ``nn.Linear`` called without keywords: ``convert._fuse_float_gelu``): the
+    makes a ``LinearGELU`` (``linear_gelu.gelu_fusable``, as ``convert._fuse_float_gelu`` asks it): the
     quantized layer leaves a GELU pass in the model that its float form does not run.  Timed on both sides (the pass
     after the quantized layer, the GEMM's epilogue in float), that pass is no longer outside every timing (ConvNeXt-T
     int8: its linears and convs each won their own timing, and the model lost ~2 ms: docs/decisions/0156).  Where
@@ -385,16 +385,8 @@ def _gelu_read(q: nn.Module, qmods: dict, probe: _Probe) -> set[str]:
     if not isinstance(g, fx.Graph):
         return set()
     mods = dict(q.named_modules())
-    out = set()
-    for node in g.nodes:
-        if node.op != "call_module" or node.target not in qmods or len(node.users) != 1:
-            continue
-        u = next(iter(node.users))
-        if not is_erf_gelu(u, mods) or u.args[0] is not node:
-            continue
-        if type(probe.floats.get(node.target)) is nn.Linear and not node.kwargs:
-            out.add(node.target)
-    return out
+    return {node.target for node in g.nodes if node.op == "call_module" and node.target in qmods
+            and gelu_fusable(probe.floats.get(node.target), node, mods)}
 
 
 def _measure(q: nn.Module, probe: _Probe, timer, dtype, rnd: int, float_ms: dict) -> tuple[dict, list[str]]:
