@@ -275,3 +275,8 @@ def test_a_shard_without_resume_is_refused(tmp_path):
     with pytest.raises(ValueError, match="--shard 0/2 needs --resume"):
         _run(tmp_path, shard=(0, 2))
     assert mb.parse_shard("1/4") == (1, 4)
+
+
+def test_cli_refuses_a_shard_without_resume_before_needing_a_gpu(tmp_path):
+    result = CliRunner().invoke(app, ["bench", "models", "--shard", "0/2", "--json", str(tmp_path / "m.json")])
+    assert result.exit_code == 2 and "needs --resume" in result.output

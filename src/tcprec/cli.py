@@ -900,13 +900,11 @@ def bench_models_cmd(
         precs = models_bench.parse_precisions(_split(precision, "--precision"))
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--precision") from None
-    try:
+    try:  # (before the GPU check: a bad --shard is said on any machine)
         shard_kn = None if shard is None else models_bench.parse_shard(shard)
+        models_bench.check_shard(shard_kn, resume)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--shard") from None
-    if shard_kn is not None and not resume:
-        raise typer.BadParameter(f"--shard {shard} needs --resume: the shards merge their rows into one --json file, "
-                                 "which a run without --resume would overwrite", param_hint="--shard")
     command = shlex.join(["tcprec", "bench", "models", "--model", model, "--precision", precision, "--batch",
                           str(batch), "--seed", str(seed), "--json", json_path] + (["--resume"] if resume else [])
                          + (["--shard", shard] if shard else []))

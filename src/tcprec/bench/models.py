@@ -45,7 +45,7 @@ from .common import environment, git_commit, print_environment, require_cuda, ti
 from .net import nrmse
 
 __all__ = ["run", "DEFAULT_MODELS", "PRECISIONS", "TARGETS", "torchvision_classifiers", "build_model", "parse_precisions",
-           "parse_shard", "measure_model", "targets"]
+           "parse_shard", "check_shard", "measure_model", "targets"]
 
 # ~150 s on an H200 at batch 256 with int8 / fp8 / w1a2 (conversion, two speed-rule rounds, timing); the issue's
 # ResNet-50 and MobileNetV2 plus three other families (compound scaling, RegNet, channel shuffle)
@@ -249,6 +249,15 @@ def parse_shard(text: str) -> tuple[int, int]:
     return k, n
 
 
+def check_shard(shard: tuple[int, int] | None, resume: bool) -> None:
+    """A shard (K, N) runs only with ``resume``: the shards merge their rows into one file."""
+    if shard is not None:
+        parse_shard(f"{shard[0]}/{shard[1]}")  # (validated)
+        if not resume:
+            raise ValueError(f"--shard {shard[0]}/{shard[1]} needs --resume: the shards merge their rows into one "
+                             "--json file, which a run without --resume would overwrite")
+
+
 @contextlib.contextmanager
 def _locked(out: str):
     """An exclusive lock on ``out`` across processes (a file in the temp dir named by its absolute path), so that the
@@ -291,11 +300,7 @@ def run(models: Sequence[str] = DEFAULT_MODELS, precisions: Sequence[str] = PREC
     precisions = parse_precisions(precisions)
     if not (isinstance(batch, int) and batch >= 1):
         raise ValueError(f"batch must be a positive int, got {batch!r}")
-    if shard is not None:
-        parse_shard(f"{shard[0]}/{shard[1]}")  # (validated)
-        if not resume:
-            raise ValueError(f"--shard {shard[0]}/{shard[1]} needs --resume: the shards merge their rows into one "
-                             "--json file, which a run without --resume would overwrite")
+    check_shard(shard, resume)
     with _locked(out) if resume else contextlib.nullcontext():
         kept_rows, kept_details = _resumed(out, precisions, batch, seed) if resume else ([], {})
     if measure is None:
