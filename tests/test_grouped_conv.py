@@ -421,8 +421,8 @@ class _MBConvLike(torch.nn.Module):
 
 
 def test_expand_conv_writes_the_depthwise_layers_int8_operand():
-    """With the INT8 kernels (interpreter), the expand conv's epilogue writes the depthwise layer's int8 operand
-    (its ReLU6 left to that quantizer): the same output as the unchained model, bit for bit (float32 model)."""
+    """With the INT8 kernels (interpreter), the expand conv's epilogue applies its ReLU6 and writes the depthwise
+    layer's int8 operand: the same output as the unchained model, bit for bit (float32 model)."""
     pytest.importorskip("triton", reason="triton is a Linux dependency of tcprec")
     import dataclasses
 
@@ -436,7 +436,7 @@ def test_expand_conv_writes_the_depthwise_layers_int8_operand():
     out = {r.name: r.out for r in q.tcprec_summary.layers}
     assert out["expand.0"] == "int8 codes uint8 -> dw.0", out
     assert q.get_submodule("expand.0").out_layout == "int8" and q0.get_submodule("expand.0").out_fmt is None
-    assert any(n.startswith("expand.2: clamp(0,6)") for n in q.tcprec_summary.notes), q.tcprec_summary.notes
+    assert {r.name: r.fused for r in q.tcprec_summary.layers}["expand.0"] == ("bn", "clamp(0,6)")
     with torch.no_grad():
         y, y0 = q(3 * x), q0(3 * x)
     assert torch.equal(y, y0)

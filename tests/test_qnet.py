@@ -138,7 +138,7 @@ def test_quantize_model_fuses_and_reports():
     assert s.traced
     assert [r.name for r in s.layers] == ["0", "4", "7", "10", "12"]
     assert [r.precision for r in s.layers] == ["w8a8", "w2a2", "w2a2", "w2a2", "w8a8"]  # first / last at 8 bits
-    assert s.layers[0].fused == ("bn", "relu", "maxpool") and s.layers[1].fused == ("bn", "leaky")
+    assert s.layers[0].fused == ("bn", "relu", "maxpool") and s.layers[1].fused == ("bn", "leaky(0.1)")
     assert s.layers[3].fused == ("flatten", "relu")  # nn.Flatten -> flatten_nhwc + reordered weight columns
     kinds = [type(m).__name__ for m in q.modules()]
     assert "BatchNorm2d" not in kinds and "MaxPool2d" not in kinds and "Flatten" not in kinds  # folded away
@@ -590,7 +590,7 @@ def test_yolo_quantized_fuses_the_stride1_pool():
     x = torch.randn(1, 3, 64, 64)
     q = tp.quantize_model(m, "int8", calibration=x)
     fused = {r.name: r.fused for r in q.tcprec_summary.layers}
-    assert fused["features.20"] == ("bn", "leaky", "maxpool")  # the 2x2 stride-1 'same' pool
+    assert fused["features.20"] == ("bn", "leaky(0.1)", "maxpool")  # the 2x2 stride-1 'same' pool
     with torch.no_grad():
         assert _nrmse(q(x), m(x)) < 0.1
 

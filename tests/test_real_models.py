@@ -163,12 +163,18 @@ def _clamp_net(clamp, tap=False):
     return m
 
 
+def _clamp_cfg(prec: str) -> tp.QuantConfig:
+    """The expand conv bit-serial, whose epilogue has no clamp: the clamp stays a float op after it (an 8-bit expand
+    conv's epilogue would take it, decision 0154)."""
+    return tp.QuantConfig(prec, overrides={"expand": "w2a2"})
+
+
 @pytest.mark.parametrize("prec", ["int8", "w4a4"])
 @pytest.mark.parametrize("clamp", [nn.ReLU6(), nn.Hardtanh(0.0, 2.0)], ids=["relu6", "hardtanh"])
 def test_clamp_left_to_the_readers_quantizers_changes_no_bit(prec, clamp):
     m = _clamp_net(clamp)
     x = torch.randn(2, 3, 8, 8)
-    q = tp.quantize_model(m, prec, calibration=x, warn=False)
+    q = tp.quantize_model(m, _clamp_cfg(prec), calibration=x, warn=False)
     notes = [n for n in q.tcprec_summary.notes if n.startswith("clamp:")]
     assert len(notes) == 1 and "dw" in notes[0], q.tcprec_summary.notes
     assert not any(isinstance(mod, type(clamp)) and name == "clamp" for name, mod in q.named_modules())
@@ -235,6 +241,7 @@ def test_clamp_kept_where_a_reader_would_see_the_difference(case):
     (signed codes)."""
     clamp = nn.Hardtanh(-1.0, 1.0) if case == "signed" else nn.ReLU6()
     m = _clamp_net(clamp, tap=case == "tap")
-    q = tp.quantize_model(m, "fp8" if case == "fp8" else "int8", calibration=torch.randn(2, 3, 8, 8), warn=False)
+    q = tp.quantize_model(m, _clamp_cfg("fp8" if case == "fp8" else "int8"), calibration=torch.randn(2, 3, 8, 8),
+                          warn=False)
     assert not any(n.startswith("clamp:") for n in q.tcprec_summary.notes), q.tcprec_summary.notes
     assert any(n.op == "call_module" and n.target == "clamp" for n in q.graph.nodes)

@@ -10,12 +10,14 @@ What it does, in order:
 3. Chooses each layer's precision: the config's (``"w1a2"``...), except the first conv and the last
    layer (``first_last``, 8 bits by default, as APNN-TC and every BNN paper keep them) and per-layer
    ``overrides`` by module name (``"float"`` keeps a layer in floating point).
-4. Fuses, on the graph: conv -> BatchNorm2d (folded into a per-channel scale and bias) -> ReLU /
-   LeakyReLU -> 2x2 max/avg pool become one ``QConv2d``; linear -> ReLU one ``QLinear``; a linear kept float
-   with the erf GELU after it one ``LinearGELU`` (one GEMM with torch's GELU epilogue, nn/linear_gelu.py); a
-   conv kept float keeps its BN module (folding it was slower: docs/decisions/0155).  Residual
+4. Fuses, on the graph: conv -> BatchNorm2d (folded into a per-channel scale and bias) -> activation -> 2x2
+   max/avg pool become one ``QConv2d``.  The activation: ReLU, LeakyReLU; and ReLU6 / hardtanh / a constant clamp,
+   hardswish, SiLU except into a conv that runs the bit-serial GEMM, whose epilogue lacks them (they stay float ops
+   after it: ``_act_of``, ``ops.qconv_plan.layer_act_unsupported``).  Linear -> ReLU become one ``QLinear``; a
+   linear kept float with the erf GELU after it one ``LinearGELU`` (one GEMM with torch's GELU epilogue,
+   nn/linear_gelu.py); a conv kept float keeps its BN module (folding it was slower: docs/decisions/0155).  Residual
    blocks: a conv(+BN) whose only user is an add (``+``, ``torch.add``, ``Tensor.add``; either operand
-   order) of a tensor of its own shape and dtype, followed by a ReLU / LeakyReLU (or nothing), become one
+   order) of a tensor of its own shape and dtype, followed by an activation as above (or nothing), become one
    ``QConv2d`` called as ``conv(x, residual)`` at the add's place in the graph (``fuse_residual``; the INT8 /
    FP8 kernels, the bit-serial GEMM's float epilogue and the reference backend).
 5. Chains: a ``QConv2d`` whose consumers are bit-serial ``QConv2d`` s (one calibrated format and scale)
@@ -52,14 +54,15 @@ from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
 from ..ops.matmul import BACKENDS
-from ..ops.qconv_plan import device_caps
+from ..ops.qconv import _check_act
+from ..ops.qconv_plan import device_caps, layer_act_unsupported
 from ..ops.quantize import absmax_qmax
 from . import calibrate as cal
 from .attention import TORCH_TWINS, TwinCall, decompose_transformers, fuse_qkv, restore_torch_modules
 from .coverage import check_conv_coverage, normalize_graph, uncovered
 from .linear_gelu import LinearGELU, gelu_fusable
-from .qgrouped import QGroupedConv2d, grouped_act_of, grouped_unsupported
-from .qmodules import (FixedQuant, LayerPrecision, QConv2d, QLinear, QMaxPool2d, _quantize_weight,
+from .qgrouped import QGroupedConv2d, grouped_unsupported
+from .qmodules import (FixedQuant, LayerPrecision, QConv2d, QLinear, QMaxPool2d, _quantize_weight, act_text,
                        activation_format, flatten_nhwc, parse_precision, weight_format)
 from .speed_rule import SpeedRule, apply_speed_rule, as_speed_rule
 
@@ -378,6 +381,11 @@ def _clamp_bounds(node: fx.Node, mods) -> tuple[float, float] | None:
     """(lo, hi) of a clamp-like activation node (``_is_clamp``, or a ReLU: (0, inf)), None for anything else."""
     if _act_of(node, mods) == "relu":  # (in place or not: _absorb_clamps asks that the input has no other reader)
         return 0.0, float("inf")
+    return _clamp_args(node, mods)
+
+
+def _clamp_args(node: fx.Node, mods) -> tuple[float, float] | None:
+    """(lo, hi) of a clamp activation node (``_is_clamp``), None for anything else."""
     if node.op == "call_module":
         m = mods.get(node.target)
         return (float(m.min_val), float(m.max_val)) if type(m) in (nn.ReLU6, nn.Hardtanh) else None
@@ -525,22 +533,38 @@ def plan_layers(model: nn.Module, config: QuantConfig | str = "w1a2") -> tuple[l
     return plans, traced
 
 
+# Activations of one encoding whatever their arguments (``inplace`` only)
+_NAMED_ACTS = {nn.ReLU: "relu", nn.Hardswish: "hardswish", nn.SiLU: "silu", F.relu: "relu", torch.relu: "relu",
+               torch.relu_: "relu", F.hardswish: "hardswish", F.silu: "silu"}
+
+
 def _act_of(node: fx.Node, mods) -> object | None:
-    """'relu', ('leaky', slope) or None for an activation node."""
+    """The epilogue encoding (``ops.qconv``'s canonical act) of an activation node: "relu", ("leaky", slope),
+    ("clamp", lo, hi) (a clamp with constant bounds, finite lo < hi: ``nn.ReLU6``, ``nn.Hardtanh``, ``F.relu6``,
+    ``F.hardtanh``, ``torch.clamp``, ``x.clamp``), "hardswish", "silu"; None for anything else."""
     if node.op == "call_module":
         m = mods[node.target]
-        if type(m) is nn.ReLU:
-            return "relu"
         if type(m) is nn.LeakyReLU:
             return ("leaky", float(m.negative_slope))
-    elif node.op == "call_function" and node.target in (F.relu, torch.relu, torch.relu_):
-        return "relu"
-    elif node.op == "call_function" and node.target is F.leaky_relu:
-        slope = node.args[1] if len(node.args) > 1 else node.kwargs.get("negative_slope", 0.01)
-        return ("leaky", float(slope)) if isinstance(slope, (int, float)) else None
-    elif node.op == "call_method" and node.target in ("relu", "relu_"):
-        return "relu"
-    return None
+        named = _NAMED_ACTS.get(type(m))
+    elif node.op == "call_function":
+        if node.target is F.leaky_relu:
+            slope = node.args[1] if len(node.args) > 1 else node.kwargs.get("negative_slope", 0.01)
+            return ("leaky", float(slope)) if isinstance(slope, (int, float)) else None
+        named = _NAMED_ACTS.get(node.target)
+    elif node.op == "call_method":
+        named = "relu" if node.target in ("relu", "relu_") else None
+    else:
+        return None
+    if named is not None:
+        return named
+    bounds = _clamp_args(node, mods)
+    if bounds is None:
+        return None
+    try:
+        return _check_act(("clamp", *bounds))  # float32 bounds
+    except ValueError:  # not finite lo < hi (torch.clamp(x, 0, inf)): no epilogue clamp
+        return None
 
 
 def _pool_of(node: fx.Node, mods) -> tuple | None:
@@ -618,6 +642,8 @@ def _fuse_residuals(gm: fx.GraphModule, records: dict) -> None:
             continue
         u = _sole_user(add)
         act = _act_of(u, mods) if u is not None else None
+        if act is not None and layer_act_unsupported(act, q.a_fmt, q.w_fmt, q.backend):
+            act = None  # (the bit-serial GEMM's epilogue lacks it: the add fused, the activation a float op after)
         with g.inserting_before(add):
             fused = g.call_module(conv.target, (conv.args[0], res))
         fused.meta = dict(add.meta)
@@ -629,7 +655,7 @@ def _fuse_residuals(gm: fx.GraphModule, records: dict) -> None:
         g.erase_node(conv)
         q.act, q.has_residual = act, True
         rec = records[conv.target]
-        rec.fused = rec.fused + ("residual",) + ((act if isinstance(act, str) else "leaky",) if act else ())
+        rec.fused = rec.fused + ("residual",) + ((act_text(act),) if act else ())
 
 
 def _fuse_float_gelu(gm: fx.GraphModule, node: fx.Node, mods, records: dict) -> None:
@@ -1009,14 +1035,24 @@ def _convert(model: nn.Module, cfg: QuantConfig, batches, inplace: bool, warn: b
             q.fp8_fast_accum = cfg.fp8_accum == "fast"
             plan = q.plan_on(dev, name, caps)
             backend = "fp8" if prec.fp8 else plan.backend
-        act_name = act if isinstance(act, str) or act is None else {"leaky": "leaky", "clamp": "clamp"}[act[0]]
-        if isinstance(act, tuple) and act[0] == "clamp":
-            act_name = f"clamp({act[1]:g},{act[2]:g})"
-        fused = tuple(x for x in (getattr(m, "tcprec_pad_folded", None) and "pad", bn is not None and "bn", act_name,
-                                  pool and f"{pool[0]}pool") if x)
+        fused = tuple(x for x in (getattr(m, "tcprec_pad_folded", None) and "pad", bn is not None and "bn",
+                                  act_text(act), pool and f"{pool[0]}pool") if x)
         records[name] = LayerRecord(name, kind, str(prec), backend, fused, str(q.out_dtype).replace("torch.", ""))
         new_mods[name] = q
         return q
+
+    def fusable_act(name: str, m: nn.Module, act) -> bool:
+        """Whether layer ``name``'s epilogue applies activation ``act`` (``_act_of``): a linear's ReLU; a grouped conv's
+        every one; a dense conv's unless it runs the bit-serial GEMM where the binary kernel runs, whose epilogue has
+        no clamp, hardswish or SiLU (``layer_act_unsupported``): then the activation stays a float op after it."""
+        if act is None or not isinstance(m, nn.Conv2d):
+            return act == "relu"
+        if m.groups != 1:
+            return True
+        prec, fx_ = precision_of(name), (fixed or {}).get(name)
+        a_fmt = activation_format(prec, fx_.signed_input if fx_ is not None else stats.get(name, (0.0, False))[1])
+        w_fmt = fx_.weight.fmt if fx_ is not None else _weight_fmt(prec, cfg.weight_grid)
+        return layer_act_unsupported(act, a_fmt, w_fmt, cfg.backend) is None
 
     if traced and "" not in kept_torch:  # (the whole model is torch's own: nothing to convert)
         g = gm.graph
@@ -1043,10 +1079,8 @@ def _convert(model: nn.Module, cfg: QuantConfig, batches, inplace: bool, warn: b
                     absorbed.append(u)
                     u = _sole_user(cur)
                 grouped = isinstance(m, nn.Conv2d) and m.groups != 1
-                act_of = grouped_act_of if grouped else _act_of  # the grouped epilogue has ReLU6 & co.
-                if u is not None and act_of(u, mods) is not None and (isinstance(m, nn.Conv2d)
-                                                                      or act_of(u, mods) == "relu"):
-                    act, cur = act_of(u, mods), u
+                if u is not None and fusable_act(node.target, m, _act_of(u, mods)):
+                    act, cur = _act_of(u, mods), u
                     absorbed.append(u)
                     u = _sole_user(cur)
                 if isinstance(m, nn.Conv2d) and not grouped and u is not None and _pool_of(u, mods) is not None:

@@ -19,41 +19,7 @@ from ..qtensor import PerChannel, QTensor, ShiftedInt8
 from .qmodules import (LayerPrecision, _check_before_load, _fold_bn, _quantize_weight, activation_format,
                        check_extra_state, parse_precision, weight_format)
 
-__all__ = ["QGroupedConv2d", "grouped_unsupported", "grouped_act_of"]
-
-
-def grouped_act_of(node, mods):
-    """The epilogue activation of an fx node for a grouped conv: "relu", ("leaky", a), ("clamp", lo, hi)
-    (``nn.ReLU6`` / ``nn.Hardtanh`` / ``F.relu6`` / ``F.hardtanh``), "hardswish", "silu"; None for anything else."""
-    import torch.nn.functional as F
-
-    if node.op == "call_module":
-        m = mods.get(node.target)
-        if type(m) is nn.ReLU:
-            return "relu"
-        if type(m) is nn.LeakyReLU:
-            return ("leaky", float(m.negative_slope))
-        if type(m) in (nn.ReLU6, nn.Hardtanh):
-            return ("clamp", float(m.min_val), float(m.max_val))
-        if type(m) is nn.Hardswish:
-            return "hardswish"
-        if type(m) is nn.SiLU:
-            return "silu"
-        return None
-    if node.op == "call_function":
-        if node.target in (F.relu, torch.relu) and len(node.args) == 1:
-            return "relu"
-        if node.target is F.relu6 and len(node.args) == 1:
-            return ("clamp", 0.0, 6.0)
-        if node.target is F.hardswish and len(node.args) == 1:
-            return "hardswish"
-        if node.target is F.silu and len(node.args) == 1:
-            return "silu"
-        if node.target is F.hardtanh and len(node.args) == 3 and all(isinstance(v, (int, float)) for v in node.args[1:]):
-            return ("clamp", float(node.args[1]), float(node.args[2]))
-    if node.op == "call_method" and node.target == "relu" and len(node.args) == 1:
-        return "relu"
-    return None
+__all__ = ["QGroupedConv2d", "grouped_unsupported"]
 
 
 def grouped_unsupported(conv: nn.Conv2d, prec: LayerPrecision | None) -> str | None:

@@ -3,10 +3,10 @@
 Each holds its weight already quantized (and, for the bit-serial backend, already packed into bit
 planes: ``ops.qconv.pack_conv_weight``), a calibrated per-tensor activation scale, and the float
 epilogue folded from the layers it absorbed (batch-norm -> per-channel scale and bias, ReLU /
-LeakyReLU, 2x2 pooling).  Float tensors in, float tensors out (NCHW, channels_last memory), so a
-module drops into any network; when ``quantize_model`` finds that a conv feeds only another
-quantized conv, it sets ``out_fmt`` / ``out_scale`` and the pair exchanges packed activations
-(a ``QTensor`` in the ``BitPlanes`` layout) instead, never materialising a float tensor between them.
+LeakyReLU -- and, but on the bit-serial GEMM, ReLU6 / hardtanh, hardswish, SiLU -- 2x2 pooling).  Float tensors in,
+float tensors out (NCHW, channels_last memory), so a module drops into any network; when ``quantize_model`` finds
+that a conv feeds only another quantized conv, it sets ``out_fmt`` / ``out_scale`` and the pair exchanges packed
+activations (a ``QTensor`` in the ``BitPlanes`` layout) instead, never materialising a float tensor between them.
 
 A ``QConv2d`` fused with a residual block's add (``has_residual``, set by ``quantize_model``) is called as
 ``m(x, residual)`` and computes ``act(conv_bn(x) + residual)`` in its epilogue; a conv whose output is both
@@ -38,16 +38,14 @@ from torch import nn
 from ..formats import FloatFormat, IntFormat, as_format
 from ..kernels.conv_geometry import ConvGeometry
 from ..ops import qconv as qc
-from ..ops.qconv_plan import device_caps, layer_backend
+from ..ops.qconv_plan import device_caps, layer_act_unsupported, layer_backend
 from ..ops.quantize import absmax_qmax, quantize, quantize_pack, quantize_static
 from ..qtensor import BitPlanes, PerChannel, QTensor, ShiftedInt8
 
 __all__ = ["LayerPrecision", "parse_precision", "QConv2d", "QLinear", "QMaxPool2d", "flatten_nhwc", "weight_format",
-           "activation_format", "FixedQuant", "LayerPlan"]
+           "activation_format", "FixedQuant", "LayerPlan", "act_text"]
 
 from ..precision import LayerPrecision, parse_layer_precision  # noqa: E402  (re-exported)
-
-_ACTS = (None, "relu", "leaky")
 
 
 def parse_precision(text) -> LayerPrecision | None:
@@ -409,8 +407,15 @@ class _QBase(nn.Module):
         return [f"{self.a_fmt} x {self.w_fmt} weights", acc, epi, out]
 
     def _act_name(self) -> str | None:
-        act = getattr(self, "act", None)
-        return act if isinstance(act, str) or act is None else f"leaky({act[1]:g})"
+        return act_text(getattr(self, "act", None))
+
+
+def act_text(act) -> str | None:
+    """A fused activation (``ops.qconv``'s canonical forms) as the summary and the trace name it: "relu", "leaky(0.1)",
+    "clamp(0,6)" (ReLU6), "hardswish", "silu"; None for None."""
+    if act is None or isinstance(act, str):
+        return act
+    return f"{act[0]}({','.join(f'{v:g}' for v in act[1:])})"
 
 
 _OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -429,7 +434,9 @@ class QConv2d(_QBase):
     """A conv (+ folded BN, activation, pooling) at integer or FP8 precision, NHWC inside.
 
     Build with ``QConv2d.from_float(conv, precision, in_absmax=..., signed_input=..., bn=, act=, pool=)``
-    or through ``tcprec.quantize_model``.
+    or through ``tcprec.quantize_model``.  ``act``: None, "relu", ("leaky", slope); and ("clamp", lo, hi) (ReLU6:
+    ("clamp", 0.0, 6.0)), "hardswish", "silu" unless the layer runs the bit-serial GEMM where the binary kernel runs
+    (``ops.qconv_plan.layer_act_unsupported``: its epilogue has none of them).
     """
 
     @classmethod
@@ -445,10 +452,12 @@ class QConv2d(_QBase):
         if isinstance(conv.padding, str) or conv.padding_mode != "zeros":
             raise ValueError(f"QConv2d needs numeric zero padding, got padding={conv.padding!r} "
                              f"padding_mode={conv.padding_mode!r}")
-        if act is not None and not (act == "relu" or (isinstance(act, tuple) and act[0] == "leaky")):
-            raise ValueError(f"act must be None, 'relu' or ('leaky', slope), got {act!r}")
+        act = qc._check_act(act)  # (the canonical form; a bad one raises, naming the allowed ones)
         m._init_common(prec, in_absmax, signed_input, out_dtype or conv.weight.dtype, backend, conv.weight.device,
                        fixed)
+        why = layer_act_unsupported(act, m.a_fmt, m.w_fmt, backend)
+        if why:
+            raise ValueError(f"QConv2d {prec}: {why}")
         m.stride, m.padding, m.dilation = tuple(conv.stride), tuple(conv.padding), tuple(conv.dilation)
         m.in_channels, m.out_channels, m.kernel_size = conv.in_channels, conv.out_channels, tuple(conv.kernel_size)
         m.act, m.pool = act, pool

@@ -40,8 +40,8 @@ from ..qtensor import int8_affine as _int8_affine
 from .matmul import BACKENDS as _INT_BACKENDS
 from .matmul import int_backend_rule
 
-__all__ = ["ConvPlan", "DeviceCaps", "device_caps", "layer_backend", "plan_conv2d", "format_plan", "implicit_conv",
-           "POOLS", "OUT_LAYOUTS", "BACKENDS", "THIN_C"]
+__all__ = ["ConvPlan", "DeviceCaps", "device_caps", "layer_backend", "layer_act_unsupported", "plan_conv2d",
+           "format_plan", "implicit_conv", "POOLS", "OUT_LAYOUTS", "BACKENDS", "THIN_C"]
 
 POOLS = (None, ("max", 2, 2), ("avg", 2, 2), ("max", 2, 1))
 BACKENDS = _INT_BACKENDS + backend_names(Backend.FP8)  # matmul's, and the float8 tensor cores
@@ -337,15 +337,44 @@ def _extended_act(act) -> bool:
     return parse_act(act)[0] >= ACT_CLAMP
 
 
+def _bitserial_act_error(act, reason: str) -> str:
+    return (f"act={act!r}: backend 'bitserial' (the binary tensor-core GEMM: {reason}) applies only None, 'relu' and "
+            f"('leaky', slope) in its epilogue; run this layer on backend='int8' (the INT8 conv's epilogue has "
+            f"('clamp', lo, hi), 'hardswish' and 'silu'), or pass act=None and apply the activation to the conv's "
+            "float output")
+
+
 def _check_act_backend(plan: ConvPlan) -> ConvPlan:
     """The activation against the backend: the bit-serial GEMM's epilogue applies None, ReLU and LeakyReLU only, and
     says so rather than running the activation as a separate pass."""
     if plan.backend == "bitserial" and _extended_act(plan.act):
-        raise ValueError(f"act={plan.act!r}: backend 'bitserial' (the binary tensor-core GEMM: {plan.reason}) applies "
-                         f"only None, 'relu' and ('leaky', slope) in its epilogue; run this layer on backend='int8' "
-                         f"(the INT8 conv's epilogue has ('clamp', lo, hi), 'hardswish' and 'silu'), or pass act=None "
-                         "and apply the activation to the conv's float output")
+        raise ValueError(_bitserial_act_error(plan.act, plan.reason))
     return plan
+
+
+# A GPU on which the binary tensor-core GEMM runs: where a layer that takes it on any device takes it.
+_BITSERIAL_GPU = DeviceCaps(torch.device("cuda"), False, (9, 0), True, (True, "on a GPU that runs the binary kernel"))
+
+
+def layer_act_unsupported(act, a_fmt, w_fmt, backend: str = "auto") -> str | None:
+    """Why a quantized layer of ``a_fmt`` activations and ``w_fmt`` weights (``backend``: its choice) cannot apply
+    ``act`` (canonical, ``ops.qconv``'s forms) in its epilogue on every device it may run on; None when it can.
+    Clamp, hardswish and SiLU are in every epilogue but the bit-serial GEMM's, which the layer runs wherever the
+    binary kernel does when :func:`layer_backend` picks it there (``backend='bitserial'``, or ``'auto'`` with
+    p*q < 8): such a layer refuses them on the CPU too (where it runs the reference, which has them), so that the
+    model it is part of runs on the GPU.  ``nn.qmodules.QConv2d`` refuses such an ``act``; ``quantize_model`` leaves
+    the activation after the layer, a float op.
+
+    >>> from tcprec.formats import as_format
+    >>> layer_act_unsupported("silu", as_format("uint2"), as_format("int2")).split(":")[0]
+    "act='silu'"
+    >>> layer_act_unsupported("silu", as_format("uint8"), as_format("int8")) is None
+    True
+    """
+    if not _extended_act(act):
+        return None
+    name, why = layer_backend(a_fmt, w_fmt, _BITSERIAL_GPU, backend)
+    return _bitserial_act_error(act, why) if name == "bitserial" else None
 
 
 def _check_fusion(plan: ConvPlan) -> ConvPlan:
