@@ -9,6 +9,7 @@ import torch
 from rich.console import Console
 from typer.testing import CliRunner
 
+from tcprec.bench import accuracy as acc
 from tcprec.bench import efficientnet as ef
 from tcprec.cli import app
 from tcprec.nn.speed_rule import SpeedRule
@@ -63,6 +64,25 @@ def test_json_follows_the_convention_and_judges_the_targets(tmp_path):
     speed = next(t for t in payload["targets"] if t["target"].startswith("EfficientNet-Lite0 int8 >= 1.3x"))
     assert speed["met"] is True and speed["value"] == "1.60x at batch 256"
     assert set(on_disk["config"]["settings"]) == set(ef.PRECISIONS)
+
+
+def test_fake_quant_target_shows_the_paired_counts_and_sign_test():
+    row = {"precision": "fp8", "config": ef.SETTINGS["fp8"], "top1": 95.4, "confident_top1": 100.0,
+           "fakequant_top1": 95.6, "tcprec_only_top1": 4, "fakequant_only_top1": 5, "quantized": 1,
+           "floated_by_rule": 0, "float_other": 0}
+    t = next(t for t in ef.targets([row]) if t["target"].startswith("EfficientNet-Lite0 fp8: tcprec at least"))
+    assert t["met"] is False  # (judged on the two figures, as before)
+    assert t["value"] == ("95.4% vs 95.6% (crops only tcprec agrees on: 4, only fake quant: 5; "
+                          "P(fake quant ahead by chance) = 0.50)")
+
+
+def test_discordant_counts_and_sign_test_closed_form():
+    ref = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0], [1.0, 0.0]])  # top-1: 0 0 1 1 0
+    a = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 1.0], [1.0, 0.0], [0.0, 1.0]])  # right, wrong, right, wrong, wrong
+    b = torch.tensor([[0.0, 1.0], [1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [1.0, 0.0]])  # wrong, right, right, wrong, right
+    assert acc.discordant(ref, a, b) == {"tcprec_only_top1": 1, "fakequant_only_top1": 2}
+    assert acc.sign_test(1, 2) == 0.5  # P(X >= 2), X ~ Binomial(3, 1/2): (3 + 1) / 8
+    assert acc.sign_test(0, 3) == 0.125 and acc.sign_test(3, 0) == 1.0 and acc.sign_test(0, 0) == 1.0
 
 
 def test_json_is_rewritten_after_every_precision(tmp_path):
@@ -165,4 +185,6 @@ def test_measure_runs_the_engine_and_fake_quant_on_the_standin(monkeypatch):
     assert "kept fp32: w8a8 2.000 ms > fp32 1.000 ms" in det["kept_fp16_by_rule"][kept]
     assert 0 <= row["top1"] <= 100 and 0 <= row["fakequant_top1"] <= 100
     assert row["tcprec_vs_fakequant_same_top1"] >= 50  # the engine and fake quant compute the same numbers
+    n_diff = round(4 * (100 - row["tcprec_vs_fakequant_same_top1"]) / 100)  # crops whose top-1 the two differ on
+    assert row["tcprec_only_top1"] + row["fakequant_only_top1"] <= n_diff
     assert "ms" not in row

@@ -288,6 +288,26 @@ def agreement(ref_logits: torch.Tensor, logits: torch.Tensor) -> dict:
             else None, "n": int(same.numel()), "n_confident": int(conf.sum())}
 
 
+def discordant(ref_logits: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> dict:
+    """The paired comparison of two quantized models' top-1 agreement with the reference on the same crops: on how many
+    crops only ``a`` (the engine) agrees with it (``tcprec_only_top1``) and only ``b`` (fake quant) does
+    (``fakequant_only_top1``).  The crops both get right or both get wrong say nothing about which is better."""
+    want = ref_logits.argmax(-1)
+    ra, rb = a.argmax(-1) == want, b.argmax(-1) == want
+    return {"tcprec_only_top1": int((ra & ~rb).sum()), "fakequant_only_top1": int((~ra & rb).sum())}
+
+
+def sign_test(a: int, b: int) -> float:
+    """One-sided sign test: the chance that ``b`` or more of ``a + b`` discordant crops go to one side when each goes
+    either way with probability 1/2 (1.0 when there are none).  A large value: the lead is what chance alone gives.
+
+    >>> sign_test(4, 5), sign_test(0, 6), sign_test(0, 0)
+    (0.5, 0.015625, 1.0)
+    """
+    n = a + b
+    return sum(math.comb(n, k) for k in range(b, n + 1)) / 2**n if n else 1.0
+
+
 @torch.no_grad()
 def _logits(model, x01: torch.Tensor, batch: int) -> torch.Tensor:
     return torch.cat([model(preprocess(x01[i: i + batch])).float() for i in range(0, len(x01), batch)])

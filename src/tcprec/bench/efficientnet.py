@@ -147,7 +147,8 @@ def measure(ctx: Context, precision: str, speed_rule: SpeedRule, timed: bool = T
         l_fq = acc._logits(fq, ctx.x, ctx.eval_batch)
         a_fq = acc.agreement(ctx.ref, l_fq)
         row.update(fakequant_top1=_pct(a_fq["top1"]), fakequant_confident_top1=_pct(a_fq["confident_top1"]),
-                   tcprec_vs_fakequant_same_top1=_pct(float((l_q.argmax(-1) == l_fq.argmax(-1)).float().mean())))
+                   tcprec_vs_fakequant_same_top1=_pct(float((l_q.argmax(-1) == l_fq.argmax(-1)).float().mean())),
+                   **acc.discordant(ctx.ref, l_q, l_fq))
         del fq
     except Exception as e:  # noqa: BLE001 - the engine's own figures stand; the row says why fake quant is missing
         row["fakequant_error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -184,7 +185,7 @@ def targets(rows: Sequence[dict]) -> list[dict]:
                         "met": r["confident_top1"] == 100.0 if ok and r["confident_top1"] is not None else None})
         fq = r.get("fakequant_top1") if ok else None
         out.append({"target": f"EfficientNet-Lite0 {p}: tcprec at least as good as torch fake quant, same calibration",
-                    "value": (f"{r['top1']}% vs {fq}%" if fq is not None else
+                    "value": (f"{r['top1']}% vs {fq}%{_paired(r)}" if fq is not None else
                               (f"fake quant failed: {r['fakequant_error'][:80]}" if ok else why)),
                     "met": r["top1"] >= fq if fq is not None else None})
         out.append({"target": f"EfficientNet-Lite0 {p}: every conv quantized except those the speed rule keeps fp16",
@@ -200,6 +201,16 @@ def targets(rows: Sequence[dict]) -> list[dict]:
                         "value": (why or "not timed") if sp is None else f"{sp:.2f}x at batch {at}",
                         "met": sp >= want if sp is not None and at == 256 else None})
     return out
+
+
+def _paired(r: dict) -> str:
+    """The crops on which only one side agrees with fp32, and the sign test's chance of fake quant leading by as many
+    of them if both were equally good (``accuracy.discordant``); '' for rows without the counts."""
+    if "tcprec_only_top1" not in r:
+        return ""
+    a, b = r["tcprec_only_top1"], r["fakequant_only_top1"]
+    return (f" (crops only tcprec agrees on: {a}, only fake quant: {b}; "
+            f"P(fake quant ahead by chance) = {acc.sign_test(a, b):.2f})")
 
 
 def parse_precisions(precisions: Sequence[str]) -> list[str]:
