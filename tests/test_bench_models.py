@@ -190,6 +190,29 @@ def test_batch_norm_statistics_leave_training_only_branches_out(monkeypatch):
     assert not torch.allclose(m.bn.running_var, torch.ones(4))  # the seeded batches' statistics, not the reset ones
 
 
+def test_a_zero_initialised_head_gets_default_weights(monkeypatch):
+    """torchvision zero-initialises the ViT heads: with seeded weights every output would be 0, the quantized model's
+    too, and the NRMSE column an empty 0. build_model gives such a layer torch's default initialisation; the others
+    keep the definition's seeded weights."""
+    import types
+
+    import torch
+
+    def get_model(name, weights):
+        m = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 6), torch.nn.Linear(6, 3))
+        torch.nn.init.zeros_(m[2].weight)
+        torch.nn.init.zeros_(m[2].bias)
+        return m
+
+    tv = types.SimpleNamespace(models=types.SimpleNamespace(get_model=get_model))
+    monkeypatch.setattr(mb, "_torchvision", lambda: tv)
+    m = mb.build_model("fake", seed=0, device="cpu", image=2)
+    torch.manual_seed(0)
+    assert torch.equal(m[1].weight, get_model("fake", None)[1].weight)  # the seeded weights, untouched
+    assert m[2].weight.abs().min() > 0
+    assert m(torch.randn(4, 3, 2, 2)).abs().min() > 0
+
+
 def test_a_non_finite_error_is_written_and_read_back(tmp_path):
     """A model whose logits are not finite (seeded Swin-V2's fp16 baseline already is) gives NaN errors: the JSON holds
     them as "nan" (standard JSON), and a resumed run keeps the row and prints its table."""

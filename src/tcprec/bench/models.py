@@ -75,10 +75,16 @@ def torchvision_classifiers() -> list[str]:
 def build_model(name: str, seed: int, device, image: int = IMAGE) -> torch.nn.Module:
     """torchvision's ``name`` with seeded weights; batch-norm statistics from two seeded batches of 8; eval, fp32.
     The statistics pass runs the model in eval mode with only its batch norms in train mode: a branch that runs only
-    in training (inception_v3's auxiliary head, which needs 299 x 299 inputs) stays out of it, as in the model's use."""
+    in training (inception_v3's auxiliary head, which needs 299 x 299 inputs) stays out of it, as in the model's use.
+    A conv or linear whose weight the definition initialises to all zeros (the ViT heads) gets torch's default
+    initialisation instead: a zero head makes every output 0, the quantized model's too, and its NRMSE against fp32
+    an empty 0."""
     tv = _torchvision()
     torch.manual_seed(seed)
     m = tv.models.get_model(name, weights=None).to(device)
+    for layer in m.modules():
+        if isinstance(layer, (torch.nn.Linear, torch.nn.Conv2d)) and not layer.weight.detach().any():
+            layer.reset_parameters()
     bns = [b for b in m.modules() if isinstance(b, torch.nn.modules.batchnorm._BatchNorm)]
     if bns:
         for b in bns:
