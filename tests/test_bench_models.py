@@ -303,3 +303,82 @@ def test_a_shard_without_resume_is_refused(tmp_path):
 def test_cli_refuses_a_shard_without_resume_before_needing_a_gpu(tmp_path):
     result = CliRunner().invoke(app, ["bench", "models", "--shard", "0/2", "--json", str(tmp_path / "m.json")])
     assert result.exit_code == 2 and "needs --resume" in result.output
+
+
+def _fake_torchvision(monkeypatch):
+    """A stand-in torchvision whose get_model builds a small conv net, and whose catalog is two of them."""
+    import types
+
+    import torch
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 8, 3, stride=8, padding=1, bias=False)
+            self.bn = torch.nn.BatchNorm2d(8)
+            self.fc = torch.nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.fc(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+    tv = types.SimpleNamespace(models=types.SimpleNamespace(get_model=lambda name, weights: Net(),
+                                                            list_models=lambda module: ["net_a", "net_b"]))
+    monkeypatch.setattr(mb, "_torchvision", lambda: tv)
+
+
+def test_convert_only_converts_on_the_cpu_without_timing(tmp_path, monkeypatch):
+    """--convert-only: each model converted at each precision and run on the CPU (no GPU, no timing): its own suite,
+    rows with NRMSE and layer counts but no ms, the conversion target alone, judged on the whole catalog."""
+    _fake_torchvision(monkeypatch)
+    out = tmp_path / "models_convert.json"
+    payload = mb.run(["all"], ["int8", "w1a2"], batch=2, out=str(out), console=Console(quiet=True), env={},
+                     convert_only=True)
+    on_disk = json.loads(out.read_text())
+    assert on_disk["suite"] == "models_convert" and on_disk["device"] == "cpu"
+    assert on_disk["config"]["speed_rule"] is None and on_disk["config"]["batch"] == 2
+    assert [(r["model"], r["precision"]) for r in payload["rows"]] == [
+        ("net_a", "int8"), ("net_a", "w1a2"), ("net_b", "int8"), ("net_b", "w1a2")]
+    for r in payload["rows"]:
+        assert "ms" not in r and "error" not in r and r["float_other"] == 0 and r["quantized"] == 2
+        assert 0 < r["nrmse_vs_fp32"] < 2
+    assert [t["target"] for t in payload["targets"]] == ["every torchvision classification model converts"]
+    assert payload["targets"][0]["met"] is True and "2 of 2 models" in payload["targets"][0]["value"]
+    assert on_disk["details"]["net_a/int8"]["float"] == {}
+
+
+def test_convert_only_records_a_failing_conversion_and_resumes_its_own_suite(tmp_path, monkeypatch):
+    _fake_torchvision(monkeypatch)
+
+    def quantize_fails(m, cfg, **kw):
+        if cfg.precision == "w1a2":
+            raise ValueError("no way to quantize this layer")
+        return real(m, cfg, **kw)
+
+    real = mb.quantize_model
+    monkeypatch.setattr(mb, "quantize_model", quantize_fails)
+    out = tmp_path / "models_convert.json"
+    payload = mb.run(["all"], ["int8", "w1a2"], batch=2, out=str(out), console=Console(quiet=True), env={},
+                     convert_only=True)
+    errs = [r for r in payload["rows"] if "error" in r]
+    assert [(r["model"], r["precision"]) for r in errs] == [("net_a", "w1a2"), ("net_b", "w1a2")]
+    assert errs[0]["error"] == "ValueError: no way to quantize this layer"
+    assert payload["targets"][0]["met"] is False and "failed: net_a, net_b" in payload["targets"][0]["value"]
+    # a timed run's file is not resumed by a conversion check, nor the other way round
+    with pytest.raises(ValueError, match="not a models run"):
+        _run(tmp_path, out=str(out), resume=True)
+    timed = tmp_path / "models.json"
+    _run(tmp_path, out=str(timed))
+    with pytest.raises(ValueError, match="not a models_convert run"):
+        mb.run(["all"], ["int8", "w1a2"], batch=4, out=str(timed), console=Console(quiet=True), env={},
+               convert_only=True, resume=True)
+
+
+def test_cli_convert_only_needs_no_gpu(monkeypatch, tmp_path):
+    _fake_torchvision(monkeypatch)
+    out = tmp_path / "c.json"
+    res = CliRunner().invoke(app, ["bench", "models", "--convert-only", "--model", "net_b", "--precision", "int8",
+                                   "--json", str(out), "--quiet"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    d = json.loads(out.read_text())
+    assert d["suite"] == "models_convert" and d["config"]["batch"] == 2 and "--convert-only" in d["command"]
+    assert [(r["model"], r["precision"]) for r in d["rows"]] == [("net_b", "int8")]

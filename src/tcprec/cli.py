@@ -881,9 +881,15 @@ def bench_models_cmd(
     model: str = typer.Option(",".join(models_bench.DEFAULT_MODELS), help="Comma-separated torchvision classification "
                               "model names, or 'all' (every one torchvision defines)."),
     precision: str = typer.Option(",".join(models_bench.PRECISIONS), help="Comma-separated: int8, fp8, wXaY (w1a2 ...)."),
-    batch: int = typer.Option(256, min=1, help="Batch size (the speed rule times at it too)."),
+    batch: Optional[int] = typer.Option(None, min=1, help="Batch size (the speed rule times at it too) [default: 256; "
+                                        "2 with --convert-only]."),
     seed: int = typer.Option(0, help="Seed of the weights and the input."),
-    json_path: str = _json_option("benchmarks/results/models.json"),
+    json_path: Optional[str] = typer.Option(None, "--json", "--out", metavar="PATH", help="JSON output path ('-': "
+                                            "stdout, nothing else there) [default: benchmarks/results/models.json; "
+                                            "models_convert.json there with --convert-only]."),
+    convert_only: bool = typer.Option(False, "--convert-only", help="No GPU, no timing: convert each model on the "
+                                      "CPU at each precision, run it on the reference kernels, NRMSE vs fp32 and the "
+                                      "layers left float with their reasons (the 'every model converts' check)."),
     resume: bool = typer.Option(False, "--resume", help="Keep the models the --json file already holds (same "
                                 "precisions, batch and seed) and measure only the others: '--model all' over "
                                 "several runs."),
@@ -894,8 +900,10 @@ def bench_models_cmd(
     """torchvision classification model definitions (seeded weights) quantized with the speed rule on, against cuDNN
     fp16 channels_last, CUDA graphs on both sides: ms, speedup, NRMSE vs fp32, layers quantized / kept fp16 by the
     rule / float otherwise (issue 43: none slower than fp16; ResNet-50 int8 >= 1.5x, w1a2 >= 2.5x).  Needs a GPU and
-    torchvision."""
+    torchvision; --convert-only needs torchvision alone."""
     models = _split(model, "--model")
+    batch = batch or (2 if convert_only else 256)
+    json_path = json_path or f"benchmarks/results/{models_bench.SUITES[convert_only]}.json"
     try:
         precs = models_bench.parse_precisions(_split(precision, "--precision"))
     except ValueError as e:
@@ -907,11 +915,11 @@ def bench_models_cmd(
         raise typer.BadParameter(str(e), param_hint="--shard") from None
     command = shlex.join(["tcprec", "bench", "models", "--model", model, "--precision", precision, "--batch",
                           str(batch), "--seed", str(seed), "--json", json_path] + (["--resume"] if resume else [])
-                         + (["--shard", shard] if shard else []))
+                         + (["--shard", shard] if shard else []) + (["--convert-only"] if convert_only else []))
     with _needs_gpu(), _json_file(json_path, "models.json") as out:
         try:
             models_bench.run(models, precs, batch, out=str(out), command=command, console=Console(), seed=seed,
-                             resume=resume, shard=shard_kn)
+                             resume=resume, shard=shard_kn, convert_only=convert_only)
         except ImportError as e:
             Console(stderr=True).print(f"[red]{escape(str(e))}")
             raise typer.Exit(code=2) from None

@@ -20,6 +20,11 @@ quantized, kept fp16 by the speed rule, float for other reasons (``tcprec_summar
 gave the fp16 model back (``SpeedReport.model_itself``): such a row times the baseline against itself, and "none
 slower than fp16" does not count it as slower.  Weights are seeded, not trained: NRMSE says how far the outputs
 move, not an accuracy.  torchvision is needed only here and is imported when the suite runs.
+
+``convert_only`` (``tcprec bench models --convert-only``; suite ``models_convert``, its own JSON): the CPU check
+that each definition converts and runs -- per precision ``quantize_model`` of the fp32 model (no speed rule: the
+CPU's time says nothing about the GPU's), a forward on the reference kernels, NRMSE against fp32 and the layer
+counts, each float layer with its reason in the details; no timing, no GPU.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from .common import environment, git_commit, print_environment, require_cuda, ti
 from .net import nrmse
 
 __all__ = ["run", "DEFAULT_MODELS", "PRECISIONS", "TARGETS", "torchvision_classifiers", "build_model", "parse_precisions",
-           "parse_shard", "check_shard", "measure_model", "targets"]
+           "parse_shard", "check_shard", "measure_model", "convert_model", "targets", "SUITES"]
 
 # ~150 s on an H200 at batch 256 with int8 / fp8 / w1a2 (conversion, two speed-rule rounds, timing); the issue's
 # ResNet-50 and MobileNetV2 plus three other families (compound scaling, RegNet, channel shuffle)
@@ -53,6 +58,7 @@ DEFAULT_MODELS = ("resnet50", "mobilenet_v2", "efficientnet_b0", "regnet_y_400mf
 PRECISIONS = ("int8", "fp8", "w1a2")
 TARGETS = {("resnet50", "int8"): 1.5, ("resnet50", "w1a2"): 2.5}  # issue 43: speedup over fp16 at batch 256
 CALIBRATION_IMAGES = 16
+SUITES = {False: "models", True: "models_convert"}  # by convert_only
 IMAGE = 224
 
 
@@ -62,7 +68,7 @@ def _torchvision():
     except ImportError as e:
         raise ImportError(f"tcprec bench models builds torchvision's model definitions, and torchvision is not "
                           f"importable here ({e}); install the build that matches torch {torch.__version__} "
-                          "(pip install torchvision) on the GPU machine") from None
+                          "(pip install torchvision)") from None
     return torchvision
 
 
@@ -126,7 +132,7 @@ def _counts(summary) -> dict:
             "float_other": sum(r.precision == "float" and r.name not in floated for r in summary.layers)}
 
 
-def _resumed(out: str, precisions: Sequence[str], batch: int, seed: int) -> tuple[list, dict]:
+def _resumed(out: str, precisions: Sequence[str], batch: int, seed: int, suite: str = "models") -> tuple[list, dict]:
     """(rows, details) of the models a previous run wrote to ``out`` with every one of ``precisions`` at the same
     batch and seed ([] without the file); ValueError naming the difference when it is a run of another kind."""
     path = Path(out)
@@ -137,8 +143,8 @@ def _resumed(out: str, precisions: Sequence[str], batch: int, seed: int) -> tupl
     except json.JSONDecodeError as e:
         raise ValueError(f"--resume: {out} is not valid JSON ({e}); move it away or run without --resume") from None
     cfg = d.get("config", {}) if isinstance(d, dict) else {}
-    if not isinstance(d, dict) or d.get("suite") != "models" or (cfg.get("batch"), cfg.get("seed")) != (batch, seed):
-        raise ValueError(f"--resume: {out} is not a bench models run at batch {batch}, seed {seed} (it holds suite "
+    if not isinstance(d, dict) or d.get("suite") != suite or (cfg.get("batch"), cfg.get("seed")) != (batch, seed):
+        raise ValueError(f"--resume: {out} is not a {suite} run at batch {batch}, seed {seed} (it holds suite "
                          f"{d.get('suite') if isinstance(d, dict) else None!r}, batch {cfg.get('batch')}, seed "
                          f"{cfg.get('seed')}); pass the same --batch / --seed, another --json, or drop --resume")
     by_model: dict[str, list] = {}
@@ -197,21 +203,53 @@ def measure_model(name: str, precisions: Sequence[str], batch: int, seed: int, c
     return rows, details
 
 
+def convert_model(name: str, precisions: Sequence[str], batch: int, seed: int, console: Console) -> tuple[list, dict]:
+    """(rows, details) of one model on the CPU (``convert_only``): each precision converted from the fp32 model with
+    the catalog's first / last rule, run on ``batch`` seeded images, its NRMSE against fp32 and its layer counts."""
+    m32 = build_model(name, seed, torch.device("cpu"))
+    x = torch.randn((batch, 3, IMAGE, IMAGE), generator=torch.Generator().manual_seed(seed + 2))
+    with torch.no_grad():
+        ref = m32(x).float()
+    rows, details = [], {}
+    for p in precisions:
+        row: dict = {"model": name, "precision": p, "batch": batch}
+        t0 = time.time()
+        try:
+            q = quantize_model(m32, QuantConfig(p, first_last=None if p in ("int8", "fp8") else "int8"),
+                               calibration=x, warn=False)
+            with torch.no_grad():
+                row["nrmse_vs_fp32"] = nrmse(q(x).float(), ref)
+            s = q.tcprec_summary
+            row.update(_counts(s))
+            details[f"{name}/{p}"] = {"layers": [r.line() for r in s.layers], "notes": s.notes,
+                                      "float": {r.name: r.backend for r in s.layers if r.precision == "float"}}
+            del q
+        except Exception as e:  # noqa: BLE001 - a case that fails is this check's finding: a row, not a crash
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        row["setup_s"] = round(time.time() - t0, 1)
+        rows.append(row)
+        console.print(_case_line(row))
+    return rows, details
+
+
 def _case_line(r: dict) -> str:
     if "error" in r:
         return f"{r['model']} {r['precision']}: [red]error[/] {r['error'][:120]}"
+    if "ms" not in r:  # (convert_only)
+        return (f"{r['model']} {r['precision']}: converted and ran, NRMSE {r['nrmse_vs_fp32']:.3g}, {r['quantized']} "
+                f"quantized / {r['float_other']} float ({r['setup_s']} s)")
     return (f"{r['model']} {r['precision']}: {r['ms']:.3f} ms, fp16 {r['fp16_ms']:.3f} ms, {r['speedup']:.2f}x"
             + (" (the fp16 model itself, given back by the speed rule)" if r.get("model_itself") else "") + ", "
             f"NRMSE {r['nrmse_vs_fp32']:.3g}, {r['quantized']} quantized / {r['floated_by_rule']} kept fp16 by the "
             f"speed rule / {r['float_other']} float otherwise ({r['setup_s']} s)")
 
 
-def targets(rows: list[dict], models: Sequence[str], catalog_size: int | None = None) -> list[dict]:
-    """The issue's targets judged on ``rows``: ResNet-50's speedups, every model converts, none slower than fp16.
-    "Every model converts" is met only by a run of the whole catalog (``catalog_size`` models: ``--model all``); a
-    run of fewer models can fail it, not meet it."""
+def targets(rows: list[dict], models: Sequence[str], catalog_size: int | None = None, timed: bool = True) -> list[dict]:
+    """The issue's targets judged on ``rows``: ResNet-50's speedups, every model converts, none slower than fp16
+    (``timed=False``, a ``convert_only`` run: "converts" alone).  "Every model converts" is met only by a run of the
+    whole catalog (``catalog_size`` models: ``--model all``); a run of fewer models can fail it, not meet it."""
     out = []
-    for (model, prec), want in TARGETS.items():
+    for (model, prec), want in TARGETS.items() if timed else ():
         r = next((r for r in rows if r["model"] == model and r["precision"] == prec and "speedup" in r), None)
         out.append({"target": f"{model} {prec} >= {want}x fp16",
                     "value": "not measured" if r is None else f"{r['speedup']:.2f}x",
@@ -225,22 +263,24 @@ def targets(rows: list[dict], models: Sequence[str], catalog_size: int | None = 
                 "value": f"{len(ran) - len(failed)} of {len(ran)} models run at every precision ({listed})"
                          + (f"; failed: {', '.join(failed)}" if failed else ""),
                 "met": None if not ran else False if failed else (len(ran) == len(models) if whole else None)})
-    timed = [r for r in rows if "speedup" in r]
+    if not timed:
+        return out
+    cases = [r for r in rows if "speedup" in r]
     # a row whose model is the fp16 model itself (the speed rule gave it back: SpeedReport.model_itself) runs what
     # the baseline runs; its ratio is the timing noise of one graph against itself, not a slower model
-    itself = [r for r in timed if r.get("model_itself")]
-    judged = [r for r in timed if not r.get("model_itself")]
+    itself = [r for r in cases if r.get("model_itself")]
+    judged = [r for r in cases if not r.get("model_itself")]
     slow = [r for r in judged if r["speedup"] < 1.0]
     worst = min(judged, key=lambda r: r["speedup"]) if judged else None
     out.append({"target": "no model slower than fp16 at any precision",
-                "value": "not measured" if not timed else
+                "value": "not measured" if not cases else
                 (f"slowest {worst['model']} {worst['precision']} {worst['speedup']:.2f}x; " if worst else "")
-                + f"{len(slow)} of {len(timed)} cases below 1.0x"
+                + f"{len(slow)} of {len(cases)} cases below 1.0x"
                 + (": " + ", ".join(f"{r['model']} {r['precision']}" for r in slow[:8]) if slow else "")
                 + (f"; {len(itself)} case(s) the fp16 model itself, given back by the speed rule (timed "
                    f"{min(r['speedup'] for r in itself):.3f}-{max(r['speedup'] for r in itself):.3f}x against "
                    "itself)" if itself else ""),
-                "met": None if not timed else not slow})
+                "met": None if not cases else not slow})
     return out
 
 
@@ -292,7 +332,8 @@ def _merge(kept: list, kept_details: dict, mine: list, mine_details: dict, names
 def run(models: Sequence[str] = DEFAULT_MODELS, precisions: Sequence[str] = PRECISIONS, batch: int = 256,
         out: str = "benchmarks/results/models.json", command: str = "tcprec bench models", console: Console | None = None,
         seed: int = 0, measure: Callable | None = None, catalog: Callable[[], list[str]] | None = None,
-        env: dict | None = None, resume: bool = False, shard: tuple[int, int] | None = None) -> dict:
+        env: dict | None = None, resume: bool = False, shard: tuple[int, int] | None = None,
+        convert_only: bool = False) -> dict:
     """Run every (model, precision) case and write the JSON (module docstring).  ``measure(name, precisions, batch,
     seed, console) -> (rows, details)``, ``catalog() -> names`` and ``env`` replace the GPU, torchvision and the
     device record (tests).  ``resume``: keep those of ``models`` that ``out`` already holds (a run of the same
@@ -300,16 +341,20 @@ def run(models: Sequence[str] = DEFAULT_MODELS, precisions: Sequence[str] = PREC
     several sessions or machine loans; each row names the commit that measured it.  Under ``resume`` every write
     re-reads ``out`` under a lock and merges this run's rows into it, so several runs may share the file.
     ``shard=(K, N)`` (needs ``resume``): measure only the listed models at positions i with i % N == K -- N processes,
-    one a GPU (``CUDA_VISIBLE_DEVICES=K``), run the catalog into one file."""
+    one a GPU (``CUDA_VISIBLE_DEVICES=K``), run the catalog into one file.  ``convert_only``: the CPU conversion check
+    (:func:`convert_model`, suite ``models_convert``; module docstring)."""
     console = console or Console()
     commit = git_commit()
     precisions = parse_precisions(precisions)
     if not (isinstance(batch, int) and batch >= 1):
         raise ValueError(f"batch must be a positive int, got {batch!r}")
     check_shard(shard, resume)
+    suite = SUITES[convert_only]
     with _locked(out) if resume else contextlib.nullcontext():
-        kept_rows, kept_details = _resumed(out, precisions, batch, seed) if resume else ([], {})
-    if measure is None:
+        kept_rows, kept_details = _resumed(out, precisions, batch, seed, suite) if resume else ([], {})
+    if measure is None and convert_only:
+        measure = convert_model
+    elif measure is None:
         require_cuda(command)
         measure = measure_model
         torch.backends.cudnn.benchmark = True
@@ -331,15 +376,16 @@ def run(models: Sequence[str] = DEFAULT_MODELS, precisions: Sequence[str] = PREC
 
     def payload() -> dict:
         commits = sorted({r.get("commit") or "unknown" for r in rows}) or [commit]
-        p = {"suite": "models", "command": command, "device": env.get("gpu"),
+        p = {"suite": suite, "command": command, "device": "cpu" if convert_only else env.get("gpu"),
              "commit": commits[0] if len(commits) == 1 else f"per row ({', '.join(commits)})",
              "summary": [{k: r.get(k) for k in ("model", "precision", "ms", "fp16_ms", "speedup", "nrmse_vs_fp32",
                                                 "fp16_nrmse_vs_fp32", "quantized", "floated_by_rule", "float_other",
                                                 "model_itself", "error", "commit")
                           if k in r} for r in rows],
-             "targets": targets(rows, names, len(known)), "config": {"batch": batch, "image": IMAGE,
-                                                         "calibration_images": CALIBRATION_IMAGES, "seed": seed,
-                                                         "speed_rule": f"SpeedRule(batch={batch})"},
+             "targets": targets(rows, names, len(known), timed=not convert_only),
+             "config": {"batch": batch, "image": IMAGE, "seed": seed} | (
+                 {"calibration_images": batch, "speed_rule": None} if convert_only else
+                 {"calibration_images": CALIBRATION_IMAGES, "speed_rule": f"SpeedRule(batch={batch})"}),
              "environment": env, "rows": rows, "details": details}
         measured = len({r["model"] for r in rows})
         if measured < len(names):  # written after every model, so a run cut short keeps what it measured
@@ -352,7 +398,7 @@ def run(models: Sequence[str] = DEFAULT_MODELS, precisions: Sequence[str] = PREC
             rows, details = mine, mine_details
             return write_json(out, payload())
         with _locked(out):  # the rows other shards wrote meanwhile, then this run's
-            rows, details = _merge(*_resumed(out, precisions, batch, seed), mine, mine_details, names)
+            rows, details = _merge(*_resumed(out, precisions, batch, seed, suite), mine, mine_details, names)
             return write_json(out, payload())
 
     for name in track(todo, "bench models", label=str):
@@ -368,7 +414,8 @@ def run(models: Sequence[str] = DEFAULT_MODELS, precisions: Sequence[str] = PREC
             save()
     path = save()
     result = payload()
-    console.print(table(rows, f"torchvision models, batch {batch}, {env.get('gpu')}"))
+    console.print(table(rows, f"torchvision models, batch {batch}, " + ("converted on the CPU" if convert_only
+                                                                         else str(env.get("gpu")))))
     for t in result["targets"]:
         console.print(f"target: {t['target']}: {t['value']} ({ {True: 'met', False: 'MISSED', None: '-'}[t['met']] })")
     console.print(f"wrote {path}")
@@ -384,8 +431,10 @@ def table(rows: list[dict], title: str) -> Table:
         if "error" in r:
             t.add_row(r["model"], r["precision"], "error", r["error"][:50], "", "", "", "", "")
             continue
-        t.add_row(r["model"], r["precision"], _num(r["ms"], ".3f"), _num(r["fp16_ms"], ".3f"),
-                  _num(r["speedup"], ".2f") + "x", _num(r["nrmse_vs_fp32"], ".3g"), str(r["quantized"]),
+        timed = "ms" in r  # (not in a convert_only row)
+        t.add_row(r["model"], r["precision"], _num(r["ms"], ".3f") if timed else "-",
+                  _num(r["fp16_ms"], ".3f") if timed else "-", _num(r["speedup"], ".2f") + "x" if timed else "-",
+                  _num(r["nrmse_vs_fp32"], ".3g"), str(r["quantized"]),
                   str(r["floated_by_rule"]), str(r["float_other"]))
     return t
 
