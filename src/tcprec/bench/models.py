@@ -158,6 +158,12 @@ def _resumed(out: str, precisions: Sequence[str], batch: int, seed: int, suite: 
     return rows, details
 
 
+def catalog_config(precision: str, **kw) -> QuantConfig:
+    """The catalog's config of ``precision``: ``first_last`` int8 for wXaY below 8 bits (APNN-TC's rule), none for
+    int8 / fp8; ``kw``: the other QuantConfig fields (the timed run's speed rule)."""
+    return QuantConfig(precision, first_last=None if precision in ("int8", "fp8") else "int8", **kw)
+
+
 def measure_model(name: str, precisions: Sequence[str], batch: int, seed: int, console: Console) -> tuple[list, dict]:
     """(rows, details) of one model on the current CUDA device: the fp16 baseline and each precision."""
     device = torch.device("cuda", torch.cuda.current_device())
@@ -176,8 +182,7 @@ def measure_model(name: str, precisions: Sequence[str], batch: int, seed: int, c
         row: dict = {"model": name, "precision": p, "batch": batch, "fp16_nrmse_vs_fp32": fp16_err}
         t0 = time.time()
         try:
-            cfg = QuantConfig(p, first_last=None if p in ("int8", "fp8") else "int8",
-                              speed_rule=SpeedRule(batch=batch))
+            cfg = catalog_config(p, speed_rule=SpeedRule(batch=batch))
             q = quantize_model(m16, cfg, calibration=x16[:CALIBRATION_IMAGES], warn=False)
             row["setup_s"] = round(time.time() - t0, 1)
             with torch.no_grad():
@@ -215,8 +220,7 @@ def convert_model(name: str, precisions: Sequence[str], batch: int, seed: int, c
         row: dict = {"model": name, "precision": p, "batch": batch}
         t0 = time.time()
         try:
-            q = quantize_model(m32, QuantConfig(p, first_last=None if p in ("int8", "fp8") else "int8"),
-                               calibration=x, warn=False)
+            q = quantize_model(m32, catalog_config(p), calibration=x, warn=False)
             with torch.no_grad():
                 row["nrmse_vs_fp32"] = nrmse(q(x).float(), ref)
             s = q.tcprec_summary
