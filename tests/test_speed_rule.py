@@ -372,8 +372,8 @@ def _fast_path_calls(model, *args) -> int:
     return sum(e.count for e in prof.key_averages() if e.key == "aten::_transformer_encoder_layer_fwd")
 
 
-def _rule(model, fast=(), seed=0, timer=None):
-    cfg = tp.QuantConfig("int8", first_last=None, speed_rule=SpeedRule(timer=timer or SlowerQuantized(fast)))
+def _rule(model, fast=(), seed=0, timer=None, **kw):
+    cfg = tp.QuantConfig("int8", first_last=None, speed_rule=SpeedRule(timer=timer or SlowerQuantized(fast)), **kw)
     x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(seed + 1))
     return tp.quantize_model(model, cfg, calibration=x, warn=False), x
 
@@ -418,9 +418,13 @@ def test_one_linear_faster_quantized_keeps_tcprecs_modules_around_it():
     inside), so the encoder does too; layer 0, all float, is torch's own layer.  Layer 1's linear2 alone faster:
     layer 1 stays tcprec's, its attention (all float) is torch's own.  Both times layer 1, timed whole (tcprec's
     module as converted against torch's float layer), is faster quantized (the clock says so for "enc.layers.1"):
-    the module-level decision keeps it."""
+    the module-level decision keeps it.
+
+    The two layers are twins, which the rule times once and decides alike (docs/decisions/0159): layer 0's
+    q/k/v (then its linear2) is kept float by the config, so layer 1's is timed by itself and can win."""
     t = SlowerQuantized(fast=("enc.layers.1.self_attn.qkv_proj", "enc.layers.1"))
-    q, x = _rule(_Wrapped().eval(), timer=t)
+    pinned = {f"enc.layers.0.self_attn.{p}_proj": "float" for p in "qkv"}
+    q, x = _rule(_Wrapped().eval(), timer=t, overrides=pinned)
     sp = q.tcprec_summary.speed
     assert [(m.name, m.kind, m.floated) for m in sp.modules] == [("enc.layers.1", "TransformerEncoderLayer", False)]
     assert sp.modules[0].quantized == tuple(f"enc.layers.1.self_attn.{p}_proj" for p in "qkv")
@@ -434,12 +438,14 @@ def test_one_linear_faster_quantized_keeps_tcprecs_modules_around_it():
     recs = {r.name: r for r in q.tcprec_summary.layers}
     quantized = [n for n in ENC_LINEARS if recs[n].precision != "float"]
     assert quantized == [f"enc.layers.1.self_attn.{p}_proj" for p in "qkv"]
-    assert all(recs[n].reason.startswith("kept fp32: w8a8 2.000 ms") for n in ENC_LINEARS if n not in quantized)
+    assert all(recs[n].reason.startswith("kept fp32: w8a8 2.000 ms") for n in ENC_LINEARS
+               if n not in quantized and n not in pinned)
     with torch.no_grad():
         assert q(x).shape == (2, 5, 10)
     assert _fast_path_calls(q, x) == 1  # layer 0
 
-    q, x = _rule(_Wrapped().eval(), fast=("enc.layers.1.linear2", "enc.layers.1"))
+    q, x = _rule(_Wrapped().eval(), fast=("enc.layers.1.linear2", "enc.layers.1"),
+                 overrides={"enc.layers.0.linear2": "float"})
     assert type(q.get_submodule("enc.layers.1")) is not nn.TransformerEncoderLayer
     assert type(q.get_submodule("enc.layers.1.linear2")).__name__ == "QLinear"
     assert type(q.get_submodule("enc.layers.1.self_attn")) is nn.MultiheadAttention
@@ -478,10 +484,15 @@ def test_a_layer_faster_as_torchs_fused_module_is_torchs_again(slow):
     t = LayersSlowerWhole(slow)
     q, x = _rule(_Wrapped().eval(), timer=t)
     sp = q.tcprec_summary.speed
-    # round 1 timed every linear; then each layer whole, once, on both sides; one conversion more
+    # round 1 timed every distinct linear (layer 1's are layer 0's twins: timed once, as layer 0's, decision 0159)
+    # and the head; then each layer whole, once, on both sides; one conversion more
     modules = [c for c in t.calls if c[0] in ("enc.layers.0", "enc.layers.1")]
     assert modules == [(n, s) for n in ("enc.layers.0", "enc.layers.1") for s in ("quantized", "float")]
-    assert t.calls.index(modules[0]) > t.calls.index(("enc.layers.1.linear2", "float"))
+    layers = t.calls[:t.calls.index(modules[0])]
+    assert sorted({n for n, _ in layers}) == sorted(["head", "enc.layers.0.self_attn.qkv_proj",
+                                                     *(n for n in ENC_LINEARS[3:6])])
+    twins = [lt for lt in sp.layers if lt.name.startswith("enc.layers.1.")]
+    assert len(twins) == 4 and all(lt.quant_from == lt.float_from == lt.name.replace(".1.", ".0.") for lt in twins)
     assert t.calls[-2:] == [(MODEL, "quantized"), (MODEL, "float")]
     for n in ("enc.layers.0", "enc.layers.1"):  # both sides computed the whole layer, on the same input
         yq, yf = t.outs[(n, "quantized")], t.outs[(n, "float")]

@@ -15,7 +15,15 @@ way TensorRT's builder picks a tactic per layer by timing:
    A fused module counts as one layer, timed as it runs: self-attention's ``qkv_proj`` (q / k / v in one quantize
    pass and one (3E, E) GEMM, nn/attention.py) against the same fused linear in float (torch's ``in_proj``); kept
    float, its three members are (``q_proj`` / ``k_proj`` / ``v_proj`` in the summary and the overrides), and they run
-   as that one float GEMM;
+   as that one float GEMM.  Each distinct layer is timed once, not each layer (docs/decisions/0159): layers whose
+   kernels see the same thing -- the quantized module's type and every attribute and buffer shape (precision,
+   formats, geometry, backend and plan, the operand it reads and the output it writes, chained or not, its fused
+   epilogue) with its operands' shapes / dtypes / strides, and on the float side the float module (type, weight
+   shape, stride / padding / groups / dilation, bias, dtype), the input shapes and what the quantized one absorbed
+   -- share one timing of each side a round (the float side: once), so ViT-B's 12 encoder blocks cost one block's
+   timings and twin blocks get one decision; each layer keeps its own timing record, naming the layer whose time
+   it took (``LayerTiming.quant_from`` / ``float_from``; its reason: ``"...; the times of layer1.0.conv1, an
+   identical layer"``);
 3. every layer whose quantized time is larger is kept float (an override, so the converter re-chains its
    neighbours), and the model is converted again; the layers whose operands changed are timed again, up to
    ``rounds`` conversions; a torch attention / transformer module left with no quantized linear is the user's own
@@ -47,11 +55,12 @@ input (256,32,112,112)"``), ``summary.speed`` holds the figures and ``summary.ex
 Timing needs the model's CUDA device: on a CPU model ``"measured"`` is a ``ValueError`` (the reference kernels' CPU
 time says nothing about the GPU kernels) unless ``SpeedRule(timer=...)`` supplies the clock.  ``timer(layer, side,
 fn) -> ms`` is called with the layer's name (``MODEL`` for the whole model), ``"quantized"`` or ``"float"``, and a
-no-argument callable that runs that side once; tests pass a fake one to drive the decision deterministically.
+no-argument callable that runs that side once; tests pass a fake one to drive the decision deterministically.  Of
+identical layers only the first (in forward order) is named to it: the others take its figures.
 
 The default is ``"off"`` (docs/decisions/0090): timing makes conversion depend on the clock (two conversions of one
 model may float different layers, so one's ``state_dict`` need not load into the other), costs two CUDA-graph timings
-per layer and conversion round, and would override precisions asked for explicitly.  Ask for it where a deployment
+per distinct layer and conversion round, and would override precisions asked for explicitly.  Ask for it where a deployment
 is being built; pin its outcome with ``summary.speed.overrides()`` passed as ``QuantConfig(overrides=...)``.
 """
 
@@ -61,7 +70,7 @@ import copy
 import math
 import time
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Callable
 
 import torch
@@ -72,6 +81,7 @@ from torch import nn
 from ..timing import graph_ms, graph_ms_alternating
 from .attention import not_decomposed
 from .linear_gelu import gelu_fusable, linear_gelu
+from .qmodules import LayerPlan
 
 __all__ = ["SpeedRule", "SPEED_RULES", "as_speed_rule", "SpeedReport", "LayerTiming", "ModuleTiming", "MODEL",
            "cuda_graph_timer", "apply_speed_rule"]
@@ -142,10 +152,19 @@ class LayerTiming:
     members: tuple = ()  # a fused module (self-attention's qkv_proj): the float model's layers it stands for
     by_model: str = ""  # floated by the whole-model check: what the whole model's times were ("was slower ...")
     gelu: bool = False  # timed with the erf GELU that reads it (a pass quantized, the float LinearGELU's epilogue)
+    # the layer whose timing of that side this one reuses (its signature is equal: the same kernels on the same
+    # shapes, _signature); "" where this layer was timed itself
+    quant_from: str = ""
+    float_from: str = ""
 
     @property
     def saved_ms(self) -> float:
         return self.float_ms - self.quant_ms
+
+    @property
+    def shared(self) -> bool:
+        """Whether a side's time is another (identical) layer's."""
+        return bool(self.quant_from or self.float_from)
 
     def text(self, float_label: str) -> str:
         shape = "(" + ",".join(str(s) for s in self.input_shape) + ")"
@@ -153,6 +172,11 @@ class LayerTiming:
             if self.members else ""
         if self.gelu:
             unit += ", with the GELU after it: a pass quantized, the GEMM's epilogue in float"
+        if self.quant_from and self.quant_from == self.float_from:
+            unit += f"; the times of {self.quant_from}, an identical layer"
+        elif self.shared:
+            unit += "; " + " and ".join(f"the {side} time of {other}" for side, other in (
+                (self.precision, self.quant_from), (float_label, self.float_from)) if other) + ", an identical layer"
         if self.by_model:
             return (f"kept {float_label}: the whole model {self.by_model}; this layer saved least"
                     f" ({self.precision} {self.quant_ms:.3f} ms <= {float_label} {self.float_ms:.3f} ms at input "
@@ -237,6 +261,9 @@ class SpeedReport:
                f"{len(self.floated)} of {len(self.layers)} timed layer(s) kept {self.float_label}"
                + (f", and {whole} linear(s) for torch's modules" if (whole := sum(len(t.layers) for t in self.modules))
                   else "")]
+        if shared := sum(t.shared for t in self.layers):
+            out.append(f"{shared} of the {len(self.layers)} timed layer(s) took a time from an identical layer (the "
+                       "same module configuration, operand and input shapes: each signature timed once a round)")
         if self.model_ms is not None and self.float_model_ms is not None:
             out.append(f"whole model: quantized {self.model_ms:.3f} ms, {self.float_label} {self.float_model_ms:.3f} ms "
                        f"({self.speedup:.2f}x)")
@@ -389,12 +416,80 @@ def _gelu_read(q: nn.Module, qmods: dict, probe: _Probe) -> set[str]:
             and gelu_fusable(probe.floats.get(node.target), node, mods)}
 
 
+# A layer's own name is not part of what its kernels see, but a module can hold names of layers: the plan's ``name``
+# (its reason is kept: derived from the formats and the device), and a fused module's member names (their count kept)
+_NAMES = {(LayerPlan, "name")}
+_NAME_ATTRS = {"tcprec_fused"}
+
+
+def _type_name(v) -> str:
+    return f"{type(v).__module__}.{type(v).__qualname__}"
+
+
+def _signature(*parts) -> tuple | object:
+    """``parts`` described (:func:`_describe`); where that fails (an operand it cannot read), a key of its own: the
+    call is timed by itself rather than the rule failing or sharing a time it cannot vouch for."""
+    try:
+        return _describe(parts)
+    except Exception:  # noqa: BLE001 - see above
+        return object()
+
+
+def _describe(v):
+    """A hashable description of ``v`` as a kernel sees it: a tensor's shape, dtype, strides, device and 16-byte
+    alignment (Triton specialises on it), never its values; a dataclass (a QTensor, its layout and format, a
+    precision, a plan) field by field; containers item by item; a module by :func:`_module_signature`; anything else by
+    its type and ``repr`` -- a repr that names the object (an address) makes the description unique, which only costs a
+    timing."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, torch.Tensor):
+        return ("tensor", tuple(v.shape), str(v.dtype), tuple(v.stride()), str(v.device), v.data_ptr() % 16)
+    if isinstance(v, (torch.dtype, torch.device, torch.memory_format)):
+        return str(v)
+    if isinstance(v, nn.Module):
+        return _module_signature(v)
+    if isinstance(v, (tuple, list)):
+        return (type(v).__name__, tuple(_describe(x) for x in v))
+    if isinstance(v, dict):
+        return ("dict", tuple((_describe(k), _describe(x)) for k, x in v.items()))
+    if is_dataclass(v) and not isinstance(v, type):
+        return (_type_name(v), tuple((f.name, _describe(getattr(v, f.name))) for f in fields(v)
+                                     if (type(v), f.name) not in _NAMES))
+    return (_type_name(v), repr(v))
+
+
+def _module_signature(m: nn.Module) -> tuple:
+    """What a module's kernels depend on, conservatively: its type and every public attribute (precision, formats,
+    geometry, backend and plan, chaining, fused activation / residual / pool, output dtype and layout, a float conv's
+    stride / padding / groups / dilation ...), its buffers and parameters as :func:`_describe` sees tensors (shapes,
+    dtypes, layout, a ``None`` bias or BN scale), its children and how many hooks it has.  An attribute added later is
+    in it without a change here; only the names of layers (``_NAMES``, ``_NAME_ATTRS``) are left out, so two
+    identical layers can match."""
+    attrs = tuple((k, len(v) if k in _NAME_ATTRS else _describe(v)) for k, v in vars(m).items()
+                  if not k.startswith("_"))
+    return (_type_name(m), attrs,
+            tuple((k, _describe(b)) for k, b in m._buffers.items()),
+            tuple((k, _describe(p)) for k, p in m._parameters.items()),
+            tuple((k, _module_signature(c)) for k, c in m._modules.items()),
+            len(m._forward_pre_hooks), len(m._forward_hooks))
+
+
 def _measure(q: nn.Module, probe: _Probe, timer, dtype, rnd: int, float_ms: dict) -> tuple[dict, list[str]]:
     """name -> LayerTiming for every quantized layer of ``q`` with a record, and notes.  A fused module (``qkv_proj``,
     ``tcprec_fused`` = its members' names, nn/attention.py: fuse_qkv) is timed as it runs -- one quantize pass, one
     (3E, E) GEMM -- against the same fused linear in float, and decides for all its members.  ``float_ms`` caches the
     float side across rounds: it depends only on the float layer, its input shapes and what the quantized module
-    absorbed (the quantized side is timed again: its operands change as neighbours are re-chained)."""
+    absorbed (the quantized side is timed again: its operands change as neighbours are re-chained).
+
+    Each side is timed once per *signature*, not per layer (docs/decisions/0159): a quantized call by its module's
+    signature (:func:`_module_signature`: configuration, geometry, backend, chaining, output, fused epilogue, weight
+    shapes), its operands as they arrive (a float tensor, or a chained producer's codes / planes, with its residual:
+    :func:`_describe`) and the GELU it is timed with, once per round; the float side by the float module's signature,
+    the input shapes, what the quantized module absorbed and the dtype, once.  Identical layers (ViT-H's 32 encoder
+    blocks, a ResNet stage's repeated blocks) then cost one timing, and get the same figures and so the same decision
+    (timed separately, noise could decide two of them differently); each still has its own LayerTiming, which names
+    the layer whose time it took (``quant_from`` / ``float_from``)."""
     recs = {r.name: r for r in q.tcprec_summary.layers}
     qmods = {n: m for n, m in q.named_modules()
              if n in recs and recs[n].precision != "float" and n in probe.floats}
@@ -405,20 +500,28 @@ def _measure(q: nn.Module, probe: _Probe, timer, dtype, rnd: int, float_ms: dict
             qmods[n], members[n] = m, fused
     gelu = _gelu_read(q, qmods, probe)
     quant: dict[str, float] = {}
+    quant_from: dict[str, str] = {}
+    timed: dict[tuple, tuple[float, str]] = {}  # this round's quantized signatures: (ms, the layer timed)
     errors: dict[str, str] = {}
     hooks = []
     for n, m in qmods.items():
         def pre(mod, args, kwargs, n=n):
             if n in errors:
                 return
-
-            def run():  # (the GELU that reads it: the pass the quantized model runs after it)
-                y = mod.forward(*args, **kwargs)
-                return F.gelu(y) if n in gelu else y
-            try:
-                quant[n] = quant.get(n, 0.0) + float(timer(n, "quantized", run))
-            except Exception as e:  # noqa: BLE001 - an untimeable layer stays as converted, and the notes say why
-                errors[n] = f"{type(e).__name__}: {str(e)[:100]}"
+            sig = _signature(mod, n in gelu, args, kwargs)
+            if sig not in timed:
+                def run():  # (the GELU that reads it: the pass the quantized model runs after it)
+                    y = mod.forward(*args, **kwargs)
+                    return F.gelu(y) if n in gelu else y
+                try:
+                    timed[sig] = (float(timer(n, "quantized", run)), n)
+                except Exception as e:  # noqa: BLE001 - an untimeable layer stays as converted, and the notes say why
+                    errors[n] = f"{type(e).__name__}: {str(e)[:100]}"
+                    return
+            ms, first = timed[sig]
+            quant[n] = quant.get(n, 0.0) + ms
+            if first != n:  # (a layer called more than once: the first call's source names it)
+                quant_from.setdefault(n, first)
         hooks.append(m.register_forward_pre_hook(pre, with_kwargs=True))
     try:
         with torch.no_grad():
@@ -438,19 +541,20 @@ def _measure(q: nn.Module, probe: _Probe, timer, dtype, rnd: int, float_ms: dict
             continue
         fm = _stacked([probe.floats[k] for k in members[n]]) if n in members else probe.floats[n]
         qm = qmods[n]
-        key = (n, recs[first].fused, tuple(map(tuple, shapes)), repr(getattr(qm, "act", None)),
-               bool(getattr(qm, "has_residual", False)), repr(getattr(qm, "pool", None)), n in gelu)
+        key = _signature(fm, recs[first].fused, shapes, getattr(qm, "act", None), bool(getattr(qm, "has_residual", False)),
+                         getattr(qm, "pool", None), n in gelu, dtype)
         if key not in float_ms:
             try:
-                float_ms[key] = sum(float(timer(n, "float", _float_fn(fm, qm, recs[first].fused, s, dev, dtype,
-                                                                      n in gelu)))
-                                    for s in shapes)
+                float_ms[key] = (sum(float(timer(n, "float", _float_fn(fm, qm, recs[first].fused, s, dev, dtype,
+                                                                       n in gelu)))
+                                     for s in shapes), n)
             except Exception as e:  # noqa: BLE001 - as above
                 errors[n] = f"{type(e).__name__}: {str(e)[:100]}"
                 continue
-        fms = float_ms[key]
+        fms, fsrc = float_ms[key]
         out[n] = LayerTiming(n, recs[first].precision, ms, fms, shapes[0], floated=ms > fms, round=rnd,
-                             members=members.get(n, ()), gelu=n in gelu)
+                             members=members.get(n, ()), gelu=n in gelu, quant_from=quant_from.get(n, ""),
+                             float_from=fsrc if fsrc != n else "")
     notes = [f"speed rule: {n} not timed, kept as converted ({why})" for n, why in errors.items()]
     return out, notes
 
@@ -653,7 +757,7 @@ def apply_speed_rule(model: nn.Module, cfg, batches: list, convert: Callable) ->
     def floated_now():
         return [k for t in [*timings.values(), *report.modules] if t.floated for k in t.layers]
 
-    float_ms: dict = {}  # (the float side of a layer, timed once: _measure)
+    float_ms: dict = {}  # (the float side of each signature, timed once: _measure)
     flags = torch.backends.cudnn.flags(enabled=True, benchmark=True, deterministic=False,
                                        allow_tf32=torch.backends.cudnn.allow_tf32)
     with flags:
