@@ -64,12 +64,18 @@ def conv2d_int(x_codes: torch.Tensor, x_fmt: IntFormat, w_codes: torch.Tensor, w
                g: ConvGeometry) -> torch.Tensor:
     """The exact integer convolution of decoded codes: int64 NHWC ``(N, P, Q, K)``.
 
-    x_codes ``(N, H, W, C)``, w_codes ``(K, R, S, C)``; float64 ``F.conv2d`` is exact here.
+    x_codes ``(N, H, W, C)``, w_codes ``(K, R, S, C)``; float64 ``F.conv2d`` is exact here, so the weight is decoded a
+    chunk of output channels at a time (``reference_conv_int8_fp8.channel_chunks``: the whole layer's float64 weight
+    and its decode temporaries were ~32 bytes a weight, 3.3 GB for VGG's fc6) with the same result.
     """
     x = decode_values(x_codes, x_fmt).permute(0, 3, 1, 2)  # (N, C, H, W) float64
-    w = decode_values(w_codes, w_fmt).permute(0, 3, 1, 2)  # (K, C, R, S) float64
-    y = F.conv2d(x, w, stride=g.stride, padding=g.padding, dilation=g.dilation)  # (N, K, P, Q)
-    return y.round().to(torch.int64).permute(0, 2, 3, 1).contiguous()  # (N, P, Q, K)
+    out = torch.empty((g.N, g.P, g.Q, g.K), dtype=torch.int64, device=x_codes.device)
+    for k0, k1 in rf.channel_chunks(w_codes):
+        w = decode_values(w_codes[k0:k1], w_fmt).permute(0, 3, 1, 2)  # (k, C, R, S) float64
+        y = F.conv2d(x, w, stride=g.stride, padding=g.padding, dilation=g.dilation)  # (N, k, P, Q)
+        out[..., k0:k1] = y.round().permute(0, 2, 3, 1)  # (N, P, Q, k), integers: exact in int64
+        del w, y
+    return out
 
 
 def taps_words(g: ConvGeometry) -> tuple[int, int, int]:

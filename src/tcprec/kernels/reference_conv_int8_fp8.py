@@ -88,6 +88,7 @@ __all__ = [
     "Int8Out",
     "Fp8Out",
     "FP8_KINDS",
+    "channel_chunks",
     "conv_acc",
     "abs_conv_acc",
     "epilogue",
@@ -260,20 +261,44 @@ def _nchw(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float64).permute(0, 3, 1, 2)  # (N, H, W, C) -> (N, C, H, W)
 
 
+# Weight elements a float64 reference convolution decodes at a time.  The decoded (K, C, R, S) weight costs 8 bytes an
+# element, and its decode ~32 with the integer temporaries (reference_conv_bitserial.decode_values): for a whole layer
+# that was 3.3 GB for VGG-11's fc6 (102M weights) on the first CPU forward, 6x the whole float model.  Output channels
+# are independent and every sum is exact in float64 (module docstring), so a chunk of channels at a time gives the same
+# values; 4M elements keep the temporaries near 150 MB.
+_DECODE_ELEMENTS = 1 << 22
+
+
+def channel_chunks(w: torch.Tensor) -> list[tuple[int, int]]:
+    """``(k0, k1)`` ranges of ``w``'s output channels (axis 0) of at most ``_DECODE_ELEMENTS`` elements each (one
+    channel at least)."""
+    K = w.shape[0]
+    step = max(1, _DECODE_ELEMENTS // max(1, w[0].numel())) if K else 1
+    return [(k, min(K, k + step)) for k in range(0, K, step)]
+
+
 def conv_acc(x: torch.Tensor, w: torch.Tensor, stride=1, padding=0, dilation=1) -> torch.Tensor:
-    """The accumulator (N, P, Q, K): int64 for integer codes (exact), float64 for float inputs.
+    """The accumulator (N, P, Q, K): int64 for integer codes (exact), float64 for float inputs; the weight decoded
+    to float64 a chunk of output channels at a time (``channel_chunks``).
 
     >>> x = torch.arange(9, dtype=torch.int8).reshape(1, 3, 3, 1)
     >>> conv_acc(x, torch.ones(1, 2, 2, 1, dtype=torch.int8))[..., 0]
     tensor([[[ 8, 12],
              [20, 24]]])
     """
-    y = F.conv2d(_nchw(x), _nchw(w), None, pair(stride, "stride"), pair(padding, "padding"),
-                 pair(dilation, "dilation"))
-    y = y.permute(0, 2, 3, 1)  # (N, K, P, Q) -> (N, P, Q, K)
-    if not x.dtype.is_floating_point:
-        return torch.round(y).to(torch.int64)
-    return y
+    xn = _nchw(x)
+    geo = pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation")
+    out = None
+    for k0, k1 in channel_chunks(w) or [(0, 0)]:  # (a weight of no output channel: one empty conv)
+        y = F.conv2d(xn, _nchw(w[k0:k1]), None, *geo).permute(0, 2, 3, 1)  # (N, K, P, Q) -> (N, P, Q, K)
+        if not x.dtype.is_floating_point:
+            y = torch.round(y).to(torch.int64)
+        if out is None:
+            if k1 == w.shape[0]:
+                return y  # (one chunk: the whole layer)
+            out = torch.empty((*y.shape[:3], w.shape[0]), dtype=y.dtype, device=y.device)
+        out[..., k0:k1] = y
+    return out
 
 
 def abs_conv_acc(x, w, stride=1, padding=0, dilation=1) -> torch.Tensor:

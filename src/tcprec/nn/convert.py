@@ -933,7 +933,8 @@ def quantize_model(model: nn.Module, config: QuantConfig | str = "w1a2", *, cali
 def _convert(model: nn.Module, cfg: QuantConfig, batches, inplace: bool, warn: bool, fixed, probe) -> nn.Module:
     """quantize_model without the speed rule; ``probe(gm, order)`` (the rule's) sees the calibrated float graph."""
     named_in = dict(model.named_modules())  # the original's module tree, for the coverage listing
-    model = model if inplace else copy.deepcopy(model)
+    theirs = None if inplace else _tensor_storages(model)
+    model = model if inplace else _copy_modules(model)
     model.eval()
     notes: list[str] = []
     # nn.MultiheadAttention / nn.TransformerEncoder(Layer) -> their Python path with plain nn.Linear projections and
@@ -1214,9 +1215,45 @@ def _convert(model: nn.Module, cfg: QuantConfig, batches, inplace: bool, warn: b
     summary = QuantSummary(layer_records, traced, notes)
     check_conv_coverage(summary.layers)
     gm.tcprec_summary = summary
+    if theirs is not None:
+        _own_tensors(gm, theirs)
     if warn:
         _warn_float(summary, stacklevel=4)
     return gm
+
+
+# The copy quantize_model works on shares the caller's float tensors and owns only what survives.  A plain
+# copy.deepcopy up front held a second float model for the whole conversion -- the weights twice at the peak, beside
+# the quantized codes -- though conversion only reads a weight (to quantize it, fold a BatchNorm, calibrate) and the
+# quantized layers keep codes: of the copied weights only the float leftovers (norms, embeddings, layers kept float,
+# biases) reach the result.  Nothing in the conversion writes a model tensor in place (nn/ computes new tensors from
+# the weights), so sharing them changes no number; copying the survivors at the end keeps the returned model
+# independent of the caller's, as the deepcopy did (docs/decisions/0158).
+
+
+def _tensor_storages(model: nn.Module) -> set[int]:
+    """The data pointers of the storages of ``model``'s parameters and buffers (what ``_own_tensors`` copies)."""
+    return {t.untyped_storage().data_ptr() for t in itertools.chain(model.parameters(), model.buffers())}
+
+
+def _copy_modules(model: nn.Module) -> nn.Module:
+    """``copy.deepcopy(model)`` with every parameter and buffer shared, not copied (they are in the deepcopy's memo):
+    new module objects, free to be swapped and re-wired, over the caller's tensors."""
+    memo: dict = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    return copy.deepcopy(model, memo)
+
+
+def _own_tensors(root: nn.Module, theirs: set[int]) -> None:
+    """Replace every parameter and buffer of ``root`` whose storage is one of ``theirs`` (the caller's model's) by
+    ``copy.deepcopy`` of it, through one memo (a tensor registered in several modules stays one tensor): float
+    parameters kept as they were, and the quantized layers' float buffers that alias one (a bias ``.float()`` left as
+    it was), so the result shares no memory with the caller's model."""
+    memo: dict = {}
+    for mod in root.modules():
+        for tensors in (mod._parameters, mod._buffers):
+            for k, t in tensors.items():
+                if t is not None and t.untyped_storage().data_ptr() in theirs:
+                    tensors[k] = copy.deepcopy(t, memo)
 
 
 def _warn_float(summary: QuantSummary, stacklevel: int) -> None:

@@ -281,6 +281,17 @@ class _QBase(nn.Module):
             self.__dict__["_packed"] = cached
         return cached[1]
 
+    def _op_weight(self, device: torch.device):
+        """The weight as this forward hands it to ``ops.qconv.conv2d`` on ``device``: the packed form (``weight``, built
+        once and kept) where a kernel reads its bit planes or int8 / float8 views; on the float64 reference (off
+        CUDA) the codes' QTensor, all that backend reads -- so a model run on the CPU never builds and keeps the
+        packed forms (for int8 weights the planes and the int8 view are each as large as the codes: two more copies
+        of the weights, docs/decisions/0158).  The same codes and scales either way, so the same results."""
+        if layer_backend(self.a_fmt, self.w_fmt, device_caps(device), self.backend)[0] != "reference":
+            return self.weight
+        codes = self.weight_codes
+        return QTensor(codes, self.weight_scale, self.w_fmt, PerChannel(0), tuple(codes.shape), torch.float32)
+
     @weight.setter
     def weight(self, qw: QTensor) -> None:
         if not isinstance(qw, QTensor) or qw.fmt != self.w_fmt or not isinstance(qw.granularity, PerChannel):
@@ -496,8 +507,8 @@ class QConv2d(_QBase):
         elif self.layer_plan is not None and x.device != self.layer_plan.device:
             self.plan_on(x.device)  # a chained operand on another device (e.g. a load with map_location): re-plan
         res = None if residual is None else self._residual_nhwc(residual, x.shape)
-        y = qc.conv2d(x, self.weight, stride=self.stride, padding=self.padding, dilation=self.dilation,
-                      scale=self.ch_scale, bias=self.ch_bias, act=self.act, pool=self.pool,
+        y = qc.conv2d(x, self._op_weight(x.device), stride=self.stride, padding=self.padding,
+                      dilation=self.dilation, scale=self.ch_scale, bias=self.ch_bias, act=self.act, pool=self.pool,
                       out_dtype=self.out_dtype, out_fmt=self.out_fmt, out_scale=self.out_scale,
                       out_layout=self.out_layout, backend=self.backend, residual=res,
                       fp8_fast_accum=self.fp8_fast_accum)
@@ -604,8 +615,8 @@ class QLinear(_QBase):
         else:
             lead = x.shape[:-1]
             xa = _quantize_input(x.reshape(-1, 1, 1, self.in_features), self)  # (B, 1, 1, K) NHWC
-        y = qc.conv2d(xa, self.weight, bias=self.bias, act=self.act, out_dtype=self.out_dtype, backend=self.backend,
-                      fp8_fast_accum=self.fp8_fast_accum)
+        y = qc.conv2d(xa, self._op_weight(xa.device), bias=self.bias, act=self.act, out_dtype=self.out_dtype,
+                      backend=self.backend, fp8_fast_accum=self.fp8_fast_accum)
         return y.reshape(*lead, self.out_features)
 
 
