@@ -716,3 +716,23 @@ def test_a_linear_read_by_gelu_is_timed_with_its_gelu_on_both_sides(model, first
                       tp.QuantConfig("int8", first_last=None, speed_rule=SpeedRule(timer=t)),
                       calibration=torch.randn(8, 16), warn=False)
     assert t.outs[("fc1", "float")].min() < -0.5
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_an_encoder_with_one_layer_torchs_own_again_runs(bias):
+    """Layer 0 all float comes back as torch's nn.TransformerEncoderLayer inside tcprec's encoder, which is called
+    with ``is_causal=None`` by default; torch's layer needs a bool there (without bias it takes the slow path, where
+    ``scaled_dot_product_attention`` refuses None)."""
+    torch.manual_seed(0)
+    model = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, bias=bias, batch_first=True), 2,
+                                  enable_nested_tensor=False).eval()
+    x = torch.randn(2, 5, 16)
+    layer0 = {f"layers.0.{n}": "float" for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                  "self_attn.out_proj", "linear1", "linear2")}
+    q = tp.quantize_model(model, tp.QuantConfig("int8", first_last=None, overrides=layer0), calibration=x, warn=False)
+    assert not any("could not trace" in n for n in q.tcprec_summary.notes)  # (the encoder is the traced root)
+    assert type(q.get_submodule("layers.0")) is nn.TransformerEncoderLayer
+    assert type(q.get_submodule("layers.1.linear1")).__name__ == "QLinear"
+    with torch.no_grad():
+        y, ref = q(x), model(x)
+    assert y.shape == ref.shape and (y - ref).norm() / ref.norm() < 0.05

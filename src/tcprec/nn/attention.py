@@ -271,6 +271,15 @@ class TransformerEncoderLayer(nn.Module):
         return self.dropout2(self.linear2(self.dropout(self.activation(self.linear1(x)))))
 
 
+@torch.fx.wrap
+def _causal_flag(is_causal) -> bool:
+    """``is_causal`` as the bool a layer takes (None: False, the mask applied as given).  A graph node when traced:
+    the encoder's ``is_causal`` is the traced model's input there, so the conversion happens when the model runs, in
+    front of each layer, torch's own ``nn.TransformerEncoderLayer`` too (restore_torch_modules), whose slow path hands
+    it to ``scaled_dot_product_attention``, which refuses None."""
+    return bool(is_causal)
+
+
 class TransformerEncoder(nn.Module):
     """``nn.TransformerEncoder``'s Python path: its layers in turn (then ``norm``), never the nested-tensor fast path.
     ``is_causal=None`` is not detected from the mask (that reads its values): the mask is applied as given."""
@@ -284,8 +293,9 @@ class TransformerEncoder(nn.Module):
 
     def forward(self, src, mask=None, src_key_padding_mask=None, is_causal=None):
         x = src
+        causal = _causal_flag(is_causal)  # (a layer may be torch's own again: nn.TransformerEncoderLayer wants a bool)
         for layer in self.layers:
-            x = layer(x, src_mask=mask, is_causal=is_causal, src_key_padding_mask=src_key_padding_mask)
+            x = layer(x, src_mask=mask, is_causal=causal, src_key_padding_mask=src_key_padding_mask)
         return x if self.norm is None else self.norm(x)
 
 
