@@ -20,6 +20,10 @@ compute the same thing with every projection an ``nn.Linear`` called as a module
   activation), never the fused fast path, so a quantized layer runs with quantized weights.  Outputs at padded
   positions are computed, as torch's Python path does (torch's nested-tensor fast path writes zeros there).
 
+torchvision's Swin attention (``ShiftedWindowAttention``, ``ShiftedWindowAttentionV2``), whose linears torchvision
+hands to a function fx keeps whole, is swapped likewise where torchvision is loaded: ``qkv`` and ``proj`` as
+``nn.Linear`` around the window attention (nn/window_attention.py, docs/decisions/0161).
+
 After conversion, :func:`fuse_qkv` stacks a self-attention's q / k / v QLinears (one input, one calibrated scale) into
 one ``qkv_proj``: one quantize pass and one GEMM, the same numbers.  Three q / k / v kept float (the speed rule, or
 overrides) become one float ``qkv_proj``, the one GEMM torch's own attention runs on its ``in_proj_weight``.
@@ -32,7 +36,8 @@ layers, else their attentions); the summary still lists each linear, float, with
 The attention stays in float (docs/decisions/0081): its two batched GEMMs are ~4% of a ViT-B layer's FLOPs at
 sequence 197, and quantizing Q, K and the softmax probabilities would add two calibrated scales per head for little.
 
-Not decomposed (listed float by ``tcprec_summary``, with the reason): subclasses of these modules,
+Not decomposed (listed float by ``tcprec_summary``, with the reason): subclasses of these modules (and of
+torchvision's Swin attentions),
 ``add_bias_kv`` / ``add_zero_attn`` attention, and modules inside a torch leaf (``nn.Transformer``).
 """
 
@@ -50,6 +55,7 @@ from torch import nn
 
 from ..qtensor import PerChannel, QTensor
 from .qmodules import QLinear
+from .window_attention import ShiftedWindowAttention, ShiftedWindowAttentionV2, torchvision_swaps
 
 __all__ = ["SDPAttention", "MultiheadAttention", "TransformerEncoderLayer", "TransformerEncoder",
            "TransformerDecoderLayer", "TransformerDecoder", "decompose_transformers", "not_decomposed", "fuse_qkv",
@@ -398,23 +404,25 @@ def _traced_through(m: nn.Module) -> bool:
 
 def decompose_transformers(model: nn.Module, originals: dict | None = None) -> tuple[nn.Module, list[str]]:
     """Swap, in place, every ``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer`` and ``nn.TransformerEncoder``
-    that torch.fx would reach for the modules of this file (module docstring), keeping every name (the projections
-    add ``q_proj`` / ``k_proj`` / ``v_proj`` under the attention's name).  Returns (the model, which is a new object
+    (and decoder) that torch.fx would reach for the modules of this file (module docstring), keeping every name (the
+    projections add ``q_proj`` / ``k_proj`` / ``v_proj`` under the attention's name); likewise torchvision's Swin
+    attentions for nn/window_attention.py's twins (the same names, plus the ``core``), where torchvision is loaded.  Returns (the model, which is a new object
     when the root itself was swapped; the names of the swapped attentions).  ``originals`` (a dict) receives
     name -> the torch module swapped there (a layer's attentions too), unchanged by the swap, for
     :func:`restore_torch_modules`."""
     swapped: list[str] = []
+    swaps = {**_SWAP, **torchvision_swaps()}  # (torchvision's Swin attentions where torchvision is loaded)
 
     def swap(m: nn.Module, name: str) -> nn.Module:
         new = m
-        if type(m) in _SWAP and not_decomposed(m) is None:
-            new = _SWAP[type(m)].from_torch(m)
+        if type(m) in swaps and not_decomposed(m) is None:
+            new = swaps[type(m)].from_torch(m)
             if originals is not None:
                 originals[name] = m
                 for a in ("self_attn", "multihead_attn"):  # a layer's attentions: restorable one by one
                     if isinstance(new, (TransformerEncoderLayer, TransformerDecoderLayer)) and hasattr(new, a):
                         originals[f"{name}.{a}" if name else a] = getattr(m, a)
-            if isinstance(new, MultiheadAttention):
+            if isinstance(new, (MultiheadAttention, ShiftedWindowAttention)):
                 swapped.append(name)
             elif isinstance(new, TransformerEncoderLayer):
                 swapped.append(f"{name}.self_attn" if name else "self_attn")
@@ -511,7 +519,7 @@ def fuse_qkv(gm: fx.GraphModule, records: dict) -> list[str]:
 
 # -- the user's own torch module back where nothing in it is quantized -------------------------------------------
 
-TORCH_TWINS = tuple(_SWAP.values())  # the stand-ins; quantize_model's tracer records each call of one (TwinCall)
+TORCH_TWINS = (*_SWAP.values(), ShiftedWindowAttention, ShiftedWindowAttentionV2)  # the stand-ins; quantize_model's tracer records each call of one (TwinCall)
 _CONST = (type(None), bool, int, float, str)
 
 

@@ -938,7 +938,8 @@ def _convert(model: nn.Module, cfg: QuantConfig, batches, inplace: bool, warn: b
     model.eval()
     notes: list[str] = []
     # nn.MultiheadAttention / nn.TransformerEncoder(Layer) -> their Python path with plain nn.Linear projections and
-    # the attention in F.scaled_dot_product_attention (nn/attention.py, docs/decisions/0081)
+    # the attention in F.scaled_dot_product_attention (nn/attention.py, docs/decisions/0081); torchvision's Swin
+    # attention -> qkv / proj as nn.Linear around the window attention (nn/window_attention.py, decisions/0161)
     originals: dict[str, nn.Module] = {}  # name -> the torch module swapped there (for restore_torch_modules)
     model, attentions = decompose_transformers(model, originals)
     tracer = _Tracer()
@@ -979,8 +980,8 @@ def _convert(model: nn.Module, cfg: QuantConfig, batches, inplace: bool, warn: b
                          + (" ..." if len(kept_torch) > 3 else ""))
     live = [a for a in attentions if not any(not p or a == p or a.startswith(p + ".") for p in kept_torch)]
     if live:
-        notes.insert(0, f"{len(live)} attention module(s) decomposed: q/k/v/out projections as linears, the "
-                        f"attention in float F.scaled_dot_product_attention ({', '.join(live[:3])}"
+        notes.insert(0, f"{len(live)} attention module(s) decomposed: the projections as linears (q/k/v/out; Swin's "
+                        f"qkv / proj), the attention itself in float ({', '.join(live[:3])}"
                         + (" ..." if len(live) > 3 else "") + ")")
     dev = next((p.device for p in gm.parameters()), torch.device("cpu"))
     caps = device_caps(dev)  # each layer's backend is decided once, on this device (QConv2d.plan_on)
