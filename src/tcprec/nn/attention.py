@@ -406,10 +406,10 @@ def decompose_transformers(model: nn.Module, originals: dict | None = None) -> t
     """Swap, in place, every ``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer`` and ``nn.TransformerEncoder``
     (and decoder) that torch.fx would reach for the modules of this file (module docstring), keeping every name (the
     projections add ``q_proj`` / ``k_proj`` / ``v_proj`` under the attention's name); likewise torchvision's Swin
-    attentions for nn/window_attention.py's twins (the same names, plus the ``core``), where torchvision is loaded.  Returns (the model, which is a new object
-    when the root itself was swapped; the names of the swapped attentions).  ``originals`` (a dict) receives
-    name -> the torch module swapped there (a layer's attentions too), unchanged by the swap, for
-    :func:`restore_torch_modules`."""
+    attentions for nn/window_attention.py's twins (the same names, plus the ``core``), where torchvision is loaded.
+    Returns (the model, which is a new object when the root itself was swapped; the names of the swapped
+    attentions).  ``originals`` (a dict) receives name -> the torch module swapped there (a layer's attentions too),
+    unchanged by the swap, for :func:`restore_torch_modules`."""
     swapped: list[str] = []
     swaps = {**_SWAP, **torchvision_swaps()}  # (torchvision's Swin attentions where torchvision is loaded)
 
@@ -519,7 +519,8 @@ def fuse_qkv(gm: fx.GraphModule, records: dict) -> list[str]:
 
 # -- the user's own torch module back where nothing in it is quantized -------------------------------------------
 
-TORCH_TWINS = (*_SWAP.values(), ShiftedWindowAttention, ShiftedWindowAttentionV2)  # the stand-ins; quantize_model's tracer records each call of one (TwinCall)
+# the stand-ins; quantize_model's tracer records each call of one (TwinCall)
+TORCH_TWINS = (*_SWAP.values(), ShiftedWindowAttention, ShiftedWindowAttentionV2)
 _CONST = (type(None), bool, int, float, str)
 
 

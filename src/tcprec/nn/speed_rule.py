@@ -60,8 +60,8 @@ identical layers only the first (in forward order) is named to it: the others ta
 
 The default is ``"off"`` (docs/decisions/0090): timing makes conversion depend on the clock (two conversions of one
 model may float different layers, so one's ``state_dict`` need not load into the other), costs two CUDA-graph timings
-per distinct layer and conversion round, and would override precisions asked for explicitly.  Ask for it where a deployment
-is being built; pin its outcome with ``summary.speed.overrides()`` passed as ``QuantConfig(overrides=...)``.
+per distinct layer and conversion round, and would override precisions asked for explicitly.  Ask for it where a
+deployment is being built; pin its outcome with ``summary.speed.overrides()`` passed as ``QuantConfig(overrides=...)``.
 """
 
 from __future__ import annotations
@@ -541,8 +541,8 @@ def _measure(q: nn.Module, probe: _Probe, timer, dtype, rnd: int, float_ms: dict
             continue
         fm = _stacked([probe.floats[k] for k in members[n]]) if n in members else probe.floats[n]
         qm = qmods[n]
-        key = _signature(fm, recs[first].fused, shapes, getattr(qm, "act", None), bool(getattr(qm, "has_residual", False)),
-                         getattr(qm, "pool", None), n in gelu, dtype)
+        key = _signature(fm, recs[first].fused, shapes, getattr(qm, "act", None),
+                         bool(getattr(qm, "has_residual", False)), getattr(qm, "pool", None), n in gelu, dtype)
         if key not in float_ms:
             try:
                 float_ms[key] = (sum(float(timer(n, "float", _float_fn(fm, qm, recs[first].fused, s, dev, dtype,
