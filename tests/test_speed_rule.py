@@ -736,3 +736,20 @@ def test_an_encoder_with_one_layer_torchs_own_again_runs(bias):
     with torch.no_grad():
         y, ref = q(x), model(x)
     assert y.shape == ref.shape and (y - ref).norm() / ref.norm() < 0.05
+
+
+def test_the_float_side_runs_each_activation_form_the_kernels_take_and_refuses_others():
+    """The float side times what the float model runs: each form of ``parse_act`` (a bare "leaky" is slope 0.1)
+    maps to its torch op; a form the kernels do not take is refused (the layer is then left as converted, with the
+    reason in the notes), never timed as some other activation."""
+    import torch.nn.functional as F
+
+    from tcprec.nn.speed_rule import _act_fn
+    y = torch.linspace(-8, 8, 33)
+    assert _act_fn(None) is None and _act_fn("relu") is F.relu
+    assert _act_fn("hardswish") is F.hardswish and _act_fn("silu") is F.silu
+    for act, ref in ((("clamp", 0.0, 6.0), F.relu6(y)), ("leaky", F.leaky_relu(y, 0.1)),
+                     (("leaky", 0.2), F.leaky_relu(y, 0.2)), ("leaky_relu", F.leaky_relu(y, 0.1))):
+        assert torch.allclose(_act_fn(act)(y), ref), act
+    with pytest.raises(ValueError, match="gelu_tanh"):
+        _act_fn("gelu_tanh")

@@ -78,6 +78,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.conv_geometry import ACT_LEAKY, ACT_NONE, ACT_RELU
+from ..kernels.reference_conv_int8_fp8 import ACT_CLAMP, ACT_HARDSWISH, ACT_SILU, parse_act
 from ..timing import graph_ms, graph_ms_alternating
 from .attention import not_decomposed
 from .linear_gelu import gelu_fusable, linear_gelu
@@ -338,20 +340,27 @@ class _Probe:
 
 
 def _act_fn(act) -> Callable | None:
-    """The float activation the quantized epilogue replaced (``QConv2d.act`` / ``QGroupedConv2d.act`` encodings)."""
+    """The float activation the quantized epilogue replaced (``QConv2d.act`` / ``QGroupedConv2d.act``): every form
+    the kernels take (``reference_conv_int8_fp8.parse_act``: ``"leaky"`` is slope 0.1, ``"leaky_relu"`` too), as the
+    torch op a float model runs.  A form the kernels do not take is ``parse_act``'s ValueError (the layer is then
+    left as converted, the reason in the notes), never timed as some other activation."""
     if act is None:
         return None
-    if act == "relu":
+    mode, a, b = parse_act(act)
+    if mode == ACT_NONE:
+        return None
+    if mode == ACT_RELU:
         return F.relu
-    if act == "hardswish":
+    if mode == ACT_LEAKY:
+        return lambda y: F.leaky_relu(y, a)
+    if mode == ACT_CLAMP:
+        return lambda y: F.hardtanh(y, a, b)
+    if mode == ACT_HARDSWISH:
         return F.hardswish
-    if act == "silu":
+    if mode == ACT_SILU:
         return F.silu
-    if isinstance(act, tuple) and act[0] == "leaky":
-        return lambda y: F.leaky_relu(y, act[1])
-    if isinstance(act, tuple) and act[0] == "clamp":
-        return lambda y: F.hardtanh(y, act[1], act[2])
-    return F.relu  # an encoding added later: one elementwise pass either way
+    raise ValueError(f"the speed rule has no float op for the activation {act!r} (parse_act mode {mode}); add it to "
+                     "nn/speed_rule.py:_act_fn")
 
 
 def _float_fn(m: nn.Module, q: nn.Module, fused: tuple, shape: tuple, device, dtype, gelu: bool = False) -> Callable:
