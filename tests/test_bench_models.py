@@ -145,12 +145,39 @@ def test_resume_keeps_the_models_measured_and_runs_the_others(tmp_path):
     assert sorted({r["model"] for r in payload["summary"]}) == CATALOG
     assert sorted(k for k in payload["details"]) == sorted(f"{m}/{p}" for m in CATALOG for p in ("int8", "w1a2"))
     assert "partial" not in json.loads((tmp_path / "models.json").read_text())
-    # a subset of the precisions it holds: kept, only those rows
+    # a subset of the models and precisions it holds: nothing to measure, and every row of the file stays
+    before = json.loads((tmp_path / "models.json").read_text())["rows"]
     payload = _run(tmp_path, models=["resnet50"], precisions=["int8"], measure=measure, resume=True)
-    assert [(r["model"], r["precision"]) for r in payload["summary"]] == [("resnet50", "int8")] and len(seen) == 2
+    assert len(seen) == 2 and payload["rows"] == before == json.loads((tmp_path / "models.json").read_text())["rows"]
     # without the file: a plain run
     payload = _run(tmp_path, out=str(tmp_path / "new.json"), measure=measure, resume=True)
     assert seen[2:] == ["resnet50", "mobilenet_v2"]
+
+
+def test_resume_measures_only_the_missing_precisions_and_loses_no_row(tmp_path):
+    """One precision at a time into one file (the largest models, whose three precisions outlast a machine loan):
+    each run adds its cases, keeps the others' (other precisions, other models), and measures only what is missing."""
+    calls = []
+
+    def measure(name, precisions, batch, seed, console):
+        calls.append((name, list(precisions)))
+        return fake_measure(name, precisions, batch, seed, console)
+
+    _run(tmp_path, models=["resnet50", "mobilenet_v2"], precisions=["int8"], measure=measure, resume=True)
+    _run(tmp_path, models=["resnet50"], precisions=["w1a2"], measure=measure, resume=True)
+    payload = _run(tmp_path, models=["resnet50", "mobilenet_v2"], precisions=["int8", "w1a2"], measure=measure,
+                   resume=True)
+    assert calls == [("resnet50", ["int8"]), ("mobilenet_v2", ["int8"]), ("resnet50", ["w1a2"]),
+                     ("mobilenet_v2", ["w1a2"])]
+    on_disk = json.loads((tmp_path / "models.json").read_text())
+    cases = sorted((r["model"], r["precision"]) for r in on_disk["rows"])
+    assert cases == sorted((m, p) for m in ("resnet50", "mobilenet_v2") for p in ("int8", "w1a2"))
+    assert sorted(on_disk["details"]) == sorted(f"{m}/{p}" for m, p in cases) and payload["rows"] == on_disk["rows"]
+    assert "partial" not in on_disk
+    # a run of another model into the same file keeps the catalog's rows
+    _run(tmp_path, models=["vit_b_16"], precisions=["int8"], measure=measure, resume=True)
+    on_disk = json.loads((tmp_path / "models.json").read_text())
+    assert len(on_disk["rows"]) == 5 and calls[-1] == ("vit_b_16", ["int8"])
 
 
 @pytest.mark.parametrize("edit, match", [({"batch": 8}, "at batch 4, seed 0"), ({"seed": 1}, "pass the same")])

@@ -890,9 +890,10 @@ def bench_models_cmd(
     convert_only: bool = typer.Option(False, "--convert-only", help="No GPU, no timing: convert each model on the "
                                       "CPU at each precision, run it on the reference kernels, NRMSE vs fp32 and the "
                                       "layers left float with their reasons (the 'every model converts' check)."),
-    resume: bool = typer.Option(False, "--resume", help="Keep the models the --json file already holds (same "
-                                "precisions, batch and seed) and measure only the others: '--model all' over "
-                                "several runs."),
+    resume: bool = typer.Option(False, "--resume", help="Keep every case the --json file already holds (same batch "
+                                "and seed) and measure only the (model, precision) cases it lacks; no row of another "
+                                "model or precision is dropped: '--model all' over several runs, or one --precision "
+                                "at a time for the largest models."),
     shard: Optional[str] = typer.Option(None, "--shard", metavar="K/N", help="Measure only the listed models at "
                                         "positions i with i % N == K, merging into the shared --json (needs --resume): "
                                         "one process a GPU, e.g. CUDA_VISIBLE_DEVICES=1 ... --shard 1/2."),

@@ -132,9 +132,10 @@ def _counts(summary) -> dict:
             "float_other": sum(r.precision == "float" and r.name not in floated for r in summary.layers)}
 
 
-def _resumed(out: str, precisions: Sequence[str], batch: int, seed: int, suite: str = "models") -> tuple[list, dict]:
-    """(rows, details) of the models a previous run wrote to ``out`` with every one of ``precisions`` at the same
-    batch and seed ([] without the file); ValueError naming the difference when it is a run of another kind."""
+def _resumed(out: str, batch: int, seed: int, suite: str = "models") -> tuple[list, dict]:
+    """(rows, details) of every case a previous run wrote to ``out`` at the same batch and seed, whatever its model
+    or precision ([] without the file): a resumed run adds its rows to them and loses none; ValueError naming the
+    difference when the file holds a run of another kind."""
     path = Path(out)
     if not path.exists():
         return [], {}
@@ -147,15 +148,13 @@ def _resumed(out: str, precisions: Sequence[str], batch: int, seed: int, suite: 
         raise ValueError(f"--resume: {out} is not a {suite} run at batch {batch}, seed {seed} (it holds suite "
                          f"{d.get('suite') if isinstance(d, dict) else None!r}, batch {cfg.get('batch')}, seed "
                          f"{cfg.get('seed')}); pass the same --batch / --seed, another --json, or drop --resume")
-    by_model: dict[str, list] = {}
-    for r in d.get("rows", []):
-        by_model.setdefault(r.get("model"), []).append(r)
-    rows = [r for m, rs in by_model.items() if {r.get("precision") for r in rs} >= set(precisions)
-            for r in rs if r.get("precision") in precisions]
-    keep = {r["model"] for r in rows}
-    details = {k: v for k, v in d.get("details", {}).items() if k.split("/")[0] in keep
-               and k.split("/", 1)[-1] in precisions}
-    return rows, details
+    return list(d.get("rows", [])), dict(d.get("details", {}))
+
+
+def _missing(rows: list, name: str, precisions: Sequence[str]) -> list[str]:
+    """Those of ``precisions`` that ``rows`` hold no case of for model ``name`` (in their order)."""
+    have = {r.get("precision") for r in rows if r.get("model") == name}
+    return [p for p in precisions if p not in have]
 
 
 def catalog_config(precision: str, **kw) -> QuantConfig:
@@ -323,12 +322,13 @@ def _locked(out: str):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _merge(kept: list, kept_details: dict, mine: list, mine_details: dict, names: Sequence[str]) -> tuple[list, dict]:
-    """The file's rows of ``names`` with this run's rows in place of theirs (by model and precision; new ones after)."""
+def _merge(kept: list, kept_details: dict, mine: list, mine_details: dict) -> tuple[list, dict]:
+    """The file's rows with this run's in place of theirs (by model and precision; new ones after): rows of other
+    models and precisions stay as they were."""
     own = {(r["model"], r["precision"]): r for r in mine}
-    rows = [own.pop((r["model"], r["precision"]), r) for r in kept if r["model"] in names]
+    rows = [own.pop((r["model"], r["precision"]), r) for r in kept]
     rows += [r for r in mine if (r["model"], r["precision"]) in own]
-    details = {k: v for k, v in kept_details.items() if k.split("/")[0] in names}
+    details = dict(kept_details)
     details.update(mine_details)
     return rows, details
 
@@ -340,10 +340,11 @@ def run(models: Sequence[str] = DEFAULT_MODELS, precisions: Sequence[str] = PREC
         convert_only: bool = False) -> dict:
     """Run every (model, precision) case and write the JSON (module docstring).  ``measure(name, precisions, batch,
     seed, console) -> (rows, details)``, ``catalog() -> names`` and ``env`` replace the GPU, torchvision and the
-    device record (tests).  ``resume``: keep those of ``models`` that ``out`` already holds (a run of the same
-    precisions, batch and seed, cut short or of other models) and measure only the others -- ``--model all`` over
-    several sessions or machine loans; each row names the commit that measured it.  Under ``resume`` every write
-    re-reads ``out`` under a lock and merges this run's rows into it, so several runs may share the file.
+    device record (tests).  ``resume``: keep the cases ``out`` already holds (a run at the same batch and seed, cut
+    short, of other models or of other precisions) and measure only the (model, precision) cases it lacks --
+    ``--model all`` over several sessions or machine loans, one precision at a time for the largest models; each row
+    names the commit that measured it.  Under ``resume`` every write re-reads ``out`` under a lock and merges this
+    run's rows into it, so several runs may share the file, and no row of another model or precision is dropped.
     ``shard=(K, N)`` (needs ``resume``): measure only the listed models at positions i with i % N == K -- N processes,
     one a GPU (``CUDA_VISIBLE_DEVICES=K``), run the catalog into one file.  ``convert_only``: the CPU conversion check
     (:func:`convert_model`, suite ``models_convert``; module docstring)."""
@@ -355,7 +356,7 @@ def run(models: Sequence[str] = DEFAULT_MODELS, precisions: Sequence[str] = PREC
     check_shard(shard, resume)
     suite = SUITES[convert_only]
     with _locked(out) if resume else contextlib.nullcontext():
-        kept_rows, kept_details = _resumed(out, precisions, batch, seed, suite) if resume else ([], {})
+        kept_rows, kept_details = _resumed(out, batch, seed, suite) if resume else ([], {})
     if measure is None and convert_only:
         measure = convert_model
     elif measure is None:
@@ -369,12 +370,12 @@ def run(models: Sequence[str] = DEFAULT_MODELS, precisions: Sequence[str] = PREC
     env = env if env is not None else environment()
     if env.get("gpu") and "sm_count" in env:
         print_environment(console, env)
-    rows, details = _merge(kept_rows, kept_details, [], {}, names)  # (the file's other models are not this run's)
-    done_before = {r["model"] for r in rows}
+    rows, details = kept_rows, kept_details
+    done_before = [n for n in names if not _missing(rows, n, precisions)]
     mine: list[dict] = []
     mine_details: dict = {}
     todo = [n for i, n in enumerate(names) if n not in done_before and (shard is None or i % shard[1] == shard[0])]
-    if done_before or shard is not None:
+    if resume and (rows or shard is not None):
         console.print(f"resuming {out}: {len(done_before)} model(s) kept, {len(todo)} to measure"
                       + (f" (shard {shard[0]}/{shard[1]})" if shard is not None else ""))
 
@@ -391,7 +392,7 @@ def run(models: Sequence[str] = DEFAULT_MODELS, precisions: Sequence[str] = PREC
                  {"calibration_images": batch, "speed_rule": None} if convert_only else
                  {"calibration_images": CALIBRATION_IMAGES, "speed_rule": f"SpeedRule(batch={batch})"}),
              "environment": env, "rows": rows, "details": details}
-        measured = len({r["model"] for r in rows})
+        measured = sum(not _missing(rows, n, precisions) for n in names)
         if measured < len(names):  # written after every model, so a run cut short keeps what it measured
             p["partial"] = f"{measured} of {len(names)} models"
         return p
@@ -402,15 +403,16 @@ def run(models: Sequence[str] = DEFAULT_MODELS, precisions: Sequence[str] = PREC
             rows, details = mine, mine_details
             return write_json(out, payload())
         with _locked(out):  # the rows other shards wrote meanwhile, then this run's
-            rows, details = _merge(*_resumed(out, precisions, batch, seed, suite), mine, mine_details, names)
+            rows, details = _merge(*_resumed(out, batch, seed, suite), mine, mine_details)
             return write_json(out, payload())
 
     for name in track(todo, "bench models", label=str):
+        wanted = _missing(rows, name, precisions) if resume else list(precisions)
         try:
-            got, det = measure(name, precisions, batch, seed, console)
+            got, det = measure(name, wanted, batch, seed, console)
         except Exception as e:  # noqa: BLE001 - a model that does not build or run in fp16 is a row, not a crash
             got, det = [{"model": name, "precision": p, "batch": batch,
-                         "error": f"{type(e).__name__}: {str(e)[:300]}"} for p in precisions], {}
+                         "error": f"{type(e).__name__}: {str(e)[:300]}"} for p in wanted], {}
             console.print(_case_line(got[0]))
         mine += [{**r, "commit": commit} for r in got]
         mine_details.update(det)
@@ -418,8 +420,9 @@ def run(models: Sequence[str] = DEFAULT_MODELS, precisions: Sequence[str] = PREC
             save()
     path = save()
     result = payload()
-    console.print(table(rows, f"torchvision models, batch {batch}, " + ("converted on the CPU" if convert_only
-                                                                         else str(env.get("gpu")))))
+    listed = [r for r in rows if r["model"] in names and r["precision"] in precisions]  # (this run's cases)
+    console.print(table(listed, f"torchvision models, batch {batch}, " + ("converted on the CPU" if convert_only
+                                                                           else str(env.get("gpu")))))
     for t in result["targets"]:
         console.print(f"target: {t['target']}: {t['value']} ({ {True: 'met', False: 'MISSED', None: '-'}[t['met']] })")
     console.print(f"wrote {path}")
