@@ -753,3 +753,19 @@ def test_the_float_side_runs_each_activation_form_the_kernels_take_and_refuses_o
         assert torch.allclose(_act_fn(act)(y), ref), act
     with pytest.raises(ValueError, match="gelu_tanh"):
         _act_fn("gelu_tanh")
+
+
+@pytest.mark.parametrize("layer, channels_last", [(nn.Conv2d(8, 16, 3, padding=1), True), (nn.Linear(8, 16), False)])
+def test_the_float_side_gets_the_layout_the_float_model_runs(layer, channels_last):
+    """A conv's float input is channels_last (cuDNN's fast layout, the baseline's); a linear's 4-D input (B, H, W, C)
+    (ConvNeXt, Swin) is contiguous, as the permute in front of it leaves it -- channels_last there would make
+    F.linear copy it first, timing a pass the float model never runs."""
+    from tcprec.nn.speed_rule import _float_fn
+
+    seen = []
+    layer.register_forward_pre_hook(lambda mod, args: seen.append(args[0]))
+    shape = (2, 8, 5, 5) if channels_last else (2, 5, 5, 8)
+    _float_fn(layer, nn.Identity(), (), shape, torch.device("cpu"), torch.float32)()
+    x = seen[-1]
+    assert x.shape == shape and x.is_contiguous(memory_format=torch.channels_last) == channels_last
+    assert x.is_contiguous() != channels_last

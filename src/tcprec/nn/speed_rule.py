@@ -369,8 +369,8 @@ def _float_fn(m: nn.Module, q: nn.Module, fused: tuple, shape: tuple, device, dt
     add, the activation, the 2x2 pool; ``gelu``: one GEMM with the GELU epilogue (the ``LinearGELU`` the converter
     makes of a linear read by the erf GELU, kept float)."""
     x = torch.randn(shape, device=device, dtype=dtype)
-    if x.dim() == 4:
-        x = x.contiguous(memory_format=torch.channels_last)
+    if x.dim() == 4 and isinstance(m, nn.Conv2d):  # (a linear's 4-D input is (B, H, W, C), contiguous: ConvNeXt's,
+        x = x.contiguous(memory_format=torch.channels_last)  # Swin's; channels_last there would time a copy too)
     with torch.no_grad():
         y0 = m(x)
     C = y0.shape[1] if y0.dim() == 4 else y0.shape[-1]
