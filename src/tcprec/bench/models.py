@@ -407,7 +407,7 @@ def run(models: Sequence[str] = DEFAULT_MODELS, precisions: Sequence[str] = PREC
             return write_json(out, payload())
 
     for name in track(todo, "bench models", label=str):
-        wanted = _missing(rows, name, precisions) if resume else list(precisions)
+        wanted = _missing(rows, name, precisions)  # (all of them but where a resumed file holds some)
         try:
             got, det = measure(name, wanted, batch, seed, console)
         except Exception as e:  # noqa: BLE001 - a model that does not build or run in fp16 is a row, not a crash

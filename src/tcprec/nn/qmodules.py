@@ -286,8 +286,12 @@ class _QBase(nn.Module):
         once and kept) where a kernel reads its bit planes or int8 / float8 views; on the float64 reference (off
         CUDA) the codes' QTensor, all that backend reads -- so a model run on the CPU never builds and keeps the
         packed forms (for int8 weights the planes and the int8 view are each as large as the codes: two more copies
-        of the weights, docs/decisions/0158).  The same codes and scales either way, so the same results."""
-        if layer_backend(self.a_fmt, self.w_fmt, device_caps(device), self.backend)[0] != "reference":
+        of the weights, docs/decisions/0158).  The same codes and scales either way, so the same results.  The
+        backend is the one ``plan_on`` decided for ``device`` (``layer_plan``), decided here only without a plan."""
+        plan = self.layer_plan
+        backend = plan.backend if plan is not None and plan.device == device else \
+            layer_backend(self.a_fmt, self.w_fmt, device_caps(device), self.backend)[0]
+        if backend != "reference":
             return self.weight
         codes = self.weight_codes
         return QTensor(codes, self.weight_scale, self.w_fmt, PerChannel(0), tuple(codes.shape), torch.float32)
