@@ -180,6 +180,20 @@ def test_resume_measures_only_the_missing_precisions_and_loses_no_row(tmp_path):
     assert len(on_disk["rows"]) == 5 and calls[-1] == ("vit_b_16", ["int8"])
 
 
+def test_resume_keeps_the_files_command_and_judges_all_its_models(tmp_path):
+    """A resumed file says how all of it was measured (the first command, then each distinct resuming one), and the
+    "every model converts" target counts the file's models, not only the last run's."""
+    _run(tmp_path, models=["resnet50", "mobilenet_v2"], command="tcprec bench models --model all --resume")
+    payload = _run(tmp_path, models=["vit_b_16"], resume=True, command="tcprec bench models --model vit_b_16 --resume")
+    _run(tmp_path, models=["vit_b_16"], resume=True, command="tcprec bench models --model vit_b_16 --resume")
+    on_disk = json.loads((tmp_path / "models.json").read_text())
+    assert on_disk["command"] == "tcprec bench models --model all --resume"
+    assert on_disk["resumed_with"] == ["tcprec bench models --model vit_b_16 --resume"]
+    converts = next(t for t in payload["targets"] if t["target"].startswith("every torchvision"))
+    assert converts["met"] is False and converts["value"].startswith("2 of 3 models")  # (vit_b_16 w1a2 fails)
+    assert "listed: 3" in converts["value"] and "failed: vit_b_16" in converts["value"]
+
+
 @pytest.mark.parametrize("edit, match", [({"batch": 8}, "at batch 4, seed 0"), ({"seed": 1}, "pass the same")])
 def test_resume_refuses_a_run_of_another_kind(tmp_path, edit, match):
     _run(tmp_path, models=["resnet50"], **edit)

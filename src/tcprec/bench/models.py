@@ -151,6 +151,18 @@ def _resumed(out: str, batch: int, seed: int, suite: str = "models") -> tuple[li
     return list(d.get("rows", [])), dict(d.get("details", {}))
 
 
+def _resumed_commands(out: str, command: str) -> tuple[str, list[str]]:
+    """(the command that began the file ``out``, the distinct commands that resumed it, this one last): a resumed
+    run keeps the file's command and adds its own to the list, so the file says how all of it was measured."""
+    try:
+        d = json.loads(Path(out).read_text())
+    except (OSError, json.JSONDecodeError):
+        return command, []
+    first = d.get("command") or command
+    later = [c for c in d.get("resumed_with", []) if c != command] + ([command] if command != first else [])
+    return first, later
+
+
 def _missing(rows: list, name: str, precisions: Sequence[str]) -> list[str]:
     """Those of ``precisions`` that ``rows`` hold no case of for model ``name`` (in their order)."""
     have = {r.get("precision") for r in rows if r.get("model") == name}
@@ -262,10 +274,14 @@ def targets(rows: list[dict], models: Sequence[str], catalog_size: int | None = 
     whole = catalog_size is not None and len(models) >= catalog_size
     listed = f"listed: {len(models)}" + ("" if whole or catalog_size is None else
                                          f" of the {catalog_size} definitions; --model all judges this target")
+    precs = {r["precision"] for r in rows}
+    short = sorted(m for m in ran if {r["precision"] for r in rows if r["model"] == m} != precs)
     out.append({"target": "every torchvision classification model converts",
-                "value": f"{len(ran) - len(failed)} of {len(ran)} models run at every precision ({listed})"
-                         + (f"; failed: {', '.join(failed)}" if failed else ""),
-                "met": None if not ran else False if failed else (len(ran) == len(models) if whole else None)})
+                "value": f"{len(ran) - len(failed)} of {len(ran)} models run at every precision measured ({listed})"
+                         + (f"; failed: {', '.join(failed)}" if failed else "")
+                         + (f"; not yet measured at every precision: {', '.join(short)}" if short else ""),
+                "met": None if not ran else False if failed else (len(ran) == len(models) and not short if whole
+                                                                          else None)})
     if not timed:
         return out
     cases = [r for r in rows if "speedup" in r]
@@ -357,6 +373,7 @@ def run(models: Sequence[str] = DEFAULT_MODELS, precisions: Sequence[str] = PREC
     suite = SUITES[convert_only]
     with _locked(out) if resume else contextlib.nullcontext():
         kept_rows, kept_details = _resumed(out, batch, seed, suite) if resume else ([], {})
+        first_command, resumed_with = _resumed_commands(out, command) if resume else (command, [])
     if measure is None and convert_only:
         measure = convert_model
     elif measure is None:
@@ -381,13 +398,15 @@ def run(models: Sequence[str] = DEFAULT_MODELS, precisions: Sequence[str] = PREC
 
     def payload() -> dict:
         commits = sorted({r.get("commit") or "unknown" for r in rows}) or [commit]
-        p = {"suite": suite, "command": command, "device": "cpu" if convert_only else env.get("gpu"),
+        judged = names + sorted({r["model"] for r in rows} - set(names))  # (resumed: the file's other models too)
+        p = {"suite": suite, "command": first_command} | ({"resumed_with": resumed_with} if resumed_with else {}) | {
+             "device": "cpu" if convert_only else env.get("gpu"),
              "commit": commits[0] if len(commits) == 1 else f"per row ({', '.join(commits)})",
              "summary": [{k: r.get(k) for k in ("model", "precision", "ms", "fp16_ms", "speedup", "nrmse_vs_fp32",
                                                 "fp16_nrmse_vs_fp32", "quantized", "floated_by_rule", "float_other",
                                                 "model_itself", "error", "commit")
                           if k in r} for r in rows],
-             "targets": targets(rows, names, len(known), timed=not convert_only),
+             "targets": targets(rows, judged, len(known), timed=not convert_only),
              "config": {"batch": batch, "image": IMAGE, "seed": seed} | (
                  {"calibration_images": batch, "speed_rule": None} if convert_only else
                  {"calibration_images": CALIBRATION_IMAGES, "speed_rule": f"SpeedRule(batch={batch})"}),
