@@ -33,6 +33,8 @@ What it does, in order:
    A conv read through ``torch.flatten(y, 1)`` by linears: their weight columns are reordered to (h, w, c)
    once and the flatten becomes ``flatten_nhwc``, a view of the conv's channels_last output (no copy into NCHW
    order); bit-serial linears get the conv's planes through it (compact rows, flattened as a view).
+   A max-pool read only by quantized convs (``QMaxPool2d``, docs/decisions/0137) and a LayerNorm read only by INT8 /
+   FP8 linears (``QLayerNorm``: a pre-norm transformer's norms, 0162) write their readers' codes in one pass.
 6. Reports: ``model.tcprec_summary`` (a ``QuantSummary``) says, per layer, the precision, formats,
    backend and what was fused; layers with no quantized path stay in float and are listed in a
    warning, never silently.
