@@ -33,6 +33,8 @@ What it does, in order:
    A conv read through ``torch.flatten(y, 1)`` by linears: their weight columns are reordered to (h, w, c)
    once and the flatten becomes ``flatten_nhwc``, a view of the conv's channels_last output (no copy into NCHW
    order); bit-serial linears get the conv's planes through it (compact rows, flattened as a view).
+   A max-pool read only by quantized convs (``QMaxPool2d``, docs/decisions/0137) and a LayerNorm read only by INT8 /
+   FP8 linears (``QLayerNorm``: a pre-norm transformer's norms, 0162) write their readers' codes in one pass.
 6. Reports: ``model.tcprec_summary`` (a ``QuantSummary``) says, per layer, the precision, formats,
    backend and what was fused; layers with no quantized path stay in float and are listed in a
    warning, never silently.
@@ -54,7 +56,7 @@ from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
 from ..ops.matmul import BACKENDS
-from ..ops.qconv import _check_act
+from ..ops.qconv import LAYER_NORM_MAX_C, _check_act
 from ..ops.qconv_plan import device_caps, layer_act_unsupported
 from ..ops.quantize import absmax_qmax
 from . import calibrate as cal
@@ -62,8 +64,8 @@ from .attention import TORCH_TWINS, TwinCall, decompose_transformers, fuse_qkv, 
 from .coverage import check_conv_coverage, normalize_graph, uncovered
 from .linear_gelu import LinearGELU, gelu_fusable
 from .qgrouped import QGroupedConv2d, grouped_unsupported
-from .qmodules import (FixedQuant, LayerPrecision, QConv2d, QLinear, QMaxPool2d, _quantize_weight, act_text,
-                       activation_format, flatten_nhwc, parse_precision, weight_format)
+from .qmodules import (FixedQuant, LayerPrecision, QConv2d, QLayerNorm, QLinear, QMaxPool2d, _quantize_weight,
+                       act_text, activation_format, flatten_nhwc, parse_precision, weight_format)
 from .speed_rule import SpeedRule, apply_speed_rule, as_speed_rule
 
 __all__ = ["QuantConfig", "QuantSummary", "LayerRecord", "LayerPlan", "quantize_model", "plan_layers"]
@@ -781,6 +783,39 @@ def _fuse_max_pools(gm: fx.GraphModule, qmods: dict, calls: dict, kind_of, notes
                         if r_users else ""))
 
 
+def _fuse_layer_norms(gm: fx.GraphModule, qmods: dict, calls: dict, kind_of, notes: list) -> None:
+    """An ``nn.LayerNorm`` over the last dimension read only by quantized linears -- each taking it as its one input,
+    all agreeing on the precision, input format, scale, weight format and kernel kind, which must be the INT8 or FP8
+    kernel -- becomes a ``QLayerNorm``: one pass normalises and writes the readers' operand, instead of torch's
+    LayerNorm writing the float and each reader quantizing it (docs/decisions/0162).  A pre-norm transformer layer's
+    ``norm1`` (read by the attention's fused ``qkv_proj``: nn/attention.py fuse_qkv) and ``norm2`` (read by
+    ``linear1``); torchvision's ViT ``ln_1`` / ``ln_2`` likewise.  A LayerNorm with any other reader (a residual add,
+    a float layer: the speed rule's or the config's) stays torch's.  Said in the summary's notes."""
+    for node in gm.graph.nodes:
+        m = qmods.get(node.target) if node.op == "call_module" else None
+        if type(m) is not nn.LayerNorm or calls.get(node.target) != 1 or len(m.normalized_shape) != 1 \
+                or m.normalized_shape[0] > LAYER_NORM_MAX_C:
+            continue
+        users = list(node.users)
+        if not users or not all(u.op == "call_module" and isinstance(qmods.get(u.target), QLinear)
+                                and u.args == (node,) and not u.kwargs for u in users):
+            continue
+        readers = [qmods[u.target] for u in users]
+        b = readers[0]
+        kind = kind_of(b)
+        if kind not in ("int8", "fp8") or any(
+                kind_of(o) != kind or o.precision != b.precision or o.a_fmt != b.a_fmt or o.w_fmt != b.w_fmt
+                or o.backend != b.backend or not torch.equal(o.in_scale, b.in_scale) or o.in_channels_last is not None
+                or o.in_features != m.normalized_shape[0] for o in readers):
+            continue
+        q = QLayerNorm(m, b)
+        _set_module(gm, node.target, q)
+        qmods[node.target] = q
+        notes.append(f"{node.target}: LayerNorm({m.normalized_shape[0]}) fused with its readers' input quantization "
+                     f"({', '.join(u.target for u in users)}): one pass writes their "
+                     f"{'e4m3' if b.precision.fp8 else b.a_fmt} operand")
+
+
 def _chain_to_grouped(node: fx.Node, user: fx.Node, qmods: dict, records: dict, kind_of) -> bool:
     """A conv read only by an integer grouped / depthwise conv on the Triton route writes that layer's int8 operand
     (``ShiftedInt8``: its format and scale) in its epilogue, instead of a float the grouped layer quantizes again (an
@@ -1183,6 +1218,7 @@ def _convert(model: nn.Module, cfg: QuantConfig, batches, inplace: bool, warn: b
                 what = "int8 codes" if kind == "int8" else "codes"
                 records[node.target].out = f"{dual}{what} {b.a_fmt} -> {to}"
             _fuse_max_pools(gm, qmods, calls, kind_of, notes)
+            _fuse_layer_norms(gm, qmods, calls, kind_of, notes)
             _record_chains(g, qmods, kind_of)
         gm.graph.lint()
         gm.delete_all_unused_submodules()

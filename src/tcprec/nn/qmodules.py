@@ -29,6 +29,7 @@ The scales stay float32 under ``.half()`` / ``.bfloat16()`` (which set the outpu
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -42,8 +43,8 @@ from ..ops.qconv_plan import device_caps, layer_act_unsupported, layer_backend
 from ..ops.quantize import absmax_qmax, quantize, quantize_pack, quantize_static
 from ..qtensor import BitPlanes, PerChannel, QTensor, ShiftedInt8
 
-__all__ = ["LayerPrecision", "parse_precision", "QConv2d", "QLinear", "QMaxPool2d", "flatten_nhwc", "weight_format",
-           "activation_format", "FixedQuant", "LayerPlan", "act_text"]
+__all__ = ["LayerPrecision", "parse_precision", "QConv2d", "QLinear", "QMaxPool2d", "QLayerNorm", "flatten_nhwc",
+           "weight_format", "activation_format", "FixedQuant", "LayerPlan", "act_text"]
 
 from ..precision import LayerPrecision, parse_layer_precision  # noqa: E402  (re-exported)
 
@@ -606,13 +607,23 @@ class QLinear(_QBase):
 
     def forward(self, x) -> torch.Tensor:
         """``x``: float (..., in_features), or the packed planes a chained conv wrote, flattened (``flatten_nhwc``
-        of a ``BitPlanes`` QTensor: shape (B, 1, 1, in_features))."""
+        of a ``BitPlanes`` QTensor: shape (B, 1, 1, in_features)), or the int8 / float8 codes of shape
+        (..., in_features) a ``QLayerNorm`` wrote (the output is then (..., out_features), as for a float x)."""
         if isinstance(x, QTensor):
-            lead, xa = x.shape[:1], x
             if self.layer_plan is not None and x.device != self.layer_plan.device:
                 self.plan_on(x.device)  # a chained operand on another device: re-plan (refuses a broken chain)
-            if x.shape != (*lead, 1, 1, self.in_features):
-                raise ValueError(f"QLinear expects planes of shape (B, 1, 1, {self.in_features}), got {x.shape}")
+            if isinstance(x.layout, BitPlanes):
+                lead, xa = x.shape[:1], x
+                if x.shape != (*lead, 1, 1, self.in_features):
+                    raise ValueError(f"QLinear expects planes of shape (B, 1, 1, {self.in_features}), got {x.shape}")
+            else:
+                if x.shape[-1] != self.in_features or x.hp is not None:
+                    raise ValueError(f"QLinear expects codes of shape (..., {self.in_features}) without a float (hp), "
+                                     f"got {x.shape}" + (" with hp" if x.hp is not None else ""))
+                lead = x.shape[:-1]
+                rows = (math.prod(lead), 1, 1, self.in_features)
+                xa = replace(x, data=x.data.reshape(rows), scale=x.scale.reshape(1, 1, 1, 1),
+                             shape=rows)  # (B, 1, 1, K) NHWC: a view of the codes
         elif not isinstance(x, torch.Tensor) or x.shape[-1] != self.in_features:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"QLinear expects (..., {self.in_features}), got {got}")
@@ -698,3 +709,66 @@ class QMaxPool2d(nn.Module):
     def tcprec_trace(self) -> list[str]:
         """The steps inside this layer, for ``tcprec.profile``'s dtype trace."""
         return ["max-pool", f"{'e4m3' if self.precision.fp8 else self.a_fmt} codes"]
+
+
+class QLayerNorm(nn.Module):
+    """An ``nn.LayerNorm`` over the last dimension read only by quantized linears of one input format, scale and kernel
+    kind (a pre-norm transformer's ``norm1``, read by the attention's fused ``qkv_proj``, and ``norm2``, read by the
+    feed-forward's first linear), which it hands their operand directly: one pass normalises the float input and
+    writes the int8 or float8 codes (``ops.qconv.layer_norm_quantize``) -- the codes each reader's own quantizer
+    computes from torch's LayerNorm output, but where the two LayerNorms' float32 statistics round an element one ulp
+    of x's dtype apart -- so no normalised float is written and no reader quantizes it again (docs/decisions/0162).
+    ``quantize_model`` makes it (``QuantConfig(chain=True)``).  Off the kernels' devices (the reference backend) it
+    runs torch's LayerNorm and the readers' quantizer.  The weight and bias stay the LayerNorm's parameters (the same
+    ``state_dict`` names), the readers' scale is the buffer ``in_scale``."""
+
+    def __init__(self, norm: nn.LayerNorm, reader: "QLinear"):
+        super().__init__()
+        shape = tuple(norm.normalized_shape)
+        if len(shape) != 1 or shape[0] > qc.LAYER_NORM_MAX_C:
+            raise ValueError(f"QLayerNorm normalises the last dimension of 1..{qc.LAYER_NORM_MAX_C} elements, got "
+                             f"normalized_shape={shape}")
+        if not isinstance(reader, QLinear) or reader.in_features != shape[0]:
+            raise ValueError(f"QLayerNorm's reader must be a QLinear of in_features={shape[0]}, got {reader!r:.80}")
+        self.normalized_shape, self.eps = shape, float(norm.eps)
+        self.weight, self.bias = norm.weight, getattr(norm, "bias", None)  # the parameters (None without affine)
+        self.precision, self.a_fmt, self.w_fmt = reader.precision, reader.a_fmt, reader.w_fmt
+        self.backend = reader.backend
+        self.register_buffer("in_scale", reader.in_scale.detach().clone())
+
+    def extra_repr(self) -> str:
+        return (f"{self.normalized_shape}, eps={self.eps:g}, affine={self.weight is not None} -> the "
+                f"{'e4m3' if self.precision.fp8 else self.a_fmt} operand of its {self.precision} readers")
+
+    def operand(self, device: torch.device) -> str | None:
+        """What the readers take on ``device``, as ``_input_operand`` decides it: "int8" / "fp8"
+        (``ops.qconv.LAYER_NORM_OPERANDS``), None on the reference backend (uint8 codes from torch ops)."""
+        return _input_operand(self, device)
+
+    def forward(self, x):
+        C = self.normalized_shape[0]
+        if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dim() < 1 or x.shape[-1] != C:
+            got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"QLayerNorm expects a float (..., {C}) tensor, got {got}")
+        op = self.operand(x.device)
+        if op is None:
+            y = torch.nn.functional.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+            return quantize_static(y, self.a_fmt, self.in_scale)  # QTensor (..., C): the reference backend's codes
+        if op not in qc.LAYER_NORM_OPERANDS:
+            raise ValueError(f"QLayerNorm writes {qc.LAYER_NORM_OPERANDS} operands; its {self.precision} readers take "
+                             f"{op!r} on {x.device}: convert on the device the model runs on")
+        return qc.layer_norm_quantize(x, self.weight, self.bias, self.eps, op, "e4m3" if op == "fp8" else self.a_fmt,
+                                      self.in_scale)
+
+    def _apply(self, fn, recurse: bool = True):
+        """Moves and casts reach the weight and bias as in ``nn.LayerNorm``; the scale stays float32, as the quantized
+        layers keep theirs."""
+        s = self.in_scale
+        super()._apply(fn, recurse)
+        if self.in_scale.dtype != torch.float32:
+            self.in_scale = s.to(device=self.in_scale.device)
+        return self
+
+    def tcprec_trace(self) -> list[str]:
+        """The steps inside this layer, for ``tcprec.profile``'s dtype trace."""
+        return ["layer-norm (fp32)", f"{'e4m3' if self.precision.fp8 else self.a_fmt} codes"]

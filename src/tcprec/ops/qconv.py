@@ -127,8 +127,9 @@ from ..memo import remembered
 from ..packing import pack_bitplanes, packed_words
 from ..qtensor import BitPlanes, Dense, PerTensor, QTensor, ShiftedInt8, int8_codes
 from .matmul import matmul
-from .qconv_operands import (_CHECKED_SCALES, PackedConvWeight, _check_weight_qtensor,  # noqa: F401 (re-exported)
-                             _scale_checked, _scale_tensor, int8_qtensor, max_pool_quantize,
+from .qconv_operands import (_CHECKED_SCALES, LAYER_NORM_MAX_C, LAYER_NORM_OPERANDS,  # noqa: F401 (re-exported)
+                             PackedConvWeight, _check_weight_qtensor,
+                             _scale_checked, _scale_tensor, int8_qtensor, layer_norm_quantize, max_pool_quantize,
                              max_pool_window, pack_activation, pack_conv_weight, planes_qtensor, quantize_fp8_static,
                              quantize_int8_static)
 from .qconv_plan import (_FP8_KIND, _FUSED_POOLS, _KIND, BACKENDS, OUT_LAYOUTS, POOLS, THIN_C,  # noqa: F401
@@ -147,6 +148,7 @@ __all__ = [
     "quantize_fp8_static",
     "max_pool_quantize",
     "max_pool_window",
+    "layer_norm_quantize",
     "conv2d",
     "conv2d_plan",
     "run",

@@ -10,6 +10,7 @@ that writes its float result too (a residual block's output) returns the codes w
 * :func:`planes_qtensor`, :func:`int8_qtensor`: a kernel's output (planes / int8) as that QTensor, the scale checked.
 * :class:`PackedConvWeight`: a KRSC weight prepared once for every backend (planes, int8 / float8 views).
 * :func:`quantize_int8_static`, :func:`quantize_fp8_static`, :func:`pack_activation`, :func:`pack_conv_weight`.
+* :func:`max_pool_quantize`, :func:`layer_norm_quantize`: a max-pool / a LayerNorm that writes its readers' operand.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from .qconv_plan import _FUSED_POOLS, _check_pool, _fp8_dtype
 from .quantize import _check_static, _qp_params, _static_codes, quantize, quantize_pack
 
 __all__ = ["PackedConvWeight", "planes_qtensor", "int8_qtensor", "quantize_int8_static", "pack_activation",
-           "pack_conv_weight", "quantize_fp8_static", "max_pool_quantize", "max_pool_window", "MAX_POOL_OPERANDS"]
+           "pack_conv_weight", "quantize_fp8_static", "max_pool_quantize", "max_pool_window", "MAX_POOL_OPERANDS",
+           "layer_norm_quantize", "LAYER_NORM_OPERANDS", "LAYER_NORM_MAX_C"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -380,3 +382,74 @@ def max_pool_quantize(x: torch.Tensor, window, operand: str, fmt, scale: torch.T
     N, P, Q, C = y.shape
     planes = quantize_pack(y.reshape(N * P * Q, C), fmt, scale, backend="reference", compact=operand == "compact")
     return planes_qtensor(planes, fmt, scale, (N, P, Q, C), hp)
+
+
+LAYER_NORM_OPERANDS = ("int8", "fp8")
+LAYER_NORM_MAX_C = 16384  # kernels/triton/layer_norm_quant.MAX_C (importing that module here would load Triton)
+
+
+def layer_norm_quantize(x: torch.Tensor, weight, bias, eps: float, operand: str, fmt, scale: torch.Tensor, *,
+                        backend: str = "auto") -> QTensor:
+    """Float ``x (..., C)`` -> ``F.layer_norm`` over its last dimension (``weight`` / ``bias``: (C,) or None; ``eps``)
+    -> the operand quantized linears read, with the fixed per-tensor ``scale``: ``operand`` ``"int8"`` (a
+    ``ShiftedInt8`` QTensor of integer ``fmt``, the codes of :func:`quantize_int8_static`) or ``"fp8"`` (the float8
+    QTensor of :func:`quantize_fp8_static`; ``fmt`` e4m3 / e5m2), of x's shape.  The LayerNorm is computed in float32
+    and rounded to x's dtype, as torch writes it, before the quantizer; no host sync (capturable).  On CUDA (and under
+    ``TRITON_INTERPRET=1``) one Triton pass (``kernels/triton/layer_norm_quant.py``, C <= its ``MAX_C``); elsewhere,
+    or with ``backend="reference"``, torch's ``F.layer_norm`` and the quantizer.  The two agree code for code except
+    where their float32 statistics round an element of x's dtype one ulp apart (rare: the kernel's docstring).
+
+    >>> import torch
+    >>> x = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    >>> layer_norm_quantize(x, None, None, 0.0, "int8", "int8", torch.tensor([0.1])).codes.flatten().tolist()
+    [243, 252, 4, 13]
+    """
+    if operand not in LAYER_NORM_OPERANDS:
+        raise ValueError(f"operand must be one of {LAYER_NORM_OPERANDS}, got {operand!r}")
+    if backend not in ("auto", "reference"):
+        raise ValueError(f"backend must be 'auto' or 'reference', got {backend!r}")
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or not x.dtype.is_floating_point or x.shape[-1] < 1:
+        got = f"{x.dtype} of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"layer_norm_quantize: x must be a float tensor (..., C) with C >= 1, got {got}")
+    C = x.shape[-1]
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != (C,) or t.device != x.device):
+            got = f"shape {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"layer_norm_quantize: {name} must be None or a tensor of shape ({C},) on x's device, "
+                             f"got {got}")
+    fmt = as_format(fmt)
+    if operand == "fp8":
+        f8 = _fp8_dtype(fmt)
+        if f8 is None:
+            raise TypeError(f"operand 'fp8' holds float8 codes (e4m3 / e5m2), got fmt={fmt}")
+        if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or scale.dtype != torch.float32 \
+                or scale.device != x.device:
+            raise TypeError("scale must be a one-element float32 tensor on x's device (the readers' calibrated "
+                            "scale), got " + (f"{scale.dtype} of shape {tuple(scale.shape)} on {scale.device}"
+                                              if isinstance(scale, torch.Tensor) else type(scale).__name__))
+    else:
+        fmt = _check_static(x, fmt, scale, "layer_norm_quantize")
+    if backend == "auto" and (x.is_cuda or interpreting()):
+        if C > LAYER_NORM_MAX_C:
+            raise ValueError(f"layer_norm_quantize: rows of C = {C} elements; the one-pass kernel holds a row of at "
+                             f"most {LAYER_NORM_MAX_C}; use backend='reference' (torch's LayerNorm, then the "
+                             "quantizer)")
+        from ..kernels.triton import layer_norm_quant as lq  # TRITON_INTERPRET is read at import
+
+        x2 = x.reshape(-1, C)  # (R, C) rows: a view of a contiguous x
+        s = scale.reshape(1)
+        if operand == "fp8":
+            codes = lq.layer_norm_fp8(x2, weight, bias, eps, s, f8).view(torch.uint8).view(x.shape)
+            return QTensor(codes, scale.reshape((1,) * x.dim()), fmt, PerTensor(), tuple(x.shape), x.dtype)
+        from ..kernels.triton import quant_bytes as qb
+
+        enc = {"unsigned": qb.ENC_UNSIGNED, "twos": qb.ENC_TWOS}.get(fmt.encoding, qb.ENC_PM)
+        x8 = lq.layer_norm_int8(x2, weight, bias, eps, s, fmt.bits, *_qp_params(fmt), enc).view(x.shape)
+        return QTensor(x8, _scale_tensor(scale, x.device, "scale").reshape((1,) * x.dim()), fmt, PerTensor(),
+                       tuple(x.shape), torch.float32, ShiftedInt8())
+    y = torch.nn.functional.layer_norm(x, (C,), weight, bias, eps)  # in x's dtype, as the float model writes it
+    if operand == "fp8":
+        return quantize_fp8_static(y, scale, fmt)
+    q = quantize_int8_static(y.reshape(-1, 1, 1, C), fmt, scale, backend="reference")  # (R, 1, 1, C)
+    return QTensor(q.data.view(x.shape), q.scale.reshape((1,) * x.dim()), fmt, PerTensor(), tuple(x.shape),
+                   torch.float32, ShiftedInt8())
