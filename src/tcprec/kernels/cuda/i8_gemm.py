@@ -330,6 +330,10 @@ def i8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: to
     out = torch.empty((M, N), dtype=torch.int8 if out_scale is not None else torch.float16, device=a.device)
     if M == 0 or N == 0:
         return out
+    # the epilogue reads column pairs as one float2 (w_scale, fp32 bias) / one 4-byte word (residual)
+    w_scale = w_scale if w_scale.data_ptr() % 8 == 0 else w_scale.clone()
+    if bias is not None and bias.data_ptr() % 8:
+        bias = bias.clone()
     if residual is not None and residual.data_ptr() % 4:
         residual = residual.clone()
     launch_i8_gemm(variant, a, w, out, a_scale, w_scale, bias, out_scale, residual)
