@@ -27,10 +27,13 @@ def _variants():
     """Every tile with the plain fp16 epilogue; the fused epilogues on a cooperative and a ping-pong tile."""
     from tcprec.kernels.cuda import i8_gemm as L
 
-    vs = [L.Variant(t) for t in L.TILES]
-    for t in (L.parse_tile("coop_128x256_s4"), L.parse_tile("pp_128x128_s7")):
+    vs = [L.Variant(t) for t in L.TILES + L.TILES_E1]
+    for name in ("coop_128x256_s4", "pp_128x128_s7", "coop_128x256_s4_e1", "pp_128x128_s6_e1"):
+        t = L.parse_tile(name)
         vs += [L.Variant(t, "int8", gelu=True), L.Variant(t, "float16", residual=True), L.Variant(t, "float16", gelu=True),
                L.Variant(t, "int8")]
+    for name in ("coop_128x256_s4_e1", "pp_128x128_s6_e1"):  # the bench's diagnostics
+        vs += [L.Variant(d, "float16", residual=r) for d in L.diag_tiles(L.parse_tile(name)) for r in (False, True)]
     return vs
 
 
@@ -48,7 +51,8 @@ def test_every_variant_compiles_for_sm90a_without_spills():
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("name,shape", [("coop_128x256_s4", "m64n256k32"), ("pp_128x128_s7", "m64n128k32")])
+@pytest.mark.parametrize("name,shape", [("coop_128x256_s4", "m64n256k32"), ("pp_128x128_s7", "m64n128k32"),
+                                        ("pp_128x128_s6_e1", "m64n128k32")])
 def test_ptx_has_wgmma_s8_tma_and_setmaxnreg(name, shape):
     from cuda.bindings import nvrtc  # (cuda.core's PTX target wants the driver; NVRTC itself does not)
 
@@ -69,6 +73,8 @@ def test_ptx_has_wgmma_s8_tma_and_setmaxnreg(name, shape):
                 "mbarrier.try_wait.parity", "wgmma.wait_group.sync.aligned 1", "fence.mbarrier_init"):
         assert ins in ptx, ins
     assert ("bar.arrive" in ptx) == (v.tile.schedule == "pingpong")  # the ping-pong order barrier
+    if v.tile.epi == 1:  # the 16-byte stores after the quad transpose
+        assert "st.global.v4" in ptx and "shfl.sync.bfly" in ptx
 
 
 def test_tiles_parse_validate_and_fit_shared_memory():
@@ -83,6 +89,16 @@ def test_tiles_parse_validate_and_fit_shared_memory():
         L.Tile("cooperative", 64, 256, 5)
     with pytest.raises(ValueError, match="tile must look like"):
         L.parse_tile("128x256")
+    assert [str(t) for t in L.TILES_E1] == ["coop_128x256_s4_e1", "coop_128x128_s6_e1", "coop_256x128_s4_e1",
+                                            "pp_64x256_s5_e1", "pp_128x128_s6_e1", "pp_64x128_s8_e1"]
+    for t in L.TILES_E1:
+        assert L.parse_tile(str(t)) == t and t.smem_bytes <= 232448
+        assert all(L.parse_tile(str(d)) == d for d in L.diag_tiles(t))
+    assert str(L.diag_tiles(L.TILES_E1[4])[1]) == "pp_128x128_s6_e1_d2"
+    with pytest.raises(ValueError, match="diag needs epi 1"):
+        L.Tile("pingpong", 128, 128, 6, 0, 1)
+    with pytest.raises(ValueError, match="tile must look like"):
+        L.parse_tile("pp_128x128_s6_x1")
     with pytest.raises(ValueError, match="int8 codes take no residual"):
         L.Variant(L.DEFAULT_TILE, "int8", residual=True)
 

@@ -6,7 +6,14 @@ Every side in a CUDA graph over rotating inputs (>= 100 MB of A), timed alternat
 Each i8_gemm variant is checked against kernels/reference_i8_gemm.py before it is timed; a failing one is recorded in
 "errors" and the run goes on.  Extra rows: linear1 with GELU + int8 codes out, linear2 with the residual added.
 
-    PYTHONPATH=src python scratch/i8_gemm/bench.py out.json [--tiles coop_128x256_s4,pp_128x128_s7]
+Tiles: i8_gemm.TILES (epilogue 0, as first written) and TILES_E1 (epilogue 1: scales staged in shared memory, 16-byte
+stores), so old and new race in one run.  For every epilogue-1 tile two diagnostics are timed too ("diag_*" keys, not
+checked: their output is garbage): _d1 computes the whole epilogue but stores nothing, _d2 runs the main loop only.
+So  full - d1 = the output stores,  d1 - d2 = the epilogue's math and loads,  d2 = main loop + pipeline.  Each
+i8_gemm row also gives "us_tile": the time one SM spends a tile (us x SMs / tiles, for >= 1 wave), against
+"mma_us_tile" (the tile's MMAs at the int8 dense peak of one SM).
+
+    PYTHONPATH=src python scratch/i8_gemm/bench.py out.json [--tiles coop_128x256_s4,pp_128x128_s6_e1] [--no-diag]
 """
 
 import argparse
@@ -34,15 +41,19 @@ DEV = "cuda"
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
-    ap.add_argument("--tiles", default=",".join(str(t) for t in L.TILES))
+    ap.add_argument("--tiles", default=",".join(str(t) for t in L.TILES + L.TILES_E1))
     ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--no-diag", action="store_true", help="skip the diagnostic variants of the epilogue-1 tiles")
     args = ap.parse_args()
     t0 = time.time()
     tiles = [L.parse_tile(t) for t in args.tiles.split(",")]
+    diags = {t: ([] if args.no_diag or not t.epi or t.diag else list(L.diag_tiles(t))) for t in tiles}
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
     res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "M": M, "peak_i8_tops": PEAK_I8 / 1e12,
-           "tiles": [str(t) for t in tiles], "shapes": {}, "checks": {}, "errors": {}}
+           "sms": n_sm, "tiles": [str(t) for t in tiles], "shapes": {}, "checks": {}, "errors": {}}
     variants = [L.Variant(t, o, g, r) for t in tiles for (o, g, r) in
                 (("float16", False, False), ("int8", True, False), ("float16", False, True))]
+    variants += [L.Variant(d, "float16", False, r) for t in tiles for d in diags[t] for r in (False, True)]
     try:
         n = L.precompile(variants, "sm_90a", workers=min(16, os.cpu_count() or 1))
     except Exception as e:  # one that does not compile fails again, alone, below, and is recorded there
@@ -117,6 +128,16 @@ def main():
                     sides[key] = (lambda i, t=t, kw=kw: L.i8_gemm(a8[i % rot], w8, a_s, w_s, bias, tile=t, **kw))
                 except Exception as e:
                     res["errors"][f"{name}/{key}"] = f"{type(e).__name__}: {str(e)[:800]}\n{traceback.format_exc()[-800:]}"
+                if "out_scale" in kw:
+                    continue  # the diagnostics are of the fp16 epilogue
+                for d in diags[t]:  # run once (a fault or hang shows here), not checked, then timed
+                    key = f"diag_{d}_{epi}"
+                    try:
+                        L.i8_gemm(a8[0], w8, a_s, w_s, bias, tile=d, **kw)
+                        torch.cuda.synchronize()
+                        sides[key] = (lambda i, d=d, kw=kw: L.i8_gemm(a8[i % rot], w8, a_s, w_s, bias, tile=d, **kw))
+                    except Exception as e:
+                        res["errors"][f"{name}/{key}"] = f"{type(e).__name__}: {str(e)[:800]}"
         names = list(sides)
         try:
             ms = graph_ms_alternating([sides[k] for k in names], calls=args.calls, replays=5)
@@ -132,10 +153,23 @@ def main():
         flop = 2 * M * N * K
         row = {k: {"us": round(v * 1e3, 2), "pct_i8_peak": round(100 * flop / (v * 1e-3) / PEAK_I8, 1)}
                for k, v in zip(names, ms)}
+        by_name = {str(t): t for t in tiles}
+        by_name.update({str(d): d for t in tiles for d in diags[t]})
+        for k in row:  # per-tile time on one SM, against the tile's MMAs at one SM's share of the peak
+            tname = next((n for n in sorted(by_name, key=len, reverse=True) if k.startswith(("i8gemm_" + n + "_",
+                                                                                             "diag_" + n + "_"))), None)
+            if tname is None:
+                continue
+            t = by_name[tname]
+            n_tiles = -(-M // t.bm) * -(-N // t.bn)
+            row[k]["tiles"] = n_tiles
+            row[k]["us_tile"] = round(row[k]["us"] * min(n_sm, n_tiles) / n_tiles, 2)
+            row[k]["mma_us_tile"] = round(2 * t.bm * t.bn * K / (PEAK_I8 / n_sm) * 1e6, 2)
         res["shapes"][name] = {"K": K, "N": N, "rot": rot, "sides": row}
         print(f"{name} (K={K}, N={N}) t={time.time() - t0:.0f}s", flush=True)
         for k in sorted(row, key=lambda k: row[k]["us"] if row[k]["us"] == row[k]["us"] else 1e9):
-            print(f"   {k:55s} {row[k]['us']:9.2f} us {row[k]['pct_i8_peak']:6.1f}%", flush=True)
+            extra = f"  {row[k]['us_tile']:6.2f} us/tile (MMA at peak {row[k]['mma_us_tile']:.2f})" if "us_tile" in row[k] else ""
+            print(f"   {k:55s} {row[k]['us']:9.2f} us {row[k]['pct_i8_peak']:6.1f}%{extra}", flush=True)
         sides = a8 = x16 = xa = None  # free the rotating inputs before the next shape
         torch.cuda.empty_cache()
     # the four GEMMs a layer: the sum of each side, and of the best i8_gemm tile per GEMM
@@ -146,6 +180,9 @@ def main():
     for t in tiles:
         v = [res["shapes"][s]["sides"].get(f"i8gemm_{t}_bias", {}).get("us") for s in SHAPES]
         summ[f"i8gemm_{t}_bias"] = round(sum(v), 1) if all(x is not None for x in v) else None
+        for d in diags[t]:
+            v = [res["shapes"][s]["sides"].get(f"diag_{d}_bias", {}).get("us") for s in SHAPES]
+            summ[f"diag_{d}_bias"] = round(sum(v), 1) if all(x is not None for x in v) else None
     best = []
     for s in SHAPES:
         c = [v["us"] for k, v in res["shapes"][s]["sides"].items() if k.startswith("i8gemm_") and k.endswith("_bias")]

@@ -44,7 +44,22 @@
 // ...) in a grouped raster (GROUP_M row tiles share their W tiles in L2).
 //
 // Compile-time parameters (-D, from i8_gemm.py's Variant): I8G_BN, I8G_WM, I8G_STAGES, I8G_PINGPONG, I8G_OUT (0 fp16,
-// 1 int8 codes), I8G_GELU, I8G_RES, I8G_SMEM (the dynamic shared memory the host allocates, checked here).
+// 1 int8 codes), I8G_GELU, I8G_RES, I8G_EPI, I8G_DIAG, I8G_SMEM (the dynamic shared memory the host allocates, checked
+// here).
+//
+// Epilogues (I8G_EPI):
+//   0  straight from the accumulator fragment: per 8-column group a w_scale and a bias load from global memory whose
+//      latency every group waits out (branches keep the compiler from hoisting them), then 4-byte stores (a warp's
+//      store instruction: 8 rows x 16 bytes).
+//   1  fp16 output, full tiles (every row < M, every column < N, N % 8 == 0): the tile's a_scale * w_scale and bias
+//      are loaded before the main loop (their latency hidden by it), parked in a per-consumer shared buffer after it;
+//      the fp16 words are transposed within each quad (4 shuffles a 4 words) so a lane holds 8 consecutive columns
+//      and writes them with one 16-byte store (a warp's store: 8 rows x 64 bytes); the residual is prefetched to L2
+//      before the main loop and read with 16-byte loads.  Edge tiles and int8 codes take epilogue 0.
+// Diagnostics (I8G_DIAG, with I8G_EPI 1; the output is garbage, for the bench only):
+//   1  the whole epilogue is computed (residual loads included) but stored only where four words hash to a run-time
+//      sentinel (never, in practice; the compiler cannot know): the kernel without its output stores.
+//   2  no epilogue: the accumulators are xor-folded and stored under the sentinel: the main loop and the pipeline only.
 
 #ifndef I8G_BN
 #define I8G_BN 256
@@ -67,6 +82,12 @@
 #ifndef I8G_RES
 #define I8G_RES 0
 #endif
+#ifndef I8G_EPI
+#define I8G_EPI 0
+#endif
+#ifndef I8G_DIAG
+#define I8G_DIAG 0
+#endif
 
 typedef unsigned int u32;
 typedef long long i64;
@@ -79,6 +100,7 @@ enum : int { OUT_F16 = 0, OUT_I8 = 1 };
 
 constexpr int BN = I8G_BN, WM = I8G_WM, STAGES = I8G_STAGES, OUT = I8G_OUT;
 constexpr bool PINGPONG = I8G_PINGPONG != 0, GELU = I8G_GELU != 0, RES = I8G_RES != 0;
+constexpr int EPI = I8G_EPI, DIAG = I8G_DIAG;
 constexpr int MA = WM / 64;                       // m64 wgmmas a consumer stacks along M
 constexpr int NT = BN / 8;                        // 8-column groups of the accumulator fragment
 constexpr int BM = PINGPONG ? WM : 2 * WM;        // rows of one output tile
@@ -90,9 +112,12 @@ constexpr int A_STAGE = BM * BK, W_STAGE = BN * BK, STAGE_BYTES = A_STAGE + W_ST
 constexpr int READERS = PINGPONG ? 4 : 8;         // consumer warps that read (and release) one stage
 constexpr int GROUP_M = 8;                        // row tiles of a raster group
 // dynamic shared memory: up to 1023 bytes to align the ring to 1024, the ring, then STAGES "full" and STAGES "empty"
-// mbarriers (8 bytes each) at BAR_OFF from the unaligned start
+// mbarriers (8 bytes each) at BAR_OFF from the unaligned start, then (EPI 1) each consumer's BN scales and BN biases
+// (float32) at EPI_OFF
 constexpr int BAR_OFF = 1024 + STAGES * STAGE_BYTES;
-constexpr int SMEM_BYTES = BAR_OFF + 16 * STAGES;
+constexpr int EPI_OFF = BAR_OFF + 16 * STAGES;
+constexpr int EPI_BYTES = EPI ? 2 * BN * 8 : 0;
+constexpr int SMEM_BYTES = EPI_OFF + EPI_BYTES;
 #ifdef I8G_SMEM
 static_assert(SMEM_BYTES <= I8G_SMEM, "i8_gemm.Variant.smem_bytes disagrees with the layout");
 #endif
@@ -104,6 +129,9 @@ static_assert(BM <= 256, "a TMA box has at most 256 rows");
 static_assert(STAGES >= 3, "one stage stays with the wgmmas in flight: >= 3 stages");
 static_assert(OUT == OUT_F16 || OUT == OUT_I8, "I8G_OUT must be OUT_F16 or OUT_I8");
 static_assert(!RES || OUT == OUT_F16, "the residual is added to the fp16 output only");
+static_assert(EPI == 0 || EPI == 1, "I8G_EPI must be 0 or 1");
+static_assert(DIAG == 0 || (EPI == 1 && DIAG <= 2), "I8G_DIAG 1 / 2 need I8G_EPI 1");
+static_assert(NT % 4 == 0, "the quad transpose takes 4 column groups at a time");
 
 // ---------------------------------------------------------------------------------------------
 // PTX wrappers (bmma_gemm.cu's idioms)
@@ -251,6 +279,33 @@ __device__ __forceinline__ int code_of(float y, float os) {
     q = q != q ? 0.0f : fminf(fmaxf(q, -128.0f), 127.0f);
     return __float2int_rn(q);
 }
+
+// Within each quad (lanes 4q .. 4q + 3): lane t holds w[k] = M[t][k]; afterwards w[k] = M[k][t] (two xor steps, two
+// shuffles each).  Here M[t][k] is lane t's fp16 pair of column group k, columns 2t, 2t + 1: after the transpose lane
+// t holds the 8 consecutive columns of group t.
+__device__ __forceinline__ void quad_transpose(u32 (&w)[4], int lane) {
+    const bool b0 = lane & 1, b1 = lane & 2;
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {  // xor 1: exchange the slots whose low bit differs from the lane's
+        const u32 send = b0 ? w[2 * p] : w[2 * p + 1];
+        const u32 got = __shfl_xor_sync(0xffffffffu, send, 1);
+        if (b0) w[2 * p] = got; else w[2 * p + 1] = got;
+    }
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {  // xor 2: exchange the slot pairs whose high bit differs from the lane's
+        const u32 send = b1 ? w[q] : w[2 + q];
+        const u32 got = __shfl_xor_sync(0xffffffffu, send, 2);
+        if (b1) w[q] = got; else w[2 + q] = got;
+    }
+}
+__device__ __forceinline__ u32 pack_f16(float lo, float hi) { return (u32)f32_to_f16(lo) | ((u32)f32_to_f16(hi) << 16); }
+// fp16(float(h) + float(r)) on both halves of a word (the residual's two roundings, as epilogue 0)
+__device__ __forceinline__ u32 add_res(u32 h, u32 r) {
+    const float lo = __fadd_rn(f16_to_f32((unsigned short)(h & 0xffff)), f16_to_f32((unsigned short)(r & 0xffff)));
+    const float hi = __fadd_rn(f16_to_f32((unsigned short)(h >> 16)), f16_to_f32((unsigned short)(r >> 16)));
+    return pack_f16(lo, hi);
+}
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 
 }  // namespace i8g
 
@@ -443,27 +498,138 @@ i8_gemm(const __grid_constant__ TensorMap tmA,   // (M, K) int8 a, box (BM rows,
         }
     };
 
+    // ---- EPI 1: the tile's scales and biases, loaded before the main loop, parked in shared memory after it ----
+    const int ct = tid & 127;  // this thread within its consumer warpgroup
+    constexpr int PER = BN / 128;  // columns of the tile a consumer thread loads
+    float st_sc[PER], st_bi[PER];
+    const u32 epi_sc = smem_raw + EPI_OFF + cg * (BN * 8), epi_bi = epi_sc + BN * 4;
+    const float* sh_sc = reinterpret_cast<const float*>(smem + EPI_OFF + cg * (BN * 8));
+    const float* sh_bi = sh_sc + BN;
+    auto stage_load = [&](int m0, int n0) {
+        if (EPI == 0) return;
+#pragma unroll
+        for (int q = 0; q < PER; ++q) {
+            const int c = n0 + ct + 128 * q;
+            st_sc[q] = c < N ? __fmul_rn(a_s, __ldg(w_scale + c)) : 0.0f;
+            st_bi[q] = 0.0f;
+            if (has_bias && c < N)
+                st_bi[q] = bias_f16 ? f16_to_f32(reinterpret_cast<const unsigned short*>(bias)[c])
+                                    : __ldg(reinterpret_cast<const float*>(bias) + c);
+        }
+        if (RES && DIAG != 2) {  // the residual rows this consumer will add, into L2 while the main loop runs
+            constexpr int LINES = BN * 2 / 128;  // 128-byte lines a row
+            for (int i = ct; i < WM * LINES; i += 128) {
+                const int r = m0 + i / LINES;
+                if (r < M) prefetch_l2(residual + (i64)r * N + min(n0 + (i % LINES) * 64, N - 1));
+            }
+        }
+    };
+    auto stage_store = [&]() {  // after the main loop: the previous tile's epilogue has read the buffer
+        if (EPI == 0) return;
+        named_sync(4 + cg, 128);
+#pragma unroll
+        for (int q = 0; q < PER; ++q) {
+            asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(epi_sc + 4 * (ct + 128 * q)), "f"(st_sc[q]) : "memory");
+            asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(epi_bi + 4 * (ct + 128 * q)), "f"(st_bi[q]) : "memory");
+        }
+        named_sync(4 + cg, 128);
+    };
+
+    // ---- EPI 1, full fp16 tiles: 16-byte stores of 8 consecutive columns a lane ----
+    const u32 sentinel = 0x9E3779B9u * (u32)K + 0x7F4A7C15u;  // DIAG: never equal in practice, unknown to the compiler
+    auto epilogue_fast = [&](int m0, int n0) {
+        if (DIAG == 2) {
+            u32 x = 0;
+#pragma unroll
+            for (int ma = 0; ma < MA; ++ma)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) x ^= (u32)acc[ma][nt][e];
+            if (x == sentinel) reinterpret_cast<u32*>(out)[tid] = x;
+            return;
+        }
+        unsigned short* o16 = reinterpret_cast<unsigned short*>(out);
+#pragma unroll
+        for (int j = 0; j < NT / 4; ++j) {
+            // this lane's columns of groups 4j .. 4j + 3 (fragment layout): 8 scales, 8 biases from shared memory
+            float2 sc[4], bi[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const int cc = 8 * (4 * j + k) + 2 * t4;
+                sc[k] = *reinterpret_cast<const float2*>(sh_sc + cc);
+                bi[k] = *reinterpret_cast<const float2*>(sh_bi + cc);
+            }
+            const int col = n0 + 8 * (4 * j + t4);  // after the transpose: group 4j + t4, 8 columns
+            uint4 rr[MA][2];
+            if (RES) {  // issued first: their latency overlaps the math below
+#pragma unroll
+                for (int ma = 0; ma < MA; ++ma)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int r = m0 + ma * 64 + 16 * wq + g4 + 8 * h;
+                        rr[ma][h] = __ldg(reinterpret_cast<const uint4*>(residual + (i64)r * N + col));
+                    }
+            }
+#pragma unroll
+            for (int ma = 0; ma < MA; ++ma)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    u32 w[4];
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) {
+                        const int nt = 4 * j + k;
+                        w[k] = pack_f16(y_of(acc[ma][nt][2 * h], sc[k].x, bi[k].x, has_bias),
+                                        y_of(acc[ma][nt][2 * h + 1], sc[k].y, bi[k].y, has_bias));
+                    }
+                    quad_transpose(w, lane);
+                    if (RES) {
+                        w[0] = add_res(w[0], rr[ma][h].x), w[1] = add_res(w[1], rr[ma][h].y);
+                        w[2] = add_res(w[2], rr[ma][h].z), w[3] = add_res(w[3], rr[ma][h].w);
+                    }
+                    const int r = m0 + ma * 64 + 16 * wq + g4 + 8 * h;
+                    uint4* dst = reinterpret_cast<uint4*>(o16 + (i64)r * N + col);
+                    if (DIAG == 1) {
+                        if ((w[0] ^ w[1] ^ w[2] ^ w[3]) == sentinel) *dst = make_uint4(w[0], w[1], w[2], w[3]);
+                    } else {
+                        *dst = make_uint4(w[0], w[1], w[2], w[3]);
+                    }
+                }
+        }
+    };
+    // the consumer's epilogue of rows [m0, m0 + WM) x [n0, n0 + BN)
+    auto epilogue_any = [&](int m0, int n0) {
+        if (EPI == 1 && (OUT == OUT_F16 || DIAG == 2) && m0 + WM <= M && n0 + BN <= N && (N & 7) == 0)
+            epilogue_fast(m0, n0);
+        else if (DIAG != 2)
+            epilogue(m0, n0);
+    };
+
     if (!PINGPONG) {  // ---- cooperative: both consumers on every tile, each its WM rows ----
         int g0 = 0;
         for (int pid = blockIdx.x; pid < tiles; pid += gridDim.x, g0 += k_tiles) {
             int m0, n0;
             tile_origin(pid, m0, n0);
+            stage_load(m0 + row_off, n0);
             mainloop(g0);
             wgmma_wait<0>();
             release(g0 + k_tiles - 1);
-            epilogue(m0 + row_off, n0);
+            stage_store();
+            epilogue_any(m0 + row_off, n0);
         }
     } else {  // ---- ping-pong: the block's i-th tile is consumer (i % 2)'s; main loops issued in tile order ----
         const int n_mine = (tiles - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;  // the block's tiles
         for (int i = cg; i < n_mine; i += 2) {
             int m0, n0;
             tile_origin((int)blockIdx.x + i * (int)gridDim.x, m0, n0);
+            stage_load(m0, n0);
             if (i > 0) named_sync(2 + cg, 256);  // the other consumer has waited on every stage of tile i - 1
             mainloop(i * k_tiles);
             if (i + 1 < n_mine) named_arrive(2 + (cg ^ 1), 256);  // its turn: tile i + 1
             wgmma_wait<0>();
             release(i * k_tiles + k_tiles - 1);
-            epilogue(m0, n0);
+            stage_store();
+            epilogue_any(m0, n0);
         }
     }
 }

@@ -28,7 +28,8 @@ import torch
 
 from .runtime import compile_all, compile_source, launch, launch_config, load_kernel, ptr, sm_count, source_cubin_path
 
-__all__ = ["SOURCE_PATH", "SCHEDULES", "OUTS", "Tile", "Variant", "parse_tile", "max_stages", "TILES", "DEFAULT_TILE",
+__all__ = ["SOURCE_PATH", "SCHEDULES", "OUTS", "Tile", "Variant", "parse_tile", "max_stages", "TILES", "TILES_E1",
+           "diag_tiles", "DEFAULT_TILE",
            "compile_variant", "precompile", "cubin_path", "get_kernel", "tensor_map", "i8_gemm", "K_ALIGN", "K_MAX"]
 
 SOURCE_PATH = Path(__file__).with_name("i8_gemm.cu")
@@ -46,14 +47,21 @@ THREADS = 384  # two consumer warpgroups + the producer
 class Tile:
     """``schedule`` "cooperative" (both consumer warpgroups on one tile of 2 ``wm`` rows) or "pingpong" (each consumer
     its own tile of ``wm`` rows, alternately); ``wm`` 64 / 128 rows a consumer multiplies, ``bn`` 128 / 256 columns,
-    ``stages`` K steps of 128 bytes in the TMA ring (>= 3)."""
+    ``stages`` K steps of 128 bytes in the TMA ring (>= 3); ``epi`` the epilogue (i8_gemm.cu I8G_EPI: 0 straight from
+    the fragment, 1 scales staged in shared memory + 16-byte stores); ``diag`` (bench only, needs epi 1, output
+    garbage): 1 no output stores, 2 no epilogue (main loop only)."""
 
     schedule: str = "cooperative"
     wm: int = 64
     bn: int = 256
     stages: int = 4
+    epi: int = 0
+    diag: int = 0
 
     def __post_init__(self):
+        if self.epi not in (0, 1) or self.diag not in (0, 1, 2) or (self.diag and not self.epi):
+            raise ValueError(f"epi must be 0 / 1 and diag 0 / 1 / 2 (diag needs epi 1), got epi={self.epi} "
+                             f"diag={self.diag}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.wm not in (64, 128) or self.bn not in (128, 256):
@@ -74,34 +82,47 @@ class Tile:
 
     @property
     def smem_bytes(self) -> int:
-        """i8_gemm.cu SMEM_BYTES: 1 KB of alignment slack, the ring, the 2 x stages mbarriers."""
-        return 1024 + self.stages * (self.bm + self.bn) * _BK + 16 * self.stages
+        """i8_gemm.cu SMEM_BYTES: 1 KB of alignment slack, the ring, the 2 x stages mbarriers, (epi 1) the two
+        consumers' scales and biases."""
+        return 1024 + self.stages * (self.bm + self.bn) * _BK + 16 * self.stages + _epi_bytes(self)
 
     def __str__(self) -> str:
-        return f"{_SHORT[self.schedule]}_{self.bm}x{self.bn}_s{self.stages}"
+        return (f"{_SHORT[self.schedule]}_{self.bm}x{self.bn}_s{self.stages}" + (f"_e{self.epi}" if self.epi else "")
+                + (f"_d{self.diag}" if self.diag else ""))
+
+
+def _epi_bytes(tile: Tile) -> int:
+    return 2 * tile.bn * 8 if tile.epi else 0
 
 
 def max_stages(tile: Tile) -> int:
-    """The deepest ring (<= 8) of ``tile``'s shape that shared memory holds."""
+    """The deepest ring (<= 8) of ``tile``'s shape (and epilogue) that shared memory holds."""
     per = (tile.bm + tile.bn) * _BK + 16
-    return min(8, (_MAX_SMEM - 1024) // per)
+    return min(8, (_MAX_SMEM - 1024 - _epi_bytes(tile)) // per)
 
 
 def parse_tile(text: str) -> Tile:
-    """``"coop_128x256_s4"`` / ``"pp_128x128_s7"`` (as ``str(Tile)`` writes it) -> Tile."""
+    """``"coop_128x256_s4"`` / ``"pp_128x128_s6_e1"`` / ``"pp_128x128_s6_e1_d2"`` (as ``str(Tile)`` writes it) -> Tile."""
     try:
-        sched, mn, s = text.split("_")
+        sched, mn, s, *rest = text.split("_")
         schedule = {v: k for k, v in _SHORT.items()}[sched]
         bm, bn = (int(v) for v in mn.split("x"))
         wm = bm if schedule == "pingpong" else bm // 2
-        return Tile(schedule, wm, bn, int(s.removeprefix("s")))
+        extra = {"e": 0, "d": 0}
+        for r in rest:
+            if r[:1] not in extra or not r[1:].isdigit():
+                raise ValueError(r)
+            extra[r[0]] = int(r[1:])
+        if not s.startswith("s"):
+            raise ValueError(s)
     except (ValueError, KeyError):
-        raise ValueError(f"tile must look like 'coop_128x256_s4' or 'pp_128x128_s7' "
-                         f"(coop|pp _ BMxBN _ sSTAGES), got {text!r}") from None
+        raise ValueError(f"tile must look like 'coop_128x256_s4' or 'pp_128x128_s6_e1' "
+                         f"(coop|pp _ BMxBN _ sSTAGES [_eEPI] [_dDIAG]), got {text!r}") from None
+    return Tile(schedule, wm, bn, int(s[1:]), extra["e"], extra["d"])
 
 
-def _deepest(schedule: str, wm: int, bn: int) -> Tile:
-    return Tile(schedule, wm, bn, max_stages(Tile(schedule, wm, bn, 3)))
+def _deepest(schedule: str, wm: int, bn: int, epi: int = 0) -> Tile:
+    return Tile(schedule, wm, bn, max_stages(Tile(schedule, wm, bn, 3, epi)), epi)
 
 
 # The tiles raced on the transformer's GEMMs (scratch/i8_gemm/bench.py); each with as many stages as fit.
@@ -113,7 +134,15 @@ TILES = (
     _deepest("pingpong", 128, 128),     # 128 x 128 a consumer, 7 stages
     _deepest("pingpong", 64, 128),      # 64 x 128 a consumer, 8 stages
 )
+# The same shapes with epilogue 1 (scales staged in shared memory, 16-byte stores): one stage fewer where its buffer
+# does not fit beside the ring (coop 128 x 128: 6, pp 128 x 128: 6).
+TILES_E1 = tuple(_deepest(t.schedule, t.wm, t.bn, 1) for t in TILES)
 DEFAULT_TILE = TILES[0]  # not measured yet: the bench decides
+
+
+def diag_tiles(tile: Tile) -> tuple[Tile, Tile]:
+    """``tile``'s two bench diagnostics (epilogue 1): without output stores (diag 1), main loop only (diag 2)."""
+    return (Tile(tile.schedule, tile.wm, tile.bn, tile.stages, 1, 1), Tile(tile.schedule, tile.wm, tile.bn, tile.stages, 1, 2))
 
 
 @dataclass(frozen=True)
@@ -140,7 +169,8 @@ class Variant:
         t = self.tile
         return [f"I8G_BN={t.bn}", f"I8G_WM={t.wm}", f"I8G_STAGES={t.stages}",
                 f"I8G_PINGPONG={int(t.schedule == 'pingpong')}", f"I8G_OUT={OUTS.index(self.out)}",
-                f"I8G_GELU={int(self.gelu)}", f"I8G_RES={int(self.residual)}", f"I8G_SMEM={self.smem_bytes}"]
+                f"I8G_GELU={int(self.gelu)}", f"I8G_RES={int(self.residual)}", f"I8G_EPI={t.epi}",
+                f"I8G_DIAG={t.diag}", f"I8G_SMEM={self.smem_bytes}"]
 
     def __str__(self) -> str:
         return (f"{self.tile}_{'f16' if self.out == 'float16' else 'i8'}" + "_gelu" * self.gelu
@@ -330,11 +360,12 @@ def i8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: to
     out = torch.empty((M, N), dtype=torch.int8 if out_scale is not None else torch.float16, device=a.device)
     if M == 0 or N == 0:
         return out
-    # the epilogue reads column pairs as one float2 (w_scale, fp32 bias) / one 4-byte word (residual)
+    # the epilogue reads column pairs as one float2 (w_scale, fp32 bias) / the residual as 4-byte words (epilogue 0)
+    # or 16-byte vectors (epilogue 1)
     w_scale = w_scale if w_scale.data_ptr() % 8 == 0 else w_scale.clone()
     if bias is not None and bias.data_ptr() % 8:
         bias = bias.clone()
-    if residual is not None and residual.data_ptr() % 4:
+    if residual is not None and residual.data_ptr() % 16:
         residual = residual.clone()
     launch_i8_gemm(variant, a, w, out, a_scale, w_scale, bias, out_scale, residual)
     return out
