@@ -1,0 +1,635 @@
+// INT8 GEMM on Hopper's warpgroup tensor cores (sm_90a), warp-specialised and persistent, with the quantized
+// linear's epilogue fused.
+//
+//   acc[m, n] = sum_k a[m, k] * w[n, k]                  a: (M, K) int8, w: (N, K) int8, both row-major (K-major)
+//   y[m, n]   = float(acc) * (a_scale * w_scale[n])       int32 -> float32 (round to nearest even), one rounding
+//             + bias[n]                                   (optional, fp16 or fp32; one rounding)
+//   y         = 0.5 y (1 + erf(y / sqrt 2))               (I8G_GELU: torch's default erf GELU, float32)
+//   out       = fp16(y)                                   (I8G_OUT = OUT_F16)
+//             = fp16(float(fp16(y)) + float(residual))    (... with I8G_RES: the unfused graph's two roundings)
+//             = int8(rint(clamp(y / out_scale, -128, 127)))  (I8G_OUT = OUT_I8: the next layer's int8 codes;
+//                                                         IEEE division, NaN -> 0, round half to even)
+// Every float step is one IEEE-rounded operation (__fmul_rn / __fadd_rn: no FMA contraction), so the pure-torch
+// reference (kernels/reference_i8_gemm.py) computes the same float32 values; only erff (CUDA's, <= 2 ulp) differs
+// from torch's erf.  a_scale and out_scale are read from device memory (one float each), so a CUDA graph replays the
+// kernel with whatever scale the tensors hold.
+//
+// Pipeline.  One producer warpgroup (the last 128 threads) and two consumer warpgroups.  The producer's one elected
+// thread loads K steps of 128 bytes (128 int8 values) of the A and W tiles with TMA (cp.async.bulk.tensor.2d, box of
+// rows x 128 bytes, 128-byte swizzle, out-of-bounds rows / columns read as zeros) into a ring of STAGES stages, each
+// with a "full" mbarrier (one arrival: the producer's arrive.expect_tx, plus the stage's bytes of TMA transactions)
+// and an "empty" one (an arrival from every consumer warp that reads the stage).  Steps are numbered across the
+// block's tiles (g), so the producer runs ahead into the next tile while the consumers store this one; stage
+// s = g % STAGES, phase g / STAGES, whose parity a wait names.  setmaxnreg gives the producer 40 registers and the
+// consumers the rest (232).
+//
+// The wgmma operands.  A stage row is 128 bytes of K, 8-row groups 1024 bytes apart, every tile 1024-byte aligned:
+// exactly the K-major 128-byte-swizzled layout wgmma reads through a matrix descriptor (bmma_gemm.cu's smem_desc, the
+// same bytes: there a 1024-bit plane row, here 128 int8).  wgmma m64nNk32 s8 takes 32 bytes of K, so a stage is four
+// k-steps, the descriptor's start address advanced by 32 bytes (2 in its 16-byte units) each.  The accumulator of
+// m64nN s32 is the float one's fragment: warp w of the warpgroup holds rows 16 w + g and 16 w + g + 8 (g = lane / 4),
+// columns 8 nt + 2 t + (0, 1) (t = lane % 4) in d[nt][0, 1] and d[nt][2, 3].
+//
+// Schedules (I8G_PINGPONG):
+//   0  cooperative: the block's tile is 2 WM x BN; consumer warpgroup c multiplies its rows c WM .. c WM + WM - 1.
+//      Both read every stage (8 arrivals on "empty").
+//   1  ping-pong (CUTLASS's KernelTmaWarpSpecializedPingpong): the block's tiles alternate between the consumers,
+//      each multiplying a whole WM x BN tile (4 arrivals on "empty"), so that one's epilogue runs while the other's
+//      wgmmas do.  An order barrier (named barriers 2 and 3, bar.sync by the waiting warpgroup, bar.arrive by the other)
+//      makes the consumers issue their main loops in tile order: consumer c starts tile i only after the other one has
+//      waited on every stage of tile i - 1.  That order is also what keeps the phase parities right: a consumer waits
+//      on step g only after step g - STAGES's phase of the same stage has completed.
+// WM = 64 or 128 rows a consumer multiplies (one or two m64 wgmmas a k-step); BN = 128 or 256; the accumulators,
+// (WM / 64) * BN / 2 registers a thread, are at most 128.  Tiles are walked persistently (block b: tiles b, b + grid,
+// ...) in a grouped raster (GROUP_M row tiles share their W tiles in L2).
+//
+// Compile-time parameters (-D, from i8_gemm.py's Variant): I8G_BN, I8G_WM, I8G_STAGES, I8G_PINGPONG, I8G_OUT (0 fp16,
+// 1 int8 codes), I8G_GELU, I8G_RES, I8G_EPI, I8G_DIAG, I8G_SMEM (the dynamic shared memory the host allocates, checked
+// here).
+//
+// Epilogues (I8G_EPI):
+//   0  straight from the accumulator fragment: per 8-column group a w_scale and a bias load from global memory whose
+//      latency every group waits out (branches keep the compiler from hoisting them), then 4-byte stores (a warp's
+//      store instruction: 8 rows x 16 bytes).
+//   1  fp16 output, full tiles (every row < M, every column < N, N % 8 == 0): the tile's a_scale * w_scale and bias
+//      are loaded before the main loop (their latency hidden by it), parked in a per-consumer shared buffer after it;
+//      the fp16 words are transposed within each quad (4 shuffles a 4 words) so a lane holds 8 consecutive columns
+//      and writes them with one 16-byte store (a warp's store: 8 rows x 64 bytes); the residual is prefetched to L2
+//      before the main loop and read with 16-byte loads.  Edge tiles and int8 codes take epilogue 0.
+// Diagnostics (I8G_DIAG, with I8G_EPI 1; the output is garbage, for the bench only):
+//   1  the whole epilogue is computed (residual loads included) but stored only where four words hash to a run-time
+//      sentinel (never, in practice; the compiler cannot know): the kernel without its output stores.
+//   2  no epilogue: the accumulators are xor-folded and stored under the sentinel: the main loop and the pipeline only.
+
+#ifndef I8G_BN
+#define I8G_BN 256
+#endif
+#ifndef I8G_WM
+#define I8G_WM 64
+#endif
+#ifndef I8G_STAGES
+#define I8G_STAGES 4
+#endif
+#ifndef I8G_PINGPONG
+#define I8G_PINGPONG 0
+#endif
+#ifndef I8G_OUT
+#define I8G_OUT 0
+#endif
+#ifndef I8G_GELU
+#define I8G_GELU 0
+#endif
+#ifndef I8G_RES
+#define I8G_RES 0
+#endif
+#ifndef I8G_EPI
+#define I8G_EPI 0
+#endif
+#ifndef I8G_DIAG
+#define I8G_DIAG 0
+#endif
+
+typedef unsigned int u32;
+typedef long long i64;
+typedef unsigned long long u64;
+
+namespace i8g {
+
+// The values of I8G_OUT (i8_gemm.py: OutKind).
+enum : int { OUT_F16 = 0, OUT_I8 = 1 };
+
+constexpr int BN = I8G_BN, WM = I8G_WM, STAGES = I8G_STAGES, OUT = I8G_OUT;
+constexpr bool PINGPONG = I8G_PINGPONG != 0, GELU = I8G_GELU != 0, RES = I8G_RES != 0;
+constexpr int EPI = I8G_EPI, DIAG = I8G_DIAG;
+constexpr int MA = WM / 64;                       // m64 wgmmas a consumer stacks along M
+constexpr int NT = BN / 8;                        // 8-column groups of the accumulator fragment
+constexpr int BM = PINGPONG ? WM : 2 * WM;        // rows of one output tile
+constexpr int CONS_THREADS = 256;                 // two consumer warpgroups
+constexpr int THREADS = CONS_THREADS + 128;       // + the producer warpgroup
+constexpr int BK = 128;                           // K bytes (int8 values) a stage
+constexpr int KK = BK / 32;                       // wgmma k-steps a stage
+constexpr int A_STAGE = BM * BK, W_STAGE = BN * BK, STAGE_BYTES = A_STAGE + W_STAGE;
+constexpr int READERS = PINGPONG ? 4 : 8;         // consumer warps that read (and release) one stage
+constexpr int GROUP_M = 8;                        // row tiles of a raster group
+// dynamic shared memory: up to 1023 bytes to align the ring to 1024, the ring, then STAGES "full" and STAGES "empty"
+// mbarriers (8 bytes each) at BAR_OFF from the unaligned start, then (EPI 1) each consumer's BN scales and BN biases
+// (float32) at EPI_OFF
+constexpr int BAR_OFF = 1024 + STAGES * STAGE_BYTES;
+constexpr int EPI_OFF = BAR_OFF + 16 * STAGES;
+constexpr int EPI_BYTES = EPI ? 2 * BN * 8 : 0;
+constexpr int SMEM_BYTES = EPI_OFF + EPI_BYTES;
+#ifdef I8G_SMEM
+static_assert(SMEM_BYTES <= I8G_SMEM, "i8_gemm.Variant.smem_bytes disagrees with the layout");
+#endif
+static_assert(SMEM_BYTES <= 232448, "more than the 227 KB of dynamic shared memory a block of sm_90 may have");
+static_assert(BN == 128 || BN == 256, "BN must be 128 or 256");
+static_assert(WM == 64 || WM == 128, "WM must be 64 or 128");
+static_assert(MA * NT * 4 <= 128, "at most 128 accumulator registers a thread");
+static_assert(BM <= 256, "a TMA box has at most 256 rows");
+static_assert(STAGES >= 3, "one stage stays with the wgmmas in flight: >= 3 stages");
+static_assert(OUT == OUT_F16 || OUT == OUT_I8, "I8G_OUT must be OUT_F16 or OUT_I8");
+static_assert(!RES || OUT == OUT_F16, "the residual is added to the fp16 output only");
+static_assert(EPI == 0 || EPI == 1, "I8G_EPI must be 0 or 1");
+static_assert(DIAG == 0 || (EPI == 1 && DIAG <= 2), "I8G_DIAG 1 / 2 need I8G_EPI 1");
+static_assert(NT % 4 == 0, "the quad transpose takes 4 column groups at a time");
+
+// ---------------------------------------------------------------------------------------------
+// PTX wrappers (bmma_gemm.cu's idioms)
+// ---------------------------------------------------------------------------------------------
+
+// A CUtensorMap (cuda.h's opaque 128-byte, 64-byte aligned struct), passed by value as a __grid_constant__ kernel
+// parameter: NVRTC has no cuda.h, and only its size and alignment matter here.
+struct __align__(64) TensorMap {
+    u64 opaque[16];
+};
+
+__device__ __forceinline__ void grid_dependency_wait() {  // programmatic dependent launch: a no-op without it
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+// this thread's arrival, after raising the phase's expected transaction bytes by `bytes`
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// spin until the phase of parity `parity` of the barrier has completed
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n"
+        "}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+// box (c0 bytes of K, c1 rows) of a (rows, K) int8 tensor -> shared memory at `dst`, completing its bytes on `bar`
+__device__ __forceinline__ void tma_load(u32 dst, const TensorMap& map, int c0, int c1, u32 bar) {
+    const u64 m = reinterpret_cast<u64>(&map);
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+        "l"(m), "r"(c0), "r"(c1), "r"(bar)
+        : "memory");
+}
+template <int R>
+__device__ __forceinline__ void set_max_regs() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R));
+}
+template <int R>
+__device__ __forceinline__ void shrink_regs() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R));
+}
+// named barrier `id` of `n` threads: wait for all of them / only count this warp's arrival
+__device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
+__device__ __forceinline__ void named_arrive(int id, int n) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+
+// Shared-memory matrix descriptor, K-major, 128-byte swizzle (bmma_gemm.cu's): start address >> 4 in bits 0-13,
+// leading-dimension offset (unused for swizzled K-major) 1, stride-dimension offset (8 rows of 128 bytes = 1024) >> 4
+// in bits 32-45, base offset 0 (tiles 1024-byte aligned), swizzle mode 1 (128 B) in bits 62-63.
+__device__ __forceinline__ u64 smem_desc(u32 addr) {
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+}
+
+// wgmma (sm_90a): D(64 x 8NT, int32) += A(64 x 32, s8) * B(8NT x 32, s8)^T, both from shared memory.  The
+// accumulators are named one by one (the asm needs NT*4 register operands).
+#define I8G_R4(d, i) "+r"(d[i][0]), "+r"(d[i][1]), "+r"(d[i][2]), "+r"(d[i][3])
+#define I8G_A4(d, o) I8G_R4(d, (o)), I8G_R4(d, (o) + 1), I8G_R4(d, (o) + 2), I8G_R4(d, (o) + 3)
+#define I8G_ACC16(d) I8G_A4(d, 0), I8G_A4(d, 4), I8G_A4(d, 8), I8G_A4(d, 12)
+#define I8G_ACC32(d) I8G_ACC16(d), I8G_A4(d, 16), I8G_A4(d, 20), I8G_A4(d, 24), I8G_A4(d, 28)
+template <int NT_>
+struct Wgmma;
+template <> struct Wgmma<16> {  // m64n128k32: 64 accumulators a thread
+    static __device__ __forceinline__ void run(int (&d)[16][4], u64 da, u64 db) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+                     "}, %64, %65, p;\n}\n"
+                     : I8G_ACC16(d)
+                     : "l"(da), "l"(db), "n"(1));
+    }
+};
+template <> struct Wgmma<32> {  // m64n256k32: 128 accumulators a thread
+    static __device__ __forceinline__ void run(int (&d)[32][4], u64 da, u64 db) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n256k32.s32.s8.s8 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+                     "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+                     "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+                     "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+                     "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+                     "}, %128, %129, p;\n}\n"
+                     : I8G_ACC32(d)
+                     : "l"(da), "l"(db), "n"(1));
+    }
+};
+
+// 16-bit float conversions (round to nearest even), as the bits a float16 tensor stores (codes.cuh's)
+__device__ __forceinline__ unsigned short f32_to_f16(float x) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
+__device__ __forceinline__ float f16_to_f32(unsigned short h) {
+    float x;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(x) : "h"(h));
+    return x;
+}
+
+// n / d for 0 <= n < 2^31 without a division instruction (bmma_gemm.cu's FastDiv, Granlund-Montgomery)
+struct FastDiv {
+    u32 mul;
+    int sh;
+    __device__ __forceinline__ int div(int n) const { return (int)(((unsigned long long)(u32)n * mul) >> sh); }
+};
+__device__ __forceinline__ FastDiv fast_div(int d) {
+    const int sh = 31 + (d > 1 ? 32 - __clz(d - 1) : 0);
+    return {(u32)(((1ull << sh) + (unsigned long long)d - 1ull) / (unsigned long long)d), sh};
+}
+
+// the epilogue's value of one accumulator before the store: scaled, biased, GELU'd (float32, no contraction)
+__device__ __forceinline__ float y_of(int acc, float sc, float bi, bool has_bias) {
+    float y = __fmul_rn((float)acc, sc);
+    if (has_bias) y = __fadd_rn(y, bi);
+    if (GELU) y = __fmul_rn(__fmul_rn(0.5f, y), __fadd_rn(1.0f, erff(__fmul_rn(y, 0.70710678f))));
+    return y;
+}
+// the int8 code of y: rint(clamp(y / out_scale, -128, 127)), NaN -> 0 (quantize_static's codes for int8)
+__device__ __forceinline__ int code_of(float y, float os) {
+    float q = __fdiv_rn(y, os);
+    q = q != q ? 0.0f : fminf(fmaxf(q, -128.0f), 127.0f);
+    return __float2int_rn(q);
+}
+
+// Within each quad (lanes 4q .. 4q + 3): lane t holds w[k] = M[t][k]; afterwards w[k] = M[k][t] (two xor steps, two
+// shuffles each).  Here M[t][k] is lane t's fp16 pair of column group k, columns 2t, 2t + 1: after the transpose lane
+// t holds the 8 consecutive columns of group t.
+__device__ __forceinline__ void quad_transpose(u32 (&w)[4], int lane) {
+    const bool b0 = lane & 1, b1 = lane & 2;
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {  // xor 1: exchange the slots whose low bit differs from the lane's
+        const u32 send = b0 ? w[2 * p] : w[2 * p + 1];
+        const u32 got = __shfl_xor_sync(0xffffffffu, send, 1);
+        if (b0) w[2 * p] = got; else w[2 * p + 1] = got;
+    }
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {  // xor 2: exchange the slot pairs whose high bit differs from the lane's
+        const u32 send = b1 ? w[q] : w[2 + q];
+        const u32 got = __shfl_xor_sync(0xffffffffu, send, 2);
+        if (b1) w[q] = got; else w[2 + q] = got;
+    }
+}
+__device__ __forceinline__ u32 pack_f16(float lo, float hi) { return (u32)f32_to_f16(lo) | ((u32)f32_to_f16(hi) << 16); }
+// fp16(float(h) + float(r)) on both halves of a word (the residual's two roundings, as epilogue 0)
+__device__ __forceinline__ u32 add_res(u32 h, u32 r) {
+    const float lo = __fadd_rn(f16_to_f32((unsigned short)(h & 0xffff)), f16_to_f32((unsigned short)(r & 0xffff)));
+    const float hi = __fadd_rn(f16_to_f32((unsigned short)(h >> 16)), f16_to_f32((unsigned short)(r >> 16)));
+    return pack_f16(lo, hi);
+}
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
+
+}  // namespace i8g
+
+using namespace i8g;
+
+// registers a thread after setmaxnreg: the producer keeps 40, the consumers share the rest (<= 232).  setmaxnreg moves
+// registers within what the block was launched with: THREADS x (65536 / THREADS rounded down to 8)
+constexpr int PRODUCER_REGS = 40;
+constexpr int REG_POOL = 65536 / THREADS / 8 * 8 * THREADS;
+constexpr int MMA_REGS_ = (REG_POOL - PRODUCER_REGS * 128) / CONS_THREADS / 8 * 8;
+constexpr int MMA_REGS = MMA_REGS_ > 232 ? 232 : MMA_REGS_;
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+i8_gemm(const __grid_constant__ TensorMap tmA,   // (M, K) int8 a, box (BM rows, 128 bytes), 128 B swizzle
+        const __grid_constant__ TensorMap tmW,   // (N, K) int8 w, box (BN rows, 128 bytes), 128 B swizzle
+        void* __restrict__ out,                  // (M, N) row-major: fp16 (OUT_F16) or int8 codes (OUT_I8)
+        const float* __restrict__ a_scale,       // (1,) the activations' per-tensor scale
+        const float* __restrict__ w_scale,       // (N,) the weights' per-channel scales
+        const void* __restrict__ bias,           // (N,) fp32 or fp16 (bias_f16), or null
+        int bias_f16,
+        const float* __restrict__ out_scale,     // (1,) OUT_I8: the output codes' scale
+        const unsigned short* __restrict__ residual,  // RES: (M, N) fp16, added to the fp16 output
+        int M, int N, int K) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    grid_dependency_wait();
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+
+    // ---- tiles: grouped raster, GROUP_M row tiles share their W tiles in L2; block b takes tiles b, b + grid, ... ----
+    const int grid_m = (M + BM - 1) / BM, grid_n = (N + BN - 1) / BN, tiles = grid_m * grid_n;
+    const int in_group = GROUP_M * grid_n;
+    const FastDiv by_group = fast_div(in_group);
+    auto tile_origin = [&](int pid, int& m0, int& n0) {
+        const int gi = by_group.div(pid), in = pid - gi * in_group, first_m = gi * GROUP_M;
+        const int gm = min(grid_m - first_m, GROUP_M);
+        m0 = (first_m + in % gm) * BM;
+        n0 = (in / gm) * BN;
+    };
+    const int k_tiles = (K + BK - 1) / BK;  // K steps (the last one zero-filled past K by TMA)
+
+    // wgmma's 128-byte swizzle needs 1024-byte aligned tiles (the host allocates 1 KB extra)
+    const u32 smem_raw = (u32)__cvta_generic_to_shared(smem);
+    const u32 smem_base = (smem_raw + 1023u) & ~1023u;
+    const u32 full0 = smem_raw + BAR_OFF, empty0 = full0 + 8 * STAGES;
+    if (tid == 0) {
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full0 + 8 * s, 1);
+            mbar_init(empty0 + 8 * s, READERS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();  // barriers initialised before any wait, arrival or TMA
+
+    if (warp >= CONS_THREADS / 32) {  // ---- producer warpgroup: one thread issues every TMA load ----
+        shrink_regs<PRODUCER_REGS>();
+        if (warp == CONS_THREADS / 32 && lane == 0) {
+            int g = 0;  // steps loaded, counted across the block's tiles
+            for (int pid = blockIdx.x; pid < tiles; pid += gridDim.x) {
+                int m0, n0;
+                tile_origin(pid, m0, n0);
+                for (int kt = 0; kt < k_tiles; ++kt, ++g) {
+                    const int s = g % STAGES;
+                    if (g >= STAGES) mbar_wait(empty0 + 8 * s, ((g / STAGES) + 1) & 1);  // step g - STAGES released
+                    mbar_arrive_expect_tx(full0 + 8 * s, STAGE_BYTES);
+                    const u32 sA = smem_base + s * STAGE_BYTES, sW = sA + A_STAGE;
+                    tma_load(sA, tmA, kt * BK, m0, full0 + 8 * s);
+                    tma_load(sW, tmW, kt * BK, n0, full0 + 8 * s);
+                }
+            }
+        }
+        return;
+    }
+
+    // ---- consumer warpgroups ----
+    set_max_regs<MMA_REGS>();
+    const int cg = warp >> 2;         // this consumer warpgroup (0, 1)
+    const int wq = warp & 3;          // its warp: rows 16 wq .. of each m64 slab
+    const int g4 = lane >> 2, t4 = lane & 3;
+    const float a_s = a_scale[0];
+    const float o_s = OUT == OUT_I8 ? out_scale[0] : 1.0f;
+    const bool has_bias = bias != nullptr;
+    // consumer cg's rows within a tile: its WM-row half (cooperative) or all of them (ping-pong)
+    const int row_off = PINGPONG ? 0 : cg * WM;
+
+    int acc[MA][NT][4];
+
+    // one arrival per warp on step g's "empty" barrier
+    auto release = [&](int g) {
+        if (lane == 0) mbar_arrive(empty0 + 8 * (g % STAGES));
+    };
+    // the main loop of one tile, steps g0 .. g0 + k_tiles - 1, all but the last step's wgmmas retired on return
+    auto mainloop = [&](int g0) {
+#pragma unroll
+        for (int ma = 0; ma < MA; ++ma)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[ma][nt][e] = 0;
+        for (int kt = 0; kt < k_tiles; ++kt) {
+            const int g = g0 + kt, s = g % STAGES;
+            mbar_wait(full0 + 8 * s, (g / STAGES) & 1);
+            const u32 sA = smem_base + s * STAGE_BYTES + row_off * BK, sW = smem_base + s * STAGE_BYTES + A_STAGE;
+            const u64 dA = smem_desc(sA), dW = smem_desc(sW);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < KK; ++kk)
+#pragma unroll
+                for (int ma = 0; ma < MA; ++ma)  // (descriptor addresses count 16-byte units: 32 bytes = 2)
+                    Wgmma<NT>::run(acc[ma], dA + (u64)((ma * 64 * BK + kk * 32) >> 4), dW + (u64)((kk * 32) >> 4));
+            wgmma_commit();
+            wgmma_wait<1>();  // step g-1's wgmmas are done: release its stage
+            if (kt > 0) release(g - 1);
+        }
+    };
+
+    // ---- epilogue of the consumer's rows [m0, m0 + WM) x [n0, n0 + BN), straight from the accumulators ----
+    auto epilogue = [&](int m0, int n0) {
+        // column pairs (c, c + 1) load / store as one where both lie inside N and the pair is aligned (N even)
+        const bool even_n = (N & 1) == 0;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const int c = n0 + 8 * nt + 2 * t4;
+            if (c >= N) continue;
+            const bool pair = even_n && c + 1 < N;
+            float sc0, sc1 = 0.0f, bi0 = 0.0f, bi1 = 0.0f;
+            if (pair) {
+                const float2 ws = __ldg(reinterpret_cast<const float2*>(w_scale + c));
+                sc0 = __fmul_rn(a_s, ws.x), sc1 = __fmul_rn(a_s, ws.y);
+            } else {
+                sc0 = __fmul_rn(a_s, __ldg(w_scale + c));
+                if (c + 1 < N) sc1 = __fmul_rn(a_s, __ldg(w_scale + c + 1));
+            }
+            if (has_bias) {
+                if (bias_f16) {
+                    const unsigned short* b16 = reinterpret_cast<const unsigned short*>(bias);
+                    bi0 = f16_to_f32(b16[c]);
+                    if (c + 1 < N) bi1 = f16_to_f32(b16[c + 1]);
+                } else {
+                    const float* b32 = reinterpret_cast<const float*>(bias);
+                    if (pair) {
+                        const float2 b2 = __ldg(reinterpret_cast<const float2*>(b32 + c));
+                        bi0 = b2.x, bi1 = b2.y;
+                    } else {
+                        bi0 = __ldg(b32 + c);
+                        if (c + 1 < N) bi1 = __ldg(b32 + c + 1);
+                    }
+                }
+            }
+#pragma unroll
+            for (int ma = 0; ma < MA; ++ma)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int r = m0 + ma * 64 + 16 * wq + g4 + 8 * h;
+                    if (r >= M) continue;
+                    const float y0 = y_of(acc[ma][nt][2 * h], sc0, bi0, has_bias);
+                    const float y1 = y_of(acc[ma][nt][2 * h + 1], sc1, bi1, has_bias);
+                    const i64 o = (i64)r * N + c;
+                    if (OUT == OUT_I8) {
+                        const int q0 = code_of(y0, o_s), q1 = code_of(y1, o_s);
+                        signed char* o8 = reinterpret_cast<signed char*>(out) + o;
+                        if (pair) {
+                            *reinterpret_cast<unsigned short*>(o8) = (unsigned short)((q0 & 0xff) | ((q1 & 0xff) << 8));
+                        } else {
+                            o8[0] = (signed char)q0;
+                            if (c + 1 < N) o8[1] = (signed char)q1;
+                        }
+                    } else {
+                        unsigned short h0 = f32_to_f16(y0), h1 = f32_to_f16(y1);
+                        if (RES) {  // the branch as stored (fp16), plus the residual, rounded to fp16 once more
+                            float r0, r1 = 0.0f;
+                            if (pair) {
+                                const u32 rr = __ldg(reinterpret_cast<const unsigned int*>(residual + o));
+                                r0 = f16_to_f32((unsigned short)(rr & 0xffff)), r1 = f16_to_f32((unsigned short)(rr >> 16));
+                            } else {
+                                r0 = f16_to_f32(residual[o]);
+                                if (c + 1 < N) r1 = f16_to_f32(residual[o + 1]);
+                            }
+                            h0 = f32_to_f16(__fadd_rn(f16_to_f32(h0), r0));
+                            h1 = f32_to_f16(__fadd_rn(f16_to_f32(h1), r1));
+                        }
+                        unsigned short* o16 = reinterpret_cast<unsigned short*>(out) + o;
+                        if (pair) {
+                            *reinterpret_cast<u32*>(o16) = (u32)h0 | ((u32)h1 << 16);
+                        } else {
+                            o16[0] = h0;
+                            if (c + 1 < N) o16[1] = h1;
+                        }
+                    }
+                }
+        }
+    };
+
+    // ---- EPI 1: the tile's scales and biases, loaded before the main loop, parked in shared memory after it ----
+    const int ct = tid & 127;  // this thread within its consumer warpgroup
+    constexpr int PER = BN / 128;  // columns of the tile a consumer thread loads
+    float st_sc[PER], st_bi[PER];
+    const u32 epi_sc = smem_raw + EPI_OFF + cg * (BN * 8), epi_bi = epi_sc + BN * 4;
+    const float* sh_sc = reinterpret_cast<const float*>(smem + EPI_OFF + cg * (BN * 8));
+    const float* sh_bi = sh_sc + BN;
+    auto stage_load = [&](int m0, int n0) {
+        if (EPI == 0) return;
+#pragma unroll
+        for (int q = 0; q < PER; ++q) {
+            const int c = n0 + ct + 128 * q;
+            st_sc[q] = c < N ? __fmul_rn(a_s, __ldg(w_scale + c)) : 0.0f;
+            st_bi[q] = 0.0f;
+            if (has_bias && c < N)
+                st_bi[q] = bias_f16 ? f16_to_f32(reinterpret_cast<const unsigned short*>(bias)[c])
+                                    : __ldg(reinterpret_cast<const float*>(bias) + c);
+        }
+        if (RES && DIAG != 2) {  // the residual rows this consumer will add, into L2 while the main loop runs
+            constexpr int LINES = BN * 2 / 128;  // 128-byte lines a row
+            for (int i = ct; i < WM * LINES; i += 128) {
+                const int r = m0 + i / LINES;
+                if (r < M) prefetch_l2(residual + (i64)r * N + min(n0 + (i % LINES) * 64, N - 1));
+            }
+        }
+    };
+    auto stage_store = [&]() {  // after the main loop: the previous tile's epilogue has read the buffer
+        if (EPI == 0) return;
+        named_sync(4 + cg, 128);
+#pragma unroll
+        for (int q = 0; q < PER; ++q) {
+            asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(epi_sc + 4 * (ct + 128 * q)), "f"(st_sc[q]) : "memory");
+            asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(epi_bi + 4 * (ct + 128 * q)), "f"(st_bi[q]) : "memory");
+        }
+        named_sync(4 + cg, 128);
+    };
+
+    // ---- EPI 1, full fp16 tiles: 16-byte stores of 8 consecutive columns a lane ----
+    const u32 sentinel = 0x9E3779B9u * (u32)K + 0x7F4A7C15u;  // DIAG: never equal in practice, unknown to the compiler
+    auto epilogue_fast = [&](int m0, int n0) {
+        if (DIAG == 2) {
+            u32 x = 0;
+#pragma unroll
+            for (int ma = 0; ma < MA; ++ma)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) x ^= (u32)acc[ma][nt][e];
+            if (x == sentinel) reinterpret_cast<u32*>(out)[tid] = x;
+            return;
+        }
+        unsigned short* o16 = reinterpret_cast<unsigned short*>(out);
+#pragma unroll
+        for (int j = 0; j < NT / 4; ++j) {
+            // this lane's columns of groups 4j .. 4j + 3 (fragment layout): 8 scales, 8 biases from shared memory
+            float2 sc[4], bi[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const int cc = 8 * (4 * j + k) + 2 * t4;
+                sc[k] = *reinterpret_cast<const float2*>(sh_sc + cc);
+                bi[k] = *reinterpret_cast<const float2*>(sh_bi + cc);
+            }
+            const int col = n0 + 8 * (4 * j + t4);  // after the transpose: group 4j + t4, 8 columns
+            uint4 rr[MA][2];
+            if (RES) {  // issued first: their latency overlaps the math below
+#pragma unroll
+                for (int ma = 0; ma < MA; ++ma)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int r = m0 + ma * 64 + 16 * wq + g4 + 8 * h;
+                        rr[ma][h] = __ldg(reinterpret_cast<const uint4*>(residual + (i64)r * N + col));
+                    }
+            }
+#pragma unroll
+            for (int ma = 0; ma < MA; ++ma)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    u32 w[4];
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) {
+                        const int nt = 4 * j + k;
+                        w[k] = pack_f16(y_of(acc[ma][nt][2 * h], sc[k].x, bi[k].x, has_bias),
+                                        y_of(acc[ma][nt][2 * h + 1], sc[k].y, bi[k].y, has_bias));
+                    }
+                    quad_transpose(w, lane);
+                    if (RES) {
+                        w[0] = add_res(w[0], rr[ma][h].x), w[1] = add_res(w[1], rr[ma][h].y);
+                        w[2] = add_res(w[2], rr[ma][h].z), w[3] = add_res(w[3], rr[ma][h].w);
+                    }
+                    const int r = m0 + ma * 64 + 16 * wq + g4 + 8 * h;
+                    uint4* dst = reinterpret_cast<uint4*>(o16 + (i64)r * N + col);
+                    if (DIAG == 1) {
+                        if ((w[0] ^ w[1] ^ w[2] ^ w[3]) == sentinel) *dst = make_uint4(w[0], w[1], w[2], w[3]);
+                    } else {
+                        *dst = make_uint4(w[0], w[1], w[2], w[3]);
+                    }
+                }
+        }
+    };
+    // the consumer's epilogue of rows [m0, m0 + WM) x [n0, n0 + BN)
+    auto epilogue_any = [&](int m0, int n0) {
+        if (EPI == 1 && (OUT == OUT_F16 || DIAG == 2) && m0 + WM <= M && n0 + BN <= N && (N & 7) == 0)
+            epilogue_fast(m0, n0);
+        else if (DIAG != 2)
+            epilogue(m0, n0);
+    };
+
+    if (!PINGPONG) {  // ---- cooperative: both consumers on every tile, each its WM rows ----
+        int g0 = 0;
+        for (int pid = blockIdx.x; pid < tiles; pid += gridDim.x, g0 += k_tiles) {
+            int m0, n0;
+            tile_origin(pid, m0, n0);
+            stage_load(m0 + row_off, n0);
+            mainloop(g0);
+            wgmma_wait<0>();
+            release(g0 + k_tiles - 1);
+            stage_store();
+            epilogue_any(m0 + row_off, n0);
+        }
+    } else {  // ---- ping-pong: the block's i-th tile is consumer (i % 2)'s; main loops issued in tile order ----
+        const int n_mine = (tiles - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;  // the block's tiles
+        for (int i = cg; i < n_mine; i += 2) {
+            int m0, n0;
+            tile_origin((int)blockIdx.x + i * (int)gridDim.x, m0, n0);
+            stage_load(m0, n0);
+            if (i > 0) named_sync(2 + cg, 256);  // the other consumer has waited on every stage of tile i - 1
+            mainloop(i * k_tiles);
+            if (i + 1 < n_mine) named_arrive(2 + (cg ^ 1), 256);  // its turn: tile i + 1
+            wgmma_wait<0>();
+            release(i * k_tiles + k_tiles - 1);
+            stage_store();
+            epilogue_any(m0, n0);
+        }
+    }
+}
