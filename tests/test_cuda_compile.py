@@ -341,8 +341,8 @@ def test_one_source_no_per_width_files():
     from tcprec.kernels.cuda import bmma_gemm as L
 
     cu = sorted(p.name for p in L.SOURCE_PATH.parent.glob("*.cu"))
-    # every bit width from one GEMM source, and the thin-input INT8 stem conv
-    assert cu == ["bmma_gemm.cu", "stem_conv.cu"]
+    # every bit width from one GEMM source, the thin-input INT8 stem conv and the s8 wgmma GEMM (decision 0163)
+    assert cu == ["bmma_gemm.cu", "i8_gemm.cu", "stem_conv.cu"]
     src = L.SOURCE_PATH.read_text()
     assert "and.popc" in src and "xor.popc" not in src and ".s4" not in src and ".u4" not in src
 

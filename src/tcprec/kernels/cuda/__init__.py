@@ -8,6 +8,8 @@ its public API and registers nothing but its own op:
   bit-serial integer GEMM on the binary tensor cores, its variants and tile choices
   (``bmma_gemm_tiles.json``); importing it registers ``torch.ops.tcprec.bmma_gemm``.
 * ``stem_conv`` (``stem_conv.cu``): the thin-input INT8 stem convolution with the bit-plane epilogue.
+* ``i8_gemm`` (``i8_gemm.cu``, ``wgmma ... s32.s8.s8``, sm_90a): the warp-specialised ping-pong INT8 GEMM with the
+  quantized linear's epilogue (scale, bias, erf GELU, fp16 + residual or the next layer's int8 codes).
 
 They are imported on first use (``tcprec.ops.matmul``, ``tcprec.ops.qconv``), never at ``import tcprec``.
 """
