@@ -46,14 +46,15 @@ def test_every_variant_compiles_for_sm90a_without_spills():
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("name,shape", [("pp_64x256_s5_e1", "m64n256k32"), ("pp_64x128_s8_e1", "m64n128k32")])
-def test_ptx_has_wgmma_s8_tma_and_setmaxnreg(name, shape):
+@pytest.mark.parametrize("name,shape,out,gelu", [("pp_64x256_s5_e1", "m64n256k32", "float16", False),
+                                                 ("pp_64x128_s8_e1", "m64n128k32", "int8", True)])
+def test_ptx_has_wgmma_s8_tma_and_setmaxnreg(name, shape, out, gelu):
     from cuda.bindings import nvrtc  # (cuda.core's PTX target wants the driver; NVRTC itself does not)
 
     from tcprec.kernels.cuda import i8_gemm as L
     from tcprec.kernels.cuda.runtime import source_text
 
-    v = L.Variant(L.parse_tile(name))
+    v = L.Variant(L.parse_tile(name), out, gelu)
     err, prog = nvrtc.nvrtcCreateProgram(source_text(L.SOURCE_PATH).encode(), b"i8_gemm.cu", 0, [], [])
     opts = [b"--gpu-architecture=compute_90a", b"--std=c++17"] + [f"-D{d}".encode() for d in v.defines()]
     (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
@@ -68,6 +69,8 @@ def test_ptx_has_wgmma_s8_tma_and_setmaxnreg(name, shape):
         assert ins in ptx, ins
     assert "bar.arrive" in ptx  # the ping-pong order barrier
     assert "st.global.v4" in ptx and "shfl.sync.bfly" in ptx  # the fast epilogue's 16-byte stores, quad transpose
+    if out == "int8":  # codes packed four to a word, then 16 to a lane
+        assert "prmt.b32" in ptx
 
 
 def test_tiles_parse_validate_and_fit_shared_memory():

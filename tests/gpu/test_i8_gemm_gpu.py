@@ -1,10 +1,10 @@
 """The warp-specialised INT8 GEMM (``kernels/cuda/i8_gemm.cu``) on an sm_90 GPU against its pure-torch reference
-(``kernels/reference_i8_gemm.py``): every shipped tile (``i8_gemm.TILES``) and every epilogue, on the transformer's shapes
-(M = 12608 tokens, 197, 1; N 768, 2304, 3072, 100, 99; K 768, 3072, 64), and under CUDA-graph replay with new inputs
-and scales.  Without GELU the float32 epilogue is the same IEEE operations in the same order, so the fp16 output and
-the codes must equal the reference bit for bit; with GELU, erff (CUDA) and torch's erf differ in the last float32
-bits, so fp16 within one fp16 ulp + 2e-6 (1 + erf(x) cancels for x < -3) and codes within +-1 at < 0.1% of outputs
-(ties).  Skipped without a CUDA GPU of compute capability 9.0."""
+(``kernels/reference_i8_gemm.py``): every shipped tile (``i8_gemm.TILES``) and every epilogue, on the transformer's
+shapes (M = 12608 tokens, 197, 128, 1; N 768, 2304, 3072, 264, 100, 99; K 768, 3072, 64), and under CUDA-graph
+replay with new inputs and scales.  Without GELU the float32 epilogue is the same IEEE operations in the same order,
+so the fp16 output and the codes must equal the reference bit for bit; with GELU, erff (CUDA) and torch's erf differ
+in the last float32 bits, so fp16 within one fp16 ulp + 2e-6 (1 + erf(x) cancels for x < -3) and codes within +-1 at
+< 0.1% of outputs (ties).  Skipped without a CUDA GPU of compute capability 9.0."""
 
 import pytest
 import torch
@@ -27,11 +27,14 @@ EPILOGUES = {  # name -> (bias dtype or None, gelu, codes out, residual)
     "f16_bias16_gelu": (torch.float16, True, False, False),
     "i8_bias32_gelu": (torch.float32, True, True, False),
     "i8_bias16": (torch.float16, False, True, False),
+    "i8_gelu": (None, True, True, False),
     "f16_bias32_res": (torch.float32, False, False, True),
 }
 PLAIN_SHAPES = [(12608, 2304, 768), (12608, 768, 3072), (197, 3072, 768), (197, 768, 3072), (1, 100, 64),
                 (197, 99, 64), (1, 2304, 768)]
-EPI_SHAPES = [(12608, 3072, 768), (197, 2304, 768), (197, 100, 3072), (37, 99, 64), (1, 768, 3072)]
+# full tiles (the fast epilogues), ragged M, N % 16 == 8 (codes: the general epilogue; fp16: fast on full N tiles),
+# N % 8 != 0 (the general epilogue only)
+EPI_SHAPES = [(12608, 3072, 768), (197, 2304, 768), (128, 264, 768), (197, 100, 3072), (37, 99, 64), (1, 768, 3072)]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -109,6 +112,23 @@ def test_accumulator_exact_at_the_int8_extremes():
         got = L.i8_gemm(a, w, one, torch.ones(N, device=DEV), tile=tile)
         assert torch.equal(got, i8_gemm_reference(a, w, one, torch.ones(N, device=DEV))), tile
         assert got[0, 0].item() == 768.0  # 3 * 2^24 * 2^-16
+
+
+@pytest.mark.parametrize("tile", TILES)
+def test_codes_of_inf_nan_and_huge_values(tile):
+    """The codes epilogues (fast: a full 64 x 256 tile; general: N = 264) clamp +-inf and huge y to 127 / -128 and
+    write NaN (0 * inf) as 0, as the reference does."""
+    for M, N, K in ((64, 256, 64), (64, 264, 64)):
+        a, w, a_s, w_s, _ = _operands(M, N, K, 5)
+        a[0] = 0  # row 0: acc = 0, so 0 * inf = NaN where w_scale is inf
+        w_s[0::4] = float("inf")
+        w_s[1::4] = 1e30
+        for os in (0.05, 1e-30):
+            out_scale = torch.tensor([os], device=DEV)
+            got = L.i8_gemm(a, w, a_s, w_s, out_scale=out_scale, tile=tile)
+            want = i8_gemm_reference(a, w, a_s, w_s, out_scale=out_scale)
+            _check(got, want, False, True, f"{tile} {M}x{N}x{K} out_scale {os}")
+        assert got[0, 0].item() == 0 and set(got[1:, 0].unique().tolist()) <= {-128, 0, 127}
 
 
 @pytest.mark.parametrize("tile", TILES)

@@ -46,12 +46,18 @@
 //
 // Epilogue.  The tile's a_scale * w_scale and bias are loaded before the main loop (their latency hidden by it) and
 // parked in a per-consumer shared buffer after it.  Then
-//   fast     fp16 output, full tiles (every row < M, every column < N, N % 8 == 0): the fp16 words are transposed
-//            within each quad (4 shuffles a 4 words) so a lane holds 8 consecutive columns and writes them with one
-//            16-byte store (a warp's store: 8 rows x 64 bytes); the residual is prefetched to L2 before the main loop
-//            and read with 16-byte loads.
-//   general  everything else (edge tiles, N % 8 != 0, int8 codes): straight from the accumulator fragment, per
-//            8-column group a w_scale and a bias load from global memory, bounds-checked 2- / 4-byte stores.
+//   fast     full tiles (every row < M, every column < N), the scales and biases read from the shared buffer.
+//            fp16 output (N % 8 == 0): the fp16 words are transposed within each quad (4 shuffles a 4 words) so a
+//            lane holds 8 consecutive columns and writes them with one 16-byte store (a warp's store: 8 rows x 64
+//            bytes); the residual is prefetched to L2 before the main loop and read with 16-byte loads.
+//            int8 codes (N % 16 == 0): a lane packs the 4 codes of two adjacent column groups into a word, the words
+//            are quad-transposed the same way, and a lane writes 16 consecutive codes with one 16-byte store (a
+//            warp's store: 8 rows x 64 bytes, 4 shuffles a 16 codes).  y and GELU are the general epilogue's
+//            (y_of); y / out_scale is the same IEEE quotient, from the reciprocal by Markstein's correction
+//            (code_of_rcp, for 2^-64 <= |out_scale| <= 2^64), so the codes are the same.
+//   general  everything else (edge tiles, N % 8 != 0, codes with N % 16 != 0): straight from the accumulator
+//            fragment, per 8-column group a w_scale and a bias load from global memory, bounds-checked 2- / 4-byte
+//            stores.
 
 #ifndef I8G_BN
 #define I8G_BN 256
@@ -111,7 +117,7 @@ static_assert(BM <= 256, "a TMA box has at most 256 rows");
 static_assert(STAGES >= 3, "one stage stays with the wgmmas in flight: >= 3 stages");
 static_assert(OUT == OUT_F16 || OUT == OUT_I8, "I8G_OUT must be OUT_F16 or OUT_I8");
 static_assert(!RES || OUT == OUT_F16, "the residual is added to the fp16 output only");
-static_assert(NT % 4 == 0, "the quad transpose takes 4 column groups at a time");
+static_assert(NT % 8 == 0, "the quad transposes take 4 column groups (fp16) or 8 (codes) at a time");
 
 // ---------------------------------------------------------------------------------------------
 // PTX wrappers (bmma_gemm.cu's idioms)
@@ -259,6 +265,19 @@ __device__ __forceinline__ int code_of(float y, float os) {
     q = q != q ? 0.0f : fminf(fmaxf(q, -128.0f), 127.0f);
     return __float2int_rn(q);
 }
+// code_of(y, os) without a division instruction, given r = RN(1/os) (the fast epilogue, for 2^-64 <= |os| <= 2^64).
+// Markstein's correction: q0 = RN(y r) is within an ulp or so of y / os, rem = y - os q0 is exact (an fma), and
+// RN(q0 + rem r) is RN(y / os) (Markstein's theorem, r the correctly rounded reciprocal; checked against float64 on
+// 3.9e8 float32 pairs, none apart).  div.rn's own fast path is these fmas, but behind a per-element range check and
+// branch (FCHK) that splits the unrolled epilogue into a basic block per element.  Where |q0| >= 2^30 (and for +-inf)
+// q0 itself is returned: the clamp makes any such quotient 127 / -128, and rem would overflow.  NaN stays NaN -> 0.
+__device__ __forceinline__ int code_of_rcp(float y, float os, float r) {
+    const float q0 = __fmul_rn(y, r);
+    const float q1 = __fmaf_rn(__fmaf_rn(-os, q0, y), r, q0);
+    float q = fabsf(q0) < 1073741824.0f ? q1 : q0;
+    q = q != q ? 0.0f : fminf(fmaxf(q, -128.0f), 127.0f);
+    return __float2int_rn(q);
+}
 
 // Within each quad (lanes 4q .. 4q + 3): lane t holds w[k] = M[t][k]; afterwards w[k] = M[k][t] (two xor steps, two
 // shuffles each).  Here M[t][k] is lane t's fp16 pair of column group k, columns 2t, 2t + 1: after the transpose lane
@@ -279,6 +298,10 @@ __device__ __forceinline__ void quad_transpose(u32 (&w)[4], int lane) {
     }
 }
 __device__ __forceinline__ u32 pack_f16(float lo, float hi) { return (u32)f32_to_f16(lo) | ((u32)f32_to_f16(hi) << 16); }
+// four int8 codes (ints in [-128, 127]) as the bytes of a word, q0 lowest
+__device__ __forceinline__ u32 pack_codes(int q0, int q1, int q2, int q3) {
+    return __byte_perm(__byte_perm((u32)q0, (u32)q1, 0x0040), __byte_perm((u32)q2, (u32)q3, 0x0040), 0x5410);
+}
 // fp16(float(h) + float(r)) on both halves of a word (the residual's two roundings, as epilogue 0)
 __device__ __forceinline__ u32 add_res(u32 h, u32 r) {
     const float lo = __fadd_rn(f16_to_f32((unsigned short)(h & 0xffff)), f16_to_f32((unsigned short)(r & 0xffff)));
@@ -366,6 +389,10 @@ i8_gemm(const __grid_constant__ TensorMap tmA,   // (M, K) int8 a, box (BM rows,
     const int g4 = lane >> 2, t4 = lane & 3;
     const float a_s = a_scale[0];
     const float o_s = OUT == OUT_I8 ? out_scale[0] : 1.0f;
+    // the fast codes epilogue divides through the reciprocal (code_of_rcp): out_scale within 2^-64 .. 2^64 (not 0,
+    // inf, NaN or subnormal: those tiles take the general epilogue's division)
+    const float o_r = OUT == OUT_I8 ? __frcp_rn(o_s) : 1.0f;
+    const bool o_s_ok = fabsf(o_s) >= 5.421010862e-20f && fabsf(o_s) <= 1.844674407e19f;
     const bool has_bias = bias != nullptr;
 
     int acc[MA][NT][4];
@@ -558,10 +585,52 @@ i8_gemm(const __grid_constant__ TensorMap tmA,   // (M, K) int8 a, box (BM rows,
                 }
         }
     };
+    // ---- the fast epilogue, full int8-code tiles: 16-byte stores of 16 consecutive codes a lane ----
+    auto epilogue_fast_codes = [&](int m0, int n0) {
+        signed char* o8 = reinterpret_cast<signed char*>(out);
+#pragma unroll
+        for (int j = 0; j < NT / 8; ++j) {
+            // this lane's columns of groups 8j .. 8j + 7 (fragment layout): 16 scales, 16 biases from shared memory
+            float2 sc[8], bi[8];
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                const int cc = 8 * (8 * j + k) + 2 * t4;
+                sc[k] = *reinterpret_cast<const float2*>(sh_sc + cc);
+                bi[k] = *reinterpret_cast<const float2*>(sh_bi + cc);
+            }
+            const int col = n0 + 8 * (8 * j + 2 * t4);  // after the transpose: groups 8j + 2 t4 and 8j + 2 t4 + 1
+#pragma unroll
+            for (int ma = 0; ma < MA; ++ma)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    // w[k]: this lane's codes of groups 8j + 2k (bytes 0, 1) and 8j + 2k + 1 (bytes 2, 3), columns
+                    // 2 t4, 2 t4 + 1 of each
+                    u32 w[4];
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) {
+                        const int nt = 8 * j + 2 * k;
+                        const float2 s0 = sc[2 * k], s1 = sc[2 * k + 1], b0 = bi[2 * k], b1 = bi[2 * k + 1];
+                        const int(&a0)[4] = acc[ma][nt], (&a1)[4] = acc[ma][nt + 1];
+                        w[k] = pack_codes(code_of_rcp(y_of(a0[2 * h], s0.x, b0.x, has_bias), o_s, o_r),
+                                          code_of_rcp(y_of(a0[2 * h + 1], s0.y, b0.y, has_bias), o_s, o_r),
+                                          code_of_rcp(y_of(a1[2 * h], s1.x, b1.x, has_bias), o_s, o_r),
+                                          code_of_rcp(y_of(a1[2 * h + 1], s1.y, b1.y, has_bias), o_s, o_r));
+                    }
+                    quad_transpose(w, lane);  // w[s]: lane s's codes of groups 8j + 2 t4, 8j + 2 t4 + 1
+                    // group 8j + 2 t4's 8 codes (the low halves, lanes 0..3), then group 8j + 2 t4 + 1's (high halves)
+                    const uint4 v = make_uint4(__byte_perm(w[0], w[1], 0x5410), __byte_perm(w[2], w[3], 0x5410),
+                                               __byte_perm(w[0], w[1], 0x7632), __byte_perm(w[2], w[3], 0x7632));
+                    const int r = m0 + ma * 64 + 16 * wq + g4 + 8 * h;
+                    *reinterpret_cast<uint4*>(o8 + (i64)r * N + col) = v;
+                }
+        }
+    };
     // the consumer's epilogue of rows [m0, m0 + WM) x [n0, n0 + BN)
     auto epilogue_any = [&](int m0, int n0) {
         if (OUT == OUT_F16 && m0 + WM <= M && n0 + BN <= N && (N & 7) == 0)
             epilogue_fast(m0, n0);
+        else if (OUT == OUT_I8 && o_s_ok && m0 + WM <= M && n0 + BN <= N && (N & 15) == 0)
+            epilogue_fast_codes(m0, n0);
         else
             epilogue_general(m0, n0);
     };

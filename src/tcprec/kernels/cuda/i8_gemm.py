@@ -7,10 +7,11 @@ fp16 (optionally + an fp16 residual) or as the next layer's int8 codes.  The mat
 ``kernels/reference_i8_gemm.py``'s, which the tests hold the kernel to.
 
 A :class:`Tile` is the shape (rows a consumer multiplies, BN, stages) of the ping-pong schedule; a :class:`Variant`
-adds the epilogue (fp16 or int8 codes, GELU, residual); its ``-D`` defines select both in the one source.  The shipped
-tiles (:data:`TILES`) are those that won or tied a GEMM of the transformer on the H200 (docs/decisions/0163).  ``runtime.py``
-compiles a variant with NVRTC (no GPU needed), caches the cubin on disk, loads it once per device and launches it
-on PyTorch's current stream (CUDA-graph capturable).  :func:`precompile` compiles many in parallel processes.
+adds the epilogue (fp16 or int8 codes, GELU, residual); its ``-D`` defines select both in the one source.  The
+shipped tiles (:data:`TILES`) are those that won or tied a transformer GEMM on the H200 (docs/decisions/0163).
+``runtime.py`` compiles a variant with NVRTC (no GPU needed), caches the cubin on disk, loads it once per device and
+launches it on PyTorch's current stream (CUDA-graph capturable).  :func:`precompile` compiles many in parallel
+processes.
 
 >>> str(Variant(parse_tile("pp_64x256_s5_e1"), gelu=True, out="int8"))
 'pp_64x256_s5_e1_i8_gelu'
