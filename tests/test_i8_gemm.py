@@ -1,4 +1,4 @@
-"""The warp-specialised INT8 GEMM (``kernels/cuda/i8_gemm.cu``) without a GPU: every tile and epilogue the bench races
+"""The warp-specialised INT8 GEMM (``kernels/cuda/i8_gemm.cu``) without a GPU: every shipped tile with every epilogue
 compiles for sm_90a through NVRTC without spills, its PTX has the instructions meant; the pure-torch reference
 (``kernels/reference_i8_gemm.py``) on closed-form cases; the entry's input errors.  The GPU side (the kernel against
 the reference, CUDA graphs) is tests/gpu/test_i8_gemm_gpu.py."""
@@ -24,17 +24,12 @@ needs_nvrtc = pytest.mark.skipif(nvrtc_reason is not None, reason=f"NVRTC not im
 
 
 def _variants():
-    """Every tile with the plain fp16 epilogue; the fused epilogues on a cooperative and a ping-pong tile."""
+    """Every shipped tile with every epilogue the kernel compiles (bias, none / fp32 / fp16, is a run-time argument)."""
     from tcprec.kernels.cuda import i8_gemm as L
 
-    vs = [L.Variant(t) for t in L.TILES + L.TILES_E1]
-    for name in ("coop_128x256_s4", "pp_128x128_s7", "coop_128x256_s4_e1", "pp_128x128_s6_e1"):
-        t = L.parse_tile(name)
-        vs += [L.Variant(t, "int8", gelu=True), L.Variant(t, "float16", residual=True), L.Variant(t, "float16", gelu=True),
-               L.Variant(t, "int8")]
-    for name in ("coop_128x256_s4_e1", "pp_128x128_s6_e1"):  # the bench's diagnostics
-        vs += [L.Variant(d, "float16", residual=r) for d in L.diag_tiles(L.parse_tile(name)) for r in (False, True)]
-    return vs
+    kinds = [("float16", False, False), ("float16", True, False), ("float16", False, True), ("float16", True, True),
+             ("int8", False, False), ("int8", True, False)]
+    return [L.Variant(t, out, gelu, res) for t in L.TILES for out, gelu, res in kinds]
 
 
 @needs_nvrtc
@@ -51,15 +46,15 @@ def test_every_variant_compiles_for_sm90a_without_spills():
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("name,shape", [("coop_128x256_s4", "m64n256k32"), ("pp_128x128_s7", "m64n128k32"),
-                                        ("pp_128x128_s6_e1", "m64n128k32")])
-def test_ptx_has_wgmma_s8_tma_and_setmaxnreg(name, shape):
+@pytest.mark.parametrize("name,shape,out,gelu", [("pp_64x256_s5_e1", "m64n256k32", "float16", False),
+                                                 ("pp_64x128_s8_e1", "m64n128k32", "int8", True)])
+def test_ptx_has_wgmma_s8_tma_and_setmaxnreg(name, shape, out, gelu):
     from cuda.bindings import nvrtc  # (cuda.core's PTX target wants the driver; NVRTC itself does not)
 
     from tcprec.kernels.cuda import i8_gemm as L
     from tcprec.kernels.cuda.runtime import source_text
 
-    v = L.Variant(L.parse_tile(name))
+    v = L.Variant(L.parse_tile(name), out, gelu)
     err, prog = nvrtc.nvrtcCreateProgram(source_text(L.SOURCE_PATH).encode(), b"i8_gemm.cu", 0, [], [])
     opts = [b"--gpu-architecture=compute_90a", b"--std=c++17"] + [f"-D{d}".encode() for d in v.defines()]
     (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
@@ -72,33 +67,26 @@ def test_ptx_has_wgmma_s8_tma_and_setmaxnreg(name, shape):
     for ins in ("cp.async.bulk.tensor.2d", "setmaxnreg.inc.sync.aligned.u32 232", "setmaxnreg.dec.sync.aligned.u32 40",
                 "mbarrier.try_wait.parity", "wgmma.wait_group.sync.aligned 1", "fence.mbarrier_init"):
         assert ins in ptx, ins
-    assert ("bar.arrive" in ptx) == (v.tile.schedule == "pingpong")  # the ping-pong order barrier
-    if v.tile.epi == 1:  # the 16-byte stores after the quad transpose
-        assert "st.global.v4" in ptx and "shfl.sync.bfly" in ptx
+    assert "bar.arrive" in ptx  # the ping-pong order barrier
+    assert "st.global.v4" in ptx and "shfl.sync.bfly" in ptx  # the fast epilogue's 16-byte stores, quad transpose
+    if out == "int8":  # codes packed four to a word, then 16 to a lane
+        assert "prmt.b32" in ptx
 
 
 def test_tiles_parse_validate_and_fit_shared_memory():
     from tcprec.kernels.cuda import i8_gemm as L
 
+    assert [str(t) for t in L.TILES] == ["pp_64x256_s5_e1", "pp_64x128_s8_e1"] and L.DEFAULT_TILE == L.TILES[0]
     for t in L.TILES:
-        assert L.parse_tile(str(t)) == t and t.smem_bytes <= 232448 and t.stages >= 3
-    assert str(L.DEFAULT_TILE) in {str(t) for t in L.TILES}
+        assert L.parse_tile(str(t)) == t and t.smem_bytes <= 232448 and t.stages == L.max_stages(t)
+    assert L.TILES[0].smem_bytes == 210000  # the layout the H200 ran (i8_gemm.cu SMEM_BYTES)
     with pytest.raises(ValueError, match="accumulator registers"):
-        L.Tile("pingpong", 128, 256, 3)
-    with pytest.raises(ValueError, match="stages must be 3..4"):
-        L.Tile("cooperative", 64, 256, 5)
-    with pytest.raises(ValueError, match="tile must look like"):
-        L.parse_tile("128x256")
-    assert [str(t) for t in L.TILES_E1] == ["coop_128x256_s4_e1", "coop_128x128_s6_e1", "coop_256x128_s4_e1",
-                                            "pp_64x256_s5_e1", "pp_128x128_s6_e1", "pp_64x128_s8_e1"]
-    for t in L.TILES_E1:
-        assert L.parse_tile(str(t)) == t and t.smem_bytes <= 232448
-        assert all(L.parse_tile(str(d)) == d for d in L.diag_tiles(t))
-    assert str(L.diag_tiles(L.TILES_E1[4])[1]) == "pp_128x128_s6_e1_d2"
-    with pytest.raises(ValueError, match="diag needs epi 1"):
-        L.Tile("pingpong", 128, 128, 6, 0, 1)
-    with pytest.raises(ValueError, match="tile must look like"):
-        L.parse_tile("pp_128x128_s6_x1")
+        L.Tile(128, 256, 3)
+    with pytest.raises(ValueError, match="stages must be 3..5"):
+        L.Tile(64, 256, 6)
+    for bad in ("128x256", "coop_128x256_s4", "pp_128x128_s6", "pp_128x128_s6_e0", "pp_128x128_s6_x1"):
+        with pytest.raises(ValueError, match="tile must look like"):
+            L.parse_tile(bad)
     with pytest.raises(ValueError, match="int8 codes take no residual"):
         L.Variant(L.DEFAULT_TILE, "int8", residual=True)
 

@@ -30,36 +30,34 @@
 // m64nN s32 is the float one's fragment: warp w of the warpgroup holds rows 16 w + g and 16 w + g + 8 (g = lane / 4),
 // columns 8 nt + 2 t + (0, 1) (t = lane % 4) in d[nt][0, 1] and d[nt][2, 3].
 //
-// Schedules (I8G_PINGPONG):
-//   0  cooperative: the block's tile is 2 WM x BN; consumer warpgroup c multiplies its rows c WM .. c WM + WM - 1.
-//      Both read every stage (8 arrivals on "empty").
-//   1  ping-pong (CUTLASS's KernelTmaWarpSpecializedPingpong): the block's tiles alternate between the consumers,
-//      each multiplying a whole WM x BN tile (4 arrivals on "empty"), so that one's epilogue runs while the other's
-//      wgmmas do.  An order barrier (named barriers 2 and 3, bar.sync by the waiting warpgroup, bar.arrive by the other)
-//      makes the consumers issue their main loops in tile order: consumer c starts tile i only after the other one has
-//      waited on every stage of tile i - 1.  That order is also what keeps the phase parities right: a consumer waits
-//      on step g only after step g - STAGES's phase of the same stage has completed.
+// Schedule: ping-pong (CUTLASS's KernelTmaWarpSpecializedPingpong).  The block's tiles alternate between the two
+// consumers, each multiplying a whole WM x BN tile (4 arrivals on "empty"), so that one's epilogue runs while the
+// other's wgmmas do.  An order barrier (named barriers 2 and 3, bar.sync by the waiting warpgroup, bar.arrive by the
+// other) makes the consumers issue their main loops in tile order: consumer c starts tile i only after the other one
+// has waited on every stage of tile i - 1.  That order is also what keeps the phase parities right: a consumer waits
+// on step g only after step g - STAGES's phase of the same stage has completed.  (A cooperative schedule, both
+// consumers on one tile of 2 WM rows, lost to it on every GEMM measured: docs/decisions/0163.)
 // WM = 64 or 128 rows a consumer multiplies (one or two m64 wgmmas a k-step); BN = 128 or 256; the accumulators,
 // (WM / 64) * BN / 2 registers a thread, are at most 128.  Tiles are walked persistently (block b: tiles b, b + grid,
 // ...) in a grouped raster (GROUP_M row tiles share their W tiles in L2).
 //
-// Compile-time parameters (-D, from i8_gemm.py's Variant): I8G_BN, I8G_WM, I8G_STAGES, I8G_PINGPONG, I8G_OUT (0 fp16,
-// 1 int8 codes), I8G_GELU, I8G_RES, I8G_EPI, I8G_DIAG, I8G_SMEM (the dynamic shared memory the host allocates, checked
-// here).
+// Compile-time parameters (-D, from i8_gemm.py's Variant): I8G_BN, I8G_WM, I8G_STAGES, I8G_OUT (0 fp16, 1 int8
+// codes), I8G_GELU, I8G_RES, I8G_SMEM (the dynamic shared memory the host allocates, checked here).
 //
-// Epilogues (I8G_EPI):
-//   0  straight from the accumulator fragment: per 8-column group a w_scale and a bias load from global memory whose
-//      latency every group waits out (branches keep the compiler from hoisting them), then 4-byte stores (a warp's
-//      store instruction: 8 rows x 16 bytes).
-//   1  fp16 output, full tiles (every row < M, every column < N, N % 8 == 0): the tile's a_scale * w_scale and bias
-//      are loaded before the main loop (their latency hidden by it), parked in a per-consumer shared buffer after it;
-//      the fp16 words are transposed within each quad (4 shuffles a 4 words) so a lane holds 8 consecutive columns
-//      and writes them with one 16-byte store (a warp's store: 8 rows x 64 bytes); the residual is prefetched to L2
-//      before the main loop and read with 16-byte loads.  Edge tiles and int8 codes take epilogue 0.
-// Diagnostics (I8G_DIAG, with I8G_EPI 1; the output is garbage, for the bench only):
-//   1  the whole epilogue is computed (residual loads included) but stored only where four words hash to a run-time
-//      sentinel (never, in practice; the compiler cannot know): the kernel without its output stores.
-//   2  no epilogue: the accumulators are xor-folded and stored under the sentinel: the main loop and the pipeline only.
+// Epilogue.  The tile's a_scale * w_scale and bias are loaded before the main loop (their latency hidden by it) and
+// parked in a per-consumer shared buffer after it.  Then
+//   fast     full tiles (every row < M, every column < N), the scales and biases read from the shared buffer.
+//            fp16 output (N % 8 == 0): the fp16 words are transposed within each quad (4 shuffles a 4 words) so a
+//            lane holds 8 consecutive columns and writes them with one 16-byte store (a warp's store: 8 rows x 64
+//            bytes); the residual is prefetched to L2 before the main loop and read with 16-byte loads.
+//            int8 codes (N % 16 == 0): a lane packs the 4 codes of two adjacent column groups into a word, the words
+//            are quad-transposed the same way, and a lane writes 16 consecutive codes with one 16-byte store (a
+//            warp's store: 8 rows x 64 bytes, 4 shuffles a 16 codes).  y and GELU are the general epilogue's
+//            (y_of); y / out_scale is the same IEEE quotient, from the reciprocal by Markstein's correction
+//            (code_of_rcp, for 2^-64 <= |out_scale| <= 2^64), so the codes are the same.
+//   general  everything else (edge tiles, N % 8 != 0, codes with N % 16 != 0): straight from the accumulator
+//            fragment, per 8-column group a w_scale and a bias load from global memory, bounds-checked 2- / 4-byte
+//            stores.
 
 #ifndef I8G_BN
 #define I8G_BN 256
@@ -70,9 +68,6 @@
 #ifndef I8G_STAGES
 #define I8G_STAGES 4
 #endif
-#ifndef I8G_PINGPONG
-#define I8G_PINGPONG 0
-#endif
 #ifndef I8G_OUT
 #define I8G_OUT 0
 #endif
@@ -81,12 +76,6 @@
 #endif
 #ifndef I8G_RES
 #define I8G_RES 0
-#endif
-#ifndef I8G_EPI
-#define I8G_EPI 0
-#endif
-#ifndef I8G_DIAG
-#define I8G_DIAG 0
 #endif
 
 typedef unsigned int u32;
@@ -99,24 +88,23 @@ namespace i8g {
 enum : int { OUT_F16 = 0, OUT_I8 = 1 };
 
 constexpr int BN = I8G_BN, WM = I8G_WM, STAGES = I8G_STAGES, OUT = I8G_OUT;
-constexpr bool PINGPONG = I8G_PINGPONG != 0, GELU = I8G_GELU != 0, RES = I8G_RES != 0;
-constexpr int EPI = I8G_EPI, DIAG = I8G_DIAG;
+constexpr bool GELU = I8G_GELU != 0, RES = I8G_RES != 0;
 constexpr int MA = WM / 64;                       // m64 wgmmas a consumer stacks along M
 constexpr int NT = BN / 8;                        // 8-column groups of the accumulator fragment
-constexpr int BM = PINGPONG ? WM : 2 * WM;        // rows of one output tile
+constexpr int BM = WM;                            // rows of one output tile (a consumer's)
 constexpr int CONS_THREADS = 256;                 // two consumer warpgroups
 constexpr int THREADS = CONS_THREADS + 128;       // + the producer warpgroup
 constexpr int BK = 128;                           // K bytes (int8 values) a stage
 constexpr int KK = BK / 32;                       // wgmma k-steps a stage
 constexpr int A_STAGE = BM * BK, W_STAGE = BN * BK, STAGE_BYTES = A_STAGE + W_STAGE;
-constexpr int READERS = PINGPONG ? 4 : 8;         // consumer warps that read (and release) one stage
+constexpr int READERS = 4;                        // consumer warps that read (and release) one stage
 constexpr int GROUP_M = 8;                        // row tiles of a raster group
 // dynamic shared memory: up to 1023 bytes to align the ring to 1024, the ring, then STAGES "full" and STAGES "empty"
-// mbarriers (8 bytes each) at BAR_OFF from the unaligned start, then (EPI 1) each consumer's BN scales and BN biases
+// mbarriers (8 bytes each) at BAR_OFF from the unaligned start, then each consumer's BN scales and BN biases
 // (float32) at EPI_OFF
 constexpr int BAR_OFF = 1024 + STAGES * STAGE_BYTES;
 constexpr int EPI_OFF = BAR_OFF + 16 * STAGES;
-constexpr int EPI_BYTES = EPI ? 2 * BN * 8 : 0;
+constexpr int EPI_BYTES = 2 * BN * 8;
 constexpr int SMEM_BYTES = EPI_OFF + EPI_BYTES;
 #ifdef I8G_SMEM
 static_assert(SMEM_BYTES <= I8G_SMEM, "i8_gemm.Variant.smem_bytes disagrees with the layout");
@@ -129,9 +117,7 @@ static_assert(BM <= 256, "a TMA box has at most 256 rows");
 static_assert(STAGES >= 3, "one stage stays with the wgmmas in flight: >= 3 stages");
 static_assert(OUT == OUT_F16 || OUT == OUT_I8, "I8G_OUT must be OUT_F16 or OUT_I8");
 static_assert(!RES || OUT == OUT_F16, "the residual is added to the fp16 output only");
-static_assert(EPI == 0 || EPI == 1, "I8G_EPI must be 0 or 1");
-static_assert(DIAG == 0 || (EPI == 1 && DIAG <= 2), "I8G_DIAG 1 / 2 need I8G_EPI 1");
-static_assert(NT % 4 == 0, "the quad transpose takes 4 column groups at a time");
+static_assert(NT % 8 == 0, "the quad transposes take 4 column groups (fp16) or 8 (codes) at a time");
 
 // ---------------------------------------------------------------------------------------------
 // PTX wrappers (bmma_gemm.cu's idioms)
@@ -279,6 +265,19 @@ __device__ __forceinline__ int code_of(float y, float os) {
     q = q != q ? 0.0f : fminf(fmaxf(q, -128.0f), 127.0f);
     return __float2int_rn(q);
 }
+// code_of(y, os) without a division instruction, given r = RN(1/os) (the fast epilogue, for 2^-64 <= |os| <= 2^64).
+// Markstein's correction: q0 = RN(y r) is within an ulp or so of y / os, rem = y - os q0 is exact (an fma), and
+// RN(q0 + rem r) is RN(y / os) (Markstein's theorem, r the correctly rounded reciprocal; checked against float64 on
+// 3.9e8 float32 pairs, none apart).  div.rn's own fast path is these fmas, but behind a per-element range check and
+// branch (FCHK) that splits the unrolled epilogue into a basic block per element.  Where |q0| >= 2^30 (and for +-inf)
+// q0 itself is returned: the clamp makes any such quotient 127 / -128, and rem would overflow.  NaN stays NaN -> 0.
+__device__ __forceinline__ int code_of_rcp(float y, float os, float r) {
+    const float q0 = __fmul_rn(y, r);
+    const float q1 = __fmaf_rn(__fmaf_rn(-os, q0, y), r, q0);
+    float q = fabsf(q0) < 1073741824.0f ? q1 : q0;
+    q = q != q ? 0.0f : fminf(fmaxf(q, -128.0f), 127.0f);
+    return __float2int_rn(q);
+}
 
 // Within each quad (lanes 4q .. 4q + 3): lane t holds w[k] = M[t][k]; afterwards w[k] = M[k][t] (two xor steps, two
 // shuffles each).  Here M[t][k] is lane t's fp16 pair of column group k, columns 2t, 2t + 1: after the transpose lane
@@ -299,6 +298,10 @@ __device__ __forceinline__ void quad_transpose(u32 (&w)[4], int lane) {
     }
 }
 __device__ __forceinline__ u32 pack_f16(float lo, float hi) { return (u32)f32_to_f16(lo) | ((u32)f32_to_f16(hi) << 16); }
+// four int8 codes (ints in [-128, 127]) as the bytes of a word, q0 lowest
+__device__ __forceinline__ u32 pack_codes(int q0, int q1, int q2, int q3) {
+    return __byte_perm(__byte_perm((u32)q0, (u32)q1, 0x0040), __byte_perm((u32)q2, (u32)q3, 0x0040), 0x5410);
+}
 // fp16(float(h) + float(r)) on both halves of a word (the residual's two roundings, as epilogue 0)
 __device__ __forceinline__ u32 add_res(u32 h, u32 r) {
     const float lo = __fadd_rn(f16_to_f32((unsigned short)(h & 0xffff)), f16_to_f32((unsigned short)(r & 0xffff)));
@@ -386,9 +389,11 @@ i8_gemm(const __grid_constant__ TensorMap tmA,   // (M, K) int8 a, box (BM rows,
     const int g4 = lane >> 2, t4 = lane & 3;
     const float a_s = a_scale[0];
     const float o_s = OUT == OUT_I8 ? out_scale[0] : 1.0f;
+    // the fast codes epilogue divides through the reciprocal (code_of_rcp): out_scale within 2^-64 .. 2^64 (not 0,
+    // inf, NaN or subnormal: those tiles take the general epilogue's division)
+    const float o_r = OUT == OUT_I8 ? __frcp_rn(o_s) : 1.0f;
+    const bool o_s_ok = fabsf(o_s) >= 5.421010862e-20f && fabsf(o_s) <= 1.844674407e19f;
     const bool has_bias = bias != nullptr;
-    // consumer cg's rows within a tile: its WM-row half (cooperative) or all of them (ping-pong)
-    const int row_off = PINGPONG ? 0 : cg * WM;
 
     int acc[MA][NT][4];
 
@@ -407,7 +412,7 @@ i8_gemm(const __grid_constant__ TensorMap tmA,   // (M, K) int8 a, box (BM rows,
         for (int kt = 0; kt < k_tiles; ++kt) {
             const int g = g0 + kt, s = g % STAGES;
             mbar_wait(full0 + 8 * s, (g / STAGES) & 1);
-            const u32 sA = smem_base + s * STAGE_BYTES + row_off * BK, sW = smem_base + s * STAGE_BYTES + A_STAGE;
+            const u32 sA = smem_base + s * STAGE_BYTES, sW = smem_base + s * STAGE_BYTES + A_STAGE;
             const u64 dA = smem_desc(sA), dW = smem_desc(sW);
             wgmma_fence();
 #pragma unroll
@@ -421,8 +426,9 @@ i8_gemm(const __grid_constant__ TensorMap tmA,   // (M, K) int8 a, box (BM rows,
         }
     };
 
-    // ---- epilogue of the consumer's rows [m0, m0 + WM) x [n0, n0 + BN), straight from the accumulators ----
-    auto epilogue = [&](int m0, int n0) {
+    // ---- the general epilogue of the consumer's rows [m0, m0 + WM) x [n0, n0 + BN), straight from the accumulators:
+    // any tile, any N, fp16 or codes ----
+    auto epilogue_general = [&](int m0, int n0) {
         // column pairs (c, c + 1) load / store as one where both lie inside N and the pair is aligned (N even)
         const bool even_n = (N & 1) == 0;
 #pragma unroll
@@ -498,7 +504,7 @@ i8_gemm(const __grid_constant__ TensorMap tmA,   // (M, K) int8 a, box (BM rows,
         }
     };
 
-    // ---- EPI 1: the tile's scales and biases, loaded before the main loop, parked in shared memory after it ----
+    // ---- the tile's scales and biases, loaded before the main loop, parked in shared memory after it ----
     const int ct = tid & 127;  // this thread within its consumer warpgroup
     constexpr int PER = BN / 128;  // columns of the tile a consumer thread loads
     float st_sc[PER], st_bi[PER];
@@ -506,7 +512,6 @@ i8_gemm(const __grid_constant__ TensorMap tmA,   // (M, K) int8 a, box (BM rows,
     const float* sh_sc = reinterpret_cast<const float*>(smem + EPI_OFF + cg * (BN * 8));
     const float* sh_bi = sh_sc + BN;
     auto stage_load = [&](int m0, int n0) {
-        if (EPI == 0) return;
 #pragma unroll
         for (int q = 0; q < PER; ++q) {
             const int c = n0 + ct + 128 * q;
@@ -516,7 +521,7 @@ i8_gemm(const __grid_constant__ TensorMap tmA,   // (M, K) int8 a, box (BM rows,
                 st_bi[q] = bias_f16 ? f16_to_f32(reinterpret_cast<const unsigned short*>(bias)[c])
                                     : __ldg(reinterpret_cast<const float*>(bias) + c);
         }
-        if (RES && DIAG != 2) {  // the residual rows this consumer will add, into L2 while the main loop runs
+        if (RES) {  // the residual rows this consumer will add, into L2 while the main loop runs
             constexpr int LINES = BN * 2 / 128;  // 128-byte lines a row
             for (int i = ct; i < WM * LINES; i += 128) {
                 const int r = m0 + i / LINES;
@@ -525,7 +530,6 @@ i8_gemm(const __grid_constant__ TensorMap tmA,   // (M, K) int8 a, box (BM rows,
         }
     };
     auto stage_store = [&]() {  // after the main loop: the previous tile's epilogue has read the buffer
-        if (EPI == 0) return;
         named_sync(4 + cg, 128);
 #pragma unroll
         for (int q = 0; q < PER; ++q) {
@@ -535,20 +539,8 @@ i8_gemm(const __grid_constant__ TensorMap tmA,   // (M, K) int8 a, box (BM rows,
         named_sync(4 + cg, 128);
     };
 
-    // ---- EPI 1, full fp16 tiles: 16-byte stores of 8 consecutive columns a lane ----
-    const u32 sentinel = 0x9E3779B9u * (u32)K + 0x7F4A7C15u;  // DIAG: never equal in practice, unknown to the compiler
+    // ---- the fast epilogue, full fp16 tiles: 16-byte stores of 8 consecutive columns a lane ----
     auto epilogue_fast = [&](int m0, int n0) {
-        if (DIAG == 2) {
-            u32 x = 0;
-#pragma unroll
-            for (int ma = 0; ma < MA; ++ma)
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) x ^= (u32)acc[ma][nt][e];
-            if (x == sentinel) reinterpret_cast<u32*>(out)[tid] = x;
-            return;
-        }
         unsigned short* o16 = reinterpret_cast<unsigned short*>(out);
 #pragma unroll
         for (int j = 0; j < NT / 4; ++j) {
@@ -589,47 +581,72 @@ i8_gemm(const __grid_constant__ TensorMap tmA,   // (M, K) int8 a, box (BM rows,
                     }
                     const int r = m0 + ma * 64 + 16 * wq + g4 + 8 * h;
                     uint4* dst = reinterpret_cast<uint4*>(o16 + (i64)r * N + col);
-                    if (DIAG == 1) {
-                        if ((w[0] ^ w[1] ^ w[2] ^ w[3]) == sentinel) *dst = make_uint4(w[0], w[1], w[2], w[3]);
-                    } else {
-                        *dst = make_uint4(w[0], w[1], w[2], w[3]);
+                    *dst = make_uint4(w[0], w[1], w[2], w[3]);
+                }
+        }
+    };
+    // ---- the fast epilogue, full int8-code tiles: 16-byte stores of 16 consecutive codes a lane ----
+    auto epilogue_fast_codes = [&](int m0, int n0) {
+        signed char* o8 = reinterpret_cast<signed char*>(out);
+#pragma unroll
+        for (int j = 0; j < NT / 8; ++j) {
+            // this lane's columns of groups 8j .. 8j + 7 (fragment layout): 16 scales, 16 biases from shared memory
+            float2 sc[8], bi[8];
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                const int cc = 8 * (8 * j + k) + 2 * t4;
+                sc[k] = *reinterpret_cast<const float2*>(sh_sc + cc);
+                bi[k] = *reinterpret_cast<const float2*>(sh_bi + cc);
+            }
+            const int col = n0 + 8 * (8 * j + 2 * t4);  // after the transpose: groups 8j + 2 t4 and 8j + 2 t4 + 1
+#pragma unroll
+            for (int ma = 0; ma < MA; ++ma)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    // w[k]: this lane's codes of groups 8j + 2k (bytes 0, 1) and 8j + 2k + 1 (bytes 2, 3), columns
+                    // 2 t4, 2 t4 + 1 of each
+                    u32 w[4];
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) {
+                        const int nt = 8 * j + 2 * k;
+                        const float2 s0 = sc[2 * k], s1 = sc[2 * k + 1], b0 = bi[2 * k], b1 = bi[2 * k + 1];
+                        const int(&a0)[4] = acc[ma][nt], (&a1)[4] = acc[ma][nt + 1];
+                        w[k] = pack_codes(code_of_rcp(y_of(a0[2 * h], s0.x, b0.x, has_bias), o_s, o_r),
+                                          code_of_rcp(y_of(a0[2 * h + 1], s0.y, b0.y, has_bias), o_s, o_r),
+                                          code_of_rcp(y_of(a1[2 * h], s1.x, b1.x, has_bias), o_s, o_r),
+                                          code_of_rcp(y_of(a1[2 * h + 1], s1.y, b1.y, has_bias), o_s, o_r));
                     }
+                    quad_transpose(w, lane);  // w[s]: lane s's codes of groups 8j + 2 t4, 8j + 2 t4 + 1
+                    // group 8j + 2 t4's 8 codes (the low halves, lanes 0..3), then group 8j + 2 t4 + 1's (high halves)
+                    const uint4 v = make_uint4(__byte_perm(w[0], w[1], 0x5410), __byte_perm(w[2], w[3], 0x5410),
+                                               __byte_perm(w[0], w[1], 0x7632), __byte_perm(w[2], w[3], 0x7632));
+                    const int r = m0 + ma * 64 + 16 * wq + g4 + 8 * h;
+                    *reinterpret_cast<uint4*>(o8 + (i64)r * N + col) = v;
                 }
         }
     };
     // the consumer's epilogue of rows [m0, m0 + WM) x [n0, n0 + BN)
     auto epilogue_any = [&](int m0, int n0) {
-        if (EPI == 1 && (OUT == OUT_F16 || DIAG == 2) && m0 + WM <= M && n0 + BN <= N && (N & 7) == 0)
+        if (OUT == OUT_F16 && m0 + WM <= M && n0 + BN <= N && (N & 7) == 0)
             epilogue_fast(m0, n0);
-        else if (DIAG != 2)
-            epilogue(m0, n0);
+        else if (OUT == OUT_I8 && o_s_ok && m0 + WM <= M && n0 + BN <= N && (N & 15) == 0)
+            epilogue_fast_codes(m0, n0);
+        else
+            epilogue_general(m0, n0);
     };
 
-    if (!PINGPONG) {  // ---- cooperative: both consumers on every tile, each its WM rows ----
-        int g0 = 0;
-        for (int pid = blockIdx.x; pid < tiles; pid += gridDim.x, g0 += k_tiles) {
-            int m0, n0;
-            tile_origin(pid, m0, n0);
-            stage_load(m0 + row_off, n0);
-            mainloop(g0);
-            wgmma_wait<0>();
-            release(g0 + k_tiles - 1);
-            stage_store();
-            epilogue_any(m0 + row_off, n0);
-        }
-    } else {  // ---- ping-pong: the block's i-th tile is consumer (i % 2)'s; main loops issued in tile order ----
-        const int n_mine = (tiles - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;  // the block's tiles
-        for (int i = cg; i < n_mine; i += 2) {
-            int m0, n0;
-            tile_origin((int)blockIdx.x + i * (int)gridDim.x, m0, n0);
-            stage_load(m0, n0);
-            if (i > 0) named_sync(2 + cg, 256);  // the other consumer has waited on every stage of tile i - 1
-            mainloop(i * k_tiles);
-            if (i + 1 < n_mine) named_arrive(2 + (cg ^ 1), 256);  // its turn: tile i + 1
-            wgmma_wait<0>();
-            release(i * k_tiles + k_tiles - 1);
-            stage_store();
-            epilogue_any(m0, n0);
-        }
+    // ---- the block's i-th tile is consumer (i % 2)'s; main loops issued in tile order ----
+    const int n_mine = (tiles - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;  // the block's tiles
+    for (int i = cg; i < n_mine; i += 2) {
+        int m0, n0;
+        tile_origin((int)blockIdx.x + i * (int)gridDim.x, m0, n0);
+        stage_load(m0, n0);
+        if (i > 0) named_sync(2 + cg, 256);  // the other consumer has waited on every stage of tile i - 1
+        mainloop(i * k_tiles);
+        if (i + 1 < n_mine) named_arrive(2 + (cg ^ 1), 256);  // its turn: tile i + 1
+        wgmma_wait<0>();
+        release(i * k_tiles + k_tiles - 1);
+        stage_store();
+        epilogue_any(m0, n0);
     }
 }

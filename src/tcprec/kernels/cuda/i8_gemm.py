@@ -6,15 +6,15 @@ epilogue of a quantized linear fused: ``acc * (a_scale * w_scale[n]) + bias[n]``
 fp16 (optionally + an fp16 residual) or as the next layer's int8 codes.  The math, step by step, is
 ``kernels/reference_i8_gemm.py``'s, which the tests hold the kernel to.
 
-A :class:`Tile` is the schedule and shape (cooperative or ping-pong consumers, rows a consumer multiplies, BN,
-stages); a :class:`Variant` adds the epilogue; its ``-D`` defines select both in the one source.  ``runtime.py``
-compiles a variant with NVRTC (no GPU needed), caches the cubin on disk, loads it once per device and launches it
-on PyTorch's current stream (CUDA-graph capturable).  :func:`precompile` compiles many in parallel processes.
+A :class:`Tile` is the shape (rows a consumer multiplies, BN, stages) of the ping-pong schedule; a :class:`Variant`
+adds the epilogue (fp16 or int8 codes, GELU, residual); its ``-D`` defines select both in the one source.  The
+shipped tiles (:data:`TILES`) are those that won or tied a transformer GEMM on the H200 (docs/decisions/0163).
+``runtime.py`` compiles a variant with NVRTC (no GPU needed), caches the cubin on disk, loads it once per device and
+launches it on PyTorch's current stream (CUDA-graph capturable).  :func:`precompile` compiles many in parallel
+processes.
 
-Status: a scratch candidate (branch ``i8gemm``), not routed by any op yet; the default tile is unmeasured.
-
->>> str(Variant(parse_tile("pp_128x128_s7"), gelu=True, out="int8"))
-'pp_128x128_s7_i8_gelu'
+>>> str(Variant(parse_tile("pp_64x256_s5_e1"), gelu=True, out="int8"))
+'pp_64x256_s5_e1_i8_gelu'
 """
 
 from __future__ import annotations
@@ -28,13 +28,10 @@ import torch
 
 from .runtime import compile_all, compile_source, launch, launch_config, load_kernel, ptr, sm_count, source_cubin_path
 
-__all__ = ["SOURCE_PATH", "SCHEDULES", "OUTS", "Tile", "Variant", "parse_tile", "max_stages", "TILES", "TILES_E1",
-           "diag_tiles", "DEFAULT_TILE",
+__all__ = ["SOURCE_PATH", "OUTS", "Tile", "Variant", "parse_tile", "max_stages", "TILES", "DEFAULT_TILE",
            "compile_variant", "precompile", "cubin_path", "get_kernel", "tensor_map", "i8_gemm", "K_ALIGN", "K_MAX"]
 
 SOURCE_PATH = Path(__file__).with_name("i8_gemm.cu")
-SCHEDULES = ("cooperative", "pingpong")
-_SHORT = {"cooperative": "coop", "pingpong": "pp"}
 OUTS = ("float16", "int8")  # i8_gemm.cu's I8G_OUT: OUT_F16 = 0, OUT_I8 = 1
 _MAX_SMEM = 232448  # 227 KB: the most dynamic shared memory a block of sm_90 may have
 _BK = 128  # K bytes a stage (i8_gemm.cu BK)
@@ -45,104 +42,66 @@ THREADS = 384  # two consumer warpgroups + the producer
 
 @dataclass(frozen=True)
 class Tile:
-    """``schedule`` "cooperative" (both consumer warpgroups on one tile of 2 ``wm`` rows) or "pingpong" (each consumer
-    its own tile of ``wm`` rows, alternately); ``wm`` 64 / 128 rows a consumer multiplies, ``bn`` 128 / 256 columns,
-    ``stages`` K steps of 128 bytes in the TMA ring (>= 3); ``epi`` the epilogue (i8_gemm.cu I8G_EPI: 0 straight from
-    the fragment, 1 scales staged in shared memory + 16-byte stores); ``diag`` (bench only, needs epi 1, output
-    garbage): 1 no output stores, 2 no epilogue (main loop only)."""
+    """A ping-pong tile: each consumer warpgroup multiplies its own ``wm`` x ``bn`` output tile (``wm`` 64 / 128 rows,
+    ``bn`` 128 / 256 columns), the two alternately; ``stages`` K steps of 128 bytes in the TMA ring (>= 3).  Named
+    ``pp_{wm}x{bn}_s{stages}_e1`` as the bench measured it (ping-pong, epilogue 1: decision 0163)."""
 
-    schedule: str = "cooperative"
     wm: int = 64
     bn: int = 256
-    stages: int = 4
-    epi: int = 0
-    diag: int = 0
+    stages: int = 5
 
     def __post_init__(self):
-        if self.epi not in (0, 1) or self.diag not in (0, 1, 2) or (self.diag and not self.epi):
-            raise ValueError(f"epi must be 0 / 1 and diag 0 / 1 / 2 (diag needs epi 1), got epi={self.epi} "
-                             f"diag={self.diag}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.wm not in (64, 128) or self.bn not in (128, 256):
             raise ValueError(f"wm must be 64 or 128 and bn 128 or 256, got wm={self.wm} bn={self.bn}")
         if self.wm // 64 * self.bn // 2 > 128:
             raise ValueError(f"wm={self.wm} x bn={self.bn} needs {self.wm // 64 * self.bn // 2} accumulator registers "
                              "a thread, more than 128; use wm=64 with bn=256 or wm=128 with bn=128")
-        if self.bm > 256:
-            raise ValueError(f"a tile of {self.bm} rows is more than a TMA box (256 rows); use wm=64 or 'pingpong'")
         if not 3 <= self.stages <= max_stages(self):
-            raise ValueError(f"stages must be 3..{max_stages(self)} for {self.schedule} wm={self.wm} bn={self.bn} "
-                             f"(shared memory), got {self.stages}")
+            raise ValueError(f"stages must be 3..{max_stages(self)} for wm={self.wm} bn={self.bn} (shared memory), "
+                             f"got {self.stages}")
 
     @property
     def bm(self) -> int:
-        """Rows of one output tile."""
-        return self.wm if self.schedule == "pingpong" else 2 * self.wm
+        """Rows of one output tile (one consumer's)."""
+        return self.wm
 
     @property
     def smem_bytes(self) -> int:
-        """i8_gemm.cu SMEM_BYTES: 1 KB of alignment slack, the ring, the 2 x stages mbarriers, (epi 1) the two
-        consumers' scales and biases."""
+        """i8_gemm.cu SMEM_BYTES: 1 KB of alignment slack, the ring, the 2 x stages mbarriers, the two consumers'
+        scales and biases."""
         return 1024 + self.stages * (self.bm + self.bn) * _BK + 16 * self.stages + _epi_bytes(self)
 
     def __str__(self) -> str:
-        return (f"{_SHORT[self.schedule]}_{self.bm}x{self.bn}_s{self.stages}" + (f"_e{self.epi}" if self.epi else "")
-                + (f"_d{self.diag}" if self.diag else ""))
+        return f"pp_{self.bm}x{self.bn}_s{self.stages}_e1"
 
 
 def _epi_bytes(tile: Tile) -> int:
-    return 2 * tile.bn * 8 if tile.epi else 0
+    return 2 * tile.bn * 8
 
 
 def max_stages(tile: Tile) -> int:
-    """The deepest ring (<= 8) of ``tile``'s shape (and epilogue) that shared memory holds."""
+    """The deepest ring (<= 8) of ``tile``'s shape that shared memory holds beside the epilogue's buffer."""
     per = (tile.bm + tile.bn) * _BK + 16
     return min(8, (_MAX_SMEM - 1024 - _epi_bytes(tile)) // per)
 
 
 def parse_tile(text: str) -> Tile:
-    """``"coop_128x256_s4"`` / ``"pp_128x128_s6_e1"`` / ``"pp_128x128_s6_e1_d2"`` (as ``str(Tile)`` writes it) -> Tile."""
+    """``"pp_64x256_s5_e1"`` (as ``str(Tile)`` writes it) -> Tile."""
     try:
-        sched, mn, s, *rest = text.split("_")
-        schedule = {v: k for k, v in _SHORT.items()}[sched]
+        sched, mn, s, epi = text.split("_")
+        if sched != "pp" or epi != "e1" or not s.startswith("s"):
+            raise ValueError(text)
         bm, bn = (int(v) for v in mn.split("x"))
-        wm = bm if schedule == "pingpong" else bm // 2
-        extra = {"e": 0, "d": 0}
-        for r in rest:
-            if r[:1] not in extra or not r[1:].isdigit():
-                raise ValueError(r)
-            extra[r[0]] = int(r[1:])
-        if not s.startswith("s"):
-            raise ValueError(s)
-    except (ValueError, KeyError):
-        raise ValueError(f"tile must look like 'coop_128x256_s4' or 'pp_128x128_s6_e1' "
-                         f"(coop|pp _ BMxBN _ sSTAGES [_eEPI] [_dDIAG]), got {text!r}") from None
-    return Tile(schedule, wm, bn, int(s[1:]), extra["e"], extra["d"])
+        stages = int(s[1:])
+    except ValueError:
+        raise ValueError(f"tile must look like 'pp_64x256_s5_e1' (pp_BMxBN_sSTAGES_e1), got {text!r}") from None
+    return Tile(bm, bn, stages)
 
 
-def _deepest(schedule: str, wm: int, bn: int, epi: int = 0) -> Tile:
-    return Tile(schedule, wm, bn, max_stages(Tile(schedule, wm, bn, 3, epi)), epi)
-
-
-# The tiles raced on the transformer's GEMMs (scratch/i8_gemm/bench.py); each with as many stages as fit.
-TILES = (
-    _deepest("cooperative", 64, 256),   # 128 x 256, 4 stages
-    _deepest("cooperative", 64, 128),   # 128 x 128, 7 stages
-    _deepest("cooperative", 128, 128),  # 256 x 128, 4 stages
-    _deepest("pingpong", 64, 256),      # 64 x 256 a consumer, 5 stages
-    _deepest("pingpong", 128, 128),     # 128 x 128 a consumer, 7 stages
-    _deepest("pingpong", 64, 128),      # 64 x 128 a consumer, 8 stages
-)
-# The same shapes with epilogue 1 (scales staged in shared memory, 16-byte stores): one stage fewer where its buffer
-# does not fit beside the ring (coop 128 x 128: 6, pp 128 x 128: 6).
-TILES_E1 = tuple(_deepest(t.schedule, t.wm, t.bn, 1) for t in TILES)
-DEFAULT_TILE = TILES[0]  # not measured yet: the bench decides
-
-
-def diag_tiles(tile: Tile) -> tuple[Tile, Tile]:
-    """``tile``'s two bench diagnostics (epilogue 1): without output stores (diag 1), main loop only (diag 2)."""
-    return (Tile(tile.schedule, tile.wm, tile.bn, tile.stages, 1, 1), Tile(tile.schedule, tile.wm, tile.bn, tile.stages, 1, 2))
+# The tiles that won or tied a transformer GEMM on the H200 (decision 0163): 64 x 256 (qkv, linear1, linear2: the
+# default) and 64 x 128 (out_proj), each with as many stages as fit.
+TILES = (Tile(64, 256, 5), Tile(64, 128, 8))
+DEFAULT_TILE = TILES[0]
 
 
 @dataclass(frozen=True)
@@ -167,10 +126,8 @@ class Variant:
 
     def defines(self) -> list[str]:
         t = self.tile
-        return [f"I8G_BN={t.bn}", f"I8G_WM={t.wm}", f"I8G_STAGES={t.stages}",
-                f"I8G_PINGPONG={int(t.schedule == 'pingpong')}", f"I8G_OUT={OUTS.index(self.out)}",
-                f"I8G_GELU={int(self.gelu)}", f"I8G_RES={int(self.residual)}", f"I8G_EPI={t.epi}",
-                f"I8G_DIAG={t.diag}", f"I8G_SMEM={self.smem_bytes}"]
+        return [f"I8G_BN={t.bn}", f"I8G_WM={t.wm}", f"I8G_STAGES={t.stages}", f"I8G_OUT={OUTS.index(self.out)}",
+                f"I8G_GELU={int(self.gelu)}", f"I8G_RES={int(self.residual)}", f"I8G_SMEM={self.smem_bytes}"]
 
     def __str__(self) -> str:
         return (f"{self.tile}_{'f16' if self.out == 'float16' else 'i8'}" + "_gelu" * self.gelu
@@ -360,8 +317,8 @@ def i8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: to
     out = torch.empty((M, N), dtype=torch.int8 if out_scale is not None else torch.float16, device=a.device)
     if M == 0 or N == 0:
         return out
-    # the epilogue reads column pairs as one float2 (w_scale, fp32 bias) / the residual as 4-byte words (epilogue 0)
-    # or 16-byte vectors (epilogue 1)
+    # the general epilogue reads column pairs as one float2 (w_scale, fp32 bias) and the residual as 4-byte words, the
+    # fast one the residual as 16-byte vectors
     w_scale = w_scale if w_scale.data_ptr() % 8 == 0 else w_scale.clone()
     if bias is not None and bias.data_ptr() % 8:
         bias = bias.clone()
