@@ -57,12 +57,12 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from ..ops.matmul import BACKENDS
 from ..ops.qconv import LAYER_NORM_MAX_C, _check_act
-from ..ops.qconv_plan import device_caps, layer_act_unsupported
+from ..ops.qconv_plan import GELU, WGMMA_GEMM, device_caps, layer_act_unsupported
 from ..ops.quantize import absmax_qmax
 from . import calibrate as cal
 from .attention import TORCH_TWINS, TwinCall, decompose_transformers, fuse_qkv, restore_torch_modules
 from .coverage import check_conv_coverage, normalize_graph, uncovered
-from .linear_gelu import LinearGELU, gelu_fusable
+from .linear_gelu import LinearGELU, gelu_fusable, is_erf_gelu
 from .qgrouped import QGroupedConv2d, grouped_unsupported
 from .qmodules import (FixedQuant, LayerPrecision, QConv2d, QLayerNorm, QLinear, QMaxPool2d, _quantize_weight,
                        act_text, activation_format, flatten_nhwc, parse_precision, weight_format)
@@ -172,10 +172,12 @@ class LayerRecord:
     fused: tuple = ()
     out: str = ""
     reason: str = ""  # the speed rule's measured decision (nn/speed_rule.py), when it ran
+    route: str = ""  # a linear on the INT8 backend: its GEMM's route and why ("wgmma-gemm", "triton (not ...)")
 
     def line(self) -> str:
         """The layer in one line, as ``QuantSummary.explain`` prints it."""
         return (f"{self.name} ({self.kind}): {self.precision}, {self.backend}"
+                + (f", route {self.route}" if self.route else "")
                 + (f", fused {'+'.join(self.fused)}" if self.fused else "") + (f", out {self.out}" if self.out else "")
                 + (f"; speed rule: {self.reason}" if self.reason and self.reason != self.backend else ""))
 
@@ -203,7 +205,8 @@ class QuantSummary:
     def __str__(self) -> str:
         lines = [f"{'layer':28} {'kind':6} {'precision':9} {'backend':10} {'fused':22} out"]
         for r in self.layers:
-            lines.append(f"{r.name:28} {r.kind:6} {r.precision:9} {r.backend[:10]:10} {'+'.join(r.fused):22} {r.out}")
+            backend = f"{r.backend}/wgmma" if r.route.startswith(WGMMA_GEMM) else r.backend
+            lines.append(f"{r.name:28} {r.kind:6} {r.precision:9} {backend[:10]:10} {'+'.join(r.fused):22} {r.out}")
         lines += [f"note: {n}" for n in self.notes]
         lines += [f"speed: {n}" for n in (self.speed.lines() if self.speed is not None else [])]
         return "\n".join(lines)
@@ -816,6 +819,72 @@ def _fuse_layer_norms(gm: fx.GraphModule, qmods: dict, calls: dict, kind_of, not
                      f"{'e4m3' if b.precision.fp8 else b.a_fmt} operand")
 
 
+def _route_text(q: nn.Module, caps) -> str:
+    """A ``QLinear`` on the INT8 backend: the route its GEMM takes on ``caps``'s device and why, for the summary
+    (``wgmma-gemm`` -- ``kernels/cuda/i8_gemm.cu`` -- or the Triton kernel and why not the other); "" otherwise."""
+    if not isinstance(q, QLinear) or q.precision.fp8 or q.layer_plan is None or q.layer_plan.backend != "int8":
+        return ""
+    plan = q.gemm_plan(caps)
+    if plan.route == WGMMA_GEMM:
+        return f"{WGMMA_GEMM} (kernels/cuda/i8_gemm.cu, sm_90a)"
+    why = plan.reason.partition(f"; not {WGMMA_GEMM}: ")[2]
+    name = "triton" if plan.route == "kernel" else plan.route
+    return f"{name} (not {WGMMA_GEMM}: {why})" if why else name
+
+
+def _chain_ffn(gm: fx.GraphModule, qmods: dict, calls: dict, kind_of, caps, records: dict, notes: list) -> None:
+    """A transformer's feed-forward ``linear1 -> erf GELU -> (eval-mode Dropout ->) linear2``, both quantized INT8
+    linears: where both run the ``wgmma-gemm`` route (``ops.qconv_plan.wgmma_gemm_refusal``: an sm_90 GPU, fp16,
+    values-as-codes operands, K % 16 == 0) and linear2 reads ``int8`` codes, linear1 takes the GELU into its epilogue
+    and writes linear2's int8 operand (``i8_gemm(..., gelu=True, out_scale=linear2.in_scale)``): no GELU pass over the
+    (B * L, 4E) output, no quantize pass in linear2, no float tensor between them.  On the Triton route they stay
+    apart: the Triton epilogue with the GELU and the codes measured slower than the two passes it removes
+    (docs/decisions/0125); the summary's notes say so, and why the wgmma route was not taken.  The codes are those of
+    the float32 GELU, not of its fp16 rounding: they can differ from the unchained pair's by one step, rarely."""
+    g = gm.graph
+    apart: dict[str, list[str]] = {}
+    for node in list(g.nodes):
+        a = qmods.get(node.target) if node.op == "call_module" else None
+        if not isinstance(a, QLinear) or calls.get(node.target) != 1 or node.kwargs:
+            continue
+        gelu = _sole_user(node)
+        if gelu is None or not is_erf_gelu(gelu, qmods) or gelu.args[0] is not node:
+            continue
+        drops, prev, u = [], gelu, _sole_user(gelu)
+        while u is not None and u.op == "call_module" and type(qmods.get(u.target)) is nn.Dropout \
+                and u.args == (prev,) and not u.kwargs:
+            drops.append(u)
+            prev, u = u, _sole_user(u)
+        b = qmods.get(u.target) if u is not None and u.op == "call_module" else None
+        if not isinstance(b, QLinear) or calls.get(u.target) != 1 or u.args != (prev,) or u.kwargs \
+                or b.in_channels_last is not None:
+            continue
+        if kind_of(a) != "int8" or kind_of(b) != "int8" or a.act is not None or a.out_fmt is not None \
+                or a.has_residual:
+            continue  # (FP8 / bit-serial / reference linears: float in, float out, the GELU a float op)
+        pa = a.gemm_plan(caps, act=None, out_fmt=b.a_fmt, out_layout="int8")  # (the GELU: on this route only)
+        pb = b.gemm_plan(caps)
+        if pa.route != WGMMA_GEMM or pb.route != WGMMA_GEMM:
+            p = pa if pa.route != WGMMA_GEMM else pb
+            why = p.reason.partition(f"; not {WGMMA_GEMM}: ")[2] or p.route
+            apart.setdefault(why, []).append(f"{node.target} -> {u.target}")
+            continue
+        a.act = GELU
+        a.chain_to(b, "int8")
+        for d in [*drops, gelu]:  # the dropouts (eval: the identity) and the GELU, now in linear1's epilogue
+            d.replace_all_uses_with(d.args[0])
+            g.erase_node(d)
+        rec = records[node.target]
+        rec.fused = rec.fused + ("gelu",)
+        rec.out = f"int8 codes {b.a_fmt} -> {u.target}"
+        rec.route = _route_text(a, caps)
+    for why, pairs in apart.items():
+        notes.append(f"{len(pairs)} feed-forward pair(s) linear -> GELU -> linear not chained ({', '.join(pairs[:3])}"
+                     + (" ..." if len(pairs) > 3 else "") + f"): the GELU and linear2's int8 codes go into linear1's "
+                     f"epilogue on the {WGMMA_GEMM} route only (on the Triton route that epilogue measured slower "
+                     f"than the two passes, docs/decisions/0125); here not {WGMMA_GEMM}: {why}")
+
+
 def _chain_to_grouped(node: fx.Node, user: fx.Node, qmods: dict, records: dict, kind_of) -> bool:
     """A conv read only by an integer grouped / depthwise conv on the Triton route writes that layer's int8 operand
     (``ShiftedInt8``: its format and scale) in its epilogue, instead of a float the grouped layer quantizes again (an
@@ -1074,7 +1143,8 @@ def _convert(model: nn.Module, cfg: QuantConfig, batches, inplace: bool, warn: b
             backend = "fp8" if prec.fp8 else plan.backend
         fused = tuple(x for x in (getattr(m, "tcprec_pad_folded", None) and "pad", bn is not None and "bn",
                                   act_text(act), pool and f"{pool[0]}pool") if x)
-        records[name] = LayerRecord(name, kind, str(prec), backend, fused, str(q.out_dtype).replace("torch.", ""))
+        records[name] = LayerRecord(name, kind, str(prec), backend, fused, str(q.out_dtype).replace("torch.", ""),
+                                    route=_route_text(q, caps))
         new_mods[name] = q
         return q
 
@@ -1219,6 +1289,7 @@ def _convert(model: nn.Module, cfg: QuantConfig, batches, inplace: bool, warn: b
                 records[node.target].out = f"{dual}{what} {b.a_fmt} -> {to}"
             _fuse_max_pools(gm, qmods, calls, kind_of, notes)
             _fuse_layer_norms(gm, qmods, calls, kind_of, notes)
+            _chain_ffn(gm, qmods, calls, kind_of, caps, records, notes)
             _record_chains(g, qmods, kind_of)
         gm.graph.lint()
         gm.delete_all_unused_submodules()

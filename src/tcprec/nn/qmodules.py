@@ -39,7 +39,8 @@ from torch import nn
 from ..formats import FloatFormat, IntFormat, as_format
 from ..kernels.conv_geometry import ConvGeometry
 from ..ops import qconv as qc
-from ..ops.qconv_plan import device_caps, layer_act_unsupported, layer_backend
+from ..ops.qconv_plan import (GELU, WGMMA_GEMM, ConvPlan, DeviceCaps, device_caps, layer_act_unsupported, layer_backend,
+                              plan_conv2d)
 from ..ops.quantize import absmax_qmax, quantize, quantize_pack, quantize_static
 from ..qtensor import BitPlanes, PerChannel, QTensor, ShiftedInt8
 
@@ -469,6 +470,10 @@ class QConv2d(_QBase):
             raise ValueError(f"QConv2d needs numeric zero padding, got padding={conv.padding!r} "
                              f"padding_mode={conv.padding_mode!r}")
         act = qc._check_act(act)  # (the canonical form; a bad one raises, naming the allowed ones)
+        if act == GELU:
+            raise ValueError(f"act must be None, 'relu', ('leaky', slope), ('clamp', lo, hi) (ReLU6: ('clamp', 0.0, "
+                             f"6.0)), 'hardswish' or 'silu' for a QConv2d (the erf GELU is fused by a QLinear on the "
+                             f"{WGMMA_GEMM} route only), got act={act!r}; apply F.gelu to the conv's output")
         m._init_common(prec, in_absmax, signed_input, out_dtype or conv.weight.dtype, backend, conv.weight.device,
                        fixed)
         why = layer_act_unsupported(act, m.a_fmt, m.w_fmt, backend)
@@ -565,8 +570,9 @@ class QLinear(_QBase):
         prec = parse_precision(precision)
         if prec is None:
             raise ValueError("QLinear needs a quantized precision ('w1a2', 'int8', 'fp8', ...), got 'float'")
-        if act not in (None, "relu"):
-            raise ValueError(f"QLinear fuses act=None or 'relu', got {act!r}")
+        if act not in (None, "relu", GELU):
+            raise ValueError(f"QLinear fuses act=None, 'relu' or 'gelu' (the erf GELU: on the {WGMMA_GEMM} route, "
+                             f"sm_90, and the reference backend), got {act!r}")
         m._init_common(prec, in_absmax, signed_input, out_dtype or lin.weight.dtype, backend, lin.weight.device,
                        fixed)
         m.in_features, m.out_features, m.act = lin.in_features, lin.out_features, act
@@ -631,8 +637,42 @@ class QLinear(_QBase):
             lead = x.shape[:-1]
             xa = _quantize_input(x.reshape(-1, 1, 1, self.in_features), self)  # (B, 1, 1, K) NHWC
         y = qc.conv2d(xa, self._op_weight(xa.device), bias=self.bias, act=self.act, out_dtype=self.out_dtype,
-                      backend=self.backend, fp8_fast_accum=self.fp8_fast_accum)
+                      backend=self.backend, fp8_fast_accum=self.fp8_fast_accum, out_fmt=self.out_fmt,
+                      out_scale=self.out_scale, out_layout=self.out_layout)
+        if isinstance(y, QTensor):  # chained (_chain_ffn): the next linear's int8 codes, (..., out_features)
+            shape = (*lead, self.out_features)
+            return replace(y, data=y.data.reshape(shape), scale=y.scale.reshape((1,) * len(shape)), shape=shape)
         return y.reshape(*lead, self.out_features)
+
+    def gemm_plan(self, caps: DeviceCaps, *, act="same", out_fmt="same", out_layout: str | None = None) -> ConvPlan:
+        """The plan (``ops.qconv_plan.plan_conv2d``) of this linear's rows on a device of ``caps``, reading the INT8
+        kernels' int8 operand, with this layer's epilogue -- or ``act`` / ``out_fmt`` / ``out_layout`` instead (what a
+        chaining would give it).  Its ``route`` says whether the rows run the ``wgmma-gemm`` GEMM and its ``reason``
+        why (not); the number of rows does not enter any decision, so one row stands for them."""
+        act = self.act if act == "same" else act
+        out_fmt = self.out_fmt if out_fmt == "same" else out_fmt
+        out_layout = out_layout or (self.out_layout if out_fmt is not None else "planes")
+        g = ConvGeometry(1, 1, 1, self.in_features, self.out_features, 1, 1, (1, 1), (0, 0), (1, 1))
+        return plan_conv2d(g, self.a_fmt, self.w_fmt, device=caps, input_layout="int8", act=act,
+                           out_dtype=self.out_dtype, out_fmt=out_fmt, out_scale_given=out_fmt is not None,
+                           backend=self.backend, out_layout=out_layout, fast_accum=self.fp8_fast_accum)
+
+    def plan_on(self, device, name: str | None = None, caps=None) -> LayerPlan:
+        """``_QBase.plan_on``; a linear fused with the erf GELU (``act="gelu"``, chained by ``quantize_model`` on the
+        ``wgmma-gemm`` route) refuses a device whose plan has no epilogue for it (another GPU: the Triton kernel's),
+        naming the fix, instead of failing at its first forward."""
+        caps = caps if caps is not None else device_caps(torch.device(device))
+        if self.act == GELU and not self.precision.fp8:
+            backend = layer_backend(self.a_fmt, self.w_fmt, caps, self.backend)[0]
+            if backend != "reference":
+                try:
+                    self.gemm_plan(caps)
+                except ValueError as e:
+                    who = name or (self.layer_plan.name if self.layer_plan is not None else "QLinear")
+                    raise ValueError(f"{who}: quantize_model fused the GELU and the next linear's codes into this "
+                                     f"linear's epilogue on the {WGMMA_GEMM} route; on {caps.device} it cannot run "
+                                     f"({e}).  Convert on the device the model runs on") from None
+        return super().plan_on(device, name, caps)
 
 
 def flatten_nhwc(x):

@@ -379,7 +379,13 @@ def _float_fn(m: nn.Module, q: nn.Module, fused: tuple, shape: tuple, device, dt
         rm, rv = torch.zeros(C, device=device, dtype=dtype), torch.ones(C, device=device, dtype=dtype)
         w, b = torch.ones(C, device=device, dtype=dtype), torch.zeros(C, device=device, dtype=dtype)
     res = torch.randn_like(y0) if getattr(q, "has_residual", False) else None
-    act = _act_fn(getattr(q, "act", None))
+    qact = getattr(q, "act", None)
+    if qact == "gelu" and isinstance(m, nn.Linear) and res is None:
+        # a linear with the erf GELU in its epilogue (chained to the next linear on the wgmma route, nn/convert.py
+        # _chain_ffn): the float model runs linear + GELU as one GEMM with the GELU epilogue (LinearGELU, what a kept
+        # float layer becomes), not a GEMM and a GELU pass
+        gelu, qact = True, None
+    act = _act_fn(qact)
     pool = getattr(q, "pool", None)
 
     @torch.no_grad()

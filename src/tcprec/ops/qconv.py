@@ -122,6 +122,7 @@ from ..kernels import reference_conv_bitserial as rq
 from ..kernels import reference_gemm as rg
 from ..kernels.conv_geometry import ConvGeometry, pair
 from ..kernels.reference_conv_int8_fp8 import conv_acc, parse_act
+from ..kernels.reference_i8_gemm import INV_SQRT2_F32
 from ..kernels.triton._host import interpreting
 from ..memo import remembered
 from ..packing import pack_bitplanes, packed_words
@@ -132,8 +133,9 @@ from .qconv_operands import (_CHECKED_SCALES, LAYER_NORM_MAX_C, LAYER_NORM_OPERA
                              _scale_checked, _scale_tensor, int8_qtensor, layer_norm_quantize, max_pool_quantize,
                              max_pool_window, pack_activation, pack_conv_weight, planes_qtensor, quantize_fp8_static,
                              quantize_int8_static)
-from .qconv_plan import (_FP8_KIND, _FUSED_POOLS, _KIND, BACKENDS, OUT_LAYOUTS, POOLS, THIN_C,  # noqa: F401
-                         ConvPlan, DeviceCaps, _bitserial_kind, _check_pool, _fp8_dtype, _input_words, _int8_affine,
+from .qconv_plan import (_FP8_KIND, _FUSED_POOLS, _KIND, BACKENDS, GELU, OUT_LAYOUTS, POOLS, THIN_C,  # noqa: F401
+                         WGMMA_GEMM, ConvPlan, DeviceCaps, _bitserial_kind, _check_pool, _fp8_dtype, _input_words,
+                         _int8_affine,
                          _stem_kp, _stem_out, _stem_pad, _thin_stem, device_caps, format_plan, implicit_conv,
                          plan_conv2d, stem_variant)
 from .quantize import _qp_params
@@ -224,8 +226,8 @@ def _check_x(x) -> _X:
 def _check_act(act):
     """``act`` in the canonical (hashable) form the plan holds: None, "relu", ("leaky", slope), ("clamp", lo, hi)
     (float32 bounds, ``reference_conv_int8_fp8.parse_act``'s check), "hardswish", "silu"."""
-    if act is None or (isinstance(act, str) and act in ("relu", "hardswish", "silu")):
-        return act
+    if act is None or (isinstance(act, str) and act in ("relu", "hardswish", "silu", GELU)):
+        return act  # (GELU: the wgmma GEMM's and the torch epilogues only, qconv_plan._check_gelu)
     if isinstance(act, (tuple, list)) and len(act) == 2 and act[0] == "leaky":
         try:
             slope = float(act[1])
@@ -237,7 +239,8 @@ def _check_act(act):
         _, lo, hi = parse_act(act)  # (raises, naming the bounds, unless finite lo < hi)
         return ("clamp", lo, hi)
     raise ValueError(f"act must be None, 'relu', ('leaky', slope), ('clamp', lo, hi) (ReLU6: ('clamp', 0.0, 6.0)), "
-                     f"'hardswish' or 'silu', got act={act!r}; e.g. act=('leaky', 0.1)")
+                     f"'hardswish', 'silu' or 'gelu' (a linear's rows on the wgmma GEMM), got act={act!r}; e.g. "
+                     "act=('leaky', 0.1)")
 
 
 def _check_vec(t, K: int, name: str, device) -> torch.Tensor | None:
@@ -490,6 +493,31 @@ def _int8_kernel(plan: ConvPlan, xs: _X, pw: PackedConvWeight, col, bias, s_out,
                            acc_add_interior=not _thin_stem(g))  # a thin stem's table is the original conv's
 
 
+def _wgmma_gemm(plan: ConvPlan, xs: _X, pw: PackedConvWeight, bias, s_out):
+    """A linear's rows on ``kernels/cuda/i8_gemm.cu`` (the ``wgmma-gemm`` route): (N, 1, 1, K) float16, or the next
+    layer's int8 ``ShiftedInt8`` QTensor.  The kernel's epilogue is the Triton kernel's float32 operations in its order:
+    ``a_scale * w_scale[k]`` rounded once (the Triton route's ``col``), ``float32(acc) * col + bias``, one rounding."""
+    from ..kernels.cuda.i8_gemm import i8_gemm
+
+    g = plan.geometry
+    x8, _, _ = xs.int8()  # (N, 1, 1, C) int8: the values (the plan checked offset 0, step 1)
+    a = x8.reshape(g.N, g.C)  # (M, K) rows, a view
+    w8 = pw.w8.reshape(g.K, g.C)  # (N, K)
+    a_scale = xs.scale.reshape(1).to(torch.float32)
+    w_scale = pw.w_scale.reshape(g.K)  # (N,) float32, contiguous
+    y = i8_gemm(a, w8, a_scale, w_scale, bias, gelu=plan.act == GELU,
+                out_scale=s_out.reshape(1) if plan.out_fmt is not None else None)  # (M, N) fp16 or int8
+    if plan.out_fmt is not None:
+        return int8_qtensor(y.reshape(g.N, 1, 1, g.K), plan.out_fmt, s_out)
+    return y.reshape(g.N, 1, 1, g.K)
+
+
+def _gelu_f32(y: torch.Tensor) -> torch.Tensor:
+    """The erf GELU in the wgmma GEMM epilogue's float32 operations (``reference_i8_gemm``): the torch epilogues'."""
+    inv = torch.tensor(INV_SQRT2_F32, dtype=torch.float32, device=y.device)
+    return (0.5 * y) * (1.0 + torch.erf(y * inv))
+
+
 def _fp8_kernel(plan: ConvPlan, xs: _X, pw: PackedConvWeight, col, bias, fast_accum: bool, s_out, residual=None):
     """The Triton implicit-GEMM FP8 conv; col = x_scale * w_scale[k] (* scale[k]) is its x_scale
     operand (per channel), so the kernel's column scale is exactly the reference's."""
@@ -572,7 +600,7 @@ def _finish_float(plan: ConvPlan, y: torch.Tensor, out_scale, act_done: bool, re
         y = y.to(residual.dtype).to(torch.float32) + residual.reshape(-1, g.K).to(torch.float32)
         y = y.to(residual.dtype).to(torch.float32)  # the sum as the unfused add stores it
     if not act_done:
-        y = rq.apply_act(y, plan.act)
+        y = _gelu_f32(y) if plan.act == GELU else rq.apply_act(y, plan.act)
     fmt = plan.out_fmt
     if residual is not None and isinstance(fmt, FloatFormat) and not plan.dual:
         y = y.to(residual.dtype).to(torch.float32)  # the codes of the sum in the network's dtype, as the kernels
@@ -661,7 +689,8 @@ def _prepare(x, w, *, stride=1, padding=0, dilation=1, bias=None, scale=None, ac
     plan = plan_conv2d(g, xs.fmt, qw.fmt, device=device_caps(xs.device), input_layout=xs.layout,
                        act=_check_act(act), pool=_check_pool(pool), out_dtype=out_dtype, out_fmt=out_fmt,
                        out_scale_given=out_scale is not None, backend=backend, out_layout=out_layout,
-                       has_residual=residual is not None, fast_accum=fp8_fast_accum, force_bitserial=force_bitserial)
+                       has_residual=residual is not None, fast_accum=fp8_fast_accum, force_bitserial=force_bitserial,
+                       has_scale=scale is not None)
     _check_residual(residual, g, out_dtype, xs.device)
     if out_dtype == torch.int32 and (scale is not None or bias is not None):
         raise ValueError("scale, bias, act and pool apply to the scaled float result; out_dtype=torch.int32 returns the "
@@ -682,6 +711,9 @@ def run(plan: ConvPlan, x, w, *, bias=None, scale=None, out_scale=None, residual
     residual=)``.  Raises ValueError if x or w is not what the plan was made for (format, shape, layout, device)."""
     if not isinstance(plan, ConvPlan):
         raise TypeError(f"plan must be a ConvPlan (conv2d_plan(x, w, ...)), got {type(plan).__name__}")
+    if plan.route == WGMMA_GEMM and scale is not None:
+        raise ValueError(f"the plan runs the {WGMMA_GEMM} route, whose epilogue has no per-channel scale; make the "
+                         "plan with the scale (conv2d_plan(x, w, scale=...)): it then takes the Triton kernel")
     xs = _check_x(x)
     qw = w.qw if isinstance(w, PackedConvWeight) else _check_weight_qtensor(w)
     g = plan.geometry
@@ -710,6 +742,8 @@ def _run(plan: ConvPlan, xs: _X, qw: QTensor, w, bias, scale, out_scale, residua
     scale = _check_vec(scale, K, "scale", xs.device)
     bias = _check_vec(bias, K, "bias", xs.device)
     s_out = _scale_tensor(out_scale, xs.device, "out_scale") if plan.out_fmt is not None else None
+    if plan.route == WGMMA_GEMM:  # (its epilogue multiplies x_scale * w_scale[k] itself)
+        return _wgmma_gemm(plan, xs, pw if pw is not None else pack_conv_weight(qw), bias, s_out)
     col = _col_scale(xs, w_scale, scale) if out_dtype != torch.int32 or plan.out_fmt is not None else None
 
     if plan.backend == "bitserial":

@@ -6,7 +6,8 @@ comes in) and a :class:`DeviceCaps` record (what the device can run) and returns
 * ``backend`` and ``reason``: ``"bitserial"`` (binary tensor cores, while p*q < 8), ``"int8"``, ``"fp8"`` or
   ``"reference"`` (float64 ``F.conv2d``, any device) -- the rule of ``ops.matmul.int_backend_rule``;
 * ``route``: how that backend reads its input (bit-serial: ``"implicit"`` GEMM / ``"pointwise"`` / ``"im2col"``;
-  INT8: the Triton ``"kernel"`` or ``"im2col"`` + ``torch._int_mm``; FP8: ``"kernel"``);
+  INT8: the Triton ``"kernel"``, ``"wgmma-gemm"`` (a linear's rows on ``kernels/cuda/i8_gemm.cu``, sm_90a: see
+  :func:`wgmma_gemm_refusal`) or ``"im2col"`` + ``torch._int_mm``; FP8: ``"kernel"``);
 * ``stem``: a thin (C < 16) spatial layer's special path: ``"gather"`` (windows gathered into rows, a 1x1 conv) or
   ``"cuda"`` (``kernels/cuda/stem_conv.cu`` on sm_90);
 * ``epilogue``: what the GEMM / kernel writes (``"int32"``, a float dtype, ``"packed"`` / ``"planes"`` bit planes,
@@ -41,7 +42,8 @@ from .matmul import BACKENDS as _INT_BACKENDS
 from .matmul import int_backend_rule
 
 __all__ = ["ConvPlan", "DeviceCaps", "device_caps", "layer_backend", "layer_act_unsupported", "plan_conv2d",
-           "format_plan", "implicit_conv", "POOLS", "OUT_LAYOUTS", "BACKENDS", "THIN_C"]
+           "format_plan", "implicit_conv", "wgmma_gemm_refusal", "POOLS", "OUT_LAYOUTS", "BACKENDS", "THIN_C",
+           "WGMMA_GEMM", "GELU"]
 
 POOLS = (None, ("max", 2, 2), ("avg", 2, 2), ("max", 2, 1))
 BACKENDS = _INT_BACKENDS + backend_names(Backend.FP8)  # matmul's, and the float8 tensor cores
@@ -58,6 +60,13 @@ _FP8_KIND = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}  # the conv
 _FUSED_POOLS = {("max", 2, 2): 2, ("max", 2, 1): 1}
 # What x comes as: a QTensor of codes, bit planes (padded or compact rows), int8 codes, float8 codes.
 INPUT_LAYOUTS = ("codes", "planes", "compact", "int8", "fp8")
+# The INT8 route of a linear's rows on the hand-written warp-specialised wgmma GEMM (kernels/cuda/i8_gemm.cu, sm_90a;
+# docs/decisions/0160 and scratch/i8_gemm: 171.6 us for the transformer's four GEMMs a layer against 229.8 for the
+# Triton kernel on the H200), and the one activation only its epilogue (and the torch epilogues) applies: the erf GELU
+# of a transformer's linear1, fused when linear1 hands linear2 its int8 codes (nn/convert.py _chain_ffn).
+WGMMA_GEMM = "wgmma-gemm"
+GELU = "gelu"
+_I8G_K_ALIGN, _I8G_K_MAX = 16, 1 << 17  # kernels/cuda/i8_gemm.py K_ALIGN / K_MAX (importing it loads cuda.core)
 
 
 def _check_pool(pool):
@@ -145,6 +154,7 @@ class ConvPlan:
     input_layout: str  # INPUT_LAYOUTS
     fast_accum: bool
     device: DeviceCaps
+    has_scale: bool = False  # a per-channel ``scale`` (a folded BatchNorm) multiplies the column scale
 
     backend: str = ""
     reason: str = ""
@@ -206,11 +216,14 @@ def format_plan(plan: ConvPlan) -> str:
 def plan_conv2d(g: ConvGeometry, a_fmt, w_fmt, *, device: DeviceCaps, input_layout: str = "codes", act=None,
                 pool=None, out_dtype=torch.float32, out_fmt=None, out_scale_given: bool = False, backend: str = "auto",
                 out_layout: str = "planes", has_residual: bool = False, fast_accum: bool = True,
-                force_bitserial: bool = False) -> ConvPlan:
+                force_bitserial: bool = False, has_scale: bool = False) -> ConvPlan:
     """The :class:`ConvPlan` of a convolution of geometry ``g`` with ``a_fmt`` activations (arriving as
     ``input_layout``) and ``w_fmt`` weights on ``device``; raises ValueError / TypeError naming a bad argument, its
     allowed values and the fix.  ``act`` and ``pool`` as checked by ``ops.qconv`` (canonical forms).
-    ``force_bitserial``: the test hook that runs the bit-serial pipeline with an emulated GEMM."""
+    ``force_bitserial``: the test hook that runs the bit-serial pipeline with an emulated GEMM.  ``has_scale``: a
+    per-channel ``scale`` is passed (the wgmma GEMM's epilogue has none).  ``act="gelu"`` (the erf GELU) is applied by
+    the wgmma GEMM's epilogue and by the torch epilogues (``reference``, the INT8 im2col route) only; elsewhere it is a
+    ValueError."""
     fa, fw = a_fmt, w_fmt
     fp8 = _fp8_dtype(fa) is not None
     if fp8 != (_fp8_dtype(fw) is not None):
@@ -258,14 +271,14 @@ def plan_conv2d(g: ConvGeometry, a_fmt, w_fmt, *, device: DeviceCaps, input_layo
         raise ValueError(f"backend must be one of {BACKENDS}, got backend={backend!r}")
     spec = dict(geometry=g, a_fmt=fa, w_fmt=fw, act=act, pool=pool, out_dtype=out_dtype, out_fmt=out_fmt,
                 out_layout=out_layout, has_residual=has_residual, input_layout=input_layout,
-                fast_accum=bool(fast_accum), device=device)
+                fast_accum=bool(fast_accum), device=device, has_scale=bool(has_scale))
     if fp8:
         if out_dtype == torch.int32 and out_fmt is None:
             raise ValueError("float8 operands accumulate in float32: out_dtype=torch.int32 (the raw integer "
                              "convolution) is for integer formats; pass a float out_dtype")
         name, why = layer_backend(fa, fw, device, backend)
         plan = ConvPlan(**spec, backend=name, reason=why, route="kernel" if name == "fp8" else "")
-        return _decide(_check_fusion(_check_act_backend(plan)))
+        return _decide(_check_fusion(_check_gelu(_check_act_backend(plan))))
     if backend == "fp8":
         raise ValueError(f"backend='fp8' needs float8 operands (e4m3 / e5m2), got {fa} x {fw}; use 'int8' or 'auto'")
     K_true = g.R * g.S * g.C
@@ -277,13 +290,92 @@ def plan_conv2d(g: ConvGeometry, a_fmt, w_fmt, *, device: DeviceCaps, input_layo
         name, why = "bitserial", "forced (test hook: emulated GEMM)"
     else:
         name, why = layer_backend(fa, fw, device, backend)
-    route = ""
+    route, base = "", why
     if name == "int8":
         route, how = _int8_route(fa, fw, device)
         if route == "kernel":
             why = why.replace("torch._int_mm", "the Triton INT8 conv")
         why = f"{why}; {how}"
-    return _decide(_check_fusion(_check_act_backend(ConvPlan(**spec, backend=name, reason=why, route=route))))
+    plan = ConvPlan(**spec, backend=name, reason=why, route=route)
+    if route == "kernel" and _gemm_rows(g):  # a linear's rows: the wgmma GEMM where it gives the same answer
+        refusal = wgmma_gemm_refusal(plan)
+        if refusal is None:
+            why = (f"{base.replace('torch._int_mm', 'i8_gemm')}; {WGMMA_GEMM}: a linear's rows on the warp-specialised "
+                   "wgmma GEMM kernels/cuda/i8_gemm.cu (sm_90a), the same float32 epilogue as the Triton kernel's")
+            plan = _replace(plan, route=WGMMA_GEMM, reason=why)
+        else:
+            plan = _replace(plan, reason=f"{why}; not {WGMMA_GEMM}: {refusal}")
+    return _decide(_check_fusion(_check_gelu(_check_act_backend(plan))))
+
+
+def _gemm_rows(g: ConvGeometry) -> bool:
+    """Whether the convolution is a linear's rows: a 1x1 filter, stride 1, no padding, over 1x1 images (``QLinear``
+    runs its (M, K) input as M such images), so that the (M, K) int8 codes and the (N, K) weight are a plain GEMM."""
+    return (g.H, g.W, g.R, g.S, g.stride, g.padding) == (1, 1, 1, 1, (1, 1), (0, 0))
+
+
+def wgmma_gemm_refusal(p: ConvPlan) -> str | None:
+    """Why the INT8 plan ``p`` of a linear's rows cannot run ``kernels/cuda/i8_gemm.cu`` and give exactly the Triton
+    kernel's answer, or None when it can.  The kernel multiplies int8 codes *as values* (no offset correction) and
+    applies ``float32(acc) * (a_scale * w_scale[n]) + bias[n]`` (+ the erf GELU) in float32, then writes fp16 or the
+    next layer's ``int8`` codes -- the Triton kernel's operations in its order (``col = x_scale * w_scale[k]`` rounded
+    once, one multiply, one add, one rounding to fp16; the codes by IEEE division, clamp, round half to even), so the
+    outputs are bit-identical.  Every condition:
+
+    * an sm_90 GPU (wgmma and setmaxnreg: sm_90a) that loads the NVRTC-built CUDA kernels;
+    * both operands stored as their values (``qtensor.int8_affine`` = (0, 1)): a ``uint8`` / ``pm8`` operand is stored
+      shifted (``code - 128``) and needs a row-sum correction the kernel lacks;
+    * K a multiple of 16 (TMA's 16-byte row pitch) below 2^17 (exact int32 sums);
+    * no per-channel ``scale`` (a folded BatchNorm: the Triton kernel rounds one more product), no residual, no pool,
+      act None or the erf GELU;
+    * output fp16 (``out_dtype`` float32 / bfloat16: the kernel writes fp16 only), or the next layer's ``int8`` codes
+      (``out_layout="int8"``, ``out_fmt`` int8: the kernel's codes are two's complement, offset 0).
+    """
+    caps, g = p.device, p.geometry
+    if not caps.cuda:
+        return f"tensors on {caps.device.type}, the kernel needs an sm_90 GPU"
+    if caps.capability != (9, 0):
+        cc = caps.capability
+        return f"the GPU is sm_{cc[0]}{cc[1]}, the kernel's wgmma / setmaxnreg need sm_90a (H100 / H200)"
+    if not caps.cuda_kernels:
+        return "the NVRTC-built CUDA kernels cannot be loaded here (kernels/cuda/runtime.usable)"
+    for what, fmt in (("x", p.a_fmt), ("w", p.w_fmt)):
+        off, step = _int8_affine(fmt)
+        if (off, step) != (0, 1):
+            return (f"{what}'s {fmt} codes are stored shifted (value = {off} + {step} * int8): the kernel multiplies "
+                    "the int8 codes as values and has no row-sum correction")
+    if g.C % _I8G_K_ALIGN or g.C >= _I8G_K_MAX:
+        return f"K = {g.C} is not a multiple of {_I8G_K_ALIGN} below {_I8G_K_MAX} (TMA row pitch, exact int32 sums)"
+    if p.has_scale:
+        return "a per-channel scale (folded BatchNorm) is not in the kernel's epilogue"
+    if p.has_residual or p.pool is not None:
+        return "a residual add or a pool is not in the kernel's epilogue"
+    if p.act not in (None, GELU):
+        return f"act={p.act!r}: the kernel's epilogue applies None or the erf GELU only"
+    if p.out_fmt is None:
+        if p.out_dtype != torch.float16:
+            return (f"out_dtype={p.out_dtype}: the kernel writes float16 (or the next layer's int8 codes); a "
+                    "float32 / bfloat16 model keeps the Triton kernel")
+        return None
+    if p.out_layout != "int8" or not isinstance(p.out_fmt, IntFormat) or p.out_fmt.bits != 8 or \
+            p.out_fmt.encoding != "twos":
+        return (f"out_fmt={p.out_fmt} with out_layout={p.out_layout!r}: the kernel writes float16 or int8 codes "
+                "(two's complement, offset 0) only")
+    return None
+
+
+def _check_gelu(plan: ConvPlan) -> ConvPlan:
+    """``act="gelu"``: the erf GELU is in the wgmma GEMM's epilogue and the torch epilogues (``reference``, the INT8
+    im2col route) only; the Triton INT8 / FP8 kernels' epilogue measured slower with it (docs/decisions/0125), and the
+    bit-serial GEMM's has none.  Anywhere else: a ValueError that says where it runs."""
+    if plan.act != GELU or plan.backend == "reference" or (plan.backend == "int8" and plan.route == "im2col"):
+        return plan
+    if plan.route == WGMMA_GEMM:
+        return plan
+    raise ValueError(f"act='gelu' (the erf GELU) is applied by the {WGMMA_GEMM} route's epilogue (a linear's rows on "
+                     f"kernels/cuda/i8_gemm.cu, sm_90) and the torch epilogues only; this plan runs backend "
+                     f"{plan.backend!r} ({plan.reason}); pass act=None and apply F.gelu to the float output, or "
+                     "convert the model on the device it runs on")
 
 
 def layer_backend(a_fmt, w_fmt, device: DeviceCaps, backend: str = "auto") -> tuple[str, str]:
@@ -333,8 +425,9 @@ def _int8_route(fa: IntFormat, fw: IntFormat, caps: DeviceCaps) -> tuple[str, st
 
 def _extended_act(act) -> bool:
     """Whether ``act`` is one of the activations beyond ReLU / LeakyReLU (clamp, hardswish, SiLU), which only the
-    INT8 / FP8 kernels' and the torch epilogues apply."""
-    return parse_act(act)[0] >= ACT_CLAMP
+    INT8 / FP8 kernels' and the torch epilogues apply (and the erf GELU, which only the wgmma GEMM's and the torch
+    epilogues apply)."""
+    return act == GELU or parse_act(act)[0] >= ACT_CLAMP
 
 
 def _bitserial_act_error(act, reason: str) -> str:
@@ -415,6 +508,8 @@ def _decide(p: ConvPlan) -> ConvPlan:
     """Fill in the decisions below the backend (module docstring) and the passes that say them."""
     if p.backend == "bitserial":
         return _decide_bitserial(p)
+    if p.route == WGMMA_GEMM:
+        return _decide_gemm(p)
     if p.backend == "fp8" or p.route == "kernel":
         return _decide_kernel(p)
     out = _out_words(p)
@@ -479,6 +574,20 @@ def _after_words(p: ConvPlan, out: str, requant: str) -> list[str]:
 def _pool_float_words(p: ConvPlan, out: str) -> str:
     how = "one Triton kernel" if p.device.triton else "torch"
     return f"separate pass: max-pool 2x2 stride {p.pool[2]} on the {out} output ({how})"
+
+
+# -- a linear's rows on the wgmma GEMM (kernels/cuda/i8_gemm.cu)
+
+
+def _decide_gemm(p: ConvPlan) -> ConvPlan:
+    """The ``wgmma-gemm`` route: one launch of i8_gemm on the (M, K) int8 rows and the (N, K) int8 weight, its fused
+    epilogue writing fp16 or the next layer's int8 codes (``wgmma_gemm_refusal`` has checked that it can)."""
+    g = p.geometry
+    kind = "int8" if p.out_fmt is not None else "float16"
+    act = ", erf GELU" if p.act == GELU else ""
+    steps = (f"CUDA i8_gemm.cu (warp-specialised ping-pong wgmma, sm_90a) on the ({g.N}, {g.C}) int8 rows x "
+             f"({g.K}, {g.C}) int8 weight with fused epilogue (scale, bias{act}) -> {_out_words(p)}",)
+    return _replace(p, epilogue=kind, passes=steps)
 
 
 # -- the bit-serial pipeline
