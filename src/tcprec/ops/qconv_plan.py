@@ -61,7 +61,7 @@ _FUSED_POOLS = {("max", 2, 2): 2, ("max", 2, 1): 1}
 # What x comes as: a QTensor of codes, bit planes (padded or compact rows), int8 codes, float8 codes.
 INPUT_LAYOUTS = ("codes", "planes", "compact", "int8", "fp8")
 # The INT8 route of a linear's rows on the hand-written warp-specialised wgmma GEMM (kernels/cuda/i8_gemm.cu, sm_90a;
-# docs/decisions/0160 and scratch/i8_gemm: 171.6 us for the transformer's four GEMMs a layer against 229.8 for the
+# docs/decisions/0163: 171.6 us for the transformer's four GEMMs a layer against 229.8 for the
 # Triton kernel on the H200), and the one activation only its epilogue (and the torch epilogues) applies: the erf GELU
 # of a transformer's linear1, fused when linear1 hands linear2 its int8 codes (nn/convert.py _chain_ffn).
 WGMMA_GEMM = "wgmma-gemm"
