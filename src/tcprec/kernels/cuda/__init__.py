@@ -11,5 +11,8 @@ its public API and registers nothing but its own op:
 * ``i8_gemm`` (``i8_gemm.cu``, ``wgmma ... s32.s8.s8``, sm_90a): the warp-specialised ping-pong INT8 GEMM with the
   quantized linear's epilogue (scale, bias, erf GELU, fp16 + residual or the next layer's int8 codes).
 
+``hopper.cuh`` holds the sm_90a building blocks both warp-specialised kernels share (TMA descriptor, mbarrier steps,
+setmaxnreg, wgmma fence / commit / wait, the swizzled shared-memory descriptor); ``codes.cuh`` the packed-output codes.
+
 They are imported on first use (``tcprec.ops.matmul``, ``tcprec.ops.qconv``), never at ``import tcprec``.
 """

@@ -120,40 +120,17 @@ static_assert(!RES || OUT == OUT_F16, "the residual is added to the fp16 output 
 static_assert(NT % 8 == 0, "the quad transposes take 4 column groups (fp16) or 8 (codes) at a time");
 
 // ---------------------------------------------------------------------------------------------
-// PTX wrappers (bmma_gemm.cu's idioms)
+// PTX wrappers (the shared ones in hopper.cuh)
 // ---------------------------------------------------------------------------------------------
 
-// A CUtensorMap (cuda.h's opaque 128-byte, 64-byte aligned struct), passed by value as a __grid_constant__ kernel
-// parameter: NVRTC has no cuda.h, and only its size and alignment matter here.
-struct __align__(64) TensorMap {
-    u64 opaque[16];
-};
+#include "hopper.cuh"
 
 __device__ __forceinline__ void grid_dependency_wait() {  // programmatic dependent launch: a no-op without it
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
 }
 
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
-}
-// this thread's arrival, after raising the phase's expected transaction bytes by `bytes`
-__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
 __device__ __forceinline__ void mbar_arrive(u32 bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-// spin until the phase of parity `parity` of the barrier has completed
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    asm volatile(
-        "{\n"
-        ".reg .pred done;\n"
-        "WAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra WAIT;\n"
-        "}\n" ::"r"(bar),
-        "r"(parity)
-        : "memory");
 }
 // box (c0 bytes of K, c1 rows) of a (rows, K) int8 tensor -> shared memory at `dst`, completing its bytes on `bar`
 __device__ __forceinline__ void tma_load(u32 dst, const TensorMap& map, int c0, int c1, u32 bar) {
@@ -164,30 +141,10 @@ __device__ __forceinline__ void tma_load(u32 dst, const TensorMap& map, int c0, 
         "l"(m), "r"(c0), "r"(c1), "r"(bar)
         : "memory");
 }
-template <int R>
-__device__ __forceinline__ void set_max_regs() {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R));
-}
-template <int R>
-__device__ __forceinline__ void shrink_regs() {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R));
-}
 // named barrier `id` of `n` threads: wait for all of them / only count this warp's arrival
 __device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
 __device__ __forceinline__ void named_arrive(int id, int n) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
-
-// Shared-memory matrix descriptor, K-major, 128-byte swizzle (bmma_gemm.cu's): start address >> 4 in bits 0-13,
-// leading-dimension offset (unused for swizzled K-major) 1, stride-dimension offset (8 rows of 128 bytes = 1024) >> 4
-// in bits 32-45, base offset 0 (tiles 1024-byte aligned), swizzle mode 1 (128 B) in bits 62-63.
-__device__ __forceinline__ u64 smem_desc(u32 addr) {
-    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
 }
 
 // wgmma (sm_90a): D(64 x 8NT, int32) += A(64 x 32, s8) * B(8NT x 32, s8)^T, both from shared memory.  The
