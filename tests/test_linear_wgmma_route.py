@@ -54,7 +54,7 @@ def test_route_where_every_condition_holds():
     ({"out_dtype": torch.bfloat16}, "kernel writes float16"),
     ({"act": "relu"}, "act='relu'"),
     ({"has_scale": True}, "per-channel scale"),
-    ({"has_residual": True}, "residual"),
+    ({"has_residual": True, "out_fmt": "int8", "out_layout": "int8"}, "residual with int8 codes out"),
     ({"out_fmt": "uint8", "out_layout": "int8"}, "two's complement"),
     ({"out_fmt": "int8", "out_layout": "int8+float"}, "two's complement"),
 ])

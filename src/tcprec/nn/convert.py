@@ -19,7 +19,9 @@ What it does, in order:
    blocks: a conv(+BN) whose only user is an add (``+``, ``torch.add``, ``Tensor.add``; either operand
    order) of a tensor of its own shape and dtype, followed by an activation as above (or nothing), become one
    ``QConv2d`` called as ``conv(x, residual)`` at the add's place in the graph (``fuse_residual``; the INT8 /
-   FP8 kernels, the bit-serial GEMM's float epilogue and the reference backend).
+   FP8 kernels, the bit-serial GEMM's float epilogue and the reference backend).  A pre-norm transformer layer's
+   ``x + dropout(out_proj(..))`` / ``x + dropout(linear2(..))`` (eval-mode Dropout: the identity) likewise becomes
+   ``linear(.., x)``, where the linear runs the ``wgmma-gemm`` route (``_fuse_linear_residuals``).
 5. Chains: a ``QConv2d`` whose consumers are bit-serial ``QConv2d`` s (one calibrated format and scale)
    re-quantizes and packs its output for them in the GEMM epilogue (a ``BitPlanes`` QTensor; compact rows for
    convs that gather windows), so no float tensor exists between them; a ResNet block's output (a bit-serial
@@ -663,6 +665,72 @@ def _fuse_residuals(gm: fx.GraphModule, records: dict) -> None:
         rec.fused = rec.fused + ("residual",) + ((act_text(act),) if act else ())
 
 
+def _through_dropouts(node: fx.Node, mods) -> tuple[fx.Node, list[fx.Node]]:
+    """The node under a chain of ``nn.Dropout`` calls (eval mode: the identity) that ``node`` ends, each read only by
+    the next, and those dropout nodes (outermost first)."""
+    drops = []
+    while node.op == "call_module" and type(mods.get(node.target)) is nn.Dropout and len(node.args) == 1 \
+            and not node.kwargs and isinstance(node.args[0], fx.Node) and len(node.args[0].users) == 1:
+        drops.append(node)
+        node = node.args[0]
+    return node, drops
+
+
+def _fuse_linear_residuals(gm: fx.GraphModule, records: dict, caps, notes: list) -> None:
+    """``x + dropout(linear(h))`` (either operand order; eval-mode ``nn.Dropout`` s in between are the identity) ->
+    ``linear(h, x)``, the add in the linear's epilogue: a pre-norm transformer layer's ``x + _sa_block(..)`` (the
+    attention's ``out_proj``) and ``x + _ff_block(..)`` (``linear2``).  Only where the linear's rows run the
+    ``wgmma-gemm`` route with the residual (``ops.qconv_plan.wgmma_gemm_refusal``: an sm_90 GPU, fp16 out, no
+    activation): there the add costs the kernel ~6 us of linear2's 52 (docs/decisions/0163), against a separate
+    pass over (B * L, E) fp16.  The Triton kernel would give the same sum (its ``HAS_RES`` epilogue indexes a linear's
+    rows as it does a 1x1 conv's pixels, and rounds as the unfused add), but it was not measured on a linear: a
+    residual moves it to the ``tap_res`` tiles (64 x 64, decision 0130, tuned on ResNet's memory-bound 1x1 convs), a
+    poor fit for linear2's K = 3072; so there the add stays a float op, and the summary's notes say why.  The
+    reference backend (no GPU) keeps it apart too, as ``_chain_ffn`` keeps its pair, without a note."""
+    g = gm.graph
+    mods = dict(gm.named_modules())
+    calls = _module_calls(g)
+    apart: dict[str, list[str]] = {}
+    for add in list(g.nodes):
+        ops = _add_operands(add)
+        if ops is None or not _same_tensor_meta(add, *ops):
+            continue
+        for top, res in (ops[::-1], ops):  # the right operand first (x + block(x))
+            lin, drops = _through_dropouts(top, mods)
+            q = mods.get(lin.target) if lin.op == "call_module" else None
+            if (isinstance(q, QLinear) and calls[lin.target] == 1 and len(lin.users) == 1 and len(lin.args) == 1
+                    and not lin.kwargs and not q.has_residual and q.act is None and q.out_fmt is None
+                    and q.in_channels_last is None and q.out_dtype == add.meta["tensor_meta"].dtype
+                    and (not drops or len(top.users) == 1) and res is not lin):
+                break
+        else:
+            continue
+        if q.precision.fp8 or q.layer_plan is None or q.layer_plan.backend != "int8":
+            continue  # (FP8 / bit-serial / reference linears: the add a float op, no word about the route)
+        plan = q.gemm_plan(caps, has_residual=True)
+        if plan.route != WGMMA_GEMM:
+            why = plan.reason.partition(f"; not {WGMMA_GEMM}: ")[2] or plan.route
+            apart.setdefault(why, []).append(f"{lin.target} + {res.name}")
+            continue
+        with g.inserting_before(add):
+            fused = g.call_module(lin.target, (lin.args[0], res))
+        fused.meta = dict(add.meta)
+        add.replace_all_uses_with(fused)
+        g.erase_node(add)
+        for d in drops:  # the dropouts (eval: the identity), outermost first, then the linear's call
+            g.erase_node(d)
+        g.erase_node(lin)
+        q.has_residual = True
+        rec = records[lin.target]
+        rec.fused = rec.fused + ("residual",)
+        rec.route = _route_text(q, caps)
+    for why, pairs in apart.items():
+        notes.append(f"{len(pairs)} linear residual add(s) not fused ({', '.join(pairs[:3])}"
+                     + (" ..." if len(pairs) > 3 else "") + f"): a linear's residual goes into its epilogue on the "
+                     f"{WGMMA_GEMM} route only (the Triton kernel's residual tiles were tuned on convs, not measured "
+                     f"on a linear); here not {WGMMA_GEMM}: {why}")
+
+
 def _fuse_float_gelu(gm: fx.GraphModule, node: fx.Node, mods, records: dict) -> None:
     """A linear kept float whose only reader is the erf GELU -> ``LinearGELU`` (one GEMM with a bias + GELU
     epilogue, ``torch._addmm_activation``: what torch's fused encoder layer runs; nn/linear_gelu.py)."""
@@ -856,8 +924,8 @@ def _chain_ffn(gm: fx.GraphModule, qmods: dict, calls: dict, kind_of, caps, reco
             drops.append(u)
             prev, u = u, _sole_user(u)
         b = qmods.get(u.target) if u is not None and u.op == "call_module" else None
-        if not isinstance(b, QLinear) or calls.get(u.target) != 1 or u.args != (prev,) or u.kwargs \
-                or b.in_channels_last is not None:
+        if not isinstance(b, QLinear) or calls.get(u.target) != 1 or u.args[:1] != (prev,) or u.kwargs \
+                or len(u.args) != 1 + b.has_residual or b.in_channels_last is not None:  # (linear2, x: the residual)
             continue
         if kind_of(a) != "int8" or kind_of(b) != "int8" or a.act is not None or a.out_fmt is not None \
                 or a.has_residual:
@@ -1207,6 +1275,7 @@ def _convert(model: nn.Module, cfg: QuantConfig, batches, inplace: bool, warn: b
             fuse_qkv(gm, records)  # self-attention's q / k / v: one GEMM (nn/attention.py)
         if cfg.fuse and cfg.fuse_residual:
             _fuse_residuals(gm, records)
+            _fuse_linear_residuals(gm, records, caps, notes)
         if cfg.fuse and cfg.fuse_flatten:
             _fuse_flatten(gm, records)
         if cfg.fuse:

@@ -561,7 +561,10 @@ class QConv2d(_QBase):
 
 
 class QLinear(_QBase):
-    """A Linear (+ ReLU) at integer or FP8 precision; float in, float out."""
+    """A Linear (+ ReLU) at integer or FP8 precision; float in, float out.  Fused with a residual add
+    (``has_residual``, set by ``quantize_model`` for a pre-norm transformer layer's ``x + out_proj(..)`` /
+    ``x + linear2(..)`` on the ``wgmma-gemm`` route: nn/convert.py ``_fuse_linear_residuals``) it is called as
+    ``m(x, residual)`` and returns ``act(linear(x) + residual)``, the sum rounded as the unfused add rounds it."""
 
     @classmethod
     def from_float(cls, lin: nn.Linear, precision, *, in_absmax: float, signed_input: bool, act=None,
@@ -593,7 +596,7 @@ class QLinear(_QBase):
     def extra_repr(self) -> str:
         order = "" if self.in_channels_last is None else f", input=flatten_nhwc(C={self.in_channels_last})"
         return (f"{self.in_features}, {self.out_features}, {self.precision} ({self.w_fmt} x {self.a_fmt}), "
-                f"act={self.act}{order}")
+                f"act={self.act}{order}" + (", residual" if self.has_residual else ""))
 
     def nhwc_input(self, channels: int) -> None:
         """Take the flattened input in (h, w, c) order (``flatten_nhwc`` of an NCHW activation of ``channels``
@@ -611,10 +614,16 @@ class QLinear(_QBase):
         self.__dict__.pop("_packed", None)
         self.in_channels_last = channels
 
-    def forward(self, x) -> torch.Tensor:
+    def forward(self, x, residual=None) -> torch.Tensor:
         """``x``: float (..., in_features), or the packed planes a chained conv wrote, flattened (``flatten_nhwc``
         of a ``BitPlanes`` QTensor: shape (B, 1, 1, in_features)), or the int8 / float8 codes of shape
-        (..., in_features) a ``QLayerNorm`` wrote (the output is then (..., out_features), as for a float x)."""
+        (..., in_features) a ``QLayerNorm`` wrote (the output is then (..., out_features), as for a float x).
+        ``residual`` (a linear fused with the add after it, ``has_residual``): a float tensor of the output's shape
+        (..., out_features) in ``out_dtype``, added in the epilogue before the activation."""
+        if self.has_residual != (residual is not None):
+            raise ValueError(f"this QLinear {'was' if self.has_residual else 'was not'} fused with a residual add "
+                             f"(has_residual={self.has_residual}): call it as "
+                             f"{'m(x, residual)' if self.has_residual else 'm(x)'}")
         if isinstance(x, QTensor):
             if self.layer_plan is not None and x.device != self.layer_plan.device:
                 self.plan_on(x.device)  # a chained operand on another device: re-plan (refuses a broken chain)
@@ -636,26 +645,43 @@ class QLinear(_QBase):
         else:
             lead = x.shape[:-1]
             xa = _quantize_input(x.reshape(-1, 1, 1, self.in_features), self)  # (B, 1, 1, K) NHWC
+        res = None if residual is None else self._residual_rows(residual, tuple(lead))
         y = qc.conv2d(xa, self._op_weight(xa.device), bias=self.bias, act=self.act, out_dtype=self.out_dtype,
                       backend=self.backend, fp8_fast_accum=self.fp8_fast_accum, out_fmt=self.out_fmt,
-                      out_scale=self.out_scale, out_layout=self.out_layout)
+                      out_scale=self.out_scale, out_layout=self.out_layout, residual=res)
         if isinstance(y, QTensor):  # chained (_chain_ffn): the next linear's int8 codes, (..., out_features)
             shape = (*lead, self.out_features)
             return replace(y, data=y.data.reshape(shape), scale=y.scale.reshape((1,) * len(shape)), shape=shape)
         return y.reshape(*lead, self.out_features)
 
-    def gemm_plan(self, caps: DeviceCaps, *, act="same", out_fmt="same", out_layout: str | None = None) -> ConvPlan:
+    def _residual_rows(self, residual, lead: tuple) -> torch.Tensor:
+        """The residual (..., out_features) as the output rows (B, 1, 1, out_features) the epilogue adds it to (its
+        dtype and device: ``ops.qconv``'s check, which names them)."""
+        if not isinstance(residual, torch.Tensor):
+            raise TypeError(f"residual must be a float tensor of the output's shape {(*lead, self.out_features)}, got "
+                            f"{type(residual).__name__}")
+        want = (*lead, self.out_features)
+        if tuple(residual.shape) != want:
+            raise ValueError(f"residual must have the output's shape {want} (no broadcasting: the epilogue adds it "
+                             f"element by element), got {tuple(residual.shape)}")
+        return residual.reshape(-1, 1, 1, self.out_features)  # (B, 1, 1, N): a view of a contiguous residual
+
+    def gemm_plan(self, caps: DeviceCaps, *, act="same", out_fmt="same", out_layout: str | None = None,
+                  has_residual: bool | None = None) -> ConvPlan:
         """The plan (``ops.qconv_plan.plan_conv2d``) of this linear's rows on a device of ``caps``, reading the INT8
-        kernels' int8 operand, with this layer's epilogue -- or ``act`` / ``out_fmt`` / ``out_layout`` instead (what a
-        chaining would give it).  Its ``route`` says whether the rows run the ``wgmma-gemm`` GEMM and its ``reason``
-        why (not); the number of rows does not enter any decision, so one row stands for them."""
+        kernels' int8 operand, with this layer's epilogue -- or ``act`` / ``out_fmt`` / ``out_layout`` /
+        ``has_residual`` instead (what a chaining or a residual fusion would give it).  Its ``route`` says whether
+        the rows run the ``wgmma-gemm`` GEMM and its ``reason`` why (not); the number of rows does not enter any
+        decision, so one row stands for them."""
         act = self.act if act == "same" else act
         out_fmt = self.out_fmt if out_fmt == "same" else out_fmt
         out_layout = out_layout or (self.out_layout if out_fmt is not None else "planes")
+        has_residual = self.has_residual if has_residual is None else has_residual
         g = ConvGeometry(1, 1, 1, self.in_features, self.out_features, 1, 1, (1, 1), (0, 0), (1, 1))
         return plan_conv2d(g, self.a_fmt, self.w_fmt, device=caps, input_layout="int8", act=act,
                            out_dtype=self.out_dtype, out_fmt=out_fmt, out_scale_given=out_fmt is not None,
-                           backend=self.backend, out_layout=out_layout, fast_accum=self.fp8_fast_accum)
+                           backend=self.backend, out_layout=out_layout, has_residual=has_residual,
+                           fast_accum=self.fp8_fast_accum)
 
     def plan_on(self, device, name: str | None = None, caps=None) -> LayerPlan:
         """``_QBase.plan_on``; a linear fused with the erf GELU (``act="gelu"``, chained by ``quantize_model`` on the

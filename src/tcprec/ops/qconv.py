@@ -493,10 +493,12 @@ def _int8_kernel(plan: ConvPlan, xs: _X, pw: PackedConvWeight, col, bias, s_out,
                            acc_add_interior=not _thin_stem(g))  # a thin stem's table is the original conv's
 
 
-def _wgmma_gemm(plan: ConvPlan, xs: _X, pw: PackedConvWeight, bias, s_out):
+def _wgmma_gemm(plan: ConvPlan, xs: _X, pw: PackedConvWeight, bias, s_out, residual=None):
     """A linear's rows on ``kernels/cuda/i8_gemm.cu`` (the ``wgmma-gemm`` route): (N, 1, 1, K) float16, or the next
     layer's int8 ``ShiftedInt8`` QTensor.  The kernel's epilogue is the Triton kernel's float32 operations in its order:
-    ``a_scale * w_scale[k]`` rounded once (the Triton route's ``col``), ``float32(acc) * col + bias``, one rounding."""
+    ``a_scale * w_scale[k]`` rounded once (the Triton route's ``col``), ``float32(acc) * col + bias``, one rounding;
+    ``residual`` (N, 1, 1, K) float16, contiguous: ``fp16(float32(that) + float32(residual))``, the Triton epilogue's
+    ``HAS_RES`` sum (``qconv_plan.wgmma_gemm_refusal``)."""
     from ..kernels.cuda.i8_gemm import i8_gemm
 
     g = plan.geometry
@@ -505,8 +507,9 @@ def _wgmma_gemm(plan: ConvPlan, xs: _X, pw: PackedConvWeight, bias, s_out):
     w8 = pw.w8.reshape(g.K, g.C)  # (N, K)
     a_scale = xs.scale.reshape(1).to(torch.float32)
     w_scale = pw.w_scale.reshape(g.K)  # (N,) float32, contiguous
+    res = residual.reshape(g.N, g.K) if residual is not None else None  # (M, N) fp16, a view (_run made it contiguous)
     y = i8_gemm(a, w8, a_scale, w_scale, bias, gelu=plan.act == GELU,
-                out_scale=s_out.reshape(1) if plan.out_fmt is not None else None)  # (M, N) fp16 or int8
+                out_scale=s_out.reshape(1) if plan.out_fmt is not None else None, residual=res)  # (M, N) fp16 / int8
     if plan.out_fmt is not None:
         return int8_qtensor(y.reshape(g.N, 1, 1, g.K), plan.out_fmt, s_out)
     return y.reshape(g.N, 1, 1, g.K)
@@ -743,7 +746,7 @@ def _run(plan: ConvPlan, xs: _X, qw: QTensor, w, bias, scale, out_scale, residua
     bias = _check_vec(bias, K, "bias", xs.device)
     s_out = _scale_tensor(out_scale, xs.device, "out_scale") if plan.out_fmt is not None else None
     if plan.route == WGMMA_GEMM:  # (its epilogue multiplies x_scale * w_scale[k] itself)
-        return _wgmma_gemm(plan, xs, pw if pw is not None else pack_conv_weight(qw), bias, s_out)
+        return _wgmma_gemm(plan, xs, pw if pw is not None else pack_conv_weight(qw), bias, s_out, residual)
     col = _col_scale(xs, w_scale, scale) if out_dtype != torch.int32 or plan.out_fmt is not None else None
 
     if plan.backend == "bitserial":

@@ -326,10 +326,18 @@ def wgmma_gemm_refusal(p: ConvPlan) -> str | None:
     * both operands stored as their values (``qtensor.int8_affine`` = (0, 1)): a ``uint8`` / ``pm8`` operand is stored
       shifted (``code - 128``) and needs a row-sum correction the kernel lacks;
     * K a multiple of 16 (TMA's 16-byte row pitch) below 2^17 (exact int32 sums);
-    * no per-channel ``scale`` (a folded BatchNorm: the Triton kernel rounds one more product), no residual, no pool,
-      act None or the erf GELU;
+    * no per-channel ``scale`` (a folded BatchNorm: the Triton kernel rounds one more product), no pool, act None or
+      the erf GELU;
     * output fp16 (``out_dtype`` float32 / bfloat16: the kernel writes fp16 only), or the next layer's ``int8`` codes
-      (``out_layout="int8"``, ``out_fmt`` int8: the kernel's codes are two's complement, offset 0).
+      (``out_layout="int8"``, ``out_fmt`` int8: the kernel's codes are two's complement, offset 0);
+    * a residual (a pre-norm transformer layer's ``x + out_proj(..)`` / ``x + linear2(..)``: nn/convert.py
+      ``_fuse_linear_residuals``) with fp16 out only and without an activation: the kernel adds the (M, N) fp16
+      residual to the fp16 output, ``fp16(float32(fp16(y)) + float32(r))`` (``reference_i8_gemm``), which is the
+      Triton epilogue's ``HAS_RES`` (``conv_fwd_epilogue``: the branch rounded to the residual's dtype, one float32
+      add, the sum rounded) and the torch epilogues' (``qconv._finish_float``) for an fp16 residual -- so the sum is
+      the Triton route's bit for bit.  Its GELU comes before the add, the plan's activation after it
+      (``act(conv + residual)``): a residual with an activation, or with int8 codes out (the kernel adds it to fp16
+      only), stays on the Triton kernel.
     """
     caps, g = p.device, p.geometry
     if not caps.cuda:
@@ -348,8 +356,14 @@ def wgmma_gemm_refusal(p: ConvPlan) -> str | None:
         return f"K = {g.C} is not a multiple of {_I8G_K_ALIGN} below {_I8G_K_MAX} (TMA row pitch, exact int32 sums)"
     if p.has_scale:
         return "a per-channel scale (folded BatchNorm) is not in the kernel's epilogue"
-    if p.has_residual or p.pool is not None:
-        return "a residual add or a pool is not in the kernel's epilogue"
+    if p.pool is not None:
+        return "a pool is not in the kernel's epilogue"
+    if p.has_residual and p.out_fmt is not None:
+        return ("a residual with int8 codes out: the kernel adds the residual to its fp16 output only (the unfused "
+                "graph quantizes the sum)")
+    if p.has_residual and p.act is not None:
+        return (f"a residual with act={p.act!r}: the kernel applies its GELU before the residual add, the plan's "
+                "activation is after it (act(y + residual))")
     if p.act not in (None, GELU):
         return f"act={p.act!r}: the kernel's epilogue applies None or the erf GELU only"
     if p.out_fmt is None:
@@ -581,12 +595,14 @@ def _pool_float_words(p: ConvPlan, out: str) -> str:
 
 def _decide_gemm(p: ConvPlan) -> ConvPlan:
     """The ``wgmma-gemm`` route: one launch of i8_gemm on the (M, K) int8 rows and the (N, K) int8 weight, its fused
-    epilogue writing fp16 or the next layer's int8 codes (``wgmma_gemm_refusal`` has checked that it can)."""
+    epilogue writing fp16 (+ a residual) or the next layer's int8 codes (``wgmma_gemm_refusal`` has checked that it
+    can)."""
     g = p.geometry
     kind = "int8" if p.out_fmt is not None else "float16"
     act = ", erf GELU" if p.act == GELU else ""
+    res = ", + fp16 residual" if p.has_residual else ""
     steps = (f"CUDA i8_gemm.cu (warp-specialised ping-pong wgmma, sm_90a) on the ({g.N}, {g.C}) int8 rows x "
-             f"({g.K}, {g.C}) int8 weight with fused epilogue (scale, bias{act}) -> {_out_words(p)}",)
+             f"({g.K}, {g.C}) int8 weight with fused epilogue (scale, bias{act}{res}) -> {_out_words(p)}",)
     return _replace(p, epilogue=kind, passes=steps)
 
 

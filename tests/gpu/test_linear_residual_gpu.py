@@ -1,0 +1,123 @@
+"""A QLinear's residual add in the epilogue of ``kernels/cuda/i8_gemm.cu`` (the ``wgmma-gemm`` route) on an sm_90
+GPU, and ``quantize_model``'s fusion of a pre-norm transformer layer's two adds (nn/convert.py
+``_fuse_linear_residuals``).
+
+* On the transformer's shapes with a residual (M = 64 x 197 tokens; out_proj 768 -> 768, linear2 3072 -> 768; qkv and
+  linear1 too, for the kernel's other N / K) the fused QLinear ``q(x, r)`` equals the unfused ``q(x) + r`` (fp16 out,
+  torch's fp16 add) and the same layer on the Triton kernel with its ``HAS_RES`` epilogue, bit for bit, eagerly and
+  replayed in a CUDA graph: all three compute ``fp16(float32(fp16(y)) + float32(r))`` of the same float32 y.
+* ``tcprec bench transformer``'s encoder (4 layers, batch 64, sequence 197, fp16) converted with the residual fusion
+  (both adds of every layer in out_proj's / linear2's epilogue) gives the output of the same conversion with
+  ``fuse_residual=False`` bit for bit, eager and in a CUDA graph: every other kernel is the same launch on the same
+  operands, and the fused sum is the unfused add's.
+
+Skipped without a CUDA GPU of compute capability 9.0."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import tcprec as tp
+from tcprec.bench.transformer import build_encoder
+from tcprec.nn.qmodules import QLinear
+from tcprec.ops import qconv as qc
+from tcprec.ops.qconv_plan import WGMMA_GEMM, device_caps
+
+if not torch.cuda.is_available():  # (tests/conftest.py skips tests/gpu without a GPU too)
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+if torch.cuda.get_device_capability() != (9, 0):
+    pytest.skip(f"the wgmma-gemm route needs sm_90 (H100 / H200), this GPU is sm_{torch.cuda.get_device_capability()}",
+                allow_module_level=True)
+
+DEV = "cuda"
+M = 64 * 197
+SHAPES = {"qkv": (768, 2304), "out_proj": (768, 768), "linear1": (768, 3072), "linear2": (3072, 768)}
+
+
+def _qlinear(K, N, seed, x_absmax=4.0):
+    torch.manual_seed(seed)
+    lin = nn.Linear(K, N).to(DEV).half()
+    return QLinear.from_float(lin, "int8", in_absmax=x_absmax, signed_input=True).eval()
+
+
+def _rand(shape, seed, scale=1.0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return (torch.randn(shape, device=DEV, generator=g) * scale).half()
+
+
+def _triton(q: QLinear, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """The same layer and residual on the Triton kernel: ``scale=ones`` makes the plan refuse the wgmma GEMM, and
+    multiplies the column scale by 1.0 (exact)."""
+    xa = qc.quantize_int8_static(x.reshape(-1, 1, 1, q.in_features), q.a_fmt, q.in_scale)
+    ones = torch.ones(q.out_features, device=DEV)
+    res = r.reshape(-1, 1, 1, q.out_features)
+    plan = qc.conv2d_plan(xa, q.weight, bias=q.bias, scale=ones, out_dtype=torch.float16, residual=res)
+    assert plan.route == "kernel" and "per-channel scale" in plan.reason, plan.reason
+    y = qc.run(plan, xa, q.weight, bias=q.bias, scale=ones, residual=res)
+    return y.reshape(*x.shape[:-1], q.out_features)
+
+
+def _graphed(fn, *static):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn(*static)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn(*static)
+    return g, out
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+@torch.no_grad()
+def test_fused_residual_equals_linear_plus_add(name):
+    K, N = SHAPES[name]
+    q = _qlinear(K, N, seed=len(name))
+    q.plan_on(torch.device(DEV))
+    plan = q.gemm_plan(device_caps(torch.device(DEV)), has_residual=True)
+    assert plan.route == WGMMA_GEMM, plan.reason
+    x = _rand((64, 197, K), seed=1)
+    r = _rand((64, 197, N), seed=2, scale=8.0)
+    q0 = copy.deepcopy(q)
+    q.has_residual = True
+    y = q(x, r)
+    want = q0(x) + r
+    assert y.dtype == torch.float16 and y.shape == (64, 197, N)
+    assert torch.equal(y, want), f"{int((y != want).sum())} of {y.numel()} outputs differ from linear + add"
+    assert torch.equal(y, _triton(q0, x, r)), "differs from the Triton kernel's residual epilogue"
+    xs, rs = x.clone(), r.clone()
+    graph, out = _graphed(q, xs, rs)
+    xs.copy_(_rand((64, 197, K), seed=3))
+    rs.copy_(_rand((64, 197, N), seed=4, scale=8.0))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, q0(xs) + rs)
+
+
+@torch.no_grad()
+def test_fused_encoder_equals_the_unfused_conversion():
+    enc = build_encoder(768, 12, layers=4, device=DEV).half()
+    x = _rand((64, 197, 768), seed=1)
+    cfg = tp.QuantConfig("int8", first_last=None)
+    qf = tp.quantize_model(copy.deepcopy(enc), cfg, calibration=x[:8], warn=False)
+    qu = tp.quantize_model(copy.deepcopy(enc), tp.QuantConfig("int8", first_last=None, fuse_residual=False),
+                           calibration=x[:8], warn=False)
+    rec = {r.name: r for r in qf.tcprec_summary.layers}
+    for i in range(4):
+        for name in ("self_attn.out_proj", "linear2"):
+            r = rec[f"layers.{i}.{name}"]
+            assert "residual" in r.fused and r.route.startswith(WGMMA_GEMM), r
+            assert qf.get_submodule(f"layers.{i}.{name}").has_residual
+            assert not qu.get_submodule(f"layers.{i}.{name}").has_residual
+    assert not any("residual add(s) not fused" in n for n in qf.tcprec_summary.notes)
+    yf, yu = qf(x), qu(x)
+    assert torch.equal(yf, yu), (f"{int((yf != yu).sum())} of {yf.numel()} outputs differ; max |diff| "
+                                 f"{float((yf.float() - yu.float()).abs().max())}")
+    xs = x.clone()
+    graph, out = _graphed(qf, xs)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, yf)
