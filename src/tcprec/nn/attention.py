@@ -623,6 +623,10 @@ def restore_torch_modules(gm: fx.GraphModule, calls: list[TwinCall], originals: 
                             cur = g.call_function(operator.getitem, (new, i))
                         outs.append((o, cur))
             for o, r in outs:
+                # the shape / dtype ShapeProp saw there: the residual fusions read them at the add after a restored
+                # module (a decomposed layer after torch's layer: x + out_proj(..), x being torch's output)
+                if "tensor_meta" in o.meta:
+                    r.meta["tensor_meta"] = o.meta["tensor_meta"]
                 o.replace_all_uses_with(r, delete_user_cb=lambda u, region=region: u not in region)
                 moved[o] = r
             for n in sorted(region, key=at.__getitem__, reverse=True):
