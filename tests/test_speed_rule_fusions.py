@@ -103,7 +103,7 @@ def _layer_names(prefix):
 QKV0, QKV1 = [f"layers.0.{p}" for p in PROJ], [f"layers.1.{p}" for p in PROJ]
 SLOW = "kept fp16: w8a8 2.000 ms > fp16 1.000 ms at input "
 WHOLE = "kept fp16: the whole model was slower quantized (5.000 ms > fp16 1.000 ms); this layer saved least"
-TORCHS = "kept fp16: its TransformerEncoderLayer layers.0 as torch's fused module 2.000 ms < quantized 3.000 ms"
+TORCHS = "kept fp16: its TransformerEncoderLayer layers.{} as torch's fused module 2.000 ms < quantized 3.000 ms"
 
 # name -> (clock table, whole-model times, the layers floated, the reason they give)
 SCENARIOS = {
@@ -118,9 +118,14 @@ SCENARIOS = {
                               ("layers.0.self_attn.out_proj", "quantized"): 0.9,
                               ("layers.1.self_attn.qkv_proj", "quantized"): 0.8}, (5.0, 3.0, 0.5),
                              ["layers.0.linear2", "layers.1.linear1", "layers.0.self_attn.out_proj", *QKV1], WHOLE),
-    # layer 0 timed whole is faster as torch's fused layer: torch's layer back, layer 1 after it still fused
+    "ffn-of-layer-0": ({("layers.0.linear1", "quantized"): 2.0, ("layers.0.linear2", "quantized"): 2.0}, (),
+                       ["layers.0.linear1", "layers.0.linear2"], SLOW),
+    # a layer timed whole is faster as torch's fused layer: torch's layer back; layer 1 after torch's layer 0 still
+    # fused, layer 0 before torch's layer 1 too
     "layer-0-as-torchs": ({("layers.0", "quantized"): 3.0, ("layers.0", "float"): 2.0}, (),
-                          _layer_names("layers.0"), TORCHS),
+                          _layer_names("layers.0"), TORCHS.format(0)),
+    "layer-1-as-torchs": ({("layers.1", "quantized"): 3.0, ("layers.1", "float"): 2.0}, (),
+                          _layer_names("layers.1"), TORCHS.format(1)),
 }
 
 
@@ -220,8 +225,20 @@ def test_the_rule_leaves_no_fusion_with_a_floated_partner(route, scenario):
             assert r.reason in summary.explain(n) and n in text
         else:
             assert r.precision == "w8a8" and r.reason.startswith("w8a8 ") and r.route.startswith(WGMMA_GEMM), (n, r)
+    # a layer whose chain / fusion a later floating undid says so: the fallback floats without timing again (the
+    # per-layer rounds time the layers they change again)
+    changed = ["layers.0.linear1", "layers.1.linear2"] if scenario == "whole-model-fallback" else []
+    assert sorted(t.name for t in sp.layers if t.form_now) == changed
+    note = [n for n in sp.notes if "run in another form than they were timed in" in n]
+    assert len(note) == bool(changed) and all(n in note[0] for n in changed)
     if scenario == "whole-model-fallback":
         assert sp.fallback == [(2, 3.0), (6, 0.5)] and "whole model not faster than fp16 at first" in text
+        assert recs["layers.0.linear1"].reason.endswith(
+            "; timed with the gelu in its epilogue, int8 codes out, it runs with float out, a GELU pass after it (a "
+            "neighbour kept float after its last timing; not timed again, the whole-model check times it)")
+        assert "timed with float out, reading int8 codes, the residual add in its epilogue" not in text
+        assert "timed with float out, the residual add in its epilogue, reading int8 codes, it runs with float " \
+               "out, the residual add in its epilogue" in recs["layers.1.linear2"].reason
     _check_fusions(q, set(floated))
     # the LayerNorms the notes name as fused are the QLayerNorms, and no other
     mods = dict(q.named_modules())
@@ -230,6 +247,7 @@ def test_the_rule_leaves_no_fusion_with_a_floated_partner(route, scenario):
     # the same as the conversion with those layers pinned float (no rule): the same graph, modules, records, output
     ref = tp.quantize_model(_encoder(), _cfg(overrides=sp.overrides()), calibration=x, warn=False)
     assert _structure(q) == _structure(ref)
+    ref.load_state_dict(q.state_dict())  # (the pinned outcome takes the rule's state)
     # it runs through the route: each quantized GEMM once, the chains and the residual epilogues as converted
     route.clear()
     with torch.no_grad():
@@ -277,3 +295,18 @@ def test_a_layer_after_torchs_own_layer_keeps_its_residual_fusions(route):
     _check_fusions(q, set(_layer_names("layers.0")))
     with torch.no_grad():
         assert _nrmse(q(x), _encoder().float()(x.float())) < NRMSE_MAX
+
+
+def test_a_chain_undone_after_the_last_round_says_so(route):
+    """With one timing round, floating layer 0's linear2 unchains its linear1 (the GELU a pass after it), which no
+    round times again: its reason and the notes say it runs in another form than it was timed in."""
+    clock = Clock({("layers.0.linear2", "quantized"): 2.0})
+    q = tp.quantize_model(_encoder(), _cfg(speed_rule=SpeedRule(batch=4, timer=clock, rounds=1)), calibration=_x(),
+                          warn=False)
+    sp = q.tcprec_summary.speed
+    assert any("stopped after 1 timing round" in n for n in sp.notes)
+    assert [t.name for t in sp.layers if t.form_now] == ["layers.0.linear1"]
+    r = {r.name: r for r in q.tcprec_summary.layers}["layers.0.linear1"]
+    assert r.precision == "w8a8" and "it runs with float out, a GELU pass after it" in r.reason
+    assert any("run in another form than they were timed in" in n and "layers.0.linear1" in n for n in sp.notes)
+    _check_fusions(q, {"layers.0.linear2"})

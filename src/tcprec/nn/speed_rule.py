@@ -49,6 +49,11 @@ way TensorRT's builder picks a tactic per layer by timing:
    say so (``SpeedReport.model_itself``); a model left slower otherwise (``fallback=()``, a layer that could not be
    timed) is said in capitals and warned.
 
+A quantized layer whose form a later floating changed -- a chain or fusion with a neighbour kept float after the
+layer's last timing (the fallback's, or the last round's): linear1's GELU and linear2's codes out of its epilogue, a
+residual add or a chained operand lost -- keeps the times of the form it was timed in; its reason says what it was
+timed with and what it runs with, and the notes list it (``LayerTiming.form`` / ``form_now``).
+
 ``model.tcprec_summary`` shows each decision (``LayerRecord.reason``: ``"kept fp16: w8a8 0.212 ms > fp16 0.151 ms at
 input (256,32,112,112)"``), ``summary.speed`` holds the figures and ``summary.explain()`` prints them.
 
@@ -158,6 +163,11 @@ class LayerTiming:
     # shapes, _signature); "" where this layer was timed itself
     quant_from: str = ""
     float_from: str = ""
+    # what the quantized layer was when timed, and (set where it differs at the end) what it runs in the model
+    # returned: its epilogue, output and operand change when a neighbour is kept float after its last timing (the
+    # FFN chain, a residual add, chained codes: _form)
+    form: tuple = ()
+    form_now: tuple = ()
 
     @property
     def saved_ms(self) -> float:
@@ -179,6 +189,9 @@ class LayerTiming:
         elif self.shared:
             unit += "; " + " and ".join(f"the {side} time of {other}" for side, other in (
                 (self.precision, self.quant_from), (float_label, self.float_from)) if other) + ", an identical layer"
+        if self.form_now and self.form_now != self.form and not self.floated:
+            unit += (f"; timed with {_form_text(self.form)}, it runs with {_form_text(self.form_now)} (a neighbour kept "
+                     "float after its last timing; not timed again, the whole-model check times it)")
         if self.by_model:
             return (f"kept {float_label}: the whole model {self.by_model}; this layer saved least"
                     f" ({self.precision} {self.quant_ms:.3f} ms <= {float_label} {self.float_ms:.3f} ms at input "
@@ -490,6 +503,23 @@ def _module_signature(m: nn.Module) -> tuple:
             len(m._forward_pre_hooks), len(m._forward_hooks))
 
 
+def _form(m: nn.Module, gelu: bool) -> tuple:
+    """What of a quantized layer's form its neighbours decide (the converter's chaining and fusions): its epilogue's
+    activation, the codes it writes for the next layer, a residual add in its epilogue, the chained operand it reads,
+    and a GELU pass after it (``_gelu_read``)."""
+    plan = getattr(m, "layer_plan", None)
+    return (getattr(m, "act", None), getattr(m, "out_layout", None) if getattr(m, "out_fmt", None) is not None
+            else None, bool(getattr(m, "has_residual", False)), plan.chain_in if plan is not None else None, gelu)
+
+
+def _form_text(form: tuple) -> str:
+    act, out, res, chain_in, gelu = form
+    parts = [f"the {act} in its epilogue" if act else "", f"{out} codes out" if out else "float out",
+             "the residual add in its epilogue" if res else "", f"reading {chain_in} codes" if chain_in else "",
+             "a GELU pass after it" if gelu else ""]
+    return ", ".join(p for p in parts if p)
+
+
 def _measure(q: nn.Module, probe: _Probe, timer, dtype, rnd: int, float_ms: dict) -> tuple[dict, list[str]]:
     """name -> LayerTiming for every quantized layer of ``q`` with a record, and notes.  A fused module (``qkv_proj``,
     ``tcprec_fused`` = its members' names, nn/attention.py: fuse_qkv) is timed as it runs -- one quantize pass, one
@@ -569,7 +599,7 @@ def _measure(q: nn.Module, probe: _Probe, timer, dtype, rnd: int, float_ms: dict
         fms, fsrc = float_ms[key]
         out[n] = LayerTiming(n, recs[first].precision, ms, fms, shapes[0], floated=ms > fms, round=rnd,
                              members=members.get(n, ()), gelu=n in gelu, quant_from=quant_from.get(n, ""),
-                             float_from=fsrc if fsrc != n else "")
+                             float_from=fsrc if fsrc != n else "", form=_form(qm, n in gelu))
     notes = [f"speed rule: {n} not timed, kept as converted ({why})" for n, why in errors.items()]
     return out, notes
 
@@ -835,6 +865,22 @@ def apply_speed_rule(model: nn.Module, cfg, batches: list, convert: Callable) ->
         if not final:  # the full calibration, on the final layer set
             q = convert_with(floated_now())
     report.layers = list(timings.values())
+    if isinstance(q, fx.GraphModule):  # the layers a later floating changed, which no timing saw in that form
+        mods = dict(q.named_modules())
+        quantized = {r.name for r in q.tcprec_summary.layers if r.precision != "float"}  # (not torch's modules')
+        kept = {t.name: mods[t.name] for t in report.layers
+                if not t.floated and t.form and t.name in mods and set(t.layers) <= quantized}
+        gl = _gelu_read(q, kept, probe)
+        changed = []
+        for t in report.layers:
+            if t.name in kept and _form(kept[t.name], t.name in gl) != t.form:
+                t.form_now = _form(kept[t.name], t.name in gl)
+                changed.append(t.name)
+        if changed:
+            report.notes.append(f"speed rule: {len(changed)} quantized layer(s) run in another form than they were "
+                                "timed in (a neighbour kept float after their last timing: a chain or fusion undone), "
+                                "not timed again; the whole-model check times the result: " + ", ".join(changed[:4])
+                                + (" ..." if len(changed) > 4 else ""))
     summary = q.tcprec_summary
     by_layer = {k: t for t in timings.values() for k in t.layers}  # (a fused qkv_proj decides for q / k / v)
     by_layer.update({k: t for t in report.modules for k in t.layers})  # (floated for torch's module: that reason)
