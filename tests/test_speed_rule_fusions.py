@@ -225,6 +225,15 @@ def test_the_rule_leaves_no_fusion_with_a_floated_partner(route, scenario):
             assert r.reason in summary.explain(n) and n in text
         else:
             assert r.precision == "w8a8" and r.reason.startswith("w8a8 ") and r.route.startswith(WGMMA_GEMM), (n, r)
+    for i in range(2):  # linear1's GELU was in both sides' timing, and the reason says how
+        r, lin1 = recs[f"layers.{i}.linear1"], q.get_submodule(f"layers.{i}.linear1")
+        if r.reason.startswith("kept fp16: its TransformerEncoderLayer"):
+            continue  # (floated with its layer, timed whole)
+        timed_chained = "with the GELU in the GEMM's epilogue on both sides" in r.reason
+        timed_pass = "with the GELU after it: a pass quantized, the GEMM's epilogue in float" in r.reason
+        assert timed_chained + timed_pass == 1, r.reason
+        if r.precision != "float" and not any(t.form_now for t in sp.layers if t.name == r.name):
+            assert timed_chained == (getattr(lin1, "act", None) == "gelu"), r.reason
     # a layer whose chain / fusion a later floating undid says so: the fallback floats without timing again (the
     # per-layer rounds time the layers they change again)
     changed = ["layers.0.linear1", "layers.1.linear2"] if scenario == "whole-model-fallback" else []

@@ -184,6 +184,8 @@ class LayerTiming:
             if self.members else ""
         if self.gelu:
             unit += ", with the GELU after it: a pass quantized, the GEMM's epilogue in float"
+        elif self.form[:1] == ("gelu",):  # (chained linear1: the GELU in the quantized epilogue, and in LinearGELU's)
+            unit += ", with the GELU in the GEMM's epilogue on both sides"
         if self.quant_from and self.quant_from == self.float_from:
             unit += f"; the times of {self.quant_from}, an identical layer"
         elif self.shared:
