@@ -319,3 +319,12 @@ def test_a_chain_undone_after_the_last_round_says_so(route):
     assert r.precision == "w8a8" and "it runs with float out, a GELU pass after it" in r.reason
     assert any("run in another form than they were timed in" in n and "layers.0.linear1" in n for n in sp.notes)
     _check_fusions(q, {"layers.0.linear2"})
+
+
+def test_backend_int8_converts_as_auto_on_the_faked_device(monkeypatch):
+    """These tests ask for QuantConfig(backend="int8") so that the CPU runs the route; on the sm_90 device the
+    converter sees, "auto" decides the same graph, modules and records."""
+    monkeypatch.setattr(convert, "device_caps", lambda dev: H100)
+    a = tp.quantize_model(_encoder(), tp.QuantConfig("int8", first_last=None), calibration=_x(), warn=False)
+    b = tp.quantize_model(_encoder(), _cfg(), calibration=_x(), warn=False)
+    assert _structure(a) == _structure(b) and a.tcprec_summary.notes == b.tcprec_summary.notes
