@@ -41,8 +41,8 @@ def _encoder(twins=False):
     built without biases unless ``twins``: identical layers share their timings and so their decisions (decision
     0159), and a clock cannot float one layer's linear2 alone."""
     torch.manual_seed(0)
-    kw = dict(d_model=64, nhead=4, dim_feedforward=256, dropout=0.1, activation="gelu", batch_first=True,
-              norm_first=True)
+    kw = {"d_model": 64, "nhead": 4, "dim_feedforward": 256, "dropout": 0.1, "activation": "gelu",
+          "batch_first": True, "norm_first": True}
     enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(**kw), 2, enable_nested_tensor=False)
     if not twins:
         enc.layers[1] = nn.TransformerEncoderLayer(**kw, bias=False)
@@ -155,7 +155,10 @@ def _gelus(q, prefix):
 def _check_fusions(q, floated):
     """No fusion survives whose partner is float, and each applies where both partners are quantized."""
     mods = dict(q.named_modules())
-    quant = lambda n: n not in floated  # noqa: E731
+
+    def quant(n):
+        return n not in floated
+
     for i in range(2):
         p = f"layers.{i}"
         if type(mods[p]) is nn.TransformerEncoderLayer:  # torch's own layer: nothing of tcprec inside
