@@ -9,6 +9,8 @@ import operator
 import pytest
 import torch
 import torch.nn.functional as F
+from test_linear_wgmma_route import A100, F16, H100, _encoder, _x
+from test_linear_wgmma_route import _convert as _route_convert
 from torch import nn
 
 import tcprec as tp
@@ -20,10 +22,6 @@ from tcprec.nn.speed_rule import _float_fn
 from tcprec.ops import qconv as qc
 from tcprec.ops import qconv_plan
 from tcprec.ops.qconv_plan import WGMMA_GEMM, DeviceCaps, plan_conv2d
-
-H100 = DeviceCaps(torch.device("cuda", 0), False, (9, 0), True, (True, "sm_90 has native BMMA AND.POPC"), 132)
-A100 = DeviceCaps(torch.device("cuda", 0), False, (8, 0), True, (True, "sm_80 has native BMMA AND.POPC"), 108)
-F16 = torch.float16
 
 
 def _plan(caps=H100, K=768, N=768, **kw):
@@ -141,22 +139,11 @@ def test_a_residual_linear_refuses_bad_residuals():
 # -- the converter ---------------------------------------------------------------------------------------------------
 
 
-def _encoder(layers=2, d=32, dropout=0.1):
-    torch.manual_seed(0)
-    layer = nn.TransformerEncoderLayer(d, 4, 2 * d, dropout=dropout, activation="gelu", batch_first=True,
-                                       norm_first=True)
-    return nn.TransformerEncoder(layer, layers, enable_nested_tensor=False).eval()
-
-
-def _x(d=32, dtype=F16):
-    return torch.randn(2, 7, d, generator=torch.Generator().manual_seed(1)).to(dtype)
+DROPOUT = 0.1  # (eval-mode Dropouts between the linear and its add: the fusion skips them)
 
 
 def _convert(monkeypatch, caps, dtype=F16, **kw):
-    monkeypatch.setattr(convert, "device_caps", lambda dev: caps)
-    enc = _encoder().to(dtype)
-    x = _x(dtype=dtype)
-    return tp.quantize_model(enc, tp.QuantConfig("int8", first_last=None, **kw), calibration=x, warn=False), x
+    return _route_convert(monkeypatch, caps, dtype, dropout=DROPOUT, **kw)
 
 
 def _adds(q):
@@ -224,7 +211,8 @@ def test_converter_keeps_the_adds_off_the_route_and_says_so(monkeypatch, caps, d
 
 
 def test_converter_on_the_cpu_neither_fuses_nor_notes():
-    q = tp.quantize_model(_encoder().half(), tp.QuantConfig("int8", first_last=None), calibration=_x(), warn=False)
+    q = tp.quantize_model(_encoder(dropout=DROPOUT).half(), tp.QuantConfig("int8", first_last=None), calibration=_x(),
+                          warn=False)
     assert len(_adds(q)) == 4 and not any("residual add(s) not fused" in n for n in q.tcprec_summary.notes)
 
 

@@ -116,9 +116,10 @@ def test_the_reference_gelu_is_the_kernels_float32_operations():
 # -- the converter ---------------------------------------------------------------------------------------------------
 
 
-def _encoder(layers=2, d=32):
+def _encoder(layers=2, d=32, dropout=0.0):
     torch.manual_seed(0)
-    layer = nn.TransformerEncoderLayer(d, 4, 2 * d, dropout=0.0, activation="gelu", batch_first=True, norm_first=True)
+    layer = nn.TransformerEncoderLayer(d, 4, 2 * d, dropout=dropout, activation="gelu", batch_first=True,
+                                       norm_first=True)
     return nn.TransformerEncoder(layer, layers, enable_nested_tensor=False).eval()
 
 
@@ -126,9 +127,9 @@ def _x(d=32, dtype=F16):
     return torch.randn(2, 7, d, generator=torch.Generator().manual_seed(1)).to(dtype)
 
 
-def _convert(monkeypatch, caps, dtype=F16, **kw):
+def _convert(monkeypatch, caps, dtype=F16, dropout=0.0, **kw):
     monkeypatch.setattr(convert, "device_caps", lambda dev: caps)
-    enc = _encoder().to(dtype)
+    enc = _encoder(dropout=dropout).to(dtype)
     x = _x(dtype=dtype)
     return tp.quantize_model(enc, tp.QuantConfig("int8", first_last=None, **kw), calibration=x, warn=False), x
 

@@ -16,21 +16,18 @@ import operator
 import pytest
 import torch
 import torch.nn.functional as F
+from test_linear_residual import _force_route
+from test_linear_wgmma_route import F16, H100
 from torch import nn
 
 import tcprec as tp
-from tcprec.kernels.cuda import i8_gemm as i8_gemm_module
-from tcprec.kernels.reference_i8_gemm import i8_gemm_reference
 from tcprec.nn import convert
 from tcprec.nn.linear_gelu import LinearGELU
 from tcprec.nn.qmodules import QLayerNorm, QLinear
 from tcprec.nn.speed_rule import MODEL, SpeedRule
-from tcprec.ops import qconv as qc
 from tcprec.ops import qconv_plan
-from tcprec.ops.qconv_plan import WGMMA_GEMM, DeviceCaps
+from tcprec.ops.qconv_plan import WGMMA_GEMM
 
-H100 = DeviceCaps(torch.device("cuda", 0), False, (9, 0), True, (True, "sm_90 has native BMMA AND.POPC"), 132)
-F16 = torch.float16
 NRMSE_MAX = 0.02  # int8 against fp32, as tests/test_transformer_quant.py (measured 0.003-0.006 here)
 PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 LINEARS = [f"layers.{i}.{n}" for i in range(2) for n in (*PROJ, "self_attn.out_proj", "linear1", "linear2")]
@@ -55,21 +52,10 @@ def _x():
 
 @pytest.fixture
 def route(monkeypatch):
-    """The faked sm_90 device for the converter, and the route forced at run time; yields the i8_gemm calls seen
-    (gelu, codes out, residual) in order."""
-    seen = []
-
-    def fake(a, w, a_scale, w_scale, bias=None, *, gelu=False, out_scale=None, residual=None, tile=None):
-        seen.append((gelu, out_scale is not None, residual is not None))
-        return i8_gemm_reference(a, w, a_scale, w_scale, bias, gelu=gelu, out_scale=out_scale, residual=residual)
-
-    refusal = qconv_plan.wgmma_gemm_refusal
+    """The faked sm_90 device for the converter, and the route forced at run time (``_force_route``); yields the
+    i8_gemm calls seen ((a's shape), gelu, codes out, the residual or None) in order."""
     monkeypatch.setattr(convert, "device_caps", lambda dev: H100)
-    monkeypatch.setattr(i8_gemm_module, "i8_gemm", fake)
-    monkeypatch.setattr(qconv_plan, "wgmma_gemm_refusal", lambda p: refusal(qconv_plan._replace(p, device=H100)))
-    monkeypatch.setattr(qc, "device_caps", lambda dev: DeviceCaps(torch.device("cpu"), interpreting=True))
-    qconv_plan.plan_conv2d.cache_clear()
-    yield seen
+    yield _force_route(monkeypatch)
     monkeypatch.undo()
     qconv_plan.plan_conv2d.cache_clear()
 
@@ -264,7 +250,7 @@ def test_the_rule_leaves_no_fusion_with_a_floated_partner(route, scenario):
     route.clear()
     with torch.no_grad():
         y = q(x)
-        calls = list(route)
+        calls = [(gelu, codes, res is not None) for _, gelu, codes, res in route]
         y_ref, y32 = ref(x), _encoder().float()(x.float())
     gemms = [m for m in mods.values() if isinstance(m, QLinear)]
     assert len(calls) == len(gemms)

@@ -17,12 +17,9 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 
 import tcprec as tp
 from tcprec.bench.transformer import build_encoder
-from tcprec.nn.qmodules import QLinear
-from tcprec.ops import qconv as qc
 from tcprec.ops.qconv_plan import WGMMA_GEMM, device_caps
 
 if not torch.cuda.is_available():  # (tests/conftest.py skips tests/gpu without a GPU too)
@@ -31,44 +28,12 @@ if torch.cuda.get_device_capability() != (9, 0):
     pytest.skip(f"the wgmma-gemm route needs sm_90 (H100 / H200), this GPU is sm_{torch.cuda.get_device_capability()}",
                 allow_module_level=True)
 
-DEV = "cuda"
-M = 64 * 197
-SHAPES = {"qkv": (768, 2304), "out_proj": (768, 768), "linear1": (768, 3072), "linear2": (3072, 768)}
-
-
-def _qlinear(K, N, seed, x_absmax=4.0):
-    torch.manual_seed(seed)
-    lin = nn.Linear(K, N).to(DEV).half()
-    return QLinear.from_float(lin, "int8", in_absmax=x_absmax, signed_input=True).eval()
+from test_linear_wgmma_route_gpu import DEV, SHAPES, _graphed, _qlinear, _triton  # noqa: E402  (after the skips)
 
 
 def _rand(shape, seed, scale=1.0):
     g = torch.Generator(device=DEV).manual_seed(seed)
     return (torch.randn(shape, device=DEV, generator=g) * scale).half()
-
-
-def _triton(q: QLinear, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """The same layer and residual on the Triton kernel: ``scale=ones`` makes the plan refuse the wgmma GEMM, and
-    multiplies the column scale by 1.0 (exact)."""
-    xa = qc.quantize_int8_static(x.reshape(-1, 1, 1, q.in_features), q.a_fmt, q.in_scale)
-    ones = torch.ones(q.out_features, device=DEV)
-    res = r.reshape(-1, 1, 1, q.out_features)
-    plan = qc.conv2d_plan(xa, q.weight, bias=q.bias, scale=ones, out_dtype=torch.float16, residual=res)
-    assert plan.route == "kernel" and "per-channel scale" in plan.reason, plan.reason
-    y = qc.run(plan, xa, q.weight, bias=q.bias, scale=ones, residual=res)
-    return y.reshape(*x.shape[:-1], q.out_features)
-
-
-def _graphed(fn, *static):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn(*static)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn(*static)
-    return g, out
 
 
 @pytest.mark.parametrize("name", list(SHAPES))

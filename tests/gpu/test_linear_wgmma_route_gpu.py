@@ -53,26 +53,27 @@ def _x(K, seed, rows=M):
     return torch.randn(rows, K, device=DEV, generator=g).half()
 
 
-def _triton(q: QLinear, x: torch.Tensor) -> torch.Tensor:
-    """The same layer on the Triton kernel: ``scale=ones`` makes the plan refuse the wgmma GEMM, and multiplies the
-    column scale by 1.0 (exact)."""
+def _triton(q: QLinear, x: torch.Tensor, r: torch.Tensor | None = None) -> torch.Tensor:
+    """The same layer (and residual ``r``) on the Triton kernel: ``scale=ones`` makes the plan refuse the wgmma GEMM,
+    and multiplies the column scale by 1.0 (exact)."""
     xa = qc.quantize_int8_static(x.reshape(-1, 1, 1, q.in_features), q.a_fmt, q.in_scale)
     ones = torch.ones(q.out_features, device=DEV)
-    plan = qc.conv2d_plan(xa, q.weight, bias=q.bias, scale=ones, out_dtype=torch.float16)
+    res = None if r is None else r.reshape(-1, 1, 1, q.out_features)
+    plan = qc.conv2d_plan(xa, q.weight, bias=q.bias, scale=ones, out_dtype=torch.float16, residual=res)
     assert plan.route == "kernel" and "per-channel scale" in plan.reason, plan.reason
-    y = qc.run(plan, xa, q.weight, bias=q.bias, scale=ones)
+    y = qc.run(plan, xa, q.weight, bias=q.bias, scale=ones, residual=res)
     return y.reshape(*x.shape[:-1], q.out_features)
 
 
-def _graphed(fn, x_static):
+def _graphed(fn, *static):
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        fn(x_static)
+        fn(*static)
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = fn(x_static)
+        out = fn(*static)
     return g, out
 
 
