@@ -132,13 +132,15 @@ def _counts(summary) -> dict:
             "float_other": sum(r.precision == "float" and r.name not in floated for r in summary.layers)}
 
 
-def _resumed(out: str, batch: int, seed: int, suite: str = "models") -> tuple[list, dict]:
+def _resumed(out: str, batch: int, seed: int, suite: str = "models", command: str | None = None):
     """(rows, details) of every case a previous run wrote to ``out`` at the same batch and seed, whatever its model
     or precision ([] without the file): a resumed run adds its rows to them and loses none; ValueError naming the
-    difference when the file holds a run of another kind."""
+    difference when the file holds a run of another kind.  With ``command`` (this run's), also (the command that began
+    the file, the distinct commands that resumed it, this one last): a resumed run keeps the file's command and adds
+    its own to the list, so the file says how all of it was measured."""
     path = Path(out)
     if not path.exists():
-        return [], {}
+        return ([], {}) if command is None else ([], {}, command, [])
     try:
         d = json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -148,19 +150,12 @@ def _resumed(out: str, batch: int, seed: int, suite: str = "models") -> tuple[li
         raise ValueError(f"--resume: {out} is not a {suite} run at batch {batch}, seed {seed} (it holds suite "
                          f"{d.get('suite') if isinstance(d, dict) else None!r}, batch {cfg.get('batch')}, seed "
                          f"{cfg.get('seed')}); pass the same --batch / --seed, another --json, or drop --resume")
-    return list(d.get("rows", [])), dict(d.get("details", {}))
-
-
-def _resumed_commands(out: str, command: str) -> tuple[str, list[str]]:
-    """(the command that began the file ``out``, the distinct commands that resumed it, this one last): a resumed
-    run keeps the file's command and adds its own to the list, so the file says how all of it was measured."""
-    try:
-        d = json.loads(Path(out).read_text())
-    except (OSError, json.JSONDecodeError):
-        return command, []
+    rows, details = list(d.get("rows", [])), dict(d.get("details", {}))
+    if command is None:
+        return rows, details
     first = d.get("command") or command
     later = [c for c in d.get("resumed_with", []) if c != command] + ([command] if command != first else [])
-    return first, later
+    return rows, details, first, later
 
 
 def _missing(rows: list, name: str, precisions: Sequence[str]) -> list[str]:
@@ -372,8 +367,8 @@ def run(models: Sequence[str] = DEFAULT_MODELS, precisions: Sequence[str] = PREC
     check_shard(shard, resume)
     suite = SUITES[convert_only]
     with _locked(out) if resume else contextlib.nullcontext():
-        kept_rows, kept_details = _resumed(out, batch, seed, suite) if resume else ([], {})
-        first_command, resumed_with = _resumed_commands(out, command) if resume else (command, [])
+        kept_rows, kept_details, first_command, resumed_with = (_resumed(out, batch, seed, suite, command) if resume
+                                                                 else ([], {}, command, []))
     if measure is None and convert_only:
         measure = convert_model
     elif measure is None:
