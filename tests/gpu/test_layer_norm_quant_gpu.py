@@ -72,5 +72,15 @@ def test_converted_encoder_in_a_cuda_graph(precision):
         graph.replay()
         torch.cuda.synchronize()
     assert torch.equal(out, eager)
-    d = float((eager.double() - unfused.double()).norm() / unfused.double().norm())
-    assert d < 2e-3, f"{precision}: fused vs unfused NRMSE {d:.2e}"
+    with torch.no_grad():
+        ref = copy.deepcopy(enc).float()(x.float()).double()
+
+    def nrmse(a, b):
+        return float((a.double() - b).norm() / b.norm())
+
+    # The fused model's codes come from float32 where the unfused one's come from fp16 (LayerNorm's codes; on the
+    # wgmma-gemm route linear1's epilogue writes linear2's codes from its float32 GELU): a share of codes differs by
+    # one step, so the two differ by less than either's quantization error, and fusing costs no accuracy.
+    d, e_fused, e_unfused = nrmse(eager, unfused.double()), nrmse(eager, ref), nrmse(unfused, ref)
+    msg = f"{precision}: fused vs unfused {d:.2e}, vs fp32: fused {e_fused:.2e}, unfused {e_unfused:.2e}"
+    assert d < e_unfused and e_fused <= 1.1 * e_unfused, msg

@@ -496,11 +496,29 @@ i8_gemm(const __grid_constant__ TensorMap tmA,   // (M, K) int8 a, box (BM rows,
         named_sync(4 + cg, 128);
     };
 
-    // ---- the fast epilogue, full fp16 tiles: 16-byte stores of 8 consecutive columns a lane ----
-    auto epilogue_fast = [&](int m0, int n0) {
+    // acc[ma][8 jb .. 8 jb + 7][*], the accumulators of column block jb (64 columns), for a run-time jb: one select a
+    // block a register.  The GELU epilogues loop over the blocks without unrolling (see the fast epilogues below);
+    // unrolled, jb is a constant and the selects fold away.
+    auto pick_block = [&](int jb, int (&vv)[MA][8][4]) {
+#pragma unroll
+        for (int ma = 0; ma < MA; ++ma)
+#pragma unroll
+            for (int x = 0; x < 8; ++x)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    int v = acc[ma][x][e];
+#pragma unroll
+                    for (int jj = 1; jj < NT / 8; ++jj) v = jb == jj ? acc[ma][8 * jj + x][e] : v;
+                    vv[ma][x][e] = v;
+                }
+    };
+
+    // ---- the fast epilogue, full fp16 tiles: 16-byte stores of 8 consecutive columns a lane; column block jb ----
+    auto fast_block = [&](int m0, int n0, int jb, const int (&vv)[MA][8][4]) {
         unsigned short* o16 = reinterpret_cast<unsigned short*>(out);
 #pragma unroll
-        for (int j = 0; j < NT / 4; ++j) {
+        for (int jh = 0; jh < 2; ++jh) {
+            const int j = 2 * jb + jh;
             // this lane's columns of groups 4j .. 4j + 3 (fragment layout): 8 scales, 8 biases from shared memory
             float2 sc[4], bi[4];
 #pragma unroll
@@ -527,9 +545,9 @@ i8_gemm(const __grid_constant__ TensorMap tmA,   // (M, K) int8 a, box (BM rows,
                     u32 w[4];
 #pragma unroll
                     for (int k = 0; k < 4; ++k) {
-                        const int nt = 4 * j + k;
-                        w[k] = pack_f16(y_of(acc[ma][nt][2 * h], sc[k].x, bi[k].x, has_bias),
-                                        y_of(acc[ma][nt][2 * h + 1], sc[k].y, bi[k].y, has_bias));
+                        const int(&a)[4] = vv[ma][4 * jh + k];  // group 4j + k
+                        w[k] = pack_f16(y_of(a[2 * h], sc[k].x, bi[k].x, has_bias),
+                                        y_of(a[2 * h + 1], sc[k].y, bi[k].y, has_bias));
                     }
                     quad_transpose(w, lane);
                     if (RES) {
@@ -542,52 +560,69 @@ i8_gemm(const __grid_constant__ TensorMap tmA,   // (M, K) int8 a, box (BM rows,
                 }
         }
     };
-    // ---- the fast epilogue, full int8-code tiles: 16-byte stores of 16 consecutive codes a lane ----
-    auto epilogue_fast_codes = [&](int m0, int n0) {
+    // ---- the fast epilogue, full int8-code tiles: 16-byte stores of 16 consecutive codes a lane; column block j ----
+    auto fast_codes_block = [&](int m0, int n0, int j, const int (&vv)[MA][8][4]) {
         signed char* o8 = reinterpret_cast<signed char*>(out);
+        // this lane's columns of groups 8j .. 8j + 7 (fragment layout): 16 scales, 16 biases from shared memory
+        float2 sc[8], bi[8];
 #pragma unroll
-        for (int j = 0; j < NT / 8; ++j) {
-            // this lane's columns of groups 8j .. 8j + 7 (fragment layout): 16 scales, 16 biases from shared memory
-            float2 sc[8], bi[8];
+        for (int k = 0; k < 8; ++k) {
+            const int cc = 8 * (8 * j + k) + 2 * t4;
+            sc[k] = *reinterpret_cast<const float2*>(sh_sc + cc);
+            bi[k] = *reinterpret_cast<const float2*>(sh_bi + cc);
+        }
+        const int col = n0 + 8 * (8 * j + 2 * t4);  // after the transpose: groups 8j + 2 t4 and 8j + 2 t4 + 1
 #pragma unroll
-            for (int k = 0; k < 8; ++k) {
-                const int cc = 8 * (8 * j + k) + 2 * t4;
-                sc[k] = *reinterpret_cast<const float2*>(sh_sc + cc);
-                bi[k] = *reinterpret_cast<const float2*>(sh_bi + cc);
-            }
-            const int col = n0 + 8 * (8 * j + 2 * t4);  // after the transpose: groups 8j + 2 t4 and 8j + 2 t4 + 1
+        for (int ma = 0; ma < MA; ++ma)
 #pragma unroll
-            for (int ma = 0; ma < MA; ++ma)
+            for (int h = 0; h < 2; ++h) {
+                // w[k]: this lane's codes of groups 8j + 2k (bytes 0, 1) and 8j + 2k + 1 (bytes 2, 3), columns
+                // 2 t4, 2 t4 + 1 of each
+                u32 w[4];
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    // w[k]: this lane's codes of groups 8j + 2k (bytes 0, 1) and 8j + 2k + 1 (bytes 2, 3), columns
-                    // 2 t4, 2 t4 + 1 of each
-                    u32 w[4];
-#pragma unroll
-                    for (int k = 0; k < 4; ++k) {
-                        const int nt = 8 * j + 2 * k;
-                        const float2 s0 = sc[2 * k], s1 = sc[2 * k + 1], b0 = bi[2 * k], b1 = bi[2 * k + 1];
-                        const int(&a0)[4] = acc[ma][nt], (&a1)[4] = acc[ma][nt + 1];
-                        w[k] = pack_codes(code_of_rcp(y_of(a0[2 * h], s0.x, b0.x, has_bias), o_s, o_r),
-                                          code_of_rcp(y_of(a0[2 * h + 1], s0.y, b0.y, has_bias), o_s, o_r),
-                                          code_of_rcp(y_of(a1[2 * h], s1.x, b1.x, has_bias), o_s, o_r),
-                                          code_of_rcp(y_of(a1[2 * h + 1], s1.y, b1.y, has_bias), o_s, o_r));
-                    }
-                    quad_transpose(w, lane);  // w[s]: lane s's codes of groups 8j + 2 t4, 8j + 2 t4 + 1
-                    // group 8j + 2 t4's 8 codes (the low halves, lanes 0..3), then group 8j + 2 t4 + 1's (high halves)
-                    const uint4 v = make_uint4(__byte_perm(w[0], w[1], 0x5410), __byte_perm(w[2], w[3], 0x5410),
-                                               __byte_perm(w[0], w[1], 0x7632), __byte_perm(w[2], w[3], 0x7632));
-                    const int r = m0 + ma * 64 + 16 * wq + g4 + 8 * h;
-                    *reinterpret_cast<uint4*>(o8 + (i64)r * N + col) = v;
+                for (int k = 0; k < 4; ++k) {
+                    const float2 s0 = sc[2 * k], s1 = sc[2 * k + 1], b0 = bi[2 * k], b1 = bi[2 * k + 1];
+                    const int(&a0)[4] = vv[ma][2 * k], (&a1)[4] = vv[ma][2 * k + 1];  // groups 8j + 2k, + 1
+                    w[k] = pack_codes(code_of_rcp(y_of(a0[2 * h], s0.x, b0.x, has_bias), o_s, o_r),
+                                      code_of_rcp(y_of(a0[2 * h + 1], s0.y, b0.y, has_bias), o_s, o_r),
+                                      code_of_rcp(y_of(a1[2 * h], s1.x, b1.x, has_bias), o_s, o_r),
+                                      code_of_rcp(y_of(a1[2 * h + 1], s1.y, b1.y, has_bias), o_s, o_r));
                 }
+                quad_transpose(w, lane);  // w[s]: lane s's codes of groups 8j + 2 t4, 8j + 2 t4 + 1
+                // group 8j + 2 t4's 8 codes (the low halves, lanes 0..3), then group 8j + 2 t4 + 1's (high halves)
+                const uint4 v = make_uint4(__byte_perm(w[0], w[1], 0x5410), __byte_perm(w[2], w[3], 0x5410),
+                                           __byte_perm(w[0], w[1], 0x7632), __byte_perm(w[2], w[3], 0x7632));
+                const int r = m0 + ma * 64 + 16 * wq + g4 + 8 * h;
+                *reinterpret_cast<uint4*>(o8 + (i64)r * N + col) = v;
+            }
+    };
+    // A fast epilogue's column blocks.  With the GELU, erff's ~25 instructions an element make a fully unrolled
+    // epilogue ~75 KB of straight-line code run once a tile, and the consumer stalled on instruction fetch (ncu: 44% of
+    // its cycles); looping over the blocks keeps one block's code in the instruction cache (decision 0164).  Without
+    // the GELU the code is small and the unrolled loop (no selects) is faster.
+    auto fast_blocks = [&](int m0, int n0) {
+        if constexpr (GELU) {
+#pragma unroll 1
+            for (int jb = 0; jb < NT / 8; ++jb) {
+                int vv[MA][8][4];
+                pick_block(jb, vv);
+                if (OUT == OUT_I8) fast_codes_block(m0, n0, jb, vv); else fast_block(m0, n0, jb, vv);
+            }
+        } else {
+#pragma unroll
+            for (int jb = 0; jb < NT / 8; ++jb) {
+                int vv[MA][8][4];
+                pick_block(jb, vv);
+                if (OUT == OUT_I8) fast_codes_block(m0, n0, jb, vv); else fast_block(m0, n0, jb, vv);
+            }
         }
     };
     // the consumer's epilogue of rows [m0, m0 + WM) x [n0, n0 + BN)
     auto epilogue_any = [&](int m0, int n0) {
         if (OUT == OUT_F16 && m0 + WM <= M && n0 + BN <= N && (N & 7) == 0)
-            epilogue_fast(m0, n0);
+            fast_blocks(m0, n0);
         else if (OUT == OUT_I8 && o_s_ok && m0 + WM <= M && n0 + BN <= N && (N & 15) == 0)
-            epilogue_fast_codes(m0, n0);
+            fast_blocks(m0, n0);
         else
             epilogue_general(m0, n0);
     };
