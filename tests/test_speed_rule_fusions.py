@@ -317,3 +317,54 @@ def test_backend_int8_converts_as_auto_on_the_faked_device(monkeypatch):
     a = tp.quantize_model(_encoder(), tp.QuantConfig("int8", first_last=None), calibration=_x(), warn=False)
     b = tp.quantize_model(_encoder(), _cfg(), calibration=_x(), warn=False)
     assert _structure(a) == _structure(b) and a.tcprec_summary.notes == b.tcprec_summary.notes
+
+
+CHAIN_SIDE = (MODEL, "quantized, chains kept")
+
+
+def test_a_chain_head_slower_alone_is_quantized_where_the_whole_model_is_faster_with_it(route):
+    """Layer 1's linear1, chained (GELU + linear2's codes in its epilogue), loses its own timing, but floating it makes
+    linear2 quantize its own input again: the chain check times the model as decided against the model with it
+    quantized, and keeps the faster -- here the chain.  The result is the conversion with nothing pinned float, and
+    the layer's reason gives both timings."""
+    x = _x()
+    clock = Clock({("layers.1.linear1", "quantized"): 2.0, CHAIN_SIDE: 0.5})
+    q = tp.quantize_model(_encoder(), _cfg(speed_rule=SpeedRule(batch=4, timer=clock)), calibration=x, warn=False)
+    sp = q.tcprec_summary.speed
+    recs = {r.name: r for r in q.tcprec_summary.layers}
+    assert all(r.precision == "w8a8" for r in recs.values()) and sp.overrides() == {}
+    assert sp.chain_check == (("layers.1.linear1",), 0.9, 0.5)
+    assert clock.calls.count((MODEL, "quantized, chains kept")) == 1
+    why = recs["layers.1.linear1"].reason
+    assert why.startswith("w8a8 2.000 ms > fp16 1.000 ms at input ") and "on both sides, but kept w8a8: the whole " \
+        "model ran faster with the 1 such layer(s) quantized, the chains they start kept (0.500 ms < 0.900 ms with " \
+        "them fp16)" in why, why
+    check = [line for line in sp.lines() if line.startswith("chain check: 1 layer(s) kept float alone")]
+    assert len(check) == 1 and check[0].endswith(": quantized") and check[0] in q.tcprec_summary.explain()
+    lin1 = q.get_submodule("layers.1.linear1")
+    assert isinstance(lin1, QLinear) and lin1.act == "gelu" and lin1.out_layout == "int8"
+    _check_fusions(q, set())
+    ref = tp.quantize_model(_encoder(), _cfg(), calibration=x, warn=False)
+    assert _structure(q)[:2] == _structure(ref)[:2]
+    ref.load_state_dict(q.state_dict())
+    with torch.no_grad():
+        assert torch.equal(q(x), ref(x))
+
+
+def test_a_chain_head_stays_float_where_the_whole_model_is_not_faster_with_it(route):
+    """The same layer, with the chained model no faster (the clock's default 1.0 against 0.9 for the model as
+    decided): linear1 stays float with its own reason, and the check's figures are in the report."""
+    x = _x()
+    clock = Clock({("layers.1.linear1", "quantized"): 2.0})
+    q = tp.quantize_model(_encoder(), _cfg(speed_rule=SpeedRule(batch=4, timer=clock)), calibration=x, warn=False)
+    sp = q.tcprec_summary.speed
+    assert sp.overrides() == {"layers.1.linear1": "float"} and sp.chain_check == (("layers.1.linear1",), 0.9, 1.0)
+    assert {r.name: r for r in q.tcprec_summary.layers}["layers.1.linear1"].reason.startswith(SLOW)
+    assert any(line.startswith("chain check:") and line.endswith("kept float") for line in sp.lines())
+
+
+def test_no_chain_check_where_no_floated_layer_wrote_codes(route):
+    """linear2 writes fp16 (its residual add in the epilogue): floating it re-chains no reader, so no chain check."""
+    clock = Clock({("layers.0.linear2", "quantized"): 2.0})
+    q = tp.quantize_model(_encoder(), _cfg(speed_rule=SpeedRule(batch=4, timer=clock)), calibration=_x(), warn=False)
+    assert q.tcprec_summary.speed.chain_check is None and CHAIN_SIDE not in clock.calls

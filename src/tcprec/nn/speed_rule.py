@@ -36,7 +36,15 @@ way TensorRT's builder picks a tactic per layer by timing:
    is kept float, the model is converted once more and torch's module comes back (``SpeedReport.modules``, the
    linears' reasons: ``"kept fp16: its TransformerEncoderLayer layers.3 as torch's fused module 0.301 ms < quantized
    0.334 ms"``; docs/decisions/0135).  A model without such a module is not timed further;
-5. the whole quantized model is timed against the whole float model (channels_last; with the default clock their
+5. a layer kept float by the rounds whose quantized form wrote a quantized reader's operand (a chain head: linear1
+   with the GELU and linear2's int8 codes in its epilogue, a conv writing the next conv's codes) makes that reader
+   quantize its own input again, which no per-layer timing sees: floatings that each pay alone can lose together.
+   So where there is one, the model as decided is timed whole against the same model with those layers quantized
+   (timer sides ``"quantized"`` / ``"quantized, chains kept"``), and the second is kept where it is faster by
+   ``SpeedRule.margin`` (``SpeedReport.chain_check``; each such layer's reason: ``"w8a8 0.125 ms > fp16 0.105 ms at
+   input (64,197,768), ..., but kept w8a8: the whole model ran faster with the 12 such layer(s) quantized, the chains
+   they start kept (...)"``; docs/decisions/0165).  The whole-model fallback below floats them last;
+6. the whole quantized model is timed against the whole float model (channels_last; with the default clock their
    two CUDA graphs replayed in turn, as the benchmarks time them: ``_time_models``).  A layer-by-layer sum misses
    what the float glue between quantized layers costs, and what a re-chained layer (one whose producer a later round
    floated, untimed after the last round) now pays; so where the whole model is not faster by ``SpeedRule.margin``
@@ -59,9 +67,10 @@ input (256,32,112,112)"``), ``summary.speed`` holds the figures and ``summary.ex
 
 Timing needs the model's CUDA device: on a CPU model ``"measured"`` is a ``ValueError`` (the reference kernels' CPU
 time says nothing about the GPU kernels) unless ``SpeedRule(timer=...)`` supplies the clock.  ``timer(layer, side,
-fn) -> ms`` is called with the layer's name (``MODEL`` for the whole model), ``"quantized"`` or ``"float"``, and a
-no-argument callable that runs that side once; tests pass a fake one to drive the decision deterministically.  Of
-identical layers only the first (in forward order) is named to it: the others take its figures.
+fn) -> ms`` is called with the layer's name (``MODEL`` for the whole model), ``"quantized"`` or ``"float"`` (or, for
+the chain check's second model, ``"quantized, chains kept"``), and a no-argument callable that runs that side once;
+tests pass a fake one to drive the decision deterministically.  Of identical layers only the first (in forward order)
+is named to it: the others take its figures.
 
 The default is ``"off"`` (docs/decisions/0090): timing makes conversion depend on the clock (two conversions of one
 model may float different layers, so one's ``state_dict`` need not load into the other), costs two CUDA-graph timings
@@ -158,6 +167,8 @@ class LayerTiming:
     round: int = 1
     members: tuple = ()  # a fused module (self-attention's qkv_proj): the float model's layers it stands for
     by_model: str = ""  # floated by the whole-model check: what the whole model's times were ("was slower ...")
+    # slower alone but quantized again by the chain check: what the two whole models' times were (_check_chains)
+    by_chain: str = ""
     gelu: bool = False  # timed with the erf GELU that reads it (a pass quantized, the float LinearGELU's epilogue)
     # the layer whose timing of that side this one reuses (its signature is equal: the same kernels on the same
     # shapes, _signature); "" where this layer was timed itself
@@ -201,6 +212,9 @@ class LayerTiming:
         if self.floated:
             return (f"kept {float_label}: {self.precision} {self.quant_ms:.3f} ms > {float_label} {self.float_ms:.3f} ms "
                     f"at input {shape}{unit}")
+        if self.by_chain:
+            return (f"{self.precision} {self.quant_ms:.3f} ms > {float_label} {self.float_ms:.3f} ms at input {shape}"
+                    f"{unit}, but kept {self.precision}: {self.by_chain}")
         return f"{self.precision} {self.quant_ms:.3f} ms <= {float_label} {self.float_ms:.3f} ms at input {shape}{unit}"
 
     @property
@@ -254,6 +268,8 @@ class SpeedReport:
     timing_s: float = 0.0
     notes: list[str] = field(default_factory=list)
     fallback: list[tuple[int, float]] = field(default_factory=list)  # the whole-model steps: (layers floated, ms)
+    # the chain check (_check_chains): (layers it judged, ms with them float, ms with them quantized), or None
+    chain_check: tuple | None = None
     model_itself: bool = False  # every layer float and the converted graph no faster: the user's model came back
 
     @property
@@ -284,6 +300,12 @@ class SpeedReport:
         if self.model_ms is not None and self.float_model_ms is not None:
             out.append(f"whole model: quantized {self.model_ms:.3f} ms, {self.float_label} {self.float_model_ms:.3f} ms "
                        f"({self.speedup:.2f}x)")
+        if self.chain_check is not None:
+            names, ms_float, ms_quant = self.chain_check
+            won = ms_quant < ms_float and not any(t.floated for t in self.layers if t.name in names)
+            out.append(f"chain check: {len(names)} layer(s) kept float alone that wrote a quantized reader's operand; "
+                       f"the whole model {ms_float:.3f} ms with them float, {ms_quant:.3f} ms with them quantized: "
+                       + ("quantized" if won else "kept float"))
         if self.fallback:
             out.append(f"whole model not faster than {self.float_label} at first: the quantized layers that saved "
                        "least kept float in turn: " + ", ".join(f"{n} float, {ms:.3f} ms" for n, ms in self.fallback))
@@ -307,15 +329,15 @@ def cuda_graph_timer(layer: str, side: str, fn: Callable, calls: int = 4, replay
     return graph_ms(lambda i: fn(), calls, replays)
 
 
-def _time_models(timer, qfn: Callable, ffn: Callable) -> tuple[float, float]:
+def _time_models(timer, qfn: Callable, ffn: Callable, sides=("quantized", "float")) -> tuple[float, float]:
     """(quantized ms, float ms) of the two whole models.  With the default clock the two graphs are replayed in turn
     (``timing.graph_ms_alternating``, as the benchmarks time a model against its baseline): a drift of the GPU's
     clocks lands on both sides, where one side timed after the other read up to 2% slower on the H200.  A user's
-    ``timer`` is called for each side, quantized first."""
+    ``timer`` is called for each side, first one first, with the labels ``sides``."""
     if timer is cuda_graph_timer:
         q, f = graph_ms_alternating([lambda i: qfn(), lambda i: ffn()], 4, 5)
         return float(q), float(f)
-    return float(timer(MODEL, "quantized", qfn)), float(timer(MODEL, "float", ffn))
+    return float(timer(MODEL, sides[0], qfn)), float(timer(MODEL, sides[1], ffn))
 
 
 def timing_input(batch: torch.Tensor, rows: int | None) -> torch.Tensor:
@@ -833,12 +855,40 @@ def apply_speed_rule(model: nn.Module, cfg, batches: list, convert: Callable) ->
                 report.notes.append(f"speed rule: {', '.join(lost)} kept float for torch's module, but the converter "
                                     "could not give torch's module back there (decomposed float linears run instead)")
         final = report.conversions > 1 or timed_only is off  # (False: q skipped the rounding optimisation)
+        # a layer kept float alone that wrote a quantized reader's operand (a chain: linear1's GELU and linear2's
+        # codes, a conv's codes for the next conv) makes that reader quantize its own input again: the model as
+        # decided is timed against the model with those layers quantized, and the faster one is kept
+        heads = [t for t in timings.values() if t.floated and len(t.form) > 1 and t.form[1] is not None]
+        if heads:
+            try:
+                others = [k for t in [*timings.values(), *report.modules] if t.floated and t not in heads
+                          for k in t.layers]
+                alt = convert_with(others, final=False)
+                t0 = time.perf_counter()
+                try:
+                    with torch.no_grad():
+                        ms_float, ms_quant = _time_models(clock, lambda: q(x), lambda: alt(x),
+                                                          ("quantized", "quantized, chains kept"))
+                finally:
+                    report.timing_s += time.perf_counter() - t0
+                report.chain_check = (tuple(t.name for t in heads), ms_float, ms_quant)
+                if ms_quant * (1 + rule.margin) <= ms_float:
+                    why = (f"the whole model ran faster with the {len(heads)} such layer(s) quantized, the chains they "
+                           f"start kept ({ms_quant:.3f} ms < {ms_float:.3f} ms with them {label})")
+                    for t in heads:
+                        t.floated, t.by_chain = False, why
+                    q, final = alt, False
+                del alt
+            except Exception as e:  # noqa: BLE001 - the per-layer decisions stand
+                report.notes.append(f"speed rule: the chain check did not run ({type(e).__name__}: {str(e)[:100]})")
         try:
             with torch.no_grad():
                 report.model_ms, report.float_model_ms = time_models()
                 # slower as a whole: the layers that saved least are kept float, a growing share at a time (a
-                # conversion without the rounding optimisation each: the kernels' time does not depend on it)
-                kept = sorted((t for t in timings.values() if not t.floated), key=lambda t: t.saved_ms)
+                # conversion without the rounding optimisation each: the kernels' time does not depend on it); the
+                # layers the chain check quantized again last (alone they lose: their own saving says nothing)
+                kept = sorted((t for t in timings.values() if not t.floated),
+                              key=lambda t: (bool(t.by_chain), t.saved_ms))
                 first = (f"was slower quantized ({report.model_ms:.3f} ms > {label} {report.float_model_ms:.3f} ms)"
                          if report.model_ms > report.float_model_ms else
                          f"was not {rule.margin:.0%} faster quantized ({report.model_ms:.3f} ms against {label} "
