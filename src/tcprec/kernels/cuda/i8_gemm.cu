@@ -596,7 +596,7 @@ i8_gemm(const __grid_constant__ TensorMap tmA,   // (M, K) int8 a, box (BM rows,
                 *reinterpret_cast<uint4*>(o8 + (i64)r * N + col) = v;
             }
     };
-    // A fast epilogue's column blocks.  With the GELU, erff's ~25 instructions an element make a fully unrolled
+    // A fast epilogue's column blocks.  With the GELU, erff's ~20 instructions an element make a fully unrolled
     // epilogue ~75 KB of straight-line code run once a tile, and the consumer stalled on instruction fetch (ncu: 44% of
     // its cycles); looping over the blocks keeps one block's code in the instruction cache (decision 0164).  Without
     // the GELU the code is small and the unrolled loop (no selects) is faster.
