@@ -333,7 +333,7 @@ def test_a_chain_head_slower_alone_is_quantized_where_the_whole_model_is_faster_
     sp = q.tcprec_summary.speed
     recs = {r.name: r for r in q.tcprec_summary.layers}
     assert all(r.precision == "w8a8" for r in recs.values()) and sp.overrides() == {}
-    assert sp.chain_check == (("layers.1.linear1",), 0.9, 0.5)
+    assert sp.chain_check == (("layers.1.linear1",), 0.9, 0.5, True)
     assert clock.calls.count((MODEL, "quantized, chains kept")) == 1
     why = recs["layers.1.linear1"].reason
     assert why.startswith("w8a8 2.000 ms > fp16 1.000 ms at input ") and "on both sides, but kept w8a8: the whole " \
@@ -358,7 +358,7 @@ def test_a_chain_head_stays_float_where_the_whole_model_is_not_faster_with_it(ro
     clock = Clock({("layers.1.linear1", "quantized"): 2.0})
     q = tp.quantize_model(_encoder(), _cfg(speed_rule=SpeedRule(batch=4, timer=clock)), calibration=x, warn=False)
     sp = q.tcprec_summary.speed
-    assert sp.overrides() == {"layers.1.linear1": "float"} and sp.chain_check == (("layers.1.linear1",), 0.9, 1.0)
+    assert sp.overrides() == {"layers.1.linear1": "float"} and sp.chain_check == (("layers.1.linear1",), 0.9, 1.0, False)
     assert {r.name: r for r in q.tcprec_summary.layers}["layers.1.linear1"].reason.startswith(SLOW)
     assert any(line.startswith("chain check:") and line.endswith("kept float") for line in sp.lines())
 

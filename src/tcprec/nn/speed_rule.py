@@ -167,7 +167,7 @@ class LayerTiming:
     round: int = 1
     members: tuple = ()  # a fused module (self-attention's qkv_proj): the float model's layers it stands for
     by_model: str = ""  # floated by the whole-model check: what the whole model's times were ("was slower ...")
-    # slower alone but quantized again by the chain check: what the two whole models' times were (_check_chains)
+    # slower alone but quantized again by the chain check (apply_speed_rule): what the two whole models' times were
     by_chain: str = ""
     gelu: bool = False  # timed with the erf GELU that reads it (a pass quantized, the float LinearGELU's epilogue)
     # the layer whose timing of that side this one reuses (its signature is equal: the same kernels on the same
@@ -268,7 +268,8 @@ class SpeedReport:
     timing_s: float = 0.0
     notes: list[str] = field(default_factory=list)
     fallback: list[tuple[int, float]] = field(default_factory=list)  # the whole-model steps: (layers floated, ms)
-    # the chain check (_check_chains): (layers it judged, ms with them float, ms with them quantized), or None
+    # the chain check (apply_speed_rule): (the layers it judged, the whole model's ms with them float, with them
+    # quantized, whether they were quantized again), or None where no floated layer wrote a quantized reader's codes
     chain_check: tuple | None = None
     model_itself: bool = False  # every layer float and the converted graph no faster: the user's model came back
 
@@ -301,8 +302,7 @@ class SpeedReport:
             out.append(f"whole model: quantized {self.model_ms:.3f} ms, {self.float_label} {self.float_model_ms:.3f} ms "
                        f"({self.speedup:.2f}x)")
         if self.chain_check is not None:
-            names, ms_float, ms_quant = self.chain_check
-            won = ms_quant < ms_float and not any(t.floated for t in self.layers if t.name in names)
+            names, ms_float, ms_quant, won = self.chain_check
             out.append(f"chain check: {len(names)} layer(s) kept float alone that wrote a quantized reader's operand; "
                        f"the whole model {ms_float:.3f} ms with them float, {ms_quant:.3f} ms with them quantized: "
                        + ("quantized" if won else "kept float"))
@@ -871,8 +871,9 @@ def apply_speed_rule(model: nn.Module, cfg, batches: list, convert: Callable) ->
                                                           ("quantized", "quantized, chains kept"))
                 finally:
                     report.timing_s += time.perf_counter() - t0
-                report.chain_check = (tuple(t.name for t in heads), ms_float, ms_quant)
-                if ms_quant * (1 + rule.margin) <= ms_float:
+                won = ms_quant * (1 + rule.margin) <= ms_float
+                report.chain_check = (tuple(t.name for t in heads), ms_float, ms_quant, won)
+                if won:
                     why = (f"the whole model ran faster with the {len(heads)} such layer(s) quantized, the chains they "
                            f"start kept ({ms_quant:.3f} ms < {ms_float:.3f} ms with them {label})")
                     for t in heads:
