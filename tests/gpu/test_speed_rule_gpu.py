@@ -3,6 +3,7 @@ whole model, its decisions are consistent with its own figures, a floated layer 
 model equals the one built from the rule's overrides; a fake clock floats a chosen layer inside a bit-plane chain;
 ``bench models`` runs one torchvision model end to end.  No assertion depends on which side is faster."""
 
+import copy
 import json
 
 import pytest
@@ -207,3 +208,41 @@ def test_real_clock_times_a_linear_read_by_gelu_with_its_gelu(precision):
         assert type(q.get_submodule("0")).__name__ == "LinearGELU"
     with torch.no_grad():
         assert _nrmse(q(x), m(x)) < 0.1
+
+
+def test_chain_check_on_the_bench_encoder_with_a_chain_head_slower_alone():
+    """The bench's pre-norm GELU encoder (2 layers, batch 16) on the wgmma-gemm route (int8, sm_90): a clock that
+    runs every side on the GPU but reports each chained linear1 slower than its float LinearGELU floats them in the
+    rounds; the chain check then times the real model as decided against the chained one (the real CUDA-graph clock
+    for both) and its record agrees with what was converted: heads quantized again carry its reason and their chain,
+    heads left float keep their own.  No assertion depends on which side is faster."""
+    from tcprec.bench.transformer import build_encoder
+    from tcprec.nn.qmodules import QLinear
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the chained linear1 (GELU + codes in its epilogue) is the wgmma-gemm route's, sm_90 only")
+    enc = build_encoder(768, 12, layers=2, device="cuda").half()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(16, 197, 768, device="cuda", generator=g).half()
+    heads = [f"layers.{i}.linear1" for i in (0, 1)]
+
+    def clock(layer, side, fn):
+        ms = cuda_graph_timer(layer, side, fn)
+        return ms * 10 if side == "quantized" and layer in heads else ms
+
+    q = tp.quantize_model(enc, tp.QuantConfig("int8", first_last=None, speed_rule=SpeedRule(timer=clock)),
+                          calibration=x[:8], warn=False)
+    sp = q.tcprec_summary.speed
+    recs = {r.name: r for r in q.tcprec_summary.layers}
+    assert sp.chain_check is not None
+    names, ms_float, ms_quant, won = sp.chain_check
+    assert set(names) == set(heads) and ms_float > 0 and ms_quant > 0
+    for n in heads:
+        lin1 = q.get_submodule(n)
+        if won and not any(t.by_model for t in sp.layers if t.name == n):
+            assert isinstance(lin1, QLinear) and lin1.act == "gelu" and lin1.out_layout == "int8"
+            assert "but kept w8a8: the whole model ran faster" in recs[n].reason
+        elif not won:
+            assert recs[n].precision == "float" and recs[n].reason.startswith("kept fp16: w8a8 ")
+    with torch.no_grad():
+        assert _nrmse(q(x), copy.deepcopy(enc).float()(x.float())) < 0.05
