@@ -188,9 +188,13 @@ def measure_model(name: str, precisions: Sequence[str], batch: int, seed: int, c
         row: dict = {"model": name, "precision": p, "batch": batch, "fp16_nrmse_vs_fp32": fp16_err}
         t0 = time.time()
         try:
+            # (a line as each long stage starts: a case of a large model takes minutes, and a log cut short by a time
+            # limit then says which stage it was in)
+            console.print(f"{name} {p}: converting, the speed rule timing each layer at batch {batch} ...")
             cfg = catalog_config(p, speed_rule=SpeedRule(batch=batch))
             q = quantize_model(m16, cfg, calibration=x16[:CALIBRATION_IMAGES], warn=False)
             row["setup_s"] = round(time.time() - t0, 1)
+            console.print(f"{name} {p}: converted in {row['setup_s']} s; timing against fp16 ...")
             with torch.no_grad():
                 y = q(x16).float()
                 row["ms"], row["fp16_ms"] = time_graphs_alternating_ms(lambda: q(x16), lambda: m16(x16))
