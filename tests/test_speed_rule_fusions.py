@@ -368,3 +368,40 @@ def test_no_chain_check_where_no_floated_layer_wrote_codes(route):
     clock = Clock({("layers.0.linear2", "quantized"): 2.0})
     q = tp.quantize_model(_encoder(), _cfg(speed_rule=SpeedRule(batch=4, timer=clock)), calibration=_x(), warn=False)
     assert q.tcprec_summary.speed.chain_check is None and CHAIN_SIDE not in clock.calls
+
+
+class RoundClock(Clock):
+    """Clock, but ``seq[(layer, side)]`` gives that side's times call by call (a layer timed again in a later round
+    when a floating changed its operand)."""
+
+    def __init__(self, table=None, seq=None):
+        super().__init__(table)
+        self.seq = {k: list(v) for k, v in (seq or {}).items()}
+
+    def __call__(self, layer, side, fn):
+        if self.seq.get((layer, side)):
+            fn()
+            self.calls.append((layer, side))
+            return self.seq[(layer, side)].pop(0)
+        return super().__call__(layer, side, fn)
+
+
+def test_the_chain_check_brings_back_a_reader_a_later_round_floated(route):
+    """Layer 1's linear1 loses alone in round 1; in round 2 its linear2, now quantizing its own fp16 input, loses too
+    and is floated.  The chain check quantizes both again (the chain whole), and keeps it where that model is
+    faster: both w8a8, linear1 writing linear2's codes, each reason saying why."""
+    x = _x()
+    lin2 = ("layers.1.linear2", "quantized")
+    clock = RoundClock({("layers.1.linear1", "quantized"): 2.0, CHAIN_SIDE: 0.5}, {lin2: [0.5, 2.0]})
+    q = tp.quantize_model(_encoder(), _cfg(speed_rule=SpeedRule(batch=4, timer=clock)), calibration=x, warn=False)
+    sp = q.tcprec_summary.speed
+    assert clock.calls.count(lin2) == 2 and not clock.seq[lin2]  # (timed in both rounds)
+    assert sp.chain_check == (("layers.1.linear1", "layers.1.linear2"), 0.9, 0.5, True)
+    recs = {r.name: r for r in q.tcprec_summary.layers}
+    assert all(r.precision == "w8a8" for r in recs.values()) and sp.overrides() == {}
+    for n in ("layers.1.linear1", "layers.1.linear2"):
+        assert " ms > fp16 " in recs[n].reason and "but kept w8a8: the whole model ran faster with the 2 such" \
+            in recs[n].reason, recs[n].reason
+    lin1 = q.get_submodule("layers.1.linear1")
+    assert lin1.act == "gelu" and lin1.out_layout == "int8"
+    _check_fusions(q, set())

@@ -39,8 +39,8 @@ way TensorRT's builder picks a tactic per layer by timing:
 5. a layer kept float by the rounds whose quantized form wrote a quantized reader's operand (a chain head: linear1
    with the GELU and linear2's int8 codes in its epilogue, a conv writing the next conv's codes) makes that reader
    quantize its own input again, which no per-layer timing sees: floatings that each pay alone can lose together.
-   So where there is one, the model as decided is timed whole against the same model with those layers quantized
-   (timer sides ``"quantized"`` / ``"quantized, chains kept"``), and the second is kept where it is faster by
+   So where there is one, the model as decided is timed whole against the same model with those layers -- and the
+   layers a later round kept float, whose operands a floating changed -- quantized (timer sides ``"quantized"`` / ``"quantized, chains kept"``), and the second is kept where it is faster by
    ``SpeedRule.margin`` (``SpeedReport.chain_check``; each such layer's reason: ``"w8a8 0.125 ms > fp16 0.105 ms at
    input (64,197,768), ..., but kept w8a8: the whole model ran faster with the 12 such layer(s) quantized, the chains
    they start kept (...)"``; docs/decisions/0165).  The whole-model fallback below floats them last;
@@ -858,8 +858,11 @@ def apply_speed_rule(model: nn.Module, cfg, batches: list, convert: Callable) ->
         # a layer kept float alone that wrote a quantized reader's operand (a chain: linear1's GELU and linear2's
         # codes, a conv's codes for the next conv) makes that reader quantize its own input again: the model as
         # decided is timed against the model with those layers quantized, and the faster one is kept
+        # (with them: the layers a later round kept float -- their operands changed by a floating, such as a
+        # head's reader now quantizing its own input -- so the chains come back whole)
         heads = [t for t in timings.values() if t.floated and len(t.form) > 1 and t.form[1] is not None]
         if heads:
+            heads += [t for t in timings.values() if t.floated and t.round > 1 and t not in heads]
             try:
                 others = [k for t in [*timings.values(), *report.modules] if t.floated and t not in heads
                           for k in t.layers]
