@@ -55,7 +55,11 @@ def _round_bf16(y):
     return tl.where(y == y, r.to(tl.float32, bitcast=True), y)
 
 
-@triton.jit(do_not_specialize=["R", "C", "stride_xr"])
+# C and stride_xr stay specialized (Triton's divisibility-by-16 specialization): with them known to be multiples of
+# 16, each thread loads its row as 16-byte vectors and stores its codes 16 at a time.  Unspecialized, every element
+# was its own 2-byte load and 1-byte store with its own address and mask: 1568 against 1104 SASS instructions a
+# program (sm_90, C = 768, fp16 in, int8 codes out; compiled offline).  R (a loop bound) needs no compile of its own.
+@triton.jit(do_not_specialize=["R"])
 def _layer_norm_quant_kernel(
     x_ptr, w_ptr, b_ptr, scale_ptr, out_ptr,  # out (R, C) contiguous, one byte an element
     R, C, stride_xr, stride_xc, eps,
