@@ -7,18 +7,9 @@ import math
 
 import pytest
 import torch
+from test_cuda_compile import nvrtc_reason  # (the one NVRTC probe of the compile tests)
 
 from tcprec.kernels.reference_i8_gemm import i8_gemm_acc, i8_gemm_reference
-
-nvrtc_reason = None
-try:
-    from tcprec.env import nvrtc_status
-
-    _st = nvrtc_status(probe=False)
-    if not _st["available"]:
-        nvrtc_reason = _st["reason"]
-except Exception as e:  # pragma: no cover
-    nvrtc_reason = f"{type(e).__name__}: {e}"
 
 needs_nvrtc = pytest.mark.skipif(nvrtc_reason is not None, reason=f"NVRTC not importable: {nvrtc_reason}")
 

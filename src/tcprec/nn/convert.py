@@ -709,8 +709,7 @@ def _fuse_linear_residuals(gm: fx.GraphModule, records: dict, caps, notes: list)
             continue  # (FP8 / bit-serial / reference linears: the add a float op, no word about the route)
         plan = q.gemm_plan(caps, has_residual=True)
         if plan.route != WGMMA_GEMM:
-            why = plan.reason.partition(f"; not {WGMMA_GEMM}: ")[2] or plan.route
-            apart.setdefault(why, []).append(f"{lin.target} + {res.name}")
+            apart.setdefault(_wgmma_refusal(plan) or plan.route, []).append(f"{lin.target} + {res.name}")
             continue
         with g.inserting_before(add):
             fused = g.call_module(lin.target, (lin.args[0], res))
@@ -724,11 +723,9 @@ def _fuse_linear_residuals(gm: fx.GraphModule, records: dict, caps, notes: list)
         rec = records[lin.target]
         rec.fused = rec.fused + ("residual",)
         rec.route = _route_text(q, caps)
-    for why, pairs in apart.items():
-        notes.append(f"{len(pairs)} linear residual add(s) not fused ({', '.join(pairs[:3])}"
-                     + (" ..." if len(pairs) > 3 else "") + f"): a linear's residual goes into its epilogue on the "
-                     f"{WGMMA_GEMM} route only (the Triton kernel's residual tiles were tuned on convs, not measured "
-                     f"on a linear); here not {WGMMA_GEMM}: {why}")
+    _note_apart(notes, apart, "linear residual add(s) not fused",
+                f"a linear's residual goes into its epilogue on the {WGMMA_GEMM} route only (the Triton kernel's "
+                "residual tiles were tuned on convs, not measured on a linear)")
 
 
 def _fuse_float_gelu(gm: fx.GraphModule, node: fx.Node, mods, records: dict) -> None:
@@ -887,6 +884,19 @@ def _fuse_layer_norms(gm: fx.GraphModule, qmods: dict, calls: dict, kind_of, not
                      f"{'e4m3' if b.precision.fp8 else b.a_fmt} operand")
 
 
+def _wgmma_refusal(plan) -> str:
+    """Why ``plan`` (a linear's GEMM plan) is not on the ``wgmma-gemm`` route, as its reason says ("" if it does not)."""
+    return plan.reason.partition(f"; not {WGMMA_GEMM}: ")[2]
+
+
+def _note_apart(notes: list, apart: dict, what: str, where: str) -> None:
+    """One note per reason of ``apart`` (reason -> the pairs a fusion left apart for it): ``"<n> <what> (<the first
+    three pairs> ...): <where>; here not wgmma-gemm: <reason>"``."""
+    for why, pairs in apart.items():
+        notes.append(f"{len(pairs)} {what} ({', '.join(pairs[:3])}" + (" ..." if len(pairs) > 3 else "")
+                     + f"): {where}; here not {WGMMA_GEMM}: {why}")
+
+
 def _route_text(q: nn.Module, caps) -> str:
     """A ``QLinear`` on the INT8 backend: the route its GEMM takes on ``caps``'s device and why, for the summary
     (``wgmma-gemm`` -- ``kernels/cuda/i8_gemm.cu`` -- or the Triton kernel and why not the other); "" otherwise."""
@@ -895,7 +905,7 @@ def _route_text(q: nn.Module, caps) -> str:
     plan = q.gemm_plan(caps)
     if plan.route == WGMMA_GEMM:
         return f"{WGMMA_GEMM} (kernels/cuda/i8_gemm.cu, sm_90a)"
-    why = plan.reason.partition(f"; not {WGMMA_GEMM}: ")[2]
+    why = _wgmma_refusal(plan)
     name = "triton" if plan.route == "kernel" else plan.route
     return f"{name} (not {WGMMA_GEMM}: {why})" if why else name
 
@@ -934,8 +944,7 @@ def _chain_ffn(gm: fx.GraphModule, qmods: dict, calls: dict, kind_of, caps, reco
         pb = b.gemm_plan(caps)
         if pa.route != WGMMA_GEMM or pb.route != WGMMA_GEMM:
             p = pa if pa.route != WGMMA_GEMM else pb
-            why = p.reason.partition(f"; not {WGMMA_GEMM}: ")[2] or p.route
-            apart.setdefault(why, []).append(f"{node.target} -> {u.target}")
+            apart.setdefault(_wgmma_refusal(p) or p.route, []).append(f"{node.target} -> {u.target}")
             continue
         a.act = GELU
         a.chain_to(b, "int8")
@@ -946,11 +955,9 @@ def _chain_ffn(gm: fx.GraphModule, qmods: dict, calls: dict, kind_of, caps, reco
         rec.fused = rec.fused + ("gelu",)
         rec.out = f"int8 codes {b.a_fmt} -> {u.target}"
         rec.route = _route_text(a, caps)
-    for why, pairs in apart.items():
-        notes.append(f"{len(pairs)} feed-forward pair(s) linear -> GELU -> linear not chained ({', '.join(pairs[:3])}"
-                     + (" ..." if len(pairs) > 3 else "") + f"): the GELU and linear2's int8 codes go into linear1's "
-                     f"epilogue on the {WGMMA_GEMM} route only (on the Triton route that epilogue measured slower "
-                     f"than the two passes, docs/decisions/0125); here not {WGMMA_GEMM}: {why}")
+    _note_apart(notes, apart, "feed-forward pair(s) linear -> GELU -> linear not chained",
+                f"the GELU and linear2's int8 codes go into linear1's epilogue on the {WGMMA_GEMM} route only (on the "
+                "Triton route that epilogue measured slower than the two passes, docs/decisions/0125)")
 
 
 def _chain_to_grouped(node: fx.Node, user: fx.Node, qmods: dict, records: dict, kind_of) -> bool:
