@@ -8,6 +8,7 @@ in the last float32 bits, so fp16 within one fp16 ulp + 2e-6 (1 + erf(x) cancels
 
 import pytest
 import torch
+from cuda_graph import graphed
 
 from tcprec.kernels.reference_i8_gemm import i8_gemm_acc, i8_gemm_reference
 
@@ -137,14 +138,7 @@ def test_cuda_graph_replays_with_new_inputs_and_scales(tile):
     a, w, a_s, w_s, g = _operands(M, N, K, 7)
     bias = torch.randn(N, device=DEV, generator=g).half()
     out_scale = torch.tensor([0.05], device=DEV)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        L.i8_gemm(a, w, a_s, w_s, bias, gelu=True, out_scale=out_scale, tile=tile)  # load outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = L.i8_gemm(a, w, a_s, w_s, bias, gelu=True, out_scale=out_scale, tile=tile)
+    graph, out = graphed(lambda: L.i8_gemm(a, w, a_s, w_s, bias, gelu=True, out_scale=out_scale, tile=tile))
     for step in range(3):
         a.copy_(torch.randint(-128, 128, (M, K), dtype=torch.int8, device=DEV, generator=g))
         a_s.fill_(0.01 * (1 + step))

@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+from cuda_graph import graphed
 
 import tcprec as tp
 from tcprec.bench.transformer import build_encoder
@@ -61,14 +62,7 @@ def test_converted_encoder_in_a_cuda_graph(precision):
     u = tp.quantize_model(enc, dataclasses.replace(cfg, chain=False), calibration=x[:8], warn=False)
     with torch.no_grad():
         eager, unfused = q(x), u(x)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            q(x)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = q(x)
+        graph, out = graphed(q, x)
         graph.replay()
         torch.cuda.synchronize()
     assert torch.equal(out, eager)

@@ -28,7 +28,8 @@ if torch.cuda.get_device_capability() != (9, 0):
     pytest.skip(f"the wgmma-gemm route needs sm_90 (H100 / H200), this GPU is sm_{torch.cuda.get_device_capability()}",
                 allow_module_level=True)
 
-from test_linear_wgmma_route_gpu import DEV, SHAPES, _graphed, _qlinear, _triton  # noqa: E402  (after the skips)
+from cuda_graph import graphed  # noqa: E402
+from test_linear_wgmma_route_gpu import DEV, SHAPES, _qlinear, _triton  # noqa: E402  (after the skips)
 
 
 def _rand(shape, seed, scale=1.0):
@@ -54,7 +55,7 @@ def test_fused_residual_equals_linear_plus_add(name):
     assert torch.equal(y, want), f"{int((y != want).sum())} of {y.numel()} outputs differ from linear + add"
     assert torch.equal(y, _triton(q0, x, r)), "differs from the Triton kernel's residual epilogue"
     xs, rs = x.clone(), r.clone()
-    graph, out = _graphed(q, xs, rs)
+    graph, out = graphed(q, xs, rs)
     xs.copy_(_rand((64, 197, K), seed=3))
     rs.copy_(_rand((64, 197, N), seed=4, scale=8.0))
     graph.replay()
@@ -82,7 +83,7 @@ def test_fused_encoder_equals_the_unfused_conversion():
     assert torch.equal(yf, yu), (f"{int((yf != yu).sum())} of {yf.numel()} outputs differ; max |diff| "
                                  f"{float((yf.float() - yu.float()).abs().max())}")
     xs = x.clone()
-    graph, out = _graphed(qf, xs)
+    graph, out = graphed(qf, xs)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, yf)

@@ -22,6 +22,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from cuda_graph import graphed
 from torch import nn
 
 import tcprec as tp
@@ -65,18 +66,6 @@ def _triton(q: QLinear, x: torch.Tensor, r: torch.Tensor | None = None) -> torch
     return y.reshape(*x.shape[:-1], q.out_features)
 
 
-def _graphed(fn, *static):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn(*static)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn(*static)
-    return g, out
-
-
 @pytest.mark.parametrize("name", list(SHAPES))
 @torch.no_grad()
 def test_route_equals_the_triton_route_bit_for_bit(name):
@@ -92,7 +81,7 @@ def test_route_equals_the_triton_route_bit_for_bit(name):
     assert torch.equal(y, _triton(q, x))
     # in a CUDA graph, replayed on new values of the same buffer
     x_static = x.clone()
-    g, out = _graphed(q, x_static)
+    g, out = graphed(q, x_static)
     x2 = _x(K, seed=N + 1)
     x_static.copy_(x2)
     g.replay()
@@ -177,7 +166,7 @@ def test_converted_encoder_on_the_route_against_the_triton_route(monkeypatch):
         assert rec[f"layers.{i}.self_attn.out_proj"].route.startswith("wgmma-gemm")
     yw = qw(x)
     x_static = x.clone()
-    graph, out = _graphed(qw, x_static)
+    graph, out = graphed(qw, x_static)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, yw)

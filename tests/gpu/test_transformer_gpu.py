@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from cuda_graph import graphed
 
 import tcprec as tp
 from tcprec.bench.transformer import build_encoder
@@ -68,14 +69,7 @@ def test_fp16_model_captures_in_a_cuda_graph_without_the_fused_kernel(precision,
         assert eager.dtype == torch.float16
         e = _nrmse(eager, ref)
         assert e < NRMSE_MAX[precision], f"{precision} fp16: NRMSE vs fp32 {e:.4f}"
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            q(x)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out = q(x)
+        g, out = graphed(q, x)
         g.replay()
         torch.cuda.synchronize()
     assert torch.equal(out, eager)
