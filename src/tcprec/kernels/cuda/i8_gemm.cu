@@ -216,12 +216,16 @@ __device__ __forceinline__ float y_of(int acc, float sc, float bi, bool has_bias
     if (GELU) y = __fmul_rn(__fmul_rn(0.5f, y), __fadd_rn(1.0f, erff(__fmul_rn(y, 0.70710678f))));
     return y;
 }
-// the int8 code of y: rint(clamp(y / out_scale, -128, 127)), NaN -> 0 (quantize_static's codes for int8)
-__device__ __forceinline__ int code_of(float y, float os) {
-    float q = __fdiv_rn(y, os);
-    q = q != q ? 0.0f : fminf(fmaxf(q, -128.0f), 127.0f);
-    return __float2int_rn(q);
+// rint(clamp(q, -128, 127)), NaN -> 0, as one instruction: cvt's float-to-int8 conversion rounds half to even,
+// saturates and turns NaN into 0 (checked on the H200 for NaN, +-inf, +-1e10, 3e38, the halves around +-128 / 127,
+// -0 and a subnormal); rounding before clamping is the same since the bounds are integers
+__device__ __forceinline__ int sat_code(float q) {
+    int c;
+    asm("cvt.rni.sat.s8.f32 %0, %1;" : "=r"(c) : "f"(q));
+    return c;
 }
+// the int8 code of y: rint(clamp(y / out_scale, -128, 127)), NaN -> 0 (quantize_static's codes for int8)
+__device__ __forceinline__ int code_of(float y, float os) { return sat_code(__fdiv_rn(y, os)); }
 // code_of(y, os) without a division instruction, given r = RN(1/os) (the fast epilogue, for 2^-64 <= |os| <= 2^64).
 // Markstein's correction: q0 = RN(y r) is within an ulp or so of y / os, rem = y - os q0 is exact (an fma), and
 // RN(q0 + rem r) is RN(y / os) (Markstein's theorem, r the correctly rounded reciprocal; checked against float64 on
@@ -231,9 +235,7 @@ __device__ __forceinline__ int code_of(float y, float os) {
 __device__ __forceinline__ int code_of_rcp(float y, float os, float r) {
     const float q0 = __fmul_rn(y, r);
     const float q1 = __fmaf_rn(__fmaf_rn(-os, q0, y), r, q0);
-    float q = fabsf(q0) < 1073741824.0f ? q1 : q0;
-    q = q != q ? 0.0f : fminf(fmaxf(q, -128.0f), 127.0f);
-    return __float2int_rn(q);
+    return sat_code(fabsf(q0) < 1073741824.0f ? q1 : q0);
 }
 
 // Within each quad (lanes 4q .. 4q + 3): lane t holds w[k] = M[t][k]; afterwards w[k] = M[k][t] (two xor steps, two
