@@ -13,7 +13,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from tcprec.kernels.triton.round import div_by_scalar  # noqa: E402
+from tcprec.kernels.triton.round import div_by_scalar, div_for_codes  # noqa: E402
 
 
 @triton.jit
@@ -73,3 +73,31 @@ def test_triton_helper_matches_division():
         out = torch.empty_like(x)
         _div[(triton.cdiv(x.numel(), 1024),)](x, s32, out, x.numel(), BLOCK=1024)
         assert torch.equal(out, x / s32), s
+
+
+@triton.jit
+def _div_codes(x_ptr, s_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    tl.store(out_ptr + offs, div_for_codes(tl.load(x_ptr + offs, mask=m), tl.load(s_ptr)), mask=m)
+
+
+def test_div_for_codes_is_the_ieee_quotient_where_codes_can_tell():
+    """Through the interpreter: the Markstein path (scales 2^-64 .. 2^64) and the float64 fallback (others) give
+    x / s exactly wherever 2^-100 <= |x / s| < 2^30, and beyond 2^30 a quotient of the right sign >= 2^29.9 in
+    magnitude (every code saturates); +-inf / NaN quotients stay themselves."""
+    gen = torch.Generator().manual_seed(1)
+    for s in _scales(gen) + [2.0**-70, 2.0**70, -0.37]:
+        s32 = torch.tensor([s], dtype=torch.float32)
+        y = torch.cat([_values(s32[0], gen)[::7], torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"),
+                                                               3.4e38, -3.4e38, 1e-45])])
+        out = torch.empty_like(y)
+        _div_codes[(triton.cdiv(y.numel(), 1024),)](y, s32, out, y.numel(), BLOCK=1024)
+        want = y / s32
+        mid = want.isfinite() & (want.abs() >= 2.0**-100) & (want.abs() < 2.0**30)
+        assert torch.equal(out[mid], want[mid]), (s, y[mid][out[mid] != want[mid]][:4].tolist())
+        big = want.isfinite() & (want.abs() >= 2.0**30)
+        assert bool(((out[big].sign() == want[big].sign()) & (out[big].abs() >= 2.0**29.9)).all()), s
+        nf = ~want.isfinite()
+        assert torch.equal(out[nf].isnan(), want[nf].isnan()) and \
+            torch.equal(out[nf & ~want.isnan()], want[nf & ~want.isnan()]), s

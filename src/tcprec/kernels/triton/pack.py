@@ -13,9 +13,9 @@ constexpr, so one source serves every width 1..8 and the plane loop unrolls.
 
 ``quantize_pack`` fuses the activation quantizer in front of the same packing: float ``x`` -> code
 ``c = encode(clamp(rne(x / scale), lo, hi))`` -> planes, one read of x and one write of the planes,
-no host synchronisation (so it runs inside CUDA-graph capture).  ``x / scale`` is the IEEE quotient
-(``round.div_by_scalar``) and rne is round-half-even, as ``tcprec.quantize`` computes them, so the codes are the
-same.  NaN has no integer code: it becomes the code of 0 (what the hardware's cvt.rni.s32.f32 does),
+no host synchronisation (so it runs inside CUDA-graph capture).  ``x / scale`` is the IEEE quotient wherever a
+code can tell (``round.div_for_codes``) and rne is round-half-even, as ``tcprec.quantize`` computes them, so the
+codes are the same.  NaN has no integer code: it becomes the code of 0 (what the hardware's cvt.rni.s32.f32 does),
 documented at ``tcprec.ops.quantize.quantize_pack``.
 """
 
@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ..reference_bitplanes import packed_words
 from ._host import cdiv, next_power_of_2
-from .round import div_by_scalar
+from .round import div_for_codes
 
 __all__ = ["pack_bitplanes", "quantize_pack", "pool_quantize_pack", "pool_planes", "pool_cast", "pack_tile"]
 
@@ -272,7 +272,7 @@ def _pooled_tile(x_ptr, R, K, P, Q, PO, QO, stride_xn, stride_xh, stride_xw, str
 def _quantize_codes(x, scale, LO: tl.constexpr, HI: tl.constexpr, OFFSET: tl.constexpr, SHIFT: tl.constexpr,
                     BITS: tl.constexpr):
     """float32 x -> int32 code patterns: v = clamp(rne(x / scale)) as an integer value, NaN -> 0."""
-    v = div_by_scalar(x, scale)
+    v = div_for_codes(x, scale)  # the IEEE quotient wherever a code can tell
     v = tl.where(v == v, v, 0.0)  # NaN -> 0
     v = tl.minimum(tl.maximum(v, LO * 1.0), HI * 1.0)  # saturate; |v| <= 255 from here
     if SHIFT == 1:

@@ -97,6 +97,30 @@ def div_by_scalar(x, s):
     return (x.to(tl.float64) * inv).to(tl.float32)
 
 
+@triton.jit
+def div_for_codes(x, s):
+    """``x / s`` for a quantizer (float32 ``x``, float32 *scalar* ``s``): the IEEE quotient wherever
+    ``|x / s| < 2**30``, and beyond that a quotient of the right sign whose magnitude is at least ~2**30 (every code
+    saturates there; +-inf and NaN stay themselves).  All float32 arithmetic: :func:`div_by_scalar`'s two float64
+    conversions an element run on the SM's conversion pipe (16 lanes a cycle), which bounded the LayerNorm-codes
+    kernel.
+
+    Markstein's correction (i8_gemm.cu's code_of_rcp): with ``r = RN(1 / s)``, ``q0 = RN(x r)`` is within an ulp or
+    so of ``x / s``, ``rem = x - s q0`` is exact (one fma), and ``RN(q0 + rem r)`` is ``RN(x / s)`` for ``s`` within
+    ``2**-64 .. 2**64`` (``r`` normal, no underflow in ``rem``) and ``|q0| < 2**30``; quotients below 2**-100 or so
+    may be an ulp off, which no code can see (they round to 0).  Other scales take :func:`div_by_scalar` (a scalar
+    branch: one path runs)."""
+    a = tl.abs(s)
+    if (a >= 5.421010862427522e-20) & (a <= 1.8446744073709552e19):
+        r = tl.div_rn(1.0, s)
+        q0 = x * r
+        q1 = tl.fma(tl.fma(-s, q0, x), r, q0)
+        q = tl.where(tl.abs(q0) < 1073741824.0, q1, q0)
+    else:
+        q = div_by_scalar(x, s)
+    return q
+
+
 def fp8_constexprs(dtype) -> dict:
     """The constexprs of :func:`fp8_code` for ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``, computed from the
     format (mantissa bits, bias, the float32 bit patterns of its largest finite value and its smallest normal)."""
