@@ -9,14 +9,11 @@ in the last float32 bits, so fp16 within one fp16 ulp + 2e-6 (1 + erf(x) cancels
 import pytest
 import torch
 from cuda_graph import graphed
+from sm90 import require_sm90
 
 from tcprec.kernels.reference_i8_gemm import i8_gemm_acc, i8_gemm_reference
 
-if not torch.cuda.is_available():  # (tests/conftest.py skips tests/gpu without a GPU too)
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
-if torch.cuda.get_device_capability() != (9, 0):
-    pytest.skip(f"i8_gemm needs sm_90 (H100 / H200), this GPU is sm_{torch.cuda.get_device_capability()}",
-                allow_module_level=True)
+require_sm90("i8_gemm")
 
 from tcprec.kernels.cuda import i8_gemm as L  # noqa: E402
 

@@ -17,16 +17,13 @@ import copy
 
 import pytest
 import torch
+from sm90 import require_sm90
 
 import tcprec as tp
 from tcprec.bench.transformer import build_encoder
 from tcprec.ops.qconv_plan import WGMMA_GEMM, device_caps
 
-if not torch.cuda.is_available():  # (tests/conftest.py skips tests/gpu without a GPU too)
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
-if torch.cuda.get_device_capability() != (9, 0):
-    pytest.skip(f"the wgmma-gemm route needs sm_90 (H100 / H200), this GPU is sm_{torch.cuda.get_device_capability()}",
-                allow_module_level=True)
+require_sm90("the wgmma-gemm route")
 
 from cuda_graph import graphed  # noqa: E402
 from test_linear_wgmma_route_gpu import DEV, SHAPES, _qlinear, _triton  # noqa: E402  (after the skips)

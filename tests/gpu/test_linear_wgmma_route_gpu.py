@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cuda_graph import graphed
+from sm90 import require_sm90
 from torch import nn
 
 import tcprec as tp
@@ -32,11 +33,7 @@ from tcprec.nn.qmodules import QLinear
 from tcprec.ops import qconv as qc
 from tcprec.ops import qconv_plan
 
-if not torch.cuda.is_available():  # (tests/conftest.py skips tests/gpu without a GPU too)
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
-if torch.cuda.get_device_capability() != (9, 0):
-    pytest.skip(f"the wgmma-gemm route needs sm_90 (H100 / H200), this GPU is sm_{torch.cuda.get_device_capability()}",
-                allow_module_level=True)
+require_sm90("the wgmma-gemm route")
 
 DEV = "cuda"
 M = 64 * 197
