@@ -37,9 +37,10 @@ def test_every_variant_compiles_for_sm90a_without_spills():
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("name,shape,out,gelu", [("pp_64x256_s5_e1", "m64n256k32", "float16", False),
-                                                 ("pp_64x128_s8_e1", "m64n128k32", "int8", True)])
-def test_ptx_has_wgmma_s8_tma_and_setmaxnreg(name, shape, out, gelu):
+@pytest.mark.parametrize("name,shape,out,gelu,regs", [("pp_64x256_s5_e1", "m64n256k32", "float16", False, (232, 40)),
+                                                      ("pp_64x128_s8_e1", "m64n128k32", "int8", True, (232, 40)),
+                                                      ("pp3_64x128_s8_e1", "m64n128k32", "int8", True, (160, 32))])
+def test_ptx_has_wgmma_s8_tma_and_setmaxnreg(name, shape, out, gelu, regs):
     from cuda.bindings import nvrtc  # (cuda.core's PTX target wants the driver; NVRTC itself does not)
 
     from tcprec.kernels.cuda import i8_gemm as L
@@ -55,7 +56,8 @@ def test_ptx_has_wgmma_s8_tma_and_setmaxnreg(name, shape, out, gelu):
     (err,) = nvrtc.nvrtcGetPTX(prog, buf)
     ptx = buf.decode()
     assert f"wgmma.mma_async.sync.aligned.{shape}.s32.s8.s8" in ptx
-    for ins in ("cp.async.bulk.tensor.2d", "setmaxnreg.inc.sync.aligned.u32 232", "setmaxnreg.dec.sync.aligned.u32 40",
+    for ins in ("cp.async.bulk.tensor.2d", f"setmaxnreg.inc.sync.aligned.u32 {regs[0]}",
+                f"setmaxnreg.dec.sync.aligned.u32 {regs[1]}",
                 "mbarrier.try_wait.parity", "wgmma.wait_group.sync.aligned 1", "fence.mbarrier_init"):
         assert ins in ptx, ins
     assert "bar.arrive" in ptx  # the ping-pong order barrier
@@ -67,15 +69,24 @@ def test_ptx_has_wgmma_s8_tma_and_setmaxnreg(name, shape, out, gelu):
 def test_tiles_parse_validate_and_fit_shared_memory():
     from tcprec.kernels.cuda import i8_gemm as L
 
-    assert [str(t) for t in L.TILES] == ["pp_64x256_s5_e1", "pp_64x128_s8_e1"] and L.DEFAULT_TILE == L.TILES[0]
+    assert [str(t) for t in L.TILES] == ["pp_64x256_s5_e1", "pp_64x128_s8_e1", "pp3_64x128_s8_e1"]
+    assert L.DEFAULT_TILE == L.TILES[0] and L.GELU_TILE == L.TILES[2]
+    assert L.default_tile(False) == L.DEFAULT_TILE and L.default_tile(True) == L.GELU_TILE
     for t in L.TILES:
         assert L.parse_tile(str(t)) == t and t.smem_bytes <= 232448 and t.stages == L.max_stages(t)
+        assert t.threads == 128 * (t.consumers + 1)
     assert L.TILES[0].smem_bytes == 210000  # the layout the H200 ran (i8_gemm.cu SMEM_BYTES)
+    assert L.TILES[2].smem_bytes - L.TILES[1].smem_bytes == 128 * 8  # a third consumer's scales and biases
     with pytest.raises(ValueError, match="accumulator registers"):
         L.Tile(128, 256, 3)
+    with pytest.raises(ValueError, match="consumers must be 2 or 3, got 4"):
+        L.Tile(64, 128, 4, consumers=4)
+    with pytest.raises(ValueError, match="at most 64 accumulators"):
+        L.Tile(64, 256, 5, consumers=3)
     with pytest.raises(ValueError, match="stages must be 3..5"):
         L.Tile(64, 256, 6)
-    for bad in ("128x256", "coop_128x256_s4", "pp_128x128_s6", "pp_128x128_s6_e0", "pp_128x128_s6_x1"):
+    for bad in ("128x256", "coop_128x256_s4", "pp_128x128_s6", "pp_128x128_s6_e0", "pp_128x128_s6_x1",
+                "pp4_64x128_s8_e1"):
         with pytest.raises(ValueError, match="tile must look like"):
             L.parse_tile(bad)
     with pytest.raises(ValueError, match="int8 codes take no residual"):

@@ -77,6 +77,9 @@
 #ifndef I8G_RES
 #define I8G_RES 0
 #endif
+#ifndef I8G_NC
+#define I8G_NC 2
+#endif
 
 typedef unsigned int u32;
 typedef long long i64;
@@ -87,12 +90,12 @@ namespace i8g {
 // The values of I8G_OUT (i8_gemm.py: OutKind).
 enum : int { OUT_F16 = 0, OUT_I8 = 1 };
 
-constexpr int BN = I8G_BN, WM = I8G_WM, STAGES = I8G_STAGES, OUT = I8G_OUT;
+constexpr int BN = I8G_BN, WM = I8G_WM, STAGES = I8G_STAGES, OUT = I8G_OUT, NC = I8G_NC;
 constexpr bool GELU = I8G_GELU != 0, RES = I8G_RES != 0;
 constexpr int MA = WM / 64;                       // m64 wgmmas a consumer stacks along M
 constexpr int NT = BN / 8;                        // 8-column groups of the accumulator fragment
 constexpr int BM = WM;                            // rows of one output tile (a consumer's)
-constexpr int CONS_THREADS = 256;                 // two consumer warpgroups
+constexpr int CONS_THREADS = 128 * NC;            // NC consumer warpgroups (2 or 3)
 constexpr int THREADS = CONS_THREADS + 128;       // + the producer warpgroup
 constexpr int BK = 128;                           // K bytes (int8 values) a stage
 constexpr int KK = BK / 32;                       // wgmma k-steps a stage
@@ -104,7 +107,7 @@ constexpr int GROUP_M = 8;                        // row tiles of a raster group
 // (float32) at EPI_OFF
 constexpr int BAR_OFF = 1024 + STAGES * STAGE_BYTES;
 constexpr int EPI_OFF = BAR_OFF + 16 * STAGES;
-constexpr int EPI_BYTES = 2 * BN * 8;
+constexpr int EPI_BYTES = NC * BN * 8;
 constexpr int SMEM_BYTES = EPI_OFF + EPI_BYTES;
 #ifdef I8G_SMEM
 static_assert(SMEM_BYTES <= I8G_SMEM, "i8_gemm.Variant.smem_bytes disagrees with the layout");
@@ -113,6 +116,7 @@ static_assert(SMEM_BYTES <= 232448, "more than the 227 KB of dynamic shared memo
 static_assert(BN == 128 || BN == 256, "BN must be 128 or 256");
 static_assert(WM == 64 || WM == 128, "WM must be 64 or 128");
 static_assert(MA * NT * 4 <= 128, "at most 128 accumulator registers a thread");
+static_assert(NC == 2 || (NC == 3 && MA * NT * 4 <= 64), "2 consumers, or 3 with at most 64 accumulators a thread");
 static_assert(BM <= 256, "a TMA box has at most 256 rows");
 static_assert(STAGES >= 3, "one stage stays with the wgmmas in flight: >= 3 stages");
 static_assert(OUT == OUT_F16 || OUT == OUT_I8, "I8G_OUT must be OUT_F16 or OUT_I8");
@@ -275,7 +279,7 @@ using namespace i8g;
 
 // registers a thread after setmaxnreg: the producer keeps 40, the consumers share the rest (<= 232).  setmaxnreg moves
 // registers within what the block was launched with: THREADS x (65536 / THREADS rounded down to 8)
-constexpr int PRODUCER_REGS = 40;
+constexpr int PRODUCER_REGS = NC == 2 ? 40 : 32;
 constexpr int REG_POOL = 65536 / THREADS / 8 * 8 * THREADS;
 constexpr int MMA_REGS_ = (REG_POOL - PRODUCER_REGS * 128) / CONS_THREADS / 8 * 8;
 constexpr int MMA_REGS = MMA_REGS_ > 232 ? 232 : MMA_REGS_;
@@ -343,7 +347,7 @@ i8_gemm(const __grid_constant__ TensorMap tmA,   // (M, K) int8 a, box (BM rows,
 
     // ---- consumer warpgroups ----
     set_max_regs<MMA_REGS>();
-    const int cg = warp >> 2;         // this consumer warpgroup (0, 1)
+    const int cg = warp >> 2;         // this consumer warpgroup (0 .. NC - 1)
     const int wq = warp & 3;          // its warp: rows 16 wq .. of each m64 slab
     const int g4 = lane >> 2, t4 = lane & 3;
     const float a_s = a_scale[0];
@@ -489,13 +493,13 @@ i8_gemm(const __grid_constant__ TensorMap tmA,   // (M, K) int8 a, box (BM rows,
         }
     };
     auto stage_store = [&]() {  // after the main loop: the previous tile's epilogue has read the buffer
-        named_sync(4 + cg, 128);
+        named_sync(2 + NC + cg, 128);
 #pragma unroll
         for (int q = 0; q < PER; ++q) {
             asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(epi_sc + 4 * (ct + 128 * q)), "f"(st_sc[q]) : "memory");
             asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(epi_bi + 4 * (ct + 128 * q)), "f"(st_bi[q]) : "memory");
         }
-        named_sync(4 + cg, 128);
+        named_sync(2 + NC + cg, 128);
     };
 
     // acc[ma][8 jb .. 8 jb + 7][*], the accumulators of column block jb (64 columns), for a run-time jb: one select a
@@ -629,15 +633,15 @@ i8_gemm(const __grid_constant__ TensorMap tmA,   // (M, K) int8 a, box (BM rows,
             epilogue_general(m0, n0);
     };
 
-    // ---- the block's i-th tile is consumer (i % 2)'s; main loops issued in tile order ----
+    // ---- the block's i-th tile is consumer (i % NC)'s; main loops issued in tile order ----
     const int n_mine = (tiles - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;  // the block's tiles
-    for (int i = cg; i < n_mine; i += 2) {
+    for (int i = cg; i < n_mine; i += NC) {
         int m0, n0;
         tile_origin((int)blockIdx.x + i * (int)gridDim.x, m0, n0);
         stage_load(m0, n0);
-        if (i > 0) named_sync(2 + cg, 256);  // the other consumer has waited on every stage of tile i - 1
+        if (i > 0) named_sync(2 + cg, 256);  // the previous consumer has waited on every stage of tile i - 1
         mainloop(i * k_tiles);
-        if (i + 1 < n_mine) named_arrive(2 + (cg ^ 1), 256);  // its turn: tile i + 1
+        if (i + 1 < n_mine) named_arrive(2 + (NC == 2 ? cg ^ 1 : (cg + 1) % NC), 256);  // the next one's turn: tile i + 1
         wgmma_wait<0>();
         release(i * k_tiles + k_tiles - 1);
         stage_store();

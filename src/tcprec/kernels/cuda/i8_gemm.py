@@ -29,7 +29,8 @@ import torch
 from .runtime import compile_all, compile_source, launch, launch_config, load_kernel, ptr, sm_count, source_cubin_path
 
 __all__ = ["SOURCE_PATH", "OUTS", "Tile", "Variant", "parse_tile", "max_stages", "TILES", "DEFAULT_TILE",
-           "compile_variant", "precompile", "cubin_path", "get_kernel", "tensor_map", "i8_gemm", "K_ALIGN", "K_MAX"]
+           "GELU_TILE", "default_tile", "compile_variant", "precompile", "cubin_path", "get_kernel", "tensor_map", "i8_gemm",
+           "K_ALIGN", "K_MAX"]
 
 SOURCE_PATH = Path(__file__).with_name("i8_gemm.cu")
 OUTS = ("float16", "int8")  # i8_gemm.cu's I8G_OUT: OUT_F16 = 0, OUT_I8 = 1
@@ -37,7 +38,6 @@ _MAX_SMEM = 232448  # 227 KB: the most dynamic shared memory a block of sm_90 ma
 _BK = 128  # K bytes a stage (i8_gemm.cu BK)
 K_ALIGN = 16  # TMA: a row's pitch (K bytes) must be a multiple of 16
 K_MAX = 1 << 17  # K < 2^17 keeps every int32 sum of int8 products exact (|acc| <= K * 2^14 < 2^31)
-THREADS = 384  # two consumer warpgroups + the producer
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,7 @@ class Tile:
     wm: int = 64
     bn: int = 256
     stages: int = 5
+    consumers: int = 2
 
     def __post_init__(self):
         if self.wm not in (64, 128) or self.bn not in (128, 256):
@@ -56,6 +57,11 @@ class Tile:
         if self.wm // 64 * self.bn // 2 > 128:
             raise ValueError(f"wm={self.wm} x bn={self.bn} needs {self.wm // 64 * self.bn // 2} accumulator registers "
                              "a thread, more than 128; use wm=64 with bn=256 or wm=128 with bn=128")
+        if self.consumers not in (2, 3):
+            raise ValueError(f"consumers must be 2 or 3, got {self.consumers}")
+        if self.consumers == 3 and self.wm // 64 * self.bn // 2 > 64:
+            raise ValueError(f"3 consumers leave 160 registers a thread: at most 64 accumulators (wm=64, bn=128), "
+                             f"got wm={self.wm} bn={self.bn}")
         if not 3 <= self.stages <= max_stages(self):
             raise ValueError(f"stages must be 3..{max_stages(self)} for wm={self.wm} bn={self.bn} (shared memory), "
                              f"got {self.stages}")
@@ -66,17 +72,22 @@ class Tile:
         return self.wm
 
     @property
+    def threads(self) -> int:
+        """Threads a block: the consumer warpgroups and the producer's."""
+        return 128 * (self.consumers + 1)
+
+    @property
     def smem_bytes(self) -> int:
-        """i8_gemm.cu SMEM_BYTES: 1 KB of alignment slack, the ring, the 2 x stages mbarriers, the two consumers'
+        """i8_gemm.cu SMEM_BYTES: 1 KB of alignment slack, the ring, the 2 x stages mbarriers, the consumers'
         scales and biases."""
         return 1024 + self.stages * (self.bm + self.bn) * _BK + 16 * self.stages + _epi_bytes(self)
 
     def __str__(self) -> str:
-        return f"pp_{self.bm}x{self.bn}_s{self.stages}_e1"
+        return f"pp{'' if self.consumers == 2 else self.consumers}_{self.bm}x{self.bn}_s{self.stages}_e1"
 
 
 def _epi_bytes(tile: Tile) -> int:
-    return 2 * tile.bn * 8
+    return tile.consumers * tile.bn * 8
 
 
 def max_stages(tile: Tile) -> int:
@@ -86,22 +97,30 @@ def max_stages(tile: Tile) -> int:
 
 
 def parse_tile(text: str) -> Tile:
-    """``"pp_64x256_s5_e1"`` (as ``str(Tile)`` writes it) -> Tile."""
+    """``"pp_64x256_s5_e1"`` / ``"pp3_64x128_s8_e1"`` (as ``str(Tile)`` writes it) -> Tile."""
     try:
         sched, mn, s, epi = text.split("_")
-        if sched != "pp" or epi != "e1" or not s.startswith("s"):
+        if sched not in ("pp", "pp3") or epi != "e1" or not s.startswith("s"):
             raise ValueError(text)
         bm, bn = (int(v) for v in mn.split("x"))
         stages = int(s[1:])
     except ValueError:
-        raise ValueError(f"tile must look like 'pp_64x256_s5_e1' (pp_BMxBN_sSTAGES_e1), got {text!r}") from None
-    return Tile(bm, bn, stages)
+        raise ValueError(f"tile must look like 'pp_64x256_s5_e1' (pp_BMxBN_sSTAGES_e1; pp3_...: three consumer "
+                         f"warpgroups), got {text!r}") from None
+    return Tile(bm, bn, stages, 3 if sched == "pp3" else 2)
 
 
 # The tiles that won or tied a transformer GEMM on the H200 (decision 0163): 64 x 256 (qkv, linear1, linear2: the
 # default) and 64 x 128 (out_proj), each with as many stages as fit.
-TILES = (Tile(64, 256, 5), Tile(64, 128, 8))
+TILES = (Tile(64, 256, 5), Tile(64, 128, 8), Tile(64, 128, 8, consumers=3))
 DEFAULT_TILE = TILES[0]
+GELU_TILE = TILES[2]
+
+
+def default_tile(gelu: bool) -> Tile:
+    """The tile :func:`i8_gemm` runs when none is named: :data:`GELU_TILE` for the GELU epilogues, else
+    :data:`DEFAULT_TILE`."""
+    return GELU_TILE if gelu else DEFAULT_TILE
 
 
 @dataclass(frozen=True)
@@ -127,7 +146,8 @@ class Variant:
     def defines(self) -> list[str]:
         t = self.tile
         return [f"I8G_BN={t.bn}", f"I8G_WM={t.wm}", f"I8G_STAGES={t.stages}", f"I8G_OUT={OUTS.index(self.out)}",
-                f"I8G_GELU={int(self.gelu)}", f"I8G_RES={int(self.residual)}", f"I8G_SMEM={self.smem_bytes}"]
+                f"I8G_GELU={int(self.gelu)}", f"I8G_RES={int(self.residual)}", f"I8G_SMEM={self.smem_bytes}",
+                f"I8G_NC={t.consumers}"]
 
     def __str__(self) -> str:
         return (f"{self.tile}_{'f16' if self.out == 'float16' else 'i8'}" + "_gelu" * self.gelu
@@ -217,7 +237,7 @@ def launch_i8_gemm(variant: Variant, a, w, out, a_scale, w_scale, bias, out_scal
     N = w.shape[0]
     tiles = -(-M // t.bm) * -(-N // t.bn)
     blocks = min(tiles, sm_count(out.device)[0])  # persistent: one block an SM at most
-    cfg = launch_config((blocks,), (THREADS,), variant.smem_bytes, False, dev)
+    cfg = launch_config((blocks,), (t.threads,), variant.smem_bytes, False, dev)
     launch(kernel, cfg, out.device, tensor_map(a, t.bm), tensor_map(w, t.bn), ptr(out), ptr(a_scale), ptr(w_scale),
            ptr(bias), np.int32(int(bias is not None and bias.dtype == torch.float16)), ptr(out_scale), ptr(residual),
            np.int32(M), np.int32(N), np.int32(K))
@@ -309,7 +329,7 @@ def i8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: to
     if cap != (9, 0):
         raise ValueError(f"i8_gemm needs an sm_90 GPU (H100 / H200: wgmma, setmaxnreg), this one is "
                          f"sm_{cap[0]}{cap[1]}; use torch._int_mm or the Triton INT8 kernel")
-    t = parse_tile(tile) if isinstance(tile, str) else (tile or DEFAULT_TILE)
+    t = parse_tile(tile) if isinstance(tile, str) else (tile or default_tile(gelu))
     variant = Variant(t, "int8" if out_scale is not None else "float16", gelu, residual is not None)
     # TMA needs 16-byte aligned base addresses (a fresh tensor is; an offset view may not be)
     a = a if a.data_ptr() % 16 == 0 else a.clone()
