@@ -29,8 +29,7 @@ import torch
 from .runtime import compile_all, compile_source, launch, launch_config, load_kernel, ptr, sm_count, source_cubin_path
 
 __all__ = ["SOURCE_PATH", "OUTS", "Tile", "Variant", "parse_tile", "max_stages", "TILES", "DEFAULT_TILE",
-           "GELU_TILE", "default_tile", "compile_variant", "precompile", "cubin_path", "get_kernel", "tensor_map", "i8_gemm",
-           "K_ALIGN", "K_MAX"]
+           "compile_variant", "precompile", "cubin_path", "get_kernel", "tensor_map", "i8_gemm", "K_ALIGN", "K_MAX"]
 
 SOURCE_PATH = Path(__file__).with_name("i8_gemm.cu")
 OUTS = ("float16", "int8")  # i8_gemm.cu's I8G_OUT: OUT_F16 = 0, OUT_I8 = 1
@@ -113,14 +112,7 @@ def parse_tile(text: str) -> Tile:
 # The tiles that won or tied a transformer GEMM on the H200 (decision 0163): 64 x 256 (qkv, linear1, linear2: the
 # default) and 64 x 128 (out_proj), each with as many stages as fit.
 TILES = (Tile(64, 256, 5), Tile(64, 128, 8), Tile(64, 128, 8, consumers=3))
-DEFAULT_TILE = TILES[0]
-GELU_TILE = TILES[2]
-
-
-def default_tile(gelu: bool) -> Tile:
-    """The tile :func:`i8_gemm` runs when none is named: :data:`GELU_TILE` for the GELU epilogues, else
-    :data:`DEFAULT_TILE`."""
-    return GELU_TILE if gelu else DEFAULT_TILE
+DEFAULT_TILE = TILES[2]
 
 
 @dataclass(frozen=True)
@@ -329,7 +321,7 @@ def i8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: to
     if cap != (9, 0):
         raise ValueError(f"i8_gemm needs an sm_90 GPU (H100 / H200: wgmma, setmaxnreg), this one is "
                          f"sm_{cap[0]}{cap[1]}; use torch._int_mm or the Triton INT8 kernel")
-    t = parse_tile(tile) if isinstance(tile, str) else (tile or default_tile(gelu))
+    t = parse_tile(tile) if isinstance(tile, str) else (tile or DEFAULT_TILE)
     variant = Variant(t, "int8" if out_scale is not None else "float16", gelu, residual is not None)
     # TMA needs 16-byte aligned base addresses (a fresh tensor is; an offset view may not be)
     a = a if a.data_ptr() % 16 == 0 else a.clone()

@@ -286,8 +286,12 @@ def _quantize_codes(x, scale, LO: tl.constexpr, HI: tl.constexpr, OFFSET: tl.con
         up = (n & 1) & ((f > 0).to(tl.int32) | (half & 1))
         c = half + up
     else:
-        v = (v + 12582912.0) - 12582912.0  # round half to even (1.5 * 2**23 trick, exact for |v| < 2**22)
-        c = (v.to(tl.int32) - OFFSET) & ((1 << BITS) - 1)  # unsigned: the value; twos: the bit pattern
+        # round half to even by the 1.5 * 2**23 trick: for |v| < 2**22, t = v + 1.5 * 2**23 lies in [2**23, 2**24),
+        # whose ulp is 1, so t is 1.5 * 2**23 + rne(v) and its bit pattern 0x4B400000 + rne(v): the integer without a
+        # float -> int conversion (those run on the SM's 16-lane conversion pipe)
+        t = v + 12582912.0
+        # unsigned: the value; twos: the bit pattern
+        c = (t.to(tl.int32, bitcast=True) - (0x4B400000 + OFFSET)) & ((1 << BITS) - 1)
     return c
 
 
