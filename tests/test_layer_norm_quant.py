@@ -64,6 +64,14 @@ def test_kernel_codes_equal_torch_layer_norm_then_quantize(dtype, operand, fmt):
         assert torch.equal(r.data.reshape(-1), q.data.reshape(-1))
 
 
+def test_row_chunks_cover_the_row_with_power_of_two_widths():
+    """The kernel holds a row as chunks (CA, CB): CA the largest power of two <= C, CB the next >= the rest."""
+    from tcprec.kernels.triton.layer_norm_quant import chunks
+
+    got = [chunks(C) for C in (1, 3, 64, 173, 768, 1280, 3072, 16384)]
+    assert got == [(1, 0), (2, 1), (64, 0), (128, 64), (512, 256), (1024, 256), (2048, 1024), (16384, 0)]
+
+
 @pytest.mark.parametrize("operand, fmt", [("int8", "int8"), ("fp8", "e4m3")])
 def test_transformer_widths_one_in_a_million(operand, fmt):
     """The bench's width (768) and ViT-L / H's (1024, 1280) in fp16, 0.5-1M codes each: >= 99.99% equal."""
@@ -270,13 +278,15 @@ def _aot_main():
 
     types = dict(x_ptr="*fp16", w_ptr="*fp16", b_ptr="*fp16", scale_ptr="*fp32", out_ptr="*i8", R="i32", C="i32",
                  stride_xr="i32", stride_xc="i32", eps="fp32")
-    common = dict(HAS_W=True, HAS_B=True, BLOCK_R=4, BLOCK_C=1024)
+    ca, cb = lq.chunks(768)
+    assert (ca, cb) == (512, 256)
+    common = dict(HAS_W=True, HAS_B=True, BLOCK_R=1, CA=ca, CB=cb)
     ptx = compile_ptx(lq._layer_norm_quant_kernel, types,
                       dict(common, ROUND=lq.ROUND_FP16.value, FP8=False, LO=-128, HI=127, OFFSET=0, SHIFT=0, ENC=1,
-                           BITS=8, **lq._NO_F8), num_warps=4)
+                           BITS=8, **lq._NO_F8), num_warps=1)
     compile_ptx(lq._layer_norm_quant_kernel, dict(types, x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", out_ptr="*u8"),
                 dict(common, ROUND=lq.ROUND_BF16.value, FP8=True, **lq._NO_INT,
-                     **fp8_constexprs(torch.float8_e4m3fn)), num_warps=4)
+                     **fp8_constexprs(torch.float8_e4m3fn)), num_warps=1)
     print("div.rn.f32" if "div.rn.f32" in ptx else "no div.rn.f32", "OK")
 
 

@@ -150,3 +150,36 @@ def test_shared_accumulator_reference_is_the_same():
     """(the tests build one reference a case; i8_gemm_acc on the GPU equals the CPU's int64 product)"""
     a, w, *_ = _operands(64, 48, 3072, 3)
     assert torch.equal(i8_gemm_acc(a, w).cpu(), a.cpu().long() @ w.cpu().long().T)
+
+
+_ERF_CHECK = r'''
+#include "erf.cuh"
+// every float32 bit pattern base + i (i < 2^32 - base): erf_f32 against CUDA's erff, NaN matching any NaN
+extern "C" __global__ void erf_check(unsigned long long* bad, unsigned int* first) {
+    const unsigned int u = blockIdx.x * blockDim.x + threadIdx.x;
+    const float x = __uint_as_float(u), a = erff(x), b = erf_f32(x);
+    if (__float_as_uint(a) != __float_as_uint(b) && !(a != a && b != b)) {
+        atomicAdd(bad, 1ull);
+        atomicMin(first, u);
+    }
+}
+'''
+
+
+def test_erf_f32_is_erff_on_every_float(tmp_path):
+    """The GELU epilogue's erf (``kernels/cuda/erf.cuh``: both polynomials, one select) equals CUDA's erff on all 2^32
+    float32 bit patterns, so the epilogue's GELU is libdevice's (and the Triton kernel's) bit for bit."""
+    import shutil
+
+    from tcprec.kernels.cuda.runtime import launch, launch_config, load_kernel, ptr
+
+    shutil.copy(L.SOURCE_PATH.with_name("erf.cuh"), tmp_path / "erf.cuh")
+    src = tmp_path / "erf_check.cu"
+    src.write_text(_ERF_CHECK)
+    dev = torch.device(DEV, torch.cuda.current_device())
+    k = load_kernel(("erf_check", str(src)), src, [], "erf_check", "erf_check", dev.index)
+    bad = torch.zeros(1, dtype=torch.int64, device=dev)
+    first = torch.full((1,), -1, dtype=torch.int32, device=dev)  # 0xffffffff as unsigned
+    launch(k, launch_config((1 << 22,), (1024,)), dev, ptr(bad), ptr(first))
+    torch.cuda.synchronize()
+    assert bad.item() == 0, f"{bad.item()} float32 inputs differ, the first 0x{first.item() & 0xffffffff:08x}"

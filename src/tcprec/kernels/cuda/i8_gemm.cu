@@ -128,6 +128,7 @@ static_assert(NT % 8 == 0, "the quad transposes take 4 column groups (fp16) or 8
 // ---------------------------------------------------------------------------------------------
 
 #include "hopper.cuh"
+#include "erf.cuh"
 
 __device__ __forceinline__ void grid_dependency_wait() {  // programmatic dependent launch: a no-op without it
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -217,7 +218,7 @@ __device__ __forceinline__ FastDiv fast_div(int d) {
 __device__ __forceinline__ float y_of(int acc, float sc, float bi, bool has_bias) {
     float y = __fmul_rn((float)acc, sc);
     if (has_bias) y = __fadd_rn(y, bi);
-    if (GELU) y = __fmul_rn(__fmul_rn(0.5f, y), __fadd_rn(1.0f, erff(__fmul_rn(y, 0.70710678f))));
+    if (GELU) y = __fmul_rn(__fmul_rn(0.5f, y), __fadd_rn(1.0f, erf_f32(__fmul_rn(y, 0.70710678f))));
     return y;
 }
 // rint(clamp(q, -128, 127)), NaN -> 0, as one instruction: cvt's float-to-int8 conversion rounds half to even,

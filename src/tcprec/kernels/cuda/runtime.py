@@ -166,7 +166,8 @@ def _nvrtc(source: Path, defines: list[str], arch: str, name: str) -> tuple[byte
     """NVRTC: (cubin bytes, ptxas log), uncached."""
     Program, ProgramOptions, *_ = cuda_core_api()
     log = io.StringIO()
-    options = ProgramOptions(arch=arch, std="c++17", define_macro=list(defines), ptxas_options=["-v"], name=name)
+    options = ProgramOptions(arch=arch, std="c++17", define_macro=list(defines) or None, ptxas_options=["-v"],
+                             name=name)  # (cuda.core refuses an empty list)
     prog = Program(source_text(source), code_type="c++", options=options)
     try:
         obj = prog.compile("cubin", logs=log)

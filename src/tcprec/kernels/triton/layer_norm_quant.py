@@ -7,7 +7,7 @@ quantized linears that read the normalised tensor, with their one calibrated ``s
   ``quant_bytes._code_to_x8``), ``(R, C)`` int8;
 * ``layer_norm_fp8``: float8 codes (``round.fp8_code`` of the IEEE quotient), ``(R, C)`` uint8.
 
-    program -> BLOCK_R rows, each whole (BLOCK_C = next_power_of_2(C) columns, masked past C)
+    program -> BLOCK_R rows, each whole (two chunks of power-of-two widths: ``chunks(C)``, 768 = 512 + 256)
         x = load(rows) in float32
         mean = sum(x) / C;  d = x - mean;  var = sum(d * d) / C;  rstd = rsqrt(var + eps)
         y = w * (rstd * d) + b             (float32, torch's CUDA formula; w / b optional)
@@ -37,7 +37,10 @@ from .round import div_by_scalar, fp8_code, fp8_constexprs
 __all__ = ["layer_norm_int8", "layer_norm_fp8", "MAX_C"]
 
 MAX_C = 16384  # the widest row one program holds in registers (a ViT-H's 1280 and an LLM's 4096-8192 fit)
-_TILE = 4096  # elements a program: BLOCK_R = max(1, _TILE // BLOCK_C) rows
+# columns a warp: BLOCK_R = max(1, _TILE // next_power_of_2(CA + CB)) rows a program, one warp a _TILE columns of a row (up to 16).
+# For C = 768 one row a program on one warp ran 12.6 us against 13.3-14.7 for 2-16 rows on 2-8 warps (H200, 12608 rows,
+# fp16 in, int8 codes out; 15.8 us with the row as one masked 1024-column block, 4 rows, 4 warps: decision 0169)
+_TILE = 1024
 
 
 # the rounding to x's dtype that torch's LayerNorm output gets (ROUND)
@@ -55,10 +58,45 @@ def _round_bf16(y):
     return tl.where(y == y, r.to(tl.float32, bitcast=True), y)
 
 
-# C and stride_xr stay specialized (Triton's divisibility-by-16 specialization): with them known to be multiples of
-# 16, each thread loads its row as 16-byte vectors and stores its codes 16 at a time.  Unspecialized, every element
-# was its own 2-byte load and 1-byte store with its own address and mask: 1568 against 1104 SASS instructions a
-# program (sm_90, C = 768, fp16 in, int8 codes out; compiled offline).  R (a loop bound) needs no compile of its own.
+@triton.jit
+def _load_chunk(x_ptr, rows, r_ok, c0, C, stride_xc, CW: tl.constexpr):
+    """Columns c0 .. c0 + CW - 1 of the program's rows in float32 (0 past C), with their column offsets and mask."""
+    cols = c0 + tl.arange(0, CW)
+    ok = cols < C
+    x = tl.load(x_ptr + rows + cols[None, :] * stride_xc, mask=r_ok[:, None] & ok[None, :], other=0.0)
+    return x.to(tl.float32), cols, ok
+
+
+@triton.jit
+def _chunk_codes(d, rstd, w_ptr, b_ptr, scale, cols, ok,
+                 HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROUND: tl.constexpr, FP8: tl.constexpr,
+                 LO: tl.constexpr, HI: tl.constexpr, OFFSET: tl.constexpr, SHIFT: tl.constexpr, ENC: tl.constexpr,
+                 BITS: tl.constexpr, F8_MAN: tl.constexpr, F8_BIAS: tl.constexpr, F8_MAX_BITS: tl.constexpr,
+                 F8_MIN_NORMAL_BITS: tl.constexpr, F8_SUB_SCALE: tl.constexpr):
+    """The codes of one chunk: the affine map, torch's output rounding to x's dtype, the readers' quantizer."""
+    y = rstd[:, None] * d
+    if HAS_W:
+        y = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)[None, :] * y
+    if HAS_B:
+        y = y + tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)[None, :]
+    if ROUND == ROUND_FP16:
+        y = y.to(tl.float16).to(tl.float32)
+    elif ROUND == ROUND_BF16:
+        y = _round_bf16(y)
+    if FP8:
+        v = fp8_code(div_by_scalar(y, scale), F8_MAN, F8_BIAS, F8_MAX_BITS, F8_MIN_NORMAL_BITS, F8_SUB_SCALE)
+        v = v.to(tl.uint8)
+    else:
+        v = _code_to_x8(_quantize_codes(y, scale, LO, HI, OFFSET, SHIFT, BITS), ENC, BITS)
+    return v
+
+
+# The row is held as two chunks of power-of-two widths, CA = the largest power of two <= C and CB >= C - CA (0: none),
+# instead of one block of next_power_of_2(C) columns masked past C: for C = 768 (ViT-B) 512 + 256 lanes and no
+# masked lane, where one 1024-column block idled a quarter of them.  C and stride_xr stay specialized (Triton's
+# divisibility-by-16 specialization): with them known to be multiples of 16, each thread loads its row as 16-byte
+# vectors and stores its codes 16 at a time (unspecialized: 1568 against 1104 SASS instructions a program, sm_90,
+# C = 768).  R (a loop bound) needs no compile of its own.
 @triton.jit(do_not_specialize=["R"])
 def _layer_norm_quant_kernel(
     x_ptr, w_ptr, b_ptr, scale_ptr, out_ptr,  # out (R, C) contiguous, one byte an element
@@ -69,42 +107,45 @@ def _layer_norm_quant_kernel(
     BITS: tl.constexpr,
     F8_MAN: tl.constexpr, F8_BIAS: tl.constexpr, F8_MAX_BITS: tl.constexpr, F8_MIN_NORMAL_BITS: tl.constexpr,
     F8_SUB_SCALE: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_R: tl.constexpr, CA: tl.constexpr, CB: tl.constexpr,
 ):
-    # -- offsets: BLOCK_R rows x BLOCK_C columns -----------------------------------------------------
+    # -- BLOCK_R rows, each as the chunks [0, CA) and [CA, CA + CB) (masked past C) -----------------------
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_c = tl.arange(0, BLOCK_C)
-    col_ok = offs_c < C
-    mask = (offs_r < R)[:, None] & col_ok[None, :]
-    rows = offs_r.to(tl.int64)[:, None]
+    r_ok = offs_r < R
+    rows = offs_r.to(tl.int64)[:, None] * stride_xr
+    out_rows = offs_r.to(tl.int64)[:, None] * C
 
     # -- the statistics, in float32 (0 past C: they add nothing) ---------------------------------------
-    x = tl.load(x_ptr + rows * stride_xr + offs_c[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
+    xa, ca, a_ok = _load_chunk(x_ptr, rows, r_ok, 0, C, stride_xc, CA)
+    total = tl.sum(xa, axis=1)
+    if CB > 0:
+        xb, cb, b_ok = _load_chunk(x_ptr, rows, r_ok, CA, C, stride_xc, CB)
+        total += tl.sum(xb, axis=1)
     n = C * 1.0
-    mean = tl.div_rn(tl.sum(x, axis=1), n)  # (BLOCK_R,); IEEE division (Triton's '/' is approximate)
-    d = tl.where(col_ok[None, :], x - mean[:, None], 0.0)
-    var = tl.div_rn(tl.sum(d * d, axis=1), n)
-    rstd = tl.rsqrt(var + eps)  # torch's CUDA LayerNorm: rsqrtf
+    mean = tl.div_rn(total, n)  # (BLOCK_R,); IEEE division (Triton's '/' is approximate)
+    da = tl.where(a_ok[None, :], xa - mean[:, None], 0.0)
+    sq = tl.sum(da * da, axis=1)
+    if CB > 0:
+        db = tl.where(b_ok[None, :], xb - mean[:, None], 0.0)
+        sq += tl.sum(db * db, axis=1)
+    rstd = tl.rsqrt(tl.div_rn(sq, n) + eps)  # torch's CUDA LayerNorm: rsqrtf
 
-    # -- the affine map, then torch's output rounding to x's dtype -------------------------------------
-    y = rstd[:, None] * d
-    if HAS_W:
-        y = tl.load(w_ptr + offs_c, mask=col_ok, other=0.0).to(tl.float32)[None, :] * y
-    if HAS_B:
-        y = y + tl.load(b_ptr + offs_c, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if ROUND == ROUND_FP16:
-        y = y.to(tl.float16).to(tl.float32)
-    elif ROUND == ROUND_BF16:
-        y = _round_bf16(y)
-
-    # -- the readers' quantizer ------------------------------------------------------------------------
+    # -- each chunk: the affine map, torch's output rounding, the readers' quantizer -----------------
     scale = tl.load(scale_ptr)
-    if FP8:
-        v = fp8_code(div_by_scalar(y, scale), F8_MAN, F8_BIAS, F8_MAX_BITS, F8_MIN_NORMAL_BITS, F8_SUB_SCALE)
-        v = v.to(tl.uint8)
-    else:
-        v = _code_to_x8(_quantize_codes(y, scale, LO, HI, OFFSET, SHIFT, BITS), ENC, BITS)
-    tl.store(out_ptr + rows * C + offs_c[None, :], v, mask=mask)
+    va = _chunk_codes(da, rstd, w_ptr, b_ptr, scale, ca, a_ok, HAS_W, HAS_B, ROUND, FP8, LO, HI, OFFSET, SHIFT, ENC,
+                      BITS, F8_MAN, F8_BIAS, F8_MAX_BITS, F8_MIN_NORMAL_BITS, F8_SUB_SCALE)
+    tl.store(out_ptr + out_rows + ca[None, :], va, mask=r_ok[:, None] & a_ok[None, :])
+    if CB > 0:
+        vb = _chunk_codes(db, rstd, w_ptr, b_ptr, scale, cb, b_ok, HAS_W, HAS_B, ROUND, FP8, LO, HI, OFFSET, SHIFT,
+                          ENC, BITS, F8_MAN, F8_BIAS, F8_MAX_BITS, F8_MIN_NORMAL_BITS, F8_SUB_SCALE)
+        tl.store(out_ptr + out_rows + cb[None, :], vb, mask=r_ok[:, None] & b_ok[None, :])
+
+
+def chunks(C: int) -> tuple[int, int]:
+    """The kernel's row chunks (CA, CB) for C columns: CA the largest power of two <= C, CB the next power of two
+    >= C - CA (0 where CA = C)."""
+    ca = 1 << (C.bit_length() - 1)
+    return ca, (next_power_of_2(C - ca) if C > ca else 0)
 
 
 def _check(x: torch.Tensor, weight, bias, scale: torch.Tensor, what: str) -> tuple[int, int]:
@@ -132,15 +173,15 @@ def _launch(x, weight, bias, eps: float, scale, out, fp8: bool, fmt_kw: dict) ->
     R, C = x.shape
     if R == 0:
         return
-    bc = next_power_of_2(C)
-    br = max(1, _TILE // bc)
-    warps = 4 if bc * br <= 4096 else 8 if bc <= 8192 else 16
+    ca, cb = chunks(C)
+    br = max(1, _TILE // next_power_of_2(ca + cb))
+    warps = max(1, min(16, br * (ca + cb) // _TILE))
     w = weight.contiguous() if weight is not None else None
     b = bias.contiguous() if bias is not None else None
     _layer_norm_quant_kernel[(cdiv(R, br),)](
         x, x if w is None else w, x if b is None else b, scale.reshape(1), out,
         R, C, x.stride(0), x.stride(1), float(eps),
-        HAS_W=w is not None, HAS_B=b is not None, ROUND=_ROUND[x.dtype], FP8=fp8, **fmt_kw, BLOCK_R=br, BLOCK_C=bc,
+        HAS_W=w is not None, HAS_B=b is not None, ROUND=_ROUND[x.dtype], FP8=fp8, **fmt_kw, BLOCK_R=br, CA=ca, CB=cb,
         num_warps=warps)
 
 
