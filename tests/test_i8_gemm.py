@@ -70,7 +70,8 @@ def test_tiles_parse_validate_and_fit_shared_memory():
     from tcprec.kernels.cuda import i8_gemm as L
 
     assert [str(t) for t in L.TILES] == ["pp_64x256_s5_e1", "pp_64x128_s8_e1", "pp3_64x128_s8_e1"]
-    assert L.DEFAULT_TILE == L.TILES[2]
+    assert L.DEFAULT_TILE == L.TILES[2] and L.GELU_TILE == L.TILES[0]
+    assert L.default_tile(False) == L.DEFAULT_TILE and L.default_tile(True) == L.GELU_TILE
     for t in L.TILES:
         assert L.parse_tile(str(t)) == t and t.smem_bytes <= 232448 and t.stages == L.max_stages(t)
         assert t.threads == 128 * (t.consumers + 1)

@@ -154,32 +154,54 @@ def test_shared_accumulator_reference_is_the_same():
 
 _ERF_CHECK = r'''
 #include "erf.cuh"
-// every float32 bit pattern base + i (i < 2^32 - base): erf_f32 against CUDA's erff, NaN matching any NaN
-extern "C" __global__ void erf_check(unsigned long long* bad, unsigned int* first) {
+// |v - ref| in units of the last place of ref's float32 binade (the subnormal spacing below 2^-126)
+__device__ double ulps(float v, double ref) {
+    const double m = fabs(ref);
+    const int e = m > 0.0 ? max(ilogb(m), -126) : -126;
+    return fabs((double)v - ref) / ldexp(1.0, e - 23);
+}
+// every float32 bit pattern: erf_f32's and erff's errors against float64 erf (max, count above 1 ulp); +-inf -> +-1
+// and NaN -> NaN for erf_f32 (bad[2] counts misses)
+extern "C" __global__ void erf_error(unsigned int* max_bits, unsigned long long* bad) {
     const unsigned int u = blockIdx.x * blockDim.x + threadIdx.x;
-    const float x = __uint_as_float(u), a = erff(x), b = erf_f32(x);
-    if (__float_as_uint(a) != __float_as_uint(b) && !(a != a && b != b)) {
-        atomicAdd(bad, 1ull);
-        atomicMin(first, u);
+    const float x = __uint_as_float(u), mine = erf_f32(x);
+    if (!isfinite(x)) {
+        const bool ok = x != x ? mine != mine : mine == (x > 0.0f ? 1.0f : -1.0f);
+        if (!ok) atomicAdd(bad + 2, 1ull);
+        return;
     }
+    const double ref = erf((double)x);
+    const float d0 = (float)ulps(mine, ref), d1 = (float)ulps(erff(x), ref);
+    const unsigned int m0 = __reduce_max_sync(__activemask(), __float_as_uint(d0));
+    const unsigned int m1 = __reduce_max_sync(__activemask(), __float_as_uint(d1));
+    if ((threadIdx.x & 31) == 0) {
+        atomicMax(max_bits, m0);
+        atomicMax(max_bits + 1, m1);
+    }
+    if (d0 > 1.0f) atomicAdd(bad, 1ull);
+    if (d1 > 1.0f) atomicAdd(bad + 1, 1ull);
 }
 '''
 
 
-def test_erf_f32_is_erff_on_every_float(tmp_path):
-    """The GELU epilogue's erf (``kernels/cuda/erf.cuh``: both polynomials, one select) equals CUDA's erff on all 2^32
-    float32 bit patterns, so the epilogue's GELU is libdevice's (and the Triton kernel's) bit for bit."""
+def test_erf_f32_error_on_every_float(tmp_path):
+    """The GELU epilogue's erf (``kernels/cuda/erf.cuh``) on all 2^32 float32 bit patterns: within 2 ulp of float64
+    erf (the toolkit's erff, measured beside it, is not asserted: it changes with the toolkit), +-inf -> +-1, NaN ->
+    NaN."""
     import shutil
 
     from tcprec.kernels.cuda.runtime import launch, launch_config, load_kernel, ptr
 
     shutil.copy(L.SOURCE_PATH.with_name("erf.cuh"), tmp_path / "erf.cuh")
-    src = tmp_path / "erf_check.cu"
+    src = tmp_path / "erf_error.cu"
     src.write_text(_ERF_CHECK)
     dev = torch.device(DEV, torch.cuda.current_device())
-    k = load_kernel(("erf_check", str(src)), src, [], "erf_check", "erf_check", dev.index)
-    bad = torch.zeros(1, dtype=torch.int64, device=dev)
-    first = torch.full((1,), -1, dtype=torch.int32, device=dev)  # 0xffffffff as unsigned
-    launch(k, launch_config((1 << 22,), (1024,)), dev, ptr(bad), ptr(first))
+    k = load_kernel(("erf_error", str(src)), src, [], "erf_error", "erf_error", dev.index)
+    max_bits = torch.zeros(2, dtype=torch.int32, device=dev)
+    bad = torch.zeros(3, dtype=torch.int64, device=dev)
+    launch(k, launch_config((1 << 22,), (1024,)), dev, ptr(max_bits), ptr(bad))
     torch.cuda.synchronize()
-    assert bad.item() == 0, f"{bad.item()} float32 inputs differ, the first 0x{first.item() & 0xffffffff:08x}"
+    mine, cuda = max_bits.view(torch.float32).tolist()
+    over = bad.tolist()
+    assert over[2] == 0, f"{over[2]} of +-inf / NaN wrong"
+    assert mine <= 2.0, f"erf_f32: max error {mine:.3f} ulp, {over[0]} inputs above 1 ulp (erff: {cuda:.3f}, {over[1]})"

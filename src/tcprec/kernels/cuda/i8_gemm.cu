@@ -2,26 +2,25 @@
 // linear's epilogue fused.
 //
 //   acc[m, n] = sum_k a[m, k] * w[n, k]                  a: (M, K) int8, w: (N, K) int8, both row-major (K-major)
-//   y[m, n]   = float(acc) * (a_scale * w_scale[n])       int32 -> float32 (round to nearest even), one rounding
-//             + bias[n]                                   (optional, fp16 or fp32; one rounding)
-//   y         = 0.5 y (1 + erf(y / sqrt 2))               (I8G_GELU: torch's default erf GELU, float32)
-//   out       = fp16(y)                                   (I8G_OUT = OUT_F16)
-//             = fp16(float(fp16(y)) + float(residual))    (... with I8G_RES: the unfused graph's two roundings)
-//             = int8(rint(clamp(y / out_scale, -128, 127)))  (I8G_OUT = OUT_I8: the next layer's int8 codes;
-//                                                         IEEE division, NaN -> 0, round half to even)
-// Every float step is one IEEE-rounded operation (__fmul_rn / __fadd_rn: no FMA contraction), so the pure-torch
-// reference (kernels/reference_i8_gemm.py) computes the same float32 values; only erff (CUDA's, <= 2 ulp) differs
-// from torch's erf.  a_scale and out_scale are read from device memory (one float each), so a CUDA graph replays the
-// kernel with whatever scale the tensors hold.
+// y[m, n]   = float(acc) * (a_scale * w_scale[n])       int32 -> float32 (round to nearest even), one rounding
+// + bias[n]                                   (optional, fp16 or fp32; one rounding)   y         = 0.5 y (1 + erf(y /
+// sqrt 2))               (I8G_GELU: torch's default erf GELU, float32)   out       = fp16(y)
+// (I8G_OUT = OUT_F16)             = fp16(float(fp16(y)) + float(residual))    (... with I8G_RES: the unfused graph's
+// two roundings)             = int8(rint(clamp(y / out_scale, -128, 127)))  (I8G_OUT = OUT_I8: the next layer's int8
+// codes;                                                         IEEE division, NaN -> 0, round half to even) Every
+// float step is one IEEE-rounded operation (__fmul_rn / __fadd_rn: no FMA contraction), so the pure-torch reference
+// (kernels/reference_i8_gemm.py) computes the same float32 values; only erf (erf.cuh's erf_f32, CUDA 13.5's erff
+// algorithm, fixed here) differs from torch's erf.  a_scale and out_scale are read from device memory (one float each),
+// so a CUDA graph replays the kernel with whatever scale the tensors hold.
 //
-// Pipeline.  One producer warpgroup (the last 128 threads) and two consumer warpgroups.  The producer's one elected
-// thread loads K steps of 128 bytes (128 int8 values) of the A and W tiles with TMA (cp.async.bulk.tensor.2d, box of
-// rows x 128 bytes, 128-byte swizzle, out-of-bounds rows / columns read as zeros) into a ring of STAGES stages, each
-// with a "full" mbarrier (one arrival: the producer's arrive.expect_tx, plus the stage's bytes of TMA transactions)
-// and an "empty" one (an arrival from every consumer warp that reads the stage).  Steps are numbered across the
-// block's tiles (g), so the producer runs ahead into the next tile while the consumers store this one; stage
+// Pipeline.  One producer warpgroup (the last 128 threads) and NC = 2 or 3 consumer warpgroups.  The producer's one
+// elected thread loads K steps of 128 bytes (128 int8 values) of the A and W tiles with TMA (cp.async.bulk.tensor.2d,
+// box of rows x 128 bytes, 128-byte swizzle, out-of-bounds rows / columns read as zeros) into a ring of STAGES stages,
+// each with a "full" mbarrier (one arrival: the producer's arrive.expect_tx, plus the stage's bytes of TMA
+// transactions) and an "empty" one (an arrival from every consumer warp that reads the stage).  Steps are numbered
+// across the block's tiles (g), so the producer runs ahead into the next tile while the consumers store this one; stage
 // s = g % STAGES, phase g / STAGES, whose parity a wait names.  setmaxnreg gives the producer 40 registers and the
-// consumers the rest (232).
+// consumers the rest (232); with three consumers 32 and 160.
 //
 // The wgmma operands.  A stage row is 128 bytes of K, 8-row groups 1024 bytes apart, every tile 1024-byte aligned:
 // exactly the K-major 128-byte-swizzled layout wgmma reads through a matrix descriptor (bmma_gemm.cu's smem_desc, the
@@ -30,19 +29,22 @@
 // m64nN s32 is the float one's fragment: warp w of the warpgroup holds rows 16 w + g and 16 w + g + 8 (g = lane / 4),
 // columns 8 nt + 2 t + (0, 1) (t = lane % 4) in d[nt][0, 1] and d[nt][2, 3].
 //
-// Schedule: ping-pong (CUTLASS's KernelTmaWarpSpecializedPingpong).  The block's tiles alternate between the two
-// consumers, each multiplying a whole WM x BN tile (4 arrivals on "empty"), so that one's epilogue runs while the
-// other's wgmmas do.  An order barrier (named barriers 2 and 3, bar.sync by the waiting warpgroup, bar.arrive by the
-// other) makes the consumers issue their main loops in tile order: consumer c starts tile i only after the other one
-// has waited on every stage of tile i - 1.  That order is also what keeps the phase parities right: a consumer waits
-// on step g only after step g - STAGES's phase of the same stage has completed.  (A cooperative schedule, both
-// consumers on one tile of 2 WM rows, lost to it on every GEMM measured: docs/decisions/0163.)
-// WM = 64 or 128 rows a consumer multiplies (one or two m64 wgmmas a k-step); BN = 128 or 256; the accumulators,
-// (WM / 64) * BN / 2 registers a thread, are at most 128.  Tiles are walked persistently (block b: tiles b, b + grid,
-// ...) in a grouped raster (GROUP_M row tiles share their W tiles in L2).
+// Schedule: ping-pong (CUTLASS's KernelTmaWarpSpecializedPingpong).  The block's tiles go to the consumers in turn
+// (tile i to consumer i % NC), each multiplying a whole WM x BN tile (4 arrivals on "empty"), so that one's wgmmas run
+// while the others' epilogues do.  With three, two epilogues share the SM's schedulers with one main loop: at K = 768
+// an epilogue with the GELU outlasts the main loop (decision 0169).  An order barrier (named barriers 2 .. 1 + NC,
+// bar.sync by the waiting warpgroup, bar.arrive by the previous one) makes the consumers issue their main loops in tile
+// order: consumer c starts tile i only after the previous one has waited on every stage of tile i - 1.  That order is
+// also what keeps the phase parities right: a consumer waits on step g only after step g - STAGES's phase of the same
+// stage has completed.  (A cooperative schedule, both consumers on one tile of 2 WM rows, lost to it on every GEMM
+// measured: docs/decisions/0163.) WM = 64 or 128 rows a consumer multiplies (one or two m64 wgmmas a k-step); BN = 128
+// or 256; the accumulators, (WM / 64) * BN / 2 registers a thread, are at most 128 (64 with three consumers).  Tiles
+// are walked persistently (block b: tiles b, b + grid, ...) in a grouped raster (GROUP_M row tiles share their W tiles
+// in L2).
 //
 // Compile-time parameters (-D, from i8_gemm.py's Variant): I8G_BN, I8G_WM, I8G_STAGES, I8G_OUT (0 fp16, 1 int8
-// codes), I8G_GELU, I8G_RES, I8G_SMEM (the dynamic shared memory the host allocates, checked here).
+// codes), I8G_GELU, I8G_RES, I8G_NC (consumer warpgroups, 2 or 3), I8G_SMEM (the dynamic shared memory the host
+// allocates, checked here).
 //
 // Epilogue.  The tile's a_scale * w_scale and bias are loaded before the main loop (their latency hidden by it) and
 // parked in a per-consumer shared buffer after it.  Then
@@ -603,7 +605,7 @@ i8_gemm(const __grid_constant__ TensorMap tmA,   // (M, K) int8 a, box (BM rows,
                 *reinterpret_cast<uint4*>(o8 + (i64)r * N + col) = v;
             }
     };
-    // A fast epilogue's column blocks.  With the GELU, erff's ~20 instructions an element make a fully unrolled
+    // A fast epilogue's column blocks.  With the GELU, erf's ~20 instructions an element make a fully unrolled
     // epilogue ~75 KB of straight-line code run once a tile, and the consumer stalled on instruction fetch (ncu: 44% of
     // its cycles); looping over the blocks keeps one block's code in the instruction cache (decision 0164).  Without
     // the GELU the code is small and the unrolled loop (no selects) is faster.
@@ -642,7 +644,8 @@ i8_gemm(const __grid_constant__ TensorMap tmA,   // (M, K) int8 a, box (BM rows,
         stage_load(m0, n0);
         if (i > 0) named_sync(2 + cg, 256);  // the previous consumer has waited on every stage of tile i - 1
         mainloop(i * k_tiles);
-        if (i + 1 < n_mine) named_arrive(2 + (NC == 2 ? cg ^ 1 : (cg + 1) % NC), 256);  // the next one's turn: tile i + 1
+        // the next consumer's turn: tile i + 1 (cg ^ 1 for two: the SASS the GPU tests validated before NC)
+        if (i + 1 < n_mine) named_arrive(2 + (NC == 2 ? cg ^ 1 : (cg + 1) % NC), 256);
         wgmma_wait<0>();
         release(i * k_tiles + k_tiles - 1);
         stage_store();

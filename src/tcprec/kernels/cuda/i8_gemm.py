@@ -29,7 +29,8 @@ import torch
 from .runtime import compile_all, compile_source, launch, launch_config, load_kernel, ptr, sm_count, source_cubin_path
 
 __all__ = ["SOURCE_PATH", "OUTS", "Tile", "Variant", "parse_tile", "max_stages", "TILES", "DEFAULT_TILE",
-           "compile_variant", "precompile", "cubin_path", "get_kernel", "tensor_map", "i8_gemm", "K_ALIGN", "K_MAX"]
+           "GELU_TILE", "default_tile", "compile_variant", "precompile", "cubin_path", "get_kernel", "tensor_map",
+           "i8_gemm", "K_ALIGN", "K_MAX"]
 
 SOURCE_PATH = Path(__file__).with_name("i8_gemm.cu")
 OUTS = ("float16", "int8")  # i8_gemm.cu's I8G_OUT: OUT_F16 = 0, OUT_I8 = 1
@@ -41,9 +42,11 @@ K_MAX = 1 << 17  # K < 2^17 keeps every int32 sum of int8 products exact (|acc| 
 
 @dataclass(frozen=True)
 class Tile:
-    """A ping-pong tile: each consumer warpgroup multiplies its own ``wm`` x ``bn`` output tile (``wm`` 64 / 128 rows,
-    ``bn`` 128 / 256 columns), the two alternately; ``stages`` K steps of 128 bytes in the TMA ring (>= 3).  Named
-    ``pp_{wm}x{bn}_s{stages}_e1`` as the bench measured it (ping-pong, epilogue 1: decision 0163)."""
+    """A ping-pong tile: each of ``consumers`` warpgroups (2, or 3 with at most 64 accumulators a thread: wm=64,
+    bn=128) multiplies its own ``wm`` x ``bn`` output tile (``wm`` 64 / 128 rows, ``bn`` 128 / 256 columns), in turn,
+    so that while one runs its main loop the others run their epilogues; ``stages`` K steps of 128 bytes in the TMA
+    ring (>= 3).  Named ``pp_{wm}x{bn}_s{stages}_e1`` as the bench measured it (ping-pong, epilogue 1: decision 0163),
+    ``pp3_...`` with three consumers (decision 0169)."""
 
     wm: int = 64
     bn: int = 256
@@ -109,10 +112,19 @@ def parse_tile(text: str) -> Tile:
     return Tile(bm, bn, stages, 3 if sched == "pp3" else 2)
 
 
-# The tiles that won or tied a transformer GEMM on the H200 (decision 0163): 64 x 256 (qkv, linear1, linear2: the
-# default) and 64 x 128 (out_proj), each with as many stages as fit.
+# The tiles measured on the transformer's GEMMs on the H200, each with as many stages as fit: two consumers on 64 x 256
+# (decision 0163's default; linear1 with the GELU since 0169) and on 64 x 128, three consumers on 64 x 128 (the
+# default since 0169).
 TILES = (Tile(64, 256, 5), Tile(64, 128, 8), Tile(64, 128, 8, consumers=3))
 DEFAULT_TILE = TILES[2]
+GELU_TILE = TILES[0]
+
+
+def default_tile(gelu: bool) -> Tile:
+    """The tile :func:`i8_gemm` runs when none is named: :data:`GELU_TILE` for the GELU epilogues, else
+    :data:`DEFAULT_TILE` (docs/decisions/0169: three consumers on 64 x 128 tiles won every transformer GEMM but linear1
+    with the GELU, where two on 64 x 256 ran 94.5 us against 99.8)."""
+    return GELU_TILE if gelu else DEFAULT_TILE
 
 
 @dataclass(frozen=True)
@@ -321,7 +333,7 @@ def i8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: to
     if cap != (9, 0):
         raise ValueError(f"i8_gemm needs an sm_90 GPU (H100 / H200: wgmma, setmaxnreg), this one is "
                          f"sm_{cap[0]}{cap[1]}; use torch._int_mm or the Triton INT8 kernel")
-    t = parse_tile(tile) if isinstance(tile, str) else (tile or DEFAULT_TILE)
+    t = parse_tile(tile) if isinstance(tile, str) else (tile or default_tile(gelu))
     variant = Variant(t, "int8" if out_scale is not None else "float16", gelu, residual is not None)
     # TMA needs 16-byte aligned base addresses (a fresh tensor is; an offset view may not be)
     a = a if a.data_ptr() % 16 == 0 else a.clone()
