@@ -127,7 +127,7 @@ def test_reference_epilogue_order_and_roundings():
 
 def test_reference_gelu_is_torchs_erf_gelu():
     """Equal to torch's erf GELU down to x = -2.5; below, 1 + erf(x) cancels and two erf implementations (torch's,
-    CUDA's erff) agree only in absolute terms (~1e-7 * |x|): the GPU test's bound."""
+    the kernel's erf_f32) agree only in absolute terms (~1e-7 * |x|): the GPU test's bound."""
     acc = torch.arange(-40, 41).reshape(1, -1)
     got = i8_gemm_reference(_i8([[1]]), _i8([[1]] * 81), torch.tensor([0.125]), torch.ones(81), gelu=True, acc=acc)
     x = acc.float()[0] * 0.125

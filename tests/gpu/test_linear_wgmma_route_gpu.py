@@ -8,7 +8,7 @@
   epilogue), and ``col * 1.0`` is ``col`` exactly, so both sides compute the same numbers.
 * linear1 -> GELU -> linear2 chained (linear1 writes linear2's int8 codes after the erf GELU, ``quantize_model``'s
   ``_chain_ffn``): the codes are the kernel reference's (``reference_i8_gemm``, gelu + out_scale) within the kernel's
-  GELU tolerance (+-1 code at < 0.1% of them: erff vs torch's erf); against the unchained pair (fp16 GEMM output,
+  GELU tolerance (+-1 code at < 0.1% of them: erf_f32 vs torch's erf); against the unchained pair (fp16 GEMM output,
   torch's fp16 GELU, linear2's own quantizer) +-1 code at < 2% of them (the unchained pair rounds y and GELU(y) to
   fp16 before quantizing, each a shift of up to |code| * 2^-11 steps); linear2's output within NRMSE 5e-3 of the
   unchained one.
@@ -113,7 +113,7 @@ def test_chained_pair_against_the_kernel_reference_and_the_unchained_pair():
     assert plan.route == qconv_plan.WGMMA_GEMM and plan.epilogue == "int8", plan.explain()
     codes = c(x)
     assert isinstance(codes, tp.QTensor) and codes.shape == (64, 197, H) and codes.data.dtype == torch.int8
-    # the kernel reference of the chained epilogue: +-1 code at < 0.1% (erff against torch's erf)
+    # the kernel reference of the chained epilogue: +-1 code at < 0.1% (erf_f32 against torch's erf)
     x8 = qc.quantize_int8_static(x.reshape(-1, 1, 1, K), a.a_fmt, a.in_scale).data.reshape(-1, K)
     w8 = a.weight_codes.view(torch.int8).reshape(H, K)
     ref = i8_gemm_reference(x8, w8, a.in_scale, a.weight_scale.reshape(H), a.bias, gelu=True, out_scale=b.in_scale)
