@@ -276,11 +276,11 @@ def _aot_main():
     from tcprec.kernels.triton import layer_norm_quant as lq
     from tcprec.kernels.triton.round import fp8_constexprs
 
-    types = dict(x_ptr="*fp16", w_ptr="*fp16", b_ptr="*fp16", scale_ptr="*fp32", out_ptr="*i8", R="i32", C="i32",
+    types = dict(x_ptr="*fp16", w_ptr="*fp16", b_ptr="*fp16", scale_ptr="*fp32", out_ptr="*i8", R="i32",
                  stride_xr="i32", stride_xc="i32", eps="fp32")
     ca, cb = lq.chunks(768)
     assert (ca, cb) == (512, 256)
-    common = dict(HAS_W=True, HAS_B=True, BLOCK_R=1, CA=ca, CB=cb)
+    common = dict(C=768, HAS_W=True, HAS_B=True, BLOCK_R=1, CA=ca, CB=cb)
     ptx = compile_ptx(lq._layer_norm_quant_kernel, types,
                       dict(common, ROUND=lq.ROUND_FP16.value, FP8=False, LO=-128, HI=127, OFFSET=0, SHIFT=0, ENC=1,
                            BITS=8, **lq._NO_F8), num_warps=1)
