@@ -2,16 +2,17 @@
 // linear's epilogue fused.
 //
 //   acc[m, n] = sum_k a[m, k] * w[n, k]                  a: (M, K) int8, w: (N, K) int8, both row-major (K-major)
-// y[m, n]   = float(acc) * (a_scale * w_scale[n])       int32 -> float32 (round to nearest even), one rounding
-// + bias[n]                                   (optional, fp16 or fp32; one rounding)   y         = 0.5 y (1 + erf(y /
-// sqrt 2))               (I8G_GELU: torch's default erf GELU, float32)   out       = fp16(y)
-// (I8G_OUT = OUT_F16)             = fp16(float(fp16(y)) + float(residual))    (... with I8G_RES: the unfused graph's
-// two roundings)             = int8(rint(clamp(y / out_scale, -128, 127)))  (I8G_OUT = OUT_I8: the next layer's int8
-// codes;                                                         IEEE division, NaN -> 0, round half to even) Every
-// float step is one IEEE-rounded operation (__fmul_rn / __fadd_rn: no FMA contraction), so the pure-torch reference
-// (kernels/reference_i8_gemm.py) computes the same float32 values; only erf (erf.cuh's erf_f32, CUDA 13.5's erff
-// algorithm, fixed here) differs from torch's erf.  a_scale and out_scale are read from device memory (one float each),
-// so a CUDA graph replays the kernel with whatever scale the tensors hold.
+//   y[m, n]   = float(acc) * (a_scale * w_scale[n])       int32 -> float32 (round to nearest even), one rounding
+//             + bias[n]                                   (optional, fp16 or fp32; one rounding)
+//   y         = 0.5 y (1 + erf(y / sqrt 2))               (I8G_GELU: torch's default erf GELU, float32)
+//   out       = fp16(y)                                   (I8G_OUT = OUT_F16)
+//             = fp16(float(fp16(y)) + float(residual))    (... with I8G_RES: the unfused graph's two roundings)
+//             = int8(rint(clamp(y / out_scale, -128, 127)))  (I8G_OUT = OUT_I8: the next layer's int8 codes;
+//                                                         IEEE division, NaN -> 0, round half to even)
+// Every float step is one IEEE-rounded operation (__fmul_rn / __fadd_rn: no FMA contraction), so the pure-torch
+// reference (kernels/reference_i8_gemm.py) computes the same float32 values; only erf (erf.cuh's erf_f32, CUDA 13.5's
+// erff algorithm, fixed here) differs from torch's erf.  a_scale and out_scale are read from device memory (one float
+// each), so a CUDA graph replays the kernel with whatever scale the tensors hold.
 //
 // Pipeline.  One producer warpgroup (the last 128 threads) and NC = 2 or 3 consumer warpgroups.  The producer's one
 // elected thread loads K steps of 128 bytes (128 int8 values) of the A and W tiles with TMA (cp.async.bulk.tensor.2d,
@@ -37,10 +38,10 @@
 // order: consumer c starts tile i only after the previous one has waited on every stage of tile i - 1.  That order is
 // also what keeps the phase parities right: a consumer waits on step g only after step g - STAGES's phase of the same
 // stage has completed.  (A cooperative schedule, both consumers on one tile of 2 WM rows, lost to it on every GEMM
-// measured: docs/decisions/0163.) WM = 64 or 128 rows a consumer multiplies (one or two m64 wgmmas a k-step); BN = 128
-// or 256; the accumulators, (WM / 64) * BN / 2 registers a thread, are at most 128 (64 with three consumers).  Tiles
-// are walked persistently (block b: tiles b, b + grid, ...) in a grouped raster (GROUP_M row tiles share their W tiles
-// in L2).
+// measured: docs/decisions/0163.)
+// WM = 64 or 128 rows a consumer multiplies (one or two m64 wgmmas a k-step); BN = 128 or 256; the accumulators,
+// (WM / 64) * BN / 2 registers a thread, are at most 128 (64 with three consumers).  Tiles are walked persistently
+// (block b: tiles b, b + grid, ...) in a grouped raster (GROUP_M row tiles share their W tiles in L2).
 //
 // Compile-time parameters (-D, from i8_gemm.py's Variant): I8G_BN, I8G_WM, I8G_STAGES, I8G_OUT (0 fp16, 1 int8
 // codes), I8G_GELU, I8G_RES, I8G_NC (consumer warpgroups, 2 or 3), I8G_SMEM (the dynamic shared memory the host
