@@ -108,8 +108,9 @@ def div_for_codes(x, s):
     Markstein's correction (i8_gemm.cu's code_of_rcp): with ``r = RN(1 / s)``, ``q0 = RN(x r)`` is within an ulp or
     so of ``x / s``, ``rem = x - s q0`` is exact (one fma), and ``RN(q0 + rem r)`` is ``RN(x / s)`` for ``s`` within
     ``2**-64 .. 2**64`` (``r`` normal, no underflow in ``rem``) and ``|q0| < 2**30``; quotients below 2**-100 or so
-    may be an ulp off, which no code can see (they round to 0).  Other scales take :func:`div_by_scalar` (a scalar
-    branch: one path runs)."""
+    may be an ulp off, which no code can see (they round to 0), and -0 / s comes back +0 (the correction's sum; no int8
+    code tells them apart, so this is for int8 codes only: branch ``div-for-codes-everywhere`` keeps the sign for
+    fp8).  Other scales take :func:`div_by_scalar` (a scalar branch: one path runs)."""
     a = tl.abs(s)
     if (a >= 5.421010862427522e-20) & (a <= 1.8446744073709552e19):
         r = tl.div_rn(1.0, s)
