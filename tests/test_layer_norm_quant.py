@@ -65,11 +65,16 @@ def test_kernel_codes_equal_torch_layer_norm_then_quantize(dtype, operand, fmt):
 
 
 def test_row_chunks_cover_the_row_with_power_of_two_widths():
-    """The kernel holds a row as chunks (CA, CB): CA the largest power of two <= C, CB the next >= the rest."""
-    from tcprec.kernels.triton.layer_norm_quant import chunks
+    """The kernel holds a row as chunks (CA, CB): CA the largest power of two <= C, CB the next >= the rest; the
+    programs' rows and warps are powers of two for every width (Triton compiles no other num_warps)."""
+    from tcprec.kernels.triton.layer_norm_quant import MAX_C, chunks, launch_params
 
     got = [chunks(C) for C in (1, 3, 64, 173, 768, 1280, 3072, 16384)]
     assert got == [(1, 0), (2, 1), (64, 0), (128, 64), (512, 256), (1024, 256), (2048, 1024), (16384, 0)]
+    assert launch_params(768) == (512, 256, 1, 1) and launch_params(3072) == (2048, 1024, 1, 4)
+    for C in range(1, MAX_C + 1):
+        ca, cb, br, warps = launch_params(C)
+        assert ca + cb >= C and ca >= cb and br & (br - 1) == 0 and warps & (warps - 1) == 0 and 1 <= warps <= 16, C
 
 
 @pytest.mark.parametrize("operand, fmt", [("int8", "int8"), ("fp8", "e4m3")])
@@ -278,15 +283,18 @@ def _aot_main():
 
     types = dict(x_ptr="*fp16", w_ptr="*fp16", b_ptr="*fp16", scale_ptr="*fp32", out_ptr="*i8", R="i32",
                  stride_xr="i32", stride_xc="i32", eps="fp32")
-    ca, cb = lq.chunks(768)
-    assert (ca, cb) == (512, 256)
-    common = dict(C=768, HAS_W=True, HAS_B=True, BLOCK_R=1, CA=ca, CB=cb)
+    ca, cb, br, warps = lq.launch_params(768)
+    common = dict(C=768, HAS_W=True, HAS_B=True, BLOCK_R=br, CA=ca, CB=cb)
     ptx = compile_ptx(lq._layer_norm_quant_kernel, types,
                       dict(common, ROUND=lq.ROUND_FP16.value, FP8=False, LO=-128, HI=127, OFFSET=0, SHIFT=0, ENC=1,
-                           BITS=8, **lq._NO_F8), num_warps=1)
+                           BITS=8, **lq._NO_F8), num_warps=warps)
     compile_ptx(lq._layer_norm_quant_kernel, dict(types, x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", out_ptr="*u8"),
                 dict(common, ROUND=lq.ROUND_BF16.value, FP8=True, **lq._NO_INT,
-                     **fp8_constexprs(torch.float8_e4m3fn)), num_warps=1)
+                     **fp8_constexprs(torch.float8_e4m3fn)), num_warps=warps)
+    ca, cb, br, warps = lq.launch_params(3072)  # two chunks on 4 warps (an LLM's width)
+    compile_ptx(lq._layer_norm_quant_kernel, types,
+                dict(common, C=3072, BLOCK_R=br, CA=ca, CB=cb, ROUND=lq.ROUND_FP16.value, FP8=False, LO=-128, HI=127,
+                     OFFSET=0, SHIFT=0, ENC=1, BITS=8, **lq._NO_F8), num_warps=warps)
     print("div.rn.f32" if "div.rn.f32" in ptx else "no div.rn.f32", "OK")
 
 

@@ -37,8 +37,8 @@ from .round import div_by_scalar, fp8_code, fp8_constexprs
 __all__ = ["layer_norm_int8", "layer_norm_fp8", "MAX_C"]
 
 MAX_C = 16384  # the widest row one program holds in registers (a ViT-H's 1280 and an LLM's 4096-8192 fit)
-# columns a warp: BLOCK_R = max(1, _TILE // next_power_of_2(CA + CB)) rows a program, one warp a _TILE columns of a
-# row (up to 16).  For C = 768 one row a program on one warp ran 12.6 us against 12.8-14.7 for 2-16 rows on 1-8 warps
+# columns a warp (launch_params): BLOCK_R = max(1, _TILE // next_power_of_2(CA + CB)) rows a program, one warp a
+# _TILE columns (up to 16).  For C = 768 one row a program on one warp ran 12.6 us against 12.8-14.7 for 2-16 rows on 1-8 warps
 # (H200, 12608 rows, fp16 in, int8 codes out; 15.8 us with the row as one masked 1024-column block, 4 rows, 4 warps:
 # decision 0169)
 _TILE = 1024
@@ -171,13 +171,21 @@ def _check(x: torch.Tensor, weight, bias, scale: torch.Tensor, what: str) -> tup
     return R, C
 
 
+def launch_params(C: int) -> tuple[int, int, int, int]:
+    """(CA, CB, BLOCK_R, num_warps) for rows of C columns: the chunks, max(1, _TILE // W) rows a program and one warp
+    a _TILE of the program's W-wide rows (W = next_power_of_2(CA + CB); up to 16 warps), both powers of two as Triton
+    needs (num_warps = 3 for C = 3072 does not compile)."""
+    ca, cb = chunks(C)
+    width = next_power_of_2(ca + cb)
+    br = max(1, _TILE // width)
+    return ca, cb, br, max(1, min(16, br * width // _TILE))
+
+
 def _launch(x, weight, bias, eps: float, scale, out, fp8: bool, fmt_kw: dict) -> None:
     R, C = x.shape
     if R == 0:
         return
-    ca, cb = chunks(C)
-    br = max(1, _TILE // next_power_of_2(ca + cb))
-    warps = max(1, min(16, br * (ca + cb) // _TILE))
+    ca, cb, br, warps = launch_params(C)
     w = weight.contiguous() if weight is not None else None
     b = bias.contiguous() if bias is not None else None
     _layer_norm_quant_kernel[(cdiv(R, br),)](
