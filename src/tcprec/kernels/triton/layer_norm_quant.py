@@ -38,9 +38,9 @@ __all__ = ["layer_norm_int8", "layer_norm_fp8", "MAX_C"]
 
 MAX_C = 16384  # the widest row one program holds in registers (a ViT-H's 1280 and an LLM's 4096-8192 fit)
 # columns a warp (launch_params): BLOCK_R = max(1, _TILE // next_power_of_2(CA + CB)) rows a program, one warp a
-# _TILE columns (up to 16).  For C = 768 one row a program on one warp ran 12.6 us against 12.8-14.7 for 2-16 rows on 1-8 warps
-# (H200, 12608 rows, fp16 in, int8 codes out; 15.8 us with the row as one masked 1024-column block, 4 rows, 4 warps:
-# decision 0169)
+# _TILE columns (up to 16).  For C = 768 one row a program on one warp ran 12.6 us against 12.8-14.7 for 2-16 rows
+# on 1-8 warps (H200, 12608 rows, fp16 in, int8 codes out; 15.8 us with the row as one masked 1024-column block, 4
+# rows, 4 warps: decision 0169)
 _TILE = 1024
 
 
