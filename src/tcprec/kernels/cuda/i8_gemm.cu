@@ -523,20 +523,26 @@ i8_gemm(const __grid_constant__ TensorMap tmA,   // (M, K) int8 a, box (BM rows,
                 }
     };
 
+    // this lane's scales and biases of the G = size of sc column groups g0 .. g0 + G - 1 (fragment layout: columns
+    // 8g + 2 t4, + 1 of each), from the consumer's shared buffer
+    auto load_scale_bias = [&](int g0, auto& sc, auto& bi) {
+        constexpr int G = sizeof(sc) / sizeof(sc[0]);
+#pragma unroll
+        for (int k = 0; k < G; ++k) {
+            const int cc = 8 * (g0 + k) + 2 * t4;
+            sc[k] = *reinterpret_cast<const float2*>(sh_sc + cc);
+            bi[k] = *reinterpret_cast<const float2*>(sh_bi + cc);
+        }
+    };
+
     // ---- the fast epilogue, full fp16 tiles: 16-byte stores of 8 consecutive columns a lane; column block jb ----
     auto fast_block = [&](int m0, int n0, int jb, const int (&vv)[MA][8][4]) {
         unsigned short* o16 = reinterpret_cast<unsigned short*>(out);
 #pragma unroll
         for (int jh = 0; jh < 2; ++jh) {
             const int j = 2 * jb + jh;
-            // this lane's columns of groups 4j .. 4j + 3 (fragment layout): 8 scales, 8 biases from shared memory
-            float2 sc[4], bi[4];
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                const int cc = 8 * (4 * j + k) + 2 * t4;
-                sc[k] = *reinterpret_cast<const float2*>(sh_sc + cc);
-                bi[k] = *reinterpret_cast<const float2*>(sh_bi + cc);
-            }
+            float2 sc[4], bi[4];  // groups 4j .. 4j + 3: 8 scales, 8 biases
+            load_scale_bias(4 * j, sc, bi);
             const int col = n0 + 8 * (4 * j + t4);  // after the transpose: group 4j + t4, 8 columns
             uint4 rr[MA][2];
             if (RES) {  // issued first: their latency overlaps the math below
@@ -573,14 +579,8 @@ i8_gemm(const __grid_constant__ TensorMap tmA,   // (M, K) int8 a, box (BM rows,
     // ---- the fast epilogue, full int8-code tiles: 16-byte stores of 16 consecutive codes a lane; column block j ----
     auto fast_codes_block = [&](int m0, int n0, int j, const int (&vv)[MA][8][4]) {
         signed char* o8 = reinterpret_cast<signed char*>(out);
-        // this lane's columns of groups 8j .. 8j + 7 (fragment layout): 16 scales, 16 biases from shared memory
-        float2 sc[8], bi[8];
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            const int cc = 8 * (8 * j + k) + 2 * t4;
-            sc[k] = *reinterpret_cast<const float2*>(sh_sc + cc);
-            bi[k] = *reinterpret_cast<const float2*>(sh_bi + cc);
-        }
+        float2 sc[8], bi[8];  // groups 8j .. 8j + 7: 16 scales, 16 biases
+        load_scale_bias(8 * j, sc, bi);
         const int col = n0 + 8 * (8 * j + 2 * t4);  // after the transpose: groups 8j + 2 t4 and 8j + 2 t4 + 1
 #pragma unroll
         for (int ma = 0; ma < MA; ++ma)
@@ -610,21 +610,18 @@ i8_gemm(const __grid_constant__ TensorMap tmA,   // (M, K) int8 a, box (BM rows,
     // epilogue ~75 KB of straight-line code run once a tile, and the consumer stalled on instruction fetch (ncu: 44% of
     // its cycles); looping over the blocks keeps one block's code in the instruction cache (decision 0164).  Without
     // the GELU the code is small and the unrolled loop (no selects) is faster.
+    auto one_block = [&](int m0, int n0, int jb) {
+        int vv[MA][8][4];
+        pick_block(jb, vv);
+        if (OUT == OUT_I8) fast_codes_block(m0, n0, jb, vv); else fast_block(m0, n0, jb, vv);
+    };
     auto fast_blocks = [&](int m0, int n0) {
         if constexpr (GELU) {
 #pragma unroll 1
-            for (int jb = 0; jb < NT / 8; ++jb) {
-                int vv[MA][8][4];
-                pick_block(jb, vv);
-                if (OUT == OUT_I8) fast_codes_block(m0, n0, jb, vv); else fast_block(m0, n0, jb, vv);
-            }
+            for (int jb = 0; jb < NT / 8; ++jb) one_block(m0, n0, jb);
         } else {
 #pragma unroll
-            for (int jb = 0; jb < NT / 8; ++jb) {
-                int vv[MA][8][4];
-                pick_block(jb, vv);
-                if (OUT == OUT_I8) fast_codes_block(m0, n0, jb, vv); else fast_block(m0, n0, jb, vv);
-            }
+            for (int jb = 0; jb < NT / 8; ++jb) one_block(m0, n0, jb);
         }
     };
     // the consumer's epilogue of rows [m0, m0 + WM) x [n0, n0 + BN)
