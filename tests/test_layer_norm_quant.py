@@ -283,18 +283,21 @@ def _aot_main():
 
     types = dict(x_ptr="*fp16", w_ptr="*fp16", b_ptr="*fp16", scale_ptr="*fp32", out_ptr="*i8", R="i32",
                  stride_xr="i32", stride_xc="i32", eps="fp32")
-    ca, cb, br, warps = lq.launch_params(768)
-    common = dict(C=768, HAS_W=True, HAS_B=True, BLOCK_R=br, CA=ca, CB=cb)
-    ptx = compile_ptx(lq._layer_norm_quant_kernel, types,
-                      dict(common, ROUND=lq.ROUND_FP16.value, FP8=False, LO=-128, HI=127, OFFSET=0, SHIFT=0, ENC=1,
-                           BITS=8, **lq._NO_F8), num_warps=warps)
-    compile_ptx(lq._layer_norm_quant_kernel, dict(types, x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", out_ptr="*u8"),
-                dict(common, ROUND=lq.ROUND_BF16.value, FP8=True, **lq._NO_INT,
-                     **fp8_constexprs(torch.float8_e4m3fn)), num_warps=warps)
-    ca, cb, br, warps = lq.launch_params(3072)  # two chunks on 4 warps (an LLM's width)
-    compile_ptx(lq._layer_norm_quant_kernel, types,
-                dict(common, C=3072, BLOCK_R=br, CA=ca, CB=cb, ROUND=lq.ROUND_FP16.value, FP8=False, LO=-128, HI=127,
-                     OFFSET=0, SHIFT=0, ENC=1, BITS=8, **lq._NO_F8), num_warps=warps)
+    def build(C, fp8):
+        ca, cb, br, warps = lq.launch_params(C)
+        consts = dict(C=C, HAS_W=True, HAS_B=True, BLOCK_R=br, CA=ca, CB=cb)
+        if fp8:
+            sig = dict(types, x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", out_ptr="*u8")
+            consts.update(ROUND=lq.ROUND_BF16.value, FP8=True, **lq._NO_INT, **fp8_constexprs(torch.float8_e4m3fn))
+        else:
+            sig = types
+            consts.update(ROUND=lq.ROUND_FP16.value, FP8=False, LO=-128, HI=127, OFFSET=0, SHIFT=0, ENC=1, BITS=8,
+                          **lq._NO_F8)
+        return compile_ptx(lq._layer_norm_quant_kernel, sig, consts, num_warps=warps)
+
+    ptx = build(768, False)
+    build(768, True)
+    build(3072, False)  # two chunks on 4 warps (an LLM's width)
     print("div.rn.f32" if "div.rn.f32" in ptx else "no div.rn.f32", "OK")
 
 
