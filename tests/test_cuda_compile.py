@@ -536,3 +536,23 @@ def _src_dir():
     import tcprec
 
     return pathlib.Path(tcprec.__file__).resolve().parent.parent
+
+
+def test_cuda_sources_have_no_generic_lambdas():
+    """A lambda with ``auto`` parameters inside a kernel compiles with NVRTC 13.5 but not with 13.0 (the H200 image's),
+    which takes it for a host function in JIT mode ("host functions are not allowed in JIT mode"): one slipped
+    into i8_gemm.cu once, and CI, compiling with a newer NVRTC, did not see it.  Device helpers generic in a type are
+    function templates."""
+    import re
+    from pathlib import Path
+
+    import tcprec.kernels.cuda as kc
+
+    generic = re.compile(r"\[[&=]?[^\]]*\]\s*\(([^)]*)\)")
+    found = []
+    for path in sorted(Path(kc.__file__).parent.glob("*.cu*")):
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            for m in generic.finditer(line):
+                if re.search(r"\bauto\b", m.group(1)):
+                    found.append(f"{path.name}:{i}: {line.strip()}")
+    assert not found, "generic lambdas (NVRTC 13.0 rejects them; write a template __device__ function):\n" + "\n".join(found)

@@ -275,6 +275,19 @@ __device__ __forceinline__ u32 add_res(u32 h, u32 r) {
     const float hi = __fadd_rn(f16_to_f32((unsigned short)(h >> 16)), f16_to_f32((unsigned short)(r >> 16)));
     return pack_f16(lo, hi);
 }
+// a lane's scales and biases of the G column groups g0 .. g0 + G - 1 (fragment layout: columns 8g + 2 t4, + 1 of
+// each), from a consumer's shared buffer.  (A function template, not a lambda with `auto&` parameters: NVRTC 13.0
+// takes such a lambda in a kernel for a host function in JIT mode and fails; 13.5 compiles it.)
+template <int G>
+__device__ __forceinline__ void scale_bias_groups(const float* sh_sc, const float* sh_bi, int g0, int t4,
+                                                  float2 (&sc)[G], float2 (&bi)[G]) {
+#pragma unroll
+    for (int k = 0; k < G; ++k) {
+        const int cc = 8 * (g0 + k) + 2 * t4;
+        sc[k] = *reinterpret_cast<const float2*>(sh_sc + cc);
+        bi[k] = *reinterpret_cast<const float2*>(sh_bi + cc);
+    }
+}
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 
 }  // namespace i8g
@@ -523,18 +536,6 @@ i8_gemm(const __grid_constant__ TensorMap tmA,   // (M, K) int8 a, box (BM rows,
                 }
     };
 
-    // this lane's scales and biases of the G = size of sc column groups g0 .. g0 + G - 1 (fragment layout: columns
-    // 8g + 2 t4, + 1 of each), from the consumer's shared buffer
-    auto load_scale_bias = [&](int g0, auto& sc, auto& bi) {
-        constexpr int G = sizeof(sc) / sizeof(sc[0]);
-#pragma unroll
-        for (int k = 0; k < G; ++k) {
-            const int cc = 8 * (g0 + k) + 2 * t4;
-            sc[k] = *reinterpret_cast<const float2*>(sh_sc + cc);
-            bi[k] = *reinterpret_cast<const float2*>(sh_bi + cc);
-        }
-    };
-
     // ---- the fast epilogue, full fp16 tiles: 16-byte stores of 8 consecutive columns a lane; column block jb ----
     auto fast_block = [&](int m0, int n0, int jb, const int (&vv)[MA][8][4]) {
         unsigned short* o16 = reinterpret_cast<unsigned short*>(out);
@@ -542,7 +543,7 @@ i8_gemm(const __grid_constant__ TensorMap tmA,   // (M, K) int8 a, box (BM rows,
         for (int jh = 0; jh < 2; ++jh) {
             const int j = 2 * jb + jh;
             float2 sc[4], bi[4];  // groups 4j .. 4j + 3: 8 scales, 8 biases
-            load_scale_bias(4 * j, sc, bi);
+            scale_bias_groups(sh_sc, sh_bi, 4 * j, t4, sc, bi);
             const int col = n0 + 8 * (4 * j + t4);  // after the transpose: group 4j + t4, 8 columns
             uint4 rr[MA][2];
             if (RES) {  // issued first: their latency overlaps the math below
@@ -580,7 +581,7 @@ i8_gemm(const __grid_constant__ TensorMap tmA,   // (M, K) int8 a, box (BM rows,
     auto fast_codes_block = [&](int m0, int n0, int j, const int (&vv)[MA][8][4]) {
         signed char* o8 = reinterpret_cast<signed char*>(out);
         float2 sc[8], bi[8];  // groups 8j .. 8j + 7: 16 scales, 16 biases
-        load_scale_bias(8 * j, sc, bi);
+        scale_bias_groups(sh_sc, sh_bi, 8 * j, t4, sc, bi);
         const int col = n0 + 8 * (8 * j + 2 * t4);  // after the transpose: groups 8j + 2 t4 and 8j + 2 t4 + 1
 #pragma unroll
         for (int ma = 0; ma < MA; ++ma)
