@@ -169,8 +169,8 @@ def test_default_variants_do_not_spill(cache):
 
 
 def test_conv_wide_tile_rule_and_no_spills(cache):
-    """Implicit convolutions of w1a2 on 64 columns with >= 2 tiles an SM take three MMA warpgroups (bm = 192, 3
-    stages); wider N, more weight classes or a small M keep the picked tile; the wide variants compile without
+    """Implicit convolutions of w1a2 on 64 columns with >= 2 tiles an SM, and plain GEMMs of one K step, take three
+    MMA warpgroups (bm = 192, 3 stages); wider N, more weight classes or a small M keep the picked tile; the wide variants compile without
     spills (512 threads: ptxas caps them at 128 registers)."""
     from tcprec.kernels.cuda import bmma_gemm as L
 
@@ -183,8 +183,14 @@ def test_conv_wide_tile_rule_and_no_spills(cache):
     assert wide[2].tile.bm == 192  # w1a1: one class, 128 columns
     for v in (pick(2, 1, 8 * 56 * 56, 64), pick(2, 1, 200704, 128), pick(2, 2, 802816, 64)):
         assert v.tile.bm != 192, str(v)
-    plain = L._variant_for(2, 1, False, False, 802816, 64, "packed", 2, "unsigned", None, 132, "sm_90a", 18)
-    assert plain.tile.bm == 128  # plain GEMMs keep the two-warpgroup tile
+    def plain(kw, M=802816):
+        return L._variant_for(2, 1, False, False, M, 64, "packed", 2, "unsigned", None, 132, "sm_90a", kw, False,
+                              False, False, True)
+
+    # a plain GEMM of one 1024-bit K step (a 1x1 convolution's: 64 channels, 2 words that hold data) is wide too;
+    # two or more steps, or too few tiles, keep the two-warpgroup tile
+    assert plain(2).tile.bm == 192 and plain(32).tile.bm == 192
+    assert plain(48).tile.bm == 128 and plain(None).tile.bm == 128 and plain(2, 8 * 56 * 56).tile.bm == 128
     for v in wide:
         _, log = L.compile_variant(v, "sm_90a")
         assert _spill_bytes(log) == 0 and "0 bytes stack frame" in log, (str(v), log[-400:])
