@@ -1263,10 +1263,12 @@ bmma_gemm(
     [[maybe_unused]] const u64 d_ones = smem_desc(smem_base + ONES_OFF);  // TCP_ROWSUM: the all-ones B tile
     // (a 1x1 convolution of 64 channels: 2 data words of a 32-word step, so one slice of four; ResNet-50 w1a2's
     // stage-0 conv3 at batch 256: 500 -> 472 us)
+    // The slices go last to first: the group's last wgmma (slice 0's, never skipped) is then unconditional, and ptxas
+    // closes the group on it (in first-to-last order it appended a predicated-off HGMMA to close it).
     auto mma_stage = [&](u64 dA, u64 dW, int kw0) {  // kw0: the step's first K word
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < KK; ++kk)
+        for (int kk = KK - 1; kk >= 0; --kk)
             if (kk == 0 || kw0 + kk * 8 < kw_data)  // (warpgroup-uniform)
 #pragma unroll
             for (int i = 0; i < P; ++i)
