@@ -1031,18 +1031,3 @@ def test_bitserial_routes_equal_exact(geo, C):
     y = qconv._conv2d_impl(qx, qw, out_dtype=torch.int32, _gemm=gemm, **geo)
     assert seen == [(on, on, on)]
     assert torch.equal(y.long(), _exact(qx, qw, **geo).long())
-
-
-def test_bitserial_reference_checks_the_k_words_promise():
-    """``k_words`` promises zero words past the first k_words of every A and W row (the pointwise route passes
-    ceil(C / 32), the GEMM then skips the rest): the reference keeps the result and refuses a broken promise."""
-    g = torch.Generator().manual_seed(0)
-    a = pack_bitplanes(torch.randint(0, 4, (9, 70), generator=g, dtype=torch.int32), 2, validate=False)
-    w = pack_bitplanes(torch.randint(0, 2, (5, 70), generator=g, dtype=torch.int32), 1, validate=False)
-    args = [a, w, False, False, 1, None, None, None, None, None, False, "int32", 1, "unsigned", None]
-    full = rq.bmma_gemm_reference(*args)
-    assert a.shape[2] == 16 and torch.equal(rq.bmma_gemm_reference(*args, k_words=3), full)
-    with pytest.raises(ValueError, match="a_planes and w_planes hold set bits past word 2"):
-        rq.bmma_gemm_reference(*args, k_words=2)  # 70 bits are 3 words
-    with pytest.raises(ValueError, match="a plain GEMM only"):
-        rq.bmma_gemm_reference(*args, conv=[1] * 13, k_words=3)

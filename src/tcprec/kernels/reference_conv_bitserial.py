@@ -177,7 +177,7 @@ def check_conv_row_scale(conv, row_scale) -> None:
 
 def bmma_gemm_reference(a_planes, w_planes, a_twos, w_twos, ss, row_term, col_term, row_scale, col_scale, bias,
                         relu, out_kind, out_bits, out_encoding, out_scale, tile="", leaky_slope=0.0, pdl=True,
-                        conv=None, residual=None, out_compact=False, dual_out=None, row_affine=None, k_words=None):
+                        conv=None, residual=None, out_compact=False, dual_out=None, row_affine=None):
     """``torch.ops.tcprec.bmma_gemm``'s contract in plain torch (same arguments, same result):
     ``C = ss * S + row_term[m] + col_term[n]`` (int32), then the float or packed epilogue.  ``tile`` and ``pdl``
     (how the kernel launches) do not change the result and are ignored.  With ``conv`` the A operand is
@@ -186,15 +186,8 @@ def bmma_gemm_reference(a_planes, w_planes, a_twos, w_twos, ss, row_term, col_te
     ``dual_out`` (16-bit float out_kind): also filled with the compact planes of the output's codes;
     ``row_affine = (row_mul, row_add)`` instead of ``row_term``: ``row_term = row_mul * R + row_add`` with R the
     weighted popcount of A's rows as multiplied (int32, wrapping like the kernel's); a ``row_scale`` with ``conv`` is
-    refused as the kernel refuses it (:func:`check_conv_row_scale`); ``k_words`` (a plain GEMM): the caller's promise
-    that the words of A's and W's rows past the first ``k_words`` are zero, which the kernel need not read -- checked
-    here (ValueError when broken), so a caller's tests catch a wrong promise."""
+    refused as the kernel refuses it (:func:`check_conv_row_scale`)."""
     check_conv_row_scale(conv, row_scale)
-    if k_words is not None:
-        bad = [n for n, t in (("a_planes", a_planes), ("w_planes", w_planes)) if t[:, :, k_words:].any()]
-        if conv is not None or bad:
-            raise ValueError(f"k_words={k_words}: " + ("a plain GEMM only (conv=None)" if conv is not None else
-                             f"{' and '.join(bad)} hold set bits past word {k_words}; pass k_words=None"))
     if conv is not None:
         a_planes = implicit_conv_rows(a_planes, w_planes, conv)
     if row_affine is not None:

@@ -272,7 +272,7 @@ def _bitserial(a: QTensor, w: QTensor, M, K, N, fa, fw, *, out_kind, row_scale=N
         a_planes, w_planes, fa.encoding == "twos", fw.encoding == "twos", ss, row_term, col_term,
         row_scale, col_scale, bias, bool(relu), out_kind,
         out_fmt.bits if out_fmt is not None else 1, out_fmt.encoding if out_fmt is not None else "unsigned",
-        out_scale, tile, float(leaky_slope), k_words=-(-K // 32),  # (the words past K are zero: not multiplied)
+        out_scale, tile, float(leaky_slope),
     )
 
 

@@ -573,7 +573,6 @@ def _bitserial(plan: ConvPlan, xs: _X, pw: PackedConvWeight, col, bias, out_scal
             planes = BitPlanes().padded(planes, g.C)
         a_planes = planes  # the input planes are the GEMM operand (Kw_col = packed_words(C)); row sums in the kernel
         extra["row_affine"] = row_affine
-        extra["k_words"] = -(-g.C // 32)  # the words past the channels are zero in both operands: not multiplied
     else:
         a_planes, row_term = im2col_bits(planes, g, twos=fa.encoding == "twos", rowsum=need_row,
                                          row_mul=row_mul, row_add=row_add)  # (p, M, Kw_col), (M,)

@@ -3,9 +3,7 @@
 //   C[m, n] = sum_k  a[m, k] * w[n, k]          a: P-bit codes (M, K), w: Q-bit codes (N, K)
 //
 // Both operands arrive as bit planes (tcprec.packing): A planes (P, M, Kw), W planes (Q, N, Kw),
-// int32 words, LSB-first, K zero-padded to a multiple of 512 bits.  The first kw_data words of a row hold
-// the data, the rest are zero in both operands: the kernel multiplies only the 256-bit slices that reach into
-// [0, kw_data) (a 1x1 convolution of 64 channels: one slice of a 1024-bit step).  Plane i holds bit i of the
+// int32 words, LSB-first, K zero-padded to a multiple of 512 bits.  Plane i holds bit i of the
 // stored code pattern.  With plane weights  wt_i = 2^i  (and wt_{P-1} = -2^(P-1) for two's
 // complement codes) the weighted code  v = sum_i wt_i * bit_i  is the value for twos / unsigned
 // codes and the code index u for pm1 codes (value = 2u - (2^P - 1)); the affine part of pm1 is
@@ -776,8 +774,7 @@ bmma_gemm(
           int ldp,
           int* __restrict__ split_ws,  // TCP_SPLIT: a counter a tile, then M x N sums (all zero on entry and exit)
           int splits,                  // TCP_SPLIT: blocks a tile (K runs)
-          int row_mul, int row_add,  // TCP_ROWSUM: row term = row_mul * R[m] + row_add (int32, wrapping)
-          int kw_data) {  // K words [0, kw_data) may hold set bits; the words past it are zero in A and W alike
+          int row_mul, int row_add) {  // TCP_ROWSUM: row term = row_mul * R[m] + row_add (int32, wrapping)
     extern __shared__ __align__(128) unsigned char smem[];
     [[maybe_unused]] const ConvGeo geo = conv_geo(cv_H, cv_W, cv_Kin, cv_CWT, cv_S, cv_RS, cv_sh, cv_sw, cv_ph, cv_pw,
                                                   cv_dh, cv_dw, cv_PQ, cv_Q, cv_plane);
@@ -809,9 +806,7 @@ bmma_gemm(
         n0 = ((full ? in / GROUP_M : in / gm) * CN + rn) * BN;
     };
 
-    // BK-bit steps over the K words that hold data (Kw, a multiple of 16, is the rows' pitch); the zero words past
-    // kw_data contribute nothing, so neither steps nor 256-bit slices of a step past it are multiplied
-    const int k_tiles = (kw_data + WPS - 1) / WPS;
+    const int k_tiles = (Kw + WPS - 1) / WPS;  // BK-bit steps (Kw is a multiple of 16 words)
     // wgmma's 128-byte swizzle needs 1024-byte aligned tiles (the loader allocates 1 KB extra)
     const u32 smem_raw = (u32)__cvta_generic_to_shared(smem);
     const u32 smem_base = WGMMA ? (smem_raw + 1023u) & ~1023u : smem_raw;
@@ -1261,15 +1256,10 @@ bmma_gemm(
     // ---- one pipeline stage on the tensor cores (both wgmma pipelines): every plane pair's wgmmas over the
     // stage's KK k-steps from the A / W descriptors dA, dW (the warpgroup's slabs), committed as one group ----
     [[maybe_unused]] const u64 d_ones = smem_desc(smem_base + ONES_OFF);  // TCP_ROWSUM: the all-ones B tile
-    // (a 1x1 convolution of 64 channels: 2 data words of a 32-word step, so one slice of four; ResNet-50 w1a2's
-    // stage-0 conv3 at batch 256: 500 -> 472 us)
-    // The slices go last to first: the group's last wgmma (slice 0's, never skipped) is then unconditional, and ptxas
-    // closes the group on it (in first-to-last order it appended a predicated-off HGMMA to close it).
-    auto mma_stage = [&](u64 dA, u64 dW, int kw0) {  // kw0: the step's first K word
+    auto mma_stage = [&](u64 dA, u64 dW) {
         wgmma_fence();
 #pragma unroll
-        for (int kk = KK - 1; kk >= 0; --kk)
-            if (kk == 0 || kw0 + kk * 8 < kw_data)  // (warpgroup-uniform)
+        for (int kk = 0; kk < KK; ++kk)
 #pragma unroll
             for (int i = 0; i < P; ++i)
 #pragma unroll
@@ -1422,7 +1412,7 @@ bmma_gemm(
                 mbar_wait(full0 + 8 * s, (g / RING) & 1);
                 const u32 sA = smem_base + s * STAGE_BYTES, sW = sA + A_STAGE;
                 const u64 dA = smem_desc(sA + slab * 64 * ROW_BYTES), dW = smem_desc(sW);
-                mma_stage(dA, dW, kt * WPS);
+                mma_stage(dA, dW);
                 wgmma_wait<1>();  // step g-1's wgmmas are done: release its stage in every block that fills it
                 if (kt > 0) release(g - 1);
             }
@@ -1515,7 +1505,7 @@ bmma_gemm(
 
         const u32 sA = smem_base + (kt % STAGES) * STAGE_BYTES, sW = sA + A_STAGE;
         const u64 dA = smem_desc(sA + slab * 64 * ROW_BYTES), dW = smem_desc(sW + wn * (NT * 8) * ROW_BYTES);
-        mma_stage(dA, dW, kt * WPS);
+        mma_stage(dA, dW);
         wgmma_wait<1>();  // step kt-1's wgmmas are done: its slot may be refilled after the next barrier
     }
     wgmma_wait<0>();

@@ -535,22 +535,18 @@ def _swizzle_128b():
 
 
 class _Address:
-    """An int32 CUDA tensor's address, shape, strides and dtype (``__cuda_array_interface__``) without the tensor."""
+    """A contiguous int32 CUDA tensor's address, shape and dtype (``__cuda_array_interface__``) without the tensor."""
 
     def __init__(self, t: torch.Tensor):
-        strides = None if t.is_contiguous() else tuple(4 * s for s in t.stride())
         self.__cuda_array_interface__ = {"shape": tuple(t.shape), "typestr": "<i4", "data": (t.data_ptr(), False),
-                                         "strides": strides, "version": 3}
+                                         "strides": None, "version": 3}
 
 
-def tensor_map(planes: torch.Tensor, box_rows: int, words: Optional[int] = None):
+def tensor_map(planes: torch.Tensor, box_rows: int):
     """The TMA descriptor of a contiguous ``(planes, rows, Kw)`` int32 bit-plane tensor with a box of one
     plane x ``box_rows`` rows x 32 words (128 bytes: one K step of the wgmma kernel), 128-byte swizzled as
-    wgmma reads it; out-of-bounds boxes read zeros.  ``words`` < Kw: the map covers the first ``words`` words of
-    each row only (the rest read as zeros, never fetched).  Memoised on (address, shape, words, box): under a CUDA
-    graph the same buffers come back, and a map describes nothing but those."""
-    if words is not None and words < planes.shape[2]:
-        planes = planes[:, :, :words]
+    wgmma reads it; out-of-bounds boxes read zeros.  Memoised on (address, shape, box): under a CUDA graph
+    the same buffers come back, and a map describes nothing but those."""
     key = (planes.data_ptr(), tuple(planes.shape), box_rows, planes.device.index)
     m = _tmaps.get(key)
     if m is None:
@@ -632,14 +628,13 @@ def conv_args(conv, a_planes) -> tuple:
 def launch_bmma(variant: Variant, a_planes, w_planes, out, M: int, N: int, Kw: int, ldo: int, *, ss: int = 1,
                 relu: bool = False, row_term=None, col_term=None, row_scale=None, col_scale=None, bias=None,
                 out_scale=None, leaky_slope: float = 0.0, pdl: bool = True, conv=None, residual=None,
-                dual_out=None, row_affine=None, k_words: Optional[int] = None) -> None:
+                dual_out=None, row_affine=None) -> None:
     """Launch ``variant`` on the current stream of ``out``'s device.  Every tensor must already be
     contiguous, on that device, of the kernel's dtype (see bmma_gemm.cu's parameter list).  The packed
     epilogue of OB <= 3 bits without a row scale first computes its integer threshold words
     (:func:`code_thresholds`) when the problem has :data:`INT_THRESHOLD_TILES_PER_SM` tiles an SM; else (and
     with a row scale) it keeps the float path.  ``pdl`` (sm_90+): launch with programmatic stream serialization
-    (measured above this function).  ``k_words``: the K words that hold data (default Kw; see :func:`_bmma_gemm`)."""
-    kw_data = Kw if k_words is None else k_words
+    (measured above this function)."""
     dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
     kernel = get_kernel(variant, dev)
     col_thr = None
@@ -653,7 +648,7 @@ def launch_bmma(variant: Variant, a_planes, w_planes, out, M: int, N: int, Kw: i
         blocks = min(blocks, device_sms(out.device)[0] // cs * cs)
     splits, ws = 1, None
     if t.split > 1:  # split-K: t.split runs of K steps (fewer when K has fewer steps), blocks a tile
-        steps = k_steps(t, kw_data)
+        steps = k_steps(t, Kw)
         per = -(-steps // min(t.split, steps))
         splits = -(-steps // per)  # every run non-empty
         if blocks > SPLIT_COUNTERS:
@@ -675,13 +670,13 @@ def launch_bmma(variant: Variant, a_planes, w_planes, out, M: int, N: int, Kw: i
     maps = ()
     if t.tma:  # the implicit convolution gathers A itself: W's map stands in for A's
         w_map = tensor_map(w_planes, t.bn // t.cluster[0])
-        maps = (w_map if conv is not None else tensor_map(a_planes, t.bm // t.cluster[1], kw_data), w_map)
+        maps = (w_map if conv is not None else tensor_map(a_planes, t.bm // t.cluster[1]), w_map)
     launch(kernel, cfg, out.device, *maps, ptr(a_planes), ptr(w_planes), ptr(out), ptr(row_term), ptr(col_term),
            ptr(row_scale), ptr(col_scale), ptr(bias), ptr(out_scale), ptr(col_thr), ptr(residual),
            np.int32(M), np.int32(N), np.int32(Kw), np.int32(ldo), np.int32(ss), np.int32(int(relu)),
            np.float32(leaky_slope), *conv_args(conv, a_planes), ptr(dual_out),
            np.int32(dual_out.shape[2] if dual_out is not None else 0), ptr(ws), np.int32(splits),
-           np.int32(row_mul), np.int32(row_add), np.int32(kw_data))
+           np.int32(row_mul), np.int32(row_add))
 
 
 _split_ws: dict = {}
@@ -786,7 +781,6 @@ def _bmma_gemm(
     out_compact: bool = False,  # packed: rows of ceil(N / 32) words, without the padding to 512 bits
     dual_out: Optional[torch.Tensor] = None,  # float16 / bfloat16: also (out_bits, M, ceil(N / 32)) int32 planes
     row_affine: Optional[list[int]] = None,  # (row_mul, row_add): row term from in-kernel row sums (no row_term)
-    k_words: Optional[int] = None,  # the first k_words words of a row hold the data, the rest are zero (default: Kw)
 ) -> torch.Tensor:
     """C = a @ w.T on the binary tensor cores (see bmma_gemm.cu for the exact contract).  Registered as the
     custom op ``torch.ops.tcprec.bmma_gemm``; :func:`gemm_entry` gives eager callers this function itself.
@@ -812,12 +806,7 @@ def _bmma_gemm(
     With ``row_affine = (row_mul, row_add)`` (instead of ``row_term``) the kernel computes the row term itself:
     ``row_term[m] = row_mul * sum_i wt_i popc(A_i[m, :]) + row_add`` over A's rows as multiplied (an implicit
     convolution's gathered windows), the pm1 correction, from the tensor cores (A against all-ones B; bmma_gemm.cu,
-    TCP_ROWSUM) -- no pass over A before the GEMM.
-
-    With ``k_words`` (a plain GEMM, 1 <= k_words <= Kw): the caller's promise that the words past the first
-    ``k_words`` of every A and W row are zero (K = 64 bits padded to 512: 2 of 16 words).  The kernel then neither
-    fetches nor multiplies them: the same result, for less work (ResNet-50 w1a2's 1x1 convolutions of 64-256
-    channels).  Words that break the promise give a wrong result; default: all Kw words."""
+    TCP_ROWSUM) -- no pass over A before the GEMM."""
     check_conv_row_scale(conv, row_scale)
     if a_planes.device.type != "cuda" or w_planes.device.type != "cuda":
         raise ValueError(f"bmma_gemm runs on CUDA tensors, got a_planes on {a_planes.device} and w_planes on "
@@ -834,10 +823,6 @@ def _bmma_gemm(
         M, Kw = conv_rows(a_planes, conv), Kw_w
     elif Kw != Kw_w:
         raise ValueError(f"a_planes and w_planes pack different K: {Kw} vs {Kw_w} words")
-    if k_words is not None and (conv is not None or not isinstance(k_words, int) or not 1 <= k_words <= Kw):
-        raise ValueError(f"k_words must be an int in 1..Kw = 1..{Kw} (the words of a row that hold data) on a plain "
-                         f"GEMM (conv=None), got {k_words!r}" + (" with conv" if conv is not None else "")
-                         + "; pass k_words=None to use every word")
     if out_kind not in OUT_KINDS:
         raise ValueError(f"out_kind must be one of {OUT_KINDS}, got {out_kind!r}")
     if out_compact and out_kind != "packed":
@@ -858,13 +843,12 @@ def _bmma_gemm(
     if M == 0 or N == 0:
         return out
     variant = _variant_for(p, q, a_twos, w_twos, M, N, out_kind, out_bits, out_encoding, tile,
-                           *device_sms(a_planes.device), Kw if k_words is None else k_words, conv is not None,
-                           residual is not None,
+                           *device_sms(a_planes.device), Kw, conv is not None, residual is not None,
                            dual_out is not None, row_affine is not None)
     launch_bmma(variant, a_planes.contiguous(), w_planes.contiguous(), out, M, N, Kw, ldo, ss=ss, relu=relu,
                 row_term=row_term, col_term=col_term, row_scale=row_scale, col_scale=col_scale, bias=bias,
                 out_scale=out_scale, leaky_slope=leaky_slope, pdl=pdl, conv=conv, residual=residual,
-                dual_out=dual_out, row_affine=row_affine, k_words=k_words)
+                dual_out=dual_out, row_affine=row_affine)
     return out
 
 
@@ -980,15 +964,14 @@ def gemm_entry() -> Callable:
 @bmma_gemm.register_fake
 def _(a_planes, w_planes, a_twos, w_twos, ss, row_term, col_term, row_scale, col_scale, bias, relu, out_kind,
       out_bits, out_encoding, out_scale, tile, leaky_slope=0.0, pdl=True, conv=None, residual=None, out_compact=False,
-      row_affine=None, k_words=None):
+      row_affine=None):
     shape, dtype = _out_shape(a_planes, w_planes, out_kind, out_bits, conv, out_compact)
     return a_planes.new_empty(shape, dtype=dtype)
 
 
 @bmma_gemm_dual.register_fake
 def _(a_planes, w_planes, a_twos, w_twos, ss, row_term, col_term, row_scale, col_scale, bias, relu, out_kind,
-      out_bits, out_encoding, out_scale, tile, leaky_slope=0.0, pdl=True, conv=None, residual=None, row_affine=None,
-      k_words=None):
+      out_bits, out_encoding, out_scale, tile, leaky_slope=0.0, pdl=True, conv=None, residual=None, row_affine=None):
     shape, dtype = _out_shape(a_planes, w_planes, out_kind, out_bits, conv)
     return (a_planes.new_empty(shape, dtype=dtype),
             a_planes.new_empty((out_bits, shape[0], -(-w_planes.shape[1] // 32)), dtype=torch.int32))

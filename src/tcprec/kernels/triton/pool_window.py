@@ -38,8 +38,8 @@ __all__ = ["pool_window_int8", "pool_window_pack", "pool_window_fp8", "pooled_si
 _TILE = 4096  # elements a program (int8 / fp8 outputs)
 # codes a program of the bit-plane variant: (BLOCK_R, BLOCK_W, 32) window maxima stay live through the pool, and a
 # 4096-code tile took 114 registers a thread (25% occupancy).  ResNet's stem pool at batch 256 (256 x 112 x 112 x 64
-# fp16 -> 2-bit planes, H200): 4096 codes (64 rows) 365 us, 1024 (16 rows) 241 us, 2048 255 us (s49 scratch scan of
-# rows x warps; 4 warps best)
+# fp16 -> 2-bit planes, H200): 4096 codes (64 rows) 365 us, 1024 (16 rows) 241 us, 2048 255 us (a scan of
+# rows x warps, 4 warps best: docs/decisions/0170)
 _PACK_TILE_CODES = 1024
 _NOSPEC = ["R", "H", "W", "P", "Q"]
 
