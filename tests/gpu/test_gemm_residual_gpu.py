@@ -190,3 +190,38 @@ def test_residual_and_dual_special_values(tile, out_kind, act):
     full = rq.requant_pack(torch.nan_to_num(want.float(), nan=0.0), IntFormat(2, encoding="unsigned"),
                            args[14])
     assert torch.equal(planes, full[:, :, :planes.shape[2]]), (tile, out_kind, act)
+
+
+@pytest.mark.parametrize("tile", ["", "128x64_w8x1_s5_k1024_wg_tma", "192x64_w12x1_s3_k1024_wg_tma",
+                                  "128x128_w8x1_s4_k1024_wg_tma"])
+def test_short_a_rows_on_tma_tiles(tile):
+    """Compact A rows (ceil(K / 32) words, a multiple of 4: a block's dual planes) against full W rows: a TMA tile reads
+    them as they are (its box reads past the row as zeros) and gives the padded rows' result bit for bit, with the
+    residual, the dual planes and the in-kernel row sums (the pointwise route's call); short_rows_ok says so, and a
+    non-TMA tile refuses them."""
+    seen_default = 0
+    for seed, (M, N, Kbits) in enumerate([(20000, 64, 256), (777, 256, 128), (4096, 128, 640)]):
+        args = list(_args(M, N, Kbits, "float16", True, seed))
+        kw = -(-Kbits // 32)
+        short = args[0][:, :, :kw].contiguous()
+        assert short.shape[2] % 4 == 0 and short.shape[2] < args[0].shape[2]
+        args[5] = None  # the row term from the kernel's row sums
+        r = _residual(M, N, "float16", seed)
+        scale = torch.tensor([0.4], device=DEV)
+        args[12], args[14] = 2, scale
+
+        def run(a):
+            d = torch.empty((2, M, -(-N // 32)), dtype=torch.int32, device=DEV)
+            return L._bmma_gemm(a, *args[1:], tile, 0.0, residual=r, dual_out=d, row_affine=[-1, 3]), d
+
+        ok = L.short_rows_ok(short, args[1], False, False, "float16", 2, residual=True, dual=True, rowsum=True)
+        if not tile and not ok:  # (a small problem: the default tile is not a TMA one)
+            with pytest.raises(ValueError, match="read by the TMA tiles only"):
+                run(short)
+            continue
+        seen_default += not tile
+        (y0, d0), (y1, d1) = run(args[0]), run(short)
+        assert torch.equal(y0, y1) and torch.equal(d0, d1), (tile, M, N, Kbits)
+    assert tile or seen_default == 1  # the large problem's default tile is a TMA one
+    with pytest.raises(ValueError, match="read by the TMA tiles only"):
+        L._bmma_gemm(short, *args[1:12], 1, "unsigned", None, "64x64_w2x2_s3_k1024", 0.0)

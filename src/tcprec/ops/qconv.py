@@ -542,9 +542,11 @@ def _fp8_reference(plan: ConvPlan, xs: _X, qw: QTensor) -> torch.Tensor:
     return conv_acc(x, w, g.stride, g.padding, g.dilation).reshape(-1, g.K)
 
 
-def _bitserial(plan: ConvPlan, xs: _X, pw: PackedConvWeight, col, bias, out_scale, gemm, residual=None):
+def _bitserial(plan: ConvPlan, xs: _X, pw: PackedConvWeight, col, bias, out_scale, gemm, residual=None,
+               short_rows=None):
     """The binary tensor-core pipeline: (im2col over planes) -> bmma_gemm with the fused epilogue (and a float
-    output's residual add).  Returns (M, K) int32 / float, or planes, per ``plan.epilogue``."""
+    output's residual add).  Returns (M, K) int32 / float, or planes, per ``plan.epilogue``.  ``short_rows``
+    (``bmma_gemm.short_rows_ok`` with the CUDA GEMM): whether the GEMM takes compact input rows as they are."""
     from ..kernels.triton.im2col_bits import im2col_bits  # TRITON_INTERPRET is read at import
 
     g, fa, fw = plan.geometry, plan.a_fmt, plan.w_fmt
@@ -557,6 +559,7 @@ def _bitserial(plan: ConvPlan, xs: _X, pw: PackedConvWeight, col, bias, out_scal
     row_term, extra = None, {}
     row_mul, row_add = sa * ow, K_true * oa * ow  # the pm1 row term: row_mul * (row sum of A) + row_add
     row_affine = [row_mul, row_add] if need_row else None  # (the implicit / 1x1 routes: row sums in the kernel)
+    kind, relu, slope, ofmt = _bitserial_kind(plan)
     if plan.route == "implicit":
         if pw.conv_planes is None or planes.shape[2] != _input_words(plan):
             raise ValueError(f"the plan gathers windows from {_input_words(plan)}-word planes with the implicit-GEMM "
@@ -569,7 +572,11 @@ def _bitserial(plan: ConvPlan, xs: _X, pw: PackedConvWeight, col, bias, out_scal
         a_planes, w_planes = planes, pw.conv_planes
         extra["row_affine"] = row_affine
     elif plan.route == "pointwise":
-        if xs.compact:  # the GEMM operand needs whole 512-bit rows
+        # whole 512-bit rows, unless the GEMM's TMA tile reads the compact ones as they are (bmma_gemm.short_rows_ok)
+        if xs.compact and not (short_rows is not None and short_rows(
+                planes, w_planes, fa.encoding == "twos", fw.encoding == "twos", kind, ofmt.bits if ofmt else 1,
+                ofmt.encoding if ofmt else "unsigned", residual=residual is not None, dual=plan.dual,
+                rowsum=row_affine is not None)):
             planes = BitPlanes().padded(planes, g.C)
         a_planes = planes  # the input planes are the GEMM operand (Kw_col = packed_words(C)); row sums in the kernel
         extra["row_affine"] = row_affine
@@ -577,7 +584,6 @@ def _bitserial(plan: ConvPlan, xs: _X, pw: PackedConvWeight, col, bias, out_scal
         a_planes, row_term = im2col_bits(planes, g, twos=fa.encoding == "twos", rowsum=need_row,
                                          row_mul=row_mul, row_add=row_add)  # (p, M, Kw_col), (M,)
     col_term = (oa * sw * pw.rowsum).contiguous() if oa != 0 else None  # (K,) int32
-    kind, relu, slope, ofmt = _bitserial_kind(plan)
     if conv is not None:
         extra["conv"] = conv
     if kind == "packed" and plan.out_layout == "compact":  # rows of ceil(K / 32) words for a gathering consumer
@@ -750,14 +756,17 @@ def _run(plan: ConvPlan, xs: _X, qw: QTensor, w, bias, scale, out_scale, residua
     col = _col_scale(xs, w_scale, scale) if out_dtype != torch.int32 or plan.out_fmt is not None else None
 
     if plan.backend == "bitserial":
+        short_rows = None
         if _gemm is None:
             from ..kernels.cuda import bmma_gemm as bg  # (registers torch.ops.tcprec.bmma_gemm)
+
+            short_rows = bg.short_rows_ok
 
             # pdl=False: the GEMM follows its own im2col / quantize pass, which never triggers a programmatic launch,
             # and with it whole networks ran 1-1.5% slower (measured: bmma_gemm.launch_bmma)
             _gemm = functools.partial(bg.gemm_entry(), pdl=False)
         pw = pw if pw is not None else pack_conv_weight(qw)
-        res = _bitserial(plan, xs, pw, col, bias, s_out, _gemm, residual)
+        res = _bitserial(plan, xs, pw, col, bias, s_out, _gemm, residual, short_rows)
         if plan.dual:  # the float output and its compact planes
             y, planes = res
             return planes_qtensor(planes, plan.out_fmt, s_out, (g.N, g.P, g.Q, K), hp=y.reshape(g.N, g.P, g.Q, K))

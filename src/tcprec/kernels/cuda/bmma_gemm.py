@@ -818,11 +818,15 @@ def _bmma_gemm(
         raise ValueError(f"leaky_slope must be finite, got {leaky_slope}")
     p, M, Kw = a_planes.shape
     q, N, Kw_w = w_planes.shape
+    short_a = False
     if conv is not None:
         check_conv(a_planes, w_planes, conv)
         M, Kw = conv_rows(a_planes, conv), Kw_w
     elif Kw != Kw_w:
-        raise ValueError(f"a_planes and w_planes pack different K: {Kw} vs {Kw_w} words")
+        if not (Kw < Kw_w and Kw % 4 == 0):
+            raise ValueError(f"a_planes and w_planes pack different K: {Kw} vs {Kw_w} words (a_planes may have shorter "
+                             "rows, a multiple of 4 words, on a TMA tile: see short_rows_ok)")
+        short_a, Kw = True, Kw_w
     if out_kind not in OUT_KINDS:
         raise ValueError(f"out_kind must be one of {OUT_KINDS}, got {out_kind!r}")
     if out_compact and out_kind != "packed":
@@ -845,11 +849,31 @@ def _bmma_gemm(
     variant = _variant_for(p, q, a_twos, w_twos, M, N, out_kind, out_bits, out_encoding, tile,
                            *device_sms(a_planes.device), Kw, conv is not None, residual is not None,
                            dual_out is not None, row_affine is not None)
+    if short_a and not variant.tile.tma:
+        raise ValueError(f"a_planes rows of {a_planes.shape[2]} words (shorter than w_planes' {Kw}) are read by the TMA "
+                         f"tiles only, and this call runs {variant.tile}; pass full rows (BitPlanes().padded) -- "
+                         "short_rows_ok tells which calls take them")
     launch_bmma(variant, a_planes.contiguous(), w_planes.contiguous(), out, M, N, Kw, ldo, ss=ss, relu=relu,
                 row_term=row_term, col_term=col_term, row_scale=row_scale, col_scale=col_scale, bias=bias,
                 out_scale=out_scale, leaky_slope=leaky_slope, pdl=pdl, conv=conv, residual=residual,
                 dual_out=dual_out, row_affine=row_affine)
     return out
+
+
+def short_rows_ok(a_planes: torch.Tensor, w_planes: torch.Tensor, a_twos: bool, w_twos: bool, out_kind: str,
+                  out_bits: int = 1, out_encoding: str = "unsigned", *, residual: bool = False, dual: bool = False,
+                  rowsum: bool = False) -> bool:
+    """Whether :func:`_bmma_gemm` (plain GEMM, default tile) reads ``a_planes`` whose rows are shorter than
+    ``w_planes``' (compact rows: ceil(K / 32) words, a multiple of 4) as they are: its tile is a TMA one, whose A box
+    reads the words past the row as zeros -- no padded copy of A first (ResNet-50 w1a2: the planes a block writes for
+    the next block's 1x1 conv1, 2 x 802816 rows of 8 words at batch 256)."""
+    Kw, Kw_w = a_planes.shape[2], w_planes.shape[2]
+    if a_planes.device.type != "cuda" or not (Kw < Kw_w and Kw % 4 == 0):
+        return False
+    v = _variant_for(a_planes.shape[0], w_planes.shape[0], a_twos, w_twos, a_planes.shape[1], w_planes.shape[1],
+                     out_kind, out_bits, out_encoding, "", *device_sms(a_planes.device), Kw_w, False, residual, dual,
+                     rowsum)
+    return v.tile.tma
 
 
 def _check_row_affine(row_affine, row_term) -> tuple[int, int]:
