@@ -560,6 +560,8 @@ def _bitserial(plan: ConvPlan, xs: _X, pw: PackedConvWeight, col, bias, out_scal
     row_mul, row_add = sa * ow, K_true * oa * ow  # the pm1 row term: row_mul * (row sum of A) + row_add
     row_affine = [row_mul, row_add] if need_row else None  # (the implicit / 1x1 routes: row sums in the kernel)
     kind, relu, slope, ofmt = _bitserial_kind(plan)
+    out_bits, out_enc = (ofmt.bits, ofmt.encoding) if ofmt is not None else (1, "unsigned")
+    twos_a, twos_w = fa.encoding == "twos", fw.encoding == "twos"
     if plan.route == "implicit":
         if pw.conv_planes is None or planes.shape[2] != _input_words(plan):
             raise ValueError(f"the plan gathers windows from {_input_words(plan)}-word planes with the implicit-GEMM "
@@ -574,14 +576,13 @@ def _bitserial(plan: ConvPlan, xs: _X, pw: PackedConvWeight, col, bias, out_scal
     elif plan.route == "pointwise":
         # whole 512-bit rows, unless the GEMM's TMA tile reads the compact ones as they are (bmma_gemm.short_rows_ok)
         if xs.compact and not (short_rows is not None and short_rows(
-                planes, w_planes, fa.encoding == "twos", fw.encoding == "twos", kind, ofmt.bits if ofmt else 1,
-                ofmt.encoding if ofmt else "unsigned", residual=residual is not None, dual=plan.dual,
-                rowsum=row_affine is not None)):
+                planes, w_planes, twos_a, twos_w, kind, out_bits, out_enc, residual=residual is not None,
+                dual=plan.dual, rowsum=row_affine is not None)):
             planes = BitPlanes().padded(planes, g.C)
         a_planes = planes  # the input planes are the GEMM operand (Kw_col = packed_words(C)); row sums in the kernel
         extra["row_affine"] = row_affine
     else:
-        a_planes, row_term = im2col_bits(planes, g, twos=fa.encoding == "twos", rowsum=need_row,
+        a_planes, row_term = im2col_bits(planes, g, twos=twos_a, rowsum=need_row,
                                          row_mul=row_mul, row_add=row_add)  # (p, M, Kw_col), (M,)
     col_term = (oa * sw * pw.rowsum).contiguous() if oa != 0 else None  # (K,) int32
     if conv is not None:
@@ -593,9 +594,8 @@ def _bitserial(plan: ConvPlan, xs: _X, pw: PackedConvWeight, col, bias, out_scal
                                         device=planes.device)
     if residual is not None:  # a float output (_check_fusion): the epilogue adds it before the activation
         extra["residual"] = residual.reshape(-1, g.K)
-    y = gemm(a_planes, w_planes, fa.encoding == "twos", fw.encoding == "twos", sa * sw, row_term, col_term,
-             None, col if kind != "int32" else None, bias if kind != "int32" else None, relu, kind,
-             ofmt.bits if ofmt is not None else 1, ofmt.encoding if ofmt is not None else "unsigned",
+    y = gemm(a_planes, w_planes, twos_a, twos_w, sa * sw, row_term, col_term, None,
+             col if kind != "int32" else None, bias if kind != "int32" else None, relu, kind, out_bits, out_enc,
              out_scale if kind == "packed" or plan.dual else None, "", slope, **extra)
     return (y, extra["dual_out"]) if plan.dual else y
 

@@ -823,7 +823,7 @@ def _bmma_gemm(
         check_conv(a_planes, w_planes, conv)
         M, Kw = conv_rows(a_planes, conv), Kw_w
     elif Kw != Kw_w:
-        if not (Kw < Kw_w and Kw % 4 == 0):
+        if not _short_rows(Kw, Kw_w):
             raise ValueError(f"a_planes and w_planes pack different K: {Kw} vs {Kw_w} words (a_planes may have shorter "
                              "rows, a multiple of 4 words, on a TMA tile: see short_rows_ok)")
         short_a, Kw = True, Kw_w
@@ -860,6 +860,11 @@ def _bmma_gemm(
     return out
 
 
+def _short_rows(kw_a: int, kw_w: int) -> bool:
+    """A rows of kw_a words that a TMA tile can read against W rows of kw_w: shorter, in whole 16-byte pieces."""
+    return kw_a < kw_w and kw_a % 4 == 0
+
+
 def short_rows_ok(a_planes: torch.Tensor, w_planes: torch.Tensor, a_twos: bool, w_twos: bool, out_kind: str,
                   out_bits: int = 1, out_encoding: str = "unsigned", *, residual: bool = False, dual: bool = False,
                   rowsum: bool = False) -> bool:
@@ -868,7 +873,7 @@ def short_rows_ok(a_planes: torch.Tensor, w_planes: torch.Tensor, a_twos: bool, 
     reads the words past the row as zeros -- no padded copy of A first (ResNet-50 w1a2: the planes a block writes for
     the next block's 1x1 conv1, 2 x 802816 rows of 8 words at batch 256)."""
     Kw, Kw_w = a_planes.shape[2], w_planes.shape[2]
-    if a_planes.device.type != "cuda" or not (Kw < Kw_w and Kw % 4 == 0):
+    if a_planes.device.type != "cuda" or not _short_rows(Kw, Kw_w):
         return False
     v = _variant_for(a_planes.shape[0], w_planes.shape[0], a_twos, w_twos, a_planes.shape[1], w_planes.shape[1],
                      out_kind, out_bits, out_encoding, "", *device_sms(a_planes.device), Kw_w, False, residual, dual,
