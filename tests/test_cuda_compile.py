@@ -562,3 +562,33 @@ def test_cuda_sources_have_no_generic_lambdas():
                 if re.search(r"\bauto\b", m.group(1)):
                     found.append(f"{path.name}:{i}: {line.strip()}")
     assert not found, "generic lambdas (NVRTC 13.0 rejects them; write a template __device__ function):\n" + "\n".join(found)
+
+
+def test_epilogue_flags_compiled_in(cache):
+    """A call's activation and bias are compiled into its variant (TCP_ACT / TCP_BIAS): the host picks the call's, a
+    launch whose relu / slope / bias differ from a specialised variant's is refused, and the specialised ResNet conv3
+    variant (ReLU, bias, residual, dual planes) is well under the size of the run-time-flags one (which compiles every
+    path of each flag)."""
+    from tcprec.kernels.cuda import bmma_gemm as L
+
+    def pick(act, has_bias):
+        return L._variant_for(2, 1, False, False, 802816, 256, "float16", 2, "unsigned", "", 132, "sm_90a", 16, False,
+                              True, True, True, act, has_bias)
+
+    assert L.act_of(False, 0.0) == "none" and L.act_of(True, 0.0) == "relu" and L.act_of(True, 0.1) == "leaky"
+    anyv, relu = pick("any", None), pick("relu", True)
+    assert "TCP_ACT=1" in relu.defines() and "TCP_BIAS=1" in relu.defines() and str(relu).endswith("_relu_b")
+    assert not any(d.startswith(("TCP_ACT", "TCP_BIAS")) for d in anyv.defines())  # (the old cubins and names)
+    anyv.check_call(True, 0.1, None)
+    relu.check_call(True, 0.0, object())
+    for call in ((False, 0.0, object()), (True, 0.1, object()), (True, 0.0, None)):
+        with pytest.raises(ValueError, match="compiles act='relu', has_bias=True"):
+            relu.check_call(*call)
+    with pytest.raises(ValueError, match="act must be one of"):
+        L.Variant(2, 1, tile=relu.tile, epilogue="float", out_dtype="float16", act="gelu")
+    sizes = {}
+    for v in (anyv, relu):
+        cubin, log = L.compile_variant(v, "sm_90a")
+        assert _spill_bytes(log) == 0, (str(v), log[-400:])
+        sizes[v.act] = len(cubin)
+    assert sizes["relu"] < 0.7 * sizes["any"], sizes

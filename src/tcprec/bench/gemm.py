@@ -141,7 +141,8 @@ def variants_for(configs: Sequence[str], shapes: Sequence[tuple[int, int, int]],
         for M, N, K in shapes:
             t = parse_tile(tile) if tile else pick_tile(a_fmt.bits, w_fmt.bits, at, wt, M, N, sm_count,
                                                              kw=packed_words(K))
-            out.add(Variant(a_fmt.bits, w_fmt.bits, at, wt, t, "float", "float16"))
+            # (the bench's matmul: float16 out, no activation, no bias -- compiled into the variant)
+            out.add(Variant(a_fmt.bits, w_fmt.bits, at, wt, t, "float", "float16", act="none", has_bias=False))
     return out
 
 

@@ -191,6 +191,11 @@ class Variant:
     res: bool = False  # the float epilogue adds a residual before the activation (bmma_gemm.cu, TCP_RES)
     dual: bool = False  # the 16-bit float output and its out_bits planes, compact rows (bmma_gemm.cu, TCP_DUAL)
     rowsum: bool = False  # the row term from in-kernel row sums of A (bmma_gemm.cu, TCP_ROWSUM), not a row_term
+    # the epilogue's activation and bias compiled in (bmma_gemm.cu, TCP_ACT / TCP_BIAS): "any" reads relu, slope and
+    # the bias pointer at run time, and so compiles every path of each; "none" / "relu" / "leaky" and True / False
+    # compile one, for half the code
+    act: str = "any"
+    has_bias: Optional[bool] = None
 
     def __post_init__(self):
         for name, v in (("p", self.p), ("q", self.q)):
@@ -247,8 +252,19 @@ class Variant:
                              f"epilogue of a 16-bit dtype, planes of <= 3 bits, and whole 32-column words a warp "
                              f"(bn / warps_n a multiple of 32), got epilogue={self.epilogue!r} "
                              f"out_dtype={self.out_dtype!r} out_bits={self.out_bits}")
+        if self.act not in _ACTS:
+            raise ValueError(f"act must be one of {tuple(_ACTS)}, got {self.act!r}")
         if self.smem_bytes > _MAX_SMEM:
             raise ValueError(f"tile {t} needs {self.smem_bytes} bytes of shared memory, more than {_MAX_SMEM}")
+
+    def check_call(self, relu: bool, leaky_slope: float, bias) -> None:
+        """ValueError unless a launch's ``relu`` / ``leaky_slope`` / ``bias`` are what this variant compiled in."""
+        act = act_of(relu, leaky_slope)
+        if self.act not in ("any", act) or self.has_bias not in (None, bias is not None):
+            raise ValueError(f"variant {self} compiles act={self.act!r}, has_bias={self.has_bias}; the call has "
+                             f"act={act!r} (relu={relu}, leaky_slope={leaky_slope}) and bias "
+                             f"{'given' if bias is not None else 'None'}: use the variant of the call "
+                             "(_variant_for) or act='any', has_bias=None")
 
     @property
     def threads(self) -> int:
@@ -299,13 +315,23 @@ class Variant:
             f"TCP_CONV={int(self.conv)}", f"TCP_RES={int(self.res)}", f"TCP_DUAL={int(self.dual)}",
             f"TCP_ROWSUM={int(self.rowsum)}",
             f"TCP_SPLIT={int(t.split > 1)}", f"TCP_SPLIT_COUNTERS={SPLIT_COUNTERS}",
-        ]
+        ] + ([f"TCP_ACT={_ACTS[self.act]}"] if self.act != "any" else []) \
+            + ([f"TCP_BIAS={int(self.has_bias)}"] if self.has_bias is not None else [])
 
     def __str__(self) -> str:
         sign = ("s" if self.a_twos else "u") + ("s" if self.w_twos else "u")
         epi = {"int32": "i32", "float": self.out_dtype, "packed": f"{self.out_encoding}{self.out_bits}"}[self.epilogue]
         return (f"a{self.p}w{self.q}{sign}_{self.tile}_{epi}" + "_conv" * self.conv + "_res" * self.res
-                + f"_dual{self.out_encoding}{self.out_bits}" * self.dual + "_rs" * self.rowsum)
+                + f"_dual{self.out_encoding}{self.out_bits}" * self.dual + "_rs" * self.rowsum
+                + ("" if self.act == "any" else f"_{self.act}") + {None: "", True: "_b", False: "_nb"}[self.has_bias])
+
+
+_ACTS = {"any": -1, "none": 0, "relu": 1, "leaky": 2}  # bmma_gemm.cu TCP_ACT
+
+
+def act_of(relu: bool, leaky_slope: float) -> str:
+    """The epilogue activation of a call: "none", "relu" or "leaky" (relu with a nonzero slope)."""
+    return "none" if not relu else ("relu" if leaky_slope == 0.0 else "leaky")
 
 
 def _warp_tiles(p: int, q: int, nc: int) -> tuple[int, int]:
@@ -636,6 +662,7 @@ def launch_bmma(variant: Variant, a_planes, w_planes, out, M: int, N: int, Kw: i
     with a row scale) it keeps the float path.  ``pdl`` (sm_90+): launch with programmatic stream serialization
     (measured above this function)."""
     dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
+    variant.check_call(relu, leaky_slope, bias)
     kernel = get_kernel(variant, dev)
     col_thr = None
     if variant.int_thresholds and row_scale is None and \
@@ -715,8 +742,9 @@ def packed_tile(t: Tile) -> Tile:
 @functools.lru_cache(maxsize=4096)
 def _variant_for(p, q, a_twos, w_twos, M, N, out_kind, out_bits, out_encoding, tile, sm_count, arch,
                  kw: Optional[int] = None, conv: bool = False, res: bool = False, dual: bool = False,
-                 rowsum: bool = False) -> Variant:
-    """The variant one call launches (memoised: the host path stays a few microseconds)."""
+                 rowsum: bool = False, act: str = "any", has_bias: Optional[bool] = None) -> Variant:
+    """The variant one call launches (memoised: the host path stays a few microseconds); ``act`` / ``has_bias``:
+    the call's activation and bias, compiled in (:attr:`Variant.act`)."""
     epi = {"int32": "int32", "packed": "packed"}.get(out_kind, "float")
     t = parse_tile(tile) if tile else pick_tile(p, q, a_twos, w_twos, M, N, sm_count, arch, epi, kw)
     if (conv or rowsum) and not tile:  # split-K is for plain GEMMs with their row term given
@@ -724,7 +752,7 @@ def _variant_for(p, q, a_twos, w_twos, M, N, out_kind, out_bits, out_encoding, t
     if epi == "packed" or dual:
         t = packed_tile(t)
     make = lambda t: Variant(p, q, a_twos, w_twos, t, epi, out_kind if epi == "float" else "float32",  # noqa: E731
-                             out_bits, out_encoding, conv, res, dual, rowsum)
+                             out_bits, out_encoding, conv, res, dual, rowsum, act, has_bias)
     if (conv or (kw is not None and kw <= t.bk // 32)) and not tile:  # (one K step: a 1x1 conv's GEMM, measured too)
         wide = conv_wgmma_tile(t, p, q, a_twos, w_twos, epi, M, N, sm_count)
         if wide != t:
@@ -848,7 +876,7 @@ def _bmma_gemm(
         return out
     variant = _variant_for(p, q, a_twos, w_twos, M, N, out_kind, out_bits, out_encoding, tile,
                            *device_sms(a_planes.device), Kw, conv is not None, residual is not None,
-                           dual_out is not None, row_affine is not None)
+                           dual_out is not None, row_affine is not None, act_of(relu, leaky_slope), bias is not None)
     if short_a and not variant.tile.tma:
         raise ValueError(f"a_planes rows of {a_planes.shape[2]} words (shorter than w_planes' {Kw}) are read by the TMA "
                          f"tiles only, and this call runs {variant.tile}; pass full rows (BitPlanes().padded) -- "
@@ -877,7 +905,7 @@ def short_rows_ok(a_planes: torch.Tensor, w_planes: torch.Tensor, a_twos: bool, 
         return False
     v = _variant_for(a_planes.shape[0], w_planes.shape[0], a_twos, w_twos, a_planes.shape[1], w_planes.shape[1],
                      out_kind, out_bits, out_encoding, "", *device_sms(a_planes.device), Kw_w, False, residual, dual,
-                     rowsum)
+                     rowsum)  # (the tile does not depend on the activation / bias compiled in)
     return v.tile.tma
 
 
