@@ -223,6 +223,24 @@ def test_packed_epilogue_ties_saturation_and_padding(bits, enc):
             assert torch.equal(got, want), (bits, enc, relu, tile, (got != want).nonzero()[:5].tolist())
 
 
+@pytest.mark.parametrize("N", [64, 128, 200, 544])
+def test_packed_padding_words_zeroed(N):
+    """The packed epilogue zeroes the padding words of its rows (ldo a multiple of 16 words) four lanes a row, a head
+    of words up to the 16-byte boundary and whole 16-byte chunks after it: N = 64 (2 data words, 14 padding), 128 (no
+    head), 200 (a head of 1 word), 544 (15 padding words) -- over stale allocator memory, every word as the reference."""
+    gen = torch.Generator(DEV).manual_seed(N)
+    M, K = 777, 160
+    qa = _qt((M, K), _fmt(2, "unsigned"), gen)
+    qw = _qt((N, K), _fmt(1, "pm1"), gen, PerChannel(0), torch.rand(N, 1, device=DEV, generator=gen) + 0.5)
+    out_fmt = _fmt(2, "unsigned")
+    want = matmul_packed(qa, qw, out_fmt, 0.6, relu=True, backend="reference")
+    for tile in ("", "32x32_w2x1_s2_k1024") + ((TMA_TILE,) if HAS_WGMMA else ()):
+        junk = torch.full(want.shape, -1, dtype=torch.int32, device=DEV)  # the next empty() reuses it
+        del junk
+        got = matmul_packed(qa, qw, out_fmt, 0.6, relu=True, backend="bitserial", tile=tile)
+        assert torch.equal(got, want), (N, tile, (got != want).nonzero()[:5].tolist())
+
+
 def _edge_columns(N, gen):
     """Column scales and biases that test the integer-threshold epilogue's conditions: ordinary positive and
     negative scales (a non-increasing column), +-0, tiny and huge scales, +-inf and NaN scales and biases."""
