@@ -934,6 +934,35 @@ bmma_gemm(
                 if ((lane & 3) == b % 4 && r < M && gw < ldp) dual_out[(i64)b * M * ldp + (i64)r * ldp + gw] = v;
             }
         };
+        // TCP_DUAL, the fast path: a warp's DW = NT / 4 words of row r per plane are ORed across the quad word by word,
+        // lane b keeping plane b's (dw[q]), then stored at once -- one 8- or 16-byte store a plane where the row's words
+        // are aligned to it (one store a word touched a sector a word: as many L2 sector writes as the 16-bit output's,
+        // ResNet-50 w1a2's conv3 on an H200), else a word at a time
+        constexpr int DW = NT / 4 > 0 ? NT / 4 : 1;
+        [[maybe_unused]] auto dual_or = [&](const u32* bits, u32 (&dw)[DW], int q) {
+#pragma unroll
+            for (int b = 0; b < OB; ++b) {
+                u32 v = bits[b] | __shfl_xor_sync(0xffffffffu, bits[b], 1);
+                v |= __shfl_xor_sync(0xffffffffu, v, 2);
+                if ((lane & 3) == b % 4) dw[q] = v;
+            }
+        };
+        [[maybe_unused]] auto dual_store_row = [&](const u32 (&dw)[DW], int r, int gw0) {
+            constexpr int VW = DW % 4 == 0 ? 4 : (DW % 2 == 0 ? 2 : 1);  // words a store
+            if ((lane & 3) >= OB) return;
+            u32* const row = dual_out + (i64)(lane & 3) * M * ldp + (i64)r * ldp + gw0;
+            if (VW > 1 && (ldp % VW) == 0 && (gw0 % VW) == 0) {
+#pragma unroll
+                for (int q = 0; q < DW; q += VW) {
+                    if (VW == 4) *reinterpret_cast<uint4*>(row + q) = make_uint4(dw[q], dw[q + 1 < DW ? q + 1 : q],
+                                                                         dw[q + 2 < DW ? q + 2 : q], dw[q + 3 < DW ? q + 3 : q]);
+                    else *reinterpret_cast<uint2*>(row + q) = make_uint2(dw[q], dw[q + 1 < DW ? q + 1 : q]);
+                }
+            } else {
+#pragma unroll
+                for (int q = 0; q < DW; ++q) row[q] = dw[q];
+            }
+        };
         if (EPI == EPI_FLOAT && OUT_T != OUT_F32 && NT % 4 == 0 && interior && (ldo & 7) == 0) {
             // 16-bit output inside M x N: a lane's fragment pair is 4 bytes, half a 32-byte sector, and the
             // fp16 epilogue was bound by L2 store transactions.  The quad transposes its pairs of 4 MMA tiles
@@ -953,6 +982,7 @@ bmma_gemm(
                     const int rt = row_t(mt, h, rl);
                     const float rs = s_rs[rl];
                     unsigned short* const orow = (unsigned short*)out + (i64)(m0 + rl) * ldo + n0 + wn * (NT * 8);
+                    [[maybe_unused]] u32 dw[DW];  // TCP_DUAL: the row's words of plane lane % 4 (< OB)
                     if (RES && h % PF_H == 0) {
 #pragma unroll
                         for (int hh = 0; hh < PF_H; ++hh)
@@ -1025,9 +1055,10 @@ bmma_gemm(
                             }
 #pragma unroll
                             for (int b = 0; b < OB; ++b) bits[b] <<= 8 * t;  // the lane's byte of the word
-                            store_dual_word(bits, m0 + rl, (n0 + wn * (NT * 8)) / 32 + q);
+                            dual_or(bits, dw, q);
                         }
                     }
+                    if (DUAL) dual_store_row(dw, m0 + rl, (n0 + wn * (NT * 8)) / 32);  // (interior: rows, words inside)
                 }
             return;
         }
