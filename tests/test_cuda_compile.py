@@ -584,11 +584,20 @@ def test_epilogue_flags_compiled_in(cache):
     for call in ((False, 0.0, object()), (True, 0.1, object()), (True, 0.0, None)):
         with pytest.raises(ValueError, match="compiles act='relu', has_bias=True"):
             relu.check_call(*call)
+    nrs = L._variant_for(2, 1, False, False, 802816, 256, "float16", 2, "unsigned", "", 132, "sm_90a", 16, False,
+                         True, True, True, "relu", True, False)
+    assert "TCP_RSCALE=0" in nrs.defines() and str(nrs).endswith("_relu_b_nrs")
+    nrs.check_call(True, 0.0, object(), None)
+    with pytest.raises(ValueError, match="row_scale=False.*row_scale given"):
+        nrs.check_call(True, 0.0, object(), object())
+    conv = L._variant_for(2, 1, False, False, 802816, 64, "packed", 2, "unsigned", "", 132, "sm_90a", 18, True,
+                          False, False, True, "relu", True, False)
+    assert conv.row_scale is None and "TCP_RSCALE" not in " ".join(conv.defines())  # (a convolution has none anyway)
     with pytest.raises(ValueError, match="act must be one of"):
         L.Variant(2, 1, tile=relu.tile, epilogue="float", out_dtype="float16", act="gelu")
     sizes = {}
-    for v in (anyv, relu):
+    for v in (anyv, relu, nrs):
         cubin, log = L.compile_variant(v, "sm_90a")
         assert _spill_bytes(log) == 0, (str(v), log[-400:])
-        sizes[v.act] = len(cubin)
-    assert sizes["relu"] < 0.7 * sizes["any"], sizes
+        sizes[str(v)] = len(cubin)
+    assert sizes[str(relu)] < 0.7 * sizes[str(anyv)] and sizes[str(nrs)] <= sizes[str(relu)], sizes

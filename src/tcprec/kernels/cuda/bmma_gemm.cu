@@ -106,6 +106,8 @@
 //   TCP_RES                 1: the float epilogue adds a residual before the activation (above)
 //   TCP_SPLIT               1: split-K (cp.async paths, no TCP_CONV; below)
 //   TCP_ROWSUM              1: the row term computed in the kernel (below), not read from row_term
+//   TCP_RSCALE              0: no row scale compiled in (y = float(C) * cs: one multiply fewer an output, the same
+//                           values, as rs = 1 multiplies exactly); -1 (default): read at run time (1.0 where null)
 //   TCP_ACT, TCP_BIAS       the epilogue's activation (0 none, 1 ReLU, 2 LeakyReLU) and bias (0 / 1) compiled in;
 //                           -1 (default): read from relu / slope / bias at run time, every path compiled (twice the
 //                           epilogue code: ResNet-50 w1a2's conv3 variant 12,832 -> 6,536 SASS instructions with both)
@@ -221,6 +223,9 @@
 #endif
 #ifndef TCP_BIAS
 #define TCP_BIAS -1
+#endif
+#ifndef TCP_RSCALE
+#define TCP_RSCALE -1
 #endif
 #ifndef TCP_SPLIT
 #define TCP_SPLIT 0
@@ -910,7 +915,8 @@ bmma_gemm(
             return (int)(v * (u32)ss + (u32)rt + (u32)ct);
         };
         auto y_value = [&](int cv, float rs, float cs, float bi) -> float {  // RES: the activation after the sum
-            return y_of<!CONV>(cv, rs, cs, bi, has_bias, !RES && relu != 0, slope);  // a convolution has no row scale
+            // (a convolution has no row scale; TCP_RSCALE = 0: none compiled in)
+            return y_of<!CONV && TCP_RSCALE != 0>(cv, rs, cs, bi, has_bias, !RES && relu != 0, slope);
         };
         // a tile inside M x N (with an even row pitch for the paired stores) stores without bounds checks
         const bool interior = m0 + BM <= M && n0 + BN <= N && (ldo & 1) == 0;

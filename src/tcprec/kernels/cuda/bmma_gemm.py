@@ -196,6 +196,9 @@ class Variant:
     # compile one, for half the code
     act: str = "any"
     has_bias: Optional[bool] = None
+    # no row scale compiled in (bmma_gemm.cu, TCP_RSCALE = 0): False; None reads it at run time (a GEMM whose rows are
+    # all scaled by 1 then multiplies by 1.0 -- exact, one multiply an output more)
+    row_scale: Optional[bool] = None
 
     def __post_init__(self):
         for name, v in (("p", self.p), ("q", self.q)):
@@ -254,17 +257,22 @@ class Variant:
                              f"out_dtype={self.out_dtype!r} out_bits={self.out_bits}")
         if self.act not in _ACTS:
             raise ValueError(f"act must be one of {tuple(_ACTS)}, got {self.act!r}")
+        if self.row_scale not in (None, False):
+            raise ValueError(f"row_scale is None (read at run time) or False (none compiled in), got {self.row_scale!r}")
         if self.smem_bytes > _MAX_SMEM:
             raise ValueError(f"tile {t} needs {self.smem_bytes} bytes of shared memory, more than {_MAX_SMEM}")
 
-    def check_call(self, relu: bool, leaky_slope: float, bias) -> None:
-        """ValueError unless a launch's ``relu`` / ``leaky_slope`` / ``bias`` are what this variant compiled in."""
+    def check_call(self, relu: bool, leaky_slope: float, bias, row_scale=None) -> None:
+        """ValueError unless a launch's ``relu`` / ``leaky_slope`` / ``bias`` / ``row_scale`` are what this variant
+        compiled in."""
         act = act_of(relu, leaky_slope)
-        if self.act not in ("any", act) or self.has_bias not in (None, bias is not None):
-            raise ValueError(f"variant {self} compiles act={self.act!r}, has_bias={self.has_bias}; the call has "
-                             f"act={act!r} (relu={relu}, leaky_slope={leaky_slope}) and bias "
-                             f"{'given' if bias is not None else 'None'}: use the variant of the call "
-                             "(_variant_for) or act='any', has_bias=None")
+        if self.act not in ("any", act) or self.has_bias not in (None, bias is not None) or \
+                (self.row_scale is False and row_scale is not None):
+            raise ValueError(f"variant {self} compiles act={self.act!r}, has_bias={self.has_bias}, "
+                             f"row_scale={self.row_scale}; the call has act={act!r} (relu={relu}, leaky_slope="
+                             f"{leaky_slope}), bias {'given' if bias is not None else 'None'} and row_scale "
+                             f"{'given' if row_scale is not None else 'None'}: use the variant of the call "
+                             "(_variant_for) or act='any', has_bias=None, row_scale=None")
 
     @property
     def threads(self) -> int:
@@ -316,14 +324,16 @@ class Variant:
             f"TCP_ROWSUM={int(self.rowsum)}",
             f"TCP_SPLIT={int(t.split > 1)}", f"TCP_SPLIT_COUNTERS={SPLIT_COUNTERS}",
         ] + ([f"TCP_ACT={_ACTS[self.act]}"] if self.act != "any" else []) \
-            + ([f"TCP_BIAS={int(self.has_bias)}"] if self.has_bias is not None else [])
+            + ([f"TCP_BIAS={int(self.has_bias)}"] if self.has_bias is not None else []) \
+            + (["TCP_RSCALE=0"] if self.row_scale is False else [])
 
     def __str__(self) -> str:
         sign = ("s" if self.a_twos else "u") + ("s" if self.w_twos else "u")
         epi = {"int32": "i32", "float": self.out_dtype, "packed": f"{self.out_encoding}{self.out_bits}"}[self.epilogue]
         return (f"a{self.p}w{self.q}{sign}_{self.tile}_{epi}" + "_conv" * self.conv + "_res" * self.res
                 + f"_dual{self.out_encoding}{self.out_bits}" * self.dual + "_rs" * self.rowsum
-                + ("" if self.act == "any" else f"_{self.act}") + {None: "", True: "_b", False: "_nb"}[self.has_bias])
+                + ("" if self.act == "any" else f"_{self.act}") + {None: "", True: "_b", False: "_nb"}[self.has_bias]
+                + "_nrs" * (self.row_scale is False))
 
 
 _ACTS = {"any": -1, "none": 0, "relu": 1, "leaky": 2}  # bmma_gemm.cu TCP_ACT
@@ -662,7 +672,7 @@ def launch_bmma(variant: Variant, a_planes, w_planes, out, M: int, N: int, Kw: i
     with a row scale) it keeps the float path.  ``pdl`` (sm_90+): launch with programmatic stream serialization
     (measured above this function)."""
     dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
-    variant.check_call(relu, leaky_slope, bias)
+    variant.check_call(relu, leaky_slope, bias, row_scale)
     kernel = get_kernel(variant, dev)
     col_thr = None
     if variant.int_thresholds and row_scale is None and \
@@ -742,9 +752,10 @@ def packed_tile(t: Tile) -> Tile:
 @functools.lru_cache(maxsize=4096)
 def _variant_for(p, q, a_twos, w_twos, M, N, out_kind, out_bits, out_encoding, tile, sm_count, arch,
                  kw: Optional[int] = None, conv: bool = False, res: bool = False, dual: bool = False,
-                 rowsum: bool = False, act: str = "any", has_bias: Optional[bool] = None) -> Variant:
-    """The variant one call launches (memoised: the host path stays a few microseconds); ``act`` / ``has_bias``:
-    the call's activation and bias, compiled in (:attr:`Variant.act`)."""
+                 rowsum: bool = False, act: str = "any", has_bias: Optional[bool] = None,
+                 row_scale: Optional[bool] = None) -> Variant:
+    """The variant one call launches (memoised: the host path stays a few microseconds); ``act`` / ``has_bias`` /
+    ``row_scale``: the call's activation, bias and (False) absent row scale, compiled in (:attr:`Variant.act`)."""
     epi = {"int32": "int32", "packed": "packed"}.get(out_kind, "float")
     t = parse_tile(tile) if tile else pick_tile(p, q, a_twos, w_twos, M, N, sm_count, arch, epi, kw)
     if (conv or rowsum) and not tile:  # split-K is for plain GEMMs with their row term given
@@ -752,7 +763,8 @@ def _variant_for(p, q, a_twos, w_twos, M, N, out_kind, out_bits, out_encoding, t
     if epi == "packed" or dual:
         t = packed_tile(t)
     make = lambda t: Variant(p, q, a_twos, w_twos, t, epi, out_kind if epi == "float" else "float32",  # noqa: E731
-                             out_bits, out_encoding, conv, res, dual, rowsum, act, has_bias)
+                             out_bits, out_encoding, conv, res, dual, rowsum, act, has_bias,
+                             None if conv else row_scale)  # (a convolution never has one)
     if (conv or (kw is not None and kw <= t.bk // 32)) and not tile:  # (one K step: a 1x1 conv's GEMM, measured too)
         wide = conv_wgmma_tile(t, p, q, a_twos, w_twos, epi, M, N, sm_count)
         if wide != t:
@@ -876,7 +888,8 @@ def _bmma_gemm(
         return out
     variant = _variant_for(p, q, a_twos, w_twos, M, N, out_kind, out_bits, out_encoding, tile,
                            *device_sms(a_planes.device), Kw, conv is not None, residual is not None,
-                           dual_out is not None, row_affine is not None, act_of(relu, leaky_slope), bias is not None)
+                           dual_out is not None, row_affine is not None, act_of(relu, leaky_slope), bias is not None,
+                           None if row_scale is not None else False)
     if short_a and not variant.tile.tma:
         raise ValueError(f"a_planes rows of {a_planes.shape[2]} words (shorter than w_planes' {Kw}) are read by the TMA "
                          f"tiles only, and this call runs {variant.tile}; pass full rows (BitPlanes().padded) -- "
