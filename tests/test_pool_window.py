@@ -111,24 +111,52 @@ def test_int8_stem_pool_writes_its_readers_codes_bit_identical():
 
 
 def test_bitserial_readers_get_planes_from_the_pool(monkeypatch):
-    """As on an H100 (w1a2 readers on the binary tensor cores): the pool writes their 2-bit operand; on this CPU the
-    layers run the reference, and the result equals the unchained network's."""
+    """As on an H100 (w1a2 readers on the binary tensor cores): the INT8 stem writes its readers' 2-bit codes as
+    compact bit planes and the pool takes the max of the codes (docs/decisions/0172); on this CPU the layers run the
+    reference, and the float32 network equals the unchained one (the stem's float, torch's pool, each reader
+    quantizing) bit for bit: quantizing is monotone.  (A float16 network's chained codes are those of the stem's
+    float32 result, as every chained layer's: the unchained one rounds to float16 first.)"""
     from tcprec.nn import convert
     from tcprec.ops.qconv_plan import DeviceCaps
 
     caps = DeviceCaps(torch.device("cuda", 0), False, (9, 0), True, (True, "sm_90 has native BMMA AND.POPC"), 132)
     monkeypatch.setattr(convert, "device_caps", lambda dev: caps)
-    x = torch.randn(2, 3, 4, 4)
-    net = _net(torch.float16)
+    x = torch.randn(2, 3, 6, 6)
+    net = _net(torch.float32)
     cfg = tp.QuantConfig("w1a2", first_last="int8")
-    q = tp.quantize_model(net, cfg, calibration=x.half(), warn=False)
+    q = tp.quantize_model(net, cfg, calibration=x, warn=False)
     pool = dict(q.named_modules())["maxpool"]
-    assert isinstance(pool, QMaxPool2d) and not pool.compact and str(pool.a_fmt) == "uint2"
-    u = tp.quantize_model(net, dataclasses.replace(cfg, chain=False), calibration=x.half(), warn=False)
+    assert isinstance(pool, QMaxPool2d) and pool.planes_in and not pool.compact and str(pool.a_fmt) == "uint2"
+    stem = q.get_submodule("stem.0")
+    assert stem.out_layout == "compact" and stem.out_fmt == pool.a_fmt
+    assert any("maxpool: max-pool 3x3 / 2 (padding 1) of stem.0's uint2 codes" in n for n in q.tcprec_summary.notes)
+    assert "pooled from its producer's planes" in repr(pool)
+    with pytest.raises(ValueError, match="pools its producer's uint2 bit planes, got torch.float32"):
+        pool(x)
+    u = tp.quantize_model(net, dataclasses.replace(cfg, chain=False), calibration=x, warn=False)
     with torch.no_grad():
-        assert torch.equal(q(x.half()), u(x.half()))
+        assert torch.equal(q(x), u(x))
     q.half()  # a float cast keeps the pool's scale float32
     assert pool.in_scale.dtype == torch.float32
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("fmt", ["uint2", "int3", "pm1", "int2"])
+@pytest.mark.parametrize("compact", [False, True])
+def test_pool_of_planes_equals_the_codes_of_the_pooled_float(window, fmt, compact):
+    """``max_pool_planes`` (the Triton kernel through the interpreter, and its torch reference) of the planes of x's
+    codes equals ``max_pool_quantize`` of x -- the codes of torch's pooled float -- bit for bit: unsigned, two's
+    complement and pm1 codes, a channel count that is not a multiple of 32, padded and compact rows."""
+    torch.manual_seed(3)
+    x = torch.randn(2, 7, 9, 40) * 2
+    s = torch.tensor([0.7])
+    planes = qc.max_pool_quantize(x, qc.max_pool_window(1, 1, 0), "compact", fmt, s, backend="reference")
+    want = qc.max_pool_quantize(x, window, "compact" if compact else "planes", fmt, s, backend="reference")
+    for backend in ("auto", "reference"):
+        got = qc.max_pool_planes(planes, window, compact=compact, backend=backend)
+        assert got.shape == want.shape and got.layout == want.layout and torch.equal(got.data, want.data), backend
+    with pytest.raises(ValueError, match="must be a BitPlanes QTensor.*max_pool_quantize pools a float"):
+        qc.max_pool_planes(x, window)
 
 
 def test_a_pool_with_a_float_reader_stays_torch():

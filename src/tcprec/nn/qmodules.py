@@ -740,13 +740,17 @@ class QMaxPool2d(nn.Module):
         self.precision, self.a_fmt, self.w_fmt, self.backend = reader.precision, reader.a_fmt, reader.w_fmt, reader.backend
         self.compact = bool(compact)  # bit planes without padding words (readers that gather windows)
         self.with_float = bool(with_float)  # the pooled float too (the QTensor's hp): a residual add reads the pool
+        # its producer hands it the readers' codes as bit planes (quantize_model chains a ResNet stem so): the pool
+        # then takes the max of the codes (ops.qconv.max_pool_planes), the codes of the pooled float
+        self.planes_in = False
         self.register_buffer("in_scale", reader.in_scale.detach().clone())
 
     def extra_repr(self) -> str:
         (kh, kw), (sh, sw), (ph, pw) = self.window
         return (f"kernel_size=({kh}, {kw}), stride=({sh}, {sw}), padding=({ph}, {pw}) -> the {self.a_fmt} operand of "
                 f"its {self.precision} readers" + (" (compact planes)" if self.compact else "")
-                + (" and the pooled float" if self.with_float else ""))
+                + (" and the pooled float" if self.with_float else "")
+                + (", pooled from its producer's planes" if self.planes_in else ""))
 
     def operand(self, device: torch.device) -> str | None:
         """What the readers take on ``device`` (``ops.qconv.MAX_POOL_OPERANDS``), as ``_quantize_input`` decides it;
@@ -755,6 +759,14 @@ class QMaxPool2d(nn.Module):
         return "compact" if op == "planes" and self.compact else op
 
     def forward(self, x):
+        if self.planes_in:
+            if not isinstance(x, QTensor) or not isinstance(x.layout, BitPlanes) or x.element_format != self.a_fmt:
+                got = (f"a {x.element_format} {x.layout!r} QTensor" if isinstance(x, QTensor) else
+                       f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__)
+                raise ValueError(f"QMaxPool2d(planes_in=True) pools its producer's {self.a_fmt} bit planes, got {got}: "
+                                 "run the converted model as quantize_model built it")
+            return qc.max_pool_planes(x, self.window, compact=self.compact,
+                                      backend="auto" if self.operand(x.device) is not None else "reference")
         if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.dtype.is_floating_point:
             got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"QMaxPool2d expects a float (N, C, H, W) tensor, got {got}")
@@ -774,6 +786,8 @@ class QMaxPool2d(nn.Module):
 
     def tcprec_trace(self) -> list[str]:
         """The steps inside this layer, for ``tcprec.profile``'s dtype trace."""
+        if self.planes_in:
+            return [f"{self.a_fmt} planes", "max-pool of the codes", f"{self.a_fmt} planes"]
         return ["max-pool", f"{'e4m3' if self.precision.fp8 else self.a_fmt} codes"]
 
 

@@ -130,9 +130,9 @@ from ..qtensor import BitPlanes, Dense, PerTensor, QTensor, ShiftedInt8, int8_co
 from .matmul import matmul
 from .qconv_operands import (_CHECKED_SCALES, LAYER_NORM_MAX_C, LAYER_NORM_OPERANDS,  # noqa: F401 (re-exported)
                              PackedConvWeight, _check_weight_qtensor,
-                             _scale_checked, _scale_tensor, int8_qtensor, layer_norm_quantize, max_pool_quantize,
-                             max_pool_window, pack_activation, pack_conv_weight, planes_qtensor, quantize_fp8_static,
-                             quantize_int8_static)
+                             _scale_checked, _scale_tensor, int8_qtensor, layer_norm_quantize, max_pool_planes,
+                             max_pool_quantize, max_pool_window, pack_activation, pack_conv_weight, planes_qtensor,
+                             quantize_fp8_static, quantize_int8_static)
 from .qconv_plan import (_FP8_KIND, _FUSED_POOLS, _KIND, BACKENDS, GELU, OUT_LAYOUTS, POOLS, THIN_C,  # noqa: F401
                          WGMMA_GEMM, ConvPlan, DeviceCaps, _bitserial_kind, _check_pool, _fp8_dtype, _input_words,
                          _int8_affine,
@@ -148,6 +148,7 @@ __all__ = [
     "pack_activation",
     "pack_conv_weight",
     "quantize_fp8_static",
+    "max_pool_planes",
     "max_pool_quantize",
     "max_pool_window",
     "layer_norm_quantize",

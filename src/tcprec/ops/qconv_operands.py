@@ -31,7 +31,8 @@ from .qconv_plan import _FUSED_POOLS, _check_pool, _fp8_dtype
 from .quantize import _check_static, _qp_params, _static_codes, quantize, quantize_pack
 
 __all__ = ["PackedConvWeight", "planes_qtensor", "int8_qtensor", "quantize_int8_static", "pack_activation",
-           "pack_conv_weight", "quantize_fp8_static", "max_pool_quantize", "max_pool_window", "MAX_POOL_OPERANDS",
+           "pack_conv_weight", "quantize_fp8_static", "max_pool_quantize", "max_pool_planes", "max_pool_window",
+           "MAX_POOL_OPERANDS",
            "layer_norm_quantize", "LAYER_NORM_OPERANDS", "LAYER_NORM_MAX_C"]
 
 
@@ -382,6 +383,36 @@ def max_pool_quantize(x: torch.Tensor, window, operand: str, fmt, scale: torch.T
     N, P, Q, C = y.shape
     planes = quantize_pack(y.reshape(N * P * Q, C), fmt, scale, backend="reference", compact=operand == "compact")
     return planes_qtensor(planes, fmt, scale, (N, P, Q, C), hp)
+
+
+def max_pool_planes(x: QTensor, window, *, compact: bool = False, backend: str = "auto") -> QTensor:
+    """A ``BitPlanes`` QTensor of NHWC codes (a producer's quantized output: a ResNet stem chained to its pool) ->
+    ``nn.MaxPool2d`` of ``window`` over the codes -> a ``BitPlanes`` QTensor of the pooled shape, the same format and
+    scale, rows padded to 512 bits or ``compact``.  Quantizing is monotone (the codes ordered as their values), so
+    this equals the codes of the pooled float bit for bit -- :func:`max_pool_quantize` of the float the producer
+    quantized.  On CUDA (and under ``TRITON_INTERPRET=1``) one Triton pass (``kernels/triton/pool_window.py``
+    ``pool_planes``); elsewhere, or with ``backend="reference"``, torch's ``max_pool2d`` of the codes' values."""
+    if backend not in ("auto", "reference"):
+        raise ValueError(f"backend must be 'auto' or 'reference', got {backend!r}")
+    if not isinstance(x, QTensor) or not isinstance(x.layout, BitPlanes) or len(x.shape) != 4:
+        got = (f"a {x.layout!r} QTensor of shape {x.shape}" if isinstance(x, QTensor) else type(x).__name__)
+        raise ValueError(f"max_pool_planes: x must be a BitPlanes QTensor of NHWC codes (N, H, W, C), got {got}; "
+                         "max_pool_quantize pools a float tensor")
+    fmt = x.element_format
+    N, H, W, C = x.shape
+    twos = fmt.encoding == "twos"
+    if backend == "auto" and (x.device.type == "cuda" or interpreting()):
+        from ..kernels.triton import pool_window as pw_  # TRITON_INTERPRET is read at import
+
+        P, Q = pw_.pooled_size(H, W, window)
+        planes = pw_.pool_planes(x.data, x.shape, window, fmt.bits, twos, compact=compact)
+        return planes_qtensor(planes, fmt, x.scale, (N, P, Q, C))
+    (kh, kw), (sh, sw), (ph, pw) = window
+    flip = (1 << (fmt.bits - 1)) if twos else 0
+    order = (x.codes.to(torch.int32) ^ flip).to(torch.float32)  # exact small integers, ordered as the values
+    y = torch.nn.functional.max_pool2d(order.permute(0, 3, 1, 2), (kh, kw), (sh, sw), (ph, pw)).permute(0, 2, 3, 1)
+    codes = (y.to(torch.int32) ^ flip).to(torch.uint8).contiguous()
+    return planes_qtensor(BitPlanes(compact=compact).pack(codes, fmt), fmt, x.scale, tuple(codes.shape))
 
 
 LAYER_NORM_OPERANDS = ("int8", "fp8")

@@ -7,7 +7,9 @@ the operand of the quantized convolutions that read the pooled tensor:
   ``_code_to_x8``), ``(N, P, Q, C)`` int8;
 * ``pool_window_pack``: bit planes (``pack``'s ``_quantize_codes`` + ``_store_planes``), ``(bits, N*P*Q, Kw)``
   int32, rows padded to 512 bits or compact (``ceil(C / 32)`` words);
-* ``pool_window_fp8``: float8 codes (``round.fp8_code`` of the IEEE quotient), ``(N, P, Q, C)`` uint8.
+* ``pool_window_fp8``: float8 codes (``round.fp8_code`` of the IEEE quotient), ``(N, P, Q, C)`` uint8;
+* ``pool_planes``: the max-pool of codes already in bit planes (a producer's quantized output), planes in, planes
+  out -- the codes of the pooled float, since quantizing is monotone (below).
 
     program -> (BLOCK_R output pixels, BLOCK_K channels | BLOCK_W words of 32 channels)
         m = -inf; for each of the KH x KW window pixels inside the image: m = v if v > m or v is NaN
@@ -33,7 +35,7 @@ from .pack import _quantize_codes, _store_padding, _store_planes, pack_tile
 from .quant_bytes import _code_to_x8
 from .round import div_by_scalar, fp8_code, fp8_constexprs
 
-__all__ = ["pool_window_int8", "pool_window_pack", "pool_window_fp8", "pooled_size"]
+__all__ = ["pool_window_int8", "pool_window_pack", "pool_window_fp8", "pool_planes", "pooled_size"]
 
 _TILE = 4096  # elements a program (int8 / fp8 outputs)
 # codes a program of the bit-plane variant: (BLOCK_R, BLOCK_W, 32) window maxima stay live through the pool, and a
@@ -135,6 +137,41 @@ def _pool_window_pack_kernel(
     _store_padding(planes_ptr, offs_r, pid_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS, BLOCK_W)
 
 
+@triton.jit(do_not_specialize=_NOSPEC)
+def _pool_planes_kernel(
+    x_ptr, planes_ptr,
+    R, C, Kw, H, W, P, Q,
+    stride_xb, stride_xr, stride_xw,
+    stride_pb, stride_pr, stride_pw,
+    BITS: tl.constexpr, FLIP: tl.constexpr,
+    KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    pid_w = tl.program_id(1)
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
+    lane = tl.arange(0, 32)[None, None, :]
+    n, p, q = _rows(offs_r, P, Q)
+    row_ok = offs_r < R
+    w_ok = offs_w < tl.cdiv(C, 32)
+    m = tl.zeros((BLOCK_R, BLOCK_W, 32), tl.int32)  # the least ordered code: padding pixels never win
+    for i in tl.static_range(KH):
+        for j in tl.static_range(KW):
+            h = p * SH - PH + i
+            w = q * SW - PW + j
+            ok = row_ok & (h >= 0) & (h < H) & (w >= 0) & (w < W)
+            pix = (n * H + h) * W + w  # the input pixel's row of the planes
+            ptrs = x_ptr + pix[:, None] * stride_xr + offs_w[None, :] * stride_xw
+            v = tl.zeros((BLOCK_R, BLOCK_W, 32), tl.int32)
+            for b in tl.static_range(BITS):
+                word = tl.load(ptrs + b * stride_xb, mask=ok[:, None] & w_ok[None, :], other=0)
+                v = v | (((word[:, :, None] >> lane) & 1) << b)
+            # (two's complement: the sign bit flipped orders the patterns; a padding pixel adds the least, 0)
+            m = tl.maximum(m, tl.where(ok[:, None, None], v ^ FLIP, 0))
+    _store_planes(m ^ FLIP, planes_ptr, offs_r, offs_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS)
+    _store_padding(planes_ptr, offs_r, pid_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS, BLOCK_W)
+
+
 def pooled_size(H: int, W: int, window) -> tuple[int, int]:
     """(P, Q) of ``nn.MaxPool2d(kernel, stride, padding)`` (floor) on an H x W map; ``window`` = ((KH, KW), (SH, SW),
     (PH, PW))."""
@@ -229,3 +266,30 @@ def pool_window_pack(y: torch.Tensor, scale: torch.Tensor, window, bits: int, lo
         LO=lo, HI=hi, OFFSET=offset, SHIFT=shift, BITS=bits, **_win_kwargs(window), HAS_F=f is not None,
         EVEN_K=C % (32 * bw) == 0, BLOCK_R=br, BLOCK_W=bw)
     return planes, f
+
+
+def pool_planes(x: torch.Tensor, shape, window, bits: int, twos: bool, *, compact: bool = False) -> torch.Tensor:
+    """Launch: the bit planes ``x`` int32 (bits, N*H*W, words >= ceil(C / 32); bits past C zero) of NHWC codes of
+    ``shape`` (N, H, W, C) -> max-pool ``window`` of the codes (two's-complement patterns ``twos``, else unsigned code
+    indices, both ordered as their values) -> planes (bits, N*P*Q, Kw): Kw = packed_words(C), or ceil(C / 32) with
+    ``compact``.  Quantizing is monotone, so this is the codes of the pooled float bit for bit (torch's pool pads
+    with -inf: padding pixels never win; a window always holds a pixel of the image).  Why: a ResNet stem that writes
+    its readers' 2-bit planes (51 MB at batch 256) instead of its fp16 output (411 MB) for the pool to read
+    (docs/decisions/0172)."""
+    N, H, W, C = shape
+    if x.dtype != torch.int32 or x.dim() != 3 or x.shape[0] != bits or x.shape[1] != N * H * W \
+            or x.shape[2] < cdiv(C, 32):
+        raise ValueError(f"pool_planes: x must be int32 planes (bits={bits}, N*H*W={N * H * W}, >= {cdiv(C, 32)} "
+                         f"words), got {x.dtype} {tuple(x.shape)}")
+    P, Q = pooled_size(H, W, window)
+    R = N * P * Q
+    Kw = cdiv(C, 32) if compact else packed_words(C)
+    planes = torch.empty((bits, R, Kw), dtype=torch.int32, device=x.device)
+    if planes.numel() == 0:
+        return planes
+    bw = pack_tile(cdiv(C, 32))[1]
+    br = max(1, _PACK_TILE_CODES // (32 * bw))
+    _pool_planes_kernel[(cdiv(R, br), cdiv(cdiv(C, 32), bw))](
+        x, planes, R, C, Kw, H, W, P, Q, *x.stride(), *planes.stride(), BITS=bits,
+        FLIP=(1 << (bits - 1)) if twos else 0, **_win_kwargs(window), BLOCK_R=br, BLOCK_W=bw)
+    return planes
