@@ -852,7 +852,7 @@ def _fuse_max_pools(gm: fx.GraphModule, qmods: dict, calls: dict, kind_of, notes
         a = qmods.get(src.target) if src is not None and src.op == "call_module" else None
         if kind == "bitserial" and not r_users and isinstance(a, QConv2d) and calls.get(src.target) == 1 \
                 and list(src.users) == [node] and kind_of(a) in ("int8", "bitserial") and not a.precision.fp8 \
-                and not a.has_residual and a.out_fmt is None:
+                and not a.has_residual and a.out_fmt is None and b.a_fmt.bits <= 3:
             # the producer (a ResNet stem) writes the readers' codes as compact planes and the pool takes the max of
             # the codes (exact: quantizing is monotone) -- 2-bit planes instead of its 16-bit float written and read
             # again (ResNet-50 w1a2 at batch 256: 51 MB for 411 MB; docs/decisions/0172)

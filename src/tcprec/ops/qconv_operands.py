@@ -391,7 +391,8 @@ def max_pool_planes(x: QTensor, window, *, compact: bool = False, backend: str =
     scale, rows padded to 512 bits or ``compact``.  Quantizing is monotone (the codes ordered as their values), so
     this equals the codes of the pooled float bit for bit -- :func:`max_pool_quantize` of the float the producer
     quantized.  On CUDA (and under ``TRITON_INTERPRET=1``) one Triton pass (``kernels/triton/pool_window.py``
-    ``pool_planes``); elsewhere, or with ``backend="reference"``, torch's ``max_pool2d`` of the codes' values."""
+    ``pool_planes``, bit-sliced: codes of 1..3 bits); elsewhere, or with ``backend="reference"``, torch's
+    ``max_pool2d`` of the codes' values (any bits)."""
     if backend not in ("auto", "reference"):
         raise ValueError(f"backend must be 'auto' or 'reference', got {backend!r}")
     if not isinstance(x, QTensor) or not isinstance(x.layout, BitPlanes) or len(x.shape) != 4:

@@ -44,6 +44,7 @@ _TILE = 4096  # elements a program (int8 / fp8 outputs)
 # rows x warps, 4 warps best: docs/decisions/0170)
 _PACK_TILE_CODES = 1024
 _NOSPEC = ["R", "H", "W", "P", "Q"]
+_PLANES_TILE_WORDS = 512  # words a program of pool_planes (per plane): 256 rows of a 64-channel map
 
 
 @triton.jit
@@ -137,40 +138,79 @@ def _pool_window_pack_kernel(
     _store_padding(planes_ptr, offs_r, pid_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS, BLOCK_W)
 
 
+@triton.jit
+def _sliced_max(m0, m1, m2, a0, a1, a2, BITS: tl.constexpr):
+    """The larger of two codes bit-sliced over the planes (bit BITS - 1 the most significant; 32 codes a word),
+    lane by lane: the words of max(m, a)."""
+    top_m = m2 if BITS == 3 else (m1 if BITS == 2 else m0)
+    top_a = a2 if BITS == 3 else (a1 if BITS == 2 else a0)
+    lt = top_a & ~top_m  # lanes where a > m, decided so far
+    gt = top_m & ~top_a
+    if BITS == 3:
+        und = ~(lt | gt)
+        lt = lt | (und & a1 & ~m1)
+        gt = gt | (und & m1 & ~a1)
+    if BITS >= 2:
+        lt = lt | (~(lt | gt) & a0 & ~m0)
+    return (m0 & ~lt) | (a0 & lt), (m1 & ~lt) | (a1 & lt), (m2 & ~lt) | (a2 & lt)
+
+
 @triton.jit(do_not_specialize=_NOSPEC)
 def _pool_planes_kernel(
     x_ptr, planes_ptr,
-    R, C, Kw, H, W, P, Q,
+    R, CW, Kw, H, W, P, Q,  # CW = ceil(C / 32) words of codes a row
     stride_xb, stride_xr, stride_xw,
     stride_pb, stride_pr, stride_pw,
-    BITS: tl.constexpr, FLIP: tl.constexpr,
+    BITS: tl.constexpr, TWOS: tl.constexpr,
     KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     pid_w = tl.program_id(1)
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
-    lane = tl.arange(0, 32)[None, None, :]
     n, p, q = _rows(offs_r, P, Q)
     row_ok = offs_r < R
-    w_ok = offs_w < tl.cdiv(C, 32)
-    m = tl.zeros((BLOCK_R, BLOCK_W, 32), tl.int32)  # the least ordered code: padding pixels never win
+    w_ok = offs_w < CW
+    # the window's largest codes, bit-sliced: plane b's words; two's complement patterns with their sign plane
+    # inverted, so the planes order the codes as their values; 0 (the least) where no pixel was seen yet
+    m0 = tl.zeros((BLOCK_R, BLOCK_W), tl.int32)
+    m1 = tl.zeros((BLOCK_R, BLOCK_W), tl.int32)
+    m2 = tl.zeros((BLOCK_R, BLOCK_W), tl.int32)
     for i in tl.static_range(KH):
         for j in tl.static_range(KW):
             h = p * SH - PH + i
             w = q * SW - PW + j
-            ok = row_ok & (h >= 0) & (h < H) & (w >= 0) & (w < W)
-            pix = (n * H + h) * W + w  # the input pixel's row of the planes
-            ptrs = x_ptr + pix[:, None] * stride_xr + offs_w[None, :] * stride_xw
-            v = tl.zeros((BLOCK_R, BLOCK_W, 32), tl.int32)
-            for b in tl.static_range(BITS):
-                word = tl.load(ptrs + b * stride_xb, mask=ok[:, None] & w_ok[None, :], other=0)
-                v = v | (((word[:, :, None] >> lane) & 1) << b)
-            # (two's complement: the sign bit flipped orders the patterns; a padding pixel adds the least, 0)
-            m = tl.maximum(m, tl.where(ok[:, None, None], v ^ FLIP, 0))
-    _store_planes(m ^ FLIP, planes_ptr, offs_r, offs_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS)
+            ok = (row_ok & (h >= 0) & (h < H) & (w >= 0) & (w < W))[:, None] & w_ok[None, :]
+            ptrs = x_ptr + ((n * H + h) * W + w)[:, None] * stride_xr + offs_w[None, :] * stride_xw
+            a0 = tl.load(ptrs, mask=ok, other=0)
+            a1 = tl.load(ptrs + stride_xb, mask=ok, other=0) if BITS >= 2 else m1
+            a2 = tl.load(ptrs + 2 * stride_xb, mask=ok, other=0) if BITS == 3 else m2
+            if TWOS:
+                if BITS == 3:
+                    a2 = ~a2
+                elif BITS == 2:
+                    a1 = ~a1
+                else:
+                    a0 = ~a0
+            b0, b1, b2 = _sliced_max(m0, m1, m2, a0, a1, a2, BITS)
+            m0 = tl.where(ok, b0, m0)  # padding pixels never win (torch pads with -inf)
+            m1 = tl.where(ok, b1, m1)
+            m2 = tl.where(ok, b2, m2)
+    if TWOS:
+        if BITS == 3:
+            m2 = ~m2
+        elif BITS == 2:
+            m1 = ~m1
+        else:
+            m0 = ~m0
+    out_ok = row_ok[:, None] & (offs_w < Kw)[None, :]
+    out = planes_ptr + offs_r.to(tl.int64)[:, None] * stride_pr + offs_w[None, :] * stride_pw
+    tl.store(out, tl.where(w_ok[None, :], m0, 0), mask=out_ok)  # (words past the codes': padding, zero)
+    if BITS >= 2:
+        tl.store(out + stride_pb, tl.where(w_ok[None, :], m1, 0), mask=out_ok)
+    if BITS == 3:
+        tl.store(out + 2 * stride_pb, tl.where(w_ok[None, :], m2, 0), mask=out_ok)
     _store_padding(planes_ptr, offs_r, pid_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS, BLOCK_W)
-
 
 def pooled_size(H: int, W: int, window) -> tuple[int, int]:
     """(P, Q) of ``nn.MaxPool2d(kernel, stride, padding)`` (floor) on an H x W map; ``window`` = ((KH, KW), (SH, SW),
@@ -270,13 +310,16 @@ def pool_window_pack(y: torch.Tensor, scale: torch.Tensor, window, bits: int, lo
 
 def pool_planes(x: torch.Tensor, shape, window, bits: int, twos: bool, *, compact: bool = False) -> torch.Tensor:
     """Launch: the bit planes ``x`` int32 (bits, N*H*W, words >= ceil(C / 32); bits past C zero) of NHWC codes of
-    ``shape`` (N, H, W, C) -> max-pool ``window`` of the codes (two's-complement patterns ``twos``, else unsigned code
-    indices, both ordered as their values) -> planes (bits, N*P*Q, Kw): Kw = packed_words(C), or ceil(C / 32) with
-    ``compact``.  Quantizing is monotone, so this is the codes of the pooled float bit for bit (torch's pool pads
-    with -inf: padding pixels never win; a window always holds a pixel of the image).  Why: a ResNet stem that writes
-    its readers' 2-bit planes (51 MB at batch 256) instead of its fp16 output (411 MB) for the pool to read
-    (docs/decisions/0172)."""
+    ``shape`` (N, H, W, C), 1..3 bits -> max-pool ``window`` of the codes (two's-complement patterns ``twos``, else
+    unsigned code indices, both ordered as their values), bit-sliced: 32 codes a word, no unpacking -> planes
+    (bits, N*P*Q, Kw): Kw = packed_words(C), or ceil(C / 32) with ``compact``.  Quantizing is monotone, so this is
+    the codes of the pooled float bit for bit (torch's pool pads with -inf: padding pixels never win; a window always
+    holds a pixel of the image).  Why: a ResNet stem that writes its readers' 2-bit planes (51 MB at batch 256) instead
+    of its fp16 output (411 MB) for the pool to read (docs/decisions/0172)."""
     N, H, W, C = shape
+    if bits not in (1, 2, 3):
+        raise ValueError(f"pool_planes pools codes of 1..3 bits, got bits={bits}; pool the float with "
+                         "pool_window_pack instead")
     if x.dtype != torch.int32 or x.dim() != 3 or x.shape[0] != bits or x.shape[1] != N * H * W \
             or x.shape[2] < cdiv(C, 32):
         raise ValueError(f"pool_planes: x must be int32 planes (bits={bits}, N*H*W={N * H * W}, >= {cdiv(C, 32)} "
@@ -287,9 +330,9 @@ def pool_planes(x: torch.Tensor, shape, window, bits: int, twos: bool, *, compac
     planes = torch.empty((bits, R, Kw), dtype=torch.int32, device=x.device)
     if planes.numel() == 0:
         return planes
-    bw = pack_tile(cdiv(C, 32))[1]
-    br = max(1, _PACK_TILE_CODES // (32 * bw))
+    bw = min(next_power_of_2(cdiv(C, 32)), 16)
+    br = max(1, _PLANES_TILE_WORDS // bw)
     _pool_planes_kernel[(cdiv(R, br), cdiv(cdiv(C, 32), bw))](
-        x, planes, R, C, Kw, H, W, P, Q, *x.stride(), *planes.stride(), BITS=bits,
-        FLIP=(1 << (bits - 1)) if twos else 0, **_win_kwargs(window), BLOCK_R=br, BLOCK_W=bw)
+        x, planes, R, cdiv(C, 32), Kw, H, W, P, Q, *x.stride(), *planes.stride(), BITS=bits, TWOS=twos,
+        **_win_kwargs(window), BLOCK_R=br, BLOCK_W=bw)
     return planes
