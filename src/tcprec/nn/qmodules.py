@@ -729,8 +729,11 @@ class QMaxPool2d(nn.Module):
     stem pool: the first block's conv1 and 1x1 shortcut), which it hands their operand directly: one pass pools the
     float input and writes the int8 codes, bit planes or float8 codes (``ops.qconv.max_pool_quantize``) -- the codes
     each reader's own quantizer computes from torch's pooled float, bit for bit -- so no pooled float is written and
-    no reader quantizes it again (docs/decisions/0137).  ``quantize_model`` makes it (``QuantConfig(chain=True)``).
-    Off the kernels' devices (the reference backend) it runs torch's pool and the readers' quantizer."""
+    no reader quantizes it again (docs/decisions/0137).  With ``planes_in`` its producer (a ResNet-50 stem) already
+    writes the readers' <= 3-bit codes as bit planes and the pool takes the max of the codes (``ops.qconv.
+    max_pool_planes``: the codes of the pooled float, quantizing being monotone; docs/decisions/0172).
+    ``quantize_model`` makes it (``QuantConfig(chain=True)``).  Off the kernels' devices (the reference backend) it
+    runs torch's pool and the readers' quantizer."""
 
     def __init__(self, pool: nn.MaxPool2d, reader: "QConv2d", compact: bool, with_float: bool = False):
         super().__init__()
