@@ -139,6 +139,18 @@ def _pool_window_pack_kernel(
 
 
 @triton.jit
+def _invert_sign_plane(w0, w1, w2, BITS: tl.constexpr):
+    """Two's complement codes <-> their order: the sign plane (bit BITS - 1) inverted."""
+    if BITS == 3:
+        w2 = ~w2
+    elif BITS == 2:
+        w1 = ~w1
+    else:
+        w0 = ~w0
+    return w0, w1, w2
+
+
+@triton.jit
 def _sliced_max(m0, m1, m2, a0, a1, a2, BITS: tl.constexpr):
     """The larger of two codes bit-sliced over the planes (bit BITS - 1 the most significant; 32 codes a word),
     lane by lane: the words of max(m, a)."""
@@ -186,23 +198,13 @@ def _pool_planes_kernel(
             a1 = tl.load(ptrs + stride_xb, mask=ok, other=0) if BITS >= 2 else m1
             a2 = tl.load(ptrs + 2 * stride_xb, mask=ok, other=0) if BITS == 3 else m2
             if TWOS:
-                if BITS == 3:
-                    a2 = ~a2
-                elif BITS == 2:
-                    a1 = ~a1
-                else:
-                    a0 = ~a0
+                a0, a1, a2 = _invert_sign_plane(a0, a1, a2, BITS)
             b0, b1, b2 = _sliced_max(m0, m1, m2, a0, a1, a2, BITS)
             m0 = tl.where(ok, b0, m0)  # padding pixels never win (torch pads with -inf)
             m1 = tl.where(ok, b1, m1)
             m2 = tl.where(ok, b2, m2)
     if TWOS:
-        if BITS == 3:
-            m2 = ~m2
-        elif BITS == 2:
-            m1 = ~m1
-        else:
-            m0 = ~m0
+        m0, m1, m2 = _invert_sign_plane(m0, m1, m2, BITS)
     out_ok = row_ok[:, None] & (offs_w < Kw)[None, :]
     out = planes_ptr + offs_r.to(tl.int64)[:, None] * stride_pr + offs_w[None, :] * stride_pw
     tl.store(out, tl.where(w_ok[None, :], m0, 0), mask=out_ok)  # (words past the codes': padding, zero)
