@@ -157,6 +157,8 @@ def test_pool_of_planes_equals_the_codes_of_the_pooled_float(window, fmt, compac
         assert got.shape == want.shape and got.layout == want.layout and torch.equal(got.data, want.data), backend
     with pytest.raises(ValueError, match="must be a BitPlanes QTensor.*max_pool_quantize pools a float"):
         qc.max_pool_planes(x, window)
+    with pytest.raises(ValueError, match=r"padding \(2, 0\) must be at most half the kernel \(3, 3\)"):
+        qc.max_pool_planes(planes, ((3, 3), (2, 2), (2, 0)))
 
 
 def test_a_pool_with_a_float_reader_stays_torch():

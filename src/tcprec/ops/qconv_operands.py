@@ -399,6 +399,10 @@ def max_pool_planes(x: QTensor, window, *, compact: bool = False, backend: str =
         got = (f"a {x.layout!r} QTensor of shape {x.shape}" if isinstance(x, QTensor) else type(x).__name__)
         raise ValueError(f"max_pool_planes: x must be a BitPlanes QTensor of NHWC codes (N, H, W, C), got {got}; "
                          "max_pool_quantize pools a float tensor")
+    (kh, kw), (sh, sw), (ph, pw) = window
+    if not (0 <= 2 * ph <= kh and 0 <= 2 * pw <= kw):
+        raise ValueError(f"max_pool_planes: padding {(ph, pw)} must be at most half the kernel {(kh, kw)} (torch's "
+                         "rule: every window then holds a pixel of the image)")
     fmt = x.element_format
     N, H, W, C = x.shape
     twos = fmt.encoding == "twos"
@@ -408,7 +412,6 @@ def max_pool_planes(x: QTensor, window, *, compact: bool = False, backend: str =
         P, Q = pw_.pooled_size(H, W, window)
         planes = pw_.pool_planes(x.data, x.shape, window, fmt.bits, twos, compact=compact)
         return planes_qtensor(planes, fmt, x.scale, (N, P, Q, C))
-    (kh, kw), (sh, sw), (ph, pw) = window
     flip = (1 << (fmt.bits - 1)) if twos else 0
     order = (x.codes.to(torch.int32) ^ flip).to(torch.float32)  # exact small integers, ordered as the values
     y = torch.nn.functional.max_pool2d(order.permute(0, 3, 1, 2), (kh, kw), (sh, sw), (ph, pw)).permute(0, 2, 3, 1)
