@@ -858,8 +858,7 @@ def _fuse_max_pools(gm: fx.GraphModule, qmods: dict, calls: dict, kind_of, notes
             # again (ResNet-50 w1a2 at batch 256: 51 MB for 411 MB; docs/decisions/0172)
             a.chain_to(b, "compact")
             q.planes_in = True
-            if src.target in records:
-                records[src.target].out = f"packed {b.a_fmt} -> {node.target} (max-pool of the codes)"
+            records[src.target].out = f"packed {b.a_fmt} -> {node.target} (max-pool of the codes)"
             notes.append(f"{node.target}: max-pool {kh}x{kw} / {sh} (padding {ph}) of {src.target}'s {b.a_fmt} "
                          f"codes: {src.target} writes its readers' operand as bit planes and the pool takes the max "
                          f"of the codes for {', '.join(u.target for u in x_users)} (the codes of the pooled float)")

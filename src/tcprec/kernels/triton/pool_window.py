@@ -214,6 +214,7 @@ def _pool_planes_kernel(
         tl.store(out + 2 * stride_pb, tl.where(w_ok[None, :], m2, 0), mask=out_ok)
     _store_padding(planes_ptr, offs_r, pid_w, R, Kw, stride_pb, stride_pr, stride_pw, BITS, BLOCK_W)
 
+
 def pooled_size(H: int, W: int, window) -> tuple[int, int]:
     """(P, Q) of ``nn.MaxPool2d(kernel, stride, padding)`` (floor) on an H x W map; ``window`` = ((KH, KW), (SH, SW),
     (PH, PW))."""
@@ -332,7 +333,7 @@ def pool_planes(x: torch.Tensor, shape, window, bits: int, twos: bool, *, compac
     planes = torch.empty((bits, R, Kw), dtype=torch.int32, device=x.device)
     if planes.numel() == 0:
         return planes
-    bw = min(next_power_of_2(cdiv(C, 32)), 16)
+    bw = pack_tile(cdiv(C, 32))[1]  # (the word tile of every pack kernel)
     br = max(1, _PLANES_TILE_WORDS // bw)
     _pool_planes_kernel[(cdiv(R, br), cdiv(cdiv(C, 32), bw))](
         x, planes, R, cdiv(C, 32), Kw, H, W, P, Q, *x.stride(), *planes.stride(), BITS=bits, TWOS=twos,

@@ -110,7 +110,8 @@ def div_for_codes(x, s):
     ``2**-64 .. 2**64`` (``r`` normal, no underflow in ``rem``) and ``|q0| < 2**30``; quotients below 2**-100 or so
     may be an ulp off, which no code can see (they round to 0), and -0 / s comes back +0 (the correction's sum; no int8
     code tells them apart, so this is for int8 codes only; the fp8 quantizers keep :func:`div_by_scalar`: a sign-keeping
-    version in every quantizer measured slower on the H200, docs/decisions/0170).  Other scales take :func:`div_by_scalar` (a scalar branch: one path runs)."""
+    version in every quantizer measured slower on the H200, docs/decisions/0170).  Other scales take
+    :func:`div_by_scalar` (a scalar branch: one path runs)."""
     a = tl.abs(s)
     if (a >= 5.421010862427522e-20) & (a <= 1.8446744073709552e19):
         r = tl.div_rn(1.0, s)
