@@ -9,6 +9,7 @@ runs) all 64 pairs for every encoding.  The large-tile variants of the default p
 """
 
 import dataclasses
+import itertools
 import time
 
 import pytest
@@ -444,16 +445,22 @@ def test_shared_header_is_expanded_and_keys_the_cache(tmp_path, monkeypatch):
 
 
 def test_stem_weight_words_tiles_and_bad_input():
-    """The weight words (a tap's C bytes in one word, taps rounded up to a k-step of 8, rows to the channel block),
-    the tile choice (whole units, equal shares for the 4 warps, a patch that fits), and refused variants / inputs."""
+    """The weight words (a tap's C bytes in one word, taps rounded up to a k-step of 8, channels to 32-channel words)
+    in B-fragment order, the tile choice (whole units, equal shares for the 4 warps, a patch that fits), and refused
+    variants / inputs."""
     import torch
 
     from tcprec.kernels.cuda import stem_conv as P
 
     w8 = torch.randint(-128, 128, (40, 3, 3, 3), dtype=torch.int8)
     wq = P.stem_weight_words(w8)
-    assert wq.shape == (64, 16) and wq.dtype == torch.int32
-    b = wq.view(torch.uint8).reshape(64, 16, 4)
+    assert wq.shape == (2, 16 * 32) and wq.dtype == torch.int32
+    # (word, k-step, tile i, gq, t, e) holds tap 8 k-step + 4 e + t of channel 32 word + 8 i + gq
+    f = wq.reshape(2, 2, 4, 8, 4, 2)
+    rows = torch.zeros((64, 16), dtype=torch.int32)
+    for word, ks, i, gq, t, e in itertools.product(range(2), range(2), range(4), range(8), range(4), range(2)):
+        rows[32 * word + 8 * i + gq, 8 * ks + 4 * e + t] = f[word, ks, i, gq, t, e]
+    b = rows.view(torch.uint8).reshape(64, 16, 4)
     assert torch.equal(b[:40, :9, :3].view(torch.int8), w8.reshape(40, 9, 3))
     assert int(b[:40, :9, 3].abs().sum()) == 0 and int(b[:, 9:].sum()) == 0 and int(b[40:].sum()) == 0
     v = P.StemVariant(2, "unsigned", 2)
@@ -464,8 +471,8 @@ def test_stem_weight_words_tiles_and_bad_input():
     assert (t.tpo, t.tqo) == (4, 64)  # 8 rows would keep the SM below its 4 blocks (shared memory)
     assert P.smem_bytes(res, t, 7, 7, (4, 4), (1, 1), 2, 3) <= 228 * 1024 // 4 - 1024
     assert P.smem_bytes(res, P.StemTile(8, 64), 7, 7, (4, 4), (1, 1), 2, 3) > 228 * 1024 // 4 - 1024
-    # with 4 words of channels and 4-byte pixels (the defaults: the largest block) one row of units fits the share
-    assert P.pick_tile(res, 56, 56, 7, 7, (4, 4), (1, 1)) == P.StemTile(1, 64)
+    # with 4 words of channels and 4-byte pixels (the defaults: the largest block) two rows of units fit the share
+    assert P.pick_tile(res, 56, 56, 7, 7, (4, 4), (1, 1)) == P.StemTile(2, 64)
     t = P.pick_tile(v, 208, 208, 3, 3, (1, 1), (1, 1))  # YOLOv2-tiny
     assert t.tqo == 56 and 4 * t.tqo >= 208
     t = P.pick_tile(v, 56, 56, 3, 3, (2, 2), (1, 1), N=8)  # batch 8: one row a block, 448 blocks

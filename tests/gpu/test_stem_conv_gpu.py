@@ -177,7 +177,7 @@ def test_kernel_bad_input():
     kw = dict(col_scale=ones, bias=None, out_scale=s)
     with pytest.raises(ValueError, match=r"stem_conv act must be None, 'relu' or \('leaky', slope >= 0\)"):
         sc.conv_planes(x8, wq, 32, 3, 3, act=("leaky", -0.1), **kw)
-    with pytest.raises(ValueError, match=r"wq must be stem_weight_words\(w8\) of shape \(32, 16\)"):
+    with pytest.raises(ValueError, match=r"wq must be stem_weight_words\(w8\) of shape \(1, 512\)"):
         sc.conv_planes(x8, wq[:, :4].contiguous(), 32, 3, 3, **kw)
     with pytest.raises(ValueError, match=r"ldo=0 is less than the 1 words of 32 channels"):
         sc.conv_planes(x8, wq, 32, 3, 3, ldo=0, **kw)

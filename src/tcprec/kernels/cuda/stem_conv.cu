@@ -107,6 +107,21 @@ __device__ __forceinline__ void cp_async4(int* smem_dst, const void* gsrc) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"((u32)__cvta_generic_to_shared(smem_dst)), "l"(gsrc));
 }
 
+// The OR over the quad (lanes t = lane & 3) of each x[i], scattered: lane t gets x[t]'s.  Two butterfly stages, each
+// lane sending the half it does not keep: 3 shuffles.
+__device__ __forceinline__ u32 quad_or_scatter4(const u32 (&x)[4], int t) {
+    const bool h1 = (t & 1) != 0, h2 = (t & 2) != 0;
+    const u32 y0 = (h1 ? x[1] : x[0]) | __shfl_xor_sync(0xffffffffu, h1 ? x[0] : x[1], 1);  // word h1
+    const u32 y1 = (h1 ? x[3] : x[2]) | __shfl_xor_sync(0xffffffffu, h1 ? x[2] : x[3], 1);  // word 2 + h1
+    return (h2 ? y1 : y0) | __shfl_xor_sync(0xffffffffu, h2 ? y0 : y1, 2);
+}
+// The same for two words: lanes t and t ^ 2 get x(t & 1)'s.  2 shuffles.
+__device__ __forceinline__ u32 quad_or_scatter2(u32 x0, u32 x1, int t) {
+    const bool h1 = (t & 1) != 0;
+    const u32 y = (h1 ? x1 : x0) | __shfl_xor_sync(0xffffffffu, h1 ? x0 : x1, 1);
+    return y | __shfl_xor_sync(0xffffffffu, y, 2);
+}
+
 // The kernel's act argument (stem_conv.py: Act).
 enum : int { ACT_NONE = 0, ACT_RELU = 1, ACT_LEAKY = 2 };
 
@@ -153,7 +168,8 @@ stem_code_thresholds(const float* __restrict__ col_scale, const float* __restric
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 stem_conv(const signed char* __restrict__ x,  // (N, H, W, C) int8 codes
-          const int* __restrict__ wq,         // (ceil(K / 32) 32, KW) weight words: tap j's C bytes, zeros past C / R*S / K
+          const int* __restrict__ wq,         // (ceil(K / 32), KW / 8, 4, 32, 2) weight words in B-fragment order
+                                              // (stem_weight_words): tap j's C bytes, zeros past C / R*S / K
           const int* __restrict__ thr,        // (K, 2^OB) threshold words
           const float* __restrict__ col_scale,  // (K,)
           const float* __restrict__ bias,       // (K,) or null
@@ -168,14 +184,13 @@ stem_conv(const signed char* __restrict__ x,  // (N, H, W, C) int8 codes
     const StemGeo g{N, H, W, C, R, S, sh, sw, ph, pw, dh, dw, PO, QO, K, TPO, TQO, TP, TQ, PH, PWD, KW};
     extern __shared__ __align__(16) int smem[];
     const int NB = 32 * NBW;  // output channels a block
-    const int WST = g.KW + 4;  // a channel's weight words in shared memory (a stride = 4 mod 8: conflict-free B loads)
-    int* s_w = smem;                                   // NB x WST
-    int* s_thr = s_w + NB * WST;                        // NB x NCODE
+    int* s_w = smem;                                   // NB x KW, as wq orders them (a lane's b0, b1 one 8-byte load)
+    int* s_thr = s_w + NB * g.KW;                       // NB x NCODE
     float* s_cs = reinterpret_cast<float*>(s_thr + NB * NCODE);  // NB
     float* s_bias = s_cs + NB;                          // NB
     int* s_add = reinterpret_cast<int*>(s_bias + NB);  // NB
     float* s_T = reinterpret_cast<float*>(s_add + NB);  // NCODE (float path)
-    int* s_tap = reinterpret_cast<int*>(s_T + NCODE);   // KW: tap j -> word offset in the patch
+    int* s_tap = reinterpret_cast<int*>(s_T + NCODE);   // KW: (k-step, t) -> the byte offsets of taps 8 ks + t, + 4 + t
     int* s_patch = s_tap + g.KW;                        // PH x PWD
     const int RWS = raw_words(g.PWD, g.C);
     int* s_raw = s_patch + g.PH * g.PWD;                // PH x RWS: the patch rows' image bytes, as aligned words
@@ -212,10 +227,11 @@ stem_conv(const signed char* __restrict__ x,  // (N, H, W, C) int8 codes
     }
     asm volatile("cp.async.commit_group;\n" ::);
     if (tid == 0) s_float = 0;
-    {  // 16-byte copies (KW and WST are multiples of 4 words), LU a thread in flight
+    {  // the block's words of wq as they lie (16-byte copies: a channel word's KW * 32 words), LU a thread in flight
         constexpr int LU = 4;
-        const int kq = g.KW / 4, total = min(NB, (g.K + 31) / 32 * 32 - k0) * kq;
+        const int total = min(NB, (g.K + 31) / 32 * 32 - k0) * g.KW / 4;
         const int4* src = reinterpret_cast<const int4*>(wq + (i64)k0 * g.KW);
+        int4* dst = reinterpret_cast<int4*>(s_w);
         for (int base = tid; base < total; base += THREADS * LU) {
             int4 v[LU];
 #pragma unroll
@@ -225,15 +241,16 @@ stem_conv(const signed char* __restrict__ x,  // (N, H, W, C) int8 codes
             }
 #pragma unroll
             for (int u = 0; u < LU; ++u) {
-                const int i = base + u * THREADS, c = i / kq, j = i - c * kq;
-                if (i < total) *reinterpret_cast<int4*>(s_w + c * WST + 4 * j) = v[u];
+                const int i = base + u * THREADS;
+                if (i < total) dst[i] = v[u];
             }
         }
     }
     __syncthreads();  // s_float
     // the integer path's words a column: u[0] = f, u[i] = t_i - 1 - (f ? -add : add) saturated to +-2^30, so that with
     // c = max over the window of acc ^ f (|acc| < 2^24) the sign bit of u[i] - c is [C' >= t_i]; channels past K get
-    // the words of code pattern 0
+    // the words of code pattern 0.  Without a pool c = acc ^ f, and u[i] - c = (u[i] - f) + m acc with m = -1 or 1
+    // (acc ^ -1 = -acc - 1): the words are then u[0] = m, u[i] - f, one multiply-add a threshold
     for (int c = tid; c < NB; c += THREADS) {
         const int k = k0 + c;
         const bool in = k < g.K;
@@ -242,19 +259,19 @@ stem_conv(const signed char* __restrict__ x,  // (N, H, W, C) int8 codes
         s_bias[c] = in && bias != nullptr ? bias[k] : 0.0f;
         s_add[c] = add;
         if constexpr (!PLANES) continue;
-        const int f = in ? thr[(i64)k * NCODE] : 0;
-        s_thr[c * NCODE] = f == 1 ? 0 : f;
+        const int f0 = in ? thr[(i64)k * NCODE] : 0, f = f0 == 1 ? 0 : f0;
+        s_thr[c * NCODE] = PF == 2 ? f : f == -1 ? 1 : -1;
 #pragma unroll
         for (int i = 1; i < NCODE; ++i) {
             i64 u = in ? (i64)thr[(i64)k * NCODE + i] - 1 - (f == -1 ? -(i64)add : (i64)add)
                        : (OENC == ENC_TWOS && i <= NCODE / 2 ? -SAT : SAT);
-            s_thr[c * NCODE + i] = (int)(u < -SAT ? -SAT : u > SAT ? SAT : u);
+            s_thr[c * NCODE + i] = (int)(u < -SAT ? -SAT : u > SAT ? SAT : u) - (PF == 2 ? 0 : f);
         }
-        if (in && f == 1) s_float = 1;
+        if (in && f0 == 1) s_float = 1;
     }
-    for (int j = tid; j < g.KW; j += THREADS) {
-        const int r = j / g.S, s = j - r * g.S;
-        s_tap[j] = j < g.R * g.S ? r * g.dh * g.PWD + s * g.dw : 0;  // past R*S: any word (its weights are zero)
+    for (int i = tid; i < g.KW; i += THREADS) {  // entry i = 8 ks + 2 t + e holds tap j = 8 ks + 4 e + t
+        const int j = (i & ~7) + 4 * (i & 1) + ((i >> 1) & 3), r = j / g.S, s = j - r * g.S;
+        s_tap[i] = j < g.R * g.S ? 4 * (r * g.dh * g.PWD + s * g.dw) : 0;  // past R*S: any word (its weights are zero)
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     __syncthreads();  // (the raw rows, s_float)
@@ -291,15 +308,15 @@ stem_conv(const signed char* __restrict__ x,  // (N, H, W, C) int8 codes
 
     for (int u = warp; u < units; u += WARPS) {
         const int pol = u / upr, qb = (u - pol * upr) * UW;  // the unit's output row and first column in the tile
-        // this thread's four conv pixels (rows g + 8 h of tiles mt): their patch words
-        int pb[2][2];
+        // this thread's four conv pixels (rows g + 8 h of tiles mt): their corners' patch words, as byte addresses
+        const char* pb[2][2];
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int pl = PF == 2 ? 2 * pol + mt : pol;
                 const int ql = PF == 2 ? 2 * (qb + gq) + h : qb + mt * 16 + h * 8 + gq;
-                pb[mt][h] = pl * g.sh * g.PWD + ql * g.sw;
+                pb[mt][h] = reinterpret_cast<const char*>(s_patch + pl * g.sh * g.PWD + ql * g.sw);
             }
         // the output rows of this thread's values: PF 2 one (its window), PF 1 four (mt, h)
         constexpr int NR = PF == 2 ? 1 : 4;
@@ -321,22 +338,26 @@ stem_conv(const signed char* __restrict__ x,  // (N, H, W, C) int8 codes
                 for (int j = 0; j < 4; ++j)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) acc[mt][j][e] = 0;
+            // a k-step: this lane's two tap offsets (one 8-byte load), 8 A words, its B pairs of the 4 tiles (8-byte
+            // loads at fixed offsets: wq's fragment order)
+            const int2* tp2 = reinterpret_cast<const int2*>(s_tap) + t;
+            const int2* wb = reinterpret_cast<const int2*>(s_w) + w * ksteps * 128 + lane;
+#pragma unroll 2
             for (int ks = 0; ks < ksteps; ++ks) {
-                const int o0 = s_tap[ks * 8 + t], o1 = s_tap[ks * 8 + 4 + t];
+                const int2 o = tp2[4 * ks];
                 u32 a[2][4];
 #pragma unroll
                 for (int mt = 0; mt < 2; ++mt) {
-                    a[mt][0] = (u32)s_patch[pb[mt][0] + o0];
-                    a[mt][1] = (u32)s_patch[pb[mt][1] + o0];
-                    a[mt][2] = (u32)s_patch[pb[mt][0] + o1];
-                    a[mt][3] = (u32)s_patch[pb[mt][1] + o1];
+                    a[mt][0] = *reinterpret_cast<const u32*>(pb[mt][0] + o.x);
+                    a[mt][1] = *reinterpret_cast<const u32*>(pb[mt][1] + o.x);
+                    a[mt][2] = *reinterpret_cast<const u32*>(pb[mt][0] + o.y);
+                    a[mt][3] = *reinterpret_cast<const u32*>(pb[mt][1] + o.y);
                 }
-                const int* wb = s_w + (32 * w + gq) * WST + ks * 8 + t;
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
-                    const u32 b0 = (u32)wb[j * 8 * WST], b1 = (u32)wb[j * 8 * WST + 4];
-                    mma_s8(acc[0][j], a[0], b0, b1);
-                    mma_s8(acc[1][j], a[1], b0, b1);
+                    const int2 b = wb[(4 * ks + j) * 32];
+                    mma_s8(acc[0][j], a[0], (u32)b.x, (u32)b.y);
+                    mma_s8(acc[1][j], a[1], (u32)b.x, (u32)b.y);
                 }
             }
             // ---- the word's epilogue: (the float output,) C, (pool,) code bits, the quad's words ----
@@ -387,8 +408,11 @@ stem_conv(const signed char* __restrict__ x,  // (N, H, W, C) int8 codes
             }
             if constexpr (!PLANES) continue;
             // the planes (of the stored float with TCP_FOUT: the integer words include its rounding, threshold_word<FOUT>),
-            // an output row at a time (one row's code bits live at once: the registers of four rows spilled)
+            // an output row at a time (one row's code bits live at once: the registers of four rows spilled) into
+            // this lane's share of the plane words V[r * OB + b]; then the quad ORs them, a lane a word
             const int gw = blockIdx.y * NBW + w;
+            constexpr int NV = NR * OB;
+            u32 V[NV];
 #pragma unroll
             for (int r = 0; r < NR; ++r) {
                 // sg[b][j][e]: bit b of the code of column (j, e) of the word, in its sign bit (integer path) or as 0 / 1
@@ -400,7 +424,7 @@ stem_conv(const signed char* __restrict__ x,  // (N, H, W, C) int8 codes
 #pragma unroll
                         for (int e = 0; e < 2; ++e) {
                             const int cl = (4 * w + j) * 8 + 2 * t + e;
-                            int th[NCODE];  // f, u_1 .. u_{2^OB - 1}
+                            int th[NCODE];  // f (pool) or m (none), u_1 .. u_{2^OB - 1}
                             if constexpr (NCODE == 2) {
                                 const int2 v = *reinterpret_cast<const int2*>(s_thr + cl * NCODE);
                                 th[0] = v.x, th[1] = v.y;
@@ -411,13 +435,17 @@ stem_conv(const signed char* __restrict__ x,  // (N, H, W, C) int8 codes
                                     th[4 * q] = v.x, th[4 * q + 1] = v.y, th[4 * q + 2] = v.z, th[4 * q + 3] = v.w;
                                 }
                             }
-                            const int f = th[0];
-                            const int c = PF == 2 ? max(max(acc[0][j][e] ^ f, acc[0][j][2 + e] ^ f),
-                                                        max(acc[1][j][e] ^ f, acc[1][j][2 + e] ^ f))
-                                                  : acc[r >> 1][j][2 * (r & 1) + e] ^ f;
-                            u32 x[NCODE];  // sign bit: c reaches threshold i
+                            u32 x[NCODE];  // sign bit: C' reaches threshold i
+                            if constexpr (PF == 2) {
+                                const int f = th[0];
+                                const int c = max(max(acc[0][j][e] ^ f, acc[0][j][2 + e] ^ f),
+                                                  max(acc[1][j][e] ^ f, acc[1][j][2 + e] ^ f));
 #pragma unroll
-                            for (int i = 1; i < NCODE; ++i) x[i] = (u32)(th[i] - c);
+                                for (int i = 1; i < NCODE; ++i) x[i] = (u32)(th[i] - c);
+                            } else {
+#pragma unroll
+                                for (int i = 1; i < NCODE; ++i) x[i] = (u32)(th[i] + th[0] * acc[r >> 1][j][2 * (r & 1) + e]);
+                            }
 #pragma unroll
                             for (int b = 0; b < OB; ++b) {  // bit b of the index (index_bit, in the sign bits)
                                 const u32 v = index_bit(x, b);
@@ -454,11 +482,35 @@ stem_conv(const signed char* __restrict__ x,  // (N, H, W, C) int8 codes
                         const u32 hi = __byte_perm(sg[b][2][e], sg[b][3][e], 0x7300);
                         v |= (__byte_perm(lo, hi, 0x7610) >> (7 - e)) & (0x01010101u << e);
                     }
-                    v <<= 2 * t;  // this lane's columns 8 j + 2 t + e
-                    v |= __shfl_xor_sync(0xffffffffu, v, 1);
-                    v |= __shfl_xor_sync(0xffffffffu, v, 2);
-                    if (((w * OB + b) & 3) == t && ok[r] && gw < ldo) out[b * plane + (i64)orow[r] * ldo + gw] = v;
+                    V[r * OB + b] = v << 2 * t;  // this lane's columns 8 j + 2 t + e
                 }
+            }
+            // the quad's words, ORed four (or two) at a time and scattered a lane a word (3 shuffles for 4 words, not
+            // 8), so one store instruction writes four rows' or planes' words
+#pragma unroll
+            for (int n0 = 0; n0 < NV; n0 += 4) {
+                const int cnt = min(4, NV - n0);
+                u32 word;
+                int n;       // this lane's word, -1: none to store
+                if (cnt >= 3) {
+                    const u32 x4[4] = {V[n0], V[n0 + 1], V[n0 + 2], cnt == 4 ? V[n0 + 3] : 0u};
+                    word = quad_or_scatter4(x4, t);
+                    n = t < cnt ? n0 + t : -1;
+                } else if (cnt == 2) {
+                    word = quad_or_scatter2(V[n0], V[n0 + 1], t);
+                    n = (t >> 1) == (w & 1) ? n0 + (t & 1) : -1;
+                } else {
+                    word = V[n0] | __shfl_xor_sync(0xffffffffu, V[n0], 1);
+                    word |= __shfl_xor_sync(0xffffffffu, word, 2);
+                    n = t == (w & 3) ? n0 : -1;
+                }
+                const int r = n / OB, b = n - r * OB;
+                int o = orow[0];
+                bool okr = ok[0];
+#pragma unroll
+                for (int q = 1; q < NR; ++q)
+                    if (r == q) o = orow[q], okr = ok[q];
+                if (n >= 0 && okr && gw < ldo) out[b * plane + (i64)o * ldo + gw] = word;
             }
         }
         // the row's padding words past the channels (rows of packed_words(K) words), by the last channel block

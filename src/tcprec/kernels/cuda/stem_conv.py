@@ -101,15 +101,20 @@ _smem_set: dict = {}
 
 
 def stem_weight_words(w8: torch.Tensor) -> torch.Tensor:
-    """(K, R, S, C) int8 -> (ceil(K / 32) 32, KW) int32: channel k's taps in (r, s) order, a tap's C bytes in one word
-    (byte c = channel c, zeros above C), KW = R*S rounded up to a multiple of 8 (zero taps), zero rows past K."""
+    """(K, R, S, C) int8 -> (ceil(K / 32), KW * 32) int32 in the kernel's B-fragment order.
+
+    Word (k, j) holds channel k's tap j (taps in (r, s) order) as its C bytes (byte c = channel c, zeros above C);
+    KW = R*S rounded up to a multiple of 8 (zero taps), zero channels past K.  A 32-channel word's row lays them out
+    as (k-step, tile i, lane, e): tap 8 k-step + 4 e + (lane & 3) of channel 8 i + (lane >> 2), so that a lane's two
+    B registers of an m16n8k32 tile are one 8-byte shared load, the 4 tiles at fixed offsets."""
     K, R, S, C = w8.shape
     if C > MAX_C:
         raise ValueError(f"stem_conv takes at most {MAX_C} input channels, got C={C}")
     kw = -(-(R * S) // 8) * 8
     b = torch.zeros((-(-K // 32) * 32, kw, 4), dtype=torch.uint8, device=w8.device)
     b[:K, :R * S, :C] = w8.reshape(K, R * S, C).view(torch.uint8)
-    return b.view(torch.int32).reshape(b.shape[0], kw).contiguous()
+    words = b.view(torch.int32).reshape(-1, 4, 8, kw // 8, 2, 4)  # (word, tile i, gq, k-step, e, t)
+    return words.permute(0, 3, 1, 2, 5, 4).reshape(-1, kw * 32).contiguous()  # (word, k-step, i, gq, t, e)
 
 
 # The threshold words of calibrated scale / bias buffers, remembered like bmma_gemm.code_thresholds'.
@@ -160,7 +165,7 @@ def smem_bytes(variant: StemVariant, tile: StemTile, R: int, S: int, stride, dil
     kw = -(-(R * S) // 8) * 8
     ph, pw = _patch(tile, variant.pool, R, S, stride, dilation)
     codes, nb = 1 << variant.out_bits, 32 * words
-    return 4 * (nb * (kw + 4) + nb * codes + 3 * nb + codes + kw + ph * pw + ph * _raw_words(pw, c))
+    return 4 * (nb * kw + nb * codes + 3 * nb + codes + kw + ph * pw + ph * _raw_words(pw, c))
 
 
 BLOCKS_PER_SM = 4  # pick_tile: the fewest blocks an SM a launch should have before tiles get their full height
@@ -239,7 +244,7 @@ def conv_stem(x8: torch.Tensor, wq: torch.Tensor, K: int, R: int, S: int, *, str
         raise ValueError(f"stem_conv: the padding code must be an int8, got {pad}")
     variant = (StemVariant(out_bits, out_encoding, 2 if pool == 2 else 1, fout) if planes else
                StemVariant(pool=2 if pool == 2 else 1, fout=fout, planes=False))
-    want = (-(-K // 32) * 32, -(-(R * S) // 8) * 8)
+    want = (-(-K // 32), -(-(R * S) // 8) * 8 * 32)
     if tuple(wq.shape) != want or wq.dtype != torch.int32:
         raise ValueError(f"stem_conv: wq must be stem_weight_words(w8) of shape {want} int32, got {tuple(wq.shape)} "
                          f"{wq.dtype}")
