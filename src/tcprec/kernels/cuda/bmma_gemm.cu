@@ -583,18 +583,6 @@ __device__ __forceinline__ void tma_load(u32 dst, const TensorMap& map, int c0, 
             : "memory");
     }
 }
-// rows [m0, m0 + BM) x columns [n0, n0 + BN) of a row-major (M, ld) tensor of esz-byte elements -> L2, one bulk
-// prefetch a row, by the lanes lane0, lane0 + step, ..  (a hint: rows need 16-byte aligned starts and lengths)
-__device__ __forceinline__ void prefetch_rows_l2(const void* base, int m0, int rows, int M, int n0, int cols, int N,
-                                                 int ld, int esz, int lane0, int step) {
-    if (base == nullptr || n0 >= N || ((reinterpret_cast<u64>(base) | (u64)ld * esz | (u64)n0 * esz) & 15) != 0) return;
-    const u32 bytes = (u32)(min(cols, N - n0) * esz) & ~15u;
-    if (bytes == 0) return;
-    for (int r = lane0; r < rows && m0 + r < M; r += step) {
-        const char* p = reinterpret_cast<const char*>(base) + ((i64)(m0 + r) * ld + n0) * esz;
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
-    }
-}
 #endif  // TCP_TMA
 
 #include "codes.cuh"
@@ -1380,7 +1368,6 @@ bmma_gemm(
             int m0, n0;
             tile_origin(pid, m0, n0);
             ld.rows(geo, m0, M, ptid);
-            if (RES) prefetch_rows_l2(residual, m0, BM, M, n0, BN, N, ldo, OUT_T == OUT_F32 ? 4 : 2, ptid, 128);
             for (int kt = 0; kt < k_tiles; ++kt, ++g) {
                 const int s = g % RING;
                 if (g >= RING) mbar_wait(empty0 + 8 * s, ((g / RING) + 1) & 1);
@@ -1431,8 +1418,8 @@ bmma_gemm(
                     for (int pl = 0; pl < Q; ++pl)
                         tma_load(sW + (pl * BN + w_r0) * ROW_BYTES, tmW, kt * WPS, n0 + w_r0, pl, full0 + 8 * s,
                                  w_mask);
-                    if (RES && kt == 0)  // the tile's residual rows -> L2 once its first step is issued
-                        prefetch_rows_l2(residual, m0, BM, M, n0, BN, N, ldo, OUT_T == OUT_F32 ? 4 : 2, 0, 1);
+                    // (no L2 prefetch of the tile's residual here: this one thread's prefetches, a row each, held the
+                    // loads of the next tiles back -- with one K step a tile the MMA warps waited on them; decision 0173)
                 }
             }
         }
