@@ -443,8 +443,9 @@ stem_conv(const signed char* __restrict__ x,  // (N, H, W, C) int8 codes
 #pragma unroll
                                 for (int i = 1; i < NCODE; ++i) x[i] = (u32)(th[i] - c);
                             } else {
+                                const int a = acc[r >> 1][j][2 * (r & 1) + e];
 #pragma unroll
-                                for (int i = 1; i < NCODE; ++i) x[i] = (u32)(th[i] + th[0] * acc[r >> 1][j][2 * (r & 1) + e]);
+                                for (int i = 1; i < NCODE; ++i) x[i] = (u32)(th[i] + th[0] * a);
                             }
 #pragma unroll
                             for (int b = 0; b < OB; ++b) {  // bit b of the index (index_bit, in the sign bits)
