@@ -931,15 +931,13 @@ bmma_gemm(
                 have16 = true;
             }
         }
-        // TCP_DUAL: the quad ORs its lanes' bits of one 32-column word of row r per plane (every lane takes part
-        // in the shuffles); lane b % 4 stores plane b's word
+        // TCP_DUAL (OB <= 3): the quad ORs its lanes' bits of one 32-column word of row r per plane and scatters them
+        // (codes.cuh quad_or_scatter; every lane takes part in the shuffles); lane b stores plane b's word
+        constexpr int DOB = DUAL ? OB : 1;  // (the lambdas below compile in every variant; DUAL has OB <= 3)
         [[maybe_unused]] auto store_dual_word = [&](const u32* bits, int r, int gw) {
-#pragma unroll
-            for (int b = 0; b < OB; ++b) {
-                u32 v = bits[b] | __shfl_xor_sync(0xffffffffu, bits[b], 1);
-                v |= __shfl_xor_sync(0xffffffffu, v, 2);
-                if ((lane & 3) == b % 4 && r < M && gw < ldp) dual_out[(i64)b * M * ldp + (i64)r * ldp + gw] = v;
-            }
+            const int b = lane & 3;
+            const u32 v = quad_or_scatter<DOB>(bits, b);
+            if (b < OB && r < M && gw < ldp) dual_out[(i64)b * M * ldp + (i64)r * ldp + gw] = v;
         };
         // TCP_DUAL, the fast path: a warp's DW = NT / 4 words of row r per plane are ORed across the quad word by word,
         // lane b keeping plane b's (dw[q]), then stored at once -- one 8- or 16-byte store a plane where the row's words
@@ -947,12 +945,8 @@ bmma_gemm(
         // ResNet-50 w1a2's conv3 on an H200), else a word at a time
         constexpr int DW = NT / 4 > 0 ? NT / 4 : 1;
         [[maybe_unused]] auto dual_or = [&](const u32* bits, u32 (&dw)[DW], int q) {
-#pragma unroll
-            for (int b = 0; b < OB; ++b) {
-                u32 v = bits[b] | __shfl_xor_sync(0xffffffffu, bits[b], 1);
-                v |= __shfl_xor_sync(0xffffffffu, v, 2);
-                if ((lane & 3) == b % 4) dw[q] = v;
-            }
+            const u32 v = quad_or_scatter<DOB>(bits, lane & 3);
+            if ((lane & 3) < OB) dw[q] = v;
         };
         [[maybe_unused]] auto dual_store_row = [&](const u32 (&dw)[DW], int r, int gw0) {
             constexpr int VW = DW % 4 == 0 ? 4 : (DW % 2 == 0 ? 2 : 1);  // words a store

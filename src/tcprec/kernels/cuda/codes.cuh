@@ -88,6 +88,29 @@ __device__ __forceinline__ void st_global_v4(void* p, const u32 (&v)[4]) {
     asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]));
 }
 
+// The OR over the quad (lanes t = lane & 3) of each of the NW <= 4 words x[0 .. NW), scattered: lane t gets x[t]'s
+// (t < NW; with NW = 2 lanes t ^ 2 get it too, with NW = 1 every lane).  Butterfly stages, each lane sending the half
+// it does not keep: 2 shuffles for one or two words, 3 for three or four (all-reducing each word took 2 a word).
+template <int NW>
+__device__ __forceinline__ u32 quad_or_scatter(const u32* x, int t) {
+    static_assert(NW >= 1 && NW <= 4, "quad_or_scatter: 1..4 words");
+    if constexpr (NW == 1) {
+        const u32 v = x[0] | __shfl_xor_sync(0xffffffffu, x[0], 1);
+        return v | __shfl_xor_sync(0xffffffffu, v, 2);
+    } else if constexpr (NW == 2) {
+        const bool h1 = (t & 1) != 0;
+        const u32 y = (h1 ? x[1] : x[0]) | __shfl_xor_sync(0xffffffffu, h1 ? x[0] : x[1], 1);  // word h1
+        return y | __shfl_xor_sync(0xffffffffu, y, 2);
+    } else {
+        const bool h1 = (t & 1) != 0, h2 = (t & 2) != 0;
+        u32 x3 = 0u;
+        if constexpr (NW == 4) x3 = x[3];
+        const u32 y0 = (h1 ? x[1] : x[0]) | __shfl_xor_sync(0xffffffffu, h1 ? x[0] : x[1], 1);  // word h1
+        const u32 y1 = (h1 ? x3 : x[2]) | __shfl_xor_sync(0xffffffffu, h1 ? x[2] : x3, 1);      // word 2 + h1
+        return (h2 ? y1 : y0) | __shfl_xor_sync(0xffffffffu, h2 ? y0 : y1, 2);
+    }
+}
+
 // 4 x 4 transpose of u32s across a quad (lane t = lane & 3): afterwards x[s] is what lane s held in x[t].  Two
 // butterfly stages (lane bit 0, then bit 1), each swapping the off-diagonal halves of 2 x 2 blocks: 4 shuffles.
 __device__ __forceinline__ void quad_transpose(u32 (&x)[4], int t) {

@@ -107,21 +107,6 @@ __device__ __forceinline__ void cp_async4(int* smem_dst, const void* gsrc) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"((u32)__cvta_generic_to_shared(smem_dst)), "l"(gsrc));
 }
 
-// The OR over the quad (lanes t = lane & 3) of each x[i], scattered: lane t gets x[t]'s.  Two butterfly stages, each
-// lane sending the half it does not keep: 3 shuffles.
-__device__ __forceinline__ u32 quad_or_scatter4(const u32 (&x)[4], int t) {
-    const bool h1 = (t & 1) != 0, h2 = (t & 2) != 0;
-    const u32 y0 = (h1 ? x[1] : x[0]) | __shfl_xor_sync(0xffffffffu, h1 ? x[0] : x[1], 1);  // word h1
-    const u32 y1 = (h1 ? x[3] : x[2]) | __shfl_xor_sync(0xffffffffu, h1 ? x[2] : x[3], 1);  // word 2 + h1
-    return (h2 ? y1 : y0) | __shfl_xor_sync(0xffffffffu, h2 ? y0 : y1, 2);
-}
-// The same for two words: lanes t and t ^ 2 get x(t & 1)'s.  2 shuffles.
-__device__ __forceinline__ u32 quad_or_scatter2(u32 x0, u32 x1, int t) {
-    const bool h1 = (t & 1) != 0;
-    const u32 y = (h1 ? x1 : x0) | __shfl_xor_sync(0xffffffffu, h1 ? x0 : x1, 1);
-    return y | __shfl_xor_sync(0xffffffffu, y, 2);
-}
-
 // The kernel's act argument (stem_conv.py: Act).
 enum : int { ACT_NONE = 0, ACT_RELU = 1, ACT_LEAKY = 2 };
 
@@ -494,15 +479,13 @@ stem_conv(const signed char* __restrict__ x,  // (N, H, W, C) int8 codes
                 u32 word;
                 int n;       // this lane's word, -1: none to store
                 if (cnt >= 3) {
-                    const u32 x4[4] = {V[n0], V[n0 + 1], V[n0 + 2], cnt == 4 ? V[n0 + 3] : 0u};
-                    word = quad_or_scatter4(x4, t);
+                    word = cnt == 4 ? quad_or_scatter<4>(V + n0, t) : quad_or_scatter<3>(V + n0, t);
                     n = t < cnt ? n0 + t : -1;
                 } else if (cnt == 2) {
-                    word = quad_or_scatter2(V[n0], V[n0 + 1], t);
+                    word = quad_or_scatter<2>(V + n0, t);
                     n = (t >> 1) == (w & 1) ? n0 + (t & 1) : -1;
                 } else {
-                    word = V[n0] | __shfl_xor_sync(0xffffffffu, V[n0], 1);
-                    word |= __shfl_xor_sync(0xffffffffu, word, 2);
+                    word = quad_or_scatter<1>(V + n0, t);
                     n = t == (w & 3) ? n0 : -1;
                 }
                 const int r = n / OB, b = n - r * OB;
